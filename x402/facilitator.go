@@ -1,0 +1,62 @@
+package x402
+
+import (
+	"context"
+	"errors"
+	"fmt"
+)
+
+// Facilitator verifies and settles payments. The embedded engine (package chain) and the HTTP client (package
+// facilitatorclient) both implement it, so a gate does not care which one it talks to.
+//
+// A payment the facilitator refuses is not an error: it comes back as a VerifyResponse with IsValid false or a
+// SettleResponse with Success false and a reason. An error means no trustworthy answer was had: the facilitator
+// could not be reached, answered garbage, or rejected the request itself (see FacilitatorError). After a Settle
+// error the payment may still have settled.
+type Facilitator interface {
+	Supported(ctx context.Context) (SupportedResponse, error)
+	Verify(ctx context.Context, req VerifyRequest) (VerifyResponse, error)
+	Settle(ctx context.Context, req SettleRequest) (SettleResponse, error)
+	Health(ctx context.Context) (HealthResponse, error)
+}
+
+// FailureKind says why a facilitator call yielded no answer.
+type FailureKind string
+
+// Failure kinds of a FacilitatorError.
+const (
+	// FailureUnreachable: no answer at all (connection refused, timeout, cancelled, 5xx without a body).
+	FailureUnreachable FailureKind = "unreachable"
+	// FailureBadAnswer: an answer that is not a well-formed response of the protocol.
+	FailureBadAnswer FailureKind = "bad-answer"
+	// FailureRejected: the facilitator refused the request itself (400 malformed, 401 unauthorised, 413),
+	// as opposed to refusing the payment.
+	FailureRejected FailureKind = "rejected"
+)
+
+// FacilitatorError is a facilitator call that produced no protocol answer.
+type FacilitatorError struct {
+	Op     string // "supported", "verify", "settle" or "health"
+	Kind   FailureKind
+	Status int // HTTP status when one was received, else 0
+	Err    error
+}
+
+func (e *FacilitatorError) Error() string {
+	if e.Status != 0 {
+		return fmt.Sprintf("facilitator %s: %s (HTTP %d): %v", e.Op, e.Kind, e.Status, e.Err)
+	}
+	return fmt.Sprintf("facilitator %s: %s: %v", e.Op, e.Kind, e.Err)
+}
+
+func (e *FacilitatorError) Unwrap() error { return e.Err }
+
+// IsUnreachable reports whether err says the facilitator gave no usable answer (unreachable or garbage), the
+// case a gate maps to verify-unreachable / settle-unreachable (502).
+func IsUnreachable(err error) bool {
+	var fe *FacilitatorError
+	if errors.As(err, &fe) {
+		return fe.Kind == FailureUnreachable || fe.Kind == FailureBadAnswer
+	}
+	return false
+}

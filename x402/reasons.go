@@ -1,0 +1,51 @@
+package x402
+
+// Reason codes for VerifyResponse.invalidReason and SettleResponse.errorReason, spelled as public
+// facilitators spell them so existing clients understand us (x402-wire-facts.md section 6).
+const (
+	ReasonInsufficientFunds             = "insufficient_funds"
+	ReasonInvalidNetwork                = "invalid_network"
+	ReasonInvalidPayload                = "invalid_payload"
+	ReasonInvalidPaymentRequirements    = "invalid_payment_requirements"
+	ReasonInvalidScheme                 = "invalid_scheme"
+	ReasonUnsupportedScheme             = "unsupported_scheme"
+	ReasonInvalidX402Version            = "invalid_x402_version"
+	ReasonInvalidSignature              = "invalid_exact_evm_payload_signature"
+	ReasonRecipientMismatch             = "invalid_exact_evm_payload_recipient_mismatch"
+	ReasonValueMismatch                 = "invalid_exact_evm_payload_authorization_value_mismatch"
+	ReasonValidAfter                    = "invalid_exact_evm_payload_authorization_valid_after"
+	ReasonValidBefore                   = "invalid_exact_evm_payload_authorization_valid_before"
+	ReasonNonceAlreadyUsed              = "invalid_exact_evm_nonce_already_used"
+	ReasonSimulationFailed              = "invalid_exact_evm_transaction_simulation_failed"
+	ReasonFailedToGetReceipt            = "invalid_exact_evm_failed_to_get_receipt"
+	ReasonTransactionFailed             = "invalid_exact_evm_transaction_failed"
+	ReasonPermit2InvalidSpender         = "invalid_permit2_spender"
+	ReasonPermit2RecipientMismatch      = "invalid_permit2_recipient_mismatch"
+	ReasonPermit2InvalidSignature       = "invalid_permit2_signature"
+	ReasonPermit2DeadlineExpired        = "permit2_deadline_expired"
+	ReasonPermit2NotYetValid            = "permit2_not_yet_valid"
+	ReasonPermit2AmountMismatch         = "permit2_amount_mismatch"
+	ReasonPermit2TokenMismatch          = "permit2_token_mismatch"
+	ReasonPermit2AllowanceRequired      = "permit2_allowance_required"
+	ReasonPermit2InsufficientBalance    = "permit2_insufficient_balance"
+	ReasonPermit2InvalidNonce           = "permit2_invalid_nonce"
+	ReasonPermit2ProxyNotDeployed       = "permit2_proxy_not_deployed"
+	ReasonPermit2EIP2612AmountMismatch  = "permit2_2612_amount_mismatch"
+	ReasonPermit2SimulationFailed       = "permit2_simulation_failed"
+	ReasonInvalidEIP2612ExtensionFormat = "invalid_eip2612_extension_format"
+	ReasonEIP2612FromMismatch           = "eip2612_from_mismatch"
+	ReasonEIP2612AssetMismatch          = "eip2612_asset_mismatch"
+	ReasonEIP2612SpenderNotPermit2      = "eip2612_spender_not_permit2"
+	ReasonEIP2612DeadlineExpired        = "eip2612_deadline_expired"
+	ReasonUnexpectedVerifyError         = "unexpected_verify_error"
+	ReasonUnexpectedSettleError         = "unexpected_settle_error"
+	ReasonSettlementPending             = "settlement_pending"
+	ReasonNoAvailableWallets            = "no_available_wallets"
+	ReasonPaymentAlreadyUsed            = "payment_already_used"
+)
+
+// Texts the service spec names, used as the human message of the matching failures.
+const (
+	MessageNoAvailableWallets = "No available wallets in pool"
+	MessagePermitExpired      = "Permit expired"
+)

@@ -1,0 +1,222 @@
+package x402
+
+import "encoding/json"
+
+// Protocol versions carried in x402Version.
+const (
+	Version1 = 1
+	Version2 = 2
+)
+
+// SchemeExact is the only payment scheme this project implements.
+const SchemeExact = "exact"
+
+// Asset transfer methods named in PaymentRequirements.extra.assetTransferMethod.
+const (
+	TransferPermit2 = "permit2"
+	TransferERC2612 = "erc2612"
+)
+
+// ExtensionEIP2612GasSponsoring is the extension under which a facilitator performs the payer's one-time
+// Permit2 approval from an EIP-2612 permit, paying the gas itself.
+const ExtensionEIP2612GasSponsoring = "eip2612GasSponsoring"
+
+// Header names of the resource-server protocol. HTTP header names are case-insensitive; these are the
+// canonical spellings that are emitted.
+const (
+	HeaderPaymentRequired  = "PAYMENT-REQUIRED"
+	HeaderPaymentSignature = "PAYMENT-SIGNATURE"
+	HeaderPaymentResponse  = "PAYMENT-RESPONSE"
+	HeaderXPayment         = "X-PAYMENT"
+	HeaderXPaymentResponse = "X-PAYMENT-RESPONSE"
+	HeaderAPIKey           = "X-Api-Key"
+)
+
+// ResourceInfo describes the resource a payment buys (version 2: top level of PaymentRequired).
+type ResourceInfo struct {
+	URL         string `json:"url"`
+	Description string `json:"description,omitempty"`
+	MimeType    string `json:"mimeType,omitempty"`
+}
+
+// Extra is the scheme-specific metadata of a requirement or of a supported kind. For `exact` on EVM it names
+// the transfer method and the token's permit domain; the remaining fields are hints a facilitator or gate adds.
+type Extra struct {
+	AssetTransferMethod string `json:"assetTransferMethod,omitempty"`
+	Name                string `json:"name,omitempty"`
+	Version             string `json:"version,omitempty"`
+	// Spender is the settlement wallet an erc2612 payer must name as permit spender.
+	Spender string `json:"spender,omitempty"`
+	// Permit2Address and X402Permit2ProxyAddress are the contracts a permit2 payment goes through.
+	Permit2Address          string `json:"permit2Address,omitempty"`
+	X402Permit2ProxyAddress string `json:"x402Permit2ProxyAddress,omitempty"`
+}
+
+// PaymentRequirements is one way to pay for a resource (PaymentRequirementsItem of the spec, version 2).
+type PaymentRequirements struct {
+	Scheme            string `json:"scheme"`
+	Network           string `json:"network"`
+	Amount            string `json:"amount"`
+	Asset             string `json:"asset"`
+	PayTo             string `json:"payTo"`
+	MaxTimeoutSeconds int64  `json:"maxTimeoutSeconds"`
+	Extra             Extra  `json:"extra"`
+}
+
+// PaymentRequired is what a 402 answer offers, Base64-encoded in the PAYMENT-REQUIRED header (version 2).
+type PaymentRequired struct {
+	X402Version int                        `json:"x402Version"`
+	Error       string                     `json:"error,omitempty"`
+	Resource    ResourceInfo               `json:"resource"`
+	Accepts     []PaymentRequirements      `json:"accepts"`
+	Extensions  map[string]json.RawMessage `json:"extensions,omitempty"`
+}
+
+// EIP2612Authorization is the signed EIP-2612 permit of an erc2612 payment. Numbers are decimal strings.
+type EIP2612Authorization struct {
+	From        string `json:"from"`
+	To          string `json:"to"`
+	Value       string `json:"value"`
+	ValidAfter  string `json:"validAfter"`
+	ValidBefore string `json:"validBefore"`
+	Nonce       string `json:"nonce"`
+}
+
+// TokenPermissions is the token and amount a Permit2 signature allows to move.
+type TokenPermissions struct {
+	Token  string `json:"token"`
+	Amount string `json:"amount"`
+}
+
+// Permit2Witness is the x402 witness bound into a Permit2 signature: who receives, and from when.
+type Permit2Witness struct {
+	To         string `json:"to"`
+	ValidAfter string `json:"validAfter"`
+}
+
+// Permit2Authorization is the signed PermitWitnessTransferFrom of a permit2 payment. Numbers are decimal strings;
+// Spender is the x402ExactPermit2Proxy and Nonce is an unordered 256-bit Permit2 nonce.
+type Permit2Authorization struct {
+	From      string           `json:"from"`
+	Permitted TokenPermissions `json:"permitted"`
+	Spender   string           `json:"spender"`
+	Nonce     string           `json:"nonce"`
+	Deadline  string           `json:"deadline"`
+	Witness   Permit2Witness   `json:"witness"`
+}
+
+// ExactEVMPayload is the signed part of an `exact` EVM payment: exactly one of Authorization (erc2612, and the
+// EIP-3009 look-alike some clients send) or Permit2Authorization (permit2) is set.
+type ExactEVMPayload struct {
+	Signature            string                `json:"signature"`
+	Authorization        *EIP2612Authorization `json:"authorization,omitempty"`
+	Permit2Authorization *Permit2Authorization `json:"permit2Authorization,omitempty"`
+}
+
+// PaymentPayload is the client's payment, Base64-encoded in the PAYMENT-SIGNATURE header (version 2).
+type PaymentPayload struct {
+	X402Version int                        `json:"x402Version"`
+	Resource    *ResourceInfo              `json:"resource,omitempty"`
+	Accepted    PaymentRequirements        `json:"accepted"`
+	Payload     ExactEVMPayload            `json:"payload"`
+	Extensions  map[string]json.RawMessage `json:"extensions,omitempty"`
+}
+
+// EIP2612GasSponsoringInfo is the payer's EIP-2612 permit to Permit2 carried in
+// paymentPayload.extensions.eip2612GasSponsoring.info.
+type EIP2612GasSponsoringInfo struct {
+	From      string `json:"from"`
+	Asset     string `json:"asset"`
+	Spender   string `json:"spender"`
+	Amount    string `json:"amount"`
+	Nonce     string `json:"nonce"`
+	Deadline  string `json:"deadline"`
+	Signature string `json:"signature"`
+	Version   string `json:"version"`
+}
+
+// VerifyRequest is the body of POST /verify. SettleRequest has the same shape.
+type VerifyRequest struct {
+	X402Version         int                 `json:"x402Version"`
+	PaymentPayload      PaymentPayload      `json:"paymentPayload"`
+	PaymentRequirements PaymentRequirements `json:"paymentRequirements"`
+}
+
+// SettleRequest is the body of POST /settle: the same payment and requirements as verified.
+type SettleRequest = VerifyRequest
+
+// VerifyResponse is the answer of POST /verify.
+type VerifyResponse struct {
+	IsValid        bool                       `json:"isValid"`
+	Payer          string                     `json:"payer"`
+	InvalidReason  string                     `json:"invalidReason,omitempty"`
+	InvalidMessage string                     `json:"invalidMessage,omitempty"`
+	Extensions     map[string]json.RawMessage `json:"extensions,omitempty"`
+}
+
+// SettleResponse is the answer of POST /settle, and Base64-encoded the PAYMENT-RESPONSE header.
+// Transaction and Network are always present; Transaction is "" when nothing was broadcast.
+type SettleResponse struct {
+	Success      bool                       `json:"success"`
+	Transaction  string                     `json:"transaction"`
+	Network      string                     `json:"network"`
+	Payer        string                     `json:"payer"`
+	Amount       string                     `json:"amount,omitempty"`
+	ErrorReason  string                     `json:"errorReason,omitempty"`
+	ErrorMessage string                     `json:"errorMessage,omitempty"`
+	Extensions   map[string]json.RawMessage `json:"extensions,omitempty"`
+}
+
+// Pending reports whether the settlement was broadcast but its receipt not yet seen: not a failure, and the
+// payer must not pay again.
+func (r SettleResponse) Pending() bool {
+	return !r.Success && r.ErrorReason == ReasonSettlementPending
+}
+
+// SupportedKind is one (version, scheme, network) a facilitator serves.
+type SupportedKind struct {
+	X402Version int    `json:"x402Version"`
+	Scheme      string `json:"scheme"`
+	Network     string `json:"network"`
+	Extra       Extra  `json:"extra"`
+}
+
+// SupportedResponse is the answer of GET /supported. Signers maps a CAIP-2 pattern such as "eip155:*" to the
+// addresses the facilitator sends settlements from.
+type SupportedResponse struct {
+	Kinds      []SupportedKind     `json:"kinds"`
+	Extensions []string            `json:"extensions"`
+	Signers    map[string][]string `json:"signers"`
+}
+
+// HealthResponse is the answer of GET /health: {"status":"ok"} at least, with per-network detail.
+type HealthResponse struct {
+	Status   string          `json:"status"`
+	Networks []NetworkHealth `json:"networks,omitempty"`
+}
+
+// Health statuses.
+const (
+	HealthOK       = "ok"
+	HealthDegraded = "degraded"
+	HealthDown     = "down"
+)
+
+// NetworkHealth is the health of one network a facilitator settles on.
+type NetworkHealth struct {
+	Network        string         `json:"network"`
+	Status         string         `json:"status"`
+	RPCReachable   bool           `json:"rpcReachable"`
+	HeadBlock      uint64         `json:"headBlock,omitempty"`
+	HeadAgeSeconds float64        `json:"headAgeSeconds,omitempty"`
+	Wallets        []WalletHealth `json:"wallets,omitempty"`
+	JournalBacklog int            `json:"journalBacklog"`
+	Error          string         `json:"error,omitempty"`
+}
+
+// WalletHealth is the native balance of one settlement wallet (wei, decimal) and whether it is running low.
+type WalletHealth struct {
+	Address string `json:"address"`
+	Balance string `json:"balance"`
+	Low     bool   `json:"low"`
+}
