@@ -5,6 +5,7 @@ import (
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
 
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
+	_ "github.com/x402-gateway/caddy-x402/caddymodule"
 )
 
 func main() {
