@@ -1,0 +1,197 @@
+package chaintest
+
+import (
+	"crypto/rand"
+	"math/big"
+
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/common/math"
+	"github.com/ethereum/go-ethereum/crypto"
+	"github.com/ethereum/go-ethereum/signer/core/apitypes"
+
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+)
+
+// Permit2Authorization is a payer's signed PermitWitnessTransferFrom for the x402 proxy:
+// everything proxy.settle needs.
+type Permit2Authorization struct {
+	Owner     common.Address
+	Permit    contracts.PermitTransferFrom
+	Spender   common.Address
+	Witness   contracts.Witness
+	Signature []byte
+}
+
+// SettleCalldata returns the calldata of proxy.settle for the authorization.
+func (a *Permit2Authorization) SettleCalldata() ([]byte, error) {
+	return contracts.PackSettle(a.Permit, a.Owner, a.Witness, a.Signature)
+}
+
+// SettleWithPermitCalldata returns the calldata of proxy.settleWithPermit for the
+// authorization and an EIP-2612 permit to Permit2.
+func (a *Permit2Authorization) SettleWithPermitCalldata(permit *ERC2612Permit) ([]byte, error) {
+	return contracts.PackSettleWithPermit(permit.ProxyPermit(), a.Permit, a.Owner, a.Witness, a.Signature)
+}
+
+// ERC2612Permit is an owner's signed EIP-2612 Permit on the token.
+type ERC2612Permit struct {
+	Owner     common.Address
+	Spender   common.Address
+	Value     *big.Int
+	Nonce     *big.Int
+	Deadline  *big.Int
+	Signature []byte
+}
+
+// ProxyPermit splits the signature into the proxy's EIP2612Permit struct.
+func (p *ERC2612Permit) ProxyPermit() contracts.EIP2612Permit {
+	out := contracts.EIP2612Permit{Value: p.Value, Deadline: p.Deadline, V: p.Signature[64]}
+	copy(out.R[:], p.Signature[:32])
+	copy(out.S[:], p.Signature[32:64])
+	return out
+}
+
+// Permit2TypedData returns the EIP-712 PermitWitnessTransferFrom a payer signs for the proxy,
+// with the domain {name "Permit2", chainId, verifyingContract Permit2} (no version).
+func (c *Chain) Permit2TypedData(permit contracts.PermitTransferFrom, spender common.Address, witness contracts.Witness) apitypes.TypedData {
+	return apitypes.TypedData{
+		Types: apitypes.Types{
+			"EIP712Domain": {
+				{Name: "name", Type: "string"},
+				{Name: "chainId", Type: "uint256"},
+				{Name: "verifyingContract", Type: "address"},
+			},
+			"PermitWitnessTransferFrom": {
+				{Name: "permitted", Type: "TokenPermissions"},
+				{Name: "spender", Type: "address"},
+				{Name: "nonce", Type: "uint256"},
+				{Name: "deadline", Type: "uint256"},
+				{Name: "witness", Type: "Witness"},
+			},
+			"TokenPermissions": {
+				{Name: "token", Type: "address"},
+				{Name: "amount", Type: "uint256"},
+			},
+			"Witness": {
+				{Name: "to", Type: "address"},
+				{Name: "validAfter", Type: "uint256"},
+			},
+		},
+		PrimaryType: "PermitWitnessTransferFrom",
+		Domain: apitypes.TypedDataDomain{
+			Name:              "Permit2",
+			ChainId:           (*math.HexOrDecimal256)(new(big.Int).Set(c.ChainID)),
+			VerifyingContract: contracts.Permit2Address.Hex(),
+		},
+		Message: apitypes.TypedDataMessage{
+			"permitted": map[string]any{
+				"token":  permit.Permitted.Token.Hex(),
+				"amount": permit.Permitted.Amount.String(),
+			},
+			"spender":  spender.Hex(),
+			"nonce":    permit.Nonce.String(),
+			"deadline": permit.Deadline.String(),
+			"witness": map[string]any{
+				"to":         witness.To.Hex(),
+				"validAfter": witness.ValidAfter.String(),
+			},
+		},
+	}
+}
+
+// ERC2612TypedData returns the EIP-712 Permit of the token with the domain
+// {name "Stable Coin", version "1", chainId, verifyingContract token}.
+func (c *Chain) ERC2612TypedData(owner, spender common.Address, value, nonce, deadline *big.Int) apitypes.TypedData {
+	return apitypes.TypedData{
+		Types: apitypes.Types{
+			"EIP712Domain": {
+				{Name: "name", Type: "string"},
+				{Name: "version", Type: "string"},
+				{Name: "chainId", Type: "uint256"},
+				{Name: "verifyingContract", Type: "address"},
+			},
+			"Permit": {
+				{Name: "owner", Type: "address"},
+				{Name: "spender", Type: "address"},
+				{Name: "value", Type: "uint256"},
+				{Name: "nonce", Type: "uint256"},
+				{Name: "deadline", Type: "uint256"},
+			},
+		},
+		PrimaryType: "Permit",
+		Domain: apitypes.TypedDataDomain{
+			Name:              contracts.StableCoinName,
+			Version:           contracts.StableCoinVersion,
+			ChainId:           (*math.HexOrDecimal256)(new(big.Int).Set(c.ChainID)),
+			VerifyingContract: c.Token.Hex(),
+		},
+		Message: apitypes.TypedDataMessage{
+			"owner":    owner.Hex(),
+			"spender":  spender.Hex(),
+			"value":    value.String(),
+			"nonce":    nonce.String(),
+			"deadline": deadline.String(),
+		},
+	}
+}
+
+// SignTypedData signs EIP-712 typed data and returns r || s || v with v in {27, 28}.
+func (c *Chain) SignTypedData(signer *Account, td apitypes.TypedData) []byte {
+	c.tb.Helper()
+	hash, _, err := apitypes.TypedDataAndHash(td)
+	if err != nil {
+		c.tb.Fatalf("chaintest: hashing %s typed data: %v", td.PrimaryType, err)
+	}
+	sig, err := crypto.Sign(hash, signer.Key)
+	if err != nil {
+		c.tb.Fatalf("chaintest: signing %s: %v", td.PrimaryType, err)
+	}
+	sig[64] += 27
+	return sig
+}
+
+// SignPermit2 signs a PermitWitnessTransferFrom of owner for spender.
+func (c *Chain) SignPermit2(owner *Account, permit contracts.PermitTransferFrom, spender common.Address, witness contracts.Witness) *Permit2Authorization {
+	c.tb.Helper()
+	return &Permit2Authorization{
+		Owner:     owner.Address,
+		Permit:    permit,
+		Spender:   spender,
+		Witness:   witness,
+		Signature: c.SignTypedData(owner, c.Permit2TypedData(permit, spender, witness)),
+	}
+}
+
+// NewPermit2Authorization signs what an x402 client signs for a permit2 payment: amount of
+// the chain's token to `to` through the proxy, with a random unordered nonce.
+func (c *Chain) NewPermit2Authorization(owner *Account, to common.Address, amount *big.Int, validAfter, deadline uint64) *Permit2Authorization {
+	c.tb.Helper()
+	permit := contracts.PermitTransferFrom{
+		Permitted: contracts.TokenPermissions{Token: c.Token, Amount: new(big.Int).Set(amount)},
+		Nonce:     RandomNonce(),
+		Deadline:  new(big.Int).SetUint64(deadline),
+	}
+	witness := contracts.Witness{To: to, ValidAfter: new(big.Int).SetUint64(validAfter)}
+	return c.SignPermit2(owner, permit, contracts.ProxyAddress, witness)
+}
+
+// SignERC2612Permit signs an EIP-2612 permit of owner for spender with the owner's current token nonce.
+func (c *Chain) SignERC2612Permit(owner *Account, spender common.Address, value *big.Int, deadline uint64) *ERC2612Permit {
+	c.tb.Helper()
+	p := &ERC2612Permit{
+		Owner:    owner.Address,
+		Spender:  spender,
+		Value:    new(big.Int).Set(value),
+		Nonce:    c.TokenNonce(owner.Address),
+		Deadline: new(big.Int).SetUint64(deadline),
+	}
+	p.Signature = c.SignTypedData(owner, c.ERC2612TypedData(p.Owner, p.Spender, p.Value, p.Nonce, p.Deadline))
+	return p
+}
+
+// RandomNonce draws a 256-bit Permit2 nonce the way wallets do.
+func RandomNonce() *big.Int {
+	b := make([]byte, 32)
+	rand.Read(b) // never fails (Go 1.24+ crashes the program instead)
+	return new(big.Int).SetBytes(b)
+}

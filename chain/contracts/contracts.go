@@ -1,0 +1,217 @@
+package contracts
+
+import (
+	"bytes"
+	_ "embed"
+	"encoding/hex"
+	"fmt"
+	"math/big"
+
+	"github.com/ethereum/go-ethereum/accounts/abi"
+	"github.com/ethereum/go-ethereum/accounts/abi/bind/v2"
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
+)
+
+// Canonical addresses. Permit2 and the proxy are the same on every chain x402 clients know;
+// a dev chain places them there in genesis.
+var (
+	// Permit2Address is the canonical Uniswap Permit2 address.
+	Permit2Address = common.HexToAddress("0x000000000022D473030F116dDEE9F6B43aC78BA3")
+	// ProxyAddress is the canonical x402ExactPermit2Proxy address public clients sign for.
+	ProxyAddress = common.HexToAddress("0x402085c248EeA27D92E8b30b2C58ed07f9E20001")
+)
+
+// Token metadata of StableCoin, as x402 requirements carry it in extra.name / extra.version.
+const (
+	// StableCoinName is the token name and its EIP-712 domain name.
+	StableCoinName = "Stable Coin"
+	// StableCoinVersion is the EIP-712 domain version of the token's permit.
+	StableCoinVersion = "1"
+	// StableCoinSymbol is the token symbol.
+	StableCoinSymbol = "USDS"
+	// StableCoinDecimals is the number of decimals of the token.
+	StableCoinDecimals = 6
+)
+
+// WitnessTypeString is the witness tail the proxy hands to Permit2.permitWitnessTransferFrom.
+const WitnessTypeString = "Witness witness)TokenPermissions(address token,uint256 amount)Witness(address to,uint256 validAfter)"
+
+var (
+	//go:embed build/StableCoin.abi.json
+	stableCoinABIJSON string
+	//go:embed build/StableCoin.bin
+	stableCoinBin string
+	//go:embed build/StableCoin.bin-runtime
+	stableCoinBinRuntime string
+
+	//go:embed build/Permit2.abi.json
+	permit2ABIJSON string
+	//go:embed build/Permit2.bin
+	permit2Bin string
+	//go:embed build/Permit2.bin-runtime
+	permit2BinRuntime string
+
+	//go:embed build/X402ExactPermit2Proxy.abi.json
+	proxyABIJSON string
+	//go:embed build/X402ExactPermit2Proxy.bin
+	proxyBin string
+	//go:embed build/X402ExactPermit2Proxy.bin-runtime
+	proxyBinRuntime string
+)
+
+// Parsed ABIs and decoded bytecode. They are derived once from the embedded artifacts and
+// never change; a parse failure means the build/ folder is corrupt, hence the panic.
+var (
+	// StableCoinABI is the ABI of StableCoin (ERC-20, EIP-2612, mint, Ownable).
+	StableCoinABI = mustABI("StableCoin", stableCoinABIJSON)
+	// Permit2ABI is the ABI of Permit2 (SignatureTransfer, nonceBitmap, DOMAIN_SEPARATOR).
+	Permit2ABI = mustABI("Permit2", permit2ABIJSON)
+	// ProxyABI is the ABI of X402ExactPermit2Proxy (settle, settleWithPermit, PERMIT2).
+	ProxyABI = mustABI("X402ExactPermit2Proxy", proxyABIJSON)
+
+	stableCoinCreation = mustHex("StableCoin.bin", stableCoinBin)
+	stableCoinRuntime  = mustHex("StableCoin.bin-runtime", stableCoinBinRuntime)
+	permit2Creation    = mustHex("Permit2.bin", permit2Bin)
+	permit2Runtime     = mustHex("Permit2.bin-runtime", permit2BinRuntime)
+	proxyCreation      = mustHex("X402ExactPermit2Proxy.bin", proxyBin)
+	proxyRuntime       = mustHex("X402ExactPermit2Proxy.bin-runtime", proxyBinRuntime)
+)
+
+func mustABI(name, s string) abi.ABI {
+	parsed, err := abi.JSON(bytes.NewReader([]byte(s)))
+	if err != nil {
+		panic(fmt.Sprintf("contracts: embedded ABI of %s is corrupt, run go generate: %v", name, err))
+	}
+	return parsed
+}
+
+func mustHex(name, s string) []byte {
+	b, err := hex.DecodeString(string(bytes.TrimSpace([]byte(s))))
+	if err != nil || len(b) == 0 {
+		panic(fmt.Sprintf("contracts: embedded bytecode %s is corrupt, run go generate: %v", name, err))
+	}
+	return b
+}
+
+// StableCoinCreationCode returns a copy of StableCoin's creation code (its constructor takes no arguments).
+func StableCoinCreationCode() []byte { return bytes.Clone(stableCoinCreation) }
+
+// StableCoinRuntimeCode returns a copy of StableCoin's runtime code as compiled; a deployed
+// instance differs from it in the immutables OpenZeppelin fills in at construction.
+func StableCoinRuntimeCode() []byte { return bytes.Clone(stableCoinRuntime) }
+
+// Permit2CreationCode returns a copy of Permit2's creation code.
+func Permit2CreationCode() []byte { return bytes.Clone(permit2Creation) }
+
+// Permit2RuntimeCode returns a copy of Permit2's runtime code, the code placed at Permit2Address.
+func Permit2RuntimeCode() []byte { return bytes.Clone(permit2Runtime) }
+
+// ProxyCreationCode returns a copy of X402ExactPermit2Proxy's creation code.
+func ProxyCreationCode() []byte { return bytes.Clone(proxyCreation) }
+
+// ProxyRuntimeCode returns a copy of X402ExactPermit2Proxy's runtime code, the code placed at ProxyAddress.
+func ProxyRuntimeCode() []byte { return bytes.Clone(proxyRuntime) }
+
+// GenesisAlloc returns genesis accounts holding Permit2 and the proxy at their canonical
+// addresses. Nonce 1 marks them as deployed contracts (EIP-161), as a CREATE would.
+func GenesisAlloc() types.GenesisAlloc {
+	return types.GenesisAlloc{
+		Permit2Address: {Code: Permit2RuntimeCode(), Nonce: 1, Balance: new(big.Int)},
+		ProxyAddress:   {Code: ProxyRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
+	}
+}
+
+// DeployStableCoin sends the creation transaction of a StableCoin owned by opts.From.
+// The caller waits for the receipt (or commits the simulated block).
+func DeployStableCoin(opts *bind.TransactOpts, backend bind.ContractBackend) (common.Address, *types.Transaction, error) {
+	addr, tx, err := bind.DeployContract(opts, StableCoinCreationCode(), backend, nil)
+	if err != nil {
+		return common.Address{}, nil, fmt.Errorf("deploying StableCoin from %s: %w", opts.From, err)
+	}
+	return addr, tx, nil
+}
+
+// TokenPermissions is Permit2's TokenPermissions(address token,uint256 amount).
+type TokenPermissions struct {
+	Token  common.Address
+	Amount *big.Int
+}
+
+// PermitTransferFrom is Permit2's PermitTransferFrom{permitted, nonce, deadline}.
+type PermitTransferFrom struct {
+	Permitted TokenPermissions
+	Nonce     *big.Int
+	Deadline  *big.Int
+}
+
+// Witness is the proxy's Witness(address to,uint256 validAfter).
+type Witness struct {
+	To         common.Address
+	ValidAfter *big.Int
+}
+
+// EIP2612Permit is the proxy's EIP2612Permit{value, deadline, r, s, v}: a permit approving Permit2.
+type EIP2612Permit struct {
+	Value    *big.Int
+	Deadline *big.Int
+	R        [32]byte
+	S        [32]byte
+	V        uint8
+}
+
+// PackSettle returns the calldata of proxy.settle(permit, owner, witness, signature).
+func PackSettle(permit PermitTransferFrom, owner common.Address, witness Witness, signature []byte) ([]byte, error) {
+	data, err := ProxyABI.Pack("settle", permit, owner, witness, signature)
+	if err != nil {
+		return nil, fmt.Errorf("packing settle: %w", err)
+	}
+	return data, nil
+}
+
+// PackSettleWithPermit returns the calldata of proxy.settleWithPermit(permit2612, permit, owner, witness, signature).
+func PackSettleWithPermit(permit2612 EIP2612Permit, permit PermitTransferFrom, owner common.Address, witness Witness, signature []byte) ([]byte, error) {
+	data, err := ProxyABI.Pack("settleWithPermit", permit2612, permit, owner, witness, signature)
+	if err != nil {
+		return nil, fmt.Errorf("packing settleWithPermit: %w", err)
+	}
+	return data, nil
+}
+
+// DecodeRevert names the custom error or Error(string) in revert data returned by one of
+// these contracts (including the OpenZeppelin ERC-20 errors of StableCoin), e.g.
+// "PaymentTooEarly()" or "ERC20InsufficientAllowance(0x…, 0, 1000)". ok is false when the
+// data matches none of them.
+func DecodeRevert(data []byte) (reason string, ok bool) {
+	if len(data) < 4 {
+		return "", false
+	}
+	if msg, err := abi.UnpackRevert(data); err == nil {
+		return msg, true
+	}
+	var selector [4]byte
+	copy(selector[:], data[:4])
+	for _, parsed := range []*abi.ABI{&ProxyABI, &Permit2ABI, &StableCoinABI} {
+		e, err := parsed.ErrorByID(selector)
+		if err != nil {
+			continue
+		}
+		args, err := e.Unpack(data)
+		if err != nil {
+			return e.Name + "(?)", true
+		}
+		values, _ := args.([]any)
+		var b bytes.Buffer
+		b.WriteString(e.Name)
+		b.WriteByte('(')
+		for i, v := range values {
+			if i > 0 {
+				b.WriteString(", ")
+			}
+			fmt.Fprint(&b, v)
+		}
+		b.WriteByte(')')
+		return b.String(), true
+	}
+	return "", false
+}

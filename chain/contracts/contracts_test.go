@@ -1,0 +1,201 @@
+package contracts
+
+import (
+	"bytes"
+	"encoding/hex"
+	"math/big"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+
+	"github.com/ethereum/go-ethereum/accounts/abi"
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/crypto"
+)
+
+func TestSelectorsMatchTheWireFacts(t *testing.T) {
+	tests := []struct {
+		contract string
+		parsed   abi.ABI
+		method   string
+		want     string
+	}{
+		{"proxy", ProxyABI, "settle", "13cd3b53"},
+		{"proxy", ProxyABI, "settleWithPermit", "fa340378"},
+		{"proxy", ProxyABI, "PERMIT2", "6afdd850"},
+		{"token", StableCoinABI, "permit", "d505accf"},
+		{"token", StableCoinABI, "transferFrom", "23b872dd"},
+		{"token", StableCoinABI, "nonces", "7ecebe00"},
+		{"token", StableCoinABI, "mint", "40c10f19"},
+		{"permit2", Permit2ABI, "permitWitnessTransferFrom", "137c29fe"},
+		{"permit2", Permit2ABI, "permitTransferFrom", "30f28b7a"},
+		{"permit2", Permit2ABI, "nonceBitmap", "4fe02b44"},
+		{"permit2", Permit2ABI, "invalidateUnorderedNonces", "3ff9dcb1"},
+		{"permit2", Permit2ABI, "DOMAIN_SEPARATOR", "3644e515"},
+	}
+	for _, tt := range tests {
+		m, ok := tt.parsed.Methods[tt.method]
+		if !ok {
+			t.Errorf("%s ABI has no method %s", tt.contract, tt.method)
+			continue
+		}
+		if got := hex.EncodeToString(m.ID); got != tt.want {
+			t.Errorf("%s.%s selector = 0x%s (%s), want 0x%s", tt.contract, tt.method, got, m.Sig, tt.want)
+		}
+	}
+}
+
+func TestWitnessTypeStringGivesTheTypehashesOfTheWireFacts(t *testing.T) {
+	full := "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline," + WitnessTypeString
+	tests := []struct{ typ, want string }{
+		{full, "0xebc156cd23678a74c94df13d772ef5478420637f0c94bd10d509e1dc98f521c7"},
+		{"TokenPermissions(address token,uint256 amount)", "0x618358ac3db8dc274f0cd8829da7e234bd48cd73c4a740aede1adec9846d06a1"},
+		{"Witness(address to,uint256 validAfter)", "0xd97b3239a7f32295517bd14cb074edfdd188dfe5eb42f802bb26d4fd1eb12c37"},
+	}
+	for _, tt := range tests {
+		if got := crypto.Keccak256Hash([]byte(tt.typ)).Hex(); got != tt.want {
+			t.Errorf("keccak(%q) = %s, want %s", tt.typ, got, tt.want)
+		}
+	}
+}
+
+func TestGenesisAllocPlacesRuntimeCodeAtTheCanonicalAddresses(t *testing.T) {
+	alloc := GenesisAlloc()
+	for addr, want := range map[common.Address][]byte{Permit2Address: Permit2RuntimeCode(), ProxyAddress: ProxyRuntimeCode()} {
+		acc, ok := alloc[addr]
+		if !ok {
+			t.Fatalf("genesis alloc lacks %s", addr)
+		}
+		if !bytes.Equal(acc.Code, want) {
+			t.Errorf("code at %s is not the runtime code", addr)
+		}
+	}
+	if len(alloc) != 2 {
+		t.Errorf("genesis alloc has %d accounts, want 2", len(alloc))
+	}
+}
+
+func TestCreationCodeEmbedsTheRuntimeCodeOfGenesisContracts(t *testing.T) {
+	// Without immutables the constructor copies the runtime code verbatim, which is
+	// what makes placing it into genesis equivalent to deploying it.
+	for name, pair := range map[string][2][]byte{
+		"Permit2": {Permit2CreationCode(), Permit2RuntimeCode()},
+		"Proxy":   {ProxyCreationCode(), ProxyRuntimeCode()},
+	} {
+		if !bytes.Contains(pair[0], pair[1]) {
+			t.Errorf("%s creation code does not contain its runtime code", name)
+		}
+	}
+}
+
+func TestCodeAccessorsReturnCopies(t *testing.T) {
+	code := Permit2RuntimeCode()
+	code[0] ^= 0xff
+	if bytes.Equal(code, Permit2RuntimeCode()) {
+		t.Fatal("mutating a returned slice changed the package's bytecode")
+	}
+}
+
+func TestPackSettleStartsWithTheSettleSelector(t *testing.T) {
+	permit := PermitTransferFrom{
+		Permitted: TokenPermissions{Token: common.HexToAddress("0x01"), Amount: big.NewInt(1000)},
+		Nonce:     big.NewInt(7),
+		Deadline:  big.NewInt(1_900_000_000),
+	}
+	witness := Witness{To: common.HexToAddress("0x02"), ValidAfter: big.NewInt(0)}
+	sig := bytes.Repeat([]byte{1}, 65)
+
+	data, err := PackSettle(permit, common.HexToAddress("0x03"), witness, sig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := hex.EncodeToString(data[:4]); got != "13cd3b53" {
+		t.Errorf("settle calldata starts with 0x%s, want 0x13cd3b53", got)
+	}
+	args, err := ProxyABI.Methods["settle"].Inputs.Unpack(data[4:])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if owner := args[1].(common.Address); owner != common.HexToAddress("0x03") {
+		t.Errorf("owner round-tripped as %s", owner)
+	}
+
+	data, err = PackSettleWithPermit(EIP2612Permit{Value: big.NewInt(1000), Deadline: big.NewInt(1), V: 27}, permit, common.HexToAddress("0x03"), witness, sig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := hex.EncodeToString(data[:4]); got != "fa340378" {
+		t.Errorf("settleWithPermit calldata starts with 0x%s, want 0xfa340378", got)
+	}
+}
+
+func TestDecodeRevertNamesCustomErrorsAndReasonStrings(t *testing.T) {
+	tooEarly := ProxyABI.Errors["PaymentTooEarly"].ID
+	expiredID := Permit2ABI.Errors["SignatureExpired"].ID
+	expired, err := Permit2ABI.Errors["SignatureExpired"].Inputs.Pack(big.NewInt(42))
+	if err != nil {
+		t.Fatal(err)
+	}
+	reason, err := abi.NewType("string", "", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg, err := abi.Arguments{{Type: reason}}.Pack("boom")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		data   []byte
+		want   string
+		wantOK bool
+	}{
+		{tooEarly[:4], "PaymentTooEarly()", true},
+		{append(bytes.Clone(expiredID[:4]), expired...), "SignatureExpired(42)", true},
+		{append([]byte{0x08, 0xc3, 0x79, 0xa0}, msg...), "boom", true},
+		{[]byte{0xde, 0xad, 0xbe, 0xef}, "", false},
+		{nil, "", false},
+	}
+	for _, tt := range tests {
+		got, ok := DecodeRevert(tt.data)
+		if got != tt.want || ok != tt.wantOK {
+			t.Errorf("DecodeRevert(%x) = %q, %v; want %q, %v", tt.data, got, ok, tt.want, tt.wantOK)
+		}
+	}
+}
+
+func TestCommittedArtifactsMatchAFreshBuild(t *testing.T) {
+	if testing.Short() {
+		t.Skip("compiles with solc-js")
+	}
+	node, err := exec.LookPath("node")
+	if err != nil {
+		t.Skip("node is not installed")
+	}
+	if _, err := os.Stat(filepath.Join("node_modules", "solc")); err != nil {
+		t.Skip("node_modules missing: run go generate ./chain/contracts first")
+	}
+	out := t.TempDir()
+	cmd := exec.Command(node, "build.js", out)
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("build.js failed: %v\n%s", err, b)
+	}
+	committed, err := filepath.Glob(filepath.Join("build", "*"))
+	if err != nil || len(committed) == 0 {
+		t.Fatalf("no committed artifacts: %v", err)
+	}
+	for _, path := range committed {
+		want, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := os.ReadFile(filepath.Join(out, filepath.Base(path)))
+		if err != nil {
+			t.Errorf("fresh build lacks %s: %v", filepath.Base(path), err)
+			continue
+		}
+		if !bytes.Equal(got, want) {
+			t.Errorf("%s differs from a fresh build: run go generate ./chain/contracts", path)
+		}
+	}
+}
