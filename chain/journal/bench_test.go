@@ -1,0 +1,76 @@
+package journal
+
+import (
+	"context"
+	"path/filepath"
+	"strconv"
+	"sync/atomic"
+	"testing"
+)
+
+// BenchmarkBoltClaimUpdateFinal measures whole settlements as the journal sees them: a claim, the update to
+// broadcast and the update to final, three fsynced commits each. settlements/s is the figure to compare with
+// the facilitator's target.
+func BenchmarkBoltClaimUpdateFinal(b *testing.B) {
+	for _, bc := range []struct {
+		name        string
+		parallelism int // goroutines per GOMAXPROCS; 0 runs serially
+	}{
+		{"serial", 0},
+		{"parallel-x8", 8},
+		{"parallel-x64", 64},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			s, err := OpenBolt(filepath.Join(b.TempDir(), "journal.db"), Options{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer s.Close()
+			var next atomic.Int64
+			settle := func() {
+				ctx := context.Background()
+				n := next.Add(1)
+				r := claimOf(int(n))
+				r.Request = benchRequest
+				rec, claimed, err := s.Claim(ctx, r)
+				if err != nil || !claimed {
+					b.Errorf("claim %d: %v %v", n, claimed, err)
+					return
+				}
+				if _, err := s.Update(ctx, rec.ID, toBroadcast("0x"+strconv.FormatInt(n, 16))); err != nil {
+					b.Error(err)
+					return
+				}
+				if _, err := s.Update(ctx, rec.ID, toFinal(true)); err != nil {
+					b.Error(err)
+				}
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			if bc.parallelism == 0 {
+				for b.Loop() {
+					settle()
+				}
+			} else {
+				b.SetParallelism(bc.parallelism)
+				b.RunParallel(func(pb *testing.PB) {
+					for pb.Next() {
+						settle()
+					}
+				})
+			}
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "settlements/s")
+		})
+	}
+}
+
+// benchRequest is a settle request of realistic size (a permit2 payload with its requirements), about 1.2 kB.
+var benchRequest = []byte(`{"x402Version":2,"paymentPayload":{"x402Version":2,"accepted":{"scheme":"exact","network":"eip155:84532",` +
+	`"amount":"10000","asset":"0x036CbD53842c5426634e7929541eC2318f3dCF7e","payTo":"0x209693Bc6afc0C5328bA36FaF03C514EF312287C",` +
+	`"maxTimeoutSeconds":60,"extra":{"assetTransferMethod":"permit2","name":"USDC","version":"2"}},"payload":{"signature":"0x` +
+	`2d6a7588d6acca505cbf0d9a4a227e0c52c6c34008c8e8986a1283259764173608a2ce6496642e377d6da8dbbf5836e9bd15092f9ecab05ded3d6293af148b571c",` +
+	`"permit2Authorization":{"from":"0x857b06519E91e3A54538791bDbb0E22373e36b66","permitted":{"token":"0x036CbD53842c5426634e7929541eC2318f3dCF7e",` +
+	`"amount":"10000"},"spender":"0x402085c248EeA27D92E8b30b2C58ed07f9E20001","nonce":"71629105226137346455519519395046418542406318049917617963553498398725043232281",` +
+	`"deadline":"1767225600","witness":{"to":"0x209693Bc6afc0C5328bA36FaF03C514EF312287C","validAfter":"1767224900"}}}},` +
+	`"paymentRequirements":{"scheme":"exact","network":"eip155:84532","amount":"10000","asset":"0x036CbD53842c5426634e7929541eC2318f3dCF7e",` +
+	`"payTo":"0x209693Bc6afc0C5328bA36FaF03C514EF312287C","maxTimeoutSeconds":60,"extra":{"assetTransferMethod":"permit2","name":"USDC","version":"2"}}}`)

@@ -1,0 +1,470 @@
+package journal
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+	bolterrors "go.etcd.io/bbolt/errors"
+)
+
+// Bucket names and the layout version of a bolt journal file.
+var (
+	bucketMeta    = []byte("meta")
+	bucketRecords = []byte("records") // id -> encoded Record
+	bucketPending = []byte("pending") // id -> empty, for every record not final
+	bucketFinals  = []byte("finals")  // FinalAt (unix ns, big endian) ++ id -> empty, for Prune
+	keyLayout     = []byte("layout")
+	layoutV1      = []byte("1")
+)
+
+// maxBatch bounds how many writes share one commit, so a burst cannot build one huge transaction.
+const maxBatch = 512
+
+// pruneChunk bounds how many records one Prune transaction deletes, so pruning never holds the writer long.
+const pruneChunk = 1024
+
+// BoltStore is the default Store: one bbolt file, every commit fsynced. Writes go through a group commit:
+// a single goroutine commits everything that queued up while the previous commit was syncing, so concurrent
+// writers share fsyncs while a lone writer never waits for a batch to fill (bbolt's own Batch waits up to
+// MaxBatchDelay for company, which caps a serial caller at about a hundred writes a second).
+type BoltStore struct {
+	db   *bolt.DB
+	path string
+	opts Options
+
+	writes    chan *boltOp
+	stop      chan struct{}
+	stopped   chan struct{}
+	closeOnce sync.Once
+	closed    atomic.Bool
+}
+
+// boltOp is one write waiting for its commit. run computes the write's own answer inside the transaction and
+// may run more than once if the transaction is retried, so it must only assign its results.
+type boltOp struct {
+	run      func(*boltTxn)
+	done     chan error
+	panicked any
+}
+
+// OpenBolt opens the journal file at path, creating it (mode 0600) and its directory (0700) as needed. If
+// another process holds the file it fails with ErrLocked after opts.OpenTimeout instead of waiting forever.
+func OpenBolt(path string, opts Options) (*BoltStore, error) {
+	if path == "" {
+		return nil, fmt.Errorf("journal: open: empty path; want the journal file's path")
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return nil, fmt.Errorf("journal: create directory for %s: %w", path, err)
+	}
+	timeout := opts.OpenTimeout
+	if timeout <= 0 {
+		timeout = DefaultOpenTimeout
+	}
+	db, err := bolt.Open(path, 0o600, &bolt.Options{
+		Timeout: timeout,
+		// The hashmap freelist stays fast as a long-lived journal fragments; the array one degrades.
+		FreelistType: bolt.FreelistMapType,
+	})
+	if errors.Is(err, bolterrors.ErrTimeout) {
+		return nil, fmt.Errorf("journal: open %s: %w (waited %s; is another instance running with the same journal?)",
+			path, ErrLocked, timeout)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("journal: open %s: %w", path, err)
+	}
+	if err := db.Update(initLayout); err != nil {
+		db.Close()
+		return nil, fmt.Errorf("journal: open %s: %w", path, err)
+	}
+	s := &BoltStore{
+		db:      db,
+		path:    path,
+		opts:    opts,
+		writes:  make(chan *boltOp),
+		stop:    make(chan struct{}),
+		stopped: make(chan struct{}),
+	}
+	go s.commitLoop()
+	return s, nil
+}
+
+// initLayout creates the buckets of a new file and refuses a file laid out by another release.
+func initLayout(tx *bolt.Tx) error {
+	meta, err := tx.CreateBucketIfNotExists(bucketMeta)
+	if err != nil {
+		return err
+	}
+	switch got := meta.Get(keyLayout); {
+	case got == nil:
+		if err := meta.Put(keyLayout, layoutV1); err != nil {
+			return err
+		}
+	case string(got) != string(layoutV1):
+		return fmt.Errorf("file has journal layout %q, this build reads layout %q", got, layoutV1)
+	}
+	for _, name := range [][]byte{bucketRecords, bucketPending, bucketFinals} {
+		if _, err := tx.CreateBucketIfNotExists(name); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Path returns the file the store was opened on.
+func (s *BoltStore) Path() string { return s.path }
+
+// boltTxn is a txn over one bolt write (or read) transaction. A failed write marks it tainted: the
+// transaction may hold half of an operation and must be rolled back.
+type boltTxn struct {
+	tx      *bolt.Tx
+	tainted bool
+}
+
+func (t *boltTxn) get(id ID) (Record, bool, error) {
+	b := t.tx.Bucket(bucketRecords).Get(id[:])
+	if b == nil {
+		return Record{}, false, nil
+	}
+	r, err := decodeRecord(id, b)
+	return r, err == nil, err
+}
+
+func (t *boltTxn) put(prev, next *Record) error {
+	enc, err := encodeRecord(next)
+	if err != nil {
+		return err // nothing written yet
+	}
+	if err := t.write(next.ID, enc, prev, next); err != nil {
+		t.tainted = true
+		return fmt.Errorf("journal: write %s: %w", next.ID, err)
+	}
+	return nil
+}
+
+// write stores enc and moves the record between the pending and finals indexes as its state demands.
+func (t *boltTxn) write(id ID, enc []byte, prev, next *Record) error {
+	if err := t.tx.Bucket(bucketRecords).Put(id[:], enc); err != nil {
+		return err
+	}
+	wasFinal := prev != nil && prev.State == StateFinal
+	switch {
+	case next.State != StateFinal && prev == nil:
+		return t.tx.Bucket(bucketPending).Put(id[:], []byte{})
+	case next.State == StateFinal && !wasFinal:
+		if prev != nil {
+			if err := t.tx.Bucket(bucketPending).Delete(id[:]); err != nil {
+				return err
+			}
+		}
+		return t.tx.Bucket(bucketFinals).Put(finalKey(next.FinalAt, id), []byte{})
+	}
+	return nil
+}
+
+func (t *boltTxn) del(prev *Record) error {
+	err := t.tx.Bucket(bucketRecords).Delete(prev.ID[:])
+	if err == nil {
+		err = t.tx.Bucket(bucketPending).Delete(prev.ID[:])
+	}
+	if err == nil && prev.State == StateFinal {
+		err = t.tx.Bucket(bucketFinals).Delete(finalKey(prev.FinalAt, prev.ID))
+	}
+	if err != nil {
+		t.tainted = true
+		return fmt.Errorf("journal: delete %s: %w", prev.ID, err)
+	}
+	return nil
+}
+
+// finalKey orders the finals index by the time a record became final, so Prune reads only what it deletes.
+func finalKey(at time.Time, id ID) []byte {
+	k := make([]byte, 8+len(id))
+	ns := at.UnixNano()
+	if ns < 0 {
+		ns = 0
+	}
+	binary.BigEndian.PutUint64(k, uint64(ns))
+	copy(k[8:], id[:])
+	return k
+}
+
+// commitLoop is the group commit: it takes one write, then every write already waiting, and commits them in
+// one transaction (one fsync).
+func (s *BoltStore) commitLoop() {
+	defer close(s.stopped)
+	batch := make([]*boltOp, 0, maxBatch)
+	for {
+		select {
+		case op := <-s.writes:
+			batch = append(batch[:0], op)
+		case <-s.stop:
+			return
+		}
+	fill:
+		for len(batch) < maxBatch {
+			select {
+			case op := <-s.writes:
+				batch = append(batch, op)
+			default:
+				break fill
+			}
+		}
+		s.commit(batch)
+		clear(batch)
+	}
+}
+
+// commit runs a batch in one transaction. An operation that leaves the transaction tainted (a failed write,
+// a panic) gets its own error, and the rest of the batch is retried without it; refusals such as a missing
+// record write nothing and need no retry.
+func (s *BoltStore) commit(batch []*boltOp) {
+	for len(batch) > 0 {
+		failed := -1
+		err := s.db.Update(func(tx *bolt.Tx) error {
+			t := &boltTxn{tx: tx}
+			for i, op := range batch {
+				op.runSafely(t)
+				if t.tainted {
+					failed = i
+					return errTainted
+				}
+			}
+			return nil
+		})
+		if failed >= 0 {
+			batch[failed].done <- nil // its own answer (error or panic) is already in its results
+			batch = append(batch[:failed:failed], batch[failed+1:]...)
+			continue
+		}
+		if err != nil {
+			err = fmt.Errorf("journal: commit to %s: %w", s.path, err)
+		}
+		for _, op := range batch {
+			op.done <- err
+		}
+		return
+	}
+}
+
+// errTainted rolls back a transaction an operation left half-written.
+var errTainted = errors.New("journal: transaction rolled back after a failed write")
+
+// runSafely runs op, turning a panic (from a caller's Update function) into a rollback and a re-panic on the
+// caller's goroutine, so it cannot take down the commit loop.
+func (op *boltOp) runSafely(t *boltTxn) {
+	defer func() {
+		if v := recover(); v != nil {
+			op.panicked = v
+			t.tainted = true
+		}
+	}()
+	op.run(t)
+}
+
+// write queues run for the next commit and waits for that commit.
+func (s *BoltStore) write(ctx context.Context, run func(*boltTxn)) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if s.closed.Load() {
+		return ErrClosed
+	}
+	op := &boltOp{run: run, done: make(chan error, 1)}
+	select {
+	case s.writes <- op:
+	case <-s.stop:
+		return ErrClosed
+	case <-ctx.Done():
+		return ctx.Err() // not queued, so nothing happened
+	}
+	err := <-op.done
+	if op.panicked != nil {
+		panic(op.panicked)
+	}
+	return err
+}
+
+// read runs fn in a read transaction, concurrently with other reads and with the commit loop.
+func (s *BoltStore) read(ctx context.Context, fn func(*boltTxn) error) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if s.closed.Load() {
+		return ErrClosed
+	}
+	return s.db.View(func(tx *bolt.Tx) error { return fn(&boltTxn{tx: tx}) })
+}
+
+// Claim implements Store.
+func (s *BoltStore) Claim(ctx context.Context, r Record) (Record, bool, error) {
+	var (
+		rec     Record
+		claimed bool
+		opErr   error
+	)
+	now := s.opts.now()
+	err := s.write(ctx, func(t *boltTxn) { rec, claimed, opErr = claimIn(t, r, now) })
+	if err == nil {
+		err = opErr
+	}
+	if err != nil {
+		return Record{}, false, err
+	}
+	return rec, claimed, nil
+}
+
+// Get implements Store.
+func (s *BoltStore) Get(ctx context.Context, id ID) (Record, bool, error) {
+	var (
+		rec Record
+		ok  bool
+	)
+	err := s.read(ctx, func(t *boltTxn) (err error) {
+		rec, ok, err = t.get(id)
+		return err
+	})
+	return rec, ok, err
+}
+
+// Update implements Store.
+func (s *BoltStore) Update(ctx context.Context, id ID, fn func(*Record) error) (Record, error) {
+	var (
+		rec   Record
+		opErr error
+	)
+	now := s.opts.now()
+	err := s.write(ctx, func(t *boltTxn) { rec, opErr = updateIn(t, id, fn, now) })
+	if err == nil {
+		err = opErr
+	}
+	if err != nil {
+		return Record{}, err
+	}
+	return rec, nil
+}
+
+// Release implements Store.
+func (s *BoltStore) Release(ctx context.Context, id ID) error {
+	var opErr error
+	err := s.write(ctx, func(t *boltTxn) { opErr = releaseIn(t, id) })
+	if err == nil {
+		err = opErr
+	}
+	return err
+}
+
+// Pending implements Store.
+func (s *BoltStore) Pending(ctx context.Context) ([]Record, error) {
+	var out []Record
+	err := s.read(ctx, func(t *boltTxn) error {
+		return t.tx.Bucket(bucketPending).ForEach(func(k, _ []byte) error {
+			if len(k) != len(ID{}) {
+				return fmt.Errorf("%w: pending index holds a key of %d bytes, want %d", ErrCorrupt, len(k), len(ID{}))
+			}
+			id := ID(k)
+			r, ok, err := t.get(id)
+			if err != nil {
+				return err
+			}
+			if !ok {
+				return fmt.Errorf("%w: %s is listed as pending but has no record", ErrCorrupt, id)
+			}
+			out = append(out, r)
+			return nil
+		})
+	})
+	if err != nil {
+		return nil, err
+	}
+	sortPending(out)
+	return out, nil
+}
+
+// Prune implements Store. It deletes in chunks, each its own transaction, so other writes interleave.
+func (s *BoltStore) Prune(ctx context.Context, finalBefore time.Time) (int, error) {
+	limit := finalKey(finalBefore, ID{})
+	total := 0
+	for {
+		var n int
+		var opErr error
+		err := s.write(ctx, func(t *boltTxn) { n, opErr = pruneChunkIn(t, limit) })
+		if err == nil {
+			err = opErr
+		}
+		total += n
+		if err != nil {
+			return total, fmt.Errorf("journal: prune: %w", err)
+		}
+		if n < pruneChunk {
+			return total, nil
+		}
+	}
+}
+
+// pruneChunkIn deletes up to pruneChunk final records whose finals key sorts before limit.
+func pruneChunkIn(t *boltTxn, limit []byte) (int, error) {
+	finals, records := t.tx.Bucket(bucketFinals), t.tx.Bucket(bucketRecords)
+	var keys [][]byte
+	c := finals.Cursor()
+	for k, _ := c.First(); k != nil && len(keys) < pruneChunk && string(k) < string(limit); k, _ = c.Next() {
+		if len(k) != len(limit) {
+			return 0, fmt.Errorf("%w: finals index holds a key of %d bytes, want %d", ErrCorrupt, len(k), len(limit))
+		}
+		keys = append(keys, append([]byte(nil), k...))
+	}
+	for _, k := range keys {
+		if err := records.Delete(k[8:]); err != nil {
+			t.tainted = true
+			return 0, err
+		}
+		if err := finals.Delete(k); err != nil {
+			t.tainted = true
+			return 0, err
+		}
+	}
+	return len(keys), nil
+}
+
+// Count implements Store.
+func (s *BoltStore) Count(ctx context.Context) (int, error) {
+	var n int
+	err := s.read(ctx, func(t *boltTxn) error {
+		n = t.tx.Bucket(bucketRecords).Stats().KeyN
+		return nil
+	})
+	return n, err
+}
+
+// Backlog implements Store.
+func (s *BoltStore) Backlog(ctx context.Context) (int, error) {
+	var n int
+	err := s.read(ctx, func(t *boltTxn) error {
+		n = t.tx.Bucket(bucketPending).Stats().KeyN
+		return nil
+	})
+	return n, err
+}
+
+// Close stops the commit loop after its current commit and closes the file; closing twice is harmless.
+func (s *BoltStore) Close() error {
+	var err error
+	s.closeOnce.Do(func() {
+		s.closed.Store(true)
+		close(s.stop)
+		<-s.stopped
+		if cerr := s.db.Close(); cerr != nil {
+			err = fmt.Errorf("journal: close %s: %w", s.path, cerr)
+		}
+	})
+	return err
+}
+
+var _ Store = (*BoltStore)(nil)

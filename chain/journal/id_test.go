@@ -1,0 +1,96 @@
+package journal
+
+import (
+	"strings"
+	"testing"
+)
+
+const (
+	testNetwork = "eip155:84532"
+	testAsset   = "0x036CbD53842c5426634e7929541eC2318f3dCF7e"
+	testPayer   = "0x857b06519E91e3A54538791bDbb0E22373e36b66"
+)
+
+func TestPaymentIDIsTheSameForEquivalentSpellings(t *testing.T) {
+	base := PaymentID(testNetwork, "permit2", testAsset, testPayer, "5")
+	for _, tc := range []struct {
+		name                             string
+		network, method, asset, payer, n string
+	}{
+		{"lowercase addresses", testNetwork, "permit2", strings.ToLower(testAsset), strings.ToLower(testPayer), "5"},
+		{"uppercase hex digits", testNetwork, "permit2", "0x" + strings.ToUpper(testAsset[2:]), testPayer, "5"},
+		{"addresses without 0x", testNetwork, "permit2", testAsset[2:], testPayer[2:], "5"},
+		{"leading zeros in the nonce", testNetwork, "permit2", testAsset, testPayer, "0005"},
+		{"hex nonce", testNetwork, "permit2", testAsset, testPayer, "0x05"},
+		{"hex nonce in capitals", testNetwork, "permit2", testAsset, testPayer, "0X5"},
+		{"method in capitals", testNetwork, "PERMIT2", testAsset, testPayer, "5"},
+		{"surrounding spaces", " " + testNetwork, "permit2 ", testAsset + " ", " " + testPayer, " 5 "},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := PaymentID(tc.network, tc.method, tc.asset, tc.payer, tc.n); got != base {
+				t.Fatalf("PaymentID = %s, want %s", got, base)
+			}
+		})
+	}
+}
+
+func TestPaymentIDDiffersWhenAnyFieldDiffers(t *testing.T) {
+	base := PaymentID(testNetwork, "permit2", testAsset, testPayer, "5")
+	other := "0x0000000000000000000000000000000000000001"
+	for _, tc := range []struct {
+		name                             string
+		network, method, asset, payer, n string
+	}{
+		{"network", "eip155:8453", "permit2", testAsset, testPayer, "5"},
+		{"transfer method with the same nonce", testNetwork, "erc2612", testAsset, testPayer, "5"},
+		{"asset", testNetwork, "permit2", other, testPayer, "5"},
+		{"payer", testNetwork, "permit2", testAsset, other, "5"},
+		{"nonce", testNetwork, "permit2", testAsset, testPayer, "6"},
+		{"decimal 10 against hex 0x10", testNetwork, "permit2", testAsset, testPayer, "0x10"},
+		{"numeric against text nonce", testNetwork, "permit2", testAsset, testPayer, "s:5"},
+		{"negative nonce is text, not 5", testNetwork, "permit2", testAsset, testPayer, "-5"},
+		// Shifting characters between adjacent fields must not produce the same bytes to hash.
+		{"field boundary shifted", testNetwork + "p", "ermit2", testAsset, testPayer, "5"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := PaymentID(tc.network, tc.method, tc.asset, tc.payer, tc.n); got == base {
+				t.Fatalf("PaymentID with a different %s = %s, the same as the base id", tc.name, got)
+			}
+		})
+	}
+}
+
+func TestPaymentIDReadsA256BitNonce(t *testing.T) {
+	dec := "115792089237316195423570985008687907853269984665640564039457584007913129639935" // 2^256-1
+	hex := "0x" + strings.Repeat("f", 64)
+	if PaymentID(testNetwork, "permit2", testAsset, testPayer, dec) != PaymentID(testNetwork, "permit2", testAsset, testPayer, hex) {
+		t.Fatal("decimal and hex spellings of 2^256-1 gave different ids")
+	}
+}
+
+func TestIDStringRoundTripsThroughParseIDAndText(t *testing.T) {
+	id := PaymentID(testNetwork, "erc2612", testAsset, testPayer, "7")
+	s := id.String()
+	if len(s) != 66 || !strings.HasPrefix(s, "0x") {
+		t.Fatalf("String = %q, want 0x and 64 hex digits", s)
+	}
+	for _, in := range []string{s, s[2:], strings.ToUpper(s[2:])} {
+		got, err := ParseID(in)
+		if err != nil || got != id {
+			t.Fatalf("ParseID(%q) = %s, %v; want %s", in, got, err, id)
+		}
+	}
+	text, _ := id.MarshalText()
+	var back ID
+	if err := back.UnmarshalText(text); err != nil || back != id {
+		t.Fatalf("UnmarshalText(MarshalText) = %s, %v; want %s", back, err, id)
+	}
+}
+
+func TestParseIDRefusesWhatIsNotAnID(t *testing.T) {
+	for _, in := range []string{"", "0x", "0x1234", strings.Repeat("z", 64), "0x" + strings.Repeat("a", 66)} {
+		if _, err := ParseID(in); err == nil {
+			t.Errorf("ParseID(%q) succeeded, want an error", in)
+		}
+	}
+}

@@ -1,0 +1,179 @@
+package journal
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// MemoryStore is a Store held in memory, for tests and for a dev chain that forgets everything on exit. It
+// keeps records encoded exactly as the bolt store does, so both answer alike, down to what a caller's
+// mutation of a returned record can reach (nothing).
+type MemoryStore struct {
+	opts Options
+
+	mu      sync.Mutex
+	closed  bool
+	records map[ID][]byte
+	pending map[ID]struct{}
+}
+
+// NewMemory returns an empty in-memory store; of opts only Clock applies.
+func NewMemory(opts Options) *MemoryStore {
+	return &MemoryStore{
+		opts:    opts,
+		records: make(map[ID][]byte),
+		pending: make(map[ID]struct{}),
+	}
+}
+
+// memTxn is a txn over the store's maps; the caller holds the store's lock.
+type memTxn struct{ s *MemoryStore }
+
+func (t memTxn) get(id ID) (Record, bool, error) {
+	b, ok := t.s.records[id]
+	if !ok {
+		return Record{}, false, nil
+	}
+	r, err := decodeRecord(id, b)
+	return r, err == nil, err
+}
+
+func (t memTxn) put(_, next *Record) error {
+	enc, err := encodeRecord(next)
+	if err != nil {
+		return err
+	}
+	t.s.records[next.ID] = enc
+	if next.State == StateFinal {
+		delete(t.s.pending, next.ID)
+	} else {
+		t.s.pending[next.ID] = struct{}{}
+	}
+	return nil
+}
+
+func (t memTxn) del(prev *Record) error {
+	delete(t.s.records, prev.ID)
+	delete(t.s.pending, prev.ID)
+	return nil
+}
+
+// lock takes the store's lock unless the call should not proceed.
+func (s *MemoryStore) lock(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return ErrClosed
+	}
+	return nil
+}
+
+// Claim implements Store.
+func (s *MemoryStore) Claim(ctx context.Context, r Record) (Record, bool, error) {
+	if err := s.lock(ctx); err != nil {
+		return Record{}, false, err
+	}
+	defer s.mu.Unlock()
+	return claimIn(memTxn{s}, r, s.opts.now())
+}
+
+// Get implements Store.
+func (s *MemoryStore) Get(ctx context.Context, id ID) (Record, bool, error) {
+	if err := s.lock(ctx); err != nil {
+		return Record{}, false, err
+	}
+	defer s.mu.Unlock()
+	return memTxn{s}.get(id)
+}
+
+// Update implements Store.
+func (s *MemoryStore) Update(ctx context.Context, id ID, fn func(*Record) error) (Record, error) {
+	if err := s.lock(ctx); err != nil {
+		return Record{}, err
+	}
+	defer s.mu.Unlock()
+	return updateIn(memTxn{s}, id, fn, s.opts.now())
+}
+
+// Release implements Store.
+func (s *MemoryStore) Release(ctx context.Context, id ID) error {
+	if err := s.lock(ctx); err != nil {
+		return err
+	}
+	defer s.mu.Unlock()
+	return releaseIn(memTxn{s}, id)
+}
+
+// Pending implements Store.
+func (s *MemoryStore) Pending(ctx context.Context) ([]Record, error) {
+	if err := s.lock(ctx); err != nil {
+		return nil, err
+	}
+	defer s.mu.Unlock()
+	out := make([]Record, 0, len(s.pending))
+	for id := range s.pending {
+		r, _, err := memTxn{s}.get(id)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, r)
+	}
+	sortPending(out)
+	return out, nil
+}
+
+// Prune implements Store.
+func (s *MemoryStore) Prune(ctx context.Context, finalBefore time.Time) (int, error) {
+	if err := s.lock(ctx); err != nil {
+		return 0, err
+	}
+	defer s.mu.Unlock()
+	n := 0
+	for id := range s.records {
+		if _, ok := s.pending[id]; ok {
+			continue
+		}
+		r, _, err := memTxn{s}.get(id)
+		if err != nil {
+			return n, fmt.Errorf("journal: prune: %w", err)
+		}
+		if r.FinalAt.Before(finalBefore) {
+			delete(s.records, id)
+			n++
+		}
+	}
+	return n, nil
+}
+
+// Count implements Store.
+func (s *MemoryStore) Count(ctx context.Context) (int, error) {
+	if err := s.lock(ctx); err != nil {
+		return 0, err
+	}
+	defer s.mu.Unlock()
+	return len(s.records), nil
+}
+
+// Backlog implements Store.
+func (s *MemoryStore) Backlog(ctx context.Context) (int, error) {
+	if err := s.lock(ctx); err != nil {
+		return 0, err
+	}
+	defer s.mu.Unlock()
+	return len(s.pending), nil
+}
+
+// Close implements Store; closing twice is harmless.
+func (s *MemoryStore) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closed = true
+	return nil
+}
+
+var _ Store = (*MemoryStore)(nil)

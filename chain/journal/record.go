@@ -1,0 +1,120 @@
+package journal
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// State is where a settlement stands. States only move forward: claimed, then broadcast, then final; a claim
+// that never broadcast may instead be released, which deletes its record.
+type State string
+
+// States of a Record.
+const (
+	// StateClaimed: a process owns the payment and has sent nothing to the chain yet, so releasing it is safe.
+	// An async payment waiting for background settlement is also claimed.
+	StateClaimed State = "claimed"
+	// StateBroadcast: a signed transaction exists and may have reached the chain; its hash is known and no
+	// receipt has been seen. Write this state before sending, so a crash between send and write cannot lose
+	// the hash; reconciliation then finds the receipt, waits, or resends RawTx.
+	StateBroadcast State = "broadcast"
+	// StateFinal: the outcome is decided (receipt seen, or failure decided) and Response is the answer.
+	StateFinal State = "final"
+)
+
+// rank orders states; 0 is not a state.
+func (s State) rank() int {
+	switch s {
+	case StateClaimed:
+		return 1
+	case StateBroadcast:
+		return 2
+	case StateFinal:
+		return 3
+	}
+	return 0
+}
+
+// Record is everything the journal remembers of one payment.
+type Record struct {
+	// ID is PaymentID of the payment; it never changes.
+	ID    ID    `json:"id"`
+	State State `json:"state"`
+
+	// Network (CAIP-2), Payer, Asset, Amount (atomic units, decimal) and PayTo describe the payment, so that
+	// reconciliation, metrics and operators need not decode Request.
+	Network string `json:"network,omitempty"`
+	Payer   string `json:"payer,omitempty"`
+	Asset   string `json:"asset,omitempty"`
+	Amount  string `json:"amount,omitempty"`
+	PayTo   string `json:"payTo,omitempty"`
+	// Request is the settle request JSON, kept when the payment must be settled again from the journal alone
+	// (async mode, replay on start-up).
+	Request []byte `json:"request,omitempty"`
+
+	// Wallet is the settlement wallet that signed the transaction, TxNonce its account nonce.
+	Wallet  string `json:"wallet,omitempty"`
+	TxNonce uint64 `json:"txNonce,omitempty"`
+	// TxHash is the hash of the latest signed transaction; RawTx is that transaction, kept so a dropped
+	// transaction can be resent unchanged (same nonce, same hash) after a restart.
+	TxHash string `json:"txHash,omitempty"`
+	RawTx  []byte `json:"rawTx,omitempty"`
+	// Attempts counts broadcasts of this payment, resends included.
+	Attempts int `json:"attempts,omitempty"`
+
+	// Response is the final answer, returned as-is to every later /settle of the same payment.
+	Response *x402.SettleResponse `json:"response,omitempty"`
+	// Served and ServedAt record that a gate has served the one response this payment buys.
+	Served   bool      `json:"served,omitempty"`
+	ServedAt time.Time `json:"servedAt,omitzero"`
+	// Async marks a payment accepted before settlement, to be settled in the background.
+	Async bool `json:"async,omitempty"`
+
+	// ClaimedAt, UpdatedAt and FinalAt are set by the store from its clock.
+	ClaimedAt time.Time `json:"claimedAt,omitzero"`
+	UpdatedAt time.Time `json:"updatedAt,omitzero"`
+	FinalAt   time.Time `json:"finalAt,omitzero"`
+	// Owner is the claim token of the process that holds the payment, so that start-up can tell its own
+	// claims from those a crashed process left behind.
+	Owner string `json:"owner,omitempty"`
+}
+
+// validate checks what must hold of any stored record.
+func (r *Record) validate() error {
+	if r.ID.IsZero() {
+		return fmt.Errorf("record has no id; want PaymentID of the payment")
+	}
+	switch r.State {
+	case StateClaimed:
+	case StateBroadcast:
+		// Without a hash, reconciliation could neither find the receipt nor tell it was dropped.
+		if r.TxHash == "" {
+			return fmt.Errorf("record %s: state %q needs TxHash", r.ID, r.State)
+		}
+	case StateFinal:
+		if r.Response == nil {
+			return fmt.Errorf("record %s: state %q needs Response, the answer later callers get", r.ID, r.State)
+		}
+	default:
+		return fmt.Errorf("record %s: unknown state %q; want %q, %q or %q",
+			r.ID, r.State, StateClaimed, StateBroadcast, StateFinal)
+	}
+	return nil
+}
+
+// checkTransition refuses an update that changes the id or moves the state backwards, either of which would
+// let a broadcast transaction be forgotten and the payment settled twice.
+func checkTransition(prev, next *Record) error {
+	if next.ID != prev.ID {
+		return fmt.Errorf("%w: update of %s changed the id to %s", ErrInvalidUpdate, prev.ID, next.ID)
+	}
+	if err := next.validate(); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidUpdate, err)
+	}
+	if next.State.rank() < prev.State.rank() {
+		return fmt.Errorf("%w: record %s cannot move from %q back to %q", ErrInvalidUpdate, prev.ID, prev.State, next.State)
+	}
+	return nil
+}

@@ -1,0 +1,173 @@
+package journal
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+)
+
+// Store is the journal's storage. Every method is safe for concurrent use, and every write is atomic: it
+// happens entirely or not at all, and a write that returned nil survives a crash of the process (for a
+// durable store, of the machine too).
+//
+// A write whose context is already done when it is called does nothing and returns the context's error; once
+// a write is under way it completes or fails as a whole regardless of its context, because abandoning a
+// write in flight would leave the caller unsure whether it claimed the payment.
+type Store interface {
+	// Claim inserts r in state claimed if no record with r.ID exists, and returns it with claimed true.
+	// Otherwise it returns the existing record with claimed false and changes nothing: the later caller of
+	// a payment learns what the first one did (its transaction hash, its final answer).
+	Claim(ctx context.Context, r Record) (rec Record, claimed bool, err error)
+	// Get returns the record of id, and whether there is one.
+	Get(ctx context.Context, id ID) (Record, bool, error)
+	// Update reads the record of id, lets fn change it, and writes it back in one transaction; nothing is
+	// written if fn returns an error, which Update then returns wrapped. It returns ErrNotFound when there is
+	// no record and ErrInvalidUpdate when fn changed the id or moved the state backwards. fn may run on
+	// another goroutine while other writes wait for it: it must only edit the record (no I/O, no calls into
+	// the store), and it may run more than once.
+	Update(ctx context.Context, id ID, fn func(*Record) error) (Record, error)
+	// Release deletes a claim that never broadcast, so the payer may try again (after topping up a balance,
+	// say). It refuses a broadcast or final record with ErrNotReleasable; releasing an absent record is a
+	// no-op. Only the claimant should release, and only once.
+	Release(ctx context.Context, id ID) error
+	// Pending lists every record that is not final (claimed, broadcast, async payments not yet settled),
+	// oldest claim first: what start-up must reconcile before accepting new work.
+	Pending(ctx context.Context) ([]Record, error)
+	// Prune deletes final records that became final before the given time and returns how many it deleted.
+	// Keep final records at least as long as a payment could be presented again (its authorization's
+	// deadline), since a pruned payment would look new to Claim.
+	Prune(ctx context.Context, finalBefore time.Time) (int, error)
+	// Count returns the number of records of every state; it may walk the whole store, so it is for
+	// operators and tests rather than a hot path.
+	Count(ctx context.Context) (int, error)
+	// Backlog returns the number of records that are not final.
+	Backlog(ctx context.Context) (int, error)
+	// Close releases the store; later calls return ErrClosed.
+	Close() error
+}
+
+// Errors a caller can decide on; returned errors wrap them with the id and detail.
+var (
+	// ErrNotFound: Update of an id the journal does not hold.
+	ErrNotFound = errors.New("journal: no record")
+	// ErrNotReleasable: Release of a record that is broadcast or final; its transaction may be on chain.
+	ErrNotReleasable = errors.New("journal: record is past claimed and cannot be released")
+	// ErrInvalidUpdate: an update that changes the id, moves the state backwards or breaks a state's needs.
+	ErrInvalidUpdate = errors.New("journal: invalid update")
+	// ErrCorrupt: a stored record that cannot be read; the message names its id.
+	ErrCorrupt = errors.New("journal: corrupt record")
+	// ErrLocked: the journal file is held by another process (or another open in this one).
+	ErrLocked = errors.New("journal: file is locked by another process")
+	// ErrClosed: a call after Close.
+	ErrClosed = errors.New("journal: store is closed")
+)
+
+// DefaultOpenTimeout is how long OpenBolt waits for the file lock when Options.OpenTimeout is unset.
+const DefaultOpenTimeout = time.Second
+
+// Options configure a store.
+type Options struct {
+	// Clock gives the time stamped on records (ClaimedAt, UpdatedAt, FinalAt); nil means time.Now.
+	Clock func() time.Time
+	// OpenTimeout bounds the wait for the file lock of OpenBolt, which then fails with ErrLocked rather than
+	// hang behind another process; zero or less means DefaultOpenTimeout.
+	OpenTimeout time.Duration
+}
+
+// now reads the configured clock; times are kept in UTC so a record reads the same whatever the zone.
+func (o Options) now() time.Time {
+	if o.Clock == nil {
+		return time.Now().UTC()
+	}
+	return o.Clock().UTC()
+}
+
+// txn is one atomic unit of work on a store's records, so that the rules of Claim, Update and Release are
+// written once for every store. get and put report damage and write failures as errors; put and del keep the
+// store's indexes (pending, final times) in step with the records.
+type txn interface {
+	get(id ID) (Record, bool, error)
+	put(prev, next *Record) error
+	del(prev *Record) error
+}
+
+// claimIn is Claim inside a transaction. Every refusal happens before the first write, so a store batching
+// several operations in one transaction can carry on after one of them is refused.
+func claimIn(t txn, r Record, now time.Time) (Record, bool, error) {
+	if r.State == "" {
+		r.State = StateClaimed
+	}
+	if r.State != StateClaimed {
+		return Record{}, false, fmt.Errorf("%w: claim of %s must be in state %q, got %q",
+			ErrInvalidUpdate, r.ID, StateClaimed, r.State)
+	}
+	if err := r.validate(); err != nil {
+		return Record{}, false, fmt.Errorf("%w: %w", ErrInvalidUpdate, err)
+	}
+	existing, ok, err := t.get(r.ID)
+	if err != nil || ok {
+		return existing, false, err
+	}
+	if r.ClaimedAt.IsZero() {
+		r.ClaimedAt = now
+	}
+	r.UpdatedAt, r.FinalAt = now, time.Time{}
+	if err := t.put(nil, &r); err != nil {
+		return Record{}, false, err
+	}
+	return r, true, nil
+}
+
+// updateIn is Update inside a transaction; like claimIn it refuses before it writes.
+func updateIn(t txn, id ID, fn func(*Record) error, now time.Time) (Record, error) {
+	prev, ok, err := t.get(id)
+	if err != nil {
+		return Record{}, err
+	}
+	if !ok {
+		return Record{}, fmt.Errorf("%w: %s", ErrNotFound, id)
+	}
+	// fn may reach prev's slices through next, but the checks below read only prev's id, state and times,
+	// which are copied.
+	next := prev
+	if err := fn(&next); err != nil {
+		return Record{}, fmt.Errorf("journal: update of %s: %w", id, err)
+	}
+	if err := checkTransition(&prev, &next); err != nil {
+		return Record{}, err
+	}
+	// The store owns the time stamps: a caller cannot backdate a claim or unset the moment it became final.
+	next.ClaimedAt, next.UpdatedAt, next.FinalAt = prev.ClaimedAt, now, prev.FinalAt
+	if next.State == StateFinal && prev.State != StateFinal {
+		next.FinalAt = now
+	}
+	if err := t.put(&prev, &next); err != nil {
+		return Record{}, err
+	}
+	return next, nil
+}
+
+// releaseIn is Release inside a transaction.
+func releaseIn(t txn, id ID) error {
+	prev, ok, err := t.get(id)
+	if err != nil || !ok {
+		return err
+	}
+	if prev.State != StateClaimed {
+		return fmt.Errorf("%w: %s is %q (transaction %s)", ErrNotReleasable, id, prev.State, prev.TxHash)
+	}
+	return t.del(&prev)
+}
+
+// sortPending orders records oldest claim first, then by id, so reconciliation is deterministic.
+func sortPending(recs []Record) {
+	slices.SortFunc(recs, func(a, b Record) int {
+		if c := a.ClaimedAt.Compare(b.ClaimedAt); c != 0 {
+			return c
+		}
+		return bytes.Compare(a.ID[:], b.ID[:])
+	})
+}

@@ -1,0 +1,633 @@
+package journal
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// testClock is a clock the test moves by hand.
+type testClock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+func newTestClock() *testClock {
+	return &testClock{now: time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)}
+}
+
+func (c *testClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *testClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = c.now.Add(d)
+}
+
+// harness adapts one Store implementation to the shared conformance suite.
+type harness struct {
+	name string
+	// open returns a new, empty store.
+	open func(t *testing.T, clock func() time.Time) Store
+	// reopen closes s and returns a store over the same data; durable stores must keep everything.
+	reopen func(t *testing.T, s Store) Store
+	// plant writes raw bytes under id behind the store's back, as disk damage would, and returns the store
+	// to carry on with.
+	plant func(t *testing.T, s Store, id ID, raw []byte) Store
+}
+
+var harnesses = []harness{
+	{
+		name: "memory",
+		open: func(t *testing.T, clock func() time.Time) Store {
+			return NewMemory(Options{Clock: clock})
+		},
+		reopen: func(t *testing.T, s Store) Store { return s },
+		plant: func(t *testing.T, s Store, id ID, raw []byte) Store {
+			m := s.(*MemoryStore)
+			m.mu.Lock()
+			defer m.mu.Unlock()
+			m.records[id] = raw
+			m.pending[id] = struct{}{}
+			return s
+		},
+	},
+	{
+		name: "bolt",
+		open: func(t *testing.T, clock func() time.Time) Store {
+			s, err := OpenBolt(filepath.Join(t.TempDir(), "journal.db"), Options{Clock: clock})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { s.Close() })
+			return s
+		},
+		reopen: func(t *testing.T, s Store) Store {
+			b := s.(*BoltStore)
+			if err := b.Close(); err != nil {
+				t.Fatal(err)
+			}
+			again, err := OpenBolt(b.Path(), b.opts)
+			if err != nil {
+				t.Fatalf("reopen %s: %v", b.Path(), err)
+			}
+			t.Cleanup(func() { again.Close() })
+			return again
+		},
+		plant: func(t *testing.T, s Store, id ID, raw []byte) Store {
+			b := s.(*BoltStore)
+			b.Close()
+			db, err := bolt.Open(b.Path(), 0o600, &bolt.Options{Timeout: time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = db.Update(func(tx *bolt.Tx) error {
+				if err := tx.Bucket(bucketRecords).Put(id[:], raw); err != nil {
+					return err
+				}
+				return tx.Bucket(bucketPending).Put(id[:], []byte{})
+			})
+			if cerr := db.Close(); err == nil {
+				err = cerr
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			again, err := OpenBolt(b.Path(), b.opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { again.Close() })
+			return again
+		},
+	},
+}
+
+// forEachStore runs test against every Store implementation.
+func forEachStore(t *testing.T, test func(t *testing.T, h harness)) {
+	for _, h := range harnesses {
+		t.Run(h.name, func(t *testing.T) { test(t, h) })
+	}
+}
+
+// claimOf returns a claim for the payment with nonce n of the test payer.
+func claimOf(n int) Record {
+	return Record{
+		ID:      PaymentID(testNetwork, x402.TransferPermit2, testAsset, testPayer, strconv.Itoa(n)),
+		Network: testNetwork,
+		Payer:   testPayer,
+		Asset:   testAsset,
+		Amount:  "10000",
+		PayTo:   "0x209693Bc6afc0C5328bA36FaF03C514EF312287C",
+		Request: []byte(`{"x402Version":2}`),
+		Owner:   "process-a",
+	}
+}
+
+func toBroadcast(hash string) func(*Record) error {
+	return func(r *Record) error {
+		r.State, r.TxHash, r.Wallet, r.TxNonce, r.RawTx = StateBroadcast, hash, "0xwallet", 42, []byte{0x02, 0xf8}
+		r.Attempts++
+		return nil
+	}
+}
+
+func toFinal(success bool) func(*Record) error {
+	return func(r *Record) error {
+		r.State = StateFinal
+		r.Response = &x402.SettleResponse{Success: success, Transaction: r.TxHash, Network: r.Network, Payer: r.Payer}
+		return nil
+	}
+}
+
+func mustClaim(t *testing.T, s Store, r Record) Record {
+	t.Helper()
+	got, claimed, err := s.Claim(context.Background(), r)
+	if err != nil || !claimed {
+		t.Fatalf("Claim(%s) = claimed %v, %v; want a new claim", r.ID, claimed, err)
+	}
+	return got
+}
+
+func mustUpdate(t *testing.T, s Store, id ID, fn func(*Record) error) Record {
+	t.Helper()
+	got, err := s.Update(context.Background(), id, fn)
+	if err != nil {
+		t.Fatalf("Update(%s): %v", id, err)
+	}
+	return got
+}
+
+func TestStoreClaimInsertsOnceAndShowsLaterCallersTheFirstClaim(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		clock := newTestClock()
+		s := h.open(t, clock.Now)
+		ctx := context.Background()
+		first := mustClaim(t, s, claimOf(1))
+		if first.State != StateClaimed || !first.ClaimedAt.Equal(clock.Now()) || !first.UpdatedAt.Equal(clock.Now()) {
+			t.Fatalf("claimed record = state %q claimedAt %v updatedAt %v; want claimed at %v",
+				first.State, first.ClaimedAt, first.UpdatedAt, clock.Now())
+		}
+		mustUpdate(t, s, first.ID, toBroadcast("0xabc"))
+
+		clock.Advance(time.Minute)
+		second := claimOf(1)
+		second.Owner = "process-b"
+		got, claimed, err := s.Claim(ctx, second)
+		if err != nil || claimed {
+			t.Fatalf("second Claim = claimed %v, %v; want the existing record", claimed, err)
+		}
+		if got.Owner != "process-a" || got.TxHash != "0xabc" || got.State != StateBroadcast || !got.ClaimedAt.Equal(first.ClaimedAt) {
+			t.Fatalf("second Claim saw owner %q hash %q state %q; want process-a's broadcast 0xabc", got.Owner, got.TxHash, got.State)
+		}
+	})
+}
+
+func TestStoreClaimRefusesARecordThatIsNotAFreshClaim(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		s := h.open(t, nil)
+		for _, tc := range []struct {
+			name string
+			edit func(*Record)
+		}{
+			{"no id", func(r *Record) { r.ID = ID{} }},
+			{"already broadcast", func(r *Record) { r.State, r.TxHash = StateBroadcast, "0x1" }},
+			{"unknown state", func(r *Record) { r.State = "settled" }},
+		} {
+			r := claimOf(2)
+			tc.edit(&r)
+			if _, _, err := s.Claim(context.Background(), r); !errors.Is(err, ErrInvalidUpdate) {
+				t.Errorf("%s: Claim error = %v, want ErrInvalidUpdate", tc.name, err)
+			}
+		}
+		if n, _ := s.Count(context.Background()); n != 0 {
+			t.Fatalf("Count after refused claims = %d, want 0", n)
+		}
+	})
+}
+
+func TestStoreConcurrentClaimsOfOnePaymentHaveExactlyOneWinner(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		s := h.open(t, nil)
+		const callers = 64
+		type answer struct {
+			rec     Record
+			claimed bool
+			err     error
+		}
+		answers := make([]answer, callers)
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		for i := range callers {
+			wg.Go(func() {
+				r := claimOf(3)
+				r.Owner = fmt.Sprintf("caller-%d", i)
+				<-start
+				rec, claimed, err := s.Claim(context.Background(), r)
+				answers[i] = answer{rec, claimed, err}
+			})
+		}
+		close(start)
+		wg.Wait()
+		winner := ""
+		for i, a := range answers {
+			if a.err != nil {
+				t.Fatalf("caller %d: %v", i, a.err)
+			}
+			if a.claimed {
+				if winner != "" {
+					t.Fatalf("both %s and caller-%d claimed the payment", winner, i)
+				}
+				winner = a.rec.Owner
+			}
+		}
+		if winner == "" {
+			t.Fatal("no caller claimed the payment")
+		}
+		for i, a := range answers {
+			if a.rec.Owner != winner {
+				t.Fatalf("caller %d saw owner %q, want the winner %q", i, a.rec.Owner, winner)
+			}
+		}
+		if n, _ := s.Count(context.Background()); n != 1 {
+			t.Fatalf("Count = %d, want 1", n)
+		}
+	})
+}
+
+func TestStoreUpdatesPersistThroughBroadcastToFinal(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		clock := newTestClock()
+		s := h.open(t, clock.Now)
+		ctx := context.Background()
+		claimed := mustClaim(t, s, claimOf(4))
+
+		clock.Advance(time.Second)
+		b := mustUpdate(t, s, claimed.ID, toBroadcast("0xfeed"))
+		if b.State != StateBroadcast || b.TxHash != "0xfeed" || b.Attempts != 1 || !b.UpdatedAt.Equal(clock.Now()) || !b.FinalAt.IsZero() {
+			t.Fatalf("after broadcast: %+v", b)
+		}
+
+		clock.Advance(time.Second)
+		f := mustUpdate(t, s, claimed.ID, toFinal(true))
+		if !f.FinalAt.Equal(clock.Now()) {
+			t.Fatalf("FinalAt = %v, want %v", f.FinalAt, clock.Now())
+		}
+
+		clock.Advance(time.Second)
+		served := mustUpdate(t, s, claimed.ID, func(r *Record) error {
+			r.Served, r.ServedAt = true, clock.Now()
+			r.ClaimedAt, r.FinalAt = time.Time{}, time.Time{} // the store keeps its own stamps
+			return nil
+		})
+		if !served.FinalAt.Equal(f.FinalAt) || !served.ClaimedAt.Equal(claimed.ClaimedAt) {
+			t.Fatalf("marking served moved FinalAt to %v / ClaimedAt to %v", served.FinalAt, served.ClaimedAt)
+		}
+
+		s = h.reopen(t, s)
+		got, ok, err := s.Get(ctx, claimed.ID)
+		if err != nil || !ok {
+			t.Fatalf("Get after reopen = %v, %v", ok, err)
+		}
+		want := served
+		if got.State != StateFinal || got.TxHash != "0xfeed" || string(got.RawTx) != string(want.RawTx) ||
+			got.Response == nil || !got.Response.Success || got.Response.Transaction != "0xfeed" ||
+			!got.Served || !got.ServedAt.Equal(want.ServedAt) || string(got.Request) != string(want.Request) ||
+			got.TxNonce != 42 || got.Wallet != "0xwallet" || got.Amount != "10000" {
+			t.Fatalf("Get after reopen = %+v\nwant %+v", got, want)
+		}
+	})
+}
+
+func TestStoreUpdateRefusesChangesThatCouldLoseATransaction(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		s := h.open(t, nil)
+		ctx := context.Background()
+		broadcast := mustClaim(t, s, claimOf(5)).ID
+		mustUpdate(t, s, broadcast, toBroadcast("0x1"))
+		final := mustClaim(t, s, claimOf(6)).ID
+		mustUpdate(t, s, final, toFinal(false))
+		claimed := mustClaim(t, s, claimOf(7)).ID
+
+		for _, tc := range []struct {
+			name string
+			id   ID
+			fn   func(*Record) error
+		}{
+			{"broadcast back to claimed", broadcast, func(r *Record) error { r.State = StateClaimed; return nil }},
+			{"final back to broadcast", final, func(r *Record) error { r.State, r.TxHash = StateBroadcast, "0x2"; return nil }},
+			{"broadcast without a hash", claimed, func(r *Record) error { r.State = StateBroadcast; return nil }},
+			{"final without an answer", claimed, func(r *Record) error { r.State = StateFinal; return nil }},
+			{"changed id", claimed, func(r *Record) error { r.ID = claimOf(8).ID; return nil }},
+			{"unknown state", claimed, func(r *Record) error { r.State = "done"; return nil }},
+		} {
+			before, _, _ := s.Get(ctx, tc.id)
+			if _, err := s.Update(ctx, tc.id, tc.fn); !errors.Is(err, ErrInvalidUpdate) {
+				t.Errorf("%s: Update error = %v, want ErrInvalidUpdate", tc.name, err)
+			}
+			after, _, _ := s.Get(ctx, tc.id)
+			if after.State != before.State || after.TxHash != before.TxHash {
+				t.Errorf("%s: refused update still changed the record to %q %q", tc.name, after.State, after.TxHash)
+			}
+		}
+	})
+}
+
+func TestStoreUpdateWritesNothingWhenTheFunctionFails(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		s := h.open(t, nil)
+		ctx := context.Background()
+		id := mustClaim(t, s, claimOf(9)).ID
+		refusal := errors.New("not my claim")
+		_, err := s.Update(ctx, id, func(r *Record) error {
+			r.State, r.TxHash = StateBroadcast, "0x9"
+			return refusal
+		})
+		if !errors.Is(err, refusal) || !strings.Contains(err.Error(), id.String()) {
+			t.Fatalf("Update error = %v, want the function's error naming %s", err, id)
+		}
+		if got, _, _ := s.Get(ctx, id); got.State != StateClaimed || got.TxHash != "" {
+			t.Fatalf("record after a failed update = %q %q, want it unchanged", got.State, got.TxHash)
+		}
+		if _, err := s.Update(ctx, claimOf(10).ID, toFinal(true)); !errors.Is(err, ErrNotFound) {
+			t.Fatalf("Update of an absent id: %v, want ErrNotFound", err)
+		}
+	})
+}
+
+func TestStoreReleaseDeletesOnlyClaimsThatNeverBroadcast(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		s := h.open(t, nil)
+		ctx := context.Background()
+		claimed := mustClaim(t, s, claimOf(11)).ID
+		broadcast := mustClaim(t, s, claimOf(12)).ID
+		mustUpdate(t, s, broadcast, toBroadcast("0x12"))
+		final := mustClaim(t, s, claimOf(13)).ID
+		mustUpdate(t, s, final, toFinal(true))
+
+		if err := s.Release(ctx, claimed); err != nil {
+			t.Fatalf("Release of a claim: %v", err)
+		}
+		if _, ok, _ := s.Get(ctx, claimed); ok {
+			t.Fatal("released claim is still there")
+		}
+		mustClaim(t, s, claimOf(11)) // the payer may try again
+		for name, id := range map[string]ID{"broadcast": broadcast, "final": final} {
+			if err := s.Release(ctx, id); !errors.Is(err, ErrNotReleasable) {
+				t.Errorf("Release of a %s record: %v, want ErrNotReleasable", name, err)
+			}
+			if _, ok, _ := s.Get(ctx, id); !ok {
+				t.Errorf("refused Release deleted the %s record", name)
+			}
+		}
+		if err := s.Release(ctx, claimOf(14).ID); err != nil {
+			t.Fatalf("Release of an absent id: %v, want nil", err)
+		}
+	})
+}
+
+func TestStorePendingListsEveryRecordNotFinalOldestFirst(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		clock := newTestClock()
+		s := h.open(t, clock.Now)
+		ctx := context.Background()
+		var want []ID
+		for n := 20; n < 26; n++ {
+			r := claimOf(n)
+			r.Async = n == 25
+			id := mustClaim(t, s, r).ID
+			clock.Advance(time.Second)
+			switch n % 3 {
+			case 0:
+				want = append(want, id) // stays claimed
+			case 1:
+				mustUpdate(t, s, id, toBroadcast("0x"+strconv.Itoa(n)))
+				want = append(want, id)
+			case 2:
+				mustUpdate(t, s, id, toBroadcast("0x"+strconv.Itoa(n)))
+				mustUpdate(t, s, id, toFinal(true))
+			}
+		}
+		s = h.reopen(t, s)
+		got, err := s.Pending(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(got) != len(want) {
+			t.Fatalf("Pending listed %d records, want %d", len(got), len(want))
+		}
+		for i := range want {
+			if got[i].ID != want[i] {
+				t.Fatalf("Pending[%d] = %s, want %s (oldest claim first)", i, got[i].ID, want[i])
+			}
+		}
+		if n, _ := s.Backlog(ctx); n != len(want) {
+			t.Fatalf("Backlog = %d, want %d", n, len(want))
+		}
+		if n, _ := s.Count(ctx); n != 6 {
+			t.Fatalf("Count = %d, want 6", n)
+		}
+	})
+}
+
+func TestStorePruneDeletesOnlyFinalRecordsOlderThanTheCutoff(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		clock := newTestClock()
+		s := h.open(t, clock.Now)
+		ctx := context.Background()
+		oldFinal := mustClaim(t, s, claimOf(30)).ID
+		mustUpdate(t, s, oldFinal, toFinal(false))
+		oldClaim := mustClaim(t, s, claimOf(31)).ID
+		clock.Advance(time.Hour)
+		cutoff := clock.Now()
+		newFinal := mustClaim(t, s, claimOf(32)).ID
+		mustUpdate(t, s, newFinal, toFinal(true))
+
+		n, err := s.Prune(ctx, cutoff)
+		if err != nil || n != 1 {
+			t.Fatalf("Prune = %d, %v; want 1 record deleted", n, err)
+		}
+		for id, want := range map[ID]bool{oldFinal: false, oldClaim: true, newFinal: true} {
+			if _, ok, _ := s.Get(ctx, id); ok != want {
+				t.Errorf("after Prune, %s present = %v, want %v", id, ok, want)
+			}
+		}
+		if n, err := s.Prune(ctx, cutoff); err != nil || n != 0 {
+			t.Fatalf("second Prune = %d, %v; want nothing left to delete", n, err)
+		}
+	})
+}
+
+func TestStoreReportsACorruptRecordByItsID(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		s := h.open(t, nil)
+		ctx := context.Background()
+		mustClaim(t, s, claimOf(40))
+		bad := claimOf(41).ID
+		s = h.plant(t, s, bad, []byte{recordFormat, '{', 'x'})
+
+		_, _, err := s.Get(ctx, bad)
+		checkCorrupt(t, "Get", err, bad)
+		_, err = s.Update(ctx, bad, toFinal(true))
+		checkCorrupt(t, "Update", err, bad)
+		_, _, err = s.Claim(ctx, claimOf(41))
+		checkCorrupt(t, "Claim", err, bad)
+		_, err = s.Pending(ctx)
+		checkCorrupt(t, "Pending", err, bad)
+		// The healthy record is untouched.
+		if _, ok, err := s.Get(ctx, claimOf(40).ID); !ok || err != nil {
+			t.Fatalf("healthy record: %v, %v", ok, err)
+		}
+	})
+}
+
+func checkCorrupt(t *testing.T, op string, err error, id ID) {
+	t.Helper()
+	if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), id.String()) {
+		t.Errorf("%s of a corrupt record: %v; want ErrCorrupt naming %s", op, err, id)
+	}
+}
+
+func TestStoreReturnsRecordsThatShareNoMemoryWithIt(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		s := h.open(t, nil)
+		ctx := context.Background()
+		r := claimOf(50)
+		got := mustClaim(t, s, r)
+		r.Request[0], got.Request[0] = 'X', 'Y'
+		again, _, _ := s.Get(ctx, r.ID)
+		if string(again.Request) != `{"x402Version":2}` {
+			t.Fatalf("stored Request changed to %q through a caller's slice", again.Request)
+		}
+	})
+}
+
+func TestStoreRefusesWorkAfterCloseOrWithADoneContext(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		s := h.open(t, nil)
+		cancelled, cancel := context.WithCancel(context.Background())
+		cancel()
+		if _, _, err := s.Claim(cancelled, claimOf(60)); !errors.Is(err, context.Canceled) {
+			t.Fatalf("Claim with a cancelled context: %v", err)
+		}
+		if n, _ := s.Count(context.Background()); n != 0 {
+			t.Fatalf("a cancelled Claim wrote %d records", n)
+		}
+		if err := s.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Close(); err != nil {
+			t.Fatalf("second Close: %v", err)
+		}
+		ctx := context.Background()
+		_, _, err := s.Claim(ctx, claimOf(61))
+		_, _, gerr := s.Get(ctx, claimOf(61).ID)
+		_, perr := s.Pending(ctx)
+		for _, e := range []error{err, gerr, perr} {
+			if !errors.Is(e, ErrClosed) {
+				t.Fatalf("call after Close: %v, want ErrClosed", e)
+			}
+		}
+	})
+}
+
+func TestStoreSurvivesAPanickingUpdateAmongConcurrentWriters(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		s := h.open(t, nil)
+		ctx := context.Background()
+		victim := mustClaim(t, s, claimOf(70)).ID
+		var wg sync.WaitGroup
+		errs := make(chan error, 64)
+		for i := range 32 {
+			wg.Go(func() {
+				_, _, err := s.Claim(ctx, claimOf(100+i))
+				errs <- err
+			})
+		}
+		func() {
+			defer func() {
+				if v := recover(); v != "boom" {
+					t.Errorf("recovered %v, want the update function's panic", v)
+				}
+			}()
+			s.Update(ctx, victim, func(r *Record) error {
+				r.State, r.TxHash = StateBroadcast, "0x70"
+				panic("boom")
+			})
+		}()
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				t.Fatalf("concurrent claim failed beside a panicking update: %v", err)
+			}
+		}
+		if got, _, _ := s.Get(ctx, victim); got.State != StateClaimed {
+			t.Fatalf("panicking update left state %q, want claimed", got.State)
+		}
+		if n, _ := s.Count(ctx); n != 33 {
+			t.Fatalf("Count = %d, want 33", n)
+		}
+	})
+}
+
+func TestStoreKeepsEveryPaymentOfManyConcurrentSettlements(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		s := h.open(t, nil)
+		ctx := context.Background()
+		const workers, each = 16, 24
+		var wg sync.WaitGroup
+		for w := range workers {
+			wg.Go(func() {
+				for i := range each {
+					n := 1000 + w*each + i
+					r, claimed, err := s.Claim(ctx, claimOf(n))
+					if err == nil && !claimed {
+						err = fmt.Errorf("payment %d was already claimed", n)
+					}
+					if err == nil {
+						_, err = s.Update(ctx, r.ID, toBroadcast(fmt.Sprintf("0x%x", n)))
+					}
+					if err == nil && i%2 == 0 {
+						_, err = s.Update(ctx, r.ID, toFinal(true))
+					}
+					if err != nil {
+						t.Errorf("worker %d: %v", w, err)
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+		if t.Failed() {
+			return
+		}
+		s = h.reopen(t, s)
+		if n, _ := s.Count(ctx); n != workers*each {
+			t.Fatalf("Count = %d, want %d", n, workers*each)
+		}
+		pending, err := s.Pending(ctx)
+		if err != nil || len(pending) != workers*each/2 {
+			t.Fatalf("Pending = %d records, %v; want %d", len(pending), err, workers*each/2)
+		}
+		for _, r := range pending {
+			if r.State != StateBroadcast || r.TxHash == "" {
+				t.Fatalf("pending record %s = %q %q, want broadcast with a hash", r.ID, r.State, r.TxHash)
+			}
+		}
+	})
+}
