@@ -61,6 +61,9 @@ type Record struct {
 	// transaction can be resent unchanged (same nonce, same hash) after a restart.
 	TxHash string `json:"txHash,omitempty"`
 	RawTx  []byte `json:"rawTx,omitempty"`
+	// PriorRawTxs are transactions of the same settlement sent before RawTx from the same wallet, in nonce
+	// order (an erc2612 permit before its transferFrom), resent before RawTx when the node forgot them.
+	PriorRawTxs [][]byte `json:"priorRawTxs,omitempty"`
 	// Attempts counts broadcasts of this payment, resends included.
 	Attempts int `json:"attempts,omitempty"`
 

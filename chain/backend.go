@@ -1,0 +1,232 @@
+package chain
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/big"
+	"net"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ethereum/go-ethereum"
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/rpc"
+)
+
+// Backend is what the facilitator needs of an EVM node. go-ethereum's ethclient.Client and the simulated
+// backend's client both satisfy it.
+type Backend interface {
+	ethereum.ChainIDReader
+	HeaderByNumber(ctx context.Context, number *big.Int) (*types.Header, error)
+	CallContract(ctx context.Context, msg ethereum.CallMsg, blockNumber *big.Int) ([]byte, error)
+	EstimateGas(ctx context.Context, msg ethereum.CallMsg) (uint64, error)
+	SuggestGasTipCap(ctx context.Context) (*big.Int, error)
+	SuggestGasPrice(ctx context.Context) (*big.Int, error)
+	PendingNonceAt(ctx context.Context, account common.Address) (uint64, error)
+	NonceAt(ctx context.Context, account common.Address, blockNumber *big.Int) (uint64, error)
+	BalanceAt(ctx context.Context, account common.Address, blockNumber *big.Int) (*big.Int, error)
+	CodeAt(ctx context.Context, account common.Address, blockNumber *big.Int) ([]byte, error)
+	SendTransaction(ctx context.Context, tx *types.Transaction) error
+	TransactionReceipt(ctx context.Context, txHash common.Hash) (*types.Receipt, error)
+	TransactionByHash(ctx context.Context, txHash common.Hash) (tx *types.Transaction, isPending bool, err error)
+}
+
+// isAnswer reports whether err is an answer of the node (a JSON-RPC error such as a revert or "nonce too low",
+// or "not found"), as opposed to a failure to reach it. Answers are never retried on another endpoint: another
+// node would say the same.
+func isAnswer(err error) bool {
+	if err == nil || errors.Is(err, ethereum.NotFound) {
+		return true
+	}
+	var rpcErr rpc.Error
+	if errors.As(err, &rpcErr) {
+		return true
+	}
+	var dataErr rpc.DataError
+	if errors.As(err, &dataErr) {
+		return true
+	}
+	// The in-process simulated backend returns plain errors for rejected transactions.
+	msg := err.Error()
+	for _, s := range answerTexts {
+		if strings.Contains(msg, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// answerTexts are node rejections that come back as plain errors from some transports.
+var answerTexts = []string{
+	"execution reverted", "nonce too low", "nonce too high", "already known", "replacement transaction underpriced",
+	"insufficient funds", "intrinsic gas too low", "gas limit", "max fee per gas less than block base fee",
+	"transaction underpriced", "invalid sender", "exceeds block gas limit",
+}
+
+// endpoint is one RPC node of a Failover and when it may be tried again after failing.
+type endpoint struct {
+	name    string
+	backend Backend
+	mu      sync.Mutex
+	downTil time.Time
+	fails   int
+}
+
+// Failover is a Backend over several RPC endpoints of one chain: each call goes to the first endpoint that is not
+// resting after a failure; an endpoint that fails to answer is skipped for a growing pause and the call moves on.
+// Sending the same signed transaction to a second endpoint is safe: it has the same hash.
+type Failover struct {
+	endpoints []*endpoint
+	now       func() time.Time
+	// RetryAfter is the first pause of a failed endpoint; it doubles per consecutive failure up to MaxRetryAfter.
+	RetryAfter, MaxRetryAfter time.Duration
+}
+
+// NewFailover returns a Failover over the given backends, tried in order. Names label endpoints in errors and
+// must not carry secrets (an RPC URL with an API key in it should be redacted by the caller).
+func NewFailover(names []string, backends []Backend) (*Failover, error) {
+	if len(backends) == 0 || len(names) != len(backends) {
+		return nil, fmt.Errorf("failover needs at least one RPC endpoint and one name per endpoint (got %d names, %d endpoints)", len(names), len(backends))
+	}
+	f := &Failover{now: time.Now, RetryAfter: 500 * time.Millisecond, MaxRetryAfter: 30 * time.Second}
+	for i, b := range backends {
+		f.endpoints = append(f.endpoints, &endpoint{name: names[i], backend: b})
+	}
+	return f, nil
+}
+
+// do runs call against the endpoints in order until one answers. If every endpoint is resting, the one that
+// rests the shortest is tried anyway: a call is never refused without trying.
+func do[T any](ctx context.Context, f *Failover, call func(Backend) (T, error)) (T, error) {
+	var zero T
+	var errs []error
+	tried := 0
+	now := f.now()
+	order := make([]*endpoint, 0, len(f.endpoints))
+	var resting []*endpoint
+	for _, e := range f.endpoints {
+		e.mu.Lock()
+		down := now.Before(e.downTil)
+		e.mu.Unlock()
+		if down {
+			resting = append(resting, e)
+		} else {
+			order = append(order, e)
+		}
+	}
+	order = append(order, resting...)
+	for _, e := range order {
+		if ctx.Err() != nil {
+			break
+		}
+		tried++
+		v, err := call(e.backend)
+		if isAnswer(err) {
+			e.mu.Lock()
+			e.fails, e.downTil = 0, time.Time{}
+			e.mu.Unlock()
+			return v, err
+		}
+		e.mu.Lock()
+		e.fails++
+		pause := f.RetryAfter << min(e.fails-1, 16)
+		if pause > f.MaxRetryAfter || pause <= 0 {
+			pause = f.MaxRetryAfter
+		}
+		e.downTil = f.now().Add(pause)
+		e.mu.Unlock()
+		errs = append(errs, fmt.Errorf("rpc %s: %w", e.name, err))
+	}
+	if ctx.Err() != nil {
+		errs = append(errs, ctx.Err())
+	}
+	return zero, &UnreachableError{Tried: tried, Err: errors.Join(errs...)}
+}
+
+// UnreachableError says no RPC endpoint of a network answered.
+type UnreachableError struct {
+	Tried int
+	Err   error
+}
+
+func (e *UnreachableError) Error() string {
+	return fmt.Sprintf("no RPC endpoint answered (%d tried): %v", e.Tried, e.Err)
+}
+
+func (e *UnreachableError) Unwrap() error { return e.Err }
+
+// isTransportError reports whether err means the node was not reached (as opposed to a node's answer).
+func isTransportError(err error) bool {
+	var ue *UnreachableError
+	if errors.As(err, &ue) {
+		return true
+	}
+	var ne net.Error
+	return errors.As(err, &ne) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)
+}
+
+func (f *Failover) ChainID(ctx context.Context) (*big.Int, error) {
+	return do(ctx, f, func(b Backend) (*big.Int, error) { return b.ChainID(ctx) })
+}
+
+func (f *Failover) HeaderByNumber(ctx context.Context, n *big.Int) (*types.Header, error) {
+	return do(ctx, f, func(b Backend) (*types.Header, error) { return b.HeaderByNumber(ctx, n) })
+}
+
+func (f *Failover) CallContract(ctx context.Context, msg ethereum.CallMsg, n *big.Int) ([]byte, error) {
+	return do(ctx, f, func(b Backend) ([]byte, error) { return b.CallContract(ctx, msg, n) })
+}
+
+func (f *Failover) EstimateGas(ctx context.Context, msg ethereum.CallMsg) (uint64, error) {
+	return do(ctx, f, func(b Backend) (uint64, error) { return b.EstimateGas(ctx, msg) })
+}
+
+func (f *Failover) SuggestGasTipCap(ctx context.Context) (*big.Int, error) {
+	return do(ctx, f, func(b Backend) (*big.Int, error) { return b.SuggestGasTipCap(ctx) })
+}
+
+func (f *Failover) SuggestGasPrice(ctx context.Context) (*big.Int, error) {
+	return do(ctx, f, func(b Backend) (*big.Int, error) { return b.SuggestGasPrice(ctx) })
+}
+
+func (f *Failover) PendingNonceAt(ctx context.Context, a common.Address) (uint64, error) {
+	return do(ctx, f, func(b Backend) (uint64, error) { return b.PendingNonceAt(ctx, a) })
+}
+
+func (f *Failover) NonceAt(ctx context.Context, a common.Address, n *big.Int) (uint64, error) {
+	return do(ctx, f, func(b Backend) (uint64, error) { return b.NonceAt(ctx, a, n) })
+}
+
+func (f *Failover) BalanceAt(ctx context.Context, a common.Address, n *big.Int) (*big.Int, error) {
+	return do(ctx, f, func(b Backend) (*big.Int, error) { return b.BalanceAt(ctx, a, n) })
+}
+
+func (f *Failover) CodeAt(ctx context.Context, a common.Address, n *big.Int) ([]byte, error) {
+	return do(ctx, f, func(b Backend) ([]byte, error) { return b.CodeAt(ctx, a, n) })
+}
+
+func (f *Failover) SendTransaction(ctx context.Context, tx *types.Transaction) error {
+	_, err := do(ctx, f, func(b Backend) (struct{}, error) { return struct{}{}, b.SendTransaction(ctx, tx) })
+	return err
+}
+
+func (f *Failover) TransactionReceipt(ctx context.Context, h common.Hash) (*types.Receipt, error) {
+	return do(ctx, f, func(b Backend) (*types.Receipt, error) { return b.TransactionReceipt(ctx, h) })
+}
+
+func (f *Failover) TransactionByHash(ctx context.Context, h common.Hash) (*types.Transaction, bool, error) {
+	type r struct {
+		tx      *types.Transaction
+		pending bool
+	}
+	v, err := do(ctx, f, func(b Backend) (r, error) {
+		tx, p, err := b.TransactionByHash(ctx, h)
+		return r{tx, p}, err
+	})
+	return v.tx, v.pending, err
+}
+
+var _ Backend = (*Failover)(nil)

@@ -1,0 +1,255 @@
+package chain
+
+import (
+	"math/big"
+	"sync"
+
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/crypto"
+)
+
+// EIP-712 type strings of the two transfer methods (x402-wire-facts 4.1 and 4.2). The type hashes derived
+// from them are fixed by deployed contracts and clients, so tests pin them to the published values.
+const (
+	// PermitDomainType is the domain of an EIP-2612 token: name and version from requirements.extra.
+	PermitDomainType = "EIP712Domain(string name,string version,uint256 chainId,address verifyingContract)"
+	// Permit2DomainType is Permit2's domain, which has no version.
+	Permit2DomainType = "EIP712Domain(string name,uint256 chainId,address verifyingContract)"
+	// PermitType is the EIP-2612 Permit message.
+	PermitType = "Permit(address owner,address spender,uint256 value,uint256 nonce,uint256 deadline)"
+	// TokenPermissionsType is Permit2's token and amount pair.
+	TokenPermissionsType = "TokenPermissions(address token,uint256 amount)"
+	// WitnessType is the x402 witness bound into a Permit2 signature.
+	WitnessType = "Witness(address to,uint256 validAfter)"
+	// PermitWitnessTransferFromType is the full Permit2 message type with the x402 witness, referenced types
+	// appended in alphabetical order as EIP-712 requires.
+	PermitWitnessTransferFromType = "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline,Witness witness)" +
+		TokenPermissionsType + WitnessType
+	// Permit2WitnessTypeString is the witnessTypeString the proxy hands to Permit2.permitWitnessTransferFrom.
+	Permit2WitnessTypeString = "Witness witness)" + TokenPermissionsType + WitnessType
+	// Permit2DomainName is the name in Permit2's EIP-712 domain.
+	Permit2DomainName = "Permit2"
+)
+
+// Canonical deployments of the permit2 transfer method (x402-wire-facts 4.2).
+var (
+	canonicalPermit2 = common.HexToAddress("0x000000000022D473030F116dDEE9F6B43aC78BA3")
+	canonicalProxy   = common.HexToAddress("0x402085c248EeA27D92E8b30b2C58ed07f9E20001")
+)
+
+// Type hashes, computed once: they never change, and hashing them per request would double the hot path's
+// keccak work.
+var (
+	permitDomainTypeHash              = crypto.Keccak256Hash([]byte(PermitDomainType))
+	permit2DomainTypeHash             = crypto.Keccak256Hash([]byte(Permit2DomainType))
+	permitTypeHash                    = crypto.Keccak256Hash([]byte(PermitType))
+	tokenPermissionsTypeHash          = crypto.Keccak256Hash([]byte(TokenPermissionsType))
+	witnessTypeHash                   = crypto.Keccak256Hash([]byte(WitnessType))
+	permitWitnessTransferFromTypeHash = crypto.Keccak256Hash([]byte(PermitWitnessTransferFromType))
+	permit2NameHash                   = crypto.Keccak256Hash([]byte(Permit2DomainName))
+)
+
+// Permit is an EIP-2612 Permit message. Numbers must lie in [0, 2^256); nil counts as zero.
+type Permit struct {
+	Owner    common.Address
+	Spender  common.Address
+	Value    *big.Int
+	Nonce    *big.Int
+	Deadline *big.Int
+}
+
+// Permit2Transfer is a Permit2 PermitWitnessTransferFrom with the x402 witness: Permit2 lets Spender (the
+// x402 proxy) move Amount of Token once, to To only, not before ValidAfter and not after Deadline.
+// Numbers must lie in [0, 2^256); nil counts as zero.
+type Permit2Transfer struct {
+	Token      common.Address
+	Amount     *big.Int
+	Spender    common.Address
+	Nonce      *big.Int
+	Deadline   *big.Int
+	To         common.Address
+	ValidAfter *big.Int
+}
+
+// hasher is a keccak state with a scratch buffer big enough for the largest struct encoding here (six words).
+// Both live in a pool so that hashing on the hot path neither allocates nor escapes buffers to the heap.
+type hasher struct {
+	st  crypto.KeccakState
+	buf [6 * 32]byte
+	out common.Hash
+}
+
+var hasherPool = sync.Pool{New: func() any { return &hasher{st: crypto.NewKeccakState()} }}
+
+// sum returns keccak256 of the first n bytes of the scratch buffer.
+func (h *hasher) sum(n int) common.Hash {
+	h.st.Reset()
+	h.st.Write(h.buf[:n])
+	h.st.Read(h.out[:])
+	return h.out
+}
+
+// word returns the i-th 32-byte word of the scratch buffer.
+func (h *hasher) word(i int) []byte { return h.buf[i*32 : i*32+32] }
+
+// digest returns keccak256("\x19\x01" || domain || structHash), the EIP-712 signing digest.
+func (h *hasher) digest(domain, structHash common.Hash) common.Hash {
+	h.buf[0], h.buf[1] = 0x19, 0x01
+	copy(h.buf[2:34], domain[:])
+	copy(h.buf[34:66], structHash[:])
+	return h.sum(66)
+}
+
+func putHash(dst []byte, x common.Hash) { copy(dst[:32], x[:]) }
+
+func putAddress(dst []byte, a common.Address) {
+	clear(dst[:12])
+	copy(dst[12:32], a[:])
+}
+
+// putUint256 writes x as a 32-byte big-endian word. Values outside uint256 are reduced modulo 2^256 (two's
+// complement for negatives), which is what the EVM would see; strict parsers keep such values off the
+// verifier's path, so this only spares library callers a panic.
+func putUint256(dst []byte, x *big.Int) {
+	dst = dst[:32]
+	switch {
+	case x == nil:
+		clear(dst)
+	case x.Sign() >= 0 && x.BitLen() <= 256:
+		x.FillBytes(dst)
+	default:
+		mask := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
+		new(big.Int).And(x, mask).FillBytes(dst)
+	}
+}
+
+// PermitDomainSeparator returns the EIP-712 domain separator of an EIP-2612 token. Prefer a DomainCache on
+// hot paths: this hashes three times.
+func PermitDomainSeparator(name, version string, chainID *big.Int, token common.Address) common.Hash {
+	h := hasherPool.Get().(*hasher)
+	defer hasherPool.Put(h)
+	putHash(h.word(0), permitDomainTypeHash)
+	putHash(h.word(1), crypto.Keccak256Hash([]byte(name)))
+	putHash(h.word(2), crypto.Keccak256Hash([]byte(version)))
+	putUint256(h.word(3), chainID)
+	putAddress(h.word(4), token)
+	return h.sum(5 * 32)
+}
+
+// Permit2DomainSeparator returns the EIP-712 domain separator of the Permit2 contract at permit2.
+func Permit2DomainSeparator(chainID *big.Int, permit2 common.Address) common.Hash {
+	h := hasherPool.Get().(*hasher)
+	defer hasherPool.Put(h)
+	putHash(h.word(0), permit2DomainTypeHash)
+	putHash(h.word(1), permit2NameHash)
+	putUint256(h.word(2), chainID)
+	putAddress(h.word(3), permit2)
+	return h.sum(4 * 32)
+}
+
+// PermitDigest returns the EIP-712 digest an EIP-2612 permit signature signs, given the token's domain
+// separator.
+func PermitDigest(domain common.Hash, p Permit) common.Hash {
+	h := hasherPool.Get().(*hasher)
+	defer hasherPool.Put(h)
+	putHash(h.word(0), permitTypeHash)
+	putAddress(h.word(1), p.Owner)
+	putAddress(h.word(2), p.Spender)
+	putUint256(h.word(3), p.Value)
+	putUint256(h.word(4), p.Nonce)
+	putUint256(h.word(5), p.Deadline)
+	return h.digest(domain, h.sum(6*32))
+}
+
+// Permit2Digest returns the EIP-712 digest a Permit2 PermitWitnessTransferFrom signature with the x402
+// witness signs, given Permit2's domain separator.
+func Permit2Digest(domain common.Hash, p Permit2Transfer) common.Hash {
+	h := hasherPool.Get().(*hasher)
+	defer hasherPool.Put(h)
+
+	putHash(h.word(0), tokenPermissionsTypeHash)
+	putAddress(h.word(1), p.Token)
+	putUint256(h.word(2), p.Amount)
+	permitted := h.sum(3 * 32)
+
+	putHash(h.word(0), witnessTypeHash)
+	putAddress(h.word(1), p.To)
+	putUint256(h.word(2), p.ValidAfter)
+	witness := h.sum(3 * 32)
+
+	putHash(h.word(0), permitWitnessTransferFromTypeHash)
+	putHash(h.word(1), permitted)
+	putAddress(h.word(2), p.Spender)
+	putUint256(h.word(3), p.Nonce)
+	putUint256(h.word(4), p.Deadline)
+	putHash(h.word(5), witness)
+	return h.digest(domain, h.sum(6*32))
+}
+
+// domainCacheLimit bounds a DomainCache: requirements can come from remote /verify callers, so the set of
+// domains seen is not ours to bound, while the domains in real use are a handful per configured asset.
+const domainCacheLimit = 256
+
+// domainKey identifies a domain separator. The chain ID is kept as its 32-byte word so the key is comparable.
+type domainKey struct {
+	permit2  bool
+	name     string
+	version  string
+	chainID  [32]byte
+	contract common.Address
+}
+
+// DomainCache remembers domain separators so that a verification hashes only its message. It is safe for
+// concurrent use and its zero value is ready to use. It holds a bounded number of domains and starts over
+// when full, so untrusted requirements cannot grow it without limit.
+type DomainCache struct {
+	mu sync.RWMutex
+	m  map[domainKey]common.Hash
+}
+
+// Permit returns the domain separator of an EIP-2612 token, as PermitDomainSeparator.
+func (c *DomainCache) Permit(name, version string, chainID *big.Int, token common.Address) common.Hash {
+	k := domainKey{name: name, version: version, contract: token}
+	putUint256(k.chainID[:], chainID)
+	if d, ok := c.lookup(k); ok {
+		return d
+	}
+	d := PermitDomainSeparator(name, version, chainID, token)
+	c.store(k, d)
+	return d
+}
+
+// Permit2 returns the domain separator of the Permit2 contract at permit2, as Permit2DomainSeparator.
+func (c *DomainCache) Permit2(chainID *big.Int, permit2 common.Address) common.Hash {
+	k := domainKey{permit2: true, contract: permit2}
+	putUint256(k.chainID[:], chainID)
+	if d, ok := c.lookup(k); ok {
+		return d
+	}
+	d := Permit2DomainSeparator(chainID, permit2)
+	c.store(k, d)
+	return d
+}
+
+// Len reports how many domain separators the cache holds.
+func (c *DomainCache) Len() int {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return len(c.m)
+}
+
+func (c *DomainCache) lookup(k domainKey) (common.Hash, bool) {
+	c.mu.RLock()
+	d, ok := c.m[k]
+	c.mu.RUnlock()
+	return d, ok
+}
+
+func (c *DomainCache) store(k domainKey, d common.Hash) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m == nil || len(c.m) >= domainCacheLimit {
+		c.m = make(map[domainKey]common.Hash, 8)
+	}
+	c.m[k] = d
+}

@@ -1,0 +1,500 @@
+package chain
+
+import (
+	"crypto/ecdsa"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/big"
+	"strings"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/crypto"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// Token permit domain defaults: the values of the spec's networks, used when requirements.extra names none.
+const (
+	DefaultTokenName    = "Stable Coin"
+	DefaultTokenVersion = "1"
+)
+
+// validAfterSkew is how far before now payers date validAfter, as public clients do, so that a chain whose
+// clock lags the payer's still accepts the payment at once.
+const validAfterSkew = 600 * time.Second
+
+// Permit2Options tunes SignPermit2Payment. The zero value signs as public clients do.
+type Permit2Options struct {
+	// Nonce is the unordered Permit2 nonce; nil draws a random 256-bit one.
+	Nonce *big.Int
+	// ValidAfter defaults to Now - 600 s (never below 0).
+	ValidAfter *big.Int
+	// Deadline defaults to Now + requirements.maxTimeoutSeconds.
+	Deadline *big.Int
+	// Now is the signing time the defaults derive from; zero means time.Now().
+	Now time.Time
+	// Permit2 defaults to requirements.extra.permit2Address, else the canonical deployment.
+	Permit2 common.Address
+	// Proxy, the Permit2 spender, defaults to requirements.extra.x402Permit2ProxyAddress, else the canonical
+	// x402ExactPermit2Proxy.
+	Proxy common.Address
+}
+
+// ERC2612Options tunes SignERC2612Payment.
+type ERC2612Options struct {
+	// Spender is the facilitator wallet that will submit the permit; defaults to requirements.extra.spender.
+	Spender common.Address
+	// TokenNonce is the token's nonces(payer); required, as only the chain knows it.
+	TokenNonce *big.Int
+	// ValidAfter defaults to Now - 600 s (never below 0).
+	ValidAfter *big.Int
+	// Deadline, the permit deadline (validBefore), defaults to Now + requirements.maxTimeoutSeconds.
+	Deadline *big.Int
+	// Now is the signing time the defaults derive from; zero means time.Now().
+	Now time.Time
+}
+
+// payerTerms are the parts of requirements every payment method signs over.
+type payerTerms struct {
+	asset      common.Address
+	payTo      common.Address
+	amount     *big.Int
+	validAfter *big.Int
+	deadline   *big.Int
+}
+
+// SignPermit2Payment builds and signs a version 2 permit2 payment for req: a Permit2 PermitWitnessTransferFrom
+// that lets the x402 proxy move exactly req.Amount of req.Asset to req.PayTo. The payer must have approved
+// Permit2 on the token, or the caller adds AddGasSponsoring.
+func SignPermit2Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, chainID *big.Int, opts Permit2Options) (x402.PaymentPayload, error) {
+	if err := checkMethod(req, x402.TransferPermit2); err != nil {
+		return x402.PaymentPayload{}, err
+	}
+	t, err := parseTerms(req, chainID, opts.Now, opts.ValidAfter, opts.Deadline)
+	if err != nil {
+		return x402.PaymentPayload{}, err
+	}
+	permit2, err := contractAddress(opts.Permit2, req.Extra.Permit2Address, "requirements.extra.permit2Address", canonicalPermit2)
+	if err != nil {
+		return x402.PaymentPayload{}, err
+	}
+	proxy, err := contractAddress(opts.Proxy, req.Extra.X402Permit2ProxyAddress, "requirements.extra.x402Permit2ProxyAddress", canonicalProxy)
+	if err != nil {
+		return x402.PaymentPayload{}, err
+	}
+	nonce := opts.Nonce
+	if nonce == nil {
+		var b [32]byte
+		if _, err := rand.Read(b[:]); err != nil {
+			return x402.PaymentPayload{}, fmt.Errorf("drawing a Permit2 nonce: %w", err)
+		}
+		nonce = new(big.Int).SetBytes(b[:])
+	} else if err := checkUint256("nonce", nonce); err != nil {
+		return x402.PaymentPayload{}, err
+	}
+
+	p := Permit2Transfer{
+		Token:      t.asset,
+		Amount:     t.amount,
+		Spender:    proxy,
+		Nonce:      nonce,
+		Deadline:   t.deadline,
+		To:         t.payTo,
+		ValidAfter: t.validAfter,
+	}
+	sig, err := SignDigest(key, Permit2Digest(Permit2DomainSeparator(chainID, permit2), p))
+	if err != nil {
+		return x402.PaymentPayload{}, err
+	}
+	return x402.PaymentPayload{
+		X402Version: x402.Version2,
+		Accepted:    req,
+		Payload: x402.ExactEVMPayload{
+			Signature: sig.Hex(),
+			Permit2Authorization: &x402.Permit2Authorization{
+				From:      crypto.PubkeyToAddress(key.PublicKey).Hex(),
+				Permitted: x402.TokenPermissions{Token: p.Token.Hex(), Amount: p.Amount.String()},
+				Spender:   p.Spender.Hex(),
+				Nonce:     p.Nonce.String(),
+				Deadline:  p.Deadline.String(),
+				Witness:   x402.Permit2Witness{To: p.To.Hex(), ValidAfter: p.ValidAfter.String()},
+			},
+		},
+	}, nil
+}
+
+// SignERC2612Payment builds and signs a version 2 erc2612 payment for req: an EIP-2612 permit of req.Amount
+// to the facilitator wallet that will pull the funds and pay req.PayTo. The token domain is
+// requirements.extra name and version (default "Stable Coin" / "1"), verifying contract req.Asset.
+func SignERC2612Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, chainID *big.Int, opts ERC2612Options) (x402.PaymentPayload, error) {
+	if err := checkMethod(req, x402.TransferERC2612); err != nil {
+		return x402.PaymentPayload{}, err
+	}
+	t, err := parseTerms(req, chainID, opts.Now, opts.ValidAfter, opts.Deadline)
+	if err != nil {
+		return x402.PaymentPayload{}, err
+	}
+	if opts.TokenNonce == nil {
+		return x402.PaymentPayload{}, errors.New("erc2612 payment needs TokenNonce: read the token's nonces(payer) first")
+	}
+	if err := checkUint256("token nonce", opts.TokenNonce); err != nil {
+		return x402.PaymentPayload{}, err
+	}
+	spender := opts.Spender
+	if spender == (common.Address{}) {
+		if req.Extra.Spender == "" {
+			return x402.PaymentPayload{}, errors.New("erc2612 payment needs a spender: set ERC2612Options.Spender to a facilitator wallet (see /supported signers) or requirements.extra.spender")
+		}
+		if spender, err = ParseAddress("requirements.extra.spender", req.Extra.Spender); err != nil {
+			return x402.PaymentPayload{}, err
+		}
+	}
+
+	from := crypto.PubkeyToAddress(key.PublicKey)
+	p := Permit{Owner: from, Spender: spender, Value: t.amount, Nonce: opts.TokenNonce, Deadline: t.deadline}
+	name, version := tokenDomain(req.Extra.Name, req.Extra.Version)
+	sig, err := SignDigest(key, PermitDigest(PermitDomainSeparator(name, version, chainID, t.asset), p))
+	if err != nil {
+		return x402.PaymentPayload{}, err
+	}
+	return x402.PaymentPayload{
+		X402Version: x402.Version2,
+		Accepted:    req,
+		Payload: x402.ExactEVMPayload{
+			Signature: sig.Hex(),
+			Authorization: &x402.EIP2612Authorization{
+				From:        from.Hex(),
+				To:          spender.Hex(),
+				Value:       p.Value.String(),
+				ValidAfter:  t.validAfter.String(),
+				ValidBefore: p.Deadline.String(),
+				Nonce:       p.Nonce.String(),
+			},
+		},
+	}, nil
+}
+
+// AddGasSponsoring adds to a signed permit2 payment the eip2612GasSponsoring extension: the payer's EIP-2612
+// permit of the payment amount to Permit2, valid until the Permit2 deadline, so that the facilitator can make
+// the one-time Permit2 approval for the payer. tokenName and tokenVersion default to the payload's
+// accepted.extra, then to "Stable Coin" / "1"; Permit2 is accepted.extra.permit2Address or the canonical one.
+// tokenNonce is the token's nonces(payer). A schema the server declared under the extension is kept.
+func AddGasSponsoring(p *x402.PaymentPayload, key *ecdsa.PrivateKey, chainID *big.Int, tokenName, tokenVersion string, tokenNonce *big.Int) error {
+	if p == nil || p.Payload.Permit2Authorization == nil {
+		return errors.New("gas sponsoring needs a signed permit2 payment; the payload has no permit2Authorization")
+	}
+	if tokenNonce == nil {
+		return errors.New("gas sponsoring needs the token's nonces(payer); got nil")
+	}
+	if err := checkUint256("token nonce", tokenNonce); err != nil {
+		return err
+	}
+	t, owner, err := Permit2TransferFromPayload(p.Payload.Permit2Authorization)
+	if err != nil {
+		return err
+	}
+	from := crypto.PubkeyToAddress(key.PublicKey)
+	if owner != from {
+		return fmt.Errorf("gas sponsoring key is %s but the permit2 payment is from %s", from.Hex(), owner.Hex())
+	}
+	permit2, err := contractAddress(common.Address{}, p.Accepted.Extra.Permit2Address, "accepted.extra.permit2Address", canonicalPermit2)
+	if err != nil {
+		return err
+	}
+	if tokenName == "" {
+		tokenName = p.Accepted.Extra.Name
+	}
+	if tokenVersion == "" {
+		tokenVersion = p.Accepted.Extra.Version
+	}
+	name, version := tokenDomain(tokenName, tokenVersion)
+
+	permit := Permit{Owner: from, Spender: permit2, Value: t.Amount, Nonce: tokenNonce, Deadline: t.Deadline}
+	sig, err := SignDigest(key, PermitDigest(PermitDomainSeparator(name, version, chainID, t.Token), permit))
+	if err != nil {
+		return err
+	}
+	info := x402.EIP2612GasSponsoringInfo{
+		From:      from.Hex(),
+		Asset:     t.Token.Hex(),
+		Spender:   permit2.Hex(),
+		Amount:    permit.Value.String(),
+		Nonce:     permit.Nonce.String(),
+		Deadline:  permit.Deadline.String(),
+		Signature: sig.Hex(),
+		Version:   "1",
+	}
+
+	ext := map[string]json.RawMessage{}
+	if prev, ok := p.Extensions[x402.ExtensionEIP2612GasSponsoring]; ok && len(prev) > 0 {
+		// Keep what the server declared (schema, description); a non-object is replaced.
+		_ = json.Unmarshal(prev, &ext)
+		if ext == nil {
+			ext = map[string]json.RawMessage{}
+		}
+	}
+	raw, err := json.Marshal(info)
+	if err != nil {
+		return fmt.Errorf("encoding gas sponsoring info: %w", err)
+	}
+	ext["info"] = raw
+	rawExt, err := json.Marshal(ext)
+	if err != nil {
+		return fmt.Errorf("encoding gas sponsoring extension: %w", err)
+	}
+	if p.Extensions == nil {
+		p.Extensions = map[string]json.RawMessage{}
+	}
+	p.Extensions[x402.ExtensionEIP2612GasSponsoring] = rawExt
+	return nil
+}
+
+// Permit2TransferFromPayload parses a permit2 authorization strictly (addresses 0x + 40 hex digits, numbers
+// decimal uint256 as x402.ParseUint256 reads them) into the message its signature signs, and the payer it claims. Errors are *FieldError.
+func Permit2TransferFromPayload(a *x402.Permit2Authorization) (Permit2Transfer, common.Address, error) {
+	var (
+		p     Permit2Transfer
+		owner common.Address
+		err   error
+	)
+	if a == nil {
+		return p, owner, &FieldError{Field: "permit2Authorization", Want: "an object", Got: "nothing"}
+	}
+	if owner, err = ParseAddress("permit2Authorization.from", a.From); err != nil {
+		return p, owner, err
+	}
+	if p.Token, err = ParseAddress("permit2Authorization.permitted.token", a.Permitted.Token); err != nil {
+		return p, owner, err
+	}
+	if p.Amount, err = parseNumber("permit2Authorization.permitted.amount", a.Permitted.Amount); err != nil {
+		return p, owner, err
+	}
+	if p.Spender, err = ParseAddress("permit2Authorization.spender", a.Spender); err != nil {
+		return p, owner, err
+	}
+	if p.Nonce, err = parseNumber("permit2Authorization.nonce", a.Nonce); err != nil {
+		return p, owner, err
+	}
+	if p.Deadline, err = parseNumber("permit2Authorization.deadline", a.Deadline); err != nil {
+		return p, owner, err
+	}
+	if p.To, err = ParseAddress("permit2Authorization.witness.to", a.Witness.To); err != nil {
+		return p, owner, err
+	}
+	if p.ValidAfter, err = parseNumber("permit2Authorization.witness.validAfter", a.Witness.ValidAfter); err != nil {
+		return p, owner, err
+	}
+	return p, owner, nil
+}
+
+// PermitFromAuthorization parses an erc2612 authorization strictly into the EIP-2612 Permit its signature
+// signs: owner = from, spender = to, deadline = validBefore. validAfter is checked for form too, though the
+// permit does not sign it. Errors are *FieldError.
+func PermitFromAuthorization(a *x402.EIP2612Authorization) (Permit, error) {
+	var (
+		p   Permit
+		err error
+	)
+	if a == nil {
+		return p, &FieldError{Field: "authorization", Want: "an object", Got: "nothing"}
+	}
+	if p.Owner, err = ParseAddress("authorization.from", a.From); err != nil {
+		return p, err
+	}
+	if p.Spender, err = ParseAddress("authorization.to", a.To); err != nil {
+		return p, err
+	}
+	if p.Value, err = parseNumber("authorization.value", a.Value); err != nil {
+		return p, err
+	}
+	if _, err = parseNumber("authorization.validAfter", a.ValidAfter); err != nil {
+		return p, err
+	}
+	if p.Deadline, err = parseNumber("authorization.validBefore", a.ValidBefore); err != nil {
+		return p, err
+	}
+	if p.Nonce, err = parseNumber("authorization.nonce", a.Nonce); err != nil {
+		return p, err
+	}
+	return p, nil
+}
+
+// PermitFromGasSponsoring parses an eip2612GasSponsoring info strictly into the EIP-2612 Permit its signature
+// signs and the token whose domain it is signed over. It does not judge the values (spender = Permit2, from =
+// payer): the verifier does. Errors are *FieldError.
+func PermitFromGasSponsoring(info *x402.EIP2612GasSponsoringInfo) (Permit, common.Address, error) {
+	var (
+		p     Permit
+		token common.Address
+		err   error
+	)
+	if info == nil {
+		return p, token, &FieldError{Field: "eip2612GasSponsoring.info", Want: "an object", Got: "nothing"}
+	}
+	if p.Owner, err = ParseAddress("eip2612GasSponsoring.info.from", info.From); err != nil {
+		return p, token, err
+	}
+	if token, err = ParseAddress("eip2612GasSponsoring.info.asset", info.Asset); err != nil {
+		return p, token, err
+	}
+	if p.Spender, err = ParseAddress("eip2612GasSponsoring.info.spender", info.Spender); err != nil {
+		return p, token, err
+	}
+	if p.Value, err = parseNumber("eip2612GasSponsoring.info.amount", info.Amount); err != nil {
+		return p, token, err
+	}
+	if p.Nonce, err = parseNumber("eip2612GasSponsoring.info.nonce", info.Nonce); err != nil {
+		return p, token, err
+	}
+	if p.Deadline, err = parseNumber("eip2612GasSponsoring.info.deadline", info.Deadline); err != nil {
+		return p, token, err
+	}
+	return p, token, nil
+}
+
+// FieldError says which field of a payload or requirement does not have the expected form, and what came.
+type FieldError struct {
+	// Field is the JSON path of the field, such as "permit2Authorization.witness.to".
+	Field string
+	// Want describes the expected form.
+	Want string
+	// Got is the value that came, shortened.
+	Got string
+	// Err is the parser's own error, if any (such as x402.ErrNumberSyntax).
+	Err error
+}
+
+// Error names the field, what was expected and what came.
+func (e *FieldError) Error() string {
+	if e.Err != nil {
+		return fmt.Sprintf("%s: expected %s: %v", e.Field, e.Want, e.Err)
+	}
+	return fmt.Sprintf("%s: expected %s, got %q", e.Field, e.Want, e.Got)
+}
+
+// Unwrap returns the parser's error, so errors.Is sees x402.ErrNumberSyntax and x402.ErrNumberRange.
+func (e *FieldError) Unwrap() error { return e.Err }
+
+// ParseAddress parses an address strictly: 0x followed by exactly 40 hex digits, any case (the checksum case
+// is not enforced, as clients and servers write addresses differently). field names it in errors.
+func ParseAddress(field, s string) (common.Address, error) {
+	var a common.Address
+	if len(s) != 42 || s[0] != '0' || (s[1] != 'x' && s[1] != 'X') {
+		return a, &FieldError{Field: field, Want: "an address (0x and 40 hex digits)", Got: truncate(s)}
+	}
+	for i := range a {
+		hi, ok1 := fromHexChar(s[2+2*i])
+		lo, ok2 := fromHexChar(s[3+2*i])
+		if !ok1 || !ok2 {
+			return common.Address{}, &FieldError{Field: field, Want: "an address (0x and 40 hex digits)", Got: truncate(s)}
+		}
+		a[i] = hi<<4 | lo
+	}
+	return a, nil
+}
+
+// parseNumber parses a decimal uint256 field with x402's strict rules (digits only, no leading zeros, below
+// 2^256), naming the field in the error.
+func parseNumber(field, s string) (*big.Int, error) {
+	x, err := x402.ParseUint256(s)
+	if err != nil {
+		return nil, &FieldError{Field: field, Want: "a decimal uint256", Got: truncate(s), Err: err}
+	}
+	return x, nil
+}
+
+// parseTerms reads what every payment method signs from req, and fills the validity window.
+func parseTerms(req x402.PaymentRequirements, chainID *big.Int, now time.Time, validAfter, deadline *big.Int) (payerTerms, error) {
+	var (
+		t   payerTerms
+		err error
+	)
+	if req.Scheme != "" && req.Scheme != x402.SchemeExact {
+		return t, fmt.Errorf("requirements.scheme: expected %q, got %q", x402.SchemeExact, req.Scheme)
+	}
+	if err := checkChainID(req.Network, chainID); err != nil {
+		return t, err
+	}
+	if t.asset, err = ParseAddress("requirements.asset", req.Asset); err != nil {
+		return t, err
+	}
+	if t.payTo, err = ParseAddress("requirements.payTo", req.PayTo); err != nil {
+		return t, err
+	}
+	if t.amount, err = parseNumber("requirements.amount", req.Amount); err != nil {
+		return t, err
+	}
+	if now.IsZero() {
+		now = time.Now()
+	}
+	if t.validAfter = validAfter; t.validAfter == nil {
+		t.validAfter = big.NewInt(max(0, now.Add(-validAfterSkew).Unix()))
+	} else if err := checkUint256("validAfter", t.validAfter); err != nil {
+		return t, err
+	}
+	if t.deadline = deadline; t.deadline == nil {
+		if req.MaxTimeoutSeconds <= 0 {
+			return t, fmt.Errorf("requirements.maxTimeoutSeconds: expected a positive number to derive the deadline from, got %d; or set Deadline", req.MaxTimeoutSeconds)
+		}
+		t.deadline = big.NewInt(now.Unix() + req.MaxTimeoutSeconds)
+	} else if err := checkUint256("deadline", t.deadline); err != nil {
+		return t, err
+	}
+	return t, nil
+}
+
+// checkChainID refuses to sign for a chain other than the one the requirements name, as the signature would
+// be valid there and useless here.
+func checkChainID(network string, chainID *big.Int) error {
+	if chainID == nil || chainID.Sign() <= 0 || chainID.BitLen() > 256 {
+		return fmt.Errorf("chain ID: expected a positive uint256, got %v", chainID)
+	}
+	ref, ok := strings.CutPrefix(network, "eip155:")
+	if !ok {
+		return nil
+	}
+	n, good := new(big.Int).SetString(ref, 10)
+	if !good || n.Cmp(chainID) != 0 {
+		return fmt.Errorf("requirements.network is %q but signing for chain %s", network, chainID)
+	}
+	return nil
+}
+
+// checkMethod refuses requirements that name a different asset transfer method; none named is fine.
+func checkMethod(req x402.PaymentRequirements, method string) error {
+	if m := req.Extra.AssetTransferMethod; m != "" && m != method {
+		return fmt.Errorf("requirements.extra.assetTransferMethod is %q; this signs a %s payment", m, method)
+	}
+	return nil
+}
+
+func checkUint256(what string, x *big.Int) error {
+	if x.Sign() < 0 || x.BitLen() > 256 {
+		return fmt.Errorf("%s: expected a uint256, got %s", what, x)
+	}
+	return nil
+}
+
+// contractAddress picks an explicit address, else the one the requirements name, else the canonical one.
+func contractAddress(explicit common.Address, fromExtra, field string, canonical common.Address) (common.Address, error) {
+	if explicit != (common.Address{}) {
+		return explicit, nil
+	}
+	if fromExtra != "" {
+		return ParseAddress(field, fromExtra)
+	}
+	return canonical, nil
+}
+
+func tokenDomain(name, version string) (string, string) {
+	if name == "" {
+		name = DefaultTokenName
+	}
+	if version == "" {
+		version = DefaultTokenVersion
+	}
+	return name, version
+}

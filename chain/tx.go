@@ -1,0 +1,316 @@
+package chain
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/big"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
+)
+
+// contractCall is one transaction a settlement sends: a call of To with Data, limited to Gas.
+type contractCall struct {
+	To   common.Address
+	Data []byte
+	Gas  uint64
+}
+
+// FeePolicy says how settlement transactions are priced.
+type FeePolicy struct {
+	// Legacy sends type-0 transactions priced by eth_gasPrice, for networks without EIP-1559.
+	Legacy bool
+	// TipCap overrides the suggested priority fee (wei) when set.
+	TipCap *big.Int
+	// CacheFor is how long a fee quote is reused; settlements in one block pay alike.
+	CacheFor time.Duration
+}
+
+// feeQuote is a cached price for new transactions.
+type feeQuote struct {
+	at             time.Time
+	tipCap, feeCap *big.Int // EIP-1559
+	gasPrice       *big.Int // legacy
+}
+
+// sender signs and broadcasts settlement transactions for one network: nonces per wallet, fee quotes, and the
+// write-ahead record of every signed transaction before it leaves the process.
+type sender struct {
+	backend Backend
+	chainID *big.Int
+	signer  types.Signer
+	fees    FeePolicy
+	now     func() time.Time
+
+	feeMu sync.Mutex
+	quote *feeQuote
+}
+
+func newSender(b Backend, chainID *big.Int, fees FeePolicy, now func() time.Time) *sender {
+	if fees.CacheFor == 0 {
+		fees.CacheFor = time.Second
+	}
+	return &sender{backend: b, chainID: chainID, signer: types.LatestSignerForChainID(chainID), fees: fees, now: now}
+}
+
+func (s *sender) feeQuote(ctx context.Context) (*feeQuote, error) {
+	s.feeMu.Lock()
+	defer s.feeMu.Unlock()
+	if q := s.quote; q != nil && s.now().Sub(q.at) < s.fees.CacheFor {
+		return q, nil
+	}
+	q := &feeQuote{at: s.now()}
+	if s.fees.Legacy {
+		gp, err := s.backend.SuggestGasPrice(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("gas price: %w", err)
+		}
+		q.gasPrice = gp
+	} else {
+		head, err := s.backend.HeaderByNumber(ctx, nil)
+		if err != nil {
+			return nil, fmt.Errorf("head block for the base fee: %w", err)
+		}
+		tip := s.fees.TipCap
+		if tip == nil {
+			if tip, err = s.backend.SuggestGasTipCap(ctx); err != nil {
+				return nil, fmt.Errorf("priority fee: %w", err)
+			}
+		}
+		base := head.BaseFee
+		if base == nil {
+			base = new(big.Int)
+		}
+		// Twice the base fee survives six full blocks of base fee increases.
+		q.tipCap, q.feeCap = tip, new(big.Int).Add(new(big.Int).Mul(base, big.NewInt(2)), tip)
+	}
+	s.quote = q
+	return q, nil
+}
+
+// bump prices a replacement of tx: at least 12.5% more on every fee, which every client accepts (geth wants 10%).
+func bump(v *big.Int) *big.Int {
+	out := new(big.Int).Mul(v, big.NewInt(9))
+	out.Div(out, big.NewInt(8))
+	return out.Add(out, big.NewInt(1))
+}
+
+func (s *sender) sign(w *Wallet, nonce uint64, c contractCall, q *feeQuote) (*types.Transaction, error) {
+	var inner types.TxData
+	if q.gasPrice != nil {
+		inner = &types.LegacyTx{Nonce: nonce, GasPrice: q.gasPrice, Gas: c.Gas, To: &c.To, Data: c.Data}
+	} else {
+		inner = &types.DynamicFeeTx{ChainID: s.chainID, Nonce: nonce, GasTipCap: q.tipCap, GasFeeCap: q.feeCap, Gas: c.Gas, To: &c.To, Data: c.Data}
+	}
+	return types.SignNewTx(w.key, s.signer, inner)
+}
+
+// errBroadcastUnknown marks a send whose transactions were signed and recorded but whose delivery to a node is
+// unknown: they may be in a mempool. They keep their nonces and are re-broadcast as they are, never re-signed.
+var errBroadcastUnknown = errors.New("the node could not be reached while broadcasting; the transaction may have been sent")
+
+// send signs calls with consecutive nonces of w, hands them to record (the write-ahead journal entry) and
+// broadcasts them in order. It returns the transactions that may have reached a node. A nonce conflict
+// (another sender used the wallet, or a restart forgot pending transactions) re-reads the pending nonce and
+// re-signs before anything of the batch went out.
+func (s *sender) send(ctx context.Context, w *Wallet, calls []contractCall, record func([]*types.Transaction) error) ([]*types.Transaction, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	q, err := s.feeQuote(ctx)
+	if err != nil {
+		return nil, err
+	}
+	for attempt := 0; ; attempt++ {
+		if !w.synced {
+			n, err := s.backend.PendingNonceAt(ctx, w.Address)
+			if err != nil {
+				return nil, fmt.Errorf("pending nonce of %s: %w", w.Address.Hex(), err)
+			}
+			w.nonce, w.synced = n, true
+		}
+		txs := make([]*types.Transaction, len(calls))
+		for i, c := range calls {
+			if txs[i], err = s.sign(w, w.nonce+uint64(i), c, q); err != nil {
+				return nil, fmt.Errorf("signing settlement transaction: %w", err)
+			}
+		}
+		if err := record(txs); err != nil {
+			return nil, fmt.Errorf("recording the transaction before broadcast: %w", err)
+		}
+	broadcast:
+		for i, tx := range txs {
+			err := s.backend.SendTransaction(ctx, tx)
+			switch {
+			case err == nil || isAlreadyKnown(err):
+				continue
+			case isTransportError(err):
+				w.nonce += uint64(len(txs))
+				return txs, fmt.Errorf("%w: %v", errBroadcastUnknown, err)
+			case i == 0 && isNonceConflict(err) && s.known(ctx, tx):
+				// Our own transaction, already sent by a re-broadcast or mined: not a conflict.
+				continue
+			case i == 0 && isNonceConflict(err) && attempt < 3:
+				w.synced = false
+				break broadcast
+			case i == 0:
+				// Refused outright (no gas money, fee too low...): the nonce is still free.
+				return nil, fmt.Errorf("node refused the settlement transaction: %w", err)
+			default:
+				// The first went out, a later one was refused: the first's nonce is spent.
+				w.nonce += uint64(i)
+				return txs[:i], fmt.Errorf("node refused settlement transaction %d of %d: %w", i+1, len(txs), err)
+			}
+		}
+		if w.synced {
+			w.nonce += uint64(len(txs))
+			return txs, nil
+		}
+	}
+}
+
+// known reports whether the node already has tx, in its pool or mined.
+func (s *sender) known(ctx context.Context, tx *types.Transaction) bool {
+	if _, _, err := s.backend.TransactionByHash(ctx, tx.Hash()); err == nil {
+		return true
+	}
+	r, err := s.backend.TransactionReceipt(ctx, tx.Hash())
+	return err == nil && r != nil
+}
+
+// rebroadcast sends an already signed transaction again (after a restart or an unreachable node). It is safe:
+// the same bytes have the same hash and cannot be mined twice.
+func (s *sender) rebroadcast(ctx context.Context, tx *types.Transaction) error {
+	err := s.backend.SendTransaction(ctx, tx)
+	if err == nil || isAlreadyKnown(err) {
+		return nil
+	}
+	return err
+}
+
+func isAlreadyKnown(err error) bool {
+	return err != nil && strings.Contains(err.Error(), "already known")
+}
+
+func isNonceConflict(err error) bool {
+	if err == nil {
+		return false
+	}
+	m := err.Error()
+	return strings.Contains(m, "nonce too low") || strings.Contains(m, "replacement transaction underpriced")
+}
+
+// receiptWatcher waits for receipts: while anyone waits it polls the head block, and each time the head moves it
+// looks up the receipts of the watched transactions. One poll serves every waiter.
+type receiptWatcher struct {
+	backend Backend
+	poll    time.Duration
+
+	mu      sync.Mutex
+	waiters map[common.Hash][]chan *types.Receipt
+	fresh   []common.Hash // registered since the last look: looked up even if the head has not moved
+	running bool
+}
+
+func newReceiptWatcher(b Backend, poll time.Duration) *receiptWatcher {
+	if poll <= 0 {
+		poll = 50 * time.Millisecond
+	}
+	return &receiptWatcher{backend: b, poll: poll, waiters: map[common.Hash][]chan *types.Receipt{}}
+}
+
+// wait returns the first receipt seen for any of hashes (a transaction and its fee replacements), or ctx's error.
+func (rw *receiptWatcher) wait(ctx context.Context, hashes ...common.Hash) (*types.Receipt, error) {
+	ch := make(chan *types.Receipt, len(hashes))
+	rw.mu.Lock()
+	for _, h := range hashes {
+		rw.waiters[h] = append(rw.waiters[h], ch)
+	}
+	rw.fresh = append(rw.fresh, hashes...)
+	if !rw.running {
+		rw.running = true
+		go rw.loop()
+	}
+	rw.mu.Unlock()
+	defer func() {
+		rw.mu.Lock()
+		for _, h := range hashes {
+			list := rw.waiters[h]
+			for i, c := range list {
+				if c == ch {
+					list = append(list[:i], list[i+1:]...)
+					break
+				}
+			}
+			if len(list) == 0 {
+				delete(rw.waiters, h)
+			} else {
+				rw.waiters[h] = list
+			}
+		}
+		rw.mu.Unlock()
+	}()
+	select {
+	case r := <-ch:
+		return r, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+func (rw *receiptWatcher) loop() {
+	var lastHead uint64
+	first := true
+	ticker := time.NewTicker(rw.poll)
+	defer ticker.Stop()
+	for {
+		rw.mu.Lock()
+		if len(rw.waiters) == 0 {
+			rw.running = false
+			rw.mu.Unlock()
+			return
+		}
+		fresh := rw.fresh
+		rw.fresh = nil
+		hashes := make([]common.Hash, 0, len(rw.waiters))
+		for h := range rw.waiters {
+			hashes = append(hashes, h)
+		}
+		rw.mu.Unlock()
+
+		ctx, cancel := context.WithTimeout(context.Background(), 10*rw.poll+time.Second)
+		head, err := rw.backend.HeaderByNumber(ctx, nil)
+		moved := err == nil && (first || head.Number.Uint64() != lastHead)
+		if moved {
+			first, lastHead = false, head.Number.Uint64()
+		} else {
+			hashes = fresh
+		}
+		if err == nil {
+			for _, h := range hashes {
+				r, err := rw.backend.TransactionReceipt(ctx, h)
+				if err != nil || r == nil {
+					continue
+				}
+				rw.mu.Lock()
+				for _, c := range rw.waiters[h] {
+					select {
+					case c <- r:
+					default:
+					}
+				}
+				rw.mu.Unlock()
+			}
+		}
+		if err != nil {
+			rw.mu.Lock()
+			rw.fresh = append(rw.fresh, fresh...)
+			rw.mu.Unlock()
+		}
+		cancel()
+		<-ticker.C
+	}
+}

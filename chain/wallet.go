@@ -1,0 +1,186 @@
+package chain
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/crypto"
+)
+
+// ErrNoAvailableWallets is returned when every settlement wallet stayed busy for the pool's whole wait.
+var ErrNoAvailableWallets = errors.New("No available wallets in pool")
+
+// Wallet is one settlement account. Its mutex serialises nonce assignment and sending, so transactions of one
+// wallet are signed and broadcast in nonce order while many are in flight (pipelining without waiting for receipts).
+type Wallet struct {
+	key     *ecdsa.PrivateKey
+	Address common.Address
+
+	mu     sync.Mutex // guards nonce and synced; held while signing and sending
+	nonce  uint64
+	synced bool
+
+	busy int // settlements holding this wallet; guarded by the pool's mutex
+}
+
+// NewWallet wraps a private key. The key never leaves the wallet, and the wallet's String shows only the address.
+func NewWallet(key *ecdsa.PrivateKey) *Wallet {
+	return &Wallet{key: key, Address: crypto.PubkeyToAddress(key.PublicKey)}
+}
+
+func (w *Wallet) String() string { return w.Address.Hex() }
+
+// WalletPool hands out the settlement wallets of one network. A wallet carries at most MaxInFlight settlements at
+// once; a caller waits at most Wait for one to free up before getting ErrNoAvailableWallets.
+type WalletPool struct {
+	wallets []*Wallet
+	byAddr  map[common.Address]*Wallet
+
+	// MaxInFlight is how many settlements one wallet pipelines at once.
+	MaxInFlight int
+	// Wait bounds how long Acquire waits for a wallet to free up.
+	Wait time.Duration
+
+	mu      sync.Mutex
+	changed chan struct{} // closed and replaced whenever a wallet is released
+}
+
+// NewWalletPool returns a pool over keys; duplicate keys are refused.
+func NewWalletPool(keys []*ecdsa.PrivateKey) (*WalletPool, error) {
+	if len(keys) == 0 {
+		return nil, errors.New("a wallet pool needs at least one settlement key")
+	}
+	p := &WalletPool{byAddr: map[common.Address]*Wallet{}, MaxInFlight: 64, Wait: 2 * time.Second, changed: make(chan struct{})}
+	for _, k := range keys {
+		w := NewWallet(k)
+		if _, dup := p.byAddr[w.Address]; dup {
+			return nil, fmt.Errorf("settlement wallet %s is listed twice", w.Address.Hex())
+		}
+		p.wallets = append(p.wallets, w)
+		p.byAddr[w.Address] = w
+	}
+	return p, nil
+}
+
+// Addresses lists the wallets' addresses in configuration order.
+func (p *WalletPool) Addresses() []common.Address {
+	out := make([]common.Address, len(p.wallets))
+	for i, w := range p.wallets {
+		out[i] = w.Address
+	}
+	return out
+}
+
+// Wallets lists the wallets in configuration order.
+func (p *WalletPool) Wallets() []*Wallet { return p.wallets }
+
+// Has reports whether addr is one of the pool's wallets.
+func (p *WalletPool) Has(addr common.Address) bool {
+	_, ok := p.byAddr[addr]
+	return ok
+}
+
+// InUse is how many settlements hold wallets right now.
+func (p *WalletPool) InUse() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for _, w := range p.wallets {
+		n += w.busy
+	}
+	return n
+}
+
+// Acquire takes a wallet for one settlement: the wallet want when it is given (an erc2612 permit can only be
+// spent by the spender it names), else the least busy one. Release it when the settlement no longer needs it.
+func (p *WalletPool) Acquire(ctx context.Context, want *common.Address) (*Wallet, error) {
+	if want != nil && !p.Has(*want) {
+		return nil, fmt.Errorf("%s is not a settlement wallet of this facilitator", want.Hex())
+	}
+	timer := time.NewTimer(p.Wait)
+	defer timer.Stop()
+	for {
+		p.mu.Lock()
+		var pick *Wallet
+		if want != nil {
+			if w := p.byAddr[*want]; w.busy < p.MaxInFlight {
+				pick = w
+			}
+		} else {
+			for _, w := range p.wallets {
+				if w.busy < p.MaxInFlight && (pick == nil || w.busy < pick.busy) {
+					pick = w
+				}
+			}
+		}
+		if pick != nil {
+			pick.busy++
+			p.mu.Unlock()
+			return pick, nil
+		}
+		changed := p.changed
+		p.mu.Unlock()
+		select {
+		case <-changed:
+		case <-timer.C:
+			return nil, ErrNoAvailableWallets
+		case <-ctx.Done():
+			return nil, fmt.Errorf("waiting for a settlement wallet: %w", ctx.Err())
+		}
+	}
+}
+
+// Release gives back a wallet taken with Acquire.
+func (p *WalletPool) Release(w *Wallet) {
+	p.mu.Lock()
+	w.busy--
+	close(p.changed)
+	p.changed = make(chan struct{})
+	p.mu.Unlock()
+}
+
+// ParsePrivateKeys reads settlement keys from a comma, space or newline separated list of hex keys (0x optional).
+// Errors name the position of a bad key, never the key.
+func ParsePrivateKeys(list string) ([]*ecdsa.PrivateKey, error) {
+	fields := strings.FieldsFunc(list, func(r rune) bool { return r == ',' || r == ' ' || r == '\n' || r == '\r' || r == '\t' })
+	var keys []*ecdsa.PrivateKey
+	for i, f := range fields {
+		k, err := crypto.HexToECDSA(strings.TrimPrefix(strings.TrimPrefix(f, "0x"), "0X"))
+		if err != nil {
+			return nil, fmt.Errorf("settlement key #%d is not a 32-byte hex private key", i+1)
+		}
+		keys = append(keys, k)
+	}
+	if len(keys) == 0 {
+		return nil, errors.New("no settlement keys given")
+	}
+	return keys, nil
+}
+
+// ReadPrivateKeyFile reads settlement keys from a file holding one hex key per line ('#' starts a comment).
+func ReadPrivateKeyFile(path string) ([]*ecdsa.PrivateKey, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("reading settlement key file: %w", err)
+	}
+	var b strings.Builder
+	for _, line := range strings.Split(string(data), "\n") {
+		if i := strings.IndexByte(line, '#'); i >= 0 {
+			line = line[:i]
+		}
+		b.WriteString(line)
+		b.WriteByte('\n')
+	}
+	keys, err := ParsePrivateKeys(b.String())
+	if err != nil {
+		return nil, fmt.Errorf("settlement key file %s: %w", path, err)
+	}
+	return keys, nil
+}
