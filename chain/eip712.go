@@ -6,6 +6,8 @@ import (
 
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/crypto"
+
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 )
 
 // EIP-712 type strings of the two transfer methods (x402-wire-facts 4.1 and 4.2). The type hashes derived
@@ -31,10 +33,10 @@ const (
 	Permit2DomainName = "Permit2"
 )
 
-// Canonical deployments of the permit2 transfer method (x402-wire-facts 4.2).
+// Canonical deployments of the permit2 transfer method (x402-wire-facts 4.2), named once in package contracts.
 var (
-	canonicalPermit2 = common.HexToAddress("0x000000000022D473030F116dDEE9F6B43aC78BA3")
-	canonicalProxy   = common.HexToAddress("0x402085c248EeA27D92E8b30b2C58ed07f9E20001")
+	canonicalPermit2 = contracts.Permit2Address
+	canonicalProxy   = contracts.ProxyAddress
 )
 
 // Type hashes, computed once: they never change, and hashing them per request would double the hot path's

@@ -1,0 +1,337 @@
+package chain
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"math/big"
+	"sync"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// AssetConfig is one ERC-20 token a network accepts, with its EIP-2612 permit domain.
+type AssetConfig struct {
+	Address  common.Address
+	Name     string // permit domain name, e.g. "Stable Coin"
+	Version  string // permit domain version, e.g. "1"
+	Decimals uint8
+}
+
+// NetworkConfig is one EVM network the facilitator settles on.
+type NetworkConfig struct {
+	// Network is the CAIP-2 identifier, eip155:<chain id>.
+	Network string
+	// Backend reaches the chain: one node, or a Failover over several.
+	Backend Backend
+	// Assets are the tokens accepted; the first is the default.
+	Assets []AssetConfig
+	// Keys are the settlement wallets' private keys.
+	Keys []*ecdsa.PrivateKey
+	// Methods are the asset transfer methods offered (x402.TransferPermit2, x402.TransferERC2612); empty means both.
+	Methods []string
+	// Permit2 and Proxy default to the canonical addresses.
+	Permit2, Proxy common.Address
+	// ReceiptTimeout bounds how long Settle waits for a receipt before answering settlement_pending (default 30s).
+	ReceiptTimeout time.Duration
+	// ReceiptPoll is how often the head block is polled while receipts are awaited (default 50ms).
+	ReceiptPoll time.Duration
+	// Fees prices settlement transactions.
+	Fees FeePolicy
+	// MaxInFlightPerWallet caps the settlements one wallet pipelines (default 64); WalletWait bounds the wait
+	// for a free wallet before "No available wallets in pool" (default 2s).
+	MaxInFlightPerWallet int
+	WalletWait           time.Duration
+	// LowBalance is the native balance (wei) under which a wallet is reported low by Health (default 0.01 ether).
+	LowBalance *big.Int
+}
+
+// Config configures a Facilitator.
+type Config struct {
+	Networks []NetworkConfig
+	// Journal remembers every settlement; nil means an in-memory journal (idempotent within this process only).
+	Journal journal.Store
+	// Logger receives structured logs; nil means none. Keys never reach it.
+	Logger *zap.Logger
+	// Owner is the claim token of this process in the journal; claims with another token at start-up were left by
+	// a process that is gone. Empty means a fresh random token (one engine per journal).
+	Owner string
+	// Now is the wall clock (journal times, fee cache); chain time always comes from the head block.
+	Now func() time.Time
+	// ReconcileEvery is the period of the background pass that finalises, and re-broadcasts, journalled
+	// settlements still waiting for a receipt (default 2s; negative disables it).
+	ReconcileEvery time.Duration
+}
+
+// Facilitator is the embedded x402 facilitator: it verifies and settles `exact` payments on the configured EVM
+// networks, with erc2612 (x402 versions 1 and 2) and permit2 (version 2, with eip2612GasSponsoring).
+type Facilitator struct {
+	networks map[string]*network
+	order    []string
+	journal  journal.Store
+	log      *zap.Logger
+	now      func() time.Time
+	owner    string
+
+	flightMu sync.Mutex
+	flights  map[journal.ID]*flight
+
+	stop   chan struct{}
+	wg     sync.WaitGroup
+	closed sync.Once
+}
+
+// network is the per-network state of a Facilitator.
+type network struct {
+	caip2   string
+	chainID *big.Int
+	backend Backend
+	assets  map[common.Address]*asset
+	first   *asset
+	methods map[string]bool
+	permit2 common.Address
+	proxy   common.Address
+	pool    *WalletPool
+	sender  *sender
+	watcher *receiptWatcher
+	timeout time.Duration
+	low     *big.Int
+	p2dom   common.Hash
+}
+
+// asset is a configured token with its cached permit domain separator.
+type asset struct {
+	AssetConfig
+	domain common.Hash
+}
+
+// New builds a Facilitator, checks that each network's node serves the configured chain, and reconciles the
+// journal with the chain before returning, so no new work starts before old work is accounted for.
+func New(ctx context.Context, cfg Config) (*Facilitator, error) {
+	f := &Facilitator{
+		networks: map[string]*network{},
+		journal:  cfg.Journal,
+		log:      cfg.Logger,
+		now:      cfg.Now,
+		flights:  map[journal.ID]*flight{},
+		stop:     make(chan struct{}),
+	}
+	if f.log == nil {
+		f.log = zap.NewNop()
+	}
+	if f.now == nil {
+		f.now = time.Now
+	}
+	if f.journal == nil {
+		f.journal = journal.NewMemory(journal.Options{Clock: f.now})
+	}
+	f.owner = cfg.Owner
+	if f.owner == "" {
+		var tok [8]byte
+		_, _ = rand.Read(tok[:])
+		f.owner = hex.EncodeToString(tok[:])
+	}
+	if len(cfg.Networks) == 0 {
+		return nil, errors.New("the facilitator needs at least one network")
+	}
+	for _, nc := range cfg.Networks {
+		n, err := f.newNetwork(ctx, nc)
+		if err != nil {
+			return nil, fmt.Errorf("network %s: %w", nc.Network, err)
+		}
+		if _, dup := f.networks[n.caip2]; dup {
+			return nil, fmt.Errorf("network %s is configured twice", n.caip2)
+		}
+		f.networks[n.caip2] = n
+		f.order = append(f.order, n.caip2)
+	}
+	if err := f.reconcile(ctx, true); err != nil {
+		return nil, fmt.Errorf("reconciling the settlement journal with the chain: %w", err)
+	}
+	every := cfg.ReconcileEvery
+	if every == 0 {
+		every = 2 * time.Second
+	}
+	if every > 0 {
+		f.wg.Add(1)
+		go f.reconcileLoop(every)
+	}
+	return f, nil
+}
+
+func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*network, error) {
+	id, err := x402.ChainID(nc.Network)
+	if err != nil {
+		return nil, err
+	}
+	chainID := new(big.Int).SetUint64(id)
+	if nc.Backend == nil {
+		return nil, errors.New("no RPC backend")
+	}
+	got, err := nc.Backend.ChainID(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("asking the node for its chain id: %w", err)
+	}
+	if got.Cmp(chainID) != 0 {
+		return nil, fmt.Errorf("the RPC node serves chain %s, but the network is configured as %s", got, nc.Network)
+	}
+	if len(nc.Assets) == 0 {
+		return nil, errors.New("no asset configured")
+	}
+	pool, err := NewWalletPool(nc.Keys)
+	if err != nil {
+		return nil, err
+	}
+	if nc.MaxInFlightPerWallet > 0 {
+		pool.MaxInFlight = nc.MaxInFlightPerWallet
+	}
+	if nc.WalletWait > 0 {
+		pool.Wait = nc.WalletWait
+	}
+	n := &network{
+		caip2: nc.Network, chainID: chainID, backend: nc.Backend, assets: map[common.Address]*asset{},
+		methods: map[string]bool{}, permit2: nc.Permit2, proxy: nc.Proxy, pool: pool,
+		sender: newSender(nc.Backend, chainID, nc.Fees, f.now), watcher: newReceiptWatcher(nc.Backend, nc.ReceiptPoll),
+		timeout: nc.ReceiptTimeout, low: nc.LowBalance,
+	}
+	if n.permit2 == (common.Address{}) {
+		n.permit2 = contracts.Permit2Address
+	}
+	if n.proxy == (common.Address{}) {
+		n.proxy = contracts.ProxyAddress
+	}
+	if n.timeout <= 0 {
+		n.timeout = 30 * time.Second
+	}
+	if n.low == nil {
+		n.low = new(big.Int).Exp(big.NewInt(10), big.NewInt(16), nil)
+	}
+	n.p2dom = Permit2DomainSeparator(chainID, n.permit2)
+	methods := nc.Methods
+	if len(methods) == 0 {
+		methods = []string{x402.TransferPermit2, x402.TransferERC2612}
+	}
+	for _, m := range methods {
+		if m != x402.TransferPermit2 && m != x402.TransferERC2612 {
+			return nil, fmt.Errorf("unknown asset transfer method %q; want %q or %q", m, x402.TransferPermit2, x402.TransferERC2612)
+		}
+		n.methods[m] = true
+	}
+	for _, ac := range nc.Assets {
+		if ac.Name == "" || ac.Version == "" {
+			return nil, fmt.Errorf("asset %s needs its permit domain name and version", ac.Address.Hex())
+		}
+		a := &asset{AssetConfig: ac, domain: PermitDomainSeparator(ac.Name, ac.Version, chainID, ac.Address)}
+		n.assets[ac.Address] = a
+		if n.first == nil {
+			n.first = a
+		}
+	}
+	return n, nil
+}
+
+// Close stops the background reconciliation. It does not close the journal, which belongs to the caller.
+func (f *Facilitator) Close() error {
+	f.closed.Do(func() { close(f.stop) })
+	f.wg.Wait()
+	return nil
+}
+
+// Networks lists the configured CAIP-2 networks in configuration order.
+func (f *Facilitator) Networks() []string { return append([]string(nil), f.order...) }
+
+// Wallets lists the settlement wallet addresses of a network.
+func (f *Facilitator) Wallets(networkID string) []common.Address {
+	if n := f.networks[networkID]; n != nil {
+		return n.pool.Addresses()
+	}
+	return nil
+}
+
+// WalletsInUse is how many settlements hold a wallet of the network right now.
+func (f *Facilitator) WalletsInUse(networkID string) int {
+	if n := f.networks[networkID]; n != nil {
+		return n.pool.InUse()
+	}
+	return 0
+}
+
+// Supported lists the kinds this facilitator serves: permit2 (version 2, with eip2612GasSponsoring) and erc2612
+// (versions 1 and 2) per network, and the settlement wallets as signers.
+func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error) {
+	resp := x402.SupportedResponse{Kinds: []x402.SupportedKind{}, Extensions: []string{}, Signers: map[string][]string{}}
+	sponsoring := false
+	for _, id := range f.order {
+		n := f.networks[id]
+		if n.methods[x402.TransferPermit2] {
+			sponsoring = true
+			resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: x402.Version2, Scheme: x402.SchemeExact, Network: id,
+				Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, Name: n.first.Name, Version: n.first.Version,
+					Permit2Address: n.permit2.Hex(), X402Permit2ProxyAddress: n.proxy.Hex()}})
+		}
+		if n.methods[x402.TransferERC2612] {
+			for _, v := range []int{x402.Version1, x402.Version2} {
+				resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: v, Scheme: x402.SchemeExact, Network: id,
+					Extra: x402.Extra{AssetTransferMethod: x402.TransferERC2612, Name: n.first.Name, Version: n.first.Version}})
+			}
+		}
+		for _, a := range n.pool.Addresses() {
+			resp.Signers[id] = append(resp.Signers[id], a.Hex())
+		}
+	}
+	if sponsoring {
+		resp.Extensions = append(resp.Extensions, x402.ExtensionEIP2612GasSponsoring)
+	}
+	return resp, nil
+}
+
+// Health reports per network whether the node answers, how old its head block is, the wallets' native
+// balances, and how many journalled settlements are not final.
+func (f *Facilitator) Health(ctx context.Context) (x402.HealthResponse, error) {
+	resp := x402.HealthResponse{Status: x402.HealthOK}
+	backlog, err := f.journal.Backlog(ctx)
+	if err != nil {
+		resp.Status = x402.HealthDegraded
+	}
+	for _, id := range f.order {
+		n := f.networks[id]
+		h := x402.NetworkHealth{Network: id, Status: x402.HealthOK, JournalBacklog: backlog}
+		head, err := n.backend.HeaderByNumber(ctx, nil)
+		if err != nil {
+			h.Status, h.Error = x402.HealthDown, "RPC unreachable: "+err.Error()
+			resp.Status = x402.HealthDegraded
+			resp.Networks = append(resp.Networks, h)
+			continue
+		}
+		h.RPCReachable, h.HeadBlock = true, head.Number.Uint64()
+		h.HeadAgeSeconds = f.now().Sub(time.Unix(int64(head.Time), 0)).Seconds()
+		for _, w := range n.pool.Wallets() {
+			bal, err := n.backend.BalanceAt(ctx, w.Address, nil)
+			if err != nil {
+				h.Status = x402.HealthDegraded
+				continue
+			}
+			low := bal.Cmp(n.low) < 0
+			if low {
+				h.Status = x402.HealthDegraded
+			}
+			h.Wallets = append(h.Wallets, x402.WalletHealth{Address: w.Address.Hex(), Balance: bal.String(), Low: low})
+		}
+		if h.Status != x402.HealthOK {
+			resp.Status = x402.HealthDegraded
+		}
+		resp.Networks = append(resp.Networks, h)
+	}
+	return resp, nil
+}
+
+var _ x402.Facilitator = (*Facilitator)(nil)

@@ -1,0 +1,123 @@
+package chain
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/ethereum/go-ethereum"
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// reconcileGrace is how old a broadcast record must be before the background pass touches it, so that it never
+// races the settlement that is still sending or waiting for it.
+const reconcileGrace = 3 * time.Second
+
+// reconcile accounts for every journalled settlement without a final outcome: a receipt found finalises it, a
+// transaction the node still holds is left to mine, and a transaction the node does not know is broadcast again
+// from its recorded bytes (same nonce, same hash: it cannot settle twice). Claims that never broadcast and that
+// a previous process left behind are released. At start-up (startup true) every record is looked at.
+func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
+	recs, err := f.journal.Pending(ctx)
+	if err != nil {
+		return err
+	}
+	for _, rec := range recs {
+		n := f.networks[rec.Network]
+		if n == nil || rec.Async {
+			continue
+		}
+		if !startup && (f.inFlight(rec.ID) || f.now().Sub(rec.UpdatedAt) < reconcileGrace) {
+			continue
+		}
+		switch rec.State {
+		case journal.StateClaimed:
+			if rec.Owner != f.owner {
+				if err := f.journal.Release(ctx, rec.ID); err != nil && !errors.Is(err, journal.ErrNotReleasable) {
+					return err
+				}
+				f.log.Info("released a settlement claim left by an earlier process; nothing had been broadcast", zap.String("payment", rec.ID.String()))
+			}
+		case journal.StateBroadcast:
+			if err := f.reconcileBroadcast(ctx, n, rec); err != nil {
+				if startup && isTransportError(err) {
+					// The node is down: the periodic pass will finish the job. Settlements of these
+					// payments answer from the journal meanwhile, so nothing is paid twice.
+					f.log.Warn("could not reconcile a broadcast settlement at start-up", zap.String("payment", rec.ID.String()), zap.Error(err))
+					continue
+				}
+				f.log.Warn("reconciling a broadcast settlement", zap.String("payment", rec.ID.String()), zap.Error(err))
+			}
+		}
+	}
+	return nil
+}
+
+func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec journal.Record) error {
+	hash := common.HexToHash(rec.TxHash)
+	receipt, err := n.backend.TransactionReceipt(ctx, hash)
+	if err == nil && receipt != nil {
+		f.finalise(ctx, n, rec.ID, receipt, rec.Payer, rec.Amount)
+		return nil
+	}
+	if err != nil && !errors.Is(err, ethereum.NotFound) {
+		return err
+	}
+	if _, _, err := n.backend.TransactionByHash(ctx, hash); err == nil {
+		return nil // in the node's pool: it will mine
+	} else if !errors.Is(err, ethereum.NotFound) {
+		return err
+	}
+	// The node does not know it: dropped, or never sent before a crash. Send the recorded bytes again.
+	for _, raw := range append(append([][]byte{}, rec.PriorRawTxs...), rec.RawTx) {
+		tx := new(types.Transaction)
+		if err := tx.UnmarshalBinary(raw); err != nil {
+			return err
+		}
+		if err := n.sender.rebroadcast(ctx, tx); err != nil && !isNonceConflict(err) {
+			return err
+		} else if err != nil && tx.Hash() == hash {
+			// The settlement's own nonce was taken by another transaction: it can never mine.
+			resp := failed(n.caip2, rec.Payer, rec.TxHash, refuse(x402.ReasonFailedToGetReceipt,
+				"the settlement transaction was dropped and its nonce reused; no receipt will come. Check the payer's balance before paying again"))
+			_, uerr := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error {
+				r.State, r.Response = journal.StateFinal, &resp
+				return nil
+			})
+			return uerr
+		}
+	}
+	f.log.Info("re-broadcast a settlement the node did not know", zap.String("payment", rec.ID.String()), zap.String("tx", rec.TxHash))
+	_, err = f.journal.Update(ctx, rec.ID, func(r *journal.Record) error { r.Attempts++; return nil })
+	return err
+}
+
+func (f *Facilitator) inFlight(id journal.ID) bool {
+	f.flightMu.Lock()
+	defer f.flightMu.Unlock()
+	_, ok := f.flights[id]
+	return ok
+}
+
+func (f *Facilitator) reconcileLoop(every time.Duration) {
+	defer f.wg.Done()
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-f.stop:
+			return
+		case <-t.C:
+			ctx, cancel := context.WithTimeout(context.Background(), every*5)
+			if err := f.reconcile(ctx, false); err != nil {
+				f.log.Warn("reconciling the settlement journal", zap.Error(err))
+			}
+			cancel()
+		}
+	}
+}

@@ -1,0 +1,216 @@
+package chain
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// flight is one settlement under way in this process; later callers of the same payment wait for its answer.
+type flight struct {
+	done chan struct{}
+	resp x402.SettleResponse
+	err  error
+}
+
+// Settle settles a payment exactly once. The payment is claimed in the journal before anything is sent, so
+// concurrent and repeated calls for one payment lead to one transaction and share its answer. A receipt not seen
+// within the network's receipt timeout gives the non-final settlement_pending answer with the transaction hash;
+// asking again later answers from the journal.
+func (f *Facilitator) Settle(ctx context.Context, req x402.SettleRequest) (x402.SettleResponse, error) {
+	p, ref := f.parse(req)
+	if ref != nil {
+		return failed(req.PaymentRequirements.Network, claimedPayer(req), "", ref), nil
+	}
+	f.flightMu.Lock()
+	if fl, ok := f.flights[p.id]; ok {
+		f.flightMu.Unlock()
+		select {
+		case <-fl.done:
+			return fl.resp, fl.err
+		case <-ctx.Done():
+			return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: ctx.Err()}
+		}
+	}
+	fl := &flight{done: make(chan struct{})}
+	f.flights[p.id] = fl
+	f.flightMu.Unlock()
+	defer func() {
+		f.flightMu.Lock()
+		delete(f.flights, p.id)
+		f.flightMu.Unlock()
+		close(fl.done)
+	}()
+	fl.resp, fl.err = f.settleOnce(ctx, p, req)
+	return fl.resp, fl.err
+}
+
+func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.SettleRequest) (x402.SettleResponse, error) {
+	body, _ := json.Marshal(req)
+	rec, claimed, err := f.journal.Claim(ctx, journal.Record{
+		ID: p.id, State: journal.StateClaimed, Network: p.net.caip2, Payer: p.payer.Hex(), Asset: p.asset.Address.Hex(),
+		Amount: p.amount.String(), PayTo: p.payTo.Hex(), Request: body, Owner: f.owner,
+	})
+	if err != nil {
+		return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("settlement journal: %w", err)}
+	}
+	if !claimed {
+		return f.answerFromJournal(ctx, p, req, rec)
+	}
+	resp, keep, err := f.broadcastAndWait(ctx, p)
+	if !keep {
+		// Nothing left the process: the payer may try again (after topping up, say).
+		if relErr := f.journal.Release(context.WithoutCancel(ctx), p.id); relErr != nil {
+			f.log.Error("releasing a settlement claim that sent nothing", zap.String("payment", p.id.String()), zap.Error(relErr))
+		}
+	}
+	return resp, err
+}
+
+// broadcastAndWait re-checks the payment, sends its settlement and waits for the receipt. keep says whether
+// the journal must keep the claim (something may have been broadcast).
+func (f *Facilitator) broadcastAndWait(ctx context.Context, p *payment) (x402.SettleResponse, bool, error) {
+	n := p.net
+	if ref := p.checkTime(ctx); ref != nil {
+		return failed(n.caip2, p.payer.Hex(), "", ref), false, nil
+	}
+	if ref, err := p.checkChain(ctx); err != nil {
+		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
+	} else if ref != nil {
+		return failed(n.caip2, p.payer.Hex(), "", ref), false, nil
+	}
+	calls, from, err := p.settlementCalls(ctx)
+	if err != nil {
+		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
+	}
+	var want *common.Address
+	if p.method == x402.TransferERC2612 {
+		want = &from
+	}
+	w, err := n.pool.Acquire(ctx, want)
+	if err != nil {
+		if errors.Is(err, ErrNoAvailableWallets) {
+			return failed(n.caip2, p.payer.Hex(), "", refuse(x402.ReasonNoAvailableWallets, "%s; retry in 1 to 2 seconds", x402.MessageNoAvailableWallets)), false, nil
+		}
+		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
+	}
+	defer n.pool.Release(w)
+
+	txs, err := n.sender.send(context.WithoutCancel(ctx), w, calls, func(txs []*types.Transaction) error {
+		last := txs[len(txs)-1]
+		raw, err := last.MarshalBinary()
+		if err != nil {
+			return err
+		}
+		var prior [][]byte
+		for _, tx := range txs[:len(txs)-1] {
+			b, err := tx.MarshalBinary()
+			if err != nil {
+				return err
+			}
+			prior = append(prior, b)
+		}
+		_, err = f.journal.Update(context.WithoutCancel(ctx), p.id, func(r *journal.Record) error {
+			r.State, r.Wallet, r.TxNonce, r.TxHash, r.RawTx, r.PriorRawTxs = journal.StateBroadcast, w.Address.Hex(), last.Nonce(), last.Hash().Hex(), raw, prior
+			r.Attempts++
+			return nil
+		})
+		return err
+	})
+	if len(txs) == 0 {
+		// Refused by the node before anything went out, or the journal write failed: the claim is
+		// still only a claim. Record nothing more.
+		f.log.Warn("settlement not broadcast", zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()), zap.Error(err))
+		return failed(n.caip2, p.payer.Hex(), "", refuse(x402.ReasonUnexpectedSettleError, "the settlement transaction could not be sent: %v", err)), false, nil
+	}
+	hash := txs[len(txs)-1].Hash()
+	f.log.Info("settlement broadcast", zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()),
+		zap.String("amount", p.amount.String()), zap.String("wallet", w.Address.Hex()), zap.String("tx", hash.Hex()))
+	if err != nil && !errors.Is(err, errBroadcastUnknown) {
+		// A leading permit went out but the transfer was refused: the permit's receipt decides nothing
+		// about the payment, which the reconciler will see as dropped and settle again or finalise.
+		f.log.Warn("settlement partly broadcast", zap.String("tx", hash.Hex()), zap.Error(err))
+	}
+	return f.awaitReceipt(ctx, p.net, p.id, hash, p.payer.Hex(), p.amount.String()), true, nil
+}
+
+// awaitReceipt waits up to the network's receipt timeout and finalises the journal record when a receipt comes.
+func (f *Facilitator) awaitReceipt(ctx context.Context, n *network, id journal.ID, hash common.Hash, payer, amount string) x402.SettleResponse {
+	wctx, cancel := context.WithTimeout(ctx, n.timeout)
+	defer cancel()
+	receipt, err := n.watcher.wait(wctx, hash)
+	if err != nil {
+		return x402.SettleResponse{Success: false, Transaction: hash.Hex(), Network: n.caip2, Payer: payer, Amount: amount,
+			ErrorReason:  x402.ReasonSettlementPending,
+			ErrorMessage: "the settlement transaction was broadcast but its receipt was not seen yet; it may still settle: do not pay again, present the same payment again to learn the outcome"}
+	}
+	return f.finalise(ctx, n, id, receipt, payer, amount)
+}
+
+// finalise turns a receipt into the final answer and records it.
+func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, receipt *types.Receipt, payer, amount string) x402.SettleResponse {
+	resp := x402.SettleResponse{Success: true, Transaction: receipt.TxHash.Hex(), Network: n.caip2, Payer: payer, Amount: amount}
+	if receipt.Status != types.ReceiptStatusSuccessful {
+		resp = x402.SettleResponse{Success: false, Transaction: receipt.TxHash.Hex(), Network: n.caip2, Payer: payer,
+			ErrorReason: x402.ReasonTransactionFailed, ErrorMessage: "the settlement transaction was mined but reverted; no tokens moved"}
+	}
+	if _, err := f.journal.Update(context.WithoutCancel(ctx), id, func(r *journal.Record) error {
+		if r.State == journal.StateFinal {
+			return nil
+		}
+		r.State, r.Response, r.TxHash = journal.StateFinal, &resp, receipt.TxHash.Hex()
+		return nil
+	}); err != nil {
+		f.log.Error("recording a final settlement", zap.String("tx", receipt.TxHash.Hex()), zap.Error(err))
+	}
+	f.log.Info("settlement final", zap.String("network", n.caip2), zap.String("payer", payer), zap.String("amount", amount),
+		zap.String("tx", receipt.TxHash.Hex()), zap.Bool("success", resp.Success), zap.Uint64("block", receipt.BlockNumber.Uint64()))
+	return resp
+}
+
+// answerFromJournal answers a payment someone already claimed: the recorded final answer, or the outcome of the
+// recorded transaction, waited for as long as a fresh settlement would be.
+func (f *Facilitator) answerFromJournal(ctx context.Context, p *payment, req x402.SettleRequest, rec journal.Record) (x402.SettleResponse, error) {
+	switch rec.State {
+	case journal.StateFinal:
+		return *rec.Response, nil
+	case journal.StateBroadcast:
+		return f.awaitReceipt(ctx, p.net, p.id, common.HexToHash(rec.TxHash), p.payer.Hex(), p.amount.String()), nil
+	default:
+		// Claimed by another process that has not broadcast yet: wait for it to move.
+		deadline := time.Now().Add(p.net.timeout)
+		for time.Now().Before(deadline) {
+			select {
+			case <-ctx.Done():
+				return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: ctx.Err()}
+			case <-time.After(20 * time.Millisecond):
+			}
+			r, ok, err := f.journal.Get(ctx, p.id)
+			if err != nil {
+				return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
+			}
+			if !ok {
+				// The other claimant released it (its settlement was refused): settle afresh.
+				return f.settleOnce(ctx, p, req)
+			}
+			if r.State != journal.StateClaimed {
+				return f.answerFromJournal(ctx, p, req, r)
+			}
+		}
+		return x402.SettleResponse{Success: false, Network: p.net.caip2, Payer: p.payer.Hex(), ErrorReason: x402.ReasonSettlementPending,
+			ErrorMessage: "another settlement of this payment is under way; do not pay again, present the same payment again to learn the outcome"}, nil
+	}
+}
+
+func failed(network, payer, tx string, r *refusal) x402.SettleResponse {
+	return x402.SettleResponse{Success: false, Transaction: tx, Network: network, Payer: payer, ErrorReason: r.reason, ErrorMessage: r.message}
+}

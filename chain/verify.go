@@ -1,0 +1,467 @@
+package chain
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/big"
+	"strings"
+
+	"github.com/ethereum/go-ethereum"
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
+
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// deadlineMargin is how long a signed authorization must stay valid after verification: settlement needs a
+// block or two, and a permit that expires in flight costs gas for nothing.
+const deadlineMargin = 6
+
+// refusal is a payment the facilitator will not settle: a reason code from x402 and a message a person can act on.
+type refusal struct {
+	reason  string
+	message string
+}
+
+func (r *refusal) Error() string { return r.reason + ": " + r.message }
+
+func refuse(reason, format string, args ...any) *refusal {
+	return &refusal{reason: reason, message: fmt.Sprintf(format, args...)}
+}
+
+// payment is a request whose form, terms and signature have been checked: everything the chain checks and the
+// settlement need, parsed once.
+type payment struct {
+	net     *network
+	asset   *asset
+	method  string
+	payer   common.Address
+	amount  *big.Int
+	payTo   common.Address
+	sig     Signature
+	nonce   *big.Int
+	permit  Permit          // erc2612
+	p2      Permit2Transfer // permit2
+	sponsor *sponsorPermit  // permit2 with eip2612GasSponsoring, when present and well-formed
+	id      journal.ID
+}
+
+// sponsorPermit is the payer's EIP-2612 permit to Permit2 from the eip2612GasSponsoring extension.
+type sponsorPermit struct {
+	permit Permit
+	token  common.Address
+	sig    Signature
+	err    *refusal // the extension came but is not usable; reported only if the allowance is missing
+}
+
+// Verify checks a payment in the order of x402-wire-facts section 5, cheap checks first, then chain reads and a
+// simulation of the exact settlement call. A refused payment is a VerifyResponse with IsValid false; an error
+// means the chain could not be asked.
+func (f *Facilitator) Verify(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
+	p, ref := f.parse(req)
+	if ref == nil {
+		ref = p.checkTime(ctx)
+	}
+	if ref == nil {
+		var err error
+		if ref, err = p.checkChain(ctx); err != nil {
+			return x402.VerifyResponse{}, &x402.FacilitatorError{Op: "verify", Kind: x402.FailureUnreachable, Err: err}
+		}
+	}
+	payer := claimedPayer(req)
+	if p != nil {
+		payer = p.payer.Hex()
+	}
+	if ref != nil {
+		return x402.VerifyResponse{IsValid: false, Payer: payer, InvalidReason: ref.reason, InvalidMessage: ref.message}, nil
+	}
+	return x402.VerifyResponse{IsValid: true, Payer: payer}, nil
+}
+
+// claimedPayer is the payer a payload names, for answers about payloads that did not parse.
+func claimedPayer(req x402.VerifyRequest) string {
+	if a := req.PaymentPayload.Payload.Permit2Authorization; a != nil {
+		return a.From
+	}
+	if a := req.PaymentPayload.Payload.Authorization; a != nil {
+		return a.From
+	}
+	return ""
+}
+
+// parse runs every check that needs neither the chain nor the clock: version, scheme, network, requirements,
+// payload shape, recipient, spender, amount, asset and signature.
+func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
+	pp, rq := req.PaymentPayload, req.PaymentRequirements
+	if req.X402Version != x402.Version1 && req.X402Version != x402.Version2 {
+		return nil, refuse(x402.ReasonInvalidX402Version, "x402Version %d is not supported; want 1 or 2", req.X402Version)
+	}
+	if pp.X402Version != req.X402Version {
+		return nil, refuse(x402.ReasonInvalidX402Version, "paymentPayload.x402Version is %d but the request's x402Version is %d", pp.X402Version, req.X402Version)
+	}
+	if rq.Scheme != x402.SchemeExact {
+		return nil, refuse(x402.ReasonUnsupportedScheme, "scheme %q is not supported; want %q", rq.Scheme, x402.SchemeExact)
+	}
+	if pp.Accepted.Scheme != rq.Scheme {
+		return nil, refuse(x402.ReasonInvalidScheme, "the payment is for scheme %q but the requirements ask for %q", pp.Accepted.Scheme, rq.Scheme)
+	}
+	n := f.networks[rq.Network]
+	if n == nil {
+		return nil, refuse(x402.ReasonInvalidNetwork, "network %q is not served by this facilitator (it serves %s)", rq.Network, strings.Join(f.order, ", "))
+	}
+	if pp.Accepted.Network != rq.Network {
+		return nil, refuse(x402.ReasonInvalidNetwork, "the payment is for network %q but the requirements ask for %q", pp.Accepted.Network, rq.Network)
+	}
+	p := &payment{net: n}
+	var err error
+	tokenAddr, err := ParseAddress("paymentRequirements.asset", rq.Asset)
+	if err != nil {
+		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "%v", err)
+	}
+	if p.asset = n.assets[tokenAddr]; p.asset == nil {
+		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "asset %s is not accepted on %s", rq.Asset, n.caip2)
+	}
+	if p.payTo, err = ParseAddress("paymentRequirements.payTo", rq.PayTo); err != nil {
+		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "%v", err)
+	}
+	if p.amount, err = x402.ParseUint256(rq.Amount); err != nil || p.amount.Sign() == 0 {
+		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "paymentRequirements.amount must be a positive decimal number of raw token units, got %q", rq.Amount)
+	}
+
+	p.method = rq.Extra.AssetTransferMethod
+	if p.method == "" {
+		// Requirements that predate the extra field: the payload's shape tells the method.
+		if pp.Payload.Permit2Authorization != nil {
+			p.method = x402.TransferPermit2
+		} else {
+			p.method = x402.TransferERC2612
+		}
+	}
+	switch {
+	case p.method != x402.TransferPermit2 && p.method != x402.TransferERC2612:
+		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "assetTransferMethod %q is not supported; want %q or %q", p.method, x402.TransferPermit2, x402.TransferERC2612)
+	case !n.methods[p.method]:
+		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "this facilitator does not settle %s payments on %s", p.method, n.caip2)
+	case p.method == x402.TransferPermit2 && req.X402Version != x402.Version2:
+		return nil, refuse(x402.ReasonInvalidX402Version, "permit2 payments need x402Version 2, got %d", req.X402Version)
+	}
+	if p.sig, err = ParseSignature(pp.Payload.Signature); err != nil {
+		return nil, refuse(x402.ReasonInvalidPayload, "payload.signature: %v", err)
+	}
+	if p.method == x402.TransferPermit2 {
+		return p, p.parsePermit2(pp)
+	}
+	return p, p.parseERC2612(pp)
+}
+
+func (p *payment) parseERC2612(pp x402.PaymentPayload) *refusal {
+	a := pp.Payload.Authorization
+	if a == nil {
+		if pp.Payload.Permit2Authorization != nil {
+			return refuse(x402.ReasonInvalidPayload, "the requirements ask for an erc2612 permit but the payload carries a permit2Authorization")
+		}
+		return refuse(x402.ReasonInvalidPayload, "payload.authorization is missing; an erc2612 payment carries the signed EIP-2612 permit there")
+	}
+	if looksLikeEIP3009(a) {
+		return refuse(x402.ReasonInvalidPayload, "this is an EIP-3009 transferWithAuthorization (to = payTo, 32-byte hex nonce), but the requirement asks for an EIP-2612 permit whose spender is one of the facilitator's settlement wallets (%s); choose the permit2 requirement or a client that supports erc2612", strings.Join(hexAddrs(p.net.pool.Addresses()), ", "))
+	}
+	permit, err := PermitFromAuthorization(a)
+	if err != nil {
+		return refuse(x402.ReasonInvalidPayload, "payload.%v", err)
+	}
+	p.permit, p.payer, p.nonce = permit, permit.Owner, permit.Nonce
+	if !p.net.pool.Has(permit.Spender) {
+		return refuse(x402.ReasonRecipientMismatch, "authorization.to is %s, but an erc2612 permit must name one of this facilitator's settlement wallets as spender (%s)", permit.Spender.Hex(), strings.Join(hexAddrs(p.net.pool.Addresses()), ", "))
+	}
+	if permit.Value.Cmp(p.amount) != 0 {
+		return refuse(x402.ReasonValueMismatch, "authorization.value is %s but the required amount is exactly %s", permit.Value, p.amount)
+	}
+	got, err := RecoverSigner(PermitDigest(p.asset.domain, permit), p.sig)
+	if err != nil || got != p.payer {
+		return refuse(x402.ReasonInvalidSignature, "the signature is not %s's EIP-2612 permit for %s (%s) on chain %s%s", p.payer.Hex(), p.asset.Address.Hex(), p.asset.Name, p.net.chainID, recoverDetail(err))
+	}
+	p.id = journal.PaymentID(p.net.caip2, p.method, p.asset.Address.Hex(), p.payer.Hex(), p.nonce.String())
+	return nil
+}
+
+func (p *payment) parsePermit2(pp x402.PaymentPayload) *refusal {
+	a := pp.Payload.Permit2Authorization
+	if a == nil {
+		if pp.Payload.Authorization != nil {
+			return refuse(x402.ReasonInvalidPayload, "the requirements ask for a permit2 payment but the payload carries an erc2612/EIP-3009 authorization")
+		}
+		return refuse(x402.ReasonInvalidPayload, "payload.permit2Authorization is missing; a permit2 payment carries the signed PermitWitnessTransferFrom there")
+	}
+	t, owner, err := Permit2TransferFromPayload(a)
+	if err != nil {
+		return refuse(x402.ReasonInvalidPayload, "payload.%v", err)
+	}
+	p.p2, p.payer, p.nonce = t, owner, t.Nonce
+	if t.To != p.payTo {
+		return refuse(x402.ReasonPermit2RecipientMismatch, "permit2Authorization.witness.to is %s but the requirements pay %s", t.To.Hex(), p.payTo.Hex())
+	}
+	if t.Spender != p.net.proxy {
+		return refuse(x402.ReasonPermit2InvalidSpender, "permit2Authorization.spender is %s; it must be the x402 Permit2 proxy %s", t.Spender.Hex(), p.net.proxy.Hex())
+	}
+	if t.Amount.Cmp(p.amount) != 0 {
+		return refuse(x402.ReasonPermit2AmountMismatch, "permit2Authorization.permitted.amount is %s but the required amount is exactly %s", t.Amount, p.amount)
+	}
+	if t.Token != p.asset.Address {
+		return refuse(x402.ReasonPermit2TokenMismatch, "permit2Authorization.permitted.token is %s but the requirements ask for %s", t.Token.Hex(), p.asset.Address.Hex())
+	}
+	got, err := RecoverSigner(Permit2Digest(p.net.p2dom, t), p.sig)
+	if err != nil || got != p.payer {
+		return refuse(x402.ReasonPermit2InvalidSignature, "the signature is not %s's Permit2 PermitWitnessTransferFrom on chain %s%s", p.payer.Hex(), p.net.chainID, recoverDetail(err))
+	}
+	if raw, ok := pp.Extensions[x402.ExtensionEIP2612GasSponsoring]; ok {
+		p.sponsor = p.parseSponsor(raw)
+	}
+	p.id = journal.PaymentID(p.net.caip2, p.method, p.asset.Address.Hex(), p.payer.Hex(), p.nonce.String())
+	return nil
+}
+
+// parseSponsor reads the eip2612GasSponsoring extension. Its problems are kept, not returned: they matter only
+// when the payer has not approved Permit2 already.
+func (p *payment) parseSponsor(raw json.RawMessage) *sponsorPermit {
+	var ext struct {
+		Info *x402.EIP2612GasSponsoringInfo `json:"info"`
+	}
+	sp := &sponsorPermit{}
+	if err := json.Unmarshal(raw, &ext); err != nil || ext.Info == nil {
+		sp.err = refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "extensions.eip2612GasSponsoring must be {\"info\":{from, asset, spender, amount, nonce, deadline, signature, version}}")
+		return sp
+	}
+	permit, token, err := PermitFromGasSponsoring(ext.Info)
+	if err != nil {
+		sp.err = refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "extensions.%v", err)
+		return sp
+	}
+	if sp.sig, err = ParseSignature(ext.Info.Signature); err != nil {
+		sp.err = refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "extensions.eip2612GasSponsoring.info.signature: %v", err)
+		return sp
+	}
+	sp.permit, sp.token = permit, token
+	switch {
+	case permit.Owner != p.payer:
+		sp.err = refuse(x402.ReasonEIP2612FromMismatch, "eip2612GasSponsoring.info.from is %s but the payer is %s", permit.Owner.Hex(), p.payer.Hex())
+	case token != p.asset.Address:
+		sp.err = refuse(x402.ReasonEIP2612AssetMismatch, "eip2612GasSponsoring.info.asset is %s but the payment is in %s", token.Hex(), p.asset.Address.Hex())
+	case permit.Spender != p.net.permit2:
+		sp.err = refuse(x402.ReasonEIP2612SpenderNotPermit2, "eip2612GasSponsoring.info.spender is %s; it must be Permit2 %s", permit.Spender.Hex(), p.net.permit2.Hex())
+	case permit.Value.Cmp(p.amount) != 0:
+		sp.err = refuse(x402.ReasonPermit2EIP2612AmountMismatch, "eip2612GasSponsoring.info.amount is %s but the payment is exactly %s", permit.Value, p.amount)
+	default:
+		got, err := RecoverSigner(PermitDigest(p.asset.domain, permit), sp.sig)
+		if err != nil || got != p.payer {
+			sp.err = refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "eip2612GasSponsoring.info.signature is not %s's EIP-2612 permit to Permit2%s", p.payer.Hex(), recoverDetail(err))
+		}
+	}
+	return sp
+}
+
+// checkTime checks the validity window against chain time: the head block's timestamp, not the wall clock.
+func (p *payment) checkTime(ctx context.Context) *refusal {
+	head, err := p.net.backend.HeaderByNumber(ctx, nil)
+	if err != nil {
+		// No chain time: the chain checks that follow will report the node as unreachable.
+		return nil
+	}
+	now := new(big.Int).SetUint64(head.Time)
+	minDeadline := new(big.Int).SetUint64(head.Time + deadlineMargin)
+	if p.method == x402.TransferPermit2 {
+		if p.p2.Deadline.Cmp(minDeadline) < 0 {
+			return refuse(x402.ReasonPermit2DeadlineExpired, "%s: permit2Authorization.deadline %s is not at least %ds after chain time %s; sign again with a fresh deadline", x402.MessagePermitExpired, p.p2.Deadline, deadlineMargin, now)
+		}
+		if p.p2.ValidAfter.Cmp(now) > 0 {
+			return refuse(x402.ReasonPermit2NotYetValid, "permit2Authorization.witness.validAfter %s is after chain time %s", p.p2.ValidAfter, now)
+		}
+		if sp := p.sponsor; sp != nil && sp.err == nil && sp.permit.Deadline.Cmp(minDeadline) < 0 {
+			sp.err = refuse(x402.ReasonEIP2612DeadlineExpired, "eip2612GasSponsoring.info.deadline %s is not at least %ds after chain time %s", sp.permit.Deadline, deadlineMargin, now)
+		}
+		return nil
+	}
+	if p.permit.Deadline.Cmp(minDeadline) < 0 {
+		return refuse(x402.ReasonValidBefore, "%s: authorization.validBefore %s is not at least %ds after chain time %s; sign again with a fresh deadline", x402.MessagePermitExpired, p.permit.Deadline, deadlineMargin, now)
+	}
+	return nil
+}
+
+// checkChain reads what only the chain knows: the nonce, the balance, the Permit2 allowance, and finally
+// whether the exact settlement call would succeed. The error is for a chain that could not be asked.
+func (p *payment) checkChain(ctx context.Context) (*refusal, error) {
+	n := p.net
+	if p.method == x402.TransferERC2612 {
+		cur, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "nonces", p.payer)
+		if err != nil {
+			return nil, err
+		}
+		switch p.nonce.Cmp(cur) {
+		case -1:
+			return refuse(x402.ReasonNonceAlreadyUsed, "permit nonce %s of %s was already used (the token's next nonce is %s)", p.nonce, p.payer.Hex(), cur), nil
+		case 1:
+			return refuse(x402.ReasonInvalidPayload, "permit nonce %s is ahead of the token's next nonce %s for %s; sign with nonces(owner)", p.nonce, cur, p.payer.Hex()), nil
+		}
+	} else {
+		word := new(big.Int).Rsh(p.nonce, 8)
+		bitmap, err := n.callUint(ctx, n.permit2, contracts.Permit2ABI, "nonceBitmap", p.payer, word)
+		if err != nil {
+			return nil, err
+		}
+		if bitmap.Bit(int(new(big.Int).And(p.nonce, big.NewInt(0xff)).Int64())) == 1 {
+			return refuse(x402.ReasonPermit2InvalidNonce, "Permit2 nonce %s of %s was already used", p.nonce, p.payer.Hex()), nil
+		}
+	}
+	bal, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "balanceOf", p.payer)
+	if err != nil {
+		return nil, err
+	}
+	if bal.Cmp(p.amount) < 0 {
+		return refuse(x402.ReasonInsufficientFunds, "payer %s balance %s is below the required amount %s", p.payer.Hex(), bal, p.amount), nil
+	}
+	if p.method == x402.TransferPermit2 {
+		allowance, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "allowance", p.payer, n.permit2)
+		if err != nil {
+			return nil, err
+		}
+		if allowance.Cmp(p.amount) >= 0 {
+			p.sponsor = nil // approval exists: settle without the sponsored permit
+		} else if p.sponsor == nil {
+			return refuse(x402.ReasonPermit2AllowanceRequired, "payer %s has approved Permit2 for %s of %s, less than %s; approve Permit2 or add the %s extension", p.payer.Hex(), allowance, p.asset.Address.Hex(), p.amount, x402.ExtensionEIP2612GasSponsoring), nil
+		} else if p.sponsor.err != nil {
+			return p.sponsor.err, nil
+		} else {
+			tokNonce, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "nonces", p.payer)
+			if err != nil {
+				return nil, err
+			}
+			if tokNonce.Cmp(p.sponsor.permit.Nonce) != 0 {
+				return refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "eip2612GasSponsoring.info.nonce is %s but the token's next nonce for %s is %s", p.sponsor.permit.Nonce, p.payer.Hex(), tokNonce), nil
+			}
+		}
+	}
+	calls, from, err := p.settlementCalls(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := n.backend.CallContract(ctx, ethereum.CallMsg{From: from, To: &calls[0].To, Data: calls[0].Data}, nil); err != nil {
+		if isTransportError(err) {
+			return nil, err
+		}
+		reason := x402.ReasonSimulationFailed
+		if p.method == x402.TransferPermit2 {
+			reason = x402.ReasonPermit2SimulationFailed
+		}
+		return refuse(reason, "simulating the settlement call failed: %s", revertReason(err)), nil
+	}
+	return nil, nil
+}
+
+// settlementCalls builds the transactions that settle the payment and the wallet that must send the first.
+// erc2612: permit (unless the spender's allowance already covers it), then transferFrom, both from the spender.
+// permit2: the proxy's settle, or settleWithPermit with the sponsored permit; any wallet may send it.
+func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.Address, error) {
+	n := p.net
+	if p.method == x402.TransferPermit2 {
+		permit := contracts.PermitTransferFrom{Permitted: contracts.TokenPermissions{Token: p.p2.Token, Amount: p.p2.Amount}, Nonce: p.p2.Nonce, Deadline: p.p2.Deadline}
+		witness := contracts.Witness{To: p.p2.To, ValidAfter: p.p2.ValidAfter}
+		var data []byte
+		var err error
+		gas := uint64(200_000)
+		if p.sponsor != nil {
+			v, r, s := SplitSignature(p.sponsor.sig)
+			data, err = contracts.PackSettleWithPermit(contracts.EIP2612Permit{Value: p.sponsor.permit.Value, Deadline: p.sponsor.permit.Deadline, R: r, S: s, V: v}, permit, p.payer, witness, p.sig[:])
+			gas = 300_000
+		} else {
+			data, err = contracts.PackSettle(permit, p.payer, witness, p.sig[:])
+		}
+		if err != nil {
+			return nil, common.Address{}, err
+		}
+		return []contractCall{{To: n.proxy, Data: data, Gas: gas}}, n.pool.Addresses()[0], nil
+	}
+	spender := p.permit.Spender
+	transfer, err := contracts.StableCoinABI.Pack("transferFrom", p.payer, p.payTo, p.amount)
+	if err != nil {
+		return nil, common.Address{}, err
+	}
+	allowance, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "allowance", p.payer, spender)
+	if err != nil {
+		return nil, common.Address{}, err
+	}
+	calls := []contractCall{}
+	if allowance.Cmp(p.amount) < 0 {
+		v, r, s := SplitSignature(p.sig)
+		permit, err := contracts.StableCoinABI.Pack("permit", p.payer, spender, p.permit.Value, p.permit.Deadline, v, r, s)
+		if err != nil {
+			return nil, common.Address{}, err
+		}
+		calls = append(calls, contractCall{To: p.asset.Address, Data: permit, Gas: 120_000})
+	}
+	calls = append(calls, contractCall{To: p.asset.Address, Data: transfer, Gas: 120_000})
+	return calls, spender, nil
+}
+
+// callUint calls a view function returning one uint256.
+func (n *network) callUint(ctx context.Context, to common.Address, parsed abiPacker, method string, args ...any) (*big.Int, error) {
+	data, err := parsed.Pack(method, args...)
+	if err != nil {
+		return nil, fmt.Errorf("packing %s: %w", method, err)
+	}
+	out, err := n.backend.CallContract(ctx, ethereum.CallMsg{To: &to, Data: data}, nil)
+	if err != nil {
+		return nil, fmt.Errorf("calling %s on %s: %w", method, to.Hex(), err)
+	}
+	if len(out) < 32 {
+		return nil, fmt.Errorf("calling %s on %s: %d bytes returned, want a uint256 (is the contract deployed?)", method, to.Hex(), len(out))
+	}
+	return new(big.Int).SetBytes(out[:32]), nil
+}
+
+// abiPacker is the part of abi.ABI callUint needs.
+type abiPacker interface {
+	Pack(name string, args ...any) ([]byte, error)
+}
+
+// revertReason turns a failed call's error into the contract's own words where it gave any.
+func revertReason(err error) string {
+	var de interface{ ErrorData() any }
+	if errors.As(err, &de) {
+		if s, ok := de.ErrorData().(string); ok {
+			if b, decErr := hexDecode(s); decErr == nil {
+				if r, ok := contracts.DecodeRevert(b); ok {
+					return r
+				}
+			}
+		}
+	}
+	return err.Error()
+}
+
+func hexDecode(s string) ([]byte, error) { return common.ParseHexOrString(s) }
+
+func recoverDetail(err error) string {
+	if err != nil {
+		return " (" + err.Error() + ")"
+	}
+	return ""
+}
+
+func hexAddrs(as []common.Address) []string {
+	out := make([]string, len(as))
+	for i, a := range as {
+		out[i] = a.Hex()
+	}
+	return out
+}
+
+// looksLikeEIP3009 recognises the EIP-3009 TransferWithAuthorization a client signs when it does not know
+// erc2612: the same JSON shape, but a 32-byte hex nonce.
+func looksLikeEIP3009(a *x402.EIP2612Authorization) bool {
+	return strings.HasPrefix(a.Nonce, "0x") && len(a.Nonce) == 66
+}
+
+var _ = types.ReceiptStatusSuccessful

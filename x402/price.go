@@ -1,0 +1,71 @@
+package x402
+
+import (
+	"errors"
+	"fmt"
+	"math/big"
+	"strings"
+)
+
+// maxPriceLen bounds the price text so a configuration typo cannot make the parser do unbounded big-number work.
+const maxPriceLen = 120
+
+// ParsePrice turns a dollar price from configuration ("$0.01", "0.01 USD", "0.01") into raw units of a token
+// with the given decimals, using exact decimal arithmetic: "$0.01" with 6 decimals is 10000.
+//
+// It refuses an empty, negative or malformed price, and a price with more precision than the token has
+// ("$0.0000001" with 6 decimals): rounding would charge something other than what was configured. Trailing
+// zeros beyond the token's precision are fine. A zero price parses as zero; callers that gate a resource should
+// refuse it, since the settlement proxy reverts on amount 0.
+func ParsePrice(s string, decimals uint8) (*big.Int, error) {
+	num, err := priceNumber(s)
+	if err != nil {
+		return nil, err
+	}
+	intPart, frac, hasPoint := strings.Cut(num, ".")
+	if intPart == "" || (hasPoint && frac == "") {
+		return nil, fmt.Errorf("price %s: expected digits on both sides of the decimal point, such as \"0.50\"", quoteInput(s))
+	}
+	if i := strings.IndexFunc(intPart+frac, func(r rune) bool { return r < '0' || r > '9' }); i >= 0 {
+		return nil, fmt.Errorf("price %s: unexpected %q, expected a dollar amount such as \"$0.01\", \"0.01 USD\" or \"0.01\" (no thousands separators or exponents)",
+			quoteInput(s), (intPart + frac)[i])
+	}
+	if excess := strings.TrimRight(frac, "0"); len(excess) > int(decimals) {
+		return nil, fmt.Errorf("price %s has %d decimal places but the token has only %d; use a price that is a whole number of token units",
+			quoteInput(s), len(excess), decimals)
+	}
+	frac = strings.TrimRight(frac, "0")
+	digits := intPart + frac + strings.Repeat("0", int(decimals)-len(frac))
+	n, ok := new(big.Int).SetString(digits, 10)
+	if !ok {
+		return nil, fmt.Errorf("price %s: not a decimal number", quoteInput(s))
+	}
+	if n.BitLen() > 256 {
+		return nil, fmt.Errorf("price %s: %w", quoteInput(s), ErrNumberRange)
+	}
+	return n, nil
+}
+
+// priceNumber strips the currency decoration of a price and returns the bare number.
+func priceNumber(s string) (string, error) {
+	if len(s) > maxPriceLen {
+		return "", fmt.Errorf("price %s: longer than %d characters", quoteInput(s), maxPriceLen)
+	}
+	t := strings.TrimSpace(s)
+	if t == "" {
+		return "", errors.New("price is empty: expected a dollar amount such as \"$0.01\", \"0.01 USD\" or \"0.01\"")
+	}
+	if len(t) >= 3 && strings.EqualFold(t[len(t)-3:], "USD") {
+		t = strings.TrimSpace(t[:len(t)-3])
+	}
+	t = strings.TrimPrefix(t, "$")
+	switch {
+	case t == "":
+		return "", fmt.Errorf("price %s has no number", quoteInput(s))
+	case t[0] == '-':
+		return "", fmt.Errorf("price %s is negative, expected zero or more", quoteInput(s))
+	case t[0] == '+':
+		return "", fmt.Errorf("price %s: expected no sign", quoteInput(s))
+	}
+	return t, nil
+}
