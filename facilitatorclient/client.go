@@ -1,0 +1,216 @@
+package facilitatorclient
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// Operation names carried in x402.FacilitatorError.Op.
+const (
+	opSupported = "supported"
+	opVerify    = "verify"
+	opSettle    = "settle"
+	opHealth    = "health"
+)
+
+// ErrNotSent is wrapped into an error of a call none of whose requests can have reached the facilitator
+// (connection refused, name not resolved, TLS handshake failed): sending the same payment elsewhere is safe.
+var ErrNotSent = errors.New("request never reached the facilitator")
+
+// Client is one remote facilitator. It is safe for concurrent use.
+type Client struct {
+	base         string
+	supportedURL string
+	verifyURL    string
+	settleURL    string
+	healthURL    string
+
+	apiKey         secret
+	hc             *http.Client
+	timeouts       Timeouts
+	retries        int
+	backoff        time.Duration
+	settleResends  int
+	supportedTTL   time.Duration
+	supportedRetry time.Duration
+	maxBytes       int64
+	now            func() time.Time
+
+	supported supportedCache
+}
+
+// New returns a client of the facilitator at baseURL (http or https, no query, no credentials); the endpoints
+// are baseURL + /supported, /verify, /settle and /health.
+func New(baseURL string, opts ...Option) (*Client, error) {
+	base, err := parseBaseURL(baseURL)
+	if err != nil {
+		return nil, err
+	}
+	s := defaultSettings()
+	for _, opt := range opts {
+		if opt == nil {
+			continue
+		}
+		if err := opt(&s); err != nil {
+			return nil, fmt.Errorf("facilitator client for %s: %w", base, err)
+		}
+	}
+	hc := s.httpClient
+	if hc == nil {
+		hc = defaultHTTPClient()
+	}
+	return &Client{
+		base:           base,
+		supportedURL:   base + "/supported",
+		verifyURL:      base + "/verify",
+		settleURL:      base + "/settle",
+		healthURL:      base + "/health",
+		apiKey:         s.apiKey,
+		hc:             hc,
+		timeouts:       s.timeouts,
+		retries:        s.retries,
+		backoff:        s.backoff,
+		settleResends:  s.settleResends,
+		supportedTTL:   s.supportedTTL,
+		supportedRetry: s.supportedRetry,
+		maxBytes:       s.maxBytes,
+		now:            s.now,
+	}, nil
+}
+
+// parseBaseURL checks that raw is an http(s) URL a path can be appended to, and drops a trailing slash.
+func parseBaseURL(raw string) (string, error) {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "", fmt.Errorf("facilitator base URL: expected an http:// or https:// URL: %w", err)
+	}
+	switch {
+	case u.Scheme != "http" && u.Scheme != "https":
+		return "", fmt.Errorf("facilitator base URL %q: expected scheme http or https, got %q", u.Redacted(), u.Scheme)
+	case u.Host == "":
+		return "", fmt.Errorf("facilitator base URL %q: expected a host", u.Redacted())
+	case u.User != nil:
+		// Credentials in the URL would end up in every transport error; the key belongs in WithAPIKey.
+		return "", fmt.Errorf("facilitator base URL %q: must not carry credentials, pass an API key with WithAPIKey", u.Redacted())
+	case u.RawQuery != "" || u.ForceQuery:
+		return "", fmt.Errorf("facilitator base URL %q: must not have a query, the endpoint paths are appended to it", u.Redacted())
+	case u.Fragment != "":
+		return "", fmt.Errorf("facilitator base URL %q: must not have a fragment", u.Redacted())
+	}
+	u.Path = strings.TrimRight(u.Path, "/")
+	u.RawPath = strings.TrimRight(u.RawPath, "/")
+	return u.String(), nil
+}
+
+// defaultHTTPClient keeps more idle connections per host than Go's default of two, because a gate sends all
+// its payments to the same one or two facilitators.
+func defaultHTTPClient() *http.Client {
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.MaxIdleConnsPerHost = 64
+	return &http.Client{Transport: tr}
+}
+
+// String is the facilitator's base URL; it never includes the API key.
+func (c *Client) String() string { return c.base }
+
+// GoString keeps %#v from printing the client's fields.
+func (c *Client) GoString() string { return fmt.Sprintf("facilitatorclient.Client(%q)", c.base) }
+
+// BaseURL is the facilitator's base URL as the endpoint paths are appended to it.
+func (c *Client) BaseURL() string { return c.base }
+
+// Verify posts req to /verify. A refused payment is an answer with IsValid false, not an error.
+func (c *Client) Verify(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
+	body, err := json.Marshal(req)
+	if err != nil {
+		return x402.VerifyResponse{}, fmt.Errorf("facilitator verify: cannot encode the request: %w", err)
+	}
+	sent := c.send(ctx, http.MethodPost, c.verifyURL, body, c.timeouts.Verify, c.retries, true)
+	if sent.last.err != nil {
+		return x402.VerifyResponse{}, c.transportFailure(ctx, opVerify, sent)
+	}
+	if resp, ok := decodeVerify(sent.last.status, sent.last.body); ok {
+		return resp, nil
+	}
+	return x402.VerifyResponse{}, c.statusFailure(opVerify, sent.last, "a VerifyResponse with isValid")
+}
+
+// SettleResult is a /settle answer together with how it was had.
+type SettleResult struct {
+	// Response is the facilitator's answer; zero when the call failed.
+	Response x402.SettleResponse
+	// Attempts is how many times the request was sent, 1 unless it was resent.
+	Attempts int
+	// Resent is true when an earlier attempt may have reached the facilitator before its connection failed,
+	// so the facilitator may have seen this payment more than once. Its journal answers a repeat with the
+	// outcome of the first, so Response is still the one outcome of this payment.
+	Resent bool
+	// Facilitator is the base URL of the facilitator that was asked last.
+	Facilitator string
+}
+
+// Settle posts req to /settle; see SettleDetailed for when it is resent. A failed settlement is an answer
+// with Success false, not an error; after an error the payment may still have settled.
+func (c *Client) Settle(ctx context.Context, req x402.SettleRequest) (x402.SettleResponse, error) {
+	res, err := c.SettleDetailed(ctx, req)
+	return res.Response, err
+}
+
+// SettleDetailed posts req to /settle and says how the answer was had. The body is encoded once; after a
+// transport error that left no HTTP response it is resent as those same bytes, up to WithSettleResends times,
+// and never after any HTTP response arrived. An error wraps ErrNotSent only when no attempt can have reached
+// the facilitator.
+func (c *Client) SettleDetailed(ctx context.Context, req x402.SettleRequest) (SettleResult, error) {
+	res := SettleResult{Facilitator: c.base}
+	body, err := json.Marshal(req)
+	if err != nil {
+		return res, fmt.Errorf("facilitator settle: cannot encode the request: %w", err)
+	}
+	sent := c.send(ctx, http.MethodPost, c.settleURL, body, c.timeouts.Settle, c.settleResends, false)
+	res.Attempts = sent.attempts
+	res.Resent = sent.earlierReached
+	if sent.last.err != nil {
+		return res, c.transportFailure(ctx, opSettle, sent)
+	}
+	if resp, ok := decodeSettle(sent.last.status, sent.last.body); ok {
+		res.Response = resp
+		return res, nil
+	}
+	return res, c.statusFailure(opSettle, sent.last, "a SettleResponse with success")
+}
+
+// Health asks /health once, without retries: it is a probe, and its caller decides how often to ask.
+// A body with a status is an answer even with a 5xx, which is how facilitators report being down.
+func (c *Client) Health(ctx context.Context) (x402.HealthResponse, error) {
+	sent := c.send(ctx, http.MethodGet, c.healthURL, nil, c.timeouts.Health, 0, true)
+	if sent.last.err != nil {
+		return x402.HealthResponse{}, c.transportFailure(ctx, opHealth, sent)
+	}
+	if resp, ok := decodeHealth(sent.last.status, sent.last.body); ok {
+		return resp, nil
+	}
+	return x402.HealthResponse{}, c.statusFailure(opHealth, sent.last, `a health body with "status"`)
+}
+
+// fetchSupported asks /supported, with retries, bypassing the cache.
+func (c *Client) fetchSupported(ctx context.Context) (x402.SupportedResponse, error) {
+	sent := c.send(ctx, http.MethodGet, c.supportedURL, nil, c.timeouts.Supported, c.retries, true)
+	if sent.last.err != nil {
+		return x402.SupportedResponse{}, c.transportFailure(ctx, opSupported, sent)
+	}
+	if resp, ok := decodeSupported(sent.last.status, sent.last.body); ok {
+		return resp, nil
+	}
+	return x402.SupportedResponse{}, c.statusFailure(opSupported, sent.last, "a SupportedResponse with kinds")
+}
+
+// Interface guard.
+var _ x402.Facilitator = (*Client)(nil)

@@ -1,0 +1,777 @@
+package facilitatorclient
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+func TestNewAcceptsHTTPBaseURLsAndRefusesOthers(t *testing.T) {
+	tests := []struct {
+		in      string
+		want    string // base URL, or "" when New must fail
+		errText string
+	}{
+		{in: "http://127.0.0.1:8080", want: "http://127.0.0.1:8080"},
+		{in: "https://facilitator.example.com/x402/", want: "https://facilitator.example.com/x402"},
+		{in: "https://facilitator.example.com/", want: "https://facilitator.example.com"},
+		{in: "ftp://facilitator.example.com", errText: `expected scheme http or https, got "ftp"`},
+		{in: "facilitator.example.com", errText: "expected scheme http or https"},
+		{in: "http://", errText: "expected a host"},
+		{in: "https://facilitator.example.com/x402?network=main", errText: "must not have a query"},
+		{in: "https://facilitator.example.com/x402#top", errText: "must not have a fragment"},
+		{in: "https://user:hunter2@facilitator.example.com", errText: "must not carry credentials"},
+		{in: "http://[::1", errText: "expected an http:// or https:// URL"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.in, func(t *testing.T) {
+			c, err := New(tt.in)
+			if tt.want != "" {
+				if err != nil {
+					t.Fatalf("New: %v", err)
+				}
+				if c.BaseURL() != tt.want {
+					t.Fatalf("base URL = %q, want %q", c.BaseURL(), tt.want)
+				}
+				return
+			}
+			if err == nil {
+				t.Fatalf("New(%q) succeeded, want an error containing %q", tt.in, tt.errText)
+			}
+			if !strings.Contains(err.Error(), tt.errText) {
+				t.Fatalf("error %q does not say %q", err, tt.errText)
+			}
+			if strings.Contains(err.Error(), "hunter2") {
+				t.Fatalf("error %q repeats the password of the URL", err)
+			}
+		})
+	}
+}
+
+func TestNewRefusesOptionsOutOfRange(t *testing.T) {
+	tests := []struct {
+		name string
+		opt  Option
+	}{
+		{"negative verify timeout", WithTimeouts(Timeouts{Verify: -time.Second})},
+		{"too many retries", WithRetries(MaxRetries+1, time.Millisecond)},
+		{"negative backoff", WithRetries(1, -time.Millisecond)},
+		{"too many settle resends", WithSettleResends(MaxSettleResends + 1)},
+		{"negative settle resends", WithSettleResends(-1)},
+		{"negative TTL", WithSupportedTTL(-time.Second)},
+		{"zero response cap", WithMaxResponseBytes(0)},
+		{"nil HTTP client", WithHTTPClient(nil)},
+		{"nil clock", WithClock(nil)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if _, err := New("http://127.0.0.1:1", tt.opt); err == nil {
+				t.Fatal("New succeeded, want an error")
+			}
+		})
+	}
+}
+
+func TestRequestsGoToTheEndpointsUnderTheBasePath(t *testing.T) {
+	f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) { f.prefix = "/x402" })
+	c := mustClient(t, f.URL()+"/x402/")
+	ctx := context.Background()
+	if _, err := c.Supported(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Verify(ctx, permit2Request(mainnet)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Settle(ctx, permit2Request(mainnet)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Health(ctx); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"GET /x402/supported", "POST /x402/verify", "POST /x402/settle", "GET /x402/health"}
+	f.mu.Lock()
+	paths := append([]string(nil), f.paths...)
+	f.mu.Unlock()
+	if fmt.Sprint(paths) != fmt.Sprint(want) {
+		t.Fatalf("paths = %v, want %v", paths, want)
+	}
+}
+
+func TestVerifySendsTheRequestAndDecodesTheAnswer(t *testing.T) {
+	var got x402.VerifyRequest
+	f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+		f.verify = func(w http.ResponseWriter, r *http.Request, body []byte) {
+			if r.Header.Get("Content-Type") != "application/json" {
+				writeRaw(w, http.StatusUnsupportedMediaType, `{"error":"expected application/json"}`)
+				return
+			}
+			_ = json.Unmarshal(body, &got)
+			writeJSON(w, http.StatusOK, x402.VerifyResponse{IsValid: true, Payer: got.PaymentPayload.Payload.Permit2Authorization.From})
+		}
+	})
+	req := permit2Request(mainnet)
+	resp, err := mustClient(t, f.URL()).Verify(context.Background(), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !resp.IsValid || resp.Payer != payer {
+		t.Fatalf("answer = %+v, want valid from %s", resp, payer)
+	}
+	if !bytes.Equal(mustJSON(t, got), mustJSON(t, req)) {
+		t.Fatalf("facilitator received\n%s\nwant\n%s", mustJSON(t, got), mustJSON(t, req))
+	}
+}
+
+// statusRow is one row of the status conventions of the facts sheet, section 7.
+type statusRow struct {
+	name   string
+	status int
+	body   string
+	// wantKind is "" when the row is an answer, else the failure kind.
+	wantKind x402.FailureKind
+}
+
+func TestVerifyFollowsTheStatusConventions(t *testing.T) {
+	rows := []statusRow{
+		{"200 with a valid answer is the answer", 200, `{"isValid":true,"payer":"` + payer + `"}`, ""},
+		{"200 with a refusal is the answer", 200, `{"isValid":false,"invalidReason":"insufficient_funds","invalidMessage":"balance 5 below 10000","payer":"` + payer + `"}`, ""},
+		{"400 with a full refusal is the answer", 400, `{"isValid":false,"invalidReason":"permit2_deadline_expired","invalidMessage":"Permit expired","payer":"` + payer + `"}`, ""},
+		{"500 with a full refusal is the answer", 500, `{"isValid":false,"invalidReason":"unexpected_verify_error","invalidMessage":"rpc down","payer":""}`, ""},
+		{"400 with a bare error is rejected", 400, `{"error":"paymentPayload.accepted: required"}`, x402.FailureRejected},
+		{"400 with isValid but no reason is rejected", 400, `{"isValid":false}`, x402.FailureRejected},
+		{"401 is rejected", 401, `{"error":"unknown api key"}`, x402.FailureRejected},
+		{"403 is rejected", 403, ``, x402.FailureRejected},
+		{"413 is rejected", 413, `request entity too large`, x402.FailureRejected},
+		{"404 is rejected", 404, `404 page not found`, x402.FailureRejected},
+		{"429 is unreachable", 429, `slow down`, x402.FailureUnreachable},
+		{"500 without a body is unreachable", 500, ``, x402.FailureUnreachable},
+		{"502 with a proxy page is unreachable", 502, `<html>Bad Gateway</html>`, x402.FailureUnreachable},
+		{"503 with a bare error is unreachable", 503, `{"error":"No available wallets in pool"}`, x402.FailureUnreachable},
+		{"200 that is not JSON is a bad answer", 200, `<html>ok</html>`, x402.FailureBadAnswer},
+		{"200 without isValid is a bad answer", 200, `{"valid":true}`, x402.FailureBadAnswer},
+		{"200 with isValid of the wrong type is a bad answer", 200, `{"isValid":"yes"}`, x402.FailureBadAnswer},
+		{"200 longer than the cap is a bad answer", 200, `{"isValid":true,"payer":"` + strings.Repeat("a", 2048) + `"}`, x402.FailureBadAnswer},
+	}
+	for _, row := range rows {
+		t.Run(row.name, func(t *testing.T) {
+			f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+				f.verify = func(w http.ResponseWriter, _ *http.Request, _ []byte) { writeRaw(w, row.status, row.body) }
+			})
+			c := mustClient(t, f.URL(), WithMaxResponseBytes(1024))
+			resp, err := c.Verify(context.Background(), permit2Request(mainnet))
+			if row.wantKind == "" {
+				if err != nil {
+					t.Fatalf("want an answer, got error %v", err)
+				}
+				var want x402.VerifyResponse
+				_ = json.Unmarshal([]byte(row.body), &want)
+				if fmt.Sprint(resp) != fmt.Sprint(want) {
+					t.Fatalf("answer = %+v, want %+v", resp, want)
+				}
+				return
+			}
+			fe := failureOf(t, err)
+			if fe.Kind != row.wantKind || fe.Status != row.status || fe.Op != "verify" {
+				t.Fatalf("error = {op %s kind %s status %d}, want {op verify kind %s status %d}: %v",
+					fe.Op, fe.Kind, fe.Status, row.wantKind, row.status, err)
+			}
+			if n := f.verifyCalls.Load(); n != 1 {
+				t.Fatalf("facilitator was asked %d times, want 1: a response is never retried", n)
+			}
+		})
+	}
+}
+
+func TestSettleFollowsTheStatusConventions(t *testing.T) {
+	rows := []statusRow{
+		{"200 with a settlement is the answer", 200, `{"success":true,"transaction":"` + txHash + `","network":"` + mainnet + `","payer":"` + payer + `"}`, ""},
+		{"200 with a failure is the answer", 200, `{"success":false,"errorReason":"insufficient_funds","errorMessage":"balance below 10000","transaction":"","network":"` + mainnet + `","payer":"` + payer + `"}`, ""},
+		{"400 with a full failure is the answer", 400, `{"success":false,"errorReason":"invalid_exact_evm_nonce_already_used","transaction":"","network":"` + mainnet + `","payer":"` + payer + `"}`, ""},
+		{"500 with a pending settlement is the answer", 500, `{"success":false,"errorReason":"settlement_pending","transaction":"` + txHash + `","network":"` + mainnet + `","payer":"` + payer + `"}`, ""},
+		{"502 with a reverted transaction is the answer", 502, `{"success":false,"errorReason":"invalid_exact_evm_transaction_failed","transaction":"` + txHash + `","network":"` + mainnet + `","payer":"` + payer + `"}`, ""},
+		{"400 with a bare error is rejected", 400, `{"error":"invalid JSON"}`, x402.FailureRejected},
+		{"400 with success but no reason is rejected", 400, `{"success":false,"transaction":"","network":""}`, x402.FailureRejected},
+		{"401 is rejected", 401, `{"error":"missing x-api-key"}`, x402.FailureRejected},
+		{"403 is rejected", 403, `forbidden`, x402.FailureRejected},
+		{"413 is rejected", 413, ``, x402.FailureRejected},
+		{"500 without a body is unreachable", 500, ``, x402.FailureUnreachable},
+		{"504 with a proxy page is unreachable", 504, `<html>Gateway Timeout</html>`, x402.FailureUnreachable},
+		{"200 that is not JSON is a bad answer", 200, `OK`, x402.FailureBadAnswer},
+		{"200 without success is a bad answer", 200, `{"transaction":"` + txHash + `"}`, x402.FailureBadAnswer},
+		{"200 longer than the cap is a bad answer", 200, `{"success":true,"transaction":"` + strings.Repeat("f", 2048) + `"}`, x402.FailureBadAnswer},
+	}
+	for _, row := range rows {
+		t.Run(row.name, func(t *testing.T) {
+			f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+				f.settle = func(w http.ResponseWriter, _ *http.Request, _ []byte) { writeRaw(w, row.status, row.body) }
+			})
+			c := mustClient(t, f.URL(), WithMaxResponseBytes(1024))
+			res, err := c.SettleDetailed(context.Background(), permit2Request(mainnet))
+			if res.Attempts != 1 || res.Resent {
+				t.Fatalf("attempts = %d resent = %v, want 1 attempt and no resend", res.Attempts, res.Resent)
+			}
+			if n := f.settleCalls.Load(); n != 1 {
+				t.Fatalf("facilitator was asked %d times, want 1: a response is never followed by a resend", n)
+			}
+			if row.wantKind == "" {
+				if err != nil {
+					t.Fatalf("want an answer, got error %v", err)
+				}
+				var want x402.SettleResponse
+				_ = json.Unmarshal([]byte(row.body), &want)
+				if fmt.Sprint(res.Response) != fmt.Sprint(want) {
+					t.Fatalf("answer = %+v, want %+v", res.Response, want)
+				}
+				return
+			}
+			fe := failureOf(t, err)
+			if fe.Kind != row.wantKind || fe.Status != row.status || fe.Op != "settle" {
+				t.Fatalf("error = {op %s kind %s status %d}, want {op settle kind %s status %d}: %v",
+					fe.Op, fe.Kind, fe.Status, row.wantKind, row.status, err)
+			}
+			if errors.Is(err, ErrNotSent) {
+				t.Fatalf("error %v claims the request was not sent, but the facilitator answered", err)
+			}
+		})
+	}
+}
+
+func TestSupportedFollowsTheStatusConventions(t *testing.T) {
+	rows := []statusRow{
+		{"200 with kinds is the answer", 200, string(mustJSON(t, permit2Supported(mainnet, testnet))), ""},
+		{"200 with no kinds is the answer", 200, `{"kinds":[],"extensions":[],"signers":{}}`, ""},
+		{"200 without kinds is a bad answer", 200, `{"extensions":[]}`, x402.FailureBadAnswer},
+		{"200 that is not JSON is a bad answer", 200, `kinds: permit2`, x402.FailureBadAnswer},
+		{"401 is rejected", 401, `{"error":"unknown api key"}`, x402.FailureRejected},
+		{"503 is unreachable", 503, ``, x402.FailureUnreachable},
+	}
+	for _, row := range rows {
+		t.Run(row.name, func(t *testing.T) {
+			f := newFakeFacilitator(t, x402.SupportedResponse{}, func(f *fakeFacilitator) {
+				f.supported = func(w http.ResponseWriter, _ *http.Request) { writeRaw(w, row.status, row.body) }
+			})
+			resp, err := mustClient(t, f.URL()).Supported(context.Background())
+			if row.wantKind == "" {
+				if err != nil {
+					t.Fatalf("want an answer, got error %v", err)
+				}
+				var want x402.SupportedResponse
+				_ = json.Unmarshal([]byte(row.body), &want)
+				if !bytes.Equal(mustJSON(t, resp), mustJSON(t, want)) {
+					t.Fatalf("answer = %s, want %s", mustJSON(t, resp), mustJSON(t, want))
+				}
+				return
+			}
+			fe := failureOf(t, err)
+			if fe.Kind != row.wantKind || fe.Status != row.status {
+				t.Fatalf("error = {kind %s status %d}, want {kind %s status %d}: %v", fe.Kind, fe.Status, row.wantKind, row.status, err)
+			}
+		})
+	}
+}
+
+func TestHealthFollowsTheStatusConventions(t *testing.T) {
+	rows := []statusRow{
+		{"200 with a status is the answer", 200, `{"status":"ok","networks":[{"network":"eip155:723487","status":"ok","rpcReachable":true,"headBlock":812,"journalBacklog":0}]}`, ""},
+		{"503 with a status is the answer", 503, `{"status":"down","networks":[{"network":"eip155:723487","status":"down","rpcReachable":false,"journalBacklog":3,"error":"dial tcp: refused"}]}`, ""},
+		{"200 without a status is a bad answer", 200, `{}`, x402.FailureBadAnswer},
+		{"404 is rejected", 404, `404 page not found`, x402.FailureRejected},
+		{"502 without a body is unreachable", 502, ``, x402.FailureUnreachable},
+	}
+	for _, row := range rows {
+		t.Run(row.name, func(t *testing.T) {
+			f := newFakeFacilitator(t, x402.SupportedResponse{}, func(f *fakeFacilitator) {
+				f.health = func(w http.ResponseWriter, _ *http.Request) { writeRaw(w, row.status, row.body) }
+			})
+			resp, err := mustClient(t, f.URL()).Health(context.Background())
+			if row.wantKind == "" {
+				if err != nil {
+					t.Fatalf("want an answer, got error %v", err)
+				}
+				var want x402.HealthResponse
+				_ = json.Unmarshal([]byte(row.body), &want)
+				if !bytes.Equal(mustJSON(t, resp), mustJSON(t, want)) {
+					t.Fatalf("answer = %s, want %s", mustJSON(t, resp), mustJSON(t, want))
+				}
+				return
+			}
+			fe := failureOf(t, err)
+			if fe.Kind != row.wantKind || fe.Status != row.status {
+				t.Fatalf("error = {kind %s status %d}, want {kind %s status %d}: %v", fe.Kind, fe.Status, row.wantKind, row.status, err)
+			}
+		})
+	}
+}
+
+func TestAPIKeyIsSentOnEveryCallAndNeverPrinted(t *testing.T) {
+	// The facilitator echoes the key back in its refusal, as careless ones do.
+	echo := func(w http.ResponseWriter, r *http.Request) {
+		writeRaw(w, http.StatusUnauthorized, `{"error":"api key `+r.Header.Get("x-api-key")+` is not enabled for settle"}`)
+	}
+	f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+		f.settle = func(w http.ResponseWriter, r *http.Request, _ []byte) { echo(w, r) }
+		f.verify = func(w http.ResponseWriter, r *http.Request, _ []byte) {
+			writeRaw(w, http.StatusInternalServerError, "panic: key="+r.Header.Get("x-api-key"))
+		}
+	})
+	c := mustClient(t, f.URL(), WithAPIKey(apiKeyForTest), WithRetries(0, 0))
+	ctx := context.Background()
+	if _, err := c.Supported(ctx); err != nil {
+		t.Fatal(err)
+	}
+	_, verifyErr := c.Verify(ctx, permit2Request(mainnet))
+	_, settleErr := c.Settle(ctx, permit2Request(mainnet))
+	for _, err := range []error{verifyErr, settleErr} {
+		if err == nil {
+			t.Fatal("want an error from the refusing facilitator")
+		}
+		if strings.Contains(err.Error(), apiKeyForTest) || strings.Contains(err.Error(), apiKeyForTest[:12]) {
+			t.Fatalf("error text contains the API key: %v", err)
+		}
+		if !strings.Contains(err.Error(), "[redacted]") {
+			t.Fatalf("error %q should still show the facilitator's words with the key blanked out", err)
+		}
+	}
+	if !strings.Contains(settleErr.Error(), "check the API key") {
+		t.Fatalf("a 401 should tell the operator what to check, got %v", settleErr)
+	}
+	f.mu.Lock()
+	keys := append([]string(nil), f.apiKeys...)
+	f.mu.Unlock()
+	if len(keys) != 3 {
+		t.Fatalf("facilitator saw %d requests, want 3", len(keys))
+	}
+	for i, k := range keys {
+		if k != apiKeyForTest {
+			t.Fatalf("request %d carried x-api-key %q, want the configured key", i, k)
+		}
+	}
+	for _, format := range []string{"%v", "%+v", "%#v", "%s"} {
+		if s := fmt.Sprintf(format, c); strings.Contains(s, apiKeyForTest) {
+			t.Fatalf("fmt %s of the client prints the key: %s", format, s)
+		}
+	}
+	if s := fmt.Sprintf("%v %#v", c.apiKey, c.apiKey); strings.Contains(s, apiKeyForTest) {
+		t.Fatalf("printing the stored key shows it: %s", s)
+	}
+}
+
+func TestVerifyIsRetriedWhenTheFacilitatorDropsTheConnection(t *testing.T) {
+	var calls atomic.Int64
+	f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+		f.verify = func(w http.ResponseWriter, _ *http.Request, _ []byte) {
+			if calls.Add(1) == 1 {
+				dropConnection(w)
+				return
+			}
+			writeJSON(w, http.StatusOK, x402.VerifyResponse{IsValid: true, Payer: payer})
+		}
+	})
+	resp, err := mustClient(t, f.URL()).Verify(context.Background(), permit2Request(mainnet))
+	if err != nil {
+		t.Fatalf("want the retry to get the answer, got %v", err)
+	}
+	if !resp.IsValid {
+		t.Fatalf("answer = %+v, want valid", resp)
+	}
+	if n := calls.Load(); n != 2 {
+		t.Fatalf("facilitator was asked %d times, want 2", n)
+	}
+}
+
+func TestVerifyGivesUpAfterItsRetriesAsUnreachable(t *testing.T) {
+	for _, retries := range []int{0, 1, 3} {
+		t.Run(fmt.Sprintf("%d retries", retries), func(t *testing.T) {
+			f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+				f.verify = func(w http.ResponseWriter, _ *http.Request, _ []byte) { dropConnection(w) }
+			})
+			_, err := mustClient(t, f.URL(), WithRetries(retries, time.Millisecond)).Verify(context.Background(), permit2Request(mainnet))
+			fe := failureOf(t, err)
+			if fe.Kind != x402.FailureUnreachable || fe.Status != 0 {
+				t.Fatalf("error = {kind %s status %d}, want unreachable without status: %v", fe.Kind, fe.Status, err)
+			}
+			if want := int64(retries + 1); f.verifyCalls.Load() != want {
+				t.Fatalf("facilitator was asked %d times, want %d", f.verifyCalls.Load(), want)
+			}
+			if errors.Is(err, ErrNotSent) {
+				t.Fatalf("the facilitator read the requests, yet the error says not sent: %v", err)
+			}
+		})
+	}
+}
+
+func TestSettleIsNeverResentAfterAResponse(t *testing.T) {
+	rows := []struct {
+		name     string
+		answer   func(w http.ResponseWriter)
+		wantKind x402.FailureKind
+	}{
+		{"500 without a body", func(w http.ResponseWriter) { writeRaw(w, 500, "") }, x402.FailureUnreachable},
+		{"502 from a proxy", func(w http.ResponseWriter) { writeRaw(w, 502, "<html>bad gateway</html>") }, x402.FailureUnreachable},
+		{"200 with garbage", func(w http.ResponseWriter) { writeRaw(w, 200, "{\"succ") }, x402.FailureBadAnswer},
+		{"401", func(w http.ResponseWriter) { writeRaw(w, 401, `{"error":"unauthorised"}`) }, x402.FailureRejected},
+		{"a 200 whose body breaks off", func(w http.ResponseWriter) {
+			conn, buf, err := w.(http.Hijacker).Hijack()
+			if err != nil {
+				return
+			}
+			_, _ = buf.WriteString("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 400\r\n\r\n{\"success\":true,\"transa")
+			_ = buf.Flush()
+			_ = conn.Close()
+		}, x402.FailureUnreachable},
+	}
+	for _, row := range rows {
+		t.Run(row.name, func(t *testing.T) {
+			f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+				f.settle = func(w http.ResponseWriter, _ *http.Request, _ []byte) { row.answer(w) }
+			})
+			c := mustClient(t, f.URL(), WithSettleResends(MaxSettleResends))
+			res, err := c.SettleDetailed(context.Background(), permit2Request(mainnet))
+			fe := failureOf(t, err)
+			if fe.Kind != row.wantKind {
+				t.Fatalf("kind = %s, want %s: %v", fe.Kind, row.wantKind, err)
+			}
+			if n := f.settleCalls.Load(); n != 1 {
+				t.Fatalf("facilitator was sent /settle %d times, want exactly 1", n)
+			}
+			if res.Attempts != 1 || res.Resent {
+				t.Fatalf("result says attempts %d resent %v, want 1 and false", res.Attempts, res.Resent)
+			}
+		})
+	}
+}
+
+func TestSettleIsResentAsTheSameBytesWhenNoAnswerCame(t *testing.T) {
+	rows := []struct {
+		name  string
+		first func(w http.ResponseWriter, r *http.Request)
+	}{
+		{"connection dropped after the body was read", func(w http.ResponseWriter, _ *http.Request) { dropConnection(w) }},
+		{"no headers within the settle timeout", func(_ http.ResponseWriter, r *http.Request) { waitForClient(r) }},
+	}
+	for _, row := range rows {
+		t.Run(row.name, func(t *testing.T) {
+			var calls atomic.Int64
+			f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+				f.settle = func(w http.ResponseWriter, r *http.Request, _ []byte) {
+					if calls.Add(1) == 1 {
+						row.first(w, r)
+						return
+					}
+					writeJSON(w, http.StatusOK, x402.SettleResponse{Success: true, Transaction: txHash, Network: mainnet, Payer: payer})
+				}
+			})
+			c := mustClient(t, f.URL(), WithTimeouts(Timeouts{Settle: 200 * time.Millisecond}))
+			res, err := c.SettleDetailed(context.Background(), permit2Request(mainnet))
+			if err != nil {
+				t.Fatalf("want the resend's answer, got %v", err)
+			}
+			if !res.Response.Success || res.Response.Transaction != txHash {
+				t.Fatalf("answer = %+v, want the settlement %s", res.Response, txHash)
+			}
+			if res.Attempts != 2 || !res.Resent {
+				t.Fatalf("result says attempts %d resent %v, want 2 and true", res.Attempts, res.Resent)
+			}
+			bodies := f.settled()
+			if len(bodies) != 2 {
+				t.Fatalf("facilitator received %d /settle bodies, want 2", len(bodies))
+			}
+			if !bytes.Equal(bodies[0], bodies[1]) {
+				t.Fatalf("resent body differs from the first:\n%s\n%s", bodies[0], bodies[1])
+			}
+			if !bytes.Equal(bodies[0], mustJSON(t, permit2Request(mainnet))) {
+				t.Fatalf("body is not the encoded request: %s", bodies[0])
+			}
+		})
+	}
+}
+
+func TestSettleResendsStopAtTheConfiguredCount(t *testing.T) {
+	for _, resends := range []int{0, 1, 2} {
+		t.Run(fmt.Sprintf("%d resends", resends), func(t *testing.T) {
+			f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+				f.settle = func(w http.ResponseWriter, _ *http.Request, _ []byte) { dropConnection(w) }
+			})
+			opts := []Option{WithSettleResends(resends)}
+			if resends == 1 {
+				opts = nil // the default
+			}
+			res, err := mustClient(t, f.URL(), opts...).SettleDetailed(context.Background(), permit2Request(mainnet))
+			fe := failureOf(t, err)
+			if fe.Kind != x402.FailureUnreachable {
+				t.Fatalf("kind = %s, want unreachable: %v", fe.Kind, err)
+			}
+			if errors.Is(err, ErrNotSent) {
+				t.Fatalf("the facilitator read the body, yet the error says not sent: %v", err)
+			}
+			want := resends + 1
+			if n := f.settleCalls.Load(); n != int64(want) || res.Attempts != want {
+				t.Fatalf("facilitator got %d requests and result says %d attempts, want %d", n, res.Attempts, want)
+			}
+			if res.Resent != (resends > 0) {
+				t.Fatalf("resent = %v, want %v", res.Resent, resends > 0)
+			}
+			if !strings.Contains(err.Error(), fmt.Sprintf("%d attempt", want)) {
+				t.Fatalf("error %q should say how many attempts were made", err)
+			}
+		})
+	}
+}
+
+func TestSettleToAClosedPortSaysTheRequestWasNotSent(t *testing.T) {
+	res, err := mustClient(t, closedURL(t)).SettleDetailed(context.Background(), permit2Request(mainnet))
+	fe := failureOf(t, err)
+	if fe.Kind != x402.FailureUnreachable {
+		t.Fatalf("kind = %s, want unreachable: %v", fe.Kind, err)
+	}
+	if !errors.Is(err, ErrNotSent) {
+		t.Fatalf("a refused connection sends nothing, want ErrNotSent in %v", err)
+	}
+	if res.Resent {
+		t.Fatal("result says resent, but nothing ever reached the facilitator")
+	}
+}
+
+func TestCancelledContextEndsTheCallAsUnreachable(t *testing.T) {
+	calls := []struct {
+		name string
+		call func(ctx context.Context, c *Client) error
+	}{
+		{"verify", func(ctx context.Context, c *Client) error {
+			_, err := c.Verify(ctx, permit2Request(mainnet))
+			return err
+		}},
+		{"settle", func(ctx context.Context, c *Client) error {
+			_, err := c.Settle(ctx, permit2Request(mainnet))
+			return err
+		}},
+		{"supported", func(ctx context.Context, c *Client) error { _, err := c.Supported(ctx); return err }},
+		{"health", func(ctx context.Context, c *Client) error { _, err := c.Health(ctx); return err }},
+	}
+	for _, tt := range calls {
+		t.Run(tt.name, func(t *testing.T) {
+			hang := func(w http.ResponseWriter, r *http.Request) { waitForClient(r) }
+			f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+				f.supported, f.health = hang, hang
+				f.verify = func(w http.ResponseWriter, r *http.Request, _ []byte) { hang(w, r) }
+				f.settle = f.verify
+			})
+			c := mustClient(t, f.URL())
+			ctx, cancel := context.WithCancel(context.Background())
+			time.AfterFunc(50*time.Millisecond, cancel)
+			start := time.Now()
+			err := tt.call(ctx, c)
+			if elapsed := time.Since(start); elapsed > 2*time.Second {
+				t.Fatalf("call returned %s after cancellation, want promptly", elapsed)
+			}
+			fe := failureOf(t, err)
+			if fe.Kind != x402.FailureUnreachable || fe.Op != tt.name {
+				t.Fatalf("error = {op %s kind %s}, want {op %s kind unreachable}: %v", fe.Op, fe.Kind, tt.name, err)
+			}
+			if !errors.Is(err, context.Canceled) {
+				t.Fatalf("want the error to wrap context.Canceled, got %v", err)
+			}
+		})
+	}
+}
+
+func TestSlowFacilitatorTimesOutAsUnreachable(t *testing.T) {
+	f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+		f.verify = func(_ http.ResponseWriter, r *http.Request, _ []byte) { waitForClient(r) }
+	})
+	c := mustClient(t, f.URL(), WithTimeouts(Timeouts{Verify: 100 * time.Millisecond}), WithRetries(1, time.Millisecond))
+	start := time.Now()
+	_, err := c.Verify(context.Background(), permit2Request(mainnet))
+	elapsed := time.Since(start)
+	fe := failureOf(t, err)
+	if fe.Kind != x402.FailureUnreachable {
+		t.Fatalf("kind = %s, want unreachable: %v", fe.Kind, err)
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("want the error to wrap context.DeadlineExceeded, got %v", err)
+	}
+	if !strings.Contains(err.Error(), "no answer within 100ms") {
+		t.Fatalf("error %q should name the timeout that ran out", err)
+	}
+	if elapsed < 200*time.Millisecond || elapsed > 2*time.Second {
+		t.Fatalf("two attempts of 100ms took %s", elapsed)
+	}
+	if n := f.verifyCalls.Load(); n != 2 {
+		t.Fatalf("facilitator was asked %d times, want 2 (the timed-out attempt is retried)", n)
+	}
+}
+
+func TestSupportedIsCachedForItsTTL(t *testing.T) {
+	clock := newTestClock()
+	f := newFakeFacilitator(t, permit2Supported(mainnet))
+	c := mustClient(t, f.URL(), WithSupportedTTL(time.Minute), WithClock(clock.Now))
+	ctx := context.Background()
+	steps := []struct {
+		advance   time.Duration
+		wantCalls int64
+	}{
+		{0, 1},
+		{30 * time.Second, 1},
+		{29 * time.Second, 1},
+		{time.Second, 2},
+		{59 * time.Second, 2},
+		{time.Second, 3},
+	}
+	for i, s := range steps {
+		clock.Advance(s.advance)
+		resp, err := c.Supported(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(resp.Kinds) != 1 || resp.Kinds[0].Extra.AssetTransferMethod != x402.TransferPermit2 {
+			t.Fatalf("step %d: answer = %+v", i, resp)
+		}
+		// A caller that scribbles on its copy must not change what the next caller gets.
+		resp.Kinds[0].Network = "scribbled"
+		if n := f.supportedCalls.Load(); n != s.wantCalls {
+			t.Fatalf("step %d: facilitator asked %d times, want %d", i, n, s.wantCalls)
+		}
+	}
+	resp, _ := c.Supported(ctx)
+	if resp.Kinds[0].Network != mainnet {
+		t.Fatalf("cached answer was modified through a returned copy: %+v", resp.Kinds[0])
+	}
+}
+
+func TestSupportedFailuresAreNotCached(t *testing.T) {
+	var fail atomic.Bool
+	fail.Store(true)
+	f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+		f.supported = func(w http.ResponseWriter, _ *http.Request) {
+			if fail.Load() {
+				writeRaw(w, http.StatusServiceUnavailable, "")
+				return
+			}
+			writeJSON(w, http.StatusOK, permit2Supported(mainnet))
+		}
+	})
+	c := mustClient(t, f.URL())
+	if _, err := c.Supported(context.Background()); err == nil {
+		t.Fatal("want the 503 as an error")
+	}
+	fail.Store(false)
+	if _, err := c.Supported(context.Background()); err != nil {
+		t.Fatalf("a direct call asks again after a failure, got %v", err)
+	}
+}
+
+func TestConcurrentSupportedCallsShareOneRequest(t *testing.T) {
+	release := make(chan struct{})
+	f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+		f.supported = func(w http.ResponseWriter, _ *http.Request) {
+			<-release
+			writeJSON(w, http.StatusOK, permit2Supported(mainnet))
+		}
+	})
+	c := mustClient(t, f.URL())
+	var wg sync.WaitGroup
+	errs := make(chan error, 50)
+	for range 50 {
+		wg.Go(func() {
+			if _, err := c.Supported(context.Background()); err != nil {
+				errs <- err
+			}
+		})
+	}
+	for f.supportedCalls.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond)
+	close(release)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if n := f.supportedCalls.Load(); n != 1 {
+		t.Fatalf("50 concurrent callers cost %d requests, want 1", n)
+	}
+}
+
+func TestAbandonedSupportedCallDoesNotSpoilTheSharedFetch(t *testing.T) {
+	release := make(chan struct{})
+	f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+		f.supported = func(w http.ResponseWriter, _ *http.Request) {
+			<-release
+			writeJSON(w, http.StatusOK, permit2Supported(mainnet))
+		}
+	})
+	c := mustClient(t, f.URL())
+	ctx, cancel := context.WithCancel(context.Background())
+	first := make(chan error, 1)
+	go func() { _, err := c.Supported(ctx); first <- err }()
+	for f.supportedCalls.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	second := make(chan error, 1)
+	go func() { _, err := c.Supported(context.Background()); second <- err }()
+	waitForWaiters(t, c, 2)
+	cancel()
+	if err := <-first; !errors.Is(err, context.Canceled) {
+		t.Fatalf("the cancelled caller should get context.Canceled, got %v", err)
+	}
+	close(release)
+	if err := <-second; err != nil {
+		t.Fatalf("the patient caller should get the answer, got %v", err)
+	}
+	if n := f.supportedCalls.Load(); n != 1 {
+		t.Fatalf("facilitator asked %d times, want 1", n)
+	}
+}
+
+// waitForWaiters blocks until n callers wait for the client's /supported fetch in flight.
+func waitForWaiters(t *testing.T, c *Client, n int) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		c.supported.mu.Lock()
+		got := 0
+		if c.supported.inflight != nil {
+			got = c.supported.inflight.waiters
+		}
+		c.supported.mu.Unlock()
+		if got == n {
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
+	t.Fatalf("%d callers never came to wait for /supported", n)
+}
+
+// errorAfterHeaders is a transport that hands back an error instead of the answer once the request was
+// written, as a foreign RoundTripper might; it proves that without trace events nothing is called "not sent".
+type errorAfterHeaders struct{ calls atomic.Int64 }
+
+func (e *errorAfterHeaders) RoundTrip(r *http.Request) (*http.Response, error) {
+	e.calls.Add(1)
+	_, _ = io.Copy(io.Discard, r.Body)
+	return nil, errors.New("connection reset by peer")
+}
+
+func TestSettleThroughAnOpaqueTransportIsNeverCalledNotSent(t *testing.T) {
+	rt := &errorAfterHeaders{}
+	c := mustClient(t, "http://127.0.0.1:1", WithHTTPClient(&http.Client{Transport: rt}))
+	res, err := c.SettleDetailed(context.Background(), erc2612Request(mainnet, walletA))
+	if errors.Is(err, ErrNotSent) {
+		t.Fatalf("an opaque transport error must count as possibly delivered, got %v", err)
+	}
+	if rt.calls.Load() != 2 || !res.Resent {
+		t.Fatalf("calls = %d resent = %v, want 2 and true", rt.calls.Load(), res.Resent)
+	}
+}

@@ -1,0 +1,487 @@
+package facilitatorclient
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// Failover is a set of facilitators tried in order. A payment goes only to members whose /supported lists
+// its version, scheme, network and transfer method, so that, say, an erc2612-only facilitator never becomes
+// the failover of a permit2 payment; an erc2612 payment goes only to a member that may own the permit's
+// spender. A member that failed a call, or whose /supported is past its TTL, is asked /supported again aside,
+// and a payment does not wait for that while another compatible member is known; a member whose /supported
+// failed is skipped until its retry time (WithSupportedRetry). It is safe for concurrent use.
+type Failover struct {
+	members []*Client
+}
+
+// NewFailover returns a failover set of clients, tried in the given order; nil clients are left out.
+func NewFailover(clients ...*Client) *Failover {
+	f := &Failover{}
+	for _, c := range clients {
+		if c != nil {
+			f.members = append(f.members, c)
+		}
+	}
+	return f
+}
+
+// Members returns the clients of the set in the order they are tried.
+func (f *Failover) Members() []*Client { return slices.Clone(f.members) }
+
+// String lists the members' base URLs.
+func (f *Failover) String() string {
+	names := make([]string, len(f.members))
+	for i, c := range f.members {
+		names[i] = c.base
+	}
+	return "failover[" + strings.Join(names, ", ") + "]"
+}
+
+// Verify asks the first compatible member, and the next compatible one when a member gives no answer
+// (unreachable or a malformed answer). A refused payment is an answer and is not asked elsewhere.
+func (f *Failover) Verify(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
+	r := routing{op: opVerify, want: wantOf(req)}
+	var (
+		resp x402.VerifyResponse
+		err  error
+	)
+	if r.route(ctx, f.members, func(c *Client) bool {
+		resp, err = c.Verify(ctx, req)
+		if err == nil {
+			return true
+		}
+		r.failed(c, err)
+		if ctx.Err() != nil || !x402.IsUnreachable(err) {
+			return true
+		}
+		c.invalidateSupported()
+		return false
+	}) {
+		return resp, err
+	}
+	return x402.VerifyResponse{}, r.err(ctx)
+}
+
+// Settle is SettleDetailed without the detail.
+func (f *Failover) Settle(ctx context.Context, req x402.SettleRequest) (x402.SettleResponse, error) {
+	res, err := f.SettleDetailed(ctx, req)
+	return res.Response, err
+}
+
+// SettleDetailed asks the first compatible member, and moves on to the next only when the request surely
+// never reached the member (ErrNotSent): after anything else the payment may have settled there, so the error
+// is returned. SettleResult.Facilitator names the member that was asked last.
+func (f *Failover) SettleDetailed(ctx context.Context, req x402.SettleRequest) (SettleResult, error) {
+	r := routing{op: opSettle, want: wantOf(req)}
+	var (
+		res SettleResult
+		err error
+	)
+	if r.route(ctx, f.members, func(c *Client) bool {
+		res, err = c.SettleDetailed(ctx, req)
+		if err == nil {
+			return true
+		}
+		r.failed(c, err)
+		if x402.IsUnreachable(err) {
+			c.invalidateSupported()
+		}
+		return ctx.Err() != nil || !errors.Is(err, ErrNotSent)
+	}) {
+		return res, err
+	}
+	return SettleResult{}, r.err(ctx)
+}
+
+// Supported merges the members' /supported answers: kinds and extensions without duplicates, signers per
+// pattern. Members that cannot be reached are left out; only when none can is it an error.
+func (f *Failover) Supported(ctx context.Context) (x402.SupportedResponse, error) {
+	answers := make([]x402.SupportedResponse, len(f.members))
+	errs := make([]error, len(f.members))
+	var wg sync.WaitGroup
+	for i, c := range f.members {
+		wg.Go(func() {
+			resp, state, err := c.peekSupported()
+			if state == supportedMissing {
+				resp, err = c.cachedSupported(ctx, true)
+			}
+			answers[i], errs[i] = resp, err
+		})
+	}
+	wg.Wait()
+
+	merged := x402.SupportedResponse{Kinds: []x402.SupportedKind{}, Extensions: []string{}, Signers: map[string][]string{}}
+	var failures []memberError
+	answered := 0
+	for i, resp := range answers {
+		if errs[i] != nil {
+			failures = append(failures, memberError{f.members[i].base, errs[i]})
+			continue
+		}
+		answered++
+		for _, k := range resp.Kinds {
+			if !slices.Contains(merged.Kinds, k) {
+				merged.Kinds = append(merged.Kinds, k)
+			}
+		}
+		for _, e := range resp.Extensions {
+			if !slices.Contains(merged.Extensions, e) {
+				merged.Extensions = append(merged.Extensions, e)
+			}
+		}
+		for pattern, addrs := range resp.Signers {
+			for _, a := range addrs {
+				if !containsAddress(merged.Signers[pattern], a) {
+					merged.Signers[pattern] = append(merged.Signers[pattern], a)
+				}
+			}
+		}
+	}
+	if answered == 0 && len(f.members) > 0 {
+		return x402.SupportedResponse{}, &x402.FacilitatorError{
+			Op: opSupported, Kind: x402.FailureUnreachable,
+			Err: fmt.Errorf("no member answered: %w", joinMembers(failures)),
+		}
+	}
+	return merged, nil
+}
+
+// MemberHealth is the health of one member of a Failover, or why it could not be had.
+type MemberHealth struct {
+	Facilitator string
+	Health      x402.HealthResponse
+	Err         error
+}
+
+// HealthByMember asks every member's /health at once and returns the answers in member order.
+func (f *Failover) HealthByMember(ctx context.Context) []MemberHealth {
+	out := make([]MemberHealth, len(f.members))
+	var wg sync.WaitGroup
+	for i, c := range f.members {
+		wg.Go(func() {
+			h, err := c.Health(ctx)
+			out[i] = MemberHealth{Facilitator: c.base, Health: h, Err: err}
+		})
+	}
+	wg.Wait()
+	return out
+}
+
+// Health sums up the members: ok when every member is ok, down when none is ok or degraded, degraded
+// otherwise. Per network it keeps the best member's entry, as a payment on that network can go there.
+// It is an error only when no member answered; HealthByMember has the detail.
+func (f *Failover) Health(ctx context.Context) (x402.HealthResponse, error) {
+	members := f.HealthByMember(ctx)
+	var failures []memberError
+	okCount, upCount := 0, 0
+	best := map[string]int{} // network -> index into networks
+	var networks []x402.NetworkHealth
+	for _, m := range members {
+		if m.Err != nil {
+			failures = append(failures, memberError{m.Facilitator, m.Err})
+			continue
+		}
+		switch m.Health.Status {
+		case x402.HealthOK:
+			okCount++
+			upCount++
+		case x402.HealthDegraded:
+			upCount++
+		}
+		for _, n := range m.Health.Networks {
+			i, seen := best[n.Network]
+			if !seen {
+				best[n.Network] = len(networks)
+				networks = append(networks, n)
+			} else if healthRank(n.Status) > healthRank(networks[i].Status) {
+				networks[i] = n
+			}
+		}
+	}
+	if len(members) > 0 && len(failures) == len(members) {
+		return x402.HealthResponse{}, &x402.FacilitatorError{
+			Op: opHealth, Kind: x402.FailureUnreachable,
+			Err: fmt.Errorf("no member answered: %w", joinMembers(failures)),
+		}
+	}
+	status := x402.HealthDegraded
+	switch {
+	case len(members) == 0:
+		status = x402.HealthDown
+	case okCount == len(members):
+		status = x402.HealthOK
+	case upCount == 0:
+		status = x402.HealthDown
+	}
+	return x402.HealthResponse{Status: status, Networks: networks}, nil
+}
+
+func healthRank(status string) int {
+	switch status {
+	case x402.HealthOK:
+		return 2
+	case x402.HealthDegraded:
+		return 1
+	}
+	return 0
+}
+
+// want is what a payment needs of a facilitator.
+type want struct {
+	version int
+	scheme  string
+	network string
+	method  string
+	// spender is the settlement wallet an erc2612 permit names: only the facilitator owning it can settle.
+	spender string
+}
+
+// wantOf reads the routing key of a request: the payload's version and the requirements' scheme, network
+// and transfer method, falling back to the accepted requirements where the requirements are silent.
+func wantOf(req x402.VerifyRequest) want {
+	r, acc := req.PaymentRequirements, req.PaymentPayload.Accepted
+	w := want{
+		version: cmpOr(req.PaymentPayload.X402Version, req.X402Version),
+		scheme:  cmpOr(r.Scheme, acc.Scheme),
+		network: cmpOr(r.Network, acc.Network),
+		method:  cmpOr(r.Extra.AssetTransferMethod, acc.Extra.AssetTransferMethod),
+	}
+	if w.method == x402.TransferERC2612 && req.PaymentPayload.Payload.Authorization != nil {
+		w.spender = req.PaymentPayload.Payload.Authorization.To
+	}
+	return w
+}
+
+func cmpOr[T comparable](a, b T) T {
+	var zero T
+	if a != zero {
+		return a
+	}
+	return b
+}
+
+func (w want) String() string {
+	method := w.method
+	if method == "" {
+		method = "payments without assetTransferMethod"
+	}
+	return fmt.Sprintf("%s on %s (x402Version %d, scheme %q)", method, w.network, w.version, w.scheme)
+}
+
+// Why servedBy turned a member down.
+const (
+	servedOK = iota
+	servedNoKind
+	servedOtherSpender
+)
+
+// servedBy says whether a facilitator with this /supported answer can take the payment, and if not why.
+func (w want) servedBy(s x402.SupportedResponse) int {
+	var kind *x402.SupportedKind
+	for i, k := range s.Kinds {
+		if k.X402Version == w.version && k.Scheme == w.scheme && k.Network == w.network && k.Extra.AssetTransferMethod == w.method {
+			kind = &s.Kinds[i]
+			break
+		}
+	}
+	if kind == nil {
+		return servedNoKind
+	}
+	if w.spender == "" {
+		return servedOK
+	}
+	// A facilitator that names its wallets and not this one cannot spend the permit; one that names none
+	// may still own it.
+	owned := signersFor(s, w.network)
+	if kind.Extra.Spender != "" {
+		owned = append(owned, kind.Extra.Spender)
+	}
+	if len(owned) == 0 || containsAddress(owned, w.spender) {
+		return servedOK
+	}
+	return servedOtherSpender
+}
+
+// signersFor collects the addresses of signer patterns matching network: the exact id, "<namespace>:*" or "*".
+func signersFor(s x402.SupportedResponse, network string) []string {
+	var out []string
+	for pattern, addrs := range s.Signers {
+		if pattern == network || pattern == "*" ||
+			(strings.HasSuffix(pattern, ":*") && strings.HasPrefix(network, strings.TrimSuffix(pattern, "*"))) {
+			out = append(out, addrs...)
+		}
+	}
+	return out
+}
+
+// containsAddress compares hex addresses case-insensitively: checksum case is not part of the address.
+func containsAddress(list []string, addr string) bool {
+	return slices.ContainsFunc(list, func(a string) bool { return strings.EqualFold(a, addr) })
+}
+
+func kindsText(kinds []x402.SupportedKind) string {
+	if len(kinds) == 0 {
+		return "no kinds"
+	}
+	const most = 6
+	parts := make([]string, 0, most+1)
+	for i, k := range kinds {
+		if i == most {
+			parts = append(parts, fmt.Sprintf("and %d more", len(kinds)-most))
+			break
+		}
+		method := cmpOr(k.Extra.AssetTransferMethod, "-")
+		parts = append(parts, fmt.Sprintf("%s/%s on %s v%d", k.Scheme, method, k.Network, k.X402Version))
+	}
+	return strings.Join(parts, ", ")
+}
+
+// routing records, for one call, which members were passed over and which failed, so that the final error
+// says why no member answered.
+type routing struct {
+	op           string
+	want         want
+	incompatible []passedOver
+	unknown      []memberError // /supported could not be had
+	tried        []memberError // compatible, asked, failed
+}
+
+// passedOver is a member that cannot take the payment; the text saying why is built only if it is needed.
+type passedOver struct {
+	facilitator string
+	supported   x402.SupportedResponse
+	why         int
+}
+
+func (p passedOver) text(w want) string {
+	if p.why == servedOtherSpender {
+		return p.facilitator + " does not own the permit's spender " + w.spender
+	}
+	return p.facilitator + " offers " + kindsText(p.supported.Kinds)
+}
+
+type memberError struct {
+	facilitator string
+	err         error
+}
+
+// route calls try with each member that can take the payment, in order, until try reports that it has the
+// final word, and reports whether it did. Members whose /supported is known come first, so that a payment
+// never waits for a sick member's /supported while a healthy member is at hand; only when none of them gives
+// the final word does route wait for the /supported of the others, still in order.
+func (r *routing) route(ctx context.Context, members []*Client, try func(*Client) bool) bool {
+	var waitFor []*Client
+	for _, c := range members {
+		if ctx.Err() != nil {
+			return false
+		}
+		s, state, err := c.peekSupported()
+		switch state {
+		case supportedKnown:
+			if r.admit(c, s) && try(c) {
+				return true
+			}
+		case supportedFailed:
+			r.unknown = append(r.unknown, memberError{c.base, err})
+		case supportedMissing:
+			waitFor = append(waitFor, c)
+		}
+	}
+	for _, c := range waitFor {
+		if ctx.Err() != nil {
+			return false
+		}
+		s, err := c.cachedSupported(ctx, true)
+		if err != nil {
+			r.unknown = append(r.unknown, memberError{c.base, err})
+			continue
+		}
+		if r.admit(c, s) && try(c) {
+			return true
+		}
+	}
+	return false
+}
+
+// admit reports whether c, with /supported answer s, can take the payment, and notes why not.
+func (r *routing) admit(c *Client, s x402.SupportedResponse) bool {
+	why := r.want.servedBy(s)
+	if why != servedOK {
+		r.incompatible = append(r.incompatible, passedOver{c.base, s, why})
+	}
+	return why == servedOK
+}
+
+func (r *routing) failed(c *Client, err error) {
+	r.tried = append(r.tried, memberError{c.base, err})
+}
+
+// err explains why no member gave an answer.
+func (r *routing) err(ctx context.Context) error {
+	if ctxErr := ctx.Err(); ctxErr != nil {
+		return &x402.FacilitatorError{Op: r.op, Kind: x402.FailureUnreachable,
+			Err: fmt.Errorf("call abandoned by its caller while routing %s: %w", r.want, ctxErr)}
+	}
+	if len(r.tried) == 1 && len(r.unknown) == 0 {
+		return r.tried[0].err
+	}
+	if len(r.tried) > 0 || len(r.unknown) > 0 {
+		failures := append(slices.Clone(r.tried), r.unknown...)
+		err := fmt.Errorf("no facilitator answered for %s: %w", r.want, joinMembers(failures))
+		if r.noneSent() {
+			err = fmt.Errorf("%w: %w", ErrNotSent, err)
+		}
+		return &x402.FacilitatorError{Op: r.op, Kind: x402.FailureUnreachable, Err: err}
+	}
+	if len(r.incompatible) == 0 {
+		return &x402.FacilitatorError{Op: r.op, Kind: x402.FailureRejected,
+			Err: fmt.Errorf("no facilitator configured for %s", r.want)}
+	}
+	reasons := make([]string, len(r.incompatible))
+	for i, p := range r.incompatible {
+		reasons[i] = p.text(r.want)
+	}
+	return &x402.FacilitatorError{Op: r.op, Kind: x402.FailureRejected,
+		Err: fmt.Errorf("no facilitator supports %s: %s", r.want, strings.Join(reasons, "; "))}
+}
+
+// noneSent reports whether no member was sent the request in a way it may have received.
+func (r *routing) noneSent() bool {
+	for _, t := range r.tried {
+		if !errors.Is(t.err, ErrNotSent) {
+			return false
+		}
+	}
+	return true
+}
+
+// joinedMembers is several members' errors on one line, each still reachable by errors.Is and errors.As.
+type joinedMembers []memberError
+
+func joinMembers(errs []memberError) error { return joinedMembers(errs) }
+
+func (j joinedMembers) Error() string {
+	parts := make([]string, len(j))
+	for i, m := range j {
+		parts[i] = m.facilitator + ": " + m.err.Error()
+	}
+	return strings.Join(parts, "; ")
+}
+
+func (j joinedMembers) Unwrap() []error {
+	out := make([]error, len(j))
+	for i, m := range j {
+		out[i] = m.err
+	}
+	return out
+}
+
+// Interface guard.
+var _ x402.Facilitator = (*Failover)(nil)
