@@ -2,7 +2,6 @@ package x402
 
 import (
 	"errors"
-	"math/big"
 	"strings"
 	"testing"
 )
@@ -101,13 +100,4 @@ func TestQuoteInputCutsLongInput(t *testing.T) {
 	if q := quoteInput(long); len(q) > 200 || !strings.Contains(q, "10000 bytes") {
 		t.Errorf("quoteInput of 10000 bytes = %d bytes: %s", len(q), q[:50])
 	}
-}
-
-func bigOf(t *testing.T, s string) *big.Int {
-	t.Helper()
-	n, ok := new(big.Int).SetString(s, 10)
-	if !ok {
-		t.Fatalf("bad test number %q", s)
-	}
-	return n
 }

@@ -46,7 +46,7 @@ type DecodeError struct {
 	Doc    string          // what was being decoded, e.g. "payment header"
 	Kind   DecodeErrorKind // what kind of problem
 	Field  string          // JSON path of the offending field, e.g. "payload.authorization.value"; "" for the whole document
-	Offset int             // byte offset of a not-base64 or not-json problem in the text as received
+	Offset int             // byte offset of a not-base64 problem in the header text, or of a not-json problem in the JSON
 	Detail string          // what was expected and what came
 }
 
@@ -87,6 +87,7 @@ const (
 	docPayment           = "payment payload"
 	docVerifyResponse    = "verify response"
 	docSettleResponse    = "settle response"
+	docPaymentVersioned  = "a payment" // how a version error names a payment header or payload
 )
 
 // EncodeHeader encodes v as a protocol header value: compact JSON (HTML characters not escaped) in standard
@@ -131,6 +132,32 @@ func decodeHeader(docName, header string) (string, error) {
 	}
 	body := strings.TrimRight(text, "=")
 	padding := len(text) - len(body)
+	// encoding/base64 skips CR and LF; a header cannot carry them, so their presence means a mangled value.
+	for _, c := range []byte{'\r', '\n'} { // two IndexByte scans are far cheaper than one IndexAny
+		if i := strings.IndexByte(body, c); i >= 0 {
+			return "", fail(DecodeNotBase64, lead+i, "unexpected %s, expected Base64", describeByte(c))
+		}
+	}
+	if padding > 2 || (padding > 0 && len(text)%4 != 0) {
+		return "", fail(DecodeNotBase64, lead+len(body), "wrong '=' padding for %d characters of Base64", len(body))
+	}
+	// Try the standard alphabet, then the URL-safe one; work out what is wrong only when both fail.
+	buf := make([]byte, base64.RawStdEncoding.DecodedLen(len(body)))
+	n, err := base64.RawStdEncoding.Decode(buf, []byte(body))
+	if err != nil {
+		n, err = base64.RawURLEncoding.Decode(buf, []byte(body))
+	}
+	if err != nil {
+		return "", diagnoseBase64(fail, lead, body)
+	}
+	if n > MaxHeaderBytes {
+		return "", fail(DecodeTooLarge, 0, "%d bytes of JSON, more than %d", n, MaxHeaderBytes)
+	}
+	return string(buf[:n]), nil
+}
+
+// diagnoseBase64 explains why Base64 text decodes in neither alphabet.
+func diagnoseBase64(fail func(DecodeErrorKind, int, string, ...any) error, lead int, body string) error {
 	var std, url bool
 	for i := 0; i < len(body); i++ {
 		switch c := body[i]; {
@@ -140,33 +167,13 @@ func decodeHeader(docName, header string) (string, error) {
 		case c == '-' || c == '_':
 			url = true
 		default:
-			return "", fail(DecodeNotBase64, lead+i, "unexpected %s, expected Base64 (A-Z a-z 0-9 + / or - _, then '=' padding)", describeByte(c))
+			return fail(DecodeNotBase64, lead+i, "unexpected %s, expected Base64 (A-Z a-z 0-9 + / or - _, then '=' padding)", describeByte(c))
 		}
 	}
 	if std && url {
-		return "", fail(DecodeNotBase64, lead, "mixes the standard (+ /) and URL-safe (- _) Base64 alphabets")
+		return fail(DecodeNotBase64, lead, "mixes the standard (+ /) and URL-safe (- _) Base64 alphabets")
 	}
-	if padding > 2 || (padding > 0 && len(text)%4 != 0) {
-		return "", fail(DecodeNotBase64, lead+len(body), "wrong '=' padding for %d characters of Base64", len(body))
-	}
-	enc := base64.RawStdEncoding
-	if url {
-		enc = base64.RawURLEncoding
-	}
-	buf := make([]byte, enc.DecodedLen(len(body)))
-	n, err := enc.Decode(buf, []byte(body))
-	if err != nil {
-		var corrupt base64.CorruptInputError
-		offset := len(body)
-		if errors.As(err, &corrupt) {
-			offset = int(corrupt)
-		}
-		return "", fail(DecodeNotBase64, lead+offset, "%d characters of Base64 cannot be complete (a character is missing or extra)", len(body))
-	}
-	if n > MaxHeaderBytes {
-		return "", fail(DecodeTooLarge, 0, "%d bytes of JSON, more than %d", n, MaxHeaderBytes)
-	}
-	return string(buf[:n]), nil
+	return fail(DecodeNotBase64, lead+len(body), "%d characters of Base64 cannot be complete (a character is missing or extra)", len(body))
 }
 
 // finish turns the reader's outcome into the error a caller sees.
@@ -203,7 +210,7 @@ func readPayment(docName, doc string, want versionSet) (paymentWire, error) {
 	r := jsonReader{s: doc}
 	var w paymentWire
 	_, err := r.payment(nil, &w)
-	if err == nil && r.checkVersion(nil, w.version, w.hasVersion, "a payment", want) {
+	if err == nil && r.checkVersion(nil, w.version, w.hasVersion, docPaymentVersioned, want) {
 		r.checkPayment(nil, &w)
 	}
 	return w, r.finish(docName, err)

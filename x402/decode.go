@@ -158,7 +158,7 @@ func (r *jsonReader) checkVersion(at *fieldPath, version int64, present bool, do
 		return true
 	}
 	detail := fmt.Sprintf("is %d; %s must be %s", version, doc, want)
-	if version == Version1 && want == onlyV2 {
+	if version == Version1 && want == onlyV2 && at == nil && doc == docPaymentVersioned {
 		detail += " (a version 1 payment goes in the X-PAYMENT header, or re-sign it as version 2)"
 	}
 	r.err = &DecodeError{Kind: DecodeUnsupportedVersion, Field: f.String(), Detail: detail}

@@ -53,33 +53,48 @@ func FuzzDecodePaymentPayload(f *testing.F) {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, header string) {
+		// The input is tried as a header and, so that mutations reach the JSON reader directly, as JSON.
+		if p, err := UnmarshalPaymentPayload([]byte(header)); err != nil {
+			checkDecodeErr(t, err)
+		} else {
+			checkDecodedPayment(t, []byte(header), p)
+		}
 		p, err := DecodePaymentPayload(header)
 		if err != nil {
 			checkDecodeErr(t, err)
 			return
 		}
 		raw, err := HeaderJSON(header)
-		if err != nil || !json.Valid(raw) {
-			t.Fatalf("accepted a header whose JSON is not valid: %v", err)
-		}
-		if (p.Payload.Authorization == nil) == (p.Payload.Permit2Authorization == nil) || p.X402Version != Version2 {
-			t.Fatalf("accepted a payment without exactly one authorization: %+v", p)
-		}
-		again, err := DecodePaymentPayload(base64.StdEncoding.EncodeToString(reencode(t, p)))
 		if err != nil {
-			t.Fatalf("re-encoded payment does not decode: %v", err)
+			t.Fatalf("HeaderJSON refuses a header DecodePaymentPayload accepts: %v", err)
 		}
-		if !reflect.DeepEqual(again, p) {
-			t.Fatalf("decode(encode(p)) != p:\n%+v\n%+v", again, p)
-		}
-		// The strict reader agrees with encoding/json on everything it accepts.
-		var std PaymentPayload
-		if err := json.Unmarshal(raw, &std); err == nil && !hasCaseFoldedKeys(raw) {
-			if g, w := reencode(t, p), reencode(t, std); !bytes.Equal(g, w) {
-				t.Fatalf("encoding/json reads differently:\n strict %s\n std    %s", g, w)
-			}
-		}
+		checkDecodedPayment(t, raw, p)
 	})
+}
+
+// checkDecodedPayment checks an accepted payment: valid JSON, exactly one authorization, a stable re-encoding,
+// and the same reading as encoding/json.
+func checkDecodedPayment(t *testing.T, raw []byte, p PaymentPayload) {
+	if !json.Valid(raw) {
+		t.Fatalf("accepted a payment whose JSON is not valid: %q", raw)
+	}
+	if (p.Payload.Authorization == nil) == (p.Payload.Permit2Authorization == nil) || p.X402Version != Version2 {
+		t.Fatalf("accepted a payment without exactly one authorization: %+v", p)
+	}
+	again, err := DecodePaymentPayload(base64.StdEncoding.EncodeToString(reencode(t, p)))
+	if err != nil {
+		t.Fatalf("re-encoded payment does not decode: %v", err)
+	}
+	if !reflect.DeepEqual(again, p) {
+		t.Fatalf("decode(encode(p)) != p:\n%+v\n%+v", again, p)
+	}
+	// The strict reader agrees with encoding/json on everything it accepts.
+	var std PaymentPayload
+	if err := json.Unmarshal(raw, &std); err == nil && !hasCaseFoldedKeys(raw) {
+		if g, w := reencode(t, p), reencode(t, std); !bytes.Equal(g, w) {
+			t.Fatalf("encoding/json reads differently:\n strict %s\n std    %s", g, w)
+		}
+	}
 }
 
 // wireKeys are the JSON names of the wire types' fields.

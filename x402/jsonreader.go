@@ -344,6 +344,10 @@ func (r *jsonReader) readString() (string, error) {
 	start := r.pos + 1
 	for i := start; i < len(r.s); {
 		c := r.s[i]
+		if plainStringByte(c) {
+			i++
+			continue
+		}
 		switch {
 		case c == '"':
 			r.pos = i + 1
@@ -367,6 +371,10 @@ func (r *jsonReader) readString() (string, error) {
 	r.pos = len(r.s)
 	return "", r.syntax("unterminated string")
 }
+
+// plainStringByte reports whether c stands for itself inside a string: printable ASCII other than '"' and '\\'.
+// Strings of the protocol are hex and decimal digits, so this one comparison pair settles almost every byte.
+func plainStringByte(c byte) bool { return c >= 0x20 && c < utf8.RuneSelf && c != '"' && c != '\\' }
 
 // readEscapedString finishes a string that has an escape at esc, building its value.
 func (r *jsonReader) readEscapedString(start, esc int) (string, error) {
@@ -529,18 +537,38 @@ func (p *fieldPath) key(name string) fieldPath { return fieldPath{parent: p, nam
 // elem is the path of element i of the array at p.
 func (p *fieldPath) elem(i int) fieldPath { return fieldPath{parent: p, index: i} }
 
-// String spells the path; the root (nil) is "".
+// String spells the path; the root (nil) is "". It walks the chain twice (measure, then fill from the end)
+// rather than recursing, because a recursive method makes the compiler move every path node to the heap.
 func (p *fieldPath) String() string {
-	if p == nil {
-		return ""
+	n := 0
+	for q := p; q != nil; q = q.parent {
+		if q.name == "" {
+			n += len(strconv.Itoa(q.index)) + 2
+		} else {
+			n += len(q.name)
+			if q.parent != nil {
+				n++
+			}
+		}
 	}
-	parent := p.parent.String()
-	switch {
-	case p.name == "":
-		return parent + "[" + strconv.Itoa(p.index) + "]"
-	case parent == "":
-		return p.name
-	default:
-		return parent + "." + p.name
+	buf := make([]byte, n)
+	for q := p; q != nil; q = q.parent {
+		if q.name == "" {
+			idx := strconv.Itoa(q.index)
+			n--
+			buf[n] = ']'
+			n -= len(idx)
+			copy(buf[n:], idx)
+			n--
+			buf[n] = '['
+		} else {
+			n -= len(q.name)
+			copy(buf[n:], q.name)
+			if q.parent != nil {
+				n--
+				buf[n] = '.'
+			}
+		}
 	}
+	return string(buf)
 }

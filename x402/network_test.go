@@ -20,11 +20,11 @@ func TestParseCAIP2SplitsNamespaceAndReference(t *testing.T) {
 		{"eip155", "", "", false},
 		{"eip155:", "", "", false},
 		{":1", "", "", false},
-		{"ab:1", "", "", false},          // namespace too short
-		{"abcdefghi:1", "", "", false},   // namespace too long
-		{"EIP155:1", "", "", false},      // namespace is lower case
-		{"eip155:1:2", "", "", false},    // ':' is not a reference character
-		{"eip155:1 ", "", "", false},     // no spaces
+		{"ab:1", "", "", false},        // namespace too short
+		{"abcdefghi:1", "", "", false}, // namespace too long
+		{"EIP155:1", "", "", false},    // namespace is lower case
+		{"eip155:1:2", "", "", false},  // ':' is not a reference character
+		{"eip155:1 ", "", "", false},   // no spaces
 		{"eip155:" + strings.Repeat("1", 33), "", "", false},
 		{"base-sepolia", "", "", false}, // a version 1 name
 	}

@@ -98,5 +98,5 @@ func TestConversionsFailForNetworksWithoutAVersion1Name(t *testing.T) {
 	}
 }
 
-func second[A any](_ A, err error) error       { return err }
+func second[A any](_ A, err error) error        { return err }
 func third[A, B any](_ A, _ B, err error) error { return err }
