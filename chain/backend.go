@@ -21,6 +21,7 @@ import (
 type Backend interface {
 	ethereum.ChainIDReader
 	HeaderByNumber(ctx context.Context, number *big.Int) (*types.Header, error)
+	BlockByNumber(ctx context.Context, number *big.Int) (*types.Block, error)
 	CallContract(ctx context.Context, msg ethereum.CallMsg, blockNumber *big.Int) ([]byte, error)
 	EstimateGas(ctx context.Context, msg ethereum.CallMsg) (uint64, error)
 	SuggestGasTipCap(ctx context.Context) (*big.Int, error)
@@ -43,7 +44,9 @@ func isAnswer(err error) bool {
 	}
 	var rpcErr rpc.Error
 	if errors.As(err, &rpcErr) {
-		return true
+		// An internal error or an exceeded limit is the node failing, not answering: another may do better.
+		code := rpcErr.ErrorCode()
+		return code != -32603 && code != -32005
 	}
 	var dataErr rpc.DataError
 	if errors.As(err, &dataErr) {
@@ -174,6 +177,10 @@ func (f *Failover) ChainID(ctx context.Context) (*big.Int, error) {
 
 func (f *Failover) HeaderByNumber(ctx context.Context, n *big.Int) (*types.Header, error) {
 	return do(ctx, f, func(b Backend) (*types.Header, error) { return b.HeaderByNumber(ctx, n) })
+}
+
+func (f *Failover) BlockByNumber(ctx context.Context, n *big.Int) (*types.Block, error) {
+	return do(ctx, f, func(b Backend) (*types.Block, error) { return b.BlockByNumber(ctx, n) })
 }
 
 func (f *Failover) CallContract(ctx context.Context, msg ethereum.CallMsg, n *big.Int) ([]byte, error) {

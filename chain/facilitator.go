@@ -70,6 +70,9 @@ type Config struct {
 	// ReconcileEvery is the period of the background pass that finalises, and re-broadcasts, journalled
 	// settlements still waiting for a receipt (default 2s; negative disables it).
 	ReconcileEvery time.Duration
+	// ReconcileGrace is how long a broadcast settlement is left to its own caller before the background pass
+	// looks at it (default 3s).
+	ReconcileGrace time.Duration
 }
 
 // Facilitator is the embedded x402 facilitator: it verifies and settles `exact` payments on the configured EVM
@@ -81,9 +84,11 @@ type Facilitator struct {
 	log      *zap.Logger
 	now      func() time.Time
 	owner    string
+	grace    time.Duration
 
 	flightMu sync.Mutex
 	flights  map[journal.ID]*flight
+	sending  map[journal.ID]bool // payments between write-ahead record and broadcast
 
 	stop   chan struct{}
 	wg     sync.WaitGroup
@@ -123,7 +128,12 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 		log:      cfg.Logger,
 		now:      cfg.Now,
 		flights:  map[journal.ID]*flight{},
+		sending:  map[journal.ID]bool{},
 		stop:     make(chan struct{}),
+		grace:    cfg.ReconcileGrace,
+	}
+	if f.grace <= 0 {
+		f.grace = 3 * time.Second
 	}
 	if f.log == nil {
 		f.log = zap.NewNop()

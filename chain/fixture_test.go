@@ -34,7 +34,8 @@ type fixtureOpts struct {
 	receiptTimeout time.Duration
 	journal        journal.Store
 	autoCommit     time.Duration // 0: commit every 5ms; negative: never (tests commit by hand)
-	tune           func(*chain.NetworkConfig)
+	tune           func(*fixture, *chain.NetworkConfig)
+	configure      func(*chain.Config)
 }
 
 func newFixture(t testing.TB, o fixtureOpts) *fixture {
@@ -62,13 +63,17 @@ func newFixture(t testing.TB, o fixtureOpts) *fixture {
 		nc.Keys = append(nc.Keys, w.Key)
 	}
 	if o.tune != nil {
-		o.tune(&nc)
+		o.tune(fx, &nc)
 	}
 	fx.journal = o.journal
 	if fx.journal == nil {
 		fx.journal = journal.NewMemory(journal.Options{})
 	}
-	f, err := chain.New(context.Background(), chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: fx.journal})
+	cfg := chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: fx.journal}
+	if o.configure != nil {
+		o.configure(&cfg)
+	}
+	f, err := chain.New(context.Background(), cfg)
 	if err != nil {
 		t.Fatalf("starting the facilitator: %v", err)
 	}
@@ -81,7 +86,7 @@ func newFixture(t testing.TB, o fixtureOpts) *fixture {
 func (fx *fixture) requirements(method string) x402.PaymentRequirements {
 	rq := x402.PaymentRequirements{
 		Scheme: x402.SchemeExact, Network: fx.net, Amount: big.NewInt(price).String(), Asset: fx.c.Token.Hex(),
-		PayTo: fx.payTo.Hex(), MaxTimeoutSeconds: 120,
+		PayTo: fx.payTo.Hex(), MaxTimeoutSeconds: 3600,
 		Extra: x402.Extra{AssetTransferMethod: method, Name: "Stable Coin", Version: "1"},
 	}
 	if method == x402.TransferERC2612 {

@@ -2,7 +2,9 @@ package chain
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/ethereum/go-ethereum"
@@ -13,10 +15,6 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
-
-// reconcileGrace is how old a broadcast record must be before the background pass touches it, so that it never
-// races the settlement that is still sending or waiting for it.
-const reconcileGrace = 3 * time.Second
 
 // reconcile accounts for every journalled settlement without a final outcome: a receipt found finalises it, a
 // transaction the node still holds is left to mine, and a transaction the node does not know is broadcast again
@@ -32,7 +30,7 @@ func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
 		if n == nil || rec.Async {
 			continue
 		}
-		if !startup && (f.inFlight(rec.ID) || f.now().Sub(rec.UpdatedAt) < reconcileGrace) {
+		if !startup && (f.isSending(rec.ID) || f.now().Sub(rec.UpdatedAt) < f.grace) {
 			continue
 		}
 		switch rec.State {
@@ -82,14 +80,7 @@ func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec jo
 		if err := n.sender.rebroadcast(ctx, tx); err != nil && !isNonceConflict(err) {
 			return err
 		} else if err != nil && tx.Hash() == hash {
-			// The settlement's own nonce was taken by another transaction: it can never mine.
-			resp := failed(n.caip2, rec.Payer, rec.TxHash, refuse(x402.ReasonFailedToGetReceipt,
-				"the settlement transaction was dropped and its nonce reused; no receipt will come. Check the payer's balance before paying again"))
-			_, uerr := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error {
-				r.State, r.Response = journal.StateFinal, &resp
-				return nil
-			})
-			return uerr
+			return f.resettle(ctx, n, rec)
 		}
 	}
 	f.log.Info("re-broadcast a settlement the node did not know", zap.String("payment", rec.ID.String()), zap.String("tx", rec.TxHash))
@@ -97,11 +88,49 @@ func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec jo
 	return err
 }
 
-func (f *Facilitator) inFlight(id journal.ID) bool {
+// resettle settles again a payment whose recorded transaction can never mine (its wallet nonce went to another
+// transaction): unless a receipt turned up meanwhile, the payment is checked against the chain afresh and sent
+// with a new nonce, or finalised as refused when the chain no longer allows it.
+func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Record) error {
+	if receipt, err := n.backend.TransactionReceipt(ctx, common.HexToHash(rec.TxHash)); err == nil && receipt != nil {
+		f.finalise(ctx, n, rec.ID, receipt, rec.Payer, rec.Amount)
+		return nil
+	}
+	var req x402.SettleRequest
+	if err := json.Unmarshal(rec.Request, &req); err != nil {
+		return fmt.Errorf("payment %s: the journal holds no readable request to settle again: %w", rec.ID, err)
+	}
+	p, ref := f.parse(req)
+	if ref == nil && p.id != rec.ID {
+		return fmt.Errorf("payment %s: its recorded request belongs to payment %s", rec.ID, p.id)
+	}
+	var hash common.Hash
+	var err error
+	if ref == nil {
+		hash, ref, err = f.broadcast(ctx, p)
+		if err != nil {
+			return err
+		}
+	}
+	if ref != nil && ref.reason == x402.ReasonNoAvailableWallets {
+		return errors.New(ref.message) // busy, not refused: the next pass tries again
+	}
+	if ref != nil {
+		resp := failed(n.caip2, rec.Payer, rec.TxHash, refuse(ref.reason, "the settlement transaction %s was dropped and cannot be sent again: %s", rec.TxHash, ref.message))
+		_, err := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error {
+			r.State, r.Response = journal.StateFinal, &resp
+			return nil
+		})
+		return err
+	}
+	f.log.Info("settled again a payment whose transaction was dropped", zap.String("payment", rec.ID.String()), zap.String("old_tx", rec.TxHash), zap.String("tx", hash.Hex()))
+	return nil
+}
+
+func (f *Facilitator) isSending(id journal.ID) bool {
 	f.flightMu.Lock()
 	defer f.flightMu.Unlock()
-	_, ok := f.flights[id]
-	return ok
+	return f.sending[id]
 }
 
 func (f *Facilitator) reconcileLoop(every time.Duration) {

@@ -15,6 +15,21 @@ import (
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
+// errNotSent marks a settlement that was refused by the node or could not be recorded before anything left the
+// process: nothing is on its way, the payer may present the payment again.
+var errNotSent = errors.New("the settlement transaction could not be sent")
+
+// markSending flags a payment whose transactions are being signed and sent, which reconciliation must not touch.
+func (f *Facilitator) markSending(id journal.ID, on bool) {
+	f.flightMu.Lock()
+	defer f.flightMu.Unlock()
+	if on {
+		f.sending[id] = true
+	} else {
+		delete(f.sending, id)
+	}
+}
+
 // flight is one settlement under way in this process; later callers of the same payment wait for its answer.
 type flight struct {
 	done chan struct{}
@@ -79,68 +94,79 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 // broadcastAndWait re-checks the payment, sends its settlement and waits for the receipt. keep says whether
 // the journal must keep the claim (something may have been broadcast).
 func (f *Facilitator) broadcastAndWait(ctx context.Context, p *payment) (x402.SettleResponse, bool, error) {
+	hash, ref, err := f.broadcast(ctx, p)
+	switch {
+	case errors.Is(err, errNotSent):
+		return failed(p.net.caip2, p.payer.Hex(), "", refuse(x402.ReasonUnexpectedSettleError, "%v", err)), false, nil
+	case err != nil:
+		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
+	case ref != nil:
+		return failed(p.net.caip2, p.payer.Hex(), "", ref), false, nil
+	}
+	return f.awaitReceipt(ctx, p.net, p.id, hash, p.payer.Hex(), p.amount.String()), true, nil
+}
+
+// broadcast re-checks the payment against the chain and sends its settlement from a pool wallet, recording the
+// signed transactions in the journal before they leave. It returns the hash of the transaction that moves the
+// tokens; a refusal when the payment must not be sent (nothing was); an error when the chain could not be asked
+// (nothing was sent either).
+func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *refusal, error) {
 	n := p.net
 	if ref := p.checkTime(ctx); ref != nil {
-		return failed(n.caip2, p.payer.Hex(), "", ref), false, nil
+		return common.Hash{}, ref, nil
 	}
-	if ref, err := p.checkChain(ctx); err != nil {
-		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
-	} else if ref != nil {
-		return failed(n.caip2, p.payer.Hex(), "", ref), false, nil
+	if ref, err := p.checkChain(ctx); err != nil || ref != nil {
+		return common.Hash{}, ref, err
 	}
 	calls, from, err := p.settlementCalls(ctx)
 	if err != nil {
-		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
+		return common.Hash{}, nil, err
 	}
 	var want *common.Address
 	if p.method == x402.TransferERC2612 {
 		want = &from
 	}
 	w, err := n.pool.Acquire(ctx, want)
-	if err != nil {
-		if errors.Is(err, ErrNoAvailableWallets) {
-			return failed(n.caip2, p.payer.Hex(), "", refuse(x402.ReasonNoAvailableWallets, "%s; retry in 1 to 2 seconds", x402.MessageNoAvailableWallets)), false, nil
-		}
-		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
+	if errors.Is(err, ErrNoAvailableWallets) {
+		return common.Hash{}, refuse(x402.ReasonNoAvailableWallets, "%s; retry in 1 to 2 seconds", x402.MessageNoAvailableWallets), nil
+	} else if err != nil {
+		return common.Hash{}, nil, err
 	}
 	defer n.pool.Release(w)
 
+	f.markSending(p.id, true)
+	defer f.markSending(p.id, false)
 	txs, err := n.sender.send(context.WithoutCancel(ctx), w, calls, func(txs []*types.Transaction) error {
-		last := txs[len(txs)-1]
-		raw, err := last.MarshalBinary()
-		if err != nil {
-			return err
-		}
-		var prior [][]byte
-		for _, tx := range txs[:len(txs)-1] {
-			b, err := tx.MarshalBinary()
-			if err != nil {
+		raws := make([][]byte, len(txs))
+		for i, tx := range txs {
+			var err error
+			if raws[i], err = tx.MarshalBinary(); err != nil {
 				return err
 			}
-			prior = append(prior, b)
 		}
-		_, err = f.journal.Update(context.WithoutCancel(ctx), p.id, func(r *journal.Record) error {
-			r.State, r.Wallet, r.TxNonce, r.TxHash, r.RawTx, r.PriorRawTxs = journal.StateBroadcast, w.Address.Hex(), last.Nonce(), last.Hash().Hex(), raw, prior
+		last := txs[len(txs)-1]
+		_, err := f.journal.Update(context.WithoutCancel(ctx), p.id, func(r *journal.Record) error {
+			r.State, r.Wallet, r.TxNonce, r.TxHash = journal.StateBroadcast, w.Address.Hex(), last.Nonce(), last.Hash().Hex()
+			r.RawTx, r.PriorRawTxs = raws[len(raws)-1], raws[:len(raws)-1]
 			r.Attempts++
 			return nil
 		})
 		return err
 	})
 	if len(txs) == 0 {
-		// Refused by the node before anything went out, or the journal write failed: the claim is
-		// still only a claim. Record nothing more.
+		// Refused by the node before anything went out, or the journal write failed: the claim is still
+		// only a claim.
 		f.log.Warn("settlement not broadcast", zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()), zap.Error(err))
-		return failed(n.caip2, p.payer.Hex(), "", refuse(x402.ReasonUnexpectedSettleError, "the settlement transaction could not be sent: %v", err)), false, nil
+		return common.Hash{}, nil, fmt.Errorf("%w: %v", errNotSent, err)
 	}
 	hash := txs[len(txs)-1].Hash()
 	f.log.Info("settlement broadcast", zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()),
 		zap.String("amount", p.amount.String()), zap.String("wallet", w.Address.Hex()), zap.String("tx", hash.Hex()))
-	if err != nil && !errors.Is(err, errBroadcastUnknown) {
-		// A leading permit went out but the transfer was refused: the permit's receipt decides nothing
-		// about the payment, which the reconciler will see as dropped and settle again or finalise.
-		f.log.Warn("settlement partly broadcast", zap.String("tx", hash.Hex()), zap.Error(err))
+	if err != nil {
+		// Recorded but perhaps not delivered: reconciliation re-broadcasts the same bytes.
+		f.log.Warn("settlement broadcast may not have reached a node", zap.String("tx", hash.Hex()), zap.Error(err))
 	}
-	return f.awaitReceipt(ctx, p.net, p.id, hash, p.payer.Hex(), p.amount.String()), true, nil
+	return hash, nil, nil
 }
 
 // awaitReceipt waits up to the network's receipt timeout and finalises the journal record when a receipt comes.

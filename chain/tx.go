@@ -160,9 +160,11 @@ func (s *sender) send(ctx context.Context, w *Wallet, calls []contractCall, reco
 				// Refused outright (no gas money, fee too low...): the nonce is still free.
 				return nil, fmt.Errorf("node refused the settlement transaction: %w", err)
 			default:
-				// The first went out, a later one was refused: the first's nonce is spent.
-				w.nonce += uint64(i)
-				return txs[:i], fmt.Errorf("node refused settlement transaction %d of %d: %w", i+1, len(txs), err)
+				// The first went out, a later one was refused. The later one stays recorded with its nonce
+				// and is re-broadcast by reconciliation; giving its nonce to another settlement would
+				// strand this one half done.
+				w.nonce += uint64(len(txs))
+				return txs, fmt.Errorf("%w: node refused settlement transaction %d of %d: %v", errBroadcastUnknown, i+1, len(txs), err)
 			}
 		}
 		if w.synced {
@@ -263,7 +265,6 @@ func (rw *receiptWatcher) wait(ctx context.Context, hashes ...common.Hash) (*typ
 
 func (rw *receiptWatcher) loop() {
 	var lastHead uint64
-	first := true
 	ticker := time.NewTicker(rw.poll)
 	defer ticker.Stop()
 	for {
@@ -275,42 +276,81 @@ func (rw *receiptWatcher) loop() {
 		}
 		fresh := rw.fresh
 		rw.fresh = nil
-		hashes := make([]common.Hash, 0, len(rw.waiters))
-		for h := range rw.waiters {
-			hashes = append(hashes, h)
-		}
 		rw.mu.Unlock()
 
 		ctx, cancel := context.WithTimeout(context.Background(), 10*rw.poll+time.Second)
-		head, err := rw.backend.HeaderByNumber(ctx, nil)
-		moved := err == nil && (first || head.Number.Uint64() != lastHead)
-		if moved {
-			first, lastHead = false, head.Number.Uint64()
+		lookups, head, err := rw.newlyMined(ctx, lastHead)
+		if err != nil {
+			// Nothing learned: look at the fresh ones again next time.
+			rw.mu.Lock()
+			rw.fresh = append(rw.fresh, fresh...)
+			rw.mu.Unlock()
 		} else {
-			hashes = fresh
-		}
-		if err == nil {
-			for _, h := range hashes {
+			lastHead = head
+			// A transaction registered just now may sit in a block already scanned.
+			for _, h := range append(lookups, fresh...) {
 				r, err := rw.backend.TransactionReceipt(ctx, h)
 				if err != nil || r == nil {
 					continue
 				}
-				rw.mu.Lock()
-				for _, c := range rw.waiters[h] {
-					select {
-					case c <- r:
-					default:
-					}
-				}
-				rw.mu.Unlock()
+				rw.deliver(h, r)
 			}
-		}
-		if err != nil {
-			rw.mu.Lock()
-			rw.fresh = append(rw.fresh, fresh...)
-			rw.mu.Unlock()
 		}
 		cancel()
 		<-ticker.C
+	}
+}
+
+// maxScan is how many new blocks the watcher reads transaction lists of; after a longer gap it asks for the
+// receipt of every awaited transaction instead.
+const maxScan = 32
+
+// newlyMined returns the awaited transactions that blocks after lastHead include, and the new head. A receipt
+// is then fetched only for those: one lookup per mined settlement, not one per waiter and block.
+func (rw *receiptWatcher) newlyMined(ctx context.Context, lastHead uint64) ([]common.Hash, uint64, error) {
+	head, err := rw.backend.HeaderByNumber(ctx, nil)
+	if err != nil {
+		return nil, lastHead, err
+	}
+	n := head.Number.Uint64()
+	if n == lastHead {
+		return nil, n, nil
+	}
+	rw.mu.Lock()
+	awaited := make(map[common.Hash]bool, len(rw.waiters))
+	for h := range rw.waiters {
+		awaited[h] = true
+	}
+	rw.mu.Unlock()
+	if lastHead == 0 || n-lastHead > maxScan {
+		all := make([]common.Hash, 0, len(awaited))
+		for h := range awaited {
+			all = append(all, h)
+		}
+		return all, n, nil
+	}
+	var found []common.Hash
+	for b := lastHead + 1; b <= n; b++ {
+		block, err := rw.backend.BlockByNumber(ctx, new(big.Int).SetUint64(b))
+		if err != nil {
+			return nil, lastHead, err
+		}
+		for _, tx := range block.Transactions() {
+			if awaited[tx.Hash()] {
+				found = append(found, tx.Hash())
+			}
+		}
+	}
+	return found, n, nil
+}
+
+func (rw *receiptWatcher) deliver(h common.Hash, r *types.Receipt) {
+	rw.mu.Lock()
+	defer rw.mu.Unlock()
+	for _, c := range rw.waiters[h] {
+		select {
+		case c <- r:
+		default:
+		}
 	}
 }

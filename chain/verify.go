@@ -11,6 +11,7 @@ import (
 	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/rpc"
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
@@ -73,7 +74,8 @@ func (f *Facilitator) Verify(ctx context.Context, req x402.VerifyRequest) (x402.
 		}
 	}
 	payer := claimedPayer(req)
-	if p != nil {
+	if p != nil && p.payer != (common.Address{}) {
+		// A payload refused before its payer was read leaves p.payer zero: that is no payer.
 		payer = p.payer.Hex()
 	}
 	if ref != nil {
@@ -82,15 +84,20 @@ func (f *Facilitator) Verify(ctx context.Context, req x402.VerifyRequest) (x402.
 	return x402.VerifyResponse{IsValid: true, Payer: payer}, nil
 }
 
-// claimedPayer is the payer a payload names, for answers about payloads that did not parse.
+// claimedPayer is the payer a payload names, for answers about payloads that did not parse: in checksum case,
+// as answers about parsed payloads give it, or "" when the payload names no address.
 func claimedPayer(req x402.VerifyRequest) string {
+	var from string
 	if a := req.PaymentPayload.Payload.Permit2Authorization; a != nil {
-		return a.From
+		from = a.From
+	} else if a := req.PaymentPayload.Payload.Authorization; a != nil {
+		from = a.From
 	}
-	if a := req.PaymentPayload.Payload.Authorization; a != nil {
-		return a.From
+	addr, err := ParseAddress("from", from)
+	if err != nil {
+		return ""
 	}
-	return ""
+	return addr.Hex()
 }
 
 // parse runs every check that needs neither the chain nor the clock: version, scheme, network, requirements,
@@ -348,7 +355,7 @@ func (p *payment) checkChain(ctx context.Context) (*refusal, error) {
 		return nil, err
 	}
 	if _, err := n.backend.CallContract(ctx, ethereum.CallMsg{From: from, To: &calls[0].To, Data: calls[0].Data}, nil); err != nil {
-		if isTransportError(err) {
+		if !isRevert(err) {
 			return nil, err
 		}
 		reason := x402.ReasonSimulationFailed
@@ -439,6 +446,15 @@ func revertReason(err error) string {
 		}
 	}
 	return err.Error()
+}
+
+// isRevert reports whether a failed call was the contract refusing (as opposed to the node failing).
+func isRevert(err error) bool {
+	var ec rpc.Error
+	if errors.As(err, &ec) && ec.ErrorCode() == 3 {
+		return true
+	}
+	return strings.Contains(err.Error(), "revert")
 }
 
 func hexDecode(s string) ([]byte, error) { return common.ParseHexOrString(s) }
