@@ -1,15 +1,91 @@
 package caddymodule
 
 import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/url"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
 	"github.com/caddyserver/caddy/v2"
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/ethclient"
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
 )
 
 func init() {
 	caddy.RegisterModule(App{})
 }
 
-// App is the `x402` Caddy app: the long-lived state that every x402 handler of a config shares.
-type App struct{}
+// App is the `x402` Caddy app: the long-lived parts every x402 handler of a config shares. It owns the networks
+// (RPC endpoints, assets, settlement wallets), the embedded facilitator engine and the settlement journal. The
+// engine and the journal live in usage pools, so a config reload that keeps them hands the same instances to the
+// new handlers and no in-flight settlement, nonce or journal entry is lost.
+type App struct {
+	// Networks the embedded facilitator settles on.
+	Networks []*Network `json:"networks,omitempty"`
+
+	// Journal is the path of the settlement journal (a bbolt file). Default: x402/journal.db in Caddy's
+	// data directory.
+	Journal string `json:"journal,omitempty"`
+
+	ctx    caddy.Context
+	logger *zap.Logger
+	engine *engineEntry
+	key    string
+
+	journalMu *sync.Mutex
+	journal   *journalEntry // this config's own reference, taken by Journal()
+}
+
+// Network configures one EVM network of the embedded facilitator.
+type Network struct {
+	// Network is the CAIP-2 identifier, eip155:<chain id>.
+	Network string `json:"network"`
+	// RPC lists JSON-RPC URLs of the chain; more than one is a failover set, tried in order.
+	RPC []string `json:"rpc,omitempty"`
+	// Assets are the accepted tokens; the first is the default of gates on this network. Default for the
+	// spec's known networks: the token of the network registry (its address must still be given).
+	Assets []*Asset `json:"assets,omitempty"`
+	// WalletKeys are hex private keys of the settlement wallets, or placeholders such as {env.X402_KEYS}
+	// holding a comma-separated list. They are never logged.
+	WalletKeys []string `json:"wallet_keys,omitempty"`
+	// WalletKeyFile is a file with one hex key per line, as an alternative to WalletKeys.
+	WalletKeyFile string `json:"wallet_key_file,omitempty"`
+	// ReceiptTimeout is how long a settlement waits for its receipt before answering settlement_pending.
+	// Default 30s.
+	ReceiptTimeout caddy.Duration `json:"receipt_timeout,omitempty"`
+	// ReceiptPoll is how often the head block is polled while receipts are awaited. Default 50ms.
+	ReceiptPoll caddy.Duration `json:"receipt_poll,omitempty"`
+	// Methods restricts the asset transfer methods settled on this network: permit2, erc2612. Default both.
+	Methods []string `json:"methods,omitempty"`
+	// LegacyFees sends type-0 transactions priced by eth_gasPrice, for chains without EIP-1559.
+	LegacyFees bool `json:"legacy_fees,omitempty"`
+	// MaxInFlightPerWallet caps the settlements one wallet pipelines. Default 64.
+	MaxInFlightPerWallet int `json:"max_in_flight_per_wallet,omitempty"`
+	// WalletWait bounds the wait for a free wallet before "No available wallets in pool". Default 2s.
+	WalletWait caddy.Duration `json:"wallet_wait,omitempty"`
+}
+
+// Asset is one accepted ERC-20 token and its EIP-2612 permit domain.
+type Asset struct {
+	Address  string `json:"address"`
+	Name     string `json:"name,omitempty"`
+	Version  string `json:"version,omitempty"`
+	Decimals uint8  `json:"decimals,omitempty"`
+}
 
 // CaddyModule returns the Caddy module information.
 func (App) CaddyModule() caddy.ModuleInfo {
@@ -19,11 +95,290 @@ func (App) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Start starts the app.
+// engines holds embedded facilitator engines across config reloads, keyed by their configuration.
+var engines = caddy.NewUsagePool()
+
+// journals holds open settlement journals across config reloads, keyed by path: a bbolt file can be open once.
+var journals = caddy.NewUsagePool()
+
+// Provision builds (or takes over from the previous config) the embedded facilitator engine.
+func (a *App) Provision(ctx caddy.Context) error {
+	a.ctx = ctx
+	a.journalMu = new(sync.Mutex)
+	a.logger = ctx.Logger()
+	if len(a.Networks) == 0 {
+		return nil
+	}
+	a.Journal = a.journalPath()
+	repl := caddy.NewReplacer()
+	specs := make([]networkSpec, 0, len(a.Networks))
+	for i, n := range a.Networks {
+		spec, err := n.resolve(repl)
+		if err != nil {
+			return fmt.Errorf("x402: network #%d (%s): %w", i+1, n.Network, err)
+		}
+		specs = append(specs, spec)
+	}
+	key, err := engineKey(a.Journal, specs)
+	if err != nil {
+		return err
+	}
+	val, _, err := engines.LoadOrNew(key, func() (caddy.Destructor, error) {
+		return a.newEngine(specs)
+	})
+	if err != nil {
+		return fmt.Errorf("x402: starting the embedded facilitator: %w", err)
+	}
+	a.key, a.engine = key, val.(*engineEntry)
+	return nil
+}
+
+// networkSpec is a Network with its placeholders replaced and its keys parsed.
+type networkSpec struct {
+	Network *Network
+	Keys    []string // hex, for the pool key only; never logged
+	RPC     []string
+	Assets  []*Asset
+}
+
+func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
+	spec := networkSpec{Network: n}
+	if _, err := x402.ChainID(n.Network); err != nil {
+		return spec, err
+	}
+	for _, u := range n.RPC {
+		u = repl.ReplaceAll(u, "")
+		if _, err := url.Parse(u); err != nil || u == "" {
+			return spec, fmt.Errorf("rpc %q is not a URL", redactURL(u))
+		}
+		spec.RPC = append(spec.RPC, u)
+	}
+	if len(spec.RPC) == 0 {
+		return spec, errors.New("no rpc URL configured")
+	}
+	var list []string
+	for _, k := range n.WalletKeys {
+		list = append(list, repl.ReplaceAll(k, ""))
+	}
+	if len(list) > 0 {
+		spec.Keys = list
+	} else if n.WalletKeyFile != "" {
+		spec.Keys = []string{"file:" + repl.ReplaceAll(n.WalletKeyFile, "")}
+	} else {
+		return spec, errors.New("no settlement wallet: set wallet_keys or wallet_key_file")
+	}
+	spec.Assets = n.Assets
+	if len(spec.Assets) == 0 {
+		return spec, errors.New("no asset configured: add `asset <address>`")
+	}
+	for _, as := range spec.Assets {
+		if !common.IsHexAddress(as.Address) {
+			return spec, fmt.Errorf("asset %q is not an address", as.Address)
+		}
+		if as.Name == "" {
+			as.Name = "Stable Coin"
+		}
+		if as.Version == "" {
+			as.Version = "1"
+		}
+		if as.Decimals == 0 {
+			as.Decimals = 6
+		}
+	}
+	return spec, nil
+}
+
+// engineKey identifies an engine configuration without holding secrets in clear.
+func engineKey(journalPath string, specs []networkSpec) (string, error) {
+	b, err := json.Marshal(struct {
+		J string
+		S []networkSpec
+	}{journalPath, specs})
+	if err != nil {
+		return "", err
+	}
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:]), nil
+}
+
+// engineEntry is a pooled engine with the journal it holds.
+type engineEntry struct {
+	facilitator *chain.Facilitator
+	journalPath string
+	clients     []*ethclient.Client
+}
+
+// Destruct stops the engine and lets go of its journal when the last config using it is gone.
+func (e *engineEntry) Destruct() error {
+	err := e.facilitator.Close()
+	for _, c := range e.clients {
+		c.Close()
+	}
+	_, jerr := journals.Delete(e.journalPath)
+	return errors.Join(err, jerr)
+}
+
+// journalEntry is a pooled open journal and the owner token of this process's claims in it.
+type journalEntry struct {
+	store journal.Store
+	owner string
+	path  string
+}
+
+func (j *journalEntry) Destruct() error { return j.store.Close() }
+
+func (a *App) newEngine(specs []networkSpec) (*engineEntry, error) {
+	je, err := openJournal(a.Journal)
+	if err != nil {
+		return nil, err
+	}
+	entry := &engineEntry{journalPath: a.Journal}
+	ok := false
+	defer func() {
+		if !ok {
+			for _, c := range entry.clients {
+				c.Close()
+			}
+			_, _ = journals.Delete(a.Journal)
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cfg := chain.Config{Journal: je.store, Owner: je.owner, Logger: a.logger.Named("facilitator")}
+	for _, s := range specs {
+		nc, err := a.networkConfig(ctx, s, entry)
+		if err != nil {
+			return nil, fmt.Errorf("network %s: %w", s.Network.Network, err)
+		}
+		cfg.Networks = append(cfg.Networks, nc)
+	}
+	f, err := chain.New(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	entry.facilitator, ok = f, true
+	return entry, nil
+}
+
+func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEntry) (chain.NetworkConfig, error) {
+	n := s.Network
+	nc := chain.NetworkConfig{
+		Network: n.Network, Methods: n.Methods, ReceiptTimeout: time.Duration(n.ReceiptTimeout),
+		ReceiptPoll: time.Duration(n.ReceiptPoll), Fees: chain.FeePolicy{Legacy: n.LegacyFees},
+		MaxInFlightPerWallet: n.MaxInFlightPerWallet, WalletWait: time.Duration(n.WalletWait),
+	}
+	var names []string
+	var backends []chain.Backend
+	for _, u := range s.RPC {
+		c, err := ethclient.DialContext(ctx, u)
+		if err != nil {
+			return nc, fmt.Errorf("rpc %s: %w", redactURL(u), err)
+		}
+		entry.clients = append(entry.clients, c)
+		names, backends = append(names, redactURL(u)), append(backends, c)
+	}
+	fo, err := chain.NewFailover(names, backends)
+	if err != nil {
+		return nc, err
+	}
+	nc.Backend = fo
+	for _, k := range s.Keys {
+		var keys []*ecdsa.PrivateKey
+		if path, isFile := strings.CutPrefix(k, "file:"); isFile {
+			keys, err = chain.ReadPrivateKeyFile(path)
+		} else {
+			keys, err = chain.ParsePrivateKeys(k)
+		}
+		if err != nil {
+			return nc, err
+		}
+		nc.Keys = append(nc.Keys, keys...)
+	}
+	for _, as := range s.Assets {
+		nc.Assets = append(nc.Assets, chain.AssetConfig{Address: common.HexToAddress(as.Address), Name: as.Name, Version: as.Version, Decimals: as.Decimals})
+	}
+	return nc, nil
+}
+
+// Start starts the app; the engine already runs from Provision.
 func (*App) Start() error { return nil }
 
 // Stop stops the app.
 func (*App) Stop() error { return nil }
 
+// Cleanup lets go of this config's hold on the engine; the last holder stops it.
+func (a *App) Cleanup() error {
+	var errs []error
+	if a.journal != nil {
+		_, err := journals.Delete(a.journal.path)
+		errs = append(errs, err)
+	}
+	if a.key != "" {
+		_, err := engines.Delete(a.key)
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// SettlementJournal is the settlement journal of this app, opened on first use (a gate with a remote facilitator needs it
+// too, to serve each payment once). It stays open across config reloads that keep its path.
+func (a *App) SettlementJournal() (journal.Store, string, error) {
+	a.journalMu.Lock()
+	defer a.journalMu.Unlock()
+	if a.journal == nil {
+		je, err := openJournal(a.journalPath())
+		if err != nil {
+			return nil, "", err
+		}
+		a.journal = je
+	}
+	return a.journal.store, a.journal.owner, nil
+}
+
+func (a *App) journalPath() string {
+	if a.Journal == "" {
+		return filepath.Join(caddy.AppDataDir(), "x402", "journal.db")
+	}
+	return caddy.NewReplacer().ReplaceAll(a.Journal, "")
+}
+
+// openJournal takes a reference on the pooled journal at path, opening it if no config holds it yet.
+func openJournal(path string) (*journalEntry, error) {
+	jv, _, err := journals.LoadOrNew(path, func() (caddy.Destructor, error) {
+		st, err := journal.OpenBolt(path, journal.Options{})
+		if err != nil {
+			return nil, err
+		}
+		var tok [8]byte
+		_, _ = rand.Read(tok[:])
+		return &journalEntry{store: st, owner: hex.EncodeToString(tok[:]), path: path}, nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("opening the settlement journal %s: %w", path, err)
+	}
+	return jv.(*journalEntry), nil
+}
+
+// Facilitator is the embedded facilitator engine, or nil when the app configures no network.
+func (a *App) Facilitator() *chain.Facilitator {
+	if a.engine == nil {
+		return nil
+	}
+	return a.engine.facilitator
+}
+
+// redactURL drops credentials, path and query of an RPC URL (providers put API keys there) for logs and errors.
+func redactURL(u string) string {
+	p, err := url.Parse(u)
+	if err != nil || p.Host == "" {
+		return "<rpc url>"
+	}
+	return p.Scheme + "://" + p.Host
+}
+
 // Interface guards
-var _ caddy.App = (*App)(nil)
+var (
+	_ caddy.App          = (*App)(nil)
+	_ caddy.Provisioner  = (*App)(nil)
+	_ caddy.CleanerUpper = (*App)(nil)
+)

@@ -1,0 +1,167 @@
+package caddymodule
+
+import (
+	"strconv"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+)
+
+func init() {
+	httpcaddyfile.RegisterGlobalOption("x402", parseGlobalX402)
+}
+
+// parseGlobalX402 sets up the `x402` app from the global option of the same name:
+//
+//	x402 {
+//		network <caip2> {
+//			rpc <url> [<url>...]
+//			asset <address> [name <name>] [version <version>] [decimals <n>]
+//			wallet_keys <hex>[,<hex>...] [<hex>...]
+//			wallet_key_file <path>
+//			receipt_timeout <duration>
+//			receipt_poll <duration>
+//			methods permit2|erc2612 [...]
+//			legacy_fees
+//			max_in_flight_per_wallet <n>
+//			wallet_wait <duration>
+//		}
+//		journal <path>
+//	}
+func parseGlobalX402(d *caddyfile.Dispenser, existing any) (any, error) {
+	app := new(App)
+	if existing != nil {
+		return nil, d.Err("the x402 global option may appear only once")
+	}
+	d.Next() // option name
+	if d.NextArg() {
+		return nil, d.ArgErr()
+	}
+	for d.NextBlock(0) {
+		switch d.Val() {
+		case "network":
+			n, err := parseNetwork(d)
+			if err != nil {
+				return nil, err
+			}
+			app.Networks = append(app.Networks, n)
+		case "journal":
+			if !d.NextArg() {
+				return nil, d.ArgErr()
+			}
+			app.Journal = d.Val()
+			if d.NextArg() {
+				return nil, d.ArgErr()
+			}
+		default:
+			return nil, d.Errf("unrecognized x402 option '%s'; want network or journal", d.Val())
+		}
+	}
+	return httpcaddyfile.App{Name: "x402", Value: caddyconfig.JSON(app, nil)}, nil
+}
+
+func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
+	n := new(Network)
+	if !d.NextArg() {
+		return nil, d.Err("network needs its CAIP-2 identifier, e.g. network eip155:72344 { ... }")
+	}
+	n.Network = d.Val()
+	if d.NextArg() {
+		return nil, d.ArgErr()
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		switch d.Val() {
+		case "rpc":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return nil, d.Err("rpc needs at least one URL")
+			}
+			n.RPC = append(n.RPC, args...)
+		case "asset":
+			if !d.NextArg() {
+				return nil, d.Err("asset needs the token's contract address")
+			}
+			a := &Asset{Address: d.Val()}
+			for d.NextArg() {
+				key := d.Val()
+				if !d.NextArg() {
+					return nil, d.Errf("asset %s needs a value", key)
+				}
+				switch key {
+				case "name":
+					a.Name = d.Val()
+				case "version":
+					a.Version = d.Val()
+				case "decimals":
+					dec, err := strconv.ParseUint(d.Val(), 10, 8)
+					if err != nil {
+						return nil, d.Errf("asset decimals %q is not a number from 0 to 255", d.Val())
+					}
+					a.Decimals = uint8(dec)
+				default:
+					return nil, d.Errf("unrecognized asset property '%s'; want name, version or decimals", key)
+				}
+			}
+			n.Assets = append(n.Assets, a)
+		case "wallet_keys":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return nil, d.Err("wallet_keys needs at least one key or placeholder such as {env.X402_WALLET_KEYS}")
+			}
+			n.WalletKeys = append(n.WalletKeys, args...)
+		case "wallet_key_file":
+			if !d.AllArgs(&n.WalletKeyFile) {
+				return nil, d.ArgErr()
+			}
+		case "receipt_timeout", "receipt_poll", "wallet_wait":
+			name := d.Val()
+			var s string
+			if !d.AllArgs(&s) {
+				return nil, d.ArgErr()
+			}
+			dur, err := caddy.ParseDuration(s)
+			if err != nil {
+				return nil, d.Errf("%s: %v", name, err)
+			}
+			switch name {
+			case "receipt_timeout":
+				n.ReceiptTimeout = caddy.Duration(dur)
+			case "receipt_poll":
+				n.ReceiptPoll = caddy.Duration(dur)
+			default:
+				n.WalletWait = caddy.Duration(dur)
+			}
+		case "methods":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return nil, d.Err("methods needs permit2, erc2612 or both")
+			}
+			for _, m := range args {
+				if m != "permit2" && m != "erc2612" {
+					return nil, d.Errf("unknown method '%s'; want permit2 or erc2612", m)
+				}
+			}
+			n.Methods = args
+		case "legacy_fees":
+			if d.NextArg() {
+				return nil, d.ArgErr()
+			}
+			n.LegacyFees = true
+		case "max_in_flight_per_wallet":
+			var s string
+			if !d.AllArgs(&s) {
+				return nil, d.ArgErr()
+			}
+			v, err := strconv.Atoi(s)
+			if err != nil || v < 1 {
+				return nil, d.Errf("max_in_flight_per_wallet %q is not a positive number", s)
+			}
+			n.MaxInFlightPerWallet = v
+		default:
+			return nil, d.Errf("unrecognized network option '%s'", d.Val())
+		}
+	}
+	return n, nil
+}

@@ -1,0 +1,72 @@
+package chain
+
+import (
+	"crypto/ecdsa"
+	"strconv"
+
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/crypto"
+)
+
+// The dev chain's accounts have well-known keys, as Hardhat's and Anvil's do, so that a second process (a load
+// generator, a browser demo, a test) can use them without copying keys out of a log. Key number i of a role is
+//
+//	keccak256("caddy-x402 dev chain/" + role + "/" + decimal(i))
+//
+// with role "deployer", "wallet" or "payer", hashed again in the negligible case (about 2^-128) that the result
+// is not a valid secp256k1 scalar. Everyone can compute these keys: they are for the dev chain only and must
+// never hold anything of value on any other chain.
+
+// devKeySeedPrefix starts every dev key's seed; changing it changes every documented address below.
+const devKeySeedPrefix = "caddy-x402 dev chain/"
+
+// Roles of the dev chain's deterministic accounts.
+const (
+	devRoleDeployer = "deployer"
+	devRoleWallet   = "wallet"
+	devRolePayer    = "payer"
+)
+
+// Well-known addresses of the dev chain. A test holds them equal to what the keys derive.
+var (
+	// DevDeployerAddress is the address of DevDeployerKey, which deploys and owns the dev chain's StableCoin.
+	DevDeployerAddress = common.HexToAddress("0xbd2EF68429A7C66711cAa2e08cd195fEea267f20")
+	// DevPayerAddress is the address of DevPayerKey, the dev chain's funded demo payer.
+	DevPayerAddress = common.HexToAddress("0x850ec0D9fF24AeFeE83Dec34973B271e755B93B9")
+	// DevTokenAddress is where the dev chain's StableCoin lives: crypto.CreateAddress(DevDeployerAddress, 0),
+	// the deployer's first transaction.
+	DevTokenAddress = common.HexToAddress("0x69c1c4280cd64e46F1525c67AA9e5F784d09cB4C")
+)
+
+// DevDeployerKey returns the key that deploys the dev chain's StableCoin at DevTokenAddress and may mint it.
+func DevDeployerKey() *ecdsa.PrivateKey { return devKey(devRoleDeployer, 0) }
+
+// DevWalletKey returns settlement wallet number i of the dev chain.
+func DevWalletKey(i int) *ecdsa.PrivateKey { return devKey(devRoleWallet, i) }
+
+// DevWalletKeys returns the first n settlement wallets of the dev chain.
+func DevWalletKeys(n int) []*ecdsa.PrivateKey {
+	keys := make([]*ecdsa.PrivateKey, 0, max(n, 0))
+	for i := range max(n, 0) {
+		keys = append(keys, DevWalletKey(i))
+	}
+	return keys
+}
+
+// DevPayerKey returns the dev chain's demo payer, DevPayerKeyN(0).
+func DevPayerKey() *ecdsa.PrivateKey { return DevPayerKeyN(0) }
+
+// DevPayerKeyN returns demo payer number i of the dev chain.
+func DevPayerKeyN(i int) *ecdsa.PrivateKey { return devKey(devRolePayer, i) }
+
+// devKey derives key i of role. Every call returns a fresh key, so callers cannot disturb each other.
+func devKey(role string, i int) *ecdsa.PrivateKey {
+	seed := crypto.Keccak256([]byte(devKeySeedPrefix + role + "/" + strconv.Itoa(i)))
+	for {
+		key, err := crypto.ToECDSA(seed)
+		if err == nil {
+			return key
+		}
+		seed = crypto.Keccak256(seed)
+	}
+}

@@ -1,0 +1,492 @@
+package chain
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/big"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ethereum/go-ethereum"
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/common/hexutil"
+	"github.com/ethereum/go-ethereum/core"
+	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/crypto"
+	"github.com/ethereum/go-ethereum/eth"
+	"github.com/ethereum/go-ethereum/eth/catalyst"
+	"github.com/ethereum/go-ethereum/eth/ethconfig"
+	"github.com/ethereum/go-ethereum/eth/filters"
+	"github.com/ethereum/go-ethereum/ethclient"
+	"github.com/ethereum/go-ethereum/node"
+	"github.com/ethereum/go-ethereum/p2p"
+	"github.com/ethereum/go-ethereum/params"
+	"github.com/ethereum/go-ethereum/rpc"
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// Defaults and fixed figures of the dev chain.
+const (
+	// DefaultDevChainID is the dev chain's chain ID unless configured otherwise: the spec's testnet.
+	DefaultDevChainID = 72344
+	// DefaultDevListen is where the dev chain serves JSON-RPC over HTTP unless configured otherwise.
+	DefaultDevListen = "127.0.0.1:8545"
+	// DefaultDevWallets is the number of funded settlement wallets unless configured otherwise.
+	DefaultDevWallets = 4
+	// DefaultDevPayers is the number of funded demo payers unless configured otherwise.
+	DefaultDevPayers = 1
+	// DevGasLimit is the block gas limit: high, so that a block holds thousands of settlements under load.
+	DevGasLimit = 1_000_000_000
+	// DevPayerTokens is the StableCoin amount, in raw units, minted to each demo payer: 1,000,000 tokens.
+	DevPayerTokens = 1_000_000_000_000
+)
+
+// devMintGas bounds the gas of a mint to a fresh holder (about 70,000); a fixed figure lets the mints go
+// out with the deployment, before the token exists to estimate against.
+const devMintGas = 150_000
+
+// devReceiptPoll is how often startup looks for the receipts of its own transactions.
+const devReceiptPoll = 20 * time.Millisecond
+
+// DevAccountBalance returns the wei the deployer, each settlement wallet and each demo payer start with: 1,000 ETH.
+func DevAccountBalance() *big.Int {
+	return new(big.Int).Mul(big.NewInt(1000), big.NewInt(params.Ether))
+}
+
+// DevChainConfig configures StartDevChain. Zero values select the defaults.
+type DevChainConfig struct {
+	// ChainID is the chain ID (default 72344).
+	ChainID uint64
+	// Listen is the host:port of the JSON-RPC HTTP endpoint (default 127.0.0.1:8545); port 0 picks a free
+	// port, which RPCURL reports. The dev keys are public, so anything but loopback exposes funds to all.
+	Listen string
+	// BlockTime is 0 to seal a block as soon as transactions arrive (instant, but each block moves chain
+	// time at least one second, so under load chain time runs ahead of the wall clock), or a whole number
+	// of seconds to seal on that period (many transactions per block; chain time follows the wall clock).
+	BlockTime time.Duration
+	// DataDir keeps the chain on disk across restarts; empty keeps it in memory.
+	DataDir string
+	// AllocFile names a JSON file of extra genesis accounts in geth's genesis "alloc" format
+	// ({"0xaddress": {"balance": "0x..", "code": "0x..", "storage": {..}, "nonce": "0x.."}}).
+	// Its entries replace the dev chain's own for the same address.
+	AllocFile string
+	// Wallets is the number of funded settlement wallets, DevWalletKeys(Wallets) (default 4).
+	Wallets int
+	// Payers is the number of funded demo payers, DevPayerKeyN(0..Payers-1) (default 1).
+	Payers int
+	// Logger receives the startup report, including the demo payer's key (default: no logging).
+	Logger *zap.Logger
+}
+
+// DevChain is a running in-process go-ethereum node for development: a single post-merge node driven by a
+// simulated beacon, with Permit2 and the x402 proxy at their canonical addresses, the StableCoin at
+// DevTokenAddress, funded settlement wallets and demo payers. Its keys are public (see DevDeployerKey).
+type DevChain struct {
+	chainID uint64
+	url     string
+	wallets []*ecdsa.PrivateKey
+	payers  []*ecdsa.PrivateKey
+	stack   *node.Node
+	client  *ethclient.Client
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// StartDevChain starts a dev chain, deploys the StableCoin and mints to the demo payers unless a chain in
+// DataDir already has them, and logs how to use it. ctx bounds the startup only; the chain runs until Close.
+func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
+	cfg, host, port, err := cfg.resolve()
+	if err != nil {
+		return nil, err
+	}
+	extra, err := readDevAlloc(cfg.AllocFile)
+	if err != nil {
+		return nil, err
+	}
+	d := &DevChain{
+		chainID: cfg.ChainID,
+		wallets: DevWalletKeys(cfg.Wallets),
+	}
+	for i := range cfg.Payers {
+		d.payers = append(d.payers, DevPayerKeyN(i))
+	}
+
+	nodeConf := node.DefaultConfig
+	nodeConf.Name = "x402-devchain"
+	nodeConf.DataDir = cfg.DataDir
+	nodeConf.IPCPath = ""
+	nodeConf.HTTPHost = host
+	nodeConf.HTTPPort = port
+	nodeConf.HTTPModules = []string{"eth", "net", "web3"}
+	nodeConf.HTTPVirtualHosts = []string{"localhost", host}
+	nodeConf.WSHost = ""
+	// No engine API is registered, so no authenticated endpoint opens; port 0 keeps a stray one off 8551.
+	nodeConf.AuthAddr = "127.0.0.1"
+	nodeConf.AuthPort = 0
+	nodeConf.P2P = p2p.Config{MaxPeers: 0, NoDiscovery: true, NoDial: true, ListenAddr: ""}
+
+	stack, err := node.New(&nodeConf)
+	if err != nil {
+		return nil, fmt.Errorf("dev chain: creating the node (data dir %q): %w", cfg.DataDir, err)
+	}
+	d.stack = stack
+
+	ethConf := ethconfig.Defaults
+	ethConf.Genesis = devGenesis(cfg, d.wallets, d.payers, extra)
+	ethConf.NetworkId = cfg.ChainID
+	ethConf.SyncMode = ethconfig.FullSync
+	ethConf.TxPool.NoLocals = true
+	ethConf.TxPool.Journal = ""
+	// x402 sends no blob transactions; an on-disk blob pool only costs seconds of compaction at each restart.
+	ethConf.BlobPool.Datadir = ""
+	// eth_getLogs still answers by scanning blocks; the log index would cost CPU on every block under load
+	// and reads a whole filter map at every restart.
+	ethConf.LogNoHistory = true
+	ethConf.Miner.GasCeil = DevGasLimit
+	// The pool admits any tip of at least 1 wei; a miner demanding more would leave such a transaction
+	// pending forever and the seal-on-arrival loop spinning on it.
+	ethConf.Miner.GasPrice = big.NewInt(1)
+
+	backend, err := eth.New(stack, &ethConf)
+	if err != nil {
+		stack.Close()
+		var mismatch *core.GenesisMismatchError
+		if errors.As(err, &mismatch) {
+			return nil, fmt.Errorf("dev chain: data dir %q holds a chain with another genesis (chain id, wallets, "+
+				"payers or alloc file changed since it was created); use those settings again or an empty data dir: %w",
+				cfg.DataDir, err)
+		}
+		return nil, fmt.Errorf("dev chain: setting up the Ethereum service: %w", err)
+	}
+	stack.RegisterAPIs([]rpc.API{{
+		Namespace: "eth",
+		Service:   filters.NewFilterAPI(filters.NewFilterSystem(backend.APIBackend, filters.Config{})),
+	}})
+	beacon, err := catalyst.NewSimulatedBeacon(uint64(cfg.BlockTime/time.Second), common.Address{}, backend)
+	if err != nil {
+		stack.Close()
+		return nil, fmt.Errorf("dev chain: setting up the simulated beacon: %w", err)
+	}
+	// With period 0 the beacon API, not the beacon, seals a block whenever transactions arrive.
+	catalyst.RegisterSimulatedBeaconAPIs(stack, beacon)
+	stack.RegisterLifecycle(beacon)
+	if err := stack.Start(); err != nil {
+		// A node that fails to start never started (nor stops) the beacon, whose sealing loop waits on it.
+		beacon.Stop()
+		stack.Close()
+		return nil, fmt.Errorf("dev chain: starting the node with JSON-RPC on %s: %w", cfg.Listen, err)
+	}
+	d.client = ethclient.NewClient(stack.Attach())
+	d.url = stack.HTTPEndpoint()
+
+	deployed, err := d.provisionToken(ctx)
+	if err == nil {
+		err = waitTxIndex(ctx, backend.BlockChain())
+	}
+	if err != nil {
+		d.Close()
+		return nil, fmt.Errorf("dev chain: %w", err)
+	}
+	d.logStart(cfg, deployed)
+	if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
+		cfg.Logger.Warn("dev chain JSON-RPC listens beyond loopback; its keys are public, so anyone who reaches it "+
+			"can spend its funds", zap.String("listen", cfg.Listen))
+	}
+	return d, nil
+}
+
+// resolve fills in defaults and checks cfg, returning the HTTP host and port to listen on.
+func (cfg DevChainConfig) resolve() (DevChainConfig, string, int, error) {
+	if cfg.ChainID == 0 {
+		cfg.ChainID = DefaultDevChainID
+	}
+	if cfg.Listen == "" {
+		cfg.Listen = DefaultDevListen
+	}
+	if cfg.Wallets == 0 {
+		cfg.Wallets = DefaultDevWallets
+	}
+	if cfg.Payers == 0 {
+		cfg.Payers = DefaultDevPayers
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	if cfg.Wallets < 0 || cfg.Payers < 0 {
+		return cfg, "", 0, fmt.Errorf("dev chain: wallets and payers must not be negative, got %d and %d", cfg.Wallets, cfg.Payers)
+	}
+	if cfg.BlockTime < 0 || cfg.BlockTime%time.Second != 0 {
+		return cfg, "", 0, fmt.Errorf("dev chain: block time must be 0 (a block per transaction burst) or whole seconds such as 1s, got %s", cfg.BlockTime)
+	}
+	host, portText, err := net.SplitHostPort(cfg.Listen)
+	if err != nil {
+		return cfg, "", 0, fmt.Errorf("dev chain: listen address must be host:port such as %s, got %q: %w", DefaultDevListen, cfg.Listen, err)
+	}
+	if host == "" {
+		return cfg, "", 0, fmt.Errorf("dev chain: listen address %q names no host; give one, such as %s", cfg.Listen, DefaultDevListen)
+	}
+	port, err := strconv.ParseUint(portText, 10, 16)
+	if err != nil {
+		return cfg, "", 0, fmt.Errorf("dev chain: listen port must be a number from 0 to 65535, got %q", portText)
+	}
+	return cfg, host, int(port), nil
+}
+
+// readDevAlloc reads the genesis accounts of path, or none when path is empty.
+func readDevAlloc(path string) (types.GenesisAlloc, error) {
+	if path == "" {
+		return nil, nil
+	}
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("dev chain: reading the alloc file: %w", err)
+	}
+	var alloc types.GenesisAlloc
+	if err := json.Unmarshal(raw, &alloc); err != nil {
+		return nil, fmt.Errorf("dev chain: alloc file %s must hold a genesis alloc object such as "+
+			`{"0x…address": {"balance": "0x…", "code": "0x…"}}: %w`, path, err)
+	}
+	return alloc, nil
+}
+
+// DevChainParams returns the dev chain's configuration: go-ethereum's dev fork set for chainID without the
+// forks v1.17.10 enables before any network has (Bogota, Amsterdam), under which gas costs about three times
+// what live networks charge.
+func DevChainParams(chainID uint64) *params.ChainConfig {
+	cfg := *params.AllDevChainProtocolChanges
+	cfg.ChainID = new(big.Int).SetUint64(chainID)
+	cfg.BogotaTime = nil
+	cfg.AmsterdamTime = nil
+	return &cfg
+}
+
+// devGenesis is the dev chain's genesis. It is a pure function of its arguments (timestamp 0, no randomness)
+// so that a restart on a data dir finds the same genesis hash. The chain ID is not part of a block hash, and
+// go-ethereum would quietly adopt a new one on restart; naming it in the extra data makes a changed chain ID
+// a changed genesis, which the restart refuses.
+func devGenesis(cfg DevChainConfig, wallets, payers []*ecdsa.PrivateKey, extra types.GenesisAlloc) *core.Genesis {
+	// The forks the dev chain starts on call into system contracts that must exist from genesis.
+	alloc := core.SystemContractAllocs()
+	for addr, acc := range contracts.GenesisAlloc() {
+		alloc[addr] = acc
+	}
+	funded := append([]*ecdsa.PrivateKey{DevDeployerKey()}, wallets...)
+	for _, key := range append(funded, payers...) {
+		alloc[crypto.PubkeyToAddress(key.PublicKey)] = types.Account{Balance: DevAccountBalance()}
+	}
+	for addr, acc := range extra {
+		alloc[addr] = acc
+	}
+	return &core.Genesis{
+		Config:     DevChainParams(cfg.ChainID),
+		GasLimit:   DevGasLimit,
+		BaseFee:    big.NewInt(params.InitialBaseFee),
+		Difficulty: new(big.Int),
+		ExtraData:  []byte("x402 dev chain " + strconv.FormatUint(cfg.ChainID, 10)),
+		Alloc:      alloc,
+	}
+}
+
+// provisionToken deploys the StableCoin at DevTokenAddress and mints to each payer, skipping what the chain
+// already has: the deployer's nonce counts its transactions (deployment at 0, the mint to payer i at 1+i).
+// It reports whether it deployed.
+func (d *DevChain) provisionToken(ctx context.Context) (bool, error) {
+	nonce, err := d.client.NonceAt(ctx, DevDeployerAddress, nil)
+	if err != nil {
+		return false, fmt.Errorf("reading the deployer's nonce: %w", err)
+	}
+	code, err := d.client.CodeAt(ctx, DevTokenAddress, nil)
+	if err != nil {
+		return false, fmt.Errorf("reading the token's code: %w", err)
+	}
+	switch {
+	case nonce == 0 && len(code) > 0:
+		return false, fmt.Errorf("the alloc places code at the dev token address %s; the dev chain deploys its "+
+			"StableCoin there, so leave that address out", DevTokenAddress)
+	case nonce > 0 && len(code) == 0:
+		return false, fmt.Errorf("the deployer %s has sent %d transactions but no token lives at %s: the chain "+
+			"was not set up by this dev chain; start on an empty data dir", DevDeployerAddress, nonce, DevTokenAddress)
+	}
+
+	head, err := d.client.HeaderByNumber(ctx, nil)
+	if err != nil {
+		return false, fmt.Errorf("reading the head block: %w", err)
+	}
+	tip := big.NewInt(params.GWei)
+	feeCap := new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), tip)
+	signer := types.LatestSignerForChainID(new(big.Int).SetUint64(d.chainID))
+	deployer := DevDeployerKey()
+	send := func(nonce uint64, to *common.Address, gas uint64, data []byte) (common.Hash, error) {
+		tx, err := types.SignNewTx(deployer, signer, &types.DynamicFeeTx{
+			ChainID: signer.ChainID(), Nonce: nonce, GasTipCap: tip, GasFeeCap: feeCap, Gas: gas, To: to, Data: data,
+		})
+		if err != nil {
+			return common.Hash{}, err
+		}
+		return tx.Hash(), d.client.SendTransaction(ctx, tx)
+	}
+
+	var sent []common.Hash
+	deployed := nonce == 0
+	if deployed {
+		creation := contracts.StableCoinCreationCode()
+		gas, err := d.client.EstimateGas(ctx, ethereum.CallMsg{From: DevDeployerAddress, Data: creation})
+		if err != nil {
+			return false, fmt.Errorf("estimating the StableCoin deployment: %w", err)
+		}
+		hash, err := send(0, nil, gas, creation)
+		if err != nil {
+			return false, fmt.Errorf("deploying the StableCoin: %w", err)
+		}
+		sent = append(sent, hash)
+	}
+	token := DevTokenAddress
+	for i, payer := range d.payers {
+		mintNonce := uint64(1 + i)
+		if mintNonce < nonce {
+			continue
+		}
+		to := crypto.PubkeyToAddress(payer.PublicKey)
+		data, err := contracts.StableCoinABI.Pack("mint", to, big.NewInt(DevPayerTokens))
+		if err != nil {
+			return false, fmt.Errorf("encoding the mint to %s: %w", to, err)
+		}
+		hash, err := send(mintNonce, &token, devMintGas, data)
+		if err != nil {
+			return false, fmt.Errorf("minting to demo payer %s: %w", to, err)
+		}
+		sent = append(sent, hash)
+	}
+	for _, hash := range sent {
+		receipt, err := d.waitReceipt(ctx, hash)
+		if err != nil {
+			return false, fmt.Errorf("waiting for setup transaction %s: %w", hash, err)
+		}
+		if receipt.Status != types.ReceiptStatusSuccessful {
+			return false, fmt.Errorf("setup transaction %s reverted", hash)
+		}
+	}
+	return deployed, nil
+}
+
+// errTxIndexing is how a node answers a receipt query before its transaction indexer has caught up with
+// the chain, as a fresh chain's has until its first block.
+const errTxIndexing = "transaction indexing is in progress"
+
+// waitReceipt polls for the receipt of hash until it is mined or ctx ends.
+func (d *DevChain) waitReceipt(ctx context.Context, hash common.Hash) (*types.Receipt, error) {
+	ticker := time.NewTicker(devReceiptPoll)
+	defer ticker.Stop()
+	for {
+		receipt, err := d.client.TransactionReceipt(ctx, hash)
+		if err == nil {
+			return receipt, nil
+		}
+		if !errors.Is(err, ethereum.NotFound) && !strings.Contains(err.Error(), errTxIndexing) {
+			return nil, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("not mined before startup gave up: %w", ctx.Err())
+		case <-ticker.C:
+		}
+	}
+}
+
+// waitTxIndex waits until the transaction indexer has caught up, so that clients asking for receipts from the
+// first moment get receipts or "not found", never "indexing is in progress".
+func waitTxIndex(ctx context.Context, bc *core.BlockChain) error {
+	ticker := time.NewTicker(devReceiptPoll)
+	defer ticker.Stop()
+	for !bc.TxIndexDone() {
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for the transaction index to catch up: %w", ctx.Err())
+		case <-ticker.C:
+		}
+	}
+	return nil
+}
+
+// logStart reports where the chain is and which keys use it; the keys are public, and the log says so.
+func (d *DevChain) logStart(cfg DevChainConfig, deployed bool) {
+	storage := "memory"
+	if cfg.DataDir != "" {
+		storage = cfg.DataDir
+	}
+	wallets := make([]string, len(d.wallets))
+	for i, key := range d.wallets {
+		wallets[i] = crypto.PubkeyToAddress(key.PublicKey).Hex()
+	}
+	cfg.Logger.Info("dev chain started",
+		zap.String("rpc", d.url),
+		zap.Uint64("chain_id", d.chainID),
+		zap.String("network", d.Network()),
+		zap.Duration("block_time", cfg.BlockTime),
+		zap.String("storage", storage),
+		zap.String("token", DevTokenAddress.Hex()),
+		zap.Bool("token_deployed_now", deployed),
+		zap.String("permit2", contracts.Permit2Address.Hex()),
+		zap.String("proxy", contracts.ProxyAddress.Hex()),
+		zap.Strings("settlement_wallets", wallets),
+	)
+	for i, key := range d.payers {
+		cfg.Logger.Info("dev chain demo payer: DEV CHAIN ONLY - these keys are public, never use them elsewhere",
+			zap.Int("payer", i),
+			zap.String("address", crypto.PubkeyToAddress(key.PublicKey).Hex()),
+			zap.String("private_key", hexutil.Encode(crypto.FromECDSA(key))),
+			zap.String("tokens_raw", strconv.FormatUint(DevPayerTokens, 10)),
+		)
+	}
+}
+
+// RPCURL returns the JSON-RPC HTTP endpoint, with the port actually bound.
+func (d *DevChain) RPCURL() string { return d.url }
+
+// ChainID returns the chain's ID.
+func (d *DevChain) ChainID() uint64 { return d.chainID }
+
+// Network returns the chain's CAIP-2 identifier, such as eip155:72344.
+func (d *DevChain) Network() string { return x402.EIP155(d.chainID) }
+
+// Token returns the address of the chain's StableCoin, DevTokenAddress.
+func (d *DevChain) Token() common.Address { return DevTokenAddress }
+
+// WalletKeys returns the funded settlement wallets' keys.
+func (d *DevChain) WalletKeys() []*ecdsa.PrivateKey {
+	return append([]*ecdsa.PrivateKey(nil), d.wallets...)
+}
+
+// Payer returns the demo payer's key, which holds ETH and DevPayerTokens and no Permit2 allowance.
+func (d *DevChain) Payer() *ecdsa.PrivateKey { return d.payers[0] }
+
+// Payers returns the keys of all demo payers; Payers()[0] is Payer().
+func (d *DevChain) Payers() []*ecdsa.PrivateKey { return append([]*ecdsa.PrivateKey(nil), d.payers...) }
+
+// Client returns an in-process client of the chain (no HTTP); it is closed by Close.
+func (d *DevChain) Client() *ethclient.Client { return d.client }
+
+// Close stops the chain and frees its port; with a data dir the state is on disk for the next start.
+// Calling it again returns the first result.
+func (d *DevChain) Close() error {
+	d.closeOnce.Do(func() {
+		if d.client != nil {
+			d.client.Close()
+		}
+		if err := d.stack.Close(); err != nil {
+			d.closeErr = fmt.Errorf("dev chain: stopping the node: %w", err)
+		}
+	})
+	return d.closeErr
+}

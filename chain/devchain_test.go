@@ -1,0 +1,574 @@
+package chain
+
+import (
+	"bytes"
+	"context"
+	"crypto/ecdsa"
+	"errors"
+	"math/big"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum"
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/crypto"
+	"github.com/ethereum/go-ethereum/ethclient"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+)
+
+func TestDevKeysAreDerivedFromTheDocumentedSeed(t *testing.T) {
+	documented := func(role string, i int) common.Address {
+		key, err := crypto.ToECDSA(crypto.Keccak256([]byte("caddy-x402 dev chain/" + role + "/" + strconv.Itoa(i))))
+		if err != nil {
+			t.Fatalf("seed of %s/%d is not a key: %v", role, i, err)
+		}
+		return crypto.PubkeyToAddress(key.PublicKey)
+	}
+	tests := []struct {
+		name string
+		key  *ecdsa.PrivateKey
+		want common.Address
+	}{
+		{"deployer", DevDeployerKey(), documented("deployer", 0)},
+		{"payer", DevPayerKey(), documented("payer", 0)},
+		{"second payer", DevPayerKeyN(1), documented("payer", 1)},
+		{"wallet 0", DevWalletKey(0), documented("wallet", 0)},
+		{"wallet 3", DevWalletKeys(4)[3], documented("wallet", 3)},
+	}
+	for _, tt := range tests {
+		if got := crypto.PubkeyToAddress(tt.key.PublicKey); got != tt.want {
+			t.Errorf("%s: address %s, want %s", tt.name, got, tt.want)
+		}
+	}
+	if got := crypto.PubkeyToAddress(DevDeployerKey().PublicKey); got != DevDeployerAddress {
+		t.Errorf("DevDeployerAddress is %s, the deployer key derives %s", DevDeployerAddress, got)
+	}
+	if got := crypto.PubkeyToAddress(DevPayerKey().PublicKey); got != DevPayerAddress {
+		t.Errorf("DevPayerAddress is %s, the payer key derives %s", DevPayerAddress, got)
+	}
+	if got := crypto.CreateAddress(DevDeployerAddress, 0); got != DevTokenAddress {
+		t.Errorf("DevTokenAddress is %s, the deployer's first contract lands at %s", DevTokenAddress, got)
+	}
+	seen := map[common.Address]bool{DevDeployerAddress: true, DevPayerAddress: true}
+	for i, key := range DevWalletKeys(8) {
+		addr := crypto.PubkeyToAddress(key.PublicKey)
+		if seen[addr] {
+			t.Errorf("wallet %d repeats address %s", i, addr)
+		}
+		seen[addr] = true
+	}
+	if n := len(DevWalletKeys(-1)); n != 0 {
+		t.Errorf("DevWalletKeys(-1) returned %d keys, want 0", n)
+	}
+}
+
+func TestStartDevChainRejectsUnusableSettingsWithAnActionableError(t *testing.T) {
+	dir := t.TempDir()
+	malformed := filepath.Join(dir, "malformed.json")
+	devWriteFile(t, malformed, `["not", "an", "alloc"]`)
+	tokenClash := filepath.Join(dir, "clash.json")
+	devWriteFile(t, tokenClash, `{"`+DevTokenAddress.Hex()+`": {"balance": "0x0", "code": "0x00"}}`)
+
+	tests := []struct {
+		name string
+		cfg  DevChainConfig
+		want string
+	}{
+		{"fractional block time", DevChainConfig{BlockTime: 1500 * time.Millisecond}, "whole seconds"},
+		{"negative block time", DevChainConfig{BlockTime: -time.Second}, "whole seconds"},
+		{"listen without port", DevChainConfig{Listen: "127.0.0.1"}, "host:port"},
+		{"listen without host", DevChainConfig{Listen: ":8545"}, "names no host"},
+		{"listen port out of range", DevChainConfig{Listen: "127.0.0.1:70000"}, "0 to 65535"},
+		{"negative wallets", DevChainConfig{Wallets: -1}, "must not be negative"},
+		{"missing alloc file", DevChainConfig{AllocFile: filepath.Join(dir, "absent.json")}, "absent.json"},
+		{"malformed alloc file", DevChainConfig{AllocFile: malformed}, "genesis alloc object"},
+		{"alloc code at the token address", DevChainConfig{Listen: "127.0.0.1:0", AllocFile: tokenClash}, "leave that address out"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d, err := StartDevChain(context.Background(), tt.cfg)
+			if err == nil {
+				d.Close()
+				t.Fatalf("started, want an error mentioning %q", tt.want)
+			}
+			if !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error %q, want it to mention %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestDevChainServesTheX402ContractsAndFundedAccountsOverHTTP(t *testing.T) {
+	obs, logs := observer.New(zapcore.InfoLevel)
+	start := time.Now()
+	d := devStart(t, DevChainConfig{Listen: "127.0.0.1:0", Logger: zap.New(obs)})
+	t.Logf("dev chain started in %s", time.Since(start))
+	ctx := devContext(t)
+	client := devDial(t, d)
+
+	if port := devPortOf(t, d.RPCURL()); port == 0 {
+		t.Errorf("RPCURL %s reports port 0, want the port actually bound", d.RPCURL())
+	}
+	id, err := client.ChainID(ctx)
+	if err != nil || id.Uint64() != DefaultDevChainID || d.ChainID() != DefaultDevChainID {
+		t.Errorf("chain id over HTTP %v (%v), ChainID() %d, want %d", id, err, d.ChainID(), DefaultDevChainID)
+	}
+	if d.Network() != "eip155:72344" {
+		t.Errorf("Network() %q, want eip155:72344", d.Network())
+	}
+	for _, c := range []struct {
+		name string
+		addr common.Address
+		want []byte
+	}{
+		{"Permit2", contracts.Permit2Address, contracts.Permit2RuntimeCode()},
+		{"proxy", contracts.ProxyAddress, contracts.ProxyRuntimeCode()},
+	} {
+		code, err := client.CodeAt(ctx, c.addr, nil)
+		if err != nil || !bytes.Equal(code, c.want) {
+			t.Errorf("%s at %s: %d bytes of code (%v), want its %d bytes of runtime code", c.name, c.addr, len(code), err, len(c.want))
+		}
+	}
+	if d.Token() != DevTokenAddress {
+		t.Errorf("Token() %s, want %s", d.Token(), DevTokenAddress)
+	}
+	if code, err := client.CodeAt(ctx, DevTokenAddress, nil); err != nil || len(code) == 0 {
+		t.Errorf("no token code at %s (%v)", DevTokenAddress, err)
+	}
+	if name := devCallToken[string](t, client, "name"); name != contracts.StableCoinName {
+		t.Errorf("token name %q, want %q", name, contracts.StableCoinName)
+	}
+	if decimals := devCallToken[uint8](t, client, "decimals"); decimals != contracts.StableCoinDecimals {
+		t.Errorf("token decimals %d, want %d", decimals, contracts.StableCoinDecimals)
+	}
+	payer := crypto.PubkeyToAddress(d.Payer().PublicKey)
+	if payer != DevPayerAddress {
+		t.Errorf("Payer() is %s, want %s", payer, DevPayerAddress)
+	}
+	if bal := devCallToken[*big.Int](t, client, "balanceOf", payer); bal.Cmp(big.NewInt(DevPayerTokens)) != 0 {
+		t.Errorf("payer holds %s raw tokens, want %d", bal, int64(DevPayerTokens))
+	}
+	if allowance := devCallToken[*big.Int](t, client, "allowance", payer, contracts.Permit2Address); allowance.Sign() != 0 {
+		t.Errorf("payer's Permit2 allowance is %s, want 0 (gas sponsoring grants it)", allowance)
+	}
+	funded := append([]*ecdsa.PrivateKey{d.Payer()}, d.WalletKeys()...)
+	if len(funded) != 1+DefaultDevWallets {
+		t.Errorf("%d wallets, want %d", len(funded)-1, DefaultDevWallets)
+	}
+	for _, key := range funded {
+		addr := crypto.PubkeyToAddress(key.PublicKey)
+		if bal, err := client.BalanceAt(ctx, addr, nil); err != nil || bal.Cmp(DevAccountBalance()) != 0 {
+			t.Errorf("%s holds %v wei (%v), want %s", addr, bal, err, DevAccountBalance())
+		}
+	}
+
+	report := logs.FilterMessageSnippet("DEV CHAIN ONLY").All()
+	if len(report) != 1 {
+		t.Fatalf("%d log entries carry the dev-only warning, want 1 (for the one payer)", len(report))
+	}
+	fields := report[0].ContextMap()
+	if fields["address"] != DevPayerAddress.Hex() || fields["private_key"] != "0x"+common.Bytes2Hex(crypto.FromECDSA(DevPayerKey())) {
+		t.Errorf("payer log fields %v, want the payer's address and private key", fields)
+	}
+	started := logs.FilterMessage("dev chain started").All()
+	if len(started) != 1 || started[0].ContextMap()["rpc"] != d.RPCURL() || started[0].ContextMap()["token"] != DevTokenAddress.Hex() {
+		t.Errorf("startup log %v, want the RPC URL %s and token %s", started, d.RPCURL(), DevTokenAddress)
+	}
+}
+
+func TestDevChainSealsATransferAtOnceAtLiveNetworkGasCost(t *testing.T) {
+	d := devStart(t, DevChainConfig{Listen: "127.0.0.1:0"})
+	client := devDial(t, d)
+	ctx := devContext(t)
+
+	sent := time.Now()
+	tx := devSendTransfer(t, client, d.Payer(), common.HexToAddress("0xbeef"), big.NewInt(1_000_000), 0)
+	receipt := devWaitMined(t, client, tx.Hash())
+	if waited := time.Since(sent); waited > time.Second {
+		t.Errorf("transfer mined after %s, want within 1s with block time 0", waited)
+	}
+	if receipt.Status != types.ReceiptStatusSuccessful {
+		t.Fatalf("transfer reverted")
+	}
+	// An ERC-20 transfer to a fresh holder costs about 35k-52k gas on live forks; the unreleased forks of
+	// go-ethereum's dev set would charge about three times that.
+	if receipt.GasUsed < 35_000 || receipt.GasUsed > 52_000 {
+		t.Errorf("transfer used %d gas, want 35,000-52,000", receipt.GasUsed)
+	}
+	got := devCallToken[*big.Int](t, client, "balanceOf", common.HexToAddress("0xbeef"))
+	if got.Int64() != 1_000_000 {
+		t.Errorf("recipient holds %s, want 1000000", got)
+	}
+	// The chain keeps no log index; eth_getLogs must still find the transfer by scanning.
+	logs, err := client.FilterLogs(ctx, ethereum.FilterQuery{
+		FromBlock: big.NewInt(0),
+		Addresses: []common.Address{DevTokenAddress},
+		Topics:    [][]common.Hash{{contracts.StableCoinABI.Events["Transfer"].ID}, {common.BytesToHash(DevPayerAddress.Bytes())}},
+	})
+	if err != nil {
+		t.Fatalf("eth_getLogs: %v", err)
+	}
+	if len(logs) != 1 || logs[0].TxHash != tx.Hash() {
+		t.Errorf("eth_getLogs found %d Transfer logs from the payer, want the one of %s", len(logs), tx.Hash())
+	}
+}
+
+func BenchmarkStartDevChain(b *testing.B) {
+	for _, bc := range []struct {
+		name string
+		cfg  DevChainConfig
+	}{
+		{"memory", DevChainConfig{Listen: "127.0.0.1:0"}},
+		{"memory block_time 1s", DevChainConfig{Listen: "127.0.0.1:0", BlockTime: time.Second}},
+		{"fresh data dir", DevChainConfig{Listen: "127.0.0.1:0", DataDir: "fresh"}},
+		{"data dir restart", DevChainConfig{Listen: "127.0.0.1:0", DataDir: "restart"}},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			root := b.TempDir()
+			if bc.cfg.DataDir == "restart" {
+				bc.cfg.DataDir = filepath.Join(root, "restart")
+				d, err := StartDevChain(context.Background(), bc.cfg)
+				if err != nil {
+					b.Fatal(err)
+				}
+				d.Close()
+			}
+			for i := 0; b.Loop(); i++ {
+				cfg := bc.cfg
+				if cfg.DataDir == "fresh" {
+					cfg.DataDir = filepath.Join(root, strconv.Itoa(i))
+				}
+				d, err := StartDevChain(context.Background(), cfg)
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.StopTimer()
+				d.Close()
+				b.StartTimer()
+			}
+		})
+	}
+}
+
+func TestDevChainWithABlockTimePacksTransactionsIntoOneBlockOnWallClockTime(t *testing.T) {
+	d := devStart(t, DevChainConfig{Listen: "127.0.0.1:0", BlockTime: time.Second})
+	client := devDial(t, d)
+	ctx := devContext(t)
+
+	nonce, err := client.PendingNonceAt(ctx, DevPayerAddress)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Wait for a fresh block so that all transfers land in the same period.
+	devWaitNextBlock(t, client)
+	var txs []*types.Transaction
+	for i := range 6 {
+		txs = append(txs, devSendTransfer(t, client, d.Payer(), common.BigToAddress(big.NewInt(int64(0x1000+i))), big.NewInt(1), nonce+uint64(i)))
+	}
+	blocks := map[uint64]bool{}
+	for _, tx := range txs {
+		blocks[devWaitMined(t, client, tx.Hash()).BlockNumber.Uint64()] = true
+	}
+	if len(blocks) != 1 {
+		t.Errorf("%d transfers sent together landed in %d blocks, want 1", len(txs), len(blocks))
+	}
+	head, err := client.HeaderByNumber(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if drift := time.Since(time.Unix(int64(head.Time), 0)); drift < -2*time.Second || drift > 2*time.Second {
+		t.Errorf("head timestamp is %s off the wall clock, want within 2s", drift)
+	}
+}
+
+func TestDevChainOnADataDirKeepsItsStateAcrossRestartsWithoutRedeploying(t *testing.T) {
+	dir := t.TempDir()
+	recipient := common.HexToAddress("0xcafe")
+	cfg := DevChainConfig{Listen: "127.0.0.1:0", DataDir: dir}
+
+	first, err := StartDevChain(devContext(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	client := first.Client()
+	devWaitMined(t, client, devSendTransfer(t, client, first.Payer(), recipient, big.NewInt(1234), 0).Hash())
+	head := devBlockNumber(t, client)
+	if err := first.Close(); err != nil {
+		t.Fatalf("closing: %v", err)
+	}
+
+	obs, logs := observer.New(zapcore.InfoLevel)
+	cfg.Logger = zap.New(obs)
+	second := devStart(t, cfg)
+	client = second.Client()
+	if got := devBlockNumber(t, client); got < head {
+		t.Errorf("restarted at block %d, want at least %d", got, head)
+	}
+	if got := devCallToken[*big.Int](t, client, "balanceOf", recipient); got.Int64() != 1234 {
+		t.Errorf("recipient holds %s after restart, want 1234", got)
+	}
+	if got := devCallToken[*big.Int](t, client, "balanceOf", DevPayerAddress); got.Int64() != DevPayerTokens-1234 {
+		t.Errorf("payer holds %s after restart, want %d", got, int64(DevPayerTokens-1234))
+	}
+	// Deployment and one mint: a redeployment or second mint would move the nonce on.
+	if nonce, err := client.NonceAt(devContext(t), DevDeployerAddress, nil); err != nil || nonce != 2 {
+		t.Errorf("deployer nonce %d (%v) after restart, want 2", nonce, err)
+	}
+	if entries := logs.FilterMessage("dev chain started").All(); len(entries) != 1 || entries[0].ContextMap()["token_deployed_now"] != false {
+		t.Errorf("startup log %v, want token_deployed_now=false", entries)
+	}
+	second.Close()
+
+	cfg.ChainID = 723487
+	if d, err := StartDevChain(devContext(t), cfg); err == nil {
+		d.Close()
+		t.Errorf("restart with another chain id started, want an error naming the changed genesis")
+	} else if !strings.Contains(err.Error(), "another genesis") {
+		t.Errorf("restart with another chain id: %v, want it to say the genesis changed", err)
+	}
+}
+
+func TestDevChainAppliesTheAllocFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "alloc.json")
+	devWriteFile(t, path, `{
+		"0x00000000000000000000000000000000000a110c": {
+			"balance": "0x1234",
+			"code": "0x60016001",
+			"storage": {"0x0000000000000000000000000000000000000000000000000000000000000000": "0x000000000000000000000000000000000000000000000000000000000000002a"}
+		}
+	}`)
+	d := devStart(t, DevChainConfig{Listen: "127.0.0.1:0", AllocFile: path})
+	client := devDial(t, d)
+	ctx := devContext(t)
+	addr := common.HexToAddress("0xa110c")
+
+	if bal, err := client.BalanceAt(ctx, addr, nil); err != nil || bal.Int64() != 0x1234 {
+		t.Errorf("balance %v (%v), want 0x1234", bal, err)
+	}
+	if code, err := client.CodeAt(ctx, addr, nil); err != nil || !bytes.Equal(code, []byte{0x60, 0x01, 0x60, 0x01}) {
+		t.Errorf("code %x (%v), want 60016001", code, err)
+	}
+	if slot, err := client.StorageAt(ctx, addr, common.Hash{}, nil); err != nil || new(big.Int).SetBytes(slot).Int64() != 42 {
+		t.Errorf("slot 0 holds %x (%v), want 42", slot, err)
+	}
+}
+
+func TestTwoDevChainsRunSideBySideOnTheirOwnPorts(t *testing.T) {
+	a := devStart(t, DevChainConfig{Listen: "127.0.0.1:0"})
+	b := devStart(t, DevChainConfig{Listen: "127.0.0.1:0", ChainID: 723487, Wallets: 2, Payers: 2})
+	if a.RPCURL() == b.RPCURL() {
+		t.Fatalf("both chains serve %s", a.RPCURL())
+	}
+	ctx := devContext(t)
+	for _, c := range []struct {
+		d    *DevChain
+		want uint64
+	}{{a, DefaultDevChainID}, {b, 723487}} {
+		id, err := devDial(t, c.d).ChainID(ctx)
+		if err != nil || id.Uint64() != c.want {
+			t.Errorf("%s answers chain id %v (%v), want %d", c.d.RPCURL(), id, err, c.want)
+		}
+	}
+	taken, err := StartDevChain(devContext(t), DevChainConfig{Listen: devHostPort(t, a.RPCURL())})
+	if err == nil {
+		taken.Close()
+		t.Errorf("a third chain started on %s, which the first holds", a.RPCURL())
+	} else if !strings.Contains(err.Error(), "address already in use") {
+		t.Errorf("starting on a taken port: %v, want it to say the address is in use", err)
+	}
+	if n := len(b.WalletKeys()); n != 2 {
+		t.Errorf("%d wallets, want 2", n)
+	}
+	second := crypto.PubkeyToAddress(b.Payers()[1].PublicKey)
+	if got := devCallToken[*big.Int](t, b.Client(), "balanceOf", second); got.Cmp(big.NewInt(DevPayerTokens)) != 0 {
+		t.Errorf("second payer holds %s raw tokens, want %d", got, int64(DevPayerTokens))
+	}
+}
+
+func TestClosingTheDevChainFreesItsPort(t *testing.T) {
+	d, err := StartDevChain(devContext(t), DevChainConfig{Listen: "127.0.0.1:0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := devHostPort(t, d.RPCURL())
+	if err := d.Close(); err != nil {
+		t.Fatalf("close: %v", err)
+	}
+	if err := d.Close(); err != nil {
+		t.Errorf("second close: %v, want nil", err)
+	}
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatalf("port %s still taken after Close: %v", addr, err)
+	}
+	l.Close()
+}
+
+// devStart starts a dev chain that closes when the test ends.
+func devStart(t *testing.T, cfg DevChainConfig) *DevChain {
+	t.Helper()
+	d, err := StartDevChain(devContext(t), cfg)
+	if err != nil {
+		t.Fatalf("starting the dev chain: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := d.Close(); err != nil {
+			t.Errorf("closing the dev chain: %v", err)
+		}
+	})
+	return d
+}
+
+// devDial connects to the chain over HTTP, as another process would.
+func devDial(t *testing.T, d *DevChain) *ethclient.Client {
+	t.Helper()
+	client, err := ethclient.Dial(d.RPCURL())
+	if err != nil {
+		t.Fatalf("dialing %s: %v", d.RPCURL(), err)
+	}
+	t.Cleanup(client.Close)
+	return client
+}
+
+func devContext(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// devCallToken calls a view of the dev token through client.
+func devCallToken[T any](t *testing.T, client *ethclient.Client, method string, args ...any) T {
+	t.Helper()
+	data, err := contracts.StableCoinABI.Pack(method, args...)
+	if err != nil {
+		t.Fatalf("packing %s: %v", method, err)
+	}
+	out, err := client.CallContract(devContext(t), ethereum.CallMsg{To: &DevTokenAddress, Data: data}, nil)
+	if err != nil {
+		t.Fatalf("calling %s: %v", method, err)
+	}
+	values, err := contracts.StableCoinABI.Unpack(method, out)
+	if err != nil || len(values) != 1 {
+		t.Fatalf("unpacking %s: %v (%d values)", method, err, len(values))
+	}
+	v, ok := values[0].(T)
+	if !ok {
+		t.Fatalf("%s returned %T, want %T", method, values[0], v)
+	}
+	return v
+}
+
+// devSendTransfer sends amount of the dev token from key to to; nonce 0 asks the chain for the next one.
+func devSendTransfer(t *testing.T, client *ethclient.Client, key *ecdsa.PrivateKey, to common.Address, amount *big.Int, nonce uint64) *types.Transaction {
+	t.Helper()
+	ctx := devContext(t)
+	from := crypto.PubkeyToAddress(key.PublicKey)
+	if nonce == 0 {
+		var err error
+		if nonce, err = client.PendingNonceAt(ctx, from); err != nil {
+			t.Fatal(err)
+		}
+	}
+	head, err := client.HeaderByNumber(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chainID, err := client.ChainID(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, err := contracts.StableCoinABI.Pack("transfer", to, amount)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tip := big.NewInt(1e9)
+	tx, err := types.SignNewTx(key, types.LatestSignerForChainID(chainID), &types.DynamicFeeTx{
+		ChainID: chainID, Nonce: nonce, GasTipCap: tip, Gas: 100_000, To: &DevTokenAddress, Data: data,
+		GasFeeCap: new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), tip),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := client.SendTransaction(ctx, tx); err != nil {
+		t.Fatalf("sending transfer: %v", err)
+	}
+	return tx
+}
+
+func devWaitMined(t *testing.T, client *ethclient.Client, hash common.Hash) *types.Receipt {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		receipt, err := client.TransactionReceipt(devContext(t), hash)
+		if err == nil {
+			return receipt
+		}
+		if !errors.Is(err, ethereum.NotFound) {
+			t.Fatalf("receipt of %s: %v", hash, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatalf("%s not mined within 10s", hash)
+	return nil
+}
+
+func devWaitNextBlock(t *testing.T, client *ethclient.Client) {
+	t.Helper()
+	start := devBlockNumber(t, client)
+	deadline := time.Now().Add(5 * time.Second)
+	for devBlockNumber(t, client) == start {
+		if time.Now().After(deadline) {
+			t.Fatalf("no block after %d within 5s", start)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func devBlockNumber(t *testing.T, client *ethclient.Client) uint64 {
+	t.Helper()
+	n, err := client.BlockNumber(devContext(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func devHostPort(t *testing.T, rawURL string) string {
+	t.Helper()
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		t.Fatalf("parsing %s: %v", rawURL, err)
+	}
+	return u.Host
+}
+
+func devPortOf(t *testing.T, rawURL string) int {
+	t.Helper()
+	_, port, err := net.SplitHostPort(devHostPort(t, rawURL))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := strconv.Atoi(port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func devWriteFile(t *testing.T, path, content string) {
+	t.Helper()
+	if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
