@@ -40,7 +40,7 @@ func settleAll(t *testing.T, f *chain.Facilitator, reqs []x402.VerifyRequest) []
 func TestTwoHundredDistinctPaymentsSettleConcurrentlyWithoutNonceGaps(t *testing.T) {
 	for _, wallets := range []int{4, 1} {
 		t.Run(map[int]string{4: "four wallets", 1: "one wallet pipelining"}[wallets], func(t *testing.T) {
-			fx := newFixture(t, fixtureOpts{wallets: wallets, tune: func(_ *fixture, nc *chain.NetworkConfig) { nc.MaxInFlightPerWallet = 256 }})
+			fx := newFixture(t, fixtureOpts{wallets: wallets, receiptTimeout: 3 * time.Minute, tune: func(_ *fixture, nc *chain.NetworkConfig) { nc.MaxInFlightPerWallet = 256 }})
 			payers := fx.c.Payers
 			fx.approvePermit2(payers...)
 			var reqs []x402.VerifyRequest
