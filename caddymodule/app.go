@@ -17,6 +17,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/crypto"
 	"github.com/ethereum/go-ethereum/ethclient"
 	"go.uber.org/zap"
 
@@ -38,8 +39,13 @@ type App struct {
 	Networks []*Network `json:"networks,omitempty"`
 
 	// Journal is the path of the settlement journal (a bbolt file). Default: x402/journal.db in Caddy's
-	// data directory.
+	// data directory; with an in-memory dev chain and no journal set, an in-memory journal.
 	Journal string `json:"journal,omitempty"`
+
+	// DevChain runs an embedded go-ethereum dev chain in this process, with the Stable Coin, Permit2 and the
+	// x402 proxy deployed and funded dev wallets and payer, and settles on it: a paid route with no chain, no
+	// keys and no network. Its keys are public: for development only.
+	DevChain *DevChainConfig `json:"dev_chain,omitempty"`
 
 	ctx    caddy.Context
 	logger *zap.Logger
@@ -47,7 +53,70 @@ type App struct {
 	key    string
 
 	journalMu *sync.Mutex
-	journal   *journalEntry // this config's own reference, taken by Journal()
+	journal   *journalEntry // this config's own reference, taken by SettlementJournal()
+	devKey    string
+}
+
+// DevChainConfig configures the embedded dev chain.
+type DevChainConfig struct {
+	// ChainID of the dev chain. Default 72344, the spec's testnet.
+	ChainID uint64 `json:"chain_id,omitempty"`
+	// Listen is the loopback address of its JSON-RPC endpoint. Default 127.0.0.1:8545.
+	Listen string `json:"listen,omitempty"`
+	// BlockTime is 0 (a block as soon as transactions arrive: instant, but chain time runs ahead of wall time
+	// under load) or a whole number of seconds (many transactions per block, chain time follows the clock).
+	BlockTime caddy.Duration `json:"block_time,omitempty"`
+	// DataDir keeps the chain on disk across restarts; empty keeps it in memory.
+	DataDir string `json:"data_dir,omitempty"`
+	// Alloc is a JSON file of extra genesis accounts and contract code (geth's genesis alloc format).
+	Alloc string `json:"alloc,omitempty"`
+}
+
+// devChains holds running dev chains across config reloads, keyed by their configuration.
+var devChains = caddy.NewUsagePool()
+
+type devChainEntry struct{ chain *chain.DevChain }
+
+func (d *devChainEntry) Destruct() error { return d.chain.Close() }
+
+// startDevChain starts the dev chain (or takes over the running one) and adds its network, unless the config
+// names that network itself.
+func (a *App) startDevChain() error {
+	repl := caddy.NewReplacer()
+	cfg := chain.DevChainConfig{
+		ChainID: a.DevChain.ChainID, Listen: repl.ReplaceAll(a.DevChain.Listen, ""), BlockTime: time.Duration(a.DevChain.BlockTime),
+		DataDir: repl.ReplaceAll(a.DevChain.DataDir, ""), AllocFile: repl.ReplaceAll(a.DevChain.Alloc, ""), Logger: a.logger.Named("dev_chain"),
+	}
+	b, _ := json.Marshal(a.DevChain)
+	a.devKey = string(b)
+	v, _, err := devChains.LoadOrNew(a.devKey, func() (caddy.Destructor, error) {
+		dc, err := chain.StartDevChain(context.Background(), cfg)
+		if err != nil {
+			return nil, err
+		}
+		return &devChainEntry{chain: dc}, nil
+	})
+	if err != nil {
+		a.devKey = ""
+		return fmt.Errorf("x402: starting the dev chain: %w", err)
+	}
+	dc := v.(*devChainEntry).chain
+	for _, n := range a.Networks {
+		if n.Network == dc.Network() {
+			return nil
+		}
+	}
+	var keys []string
+	for _, k := range dc.WalletKeys() {
+		keys = append(keys, hex.EncodeToString(crypto.FromECDSA(k)))
+	}
+	a.Networks = append(a.Networks, &Network{
+		Network: dc.Network(), RPC: []string{dc.RPCURL()}, WalletKeys: []string{strings.Join(keys, ",")},
+		Assets: []*Asset{{Address: dc.Token().Hex(), Name: x402.DefaultTokenName, Version: x402.DefaultTokenVersion, Decimals: x402.DefaultTokenDecimals}},
+		// Blocks come as soon as transactions do: look for receipts often.
+		ReceiptPoll: caddy.Duration(2 * time.Millisecond),
+	})
+	return nil
 }
 
 // Network configures one EVM network of the embedded facilitator.
@@ -106,6 +175,11 @@ func (a *App) Provision(ctx caddy.Context) error {
 	a.ctx = ctx
 	a.journalMu = new(sync.Mutex)
 	a.logger = ctx.Logger()
+	if a.DevChain != nil {
+		if err := a.startDevChain(); err != nil {
+			return err
+		}
+	}
 	if len(a.Networks) == 0 {
 		return nil
 	}
@@ -317,6 +391,10 @@ func (a *App) Cleanup() error {
 		_, err := engines.Delete(a.key)
 		errs = append(errs, err)
 	}
+	if a.devKey != "" {
+		_, err := devChains.Delete(a.devKey)
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
 }
 
@@ -336,18 +414,28 @@ func (a *App) SettlementJournal() (journal.Store, string, error) {
 }
 
 func (a *App) journalPath() string {
+	if a.Journal == "" && a.DevChain != nil && a.DevChain.DataDir == "" {
+		// A chain that forgets everything on exit must not meet a journal that remembers it.
+		return memoryJournal
+	}
 	if a.Journal == "" {
 		return filepath.Join(caddy.AppDataDir(), "x402", "journal.db")
 	}
 	return caddy.NewReplacer().ReplaceAll(a.Journal, "")
 }
 
+// memoryJournal is the journal path that means "in memory, for this process only".
+const memoryJournal = ":memory:"
+
 // openJournal takes a reference on the pooled journal at path, opening it if no config holds it yet.
 func openJournal(path string) (*journalEntry, error) {
 	jv, _, err := journals.LoadOrNew(path, func() (caddy.Destructor, error) {
-		st, err := journal.OpenBolt(path, journal.Options{})
-		if err != nil {
-			return nil, err
+		var st journal.Store = journal.NewMemory(journal.Options{})
+		if path != memoryJournal {
+			var err error
+			if st, err = journal.OpenBolt(path, journal.Options{}); err != nil {
+				return nil, err
+			}
 		}
 		var tok [8]byte
 		_, _ = rand.Read(tok[:])

@@ -38,3 +38,29 @@ func TestTheX402AppStartsAnEmbeddedFacilitatorFromTheGlobalOption(t *testing.T) 
 func keyHex(a *chaintest.Account) string {
 	return hexKey(a)
 }
+
+func TestTheDevChainOptionStartsAChainAndSettlesOnItWithNoOtherConfiguration(t *testing.T) {
+	srv := startCaddy(t, `{
+	x402 {
+		dev_chain {
+			listen 127.0.0.1:0
+		}
+	}
+}
+{{ADDR}} {
+	respond "free"
+}`)
+	app := x402App(t)
+	f := app.Facilitator()
+	if f == nil {
+		t.Fatal("the dev chain configured no embedded facilitator")
+	}
+	nets := f.Networks()
+	if len(nets) != 1 || nets[0] != "eip155:72344" {
+		t.Fatalf("networks = %v, want the dev chain's eip155:72344", nets)
+	}
+	if got := len(f.Wallets(nets[0])); got != 4 {
+		t.Fatalf("%d settlement wallets on the dev chain, want 4", got)
+	}
+	_ = srv
+}

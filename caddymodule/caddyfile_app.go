@@ -29,6 +29,13 @@ func init() {
 //			wallet_wait <duration>
 //		}
 //		journal <path>
+//		dev_chain {
+//			chain_id <id>
+//			listen <host:port>
+//			block_time <duration>
+//			data_dir <path>
+//			alloc <file>
+//		}
 //	}
 func parseGlobalX402(d *caddyfile.Dispenser, existing any) (any, error) {
 	app := new(App)
@@ -47,6 +54,12 @@ func parseGlobalX402(d *caddyfile.Dispenser, existing any) (any, error) {
 				return nil, err
 			}
 			app.Networks = append(app.Networks, n)
+		case "dev_chain":
+			dc, err := parseDevChain(d)
+			if err != nil {
+				return nil, err
+			}
+			app.DevChain = dc
 		case "journal":
 			if !d.NextArg() {
 				return nil, d.ArgErr()
@@ -56,7 +69,7 @@ func parseGlobalX402(d *caddyfile.Dispenser, existing any) (any, error) {
 				return nil, d.ArgErr()
 			}
 		default:
-			return nil, d.Errf("unrecognized x402 option '%s'; want network or journal", d.Val())
+			return nil, d.Errf("unrecognized x402 option '%s'; want network, dev_chain or journal", d.Val())
 		}
 	}
 	return httpcaddyfile.App{Name: "x402", Value: caddyconfig.JSON(app, nil)}, nil
@@ -164,4 +177,41 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 		}
 	}
 	return n, nil
+}
+
+func parseDevChain(d *caddyfile.Dispenser) (*DevChainConfig, error) {
+	dc := new(DevChainConfig)
+	if d.NextArg() {
+		return nil, d.ArgErr()
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		name := d.Val()
+		var v string
+		if !d.AllArgs(&v) {
+			return nil, d.ArgErr()
+		}
+		switch name {
+		case "chain_id":
+			id, err := strconv.ParseUint(v, 10, 64)
+			if err != nil || id == 0 {
+				return nil, d.Errf("chain_id %q is not a positive number", v)
+			}
+			dc.ChainID = id
+		case "listen":
+			dc.Listen = v
+		case "block_time":
+			dur, err := caddy.ParseDuration(v)
+			if err != nil {
+				return nil, d.Errf("block_time: %v", err)
+			}
+			dc.BlockTime = caddy.Duration(dur)
+		case "data_dir":
+			dc.DataDir = v
+		case "alloc":
+			dc.Alloc = v
+		default:
+			return nil, d.Errf("unrecognized dev_chain option '%s'; want chain_id, listen, block_time, data_dir or alloc", name)
+		}
+	}
+	return dc, nil
 }

@@ -32,6 +32,7 @@ func (f *Facilitator) markSending(id journal.ID, on bool) {
 
 // flight is one settlement under way in this process; later callers of the same payment wait for its answer.
 type flight struct {
+	p    *payment
 	done chan struct{}
 	resp x402.SettleResponse
 	err  error
@@ -49,6 +50,9 @@ func (f *Facilitator) Settle(ctx context.Context, req x402.SettleRequest) (x402.
 	f.flightMu.Lock()
 	if fl, ok := f.flights[p.id]; ok {
 		f.flightMu.Unlock()
+		if !fl.p.same(p) {
+			return failed(p.net.caip2, p.payer.Hex(), "", reused(p)), nil
+		}
 		select {
 		case <-fl.done:
 			return fl.resp, fl.err
@@ -56,7 +60,7 @@ func (f *Facilitator) Settle(ctx context.Context, req x402.SettleRequest) (x402.
 			return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: ctx.Err()}
 		}
 	}
-	fl := &flight{done: make(chan struct{})}
+	fl := &flight{p: p, done: make(chan struct{})}
 	f.flights[p.id] = fl
 	f.flightMu.Unlock()
 	defer func() {
@@ -79,6 +83,9 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 		return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("settlement journal: %w", err)}
 	}
 	if !claimed {
+		if !f.recordedSame(p, rec) {
+			return failed(p.net.caip2, p.payer.Hex(), "", reused(p)), nil
+		}
 		return f.answerFromJournal(ctx, p, req, rec)
 	}
 	resp, keep, err := f.broadcastAndWait(ctx, p)
@@ -235,6 +242,25 @@ func (f *Facilitator) answerFromJournal(ctx context.Context, p *payment, req x40
 		return x402.SettleResponse{Success: false, Network: p.net.caip2, Payer: p.payer.Hex(), ErrorReason: x402.ReasonSettlementPending,
 			ErrorMessage: "another settlement of this payment is under way; do not pay again, present the same payment again to learn the outcome"}, nil
 	}
+}
+
+// recordedSame reports whether the journal record is of this very payment, not merely of its payer and nonce.
+func (f *Facilitator) recordedSame(p *payment, rec journal.Record) bool {
+	var req x402.SettleRequest
+	if err := json.Unmarshal(rec.Request, &req); err != nil {
+		return false
+	}
+	q, ref := f.parse(req)
+	return ref == nil && q.same(p)
+}
+
+// reused is the refusal of a payment whose nonce belongs to another, already claimed, payment.
+func reused(p *payment) *refusal {
+	reason := x402.ReasonNonceAlreadyUsed
+	if p.method == x402.TransferPermit2 {
+		reason = x402.ReasonPermit2InvalidNonce
+	}
+	return refuse(reason, "nonce %s of %s belongs to another payment that was already presented; sign a new payment", p.nonce, p.payer.Hex())
 }
 
 func failed(network, payer, tx string, r *refusal) x402.SettleResponse {

@@ -49,6 +49,13 @@ type payment struct {
 	p2      Permit2Transfer // permit2
 	sponsor *sponsorPermit  // permit2 with eip2612GasSponsoring, when present and well-formed
 	id      journal.ID
+	digest  common.Hash // what the payer signed
+}
+
+// same reports whether q is the same payment as p: same signed message, same recipient, same amount. Two
+// payloads can share a journal id (payer and nonce) and still differ; only the same payment may share an answer.
+func (p *payment) same(q *payment) bool {
+	return p.id == q.id && p.digest == q.digest && p.payTo == q.payTo && p.amount.Cmp(q.amount) == 0
 }
 
 // sponsorPermit is the payer's EIP-2612 permit to Permit2 from the eip2612GasSponsoring extension.
@@ -60,8 +67,10 @@ type sponsorPermit struct {
 }
 
 // Verify checks a payment in the order of x402-wire-facts section 5, cheap checks first, then chain reads and a
-// simulation of the exact settlement call. A refused payment is a VerifyResponse with IsValid false; an error
-// means the chain could not be asked.
+// simulation of the exact settlement call. One step moves forward: the signature, which needs neither chain nor
+// clock, is checked before the time window, so that a payload proves its payer before anything reads the chain
+// or claims the settlement journal in its name. A refused payment is a VerifyResponse with IsValid false; an
+// error means the chain could not be asked.
 func (f *Facilitator) Verify(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
 	p, ref := f.parse(req)
 	if ref == nil {
@@ -187,9 +196,10 @@ func (p *payment) parseERC2612(pp x402.PaymentPayload) *refusal {
 	if permit.Value.Cmp(p.amount) != 0 {
 		return refuse(x402.ReasonValueMismatch, "authorization.value is %s but the required amount is exactly %s", permit.Value, p.amount)
 	}
-	got, err := RecoverSigner(PermitDigest(p.asset.domain, permit), p.sig)
+	p.digest = PermitDigest(p.asset.domain, permit)
+	got, err := RecoverSigner(p.digest, p.sig)
 	if err != nil || got != p.payer {
-		return refuse(x402.ReasonInvalidSignature, "the signature is not %s's EIP-2612 permit for %s (%s) on chain %s%s", p.payer.Hex(), p.asset.Address.Hex(), p.asset.Name, p.net.chainID, recoverDetail(err))
+		return refuse(x402.ReasonInvalidSignature, "the signature is not %s's EIP-2612 permit for %s (%s) on chain %s%s", p.payer.Hex(), p.asset.Address.Hex(), p.asset.Name, p.net.chainID, recoverDetail(got, err))
 	}
 	p.id = journal.PaymentID(p.net.caip2, p.method, p.asset.Address.Hex(), p.payer.Hex(), p.nonce.String())
 	return nil
@@ -220,9 +230,10 @@ func (p *payment) parsePermit2(pp x402.PaymentPayload) *refusal {
 	if t.Token != p.asset.Address {
 		return refuse(x402.ReasonPermit2TokenMismatch, "permit2Authorization.permitted.token is %s but the requirements ask for %s", t.Token.Hex(), p.asset.Address.Hex())
 	}
-	got, err := RecoverSigner(Permit2Digest(p.net.p2dom, t), p.sig)
+	p.digest = Permit2Digest(p.net.p2dom, t)
+	got, err := RecoverSigner(p.digest, p.sig)
 	if err != nil || got != p.payer {
-		return refuse(x402.ReasonPermit2InvalidSignature, "the signature is not %s's Permit2 PermitWitnessTransferFrom on chain %s%s", p.payer.Hex(), p.net.chainID, recoverDetail(err))
+		return refuse(x402.ReasonPermit2InvalidSignature, "the signature is not %s's Permit2 PermitWitnessTransferFrom on chain %s%s", p.payer.Hex(), p.net.chainID, recoverDetail(got, err))
 	}
 	if raw, ok := pp.Extensions[x402.ExtensionEIP2612GasSponsoring]; ok {
 		p.sponsor = p.parseSponsor(raw)
@@ -264,7 +275,7 @@ func (p *payment) parseSponsor(raw json.RawMessage) *sponsorPermit {
 	default:
 		got, err := RecoverSigner(PermitDigest(p.asset.domain, permit), sp.sig)
 		if err != nil || got != p.payer {
-			sp.err = refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "eip2612GasSponsoring.info.signature is not %s's EIP-2612 permit to Permit2%s", p.payer.Hex(), recoverDetail(err))
+			sp.err = refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "eip2612GasSponsoring.info.signature is not %s's EIP-2612 permit to Permit2%s", p.payer.Hex(), recoverDetail(got, err))
 		}
 	}
 	return sp
@@ -459,11 +470,13 @@ func isRevert(err error) bool {
 
 func hexDecode(s string) ([]byte, error) { return common.ParseHexOrString(s) }
 
-func recoverDetail(err error) string {
+// recoverDetail says why a signature is not the payer's: it could not be recovered, or whom it recovers (another
+// key, or the same key over other values, such as a wrong domain).
+func recoverDetail(got common.Address, err error) string {
 	if err != nil {
 		return " (" + err.Error() + ")"
 	}
-	return ""
+	return " (it recovers " + got.Hex() + ": another key, or other signed values)"
 }
 
 func hexAddrs(as []common.Address) []string {
