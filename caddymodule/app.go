@@ -344,7 +344,7 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 	var names []string
 	var backends []chain.Backend
 	for _, u := range s.RPC {
-		c, err := ethclient.DialContext(ctx, u)
+		c, err := chain.DialRPC(ctx, u)
 		if err != nil {
 			return nc, fmt.Errorf("rpc %s: %w", redactURL(u), err)
 		}

@@ -288,12 +288,23 @@ func (rw *receiptWatcher) loop() {
 		} else {
 			lastHead = head
 			// A transaction registered just now may sit in a block already scanned.
-			for _, h := range append(lookups, fresh...) {
+			var retry []common.Hash
+			for i, h := range append(lookups, fresh...) {
 				r, err := rw.backend.TransactionReceipt(ctx, h)
 				if err != nil || r == nil {
+					// Seen in a block but not served yet (a node still indexing says "transaction indexing
+					// is in progress"): ask again next round, the block will not be scanned again.
+					if i < len(lookups) {
+						retry = append(retry, h)
+					}
 					continue
 				}
 				rw.deliver(h, r)
+			}
+			if len(retry) > 0 {
+				rw.mu.Lock()
+				rw.fresh = append(rw.fresh, retry...)
+				rw.mu.Unlock()
 			}
 		}
 		cancel()

@@ -113,7 +113,12 @@ type config struct {
 	ethBalance   *big.Int
 	alloc        types.GenesisAlloc
 	http         bool
+	gasLimit     uint64
 }
+
+// WithBlockGasLimit sets the block gas limit (default go-ethereum's 60M): load tests fit a thousand
+// settlements in a block.
+func WithBlockGasLimit(limit uint64) Option { return func(c *config) { c.gasLimit = limit } }
 
 // Option changes how New builds the chain.
 type Option func(*config)
@@ -221,6 +226,9 @@ func New(tb testing.TB, opts ...Option) *Chain {
 	c.Backend = simulated.NewBackend(alloc, func(nodeConf *node.Config, ethConf *ethconfig.Config) {
 		ethConf.Genesis.Config = c.Config
 		ethConf.NetworkId = cfg.chainID
+		if cfg.gasLimit > 0 {
+			ethConf.Genesis.GasLimit, ethConf.Miner.GasCeil = cfg.gasLimit, cfg.gasLimit
+		}
 		if cfg.http {
 			nodeConf.HTTPHost = "127.0.0.1"
 			nodeConf.HTTPPort = httpPort

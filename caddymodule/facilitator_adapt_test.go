@@ -1,0 +1,133 @@
+package caddymodule_test
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+)
+
+// adaptGoldenDir holds Caddyfile-to-JSON golden files in Caddy's own format (caddytest/integration/
+// caddyfile_adapt): a Caddyfile, a line of ten dashes, then the JSON it adapts to, tab-indented; or, instead of
+// JSON, a text the adapt error must contain. X402_UPDATE_ADAPT=1 rewrites the JSON halves from the adapter.
+const adaptGoldenDir = "testdata/caddyfile_adapt"
+
+func TestCaddyfilesAdaptToTheirGoldenJSON(t *testing.T) {
+	files, err := filepath.Glob(filepath.Join(adaptGoldenDir, "*.caddyfiletest"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no golden files in %s (%v)", adaptGoldenDir, err)
+	}
+	update := os.Getenv("X402_UPDATE_ADAPT") == "1"
+	for _, file := range files {
+		t.Run(filepath.Base(file), func(t *testing.T) {
+			data, err := os.ReadFile(file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			caddyfileText, expected, ok := strings.Cut(string(data), "----------")
+			if !ok {
+				t.Fatalf("%s has no ---------- line between the Caddyfile and the JSON", file)
+			}
+			caddyfileText = strings.TrimSpace(caddyfileText) + "\n"
+			expected = strings.TrimSpace(expected)
+			raw, warnings, adaptErr := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfileText), map[string]any{"filename": "Caddyfile"})
+			for _, w := range warnings {
+				t.Errorf("warning: %s:%d: %s: %s", file, w.Line, w.Directive, w.Message)
+			}
+			if expected != "" && expected[0] != '{' {
+				if adaptErr == nil || !strings.Contains(adaptErr.Error(), expected) {
+					t.Fatalf("adapt error = %v, want one containing %q", adaptErr, expected)
+				}
+				return
+			}
+			if adaptErr != nil {
+				t.Fatalf("adapting: %v", adaptErr)
+			}
+			var pretty bytes.Buffer
+			if err := json.Indent(&pretty, raw, "", "\t"); err != nil {
+				t.Fatal(err)
+			}
+			got := pretty.String()
+			if update {
+				if err := os.WriteFile(file, []byte(strings.TrimSpace(caddyfileText)+"\n----------\n"+got+"\n"), 0o644); err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			if got != expected {
+				t.Fatalf("adapted JSON differs from the golden file\n--- got\n%s\n--- want\n%s", got, expected)
+			}
+		})
+	}
+}
+
+func TestBadCaddyfilesAreRefusedNamingTheirLine(t *testing.T) {
+	site := func(lines ...string) string {
+		return ":8080\n\nhandle_path /facilitator/* {\n" + strings.Join(lines, "\n") + "\n}\n"
+	}
+	global := func(lines ...string) string {
+		return "{\n\tx402 {\n" + strings.Join(lines, "\n") + "\n\t}\n}\n\n:8080\n\nrespond ok\n"
+	}
+	for _, tc := range []struct {
+		name, caddyfile, line, text string
+	}{
+		{"an unknown facilitator option", site("x402_facilitator {", "kind permit2", "colour blue", "}"), "Caddyfile:6", "unrecognized x402_facilitator option 'colour'"},
+		{"an unknown kind", site("x402_facilitator {", "kind eip3009", "}"), "Caddyfile:5", "unknown kind 'eip3009'"},
+		{"kind without a value", site("x402_facilitator {", "kind", "}"), "Caddyfile:5", "kind needs permit2, erc2612 or both"},
+		{"a network that is not CAIP-2", site("x402_facilitator {", "networks base-sepolia", "}"), "Caddyfile:5", "malformed CAIP-2"},
+		{"networks without a value", site("x402_facilitator {", "networks", "}"), "Caddyfile:5", "networks needs at least one"},
+		{"api_key without a key", site("x402_facilitator {", "api_key", "}"), "Caddyfile:5", "api_key needs exactly one key"},
+		{"api_key with two keys", site("x402_facilitator {", "api_key a b", "}"), "Caddyfile:5", "api_key needs exactly one key"},
+		{"max_body_size above the codec's limit", site("x402_facilitator {", "max_body_size 1MB", "}"), "Caddyfile:5", "max_body_size '1MB' is not a size from 1 to 65536"},
+		{"max_body_size that is no size", site("x402_facilitator {", "max_body_size lots", "}"), "Caddyfile:5", "max_body_size 'lots'"},
+		{"an argument on the directive line", site("x402_facilitator /a /b"), "Caddyfile:4", "wrong argument count"},
+		{"upstream without a URL", site("x402_facilitator {", "upstream", "}"), "Caddyfile:5", "upstream needs the base URL"},
+		{"upstream with two URLs", site("x402_facilitator {", "upstream http://a http://b", "}"), "Caddyfile:5", "upstream takes one URL"},
+		{"an unknown upstream option", site("x402_facilitator {", "upstream http://a {", "retries 3", "}", "}"), "Caddyfile:6", "unrecognized upstream option 'retries'"},
+		{"an upstream timeout that is no duration", site("x402_facilitator {", "upstream http://a {", "timeout soon", "}", "}"), "Caddyfile:6", "timeout 'soon'"},
+
+		{"an unknown x402 option", global("\t\tcolour blue"), "Caddyfile:3", "unrecognized x402 option 'colour'"},
+		{"the x402 option with an argument", "{\n\tx402 extra\n}\n\n:8080\n\nrespond ok\n", "Caddyfile:2", "wrong argument count"},
+		{"network without its id", global("\t\tnetwork {", "\t\t}"), "Caddyfile:3", "network needs its CAIP-2 identifier"},
+		{"an unknown network option", global("\t\tnetwork eip155:72344 {", "\t\t\tgas_price 1", "\t\t}"), "Caddyfile:4", "unrecognized network option 'gas_price'"},
+		{"rpc without a URL", global("\t\tnetwork eip155:72344 {", "\t\t\trpc", "\t\t}"), "Caddyfile:4", "rpc needs at least one URL"},
+		{"asset without an address", global("\t\tnetwork eip155:72344 {", "\t\t\tasset", "\t\t}"), "Caddyfile:4", "asset needs the token's contract address"},
+		{"an asset property without a value", global("\t\tnetwork eip155:72344 {", "\t\t\tasset 0x1111111111111111111111111111111111111111 name", "\t\t}"), "Caddyfile:4", "asset name needs a value"},
+		{"an unknown asset property", global("\t\tnetwork eip155:72344 {", "\t\t\tasset 0x1111111111111111111111111111111111111111 symbol USD", "\t\t}"), "Caddyfile:4", "unrecognized asset property 'symbol'"},
+		{"asset decimals that are no number", global("\t\tnetwork eip155:72344 {", "\t\t\tasset 0x1111111111111111111111111111111111111111 decimals six", "\t\t}"), "Caddyfile:4", "asset decimals \"six\""},
+		{"wallet_keys without a key", global("\t\tnetwork eip155:72344 {", "\t\t\twallet_keys", "\t\t}"), "Caddyfile:4", "wallet_keys needs at least one key"},
+		{"wallet_key_file without a path", global("\t\tnetwork eip155:72344 {", "\t\t\twallet_key_file", "\t\t}"), "Caddyfile:4", "wrong argument count"},
+		{"a receipt_timeout that is no duration", global("\t\tnetwork eip155:72344 {", "\t\t\treceipt_timeout later", "\t\t}"), "Caddyfile:4", "receipt_timeout"},
+		{"a receipt_poll without a value", global("\t\tnetwork eip155:72344 {", "\t\t\treceipt_poll", "\t\t}"), "Caddyfile:4", "wrong argument count"},
+		{"a wallet_wait that is no duration", global("\t\tnetwork eip155:72344 {", "\t\t\twallet_wait forever", "\t\t}"), "Caddyfile:4", "wallet_wait"},
+		{"an unknown method", global("\t\tnetwork eip155:72344 {", "\t\t\tmethods eip3009", "\t\t}"), "Caddyfile:4", "unknown method 'eip3009'"},
+		{"methods without a value", global("\t\tnetwork eip155:72344 {", "\t\t\tmethods", "\t\t}"), "Caddyfile:4", "methods needs permit2, erc2612 or both"},
+		{"legacy_fees with an argument", global("\t\tnetwork eip155:72344 {", "\t\t\tlegacy_fees yes", "\t\t}"), "Caddyfile:4", "wrong argument count"},
+		{"max_in_flight_per_wallet of zero", global("\t\tnetwork eip155:72344 {", "\t\t\tmax_in_flight_per_wallet 0", "\t\t}"), "Caddyfile:4", "max_in_flight_per_wallet \"0\" is not a positive number"},
+		{"journal without a path", global("\t\tjournal"), "Caddyfile:3", "wrong argument count"},
+		{"dev_chain with an argument", global("\t\tdev_chain yes"), "Caddyfile:3", "wrong argument count"},
+		{"an unknown dev_chain option", global("\t\tdev_chain {", "\t\t\tmining on", "\t\t}"), "Caddyfile:4", "unrecognized dev_chain option 'mining'"},
+		{"a dev_chain chain_id of zero", global("\t\tdev_chain {", "\t\t\tchain_id 0", "\t\t}"), "Caddyfile:4", "chain_id \"0\" is not a positive number"},
+		{"a dev_chain block_time that is no duration", global("\t\tdev_chain {", "\t\t\tblock_time often", "\t\t}"), "Caddyfile:4", "block_time"},
+		{"a dev_chain listen without an address", global("\t\tdev_chain {", "\t\t\tlisten", "\t\t}"), "Caddyfile:4", "wrong argument count"},
+		{"journal with two paths", global("\t\tjournal a b"), "Caddyfile:3", "wrong argument count"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(tc.caddyfile), map[string]any{"filename": "Caddyfile"})
+			if err == nil {
+				t.Fatalf("adapting succeeded, want an error at %s:\n%s", tc.line, tc.caddyfile)
+			}
+			if !regexp.MustCompile(regexp.QuoteMeta(tc.line) + `\b`).MatchString(err.Error()) {
+				t.Errorf("error %q does not name %s", err, tc.line)
+			}
+			if !strings.Contains(err.Error(), tc.text) {
+				t.Errorf("error %q does not say %q", err, tc.text)
+			}
+		})
+	}
+}

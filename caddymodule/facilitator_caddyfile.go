@@ -1,0 +1,137 @@
+package caddymodule
+
+import (
+	"slices"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/dustin/go-humanize"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+func init() {
+	httpcaddyfile.RegisterHandlerDirective("x402_facilitator", parseFacilitatorCaddyfile)
+	// A terminal handler like respond: it answers every request routed to it.
+	httpcaddyfile.RegisterDirectiveOrder("x402_facilitator", httpcaddyfile.Before, "respond")
+}
+
+func parseFacilitatorCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	f := new(FacilitatorHandler)
+	err := f.UnmarshalCaddyfile(h.Dispenser)
+	return f, err
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
+//
+//	x402_facilitator [<matcher>] {
+//		kind permit2|erc2612 [...]
+//		networks <caip2> [...]
+//		api_key <key>
+//		max_body_size <size>
+//		upstream <url> {
+//			api_key <key>
+//			timeout <duration>
+//		}
+//	}
+//
+// kind, networks, api_key and upstream may be repeated; several upstreams are a failover set. It is usually
+// routed under a path: handle_path /facilitator/* { x402_facilitator }.
+func (h *FacilitatorHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // directive name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for d.NextBlock(0) {
+		switch d.Val() {
+		case "kind":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.Errf("kind needs %s, %s or both", x402.TransferPermit2, x402.TransferERC2612)
+			}
+			for _, k := range args {
+				if k != x402.TransferPermit2 && k != x402.TransferERC2612 {
+					return d.Errf("unknown kind '%s'; want %s or %s", k, x402.TransferPermit2, x402.TransferERC2612)
+				}
+				if !slices.Contains(h.Kinds, k) {
+					h.Kinds = append(h.Kinds, k)
+				}
+			}
+		case "networks":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.Err("networks needs at least one CAIP-2 network, e.g. networks eip155:72344")
+			}
+			for _, n := range args {
+				if _, _, err := x402.ParseCAIP2(n); err != nil {
+					return d.Errf("networks: %v", err)
+				}
+				if !slices.Contains(h.Networks, n) {
+					h.Networks = append(h.Networks, n)
+				}
+			}
+		case "api_key":
+			var key string
+			if !d.AllArgs(&key) {
+				return d.Err("api_key needs exactly one key, or a placeholder such as {env.FACILITATOR_KEY}")
+			}
+			h.APIKeys = append(h.APIKeys, key)
+		case "max_body_size":
+			var s string
+			if !d.AllArgs(&s) {
+				return d.ArgErr()
+			}
+			size, err := humanize.ParseBytes(s)
+			if err != nil || size == 0 || size > x402.MaxBodyBytes {
+				return d.Errf("max_body_size '%s' is not a size from 1 to %d bytes (64KiB)", s, x402.MaxBodyBytes)
+			}
+			h.MaxBodySize = int64(size)
+		case "upstream":
+			u, err := parseFacilitatorUpstream(d)
+			if err != nil {
+				return err
+			}
+			h.Upstreams = append(h.Upstreams, u)
+		default:
+			return d.Errf("unrecognized x402_facilitator option '%s'; want kind, networks, api_key, max_body_size or upstream", d.Val())
+		}
+	}
+	return nil
+}
+
+func parseFacilitatorUpstream(d *caddyfile.Dispenser) (*FacilitatorUpstream, error) {
+	u := new(FacilitatorUpstream)
+	if !d.NextArg() {
+		return nil, d.Err("upstream needs the base URL of a facilitator, e.g. upstream https://facilitator.example/x402")
+	}
+	u.URL = d.Val()
+	if d.NextArg() {
+		return nil, d.Err("upstream takes one URL; write one upstream line per facilitator of a failover set")
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		switch d.Val() {
+		case "api_key":
+			if !d.AllArgs(&u.APIKey) {
+				return nil, d.Err("api_key needs exactly one key, or a placeholder such as {env.UPSTREAM_KEY}")
+			}
+		case "timeout":
+			var s string
+			if !d.AllArgs(&s) {
+				return nil, d.ArgErr()
+			}
+			dur, err := caddy.ParseDuration(s)
+			if err != nil || dur <= 0 {
+				return nil, d.Errf("timeout '%s' is not a positive duration such as 10s", s)
+			}
+			u.Timeout = caddy.Duration(dur)
+		default:
+			return nil, d.Errf("unrecognized upstream option '%s'; want api_key or timeout", d.Val())
+		}
+	}
+	return u, nil
+}
+
+// Interface guard
+var _ caddyfile.Unmarshaler = (*FacilitatorHandler)(nil)
