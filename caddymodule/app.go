@@ -150,10 +150,11 @@ type Network struct {
 
 // Asset is one accepted ERC-20 token and its EIP-2612 permit domain.
 type Asset struct {
-	Address  string `json:"address"`
-	Name     string `json:"name,omitempty"`
-	Version  string `json:"version,omitempty"`
-	Decimals uint8  `json:"decimals,omitempty"`
+	Address string `json:"address"`
+	Name    string `json:"name,omitempty"`
+	Version string `json:"version,omitempty"`
+	// Decimals of the token. Default (and 0): 6.
+	Decimals uint8 `json:"decimals,omitempty"`
 }
 
 // CaddyModule returns the Caddy module information.
@@ -256,7 +257,7 @@ func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
 			as.Version = "1"
 		}
 		if as.Decimals == 0 {
-			as.Decimals = 6
+			as.Decimals = x402.DefaultTokenDecimals
 		}
 	}
 	return spec, nil

@@ -1,12 +1,17 @@
 package caddymodule
 
 import (
+	"slices"
 	"strconv"
+
+	"github.com/ethereum/go-ethereum/common"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+
+	"github.com/x402-gateway/caddy-x402/x402"
 )
 
 func init() {
@@ -53,6 +58,11 @@ func parseGlobalX402(d *caddyfile.Dispenser, existing any) (any, error) {
 			if err != nil {
 				return nil, err
 			}
+			for _, prev := range app.Networks {
+				if prev.Network == n.Network {
+					return nil, d.Errf("network %s is configured twice", n.Network)
+				}
+			}
 			app.Networks = append(app.Networks, n)
 		case "dev_chain":
 			dc, err := parseDevChain(d)
@@ -81,6 +91,9 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 		return nil, d.Err("network needs its CAIP-2 identifier, e.g. network eip155:72344 { ... }")
 	}
 	n.Network = d.Val()
+	if _, err := x402.ChainID(n.Network); err != nil {
+		return nil, d.Errf("network %q: %v", n.Network, err)
+	}
 	if d.NextArg() {
 		return nil, d.ArgErr()
 	}
@@ -95,6 +108,9 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 		case "asset":
 			if !d.NextArg() {
 				return nil, d.Err("asset needs the token's contract address")
+			}
+			if !common.IsHexAddress(d.Val()) {
+				return nil, d.Errf("asset %q is not a token contract address (0x and 40 hex digits)", d.Val())
 			}
 			a := &Asset{Address: d.Val()}
 			for d.NextArg() {
@@ -111,6 +127,9 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 					dec, err := strconv.ParseUint(d.Val(), 10, 8)
 					if err != nil {
 						return nil, d.Errf("asset decimals %q is not a number from 0 to 255", d.Val())
+					}
+					if dec == 0 {
+						return nil, d.Err("asset decimals 0 is not supported; x402 prices need a token with decimals")
 					}
 					a.Decimals = uint8(dec)
 				default:
@@ -155,8 +174,11 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 				if m != "permit2" && m != "erc2612" {
 					return nil, d.Errf("unknown method '%s'; want permit2 or erc2612", m)
 				}
+				if slices.Contains(n.Methods, m) {
+					return nil, d.Errf("method '%s' is listed twice", m)
+				}
+				n.Methods = append(n.Methods, m)
 			}
-			n.Methods = args
 		case "legacy_fees":
 			if d.NextArg() {
 				return nil, d.ArgErr()

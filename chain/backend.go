@@ -7,6 +7,7 @@ import (
 	"math/big"
 	"net"
 	"net/http"
+	"net/url"
 	"strings"
 	"sync"
 	"time"
@@ -50,11 +51,29 @@ func DialRPC(ctx context.Context, url string) (*ethclient.Client, error) {
 	return ethclient.NewClient(c), nil
 }
 
+// blockReceiptsReader is a backend that serves eth_getBlockReceipts: every receipt of a block in one call.
+type blockReceiptsReader interface {
+	BlockReceipts(ctx context.Context, blockNrOrHash rpc.BlockNumberOrHash) ([]*types.Receipt, error)
+}
+
+// errNoBlockReceipts says a backend cannot list a block's receipts; callers look receipts up one by one.
+var errNoBlockReceipts = errors.New("the backend does not serve eth_getBlockReceipts")
+
+// BlockReceipts lists the receipts of a block, from the first endpoint that can.
+func (f *Failover) BlockReceipts(ctx context.Context, n rpc.BlockNumberOrHash) ([]*types.Receipt, error) {
+	return do(ctx, f, func(b Backend) ([]*types.Receipt, error) {
+		if br, ok := b.(blockReceiptsReader); ok {
+			return br.BlockReceipts(ctx, n)
+		}
+		return nil, errNoBlockReceipts
+	})
+}
+
 // isAnswer reports whether err is an answer of the node (a JSON-RPC error such as a revert or "nonce too low",
 // or "not found"), as opposed to a failure to reach it. Answers are never retried on another endpoint: another
 // node would say the same.
 func isAnswer(err error) bool {
-	if err == nil || errors.Is(err, ethereum.NotFound) {
+	if err == nil || errors.Is(err, ethereum.NotFound) || errors.Is(err, errNoBlockReceipts) {
 		return true
 	}
 	var rpcErr rpc.Error
@@ -156,12 +175,22 @@ func do[T any](ctx context.Context, f *Failover, call func(Backend) (T, error)) 
 		}
 		e.downTil = f.now().Add(pause)
 		e.mu.Unlock()
-		errs = append(errs, fmt.Errorf("rpc %s: %w", e.name, err))
+		errs = append(errs, fmt.Errorf("rpc %s: %w", e.name, redactErr(err, e.name)))
 	}
 	if ctx.Err() != nil {
 		errs = append(errs, ctx.Err())
 	}
 	return zero, &UnreachableError{Tried: tried, Err: errors.Join(errs...)}
+}
+
+// redactErr keeps the endpoint's URL out of a transport error: providers put API keys in its path and query,
+// and Go's HTTP client quotes the whole URL. name is the endpoint's safe label.
+func redactErr(err error, name string) error {
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		ue.URL = name
+	}
+	return err
 }
 
 // UnreachableError says no RPC endpoint of a network answered.

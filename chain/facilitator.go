@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
@@ -51,6 +52,10 @@ type NetworkConfig struct {
 	// for a free wallet before "No available wallets in pool" (default 2s).
 	MaxInFlightPerWallet int
 	WalletWait           time.Duration
+	// HeadCacheTTL lets verifications within this long share one read of the head block (chain time). Zero
+	// reads the head for every payment; a few hundred milliseconds saves a round trip per payment under load
+	// and is far inside the 6 s deadline margin.
+	HeadCacheTTL time.Duration
 	// LowBalance is the native balance (wei) under which a wallet is reported low by Health (default 0.01 ether).
 	LowBalance *big.Int
 }
@@ -111,6 +116,30 @@ type network struct {
 	timeout time.Duration
 	low     *big.Int
 	p2dom   common.Hash
+
+	headTTL time.Duration
+	headMu  sync.Mutex
+	head    *types.Header
+	headAt  time.Time
+	now     func() time.Time
+}
+
+// chainHead is the head block, shared for headTTL between callers.
+func (n *network) chainHead(ctx context.Context) (*types.Header, error) {
+	if n.headTTL <= 0 {
+		return n.backend.HeaderByNumber(ctx, nil)
+	}
+	n.headMu.Lock()
+	defer n.headMu.Unlock()
+	if n.head != nil && n.now().Sub(n.headAt) < n.headTTL {
+		return n.head, nil
+	}
+	h, err := n.backend.HeaderByNumber(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	n.head, n.headAt = h, n.now()
+	return h, nil
 }
 
 // asset is a configured token with its cached permit domain separator.
@@ -211,7 +240,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		caip2: nc.Network, chainID: chainID, backend: nc.Backend, assets: map[common.Address]*asset{},
 		methods: map[string]bool{}, permit2: nc.Permit2, proxy: nc.Proxy, pool: pool,
 		sender: newSender(nc.Backend, chainID, nc.Fees, f.now), watcher: newReceiptWatcher(nc.Backend, nc.ReceiptPoll),
-		timeout: nc.ReceiptTimeout, low: nc.LowBalance,
+		timeout: nc.ReceiptTimeout, low: nc.LowBalance, headTTL: nc.HeadCacheTTL, now: f.now,
 	}
 	if n.permit2 == (common.Address{}) {
 		n.permit2 = contracts.Permit2Address

@@ -9,8 +9,10 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/rpc"
 )
 
 // contractCall is one transaction a settlement sends: a call of To with Data, limited to Gas.
@@ -215,6 +217,8 @@ type receiptWatcher struct {
 	waiters map[common.Hash][]chan *types.Receipt
 	fresh   []common.Hash // registered since the last look: looked up even if the head has not moved
 	running bool
+
+	noBlockReceipts bool // the node does not serve eth_getBlockReceipts; only the loop goroutine touches it
 }
 
 func newReceiptWatcher(b Backend, poll time.Duration) *receiptWatcher {
@@ -288,19 +292,7 @@ func (rw *receiptWatcher) loop() {
 		} else {
 			lastHead = head
 			// A transaction registered just now may sit in a block already scanned.
-			var retry []common.Hash
-			for i, h := range append(lookups, fresh...) {
-				r, err := rw.backend.TransactionReceipt(ctx, h)
-				if err != nil || r == nil {
-					// Seen in a block but not served yet (a node still indexing says "transaction indexing
-					// is in progress"): ask again next round, the block will not be scanned again.
-					if i < len(lookups) {
-						retry = append(retry, h)
-					}
-					continue
-				}
-				rw.deliver(h, r)
-			}
+			retry := rw.lookUp(ctx, lookups, fresh)
 			if len(retry) > 0 {
 				rw.mu.Lock()
 				rw.fresh = append(rw.fresh, retry...)
@@ -342,6 +334,23 @@ func (rw *receiptWatcher) newlyMined(ctx context.Context, lastHead uint64) ([]co
 	}
 	var found []common.Hash
 	for b := lastHead + 1; b <= n; b++ {
+		if br, ok := rw.backend.(blockReceiptsReader); ok && !rw.noBlockReceipts {
+			receipts, err := br.BlockReceipts(ctx, rpc.BlockNumberOrHashWithNumber(rpc.BlockNumber(b)))
+			if err == nil {
+				// Every receipt of the block in one call: deliver the awaited ones, nothing to look up.
+				for _, r := range receipts {
+					if awaited[r.TxHash] {
+						rw.deliver(r.TxHash, r)
+					}
+				}
+				continue
+			}
+			var rpcErr rpc.Error
+			if !errors.Is(err, errNoBlockReceipts) && !(errors.As(err, &rpcErr) && rpcErr.ErrorCode() == -32601) {
+				return nil, lastHead, err
+			}
+			rw.noBlockReceipts = true // the node lacks the method: list transactions instead
+		}
 		block, err := rw.backend.BlockByNumber(ctx, new(big.Int).SetUint64(b))
 		if err != nil {
 			return nil, lastHead, err
@@ -353,6 +362,42 @@ func (rw *receiptWatcher) newlyMined(ctx context.Context, lastHead uint64) ([]co
 		}
 	}
 	return found, n, nil
+}
+
+// lookupWorkers bounds the receipt lookups the watcher has in flight at once.
+const lookupWorkers = 16
+
+// lookUp fetches the receipts of mined (found in a scanned block) and fresh (just registered) transactions, a
+// few at a time, and delivers them. It returns what must be asked again: a mined one whose receipt is not served
+// yet, or any the node could not answer for (one still indexing says "transaction indexing is in progress").
+// "Not found" for a fresh one means not mined yet: a later block will show it.
+func (rw *receiptWatcher) lookUp(ctx context.Context, mined, fresh []common.Hash) []common.Hash {
+	var (
+		mu    sync.Mutex
+		retry []common.Hash
+		wg    sync.WaitGroup
+		sem   = make(chan struct{}, lookupWorkers)
+	)
+	all := append(append([]common.Hash(nil), mined...), fresh...)
+	for i, h := range all {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			r, err := rw.backend.TransactionReceipt(ctx, h)
+			if err == nil && r != nil {
+				rw.deliver(h, r)
+				return
+			}
+			if i < len(mined) || (err != nil && !errors.Is(err, ethereum.NotFound)) {
+				mu.Lock()
+				retry = append(retry, h)
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return retry
 }
 
 func (rw *receiptWatcher) deliver(h common.Hash, r *types.Receipt) {

@@ -283,7 +283,7 @@ func (p *payment) parseSponsor(raw json.RawMessage) *sponsorPermit {
 
 // checkTime checks the validity window against chain time: the head block's timestamp, not the wall clock.
 func (p *payment) checkTime(ctx context.Context) *refusal {
-	head, err := p.net.backend.HeaderByNumber(ctx, nil)
+	head, err := p.net.chainHead(ctx)
 	if err != nil {
 		// No chain time: the chain checks that follow will report the node as unreachable.
 		return nil

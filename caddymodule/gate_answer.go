@@ -1,0 +1,215 @@
+package caddymodule
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// This file holds the answers the gate writes itself, one per PaymentOutcome that does not serve the resource,
+// and the bookkeeping every request ends with: placeholders and a log line.
+
+// noPayment answers a request without a payment: 402 with what to pay, as the PAYMENT-REQUIRED header and as
+// the body (the version 1 body if so configured, a paywall page for browsers).
+func (x *exchange) noPayment() error {
+	errText := fmt.Sprintf("%s header is required", x.g.PaymentHeader)
+	if len(x.offers.offers) == 0 {
+		errText = "no way to pay is available right now: the facilitator could not be asked what it supports; try again shortly"
+	}
+	pr := x.paymentRequired(errText)
+	x.end(x402.PaymentOutcome{Status: x402.OutcomeNoPayment, Requirements: &pr, TotalMs: x.totalMs()})
+	x.setRequiredHeader(pr)
+	if wantsHTML(x.r) {
+		return x.writePaywall(pr)
+	}
+	x.v1 = x.g.V1Body
+	return x.writeRequired(http.StatusPaymentRequired, pr)
+}
+
+// invalidHeader answers a payment header that does not decode: 400, saying what is wrong.
+func (x *exchange) invalidHeader(err error) error {
+	pr := x.paymentRequired("invalid payment header: " + err.Error())
+	x.end(x402.PaymentOutcome{Status: x402.OutcomeInvalidHeader, TotalMs: x.totalMs()}, zap.String("problem", err.Error()))
+	x.setRequiredHeader(pr)
+	return x.writeRequired(http.StatusBadRequest, pr)
+}
+
+// verifyFailed answers a payment that is not good for this resource: 402 with a fresh offer naming the problem.
+func (x *exchange) verifyFailed(v x402.VerifyResponse) error {
+	x.resetHeaders()
+	if v.Payer == "" {
+		v.Payer = x.payer
+	}
+	pr := x.paymentRequired(v.InvalidReason + ": " + v.InvalidMessage)
+	x.end(x402.PaymentOutcome{Status: x402.OutcomeVerifyFailed, Detail: v, Payer: v.Payer,
+		Network: x.req.PaymentRequirements.Network, VerifyMs: x.verifyMs, TotalMs: x.totalMs()})
+	x.setRequiredHeader(pr)
+	return x.writeRequired(http.StatusPaymentRequired, pr)
+}
+
+// alreadyUsed answers a payment that bought its response already, or that another request is presenting.
+func (x *exchange) alreadyUsed(message string) error {
+	return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: x402.ReasonPaymentAlreadyUsed, InvalidMessage: message})
+}
+
+// verifyUnreachable answers when the payment could not be checked: 502, and nothing was charged.
+func (x *exchange) verifyUnreachable(detail string) error {
+	x.resetHeaders()
+	x.end(x402.PaymentOutcome{Status: x402.OutcomeVerifyUnreachable, Detail: detail, Payer: x.payer,
+		Network: x.req.PaymentRequirements.Network, VerifyMs: x.verifyMs, TotalMs: x.totalMs()})
+	return x.writeJSON(http.StatusBadGateway, gateError{Error: detail, Outcome: x402.OutcomeVerifyUnreachable,
+		Retry: "the payment was not settled; the same payment may be sent again"})
+}
+
+// settleUnreachable answers when the settlement's outcome is not known: 502 that says the payment may have
+// settled and must not be paid again. Presenting the same payment again serves it once it is settled.
+func (x *exchange) settleUnreachable(detail string, pending *x402.SettleResponse) error {
+	o := x402.PaymentOutcome{Status: x402.OutcomeSettleUnreachable, Detail: detail, Payer: x.payer,
+		Network: x.req.PaymentRequirements.Network, VerifyMs: x.verifyMs, SettleMs: x.settleMs, TotalMs: x.totalMs()}
+	body := gateError{Error: detail, Outcome: x402.OutcomeSettleUnreachable,
+		Retry: "the payment may have settled: check before paying again, and present the same payment again to receive the resource once it is settled"}
+	x.resetHeaders()
+	if pending != nil {
+		o.Transaction, body.Transaction = pending.Transaction, pending.Transaction
+		x.repl.Set("http.x402.transaction", pending.Transaction)
+		x.setSettleHeader(*pending)
+	}
+	x.end(o)
+	return x.writeJSON(http.StatusBadGateway, body)
+}
+
+// settleFailed answers a settlement the facilitator refused: 402 with its answer and a fresh offer.
+func (x *exchange) settleFailed(resp x402.SettleResponse) error {
+	pr := x.paymentRequired("settlement failed: " + resp.ErrorReason + ": " + resp.ErrorMessage)
+	x.resetHeaders()
+	x.end(x402.PaymentOutcome{Status: x402.OutcomeSettleFailed, Detail: resp, Payer: x.payer, Transaction: resp.Transaction,
+		Network: x.req.PaymentRequirements.Network, VerifyMs: x.verifyMs, SettleMs: x.settleMs, TotalMs: x.totalMs()})
+	x.setSettleHeader(resp)
+	x.setRequiredHeader(pr)
+	return x.writeRequired(http.StatusPaymentRequired, pr)
+}
+
+// gateError is the body of the gate's 502 answers.
+type gateError struct {
+	Error       string             `json:"error"`
+	Outcome     x402.OutcomeStatus `json:"outcome"`
+	Retry       string             `json:"retry"`
+	Transaction string             `json:"transaction,omitempty"`
+}
+
+// paymentRequired is the gate's current offer for this request's resource.
+func (x *exchange) paymentRequired(errText string) x402.PaymentRequired {
+	return x.offers.paymentRequired(x.resource(), errText, x.turn)
+}
+
+// resource describes what the request buys, by the URL the client asked for (before any rewrite).
+func (x *exchange) resource() x402.ResourceInfo {
+	scheme := "http"
+	if x.r.TLS != nil {
+		scheme = "https"
+	}
+	uri := x.r.URL.RequestURI()
+	if orig, ok := x.r.Context().Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok && orig.URL != nil {
+		uri = orig.URL.RequestURI()
+	}
+	return x402.ResourceInfo{URL: scheme + "://" + x.r.Host + uri, Description: x.g.Description, MimeType: x.g.MimeType}
+}
+
+func (x *exchange) setRequiredHeader(pr x402.PaymentRequired) {
+	v, err := x402.EncodeHeader(pr)
+	if err != nil {
+		// Only an offer too large for a header fails; the body still carries it.
+		x.g.logger.Error("encoding PAYMENT-REQUIRED", zap.Error(err))
+		return
+	}
+	x.w.Header().Set(x402.HeaderPaymentRequired, v)
+}
+
+// setSettleHeader sets PAYMENT-RESPONSE, and X-PAYMENT-RESPONSE with the version 1 network name for a
+// version 1 client. An answer too large for a header (a facilitator's overlong message) is logged and left
+// out rather than keeping a settled payment from its response.
+func (x *exchange) setSettleHeader(resp x402.SettleResponse) {
+	v, err := x402.EncodeHeader(resp)
+	if err != nil {
+		x.g.logger.Error("encoding PAYMENT-RESPONSE", zap.String("tx", resp.Transaction), zap.Error(err))
+		return
+	}
+	x.w.Header().Set(x402.HeaderPaymentResponse, v)
+	if x.v1 {
+		if name, err := x.g.registry.V1Name(resp.Network); err == nil {
+			resp.Network = name
+		}
+		if v, err = x402.EncodeHeader(resp); err == nil {
+			x.w.Header().Set(x402.HeaderXPaymentResponse, v)
+		}
+	}
+}
+
+// writeRequired writes a 402 or 400 whose body is the offer: version 2, or version 1 for a version 1 client.
+func (x *exchange) writeRequired(status int, pr x402.PaymentRequired) error {
+	if x.v1 {
+		return x.writeJSON(status, x.offers.paymentRequiredV1(x.g.registry, pr.Resource, pr.Error, x.turn))
+	}
+	return x.writeJSON(status, pr)
+}
+
+func (x *exchange) writeJSON(status int, v any) error {
+	body, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Errorf("x402 gate: encoding the answer: %w", err)
+	}
+	h := x.w.Header()
+	h.Set("Content-Type", "application/json")
+	h.Set("Content-Length", strconv.Itoa(len(body)+1))
+	h.Set("Cache-Control", "no-store")
+	x.w.WriteHeader(status)
+	_, err = x.w.Write(append(body, '\n'))
+	return err
+}
+
+// wantsHTML reports whether the client is a browser asking for a page.
+func wantsHTML(r *http.Request) bool {
+	return strings.Contains(strings.ToLower(r.Header.Get("Accept")), "text/html")
+}
+
+// end records the request's one outcome: placeholders for logs and later handlers, and a log line.
+func (x *exchange) end(o x402.PaymentOutcome, extra ...zap.Field) {
+	if x.ended {
+		x.g.logger.Error("a gated request ended twice; keeping the first outcome", zap.String("second", string(o.Status)))
+		return
+	}
+	x.ended = true
+	x.repl.Set("http.x402.status", string(o.Status))
+	if o.Payer != "" {
+		x.repl.Set("http.x402.payer", o.Payer)
+	}
+	if o.Network != "" {
+		x.repl.Set("http.x402.network", o.Network)
+	}
+	if o.Transaction != "" {
+		x.repl.Set("http.x402.transaction", o.Transaction)
+	}
+	fields := append([]zap.Field{
+		zap.String("outcome", string(o.Status)), zap.String("payer", o.Payer), zap.String("network", o.Network),
+		zap.String("amount", x.req.PaymentRequirements.Amount), zap.String("tx", o.Transaction),
+		zap.Float64("verify_ms", o.VerifyMs), zap.Float64("settle_ms", o.SettleMs), zap.Float64("total_ms", o.TotalMs),
+	}, extra...)
+	if o.Detail != nil {
+		fields = append(fields, zap.Any("detail", o.Detail))
+	}
+	switch o.Status {
+	case x402.OutcomeSettled, x402.OutcomeSettlePending:
+		x.g.logger.Info("payment", fields...)
+	case x402.OutcomeVerifyUnreachable, x402.OutcomeSettleUnreachable:
+		x.g.logger.Warn("payment", fields...)
+	default:
+		x.g.logger.Debug("payment", fields...)
+	}
+}

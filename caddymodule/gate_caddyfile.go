@@ -1,0 +1,170 @@
+package caddymodule
+
+import (
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+func init() {
+	httpcaddyfile.RegisterHandlerDirective("x402", parseGateCaddyfile)
+	// An auth directive: it runs before the handlers that answer (reverse_proxy, file_server, respond), so a
+	// site needs no route block to put the gate in front of them.
+	httpcaddyfile.RegisterDirectiveOrder("x402", httpcaddyfile.After, "forward_auth")
+}
+
+func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	g := new(Gate)
+	err := g.UnmarshalCaddyfile(h.Dispenser)
+	return g, err
+}
+
+// UnmarshalCaddyfile sets up the gate from Caddyfile tokens. Syntax:
+//
+//	x402 [<matcher>] [<price>] {
+//		pay_to <address>
+//		price <dollars>                      # or: amount <raw token units>
+//		network <caip2>
+//		asset <token address>
+//		asset_transfer_method permit2|erc2612
+//		token_name <name>
+//		token_version <version>
+//		max_timeout <duration>
+//		facilitator embedded|<url>           # or: facilitator_url <url>
+//		facilitator_api_key <key>
+//		payment_header <header name>
+//		description <text>
+//		mime_type <type>
+//		settle before|after|async
+//		v1_body
+//		accept {
+//			pay_to, price, amount, network, asset, asset_transfer_method,
+//			token_name, token_version, max_timeout
+//		}
+//	}
+//
+// Each accept block is one more way to pay; what it leaves out it takes from the gate.
+func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // directive name
+	if d.NextArg() {
+		g.Price = d.Val()
+		if d.NextArg() {
+			return d.ArgErr()
+		}
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		opt := d.Val()
+		if handled, err := g.GateAccept.unmarshalOption(d, opt); handled || err != nil {
+			if err != nil {
+				return err
+			}
+			continue
+		}
+		switch opt {
+		case "accept":
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			a := new(GateAccept)
+			for n := d.Nesting(); d.NextBlock(n); {
+				handled, err := a.unmarshalOption(d, d.Val())
+				if err != nil {
+					return err
+				}
+				if !handled {
+					return d.Errf("unrecognized accept option '%s'; want pay_to, price, amount, network, asset, asset_transfer_method, token_name, token_version or max_timeout", d.Val())
+				}
+			}
+			g.Accepts = append(g.Accepts, a)
+		case "facilitator", "facilitator_url":
+			if !d.AllArgs(&g.FacilitatorURL) {
+				return d.Errf("%s needs one argument: %s or the facilitator's base URL", opt, EmbeddedFacilitator)
+			}
+		case "facilitator_api_key":
+			if !d.AllArgs(&g.FacilitatorAPIKey) {
+				return d.ArgErr()
+			}
+		case "payment_header":
+			if !d.AllArgs(&g.PaymentHeader) {
+				return d.ArgErr()
+			}
+		case "description":
+			if !d.AllArgs(&g.Description) {
+				return d.Err("description needs one argument; quote text with spaces")
+			}
+		case "mime_type":
+			if !d.AllArgs(&g.MimeType) {
+				return d.ArgErr()
+			}
+		case "settle":
+			if !d.AllArgs(&g.Settle) {
+				return d.ArgErr()
+			}
+			switch g.Settle {
+			case SettleAfter, SettleBefore, SettleAsync:
+			default:
+				return d.Errf("settle '%s': want %s, %s or %s", g.Settle, SettleBefore, SettleAfter, SettleAsync)
+			}
+		case "v1_body":
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			g.V1Body = true
+		default:
+			return d.Errf("unrecognized x402 option '%s'", opt)
+		}
+	}
+	return nil
+}
+
+// unmarshalOption reads one option of a way to pay, and reports whether opt is one.
+func (a *GateAccept) unmarshalOption(d *caddyfile.Dispenser, opt string) (bool, error) {
+	var dst *string
+	switch opt {
+	case "pay_to":
+		dst = &a.PayTo
+	case "price":
+		dst = &a.Price
+	case "amount":
+		dst = &a.Amount
+	case "network":
+		dst = &a.Network
+	case "asset":
+		dst = &a.Asset
+	case "asset_transfer_method":
+		dst = &a.AssetTransferMethod
+	case "token_name":
+		dst = &a.TokenName
+	case "token_version":
+		dst = &a.TokenVersion
+	case "max_timeout":
+		var s string
+		if !d.AllArgs(&s) {
+			return true, d.ArgErr()
+		}
+		dur, err := caddy.ParseDuration(s)
+		if err != nil {
+			return true, d.Errf("max_timeout %q: %v", s, err)
+		}
+		a.MaxTimeout = caddy.Duration(dur)
+		return true, nil
+	default:
+		return false, nil
+	}
+	if !d.AllArgs(dst) {
+		return true, d.Errf("%s needs exactly one argument", opt)
+	}
+	switch {
+	case opt == "asset_transfer_method" && *dst != x402.TransferPermit2 && *dst != x402.TransferERC2612:
+		return true, d.Errf("asset_transfer_method '%s': want %s or %s", *dst, x402.TransferPermit2, x402.TransferERC2612)
+	case opt == "price" && a.Amount != "", opt == "amount" && a.Price != "":
+		return true, d.Err("give either price or amount, not both")
+	}
+	return true, nil
+}
+
+// Interface guard
+var _ caddyfile.Unmarshaler = (*Gate)(nil)

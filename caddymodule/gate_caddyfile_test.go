@@ -1,0 +1,194 @@
+package caddymodule_test
+
+import (
+	"encoding/json"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+)
+
+// adaptGate adapts a Caddyfile and returns the handlers of its first site's route, in order, as JSON objects.
+func adaptGate(t *testing.T, caddyfile string) []map[string]any {
+	t.Helper()
+	raw, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfile), map[string]any{"filename": "Caddyfile"})
+	if err != nil {
+		t.Fatalf("adapting: %v", err)
+	}
+	var cfg struct {
+		Apps struct {
+			HTTP struct {
+				Servers map[string]struct {
+					Routes []struct {
+						Handle []map[string]any `json:"handle"`
+					} `json:"routes"`
+				} `json:"servers"`
+			} `json:"http"`
+		} `json:"apps"`
+	}
+	if err := json.Unmarshal(raw, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	var handlers []map[string]any
+	for _, srv := range cfg.Apps.HTTP.Servers {
+		for _, r := range srv.Routes {
+			handlers = append(handlers, flattenHandlers(r.Handle)...)
+		}
+	}
+	return handlers
+}
+
+// flattenHandlers lists handlers in the order a request meets them, looking into subroutes.
+func flattenHandlers(list []map[string]any) []map[string]any {
+	var out []map[string]any
+	for _, h := range list {
+		if h["handler"] != "subroute" {
+			out = append(out, h)
+			continue
+		}
+		routes, _ := h["routes"].([]any)
+		for _, r := range routes {
+			handle, _ := r.(map[string]any)["handle"].([]any)
+			var inner []map[string]any
+			for _, x := range handle {
+				inner = append(inner, x.(map[string]any))
+			}
+			out = append(out, flattenHandlers(inner)...)
+		}
+	}
+	return out
+}
+
+func TestTheX402DirectiveAdaptsEveryOptionToTheGateHandler(t *testing.T) {
+	handlers := adaptGate(t, `:8080
+x402 /paid/* $0.002 {
+	pay_to 0x05e11e75e11e75e11e75e11e75e11e75e11e75e1
+	network eip155:72344
+	asset 0xFCc9EBb7682E831668990F8333F2Ea453bFDD563
+	asset_transfer_method permit2
+	token_name "Stable Coin"
+	token_version 1
+	max_timeout 90s
+	facilitator https://facilitator.example.com
+	facilitator_api_key {env.FACILITATOR_KEY}
+	payment_header X-Pay
+	description "Premium article"
+	mime_type text/html
+	settle async
+	v1_body
+	accept {
+		network eip155:723487
+		amount 5000
+		asset_transfer_method erc2612
+	}
+	accept {
+		pay_to 0x000000000000000000000000000000000000bEEF
+	}
+}
+respond "paid"
+`)
+	if len(handlers) != 2 || handlers[0]["handler"] != "x402" || handlers[1]["handler"] != "static_response" {
+		t.Fatalf("handlers = %v, want the gate, then respond", handlers)
+	}
+	got := handlers[0]
+	delete(got, "handler")
+	want := map[string]any{
+		"price": "$0.002", "pay_to": "0x05e11e75e11e75e11e75e11e75e11e75e11e75e1", "network": "eip155:72344",
+		"asset": "0xFCc9EBb7682E831668990F8333F2Ea453bFDD563", "asset_transfer_method": "permit2",
+		"token_name": "Stable Coin", "token_version": "1", "max_timeout": float64(90 * time.Second),
+		"facilitator_url": "https://facilitator.example.com", "facilitator_api_key": "{env.FACILITATOR_KEY}",
+		"payment_header": "X-Pay", "description": "Premium article", "mime_type": "text/html", "settle": "async",
+		"v1_body": true,
+		"accepts": []any{
+			map[string]any{"network": "eip155:723487", "amount": "5000", "asset_transfer_method": "erc2612"},
+			map[string]any{"pay_to": "0x000000000000000000000000000000000000bEEF"},
+		},
+	}
+	if !reflect.DeepEqual(got, want) {
+		gotJSON, _ := json.MarshalIndent(got, "", "  ")
+		t.Fatalf("adapted gate =\n%s\nwant %v", gotJSON, want)
+	}
+}
+
+func TestTheX402DirectiveRunsBeforeTheHandlersThatAnswerWithoutARouteBlock(t *testing.T) {
+	for _, answerer := range []string{`respond "x"`, "file_server", "reverse_proxy 127.0.0.1:9", `encode gzip
+	respond "x"`} {
+		// The gate is written last; the directive order still puts it first.
+		handlers := adaptGate(t, ":8080\n"+answerer+"\nx402 {\n\tpay_to 0x05e11e75e11e75e11e75e11e75e11e75e11e75e1\n\tprice $0.01\n}\n")
+		if len(handlers) < 2 || handlers[0]["handler"] != "x402" {
+			names := []any{}
+			for _, h := range handlers {
+				names = append(names, h["handler"])
+			}
+			t.Errorf("with %q the handlers run in the order %v, want x402 first", answerer, names)
+		}
+	}
+}
+
+func TestBadX402DirectivesAreRefusedNamingTheProblem(t *testing.T) {
+	for _, tc := range []struct{ name, block, want string }{
+		{"unknown option", "colour blue", "unrecognized x402 option 'colour'"},
+		{"unknown settle mode", "settle later", "settle 'later'"},
+		{"unknown transfer method", "asset_transfer_method eip3009", "asset_transfer_method 'eip3009'"},
+		{"price and amount", "price $0.01\n\tamount 10000", "either price or amount"},
+		{"pay_to without an address", "pay_to", "pay_to needs exactly one argument"},
+		{"bad duration", "max_timeout soon", "max_timeout"},
+		{"unknown accept option", "accept {\n\t\tcolour blue\n\t}", "unrecognized accept option 'colour'"},
+		{"accept with an argument", "accept now {\n\t}", "wrong argument count"},
+		{"v1_body with an argument", "v1_body yes", "wrong argument count"},
+		{"facilitator without a value", "facilitator", "facilitator needs one argument"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(":8080\nx402 {\n\t"+tc.block+"\n}\nrespond ok\n"),
+				map[string]any{"filename": "Caddyfile"})
+			if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "Caddyfile:") {
+				t.Fatalf("adapt error = %v, want one naming the line and containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestGateConfigurationsThatCannotWorkAreRefusedWhenLoaded(t *testing.T) {
+	const payTo = "0x05e11e75e11e75e11e75e11e75e11e75e11e75e1"
+	const asset = "0xFCc9EBb7682E831668990F8333F2Ea453bFDD563"
+	for _, tc := range []struct{ name, block, want string }{
+		{"no recipient", "price $0.01\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tfacilitator http://127.0.0.1:9", "no recipient"},
+		{"recipient not an address", "pay_to alice\n\tprice $0.01\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tfacilitator http://127.0.0.1:9", `pay_to "alice" is not an address`},
+		{"no price", "pay_to " + payTo + "\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tfacilitator http://127.0.0.1:9", "no price"},
+		{"zero price", "pay_to " + payTo + "\n\tprice $0\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tfacilitator http://127.0.0.1:9", "price is zero"},
+		{"price finer than the token", "pay_to " + payTo + "\n\tprice $0.0000001\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tfacilitator http://127.0.0.1:9", "decimal places"},
+		{"negative amount", "pay_to " + payTo + "\n\tamount -5\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tfacilitator http://127.0.0.1:9", "amount"},
+		{"no network and no app network", "pay_to " + payTo + "\n\tprice $0.01\n\tfacilitator http://127.0.0.1:9", "no network"},
+		{"bad network", "pay_to " + payTo + "\n\tprice $0.01\n\tnetwork base\n\tasset " + asset + "\n\tfacilitator http://127.0.0.1:9", "network"},
+		{"no asset for an unconfigured network", "pay_to " + payTo + "\n\tprice $0.01\n\tnetwork eip155:72344\n\tfacilitator http://127.0.0.1:9", "no asset for eip155:72344"},
+		{"embedded without a network in the app", "pay_to " + payTo + "\n\tprice $0.01\n\tnetwork eip155:72344\n\tasset " + asset, "no facilitator"},
+		{"facilitator URL with a query", "pay_to " + payTo + "\n\tprice $0.01\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tfacilitator http://127.0.0.1:9/?key=1", "query"},
+		{"timeout under a second", "pay_to " + payTo + "\n\tprice $0.01\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tmax_timeout 10ms\n\tfacilitator http://127.0.0.1:9", "max_timeout"},
+		{"the version 1 header as payment_header", "pay_to " + payTo + "\n\tprice $0.01\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tpayment_header X-Payment\n\tfacilitator http://127.0.0.1:9", "version 1 header"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := loadGateConfig(t, "{\n\tx402 {\n\t\tjournal {{DATA}}/j.db\n\t}\n}\nhttp://127.0.0.1:0 {\n\tx402 {\n\t"+tc.block+"\n\t}\n\trespond ok\n}\n")
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("load error = %v, want one containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// loadGateConfig loads a Caddyfile that is expected to be refused and returns why; a config that loads is
+// stopped again.
+func loadGateConfig(t *testing.T, caddyfile string) error {
+	t.Helper()
+	caddyMu.Lock()
+	defer caddyMu.Unlock()
+	dir := t.TempDir()
+	cfg := adaptCaddyfile(t, strings.ReplaceAll(caddyfile, "{{DATA}}", dir), dir)
+	err := caddy.Load(cfg, true)
+	if err == nil {
+		_ = caddy.Stop()
+	}
+	return err
+}

@@ -1,0 +1,252 @@
+package caddymodule
+
+import (
+	"context"
+	"encoding/json"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// ledgers holds the gates' side of each open settlement journal across config reloads, keyed by the store:
+// requests of the old and the new config must see the same payments in flight, and background settlements
+// must outlive a reload.
+var ledgers = caddy.NewUsagePool()
+
+// gateLedger is what the gates of one journal share: the payments a request is working on right now, and
+// the async payments being settled in the background.
+//
+// The journal makes each payment buy one response: a payment is served only after its gate record says so,
+// and a record that says so is never served again. The in-flight set covers the time before that record
+// exists; the journal file is locked to one process, so an in-memory set is enough.
+type gateLedger struct {
+	store journal.Store
+	owner string
+	log   *zap.Logger
+
+	mu       sync.Mutex
+	inflight map[journal.ID]struct{}
+	settling map[journal.ID]struct{}
+	gates    []*Gate
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+// Retry pacing of background settlement.
+const (
+	asyncRetryMin = 100 * time.Millisecond
+	asyncRetryMax = 10 * time.Second
+	// asyncUnexpectedLimit bounds retries of a settlement the facilitator keeps failing with
+	// unexpected_settle_error (the node refused the transaction): past it the failure is taken as final.
+	asyncUnexpectedLimit = 10
+)
+
+// joinLedger takes a reference on the ledger of store, creating it for the first gate of the journal.
+func joinLedger(store journal.Store, owner string, log *zap.Logger) (*gateLedger, error) {
+	v, _, err := ledgers.LoadOrNew(store, func() (caddy.Destructor, error) {
+		ctx, cancel := context.WithCancel(context.Background())
+		return &gateLedger{
+			store: store, owner: owner, log: log,
+			inflight: map[journal.ID]struct{}{}, settling: map[journal.ID]struct{}{},
+			ctx: ctx, cancel: cancel,
+		}, nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return v.(*gateLedger), nil
+}
+
+// leaveLedger lets go of a reference; the last one stops the background settlements.
+func leaveLedger(l *gateLedger) error {
+	_, err := ledgers.Delete(l.store)
+	return err
+}
+
+// Destruct stops background settlements and waits for them. Payments they did not finish stay pending in
+// the journal and are settled after the next start.
+func (l *gateLedger) Destruct() error {
+	l.mu.Lock()
+	l.cancel()
+	l.mu.Unlock()
+	l.wg.Wait()
+	return nil
+}
+
+// register adds a gate that can settle payments, and settles the async payments waiting in the journal (left
+// by a previous process, or waiting for a gate with these terms).
+func (l *gateLedger) register(g *Gate) {
+	l.mu.Lock()
+	l.gates = append(l.gates, g)
+	l.mu.Unlock()
+	l.replay()
+}
+
+func (l *gateLedger) unregister(g *Gate) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.gates = slices.DeleteFunc(l.gates, func(x *Gate) bool { return x == g })
+}
+
+// acquire marks a payment as being worked on by a request; false means another request has it.
+func (l *gateLedger) acquire(id journal.ID) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, busy := l.inflight[id]; busy {
+		return false
+	}
+	l.inflight[id] = struct{}{}
+	return true
+}
+
+func (l *gateLedger) release(id journal.ID) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	delete(l.inflight, id)
+}
+
+// replay settles every async payment the journal holds as served but not settled.
+func (l *gateLedger) replay() {
+	recs, err := l.store.Pending(l.ctx)
+	if err != nil {
+		l.log.Error("listing pending payments to settle", zap.Error(err))
+		return
+	}
+	for _, rec := range recs {
+		if rec.Async && rec.Served {
+			l.settleLater(rec.ID)
+		}
+	}
+}
+
+// settleLater settles a served async payment in the background, retrying until the outcome is final.
+func (l *gateLedger) settleLater(id journal.ID) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.ctx.Err() != nil {
+		return // shutting down: the payment stays pending and is settled after the next start
+	}
+	if _, running := l.settling[id]; running {
+		return
+	}
+	l.settling[id] = struct{}{}
+	l.wg.Add(1)
+	go l.settleInBackground(id)
+}
+
+// gateFor finds a registered gate whose terms include rq, to settle with its facilitator.
+func (l *gateLedger) gateFor(rq x402.PaymentRequirements) *Gate {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, g := range l.gates {
+		for _, s := range g.specs {
+			if s.sameTerms(rq) {
+				return g
+			}
+		}
+	}
+	return nil
+}
+
+// settleInBackground settles one async payment. An unreachable facilitator, a settlement still pending and a
+// busy wallet pool are retried with a growing pause; any other answer is final and recorded.
+func (l *gateLedger) settleInBackground(id journal.ID) {
+	defer l.wg.Done()
+	defer func() {
+		l.mu.Lock()
+		delete(l.settling, id)
+		l.mu.Unlock()
+	}()
+	log := l.log.With(zap.String("payment", id.String()))
+	pause := asyncRetryMin
+	unexpected := 0
+	warnedNoGate := false
+	for {
+		if !l.settleAttempt(log, id, &unexpected, &warnedNoGate) {
+			return
+		}
+		select {
+		case <-l.ctx.Done():
+			return
+		case <-time.After(pause):
+		}
+		pause = min(2*pause, asyncRetryMax)
+	}
+}
+
+// settleAttempt makes one attempt and reports whether another is needed.
+func (l *gateLedger) settleAttempt(log *zap.Logger, id journal.ID, unexpected *int, warnedNoGate *bool) bool {
+	rec, ok, err := l.store.Get(l.ctx, id)
+	if err != nil {
+		if l.ctx.Err() == nil {
+			log.Warn("reading an async payment from the journal", zap.Error(err))
+		}
+		return true
+	}
+	if !ok || rec.State == journal.StateFinal || !rec.Async {
+		return false
+	}
+	var req x402.SettleRequest
+	if err := json.Unmarshal(rec.Request, &req); err != nil {
+		log.Error("an async payment cannot be settled: its journal record holds no readable request; settle it by hand",
+			zap.String("payer", rec.Payer), zap.String("amount", rec.Amount), zap.Error(err))
+		return false
+	}
+	g := l.gateFor(req.PaymentRequirements)
+	if g == nil {
+		if !*warnedNoGate {
+			log.Warn("no configured gate offers the terms of a served async payment; it waits for one to settle it",
+				zap.String("network", req.PaymentRequirements.Network), zap.String("pay_to", req.PaymentRequirements.PayTo),
+				zap.String("amount", req.PaymentRequirements.Amount))
+			*warnedNoGate = true
+		}
+		return true
+	}
+	ctx, cancel := context.WithTimeout(l.ctx, settleTimeout)
+	resp, err := g.fac.Settle(ctx, req)
+	cancel()
+	log = log.With(zap.String("facilitator", g.facName), zap.String("payer", rec.Payer), zap.String("amount", rec.Amount))
+	switch {
+	case err != nil:
+		if l.ctx.Err() == nil {
+			log.Warn("background settlement: facilitator unreachable; retrying", zap.String("error", g.describe(err)))
+		}
+		return true
+	case resp.Success:
+		l.finalise(log, id, resp)
+		log.Info("async payment settled", zap.String("network", resp.Network), zap.String("tx", resp.Transaction))
+		return false
+	case resp.Pending(), resp.ErrorReason == x402.ReasonNoAvailableWallets:
+		return true
+	case resp.ErrorReason == x402.ReasonUnexpectedSettleError && *unexpected < asyncUnexpectedLimit:
+		*unexpected++
+		log.Warn("background settlement failed unexpectedly; retrying", zap.String("reason", resp.ErrorMessage))
+		return true
+	}
+	l.finalise(log, id, resp)
+	log.Error("an async payment was served but its settlement was refused; the resource went unpaid",
+		zap.String("reason", resp.ErrorReason), zap.String("message", resp.ErrorMessage), zap.String("tx", resp.Transaction))
+	return false
+}
+
+// finalise records the final answer of an async payment.
+func (l *gateLedger) finalise(log *zap.Logger, id journal.ID, resp x402.SettleResponse) {
+	_, err := l.store.Update(context.Background(), id, func(r *journal.Record) error {
+		if r.State != journal.StateFinal {
+			r.State, r.Response = journal.StateFinal, &resp
+		}
+		return nil
+	})
+	if err != nil {
+		// The settlement stands; after a restart the journal asks the facilitator again and gets the same answer.
+		log.Warn("recording the outcome of an async payment", zap.Error(err))
+	}
+}

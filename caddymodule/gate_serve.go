@@ -1,0 +1,456 @@
+package caddymodule
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// exchange is one gated request on its way to exactly one PaymentOutcome.
+type exchange struct {
+	g     *Gate
+	w     http.ResponseWriter
+	r     *http.Request
+	next  caddyhttp.Handler
+	repl  *caddy.Replacer
+	start time.Time
+
+	offers *offerSet
+	turn   uint64 // which settlement wallet this request's erc2612 offers name
+	v1     bool   // the client paid with version 1: answer in its forms
+
+	req      x402.VerifyRequest // the payment and the gate's own requirement, as the facilitator gets them
+	id       journal.ID
+	payer    string
+	verifyMs float64
+	settleMs float64
+
+	headers http.Header // the response headers before the upstream ran, restored when the gate answers itself
+	ended   bool
+}
+
+// upstream is a buffered response of the rest of the route.
+type upstream struct {
+	rec caddyhttp.ResponseRecorder
+	buf *bytes.Buffer
+	err error // the handler's error (Caddy then answers with its status)
+}
+
+// ok reports whether the upstream produced a response the payer pays for: no error and no 4xx/5xx status.
+func (u *upstream) ok() bool { return u.err == nil && u.rec.Status() < http.StatusBadRequest }
+
+func (u *upstream) free() {
+	if u.buf.Cap() > maxPooledBuffer {
+		return // one large response must not keep its memory for every later one
+	}
+	u.buf.Reset()
+	gateBuffers.Put(u.buf)
+}
+
+// maxPooledBuffer is the largest response buffer kept for reuse.
+const maxPooledBuffer = 1 << 20
+
+// run walks the payment through the gate: decode, match, one request per payment, verify, then the
+// configured order of upstream and settlement.
+func (x *exchange) run() error {
+	x.offers = x.g.currentOffers(x.r.Context())
+	x.turn = x.g.state.rotation.Add(1)
+	value, fromV1Header := x.paymentHeader()
+	if value == "" {
+		return x.noPayment()
+	}
+	p, err := x.read(value, fromV1Header)
+	if err != nil {
+		return x.invalidHeader(err)
+	}
+	if p.haveID {
+		if !x.g.ledger.acquire(p.id) {
+			return x.alreadyUsed("another request is presenting this payment right now; wait for its answer instead of paying again")
+		}
+		defer x.g.ledger.release(p.id)
+		rec, found, err := x.g.ledger.store.Get(x.r.Context(), p.id)
+		if err != nil {
+			return x.verifyUnreachable(fmt.Sprintf("the gate's settlement journal could not be read (%v); nothing was charged, try again", err))
+		}
+		if found {
+			return x.presentedAgain(rec, p.payload)
+		}
+	}
+	switch {
+	case p.mismatch != nil:
+		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: p.mismatch.reason, InvalidMessage: p.mismatch.message})
+	case !p.haveID:
+		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: x402.ReasonInvalidPayload,
+			InvalidMessage: "the payment names no payer and nonce"})
+	}
+	x.req, x.id = p.req, p.id
+	return x.verifyAndServe()
+}
+
+// presented is a payment header as read: the payload, the offer it pays (or why none), and its journal id.
+type presented struct {
+	payload  x402.ExactEVMPayload
+	req      x402.VerifyRequest
+	mismatch *mismatch
+	id       journal.ID
+	haveID   bool
+}
+
+// read decodes a payment header and matches it against the offers. PAYMENT-SIGNATURE carries version 2;
+// X-PAYMENT either version, and a version 1 client is answered in version 1 forms. A version 2 payment's id
+// comes from the payment itself, so one journalled under other terms (the price changed while its settlement
+// was pending) is still recognised; version 1 names no asset, so its id needs the offer it pays.
+func (x *exchange) read(value string, fromV1Header bool) (presented, error) {
+	var p presented
+	var v2 *x402.PaymentPayload
+	if fromV1Header {
+		decoded, err := x402.DecodePaymentHeader(value)
+		x.v1 = err != nil || decoded.Version == x402.Version1
+		if err != nil {
+			return p, err
+		}
+		if decoded.V1 != nil {
+			p.payload = decoded.V1.Payload
+			if p.req, p.mismatch = x.offers.matchV1(decoded.V1, x.g.registry); p.mismatch == nil {
+				rq := p.req.PaymentRequirements
+				p.id, p.haveID = gateID(rq.Network, rq.Extra.AssetTransferMethod, rq.Asset, p.payload)
+			}
+			return p, nil
+		}
+		v2 = decoded.V2
+	} else {
+		decoded, err := x402.DecodePaymentPayload(value)
+		if err != nil {
+			return p, err
+		}
+		v2 = &decoded
+	}
+	p.payload = v2.Payload
+	p.id, p.haveID = gateID(v2.Accepted.Network, transferMethod(v2.Accepted, p.payload), v2.Accepted.Asset, p.payload)
+	p.req, p.mismatch = x.offers.match(v2)
+	return p, nil
+}
+
+// paymentHeader returns the payment the request carries, and whether it came in the version 1 header.
+func (x *exchange) paymentHeader() (string, bool) {
+	if v := x.r.Header.Get(x.g.PaymentHeader); v != "" {
+		return v, false
+	}
+	if v := x.r.Header.Get(x402.HeaderXPayment); v != "" {
+		return v, true
+	}
+	return "", false
+}
+
+// verifyAndServe verifies a new payment and serves it in the gate's settlement mode.
+func (x *exchange) verifyAndServe() error {
+	t := x.g.now()
+	vres, err := x.g.fac.Verify(x.r.Context(), x.req)
+	x.verifyMs = msSince(x.g.now, t)
+	if err != nil {
+		return x.verifyUnreachable(fmt.Sprintf("the facilitator could not verify the payment (%s); nothing was charged, try again", x.g.describe(err)))
+	}
+	if !vres.IsValid {
+		return x.verifyFailed(vres)
+	}
+	from, _ := payerAndNonce(x.req.PaymentPayload.Payload)
+	x.payer = cmp.Or(vres.Payer, from)
+	x.setPaymentPlaceholders()
+
+	x.repl.Set("http.x402.status", "verified")
+	switch x.g.Settle {
+	case SettleBefore:
+		if err := x.record(); err != nil {
+			return x.recordFailed(err)
+		}
+		return x.settleThenServe(nil)
+	case SettleAsync:
+		up := x.callUpstream()
+		defer up.free()
+		if !up.ok() {
+			return x.passUnpaid(up)
+		}
+		return x.serveAsync(up)
+	default:
+		up := x.callUpstream()
+		defer up.free()
+		if !up.ok() {
+			return x.passUnpaid(up)
+		}
+		if err := x.record(); err != nil {
+			return x.recordFailed(err)
+		}
+		return x.settleThenServe(up)
+	}
+}
+
+// presentedAgain answers a payment the journal already holds. Served: never again. Not served (its settlement
+// was pending or unknown, or the upstream failed after it settled): the same payment, byte for byte in what
+// it signs, is settled from the journal's request, which answers with the first settlement rather than paying
+// twice, and served once settled.
+func (x *exchange) presentedAgain(rec journal.Record, payload x402.ExactEVMPayload) error {
+	if rec.Served {
+		return x.alreadyUsed(fmt.Sprintf("this payment already bought its response at %s; sign a new payment for another",
+			rec.ServedAt.UTC().Format(time.RFC3339)))
+	}
+	var recorded x402.VerifyRequest
+	if err := json.Unmarshal(rec.Request, &recorded); err != nil || rec.Async {
+		x.g.logger.Error("a journalled payment cannot be resumed", zap.String("payment", rec.ID.String()),
+			zap.Bool("async", rec.Async), zap.Error(err))
+		return x.alreadyUsed("this payment is already recorded and cannot be presented again")
+	}
+	if !samePayload(recorded.PaymentPayload.Payload, payload) {
+		return x.alreadyUsed("another payment with this payer and nonce was already presented; sign a new payment")
+	}
+	x.req, x.id, x.payer = recorded, rec.ID, rec.Payer
+	x.setPaymentPlaceholders()
+	if rec.Response != nil && rec.Response.Success {
+		// Settled before: nothing to ask the facilitator.
+		resp := *rec.Response
+		return x.serveSettled(resp, nil)
+	}
+	return x.settleThenServe(nil)
+}
+
+// samePayload reports whether two payloads are the same signed payment.
+func samePayload(a, b x402.ExactEVMPayload) bool {
+	ja, errA := json.Marshal(a)
+	jb, errB := json.Marshal(b)
+	return errA == nil && errB == nil && strings.EqualFold(string(ja), string(jb))
+}
+
+// record writes the gate's record of a payment about to be settled. It is made final at once (with a
+// not-yet-known answer) because the engine's start-up reconciliation releases claimed records a previous
+// process left, and a payment whose settlement may have been sent must stay known, so that presenting it
+// again settles it from the journal and serves it.
+func (x *exchange) record() error {
+	ctx := context.WithoutCancel(x.r.Context())
+	body, err := json.Marshal(x.req)
+	if err != nil {
+		return err
+	}
+	rq := x.req.PaymentRequirements
+	_, claimed, err := x.g.ledger.store.Claim(ctx, journal.Record{
+		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: rq.Amount,
+		PayTo: rq.PayTo, Request: body, Owner: x.g.ledger.owner,
+	})
+	if err != nil {
+		return err
+	}
+	if !claimed {
+		return errRecordedElsewhere
+	}
+	_, err = x.g.ledger.store.Update(ctx, x.id, func(r *journal.Record) error {
+		r.State, r.Response = journal.StateFinal, &x402.SettleResponse{Success: false, Network: rq.Network, Payer: x.payer,
+			ErrorReason: x402.ReasonSettlementPending, ErrorMessage: "settlement requested; its outcome is not known yet"}
+		return nil
+	})
+	return err
+}
+
+// errRecordedElsewhere: the journal gained a record of the payment between the look-up and the claim.
+var errRecordedElsewhere = errors.New("the payment was recorded by another request")
+
+// recordFailed answers a payment the journal could not take: nothing was settled, so retrying is safe.
+func (x *exchange) recordFailed(err error) error {
+	if errors.Is(err, errRecordedElsewhere) {
+		return x.alreadyUsed("this payment was just presented by another request; wait for its answer instead of paying again")
+	}
+	x.g.logger.Error("writing a payment to the settlement journal", zap.Error(err))
+	return x.verifyUnreachable(fmt.Sprintf("the gate could not record the payment (%v); nothing was charged, try again", err))
+}
+
+// settleThenServe settles the recorded payment and serves it once settled: with up, the response the upstream
+// already gave; without, the upstream is called now.
+func (x *exchange) settleThenServe(up *upstream) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(x.r.Context()), settleTimeout)
+	defer cancel()
+	t := x.g.now()
+	resp, err := x.g.fac.Settle(ctx, x.req)
+	x.settleMs = msSince(x.g.now, t)
+	if err != nil {
+		return x.settleUnreachable(fmt.Sprintf("the facilitator could not be reached to settle (%s)", x.g.describe(err)), nil)
+	}
+	if !resp.Success {
+		x.note(func(r *journal.Record) { r.Response = &resp })
+		if resp.Pending() {
+			return x.settleUnreachable("the settlement transaction "+resp.Transaction+" is not final yet", &resp)
+		}
+		return x.settleFailed(resp)
+	}
+	return x.serveSettled(resp, up)
+}
+
+// serveSettled serves a settled payment: the upstream's response (called now when up is nil) with
+// PAYMENT-RESPONSE. An upstream that fails after the payment settled is passed on and the payment stays
+// unserved, so presenting it again retries the upstream without paying again.
+func (x *exchange) serveSettled(resp x402.SettleResponse, up *upstream) error {
+	x.repl.Set("http.x402.status", string(x402.OutcomeSettled))
+	x.repl.Set("http.x402.transaction", resp.Transaction)
+	if up == nil {
+		up = x.callUpstream()
+		defer up.free()
+	}
+	if !up.ok() {
+		x.note(func(r *journal.Record) { r.Response = &resp })
+		x.setSettleHeader(resp)
+		x.end(x402.PaymentOutcome{Status: x402.OutcomeSettled, Transaction: resp.Transaction, Payer: x.payer,
+			Network: resp.Network, VerifyMs: x.verifyMs, SettleMs: x.settleMs, TotalMs: x.totalMs()},
+			zap.String("note", "the upstream failed after the payment settled; presenting the payment again retries it"))
+		return x.writeUpstream(up)
+	}
+	if x.markServed(resp) {
+		x.resetHeaders()
+		return x.alreadyUsed("this payment already bought its response; sign a new payment for another")
+	}
+	x.setSettleHeader(resp)
+	x.end(x402.PaymentOutcome{Status: x402.OutcomeSettled, Transaction: resp.Transaction, Payer: x.payer,
+		Network: resp.Network, VerifyMs: x.verifyMs, SettleMs: x.settleMs, TotalMs: x.totalMs()})
+	return x.writeUpstream(up)
+}
+
+// serveAsync records a verified payment as served and to be settled, serves, and settles in the background.
+// The record is written before the response leaves: a crash after serving loses no payment.
+func (x *exchange) serveAsync(up *upstream) error {
+	ctx := context.WithoutCancel(x.r.Context())
+	body, err := json.Marshal(x.req)
+	if err != nil {
+		return err
+	}
+	rq := x.req.PaymentRequirements
+	_, claimed, err := x.g.ledger.store.Claim(ctx, journal.Record{
+		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: rq.Amount,
+		PayTo: rq.PayTo, Request: body, Owner: x.g.ledger.owner, Async: true, Served: true, ServedAt: x.g.now().UTC(),
+	})
+	if err != nil || !claimed {
+		if err == nil {
+			err = errRecordedElsewhere
+		}
+		return x.recordFailed(err)
+	}
+	pending := x402.SettleResponse{Success: false, Network: rq.Network, Payer: x.payer, ErrorReason: x402.ReasonSettlementPending,
+		ErrorMessage: "the payment was accepted and is being settled in the background"}
+	x.setSettleHeader(pending)
+	x.end(x402.PaymentOutcome{Status: x402.OutcomeSettlePending, Payer: x.payer, Network: rq.Network,
+		VerifyMs: x.verifyMs, TotalMs: x.totalMs()})
+	err = x.writeUpstream(up)
+	x.g.ledger.settleLater(x.id)
+	return err
+}
+
+// errServed stops an update of a payment some request has served already.
+var errServed = errors.New("the payment was served already")
+
+// markServed records that the payment's one response is being served, unless some request did so first
+// (then it reports true and nothing may be served). The check and the mark are one journal transaction, so
+// one response per payment holds even between requests the in-flight set does not keep apart. A journal that
+// cannot be written is logged and the response is served anyway: the payment has settled.
+func (x *exchange) markServed(resp x402.SettleResponse) (servedBefore bool) {
+	_, err := x.g.ledger.store.Update(context.WithoutCancel(x.r.Context()), x.id, func(r *journal.Record) error {
+		if r.Served {
+			return errServed
+		}
+		r.Served, r.ServedAt, r.Response = true, x.g.now().UTC(), &resp
+		return nil
+	})
+	if errors.Is(err, errServed) {
+		return true
+	}
+	if err != nil {
+		x.g.logger.Error("recording a served payment in the journal", zap.String("payment", x.id.String()), zap.Error(err))
+	}
+	return false
+}
+
+// note updates the gate's record of the payment. A failure is logged, not answered: the payment's fate is
+// decided by then, and the record only helps a later presentation of it.
+func (x *exchange) note(edit func(*journal.Record)) {
+	_, err := x.g.ledger.store.Update(context.WithoutCancel(x.r.Context()), x.id, func(r *journal.Record) error {
+		edit(r)
+		return nil
+	})
+	if err != nil {
+		x.g.logger.Error("updating the gate's journal record of a payment", zap.String("payment", x.id.String()), zap.Error(err))
+	}
+}
+
+// callUpstream runs the rest of the route with its response held back, so the gate can still decide.
+func (x *exchange) callUpstream() *upstream {
+	x.headers = x.w.Header().Clone()
+	buf := gateBuffers.Get().(*bytes.Buffer)
+	buf.Reset()
+	rec := caddyhttp.NewResponseRecorder(x.w, buf, func(int, http.Header) bool { return true })
+	err := x.next.ServeHTTP(rec, x.r)
+	return &upstream{rec: rec, buf: buf, err: err}
+}
+
+// writeUpstream sends the held-back response, or hands the upstream's error to Caddy.
+func (x *exchange) writeUpstream(up *upstream) error {
+	if up.err != nil {
+		return up.err
+	}
+	if up.rec.Status() == http.StatusSwitchingProtocols {
+		return nil // the connection was upgraded and served as it went
+	}
+	return up.rec.WriteResponse()
+}
+
+// passUnpaid passes on an upstream failure without settling: the payer does not pay for an error, and the
+// payment stays good for another try.
+func (x *exchange) passUnpaid(up *upstream) error {
+	status := up.rec.Status()
+	if up.err != nil {
+		status = http.StatusInternalServerError
+		var he caddyhttp.HandlerError
+		if errors.As(up.err, &he) && he.StatusCode != 0 {
+			status = he.StatusCode
+		}
+	}
+	x.end(x402.PaymentOutcome{Status: x402.OutcomeSettleFailed, Payer: x.payer, Network: x.req.PaymentRequirements.Network,
+		Detail: x402.SettleResponse{Success: false, Network: x.req.PaymentRequirements.Network, Payer: x.payer,
+			ErrorReason:  "upstream_error",
+			ErrorMessage: fmt.Sprintf("the upstream answered %d; the payment was not settled and may be presented again", status)},
+		VerifyMs: x.verifyMs, TotalMs: x.totalMs()})
+	return x.writeUpstream(up)
+}
+
+// resetHeaders drops whatever the upstream put into the response headers before the gate answers itself.
+func (x *exchange) resetHeaders() {
+	if x.headers == nil {
+		return
+	}
+	h := x.w.Header()
+	for k := range h {
+		delete(h, k)
+	}
+	for k, v := range x.headers {
+		h[k] = v
+	}
+}
+
+// setPaymentPlaceholders publishes who pays what, for header_up to the upstream and for access logs.
+func (x *exchange) setPaymentPlaceholders() {
+	rq := x.req.PaymentRequirements
+	x.repl.Set("http.x402.payer", x.payer)
+	x.repl.Set("http.x402.network", rq.Network)
+	x.repl.Set("http.x402.amount", rq.Amount)
+}
+
+func (x *exchange) totalMs() float64 { return msSince(x.g.now, x.start) }
+
+func msSince(now func() time.Time, t time.Time) float64 {
+	return float64(now().Sub(t)) / float64(time.Millisecond)
+}
