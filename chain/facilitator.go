@@ -52,6 +52,9 @@ type NetworkConfig struct {
 	// for a free wallet before "No available wallets in pool" (default 2s).
 	MaxInFlightPerWallet int
 	WalletWait           time.Duration
+	// ReplaceAfter is how long a settlement transaction may wait in the node's pool before it is replaced by a
+	// copy with higher fees (default 60s; negative: never).
+	ReplaceAfter time.Duration
 	// HeadCacheTTL lets verifications within this long share one read of the head block (chain time). Zero
 	// reads the head for every payment; a few hundred milliseconds saves a round trip per payment under load
 	// and is far inside the 6 s deadline margin.
@@ -116,6 +119,8 @@ type network struct {
 	timeout time.Duration
 	low     *big.Int
 	p2dom   common.Hash
+
+	replaceAfter time.Duration
 
 	headTTL time.Duration
 	headMu  sync.Mutex
@@ -250,6 +255,12 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	}
 	if n.timeout <= 0 {
 		n.timeout = 30 * time.Second
+	}
+	switch n.replaceAfter = nc.ReplaceAfter; {
+	case n.replaceAfter == 0:
+		n.replaceAfter = time.Minute
+	case n.replaceAfter < 0:
+		n.replaceAfter = 0
 	}
 	if n.low == nil {
 		n.low = new(big.Int).Exp(big.NewInt(10), big.NewInt(16), nil)

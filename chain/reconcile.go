@@ -58,16 +58,22 @@ func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
 
 func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec journal.Record) error {
 	hash := common.HexToHash(rec.TxHash)
-	receipt, err := n.backend.TransactionReceipt(ctx, hash)
-	if err == nil && receipt != nil {
-		f.finalise(ctx, n, rec.ID, receipt, rec.Payer, rec.Amount)
+	for _, h := range recordHashes(rec) {
+		receipt, err := n.backend.TransactionReceipt(ctx, h)
+		if err == nil && receipt != nil {
+			f.finalise(ctx, n, rec.ID, receipt, rec.Payer, rec.Amount)
+			return nil
+		}
+		if err != nil && !errors.Is(err, ethereum.NotFound) {
+			return err
+		}
+	}
+	if _, pending, err := n.backend.TransactionByHash(ctx, hash); err == nil {
+		// In the node's pool: it will mine, unless its fees no longer get it into a block.
+		if pending && n.replaceAfter > 0 && f.now().Sub(rec.UpdatedAt) >= n.replaceAfter {
+			return f.bumpFees(ctx, n, rec)
+		}
 		return nil
-	}
-	if err != nil && !errors.Is(err, ethereum.NotFound) {
-		return err
-	}
-	if _, _, err := n.backend.TransactionByHash(ctx, hash); err == nil {
-		return nil // in the node's pool: it will mine
 	} else if !errors.Is(err, ethereum.NotFound) {
 		return err
 	}
@@ -84,8 +90,69 @@ func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec jo
 		}
 	}
 	f.log.Info("re-broadcast a settlement the node did not know", zap.String("payment", rec.ID.String()), zap.String("tx", rec.TxHash))
-	_, err = f.journal.Update(ctx, rec.ID, func(r *journal.Record) error { r.Attempts++; return nil })
+	_, err := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error { r.Attempts++; return nil })
 	return err
+}
+
+// recordHashes lists every transaction hash that may settle the record's payment: the current one and the ones
+// it replaced.
+func recordHashes(rec journal.Record) []common.Hash {
+	out := []common.Hash{common.HexToHash(rec.TxHash)}
+	for _, h := range rec.ReplacedTxHashes {
+		out = append(out, common.HexToHash(h))
+	}
+	return out
+}
+
+// bumpFees replaces the record's transactions that still wait in the node's pool with fee-bumped copies (same
+// nonces), recording each replacement before it is sent. Waiters of the old settlement hash wait for the new.
+func (f *Facilitator) bumpFees(ctx context.Context, n *network, rec journal.Record) error {
+	w := n.pool.byAddr[common.HexToAddress(rec.Wallet)]
+	if w == nil {
+		return fmt.Errorf("payment %s: wallet %s is not in this facilitator's pool; cannot replace its transaction", rec.ID, rec.Wallet)
+	}
+	raws := append(append([][]byte{}, rec.PriorRawTxs...), rec.RawTx)
+	for i, raw := range raws {
+		tx := new(types.Transaction)
+		if err := tx.UnmarshalBinary(raw); err != nil {
+			return err
+		}
+		if _, pending, err := n.backend.TransactionByHash(ctx, tx.Hash()); err != nil || !pending {
+			continue // mined, or gone: nothing to speed up
+		}
+		replacement, err := n.sender.replace(ctx, w, tx)
+		if err != nil {
+			return err
+		}
+		newRaw, err := replacement.MarshalBinary()
+		if err != nil {
+			return err
+		}
+		main := i == len(raws)-1
+		if _, err := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error {
+			if main {
+				r.ReplacedTxHashes = append(append([]string(nil), r.ReplacedTxHashes...), r.TxHash)
+				r.TxHash, r.RawTx = replacement.Hash().Hex(), newRaw
+			} else {
+				prior := append([][]byte(nil), r.PriorRawTxs...)
+				prior[i] = newRaw
+				r.PriorRawTxs = prior
+			}
+			r.Attempts++
+			return nil
+		}); err != nil {
+			return err
+		}
+		if main {
+			n.watcher.replaced(tx.Hash(), replacement.Hash())
+		}
+		if err := n.sender.rebroadcast(ctx, replacement); err != nil && !isNonceConflict(err) {
+			return err
+		}
+		f.log.Info("replaced a stuck settlement transaction with higher fees", zap.String("payment", rec.ID.String()),
+			zap.String("old_tx", tx.Hash().Hex()), zap.String("tx", replacement.Hash().Hex()))
+	}
+	return nil
 }
 
 // resettle settles again a payment whose recorded transaction can never mine (its wallet nonce went to another

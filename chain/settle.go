@@ -110,7 +110,7 @@ func (f *Facilitator) broadcastAndWait(ctx context.Context, p *payment) (x402.Se
 	case ref != nil:
 		return failed(p.net.caip2, p.payer.Hex(), "", ref), false, nil
 	}
-	return f.awaitReceipt(ctx, p.net, p.id, hash, p.payer.Hex(), p.amount.String()), true, nil
+	return f.awaitReceipt(ctx, p.net, p.id, p.payer.Hex(), p.amount.String(), hash), true, nil
 }
 
 // broadcast re-checks the payment against the chain and sends its settlement from a pool wallet, recording the
@@ -177,12 +177,12 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 }
 
 // awaitReceipt waits up to the network's receipt timeout and finalises the journal record when a receipt comes.
-func (f *Facilitator) awaitReceipt(ctx context.Context, n *network, id journal.ID, hash common.Hash, payer, amount string) x402.SettleResponse {
+func (f *Facilitator) awaitReceipt(ctx context.Context, n *network, id journal.ID, payer, amount string, hashes ...common.Hash) x402.SettleResponse {
 	wctx, cancel := context.WithTimeout(ctx, n.timeout)
 	defer cancel()
-	receipt, err := n.watcher.wait(wctx, hash)
+	receipt, err := n.watcher.wait(wctx, hashes...)
 	if err != nil {
-		return x402.SettleResponse{Success: false, Transaction: hash.Hex(), Network: n.caip2, Payer: payer, Amount: amount,
+		return x402.SettleResponse{Success: false, Transaction: hashes[0].Hex(), Network: n.caip2, Payer: payer, Amount: amount,
 			ErrorReason:  x402.ReasonSettlementPending,
 			ErrorMessage: "the settlement transaction was broadcast but its receipt was not seen yet; it may still settle: do not pay again, present the same payment again to learn the outcome"}
 	}
@@ -217,7 +217,7 @@ func (f *Facilitator) answerFromJournal(ctx context.Context, p *payment, req x40
 	case journal.StateFinal:
 		return *rec.Response, nil
 	case journal.StateBroadcast:
-		return f.awaitReceipt(ctx, p.net, p.id, common.HexToHash(rec.TxHash), p.payer.Hex(), p.amount.String()), nil
+		return f.awaitReceipt(ctx, p.net, p.id, p.payer.Hex(), p.amount.String(), recordHashes(rec)...), nil
 	default:
 		// Claimed by another process that has not broadcast yet: wait for it to move.
 		deadline := time.Now().Add(p.net.timeout)

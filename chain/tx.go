@@ -176,6 +176,40 @@ func (s *sender) send(ctx context.Context, w *Wallet, calls []contractCall, reco
 	}
 }
 
+// replace signs a fee-bumped copy of a transaction stuck in the pool: same wallet, nonce, recipient, data and gas,
+// every fee raised by at least an eighth and to no less than a fresh quote. Whichever of the two mines, the
+// other cannot: they share the nonce.
+func (s *sender) replace(ctx context.Context, w *Wallet, stuck *types.Transaction) (*types.Transaction, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	s.feeMu.Lock()
+	s.quote = nil // the quote that priced the stuck transaction is stale by definition
+	s.feeMu.Unlock()
+	q, err := s.feeQuote(ctx)
+	if err != nil {
+		return nil, err
+	}
+	c := contractCall{To: *stuck.To(), Data: stuck.Data(), Gas: stuck.Gas()}
+	bumped := &feeQuote{}
+	if stuck.Type() == types.LegacyTxType {
+		bumped.gasPrice = maxBig(bump(stuck.GasPrice()), q.gasPrice)
+	} else {
+		bumped.tipCap = maxBig(bump(stuck.GasTipCap()), q.tipCap)
+		bumped.feeCap = maxBig(bump(stuck.GasFeeCap()), q.feeCap)
+		if bumped.feeCap.Cmp(bumped.tipCap) < 0 {
+			bumped.feeCap = new(big.Int).Set(bumped.tipCap)
+		}
+	}
+	return s.sign(w, stuck.Nonce(), c, bumped)
+}
+
+func maxBig(a, b *big.Int) *big.Int {
+	if b == nil || a.Cmp(b) >= 0 {
+		return a
+	}
+	return b
+}
+
 // known reports whether the node already has tx, in its pool or mined.
 func (s *sender) known(ctx context.Context, tx *types.Transaction) bool {
 	if _, _, err := s.backend.TransactionByHash(ctx, tx.Hash()); err == nil {
@@ -408,5 +442,17 @@ func (rw *receiptWatcher) deliver(h common.Hash, r *types.Receipt) {
 		case c <- r:
 		default:
 		}
+	}
+	// Each waiter needs one receipt: the entry is done with.
+	delete(rw.waiters, h)
+}
+
+// replaced makes everyone waiting for old wait for its replacement too.
+func (rw *receiptWatcher) replaced(old, replacement common.Hash) {
+	rw.mu.Lock()
+	defer rw.mu.Unlock()
+	if chans := rw.waiters[old]; len(chans) > 0 {
+		rw.waiters[replacement] = append(rw.waiters[replacement], chans...)
+		rw.fresh = append(rw.fresh, replacement)
 	}
 }

@@ -64,6 +64,9 @@ type Record struct {
 	// PriorRawTxs are transactions of the same settlement sent before RawTx from the same wallet, in nonce
 	// order (an erc2612 permit before its transferFrom), resent before RawTx when the node forgot them.
 	PriorRawTxs [][]byte `json:"priorRawTxs,omitempty"`
+	// ReplacedTxHashes are earlier versions of TxHash (same wallet, same nonce, lower fees) that a fee bump
+	// replaced; any one of them may still be the one that mines.
+	ReplacedTxHashes []string `json:"replacedTxHashes,omitempty"`
 	// Attempts counts broadcasts of this payment, resends included.
 	Attempts int `json:"attempts,omitempty"`
 

@@ -1,0 +1,121 @@
+package chain_test
+
+import (
+	"context"
+	"math/big"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// stingyBackend quotes a base fee and a priority fee of 1 wei while stingy is set, so the facilitator prices a
+// transaction no block will take: a stuck transaction, as a fee spike leaves one.
+type stingyBackend struct {
+	chain.Backend
+	stingy atomic.Bool
+}
+
+func (s *stingyBackend) HeaderByNumber(ctx context.Context, n *big.Int) (*types.Header, error) {
+	h, err := s.Backend.HeaderByNumber(ctx, n)
+	if err == nil && s.stingy.Load() {
+		h = types.CopyHeader(h)
+		h.BaseFee = big.NewInt(1)
+	}
+	return h, err
+}
+
+func (s *stingyBackend) SuggestGasTipCap(ctx context.Context) (*big.Int, error) {
+	if s.stingy.Load() {
+		return big.NewInt(1), nil
+	}
+	return s.Backend.SuggestGasTipCap(ctx)
+}
+
+func TestAStuckSettlementIsReplacedWithHigherFeesAndSettlesOnce(t *testing.T) {
+	var sb *stingyBackend
+	fx := newFixture(t, fixtureOpts{
+		autoCommit: -1, wallets: 1, receiptTimeout: 20 * time.Second,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			sb = &stingyBackend{Backend: nc.Backend}
+			nc.Backend, nc.ReplaceAfter = sb, 300*time.Millisecond
+			nc.Fees.CacheFor = time.Millisecond
+		},
+		configure: func(cfg *chain.Config) { cfg.ReconcileEvery, cfg.ReconcileGrace = 100*time.Millisecond, 100*time.Millisecond },
+	})
+	payer, wallet := fx.c.Payers[0], fx.c.Wallets[0].Address
+	fx.approvePermit2(payer)
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	mined := fx.c.TxCount(wallet)
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+
+	sb.stingy.Store(true)
+	done := make(chan x402.SettleResponse, 1)
+	go func() {
+		resp, err := fx.f.Settle(context.Background(), req)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- resp
+	}()
+	old := waitForRecord(t, fx.journal, func(r journal.Record) bool { return r.State == journal.StateBroadcast })
+	for range 3 {
+		fx.c.Commit()
+	}
+	if got := fx.c.TxCount(wallet); got != mined {
+		t.Fatalf("the underpriced settlement was mined (wallet nonce %d -> %d): the test needs it stuck", mined, got)
+	}
+
+	sb.stingy.Store(false)
+	replaced := waitForRecord(t, fx.journal, func(r journal.Record) bool { return len(r.ReplacedTxHashes) > 0 })
+	if replaced.ReplacedTxHashes[0] != old.TxHash || replaced.TxHash == old.TxHash || replaced.TxNonce != old.TxNonce {
+		t.Fatalf("replacement %s (nonce %d) of %s (nonce %d), recorded replaced %v", replaced.TxHash, replaced.TxNonce, old.TxHash, old.TxNonce, replaced.ReplacedTxHashes)
+	}
+	var resp x402.SettleResponse
+	for deadline := time.Now().Add(15 * time.Second); ; {
+		fx.c.Commit()
+		select {
+		case resp = <-done:
+		case <-time.After(50 * time.Millisecond):
+			if time.Now().Before(deadline) {
+				continue
+			}
+			t.Fatal("the settlement never answered after its replacement was mined")
+		}
+		break
+	}
+	if !resp.Success || resp.Transaction != replaced.TxHash {
+		t.Fatalf("settle = %+v, want success with the replacement %s", resp, replaced.TxHash)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
+	if got := fx.c.TxCount(wallet); got != mined+1 {
+		t.Fatalf("the wallet's nonce moved by %d, want 1: one of the two versions mined", got-mined)
+	}
+	if r, err := fx.c.Client.TransactionReceipt(context.Background(), common.HexToHash(old.TxHash)); err == nil && r != nil {
+		t.Fatal("the replaced transaction mined too")
+	}
+}
+
+// waitForRecord polls the journal until some record satisfies ok, and returns it.
+func waitForRecord(t *testing.T, j journal.Store, ok func(journal.Record) bool) journal.Record {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		recs, err := j.Pending(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range recs {
+			if ok(r) {
+				return r
+			}
+		}
+	}
+	t.Fatal("no journal record reached the awaited state")
+	return journal.Record{}
+}
