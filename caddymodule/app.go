@@ -142,6 +142,9 @@ type Network struct {
 	Methods []string `json:"methods,omitempty"`
 	// LegacyFees sends type-0 transactions priced by eth_gasPrice, for chains without EIP-1559.
 	LegacyFees bool `json:"legacy_fees,omitempty"`
+	// ReplaceAfter is how long a settlement transaction may wait in the node's pool before it is replaced by a
+	// copy with higher fees. Default 60s.
+	ReplaceAfter caddy.Duration `json:"replace_after,omitempty"`
 	// MaxInFlightPerWallet caps the settlements one wallet pipelines. Default 64.
 	MaxInFlightPerWallet int `json:"max_in_flight_per_wallet,omitempty"`
 	// WalletWait bounds the wait for a free wallet before "No available wallets in pool". Default 2s.
@@ -341,6 +344,10 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 		Network: n.Network, Methods: n.Methods, ReceiptTimeout: time.Duration(n.ReceiptTimeout),
 		ReceiptPoll: time.Duration(n.ReceiptPoll), Fees: chain.FeePolicy{Legacy: n.LegacyFees},
 		MaxInFlightPerWallet: n.MaxInFlightPerWallet, WalletWait: time.Duration(n.WalletWait),
+		ReplaceAfter: time.Duration(n.ReplaceAfter),
+		// Payments verified within a quarter second share one read of chain time: far inside the 6 s margin
+		// deadlines must keep, and one round trip less per payment under load.
+		HeadCacheTTL: 250 * time.Millisecond,
 	}
 	var names []string
 	var backends []chain.Backend

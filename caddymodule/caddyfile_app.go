@@ -32,6 +32,7 @@ func init() {
 //			legacy_fees
 //			max_in_flight_per_wallet <n>
 //			wallet_wait <duration>
+//			replace_after <duration>
 //		}
 //		journal <path>
 //		dev_chain {
@@ -147,7 +148,7 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 			if !d.AllArgs(&n.WalletKeyFile) {
 				return nil, d.ArgErr()
 			}
-		case "receipt_timeout", "receipt_poll", "wallet_wait":
+		case "receipt_timeout", "receipt_poll", "wallet_wait", "replace_after":
 			name := d.Val()
 			var s string
 			if !d.AllArgs(&s) {
@@ -162,6 +163,8 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 				n.ReceiptTimeout = caddy.Duration(dur)
 			case "receipt_poll":
 				n.ReceiptPoll = caddy.Duration(dur)
+			case "replace_after":
+				n.ReplaceAfter = caddy.Duration(dur)
 			default:
 				n.WalletWait = caddy.Duration(dur)
 			}

@@ -91,6 +91,7 @@ type Gate struct {
 	specs    []offerSpec
 	registry *x402.Registry
 	ledger   *gateLedger
+	metrics  *metrics
 	logger   *zap.Logger
 	now      func() time.Time
 	state    *gateState
@@ -153,6 +154,10 @@ const (
 func (g *Gate) Provision(ctx caddy.Context) error {
 	g.logger = ctx.Logger()
 	g.now = time.Now
+	var err error
+	if g.metrics, err = metricsFor(ctx); err != nil {
+		return fmt.Errorf("x402 gate: %w", err)
+	}
 	g.state = new(gateState)
 	g.registry = x402.NewRegistry()
 	if g.PaymentHeader == "" {

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -186,6 +187,13 @@ func (x *exchange) end(o x402.PaymentOutcome, extra ...zap.Field) {
 		return
 	}
 	x.ended = true
+	x.g.metrics.observeOutcome(o.Status)
+	if o.VerifyMs > 0 {
+		x.g.metrics.observeVerify(metricsHandlerGate, time.Duration(o.VerifyMs*float64(time.Millisecond)))
+	}
+	if o.SettleMs > 0 {
+		x.g.metrics.observeSettle(metricsHandlerGate, time.Duration(o.SettleMs*float64(time.Millisecond)))
+	}
 	x.repl.Set("http.x402.status", string(o.Status))
 	if o.Payer != "" {
 		x.repl.Set("http.x402.payer", o.Payer)
