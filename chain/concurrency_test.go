@@ -105,12 +105,7 @@ func TestFiftyConcurrentSettlesOfOnePaymentMakeOneTransferAndShareItsHash(t *tes
 			fx := newFixture(t, fixtureOpts{})
 			payer := fx.c.Payers[0]
 			fx.approvePermit2(payer)
-			var req x402.VerifyRequest
-			if method == x402.TransferPermit2 {
-				req = fx.permit2(payer, fx.requirements(method), chain.Permit2Options{})
-			} else {
-				req = fx.erc2612(payer, fx.requirements(method), chain.ERC2612Options{})
-			}
+			req := fx.payment(method, payer)
 			before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
 			reqs := make([]x402.VerifyRequest, 50)
 			for i := range reqs {

@@ -127,6 +127,14 @@ func (fx *fixture) erc2612(payer *chaintest.Account, rq x402.PaymentRequirements
 	return x402.VerifyRequest{X402Version: 2, PaymentPayload: p, PaymentRequirements: rq}
 }
 
+// payment signs a payment of payer by method with default options.
+func (fx *fixture) payment(method string, payer *chaintest.Account) x402.VerifyRequest {
+	if method == x402.TransferPermit2 {
+		return fx.permit2(payer, fx.requirements(method), chain.Permit2Options{})
+	}
+	return fx.erc2612(payer, fx.requirements(method), chain.ERC2612Options{})
+}
+
 // approvePermit2 gives Permit2 an allowance for every payer.
 func (fx *fixture) approvePermit2(payers ...*chaintest.Account) {
 	max := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))

@@ -88,12 +88,7 @@ func TestAReplayedPaymentIsRefusedByVerifyAndAnsweredFromTheJournalBySettle(t *t
 			fx := newFixture(t, fixtureOpts{})
 			payer := fx.c.Payers[2]
 			fx.approvePermit2(payer)
-			var req x402.VerifyRequest
-			if method == x402.TransferPermit2 {
-				req = fx.permit2(payer, fx.requirements(method), chain.Permit2Options{})
-			} else {
-				req = fx.erc2612(payer, fx.requirements(method), chain.ERC2612Options{})
-			}
+			req := fx.payment(method, payer)
 			before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
 			first := fx.settle(req)
 			if !first.Success {
