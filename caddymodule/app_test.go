@@ -64,3 +64,49 @@ func TestTheDevChainOptionStartsAChainAndSettlesOnItWithNoOtherConfiguration(t *
 	}
 	_ = srv
 }
+
+func TestAConfigReloadKeepsTheEmbeddedEngineItsWalletsAndJournal(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	global := `{
+	x402 {
+		network eip155:72344 {
+			rpc ` + c.RPCURL + `
+			asset ` + c.Token.Hex() + `
+			wallet_keys ` + hexKey(c.Wallets[0]) + `
+		}
+		journal {{DATA}}/journal.db
+	}
+}
+`
+	srv := startCaddy(t, global+`{{ADDR}} {
+	respond "first"
+}`)
+	before := x402App(t).Facilitator()
+	journalBefore, _, err := x402App(t).SettlementJournal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.load(global + `{{ADDR}} {
+	respond "second"
+}`)
+	after := x402App(t).Facilitator()
+	journalAfter, _, err := x402App(t).SettlementJournal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if before == nil || before != after {
+		t.Fatalf("the reload replaced the embedded engine (%p -> %p): nonces and settlements in flight would be lost", before, after)
+	}
+	if journalBefore != journalAfter {
+		t.Fatal("the reload reopened the journal")
+	}
+	resp, err := http.Get(srv.URL + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if strings.TrimSpace(string(body)) != "second" {
+		t.Fatalf("after the reload the site answers %q", body)
+	}
+}
