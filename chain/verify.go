@@ -144,6 +144,10 @@ func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
 	if p.payTo, err = ParseAddress("paymentRequirements.payTo", rq.PayTo); err != nil {
 		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "%v", err)
 	}
+	if p.payTo == (common.Address{}) {
+		// Tokens refuse transfers to the zero address; an erc2612 permit would be spent for nothing.
+		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "paymentRequirements.payTo is the zero address; payments need a recipient")
+	}
 	if p.amount, err = x402.ParseUint256(rq.Amount); err != nil || p.amount.Sign() == 0 {
 		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "paymentRequirements.amount must be a positive decimal number of raw token units, got %q", rq.Amount)
 	}

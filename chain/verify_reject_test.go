@@ -504,6 +504,9 @@ func rejections() []rejection {
 			name: "a payTo that is no address is refused", methods: both, reason: x402.ReasonInvalidPaymentRequirements, message: "payTo",
 			build: signedUnder(func(rq *x402.PaymentRequirements) { rq.PayTo = "0x5e11e7" }),
 		}, {
+			name: "a zero payTo is refused before a permit is spent on it", methods: both, reason: x402.ReasonInvalidPaymentRequirements, message: "zero address",
+			build: signedUnder(func(rq *x402.PaymentRequirements) { rq.PayTo = "0x0000000000000000000000000000000000000000" }),
+		}, {
 			name: "a zero amount is refused", methods: both, reason: x402.ReasonInvalidPaymentRequirements, message: "positive",
 			build: signedUnder(func(rq *x402.PaymentRequirements) { rq.Amount = "0" }),
 		}, {
