@@ -30,6 +30,10 @@ type gateLedger struct {
 	owner string
 	log   *zap.Logger
 
+	// slots bounds the background settlements talking to the facilitator at once: thousands of async
+	// payments queued behind a busy wallet pool would otherwise all wake on every released wallet.
+	slots chan struct{}
+
 	mu       sync.Mutex
 	inflight map[journal.ID]struct{}
 	settling map[journal.ID]struct{}
@@ -47,6 +51,8 @@ const (
 	// asyncUnexpectedLimit bounds retries of a settlement the facilitator keeps failing with
 	// unexpected_settle_error (the node refused the transaction): past it the failure is taken as final.
 	asyncUnexpectedLimit = 10
+	// asyncConcurrency is how many background settlements run at once per journal.
+	asyncConcurrency = 64
 )
 
 // joinLedger takes a reference on the ledger of store, creating it for the first gate of the journal.
@@ -56,7 +62,7 @@ func joinLedger(store journal.Store, owner string, log *zap.Logger) (*gateLedger
 		return &gateLedger{
 			store: store, owner: owner, log: log,
 			inflight: map[journal.ID]struct{}{}, settling: map[journal.ID]struct{}{},
-			ctx: ctx, cancel: cancel,
+			slots: make(chan struct{}, asyncConcurrency), ctx: ctx, cancel: cancel,
 		}, nil
 	})
 	if err != nil {
@@ -170,7 +176,14 @@ func (l *gateLedger) settleInBackground(id journal.ID) {
 	unexpected := 0
 	warnedNoGate := false
 	for {
-		if !l.settleAttempt(log, id, &unexpected, &warnedNoGate) {
+		select {
+		case l.slots <- struct{}{}:
+		case <-l.ctx.Done():
+			return
+		}
+		again := l.settleAttempt(log, id, &unexpected, &warnedNoGate)
+		<-l.slots
+		if !again {
 			return
 		}
 		select {

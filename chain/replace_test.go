@@ -47,7 +47,9 @@ func TestAStuckSettlementIsReplacedWithHigherFeesAndSettlesOnce(t *testing.T) {
 			nc.Backend, nc.ReplaceAfter = sb, 300*time.Millisecond
 			nc.Fees.CacheFor = time.Millisecond
 		},
-		configure: func(cfg *chain.Config) { cfg.ReconcileEvery, cfg.ReconcileGrace = 100*time.Millisecond, 100*time.Millisecond },
+		configure: func(cfg *chain.Config) {
+			cfg.ReconcileEvery, cfg.ReconcileGrace = 100*time.Millisecond, 100*time.Millisecond
+		},
 	})
 	payer, wallet := fx.c.Payers[0], fx.c.Wallets[0].Address
 	fx.approvePermit2(payer)

@@ -316,6 +316,15 @@ func (p *payment) checkTime(ctx context.Context) *refusal {
 // whether the exact settlement call would succeed. The error is for a chain that could not be asked.
 func (p *payment) checkChain(ctx context.Context) (*refusal, error) {
 	n := p.net
+	if p.method == x402.TransferPermit2 && (p.sponsor == nil || p.sponsor.err == nil) {
+		// The proxy's settle checks the nonce, the signature, the allowance and the balance itself: when
+		// its simulation succeeds, one call has answered for all of them. Only a failure needs the reads
+		// below, to name the reason.
+		ref, err := p.simulate(ctx)
+		if err != nil || ref == nil {
+			return ref, err
+		}
+	}
 	if p.method == x402.TransferERC2612 {
 		cur, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "nonces", p.payer)
 		if err != nil {
@@ -365,11 +374,17 @@ func (p *payment) checkChain(ctx context.Context) (*refusal, error) {
 			}
 		}
 	}
+	return p.simulate(ctx)
+}
+
+// simulate runs the payment's first settlement call as an eth_call from the wallet that would send it: a
+// refusal when the contract reverts, an error when the node could not be asked.
+func (p *payment) simulate(ctx context.Context) (*refusal, error) {
 	calls, from, err := p.settlementCalls(ctx)
 	if err != nil {
 		return nil, err
 	}
-	if _, err := n.backend.CallContract(ctx, ethereum.CallMsg{From: from, To: &calls[0].To, Data: calls[0].Data}, nil); err != nil {
+	if _, err := p.net.backend.CallContract(ctx, ethereum.CallMsg{From: from, To: &calls[0].To, Data: calls[0].Data}, nil); err != nil {
 		if !isRevert(err) {
 			return nil, err
 		}
