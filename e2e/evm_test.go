@@ -1,0 +1,186 @@
+package e2e
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"errors"
+	"fmt"
+	"math/big"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum"
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/crypto"
+	"github.com/ethereum/go-ethereum/ethclient"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+)
+
+// seller is the pay_to address of Caddyfile.example, used by every test's gate.
+var seller = common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e11")
+
+// transferTopic is the topic of ERC-20 Transfer(address,address,uint256).
+var transferTopic = contracts.StableCoinABI.Events["Transfer"].ID
+
+// devChain reads (and, for set-up, writes) the dev chain of a Caddy process over its JSON-RPC endpoint.
+type devChain struct {
+	t      *testing.T
+	url    string
+	client *ethclient.Client
+}
+
+// dialChain connects to the dev chain at url; the connection closes when the test ends.
+func dialChain(t *testing.T, url string) *devChain {
+	t.Helper()
+	c, err := ethclient.Dial(url)
+	if err != nil {
+		t.Fatalf("connecting to the dev chain at %s: %v", url, err)
+	}
+	t.Cleanup(c.Close)
+	return &devChain{t: t, url: url, client: c}
+}
+
+func rpcContext() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), 10*time.Second)
+}
+
+// tokenBalance reads the dev token's balanceOf(holder), or says why it cannot.
+func (d *devChain) tokenBalance(holder common.Address) (*big.Int, error) {
+	data, err := contracts.StableCoinABI.Pack("balanceOf", holder)
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := rpcContext()
+	defer cancel()
+	token := chain.DevTokenAddress
+	out, err := d.client.CallContract(ctx, ethereum.CallMsg{To: &token, Data: data}, nil)
+	if err != nil {
+		return nil, fmt.Errorf("balanceOf(%s) on %s: %w", holder, token, err)
+	}
+	vals, err := contracts.StableCoinABI.Unpack("balanceOf", out)
+	if err != nil || len(vals) != 1 {
+		return nil, fmt.Errorf("balanceOf(%s): expected one uint256, got %d bytes (is the token deployed yet?)", holder, len(out))
+	}
+	return vals[0].(*big.Int), nil
+}
+
+// balance is tokenBalance that fails the test on error.
+func (d *devChain) balance(holder common.Address) *big.Int {
+	d.t.Helper()
+	b, err := d.tokenBalance(holder)
+	if err != nil {
+		d.t.Fatal(err)
+	}
+	return b
+}
+
+// head is the number of the latest block.
+func (d *devChain) head() uint64 {
+	d.t.Helper()
+	ctx, cancel := rpcContext()
+	defer cancel()
+	n, err := d.client.BlockNumber(ctx)
+	if err != nil {
+		d.t.Fatalf("reading the head block number: %v", err)
+	}
+	return n
+}
+
+// transfers lists the dev token's Transfer logs from -> to in blocks from fromBlock on.
+func (d *devChain) transfers(from, to common.Address, fromBlock uint64) []types.Log {
+	d.t.Helper()
+	ctx, cancel := rpcContext()
+	defer cancel()
+	logs, err := d.client.FilterLogs(ctx, ethereum.FilterQuery{
+		FromBlock: new(big.Int).SetUint64(fromBlock),
+		Addresses: []common.Address{chain.DevTokenAddress},
+		Topics:    [][]common.Hash{{transferTopic}, {common.BytesToHash(from.Bytes())}, {common.BytesToHash(to.Bytes())}},
+	})
+	if err != nil {
+		d.t.Fatalf("reading Transfer logs %s -> %s: %v", from, to, err)
+	}
+	return logs
+}
+
+// transferAmount is the value of a Transfer log.
+func transferAmount(l types.Log) *big.Int { return new(big.Int).SetBytes(l.Data) }
+
+// receipt reads the receipt of tx, failing the test when there is none.
+func (d *devChain) receipt(tx common.Hash) *types.Receipt {
+	d.t.Helper()
+	ctx, cancel := rpcContext()
+	defer cancel()
+	r, err := d.client.TransactionReceipt(ctx, tx)
+	if err != nil {
+		d.t.Fatalf("reading the receipt of %s: %v", tx, err)
+	}
+	return r
+}
+
+// send signs a transaction from key to `to` with value and data, sends it and waits for its receipt; the test
+// fails unless it succeeds. For set-up only (funding and approving payers).
+func (d *devChain) send(key *ecdsa.PrivateKey, to common.Address, value *big.Int, data []byte) *types.Receipt {
+	d.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	from := crypto.PubkeyToAddress(key.PublicKey)
+	chainID, err := d.client.ChainID(ctx)
+	if err != nil {
+		d.t.Fatalf("reading the chain ID: %v", err)
+	}
+	nonce, err := d.client.PendingNonceAt(ctx, from)
+	if err != nil {
+		d.t.Fatalf("reading the nonce of %s: %v", from, err)
+	}
+	head, err := d.client.HeaderByNumber(ctx, nil)
+	if err != nil {
+		d.t.Fatalf("reading the head block: %v", err)
+	}
+	gas, err := d.client.EstimateGas(ctx, ethereum.CallMsg{From: from, To: &to, Value: value, Data: data})
+	if err != nil {
+		d.t.Fatalf("estimating a transaction %s -> %s: %v", from, to, err)
+	}
+	tip := big.NewInt(1_000_000_000)
+	tx, err := types.SignNewTx(key, types.LatestSignerForChainID(chainID), &types.DynamicFeeTx{
+		ChainID: chainID, Nonce: nonce, GasTipCap: tip, GasFeeCap: new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), tip),
+		Gas: gas * 2, To: &to, Value: value, Data: data,
+	})
+	if err != nil {
+		d.t.Fatalf("signing a transaction: %v", err)
+	}
+	if err := d.client.SendTransaction(ctx, tx); err != nil {
+		d.t.Fatalf("sending a transaction %s -> %s: %v", from, to, err)
+	}
+	for {
+		r, err := d.client.TransactionReceipt(ctx, tx.Hash())
+		if err == nil {
+			if r.Status != types.ReceiptStatusSuccessful {
+				d.t.Fatalf("transaction %s (%s -> %s) reverted", tx.Hash(), from, to)
+			}
+			return r
+		}
+		if ctx.Err() != nil {
+			d.t.Fatalf("no receipt for %s within 30s: %v", tx.Hash(), err)
+		}
+		if !errors.Is(err, ethereum.NotFound) {
+			d.t.Logf("waiting for the receipt of %s: %v", tx.Hash(), err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// callToken packs a call of the dev token's method, failing the test on a wrong argument.
+func callToken(t *testing.T, method string, args ...any) []byte {
+	t.Helper()
+	data, err := contracts.StableCoinABI.Pack(method, args...)
+	if err != nil {
+		t.Fatalf("encoding %s: %v", method, err)
+	}
+	return data
+}
+
+// delta is after - before.
+func delta(before, after *big.Int) *big.Int { return new(big.Int).Sub(after, before) }

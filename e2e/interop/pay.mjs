@@ -1,0 +1,75 @@
+// pay.mjs pays for one URL with the public TypeScript x402 client (@x402/fetch with @x402/evm), as a third
+// party's agent would, and prints what happened as one JSON line on stdout for e2e/interop_test.go to check.
+//
+//   X402_PAYER_KEY=0x... X402_RPC_URL=http://127.0.0.1:8545 node pay.mjs <url>
+//
+// Environment:
+//   X402_PAYER_KEY   the payer's private key, hex (read from the environment so it never shows in `ps`)
+//   X402_RPC_URL     JSON-RPC URL of the chain: the client reads the payer's Permit2 allowance and the
+//                    token's EIP-2612 nonce there to decide on, and sign, eip2612GasSponsoring
+//   X402_NETWORK     the CAIP-2 network to register the exact EVM scheme for (default eip155:72344)
+//   X402_ASSET       the token to allow through the client's spend controls; they accept only well-known
+//                    assets (USDC and the like) by default, and the dev chain's token is none of them
+//   X402_MAX_AMOUNT  the largest payment, in raw token units, the spend controls allow (default 1000000)
+//
+// Exit status: 0 when the paid request answered 2xx with a successful PAYMENT-RESPONSE, 1 otherwise, 2 on
+// wrong usage.
+import { decodePaymentResponseHeader, wrapFetchWithPayment, x402Client } from "@x402/fetch";
+import { ExactEvmScheme, toClientEvmSigner } from "@x402/evm";
+import { createPublicClient, http } from "viem";
+import { privateKeyToAccount } from "viem/accounts";
+
+function usage(message) {
+  process.stderr.write(`pay.mjs: ${message}\nusage: X402_PAYER_KEY=0x... X402_RPC_URL=http://... X402_ASSET=0x... node pay.mjs <url>\n`);
+  process.exit(2);
+}
+
+const url = process.argv[2];
+if (!url) usage("expected the URL to pay for as the only argument");
+const rawKey = (process.env.X402_PAYER_KEY ?? "").trim();
+if (!/^(0x)?[0-9a-fA-F]{64}$/.test(rawKey)) usage("X402_PAYER_KEY must hold a private key of 64 hex digits");
+const rpcUrl = process.env.X402_RPC_URL;
+if (!rpcUrl) usage("X402_RPC_URL must name the chain's JSON-RPC URL");
+const asset = process.env.X402_ASSET;
+if (!/^0x[0-9a-fA-F]{40}$/.test(asset ?? "")) usage("X402_ASSET must be the token's address (0x and 40 hex digits)");
+const network = process.env.X402_NETWORK || "eip155:72344";
+const maxAmount = process.env.X402_MAX_AMOUNT || "1000000";
+
+const account = privateKeyToAccount(rawKey.startsWith("0x") ? rawKey : `0x${rawKey}`);
+// The public client gives the signer readContract, which the scheme needs to see a missing Permit2 allowance
+// and to read the token's permit nonce for eip2612GasSponsoring.
+const publicClient = createPublicClient({ transport: http(rpcUrl) });
+const signer = toClientEvmSigner(account, publicClient);
+
+// Record what the client signed, so the test can tell the plain permit2 flow from the sponsored one.
+let sent;
+const client = new x402Client()
+  .register(network, new ExactEvmScheme(signer, { rpcUrl }))
+  .setSpendControls({ allowedAssets: [{ network, asset, maxAmountPerPayment: maxAmount }] })
+  .onAfterPaymentCreation(async ({ paymentPayload }) => {
+    sent = {
+      method: paymentPayload.accepted?.extra?.assetTransferMethod ?? "eip3009",
+      extensions: Object.keys(paymentPayload.extensions ?? {}),
+      sponsored: paymentPayload.extensions?.eip2612GasSponsoring?.info?.signature != null,
+    };
+  });
+
+const fetchWithPayment = wrapFetchWithPayment(fetch, client);
+
+let result;
+try {
+  const response = await fetchWithPayment(url, { method: "GET" });
+  const header = response.headers.get("PAYMENT-RESPONSE");
+  result = {
+    status: response.status,
+    body: await response.text(),
+    payer: account.address,
+    sent: sent ?? null,
+    paymentResponse: header ? decodePaymentResponseHeader(header) : null,
+  };
+} catch (err) {
+  result = { error: err instanceof Error ? err.message : String(err), payer: account.address, sent: sent ?? null };
+}
+process.stdout.write(JSON.stringify(result) + "\n");
+const ok = result.status >= 200 && result.status < 300 && result.paymentResponse?.success === true;
+process.exit(ok ? 0 : 1);
