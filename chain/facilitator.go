@@ -78,6 +78,10 @@ type Config struct {
 	// ReconcileEvery is the period of the background pass that finalises, and re-broadcasts, journalled
 	// settlements still waiting for a receipt (default 2s; negative disables it).
 	ReconcileEvery time.Duration
+	// Retention is how long final journal records are kept (default 24h). A payment presented again after
+	// its record is gone is still refused, by its nonce on chain; the record only lets a retry get the same
+	// answer and transaction hash.
+	Retention time.Duration
 	// ReconcileGrace is how long a broadcast settlement is left to its own caller before the background pass
 	// looks at it (default 3s).
 	ReconcileGrace time.Duration
@@ -86,13 +90,14 @@ type Config struct {
 // Facilitator is the embedded x402 facilitator: it verifies and settles `exact` payments on the configured EVM
 // networks, with erc2612 (x402 versions 1 and 2) and permit2 (version 2, with eip2612GasSponsoring).
 type Facilitator struct {
-	networks map[string]*network
-	order    []string
-	journal  journal.Store
-	log      *zap.Logger
-	now      func() time.Time
-	owner    string
-	grace    time.Duration
+	networks  map[string]*network
+	order     []string
+	journal   journal.Store
+	log       *zap.Logger
+	now       func() time.Time
+	owner     string
+	grace     time.Duration
+	retention time.Duration
 
 	flightMu sync.Mutex
 	flights  map[journal.ID]*flight
@@ -157,14 +162,18 @@ type asset struct {
 // journal with the chain before returning, so no new work starts before old work is accounted for.
 func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 	f := &Facilitator{
-		networks: map[string]*network{},
-		journal:  cfg.Journal,
-		log:      cfg.Logger,
-		now:      cfg.Now,
-		flights:  map[journal.ID]*flight{},
-		sending:  map[journal.ID]bool{},
-		stop:     make(chan struct{}),
-		grace:    cfg.ReconcileGrace,
+		networks:  map[string]*network{},
+		journal:   cfg.Journal,
+		log:       cfg.Logger,
+		now:       cfg.Now,
+		flights:   map[journal.ID]*flight{},
+		sending:   map[journal.ID]bool{},
+		stop:      make(chan struct{}),
+		grace:     cfg.ReconcileGrace,
+		retention: cfg.Retention,
+	}
+	if f.retention <= 0 {
+		f.retention = 24 * time.Hour
 	}
 	if f.grace <= 0 {
 		f.grace = 3 * time.Second

@@ -204,6 +204,7 @@ func (f *Facilitator) reconcileLoop(every time.Duration) {
 	defer f.wg.Done()
 	t := time.NewTicker(every)
 	defer t.Stop()
+	lastPrune := f.now()
 	for {
 		select {
 		case <-f.stop:
@@ -212,6 +213,15 @@ func (f *Facilitator) reconcileLoop(every time.Duration) {
 			ctx, cancel := context.WithTimeout(context.Background(), every*5)
 			if err := f.reconcile(ctx, false); err != nil {
 				f.log.Warn("reconciling the settlement journal", zap.Error(err))
+			}
+			// Final records past their retention go every ten minutes (sooner for a short retention).
+			if f.now().Sub(lastPrune) >= min(10*time.Minute, f.retention/2) {
+				lastPrune = f.now()
+				if n, err := f.journal.Prune(ctx, f.now().Add(-f.retention)); err != nil {
+					f.log.Warn("pruning the settlement journal", zap.Error(err))
+				} else if n > 0 {
+					f.log.Info("pruned final settlements from the journal", zap.Int("records", n), zap.Duration("older_than", f.retention))
+				}
 			}
 			cancel()
 		}

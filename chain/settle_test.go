@@ -1,9 +1,11 @@
 package chain_test
 
 import (
+	"context"
 	"math/big"
 	"reflect"
 	"testing"
+	"time"
 
 	"github.com/ethereum/go-ethereum/common"
 
@@ -123,4 +125,32 @@ func assertMoved(t *testing.T, fx *fixture, payer common.Address, payerBefore, s
 	if got := new(big.Int).Sub(fx.c.TokenBalance(fx.payTo), sellerBefore); got.Cmp(want) != 0 {
 		t.Fatalf("seller balance rose by %s, want %s", got, want)
 	}
+}
+
+func TestAPaymentPresentedAfterItsRecordWasPrunedIsRefusedByItsNonceNotSettledAgain(t *testing.T) {
+	fx := newFixture(t, fixtureOpts{configure: func(cfg *chain.Config) {
+		cfg.Retention, cfg.ReconcileEvery = 200*time.Millisecond, 50*time.Millisecond
+	}})
+	payer := fx.c.Payers[3]
+	fx.approvePermit2(payer)
+	req := fx.payment(x402.TransferPermit2, payer)
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	if first := fx.settle(req); !first.Success {
+		t.Fatalf("settle = %+v", first)
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if n, err := fx.journal.Count(context.Background()); err != nil {
+			t.Fatal(err)
+		} else if n == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the final record was never pruned")
+		}
+	}
+	again := fx.settle(req)
+	if again.Success || again.ErrorReason != x402.ReasonPermit2InvalidNonce || again.Transaction != "" {
+		t.Fatalf("settle after pruning = %+v, want %s with nothing sent", again, x402.ReasonPermit2InvalidNonce)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
 }
