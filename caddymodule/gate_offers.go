@@ -179,7 +179,7 @@ func buildOffers(specs []offerSpec, sup *x402.SupportedResponse, reg *x402.Regis
 			if s.method != "" && s.method != m {
 				continue
 			}
-			kind, supported := findKind(sup, x402.Version2, s.network, m)
+			kind, supported := sup.Kind(x402.Version2, s.network, m)
 			if !supported && s.method == "" {
 				continue // not known to be supported: offering it would be a guess
 			}
@@ -194,10 +194,10 @@ func buildOffers(specs []offerSpec, sup *x402.SupportedResponse, reg *x402.Regis
 				o.req.Extra.X402Permit2ProxyAddress = kind.Extra.X402Permit2ProxyAddress
 				sponsoring = sponsoring || (sup != nil && slices.Contains(sup.Extensions, x402.ExtensionEIP2612GasSponsoring))
 			case x402.TransferERC2612:
-				o.spenders = signersFor(sup, s.network)
+				o.spenders = sup.SignersFor(s.network)
 				// Version 1 names networks, so only a network with a version 1 name can be offered to it.
 				n, known := reg.Lookup(s.network)
-				_, v1Kind := findKind(sup, x402.Version1, s.network, m)
+				_, v1Kind := sup.Kind(x402.Version1, s.network, m)
 				o.v1 = known && n.Name != "" && (sup == nil || v1Kind)
 			}
 			set.offers = append(set.offers, o)
@@ -207,40 +207,6 @@ func buildOffers(specs []offerSpec, sup *x402.SupportedResponse, reg *x402.Regis
 		set.extensions = map[string]json.RawMessage{x402.ExtensionEIP2612GasSponsoring: gasSponsoringDeclaration}
 	}
 	return set
-}
-
-// findKind finds the facilitator's kind of a version, network and method.
-func findKind(sup *x402.SupportedResponse, version int, network, method string) (x402.SupportedKind, bool) {
-	if sup == nil {
-		return x402.SupportedKind{}, false
-	}
-	for _, k := range sup.Kinds {
-		if k.X402Version == version && k.Scheme == x402.SchemeExact && k.Network == network {
-			// A kind without a method predates the field: it settles EIP-2612-shaped payments.
-			km := cmp.Or(k.Extra.AssetTransferMethod, x402.TransferERC2612)
-			if km == method {
-				return k, true
-			}
-		}
-	}
-	return x402.SupportedKind{}, false
-}
-
-// signersFor lists the facilitator's settlement wallets on network; /supported keys them by the network or by a
-// pattern such as "eip155:*".
-func signersFor(sup *x402.SupportedResponse, network string) []string {
-	if sup == nil {
-		return nil
-	}
-	if list, ok := sup.Signers[network]; ok {
-		return list
-	}
-	for pattern, list := range sup.Signers {
-		if prefix, ok := strings.CutSuffix(pattern, "*"); ok && strings.HasPrefix(network, prefix) {
-			return list
-		}
-	}
-	return nil
 }
 
 // gasSponsoringDeclaration declares the eip2612GasSponsoring extension in a 402 (x402-wire-facts 4.3): what the

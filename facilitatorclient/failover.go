@@ -299,7 +299,7 @@ func (w want) servedBy(s x402.SupportedResponse) int {
 	}
 	// A facilitator that names its wallets and not this one cannot spend the permit; one that names none
 	// may still own it.
-	owned := signersFor(s, w.network)
+	owned := s.SignersFor(w.network)
 	if kind.Extra.Spender != "" {
 		owned = append(owned, kind.Extra.Spender)
 	}
@@ -307,18 +307,6 @@ func (w want) servedBy(s x402.SupportedResponse) int {
 		return servedOK
 	}
 	return servedOtherSpender
-}
-
-// signersFor collects the addresses of signer patterns matching network: the exact id, "<namespace>:*" or "*".
-func signersFor(s x402.SupportedResponse, network string) []string {
-	var out []string
-	for pattern, addrs := range s.Signers {
-		if pattern == network || pattern == "*" ||
-			(strings.HasSuffix(pattern, ":*") && strings.HasPrefix(network, strings.TrimSuffix(pattern, "*"))) {
-			out = append(out, addrs...)
-		}
-	}
-	return out
 }
 
 // containsAddress compares hex addresses case-insensitively: checksum case is not part of the address.
