@@ -98,6 +98,10 @@ type DevChain struct {
 	payers  []*ecdsa.PrivateKey
 	stack   *node.Node
 	client  *ethclient.Client
+	// nudge seals a block by hand. With block_time 0 the beacon API seals when its subscription to the
+	// transaction pool sees a transaction, but it subscribes in a goroutine of its own: a transaction that
+	// arrives first waits for the next one. Startup nudges when its own transactions wait too long.
+	nudge func()
 
 	closeOnce sync.Once
 	closeErr  error
@@ -189,6 +193,9 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 	}
 	d.client = ethclient.NewClient(stack.Attach())
 	d.url = stack.HTTPEndpoint()
+	if cfg.BlockTime == 0 {
+		d.nudge = func() { beacon.Commit() }
+	}
 
 	deployed, err := d.provisionToken(ctx)
 	if err == nil {
@@ -388,13 +395,16 @@ const errTxIndexing = "transaction indexing is in progress"
 func (d *DevChain) waitReceipt(ctx context.Context, hash common.Hash) (*types.Receipt, error) {
 	ticker := time.NewTicker(devReceiptPoll)
 	defer ticker.Stop()
-	for {
+	for polls := 1; ; polls++ {
 		receipt, err := d.client.TransactionReceipt(ctx, hash)
 		if err == nil {
 			return receipt, nil
 		}
 		if !errors.Is(err, ethereum.NotFound) && !strings.Contains(err.Error(), errTxIndexing) {
 			return nil, err
+		}
+		if d.nudge != nil && polls%25 == 0 {
+			d.nudge() // half a second with no block: the sealer may have missed the transaction
 		}
 		select {
 		case <-ctx.Done():
