@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -67,6 +68,9 @@ func (s *caddyServer) load(caddyfile string) {
 	if err := caddy.Load(cfg, true); err != nil {
 		s.t.Fatalf("loading the Caddy config: %v\n%s", err, cfg)
 	}
+	// A reload closes the old servers' connections: a kept-alive one reused by the next request would
+	// answer EOF.
+	http.DefaultClient.CloseIdleConnections()
 }
 
 // adapt turns the Caddyfile into the JSON Caddy runs, with admin off and storage in the test's folder.
