@@ -26,14 +26,15 @@ import (
 // BenchmarkSustainedSettlement settles b.N distinct permit2 payments through wallet pools of 1, 4 and 16 wallets
 // on the embedded dev chain (a real go-ethereum node over HTTP JSON-RPC) sealing a block every second, so chain
 // time follows the clock and every settlement waits for a real block; the journal is the durable bbolt one.
-// Each wallet pipelines up to 128 settlements, and as many payments are offered at once as the pool can carry.
+// Each wallet pipelines up to 256 settlements (max_in_flight_per_wallet), and as many payments are offered at once
+// as the pool can carry.
 //
-//	go test ./chain -run '^$' -bench SustainedSettlement -benchtime 3000x
+//	go test ./chain -run '^$' -bench SustainedSettlement -benchtime 6000x
 func BenchmarkSustainedSettlement(b *testing.B) {
 	for _, wallets := range []int{1, 4, 16} {
 		b.Run(fmt.Sprintf("wallets=%d", wallets), func(b *testing.B) {
 			ctx := context.Background()
-			const payers, perWallet = 8, 128
+			const payers, perWallet = 8, 256
 			dc, err := chain.StartDevChain(ctx, chain.DevChainConfig{Listen: "127.0.0.1:0", BlockTime: time.Second, Wallets: wallets, Payers: payers})
 			if err != nil {
 				b.Fatal(err)
