@@ -238,15 +238,12 @@ func samePayload(a, b x402.ExactEVMPayload) bool {
 // again settles it from the journal and serves it.
 func (x *exchange) record() error {
 	ctx := context.WithoutCancel(x.r.Context())
-	body, err := json.Marshal(x.req)
+	rec, err := x.newRecord()
 	if err != nil {
 		return err
 	}
 	rq := x.req.PaymentRequirements
-	_, claimed, err := x.g.ledger.store.Claim(ctx, journal.Record{
-		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: rq.Amount,
-		PayTo: rq.PayTo, Request: body, Owner: x.g.ledger.owner,
-	})
+	_, claimed, err := x.g.ledger.store.Claim(ctx, rec)
 	if err != nil {
 		return err
 	}
@@ -259,6 +256,19 @@ func (x *exchange) record() error {
 		return nil
 	})
 	return err
+}
+
+// newRecord is the gate's journal claim of the payment: what it is, and the request to settle it with.
+func (x *exchange) newRecord() (journal.Record, error) {
+	body, err := json.Marshal(x.req)
+	if err != nil {
+		return journal.Record{}, err
+	}
+	rq := x.req.PaymentRequirements
+	return journal.Record{
+		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: rq.Amount,
+		PayTo: rq.PayTo, Request: body, Owner: x.g.ledger.owner,
+	}, nil
 }
 
 // errRecordedElsewhere: the journal gained a record of the payment between the look-up and the claim.
@@ -326,15 +336,13 @@ func (x *exchange) serveSettled(resp x402.SettleResponse, up *upstream) error {
 // The record is written before the response leaves: a crash after serving loses no payment.
 func (x *exchange) serveAsync(up *upstream) error {
 	ctx := context.WithoutCancel(x.r.Context())
-	body, err := json.Marshal(x.req)
+	rec, err := x.newRecord()
 	if err != nil {
 		return err
 	}
+	rec.Async, rec.Served, rec.ServedAt = true, true, x.g.now().UTC()
 	rq := x.req.PaymentRequirements
-	_, claimed, err := x.g.ledger.store.Claim(ctx, journal.Record{
-		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: rq.Amount,
-		PayTo: rq.PayTo, Request: body, Owner: x.g.ledger.owner, Async: true, Served: true, ServedAt: x.g.now().UTC(),
-	})
+	_, claimed, err := x.g.ledger.store.Claim(ctx, rec)
 	if err != nil || !claimed {
 		if err == nil {
 			err = errRecordedElsewhere
