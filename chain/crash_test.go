@@ -182,3 +182,31 @@ func TestCrashChildProcess(t *testing.T) {
 	}
 	wg.Wait()
 }
+
+func TestStartUpReleasesItsOwnStaleClaimsAndLeavesOtherRecordsOfTheJournalAlone(t *testing.T) {
+	store := journal.NewMemory(journal.Options{})
+	fx := newFixture(t, fixtureOpts{journal: store})
+	payer := fx.c.Payers[0]
+	req := fx.payment(x402.TransferPermit2, payer)
+	body, err := json.Marshal(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := req.PaymentPayload.Payload.Permit2Authorization
+	ownID := journal.PaymentID(fx.net, x402.TransferPermit2, fx.c.Token.Hex(), a.From, a.Nonce)
+	gateID := journal.PaymentID(fx.net, "gate/"+x402.TransferPermit2, fx.c.Token.Hex(), a.From, a.Nonce)
+	ctx := context.Background()
+	for _, id := range []journal.ID{ownID, gateID} {
+		if _, _, err := store.Claim(ctx, journal.Record{ID: id, State: journal.StateClaimed, Network: fx.net, Request: body, Owner: "a process that died"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A second engine on the same journal starts, as after a restart.
+	newReplica(t, fx, store)
+	if _, ok, err := store.Get(ctx, ownID); err != nil || ok {
+		t.Fatalf("the engine's stale claim is still there (%v): a payment that sent nothing could never be retried", err)
+	}
+	if _, ok, err := store.Get(ctx, gateID); err != nil || !ok {
+		t.Fatalf("start-up removed a gate's record (%v): reconciliation must touch settlements only", err)
+	}
+}

@@ -27,8 +27,8 @@ func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
 	}
 	for _, rec := range recs {
 		n := f.networks[rec.Network]
-		if n == nil || rec.Async {
-			continue
+		if n == nil || !f.isSettlementRecord(rec) {
+			continue // another network's, or another user's of the journal (a gate's record of serving)
 		}
 		if !startup && (f.isSending(rec.ID) || f.now().Sub(rec.UpdatedAt) < f.grace) {
 			continue
@@ -192,6 +192,21 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 	}
 	f.log.Info("settled again a payment whose transaction was dropped", zap.String("payment", rec.ID.String()), zap.String("old_tx", rec.TxHash), zap.String("tx", hash.Hex()))
 	return nil
+}
+
+// isSettlementRecord reports whether rec is one of this engine's settlement records: its request parses to a
+// payment whose id is rec.ID. The journal is shared (a gate keeps its own records of serving there, under ids
+// of their own), and reconciliation must touch nothing but settlements.
+func (f *Facilitator) isSettlementRecord(rec journal.Record) bool {
+	if rec.Async || len(rec.Request) == 0 {
+		return false
+	}
+	var req x402.SettleRequest
+	if err := json.Unmarshal(rec.Request, &req); err != nil {
+		return false
+	}
+	p, ref := f.parse(req)
+	return ref == nil && p.id == rec.ID
 }
 
 func (f *Facilitator) isSending(id journal.ID) bool {
