@@ -33,6 +33,13 @@ func TestTheX402AppStartsAnEmbeddedFacilitatorFromTheGlobalOption(t *testing.T) 
 	if resp.StatusCode != 200 || strings.TrimSpace(string(body)) != "free" {
 		t.Fatalf("GET / = %d %q", resp.StatusCode, body)
 	}
+	f := x402App(t).Facilitator()
+	if f == nil {
+		t.Fatal("the global option configured no embedded facilitator")
+	}
+	if nets, wallets := f.Networks(), f.Wallets("eip155:72344"); len(nets) != 1 || len(wallets) != 1 || wallets[0] != c.Wallets[0].Address {
+		t.Fatalf("networks %v, wallets %v; want eip155:72344 settled from %s", nets, wallets, c.Wallets[0].Address.Hex())
+	}
 }
 
 func keyHex(a *chaintest.Account) string {
