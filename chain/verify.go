@@ -10,7 +10,6 @@ import (
 
 	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
-	"github.com/ethereum/go-ethereum/core/types"
 	"github.com/ethereum/go-ethereum/rpc"
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
@@ -468,7 +467,7 @@ func revertReason(err error) string {
 	var de interface{ ErrorData() any }
 	if errors.As(err, &de) {
 		if s, ok := de.ErrorData().(string); ok {
-			if b, decErr := hexDecode(s); decErr == nil {
+			if b, decErr := common.ParseHexOrString(s); decErr == nil {
 				if r, ok := contracts.DecodeRevert(b); ok {
 					return r
 				}
@@ -486,8 +485,6 @@ func isRevert(err error) bool {
 	}
 	return strings.Contains(err.Error(), "revert")
 }
-
-func hexDecode(s string) ([]byte, error) { return common.ParseHexOrString(s) }
 
 // recoverDetail says why a signature is not the payer's: it could not be recovered, or whom it recovers (another
 // key, or the same key over other values, such as a wrong domain).
@@ -511,5 +508,3 @@ func hexAddrs(as []common.Address) []string {
 func looksLikeEIP3009(a *x402.EIP2612Authorization) bool {
 	return strings.HasPrefix(a.Nonce, "0x") && len(a.Nonce) == 66
 }
-
-var _ = types.ReceiptStatusSuccessful
