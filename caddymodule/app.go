@@ -145,6 +145,10 @@ type Network struct {
 	// ReplaceAfter is how long a settlement transaction may wait in the node's pool before it is replaced by a
 	// copy with higher fees. Default 60s.
 	ReplaceAfter caddy.Duration `json:"replace_after,omitempty"`
+	// FundsCache is how long a payer's token balance and Permit2 allowance, once read from the chain, answer
+	// the verification of the payer's later permit2 payments (less the payments not yet settled). Default 2s;
+	// negative ("off" in the Caddyfile): every verification asks the chain. Settlement always simulates first.
+	FundsCache caddy.Duration `json:"funds_cache,omitempty"`
 	// MaxInFlightPerWallet caps the settlements one wallet pipelines. Default 64.
 	MaxInFlightPerWallet int `json:"max_in_flight_per_wallet,omitempty"`
 	// WalletWait bounds the wait for a free wallet before "No available wallets in pool". Default 2s.
@@ -344,7 +348,7 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 		Network: n.Network, Methods: n.Methods, ReceiptTimeout: time.Duration(n.ReceiptTimeout),
 		ReceiptPoll: time.Duration(n.ReceiptPoll), Fees: chain.FeePolicy{Legacy: n.LegacyFees},
 		MaxInFlightPerWallet: n.MaxInFlightPerWallet, WalletWait: time.Duration(n.WalletWait),
-		ReplaceAfter: time.Duration(n.ReplaceAfter),
+		ReplaceAfter: time.Duration(n.ReplaceAfter), FundsCacheTTL: time.Duration(n.FundsCache),
 		// Payments verified within a quarter second share one read of chain time: far inside the 6 s margin
 		// deadlines must keep, and one round trip less per payment under load.
 		HeadCacheTTL: 250 * time.Millisecond,

@@ -33,6 +33,7 @@ func init() {
 //			max_in_flight_per_wallet <n>
 //			wallet_wait <duration>
 //			replace_after <duration>
+//			funds_cache <duration>|off
 //		}
 //		journal <path>
 //		dev_chain {
@@ -168,6 +169,20 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 			default:
 				n.WalletWait = caddy.Duration(dur)
 			}
+		case "funds_cache":
+			var v string
+			if !d.AllArgs(&v) {
+				return nil, d.ArgErr()
+			}
+			if v == "off" {
+				n.FundsCache = -1
+				break
+			}
+			dur, err := caddy.ParseDuration(v)
+			if err != nil || dur <= 0 {
+				return nil, d.Errf("funds_cache: want a positive duration or off, got '%s'", v)
+			}
+			n.FundsCache = caddy.Duration(dur)
 		case "methods":
 			args := d.RemainingArgs()
 			if len(args) == 0 {

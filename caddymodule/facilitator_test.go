@@ -660,6 +660,9 @@ func TestFacilitatorAnswers502And503WhenTheChainCannotBeReached(t *testing.T) {
 	if v, err := f.Verify(context.Background(), req); err != nil || !v.IsValid {
 		t.Fatalf("verify with the node up = %+v, %v; want valid", v, err)
 	}
+	// A payer whose funds were just read may be verified from that read (funds_cache); another payer's
+	// payment needs the node.
+	req = e.permit2(c.Payers[1])
 
 	proxy.SetDecide(func(string) chaintest.Fault { return chaintest.Drop })
 	for _, tc := range []struct {

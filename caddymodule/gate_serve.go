@@ -158,7 +158,7 @@ func (x *exchange) paymentHeader() (string, bool) {
 // verifyAndServe verifies a new payment and serves it in the gate's settlement mode.
 func (x *exchange) verifyAndServe() error {
 	t := x.g.now()
-	vres, err := x.g.fac.Verify(x.r.Context(), x.req)
+	vres, err := x.verify()
 	x.verifyMs = msSince(x.g.now, t)
 	if err != nil {
 		return x.verifyUnreachable(fmt.Sprintf("the facilitator could not verify the payment (%s); nothing was charged, try again", x.g.describe(err)))
@@ -181,6 +181,7 @@ func (x *exchange) verifyAndServe() error {
 		up := x.callUpstream()
 		defer up.free()
 		if !up.ok() {
+			x.unhold()
 			return x.passUnpaid(up)
 		}
 		return x.serveAsync(up)
@@ -194,6 +195,29 @@ func (x *exchange) verifyAndServe() error {
 			return x.recordFailed(err)
 		}
 		return x.settleThenServe(up)
+	}
+}
+
+// fundsHolder is a facilitator that can hold a verified payment against the payer's funds until it settles
+// (the embedded engine). A gate that serves before it settles verifies with it, so that a payer is not served
+// more than the payer can pay while the settlements wait their turn.
+type fundsHolder interface {
+	VerifyAndHold(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error)
+	Release(req x402.VerifyRequest)
+}
+
+// verify asks the facilitator about the payment; in settle async, holding it against the payer's funds.
+func (x *exchange) verify() (x402.VerifyResponse, error) {
+	if h, ok := x.g.fac.(fundsHolder); ok && x.g.Settle == SettleAsync {
+		return h.VerifyAndHold(x.r.Context(), x.req)
+	}
+	return x.g.fac.Verify(x.r.Context(), x.req)
+}
+
+// unhold lets go of the hold verify placed on a payment that will not be settled after all.
+func (x *exchange) unhold() {
+	if h, ok := x.g.fac.(fundsHolder); ok && x.g.Settle == SettleAsync {
+		h.Release(x.req)
 	}
 }
 
@@ -346,6 +370,8 @@ func (x *exchange) serveAsync(up *upstream) error {
 	if err != nil || !claimed {
 		if err == nil {
 			err = errRecordedElsewhere
+		} else {
+			x.unhold() // not recorded, so never settled (a payment recorded elsewhere is that record's to settle)
 		}
 		return x.recordFailed(err)
 	}

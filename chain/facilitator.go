@@ -59,6 +59,11 @@ type NetworkConfig struct {
 	// reads the head for every payment; a few hundred milliseconds saves a round trip per payment under load
 	// and is far inside the 6 s deadline margin.
 	HeadCacheTTL time.Duration
+	// FundsCacheTTL is how long a payer's token balance and Permit2 allowance, read from the chain, answer the
+	// verification of the payer's later permit2 payments, less the payments held against them (default 2s,
+	// about a block on most networks; negative: every verification asks the chain). Only a payment the read
+	// covers is answered from it; settlement always simulates its exact call first.
+	FundsCacheTTL time.Duration
 	// LowBalance is the native balance (wei) under which a wallet is reported low by Health (default 0.01 ether).
 	LowBalance *big.Int
 }
@@ -126,6 +131,8 @@ type network struct {
 	p2dom   common.Hash
 
 	replaceAfter time.Duration
+
+	funds *funds
 
 	headTTL time.Duration
 	headMu  sync.Mutex
@@ -271,6 +278,14 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	case n.replaceAfter < 0:
 		n.replaceAfter = 0
 	}
+	fundsTTL := nc.FundsCacheTTL
+	switch {
+	case fundsTTL == 0:
+		fundsTTL = 2 * time.Second
+	case fundsTTL < 0:
+		fundsTTL = 0
+	}
+	n.funds = newFunds(fundsTTL, f.now)
 	if n.low == nil {
 		n.low = new(big.Int).Exp(big.NewInt(10), big.NewInt(16), nil)
 	}

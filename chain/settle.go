@@ -90,6 +90,7 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 	}
 	resp, keep, err := f.broadcastAndWait(ctx, p)
 	if !keep {
+		p.net.funds.drop(p.id)
 		// Nothing left the process: the payer may try again (after topping up, say).
 		if relErr := f.journal.Release(context.WithoutCancel(ctx), p.id); relErr != nil {
 			f.log.Error("releasing a settlement claim that sent nothing", zap.String("payment", p.id.String()), zap.Error(relErr))
@@ -122,7 +123,7 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 	if ref := p.checkTime(ctx); ref != nil {
 		return common.Hash{}, ref, nil
 	}
-	if ref, err := p.checkChain(ctx); err != nil || ref != nil {
+	if ref, err := p.checkChain(ctx, fundsSettle); err != nil || ref != nil {
 		return common.Hash{}, ref, err
 	}
 	calls, from, err := p.settlementCalls(ctx)
@@ -192,7 +193,9 @@ func (f *Facilitator) awaitReceipt(ctx context.Context, n *network, id journal.I
 // finalise turns a receipt into the final answer and records it.
 func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, receipt *types.Receipt, payer, amount string) x402.SettleResponse {
 	resp := x402.SettleResponse{Success: true, Transaction: receipt.TxHash.Hex(), Network: n.caip2, Payer: payer, Amount: amount}
+	n.funds.mined(id, receipt.BlockNumber.Uint64())
 	if receipt.Status != types.ReceiptStatusSuccessful {
+		n.funds.drop(id)
 		resp = x402.SettleResponse{Success: false, Transaction: receipt.TxHash.Hex(), Network: n.caip2, Payer: payer,
 			ErrorReason: x402.ReasonTransactionFailed, ErrorMessage: "the settlement transaction was mined but reverted; no tokens moved"}
 	}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
 	"github.com/ethereum/go-ethereum/rpc"
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
@@ -48,7 +49,23 @@ type payment struct {
 	p2      Permit2Transfer // permit2
 	sponsor *sponsorPermit  // permit2 with eip2612GasSponsoring, when present and well-formed
 	id      journal.ID
-	digest  common.Hash // what the payer signed
+	digest  common.Hash   // what the payer signed
+	head    *types.Header // the head block checkTime read chain time from; nil when it could not be read
+}
+
+// fundsUse says what a chain check does with the payer's funds (see funds).
+type fundsUse int
+
+const (
+	fundsVerify fundsUse = iota // count what is held against the payer; hold nothing
+	fundsHold                   // count, and hold a valid payment (a gate serves it before settling)
+	fundsSettle                 // count, and hold the payment being sent
+)
+
+// tracksFunds reports whether the payment's funds are tracked: a permit2 payment from a payer who approved
+// Permit2 (no sponsored permit to apply), with chain time known.
+func (p *payment) tracksFunds() bool {
+	return p.method == x402.TransferPermit2 && p.sponsor == nil && p.head != nil
 }
 
 // same reports whether q is the same payment as p: same signed message, same recipient, same amount. Two
@@ -70,14 +87,38 @@ type sponsorPermit struct {
 // clock, is checked before the time window, so that a payload proves its payer before anything reads the chain
 // or claims the settlement journal in its name. A refused payment is a VerifyResponse with IsValid false; an
 // error means the chain could not be asked.
+//
+// A permit2 payment of a payer whose funds were read within the network's FundsCacheTTL, and that this engine
+// has no record of, is answered from that read less the payments held against the payer (see funds), without a
+// chain call. Its settlement still simulates the exact call before anything is sent.
 func (f *Facilitator) Verify(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
+	return f.verify(ctx, req, fundsVerify)
+}
+
+// VerifyAndHold verifies like Verify and, when the payment is valid, holds its amount against the payer's funds
+// until its settlement is seen mined, fails, or the payment's deadline passes: later verifications then count
+// it as spent. It is for a gate that serves before it settles (settle async), which must not serve a payer more
+// than the payer can pay while the settlements wait their turn. A payment that will not be settled after all
+// must be let go with Release.
+func (f *Facilitator) VerifyAndHold(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
+	return f.verify(ctx, req, fundsHold)
+}
+
+// Release lets go of the hold VerifyAndHold placed on a payment that is not going to be settled.
+func (f *Facilitator) Release(req x402.VerifyRequest) {
+	if p, ref := f.parse(req); ref == nil {
+		p.net.funds.drop(p.id)
+	}
+}
+
+func (f *Facilitator) verify(ctx context.Context, req x402.VerifyRequest, use fundsUse) (x402.VerifyResponse, error) {
 	p, ref := f.parse(req)
 	if ref == nil {
 		ref = p.checkTime(ctx)
 	}
-	if ref == nil {
+	if ref == nil && !f.fromFunds(ctx, p, use) {
 		var err error
-		if ref, err = p.checkChain(ctx); err != nil {
+		if ref, err = p.checkChain(ctx, use); err != nil {
 			return x402.VerifyResponse{}, &x402.FacilitatorError{Op: "verify", Kind: x402.FailureUnreachable, Err: err}
 		}
 	}
@@ -90,6 +131,26 @@ func (f *Facilitator) Verify(ctx context.Context, req x402.VerifyRequest) (x402.
 		return x402.VerifyResponse{IsValid: false, Payer: payer, InvalidReason: ref.reason, InvalidMessage: ref.message}, nil
 	}
 	return x402.VerifyResponse{IsValid: true, Payer: payer}, nil
+}
+
+// fromFunds answers the chain checks of a payment from the payer's last fresh read, when it covers the payment
+// beside everything held against the payer (and holds it too, for fundsHold). A payment the journal knows was
+// presented before is left to the chain, which alone can say whether its nonce is spent.
+func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) bool {
+	if !p.tracksFunds() || p.net.funds.ttl <= 0 {
+		return false
+	}
+	if ok, _, _ := p.net.funds.cover(p, p.head.Time, nil, false); !ok {
+		return false
+	}
+	if _, known, err := f.journal.Get(ctx, p.id); err != nil || known {
+		return false
+	}
+	if use == fundsHold {
+		ok, _, _ := p.net.funds.cover(p, p.head.Time, nil, true)
+		return ok
+	}
+	return true
 }
 
 // claimedPayer is the payer a payload names, for answers about payloads that did not parse: in checksum case,
@@ -291,6 +352,7 @@ func (p *payment) checkTime(ctx context.Context) *refusal {
 		// No chain time: the chain checks that follow will report the node as unreachable.
 		return nil
 	}
+	p.head = head
 	now := new(big.Int).SetUint64(head.Time)
 	minDeadline := new(big.Int).SetUint64(head.Time + deadlineMargin)
 	if p.method == x402.TransferPermit2 {
@@ -312,16 +374,20 @@ func (p *payment) checkTime(ctx context.Context) *refusal {
 }
 
 // checkChain reads what only the chain knows: the nonce, the balance, the Permit2 allowance, and finally
-// whether the exact settlement call would succeed. The error is for a chain that could not be asked.
-func (p *payment) checkChain(ctx context.Context) (*refusal, error) {
+// whether the exact settlement call would succeed; then whether the payer's funds also cover the payments held
+// against them (see funds). The error is for a chain that could not be asked.
+func (p *payment) checkChain(ctx context.Context, use fundsUse) (*refusal, error) {
 	n := p.net
 	if p.method == x402.TransferPermit2 && (p.sponsor == nil || p.sponsor.err == nil) {
 		// The proxy's settle checks the nonce, the signature, the allowance and the balance itself: when
 		// its simulation succeeds, one call has answered for all of them. Only a failure needs the reads
 		// below, to name the reason.
 		ref, err := p.simulate(ctx)
-		if err != nil || ref == nil {
-			return ref, err
+		if err != nil {
+			return nil, err
+		}
+		if ref == nil {
+			return p.coverHeld(ctx, use)
 		}
 	}
 	if p.method == x402.TransferERC2612 {
@@ -373,7 +439,48 @@ func (p *payment) checkChain(ctx context.Context) (*refusal, error) {
 			}
 		}
 	}
-	return p.simulate(ctx)
+	if ref, err := p.simulate(ctx); err != nil || ref != nil {
+		return ref, err
+	}
+	return p.coverHeld(ctx, use)
+}
+
+// coverHeld checks, once the chain allows the payment itself, that the payer's funds cover it beside the
+// payments held against them, and holds it unless only verifying. A settlement, whose exact call was just
+// simulated, may count from a fresh read; a verification that came here reads afresh (a fresh read that covered
+// it would have answered before any chain call).
+func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error) {
+	if !p.tracksFunds() {
+		return nil, nil
+	}
+	n := p.net
+	take := use != fundsVerify
+	if use == fundsSettle && n.funds.ttl > 0 {
+		if ok, _, _ := n.funds.cover(p, p.head.Time, nil, take); ok {
+			return nil, nil
+		}
+	}
+	// The head checkTime used may be a cached one older than the state the simulation just saw: read at the
+	// newest block, so that the read and the holds it is compared with agree on what the chain shows.
+	head, err := n.backend.HeaderByNumber(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	block := head.Number
+	balance, err := n.callUintAt(ctx, block, p.asset.Address, contracts.StableCoinABI, "balanceOf", p.payer)
+	if err != nil {
+		return nil, err
+	}
+	allowance, err := n.callUintAt(ctx, block, p.asset.Address, contracts.StableCoinABI, "allowance", p.payer, n.permit2)
+	if err != nil {
+		return nil, err
+	}
+	ok, _, left := n.funds.cover(p, head.Time, &fundsRead{block: block.Uint64(), balance: balance, allowance: allowance}, take)
+	if !ok {
+		return refuse(x402.ReasonInsufficientFunds, "payer %s has %s (and has approved Permit2 for %s) at block %s, but payments to this facilitator that are not settled yet hold part of it, leaving %s: below the required amount %s; wait for them to settle or top up",
+			p.payer.Hex(), balance, allowance, block, left, p.amount), nil
+	}
+	return nil, nil
 }
 
 // simulate runs the payment's first settlement call as an eth_call from the wallet that would send it: a
@@ -441,13 +548,18 @@ func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.A
 	return calls, spender, nil
 }
 
-// callUint calls a view function returning one uint256.
+// callUint calls a view function returning one uint256, at the latest block.
 func (n *network) callUint(ctx context.Context, to common.Address, parsed abiPacker, method string, args ...any) (*big.Int, error) {
+	return n.callUintAt(ctx, nil, to, parsed, method, args...)
+}
+
+// callUintAt calls a view function returning one uint256, at the given block (nil: the latest).
+func (n *network) callUintAt(ctx context.Context, block *big.Int, to common.Address, parsed abiPacker, method string, args ...any) (*big.Int, error) {
 	data, err := parsed.Pack(method, args...)
 	if err != nil {
 		return nil, fmt.Errorf("packing %s: %w", method, err)
 	}
-	out, err := n.backend.CallContract(ctx, ethereum.CallMsg{To: &to, Data: data}, nil)
+	out, err := n.backend.CallContract(ctx, ethereum.CallMsg{To: &to, Data: data}, block)
 	if err != nil {
 		return nil, fmt.Errorf("calling %s on %s: %w", method, to.Hex(), err)
 	}

@@ -1,0 +1,149 @@
+package chain
+
+import (
+	"math/big"
+	"sync"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+)
+
+// funds is what each permit2 payer can still pay as this engine sees it: the token balance and the allowance to
+// Permit2, read from the chain at one block, less the payments this engine has taken on (settling, or served by
+// a gate that settles afterwards) that the chain did not show at that block.
+//
+// It serves two purposes. Payments held against a payer are counted before anything is sent, so a payer whose
+// balance covers three payments is not sent a fourth settlement that would revert and burn gas while the first
+// three wait in the node's pool, and a gate that serves before settling does not serve more than the payer can
+// pay. And a fresh read (younger than ttl) answers the balance and allowance checks of later payments of the
+// same payer without asking the chain: a verification then needs no chain call at all. Only positive answers
+// come from the cache; a payment it does not cover is checked against the chain afresh.
+type funds struct {
+	ttl time.Duration // how long a read answers for; 0: every verification reads the chain
+	now func() time.Time
+
+	mu     sync.Mutex
+	payers map[fundsKey]*payerFunds
+	byID   map[journal.ID]fundsKey
+}
+
+type fundsKey struct{ token, payer common.Address }
+
+type payerFunds struct {
+	read   fundsRead
+	readAt time.Time
+	holds  map[journal.ID]*hold
+}
+
+// fundsRead is a payer's balance and Permit2 allowance at one block.
+type fundsRead struct {
+	block     uint64 // 0: never read
+	balance   *big.Int
+	allowance *big.Int
+}
+
+// hold is a payment taken on and not yet seen settled on chain.
+type hold struct {
+	amount   *big.Int
+	deadline uint64 // chain time after which the payment can no longer be mined
+	mined    uint64 // block its settlement was mined in; 0 until known
+}
+
+// fundsSweepAt is the number of payers tracked past which idle entries are dropped.
+const fundsSweepAt = 4096
+
+func newFunds(ttl time.Duration, now func() time.Time) *funds {
+	return &funds{ttl: ttl, now: now, payers: map[fundsKey]*payerFunds{}, byID: map[journal.ID]fundsKey{}}
+}
+
+// cover reports whether the payer's funds cover p beside every other payment held against them: from r, a read
+// just made, or from the last read when r is nil and that read is fresh (known is false when there is none).
+// With take, a covered payment is held until its settlement is seen mined (mined), fails (drop), or its
+// deadline passes. A payment already held is covered by its own hold.
+func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, take bool) (ok, known bool, avail *big.Int) {
+	key := fundsKey{p.asset.Address, p.payer}
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	pf := fs.payers[key]
+	if r != nil {
+		if pf == nil {
+			if len(fs.payers) >= fundsSweepAt {
+				fs.sweep()
+			}
+			pf = &payerFunds{holds: map[journal.ID]*hold{}}
+			fs.payers[key] = pf
+		}
+		if r.block >= pf.read.block {
+			pf.read, pf.readAt = *r, fs.now()
+		}
+	}
+	if pf == nil || pf.read.block == 0 || (r == nil && fs.now().Sub(pf.readAt) >= fs.ttl) {
+		return false, false, nil
+	}
+	if _, held := pf.holds[p.id]; held {
+		return true, true, nil
+	}
+	held := pf.held(chainTime, fs.byID)
+	balance := new(big.Int).Sub(pf.read.balance, held)
+	allowance := new(big.Int).Sub(pf.read.allowance, held)
+	if balance.Cmp(p.amount) < 0 || allowance.Cmp(p.amount) < 0 {
+		return false, true, balance
+	}
+	if take {
+		deadline := p.p2.Deadline.Uint64()
+		if !p.p2.Deadline.IsUint64() {
+			deadline = ^uint64(0)
+		}
+		pf.holds[p.id] = &hold{amount: new(big.Int).Set(p.amount), deadline: deadline}
+		fs.byID[p.id] = key
+	}
+	return true, true, balance
+}
+
+// held sums the holds the last read does not reflect, dropping those the chain has caught up with (mined at or
+// before the read) and those that can no longer be mined (past their deadline, never seen mined).
+func (pf *payerFunds) held(chainTime uint64, byID map[journal.ID]fundsKey) *big.Int {
+	sum := new(big.Int)
+	for id, h := range pf.holds {
+		if (h.mined != 0 && h.mined <= pf.read.block) || (h.mined == 0 && h.deadline < chainTime) {
+			delete(pf.holds, id)
+			delete(byID, id)
+			continue
+		}
+		sum.Add(sum, h.amount)
+	}
+	return sum
+}
+
+// mined records that a held payment's settlement was mined in block: reads from that block on reflect it.
+func (fs *funds) mined(id journal.ID, block uint64) {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	if key, ok := fs.byID[id]; ok {
+		if h := fs.payers[key].holds[id]; h != nil && h.mined == 0 {
+			h.mined = block
+		}
+	}
+}
+
+// drop lets go of a hold whose payment will not move tokens (refused, not sent, or reverted).
+func (fs *funds) drop(id journal.ID) {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	if key, ok := fs.byID[id]; ok {
+		delete(fs.payers[key].holds, id)
+		delete(fs.byID, id)
+	}
+}
+
+// sweep drops payers with nothing held whose read is stale. Called with mu held.
+func (fs *funds) sweep() {
+	now := fs.now()
+	for key, pf := range fs.payers {
+		if len(pf.holds) == 0 && now.Sub(pf.readAt) >= fs.ttl {
+			delete(fs.payers, key)
+		}
+	}
+}

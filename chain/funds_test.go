@@ -1,0 +1,274 @@
+package chain_test
+
+import (
+	"context"
+	"math/big"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum"
+	"github.com/ethereum/go-ethereum/common"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// countingBackend counts the eth_calls the facilitator makes.
+type countingBackend struct {
+	chain.Backend
+	calls atomic.Int64
+}
+
+func (b *countingBackend) CallContract(ctx context.Context, msg ethereum.CallMsg, block *big.Int) ([]byte, error) {
+	b.calls.Add(1)
+	return b.Backend.CallContract(ctx, msg, block)
+}
+
+// testClock is a wall clock a test can move forward.
+type testClock struct{ skew atomic.Int64 }
+
+func (c *testClock) now() time.Time          { return time.Now().Add(time.Duration(c.skew.Load())) }
+func (c *testClock) advance(d time.Duration) { c.skew.Add(int64(d)) }
+
+// fundsFixture is a facilitator whose payer 0 has approved Permit2 and holds exactly `payments` payments of
+// `amount`; payments are of that amount.
+type fundsFixture struct {
+	*fixture
+	backend *countingBackend
+	clock   *testClock
+	payer   *chaintest.Account
+	rq      x402.PaymentRequirements
+}
+
+func newFundsFixture(t *testing.T, payments int64, ttl time.Duration, autoCommit time.Duration) *fundsFixture {
+	t.Helper()
+	const amount = 1_000_000
+	ff := &fundsFixture{clock: &testClock{}}
+	ff.fixture = newFixture(t, fixtureOpts{
+		autoCommit:     autoCommit,
+		receiptTimeout: 30 * time.Second,
+		chainOpts:      []chaintest.Option{chaintest.WithTokenBalance(big.NewInt(payments * amount))},
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			ff.backend = &countingBackend{Backend: nc.Backend}
+			nc.Backend, nc.FundsCacheTTL = ff.backend, ttl
+		},
+		configure: func(cfg *chain.Config) { cfg.Now = ff.clock.now },
+	})
+	ff.payer = ff.c.Payers[0]
+	ff.approvePermit2(ff.payer)
+	ff.rq = ff.requirements(x402.TransferPermit2)
+	ff.rq.Amount = big.NewInt(amount).String()
+	return ff
+}
+
+func (ff *fundsFixture) pay() x402.VerifyRequest {
+	return ff.permit2(ff.payer, ff.rq, chain.Permit2Options{})
+}
+
+// sent is how many transactions the settlement wallets have sent, including those still in the pool.
+func (ff *fundsFixture) sent() uint64 {
+	var n uint64
+	for _, s := range ff.sentByWallets() {
+		n += s
+	}
+	return n
+}
+
+// Settlements waiting in the node's pool are counted against the payer: with funds for three payments and five
+// settled at once before any block, three are sent and two are refused before any gas is spent, instead of five
+// sent and two reverting on chain.
+func TestSettlementsInFlightAreCountedAgainstThePayersBalance(t *testing.T) {
+	ff := newFundsFixture(t, 3, 0, -1)
+	sellerBefore, sentBefore := ff.c.TokenBalance(ff.payTo), ff.sent()
+	answers := make(chan x402.SettleResponse, 5)
+	var wg sync.WaitGroup
+	for range 5 {
+		req := ff.pay()
+		wg.Go(func() {
+			resp, err := ff.f.Settle(context.Background(), req)
+			if err != nil {
+				t.Errorf("settle: %v", err)
+			}
+			answers <- resp
+		})
+	}
+	// Nothing is mined until every settlement has been sent or refused.
+	var refused []x402.SettleResponse
+	for deadline := time.Now().Add(20 * time.Second); len(refused) < 2 || ff.sent()-sentBefore < 3; {
+		if time.Now().After(deadline) {
+			t.Fatalf("after 20s: %d refused, %d sent; want 2 and 3", len(refused), ff.sent()-sentBefore)
+		}
+		select {
+		case resp := <-answers:
+			refused = append(refused, resp)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	for _, resp := range refused {
+		if resp.Success || resp.ErrorReason != x402.ReasonInsufficientFunds || resp.Transaction != "" {
+			t.Errorf("a settlement beyond the payer's funds answered %+v; want insufficient_funds and no transaction", resp)
+		}
+	}
+	ff.c.Commit()
+	wg.Wait()
+	close(answers)
+	txs := map[string]bool{}
+	for resp := range answers {
+		if !resp.Success {
+			t.Errorf("a settlement within the payer's funds answered %+v", resp)
+		}
+		txs[resp.Transaction] = true
+	}
+	if len(txs) != 3 {
+		t.Errorf("%d distinct transactions settled, want 3", len(txs))
+	}
+	if got := ff.sent() - sentBefore; got != 3 {
+		t.Errorf("the wallets sent %d transactions, want 3 (none that would revert)", got)
+	}
+	if got := new(big.Int).Sub(ff.c.TokenBalance(ff.payTo), sellerBefore); got.Cmp(big.NewInt(3_000_000)) != 0 {
+		t.Errorf("the seller received %s, want 3000000", got)
+	}
+	if got := ff.c.TokenBalance(ff.payer.Address); got.Sign() != 0 {
+		t.Errorf("the payer kept %s, want 0", got)
+	}
+}
+
+// A fresh read of the payer's funds answers the verification of the payer's next payments without a chain call;
+// a payment the journal knows, and any payment once the read is older than the cache's TTL, go to the chain.
+func TestVerifyingFromAFreshReadMakesNoChainCall(t *testing.T) {
+	ff := newFundsFixture(t, 10, 2*time.Second, 0)
+	first := ff.pay()
+	before := ff.backend.calls.Load()
+	if v := ff.verify(first); !v.IsValid {
+		t.Fatalf("first payment: %+v", v)
+	}
+	if n := ff.backend.calls.Load() - before; n == 0 {
+		t.Fatal("the first payment of a payer was verified without asking the chain")
+	}
+
+	before = ff.backend.calls.Load()
+	for range 5 {
+		if v := ff.verify(ff.pay()); !v.IsValid {
+			t.Fatalf("a later payment: %+v", v)
+		}
+	}
+	if n := ff.backend.calls.Load() - before; n != 0 {
+		t.Errorf("5 later payments of the same payer made %d chain calls, want 0", n)
+	}
+
+	if s := ff.settle(first); !s.Success {
+		t.Fatalf("settling the first payment: %+v", s)
+	}
+	before = ff.backend.calls.Load()
+	if v := ff.verify(first); v.IsValid || v.InvalidReason != x402.ReasonPermit2InvalidNonce {
+		t.Errorf("the settled payment verified again: %+v; want permit2_invalid_nonce from the chain", v)
+	}
+	if ff.backend.calls.Load() == before {
+		t.Error("a payment the journal knows was answered without asking the chain")
+	}
+
+	ff.clock.advance(3 * time.Second)
+	before = ff.backend.calls.Load()
+	if v := ff.verify(ff.pay()); !v.IsValid {
+		t.Fatalf("a payment after the read went stale: %+v", v)
+	}
+	if ff.backend.calls.Load() == before {
+		t.Error("a payment was answered from a read older than the TTL")
+	}
+}
+
+// VerifyAndHold holds what a gate serves before settling: a payer with funds for three payments is not served a
+// fourth until one of the three is let go, plain verification counts the holds too, and the held payments settle.
+func TestHeldPaymentsLimitWhatAPayerIsServedBeforeSettling(t *testing.T) {
+	for _, ttl := range []time.Duration{2 * time.Second, -1} {
+		t.Run("ttl="+ttl.String(), func(t *testing.T) {
+			ff := newFundsFixture(t, 3, ttl, 0)
+			ctx := context.Background()
+			sellerBefore, sentBefore := ff.c.TokenBalance(ff.payTo), ff.sent()
+			reqs := []x402.VerifyRequest{ff.pay(), ff.pay(), ff.pay(), ff.pay()}
+			for i, req := range reqs[:3] {
+				if v, err := ff.f.VerifyAndHold(ctx, req); err != nil || !v.IsValid {
+					t.Fatalf("payment %d within the payer's funds: %+v, %v", i, v, err)
+				}
+			}
+			v, err := ff.f.VerifyAndHold(ctx, reqs[3])
+			if err != nil || v.IsValid || v.InvalidReason != x402.ReasonInsufficientFunds {
+				t.Fatalf("a fourth payment beyond the payer's funds: %+v, %v; want insufficient_funds", v, err)
+			}
+			if v := ff.verify(reqs[3]); v.IsValid {
+				t.Errorf("plain verification of the fourth ignored the holds: %+v", v)
+			}
+			ff.f.Release(reqs[2])
+			if v, err := ff.f.VerifyAndHold(ctx, reqs[3]); err != nil || !v.IsValid {
+				t.Fatalf("the fourth payment once the third was let go: %+v, %v", v, err)
+			}
+			for _, i := range []int{0, 1, 3} {
+				if s := ff.settle(reqs[i]); !s.Success {
+					t.Fatalf("settling held payment %d: %+v", i, s)
+				}
+			}
+			if s := ff.settle(reqs[2]); s.Success || s.ErrorReason != x402.ReasonPermit2SimulationFailed && s.ErrorReason != x402.ReasonInsufficientFunds {
+				t.Errorf("settling the payment let go, with the payer's funds spent: %+v; want a refusal", s)
+			}
+			if got := ff.sent() - sentBefore; got != 3 {
+				t.Errorf("the wallets sent %d transactions, want 3", got)
+			}
+			if got := new(big.Int).Sub(ff.c.TokenBalance(ff.payTo), sellerBefore); got.Cmp(big.NewInt(3_000_000)) != 0 {
+				t.Errorf("the seller received %s, want 3000000", got)
+			}
+		})
+	}
+}
+
+// The cache answers only for the TTL: a payer who empties the wallet meanwhile may still be verified from the
+// read (the documented cost of the cache), but the settlement simulates first and refuses before any gas is
+// spent. With the cache off, verification sees the empty wallet at once.
+func TestAStaleReadNeverSpendsGas(t *testing.T) {
+	for _, tc := range []struct {
+		ttl       time.Duration
+		wantValid bool
+	}{{2 * time.Second, true}, {-1, false}} {
+		t.Run("ttl="+tc.ttl.String(), func(t *testing.T) {
+			ff := newFundsFixture(t, 3, tc.ttl, 0)
+			if v := ff.verify(ff.pay()); !v.IsValid {
+				t.Fatalf("first payment: %+v", v)
+			}
+			ff.c.TransferToken(ff.payer, common.HexToAddress("0x0000000000000000000000000000000000000b0b"), big.NewInt(3_000_000))
+			req := ff.pay()
+			if v := ff.verify(req); v.IsValid != tc.wantValid {
+				t.Errorf("verification after the payer emptied the wallet: %+v; want valid %v", v, tc.wantValid)
+			}
+			sentBefore := ff.sent()
+			if s := ff.settle(req); s.Success || s.Transaction != "" {
+				t.Errorf("settling from an emptied wallet: %+v; want a refusal with no transaction", s)
+			}
+			if got := ff.sent() - sentBefore; got != 0 {
+				t.Errorf("the wallets sent %d transactions for a payment the payer cannot pay", got)
+			}
+		})
+	}
+}
+
+// Holds end: a settled payment's hold is gone once a read reflects its block, so a payer who tops up after
+// spending everything is served again.
+func TestHoldsEndWhenTheChainReflectsTheSettlement(t *testing.T) {
+	ff := newFundsFixture(t, 1, 2*time.Second, 0)
+	if s := ff.settle(ff.pay()); !s.Success {
+		t.Fatalf("settle: %+v", s)
+	}
+	if v := ff.verify(ff.pay()); v.IsValid || v.InvalidReason == "" {
+		t.Fatalf("a payment beyond the spent funds: %+v", v)
+	}
+	ff.c.Mint(ff.payer.Address, big.NewInt(2_000_000))
+	for i := range 2 {
+		if s := ff.settle(ff.pay()); !s.Success {
+			t.Fatalf("payment %d after topping up: %+v", i, s)
+		}
+	}
+	if got := ff.c.TokenBalance(ff.payer.Address); got.Sign() != 0 {
+		t.Errorf("the payer kept %s, want 0", got)
+	}
+}
