@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -54,6 +55,11 @@ const (
 	// asyncConcurrency is how many background settlements run at once per journal.
 	asyncConcurrency = 64
 )
+
+// settlementPause, when set, holds background settlements before they start until it is closed. Only
+// benchmarks set it (PauseBackgroundSettlement in export_test.go), to measure what serving costs apart from
+// settling on the same cores.
+var settlementPause atomic.Pointer[chan struct{}]
 
 // joinLedger takes a reference on the ledger of store, creating it for the first gate of the journal.
 func joinLedger(store journal.Store, owner string, log *zap.Logger) (*gateLedger, error) {
@@ -175,6 +181,13 @@ func (l *gateLedger) settleInBackground(id journal.ID) {
 	pause := asyncRetryMin
 	unexpected := 0
 	warnedNoGate := false
+	if pause := settlementPause.Load(); pause != nil {
+		select {
+		case <-*pause:
+		case <-l.ctx.Done():
+			return
+		}
+	}
 	for {
 		select {
 		case l.slots <- struct{}{}:

@@ -34,7 +34,8 @@ type fundsKey struct{ token, payer common.Address }
 type payerFunds struct {
 	read   fundsRead
 	readAt time.Time
-	holds  map[journal.ID]*hold
+	holds  map[journal.ID]*hold // what the read does not reflect
+	held   *big.Int             // the sum of holds, so that a check costs the same however many there are
 }
 
 // fundsRead is a payer's balance and Permit2 allowance at one block.
@@ -72,11 +73,12 @@ func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, take bool) (o
 			if len(fs.payers) >= fundsSweepAt {
 				fs.sweep()
 			}
-			pf = &payerFunds{holds: map[journal.ID]*hold{}}
+			pf = &payerFunds{holds: map[journal.ID]*hold{}, held: new(big.Int)}
 			fs.payers[key] = pf
 		}
 		if r.block >= pf.read.block {
 			pf.read, pf.readAt = *r, fs.now()
+			pf.settle(chainTime, fs.byID)
 		}
 	}
 	if pf == nil || pf.read.block == 0 || (r == nil && fs.now().Sub(pf.readAt) >= fs.ttl) {
@@ -85,9 +87,8 @@ func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, take bool) (o
 	if _, held := pf.holds[p.id]; held {
 		return true, true, nil
 	}
-	held := pf.held(chainTime, fs.byID)
-	balance := new(big.Int).Sub(pf.read.balance, held)
-	allowance := new(big.Int).Sub(pf.read.allowance, held)
+	balance := new(big.Int).Sub(pf.read.balance, pf.held)
+	allowance := new(big.Int).Sub(pf.read.allowance, pf.held)
 	if balance.Cmp(p.amount) < 0 || allowance.Cmp(p.amount) < 0 {
 		return false, true, balance
 	}
@@ -97,24 +98,29 @@ func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, take bool) (o
 			deadline = ^uint64(0)
 		}
 		pf.holds[p.id] = &hold{amount: new(big.Int).Set(p.amount), deadline: deadline}
+		pf.held.Add(pf.held, p.amount)
 		fs.byID[p.id] = key
 	}
 	return true, true, balance
 }
 
-// held sums the holds the last read does not reflect, dropping those the chain has caught up with (mined at or
-// before the read) and those that can no longer be mined (past their deadline, never seen mined).
-func (pf *payerFunds) held(chainTime uint64, byID map[journal.ID]fundsKey) *big.Int {
-	sum := new(big.Int)
+// settle drops, after a new read, the holds the chain has caught up with (mined at or before the read) and those
+// that can no longer be mined (past their deadline, never seen mined). A hold stays counted until a read shows
+// it gone, which errs on the side of refusing: a refusal from the holds is always checked with a new read.
+func (pf *payerFunds) settle(chainTime uint64, byID map[journal.ID]fundsKey) {
 	for id, h := range pf.holds {
 		if (h.mined != 0 && h.mined <= pf.read.block) || (h.mined == 0 && h.deadline < chainTime) {
-			delete(pf.holds, id)
-			delete(byID, id)
-			continue
+			pf.remove(id, byID)
 		}
-		sum.Add(sum, h.amount)
 	}
-	return sum
+}
+
+func (pf *payerFunds) remove(id journal.ID, byID map[journal.ID]fundsKey) {
+	if h := pf.holds[id]; h != nil {
+		pf.held.Sub(pf.held, h.amount)
+		delete(pf.holds, id)
+	}
+	delete(byID, id)
 }
 
 // mined records that a held payment's settlement was mined in block: reads from that block on reflect it.
@@ -133,8 +139,7 @@ func (fs *funds) drop(id journal.ID) {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	if key, ok := fs.byID[id]; ok {
-		delete(fs.payers[key].holds, id)
-		delete(fs.byID, id)
+		fs.payers[key].remove(id, fs.byID)
 	}
 }
 

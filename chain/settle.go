@@ -111,7 +111,7 @@ func (f *Facilitator) broadcastAndWait(ctx context.Context, p *payment) (x402.Se
 	case ref != nil:
 		return failed(p.net.caip2, p.payer.Hex(), "", ref), false, nil
 	}
-	return f.awaitReceipt(ctx, p.net, p.id, p.payer.Hex(), p.amount.String(), hash), true, nil
+	return f.awaitReceipt(ctx, p.net, p.id, p.payer.Hex(), p.amount.String(), true, hash), true, nil
 }
 
 // broadcast re-checks the payment against the chain and sends its settlement from a pool wallet, recording the
@@ -178,10 +178,11 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 }
 
 // awaitReceipt waits up to the network's receipt timeout and finalises the journal record when a receipt comes.
-func (f *Facilitator) awaitReceipt(ctx context.Context, n *network, id journal.ID, payer, amount string, hashes ...common.Hash) x402.SettleResponse {
+// justSent says the transaction was broadcast just now (see receiptWatcher.wait).
+func (f *Facilitator) awaitReceipt(ctx context.Context, n *network, id journal.ID, payer, amount string, justSent bool, hashes ...common.Hash) x402.SettleResponse {
 	wctx, cancel := context.WithTimeout(ctx, n.timeout)
 	defer cancel()
-	receipt, err := n.watcher.wait(wctx, hashes...)
+	receipt, err := n.watcher.wait(wctx, justSent, hashes...)
 	if err != nil {
 		return x402.SettleResponse{Success: false, Transaction: hashes[0].Hex(), Network: n.caip2, Payer: payer, Amount: amount,
 			ErrorReason:  x402.ReasonSettlementPending,
@@ -220,7 +221,7 @@ func (f *Facilitator) answerFromJournal(ctx context.Context, p *payment, req x40
 	case journal.StateFinal:
 		return *rec.Response, nil
 	case journal.StateBroadcast:
-		return f.awaitReceipt(ctx, p.net, p.id, p.payer.Hex(), p.amount.String(), recordHashes(rec)...), nil
+		return f.awaitReceipt(ctx, p.net, p.id, p.payer.Hex(), p.amount.String(), false, recordHashes(rec)...), nil
 	default:
 		// Claimed by another process that has not broadcast yet: wait for it to move.
 		deadline := time.Now().Add(p.net.timeout)

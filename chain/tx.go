@@ -250,7 +250,15 @@ type receiptWatcher struct {
 	mu      sync.Mutex
 	waiters map[common.Hash][]chan *types.Receipt
 	fresh   []common.Hash // registered since the last look: looked up even if the head has not moved
+	sent    []common.Hash // registered right after their broadcast: looked up only if a recent block holds them
 	running bool
+
+	// recent maps the transactions of the last recentBlocks scanned blocks to their block, and recentOrder
+	// lists those blocks' transactions oldest first, to forget them. A transaction registered right after its
+	// broadcast can only sit in a block scanned since: it needs a receipt lookup only if recent holds it (one
+	// call saved per settlement). Only the loop goroutine touches them.
+	recent      map[common.Hash]uint64
+	recentOrder []scannedBlock
 
 	noBlockReceipts bool // the node does not serve eth_getBlockReceipts; only the loop goroutine touches it
 }
@@ -259,17 +267,26 @@ func newReceiptWatcher(b Backend, poll time.Duration) *receiptWatcher {
 	if poll <= 0 {
 		poll = 50 * time.Millisecond
 	}
-	return &receiptWatcher{backend: b, poll: poll, waiters: map[common.Hash][]chan *types.Receipt{}}
+	return &receiptWatcher{backend: b, poll: poll, waiters: map[common.Hash][]chan *types.Receipt{}, recent: map[common.Hash]uint64{}}
 }
 
+// recentBlocks is how many scanned blocks the watcher remembers the transactions of.
+const recentBlocks = 64
+
 // wait returns the first receipt seen for any of hashes (a transaction and its fee replacements), or ctx's error.
-func (rw *receiptWatcher) wait(ctx context.Context, hashes ...common.Hash) (*types.Receipt, error) {
+// justSent says the transactions were broadcast just now, so that no block scanned before the last few can
+// hold them.
+func (rw *receiptWatcher) wait(ctx context.Context, justSent bool, hashes ...common.Hash) (*types.Receipt, error) {
 	ch := make(chan *types.Receipt, len(hashes))
 	rw.mu.Lock()
 	for _, h := range hashes {
 		rw.waiters[h] = append(rw.waiters[h], ch)
 	}
-	rw.fresh = append(rw.fresh, hashes...)
+	if justSent {
+		rw.sent = append(rw.sent, hashes...)
+	} else {
+		rw.fresh = append(rw.fresh, hashes...)
+	}
 	if !rw.running {
 		rw.running = true
 		go rw.loop()
@@ -312,8 +329,8 @@ func (rw *receiptWatcher) loop() {
 			rw.mu.Unlock()
 			return
 		}
-		fresh := rw.fresh
-		rw.fresh = nil
+		fresh, sent := rw.fresh, rw.sent
+		rw.fresh, rw.sent = nil, nil
 		rw.mu.Unlock()
 
 		ctx, cancel := context.WithTimeout(context.Background(), 10*rw.poll+time.Second)
@@ -323,8 +340,20 @@ func (rw *receiptWatcher) loop() {
 			rw.mu.Lock()
 			rw.fresh = append(rw.fresh, fresh...)
 			rw.mu.Unlock()
+			rw.mu.Lock()
+			rw.sent = append(rw.sent, sent...)
+			rw.mu.Unlock()
 		} else {
+			if lastHead == 0 {
+				// Nothing was scanned before this look: every awaited transaction was looked up.
+				sent = nil
+			}
 			lastHead = head
+			for _, h := range sent {
+				if _, inScanned := rw.recent[h]; inScanned {
+					fresh = append(fresh, h)
+				}
+			}
 			// A transaction registered just now may sit in a block already scanned.
 			retry := rw.lookUp(ctx, lookups, fresh)
 			if len(retry) > 0 {
@@ -372,11 +401,14 @@ func (rw *receiptWatcher) newlyMined(ctx context.Context, lastHead uint64) ([]co
 			receipts, err := br.BlockReceipts(ctx, rpc.BlockNumberOrHashWithNumber(rpc.BlockNumber(b)))
 			if err == nil {
 				// Every receipt of the block in one call: deliver the awaited ones, nothing to look up.
-				for _, r := range receipts {
+				hashes := make([]common.Hash, len(receipts))
+				for i, r := range receipts {
+					hashes[i] = r.TxHash
 					if awaited[r.TxHash] {
 						rw.deliver(r.TxHash, r)
 					}
 				}
+				rw.remember(b, hashes)
 				continue
 			}
 			var rpcErr rpc.Error
@@ -389,13 +421,39 @@ func (rw *receiptWatcher) newlyMined(ctx context.Context, lastHead uint64) ([]co
 		if err != nil {
 			return nil, lastHead, err
 		}
+		hashes := make([]common.Hash, 0, len(block.Transactions()))
 		for _, tx := range block.Transactions() {
+			hashes = append(hashes, tx.Hash())
 			if awaited[tx.Hash()] {
 				found = append(found, tx.Hash())
 			}
 		}
+		rw.remember(b, hashes)
 	}
 	return found, n, nil
+}
+
+// scannedBlock is a block the watcher scanned and its transactions.
+type scannedBlock struct {
+	number uint64
+	hashes []common.Hash
+}
+
+// remember records a scanned block's transactions in recent, forgetting the oldest block's past recentBlocks.
+func (rw *receiptWatcher) remember(block uint64, hashes []common.Hash) {
+	for _, h := range hashes {
+		rw.recent[h] = block
+	}
+	rw.recentOrder = append(rw.recentOrder, scannedBlock{block, hashes})
+	if len(rw.recentOrder) > recentBlocks {
+		old := rw.recentOrder[0]
+		for _, h := range old.hashes {
+			if rw.recent[h] == old.number {
+				delete(rw.recent, h)
+			}
+		}
+		rw.recentOrder = rw.recentOrder[1:]
+	}
 }
 
 // lookupWorkers bounds the receipt lookups the watcher has in flight at once.

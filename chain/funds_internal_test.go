@@ -1,0 +1,118 @@
+package chain
+
+import (
+	"math/big"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+)
+
+func fundsID(i int) journal.ID { return journal.ID{byte(i >> 8), byte(i)} }
+
+func fundsPayment(i int, amount int64, deadline uint64) *payment {
+	return &payment{
+		asset:  &asset{AssetConfig: AssetConfig{Address: common.HexToAddress("0x70")}},
+		payer:  common.HexToAddress("0xabc"),
+		amount: big.NewInt(amount),
+		id:     fundsID(i),
+		p2:     Permit2Transfer{Deadline: new(big.Int).SetUint64(deadline)},
+	}
+}
+
+// The accounting of holds, step by step: each case is a sequence of operations on one payer and what a check of
+// a payment of 10 answers afterwards.
+func TestFundsCountHoldsUntilTheChainShowsThem(t *testing.T) {
+	now := time.Unix(1_000_000, 0)
+	clock := func() time.Time { return now }
+	read := func(block, balance int64) *fundsRead {
+		return &fundsRead{block: uint64(block), balance: big.NewInt(balance), allowance: big.NewInt(1 << 40)}
+	}
+	const chainTime = 500
+	type step func(fs *funds)
+	take := func(i int, deadline uint64, r *fundsRead) step {
+		return func(fs *funds) {
+			if ok, _, _ := fs.cover(fundsPayment(i, 10, deadline), chainTime, r, true); !ok {
+				t.Fatalf("holding payment %d was refused", i)
+			}
+		}
+	}
+	for _, tc := range []struct {
+		name      string
+		steps     []step
+		want      bool // a new payment of 10 is covered by the last read
+		wantKnown bool
+	}{
+		{"no read: unknown", nil, false, false},
+		{"a read of 30 covers 10", []step{take(1, 900, read(5, 30))}, true, true},
+		{"three holds of 10 use up 30", []step{take(1, 900, read(5, 30)), take(2, 900, nil), take(3, 900, nil)}, false, true},
+		{"a dropped hold frees its amount", []step{take(1, 900, read(5, 30)), take(2, 900, nil), take(3, 900, nil),
+			func(fs *funds) { fs.drop(fundsID(2)) }}, true, true},
+		{"a hold mined at block 6 still counts against a read of block 5", []step{take(1, 900, read(5, 20)), take(2, 900, nil),
+			func(fs *funds) { fs.mined(fundsID(1), 6) }}, false, true},
+		{"a read of block 6 reflects it: the hold ends", []step{take(1, 900, read(5, 20)), take(2, 900, nil),
+			func(fs *funds) { fs.mined(fundsID(1), 6) },
+			func(fs *funds) { fs.cover(fundsPayment(9, 10, 900), chainTime, read(6, 10), false) }}, false, true},
+		{"after that read, one more payment fits a top-up", []step{take(1, 900, read(5, 20)), take(2, 900, nil),
+			func(fs *funds) { fs.mined(fundsID(1), 6) },
+			func(fs *funds) { fs.cover(fundsPayment(9, 10, 900), chainTime, read(6, 20), false) }}, true, true},
+		{"a hold past its deadline, never mined, ends at the next read", []step{take(1, 400, read(5, 20)), take(2, 900, nil),
+			func(fs *funds) { fs.cover(fundsPayment(9, 10, 900), chainTime, read(7, 20), false) }}, true, true},
+		{"an older read does not replace a newer one", []step{take(1, 900, read(8, 10)),
+			func(fs *funds) { fs.cover(fundsPayment(9, 10, 900), chainTime, read(7, 1000), false) }}, false, true},
+		{"a read older than the TTL answers nothing", []step{take(1, 900, read(5, 100)),
+			func(*funds) { now = now.Add(3 * time.Second) }}, false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			now = time.Unix(1_000_000, 0)
+			fs := newFunds(2*time.Second, clock)
+			for _, s := range tc.steps {
+				s(fs)
+			}
+			ok, known, _ := fs.cover(fundsPayment(100, 10, 900), chainTime, nil, false)
+			if ok != tc.want || known != tc.wantKnown {
+				t.Errorf("covered %v (known %v), want %v (known %v)", ok, known, tc.want, tc.wantKnown)
+			}
+		})
+	}
+}
+
+// A payment already held is covered by its own hold, however little is left: a settlement after VerifyAndHold
+// must not be refused for the amount it holds itself.
+func TestFundsAPaymentIsCoveredByItsOwnHold(t *testing.T) {
+	fs := newFunds(2*time.Second, time.Now)
+	p := fundsPayment(1, 10, 900)
+	if ok, _, _ := fs.cover(p, 500, &fundsRead{block: 1, balance: big.NewInt(10), allowance: big.NewInt(10)}, true); !ok {
+		t.Fatal("holding the payment was refused")
+	}
+	if ok, _, _ := fs.cover(p, 500, nil, true); !ok {
+		t.Error("the held payment is not covered by its own hold")
+	}
+	if ok, _, _ := fs.cover(fundsPayment(2, 10, 900), 500, nil, true); ok {
+		t.Error("another payment was covered by funds already held")
+	}
+}
+
+// Many payers: idle ones are forgotten, payers with holds are kept.
+func TestFundsForgetIdlePayersButNotHolds(t *testing.T) {
+	now := time.Unix(1_000_000, 0)
+	fs := newFunds(time.Second, func() time.Time { return now })
+	held := fundsPayment(0, 10, 900)
+	fs.cover(held, 500, &fundsRead{block: 1, balance: big.NewInt(100), allowance: big.NewInt(100)}, true)
+	for i := 1; i < fundsSweepAt+10; i++ {
+		p := fundsPayment(i, 10, 900)
+		p.payer = common.BigToAddress(big.NewInt(int64(1000 + i)))
+		fs.cover(p, 500, &fundsRead{block: 1, balance: big.NewInt(100), allowance: big.NewInt(100)}, false)
+		if i == fundsSweepAt/2 {
+			now = now.Add(2 * time.Second)
+		}
+	}
+	if len(fs.payers) > fundsSweepAt {
+		t.Errorf("%d payers tracked, want at most %d", len(fs.payers), fundsSweepAt)
+	}
+	if _, ok := fs.byID[held.id]; !ok {
+		t.Error("the sweep forgot a payer with a payment held")
+	}
+}
