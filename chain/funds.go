@@ -34,6 +34,7 @@ type fundsKey struct{ token, payer common.Address }
 type payerFunds struct {
 	read   fundsRead
 	readAt time.Time
+	seenAt time.Time            // the payer's last payment checked against the chain
 	holds  map[journal.ID]*hold // what the read does not reflect
 	held   *big.Int             // the sum of holds, so that a check costs the same however many there are
 }
@@ -93,15 +94,55 @@ func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, take bool) (o
 		return false, true, balance
 	}
 	if take {
-		deadline := p.p2.Deadline.Uint64()
-		if !p.p2.Deadline.IsUint64() {
-			deadline = ^uint64(0)
-		}
-		pf.holds[p.id] = &hold{amount: new(big.Int).Set(p.amount), deadline: deadline}
-		pf.held.Add(pf.held, p.amount)
-		fs.byID[p.id] = key
+		fs.hold(pf, key, p)
 	}
 	return true, true, balance
+}
+
+// simulationSuffices reports whether the simulation of p's settlement, which just succeeded, answers for the
+// payer's funds alone: nothing else is held against the payer, and the payer paid nothing within the TTL (a read
+// of a one-off payer's funds would cost three chain calls and never answer for a later payment). p is then held
+// (with take) without a read. A repeat payer is worth the read, which answers the payer's next payments.
+func (fs *funds) simulationSuffices(p *payment, take bool) bool {
+	key := fundsKey{p.asset.Address, p.payer}
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	now := fs.now()
+	pf := fs.payers[key]
+	if pf == nil {
+		if len(fs.payers) >= fundsSweepAt {
+			fs.sweep()
+		}
+		pf = &payerFunds{holds: map[journal.ID]*hold{}, held: new(big.Int)}
+		fs.payers[key] = pf
+	}
+	others := len(pf.holds)
+	if _, self := pf.holds[p.id]; self {
+		others--
+	}
+	repeat := fs.ttl > 0 && !pf.seenAt.IsZero() && now.Sub(pf.seenAt) < fs.ttl
+	pf.seenAt = now
+	if others > 0 || repeat {
+		return false
+	}
+	if take {
+		fs.hold(pf, key, p)
+	}
+	return true
+}
+
+// hold holds p against pf. Called with mu held.
+func (fs *funds) hold(pf *payerFunds, key fundsKey, p *payment) {
+	if _, held := pf.holds[p.id]; held {
+		return
+	}
+	deadline := p.p2.Deadline.Uint64()
+	if !p.p2.Deadline.IsUint64() {
+		deadline = ^uint64(0)
+	}
+	pf.holds[p.id] = &hold{amount: new(big.Int).Set(p.amount), deadline: deadline}
+	pf.held.Add(pf.held, p.amount)
+	fs.byID[p.id] = key
 }
 
 // settle drops, after a new read, the holds the chain has caught up with (mined at or before the read) and those
@@ -147,7 +188,7 @@ func (fs *funds) drop(id journal.ID) {
 func (fs *funds) sweep() {
 	now := fs.now()
 	for key, pf := range fs.payers {
-		if len(pf.holds) == 0 && now.Sub(pf.readAt) >= fs.ttl {
+		if len(pf.holds) == 0 && now.Sub(pf.readAt) >= fs.ttl && now.Sub(pf.seenAt) >= fs.ttl {
 			delete(fs.payers, key)
 		}
 	}

@@ -116,3 +116,35 @@ func TestFundsForgetIdlePayersButNotHolds(t *testing.T) {
 		t.Error("the sweep forgot a payer with a payment held")
 	}
 }
+
+// The simulation alone answers for a payer with nothing held who did not pay lately; a repeat payer, or one with
+// payments held, needs the read.
+func TestFundsSimulationSufficesForOneOffPayers(t *testing.T) {
+	now := time.Unix(1_000_000, 0)
+	for _, tc := range []struct {
+		name  string
+		ttl   time.Duration
+		steps []bool // take, per payment in turn
+		want  []bool
+	}{
+		{"cache on: first yes, repeat no", 2 * time.Second, []bool{false, false}, []bool{true, false}},
+		{"cache on: a held payment makes the next need a read", 2 * time.Second, []bool{true, false}, []bool{true, false}},
+		{"cache off: nothing held, never a read", 0, []bool{false, false, false}, []bool{true, true, true}},
+		{"cache off: a held payment makes the next need a read", 0, []bool{true, false}, []bool{true, false}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fs := newFunds(tc.ttl, func() time.Time { return now })
+			for i, take := range tc.steps {
+				if got := fs.simulationSuffices(fundsPayment(i, 10, 900), take); got != tc.want[i] {
+					t.Errorf("payment %d: simulation suffices = %v, want %v", i, got, tc.want[i])
+				}
+			}
+		})
+	}
+	fs := newFunds(2*time.Second, func() time.Time { return now })
+	fs.simulationSuffices(fundsPayment(1, 10, 900), false)
+	now = now.Add(3 * time.Second)
+	if !fs.simulationSuffices(fundsPayment(2, 10, 900), false) {
+		t.Error("a payer seen longer ago than the TTL counted as a repeat payer")
+	}
+}

@@ -136,8 +136,9 @@ func TestSettlementsInFlightAreCountedAgainstThePayersBalance(t *testing.T) {
 	}
 }
 
-// A fresh read of the payer's funds answers the verification of the payer's next payments without a chain call;
-// a payment the journal knows, and any payment once the read is older than the cache's TTL, go to the chain.
+// A payer's first payment is checked by the simulation alone; a repeat payer's funds are read once, and that
+// fresh read answers the verification of the payer's next payments without a chain call. A payment the journal
+// knows, and any payment once the read is older than the cache's TTL, go to the chain.
 func TestVerifyingFromAFreshReadMakesNoChainCall(t *testing.T) {
 	ff := newFundsFixture(t, 10, 2*time.Second, 0)
 	first := ff.pay()
@@ -145,8 +146,15 @@ func TestVerifyingFromAFreshReadMakesNoChainCall(t *testing.T) {
 	if v := ff.verify(first); !v.IsValid {
 		t.Fatalf("first payment: %+v", v)
 	}
-	if n := ff.backend.calls.Load() - before; n == 0 {
-		t.Fatal("the first payment of a payer was verified without asking the chain")
+	if n := ff.backend.calls.Load() - before; n != 1 {
+		t.Fatalf("the first payment of a payer made %d chain calls, want 1 (the simulation: a one-off payer is not worth a read)", n)
+	}
+	before = ff.backend.calls.Load()
+	if v := ff.verify(ff.pay()); !v.IsValid {
+		t.Fatalf("second payment: %+v", v)
+	}
+	if n := ff.backend.calls.Load() - before; n != 3 {
+		t.Fatalf("the second payment of a payer made %d chain calls, want 3 (the simulation, then balance and allowance)", n)
 	}
 
 	before = ff.backend.calls.Load()
@@ -233,8 +241,10 @@ func TestAStaleReadNeverSpendsGas(t *testing.T) {
 	}{{2 * time.Second, true}, {-1, false}} {
 		t.Run("ttl="+tc.ttl.String(), func(t *testing.T) {
 			ff := newFundsFixture(t, 3, tc.ttl, 0)
-			if v := ff.verify(ff.pay()); !v.IsValid {
-				t.Fatalf("first payment: %+v", v)
+			for range 2 { // a repeat payer, whose funds are read
+				if v := ff.verify(ff.pay()); !v.IsValid {
+					t.Fatalf("payment before: %+v", v)
+				}
 			}
 			ff.c.TransferToken(ff.payer, common.HexToAddress("0x0000000000000000000000000000000000000b0b"), big.NewInt(3_000_000))
 			req := ff.pay()
@@ -270,5 +280,52 @@ func TestHoldsEndWhenTheChainReflectsTheSettlement(t *testing.T) {
 	}
 	if got := ff.c.TokenBalance(ff.payer.Address); got.Sign() != 0 {
 		t.Errorf("the payer kept %s, want 0", got)
+	}
+}
+
+// BenchmarkVerifyPermit2 measures Verify of valid permit2 payments of one payer at 8 concurrent callers, on the
+// simulated chain over JSON-RPC on loopback: with every verification asking the chain (one simulation of the
+// settlement call), and with the payer's funds read once per funds_cache TTL (the default, 2s).
+//
+//	go test ./chain -run '^$' -bench VerifyPermit2 -benchtime 20000x
+func BenchmarkVerifyPermit2(b *testing.B) {
+	for _, tc := range []struct {
+		name string
+		ttl  time.Duration
+	}{{"chain-every-time", -1}, {"funds-cache-2s", 2 * time.Second}} {
+		b.Run(tc.name, func(b *testing.B) {
+			fx := newFixture(b, fixtureOpts{
+				chainOpts: []chaintest.Option{chaintest.WithHTTP()},
+				tune: func(fx *fixture, nc *chain.NetworkConfig) {
+					eth, err := chain.DialRPC(context.Background(), fx.c.RPCURL)
+					if err != nil {
+						b.Fatal(err)
+					}
+					b.Cleanup(eth.Close)
+					nc.Backend, nc.FundsCacheTTL, nc.HeadCacheTTL = eth, tc.ttl, 250*time.Millisecond
+				},
+			})
+			payer := fx.c.Payers[0]
+			fx.approvePermit2(payer)
+			reqs := make([]x402.VerifyRequest, 256)
+			for i := range reqs {
+				reqs[i] = fx.payment(x402.TransferPermit2, payer)
+			}
+			var next atomic.Int64
+			b.SetParallelism(4) // 8 callers on 2 cores
+			b.ResetTimer()
+			start := time.Now()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					req := reqs[int(next.Add(1))%len(reqs)]
+					v, err := fx.f.Verify(context.Background(), req)
+					if err != nil || !v.IsValid {
+						b.Errorf("verify: %+v, %v", v, err)
+						return
+					}
+				}
+			})
+			b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "verifies/s")
+		})
 	}
 }

@@ -446,15 +446,19 @@ func (p *payment) checkChain(ctx context.Context, use fundsUse) (*refusal, error
 }
 
 // coverHeld checks, once the chain allows the payment itself, that the payer's funds cover it beside the
-// payments held against them, and holds it unless only verifying. A settlement, whose exact call was just
-// simulated, may count from a fresh read; a verification that came here reads afresh (a fresh read that covered
-// it would have answered before any chain call).
+// payments held against them, and holds it unless only verifying. With nothing else held and a payer not seen
+// lately, the simulation has answered. Otherwise a settlement, whose exact call was just simulated, may count
+// from a fresh read; a verification that came here reads afresh (a fresh read that covered it would have
+// answered before any chain call).
 func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error) {
 	if !p.tracksFunds() {
 		return nil, nil
 	}
 	n := p.net
 	take := use != fundsVerify
+	if n.funds.simulationSuffices(p, take) {
+		return nil, nil
+	}
 	if use == fundsSettle && n.funds.ttl > 0 {
 		if ok, _, _ := n.funds.cover(p, p.head.Time, nil, take); ok {
 			return nil, nil
