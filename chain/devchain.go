@@ -103,6 +103,8 @@ type DevChain struct {
 	// arrives first waits for the next one. Startup nudges when its own transactions wait too long.
 	nudge func()
 
+	scratch string // the database directory of a chain without DataDir, removed at Close
+
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -129,6 +131,16 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 	nodeConf := node.DefaultConfig
 	nodeConf.Name = "x402-devchain"
 	nodeConf.DataDir = cfg.DataDir
+	if cfg.DataDir == "" {
+		// A chain "in memory" still lives in a database in a scratch directory, removed at Close: go-ethereum's
+		// in-memory database lists keys by scanning all of them, and its freezer lists each finalized block's
+		// keys, so a long-running in-memory chain gets slower with every block (after 100,000 blocks, sealing
+		// one took tens of milliseconds).
+		if d.scratch, err = os.MkdirTemp("", "caddy-x402-devchain-"); err != nil {
+			return nil, fmt.Errorf("dev chain: creating its scratch directory: %w", err)
+		}
+		nodeConf.DataDir = d.scratch
+	}
 	nodeConf.IPCPath = ""
 	nodeConf.HTTPHost = host
 	nodeConf.HTTPPort = port
@@ -142,6 +154,7 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 
 	stack, err := node.New(&nodeConf)
 	if err != nil {
+		d.removeScratch()
 		return nil, fmt.Errorf("dev chain: creating the node (data dir %q): %w", cfg.DataDir, err)
 	}
 	d.stack = stack
@@ -165,6 +178,7 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 	backend, err := eth.New(stack, &ethConf)
 	if err != nil {
 		stack.Close()
+		d.removeScratch()
 		var mismatch *core.GenesisMismatchError
 		if errors.As(err, &mismatch) {
 			return nil, fmt.Errorf("dev chain: data dir %q holds a chain with another genesis (chain id, wallets, "+
@@ -180,6 +194,7 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 	beacon, err := catalyst.NewSimulatedBeacon(uint64(cfg.BlockTime/time.Second), common.Address{}, backend)
 	if err != nil {
 		stack.Close()
+		d.removeScratch()
 		return nil, fmt.Errorf("dev chain: setting up the simulated beacon: %w", err)
 	}
 	// With period 0 the beacon API, not the beacon, seals a block whenever transactions arrive.
@@ -189,6 +204,7 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 		// A node that fails to start never started (nor stops) the beacon, whose sealing loop waits on it.
 		beacon.Stop()
 		stack.Close()
+		d.removeScratch()
 		return nil, fmt.Errorf("dev chain: starting the node with JSON-RPC on %s: %w", cfg.Listen, err)
 	}
 	d.client = ethclient.NewClient(stack.Attach())
@@ -497,6 +513,14 @@ func (d *DevChain) Close() error {
 		if err := d.stack.Close(); err != nil {
 			d.closeErr = fmt.Errorf("dev chain: stopping the node: %w", err)
 		}
+		d.removeScratch()
 	})
 	return d.closeErr
+}
+
+// removeScratch deletes the scratch directory of a chain kept "in memory".
+func (d *DevChain) removeScratch() {
+	if d.scratch != "" {
+		_ = os.RemoveAll(d.scratch)
+	}
 }
