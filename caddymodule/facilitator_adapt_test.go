@@ -105,6 +105,8 @@ func TestBadCaddyfilesAreRefusedNamingTheirLine(t *testing.T) {
 		{"a receipt_timeout that is no duration", global("\t\tnetwork eip155:72344 {", "\t\t\treceipt_timeout later", "\t\t}"), "Caddyfile:4", "receipt_timeout"},
 		{"a receipt_poll without a value", global("\t\tnetwork eip155:72344 {", "\t\t\treceipt_poll", "\t\t}"), "Caddyfile:4", "wrong argument count"},
 		{"a wallet_wait that is no duration", global("\t\tnetwork eip155:72344 {", "\t\t\twallet_wait forever", "\t\t}"), "Caddyfile:4", "wallet_wait"},
+		{"a funds_cache that is neither a duration nor off", global("\t\tnetwork eip155:72344 {", "\t\t\tfunds_cache sometimes", "\t\t}"), "Caddyfile:4", "funds_cache: want a positive duration or off"},
+		{"a funds_cache of zero", global("\t\tnetwork eip155:72344 {", "\t\t\tfunds_cache 0s", "\t\t}"), "Caddyfile:4", "funds_cache: want a positive duration or off"},
 		{"an unknown method", global("\t\tnetwork eip155:72344 {", "\t\t\tmethods eip3009", "\t\t}"), "Caddyfile:4", "unknown method 'eip3009'"},
 		{"methods without a value", global("\t\tnetwork eip155:72344 {", "\t\t\tmethods", "\t\t}"), "Caddyfile:4", "methods needs permit2, erc2612 or both"},
 		{"legacy_fees with an argument", global("\t\tnetwork eip155:72344 {", "\t\t\tlegacy_fees yes", "\t\t}"), "Caddyfile:4", "wrong argument count"},

@@ -34,6 +34,11 @@ const (
 	SettleBefore = "before"
 	// SettleAsync records the verified payment in the journal, serves at once and settles in the background.
 	SettleAsync = "async"
+
+	// defaultAsyncBacklog is how many served payments may wait for settlement before settle async settles
+	// first: ten seconds of the dev chain's settlement rate, minutes of a slow network's, inside the default
+	// five-minute validity of a payment either way.
+	defaultAsyncBacklog = 10_000
 )
 
 // EmbeddedFacilitator is the facilitator_url that names the x402 app's in-process engine.
@@ -79,6 +84,10 @@ type Gate struct {
 	// Settle is when the payment is settled: "after" the upstream answered successfully (default),
 	// "before" the upstream is called, or "async" in the background after serving.
 	Settle string `json:"settle,omitempty"`
+	// AsyncBacklog bounds, with settle "async", the payments served and not settled yet (per journal). Past it a
+	// payment is settled before it is served, as with "after": serving cannot run ahead of settlement until
+	// payments expire unsettled, and throughput falls back to what settlement sustains. Default 10000.
+	AsyncBacklog int `json:"async_backlog,omitempty"`
 
 	// V1Body answers unpaid requests with the version 1 JSON body (x402Version 1, maxAmountRequired, network
 	// names) for clients that read only the body; the PAYMENT-REQUIRED header still carries version 2.
@@ -102,6 +111,19 @@ type gateState struct {
 	offers   atomic.Pointer[offerSet] // the current offers, rebuilt from /supported of a remote facilitator
 	refresh  sync.Mutex               // one /supported fetch at a time
 	rotation atomic.Uint64            // spreads erc2612 payers over the settlement wallets
+	warnedAt atomic.Int64             // when the async backlog was last reported full (unix nanoseconds)
+}
+
+// warnBacklog logs, at most every ten seconds, that settle async is settling before serving because too many
+// served payments wait for settlement.
+func (g *Gate) warnBacklog() {
+	now := g.now().UnixNano()
+	last := g.state.warnedAt.Load()
+	if now-last < int64(10*time.Second) || !g.state.warnedAt.CompareAndSwap(last, now) {
+		return
+	}
+	g.logger.Warn("settle async: the backlog of served payments waiting for settlement is full; settling before serving until it drains",
+		zap.Int("async_backlog", g.AsyncBacklog))
 }
 
 // GateAccept is one way to pay: a network, an asset, a recipient, a price and optionally one transfer method.
@@ -165,6 +187,9 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	}
 	if g.Settle == "" {
 		g.Settle = SettleAfter
+	}
+	if g.AsyncBacklog == 0 {
+		g.AsyncBacklog = defaultAsyncBacklog
 	}
 	appVal, err := ctx.App("x402")
 	if err != nil {
@@ -240,6 +265,9 @@ func (g *Gate) Validate() error {
 	case SettleAfter, SettleBefore, SettleAsync:
 	default:
 		return fmt.Errorf("x402 gate: settle %q is not a settlement mode; want %q, %q or %q", g.Settle, SettleAfter, SettleBefore, SettleAsync)
+	}
+	if g.AsyncBacklog < 0 {
+		return fmt.Errorf("x402 gate: async_backlog %d is negative", g.AsyncBacklog)
 	}
 	if len(g.specs) == 0 {
 		return errors.New("x402 gate: no way to pay is configured")

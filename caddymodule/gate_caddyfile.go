@@ -5,6 +5,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"strconv"
 
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -100,13 +101,22 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 		case "settle":
-			if !d.AllArgs(&g.Settle) {
+			args := d.RemainingArgs()
+			if len(args) == 0 || len(args) > 2 {
 				return d.ArgErr()
 			}
+			g.Settle = args[0]
 			switch g.Settle {
 			case SettleAfter, SettleBefore, SettleAsync:
 			default:
 				return d.Errf("settle '%s': want %s, %s or %s", g.Settle, SettleBefore, SettleAfter, SettleAsync)
+			}
+			if len(args) == 2 {
+				n, err := strconv.Atoi(args[1])
+				if g.Settle != SettleAsync || err != nil || n <= 0 {
+					return d.Errf("settle %s %s: only async takes a backlog, a positive number of payments", g.Settle, args[1])
+				}
+				g.AsyncBacklog = n
 			}
 		case "v1_body":
 			if d.NextArg() {

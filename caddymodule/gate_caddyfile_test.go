@@ -77,7 +77,7 @@ x402 /paid/* $0.002 {
 	payment_header X-Pay
 	description "Premium article"
 	mime_type text/html
-	settle async
+	settle async 5000
 	v1_body
 	accept {
 		network eip155:723487
@@ -101,7 +101,7 @@ respond "paid"
 		"token_name": "Stable Coin", "token_version": "1", "max_timeout": float64(90 * time.Second),
 		"facilitator_url": "https://facilitator.example.com", "facilitator_api_key": "{env.FACILITATOR_KEY}",
 		"payment_header": "X-Pay", "description": "Premium article", "mime_type": "text/html", "settle": "async",
-		"v1_body": true,
+		"async_backlog": float64(5000), "v1_body": true,
 		"accepts": []any{
 			map[string]any{"network": "eip155:723487", "amount": "5000", "asset_transfer_method": "erc2612"},
 			map[string]any{"pay_to": "0x000000000000000000000000000000000000bEEF"},
@@ -132,6 +132,9 @@ func TestBadX402DirectivesAreRefusedNamingTheProblem(t *testing.T) {
 	for _, tc := range []struct{ name, block, want string }{
 		{"unknown option", "colour blue", "unrecognized x402 option 'colour'"},
 		{"unknown settle mode", "settle later", "settle 'later'"},
+		{"a backlog for a mode that has none", "settle after 100", "only async takes a backlog"},
+		{"a backlog that is not a number", "settle async many", "only async takes a backlog"},
+		{"settle with too many arguments", "settle async 1 2", "wrong argument count"},
 		{"unknown transfer method", "asset_transfer_method eip3009", "asset_transfer_method 'eip3009'"},
 		{"price and amount", "price $0.01\n\tamount 10000", "either price or amount"},
 		{"pay_to without an address", "pay_to", "pay_to needs exactly one argument"},

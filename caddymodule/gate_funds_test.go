@@ -1,10 +1,12 @@
 package caddymodule_test
 
 import (
+	"context"
 	"math/big"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -49,4 +51,63 @@ func TestSettleAsyncServesAPayerNoMoreThanThePayerCanPay(t *testing.T) {
 	}
 	t.Cleanup(commitPending(t, env.c))
 	env.waitPaid(payer, before, 3)
+}
+
+// settle async serves at once only while the backlog of served, unsettled payments is below its bound: past it a
+// payment is settled before it is served, so serving cannot run ahead of settlement until payments expire.
+func TestSettleAsyncSettlesFirstWhenItsBacklogIsFull(t *testing.T) {
+	env := newGateEnv(t, gateSetup{gate: "\t\tsettle async 2\n", noCommit: true})
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	sentBefore := env.sent()
+
+	// Nothing is mined: the first two wait in the backlog.
+	for i := range 2 {
+		a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer))
+		if a.status != http.StatusOK {
+			t.Fatalf("payment %d: %d %q", i, a.status, a.body)
+		}
+		if resp := settleResponse(t, a); resp.Success || resp.ErrorReason != x402.ReasonSettlementPending {
+			t.Fatalf("payment %d within the backlog answered %+v; want served with settlement_pending", i, resp)
+		}
+	}
+	third := env.getAsync("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer))
+	// The third is settled before it is served: its transaction joins the two in the pool, and it is answered
+	// only once blocks are sealed.
+	deadline := time.Now().Add(10 * time.Second)
+	for env.sent()-sentBefore < 3 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d settlement transactions sent, want 3", env.sent()-sentBefore)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	select {
+	case a := <-third:
+		t.Fatalf("the third payment was answered (%d) before its settlement was mined", a.status)
+	case <-time.After(100 * time.Millisecond):
+	}
+	t.Cleanup(commitPending(t, env.c))
+	a := gateWait(t, third, "the third payment's answer")
+	if a.status != http.StatusOK {
+		t.Fatalf("the third payment: %d %q", a.status, a.body)
+	}
+	if resp := settleResponse(t, a); !resp.Success || resp.Transaction == "" {
+		t.Errorf("the third payment answered %+v; want it settled, with its transaction", resp)
+	}
+	env.waitPaid(payer, before, 3)
+}
+
+// sent is how many transactions the settlement wallets have sent, counting those still in the pool.
+func (env *gateEnv) sent() uint64 {
+	env.t.Helper()
+	var n uint64
+	for _, w := range env.c.Wallets {
+		got, err := env.c.Client.PendingNonceAt(context.Background(), w.Address)
+		if err != nil {
+			env.t.Fatal(err)
+		}
+		n += got
+	}
+	return n
 }

@@ -154,6 +154,13 @@ func (l *gateLedger) settleLater(id journal.ID) {
 	go l.settleInBackground(id)
 }
 
+// backlog is how many served async payments are waiting for their settlement.
+func (l *gateLedger) backlog() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.settling)
+}
+
 // gateFor finds a registered gate whose terms include rq, to settle with its facilitator.
 func (l *gateLedger) gateFor(rq x402.PaymentRequirements) *Gate {
 	l.mu.Lock()

@@ -178,6 +178,10 @@ func (x *exchange) verifyAndServe() error {
 		}
 		return x.settleThenServe(nil)
 	case SettleAsync:
+		if x.g.ledger.backlog() >= x.g.AsyncBacklog {
+			x.g.warnBacklog()
+			return x.settleAfter()
+		}
 		up := x.callUpstream()
 		defer up.free()
 		if !up.ok() {
@@ -186,16 +190,21 @@ func (x *exchange) verifyAndServe() error {
 		}
 		return x.serveAsync(up)
 	default:
-		up := x.callUpstream()
-		defer up.free()
-		if !up.ok() {
-			return x.passUnpaid(up)
-		}
-		if err := x.record(); err != nil {
-			return x.recordFailed(err)
-		}
-		return x.settleThenServe(up)
+		return x.settleAfter()
 	}
+}
+
+// settleAfter runs the upstream and settles if it answered successfully, then serves.
+func (x *exchange) settleAfter() error {
+	up := x.callUpstream()
+	defer up.free()
+	if !up.ok() {
+		return x.passUnpaid(up)
+	}
+	if err := x.record(); err != nil {
+		return x.recordFailed(err)
+	}
+	return x.settleThenServe(up)
 }
 
 // fundsHolder is a facilitator that can hold a verified payment against the payer's funds until it settles
