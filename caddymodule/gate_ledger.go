@@ -132,9 +132,39 @@ func (l *gateLedger) replay() {
 		l.log.Error("listing pending payments to settle", zap.Error(err))
 		return
 	}
+	var served []journal.Record
 	for _, rec := range recs {
 		if rec.Async && rec.Served {
+			served = append(served, rec)
 			l.settleLater(rec.ID)
+		}
+	}
+	if len(served) > 0 {
+		l.wg.Add(1)
+		go l.holdReplayed(served)
+	}
+}
+
+// holdReplayed holds the replayed payments against their payers' funds (with a facilitator that holds, the
+// embedded engine), as serving them did before the restart: settlements start a few at a time, and until each
+// starts, a new payment of the same payer must still count it. A payment already settled, or one its payer can
+// no longer cover, is not held: its settlement is final, or will be refused, either way.
+func (l *gateLedger) holdReplayed(recs []journal.Record) {
+	defer l.wg.Done()
+	for _, rec := range recs {
+		if l.ctx.Err() != nil {
+			return
+		}
+		var req x402.VerifyRequest
+		if err := json.Unmarshal(rec.Request, &req); err != nil {
+			continue // settleInBackground reports it
+		}
+		g := l.gateFor(req.PaymentRequirements)
+		if g == nil {
+			continue
+		}
+		if h, ok := g.fac.(fundsHolder); ok {
+			_, _ = h.VerifyAndHold(l.ctx, req)
 		}
 	}
 }

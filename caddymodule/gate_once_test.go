@@ -3,6 +3,7 @@ package caddymodule_test
 import (
 	"context"
 	"encoding/json"
+	"math/big"
 	"net/http"
 	"path/filepath"
 	"strings"
@@ -315,4 +316,59 @@ func countServed(t *testing.T, answers []gateAnswer) int {
 		}
 	}
 	return served
+}
+
+// After a restart, the served async payments in the journal count against their payer's funds at once, not only
+// as their settlements start (64 at a time): a payer who spent everything before the restart is not served again
+// while the backlog settles.
+func TestReplayedAsyncPaymentsCountAgainstThePayersFunds(t *testing.T) {
+	const backlog = 70 // more than the 64 background settlements that run at once
+	dir := t.TempDir()
+	journalPath := filepath.Join(dir, "journal.db")
+	env := &gateEnv{t: t, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1")}
+	env.c = chaintest.New(t, chaintest.WithHTTP(), chaintest.WithTokenBalance(big.NewInt(backlog*gatePrice)))
+	env.net = x402.EIP155(env.c.ChainID.Uint64())
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+
+	// What a gate wrote before it was killed: served async payments spending all the payer has, none settled.
+	rq := x402.PaymentRequirements{Scheme: "exact", Network: env.net, Amount: "10000", Asset: env.c.Token.Hex(),
+		PayTo: env.payTo.Hex(), MaxTimeoutSeconds: 300, Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2,
+			Name: "Stable Coin", Version: "1", Permit2Address: contracts.Permit2Address.Hex(), X402Permit2ProxyAddress: contracts.ProxyAddress.Hex()}}
+	store, err := journal.OpenBolt(journalPath, journal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range backlog {
+		p := env.signPermit2(payer, rq)
+		req, _ := json.Marshal(x402.VerifyRequest{X402Version: 2, PaymentPayload: p, PaymentRequirements: rq})
+		auth := p.Payload.Permit2Authorization
+		id := journal.PaymentID(env.net, "gate/permit2", rq.Asset, auth.From, auth.Nonce)
+		if _, claimed, err := store.Claim(context.Background(), journal.Record{ID: id, Network: env.net, Payer: auth.From,
+			Amount: "10000", Request: req, Owner: "killed-process", Async: true, Served: true, ServedAt: time.Now()}); err != nil || !claimed {
+			t.Fatalf("writing the journal: claimed %v, %v", claimed, err)
+		}
+	}
+	store.Close()
+
+	// Nothing is mined until the new payment has been answered.
+	env.srv = startCaddy(t, env.caddyfile(gateSetup{journal: journalPath, gate: "\t\tsettle async\n", noCommit: true}))
+	engine := x402App(t).Facilitator()
+	probe := x402.VerifyRequest{X402Version: 2, PaymentPayload: env.signPermit2(payer, rq), PaymentRequirements: rq}
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		v, err := engine.Verify(context.Background(), probe)
+		if err == nil && !v.IsValid && v.InvalidReason == x402.ReasonInsufficientFunds {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("10s after the restart a new payment still verifies as %+v, %v; want insufficient_funds: the replayed payments are not all counted", v, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer)); a.status != http.StatusPaymentRequired {
+		t.Fatalf("a new payment of a payer whose funds the replayed payments spend = %d %q, want 402", a.status, a.body)
+	}
+	t.Cleanup(commitPending(t, env.c))
+	env.waitPaid(payer, before, backlog)
 }
