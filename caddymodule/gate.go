@@ -100,10 +100,12 @@ type Gate struct {
 	specs    []offerSpec
 	registry *x402.Registry
 	ledger   *gateLedger
-	metrics  *metrics
-	logger   *zap.Logger
-	now      func() time.Time
-	state    *gateState
+	// untrackBacklog takes the ledger out of the backlog gauge.
+	untrackBacklog func()
+	metrics        *metrics
+	logger         *zap.Logger
+	now            func() time.Time
+	state          *gateState
 }
 
 // gateState is what a gate changes while it serves (kept behind a pointer so that Gate stays copyable).
@@ -223,6 +225,7 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("x402 gate: %w", err)
 	}
 	g.ledger.register(g)
+	g.untrackBacklog = g.metrics.trackBacklog(g.ledger)
 	return nil
 }
 
@@ -282,6 +285,9 @@ func (g *Gate) Validate() error {
 func (g *Gate) Cleanup() error {
 	if g.ledger == nil {
 		return nil
+	}
+	if g.untrackBacklog != nil {
+		g.untrackBacklog()
 	}
 	g.ledger.unregister(g)
 	return leaveLedger(g.ledger)

@@ -72,6 +72,9 @@ func TestSettleAsyncSettlesFirstWhenItsBacklogIsFull(t *testing.T) {
 			t.Fatalf("payment %d within the backlog answered %+v; want served with settlement_pending", i, resp)
 		}
 	}
+	if got := samples(t)["caddy_x402_gate_async_backlog{}"]; got != 2 {
+		t.Errorf("caddy_x402_gate_async_backlog = %v with two payments waiting, want 2", got)
+	}
 	third := env.getAsync("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer))
 	// The third is settled before it is served: its transaction joins the two in the pool, and it is answered
 	// only once blocks are sealed.
@@ -96,6 +99,12 @@ func TestSettleAsyncSettlesFirstWhenItsBacklogIsFull(t *testing.T) {
 		t.Errorf("the third payment answered %+v; want it settled, with its transaction", resp)
 	}
 	env.waitPaid(payer, before, 3)
+	for deadline := time.Now().Add(5 * time.Second); samples(t)["caddy_x402_gate_async_backlog{}"] != 0; {
+		if time.Now().After(deadline) {
+			t.Fatalf("caddy_x402_gate_async_backlog = %v after every payment settled, want 0", samples(t)["caddy_x402_gate_async_backlog{}"])
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 // sent is how many transactions the settlement wallets have sent, counting those still in the pool.

@@ -52,6 +52,9 @@ func samples(t *testing.T) map[string]float64 {
 			}
 			sort.Strings(labels)
 			name, v := fam.GetName(), m.GetCounter().GetValue()
+			if g := m.GetGauge(); g != nil {
+				v = g.GetValue()
+			}
 			if h := m.GetHistogram(); h != nil {
 				name, v = name+"_count", float64(h.GetSampleCount())
 			}

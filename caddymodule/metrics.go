@@ -46,6 +46,8 @@ type metrics struct {
 	gateOutcomes *prometheus.CounterVec
 	// caddy_x402_wallets_in_use{network} and caddy_x402_wallets{network}, read from the engines at scrape time.
 	wallets *walletCollector
+	// caddy_x402_gate_async_backlog, read from the gates' journals at scrape time.
+	backlog *backlogCollector
 }
 
 // metricsFor returns the collectors registered in ctx's metrics registry, registering them if this is the
@@ -95,6 +97,9 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		return nil, err
 	}
 	if m.wallets, err = register(reg, newWalletCollector()); err != nil {
+		return nil, err
+	}
+	if m.backlog, err = register(reg, newBacklogCollector()); err != nil {
 		return nil, err
 	}
 	return m, nil
@@ -178,6 +183,14 @@ func (m *metrics) trackWallets(src walletSource) (release func()) {
 	return m.wallets.add(src)
 }
 
+// trackBacklog makes the backlog gauge count src's waiting payments until the returned release is called.
+func (m *metrics) trackBacklog(src backlogSource) (release func()) {
+	if m == nil || src == nil {
+		return func() {}
+	}
+	return m.backlog.add(src)
+}
+
 // knownReasons are the reason codes that get their own label value.
 var knownReasons = func() map[string]bool {
 	set := map[string]bool{}
@@ -214,9 +227,7 @@ type walletSource interface {
 type walletCollector struct {
 	inUse *prometheus.Desc
 	size  *prometheus.Desc
-
-	mu      sync.Mutex
-	sources map[walletSource]int
+	sources[walletSource]
 }
 
 func newWalletCollector() *walletCollector {
@@ -225,24 +236,72 @@ func newWalletCollector() *walletCollector {
 			"Settlement wallets of the embedded facilitator holding a settlement right now, by network.", []string{"network"}, nil),
 		size: prometheus.NewDesc("caddy_x402_wallets",
 			"Settlement wallets of the embedded facilitator, by network.", []string{"network"}, nil),
-		sources: map[walletSource]int{},
+		sources: sources[walletSource]{counts: map[walletSource]int{}},
 	}
 }
 
-func (c *walletCollector) add(src walletSource) func() {
-	c.mu.Lock()
-	c.sources[src]++
-	c.mu.Unlock()
+// sources counts the handlers that registered each source of a collector; a source is reported while any does.
+type sources[S comparable] struct {
+	mu     sync.Mutex
+	counts map[S]int
+}
+
+// add registers one handler's use of src; the returned release ends it (once, however often it is called).
+func (s *sources[S]) add(src S) func() {
+	s.mu.Lock()
+	s.counts[src]++
+	s.mu.Unlock()
 	var once sync.Once
 	return func() {
 		once.Do(func() {
-			c.mu.Lock()
-			defer c.mu.Unlock()
-			if c.sources[src]--; c.sources[src] <= 0 {
-				delete(c.sources, src)
+			s.mu.Lock()
+			defer s.mu.Unlock()
+			if s.counts[src]--; s.counts[src] <= 0 {
+				delete(s.counts, src)
 			}
 		})
 	}
+}
+
+// list returns the sources registered now.
+func (s *sources[S]) list() []S {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]S, 0, len(s.counts))
+	for src := range s.counts {
+		out = append(out, src)
+	}
+	return out
+}
+
+// backlogSource is the gate ledger of one journal (*gateLedger).
+type backlogSource interface{ backlog() int }
+
+// backlogCollector reports how many served settle-async payments wait for their settlement, over the journals
+// of the config's gates, read when scraped.
+type backlogCollector struct {
+	desc *prometheus.Desc
+	sources[backlogSource]
+}
+
+func newBacklogCollector() *backlogCollector {
+	return &backlogCollector{
+		desc: prometheus.NewDesc("caddy_x402_gate_async_backlog",
+			"Payments served by settle async gates and waiting for their settlement.", nil, nil),
+		sources: sources[backlogSource]{counts: map[backlogSource]int{}},
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (c *backlogCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+// Collect implements prometheus.Collector.
+func (c *backlogCollector) Collect(ch chan<- prometheus.Metric) {
+	total := 0
+	for _, s := range c.list() {
+		total += s.backlog()
+	}
+	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(total))
 }
 
 // Describe implements prometheus.Collector.
@@ -253,14 +312,8 @@ func (c *walletCollector) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect implements prometheus.Collector.
 func (c *walletCollector) Collect(ch chan<- prometheus.Metric) {
-	c.mu.Lock()
-	srcs := make([]walletSource, 0, len(c.sources))
-	for s := range c.sources {
-		srcs = append(srcs, s)
-	}
-	c.mu.Unlock()
 	seen := map[string]bool{}
-	for _, s := range srcs {
+	for _, s := range c.list() {
 		for _, n := range s.Networks() {
 			if seen[n] {
 				continue // two engines on one network cannot both be in one config; report the first
