@@ -74,7 +74,8 @@ type DevChainConfig struct {
 	// time at least one second, so under load chain time runs ahead of the wall clock), or a whole number
 	// of seconds to seal on that period (many transactions per block; chain time follows the wall clock).
 	BlockTime time.Duration
-	// DataDir keeps the chain on disk across restarts; empty keeps it in memory.
+	// DataDir keeps the chain on disk across restarts; empty starts a fresh chain each time, kept in a scratch
+	// directory that Close removes.
 	DataDir string
 	// AllocFile names a JSON file of extra genesis accounts in geth's genesis "alloc" format
 	// ({"0xaddress": {"balance": "0x..", "code": "0x..", "storage": {..}, "nonce": "0x.."}}).
