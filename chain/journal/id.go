@@ -62,6 +62,9 @@ func canonicalAddress(a string) string {
 // canonicalNonce writes an integer nonce as "n:<decimal>" and anything else as "s:<text>".
 func canonicalNonce(s string) string {
 	s = strings.TrimSpace(s)
+	if plainDecimal(s) {
+		return "n:" + s // what the big.Int round trip below would write, without it
+	}
 	digits, base := s, 10
 	if rest, ok := strings.CutPrefix(strings.ToLower(s), "0x"); ok {
 		digits, base = rest, 16
@@ -75,6 +78,19 @@ func canonicalNonce(s string) string {
 		return "s:" + s
 	}
 	return "n:" + n.String()
+}
+
+// plainDecimal reports whether s is a decimal integer written as big.Int writes it: digits, no leading zero.
+func plainDecimal(s string) bool {
+	if s == "" || (s[0] == '0' && len(s) > 1) {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] < '0' || s[i] > '9' {
+			return false
+		}
+	}
+	return true
 }
 
 // ParseID reads an id written by ID.String: 64 hex digits, with or without a 0x prefix.

@@ -1,6 +1,7 @@
 package journal
 
 import (
+	"math/big"
 	"strings"
 	"testing"
 )
@@ -93,4 +94,22 @@ func TestParseIDRefusesWhatIsNotAnID(t *testing.T) {
 			t.Errorf("ParseID(%q) succeeded, want an error", in)
 		}
 	}
+}
+
+// The shortcut for nonces already written as big.Int writes them gives the same canonical form as the full
+// parse, for every shape of decimal input (and only takes plain decimals).
+func FuzzCanonicalNonceShortcutMatchesTheFullParse(f *testing.F) {
+	for _, s := range []string{"0", "7", "007", "10", "115792089237316195423570985008687907853269984665640564039457584007913129639935", "", "1a", "-1", "+1", " 5 "} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		got := canonicalNonce(s)
+		var n big.Int
+		trimmed := strings.TrimSpace(s)
+		if plainDecimal(trimmed) {
+			if _, ok := n.SetString(trimmed, 10); !ok || got != "n:"+n.String() {
+				t.Fatalf("canonicalNonce(%q) = %q, want n:%s", s, got, n.String())
+			}
+		}
+	})
 }
