@@ -8,87 +8,10 @@ import (
 	"testing"
 
 	"github.com/ethereum/go-ethereum/common"
-	"github.com/ethereum/go-ethereum/common/math"
 	"github.com/ethereum/go-ethereum/signer/core/apitypes"
+
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 )
-
-// permitTypedData is the EIP-2612 Permit as go-ethereum's reference EIP-712 implementation sees it. Values are
-// passed as the strings a wire payload carries.
-func permitTypedData(name, version string, chainID *big.Int, token common.Address, owner, spender, value, nonce, deadline string) apitypes.TypedData {
-	return apitypes.TypedData{
-		Types: apitypes.Types{
-			"EIP712Domain": {
-				{Name: "name", Type: "string"},
-				{Name: "version", Type: "string"},
-				{Name: "chainId", Type: "uint256"},
-				{Name: "verifyingContract", Type: "address"},
-			},
-			"Permit": {
-				{Name: "owner", Type: "address"},
-				{Name: "spender", Type: "address"},
-				{Name: "value", Type: "uint256"},
-				{Name: "nonce", Type: "uint256"},
-				{Name: "deadline", Type: "uint256"},
-			},
-		},
-		PrimaryType: "Permit",
-		Domain: apitypes.TypedDataDomain{
-			Name:              name,
-			Version:           version,
-			ChainId:           (*math.HexOrDecimal256)(chainID),
-			VerifyingContract: token.Hex(),
-		},
-		Message: apitypes.TypedDataMessage{
-			"owner":    owner,
-			"spender":  spender,
-			"value":    value,
-			"nonce":    nonce,
-			"deadline": deadline,
-		},
-	}
-}
-
-// permit2TypedData is the Permit2 PermitWitnessTransferFrom with the x402 witness as go-ethereum's reference
-// EIP-712 implementation sees it.
-func permit2TypedData(chainID *big.Int, permit2 common.Address, token, amount, spender, nonce, deadline, to, validAfter string) apitypes.TypedData {
-	return apitypes.TypedData{
-		Types: apitypes.Types{
-			"EIP712Domain": {
-				{Name: "name", Type: "string"},
-				{Name: "chainId", Type: "uint256"},
-				{Name: "verifyingContract", Type: "address"},
-			},
-			"PermitWitnessTransferFrom": {
-				{Name: "permitted", Type: "TokenPermissions"},
-				{Name: "spender", Type: "address"},
-				{Name: "nonce", Type: "uint256"},
-				{Name: "deadline", Type: "uint256"},
-				{Name: "witness", Type: "Witness"},
-			},
-			"TokenPermissions": {
-				{Name: "token", Type: "address"},
-				{Name: "amount", Type: "uint256"},
-			},
-			"Witness": {
-				{Name: "to", Type: "address"},
-				{Name: "validAfter", Type: "uint256"},
-			},
-		},
-		PrimaryType: "PermitWitnessTransferFrom",
-		Domain: apitypes.TypedDataDomain{
-			Name:              "Permit2",
-			ChainId:           (*math.HexOrDecimal256)(chainID),
-			VerifyingContract: permit2.Hex(),
-		},
-		Message: apitypes.TypedDataMessage{
-			"permitted": map[string]any{"token": token, "amount": amount},
-			"spender":   spender,
-			"nonce":     nonce,
-			"deadline":  deadline,
-			"witness":   map[string]any{"to": to, "validAfter": validAfter},
-		},
-	}
-}
 
 func referenceDigest(t testing.TB, td apitypes.TypedData) common.Hash {
 	t.Helper()
@@ -192,7 +115,7 @@ func TestPermitDigestMatchesGoEthereumTypedDataHashing(t *testing.T) {
 			Deadline: randUint256(r),
 		}
 		got := PermitDigest(PermitDomainSeparator(name, version, chainID, token), p)
-		want := referenceDigest(t, permitTypedData(name, version, chainID, token,
+		want := referenceDigest(t, chaintest.PermitTypedData(name, version, chainID, token,
 			p.Owner.Hex(), p.Spender.Hex(), p.Value.String(), p.Nonce.String(), p.Deadline.String()))
 		if got != want {
 			t.Fatalf("case %d (name %q, version %q, chain %s): digest %s, apitypes %s", i, name, version, chainID, got, want)
@@ -217,7 +140,7 @@ func TestPermit2DigestMatchesGoEthereumTypedDataHashing(t *testing.T) {
 			ValidAfter: randUint256(r),
 		}
 		got := Permit2Digest(Permit2DomainSeparator(chainID, permit2), p)
-		want := referenceDigest(t, permit2TypedData(chainID, permit2,
+		want := referenceDigest(t, chaintest.Permit2WitnessTypedData(chainID, permit2,
 			p.Token.Hex(), p.Amount.String(), p.Spender.Hex(), p.Nonce.String(), p.Deadline.String(),
 			p.To.Hex(), p.ValidAfter.String()))
 		if got != want {
@@ -345,7 +268,7 @@ func TestDigestsDoNotAllocate(t *testing.T) {
 // Keep the reference hash honest: apitypes must refuse a message whose field is missing, or a test that
 // compares against it could pass on two equal mistakes.
 func TestReferenceHashingRefusesAnIncompleteMessage(t *testing.T) {
-	td := permitTypedData("Stable Coin", "1", big.NewInt(1), common.Address{}, common.Address{}.Hex(), common.Address{}.Hex(), "1", "0", "1")
+	td := chaintest.PermitTypedData("Stable Coin", "1", big.NewInt(1), common.Address{}, common.Address{}.Hex(), common.Address{}.Hex(), "1", "0", "1")
 	delete(td.Message, "deadline")
 	if _, _, err := apitypes.TypedDataAndHash(td); err == nil {
 		t.Fatal("apitypes hashed a Permit without deadline")

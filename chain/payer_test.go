@@ -11,6 +11,7 @@ import (
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/crypto"
 
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -98,7 +99,7 @@ func TestSignPermit2PaymentRecoversThePayerUnderReferenceHashing(t *testing.T) {
 		t.Errorf("accepted = %+v, want the requirements echoed %+v", p.Accepted, req)
 	}
 
-	digest := referenceDigest(t, permit2TypedData(testChainID, canonicalPermit2,
+	digest := referenceDigest(t, chaintest.Permit2WitnessTypedData(testChainID, canonicalPermit2,
 		a.Permitted.Token, a.Permitted.Amount, a.Spender, a.Nonce, a.Deadline, a.Witness.To, a.Witness.ValidAfter))
 	if got := recoverWithReference(t, digest, p.Payload.Signature); got != payer {
 		t.Fatalf("signature recovers %s under apitypes hashing, want payer %s", got, payer)
@@ -147,7 +148,7 @@ func TestSignPermit2PaymentHonoursExplicitOptions(t *testing.T) {
 	if a.Nonce != "42" || a.Witness.ValidAfter != "0" || a.Deadline != "1900000000" || a.Spender != proxy.Hex() {
 		t.Fatalf("authorization = %+v, want nonce 42, validAfter 0, deadline 1900000000, spender %s", a, proxy.Hex())
 	}
-	digest := referenceDigest(t, permit2TypedData(testChainID, permit2,
+	digest := referenceDigest(t, chaintest.Permit2WitnessTypedData(testChainID, permit2,
 		a.Permitted.Token, a.Permitted.Amount, a.Spender, a.Nonce, a.Deadline, a.Witness.To, a.Witness.ValidAfter))
 	if got := recoverWithReference(t, digest, p.Payload.Signature); got != crypto.PubkeyToAddress(key.PublicKey) {
 		t.Fatalf("signature over the custom Permit2 domain recovers %s", got)
@@ -167,7 +168,7 @@ func TestSignPermit2PaymentUsesContractsNamedInRequirements(t *testing.T) {
 	if want := common.HexToAddress(req.Extra.X402Permit2ProxyAddress).Hex(); a.Spender != want {
 		t.Errorf("spender = %s, want the proxy from extra %s", a.Spender, want)
 	}
-	digest := referenceDigest(t, permit2TypedData(testChainID, common.HexToAddress(req.Extra.Permit2Address),
+	digest := referenceDigest(t, chaintest.Permit2WitnessTypedData(testChainID, common.HexToAddress(req.Extra.Permit2Address),
 		a.Permitted.Token, a.Permitted.Amount, a.Spender, a.Nonce, a.Deadline, a.Witness.To, a.Witness.ValidAfter))
 	if got := recoverWithReference(t, digest, p.Payload.Signature); got != crypto.PubkeyToAddress(key.PublicKey) {
 		t.Fatalf("signature is not over the Permit2 named in extra (recovers %s)", got)
@@ -240,7 +241,7 @@ func TestSignERC2612PaymentRecoversThePayerUnderReferenceHashing(t *testing.T) {
 	if *a != want {
 		t.Fatalf("authorization = %+v, want %+v", *a, want)
 	}
-	digest := referenceDigest(t, permitTypedData("Stable Coin", "1", testChainID, testAsset, a.From, a.To, a.Value, a.Nonce, a.ValidBefore))
+	digest := referenceDigest(t, chaintest.PermitTypedData("Stable Coin", "1", testChainID, testAsset, a.From, a.To, a.Value, a.Nonce, a.ValidBefore))
 	if got := recoverWithReference(t, digest, p.Payload.Signature); got != payer {
 		t.Fatalf("signature recovers %s under apitypes hashing, want payer %s", got, payer)
 	}
@@ -255,7 +256,7 @@ func TestSignERC2612PaymentSignsOverTheTokenDomainOfTheRequirements(t *testing.T
 		t.Fatal(err)
 	}
 	a := p.Payload.Authorization
-	digest := referenceDigest(t, permitTypedData("USD Coin", "2", testChainID, testAsset, a.From, a.To, a.Value, a.Nonce, a.ValidBefore))
+	digest := referenceDigest(t, chaintest.PermitTypedData("USD Coin", "2", testChainID, testAsset, a.From, a.To, a.Value, a.Nonce, a.ValidBefore))
 	if got := recoverWithReference(t, digest, p.Payload.Signature); got != crypto.PubkeyToAddress(key.PublicKey) {
 		t.Fatalf("signature is not over the USD Coin / 2 domain (recovers %s)", got)
 	}
@@ -307,7 +308,7 @@ func TestAddGasSponsoringAddsAPermitToPermit2ThatVerifiesOverTheTokenDomain(t *t
 	if info != want {
 		t.Fatalf("info = %+v, want %+v", info, want)
 	}
-	digest := referenceDigest(t, permitTypedData("Stable Coin", "1", testChainID, testAsset, info.From, info.Spender, info.Amount, info.Nonce, info.Deadline))
+	digest := referenceDigest(t, chaintest.PermitTypedData("Stable Coin", "1", testChainID, testAsset, info.From, info.Spender, info.Amount, info.Nonce, info.Deadline))
 	if got := recoverWithReference(t, digest, info.Signature); got != payer {
 		t.Fatalf("gas sponsoring permit recovers %s under the token domain, want payer %s", got, payer)
 	}

@@ -54,6 +54,56 @@ func (p *ERC2612Permit) ProxyPermit() contracts.EIP2612Permit {
 // Permit2TypedData returns the EIP-712 PermitWitnessTransferFrom a payer signs for the proxy,
 // with the domain {name "Permit2", chainId, verifyingContract Permit2} (no version).
 func (c *Chain) Permit2TypedData(permit contracts.PermitTransferFrom, spender common.Address, witness contracts.Witness) apitypes.TypedData {
+	return Permit2WitnessTypedData(c.ChainID, contracts.Permit2Address, permit.Permitted.Token.Hex(), permit.Permitted.Amount.String(),
+		spender.Hex(), permit.Nonce.String(), permit.Deadline.String(), witness.To.Hex(), witness.ValidAfter.String())
+}
+
+// ERC2612TypedData returns the EIP-712 Permit of the token with the domain
+// {name "Stable Coin", version "1", chainId, verifyingContract token}.
+func (c *Chain) ERC2612TypedData(owner, spender common.Address, value, nonce, deadline *big.Int) apitypes.TypedData {
+	return PermitTypedData(contracts.StableCoinName, contracts.StableCoinVersion, c.ChainID, c.Token,
+		owner.Hex(), spender.Hex(), value.String(), nonce.String(), deadline.String())
+}
+
+// PermitTypedData is an EIP-2612 Permit as go-ethereum's reference EIP-712 implementation (apitypes) sees it,
+// with the values as the strings a wire payload carries.
+func PermitTypedData(name, version string, chainID *big.Int, token common.Address, owner, spender, value, nonce, deadline string) apitypes.TypedData {
+	return apitypes.TypedData{
+		Types: apitypes.Types{
+			"EIP712Domain": {
+				{Name: "name", Type: "string"},
+				{Name: "version", Type: "string"},
+				{Name: "chainId", Type: "uint256"},
+				{Name: "verifyingContract", Type: "address"},
+			},
+			"Permit": {
+				{Name: "owner", Type: "address"},
+				{Name: "spender", Type: "address"},
+				{Name: "value", Type: "uint256"},
+				{Name: "nonce", Type: "uint256"},
+				{Name: "deadline", Type: "uint256"},
+			},
+		},
+		PrimaryType: "Permit",
+		Domain: apitypes.TypedDataDomain{
+			Name:              name,
+			Version:           version,
+			ChainId:           (*math.HexOrDecimal256)(new(big.Int).Set(chainID)),
+			VerifyingContract: token.Hex(),
+		},
+		Message: apitypes.TypedDataMessage{
+			"owner":    owner,
+			"spender":  spender,
+			"value":    value,
+			"nonce":    nonce,
+			"deadline": deadline,
+		},
+	}
+}
+
+// Permit2WitnessTypedData is Permit2's PermitWitnessTransferFrom with the x402 witness {to, validAfter} as
+// apitypes sees it, with the domain {name "Permit2", chainId, verifyingContract permit2} (no version).
+func Permit2WitnessTypedData(chainID *big.Int, permit2 common.Address, token, amount, spender, nonce, deadline, to, validAfter string) apitypes.TypedData {
 	return apitypes.TypedData{
 		Types: apitypes.Types{
 			"EIP712Domain": {
@@ -80,57 +130,15 @@ func (c *Chain) Permit2TypedData(permit contracts.PermitTransferFrom, spender co
 		PrimaryType: "PermitWitnessTransferFrom",
 		Domain: apitypes.TypedDataDomain{
 			Name:              "Permit2",
-			ChainId:           (*math.HexOrDecimal256)(new(big.Int).Set(c.ChainID)),
-			VerifyingContract: contracts.Permit2Address.Hex(),
+			ChainId:           (*math.HexOrDecimal256)(new(big.Int).Set(chainID)),
+			VerifyingContract: permit2.Hex(),
 		},
 		Message: apitypes.TypedDataMessage{
-			"permitted": map[string]any{
-				"token":  permit.Permitted.Token.Hex(),
-				"amount": permit.Permitted.Amount.String(),
-			},
-			"spender":  spender.Hex(),
-			"nonce":    permit.Nonce.String(),
-			"deadline": permit.Deadline.String(),
-			"witness": map[string]any{
-				"to":         witness.To.Hex(),
-				"validAfter": witness.ValidAfter.String(),
-			},
-		},
-	}
-}
-
-// ERC2612TypedData returns the EIP-712 Permit of the token with the domain
-// {name "Stable Coin", version "1", chainId, verifyingContract token}.
-func (c *Chain) ERC2612TypedData(owner, spender common.Address, value, nonce, deadline *big.Int) apitypes.TypedData {
-	return apitypes.TypedData{
-		Types: apitypes.Types{
-			"EIP712Domain": {
-				{Name: "name", Type: "string"},
-				{Name: "version", Type: "string"},
-				{Name: "chainId", Type: "uint256"},
-				{Name: "verifyingContract", Type: "address"},
-			},
-			"Permit": {
-				{Name: "owner", Type: "address"},
-				{Name: "spender", Type: "address"},
-				{Name: "value", Type: "uint256"},
-				{Name: "nonce", Type: "uint256"},
-				{Name: "deadline", Type: "uint256"},
-			},
-		},
-		PrimaryType: "Permit",
-		Domain: apitypes.TypedDataDomain{
-			Name:              contracts.StableCoinName,
-			Version:           contracts.StableCoinVersion,
-			ChainId:           (*math.HexOrDecimal256)(new(big.Int).Set(c.ChainID)),
-			VerifyingContract: c.Token.Hex(),
-		},
-		Message: apitypes.TypedDataMessage{
-			"owner":    owner.Hex(),
-			"spender":  spender.Hex(),
-			"value":    value.String(),
-			"nonce":    nonce.String(),
-			"deadline": deadline.String(),
+			"permitted": map[string]any{"token": token, "amount": amount},
+			"spender":   spender,
+			"nonce":     nonce,
+			"deadline":  deadline,
+			"witness":   map[string]any{"to": to, "validAfter": validAfter},
 		},
 	}
 }
