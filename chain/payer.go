@@ -255,104 +255,82 @@ func AddGasSponsoring(p *x402.PaymentPayload, key *ecdsa.PrivateKey, chainID *bi
 // Permit2TransferFromPayload parses a permit2 authorization strictly (addresses 0x + 40 hex digits, numbers
 // decimal uint256 as x402.ParseUint256 reads them) into the message its signature signs, and the payer it claims. Errors are *FieldError.
 func Permit2TransferFromPayload(a *x402.Permit2Authorization) (Permit2Transfer, common.Address, error) {
-	var (
-		p     Permit2Transfer
-		owner common.Address
-		err   error
-	)
 	if a == nil {
-		return p, owner, &FieldError{Field: "permit2Authorization", Want: "an object", Got: "nothing"}
+		return Permit2Transfer{}, common.Address{}, &FieldError{Field: "permit2Authorization", Want: "an object", Got: "nothing"}
 	}
-	if owner, err = ParseAddress("permit2Authorization.from", a.From); err != nil {
-		return p, owner, err
+	f := fields{prefix: "permit2Authorization."}
+	owner := f.address("from", a.From)
+	p := Permit2Transfer{
+		Token:      f.address("permitted.token", a.Permitted.Token),
+		Amount:     f.number("permitted.amount", a.Permitted.Amount),
+		Spender:    f.address("spender", a.Spender),
+		Nonce:      f.number("nonce", a.Nonce),
+		Deadline:   f.number("deadline", a.Deadline),
+		To:         f.address("witness.to", a.Witness.To),
+		ValidAfter: f.number("witness.validAfter", a.Witness.ValidAfter),
 	}
-	if p.Token, err = ParseAddress("permit2Authorization.permitted.token", a.Permitted.Token); err != nil {
-		return p, owner, err
-	}
-	if p.Amount, err = parseNumber("permit2Authorization.permitted.amount", a.Permitted.Amount); err != nil {
-		return p, owner, err
-	}
-	if p.Spender, err = ParseAddress("permit2Authorization.spender", a.Spender); err != nil {
-		return p, owner, err
-	}
-	if p.Nonce, err = parseNumber("permit2Authorization.nonce", a.Nonce); err != nil {
-		return p, owner, err
-	}
-	if p.Deadline, err = parseNumber("permit2Authorization.deadline", a.Deadline); err != nil {
-		return p, owner, err
-	}
-	if p.To, err = ParseAddress("permit2Authorization.witness.to", a.Witness.To); err != nil {
-		return p, owner, err
-	}
-	if p.ValidAfter, err = parseNumber("permit2Authorization.witness.validAfter", a.Witness.ValidAfter); err != nil {
-		return p, owner, err
-	}
-	return p, owner, nil
+	return p, owner, f.err
 }
 
 // PermitFromAuthorization parses an erc2612 authorization strictly into the EIP-2612 Permit its signature
 // signs: owner = from, spender = to, deadline = validBefore. validAfter is checked for form too, though the
 // permit does not sign it. Errors are *FieldError.
 func PermitFromAuthorization(a *x402.EIP2612Authorization) (Permit, error) {
-	var (
-		p   Permit
-		err error
-	)
 	if a == nil {
-		return p, &FieldError{Field: "authorization", Want: "an object", Got: "nothing"}
+		return Permit{}, &FieldError{Field: "authorization", Want: "an object", Got: "nothing"}
 	}
-	if p.Owner, err = ParseAddress("authorization.from", a.From); err != nil {
-		return p, err
+	f := fields{prefix: "authorization."}
+	p := Permit{
+		Owner:   f.address("from", a.From),
+		Spender: f.address("to", a.To),
+		Value:   f.number("value", a.Value),
 	}
-	if p.Spender, err = ParseAddress("authorization.to", a.To); err != nil {
-		return p, err
-	}
-	if p.Value, err = parseNumber("authorization.value", a.Value); err != nil {
-		return p, err
-	}
-	if _, err = parseNumber("authorization.validAfter", a.ValidAfter); err != nil {
-		return p, err
-	}
-	if p.Deadline, err = parseNumber("authorization.validBefore", a.ValidBefore); err != nil {
-		return p, err
-	}
-	if p.Nonce, err = parseNumber("authorization.nonce", a.Nonce); err != nil {
-		return p, err
-	}
-	return p, nil
+	f.number("validAfter", a.ValidAfter)
+	p.Deadline = f.number("validBefore", a.ValidBefore)
+	p.Nonce = f.number("nonce", a.Nonce)
+	return p, f.err
 }
 
 // PermitFromGasSponsoring parses an eip2612GasSponsoring info strictly into the EIP-2612 Permit its signature
 // signs and the token whose domain it is signed over. It does not judge the values (spender = Permit2, from =
 // payer): the verifier does. Errors are *FieldError.
 func PermitFromGasSponsoring(info *x402.EIP2612GasSponsoringInfo) (Permit, common.Address, error) {
-	var (
-		p     Permit
-		token common.Address
-		err   error
-	)
 	if info == nil {
-		return p, token, &FieldError{Field: "eip2612GasSponsoring.info", Want: "an object", Got: "nothing"}
+		return Permit{}, common.Address{}, &FieldError{Field: "eip2612GasSponsoring.info", Want: "an object", Got: "nothing"}
 	}
-	if p.Owner, err = ParseAddress("eip2612GasSponsoring.info.from", info.From); err != nil {
-		return p, token, err
+	f := fields{prefix: "eip2612GasSponsoring.info."}
+	p := Permit{Owner: f.address("from", info.From)}
+	token := f.address("asset", info.Asset)
+	p.Spender = f.address("spender", info.Spender)
+	p.Value = f.number("amount", info.Amount)
+	p.Nonce = f.number("nonce", info.Nonce)
+	p.Deadline = f.number("deadline", info.Deadline)
+	return p, token, f.err
+}
+
+// fields parses the fields of one payload object in order and keeps the first error: once a field fails, the
+// later ones are not read, and the error names the field as its path under prefix.
+type fields struct {
+	prefix string
+	err    error
+}
+
+func (f *fields) address(name, s string) common.Address {
+	if f.err != nil {
+		return common.Address{}
 	}
-	if token, err = ParseAddress("eip2612GasSponsoring.info.asset", info.Asset); err != nil {
-		return p, token, err
+	a, err := ParseAddress(f.prefix+name, s)
+	f.err = err
+	return a
+}
+
+func (f *fields) number(name, s string) *big.Int {
+	if f.err != nil {
+		return nil
 	}
-	if p.Spender, err = ParseAddress("eip2612GasSponsoring.info.spender", info.Spender); err != nil {
-		return p, token, err
-	}
-	if p.Value, err = parseNumber("eip2612GasSponsoring.info.amount", info.Amount); err != nil {
-		return p, token, err
-	}
-	if p.Nonce, err = parseNumber("eip2612GasSponsoring.info.nonce", info.Nonce); err != nil {
-		return p, token, err
-	}
-	if p.Deadline, err = parseNumber("eip2612GasSponsoring.info.deadline", info.Deadline); err != nil {
-		return p, token, err
-	}
-	return p, token, nil
+	n, err := parseNumber(f.prefix+name, s)
+	f.err = err
+	return n
 }
 
 // FieldError says which field of a payload or requirement does not have the expected form, and what came.
