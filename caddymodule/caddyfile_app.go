@@ -3,6 +3,7 @@ package caddymodule
 import (
 	"slices"
 	"strconv"
+	"time"
 
 	"github.com/ethereum/go-ethereum/common"
 
@@ -16,6 +17,19 @@ import (
 
 func init() {
 	httpcaddyfile.RegisterGlobalOption("x402", parseGlobalX402)
+}
+
+// durationArg reads the one argument of option as a Caddy duration ("90s", "1m30s", or nanoseconds).
+func durationArg(d *caddyfile.Dispenser, option string) (time.Duration, error) {
+	var s string
+	if !d.AllArgs(&s) {
+		return 0, d.ArgErr()
+	}
+	dur, err := caddy.ParseDuration(s)
+	if err != nil {
+		return 0, d.Errf("%s '%s': %v", option, s, err)
+	}
+	return dur, nil
 }
 
 // parseGlobalX402 sets up the `x402` app from the global option of the same name:
@@ -151,13 +165,9 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 			}
 		case "receipt_timeout", "receipt_poll", "wallet_wait", "replace_after":
 			name := d.Val()
-			var s string
-			if !d.AllArgs(&s) {
-				return nil, d.ArgErr()
-			}
-			dur, err := caddy.ParseDuration(s)
+			dur, err := durationArg(d, name)
 			if err != nil {
-				return nil, d.Errf("%s: %v", name, err)
+				return nil, err
 			}
 			switch name {
 			case "receipt_timeout":

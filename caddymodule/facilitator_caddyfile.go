@@ -117,13 +117,12 @@ func parseFacilitatorUpstream(d *caddyfile.Dispenser) (*FacilitatorUpstream, err
 				return nil, d.Err("api_key needs exactly one key, or a placeholder such as {env.UPSTREAM_KEY}")
 			}
 		case "timeout":
-			var s string
-			if !d.AllArgs(&s) {
-				return nil, d.ArgErr()
+			dur, err := durationArg(d, "timeout")
+			if err != nil {
+				return nil, err
 			}
-			dur, err := caddy.ParseDuration(s)
-			if err != nil || dur <= 0 {
-				return nil, d.Errf("timeout '%s' is not a positive duration such as 10s", s)
+			if dur <= 0 {
+				return nil, d.Errf("timeout %s is not a positive duration such as 10s", dur)
 			}
 			u.Timeout = caddy.Duration(dur)
 		default:

@@ -151,13 +151,9 @@ func (a *GateAccept) unmarshalOption(d *caddyfile.Dispenser, opt string) (bool, 
 	case "token_version":
 		dst = &a.TokenVersion
 	case "max_timeout":
-		var s string
-		if !d.AllArgs(&s) {
-			return true, d.ArgErr()
-		}
-		dur, err := caddy.ParseDuration(s)
+		dur, err := durationArg(d, opt)
 		if err != nil {
-			return true, d.Errf("max_timeout %q: %v", s, err)
+			return true, err
 		}
 		a.MaxTimeout = caddy.Duration(dur)
 		return true, nil
