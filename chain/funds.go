@@ -70,13 +70,7 @@ func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, take bool) (o
 	defer fs.mu.Unlock()
 	pf := fs.payers[key]
 	if r != nil {
-		if pf == nil {
-			if len(fs.payers) >= fundsSweepAt {
-				fs.sweep()
-			}
-			pf = &payerFunds{holds: map[journal.ID]*hold{}, held: new(big.Int)}
-			fs.payers[key] = pf
-		}
+		pf = fs.payer(key)
 		if r.block >= pf.read.block {
 			pf.read, pf.readAt = *r, fs.now()
 			pf.settle(chainTime, fs.byID)
@@ -108,14 +102,7 @@ func (fs *funds) simulationSuffices(p *payment, take bool) bool {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	now := fs.now()
-	pf := fs.payers[key]
-	if pf == nil {
-		if len(fs.payers) >= fundsSweepAt {
-			fs.sweep()
-		}
-		pf = &payerFunds{holds: map[journal.ID]*hold{}, held: new(big.Int)}
-		fs.payers[key] = pf
-	}
+	pf := fs.payer(key)
 	others := len(pf.holds)
 	if _, self := pf.holds[p.id]; self {
 		others--
@@ -129,6 +116,20 @@ func (fs *funds) simulationSuffices(p *payment, take bool) bool {
 		fs.hold(pf, key, p)
 	}
 	return true
+}
+
+// payer returns the entry of key, made (after sweeping idle entries, when there are many) if there is none.
+// Called with mu held.
+func (fs *funds) payer(key fundsKey) *payerFunds {
+	pf := fs.payers[key]
+	if pf == nil {
+		if len(fs.payers) >= fundsSweepAt {
+			fs.sweep()
+		}
+		pf = &payerFunds{holds: map[journal.ID]*hold{}, held: new(big.Int)}
+		fs.payers[key] = pf
+	}
+	return pf
 }
 
 // hold holds p against pf. Called with mu held.
