@@ -94,6 +94,7 @@ type Gate struct {
 	V1Body bool `json:"v1_body,omitempty"`
 
 	fac      x402.Facilitator
+	holder   fundsHolder // fac, when it can hold payments against payers' funds and the gate settles async
 	embedded bool
 	facName  string            // for logs: "embedded" or the facilitator's base URL
 	redact   *strings.Replacer // takes RPC URLs (which may hold provider keys) out of engine errors
@@ -219,6 +220,9 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	} else {
 		// A remote facilitator may be down now; Caddy starts anyway and asks when payments come.
 		g.state.offers.Store(buildOffers(g.specs, nil, g.registry, time.Time{}))
+	}
+	if h, ok := g.fac.(fundsHolder); ok && g.Settle == SettleAsync {
+		g.holder = h
 	}
 	g.ledger, err = joinLedger(store, owner, g.logger)
 	if err != nil {

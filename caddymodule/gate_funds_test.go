@@ -120,3 +120,34 @@ func (env *gateEnv) sent() uint64 {
 	}
 	return n
 }
+
+// A payment whose upstream failed is not paid for, and no longer counts against the payer: in settle async and
+// in its settle-first fallback once the backlog is full, the payer's next payment is served.
+func TestAnUnpaidFailureReleasesWhatThePaymentHeld(t *testing.T) {
+	up := newTestUpstream(t)
+	env := newGateEnv(t, gateSetup{
+		gate: "\t\tsettle async 1\n", site: "reverse_proxy " + up.Addr, noCommit: true,
+		chainOpts: []chaintest.Option{chaintest.WithTokenBalance(big.NewInt(gatePrice))},
+	})
+	payer, other := env.c.Payers[0], env.c.Payers[1]
+	env.approvePermit2(payer)
+	env.approvePermit2(other)
+	otherBefore := env.balances(other)
+
+	// Another payer's payment waits for settlement (nothing is mined): the backlog of 1 is full.
+	if a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", other)); a.status != http.StatusOK {
+		t.Fatalf("the other payer's payment: %d %q", a.status, a.body)
+	}
+	up.setStatus(http.StatusInternalServerError)
+	if a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer)); a.status != http.StatusInternalServerError {
+		t.Fatalf("a payment whose upstream fails: %d %q, want the upstream's 500", a.status, a.body)
+	}
+	up.setStatus(http.StatusOK)
+	t.Cleanup(commitPending(t, env.c))
+	env.waitPaid(other, otherBefore, 1)
+	before := env.balances(payer)
+	if a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer)); a.status != http.StatusOK {
+		t.Fatalf("the payer's next payment, with all of its funds free again: %d %q", a.status, a.body)
+	}
+	env.waitPaid(payer, before, 1)
+}

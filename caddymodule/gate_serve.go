@@ -185,7 +185,6 @@ func (x *exchange) verifyAndServe() error {
 		up := x.callUpstream()
 		defer up.free()
 		if !up.ok() {
-			x.unhold()
 			return x.passUnpaid(up)
 		}
 		return x.serveAsync(up)
@@ -217,16 +216,17 @@ type fundsHolder interface {
 
 // verify asks the facilitator about the payment; in settle async, holding it against the payer's funds.
 func (x *exchange) verify() (x402.VerifyResponse, error) {
-	if h, ok := x.g.fac.(fundsHolder); ok && x.g.Settle == SettleAsync {
-		return h.VerifyAndHold(x.r.Context(), x.req)
+	if x.g.holder != nil {
+		return x.g.holder.VerifyAndHold(x.r.Context(), x.req)
 	}
 	return x.g.fac.Verify(x.r.Context(), x.req)
 }
 
-// unhold lets go of the hold verify placed on a payment that will not be settled after all.
+// unhold lets go of the hold verify placed on a payment that will not be settled after all (the upstream
+// failed, or the journal could not record it), in settle async and in its fallback once the backlog is full.
 func (x *exchange) unhold() {
-	if h, ok := x.g.fac.(fundsHolder); ok && x.g.Settle == SettleAsync {
-		h.Release(x.req)
+	if x.g.holder != nil {
+		x.g.holder.Release(x.req)
 	}
 }
 
@@ -310,8 +310,10 @@ var errRecordedElsewhere = errors.New("the payment was recorded by another reque
 // recordFailed answers a payment the journal could not take: nothing was settled, so retrying is safe.
 func (x *exchange) recordFailed(err error) error {
 	if errors.Is(err, errRecordedElsewhere) {
+		// The other record's request settles the payment, and its hold is the same as ours.
 		return x.alreadyUsed("this payment was just presented by another request; wait for its answer instead of paying again")
 	}
+	x.unhold() // not recorded, so never settled
 	x.g.logger.Error("writing a payment to the settlement journal", zap.Error(err))
 	return x.verifyUnreachable(fmt.Sprintf("the gate could not record the payment (%v); nothing was charged, try again", err))
 }
@@ -379,8 +381,6 @@ func (x *exchange) serveAsync(up *upstream) error {
 	if err != nil || !claimed {
 		if err == nil {
 			err = errRecordedElsewhere
-		} else {
-			x.unhold() // not recorded, so never settled (a payment recorded elsewhere is that record's to settle)
 		}
 		return x.recordFailed(err)
 	}
@@ -454,6 +454,7 @@ func (x *exchange) writeUpstream(up *upstream) error {
 // passUnpaid passes on an upstream failure without settling: the payer does not pay for an error, and the
 // payment stays good for another try.
 func (x *exchange) passUnpaid(up *upstream) error {
+	x.unhold()
 	status := up.rec.Status()
 	if up.err != nil {
 		status = http.StatusInternalServerError
