@@ -8,7 +8,6 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
-	"time"
 
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -33,16 +32,7 @@ type Client struct {
 	settleURL    string
 	healthURL    string
 
-	apiKey         secret
-	hc             *http.Client
-	timeouts       Timeouts
-	retries        int
-	backoff        time.Duration
-	settleResends  int
-	supportedTTL   time.Duration
-	supportedRetry time.Duration
-	maxBytes       int64
-	now            func() time.Time
+	settings // as the options left them, with the HTTP client filled in
 
 	supported supportedCache
 }
@@ -63,26 +53,16 @@ func New(baseURL string, opts ...Option) (*Client, error) {
 			return nil, fmt.Errorf("facilitator client for %s: %w", base, err)
 		}
 	}
-	hc := s.httpClient
-	if hc == nil {
-		hc = defaultHTTPClient()
+	if s.httpClient == nil {
+		s.httpClient = defaultHTTPClient()
 	}
 	return &Client{
-		base:           base,
-		supportedURL:   base + "/supported",
-		verifyURL:      base + "/verify",
-		settleURL:      base + "/settle",
-		healthURL:      base + "/health",
-		apiKey:         s.apiKey,
-		hc:             hc,
-		timeouts:       s.timeouts,
-		retries:        s.retries,
-		backoff:        s.backoff,
-		settleResends:  s.settleResends,
-		supportedTTL:   s.supportedTTL,
-		supportedRetry: s.supportedRetry,
-		maxBytes:       s.maxBytes,
-		now:            s.now,
+		base:         base,
+		supportedURL: base + "/supported",
+		verifyURL:    base + "/verify",
+		settleURL:    base + "/settle",
+		healthURL:    base + "/health",
+		settings:     s,
 	}, nil
 }
 

@@ -117,7 +117,7 @@ func (c *Client) exchangeOnce(ctx context.Context, method, url string, body []by
 		req.Header.Set(x402.HeaderAPIKey, string(c.apiKey))
 	}
 
-	resp, err := c.hc.Do(req)
+	resp, err := c.httpClient.Do(req)
 	if err != nil {
 		ex := exchange{err: err}
 		ex.notSent = isDialError(err) || (gotConnAsked.Load() && !wroteHeaders.Load())

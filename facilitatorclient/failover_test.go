@@ -47,7 +47,7 @@ func TestFailoverUsesTheNextCompatibleMemberWhenTheFirstIsDown(t *testing.T) {
 				t.Fatal(err)
 			}
 			first.srv.Close()
-			a.hc.CloseIdleConnections()
+			a.httpClient.CloseIdleConnections()
 			second := newFakeFacilitator(t, permit2Supported(mainnet))
 			fo := NewFailover(a, mustClient(t, second.URL()))
 
@@ -73,7 +73,7 @@ func TestFailoverNeverSendsAPermit2PaymentToAnERC2612OnlyMember(t *testing.T) {
 		t.Fatal(err)
 	}
 	permit2Down.srv.Close()
-	p.hc.CloseIdleConnections()
+	p.httpClient.CloseIdleConnections()
 	// The erc2612 member comes first, and is up: it must still not be asked.
 	fo := NewFailover(mustClient(t, erc2612Only.URL()), p)
 
