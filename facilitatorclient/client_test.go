@@ -142,6 +142,30 @@ type statusRow struct {
 	wantKind x402.FailureKind
 }
 
+// checkRow asserts a call's outcome for the row and reports whether the row is an answer: then got must be the
+// row's body as the client's type reads it, else err must be a FacilitatorError of the row's kind and status
+// (and of op, unless op is empty).
+func checkRow[T any](t *testing.T, row statusRow, op string, got T, err error) (answered bool) {
+	t.Helper()
+	if row.wantKind == "" {
+		if err != nil {
+			t.Fatalf("want an answer, got error %v", err)
+		}
+		var want T
+		_ = json.Unmarshal([]byte(row.body), &want)
+		if !bytes.Equal(mustJSON(t, got), mustJSON(t, want)) {
+			t.Fatalf("answer = %s, want %s", mustJSON(t, got), mustJSON(t, want))
+		}
+		return true
+	}
+	fe := failureOf(t, err)
+	if fe.Kind != row.wantKind || fe.Status != row.status || (op != "" && fe.Op != op) {
+		t.Fatalf("error = {op %s kind %s status %d}, want {op %s kind %s status %d}: %v",
+			fe.Op, fe.Kind, fe.Status, op, row.wantKind, row.status, err)
+	}
+	return false
+}
+
 func TestVerifyFollowsTheStatusConventions(t *testing.T) {
 	rows := []statusRow{
 		{"200 with a valid answer is the answer", 200, `{"isValid":true,"payer":"` + payer + `"}`, ""},
@@ -170,21 +194,8 @@ func TestVerifyFollowsTheStatusConventions(t *testing.T) {
 			})
 			c := mustClient(t, f.URL(), WithMaxResponseBytes(1024))
 			resp, err := c.Verify(context.Background(), permit2Request(mainnet))
-			if row.wantKind == "" {
-				if err != nil {
-					t.Fatalf("want an answer, got error %v", err)
-				}
-				var want x402.VerifyResponse
-				_ = json.Unmarshal([]byte(row.body), &want)
-				if fmt.Sprint(resp) != fmt.Sprint(want) {
-					t.Fatalf("answer = %+v, want %+v", resp, want)
-				}
+			if checkRow(t, row, "verify", resp, err) {
 				return
-			}
-			fe := failureOf(t, err)
-			if fe.Kind != row.wantKind || fe.Status != row.status || fe.Op != "verify" {
-				t.Fatalf("error = {op %s kind %s status %d}, want {op verify kind %s status %d}: %v",
-					fe.Op, fe.Kind, fe.Status, row.wantKind, row.status, err)
 			}
 			if n := f.verifyCalls.Load(); n != 1 {
 				t.Fatalf("facilitator was asked %d times, want 1: a response is never retried", n)
@@ -224,21 +235,8 @@ func TestSettleFollowsTheStatusConventions(t *testing.T) {
 			if n := f.settleCalls.Load(); n != 1 {
 				t.Fatalf("facilitator was asked %d times, want 1: a response is never followed by a resend", n)
 			}
-			if row.wantKind == "" {
-				if err != nil {
-					t.Fatalf("want an answer, got error %v", err)
-				}
-				var want x402.SettleResponse
-				_ = json.Unmarshal([]byte(row.body), &want)
-				if fmt.Sprint(res.Response) != fmt.Sprint(want) {
-					t.Fatalf("answer = %+v, want %+v", res.Response, want)
-				}
+			if checkRow(t, row, "settle", res.Response, err) {
 				return
-			}
-			fe := failureOf(t, err)
-			if fe.Kind != row.wantKind || fe.Status != row.status || fe.Op != "settle" {
-				t.Fatalf("error = {op %s kind %s status %d}, want {op settle kind %s status %d}: %v",
-					fe.Op, fe.Kind, fe.Status, row.wantKind, row.status, err)
 			}
 			if errors.Is(err, ErrNotSent) {
 				t.Fatalf("error %v claims the request was not sent, but the facilitator answered", err)
@@ -262,21 +260,7 @@ func TestSupportedFollowsTheStatusConventions(t *testing.T) {
 				f.supported = func(w http.ResponseWriter, _ *http.Request) { writeRaw(w, row.status, row.body) }
 			})
 			resp, err := mustClient(t, f.URL()).Supported(context.Background())
-			if row.wantKind == "" {
-				if err != nil {
-					t.Fatalf("want an answer, got error %v", err)
-				}
-				var want x402.SupportedResponse
-				_ = json.Unmarshal([]byte(row.body), &want)
-				if !bytes.Equal(mustJSON(t, resp), mustJSON(t, want)) {
-					t.Fatalf("answer = %s, want %s", mustJSON(t, resp), mustJSON(t, want))
-				}
-				return
-			}
-			fe := failureOf(t, err)
-			if fe.Kind != row.wantKind || fe.Status != row.status {
-				t.Fatalf("error = {kind %s status %d}, want {kind %s status %d}: %v", fe.Kind, fe.Status, row.wantKind, row.status, err)
-			}
+			checkRow(t, row, "", resp, err)
 		})
 	}
 }
@@ -295,21 +279,7 @@ func TestHealthFollowsTheStatusConventions(t *testing.T) {
 				f.health = func(w http.ResponseWriter, _ *http.Request) { writeRaw(w, row.status, row.body) }
 			})
 			resp, err := mustClient(t, f.URL()).Health(context.Background())
-			if row.wantKind == "" {
-				if err != nil {
-					t.Fatalf("want an answer, got error %v", err)
-				}
-				var want x402.HealthResponse
-				_ = json.Unmarshal([]byte(row.body), &want)
-				if !bytes.Equal(mustJSON(t, resp), mustJSON(t, want)) {
-					t.Fatalf("answer = %s, want %s", mustJSON(t, resp), mustJSON(t, want))
-				}
-				return
-			}
-			fe := failureOf(t, err)
-			if fe.Kind != row.wantKind || fe.Status != row.status {
-				t.Fatalf("error = {kind %s status %d}, want {kind %s status %d}: %v", fe.Kind, fe.Status, row.wantKind, row.status, err)
-			}
+			checkRow(t, row, "", resp, err)
 		})
 	}
 }
