@@ -511,14 +511,7 @@ func (h *FacilitatorHandler) redact(s string) string {
 // refusal says why the handler does not serve a payment's kind, or "" when it does.
 func (h *FacilitatorHandler) refusal(req x402.VerifyRequest) (reason, message string) {
 	rq := req.PaymentRequirements
-	method := rq.Extra.AssetTransferMethod
-	if method == "" {
-		// Requirements without the field: the payload's shape tells the method, as the engine reads it.
-		method = x402.TransferERC2612
-		if req.PaymentPayload.Payload.Permit2Authorization != nil {
-			method = x402.TransferPermit2
-		}
-	}
+	method := x402.TransferMethod(rq, req.PaymentPayload.Payload)
 	switch {
 	case h.networks != nil && !h.networks[rq.Network]:
 		return x402.ReasonInvalidNetwork, fmt.Sprintf("network %q is not served by this facilitator (it serves %s)", rq.Network, strings.Join(h.Networks, ", "))

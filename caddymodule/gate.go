@@ -392,22 +392,11 @@ var gateBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
 // gateID is the journal id of the gate's record of a payment: the engine's own settlement record of the same
 // payment lives in the same journal, so the method is prefixed to keep the two apart.
 func gateID(network, method, asset string, p x402.ExactEVMPayload) (journal.ID, bool) {
-	from, nonce := payerAndNonce(p)
+	from, nonce := p.PayerAndNonce()
 	if from == "" || nonce == "" || network == "" || asset == "" || method == "" {
 		return journal.ID{}, false
 	}
 	return journal.PaymentID(network, "gate/"+method, asset, from, nonce), true
-}
-
-// payerAndNonce reads who pays and the authorization's nonce from a payload of either transfer method.
-func payerAndNonce(p x402.ExactEVMPayload) (from, nonce string) {
-	switch {
-	case p.Permit2Authorization != nil:
-		return p.Permit2Authorization.From, p.Permit2Authorization.Nonce
-	case p.Authorization != nil:
-		return p.Authorization.From, p.Authorization.Nonce
-	}
-	return "", ""
 }
 
 // Interface guards

@@ -279,23 +279,12 @@ type mismatch struct {
 
 func (m *mismatch) Error() string { return m.reason + ": " + m.message }
 
-// transferMethod is the method a payment uses: as its accepted requirement names it, else as its shape shows.
-func transferMethod(accepted x402.PaymentRequirements, p x402.ExactEVMPayload) string {
-	if m := accepted.Extra.AssetTransferMethod; m != "" {
-		return m
-	}
-	if p.Permit2Authorization != nil {
-		return x402.TransferPermit2
-	}
-	return x402.TransferERC2612
-}
-
 // match finds the offer a version 2 payment chose and returns the request the facilitator gets: the payload as
 // decoded and the gate's own requirement (spec rule 4). Scheme, network, method, asset, recipient and amount
 // must all be what was offered; addresses compare as 20-byte values and amounts as numbers.
 func (s *offerSet) match(p *x402.PaymentPayload) (x402.VerifyRequest, *mismatch) {
 	a := p.Accepted
-	method := transferMethod(a, p.Payload)
+	method := x402.TransferMethod(a, p.Payload)
 	var candidates []offer
 	for _, o := range s.offers {
 		if o.req.Scheme == a.Scheme && o.req.Network == a.Network && o.req.Extra.AssetTransferMethod == method {

@@ -139,7 +139,7 @@ func (x *exchange) read(value string, fromV1Header bool) (presented, error) {
 		v2 = &decoded
 	}
 	p.payload = v2.Payload
-	p.id, p.haveID = gateID(v2.Accepted.Network, transferMethod(v2.Accepted, p.payload), v2.Accepted.Asset, p.payload)
+	p.id, p.haveID = gateID(v2.Accepted.Network, x402.TransferMethod(v2.Accepted, p.payload), v2.Accepted.Asset, p.payload)
 	p.req, p.mismatch = x.offers.match(v2)
 	return p, nil
 }
@@ -166,7 +166,7 @@ func (x *exchange) verifyAndServe() error {
 	if !vres.IsValid {
 		return x.verifyFailed(vres)
 	}
-	from, _ := payerAndNonce(x.req.PaymentPayload.Payload)
+	from, _ := x.req.PaymentPayload.Payload.PayerAndNonce()
 	x.payer = cmp.Or(vres.Payer, from)
 	x.setPaymentPlaceholders()
 

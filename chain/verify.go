@@ -156,12 +156,7 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 // claimedPayer is the payer a payload names, for answers about payloads that did not parse: in checksum case,
 // as answers about parsed payloads give it, or "" when the payload names no address.
 func claimedPayer(req x402.VerifyRequest) string {
-	var from string
-	if a := req.PaymentPayload.Payload.Permit2Authorization; a != nil {
-		from = a.From
-	} else if a := req.PaymentPayload.Payload.Authorization; a != nil {
-		from = a.From
-	}
+	from, _ := req.PaymentPayload.Payload.PayerAndNonce()
 	addr, err := ParseAddress("from", from)
 	if err != nil {
 		return ""
@@ -212,15 +207,7 @@ func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
 		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "paymentRequirements.amount must be a positive decimal number of raw token units, got %q", rq.Amount)
 	}
 
-	p.method = rq.Extra.AssetTransferMethod
-	if p.method == "" {
-		// Requirements that predate the extra field: the payload's shape tells the method.
-		if pp.Payload.Permit2Authorization != nil {
-			p.method = x402.TransferPermit2
-		} else {
-			p.method = x402.TransferERC2612
-		}
-	}
+	p.method = x402.TransferMethod(rq, pp.Payload)
 	switch {
 	case p.method != x402.TransferPermit2 && p.method != x402.TransferERC2612:
 		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "assetTransferMethod %q is not supported; want %q or %q", p.method, x402.TransferPermit2, x402.TransferERC2612)

@@ -113,6 +113,30 @@ type ExactEVMPayload struct {
 	Permit2Authorization *Permit2Authorization `json:"permit2Authorization,omitempty"`
 }
 
+// PayerAndNonce returns the payer the payload names and its authorization's nonce, for either transfer method,
+// as sent (unchecked); both are "" when the payload carries no authorization.
+func (p ExactEVMPayload) PayerAndNonce() (from, nonce string) {
+	switch {
+	case p.Permit2Authorization != nil:
+		return p.Permit2Authorization.From, p.Permit2Authorization.Nonce
+	case p.Authorization != nil:
+		return p.Authorization.From, p.Authorization.Nonce
+	}
+	return "", ""
+}
+
+// TransferMethod is the asset transfer method of payload p for requirement rq: as rq names it, else, for
+// requirements that predate extra.assetTransferMethod, as the payload's shape shows.
+func TransferMethod(rq PaymentRequirements, p ExactEVMPayload) string {
+	if m := rq.Extra.AssetTransferMethod; m != "" {
+		return m
+	}
+	if p.Permit2Authorization != nil {
+		return TransferPermit2
+	}
+	return TransferERC2612
+}
+
 // PaymentPayload is the client's payment, Base64-encoded in the PAYMENT-SIGNATURE header (version 2).
 type PaymentPayload struct {
 	X402Version int                        `json:"x402Version"`
