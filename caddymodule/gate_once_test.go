@@ -230,33 +230,15 @@ func TestABackgroundSettlementRetriesUntilTheFacilitatorIsBack(t *testing.T) {
 }
 
 func TestServedAsyncPaymentsLeftInTheJournalAreSettledOnceAfterARestart(t *testing.T) {
-	dir := t.TempDir()
-	journalPath := filepath.Join(dir, "journal.db")
-	env := &gateEnv{t: t, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1")}
-	env.c = chaintest.New(t, chaintest.WithHTTP())
-	env.net = x402.EIP155(env.c.ChainID.Uint64())
+	env := newStoppedGateEnv(t)
 	t.Cleanup(commitPending(t, env.c))
 	payer := env.c.Payers[0]
 	env.approvePermit2(payer)
 	before := env.balances(payer)
 
 	// What a gate wrote before it was killed: a served async payment, not settled.
-	rq := x402.PaymentRequirements{Scheme: "exact", Network: env.net, Amount: "10000", Asset: env.c.Token.Hex(),
-		PayTo: env.payTo.Hex(), MaxTimeoutSeconds: 300, Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2,
-			Name: "Stable Coin", Version: "1", Permit2Address: contracts.Permit2Address.Hex(), X402Permit2ProxyAddress: contracts.ProxyAddress.Hex()}}
-	p := env.signPermit2(payer, rq)
-	req, _ := json.Marshal(x402.VerifyRequest{X402Version: 2, PaymentPayload: p, PaymentRequirements: rq})
-	auth := p.Payload.Permit2Authorization
-	id := journal.PaymentID(env.net, "gate/permit2", rq.Asset, auth.From, auth.Nonce)
-	store, err := journal.OpenBolt(journalPath, journal.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, claimed, err := store.Claim(context.Background(), journal.Record{ID: id, Network: env.net, Payer: auth.From,
-		Amount: "10000", Request: req, Owner: "killed-process", Async: true, Served: true, ServedAt: time.Now()}); err != nil || !claimed {
-		t.Fatalf("writing the journal: claimed %v, %v", claimed, err)
-	}
-	store.Close()
+	journalPath := filepath.Join(t.TempDir(), "journal.db")
+	p := env.journalServedAsync(journalPath, payer, 1)[0]
 
 	setup := gateSetup{journal: journalPath, gate: "\t\tsettle async\n"}
 	env.srv = startCaddy(t, env.caddyfile(setup))
@@ -323,34 +305,15 @@ func countServed(t *testing.T, answers []gateAnswer) int {
 // while the backlog settles.
 func TestReplayedAsyncPaymentsCountAgainstThePayersFunds(t *testing.T) {
 	const backlog = 70 // more than the 64 background settlements that run at once
-	dir := t.TempDir()
-	journalPath := filepath.Join(dir, "journal.db")
-	env := &gateEnv{t: t, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1")}
-	env.c = chaintest.New(t, chaintest.WithHTTP(), chaintest.WithTokenBalance(big.NewInt(backlog*gatePrice)))
-	env.net = x402.EIP155(env.c.ChainID.Uint64())
+	env := newStoppedGateEnv(t, chaintest.WithTokenBalance(big.NewInt(backlog*gatePrice)))
 	payer := env.c.Payers[0]
 	env.approvePermit2(payer)
 	before := env.balances(payer)
 
 	// What a gate wrote before it was killed: served async payments spending all the payer has, none settled.
-	rq := x402.PaymentRequirements{Scheme: "exact", Network: env.net, Amount: "10000", Asset: env.c.Token.Hex(),
-		PayTo: env.payTo.Hex(), MaxTimeoutSeconds: 300, Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2,
-			Name: "Stable Coin", Version: "1", Permit2Address: contracts.Permit2Address.Hex(), X402Permit2ProxyAddress: contracts.ProxyAddress.Hex()}}
-	store, err := journal.OpenBolt(journalPath, journal.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for range backlog {
-		p := env.signPermit2(payer, rq)
-		req, _ := json.Marshal(x402.VerifyRequest{X402Version: 2, PaymentPayload: p, PaymentRequirements: rq})
-		auth := p.Payload.Permit2Authorization
-		id := journal.PaymentID(env.net, "gate/permit2", rq.Asset, auth.From, auth.Nonce)
-		if _, claimed, err := store.Claim(context.Background(), journal.Record{ID: id, Network: env.net, Payer: auth.From,
-			Amount: "10000", Request: req, Owner: "killed-process", Async: true, Served: true, ServedAt: time.Now()}); err != nil || !claimed {
-			t.Fatalf("writing the journal: claimed %v, %v", claimed, err)
-		}
-	}
-	store.Close()
+	journalPath := filepath.Join(t.TempDir(), "journal.db")
+	env.journalServedAsync(journalPath, payer, backlog)
+	rq := env.journalRequirement()
 
 	// Nothing is mined until the new payment has been answered.
 	env.srv = startCaddy(t, env.caddyfile(gateSetup{journal: journalPath, gate: "\t\tsettle async\n", noCommit: true}))
@@ -371,4 +334,46 @@ func TestReplayedAsyncPaymentsCountAgainstThePayersFunds(t *testing.T) {
 	}
 	t.Cleanup(commitPending(t, env.c))
 	env.waitPaid(payer, before, backlog)
+}
+
+// newStoppedGateEnv is a gate test's chain with no Caddy yet: the test writes a journal first, as a gate killed
+// before it finished would have left it, and then starts Caddy on it.
+func newStoppedGateEnv(t *testing.T, opts ...chaintest.Option) *gateEnv {
+	env := &gateEnv{t: t, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1")}
+	env.c = chaintest.New(t, append([]chaintest.Option{chaintest.WithHTTP()}, opts...)...)
+	env.net = x402.EIP155(env.c.ChainID.Uint64())
+	return env
+}
+
+// journalRequirement is the permit2 requirement of the gate env.caddyfile configures, as its offer names it.
+func (env *gateEnv) journalRequirement() x402.PaymentRequirements {
+	return x402.PaymentRequirements{Scheme: "exact", Network: env.net, Amount: "10000", Asset: env.c.Token.Hex(),
+		PayTo: env.payTo.Hex(), MaxTimeoutSeconds: 300, Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2,
+			Name: "Stable Coin", Version: "1", Permit2Address: contracts.Permit2Address.Hex(), X402Permit2ProxyAddress: contracts.ProxyAddress.Hex()}}
+}
+
+// journalServedAsync writes n payments of payer into the journal at path as a settle-async gate records them
+// once served and before they settle, and returns them.
+func (env *gateEnv) journalServedAsync(path string, payer *chaintest.Account, n int) []x402.PaymentPayload {
+	t := env.t
+	t.Helper()
+	rq := env.journalRequirement()
+	store, err := journal.OpenBolt(path, journal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	var out []x402.PaymentPayload
+	for range n {
+		p := env.signPermit2(payer, rq)
+		req, _ := json.Marshal(x402.VerifyRequest{X402Version: 2, PaymentPayload: p, PaymentRequirements: rq})
+		auth := p.Payload.Permit2Authorization
+		id := journal.PaymentID(env.net, "gate/permit2", rq.Asset, auth.From, auth.Nonce)
+		if _, claimed, err := store.Claim(context.Background(), journal.Record{ID: id, Network: env.net, Payer: auth.From,
+			Amount: "10000", Request: req, Owner: "killed-process", Async: true, Served: true, ServedAt: time.Now()}); err != nil || !claimed {
+			t.Fatalf("writing the journal: claimed %v, %v", claimed, err)
+		}
+		out = append(out, p)
+	}
+	return out
 }
