@@ -18,7 +18,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/crypto"
-	"github.com/ethereum/go-ethereum/ethclient"
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/chain"
@@ -288,7 +287,7 @@ func engineKey(journalPath string, specs []networkSpec) (string, error) {
 type engineEntry struct {
 	facilitator *chain.Facilitator
 	journalPath string
-	clients     []*ethclient.Client
+	clients     []*chain.RPCClient
 }
 
 // Destruct stops the engine and lets go of its journal when the last config using it is gone.

@@ -23,7 +23,6 @@ import (
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
 	"github.com/ethereum/go-ethereum/crypto"
-	"github.com/ethereum/go-ethereum/ethclient"
 
 	"github.com/x402-gateway/caddy-x402/caddymodule"
 	"github.com/x402-gateway/caddy-x402/chain"
@@ -154,7 +153,7 @@ func BenchmarkGate(b *testing.B) {
 type benchEnv struct {
 	url     string
 	client  *http.Client
-	eth     *ethclient.Client
+	eth     *chain.RPCClient
 	chainID *big.Int
 	token   common.Address
 	payer   *ecdsa.PrivateKey

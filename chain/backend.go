@@ -41,7 +41,7 @@ type Backend interface {
 // DialRPC connects to a JSON-RPC endpoint (http, https, ws, wss). Over HTTP it keeps enough idle connections
 // to the node for hundreds of settlements in flight: the standard client keeps two, and would open and close a
 // connection for nearly every call under load.
-func DialRPC(ctx context.Context, url string) (*ethclient.Client, error) {
+func DialRPC(ctx context.Context, url string) (*RPCClient, error) {
 	transport := http.DefaultTransport.(*http.Transport).Clone()
 	transport.MaxIdleConns, transport.MaxIdleConnsPerHost = 512, 512
 	// Answers are small and the node usually near: gzip costs both ends more CPU than it saves.
@@ -50,7 +50,21 @@ func DialRPC(ctx context.Context, url string) (*ethclient.Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	return ethclient.NewClient(c), nil
+	return &RPCClient{Client: ethclient.NewClient(c), transport: transport}, nil
+}
+
+// RPCClient is a client DialRPC made: an ethclient.Client whose Close also closes its pooled connections.
+type RPCClient struct {
+	*ethclient.Client
+	transport *http.Transport
+}
+
+// Close closes the client and its idle connections. go-ethereum's Close does nothing for an HTTP client, so
+// without this every engine a config reload replaced would leave its connections open, and a node shutting
+// down would wait out the ones the transport had dialled but not yet used.
+func (c *RPCClient) Close() {
+	c.Client.Close()
+	c.transport.CloseIdleConnections()
 }
 
 // blockReceiptsReader is a backend that serves eth_getBlockReceipts: every receipt of a block in one call.

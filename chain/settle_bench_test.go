@@ -46,7 +46,7 @@ func BenchmarkSustainedSettlement(b *testing.B) {
 			}
 			defer client.Close()
 			for _, k := range dc.Payers() {
-				approve(b, client, dc, k, contracts.Permit2Address)
+				approve(b, client.Client, dc, k, contracts.Permit2Address)
 			}
 			store, err := journal.OpenBolt(filepath.Join(b.TempDir(), "journal.db"), journal.Options{})
 			if err != nil {
