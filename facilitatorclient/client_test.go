@@ -622,15 +622,7 @@ func TestSupportedIsCachedForItsTTL(t *testing.T) {
 func TestSupportedFailuresAreNotCached(t *testing.T) {
 	var fail atomic.Bool
 	fail.Store(true)
-	f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
-		f.supported = func(w http.ResponseWriter, _ *http.Request) {
-			if fail.Load() {
-				writeRaw(w, http.StatusServiceUnavailable, "")
-				return
-			}
-			writeJSON(w, http.StatusOK, permit2Supported(mainnet))
-		}
-	})
+	f := newFakeFacilitator(t, permit2Supported(mainnet), supportedDownWhile(&fail))
 	c := mustClient(t, f.URL())
 	if _, err := c.Supported(context.Background()); err == nil {
 		t.Fatal("want the 503 as an error")

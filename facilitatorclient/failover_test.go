@@ -217,15 +217,7 @@ func TestFailoverSkipsAMemberWhoseSupportedFailedUntilItsRetryTime(t *testing.T)
 	clock := newTestClock()
 	var down atomic.Bool
 	down.Store(true)
-	first := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
-		f.supported = func(w http.ResponseWriter, _ *http.Request) {
-			if down.Load() {
-				writeRaw(w, http.StatusServiceUnavailable, "")
-				return
-			}
-			writeJSON(w, http.StatusOK, permit2Supported(mainnet))
-		}
-	})
+	first := newFakeFacilitator(t, permit2Supported(mainnet), supportedDownWhile(&down))
 	second := newFakeFacilitator(t, permit2Supported(mainnet))
 	opts := []Option{WithClock(clock.Now), WithSupportedRetry(5 * time.Second), WithSupportedTTL(time.Hour)}
 	a, b := mustClient(t, first.URL(), opts...), mustClient(t, second.URL(), opts...)
@@ -310,15 +302,7 @@ func TestFailoverChecksAMemberThatFailedAsideAndPrefersItOnceItAnswers(t *testin
 func TestFailoverStopsUsingAMemberWhoseSupportedRefreshFailed(t *testing.T) {
 	clock := newTestClock()
 	var down atomic.Bool
-	first := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
-		f.supported = func(w http.ResponseWriter, _ *http.Request) {
-			if down.Load() {
-				writeRaw(w, http.StatusServiceUnavailable, "")
-				return
-			}
-			writeJSON(w, http.StatusOK, permit2Supported(mainnet))
-		}
-	})
+	first := newFakeFacilitator(t, permit2Supported(mainnet), supportedDownWhile(&down))
 	second := newFakeFacilitator(t, permit2Supported(mainnet))
 	opts := []Option{WithClock(clock.Now), WithSupportedTTL(time.Minute), WithSupportedRetry(time.Hour)}
 	a, b := mustClient(t, first.URL(), opts...), mustClient(t, second.URL(), opts...)

@@ -301,3 +301,17 @@ func mustJSON(t *testing.T, v any) []byte {
 	}
 	return b
 }
+
+// supportedDownWhile makes a fake facilitator's /supported answer 503 while down is set, and its permit2 kind
+// on the mainnet otherwise.
+func supportedDownWhile(down *atomic.Bool) func(*fakeFacilitator) {
+	return func(f *fakeFacilitator) {
+		f.supported = func(w http.ResponseWriter, _ *http.Request) {
+			if down.Load() {
+				writeRaw(w, http.StatusServiceUnavailable, "")
+				return
+			}
+			writeJSON(w, http.StatusOK, permit2Supported(mainnet))
+		}
+	}
+}
