@@ -7,9 +7,11 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -71,6 +73,45 @@ func (s *caddyServer) load(caddyfile string) {
 	// A reload closes the old servers' connections: a kept-alive one reused by the next request would
 	// answer EOF.
 	http.DefaultClient.CloseIdleConnections()
+	s.waitForOldSocket()
+}
+
+// waitForOldSocket waits until the replaced config's listening socket is closed. On a reload Caddy binds a
+// new socket beside the old one (SO_REUSEPORT), and its Load returns once the old server's shutdown has
+// started, not finished: a connection the kernel queues on the old socket in between is reset when it
+// closes, and a test's next request fails with EOF or "connection reset by peer". Real clients retry;
+// a test must not, so it waits (Linux only: elsewhere it reads nothing and returns at once).
+func (s *caddyServer) waitForOldSocket() {
+	s.t.Helper()
+	_, port, _ := net.SplitHostPort(s.Addr)
+	p, _ := strconv.Atoi(port)
+	suffix := fmt.Sprintf(":%04X", p)
+	deadline := time.Now().Add(5 * time.Second)
+	for listeningSockets(suffix) > 1 {
+		if time.Now().After(deadline) {
+			s.t.Fatalf("the replaced config still listens on %s 5 s after the reload", s.Addr)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// listeningSockets counts the TCP sockets listening on the port whose /proc/net hex form ends local
+// addresses with suffix.
+func listeningSockets(suffix string) int {
+	n := 0
+	for _, name := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
+		table, err := os.ReadFile(name)
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(table), "\n") {
+			f := strings.Fields(line)
+			if len(f) > 3 && f[3] == "0A" && strings.HasSuffix(f[1], suffix) {
+				n++
+			}
+		}
+	}
+	return n
 }
 
 // adapt turns the Caddyfile into the JSON Caddy runs, with admin off and storage in the test's folder.
