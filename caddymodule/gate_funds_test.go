@@ -5,9 +5,11 @@ import (
 	"math/big"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/x402-gateway/caddy-x402/caddymodule"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -99,12 +101,7 @@ func TestSettleAsyncSettlesFirstWhenItsBacklogIsFull(t *testing.T) {
 		t.Errorf("the third payment answered %+v; want it settled, with its transaction", resp)
 	}
 	env.waitPaid(payer, before, 3)
-	for deadline := time.Now().Add(5 * time.Second); samples(t)["caddy_x402_gate_async_backlog{}"] != 0; {
-		if time.Now().After(deadline) {
-			t.Fatalf("caddy_x402_gate_async_backlog = %v after every payment settled, want 0", samples(t)["caddy_x402_gate_async_backlog{}"])
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitBacklog(t, 0)
 }
 
 // sent is how many transactions the settlement wallets have sent, counting those still in the pool.
@@ -150,4 +147,91 @@ func TestAnUnpaidFailureReleasesWhatThePaymentHeld(t *testing.T) {
 		t.Fatalf("the payer's next payment, with all of its funds free again: %d %q", a.status, a.body)
 	}
 	env.waitPaid(payer, before, 1)
+}
+
+// A remote facilitator verifies against the funds the chain shows, unaware of what the gate served and has not
+// settled yet, and cannot hold payments. So a settle async gate with a remote facilitator serves a payer one
+// unsettled payment at a time: the payer's next payment waits for the earlier one to settle, and is then settled
+// before it is served. A payer who can pay for two responses and presents three is served two, and pays both.
+func TestARemoteAsyncGateServesAPayerOneUnsettledPaymentAtATime(t *testing.T) {
+	up := newTestUpstream(t)
+	env := newGateEnv(t, gateSetup{
+		remote: true, gate: "\t\tsettle async\n", site: "reverse_proxy " + up.Addr,
+		chainOpts: []chaintest.Option{chaintest.WithTokenBalance(big.NewInt(2 * gatePrice))},
+	})
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	resume := sync.OnceFunc(caddymodule.PauseBackgroundSettlement())
+	t.Cleanup(resume)
+
+	// The first payment is served at once, and its settlement waits (held back).
+	if a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer)); a.status != http.StatusOK ||
+		settleResponse(t, a).ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("the first payment: %d %q, want served with settlement_pending", a.status, a.body)
+	}
+	// The second, which the facilitator finds valid (the chain still shows funds for two), is not served while
+	// the first is unsettled.
+	second := env.getAsync("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer))
+	select {
+	case a := <-second:
+		t.Fatalf("the second payment was answered (%d %q) while the first was not settled", a.status, a.body)
+	case <-time.After(300 * time.Millisecond):
+	}
+	if got := up.calls.Load(); got != 1 {
+		t.Errorf("the upstream ran %d times while the second payment waited, want 1", got)
+	}
+	resume()
+	a := gateWait(t, second, "the second payment's answer")
+	if resp := settleResponse(t, a); a.status != http.StatusOK || !resp.Success || resp.Transaction == "" {
+		t.Fatalf("the second payment: %d %+v, want it settled before it was served, with its transaction", a.status, resp)
+	}
+	env.waitPaid(payer, before, 2)
+	waitBacklog(t, 0)
+
+	// Both settled: the payer's funds are spent, and the third payment is refused before anything is served.
+	a = env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer))
+	if a.status != http.StatusPaymentRequired || !strings.Contains(requiredError(t, a), x402.ReasonInsufficientFunds) {
+		t.Fatalf("the third payment: %d %q, want 402 naming insufficient_funds", a.status, a.body)
+	}
+	if got := up.calls.Load(); got != 2 {
+		t.Errorf("the upstream ran %d times, want 2", got)
+	}
+	env.assertPaid(payer, before, 2)
+}
+
+// A payment a remote async gate did not serve (its upstream failed) is not counted as owed: the payer's next
+// payment is served at once.
+func TestARemoteAsyncGateForgetsAPaymentItDidNotServe(t *testing.T) {
+	up := newTestUpstream(t)
+	env := newGateEnv(t, gateSetup{remote: true, gate: "\t\tsettle async\n", site: "reverse_proxy " + up.Addr})
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	up.setStatus(http.StatusBadGateway)
+	if a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer)); a.status != http.StatusBadGateway {
+		t.Fatalf("the payment whose upstream failed: %d %q, want the upstream's 502", a.status, a.body)
+	}
+	up.setStatus(http.StatusOK)
+	next := env.getAsync("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer))
+	select {
+	case a := <-next:
+		if resp := settleResponse(t, a); a.status != http.StatusOK || resp.ErrorReason != x402.ReasonSettlementPending {
+			t.Fatalf("the next payment: %d %+v, want served at once with settlement_pending", a.status, resp)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the next payment waited for a payment that was never served")
+	}
+	env.waitPaid(payer, before, 1)
+}
+
+// waitBacklog waits until the gates' backlog of served, unsettled async payments is n.
+func waitBacklog(t *testing.T, n float64) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); samples(t)["caddy_x402_gate_async_backlog{}"] != n; {
+		if time.Now().After(deadline) {
+			t.Fatalf("caddy_x402_gate_async_backlog = %v, want %v", samples(t)["caddy_x402_gate_async_backlog{}"], n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }

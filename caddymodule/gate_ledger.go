@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -39,6 +40,11 @@ type gateLedger struct {
 	inflight map[journal.ID]struct{}
 	settling map[journal.ID]struct{}
 	gates    []*Gate
+	// debts are the served async payments not settled yet, by payer (lowercase), and owedBy the payer of each.
+	// A gate whose facilitator cannot hold payments against the payer's funds serves a payer one such payment
+	// at a time (see serveFirst).
+	debts  map[string]*payerDebt
+	owedBy map[journal.ID]string
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -68,6 +74,7 @@ func joinLedger(store journal.Store, owner string, log *zap.Logger) (*gateLedger
 		return &gateLedger{
 			store: store, owner: owner, log: log,
 			inflight: map[journal.ID]struct{}{}, settling: map[journal.ID]struct{}{},
+			debts: map[string]*payerDebt{}, owedBy: map[journal.ID]string{},
 			slots: make(chan struct{}, asyncConcurrency), ctx: ctx, cancel: cancel,
 		}, nil
 	})
@@ -136,6 +143,7 @@ func (l *gateLedger) replay() {
 	for _, rec := range recs {
 		if rec.Async && rec.Served {
 			served = append(served, rec)
+			l.owe(rec.ID, rec.Payer)
 			l.settleLater(rec.ID)
 		}
 	}
@@ -191,6 +199,72 @@ func (l *gateLedger) backlog() int {
 	return len(l.settling)
 }
 
+// payerDebt counts a payer's served async payments not settled yet; done is closed when none is left.
+type payerDebt struct {
+	n    int
+	done chan struct{}
+}
+
+// serveFirst decides whether a payer may be served payment id before it settles, for a gate whose facilitator
+// checks the payer's funds as the chain shows them, unaware of what this gate served and has not settled yet
+// (a remote facilitator). A payer who owes nothing may: id is counted against the payer until its settlement
+// is final, and serveFirst returns nil. Otherwise it returns a channel that is closed once the payer's earlier
+// payments have settled; the caller waits for it and settles this payment before serving it, so its
+// settlement sees what the earlier ones spent and a payer is never served more than the payer can pay.
+func (l *gateLedger) serveFirst(id journal.ID, payer string) <-chan struct{} {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if d := l.debts[strings.ToLower(payer)]; d != nil {
+		return d.done
+	}
+	l.oweLocked(id, payer)
+	return nil
+}
+
+// owe counts a replayed async payment against its payer until its settlement is final.
+func (l *gateLedger) owe(id journal.ID, payer string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, counted := l.owedBy[id]; !counted {
+		l.oweLocked(id, payer)
+	}
+}
+
+func (l *gateLedger) oweLocked(id journal.ID, payer string) {
+	k := strings.ToLower(payer)
+	d := l.debts[k]
+	if d == nil {
+		d = &payerDebt{done: make(chan struct{})}
+		l.debts[k] = d
+	}
+	d.n++
+	l.owedBy[id] = k
+}
+
+// forgive stops counting a payment that will not be settled in the background after all (its upstream
+// failed, or the journal did not take it). A payment being settled stays counted until its settlement is final.
+func (l *gateLedger) forgive(id journal.ID) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, running := l.settling[id]; !running {
+		l.clearDebtLocked(id)
+	}
+}
+
+func (l *gateLedger) clearDebtLocked(id journal.ID) {
+	k, ok := l.owedBy[id]
+	if !ok {
+		return
+	}
+	delete(l.owedBy, id)
+	d := l.debts[k]
+	d.n--
+	if d.n == 0 {
+		close(d.done)
+		delete(l.debts, k)
+	}
+}
+
 // gateFor finds a registered gate whose terms include rq, to settle with its facilitator.
 func (l *gateLedger) gateFor(rq x402.PaymentRequirements) *Gate {
 	l.mu.Lock()
@@ -212,6 +286,7 @@ func (l *gateLedger) settleInBackground(id journal.ID) {
 	defer func() {
 		l.mu.Lock()
 		delete(l.settling, id)
+		l.clearDebtLocked(id)
 		l.mu.Unlock()
 	}()
 	log := l.log.With(zap.String("payment", id.String()))

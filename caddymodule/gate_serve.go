@@ -182,6 +182,13 @@ func (x *exchange) verifyAndServe() error {
 			x.g.warnBacklog()
 			return x.settleAfter()
 		}
+		if x.g.holder == nil {
+			if earlier := x.g.ledger.serveFirst(x.id, x.payer); earlier != nil {
+				x.awaitEarlierPayments(earlier)
+				return x.settleAfter()
+			}
+			defer x.g.ledger.forgive(x.id)
+		}
 		up := x.callUpstream()
 		defer up.free()
 		if !up.ok() {
@@ -190,6 +197,20 @@ func (x *exchange) verifyAndServe() error {
 		return x.serveAsync(up)
 	default:
 		return x.settleAfter()
+	}
+}
+
+// awaitEarlierPayments waits, up to the settlement timeout, until the payer's earlier async payments have
+// settled: the facilitator verified this payment against funds they may still spend.
+func (x *exchange) awaitEarlierPayments(settled <-chan struct{}) {
+	t := time.NewTimer(settleTimeout)
+	defer t.Stop()
+	select {
+	case <-settled:
+	case <-t.C:
+		x.g.logger.Warn("settle async: the payer's earlier payments are still not settled; settling this one anyway",
+			zap.String("payer", x.payer))
+	case <-x.r.Context().Done():
 	}
 }
 
