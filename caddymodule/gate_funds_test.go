@@ -225,6 +225,51 @@ func TestARemoteAsyncGateForgetsAPaymentItDidNotServe(t *testing.T) {
 	env.waitPaid(payer, before, 1)
 }
 
+// A payment waiting for the payer's earlier one to settle is not settled if its request ends meanwhile: nobody
+// would receive the response it buys.
+func TestARemoteAsyncGateDoesNotSettleForAClientThatLeftWhileWaiting(t *testing.T) {
+	env := newGateEnv(t, gateSetup{remote: true, gate: "\t\tsettle async\n"})
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	resume := sync.OnceFunc(caddymodule.PauseBackgroundSettlement())
+	t.Cleanup(resume)
+	if a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer)); a.status != http.StatusOK {
+		t.Fatalf("the first payment: %d %q", a.status, a.body)
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, env.srv.URL+"/", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set(x402.HeaderPaymentSignature, env.permit2Header("/", payer))
+	done := make(chan error, 1)
+	go func() {
+		_, err := gateDo(req)
+		done <- err
+	}()
+	time.Sleep(200 * time.Millisecond) // the second payment is waiting for the first
+	cancel()
+	if err := gateWait(t, done, "the cancelled request"); err == nil {
+		t.Fatal("the second payment was answered while the first was not settled")
+	}
+	const gone, settled = `caddy_x402_gate_outcomes_total{status="verify-unreachable"}`, `caddy_x402_gate_outcomes_total{status="settled"}`
+	for deadline := time.Now().Add(5 * time.Second); samples(t)[gone] != 1; {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s = %v after the client left, want 1 (%s = %v)", gone, samples(t)[gone], settled, samples(t)[settled])
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	resume()
+	env.waitPaid(payer, before, 1)
+	waitBacklog(t, 0)
+	if got := samples(t)[settled]; got != 0 {
+		t.Errorf("%v payments settled before serving, want 0: the client that left was charged", got)
+	}
+	env.assertPaid(payer, before, 1)
+}
+
 // waitBacklog waits until the gates' backlog of served, unsettled async payments is n.
 func waitBacklog(t *testing.T, n float64) {
 	t.Helper()

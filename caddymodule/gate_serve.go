@@ -184,7 +184,9 @@ func (x *exchange) verifyAndServe() error {
 		}
 		if x.g.holder == nil {
 			if earlier := x.g.ledger.serveFirst(x.id, x.payer); earlier != nil {
-				x.awaitEarlierPayments(earlier)
+				if !x.awaitEarlierPayments(earlier) {
+					return x.verifyUnreachable("the request ended while the payer's earlier payment was settling; this payment was not settled and may be sent again")
+				}
 				return x.settleAfter()
 			}
 			defer x.g.ledger.forgive(x.id)
@@ -201,8 +203,9 @@ func (x *exchange) verifyAndServe() error {
 }
 
 // awaitEarlierPayments waits, up to the settlement timeout, until the payer's earlier async payments have
-// settled: the facilitator verified this payment against funds they may still spend.
-func (x *exchange) awaitEarlierPayments(settled <-chan struct{}) {
+// settled: the facilitator verified this payment against funds they may still spend. It reports false when the
+// request ended first: nobody would receive the response this payment buys, so it must not be settled.
+func (x *exchange) awaitEarlierPayments(settled <-chan struct{}) bool {
 	t := time.NewTimer(settleTimeout)
 	defer t.Stop()
 	select {
@@ -211,7 +214,9 @@ func (x *exchange) awaitEarlierPayments(settled <-chan struct{}) {
 		x.g.logger.Warn("settle async: the payer's earlier payments are still not settled; settling this one anyway",
 			zap.String("payer", x.payer))
 	case <-x.r.Context().Done():
+		return false
 	}
+	return true
 }
 
 // settleAfter runs the upstream and settles if it answered successfully, then serves.
