@@ -107,6 +107,69 @@ func TestAPaymentWhoseSettlementWasPendingIsServedOnceItSettlesWithoutASecondTra
 	}
 }
 
+// A client that leaves while its payment settles receives nothing, so the payment has not bought its response
+// yet: presented again, it is served from its settlement, with no second transfer, and only then is it used.
+func TestAClientThatLeftWhileItsPaymentSettledIsServedWhenItPresentsThePaymentAgain(t *testing.T) {
+	for _, mode := range []string{"after", "before"} {
+		t.Run(mode, func(t *testing.T) {
+			up := newTestUpstream(t)
+			env := newGateEnv(t, gateSetup{noCommit: true, site: "reverse_proxy " + up.Addr, gate: "\t\tsettle " + mode + "\n"})
+			payer := env.c.Payers[0]
+			env.approvePermit2(payer)
+			before := env.balances(payer)
+			sentBefore := env.sent()
+			header := env.permit2Header("/", payer)
+
+			ctx, cancel := context.WithCancel(context.Background())
+			req, err := http.NewRequestWithContext(ctx, http.MethodGet, env.srv.URL+"/", nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Header.Set(x402.HeaderPaymentSignature, header)
+			done := make(chan error, 1)
+			go func() {
+				_, err := gateDo(req)
+				done <- err
+			}()
+			// Nothing is mined: the settlement waits in the pool while the client leaves.
+			for deadline := time.Now().Add(10 * time.Second); env.sent()-sentBefore < 1; {
+				if time.Now().After(deadline) {
+					t.Fatal("the settlement transaction was not sent")
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			cancel()
+			if err := gateWait(t, done, "the request of the client that left"); err == nil {
+				t.Fatal("the payment was answered before its settlement was mined")
+			}
+			t.Cleanup(commitPending(t, env.c))
+			const settled = `caddy_x402_gate_outcomes_total{status="settled"}`
+			for deadline := time.Now().Add(10 * time.Second); samples(t)[settled] != 1; {
+				if time.Now().After(deadline) {
+					t.Fatalf("%s = %v, want 1 once the settlement was mined", settled, samples(t)[settled])
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			calls := up.calls.Load()
+
+			a := env.get("/", x402.HeaderPaymentSignature, header)
+			if resp := settleResponse(t, a); a.status != http.StatusOK || !resp.Success || resp.Transaction == "" {
+				t.Fatalf("the same payment presented again = %d %q %+v, want the resource with its settlement", a.status, a.body, resp)
+			}
+			if got := up.calls.Load() - calls; got != 1 {
+				t.Errorf("the upstream ran %d times for the second presentation, want 1", got)
+			}
+			env.assertPaid(payer, before, 1)
+			if a := env.get("/", x402.HeaderPaymentSignature, header); a.status != http.StatusPaymentRequired {
+				t.Fatalf("the payment presented after it was served = %d, want 402", a.status)
+			}
+			if got := env.sent() - sentBefore; got != 1 {
+				t.Errorf("the settlement wallets sent %d transactions, want 1", got)
+			}
+		})
+	}
+}
+
 func TestAnUpstreamThatFailsIsNotPaidForAndThePaymentStaysGoodForAnotherTry(t *testing.T) {
 	for _, mode := range []string{"after", "async"} {
 		t.Run(mode, func(t *testing.T) {

@@ -366,11 +366,20 @@ func (x *exchange) settleThenServe(up *upstream) error {
 }
 
 // serveSettled serves a settled payment: the upstream's response (called now when up is nil) with
-// PAYMENT-RESPONSE. An upstream that fails after the payment settled is passed on and the payment stays
-// unserved, so presenting it again retries the upstream without paying again.
+// PAYMENT-RESPONSE. An upstream that fails after the payment settled is passed on, and a client that left
+// before the response gets nothing; either way the payment stays unserved, so presenting it again serves it
+// without paying again.
 func (x *exchange) serveSettled(resp x402.SettleResponse, up *upstream) error {
 	x.repl.Set("http.x402.status", string(x402.OutcomeSettled))
 	x.repl.Set("http.x402.transaction", resp.Transaction)
+	if err := x.r.Context().Err(); err != nil {
+		// The client left while the payment settled: the response would reach nobody, so the payment has not
+		// bought it yet. Presenting the same payment again serves it without paying again.
+		x.note(func(r *journal.Record) { r.Response = &resp })
+		x.end(x.settledOutcome(resp),
+			zap.String("note", "the client left before the response; presenting the payment again serves it"))
+		return caddyhttp.Error(499, err) // as reverse_proxy reports a client that went away
+	}
 	if up == nil {
 		up = x.callUpstream()
 		defer up.free()
@@ -378,8 +387,7 @@ func (x *exchange) serveSettled(resp x402.SettleResponse, up *upstream) error {
 	if !up.ok() {
 		x.note(func(r *journal.Record) { r.Response = &resp })
 		x.setSettleHeader(resp)
-		x.end(x402.PaymentOutcome{Status: x402.OutcomeSettled, Transaction: resp.Transaction, Payer: x.payer,
-			Network: resp.Network, VerifyMs: x.verifyMs, SettleMs: x.settleMs, TotalMs: x.totalMs()},
+		x.end(x.settledOutcome(resp),
 			zap.String("note", "the upstream failed after the payment settled; presenting the payment again retries it"))
 		return x.writeUpstream(up)
 	}
@@ -388,9 +396,14 @@ func (x *exchange) serveSettled(resp x402.SettleResponse, up *upstream) error {
 		return x.alreadyUsed("this payment already bought its response; sign a new payment for another")
 	}
 	x.setSettleHeader(resp)
-	x.end(x402.PaymentOutcome{Status: x402.OutcomeSettled, Transaction: resp.Transaction, Payer: x.payer,
-		Network: resp.Network, VerifyMs: x.verifyMs, SettleMs: x.settleMs, TotalMs: x.totalMs()})
+	x.end(x.settledOutcome(resp))
 	return x.writeUpstream(up)
+}
+
+// settledOutcome is the outcome of a request whose payment settled.
+func (x *exchange) settledOutcome(resp x402.SettleResponse) x402.PaymentOutcome {
+	return x402.PaymentOutcome{Status: x402.OutcomeSettled, Transaction: resp.Transaction, Payer: x.payer,
+		Network: resp.Network, VerifyMs: x.verifyMs, SettleMs: x.settleMs, TotalMs: x.totalMs()}
 }
 
 // serveAsync records a verified payment as served and to be settled, serves, and settles in the background.
