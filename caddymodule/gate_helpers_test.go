@@ -476,8 +476,14 @@ func (u *testUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 // getAsync sends a request from a goroutine; the gateAnswer arrives on the channel.
 func (env *gateEnv) getAsync(path string, headers ...string) <-chan gateAnswer {
+	return env.getAsyncCtx(context.Background(), path, headers...)
+}
+
+// getAsyncCtx is getAsync with a context: cancelling it makes the client go away, and the answer then has
+// status -1 and the client's error as its body.
+func (env *gateEnv) getAsyncCtx(ctx context.Context, path string, headers ...string) <-chan gateAnswer {
 	ch := make(chan gateAnswer, 1)
-	req, err := http.NewRequest(http.MethodGet, env.srv.URL+path, nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, env.srv.URL+path, nil)
 	if err != nil {
 		env.t.Fatal(err)
 	}
