@@ -404,7 +404,7 @@ func (h *FacilitatorHandler) servePayment(r *http.Request, endpoint string) faci
 	if int64(len(body)) > h.maxBody {
 		return errorReply(http.StatusRequestEntityTooLarge, "the body is more than %d bytes, the most this facilitator accepts", h.maxBody)
 	}
-	req, v1, err := decodeFacilitatorRequest(body, h.registry)
+	req, v1, err := h.registry.DecodeFacilitatorRequest(body)
 	if err != nil {
 		var de *x402.DecodeError
 		if errors.As(err, &de) && de.Kind == x402.DecodeTooLarge {

@@ -228,3 +228,40 @@ func FuzzParsePrice(f *testing.F) {
 		}
 	})
 }
+
+func FuzzDecodeFacilitatorRequest(f *testing.F) {
+	for _, name := range []string{"verify-request-permit2.json", "verify-request-erc2612.json"} {
+		f.Add(readExample(f, name))
+	}
+	var offered struct {
+		Accepts []json.RawMessage `json:"accepts"`
+	}
+	if err := json.Unmarshal(readExample(f, "v1-payment-required.json"), &offered); err != nil || len(offered.Accepts) == 0 {
+		f.Fatalf("v1-payment-required.json: %v", err)
+	}
+	v1 := `{"x402Version":1,"paymentPayload":` + string(readExample(f, "v1-payload.json")) + `,"paymentRequirements":` + string(offered.Accepts[0]) + `}`
+	for _, s := range []string{v1, "", "{}", `{"x402Version":1}`, `{"x402Version":1,"paymentPayload":null,"paymentRequirements":{}}`,
+		`{"x402Version":1,"paymentPayload":{"x402Version":1},"paymentRequirements":[]}`} {
+		f.Add([]byte(s))
+	}
+	reg := NewRegistry()
+	if _, isV1, err := reg.DecodeFacilitatorRequest([]byte(v1)); err != nil || !isV1 {
+		f.Fatalf("the version 1 seed does not decode as version 1: %v", err)
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		req, isV1, err := reg.DecodeFacilitatorRequest(body)
+		if err != nil {
+			checkDecodeErr(t, err)
+			return
+		}
+		if !json.Valid(body) {
+			t.Fatalf("accepted a body that is not valid JSON")
+		}
+		if isV1 != (req.X402Version == Version1) || req.PaymentPayload.X402Version != req.X402Version {
+			t.Fatalf("v1 = %v for a request of x402Version %d (payload %d)", isV1, req.X402Version, req.PaymentPayload.X402Version)
+		}
+		if isV1 && !strings.HasPrefix(req.PaymentRequirements.Network, "eip155:") {
+			t.Fatalf("a version 1 request came back with network %q, want a CAIP-2 id", req.PaymentRequirements.Network)
+		}
+	})
+}
