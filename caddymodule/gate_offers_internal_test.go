@@ -140,14 +140,6 @@ func TestTheGateRecordOfAPaymentIsNotTheEngineRecordOfIt(t *testing.T) {
 	}
 }
 
-func TestTokenAmountsAreShownAsDecimalTokens(t *testing.T) {
-	for raw, want := range map[string]string{"10000": "0.01", "1000000": "1", "1": "0.000001", "12345678": "12.345678", "0": "0", "x": "x"} {
-		if got := tokenAmount(raw, 6); got != want {
-			t.Errorf("tokenAmount(%q, 6) = %q, want %q", raw, got, want)
-		}
-	}
-}
-
 func TestSamePayloadIgnoresTheCaseOfHexButNotTheValues(t *testing.T) {
 	a := x402.ExactEVMPayload{Signature: "0xABCD", Permit2Authorization: &x402.Permit2Authorization{From: testWallet, Nonce: "1"}}
 	b := a

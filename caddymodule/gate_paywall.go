@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"html/template"
-	"math/big"
 	"net/http"
 	"strconv"
 	"strings"
@@ -64,7 +63,7 @@ func (x *exchange) writePaywall(pr x402.PaymentRequired) error {
 	}{Description: pr.Resource.Description, URL: pr.Resource.URL, Header: x.g.PaymentHeader, JSON: template.JS(doc)}
 	var prices []string
 	for _, o := range x.offers.offers {
-		amount := tokenAmount(o.req.Amount, o.decimals) + " " + o.req.Extra.Name
+		amount := x402.FormatTokenAmount(o.req.Amount, o.decimals) + " " + o.req.Extra.Name
 		prices = appendUnique(prices, amount)
 		data.Rows = append(data.Rows, paywallRow{Network: o.req.Network, Asset: o.req.Asset, Amount: amount,
 			Method: o.req.Extra.AssetTransferMethod, PayTo: o.req.PayTo})
@@ -84,20 +83,4 @@ func (x *exchange) writePaywall(pr x402.PaymentRequired) error {
 	x.w.WriteHeader(http.StatusPaymentRequired)
 	_, err = x.w.Write(buf.Bytes())
 	return err
-}
-
-// tokenAmount writes raw units as a decimal number of tokens: "10000" with 6 decimals is "0.01".
-func tokenAmount(raw string, decimals uint8) string {
-	n, ok := new(big.Int).SetString(raw, 10)
-	if !ok {
-		return raw
-	}
-	unit := new(big.Int).Exp(big.NewInt(10), big.NewInt(int64(decimals)), nil)
-	whole, frac := new(big.Int).QuoRem(n, unit, new(big.Int))
-	if frac.Sign() == 0 {
-		return whole.String()
-	}
-	fs := frac.String()
-	fs = strings.Repeat("0", int(decimals)-len(fs)) + fs
-	return whole.String() + "." + strings.TrimRight(fs, "0")
 }

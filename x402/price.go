@@ -69,3 +69,20 @@ func priceNumber(s string) (string, error) {
 	}
 	return t, nil
 }
+
+// FormatTokenAmount writes raw units as a decimal number of tokens, for people: "10000" with 6 decimals is
+// "0.01". A raw amount that is not a decimal number is returned as it is.
+func FormatTokenAmount(raw string, decimals uint8) string {
+	n, ok := new(big.Int).SetString(raw, 10)
+	if !ok {
+		return raw
+	}
+	unit := new(big.Int).Exp(big.NewInt(10), big.NewInt(int64(decimals)), nil)
+	whole, frac := new(big.Int).QuoRem(n, unit, new(big.Int))
+	if frac.Sign() == 0 {
+		return whole.String()
+	}
+	fs := frac.String()
+	fs = strings.Repeat("0", int(decimals)-len(fs)) + fs
+	return whole.String() + "." + strings.TrimRight(fs, "0")
+}

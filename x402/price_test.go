@@ -68,3 +68,11 @@ func TestParsePriceRefusesWhatItCannotChargeExactly(t *testing.T) {
 		}
 	}
 }
+
+func TestTokenAmountsAreShownAsDecimalTokens(t *testing.T) {
+	for raw, want := range map[string]string{"10000": "0.01", "1000000": "1", "1": "0.000001", "12345678": "12.345678", "0": "0", "x": "x"} {
+		if got := FormatTokenAmount(raw, 6); got != want {
+			t.Errorf("FormatTokenAmount(%q, 6) = %q, want %q", raw, got, want)
+		}
+	}
+}
