@@ -15,9 +15,9 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"github.com/ethereum/go-ethereum/common"
 	"go.uber.org/zap"
 
+	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/facilitatorclient"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -420,7 +420,7 @@ func (h *FacilitatorHandler) servePayment(r *http.Request, endpoint string) faci
 		h.logger.Info("payment refused: kind not served here", zap.String("endpoint", endpoint),
 			zap.String("network", req.PaymentRequirements.Network), zap.String("reason", reason))
 		h.metrics.observeFacilitatorOutcome(endpoint, reason)
-		payer := claimedPayer(req.PaymentPayload)
+		payer := chain.ClaimedPayer(req)
 		if endpoint == facilitatorEndpointVerify {
 			return facilitatorReply{status: http.StatusOK, body: x402.VerifyResponse{Payer: payer, InvalidReason: reason, InvalidMessage: message}}
 		}
@@ -532,20 +532,6 @@ func (h *FacilitatorHandler) networkName(caip2 string, v1 bool) string {
 		return name
 	}
 	return caip2
-}
-
-// claimedPayer is the payer a payload names, in checksum case, or "" when it names no address.
-func claimedPayer(p x402.PaymentPayload) string {
-	var from string
-	if a := p.Payload.Permit2Authorization; a != nil {
-		from = a.From
-	} else if a := p.Payload.Authorization; a != nil {
-		from = a.From
-	}
-	if !x402.IsHexAddress(from) {
-		return ""
-	}
-	return common.HexToAddress(from).Hex()
 }
 
 // describeKinds lists kinds for an error message.

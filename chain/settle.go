@@ -45,7 +45,7 @@ type flight struct {
 func (f *Facilitator) Settle(ctx context.Context, req x402.SettleRequest) (x402.SettleResponse, error) {
 	p, ref := f.parse(req)
 	if ref != nil {
-		return failed(req.PaymentRequirements.Network, claimedPayer(req), "", ref), nil
+		return failed(req.PaymentRequirements.Network, ClaimedPayer(req), "", ref), nil
 	}
 	f.flightMu.Lock()
 	if fl, ok := f.flights[p.id]; ok {

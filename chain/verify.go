@@ -122,7 +122,7 @@ func (f *Facilitator) verify(ctx context.Context, req x402.VerifyRequest, use fu
 			return x402.VerifyResponse{}, &x402.FacilitatorError{Op: "verify", Kind: x402.FailureUnreachable, Err: err}
 		}
 	}
-	payer := claimedPayer(req)
+	payer := ClaimedPayer(req)
 	if p != nil && p.payer != (common.Address{}) {
 		// A payload refused before its payer was read leaves p.payer zero: that is no payer.
 		payer = p.payer.Hex()
@@ -153,9 +153,9 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 	return true
 }
 
-// claimedPayer is the payer a payload names, for answers about payloads that did not parse: in checksum case,
+// ClaimedPayer is the payer a payload names, for answers about payloads that did not parse: in checksum case,
 // as answers about parsed payloads give it, or "" when the payload names no address.
-func claimedPayer(req x402.VerifyRequest) string {
+func ClaimedPayer(req x402.VerifyRequest) string {
 	from, _ := req.PaymentPayload.Payload.PayerAndNonce()
 	addr, err := ParseAddress("from", from)
 	if err != nil {
