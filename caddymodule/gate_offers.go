@@ -323,7 +323,7 @@ func (s *offerSet) request(p x402.PaymentPayload, o offer) x402.VerifyRequest {
 	if len(o.spenders) > 0 {
 		rq.Extra.Spender = o.spenders[0]
 		for _, candidate := range []string{p.Accepted.Extra.Spender, authorizationSpender(p.Payload)} {
-			if hasAddress(o.spenders, candidate) {
+			if x402.ContainsAddress(o.spenders, candidate) {
 				rq.Extra.Spender = candidate
 				break
 			}
@@ -337,15 +337,6 @@ func authorizationSpender(p x402.ExactEVMPayload) string {
 		return p.Authorization.To
 	}
 	return ""
-}
-
-func hasAddress(list []string, addr string) bool {
-	for _, a := range list {
-		if x402.SameAddress(a, addr) {
-			return true
-		}
-	}
-	return false
 }
 
 // explainNoCandidate says which of scheme, network and method no offer has.

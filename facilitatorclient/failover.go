@@ -138,7 +138,7 @@ func (f *Failover) Supported(ctx context.Context) (x402.SupportedResponse, error
 		}
 		for pattern, addrs := range resp.Signers {
 			for _, a := range addrs {
-				if !containsAddress(merged.Signers[pattern], a) {
+				if !x402.ContainsAddress(merged.Signers[pattern], a) {
 					merged.Signers[pattern] = append(merged.Signers[pattern], a)
 				}
 			}
@@ -303,15 +303,10 @@ func (w want) servedBy(s x402.SupportedResponse) int {
 	if kind.Extra.Spender != "" {
 		owned = append(owned, kind.Extra.Spender)
 	}
-	if len(owned) == 0 || containsAddress(owned, w.spender) {
+	if len(owned) == 0 || x402.ContainsAddress(owned, w.spender) {
 		return servedOK
 	}
 	return servedOtherSpender
-}
-
-// containsAddress compares hex addresses case-insensitively: checksum case is not part of the address.
-func containsAddress(list []string, addr string) bool {
-	return slices.ContainsFunc(list, func(a string) bool { return strings.EqualFold(a, addr) })
 }
 
 func kindsText(kinds []x402.SupportedKind) string {

@@ -3,6 +3,7 @@ package x402
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -102,6 +103,11 @@ func IsHexAddress(s string) bool {
 // SameAddress reports whether a and b are the same well-formed EVM address, ignoring letter case.
 func SameAddress(a, b string) bool {
 	return IsHexAddress(a) && IsHexAddress(b) && strings.EqualFold(a[2:], b[2:])
+}
+
+// ContainsAddress reports whether list holds addr, compared as SameAddress does.
+func ContainsAddress(list []string, addr string) bool {
+	return slices.ContainsFunc(list, func(a string) bool { return SameAddress(a, addr) })
 }
 
 // Asset is an ERC-20 token a network accepts payment in, with the EIP-2612 permit domain it signs under.

@@ -42,7 +42,7 @@ func (s *SupportedResponse) SignersFor(network string) []string {
 			continue
 		}
 		for _, a := range s.Signers[p] {
-			if !slices.ContainsFunc(out, func(b string) bool { return SameAddress(a, b) }) {
+			if !ContainsAddress(out, a) {
 				out = append(out, a)
 			}
 		}
