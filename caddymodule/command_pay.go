@@ -14,7 +14,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/crypto"
 	"github.com/ethereum/go-ethereum/ethclient"
@@ -452,23 +451,11 @@ func (c *payerChain) now(ctx context.Context) (time.Time, error) {
 	return time.Unix(int64(head.Time), 0), nil
 }
 
-// callUint calls a uint256 view of the StableCoin ABI (allowance, nonces) on token.
+// callUint calls a uint256 view of the token (allowance, nonces).
 func (c *payerChain) callUint(ctx context.Context, token common.Address, method string, args ...any) (*big.Int, error) {
-	data, err := contracts.StableCoinABI.Pack(method, args...)
-	if err != nil {
-		return nil, fmt.Errorf("encoding %s: %w", method, err)
-	}
-	out, err := c.client.CallContract(ctx, ethereum.CallMsg{To: &token, Data: data}, nil)
+	v, err := chain.CallTokenUint(ctx, c.client, token, method, args...)
 	if err != nil {
 		return nil, c.wrap(fmt.Sprintf("reading %s on token %s through --rpc", method, token.Hex()), err)
-	}
-	vals, err := contracts.StableCoinABI.Unpack(method, out)
-	if err != nil || len(vals) != 1 {
-		return nil, fmt.Errorf("reading %s on token %s through --rpc %s: expected one uint256, got %d bytes; is it an ERC-20 with EIP-2612 on this chain?", method, token.Hex(), c.name, len(out))
-	}
-	v, ok := vals[0].(*big.Int)
-	if !ok {
-		return nil, fmt.Errorf("reading %s on token %s: expected a uint256, got %T", method, token.Hex(), vals[0])
 	}
 	return v, nil
 }

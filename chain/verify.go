@@ -546,11 +546,21 @@ func (n *network) callUint(ctx context.Context, to common.Address, parsed abiPac
 
 // callUintAt calls a view function returning one uint256, at the given block (nil: the latest).
 func (n *network) callUintAt(ctx context.Context, block *big.Int, to common.Address, parsed abiPacker, method string, args ...any) (*big.Int, error) {
+	return callUintAt(ctx, n.backend, block, to, parsed, method, args...)
+}
+
+// CallTokenUint calls a uint256 view of a token (balanceOf, allowance, nonces) at the latest block: what a payer
+// reads before it signs.
+func CallTokenUint(ctx context.Context, c ethereum.ContractCaller, token common.Address, method string, args ...any) (*big.Int, error) {
+	return callUintAt(ctx, c, nil, token, contracts.StableCoinABI, method, args...)
+}
+
+func callUintAt(ctx context.Context, c ethereum.ContractCaller, block *big.Int, to common.Address, parsed abiPacker, method string, args ...any) (*big.Int, error) {
 	data, err := parsed.Pack(method, args...)
 	if err != nil {
 		return nil, fmt.Errorf("packing %s: %w", method, err)
 	}
-	out, err := n.backend.CallContract(ctx, ethereum.CallMsg{To: &to, Data: data}, block)
+	out, err := c.CallContract(ctx, ethereum.CallMsg{To: &to, Data: data}, block)
 	if err != nil {
 		return nil, fmt.Errorf("calling %s on %s: %w", method, to.Hex(), err)
 	}
