@@ -297,19 +297,11 @@ func samePayload(a, b x402.ExactEVMPayload) bool {
 // again settles it from the journal and serves it.
 func (x *exchange) record() error {
 	ctx := context.WithoutCancel(x.r.Context())
-	rec, err := x.newRecord()
-	if err != nil {
+	if err := x.claim(ctx, nil); err != nil {
 		return err
 	}
 	rq := x.req.PaymentRequirements
-	_, claimed, err := x.g.ledger.store.Claim(ctx, rec)
-	if err != nil {
-		return err
-	}
-	if !claimed {
-		return errRecordedElsewhere
-	}
-	_, err = x.g.ledger.store.Update(ctx, x.id, func(r *journal.Record) error {
+	_, err := x.g.ledger.store.Update(ctx, x.id, func(r *journal.Record) error {
 		r.State, r.Response = journal.StateFinal, &x402.SettleResponse{Success: false, Network: rq.Network, Payer: x.payer,
 			ErrorReason: x402.ReasonSettlementPending, ErrorMessage: "settlement requested; its outcome is not known yet"}
 		return nil
@@ -317,17 +309,26 @@ func (x *exchange) record() error {
 	return err
 }
 
-// newRecord is the gate's journal claim of the payment: what it is, and the request to settle it with.
-func (x *exchange) newRecord() (journal.Record, error) {
+// claim writes the gate's record of the payment (what it is, and the request to settle it with), changed by
+// edit when given; errRecordedElsewhere when the journal holds one already.
+func (x *exchange) claim(ctx context.Context, edit func(*journal.Record)) error {
 	body, err := json.Marshal(x.req)
 	if err != nil {
-		return journal.Record{}, err
+		return err
 	}
 	rq := x.req.PaymentRequirements
-	return journal.Record{
+	rec := journal.Record{
 		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: rq.Amount,
 		PayTo: rq.PayTo, Request: body, Owner: x.g.ledger.owner,
-	}, nil
+	}
+	if edit != nil {
+		edit(&rec)
+	}
+	_, claimed, err := x.g.ledger.store.Claim(ctx, rec)
+	if err == nil && !claimed {
+		err = errRecordedElsewhere
+	}
+	return err
 }
 
 // errRecordedElsewhere: the journal gained a record of the payment between the look-up and the claim.
@@ -409,20 +410,13 @@ func (x *exchange) settledOutcome(resp x402.SettleResponse) x402.PaymentOutcome 
 // serveAsync records a verified payment as served and to be settled, serves, and settles in the background.
 // The record is written before the response leaves: a crash after serving loses no payment.
 func (x *exchange) serveAsync(up *upstream) error {
-	ctx := context.WithoutCancel(x.r.Context())
-	rec, err := x.newRecord()
+	err := x.claim(context.WithoutCancel(x.r.Context()), func(r *journal.Record) {
+		r.Async, r.Served, r.ServedAt = true, true, x.g.now().UTC()
+	})
 	if err != nil {
-		return err
-	}
-	rec.Async, rec.Served, rec.ServedAt = true, true, x.g.now().UTC()
-	rq := x.req.PaymentRequirements
-	_, claimed, err := x.g.ledger.store.Claim(ctx, rec)
-	if err != nil || !claimed {
-		if err == nil {
-			err = errRecordedElsewhere
-		}
 		return x.recordFailed(err)
 	}
+	rq := x.req.PaymentRequirements
 	pending := x402.SettleResponse{Success: false, Network: rq.Network, Payer: x.payer, ErrorReason: x402.ReasonSettlementPending,
 		ErrorMessage: "the payment was accepted and is being settled in the background"}
 	x.setSettleHeader(pending)
