@@ -156,6 +156,15 @@ type offer struct {
 	decimals uint8 // of the asset, to show the price to people
 }
 
+// requirement is the offer as a 402 states it: an erc2612 one names the turn's settlement wallet as spender.
+func (o offer) requirement(turn uint64) x402.PaymentRequirements {
+	rq := o.req
+	if len(o.spenders) > 0 {
+		rq.Extra.Spender = o.spenders[turn%uint64(len(o.spenders))]
+	}
+	return rq
+}
+
 // offerSet is what a gate offers at one time: its requirements in order and the extensions it declares.
 type offerSet struct {
 	offers     []offer
@@ -242,11 +251,7 @@ func (s *offerSet) paymentRequired(resource x402.ResourceInfo, errText string, t
 	pr := x402.PaymentRequired{X402Version: x402.Version2, Error: errText, Resource: resource,
 		Accepts: make([]x402.PaymentRequirements, 0, len(s.offers)), Extensions: s.extensions}
 	for _, o := range s.offers {
-		rq := o.req
-		if len(o.spenders) > 0 {
-			rq.Extra.Spender = o.spenders[turn%uint64(len(o.spenders))]
-		}
-		pr.Accepts = append(pr.Accepts, rq)
+		pr.Accepts = append(pr.Accepts, o.requirement(turn))
 	}
 	return pr
 }
@@ -258,11 +263,7 @@ func (s *offerSet) paymentRequiredV1(reg *x402.Registry, resource x402.ResourceI
 		if !o.v1 {
 			continue
 		}
-		rq := o.req
-		if len(o.spenders) > 0 {
-			rq.Extra.Spender = o.spenders[turn%uint64(len(o.spenders))]
-		}
-		v1, err := reg.RequirementsToV1(rq, resource)
+		v1, err := reg.RequirementsToV1(o.requirement(turn), resource)
 		if err != nil {
 			continue // offers are only marked v1 on networks with a version 1 name
 		}
