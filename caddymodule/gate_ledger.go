@@ -293,9 +293,9 @@ func (l *gateLedger) settleInBackground(id journal.ID) {
 	pause := asyncRetryMin
 	unexpected := 0
 	warnedNoGate := false
-	if pause := settlementPause.Load(); pause != nil {
+	if held := settlementPause.Load(); held != nil {
 		select {
-		case <-*pause:
+		case <-*held:
 		case <-l.ctx.Done():
 			return
 		}

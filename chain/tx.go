@@ -339,8 +339,6 @@ func (rw *receiptWatcher) loop() {
 			// Nothing learned: look at the fresh ones again next time.
 			rw.mu.Lock()
 			rw.fresh = append(rw.fresh, fresh...)
-			rw.mu.Unlock()
-			rw.mu.Lock()
 			rw.sent = append(rw.sent, sent...)
 			rw.mu.Unlock()
 		} else {
