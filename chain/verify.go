@@ -140,17 +140,11 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 	if !p.tracksFunds() || p.net.funds.ttl <= 0 {
 		return false
 	}
-	if ok, _, _ := p.net.funds.cover(p, p.head.Time, nil, false); !ok {
-		return false
-	}
 	if _, known, err := f.journal.Get(ctx, p.id); err != nil || known {
 		return false
 	}
-	if use == fundsHold {
-		ok, _, _ := p.net.funds.cover(p, p.head.Time, nil, true)
-		return ok
-	}
-	return true
+	ok, _, _ := p.net.funds.cover(p, p.head.Time, nil, use == fundsHold)
+	return ok
 }
 
 // ClaimedPayer is the payer a payload names, for answers about payloads that did not parse: in checksum case,
