@@ -272,49 +272,23 @@ func (s *offerSet) paymentRequiredV1(reg *x402.Registry, resource x402.ResourceI
 	return out
 }
 
-// mismatch says why a payment pays none of the offers, in terms a client can act on.
-type mismatch struct {
-	reason  string
-	message string
+// requirements lists the offers' requirements, in order.
+func (s *offerSet) requirements() []x402.PaymentRequirements {
+	out := make([]x402.PaymentRequirements, len(s.offers))
+	for i, o := range s.offers {
+		out[i] = o.req
+	}
+	return out
 }
 
-func (m *mismatch) Error() string { return m.reason + ": " + m.message }
-
-// match finds the offer a version 2 payment chose and returns the request the facilitator gets: the payload as
-// decoded and the gate's own requirement (spec rule 4). Scheme, network, method, asset, recipient and amount
-// must all be what was offered; addresses compare as 20-byte values and amounts as numbers.
-func (s *offerSet) match(p *x402.PaymentPayload) (x402.VerifyRequest, *mismatch) {
-	a := p.Accepted
-	method := x402.TransferMethod(a, p.Payload)
-	var candidates []offer
-	for _, o := range s.offers {
-		if o.req.Scheme == a.Scheme && o.req.Network == a.Network && o.req.Extra.AssetTransferMethod == method {
-			candidates = append(candidates, o)
-		}
+// match finds the offer a version 2 payment chose (x402.MatchAccepted) and returns the request the facilitator
+// gets: the payload as decoded and the gate's own requirement (spec rule 4).
+func (s *offerSet) match(p *x402.PaymentPayload) (x402.VerifyRequest, *x402.Mismatch) {
+	i, m := x402.MatchAccepted(s.requirements(), p)
+	if m != nil {
+		return x402.VerifyRequest{}, m
 	}
-	if len(candidates) == 0 {
-		return x402.VerifyRequest{}, s.explainNoCandidate(a.Scheme, a.Network, method)
-	}
-	amount, amountErr := x402.ParseAmount(a.Amount)
-	var closest *mismatch
-	for _, o := range candidates {
-		var m *mismatch
-		switch {
-		case !x402.SameAddress(o.req.Asset, a.Asset):
-			m = &mismatch{x402.ReasonInvalidPaymentRequirements, fmt.Sprintf("accepted.asset is %s, but this resource is paid in %s on %s", a.Asset, o.req.Asset, o.req.Network)}
-		case !x402.SameAddress(o.req.PayTo, a.PayTo):
-			m = &mismatch{x402.ReasonRecipientMismatch, fmt.Sprintf("accepted.payTo is %s, but this resource pays %s", a.PayTo, o.req.PayTo)}
-		case amountErr != nil || amount.String() != o.req.Amount:
-			m = &mismatch{x402.ReasonValueMismatch, fmt.Sprintf("accepted.amount is %q, but this resource costs exactly %s raw units", a.Amount, o.req.Amount)}
-		}
-		if m == nil {
-			return s.request(*p, o), nil
-		}
-		if closest == nil {
-			closest = m
-		}
-	}
-	return x402.VerifyRequest{}, closest
+	return s.request(*p, s.offers[i]), nil
 }
 
 // request builds the facilitator request for a payment of offer o. An erc2612 requirement names the wallet the
@@ -340,46 +314,15 @@ func authorizationSpender(p x402.ExactEVMPayload) string {
 	return ""
 }
 
-// explainNoCandidate says which of scheme, network and method no offer has.
-func (s *offerSet) explainNoCandidate(scheme, network, method string) *mismatch {
-	var schemes, networks, methods []string
-	for _, o := range s.offers {
-		schemes = appendUnique(schemes, o.req.Scheme)
-		if o.req.Scheme == scheme {
-			networks = appendUnique(networks, o.req.Network)
-			if o.req.Network == network {
-				methods = appendUnique(methods, o.req.Extra.AssetTransferMethod)
-			}
-		}
-	}
-	switch {
-	case len(s.offers) == 0:
-		return &mismatch{x402.ReasonInvalidPaymentRequirements, "this resource offers no way to pay right now (its facilitator could not be asked what it supports); try again shortly"}
-	case len(networks) == 0:
-		return &mismatch{x402.ReasonUnsupportedScheme, fmt.Sprintf("scheme %q is not offered; this resource takes %s", scheme, strings.Join(schemes, ", "))}
-	case len(methods) == 0:
-		return &mismatch{x402.ReasonInvalidNetwork, fmt.Sprintf("network %q is not offered; this resource takes %s", network, strings.Join(networks, ", "))}
-	default:
-		return &mismatch{x402.ReasonInvalidPaymentRequirements, fmt.Sprintf("transfer method %q is not offered on %s; this resource takes %s", method, network, strings.Join(methods, ", "))}
-	}
-}
-
-func appendUnique(list []string, s string) []string {
-	if slices.Contains(list, s) {
-		return list
-	}
-	return append(list, s)
-}
-
 // matchV1 finds the offer a version 1 payment pays: version 1 names only scheme and network, and pays only
 // erc2612. Among several erc2612 offers on the network the one whose amount the permit carries is taken.
-func (s *offerSet) matchV1(p *x402.PaymentPayloadV1, reg *x402.Registry) (x402.VerifyRequest, *mismatch) {
+func (s *offerSet) matchV1(p *x402.PaymentPayloadV1, reg *x402.Registry) (x402.VerifyRequest, *x402.Mismatch) {
 	network, err := reg.CAIP2(p.Network)
 	if err != nil {
-		return x402.VerifyRequest{}, &mismatch{x402.ReasonInvalidNetwork, fmt.Sprintf("version 1 network %q is not known here: %v", p.Network, err)}
+		return x402.VerifyRequest{}, &x402.Mismatch{Reason: x402.ReasonInvalidNetwork, Message: fmt.Sprintf("version 1 network %q is not known here: %v", p.Network, err)}
 	}
 	if p.Payload.Authorization == nil {
-		return x402.VerifyRequest{}, &mismatch{x402.ReasonInvalidPayload, "a version 1 payment must carry an erc2612 payload.authorization; permit2 needs version 2 (PAYMENT-SIGNATURE)"}
+		return x402.VerifyRequest{}, &x402.Mismatch{Reason: x402.ReasonInvalidPayload, Message: "a version 1 payment must carry an erc2612 payload.authorization; permit2 needs version 2 (PAYMENT-SIGNATURE)"}
 	}
 	var chosen *offer
 	for i := range s.offers {
@@ -392,13 +335,13 @@ func (s *offerSet) matchV1(p *x402.PaymentPayloadV1, reg *x402.Registry) (x402.V
 		}
 	}
 	if chosen == nil {
-		m := s.explainNoCandidate(p.Scheme, network, x402.TransferERC2612)
-		m.message += " (version 1 clients pay erc2612 only)"
+		m := x402.ExplainUnoffered(s.requirements(), p.Scheme, network, x402.TransferERC2612)
+		m.Message += " (version 1 clients pay erc2612 only)"
 		return x402.VerifyRequest{}, m
 	}
 	v2, err := reg.PaymentPayloadFromV1(*p, chosen.req)
 	if err != nil {
-		return x402.VerifyRequest{}, &mismatch{x402.ReasonInvalidPayload, err.Error()}
+		return x402.VerifyRequest{}, &x402.Mismatch{Reason: x402.ReasonInvalidPayload, Message: err.Error()}
 	}
 	return s.request(v2, *chosen), nil
 }

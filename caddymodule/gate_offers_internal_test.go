@@ -114,7 +114,7 @@ func TestAPaymentMatchesTheOfferItEchoesComparingAddressesAsBytesAndAmountsAsNum
 				t.Fatalf("no match: %v", mm)
 			case tc.reason == "" && req.PaymentRequirements != offered:
 				t.Fatalf("the facilitator would get %+v, want the gate's own requirement %+v", req.PaymentRequirements, offered)
-			case tc.reason != "" && (mm == nil || mm.reason != tc.reason):
+			case tc.reason != "" && (mm == nil || mm.Reason != tc.reason):
 				t.Fatalf("mismatch = %v, want %s", mm, tc.reason)
 			}
 		})

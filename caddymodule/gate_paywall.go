@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"html/template"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -64,7 +65,9 @@ func (x *exchange) writePaywall(pr x402.PaymentRequired) error {
 	var prices []string
 	for _, o := range x.offers.offers {
 		amount := x402.FormatTokenAmount(o.req.Amount, o.decimals) + " " + o.req.Extra.Name
-		prices = appendUnique(prices, amount)
+		if !slices.Contains(prices, amount) {
+			prices = append(prices, amount)
+		}
 		data.Rows = append(data.Rows, paywallRow{Network: o.req.Network, Asset: o.req.Asset, Amount: amount,
 			Method: o.req.Extra.AssetTransferMethod, PayTo: o.req.PayTo})
 	}

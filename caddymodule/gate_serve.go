@@ -91,7 +91,7 @@ func (x *exchange) run() error {
 	}
 	switch {
 	case p.mismatch != nil:
-		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: p.mismatch.reason, InvalidMessage: p.mismatch.message})
+		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: p.mismatch.Reason, InvalidMessage: p.mismatch.Message})
 	case !p.haveID:
 		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: x402.ReasonInvalidPayload,
 			InvalidMessage: "the payment names no payer and nonce"})
@@ -104,7 +104,7 @@ func (x *exchange) run() error {
 type presented struct {
 	payload  x402.ExactEVMPayload
 	req      x402.VerifyRequest
-	mismatch *mismatch
+	mismatch *x402.Mismatch
 	id       journal.ID
 	haveID   bool
 }

@@ -1,0 +1,82 @@
+package x402
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+)
+
+// Mismatch says why a payment pays none of the requirements offered to it, as a reason code and a message a
+// client can act on.
+type Mismatch struct {
+	Reason  string
+	Message string
+}
+
+func (m *Mismatch) Error() string { return m.Reason + ": " + m.Message }
+
+// MatchAccepted finds the offered requirement a version 2 payment chose: the one its accepted echoes. Scheme,
+// network and transfer method pick the candidates; asset, recipient and amount must then be what was offered,
+// addresses compared as 20-byte values and amounts as numbers. Without a match, the first candidate's
+// difference, or what no offer has, says why.
+func MatchAccepted(offered []PaymentRequirements, p *PaymentPayload) (int, *Mismatch) {
+	a := p.Accepted
+	method := TransferMethod(a, p.Payload)
+	amount, amountErr := ParseAmount(a.Amount)
+	var closest *Mismatch
+	for i, o := range offered {
+		if o.Scheme != a.Scheme || o.Network != a.Network || o.Extra.AssetTransferMethod != method {
+			continue
+		}
+		var m *Mismatch
+		switch {
+		case !SameAddress(o.Asset, a.Asset):
+			m = &Mismatch{ReasonInvalidPaymentRequirements, fmt.Sprintf("accepted.asset is %s, but this resource is paid in %s on %s", a.Asset, o.Asset, o.Network)}
+		case !SameAddress(o.PayTo, a.PayTo):
+			m = &Mismatch{ReasonRecipientMismatch, fmt.Sprintf("accepted.payTo is %s, but this resource pays %s", a.PayTo, o.PayTo)}
+		case amountErr != nil || amount.String() != o.Amount:
+			m = &Mismatch{ReasonValueMismatch, fmt.Sprintf("accepted.amount is %q, but this resource costs exactly %s raw units", a.Amount, o.Amount)}
+		}
+		if m == nil {
+			return i, nil
+		}
+		if closest == nil {
+			closest = m
+		}
+	}
+	if closest == nil {
+		return -1, ExplainUnoffered(offered, a.Scheme, a.Network, method)
+	}
+	return -1, closest
+}
+
+// ExplainUnoffered says which of scheme, network and transfer method no offered requirement has.
+func ExplainUnoffered(offered []PaymentRequirements, scheme, network, method string) *Mismatch {
+	var schemes, networks, methods []string
+	for _, o := range offered {
+		schemes = appendNew(schemes, o.Scheme)
+		if o.Scheme == scheme {
+			networks = appendNew(networks, o.Network)
+			if o.Network == network {
+				methods = appendNew(methods, o.Extra.AssetTransferMethod)
+			}
+		}
+	}
+	switch {
+	case len(offered) == 0:
+		return &Mismatch{ReasonInvalidPaymentRequirements, "this resource offers no way to pay right now (its facilitator could not be asked what it supports); try again shortly"}
+	case len(networks) == 0:
+		return &Mismatch{ReasonUnsupportedScheme, fmt.Sprintf("scheme %q is not offered; this resource takes %s", scheme, strings.Join(schemes, ", "))}
+	case len(methods) == 0:
+		return &Mismatch{ReasonInvalidNetwork, fmt.Sprintf("network %q is not offered; this resource takes %s", network, strings.Join(networks, ", "))}
+	default:
+		return &Mismatch{ReasonInvalidPaymentRequirements, fmt.Sprintf("transfer method %q is not offered on %s; this resource takes %s", method, network, strings.Join(methods, ", "))}
+	}
+}
+
+func appendNew(list []string, s string) []string {
+	if slices.Contains(list, s) {
+		return list
+	}
+	return append(list, s)
+}
