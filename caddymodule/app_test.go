@@ -16,7 +16,7 @@ func TestTheX402AppStartsAnEmbeddedFacilitatorFromTheGlobalOption(t *testing.T) 
 		network eip155:72344 {
 			rpc `+c.RPCURL+`
 			asset `+c.Token.Hex()+` name "Stable Coin" version 1 decimals 6
-			wallet_keys `+keyHex(c.Wallets[0])+`
+			wallet_keys `+hexKey(c.Wallets[0])+`
 		}
 		journal {{DATA}}/journal.db
 	}
@@ -40,10 +40,6 @@ func TestTheX402AppStartsAnEmbeddedFacilitatorFromTheGlobalOption(t *testing.T) 
 	if nets, wallets := f.Networks(), f.Wallets("eip155:72344"); len(nets) != 1 || len(wallets) != 1 || wallets[0] != c.Wallets[0].Address {
 		t.Fatalf("networks %v, wallets %v; want eip155:72344 settled from %s", nets, wallets, c.Wallets[0].Address.Hex())
 	}
-}
-
-func keyHex(a *chaintest.Account) string {
-	return hexKey(a)
 }
 
 func TestTheDevChainOptionStartsAChainAndSettlesOnItWithNoOtherConfiguration(t *testing.T) {
