@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -92,6 +94,11 @@ type Gate struct {
 	// V1Body answers unpaid requests with the version 1 JSON body (x402Version 1, maxAmountRequired, network
 	// names) for clients that read only the body; the PAYMENT-REQUIRED header still carries version 2.
 	V1Body bool `json:"v1_body,omitempty"`
+
+	// CORSOrigins are the origins whose browser scripts may pay for the resource: the gate answers their CORS
+	// preflight itself (never passing it on unpaid) and lets them read its answers. "*" allows any origin.
+	// Default: any origin.
+	CORSOrigins []string `json:"cors_origins,omitempty"`
 
 	fac      x402.Facilitator
 	holder   fundsHolder // fac, when it can hold payments against payers' funds and the gate settles async
@@ -279,6 +286,11 @@ func (g *Gate) Validate() error {
 	if len(g.specs) == 0 {
 		return errors.New("x402 gate: no way to pay is configured")
 	}
+	for _, o := range g.CORSOrigins {
+		if u, err := url.Parse(o); o != "*" && (err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || strings.Trim(u.Path, "/") != "" || u.RawQuery != "") {
+			return fmt.Errorf("x402 gate: cors_origins %q is not an origin; want * or scheme://host[:port], such as https://app.example.com", o)
+		}
+	}
 	if strings.EqualFold(g.PaymentHeader, x402.HeaderXPayment) {
 		return fmt.Errorf("x402 gate: payment_header %s is the version 1 header, which the gate always reads; choose another name", x402.HeaderXPayment)
 	}
@@ -351,16 +363,85 @@ func (g *Gate) fetchOffers(ctx context.Context) *offerSet {
 // ServeHTTP gates the request behind a payment.
 func (g *Gate) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	if isPreflight(r) {
-		// A CORS preflight cannot carry a payment; the request it announces will.
-		return next.ServeHTTP(w, r)
+		// A CORS preflight carries no payment and must not reach the upstream, which may answer it with the
+		// paid resource: the gate answers it itself.
+		return g.answerPreflight(w, r)
 	}
 	x := &exchange{g: g, w: w, r: r, next: next, start: g.now()}
 	x.repl, _ = r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if x.repl == nil {
 		x.repl = caddy.NewReplacer()
 	}
+	g.allowOrigin(w.Header(), r)
 	exposePaymentHeaders(w.Header())
 	return x.run()
+}
+
+// preflightMaxAge is how long a browser may keep a preflight answer, in seconds.
+const preflightMaxAge = "600"
+
+// answerPreflight answers a CORS preflight: 204 naming what a paying request may send, or 403 for an origin the
+// gate does not allow. The upstream is never called.
+func (g *Gate) answerPreflight(w http.ResponseWriter, r *http.Request) error {
+	h := w.Header()
+	if !g.allowOrigin(h, r) {
+		h.Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(http.StatusForbidden)
+		_, err := fmt.Fprintf(w, "origin %q may not make cross-origin requests to this resource\n", r.Header.Get("Origin"))
+		return err
+	}
+	allowed := []string{g.PaymentHeader, x402.HeaderXPayment, "Content-Type"}
+	for _, v := range r.Header.Values("Access-Control-Request-Headers") {
+		for _, name := range strings.Split(v, ",") {
+			if name = strings.TrimSpace(name); name != "" && !slices.ContainsFunc(allowed, func(a string) bool { return strings.EqualFold(a, name) }) {
+				allowed = append(allowed, name)
+			}
+		}
+	}
+	h.Set("Access-Control-Allow-Methods", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
+	h.Set("Access-Control-Allow-Headers", strings.Join(allowed, ", "))
+	h.Set("Access-Control-Max-Age", preflightMaxAge)
+	exposePaymentHeaders(h)
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+// allowOrigin sets Access-Control-Allow-Origin for a cross-origin request from an allowed origin and reports
+// whether the origin is allowed.
+func (g *Gate) allowOrigin(h http.Header, r *http.Request) bool {
+	origin := r.Header.Get("Origin")
+	if origin == "" {
+		return true
+	}
+	if len(g.CORSOrigins) == 0 || slices.Contains(g.CORSOrigins, "*") {
+		h.Set("Access-Control-Allow-Origin", "*")
+		return true
+	}
+	h.Add("Vary", "Origin")
+	if !slices.ContainsFunc(g.CORSOrigins, func(o string) bool { return strings.EqualFold(strings.TrimSuffix(o, "/"), origin) }) {
+		return false
+	}
+	h.Set("Access-Control-Allow-Origin", origin)
+	return true
+}
+
+// isUpgrade reports whether r asks for a tunnel (a protocol upgrade such as WebSocket, or CONNECT), which is
+// served as it goes and may outlast the payment's validity: such a request is paid for before it opens.
+func isUpgrade(r *http.Request) bool {
+	if r.Method == http.MethodConnect {
+		return true
+	}
+	if r.Header.Get("Upgrade") == "" {
+		return false
+	}
+	for _, v := range r.Header.Values("Connection") {
+		for _, tok := range strings.Split(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(tok), "upgrade") {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // describe is an error's text with RPC URLs taken out, for answers and logs.

@@ -41,6 +41,7 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		mime_type <type>
 //		settle before|after|async
 //		v1_body
+//		cors_origins <origin>...             # default *
 //		accept {
 //			pay_to, price, amount, network, asset, asset_transfer_method,
 //			token_name, token_version, max_timeout
@@ -118,6 +119,12 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				}
 				g.AsyncBacklog = n
 			}
+		case "cors_origins":
+			origins := d.RemainingArgs()
+			if len(origins) == 0 {
+				return d.Err("cors_origins needs at least one origin, such as https://app.example.com, or *")
+			}
+			g.CORSOrigins = append(g.CORSOrigins, origins...)
 		case "v1_body":
 			if d.NextArg() {
 				return d.ArgErr()

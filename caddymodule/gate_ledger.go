@@ -132,7 +132,9 @@ func (l *gateLedger) release(id journal.ID) {
 	delete(l.inflight, id)
 }
 
-// replay settles every async payment the journal holds as served but not settled.
+// replay settles every async payment the journal holds unsettled. Those not marked served count too: a process
+// that died between writing a response and recording it as delivered leaves them so, and their responses may
+// have reached the payer.
 func (l *gateLedger) replay() {
 	recs, err := l.store.Pending(l.ctx)
 	if err != nil {
@@ -141,7 +143,7 @@ func (l *gateLedger) replay() {
 	}
 	var served []journal.Record
 	for _, rec := range recs {
-		if rec.Async && rec.Served {
+		if rec.Async {
 			served = append(served, rec)
 			l.owe(rec.ID, rec.Payer)
 			l.settleLater(rec.ID)

@@ -76,19 +76,8 @@ func (x *exchange) run() error {
 	if err != nil {
 		return x.invalidHeader(err)
 	}
-	if p.haveID {
-		if !x.g.ledger.acquire(p.id) {
-			return x.alreadyUsed("another request is presenting this payment right now; wait for its answer instead of paying again")
-		}
-		defer x.g.ledger.release(p.id)
-		rec, found, err := x.g.ledger.store.Get(x.r.Context(), p.id)
-		if err != nil {
-			return x.verifyUnreachable(fmt.Sprintf("the gate's settlement journal could not be read (%v); nothing was charged, try again", err))
-		}
-		if found {
-			return x.presentedAgain(rec, p.payload)
-		}
-	}
+	// A payment buys only a response of a route whose offer it matches: it is matched before the journal is
+	// asked, so a payment another route journalled is never served here on the strength of its record.
 	switch {
 	case p.mismatch != nil:
 		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: p.mismatch.Reason, InvalidMessage: p.mismatch.Message})
@@ -97,6 +86,17 @@ func (x *exchange) run() error {
 			InvalidMessage: "the payment names no payer and nonce"})
 	}
 	x.req, x.id = p.req, p.id
+	if !x.g.ledger.acquire(p.id) {
+		return x.alreadyUsed("another request is presenting this payment right now; wait for its answer instead of paying again")
+	}
+	defer x.g.ledger.release(p.id)
+	rec, found, err := x.g.ledger.store.Get(x.r.Context(), p.id)
+	if err != nil {
+		return x.verifyUnreachable(fmt.Sprintf("the gate's settlement journal could not be read (%v); nothing was charged, try again", err))
+	}
+	if found {
+		return x.presentedAgain(rec, p.payload)
+	}
 	return x.verifyAndServe()
 }
 
@@ -111,8 +111,7 @@ type presented struct {
 
 // read decodes a payment header and matches it against the offers. PAYMENT-SIGNATURE carries version 2;
 // X-PAYMENT either version, and a version 1 client is answered in version 1 forms. A version 2 payment's id
-// comes from the payment itself, so one journalled under other terms (the price changed while its settlement
-// was pending) is still recognised; version 1 names no asset, so its id needs the offer it pays.
+// comes from the payment itself; version 1 names no asset, so its id needs the offer it pays.
 func (x *exchange) read(value string, fromV1Header bool) (presented, error) {
 	var p presented
 	var v2 *x402.PaymentPayload
@@ -171,13 +170,13 @@ func (x *exchange) verifyAndServe() error {
 	x.setPaymentPlaceholders()
 
 	x.repl.Set("http.x402.status", "verified")
-	switch x.g.Settle {
-	case SettleBefore:
+	switch {
+	case x.g.Settle == SettleBefore, isUpgrade(x.r):
 		if err := x.record(); err != nil {
 			return x.recordFailed(err)
 		}
 		return x.settleThenServe(nil)
-	case SettleAsync:
+	case x.g.Settle == SettleAsync:
 		if x.g.ledger.backlog() >= x.g.AsyncBacklog {
 			x.g.warnBacklog()
 			return x.settleAfter()
@@ -256,32 +255,66 @@ func (x *exchange) unhold() {
 	}
 }
 
-// presentedAgain answers a payment the journal already holds. Served: never again. Not served (its settlement
-// was pending or unknown, or the upstream failed after it settled): the same payment, byte for byte in what
-// it signs, is settled from the journal's request, which answers with the first settlement rather than paying
-// twice, and served once settled.
+// presentedAgain answers a payment the journal already holds. It buys nothing on a route whose offer differs
+// from the one it was journalled under. Served: never again. Not served (its settlement was pending or unknown,
+// the upstream failed after it settled, or its response was cut short): the same payment, byte for byte in
+// what it signs, is served once without paying twice: a synchronous one is settled from the journal's request,
+// which answers with the first settlement, and an async one is settling in the background already.
 func (x *exchange) presentedAgain(rec journal.Record, payload x402.ExactEVMPayload) error {
-	if rec.Served {
-		return x.alreadyUsed(fmt.Sprintf("this payment already bought its response at %s; sign a new payment for another",
-			rec.ServedAt.UTC().Format(time.RFC3339)))
-	}
 	var recorded x402.VerifyRequest
-	if err := json.Unmarshal(rec.Request, &recorded); err != nil || rec.Async {
-		x.g.logger.Error("a journalled payment cannot be resumed", zap.String("payment", rec.ID.String()),
-			zap.Bool("async", rec.Async), zap.Error(err))
+	if err := json.Unmarshal(rec.Request, &recorded); err != nil {
+		x.g.logger.Error("a journalled payment cannot be resumed", zap.String("payment", rec.ID.String()), zap.Error(err))
 		return x.alreadyUsed("this payment is already recorded and cannot be presented again")
+	}
+	if rq := recorded.PaymentRequirements; !x402.SameTerms(rq, x.req.PaymentRequirements) {
+		return x.alreadyUsed(fmt.Sprintf("this payment was made for another resource (%s raw units of %s to %s on %s); it buys only that resource's response",
+			rq.Amount, rq.Asset, rq.PayTo, rq.Network))
 	}
 	if !samePayload(recorded.PaymentPayload.Payload, payload) {
 		return x.alreadyUsed("another payment with this payer and nonce was already presented; sign a new payment")
 	}
+	if rec.Served {
+		return x.alreadyUsed(fmt.Sprintf("this payment already bought its response at %s; sign a new payment for another",
+			rec.ServedAt.UTC().Format(time.RFC3339)))
+	}
 	x.req, x.id, x.payer = recorded, rec.ID, rec.Payer
 	x.setPaymentPlaceholders()
+	if rec.Async {
+		return x.serveAsyncAgain(rec)
+	}
 	if rec.Response != nil && rec.Response.Success {
 		// Settled before: nothing to ask the facilitator.
 		resp := *rec.Response
 		return x.serveSettled(resp, nil)
 	}
 	return x.settleThenServe(nil)
+}
+
+// serveAsyncAgain serves an async payment whose first response was cut short (the client went, the write
+// failed, the process died before it could record the response as delivered). Its settlement runs in the
+// background, from the journal, whatever happens here; only a settlement already refused stops it.
+func (x *exchange) serveAsyncAgain(rec journal.Record) error {
+	rq := x.req.PaymentRequirements
+	resp := x402.SettleResponse{Success: false, Network: rq.Network, Payer: x.payer, ErrorReason: x402.ReasonSettlementPending,
+		ErrorMessage: "the payment was accepted and is being settled in the background"}
+	if rec.Response != nil && rec.State == journal.StateFinal {
+		resp = *rec.Response
+		if !resp.Success {
+			return x.settleFailed(resp)
+		}
+	}
+	up := x.callUpstream()
+	defer up.free()
+	if !up.ok() {
+		return x.passFailure(up, "the upstream answered %d; the payment is settling and may be presented again for its response")
+	}
+	x.setSettleHeader(resp)
+	if resp.Success {
+		x.end(x.settledOutcome(resp))
+	} else {
+		x.end(x402.PaymentOutcome{Status: x402.OutcomeSettlePending, Payer: x.payer, Network: rq.Network, TotalMs: x.totalMs()})
+	}
+	return x.deliver(up, nil)
 }
 
 // samePayload reports whether two payloads are the same signed payment.
@@ -392,13 +425,9 @@ func (x *exchange) serveSettled(resp x402.SettleResponse, up *upstream) error {
 			zap.String("note", "the upstream failed after the payment settled; presenting the payment again retries it"))
 		return x.writeUpstream(up)
 	}
-	if x.markServed(resp) {
-		x.resetHeaders()
-		return x.alreadyUsed("this payment already bought its response; sign a new payment for another")
-	}
 	x.setSettleHeader(resp)
 	x.end(x.settledOutcome(resp))
-	return x.writeUpstream(up)
+	return x.deliver(up, &resp)
 }
 
 // settledOutcome is the outcome of a request whose payment settled.
@@ -407,12 +436,11 @@ func (x *exchange) settledOutcome(resp x402.SettleResponse) x402.PaymentOutcome 
 		Network: resp.Network, VerifyMs: x.verifyMs, SettleMs: x.settleMs, TotalMs: x.totalMs()}
 }
 
-// serveAsync records a verified payment as served and to be settled, serves, and settles in the background.
-// The record is written before the response leaves: a crash after serving loses no payment.
+// serveAsync records a verified payment as to be settled, serves, and settles in the background. The record is
+// written before the response leaves, so a crash after serving loses no payment; it is marked served once the
+// response is out, so a response cut short can be had by presenting the payment again.
 func (x *exchange) serveAsync(up *upstream) error {
-	err := x.claim(context.WithoutCancel(x.r.Context()), func(r *journal.Record) {
-		r.Async, r.Served, r.ServedAt = true, true, x.g.now().UTC()
-	})
+	err := x.claim(context.WithoutCancel(x.r.Context()), func(r *journal.Record) { r.Async = true })
 	if err != nil {
 		return x.recordFailed(err)
 	}
@@ -422,33 +450,53 @@ func (x *exchange) serveAsync(up *upstream) error {
 	x.setSettleHeader(pending)
 	x.end(x402.PaymentOutcome{Status: x402.OutcomeSettlePending, Payer: x.payer, Network: rq.Network,
 		VerifyMs: x.verifyMs, TotalMs: x.totalMs()})
-	err = x.writeUpstream(up)
+	err = x.deliver(up, nil)
 	x.g.ledger.settleLater(x.id)
 	return err
+}
+
+// deliver writes the upstream's held-back response and, once it is out, records that the payment bought it
+// (with its settlement, when known). A response that could not be written out leaves the payment unserved
+// (with its settlement noted), so the payer gets it by presenting the same payment again, never by paying again.
+func (x *exchange) deliver(up *upstream, settled *x402.SettleResponse) error {
+	err := x.writeUpstream(up)
+	if err == nil {
+		if ferr := http.NewResponseController(x.w).Flush(); ferr != nil && !errors.Is(ferr, http.ErrNotSupported) {
+			err = ferr
+		}
+	}
+	if err != nil {
+		if settled != nil {
+			x.note(func(r *journal.Record) { r.Response = settled })
+		}
+		x.g.logger.Warn("the response a payment bought could not be written out; presenting the payment again serves it",
+			zap.String("payment", x.id.String()), zap.Error(err))
+		return err
+	}
+	x.markServed(settled)
+	return nil
 }
 
 // errServed stops an update of a payment some request has served already.
 var errServed = errors.New("the payment was served already")
 
-// markServed records that the payment's one response is being served, unless some request did so first
-// (then it reports true and nothing may be served). The check and the mark are one journal transaction, so
-// one response per payment holds even between requests the in-flight set does not keep apart. A journal that
-// cannot be written is logged and the response is served anyway: the payment has settled.
-func (x *exchange) markServed(resp x402.SettleResponse) (servedBefore bool) {
+// markServed records that the payment's one response was written out (with its settlement, when given). The
+// in-flight set keeps every other request of the payment out until this is written, and presentedAgain refuses
+// a served payment, so only a journal failure can leave it unwritten: that is logged, and the response stands.
+func (x *exchange) markServed(settled *x402.SettleResponse) {
 	_, err := x.g.ledger.store.Update(context.WithoutCancel(x.r.Context()), x.id, func(r *journal.Record) error {
 		if r.Served {
 			return errServed
 		}
-		r.Served, r.ServedAt, r.Response = true, x.g.now().UTC(), &resp
+		r.Served, r.ServedAt = true, x.g.now().UTC()
+		if settled != nil {
+			r.Response = settled
+		}
 		return nil
 	})
-	if errors.Is(err, errServed) {
-		return true
-	}
 	if err != nil {
 		x.g.logger.Error("recording a served payment in the journal", zap.String("payment", x.id.String()), zap.Error(err))
 	}
-	return false
 }
 
 // note updates the gate's record of the payment. A failure is logged, not answered: the payment's fate is
@@ -478,6 +526,10 @@ func (x *exchange) writeUpstream(up *upstream) error {
 	if up.err != nil {
 		return up.err
 	}
+	if v := x.w.Header().Values("Access-Control-Allow-Origin"); len(v) > 1 {
+		// The upstream has a CORS policy of its own: browsers refuse two values, and its word is the last.
+		x.w.Header().Set("Access-Control-Allow-Origin", v[len(v)-1])
+	}
 	if up.rec.Status() == http.StatusSwitchingProtocols {
 		return nil // the connection was upgraded and served as it went
 	}
@@ -488,6 +540,11 @@ func (x *exchange) writeUpstream(up *upstream) error {
 // payment stays good for another try.
 func (x *exchange) passUnpaid(up *upstream) error {
 	x.unhold()
+	return x.passFailure(up, "the upstream answered %d; the payment was not settled and may be presented again")
+}
+
+// passFailure passes on an upstream failure, with a detail that says what became of the payment (%d: the status).
+func (x *exchange) passFailure(up *upstream, detail string) error {
 	status := up.rec.Status()
 	if up.err != nil {
 		status = http.StatusInternalServerError
@@ -499,7 +556,7 @@ func (x *exchange) passUnpaid(up *upstream) error {
 	x.end(x402.PaymentOutcome{Status: x402.OutcomeSettleFailed, Payer: x.payer, Network: x.req.PaymentRequirements.Network,
 		Detail: x402.SettleResponse{Success: false, Network: x.req.PaymentRequirements.Network, Payer: x.payer,
 			ErrorReason:  "upstream_error",
-			ErrorMessage: fmt.Sprintf("the upstream answered %d; the payment was not settled and may be presented again", status)},
+			ErrorMessage: fmt.Sprintf(detail, status)},
 		VerifyMs: x.verifyMs, TotalMs: x.totalMs()})
 	return x.writeUpstream(up)
 }

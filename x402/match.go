@@ -80,3 +80,14 @@ func appendNew(list []string, s string) []string {
 	}
 	return append(list, s)
 }
+
+// SameTerms reports whether two requirements ask for the same payment: scheme, network, asset, recipient, amount
+// and transfer method. A payment bought under one requirement buys nothing under another, whatever the journal
+// says of it.
+func SameTerms(a, b PaymentRequirements) bool {
+	amountA, errA := ParseAmount(a.Amount)
+	amountB, errB := ParseAmount(b.Amount)
+	return a.Scheme == b.Scheme && a.Network == b.Network && SameAddress(a.Asset, b.Asset) &&
+		SameAddress(a.PayTo, b.PayTo) && errA == nil && errB == nil && amountA.Cmp(amountB) == 0 &&
+		a.Extra.AssetTransferMethod == b.Extra.AssetTransferMethod
+}
