@@ -16,7 +16,6 @@ import (
 
 	"github.com/ethereum/go-ethereum/common"
 
-	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -43,15 +42,7 @@ type route struct {
 
 // newRoutesEnv starts a Caddy whose site has one gate per route, all settling through the x402 app's embedded
 // engine on a simulated chain, with one journal.
-func newRoutesEnv(t *testing.T, routes []route, opts ...chaintest.Option) *gateEnv {
-	t.Helper()
-	env := newStoppedGateEnv(t, opts...)
-	t.Cleanup(commitPending(t, env.c))
-	env.srv = startCaddy(t, env.routesCaddyfile(routes))
-	return env
-}
-
-func (env *gateEnv) routesCaddyfile(routes []route) string {
+func (env *gateEnv) routesCaddyfile(routes []route, networkLines ...string) string {
 	var keys []string
 	for _, w := range env.c.Wallets[:2] {
 		keys = append(keys, hexKey(w))
@@ -79,14 +70,14 @@ func (env *gateEnv) routesCaddyfile(routes []route) string {
 			asset %s name "Stable Coin" version 1 decimals 6
 			wallet_keys %s
 			receipt_poll 2ms
-		}
+%s		}
 		journal {{DATA}}/journal.db
 	}
 }
 
 {{ADDR}} {
 %s}
-`, env.net, env.c.RPCURL, env.c.Token.Hex(), strings.Join(keys, ","), site.String())
+`, env.net, env.c.RPCURL, env.c.Token.Hex(), strings.Join(keys, ","), strings.Join(networkLines, ""), site.String())
 }
 
 // withAccepted is payment p with its accepted requirement replaced by rq: accepted is not signed, so anyone
