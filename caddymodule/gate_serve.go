@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -459,6 +460,7 @@ func (x *exchange) serveAsync(up *upstream) error {
 // (with its settlement, when known). A response that could not be written out leaves the payment unserved
 // (with its settlement noted), so the payer gets it by presenting the same payment again, never by paying again.
 func (x *exchange) deliver(up *upstream, settled *x402.SettleResponse) error {
+	x.frame(up)
 	err := x.writeUpstream(up)
 	if err == nil {
 		if ferr := http.NewResponseController(x.w).Flush(); ferr != nil && !errors.Is(ferr, http.ErrNotSupported) {
@@ -467,7 +469,7 @@ func (x *exchange) deliver(up *upstream, settled *x402.SettleResponse) error {
 	}
 	if err != nil {
 		if settled != nil {
-			x.note(func(r *journal.Record) { r.Response = settled })
+			x.note(func(r *journal.Record) { r.State, r.Response = journal.StateFinal, settled })
 		}
 		x.g.logger.Warn("the response a payment bought could not be written out; presenting the payment again serves it",
 			zap.String("payment", x.id.String()), zap.Error(err))
@@ -475,6 +477,18 @@ func (x *exchange) deliver(up *upstream, settled *x402.SettleResponse) error {
 	}
 	x.markServed(settled)
 	return nil
+}
+
+// frame gives a held-back response without a length its Content-Length, so that the flush in deliver sends a
+// whole response: chunked, its last chunk would only be written after the handler returns, and a process killed
+// in between would leave the client a 200 it cannot read to the end while the journal says it was delivered.
+func (x *exchange) frame(up *upstream) {
+	h, status := x.w.Header(), up.rec.Status()
+	if x.r.Method == http.MethodHead || status < http.StatusOK || status == http.StatusNoContent || status == http.StatusNotModified ||
+		h.Get("Content-Length") != "" || h.Get("Transfer-Encoding") != "" || !up.rec.Buffered() {
+		return
+	}
+	h.Set("Content-Length", strconv.Itoa(up.buf.Len()))
 }
 
 // errServed stops an update of a payment some request has served already.
@@ -490,7 +504,8 @@ func (x *exchange) markServed(settled *x402.SettleResponse) {
 		}
 		r.Served, r.ServedAt = true, x.g.now().UTC()
 		if settled != nil {
-			r.Response = settled
+			// Final too: a process killed between claiming the record and making it final left it claimed.
+			r.State, r.Response = journal.StateFinal, settled
 		}
 		return nil
 	})
