@@ -409,6 +409,8 @@ func (d *drill) ask(ctx context.Context, p *drillPayment) (string, bool) {
 	req.Header.Set(x402.HeaderPaymentSignature, p.header)
 	resp, err := d.client.Do(req)
 	if err != nil {
+		// A GET cut on a kept-alive connection is replayed by the transport, as any Go client's is: the error
+		// is then the replay's (connection refused), though the killed gate did receive the payment.
 		return "no answer (" + shorten(err.Error()) + ")", false
 	}
 	body, err := io.ReadAll(resp.Body)
