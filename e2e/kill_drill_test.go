@@ -73,8 +73,8 @@ var drillRoutes = []drillRoute{
 //
 // In the end, once the background settlements have drained: the seller received the price once for each
 // payment whose client got its content, to the unit, and the payer paid exactly that; no payment was answered
-// payment_already_used unless its client had had its response; and presenting again a payment that bought its
-// response is refused, never served twice.
+// payment_already_used unless its client had had its response; and presenting once more a payment that bought
+// its response charges nothing more.
 func TestEveryPaymentSettledThroughSIGKILLsBuysExactlyOneDeliveredResponse(t *testing.T) {
 	needBinary(t)
 	seed := drillSeed(t)
@@ -195,8 +195,12 @@ func TestEveryPaymentSettledThroughSIGKILLsBuysExactlyOneDeliveredResponse(t *te
 	drained := d.drain(new(big.Int).Add(sellerStart, owed))
 	t.Logf("the background settlements drained: %s", drained)
 
-	// Every payment that bought its response is presented once more: it must be refused, never served twice.
-	twice := d.presentDeliveredAgain()
+	// Every payment that bought its response is presented once more, before the last balances are read. The
+	// answer is payment_already_used, or its response once more when a kill came after the response was written
+	// out and before it was recorded as served: the gate records a payment as served only once its response is
+	// out, so that a crash never leaves a payer charged with nothing; the price is that such a payment, presented
+	// again, is served again. Never charged again: the balances below would show it.
+	again := d.presentDeliveredAgain()
 
 	gate.stop()
 	sellerGot, payerPaid := delta(sellerStart, dev.balance(seller)), new(big.Int).Neg(delta(payerStart, dev.balance(chain.DevPayerAddress)))
@@ -226,9 +230,9 @@ func TestEveryPaymentSettledThroughSIGKILLsBuysExactlyOneDeliveredResponse(t *te
 		return !charged[p] && p.delivered > 0
 	})
 	d.report("have no final answer", func(p *drillPayment) bool { return !p.done })
-	d.report("were served more than one 200", func(p *drillPayment) bool { return p.delivered > 1 })
-	if twice > 0 {
-		t.Logf("(%d of those second 200s came from presenting a delivered payment once more at the end)", twice)
+	if len(again) > 0 {
+		t.Logf("%d of %d payments that had bought their response were served it again when presented once more at the end "+
+			"(written out, then killed before recorded as served): #%s", len(again), delivered, strings.Join(again, ", #"))
 	}
 	chainProc.stop()
 }
@@ -417,7 +421,11 @@ func (d *drill) ask(ctx context.Context, p *drillPayment) (string, bool) {
 	resp.Body.Close()
 	switch {
 	case err != nil:
-		return fmt.Sprintf("%d, its body cut (%s)", resp.StatusCode, shorten(err.Error())), false
+		framing := fmt.Sprintf("Content-Length %d", resp.ContentLength)
+		if len(resp.TransferEncoding) > 0 {
+			framing = "Transfer-Encoding " + strings.Join(resp.TransferEncoding, ", ")
+		}
+		return fmt.Sprintf("%d, its body cut after %d bytes (%s; %s)", resp.StatusCode, len(body), framing, shorten(err.Error())), false
 	case resp.StatusCode == http.StatusOK && string(body) == p.route.content:
 		p.delivered++
 		return "200", true
@@ -622,8 +630,8 @@ func (d *drill) walletsIdle() bool {
 }
 
 // presentDeliveredAgain presents once more every payment that bought its response; the answer must be 402
-// payment_already_used. It returns how many were served again.
-func (d *drill) presentDeliveredAgain() int {
+// payment_already_used or the response again. It returns the numbers of the payments served again.
+func (d *drill) presentDeliveredAgain() []string {
 	var delivered []*drillPayment
 	d.mu.Lock()
 	for _, p := range d.payments {
@@ -635,7 +643,7 @@ func (d *drill) presentDeliveredAgain() int {
 	queue := make(chan *drillPayment)
 	var wg sync.WaitGroup
 	var mu sync.Mutex
-	twice := 0
+	var twice []string
 	for range drillWorkers {
 		wg.Add(1)
 		go func() {
@@ -647,10 +655,11 @@ func (d *drill) presentDeliveredAgain() int {
 				cancel()
 				if p.delivered > before {
 					mu.Lock()
-					twice++
+					twice = append(twice, strconv.Itoa(p.n))
 					mu.Unlock()
 				} else if p.used == 0 {
-					d.t.Errorf("payment #%d presented again after its 200: %s; want 402 %s", p.n, p.answers[len(p.answers)-1], x402.ReasonPaymentAlreadyUsed)
+					d.t.Errorf("payment #%d presented once more after its 200: %s; want 402 %s or the response again", p.n,
+						p.answers[len(p.answers)-1], x402.ReasonPaymentAlreadyUsed)
 				}
 			}
 		}()
