@@ -10,7 +10,9 @@ import (
 	"time"
 
 	"github.com/x402-gateway/caddy-x402/caddymodule"
+	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -53,6 +55,63 @@ func TestSettleAsyncServesAPayerNoMoreThanThePayerCanPay(t *testing.T) {
 	}
 	t.Cleanup(commitPending(t, env.c))
 	env.waitPaid(payer, before, 3)
+}
+
+// A gas-sponsoring permit does not let a payer skip the holds. A payer who never approved Permit2, whose funds
+// cover one response, presents before any settles five payments that carry one sponsor permit (which can be
+// applied once): one is served, and the other four are refused with a 402 that says why, before the upstream
+// runs. The one settles, and no settlement is sent that would revert on the facilitator's gas.
+func TestSettleAsyncServesSponsoredPaymentsNoMoreThanTheHoldsAllow(t *testing.T) {
+	up := newTestUpstream(t)
+	env := newGateEnv(t, gateSetup{
+		gate: "\t\tsettle async\n", site: "reverse_proxy " + up.Addr, noCommit: true,
+		chainOpts: []chaintest.Option{chaintest.WithTokenBalance(big.NewInt(gatePrice))},
+	})
+	payer := env.c.Payers[0]
+	if got := env.c.Allowance(payer.Address, contracts.Permit2Address); got.Sign() != 0 {
+		t.Fatalf("the payer has approved Permit2 for %s; the test needs a payer who did not", got)
+	}
+	before, sentBefore := env.balances(payer), env.sent()
+	pr := env.offer("/")
+	rq := env.requirement("/", x402.TransferPermit2)
+	payments := make([]x402.PaymentPayload, 5)
+	for i := range payments {
+		payments[i] = env.signPermit2(payer, rq)
+		payments[i].Extensions = pr.Extensions
+		if i > 0 {
+			payments[i].Extensions = payments[0].Extensions
+		} else if err := chain.AddGasSponsoring(&payments[0], payer.Key, env.c.ChainID, "", "", env.c.TokenNonce(payer.Address)); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	var served, refused int
+	for i, p := range payments {
+		a := env.get("/", x402.HeaderPaymentSignature, gateEncode(t, p))
+		switch a.status {
+		case http.StatusOK:
+			served++
+		case http.StatusPaymentRequired:
+			refused++
+			if msg := requiredError(t, a); !strings.Contains(msg, x402.ReasonInvalidEIP2612ExtensionFormat) {
+				t.Errorf("payment %d refused saying %q; want it to name %s", i, msg, x402.ReasonInvalidEIP2612ExtensionFormat)
+			}
+		default:
+			t.Fatalf("payment %d answered %d %q", i, a.status, a.body)
+		}
+	}
+	if served != 1 || refused != 4 {
+		t.Errorf("%d served and %d refused, want 1 and 4", served, refused)
+	}
+	if got := up.calls.Load(); got != 1 {
+		t.Errorf("the upstream ran %d times, want 1", got)
+	}
+	t.Cleanup(commitPending(t, env.c))
+	env.waitPaid(payer, before, 1)
+	waitBacklog(t, 0)
+	if got := env.sent() - sentBefore; got != 1 {
+		t.Errorf("the settlement wallets sent %d transactions, want 1: one per payment that settled, none reverting on the facilitator's gas", got)
+	}
 }
 
 // settle async serves at once only while the backlog of served, unsettled payments is below its bound: past it a

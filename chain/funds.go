@@ -12,7 +12,9 @@ import (
 
 // funds is what each permit2 payer can still pay as this engine sees it: the token balance and the allowance to
 // Permit2, read from the chain at one block, less the payments this engine has taken on (settling, or served by
-// a gate that settles afterwards) that the chain did not show at that block.
+// a gate that settles afterwards) that the chain did not show at that block. A payment whose settlement applies
+// the payer's gas-sponsoring permit is held like any other; the allowance it counts against is the one the
+// permit grants, since an EIP-2612 permit sets the allowance rather than adding to it.
 //
 // It serves two purposes. Payments held against a payer are counted before anything is sent, so a payer whose
 // balance covers three payments is not sent a fourth settlement that would revert and burn gas while the first
@@ -48,9 +50,10 @@ type fundsRead struct {
 
 // hold is a payment taken on and not yet seen settled on chain.
 type hold struct {
-	amount   *big.Int
-	deadline uint64 // chain time after which the payment can no longer be mined
-	mined    uint64 // block its settlement was mined in; 0 until known
+	amount      *big.Int
+	deadline    uint64   // chain time after which the payment can no longer be mined
+	mined       uint64   // block its settlement was mined in; 0 until known
+	permitNonce *big.Int // the token nonce of the sponsor permit its settlement applies; nil when it applies none
 }
 
 // fundsSweepAt is the number of payers tracked past which idle entries are dropped.
@@ -63,7 +66,10 @@ func newFunds(ttl time.Duration, now func() time.Time) *funds {
 // cover reports whether the payer's funds cover p beside every other payment held against them: from r, a read
 // just made, or from the last read when r is nil and that read is fresh (known is false when there is none).
 // With take, a covered payment is held until its settlement is seen mined (mined), fails (drop), or its
-// deadline passes. A payment already held is covered by its own hold.
+// deadline passes. A payment already held is covered by its own hold. p.sponsor says whether p's settlement
+// applies a sponsor permit: the allowance that counts is then the permit's value, less what is held, for the
+// permit replaces the allowance that other held payments may be relying on. avail is what the payer can still
+// pay beside the holds.
 func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, take bool) (ok, known bool, avail *big.Int) {
 	key := fundsKey{p.asset.Address, p.payer}
 	fs.mu.Lock()
@@ -82,15 +88,42 @@ func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, take bool) (o
 	if _, held := pf.holds[p.id]; held {
 		return true, true, nil
 	}
+	allowance := pf.read.allowance
+	if p.sponsor != nil {
+		allowance = p.sponsor.permit.Value
+	}
 	balance := new(big.Int).Sub(pf.read.balance, pf.held)
-	allowance := new(big.Int).Sub(pf.read.allowance, pf.held)
-	if balance.Cmp(p.amount) < 0 || allowance.Cmp(p.amount) < 0 {
-		return false, true, balance
+	avail = new(big.Int).Sub(allowance, pf.held)
+	if balance.Cmp(avail) < 0 {
+		avail = balance
+	}
+	if avail.Cmp(p.amount) < 0 {
+		return false, true, avail
 	}
 	if take {
 		fs.hold(pf, key, p)
 	}
-	return true, true, balance
+	return true, true, avail
+}
+
+// permitHeld reports whether another payment held against p's payer applies a sponsor permit with the token nonce
+// of p's: that permit can be applied once, and the first settlement to land spends it.
+func (fs *funds) permitHeld(p *payment) bool {
+	if p.sponsor == nil {
+		return false
+	}
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	pf := fs.payers[fundsKey{p.asset.Address, p.payer}]
+	if pf == nil {
+		return false
+	}
+	for id, h := range pf.holds {
+		if id != p.id && h.permitNonce != nil && h.permitNonce.Cmp(p.sponsor.permit.Nonce) == 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // simulationSuffices reports whether the simulation of p's settlement, which just succeeded, answers for the
@@ -141,7 +174,11 @@ func (fs *funds) hold(pf *payerFunds, key fundsKey, p *payment) {
 	if !p.p2.Deadline.IsUint64() {
 		deadline = ^uint64(0)
 	}
-	pf.holds[p.id] = &hold{amount: new(big.Int).Set(p.amount), deadline: deadline}
+	h := &hold{amount: new(big.Int).Set(p.amount), deadline: deadline}
+	if p.sponsor != nil {
+		h.permitNonce = p.sponsor.permit.Nonce
+	}
+	pf.holds[p.id] = h
 	pf.held.Add(pf.held, p.amount)
 	fs.byID[p.id] = key
 }

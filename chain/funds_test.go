@@ -13,6 +13,7 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -281,6 +282,146 @@ func TestHoldsEndWhenTheChainReflectsTheSettlement(t *testing.T) {
 	if got := ff.c.TokenBalance(ff.payer.Address); got.Sign() != 0 {
 		t.Errorf("the payer kept %s, want 0", got)
 	}
+}
+
+// sponsoredBy signs n permit2 payments of payer for the fixture's amount, each with its own Permit2 nonce, that
+// all carry one gas-sponsoring permit: the payer's EIP-2612 permit to Permit2 at the token's current nonce, as a
+// client that reads nonces(payer) once would attach to each.
+func (ff *fundsFixture) sponsoredBy(payer *chaintest.Account, n int) []x402.VerifyRequest {
+	ff.t.Helper()
+	reqs := make([]x402.VerifyRequest, n)
+	for i := range reqs {
+		reqs[i] = ff.permit2(payer, ff.rq, chain.Permit2Options{})
+		if i > 0 {
+			reqs[i].PaymentPayload.Extensions = reqs[0].PaymentPayload.Extensions
+		} else if err := chain.AddGasSponsoring(&reqs[0].PaymentPayload, payer.Key, ff.c.ChainID, "", "", ff.c.TokenNonce(payer.Address)); err != nil {
+			ff.t.Fatalf("adding the gas-sponsoring permit: %v", err)
+		}
+	}
+	return reqs
+}
+
+// Payments that share one gas-sponsoring permit can be settled once between them: the permit sets Permit2's
+// allowance to one payment's amount, and the first settlement to land spends its token nonce. Five settled at
+// once before any block, from a payer who never approved Permit2 and whose balance covers all five, send one
+// transaction and refuse four before any gas is spent, instead of sending five of which four revert on the
+// facilitator's gas.
+func TestPaymentsSharingAGasSponsoringPermitAreSettledOnceBetweenThem(t *testing.T) {
+	for _, ttl := range []time.Duration{2 * time.Second, -1} {
+		t.Run("ttl="+ttl.String(), func(t *testing.T) {
+			ff := newFundsFixture(t, 5, ttl, -1)
+			payer := ff.c.Payers[1]
+			if got := ff.c.Allowance(payer.Address, contracts.Permit2Address); got.Sign() != 0 {
+				t.Fatalf("the payer has approved Permit2 for %s; the test needs a payer who did not", got)
+			}
+			payerBefore, sellerBefore, sentBefore := ff.c.TokenBalance(payer.Address), ff.c.TokenBalance(ff.payTo), ff.sent()
+			answers := make(chan x402.SettleResponse, 5)
+			var wg sync.WaitGroup
+			for _, req := range ff.sponsoredBy(payer, 5) {
+				wg.Go(func() {
+					resp, err := ff.f.Settle(context.Background(), req)
+					if err != nil {
+						t.Errorf("settle: %v", err)
+					}
+					answers <- resp
+				})
+			}
+			// Nothing is mined until one settlement has been sent and four refused. An engine that sends them
+			// all answers none of them before a block: give up waiting after a while and mine.
+			var got []x402.SettleResponse
+			for deadline := time.Now().Add(10 * time.Second); (len(got) < 4 || ff.sent()-sentBefore < 1) && time.Now().Before(deadline); {
+				select {
+				case resp := <-answers:
+					got = append(got, resp)
+				case <-time.After(5 * time.Millisecond):
+				}
+			}
+			sent := ff.sent() - sentBefore
+			ff.c.Commit()
+			wg.Wait()
+			close(answers)
+			for resp := range answers {
+				got = append(got, resp)
+			}
+			var settled, refused int
+			for _, resp := range got {
+				switch {
+				case resp.Success:
+					settled++
+				case resp.Transaction == "" && resp.ErrorReason == x402.ReasonInvalidEIP2612ExtensionFormat:
+					refused++
+				default:
+					t.Errorf("a payment answered %+v; want it settled, or refused naming %s with no transaction", resp, x402.ReasonInvalidEIP2612ExtensionFormat)
+				}
+			}
+			if settled != 1 || refused != 4 {
+				t.Errorf("%d settled and %d refused, want 1 and 4", settled, refused)
+			}
+			if sent != 1 || ff.sent()-sentBefore != 1 {
+				t.Errorf("the wallets sent %d transactions before any block and %d in all, want 1 (none that would revert)", sent, ff.sent()-sentBefore)
+			}
+			if got := new(big.Int).Sub(ff.c.TokenBalance(ff.payTo), sellerBefore); got.Cmp(ff.amount()) != 0 {
+				t.Errorf("the seller received %s, want %s", got, ff.amount())
+			}
+			if got := new(big.Int).Sub(payerBefore, ff.c.TokenBalance(payer.Address)); got.Cmp(ff.amount()) != 0 {
+				t.Errorf("the payer paid %s, want %s", got, ff.amount())
+			}
+		})
+	}
+}
+
+// A payer who approved Permit2 does not need a gas-sponsoring permit, and attaching one changes nothing in how
+// the payer's payments are counted: with funds for three, three of five sponsored payments are held and two are
+// refused, as without the permit, and the three settle without applying it.
+func TestAPayerWhoApprovedPermit2IsHeldLikeAnyOtherWhenAttachingAGasSponsoringPermit(t *testing.T) {
+	for _, ttl := range []time.Duration{2 * time.Second, -1} {
+		t.Run("ttl="+ttl.String(), func(t *testing.T) {
+			ff := newFundsFixture(t, 3, ttl, 0)
+			ctx := context.Background()
+			sellerBefore, sentBefore := ff.c.TokenBalance(ff.payTo), ff.sent()
+			tokenNonce := ff.c.TokenNonce(ff.payer.Address)
+			reqs := ff.sponsoredBy(ff.payer, 5)
+			var held []x402.VerifyRequest
+			var refused int
+			for i, req := range reqs {
+				v, err := ff.f.VerifyAndHold(ctx, req)
+				switch {
+				case err != nil:
+					t.Fatalf("payment %d: %v", i, err)
+				case v.IsValid:
+					held = append(held, req)
+				case v.InvalidReason == x402.ReasonInsufficientFunds:
+					refused++
+				default:
+					t.Errorf("payment %d refused %+v; want insufficient_funds", i, v)
+				}
+			}
+			if len(held) != 3 || refused != 2 {
+				t.Fatalf("%d payments held and %d refused, want 3 and 2", len(held), refused)
+			}
+			for i, req := range held {
+				if s := ff.settle(req); !s.Success {
+					t.Fatalf("settling held payment %d: %+v", i, s)
+				}
+			}
+			if got := ff.sent() - sentBefore; got != 3 {
+				t.Errorf("the wallets sent %d transactions, want 3", got)
+			}
+			want := new(big.Int).Mul(ff.amount(), big.NewInt(3))
+			if got := new(big.Int).Sub(ff.c.TokenBalance(ff.payTo), sellerBefore); got.Cmp(want) != 0 {
+				t.Errorf("the seller received %s, want %s", got, want)
+			}
+			if got := ff.c.TokenNonce(ff.payer.Address); got.Cmp(tokenNonce) != 0 {
+				t.Errorf("the payer's token nonce moved from %s to %s: a settlement applied the gas-sponsoring permit the approval made needless", tokenNonce, got)
+			}
+		})
+	}
+}
+
+// amount is what each of the fixture's payments is for.
+func (ff *fundsFixture) amount() *big.Int {
+	a, _ := new(big.Int).SetString(ff.rq.Amount, 10)
+	return a
 }
 
 // BenchmarkVerifyPermit2 measures Verify of valid permit2 payments of one payer at 8 concurrent callers, on the

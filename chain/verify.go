@@ -47,7 +47,7 @@ type payment struct {
 	nonce   *big.Int
 	permit  Permit          // erc2612
 	p2      Permit2Transfer // permit2
-	sponsor *sponsorPermit  // permit2 with eip2612GasSponsoring, when present and well-formed
+	sponsor *sponsorPermit  // permit2 with eip2612GasSponsoring; nil when absent or unneeded (the approval covers)
 	id      journal.ID
 	digest  common.Hash   // what the payer signed
 	head    *types.Header // the head block checkTime read chain time from; nil when it could not be read
@@ -62,10 +62,11 @@ const (
 	fundsSettle                 // count, and hold the payment being sent
 )
 
-// tracksFunds reports whether the payment's funds are tracked: a permit2 payment from a payer who approved
-// Permit2 (no sponsored permit to apply), with chain time known.
+// tracksFunds reports whether the payment's funds are tracked: a permit2 payment, with chain time known. A
+// sponsor permit changes which allowance a payment counts against (see funds.cover), never whether it is held:
+// otherwise attaching one would let a payer skip the holds.
 func (p *payment) tracksFunds() bool {
-	return p.method == x402.TransferPermit2 && p.sponsor == nil && p.head != nil
+	return p.method == x402.TransferPermit2 && p.head != nil
 }
 
 // same reports whether q is the same payment as p: same signed message, same recipient, same amount. Two
@@ -90,7 +91,8 @@ type sponsorPermit struct {
 //
 // A permit2 payment of a payer whose funds were read within the network's FundsCacheTTL, and that this engine
 // has no record of, is answered from that read less the payments held against the payer (see funds), without a
-// chain call. Its settlement still simulates the exact call before anything is sent.
+// chain call; with a gas-sponsoring permit, only when the payer's approval covers it without the permit. Its
+// settlement still simulates the exact call before anything is sent.
 func (f *Facilitator) Verify(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
 	return f.verify(ctx, req, fundsVerify)
 }
@@ -143,7 +145,14 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 	if _, known, err := f.journal.Get(ctx, p.id); err != nil || known {
 		return false
 	}
+	// A read answers for a sponsored payment only as for an unsponsored one: when the approval it shows covers
+	// the payment, the permit is not applied (see checkChain). Whether the permit would apply, the chain says.
+	sponsor := p.sponsor
+	p.sponsor = nil
 	ok, _, _ := p.net.funds.cover(p, p.head.Time, nil, use == fundsHold)
+	if !ok {
+		p.sponsor = sponsor
+	}
 	return ok
 }
 
@@ -359,6 +368,18 @@ func (p *payment) checkTime(ctx context.Context) *refusal {
 // against them (see funds). The error is for a chain that could not be asked.
 func (p *payment) checkChain(ctx context.Context, use fundsUse) (*refusal, error) {
 	n := p.net
+	if p.method == x402.TransferPermit2 && p.sponsor != nil {
+		// The sponsor permit is applied only where the payer's own approval falls short: a payer who approved
+		// Permit2 is then settled and held exactly like one who attached no permit, and the permit of one who
+		// did not is known to be spent by this settlement (see funds).
+		allowance, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "allowance", p.payer, n.permit2)
+		if err != nil {
+			return nil, err
+		}
+		if allowance.Cmp(p.amount) >= 0 {
+			p.sponsor = nil
+		}
+	}
 	if p.method == x402.TransferPermit2 && (p.sponsor == nil || p.sponsor.err == nil) {
 		// The proxy's settle checks the nonce, the signature, the allowance and the balance itself: when
 		// its simulation succeeds, one call has answered for all of them. Only a failure needs the reads
@@ -445,6 +466,9 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 			return nil, nil
 		}
 	}
+	if n.funds.permitHeld(p) {
+		return p.permitInFlight(), nil
+	}
 	// The head checkTime used may be a cached one older than the state the simulation just saw: read at the
 	// newest block, so that the read and the holds it is compared with agree on what the chain shows.
 	head, err := n.backend.HeaderByNumber(ctx, nil)
@@ -461,11 +485,28 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 		return nil, err
 	}
 	ok, _, left := n.funds.cover(p, head.Time, &fundsRead{block: block.Uint64(), balance: balance, allowance: allowance}, take)
-	if !ok {
+	switch {
+	case ok:
+		return nil, nil
+	case n.funds.permitHeld(p):
+		// Held meanwhile by a concurrent payment with the same permit.
+		return p.permitInFlight(), nil
+	case p.sponsor != nil:
+		return refuse(x402.ReasonInsufficientFunds, "payer %s has %s at block %s and its gas-sponsoring permit sets the Permit2 allowance to %s, but payments to this facilitator that are not settled yet hold part of it, leaving %s: below the required amount %s; wait for them to settle, then sign again",
+			p.payer.Hex(), balance, block, p.sponsor.permit.Value, left, p.amount), nil
+	default:
 		return refuse(x402.ReasonInsufficientFunds, "payer %s has %s (and has approved Permit2 for %s) at block %s, but payments to this facilitator that are not settled yet hold part of it, leaving %s: below the required amount %s; wait for them to settle or top up",
 			p.payer.Hex(), balance, allowance, block, left, p.amount), nil
 	}
-	return nil, nil
+}
+
+// permitInFlight refuses a payment whose gas-sponsoring permit another payment, held and not yet settled, will
+// spend. The reason is the one the chain gives the same permit once that settlement lands (its nonce is then
+// no longer the token's next), so the answer does not depend on the moment it is asked; insufficient_funds
+// would mislead a payer whose balance covers both payments.
+func (p *payment) permitInFlight() *refusal {
+	return refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "eip2612GasSponsoring.info.nonce %s of %s is the token nonce of the gas-sponsoring permit of another payment to this facilitator that is not settled yet, which spends it; wait for that payment to settle, then sign again with the token's next nonce (or approve Permit2)",
+		p.sponsor.permit.Nonce, p.payer.Hex())
 }
 
 // simulate runs the payment's first settlement call as an eth_call from the wallet that would send it: a
