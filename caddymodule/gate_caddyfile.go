@@ -1,11 +1,13 @@
 package caddymodule
 
 import (
+	"strconv"
+
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"strconv"
+	"github.com/dustin/go-humanize"
 
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -39,7 +41,8 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		payment_header <header name>
 //		description <text>
 //		mime_type <type>
-//		settle before|after|async
+//		settle before|after|async [<backlog>]
+//		max_buffer <size>
 //		v1_body
 //		accept {
 //			pay_to, price, amount, network, asset, asset_transfer_method,
@@ -118,6 +121,16 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				}
 				g.AsyncBacklog = n
 			}
+		case "max_buffer":
+			var size string
+			if !d.AllArgs(&size) {
+				return d.ArgErr()
+			}
+			n, err := humanize.ParseBytes(size)
+			if err != nil || n == 0 || n > 1<<62 {
+				return d.Errf("max_buffer '%s': want a positive size such as 8MiB or 512KB", size)
+			}
+			g.MaxBuffer = int64(n)
 		case "v1_body":
 			if d.NextArg() {
 				return d.ArgErr()
