@@ -44,7 +44,7 @@ type exchange struct {
 
 // upstream is a buffered response of the rest of the route.
 type upstream struct {
-	rec caddyhttp.ResponseRecorder
+	rec *heldResponse
 	buf *bytes.Buffer
 	err error // the handler's error (Caddy then answers with its status)
 }
@@ -191,12 +191,12 @@ func (x *exchange) verifyAndServe() error {
 			}
 			defer x.g.ledger.forgive(x.id)
 		}
-		up := x.callUpstream()
-		defer up.free()
-		if !up.ok() {
-			return x.passUnpaid(up)
-		}
-		return x.serveAsync(up)
+		return x.serveUpstream(func(up *upstream) error {
+			if !up.ok() {
+				return x.passUnpaid(up)
+			}
+			return x.serveAsync(up)
+		})
 	default:
 		return x.settleAfter()
 	}
@@ -221,15 +221,15 @@ func (x *exchange) awaitEarlierPayments(settled <-chan struct{}) bool {
 
 // settleAfter runs the upstream and settles if it answered successfully, then serves.
 func (x *exchange) settleAfter() error {
-	up := x.callUpstream()
-	defer up.free()
-	if !up.ok() {
-		return x.passUnpaid(up)
-	}
-	if err := x.record(); err != nil {
-		return x.recordFailed(err)
-	}
-	return x.settleThenServe(up)
+	return x.serveUpstream(func(up *upstream) error {
+		if !up.ok() {
+			return x.passUnpaid(up)
+		}
+		if err := x.record(); err != nil {
+			return x.recordFailed(err)
+		}
+		return x.settleThenServe(up)
+	})
 }
 
 // fundsHolder is a facilitator that can hold a verified payment against the payer's funds until it settles
@@ -382,9 +382,13 @@ func (x *exchange) serveSettled(resp x402.SettleResponse, up *upstream) error {
 		return caddyhttp.Error(499, err) // as reverse_proxy reports a client that went away
 	}
 	if up == nil {
-		up = x.callUpstream()
-		defer up.free()
+		return x.serveUpstream(func(up *upstream) error { return x.serveSettledUpstream(resp, up) })
 	}
+	return x.serveSettledUpstream(resp, up)
+}
+
+// serveSettledUpstream serves a settled payment the upstream's response, as serveSettled says.
+func (x *exchange) serveSettledUpstream(resp x402.SettleResponse, up *upstream) error {
 	if !up.ok() {
 		x.note(func(r *journal.Record) { r.Response = &resp })
 		x.setSettleHeader(resp)
@@ -463,14 +467,52 @@ func (x *exchange) note(edit func(*journal.Record)) {
 	}
 }
 
-// callUpstream runs the rest of the route with its response held back, so the gate can still decide.
-func (x *exchange) callUpstream() *upstream {
+// serveUpstream runs the rest of the route and hands its held-back response to serve: once the upstream has
+// finished, or, when the body outgrows max_buffer, there and then, and the rest streams after what serve sent.
+func (x *exchange) serveUpstream(serve func(*upstream) error) error {
+	up := x.callUpstream(serve)
+	defer up.free()
+	if up.rec.decided {
+		return up.rec.result
+	}
+	return serve(up)
+}
+
+// callUpstream runs the rest of the route with its response held back, so the gate can still decide; a body
+// that outgrows max_buffer is handed to serve from inside the upstream's Write (see heldResponse).
+func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 	x.headers = x.w.Header().Clone()
 	buf := gateBuffers.Get().(*bytes.Buffer)
 	buf.Reset()
-	rec := caddyhttp.NewResponseRecorder(x.w, buf, func(int, http.Header) bool { return true })
-	err := x.next.ServeHTTP(rec, x.r)
-	return &upstream{rec: rec, buf: buf, err: err}
+	up = &upstream{buf: buf}
+	up.rec = newHeldResponse(x.w, buf, x.g.MaxBuffer, func() error { return serve(up) })
+	returned := false
+	defer func() {
+		if returned {
+			return
+		}
+		// The upstream panicked. reverse_proxy aborts so when a write fails: after the gate answered itself
+		// (refusing the writes), the answer is complete and the request ends here.
+		if up.rec.answered() {
+			if p := recover(); p != nil && p != http.ErrAbortHandler {
+				panic(p)
+			}
+			return
+		}
+		if up.rec.streaming {
+			x.streamBroke(up, "the upstream aborted")
+		}
+	}()
+	up.err = x.next.ServeHTTP(up.rec, x.r)
+	returned = true
+	switch {
+	case !up.rec.decided || !up.rec.streaming:
+	case up.err != nil:
+		x.streamBroke(up, up.err.Error())
+	case up.rec.sendErr != nil:
+		x.streamBroke(up, up.rec.sendErr.Error())
+	}
+	return up
 }
 
 // writeUpstream sends the held-back response, or hands the upstream's error to Caddy.
