@@ -92,9 +92,10 @@ type Gate struct {
 	// payment is settled before it is served, as with "after": serving cannot run ahead of settlement until
 	// payments expire unsettled, and throughput falls back to what settlement sustains. Default 10000.
 	AsyncBacklog int `json:"async_backlog,omitempty"`
-	// MaxBuffer is how much of the upstream's response body, in bytes, is held back while the payment is not
-	// settled yet. A paid-for response (no 4xx/5xx) that grows past it is settled there and then, and the rest
-	// streams; any other streams unpaid. Default 8 MiB.
+	// MaxBuffer is how much of the upstream's response body, in bytes, the gate holds back until it decides
+	// what to send. A body that grows past it is decided on there and then, and the rest streams: a paid-for
+	// response (no 4xx/5xx) is settled first with settle "after", served as with a small one with "before" and
+	// "async"; an upstream error streams through unpaid. Default 8 MiB.
 	MaxBuffer int64 `json:"max_buffer,omitempty"`
 
 	// V1Body answers unpaid requests with the version 1 JSON body (x402Version 1, maxAmountRequired, network
