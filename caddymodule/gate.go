@@ -41,6 +41,10 @@ const (
 	// first: ten seconds of the dev chain's settlement rate, minutes of a slow network's, inside the default
 	// five-minute validity of a payment either way.
 	defaultAsyncBacklog = 10_000
+
+	// defaultMaxBuffer bounds the response body a gate holds back per request: a page or a document is served
+	// whole after settlement, a download streams once its payment settled.
+	defaultMaxBuffer = 8 << 20
 )
 
 // EmbeddedFacilitator is the facilitator_url that names the x402 app's in-process engine.
@@ -90,6 +94,11 @@ type Gate struct {
 	// payment is settled before it is served, as with "after": serving cannot run ahead of settlement until
 	// payments expire unsettled, and throughput falls back to what settlement sustains. Default 10000.
 	AsyncBacklog int `json:"async_backlog,omitempty"`
+	// MaxBuffer is how much of the upstream's response body, in bytes, the gate holds back until it decides
+	// what to send. A body that grows past it is decided on there and then, and the rest streams: a paid-for
+	// response (no 4xx/5xx) is settled first with settle "after", served as with a small one with "before" and
+	// "async"; an upstream error streams through unpaid. Default 8 MiB.
+	MaxBuffer int64 `json:"max_buffer,omitempty"`
 
 	// V1Body answers unpaid requests with the version 1 JSON body (x402Version 1, maxAmountRequired, network
 	// names) for clients that read only the body; the PAYMENT-REQUIRED header still carries version 2.
@@ -201,6 +210,9 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	if g.AsyncBacklog == 0 {
 		g.AsyncBacklog = defaultAsyncBacklog
 	}
+	if g.MaxBuffer == 0 {
+		g.MaxBuffer = defaultMaxBuffer
+	}
 	appVal, err := ctx.App("x402")
 	if err != nil {
 		return fmt.Errorf("x402 gate: loading the x402 app: %w", err)
@@ -282,6 +294,9 @@ func (g *Gate) Validate() error {
 	}
 	if g.AsyncBacklog < 0 {
 		return fmt.Errorf("x402 gate: async_backlog %d is negative", g.AsyncBacklog)
+	}
+	if g.MaxBuffer < 0 {
+		return fmt.Errorf("x402 gate: max_buffer %d is negative; want a size in bytes", g.MaxBuffer)
 	}
 	if len(g.specs) == 0 {
 		return errors.New("x402 gate: no way to pay is configured")

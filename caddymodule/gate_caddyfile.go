@@ -1,11 +1,13 @@
 package caddymodule
 
 import (
+	"strconv"
+
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"strconv"
+	"github.com/dustin/go-humanize"
 
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -39,7 +41,8 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		payment_header <header name>
 //		description <text>
 //		mime_type <type>
-//		settle before|after|async
+//		settle before|after|async [<backlog>]
+//		max_buffer <size>
 //		v1_body
 //		cors_origins <origin>...             # default *
 //		accept {
@@ -125,6 +128,16 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Err("cors_origins needs at least one origin, such as https://app.example.com, or *")
 			}
 			g.CORSOrigins = append(g.CORSOrigins, origins...)
+		case "max_buffer":
+			var size string
+			if !d.AllArgs(&size) {
+				return d.ArgErr()
+			}
+			n, err := humanize.ParseBytes(size)
+			if err != nil || n == 0 || n > 1<<62 {
+				return d.Errf("max_buffer '%s': want a positive size such as 8MiB or 512KB", size)
+			}
+			g.MaxBuffer = int64(n)
 		case "v1_body":
 			if d.NextArg() {
 				return d.ArgErr()

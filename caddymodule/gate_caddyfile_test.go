@@ -78,6 +78,7 @@ x402 /paid/* $0.002 {
 	description "Premium article"
 	mime_type text/html
 	settle async 5000
+	max_buffer 2MiB
 	v1_body
 	accept {
 		network eip155:723487
@@ -101,7 +102,7 @@ respond "paid"
 		"token_name": "Stable Coin", "token_version": "1", "max_timeout": float64(90 * time.Second),
 		"facilitator_url": "https://facilitator.example.com", "facilitator_api_key": "{env.FACILITATOR_KEY}",
 		"payment_header": "X-Pay", "description": "Premium article", "mime_type": "text/html", "settle": "async",
-		"async_backlog": float64(5000), "v1_body": true,
+		"async_backlog": float64(5000), "max_buffer": float64(2 << 20), "v1_body": true,
 		"accepts": []any{
 			map[string]any{"network": "eip155:723487", "amount": "5000", "asset_transfer_method": "erc2612"},
 			map[string]any{"pay_to": "0x000000000000000000000000000000000000bEEF"},
@@ -142,6 +143,9 @@ func TestBadX402DirectivesAreRefusedNamingTheProblem(t *testing.T) {
 		{"unknown accept option", "accept {\n\t\tcolour blue\n\t}", "unrecognized accept option 'colour'"},
 		{"accept with an argument", "accept now {\n\t}", "wrong argument count"},
 		{"v1_body with an argument", "v1_body yes", "wrong argument count"},
+		{"max_buffer that is not a size", "max_buffer lots", "max_buffer 'lots'"},
+		{"max_buffer of nothing", "max_buffer 0", "max_buffer '0'"},
+		{"max_buffer without a size", "max_buffer", "wrong argument count"},
 		{"facilitator without a value", "facilitator", "facilitator needs one argument"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

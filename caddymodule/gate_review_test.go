@@ -305,8 +305,8 @@ func TestATunnelIsPaidForBeforeTheUpstreamOpensIt(t *testing.T) {
 	}
 }
 
-// bigUpstream answers every request with size bytes, written as they go.
-func bigUpstream(t *testing.T, size int) string {
+// sizedUpstream answers every request with size bytes, written as they go.
+func sizedUpstream(t *testing.T, size int) string {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/octet-stream")
 		w.Header().Set("Content-Length", fmt.Sprint(size))
@@ -344,7 +344,7 @@ func TestAResponseCutShortIsServedAgainWhenItsPaymentIsPresentedAgainWithoutPayi
 	const size = 32 << 20 // beyond what loopback socket buffers hold, so the write fails once the client hangs up
 	for _, mode := range []string{"after", "async"} {
 		t.Run(mode, func(t *testing.T) {
-			env := newGateEnv(t, gateSetup{site: "reverse_proxy " + bigUpstream(t, size), gate: "\t\tsettle " + mode + "\n"})
+			env := newGateEnv(t, gateSetup{site: "reverse_proxy " + sizedUpstream(t, size), gate: "\t\tsettle " + mode + "\n"})
 			payer := env.c.Payers[0]
 			env.approvePermit2(payer)
 			before := env.balances(payer)

@@ -41,11 +41,14 @@ type exchange struct {
 
 	headers http.Header // the response headers before the upstream ran, restored when the gate answers itself
 	ended   bool
+	// streamed is set once a response larger than max_buffer began to stream: it is marked served when the
+	// upstream has sent all of it.
+	streamed *streamedPayment
 }
 
 // upstream is a buffered response of the rest of the route.
 type upstream struct {
-	rec caddyhttp.ResponseRecorder
+	rec *heldResponse
 	buf *bytes.Buffer
 	err error // the handler's error (Caddy then answers with its status)
 }
@@ -191,12 +194,12 @@ func (x *exchange) verifyAndServe() error {
 			}
 			defer x.g.ledger.forgive(x.id)
 		}
-		up := x.callUpstream()
-		defer up.free()
-		if !up.ok() {
-			return x.passUnpaid(up)
-		}
-		return x.serveAsync(up)
+		return x.serveUpstream(func(up *upstream) error {
+			if !up.ok() {
+				return x.passUnpaid(up)
+			}
+			return x.serveAsync(up)
+		})
 	default:
 		return x.settleAfter()
 	}
@@ -221,15 +224,15 @@ func (x *exchange) awaitEarlierPayments(settled <-chan struct{}) bool {
 
 // settleAfter runs the upstream and settles if it answered successfully, then serves.
 func (x *exchange) settleAfter() error {
-	up := x.callUpstream()
-	defer up.free()
-	if !up.ok() {
-		return x.passUnpaid(up)
-	}
-	if err := x.record(); err != nil {
-		return x.recordFailed(err)
-	}
-	return x.settleThenServe(up)
+	return x.serveUpstream(func(up *upstream) error {
+		if !up.ok() {
+			return x.passUnpaid(up)
+		}
+		if err := x.record(); err != nil {
+			return x.recordFailed(err)
+		}
+		return x.settleThenServe(up)
+	})
 }
 
 // fundsHolder is a facilitator that can hold a verified payment against the payer's funds until it settles
@@ -304,18 +307,18 @@ func (x *exchange) serveAsyncAgain(rec journal.Record) error {
 			return x.settleFailed(resp)
 		}
 	}
-	up := x.callUpstream()
-	defer up.free()
-	if !up.ok() {
-		return x.passFailure(up, "the upstream answered %d; the payment is settling and may be presented again for its response")
-	}
-	x.setSettleHeader(resp)
-	if resp.Success {
-		x.end(x.settledOutcome(resp))
-	} else {
-		x.end(x402.PaymentOutcome{Status: x402.OutcomeSettlePending, Payer: x.payer, Network: rq.Network, TotalMs: x.totalMs()})
-	}
-	return x.deliver(up, nil)
+	return x.serveUpstream(func(up *upstream) error {
+		if !up.ok() {
+			return x.passFailure(up, "the upstream answered %d; the payment is settling and may be presented again for its response")
+		}
+		x.setSettleHeader(resp)
+		if resp.Success {
+			x.end(x.settledOutcome(resp))
+		} else {
+			x.end(x402.PaymentOutcome{Status: x402.OutcomeSettlePending, Payer: x.payer, Network: rq.Network, TotalMs: x.totalMs()})
+		}
+		return x.deliver(up, nil)
+	})
 }
 
 // samePayload reports whether two payloads are the same signed payment.
@@ -416,9 +419,13 @@ func (x *exchange) serveSettled(resp x402.SettleResponse, up *upstream) error {
 		return caddyhttp.Error(499, err) // as reverse_proxy reports a client that went away
 	}
 	if up == nil {
-		up = x.callUpstream()
-		defer up.free()
+		return x.serveUpstream(func(up *upstream) error { return x.serveSettledUpstream(resp, up) })
 	}
+	return x.serveSettledUpstream(resp, up)
+}
+
+// serveSettledUpstream serves a settled payment the upstream's response, as serveSettled says.
+func (x *exchange) serveSettledUpstream(resp x402.SettleResponse, up *upstream) error {
 	if !up.ok() {
 		x.note(func(r *journal.Record) { r.Response = &resp })
 		x.setSettleHeader(resp)
@@ -451,9 +458,8 @@ func (x *exchange) serveAsync(up *upstream) error {
 	x.setSettleHeader(pending)
 	x.end(x402.PaymentOutcome{Status: x402.OutcomeSettlePending, Payer: x.payer, Network: rq.Network,
 		VerifyMs: x.verifyMs, TotalMs: x.totalMs()})
-	err = x.deliver(up, nil)
-	x.g.ledger.settleLater(x.id)
-	return err
+	x.g.ledger.settleLater(x.id) // journalled: it is settled whether or not the response gets out
+	return x.deliver(up, nil)
 }
 
 // deliver writes the upstream's held-back response and, once it is out, records that the payment bought it
@@ -462,6 +468,12 @@ func (x *exchange) serveAsync(up *upstream) error {
 func (x *exchange) deliver(up *upstream, settled *x402.SettleResponse) error {
 	x.frame(up)
 	err := x.writeUpstream(up)
+	if err == nil && up.rec.decided {
+		// Sent midway through a body larger than max_buffer: the rest streams once this returns, and the payment
+		// has bought its response only when the upstream has sent it all (see callUpstream).
+		x.streamed = &streamedPayment{settled: settled}
+		return nil
+	}
 	if err == nil {
 		if ferr := http.NewResponseController(x.w).Flush(); ferr != nil && !errors.Is(ferr, http.ErrNotSupported) {
 			err = ferr
@@ -485,7 +497,7 @@ func (x *exchange) deliver(up *upstream, settled *x402.SettleResponse) error {
 func (x *exchange) frame(up *upstream) {
 	h, status := x.w.Header(), up.rec.Status()
 	if x.r.Method == http.MethodHead || status < http.StatusOK || status == http.StatusNoContent || status == http.StatusNotModified ||
-		h.Get("Content-Length") != "" || h.Get("Transfer-Encoding") != "" || !up.rec.Buffered() {
+		h.Get("Content-Length") != "" || h.Get("Transfer-Encoding") != "" || up.rec.decided {
 		return
 	}
 	h.Set("Content-Length", strconv.Itoa(up.buf.Len()))
@@ -526,15 +538,62 @@ func (x *exchange) note(edit func(*journal.Record)) {
 	}
 }
 
-// callUpstream runs the rest of the route with its response held back, so the gate can still decide.
-func (x *exchange) callUpstream() *upstream {
+// serveUpstream runs the rest of the route and hands its held-back response to serve: once the upstream has
+// finished, or, when the body outgrows max_buffer, there and then, and the rest streams after what serve sent.
+func (x *exchange) serveUpstream(serve func(*upstream) error) error {
+	up := x.callUpstream(serve)
+	defer up.free()
+	if up.rec.decided {
+		return up.rec.result
+	}
+	return serve(up)
+}
+
+// callUpstream runs the rest of the route with its response held back, so the gate can still decide; a body
+// that outgrows max_buffer is handed to serve from inside the upstream's Write (see heldResponse).
+func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 	x.headers = x.w.Header().Clone()
 	buf := gateBuffers.Get().(*bytes.Buffer)
 	buf.Reset()
-	rec := caddyhttp.NewResponseRecorder(x.w, buf, func(int, http.Header) bool { return true })
-	err := x.next.ServeHTTP(rec, x.r)
-	return &upstream{rec: rec, buf: buf, err: err}
+	up = &upstream{buf: buf}
+	up.rec = newHeldResponse(x.w, buf, x.g.MaxBuffer, func() error { return serve(up) })
+	returned := false
+	defer func() {
+		if returned {
+			return
+		}
+		// The upstream panicked. reverse_proxy aborts so when a write fails: after the gate answered itself
+		// (refusing the writes), the answer is complete and the request ends here.
+		if up.rec.answered() {
+			if p := recover(); p != nil && p != http.ErrAbortHandler {
+				panic(p)
+			}
+			return
+		}
+		if up.rec.streaming {
+			x.streamBroke(up, "the upstream aborted")
+		}
+	}()
+	up.err = x.next.ServeHTTP(up.rec, x.r)
+	returned = true
+	switch {
+	case !up.rec.decided || !up.rec.streaming:
+	case up.err != nil:
+		x.streamBroke(up, up.err.Error())
+	case up.rec.sendErr != nil:
+		x.streamBroke(up, up.rec.sendErr.Error())
+	case x.streamed != nil:
+		if err := http.NewResponseController(x.w).Flush(); err != nil && !errors.Is(err, http.ErrNotSupported) {
+			x.streamBroke(up, err.Error())
+			break
+		}
+		x.markServed(x.streamed.settled)
+	}
+	return up
 }
+
+// streamedPayment is what deliver leaves for the end of a streamed response: the settlement to record with it.
+type streamedPayment struct{ settled *x402.SettleResponse }
 
 // writeUpstream sends the held-back response, or hands the upstream's error to Caddy.
 func (x *exchange) writeUpstream(up *upstream) error {

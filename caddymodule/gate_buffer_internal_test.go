@@ -1,0 +1,102 @@
+package caddymodule
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+)
+
+func TestAHeldResponseThatFitsReachesTheClientOnlyWhenTheGateSendsIt(t *testing.T) {
+	client := httptest.NewRecorder()
+	h := newHeldResponse(client, new(bytes.Buffer), 64, func() error {
+		t.Fatal("a body within max made the gate decide early")
+		return nil
+	})
+	h.Header().Set("X-Upstream", "yes")
+	h.WriteHeader(http.StatusCreated)
+	_, _ = h.Write([]byte("small"))
+	_ = h.FlushError()
+	if client.Code != http.StatusOK || client.Body.Len() != 0 || client.Flushed {
+		t.Fatalf("before the gate sent it, the client got %d %q (flushed %v); want nothing", client.Code, client.Body, client.Flushed)
+	}
+	if err := h.WriteResponse(); err != nil {
+		t.Fatal(err)
+	}
+	if client.Code != http.StatusCreated || client.Body.String() != "small" || client.Header().Get("X-Upstream") != "yes" {
+		t.Fatalf("the client got %d %q %v, want the upstream's 201 \"small\" with its header", client.Code, client.Body, client.Header())
+	}
+}
+
+func TestAHeldResponseThatOutgrowsMaxIsDecidedOnceAndStreamsWhileHoldingNoMoreThanMax(t *testing.T) {
+	const max, size = 1000, 10_000
+	client := httptest.NewRecorder()
+	buf := new(bytes.Buffer)
+	decisions := 0
+	var h *heldResponse
+	h = newHeldResponse(client, buf, max, func() error {
+		decisions++
+		if buf.Len() > max {
+			t.Errorf("the gate decided holding %d bytes, more than max %d", buf.Len(), max)
+		}
+		return h.WriteResponse()
+	})
+	body := make([]byte, size)
+	for i := range body {
+		body[i] = byte(i * 7)
+	}
+	// ReadFrom, as file_server copies, in pieces smaller than max.
+	n, err := h.ReadFrom(io.LimitReader(bytes.NewReader(body), size)) // LimitReader hides WriterTo
+	if err != nil || n != size {
+		t.Fatalf("ReadFrom = %d, %v; want %d, nil", n, err, size)
+	}
+	if decisions != 1 {
+		t.Errorf("the gate decided %d times, want once", decisions)
+	}
+	if !bytes.Equal(client.Body.Bytes(), body) {
+		t.Fatalf("the client got %d bytes, not the %d the upstream wrote, in order", client.Body.Len(), size)
+	}
+	if err := h.FlushError(); err != nil || !client.Flushed {
+		t.Errorf("a streaming response did not flush (%v)", err)
+	}
+}
+
+func TestAHeldResponseTheGateAnsweredInsteadRefusesTheUpstreamsWrites(t *testing.T) {
+	client := httptest.NewRecorder()
+	answer := errors.New("the gate's own answer")
+	h := newHeldResponse(client, new(bytes.Buffer), 4, func() error {
+		http.Error(client, "payment refused", http.StatusPaymentRequired)
+		return answer
+	})
+	if _, err := h.Write([]byte("held")); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		if _, err := h.Write([]byte("more")); !errors.Is(err, errGateAnswered) {
+			t.Fatalf("write %d after the gate answered: %v, want errGateAnswered", i, err)
+		}
+	}
+	_ = h.FlushError()
+	if !h.answered() || h.result != answer {
+		t.Errorf("answered %v with %v, want the gate's answer kept", h.answered(), h.result)
+	}
+	if client.Code != http.StatusPaymentRequired || bytes.Contains(client.Body.Bytes(), []byte("held")) || client.Flushed {
+		t.Fatalf("the client got %d %q (flushed %v), want only the gate's 402", client.Code, client.Body, client.Flushed)
+	}
+}
+
+// An informational status is not the answer: it goes to the client at once, and the final one is held.
+func TestAHeldResponsePassesInformationalStatusesStraightThrough(t *testing.T) {
+	client := httptest.NewRecorder()
+	h := newHeldResponse(client, new(bytes.Buffer), 64, func() error { return nil })
+	h.WriteHeader(http.StatusEarlyHints)
+	if client.Code != http.StatusEarlyHints {
+		t.Fatalf("103 reached the client as %d", client.Code)
+	}
+	h.WriteHeader(http.StatusAccepted)
+	if h.Status() != http.StatusAccepted || client.Code != http.StatusEarlyHints {
+		t.Fatalf("status %d held, client saw %d; want 202 held and only the 103 sent", h.Status(), client.Code)
+	}
+}
