@@ -117,6 +117,8 @@ type Gate struct {
 	specs    []offerSpec
 	registry *x402.Registry
 	ledger   *gateLedger
+	// enginePrunes: the x402 app's embedded engine prunes the journal, so the ledger need not.
+	enginePrunes bool
 	// untrackBacklog takes the ledger out of the backlog gauge.
 	untrackBacklog func()
 	metrics        *metrics
@@ -247,6 +249,8 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("x402 gate: %w", err)
 	}
+	// The engine's journal is the app's settlement journal: an app with an engine prunes it.
+	g.enginePrunes = app.Facilitator() != nil
 	g.ledger.register(g)
 	g.untrackBacklog = g.metrics.trackBacklog(g.ledger)
 	return nil
@@ -283,6 +287,15 @@ func (g *Gate) pickFacilitator(app *App, repl *caddy.Replacer) error {
 	}
 	g.fac, g.facName, g.redact = c, c.BaseURL(), strings.NewReplacer()
 	return nil
+}
+
+// settlesOn reports whether the gate's facilitator settles on network: the engine's networks for the
+// embedded one, the networks of the gate's own offers for a remote one (what else it serves is not known here).
+func (g *Gate) settlesOn(network string) bool {
+	if n, ok := g.fac.(interface{ Networks() []string }); ok && g.embedded {
+		return slices.Contains(n.Networks(), network)
+	}
+	return slices.ContainsFunc(g.specs, func(s offerSpec) bool { return s.network == network })
 }
 
 // Validate checks what Provision could not have fixed.

@@ -3,6 +3,7 @@ package caddymodule
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"slices"
 	"strings"
 	"sync"
@@ -31,6 +32,7 @@ type gateLedger struct {
 	store journal.Store
 	owner string
 	log   *zap.Logger
+	now   func() time.Time
 
 	// slots bounds the background settlements talking to the facilitator at once: thousands of async
 	// payments queued behind a busy wallet pool would otherwise all wake on every released wallet.
@@ -45,6 +47,8 @@ type gateLedger struct {
 	// at a time (see serveFirst).
 	debts  map[string]*payerDebt
 	owedBy map[journal.ID]string
+	// pruning: the prune loop runs (see pruneLoop).
+	pruning bool
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -60,6 +64,20 @@ const (
 	asyncUnexpectedLimit = 10
 	// asyncConcurrency is how many background settlements run at once per journal.
 	asyncConcurrency = 64
+	// asyncExpiryMargin is how long past its deadline, by this machine's clock, a served async payment that no
+	// facilitator can settle is given up: chain time follows wall time within a block or two, so by then no
+	// facilitator could settle it either.
+	asyncExpiryMargin = 15 * time.Second
+)
+
+// Pruning of a journal no embedded engine prunes.
+const (
+	gatePruneEvery = 10 * time.Minute
+	// gatePruneAfter is how long a final gate record is kept past its deadline. A payment presented again once
+	// its record is gone looks new to the gate, so it must by then be refused for its expired authorization
+	// (else a facilitator answering a repeated settlement from its own journal could have it served twice):
+	// the margin covers clocks, the gate's and the chain's, that disagree.
+	gatePruneAfter = 10 * time.Minute
 )
 
 // settlementPause, when set, holds background settlements before they start until it is closed. Only
@@ -72,7 +90,7 @@ func joinLedger(store journal.Store, owner string, log *zap.Logger) (*gateLedger
 	v, _, err := ledgers.LoadOrNew(store, func() (caddy.Destructor, error) {
 		ctx, cancel := context.WithCancel(context.Background())
 		return &gateLedger{
-			store: store, owner: owner, log: log,
+			store: store, owner: owner, log: log, now: time.Now,
 			inflight: map[journal.ID]struct{}{}, settling: map[journal.ID]struct{}{},
 			debts: map[string]*payerDebt{}, owedBy: map[journal.ID]string{},
 			slots: make(chan struct{}, asyncConcurrency), ctx: ctx, cancel: cancel,
@@ -90,8 +108,8 @@ func leaveLedger(l *gateLedger) error {
 	return err
 }
 
-// Destruct stops background settlements and waits for them. Payments they did not finish stay pending in
-// the journal and are settled after the next start.
+// Destruct stops background settlements and the prune loop, and waits for them. Payments they did not finish
+// stay pending in the journal and are settled after the next start.
 func (l *gateLedger) Destruct() error {
 	l.mu.Lock()
 	l.cancel()
@@ -100,11 +118,16 @@ func (l *gateLedger) Destruct() error {
 	return nil
 }
 
-// register adds a gate that can settle payments, and settles the async payments waiting in the journal (left
-// by a previous process, or waiting for a gate with these terms).
+// register adds a gate that can settle payments, settles the async payments waiting in the journal (left
+// by a previous process, or waiting for a facilitator of their network), and starts the prune loop.
 func (l *gateLedger) register(g *Gate) {
 	l.mu.Lock()
 	l.gates = append(l.gates, g)
+	if !l.pruning && l.ctx.Err() == nil {
+		l.pruning = true
+		l.wg.Add(1)
+		go l.pruneLoop()
+	}
 	l.mu.Unlock()
 	l.replay()
 }
@@ -169,7 +192,7 @@ func (l *gateLedger) holdReplayed(recs []journal.Record) {
 		if err := json.Unmarshal(rec.Request, &req); err != nil {
 			continue // settleInBackground reports it
 		}
-		g := l.gateFor(req.PaymentRequirements)
+		g, _ := l.gateFor(req.PaymentRequirements)
 		if g == nil {
 			continue
 		}
@@ -267,18 +290,33 @@ func (l *gateLedger) clearDebtLocked(id journal.ID) {
 	}
 }
 
-// gateFor finds a registered gate whose terms include rq, to settle with its facilitator.
-func (l *gateLedger) gateFor(rq x402.PaymentRequirements) *Gate {
+// gateFor finds a registered gate to settle a journalled payment of requirement rq with its facilitator: one
+// whose terms include rq, else (a reload changed the price or the recipient since the payment was served) one
+// whose facilitator settles on rq's network. The payment is settled with rq either way, the requirement it
+// was served under and its payer signed for. nil when no gate's facilitator settles on the network.
+func (l *gateLedger) gateFor(rq x402.PaymentRequirements) (g *Gate, sameTerms bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for _, g := range l.gates {
 		for _, s := range g.specs {
 			if s.sameTerms(rq) {
-				return g
+				return g, true
 			}
 		}
 	}
-	return nil
+	for _, g := range l.gates {
+		if g.settlesOn(rq.Network) {
+			return g, false
+		}
+	}
+	return nil, false
+}
+
+// settleState is what the attempts of one background settlement carry from one to the next.
+type settleState struct {
+	unexpected  int  // unexpected_settle_error answers so far
+	warnedNoFac bool // the wait for a facilitator of the payment's network was logged
+	notedTerms  bool // settling under terms no gate offers any more was logged
 }
 
 // settleInBackground settles one async payment. An unreachable facilitator, a settlement still pending and a
@@ -293,8 +331,7 @@ func (l *gateLedger) settleInBackground(id journal.ID) {
 	}()
 	log := l.log.With(zap.String("payment", id.String()))
 	pause := asyncRetryMin
-	unexpected := 0
-	warnedNoGate := false
+	var st settleState
 	if held := settlementPause.Load(); held != nil {
 		select {
 		case <-*held:
@@ -308,7 +345,7 @@ func (l *gateLedger) settleInBackground(id journal.ID) {
 		case <-l.ctx.Done():
 			return
 		}
-		again := l.settleAttempt(log, id, &unexpected, &warnedNoGate)
+		again := l.settleAttempt(log, id, &st)
 		<-l.slots
 		if !again {
 			return
@@ -323,7 +360,7 @@ func (l *gateLedger) settleInBackground(id journal.ID) {
 }
 
 // settleAttempt makes one attempt and reports whether another is needed.
-func (l *gateLedger) settleAttempt(log *zap.Logger, id journal.ID, unexpected *int, warnedNoGate *bool) bool {
+func (l *gateLedger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) bool {
 	rec, ok, err := l.store.Get(l.ctx, id)
 	if err != nil {
 		if l.ctx.Err() == nil {
@@ -340,15 +377,27 @@ func (l *gateLedger) settleAttempt(log *zap.Logger, id journal.ID, unexpected *i
 			zap.String("payer", rec.Payer), zap.String("amount", rec.Amount), zap.Error(err))
 		return false
 	}
-	g := l.gateFor(req.PaymentRequirements)
+	rq := req.PaymentRequirements
+	g, sameTerms := l.gateFor(rq)
 	if g == nil {
-		if !*warnedNoGate {
-			log.Warn("no configured gate offers the terms of a served async payment; it waits for one to settle it",
-				zap.String("network", req.PaymentRequirements.Network), zap.String("pay_to", req.PaymentRequirements.PayTo),
-				zap.String("amount", req.PaymentRequirements.Amount))
-			*warnedNoGate = true
+		deadline := req.PaymentPayload.Payload.Deadline()
+		if !deadline.IsZero() && l.now().After(deadline.Add(asyncExpiryMargin)) {
+			l.expire(log, id, rec.Payer, req, deadline)
+			return false
+		}
+		if !st.warnedNoFac {
+			log.Warn("no configured gate's facilitator settles on the network of a served async payment; it waits for one until its authorization expires",
+				zap.String("network", rq.Network), zap.String("pay_to", rq.PayTo), zap.String("amount", rq.Amount),
+				zap.Time("deadline", deadline))
+			st.warnedNoFac = true
 		}
 		return true
+	}
+	if !sameTerms && !st.notedTerms {
+		log.Info("no configured gate offers the terms a served async payment was served under any more; settling it under those terms",
+			zap.String("facilitator", g.facName), zap.String("network", rq.Network), zap.String("pay_to", rq.PayTo),
+			zap.String("amount", rq.Amount))
+		st.notedTerms = true
 	}
 	ctx, cancel := context.WithTimeout(l.ctx, settleTimeout)
 	resp, err := g.fac.Settle(ctx, req)
@@ -366,8 +415,8 @@ func (l *gateLedger) settleAttempt(log *zap.Logger, id journal.ID, unexpected *i
 		return false
 	case resp.Pending(), resp.ErrorReason == x402.ReasonNoAvailableWallets:
 		return true
-	case resp.ErrorReason == x402.ReasonUnexpectedSettleError && *unexpected < asyncUnexpectedLimit:
-		*unexpected++
+	case resp.ErrorReason == x402.ReasonUnexpectedSettleError && st.unexpected < asyncUnexpectedLimit:
+		st.unexpected++
 		log.Warn("background settlement failed unexpectedly; retrying", zap.String("reason", resp.ErrorMessage))
 		return true
 	}
@@ -375,6 +424,23 @@ func (l *gateLedger) settleAttempt(log *zap.Logger, id journal.ID, unexpected *i
 	log.Error("an async payment was served but its settlement was refused; the resource went unpaid",
 		zap.String("reason", resp.ErrorReason), zap.String("message", resp.ErrorMessage), zap.String("tx", resp.Transaction))
 	return false
+}
+
+// expire finishes a served async payment that no facilitator can settle any more: no configured gate's
+// facilitator settled on its network before its authorization expired. Its record becomes final with a failed
+// answer, so that it leaves the backlog and no longer counts against its payer.
+func (l *gateLedger) expire(log *zap.Logger, id journal.ID, payer string, req x402.SettleRequest, deadline time.Time) {
+	rq := req.PaymentRequirements
+	reason := x402.ReasonValidBefore
+	if x402.TransferMethod(rq, req.PaymentPayload.Payload) == x402.TransferPermit2 {
+		reason = x402.ReasonPermit2DeadlineExpired
+	}
+	l.finalise(log, id, x402.SettleResponse{Success: false, Network: rq.Network, Payer: payer, ErrorReason: reason,
+		ErrorMessage: fmt.Sprintf("%s: the authorization expired at %s while no configured facilitator settled on %s",
+			x402.MessagePermitExpired, deadline.UTC().Format(time.RFC3339), rq.Network)})
+	log.Error("an async payment was served but never settled: no configured gate's facilitator settles on its network, and its authorization has expired; the resource went unpaid",
+		zap.String("network", rq.Network), zap.String("payer", payer), zap.String("pay_to", rq.PayTo),
+		zap.String("amount", rq.Amount), zap.Time("deadline", deadline), zap.String("reason", reason))
 }
 
 // finalise records the final answer of an async payment.
@@ -389,4 +455,41 @@ func (l *gateLedger) finalise(log *zap.Logger, id journal.ID, resp x402.SettleRe
 		// The settlement stands; after a restart the journal asks the facilitator again and gets the same answer.
 		log.Warn("recording the outcome of an async payment", zap.Error(err))
 	}
+}
+
+// pruneLoop deletes the journal's final records gatePruneAfter past their deadline, once at start and then
+// every gatePruneEvery, while no embedded engine prunes the journal (its own pruning keeps them longer).
+func (l *gateLedger) pruneLoop() {
+	defer l.wg.Done()
+	t := time.NewTicker(gatePruneEvery)
+	defer t.Stop()
+	for {
+		if !l.enginePrunes() {
+			if n, err := l.prune(l.now()); err != nil {
+				if l.ctx.Err() == nil {
+					l.log.Warn("pruning the settlement journal", zap.Error(err))
+				}
+			} else if n > 0 {
+				l.log.Info("pruned final payments past their deadline from the journal", zap.Int("records", n),
+					zap.Duration("past_deadline", gatePruneAfter))
+			}
+		}
+		select {
+		case <-l.ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// enginePrunes reports whether an embedded engine prunes the journal: a gate of a config with one is registered.
+func (l *gateLedger) enginePrunes() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.ContainsFunc(l.gates, func(g *Gate) bool { return g.enginePrunes })
+}
+
+// prune deletes the final records gatePruneAfter past their deadline at now, and returns how many.
+func (l *gateLedger) prune(now time.Time) (int, error) {
+	return l.store.Prune(l.ctx, now.Add(-gatePruneAfter))
 }

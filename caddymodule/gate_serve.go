@@ -357,6 +357,7 @@ func (x *exchange) claim(ctx context.Context, edit func(*journal.Record)) error 
 	rec := journal.Record{
 		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: rq.Amount,
 		PayTo: rq.PayTo, Request: body, Owner: x.g.ledger.owner,
+		Deadline: x.req.PaymentPayload.Payload.Deadline(),
 	}
 	if edit != nil {
 		edit(&rec)

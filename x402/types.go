@@ -1,6 +1,9 @@
 package x402
 
-import "encoding/json"
+import (
+	"encoding/json"
+	"time"
+)
 
 // Protocol versions carried in x402Version.
 const (
@@ -123,6 +126,34 @@ func (p ExactEVMPayload) PayerAndNonce() (from, nonce string) {
 		return p.Authorization.From, p.Authorization.Nonce
 	}
 	return "", ""
+}
+
+// maxDeadline (9999-12-31T23:59:59Z in unix seconds) is the latest deadline Deadline returns: a later one, up
+// to 2^256-1 ("never expires"), is taken as this, which is never in practice and still a time that encodes
+// (JSON and RFC 3339 stop at the year 9999).
+const maxDeadline = 253402300799
+
+// Deadline returns the last moment the payload's authorization can be settled: the permit2 deadline, or the
+// erc2612 validBefore (unix seconds, as sent and unchecked), at most 9999-12-31. It is zero when the payload
+// carries no authorization or the field is not a canonical decimal number.
+func (p ExactEVMPayload) Deadline() time.Time {
+	var s string
+	switch {
+	case p.Permit2Authorization != nil:
+		s = p.Permit2Authorization.Deadline
+	case p.Authorization != nil:
+		s = p.Authorization.ValidBefore
+	default:
+		return time.Time{}
+	}
+	n, err := parseUint256(s)
+	if err != nil {
+		return time.Time{}
+	}
+	if !n.IsInt64() || n.Int64() > maxDeadline {
+		return time.Unix(maxDeadline, 0).UTC()
+	}
+	return time.Unix(n.Int64(), 0).UTC()
 }
 
 // TransferMethod is the asset transfer method of payload p for requirement rq: as rq names it, else, for

@@ -1,10 +1,12 @@
 package journal
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"sync"
@@ -20,7 +22,7 @@ var (
 	bucketMeta    = []byte("meta")
 	bucketRecords = []byte("records") // id -> encoded Record
 	bucketPending = []byte("pending") // id -> empty, for every record not final
-	bucketFinals  = []byte("finals")  // FinalAt (unix ns, big endian) ++ id -> empty, for Prune
+	bucketFinals  = []byte("finals")  // keptUntil (unix ns, big endian) ++ id -> empty, for Prune
 	keyLayout     = []byte("layout")
 	layoutV1      = []byte("1")
 )
@@ -149,7 +151,8 @@ func (t *boltTxn) put(prev, next *Record) error {
 	return nil
 }
 
-// write stores enc and moves the record between the pending and finals indexes as its state demands.
+// write stores enc and moves the record between the pending and finals indexes as its state demands, and
+// within the finals index when an update of a final record changes how long it is kept.
 func (t *boltTxn) write(id ID, enc []byte, prev, next *Record) error {
 	if err := t.tx.Bucket(bucketRecords).Put(id[:], enc); err != nil {
 		return err
@@ -164,7 +167,16 @@ func (t *boltTxn) write(id ID, enc []byte, prev, next *Record) error {
 				return err
 			}
 		}
-		return t.tx.Bucket(bucketFinals).Put(finalKey(next.FinalAt, id), []byte{})
+		return t.tx.Bucket(bucketFinals).Put(finalKey(next.keptUntil(), id), []byte{})
+	case wasFinal:
+		was, is := finalKey(prev.keptUntil(), id), finalKey(next.keptUntil(), id)
+		if bytes.Equal(was, is) {
+			return nil
+		}
+		if err := t.tx.Bucket(bucketFinals).Delete(was); err != nil {
+			return err
+		}
+		return t.tx.Bucket(bucketFinals).Put(is, []byte{})
 	}
 	return nil
 }
@@ -175,7 +187,7 @@ func (t *boltTxn) del(prev *Record) error {
 		err = t.tx.Bucket(bucketPending).Delete(prev.ID[:])
 	}
 	if err == nil && prev.State == StateFinal {
-		err = t.tx.Bucket(bucketFinals).Delete(finalKey(prev.FinalAt, prev.ID))
+		err = t.tx.Bucket(bucketFinals).Delete(finalKey(prev.keptUntil(), prev.ID))
 	}
 	if err != nil {
 		t.tainted = true
@@ -184,17 +196,26 @@ func (t *boltTxn) del(prev *Record) error {
 	return nil
 }
 
-// finalKey orders the finals index by the time a record became final, so Prune reads only what it deletes.
+// finalKey orders the finals index by the time a final record may go, so Prune reads only what it deletes.
+// A record without a Deadline goes at its FinalAt, the key files written before Deadline existed hold: the
+// layout is the same.
+// Times past what nanoseconds since 1970 hold in an int64 (the year 2262) sort last.
 func finalKey(at time.Time, id ID) []byte {
 	k := make([]byte, 8+len(id))
 	ns := at.UnixNano()
-	if ns < 0 {
+	switch {
+	case at.After(latestKeyTime):
+		ns = math.MaxInt64
+	case ns < 0:
 		ns = 0
 	}
 	binary.BigEndian.PutUint64(k, uint64(ns))
 	copy(k[8:], id[:])
 	return k
 }
+
+// latestKeyTime is the latest time finalKey spells exactly.
+var latestKeyTime = time.Unix(0, math.MaxInt64)
 
 // commitLoop is the group commit: it takes one write, then every write already waiting, and commits them in
 // one transaction (one fsync).
@@ -409,7 +430,8 @@ func (s *BoltStore) Prune(ctx context.Context, finalBefore time.Time) (int, erro
 	}
 }
 
-// pruneChunkIn deletes up to pruneChunk final records whose finals key sorts before limit.
+// pruneChunkIn deletes up to pruneChunk final records whose finals key sorts before limit: final, and past
+// their deadline, before the cutoff.
 func pruneChunkIn(t *boltTxn, limit []byte) (int, error) {
 	finals, records := t.tx.Bucket(bucketFinals), t.tx.Bucket(bucketRecords)
 	var keys [][]byte

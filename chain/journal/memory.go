@@ -142,7 +142,7 @@ func (s *MemoryStore) Prune(ctx context.Context, finalBefore time.Time) (int, er
 		if err != nil {
 			return n, fmt.Errorf("journal: prune: %w", err)
 		}
-		if r.FinalAt.Before(finalBefore) {
+		if r.keptUntil().Before(finalBefore) {
 			delete(s.records, id)
 			n++
 		}

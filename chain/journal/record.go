@@ -77,6 +77,10 @@ type Record struct {
 	ServedAt time.Time `json:"servedAt,omitzero"`
 	// Async marks a payment accepted before settlement, to be settled in the background.
 	Async bool `json:"async,omitempty"`
+	// Deadline is the last moment the payment's authorization can be settled, when its claimant knows it. Prune
+	// keeps a final record until its deadline too: pruned earlier, the payment would look new to Claim while it
+	// can still be presented.
+	Deadline time.Time `json:"deadline,omitzero"`
 
 	// ClaimedAt, UpdatedAt and FinalAt are set by the store from its clock.
 	ClaimedAt time.Time `json:"claimedAt,omitzero"`
@@ -85,6 +89,14 @@ type Record struct {
 	// Owner is the claim token of the process that holds the payment, so that start-up can tell its own
 	// claims from those a crashed process left behind.
 	Owner string `json:"owner,omitempty"`
+}
+
+// keptUntil is when a final record may go: once it is final and past its deadline.
+func (r *Record) keptUntil() time.Time {
+	if r.Deadline.After(r.FinalAt) {
+		return r.Deadline
+	}
+	return r.FinalAt
 }
 
 // validate checks what must hold of any stored record.

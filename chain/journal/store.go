@@ -36,9 +36,9 @@ type Store interface {
 	// Pending lists every record that is not final (claimed, broadcast, async payments not yet settled),
 	// oldest claim first: what start-up must reconcile before accepting new work.
 	Pending(ctx context.Context) ([]Record, error)
-	// Prune deletes final records that became final before the given time and returns how many it deleted.
-	// Keep final records at least as long as a payment could be presented again (its authorization's
-	// deadline), since a pruned payment would look new to Claim.
+	// Prune deletes final records that became final before the given time, and whose Deadline (when set) is
+	// before it too, and returns how many it deleted. Keep final records at least as long as a payment could be
+	// presented again (its authorization's deadline), since a pruned payment would look new to Claim.
 	Prune(ctx context.Context, finalBefore time.Time) (int, error)
 	// Count returns the number of records of every state; it may walk the whole store, so it is for
 	// operators and tests rather than a hot path.

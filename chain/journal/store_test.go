@@ -472,6 +472,83 @@ func TestStorePruneDeletesOnlyFinalRecordsOlderThanTheCutoff(t *testing.T) {
 	})
 }
 
+func TestStorePruneKeepsAFinalRecordUntilItsDeadlineHasPassed(t *testing.T) {
+	const none = time.Duration(-1 << 63) // no Deadline
+	t0 := newTestClock().Now()
+	cutoff, later := t0.Add(time.Hour), t0.Add(3*time.Hour)
+	for _, tc := range []struct {
+		name            string
+		final           bool
+		finalAt         time.Duration // after t0
+		deadline        time.Duration // after t0, or none
+		movedTo         time.Duration // the Deadline an update sets once the record is final, or none
+		keptAtCutoff    bool
+		keptLater       bool // at the second, later cutoff
+		unrepresentable bool // deadline in the year 9999, past what nanoseconds hold
+	}{
+		{name: "final before the cutoff, no deadline", final: true, deadline: none, movedTo: none},
+		{name: "final and past its deadline before the cutoff", final: true, deadline: 30 * time.Minute, movedTo: none},
+		{name: "final before the cutoff, deadline after it", final: true, deadline: 2 * time.Hour, movedTo: none, keptAtCutoff: true},
+		{name: "final before the cutoff, deadline at it", final: true, deadline: time.Hour, movedTo: none, keptAtCutoff: true},
+		{name: "final after the cutoff, deadline before it", final: true, finalAt: 2 * time.Hour, deadline: 10 * time.Minute, movedTo: none, keptAtCutoff: true},
+		{name: "final after the cutoff, no deadline", final: true, finalAt: 2 * time.Hour, deadline: none, movedTo: none, keptAtCutoff: true},
+		{name: "not final, deadline long past", deadline: -time.Hour, movedTo: none, keptAtCutoff: true, keptLater: true},
+		{name: "final, deadline in the year 9999", final: true, unrepresentable: true, movedTo: none, keptAtCutoff: true, keptLater: true},
+		{name: "final, deadline moved past the cutoff", final: true, deadline: 10 * time.Minute, movedTo: 2 * time.Hour, keptAtCutoff: true},
+		{name: "final, deadline moved before the cutoff", final: true, deadline: 2 * time.Hour, movedTo: 10 * time.Minute},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			forEachStore(t, func(t *testing.T, h harness) {
+				clock := newTestClock()
+				s := h.open(t, clock.Now)
+				ctx := context.Background()
+				r := claimOf(50)
+				switch {
+				case tc.unrepresentable:
+					r.Deadline = time.Date(9999, time.December, 31, 23, 59, 59, 0, time.UTC)
+				case tc.deadline != none:
+					r.Deadline = t0.Add(tc.deadline)
+				}
+				// Another final record, gone by any rule at either cutoff, shows Prune deletes beside what it keeps.
+				other := claimOf(51)
+				other.Deadline = t0.Add(-time.Hour)
+				mustUpdate(t, s, mustClaim(t, s, other).ID, toFinal(false))
+				clock.Advance(tc.finalAt)
+				id := mustClaim(t, s, r).ID
+				if tc.final {
+					mustUpdate(t, s, id, toFinal(true))
+				}
+				if tc.movedTo != none {
+					mustUpdate(t, s, id, func(r *Record) error { r.Deadline = t0.Add(tc.movedTo); return nil })
+				}
+				s = h.reopen(t, s)
+
+				for _, step := range []struct {
+					cutoff time.Time
+					kept   bool
+				}{{cutoff, tc.keptAtCutoff}, {later, tc.keptLater}} {
+					if _, err := s.Prune(ctx, step.cutoff); err != nil {
+						t.Fatalf("Prune(%s): %v", step.cutoff, err)
+					}
+					if _, ok, err := s.Get(ctx, id); err != nil || ok != step.kept {
+						t.Fatalf("after Prune(%s), the record is present = %v (%v), want %v", step.cutoff, ok, err, step.kept)
+					}
+					if _, ok, _ := s.Get(ctx, other.ID); ok {
+						t.Fatalf("after Prune(%s), the final record past its deadline an hour before t0 is still there", step.cutoff)
+					}
+					want := 0
+					if step.kept {
+						want = 1
+					}
+					if n, err := s.Count(ctx); err != nil || n != want {
+						t.Fatalf("Count after Prune(%s) = %d, %v; want %d", step.cutoff, n, err, want)
+					}
+				}
+			})
+		})
+	}
+}
+
 func TestStoreReportsACorruptRecordByItsID(t *testing.T) {
 	forEachStore(t, func(t *testing.T, h harness) {
 		s := h.open(t, nil)
