@@ -305,22 +305,6 @@ func TestATunnelIsPaidForBeforeTheUpstreamOpensIt(t *testing.T) {
 	}
 }
 
-// sizedUpstream answers every request with size bytes, written as they go.
-func sizedUpstream(t *testing.T, size int) string {
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/octet-stream")
-		w.Header().Set("Content-Length", fmt.Sprint(size))
-		chunk := []byte(strings.Repeat("x", 64<<10))
-		for left := size; left > 0; left -= len(chunk) {
-			if _, err := w.Write(chunk[:min(left, len(chunk))]); err != nil {
-				return
-			}
-		}
-	}))
-	t.Cleanup(srv.Close)
-	return strings.TrimPrefix(srv.URL, "http://")
-}
-
 // readHeadAndHangUp presents header, reads the status line and headers of the answer, and resets the connection
 // with the body unread: the gate's writing of the response fails half way.
 func (env *gateEnv) readHeadAndHangUp(header string) int {
@@ -344,7 +328,9 @@ func TestAResponseCutShortIsServedAgainWhenItsPaymentIsPresentedAgainWithoutPayi
 	const size = 32 << 20 // beyond what loopback socket buffers hold, so the write fails once the client hangs up
 	for _, mode := range []string{"after", "async"} {
 		t.Run(mode, func(t *testing.T) {
-			env := newGateEnv(t, gateSetup{site: "reverse_proxy " + sizedUpstream(t, size), gate: "\t\tsettle " + mode + "\n"})
+			// Held whole (max_buffer above the size) and written out at once: the write is what breaks.
+			env := newGateEnv(t, gateSetup{site: "reverse_proxy " + newBigUpstream(t, size).Addr,
+				gate: "\t\tsettle " + mode + "\n\t\tmax_buffer 64MiB\n"})
 			payer := env.c.Payers[0]
 			env.approvePermit2(payer)
 			before := env.balances(payer)
