@@ -517,6 +517,11 @@ func gateWait[T any](t testing.TB, ch <-chan T, what string) T {
 // wallets' pending nonces: chaintest's AutoCommit asks for the pending block, which go-ethereum's miner caches
 // for two seconds, so each settlement would wait up to two seconds for its block.
 func commitPending(t testing.TB, c *chaintest.Chain) (stop func()) {
+	return commitPendingUnless(c, nil)
+}
+
+// commitPendingUnless is commitPending that seals nothing while paused (when given) is true.
+func commitPendingUnless(c *chaintest.Chain, paused *atomic.Bool) (stop func()) {
 	done, finished := make(chan struct{}), make(chan struct{})
 	go func() {
 		defer close(finished)
@@ -526,6 +531,9 @@ func commitPending(t testing.TB, c *chaintest.Chain) (stop func()) {
 			case <-done:
 				return
 			case <-time.After(2 * time.Millisecond):
+			}
+			if paused != nil && paused.Load() {
+				continue
 			}
 			for _, w := range c.Wallets {
 				pending, err1 := c.Client.PendingNonceAt(ctx, w.Address)

@@ -1,12 +1,10 @@
 package caddymodule_test
 
 import (
-	"context"
 	"fmt"
 	"math/big"
 	"net/http"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -38,39 +36,11 @@ type routesEnv struct {
 
 func newRoutesOfFour(t *testing.T) *routesEnv {
 	env := &routesEnv{gateEnv: newStoppedGateEnv(t)}
-	t.Cleanup(env.mineUnlessPaused())
+	t.Cleanup(commitPendingUnless(env.c, &env.paused))
 	// A short receipt timeout, so a settlement left unmined answers settlement_pending (502) soon.
 	env.cfg = env.routesCaddyfile(routesOfFour, "\t\t\treceipt_timeout 2s\n")
 	env.srv = startCaddy(t, env.cfg)
 	return env
-}
-
-// mineUnlessPaused seals a block whenever a settlement wallet has a transaction waiting and mining is not paused.
-func (env *routesEnv) mineUnlessPaused() (stop func()) {
-	done, finished := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(finished)
-		for {
-			select {
-			case <-done:
-				return
-			case <-time.After(2 * time.Millisecond):
-			}
-			if env.paused.Load() {
-				continue
-			}
-			for _, w := range env.c.Wallets {
-				pending, err1 := env.c.Client.PendingNonceAt(context.Background(), w.Address)
-				mined, err2 := env.c.Client.NonceAt(context.Background(), w.Address, nil)
-				if err1 == nil && err2 == nil && pending > mined {
-					env.c.Commit()
-					break
-				}
-			}
-		}
-	}()
-	var once sync.Once
-	return func() { once.Do(func() { close(done); <-finished }) }
 }
 
 func routeOf(path string) route {
