@@ -120,27 +120,10 @@ func TestAClientThatLeftWhileItsPaymentSettledIsServedWhenItPresentsThePaymentAg
 			sentBefore := env.sent()
 			header := env.permit2Header("/", payer)
 
-			ctx, leave := context.WithCancel(context.Background())
-			answer := env.getAsyncCtx(ctx, "/", x402.HeaderPaymentSignature, header)
 			// Nothing is mined: the settlement waits in the pool while the client leaves.
-			for deadline := time.Now().Add(10 * time.Second); env.sent()-sentBefore < 1; {
-				if time.Now().After(deadline) {
-					t.Fatal("the settlement transaction was not sent")
-				}
-				time.Sleep(5 * time.Millisecond)
-			}
-			leave()
-			if a := gateWait(t, answer, "the request of the client that left"); a.status != -1 {
-				t.Fatalf("the payment was answered (%d %q) before its settlement was mined", a.status, a.body)
-			}
+			env.leaveWhileSettling("/", header)
 			t.Cleanup(commitPending(t, env.c))
-			const settled = `caddy_x402_gate_outcomes_total{status="settled"}`
-			for deadline := time.Now().Add(10 * time.Second); samples(t)[settled] != 1; {
-				if time.Now().After(deadline) {
-					t.Fatalf("%s = %v, want 1 once the settlement was mined", settled, samples(t)[settled])
-				}
-				time.Sleep(5 * time.Millisecond)
-			}
+			env.waitOutcomes(x402.OutcomeSettled, 1)
 
 			a := env.get("/", x402.HeaderPaymentSignature, header)
 			if resp := settleResponse(t, a); a.status != http.StatusOK || a.body != "paid content" || !resp.Success || resp.Transaction == "" {

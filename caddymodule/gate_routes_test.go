@@ -120,6 +120,17 @@ func (env *routesEnv) waitSent(n uint64) {
 	}
 }
 
+// settleWithTheClientGone presents header to path, goes away while its settlement waits to be mined, and returns
+// once the gate has recorded it settled: a payment that settled and bought nothing yet.
+func (env *routesEnv) settleWithTheClientGone(path, header string) {
+	env.t.Helper()
+	env.paused.Store(true)
+	settled := samples(env.t)[`caddy_x402_gate_outcomes_total{status="settled"}`]
+	env.leaveWhileSettling(path, header)
+	env.paused.Store(false)
+	env.waitOutcomes(x402.OutcomeSettled, settled+1)
+}
+
 // restart stops Caddy and starts it again from the same config and journal.
 func (env *routesEnv) restart() {
 	env.t.Helper()
@@ -189,11 +200,7 @@ func TestOnePaymentPresentedToEveryRouteInEveryStateIsServedOnceAndOnlyByItsOwnR
 			env.expect("/d", h, refused, used)
 		}},
 		{"settled, client gone", "/a", func(env *routesEnv, p x402.PaymentPayload, h string) {
-			env.paused.Store(true)
-			settled := samples(env.t)[`caddy_x402_gate_outcomes_total{status="settled"}`]
-			env.leaveWhileSettling("/a", h)
-			env.paused.Store(false)
-			env.waitOutcomes(x402.OutcomeSettled, settled+1)
+			env.settleWithTheClientGone("/a", h)
 			env.presentElsewhere("/a", p)
 			env.expect("/a", h, ok, "")
 			env.expect("/a", h, refused, used)
@@ -211,11 +218,7 @@ func TestOnePaymentPresentedToEveryRouteInEveryStateIsServedOnceAndOnlyByItsOwnR
 			env.paused.Store(false)
 		}},
 		{"settled, client gone, after a restart", "/a", func(env *routesEnv, p x402.PaymentPayload, h string) {
-			env.paused.Store(true)
-			settled := samples(env.t)[`caddy_x402_gate_outcomes_total{status="settled"}`]
-			env.leaveWhileSettling("/a", h)
-			env.paused.Store(false)
-			env.waitOutcomes(x402.OutcomeSettled, settled+1)
+			env.settleWithTheClientGone("/a", h)
 			env.restart()
 			env.presentElsewhere("/a", p)
 			env.expect("/a", h, ok, "")
