@@ -159,18 +159,14 @@ func (l *gateLedger) release(id journal.ID) {
 // that died between writing a response and recording it as delivered leaves them so, and their responses may
 // have reached the payer.
 func (l *gateLedger) replay() {
-	recs, err := l.store.Pending(l.ctx)
+	served, err := l.store.PendingOf(l.ctx, true)
 	if err != nil {
 		l.log.Error("listing pending payments to settle", zap.Error(err))
 		return
 	}
-	var served []journal.Record
-	for _, rec := range recs {
-		if rec.Async {
-			served = append(served, rec)
-			l.owe(rec.ID, rec.Payer)
-			l.settleLater(rec.ID)
-		}
+	for _, rec := range served {
+		l.owe(rec.ID, rec.Payer)
+		l.settleLater(rec.ID)
 	}
 	if len(served) > 0 {
 		l.wg.Add(1)

@@ -510,18 +510,24 @@ var errServed = errors.New("the payment was served already")
 // markServed records that the payment's one response was written out (with its settlement, when given). The
 // in-flight set keeps every other request of the payment out until this is written, and presentedAgain refuses
 // a served payment, so only a journal failure can leave it unwritten: that is logged, and the response stands.
+// Without a settlement (an async payment) the mark is the journal's MarkServed, which leaves the record alone:
+// a second rewrite of the whole record per response would cost more than the rest of serving it.
 func (x *exchange) markServed(settled *x402.SettleResponse) {
-	_, err := x.g.ledger.store.Update(context.WithoutCancel(x.r.Context()), x.id, func(r *journal.Record) error {
-		if r.Served {
-			return errServed
-		}
-		r.Served, r.ServedAt = true, x.g.now().UTC()
-		if settled != nil {
+	ctx, at := context.WithoutCancel(x.r.Context()), x.g.now().UTC()
+	var err error
+	if settled == nil {
+		err = x.g.ledger.store.MarkServed(ctx, x.id, at)
+	} else {
+		_, err = x.g.ledger.store.Update(ctx, x.id, func(r *journal.Record) error {
+			if r.Served {
+				return errServed
+			}
 			// Final too: a process killed between claiming the record and making it final left it claimed.
+			r.Served, r.ServedAt = true, at
 			r.State, r.Response = journal.StateFinal, settled
-		}
-		return nil
-	})
+			return nil
+		})
+	}
 	if err != nil {
 		x.g.logger.Error("recording a served payment in the journal", zap.String("payment", x.id.String()), zap.Error(err))
 	}

@@ -21,7 +21,8 @@ import (
 // from its recorded bytes (same nonce, same hash: it cannot settle twice). Claims that never broadcast and that
 // a previous process left behind are released. At start-up (startup true) every record is looked at.
 func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
-	recs, err := f.journal.Pending(ctx)
+	// A gate sharing the journal keeps its async payments there; they are never settlements of this engine.
+	recs, err := f.journal.PendingOf(ctx, false)
 	if err != nil {
 		return err
 	}

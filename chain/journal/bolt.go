@@ -21,10 +21,15 @@ import (
 var (
 	bucketMeta    = []byte("meta")
 	bucketRecords = []byte("records") // id -> encoded Record
-	bucketPending = []byte("pending") // id -> empty, for every record not final
+	bucketPending = []byte("pending") // id -> pendingTag, for every record not final
 	bucketFinals  = []byte("finals")  // keptUntil (unix ns, big endian) ++ id -> empty, for Prune
+	bucketServed  = []byte("served")  // id -> ServedAt (unix ns, big endian), for every served record
 	keyLayout     = []byte("layout")
-	layoutV1      = []byte("1")
+	// Layout 2 added the served bucket: a served mark is written there alone, and the bucket (not the record)
+	// is what says a payment was served, so a release that reads layout 1 must not open the file and serve a
+	// served payment again.
+	layoutV1 = []byte("1")
+	layoutV2 = []byte("2")
 )
 
 // maxBatch bounds how many writes share one commit, so a burst cannot build one huge transaction.
@@ -104,21 +109,72 @@ func initLayout(tx *bolt.Tx) error {
 	if err != nil {
 		return err
 	}
-	switch got := meta.Get(keyLayout); {
-	case got == nil:
-		if err := meta.Put(keyLayout, layoutV1); err != nil {
-			return err
-		}
-	case string(got) != string(layoutV1):
-		return fmt.Errorf("file has journal layout %q, this build reads layout %q", got, layoutV1)
+	got := meta.Get(keyLayout)
+	switch {
+	case got == nil, string(got) == string(layoutV1), string(got) == string(layoutV2):
+	default:
+		return fmt.Errorf("file has journal layout %q, this build reads layouts %q and %q", got, layoutV1, layoutV2)
 	}
-	for _, name := range [][]byte{bucketRecords, bucketPending, bucketFinals} {
+	for _, name := range [][]byte{bucketRecords, bucketPending, bucketFinals, bucketServed} {
 		if _, err := tx.CreateBucketIfNotExists(name); err != nil {
 			return err
 		}
 	}
-	return nil
+	if string(got) == string(layoutV2) {
+		return nil
+	}
+	if string(got) == string(layoutV1) {
+		if err := upgradeServed(tx); err != nil {
+			return fmt.Errorf("upgrade journal layout 1 to 2: %w", err)
+		}
+	}
+	return meta.Put(keyLayout, layoutV2)
 }
+
+// upgradeServed gives every record a layout 1 file marks served its entry in the served bucket, and every
+// pending async record its tag in the pending index.
+func upgradeServed(tx *bolt.Tx) error {
+	served, pending := tx.Bucket(bucketServed), tx.Bucket(bucketPending)
+	type fix struct {
+		bucket     *bolt.Bucket
+		key, value []byte
+	}
+	var fixes []fix // a bucket is not written while it is walked
+	err := tx.Bucket(bucketRecords).ForEach(func(k, v []byte) error {
+		if len(k) != len(ID{}) {
+			return fmt.Errorf("%w: records bucket holds a key of %d bytes, want %d", ErrCorrupt, len(k), len(ID{}))
+		}
+		r, err := decodeRecord(ID(k), v)
+		if err != nil {
+			return err
+		}
+		key := append([]byte(nil), k...)
+		if r.Served {
+			fixes = append(fixes, fix{served, key, servedStamp(r.ServedAt)})
+		}
+		if r.Async && r.State != StateFinal {
+			fixes = append(fixes, fix{pending, key, pendingTag(&r)})
+		}
+		return nil
+	})
+	for _, f := range fixes {
+		if err == nil {
+			err = f.bucket.Put(f.key, f.value)
+		}
+	}
+	return err
+}
+
+// pendingTag is a pending record's value in the pending index: what PendingOf selects on without reading it.
+func pendingTag(r *Record) []byte {
+	if r.Async {
+		return []byte{1}
+	}
+	return []byte{}
+}
+
+// isAsyncTag reads a pendingTag; layout 1 wrote every entry empty, and upgradeServed tagged its async ones.
+func isAsyncTag(v []byte) bool { return len(v) == 1 && v[0] == 1 }
 
 // Path returns the file the store was opened on.
 func (s *BoltStore) Path() string { return s.path }
@@ -136,7 +192,33 @@ func (t *boltTxn) get(id ID) (Record, bool, error) {
 		return Record{}, false, nil
 	}
 	r, err := decodeRecord(id, b)
-	return r, err == nil, err
+	if err != nil {
+		return Record{}, false, err
+	}
+	if mark := t.tx.Bucket(bucketServed).Get(id[:]); mark != nil {
+		if r.ServedAt, err = servedAt(id, mark); err != nil {
+			return Record{}, false, err
+		}
+		r.Served = true
+	}
+	return r, true, nil
+}
+
+// markServed is MarkServed inside a transaction: it reads neither the record nor its mark's time, only
+// whether each is there.
+func (t *boltTxn) markServed(id ID, at time.Time) error {
+	if t.tx.Bucket(bucketRecords).Get(id[:]) == nil {
+		return fmt.Errorf("%w: %s", ErrNotFound, id)
+	}
+	served := t.tx.Bucket(bucketServed)
+	if served.Get(id[:]) != nil {
+		return fmt.Errorf("%w: %s", ErrServed, id)
+	}
+	if err := served.Put(id[:], servedStamp(at)); err != nil {
+		t.tainted = true
+		return fmt.Errorf("journal: mark %s served: %w", id, err)
+	}
+	return nil
 }
 
 func (t *boltTxn) put(prev, next *Record) error {
@@ -157,10 +239,15 @@ func (t *boltTxn) write(id ID, enc []byte, prev, next *Record) error {
 	if err := t.tx.Bucket(bucketRecords).Put(id[:], enc); err != nil {
 		return err
 	}
+	if next.Served && (prev == nil || !prev.Served) {
+		if err := t.tx.Bucket(bucketServed).Put(id[:], servedStamp(next.ServedAt)); err != nil {
+			return err
+		}
+	}
 	wasFinal := prev != nil && prev.State == StateFinal
 	switch {
-	case next.State != StateFinal && prev == nil:
-		return t.tx.Bucket(bucketPending).Put(id[:], []byte{})
+	case next.State != StateFinal && (prev == nil || prev.Async != next.Async):
+		return t.tx.Bucket(bucketPending).Put(id[:], pendingTag(next))
 	case next.State == StateFinal && !wasFinal:
 		if prev != nil {
 			if err := t.tx.Bucket(bucketPending).Delete(id[:]); err != nil {
@@ -185,6 +272,9 @@ func (t *boltTxn) del(prev *Record) error {
 	err := t.tx.Bucket(bucketRecords).Delete(prev.ID[:])
 	if err == nil {
 		err = t.tx.Bucket(bucketPending).Delete(prev.ID[:])
+	}
+	if err == nil {
+		err = t.tx.Bucket(bucketServed).Delete(prev.ID[:])
 	}
 	if err == nil && prev.State == StateFinal {
 		err = t.tx.Bucket(bucketFinals).Delete(finalKey(prev.keptUntil(), prev.ID))
@@ -372,6 +462,16 @@ func (s *BoltStore) Update(ctx context.Context, id ID, fn func(*Record) error) (
 	return rec, nil
 }
 
+// MarkServed implements Store.
+func (s *BoltStore) MarkServed(ctx context.Context, id ID, at time.Time) error {
+	var opErr error
+	err := s.write(ctx, func(t *boltTxn) { opErr = t.markServed(id, at.UTC()) })
+	if err == nil {
+		err = opErr
+	}
+	return err
+}
+
 // Release implements Store.
 func (s *BoltStore) Release(ctx context.Context, id ID) error {
 	var opErr error
@@ -384,9 +484,22 @@ func (s *BoltStore) Release(ctx context.Context, id ID) error {
 
 // Pending implements Store.
 func (s *BoltStore) Pending(ctx context.Context) ([]Record, error) {
+	return s.pending(ctx, func([]byte) bool { return true })
+}
+
+// PendingOf implements Store.
+func (s *BoltStore) PendingOf(ctx context.Context, async bool) ([]Record, error) {
+	return s.pending(ctx, func(tag []byte) bool { return isAsyncTag(tag) == async })
+}
+
+// pending lists the pending records whose tag in the pending index want accepts.
+func (s *BoltStore) pending(ctx context.Context, want func(tag []byte) bool) ([]Record, error) {
 	var out []Record
 	err := s.read(ctx, func(t *boltTxn) error {
-		return t.tx.Bucket(bucketPending).ForEach(func(k, _ []byte) error {
+		return t.tx.Bucket(bucketPending).ForEach(func(k, tag []byte) error {
+			if !want(tag) {
+				return nil
+			}
 			if len(k) != len(ID{}) {
 				return fmt.Errorf("%w: pending index holds a key of %d bytes, want %d", ErrCorrupt, len(k), len(ID{}))
 			}
@@ -433,7 +546,7 @@ func (s *BoltStore) Prune(ctx context.Context, finalBefore time.Time) (int, erro
 // pruneChunkIn deletes up to pruneChunk final records whose finals key sorts before limit: final, and past
 // their deadline, before the cutoff.
 func pruneChunkIn(t *boltTxn, limit []byte) (int, error) {
-	finals, records := t.tx.Bucket(bucketFinals), t.tx.Bucket(bucketRecords)
+	finals, records, served := t.tx.Bucket(bucketFinals), t.tx.Bucket(bucketRecords), t.tx.Bucket(bucketServed)
 	var keys [][]byte
 	c := finals.Cursor()
 	for k, _ := c.First(); k != nil && len(keys) < pruneChunk && string(k) < string(limit); k, _ = c.Next() {
@@ -444,6 +557,10 @@ func pruneChunkIn(t *boltTxn, limit []byte) (int, error) {
 	}
 	for _, k := range keys {
 		if err := records.Delete(k[8:]); err != nil {
+			t.tainted = true
+			return 0, err
+		}
+		if err := served.Delete(k[8:]); err != nil {
 			t.tainted = true
 			return 0, err
 		}

@@ -84,18 +84,98 @@ func TestOpenBoltRefusesAFileOfAnotherLayout(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		return b.Put(keyLayout, []byte("2"))
+		return b.Put(keyLayout, []byte("3"))
 	})
 	db.Close()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s, err := OpenBolt(path, Options{}); err == nil || !strings.Contains(err.Error(), `layout "2"`) {
+	if s, err := OpenBolt(path, Options{}); err == nil || !strings.Contains(err.Error(), `layout "3"`) {
 		if s != nil {
 			s.Close()
 		}
-		t.Fatalf("OpenBolt of a layout-2 file: %v; want a refusal naming the layout", err)
+		t.Fatalf("OpenBolt of a layout-3 file: %v; want a refusal naming the layout", err)
 	}
+}
+
+// TestOpenBoltUpgradesALayout1FileKeepingItsServedPayments opens a file as the release before the served bucket
+// wrote it: a payment served there stays served (MarkServed refuses it), an unserved one can still be marked,
+// and the file is layout 2 afterwards, so that release refuses it rather than serve a served payment again.
+func TestOpenBoltUpgradesALayout1FileKeepingItsServedPayments(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "journal.db")
+	servedAt := time.Date(2026, 3, 1, 12, 0, 1, 500, time.UTC)
+	served, unserved := claimOf(90), claimOf(91)
+	served.Served, served.ServedAt, served.Async = true, servedAt, true
+	db, err := bolt.Open(path, 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = db.Update(func(tx *bolt.Tx) error {
+		meta, err := tx.CreateBucket(bucketMeta)
+		if err != nil {
+			return err
+		}
+		if err := meta.Put(keyLayout, layoutV1); err != nil {
+			return err
+		}
+		for _, name := range [][]byte{bucketRecords, bucketPending, bucketFinals} {
+			if _, err := tx.CreateBucket(name); err != nil {
+				return err
+			}
+		}
+		for _, r := range []Record{served, unserved} {
+			r.State = StateClaimed
+			enc, err := encodeRecord(&r)
+			if err != nil {
+				return err
+			}
+			if err := tx.Bucket(bucketRecords).Put(r.ID[:], enc); err != nil {
+				return err
+			}
+			if err := tx.Bucket(bucketPending).Put(r.ID[:], []byte{}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	db.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	s, err := OpenBolt(path, Options{})
+	if err != nil {
+		t.Fatalf("OpenBolt of a layout-1 file: %v", err)
+	}
+	ctx := context.Background()
+	if err := s.MarkServed(ctx, served.ID, time.Now()); !errors.Is(err, ErrServed) {
+		t.Errorf("MarkServed of the payment layout 1 recorded as served: %v, want ErrServed", err)
+	}
+	if got, _, err := s.Get(ctx, served.ID); err != nil || !got.Served || !got.ServedAt.Equal(servedAt) {
+		t.Errorf("the served payment after the upgrade: served %v at %s, %v; want served at %s", got.Served, got.ServedAt, err, servedAt)
+	}
+	if async, err := s.PendingOf(ctx, true); err != nil || len(async) != 1 || async[0].ID != served.ID {
+		t.Errorf("PendingOf(async) after the upgrade = %v, %v; want the async payment layout 1 wrote", async, err)
+	}
+	if others, err := s.PendingOf(ctx, false); err != nil || len(others) != 1 || others[0].ID != unserved.ID {
+		t.Errorf("PendingOf(not async) after the upgrade = %v, %v; want the other payment", others, err)
+	}
+	if err := s.MarkServed(ctx, unserved.ID, time.Now()); err != nil {
+		t.Errorf("MarkServed of the unserved payment after the upgrade: %v", err)
+	}
+	s.Close()
+
+	db, err = bolt.Open(path, 0o600, &bolt.Options{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	_ = db.View(func(tx *bolt.Tx) error {
+		if got := tx.Bucket(bucketMeta).Get(keyLayout); string(got) != string(layoutV2) {
+			t.Errorf("layout after the upgrade = %q, want %q", got, layoutV2)
+		}
+		return nil
+	})
 }
 
 // Environment of the helper process the crash test starts and kills.

@@ -16,7 +16,8 @@ type MemoryStore struct {
 	mu      sync.Mutex
 	closed  bool
 	records map[ID][]byte
-	pending map[ID]struct{}
+	pending map[ID]bool // id -> async, as the bolt store's pending index
+	served  map[ID]time.Time // as the bolt store's served bucket: MarkServed writes here alone
 }
 
 // NewMemory returns an empty in-memory store; of opts only Clock applies.
@@ -24,7 +25,8 @@ func NewMemory(opts Options) *MemoryStore {
 	return &MemoryStore{
 		opts:    opts,
 		records: make(map[ID][]byte),
-		pending: make(map[ID]struct{}),
+		pending: make(map[ID]bool),
+		served:  make(map[ID]time.Time),
 	}
 }
 
@@ -37,7 +39,13 @@ func (t memTxn) get(id ID) (Record, bool, error) {
 		return Record{}, false, nil
 	}
 	r, err := decodeRecord(id, b)
-	return r, err == nil, err
+	if err != nil {
+		return Record{}, false, err
+	}
+	if at, ok := t.s.served[id]; ok {
+		r.Served, r.ServedAt = true, at
+	}
+	return r, true, nil
 }
 
 func (t memTxn) put(_, next *Record) error {
@@ -46,10 +54,13 @@ func (t memTxn) put(_, next *Record) error {
 		return err
 	}
 	t.s.records[next.ID] = enc
+	if _, ok := t.s.served[next.ID]; next.Served && !ok {
+		t.s.served[next.ID] = next.ServedAt.UTC()
+	}
 	if next.State == StateFinal {
 		delete(t.s.pending, next.ID)
 	} else {
-		t.s.pending[next.ID] = struct{}{}
+		t.s.pending[next.ID] = next.Async
 	}
 	return nil
 }
@@ -57,6 +68,7 @@ func (t memTxn) put(_, next *Record) error {
 func (t memTxn) del(prev *Record) error {
 	delete(t.s.records, prev.ID)
 	delete(t.s.pending, prev.ID)
+	delete(t.s.served, prev.ID)
 	return nil
 }
 
@@ -100,6 +112,22 @@ func (s *MemoryStore) Update(ctx context.Context, id ID, fn func(*Record) error)
 	return updateIn(memTxn{s}, id, fn, s.opts.now())
 }
 
+// MarkServed implements Store.
+func (s *MemoryStore) MarkServed(ctx context.Context, id ID, at time.Time) error {
+	if err := s.lock(ctx); err != nil {
+		return err
+	}
+	defer s.mu.Unlock()
+	if _, ok := s.records[id]; !ok {
+		return fmt.Errorf("%w: %s", ErrNotFound, id)
+	}
+	if _, ok := s.served[id]; ok {
+		return fmt.Errorf("%w: %s", ErrServed, id)
+	}
+	s.served[id] = at.UTC()
+	return nil
+}
+
 // Release implements Store.
 func (s *MemoryStore) Release(ctx context.Context, id ID) error {
 	if err := s.lock(ctx); err != nil {
@@ -111,12 +139,24 @@ func (s *MemoryStore) Release(ctx context.Context, id ID) error {
 
 // Pending implements Store.
 func (s *MemoryStore) Pending(ctx context.Context) ([]Record, error) {
+	return s.pendingOf(ctx, func(bool) bool { return true })
+}
+
+// PendingOf implements Store.
+func (s *MemoryStore) PendingOf(ctx context.Context, async bool) ([]Record, error) {
+	return s.pendingOf(ctx, func(a bool) bool { return a == async })
+}
+
+func (s *MemoryStore) pendingOf(ctx context.Context, want func(async bool) bool) ([]Record, error) {
 	if err := s.lock(ctx); err != nil {
 		return nil, err
 	}
 	defer s.mu.Unlock()
 	out := make([]Record, 0, len(s.pending))
-	for id := range s.pending {
+	for id, async := range s.pending {
+		if !want(async) {
+			continue
+		}
 		r, _, err := memTxn{s}.get(id)
 		if err != nil {
 			return nil, err
@@ -144,6 +184,7 @@ func (s *MemoryStore) Prune(ctx context.Context, finalBefore time.Time) (int, er
 		}
 		if r.keptUntil().Before(finalBefore) {
 			delete(s.records, id)
+			delete(s.served, id)
 			n++
 		}
 	}

@@ -134,5 +134,10 @@ func checkTransition(prev, next *Record) error {
 	if next.State.rank() < prev.State.rank() {
 		return fmt.Errorf("%w: record %s cannot move from %q back to %q", ErrInvalidUpdate, prev.ID, prev.State, next.State)
 	}
+	if prev.Served && (!next.Served || !next.ServedAt.Equal(prev.ServedAt)) {
+		// A payment unmarked as served could buy its response a second time.
+		return fmt.Errorf("%w: record %s was served at %s and cannot be unmarked or re-dated", ErrInvalidUpdate, prev.ID,
+			prev.ServedAt.Format(time.RFC3339Nano))
+	}
 	return nil
 }

@@ -3,6 +3,7 @@ package journal
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"slices"
@@ -29,6 +30,11 @@ type Store interface {
 	// another goroutine while other writes wait for it: it must only edit the record (no I/O, no calls into
 	// the store), and it may run more than once.
 	Update(ctx context.Context, id ID, fn func(*Record) error) (Record, error)
+	// MarkServed records that the one response the payment buys was delivered at the given time (Served and
+	// ServedAt), leaving the rest of the record as it is (UpdatedAt too). It is the cheap write a gate makes
+	// after every response: it neither reads nor rewrites the record. It returns ErrNotFound when there is no
+	// record and ErrServed when the payment was marked served already, by MarkServed or by an Update.
+	MarkServed(ctx context.Context, id ID, at time.Time) error
 	// Release deletes a claim that never broadcast, so the payer may try again (after topping up a balance,
 	// say). It refuses a broadcast or final record with ErrNotReleasable; releasing an absent record is a
 	// no-op. Only the claimant should release, and only once.
@@ -36,6 +42,10 @@ type Store interface {
 	// Pending lists every record that is not final (claimed, broadcast, async payments not yet settled),
 	// oldest claim first: what start-up must reconcile before accepting new work.
 	Pending(ctx context.Context) ([]Record, error)
+	// PendingOf is Pending of only the async records (async true) or only the others, oldest claim first. It
+	// reads no record of the other kind, so an engine's periodic pass over its settlements costs the same
+	// however many async payments a gate has waiting in the same journal.
+	PendingOf(ctx context.Context, async bool) ([]Record, error)
 	// Prune deletes final records that became final before the given time, and whose Deadline (when set) is
 	// before it too, and returns how many it deleted. Keep final records at least as long as a payment could be
 	// presented again (its authorization's deadline), since a pruned payment would look new to Claim.
@@ -55,8 +65,11 @@ var (
 	ErrNotFound = errors.New("journal: no record")
 	// ErrNotReleasable: Release of a record that is broadcast or final; its transaction may be on chain.
 	ErrNotReleasable = errors.New("journal: record is past claimed and cannot be released")
-	// ErrInvalidUpdate: an update that changes the id, moves the state backwards or breaks a state's needs.
+	// ErrInvalidUpdate: an update that changes the id, moves the state backwards, unmarks a served payment or
+	// breaks a state's needs.
 	ErrInvalidUpdate = errors.New("journal: invalid update")
+	// ErrServed: MarkServed of a payment that was served already.
+	ErrServed = errors.New("journal: payment was served already")
 	// ErrCorrupt: a stored record that cannot be read; the message names its id.
 	ErrCorrupt = errors.New("journal: corrupt record")
 	// ErrLocked: the journal file is held by another process (or another open in this one).
@@ -92,6 +105,19 @@ type txn interface {
 	get(id ID) (Record, bool, error)
 	put(prev, next *Record) error
 	del(prev *Record) error
+}
+
+// servedStamp is how a served mark is stored: ServedAt in unix nanoseconds, big endian.
+func servedStamp(at time.Time) []byte {
+	return binary.BigEndian.AppendUint64(nil, uint64(at.UnixNano()))
+}
+
+// servedAt reads a servedStamp.
+func servedAt(id ID, b []byte) (time.Time, error) {
+	if len(b) != 8 {
+		return time.Time{}, fmt.Errorf("%w: served mark of %s has %d bytes, want 8", ErrCorrupt, id, len(b))
+	}
+	return time.Unix(0, int64(binary.BigEndian.Uint64(b))).UTC(), nil
 }
 
 // claimIn is Claim inside a transaction. Every refusal happens before the first write, so a store batching

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -62,7 +63,7 @@ var harnesses = []harness{
 			m.mu.Lock()
 			defer m.mu.Unlock()
 			m.records[id] = raw
-			m.pending[id] = struct{}{}
+			m.pending[id] = false
 			return s
 		},
 	},
@@ -405,11 +406,14 @@ func TestStorePendingListsEveryRecordNotFinalOldestFirst(t *testing.T) {
 		clock := newTestClock()
 		s := h.open(t, clock.Now)
 		ctx := context.Background()
-		var want []ID
+		var want, wantAsync []ID
 		for n := 20; n < 26; n++ {
 			r := claimOf(n)
-			r.Async = n == 25
+			r.Async = n == 25 || n == 23
 			id := mustClaim(t, s, r).ID
+			if r.Async && n%3 != 2 {
+				wantAsync = append(wantAsync, id)
+			}
 			clock.Advance(time.Second)
 			switch n % 3 {
 			case 0:
@@ -437,6 +441,28 @@ func TestStorePendingListsEveryRecordNotFinalOldestFirst(t *testing.T) {
 		}
 		if n, _ := s.Backlog(ctx); n != len(want) {
 			t.Fatalf("Backlog = %d, want %d", n, len(want))
+		}
+		for _, async := range []bool{true, false} {
+			got, err := s.PendingOf(ctx, async)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var ids []ID
+			for _, r := range got {
+				if r.Async != async {
+					t.Fatalf("PendingOf(async %v) listed %s, whose Async is %v", async, r.ID, r.Async)
+				}
+				ids = append(ids, r.ID)
+			}
+			var wantOf []ID
+			for _, id := range want {
+				if slices.Contains(wantAsync, id) == async {
+					wantOf = append(wantOf, id)
+				}
+			}
+			if !slices.Equal(ids, wantOf) {
+				t.Fatalf("PendingOf(async %v) = %v, want %v (oldest claim first)", async, ids, wantOf)
+			}
 		}
 		if n, _ := s.Count(ctx); n != 6 {
 			t.Fatalf("Count = %d, want 6", n)
@@ -589,6 +615,92 @@ func TestStoreReturnsRecordsThatShareNoMemoryWithIt(t *testing.T) {
 		again, _, _ := s.Get(ctx, r.ID)
 		if string(again.Request) != `{"x402Version":2}` {
 			t.Fatalf("stored Request changed to %q through a caller's slice", again.Request)
+		}
+	})
+}
+
+// TestStoreMarkServedRecordsTheResponseOnceAndNothingElse: the gate's cheap mark sets Served and ServedAt and
+// leaves every other field (state, times) alone; a second mark, by MarkServed or after an Update that served,
+// is refused; an Update can neither unmark nor re-date it; it survives a reopen, and a pruned or released
+// payment claimed again starts unserved.
+func TestStoreMarkServedRecordsTheResponseOnceAndNothingElse(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		clock := newTestClock()
+		s := h.open(t, clock.Now)
+		ctx := context.Background()
+		at := time.Date(2026, 3, 1, 12, 0, 7, 123456789, time.FixedZone("CET", 3600))
+
+		if err := s.MarkServed(ctx, claimOf(70).ID, at); !errors.Is(err, ErrNotFound) {
+			t.Fatalf("MarkServed of an absent payment: %v, want ErrNotFound", err)
+		}
+		r := claimOf(70)
+		r.Async = true
+		before := mustClaim(t, s, r)
+		clock.Advance(time.Second)
+		if err := s.MarkServed(ctx, r.ID, at); err != nil {
+			t.Fatalf("MarkServed: %v", err)
+		}
+		got, _, err := s.Get(ctx, r.ID)
+		if err != nil || !got.Served || !got.ServedAt.Equal(at) || got.ServedAt.Location() != time.UTC {
+			t.Fatalf("after MarkServed: served %v at %v, %v; want served at %s in UTC", got.Served, got.ServedAt, err, at.UTC())
+		}
+		if got.State != StateClaimed || !got.UpdatedAt.Equal(before.UpdatedAt) || !got.Async || string(got.Request) != string(r.Request) {
+			t.Fatalf("MarkServed changed more than the mark: %+v, was %+v", got, before)
+		}
+		if err := s.MarkServed(ctx, r.ID, at.Add(time.Second)); !errors.Is(err, ErrServed) {
+			t.Fatalf("a second MarkServed: %v, want ErrServed", err)
+		}
+		if _, err := s.Update(ctx, r.ID, func(r *Record) error { r.Served = false; return nil }); !errors.Is(err, ErrInvalidUpdate) {
+			t.Fatalf("an Update unmarking the payment: %v, want ErrInvalidUpdate", err)
+		}
+		if _, err := s.Update(ctx, r.ID, func(r *Record) error { r.ServedAt = r.ServedAt.Add(-time.Hour); return nil }); !errors.Is(err, ErrInvalidUpdate) {
+			t.Fatalf("an Update re-dating the mark: %v, want ErrInvalidUpdate", err)
+		}
+		final := mustUpdate(t, s, r.ID, toFinal(true))
+		if !final.Served || !final.ServedAt.Equal(at) {
+			t.Fatalf("an Update after the mark returned served %v at %s", final.Served, final.ServedAt)
+		}
+		s = h.reopen(t, s)
+		if got, _, err := s.Get(ctx, r.ID); err != nil || !got.Served || !got.ServedAt.Equal(at) || got.State != StateFinal {
+			t.Fatalf("after reopening: %s served %v at %s, %v", got.State, got.Served, got.ServedAt, err)
+		}
+
+		// Served by an Update (the gate's settled path): the mark is there for MarkServed too.
+		u := mustClaim(t, s, claimOf(71))
+		mustUpdate(t, s, u.ID, func(r *Record) error {
+			r.Served, r.ServedAt = true, at
+			return toFinal(true)(r)
+		})
+		if err := s.MarkServed(ctx, u.ID, at); !errors.Is(err, ErrServed) {
+			t.Fatalf("MarkServed of a payment an Update served: %v, want ErrServed", err)
+		}
+
+		// A released claim, and a pruned record, claimed again: unserved.
+		v := mustClaim(t, s, claimOf(72))
+		if err := s.MarkServed(ctx, v.ID, at); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Release(ctx, v.ID); err != nil {
+			t.Fatal(err)
+		}
+		clock.Advance(time.Hour)
+		if n, err := s.Prune(ctx, clock.Now()); err != nil || n != 2 {
+			t.Fatalf("Prune = %d, %v; want the two final records", n, err)
+		}
+		for _, c := range []Record{claimOf(70), claimOf(72)} {
+			again := mustClaim(t, s, c)
+			if again.Served {
+				t.Fatalf("%s claimed again after it was released or pruned is served", c.ID)
+			}
+			if err := s.MarkServed(ctx, c.ID, at); err != nil {
+				t.Fatalf("MarkServed of %s claimed again: %v", c.ID, err)
+			}
+		}
+		if err := s.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.MarkServed(ctx, claimOf(70).ID, at); !errors.Is(err, ErrClosed) {
+			t.Fatalf("MarkServed after Close: %v, want ErrClosed", err)
 		}
 	})
 }
