@@ -275,8 +275,23 @@ func (f *Failover) CodeAt(ctx context.Context, a common.Address, n *big.Int) ([]
 	return do(ctx, f, func(b Backend) ([]byte, error) { return b.CodeAt(ctx, a, n) })
 }
 
+// SendTransaction sends tx to the first endpoint that answers. A refusal is final only if no endpoint tried
+// before it may hold tx: one that failed without answering may have taken it into its pool, so a refusal after
+// such a failure is reported as the node being unreachable (the transaction may be on its way), never as
+// "not sent".
 func (f *Failover) SendTransaction(ctx context.Context, tx *types.Transaction) error {
-	_, err := do(ctx, f, func(b Backend) (struct{}, error) { return struct{}{}, b.SendTransaction(ctx, tx) })
+	reachedUnanswered := 0
+	_, err := do(ctx, f, func(b Backend) (struct{}, error) {
+		err := b.SendTransaction(ctx, tx)
+		if !isAnswer(err) {
+			reachedUnanswered++
+		}
+		return struct{}{}, err
+	})
+	if err != nil && reachedUnanswered > 0 && isAnswer(err) && !isAlreadyKnown(err) {
+		return &UnreachableError{Tried: reachedUnanswered + 1, Err: fmt.Errorf(
+			"an endpoint failed without answering (it may hold the transaction) before another refused it: %w", err)}
+	}
 	return err
 }
 

@@ -144,6 +144,7 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 
 	f.markSending(p.id, true)
 	defer f.markSending(p.id, false)
+	var recorded string // the hash the journal holds as broadcast, once it does
 	txs, err := n.sender.send(context.WithoutCancel(ctx), w, calls, func(txs []*types.Transaction) error {
 		raws := make([][]byte, len(txs))
 		for i, tx := range txs {
@@ -159,12 +160,22 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 			r.Attempts++
 			return nil
 		})
+		if err == nil {
+			recorded = last.Hash().Hex()
+		}
 		return err
 	})
 	if len(txs) == 0 {
-		// Refused by the node before anything went out, or the journal write failed: the claim is still
-		// only a claim.
+		// Refused by every node it reached before anything went out, or the journal write failed: nothing is
+		// on its way. The record written ahead of the refused send goes too, so that no later pass sends
+		// those bytes after the payer was told nothing was sent.
 		f.log.Warn("settlement not broadcast", zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()), zap.Error(err))
+		if recorded != "" {
+			if rerr := f.journal.ReleaseUnsent(context.WithoutCancel(ctx), p.id, recorded); rerr != nil {
+				// Kept, it would be sent by reconciliation: the payer must not be told it was not sent.
+				return common.Hash{}, nil, fmt.Errorf("the node refused the settlement transaction (%v) and the journal could not forget it: %w", err, rerr)
+			}
+		}
 		return common.Hash{}, nil, fmt.Errorf("%w: %v", errNotSent, err)
 	}
 	hash := txs[len(txs)-1].Hash()

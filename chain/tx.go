@@ -159,7 +159,9 @@ func (s *sender) send(ctx context.Context, w *Wallet, calls []contractCall, reco
 				w.synced = false
 				break broadcast
 			case i == 0:
-				// Refused outright (no gas money, fee too low...): the nonce is still free.
+				// Refused outright (no gas money, fee too low...): the nonce is still free. Read it again
+				// before the next send, in case the refusal came from a node that sees the wallet otherwise.
+				w.synced = false
 				return nil, fmt.Errorf("node refused the settlement transaction: %w", err)
 			default:
 				// The first went out, a later one was refused. The later one stays recorded with its nonce
@@ -249,6 +251,9 @@ type receiptWatcher struct {
 
 	mu      sync.Mutex
 	waiters map[common.Hash][]chan *types.Receipt
+	// filed lists every hash each waiter is filed under in waiters: its own, and the replacements of those
+	// (see replaced), so that a waiter leaving takes itself out of all of them.
+	filed map[chan *types.Receipt][]common.Hash
 	fresh   []common.Hash // registered since the last look: looked up even if the head has not moved
 	sent    []common.Hash // registered right after their broadcast: looked up only if a recent block holds them
 	running bool
@@ -267,7 +272,8 @@ func newReceiptWatcher(b Backend, poll time.Duration) *receiptWatcher {
 	if poll <= 0 {
 		poll = 50 * time.Millisecond
 	}
-	return &receiptWatcher{backend: b, poll: poll, waiters: map[common.Hash][]chan *types.Receipt{}, recent: map[common.Hash]uint64{}}
+	return &receiptWatcher{backend: b, poll: poll, waiters: map[common.Hash][]chan *types.Receipt{},
+		filed: map[chan *types.Receipt][]common.Hash{}, recent: map[common.Hash]uint64{}}
 }
 
 // recentBlocks is how many scanned blocks the watcher remembers the transactions of.
@@ -282,6 +288,7 @@ func (rw *receiptWatcher) wait(ctx context.Context, justSent bool, hashes ...com
 	for _, h := range hashes {
 		rw.waiters[h] = append(rw.waiters[h], ch)
 	}
+	rw.filed[ch] = append([]common.Hash(nil), hashes...)
 	if justSent {
 		rw.sent = append(rw.sent, hashes...)
 	} else {
@@ -294,7 +301,7 @@ func (rw *receiptWatcher) wait(ctx context.Context, justSent bool, hashes ...com
 	rw.mu.Unlock()
 	defer func() {
 		rw.mu.Lock()
-		for _, h := range hashes {
+		for _, h := range rw.filed[ch] {
 			list := rw.waiters[h]
 			for i, c := range list {
 				if c == ch {
@@ -308,6 +315,7 @@ func (rw *receiptWatcher) wait(ctx context.Context, justSent bool, hashes ...com
 				rw.waiters[h] = list
 			}
 		}
+		delete(rw.filed, ch)
 		rw.mu.Unlock()
 	}()
 	select {
@@ -509,6 +517,9 @@ func (rw *receiptWatcher) replaced(old, replacement common.Hash) {
 	defer rw.mu.Unlock()
 	if chans := rw.waiters[old]; len(chans) > 0 {
 		rw.waiters[replacement] = append(rw.waiters[replacement], chans...)
+		for _, c := range chans {
+			rw.filed[c] = append(rw.filed[c], replacement)
+		}
 		rw.fresh = append(rw.fresh, replacement)
 	}
 }

@@ -482,6 +482,16 @@ func (s *BoltStore) Release(ctx context.Context, id ID) error {
 	return err
 }
 
+// ReleaseUnsent implements Store.
+func (s *BoltStore) ReleaseUnsent(ctx context.Context, id ID, txHash string) error {
+	var opErr error
+	err := s.write(ctx, func(t *boltTxn) { opErr = releaseUnsentIn(t, id, txHash) })
+	if err == nil {
+		err = opErr
+	}
+	return err
+}
+
 // Pending implements Store.
 func (s *BoltStore) Pending(ctx context.Context) ([]Record, error) {
 	return s.pending(ctx, func([]byte) bool { return true })

@@ -137,6 +137,15 @@ func (s *MemoryStore) Release(ctx context.Context, id ID) error {
 	return releaseIn(memTxn{s}, id)
 }
 
+// ReleaseUnsent implements Store.
+func (s *MemoryStore) ReleaseUnsent(ctx context.Context, id ID, txHash string) error {
+	if err := s.lock(ctx); err != nil {
+		return err
+	}
+	defer s.mu.Unlock()
+	return releaseUnsentIn(memTxn{s}, id, txHash)
+}
+
 // Pending implements Store.
 func (s *MemoryStore) Pending(ctx context.Context) ([]Record, error) {
 	return s.pendingOf(ctx, func(bool) bool { return true })

@@ -39,6 +39,11 @@ type Store interface {
 	// say). It refuses a broadcast or final record with ErrNotReleasable; releasing an absent record is a
 	// no-op. Only the claimant should release, and only once.
 	Release(ctx context.Context, id ID) error
+	// ReleaseUnsent deletes a broadcast record whose transaction txHash every node it was sent to refused
+	// outright: its claimant knows that nothing of it is on its way, and the payer was told so. A record with
+	// another hash (a later attempt) or a final one is refused with ErrNotReleasable; a claimed one is released
+	// as by Release; an absent one is a no-op.
+	ReleaseUnsent(ctx context.Context, id ID, txHash string) error
 	// Pending lists every record that is not final (claimed, broadcast, async payments not yet settled),
 	// oldest claim first: what start-up must reconcile before accepting new work.
 	Pending(ctx context.Context) ([]Record, error)
@@ -184,6 +189,21 @@ func releaseIn(t txn, id ID) error {
 	}
 	if prev.State != StateClaimed {
 		return fmt.Errorf("%w: %s is %q (transaction %s)", ErrNotReleasable, id, prev.State, prev.TxHash)
+	}
+	return t.del(&prev)
+}
+
+// releaseUnsentIn is ReleaseUnsent inside a transaction.
+func releaseUnsentIn(t txn, id ID, txHash string) error {
+	prev, ok, err := t.get(id)
+	if err != nil || !ok {
+		return err
+	}
+	switch {
+	case prev.State == StateClaimed:
+	case prev.State == StateBroadcast && prev.TxHash == txHash:
+	default:
+		return fmt.Errorf("%w: %s is %q with transaction %s, not the refused %s", ErrNotReleasable, id, prev.State, prev.TxHash, txHash)
 	}
 	return t.del(&prev)
 }

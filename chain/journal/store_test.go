@@ -401,6 +401,53 @@ func TestStoreReleaseDeletesOnlyClaimsThatNeverBroadcast(t *testing.T) {
 	})
 }
 
+// TestStoreReleaseUnsentDeletesOnlyTheRefusedTransactionsRecord: a broadcast record goes when its claimant says
+// its very transaction was refused; a record of another transaction (a later attempt), or a final one, stays.
+func TestStoreReleaseUnsentDeletesOnlyTheRefusedTransactionsRecord(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		s := h.open(t, nil)
+		ctx := context.Background()
+		refused := mustClaim(t, s, claimOf(15)).ID
+		mustUpdate(t, s, refused, toBroadcast("0x15"))
+		other := mustClaim(t, s, claimOf(16)).ID
+		mustUpdate(t, s, other, toBroadcast("0x16"))
+		final := mustClaim(t, s, claimOf(17)).ID
+		mustUpdate(t, s, final, toBroadcast("0x17"))
+		mustUpdate(t, s, final, toFinal(true))
+		claimed := mustClaim(t, s, claimOf(18)).ID
+
+		for name, c := range map[string]struct {
+			id   ID
+			hash string
+		}{"another transaction's": {other, "0x15"}, "final": {final, "0x17"}} {
+			if err := s.ReleaseUnsent(ctx, c.id, c.hash); !errors.Is(err, ErrNotReleasable) {
+				t.Errorf("ReleaseUnsent of the %s record: %v, want ErrNotReleasable", name, err)
+			}
+			if _, ok, _ := s.Get(ctx, c.id); !ok {
+				t.Errorf("a refused ReleaseUnsent deleted the %s record", name)
+			}
+		}
+		for name, c := range map[string]struct {
+			id   ID
+			hash string
+		}{"refused broadcast": {refused, "0x15"}, "claimed": {claimed, "0x99"}} {
+			if err := s.ReleaseUnsent(ctx, c.id, c.hash); err != nil {
+				t.Fatalf("ReleaseUnsent of the %s record: %v", name, err)
+			}
+			if _, ok, _ := s.Get(ctx, c.id); ok {
+				t.Fatalf("the %s record is still there after ReleaseUnsent", name)
+			}
+		}
+		mustClaim(t, s, claimOf(15)) // the payer may present it again
+		if n, _ := s.Backlog(ctx); n != 2 {
+			t.Fatalf("Backlog = %d, want 2 (the other broadcast and the claim again)", n)
+		}
+		if err := s.ReleaseUnsent(ctx, claimOf(19).ID, "0x19"); err != nil {
+			t.Fatalf("ReleaseUnsent of an absent id: %v, want nil", err)
+		}
+	})
+}
+
 func TestStorePendingListsEveryRecordNotFinalOldestFirst(t *testing.T) {
 	forEachStore(t, func(t *testing.T, h harness) {
 		clock := newTestClock()

@@ -1,0 +1,80 @@
+package chain
+
+import (
+	"context"
+	"errors"
+	"math/big"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
+
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+)
+
+// pollCounter counts the watcher's polls of the head block.
+type pollCounter struct {
+	Backend
+	heads atomic.Int64
+}
+
+func (p *pollCounter) HeaderByNumber(ctx context.Context, n *big.Int) (*types.Header, error) {
+	p.heads.Add(1)
+	return p.Backend.HeaderByNumber(ctx, n)
+}
+
+// TestTheReceiptWatcherStopsPollingOnceEveryWaiterOfAReplacedTransactionIsDone: a waiter filed under a
+// transaction that a fee bump then replaced is filed under both hashes. Whichever way it ends (the original
+// mines, so the replacement never will; or the waiter gives up), it must be gone from both, and the watcher
+// must stop polling: a stale waiter under a hash that can never mine kept it polling for ever.
+func TestTheReceiptWatcherStopsPollingOnceEveryWaiterOfAReplacedTransactionIsDone(t *testing.T) {
+	c := chaintest.New(t)
+	for _, ending := range []string{"the original mines", "the waiter gives up"} {
+		t.Run(ending, func(t *testing.T) {
+			pc := &pollCounter{Backend: c.Client}
+			rw := newReceiptWatcher(pc, 2*time.Millisecond)
+			tx, err := c.SendTx(context.Background(), c.Payers[0], &c.Deployer.Address, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			neverMines := common.HexToHash("0x0bad")
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			if ending == "the waiter gives up" {
+				ctx, cancel = context.WithTimeout(context.Background(), 100*time.Millisecond)
+				defer cancel()
+			}
+			got := make(chan error, 1)
+			go func() {
+				_, err := rw.wait(ctx, true, tx.Hash())
+				got <- err
+			}()
+			for filed := false; !filed; time.Sleep(time.Millisecond) {
+				rw.mu.Lock()
+				filed = len(rw.waiters[tx.Hash()]) > 0
+				rw.mu.Unlock()
+			}
+			rw.replaced(tx.Hash(), neverMines)
+			if ending == "the original mines" {
+				c.Commit()
+			}
+			if err := <-got; (err == nil) != (ending == "the original mines") || (err != nil && !errors.Is(err, context.DeadlineExceeded)) {
+				t.Fatalf("wait = %v", err)
+			}
+			time.Sleep(50 * time.Millisecond) // the loop's last round ends
+			before := pc.heads.Load()
+			time.Sleep(200 * time.Millisecond) // a hundred polls at 2 ms, were it still polling
+			if polls := pc.heads.Load() - before; polls != 0 {
+				rw.mu.Lock()
+				left := len(rw.waiters)
+				rw.mu.Unlock()
+				t.Fatalf("the watcher polled the head %d times after its last waiter was done (%d hashes still watched)", polls, left)
+			}
+			if ending == "the waiter gives up" {
+				c.Commit() // mine it, so the next case starts clean
+			}
+		})
+	}
+}
