@@ -91,7 +91,9 @@ type sendFault struct {
 	send func(ctx context.Context, tx *types.Transaction) error
 }
 
-func (b sendFault) SendTransaction(ctx context.Context, tx *types.Transaction) error { return b.send(ctx, tx) }
+func (b sendFault) SendTransaction(ctx context.Context, tx *types.Transaction) error {
+	return b.send(ctx, tx)
+}
 
 // TestARefusalAfterAnEndpointThatMayHoldTheTransactionIsNotNotSent: the first endpoint takes the transaction
 // into the node's pool and then fails without answering; the second refuses it. The refusal says nothing of

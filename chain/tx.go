@@ -253,7 +253,7 @@ type receiptWatcher struct {
 	waiters map[common.Hash][]chan *types.Receipt
 	// filed lists every hash each waiter is filed under in waiters: its own, and the replacements of those
 	// (see replaced), so that a waiter leaving takes itself out of all of them.
-	filed map[chan *types.Receipt][]common.Hash
+	filed   map[chan *types.Receipt][]common.Hash
 	fresh   []common.Hash // registered since the last look: looked up even if the head has not moved
 	sent    []common.Hash // registered right after their broadcast: looked up only if a recent block holds them
 	running bool

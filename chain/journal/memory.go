@@ -16,7 +16,7 @@ type MemoryStore struct {
 	mu      sync.Mutex
 	closed  bool
 	records map[ID][]byte
-	pending map[ID]bool // id -> async, as the bolt store's pending index
+	pending map[ID]bool      // id -> async, as the bolt store's pending index
 	served  map[ID]time.Time // as the bolt store's served bucket: MarkServed writes here alone
 }
 
