@@ -108,6 +108,9 @@ type Facilitator struct {
 	flights  map[journal.ID]*flight
 	sending  map[journal.ID]bool // payments between write-ahead record and broadcast
 
+	holesMu sync.Mutex
+	holes   map[common.Address]holeSighting // per settlement wallet, the nonce hole reconciliation last saw
+
 	stop   chan struct{}
 	wg     sync.WaitGroup
 	closed sync.Once
@@ -175,6 +178,7 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 		now:       cfg.Now,
 		flights:   map[journal.ID]*flight{},
 		sending:   map[journal.ID]bool{},
+		holes:     map[common.Address]holeSighting{},
 		stop:      make(chan struct{}),
 		grace:     cfg.ReconcileGrace,
 		retention: cfg.Retention,

@@ -26,10 +26,20 @@ func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
 	if err != nil {
 		return err
 	}
+	var held []journal.Record   // every broadcast settlement: the nonces they hold are no holes
+	var gapped []journal.Record // broadcast records this pass looked at: their wallets are checked for holes
+	defer func() {
+		if len(gapped) > 0 && ctx.Err() == nil {
+			f.fillNonceHoles(ctx, gapped, held)
+		}
+	}()
 	for _, rec := range recs {
 		n := f.networks[rec.Network]
 		if n == nil || !f.isSettlementRecord(rec) {
 			continue // another network's, or another user's of the journal (a gate's record of serving)
+		}
+		if rec.State == journal.StateBroadcast {
+			held = append(held, rec)
 		}
 		if !startup && (f.isSending(rec.ID) || f.now().Sub(rec.UpdatedAt) < f.grace) {
 			continue
@@ -43,6 +53,7 @@ func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
 				f.log.Info("released a settlement claim left by an earlier process; nothing had been broadcast", zap.String("payment", rec.ID.String()))
 			}
 		case journal.StateBroadcast:
+			gapped = append(gapped, rec)
 			if err := f.reconcileBroadcast(ctx, n, rec); err != nil {
 				if startup && isTransportError(err) {
 					// The node is down: the periodic pass will finish the job. Settlements of these
@@ -240,6 +251,91 @@ func (f *Facilitator) reconcileLoop(every time.Duration) {
 				}
 			}
 			cancel()
+		}
+	}
+}
+
+// holeSighting is a nonce hole of a wallet as one reconciliation pass saw it.
+type holeSighting struct {
+	next uint64 // the node's next nonce for the wallet, below the wallet's recorded transactions
+	at   time.Time
+}
+
+// sawHoleBefore records that the wallet's transactions wait behind nonce next, and reports whether an earlier
+// pass, at least the reconcile grace ago, saw the same hole: a node that is merely behind, or a send under way,
+// is not a hole worth a transaction.
+func (f *Facilitator) sawHoleBefore(wallet common.Address, next uint64) bool {
+	f.holesMu.Lock()
+	defer f.holesMu.Unlock()
+	prev, ok := f.holes[wallet]
+	if ok && prev.next == next {
+		return f.now().Sub(prev.at) >= f.grace
+	}
+	f.holes[wallet] = holeSighting{next: next, at: f.now()}
+	return false
+}
+
+// fillNonceHoles sends the wallets of records whose transactions wait behind a nonce no transaction holds. A
+// node that dropped a transaction of the wallet which no journal record keeps (its pool was lost in a restart,
+// or evicted it; a reorg left it out) leaves every later transaction of the wallet queued for ever, and their
+// payments answering settlement_pending. Each missing nonce gets a zero-value transfer from the wallet to
+// itself, the cheapest transaction there is, after which the recorded transactions mine as they are (a
+// payment no longer valid then reverts, and its record gets that final answer).
+func (f *Facilitator) fillNonceHoles(ctx context.Context, looked, held []journal.Record) {
+	type walletKey struct {
+		net    *network
+		wallet common.Address
+	}
+	holders := map[walletKey]map[uint64]bool{}
+	lowest := map[walletKey]uint64{}
+	for _, rec := range held {
+		k := walletKey{f.networks[rec.Network], common.HexToAddress(rec.Wallet)}
+		if holders[k] == nil {
+			holders[k] = map[uint64]bool{}
+		}
+		first := rec.TxNonce - uint64(len(rec.PriorRawTxs))
+		for nonce := first; nonce <= rec.TxNonce; nonce++ {
+			holders[k][nonce] = true
+		}
+	}
+	for _, rec := range looked {
+		k := walletKey{f.networks[rec.Network], common.HexToAddress(rec.Wallet)}
+		first := rec.TxNonce - uint64(len(rec.PriorRawTxs))
+		if low, ok := lowest[k]; !ok || first < low {
+			lowest[k] = first
+		}
+	}
+	for k, first := range lowest {
+		w := k.net.pool.byAddr[k.wallet]
+		if w == nil {
+			continue // another process's wallet: it fills its own holes
+		}
+		next, err := k.net.backend.PendingNonceAt(ctx, k.wallet)
+		if err != nil {
+			f.log.Warn("reading a settlement wallet's nonce to look for holes", zap.String("wallet", k.wallet.Hex()), zap.Error(err))
+			continue
+		}
+		if next >= first || holders[k][next] {
+			f.holesMu.Lock()
+			delete(f.holes, k.wallet) // no hole (or one a recorded transaction fills)
+			f.holesMu.Unlock()
+			continue
+		}
+		if !f.sawHoleBefore(k.wallet, next) {
+			continue
+		}
+		for nonce := next; nonce < first; nonce++ {
+			if holders[k][nonce] {
+				break // a recorded transaction holds it: its reconciliation sends it again
+			}
+			hash, err := k.net.sender.fillNonce(ctx, w, nonce)
+			if err != nil {
+				f.log.Warn("filling a nonce hole of a settlement wallet", zap.String("wallet", k.wallet.Hex()),
+					zap.Uint64("nonce", nonce), zap.Error(err))
+				break
+			}
+			f.log.Warn("filled a nonce hole that held settlements back: the node had lost a transaction of the wallet",
+				zap.String("network", k.net.caip2), zap.String("wallet", k.wallet.Hex()), zap.Uint64("nonce", nonce), zap.String("tx", hash.Hex()))
 		}
 	}
 }

@@ -205,6 +205,31 @@ func (s *sender) replace(ctx context.Context, w *Wallet, stuck *types.Transactio
 	return s.sign(w, stuck.Nonce(), c, bumped)
 }
 
+// fillNonce sends a zero-value transfer from w to itself at nonce, a hole below transactions of w that the node
+// holds back: a nonce no transaction of the node or the journal holds.
+func (s *sender) fillNonce(ctx context.Context, w *Wallet, nonce uint64) (common.Hash, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	q, err := s.feeQuote(ctx)
+	if err != nil {
+		return common.Hash{}, err
+	}
+	tx, err := s.sign(w, nonce, contractCall{To: w.Address, Gas: fillerGas}, q)
+	if err != nil {
+		return common.Hash{}, err
+	}
+	if err := s.rebroadcast(ctx, tx); err != nil {
+		return common.Hash{}, err
+	}
+	if w.synced && w.nonce <= nonce {
+		w.nonce = nonce + 1
+	}
+	return tx.Hash(), nil
+}
+
+// fillerGas is the gas of a plain transfer.
+const fillerGas = 21_000
+
 func maxBig(a, b *big.Int) *big.Int {
 	if b == nil || a.Cmp(b) >= 0 {
 		return a

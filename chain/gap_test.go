@@ -1,0 +1,66 @@
+package chain_test
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// forgetfulNode answers the first read of a wallet's pending nonce one too high, as a node does whose pool held a
+// transaction of the wallet that it then lost (a restart that dropped its pool, an eviction, a reorg that left it
+// out). Nothing the facilitator journalled holds the nonce below.
+type forgetfulNode struct {
+	chain.Backend
+	armed atomic.Bool
+}
+
+func (b *forgetfulNode) PendingNonceAt(ctx context.Context, a common.Address) (uint64, error) {
+	n, err := b.Backend.PendingNonceAt(ctx, a)
+	if err == nil && b.armed.CompareAndSwap(true, false) {
+		n++
+	}
+	return n, err
+}
+
+// TestASettlementQueuedBehindANonceTheNodeLostSettles: the settlement is signed with a nonce above a hole that
+// no transaction holds, so the node queues it for ever and the payment would answer settlement_pending to every
+// presentation. Reconciliation fills the hole (one plain transfer of the wallet to itself), the settlement mines
+// as it was signed, and the payment settles, once.
+func TestASettlementQueuedBehindANonceTheNodeLostSettles(t *testing.T) {
+	var node *forgetfulNode
+	fx := newFixture(t, fixtureOpts{
+		wallets: 1, receiptTimeout: 500 * time.Millisecond,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			node = &forgetfulNode{Backend: nc.Backend}
+			node.armed.Store(true)
+			nc.Backend = node
+		},
+		configure: func(cfg *chain.Config) {
+			cfg.ReconcileEvery, cfg.ReconcileGrace = 50*time.Millisecond, 100*time.Millisecond
+		},
+	})
+	payer, wallet := fx.c.Payers[2], fx.c.Wallets[0].Address
+	fx.approvePermit2(payer)
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	sent := fx.c.TxCount(wallet)
+	req := fx.payment(x402.TransferPermit2, payer)
+
+	first := fx.settle(req)
+	if !first.Pending() || first.Transaction == "" {
+		t.Fatalf("first answer %+v; want settlement_pending with the queued transaction", first)
+	}
+	final, seen := settleUntilFinal(t, fx.f, req, time.Now().Add(15*time.Second))
+	if !final.Success || final.Transaction != first.Transaction {
+		t.Fatalf("final answer %+v after %v; want the queued transaction %s settled", final, seen, first.Transaction)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
+	if got := fx.c.TxCount(wallet) - sent; got != 2 {
+		t.Fatalf("the wallet sent %d transactions; want 2 (the hole's filler and the settlement)", got)
+	}
+}
