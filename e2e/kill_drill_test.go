@@ -76,6 +76,32 @@ var drillRoutes = []drillRoute{
 // payment_already_used unless its client had had its response; and presenting once more a payment that bought
 // its response charges nothing more.
 func TestEveryPaymentSettledThroughSIGKILLsBuysExactlyOneDeliveredResponse(t *testing.T) {
+	runKillDrill(t, drillShape{})
+}
+
+// TestTheKillDrillThroughADryWalletAndNodeRestarts is the kill drill with the faults of the world around the
+// gate: it settles from one wallet of its own, which the drill empties of gas money while the gate is down at
+// one kill point and funds again at the next (every settlement in between is refused before it is sent, or
+// waits), and the chain's node is restarted mid-load at every fifth kill point, which drops its transaction
+// pool. The end is the same: what the seller received and the payer paid is, to the unit, the price of the
+// responses delivered, and no refusal the payer was told of was ever charged.
+func TestTheKillDrillThroughADryWalletAndNodeRestarts(t *testing.T) {
+	runKillDrill(t, drillShape{ownWallet: true, dryAt: 6, fundAt: 7, restartNodeEvery: 5})
+}
+
+// drillShape says which faults of the world around the gate a kill drill adds to its SIGKILLs.
+type drillShape struct {
+	// ownWallet: the gate settles from one fresh wallet the drill funds, instead of the dev chain's wallets.
+	ownWallet bool
+	// dryAt and fundAt are the kill points (while the gate is down) at which the drill empties the own wallet
+	// of gas money and funds it again.
+	dryAt, fundAt int
+	// restartNodeEvery > 0 restarts the chain's Caddy (the node, on its data_dir) in the middle of the load of
+	// every kill point it divides.
+	restartNodeEvery int
+}
+
+func runKillDrill(t *testing.T, shape drillShape) {
 	needBinary(t)
 	seed := drillSeed(t)
 	rng := rand.New(rand.NewPCG(seed, seed))
@@ -91,11 +117,13 @@ func TestEveryPaymentSettledThroughSIGKILLsBuysExactlyOneDeliveredResponse(t *te
 		dev_chain {
 			listen %s
 			block_time 0
+			data_dir %s
 		}
 	}
 }
-`, strings.TrimPrefix(chainURL, "http://")))
-	chainProc := startProcess(t, "the dev chain's Caddy", dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", chainFile)
+`, strings.TrimPrefix(chainURL, "http://"), filepath.Join(dir, "chain-data")))
+	chainEnv := childEnv(t)
+	chainProc := startProcess(t, "the dev chain's Caddy", dir, chainEnv, "run", "--adapter", "caddyfile", "--config", chainFile)
 	dev := dialChain(t, chainURL)
 	chainProc.waitUntil("the dev token minted to the demo payer", 60*time.Second, func() error {
 		b, err := dev.tokenBalance(chain.DevPayerAddress)
@@ -109,9 +137,20 @@ func TestEveryPaymentSettledThroughSIGKILLsBuysExactlyOneDeliveredResponse(t *te
 	maxUint256 := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
 	dev.send(chain.DevPayerKey(), chain.DevTokenAddress, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
 
+	walletKeys := chain.DevWalletKeys(chain.DefaultDevWallets)
+	if shape.ownWallet {
+		own, err := crypto.GenerateKey()
+		if err != nil {
+			t.Fatal(err)
+		}
+		walletKeys = []*ecdsa.PrivateKey{own}
+		dev.send(chain.DevPayerKey(), crypto.PubkeyToAddress(own.PublicKey), drillWalletFunds, nil)
+	}
 	var keys []string
-	for _, k := range chain.DevWalletKeys(chain.DefaultDevWallets) {
+	var wallets []common.Address
+	for _, k := range walletKeys {
 		keys = append(keys, hexutil.Encode(crypto.FromECDSA(k))[2:])
+		wallets = append(wallets, crypto.PubkeyToAddress(k.PublicKey))
 	}
 	journalPath := filepath.Join(dir, "journal.db")
 	gateURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
@@ -154,6 +193,7 @@ func TestEveryPaymentSettledThroughSIGKILLsBuysExactlyOneDeliveredResponse(t *te
 	gate := startGate("the gate's Caddy")
 
 	d := newDrill(t, dev, gateURL)
+	d.wallets = wallets
 	firstBlock := dev.head()
 	payerStart, sellerStart := dev.balance(chain.DevPayerAddress), dev.balance(seller)
 
@@ -162,6 +202,25 @@ func TestEveryPaymentSettledThroughSIGKILLsBuysExactlyOneDeliveredResponse(t *te
 		stop := make(chan struct{})
 		done := d.pay(k, d.chainTime(), stop)
 		time.Sleep(load)
+		nodeRestart := ""
+		if shape.restartNodeEvery > 0 && k%shape.restartNodeEvery == 0 {
+			// The node goes away under load and comes back with its blocks and an empty transaction pool.
+			before := dev.head()
+			started := time.Now()
+			chainProc.stop()
+			chainProc = startProcess(t, fmt.Sprintf("the dev chain's Caddy, restart at kill %d", k), dir, chainEnv,
+				"run", "--adapter", "caddyfile", "--config", chainFile)
+			chainProc.waitUntil("the restarted node's head", 60*time.Second, func() error {
+				ctx, cancel := rpcContext()
+				defer cancel()
+				h, err := dev.client.BlockNumber(ctx)
+				if err == nil && h < before {
+					t.Fatalf("the node restarted at block %d, below the %d it had sealed", h, before)
+				}
+				return err
+			})
+			nodeRestart = fmt.Sprintf("; the node restarted mid-load in %v", time.Since(started).Round(100*time.Millisecond))
+		}
 		close(stop)
 		gate.kill()
 		<-done
@@ -169,14 +228,20 @@ func TestEveryPaymentSettledThroughSIGKILLsBuysExactlyOneDeliveredResponse(t *te
 			t.FailNow()
 		}
 		cut := d.tally(func(p *drillPayment) bool { return p.round == k })
+		switch {
+		case shape.ownWallet && k == shape.dryAt:
+			nodeRestart += "; " + d.setWalletFunds(walletKeys[0], big.NewInt(0))
+		case shape.ownWallet && k == shape.fundAt:
+			nodeRestart += "; " + d.setWalletFunds(walletKeys[0], drillWalletFunds)
+		}
 
 		started := time.Now()
 		gate = startGate(fmt.Sprintf("the gate's Caddy, restart %d", k))
 		restart := time.Since(started)
 		d.transport.CloseIdleConnections() // they led to the killed process
 		again := d.resolve(drillResolveWait)
-		t.Logf("kill %2d/%d after %v of load: %s; restarted in %v; presented again: %s", k, drillKills,
-			load.Round(time.Millisecond), cut.load(), restart.Round(100*time.Millisecond), again)
+		t.Logf("kill %2d/%d after %v of load: %s%s; restarted in %v; presented again: %s", k, drillKills,
+			load.Round(time.Millisecond), cut.load(), nodeRestart, restart.Round(100*time.Millisecond), again)
 		if again.unresolved > 0 {
 			// More kills would only pile up payments the gate does not answer; the end shows what became of them.
 			t.Errorf("kill %d: %d payments got no final answer within %v of the restart; the drill stops killing", k, again.unresolved, drillResolveWait)
@@ -263,6 +328,8 @@ type drill struct {
 	offers    map[string]x402.PaymentRequirements // each route's permit2 requirement, by path
 	transport *http.Transport
 	client    *http.Client
+
+	wallets   []common.Address // the gate's settlement wallets
 
 	mu       sync.Mutex
 	payments []*drillPayment
@@ -618,8 +685,7 @@ func (d *drill) drain(want *big.Int) string {
 func (d *drill) walletsIdle() bool {
 	ctx, cancel := rpcContext()
 	defer cancel()
-	for _, k := range chain.DevWalletKeys(chain.DefaultDevWallets) {
-		w := crypto.PubkeyToAddress(k.PublicKey)
+	for _, w := range d.wallets {
 		pending, err1 := d.dev.client.PendingNonceAt(ctx, w)
 		mined, err2 := d.dev.client.NonceAt(ctx, w, nil)
 		if err1 != nil || err2 != nil || pending != mined {
@@ -757,4 +823,47 @@ func (d *drill) chargesInJournal(path string, transfers []types.Log) map[*drillP
 		}
 	}
 	return charged
+}
+
+// drillWalletFunds is the gas money of the drill's own settlement wallet: far more than the drill spends.
+var drillWalletFunds = new(big.Int).Mul(big.NewInt(10), big.NewInt(1e18))
+
+// setWalletFunds moves the own settlement wallet's ETH balance to want (0: all it can spare, leaving it unable
+// to pay for a settlement), from or to the demo payer, and says what it did. The gate is down meanwhile; the
+// wallet may have settlements waiting in the node's pool, which a dry wallet then cannot pay for either.
+func (d *drill) setWalletFunds(key *ecdsa.PrivateKey, want *big.Int) string {
+	d.t.Helper()
+	w := crypto.PubkeyToAddress(key.PublicKey)
+	have := d.ethBalance(w)
+	if want.Sign() > 0 {
+		if have.Cmp(want) < 0 {
+			d.dev.send(chain.DevPayerKey(), w, new(big.Int).Sub(want, have), nil)
+		}
+		return fmt.Sprintf("the settlement wallet funded again (%s wei)", d.ethBalance(w))
+	}
+	// All but the transfer's own fee: send reserves 42,000 gas at twice the base fee plus a 1 gwei tip.
+	ctx, cancel := rpcContext()
+	defer cancel()
+	head, err := d.dev.client.HeaderByNumber(ctx, nil)
+	if err != nil {
+		d.t.Fatalf("reading the head block: %v", err)
+	}
+	feeCap := new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), big.NewInt(1_000_000_000))
+	spare := new(big.Int).Sub(have, new(big.Int).Mul(feeCap, big.NewInt(42_000)))
+	if spare.Sign() > 0 {
+		d.dev.send(key, crypto.PubkeyToAddress(d.payer.PublicKey), spare, nil)
+	}
+	return fmt.Sprintf("the settlement wallet emptied (%s wei left)", d.ethBalance(w))
+}
+
+// ethBalance is the ETH balance of a, in wei.
+func (d *drill) ethBalance(a common.Address) *big.Int {
+	d.t.Helper()
+	ctx, cancel := rpcContext()
+	defer cancel()
+	b, err := d.dev.client.BalanceAt(ctx, a, nil)
+	if err != nil {
+		d.t.Fatalf("reading the ETH balance of %s: %v", a, err)
+	}
+	return b
 }
