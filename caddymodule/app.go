@@ -65,8 +65,9 @@ type DevChainConfig struct {
 	// BlockTime is 0 (a block as soon as transactions arrive: instant, but chain time runs ahead of wall time
 	// under load) or a whole number of seconds (many transactions per block, chain time follows the clock).
 	BlockTime caddy.Duration `json:"block_time,omitempty"`
-	// DataDir keeps the chain on disk across restarts; empty starts a fresh chain each time (in a scratch
-	// directory removed at exit).
+	// DataDir keeps the chain on disk across restarts, writing each block through as it is sealed, so that
+	// Caddy killed mid-run restarts the chain from its last block; empty starts a fresh chain each time (in a
+	// scratch directory removed at exit).
 	DataDir string `json:"data_dir,omitempty"`
 	// Alloc is a JSON file of extra genesis accounts and contract code (geth's genesis alloc format).
 	Alloc string `json:"alloc,omitempty"`

@@ -18,6 +18,7 @@ import (
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/core"
+	"github.com/ethereum/go-ethereum/core/rawdb"
 	"github.com/ethereum/go-ethereum/core/types"
 	"github.com/ethereum/go-ethereum/crypto"
 	"github.com/ethereum/go-ethereum/eth"
@@ -75,7 +76,9 @@ type DevChainConfig struct {
 	// of seconds to seal on that period (many transactions per block; chain time follows the wall clock).
 	BlockTime time.Duration
 	// DataDir keeps the chain on disk across restarts; empty starts a fresh chain each time, kept in a scratch
-	// directory that Close removes.
+	// directory that Close removes. The chain writes each block through to the operating system before the
+	// block becomes the head, so a killed process restarts from its last sealed block (a power loss may still
+	// take the last blocks the operating system had not written to the disk).
 	DataDir string
 	// AllocFile names a JSON file of extra genesis accounts in geth's genesis "alloc" format
 	// ({"0xaddress": {"balance": "0x..", "code": "0x..", "storage": {..}, "nonce": "0x.."}}).
@@ -142,6 +145,15 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 		}
 		nodeConf.DataDir = d.scratch
 	}
+	// A chain on a data dir writes every sealed block through, so that a killed process loses none of them.
+	writeThrough := cfg.DataDir != "" && devWritesThrough(nodeConf.ResolvePath("chaindata"))
+	if writeThrough {
+		nodeConf.DBEngine = rawdb.DBLeveldb
+	} else if cfg.DataDir != "" {
+		cfg.Logger.Warn("dev chain data dir was created by an earlier version, which keeps the state of recent "+
+			"blocks in memory: a crash (SIGKILL, power loss) rewinds the chain to its last clean stop; start on an "+
+			"empty data dir to keep every sealed block", zap.String("data_dir", cfg.DataDir))
+	}
 	nodeConf.IPCPath = ""
 	nodeConf.HTTPHost = host
 	nodeConf.HTTPPort = port
@@ -175,6 +187,16 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 	// The pool admits any tip of at least 1 wei; a miner demanding more would leave such a transaction
 	// pending forever and the seal-on-arrival loop spinning on it.
 	ethConf.Miner.GasPrice = big.NewInt(1)
+	if writeThrough {
+		// An archive node on the hash scheme writes each block's state to the database with the block, before
+		// the block becomes the head; the default path scheme keeps the last 128 blocks' state in memory and
+		// writes it at a clean stop only.
+		ethConf.StateScheme = rawdb.HashScheme
+		ethConf.NoPruning = true
+		// LevelDB allocates a quarter of its cache as each of two write buffers; go-ethereum's 2 GiB default
+		// took seconds to open after a crash, for a chain whose whole state is kilobytes.
+		ethConf.DatabaseCache = 64
+	}
 
 	backend, err := eth.New(stack, &ethConf)
 	if err != nil {
@@ -228,6 +250,19 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 			"can spend its funds", zap.String("listen", cfg.Listen))
 	}
 	return d, nil
+}
+
+// devWritesThrough reports whether the dev chain database at dir is, or will be when created, one that writes
+// every sealed block through to the operating system before the block becomes the head. That takes two
+// settings on the database's creation, and go-ethereum refuses to change either later:
+//   - LevelDB, which hands each write to the operating system before it returns, where go-ethereum's Pebble
+//     holds writes in a buffer of the process for up to 32 KiB of log (a block or two), lost on SIGKILL;
+//   - the hash state scheme as an archive node, which commits each block's state with the block, where the
+//     path scheme keeps the last 128 blocks' state in memory and writes it at a clean stop only.
+//
+// A Pebble database was created by an earlier version of the dev chain, on the path scheme; it keeps both.
+func devWritesThrough(dir string) bool {
+	return rawdb.PreexistingDatabase(dir) != rawdb.DBPebble
 }
 
 // resolve fills in defaults and checks cfg, returning the HTTP host and port to listen on.

@@ -261,6 +261,72 @@ func BenchmarkStartDevChain(b *testing.B) {
 	}
 }
 
+// BenchmarkDevChainSealsATransferPerBlock measures sealing one token transfer per block, sent and waited for
+// one at a time: in memory (a scratch directory) and on a data dir, which writes every block through.
+func BenchmarkDevChainSealsATransferPerBlock(b *testing.B) {
+	for _, bc := range []struct {
+		name    string
+		dataDir bool
+	}{{"memory", false}, {"data dir", true}} {
+		b.Run(bc.name, func(b *testing.B) {
+			cfg := DevChainConfig{Listen: "127.0.0.1:0"}
+			if bc.dataDir {
+				cfg.DataDir = b.TempDir()
+			}
+			ctx := context.Background()
+			d, err := StartDevChain(ctx, cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer d.Close()
+			client := d.Client()
+			nonce, err := client.PendingNonceAt(ctx, DevPayerAddress)
+			if err != nil {
+				b.Fatal(err)
+			}
+			chainID := new(big.Int).SetUint64(d.ChainID())
+			signer := types.LatestSignerForChainID(chainID)
+			data, err := contracts.StableCoinABI.Pack("transfer", common.HexToAddress("0xbeef"), big.NewInt(1))
+			if err != nil {
+				b.Fatal(err)
+			}
+			tip := big.NewInt(1e9)
+			first := devBlockNumberB(b, client)
+			for b.Loop() {
+				// The fee cap covers any base fee a chain of single-transfer blocks reaches.
+				tx, err := types.SignNewTx(d.Payer(), signer, &types.DynamicFeeTx{ChainID: chainID, Nonce: nonce,
+					GasTipCap: tip, GasFeeCap: big.NewInt(100e9), Gas: 100_000, To: &DevTokenAddress, Data: data})
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := client.SendTransaction(ctx, tx); err != nil {
+					b.Fatal(err)
+				}
+				nonce++
+				for {
+					if _, err := client.TransactionReceipt(ctx, tx.Hash()); err == nil {
+						break
+					} else if !errors.Is(err, ethereum.NotFound) && !strings.Contains(err.Error(), errTxIndexing) {
+						b.Fatal(err)
+					}
+					time.Sleep(200 * time.Microsecond)
+				}
+			}
+			blocks := devBlockNumberB(b, client) - first
+			b.ReportMetric(float64(blocks)/b.Elapsed().Seconds(), "blocks/s")
+		})
+	}
+}
+
+func devBlockNumberB(b *testing.B, client *ethclient.Client) uint64 {
+	b.Helper()
+	n, err := client.BlockNumber(context.Background())
+	if err != nil {
+		b.Fatal(err)
+	}
+	return n
+}
+
 func TestDevChainWithABlockTimePacksTransactionsIntoOneBlockOnWallClockTime(t *testing.T) {
 	d := devStart(t, DevChainConfig{Listen: "127.0.0.1:0", BlockTime: time.Second})
 	client := devDial(t, d)
