@@ -329,7 +329,7 @@ type drill struct {
 	transport *http.Transport
 	client    *http.Client
 
-	wallets   []common.Address // the gate's settlement wallets
+	wallets []common.Address // the gate's settlement wallets
 
 	mu       sync.Mutex
 	payments []*drillPayment
