@@ -82,8 +82,8 @@ func TestEveryPaymentSettledThroughSIGKILLsBuysExactlyOneDeliveredResponse(t *te
 // TestTheKillDrillThroughADryWalletAndNodeRestarts is the kill drill with the faults of the world around the
 // gate: it settles from one wallet of its own, which the drill empties of gas money while the gate is down at
 // one kill point and funds again at the next (every settlement in between is refused before it is sent, or
-// waits), and the chain's node is restarted mid-load at every fifth kill point, which drops its transaction
-// pool. The end is the same: what the seller received and the payer paid is, to the unit, the price of the
+// waits), and the chain's node is restarted mid-load at every fifth kill point (stopped, or SIGKILLed), which
+// drops its transaction pool. The end is the same: what the seller received and the payer paid is, to the unit, the price of the
 // responses delivered, and no refusal the payer was told of was ever charged.
 func TestTheKillDrillThroughADryWalletAndNodeRestarts(t *testing.T) {
 	runKillDrill(t, drillShape{ownWallet: true, dryAt: 6, fundAt: 7, restartNodeEvery: 5})
@@ -205,9 +205,15 @@ func runKillDrill(t *testing.T, shape drillShape) {
 		nodeRestart := ""
 		if shape.restartNodeEvery > 0 && k%shape.restartNodeEvery == 0 {
 			// The node goes away under load and comes back with its blocks and an empty transaction pool.
-			before := dev.head()
+			// Every other time it is SIGKILLed: a node on a data_dir keeps every block it sealed.
+			before, how := dev.head(), "stopped"
 			started := time.Now()
-			chainProc.stop()
+			if (k/shape.restartNodeEvery)%2 == 0 {
+				chainProc.kill()
+				how = "SIGKILLed"
+			} else {
+				chainProc.stop()
+			}
 			chainProc = startProcess(t, fmt.Sprintf("the dev chain's Caddy, restart at kill %d", k), dir, chainEnv,
 				"run", "--adapter", "caddyfile", "--config", chainFile)
 			chainProc.waitUntil("the restarted node's head", 60*time.Second, func() error {
@@ -219,7 +225,7 @@ func runKillDrill(t *testing.T, shape drillShape) {
 				}
 				return err
 			})
-			nodeRestart = fmt.Sprintf("; the node restarted mid-load in %v", time.Since(started).Round(100*time.Millisecond))
+			nodeRestart = fmt.Sprintf("; the node %s and restarted mid-load in %v", how, time.Since(started).Round(100*time.Millisecond))
 		}
 		close(stop)
 		gate.kill()
