@@ -308,6 +308,26 @@ func (c *Chain) Commit() common.Hash {
 	return c.Backend.Commit()
 }
 
+// somethingPending reports whether transactions wait in the pool. The pending block's transaction count alone
+// can lag by seconds (the node caches its pending block), so the settlement wallets' pool nonces, which the
+// pool keeps current, are asked as well: they are where the code under test sends from.
+func (c *Chain) somethingPending() bool {
+	ctx := context.Background()
+	if n, err := c.Client.PendingTransactionCount(ctx); err == nil && n > 0 {
+		return true
+	}
+	for _, w := range c.Wallets {
+		pending, err := c.Client.PendingNonceAt(ctx, w.Address)
+		if err != nil {
+			continue
+		}
+		if mined, err := c.Client.NonceAt(ctx, w.Address, nil); err == nil && pending > mined {
+			return true
+		}
+	}
+	return false
+}
+
 // AdjustTime seals a block d later than the head (pending transactions first go into a
 // block of their own), moving chain time forward for validAfter/deadline tests.
 func (c *Chain) AdjustTime(d time.Duration) {
@@ -371,7 +391,7 @@ func (c *Chain) AutoCommit(interval time.Duration) (stop func()) {
 				return
 			case <-ticker.C:
 				// Empty blocks would push chain time a second ahead each: commit only what waits.
-				if n, err := c.Client.PendingTransactionCount(context.Background()); err == nil && n > 0 {
+				if c.somethingPending() {
 					c.Commit()
 				}
 			}
