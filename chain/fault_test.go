@@ -68,13 +68,16 @@ func TestSettlementsThroughAFaultyRPCSettleEachPaymentExactlyOnce(t *testing.T) 
 		rate      float64
 		onlySends bool
 		faults    []chaintest.Fault
+		// rpcTimeout is the per-call timeout, what a hung call costs (zero: the default); far less than a
+		// settlement's time, so that hangs are many, and far more than a healthy call on a loaded machine.
+		rpcTimeout time.Duration
 	}{
-		{"one endpoint, 30% faults on every call", false, 0.3, false, faults},
-		{"one endpoint, every other broadcast lost or cut", false, 0.5, true, faults},
-		{"failover to a healthy endpoint, 50% faults", true, 0.5, false, faults},
-		{"one endpoint, 30% faults on every call, hangs among them", false, 0.3, false, withHangs},
-		{"one endpoint, every other broadcast hung or refused", false, 0.5, true, []chaintest.Fault{chaintest.Hang, chaintest.Refuse}},
-		{"failover to a healthy endpoint, 50% faults, hangs and refusals among them", true, 0.5, false, everyFault},
+		{"one endpoint, 30% faults on every call", false, 0.3, false, faults, 0},
+		{"one endpoint, every other broadcast lost or cut", false, 0.5, true, faults, 0},
+		{"failover to a healthy endpoint, 50% faults", true, 0.5, false, faults, 0},
+		{"one endpoint, 30% faults on every call, hangs among them", false, 0.3, false, withHangs, time.Second},
+		{"one endpoint, every other broadcast hung or refused", false, 0.5, true, []chaintest.Fault{chaintest.Hang, chaintest.Refuse}, time.Second},
+		{"failover to a healthy endpoint, 50% faults, hangs and refusals among them", true, 0.5, false, everyFault, time.Second},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -96,8 +99,7 @@ func TestSettlementsThroughAFaultyRPCSettleEachPaymentExactlyOnce(t *testing.T) 
 						t.Fatal(err)
 					}
 					fo.RetryAfter, fo.MaxRetryAfter = 20*time.Millisecond, 200*time.Millisecond
-					// A hung call costs this much: far less than a settlement's time, so hangs are many.
-					nc.Backend, nc.RPCTimeout = fo, 300*time.Millisecond
+					nc.Backend, nc.RPCTimeout = fo, tc.rpcTimeout
 				},
 			})
 			payers := fx.c.Payers
