@@ -116,7 +116,7 @@ func TestOneHangingRPCEndpointLeavesVerificationsAndSettlementsFlowingThroughThe
 	var proxy *chaintest.FaultProxy
 	tune := behindFaultProxy(t, &proxy, true, rpcTimeout)
 	fx := newFixture(t, fixtureOpts{
-		chainOpts: []chaintest.Option{chaintest.WithHTTP()}, receiptTimeout: 10 * time.Second,
+		chainOpts: []chaintest.Option{chaintest.WithHTTP(), chaintest.WithPromptCommit()}, receiptTimeout: 10 * time.Second,
 		tune: func(fx *fixture, nc *chain.NetworkConfig) {
 			tune(fx, nc)
 			// The hanging node is tried again after short rests, so that payments keep meeting it.
@@ -212,7 +212,7 @@ func TestAHangingOnlyRPCEndpointIsAnsweredUnreachableWithinTheTimeout(t *testing
 	const rpcTimeout = 500 * time.Millisecond
 	var proxy *chaintest.FaultProxy
 	fx := newFixture(t, fixtureOpts{
-		chainOpts: []chaintest.Option{chaintest.WithHTTP()}, receiptTimeout: 5 * time.Second,
+		chainOpts: []chaintest.Option{chaintest.WithHTTP(), chaintest.WithPromptCommit()}, receiptTimeout: 5 * time.Second,
 		tune: behindFaultProxy(t, &proxy, false, rpcTimeout),
 	})
 	reqs := mixedPayments(fx, 4)
@@ -265,7 +265,7 @@ func TestAHangingOnlyRPCEndpointIsAnsweredUnreachableWithinTheTimeout(t *testing
 func TestTransientRPCErrorsAreRetriedBeforeAPaymentIsRefused(t *testing.T) {
 	var proxy *chaintest.FaultProxy
 	fx := newFixture(t, fixtureOpts{
-		chainOpts: []chaintest.Option{chaintest.WithHTTP()}, receiptTimeout: 10 * time.Second,
+		chainOpts: []chaintest.Option{chaintest.WithHTTP(), chaintest.WithPromptCommit()}, receiptTimeout: 10 * time.Second,
 		tune: behindFaultProxy(t, &proxy, false, 0),
 	})
 	reqs := mixedPayments(fx, 40)
@@ -326,7 +326,7 @@ func TestABroadcastTheOnlyNodeRefusesIsAnsweredNotSentAndNeverSentLater(t *testi
 	t.Skip("needs the refused-broadcast fix")
 	var proxy *chaintest.FaultProxy
 	fx := newFixture(t, fixtureOpts{
-		chainOpts: []chaintest.Option{chaintest.WithHTTP()}, receiptTimeout: 2 * time.Second,
+		chainOpts: []chaintest.Option{chaintest.WithHTTP(), chaintest.WithPromptCommit()}, receiptTimeout: 2 * time.Second,
 		configure: func(cfg *chain.Config) {
 			cfg.ReconcileEvery, cfg.ReconcileGrace = 100*time.Millisecond, 100*time.Millisecond
 		},
