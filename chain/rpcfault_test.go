@@ -232,9 +232,11 @@ func TestAHangingOnlyRPCEndpointIsAnsweredUnreachableWithinTheTimeout(t *testing
 			t.Fatalf("payment %d: verify hangs with the node", i)
 		}
 		took := time.Since(start)
+		cancel()
 		if !x402.IsUnreachable(err) || took > bound {
 			t.Errorf("payment %d: verify answered %+v, %v after %v; want unreachable within %v", i, v, err, took, bound)
 		}
+		ctx, cancel = context.WithTimeout(context.Background(), 20*time.Second)
 		start = time.Now()
 		var s x402.SettleResponse
 		if !returnsWithin(25*time.Second, func() { s, err = fx.f.Settle(ctx, req) }) {
@@ -245,9 +247,7 @@ func TestAHangingOnlyRPCEndpointIsAnsweredUnreachableWithinTheTimeout(t *testing
 		if !x402.IsUnreachable(err) || took > bound {
 			t.Errorf("payment %d: settle answered %+v, %v after %v; want unreachable within %v", i, s, err, took, bound)
 		}
-		if err != nil {
-			t.Logf("payment %d: %v after %v", i, err, took)
-		}
+
 	}
 	proxy.SetDecide(nil)
 	if got := fx.c.TokenBalance(fx.payTo); got.Cmp(sellerBefore) != 0 {
