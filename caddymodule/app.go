@@ -126,6 +126,10 @@ type Network struct {
 	Network string `json:"network"`
 	// RPC lists JSON-RPC URLs of the chain; more than one is a failover set, tried in order.
 	RPC []string `json:"rpc,omitempty"`
+	// RPCTimeout bounds each call to one RPC node; a node that has not answered by then is rested and the call
+	// moves on to the next URL of RPC (with one URL, it is tried again while the payment's time allows).
+	// Default 5s.
+	RPCTimeout caddy.Duration `json:"rpc_timeout,omitempty"`
 	// Assets are the accepted tokens; the first is the default of gates on this network. Default for the
 	// spec's known networks: the token of the network registry (its address must still be given).
 	Assets []*Asset `json:"assets,omitempty"`
@@ -346,7 +350,7 @@ func (a *App) newEngine(specs []networkSpec) (*engineEntry, error) {
 func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEntry) (chain.NetworkConfig, error) {
 	n := s.Network
 	nc := chain.NetworkConfig{
-		Network: n.Network, Methods: n.Methods, ReceiptTimeout: time.Duration(n.ReceiptTimeout),
+		Network: n.Network, Methods: n.Methods, RPCTimeout: time.Duration(n.RPCTimeout), ReceiptTimeout: time.Duration(n.ReceiptTimeout),
 		ReceiptPoll: time.Duration(n.ReceiptPoll), Fees: chain.FeePolicy{Legacy: n.LegacyFees},
 		MaxInFlightPerWallet: n.MaxInFlightPerWallet, WalletWait: time.Duration(n.WalletWait),
 		ReplaceAfter: time.Duration(n.ReplaceAfter), FundsCacheTTL: time.Duration(n.FundsCache),

@@ -37,6 +37,7 @@ func durationArg(d *caddyfile.Dispenser, option string) (time.Duration, error) {
 //	x402 {
 //		network <caip2> {
 //			rpc <url> [<url>...]
+//			rpc_timeout <duration>
 //			asset <address> [name <name>] [version <version>] [decimals <n>]
 //			wallet_keys <hex>[,<hex>...] [<hex>...]
 //			wallet_key_file <path>
@@ -163,6 +164,15 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 			if !d.AllArgs(&n.WalletKeyFile) {
 				return nil, d.ArgErr()
 			}
+		case "rpc_timeout":
+			dur, err := durationArg(d, "rpc_timeout")
+			if err != nil {
+				return nil, err
+			}
+			if dur <= 0 {
+				return nil, d.Errf("rpc_timeout: want a positive duration such as 5s, got '%s'", d.Val())
+			}
+			n.RPCTimeout = caddy.Duration(dur)
 		case "receipt_timeout", "receipt_poll", "wallet_wait", "replace_after":
 			name := d.Val()
 			dur, err := durationArg(d, name)

@@ -46,7 +46,9 @@ func DialRPC(ctx context.Context, url string) (*RPCClient, error) {
 	transport.MaxIdleConns, transport.MaxIdleConnsPerHost = 512, 512
 	// Answers are small and the node usually near: gzip costs both ends more CPU than it saves.
 	transport.DisableCompression = true
-	c, err := rpc.DialOptions(ctx, url, rpc.WithHTTPClient(&http.Client{Transport: transport}))
+	// Every engine call carries its own deadline (Failover.CallTimeout); the client's timeout is only the last
+	// guard against a caller that passed none, so that a node that never answers cannot hold a call forever.
+	c, err := rpc.DialOptions(ctx, url, rpc.WithHTTPClient(&http.Client{Transport: transport, Timeout: time.Minute}))
 	if err != nil {
 		return nil, err
 	}
@@ -77,7 +79,7 @@ var errNoBlockReceipts = errors.New("the backend does not serve eth_getBlockRece
 
 // BlockReceipts lists the receipts of a block, from the first endpoint that can.
 func (f *Failover) BlockReceipts(ctx context.Context, n rpc.BlockNumberOrHash) ([]*types.Receipt, error) {
-	return do(ctx, f, func(b Backend) ([]*types.Receipt, error) {
+	return do(ctx, f, func(ctx context.Context, b Backend) ([]*types.Receipt, error) {
 		if br, ok := b.(blockReceiptsReader); ok {
 			return br.BlockReceipts(ctx, n)
 		}
@@ -126,16 +128,35 @@ type endpoint struct {
 	mu      sync.Mutex
 	downTil time.Time
 	fails   int
+	// probing says one call is trying the endpoint again after its rest: the others leave it to that call, so
+	// that a node that still hangs costs one caller its timeout, not every caller of that moment.
+	probing bool
 }
 
+// DefaultRPCTimeout bounds one call to one RPC node unless configured otherwise: far longer than any healthy
+// node takes, short enough that a node that accepts and never answers does not stall a payment.
+const DefaultRPCTimeout = 5 * time.Second
+
 // Failover is a Backend over several RPC endpoints of one chain: each call goes to the first endpoint that is not
-// resting after a failure; an endpoint that fails to answer is skipped for a growing pause and the call moves on.
-// Sending the same signed transaction to a second endpoint is safe: it has the same hash.
+// resting after a failure; an endpoint that fails to answer, or does not answer within CallTimeout, is skipped
+// for a growing pause and the call moves on. When no endpoint answered (unreachable, overloaded, an internal
+// error), the call is tried again over all of them with growing pauses for up to RetryFor: every call of the
+// Backend is safe to repeat, reads by nature and sends because the same signed transaction has the same hash.
+// A round in which every endpoint let the call time out is not repeated: those nodes had their chance.
+// A node's answer (a revert, "nonce too low", "not found") is never retried: another try would say the same.
 type Failover struct {
 	endpoints []*endpoint
 	now       func() time.Time
 	// RetryAfter is the first pause of a failed endpoint; it doubles per consecutive failure up to MaxRetryAfter.
 	RetryAfter, MaxRetryAfter time.Duration
+	// CallTimeout bounds one call to one endpoint (default DefaultRPCTimeout; zero: only the caller's deadline).
+	CallTimeout time.Duration
+	// RetryFor is how long after its start a call that no endpoint answered may begin another round over the
+	// endpoints (default 2s; zero: one round). The caller's deadline bounds the retries too: no round starts
+	// that the deadline would cut short before its pause is over.
+	RetryFor time.Duration
+	// RetryBackoff is the pause before the second round; it doubles for each round after (default 25ms).
+	RetryBackoff time.Duration
 }
 
 // NewFailover returns a Failover over the given backends, tried in order. Names label endpoints in errors and
@@ -144,44 +165,106 @@ func NewFailover(names []string, backends []Backend) (*Failover, error) {
 	if len(backends) == 0 || len(names) != len(backends) {
 		return nil, fmt.Errorf("failover needs at least one RPC endpoint and one name per endpoint (got %d names, %d endpoints)", len(names), len(backends))
 	}
-	f := &Failover{now: time.Now, RetryAfter: 500 * time.Millisecond, MaxRetryAfter: 30 * time.Second}
+	f := &Failover{now: time.Now, RetryAfter: 500 * time.Millisecond, MaxRetryAfter: 30 * time.Second,
+		CallTimeout: DefaultRPCTimeout, RetryFor: 2 * time.Second, RetryBackoff: 25 * time.Millisecond}
 	for i, b := range backends {
 		f.endpoints = append(f.endpoints, &endpoint{name: names[i], backend: b})
 	}
 	return f, nil
 }
 
-// do runs call against the endpoints in order until one answers. If every endpoint is resting, the one that
-// rests the shortest is tried anyway: a call is never refused without trying.
-func do[T any](ctx context.Context, f *Failover, call func(Backend) (T, error)) (T, error) {
+// do runs call against the endpoints in order until one answers, each try bounded by CallTimeout, and repeats
+// the round with growing pauses while RetryFor and ctx allow, unless every endpoint let the round time out. If
+// every endpoint is resting, the one that rests the shortest is tried anyway: a call is never refused without
+// trying.
+func do[T any](ctx context.Context, f *Failover, call func(context.Context, Backend) (T, error)) (T, error) {
+	var zero T
+	start := time.Now()
+	pause := max(f.RetryBackoff, time.Millisecond)
+	tried, rounds := 0, 0
+	var errs []error
+	for {
+		rounds++
+		v, answered, hung, err := round(ctx, f, call, &tried)
+		if answered {
+			return v, err
+		}
+		errs = nil // the last round's failures say what is wrong now
+		if err != nil {
+			errs = []error{err}
+		}
+		// A node that did not answer within CallTimeout had its chance: another round would cost as much again.
+		if hung || ctx.Err() != nil || time.Since(start)+pause > f.RetryFor {
+			break
+		}
+		if dl, ok := ctx.Deadline(); ok && time.Until(dl) < pause {
+			break
+		}
+		t := time.NewTimer(pause)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+		case <-t.C:
+		}
+		if ctx.Err() != nil {
+			break
+		}
+		pause *= 2
+	}
+	if ctx.Err() != nil {
+		errs = append(errs, ctx.Err())
+	}
+	return zero, &UnreachableError{Tried: tried, Rounds: rounds, Err: errors.Join(errs...)}
+}
+
+// round tries each endpoint once, resting ones last, and reports whether one answered. When none did, err
+// joins the failures of the round, and hung says every endpoint tried let the call time out.
+func round[T any](ctx context.Context, f *Failover, call func(context.Context, Backend) (T, error), tried *int) (_ T, answered, hung bool, _ error) {
 	var zero T
 	var errs []error
-	tried := 0
+	hung = true
 	now := f.now()
 	order := make([]*endpoint, 0, len(f.endpoints))
-	var resting []*endpoint
+	var resting, probes []*endpoint
 	for _, e := range f.endpoints {
 		e.mu.Lock()
-		down := now.Before(e.downTil)
+		ready := !now.Before(e.downTil) && !(e.fails > 0 && e.probing)
+		if ready && e.fails > 0 {
+			e.probing = true // this call tries the endpoint again; others keep resting it meanwhile
+			probes = append(probes, e)
+		}
 		e.mu.Unlock()
-		if down {
-			resting = append(resting, e)
-		} else {
+		if ready {
 			order = append(order, e)
+		} else {
+			resting = append(resting, e)
 		}
 	}
+	defer func() {
+		for _, e := range probes {
+			e.mu.Lock()
+			e.probing = false
+			e.mu.Unlock()
+		}
+	}()
 	order = append(order, resting...)
 	for _, e := range order {
 		if ctx.Err() != nil {
 			break
 		}
-		tried++
-		v, err := call(e.backend)
+		*tried++
+		cctx, cancel := ctx, context.CancelFunc(func() {})
+		if f.CallTimeout > 0 {
+			cctx, cancel = context.WithTimeout(ctx, f.CallTimeout)
+		}
+		v, err := call(cctx, e.backend)
+		timedOut := err != nil && cctx.Err() != nil && ctx.Err() == nil
+		cancel()
 		if isAnswer(err) {
 			e.mu.Lock()
 			e.fails, e.downTil = 0, time.Time{}
 			e.mu.Unlock()
-			return v, err
+			return v, true, false, err
 		}
 		e.mu.Lock()
 		e.fails++
@@ -191,12 +274,13 @@ func do[T any](ctx context.Context, f *Failover, call func(Backend) (T, error)) 
 		}
 		e.downTil = f.now().Add(pause)
 		e.mu.Unlock()
+		if timedOut {
+			err = fmt.Errorf("no answer within %v: %w", f.CallTimeout, err)
+		}
+		hung = hung && timedOut
 		errs = append(errs, fmt.Errorf("rpc %s: %w", e.name, redactErr(err, e.name)))
 	}
-	if ctx.Err() != nil {
-		errs = append(errs, ctx.Err())
-	}
-	return zero, &UnreachableError{Tried: tried, Err: errors.Join(errs...)}
+	return zero, false, hung && len(errs) > 0, errors.Join(errs...)
 }
 
 // redactErr keeps the endpoint's URL out of a transport error: providers put API keys in its path and query,
@@ -209,13 +293,18 @@ func redactErr(err error, name string) error {
 	return err
 }
 
-// UnreachableError says no RPC endpoint of a network answered.
+// UnreachableError says no RPC endpoint of a network answered: Tried calls in Rounds rounds over the endpoints.
+// Err holds the failures of the last round.
 type UnreachableError struct {
-	Tried int
-	Err   error
+	Tried  int
+	Rounds int
+	Err    error
 }
 
 func (e *UnreachableError) Error() string {
+	if e.Rounds > 1 {
+		return fmt.Sprintf("no RPC endpoint answered (%d tries in %d rounds): %v", e.Tried, e.Rounds, e.Err)
+	}
 	return fmt.Sprintf("no RPC endpoint answered (%d tried): %v", e.Tried, e.Err)
 }
 
@@ -232,47 +321,47 @@ func isTransportError(err error) bool {
 }
 
 func (f *Failover) ChainID(ctx context.Context) (*big.Int, error) {
-	return do(ctx, f, func(b Backend) (*big.Int, error) { return b.ChainID(ctx) })
+	return do(ctx, f, func(ctx context.Context, b Backend) (*big.Int, error) { return b.ChainID(ctx) })
 }
 
 func (f *Failover) HeaderByNumber(ctx context.Context, n *big.Int) (*types.Header, error) {
-	return do(ctx, f, func(b Backend) (*types.Header, error) { return b.HeaderByNumber(ctx, n) })
+	return do(ctx, f, func(ctx context.Context, b Backend) (*types.Header, error) { return b.HeaderByNumber(ctx, n) })
 }
 
 func (f *Failover) BlockByNumber(ctx context.Context, n *big.Int) (*types.Block, error) {
-	return do(ctx, f, func(b Backend) (*types.Block, error) { return b.BlockByNumber(ctx, n) })
+	return do(ctx, f, func(ctx context.Context, b Backend) (*types.Block, error) { return b.BlockByNumber(ctx, n) })
 }
 
 func (f *Failover) CallContract(ctx context.Context, msg ethereum.CallMsg, n *big.Int) ([]byte, error) {
-	return do(ctx, f, func(b Backend) ([]byte, error) { return b.CallContract(ctx, msg, n) })
+	return do(ctx, f, func(ctx context.Context, b Backend) ([]byte, error) { return b.CallContract(ctx, msg, n) })
 }
 
 func (f *Failover) EstimateGas(ctx context.Context, msg ethereum.CallMsg) (uint64, error) {
-	return do(ctx, f, func(b Backend) (uint64, error) { return b.EstimateGas(ctx, msg) })
+	return do(ctx, f, func(ctx context.Context, b Backend) (uint64, error) { return b.EstimateGas(ctx, msg) })
 }
 
 func (f *Failover) SuggestGasTipCap(ctx context.Context) (*big.Int, error) {
-	return do(ctx, f, func(b Backend) (*big.Int, error) { return b.SuggestGasTipCap(ctx) })
+	return do(ctx, f, func(ctx context.Context, b Backend) (*big.Int, error) { return b.SuggestGasTipCap(ctx) })
 }
 
 func (f *Failover) SuggestGasPrice(ctx context.Context) (*big.Int, error) {
-	return do(ctx, f, func(b Backend) (*big.Int, error) { return b.SuggestGasPrice(ctx) })
+	return do(ctx, f, func(ctx context.Context, b Backend) (*big.Int, error) { return b.SuggestGasPrice(ctx) })
 }
 
 func (f *Failover) PendingNonceAt(ctx context.Context, a common.Address) (uint64, error) {
-	return do(ctx, f, func(b Backend) (uint64, error) { return b.PendingNonceAt(ctx, a) })
+	return do(ctx, f, func(ctx context.Context, b Backend) (uint64, error) { return b.PendingNonceAt(ctx, a) })
 }
 
 func (f *Failover) NonceAt(ctx context.Context, a common.Address, n *big.Int) (uint64, error) {
-	return do(ctx, f, func(b Backend) (uint64, error) { return b.NonceAt(ctx, a, n) })
+	return do(ctx, f, func(ctx context.Context, b Backend) (uint64, error) { return b.NonceAt(ctx, a, n) })
 }
 
 func (f *Failover) BalanceAt(ctx context.Context, a common.Address, n *big.Int) (*big.Int, error) {
-	return do(ctx, f, func(b Backend) (*big.Int, error) { return b.BalanceAt(ctx, a, n) })
+	return do(ctx, f, func(ctx context.Context, b Backend) (*big.Int, error) { return b.BalanceAt(ctx, a, n) })
 }
 
 func (f *Failover) CodeAt(ctx context.Context, a common.Address, n *big.Int) ([]byte, error) {
-	return do(ctx, f, func(b Backend) ([]byte, error) { return b.CodeAt(ctx, a, n) })
+	return do(ctx, f, func(ctx context.Context, b Backend) ([]byte, error) { return b.CodeAt(ctx, a, n) })
 }
 
 // SendTransaction sends tx to the first endpoint that answers. A refusal is final only if no endpoint tried
@@ -280,8 +369,8 @@ func (f *Failover) CodeAt(ctx context.Context, a common.Address, n *big.Int) ([]
 // such a failure is reported as the node being unreachable (the transaction may be on its way), never as
 // "not sent".
 func (f *Failover) SendTransaction(ctx context.Context, tx *types.Transaction) error {
-	reachedUnanswered := 0
-	_, err := do(ctx, f, func(b Backend) (struct{}, error) {
+	reachedUnanswered := 0 // do tries endpoints one after another, never at once
+	_, err := do(ctx, f, func(ctx context.Context, b Backend) (struct{}, error) {
 		err := b.SendTransaction(ctx, tx)
 		if !isAnswer(err) {
 			reachedUnanswered++
@@ -289,14 +378,14 @@ func (f *Failover) SendTransaction(ctx context.Context, tx *types.Transaction) e
 		return struct{}{}, err
 	})
 	if err != nil && reachedUnanswered > 0 && isAnswer(err) && !isAlreadyKnown(err) {
-		return &UnreachableError{Tried: reachedUnanswered + 1, Err: fmt.Errorf(
+		return &UnreachableError{Tried: reachedUnanswered + 1, Rounds: 1, Err: fmt.Errorf(
 			"an endpoint failed without answering (it may hold the transaction) before another refused it: %w", err)}
 	}
 	return err
 }
 
 func (f *Failover) TransactionReceipt(ctx context.Context, h common.Hash) (*types.Receipt, error) {
-	return do(ctx, f, func(b Backend) (*types.Receipt, error) { return b.TransactionReceipt(ctx, h) })
+	return do(ctx, f, func(ctx context.Context, b Backend) (*types.Receipt, error) { return b.TransactionReceipt(ctx, h) })
 }
 
 func (f *Failover) TransactionByHash(ctx context.Context, h common.Hash) (*types.Transaction, bool, error) {
@@ -304,7 +393,7 @@ func (f *Failover) TransactionByHash(ctx context.Context, h common.Hash) (*types
 		tx      *types.Transaction
 		pending bool
 	}
-	v, err := do(ctx, f, func(b Backend) (r, error) {
+	v, err := do(ctx, f, func(ctx context.Context, b Backend) (r, error) {
 		tx, p, err := b.TransactionByHash(ctx, h)
 		return r{tx, p}, err
 	})

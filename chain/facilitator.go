@@ -34,6 +34,9 @@ type NetworkConfig struct {
 	Network string
 	// Backend reaches the chain: one node, or a Failover over several.
 	Backend Backend
+	// RPCTimeout, when set, bounds each call to one node of a Failover backend before the next endpoint is tried
+	// (it is the network's copy of the Failover's CallTimeout, which defaults to DefaultRPCTimeout).
+	RPCTimeout time.Duration
 	// Assets are the tokens accepted; the first is the default.
 	Assets []AssetConfig
 	// Keys are the settlement wallets' private keys.
@@ -43,6 +46,7 @@ type NetworkConfig struct {
 	// Permit2 and Proxy default to the canonical addresses.
 	Permit2, Proxy common.Address
 	// ReceiptTimeout bounds how long Settle waits for a receipt before answering settlement_pending (default 30s).
+	// It bounds the signing and broadcast of a settlement as well, which run on after the caller leaves.
 	ReceiptTimeout time.Duration
 	// ReceiptPoll is how often the head block is polled while receipts are awaited (default 50ms).
 	ReceiptPoll time.Duration
@@ -138,28 +142,19 @@ type network struct {
 	funds *funds
 
 	headTTL time.Duration
-	headMu  sync.Mutex
-	head    *types.Header
-	headAt  time.Time
+	head    sharedRead[*types.Header]
 	now     func() time.Time
 }
 
-// chainHead is the head block, shared for headTTL between callers.
+// chainHead is the head block, shared for headTTL between callers. Callers that come while it is being read
+// wait for that read (or give up on their own context) rather than queue behind a lock held across the call.
 func (n *network) chainHead(ctx context.Context) (*types.Header, error) {
 	if n.headTTL <= 0 {
 		return n.backend.HeaderByNumber(ctx, nil)
 	}
-	n.headMu.Lock()
-	defer n.headMu.Unlock()
-	if n.head != nil && n.now().Sub(n.headAt) < n.headTTL {
-		return n.head, nil
-	}
-	h, err := n.backend.HeaderByNumber(ctx, nil)
-	if err != nil {
-		return nil, err
-	}
-	n.head, n.headAt = h, n.now()
-	return h, nil
+	return n.head.get(ctx, n.now, n.headTTL, func(ctx context.Context) (*types.Header, error) {
+		return n.backend.HeaderByNumber(ctx, nil)
+	})
 }
 
 // asset is a configured token with its cached permit domain separator.
@@ -241,7 +236,16 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	if nc.Backend == nil {
 		return nil, errors.New("no RPC backend")
 	}
-	got, err := nc.Backend.ChainID(ctx)
+	backend := nc.Backend
+	if fo, ok := backend.(*Failover); ok && nc.RPCTimeout != 0 {
+		if nc.RPCTimeout < 0 {
+			return nil, fmt.Errorf("RPC timeout %v is negative", nc.RPCTimeout)
+		}
+		own := *fo // the endpoints, and their rest after failures, stay shared with the caller's Failover
+		own.CallTimeout = nc.RPCTimeout
+		backend = &own
+	}
+	got, err := backend.ChainID(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("asking the node for its chain id: %w", err)
 	}
@@ -262,9 +266,9 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		pool.Wait = nc.WalletWait
 	}
 	n := &network{
-		caip2: nc.Network, chainID: chainID, backend: nc.Backend, assets: map[common.Address]*asset{},
+		caip2: nc.Network, chainID: chainID, backend: backend, assets: map[common.Address]*asset{},
 		methods: map[string]bool{}, permit2: nc.Permit2, proxy: nc.Proxy, pool: pool,
-		sender: newSender(nc.Backend, chainID, nc.Fees, f.now), watcher: newReceiptWatcher(nc.Backend, nc.ReceiptPoll),
+		sender: newSender(backend, chainID, nc.Fees, f.now), watcher: newReceiptWatcher(backend, nc.ReceiptPoll),
 		timeout: nc.ReceiptTimeout, low: nc.LowBalance, headTTL: nc.HeadCacheTTL, now: f.now,
 	}
 	if n.permit2 == (common.Address{}) {

@@ -3,6 +3,7 @@ package chain_test
 import (
 	"context"
 	"math/big"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -17,12 +18,20 @@ import (
 
 // settleUntilFinal presents one payment again and again, as a patient gateway would, until it settles. Every
 // answer on the way must be one a payer can act on: settled, pending with a transaction, refused before
-// broadcast, or the facilitator unreachable. It returns the final answer and the answers seen.
+// broadcast, or the facilitator unreachable; and it must come by the caller's deadline (with room for a loaded
+// machine), whatever the node does. It returns the final answer and the answers seen.
 func settleUntilFinal(t *testing.T, f *chain.Facilitator, req x402.VerifyRequest, deadline time.Time) (x402.SettleResponse, []string) {
+	const perCall, slack = 5 * time.Second, 5 * time.Second
 	var seen []string
 	for time.Now().Before(deadline) {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		resp, err := f.Settle(ctx, req)
+		ctx, cancel := context.WithTimeout(context.Background(), perCall)
+		var resp x402.SettleResponse
+		var err error
+		if !returnsWithin(perCall+slack, func() { resp, err = f.Settle(ctx, req) }) {
+			cancel()
+			t.Errorf("a settlement given %v is still running %v later; answers before: %v", perCall, slack, seen)
+			return x402.SettleResponse{}, seen
+		}
 		cancel()
 		switch {
 		case err != nil:
@@ -51,15 +60,24 @@ func settleUntilFinal(t *testing.T, f *chain.Facilitator, req x402.VerifyRequest
 
 func TestSettlementsThroughAFaultyRPCSettleEachPaymentExactlyOnce(t *testing.T) {
 	faults := []chaintest.Fault{chaintest.Drop, chaintest.DieAfterForward, chaintest.Delay, chaintest.ErrorStatus, chaintest.RPCError}
+	withHangs := append(slices.Clone(faults), chaintest.Hang)
+	everyFault := append(slices.Clone(withHangs), chaintest.Refuse)
 	cases := []struct {
 		name      string
 		failover  bool // a healthy second endpoint behind the faulty one
 		rate      float64
 		onlySends bool
+		faults    []chaintest.Fault
+		// rpcTimeout is the per-call timeout, what a hung call costs (zero: the default); far less than a
+		// settlement's time, so that hangs are many, and far more than a healthy call on a loaded machine.
+		rpcTimeout time.Duration
 	}{
-		{"one endpoint, 30% faults on every call", false, 0.3, false},
-		{"one endpoint, every other broadcast lost or cut", false, 0.5, true},
-		{"failover to a healthy endpoint, 50% faults", true, 0.5, false},
+		{"one endpoint, 30% faults on every call", false, 0.3, false, faults, 0},
+		{"one endpoint, every other broadcast lost or cut", false, 0.5, true, faults, 0},
+		{"failover to a healthy endpoint, 50% faults", true, 0.5, false, faults, 0},
+		{"one endpoint, 30% faults on every call, hangs among them", false, 0.3, false, withHangs, time.Second},
+		{"one endpoint, every other broadcast hung or refused", false, 0.5, true, []chaintest.Fault{chaintest.Hang, chaintest.Refuse}, time.Second},
+		{"failover to a healthy endpoint, 50% faults, hangs and refusals among them", true, 0.5, false, everyFault, time.Second},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -81,7 +99,7 @@ func TestSettlementsThroughAFaultyRPCSettleEachPaymentExactlyOnce(t *testing.T) 
 						t.Fatal(err)
 					}
 					fo.RetryAfter, fo.MaxRetryAfter = 20*time.Millisecond, 200*time.Millisecond
-					nc.Backend = fo
+					nc.Backend, nc.RPCTimeout = fo, tc.rpcTimeout
 				},
 			})
 			payers := fx.c.Payers
@@ -104,7 +122,7 @@ func TestSettlementsThroughAFaultyRPCSettleEachPaymentExactlyOnce(t *testing.T) 
 			if tc.onlySends {
 				prefixes = []string{"eth_sendRawTransaction"}
 			}
-			proxy.SetDecide(chaintest.Random(tc.rate, faults, prefixes...))
+			proxy.SetDecide(chaintest.Random(tc.rate, tc.faults, prefixes...))
 
 			deadline := time.Now().Add(60 * time.Second)
 			answers := make([]x402.SettleResponse, len(reqs))
@@ -126,9 +144,9 @@ func TestSettlementsThroughAFaultyRPCSettleEachPaymentExactlyOnce(t *testing.T) 
 			}
 			wg.Wait()
 			proxy.SetDecide(nil)
-			t.Logf("answers on the way: %v; faults injected: drop %d, cut after forward %d, delay %d, 503 %d, rpc error %d",
+			t.Logf("answers on the way: %v; faults injected: drop %d, cut after forward %d, delay %d, 503 %d, rpc error %d, hang %d, refuse %d",
 				outcomes, proxy.Count(chaintest.Drop), proxy.Count(chaintest.DieAfterForward), proxy.Count(chaintest.Delay),
-				proxy.Count(chaintest.ErrorStatus), proxy.Count(chaintest.RPCError))
+				proxy.Count(chaintest.ErrorStatus), proxy.Count(chaintest.RPCError), proxy.Count(chaintest.Hang), proxy.Count(chaintest.Refuse))
 
 			hashes := map[string]bool{}
 			for i, a := range answers {

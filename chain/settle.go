@@ -144,8 +144,12 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 
 	f.markSending(p.id, true)
 	defer f.markSending(p.id, false)
+	// The send goes on when the caller leaves (what it signs must be recorded and sent), but no longer than the
+	// receipt timeout: a node that never answers must not hold the wallet, and this settlement, forever.
+	sendCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), n.timeout)
+	defer cancel()
 	var recorded string // the hash the journal holds as broadcast, once it does
-	txs, err := n.sender.send(context.WithoutCancel(ctx), w, calls, func(txs []*types.Transaction) error {
+	txs, err := n.sender.send(sendCtx, w, calls, func(txs []*types.Transaction) error {
 		raws := make([][]byte, len(txs))
 		for i, tx := range txs {
 			var err error

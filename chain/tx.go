@@ -34,7 +34,6 @@ type FeePolicy struct {
 
 // feeQuote is a cached price for new transactions.
 type feeQuote struct {
-	at             time.Time
 	tipCap, feeCap *big.Int // EIP-1559
 	gasPrice       *big.Int // legacy
 }
@@ -48,8 +47,7 @@ type sender struct {
 	fees    FeePolicy
 	now     func() time.Time
 
-	feeMu sync.Mutex
-	quote *feeQuote
+	quote sharedRead[*feeQuote]
 }
 
 func newSender(b Backend, chainID *big.Int, fees FeePolicy, now func() time.Time) *sender {
@@ -59,13 +57,14 @@ func newSender(b Backend, chainID *big.Int, fees FeePolicy, now func() time.Time
 	return &sender{backend: b, chainID: chainID, signer: types.LatestSignerForChainID(chainID), fees: fees, now: now}
 }
 
+// feeQuote is the price of new transactions, shared for fees.CacheFor; concurrent callers share one read of it
+// and no lock is held across the calls to the node.
 func (s *sender) feeQuote(ctx context.Context) (*feeQuote, error) {
-	s.feeMu.Lock()
-	defer s.feeMu.Unlock()
-	if q := s.quote; q != nil && s.now().Sub(q.at) < s.fees.CacheFor {
-		return q, nil
-	}
-	q := &feeQuote{at: s.now()}
+	return s.quote.get(ctx, s.now, s.fees.CacheFor, s.readFeeQuote)
+}
+
+func (s *sender) readFeeQuote(ctx context.Context) (*feeQuote, error) {
+	q := &feeQuote{}
 	if s.fees.Legacy {
 		gp, err := s.backend.SuggestGasPrice(ctx)
 		if err != nil {
@@ -90,7 +89,6 @@ func (s *sender) feeQuote(ctx context.Context) (*feeQuote, error) {
 		// Twice the base fee survives six full blocks of base fee increases.
 		q.tipCap, q.feeCap = tip, new(big.Int).Add(new(big.Int).Mul(base, big.NewInt(2)), tip)
 	}
-	s.quote = q
 	return q, nil
 }
 
@@ -184,9 +182,7 @@ func (s *sender) send(ctx context.Context, w *Wallet, calls []contractCall, reco
 func (s *sender) replace(ctx context.Context, w *Wallet, stuck *types.Transaction) (*types.Transaction, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	s.feeMu.Lock()
-	s.quote = nil // the quote that priced the stuck transaction is stale by definition
-	s.feeMu.Unlock()
+	s.quote.forget() // the quote that priced the stuck transaction is stale by definition
 	q, err := s.feeQuote(ctx)
 	if err != nil {
 		return nil, err

@@ -99,6 +99,7 @@ type Chain struct {
 	// mu serialises block production: the beacon is not safe for concurrent sealing.
 	mu       sync.Mutex
 	autoStop func()
+	prompt   bool // see WithPromptCommit
 
 	nonceMu   sync.Mutex
 	nextNonce map[common.Address]uint64
@@ -114,7 +115,14 @@ type config struct {
 	alloc        types.GenesisAlloc
 	http         bool
 	gasLimit     uint64
+	prompt       bool
 }
+
+// WithPromptCommit makes AutoCommit seal a block as soon as a settlement wallet has a transaction in the pool.
+// Without it AutoCommit goes by the node's pending block, which the node caches for up to two seconds: a
+// settlement sent just after a block waits that long for the next. Tests that measure latency want this; tests
+// tuned to the slower pace (killing a process mid-settlement, say) do not.
+func WithPromptCommit() Option { return func(c *config) { c.prompt = true } }
 
 // WithBlockGasLimit sets the block gas limit (default go-ethereum's 60M): load tests fit a thousand
 // settlements in a block.
@@ -191,6 +199,7 @@ func New(tb testing.TB, opts ...Option) *Chain {
 		Deployer:  DeriveAccount("deployer", 0),
 		tb:        tb,
 		nextNonce: make(map[common.Address]uint64),
+		prompt:    cfg.prompt,
 	}
 	c.Signer = types.LatestSigner(c.Config)
 	for i := range cfg.wallets {
@@ -308,6 +317,29 @@ func (c *Chain) Commit() common.Hash {
 	return c.Backend.Commit()
 }
 
+// somethingPending reports whether transactions wait in the pool. The pending block's transaction count alone
+// can lag by seconds (the node caches its pending block); with WithPromptCommit the settlement wallets' pool
+// nonces, which the pool keeps current, are asked as well: they are where the code under test sends from.
+func (c *Chain) somethingPending() bool {
+	ctx := context.Background()
+	if n, err := c.Client.PendingTransactionCount(ctx); err == nil && n > 0 {
+		return true
+	}
+	if !c.prompt {
+		return false
+	}
+	for _, w := range c.Wallets {
+		pending, err := c.Client.PendingNonceAt(ctx, w.Address)
+		if err != nil {
+			continue
+		}
+		if mined, err := c.Client.NonceAt(ctx, w.Address, nil); err == nil && pending > mined {
+			return true
+		}
+	}
+	return false
+}
+
 // AdjustTime seals a block d later than the head (pending transactions first go into a
 // block of their own), moving chain time forward for validAfter/deadline tests.
 func (c *Chain) AdjustTime(d time.Duration) {
@@ -371,7 +403,7 @@ func (c *Chain) AutoCommit(interval time.Duration) (stop func()) {
 				return
 			case <-ticker.C:
 				// Empty blocks would push chain time a second ahead each: commit only what waits.
-				if n, err := c.Client.PendingTransactionCount(context.Background()); err == nil && n > 0 {
+				if c.somethingPending() {
 					c.Commit()
 				}
 			}

@@ -32,6 +32,15 @@ const (
 	ErrorStatus
 	// RPCError answers a JSON-RPC error without forwarding.
 	RPCError
+	// Hang accepts the request and never answers: the handler holds the connection open until the caller gives
+	// up or the proxy closes. The node never sees the request.
+	Hang
+	// Refuse answers eth_sendRawTransaction as a node refusing the transaction would (JSON-RPC error -32000,
+	// "insufficient funds for gas * price + value") without forwarding it; other methods pass.
+	Refuse
+
+	// faultCount is how many faults there are; keep it last.
+	faultCount
 )
 
 // FaultProxy is a JSON-RPC proxy on 127.0.0.1 in front of a node, which injects faults decided per request
@@ -44,7 +53,10 @@ type FaultProxy struct {
 	mu     sync.Mutex
 	decide func(method string) Fault
 	srv    *http.Server
-	counts [RPCError + 1]atomic.Int64
+	counts [faultCount]atomic.Int64
+
+	closed    chan struct{} // closed by Close: hung requests end
+	closeOnce sync.Once
 }
 
 // NewFaultProxy starts a proxy in front of the JSON-RPC endpoint target; it stops on tb.Cleanup.
@@ -54,11 +66,20 @@ func NewFaultProxy(tb testing.TB, target string) *FaultProxy {
 	if err != nil {
 		tb.Fatalf("fault proxy: %v", err)
 	}
-	p := &FaultProxy{URL: "http://" + ln.Addr().String(), target: target, DelayBy: 50 * time.Millisecond}
+	p := &FaultProxy{URL: "http://" + ln.Addr().String(), target: target, DelayBy: 50 * time.Millisecond, closed: make(chan struct{})}
 	p.srv = &http.Server{Handler: p, ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = p.srv.Serve(ln) }()
-	tb.Cleanup(func() { _ = p.srv.Close() })
+	tb.Cleanup(p.Close)
 	return p
+}
+
+// Close stops the proxy: it stops accepting, ends the requests it holds hanging and closes every connection.
+// It is safe to call more than once; NewFaultProxy's cleanup calls it too.
+func (p *FaultProxy) Close() {
+	p.closeOnce.Do(func() {
+		close(p.closed)
+		_ = p.srv.Close()
+	})
 }
 
 // SetDecide sets the fault policy; nil passes everything.
@@ -102,7 +123,8 @@ func (p *FaultProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var probe struct {
-		Method string `json:"method"`
+		ID     json.RawMessage `json:"id"`
+		Method string          `json:"method"`
 	}
 	_ = json.Unmarshal(body, &probe) // batches have no top-level method: they pass by the empty name
 	p.mu.Lock()
@@ -111,6 +133,9 @@ func (p *FaultProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	f := Pass
 	if decide != nil {
 		f = decide(probe.Method)
+	}
+	if f == Refuse && probe.Method != "eth_sendRawTransaction" {
+		f = Pass // only a transaction can be refused
 	}
 	p.counts[f].Add(1)
 	switch f {
@@ -123,6 +148,21 @@ func (p *FaultProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case RPCError:
 		w.Header().Set("Content-Type", "application/json")
 		_, _ = w.Write([]byte(`{"jsonrpc":"2.0","id":1,"error":{"code":-32603,"message":"injected internal error"}}`))
+		return
+	case Refuse:
+		id := probe.ID
+		if len(id) == 0 {
+			id = json.RawMessage("1")
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte(`{"jsonrpc":"2.0","id":` + string(id) + `,"error":{"code":-32000,"message":"insufficient funds for gas * price + value"}}`))
+		return
+	case Hang:
+		select {
+		case <-r.Context().Done():
+		case <-p.closed:
+		}
+		hangUp(w)
 		return
 	case Delay:
 		time.Sleep(p.DelayBy)
