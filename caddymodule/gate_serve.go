@@ -395,10 +395,13 @@ func (x *exchange) settleThenServe(up *upstream) error {
 		return x.settleUnreachable(fmt.Sprintf("the facilitator could not be reached to settle (%s)", x.g.describe(err)), nil)
 	}
 	if !resp.Success {
-		x.note(func(r *journal.Record) { r.Response = &resp })
 		if resp.Pending() {
+			x.note(func(r *journal.Record) { r.Response = &resp })
 			return x.settleUnreachable("the settlement transaction "+resp.Transaction+" is not final yet", &resp)
 		}
+		// Refused: final, so the record leaves the backlog and is pruned past its deadline. Presented again, the
+		// payment is still asked of the facilitator, which answers from its own journal.
+		x.note(func(r *journal.Record) { r.State, r.Response = journal.StateFinal, &resp })
 		return x.settleFailed(resp)
 	}
 	return x.serveSettled(resp, up)

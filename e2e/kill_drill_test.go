@@ -847,17 +847,41 @@ func (d *drill) setWalletFunds(key *ecdsa.PrivateKey, want *big.Int) string {
 		}
 		return fmt.Sprintf("the settlement wallet funded again (%s wei)", d.ethBalance(w))
 	}
-	// All but the transfer's own fee: send reserves 42,000 gas at twice the base fee plus a 1 gwei tip.
-	ctx, cancel := rpcContext()
+	// All but the transfer's own fee: a plain transfer of 21,000 gas at twice the base fee plus a 1 gwei tip,
+	// signed here rather than by send, whose gas estimate wants the whole balance free.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	head, err := d.dev.client.HeaderByNumber(ctx, nil)
 	if err != nil {
 		d.t.Fatalf("reading the head block: %v", err)
 	}
-	feeCap := new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), big.NewInt(1_000_000_000))
-	spare := new(big.Int).Sub(have, new(big.Int).Mul(feeCap, big.NewInt(42_000)))
+	nonce, err := d.dev.client.PendingNonceAt(ctx, w)
+	if err != nil {
+		d.t.Fatalf("reading the nonce of %s: %v", w, err)
+	}
+	tip := big.NewInt(1_000_000_000)
+	feeCap := new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), tip)
+	spare := new(big.Int).Sub(have, new(big.Int).Mul(feeCap, big.NewInt(21_000)))
 	if spare.Sign() > 0 {
-		d.dev.send(key, crypto.PubkeyToAddress(d.payer.PublicKey), spare, nil)
+		to := crypto.PubkeyToAddress(d.payer.PublicKey)
+		tx, err := types.SignNewTx(key, types.LatestSignerForChainID(d.chainID), &types.DynamicFeeTx{
+			ChainID: d.chainID, Nonce: nonce, GasTipCap: tip, GasFeeCap: feeCap, Gas: 21_000, To: &to, Value: spare,
+		})
+		if err == nil {
+			err = d.dev.client.SendTransaction(ctx, tx)
+		}
+		if err != nil {
+			d.t.Fatalf("emptying the settlement wallet: %v", err)
+		}
+		for {
+			if r, err := d.dev.client.TransactionReceipt(ctx, tx.Hash()); err == nil && r != nil {
+				break
+			}
+			if ctx.Err() != nil {
+				d.t.Fatalf("the transfer that empties the settlement wallet was not mined within 30s")
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
 	}
 	return fmt.Sprintf("the settlement wallet emptied (%s wei left)", d.ethBalance(w))
 }
