@@ -2,11 +2,13 @@ package chain_test
 
 import (
 	"context"
+	"math/big"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -62,5 +64,57 @@ func TestASettlementQueuedBehindANonceTheNodeLostSettles(t *testing.T) {
 	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
 	if got := fx.c.TxCount(wallet) - sent; got != 2 {
 		t.Fatalf("the wallet sent %d transactions; want 2 (the hole's filler and the settlement)", got)
+	}
+}
+
+// swallowingNode takes the first transaction it is sent and drops it, answering as if it had taken it: a pool
+// that evicted it, a node restarted before it relayed it.
+type swallowingNode struct {
+	chain.Backend
+	armed atomic.Bool
+}
+
+func (b *swallowingNode) SendTransaction(ctx context.Context, tx *types.Transaction) error {
+	if b.armed.CompareAndSwap(true, false) {
+		return nil
+	}
+	return b.Backend.SendTransaction(ctx, tx)
+}
+
+// TestASettlementWhoseNonceAnotherTransactionTookIsSignedAgainAndSettlesOnce: the node dropped the settlement,
+// and another transaction of the wallet then took its nonce, so the recorded transaction can never mine.
+// Reconciliation signs the payment again with the wallet's next nonce (it is still valid), and it settles, once,
+// under the new transaction.
+func TestASettlementWhoseNonceAnotherTransactionTookIsSignedAgainAndSettlesOnce(t *testing.T) {
+	var node *swallowingNode
+	fx := newFixture(t, fixtureOpts{
+		wallets: 1, receiptTimeout: 300 * time.Millisecond,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			node = &swallowingNode{Backend: nc.Backend}
+			node.armed.Store(true)
+			nc.Backend = node
+		},
+		configure: func(cfg *chain.Config) {
+			// The grace keeps reconciliation from sending the dropped bytes again before the nonce is taken.
+			cfg.ReconcileEvery, cfg.ReconcileGrace = 50*time.Millisecond, 2*time.Second
+		},
+	})
+	payer, wallet := fx.c.Payers[3], fx.c.Wallets[0]
+	fx.approvePermit2(payer)
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	req := fx.payment(x402.TransferPermit2, payer)
+
+	first := fx.settle(req)
+	if !first.Pending() || first.Transaction == "" {
+		t.Fatalf("first answer %+v; want settlement_pending with the dropped transaction", first)
+	}
+	fx.c.SendETH(wallet, wallet.Address, big.NewInt(1)) // takes the dropped transaction's nonce
+	final, seen := settleUntilFinal(t, fx.f, req, time.Now().Add(15*time.Second))
+	if !final.Success || final.Transaction == first.Transaction {
+		t.Fatalf("final answer %+v after %v; want settled by a transaction other than the dropped %s", final, seen, first.Transaction)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
+	if r, err := fx.c.Client.TransactionReceipt(context.Background(), common.HexToHash(first.Transaction)); err == nil && r != nil {
+		t.Fatal("the dropped transaction mined")
 	}
 }
