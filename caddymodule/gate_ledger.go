@@ -38,6 +38,9 @@ type gateLedger struct {
 	// payments queued behind a busy wallet pool would otherwise all wake on every released wallet.
 	slots chan struct{}
 
+	// users counts the requests at work here for the journal, which waits for them before it closes.
+	users *storeUsers
+
 	mu       sync.Mutex
 	inflight map[journal.ID]struct{}
 	settling map[journal.ID]struct{}
@@ -90,7 +93,7 @@ func joinLedger(store journal.Store, owner string, log *zap.Logger) (*gateLedger
 	v, _, err := ledgers.LoadOrNew(store, func() (caddy.Destructor, error) {
 		ctx, cancel := context.WithCancel(context.Background())
 		return &gateLedger{
-			store: store, owner: owner, log: log, now: time.Now,
+			store: store, owner: owner, log: log, now: time.Now, users: journalUsersOf(store),
 			inflight: map[journal.ID]struct{}{}, settling: map[journal.ID]struct{}{},
 			debts: map[string]*payerDebt{}, owedBy: map[journal.ID]string{},
 			slots: make(chan struct{}, asyncConcurrency), ctx: ctx, cancel: cancel,
@@ -146,13 +149,17 @@ func (l *gateLedger) acquire(id journal.ID) bool {
 		return false
 	}
 	l.inflight[id] = struct{}{}
+	l.users.add(1)
 	return true
 }
 
 func (l *gateLedger) release(id journal.ID) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	delete(l.inflight, id)
+	if _, ok := l.inflight[id]; ok {
+		delete(l.inflight, id)
+		l.users.add(-1)
+	}
 }
 
 // replay settles every async payment the journal holds unsettled. Those not marked served count too: a process
