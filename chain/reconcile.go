@@ -167,13 +167,19 @@ func (f *Facilitator) bumpFees(ctx context.Context, n *network, rec journal.Reco
 	return nil
 }
 
+// spentNonceWait is how long reconciliation looks for the receipt of a payment whose nonce is spent on chain
+// before it takes the payment as spent by something else.
+const spentNonceWait = 10 * time.Minute
+
 // resettle settles again a payment whose recorded transaction can never mine (its wallet nonce went to another
 // transaction): unless a receipt turned up meanwhile, the payment is checked against the chain afresh and sent
 // with a new nonce, or finalised as refused when the chain no longer allows it.
 func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Record) error {
-	if receipt, err := n.backend.TransactionReceipt(ctx, common.HexToHash(rec.TxHash)); err == nil && receipt != nil {
-		f.finalise(ctx, n, rec.ID, receipt, rec.Payer, rec.Amount)
-		return nil
+	for _, h := range recordHashes(rec) {
+		if receipt, err := n.backend.TransactionReceipt(ctx, h); err == nil && receipt != nil {
+			f.finalise(ctx, n, rec.ID, receipt, rec.Payer, rec.Amount)
+			return nil
+		}
 	}
 	var req x402.SettleRequest
 	if err := json.Unmarshal(rec.Request, &req); err != nil {
@@ -193,6 +199,13 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 	}
 	if ref != nil && ref.reason == x402.ReasonNoAvailableWallets {
 		return errors.New(ref.message) // busy, not refused: the next pass tries again
+	}
+	if ref != nil && (ref.reason == x402.ReasonPermit2InvalidNonce || ref.reason == x402.ReasonNonceAlreadyUsed) &&
+		f.now().Sub(rec.ClaimedAt) < spentNonceWait {
+		// The payment's own nonce is spent: most likely by its recorded transaction, mined just now, whose
+		// receipt the node does not serve yet. The next pass looks for it again; past spentNonceWait the
+		// payment is taken as spent elsewhere.
+		return fmt.Errorf("payment %s: its nonce is spent on chain and no receipt of its transactions was found yet: %s", rec.ID, ref.message)
 	}
 	if ref != nil {
 		resp := failed(n.caip2, rec.Payer, rec.TxHash, refuse(ref.reason, "the settlement transaction %s was dropped and cannot be sent again: %s", rec.TxHash, ref.message))

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
@@ -149,6 +150,10 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 	sendCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), n.timeout)
 	defer cancel()
 	var recorded string // the hash the journal holds as broadcast, once it does
+	// sentBefore: the record was broadcast before this send (reconciliation settling again a payment whose
+	// transaction's nonce went to another): that transaction stays among the record's hashes, and a refusal now
+	// does not release the record, for that transaction may be the one that mined.
+	var sentBefore, seen bool
 	txs, err := n.sender.send(sendCtx, w, calls, func(txs []*types.Transaction) error {
 		raws := make([][]byte, len(txs))
 		for i, tx := range txs {
@@ -158,7 +163,15 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 			}
 		}
 		last := txs[len(txs)-1]
+		first := !seen
+		seen = true
 		_, err := f.journal.Update(context.WithoutCancel(ctx), p.id, func(r *journal.Record) error {
+			if first && r.State == journal.StateBroadcast && r.TxHash != "" {
+				sentBefore = true
+				if !slices.Contains(r.ReplacedTxHashes, r.TxHash) {
+					r.ReplacedTxHashes = append(append([]string(nil), r.ReplacedTxHashes...), r.TxHash)
+				}
+			}
 			r.State, r.Wallet, r.TxNonce, r.TxHash = journal.StateBroadcast, w.Address.Hex(), last.Nonce(), last.Hash().Hex()
 			r.RawTx, r.PriorRawTxs = raws[len(raws)-1], raws[:len(raws)-1]
 			r.Attempts++
@@ -174,6 +187,11 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 		// on its way. The record written ahead of the refused send goes too, so that no later pass sends
 		// those bytes after the payer was told nothing was sent.
 		f.log.Warn("settlement not broadcast", zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()), zap.Error(err))
+		if recorded != "" && sentBefore {
+			// An earlier transaction of the payment may still be the one that mines: kept, reconciliation
+			// looks for its receipt and tries again.
+			return common.Hash{}, nil, fmt.Errorf("the node refused the settlement transaction sent again (%v); the payment's earlier transaction is still watched", err)
+		}
 		if recorded != "" {
 			if rerr := f.journal.ReleaseUnsent(context.WithoutCancel(ctx), p.id, recorded); rerr != nil {
 				// Kept, it would be sent by reconciliation: the payer must not be told it was not sent.

@@ -851,6 +851,15 @@ func (d *drill) setWalletFunds(key *ecdsa.PrivateKey, want *big.Int) string {
 	// signed here rather than by send, whose gas estimate wants the whole balance free.
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
+	// Settlements the killed gate sent may still wait in the pool, and the pool counts their cost against the
+	// balance: read it once they have mined.
+	for !d.walletsIdle() {
+		if ctx.Err() != nil {
+			d.t.Fatalf("the settlement wallet still has transactions waiting after 30s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	have = d.ethBalance(w)
 	head, err := d.dev.client.HeaderByNumber(ctx, nil)
 	if err != nil {
 		d.t.Fatalf("reading the head block: %v", err)
