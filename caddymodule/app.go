@@ -130,6 +130,9 @@ type Network struct {
 	// moves on to the next URL of RPC (with one URL, it is tried again while the payment's time allows).
 	// Default 5s.
 	RPCTimeout caddy.Duration `json:"rpc_timeout,omitempty"`
+	// DeadlineSkew is how far a payment's deadline may lie beyond chain time plus the requirements'
+	// maxTimeoutSeconds before it is refused (a client's clock ahead, a head block seconds old). Default 60s.
+	DeadlineSkew caddy.Duration `json:"deadline_skew,omitempty"`
 	// Assets are the accepted tokens; the first is the default of gates on this network. Default for the
 	// spec's known networks: the token of the network registry (its address must still be given).
 	Assets []*Asset `json:"assets,omitempty"`
@@ -404,7 +407,7 @@ func (a *App) newEngine(specs []networkSpec) (*engineEntry, error) {
 func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEntry) (chain.NetworkConfig, error) {
 	n := s.Network
 	nc := chain.NetworkConfig{
-		Network: n.Network, Methods: n.Methods, RPCTimeout: time.Duration(n.RPCTimeout), ReceiptTimeout: time.Duration(n.ReceiptTimeout),
+		Network: n.Network, Methods: n.Methods, RPCTimeout: time.Duration(n.RPCTimeout), DeadlineSkew: time.Duration(n.DeadlineSkew), ReceiptTimeout: time.Duration(n.ReceiptTimeout),
 		ReceiptPoll: time.Duration(n.ReceiptPoll), Fees: chain.FeePolicy{Legacy: n.LegacyFees},
 		MaxInFlightPerWallet: n.MaxInFlightPerWallet, WalletWait: time.Duration(n.WalletWait),
 		ReplaceAfter: time.Duration(n.ReplaceAfter), FundsCacheTTL: time.Duration(n.FundsCache),

@@ -38,6 +38,7 @@ func durationArg(d *caddyfile.Dispenser, option string) (time.Duration, error) {
 //		network <caip2> {
 //			rpc <url> [<url>...]
 //			rpc_timeout <duration>
+//			deadline_skew <duration>
 //			asset <address> [name <name>] [version <version>] [decimals <n>]
 //			wallet_keys <hex>[,<hex>...] [<hex>...]
 //			wallet_key_file <path>
@@ -173,6 +174,15 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 				return nil, d.Errf("rpc_timeout: want a positive duration such as 5s, got '%s'", d.Val())
 			}
 			n.RPCTimeout = caddy.Duration(dur)
+		case "deadline_skew":
+			dur, err := durationArg(d, "deadline_skew")
+			if err != nil {
+				return nil, err
+			}
+			if dur <= 0 {
+				return nil, d.Errf("deadline_skew: want a positive duration such as 60s, got '%s'", d.Val())
+			}
+			n.DeadlineSkew = caddy.Duration(dur)
 		case "receipt_timeout", "receipt_poll", "wallet_wait", "replace_after":
 			name := d.Val()
 			dur, err := durationArg(d, name)

@@ -103,6 +103,8 @@ func TestBadCaddyfilesAreRefusedNamingTheirLine(t *testing.T) {
 		{"wallet_keys without a key", global("\t\tnetwork eip155:72344 {", "\t\t\twallet_keys", "\t\t}"), "Caddyfile:4", "wallet_keys needs at least one key"},
 		{"wallet_key_file without a path", global("\t\tnetwork eip155:72344 {", "\t\t\twallet_key_file", "\t\t}"), "Caddyfile:4", "wrong argument count"},
 		{"an rpc_timeout that is no duration", global("\t\tnetwork eip155:72344 {", "\t\t\trpc_timeout soon", "\t\t}"), "Caddyfile:4", "rpc_timeout 'soon'"},
+		{"a deadline_skew that is no duration", global("\t\tnetwork eip155:72344 {", "\t\t\tdeadline_skew lots", "\t\t}"), "Caddyfile:4", "deadline_skew 'lots'"},
+		{"a deadline_skew of zero", global("\t\tnetwork eip155:72344 {", "\t\t\tdeadline_skew 0s", "\t\t}"), "Caddyfile:4", "deadline_skew: want a positive duration"},
 		{"an rpc_timeout of zero", global("\t\tnetwork eip155:72344 {", "\t\t\trpc_timeout 0s", "\t\t}"), "Caddyfile:4", "rpc_timeout: want a positive duration"},
 		{"a receipt_timeout that is no duration", global("\t\tnetwork eip155:72344 {", "\t\t\treceipt_timeout later", "\t\t}"), "Caddyfile:4", "receipt_timeout"},
 		{"a receipt_poll without a value", global("\t\tnetwork eip155:72344 {", "\t\t\treceipt_poll", "\t\t}"), "Caddyfile:4", "wrong argument count"},

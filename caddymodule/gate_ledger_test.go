@@ -151,16 +151,23 @@ func TestAServedAsyncPaymentNoFacilitatorSettlesIsFinishedOnceItsAuthorizationEx
 // Without an embedded engine the gate prunes its journal itself: a final record goes ten minutes past its
 // payment's deadline, and not before, however long ago it became final.
 func TestARemoteGatePrunesFinalRecordsOnlyPastTheirDeadline(t *testing.T) {
-	env := newGateEnv(t, gateSetup{remote: true})
+	// The route allows deadlines up to two hours away (a facilitator refuses one past maxTimeoutSeconds).
+	env := newGateEnv(t, gateSetup{remote: true, gate: "\t\tmax_timeout 2h\n"})
 	payer := env.c.Payers[0]
 	env.approvePermit2(payer)
 	rq := env.requirement("/", x402.TransferPermit2)
 	now := env.chainNow()
-	soon := env.signPermit2(payer, rq)
-	late, err := chain.SignPermit2Payment(payer.Key, rq, env.c.ChainID,
-		chain.Permit2Options{Now: now, Deadline: big.NewInt(now.Add(time.Hour).Unix())})
-	if err != nil {
-		t.Fatal(err)
+	var soon, late x402.PaymentPayload
+	for _, p := range []struct {
+		payload *x402.PaymentPayload
+		in      time.Duration
+	}{{&soon, 5 * time.Minute}, {&late, time.Hour}} {
+		var err error
+		*p.payload, err = chain.SignPermit2Payment(payer.Key, rq, env.c.ChainID,
+			chain.Permit2Options{Now: now, Deadline: big.NewInt(now.Add(p.in).Unix())})
+		if err != nil {
+			t.Fatal(err)
+		}
 	}
 	for _, p := range []x402.PaymentPayload{soon, late} {
 		if a := env.get("/", x402.HeaderPaymentSignature, gateEncode(t, p)); a.status != http.StatusOK {

@@ -37,6 +37,10 @@ type NetworkConfig struct {
 	// RPCTimeout, when set, bounds each call to one node of a Failover backend before the next endpoint is tried
 	// (it is the network's copy of the Failover's CallTimeout, which defaults to DefaultRPCTimeout).
 	RPCTimeout time.Duration
+	// DeadlineSkew is how far past chain time plus the requirements' maxTimeoutSeconds a payment's deadline may
+	// lie (a client's clock ahead of the chain, a head block a few seconds old); a later deadline is refused.
+	// Zero means DefaultDeadlineSkew.
+	DeadlineSkew time.Duration
 	// Assets are the tokens accepted; the first is the default.
 	Assets []AssetConfig
 	// Keys are the settlement wallets' private keys.
@@ -121,7 +125,11 @@ type Facilitator struct {
 }
 
 // network is the per-network state of a Facilitator.
+// DefaultDeadlineSkew is the clock skew a payment's deadline is allowed beyond maxTimeoutSeconds by default.
+const DefaultDeadlineSkew = 60 * time.Second
+
 type network struct {
+	skew    time.Duration // see NetworkConfig.DeadlineSkew
 	caip2   string
 	chainID *big.Int
 	backend Backend
@@ -269,7 +277,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		caip2: nc.Network, chainID: chainID, backend: backend, assets: map[common.Address]*asset{},
 		methods: map[string]bool{}, permit2: nc.Permit2, proxy: nc.Proxy, pool: pool,
 		sender: newSender(backend, chainID, nc.Fees, f.now), watcher: newReceiptWatcher(backend, nc.ReceiptPoll),
-		timeout: nc.ReceiptTimeout, low: nc.LowBalance, headTTL: nc.HeadCacheTTL, now: f.now,
+		timeout: nc.ReceiptTimeout, low: nc.LowBalance, headTTL: nc.HeadCacheTTL, now: f.now, skew: nc.DeadlineSkew,
 	}
 	if n.permit2 == (common.Address{}) {
 		n.permit2 = contracts.Permit2Address

@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"math/big"
 	"strings"
+	"time"
 
 	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
@@ -51,7 +53,25 @@ type payment struct {
 	id      journal.ID
 	digest  common.Hash   // what the payer signed
 	head    *types.Header // the head block checkTime read chain time from; nil when it could not be read
+	// maxTimeout is the requirements' maxTimeoutSeconds: the deadline may lie no further beyond chain time.
+	maxTimeout int64
 }
+
+// deadline is the last moment the payment can be settled (Permit2 deadline, erc2612 validBefore), as a time;
+// one past what a time holds reads as the latest time there is.
+func (p *payment) deadline() time.Time {
+	d := p.permit.Deadline
+	if p.method == x402.TransferPermit2 {
+		d = p.p2.Deadline
+	}
+	if d == nil || !d.IsInt64() || d.Int64() > maxUnixSeconds {
+		return time.Unix(maxUnixSeconds, 0).UTC()
+	}
+	return time.Unix(d.Int64(), 0).UTC()
+}
+
+// maxUnixSeconds is the latest deadline kept as it is: the year 2262, where nanoseconds since 1970 end.
+const maxUnixSeconds = math.MaxInt64 / int64(time.Second)
 
 // fundsUse says what a chain check does with the payer's funds (see funds).
 type fundsUse int
@@ -209,6 +229,10 @@ func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
 	if p.amount, err = x402.ParseUint256(rq.Amount); err != nil || p.amount.Sign() == 0 {
 		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "paymentRequirements.amount must be a positive decimal number of raw token units, got %q", rq.Amount)
 	}
+	if rq.MaxTimeoutSeconds <= 0 {
+		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "paymentRequirements.maxTimeoutSeconds must be a positive number of seconds, got %d", rq.MaxTimeoutSeconds)
+	}
+	p.maxTimeout = rq.MaxTimeoutSeconds
 
 	p.method = x402.TransferMethod(rq, pp.Payload)
 	switch {
@@ -335,6 +359,28 @@ func (p *payment) parseSponsor(raw json.RawMessage) *sponsorPermit {
 	return sp
 }
 
+// checkFarDeadline refuses a deadline further beyond chain time than the requirements' maxTimeoutSeconds and the
+// network's clock skew allow: the resource server asked for a payment that expires by then, and a record of it
+// must be kept until its deadline.
+func (p *payment) checkFarDeadline(chainNow uint64) *refusal {
+	field, d := "authorization.validBefore", p.permit.Deadline
+	if p.method == x402.TransferPermit2 {
+		field, d = "permit2Authorization.deadline", p.p2.Deadline
+	}
+	skew := p.net.skew
+	if skew <= 0 {
+		skew = DefaultDeadlineSkew
+	}
+	latest := new(big.Int).SetUint64(chainNow)
+	latest.Add(latest, big.NewInt(p.maxTimeout))
+	latest.Add(latest, big.NewInt(int64(skew/time.Second)))
+	if d.Cmp(latest) <= 0 {
+		return nil
+	}
+	return refuse(x402.ReasonValidBefore, "%s %s lies more than maxTimeoutSeconds (%d) and the allowed clock skew (%s) after chain time %d; sign with a deadline no later than %s",
+		field, d, p.maxTimeout, skew, chainNow, latest)
+}
+
 // checkTime checks the validity window against chain time: the head block's timestamp, not the wall clock.
 func (p *payment) checkTime(ctx context.Context) *refusal {
 	head, err := p.net.chainHead(ctx)
@@ -345,6 +391,9 @@ func (p *payment) checkTime(ctx context.Context) *refusal {
 	p.head = head
 	now := new(big.Int).SetUint64(head.Time)
 	minDeadline := new(big.Int).SetUint64(head.Time + deadlineMargin)
+	if ref := p.checkFarDeadline(head.Time); ref != nil {
+		return ref
+	}
 	if p.method == x402.TransferPermit2 {
 		if p.p2.Deadline.Cmp(minDeadline) < 0 {
 			return refuse(x402.ReasonPermit2DeadlineExpired, "%s: permit2Authorization.deadline %s is not at least %ds after chain time %s; sign again with a fresh deadline", x402.MessagePermitExpired, p.p2.Deadline, deadlineMargin, now)
