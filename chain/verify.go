@@ -371,14 +371,20 @@ func (p *payment) checkFarDeadline(chainNow uint64) *refusal {
 	if skew <= 0 {
 		skew = DefaultDeadlineSkew
 	}
-	latest := new(big.Int).SetUint64(chainNow)
+	// The later of chain time and this machine's clock: the head of a chain that seals on demand (a dev chain)
+	// can be minutes old, and the payer signed by its own clock.
+	now := chainNow
+	if wall := p.net.now().Unix(); wall > int64(now) {
+		now = uint64(wall)
+	}
+	latest := new(big.Int).SetUint64(now)
 	latest.Add(latest, big.NewInt(p.maxTimeout))
 	latest.Add(latest, big.NewInt(int64(skew/time.Second)))
 	if d.Cmp(latest) <= 0 {
 		return nil
 	}
-	return refuse(x402.ReasonValidBefore, "%s %s lies more than maxTimeoutSeconds (%d) and the allowed clock skew (%s) after chain time %d; sign with a deadline no later than %s",
-		field, d, p.maxTimeout, skew, chainNow, latest)
+	return refuse(x402.ReasonValidBefore, "%s %s lies more than maxTimeoutSeconds (%d) and the allowed clock skew (%s) after now (%d); sign with a deadline no later than %s",
+		field, d, p.maxTimeout, skew, now, latest)
 }
 
 // checkTime checks the validity window against chain time: the head block's timestamp, not the wall clock.
