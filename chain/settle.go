@@ -79,6 +79,9 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 	rec, claimed, err := f.journal.Claim(ctx, journal.Record{
 		ID: p.id, State: journal.StateClaimed, Network: p.net.caip2, Payer: p.payer.Hex(), Asset: p.asset.Address.Hex(),
 		Amount: p.amount.String(), PayTo: p.payTo.Hex(), Request: body, Owner: f.owner,
+		// Kept until the payment can no longer be settled, however soon retention would prune it: pruned
+		// earlier, a presentation of it would be new to the journal.
+		Deadline: p.deadline(),
 	})
 	if err != nil {
 		return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("settlement journal: %w", err)}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"math/big"
 	"reflect"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -127,9 +128,14 @@ func assertMoved(t *testing.T, fx *fixture, payer common.Address, payerBefore, s
 	}
 }
 
+// A final record outlives the retention until its payment's deadline has passed (pruned earlier, a presentation
+// of the payment would be new to the journal); once pruned, the payment presented again is refused by its nonce
+// on chain, and nothing is sent.
 func TestAPaymentPresentedAfterItsRecordWasPrunedIsRefusedByItsNonceNotSettledAgain(t *testing.T) {
+	var ahead atomic.Int64 // how far the facilitator's clock runs ahead of the wall clock
 	fx := newFixture(t, fixtureOpts{configure: func(cfg *chain.Config) {
 		cfg.Retention, cfg.ReconcileEvery = 200*time.Millisecond, 50*time.Millisecond
+		cfg.Now = func() time.Time { return time.Now().Add(time.Duration(ahead.Load())) }
 	}})
 	payer := fx.c.Payers[3]
 	fx.approvePermit2(payer)
@@ -138,6 +144,11 @@ func TestAPaymentPresentedAfterItsRecordWasPrunedIsRefusedByItsNonceNotSettledAg
 	if first := fx.settle(req); !first.Success {
 		t.Fatalf("settle = %+v", first)
 	}
+	time.Sleep(600 * time.Millisecond) // three times the retention, a dozen reconcile passes
+	if n, err := fx.journal.Count(context.Background()); err != nil || n != 1 {
+		t.Fatalf("the journal holds %d records (%v) past the retention, before the payment's deadline; want its record kept", n, err)
+	}
+	ahead.Store(int64(time.Until(req.PaymentPayload.Payload.Deadline()) + time.Minute)) // past the deadline
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		if n, err := fx.journal.Count(context.Background()); err != nil {
 			t.Fatal(err)
