@@ -268,6 +268,10 @@ func (f *Facilitator) reconcileLoop(every time.Duration) {
 	}
 }
 
+// firstNonce is the nonce of a broadcast record's first transaction: its prior ones (an erc2612 permit) take the
+// nonces just below TxNonce.
+func firstNonce(rec journal.Record) uint64 { return rec.TxNonce - uint64(len(rec.PriorRawTxs)) }
+
 // holeSighting is a nonce hole of a wallet as one reconciliation pass saw it.
 type holeSighting struct {
 	next uint64 // the node's next nonce for the wallet, below the wallet's recorded transactions
@@ -306,14 +310,13 @@ func (f *Facilitator) fillNonceHoles(ctx context.Context, looked, held []journal
 		if holders[k] == nil {
 			holders[k] = map[uint64]bool{}
 		}
-		first := rec.TxNonce - uint64(len(rec.PriorRawTxs))
-		for nonce := first; nonce <= rec.TxNonce; nonce++ {
+		for nonce := firstNonce(rec); nonce <= rec.TxNonce; nonce++ {
 			holders[k][nonce] = true
 		}
 	}
 	for _, rec := range looked {
 		k := walletKey{f.networks[rec.Network], common.HexToAddress(rec.Wallet)}
-		first := rec.TxNonce - uint64(len(rec.PriorRawTxs))
+		first := firstNonce(rec)
 		if low, ok := lowest[k]; !ok || first < low {
 			lowest[k] = first
 		}

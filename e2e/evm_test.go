@@ -151,19 +151,26 @@ func (d *devChain) send(key *ecdsa.PrivateKey, to common.Address, value *big.Int
 	if err != nil {
 		d.t.Fatalf("signing a transaction: %v", err)
 	}
+	return d.sendSigned(ctx, tx, fmt.Sprintf("%s -> %s", from, to))
+}
+
+// sendSigned sends a signed transaction and waits for its receipt within ctx; the test fails unless it succeeds.
+// what names the transaction in the failure.
+func (d *devChain) sendSigned(ctx context.Context, tx *types.Transaction, what string) *types.Receipt {
+	d.t.Helper()
 	if err := d.client.SendTransaction(ctx, tx); err != nil {
-		d.t.Fatalf("sending a transaction %s -> %s: %v", from, to, err)
+		d.t.Fatalf("sending a transaction %s: %v", what, err)
 	}
 	for {
 		r, err := d.client.TransactionReceipt(ctx, tx.Hash())
 		if err == nil {
 			if r.Status != types.ReceiptStatusSuccessful {
-				d.t.Fatalf("transaction %s (%s -> %s) reverted", tx.Hash(), from, to)
+				d.t.Fatalf("transaction %s (%s) reverted", tx.Hash(), what)
 			}
 			return r
 		}
 		if ctx.Err() != nil {
-			d.t.Fatalf("no receipt for %s within 30s: %v", tx.Hash(), err)
+			d.t.Fatalf("no receipt for %s (%s): %v", tx.Hash(), what, err)
 		}
 		if !errors.Is(err, ethereum.NotFound) {
 			d.t.Logf("waiting for the receipt of %s: %v", tx.Hash(), err)

@@ -877,21 +877,10 @@ func (d *drill) setWalletFunds(key *ecdsa.PrivateKey, want *big.Int) string {
 		tx, err := types.SignNewTx(key, types.LatestSignerForChainID(d.chainID), &types.DynamicFeeTx{
 			ChainID: d.chainID, Nonce: nonce, GasTipCap: tip, GasFeeCap: feeCap, Gas: 21_000, To: &to, Value: spare,
 		})
-		if err == nil {
-			err = d.dev.client.SendTransaction(ctx, tx)
-		}
 		if err != nil {
-			d.t.Fatalf("emptying the settlement wallet: %v", err)
+			d.t.Fatalf("signing the transfer that empties the settlement wallet: %v", err)
 		}
-		for {
-			if r, err := d.dev.client.TransactionReceipt(ctx, tx.Hash()); err == nil && r != nil {
-				break
-			}
-			if ctx.Err() != nil {
-				d.t.Fatalf("the transfer that empties the settlement wallet was not mined within 30s")
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
+		d.dev.sendSigned(ctx, tx, "that empties the settlement wallet")
 	}
 	return fmt.Sprintf("the settlement wallet emptied (%s wei left)", d.ethBalance(w))
 }
