@@ -3,10 +3,14 @@ package chain_test
 import (
 	"context"
 	"math/big"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
@@ -69,7 +73,7 @@ func newFixture(t testing.TB, o fixtureOpts) *fixture {
 	if fx.journal == nil {
 		fx.journal = journal.NewMemory(journal.Options{})
 	}
-	cfg := chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: fx.journal}
+	cfg := chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: fx.journal, Logger: engineLog(t)}
 	if o.configure != nil {
 		o.configure(&cfg)
 	}
@@ -80,6 +84,24 @@ func newFixture(t testing.TB, o fixtureOpts) *fixture {
 	t.Cleanup(func() { f.Close() })
 	fx.f = f
 	return fx
+}
+
+// engineLog is a logger writing the engine's log to a file of its own under $X402_ENGINE_LOG (one per test
+// run), for chasing a failure that shows only under load; without the variable, no log.
+func engineLog(t testing.TB) *zap.Logger {
+	dir := os.Getenv("X402_ENGINE_LOG")
+	if dir == "" {
+		return nil
+	}
+	name := strings.NewReplacer("/", "_", " ", "_").Replace(t.Name())
+	f, err := os.CreateTemp(dir, name+"-*.log")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	t.Logf("engine log: %s", f.Name())
+	enc := zap.NewDevelopmentEncoderConfig()
+	return zap.New(zapcore.NewCore(zapcore.NewConsoleEncoder(enc), zapcore.Lock(f), zapcore.DebugLevel))
 }
 
 // requirements is what a gate would offer for one payment by method.

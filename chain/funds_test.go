@@ -140,7 +140,7 @@ func TestSettlementsInFlightAreCountedAgainstThePayersBalance(t *testing.T) {
 // A payer's first payment is checked by the simulation alone; a repeat payer's funds are read once, and that
 // fresh read answers the verification of the payer's next payments without a chain call. A payment the journal
 // knows, and any payment once the read is older than the cache's TTL, go to the chain.
-func TestVerifyingFromAFreshReadMakesNoChainCall(t *testing.T) {
+func TestVerifyingFromAFreshReadAsksTheChainOnlyForTheNonce(t *testing.T) {
 	ff := newFundsFixture(t, 10, 2*time.Second, 0)
 	first := ff.pay()
 	before := ff.backend.calls.Load()
@@ -164,8 +164,22 @@ func TestVerifyingFromAFreshReadMakesNoChainCall(t *testing.T) {
 			t.Fatalf("a later payment: %+v", v)
 		}
 	}
-	if n := ff.backend.calls.Load() - before; n != 0 {
-		t.Errorf("5 later payments of the same payer made %d chain calls, want 0", n)
+	if n := ff.backend.calls.Load() - before; n != 5 {
+		t.Errorf("5 later payments of the same payer made %d chain calls, want 5 (one nonce read each)", n)
+	}
+
+	// A nonce the payer spent elsewhere (here its own invalidateUnorderedNonces) is refused, though the funds
+	// read covers the payment: the funds read knows nothing of nonces.
+	nonce := chaintest.RandomNonce()
+	word, bit := new(big.Int).Rsh(nonce, 8), new(big.Int).And(nonce, big.NewInt(0xff))
+	data, err := contracts.Permit2ABI.Pack("invalidateUnorderedNonces", word, new(big.Int).Lsh(big.NewInt(1), uint(bit.Uint64())))
+	ff.transact(ff.payer, contracts.Permit2Address, data, err)
+	spent := ff.permit2(ff.payer, ff.rq, chain.Permit2Options{Nonce: nonce})
+	if v := ff.verify(spent); v.IsValid || v.InvalidReason != x402.ReasonPermit2InvalidNonce {
+		t.Errorf("a payment whose nonce the payer spent, its funds fresh in the cache: %+v; want %s", v, x402.ReasonPermit2InvalidNonce)
+	}
+	if v, err := ff.f.VerifyAndHold(context.Background(), spent); err != nil || v.IsValid || v.InvalidReason != x402.ReasonPermit2InvalidNonce {
+		t.Errorf("the same payment verified to be held: %+v, %v; want %s", v, err, x402.ReasonPermit2InvalidNonce)
 	}
 
 	if s := ff.settle(first); !s.Success {

@@ -70,15 +70,8 @@ func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
 
 func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec journal.Record) error {
 	hash := common.HexToHash(rec.TxHash)
-	for _, h := range recordHashes(rec) {
-		receipt, err := n.backend.TransactionReceipt(ctx, h)
-		if err == nil && receipt != nil {
-			f.finalise(ctx, n, rec.ID, receipt, rec.Payer, rec.Amount)
-			return nil
-		}
-		if err != nil && !errors.Is(err, ethereum.NotFound) {
-			return err
-		}
+	if done, err := f.finaliseFromReceipts(ctx, n, rec); done || err != nil {
+		return err
 	}
 	if _, pending, err := n.backend.TransactionByHash(ctx, hash); err == nil {
 		// In the node's pool: it will mine, unless its fees no longer get it into a block.
@@ -95,15 +88,48 @@ func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec jo
 		if err := tx.UnmarshalBinary(raw); err != nil {
 			return err
 		}
-		if err := n.sender.rebroadcast(ctx, tx); err != nil && !isNonceConflict(err) {
+		err := n.sender.rebroadcast(ctx, tx)
+		switch {
+		case err == nil:
+		case !isNonceConflict(err):
 			return err
-		} else if err != nil && tx.Hash() == hash {
+		case tx.Hash() == hash:
 			return f.resettle(ctx, n, rec)
+		default:
+			// A prior transaction (an erc2612 permit) whose nonce is spent: by itself, mined, or by another
+			// transaction, and then the transfer after it must not go out alone (it would revert for want of
+			// the allowance): the payment is settled again.
+			r, rerr := n.backend.TransactionReceipt(ctx, tx.Hash())
+			if rerr != nil && !errors.Is(rerr, ethereum.NotFound) {
+				return rerr
+			}
+			if rerr != nil || r == nil {
+				return f.resettle(ctx, n, rec)
+			}
 		}
 	}
 	f.log.Info("re-broadcast a settlement the node did not know", zap.String("payment", rec.ID.String()), zap.String("tx", rec.TxHash))
 	_, err := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error { r.Attempts++; return nil })
 	return err
+}
+
+// finaliseFromReceipts looks up the receipts of the record's transactions and finalises the record with the one
+// that decides it (see outcome); done says it did.
+func (f *Facilitator) finaliseFromReceipts(ctx context.Context, n *network, rec journal.Record) (done bool, _ error) {
+	for _, h := range recordHashes(rec) {
+		receipt, err := n.backend.TransactionReceipt(ctx, h)
+		if err != nil && !errors.Is(err, ethereum.NotFound) {
+			return false, err
+		}
+		if err != nil || receipt == nil {
+			continue
+		}
+		if final, ok := f.outcome(ctx, n, rec.ID, receipt); ok {
+			f.finalise(ctx, n, rec.ID, final, rec.Payer, rec.Amount)
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // recordHashes lists every transaction hash that may settle the record's payment: the current one and the ones
@@ -175,11 +201,8 @@ const spentNonceWait = 10 * time.Minute
 // transaction): unless a receipt turned up meanwhile, the payment is checked against the chain afresh and sent
 // with a new nonce, or finalised as refused when the chain no longer allows it.
 func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Record) error {
-	for _, h := range recordHashes(rec) {
-		if receipt, err := n.backend.TransactionReceipt(ctx, h); err == nil && receipt != nil {
-			f.finalise(ctx, n, rec.ID, receipt, rec.Payer, rec.Amount)
-			return nil
-		}
+	if done, err := f.finaliseFromReceipts(ctx, n, rec); done || err != nil {
+		return err
 	}
 	var req x402.SettleRequest
 	if err := json.Unmarshal(rec.Request, &req); err != nil {
@@ -191,6 +214,19 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 	}
 	var hash common.Hash
 	var err error
+	if ref == nil && p.method == x402.TransferERC2612 {
+		// A permit of this settlement that mined spent the payer's permit nonce: what is left to send is the
+		// transfer its allowance pays for.
+		for _, h := range rec.PriorTxHashes {
+			r, err := n.backend.TransactionReceipt(ctx, common.HexToHash(h))
+			if err != nil && !errors.Is(err, ethereum.NotFound) {
+				return err
+			}
+			if err == nil && r != nil && r.Status == types.ReceiptStatusSuccessful {
+				p.permitApplied = true
+			}
+		}
+	}
 	if ref == nil {
 		hash, ref, err = f.broadcast(ctx, p)
 		if err != nil {

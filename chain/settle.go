@@ -8,6 +8,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
 	"go.uber.org/zap"
@@ -177,11 +178,18 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 			}
 			r.State, r.Wallet, r.TxNonce, r.TxHash = journal.StateBroadcast, w.Address.Hex(), last.Nonce(), last.Hash().Hex()
 			r.RawTx, r.PriorRawTxs = raws[len(raws)-1], raws[:len(raws)-1]
+			for _, tx := range txs[:len(txs)-1] {
+				if h := tx.Hash().Hex(); !slices.Contains(r.PriorTxHashes, h) {
+					r.PriorTxHashes = append(slices.Clip(r.PriorTxHashes), h)
+				}
+			}
 			r.Attempts++
 			return nil
 		})
 		if err == nil {
 			recorded = last.Hash().Hex()
+			f.log.Debug("settlement transaction signed and recorded", zap.String("payment", p.id.String()),
+				zap.String("wallet", w.Address.Hex()), zap.Uint64("nonce", last.Nonce()), zap.String("tx", recorded), zap.Bool("sent_before", sentBefore))
 		}
 		return err
 	})
@@ -218,32 +226,74 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 func (f *Facilitator) awaitReceipt(ctx context.Context, n *network, id journal.ID, payer, amount string, justSent bool, hashes ...common.Hash) x402.SettleResponse {
 	wctx, cancel := context.WithTimeout(ctx, n.timeout)
 	defer cancel()
-	receipt, err := n.watcher.wait(wctx, justSent, hashes...)
-	if err != nil {
-		return x402.SettleResponse{Success: false, Transaction: hashes[0].Hex(), Network: n.caip2, Payer: payer, Amount: amount,
-			ErrorReason:  x402.ReasonSettlementPending,
-			ErrorMessage: "the settlement transaction was broadcast but its receipt was not seen yet; it may still settle: do not pay again, present the same payment again to learn the outcome"}
+	first := hashes[0]
+	for len(hashes) > 0 {
+		receipt, err := n.watcher.wait(wctx, justSent, hashes...)
+		if err != nil {
+			break
+		}
+		if final, ok := f.outcome(wctx, n, id, receipt); ok {
+			return f.finalise(ctx, n, id, final, payer, amount)
+		}
+		// An earlier transaction of the payment reverted: the latest may still settle it.
+		hashes = slices.DeleteFunc(slices.Clone(hashes), func(h common.Hash) bool { return h == receipt.TxHash })
 	}
-	return f.finalise(ctx, n, id, receipt, payer, amount)
+	return x402.SettleResponse{Success: false, Transaction: first.Hex(), Network: n.caip2, Payer: payer, Amount: amount,
+		ErrorReason:  x402.ReasonSettlementPending,
+		ErrorMessage: "the settlement transaction was broadcast but its receipt was not seen yet; it may still settle: do not pay again, present the same payment again to learn the outcome"}
+}
+
+// outcome decides whether receipt, of one of the transactions journalled for payment id, is the payment's final
+// outcome, and which receipt that is. A success is. A revert is final only for the record's latest transaction,
+// and only when no earlier one succeeded: a payment settled again after its transaction lost its wallet nonce
+// has several, and the earlier may have mined (it spent the payer's nonce, and the later reverted), or may have
+// reverted where the later settles (an erc2612 transfer whose permit was lost).
+func (f *Facilitator) outcome(ctx context.Context, n *network, id journal.ID, receipt *types.Receipt) (*types.Receipt, bool) {
+	if receipt.Status == types.ReceiptStatusSuccessful {
+		return receipt, true
+	}
+	rec, ok, err := f.journal.Get(ctx, id)
+	if err != nil || !ok || rec.State != journal.StateBroadcast {
+		return receipt, true
+	}
+	if common.HexToHash(rec.TxHash) != receipt.TxHash {
+		return nil, false
+	}
+	for _, h := range recordHashes(rec)[1:] {
+		r, err := n.backend.TransactionReceipt(ctx, h)
+		switch {
+		case err == nil && r != nil && r.Status == types.ReceiptStatusSuccessful:
+			return r, true
+		case err != nil && !errors.Is(err, ethereum.NotFound):
+			return nil, false // unknown: a later look decides
+		}
+	}
+	return receipt, true
 }
 
 // finalise turns a receipt into the final answer and records it.
 func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, receipt *types.Receipt, payer, amount string) x402.SettleResponse {
 	resp := x402.SettleResponse{Success: true, Transaction: receipt.TxHash.Hex(), Network: n.caip2, Payer: payer, Amount: amount}
-	n.funds.mined(id, receipt.BlockNumber.Uint64())
 	if receipt.Status != types.ReceiptStatusSuccessful {
-		n.funds.drop(id)
 		resp = x402.SettleResponse{Success: false, Transaction: receipt.TxHash.Hex(), Network: n.caip2, Payer: payer,
 			ErrorReason: x402.ReasonTransactionFailed, ErrorMessage: "the settlement transaction was mined but reverted; no tokens moved"}
 	}
 	if _, err := f.journal.Update(context.WithoutCancel(ctx), id, func(r *journal.Record) error {
 		if r.State == journal.StateFinal {
+			if r.Response != nil {
+				resp = *r.Response // decided before: the answer given then stays the answer
+			}
 			return nil
 		}
 		r.State, r.Response, r.TxHash = journal.StateFinal, &resp, receipt.TxHash.Hex()
 		return nil
 	}); err != nil {
 		f.log.Error("recording a final settlement", zap.String("tx", receipt.TxHash.Hex()), zap.Error(err))
+	}
+	if resp.Success {
+		n.funds.mined(id, receipt.BlockNumber.Uint64())
+	} else {
+		n.funds.drop(id)
 	}
 	f.log.Info("settlement final", zap.String("network", n.caip2), zap.String("payer", payer), zap.String("amount", amount),
 		zap.String("tx", receipt.TxHash.Hex()), zap.Bool("success", resp.Success), zap.Uint64("block", receipt.BlockNumber.Uint64()))

@@ -150,12 +150,23 @@ func (s *sender) send(ctx context.Context, w *Wallet, calls []contractCall, reco
 			case isTransportError(err):
 				w.nonce += uint64(len(txs))
 				return txs, fmt.Errorf("%w: %v", errBroadcastUnknown, err)
-			case i == 0 && isNonceConflict(err) && s.known(ctx, tx):
-				// Our own transaction, already sent by a re-broadcast or mined: not a conflict.
-				continue
-			case i == 0 && isNonceConflict(err) && attempt < 3:
+			case i == 0 && isNonceConflict(err):
+				known, kerr := s.known(ctx, tx)
+				switch {
+				case known:
+					// Our own transaction, already sent by a re-broadcast or mined: not a conflict.
+					continue
+				case kerr != nil:
+					// Whether the nonce holds this very transaction is unknown: it is treated as sent, never
+					// signed again under another nonce here. Reconciliation settles it again if it is not.
+					w.synced = false
+					return txs, fmt.Errorf("%w: the node answered %v, and whether it holds this transaction could not be read: %v", errBroadcastUnknown, err, kerr)
+				case attempt < 3:
+					w.synced = false
+					break broadcast
+				}
 				w.synced = false
-				break broadcast
+				return nil, fmt.Errorf("node refused the settlement transaction: %w", err)
 			case i == 0:
 				// Refused outright (no gas money, fee too low...): the nonce is still free. Read it again
 				// before the next send, in case the refusal came from a node that sees the wallet otherwise.
@@ -233,13 +244,19 @@ func maxBig(a, b *big.Int) *big.Int {
 	return b
 }
 
-// known reports whether the node already has tx, in its pool or mined.
-func (s *sender) known(ctx context.Context, tx *types.Transaction) bool {
-	if _, _, err := s.backend.TransactionByHash(ctx, tx.Hash()); err == nil {
-		return true
+// known reports whether the node already has tx, in its pool or mined; an error says the node could not tell.
+func (s *sender) known(ctx context.Context, tx *types.Transaction) (bool, error) {
+	_, _, err := s.backend.TransactionByHash(ctx, tx.Hash())
+	if err == nil {
+		return true, nil
+	} else if !errors.Is(err, ethereum.NotFound) {
+		return false, err
 	}
 	r, err := s.backend.TransactionReceipt(ctx, tx.Hash())
-	return err == nil && r != nil
+	if err != nil && !errors.Is(err, ethereum.NotFound) {
+		return false, err
+	}
+	return err == nil && r != nil, nil
 }
 
 // rebroadcast sends an already signed transaction again (after a restart or an unreachable node). It is safe:

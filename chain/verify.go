@@ -55,6 +55,9 @@ type payment struct {
 	head    *types.Header // the head block checkTime read chain time from; nil when it could not be read
 	// maxTimeout is the requirements' maxTimeoutSeconds: the deadline may lie no further beyond chain time.
 	maxTimeout int64
+	// permitApplied (erc2612) says a permit transaction of this very settlement mined: the permit nonce it spent
+	// is no reason to refuse, and the allowance it granted is what the settlement's transferFrom uses.
+	permitApplied bool
 }
 
 // deadline is the last moment the payment can be settled (Permit2 deadline, erc2612 validBefore), as a time;
@@ -170,10 +173,31 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 	sponsor := p.sponsor
 	p.sponsor = nil
 	ok, _, _ := p.net.funds.cover(p, p.head.Time, nil, use == fundsHold)
+	if ok {
+		// The read knows the payer's funds, not its nonces: a nonce spent elsewhere (the payer's own
+		// invalidateUnorderedNonces, another facilitator, a settlement whose record was pruned) is asked of the
+		// chain every time, one call. Spent, or not known, the full checks below name the reason.
+		if used, err := p.permit2NonceUsed(ctx); err != nil || used {
+			if use == fundsHold {
+				p.net.funds.drop(p.id)
+			}
+			ok = false
+		}
+	}
 	if !ok {
 		p.sponsor = sponsor
 	}
 	return ok
+}
+
+// permit2NonceUsed reads whether the payment's Permit2 nonce is spent: one bit of the payer's nonce bitmap.
+func (p *payment) permit2NonceUsed(ctx context.Context) (bool, error) {
+	word := new(big.Int).Rsh(p.nonce, 8)
+	bitmap, err := p.net.callUint(ctx, p.net.permit2, contracts.Permit2ABI, "nonceBitmap", p.payer, word)
+	if err != nil {
+		return false, err
+	}
+	return bitmap.Bit(int(new(big.Int).And(p.nonce, big.NewInt(0xff)).Int64())) == 1, nil
 }
 
 // ClaimedPayer is the payer a payload names, for answers about payloads that did not parse: in checksum case,
@@ -454,17 +478,19 @@ func (p *payment) checkChain(ctx context.Context, use fundsUse) (*refusal, error
 		}
 		switch p.nonce.Cmp(cur) {
 		case -1:
+			if p.permitApplied {
+				break // spent by this settlement's own permit transaction; settlementCalls checks what it granted
+			}
 			return refuse(x402.ReasonNonceAlreadyUsed, "permit nonce %s of %s was already used (the token's next nonce is %s)", p.nonce, p.payer.Hex(), cur), nil
 		case 1:
 			return refuse(x402.ReasonInvalidPayload, "permit nonce %s is ahead of the token's next nonce %s for %s; sign with nonces(owner)", p.nonce, cur, p.payer.Hex()), nil
 		}
 	} else {
-		word := new(big.Int).Rsh(p.nonce, 8)
-		bitmap, err := n.callUint(ctx, n.permit2, contracts.Permit2ABI, "nonceBitmap", p.payer, word)
+		used, err := p.permit2NonceUsed(ctx)
 		if err != nil {
 			return nil, err
 		}
-		if bitmap.Bit(int(new(big.Int).And(p.nonce, big.NewInt(0xff)).Int64())) == 1 {
+		if used {
 			return refuse(x402.ReasonPermit2InvalidNonce, "Permit2 nonce %s of %s was already used", p.nonce, p.payer.Hex()), nil
 		}
 	}
@@ -585,7 +611,7 @@ func (p *payment) simulate(ctx context.Context) (*refusal, error) {
 }
 
 // settlementCalls builds the transactions that settle the payment and the wallet that must send the first.
-// erc2612: permit (unless the spender's allowance already covers it), then transferFrom, both from the spender.
+// erc2612: permit (unless a permit of this settlement already mined), then transferFrom, both from the spender.
 // permit2: the proxy's settle, or settleWithPermit with the sponsored permit; any wallet may send it.
 func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.Address, error) {
 	n := p.net
@@ -612,12 +638,11 @@ func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.A
 	if err != nil {
 		return nil, common.Address{}, err
 	}
-	allowance, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "allowance", p.payer, spender)
-	if err != nil {
-		return nil, common.Address{}, err
-	}
 	calls := []contractCall{}
-	if allowance.Cmp(p.amount) < 0 {
+	if !p.permitApplied {
+		// The signed permit is always spent, even when an allowance the payer gave the spender otherwise covers
+		// the payment: unspent, its token nonce would block the payer's next payment (signed with the same
+		// nonce), and the permit could be replayed later to reset the allowance.
 		v, r, s := SplitSignature(p.sig)
 		permit, err := contracts.StableCoinABI.Pack("permit", p.payer, spender, p.permit.Value, p.permit.Deadline, v, r, s)
 		if err != nil {

@@ -64,6 +64,9 @@ type Record struct {
 	// PriorRawTxs are transactions of the same settlement sent before RawTx from the same wallet, in nonce
 	// order (an erc2612 permit before its transferFrom), resent before RawTx when the node forgot them.
 	PriorRawTxs [][]byte `json:"priorRawTxs,omitempty"`
+	// PriorTxHashes are the hashes of every prior transaction (an erc2612 permit) any attempt of this settlement
+	// signed: one of them mined means the settlement's own permit spent the payer's permit nonce.
+	PriorTxHashes []string `json:"priorTxHashes,omitempty"`
 	// ReplacedTxHashes are earlier versions of TxHash (same wallet, same nonce, lower fees) that a fee bump
 	// replaced; any one of them may still be the one that mines.
 	ReplacedTxHashes []string `json:"replacedTxHashes,omitempty"`
