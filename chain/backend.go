@@ -91,7 +91,7 @@ func (f *Failover) BlockReceipts(ctx context.Context, n rpc.BlockNumberOrHash) (
 // or "not found"), as opposed to a failure to reach it. Answers are never retried on another endpoint: another
 // node would say the same.
 func isAnswer(err error) bool {
-	if err == nil || errors.Is(err, ethereum.NotFound) || errors.Is(err, errNoBlockReceipts) {
+	if err == nil || errors.Is(err, ethereum.NotFound) || errors.Is(err, errNoBlockReceipts) || errors.Is(err, errNoBatch) {
 		return true
 	}
 	var rpcErr rpc.Error

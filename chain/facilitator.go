@@ -148,6 +148,7 @@ type network struct {
 	replaceAfter time.Duration
 
 	funds *funds
+	reads *callBatcher // eth_calls of many callers batched (the nonce read of every verification)
 
 	headTTL time.Duration
 	head    sharedRead[*types.Header]
@@ -277,6 +278,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		caip2: nc.Network, chainID: chainID, backend: backend, assets: map[common.Address]*asset{},
 		methods: map[string]bool{}, permit2: nc.Permit2, proxy: nc.Proxy, pool: pool,
 		sender: newSender(backend, chainID, nc.Fees, f.now), watcher: newReceiptWatcher(backend, nc.ReceiptPoll),
+		reads:   &callBatcher{backend: backend},
 		timeout: nc.ReceiptTimeout, low: nc.LowBalance, headTTL: nc.HeadCacheTTL, now: f.now, skew: nc.DeadlineSkew,
 	}
 	if n.permit2 == (common.Address{}) {

@@ -467,7 +467,7 @@ func BenchmarkVerifyPermit2(b *testing.B) {
 				reqs[i] = fx.payment(x402.TransferPermit2, payer)
 			}
 			var next atomic.Int64
-			b.SetParallelism(4) // 8 callers on 2 cores
+			b.SetParallelism(32) // 64 callers on 2 cores
 			b.ResetTimer()
 			start := time.Now()
 			b.RunParallel(func(pb *testing.PB) {
@@ -482,5 +482,64 @@ func BenchmarkVerifyPermit2(b *testing.B) {
 			})
 			b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "verifies/s")
 		})
+	}
+}
+
+// Over JSON-RPC the nonce of a payment answered from the funds cache is read from Permit2's storage, the reads of
+// concurrent verifications batched into one request: every answer must still be its own payment's. Half of 32
+// payments verified at once carry a nonce the payer spent beforehand; exactly those are refused.
+func TestConcurrentVerificationsFromAFreshReadEachGetTheirOwnNonce(t *testing.T) {
+	fx := newFixture(t, fixtureOpts{
+		chainOpts: []chaintest.Option{chaintest.WithHTTP()},
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			eth, err := chain.DialRPC(context.Background(), fx.c.RPCURL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(eth.Close)
+			fo, err := chain.NewFailover([]string{"node"}, []chain.Backend{eth})
+			if err != nil {
+				t.Fatal(err)
+			}
+			nc.Backend, nc.FundsCacheTTL = fo, time.Minute
+		},
+	})
+	payer := fx.c.Payers[0]
+	fx.approvePermit2(payer)
+	rq := fx.requirements(x402.TransferPermit2)
+	for range 2 { // the second payment of a payer reads its funds; later ones are answered from that read
+		if v := fx.verify(fx.permit2(payer, rq, chain.Permit2Options{})); !v.IsValid {
+			t.Fatalf("warming the funds read: %+v", v)
+		}
+	}
+	reqs := make([]x402.VerifyRequest, 32)
+	spent := make([]bool, len(reqs))
+	for i := range reqs {
+		nonce := chaintest.RandomNonce()
+		if i%2 == 1 {
+			word, bit := new(big.Int).Rsh(nonce, 8), new(big.Int).And(nonce, big.NewInt(0xff))
+			data, err := contracts.Permit2ABI.Pack("invalidateUnorderedNonces", word, new(big.Int).Lsh(big.NewInt(1), uint(bit.Uint64())))
+			fx.transact(payer, contracts.Permit2Address, data, err)
+			spent[i] = true
+		}
+		reqs[i] = fx.permit2(payer, rq, chain.Permit2Options{Nonce: nonce})
+	}
+	answers := make([]x402.VerifyResponse, len(reqs))
+	var wg sync.WaitGroup
+	for i := range reqs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			answers[i] = fx.verify(reqs[i])
+		}()
+	}
+	wg.Wait()
+	for i, a := range answers {
+		switch {
+		case spent[i] && (a.IsValid || a.InvalidReason != x402.ReasonPermit2InvalidNonce):
+			t.Errorf("payment %d, its nonce spent: %+v; want %s", i, a, x402.ReasonPermit2InvalidNonce)
+		case !spent[i] && !a.IsValid:
+			t.Errorf("payment %d, its nonce unused: %+v; want valid", i, a)
+		}
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/crypto"
 	"github.com/ethereum/go-ethereum/rpc"
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
@@ -190,10 +191,22 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 	return ok
 }
 
+// permit2NonceSlot is the storage slot of Permit2's nonceBitmap[owner][word]: the mapping is Permit2's first
+// state variable (slot 0), in Uniswap's contract as in ours.
+func permit2NonceSlot(owner common.Address, word *big.Int) common.Hash {
+	inner := crypto.Keccak256(common.LeftPadBytes(owner.Bytes(), 32), make([]byte, 32))
+	return common.BytesToHash(crypto.Keccak256(common.LeftPadBytes(word.Bytes(), 32), inner))
+}
+
 // permit2NonceUsed reads whether the payment's Permit2 nonce is spent: one bit of the payer's nonce bitmap.
 func (p *payment) permit2NonceUsed(ctx context.Context) (bool, error) {
 	word := new(big.Int).Rsh(p.nonce, 8)
-	bitmap, err := p.net.callUint(ctx, p.net.permit2, contracts.Permit2ABI, "nonceBitmap", p.payer, word)
+	raw, err := p.net.reads.storageAt(ctx, p.net.permit2, permit2NonceSlot(p.payer, word))
+	bitmap := new(big.Int).SetBytes(raw)
+	if errors.Is(err, errNoBatch) {
+		// A backend that reads no storage: the contract's getter.
+		bitmap, err = p.net.callUint(ctx, p.net.permit2, contracts.Permit2ABI, "nonceBitmap", p.payer, word)
+	}
 	if err != nil {
 		return false, err
 	}
