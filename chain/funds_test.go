@@ -438,7 +438,7 @@ func (ff *fundsFixture) amount() *big.Int {
 	return a
 }
 
-// BenchmarkVerifyPermit2 measures Verify of valid permit2 payments of one payer at 8 concurrent callers, on the
+// BenchmarkVerifyPermit2 measures Verify of valid permit2 payments of one payer at 64 concurrent callers, on the
 // simulated chain over JSON-RPC on loopback: with every verification asking the chain (one simulation of the
 // settlement call), and with the payer's funds read once per funds_cache TTL (the default, 2s).
 //
