@@ -47,6 +47,8 @@ type FacilitatorHandler struct {
 	// Kinds restricts the asset transfer methods served: "permit2" (x402 version 2, with
 	// eip2612GasSponsoring) and "erc2612" (versions 1 and 2). Default: every method the facilitator behind
 	// offers. /supported lists only these; /verify and /settle refuse other methods.
+	// An erc2612 permit does not sign the recipient: a caller holding one can have it paid to any payTo, so a
+	// route serving erc2612 should be reached by trusted resource servers only (APIKeys, PayTo).
 	Kinds []string `json:"kinds,omitempty"`
 
 	// Networks restricts the CAIP-2 networks served. Default: every network of the facilitator behind.
