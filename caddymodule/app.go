@@ -161,6 +161,13 @@ type Network struct {
 	MaxInFlightPerWallet int `json:"max_in_flight_per_wallet,omitempty"`
 	// WalletWait bounds the wait for a free wallet before "No available wallets in pool". Default 2s.
 	WalletWait caddy.Duration `json:"wallet_wait,omitempty"`
+	// MinAmount, when set, is the smallest payment the embedded engine verifies or settles on this network, in
+	// raw token units; a smaller one is refused with invalid_payment_requirements before any chain call, for
+	// gates and facilitator routes alike. Default: any amount.
+	MinAmount string `json:"min_amount,omitempty"`
+	// PayTo, when set, are the only recipients the embedded engine settles for on this network; a payment to
+	// another is refused with invalid_payment_requirements before any chain call. Default: any recipient.
+	PayTo []string `json:"pay_to,omitempty"`
 }
 
 // Asset is one accepted ERC-20 token and its EIP-2612 permit domain.
@@ -229,6 +236,7 @@ type networkSpec struct {
 	Keys    []string // hex, for the pool key only; never logged
 	RPC     []string
 	Assets  []*Asset
+	terms   paymentTerms // parsed from Network.MinAmount and PayTo, which are part of the pool key
 }
 
 func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
@@ -257,6 +265,11 @@ func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
 	} else {
 		return spec, errors.New("no settlement wallet: set wallet_keys or wallet_key_file")
 	}
+	terms, err := parsePaymentTerms(n.MinAmount, n.PayTo)
+	if err != nil {
+		return spec, err
+	}
+	spec.terms = terms
 	spec.Assets = n.Assets
 	if len(spec.Assets) == 0 {
 		return spec, errors.New("no asset configured: add `asset <address>`")
@@ -414,6 +427,7 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 		// Payments verified within a quarter second share one read of chain time: far inside the 6 s margin
 		// deadlines must keep, and one round trip less per payment under load.
 		HeadCacheTTL: 250 * time.Millisecond,
+		MinAmount:    s.terms.minAmount, PayTo: s.terms.payToList,
 	}
 	var names []string
 	var backends []chain.Backend

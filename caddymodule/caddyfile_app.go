@@ -50,6 +50,8 @@ func durationArg(d *caddyfile.Dispenser, option string) (time.Duration, error) {
 //			wallet_wait <duration>
 //			replace_after <duration>
 //			funds_cache <duration>|off
+//			min_amount <raw units>
+//			pay_to <address> [...]
 //		}
 //		journal <path>
 //		dev_chain {
@@ -242,6 +244,10 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 				return nil, d.Errf("max_in_flight_per_wallet %q is not a positive number", s)
 			}
 			n.MaxInFlightPerWallet = v
+		case "min_amount", "pay_to":
+			if _, err := unmarshalTermOption(d, &n.MinAmount, &n.PayTo); err != nil {
+				return nil, err
+			}
 		default:
 			return nil, d.Errf("unrecognized network option '%s'", d.Val())
 		}

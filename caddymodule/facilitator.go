@@ -10,6 +10,7 @@ import (
 	"io"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -46,6 +47,8 @@ type FacilitatorHandler struct {
 	// Kinds restricts the asset transfer methods served: "permit2" (x402 version 2, with
 	// eip2612GasSponsoring) and "erc2612" (versions 1 and 2). Default: every method the facilitator behind
 	// offers. /supported lists only these; /verify and /settle refuse other methods.
+	// An erc2612 permit does not sign the recipient: a caller holding one can have it paid to any payTo, so a
+	// route serving erc2612 should be reached by trusted resource servers only (APIKeys, PayTo).
 	Kinds []string `json:"kinds,omitempty"`
 
 	// Networks restricts the CAIP-2 networks served. Default: every network of the facilitator behind.
@@ -60,6 +63,19 @@ type FacilitatorHandler struct {
 	// Default and maximum: 65536 (x402.MaxBodyBytes).
 	MaxBodySize int64 `json:"max_body_size,omitempty"`
 
+	// MinAmount, when set, is the smallest paymentRequirements.amount (raw token units) this handler passes on:
+	// a /verify or /settle of a smaller payment is refused with invalid_payment_requirements before the
+	// facilitator behind is called.
+	MinAmount string `json:"min_amount,omitempty"`
+
+	// PayTo, when set, are the only recipients (paymentRequirements.payTo) this handler passes payments on for;
+	// a payment to another is refused with invalid_payment_requirements before the facilitator behind is called.
+	// Default: any recipient.
+	PayTo []string `json:"pay_to,omitempty"`
+
+	// SettleRateLimit caps the /settle calls per client IP and per payer; over it, 429 with Retry-After.
+	SettleRateLimit *SettleRateLimit `json:"settle_rate_limit,omitempty"`
+
 	// Upstreams make this handler serve other facilitators over HTTP instead of the embedded engine.
 	// Several are a failover set: each payment goes to the first member whose /supported lists its kind,
 	// and on to the next only when a member cannot be reached.
@@ -71,6 +87,8 @@ type FacilitatorHandler struct {
 	networks       map[string]bool // nil: every network
 	keys           [][sha256.Size]byte
 	maxBody        int64
+	terms          paymentTerms
+	limiter        *settleLimiter // nil: no rate limit
 	registry       *x402.Registry
 	metrics        *metrics
 	releaseWallets func()
@@ -126,8 +144,12 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		}
 	}
 	h.registry = x402.NewRegistry()
-
 	var err error
+	if h.terms, err = parsePaymentTerms(h.MinAmount, h.PayTo); err != nil {
+		return fmt.Errorf("x402_facilitator: %w", err)
+	}
+	h.limiter = newSettleLimiter(h.SettleRateLimit, nil)
+
 	if h.metrics, err = metricsFor(ctx); err != nil {
 		return err
 	}
@@ -201,6 +223,19 @@ func (h *FacilitatorHandler) Validate() error {
 			return fmt.Errorf("x402_facilitator: networks: %w", err)
 		}
 	}
+	if _, err := parsePaymentTerms(h.MinAmount, h.PayTo); err != nil {
+		return fmt.Errorf("x402_facilitator: %w", err)
+	}
+	if l := h.SettleRateLimit; l != nil {
+		for _, r := range []struct {
+			name string
+			n    int
+		}{{"per_ip", l.PerIP}, {"per_payer", l.PerPayer}} {
+			if r.n < 0 || r.n > maxPerMinute {
+				return fmt.Errorf("x402_facilitator: settle_rate_limit %s is %d a minute; want 0 (no limit) to %d", r.name, r.n, maxPerMinute)
+			}
+		}
+	}
 	if h.MaxBodySize < 0 || h.MaxBodySize > x402.MaxBodyBytes {
 		return fmt.Errorf("x402_facilitator: max_body_size is %d bytes; want 1 to %d (larger bodies are never valid requests)",
 			h.MaxBodySize, x402.MaxBodyBytes)
@@ -226,9 +261,10 @@ func (h *FacilitatorHandler) Cleanup() error {
 
 // facilitatorReply is one answer of the handler, written as JSON.
 type facilitatorReply struct {
-	status int
-	body   any
-	allow  string // the Allow header of a 405
+	status     int
+	body       any
+	allow      string // the Allow header of a 405
+	retryAfter int    // the Retry-After header of a 429, in seconds
 }
 
 // facilitatorError is the JSON body of an answer that is not a protocol document.
@@ -392,8 +428,18 @@ func (h *FacilitatorHandler) filterHealth(resp x402.HealthResponse) x402.HealthR
 	return resp
 }
 
-// servePayment answers /verify and /settle.
+// servePayment answers /verify and /settle. A /settle call is counted against the client IP's rate limit before
+// its body is read, and against its payer's once the body names one; a call over either gets 429 and goes no
+// further. The payer's count is given back when the answer carries no transaction: nothing was sent.
 func (h *FacilitatorHandler) servePayment(r *http.Request, endpoint string) facilitatorReply {
+	settle := endpoint == facilitatorEndpointSettle
+	if settle {
+		ip := clientIP(r)
+		if res, ok := h.limiter.takeIP(ip); !ok {
+			h.logger.Debug("settlement refused: client IP over its rate limit", zap.String("client_ip", ip))
+			return res
+		}
+	}
 	if r.ContentLength > h.maxBody {
 		return errorReply(http.StatusRequestEntityTooLarge, "the body is %d bytes; this facilitator accepts at most %d", r.ContentLength, h.maxBody)
 	}
@@ -416,8 +462,26 @@ func (h *FacilitatorHandler) servePayment(r *http.Request, endpoint string) faci
 		}
 		return res
 	}
+	if !settle {
+		return h.answerPayment(r, req, v1, endpoint)
+	}
+	payer := chain.ClaimedPayer(req)
+	if res, ok := h.limiter.takePayer(payer); !ok {
+		h.logger.Debug("settlement refused: payer over its rate limit", zap.String("payer", payer))
+		return res
+	}
+	res := h.answerPayment(r, req, v1, endpoint)
+	if s, ok := res.body.(x402.SettleResponse); ok && s.Transaction == "" {
+		h.limiter.refundPayer(payer)
+	}
+	return res
+}
+
+// answerPayment answers a decoded /verify or /settle: refused here when the route does not serve its kind or
+// its terms, else by the facilitator behind.
+func (h *FacilitatorHandler) answerPayment(r *http.Request, req x402.VerifyRequest, v1 bool, endpoint string) facilitatorReply {
 	if reason, message := h.refusal(req); reason != "" {
-		h.logger.Info("payment refused: kind not served here", zap.String("endpoint", endpoint),
+		h.logger.Info("payment refused: not served by this route", zap.String("endpoint", endpoint),
 			zap.String("network", req.PaymentRequirements.Network), zap.String("reason", reason))
 		h.metrics.observeFacilitatorOutcome(endpoint, reason)
 		payer := chain.ClaimedPayer(req)
@@ -508,7 +572,7 @@ func (h *FacilitatorHandler) redact(s string) string {
 	return h.redactor.Replace(s)
 }
 
-// refusal says why the handler does not serve a payment's kind, or "" when it does.
+// refusal says why the handler does not serve a payment's kind or terms, or "" when it does.
 func (h *FacilitatorHandler) refusal(req x402.VerifyRequest) (reason, message string) {
 	rq := req.PaymentRequirements
 	method := x402.TransferMethod(rq, req.PaymentPayload.Payload)
@@ -520,7 +584,7 @@ func (h *FacilitatorHandler) refusal(req x402.VerifyRequest) (reason, message st
 	case req.X402Version == x402.Version1 && method != x402.TransferERC2612:
 		return x402.ReasonInvalidX402Version, fmt.Sprintf("%s payments need x402Version 2; version 1 is served for erc2612 only", method)
 	}
-	return "", ""
+	return h.terms.refusal(rq)
 }
 
 // networkName is the network as the caller named it: the version 1 name for a version 1 request.
@@ -557,6 +621,9 @@ func writeFacilitatorReply(w http.ResponseWriter, res facilitatorReply) {
 	hdr.Set("Cache-Control", "no-store")
 	if res.allow != "" {
 		hdr.Set("Allow", res.allow)
+	}
+	if res.retryAfter > 0 {
+		hdr.Set("Retry-After", strconv.Itoa(res.retryAfter))
 	}
 	w.WriteHeader(res.status)
 	_, _ = w.Write(append(body, '\n'))

@@ -31,14 +31,20 @@ func parseFacilitatorCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHand
 //		networks <caip2> [...]
 //		api_key <key>
 //		max_body_size <size>
+//		min_amount <raw units>
+//		pay_to <address> [...]
+//		settle_rate_limit {
+//			per_ip <n>/min
+//			per_payer <n>/min
+//		}
 //		upstream <url> {
 //			api_key <key>
 //			timeout <duration>
 //		}
 //	}
 //
-// kind, networks, api_key and upstream may be repeated; several upstreams are a failover set. It is usually
-// routed under a path: handle_path /facilitator/* { x402_facilitator }.
+// kind, networks, api_key, pay_to and upstream may be repeated; several upstreams are a failover set. It is
+// usually routed under a path: handle_path /facilitator/* { x402_facilitator }.
 func (h *FacilitatorHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // directive name
 	if d.NextArg() {
@@ -88,6 +94,19 @@ func (h *FacilitatorHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("max_body_size '%s' is not a size from 1 to %d bytes (64KiB)", s, x402.MaxBodyBytes)
 			}
 			h.MaxBodySize = int64(size)
+		case "min_amount", "pay_to":
+			if _, err := unmarshalTermOption(d, &h.MinAmount, &h.PayTo); err != nil {
+				return err
+			}
+		case "settle_rate_limit":
+			if h.SettleRateLimit != nil {
+				return d.Err("settle_rate_limit is given twice; write per_ip and per_payer in one block")
+			}
+			l, err := unmarshalSettleRateLimit(d)
+			if err != nil {
+				return err
+			}
+			h.SettleRateLimit = l
 		case "upstream":
 			u, err := parseFacilitatorUpstream(d)
 			if err != nil {
@@ -95,7 +114,7 @@ func (h *FacilitatorHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.Upstreams = append(h.Upstreams, u)
 		default:
-			return d.Errf("unrecognized x402_facilitator option '%s'; want kind, networks, api_key, max_body_size or upstream", d.Val())
+			return d.Errf("unrecognized x402_facilitator option '%s'; want kind, networks, api_key, max_body_size, min_amount, pay_to, settle_rate_limit or upstream", d.Val())
 		}
 	}
 	return nil

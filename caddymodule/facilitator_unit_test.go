@@ -25,6 +25,12 @@ func TestFacilitatorValidateRefusesConfigurationsNoRequestCouldMakeRight(t *test
 		{"a negative body limit", FacilitatorHandler{MaxBodySize: -1}, "max_body_size is -1 bytes"},
 		{"an upstream without a URL", FacilitatorHandler{Upstreams: []*FacilitatorUpstream{{APIKey: "k"}}}, "upstream #1 has no URL"},
 		{"a negative upstream timeout", FacilitatorHandler{Upstreams: []*FacilitatorUpstream{{URL: "http://a", Timeout: -1}}}, "timeout must not be negative"},
+		{"terms and rate limits", FacilitatorHandler{MinAmount: "1000", PayTo: []string{"0x1111111111111111111111111111111111111111"}, SettleRateLimit: &SettleRateLimit{PerIP: 60, PerPayer: 10}}, ""},
+		{"a min_amount that is no number", FacilitatorHandler{MinAmount: "1e3"}, "min_amount '1e3' is not a whole number"},
+		{"a min_amount of zero", FacilitatorHandler{MinAmount: "0"}, "min_amount '0'"},
+		{"a pay_to that is no address", FacilitatorHandler{PayTo: []string{"seller"}}, `pay_to: expected an address (0x and 40 hex digits), got "seller"`},
+		{"a negative rate", FacilitatorHandler{SettleRateLimit: &SettleRateLimit{PerPayer: -1}}, "settle_rate_limit per_payer is -1 a minute"},
+		{"a rate above the maximum", FacilitatorHandler{SettleRateLimit: &SettleRateLimit{PerIP: 60_001}}, "settle_rate_limit per_ip is 60001 a minute"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.h.Validate()

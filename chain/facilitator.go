@@ -74,6 +74,12 @@ type NetworkConfig struct {
 	FundsCacheTTL time.Duration
 	// LowBalance is the native balance (wei) under which a wallet is reported low by Health (default 0.01 ether).
 	LowBalance *big.Int
+	// MinAmount, when set, is the smallest payment settled, in raw token units; a smaller one is refused with
+	// invalid_payment_requirements before any chain call. Nil: any amount of at least 1.
+	MinAmount *big.Int
+	// PayTo, when not empty, are the only recipients payments may be for; a payment to another is refused with
+	// invalid_payment_requirements before any chain call. Empty: any recipient.
+	PayTo []common.Address
 }
 
 // Config configures a Facilitator.
@@ -148,7 +154,8 @@ type network struct {
 	replaceAfter time.Duration
 
 	funds *funds
-	reads *callBatcher // eth_calls of many callers batched (the nonce read of every verification)
+	reads *callBatcher  // eth_calls of many callers batched (the nonce read of every verification)
+	terms paymentTerms // see NetworkConfig.MinAmount and PayTo
 
 	headTTL time.Duration
 	head    sharedRead[*types.Header]
@@ -304,6 +311,9 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		fundsTTL = 0
 	}
 	n.funds = newFunds(fundsTTL, f.now)
+	if n.terms, err = newPaymentTerms(nc); err != nil {
+		return nil, err
+	}
 	if n.low == nil {
 		n.low = new(big.Int).Exp(big.NewInt(10), big.NewInt(16), nil)
 	}

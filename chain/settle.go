@@ -46,6 +46,9 @@ type flight struct {
 // asking again later answers from the journal.
 func (f *Facilitator) Settle(ctx context.Context, req x402.SettleRequest) (x402.SettleResponse, error) {
 	p, ref := f.parse(req)
+	if ref == nil {
+		ref = f.admitSettlement(ctx, p)
+	}
 	if ref != nil {
 		return failed(req.PaymentRequirements.Network, ClaimedPayer(req), "", ref), nil
 	}

@@ -140,6 +140,9 @@ func (f *Facilitator) Release(req x402.VerifyRequest) {
 func (f *Facilitator) verify(ctx context.Context, req x402.VerifyRequest, use fundsUse) (x402.VerifyResponse, error) {
 	p, ref := f.parse(req)
 	if ref == nil {
+		ref = p.net.terms.check(p)
+	}
+	if ref == nil {
 		ref = p.checkTime(ctx)
 	}
 	if ref == nil && !f.fromFunds(ctx, p, use) {
