@@ -53,13 +53,26 @@ func startAdversaryEnv(t *testing.T) *adversaryEnv {
 
 {{ADDR}} {
 	handle_path /facilitator/* {
-		x402_facilitator
+		x402_facilitator {
+			min_amount ` + big.NewInt(adversaryMinAmount).String() + `
+			pay_to ` + env.payTo.Hex() + `
+		}
+	}
+	handle_path /limited/* {
+		x402_facilitator {
+			settle_rate_limit {
+				per_ip 2/min
+			}
+		}
 	}
 }
 `
 	env.srv = startCaddy(t, env.caddyfile)
 	return env
 }
+
+// adversaryMinAmount is the public route's min_amount, below the price of the honest payments of the table.
+const adversaryMinAmount = facilitatorPrice / 2
 
 // sent is how many transactions the settlement wallets of both chains have sent, those in the pool included.
 func (e *adversaryEnv) sent() uint64 {
@@ -183,6 +196,24 @@ func TestAPublicFacilitatorRefusesAdversarialPaymentsWithoutSpendingGas(t *testi
 			p.Accepted = rq
 			return x402.VerifyRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: rq}
 		},
+	}, {
+		name: "a payTo the facilitator does not settle for", reason: x402.ReasonInvalidPaymentRequirements,
+		build: func(t *testing.T) x402.VerifyRequest {
+			payer := payers[5]
+			e.c.Approve(payer, contracts.Permit2Address, big.NewInt(1e12))
+			rq := e.requirements(x402.TransferPermit2)
+			rq.PayTo = payer.Address.Hex() // a stranger paying itself, on the facilitator's gas
+			return e.signPermit2(t, payer, rq)
+		},
+	}, {
+		name: "an amount below min_amount", reason: x402.ReasonInvalidPaymentRequirements,
+		build: func(t *testing.T) x402.VerifyRequest {
+			payer := payers[6]
+			e.c.Approve(payer, contracts.Permit2Address, big.NewInt(1e12))
+			rq := e.requirements(x402.TransferPermit2)
+			rq.Amount = "1"
+			return e.signPermit2(t, payer, rq)
+		},
 	}}
 	for _, row := range rows {
 		t.Run(row.name, func(t *testing.T) {
@@ -202,5 +233,44 @@ func TestAPublicFacilitatorRefusesAdversarialPaymentsWithoutSpendingGas(t *testi
 				t.Errorf("the settlement wallets sent %d transactions for a refused payment", n)
 			}
 		})
+	}
+}
+
+// signPermit2 signs a permit2 payment of payer for rq at chain time.
+func (e *adversaryEnv) signPermit2(t *testing.T, payer *chaintest.Account, rq x402.PaymentRequirements) x402.VerifyRequest {
+	t.Helper()
+	p, err := chain.SignPermit2Payment(payer.Key, rq, e.c.ChainID, chain.Permit2Options{Now: e.chainNow()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return x402.VerifyRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: rq}
+}
+
+// A client past a route's settle_rate_limit gets 429 with Retry-After, and nothing is sent for its settlement;
+// /verify is not limited (it costs reads, not gas).
+func TestAPublicFacilitatorPastItsRateLimitAnswers429AndSendsNothing(t *testing.T) {
+	e := startAdversaryEnv(t)
+	payer := e.c.Payers[7]
+	// Two calls a minute: two refused payments (no gas) use the budget up.
+	for i := range 2 {
+		junk := e.signPermit2(t, payer, e.requirements(x402.TransferPermit2)) // not approved: refused
+		if a := e.do(http.MethodPost, "/limited/settle", "", mustJSON(t, junk)); a.status != http.StatusOK {
+			t.Fatalf("settle call %d within the limit: %d %s", i+1, a.status, a.body)
+		}
+	}
+	e.c.Approve(payer, contracts.Permit2Address, big.NewInt(1e12))
+	time.Sleep(50 * time.Millisecond)
+	honest := e.signPermit2(t, payer, e.requirements(x402.TransferPermit2))
+	before := e.sent()
+	if v := e.do(http.MethodPost, "/limited/verify", "", mustJSON(t, honest)); v.status != http.StatusOK || v.json(t)["isValid"] != true {
+		t.Errorf("/verify past the settle limit: %d %s; want 200, valid", v.status, v.body)
+	}
+	s := e.do(http.MethodPost, "/limited/settle", "", mustJSON(t, honest))
+	if s.status != http.StatusTooManyRequests || s.header.Get("Retry-After") == "" {
+		t.Errorf("/settle past the limit: %d, Retry-After %q, %s; want 429 with Retry-After", s.status, s.header.Get("Retry-After"), s.body)
+	}
+	time.Sleep(50 * time.Millisecond)
+	if n := e.sent() - before; n != 0 {
+		t.Errorf("the settlement wallets sent %d transactions past the rate limit", n)
 	}
 }
