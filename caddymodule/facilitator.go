@@ -103,9 +103,13 @@ type FacilitatorUpstream struct {
 	// APIKey is sent in the x-api-key header of every call. Placeholders are replaced when the handler is
 	// provisioned.
 	APIKey string `json:"api_key,omitempty"`
-	// Timeout bounds each call to this facilitator (verify, settle, supported, health). Default: 10s for
-	// verify and supported, 60s for settle, 5s for health.
+	// Timeout bounds each verify, supported and health call to this facilitator. Default: 10s for verify and
+	// supported, 5s for health.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
+	// SettleTimeout bounds each settle call (default 60s, whatever Timeout says): a settlement waits for a
+	// block, and one cut short has an unknown outcome, which the payer can learn only by presenting the
+	// payment again.
+	SettleTimeout caddy.Duration `json:"settle_timeout,omitempty"`
 }
 
 // CaddyModule returns the Caddy module information.
@@ -196,9 +200,11 @@ func (h *FacilitatorHandler) upstreamFacilitator(repl *caddy.Replacer) (x402.Fac
 		} else if u.APIKey != "" {
 			return nil, fmt.Errorf("x402_facilitator: the api_key of upstream #%d is empty once its placeholders are replaced; is its environment variable set?", i+1)
 		}
+		t := facilitatorclient.Timeouts{Settle: time.Duration(u.SettleTimeout)}
 		if d := time.Duration(u.Timeout); d > 0 {
-			opts = append(opts, facilitatorclient.WithTimeouts(facilitatorclient.Timeouts{Verify: d, Settle: d, Supported: d, Health: d}))
+			t.Verify, t.Supported, t.Health = d, d, d
 		}
+		opts = append(opts, facilitatorclient.WithTimeouts(t))
 		c, err := facilitatorclient.New(repl.ReplaceAll(u.URL, ""), opts...)
 		if err != nil {
 			return nil, fmt.Errorf("x402_facilitator: upstream #%d: %w", i+1, err)
@@ -246,6 +252,8 @@ func (h *FacilitatorHandler) Validate() error {
 			return fmt.Errorf("x402_facilitator: upstream #%d has no URL", i+1)
 		case u.Timeout < 0:
 			return fmt.Errorf("x402_facilitator: upstream #%d: timeout must not be negative", i+1)
+		case u.SettleTimeout < 0:
+			return fmt.Errorf("x402_facilitator: upstream #%d: settle_timeout must not be negative", i+1)
 		}
 	}
 	return nil

@@ -40,6 +40,7 @@ func parseFacilitatorCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHand
 //		upstream <url> {
 //			api_key <key>
 //			timeout <duration>
+//			settle_timeout <duration>
 //		}
 //	}
 //
@@ -144,8 +145,17 @@ func parseFacilitatorUpstream(d *caddyfile.Dispenser) (*FacilitatorUpstream, err
 				return nil, d.Errf("timeout %s is not a positive duration such as 10s", dur)
 			}
 			u.Timeout = caddy.Duration(dur)
+		case "settle_timeout":
+			dur, err := durationArg(d, "settle_timeout")
+			if err != nil {
+				return nil, err
+			}
+			if dur <= 0 {
+				return nil, d.Errf("settle_timeout %s is not a positive duration such as 60s", dur)
+			}
+			u.SettleTimeout = caddy.Duration(dur)
 		default:
-			return nil, d.Errf("unrecognized upstream option '%s'; want api_key or timeout", d.Val())
+			return nil, d.Errf("unrecognized upstream option '%s'; want api_key, timeout or settle_timeout", d.Val())
 		}
 	}
 	return u, nil

@@ -323,12 +323,18 @@ type remoteFacilitator struct {
 
 func newRemoteFacilitator(t *testing.T, c *chaintest.Chain, wallets int, receiptTimeout time.Duration) *remoteFacilitator {
 	t.Helper()
+	return newRemoteFacilitatorOf(t, c, c.Wallets[:wallets], receiptTimeout)
+}
+
+// newRemoteFacilitatorOf is newRemoteFacilitator settling from the given wallets.
+func newRemoteFacilitatorOf(t *testing.T, c *chaintest.Chain, wallets []*chaintest.Account, receiptTimeout time.Duration) *remoteFacilitator {
+	t.Helper()
 	nc := chain.NetworkConfig{
 		Network: x402.EIP155(c.ChainID.Uint64()), Backend: c.Client,
 		Assets:      []chain.AssetConfig{{Address: c.Token, Name: "Stable Coin", Version: "1", Decimals: 6}},
 		ReceiptPoll: 2 * time.Millisecond, ReceiptTimeout: receiptTimeout,
 	}
-	for _, w := range c.Wallets[:wallets] {
+	for _, w := range wallets {
 		nc.Keys = append(nc.Keys, w.Key)
 	}
 	f, err := chain.New(context.Background(), chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: journal.NewMemory(journal.Options{})})

@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/facilitatorclient"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -38,6 +39,9 @@ type exchange struct {
 	payer    string
 	verifyMs float64
 	settleMs float64
+	// resend: the payment is presented again, and its earlier /settle may have reached the (remote)
+	// facilitator: a refusal now is no final answer.
+	resend bool
 
 	headers http.Header // the response headers before the upstream ran, restored when the gate answers itself
 	ended   bool
@@ -291,6 +295,9 @@ func (x *exchange) presentedAgain(rec journal.Record, payload x402.ExactEVMPaylo
 		resp := *rec.Response
 		return x.serveSettled(resp, nil)
 	}
+	// The earlier /settle of the payment may have reached a remote facilitator (its outcome was never learnt, or
+	// was pending): a refusal now may be that facilitator finding the nonce spent by its own settlement.
+	x.resend = !x.g.embedded && (rec.Response == nil || rec.Response.Pending())
 	return x.settleThenServe(nil)
 }
 
@@ -392,12 +399,26 @@ func (x *exchange) settleThenServe(up *upstream) error {
 	resp, err := x.g.fac.Settle(ctx, x.req)
 	x.settleMs = msSince(x.g.now, t)
 	if err != nil {
+		if errors.Is(err, facilitatorclient.ErrNotSent) && !x.resend {
+			// Surely never reached the facilitator: a refusal of the payment presented again is then final.
+			x.note(func(r *journal.Record) {
+				r.Response = &x402.SettleResponse{Success: false, Network: x.req.PaymentRequirements.Network, Payer: x.payer,
+					ErrorReason: x402.ReasonUnexpectedSettleError, ErrorMessage: "the settlement request never reached the facilitator"}
+			})
+		}
 		return x.settleUnreachable(fmt.Sprintf("the facilitator could not be reached to settle (%s)", x.g.describe(err)), nil)
 	}
 	if !resp.Success {
 		if resp.Pending() {
 			x.note(func(r *journal.Record) { r.Response = &resp })
 			return x.settleUnreachable("the settlement transaction "+resp.Transaction+" is not final yet", &resp)
+		}
+		if x.resend {
+			// A refusal of a payment whose earlier settlement may have reached the facilitator says nothing
+			// sure: a facilitator without a journal refuses a repeat of a settlement it made ("nonce already
+			// used"). The outcome stays unknown; the payer is never told to pay again for it.
+			return x.settleUnreachable(fmt.Sprintf("the facilitator refused the payment (%s: %s), but its earlier settlement request may have reached the facilitator and settled it; check the chain before paying again",
+				resp.ErrorReason, resp.ErrorMessage), nil)
 		}
 		// Refused: final, so the record leaves the backlog and is pruned past its deadline. Presented again, the
 		// payment is still asked of the facilitator, which answers from its own journal.

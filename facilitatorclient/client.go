@@ -129,9 +129,8 @@ type SettleResult struct {
 	Response x402.SettleResponse
 	// Attempts is how many times the request was sent, 1 unless it was resent.
 	Attempts int
-	// Resent is true when an earlier attempt may have reached the facilitator before its connection failed,
-	// so the facilitator may have seen this payment more than once. Its journal answers a repeat with the
-	// outcome of the first, so Response is still the one outcome of this payment.
+	// Resent is true when an earlier attempt may have reached the facilitator. Since a /settle that may have
+	// reached it is never sent again, it stays false; it is kept for callers that read it.
 	Resent bool
 	// Facilitator is the base URL of the facilitator that was asked last.
 	Facilitator string
@@ -144,10 +143,12 @@ func (c *Client) Settle(ctx context.Context, req x402.SettleRequest) (x402.Settl
 	return res.Response, err
 }
 
-// SettleDetailed posts req to /settle and says how the answer was had. The body is encoded once; after a
-// transport error that left no HTTP response it is resent as those same bytes, up to WithSettleResends times,
-// and never after any HTTP response arrived. An error wraps ErrNotSent only when no attempt can have reached
-// the facilitator.
+// SettleDetailed posts req to /settle and says how the answer was had. The body is encoded once; it is sent
+// again, as those same bytes and up to WithSettleResends times, only after an attempt that surely never reached
+// the facilitator (connection refused, name not resolved): one that may have reached it (a timeout, a
+// connection cut after the body went out) ends the call with an unknown outcome, for a facilitator without a
+// journal would answer the repeat of a settlement it made with "nonce already used". An error wraps ErrNotSent
+// only when no attempt can have reached the facilitator.
 func (c *Client) SettleDetailed(ctx context.Context, req x402.SettleRequest) (SettleResult, error) {
 	res := SettleResult{Facilitator: c.base}
 	body, err := json.Marshal(req)

@@ -422,7 +422,11 @@ func TestSettleIsNeverResentAfterAResponse(t *testing.T) {
 	}
 }
 
-func TestSettleIsResentAsTheSameBytesWhenNoAnswerCame(t *testing.T) {
+// A /settle that may have reached the facilitator (its connection broke after the body was written, or no answer
+// came in time) is never sent again: a facilitator without a journal would answer the repeat of a settlement it
+// made with "nonce already used", a refusal of a payment that settled. The outcome is unknown (unreachable, not
+// "not sent"), and the caller tells the payer to present the payment again, never to pay again.
+func TestSettleIsNeverSentAgainOnceItMayHaveReachedTheFacilitator(t *testing.T) {
 	rows := []struct {
 		name  string
 		first func(w http.ResponseWriter, r *http.Request)
@@ -439,61 +443,43 @@ func TestSettleIsResentAsTheSameBytesWhenNoAnswerCame(t *testing.T) {
 						row.first(w, r)
 						return
 					}
-					writeJSON(w, http.StatusOK, x402.SettleResponse{Success: true, Transaction: txHash, Network: mainnet, Payer: payer})
+					// What a facilitator without a journal answers a repeat of a settlement it made.
+					writeJSON(w, http.StatusOK, x402.SettleResponse{Success: false, Network: mainnet, Payer: payer,
+						ErrorReason: x402.ReasonPermit2InvalidNonce, ErrorMessage: "nonce already used"})
 				}
 			})
-			c := mustClient(t, f.URL(), WithTimeouts(Timeouts{Settle: 200 * time.Millisecond}))
+			c := mustClient(t, f.URL(), WithTimeouts(Timeouts{Settle: 200 * time.Millisecond}), WithSettleResends(MaxSettleResends))
 			res, err := c.SettleDetailed(context.Background(), permit2Request(mainnet))
-			if err != nil {
-				t.Fatalf("want the resend's answer, got %v", err)
+			fe := failureOf(t, err)
+			if fe.Kind != x402.FailureUnreachable || errors.Is(err, ErrNotSent) {
+				t.Fatalf("error %v (kind %s); want unreachable, and not 'not sent'", err, fe.Kind)
 			}
-			if !res.Response.Success || res.Response.Transaction != txHash {
-				t.Fatalf("answer = %+v, want the settlement %s", res.Response, txHash)
+			if res.Response.ErrorReason != "" || res.Attempts != 1 || res.Resent {
+				t.Fatalf("result %+v; want no answer, 1 attempt, no resend", res)
 			}
-			if res.Attempts != 2 || !res.Resent {
-				t.Fatalf("result says attempts %d resent %v, want 2 and true", res.Attempts, res.Resent)
-			}
-			bodies := f.settled()
-			if len(bodies) != 2 {
-				t.Fatalf("facilitator received %d /settle bodies, want 2", len(bodies))
-			}
-			if !bytes.Equal(bodies[0], bodies[1]) {
-				t.Fatalf("resent body differs from the first:\n%s\n%s", bodies[0], bodies[1])
-			}
-			if !bytes.Equal(bodies[0], mustJSON(t, permit2Request(mainnet))) {
-				t.Fatalf("body is not the encoded request: %s", bodies[0])
+			if n := len(f.settled()); n != 1 {
+				t.Fatalf("facilitator received %d /settle bodies, want 1", n)
 			}
 		})
 	}
 }
 
-func TestSettleResendsStopAtTheConfiguredCount(t *testing.T) {
+// A /settle that surely never left (the connection was refused) is sent again, up to the configured count.
+func TestSettleResendsOfWhatNeverLeftStopAtTheConfiguredCount(t *testing.T) {
+	url := closedURL(t)
 	for _, resends := range []int{0, 1, 2} {
 		t.Run(fmt.Sprintf("%d resends", resends), func(t *testing.T) {
-			f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
-				f.settle = func(w http.ResponseWriter, _ *http.Request, _ []byte) { dropConnection(w) }
-			})
-			opts := []Option{WithSettleResends(resends)}
-			if resends == 1 {
-				opts = nil // the default
-			}
-			res, err := mustClient(t, f.URL(), opts...).SettleDetailed(context.Background(), permit2Request(mainnet))
+			opts := []Option{WithSettleResends(resends), WithRetries(0, time.Millisecond)}
+			res, err := mustClient(t, url, opts...).SettleDetailed(context.Background(), permit2Request(mainnet))
 			fe := failureOf(t, err)
-			if fe.Kind != x402.FailureUnreachable {
-				t.Fatalf("kind = %s, want unreachable: %v", fe.Kind, err)
+			if fe.Kind != x402.FailureUnreachable || !errors.Is(err, ErrNotSent) {
+				t.Fatalf("error %v (kind %s); want unreachable and not sent", err, fe.Kind)
 			}
-			if errors.Is(err, ErrNotSent) {
-				t.Fatalf("the facilitator read the body, yet the error says not sent: %v", err)
+			if want := resends + 1; res.Attempts != want {
+				t.Fatalf("result says %d attempts, want %d", res.Attempts, want)
 			}
-			want := resends + 1
-			if n := f.settleCalls.Load(); n != int64(want) || res.Attempts != want {
-				t.Fatalf("facilitator got %d requests and result says %d attempts, want %d", n, res.Attempts, want)
-			}
-			if res.Resent != (resends > 0) {
-				t.Fatalf("resent = %v, want %v", res.Resent, resends > 0)
-			}
-			if !strings.Contains(err.Error(), fmt.Sprintf("%d attempt", want)) {
-				t.Fatalf("error %q should say how many attempts were made", err)
+			if res.Resent {
+				t.Fatal("result says resent, but nothing ever reached the facilitator")
 			}
 		})
 	}
@@ -733,7 +719,7 @@ func TestSettleThroughAnOpaqueTransportIsNeverCalledNotSent(t *testing.T) {
 	if errors.Is(err, ErrNotSent) {
 		t.Fatalf("an opaque transport error must count as possibly delivered, got %v", err)
 	}
-	if rt.calls.Load() != 2 || !res.Resent {
-		t.Fatalf("calls = %d resent = %v, want 2 and true", rt.calls.Load(), res.Resent)
+	if rt.calls.Load() != 1 || res.Resent {
+		t.Fatalf("calls = %d resent = %v, want 1 and false: what may have been delivered is not sent again", rt.calls.Load(), res.Resent)
 	}
 }

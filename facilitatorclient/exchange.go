@@ -57,6 +57,12 @@ func (c *Client) send(ctx context.Context, method, url string, body []byte, time
 		if ex.err == nil || (ex.responded && !retryAfterResponse) || s.attempts > retries || ctx.Err() != nil {
 			return s
 		}
+		if !retryAfterResponse && !ex.notSent {
+			// The request may have reached the facilitator (it timed out, or the connection broke after it was
+			// written): it is not sent again. A facilitator without a journal would answer a repeat of a
+			// settlement it made with "nonce already used", which reads as a refusal of a payment that settled.
+			return s
+		}
 		if !sleep(ctx, c.backoffBefore(s.attempts)) {
 			return s
 		}

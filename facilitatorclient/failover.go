@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -19,11 +20,13 @@ import (
 // failed is skipped until its retry time (WithSupportedRetry). It is safe for concurrent use.
 type Failover struct {
 	members []*Client
+	sticky  stickyPayments // payments whose /settle may have reached a member, and that member
+	now     func() time.Time
 }
 
 // NewFailover returns a failover set of clients, tried in the given order; nil clients are left out.
 func NewFailover(clients ...*Client) *Failover {
-	f := &Failover{}
+	f := &Failover{now: time.Now}
 	for _, c := range clients {
 		if c != nil {
 			f.members = append(f.members, c)
@@ -77,8 +80,22 @@ func (f *Failover) Settle(ctx context.Context, req x402.SettleRequest) (x402.Set
 
 // SettleDetailed asks the first compatible member, and moves on to the next only when the request surely
 // never reached the member (ErrNotSent): after anything else the payment may have settled there, so the error
-// is returned. SettleResult.Facilitator names the member that was asked last.
+// is returned. A payment whose /settle may have reached a member stays with that member until its deadline:
+// presented again (after an unknown outcome), it is asked of that member only, whatever the others' state, for
+// another would find its nonce spent and refuse a payment that settled. SettleResult.Facilitator names the
+// member that was asked last.
 func (f *Failover) SettleDetailed(ctx context.Context, req x402.SettleRequest) (SettleResult, error) {
+	key := stickyKey(req)
+	if c := f.sticky.get(key, f.now()); c != nil {
+		res, err := c.SettleDetailed(ctx, req)
+		if err != nil && errors.Is(err, ErrNotSent) {
+			// This request never left, but an earlier one for the payment may have reached the member: the
+			// outcome is unknown, and the payment must not go elsewhere.
+			err = &x402.FacilitatorError{Op: opSettle, Kind: x402.FailureUnreachable, Err: fmt.Errorf(
+				"%s, the only facilitator this payment's settlement was sent to, could not be reached (%v); it may have settled there", c.base, err)}
+		}
+		return res, err
+	}
 	r := routing{op: opSettle, want: wantOf(req)}
 	var (
 		res SettleResult
@@ -86,6 +103,10 @@ func (f *Failover) SettleDetailed(ctx context.Context, req x402.SettleRequest) (
 	)
 	if r.route(ctx, f.members, func(c *Client) bool {
 		res, err = c.SettleDetailed(ctx, req)
+		if err == nil || !errors.Is(err, ErrNotSent) {
+			now := f.now()
+			f.sticky.put(key, c, stickyUntil(req, now), now)
+		}
 		if err == nil {
 			return true
 		}

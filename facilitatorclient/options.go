@@ -134,9 +134,9 @@ func WithRetries(retries int, backoff time.Duration) Option {
 	}
 }
 
-// WithSettleResends sets how often a /settle request is sent again, as the identical bytes, after a transport
-// error that left no HTTP response (0 to MaxSettleResends). The facilitator's journal answers a repeat of a
-// payload with the outcome of the first, which is what makes the resend safe.
+// WithSettleResends sets how often a /settle request is sent again, as the identical bytes, after an attempt
+// that surely never reached the facilitator (0 to MaxSettleResends). One that may have reached it is never sent
+// again (see Client.SettleDetailed).
 func WithSettleResends(n int) Option {
 	return func(s *settings) error {
 		if n < 0 || n > MaxSettleResends {
