@@ -79,6 +79,12 @@ type Gate struct {
 	// replaced. It is never logged.
 	FacilitatorAPIKey string `json:"facilitator_api_key,omitempty"`
 
+	// FacilitatorTimeout bounds each call to a remote facilitator: verify, supported and health, and settle
+	// unless it is shorter than a settlement takes (default: 10s for verify and supported, 5s for health, 60s
+	// for settle). A settle call cut short has an unknown outcome: the payer is answered 502 and presents the
+	// payment again.
+	FacilitatorTimeout caddy.Duration `json:"facilitator_timeout,omitempty"`
+
 	// PaymentHeader is the request header carrying a version 2 payment. Default PAYMENT-SIGNATURE. Version 1
 	// payments always come in X-PAYMENT.
 	PaymentHeader string `json:"payment_header,omitempty"`
@@ -281,6 +287,9 @@ func (g *Gate) pickFacilitator(app *App, repl *caddy.Replacer) error {
 	if key := repl.ReplaceAll(g.FacilitatorAPIKey, ""); key != "" {
 		opts = append(opts, facilitatorclient.WithAPIKey(key))
 	}
+	if d := time.Duration(g.FacilitatorTimeout); d > 0 {
+		opts = append(opts, facilitatorclient.WithTimeouts(facilitatorclient.Timeouts{Verify: d, Settle: d, Supported: d, Health: d}))
+	}
 	c, err := facilitatorclient.New(url, opts...)
 	if err != nil {
 		return err
@@ -304,6 +313,9 @@ func (g *Gate) Validate() error {
 	case SettleAfter, SettleBefore, SettleAsync:
 	default:
 		return fmt.Errorf("x402 gate: settle %q is not a settlement mode; want %q, %q or %q", g.Settle, SettleAfter, SettleBefore, SettleAsync)
+	}
+	if g.FacilitatorTimeout < 0 {
+		return fmt.Errorf("x402 gate: facilitator_timeout %s is negative", time.Duration(g.FacilitatorTimeout))
 	}
 	if g.AsyncBacklog < 0 {
 		return fmt.Errorf("x402 gate: async_backlog %d is negative", g.AsyncBacklog)

@@ -38,6 +38,7 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		max_timeout <duration>
 //		facilitator embedded|<url>           # or: facilitator_url <url>
 //		facilitator_api_key <key>
+//		facilitator_timeout <duration>
 //		payment_header <header name>
 //		description <text>
 //		mime_type <type>
@@ -92,6 +93,15 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if !d.AllArgs(&g.FacilitatorAPIKey) {
 				return d.ArgErr()
 			}
+		case "facilitator_timeout":
+			dur, err := durationArg(d, "facilitator_timeout")
+			if err != nil {
+				return err
+			}
+			if dur <= 0 {
+				return d.Errf("facilitator_timeout %s is not a positive duration such as 30s", dur)
+			}
+			g.FacilitatorTimeout = caddy.Duration(dur)
 		case "payment_header":
 			if !d.AllArgs(&g.PaymentHeader) {
 				return d.ArgErr()

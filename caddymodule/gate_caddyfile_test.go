@@ -74,6 +74,7 @@ x402 /paid/* $0.002 {
 	max_timeout 90s
 	facilitator https://facilitator.example.com
 	facilitator_api_key {env.FACILITATOR_KEY}
+	facilitator_timeout 30s
 	payment_header X-Pay
 	description "Premium article"
 	mime_type text/html
@@ -101,7 +102,7 @@ respond "paid"
 		"asset": "0xFCc9EBb7682E831668990F8333F2Ea453bFDD563", "asset_transfer_method": "permit2",
 		"token_name": "Stable Coin", "token_version": "1", "max_timeout": float64(90 * time.Second),
 		"facilitator_url": "https://facilitator.example.com", "facilitator_api_key": "{env.FACILITATOR_KEY}",
-		"payment_header": "X-Pay", "description": "Premium article", "mime_type": "text/html", "settle": "async",
+		"facilitator_timeout": float64(30 * time.Second), "payment_header": "X-Pay", "description": "Premium article", "mime_type": "text/html", "settle": "async",
 		"async_backlog": float64(5000), "max_buffer": float64(2 << 20), "v1_body": true,
 		"accepts": []any{
 			map[string]any{"network": "eip155:723487", "amount": "5000", "asset_transfer_method": "erc2612"},
@@ -147,6 +148,8 @@ func TestBadX402DirectivesAreRefusedNamingTheProblem(t *testing.T) {
 		{"max_buffer of nothing", "max_buffer 0", "max_buffer '0'"},
 		{"max_buffer without a size", "max_buffer", "wrong argument count"},
 		{"facilitator without a value", "facilitator", "facilitator needs one argument"},
+		{"facilitator_timeout that is no duration", "facilitator_timeout soon", "facilitator_timeout"},
+		{"facilitator_timeout of zero", "facilitator_timeout 0s", "facilitator_timeout 0s is not a positive duration"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(":8080\nx402 {\n\t"+tc.block+"\n}\nrespond ok\n"),

@@ -2,11 +2,11 @@ package caddymodule
 
 import (
 	"bytes"
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/big"
 	"net/http"
 	"strconv"
 	"strings"
@@ -14,6 +14,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/ethereum/go-ethereum/common"
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/chain/journal"
@@ -173,8 +174,12 @@ func (x *exchange) verifyAndServe() error {
 	if !vres.IsValid {
 		return x.verifyFailed(vres)
 	}
-	from, _ := x.req.PaymentPayload.Payload.PayerAndNonce()
-	x.payer = cmp.Or(vres.Payer, from)
+	// The payer is the one the payment is signed by (the facilitator checked the signature); an answer that
+	// names another is no answer about this payment.
+	x.payer = signedPayer(x.req)
+	if vres.Payer != "" && !strings.EqualFold(vres.Payer, x.payer) {
+		return x.verifyUnreachable(fmt.Sprintf("the facilitator's answer names payer %s, but the payment is signed by %s; nothing was charged", vres.Payer, x.payer))
+	}
 	x.setPaymentPlaceholders()
 
 	x.repl.Set("http.x402.status", "verified")
@@ -407,6 +412,11 @@ func (x *exchange) settleThenServe(up *upstream) error {
 			})
 		}
 		return x.settleUnreachable(fmt.Sprintf("the facilitator could not be reached to settle (%s)", x.g.describe(err)), nil)
+	}
+	if problem := settledAnswerProblem(x.req, resp); resp.Success && problem != "" {
+		x.g.logger.Error("the facilitator answered success for a settlement it does not show", zap.String("facilitator", x.g.facName),
+			zap.String("payment", x.id.String()), zap.String("problem", problem))
+		return x.settleUnreachable("the facilitator answered success, but "+problem+"; the outcome is unknown", nil)
 	}
 	if !resp.Success {
 		if resp.Pending() {
@@ -692,4 +702,53 @@ func (x *exchange) totalMs() float64 { return msSince(x.g.now, x.start) }
 
 func msSince(now func() time.Time, t time.Time) float64 {
 	return float64(now().Sub(t)) / float64(time.Millisecond)
+}
+
+// signedPayer is the payer a payment is signed by, as the payload names it (in checksum case when it is an
+// address).
+func signedPayer(req x402.VerifyRequest) string {
+	from, _ := req.PaymentPayload.Payload.PayerAndNonce()
+	if x402.IsHexAddress(from) {
+		return common.HexToAddress(from).Hex()
+	}
+	return from
+}
+
+// settledAnswerProblem says what makes a successful settlement answer no proof that this payment settled: it
+// must name a transaction, the requirement's network and the payment's signed payer, and the required amount
+// when it names one. "" when nothing does.
+func settledAnswerProblem(req x402.VerifyRequest, resp x402.SettleResponse) string {
+	rq := req.PaymentRequirements
+	payer := signedPayer(req)
+	switch {
+	case !isTxHash(resp.Transaction):
+		return fmt.Sprintf("its answer names no transaction (%q)", resp.Transaction)
+	case resp.Network != rq.Network:
+		return fmt.Sprintf("its answer is for network %q, not %s", resp.Network, rq.Network)
+	case !strings.EqualFold(resp.Payer, payer):
+		return fmt.Sprintf("its answer names payer %q, not the payment's %s", resp.Payer, payer)
+	case resp.Amount != "" && !sameAmount(resp.Amount, rq.Amount):
+		return fmt.Sprintf("its answer settled %s raw units, not the required %s", resp.Amount, rq.Amount)
+	}
+	return ""
+}
+
+// sameAmount reports whether two decimal amounts are the same number.
+func sameAmount(a, b string) bool {
+	x, okA := new(big.Int).SetString(a, 10)
+	y, okB := new(big.Int).SetString(b, 10)
+	return okA && okB && x.Cmp(y) == 0
+}
+
+// isTxHash reports whether s is spelled like an EVM transaction hash: 0x and 64 hex digits.
+func isTxHash(s string) bool {
+	if len(s) != 66 || !strings.HasPrefix(s, "0x") {
+		return false
+	}
+	for _, c := range s[2:] {
+		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F') {
+			return false
+		}
+	}
+	return true
 }

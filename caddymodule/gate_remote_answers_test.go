@@ -1,0 +1,211 @@
+package caddymodule_test
+
+import (
+	"bytes"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// scriptedFacilitator is a remote facilitator whose /settle answers as a script says, the first time it is
+// asked about a payment; /supported, /verify and every later /settle go to a real engine (with its journal),
+// whose settlement is the truth the script's answer may or may not tell.
+type scriptedFacilitator struct {
+	engine string
+	srv    *httptest.Server
+
+	mu     sync.Mutex
+	script func(w http.ResponseWriter, r *http.Request, body []byte, forward func() (int, []byte)) // nil: forward
+}
+
+func (f *scriptedFacilitator) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	forward := func() (int, []byte) {
+		var resp *http.Response
+		var err error
+		if r.Method == http.MethodGet {
+			resp, err = http.Get(f.engine + r.URL.Path)
+		} else {
+			resp, err = http.Post(f.engine+r.URL.Path, "application/json", bytes.NewReader(body))
+		}
+		if err != nil {
+			return http.StatusBadGateway, []byte(`{"error":"engine unreachable"}`)
+		}
+		defer resp.Body.Close()
+		answer, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, answer
+	}
+	var script func(http.ResponseWriter, *http.Request, []byte, func() (int, []byte))
+	if r.URL.Path == "/settle" {
+		f.mu.Lock()
+		script, f.script = f.script, nil
+		f.mu.Unlock()
+	}
+	if script != nil {
+		script(w, r, body, forward)
+		return
+	}
+	status, answer := forward()
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = w.Write(answer)
+}
+
+func (f *scriptedFacilitator) next(script func(w http.ResponseWriter, r *http.Request, body []byte, forward func() (int, []byte))) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.script = script
+}
+
+// rewritten forwards the settlement and answers it with one field of the engine's answer changed.
+func rewritten(edit func(*x402.SettleResponse)) func(http.ResponseWriter, *http.Request, []byte, func() (int, []byte)) {
+	return func(w http.ResponseWriter, _ *http.Request, _ []byte, forward func() (int, []byte)) {
+		_, answer := forward()
+		var resp x402.SettleResponse
+		_ = json.Unmarshal(answer, &resp)
+		edit(&resp)
+		gateWriteJSON(w, http.StatusOK, resp)
+	}
+}
+
+// hangUpOn closes the caller's connection without an answer.
+func hangUpOn(w http.ResponseWriter) {
+	if hj, ok := w.(http.Hijacker); ok {
+		if conn, _, err := hj.Hijack(); err == nil {
+			_ = conn.Close()
+		}
+	}
+}
+
+// A gate settles through a remote facilitator that answers /settle in every way a remote can. For each: the
+// gate's status, whether the resource was served, and what the same payment gets when presented again (when
+// the remote answers truthfully). A payment that may have settled is never answered with an offer to pay again:
+// an answer that is no proof of settlement (no transaction, another network or payer), or no answer at all, is
+// 502 "may have settled", and the payment presented again is served once it has settled, paid once.
+func TestAGateReadsEveryWayARemoteFacilitatorCanAnswerASettlement(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	t.Cleanup(commitPending(t, c))
+	engine := newRemoteFacilitatorOf(t, c, c.Wallets[:2], 20*time.Second)
+	remote := &scriptedFacilitator{engine: engine.URL}
+	remote.srv = httptest.NewServer(remote)
+	t.Cleanup(remote.srv.Close)
+	elsewhere := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		gateWriteJSON(w, http.StatusOK, x402.SettleResponse{Success: true, Transaction: "0x" + strings.Repeat("ab", 32), Network: x402.EIP155(c.ChainID.Uint64())})
+	}))
+	t.Cleanup(elsewhere.Close)
+	env := &gateEnv{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"), net: x402.EIP155(c.ChainID.Uint64())}
+	env.srv = startCaddy(t, `{
+	x402 {
+		journal {{DATA}}/journal.db
+	}
+}
+
+{{ADDR}} {
+	x402 {
+		pay_to `+env.payTo.Hex()+`
+		amount 10000
+		asset `+c.Token.Hex()+`
+		network `+env.net+`
+		facilitator `+remote.srv.URL+`
+		facilitator_timeout 1s
+	}
+	respond "paid content"
+}
+`)
+	const (
+		served = iota // 200, the content
+		unknown       // 502, "may have settled"
+		refused       // 402 with the refusal
+	)
+	rows := []struct {
+		name    string
+		script  func(http.ResponseWriter, *http.Request, []byte, func() (int, []byte))
+		want    int
+		settled bool // the script let the engine settle the payment
+		again   int  // the same payment presented again, the remote now truthful
+	}{
+		{"success, well formed", nil, served, true, refused /* already bought its response */},
+		{"success naming another network", rewritten(func(r *x402.SettleResponse) { r.Network = "eip155:1" }), unknown, true, served},
+		{"success naming another payer", rewritten(func(r *x402.SettleResponse) { r.Payer = c.Payers[1].Address.Hex() }), unknown, true, served},
+		{"success naming no transaction", rewritten(func(r *x402.SettleResponse) { r.Transaction = "" }), unknown, true, served},
+		{"success for another amount", rewritten(func(r *x402.SettleResponse) { r.Amount = "1" }), unknown, true, served},
+		{"refusal", func(w http.ResponseWriter, _ *http.Request, _ []byte, _ func() (int, []byte)) {
+			gateWriteJSON(w, http.StatusOK, x402.SettleResponse{Success: false, Network: env.net, ErrorReason: x402.ReasonInsufficientFunds, ErrorMessage: "scripted refusal"})
+		}, refused, false, served},
+		{"5xx", func(w http.ResponseWriter, _ *http.Request, _ []byte, _ func() (int, []byte)) {
+			http.Error(w, "overloaded", http.StatusServiceUnavailable)
+		}, unknown, false, served},
+		{"timeout before it acted", func(_ http.ResponseWriter, r *http.Request, _ []byte, _ func() (int, []byte)) {
+			<-r.Context().Done()
+		}, unknown, false, served},
+		{"timeout after it settled", func(_ http.ResponseWriter, r *http.Request, _ []byte, forward func() (int, []byte)) {
+			forward()
+			<-r.Context().Done()
+		}, unknown, true, served},
+		{"connection cut after it settled", func(w http.ResponseWriter, _ *http.Request, _ []byte, forward func() (int, []byte)) {
+			forward()
+			hangUpOn(w)
+		}, unknown, true, served},
+		{"redirect to another host", func(w http.ResponseWriter, r *http.Request, _ []byte, _ func() (int, []byte)) {
+			http.Redirect(w, r, elsewhere.URL+"/settle", http.StatusTemporaryRedirect)
+		}, unknown, false, served},
+		{"garbage", func(w http.ResponseWriter, _ *http.Request, _ []byte, forward func() (int, []byte)) {
+			forward()
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = w.Write([]byte(`{"success": tru`))
+		}, unknown, true, served},
+		{"oversized", func(w http.ResponseWriter, _ *http.Request, _ []byte, forward func() (int, []byte)) {
+			forward()
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = w.Write([]byte(`{"success":true,"transaction":"` + strings.Repeat("0", 2<<20) + `"}`))
+		}, unknown, true, served},
+	}
+	payer := c.Payers[0]
+	env.approvePermit2(payer)
+	for _, row := range rows {
+		t.Run(row.name, func(t *testing.T) {
+			env.t = t
+			before := env.balances(payer)
+			header := env.permit2Header("/", payer)
+			remote.next(row.script)
+			first := env.get("/", x402.HeaderPaymentSignature, header)
+			check := func(when string, a gateAnswer, want int) {
+				t.Helper()
+				switch want {
+				case served:
+					if a.status != http.StatusOK || a.body != "paid content" {
+						t.Errorf("%s: %d %.200q; want 200 with the content", when, a.status, a.body)
+					}
+				case unknown:
+					if a.status != http.StatusBadGateway || !strings.Contains(a.body, "may have settled") || strings.Contains(a.body, "paid content") {
+						t.Errorf("%s: %d %.300q; want 502 saying the payment may have settled, nothing served", when, a.status, a.body)
+					}
+				case refused:
+					if a.status != http.StatusPaymentRequired || strings.Contains(a.body, "paid content") {
+						t.Errorf("%s: %d %.200q; want 402, nothing served", when, a.status, a.body)
+					}
+				}
+			}
+			check("first presentation", first, row.want)
+			if row.settled {
+				env.waitPaid(payer, before, 1)
+			}
+			again := env.get("/", x402.HeaderPaymentSignature, header)
+			check("presented again", again, row.again)
+			if row.again == served || row.settled {
+				env.waitPaid(payer, before, 1)
+			}
+			env.assertPaid(payer, before, 1)
+		})
+	}
+}
