@@ -535,14 +535,25 @@ func version1Body(t *testing.T, req x402.VerifyRequest, network string) []byte {
 
 func TestFacilitatorVerifiesAndSettlesVersion1ERC2612BodiesEmbeddedAndAsMiddleware(t *testing.T) {
 	e := startFacilitatorEnv(t)
-	for i, route := range []struct{ name, path, key string }{
-		{"embedded", "/facilitator", e.key},
-		{"middleware", "/middleware", middlewareKey},
+	for _, route := range []struct {
+		name, path, key string
+		payer           int
+		noMethod        bool // the requirement's extra names no assetTransferMethod, as version 1 clients send it
+	}{
+		{"embedded", "/facilitator", e.key, 0, false},
+		{"middleware", "/middleware", middlewareKey, 1, false},
+		{"embedded, no assetTransferMethod", "/facilitator", e.key, 4, true},
+		// A failover set routes by the transfer method; without the field, by the one the payload implies.
+		{"failover middleware, no assetTransferMethod", "/failover", "", 5, true},
 	} {
 		t.Run(route.name, func(t *testing.T) {
 			e.t = t
-			payer := e.c.Payers[i]
-			body := version1Body(t, e.erc2612(payer), x402.V1NameTestnet)
+			payer := e.c.Payers[route.payer]
+			req := e.erc2612(payer)
+			if route.noMethod {
+				req.PaymentRequirements.Extra.AssetTransferMethod = ""
+			}
+			body := version1Body(t, req, x402.V1NameTestnet)
 			before, sellerBefore := e.balances(payer.Address)
 
 			a := e.do("POST", route.path+"/verify", route.key, body)

@@ -262,6 +262,9 @@ type want struct {
 	method  string
 	// spender is the settlement wallet an erc2612 permit names: only the facilitator owning it can settle.
 	spender string
+	// implied: the requirements named no transfer method and method is the one the payload implies (a version
+	// 1 body); a kind that names no method then serves it too.
+	implied bool
 }
 
 // wantOf reads the routing key of a request: the payload's version and the requirements' scheme, network
@@ -273,6 +276,14 @@ func wantOf(req x402.VerifyRequest) want {
 		scheme:  cmpOr(r.Scheme, acc.Scheme),
 		network: cmpOr(r.Network, acc.Network),
 		method:  cmpOr(r.Extra.AssetTransferMethod, acc.Extra.AssetTransferMethod),
+	}
+	if p := req.PaymentPayload.Payload; w.method == "" {
+		switch {
+		case p.Permit2Authorization != nil:
+			w.method, w.implied = x402.TransferPermit2, true
+		case p.Authorization != nil:
+			w.method, w.implied = x402.TransferERC2612, true
+		}
 	}
 	if w.method == x402.TransferERC2612 && req.PaymentPayload.Payload.Authorization != nil {
 		w.spender = req.PaymentPayload.Payload.Authorization.To
@@ -307,7 +318,8 @@ const (
 func (w want) servedBy(s x402.SupportedResponse) int {
 	var kind *x402.SupportedKind
 	for i, k := range s.Kinds {
-		if k.X402Version == w.version && k.Scheme == w.scheme && k.Network == w.network && k.Extra.AssetTransferMethod == w.method {
+		if k.X402Version == w.version && k.Scheme == w.scheme && k.Network == w.network &&
+			(k.Extra.AssetTransferMethod == w.method || w.implied && k.Extra.AssetTransferMethod == "") {
 			kind = &s.Kinds[i]
 			break
 		}

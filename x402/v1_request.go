@@ -67,6 +67,11 @@ func (r *Registry) decodeVerifyRequestV1(payload, requirements json.RawMessage) 
 		return VerifyRequest{}, &DecodeError{Doc: docVerifyRequestV1, Kind: DecodeInvalidValue, Field: "paymentRequirements.network",
 			Detail: err.Error() + "; version 1 names the networks " + V1NameMainnet + " and " + V1NameTestnet}
 	}
+	if rq.Extra.AssetTransferMethod == "" {
+		// Version 1 requirements seldom name the transfer method; the payment says which it is, and a
+		// facilitator set routes by it.
+		rq.Extra.AssetTransferMethod = TransferMethod(rq, pay.Payload)
+	}
 	p2, err := r.PaymentPayloadFromV1(pay, rq)
 	if err != nil {
 		return VerifyRequest{}, &DecodeError{Doc: docVerifyRequestV1, Kind: DecodeInvalidValue, Field: "paymentPayload.network",
