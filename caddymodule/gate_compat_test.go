@@ -1,13 +1,17 @@
 package caddymodule_test
 
 import (
+	"context"
 	"encoding/json"
 	"math/big"
 	"net/http"
 	"strings"
 	"testing"
 
+	"github.com/ethereum/go-ethereum/common"
+
 	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -215,4 +219,76 @@ func TestPaymentsServedBeforeAConfigReloadStayServed(t *testing.T) {
 	if a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer2)); a.status != http.StatusOK || a.body != "new content" {
 		t.Fatalf("a new payment after the reload = %d %q, want the new content", a.status, a.body)
 	}
+}
+
+// A version 1 payment names no asset. With two erc2612 offers at one price in two tokens, the payment pays the
+// offer whose token its permit is signed for (the signature recovers to the payer only under that token's
+// EIP-712 domain), not the first offer with its price.
+func TestAVersion1PaymentPaysTheOfferOfTheTokenItsPermitIsSignedFor(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	t.Cleanup(commitPending(t, c))
+	second := c.DeployToken(big.NewInt(1_000_000_000))
+	env := &gateEnv{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"), net: x402.EIP155(c.ChainID.Uint64())}
+	env.srv = startCaddy(t, env.caddyfile(gateSetup{
+		network: "\t\t\tasset " + second.Hex() + " name \"Stable Coin\" version 1 decimals 6\n",
+		gate:    "\t\tv1_body\n\t\taccept {\n\t\t\tasset " + second.Hex() + "\n\t\t\tasset_transfer_method erc2612\n\t\t}\n",
+	}))
+	payer := c.Payers[0]
+	a := env.get("/v1")
+	var body x402.PaymentRequiredV1
+	if err := json.Unmarshal([]byte(a.body), &body); err != nil || a.status != http.StatusPaymentRequired {
+		t.Fatalf("unpaid answer = %d %q (%v)", a.status, a.body, err)
+	}
+	var offer *x402.PaymentRequirementsV1
+	for i := range body.Accepts {
+		if x402.SameAddress(body.Accepts[i].Asset, second.Hex()) {
+			offer = &body.Accepts[i]
+		}
+	}
+	if len(body.Accepts) != 2 || offer == nil {
+		t.Fatalf("version 1 accepts = %+v; want two erc2612 offers, one in %s", body.Accepts, second.Hex())
+	}
+	reg := x402.NewRegistry()
+	rq, _, err := reg.RequirementsFromV1(*offer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := chain.SignERC2612Payment(payer.Key, rq, c.ChainID, chain.ERC2612Options{Now: env.chainNow(), TokenNonce: tokenNonce(t, c, second, payer.Address)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v1, err := reg.PaymentPayloadToV1(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	firstBefore, secondBefore := c.TokenBalance(payer.Address), tokenBalance(t, c, second, payer.Address)
+	paid := env.get("/v1", x402.HeaderXPayment, gateEncode(t, v1))
+	if paid.status != http.StatusOK || paid.body != "paid content" {
+		t.Fatalf("a version 1 payment in the second token = %d %q; want 200", paid.status, paid.body)
+	}
+	if got := new(big.Int).Sub(secondBefore, tokenBalance(t, c, second, payer.Address)); got.Cmp(big.NewInt(gatePrice)) != 0 {
+		t.Errorf("the payer paid %s of the second token, want %d", got, gatePrice)
+	}
+	if got := c.TokenBalance(payer.Address); got.Cmp(firstBefore) != 0 {
+		t.Errorf("the payer's first-token balance moved from %s to %s", firstBefore, got)
+	}
+}
+
+// tokenNonce and tokenBalance read a token other than the chain's default one.
+func tokenNonce(t *testing.T, c *chaintest.Chain, token, owner common.Address) *big.Int {
+	t.Helper()
+	n, err := chain.CallTokenUint(context.Background(), c.Client, token, "nonces", owner)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func tokenBalance(t *testing.T, c *chaintest.Chain, token, owner common.Address) *big.Int {
+	t.Helper()
+	n, err := chain.CallTokenUint(context.Background(), c.Client, token, "balanceOf", owner)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
 }

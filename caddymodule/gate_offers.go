@@ -11,7 +11,9 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/ethereum/go-ethereum/common"
 
+	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -324,14 +326,20 @@ func (s *offerSet) matchV1(p *x402.PaymentPayloadV1, reg *x402.Registry) (x402.V
 	if p.Payload.Authorization == nil {
 		return x402.VerifyRequest{}, &x402.Mismatch{Reason: x402.ReasonInvalidPayload, Message: "a version 1 payment must carry an erc2612 payload.authorization; permit2 needs version 2 (PAYMENT-SIGNATURE)"}
 	}
+	// The permit names no token: the offer whose token's EIP-712 domain the signature recovers to the payer
+	// under is the one it pays; among several (or none), the one whose amount it carries.
 	var chosen *offer
+	chosenSigned := false
 	for i := range s.offers {
 		o := &s.offers[i]
 		if !o.v1 || o.req.Scheme != p.Scheme || o.req.Network != network {
 			continue
 		}
-		if chosen == nil || (o.req.Amount == p.Payload.Authorization.Value && chosen.req.Amount != p.Payload.Authorization.Value) {
-			chosen = o
+		signed := signedFor(o.req, p.Payload)
+		better := chosen == nil || (signed && !chosenSigned) ||
+			(signed == chosenSigned && o.req.Amount == p.Payload.Authorization.Value && chosen.req.Amount != p.Payload.Authorization.Value)
+		if better {
+			chosen, chosenSigned = o, signed
 		}
 	}
 	if chosen == nil {
@@ -352,4 +360,27 @@ func (s offerSpec) sameTerms(rq x402.PaymentRequirements) bool {
 	return rq.Scheme == x402.SchemeExact && rq.Network == s.network && x402.SameAddress(rq.Asset, s.asset) &&
 		x402.SameAddress(rq.PayTo, s.payTo) && rq.Amount == s.amount &&
 		(s.method == "" || s.method == rq.Extra.AssetTransferMethod)
+}
+
+// signedFor reports whether an erc2612 payload's signature is its payer's permit under the EIP-712 domain of
+// rq's token (name, version, chain and address).
+func signedFor(rq x402.PaymentRequirements, p x402.ExactEVMPayload) bool {
+	if p.Authorization == nil || !common.IsHexAddress(rq.Asset) || !common.IsHexAddress(p.Authorization.From) {
+		return false
+	}
+	chainID, err := x402.ChainID(rq.Network)
+	if err != nil {
+		return false
+	}
+	permit, err := chain.PermitFromAuthorization(p.Authorization)
+	if err != nil {
+		return false
+	}
+	sig, err := chain.ParseSignature(p.Signature)
+	if err != nil {
+		return false
+	}
+	domain := chain.PermitDomainSeparator(rq.Extra.Name, rq.Extra.Version, new(big.Int).SetUint64(chainID), common.HexToAddress(rq.Asset))
+	signer, err := chain.RecoverSigner(chain.PermitDigest(domain, permit), sig)
+	return err == nil && signer == common.HexToAddress(p.Authorization.From)
 }

@@ -123,9 +123,9 @@ func TestAGateReadsEveryWayARemoteFacilitatorCanAnswerASettlement(t *testing.T) 
 }
 `)
 	const (
-		served = iota // 200, the content
-		unknown       // 502, "may have settled"
-		refused       // 402 with the refusal
+		served  = iota // 200, the content
+		unknown        // 502, "may have settled"
+		refused        // 402 with the refusal
 	)
 	rows := []struct {
 		name    string

@@ -252,48 +252,61 @@ func New(tb testing.TB, opts ...Option) *Chain {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if err := c.deployToken(ctx, cfg.tokenBalance); err != nil {
+	token, err := c.deployToken(ctx, cfg.tokenBalance)
+	if err != nil {
 		tb.Fatalf("chaintest: %v", err)
 	}
+	c.Token = token
 	return c
 }
 
-func (c *Chain) deployToken(ctx context.Context, perPayer *big.Int) error {
+// DeployToken deploys another StableCoin (same name and version, its own address, so its own EIP-712 domain)
+// and mints every payer perPayer raw units of it.
+func (c *Chain) DeployToken(perPayer *big.Int) common.Address {
+	c.tb.Helper()
+	token, err := c.deployToken(context.Background(), perPayer)
+	if err != nil {
+		c.tb.Fatalf("chaintest: %v", err)
+	}
+	return token
+}
+
+func (c *Chain) deployToken(ctx context.Context, perPayer *big.Int) (common.Address, error) {
 	tx, err := c.SendTx(ctx, c.Deployer, nil, contracts.StableCoinCreationCode())
 	if err != nil {
-		return fmt.Errorf("deploying StableCoin: %w", err)
+		return common.Address{}, fmt.Errorf("deploying StableCoin: %w", err)
 	}
 	receipts, err := c.CommitUntilIncluded(ctx, tx.Hash())
 	if err != nil {
-		return fmt.Errorf("deploying StableCoin: %w", err)
+		return common.Address{}, fmt.Errorf("deploying StableCoin: %w", err)
 	}
 	if receipts[0].Status != types.ReceiptStatusSuccessful {
-		return fmt.Errorf("deploying StableCoin: transaction %s reverted", tx.Hash())
+		return common.Address{}, fmt.Errorf("deploying StableCoin: transaction %s reverted", tx.Hash())
 	}
-	c.Token = receipts[0].ContractAddress
+	token := receipts[0].ContractAddress
 
 	var minted []common.Hash
 	for _, payer := range append(append([]*Account{}, c.Payers...), c.PayersNoGas...) {
 		data, err := contracts.StableCoinABI.Pack("mint", payer.Address, perPayer)
 		if err != nil {
-			return fmt.Errorf("packing mint: %w", err)
+			return common.Address{}, fmt.Errorf("packing mint: %w", err)
 		}
-		tx, err := c.SendTx(ctx, c.Deployer, &c.Token, data)
+		tx, err := c.SendTx(ctx, c.Deployer, &token, data)
 		if err != nil {
-			return fmt.Errorf("minting to %s: %w", payer.Address, err)
+			return common.Address{}, fmt.Errorf("minting to %s: %w", payer.Address, err)
 		}
 		minted = append(minted, tx.Hash())
 	}
 	receipts, err = c.CommitUntilIncluded(ctx, minted...)
 	if err != nil {
-		return fmt.Errorf("minting: %w", err)
+		return common.Address{}, fmt.Errorf("minting: %w", err)
 	}
 	for _, r := range receipts {
 		if r.Status != types.ReceiptStatusSuccessful {
-			return fmt.Errorf("minting: transaction %s reverted", r.TxHash)
+			return common.Address{}, fmt.Errorf("minting: transaction %s reverted", r.TxHash)
 		}
 	}
-	return nil
+	return token, nil
 }
 
 func (c *Chain) close() {
