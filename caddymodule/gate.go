@@ -257,7 +257,12 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	}
 	// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 	g.enginePrunes = app.Facilitator() != nil
-	g.ledger.register(g)
+	if err := g.ledger.register(g); err != nil {
+		g.ledger.unregister(g)
+		_ = leaveLedger(g.ledger)
+		g.ledger = nil
+		return fmt.Errorf("x402 gate: %w", err)
+	}
 	g.untrackBacklog = g.metrics.trackBacklog(g.ledger)
 	return nil
 }

@@ -97,6 +97,18 @@ func (x *exchange) settleFailed(resp x402.SettleResponse) error {
 	return x.writeRequired(http.StatusPaymentRequired, pr)
 }
 
+// tooManyWaiting answers 429 a payer with too many requests waiting for its earlier payments to settle. Nothing
+// was verified or charged: the same payment may be sent again after Retry-After.
+func (x *exchange) tooManyWaiting() error {
+	detail := fmt.Sprintf("%d requests of this payer already wait for its earlier payments to settle", maxWaitersPerPayer)
+	x.resetHeaders()
+	x.end(x402.PaymentOutcome{Status: x402.OutcomeVerifyUnreachable, Detail: detail, Payer: signedPayer(x.req),
+		Network: x.req.PaymentRequirements.Network, TotalMs: x.totalMs()})
+	x.w.Header().Set("Retry-After", "2")
+	return x.writeJSON(http.StatusTooManyRequests, gateError{Error: detail, Outcome: x402.OutcomeVerifyUnreachable,
+		Retry: "nothing was charged; send the same payment again after Retry-After seconds"})
+}
+
 // gateError is the body of the gate's 502 answers.
 type gateError struct {
 	Error       string             `json:"error"`

@@ -123,7 +123,9 @@ func (l *gateLedger) Destruct() error {
 
 // register adds a gate that can settle payments, settles the async payments waiting in the journal (left
 // by a previous process, or waiting for a facilitator of their network), and starts the prune loop.
-func (l *gateLedger) register(g *Gate) {
+// An error says the journal could not be read: its async payments would be forgotten (never settled, their
+// payers not counted), so the gate must not start.
+func (l *gateLedger) register(g *Gate) error {
 	l.mu.Lock()
 	l.gates = append(l.gates, g)
 	if !l.pruning && l.ctx.Err() == nil {
@@ -132,7 +134,7 @@ func (l *gateLedger) register(g *Gate) {
 		go l.pruneLoop()
 	}
 	l.mu.Unlock()
-	l.replay()
+	return l.replay()
 }
 
 func (l *gateLedger) unregister(g *Gate) {
@@ -165,11 +167,10 @@ func (l *gateLedger) release(id journal.ID) {
 // replay settles every async payment the journal holds unsettled. Those not marked served count too: a process
 // that died between writing a response and recording it as delivered leaves them so, and their responses may
 // have reached the payer.
-func (l *gateLedger) replay() {
+func (l *gateLedger) replay() error {
 	served, err := l.store.PendingOf(l.ctx, true)
 	if err != nil {
-		l.log.Error("listing pending payments to settle", zap.Error(err))
-		return
+		return fmt.Errorf("reading the async payments the settlement journal holds unsettled: %w; not starting with them forgotten", err)
 	}
 	for _, rec := range served {
 		l.owe(rec.ID, rec.Payer)
@@ -179,6 +180,7 @@ func (l *gateLedger) replay() {
 		l.wg.Add(1)
 		go l.holdReplayed(served)
 	}
+	return nil
 }
 
 // holdReplayed holds the replayed payments against their payers' funds (with a facilitator that holds, the
@@ -231,6 +233,33 @@ func (l *gateLedger) backlog() int {
 type payerDebt struct {
 	n    int
 	done chan struct{}
+	// waiters counts the payer's requests waiting for these payments to settle (see reserveWaiter).
+	waiters int
+}
+
+// maxWaitersPerPayer bounds the requests of one payer that wait, each holding a connection, for the payer's
+// earlier served payments to settle (settle async with a remote facilitator).
+const maxWaitersPerPayer = 4
+
+// reserveWaiter takes one of the payer's waiting places when the payer owes an unsettled served payment: full
+// says all are taken (the request is refused before anything is verified), and release gives the place back.
+// A payer who owes nothing needs no place.
+func (l *gateLedger) reserveWaiter(payer string) (release func(), full bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	d := l.debts[strings.ToLower(payer)]
+	if d == nil {
+		return func() {}, false
+	}
+	if d.waiters >= maxWaitersPerPayer {
+		return nil, true
+	}
+	d.waiters++
+	return func() {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		d.waiters--
+	}, false
 }
 
 // serveFirst decides whether a payer may be served payment id before it settles, for a gate whose facilitator

@@ -6,14 +6,18 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/ethereum/go-ethereum/common"
+	bolt "go.etcd.io/bbolt"
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -212,4 +216,193 @@ func TestARefusalOfAPaymentWhoseSettlementMayHaveGoneThroughIsNoReasonToPayAgain
 		}
 	}
 	env.assertPaid(payer, before, 1)
+}
+
+// blockingFacilitator forwards to a facilitator, holding every /settle until released, and counts /verify calls.
+type blockingFacilitator struct {
+	target   string
+	release  chan struct{}
+	verifies atomic.Int64
+	srv      *httptest.Server
+}
+
+func (f *blockingFacilitator) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	switch r.URL.Path {
+	case "/verify":
+		f.verifies.Add(1)
+	case "/settle":
+		select {
+		case <-f.release:
+		case <-r.Context().Done():
+			return
+		}
+	}
+	var resp *http.Response
+	var err error
+	if r.Method == http.MethodGet {
+		resp, err = http.Get(f.target + r.URL.Path)
+	} else {
+		resp, err = http.Post(f.target+r.URL.Path, "application/json", bytes.NewReader(body))
+	}
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadGateway)
+		return
+	}
+	defer resp.Body.Close()
+	answer, _ := io.ReadAll(resp.Body)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(resp.StatusCode)
+	_, _ = w.Write(answer)
+}
+
+// settle async with a remote facilitator serves a payer one unsettled payment at a time: the payer's next
+// requests wait for it to settle, each holding a connection. Only a few may wait; the rest are answered 429 with
+// Retry-After before they cost a /verify, and the waiting ones are served once the first payment settles.
+func TestAPayerCannotParkManyRequestsWaitingForItsAsyncPaymentToSettle(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	t.Cleanup(commitPending(t, c))
+	engine := newRemoteFacilitatorOf(t, c, c.Wallets[:2], 20*time.Second)
+	remote := &blockingFacilitator{target: engine.URL, release: make(chan struct{})}
+	remote.srv = httptest.NewServer(remote)
+	t.Cleanup(remote.srv.Close)
+	released := false
+	t.Cleanup(func() {
+		if !released {
+			close(remote.release)
+		}
+	})
+	env := &gateEnv{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"), net: x402.EIP155(c.ChainID.Uint64())}
+	env.srv = startCaddy(t, `{
+	x402 {
+		journal {{DATA}}/journal.db
+	}
+}
+
+{{ADDR}} {
+	x402 {
+		pay_to `+env.payTo.Hex()+`
+		amount 10000
+		asset `+c.Token.Hex()+`
+		network `+env.net+`
+		facilitator `+remote.srv.URL+`
+		settle async
+	}
+	respond "paid content"
+}
+`)
+	payer := c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	if a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer)); a.status != http.StatusOK {
+		t.Fatalf("the first async payment: %d %q; want served", a.status, a.body)
+	}
+	verifiesBefore := remote.verifies.Load()
+
+	const extra = 3 // beyond the places to wait
+	const n = 4 + extra
+	answers := make([]<-chan gateAnswer, n)
+	for i := range n {
+		answers[i] = env.getAsync("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer))
+	}
+	var turnedAway int
+	deadline := time.After(5 * time.Second)
+	for turnedAway < extra {
+		select {
+		case <-deadline:
+			t.Fatalf("%d of %d requests turned away after 5 s; want %d", turnedAway, n, extra)
+		default:
+		}
+		for i, ch := range answers {
+			if ch == nil {
+				continue
+			}
+			select {
+			case a := <-ch:
+				if a.status != http.StatusTooManyRequests || a.header.Get("Retry-After") == "" {
+					t.Fatalf("a request while the first payment is unsettled: %d %q; want 429 with Retry-After", a.status, a.body)
+				}
+				turnedAway++
+				answers[i] = nil
+			default:
+			}
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if v := remote.verifies.Load() - verifiesBefore; v > n-extra {
+		t.Errorf("%d /verify calls for %d waiting requests; the turned-away ones must cost none", v, n-extra)
+	}
+	close(remote.release)
+	released = true
+	for _, ch := range answers {
+		if ch == nil {
+			continue
+		}
+		if a := <-ch; a.status != http.StatusOK || a.body != "paid content" {
+			t.Errorf("a waiting request once the first payment settled: %d %q; want served", a.status, a.body)
+		}
+	}
+	env.waitPaid(payer, before, int64(1+n-extra))
+}
+
+// A gate whose journal cannot be read at start-up (here: an async payment's record written by a newer release)
+// refuses to start, naming what it could not read, rather than start with the served payments waiting to be
+// settled forgotten: they would never be settled, and their payers never counted.
+func TestAGateThatCannotReadItsAsyncPaymentsAtStartUpRefusesToStart(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "journal.db")
+	store, err := journal.OpenBolt(path, journal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := journal.ID{1, 2, 3}
+	if _, _, err := store.Claim(context.Background(), journal.Record{ID: id, State: journal.StateClaimed, Async: true, Payer: "0x1", Request: []byte(`{}`)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Close(); err != nil {
+		t.Fatal(err)
+	}
+	db, err := bolt.Open(path, 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Update(func(tx *bolt.Tx) error {
+		return tx.Bucket([]byte("records")).Put(id[:], []byte("\x09{}")) // a record format this release does not read
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	text := `{
+	x402 {
+		journal ` + path + `
+	}
+}
+
+http://` + freeAddr(t) + ` {
+	x402 {
+		pay_to 0x5e11e75e11e75e11e75e11e75e11e75e11e75e10
+		amount 10000
+		asset 0xFCc9EBb7682E831668990F8333F2Ea453bFDD563
+		network eip155:72344
+		facilitator http://` + freeAddr(t) + `
+		settle async
+	}
+	respond "paid content"
+}
+`
+	caddyMu.Lock()
+	defer caddyMu.Unlock()
+	t.Setenv("XDG_DATA_HOME", filepath.Join(dir, "data"))
+	t.Setenv("XDG_CONFIG_HOME", filepath.Join(dir, "config"))
+	err = caddy.Load(adaptCaddyfile(t, text, dir), true)
+	if err == nil {
+		_ = caddy.Stop()
+		t.Fatal("Caddy started with a journal whose async payments it could not read")
+	}
+	if !strings.Contains(err.Error(), "async payments") || !strings.Contains(err.Error(), "format 9") {
+		t.Fatalf("load error = %v; want it to say the async payments could not be read, and why", err)
+	}
 }

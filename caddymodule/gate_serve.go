@@ -165,6 +165,15 @@ func (x *exchange) paymentHeader() (string, bool) {
 
 // verifyAndServe verifies a new payment and serves it in the gate's settlement mode.
 func (x *exchange) verifyAndServe() error {
+	if x.g.Settle == SettleAsync && x.g.holder == nil {
+		// A payer who owes a served payment waits for it to settle (serveFirst): only a few of its requests may
+		// wait at once, each holding a connection; the rest are turned away before they cost a verification.
+		release, full := x.g.ledger.reserveWaiter(signedPayer(x.req))
+		if full {
+			return x.tooManyWaiting()
+		}
+		defer release()
+	}
 	t := x.g.now()
 	vres, err := x.verify()
 	x.verifyMs = msSince(x.g.now, t)
