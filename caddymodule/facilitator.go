@@ -348,7 +348,7 @@ func (h *FacilitatorHandler) authorized(r *http.Request) bool {
 func (h *FacilitatorHandler) serveSupported(ctx context.Context) facilitatorReply {
 	resp, err := h.facilitator.Supported(ctx)
 	if err != nil {
-		return h.failure(facilitatorEndpointSupported, err)
+		return h.failure(facilitatorEndpointSupported, err, "")
 	}
 	return facilitatorReply{status: http.StatusOK, body: h.filterSupported(resp)}
 }
@@ -385,12 +385,12 @@ func (h *FacilitatorHandler) serves(method, network string) bool {
 func (h *FacilitatorHandler) serveHealth(ctx context.Context) facilitatorReply {
 	resp, err := h.facilitator.Health(ctx)
 	if err != nil {
-		msg := h.redact(err.Error())
-		h.logger.Warn("health unknown: the facilitator gave no answer", zap.String("error", msg))
+		logged := h.redact(err.Error())
+		h.logger.Warn("health unknown: the facilitator gave no answer", zap.String("error", logged))
 		return facilitatorReply{status: http.StatusServiceUnavailable, body: struct {
 			x402.HealthResponse
 			Error string `json:"error"`
-		}{x402.HealthResponse{Status: x402.HealthDown}, msg}}
+		}{x402.HealthResponse{Status: x402.HealthDown}, h.answerText(err, logged, "")}}
 	}
 	resp = h.filterHealth(resp)
 	for i := range resp.Networks {
@@ -519,7 +519,7 @@ func (h *FacilitatorHandler) verify(ctx context.Context, req x402.VerifyRequest)
 	took := time.Since(start)
 	h.metrics.observeVerify(metricsHandlerFacilitator, took)
 	if err != nil {
-		return h.failure(facilitatorEndpointVerify, err)
+		return h.failure(facilitatorEndpointVerify, err, paymentKind(req))
 	}
 	h.metrics.observeFacilitatorOutcome(facilitatorEndpointVerify, resp.InvalidReason)
 	if c := h.logger.Check(zap.DebugLevel, "verified"); c != nil {
@@ -536,7 +536,7 @@ func (h *FacilitatorHandler) settle(ctx context.Context, req x402.SettleRequest,
 	took := time.Since(start)
 	h.metrics.observeSettle(metricsHandlerFacilitator, took)
 	if err != nil {
-		return h.failure(facilitatorEndpointSettle, err)
+		return h.failure(facilitatorEndpointSettle, err, paymentKind(req))
 	}
 	h.metrics.observeFacilitatorOutcome(facilitatorEndpointSettle, resp.ErrorReason)
 	fields := []zap.Field{
@@ -557,19 +557,44 @@ func (h *FacilitatorHandler) settle(ctx context.Context, req x402.SettleRequest,
 }
 
 // failure answers a call that got no answer from the facilitator behind: 502 with what went wrong, and for a
-// settlement the warning that it may have happened all the same.
-func (h *FacilitatorHandler) failure(endpoint string, err error) facilitatorReply {
-	msg := h.redact(err.Error())
-	h.logger.Error("the facilitator gave no answer", zap.String("endpoint", endpoint), zap.String("error", msg))
+// settlement the warning that it may have happened all the same. payment names the payment's kind, if any.
+func (h *FacilitatorHandler) failure(endpoint string, err error, payment string) facilitatorReply {
+	logged := h.redact(err.Error())
+	h.logger.Error("the facilitator gave no answer", zap.String("endpoint", endpoint), zap.String("error", logged))
 	status := http.StatusBadGateway
 	var fe *x402.FacilitatorError
 	if !errors.As(err, &fe) {
 		status = http.StatusInternalServerError
 	}
+	msg := h.answerText(err, logged, payment)
 	if endpoint == facilitatorEndpointSettle {
 		msg += "; the payment may have settled: send the same payload to /settle again to learn its outcome, never a new payment"
 	}
 	return facilitatorReply{status: status, body: facilitatorError{Error: msg}}
+}
+
+// answerText is what an answer says of err, a failure of the facilitator behind. The embedded engine's own
+// words are given with its RPC URLs cut to scheme://host (logged is that text). An upstream's error names the
+// upstreams' URLs and the hosts behind them, which are for the log only: the answer says what kind of failure
+// it was, and for which payment.
+func (h *FacilitatorHandler) answerText(err error, logged, payment string) string {
+	if h.embedded {
+		return logged
+	}
+	if len(h.Upstreams) == 1 {
+		return "the upstream facilitator gave no usable answer: " + facilitatorProblem(err)
+	}
+	who := "no facilitator upstream answered"
+	if payment != "" {
+		who += " for a " + payment
+	}
+	return who + ": " + facilitatorProblem(err)
+}
+
+// paymentKind names a payment's transfer method and network, for an error answer.
+func paymentKind(req x402.VerifyRequest) string {
+	rq := req.PaymentRequirements
+	return x402.TransferMethod(rq, req.PaymentPayload.Payload) + " payment on " + rq.Network
 }
 
 // redact hides the RPC URLs of the embedded engine in a text bound for an answer or a log.
