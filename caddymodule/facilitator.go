@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -93,6 +94,7 @@ type FacilitatorHandler struct {
 	metrics        *metrics
 	releaseWallets func()
 	redactor       *strings.Replacer // hides RPC URLs (and the API keys in them) in engine errors; nil for upstreams
+	health         *healthCache
 	logger         *zap.Logger
 }
 
@@ -148,6 +150,8 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		}
 	}
 	h.registry = x402.NewRegistry()
+	h.health = &healthCache{ttl: healthCacheTTL}
+
 	var err error
 	if h.terms, err = parsePaymentTerms(h.MinAmount, h.PayTo); err != nil {
 		return fmt.Errorf("x402_facilitator: %w", err)
@@ -318,7 +322,7 @@ func (h *FacilitatorHandler) serve(r *http.Request, endpoint string) facilitator
 		if endpoint == facilitatorEndpointSupported {
 			return h.serveSupported(r.Context())
 		}
-		return h.serveHealth(r.Context())
+		return h.health.get(r.Context(), h.serveHealth)
 	case facilitatorEndpointVerify, facilitatorEndpointSettle:
 		if r.Method != http.MethodPost {
 			res := errorReply(http.StatusMethodNotAllowed, "%s /%s is not served; use POST with a JSON body", r.Method, endpoint)
@@ -401,6 +405,73 @@ func (h *FacilitatorHandler) serveHealth(ctx context.Context) facilitatorReply {
 		status = http.StatusServiceUnavailable
 	}
 	return facilitatorReply{status: status, body: resp}
+}
+
+// healthCacheTTL is how long a /health answer is reused. Each answer costs a head read and a balance read per
+// settlement wallet on every network; without a key anyone may ask, and a probe every few seconds loses
+// nothing by being told what was true two seconds ago.
+const healthCacheTTL = 2 * time.Second
+
+// healthFetchTimeout bounds one health check: the callers waiting for it are not the one that started it.
+const healthFetchTimeout = 15 * time.Second
+
+// healthCache holds the last /health answer for its ttl and lets one check run at a time, which every caller
+// that comes meanwhile waits for and shares.
+type healthCache struct {
+	ttl time.Duration
+
+	mu     sync.Mutex
+	at     time.Time
+	reply  *facilitatorReply
+	flight chan struct{} // closed when the running check is done; nil when none runs
+}
+
+// get returns the cached answer while it is fresh, and otherwise the answer of a check by fetch, started now or
+// already under way. A caller that leaves while it waits gets 503; the check goes on for the others.
+func (c *healthCache) get(ctx context.Context, fetch func(context.Context) facilitatorReply) facilitatorReply {
+	if c == nil {
+		return fetch(ctx)
+	}
+	for {
+		c.mu.Lock()
+		if c.reply != nil && time.Since(c.at) < c.ttl {
+			res := *c.reply
+			c.mu.Unlock()
+			return res
+		}
+		if flight := c.flight; flight != nil {
+			c.mu.Unlock()
+			select {
+			case <-flight:
+				continue
+			case <-ctx.Done():
+				return errorReply(http.StatusServiceUnavailable, "health unknown: the request ended while the check ran")
+			}
+		}
+		c.flight = make(chan struct{})
+		c.mu.Unlock()
+		return c.check(ctx, fetch)
+	}
+}
+
+// check runs fetch on a context of its own, so that the first caller leaving does not fail the others, and
+// keeps its answer. The waiters are let go even if fetch panics.
+func (c *healthCache) check(ctx context.Context, fetch func(context.Context) facilitatorReply) (res facilitatorReply) {
+	done := false
+	defer func() {
+		c.mu.Lock()
+		if done {
+			c.reply, c.at = &res, time.Now()
+		}
+		close(c.flight)
+		c.flight = nil
+		c.mu.Unlock()
+	}()
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), healthFetchTimeout)
+	defer cancel()
+	res = fetch(ctx)
+	done = true
+	return res
 }
 
 // filterHealth keeps the networks this handler serves and sums them up: down when every one of them is down,
