@@ -95,6 +95,7 @@ type FacilitatorHandler struct {
 	releaseWallets func()
 	redactor       *strings.Replacer // hides RPC URLs (and the API keys in them) in engine errors; nil for upstreams
 	health         *healthCache
+	accessLog      *keyedAccessLog
 	logger         *zap.Logger
 }
 
@@ -151,6 +152,7 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 	}
 	h.registry = x402.NewRegistry()
 	h.health = &healthCache{ttl: healthCacheTTL}
+	h.accessLog = newKeyedAccessLog(ctx)
 
 	var err error
 	if h.terms, err = parsePaymentTerms(h.MinAmount, h.PayTo); err != nil {
@@ -292,9 +294,13 @@ func errorReply(status int, format string, args ...any) facilitatorReply {
 
 // ServeHTTP answers the request; it is a terminal handler and never calls next.
 func (h *FacilitatorHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
+	entry := h.accessLog.takeOver(r) // the x-api-key header must not reach the access log
 	endpoint := facilitatorEndpoint(r.URL.Path)
 	res := h.serve(r, endpoint)
-	writeFacilitatorReply(w, res)
+	size := writeFacilitatorReply(w, res)
+	if entry != nil {
+		entry.write(w, res.status, size)
+	}
 	h.metrics.observeFacilitatorRequest(endpoint, res.status)
 	return nil
 }
@@ -714,8 +720,8 @@ func describeKinds(kinds []x402.SupportedKind) string {
 	return strings.Join(parts, ", ")
 }
 
-// writeFacilitatorReply writes res as JSON.
-func writeFacilitatorReply(w http.ResponseWriter, res facilitatorReply) {
+// writeFacilitatorReply writes res as JSON and returns how many bytes of body it wrote.
+func writeFacilitatorReply(w http.ResponseWriter, res facilitatorReply) int {
 	body, err := json.Marshal(res.body)
 	if err != nil {
 		res.status, body = http.StatusInternalServerError, []byte(`{"error":"encoding the answer failed"}`)
@@ -730,7 +736,8 @@ func writeFacilitatorReply(w http.ResponseWriter, res facilitatorReply) {
 		hdr.Set("Retry-After", strconv.Itoa(res.retryAfter))
 	}
 	w.WriteHeader(res.status)
-	_, _ = w.Write(append(body, '\n'))
+	n, _ := w.Write(append(body, '\n'))
+	return n
 }
 
 // Interface guards
