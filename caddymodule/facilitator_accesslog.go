@@ -22,9 +22,9 @@ import (
 // credentials): no handler can add x-api-key to those or change Caddy's copy, and a filter in every log
 // configuration is a step each operator would have to know of. So such a request is marked log_skip, which
 // Caddy honours, and its entry is written here instead: to the loggers Caddy would have chosen, in Caddy's
-// shape, with the key's value written "REDACTED" as Caddy writes Authorization's. What the entry cannot show
-// is what happens around the handler after it answered: fields that log_append adds on the way out, and
-// changes an outer handler makes to the answer (its size once encoded, headers added last).
+// shape, with the key's value written "REDACTED" as Caddy writes Authorization's. What the entry cannot show:
+// fields added with log_append (Caddy keeps them where no handler can read them), and changes an outer handler
+// makes to the answer after the facilitator wrote it (its size once encoded, headers added last).
 type keyedAccessLog struct {
 	logger *zap.Logger // Caddy's own access logger, http.log.access
 }
