@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -97,7 +98,8 @@ func newFrontedGateEnv(t *testing.T, s gateSetup) (*gateEnv, *frontedFacilitator
 	return env, front
 }
 
-// decoy is a facilitator a redirect points to: it answers every call with a settlement, and records what
+// decoy is a facilitator a redirect points to: it answers every call with a settlement well formed for the
+// payment it was sent (its network, its signed payer, a transaction hash), as a forger would, and records what
 // reached it.
 type decoy struct {
 	URL       string
@@ -113,9 +115,14 @@ func newDecoy(t *testing.T) *decoy {
 		if r.Header.Get(x402.HeaderAPIKey) != "" {
 			d.gotAPIKey.Store(true)
 		}
+		var req x402.VerifyRequest
+		if body, err := io.ReadAll(r.Body); err == nil {
+			req, _ = x402.DecodeVerifyRequest(body)
+		}
+		payer, _ := req.PaymentPayload.Payload.PayerAndNonce()
 		// A settlement for /settle, a valid payment for /verify: whichever it is asked.
-		gateWriteJSON(w, http.StatusOK, map[string]any{"success": true, "isValid": true,
-			"transaction": "0x" + strings.Repeat("ab", 32), "network": "eip155:1", "payer": "0x0000000000000000000000000000000000000001"})
+		gateWriteJSON(w, http.StatusOK, map[string]any{"success": true, "isValid": true, "transaction": "0x" + strings.Repeat("ab", 32),
+			"network": req.PaymentRequirements.Network, "payer": payer, "amount": req.PaymentRequirements.Amount})
 	}))
 	t.Cleanup(srv.Close)
 	d.URL = srv.URL
