@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -93,6 +94,8 @@ type FacilitatorHandler struct {
 	metrics        *metrics
 	releaseWallets func()
 	redactor       *strings.Replacer // hides RPC URLs (and the API keys in them) in engine errors; nil for upstreams
+	health         *healthCache
+	accessLog      *keyedAccessLog
 	logger         *zap.Logger
 }
 
@@ -148,6 +151,9 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		}
 	}
 	h.registry = x402.NewRegistry()
+	h.health = &healthCache{ttl: healthCacheTTL}
+	h.accessLog = newKeyedAccessLog(ctx)
+
 	var err error
 	if h.terms, err = parsePaymentTerms(h.MinAmount, h.PayTo); err != nil {
 		return fmt.Errorf("x402_facilitator: %w", err)
@@ -288,9 +294,13 @@ func errorReply(status int, format string, args ...any) facilitatorReply {
 
 // ServeHTTP answers the request; it is a terminal handler and never calls next.
 func (h *FacilitatorHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
+	entry := h.accessLog.takeOver(r) // the x-api-key header must not reach the access log
 	endpoint := facilitatorEndpoint(r.URL.Path)
 	res := h.serve(r, endpoint)
-	writeFacilitatorReply(w, res)
+	size := writeFacilitatorReply(w, res)
+	if entry != nil {
+		entry.write(w, res.status, size)
+	}
 	h.metrics.observeFacilitatorRequest(endpoint, res.status)
 	return nil
 }
@@ -318,7 +328,7 @@ func (h *FacilitatorHandler) serve(r *http.Request, endpoint string) facilitator
 		if endpoint == facilitatorEndpointSupported {
 			return h.serveSupported(r.Context())
 		}
-		return h.serveHealth(r.Context())
+		return h.health.get(r.Context(), h.serveHealth)
 	case facilitatorEndpointVerify, facilitatorEndpointSettle:
 		if r.Method != http.MethodPost {
 			res := errorReply(http.StatusMethodNotAllowed, "%s /%s is not served; use POST with a JSON body", r.Method, endpoint)
@@ -348,7 +358,7 @@ func (h *FacilitatorHandler) authorized(r *http.Request) bool {
 func (h *FacilitatorHandler) serveSupported(ctx context.Context) facilitatorReply {
 	resp, err := h.facilitator.Supported(ctx)
 	if err != nil {
-		return h.failure(facilitatorEndpointSupported, err)
+		return h.failure(facilitatorEndpointSupported, err, "")
 	}
 	return facilitatorReply{status: http.StatusOK, body: h.filterSupported(resp)}
 }
@@ -385,12 +395,12 @@ func (h *FacilitatorHandler) serves(method, network string) bool {
 func (h *FacilitatorHandler) serveHealth(ctx context.Context) facilitatorReply {
 	resp, err := h.facilitator.Health(ctx)
 	if err != nil {
-		msg := h.redact(err.Error())
-		h.logger.Warn("health unknown: the facilitator gave no answer", zap.String("error", msg))
+		logged := h.redact(err.Error())
+		h.logger.Warn("health unknown: the facilitator gave no answer", zap.String("error", logged))
 		return facilitatorReply{status: http.StatusServiceUnavailable, body: struct {
 			x402.HealthResponse
 			Error string `json:"error"`
-		}{x402.HealthResponse{Status: x402.HealthDown}, msg}}
+		}{x402.HealthResponse{Status: x402.HealthDown}, h.answerText(err, logged, "")}}
 	}
 	resp = h.filterHealth(resp)
 	for i := range resp.Networks {
@@ -401,6 +411,73 @@ func (h *FacilitatorHandler) serveHealth(ctx context.Context) facilitatorReply {
 		status = http.StatusServiceUnavailable
 	}
 	return facilitatorReply{status: status, body: resp}
+}
+
+// healthCacheTTL is how long a /health answer is reused. Each answer costs a head read and a balance read per
+// settlement wallet on every network; without a key anyone may ask, and a probe every few seconds loses
+// nothing by being told what was true two seconds ago.
+const healthCacheTTL = 2 * time.Second
+
+// healthFetchTimeout bounds one health check: the callers waiting for it are not the one that started it.
+const healthFetchTimeout = 15 * time.Second
+
+// healthCache holds the last /health answer for its ttl and lets one check run at a time, which every caller
+// that comes meanwhile waits for and shares.
+type healthCache struct {
+	ttl time.Duration
+
+	mu     sync.Mutex
+	at     time.Time
+	reply  *facilitatorReply
+	flight chan struct{} // closed when the running check is done; nil when none runs
+}
+
+// get returns the cached answer while it is fresh, and otherwise the answer of a check by fetch, started now or
+// already under way. A caller that leaves while it waits gets 503; the check goes on for the others.
+func (c *healthCache) get(ctx context.Context, fetch func(context.Context) facilitatorReply) facilitatorReply {
+	if c == nil {
+		return fetch(ctx)
+	}
+	for {
+		c.mu.Lock()
+		if c.reply != nil && time.Since(c.at) < c.ttl {
+			res := *c.reply
+			c.mu.Unlock()
+			return res
+		}
+		if flight := c.flight; flight != nil {
+			c.mu.Unlock()
+			select {
+			case <-flight:
+				continue
+			case <-ctx.Done():
+				return errorReply(http.StatusServiceUnavailable, "health unknown: the request ended while the check ran")
+			}
+		}
+		c.flight = make(chan struct{})
+		c.mu.Unlock()
+		return c.check(ctx, fetch)
+	}
+}
+
+// check runs fetch on a context of its own, so that the first caller leaving does not fail the others, and
+// keeps its answer. The waiters are let go even if fetch panics.
+func (c *healthCache) check(ctx context.Context, fetch func(context.Context) facilitatorReply) (res facilitatorReply) {
+	done := false
+	defer func() {
+		c.mu.Lock()
+		if done {
+			c.reply, c.at = &res, time.Now()
+		}
+		close(c.flight)
+		c.flight = nil
+		c.mu.Unlock()
+	}()
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), healthFetchTimeout)
+	defer cancel()
+	res = fetch(ctx)
+	done = true
+	return res
 }
 
 // filterHealth keeps the networks this handler serves and sums them up: down when every one of them is down,
@@ -519,7 +596,7 @@ func (h *FacilitatorHandler) verify(ctx context.Context, req x402.VerifyRequest)
 	took := time.Since(start)
 	h.metrics.observeVerify(metricsHandlerFacilitator, took)
 	if err != nil {
-		return h.failure(facilitatorEndpointVerify, err)
+		return h.failure(facilitatorEndpointVerify, err, paymentKind(req))
 	}
 	h.metrics.observeFacilitatorOutcome(facilitatorEndpointVerify, resp.InvalidReason)
 	if c := h.logger.Check(zap.DebugLevel, "verified"); c != nil {
@@ -536,7 +613,7 @@ func (h *FacilitatorHandler) settle(ctx context.Context, req x402.SettleRequest,
 	took := time.Since(start)
 	h.metrics.observeSettle(metricsHandlerFacilitator, took)
 	if err != nil {
-		return h.failure(facilitatorEndpointSettle, err)
+		return h.failure(facilitatorEndpointSettle, err, paymentKind(req))
 	}
 	h.metrics.observeFacilitatorOutcome(facilitatorEndpointSettle, resp.ErrorReason)
 	fields := []zap.Field{
@@ -557,19 +634,44 @@ func (h *FacilitatorHandler) settle(ctx context.Context, req x402.SettleRequest,
 }
 
 // failure answers a call that got no answer from the facilitator behind: 502 with what went wrong, and for a
-// settlement the warning that it may have happened all the same.
-func (h *FacilitatorHandler) failure(endpoint string, err error) facilitatorReply {
-	msg := h.redact(err.Error())
-	h.logger.Error("the facilitator gave no answer", zap.String("endpoint", endpoint), zap.String("error", msg))
+// settlement the warning that it may have happened all the same. payment names the payment's kind, if any.
+func (h *FacilitatorHandler) failure(endpoint string, err error, payment string) facilitatorReply {
+	logged := h.redact(err.Error())
+	h.logger.Error("the facilitator gave no answer", zap.String("endpoint", endpoint), zap.String("error", logged))
 	status := http.StatusBadGateway
 	var fe *x402.FacilitatorError
 	if !errors.As(err, &fe) {
 		status = http.StatusInternalServerError
 	}
+	msg := h.answerText(err, logged, payment)
 	if endpoint == facilitatorEndpointSettle {
 		msg += "; the payment may have settled: send the same payload to /settle again to learn its outcome, never a new payment"
 	}
 	return facilitatorReply{status: status, body: facilitatorError{Error: msg}}
+}
+
+// answerText is what an answer says of err, a failure of the facilitator behind. The embedded engine's own
+// words are given with its RPC URLs cut to scheme://host (logged is that text). An upstream's error names the
+// upstreams' URLs and the hosts behind them, which are for the log only: the answer says what kind of failure
+// it was, and for which payment.
+func (h *FacilitatorHandler) answerText(err error, logged, payment string) string {
+	if h.embedded {
+		return logged
+	}
+	if len(h.Upstreams) == 1 {
+		return "the upstream facilitator gave no usable answer: " + facilitatorProblem(err)
+	}
+	who := "no facilitator upstream answered"
+	if payment != "" {
+		who += " for a " + payment
+	}
+	return who + ": " + facilitatorProblem(err)
+}
+
+// paymentKind names a payment's transfer method and network, for an error answer.
+func paymentKind(req x402.VerifyRequest) string {
+	rq := req.PaymentRequirements
+	return x402.TransferMethod(rq, req.PaymentPayload.Payload) + " payment on " + rq.Network
 }
 
 // redact hides the RPC URLs of the embedded engine in a text bound for an answer or a log.
@@ -618,8 +720,8 @@ func describeKinds(kinds []x402.SupportedKind) string {
 	return strings.Join(parts, ", ")
 }
 
-// writeFacilitatorReply writes res as JSON.
-func writeFacilitatorReply(w http.ResponseWriter, res facilitatorReply) {
+// writeFacilitatorReply writes res as JSON and returns how many bytes of body it wrote.
+func writeFacilitatorReply(w http.ResponseWriter, res facilitatorReply) int {
 	body, err := json.Marshal(res.body)
 	if err != nil {
 		res.status, body = http.StatusInternalServerError, []byte(`{"error":"encoding the answer failed"}`)
@@ -634,7 +736,8 @@ func writeFacilitatorReply(w http.ResponseWriter, res facilitatorReply) {
 		hdr.Set("Retry-After", strconv.Itoa(res.retryAfter))
 	}
 	w.WriteHeader(res.status)
-	_, _ = w.Write(append(body, '\n'))
+	n, _ := w.Write(append(body, '\n'))
+	return n
 }
 
 // Interface guards

@@ -60,18 +60,20 @@ func (x *exchange) alreadyUsed(message string) error {
 	return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: x402.ReasonPaymentAlreadyUsed, InvalidMessage: message})
 }
 
-// verifyUnreachable answers when the payment could not be checked: 502, and nothing was charged.
-func (x *exchange) verifyUnreachable(detail string) error {
+// verifyUnreachable answers when the payment could not be checked: 502, and nothing was charged. detail is
+// for whoever sent the request and names no URL, host or file; cause, when there is one, goes to the log only.
+func (x *exchange) verifyUnreachable(detail string, cause error) error {
 	x.resetHeaders()
 	x.end(x402.PaymentOutcome{Status: x402.OutcomeVerifyUnreachable, Detail: detail, Payer: x.payer,
-		Network: x.req.PaymentRequirements.Network, VerifyMs: x.verifyMs, TotalMs: x.totalMs()})
+		Network: x.req.PaymentRequirements.Network, VerifyMs: x.verifyMs, TotalMs: x.totalMs()}, x.causeField(cause)...)
 	return x.writeJSON(http.StatusBadGateway, gateError{Error: detail, Outcome: x402.OutcomeVerifyUnreachable,
 		Retry: "the payment was not settled; the same payment may be sent again"})
 }
 
 // settleUnreachable answers when the settlement's outcome is not known: 502 that says the payment may have
-// settled and must not be paid again. Presenting the same payment again serves it once it is settled.
-func (x *exchange) settleUnreachable(detail string, pending *x402.SettleResponse) error {
+// settled and must not be paid again. Presenting the same payment again serves it once it is settled. detail
+// and cause are as for verifyUnreachable.
+func (x *exchange) settleUnreachable(detail string, cause error, pending *x402.SettleResponse) error {
 	o := x402.PaymentOutcome{Status: x402.OutcomeSettleUnreachable, Detail: detail, Payer: x.payer,
 		Network: x.req.PaymentRequirements.Network, VerifyMs: x.verifyMs, SettleMs: x.settleMs, TotalMs: x.totalMs()}
 	body := gateError{Error: detail, Outcome: x402.OutcomeSettleUnreachable,
@@ -82,8 +84,17 @@ func (x *exchange) settleUnreachable(detail string, pending *x402.SettleResponse
 		x.repl.Set("http.x402.transaction", pending.Transaction)
 		x.setSettleHeader(*pending)
 	}
-	x.end(o)
+	x.end(o, x.causeField(cause)...)
 	return x.writeJSON(http.StatusBadGateway, body)
+}
+
+// causeField is the log field of what made a request end in a 502, with the app's RPC URLs taken out: the
+// facilitator's or node's own words, which name internal hosts and never go into an answer.
+func (x *exchange) causeField(cause error) []zap.Field {
+	if cause == nil {
+		return nil
+	}
+	return []zap.Field{zap.String("error", x.g.describe(cause))}
 }
 
 // settleFailed answers a settlement the facilitator refused: 402 with its answer and a fresh offer.

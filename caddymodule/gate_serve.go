@@ -101,7 +101,7 @@ func (x *exchange) run() error {
 	defer x.g.ledger.release(p.id)
 	rec, found, err := x.g.ledger.store.Get(x.r.Context(), p.id)
 	if err != nil {
-		return x.verifyUnreachable(fmt.Sprintf("the gate's settlement journal could not be read (%v); nothing was charged, try again", err))
+		return x.verifyUnreachable("the gate's settlement journal could not be read; nothing was charged, try again", err)
 	}
 	if found {
 		return x.presentedAgain(rec, p.payload)
@@ -178,7 +178,7 @@ func (x *exchange) verifyAndServe() error {
 	vres, err := x.verify()
 	x.verifyMs = msSince(x.g.now, t)
 	if err != nil {
-		return x.verifyUnreachable(fmt.Sprintf("the facilitator could not verify the payment (%s); nothing was charged, try again", x.g.describe(err)))
+		return x.verifyUnreachable(fmt.Sprintf("the facilitator could not verify the payment: %s; nothing was charged, try again", facilitatorProblem(err)), err)
 	}
 	if !vres.IsValid {
 		return x.verifyFailed(vres)
@@ -187,7 +187,7 @@ func (x *exchange) verifyAndServe() error {
 	// names another is no answer about this payment.
 	x.payer = signedPayer(x.req)
 	if vres.Payer != "" && !strings.EqualFold(vres.Payer, x.payer) {
-		return x.verifyUnreachable(fmt.Sprintf("the facilitator's answer names payer %s, but the payment is signed by %s; nothing was charged", vres.Payer, x.payer))
+		return x.verifyUnreachable(fmt.Sprintf("the facilitator's answer names payer %s, but the payment is signed by %s; nothing was charged", vres.Payer, x.payer), nil)
 	}
 	x.setPaymentPlaceholders()
 
@@ -206,7 +206,7 @@ func (x *exchange) verifyAndServe() error {
 		if x.g.holder == nil {
 			if earlier := x.g.ledger.serveFirst(x.id, x.payer); earlier != nil {
 				if !x.awaitEarlierPayments(earlier) {
-					return x.verifyUnreachable("the request ended while the payer's earlier payment was settling; this payment was not settled and may be sent again")
+					return x.verifyUnreachable("the request ended while the payer's earlier payment was settling; this payment was not settled and may be sent again", nil)
 				}
 				return x.settleAfter()
 			}
@@ -401,7 +401,7 @@ func (x *exchange) recordFailed(err error) error {
 	}
 	x.unhold() // not recorded, so never settled
 	x.g.logger.Error("writing a payment to the settlement journal", zap.Error(err))
-	return x.verifyUnreachable(fmt.Sprintf("the gate could not record the payment (%v); nothing was charged, try again", err))
+	return x.verifyUnreachable("the gate could not record the payment; nothing was charged, try again", err)
 }
 
 // settleThenServe settles the recorded payment and serves it once settled: with up, the response the upstream
@@ -420,24 +420,24 @@ func (x *exchange) settleThenServe(up *upstream) error {
 					ErrorReason: x402.ReasonUnexpectedSettleError, ErrorMessage: "the settlement request never reached the facilitator"}
 			})
 		}
-		return x.settleUnreachable(fmt.Sprintf("the facilitator could not be reached to settle (%s)", x.g.describe(err)), nil)
+		return x.settleUnreachable(fmt.Sprintf("the facilitator could not be reached to settle: %s", facilitatorProblem(err)), err, nil)
 	}
 	if problem := settledAnswerProblem(x.req, resp); resp.Success && problem != "" {
 		x.g.logger.Error("the facilitator answered success for a settlement it does not show", zap.String("facilitator", x.g.facName),
 			zap.String("payment", x.id.String()), zap.String("problem", problem))
-		return x.settleUnreachable("the facilitator answered success, but "+problem+"; the outcome is unknown", nil)
+		return x.settleUnreachable("the facilitator answered success, but "+problem+"; the outcome is unknown", nil, nil)
 	}
 	if !resp.Success {
 		if resp.Pending() {
 			x.note(func(r *journal.Record) { r.Response = &resp })
-			return x.settleUnreachable("the settlement transaction "+resp.Transaction+" is not final yet", &resp)
+			return x.settleUnreachable("the settlement transaction "+resp.Transaction+" is not final yet", nil, &resp)
 		}
 		if x.resend {
 			// A refusal of a payment whose earlier settlement may have reached the facilitator says nothing
 			// sure: a facilitator without a journal refuses a repeat of a settlement it made ("nonce already
 			// used"). The outcome stays unknown; the payer is never told to pay again for it.
 			return x.settleUnreachable(fmt.Sprintf("the facilitator refused the payment (%s: %s), but its earlier settlement request may have reached the facilitator and settled it; check the chain before paying again",
-				resp.ErrorReason, resp.ErrorMessage), nil)
+				resp.ErrorReason, resp.ErrorMessage), nil, nil)
 		}
 		// Refused: final, so the record leaves the backlog and is pruned past its deadline. Presented again, the
 		// payment is still asked of the facilitator, which answers from its own journal.

@@ -55,7 +55,13 @@ func New(baseURL string, opts ...Option) (*Client, error) {
 	}
 	if s.httpClient == nil {
 		s.httpClient = defaultHTTPClient()
+	} else {
+		hc := *s.httpClient // the caller's client keeps its own redirect policy for its other uses
+		s.httpClient = &hc
 	}
+	// A redirect is an answer of the facilitator asked, and a bad one: following it would send the API key and
+	// the payment to whatever host it names, and take that host's word for the settlement.
+	s.httpClient.CheckRedirect = refuseRedirect
 	return &Client{
 		base:         base,
 		supportedURL: base + "/supported",
@@ -97,6 +103,9 @@ func defaultHTTPClient() *http.Client {
 	tr.MaxIdleConnsPerHost = 64
 	return &http.Client{Transport: tr}
 }
+
+// refuseRedirect makes the HTTP client hand back a redirect as the answer instead of following it.
+func refuseRedirect(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 
 // String is the facilitator's base URL; it never includes the API key.
 func (c *Client) String() string { return c.base }

@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptrace"
+	"net/url"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -27,6 +28,7 @@ type exchange struct {
 	notSent   bool   // err came before any byte of the request can have left
 	timedOut  bool   // err is this attempt's own timeout, not the caller's context
 	tooLarge  bool   // the answer is longer than maxBytes
+	location  string // the Location header of a redirect
 }
 
 // sent is the outcome of a call of one or more attempts.
@@ -136,6 +138,9 @@ func (c *Client) exchangeOnce(ctx context.Context, method, url string, body []by
 	defer resp.Body.Close()
 
 	ex := exchange{status: resp.StatusCode, responded: true}
+	if resp.StatusCode >= 300 && resp.StatusCode < 400 {
+		ex.location = resp.Header.Get("Location")
+	}
 	data, err := io.ReadAll(io.LimitReader(resp.Body, c.maxBytes+1))
 	switch {
 	case err != nil && ctx.Err() == nil && errors.Is(actx.Err(), context.DeadlineExceeded):
@@ -210,11 +215,28 @@ func (c *Client) statusFailure(op string, ex exchange, want string) error {
 	case s >= 400:
 		fe.Kind = x402.FailureRejected
 		fe.Err = fmt.Errorf("the facilitator refused the request%s, got %s", rejectionHint(s), got)
+	case s >= 300 && s < 400:
+		fe.Kind = x402.FailureBadAnswer
+		fe.Err = fmt.Errorf("expected %s with HTTP 200, got a redirect (HTTP %d%s), which is not followed: the API key and "+
+			"the payment go only to the configured facilitator; check its base URL", want, s, redirectTarget(ex.location))
 	default:
 		fe.Kind = x402.FailureBadAnswer
 		fe.Err = fmt.Errorf("expected %s with HTTP 200, got HTTP %d and %s", want, s, got)
 	}
 	return fe
+}
+
+// redirectTarget names where a redirect pointed, without its query (which may carry tokens).
+func redirectTarget(location string) string {
+	if location == "" {
+		return " without a Location"
+	}
+	u, err := url.Parse(location)
+	if err != nil {
+		return " to an unreadable Location"
+	}
+	u.RawQuery, u.Fragment, u.User = "", "", nil
+	return " to " + u.String()
 }
 
 // rejectionHint names what to check for a status that means the request itself was refused.

@@ -83,8 +83,8 @@ func WithAPIKey(key string) Option {
 	}
 }
 
-// WithHTTPClient sends requests through hc instead of a client of the package's own. Its Timeout, if any,
-// adds to the per-call Timeouts.
+// WithHTTPClient sends requests through hc's transport instead of a client of the package's own. Its Timeout,
+// if any, adds to the per-call Timeouts. Its CheckRedirect is not used: the client never follows a redirect.
 func WithHTTPClient(hc *http.Client) Option {
 	return func(s *settings) error {
 		if hc == nil {

@@ -6,11 +6,14 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io/fs"
 	"math"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -64,6 +67,9 @@ type boltOp struct {
 
 // OpenBolt opens the journal file at path, creating it (mode 0600) and its directory (0700) as needed. If
 // another process holds the file it fails with ErrLocked after opts.OpenTimeout instead of waiting forever.
+// A file that exists but is not a whole journal (empty, cut short, or unreadable) is refused with ErrDamaged
+// and left as it is: opening it as a new journal would forget the payments it claimed, and the operator, not
+// the process, decides whether to restore it from a backup or move it aside.
 func OpenBolt(path string, opts Options) (*BoltStore, error) {
 	if path == "" {
 		return nil, fmt.Errorf("journal: open: empty path; want the journal file's path")
@@ -71,24 +77,31 @@ func OpenBolt(path string, opts Options) (*BoltStore, error) {
 	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 		return nil, fmt.Errorf("journal: create directory for %s: %w", path, err)
 	}
+	// bbolt initialises any empty file as a new journal; only one it creates itself may be treated so.
+	existing, err := os.Stat(path)
+	switch {
+	case err == nil && existing.Mode().IsRegular() && existing.Size() == 0:
+		return nil, damaged(path, "the file is empty (0 bytes), but a journal is never empty once created, so its records are lost")
+	case err != nil && !errors.Is(err, os.ErrNotExist):
+		return nil, fmt.Errorf("journal: open %s: %w", path, err)
+	}
 	timeout := opts.OpenTimeout
 	if timeout <= 0 {
 		timeout = DefaultOpenTimeout
 	}
-	db, err := bolt.Open(path, 0o600, &bolt.Options{
-		Timeout: timeout,
-		// The hashmap freelist stays fast as a long-lived journal fragments; the array one degrades.
-		FreelistType: bolt.FreelistMapType,
-	})
+	db, err := openBoltFile(path, timeout)
 	if errors.Is(err, bolterrors.ErrTimeout) {
 		return nil, fmt.Errorf("journal: open %s: %w (waited %s; is another instance running with the same journal?)",
 			path, ErrLocked, timeout)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("journal: open %s: %w", path, err)
+		return nil, err
 	}
-	if err := db.Update(initLayout); err != nil {
+	if err := checkedUpdate(db, path, initLayout); err != nil {
 		db.Close()
+		if errors.Is(err, ErrDamaged) {
+			return nil, err
+		}
 		return nil, fmt.Errorf("journal: open %s: %w", path, err)
 	}
 	s := &BoltStore{
@@ -101,6 +114,85 @@ func OpenBolt(path string, opts Options) (*BoltStore, error) {
 	}
 	go s.commitLoop()
 	return s, nil
+}
+
+// damaged is the error of a journal file OpenBolt refuses.
+func damaged(path, why string) error {
+	return fmt.Errorf("%w: %s: %s; it was not opened. Restore it from a backup, or move it aside to start an "+
+		"empty journal (the payments it recorded would then be forgotten)", ErrDamaged, path, why)
+}
+
+// openBoltFile opens the bbolt file at path and checks that it holds every page its header counts. bbolt
+// reads a damaged file through a memory map and panics (or, past the end of a cut-short file, faults) rather
+// than return an error; both are turned into an ErrDamaged naming the file, and the file is closed again.
+func openBoltFile(path string, timeout time.Duration) (db *bolt.DB, err error) {
+	var file *os.File
+	defer func() {
+		if p := recover(); p != nil {
+			if file != nil {
+				// bbolt gives no handle to close after a panic: the lock is released and the file closed here,
+				// and its memory map (of a file nothing reads again) stays until the process ends.
+				releaseLock(file)
+				file.Close()
+			}
+			db, err = nil, damaged(path, fmt.Sprintf("bbolt cannot read it (%v)", p))
+		}
+	}()
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	db, err = bolt.Open(path, 0o600, &bolt.Options{
+		Timeout: timeout,
+		// The hashmap freelist stays fast as a long-lived journal fragments; the array one degrades.
+		FreelistType: bolt.FreelistMapType,
+		OpenFile: func(name string, flag int, mode os.FileMode) (*os.File, error) {
+			f, err := os.OpenFile(name, flag, mode)
+			file = f
+			return f, err
+		},
+	})
+	switch {
+	case errors.Is(err, bolterrors.ErrTimeout):
+		return nil, err
+	case errors.Is(err, bolterrors.ErrInvalid), errors.Is(err, bolterrors.ErrVersionMismatch), errors.Is(err, bolterrors.ErrChecksum):
+		return nil, damaged(path, fmt.Sprintf("it is not a readable journal (%v)", err))
+	case err != nil:
+		// A file shorter than its two meta pages gets "file size too small", which has no sentinel. What the
+		// system refused (permissions, no space, no memory for the map) is not the file's fault.
+		var pathErr *fs.PathError
+		var errno syscall.Errno
+		if errors.As(err, &pathErr) || errors.As(err, &errno) {
+			return nil, fmt.Errorf("journal: open %s: %w", path, err)
+		}
+		return nil, damaged(path, fmt.Sprintf("bbolt cannot open it (%v)", err))
+	}
+	// A file cut short past its last meta page opens, and faults at the first read of a missing page: any
+	// moment later, in the middle of a settlement. Its header says how long it must be.
+	var want int64
+	if err := db.View(func(tx *bolt.Tx) error { want = tx.Size(); return nil }); err != nil {
+		db.Close()
+		return nil, fmt.Errorf("journal: open %s: %w", path, err)
+	}
+	info, err := file.Stat()
+	if err != nil {
+		db.Close()
+		return nil, fmt.Errorf("journal: open %s: %w", path, err)
+	}
+	if info.Size() < want {
+		db.Close()
+		return nil, damaged(path, fmt.Sprintf("the file is %d bytes, but its header counts %d: it was cut short", info.Size(), want))
+	}
+	return db, nil
+}
+
+// checkedUpdate runs fn in a write transaction of db, the file at path, turning a panic or fault of bbolt
+// reading a damaged page into an ErrDamaged naming the file.
+func checkedUpdate(db *bolt.DB, path string, fn func(*bolt.Tx) error) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = damaged(path, fmt.Sprintf("bbolt cannot read it (%v)", p))
+		}
+	}()
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	return db.Update(fn)
 }
 
 // initLayout creates the buckets of a new file and refuses a file laid out by another release.

@@ -81,6 +81,9 @@ var (
 	ErrLocked = errors.New("journal: file is locked by another process")
 	// ErrClosed: a call after Close.
 	ErrClosed = errors.New("journal: store is closed")
+	// ErrDamaged: OpenBolt found a journal file that is not a whole journal (empty, truncated, unreadable) and
+	// did not open it, because opening it anyway would forget its claims; the message names the file.
+	ErrDamaged = errors.New("journal: file is damaged")
 )
 
 // DefaultOpenTimeout is how long OpenBolt waits for the file lock when Options.OpenTimeout is unset.

@@ -1,0 +1,201 @@
+package caddymodule
+
+import (
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/certmagic"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// keyedAccessLog writes the access log entry of a facilitator request that presents an API key, with the key
+// left out. Caddy logs each request's headers as they arrived, copied before the first handler runs, and
+// redacts only Cookie, Set-Cookie, Authorization and Proxy-Authorization (unless the server logs
+// credentials): no handler can add x-api-key to those or change Caddy's copy, and a filter in every log
+// configuration is a step each operator would have to know of. So such a request is marked log_skip, which
+// Caddy honours, and its entry is written here instead: to the loggers Caddy would have chosen, in Caddy's
+// shape, with the key's value written "REDACTED" as Caddy writes Authorization's. What the entry cannot show:
+// fields added with log_append (Caddy keeps them where no handler can read them), and changes an outer handler
+// makes to the answer after the facilitator wrote it (its size once encoded, headers added last).
+type keyedAccessLog struct {
+	logger *zap.Logger // Caddy's own access logger, http.log.access
+}
+
+// newKeyedAccessLog finds the access logger of Caddy's HTTP app, through which Caddy writes its own entries.
+func newKeyedAccessLog(ctx caddy.Context) *keyedAccessLog {
+	return &keyedAccessLog{logger: ctx.Logger(caddyhttp.App{}).Named("log.access")}
+}
+
+// keyedEntry is the access log entry of one request taken over from Caddy.
+type keyedEntry struct {
+	loggers []*zap.Logger
+	request caddyhttp.LoggableHTTPRequest
+	body    *countingBody
+	r       *http.Request
+}
+
+// takeOver tells Caddy not to log r, and returns the entry to write in its place, when r presents an API key
+// that Caddy's entry would show. It returns nil when Caddy's own entry may stand.
+func (l *keyedAccessLog) takeOver(r *http.Request) *keyedEntry {
+	if l == nil || len(r.Header.Values(x402.HeaderAPIKey)) == 0 {
+		return nil
+	}
+	srv, _ := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	if srv == nil || srv.Logs == nil || srv.Logs.ShouldLogCredentials {
+		return nil // no access log, or its operator asked for credentials in it
+	}
+	if skip, _ := caddyhttp.GetVar(r.Context(), caddyhttp.LogSkipVar).(bool); skip {
+		return nil
+	}
+	host, _, err := net.SplitHostPort(r.Host)
+	if err != nil {
+		host = r.Host
+	}
+	if !logsHost(srv.Logs, host) {
+		return nil
+	}
+	caddyhttp.SetVar(r.Context(), caddyhttp.LogSkipVar, true)
+
+	// The request as Caddy would have logged it: as it arrived, before rewrites, with the key blanked.
+	logged := r.Clone(r.Context())
+	if orig, ok := r.Context().Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok {
+		logged.Method, logged.RemoteAddr, logged.RequestURI = orig.Method, orig.RemoteAddr, orig.RequestURI
+	}
+	for name := range logged.Header {
+		if strings.EqualFold(name, x402.HeaderAPIKey) {
+			logged.Header[name] = []string{"REDACTED"}
+		}
+	}
+	e := &keyedEntry{
+		loggers: accessLoggers(l.logger, srv.Logs, r, host),
+		request: caddyhttp.LoggableHTTPRequest{Request: logged},
+		r:       r,
+	}
+	if r.Body != nil {
+		e.body = &countingBody{ReadCloser: r.Body}
+		r.Body = e.body
+	}
+	return e
+}
+
+// write writes the entry of a request answered with status, size bytes of body and the headers in w.
+func (e *keyedEntry) write(w http.ResponseWriter, status, size int) {
+	ctx := e.r.Context()
+	var duration time.Duration
+	if start, ok := caddyhttp.GetVar(ctx, "start_time").(time.Time); ok {
+		duration = time.Since(start)
+	}
+	userID := ""
+	if repl, ok := ctx.Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		repl.Set("http.response.status", status)
+		repl.Set("http.response.size", size)
+		repl.Set("http.response.duration", duration)
+		repl.Set("http.response.duration_ms", duration.Seconds()*1e3)
+		userID, _ = repl.GetString("http.auth.user.id")
+	}
+	level := zapcore.InfoLevel
+	if status >= 500 {
+		level = zapcore.ErrorLevel
+	}
+	if name, ok := caddyhttp.GetVar(ctx, caddyhttp.LogLevelVar).(string); ok {
+		if l, err := zapcore.ParseLevel(name); err == nil && l >= zapcore.DebugLevel && l <= zapcore.ErrorLevel {
+			level = l
+		}
+	}
+	read := 0
+	if e.body != nil {
+		read = e.body.n
+	}
+	fields := []zap.Field{
+		zap.Object("request", e.request),
+		zap.Int("bytes_read", read),
+		zap.String("user_id", userID),
+		zap.Duration("duration", duration),
+		zap.Int("size", size),
+		zap.Int("status", status),
+		zap.Object("resp_headers", caddyhttp.LoggableHTTPHeader{Header: w.Header()}),
+	}
+	for _, logger := range e.loggers {
+		if c := logger.Check(level, "handled request"); c != nil {
+			c.Write(fields...)
+		}
+	}
+}
+
+// logsHost reports whether Caddy's server logs requests for host, as its shouldLogRequest decides.
+func logsHost(logs *caddyhttp.ServerLogConfig, host string) bool {
+	for name := range logs.LoggerNames {
+		if certmagic.MatchWildcard(host, name) {
+			return true
+		}
+	}
+	for _, skip := range logs.SkipHosts {
+		if certmagic.MatchWildcard(host, skip) {
+			return false
+		}
+	}
+	return !logs.SkipUnmappedHosts
+}
+
+// accessLoggers are the loggers Caddy would write r's entry to: those named by log_name for this request,
+// else those the server maps r's host to, else its default.
+func accessLoggers(base *zap.Logger, logs *caddyhttp.ServerLogConfig, r *http.Request, host string) []*zap.Logger {
+	var names []string
+	if set, ok := caddyhttp.GetVar(r.Context(), caddyhttp.AccessLoggerNameVarKey).([]any); ok {
+		for _, n := range set {
+			s, _ := n.(string)
+			names = append(names, s)
+		}
+	} else {
+		names = loggerNamesFor(logs, host)
+	}
+	loggers := make([]*zap.Logger, 0, len(names))
+	for _, name := range names {
+		if name == "" {
+			loggers = append(loggers, base)
+		} else {
+			loggers = append(loggers, base.Named(name))
+		}
+	}
+	return loggers
+}
+
+// loggerNamesFor maps a host to logger names as Caddy's server does: the exact host, then wildcards of its
+// labels from the left, then the default logger.
+func loggerNamesFor(logs *caddyhttp.ServerLogConfig, host string) []string {
+	host = strings.ToLower(host)
+	if names, ok := logs.LoggerNames[host]; ok {
+		return names
+	}
+	labels := strings.Split(host, ".")
+	for i := range labels {
+		if labels[i] == "" {
+			continue
+		}
+		labels[i] = "*"
+		if names, ok := logs.LoggerNames[strings.Join(labels, ".")]; ok {
+			return names
+		}
+	}
+	return []string{logs.DefaultLoggerName}
+}
+
+// countingBody counts the bytes read of a request body, for bytes_read.
+type countingBody struct {
+	io.ReadCloser
+	n int
+}
+
+func (b *countingBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	b.n += n
+	return n, err
+}
