@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/big"
 	"sync"
+	"time"
 
 	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
@@ -26,9 +27,14 @@ func (c *RPCClient) BatchCallContext(ctx context.Context, b []rpc.BatchElem) err
 }
 
 // BatchCallContext sends the batch to the first endpoint that answers it (see do). Every element's result and
-// error are reset before each try.
+// error are reset before each try. A node answers a batch call by call: each endpoint is given CallTimeout and
+// a further eighth of it per call past the first, so that a full batch on a busy node is not taken for a hang.
 func (f *Failover) BatchCallContext(ctx context.Context, b []rpc.BatchElem) error {
-	_, err := do(ctx, f, func(ctx context.Context, be Backend) (struct{}, error) {
+	scaled := *f
+	if f.CallTimeout > 0 && len(b) > 1 {
+		scaled.CallTimeout += f.CallTimeout * time.Duration(len(b)-1) / 8
+	}
+	_, err := do(ctx, &scaled, func(ctx context.Context, be Backend) (struct{}, error) {
 		bc, ok := be.(batchCaller)
 		if !ok {
 			return struct{}{}, errNoBatch
@@ -61,8 +67,9 @@ type batchedCall struct {
 	done   chan struct{}
 }
 
-// maxBatch bounds the calls of one request: providers cap batches (often at 100 or less).
-const maxBatch = 50
+// maxBatch bounds the calls of one request: providers cap batches (often at 100 or less), and a node answers a
+// batch one call after another, so a long one makes every caller in it wait for the last.
+const maxBatch = 16
 
 func (cb *callBatcher) call(ctx context.Context, msg ethereum.CallMsg) ([]byte, error) {
 	arg := map[string]any{"data": hexutil.Bytes(msg.Data)}
