@@ -409,7 +409,7 @@ func checkPaymentHeader(t *testing.T, header string) {
 func FuzzDecodePaymentRequired(f *testing.F) {
 	addExampleSeeds(f, "v2-payment-required.json")
 	for _, s := range []string{"", `{"x402Version":2,"resource":{"url":"u"},"accepts":[]}`, `{"x402Version":2,"resource":{"url":"u"},"accepts":null}`,
-		`{"x402Version":2,"resource":{"url":"u"},"accepts":[{}]}`, `{"x402Version":2,"resource":{},"accepts":[],"extensions":{"a":1,"a":2}}`,
+		`{"x402Version":2,"resource":{"url":"u"},"accepts":[{}]}`, `{"x402Version":2,"resource":{"url":"u"},"accepts":[null]}`, `{"x402Version":2,"resource":{},"accepts":[],"extensions":{"a":1,"a":2}}`,
 		`{"x402Version":1,"accepts":[]}`} {
 		f.Add(s)
 	}
@@ -443,7 +443,7 @@ func FuzzDecodePaymentRequired(f *testing.F) {
 // the same value.
 func FuzzDecodePaymentRequiredV1(f *testing.F) {
 	f.Add(readExample(f, "v1-payment-required.json"))
-	for _, s := range []string{"", "{}", `{"x402Version":1,"accepts":[]}`, `{"x402Version":1,"accepts":[{}]}`,
+	for _, s := range []string{"", "{}", `{"x402Version":1,"accepts":[]}`, `{"x402Version":1,"accepts":[{}]}`, `{"x402Version":1,"accepts":[null]}`,
 		`{"x402Version":2,"accepts":[]}`, `{"x402Version":1,"accepts":[{"outputSchema":{ "a" : [1, 2] },"extra":null}]}`} {
 		f.Add([]byte(s))
 	}
