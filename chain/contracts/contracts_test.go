@@ -147,6 +147,10 @@ func TestDecodeRevertNamesCustomErrorsAndReasonStrings(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	empty, err := abi.Arguments{{Type: reason}}.Pack("")
+	if err != nil {
+		t.Fatal(err)
+	}
 	tests := []struct {
 		data   []byte
 		want   string
@@ -157,6 +161,9 @@ func TestDecodeRevertNamesCustomErrorsAndReasonStrings(t *testing.T) {
 		{append([]byte{0x08, 0xc3, 0x79, 0xa0}, msg...), "boom", true},
 		{[]byte{0xde, 0xad, 0xbe, 0xef}, "", false},
 		{nil, "", false},
+		// An empty reason string names nothing (found by FuzzDecodeRevert, in the second, non-canonical form).
+		{append([]byte{0x08, 0xc3, 0x79, 0xa0}, empty...), "", false},
+		{append([]byte{0x08, 0xc3, 0x79, 0xa0}, make([]byte, 32)...), "", false},
 	}
 	for _, tt := range tests {
 		got, ok := DecodeRevert(tt.data)
