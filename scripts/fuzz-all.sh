@@ -112,7 +112,7 @@ for t in "${targets[@]}"; do
 done
 pids=()
 
-printf '\n%-16s %-55s %12s %16s  %s\n' package target execs "new interesting" result
+printf '\n%-18s %-55s %12s %16s  %s\n' package target execs "new interesting" result
 total=0
 for t in "${targets[@]}"; do
 	read -r dir name <<<"$t"
