@@ -14,6 +14,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -779,3 +780,84 @@ func TestDecodeCommandPrintsJSONOnStdoutAndTheHeaderNameOnStderr(t *testing.T) {
 
 // accountHex is the private key of a test account as a user would pass it to --key.
 func accountHex(a *chaintest.Account) string { return hex.EncodeToString(crypto.FromECDSA(a.Key)) }
+
+// headerNames are the headers `caddy x402 decode` reads, in a fixed order for the fuzz target to pick from.
+var headerNames = []string{x402.HeaderPaymentRequired, x402.HeaderPaymentSignature, x402.HeaderXPayment, x402.HeaderPaymentResponse,
+	x402.HeaderXPaymentResponse}
+
+// `caddy x402 decode` reads any input (bare, Base64, or a whole header line) as one of the five headers, only when
+// that header's strict decoder accepts it, prints the document it carries, and otherwise says it is not an x402
+// header value in a message that grows at most linearly with the input.
+func FuzzDecodeHeaderValue(f *testing.F) {
+	for _, name := range []string{"v2-payment-required.json", "v2-payload-permit2.json", "v1-payload.json", "settle-response-success.json"} {
+		doc, err := os.ReadFile(filepath.Join("..", "x402", "testdata", name))
+		if err != nil {
+			f.Fatal(err)
+		}
+		var compact bytes.Buffer
+		if err := json.Compact(&compact, doc); err != nil {
+			f.Fatal(err)
+		}
+		f.Add(compact.String(), uint8(0))
+	}
+	for _, s := range []string{"", "hello", "[1,2]", `{"foo":1,"bar":2}`, `{"x402Version":2,"accepted":{},"payload":{"authorization":{}}}`,
+		`{"x402Version":3,"payload":{}}`, `{"success":true}`, `{"success":true,"accepts":null,"payload":1}`, "PAYMENT-SIGNATURE: e30=", "x-payment-response:eyJzdWNjZXNzIjpmYWxzZX0="} {
+		f.Add(s, uint8(3))
+	}
+	f.Fuzz(func(t *testing.T, s string, pick uint8) {
+		name := headerNames[int(pick)%len(headerNames)]
+		value := base64.StdEncoding.EncodeToString([]byte(s))
+		checkDecodedHeader(t, s, "")
+		checkDecodedHeader(t, value, "")
+		checkDecodedHeader(t, strings.ToLower(name)+": "+value, name)
+	})
+}
+
+// checkDecodedHeader checks what decodeHeaderValue makes of in; named is the header in names, or "" for a bare value.
+func checkDecodedHeader(t *testing.T, in, named string) {
+	t.Helper()
+	d, err := decodeHeaderValue(in)
+	if err != nil {
+		msg := err.Error()
+		if !strings.HasPrefix(msg, "not an x402 header value") && !strings.HasPrefix(msg, "not a valid ") || len(msg) > len(in)+600 {
+			t.Fatalf("decodeHeaderValue(%q) error %q: want one saying what is not valid, at most linear in the input", in, msg)
+		}
+		return
+	}
+	if named != "" && d.Name != named {
+		t.Fatalf("decodeHeaderValue(%q) read it as %s, the line names %s", in, d.Name, named)
+	}
+	value := strings.TrimSpace(in)
+	if n, rest, ok := strings.Cut(value, ":"); ok && slices.Contains(headerNames, strings.ToUpper(strings.TrimSpace(n))) {
+		value = strings.TrimSpace(rest)
+	}
+	// The strict decoder of the header it was read as accepts it, with the version reported.
+	var version int
+	switch d.Name {
+	case x402.HeaderPaymentRequired:
+		p, derr := x402.DecodePaymentRequired(value)
+		err, version = derr, p.X402Version
+	case x402.HeaderPaymentSignature:
+		p, derr := x402.DecodePaymentPayload(value)
+		err, version = derr, p.X402Version
+	case x402.HeaderXPayment:
+		p, derr := x402.DecodePaymentPayloadV1(value)
+		err, version = derr, p.X402Version
+	case x402.HeaderPaymentResponse, x402.HeaderXPaymentResponse:
+		_, err = x402.DecodeSettleResponse(value)
+	default:
+		t.Fatalf("decodeHeaderValue(%q) read it as %q, no header it knows", in, d.Name)
+	}
+	if err != nil || version != d.Version {
+		t.Fatalf("decodeHeaderValue(%q) read it as %s version %d, whose decoder says version %d, %v", in, d.Name, d.Version, version, err)
+	}
+	// What it prints is the document the header carries, indented.
+	doc, err := x402.HeaderJSON(value)
+	if err != nil {
+		t.Fatalf("HeaderJSON refuses a value decodeHeaderValue accepted: %v", err)
+	}
+	var want, got bytes.Buffer
+	if json.Compact(&want, doc) != nil || json.Compact(&got, d.JSON) != nil || !bytes.Equal(want.Bytes(), got.Bytes()) {
+		t.Fatalf("decodeHeaderValue(%q) printed\n%s\nnot the document\n%s", in, d.JSON, doc)
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"math/big"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -480,4 +481,33 @@ func TestNumberFieldsFollowX402RulesAndNameTheField(t *testing.T) {
 			t.Errorf("parseNumber(%q) error = %v, want a FieldError on permit2Authorization.nonce wrapping %v", c.in, err, c.kind)
 		}
 	}
+}
+
+// addressGrammar is what ParseAddress accepts, written independently of it.
+var addressGrammar = regexp.MustCompile(`^0[xX][0-9a-fA-F]{40}$`)
+
+// ParseAddress accepts exactly 0x and 40 hex digits, as x402.IsHexAddress does, reads them as go-ethereum does,
+// and refuses anything else with a short FieldError naming the field.
+func FuzzParseAddress(f *testing.F) {
+	for _, s := range []string{testAsset.Hex(), strings.ToLower(testAsset.Hex()), "0X" + strings.ToUpper(testAsset.Hex()[2:]), testAsset.Hex()[2:],
+		testAsset.Hex() + "0", testAsset.Hex()[:41], "", "0x", "0x" + strings.Repeat("g", 40), " " + testAsset.Hex(), "0x" + strings.Repeat("0", 64)} {
+		f.Add(s)
+	}
+	const field = "paymentRequirements.payTo"
+	f.Fuzz(func(t *testing.T, s string) {
+		a, err := ParseAddress(field, s)
+		if (err == nil) != addressGrammar.MatchString(s) || (err == nil) != x402.IsHexAddress(s) {
+			t.Fatalf("ParseAddress(%q) = %v; the grammar says %v, x402.IsHexAddress %v", s, err, addressGrammar.MatchString(s), x402.IsHexAddress(s))
+		}
+		if err != nil {
+			var fe *FieldError
+			if !errors.As(err, &fe) || fe.Field != field || !strings.Contains(err.Error(), field) || len(err.Error()) > 300 || a != (common.Address{}) {
+				t.Fatalf("ParseAddress(%q) = %s, %v: want the zero address and a short FieldError naming %s", s, a, err, field)
+			}
+			return
+		}
+		if a != common.HexToAddress(s) || !strings.EqualFold(a.Hex()[2:], s[2:]) {
+			t.Fatalf("ParseAddress(%q) = %s; go-ethereum reads %s", s, a, common.HexToAddress(s))
+		}
+	})
 }

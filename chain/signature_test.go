@@ -2,8 +2,10 @@ package chain
 
 import (
 	"crypto/ecdsa"
+	"encoding/hex"
 	"errors"
 	"math/big"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -226,5 +228,92 @@ func TestSplitSignatureGivesPermitArguments(t *testing.T) {
 		if common.Hash(r) != common.BytesToHash(sig[0:32]) || common.Hash(ss) != common.BytesToHash(sig[32:64]) {
 			t.Errorf("r, s = %x, %x; want %x, %x", r, ss, sig[0:32], sig[32:64])
 		}
+	}
+}
+
+// sigGrammar is what ParseSignature accepts, written independently of it: 0x and 130 hex digits whose last byte,
+// v, is 0, 1, 27 or 28.
+var sigGrammar = regexp.MustCompile(`^0[xX][0-9a-fA-F]{128}(00|01|1[bB]|1[cC])$`)
+
+// ParseSignature accepts exactly 65 bytes of hex with a known v, keeps r and s and normalises v; RecoverSigner
+// agrees with go-ethereum's own checks and recovery, and never accepts both a signature and its malleated twin.
+// The fuzzer mutates a signature both as text (s) and as 65 raw bytes (raw).
+func FuzzParseSignature(f *testing.F) {
+	key := testKey(f)
+	sig := signed(f, key, fuzzDigest)
+	body := sig.Hex()[2:130]
+	for _, s := range []string{sig.Hex(), "0X" + strings.ToUpper(body) + "1C", "0x" + body + "00", "0x" + body + "1d", "0x" + body, "0x" + body + "1b00",
+		"", "0x", body + "1b", "0x" + body[:10] + "zz" + body[12:] + "1b", malleate(sig).Hex()} {
+		f.Add(s, sig[:])
+	}
+	high := malleate(sig)
+	var zero Signature
+	zero[64] = 27
+	for _, raw := range [][]byte{high[:], zero[:], append(sig[:64:64], 0), append(sig[:64:64], 2)} {
+		f.Add(sig.Hex(), raw)
+	}
+	halfN := new(big.Int).Rsh(crypto.S256().Params().N, 1)
+	f.Fuzz(func(t *testing.T, s string, raw []byte) {
+		checkParsedSignature(t, s)
+		if sig, ok := checkParsedSignature(t, "0x"+hex.EncodeToString(raw)); ok {
+			checkRecovery(t, sig, halfN)
+		}
+	})
+}
+
+// fuzzDigest is the digest the signature fuzz target signs and recovers.
+var fuzzDigest = crypto.Keccak256Hash([]byte("fuzz"))
+
+func checkParsedSignature(t *testing.T, s string) (Signature, bool) {
+	t.Helper()
+	sig, err := ParseSignature(s)
+	if (err == nil) != sigGrammar.MatchString(s) {
+		t.Fatalf("ParseSignature(%q) = %v; the grammar says %v", s, err, sigGrammar.MatchString(s))
+	}
+	if err != nil {
+		if sig != (Signature{}) || len(err.Error()) > 300 || !(errors.Is(err, ErrSignatureInvalid) || errors.Is(err, ErrSignatureLength) || errors.Is(err, ErrSignatureV)) {
+			t.Fatalf("ParseSignature(%q) = %s, %v: want the zero signature and a short error of a known kind", s, sig, err)
+		}
+		return sig, false
+	}
+	if sig[64] != 27 && sig[64] != 28 {
+		t.Fatalf("ParseSignature(%q) has v %d, want 27 or 28", s, sig[64])
+	}
+	if got := sig.Hex(); got[:130] != strings.ToLower("0x"+s[2:130]) {
+		t.Fatalf("ParseSignature(%q) wrote back r||s as %s", s, got[:130])
+	}
+	if again, err := ParseSignature(sig.Hex()); err != nil || again != sig {
+		t.Fatalf("ParseSignature(Hex()) = %s, %v; want %s", again, err, sig)
+	}
+	return sig, true
+}
+
+// checkRecovery compares RecoverSigner with go-ethereum: its checks of r, s and v (low s as after Homestead) and
+// its recovery of the public key.
+func checkRecovery(t *testing.T, sig Signature, halfN *big.Int) {
+	t.Helper()
+	got, err := RecoverSigner(fuzzDigest, sig)
+	v := sig[64] - 27
+	r, s := new(big.Int).SetBytes(sig[:32]), new(big.Int).SetBytes(sig[32:64])
+	rsv := append(sig[:64:64], v)
+	pub, refErr := crypto.SigToPub(fuzzDigest[:], rsv)
+	refOK := crypto.ValidateSignatureValues(v, r, s, true) && refErr == nil
+	if (err == nil) != refOK {
+		t.Fatalf("RecoverSigner(%s) = %s, %v; go-ethereum says valid = %v (%v)", sig, got, err, refOK, refErr)
+	}
+	if err != nil {
+		if !errors.Is(err, ErrSignatureInvalid) && !errors.Is(err, ErrSignatureHighS) {
+			t.Fatalf("RecoverSigner(%s) error %v is of no known kind", sig, err)
+		}
+		return
+	}
+	if want := crypto.PubkeyToAddress(*pub); got != want {
+		t.Fatalf("RecoverSigner(%s) = %s, go-ethereum recovers %s", sig, got, want)
+	}
+	if s.Cmp(halfN) > 0 {
+		t.Fatalf("RecoverSigner accepted a high-s signature %s", sig)
+	}
+	if twin, err := RecoverSigner(fuzzDigest, malleate(sig)); !errors.Is(err, ErrSignatureHighS) {
+		t.Fatalf("RecoverSigner accepted %s and its malleated twin (%s, %v)", sig, twin, err)
 	}
 }

@@ -630,6 +630,9 @@ func TestDecodePaymentRequiredChecksTheSpecFields(t *testing.T) {
 			`"amount":10000,"asset":"0x5FbDB2315678afecb367f032d93F642f64180aa3","payTo":"0x70997970C51812dc3A010C7d01b50e0d17dc79C8","maxTimeoutSeconds":60,"extra":{"assetTransferMethod":"erc2612"`, 1)),
 			DecodeWrongType, "accepts[1].amount"},
 		{"version 1", mutated(t, pr, set("x402Version", 1)), DecodeUnsupportedVersion, "x402Version"},
+		// A null requirement was read as an empty one (FuzzDecodePaymentRequired, seeded with a null element).
+		{"a null requirement", mutated(t, pr, set("accepts", []any{nil})), DecodeWrongType, "accepts[0]"},
+		{"a null requirement after a valid one", mutated(t, pr, func(m map[string]any) { m["accepts"] = append(m["accepts"].([]any), nil) }), DecodeWrongType, "accepts[2]"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -656,6 +659,9 @@ func TestDecodePaymentRequiredV1ChecksVersion1Fields(t *testing.T) {
 		{"resource missing", strings.Replace(doc, `"resource":"https://api.example.com/v1/weather?city=Lisbon",`, "", 1), DecodeMissingField, "accepts[0].resource"},
 		{"maxAmountRequired as a number", strings.Replace(doc, `"maxAmountRequired":"10000"`, `"maxAmountRequired":10000`, 1), DecodeWrongType, "accepts[0].maxAmountRequired"},
 		{"version 2", strings.Replace(doc, `"x402Version":1`, `"x402Version":2`, 1), DecodeUnsupportedVersion, "x402Version"},
+		// A null requirement was read as an empty one (FuzzDecodePaymentRequiredV1, seeded with a null element).
+		{"a null requirement", `{"x402Version":1,"accepts":[null]}`, DecodeWrongType, "accepts[0]"},
+		{"a null requirement after a valid one", strings.Replace(doc, `}]}`, `},null]}`, 1), DecodeWrongType, "accepts[1]"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -235,6 +235,12 @@ func (r *jsonReader) requirements(at *fieldPath, req *PaymentRequirements) (bool
 	return true, nil
 }
 
+// nullElement records an array element that is null where the array holds objects: an absent object member may
+// be null, but an element must be there.
+func (r *jsonReader) nullElement(at *fieldPath, want string) {
+	r.fail(DecodeWrongType, at.String(), "got null, expected "+want)
+}
+
 // checkTimeout refuses a timeout that is not a positive number of seconds.
 func (r *jsonReader) checkTimeout(at *fieldPath, present bool, seconds int64) {
 	if present && seconds <= 0 {
@@ -755,7 +761,10 @@ func (r *jsonReader) paymentRequired(p *PaymentRequired) (version int64, hasVers
 				hasAccepts, err = r.array(&f, func(i int) error {
 					e := f.elem(i)
 					p.Accepts = append(p.Accepts, PaymentRequirements{})
-					_, err := r.requirements(&e, &p.Accepts[i])
+					present, err := r.requirements(&e, &p.Accepts[i])
+					if err == nil && !present {
+						r.nullElement(&e, "a requirement object")
+					}
 					return err
 				})
 				return err
@@ -803,7 +812,10 @@ func (r *jsonReader) paymentRequiredV1(p *PaymentRequiredV1) (version int64, has
 				hasAccepts, err = r.array(&f, func(i int) error {
 					e := f.elem(i)
 					p.Accepts = append(p.Accepts, PaymentRequirementsV1{})
-					_, err := r.requirementsV1(&e, &p.Accepts[i])
+					present, err := r.requirementsV1(&e, &p.Accepts[i])
+					if err == nil && !present {
+						r.nullElement(&e, "a requirement object")
+					}
 					return err
 				})
 				return err

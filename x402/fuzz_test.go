@@ -5,8 +5,10 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math/big"
 	"reflect"
+	"regexp"
 	"strings"
 	"testing"
 )
@@ -262,6 +264,316 @@ func FuzzDecodeFacilitatorRequest(f *testing.F) {
 		}
 		if isV1 && !strings.HasPrefix(req.PaymentRequirements.Network, "eip155:") {
 			t.Fatalf("a version 1 request came back with network %q, want a CAIP-2 id", req.PaymentRequirements.Network)
+		}
+	})
+}
+
+// checkDecodeErrOf checks a refusal as checkDecodeErr does, and that it names the document decoded and stays
+// within a fixed size beyond the input (a refusal quotes at most a bounded piece of what came).
+func checkDecodeErrOf(t *testing.T, err error, doc string, inputLen int) {
+	t.Helper()
+	checkDecodeErr(t, err)
+	var de *DecodeError
+	errors.As(err, &de)
+	if de.Doc != doc || !strings.Contains(err.Error(), doc) {
+		t.Fatalf("error %q names document %q, want %q", err, de.Doc, doc)
+	}
+	if n := len(err.Error()); n > inputLen+512 {
+		t.Fatalf("a refusal of %d bytes of input is %d bytes long", inputLen, n)
+	}
+}
+
+// checkHeaderLimit fails unless a header value longer than the Base64 of MaxHeaderBytes was refused as too large,
+// before it was decoded.
+func checkHeaderLimit(t *testing.T, header string, err error) {
+	t.Helper()
+	if len(strings.Trim(header, " \t")) > maxHeaderText && !IsDecodeKind(err, DecodeTooLarge) {
+		t.Fatalf("a header of %d characters was not refused as too large: %v", len(header), err)
+	}
+}
+
+// checkBodyLimit fails unless a body larger than MaxBodyBytes was refused as too large.
+func checkBodyLimit(t *testing.T, body []byte, err error) {
+	t.Helper()
+	if len(body) > MaxBodyBytes && !IsDecodeKind(err, DecodeTooLarge) {
+		t.Fatalf("a body of %d bytes was not refused as too large: %v", len(body), err)
+	}
+}
+
+// headerForms are the header values a fuzz input is tried as: itself, and its Base64, so that mutations of a
+// JSON seed reach the JSON reader rather than the Base64 decoder.
+func headerForms(s string) []string {
+	return []string{s, base64.StdEncoding.EncodeToString([]byte(s))}
+}
+
+// checkRequirements fails unless an accepted version 2 requirement has every field the spec requires.
+func checkRequirements(t *testing.T, where string, rq PaymentRequirements) {
+	t.Helper()
+	if rq.Scheme == "" || rq.Network == "" || rq.Amount == "" || rq.Asset == "" || rq.PayTo == "" || rq.MaxTimeoutSeconds <= 0 {
+		t.Fatalf("%s: accepted a requirement missing what is required: %+v", where, rq)
+	}
+}
+
+// topLevelBool reads a top-level member of a JSON object with encoding/json, as a boolean.
+func topLevelBool(t *testing.T, doc []byte, key string) (value, ok bool) {
+	t.Helper()
+	var top map[string]json.RawMessage
+	if err := json.Unmarshal(doc, &top); err != nil {
+		t.Fatalf("encoding/json cannot read a document the strict reader accepted: %v", err)
+	}
+	switch string(top[key]) {
+	case "true":
+		return true, true
+	case "false":
+		return false, true
+	}
+	return false, false
+}
+
+// A payment header of either version decodes as the decoder of its own version decodes it, and is refused by
+// the other one as of the wrong version; what one refuses all three refuse. Accepted payments are complete and
+// survive encoding again.
+func FuzzDecodePaymentHeader(f *testing.F) {
+	addExampleSeeds(f, "v1-payload.json", "v2-payload-permit2.json", "v2-payload-erc2612.json")
+	for _, s := range []string{"", " \t", "e30=", `{"x402Version":1}`, `{"x402Version":1,"scheme":"exact","network":"testnet","payload":{}}`,
+		`{"x402Version":1,"scheme":"exact","network":"testnet","payload":{"signature":"0x00","authorization":null}}`,
+		`{"x402Version":2,"scheme":"exact","network":"testnet","payload":{"signature":"0x00","authorization":{}}}`,
+		`{"x402Version":3}`} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		for _, header := range headerForms(s) {
+			checkPaymentHeader(t, header)
+		}
+	})
+}
+
+func checkPaymentHeader(t *testing.T, header string) {
+	t.Helper()
+	any, err := DecodePaymentHeader(header)
+	v1, err1 := DecodePaymentPayloadV1(header)
+	v2, err2 := DecodePaymentPayload(header)
+	checkHeaderLimit(t, header, err)
+	if err != nil {
+		checkDecodeErrOf(t, err, docPaymentHeader, len(header))
+		if err1 == nil || err2 == nil {
+			t.Fatalf("DecodePaymentHeader refuses (%v) what a one-version decoder accepts (v1: %v, v2: %v)", err, err1, err2)
+		}
+		return
+	}
+	switch any.Version {
+	case Version1:
+		if any.V1 == nil || any.V2 != nil {
+			t.Fatalf("version 1 payment with V1 %v, V2 %v", any.V1, any.V2)
+		}
+		if err1 != nil || !reflect.DeepEqual(v1, *any.V1) {
+			t.Fatalf("DecodePaymentPayloadV1 reads the payment differently: %+v, %v; want %+v", v1, err1, *any.V1)
+		}
+		if !IsDecodeKind(err2, DecodeUnsupportedVersion) {
+			t.Fatalf("DecodePaymentPayload on a version 1 payment: %v, want unsupported-version", err2)
+		}
+		p := v1.Payload
+		if v1.X402Version != Version1 || v1.Scheme == "" || v1.Network == "" || p.Signature == "" || (p.Authorization == nil) == (p.Permit2Authorization == nil) {
+			t.Fatalf("accepted a version 1 payment missing what is required: %+v", v1)
+		}
+		h, err := EncodeHeader(v1)
+		if err != nil {
+			t.Fatalf("encoding an accepted payment: %v", err)
+		}
+		again, err := DecodePaymentPayloadV1(h)
+		if err != nil || !reflect.DeepEqual(again, v1) {
+			t.Fatalf("decode(encode(p)) = %+v, %v; want %+v", again, err, v1)
+		}
+	case Version2:
+		if any.V2 == nil || any.V1 != nil {
+			t.Fatalf("version 2 payment with V1 %v, V2 %v", any.V1, any.V2)
+		}
+		if err2 != nil || !reflect.DeepEqual(v2, *any.V2) {
+			t.Fatalf("DecodePaymentPayload reads the payment differently: %+v, %v; want %+v", v2, err2, *any.V2)
+		}
+		if !IsDecodeKind(err1, DecodeUnsupportedVersion) {
+			t.Fatalf("DecodePaymentPayloadV1 on a version 2 payment: %v, want unsupported-version", err1)
+		}
+		raw, err := HeaderJSON(header)
+		if err != nil {
+			t.Fatalf("HeaderJSON refuses a header DecodePaymentHeader accepts: %v", err)
+		}
+		checkDecodedPayment(t, raw, v2)
+	default:
+		t.Fatalf("accepted a payment of version %d", any.Version)
+	}
+}
+
+// A PAYMENT-REQUIRED header is accepted only with a resource url and complete requirements, and decodes again
+// from its own encoding to the same value.
+func FuzzDecodePaymentRequired(f *testing.F) {
+	addExampleSeeds(f, "v2-payment-required.json")
+	for _, s := range []string{"", `{"x402Version":2,"resource":{"url":"u"},"accepts":[]}`, `{"x402Version":2,"resource":{"url":"u"},"accepts":null}`,
+		`{"x402Version":2,"resource":{"url":"u"},"accepts":[{}]}`, `{"x402Version":2,"resource":{"url":"u"},"accepts":[null]}`, `{"x402Version":2,"resource":{},"accepts":[],"extensions":{"a":1,"a":2}}`,
+		`{"x402Version":1,"accepts":[]}`} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		for _, header := range headerForms(s) {
+			p, err := DecodePaymentRequired(header)
+			checkHeaderLimit(t, header, err)
+			if err != nil {
+				checkDecodeErrOf(t, err, docPaymentRequired, len(header))
+				continue
+			}
+			if p.X402Version != Version2 || p.Resource.URL == "" || p.Accepts == nil {
+				t.Fatalf("accepted a payment-required header missing what is required: %+v", p)
+			}
+			for i, rq := range p.Accepts {
+				checkRequirements(t, fmt.Sprintf("accepts[%d]", i), rq)
+			}
+			h, err := EncodeHeader(p)
+			if err != nil {
+				t.Fatalf("encoding an accepted document: %v", err)
+			}
+			again, err := DecodePaymentRequired(h)
+			if err != nil || !reflect.DeepEqual(again, p) {
+				t.Fatalf("decode(encode(p)) = %+v, %v; want %+v", again, err, p)
+			}
+		}
+	})
+}
+
+// A version 1 402 body is accepted only with complete requirements, and decodes again from its own encoding to
+// the same value.
+func FuzzDecodePaymentRequiredV1(f *testing.F) {
+	f.Add(readExample(f, "v1-payment-required.json"))
+	for _, s := range []string{"", "{}", `{"x402Version":1,"accepts":[]}`, `{"x402Version":1,"accepts":[{}]}`, `{"x402Version":1,"accepts":[null]}`,
+		`{"x402Version":2,"accepts":[]}`, `{"x402Version":1,"accepts":[{"outputSchema":{ "a" : [1, 2] },"extra":null}]}`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		p, err := DecodePaymentRequiredV1(body)
+		checkBodyLimit(t, body, err)
+		if err != nil {
+			checkDecodeErrOf(t, err, docPaymentRequiredV1, len(body))
+			return
+		}
+		if p.X402Version != Version1 || p.Accepts == nil {
+			t.Fatalf("accepted a version 1 402 body missing what is required: %+v", p)
+		}
+		for i, rq := range p.Accepts {
+			if rq.Scheme == "" || rq.Network == "" || rq.MaxAmountRequired == "" || rq.Resource == "" || rq.PayTo == "" ||
+				rq.Asset == "" || rq.MaxTimeoutSeconds <= 0 {
+				t.Fatalf("accepts[%d]: accepted a requirement missing what is required: %+v", i, rq)
+			}
+		}
+		again, err := DecodePaymentRequiredV1(reencode(t, p))
+		if err != nil || !reflect.DeepEqual(again, p) {
+			t.Fatalf("decode(encode(p)) = %+v, %v; want %+v", again, err, p)
+		}
+	})
+}
+
+// A settlement answer reads the same as a /settle body and as a PAYMENT-RESPONSE header, is accepted only with a
+// boolean success, and decodes again from its own encoding to the same value.
+func FuzzDecodeSettleResponse(f *testing.F) {
+	for _, name := range []string{"settle-response-success.json", "settle-response-failure.json", "settle-response-pending.json"} {
+		f.Add(readExample(f, name))
+	}
+	for _, s := range []string{"", "{}", `{"success":null}`, `{"success":"true"}`, `{"success":true,"success":false}`,
+		`{"success":false,"extensions":{}}`, `{"success":true,"extensions":{"x":{ "y" : [ 1 ] }}}`, `{"success":true} x`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		s, err := UnmarshalSettleResponse(body)
+		checkBodyLimit(t, body, err)
+		if len(body) <= MaxHeaderBytes {
+			h, herr := DecodeSettleResponse(base64.StdEncoding.EncodeToString(body))
+			if (herr == nil) != (err == nil) || !reflect.DeepEqual(h, s) {
+				t.Fatalf("as a header: %+v, %v; as a body: %+v, %v", h, herr, s, err)
+			}
+			if herr != nil {
+				checkDecodeErrOf(t, herr, docPaymentResponse, len(body)*4/3+4)
+			}
+		}
+		if h, herr := DecodeSettleResponse(string(body)); herr != nil {
+			checkDecodeErrOf(t, herr, docPaymentResponse, len(body))
+		} else if again, err := UnmarshalSettleResponse(reencode(t, h)); err != nil || !reflect.DeepEqual(again, h) {
+			t.Fatalf("decode(encode(r)) = %+v, %v; want %+v", again, err, h)
+		}
+		if err != nil {
+			checkDecodeErrOf(t, err, docSettleResponse, len(body))
+			return
+		}
+		if success, ok := topLevelBool(t, body, "success"); !ok || success != s.Success {
+			t.Fatalf("accepted a settlement answer whose success is not the boolean %v", s.Success)
+		}
+		again, err := UnmarshalSettleResponse(reencode(t, s))
+		if err != nil || !reflect.DeepEqual(again, s) {
+			t.Fatalf("decode(encode(r)) = %+v, %v; want %+v", again, err, s)
+		}
+	})
+}
+
+// A /verify answer is accepted only with a boolean isValid, and decodes again from its own encoding to the same
+// value.
+func FuzzUnmarshalVerifyResponse(f *testing.F) {
+	for _, name := range []string{"verify-response-valid.json", "verify-response-invalid.json"} {
+		f.Add(readExample(f, name))
+	}
+	for _, s := range []string{"", "{}", `{"isValid":null}`, `{"isValid":1}`, `{"isValid":true,"isValid":true}`,
+		`{"isValid":false,"invalidReason":"insufficient_funds","extensions":{"a":{}}}`, `{"isValid":true}}`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		v, err := UnmarshalVerifyResponse(body)
+		checkBodyLimit(t, body, err)
+		if err != nil {
+			checkDecodeErrOf(t, err, docVerifyResponse, len(body))
+			return
+		}
+		if valid, ok := topLevelBool(t, body, "isValid"); !ok || valid != v.IsValid {
+			t.Fatalf("accepted a verify answer whose isValid is not the boolean %v", v.IsValid)
+		}
+		again, err := UnmarshalVerifyResponse(reencode(t, v))
+		if err != nil || !reflect.DeepEqual(again, v) {
+			t.Fatalf("decode(encode(r)) = %+v, %v; want %+v", again, err, v)
+		}
+	})
+}
+
+// maxCAIP2Error bounds a network error: it quotes at most 100 bytes of the input, each at most 4 characters
+// once escaped (\x9b), and says what was expected.
+const maxCAIP2Error = 600
+
+// caip2Grammar is the CAIP-2 grammar, written independently of ParseCAIP2.
+var caip2Grammar = regexp.MustCompile(`^[-a-z0-9]{3,8}:[-_a-zA-Z0-9]{1,32}$`)
+
+// ParseCAIP2 accepts exactly the CAIP-2 grammar and splits without losing a byte; ChainID accepts exactly one
+// spelling of each chain id, the one EIP155 writes.
+func FuzzParseCAIP2(f *testing.F) {
+	for _, s := range []string{NetworkMainnet, NetworkTestnet, "eip155:1", "eip155:01", "eip155:0", "eip155:18446744073709551616", "cosmos:cosmoshub-4",
+		"EIP155:1", "ei:1", "eip155:", ":1", "eip155:1:2", "eip155:" + strings.Repeat("9", 33), "solana:5eykt4UsFv8P8NJdTREpY1vzqKqZKvdp",
+		"eip155:" + strings.Repeat("\x9b", 120)} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		ns, ref, err := ParseCAIP2(s)
+		if (err == nil) != caip2Grammar.MatchString(s) {
+			t.Fatalf("ParseCAIP2(%q) = %v; the grammar says %v", s, err, caip2Grammar.MatchString(s))
+		}
+		if err != nil {
+			if !errors.Is(err, ErrCAIP2) || len(err.Error()) > maxCAIP2Error {
+				t.Fatalf("ParseCAIP2(%q) error %q: want ErrCAIP2, at most %d bytes", s, err, maxCAIP2Error)
+			}
+		} else if ns+":"+ref != s {
+			t.Fatalf("ParseCAIP2(%q) = %q, %q", s, ns, ref)
+		}
+		id, err := ChainID(s)
+		if err != nil {
+			if !errors.Is(err, ErrCAIP2) || len(err.Error()) > maxCAIP2Error {
+				t.Fatalf("ChainID(%q) error %q: want ErrCAIP2, at most %d bytes", s, err, maxCAIP2Error)
+			}
+			return
+		}
+		if id == 0 || EIP155(id) != s {
+			t.Fatalf("ChainID(%q) = %d, which is written %q", s, id, EIP155(id))
 		}
 	})
 }

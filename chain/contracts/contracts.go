@@ -181,13 +181,14 @@ func PackSettleWithPermit(permit2612 EIP2612Permit, permit PermitTransferFrom, o
 // DecodeRevert names the custom error or Error(string) in revert data returned by one of
 // these contracts (including the OpenZeppelin ERC-20 errors of StableCoin), e.g.
 // "PaymentTooEarly()" or "ERC20InsufficientAllowance(0x…, 0, 1000)". ok is false when the
-// data matches none of them.
+// data matches none of them, or is an Error(string) with an empty string, which names nothing:
+// the caller's own error then says more.
 func DecodeRevert(data []byte) (reason string, ok bool) {
 	if len(data) < 4 {
 		return "", false
 	}
 	if msg, err := abi.UnpackRevert(data); err == nil {
-		return msg, true
+		return msg, msg != ""
 	}
 	var selector [4]byte
 	copy(selector[:], data[:4])

@@ -7,6 +7,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
+	"strings"
 	"testing"
 
 	"github.com/ethereum/go-ethereum/accounts/abi"
@@ -145,6 +147,10 @@ func TestDecodeRevertNamesCustomErrorsAndReasonStrings(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	empty, err := abi.Arguments{{Type: reason}}.Pack("")
+	if err != nil {
+		t.Fatal(err)
+	}
 	tests := []struct {
 		data   []byte
 		want   string
@@ -155,6 +161,9 @@ func TestDecodeRevertNamesCustomErrorsAndReasonStrings(t *testing.T) {
 		{append([]byte{0x08, 0xc3, 0x79, 0xa0}, msg...), "boom", true},
 		{[]byte{0xde, 0xad, 0xbe, 0xef}, "", false},
 		{nil, "", false},
+		// An empty reason string names nothing (found by FuzzDecodeRevert, in the second, non-canonical form).
+		{append([]byte{0x08, 0xc3, 0x79, 0xa0}, empty...), "", false},
+		{append([]byte{0x08, 0xc3, 0x79, 0xa0}, make([]byte, 32)...), "", false},
 	}
 	for _, tt := range tests {
 		got, ok := DecodeRevert(tt.data)
@@ -198,4 +207,104 @@ func TestCommittedArtifactsMatchAFreshBuild(t *testing.T) {
 			t.Errorf("%s differs from a fresh build: run go generate ./chain/contracts", path)
 		}
 	}
+}
+
+// DecodeRevert names exactly the reverts these contracts and Solidity give (Error(string), Panic(uint256) and the
+// custom errors of the three ABIs), with a non-empty reason that depends only on the decoded values and grows at
+// most linearly with the data.
+func FuzzDecodeRevert(f *testing.F) {
+	str, err := abi.NewType("string", "", nil)
+	if err != nil {
+		f.Fatal(err)
+	}
+	word, err := abi.NewType("uint256", "", nil)
+	if err != nil {
+		f.Fatal(err)
+	}
+	reasonString, panicCode := abi.Arguments{{Type: str}}, abi.Arguments{{Type: word}}
+	errorSelector, panicSelector := []byte{0x08, 0xc3, 0x79, 0xa0}, []byte{0x4e, 0x48, 0x7b, 0x71}
+	custom := map[[4]byte]abi.Error{}
+	for _, parsed := range []*abi.ABI{&ProxyABI, &Permit2ABI, &StableCoinABI} {
+		for _, e := range parsed.Errors {
+			custom[[4]byte(e.ID[:4])] = e
+			args := make([]any, len(e.Inputs))
+			for i, in := range e.Inputs {
+				v := reflect.New(in.Type.GetType()).Elem() // the zero value: address 0, uint256 0, ""
+				if v.Kind() == reflect.Pointer {
+					v = reflect.New(v.Type().Elem())
+				}
+				args[i] = v.Interface()
+			}
+			packed, err := e.Inputs.Pack(args...)
+			if err != nil {
+				f.Fatalf("%s: %v", e.Name, err)
+			}
+			f.Add(append(bytes.Clone(e.ID[:4]), packed...))
+		}
+	}
+	for _, msg := range []string{"boom", "ERC20: transfer amount exceeds balance"} {
+		packed, _ := reasonString.Pack(msg)
+		f.Add(append(bytes.Clone(errorSelector), packed...))
+	}
+	for _, code := range []int64{0x01, 0x11, 0x12, 0x99} {
+		packed, _ := panicCode.Pack(big.NewInt(code))
+		f.Add(append(bytes.Clone(panicSelector), packed...))
+	}
+	f.Add([]byte{})
+	f.Add([]byte{0xde, 0xad, 0xbe, 0xef})
+	f.Add(errorSelector)
+
+	f.Fuzz(func(t *testing.T, data []byte) {
+		reason, ok := DecodeRevert(data)
+		if again, okAgain := DecodeRevert(data); again != reason || okAgain != ok {
+			t.Fatalf("DecodeRevert(%x) is not deterministic: %q, %v then %q, %v", data, reason, ok, again, okAgain)
+		}
+		if !ok {
+			if reason != "" {
+				t.Fatalf("DecodeRevert(%x) = %q with ok false", data, reason)
+			}
+			if len(data) >= 4 {
+				if e, known := custom[[4]byte(data[:4])]; known {
+					t.Fatalf("DecodeRevert(%x) does not name the custom error %s of its selector", data, e.Name)
+				}
+			}
+			return
+		}
+		if reason == "" || len(reason) > 4*len(data)+64 {
+			t.Fatalf("DecodeRevert(%x) = %q: want a non-empty reason at most linear in the data", data, reason)
+		}
+		sel := [4]byte(data[:4])
+		var canonical []byte // the data packed again from the decoded values
+		switch e, known := custom[sel]; {
+		case bytes.Equal(sel[:], errorSelector), bytes.Equal(sel[:], panicSelector):
+			args := reasonString
+			if bytes.Equal(sel[:], panicSelector) {
+				args = panicCode
+			}
+			values, err := args.Unpack(data[4:])
+			if err != nil {
+				t.Fatalf("DecodeRevert(%x) = %q, but the data does not unpack: %v", data, reason, err)
+			}
+			packed, _ := args.Pack(values...)
+			canonical = append(sel[:], packed...)
+		case known:
+			if !strings.HasPrefix(reason, e.Name+"(") || !strings.HasSuffix(reason, ")") {
+				t.Fatalf("DecodeRevert(%x) = %q, want %s(...)", data, reason, e.Name)
+			}
+			values, err := e.Inputs.Unpack(data[4:])
+			if err != nil {
+				return // named without its arguments
+			}
+			packed, err := e.Inputs.Pack(values...)
+			if err != nil {
+				t.Fatalf("%s: the decoded values do not pack again: %v", e.Name, err)
+			}
+			canonical = append(sel[:], packed...)
+		default:
+			t.Fatalf("DecodeRevert(%x) = %q for selector %x, which no known revert has", data, reason, sel)
+		}
+		if again, ok := DecodeRevert(canonical); !ok || again != reason {
+			t.Fatalf("DecodeRevert(%x) = %q, but the same values packed again give %q, %v", data, reason, again, ok)
+		}
+	})
 }

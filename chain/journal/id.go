@@ -96,7 +96,10 @@ func plainDecimal(s string) bool {
 // ParseID reads an id written by ID.String: 64 hex digits, with or without a 0x prefix.
 func ParseID(s string) (ID, error) {
 	var id ID
-	raw := strings.TrimPrefix(strings.TrimPrefix(s, "0x"), "0X")
+	raw := s
+	if len(raw) >= 2 && raw[0] == '0' && (raw[1] == 'x' || raw[1] == 'X') {
+		raw = raw[2:] // one prefix, not "0x0X"
+	}
 	if len(raw) != 2*len(id) {
 		return ID{}, fmt.Errorf("journal id %q: want %d hex digits, got %d", s, 2*len(id), len(raw))
 	}

@@ -2,6 +2,7 @@ package journal
 
 import (
 	"math/big"
+	"regexp"
 	"strings"
 	"testing"
 )
@@ -89,7 +90,9 @@ func TestIDStringRoundTripsThroughParseIDAndText(t *testing.T) {
 }
 
 func TestParseIDRefusesWhatIsNotAnID(t *testing.T) {
-	for _, in := range []string{"", "0x", "0x1234", strings.Repeat("z", 64), "0x" + strings.Repeat("a", 66)} {
+	// Two prefixes were read as one (FuzzParseID's grammar check, seeded with them).
+	for _, in := range []string{"", "0x", "0x1234", strings.Repeat("z", 64), "0x" + strings.Repeat("a", 66), "0x0X" + strings.Repeat("a", 64),
+		"0x0x" + strings.Repeat("a", 62)} {
 		if _, err := ParseID(in); err == nil {
 			t.Errorf("ParseID(%q) succeeded, want an error", in)
 		}
@@ -110,6 +113,40 @@ func FuzzCanonicalNonceShortcutMatchesTheFullParse(f *testing.F) {
 			if _, ok := n.SetString(trimmed, 10); !ok || got != "n:"+n.String() {
 				t.Fatalf("canonicalNonce(%q) = %q, want n:%s", s, got, n.String())
 			}
+		}
+	})
+}
+
+// idGrammar is what ParseID documents it reads, written independently of it: 64 hex digits, with or without one
+// 0x prefix.
+var idGrammar = regexp.MustCompile(`^(0[xX])?[0-9a-fA-F]{64}$`)
+
+// ParseID reads exactly the spellings of an id it documents and no other, and what it reads is written back by
+// String and read again as the same id.
+func FuzzParseID(f *testing.F) {
+	id := PaymentID(testNetwork, "permit2", testAsset, testPayer, "7")
+	for _, s := range []string{id.String(), id.String()[2:], "0X" + strings.ToUpper(id.String()[2:]), id.String()[:65], id.String() + "0",
+		"", "0x", "0x" + strings.Repeat("g", 64), " " + id.String(), "0x0X" + id.String()[2:]} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		got, err := ParseID(s)
+		if (err == nil) != idGrammar.MatchString(s) {
+			t.Fatalf("ParseID(%q) = %s, %v; want it to succeed exactly for 64 hex digits after an optional 0x", s, got, err)
+		}
+		if err != nil {
+			if got != (ID{}) || !strings.Contains(err.Error(), "journal id") {
+				t.Fatalf("ParseID(%q) = %s, %v; want the zero id and an error naming a journal id", s, got, err)
+			}
+			return
+		}
+		if want := "0x" + strings.ToLower(s[len(s)-64:]); got.String() != want {
+			t.Fatalf("ParseID(%q).String() = %s, want %s", s, got, want)
+		}
+		var back ID
+		text, _ := got.MarshalText()
+		if err := back.UnmarshalText(text); err != nil || back != got {
+			t.Fatalf("UnmarshalText(MarshalText(%s)) = %s, %v", got, back, err)
 		}
 	})
 }
