@@ -501,7 +501,7 @@ func FuzzParseAddress(f *testing.F) {
 		}
 		if err != nil {
 			var fe *FieldError
-			if !errors.As(err, &fe) || fe.Field != field || !strings.Contains(err.Error(), field) || len(err.Error()) > 300 || a != (common.Address{}) {
+			if !errors.As(err, &fe) || fe.Field != field || !strings.Contains(err.Error(), field) || len(err.Error()) > 600 || a != (common.Address{}) {
 				t.Fatalf("ParseAddress(%q) = %s, %v: want the zero address and a short FieldError naming %s", s, a, err, field)
 			}
 			return

@@ -59,9 +59,11 @@ func (r *jsonReader) peek() byte {
 	return 0
 }
 
-// end checks that nothing but whitespace follows the document.
+// end checks that nothing but whitespace follows the document. (Not through peek, whose 0 at the end of input
+// would let a trailing NUL byte pass for the end.)
 func (r *jsonReader) end() error {
-	if r.peek() != 0 {
+	r.ws()
+	if r.pos < len(r.s) {
 		return r.syntax("unexpected %s after the end of the JSON document", describeByte(r.s[r.pos]))
 	}
 	return nil
