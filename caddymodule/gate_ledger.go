@@ -441,10 +441,10 @@ func (l *gateLedger) settleAttempt(log *zap.Logger, id journal.ID, st *settleSta
 			log.Warn("background settlement: facilitator unreachable; retrying", zap.String("error", g.describe(err)))
 		}
 		return true
-	case resp.Success && settledAnswerProblem(req, resp) != "":
+	case resp.Success && x402.SettlementProblem(req, resp) != "":
 		// Not proof that this payment settled: looked at again later, as an unknown outcome.
 		log.Error("background settlement: the facilitator answered success for a settlement it does not show; retrying",
-			zap.String("problem", settledAnswerProblem(req, resp)))
+			zap.String("problem", x402.SettlementProblem(req, resp)))
 		return true
 	case resp.Success:
 		l.finalise(log, id, resp)

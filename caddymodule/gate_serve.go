@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math/big"
 	"net/http"
 	"strconv"
 	"strings"
@@ -422,7 +421,7 @@ func (x *exchange) settleThenServe(up *upstream) error {
 		}
 		return x.settleUnreachable(fmt.Sprintf("the facilitator could not be reached to settle: %s", facilitatorProblem(err)), err, nil)
 	}
-	if problem := settledAnswerProblem(x.req, resp); resp.Success && problem != "" {
+	if problem := x402.SettlementProblem(x.req, resp); resp.Success && problem != "" {
 		x.g.logger.Error("the facilitator answered success for a settlement it does not show", zap.String("facilitator", x.g.facName),
 			zap.String("payment", x.id.String()), zap.String("problem", problem))
 		return x.settleUnreachable("the facilitator answered success, but "+problem+"; the outcome is unknown", nil, nil)
@@ -721,43 +720,4 @@ func signedPayer(req x402.VerifyRequest) string {
 		return common.HexToAddress(from).Hex()
 	}
 	return from
-}
-
-// settledAnswerProblem says what makes a successful settlement answer no proof that this payment settled: it
-// must name a transaction, the requirement's network and the payment's signed payer, and the required amount
-// when it names one. "" when nothing does.
-func settledAnswerProblem(req x402.VerifyRequest, resp x402.SettleResponse) string {
-	rq := req.PaymentRequirements
-	payer := signedPayer(req)
-	switch {
-	case !isTxHash(resp.Transaction):
-		return fmt.Sprintf("its answer names no transaction (%q)", resp.Transaction)
-	case resp.Network != rq.Network:
-		return fmt.Sprintf("its answer is for network %q, not %s", resp.Network, rq.Network)
-	case !strings.EqualFold(resp.Payer, payer):
-		return fmt.Sprintf("its answer names payer %q, not the payment's %s", resp.Payer, payer)
-	case resp.Amount != "" && !sameAmount(resp.Amount, rq.Amount):
-		return fmt.Sprintf("its answer settled %s raw units, not the required %s", resp.Amount, rq.Amount)
-	}
-	return ""
-}
-
-// sameAmount reports whether two decimal amounts are the same number.
-func sameAmount(a, b string) bool {
-	x, okA := new(big.Int).SetString(a, 10)
-	y, okB := new(big.Int).SetString(b, 10)
-	return okA && okB && x.Cmp(y) == 0
-}
-
-// isTxHash reports whether s is spelled like an EVM transaction hash: 0x and 64 hex digits.
-func isTxHash(s string) bool {
-	if len(s) != 66 || !strings.HasPrefix(s, "0x") {
-		return false
-	}
-	for _, c := range s[2:] {
-		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F') {
-			return false
-		}
-	}
-	return true
 }

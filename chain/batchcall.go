@@ -7,7 +7,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/rpc"
@@ -47,10 +46,10 @@ func (f *Failover) BatchCallContext(ctx context.Context, b []rpc.BatchElem) erro
 	return err
 }
 
-// callBatcher makes eth_calls at the latest block for concurrent callers, as few JSON-RPC requests as it can: a
-// call that finds none in flight goes out at once, alone; the calls that come while one is in flight go out
-// together, in one batch, when it returns. Nothing waits for company, and a burst of callers costs the node a
-// handful of requests instead of one each. A backend that cannot batch gets each call on its own.
+// callBatcher makes reads at the latest block (eth_getStorageAt) for concurrent callers, in as few JSON-RPC
+// requests as it can: a read that finds none in flight goes out at once, alone; the reads that come while one is
+// in flight go out together, in one batch, when it returns. Nothing waits for company, and a burst of callers
+// costs the node a handful of requests instead of one each. A backend that cannot batch gets each read alone.
 type callBatcher struct {
 	backend Backend
 
@@ -70,14 +69,6 @@ type batchedCall struct {
 // maxBatch bounds the calls of one request: providers cap batches (often at 100 or less), and a node answers a
 // batch one call after another, so a long one makes every caller in it wait for the last.
 const maxBatch = 16
-
-func (cb *callBatcher) call(ctx context.Context, msg ethereum.CallMsg) ([]byte, error) {
-	arg := map[string]any{"data": hexutil.Bytes(msg.Data)}
-	if msg.To != nil {
-		arg["to"] = msg.To
-	}
-	return cb.do(ctx, "eth_call", []any{arg, "latest"}, func() ([]byte, error) { return cb.backend.CallContract(ctx, msg, nil) })
-}
 
 // storageAt reads one storage slot of a contract at the latest block: no EVM run, the cheapest read a node serves.
 func (cb *callBatcher) storageAt(ctx context.Context, contract common.Address, slot common.Hash) ([]byte, error) {
@@ -154,14 +145,4 @@ func (cb *callBatcher) run(bc batchCaller) {
 			close(c.done)
 		}
 	}
-}
-
-// batchedCaller is a ContractCaller over a callBatcher, for reads at the latest block.
-type batchedCaller struct{ cb *callBatcher }
-
-func (b batchedCaller) CallContract(ctx context.Context, msg ethereum.CallMsg, block *big.Int) ([]byte, error) {
-	if block != nil {
-		return b.cb.backend.CallContract(ctx, msg, block)
-	}
-	return b.cb.call(ctx, msg)
 }

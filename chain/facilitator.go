@@ -154,7 +154,7 @@ type network struct {
 	replaceAfter time.Duration
 
 	funds *funds
-	reads *callBatcher // eth_calls of many callers batched (the nonce read of every verification)
+	reads *callBatcher // reads of many callers batched (the nonce read of every verification)
 	terms paymentTerms // see NetworkConfig.MinAmount and PayTo
 
 	headTTL time.Duration

@@ -85,9 +85,34 @@ func appendNew(list []string, s string) []string {
 // and transfer method. A payment bought under one requirement buys nothing under another, whatever the journal
 // says of it.
 func SameTerms(a, b PaymentRequirements) bool {
-	amountA, errA := ParseAmount(a.Amount)
-	amountB, errB := ParseAmount(b.Amount)
 	return a.Scheme == b.Scheme && a.Network == b.Network && SameAddress(a.Asset, b.Asset) &&
-		SameAddress(a.PayTo, b.PayTo) && errA == nil && errB == nil && amountA.Cmp(amountB) == 0 &&
+		SameAddress(a.PayTo, b.PayTo) && sameAmount(a.Amount, b.Amount) &&
 		a.Extra.AssetTransferMethod == b.Extra.AssetTransferMethod
+}
+
+// SettlementProblem says why a successful settlement answer is no proof that req's payment settled, or "" when
+// it is: the answer must name a transaction, the requirement's network and the payer the payment is signed by,
+// and the required amount when it names an amount. A facilitator's "success" that does not say so is an unknown
+// outcome, not a settlement.
+func SettlementProblem(req VerifyRequest, resp SettleResponse) string {
+	rq := req.PaymentRequirements
+	from, _ := req.PaymentPayload.Payload.PayerAndNonce()
+	switch {
+	case !IsTxHash(resp.Transaction):
+		return fmt.Sprintf("its answer names no transaction (%q)", resp.Transaction)
+	case resp.Network != rq.Network:
+		return fmt.Sprintf("its answer is for network %q, not %s", resp.Network, rq.Network)
+	case !SameAddress(resp.Payer, from):
+		return fmt.Sprintf("its answer names payer %q, not the payment's %s", resp.Payer, from)
+	case resp.Amount != "" && !sameAmount(resp.Amount, rq.Amount):
+		return fmt.Sprintf("its answer settled %s raw units, not the required %s", resp.Amount, rq.Amount)
+	}
+	return ""
+}
+
+// sameAmount reports whether two amounts are the same valid amount.
+func sameAmount(a, b string) bool {
+	x, errA := ParseAmount(a)
+	y, errB := ParseAmount(b)
+	return errA == nil && errB == nil && x.Cmp(y) == 0
 }

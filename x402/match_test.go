@@ -1,6 +1,9 @@
 package x402
 
-import "testing"
+import (
+	"strings"
+	"testing"
+)
 
 func TestSameTermsComparesEveryTermThatDecidesWhatAPaymentBuys(t *testing.T) {
 	base := PaymentRequirements{Scheme: SchemeExact, Network: "eip155:72344", Amount: "10000",
@@ -33,6 +36,39 @@ func TestSameTermsComparesEveryTermThatDecidesWhatAPaymentBuys(t *testing.T) {
 			}
 			if got := SameTerms(other, base); got != tc.same {
 				t.Errorf("SameTerms (swapped) = %v, want %v", got, tc.same)
+			}
+		})
+	}
+}
+
+func TestASettlementAnswerProvesTheSettlementOnlyIfItNamesTheTransactionNetworkPayerAndAmount(t *testing.T) {
+	const payer = "0xfe74B321980545471E50a8d27F3d072cD5D8F44B"
+	req := VerifyRequest{
+		PaymentRequirements: PaymentRequirements{Network: "eip155:72344", Amount: "10000"},
+		PaymentPayload:      PaymentPayload{Payload: ExactEVMPayload{Permit2Authorization: &Permit2Authorization{From: payer, Nonce: "7"}}},
+	}
+	good := SettleResponse{Success: true, Transaction: "0x" + strings.Repeat("ab", 32), Network: "eip155:72344", Payer: strings.ToLower(payer), Amount: "10000"}
+	tests := []struct {
+		name    string
+		edit    func(*SettleResponse)
+		problem string // "" for proof
+	}{
+		{"well formed", func(*SettleResponse) {}, ""},
+		{"without an amount", func(r *SettleResponse) { r.Amount = "" }, ""},
+		{"no transaction", func(r *SettleResponse) { r.Transaction = "" }, "no transaction"},
+		{"a transaction hash too short", func(r *SettleResponse) { r.Transaction = "0xabcd" }, "no transaction"},
+		{"another network", func(r *SettleResponse) { r.Network = "eip155:1" }, "network"},
+		{"another payer", func(r *SettleResponse) { r.Payer = "0x000000000000000000000000000000000000bEEF" }, "payer"},
+		{"no payer", func(r *SettleResponse) { r.Payer = "" }, "payer"},
+		{"another amount", func(r *SettleResponse) { r.Amount = "1" }, "raw units"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			resp := good
+			tc.edit(&resp)
+			got := SettlementProblem(req, resp)
+			if (tc.problem == "") != (got == "") || !strings.Contains(got, tc.problem) {
+				t.Errorf("SettlementProblem = %q, want %q", got, tc.problem)
 			}
 		})
 	}
