@@ -76,17 +76,7 @@ const adversaryMinAmount = facilitatorPrice / 2
 
 // sent is how many transactions the settlement wallets of both chains have sent, those in the pool included.
 func (e *adversaryEnv) sent() uint64 {
-	var n uint64
-	for _, c := range []*chaintest.Chain{e.c, e.b} {
-		for _, w := range c.Wallets[:2] {
-			pending, err := c.Client.PendingNonceAt(context.Background(), w.Address)
-			if err != nil {
-				e.t.Fatal(err)
-			}
-			n += pending
-		}
-	}
-	return n
+	return walletsSent(e.t, e.c, e.c.Wallets[:2]) + walletsSent(e.t, e.b, e.b.Wallets[:2])
 }
 
 // An adversarial table for a public facilitator's /verify and /settle, over HTTP through Caddy: each payment is

@@ -2,7 +2,6 @@ package caddymodule_test
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"io"
 	"math/big"
@@ -134,15 +133,7 @@ func (e *facilitatorEnv) pay(method string, payer *chaintest.Account, amount int
 // sent is how many transactions the settlement wallets have sent, those still in the node's pool included.
 func (e *facilitatorEnv) sent() uint64 {
 	e.t.Helper()
-	var n uint64
-	for _, w := range e.c.Wallets {
-		got, err := e.c.Client.PendingNonceAt(context.Background(), w.Address)
-		if err != nil {
-			e.t.Fatal(err)
-		}
-		n += got
-	}
-	return n
+	return walletsSent(e.t, e.c, e.c.Wallets)
 }
 
 // doFrom sends a raw request to a facilitator route with the given extra headers.

@@ -357,23 +357,14 @@ func (a facilitatorAnswer) json(t *testing.T) map[string]any {
 	return m
 }
 
-// do sends a raw request to a facilitator route.
+// do sends a raw request to a facilitator route, with the API key when given.
 func (e *facilitatorEnv) do(method, path, key string, body []byte) facilitatorAnswer {
 	e.t.Helper()
-	req, err := http.NewRequest(method, e.srv.URL+path, bytes.NewReader(body))
-	if err != nil {
-		e.t.Fatal(err)
-	}
+	var header map[string]string
 	if key != "" {
-		req.Header.Set("X-Api-Key", key)
+		header = map[string]string{"X-Api-Key": key}
 	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return facilitatorAnswer{resp.StatusCode, resp.Header, b}
+	return e.doFrom(method, path, body, header)
 }
 
 func mustJSON(t *testing.T, v any) []byte {

@@ -228,11 +228,10 @@ func TestAVersion1PaymentPaysTheOfferOfTheTokenItsPermitIsSignedFor(t *testing.T
 	c := chaintest.New(t, chaintest.WithHTTP())
 	t.Cleanup(commitPending(t, c))
 	second := c.DeployToken(big.NewInt(1_000_000_000))
-	env := &gateEnv{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"), net: x402.EIP155(c.ChainID.Uint64())}
-	env.srv = startCaddy(t, env.caddyfile(gateSetup{
+	env := startGateOn(t, c, gateSetup{
 		network: "\t\t\tasset " + second.Hex() + " name \"Stable Coin\" version 1 decimals 6\n",
 		gate:    "\t\tv1_body\n\t\taccept {\n\t\t\tasset " + second.Hex() + "\n\t\t\tasset_transfer_method erc2612\n\t\t}\n",
-	}))
+	})
 	payer := c.Payers[0]
 	a := env.get("/v1")
 	var body x402.PaymentRequiredV1

@@ -166,11 +166,17 @@ func TestSettleAsyncSettlesFirstWhenItsBacklogIsFull(t *testing.T) {
 // sent is how many transactions the settlement wallets have sent, counting those still in the pool.
 func (env *gateEnv) sent() uint64 {
 	env.t.Helper()
+	return walletsSent(env.t, env.c, env.c.Wallets)
+}
+
+// walletsSent is how many transactions the wallets have sent on c, those still in the node's pool included.
+func walletsSent(t testing.TB, c *chaintest.Chain, wallets []*chaintest.Account) uint64 {
+	t.Helper()
 	var n uint64
-	for _, w := range env.c.Wallets {
-		got, err := env.c.Client.PendingNonceAt(context.Background(), w.Address)
+	for _, w := range wallets {
+		got, err := c.Client.PendingNonceAt(context.Background(), w.Address)
 		if err != nil {
-			env.t.Fatal(err)
+			t.Fatal(err)
 		}
 		n += got
 	}

@@ -49,7 +49,10 @@ type gateSetup struct {
 	journal  string // journal path; default {{DATA}}/journal.db
 	wallets  int    // settlement wallets; default 2
 	rpc      string // the embedded engine's RPC URL; default the chain's
-	facURL   string // the remote gate's facilitator URL; default the test's remote facilitator
+	// facURL is the remote gate's facilitator URL; default the test's remote facilitator. Set, the gate is
+	// remote (whatever remote says) and no remote facilitator of the test's is started.
+	facURL string
+	sites  string // further site blocks, after the gate's
 	// receiptTimeout is how long a settlement waits for its receipt before answering settlement_pending.
 	receiptTimeout time.Duration
 	chainOpts      []chaintest.Option
@@ -64,11 +67,17 @@ var facilitatorKinds = []struct {
 func newGateEnv(t *testing.T, s gateSetup) *gateEnv {
 	t.Helper()
 	c := chaintest.New(t, append([]chaintest.Option{chaintest.WithHTTP()}, s.chainOpts...)...)
-	env := &gateEnv{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"),
-		net: x402.EIP155(c.ChainID.Uint64())}
 	if !s.noCommit {
 		t.Cleanup(commitPending(t, c))
 	}
+	return startGateOn(t, c, s)
+}
+
+// startGateOn starts the Caddy of a gateEnv on a chain the test made (and seals blocks of) itself.
+func startGateOn(t *testing.T, c *chaintest.Chain, s gateSetup) *gateEnv {
+	t.Helper()
+	env := &gateEnv{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"),
+		net: x402.EIP155(c.ChainID.Uint64())}
 	env.srv = startCaddy(t, env.caddyfile(s))
 	return env
 }
@@ -88,12 +97,16 @@ func (env *gateEnv) caddyfile(s gateSetup) string {
 		journalPath = "{{DATA}}/journal.db"
 	}
 	var global, gate string
-	if s.remote {
-		if env.remote == nil {
-			env.remote = newRemoteFacilitator(env.t, env.c, wallets, s.receiptTimeout)
+	if s.remote || s.facURL != "" {
+		facURL := s.facURL
+		if facURL == "" {
+			if env.remote == nil {
+				env.remote = newRemoteFacilitator(env.t, env.c, wallets, s.receiptTimeout)
+			}
+			facURL = env.remote.URL
 		}
 		global = fmt.Sprintf("\tx402 {\n\t\tjournal %s\n%s\t}\n", journalPath, s.global)
-		gate = "\t\tnetwork " + env.net + "\n\t\tfacilitator " + cmp.Or(s.facURL, env.remote.URL) + "\n"
+		gate = "\t\tnetwork " + env.net + "\n\t\tfacilitator " + facURL + "\n"
 	} else {
 		network := s.network
 		if s.receiptTimeout > 0 {
@@ -126,7 +139,7 @@ func (env *gateEnv) caddyfile(s gateSetup) string {
 %s%s	}
 	%s
 }
-`, global, env.payTo.Hex(), gatePrice, env.c.Token.Hex(), gate, s.gate, site)
+%s`, global, env.payTo.Hex(), gatePrice, env.c.Token.Hex(), gate, s.gate, site, s.sites)
 }
 
 // reload loads the configuration of s into the running Caddy.

@@ -1,17 +1,13 @@
 package caddymodule_test
 
 import (
-	"bytes"
 	"encoding/json"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
 	"time"
-
-	"github.com/ethereum/go-ethereum/common"
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -22,7 +18,6 @@ import (
 // whose settlement is the truth the script's answer may or may not tell.
 type scriptedFacilitator struct {
 	engine string
-	srv    *httptest.Server
 
 	mu     sync.Mutex
 	script func(w http.ResponseWriter, r *http.Request, body []byte, forward func() (int, []byte)) // nil: forward
@@ -31,19 +26,11 @@ type scriptedFacilitator struct {
 func (f *scriptedFacilitator) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	body, _ := io.ReadAll(r.Body)
 	forward := func() (int, []byte) {
-		var resp *http.Response
-		var err error
-		if r.Method == http.MethodGet {
-			resp, err = http.Get(f.engine + r.URL.Path)
-		} else {
-			resp, err = http.Post(f.engine+r.URL.Path, "application/json", bytes.NewReader(body))
-		}
+		status, answer, err := forwardTo(f.engine, r, body)
 		if err != nil {
 			return http.StatusBadGateway, []byte(`{"error":"engine unreachable"}`)
 		}
-		defer resp.Body.Close()
-		answer, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, answer
+		return status, answer
 	}
 	var script func(http.ResponseWriter, *http.Request, []byte, func() (int, []byte))
 	if r.URL.Path == "/settle" {
@@ -56,9 +43,7 @@ func (f *scriptedFacilitator) ServeHTTP(w http.ResponseWriter, r *http.Request) 
 		return
 	}
 	status, answer := forward()
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	_, _ = w.Write(answer)
+	writeAnswer(w, status, answer)
 }
 
 func (f *scriptedFacilitator) next(script func(w http.ResponseWriter, r *http.Request, body []byte, forward func() (int, []byte))) {
@@ -97,31 +82,10 @@ func TestAGateReadsEveryWayARemoteFacilitatorCanAnswerASettlement(t *testing.T) 
 	t.Cleanup(commitPending(t, c))
 	engine := newRemoteFacilitatorOf(t, c, c.Wallets[:2], 20*time.Second)
 	remote := &scriptedFacilitator{engine: engine.URL}
-	remote.srv = httptest.NewServer(remote)
-	t.Cleanup(remote.srv.Close)
-	elsewhere := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	elsewhere := serveTest(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		gateWriteJSON(w, http.StatusOK, x402.SettleResponse{Success: true, Transaction: "0x" + strings.Repeat("ab", 32), Network: x402.EIP155(c.ChainID.Uint64())})
 	}))
-	t.Cleanup(elsewhere.Close)
-	env := &gateEnv{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"), net: x402.EIP155(c.ChainID.Uint64())}
-	env.srv = startCaddy(t, `{
-	x402 {
-		journal {{DATA}}/journal.db
-	}
-}
-
-{{ADDR}} {
-	x402 {
-		pay_to `+env.payTo.Hex()+`
-		amount 10000
-		asset `+c.Token.Hex()+`
-		network `+env.net+`
-		facilitator `+remote.srv.URL+`
-		facilitator_timeout 1s
-	}
-	respond "paid content"
-}
-`)
+	env := startGateOn(t, c, gateSetup{facURL: serveTest(t, remote), gate: "\t\tfacilitator_timeout 1s\n"})
 	const (
 		served  = iota // 200, the content
 		unknown        // 502, "may have settled"
@@ -157,7 +121,7 @@ func TestAGateReadsEveryWayARemoteFacilitatorCanAnswerASettlement(t *testing.T) 
 			hangUpOn(w)
 		}, unknown, true, served},
 		{"redirect to another host", func(w http.ResponseWriter, r *http.Request, _ []byte, _ func() (int, []byte)) {
-			http.Redirect(w, r, elsewhere.URL+"/settle", http.StatusTemporaryRedirect)
+			http.Redirect(w, r, elsewhere+"/settle", http.StatusTemporaryRedirect)
 		}, unknown, false, served},
 		{"garbage", func(w http.ResponseWriter, _ *http.Request, _ []byte, forward func() (int, []byte)) {
 			forward()

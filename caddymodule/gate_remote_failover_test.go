@@ -13,13 +13,43 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/ethereum/go-ethereum/common"
 	bolt "go.etcd.io/bbolt"
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
+
+// forwardTo sends the request r (whose body was read into body) to the same path of target, and returns the
+// target's status and body. The forward outlives r's caller: a facilitator behind acts on what it received.
+func forwardTo(target string, r *http.Request, body []byte) (int, []byte, error) {
+	req, err := http.NewRequestWithContext(context.WithoutCancel(r.Context()), r.Method, target+r.URL.Path, bytes.NewReader(body))
+	if err != nil {
+		return 0, nil, err
+	}
+	req.Header = r.Header.Clone()
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, nil, err
+	}
+	defer resp.Body.Close()
+	answer, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, answer, err
+}
+
+// writeAnswer writes a facilitator's JSON answer.
+func writeAnswer(w http.ResponseWriter, status int, answer []byte) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = w.Write(answer)
+}
+
+// serveTest serves h on 127.0.0.1 until the test ends and returns its URL.
+func serveTest(t *testing.T, h http.Handler) string {
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
 
 // holdingProxy forwards to a facilitator; while hold is set, a /settle is forwarded (the facilitator acts on
 // it) and its answer is held back until the caller gives up: a facilitator that settles more slowly than its
@@ -28,14 +58,6 @@ type holdingProxy struct {
 	target  string
 	hold    atomic.Bool
 	settles atomic.Int64
-	srv     *httptest.Server
-}
-
-func newHoldingProxy(t *testing.T, target string) *holdingProxy {
-	p := &holdingProxy{target: target}
-	p.srv = httptest.NewServer(p)
-	t.Cleanup(p.srv.Close)
-	return p
 }
 
 func (p *holdingProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -44,22 +66,16 @@ func (p *holdingProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		p.settles.Add(1)
 	}
 	hold := r.URL.Path == "/settle" && p.hold.Load()
-	req, _ := http.NewRequestWithContext(context.WithoutCancel(r.Context()), r.Method, p.target+r.URL.Path, bytes.NewReader(body))
-	req.Header = r.Header.Clone()
-	resp, err := http.DefaultClient.Do(req)
+	status, answer, err := forwardTo(p.target, r, body)
 	if err != nil {
 		http.Error(w, err.Error(), http.StatusBadGateway)
 		return
 	}
-	defer resp.Body.Close()
-	answer, _ := io.ReadAll(resp.Body)
 	if hold {
 		<-r.Context().Done()
 		return
 	}
-	w.Header().Set("Content-Type", resp.Header.Get("Content-Type"))
-	w.WriteHeader(resp.StatusCode)
-	_, _ = w.Write(answer)
+	writeAnswer(w, status, answer)
 }
 
 // A gate settles through a middleware with two upstreams. Upstream A settles the payment more slowly than the
@@ -72,37 +88,20 @@ func TestAPaymentSentToOneUpstreamStaysWithItWhenPresentedAgain(t *testing.T) {
 	t.Cleanup(commitPending(t, c))
 	a := newRemoteFacilitatorOf(t, c, c.Wallets[:2], 20*time.Second)
 	b := newRemoteFacilitatorOf(t, c, c.Wallets[2:4], 20*time.Second)
-	proxy := newHoldingProxy(t, a.URL)
+	proxy := &holdingProxy{target: a.URL}
 	mw := freeAddr(t)
-	env := &gateEnv{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"), net: x402.EIP155(c.ChainID.Uint64())}
-	env.srv = startCaddy(t, `{
-	x402 {
-		journal {{DATA}}/journal.db
-	}
-}
-
-{{ADDR}} {
-	x402 {
-		pay_to `+env.payTo.Hex()+`
-		amount 10000
-		asset `+c.Token.Hex()+`
-		network `+env.net+`
-		facilitator http://`+mw+`/mw
-	}
-	respond "paid content"
-}
-
-http://`+mw+` {
+	env := startGateOn(t, c, gateSetup{facURL: "http://" + mw + "/mw", sites: `
+http://` + mw + ` {
 	handle_path /mw/* {
 		x402_facilitator {
-			upstream `+proxy.srv.URL+` {
+			upstream ` + serveTest(t, proxy) + ` {
 				settle_timeout 700ms
 			}
-			upstream `+b.URL+`
+			upstream ` + b.URL + `
 		}
 	}
 }
-`)
+`})
 	payer := c.Payers[0]
 	env.approvePermit2(payer)
 	before := env.balances(payer)
@@ -135,7 +134,6 @@ http://`+mw+` {
 type journalLessFacilitator struct {
 	a, b    string
 	settles atomic.Int64
-	srv     *httptest.Server
 }
 
 func (f *journalLessFacilitator) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -145,25 +143,16 @@ func (f *journalLessFacilitator) ServeHTTP(w http.ResponseWriter, r *http.Reques
 	if first {
 		target = f.a
 	}
-	resp, err := http.Post(target+r.URL.Path, "application/json", bytes.NewReader(body))
-	if r.Method == http.MethodGet {
-		resp, err = http.Get(target + r.URL.Path)
-	}
+	status, answer, err := forwardTo(target, r, body)
 	if err != nil {
 		http.Error(w, err.Error(), http.StatusBadGateway)
 		return
 	}
-	defer resp.Body.Close()
-	answer, _ := io.ReadAll(resp.Body)
 	if first {
-		hj, _ := w.(http.Hijacker)
-		conn, _, _ := hj.Hijack()
-		_ = conn.Close() // the answer is lost on the way back
+		hangUpOn(w) // the answer is lost on the way back
 		return
 	}
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(resp.StatusCode)
-	_, _ = w.Write(answer)
+	writeAnswer(w, status, answer)
 }
 
 // A gate's /settle reached a facilitator without a journal, which settled, and the answer was lost: the gate
@@ -176,26 +165,7 @@ func TestARefusalOfAPaymentWhoseSettlementMayHaveGoneThroughIsNoReasonToPayAgain
 	a := newRemoteFacilitatorOf(t, c, c.Wallets[:2], 20*time.Second)
 	b := newRemoteFacilitatorOf(t, c, c.Wallets[2:4], 20*time.Second)
 	remote := &journalLessFacilitator{a: a.URL, b: b.URL}
-	remote.srv = httptest.NewServer(remote)
-	t.Cleanup(remote.srv.Close)
-	env := &gateEnv{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"), net: x402.EIP155(c.ChainID.Uint64())}
-	env.srv = startCaddy(t, `{
-	x402 {
-		journal {{DATA}}/journal.db
-	}
-}
-
-{{ADDR}} {
-	x402 {
-		pay_to `+env.payTo.Hex()+`
-		amount 10000
-		asset `+c.Token.Hex()+`
-		network `+env.net+`
-		facilitator `+remote.srv.URL+`
-	}
-	respond "paid content"
-}
-`)
+	env := startGateOn(t, c, gateSetup{facURL: serveTest(t, remote)})
 	payer := c.Payers[0]
 	env.approvePermit2(payer)
 	before := env.balances(payer)
@@ -223,7 +193,6 @@ type blockingFacilitator struct {
 	target   string
 	release  chan struct{}
 	verifies atomic.Int64
-	srv      *httptest.Server
 }
 
 func (f *blockingFacilitator) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -238,22 +207,12 @@ func (f *blockingFacilitator) ServeHTTP(w http.ResponseWriter, r *http.Request) 
 			return
 		}
 	}
-	var resp *http.Response
-	var err error
-	if r.Method == http.MethodGet {
-		resp, err = http.Get(f.target + r.URL.Path)
-	} else {
-		resp, err = http.Post(f.target+r.URL.Path, "application/json", bytes.NewReader(body))
-	}
+	status, answer, err := forwardTo(f.target, r, body)
 	if err != nil {
 		http.Error(w, err.Error(), http.StatusBadGateway)
 		return
 	}
-	defer resp.Body.Close()
-	answer, _ := io.ReadAll(resp.Body)
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(resp.StatusCode)
-	_, _ = w.Write(answer)
+	writeAnswer(w, status, answer)
 }
 
 // settle async with a remote facilitator serves a payer one unsettled payment at a time: the payer's next
@@ -264,33 +223,13 @@ func TestAPayerCannotParkManyRequestsWaitingForItsAsyncPaymentToSettle(t *testin
 	t.Cleanup(commitPending(t, c))
 	engine := newRemoteFacilitatorOf(t, c, c.Wallets[:2], 20*time.Second)
 	remote := &blockingFacilitator{target: engine.URL, release: make(chan struct{})}
-	remote.srv = httptest.NewServer(remote)
-	t.Cleanup(remote.srv.Close)
+	env := startGateOn(t, c, gateSetup{facURL: serveTest(t, remote), gate: "\t\tsettle async\n"})
 	released := false
 	t.Cleanup(func() {
 		if !released {
 			close(remote.release)
 		}
 	})
-	env := &gateEnv{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"), net: x402.EIP155(c.ChainID.Uint64())}
-	env.srv = startCaddy(t, `{
-	x402 {
-		journal {{DATA}}/journal.db
-	}
-}
-
-{{ADDR}} {
-	x402 {
-		pay_to `+env.payTo.Hex()+`
-		amount 10000
-		asset `+c.Token.Hex()+`
-		network `+env.net+`
-		facilitator `+remote.srv.URL+`
-		settle async
-	}
-	respond "paid content"
-}
-`)
 	payer := c.Payers[0]
 	env.approvePermit2(payer)
 	before := env.balances(payer)
