@@ -100,10 +100,14 @@ func IsHexAddress(s string) bool {
 	return len(s) == 42 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X') && allBytes(s[2:], isHex)
 }
 
-// IsTxHash reports whether s is spelled like an EVM transaction hash: "0x" and 64 hex digits, any case.
-func IsTxHash(s string) bool {
+// IsBytes32 reports whether s is spelled like 32 bytes in hex (an EIP-3009 nonce, a transaction hash): "0x"
+// and 64 hex digits, any case.
+func IsBytes32(s string) bool {
 	return len(s) == 66 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X') && allBytes(s[2:], isHex)
 }
+
+// IsTxHash reports whether s is spelled like an EVM transaction hash: "0x" and 64 hex digits, any case.
+func IsTxHash(s string) bool { return IsBytes32(s) }
 
 // SameAddress reports whether a and b are the same well-formed EVM address, ignoring letter case.
 func SameAddress(a, b string) bool {

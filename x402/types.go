@@ -18,6 +18,9 @@ const SchemeExact = "exact"
 const (
 	TransferPermit2 = "permit2"
 	TransferERC2612 = "erc2612"
+	// TransferEIP3009 is transferWithAuthorization (USDC and the tokens modelled on it): what the public SDKs
+	// sign for a requirement that names no method.
+	TransferEIP3009 = "eip3009"
 )
 
 // ExtensionEIP2612GasSponsoring is the extension under which a facilitator performs the payer's one-time
@@ -75,7 +78,9 @@ type PaymentRequired struct {
 	Extensions  map[string]json.RawMessage `json:"extensions,omitempty"`
 }
 
-// EIP2612Authorization is the signed EIP-2612 permit of an erc2612 payment. Numbers are decimal strings.
+// EIP2612Authorization is the signed authorization of an erc2612 payment (an EIP-2612 permit) or of an eip3009
+// payment (a TransferWithAuthorization), which share this shape. Numbers are decimal strings; an EIP-3009 nonce
+// is 32 bytes in hex.
 type EIP2612Authorization struct {
 	From        string `json:"from"`
 	To          string `json:"to"`
@@ -157,13 +162,18 @@ func (p ExactEVMPayload) Deadline() time.Time {
 }
 
 // TransferMethod is the asset transfer method of payload p for requirement rq: as rq names it, else, for
-// requirements that predate extra.assetTransferMethod, as the payload's shape shows.
+// requirements that name none, as the payload's shape shows: a permit2Authorization is permit2, an
+// authorization with a 32-byte hex nonce is EIP-3009 (what the public SDKs sign for such a requirement), and
+// one with a decimal nonce is an EIP-2612 permit (erc2612, from requirements that predate the field).
 func TransferMethod(rq PaymentRequirements, p ExactEVMPayload) string {
 	if m := rq.Extra.AssetTransferMethod; m != "" {
 		return m
 	}
-	if p.Permit2Authorization != nil {
+	switch {
+	case p.Permit2Authorization != nil:
 		return TransferPermit2
+	case p.Authorization != nil && IsBytes32(p.Authorization.Nonce):
+		return TransferEIP3009
 	}
 	return TransferERC2612
 }

@@ -13,11 +13,20 @@ const outDir = path.resolve(process.argv[2] || path.join(here, 'build'));
 
 // Contracts whose runtime code goes into a genesis: they must not use immutables.
 const genesisContracts = new Set(['Permit2', 'X402ExactPermit2Proxy']);
-const contracts = ['StableCoin', 'Permit2', 'X402ExactPermit2Proxy'];
+// Each contract and the source file it is in.
+const contracts = {
+  StableCoin: 'StableCoin.sol',
+  USDCoin: 'USDCoin.sol',
+  Permit2: 'Permit2.sol',
+  X402ExactPermit2Proxy: 'X402ExactPermit2Proxy.sol',
+  SmartWallet: 'SmartWallet.sol',
+  SmartWalletFactory: 'SmartWallet.sol',
+  DeployThenCall: 'DeployThenCall.sol',
+};
 
 const sources = {};
-for (const name of contracts) {
-  sources[`${name}.sol`] = { content: fs.readFileSync(path.join(here, `${name}.sol`), 'utf8') };
+for (const file of new Set(Object.values(contracts))) {
+  sources[file] = { content: fs.readFileSync(path.join(here, file), 'utf8') };
 }
 
 const input = {
@@ -55,8 +64,8 @@ for (const msg of output.errors || []) {
 if (failed) process.exit(1);
 
 fs.mkdirSync(outDir, { recursive: true });
-for (const name of contracts) {
-  const c = output.contracts[`${name}.sol`][name];
+for (const [name, file] of Object.entries(contracts)) {
+  const c = output.contracts[file][name];
   if (!c) {
     process.stderr.write(`contract ${name} missing from compiler output\n`);
     process.exit(1);
@@ -70,4 +79,4 @@ for (const name of contracts) {
   fs.writeFileSync(path.join(outDir, `${name}.bin`), c.evm.bytecode.object + '\n');
   fs.writeFileSync(path.join(outDir, `${name}.bin-runtime`), c.evm.deployedBytecode.object + '\n');
 }
-process.stdout.write(`solc ${solc.version()}: wrote ${contracts.length} contracts to ${path.relative(process.cwd(), outDir) || '.'}\n`);
+process.stdout.write(`solc ${solc.version()}: wrote ${Object.keys(contracts).length} contracts to ${path.relative(process.cwd(), outDir) || '.'}\n`);

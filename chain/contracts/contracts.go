@@ -192,7 +192,7 @@ func DecodeRevert(data []byte) (reason string, ok bool) {
 	}
 	var selector [4]byte
 	copy(selector[:], data[:4])
-	for _, parsed := range []*abi.ABI{&ProxyABI, &Permit2ABI, &StableCoinABI} {
+	for _, parsed := range []*abi.ABI{&ProxyABI, &Permit2ABI, &StableCoinABI, &USDCoinABI, &DeployThenCallABI} {
 		e, err := parsed.ErrorByID(selector)
 		if err != nil {
 			continue
