@@ -177,6 +177,9 @@ type Asset struct {
 	Version string `json:"version,omitempty"`
 	// Decimals of the token. Default (and 0): 6.
 	Decimals uint8 `json:"decimals,omitempty"`
+	// EIP3009 marks a token with EIP-3009 transferWithAuthorization (USDC and the tokens modelled on it):
+	// gates offer eip3009 payments in it beside permit2.
+	EIP3009 bool `json:"eip3009,omitempty"`
 }
 
 // CaddyModule returns the Caddy module information.
