@@ -146,7 +146,8 @@ type Network struct {
 	ReceiptTimeout caddy.Duration `json:"receipt_timeout,omitempty"`
 	// ReceiptPoll is how often the head block is polled while receipts are awaited. Default 50ms.
 	ReceiptPoll caddy.Duration `json:"receipt_poll,omitempty"`
-	// Methods restricts the asset transfer methods settled on this network: permit2, erc2612. Default both.
+	// Methods restricts the asset transfer methods settled on this network: permit2, eip3009, erc2612. Default
+	// all three (whether a token implements EIP-3009, the chain says when a payment in it is verified).
 	Methods []string `json:"methods,omitempty"`
 	// LegacyFees sends type-0 transactions priced by eth_gasPrice, for chains without EIP-1559.
 	LegacyFees bool `json:"legacy_fees,omitempty"`

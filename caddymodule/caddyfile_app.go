@@ -39,12 +39,12 @@ func durationArg(d *caddyfile.Dispenser, option string) (time.Duration, error) {
 //			rpc <url> [<url>...]
 //			rpc_timeout <duration>
 //			deadline_skew <duration>
-//			asset <address> [name <name>] [version <version>] [decimals <n>]
+//			asset <address> [name <name>] [version <version>] [decimals <n>] [eip3009]
 //			wallet_keys <hex>[,<hex>...] [<hex>...]
 //			wallet_key_file <path>
 //			receipt_timeout <duration>
 //			receipt_poll <duration>
-//			methods permit2|erc2612 [...]
+//			methods permit2|eip3009|erc2612 [...]
 //			legacy_fees
 //			max_in_flight_per_wallet <n>
 //			wallet_wait <duration>
@@ -135,6 +135,10 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 			a := &Asset{Address: d.Val()}
 			for d.NextArg() {
 				key := d.Val()
+				if key == "eip3009" {
+					a.EIP3009 = true
+					continue
+				}
 				if !d.NextArg() {
 					return nil, d.Errf("asset %s needs a value", key)
 				}
@@ -153,7 +157,7 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 					}
 					a.Decimals = uint8(dec)
 				default:
-					return nil, d.Errf("unrecognized asset property '%s'; want name, version or decimals", key)
+					return nil, d.Errf("unrecognized asset property '%s'; want name, version, decimals or eip3009", key)
 				}
 			}
 			n.Assets = append(n.Assets, a)
@@ -218,11 +222,11 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 		case "methods":
 			args := d.RemainingArgs()
 			if len(args) == 0 {
-				return nil, d.Err("methods needs permit2, erc2612 or both")
+				return nil, d.Err("methods needs one or more of permit2, eip3009 and erc2612")
 			}
 			for _, m := range args {
-				if m != "permit2" && m != "erc2612" {
-					return nil, d.Errf("unknown method '%s'; want permit2 or erc2612", m)
+				if m != "permit2" && m != "eip3009" && m != "erc2612" {
+					return nil, d.Errf("unknown method '%s'; want permit2, eip3009 or erc2612", m)
 				}
 				if slices.Contains(n.Methods, m) {
 					return nil, d.Errf("method '%s' is listed twice", m)

@@ -42,7 +42,7 @@ See 'caddy x402 <command> --help' for each.
 // streams rather than to the process's, which is what lets tests run them as a whole, flags included.
 func addX402Commands(cmd *cobra.Command) {
 	pay := &cobra.Command{
-		Use:   "pay [--key HEX | --key-file FILE] [--rpc URL] [--method permit2|erc2612] [--dev] [--sign-only] <url>",
+		Use:   "pay [--key HEX | --key-file FILE] [--rpc URL] [--method permit2|eip3009|erc2612] [--dev] [--sign-only] <url>",
 		Short: "Pays for a URL that answers 402 Payment Required",
 		Long: `
 Requests the URL; when it answers 402 Payment Required, reads the payment
@@ -63,7 +63,9 @@ Permit2 adds the eip2612GasSponsoring permit so the facilitator pays the gas
 of that approval. erc2612 payments need it (they sign the token's nonce).
 
 --method chooses the asset transfer method; by default the first payable
-requirement is taken, permit2 before erc2612.
+requirement is taken, permit2 before the others. A requirement that names no
+method is the public SDKs' standard one and is paid by eip3009 (EIP-3009
+transferWithAuthorization, as USDC takes it).
 
 --dev pays as the dev chain's demo payer through its default RPC address
 (` + "http://" + chain.DefaultDevListen + `); --key, --key-file and --rpc still win over it.
@@ -76,7 +78,7 @@ requirement is taken, permit2 before erc2612.
 	pay.Flags().String("key", "", "Payer private key, hex")
 	pay.Flags().String("key-file", "", "File whose first line is the payer private key, hex")
 	pay.Flags().String("rpc", "", "JSON-RPC URL of the chain the payment settles on")
-	pay.Flags().String("method", "", "Asset transfer method: permit2 or erc2612 (default: the first payable, permit2 first)")
+	pay.Flags().String("method", "", "Asset transfer method: permit2, eip3009 or erc2612 (default: the first payable, permit2 first)")
 	pay.Flags().Bool("dev", false, "Pay as the dev chain's demo payer through its default RPC address")
 	pay.Flags().Bool("sign-only", false, "Print the payment header value and send nothing")
 	pay.Flags().Duration("timeout", 2*time.Minute, "Give up after this long, settlement included")

@@ -34,7 +34,7 @@ type payOptions struct {
 	Key *ecdsa.PrivateKey
 	// RPC is a JSON-RPC URL of the chain the payment settles on; "" when none was given.
 	RPC string
-	// Method is the asset transfer method to pay by (permit2, erc2612); "" picks one.
+	// Method is the asset transfer method to pay by (permit2, eip3009, erc2612); "" picks one.
 	Method string
 	// SignOnly prints the payment header value instead of sending it.
 	SignOnly bool
@@ -62,9 +62,9 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 		return fmt.Errorf("no payer key: give --key, --key-file, --dev or the environment variable %s", envPayerKey)
 	}
 	switch o.Method {
-	case "", x402.TransferPermit2, x402.TransferERC2612:
+	case "", x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612:
 	default:
-		return fmt.Errorf("--method: expected %s or %s, got %q", x402.TransferPermit2, x402.TransferERC2612, o.Method)
+		return fmt.Errorf("--method: expected %s, %s or %s, got %q", x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612, o.Method)
 	}
 	if o.Method == x402.TransferERC2612 && o.RPC == "" {
 		return errors.New("--method erc2612 needs --rpc (or --dev): an EIP-2612 permit signs the token's nonces(payer), which only the chain knows")
@@ -125,7 +125,7 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 		return err
 	}
 	fmt.Fprintf(stderr, "paying %s of %s to %s on %s by %s as %s%s\n",
-		req.Amount, req.Asset, req.PayTo, req.Network, req.Extra.AssetTransferMethod, crypto.PubkeyToAddress(o.Key.PublicKey).Hex(), note)
+		req.Amount, req.Asset, req.PayTo, req.Network, payMethod(req), crypto.PubkeyToAddress(o.Key.PublicKey).Hex(), note)
 
 	// The 402 came from where the redirects ended: pay there, and follow no redirect with the payment
 	// attached, which would hand a signed payment to another host.
@@ -197,9 +197,9 @@ func readOffer(resp *http.Response, body []byte) (paymentOffer, error) {
 }
 
 // chooseRequirement picks the requirement to pay: of those this payer can pay (scheme exact on an EVM chain,
-// the method asked for, the chain the RPC serves), the first permit2 one, else the first erc2612 one. permit2
-// comes first because it needs no RPC and, with gas sponsoring, no approval by the payer. When none can be
-// paid, the error says why for each.
+// the method asked for, the chain the RPC serves), the first permit2 one, else the first other one in the
+// server's order. permit2 comes first because it needs no RPC and, with gas sponsoring, no approval by the
+// payer. When none can be paid, the error says why for each.
 func chooseRequirement(offer paymentOffer, method string, rpc *payerChain) (int, error) {
 	var reasons []string
 	best := -1
@@ -225,7 +225,7 @@ func chooseRequirement(offer paymentOffer, method string, rpc *payerChain) (int,
 
 // cannotPay says why req cannot be paid, or "" when it can.
 func cannotPay(version int, req x402.PaymentRequirements, method string, rpc *payerChain) string {
-	m := req.Extra.AssetTransferMethod
+	m := payMethod(req)
 	if req.Scheme != x402.SchemeExact {
 		return fmt.Sprintf("scheme %q; this command pays %q only", req.Scheme, x402.SchemeExact)
 	}
@@ -234,10 +234,8 @@ func cannotPay(version int, req x402.PaymentRequirements, method string, rpc *pa
 		return fmt.Sprintf("network %q is not an EVM chain this command knows (eip155:<chain id>)", req.Network)
 	}
 	switch {
-	case m == "":
-		return "names no extra.assetTransferMethod (EIP-3009 by default), which this command cannot sign; it pays permit2 or erc2612"
-	case m != x402.TransferPermit2 && m != x402.TransferERC2612:
-		return fmt.Sprintf("asset transfer method %q; this command pays %s or %s", m, x402.TransferPermit2, x402.TransferERC2612)
+	case m != x402.TransferPermit2 && m != x402.TransferEIP3009 && m != x402.TransferERC2612:
+		return fmt.Sprintf("asset transfer method %q; this command pays %s, %s or %s", m, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 	case method != "" && m != method:
 		return "not the --method " + method
 	case m == x402.TransferPermit2 && version != x402.Version2:
@@ -250,6 +248,15 @@ func cannotPay(version int, req x402.PaymentRequirements, method string, rpc *pa
 		return fmt.Sprintf("on chain %d but --rpc %s serves chain %s", id, rpc.name, rpc.chainID)
 	}
 	return ""
+}
+
+// payMethod is how a requirement is paid: the method it names, or, naming none, EIP-3009, as the public
+// SDKs read the standard `exact` requirement.
+func payMethod(req x402.PaymentRequirements) string {
+	if m := req.Extra.AssetTransferMethod; m != "" {
+		return m
+	}
+	return x402.TransferEIP3009
 }
 
 // signPayment signs the payment of req. With an RPC, it signs at chain time (which the facilitator judges
@@ -276,7 +283,11 @@ func signPayment(ctx context.Context, o payOptions, rpc *payerChain, offer payme
 		p    x402.PaymentPayload
 		note string
 	)
-	switch req.Extra.AssetTransferMethod {
+	switch payMethod(req) {
+	case x402.TransferEIP3009:
+		if p, err = chain.SignEIP3009Payment(o.Key, req, chainID, chain.EIP3009Options{Now: now}); err != nil {
+			return p, "", fmt.Errorf("signing the eip3009 payment: %w", err)
+		}
 	case x402.TransferPermit2:
 		if p, err = chain.SignPermit2Payment(o.Key, req, chainID, chain.Permit2Options{Now: now}); err != nil {
 			return p, "", fmt.Errorf("signing the permit2 payment: %w", err)

@@ -22,7 +22,6 @@ import (
 
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/crypto"
-	"github.com/spf13/cobra"
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
@@ -36,17 +35,7 @@ const commandPrice = 10_000
 // runX402 runs `caddy x402 args...` as the binary would, flags included, and returns what it printed.
 func runX402(t *testing.T, stdin string, args ...string) (stdout, stderr string, err error) {
 	t.Helper()
-	cmd := &cobra.Command{Use: "x402", SilenceUsage: true}
-	addX402Commands(cmd)
-	var out, errOut bytes.Buffer
-	cmd.SetOut(&out)
-	cmd.SetErr(&errOut)
-	cmd.SetIn(strings.NewReader(stdin))
-	cmd.SetArgs(args)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	err = cmd.ExecuteContext(ctx)
-	return out.String(), errOut.String(), err
+	return RunX402(stdin, args...)
 }
 
 // payFixture is a simulated chain, a facilitator on it, and a resource server that sells one URL through it
@@ -484,7 +473,7 @@ func TestPayRefusesBadInputBeforeSendingAnything(t *testing.T) {
 		{"no key at all", nil, []string{"no payer key", "--key-file", envPayerKey}},
 		{"both --key and --key-file", []string{"--key", good, "--key-file", "/nonexistent"}, []string{"both --key and --key-file"}},
 		{"erc2612 without an RPC", []string{"--key", good, "--method", "erc2612"}, []string{"--method erc2612 needs --rpc"}},
-		{"an unknown method", []string{"--key", good, "--method", "eip3009"}, []string{"--method", "permit2", "erc2612", "eip3009"}},
+		{"an unknown method", []string{"--key", good, "--method", "upto"}, []string{"--method", "permit2", "erc2612", "eip3009", "upto"}},
 		{"a URL that is not http", []string{"--key", good, "ftp://example.com/x"}, []string{"http:// or https:// URL"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -577,11 +566,14 @@ func TestChooseRequirementPrefersPermit2AndSaysWhyNothingElseCanBePaid(t *testin
 		{name: "other schemes and networks are skipped", version: 2, accepts: []x402.PaymentRequirements{req("upto", "eip155:72344", "permit2", ""), req("exact", "solana:abc", "permit2", ""), p2}, want: 2},
 		{
 			name: "nothing payable", version: 2, rpc: onChain,
-			accepts: []x402.PaymentRequirements{req("exact", "eip155:1", "permit2", ""), req("exact", "eip155:72344", "", ""), req("exact", "eip155:72344", "erc2612", "")},
-			errs:    []string{"none of the 3", "accepts[0]", "--rpc http://127.0.0.1:1 serves chain 72344", "accepts[1]", "EIP-3009", "accepts[2]", "extra.spender"},
+			accepts: []x402.PaymentRequirements{req("exact", "eip155:1", "permit2", ""), req("exact", "eip155:72344", "upto", ""), req("exact", "eip155:72344", "erc2612", "")},
+			errs:    []string{"none of the 3", "accepts[0]", "--rpc http://127.0.0.1:1 serves chain 72344", "accepts[1]", `"upto"`, "accepts[2]", "extra.spender"},
 		},
 		{name: "erc2612 without an RPC", version: 2, accepts: []x402.PaymentRequirements{erc}, errs: []string{"give --rpc"}},
 		{name: "an empty offer", version: 2, errs: []string{"accepts is empty"}},
+		// The public SDKs' standard requirement names no method and is paid by EIP-3009.
+		{name: "a requirement naming no method is paid by eip3009", version: 2, accepts: []x402.PaymentRequirements{req("exact", "eip155:72344", "", "")}, method: "eip3009", want: 0},
+		{name: "permit2 wins over eip3009", version: 2, accepts: []x402.PaymentRequirements{req("exact", "eip155:72344", "eip3009", ""), p2}, want: 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			offer := paymentOffer{version: tc.version, required: x402.PaymentRequired{X402Version: tc.version, Accepts: tc.accepts}}

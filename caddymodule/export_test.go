@@ -1,8 +1,13 @@
 package caddymodule
 
 import (
+	"bytes"
+	"context"
 	"errors"
+	"strings"
 	"time"
+
+	"github.com/spf13/cobra"
 )
 
 // PauseBackgroundSettlement holds the background settlements of settle-async gates until resume is called, so a
@@ -28,4 +33,20 @@ func PruneGateJournals(now time.Time) (int, error) {
 		return true
 	})
 	return total, errors.Join(errs...)
+}
+
+// RunX402 runs `caddy x402 <args>` in this process with stdin as its input, as the command line would,
+// within a minute.
+func RunX402(stdin string, args ...string) (stdout, stderr string, err error) {
+	cmd := &cobra.Command{Use: "x402", SilenceUsage: true}
+	addX402Commands(cmd)
+	var out, errOut bytes.Buffer
+	cmd.SetOut(&out)
+	cmd.SetErr(&errOut)
+	cmd.SetIn(strings.NewReader(stdin))
+	cmd.SetArgs(args)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	err = cmd.ExecuteContext(ctx)
+	return out.String(), errOut.String(), err
 }

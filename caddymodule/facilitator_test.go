@@ -278,7 +278,7 @@ func TestFacilitatorServesSupportedVerifySettleAndHealthToEachCallerEmbeddedAndA
 				if err != nil {
 					t.Fatalf("supported: %v", err)
 				}
-				assertKinds(t, sup, []string{"permit2 v2", "erc2612 v1", "erc2612 v2"}, e.network)
+				assertKinds(t, sup, []string{"permit2 v2", "eip3009 v1", "eip3009 v2", "erc2612 v1", "erc2612 v2"}, e.network)
 				if len(sup.Signers[e.network]) != 2 || !strings.EqualFold(sup.Signers[e.network][0], e.c.Wallets[0].Address.Hex()) {
 					t.Errorf("signers = %v, want the two settlement wallets", sup.Signers)
 				}
@@ -803,7 +803,7 @@ func TestFacilitatorServesTheDevChainWhenNothingElseIsConfigured(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	assertKinds(t, sup, []string{"permit2 v2", "erc2612 v1", "erc2612 v2"}, x402.NetworkTestnet)
+	assertKinds(t, sup, []string{"permit2 v2", "eip3009 v1", "eip3009 v2", "erc2612 v1", "erc2612 v2"}, x402.NetworkTestnet)
 	if n := len(sup.Signers[x402.NetworkTestnet]); n != 4 {
 		t.Errorf("%d signers on the dev chain, want its 4 settlement wallets", n)
 	}

@@ -166,13 +166,17 @@ type GateAccept struct {
 	Network string `json:"network,omitempty"`
 	// Asset is the token's contract address. Default: the first asset the x402 app configures for the network.
 	Asset string `json:"asset,omitempty"`
-	// AssetTransferMethod restricts the offer to permit2 or erc2612. Default: every method the facilitator
-	// supports on the network, permit2 first.
+	// AssetTransferMethod restricts the offer to permit2, eip3009 or erc2612. Default: every method the
+	// facilitator supports on the network, in the order permit2, eip3009 (for a token with EIP-3009, see
+	// TokenEIP3009), erc2612.
 	AssetTransferMethod string `json:"asset_transfer_method,omitempty"`
-	// TokenName and TokenVersion are the token's EIP-2612 permit domain. Default: the x402 app's asset
-	// configuration, else "Stable Coin" and "1".
+	// TokenName and TokenVersion are the token's EIP-712 domain (of its permits and EIP-3009
+	// authorizations). Default: the x402 app's asset configuration, else "Stable Coin" and "1".
 	TokenName    string `json:"token_name,omitempty"`
 	TokenVersion string `json:"token_version,omitempty"`
+	// TokenEIP3009 says the token implements EIP-3009 transferWithAuthorization (USDC and the tokens modelled
+	// on it), so eip3009 is offered beside permit2. Default: what the x402 app's asset configuration says.
+	TokenEIP3009 bool `json:"token_eip3009,omitempty"`
 	// MaxTimeout is how long a signed payment stays valid (maxTimeoutSeconds). Default 5m.
 	MaxTimeout caddy.Duration `json:"max_timeout,omitempty"`
 }

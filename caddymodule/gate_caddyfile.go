@@ -32,9 +32,10 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		price <dollars>                      # or: amount <raw token units>
 //		network <caip2>
 //		asset <token address>
-//		asset_transfer_method permit2|erc2612
+//		asset_transfer_method permit2|eip3009|erc2612
 //		token_name <name>
 //		token_version <version>
+//		token_eip3009                        # the token has EIP-3009: offer eip3009 too
 //		max_timeout <duration>
 //		facilitator embedded|<url>           # or: facilitator_url <url>
 //		facilitator_api_key <key>
@@ -48,7 +49,7 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		cors_origins <origin>...             # default *
 //		accept {
 //			pay_to, price, amount, network, asset, asset_transfer_method,
-//			token_name, token_version, max_timeout
+//			token_name, token_version, token_eip3009, max_timeout
 //		}
 //	}
 //
@@ -81,7 +82,7 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 					return err
 				}
 				if !handled {
-					return d.Errf("unrecognized accept option '%s'; want pay_to, price, amount, network, asset, asset_transfer_method, token_name, token_version or max_timeout", d.Val())
+					return d.Errf("unrecognized accept option '%s'; want pay_to, price, amount, network, asset, asset_transfer_method, token_name, token_version, token_eip3009 or max_timeout", d.Val())
 				}
 			}
 			g.Accepts = append(g.Accepts, a)
@@ -180,6 +181,12 @@ func (a *GateAccept) unmarshalOption(d *caddyfile.Dispenser, opt string) (bool, 
 		dst = &a.TokenName
 	case "token_version":
 		dst = &a.TokenVersion
+	case "token_eip3009":
+		if d.NextArg() {
+			return true, d.Errf("token_eip3009 takes no argument, got '%s'", d.Val())
+		}
+		a.TokenEIP3009 = true
+		return true, nil
 	case "max_timeout":
 		dur, err := durationArg(d, opt)
 		if err != nil {
@@ -194,8 +201,8 @@ func (a *GateAccept) unmarshalOption(d *caddyfile.Dispenser, opt string) (bool, 
 		return true, d.Errf("%s needs exactly one argument", opt)
 	}
 	switch {
-	case opt == "asset_transfer_method" && *dst != x402.TransferPermit2 && *dst != x402.TransferERC2612:
-		return true, d.Errf("asset_transfer_method '%s': want %s or %s", *dst, x402.TransferPermit2, x402.TransferERC2612)
+	case opt == "asset_transfer_method" && *dst != x402.TransferPermit2 && *dst != x402.TransferEIP3009 && *dst != x402.TransferERC2612:
+		return true, d.Errf("asset_transfer_method '%s': want %s, %s or %s", *dst, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 	case opt == "price" && a.Amount != "", opt == "amount" && a.Price != "":
 		return true, d.Err("give either price or amount, not both")
 	}

@@ -89,6 +89,13 @@ x402 /paid/* $0.002 {
 	accept {
 		pay_to 0x000000000000000000000000000000000000bEEF
 	}
+	accept {
+		asset 0x036CbD53842c5426634e7929541eC2318f3dCF7e
+		asset_transfer_method eip3009
+		token_name "USD Coin"
+		token_version 2
+		token_eip3009
+	}
 }
 respond "paid"
 `)
@@ -107,6 +114,8 @@ respond "paid"
 		"accepts": []any{
 			map[string]any{"network": "eip155:723487", "amount": "5000", "asset_transfer_method": "erc2612"},
 			map[string]any{"pay_to": "0x000000000000000000000000000000000000bEEF"},
+			map[string]any{"asset": "0x036CbD53842c5426634e7929541eC2318f3dCF7e", "asset_transfer_method": "eip3009",
+				"token_name": "USD Coin", "token_version": "2", "token_eip3009": true},
 		},
 	}
 	if !reflect.DeepEqual(got, want) {
@@ -137,7 +146,8 @@ func TestBadX402DirectivesAreRefusedNamingTheProblem(t *testing.T) {
 		{"a backlog for a mode that has none", "settle after 100", "only async takes a backlog"},
 		{"a backlog that is not a number", "settle async many", "only async takes a backlog"},
 		{"settle with too many arguments", "settle async 1 2", "wrong argument count"},
-		{"unknown transfer method", "asset_transfer_method eip3009", "asset_transfer_method 'eip3009'"},
+		{"unknown transfer method", "asset_transfer_method upto", "asset_transfer_method 'upto': want permit2, eip3009 or erc2612"},
+		{"token_eip3009 with an argument", "token_eip3009 yes", "token_eip3009 takes no argument"},
 		{"price and amount", "price $0.01\n\tamount 10000", "either price or amount"},
 		{"pay_to without an address", "pay_to", "pay_to needs exactly one argument"},
 		{"bad duration", "max_timeout soon", "max_timeout"},

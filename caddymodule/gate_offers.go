@@ -22,6 +22,7 @@ type offerSpec struct {
 	network, asset, payTo, amount string
 	tokenName, tokenVersion       string
 	decimals                      uint8
+	eip3009                       bool   // the token implements EIP-3009
 	method                        string // "" = every method the facilitator supports
 	maxTimeout                    int64  // seconds
 }
@@ -62,6 +63,7 @@ func (g *Gate) resolveOffer(app *App, repl *caddy.Replacer, a *GateAccept) (offe
 		network: pick(a.Network, g.Network), asset: pick(a.Asset, g.Asset), payTo: pick(a.PayTo, g.PayTo),
 		method: pick(a.AssetTransferMethod, g.AssetTransferMethod), tokenName: pick(a.TokenName, g.TokenName),
 		tokenVersion: pick(a.TokenVersion, g.TokenVersion), decimals: x402.DefaultTokenDecimals,
+		eip3009: a.TokenEIP3009 || g.TokenEIP3009,
 	}
 	if s.network == "" {
 		if len(app.Networks) == 0 {
@@ -88,6 +90,7 @@ func (g *Gate) resolveOffer(app *App, repl *caddy.Replacer, a *GateAccept) (offe
 		}
 		s.tokenName = cmp.Or(s.tokenName, appAsset.Name)
 		s.tokenVersion = cmp.Or(s.tokenVersion, appAsset.Version)
+		s.eip3009 = s.eip3009 || appAsset.EIP3009
 	}
 	s.tokenName = cmp.Or(s.tokenName, x402.DefaultTokenName)
 	s.tokenVersion = cmp.Or(s.tokenVersion, x402.DefaultTokenVersion)
@@ -98,9 +101,9 @@ func (g *Gate) resolveOffer(app *App, repl *caddy.Replacer, a *GateAccept) (offe
 		return s, fmt.Errorf("pay_to %q is not an address (0x and 40 hex digits)", s.payTo)
 	}
 	switch s.method {
-	case "", x402.TransferPermit2, x402.TransferERC2612:
+	case "", x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612:
 	default:
-		return s, fmt.Errorf("asset_transfer_method %q is not supported; want %s or %s", s.method, x402.TransferPermit2, x402.TransferERC2612)
+		return s, fmt.Errorf("asset_transfer_method %q is not supported; want %s, %s or %s", s.method, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 	}
 	amount, price := a.Amount, a.Price
 	if amount == "" && price == "" {
@@ -176,9 +179,10 @@ type offerSet struct {
 	failedAt   time.Time // when asking for it last failed
 }
 
-// methodOrder is the order offers list transfer methods in: clients take the first they can pay, and a client
-// that mistakes erc2612 for EIP-3009 can pay permit2 correctly (x402-wire-facts 4.1).
-var methodOrder = [...]string{x402.TransferPermit2, x402.TransferERC2612}
+// methodOrder is the order offers list transfer methods in: clients take the first they can pay. Permit2 works
+// with any token; EIP-3009 is what the public clients sign by default; erc2612 comes last, for a client that
+// mistakes it for EIP-3009 takes an earlier offer first (x402-wire-facts 4.1).
+var methodOrder = [...]string{x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612}
 
 // buildOffers turns the configured ways to pay into requirements. With no /supported answer (sup nil) only
 // ways with an explicit transfer method are offered: anything else would be a guess.
@@ -193,6 +197,9 @@ func buildOffers(specs []offerSpec, sup *x402.SupportedResponse, reg *x402.Regis
 			kind, supported := sup.Kind(x402.Version2, s.network, m)
 			if !supported && s.method == "" {
 				continue // not known to be supported: offering it would be a guess
+			}
+			if m == x402.TransferEIP3009 && s.method == "" && !s.eip3009 {
+				continue // a token not known to implement EIP-3009 cannot be paid so
 			}
 			o := offer{req: x402.PaymentRequirements{
 				Scheme: x402.SchemeExact, Network: s.network, Amount: s.amount, Asset: s.asset, PayTo: s.payTo,

@@ -56,7 +56,9 @@ func TestOffersFollowWhatTheFacilitatorSupportsPermit2First(t *testing.T) {
 		{"both supported", "", testSupported(kind(2, "erc2612"), kind(1, "erc2612"), kind(2, "permit2")), "permit2 erc2612+v1", true},
 		{"only permit2 supported", "", testSupported(kind(2, "permit2")), "permit2", true},
 		{"erc2612 without version 1", "", testSupported(kind(2, "erc2612")), "erc2612", false},
-		{"a kind without a method is erc2612", "", testSupported(kind(2, "")), "erc2612", false},
+		{"a kind without a method is the standard kind: permit2, never erc2612", "", testSupported(kind(2, "")), "permit2", true},
+		{"eip3009 is not offered for a token not known to have it", "", testSupported(kind(2, "permit2"), kind(2, "eip3009")), "permit2", true},
+		{"an explicit eip3009 is offered", "eip3009", testSupported(kind(2, "")), "eip3009", false},
 		{"explicit method the facilitator lacks is still offered", "erc2612", testSupported(kind(2, "permit2")), "erc2612", false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -172,5 +174,25 @@ func TestParseCostTakesExactlyOnePositivePrice(t *testing.T) {
 		case tc.err != "" && (err == nil || !strings.Contains(err.Error(), tc.err)):
 			t.Errorf("parseCost(%q, %q) error = %v, want one containing %q", tc.amount, tc.price, err, tc.err)
 		}
+	}
+}
+
+func TestAnEIP3009TokenIsOfferedByEIP3009AfterPermit2(t *testing.T) {
+	spec := testSpec("")
+	spec.eip3009 = true
+	for _, tc := range []struct {
+		name string
+		sup  *x402.SupportedResponse
+		want string
+	}{
+		{"by a facilitator naming every method", testSupported(kind(2, "erc2612"), kind(2, "eip3009"), kind(2, "permit2")), "permit2 eip3009 erc2612"},
+		{"by a standard facilitator", testSupported(kind(2, "")), "permit2 eip3009"},
+		{"by a facilitator without eip3009", testSupported(kind(2, "permit2")), "permit2"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := methodsOf(buildOffers([]offerSpec{spec}, tc.sup, x402.NewRegistry(), time.Time{})); got != tc.want {
+				t.Fatalf("offers = %q, want %q", got, tc.want)
+			}
+		})
 	}
 }

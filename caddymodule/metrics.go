@@ -208,6 +208,9 @@ var knownReasons = func() map[string]bool {
 		x402.ReasonEIP2612AssetMismatch, x402.ReasonEIP2612SpenderNotPermit2, x402.ReasonEIP2612DeadlineExpired,
 		x402.ReasonUnexpectedVerifyError, x402.ReasonUnexpectedSettleError, x402.ReasonSettlementPending,
 		x402.ReasonNoAvailableWallets, x402.ReasonPaymentAlreadyUsed,
+		x402.ReasonEIP3009InvalidSignature, x402.ReasonEIP3009RecipientMismatch, x402.ReasonEIP3009AuthorizationValue,
+		x402.ReasonEIP3009InsufficientBalance, x402.ReasonEIP3009NotSupported, x402.ReasonEIP3009TokenNameMismatch,
+		x402.ReasonEIP3009TokenVersionMismatch,
 	} {
 		set[r] = true
 	}

@@ -99,6 +99,37 @@ func verifyPayloadERC2612(p *x402.PaymentPayload, o *offer, domains *DomainCache
 	return signer, nil
 }
 
+func verifyHotPathEIP3009(header string, o *offer, domains *DomainCache) (common.Address, error) {
+	p, err := decodeHeader(header)
+	if err != nil {
+		return common.Address{}, err
+	}
+	return verifyPayloadEIP3009(&p, o, domains)
+}
+
+// verifyPayloadEIP3009 is the part of the hot path an embedded facilitator's Verify runs for eip3009.
+func verifyPayloadEIP3009(p *x402.PaymentPayload, o *offer, domains *DomainCache) (common.Address, error) {
+	a, err := TransferAuthorizationFromPayload(p.Payload.Authorization)
+	if err != nil {
+		return common.Address{}, err
+	}
+	if a.To != o.payTo || a.Value.Cmp(o.amount) != 0 {
+		return common.Address{}, errHotPath
+	}
+	sig, err := ParseSignature(p.Payload.Signature)
+	if err != nil {
+		return common.Address{}, err
+	}
+	signer, err := RecoverSigner(TransferAuthorizationDigest(domains.Permit(o.name, o.version, o.chainID, o.asset), a), sig)
+	if err != nil {
+		return common.Address{}, err
+	}
+	if signer != a.From {
+		return common.Address{}, errHotPath
+	}
+	return signer, nil
+}
+
 func benchOffer(method string) (*offer, x402.PaymentRequirements) {
 	req := testRequirements()
 	req.Extra.AssetTransferMethod = method
@@ -161,6 +192,15 @@ func BenchmarkVerifyHotPathERC2612(b *testing.B) {
 		b.Fatal(err)
 	}
 	benchHotPath(b, encodeHeader(b, p), o, verifyHotPathERC2612, verifyPayloadERC2612)
+}
+
+func BenchmarkVerifyHotPathEIP3009(b *testing.B) {
+	o, req := benchOffer(x402.TransferEIP3009)
+	p, err := SignEIP3009Payment(testKey(b), req, testChainID, EIP3009Options{Now: testNow})
+	if err != nil {
+		b.Fatal(err)
+	}
+	benchHotPath(b, encodeHeader(b, p), o, verifyHotPathEIP3009, verifyPayloadEIP3009)
 }
 
 func benchHotPath(b *testing.B, header string, o *offer,

@@ -274,3 +274,26 @@ func TestReferenceHashingRefusesAnIncompleteMessage(t *testing.T) {
 		t.Fatal("apitypes hashed a Permit without deadline")
 	}
 }
+
+func TestTransferAuthorizationDigestMatchesGoEthereumTypedDataHashing(t *testing.T) {
+	if transferWithAuthorizationTypeHash != common.HexToHash("0x7c7c6cdb67a18743f49ec6fa9b35f50d52ed05cbed4cc592e13b44501c1a2267") {
+		t.Fatalf("TransferWithAuthorization type hash = %s, want USDC's 0x7c7c6cdb…2267", transferWithAuthorizationTypeHash)
+	}
+	r := rand.New(rand.NewPCG(5, 6))
+	for i := range 300 {
+		name, version := randString(r), randString(r)
+		chainID, token := randChainID(r), randAddress(r)
+		var nonce common.Hash
+		for j := range nonce {
+			nonce[j] = byte(r.Uint32())
+		}
+		a := TransferAuthorization{From: randAddress(r), To: randAddress(r), Value: randUint256(r),
+			ValidAfter: randUint256(r), ValidBefore: randUint256(r), Nonce: nonce}
+		got := TransferAuthorizationDigest(PermitDomainSeparator(name, version, chainID, token), a)
+		want := referenceDigest(t, chaintest.TransferAuthorizationTypedData(name, version, chainID, token,
+			a.From.Hex(), a.To.Hex(), a.Value.String(), a.ValidAfter.String(), a.ValidBefore.String(), a.Nonce.Hex()))
+		if got != want {
+			t.Fatalf("case %d: digest %s, apitypes %s", i, got, want)
+		}
+	}
+}

@@ -45,7 +45,9 @@ type NetworkConfig struct {
 	Assets []AssetConfig
 	// Keys are the settlement wallets' private keys.
 	Keys []*ecdsa.PrivateKey
-	// Methods are the asset transfer methods offered (x402.TransferPermit2, x402.TransferERC2612); empty means both.
+	// Methods are the asset transfer methods offered (x402.TransferPermit2, x402.TransferEIP3009,
+	// x402.TransferERC2612); empty means all three. Whether a token implements EIP-3009 the chain says, when a
+	// payment in it is verified.
 	Methods []string
 	// Permit2 and Proxy default to the canonical addresses.
 	Permit2, Proxy common.Address
@@ -320,11 +322,11 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	n.p2dom = Permit2DomainSeparator(chainID, n.permit2)
 	methods := nc.Methods
 	if len(methods) == 0 {
-		methods = []string{x402.TransferPermit2, x402.TransferERC2612}
+		methods = []string{x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612}
 	}
 	for _, m := range methods {
-		if m != x402.TransferPermit2 && m != x402.TransferERC2612 {
-			return nil, fmt.Errorf("unknown asset transfer method %q; want %q or %q", m, x402.TransferPermit2, x402.TransferERC2612)
+		if m != x402.TransferPermit2 && m != x402.TransferERC2612 && m != x402.TransferEIP3009 {
+			return nil, fmt.Errorf("unknown asset transfer method %q; want %q, %q or %q", m, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 		}
 		n.methods[m] = true
 	}
@@ -367,8 +369,9 @@ func (f *Facilitator) WalletsInUse(networkID string) int {
 	return 0
 }
 
-// Supported lists the kinds this facilitator serves: permit2 (version 2, with eip2612GasSponsoring) and erc2612
-// (versions 1 and 2) per network, and the settlement wallets as signers.
+// Supported lists the kinds this facilitator serves: permit2 (version 2, with eip2612GasSponsoring), eip3009
+// (versions 1 and 2) and erc2612 (versions 1 and 2) per network, and the settlement wallets as signers. The
+// eip3009 kind names no token domain: it is the token's own, which each requirement carries.
 func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error) {
 	resp := x402.SupportedResponse{Kinds: []x402.SupportedKind{}, Extensions: []string{}, Signers: map[string][]string{}}
 	sponsoring := false
@@ -379,6 +382,12 @@ func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error)
 			resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: x402.Version2, Scheme: x402.SchemeExact, Network: id,
 				Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, Name: n.first.Name, Version: n.first.Version,
 					Permit2Address: n.permit2.Hex(), X402Permit2ProxyAddress: n.proxy.Hex()}})
+		}
+		if n.methods[x402.TransferEIP3009] {
+			for _, v := range []int{x402.Version1, x402.Version2} {
+				resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: v, Scheme: x402.SchemeExact, Network: id,
+					Extra: x402.Extra{AssetTransferMethod: x402.TransferEIP3009}})
+			}
 		}
 		if n.methods[x402.TransferERC2612] {
 			for _, v := range []int{x402.Version1, x402.Version2} {

@@ -8,9 +8,10 @@ import (
 	"github.com/ethereum/go-ethereum/common"
 
 	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// funds is what each permit2 payer can still pay as this engine sees it: the token balance and the allowance to
+// funds is what each permit2 or eip3009 payer can still pay as this engine sees it: the token balance and the allowance to
 // Permit2, read from the chain at one block, less the payments this engine has taken on (settling, or served by
 // a gate that settles afterwards) that the chain did not show at that block. A payment whose settlement applies
 // the payer's gas-sponsoring permit is held like any other; the allowance it counts against is the one the
@@ -89,7 +90,10 @@ func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, take bool) (o
 		return true, true, nil
 	}
 	allowance := pf.read.allowance
-	if p.sponsor != nil {
+	switch {
+	case p.method != x402.TransferPermit2:
+		allowance = pf.read.balance // an eip3009 transfer needs no allowance: only the balance bounds it
+	case p.sponsor != nil:
 		allowance = p.sponsor.permit.Value
 	}
 	balance := new(big.Int).Sub(pf.read.balance, pf.held)
@@ -170,8 +174,9 @@ func (fs *funds) hold(pf *payerFunds, key fundsKey, p *payment) {
 	if _, held := pf.holds[p.id]; held {
 		return
 	}
-	deadline := p.p2.Deadline.Uint64()
-	if !p.p2.Deadline.IsUint64() {
+	d := p.deadlineValue()
+	deadline := d.Uint64()
+	if !d.IsUint64() {
 		deadline = ^uint64(0)
 	}
 	h := &hold{amount: new(big.Int).Set(p.amount), deadline: deadline}

@@ -1,6 +1,7 @@
 package chain
 
 import (
+	"github.com/x402-gateway/caddy-x402/x402"
 	"math/big"
 	"testing"
 	"time"
@@ -18,6 +19,7 @@ func fundsPayment(i int, amount int64, deadline uint64) *payment {
 		payer:  common.HexToAddress("0xabc"),
 		amount: big.NewInt(amount),
 		id:     fundsID(i),
+		method: x402.TransferPermit2,
 		p2:     Permit2Transfer{Deadline: new(big.Int).SetUint64(deadline)},
 	}
 }

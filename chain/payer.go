@@ -57,6 +57,18 @@ type ERC2612Options struct {
 	Now time.Time
 }
 
+// EIP3009Options tunes SignEIP3009Payment. The zero value signs as public clients do.
+type EIP3009Options struct {
+	// Nonce is the authorization's 32-byte nonce; zero draws a random one.
+	Nonce common.Hash
+	// ValidAfter defaults to Now - 600 s (never below 0).
+	ValidAfter *big.Int
+	// ValidBefore defaults to Now + requirements.maxTimeoutSeconds.
+	ValidBefore *big.Int
+	// Now is the signing time the defaults derive from; zero means time.Now().
+	Now time.Time
+}
+
 // payerTerms are the parts of requirements every payment method signs over.
 type payerTerms struct {
 	asset      common.Address
@@ -177,6 +189,48 @@ func SignERC2612Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, cha
 	}, nil
 }
 
+// SignEIP3009Payment builds and signs a version 2 eip3009 payment for req: an EIP-3009
+// TransferWithAuthorization of exactly req.Amount of req.Asset to req.PayTo, which any facilitator wallet can
+// submit. The token domain is requirements.extra name and version (default "Stable Coin" / "1"), verifying
+// contract req.Asset. A requirement naming no method is signed this way, as the public clients do.
+func SignEIP3009Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, chainID *big.Int, opts EIP3009Options) (x402.PaymentPayload, error) {
+	if err := checkMethod(req, x402.TransferEIP3009); err != nil {
+		return x402.PaymentPayload{}, err
+	}
+	t, err := parseTerms(req, chainID, opts.Now, opts.ValidAfter, opts.ValidBefore)
+	if err != nil {
+		return x402.PaymentPayload{}, err
+	}
+	nonce := opts.Nonce
+	if nonce == (common.Hash{}) {
+		if _, err := rand.Read(nonce[:]); err != nil {
+			return x402.PaymentPayload{}, fmt.Errorf("drawing an EIP-3009 nonce: %w", err)
+		}
+	}
+	a := TransferAuthorization{From: crypto.PubkeyToAddress(key.PublicKey), To: t.payTo, Value: t.amount,
+		ValidAfter: t.validAfter, ValidBefore: t.deadline, Nonce: nonce}
+	name, version := tokenDomain(req.Extra.Name, req.Extra.Version)
+	sig, err := SignDigest(key, TransferAuthorizationDigest(PermitDomainSeparator(name, version, chainID, t.asset), a))
+	if err != nil {
+		return x402.PaymentPayload{}, err
+	}
+	return x402.PaymentPayload{
+		X402Version: x402.Version2,
+		Accepted:    req,
+		Payload: x402.ExactEVMPayload{
+			Signature: sig.Hex(),
+			Authorization: &x402.EIP2612Authorization{
+				From:        a.From.Hex(),
+				To:          a.To.Hex(),
+				Value:       a.Value.String(),
+				ValidAfter:  a.ValidAfter.String(),
+				ValidBefore: a.ValidBefore.String(),
+				Nonce:       a.Nonce.Hex(),
+			},
+		},
+	}, nil
+}
+
 // AddGasSponsoring adds to a signed permit2 payment the eip2612GasSponsoring extension: the payer's EIP-2612
 // permit of the payment amount to Permit2, valid until the Permit2 deadline, so that the facilitator can make
 // the one-time Permit2 approval for the payer. tokenName and tokenVersion default to the payload's
@@ -228,22 +282,15 @@ func AddGasSponsoring(p *x402.PaymentPayload, key *ecdsa.PrivateKey, chainID *bi
 		Version:   "1",
 	}
 
-	ext := map[string]json.RawMessage{}
-	if prev, ok := p.Extensions[x402.ExtensionEIP2612GasSponsoring]; ok && len(prev) > 0 {
-		// Keep what the server declared (schema, description); a non-object is replaced.
-		_ = json.Unmarshal(prev, &ext)
-		if ext == nil {
-			ext = map[string]json.RawMessage{}
-		}
-	}
-	raw, err := json.Marshal(info)
+	raw, err := json.Marshal(map[string]x402.EIP2612GasSponsoringInfo{"info": info})
 	if err != nil {
 		return fmt.Errorf("encoding gas sponsoring info: %w", err)
 	}
-	ext["info"] = raw
-	rawExt, err := json.Marshal(ext)
+	// Merged into what the server declared (schema, and info's description and version), as the public
+	// clients do: a server that checks the echo finds its declaration unchanged.
+	rawExt, err := x402.MergeExtension(p.Extensions[x402.ExtensionEIP2612GasSponsoring], raw)
 	if err != nil {
-		return fmt.Errorf("encoding gas sponsoring extension: %w", err)
+		rawExt = raw // a declaration that is not JSON is not worth echoing
 	}
 	if p.Extensions == nil {
 		p.Extensions = map[string]json.RawMessage{}
@@ -289,6 +336,30 @@ func PermitFromAuthorization(a *x402.EIP2612Authorization) (Permit, error) {
 	p.Deadline = f.number("validBefore", a.ValidBefore)
 	p.Nonce = f.number("nonce", a.Nonce)
 	return p, f.err
+}
+
+// TransferAuthorizationFromPayload parses an eip3009 authorization strictly into the EIP-3009
+// TransferWithAuthorization its signature signs; the nonce must be 0x and 64 hex digits. Errors are *FieldError.
+func TransferAuthorizationFromPayload(a *x402.EIP2612Authorization) (TransferAuthorization, error) {
+	if a == nil {
+		return TransferAuthorization{}, &FieldError{Field: "authorization", Want: "an object", Got: "nothing"}
+	}
+	f := fields{prefix: "authorization."}
+	t := TransferAuthorization{
+		From:        f.address("from", a.From),
+		To:          f.address("to", a.To),
+		Value:       f.number("value", a.Value),
+		ValidAfter:  f.number("validAfter", a.ValidAfter),
+		ValidBefore: f.number("validBefore", a.ValidBefore),
+	}
+	if f.err == nil {
+		if !x402.IsBytes32(a.Nonce) {
+			f.err = &FieldError{Field: "authorization.nonce", Want: "0x and 64 hex digits (a 32-byte EIP-3009 nonce)", Got: truncate(a.Nonce)}
+		} else {
+			t.Nonce = common.HexToHash(a.Nonce)
+		}
+	}
+	return t, f.err
 }
 
 // PermitFromGasSponsoring parses an eip2612GasSponsoring info strictly into the EIP-2612 Permit its signature

@@ -301,6 +301,12 @@ func TestAddGasSponsoringAddsAPermitToPermit2ThatVerifiesOverTheTokenDomain(t *t
 	if string(ext.Schema) != `{"type":"object"}` {
 		t.Errorf("schema = %s, want the server's schema kept", ext.Schema)
 	}
+	var declared struct {
+		Info map[string]any `json:"info"`
+	}
+	if err := json.Unmarshal(p.Extensions[x402.ExtensionEIP2612GasSponsoring], &declared); err != nil || declared.Info["description"] != "sponsored" {
+		t.Errorf("info = %v (%v), want the server's description kept beside the payer's fields (a server checks the echo)", declared.Info, err)
+	}
 	info := ext.Info
 	want := x402.EIP2612GasSponsoringInfo{
 		From: payer.Hex(), Asset: testAsset.Hex(), Spender: canonicalPermit2.Hex(), Amount: "1000", Nonce: "5",

@@ -48,9 +48,10 @@ type payment struct {
 	payTo   common.Address
 	sig     Signature
 	nonce   *big.Int
-	permit  Permit          // erc2612
-	p2      Permit2Transfer // permit2
-	sponsor *sponsorPermit  // permit2 with eip2612GasSponsoring; nil when absent or unneeded (the approval covers)
+	permit  Permit                // erc2612
+	p2      Permit2Transfer       // permit2
+	auth    TransferAuthorization // eip3009
+	sponsor *sponsorPermit        // permit2 with eip2612GasSponsoring; nil when absent or unneeded (the approval covers)
 	id      journal.ID
 	digest  common.Hash   // what the payer signed
 	head    *types.Header // the head block checkTime read chain time from; nil when it could not be read
@@ -61,17 +62,25 @@ type payment struct {
 	permitApplied bool
 }
 
-// deadline is the last moment the payment can be settled (Permit2 deadline, erc2612 validBefore), as a time;
-// one past what a time holds reads as the latest time there is.
+// deadline is the last moment the payment can be settled (Permit2 deadline, erc2612 and eip3009 validBefore),
+// as a time; one past what a time holds reads as the latest time there is.
 func (p *payment) deadline() time.Time {
-	d := p.permit.Deadline
-	if p.method == x402.TransferPermit2 {
-		d = p.p2.Deadline
-	}
+	d := p.deadlineValue()
 	if d == nil || !d.IsInt64() || d.Int64() > maxUnixSeconds {
 		return time.Unix(maxUnixSeconds, 0).UTC()
 	}
 	return time.Unix(d.Int64(), 0).UTC()
+}
+
+// deadlineValue is the signed deadline of the payment's transfer method, as signed.
+func (p *payment) deadlineValue() *big.Int {
+	switch p.method {
+	case x402.TransferPermit2:
+		return p.p2.Deadline
+	case x402.TransferEIP3009:
+		return p.auth.ValidBefore
+	}
+	return p.permit.Deadline
 }
 
 // maxUnixSeconds is the latest deadline kept as it is: the year 2262, where nanoseconds since 1970 end.
@@ -86,11 +95,11 @@ const (
 	fundsSettle                 // count, and hold the payment being sent
 )
 
-// tracksFunds reports whether the payment's funds are tracked: a permit2 payment, with chain time known. A
-// sponsor permit changes which allowance a payment counts against (see funds.cover), never whether it is held:
-// otherwise attaching one would let a payer skip the holds.
+// tracksFunds reports whether the payment's funds are tracked: a permit2 or eip3009 payment, with chain time
+// known. A sponsor permit changes which allowance a payment counts against (see funds.cover), never whether it
+// is held: otherwise attaching one would let a payer skip the holds.
 func (p *payment) tracksFunds() bool {
-	return p.method == x402.TransferPermit2 && p.head != nil
+	return (p.method == x402.TransferPermit2 || p.method == x402.TransferEIP3009) && p.head != nil
 }
 
 // same reports whether q is the same payment as p: same signed message, same recipient, same amount. Two
@@ -166,7 +175,9 @@ func (f *Facilitator) verify(ctx context.Context, req x402.VerifyRequest, use fu
 // beside everything held against the payer (and holds it too, for fundsHold). A payment the journal knows was
 // presented before is left to the chain, which alone can say whether its nonce is spent.
 func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) bool {
-	if !p.tracksFunds() || p.net.funds.ttl <= 0 {
+	// Only permit2: its nonce is one storage read of the canonical Permit2. An eip3009 nonce lives where each
+	// token keeps it, and asking authorizationState costs the call the simulation would.
+	if p.method != x402.TransferPermit2 || !p.tracksFunds() || p.net.funds.ttl <= 0 {
 		return false
 	}
 	if _, known, err := f.journal.Get(ctx, p.id); err != nil || known {
@@ -276,8 +287,8 @@ func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
 
 	p.method = x402.TransferMethod(rq, pp.Payload)
 	switch {
-	case p.method != x402.TransferPermit2 && p.method != x402.TransferERC2612:
-		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "assetTransferMethod %q is not supported; want %q or %q", p.method, x402.TransferPermit2, x402.TransferERC2612)
+	case p.method != x402.TransferPermit2 && p.method != x402.TransferERC2612 && p.method != x402.TransferEIP3009:
+		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "assetTransferMethod %q is not supported; want %q, %q or %q", p.method, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 	case !n.methods[p.method]:
 		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "this facilitator does not settle %s payments on %s", p.method, n.caip2)
 	case p.method == x402.TransferPermit2 && req.X402Version != x402.Version2:
@@ -286,8 +297,11 @@ func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
 	if p.sig, err = ParseSignature(pp.Payload.Signature); err != nil {
 		return nil, refuse(x402.ReasonInvalidPayload, "payload.signature: %v", err)
 	}
-	if p.method == x402.TransferPermit2 {
+	switch p.method {
+	case x402.TransferPermit2:
 		return p, p.parsePermit2(pp)
+	case x402.TransferEIP3009:
+		return p, p.parseEIP3009(pp, rq)
 	}
 	return p, p.parseERC2612(pp)
 }
@@ -320,6 +334,43 @@ func (p *payment) parseERC2612(pp x402.PaymentPayload) *refusal {
 		return refuse(x402.ReasonInvalidSignature, "the signature is not %s's EIP-2612 permit for %s (%s) on chain %s%s", p.payer.Hex(), p.asset.Address.Hex(), p.asset.Name, p.net.chainID, recoverDetail(got, err))
 	}
 	p.id = journal.PaymentID(p.net.caip2, p.method, p.asset.Address.Hex(), p.payer.Hex(), p.nonce.String())
+	return nil
+}
+
+// parseEIP3009 reads an EIP-3009 TransferWithAuthorization. Its domain is the requirement's extra.name and
+// extra.version, which the payer signed under; a requirement naming another domain than the token's configured
+// one is refused here, as the token would refuse the signature.
+func (p *payment) parseEIP3009(pp x402.PaymentPayload, rq x402.PaymentRequirements) *refusal {
+	a := pp.Payload.Authorization
+	if a == nil {
+		if pp.Payload.Permit2Authorization != nil {
+			return refuse(x402.ReasonInvalidPayload, "the requirements ask for an eip3009 payment but the payload carries a permit2Authorization")
+		}
+		return refuse(x402.ReasonInvalidPayload, "payload.authorization is missing; an eip3009 payment carries the signed EIP-3009 TransferWithAuthorization there")
+	}
+	if name := rq.Extra.Name; name != "" && name != p.asset.Name {
+		return refuse(x402.ReasonEIP3009TokenNameMismatch, "paymentRequirements.extra.name is %q but the EIP-712 domain name of %s is %q", name, p.asset.Address.Hex(), p.asset.Name)
+	}
+	if version := rq.Extra.Version; version != "" && version != p.asset.Version {
+		return refuse(x402.ReasonEIP3009TokenVersionMismatch, "paymentRequirements.extra.version is %q but the EIP-712 domain version of %s is %q", version, p.asset.Address.Hex(), p.asset.Version)
+	}
+	t, err := TransferAuthorizationFromPayload(a)
+	if err != nil {
+		return refuse(x402.ReasonInvalidPayload, "payload.%v", err)
+	}
+	p.auth, p.payer, p.nonce = t, t.From, new(big.Int).SetBytes(t.Nonce[:])
+	if t.To != p.payTo {
+		return refuse(x402.ReasonEIP3009RecipientMismatch, "authorization.to is %s but the requirements pay %s", t.To.Hex(), p.payTo.Hex())
+	}
+	if t.Value.Cmp(p.amount) != 0 {
+		return refuse(x402.ReasonEIP3009AuthorizationValue, "authorization.value is %s but the required amount is exactly %s", t.Value, p.amount)
+	}
+	p.digest = TransferAuthorizationDigest(p.asset.domain, t)
+	got, err := RecoverSigner(p.digest, p.sig)
+	if err != nil || got != p.payer {
+		return refuse(x402.ReasonEIP3009InvalidSignature, "the signature is not %s's EIP-3009 TransferWithAuthorization for %s (%s, version %s) on chain %s%s", p.payer.Hex(), p.asset.Address.Hex(), p.asset.Name, p.asset.Version, p.net.chainID, recoverDetail(got, err))
+	}
+	p.id = journal.PaymentID(p.net.caip2, p.method, p.asset.Address.Hex(), p.payer.Hex(), t.Nonce.Hex())
 	return nil
 }
 
@@ -403,9 +454,9 @@ func (p *payment) parseSponsor(raw json.RawMessage) *sponsorPermit {
 // network's clock skew allow: the resource server asked for a payment that expires by then, and a record of it
 // must be kept until its deadline.
 func (p *payment) checkFarDeadline(chainNow uint64) *refusal {
-	field, d := "authorization.validBefore", p.permit.Deadline
+	field, d := "authorization.validBefore", p.deadlineValue()
 	if p.method == x402.TransferPermit2 {
-		field, d = "permit2Authorization.deadline", p.p2.Deadline
+		field = "permit2Authorization.deadline"
 	}
 	skew := p.net.skew
 	if skew <= 0 {
@@ -452,6 +503,15 @@ func (p *payment) checkTime(ctx context.Context) *refusal {
 		}
 		return nil
 	}
+	if p.method == x402.TransferEIP3009 {
+		if p.auth.ValidBefore.Cmp(minDeadline) < 0 {
+			return refuse(x402.ReasonValidBefore, "authorization.validBefore %s is not at least %ds after chain time %s; sign again with a fresh validBefore", p.auth.ValidBefore, deadlineMargin, now)
+		}
+		if p.auth.ValidAfter.Cmp(now) > 0 {
+			return refuse(x402.ReasonValidAfter, "authorization.validAfter %s is after chain time %s", p.auth.ValidAfter, now)
+		}
+		return nil
+	}
 	if p.permit.Deadline.Cmp(minDeadline) < 0 {
 		return refuse(x402.ReasonValidBefore, "%s: authorization.validBefore %s is not at least %ds after chain time %s; sign again with a fresh deadline", x402.MessagePermitExpired, p.permit.Deadline, deadlineMargin, now)
 	}
@@ -486,6 +546,9 @@ func (p *payment) checkChain(ctx context.Context, use fundsUse) (*refusal, error
 		if ref == nil {
 			return p.coverHeld(ctx, use)
 		}
+	}
+	if p.method == x402.TransferEIP3009 {
+		return p.checkEIP3009(ctx, use)
 	}
 	if p.method == x402.TransferERC2612 {
 		cur, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "nonces", p.payer)
@@ -544,6 +607,49 @@ func (p *payment) checkChain(ctx context.Context, use fundsUse) (*refusal, error
 	return p.coverHeld(ctx, use)
 }
 
+// checkEIP3009 simulates the transferWithAuthorization, which checks the time window, the nonce, the signature
+// and the balance in one call; only a failure reads the chain further, to name the reason as the public
+// facilitators do.
+func (p *payment) checkEIP3009(ctx context.Context, use fundsUse) (*refusal, error) {
+	ref, err := p.simulate(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if ref == nil {
+		return p.coverHeld(ctx, use)
+	}
+	n := p.net
+	data, err := contracts.USDCoinABI.Pack("authorizationState", p.payer, p.auth.Nonce)
+	if err != nil {
+		return nil, err
+	}
+	out, err := n.backend.CallContract(ctx, ethereum.CallMsg{To: &p.asset.Address, Data: data}, nil)
+	switch {
+	case err != nil && !isRevert(err):
+		return nil, err
+	case err != nil || len(out) < 32:
+		return refuse(x402.ReasonEIP3009NotSupported, "token %s (%s) does not implement EIP-3009 (authorizationState failed: %s); pay it by permit2", p.asset.Address.Hex(), p.asset.Name, revertDetail(err, out)), nil
+	case new(big.Int).SetBytes(out[:32]).Sign() != 0:
+		return refuse(x402.ReasonNonceAlreadyUsed, "EIP-3009 nonce %s of %s was already used or canceled", p.auth.Nonce.Hex(), p.payer.Hex()), nil
+	}
+	bal, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "balanceOf", p.payer)
+	if err != nil {
+		return nil, err
+	}
+	if bal.Cmp(p.amount) < 0 {
+		return refuse(x402.ReasonEIP3009InsufficientBalance, "payer %s balance %s is below the required amount %s", p.payer.Hex(), bal, p.amount), nil
+	}
+	return ref, nil
+}
+
+// revertDetail says why a call gave no usable answer: the revert reason, or how short the answer was.
+func revertDetail(err error, out []byte) string {
+	if err != nil {
+		return revertReason(err)
+	}
+	return fmt.Sprintf("%d bytes returned, want 32", len(out))
+}
+
 // coverHeld checks, once the chain allows the payment itself, that the payer's funds cover it beside the
 // payments held against them, and holds it unless only verifying. With nothing else held and a payer not seen
 // lately, the simulation has answered. Otherwise a settlement, whose exact call was just simulated, may count
@@ -588,6 +694,9 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 	case n.funds.permitHeld(p):
 		// Held meanwhile by a concurrent payment with the same permit.
 		return p.permitInFlight(), nil
+	case p.method == x402.TransferEIP3009:
+		return refuse(x402.ReasonEIP3009InsufficientBalance, "payer %s has %s at block %s, but payments to this facilitator that are not settled yet hold part of it, leaving %s: below the required amount %s; wait for them to settle or top up",
+			p.payer.Hex(), balance, block, left, p.amount), nil
 	case p.sponsor != nil:
 		return refuse(x402.ReasonInsufficientFunds, "payer %s has %s at block %s and its gas-sponsoring permit sets the Permit2 allowance to %s, but payments to this facilitator that are not settled yet hold part of it, leaving %s: below the required amount %s; wait for them to settle, then sign again",
 			p.payer.Hex(), balance, block, p.sponsor.permit.Value, left, p.amount), nil
@@ -648,6 +757,16 @@ func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.A
 			return nil, common.Address{}, err
 		}
 		return []contractCall{{To: n.proxy, Data: data, Gas: gas}}, n.pool.Addresses()[0], nil
+	}
+	if p.method == x402.TransferEIP3009 {
+		v, r, s := SplitSignature(p.sig)
+		a := p.auth
+		data, err := contracts.PackTransferWithAuthorization(contracts.EIP3009Transfer{From: a.From, To: a.To, Value: a.Value,
+			ValidAfter: a.ValidAfter, ValidBefore: a.ValidBefore, Nonce: a.Nonce}, v, r, s)
+		if err != nil {
+			return nil, common.Address{}, err
+		}
+		return []contractCall{{To: p.asset.Address, Data: data, Gas: 120_000}}, n.pool.Addresses()[0], nil
 	}
 	spender := p.permit.Spender
 	transfer, err := contracts.StableCoinABI.Pack("transferFrom", p.payer, p.payTo, p.amount)

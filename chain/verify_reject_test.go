@@ -513,8 +513,8 @@ func rejections() []rejection {
 			name: "a decimal-point amount is refused", methods: both, reason: x402.ReasonInvalidPaymentRequirements, message: `"0.01"`,
 			build: signedUnder(func(rq *x402.PaymentRequirements) { rq.Amount = "0.01" }),
 		}, {
-			name: "an unknown assetTransferMethod is refused", methods: both, reason: x402.ReasonInvalidPaymentRequirements, message: `"eip3009"`,
-			build: signedUnder(func(rq *x402.PaymentRequirements) { rq.Extra.AssetTransferMethod = "eip3009" }),
+			name: "an unknown assetTransferMethod is refused", methods: both, reason: x402.ReasonInvalidPaymentRequirements, message: `"upto"`,
+			build: signedUnder(func(rq *x402.PaymentRequirements) { rq.Extra.AssetTransferMethod = "upto" }),
 		},
 
 		// Payload shape.

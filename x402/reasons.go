@@ -44,6 +44,18 @@ const (
 	ReasonPaymentAlreadyUsed            = "payment_already_used"
 )
 
+// Reason codes of eip3009 payments, as the public SDKs' exact EVM scheme names them for EIP-3009
+// (valid_before, valid_after, nonce_already_used and transaction_simulation_failed are shared with erc2612).
+const (
+	ReasonEIP3009InvalidSignature     = "invalid_exact_evm_signature"
+	ReasonEIP3009RecipientMismatch    = "invalid_exact_evm_recipient_mismatch"
+	ReasonEIP3009AuthorizationValue   = "invalid_exact_evm_authorization_value"
+	ReasonEIP3009InsufficientBalance  = "invalid_exact_evm_insufficient_balance"
+	ReasonEIP3009NotSupported         = "invalid_exact_evm_eip3009_not_supported"
+	ReasonEIP3009TokenNameMismatch    = "invalid_exact_evm_token_name_mismatch"
+	ReasonEIP3009TokenVersionMismatch = "invalid_exact_evm_token_version_mismatch"
+)
+
 // Texts the service spec names, used as the human message of the matching failures.
 const (
 	MessageNoAvailableWallets = "No available wallets in pool"

@@ -6,20 +6,28 @@ import (
 )
 
 // Kind finds the kind that serves `exact` payments of version on network by the asset transfer method. A kind
-// that names no method predates the field and serves EIP-2612-shaped payments (erc2612). A nil response
-// (no /supported answer yet) serves nothing.
+// that names no method is the standard EVM `exact` kind of the public SDKs, which serves EIP-3009 and, for a
+// requirement that says so, Permit2: it serves eip3009 and permit2, never erc2612, which only a kind naming it
+// serves. A kind naming the method is preferred to the standard one. A nil response (no /supported answer yet)
+// serves nothing.
 func (s *SupportedResponse) Kind(version int, network, method string) (SupportedKind, bool) {
 	if s == nil {
 		return SupportedKind{}, false
 	}
-	for _, k := range s.Kinds {
-		km := k.Extra.AssetTransferMethod
-		if km == "" {
-			km = TransferERC2612
+	var standard *SupportedKind
+	for i, k := range s.Kinds {
+		if k.X402Version != version || k.Scheme != SchemeExact || k.Network != network {
+			continue
 		}
-		if k.X402Version == version && k.Scheme == SchemeExact && k.Network == network && km == method {
+		switch km := k.Extra.AssetTransferMethod; {
+		case km == method:
 			return k, true
+		case km == "" && standard == nil && (method == TransferPermit2 || method == TransferEIP3009):
+			standard = &s.Kinds[i]
 		}
+	}
+	if standard != nil {
+		return *standard, true
 	}
 	return SupportedKind{}, false
 }

@@ -30,22 +30,30 @@ func TestSignersForCollectsTheNetworkAndEveryMatchingPatternOnce(t *testing.T) {
 	}
 }
 
-func TestKindMatchesVersionNetworkAndMethodAndReadsAMissingMethodAsERC2612(t *testing.T) {
+func TestKindMatchesVersionNetworkAndMethodAndReadsAMissingMethodAsTheStandardKind(t *testing.T) {
+	named := SupportedKind{X402Version: 2, Scheme: SchemeExact, Network: "eip155:72344", Extra: Extra{AssetTransferMethod: TransferPermit2, Name: "named"}}
 	s := SupportedResponse{Kinds: []SupportedKind{
-		{X402Version: 2, Scheme: SchemeExact, Network: "eip155:72344", Extra: Extra{AssetTransferMethod: TransferPermit2}},
-		{X402Version: 1, Scheme: SchemeExact, Network: "eip155:72344"},
+		{X402Version: 2, Scheme: SchemeExact, Network: "eip155:72344"}, // the public SDKs' standard kind
+		named,
+		{X402Version: 1, Scheme: SchemeExact, Network: "eip155:84532", Extra: Extra{AssetTransferMethod: TransferERC2612}},
 	}}
-	if _, ok := s.Kind(2, "eip155:72344", TransferPermit2); !ok {
-		t.Error("permit2 v2 not found")
+	if k, ok := s.Kind(2, "eip155:72344", TransferPermit2); !ok || k.Extra.Name != "named" {
+		t.Errorf("permit2 v2 = %+v, %v; want the kind naming permit2 before the standard one", k, ok)
 	}
-	if _, ok := s.Kind(1, "eip155:72344", TransferERC2612); !ok {
-		t.Error("a kind without a method is not read as erc2612")
+	if k, ok := s.Kind(2, "eip155:72344", TransferEIP3009); !ok || k.Extra.AssetTransferMethod != "" {
+		t.Errorf("eip3009 v2 = %+v, %v; want the standard kind", k, ok)
+	}
+	if _, ok := s.Kind(1, "eip155:84532", TransferERC2612); !ok {
+		t.Error("a kind naming erc2612 does not serve erc2612")
 	}
 	for _, miss := range []struct {
 		v       int
 		network string
 		method  string
-	}{{1, "eip155:72344", TransferPermit2}, {2, "eip155:72344", TransferERC2612}, {2, "eip155:1", TransferPermit2}} {
+	}{
+		{2, "eip155:72344", TransferERC2612}, // the standard kind never serves erc2612
+		{1, "eip155:72344", TransferPermit2}, {2, "eip155:1", TransferPermit2}, {1, "eip155:84532", TransferEIP3009},
+	} {
 		if _, ok := s.Kind(miss.v, miss.network, miss.method); ok {
 			t.Errorf("Kind%v found a kind that is not there", miss)
 		}

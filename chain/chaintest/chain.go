@@ -252,7 +252,7 @@ func New(tb testing.TB, opts ...Option) *Chain {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	token, err := c.deployToken(ctx, cfg.tokenBalance)
+	token, err := c.deployToken(ctx, "StableCoin", contracts.StableCoinCreationCode(), cfg.tokenBalance)
 	if err != nil {
 		tb.Fatalf("chaintest: %v", err)
 	}
@@ -264,24 +264,35 @@ func New(tb testing.TB, opts ...Option) *Chain {
 // and mints every payer perPayer raw units of it.
 func (c *Chain) DeployToken(perPayer *big.Int) common.Address {
 	c.tb.Helper()
-	token, err := c.deployToken(context.Background(), perPayer)
+	token, err := c.deployToken(context.Background(), "StableCoin", contracts.StableCoinCreationCode(), perPayer)
 	if err != nil {
 		c.tb.Fatalf("chaintest: %v", err)
 	}
 	return token
 }
 
-func (c *Chain) deployToken(ctx context.Context, perPayer *big.Int) (common.Address, error) {
-	tx, err := c.SendTx(ctx, c.Deployer, nil, contracts.StableCoinCreationCode())
+// DeployUSDCoin deploys a USDCoin (USDC-like: domain "USD Coin" / "2", EIP-2612 and EIP-3009) and mints every
+// payer perPayer raw units of it.
+func (c *Chain) DeployUSDCoin(perPayer *big.Int) common.Address {
+	c.tb.Helper()
+	token, err := c.deployToken(context.Background(), "USDCoin", contracts.USDCoinCreationCode(), perPayer)
 	if err != nil {
-		return common.Address{}, fmt.Errorf("deploying StableCoin: %w", err)
+		c.tb.Fatalf("chaintest: %v", err)
+	}
+	return token
+}
+
+func (c *Chain) deployToken(ctx context.Context, name string, code []byte, perPayer *big.Int) (common.Address, error) {
+	tx, err := c.SendTx(ctx, c.Deployer, nil, code)
+	if err != nil {
+		return common.Address{}, fmt.Errorf("deploying %s: %w", name, err)
 	}
 	receipts, err := c.CommitUntilIncluded(ctx, tx.Hash())
 	if err != nil {
-		return common.Address{}, fmt.Errorf("deploying StableCoin: %w", err)
+		return common.Address{}, fmt.Errorf("deploying %s: %w", name, err)
 	}
 	if receipts[0].Status != types.ReceiptStatusSuccessful {
-		return common.Address{}, fmt.Errorf("deploying StableCoin: transaction %s reverted", tx.Hash())
+		return common.Address{}, fmt.Errorf("deploying %s: transaction %s reverted", name, tx.Hash())
 	}
 	token := receipts[0].ContractAddress
 

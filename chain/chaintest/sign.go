@@ -203,3 +203,41 @@ func RandomNonce() *big.Int {
 	rand.Read(b) // never fails (Go 1.24+ crashes the program instead)
 	return new(big.Int).SetBytes(b)
 }
+
+// TransferAuthorizationTypedData is the EIP-3009 TransferWithAuthorization a payer signs for an eip3009
+// payment, under the token's domain.
+func TransferAuthorizationTypedData(name, version string, chainID *big.Int, token common.Address, from, to, value, validAfter, validBefore, nonce string) apitypes.TypedData {
+	return apitypes.TypedData{
+		Types: apitypes.Types{
+			"EIP712Domain": {
+				{Name: "name", Type: "string"},
+				{Name: "version", Type: "string"},
+				{Name: "chainId", Type: "uint256"},
+				{Name: "verifyingContract", Type: "address"},
+			},
+			"TransferWithAuthorization": {
+				{Name: "from", Type: "address"},
+				{Name: "to", Type: "address"},
+				{Name: "value", Type: "uint256"},
+				{Name: "validAfter", Type: "uint256"},
+				{Name: "validBefore", Type: "uint256"},
+				{Name: "nonce", Type: "bytes32"},
+			},
+		},
+		PrimaryType: "TransferWithAuthorization",
+		Domain: apitypes.TypedDataDomain{
+			Name:              name,
+			Version:           version,
+			ChainId:           (*math.HexOrDecimal256)(new(big.Int).Set(chainID)),
+			VerifyingContract: token.Hex(),
+		},
+		Message: apitypes.TypedDataMessage{
+			"from":        from,
+			"to":          to,
+			"value":       value,
+			"validAfter":  validAfter,
+			"validBefore": validBefore,
+			"nonce":       nonce,
+		},
+	}
+}

@@ -50,6 +50,12 @@ func (c *Chain) TokenBalance(addr common.Address) *big.Int {
 	return c.readUint(c.Token, contracts.StableCoinABI, "balanceOf", addr)
 }
 
+// BalanceOf returns the balance of addr in raw units of token, any ERC-20.
+func (c *Chain) BalanceOf(token, addr common.Address) *big.Int {
+	c.tb.Helper()
+	return c.readUint(token, contracts.StableCoinABI, "balanceOf", addr)
+}
+
 // ETHBalance returns the ETH balance of addr in wei.
 func (c *Chain) ETHBalance(addr common.Address) *big.Int {
 	c.tb.Helper()

@@ -83,6 +83,9 @@ func DeployUSDCoin(opts *bind.TransactOpts, backend bind.ContractBackend) (commo
 	return addr, tx, nil
 }
 
+// USDCoinCreationCode returns a copy of USDCoin's creation code (its constructor takes no arguments).
+func USDCoinCreationCode() []byte { return append([]byte(nil), usdCoinCreation...) }
+
 // DeploySmartWalletFactory sends the creation transaction of a SmartWalletFactory.
 func DeploySmartWalletFactory(opts *bind.TransactOpts, backend bind.ContractBackend) (common.Address, *types.Transaction, error) {
 	addr, tx, err := bind.DeployContract(opts, smartWalletFactoryCreation, backend, nil)
@@ -180,4 +183,47 @@ func PackCreateAccount(a SmartWalletAccount) ([]byte, error) {
 		return nil, fmt.Errorf("packing createAccount: %w", err)
 	}
 	return data, nil
+}
+
+// transferWithAuthorizationVRS and transferWithAuthorizationBytes are USDC's two overloads (go-ethereum names
+// overloads by their order in the ABI, so they are found by signature).
+var (
+	transferWithAuthorizationVRS   = methodBySig(USDCoinABI, "transferWithAuthorization(address,address,uint256,uint256,uint256,bytes32,uint8,bytes32,bytes32)")
+	transferWithAuthorizationBytes = methodBySig(USDCoinABI, "transferWithAuthorization(address,address,uint256,uint256,uint256,bytes32,bytes)")
+)
+
+func methodBySig(parsed abi.ABI, sig string) abi.Method {
+	for _, m := range parsed.Methods {
+		if m.Sig == sig {
+			return m
+		}
+	}
+	panic("contracts: no method " + sig)
+}
+
+// EIP3009Transfer is the EIP-3009 TransferWithAuthorization a payer signed.
+type EIP3009Transfer struct {
+	From, To                       common.Address
+	Value, ValidAfter, ValidBefore *big.Int
+	Nonce                          [32]byte
+}
+
+// PackTransferWithAuthorization returns the calldata of token.transferWithAuthorization(from, to, value,
+// validAfter, validBefore, nonce, v, r, s): the form every EIP-3009 token has.
+func PackTransferWithAuthorization(t EIP3009Transfer, v uint8, r, s [32]byte) ([]byte, error) {
+	args, err := transferWithAuthorizationVRS.Inputs.Pack(t.From, t.To, t.Value, t.ValidAfter, t.ValidBefore, t.Nonce, v, r, s)
+	if err != nil {
+		return nil, fmt.Errorf("packing transferWithAuthorization: %w", err)
+	}
+	return append(append([]byte(nil), transferWithAuthorizationVRS.ID...), args...), nil
+}
+
+// PackTransferWithAuthorizationBytes returns the calldata of the overload that takes the signature as bytes
+// (USDC v2.2 and later), which contract wallets' ERC-1271 signatures need.
+func PackTransferWithAuthorizationBytes(t EIP3009Transfer, signature []byte) ([]byte, error) {
+	args, err := transferWithAuthorizationBytes.Inputs.Pack(t.From, t.To, t.Value, t.ValidAfter, t.ValidBefore, t.Nonce, signature)
+	if err != nil {
+		return nil, fmt.Errorf("packing transferWithAuthorization: %w", err)
+	}
+	return append(append([]byte(nil), transferWithAuthorizationBytes.ID...), args...), nil
 }
