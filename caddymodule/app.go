@@ -21,6 +21,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -41,7 +42,8 @@ type App struct {
 	// data directory; with an in-memory dev chain and no journal set, an in-memory journal.
 	Journal string `json:"journal,omitempty"`
 
-	// DevChain runs an embedded go-ethereum dev chain in this process, with the Stable Coin, Permit2 and the
+	// DevChain runs an embedded go-ethereum dev chain in this process, with the Stable Coin, the USDC-like USD Coin
+	// (EIP-3009; the network's second asset, offered by eip3009 too), Permit2 and the
 	// x402 proxy deployed and funded dev wallets and payer, and settles on it: a paid route with no chain, no
 	// keys and no network. Its keys are public: for development only.
 	DevChain *DevChainConfig `json:"dev_chain,omitempty"`
@@ -113,7 +115,10 @@ func (a *App) startDevChain() error {
 	}
 	a.Networks = append(a.Networks, &Network{
 		Network: dc.Network(), RPC: []string{dc.RPCURL()}, WalletKeys: []string{strings.Join(keys, ",")},
-		Assets: []*Asset{{Address: dc.Token().Hex(), Name: x402.DefaultTokenName, Version: x402.DefaultTokenVersion, Decimals: x402.DefaultTokenDecimals}},
+		Assets: []*Asset{
+			{Address: dc.Token().Hex(), Name: x402.DefaultTokenName, Version: x402.DefaultTokenVersion, Decimals: x402.DefaultTokenDecimals},
+			{Address: dc.EIP3009Token().Hex(), Name: contracts.USDCoinName, Version: contracts.USDCoinVersion, Decimals: contracts.USDCoinDecimals, EIP3009: true},
+		},
 		// Blocks come as soon as transactions do: look for receipts often.
 		ReceiptPoll: caddy.Duration(2 * time.Millisecond),
 	})

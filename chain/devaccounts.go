@@ -36,10 +36,20 @@ var (
 	// DevTokenAddress is where the dev chain's StableCoin lives: crypto.CreateAddress(DevDeployerAddress, 0),
 	// the deployer's first transaction.
 	DevTokenAddress = common.HexToAddress("0x69c1c4280cd64e46F1525c67AA9e5F784d09cB4C")
+	// DevEIP3009DeployerAddress is the address of DevEIP3009DeployerKey (deployer number 1), which deploys and
+	// owns the dev chain's USDCoin.
+	DevEIP3009DeployerAddress = common.HexToAddress("0x2Ef9ceb1f7d487317e6FA248aEAa146eD7829fe2")
+	// DevEIP3009TokenAddress is where the dev chain's USDCoin (USDC-like: EIP-2612 and EIP-3009, domain
+	// "USD Coin" / "2") lives: crypto.CreateAddress(DevEIP3009DeployerAddress, 0).
+	DevEIP3009TokenAddress = common.HexToAddress("0x0BD8CEB7EBD1e9e83d8552584eA50B8385fd8025")
 )
 
 // DevDeployerKey returns the key that deploys the dev chain's StableCoin at DevTokenAddress and may mint it.
 func DevDeployerKey() *ecdsa.PrivateKey { return devKey(devRoleDeployer, 0) }
+
+// DevEIP3009DeployerKey returns the key that deploys the dev chain's USDCoin at DevEIP3009TokenAddress and may
+// mint it.
+func DevEIP3009DeployerKey() *ecdsa.PrivateKey { return devKey(devRoleDeployer, 1) }
 
 // DevWalletKey returns settlement wallet number i of the dev chain.
 func DevWalletKey(i int) *ecdsa.PrivateKey { return devKey(devRoleWallet, i) }

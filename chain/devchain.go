@@ -48,7 +48,8 @@ const (
 	DefaultDevPayers = 1
 	// DevGasLimit is the block gas limit: high, so that a block holds thousands of settlements under load.
 	DevGasLimit = 1_000_000_000
-	// DevPayerTokens is the StableCoin amount, in raw units, minted to each demo payer: 1,000,000 tokens.
+	// DevPayerTokens is the amount of each dev token (StableCoin, USDCoin), in raw units, minted to each demo payer:
+	// 1,000,000 tokens.
 	DevPayerTokens = 1_000_000_000_000
 )
 
@@ -236,7 +237,7 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 		d.nudge = func() { beacon.Commit() }
 	}
 
-	deployed, err := d.provisionToken(ctx)
+	deployed, err := d.provisionTokens(ctx)
 	if err == nil {
 		err = waitTxIndex(ctx, backend.BlockChain())
 	}
@@ -340,7 +341,7 @@ func devGenesis(cfg DevChainConfig, wallets, payers []*ecdsa.PrivateKey, extra t
 	for addr, acc := range contracts.GenesisAlloc() {
 		alloc[addr] = acc
 	}
-	funded := append([]*ecdsa.PrivateKey{DevDeployerKey()}, wallets...)
+	funded := append([]*ecdsa.PrivateKey{DevDeployerKey(), DevEIP3009DeployerKey()}, wallets...)
 	for _, key := range append(funded, payers...) {
 		alloc[crypto.PubkeyToAddress(key.PublicKey)] = types.Account{Balance: DevAccountBalance()}
 	}
@@ -357,25 +358,59 @@ func devGenesis(cfg DevChainConfig, wallets, payers []*ecdsa.PrivateKey, extra t
 	}
 }
 
-// provisionToken deploys the StableCoin at DevTokenAddress and mints to each payer, skipping what the chain
-// already has: the deployer's nonce counts its transactions (deployment at 0, the mint to payer i at 1+i).
-// It reports whether it deployed.
-func (d *DevChain) provisionToken(ctx context.Context) (bool, error) {
-	nonce, err := d.client.NonceAt(ctx, DevDeployerAddress, nil)
-	if err != nil {
-		return false, fmt.Errorf("reading the deployer's nonce: %w", err)
+// devToken is one token the dev chain deploys and mints to its demo payers.
+type devToken struct {
+	name     string // for messages: "StableCoin"
+	deployer *ecdsa.PrivateKey
+	address  common.Address // crypto.CreateAddress(deployer, 0)
+	creation []byte
+}
+
+// devTokens are the dev chain's tokens: the StableCoin (EIP-2612) and the USDC-like USDCoin (EIP-2612 and
+// EIP-3009), each from a deployer of its own so that each lives at a fixed address.
+func devTokens() []devToken {
+	return []devToken{
+		{name: "StableCoin", deployer: DevDeployerKey(), address: DevTokenAddress, creation: contracts.StableCoinCreationCode()},
+		{name: "USDCoin", deployer: DevEIP3009DeployerKey(), address: DevEIP3009TokenAddress, creation: contracts.USDCoinCreationCode()},
 	}
-	code, err := d.client.CodeAt(ctx, DevTokenAddress, nil)
+}
+
+// provisionTokens deploys every dev token and mints to each payer; it reports whether it deployed the first.
+func (d *DevChain) provisionTokens(ctx context.Context) (bool, error) {
+	first := true
+	var deployedFirst bool
+	for _, tok := range devTokens() {
+		deployed, err := d.provisionToken(ctx, tok)
+		if err != nil {
+			return false, err
+		}
+		if first {
+			deployedFirst, first = deployed, false
+		}
+	}
+	return deployedFirst, nil
+}
+
+// provisionToken deploys tok at its address and mints to each payer, skipping what the chain already has: the
+// deployer's nonce counts its transactions (deployment at 0, the mint to payer i at 1+i). It reports whether
+// it deployed.
+func (d *DevChain) provisionToken(ctx context.Context, tok devToken) (bool, error) {
+	deployerAddr := crypto.PubkeyToAddress(tok.deployer.PublicKey)
+	nonce, err := d.client.NonceAt(ctx, deployerAddr, nil)
 	if err != nil {
-		return false, fmt.Errorf("reading the token's code: %w", err)
+		return false, fmt.Errorf("reading the %s deployer's nonce: %w", tok.name, err)
+	}
+	code, err := d.client.CodeAt(ctx, tok.address, nil)
+	if err != nil {
+		return false, fmt.Errorf("reading the %s's code: %w", tok.name, err)
 	}
 	switch {
 	case nonce == 0 && len(code) > 0:
 		return false, fmt.Errorf("the alloc places code at the dev token address %s; the dev chain deploys its "+
-			"StableCoin there, so leave that address out", DevTokenAddress)
+			"%s there, so leave that address out", tok.address, tok.name)
 	case nonce > 0 && len(code) == 0:
 		return false, fmt.Errorf("the deployer %s has sent %d transactions but no token lives at %s: the chain "+
-			"was not set up by this dev chain; start on an empty data dir", DevDeployerAddress, nonce, DevTokenAddress)
+			"was not set up by this dev chain; start on an empty data dir", deployerAddr, nonce, tok.address)
 	}
 
 	head, err := d.client.HeaderByNumber(ctx, nil)
@@ -385,7 +420,7 @@ func (d *DevChain) provisionToken(ctx context.Context) (bool, error) {
 	tip := big.NewInt(params.GWei)
 	feeCap := new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), tip)
 	signer := types.LatestSignerForChainID(new(big.Int).SetUint64(d.chainID))
-	deployer := DevDeployerKey()
+	deployer := tok.deployer
 	send := func(nonce uint64, to *common.Address, gas uint64, data []byte) (common.Hash, error) {
 		tx, err := types.SignNewTx(deployer, signer, &types.DynamicFeeTx{
 			ChainID: signer.ChainID(), Nonce: nonce, GasTipCap: tip, GasFeeCap: feeCap, Gas: gas, To: to, Data: data,
@@ -399,18 +434,17 @@ func (d *DevChain) provisionToken(ctx context.Context) (bool, error) {
 	var sent []common.Hash
 	deployed := nonce == 0
 	if deployed {
-		creation := contracts.StableCoinCreationCode()
-		gas, err := d.client.EstimateGas(ctx, ethereum.CallMsg{From: DevDeployerAddress, Data: creation})
+		gas, err := d.client.EstimateGas(ctx, ethereum.CallMsg{From: deployerAddr, Data: tok.creation})
 		if err != nil {
-			return false, fmt.Errorf("estimating the StableCoin deployment: %w", err)
+			return false, fmt.Errorf("estimating the %s deployment: %w", tok.name, err)
 		}
-		hash, err := send(0, nil, gas, creation)
+		hash, err := send(0, nil, gas, tok.creation)
 		if err != nil {
-			return false, fmt.Errorf("deploying the StableCoin: %w", err)
+			return false, fmt.Errorf("deploying the %s: %w", tok.name, err)
 		}
 		sent = append(sent, hash)
 	}
-	token := DevTokenAddress
+	token := tok.address
 	for i, payer := range d.payers {
 		mintNonce := uint64(1 + i)
 		if mintNonce < nonce {
@@ -423,7 +457,7 @@ func (d *DevChain) provisionToken(ctx context.Context) (bool, error) {
 		}
 		hash, err := send(mintNonce, &token, devMintGas, data)
 		if err != nil {
-			return false, fmt.Errorf("minting to demo payer %s: %w", to, err)
+			return false, fmt.Errorf("minting %s to demo payer %s: %w", tok.name, to, err)
 		}
 		sent = append(sent, hash)
 	}
@@ -499,6 +533,7 @@ func (d *DevChain) logStart(cfg DevChainConfig, deployed bool) {
 		zap.String("storage", storage),
 		zap.String("token", DevTokenAddress.Hex()),
 		zap.Bool("token_deployed_now", deployed),
+		zap.String("eip3009_token", DevEIP3009TokenAddress.Hex()),
 		zap.String("permit2", contracts.Permit2Address.Hex()),
 		zap.String("proxy", contracts.ProxyAddress.Hex()),
 		zap.Strings("settlement_wallets", wallets),
@@ -521,6 +556,9 @@ func (d *DevChain) ChainID() uint64 { return d.chainID }
 
 // Network returns the chain's CAIP-2 identifier, such as eip155:72344.
 func (d *DevChain) Network() string { return x402.EIP155(d.chainID) }
+
+// EIP3009Token returns the address of the chain's USDCoin (USDC-like, with EIP-3009), DevEIP3009TokenAddress.
+func (d *DevChain) EIP3009Token() common.Address { return DevEIP3009TokenAddress }
 
 // Token returns the address of the chain's StableCoin, DevTokenAddress.
 func (d *DevChain) Token() common.Address { return DevTokenAddress }

@@ -159,6 +159,17 @@ func TestDevChainServesTheX402ContractsAndFundedAccountsOverHTTP(t *testing.T) {
 	if bal := devCallToken[*big.Int](t, client, "balanceOf", payer); bal.Cmp(big.NewInt(DevPayerTokens)) != 0 {
 		t.Errorf("payer holds %s raw tokens, want %d", bal, int64(DevPayerTokens))
 	}
+	// The USDC-like token, from its own deployer, at its documented address, held by the payer too.
+	if d.EIP3009Token() != DevEIP3009TokenAddress || crypto.CreateAddress(DevEIP3009DeployerAddress, 0) != DevEIP3009TokenAddress ||
+		crypto.PubkeyToAddress(DevEIP3009DeployerKey().PublicKey) != DevEIP3009DeployerAddress {
+		t.Errorf("EIP3009Token() %s, want %s = CreateAddress(%s, 0)", d.EIP3009Token(), DevEIP3009TokenAddress, DevEIP3009DeployerAddress)
+	}
+	if name := devCallTokenAt[string](t, client, DevEIP3009TokenAddress, "name"); name != contracts.USDCoinName {
+		t.Errorf("EIP-3009 token name %q, want %q", name, contracts.USDCoinName)
+	}
+	if bal := devCallTokenAt[*big.Int](t, client, DevEIP3009TokenAddress, "balanceOf", payer); bal.Cmp(big.NewInt(DevPayerTokens)) != 0 {
+		t.Errorf("payer holds %s raw units of the EIP-3009 token, want %d", bal, int64(DevPayerTokens))
+	}
 	if allowance := devCallToken[*big.Int](t, client, "allowance", payer, contracts.Permit2Address); allowance.Sign() != 0 {
 		t.Errorf("payer's Permit2 allowance is %s, want 0 (gas sponsoring grants it)", allowance)
 	}
@@ -182,8 +193,9 @@ func TestDevChainServesTheX402ContractsAndFundedAccountsOverHTTP(t *testing.T) {
 		t.Errorf("payer log fields %v, want the payer's address and private key", fields)
 	}
 	started := logs.FilterMessage("dev chain started").All()
-	if len(started) != 1 || started[0].ContextMap()["rpc"] != d.RPCURL() || started[0].ContextMap()["token"] != DevTokenAddress.Hex() {
-		t.Errorf("startup log %v, want the RPC URL %s and token %s", started, d.RPCURL(), DevTokenAddress)
+	if len(started) != 1 || started[0].ContextMap()["rpc"] != d.RPCURL() || started[0].ContextMap()["token"] != DevTokenAddress.Hex() ||
+		started[0].ContextMap()["eip3009_token"] != DevEIP3009TokenAddress.Hex() {
+		t.Errorf("startup log %v, want the RPC URL %s, token %s and eip3009_token %s", started, d.RPCURL(), DevTokenAddress, DevEIP3009TokenAddress)
 	}
 }
 
@@ -391,6 +403,9 @@ func TestDevChainOnADataDirKeepsItsStateAcrossRestartsWithoutRedeploying(t *test
 	if nonce, err := client.NonceAt(devContext(t), DevDeployerAddress, nil); err != nil || nonce != 2 {
 		t.Errorf("deployer nonce %d (%v) after restart, want 2", nonce, err)
 	}
+	if nonce, err := client.NonceAt(devContext(t), DevEIP3009DeployerAddress, nil); err != nil || nonce != 2 {
+		t.Errorf("EIP-3009 token deployer nonce %d (%v) after restart, want 2", nonce, err)
+	}
 	if entries := logs.FilterMessage("dev chain started").All(); len(entries) != 1 || entries[0].ContextMap()["token_deployed_now"] != false {
 		t.Errorf("startup log %v, want token_deployed_now=false", entries)
 	}
@@ -516,11 +531,17 @@ func devContext(t *testing.T) context.Context {
 // devCallToken calls a view of the dev token through client.
 func devCallToken[T any](t *testing.T, client *ethclient.Client, method string, args ...any) T {
 	t.Helper()
+	return devCallTokenAt[T](t, client, DevTokenAddress, method, args...)
+}
+
+// devCallTokenAt calls an ERC-20 view of the token at addr.
+func devCallTokenAt[T any](t *testing.T, client *ethclient.Client, token common.Address, method string, args ...any) T {
+	t.Helper()
 	data, err := contracts.StableCoinABI.Pack(method, args...)
 	if err != nil {
 		t.Fatalf("packing %s: %v", method, err)
 	}
-	out, err := client.CallContract(devContext(t), ethereum.CallMsg{To: &DevTokenAddress, Data: data}, nil)
+	out, err := client.CallContract(devContext(t), ethereum.CallMsg{To: &token, Data: data}, nil)
 	if err != nil {
 		t.Fatalf("calling %s: %v", method, err)
 	}
