@@ -174,6 +174,11 @@ type Network struct {
 	// PayTo, when set, are the only recipients the embedded engine settles for on this network; a payment to
 	// another is refused with invalid_payment_requirements before any chain call. Default: any recipient.
 	PayTo []string `json:"pay_to,omitempty"`
+	// SmartWalletFactories are the ERC-6492 factories through which the embedded engine deploys a payer's
+	// undeployed smart wallet before settling its payment: a transaction of the facilitator's own with the
+	// payer's calldata, so only factories the operator trusts. Default: none (such payments are refused with
+	// eip6492_factory_not_allowed; deployed contract wallets pay by ERC-1271 either way).
+	SmartWalletFactories []string `json:"smart_wallet_factories,omitempty"`
 }
 
 // Asset is one accepted ERC-20 token and its EIP-2612 permit domain.
@@ -246,6 +251,8 @@ type networkSpec struct {
 	RPC     []string
 	Assets  []*Asset
 	terms   paymentTerms // parsed from Network.MinAmount and PayTo, which are part of the pool key
+	// factories are Network.SmartWalletFactories, parsed.
+	factories []common.Address
 }
 
 func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
@@ -279,6 +286,12 @@ func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
 		return spec, err
 	}
 	spec.terms = terms
+	for _, f := range n.SmartWalletFactories {
+		if !common.IsHexAddress(f) {
+			return spec, fmt.Errorf("smart_wallet_factories: %q is not an address (0x and 40 hex digits)", f)
+		}
+		spec.factories = append(spec.factories, common.HexToAddress(f))
+	}
 	spec.Assets = n.Assets
 	if len(spec.Assets) == 0 {
 		return spec, errors.New("no asset configured: add `asset <address>`")
@@ -436,7 +449,7 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 		// Payments verified within a quarter second share one read of chain time: far inside the 6 s margin
 		// deadlines must keep, and one round trip less per payment under load.
 		HeadCacheTTL: 250 * time.Millisecond,
-		MinAmount:    s.terms.minAmount, PayTo: s.terms.payToList,
+		MinAmount:    s.terms.minAmount, PayTo: s.terms.payToList, SmartWalletFactories: s.factories,
 	}
 	var names []string
 	var backends []chain.Backend

@@ -52,6 +52,7 @@ func durationArg(d *caddyfile.Dispenser, option string) (time.Duration, error) {
 //			funds_cache <duration>|off
 //			min_amount <raw units>
 //			pay_to <address> [...]
+//			smart_wallet_factories <address> [...]
 //		}
 //		journal <path>
 //		dev_chain {
@@ -248,6 +249,17 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 				return nil, d.Errf("max_in_flight_per_wallet %q is not a positive number", s)
 			}
 			n.MaxInFlightPerWallet = v
+		case "smart_wallet_factories":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return nil, d.Err("smart_wallet_factories needs one or more ERC-6492 factory addresses")
+			}
+			for _, a := range args {
+				if !common.IsHexAddress(a) {
+					return nil, d.Errf("smart_wallet_factories: %q is not an address (0x and 40 hex digits)", a)
+				}
+			}
+			n.SmartWalletFactories = append(n.SmartWalletFactories, args...)
 		case "min_amount", "pay_to":
 			if _, err := unmarshalTermOption(d, &n.MinAmount, &n.PayTo); err != nil {
 				return nil, err

@@ -128,6 +128,8 @@ func TestBadCaddyfilesAreRefusedNamingTheirLine(t *testing.T) {
 		{"a funds_cache that is neither a duration nor off", global("\t\tnetwork eip155:72344 {", "\t\t\tfunds_cache sometimes", "\t\t}"), "Caddyfile:4", "funds_cache: want a positive duration or off"},
 		{"a funds_cache of zero", global("\t\tnetwork eip155:72344 {", "\t\t\tfunds_cache 0s", "\t\t}"), "Caddyfile:4", "funds_cache: want a positive duration or off"},
 		{"an unknown method", global("\t\tnetwork eip155:72344 {", "\t\t\tmethods upto", "\t\t}"), "Caddyfile:4", "unknown method 'upto'; want permit2, eip3009 or erc2612"},
+		{"smart_wallet_factories without an address", global("\t\tnetwork eip155:72344 {", "\t\t\tsmart_wallet_factories", "\t\t}"), "Caddyfile:4", "needs one or more ERC-6492 factory addresses"},
+		{"a smart wallet factory that is no address", global("\t\tnetwork eip155:72344 {", "\t\t\tsmart_wallet_factories 0x12", "\t\t}"), "Caddyfile:4", "is not an address"},
 		{"methods without a value", global("\t\tnetwork eip155:72344 {", "\t\t\tmethods", "\t\t}"), "Caddyfile:4", "methods needs one or more of permit2, eip3009 and erc2612"},
 		{"legacy_fees with an argument", global("\t\tnetwork eip155:72344 {", "\t\t\tlegacy_fees yes", "\t\t}"), "Caddyfile:4", "wrong argument count"},
 		{"max_in_flight_per_wallet of zero", global("\t\tnetwork eip155:72344 {", "\t\t\tmax_in_flight_per_wallet 0", "\t\t}"), "Caddyfile:4", "max_in_flight_per_wallet \"0\" is not a positive number"},

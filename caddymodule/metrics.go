@@ -210,7 +210,7 @@ var knownReasons = func() map[string]bool {
 		x402.ReasonNoAvailableWallets, x402.ReasonPaymentAlreadyUsed,
 		x402.ReasonEIP3009InvalidSignature, x402.ReasonEIP3009RecipientMismatch, x402.ReasonEIP3009AuthorizationValue,
 		x402.ReasonEIP3009InsufficientBalance, x402.ReasonEIP3009NotSupported, x402.ReasonEIP3009TokenNameMismatch,
-		x402.ReasonEIP3009TokenVersionMismatch,
+		x402.ReasonEIP3009TokenVersionMismatch, x402.ReasonEIP6492FactoryNotAllowed, x402.ReasonSmartWalletDeploymentFailed,
 	} {
 		set[r] = true
 	}

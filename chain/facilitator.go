@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
+	"slices"
 	"sync"
 	"time"
 
@@ -82,6 +83,11 @@ type NetworkConfig struct {
 	// PayTo, when not empty, are the only recipients payments may be for; a payment to another is refused with
 	// invalid_payment_requirements before any chain call. Empty: any recipient.
 	PayTo []common.Address
+	// SmartWalletFactories are the ERC-6492 factories through which this facilitator deploys a payer's
+	// undeployed smart wallet before settling its payment (the deployment is a transaction of its own, sent
+	// with arbitrary calldata, so only factories the operator trusts). Empty: payments of undeployed wallets
+	// are refused with eip6492_factory_not_allowed; deployed contract wallets (ERC-1271) pay either way.
+	SmartWalletFactories []common.Address
 }
 
 // Config configures a Facilitator.
@@ -144,14 +150,16 @@ type network struct {
 	assets  map[common.Address]*asset
 	first   *asset
 	methods map[string]bool
-	permit2 common.Address
-	proxy   common.Address
-	pool    *WalletPool
-	sender  *sender
-	watcher *receiptWatcher
-	timeout time.Duration
-	low     *big.Int
-	p2dom   common.Hash
+	// factories are the ERC-6492 factories undeployed payer wallets may be deployed through.
+	factories []common.Address
+	permit2   common.Address
+	proxy     common.Address
+	pool      *WalletPool
+	sender    *sender
+	watcher   *receiptWatcher
+	timeout   time.Duration
+	low       *big.Int
+	p2dom     common.Hash
 
 	replaceAfter time.Duration
 
@@ -316,6 +324,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	if n.terms, err = newPaymentTerms(nc); err != nil {
 		return nil, err
 	}
+	n.factories = slices.Clone(nc.SmartWalletFactories)
 	if n.low == nil {
 		n.low = new(big.Int).Exp(big.NewInt(10), big.NewInt(16), nil)
 	}

@@ -47,7 +47,10 @@ type flight struct {
 func (f *Facilitator) Settle(ctx context.Context, req x402.SettleRequest) (x402.SettleResponse, error) {
 	p, ref := f.parse(req)
 	if ref == nil {
-		ref = f.admitSettlement(ctx, p)
+		var err error
+		if ref, err = f.admitSettlement(ctx, p); err != nil {
+			return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
+		}
 	}
 	if ref != nil {
 		return failed(req.PaymentRequirements.Network, ClaimedPayer(req), "", ref), nil
@@ -130,6 +133,9 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 	n := p.net
 	if ref := p.checkTime(ctx); ref != nil {
 		return common.Hash{}, ref, nil
+	}
+	if ref, err := p.checkWallet(ctx); err != nil || ref != nil {
+		return common.Hash{}, ref, err
 	}
 	if ref, err := p.checkChain(ctx, fundsSettle); err != nil || ref != nil {
 		return common.Hash{}, ref, err

@@ -59,13 +59,20 @@ func (t paymentTerms) check(p *payment) *refusal {
 // already knows is left to the journal, whatever the terms say now: it was taken on under the terms of its day
 // (a reload may have tightened them since), may have been broadcast, and a retry must get its answer, not a
 // refusal that tells the payer to pay again. Only a new payment is refused, with nothing claimed or sent.
-func (f *Facilitator) admitSettlement(ctx context.Context, p *payment) *refusal {
+//
+// A contract wallet's signature is judged here too, by the chain, before the journal is claimed in its payer's
+// name: a payload must prove its payer before it can occupy its payer's nonce. The error is for a chain that
+// could not be asked.
+func (f *Facilitator) admitSettlement(ctx context.Context, p *payment) (*refusal, error) {
 	ref := p.net.terms.check(p)
-	if ref == nil {
-		return nil
+	if ref == nil && !p.contractSig {
+		return nil, nil
 	}
 	if _, known, err := f.journal.Get(ctx, p.id); err == nil && known {
-		return nil
+		return nil, nil
 	}
-	return ref
+	if ref != nil {
+		return ref, nil
+	}
+	return p.checkWallet(ctx)
 }

@@ -46,8 +46,21 @@ type payment struct {
 	payer   common.Address
 	amount  *big.Int
 	payTo   common.Address
-	sig     Signature
-	nonce   *big.Int
+	sig     Signature // an EOA's signature, parsed; zero for a contract wallet's
+	// sigBytes is the signature as the settlement contracts take it: the EOA's 65 bytes, or a contract
+	// wallet's signature (unwrapped from ERC-6492).
+	sigBytes []byte
+	// contractSig says the signature is left to the chain: the payer may be a contract wallet (ERC-1271) or
+	// one to be deployed (ERC-6492, wallet set). sigReason is the refusal reason of a bad one, and eoaRefusal
+	// the refusal to give when the payer turns out to have no code (an EOA whose signature did not recover).
+	contractSig bool
+	sigReason   string
+	eoaRefusal  *refusal
+	wallet      *counterfactual
+	// undeployed says the payer's wallet has no code yet: the settlement deploys it through wallet.factory
+	// first, and chain checks run where it exists (DeployThenCall).
+	undeployed bool
+	nonce      *big.Int
 	permit  Permit                // erc2612
 	p2      Permit2Transfer       // permit2
 	auth    TransferAuthorization // eip3009
@@ -153,6 +166,12 @@ func (f *Facilitator) verify(ctx context.Context, req x402.VerifyRequest, use fu
 	}
 	if ref == nil {
 		ref = p.checkTime(ctx)
+	}
+	if ref == nil {
+		var err error
+		if ref, err = p.checkWallet(ctx); err != nil {
+			return x402.VerifyResponse{}, &x402.FacilitatorError{Op: "verify", Kind: x402.FailureUnreachable, Err: err}
+		}
 	}
 	if ref == nil && !f.fromFunds(ctx, p, use) {
 		var err error
@@ -294,14 +313,16 @@ func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
 	case p.method == x402.TransferPermit2 && req.X402Version != x402.Version2:
 		return nil, refuse(x402.ReasonInvalidX402Version, "permit2 payments need x402Version 2, got %d", req.X402Version)
 	}
-	if p.sig, err = ParseSignature(pp.Payload.Signature); err != nil {
-		return nil, refuse(x402.ReasonInvalidPayload, "payload.signature: %v", err)
-	}
+	var sigErr error
+	p.sig, sigErr = ParseSignature(pp.Payload.Signature)
 	switch p.method {
 	case x402.TransferPermit2:
-		return p, p.parsePermit2(pp)
+		return p, p.parsePermit2(pp, sigErr)
 	case x402.TransferEIP3009:
-		return p, p.parseEIP3009(pp, rq)
+		return p, p.parseEIP3009(pp, rq, sigErr)
+	}
+	if sigErr != nil {
+		return nil, refuse(x402.ReasonInvalidPayload, "payload.signature: %v", sigErr)
 	}
 	return p, p.parseERC2612(pp)
 }
@@ -340,7 +361,7 @@ func (p *payment) parseERC2612(pp x402.PaymentPayload) *refusal {
 // parseEIP3009 reads an EIP-3009 TransferWithAuthorization. Its domain is the requirement's extra.name and
 // extra.version, which the payer signed under; a requirement naming another domain than the token's configured
 // one is refused here, as the token would refuse the signature.
-func (p *payment) parseEIP3009(pp x402.PaymentPayload, rq x402.PaymentRequirements) *refusal {
+func (p *payment) parseEIP3009(pp x402.PaymentPayload, rq x402.PaymentRequirements, sigErr error) *refusal {
 	a := pp.Payload.Authorization
 	if a == nil {
 		if pp.Payload.Permit2Authorization != nil {
@@ -366,15 +387,16 @@ func (p *payment) parseEIP3009(pp x402.PaymentPayload, rq x402.PaymentRequiremen
 		return refuse(x402.ReasonEIP3009AuthorizationValue, "authorization.value is %s but the required amount is exactly %s", t.Value, p.amount)
 	}
 	p.digest = TransferAuthorizationDigest(p.asset.domain, t)
-	got, err := RecoverSigner(p.digest, p.sig)
-	if err != nil || got != p.payer {
+	if ref := p.verifySigner(pp.Payload.Signature, sigErr, x402.ReasonEIP3009InvalidSignature, true, func(got common.Address, err error) *refusal {
 		return refuse(x402.ReasonEIP3009InvalidSignature, "the signature is not %s's EIP-3009 TransferWithAuthorization for %s (%s, version %s) on chain %s%s", p.payer.Hex(), p.asset.Address.Hex(), p.asset.Name, p.asset.Version, p.net.chainID, recoverDetail(got, err))
+	}); ref != nil {
+		return ref
 	}
 	p.id = journal.PaymentID(p.net.caip2, p.method, p.asset.Address.Hex(), p.payer.Hex(), t.Nonce.Hex())
 	return nil
 }
 
-func (p *payment) parsePermit2(pp x402.PaymentPayload) *refusal {
+func (p *payment) parsePermit2(pp x402.PaymentPayload, sigErr error) *refusal {
 	a := pp.Payload.Permit2Authorization
 	if a == nil {
 		if pp.Payload.Authorization != nil {
@@ -400,9 +422,10 @@ func (p *payment) parsePermit2(pp x402.PaymentPayload) *refusal {
 		return refuse(x402.ReasonPermit2TokenMismatch, "permit2Authorization.permitted.token is %s but the requirements ask for %s", t.Token.Hex(), p.asset.Address.Hex())
 	}
 	p.digest = Permit2Digest(p.net.p2dom, t)
-	got, err := RecoverSigner(p.digest, p.sig)
-	if err != nil || got != p.payer {
+	if ref := p.verifySigner(pp.Payload.Signature, sigErr, x402.ReasonPermit2InvalidSignature, true, func(got common.Address, err error) *refusal {
 		return refuse(x402.ReasonPermit2InvalidSignature, "the signature is not %s's Permit2 PermitWitnessTransferFrom on chain %s%s", p.payer.Hex(), p.net.chainID, recoverDetail(got, err))
+	}); ref != nil {
+		return ref
 	}
 	if raw, ok := pp.Extensions[x402.ExtensionEIP2612GasSponsoring]; ok {
 		p.sponsor = p.parseSponsor(raw)
@@ -679,11 +702,7 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 		return nil, err
 	}
 	block := head.Number
-	balance, err := n.callUintAt(ctx, block, p.asset.Address, contracts.StableCoinABI, "balanceOf", p.payer)
-	if err != nil {
-		return nil, err
-	}
-	allowance, err := n.callUintAt(ctx, block, p.asset.Address, contracts.StableCoinABI, "allowance", p.payer, n.permit2)
+	balance, allowance, err := p.readFunds(ctx, block)
 	if err != nil {
 		return nil, err
 	}
@@ -706,6 +725,37 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 	}
 }
 
+// readFunds reads the payer's balance and Permit2 allowance at block; for a wallet the settlement deploys
+// first, as they will be once it is deployed (its constructor may approve Permit2), at the latest block.
+func (p *payment) readFunds(ctx context.Context, block *big.Int) (balance, allowance *big.Int, err error) {
+	n := p.net
+	if !p.undeployed {
+		if balance, err = n.callUintAt(ctx, block, p.asset.Address, contracts.StableCoinABI, "balanceOf", p.payer); err != nil {
+			return nil, nil, err
+		}
+		allowance, err = n.callUintAt(ctx, block, p.asset.Address, contracts.StableCoinABI, "allowance", p.payer, n.permit2)
+		return balance, allowance, err
+	}
+	balanceOf, err := contracts.StableCoinABI.Pack("balanceOf", p.payer)
+	if err != nil {
+		return nil, nil, err
+	}
+	allowanceOf, err := contracts.StableCoinABI.Pack("allowance", p.payer, n.permit2)
+	if err != nil {
+		return nil, nil, err
+	}
+	res, err := p.afterDeploy(ctx, contracts.Call{To: p.asset.Address, Data: balanceOf}, contracts.Call{To: p.asset.Address, Data: allowanceOf})
+	if err != nil {
+		return nil, nil, err
+	}
+	for _, r := range res {
+		if !r.OK || len(r.Return) < 32 {
+			return nil, nil, fmt.Errorf("reading the funds of %s after deploying it: the token answered 0x%x", p.payer.Hex(), r.Return)
+		}
+	}
+	return new(big.Int).SetBytes(res[0].Return[:32]), new(big.Int).SetBytes(res[1].Return[:32]), nil
+}
+
 // permitInFlight refuses a payment whose gas-sponsoring permit another payment, held and not yet settled, will
 // spend. The reason is the one the chain gives the same permit once that settlement lands (its nonce is then
 // no longer the token's next), so the answer does not depend on the moment it is asked; insufficient_funds
@@ -722,13 +772,29 @@ func (p *payment) simulate(ctx context.Context) (*refusal, error) {
 	if err != nil {
 		return nil, err
 	}
+	reason := x402.ReasonSimulationFailed
+	if p.method == x402.TransferPermit2 {
+		reason = x402.ReasonPermit2SimulationFailed
+	}
+	if p.undeployed {
+		// The settlement call, made where the wallet has been deployed (the deployment is calls[0]).
+		last := calls[len(calls)-1]
+		res, err := p.afterDeploy(ctx, contracts.Call{To: last.To, Data: last.Data})
+		if res == nil {
+			return deployRefusal(p, err)
+		}
+		if !res[0].OK {
+			why, ok := contracts.DecodeRevert(res[0].Return)
+			if !ok {
+				why = fmt.Sprintf("reverted (0x%x)", res[0].Return)
+			}
+			return refuse(reason, "simulating the settlement call after deploying the payer's wallet failed: %s", why), nil
+		}
+		return nil, nil
+	}
 	if _, err := p.net.backend.CallContract(ctx, ethereum.CallMsg{From: from, To: &calls[0].To, Data: calls[0].Data}, nil); err != nil {
 		if !isRevert(err) {
 			return nil, err
-		}
-		reason := x402.ReasonSimulationFailed
-		if p.method == x402.TransferPermit2 {
-			reason = x402.ReasonPermit2SimulationFailed
 		}
 		return refuse(reason, "simulating the settlement call failed: %s", revertReason(err)), nil
 	}
@@ -748,25 +814,34 @@ func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.A
 		gas := uint64(200_000)
 		if p.sponsor != nil {
 			v, r, s := SplitSignature(p.sponsor.sig)
-			data, err = contracts.PackSettleWithPermit(contracts.EIP2612Permit{Value: p.sponsor.permit.Value, Deadline: p.sponsor.permit.Deadline, R: r, S: s, V: v}, permit, p.payer, witness, p.sig[:])
+			data, err = contracts.PackSettleWithPermit(contracts.EIP2612Permit{Value: p.sponsor.permit.Value, Deadline: p.sponsor.permit.Deadline, R: r, S: s, V: v}, permit, p.payer, witness, p.sigBytes)
 			gas = 300_000
 		} else {
-			data, err = contracts.PackSettle(permit, p.payer, witness, p.sig[:])
+			data, err = contracts.PackSettle(permit, p.payer, witness, p.sigBytes)
 		}
 		if err != nil {
 			return nil, common.Address{}, err
 		}
-		return []contractCall{{To: n.proxy, Data: data, Gas: gas}}, n.pool.Addresses()[0], nil
+		return p.deployFirst(contractCall{To: n.proxy, Data: data, Gas: gas}), n.pool.Addresses()[0], nil
 	}
 	if p.method == x402.TransferEIP3009 {
-		v, r, s := SplitSignature(p.sig)
 		a := p.auth
-		data, err := contracts.PackTransferWithAuthorization(contracts.EIP3009Transfer{From: a.From, To: a.To, Value: a.Value,
-			ValidAfter: a.ValidAfter, ValidBefore: a.ValidBefore, Nonce: a.Nonce}, v, r, s)
+		t := contracts.EIP3009Transfer{From: a.From, To: a.To, Value: a.Value, ValidAfter: a.ValidAfter, ValidBefore: a.ValidBefore, Nonce: a.Nonce}
+		var data []byte
+		var err error
+		gas := uint64(120_000)
+		if p.contractSig {
+			// A contract wallet's signature goes to the overload that asks the wallet (ERC-1271).
+			data, err = contracts.PackTransferWithAuthorizationBytes(t, p.sigBytes)
+			gas = 200_000
+		} else {
+			v, r, s := SplitSignature(p.sig)
+			data, err = contracts.PackTransferWithAuthorization(t, v, r, s)
+		}
 		if err != nil {
 			return nil, common.Address{}, err
 		}
-		return []contractCall{{To: p.asset.Address, Data: data, Gas: 120_000}}, n.pool.Addresses()[0], nil
+		return p.deployFirst(contractCall{To: p.asset.Address, Data: data, Gas: gas}), n.pool.Addresses()[0], nil
 	}
 	spender := p.permit.Spender
 	transfer, err := contracts.StableCoinABI.Pack("transferFrom", p.payer, p.payTo, p.amount)
@@ -788,6 +863,19 @@ func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.A
 	calls = append(calls, contractCall{To: p.asset.Address, Data: transfer, Gas: 120_000})
 	return calls, spender, nil
 }
+
+// deployFirst puts the deployment of the payer's wallet before the settlement call when the wallet has no code
+// yet: both go from the same settlement wallet, with consecutive nonces.
+func (p *payment) deployFirst(settle contractCall) []contractCall {
+	if !p.undeployed {
+		return []contractCall{settle}
+	}
+	return []contractCall{{To: p.wallet.factory, Data: p.wallet.data, Gas: walletDeployGas}, settle}
+}
+
+// walletDeployGas bounds the gas of a smart wallet's deployment (a minimal proxy costs about 100,000, a full
+// contract some hundreds of thousands); what is not used is not paid.
+const walletDeployGas = 1_500_000
 
 // callUint calls a view function returning one uint256, at the latest block.
 func (n *network) callUint(ctx context.Context, to common.Address, parsed abiPacker, method string, args ...any) (*big.Int, error) {

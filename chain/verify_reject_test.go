@@ -569,7 +569,14 @@ func rejections() []rejection {
 				req.PaymentPayload.Payload.Permit2Authorization.Deadline = "2e9"
 			}),
 		}, {
-			name: "a 64-byte signature is refused", methods: both, reason: x402.ReasonInvalidPayload, message: "65 bytes",
+			name: "a 64-byte signature is refused", methods: erc2612Only, reason: x402.ReasonInvalidPayload, message: "65 bytes",
+			build: signed(func(_ *fixture, req *x402.VerifyRequest) {
+				req.PaymentPayload.Payload.Signature = req.PaymentPayload.Payload.Signature[:2+128]
+			}),
+		}, {
+			// Not 65 bytes, it may be a contract wallet's: the chain says the payer has no code.
+			name: "a 64-byte signature of a payer that is no contract wallet is refused", methods: permit2Only,
+			reason: x402.ReasonPermit2InvalidSignature, message: "has no code",
 			build: signed(func(_ *fixture, req *x402.VerifyRequest) {
 				req.PaymentPayload.Payload.Signature = req.PaymentPayload.Payload.Signature[:2+128]
 			}),

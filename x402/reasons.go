@@ -56,6 +56,15 @@ const (
 	ReasonEIP3009TokenVersionMismatch = "invalid_exact_evm_token_version_mismatch"
 )
 
+// Reason codes of smart-wallet payers, as the public SDKs name them.
+const (
+	// ReasonEIP6492FactoryNotAllowed refuses an undeployed wallet whose ERC-6492 factory the facilitator does
+	// not deploy through.
+	ReasonEIP6492FactoryNotAllowed = "eip6492_factory_not_allowed"
+	// ReasonSmartWalletDeploymentFailed refuses an undeployed wallet its factory would not deploy.
+	ReasonSmartWalletDeploymentFailed = "smart_wallet_deployment_failed"
+)
+
 // Texts the service spec names, used as the human message of the matching failures.
 const (
 	MessageNoAvailableWallets = "No available wallets in pool"

@@ -86,15 +86,6 @@ func DeployUSDCoin(opts *bind.TransactOpts, backend bind.ContractBackend) (commo
 // USDCoinCreationCode returns a copy of USDCoin's creation code (its constructor takes no arguments).
 func USDCoinCreationCode() []byte { return append([]byte(nil), usdCoinCreation...) }
 
-// DeploySmartWalletFactory sends the creation transaction of a SmartWalletFactory.
-func DeploySmartWalletFactory(opts *bind.TransactOpts, backend bind.ContractBackend) (common.Address, *types.Transaction, error) {
-	addr, tx, err := bind.DeployContract(opts, smartWalletFactoryCreation, backend, nil)
-	if err != nil {
-		return common.Address{}, nil, fmt.Errorf("deploying SmartWalletFactory from %s: %w", opts.From, err)
-	}
-	return addr, tx, nil
-}
-
 // Call is one call DeployThenCall makes.
 type Call struct {
 	To   common.Address
@@ -227,3 +218,6 @@ func PackTransferWithAuthorizationBytes(t EIP3009Transfer, signature []byte) ([]
 	}
 	return append(append([]byte(nil), transferWithAuthorizationBytes.ID...), args...), nil
 }
+
+// SmartWalletFactoryCreationCode returns a copy of SmartWalletFactory's creation code.
+func SmartWalletFactoryCreationCode() []byte { return append([]byte(nil), smartWalletFactoryCreation...) }

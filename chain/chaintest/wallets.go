@@ -1,0 +1,71 @@
+package chaintest
+
+import (
+	"context"
+	"math/big"
+
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
+
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+)
+
+// DeploySmartWalletFactory deploys a factory of the test ERC-1271 SmartWallet, sealed into a block.
+func (c *Chain) DeploySmartWalletFactory() common.Address {
+	c.tb.Helper()
+	ctx := context.Background()
+	tx, err := c.SendTx(ctx, c.Deployer, nil, contracts.SmartWalletFactoryCreationCode())
+	if err != nil {
+		c.tb.Fatalf("chaintest: deploying SmartWalletFactory: %v", err)
+	}
+	receipts, err := c.CommitUntilIncluded(ctx, tx.Hash())
+	if err != nil || receipts[0].Status != types.ReceiptStatusSuccessful {
+		c.tb.Fatalf("chaintest: deploying SmartWalletFactory: %v", err)
+	}
+	return receipts[0].ContractAddress
+}
+
+// SmartWalletAddress is where factory creates (or created) the wallet of a: known before it exists.
+func (c *Chain) SmartWalletAddress(factory common.Address, a contracts.SmartWalletAccount) common.Address {
+	c.tb.Helper()
+	data, err := contracts.SmartWalletFactoryABI.Pack("accountAddress", a.Owner, a.Token, a.Spender, a.Salt)
+	if err != nil {
+		c.tb.Fatal(err)
+	}
+	out, err := c.Call(context.Background(), common.Address{}, factory, data)
+	if err != nil || len(out) < 32 {
+		c.tb.Fatalf("chaintest: accountAddress: %v", err)
+	}
+	return common.BytesToAddress(out[12:32])
+}
+
+// CreateSmartWallet has the deployer create the wallet of a through factory, sealed into a block, and returns
+// its address.
+func (c *Chain) CreateSmartWallet(factory common.Address, a contracts.SmartWalletAccount) common.Address {
+	c.tb.Helper()
+	data, err := contracts.PackCreateAccount(a)
+	if err != nil {
+		c.tb.Fatal(err)
+	}
+	if r, err := c.Transact(context.Background(), c.Deployer, factory, data); err != nil || r.Status != types.ReceiptStatusSuccessful {
+		c.tb.Fatalf("chaintest: creating a smart wallet: %v", err)
+	}
+	return c.SmartWalletAddress(factory, a)
+}
+
+// MintTo mints amount raw units of token (a StableCoin or USDCoin the deployer owns) to addr, sealed into a
+// block.
+func (c *Chain) MintTo(token, to common.Address, amount *big.Int) *types.Receipt {
+	c.tb.Helper()
+	return c.mustTransact(c.Deployer, token, contracts.StableCoinABI, "mint", to, amount)
+}
+
+// HasCode reports whether addr holds contract code at the head block.
+func (c *Chain) HasCode(addr common.Address) bool {
+	c.tb.Helper()
+	code, err := c.Client.CodeAt(context.Background(), addr, nil)
+	if err != nil {
+		c.tb.Fatalf("chaintest: reading the code of %s: %v", addr, err)
+	}
+	return len(code) > 0
+}
