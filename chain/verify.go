@@ -40,13 +40,13 @@ func refuse(reason, format string, args ...any) *refusal {
 // payment is a request whose form, terms and signature have been checked: everything the chain checks and the
 // settlement need, parsed once.
 type payment struct {
-	net     *network
-	asset   *asset
-	method  string
-	payer   common.Address
-	amount  *big.Int
-	payTo   common.Address
-	sig     Signature // an EOA's signature, parsed; zero for a contract wallet's
+	net    *network
+	asset  *asset
+	method string
+	payer  common.Address
+	amount *big.Int
+	payTo  common.Address
+	sig    Signature // an EOA's signature, parsed; zero for a contract wallet's
 	// sigBytes is the signature as the settlement contracts take it: the EOA's 65 bytes, or a contract
 	// wallet's signature (unwrapped from ERC-6492).
 	sigBytes []byte
@@ -61,13 +61,13 @@ type payment struct {
 	// first, and chain checks run where it exists (DeployThenCall).
 	undeployed bool
 	nonce      *big.Int
-	permit  Permit                // erc2612
-	p2      Permit2Transfer       // permit2
-	auth    TransferAuthorization // eip3009
-	sponsor *sponsorPermit        // permit2 with eip2612GasSponsoring; nil when absent or unneeded (the approval covers)
-	id      journal.ID
-	digest  common.Hash   // what the payer signed
-	head    *types.Header // the head block checkTime read chain time from; nil when it could not be read
+	permit     Permit                // erc2612
+	p2         Permit2Transfer       // permit2
+	auth       TransferAuthorization // eip3009
+	sponsor    *sponsorPermit        // permit2 with eip2612GasSponsoring; nil when absent or unneeded (the approval covers)
+	id         journal.ID
+	digest     common.Hash   // what the payer signed
+	head       *types.Header // the head block checkTime read chain time from; nil when it could not be read
 	// maxTimeout is the requirements' maxTimeoutSeconds: the deadline may lie no further beyond chain time.
 	maxTimeout int64
 	// permitApplied (erc2612) says a permit transaction of this very settlement mined: the permit nonce it spent

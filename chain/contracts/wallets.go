@@ -220,4 +220,6 @@ func PackTransferWithAuthorizationBytes(t EIP3009Transfer, signature []byte) ([]
 }
 
 // SmartWalletFactoryCreationCode returns a copy of SmartWalletFactory's creation code.
-func SmartWalletFactoryCreationCode() []byte { return append([]byte(nil), smartWalletFactoryCreation...) }
+func SmartWalletFactoryCreationCode() []byte {
+	return append([]byte(nil), smartWalletFactoryCreation...)
+}
