@@ -19,6 +19,10 @@ import (
 // a few hundred bytes in practice; anything this large is no wallet's.
 const maxSignatureBytes = 8 << 10
 
+// minSignatureBytes is the shortest signature taken to the chain: an EIP-2098 compact ECDSA signature, which
+// contract wallets accept too. Anything shorter is no signature worth a chain call.
+const minSignatureBytes = 64
+
 // counterfactual is the deployment an ERC-6492 signature carries: the factory and the calldata that deploy the
 // payer's wallet.
 type counterfactual struct {
@@ -33,6 +37,9 @@ func (p *payment) contractSignature(sig string, reason string, eoaRefusal *refus
 	raw, err := hexutil.Decode(sig)
 	if err != nil || len(raw) == 0 {
 		return refuse(reason, "payload.signature must be 0x-prefixed hex: %v", err)
+	}
+	if len(raw) < minSignatureBytes {
+		return refuse(x402.ReasonInvalidPayload, "payload.signature is %d bytes; a signature has at least %d (65 for an EOA)", len(raw), minSignatureBytes)
 	}
 	if len(raw) > maxSignatureBytes {
 		return refuse(reason, "payload.signature is %d bytes; no wallet's signature is longer than %d", len(raw), maxSignatureBytes)

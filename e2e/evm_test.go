@@ -49,13 +49,17 @@ func rpcContext() (context.Context, context.CancelFunc) {
 
 // tokenBalance reads the dev token's balanceOf(holder), or says why it cannot.
 func (d *devChain) tokenBalance(holder common.Address) (*big.Int, error) {
+	return d.tokenBalanceOf(chain.DevTokenAddress, holder)
+}
+
+// tokenBalanceOf reads token's balanceOf(holder), or says why it cannot.
+func (d *devChain) tokenBalanceOf(token, holder common.Address) (*big.Int, error) {
 	data, err := contracts.StableCoinABI.Pack("balanceOf", holder)
 	if err != nil {
 		return nil, err
 	}
 	ctx, cancel := rpcContext()
 	defer cancel()
-	token := chain.DevTokenAddress
 	out, err := d.client.CallContract(ctx, ethereum.CallMsg{To: &token, Data: data}, nil)
 	if err != nil {
 		return nil, fmt.Errorf("balanceOf(%s) on %s: %w", holder, token, err)
@@ -70,7 +74,13 @@ func (d *devChain) tokenBalance(holder common.Address) (*big.Int, error) {
 // balance is tokenBalance that fails the test on error.
 func (d *devChain) balance(holder common.Address) *big.Int {
 	d.t.Helper()
-	b, err := d.tokenBalance(holder)
+	return d.balanceOf(chain.DevTokenAddress, holder)
+}
+
+// balanceOf is tokenBalanceOf that fails the test on error.
+func (d *devChain) balanceOf(token, holder common.Address) *big.Int {
+	d.t.Helper()
+	b, err := d.tokenBalanceOf(token, holder)
 	if err != nil {
 		d.t.Fatal(err)
 	}

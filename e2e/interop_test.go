@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"crypto/ecdsa"
 	"encoding/json"
 	"fmt"
 	"math/big"
@@ -38,115 +39,274 @@ type paidByTypeScript struct {
 	PaymentResponse *x402.SettleResponse `json:"paymentResponse"`
 }
 
-// TestTypeScriptClientPaysTheGateOnTheDevChain pays our gate with the public TypeScript x402 client
-// (@x402/fetch with @x402/evm, the versions pinned in e2e/interop/package-lock.json, installed by npm ci):
-// the permit2 flow for a payer that approved Permit2 beforehand, and the permit2 flow with
-// eip2612GasSponsoring for a payer that never did. Each payment answers 200 with a settled PAYMENT-RESPONSE,
-// and the dev chain's balances move by exactly the price.
-func TestTypeScriptClientPaysTheGateOnTheDevChain(t *testing.T) {
+// interop is one dev chain with the servers of the interop matrix around it: our gate with the embedded
+// facilitator, an @x402/hono server settling through our facilitator handler, and our gate settling through
+// the public TypeScript reference facilitator; the payers are `caddy x402 pay` and @x402/fetch.
+type interop struct {
+	t        *testing.T
+	node     string
+	sdk      string // the folder with the pinned SDK installed and the scripts
+	chainURL string
+	dev      *devChain
+	// The payers: the demo payer never approves Permit2 (it pays permit2 through eip2612GasSponsoring);
+	// approved has approved Permit2 for both tokens. Both hold both tokens.
+	unapproved, approved *ecdsa.PrivateKey
+}
+
+// interopCell is one payment of the matrix: who pays what where, and which token must move.
+type interopCell struct {
+	server, payer, method string
+	url                   string
+	token                 common.Address
+	key                   *ecdsa.PrivateKey
+	sponsored             bool // the payment must carry the eip2612GasSponsoring permit
+}
+
+// TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain is the interop matrix of the public TypeScript
+// x402 SDK (@x402/* pinned in e2e/interop/package-lock.json, installed with npm ci) and ours, every cell a
+// payment settled on the dev chain with the balances checked:
+//
+//	payer \ server   | our gate + embedded facilitator | @x402/hono + our facilitator | our gate + TS reference facilitator
+//	caddy x402 pay   | permit2, erc2612, eip3009       | permit2 + gas sponsoring     | permit2, eip3009
+//	@x402/fetch      | permit2, + gas sponsoring, eip3009 | permit2 + gas sponsoring  | permit2, eip3009
+//
+// The reference facilitator is configured with no transfer method: it lists the standard kind, and our gate
+// offers permit2 and eip3009 in front of it, never erc2612.
+func TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain(t *testing.T) {
 	needBinary(t)
 	npm, err := exec.LookPath("npm")
 	if err != nil {
-		t.Skip("skipped: npm is not on PATH; the interop test installs the public TypeScript x402 client with npm")
+		t.Skip("skipped: npm is not on PATH; the interop test installs the public TypeScript x402 SDK with npm")
 	}
 	node, err := exec.LookPath("node")
 	if err != nil {
 		t.Fatalf("npm is on PATH but node is not: %v", err)
 	}
-
-	client := installTypeScriptClient(t, npm)
+	in := &interop{t: t, node: node, sdk: installTypeScriptClient(t, npm)}
 
 	dir := t.TempDir()
-	chainURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	in.chainURL = fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
 	gateURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	tsGateURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	tsFacURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	honoURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	network := fmt.Sprintf("eip155:%d", chain.DefaultDevChainID)
+	usdc, stable := chain.DevEIP3009TokenAddress, chain.DevTokenAddress
+
+	// The reference facilitator settles from a key of its own, funded below; it needs the chain only then.
+	tsFacKey := chain.DevPayerKeyN(9)
+	tsFac := startProgram(t, "the TypeScript reference facilitator", in.sdk, append(os.Environ(),
+		"X402_FACILITATOR_KEY="+hexutil.Encode(crypto.FromECDSA(tsFacKey)), "X402_RPC_URL="+in.chainURL, "X402_NETWORK="+network),
+		node, "facilitator.mjs", portOf(t, tsFacURL))
+	tsFac.waitUntil("its /supported", 60*time.Second, answersWith(tsFacURL+"/supported", 200))
+
 	config := writeFile(t, dir, "Caddyfile", fmt.Sprintf(`{
 	admin off
 	x402 {
 		dev_chain {
-			listen %s
+			listen %[1]s
 			block_time 0
 		}
 	}
 }
 
-%s {
+%[2]s {
 	bind 127.0.0.1
-	x402 {
-		price $0.01
-		pay_to %s
-		description "Content for the TypeScript client"
+	handle_path /facilitator/* {
+		x402_facilitator
 	}
-	respond "paid content for the TypeScript client"
+	handle /usdc/eip3009 {
+		x402 $0.01 {
+			pay_to %[4]s
+			asset %[5]s
+			asset_transfer_method eip3009
+		}
+		respond "paid in USD Coin"
+	}
+	handle /usdc/* {
+		x402 $0.01 {
+			pay_to %[4]s
+			asset %[5]s
+		}
+		respond "paid in USD Coin"
+	}
+	handle {
+		x402 $0.01 {
+			pay_to %[4]s
+			description "Content for the interop matrix"
+		}
+		respond "paid content for the interop matrix"
+	}
 }
-`, strings.TrimPrefix(chainURL, "http://"), gateURL, seller.Hex()))
-	caddy := startProcess(t, "Caddy with the dev chain and the gate", dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", config)
+
+%[3]s {
+	bind 127.0.0.1
+	handle / {
+		x402 $0.01 {
+			pay_to %[4]s
+			asset %[5]s
+			token_name "USD Coin"
+			token_version 2
+			token_eip3009
+			facilitator %[6]s
+		}
+	}
+	handle /permit2 {
+		x402 $0.01 {
+			pay_to %[4]s
+			asset %[5]s
+			token_name "USD Coin"
+			token_version 2
+			asset_transfer_method permit2
+			facilitator %[6]s
+		}
+	}
+	handle /eip3009 {
+		x402 $0.01 {
+			pay_to %[4]s
+			asset %[5]s
+			token_name "USD Coin"
+			token_version 2
+			asset_transfer_method eip3009
+			facilitator %[6]s
+		}
+	}
+	respond "paid through the TypeScript facilitator"
+}
+`, strings.TrimPrefix(in.chainURL, "http://"), gateURL, tsGateURL, seller.Hex(), usdc.Hex(), tsFacURL))
+	caddy := startProcess(t, "Caddy with the dev chain, the gates and the facilitator", dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", config)
 	caddy.waitUntil("a 402 from the gate", 60*time.Second, answersWith(gateURL+"/", 402))
-	dev := dialChain(t, chainURL)
+	in.dev = dialChain(t, in.chainURL)
 
-	// Payer #1 starts with nothing: the demo payer gives it gas money and tokens, and it approves Permit2.
-	approved := chain.DevPayerKeyN(1)
-	approvedAddr := crypto.PubkeyToAddress(approved.PublicKey)
-	dev.send(chain.DevPayerKey(), approvedAddr, big.NewInt(1e18), nil)
-	dev.send(chain.DevPayerKey(), chain.DevTokenAddress, nil, callToken(t, "transfer", approvedAddr, big.NewInt(1_000_000_000)))
+	hono := startProgram(t, "the @x402/hono server", in.sdk, append(os.Environ(),
+		"X402_FACILITATOR_URL="+gateURL+"/facilitator", "X402_NETWORK="+network, "X402_ASSET="+stable.Hex(),
+		"X402_PAY_TO="+seller.Hex(), fmt.Sprintf("X402_AMOUNT=%d", interopPrice)),
+		node, "server.mjs", portOf(t, honoURL))
+	hono.waitUntil("a 402 from the hono server", 60*time.Second, answersWith(honoURL+"/paid", 402))
+
+	// Payer #1 starts with nothing: the demo payer gives it gas money and both tokens, and it approves
+	// Permit2 for both. The reference facilitator gets gas money.
+	in.unapproved, in.approved = chain.DevPayerKey(), chain.DevPayerKeyN(1)
+	approvedAddr := crypto.PubkeyToAddress(in.approved.PublicKey)
+	in.dev.send(in.unapproved, approvedAddr, big.NewInt(1e18), nil)
+	in.dev.send(in.unapproved, crypto.PubkeyToAddress(tsFacKey.PublicKey), big.NewInt(1e18), nil)
 	maxUint256 := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
-	dev.send(approved, chain.DevTokenAddress, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
-	if a := permit2Allowance(t, dev, chain.DevPayerAddress); a.Cmp(big.NewInt(interopPrice)) >= 0 {
-		t.Fatalf("the demo payer already allows Permit2 %s; the sponsored case needs a payer without allowance", a)
+	for _, token := range []common.Address{stable, usdc} {
+		in.dev.send(in.unapproved, token, nil, callToken(t, "transfer", approvedAddr, big.NewInt(1_000_000_000)))
+		in.dev.send(in.approved, token, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
 	}
 
-	cases := []struct {
-		name          string
-		key           []byte
-		payer         common.Address
-		wantSponsored bool
-	}{
-		{"permit2, payer approved Permit2 beforehand", crypto.FromECDSA(approved), approvedAddr, false},
-		{"permit2 with eip2612GasSponsoring, payer without allowance", crypto.FromECDSA(chain.DevPayerKey()), chain.DevPayerAddress, true},
+	// In front of the reference facilitator our gate offers the standard kind's methods, never erc2612.
+	if got := offeredMethods(t, tsGateURL+"/"); got != "permit2 eip3009" {
+		t.Fatalf("our gate in front of the reference facilitator offers %q, want \"permit2 eip3009\"", got)
 	}
-	price := big.NewInt(interopPrice)
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			payerBefore, sellerBefore := dev.balance(tc.payer), dev.balance(seller)
-			env := append(os.Environ(),
-				"X402_PAYER_KEY="+hexutil.Encode(tc.key),
-				"X402_RPC_URL="+chainURL,
-				"X402_ASSET="+chain.DevTokenAddress.Hex(),
-				fmt.Sprintf("X402_NETWORK=eip155:%d", chain.DefaultDevChainID),
-				"X402_MAX_AMOUNT="+price.String(),
-			)
+
+	cells := []interopCell{
+		{server: "our gate + embedded", payer: "caddy x402 pay", method: "permit2", url: gateURL + "/", token: stable, key: in.approved},
+		{server: "our gate + embedded", payer: "caddy x402 pay", method: "erc2612", url: gateURL + "/", token: stable, key: in.approved},
+		{server: "our gate + embedded", payer: "caddy x402 pay", method: "eip3009", url: gateURL + "/usdc/", token: usdc, key: in.unapproved},
+		{server: "our gate + embedded", payer: "@x402/fetch", method: "permit2", url: gateURL + "/", token: stable, key: in.approved},
+		{server: "our gate + embedded", payer: "@x402/fetch", method: "permit2", url: gateURL + "/", token: stable, key: in.unapproved, sponsored: true},
+		{server: "our gate + embedded", payer: "@x402/fetch", method: "eip3009", url: gateURL + "/usdc/eip3009", token: usdc, key: in.unapproved},
+		{server: "@x402/hono + our facilitator", payer: "caddy x402 pay", method: "permit2", url: honoURL + "/paid", token: stable, key: in.unapproved, sponsored: true},
+		{server: "@x402/hono + our facilitator", payer: "@x402/fetch", method: "permit2", url: honoURL + "/paid", token: stable, key: in.unapproved, sponsored: true},
+		{server: "our gate + TS facilitator", payer: "caddy x402 pay", method: "permit2", url: tsGateURL + "/", token: usdc, key: in.approved},
+		{server: "our gate + TS facilitator", payer: "caddy x402 pay", method: "eip3009", url: tsGateURL + "/", token: usdc, key: in.unapproved},
+		{server: "our gate + TS facilitator", payer: "@x402/fetch", method: "permit2", url: tsGateURL + "/permit2", token: usdc, key: in.approved},
+		{server: "our gate + TS facilitator", payer: "@x402/fetch", method: "eip3009", url: tsGateURL + "/eip3009", token: usdc, key: in.unapproved},
+	}
+	for _, c := range cells {
+		name := fmt.Sprintf("%s pays %s by %s", c.payer, c.server, c.method)
+		if c.sponsored {
+			name += " with gas sponsoring"
+		}
+		t.Run(name, func(t *testing.T) {
 			start := time.Now()
-			r := runCommand(t, 2*time.Minute, client, env, node, "pay.mjs", gateURL+"/")
-			t.Logf("node pay.mjs took %s", time.Since(start).Round(time.Millisecond))
-			var got paidByTypeScript
-			if err := json.Unmarshal([]byte(lastLines(r.stdout, 1)), &got); err != nil {
-				t.Fatalf("pay.mjs exited %d without its JSON line (%v)\nstdout:\n%s\nstderr:\n%s", r.code, err, r.stdout, r.stderr)
-			}
-			if r.code != 0 || got.Status != 200 || got.Error != "" {
-				t.Fatalf("the TypeScript client did not get the content: exit %d, status %d, error %q, body %q, payment response %+v\nstderr:\n%s",
-					r.code, got.Status, got.Error, got.Body, got.PaymentResponse, r.stderr)
-			}
-			if got.Body != "paid content for the TypeScript client" {
-				t.Errorf("body %q, want the gate's content", got.Body)
-			}
-			if got.Sent == nil || got.Sent.Method != x402.TransferPermit2 || got.Sent.Sponsored != tc.wantSponsored {
-				t.Errorf("the client signed %+v; want method permit2 with eip2612GasSponsoring %v", got.Sent, tc.wantSponsored)
-			}
-			s := got.PaymentResponse
-			if s == nil || !s.Success || !txHashPattern.MatchString(s.Transaction) || !strings.EqualFold(s.Payer, tc.payer.Hex()) {
-				t.Fatalf("PAYMENT-RESPONSE %+v; want success with a transaction, payer %s", s, tc.payer.Hex())
-			}
-			if !receiptTransfers(dev, common.HexToHash(s.Transaction), tc.payer, seller, price) {
-				t.Errorf("transaction %s holds no Transfer of %s from the payer to the seller", s.Transaction, price)
-			}
-			if d := delta(payerBefore, dev.balance(tc.payer)); d.Cmp(new(big.Int).Neg(price)) != 0 {
-				t.Errorf("the payer's balance moved by %s, want -%s", d, price)
-			}
-			if d := delta(sellerBefore, dev.balance(seller)); d.Cmp(price) != 0 {
-				t.Errorf("the seller's balance moved by %s, want +%s", d, price)
-			}
+			in.pay(t, c)
+			t.Logf("%s took %s", name, time.Since(start).Round(time.Millisecond))
 		})
 	}
+	hono.stop()
+	tsFac.stop()
 	caddy.stop()
+}
+
+// pay makes the payment of one cell and checks it settled: 2xx, a successful PAYMENT-RESPONSE naming a
+// transaction that moved exactly the price of the token from the payer to the seller, and the balances.
+func (in *interop) pay(t *testing.T, c interopCell) {
+	t.Helper()
+	payer := crypto.PubkeyToAddress(c.key.PublicKey)
+	price := big.NewInt(interopPrice)
+	payerBefore, sellerBefore := in.dev.balanceOf(c.token, payer), in.dev.balanceOf(c.token, seller)
+	var settled *x402.SettleResponse
+	if c.payer == "@x402/fetch" {
+		env := append(os.Environ(), "X402_PAYER_KEY="+hexutil.Encode(crypto.FromECDSA(c.key)), "X402_RPC_URL="+in.chainURL,
+			"X402_ASSET="+c.token.Hex(), fmt.Sprintf("X402_NETWORK=eip155:%d", chain.DefaultDevChainID), "X402_MAX_AMOUNT="+price.String())
+		r := runCommand(t, 2*time.Minute, in.sdk, env, in.node, "pay.mjs", c.url)
+		var got paidByTypeScript
+		if err := json.Unmarshal([]byte(lastLines(r.stdout, 1)), &got); err != nil {
+			t.Fatalf("pay.mjs exited %d without its JSON line (%v)\nstdout:\n%s\nstderr:\n%s", r.code, err, r.stdout, r.stderr)
+		}
+		if r.code != 0 || got.Status != 200 || got.Error != "" {
+			t.Fatalf("the TypeScript client did not get the content: exit %d, status %d, error %q, body %q, payment response %+v\nstderr:\n%s",
+				r.code, got.Status, got.Error, got.Body, got.PaymentResponse, r.stderr)
+		}
+		if got.Sent == nil || got.Sent.Method != c.method || got.Sent.Sponsored != c.sponsored {
+			t.Errorf("the client signed %+v; want method %s with eip2612GasSponsoring %v", got.Sent, c.method, c.sponsored)
+		}
+		settled = got.PaymentResponse
+	} else {
+		env := childEnv(t, "X402_PAYER_KEY="+hexutil.Encode(crypto.FromECDSA(c.key)))
+		r := runCommand(t, 2*time.Minute, in.sdk, env, caddyBin, "x402", "pay", "--rpc", in.chainURL, "--method", c.method, c.url)
+		if r.code != 0 || !strings.HasPrefix(r.stdout, "HTTP/1.1 200 OK\n") {
+			t.Fatalf("caddy x402 pay --method %s %s exited %d\nstdout:\n%s\nstderr:\n%s", c.method, c.url, r.code, r.stdout, r.stderr)
+		}
+		if sponsored := strings.Contains(r.stderr, "gas sponsored"); sponsored != c.sponsored {
+			t.Errorf("caddy x402 pay added gas sponsoring: %v, want %v\nstderr:\n%s", sponsored, c.sponsored, r.stderr)
+		}
+		s := printedSettlement(t, r.stdout)
+		settled = &s
+	}
+	if settled == nil || !settled.Success || !txHashPattern.MatchString(settled.Transaction) || !strings.EqualFold(settled.Payer, payer.Hex()) {
+		t.Fatalf("PAYMENT-RESPONSE %+v; want success with a transaction, payer %s", settled, payer.Hex())
+	}
+	if !receiptTransfersOf(in.dev, c.token, common.HexToHash(settled.Transaction), payer, seller, price) {
+		t.Errorf("transaction %s holds no Transfer of %s of %s from the payer to the seller", settled.Transaction, price, c.token.Hex())
+	}
+	if d := delta(payerBefore, in.dev.balanceOf(c.token, payer)); d.Cmp(new(big.Int).Neg(price)) != 0 {
+		t.Errorf("the payer's balance moved by %s, want -%s", d, price)
+	}
+	if d := delta(sellerBefore, in.dev.balanceOf(c.token, seller)); d.Cmp(price) != 0 {
+		t.Errorf("the seller's balance moved by %s, want +%s", d, price)
+	}
+}
+
+// offeredMethods lists the transfer methods a URL's 402 offers, in order.
+func offeredMethods(t *testing.T, url string) string {
+	t.Helper()
+	a, err := get(url)
+	if err != nil || a.status != 402 {
+		t.Fatalf("GET %s = %v, %v; want 402", url, a.status, err)
+	}
+	required, err := x402.DecodePaymentRequired(a.header.Get(x402.HeaderPaymentRequired))
+	if err != nil {
+		t.Fatalf("GET %s: the %s header does not decode: %v", url, x402.HeaderPaymentRequired, err)
+	}
+	var methods []string
+	for _, rq := range required.Accepts {
+		methods = append(methods, rq.Extra.AssetTransferMethod)
+	}
+	return strings.Join(methods, " ")
+}
+
+// portOf is the port of a loopback URL, as the scripts take it.
+func portOf(t *testing.T, url string) string {
+	t.Helper()
+	i := strings.LastIndex(url, ":")
+	if i < 0 {
+		t.Fatalf("no port in %s", url)
+	}
+	return url[i+1:]
 }
 
 // installTypeScriptClient copies e2e/interop to a temporary folder and installs the pinned client there with
@@ -154,7 +314,7 @@ func TestTypeScriptClientPaysTheGateOnTheDevChain(t *testing.T) {
 func installTypeScriptClient(t *testing.T, npm string) string {
 	t.Helper()
 	dir := t.TempDir()
-	for _, name := range []string{"package.json", "package-lock.json", "pay.mjs"} {
+	for _, name := range []string{"package.json", "package-lock.json", "pay.mjs", "server.mjs", "facilitator.mjs"} {
 		b, err := os.ReadFile(filepath.Join(repoRoot, "e2e", "interop", name))
 		if err != nil {
 			t.Fatal(err)

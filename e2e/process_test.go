@@ -38,13 +38,19 @@ type process struct {
 // if it still runs, and its output is logged if the test failed.
 func startProcess(t *testing.T, name, dir string, env []string, args ...string) *process {
 	t.Helper()
+	return startProgram(t, name, dir, env, caddyBin, args...)
+}
+
+// startProgram is startProcess for another program: bin with args.
+func startProgram(t *testing.T, name, dir string, env []string, bin string, args ...string) *process {
+	t.Helper()
 	p := &process{t: t, name: name, out: new(lockedBuffer), done: make(chan struct{})}
-	p.cmd = exec.Command(caddyBin, args...)
+	p.cmd = exec.Command(bin, args...)
 	p.cmd.Dir, p.cmd.Env = dir, env
 	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
 	p.cmd.SysProcAttr = dieWithParent()
 	if err := p.cmd.Start(); err != nil {
-		t.Fatalf("starting %s (%s %s): %v", name, caddyBin, strings.Join(args, " "), err)
+		t.Fatalf("starting %s (%s %s): %v", name, bin, strings.Join(args, " "), err)
 	}
 	go func() {
 		p.err = p.cmd.Wait()

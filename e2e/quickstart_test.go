@@ -130,12 +130,18 @@ func printedSettlement(t *testing.T, stdout string) x402.SettleResponse {
 
 // receiptTransfers reports whether transaction tx succeeded with a dev token Transfer of amount from -> to.
 func receiptTransfers(dev *devChain, tx common.Hash, from, to common.Address, amount *big.Int) bool {
+	return receiptTransfersOf(dev, chain.DevTokenAddress, tx, from, to, amount)
+}
+
+// receiptTransfersOf reports whether transaction tx succeeded and moved amount of token from one address to
+// another.
+func receiptTransfersOf(dev *devChain, token common.Address, tx common.Hash, from, to common.Address, amount *big.Int) bool {
 	r := dev.receipt(tx)
 	if r.Status != 1 {
 		return false
 	}
 	for _, l := range r.Logs {
-		if l.Address == chain.DevTokenAddress && len(l.Topics) == 3 && l.Topics[0] == transferTopic &&
+		if l.Address == token && len(l.Topics) == 3 && l.Topics[0] == transferTopic &&
 			common.BytesToAddress(l.Topics[1].Bytes()) == from && common.BytesToAddress(l.Topics[2].Bytes()) == to &&
 			transferAmount(*l).Cmp(amount) == 0 {
 			return true

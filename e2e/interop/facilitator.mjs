@@ -1,0 +1,79 @@
+// facilitator.mjs runs the public TypeScript reference facilitator (x402Facilitator from @x402/core with the
+// exact EVM scheme of @x402/evm, no transfer method configured) over HTTP on 127.0.0.1, so that
+// e2e/interop_matrix_test.go can put our gate in front of a facilitator nobody here wrote.
+//
+//   X402_FACILITATOR_KEY=0x... X402_RPC_URL=http://127.0.0.1:8545 X402_NETWORK=eip155:72344 node facilitator.mjs <port>
+//
+// Endpoints: GET /supported, POST /verify and POST /settle ({paymentPayload, paymentRequirements}), as the
+// public HTTPFacilitatorClient calls them. It prints "listening <url>" once it serves, and stops by itself
+// after X402_LIFETIME_SECONDS (default 600).
+import http from "node:http";
+import { x402Facilitator } from "@x402/core/facilitator";
+import { registerExactEvmScheme } from "@x402/evm/exact/facilitator";
+import { toFacilitatorEvmSigner } from "@x402/evm";
+import { createWalletClient, defineChain, http as viemHttp, publicActions } from "viem";
+import { privateKeyToAccount } from "viem/accounts";
+
+function usage(message) {
+  process.stderr.write(`facilitator.mjs: ${message}\n`);
+  process.exit(2);
+}
+
+const port = Number(process.argv[2]);
+if (!Number.isInteger(port) || port <= 0) usage("expected the port to listen on as the only argument");
+const rawKey = (process.env.X402_FACILITATOR_KEY ?? "").trim();
+if (!/^0x[0-9a-fA-F]{64}$/.test(rawKey)) usage("X402_FACILITATOR_KEY must hold a 0x-prefixed private key");
+const rpcUrl = process.env.X402_RPC_URL;
+if (!rpcUrl) usage("X402_RPC_URL must name the chain's JSON-RPC URL");
+const network = process.env.X402_NETWORK || "eip155:72344";
+const chainId = Number(network.split(":")[1]);
+
+const chain = defineChain({
+  id: chainId,
+  name: "x402 dev chain",
+  nativeCurrency: { name: "Ether", symbol: "ETH", decimals: 18 },
+  rpcUrls: { default: { http: [rpcUrl] } },
+});
+const account = privateKeyToAccount(rawKey);
+const client = createWalletClient({ account, chain, transport: viemHttp(rpcUrl) }).extend(publicActions);
+const signer = toFacilitatorEvmSigner({ ...client, address: account.address });
+
+const facilitator = new x402Facilitator();
+registerExactEvmScheme(facilitator, { signer, networks: network });
+
+async function body(req) {
+  const chunks = [];
+  for await (const c of req) chunks.push(c);
+  return JSON.parse(Buffer.concat(chunks).toString("utf8"));
+}
+
+function answer(res, status, value) {
+  res.writeHead(status, { "Content-Type": "application/json" });
+  res.end(JSON.stringify(value, (_, v) => (typeof v === "bigint" ? v.toString() : v)));
+}
+
+const server = http.createServer(async (req, res) => {
+  try {
+    if (req.method === "GET" && req.url === "/supported") {
+      return answer(res, 200, facilitator.getSupported());
+    }
+    if (req.method === "POST" && (req.url === "/verify" || req.url === "/settle")) {
+      const { paymentPayload, paymentRequirements } = await body(req);
+      const result = req.url === "/verify"
+        ? await facilitator.verify(paymentPayload, paymentRequirements)
+        : await facilitator.settle(paymentPayload, paymentRequirements);
+      process.stderr.write(`${req.url}: ${JSON.stringify(result)}\n`);
+      return answer(res, 200, result);
+    }
+    answer(res, 404, { error: `no ${req.method} ${req.url}` });
+  } catch (err) {
+    process.stderr.write(`${req.url}: ${err?.stack ?? err}\n`);
+    answer(res, 500, { error: err instanceof Error ? err.message : String(err) });
+  }
+});
+server.listen(port, "127.0.0.1", () => {
+  process.stdout.write(`listening http://127.0.0.1:${port}\n`);
+});
+// Ctrl-C (the test's stop) is a clean exit, as is the end of its lifetime.
+process.on("SIGINT", () => process.exit(0));
+setTimeout(() => process.exit(0), 1000 * Number(process.env.X402_LIFETIME_SECONDS || 600)).unref();
