@@ -17,6 +17,9 @@ type ParsedPayment struct {
 	// SponsorReason and SponsorMessage are the problem of an eip2612GasSponsoring extension, which Verify reports
 	// only when the payer's approval does not cover the payment; "" when there is none.
 	SponsorReason, SponsorMessage string
+	// ContractSignature says the signature did not recover to the payer and is left to the chain: the payer
+	// may be a contract wallet (ERC-1271) or one to be deployed (ERC-6492).
+	ContractSignature bool
 }
 
 // ParseForTest runs the checks of Verify that need neither the chain nor the clock, so that a fuzz target can
@@ -27,7 +30,7 @@ func (f *Facilitator) ParseForTest(req x402.VerifyRequest) (p ParsedPayment, rea
 	if ref != nil {
 		return ParsedPayment{}, ref.reason, ref.message
 	}
-	p = ParsedPayment{Method: parsed.method, Payer: parsed.payer, PayTo: parsed.payTo, Amount: parsed.amount}
+	p = ParsedPayment{Method: parsed.method, Payer: parsed.payer, PayTo: parsed.payTo, Amount: parsed.amount, ContractSignature: parsed.contractSig}
 	if parsed.sponsor != nil && parsed.sponsor.err != nil {
 		p.SponsorReason, p.SponsorMessage = parsed.sponsor.err.reason, parsed.sponsor.err.message
 	}

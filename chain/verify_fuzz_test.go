@@ -38,7 +38,11 @@ func FuzzParseRefusesWithAKnownReasonOrRecoversThePayer(f *testing.F) {
 	shapeOnly := fx.permit2(payer, fx.requirements(""), chain.Permit2Options{}) // the method comes from the payload's shape
 	v1 := fx.erc2612(payer, fx.requirements(x402.TransferERC2612), chain.ERC2612Options{TokenNonce: big.NewInt(1)})
 	v1.X402Version, v1.PaymentPayload.X402Version = x402.Version1, x402.Version1
-	valid = append(valid, shapeOnly, v1)
+	eip3009Pay, err := chain.SignEIP3009Payment(payer.Key, fx.requirements(x402.TransferEIP3009), fx.c.ChainID, chain.EIP3009Options{Now: fx.chainNow()})
+	if err != nil {
+		f.Fatal(err)
+	}
+	valid = append(valid, shapeOnly, v1, x402.VerifyRequest{X402Version: 2, PaymentPayload: eip3009Pay, PaymentRequirements: fx.requirements(x402.TransferEIP3009)})
 	for _, req := range valid {
 		if _, reason, message := fx.f.ParseForTest(req); reason != "" {
 			f.Fatalf("a valid seed is refused: %s: %s", reason, message)
@@ -149,8 +153,22 @@ func checkParsedPayment(t *testing.T, fx *fixture, req x402.VerifyRequest, got c
 			t.Fatalf("accepted an erc2612 payment not on the requirements' terms (%v): %+v", err, pp.Payload.Authorization)
 		}
 		digest = chain.PermitDigest(chain.PermitDomainSeparator(contracts.StableCoinName, contracts.StableCoinVersion, fx.c.ChainID, token), permit)
+	case x402.TransferEIP3009:
+		a, err := chain.TransferAuthorizationFromPayload(pp.Payload.Authorization)
+		if err != nil || a.From != got.Payer || a.To != payTo || a.Value.Cmp(amount) != 0 ||
+			(rq.Extra.Name != "" && rq.Extra.Name != contracts.StableCoinName) || (rq.Extra.Version != "" && rq.Extra.Version != contracts.StableCoinVersion) {
+			t.Fatalf("accepted an eip3009 payment not on the requirements' terms (%v): %+v", err, pp.Payload.Authorization)
+		}
+		digest = chain.TransferAuthorizationDigest(chain.PermitDomainSeparator(contracts.StableCoinName, contracts.StableCoinVersion, fx.c.ChainID, token), a)
 	default:
 		t.Fatalf("accepted a payment of method %q", got.Method)
+	}
+	if got.ContractSignature {
+		// Left to the chain, which asks the payer's wallet; only permit2 and eip3009 contracts can.
+		if got.Method == x402.TransferERC2612 || len(common.FromHex(pp.Payload.Signature)) < 64 {
+			t.Fatalf("a %s signature of %d bytes was left to the chain", got.Method, len(common.FromHex(pp.Payload.Signature)))
+		}
+		return
 	}
 	sig, err := chain.ParseSignature(pp.Payload.Signature)
 	if err != nil {

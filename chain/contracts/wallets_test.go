@@ -53,3 +53,38 @@ func TestERC6492SignaturesRoundTrip(t *testing.T) {
 		t.Errorf("a malformed ERC-6492 signature gave ok %v, err %v; want ok and an error", ok, err)
 	}
 }
+
+// UnwrapERC6492 reads signatures from strangers: it must never panic, must say "not wrapped" for anything
+// without the magic suffix, and what it unwraps must wrap back to the same bytes when it was canonical.
+func FuzzUnwrapERC6492(f *testing.F) {
+	wrapped, err := WrapERC6492(common.HexToAddress("0xf1"), []byte{1, 2, 3}, bytes.Repeat([]byte{7}, 65))
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(wrapped)
+	f.Add(bytes.Repeat([]byte{1}, 65))
+	f.Add(append([]byte{0xff}, ERC6492MagicSuffix...))
+	f.Fuzz(func(t *testing.T, sig []byte) {
+		factory, data, inner, ok, err := UnwrapERC6492(sig)
+		if !bytes.HasSuffix(sig, ERC6492MagicSuffix) {
+			if ok || err != nil {
+				t.Fatalf("a signature without the suffix read as ERC-6492 (ok %v, err %v)", ok, err)
+			}
+			return
+		}
+		if !ok {
+			t.Fatal("a signature with the suffix read as plain")
+		}
+		if err != nil {
+			return
+		}
+		again, err := WrapERC6492(factory, data, inner)
+		if err != nil {
+			t.Fatalf("re-wrapping what was unwrapped: %v", err)
+		}
+		f2, d2, i2, ok2, err2 := UnwrapERC6492(again)
+		if !ok2 || err2 != nil || f2 != factory || !bytes.Equal(d2, data) || !bytes.Equal(i2, inner) {
+			t.Fatalf("unwrap(wrap(unwrap(sig))) differs from unwrap(sig)")
+		}
+	})
+}
