@@ -46,8 +46,8 @@ const (
 // names the field; a facilitator or chain that cannot be reached is 502 with a JSON error.
 type FacilitatorHandler struct {
 	// Kinds restricts the asset transfer methods served: "permit2" (x402 version 2, with
-	// eip2612GasSponsoring) and "erc2612" (versions 1 and 2). Default: every method the facilitator behind
-	// offers. /supported lists only these; /verify and /settle refuse other methods.
+	// eip2612GasSponsoring), "eip3009" and "erc2612" (versions 1 and 2). Default: every method the facilitator
+	// behind offers. /supported lists only these; /verify and /settle refuse other methods.
 	// An erc2612 permit does not sign the recipient: a caller holding one can have it paid to any payTo, so a
 	// route serving erc2612 should be reached by trusted resource servers only (APIKeys, PayTo).
 	Kinds []string `json:"kinds,omitempty"`
@@ -226,8 +226,8 @@ func (h *FacilitatorHandler) upstreamFacilitator(repl *caddy.Replacer) (x402.Fac
 // Validate checks the configuration for values no request could make right.
 func (h *FacilitatorHandler) Validate() error {
 	for _, k := range h.Kinds {
-		if k != x402.TransferPermit2 && k != x402.TransferERC2612 {
-			return fmt.Errorf("x402_facilitator: unknown kind %q; want %q or %q", k, x402.TransferPermit2, x402.TransferERC2612)
+		if k != x402.TransferPermit2 && k != x402.TransferEIP3009 && k != x402.TransferERC2612 {
+			return fmt.Errorf("x402_facilitator: unknown kind %q; want %q, %q or %q", k, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 		}
 	}
 	for _, n := range h.Networks {

@@ -77,8 +77,8 @@ func TestBadCaddyfilesAreRefusedNamingTheirLine(t *testing.T) {
 		name, caddyfile, line, text string
 	}{
 		{"an unknown facilitator option", site("x402_facilitator {", "kind permit2", "colour blue", "}"), "Caddyfile:6", "unrecognized x402_facilitator option 'colour'"},
-		{"an unknown kind", site("x402_facilitator {", "kind eip3009", "}"), "Caddyfile:5", "unknown kind 'eip3009'"},
-		{"kind without a value", site("x402_facilitator {", "kind", "}"), "Caddyfile:5", "kind needs permit2, erc2612 or both"},
+		{"an unknown kind", site("x402_facilitator {", "kind upto", "}"), "Caddyfile:5", "unknown kind 'upto'; want permit2, eip3009 or erc2612"},
+		{"kind without a value", site("x402_facilitator {", "kind", "}"), "Caddyfile:5", "kind needs one or more of permit2, eip3009 and erc2612"},
 		{"a network that is not CAIP-2", site("x402_facilitator {", "networks base-sepolia", "}"), "Caddyfile:5", "malformed CAIP-2"},
 		{"networks without a value", site("x402_facilitator {", "networks", "}"), "Caddyfile:5", "networks needs at least one"},
 		{"api_key without a key", site("x402_facilitator {", "api_key", "}"), "Caddyfile:5", "api_key needs exactly one key"},

@@ -27,7 +27,7 @@ func parseFacilitatorCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHand
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
 //
 //	x402_facilitator [<matcher>] {
-//		kind permit2|erc2612 [...]
+//		kind permit2|eip3009|erc2612 [...]
 //		networks <caip2> [...]
 //		api_key <key>
 //		max_body_size <size>
@@ -56,11 +56,11 @@ func (h *FacilitatorHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "kind":
 			args := d.RemainingArgs()
 			if len(args) == 0 {
-				return d.Errf("kind needs %s, %s or both", x402.TransferPermit2, x402.TransferERC2612)
+				return d.Errf("kind needs one or more of %s, %s and %s", x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 			}
 			for _, k := range args {
-				if k != x402.TransferPermit2 && k != x402.TransferERC2612 {
-					return d.Errf("unknown kind '%s'; want %s or %s", k, x402.TransferPermit2, x402.TransferERC2612)
+				if k != x402.TransferPermit2 && k != x402.TransferEIP3009 && k != x402.TransferERC2612 {
+					return d.Errf("unknown kind '%s'; want %s, %s or %s", k, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 				}
 				if !slices.Contains(h.Kinds, k) {
 					h.Kinds = append(h.Kinds, k)

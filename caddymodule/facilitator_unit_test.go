@@ -19,7 +19,7 @@ func TestFacilitatorValidateRefusesConfigurationsNoRequestCouldMakeRight(t *test
 	}{
 		{"the zero value", FacilitatorHandler{}, ""},
 		{"both kinds on two networks", FacilitatorHandler{Kinds: []string{"permit2", "erc2612"}, Networks: []string{x402.NetworkMainnet, x402.NetworkTestnet}}, ""},
-		{"an unknown kind", FacilitatorHandler{Kinds: []string{"eip3009"}}, `unknown kind "eip3009"`},
+		{"an unknown kind", FacilitatorHandler{Kinds: []string{"upto"}}, `unknown kind "upto"`},
 		{"a network that is not CAIP-2", FacilitatorHandler{Networks: []string{"base"}}, "malformed CAIP-2"},
 		{"a body limit above the codec's", FacilitatorHandler{MaxBodySize: x402.MaxBodyBytes + 1}, "max_body_size is 65537 bytes"},
 		{"a negative body limit", FacilitatorHandler{MaxBodySize: -1}, "max_body_size is -1 bytes"},
