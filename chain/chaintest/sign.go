@@ -70,12 +70,7 @@ func (c *Chain) ERC2612TypedData(owner, spender common.Address, value, nonce, de
 func PermitTypedData(name, version string, chainID *big.Int, token common.Address, owner, spender, value, nonce, deadline string) apitypes.TypedData {
 	return apitypes.TypedData{
 		Types: apitypes.Types{
-			"EIP712Domain": {
-				{Name: "name", Type: "string"},
-				{Name: "version", Type: "string"},
-				{Name: "chainId", Type: "uint256"},
-				{Name: "verifyingContract", Type: "address"},
-			},
+			"EIP712Domain": tokenDomainType,
 			"Permit": {
 				{Name: "owner", Type: "address"},
 				{Name: "spender", Type: "address"},
@@ -85,12 +80,7 @@ func PermitTypedData(name, version string, chainID *big.Int, token common.Addres
 			},
 		},
 		PrimaryType: "Permit",
-		Domain: apitypes.TypedDataDomain{
-			Name:              name,
-			Version:           version,
-			ChainId:           (*math.HexOrDecimal256)(new(big.Int).Set(chainID)),
-			VerifyingContract: token.Hex(),
-		},
+		Domain:      tokenDomain(name, version, chainID, token),
 		Message: apitypes.TypedDataMessage{
 			"owner":    owner,
 			"spender":  spender,
@@ -204,17 +194,25 @@ func RandomNonce() *big.Int {
 	return new(big.Int).SetBytes(b)
 }
 
+// tokenDomainType is the EIP-712 domain of a token's permits and authorizations.
+var tokenDomainType = []apitypes.Type{
+	{Name: "name", Type: "string"},
+	{Name: "version", Type: "string"},
+	{Name: "chainId", Type: "uint256"},
+	{Name: "verifyingContract", Type: "address"},
+}
+
+// tokenDomain is the EIP-712 domain of token.
+func tokenDomain(name, version string, chainID *big.Int, token common.Address) apitypes.TypedDataDomain {
+	return apitypes.TypedDataDomain{Name: name, Version: version, ChainId: (*math.HexOrDecimal256)(new(big.Int).Set(chainID)), VerifyingContract: token.Hex()}
+}
+
 // TransferAuthorizationTypedData is the EIP-3009 TransferWithAuthorization a payer signs for an eip3009
 // payment, under the token's domain.
 func TransferAuthorizationTypedData(name, version string, chainID *big.Int, token common.Address, from, to, value, validAfter, validBefore, nonce string) apitypes.TypedData {
 	return apitypes.TypedData{
 		Types: apitypes.Types{
-			"EIP712Domain": {
-				{Name: "name", Type: "string"},
-				{Name: "version", Type: "string"},
-				{Name: "chainId", Type: "uint256"},
-				{Name: "verifyingContract", Type: "address"},
-			},
+			"EIP712Domain": tokenDomainType,
 			"TransferWithAuthorization": {
 				{Name: "from", Type: "address"},
 				{Name: "to", Type: "address"},
@@ -225,12 +223,7 @@ func TransferAuthorizationTypedData(name, version string, chainID *big.Int, toke
 			},
 		},
 		PrimaryType: "TransferWithAuthorization",
-		Domain: apitypes.TypedDataDomain{
-			Name:              name,
-			Version:           version,
-			ChainId:           (*math.HexOrDecimal256)(new(big.Int).Set(chainID)),
-			VerifyingContract: token.Hex(),
-		},
+		Domain:      tokenDomain(name, version, chainID, token),
 		Message: apitypes.TypedDataMessage{
 			"from":        from,
 			"to":          to,
