@@ -237,7 +237,7 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 		d.nudge = func() { beacon.Commit() }
 	}
 
-	deployed, err := d.provisionTokens(ctx)
+	deployed, deployedUSDC, err := d.provisionTokens(ctx)
 	if err == nil {
 		err = waitTxIndex(ctx, backend.BlockChain())
 	}
@@ -245,7 +245,7 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 		d.Close()
 		return nil, fmt.Errorf("dev chain: %w", err)
 	}
-	d.logStart(cfg, deployed)
+	d.logStart(cfg, deployed, deployedUSDC)
 	if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
 		cfg.Logger.Warn("dev chain JSON-RPC listens beyond loopback; its keys are public, so anyone who reaches it "+
 			"can spend its funds", zap.String("listen", cfg.Listen))
@@ -341,7 +341,8 @@ func devGenesis(cfg DevChainConfig, wallets, payers []*ecdsa.PrivateKey, extra t
 	for addr, acc := range contracts.GenesisAlloc() {
 		alloc[addr] = acc
 	}
-	funded := append([]*ecdsa.PrivateKey{DevDeployerKey(), DevEIP3009DeployerKey()}, wallets...)
+	// The USDCoin's deployer is left out: provisionTokens funds it (see there).
+	funded := append([]*ecdsa.PrivateKey{DevDeployerKey()}, wallets...)
 	for _, key := range append(funded, payers...) {
 		alloc[crypto.PubkeyToAddress(key.PublicKey)] = types.Account{Balance: DevAccountBalance()}
 	}
@@ -368,109 +369,161 @@ type devToken struct {
 
 // devTokens are the dev chain's tokens: the StableCoin (EIP-2612) and the USDC-like USDCoin (EIP-2612 and
 // EIP-3009), each from a deployer of its own so that each lives at a fixed address.
-func devTokens() []devToken {
-	return []devToken{
-		{name: "StableCoin", deployer: DevDeployerKey(), address: DevTokenAddress, creation: contracts.StableCoinCreationCode()},
-		{name: "USDCoin", deployer: DevEIP3009DeployerKey(), address: DevEIP3009TokenAddress, creation: contracts.USDCoinCreationCode()},
-	}
+func devTokens() (stable, usdc devToken) {
+	return devToken{name: "StableCoin", deployer: DevDeployerKey(), address: DevTokenAddress, creation: contracts.StableCoinCreationCode()},
+		devToken{name: "USDCoin", deployer: DevEIP3009DeployerKey(), address: DevEIP3009TokenAddress, creation: contracts.USDCoinCreationCode()}
 }
 
-// provisionTokens deploys every dev token and mints to each payer; it reports whether it deployed the first.
-func (d *DevChain) provisionTokens(ctx context.Context) (bool, error) {
-	first := true
-	var deployedFirst bool
-	for _, tok := range devTokens() {
-		deployed, err := d.provisionToken(ctx, tok)
+// devFees are the fees of the dev chain's setup transactions: twice the head's base fee plus the tip, as
+// wallets do, so that a rising base fee cannot leave them pending.
+type devFees struct{ tip, feeCap *big.Int }
+
+// tokenSetup is what the chain still lacks of one dev token: the deployment (deployGas > 0) and the mints to
+// the payers from number firstMint on. The deployer's nonce counts its transactions: deployment at 0, the
+// mint to payer i at 1+i.
+type tokenSetup struct {
+	tok       devToken
+	deployGas uint64
+	firstMint int
+}
+
+// cost is the most the setup's transactions pay in gas at fees.
+func (s tokenSetup) cost(d *DevChain, fees devFees) *big.Int {
+	gas := s.deployGas + uint64(len(d.payers)-s.firstMint)*devMintGas
+	return new(big.Int).Mul(new(big.Int).SetUint64(gas), fees.feeCap)
+}
+
+// provisionTokens deploys every dev token and mints to each payer, skipping what the chain already has; it
+// reports whether it deployed the StableCoin and the USDCoin. The USDCoin's deployer is not in the genesis
+// alloc, whose every change makes go-ethereum refuse the data dirs made before it: the StableCoin's deployer
+// gives it its gas money, in the block of the StableCoin's own setup.
+func (d *DevChain) provisionTokens(ctx context.Context) (deployedStable, deployedUSDC bool, err error) {
+	head, err := d.client.HeaderByNumber(ctx, nil)
+	if err != nil {
+		return false, false, fmt.Errorf("reading the head block: %w", err)
+	}
+	tip := big.NewInt(params.GWei)
+	fees := devFees{tip: tip, feeCap: new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), tip)}
+
+	stableTok, usdcTok := devTokens()
+	stable, err := d.planToken(ctx, stableTok)
+	if err != nil {
+		return false, false, err
+	}
+	usdc, err := d.planToken(ctx, usdcTok)
+	if err != nil {
+		return false, false, err
+	}
+	sent, err := d.sendSetup(ctx, stable, fees)
+	if err != nil {
+		return false, false, err
+	}
+	usdcDeployer := crypto.PubkeyToAddress(usdcTok.deployer.PublicKey)
+	balance, err := d.client.BalanceAt(ctx, usdcDeployer, nil)
+	if err != nil {
+		return false, false, fmt.Errorf("reading the USDCoin deployer's balance: %w", err)
+	}
+	if need := usdc.cost(d, fees); balance.Cmp(need) < 0 {
+		funder := crypto.PubkeyToAddress(stableTok.deployer.PublicKey)
+		nonce, err := d.client.PendingNonceAt(ctx, funder)
 		if err != nil {
-			return false, err
+			return false, false, fmt.Errorf("reading the StableCoin deployer's pending nonce: %w", err)
 		}
-		if first {
-			deployedFirst, first = deployed, false
+		hash, err := d.sendSetupTx(ctx, stableTok.deployer, fees, nonce, &usdcDeployer, params.TxGas, new(big.Int).Sub(need, balance), nil)
+		if err != nil {
+			return false, false, fmt.Errorf("funding the USDCoin deployer %s: %w", usdcDeployer, err)
 		}
+		sent = append(sent, hash)
 	}
-	return deployedFirst, nil
+	if err := d.waitSetup(ctx, sent); err != nil {
+		return false, false, err
+	}
+	sent, err = d.sendSetup(ctx, usdc, fees)
+	if err == nil {
+		err = d.waitSetup(ctx, sent)
+	}
+	return stable.deployGas > 0, usdc.deployGas > 0, err
 }
 
-// provisionToken deploys tok at its address and mints to each payer, skipping what the chain already has: the
-// deployer's nonce counts its transactions (deployment at 0, the mint to payer i at 1+i). It reports whether
-// it deployed.
-func (d *DevChain) provisionToken(ctx context.Context, tok devToken) (bool, error) {
+// planToken reads what the chain lacks of tok, refusing a chain this dev chain did not set up.
+func (d *DevChain) planToken(ctx context.Context, tok devToken) (tokenSetup, error) {
 	deployerAddr := crypto.PubkeyToAddress(tok.deployer.PublicKey)
 	nonce, err := d.client.NonceAt(ctx, deployerAddr, nil)
 	if err != nil {
-		return false, fmt.Errorf("reading the %s deployer's nonce: %w", tok.name, err)
+		return tokenSetup{}, fmt.Errorf("reading the %s deployer's nonce: %w", tok.name, err)
 	}
 	code, err := d.client.CodeAt(ctx, tok.address, nil)
 	if err != nil {
-		return false, fmt.Errorf("reading the %s's code: %w", tok.name, err)
+		return tokenSetup{}, fmt.Errorf("reading the %s's code: %w", tok.name, err)
 	}
 	switch {
 	case nonce == 0 && len(code) > 0:
-		return false, fmt.Errorf("the alloc places code at the dev token address %s; the dev chain deploys its "+
+		return tokenSetup{}, fmt.Errorf("the alloc places code at the dev token address %s; the dev chain deploys its "+
 			"%s there, so leave that address out", tok.address, tok.name)
 	case nonce > 0 && len(code) == 0:
-		return false, fmt.Errorf("the deployer %s has sent %d transactions but no token lives at %s: the chain "+
+		return tokenSetup{}, fmt.Errorf("the deployer %s has sent %d transactions but no token lives at %s: the chain "+
 			"was not set up by this dev chain; start on an empty data dir", deployerAddr, nonce, tok.address)
 	}
-
-	head, err := d.client.HeaderByNumber(ctx, nil)
-	if err != nil {
-		return false, fmt.Errorf("reading the head block: %w", err)
-	}
-	tip := big.NewInt(params.GWei)
-	feeCap := new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), tip)
-	signer := types.LatestSignerForChainID(new(big.Int).SetUint64(d.chainID))
-	deployer := tok.deployer
-	send := func(nonce uint64, to *common.Address, gas uint64, data []byte) (common.Hash, error) {
-		tx, err := types.SignNewTx(deployer, signer, &types.DynamicFeeTx{
-			ChainID: signer.ChainID(), Nonce: nonce, GasTipCap: tip, GasFeeCap: feeCap, Gas: gas, To: to, Data: data,
-		})
-		if err != nil {
-			return common.Hash{}, err
+	s := tokenSetup{tok: tok, firstMint: min(len(d.payers), max(0, int(nonce)-1))}
+	if nonce == 0 {
+		// No fee fields: the estimate does not cap the gas by a balance the deployer may not have yet.
+		if s.deployGas, err = d.client.EstimateGas(ctx, ethereum.CallMsg{From: deployerAddr, Data: tok.creation}); err != nil {
+			return tokenSetup{}, fmt.Errorf("estimating the %s deployment: %w", tok.name, err)
 		}
-		return tx.Hash(), d.client.SendTransaction(ctx, tx)
 	}
+	return s, nil
+}
 
+// sendSetup sends the transactions of s, the mints right behind the deployment, and returns their hashes.
+func (d *DevChain) sendSetup(ctx context.Context, s tokenSetup, fees devFees) ([]common.Hash, error) {
 	var sent []common.Hash
-	deployed := nonce == 0
-	if deployed {
-		gas, err := d.client.EstimateGas(ctx, ethereum.CallMsg{From: deployerAddr, Data: tok.creation})
+	if s.deployGas > 0 {
+		hash, err := d.sendSetupTx(ctx, s.tok.deployer, fees, 0, nil, s.deployGas, nil, s.tok.creation)
 		if err != nil {
-			return false, fmt.Errorf("estimating the %s deployment: %w", tok.name, err)
-		}
-		hash, err := send(0, nil, gas, tok.creation)
-		if err != nil {
-			return false, fmt.Errorf("deploying the %s: %w", tok.name, err)
+			return nil, fmt.Errorf("deploying the %s: %w", s.tok.name, err)
 		}
 		sent = append(sent, hash)
 	}
-	token := tok.address
-	for i, payer := range d.payers {
-		mintNonce := uint64(1 + i)
-		if mintNonce < nonce {
-			continue
-		}
-		to := crypto.PubkeyToAddress(payer.PublicKey)
+	token := s.tok.address
+	for i := s.firstMint; i < len(d.payers); i++ {
+		to := crypto.PubkeyToAddress(d.payers[i].PublicKey)
 		data, err := contracts.StableCoinABI.Pack("mint", to, big.NewInt(DevPayerTokens))
 		if err != nil {
-			return false, fmt.Errorf("encoding the mint to %s: %w", to, err)
+			return nil, fmt.Errorf("encoding the mint to %s: %w", to, err)
 		}
-		hash, err := send(mintNonce, &token, devMintGas, data)
+		hash, err := d.sendSetupTx(ctx, s.tok.deployer, fees, uint64(1+i), &token, devMintGas, nil, data)
 		if err != nil {
-			return false, fmt.Errorf("minting %s to demo payer %s: %w", tok.name, to, err)
+			return nil, fmt.Errorf("minting %s to demo payer %s: %w", s.tok.name, to, err)
 		}
 		sent = append(sent, hash)
 	}
+	return sent, nil
+}
+
+// sendSetupTx signs and sends one setup transaction from key.
+func (d *DevChain) sendSetupTx(ctx context.Context, key *ecdsa.PrivateKey, fees devFees, nonce uint64, to *common.Address, gas uint64, value *big.Int, data []byte) (common.Hash, error) {
+	signer := types.LatestSignerForChainID(new(big.Int).SetUint64(d.chainID))
+	tx, err := types.SignNewTx(key, signer, &types.DynamicFeeTx{
+		ChainID: signer.ChainID(), Nonce: nonce, GasTipCap: fees.tip, GasFeeCap: fees.feeCap, Gas: gas, To: to, Value: value, Data: data,
+	})
+	if err != nil {
+		return common.Hash{}, err
+	}
+	return tx.Hash(), d.client.SendTransaction(ctx, tx)
+}
+
+// waitSetup waits until every setup transaction is mined and fails on one that reverted.
+func (d *DevChain) waitSetup(ctx context.Context, sent []common.Hash) error {
 	for _, hash := range sent {
 		receipt, err := d.waitReceipt(ctx, hash)
 		if err != nil {
-			return false, fmt.Errorf("waiting for setup transaction %s: %w", hash, err)
+			return fmt.Errorf("waiting for setup transaction %s: %w", hash, err)
 		}
 		if receipt.Status != types.ReceiptStatusSuccessful {
-			return false, fmt.Errorf("setup transaction %s reverted", hash)
+			return fmt.Errorf("setup transaction %s reverted", hash)
 		}
 	}
-	return deployed, nil
+	return nil
 }
 
 // errTxIndexing is how a node answers a receipt query before its transaction indexer has caught up with
@@ -516,7 +569,7 @@ func waitTxIndex(ctx context.Context, bc *core.BlockChain) error {
 }
 
 // logStart reports where the chain is and which keys use it; the keys are public, and the log says so.
-func (d *DevChain) logStart(cfg DevChainConfig, deployed bool) {
+func (d *DevChain) logStart(cfg DevChainConfig, deployed, deployedUSDC bool) {
 	storage := "memory"
 	if cfg.DataDir != "" {
 		storage = cfg.DataDir
@@ -534,6 +587,7 @@ func (d *DevChain) logStart(cfg DevChainConfig, deployed bool) {
 		zap.String("token", DevTokenAddress.Hex()),
 		zap.Bool("token_deployed_now", deployed),
 		zap.String("eip3009_token", DevEIP3009TokenAddress.Hex()),
+		zap.Bool("eip3009_token_deployed_now", deployedUSDC),
 		zap.String("permit2", contracts.Permit2Address.Hex()),
 		zap.String("proxy", contracts.ProxyAddress.Hex()),
 		zap.Strings("settlement_wallets", wallets),

@@ -1,10 +1,14 @@
 package chain
 
 import (
+	"archive/tar"
 	"bytes"
+	"compress/gzip"
 	"context"
 	"crypto/ecdsa"
 	"errors"
+	"fmt"
+	"io"
 	"math/big"
 	"net"
 	"net/url"
@@ -399,15 +403,12 @@ func TestDevChainOnADataDirKeepsItsStateAcrossRestartsWithoutRedeploying(t *test
 	if got := devCallToken[*big.Int](t, client, "balanceOf", DevPayerAddress); got.Int64() != DevPayerTokens-1234 {
 		t.Errorf("payer holds %s after restart, want %d", got, int64(DevPayerTokens-1234))
 	}
-	// Deployment and one mint: a redeployment or second mint would move the nonce on.
-	if nonce, err := client.NonceAt(devContext(t), DevDeployerAddress, nil); err != nil || nonce != 2 {
-		t.Errorf("deployer nonce %d (%v) after restart, want 2", nonce, err)
-	}
-	if nonce, err := client.NonceAt(devContext(t), DevEIP3009DeployerAddress, nil); err != nil || nonce != 2 {
-		t.Errorf("EIP-3009 token deployer nonce %d (%v) after restart, want 2", nonce, err)
-	}
-	if entries := logs.FilterMessage("dev chain started").All(); len(entries) != 1 || entries[0].ContextMap()["token_deployed_now"] != false {
-		t.Errorf("startup log %v, want token_deployed_now=false", entries)
+	// Deployment, one mint and the USDCoin deployer's gas money; the USDCoin's deployment and one mint: a
+	// redeployment, second mint or second funding would move a nonce on.
+	devCheckSetupNonces(t, client)
+	if entries := logs.FilterMessage("dev chain started").All(); len(entries) != 1 || entries[0].ContextMap()["token_deployed_now"] != false ||
+		entries[0].ContextMap()["eip3009_token_deployed_now"] != false {
+		t.Errorf("startup log %v, want token_deployed_now=false and eip3009_token_deployed_now=false", entries)
 	}
 	second.Close()
 
@@ -418,6 +419,38 @@ func TestDevChainOnADataDirKeepsItsStateAcrossRestartsWithoutRedeploying(t *test
 	} else if !strings.Contains(err.Error(), "another genesis") {
 		t.Errorf("restart with another chain id: %v, want it to say the genesis changed", err)
 	}
+}
+
+// testdata/devchain-before-usdcoin.tar.gz is the data dir of a default dev chain (one payer, four wallets)
+// made by the version before the USDCoin (commit 20103ef), with no node key, locks or logs.
+func TestDevChainOnADataDirFromBeforeTheUSDCoinOpensAndGetsTheUSDCoinOnce(t *testing.T) {
+	dir := t.TempDir()
+	devUntar(t, filepath.Join("testdata", "devchain-before-usdcoin.tar.gz"), dir)
+	obs, logs := observer.New(zapcore.InfoLevel)
+	cfg := DevChainConfig{Listen: "127.0.0.1:0", DataDir: dir, Logger: zap.New(obs)}
+
+	d := devStart(t, cfg)
+	client := d.Client()
+	if code, err := client.CodeAt(devContext(t), DevEIP3009TokenAddress, nil); err != nil || len(code) == 0 {
+		t.Fatalf("no USDCoin at %s on the earlier data dir (%v)", DevEIP3009TokenAddress, err)
+	}
+	for _, token := range []common.Address{DevTokenAddress, DevEIP3009TokenAddress} {
+		if bal := devCallTokenAt[*big.Int](t, client, token, "balanceOf", DevPayerAddress); bal.Cmp(big.NewInt(DevPayerTokens)) != 0 {
+			t.Errorf("payer holds %s raw units of %s, want %d", bal, token, int64(DevPayerTokens))
+		}
+	}
+	devCheckSetupNonces(t, client)
+	if entries := logs.FilterMessage("dev chain started").All(); len(entries) != 1 || entries[0].ContextMap()["token_deployed_now"] != false ||
+		entries[0].ContextMap()["eip3009_token_deployed_now"] != true {
+		t.Errorf("startup log %v, want token_deployed_now=false and eip3009_token_deployed_now=true", entries)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatalf("closing: %v", err)
+	}
+
+	cfg.Logger = nil
+	client = devStart(t, cfg).Client()
+	devCheckSetupNonces(t, client)
 }
 
 func TestDevChainAppliesTheAllocFile(t *testing.T) {
@@ -657,5 +690,59 @@ func devWriteFile(t *testing.T, path, content string) {
 	t.Helper()
 	if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// devCheckSetupNonces checks that a one-payer dev chain sent its setup transactions once: the StableCoin's
+// deployer its deployment, its mint and the USDCoin deployer's gas money; the USDCoin's its deployment and mint.
+func devCheckSetupNonces(t *testing.T, client *ethclient.Client) {
+	t.Helper()
+	for _, want := range []struct {
+		who   string
+		addr  common.Address
+		nonce uint64
+	}{{"StableCoin deployer", DevDeployerAddress, 3}, {"USDCoin deployer", DevEIP3009DeployerAddress, 2}} {
+		if nonce, err := client.NonceAt(devContext(t), want.addr, nil); err != nil || nonce != want.nonce {
+			t.Errorf("%s nonce %d (%v), want %d", want.who, nonce, err, want.nonce)
+		}
+	}
+}
+
+// devUntar unpacks the gzipped tar archive at path (plain files and folders) into dir.
+func devUntar(t *testing.T, path, dir string) {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	gz, err := gzip.NewReader(f)
+	if err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	archive := tar.NewReader(gz)
+	for {
+		h, err := archive.Next()
+		if errors.Is(err, io.EOF) {
+			return
+		}
+		if err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		target := filepath.Join(dir, filepath.FromSlash(h.Name))
+		switch h.Typeflag {
+		case tar.TypeDir:
+			err = os.MkdirAll(target, 0o755)
+		case tar.TypeReg:
+			var b []byte
+			if b, err = io.ReadAll(archive); err == nil {
+				err = os.WriteFile(target, b, 0o644)
+			}
+		default:
+			err = fmt.Errorf("entry %s is neither a file nor a folder", h.Name)
+		}
+		if err != nil {
+			t.Fatalf("unpacking %s: %v", path, err)
+		}
 	}
 }
