@@ -28,7 +28,8 @@ var txHashPattern = regexp.MustCompile(`^0x[0-9a-fA-F]{64}$`)
 
 // TestQuickstartSellsThePaidRoutesToCaddyX402PayDev runs the README's quick start as a user would, with the
 // built binary: `caddy run --config Caddyfile.example` from the repository root, then
-// `caddy x402 pay --dev` for a paid file and the paid legacy API. Each pay exits 0 with the content and a
+// `caddy x402 pay --dev` for a paid file, the paid legacy API and (--method eip3009) the route paid in the
+// USD Coin. Each pay exits 0 with the content and a
 // settled PAYMENT-RESPONSE naming a transaction, and the dev chain's balances moved by exactly the prices.
 func TestQuickstartSellsThePaidRoutesToCaddyX402PayDev(t *testing.T) {
 	needBinary(t)
@@ -50,13 +51,17 @@ func TestQuickstartSellsThePaidRoutesToCaddyX402PayDev(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The USD Coin route is paid as its comment says, by EIP-3009.
 	routes := []struct {
 		path     string
 		amount   int64
 		wantBody string
+		token    common.Address
+		method   string // --method, when the route's comment names one
 	}{
-		{"/paid/index.html", 10000, string(page)},
-		{"/api/hello", 1000, `"paid_by": "` + chain.DevPayerAddress.Hex() + `"`},
+		{"/paid/index.html", 10000, string(page), chain.DevTokenAddress, ""},
+		{"/api/hello", 1000, `"paid_by": "` + chain.DevPayerAddress.Hex() + `"`, chain.DevTokenAddress, ""},
+		{"/usdc/", 10000, "paid in USD Coin", chain.DevEIP3009TokenAddress, x402.TransferEIP3009},
 	}
 
 	for _, r := range routes {
@@ -78,10 +83,17 @@ func TestQuickstartSellsThePaidRoutesToCaddyX402PayDev(t *testing.T) {
 	}
 
 	for _, r := range routes {
-		payerBefore, sellerBefore := dev.balance(chain.DevPayerAddress), dev.balance(seller)
-		pay := runCommand(t, 2*time.Minute, repoRoot, childEnv(t), caddyBin, "x402", "pay", "--dev", quickstartSite+r.path)
+		payerBefore, sellerBefore := dev.balanceOf(r.token, chain.DevPayerAddress), dev.balanceOf(r.token, seller)
+		args := []string{"x402", "pay", "--dev", quickstartSite + r.path}
+		if r.method != "" {
+			args = append(args[:3], "--method", r.method, args[3])
+		}
+		pay := runCommand(t, 2*time.Minute, repoRoot, childEnv(t), caddyBin, args...)
 		if pay.code != 0 {
-			t.Fatalf("caddy x402 pay --dev %s exited %d\nstdout:\n%s\nstderr:\n%s", r.path, pay.code, pay.stdout, pay.stderr)
+			t.Fatalf("caddy %s exited %d\nstdout:\n%s\nstderr:\n%s", strings.Join(args, " "), pay.code, pay.stdout, pay.stderr)
+		}
+		if r.method != "" && !strings.Contains(pay.stderr, " by "+r.method+" as ") {
+			t.Errorf("caddy %s did not say it paid by %s:\n%s", strings.Join(args, " "), r.method, pay.stderr)
 		}
 		if !strings.HasPrefix(pay.stdout, "HTTP/1.1 200 OK\n") {
 			t.Errorf("pay %s: expected the final answer 200 OK first, got:\n%s", r.path, pay.stdout)
@@ -99,14 +111,14 @@ func TestQuickstartSellsThePaidRoutesToCaddyX402PayDev(t *testing.T) {
 
 		// The transaction it names is the transfer, and the balances moved by the price, once.
 		if txHashPattern.MatchString(settled.Transaction) {
-			if !receiptTransfers(dev, common.HexToHash(settled.Transaction), chain.DevPayerAddress, seller, want) {
+			if !receiptTransfersOf(dev, r.token, common.HexToHash(settled.Transaction), chain.DevPayerAddress, seller, want) {
 				t.Errorf("pay %s: transaction %s holds no Transfer of %s from the payer to the seller", r.path, settled.Transaction, want)
 			}
 		}
-		if d := delta(payerBefore, dev.balance(chain.DevPayerAddress)); d.Cmp(new(big.Int).Neg(want)) != 0 {
+		if d := delta(payerBefore, dev.balanceOf(r.token, chain.DevPayerAddress)); d.Cmp(new(big.Int).Neg(want)) != 0 {
 			t.Errorf("pay %s: the payer's balance moved by %s, want -%s", r.path, d, want)
 		}
-		if d := delta(sellerBefore, dev.balance(seller)); d.Cmp(want) != 0 {
+		if d := delta(sellerBefore, dev.balanceOf(r.token, seller)); d.Cmp(want) != 0 {
 			t.Errorf("pay %s: the seller's balance moved by %s, want +%s", r.path, d, want)
 		}
 	}
@@ -126,11 +138,6 @@ func printedSettlement(t *testing.T, stdout string) x402.SettleResponse {
 		t.Fatalf("the printed %s is not JSON: %v\n%s", x402.HeaderPaymentResponse, err, stdout[i:])
 	}
 	return s
-}
-
-// receiptTransfers reports whether transaction tx succeeded with a dev token Transfer of amount from -> to.
-func receiptTransfers(dev *devChain, tx common.Hash, from, to common.Address, amount *big.Int) bool {
-	return receiptTransfersOf(dev, chain.DevTokenAddress, tx, from, to, amount)
 }
 
 // receiptTransfersOf reports whether transaction tx succeeded and moved amount of token from one address to
