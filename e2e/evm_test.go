@@ -87,6 +87,18 @@ func (d *devChain) balanceOf(token, holder common.Address) *big.Int {
 	return b
 }
 
+// ether is holder's balance in wei.
+func (d *devChain) ether(holder common.Address) *big.Int {
+	d.t.Helper()
+	ctx, cancel := rpcContext()
+	defer cancel()
+	b, err := d.client.BalanceAt(ctx, holder, nil)
+	if err != nil {
+		d.t.Fatalf("reading the ether balance of %s: %v", holder, err)
+	}
+	return b
+}
+
 // head is the number of the latest block.
 func (d *devChain) head() uint64 {
 	d.t.Helper()

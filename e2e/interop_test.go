@@ -48,8 +48,8 @@ type interop struct {
 	sdk      string // the folder with the pinned SDK installed and the scripts
 	chainURL string
 	dev      *devChain
-	// The payers: the demo payer never approves Permit2 (it pays permit2 through eip2612GasSponsoring);
-	// approved has approved Permit2 for both tokens. Both hold both tokens.
+	// The payers: the demo payer never approves Permit2 (it pays by EIP-3009); approved has approved Permit2
+	// for both tokens. Both hold both tokens and gas money. Each gas-sponsored cell has a payer of its own.
 	unapproved, approved *ecdsa.PrivateKey
 }
 
@@ -59,7 +59,9 @@ type interopCell struct {
 	url                   string
 	token                 common.Address
 	key                   *ecdsa.PrivateKey
-	sponsored             bool // the payment must carry the eip2612GasSponsoring permit
+	// sponsored: the payment must carry the eip2612GasSponsoring permit. key is then a fresh payer holding
+	// the token and nothing else: no Permit2 allowance and no gas money to approve with.
+	sponsored bool
 }
 
 // TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain is the interop matrix of the public TypeScript
@@ -98,7 +100,9 @@ func TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain(t *testing.T) {
 	tsFac := startProgram(t, "the TypeScript reference facilitator", in.sdk, append(os.Environ(),
 		"X402_FACILITATOR_KEY="+hexutil.Encode(crypto.FromECDSA(tsFacKey)), "X402_RPC_URL="+in.chainURL, "X402_NETWORK="+network),
 		node, "facilitator.mjs", portOf(t, tsFacURL))
+	started := time.Now()
 	tsFac.waitUntil("its /supported", 60*time.Second, answersWith(tsFacURL+"/supported", 200))
+	t.Logf("the TypeScript reference facilitator served after %s", time.Since(started).Round(time.Millisecond))
 
 	config := writeFile(t, dir, "Caddyfile", fmt.Sprintf(`{
 	admin off
@@ -114,14 +118,6 @@ func TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain(t *testing.T) {
 	bind 127.0.0.1
 	handle_path /facilitator/* {
 		x402_facilitator
-	}
-	handle /usdc/eip3009 {
-		x402 $0.01 {
-			pay_to %[4]s
-			asset %[5]s
-			asset_transfer_method eip3009
-		}
-		respond "paid in USD Coin"
 	}
 	handle /usdc/* {
 		x402 $0.01 {
@@ -141,7 +137,7 @@ func TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain(t *testing.T) {
 
 %[3]s {
 	bind 127.0.0.1
-	handle / {
+	handle {
 		x402 $0.01 {
 			pay_to %[4]s
 			asset %[5]s
@@ -150,43 +146,29 @@ func TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain(t *testing.T) {
 			token_eip3009
 			facilitator %[6]s
 		}
+		respond "paid through the TypeScript facilitator"
 	}
-	handle /permit2 {
-		x402 $0.01 {
-			pay_to %[4]s
-			asset %[5]s
-			token_name "USD Coin"
-			token_version 2
-			asset_transfer_method permit2
-			facilitator %[6]s
-		}
-	}
-	handle /eip3009 {
-		x402 $0.01 {
-			pay_to %[4]s
-			asset %[5]s
-			token_name "USD Coin"
-			token_version 2
-			asset_transfer_method eip3009
-			facilitator %[6]s
-		}
-	}
-	respond "paid through the TypeScript facilitator"
 }
 `, strings.TrimPrefix(in.chainURL, "http://"), gateURL, tsGateURL, seller.Hex(), usdc.Hex(), tsFacURL))
 	caddy := startProcess(t, "Caddy with the dev chain, the gates and the facilitator", dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", config)
+	started = time.Now()
 	caddy.waitUntil("a 402 from the gate", 60*time.Second, answersWith(gateURL+"/", 402))
+	t.Logf("Caddy with the dev chain served after %s", time.Since(started).Round(time.Millisecond))
 	in.dev = dialChain(t, in.chainURL)
 
 	hono := startProgram(t, "the @x402/hono server", in.sdk, append(os.Environ(),
 		"X402_FACILITATOR_URL="+gateURL+"/facilitator", "X402_NETWORK="+network, "X402_ASSET="+stable.Hex(),
 		"X402_PAY_TO="+seller.Hex(), fmt.Sprintf("X402_AMOUNT=%d", interopPrice)),
 		node, "server.mjs", portOf(t, honoURL))
+	started = time.Now()
 	hono.waitUntil("a 402 from the hono server", 60*time.Second, answersWith(honoURL+"/paid", 402))
+	t.Logf("the @x402/hono server served after %s", time.Since(started).Round(time.Millisecond))
 
 	// Payer #1 starts with nothing: the demo payer gives it gas money and both tokens, and it approves
-	// Permit2 for both. The reference facilitator gets gas money.
+	// Permit2 for both. Payers #2 to #4, one per gas-sponsored cell, get the StableCoin only. The reference
+	// facilitator gets gas money.
 	in.unapproved, in.approved = chain.DevPayerKey(), chain.DevPayerKeyN(1)
+	sponsoredKeys := []*ecdsa.PrivateKey{chain.DevPayerKeyN(2), chain.DevPayerKeyN(3), chain.DevPayerKeyN(4)}
 	approvedAddr := crypto.PubkeyToAddress(in.approved.PublicKey)
 	in.dev.send(in.unapproved, approvedAddr, big.NewInt(1e18), nil)
 	in.dev.send(in.unapproved, crypto.PubkeyToAddress(tsFacKey.PublicKey), big.NewInt(1e18), nil)
@@ -194,6 +176,9 @@ func TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain(t *testing.T) {
 	for _, token := range []common.Address{stable, usdc} {
 		in.dev.send(in.unapproved, token, nil, callToken(t, "transfer", approvedAddr, big.NewInt(1_000_000_000)))
 		in.dev.send(in.approved, token, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
+	}
+	for _, key := range sponsoredKeys {
+		in.dev.send(in.unapproved, stable, nil, callToken(t, "transfer", crypto.PubkeyToAddress(key.PublicKey), big.NewInt(1_000_000)))
 	}
 
 	// In front of the reference facilitator our gate offers the standard kind's methods, never erc2612.
@@ -206,15 +191,17 @@ func TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain(t *testing.T) {
 		{server: "our gate + embedded", payer: "caddy x402 pay", method: "erc2612", url: gateURL + "/", token: stable, key: in.approved},
 		{server: "our gate + embedded", payer: "caddy x402 pay", method: "eip3009", url: gateURL + "/usdc/", token: usdc, key: in.unapproved},
 		{server: "our gate + embedded", payer: "@x402/fetch", method: "permit2", url: gateURL + "/", token: stable, key: in.approved},
-		{server: "our gate + embedded", payer: "@x402/fetch", method: "permit2", url: gateURL + "/", token: stable, key: in.unapproved, sponsored: true},
-		{server: "our gate + embedded", payer: "@x402/fetch", method: "eip3009", url: gateURL + "/usdc/eip3009", token: usdc, key: in.unapproved},
-		{server: "@x402/hono + our facilitator", payer: "caddy x402 pay", method: "permit2", url: honoURL + "/paid", token: stable, key: in.unapproved, sponsored: true},
-		{server: "@x402/hono + our facilitator", payer: "@x402/fetch", method: "permit2", url: honoURL + "/paid", token: stable, key: in.unapproved, sponsored: true},
+		{server: "our gate + embedded", payer: "@x402/fetch", method: "permit2", url: gateURL + "/", token: stable, key: sponsoredKeys[0], sponsored: true},
+		{server: "our gate + embedded", payer: "@x402/fetch", method: "eip3009", url: gateURL + "/usdc/", token: usdc, key: in.unapproved},
+		{server: "@x402/hono + our facilitator", payer: "caddy x402 pay", method: "permit2", url: honoURL + "/paid", token: stable, key: sponsoredKeys[1], sponsored: true},
+		{server: "@x402/hono + our facilitator", payer: "@x402/fetch", method: "permit2", url: honoURL + "/paid", token: stable, key: sponsoredKeys[2], sponsored: true},
 		{server: "our gate + TS facilitator", payer: "caddy x402 pay", method: "permit2", url: tsGateURL + "/", token: usdc, key: in.approved},
 		{server: "our gate + TS facilitator", payer: "caddy x402 pay", method: "eip3009", url: tsGateURL + "/", token: usdc, key: in.unapproved},
-		{server: "our gate + TS facilitator", payer: "@x402/fetch", method: "permit2", url: tsGateURL + "/permit2", token: usdc, key: in.approved},
-		{server: "our gate + TS facilitator", payer: "@x402/fetch", method: "eip3009", url: tsGateURL + "/eip3009", token: usdc, key: in.unapproved},
+		{server: "our gate + TS facilitator", payer: "@x402/fetch", method: "permit2", url: tsGateURL + "/", token: usdc, key: in.approved},
+		{server: "our gate + TS facilitator", payer: "@x402/fetch", method: "eip3009", url: tsGateURL + "/", token: usdc, key: in.unapproved},
 	}
+	// What each column's payments took, for the report of the matrix's cost.
+	perColumn := map[string]time.Duration{}
 	for _, c := range cells {
 		name := fmt.Sprintf("%s pays %s by %s", c.payer, c.server, c.method)
 		if c.sponsored {
@@ -223,8 +210,12 @@ func TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			start := time.Now()
 			in.pay(t, c)
+			perColumn[c.server] += time.Since(start)
 			t.Logf("%s took %s", name, time.Since(start).Round(time.Millisecond))
 		})
+	}
+	for server, took := range perColumn {
+		t.Logf("the payments to %s took %s", server, took.Round(time.Millisecond))
 	}
 	hono.stop()
 	tsFac.stop()
@@ -237,11 +228,17 @@ func (in *interop) pay(t *testing.T, c interopCell) {
 	t.Helper()
 	payer := crypto.PubkeyToAddress(c.key.PublicKey)
 	price := big.NewInt(interopPrice)
+	if c.sponsored {
+		if allowance, gas := permit2Allowance(t, in.dev, c.token, payer), in.dev.ether(payer); allowance.Sign() != 0 || gas.Sign() != 0 {
+			t.Fatalf("the payer of a gas-sponsored cell has a Permit2 allowance of %s and %s wei; want a fresh payer with neither", allowance, gas)
+		}
+	}
 	payerBefore, sellerBefore := in.dev.balanceOf(c.token, payer), in.dev.balanceOf(c.token, seller)
 	var settled *x402.SettleResponse
 	if c.payer == "@x402/fetch" {
 		env := append(os.Environ(), "X402_PAYER_KEY="+hexutil.Encode(crypto.FromECDSA(c.key)), "X402_RPC_URL="+in.chainURL,
-			"X402_ASSET="+c.token.Hex(), fmt.Sprintf("X402_NETWORK=eip155:%d", chain.DefaultDevChainID), "X402_MAX_AMOUNT="+price.String())
+			"X402_ASSET="+c.token.Hex(), fmt.Sprintf("X402_NETWORK=eip155:%d", chain.DefaultDevChainID), "X402_MAX_AMOUNT="+price.String(),
+			"X402_METHOD="+c.method)
 		r := runCommand(t, 2*time.Minute, in.sdk, env, in.node, "pay.mjs", c.url)
 		var got paidByTypeScript
 		if err := json.Unmarshal([]byte(lastLines(r.stdout, 1)), &got); err != nil {
@@ -330,12 +327,11 @@ func installTypeScriptClient(t *testing.T, npm string) string {
 	return dir
 }
 
-// permit2Allowance reads the dev token's allowance(owner, Permit2).
-func permit2Allowance(t *testing.T, dev *devChain, owner common.Address) *big.Int {
+// permit2Allowance reads token's allowance(owner, Permit2).
+func permit2Allowance(t *testing.T, dev *devChain, token, owner common.Address) *big.Int {
 	t.Helper()
 	ctx, cancel := rpcContext()
 	defer cancel()
-	token := chain.DevTokenAddress
 	out, err := dev.client.CallContract(ctx, ethereum.CallMsg{To: &token, Data: callToken(t, "allowance", owner, contracts.Permit2Address)}, nil)
 	if err != nil {
 		t.Fatalf("reading allowance(%s, Permit2): %v", owner, err)

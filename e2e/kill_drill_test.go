@@ -839,12 +839,12 @@ var drillWalletFunds = new(big.Int).Mul(big.NewInt(10), big.NewInt(1e18))
 func (d *drill) setWalletFunds(key *ecdsa.PrivateKey, want *big.Int) string {
 	d.t.Helper()
 	w := crypto.PubkeyToAddress(key.PublicKey)
-	have := d.ethBalance(w)
+	have := d.dev.ether(w)
 	if want.Sign() > 0 {
 		if have.Cmp(want) < 0 {
 			d.dev.send(chain.DevPayerKey(), w, new(big.Int).Sub(want, have), nil)
 		}
-		return fmt.Sprintf("the settlement wallet funded again (%s wei)", d.ethBalance(w))
+		return fmt.Sprintf("the settlement wallet funded again (%s wei)", d.dev.ether(w))
 	}
 	// All but the transfer's own fee: a plain transfer of 21,000 gas at twice the base fee plus a 1 gwei tip,
 	// signed here rather than by send, whose gas estimate wants the whole balance free.
@@ -860,7 +860,7 @@ func (d *drill) setWalletFunds(key *ecdsa.PrivateKey, want *big.Int) string {
 			idleSince = time.Now()
 		}
 	}
-	have = d.ethBalance(w)
+	have = d.dev.ether(w)
 	head, err := d.dev.client.HeaderByNumber(ctx, nil)
 	if err != nil {
 		d.t.Fatalf("reading the head block: %v", err)
@@ -882,17 +882,5 @@ func (d *drill) setWalletFunds(key *ecdsa.PrivateKey, want *big.Int) string {
 		}
 		d.dev.sendSigned(ctx, tx, "that empties the settlement wallet")
 	}
-	return fmt.Sprintf("the settlement wallet emptied (%s wei left)", d.ethBalance(w))
-}
-
-// ethBalance is the ETH balance of a, in wei.
-func (d *drill) ethBalance(a common.Address) *big.Int {
-	d.t.Helper()
-	ctx, cancel := rpcContext()
-	defer cancel()
-	b, err := d.dev.client.BalanceAt(ctx, a, nil)
-	if err != nil {
-		d.t.Fatalf("reading the ETH balance of %s: %v", a, err)
-	}
-	return b
+	return fmt.Sprintf("the settlement wallet emptied (%s wei left)", d.dev.ether(w))
 }

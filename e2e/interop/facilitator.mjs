@@ -1,6 +1,6 @@
 // facilitator.mjs runs the public TypeScript reference facilitator (x402Facilitator from @x402/core with the
 // exact EVM scheme of @x402/evm, no transfer method configured) over HTTP on 127.0.0.1, so that
-// e2e/interop_matrix_test.go can put our gate in front of a facilitator nobody here wrote.
+// e2e/interop_test.go can put our gate in front of a facilitator nobody here wrote.
 //
 //   X402_FACILITATOR_KEY=0x... X402_RPC_URL=http://127.0.0.1:8545 X402_NETWORK=eip155:72344 node facilitator.mjs <port>
 //

@@ -11,6 +11,8 @@
 //   X402_ASSET       the token to allow through the client's spend controls; they accept only well-known
 //                    assets (USDC and the like) by default, and the dev chain's token is none of them
 //   X402_MAX_AMOUNT  the largest payment, in raw token units, the spend controls allow (default 1000000)
+//   X402_METHOD      pay the first offer of this transfer method (permit2 or eip3009; an offer naming none is
+//                    eip3009, as the client reads it) instead of the client's default, the first offer
 //
 // Exit status: 0 when the paid request answered 2xx with a successful PAYMENT-RESPONSE, 1 otherwise, 2 on
 // wrong usage.
@@ -34,6 +36,16 @@ const asset = process.env.X402_ASSET;
 if (!/^0x[0-9a-fA-F]{40}$/.test(asset ?? "")) usage("X402_ASSET must be the token's address (0x and 40 hex digits)");
 const network = process.env.X402_NETWORK || "eip155:72344";
 const maxAmount = process.env.X402_MAX_AMOUNT || "1000000";
+const method = process.env.X402_METHOD;
+const methodOf = (requirement) => requirement.extra?.assetTransferMethod ?? "eip3009";
+// The client's selector sees the offers it can pay; with no offer of the method the payment fails, as it should.
+const selector = method
+  ? (_version, accepts) => {
+      const chosen = accepts.find((r) => methodOf(r) === method);
+      if (!chosen) throw new Error(`no offer by ${method} among ${accepts.map(methodOf).join(", ")}`);
+      return chosen;
+    }
+  : undefined;
 
 const account = privateKeyToAccount(rawKey.startsWith("0x") ? rawKey : `0x${rawKey}`);
 // The public client gives the signer readContract, which the scheme needs to see a missing Permit2 allowance
@@ -43,12 +55,12 @@ const signer = toClientEvmSigner(account, publicClient);
 
 // Record what the client signed, so the test can tell the plain permit2 flow from the sponsored one.
 let sent;
-const client = new x402Client()
+const client = new x402Client(selector)
   .register(network, new ExactEvmScheme(signer, { rpcUrl }))
   .setSpendControls({ allowedAssets: [{ network, asset, maxAmountPerPayment: maxAmount }] })
   .onAfterPaymentCreation(async ({ paymentPayload }) => {
     sent = {
-      method: paymentPayload.accepted?.extra?.assetTransferMethod ?? "eip3009",
+      method: methodOf(paymentPayload.accepted ?? {}),
       extensions: Object.keys(paymentPayload.extensions ?? {}),
       sponsored: paymentPayload.extensions?.eip2612GasSponsoring?.info?.signature != null,
     };

@@ -1,6 +1,6 @@
 // server.mjs runs a resource server built with the public TypeScript SDK (@x402/hono with @x402/core's
 // x402ResourceServer and the exact EVM scheme of @x402/evm) on 127.0.0.1, settling through a facilitator at
-// X402_FACILITATOR_URL: e2e/interop_matrix_test.go points it at our facilitator handler.
+// X402_FACILITATOR_URL: e2e/interop_test.go points it at our facilitator handler.
 //
 //   X402_FACILITATOR_URL=http://127.0.0.1:8080/facilitator X402_ASSET=0x... X402_PAY_TO=0x... node server.mjs <port>
 //
