@@ -383,9 +383,15 @@ type devFees struct{ tip, feeCap *big.Int }
 // mint to payer i at 1+i.
 type tokenSetup struct {
 	tok       devToken
+	nonce     uint64 // the deployer's nonce on chain
 	deployGas uint64
 	firstMint int
 }
+
+// nextNonce is the deployer's nonce once the setup's transactions are sent: past the last mint, or past what
+// the deployer sent after the mints. It is computed, not asked of the transaction pool, which takes in what
+// was just sent in a goroutine of its own and may not count it yet.
+func (s tokenSetup) nextNonce(d *DevChain) uint64 { return max(s.nonce, uint64(1+len(d.payers))) }
 
 // cost is the most the setup's transactions pay in gas at fees.
 func (s tokenSetup) cost(d *DevChain, fees devFees) *big.Int {
@@ -424,12 +430,7 @@ func (d *DevChain) provisionTokens(ctx context.Context) (deployedStable, deploye
 		return false, false, fmt.Errorf("reading the USDCoin deployer's balance: %w", err)
 	}
 	if need := usdc.cost(d, fees); balance.Cmp(need) < 0 {
-		funder := crypto.PubkeyToAddress(stableTok.deployer.PublicKey)
-		nonce, err := d.client.PendingNonceAt(ctx, funder)
-		if err != nil {
-			return false, false, fmt.Errorf("reading the StableCoin deployer's pending nonce: %w", err)
-		}
-		hash, err := d.sendSetupTx(ctx, stableTok.deployer, fees, nonce, &usdcDeployer, params.TxGas, new(big.Int).Sub(need, balance), nil)
+		hash, err := d.sendSetupTx(ctx, stableTok.deployer, fees, stable.nextNonce(d), &usdcDeployer, params.TxGas, new(big.Int).Sub(need, balance), nil)
 		if err != nil {
 			return false, false, fmt.Errorf("funding the USDCoin deployer %s: %w", usdcDeployer, err)
 		}
@@ -464,7 +465,7 @@ func (d *DevChain) planToken(ctx context.Context, tok devToken) (tokenSetup, err
 		return tokenSetup{}, fmt.Errorf("the deployer %s has sent %d transactions but no token lives at %s: the chain "+
 			"was not set up by this dev chain; start on an empty data dir", deployerAddr, nonce, tok.address)
 	}
-	s := tokenSetup{tok: tok, firstMint: min(len(d.payers), max(0, int(nonce)-1))}
+	s := tokenSetup{tok: tok, nonce: nonce, firstMint: min(len(d.payers), max(0, int(nonce)-1))}
 	if nonce == 0 {
 		// No fee fields: the estimate does not cap the gas by a balance the deployer may not have yet.
 		if s.deployGas, err = d.client.EstimateGas(ctx, ethereum.CallMsg{From: deployerAddr, Data: tok.creation}); err != nil {
