@@ -56,6 +56,15 @@ type App struct {
 	journalMu *sync.Mutex
 	journal   *journalEntry // this config's own reference, taken by SettlementJournal()
 	devKey    string
+	// devNet is the dev chain's network among Networks; its RPC URL is known once the chain runs.
+	devNet *Network
+
+	// starters are the handlers' start hooks, registered while they are provisioned and run by Start, after
+	// the engine and the journal are up, in the order the handlers were provisioned.
+	starters []func() error
+	// ready is closed when Start has finished, well or not; startErr then says which.
+	ready    chan struct{}
+	startErr error
 }
 
 // DevChainConfig configures the embedded dev chain.
@@ -82,8 +91,42 @@ type devChainEntry struct{ chain *chain.DevChain }
 
 func (d *devChainEntry) Destruct() error { return d.chain.Close() }
 
-// startDevChain starts the dev chain (or takes over the running one) and adds its network, unless the config
-// names that network itself.
+// planDevChain adds the dev chain's network, unless the config names that network itself. Everything about it
+// but its RPC URL is fixed by the configuration (the dev keys and token addresses are), so the gates and the
+// facilitator handler can be configured against it before the chain runs; startDevChain fills in the URL.
+func (a *App) planDevChain() error {
+	if a.DevChain.BlockTime < 0 || time.Duration(a.DevChain.BlockTime)%time.Second != 0 {
+		return fmt.Errorf("dev_chain: block_time must be 0 (a block per transaction burst) or whole seconds such as 1s, got %s",
+			time.Duration(a.DevChain.BlockTime))
+	}
+	id := a.DevChain.ChainID
+	if id == 0 {
+		id = chain.DefaultDevChainID
+	}
+	network := x402.EIP155(id)
+	for _, n := range a.Networks {
+		if n.Network == network {
+			return nil
+		}
+	}
+	keys := make([]string, 0, chain.DefaultDevWallets)
+	for _, k := range chain.DevWalletKeys(chain.DefaultDevWallets) {
+		keys = append(keys, hex.EncodeToString(crypto.FromECDSA(k)))
+	}
+	a.devNet = &Network{
+		Network: network, WalletKeys: []string{strings.Join(keys, ",")},
+		Assets: []*Asset{
+			{Address: chain.DevTokenAddress.Hex(), Name: x402.DefaultTokenName, Version: x402.DefaultTokenVersion, Decimals: x402.DefaultTokenDecimals},
+			{Address: chain.DevEIP3009TokenAddress.Hex(), Name: contracts.USDCoinName, Version: contracts.USDCoinVersion, Decimals: contracts.USDCoinDecimals, EIP3009: true},
+		},
+		// Blocks come as soon as transactions do: look for receipts often.
+		ReceiptPoll: caddy.Duration(2 * time.Millisecond),
+	}
+	a.Networks = append(a.Networks, a.devNet)
+	return nil
+}
+
+// startDevChain starts the dev chain (or takes over the running one) and points the dev network at it.
 func (a *App) startDevChain() error {
 	repl := caddy.NewReplacer()
 	cfg := chain.DevChainConfig{
@@ -91,8 +134,8 @@ func (a *App) startDevChain() error {
 		DataDir: repl.ReplaceAll(a.DevChain.DataDir, ""), AllocFile: repl.ReplaceAll(a.DevChain.Alloc, ""), Logger: a.logger.Named("dev_chain"),
 	}
 	b, _ := json.Marshal(a.DevChain)
-	a.devKey = string(b)
-	v, _, err := devChains.LoadOrNew(a.devKey, func() (caddy.Destructor, error) {
+	key := string(b)
+	v, _, err := devChains.LoadOrNew(key, func() (caddy.Destructor, error) {
 		dc, err := chain.StartDevChain(context.Background(), cfg)
 		if err != nil {
 			return nil, err
@@ -100,28 +143,12 @@ func (a *App) startDevChain() error {
 		return &devChainEntry{chain: dc}, nil
 	})
 	if err != nil {
-		a.devKey = ""
-		return fmt.Errorf("x402: starting the dev chain: %w", err)
+		return fmt.Errorf("starting the dev chain: %w", err)
 	}
-	dc := v.(*devChainEntry).chain
-	for _, n := range a.Networks {
-		if n.Network == dc.Network() {
-			return nil
-		}
+	a.devKey = key
+	if a.devNet != nil {
+		a.devNet.RPC = []string{v.(*devChainEntry).chain.RPCURL()}
 	}
-	var keys []string
-	for _, k := range dc.WalletKeys() {
-		keys = append(keys, hex.EncodeToString(crypto.FromECDSA(k)))
-	}
-	a.Networks = append(a.Networks, &Network{
-		Network: dc.Network(), RPC: []string{dc.RPCURL()}, WalletKeys: []string{strings.Join(keys, ",")},
-		Assets: []*Asset{
-			{Address: dc.Token().Hex(), Name: x402.DefaultTokenName, Version: x402.DefaultTokenVersion, Decimals: x402.DefaultTokenDecimals},
-			{Address: dc.EIP3009Token().Hex(), Name: contracts.USDCoinName, Version: contracts.USDCoinVersion, Decimals: contracts.USDCoinDecimals, EIP3009: true},
-		},
-		// Blocks come as soon as transactions do: look for receipts often.
-		ReceiptPoll: caddy.Duration(2 * time.Millisecond),
-	})
 	return nil
 }
 
@@ -207,13 +234,15 @@ var engines = caddy.NewUsagePool()
 // journals holds open settlement journals across config reloads, keyed by path: a bbolt file can be open once.
 var journals = caddy.NewUsagePool()
 
-// Provision builds (or takes over from the previous config) the embedded facilitator engine.
+// Provision checks the configuration and fills in its defaults. It starts nothing: no dev chain, no RPC
+// client, no journal, no settlement (Start does), so that `caddy validate` is safe beside a running server.
 func (a *App) Provision(ctx caddy.Context) error {
 	a.ctx = ctx
 	a.journalMu = new(sync.Mutex)
 	a.logger = ctx.Logger()
+	a.ready = make(chan struct{})
 	if a.DevChain != nil {
-		if err := a.startDevChain(); err != nil {
+		if err := a.planDevChain(); err != nil {
 			return err
 		}
 	}
@@ -221,26 +250,116 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return nil
 	}
 	a.Journal = a.journalPath()
+	_, err := a.networkSpecs()
+	return err
+}
+
+// networkSpecs resolves every network: placeholders replaced, defaults filled in, values checked.
+func (a *App) networkSpecs() ([]networkSpec, error) {
 	repl := caddy.NewReplacer()
 	specs := make([]networkSpec, 0, len(a.Networks))
 	for i, n := range a.Networks {
+		if n == a.devNet && len(n.RPC) == 0 {
+			// Its URL comes when the chain runs; nothing else about it needs checking.
+			specs = append(specs, networkSpec{Network: n, Assets: n.Assets})
+			continue
+		}
 		spec, err := n.resolve(repl)
 		if err != nil {
-			return fmt.Errorf("x402: network #%d (%s): %w", i+1, n.Network, err)
+			return nil, fmt.Errorf("network #%d (%s): %w", i+1, n.Network, err)
 		}
 		specs = append(specs, spec)
 	}
-	key, err := engineKey(a.Journal, specs)
-	if err != nil {
-		return err
+	return specs, nil
+}
+
+// networkIDs are the CAIP-2 identifiers of the networks the embedded engine settles on, in configuration order.
+func (a *App) networkIDs() []string {
+	ids := make([]string, 0, len(a.Networks))
+	for _, n := range a.Networks {
+		ids = append(ids, n.Network)
 	}
-	val, _, err := engines.LoadOrNew(key, func() (caddy.Destructor, error) {
-		return a.newEngine(specs)
-	})
-	if err != nil {
-		return fmt.Errorf("x402: starting the embedded facilitator: %w", err)
+	return ids
+}
+
+// onStart registers a handler's start hook, run by Start once the engine and the journal are up (at once, when
+// the app has started already).
+func (a *App) onStart(start func() error) error {
+	select {
+	case <-a.ready:
+		if a.startErr != nil {
+			return a.startErr
+		}
+		return start()
+	default:
 	}
-	a.key, a.engine = key, val.(*engineEntry)
+	a.starters = append(a.starters, start)
+	return nil
+}
+
+// awaitStart waits until Start has run, for a request that arrives before it: Caddy starts its apps in no
+// fixed order, so the HTTP servers may accept requests before the x402 app has started.
+func (a *App) awaitStart(ctx context.Context) error {
+	select {
+	case <-a.ready:
+		return a.startErr
+	default:
+	}
+	t := time.NewTimer(startWait)
+	defer t.Stop()
+	select {
+	case <-a.ready:
+		return a.startErr
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return errors.New("the x402 app is still starting")
+	}
+}
+
+// startWait bounds how long a request waits for the x402 app to start.
+const startWait = 30 * time.Second
+
+// Start starts the dev chain, the embedded facilitator engine with its journal (or takes them over from the
+// previous config), then the handlers that registered with the app.
+func (a *App) Start() error {
+	err := a.start()
+	a.startErr = err
+	if err != nil {
+		a.startErr = fmt.Errorf("the x402 app did not start: %w", err)
+	}
+	close(a.ready)
+	return err
+}
+
+func (a *App) start() error {
+	if a.DevChain != nil {
+		if err := a.startDevChain(); err != nil {
+			return err
+		}
+	}
+	if len(a.Networks) > 0 {
+		specs, err := a.networkSpecs()
+		if err != nil {
+			return err
+		}
+		key, err := engineKey(a.Journal, specs)
+		if err != nil {
+			return err
+		}
+		val, _, err := engines.LoadOrNew(key, func() (caddy.Destructor, error) {
+			return a.newEngine(specs)
+		})
+		if err != nil {
+			return fmt.Errorf("starting the embedded facilitator: %w", err)
+		}
+		a.key, a.engine = key, val.(*engineEntry)
+	}
+	for _, start := range a.starters {
+		if err := start(); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
@@ -484,10 +603,7 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 	return nc, nil
 }
 
-// Start starts the app; the engine already runs from Provision.
-func (*App) Start() error { return nil }
-
-// Stop stops the app.
+// Stop stops the app; what Start took up is let go of by Cleanup, once the next config (if any) has taken it over.
 func (*App) Stop() error { return nil }
 
 // Cleanup lets go of this config's hold on the engine; the last holder stops it.

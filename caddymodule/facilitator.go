@@ -82,7 +82,8 @@ type FacilitatorHandler struct {
 	// and on to the next only when a member cannot be reached.
 	Upstreams []*FacilitatorUpstream `json:"upstreams,omitempty"`
 
-	facilitator    x402.Facilitator
+	facilitator    x402.Facilitator // the embedded engine is set when the x402 app starts
+	app            *App             // nil for upstreams
 	embedded       bool
 	kinds          map[string]bool // nil: every kind
 	networks       map[string]bool // nil: every network
@@ -130,7 +131,7 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 	for i, k := range h.APIKeys {
 		key := repl.ReplaceAll(k, "")
 		if key == "" {
-			return fmt.Errorf("x402_facilitator: api_key #%d is empty once its placeholders are replaced; is its environment variable set?", i+1)
+			return fmt.Errorf("api_key #%d is empty once its placeholders are replaced; is its environment variable set?", i+1)
 		}
 		h.keys = append(h.keys, sha256.Sum256([]byte(key)))
 	}
@@ -156,7 +157,7 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 
 	var err error
 	if h.terms, err = parsePaymentTerms(h.MinAmount, h.PayTo); err != nil {
-		return fmt.Errorf("x402_facilitator: %w", err)
+		return fmt.Errorf("%w", err)
 	}
 	h.limiter = newSettleLimiter(h.SettleRateLimit, nil)
 
@@ -169,22 +170,28 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 	}
 	appModule, err := ctx.App("x402")
 	if err != nil {
-		return fmt.Errorf("x402_facilitator: loading the x402 app: %w", err)
+		return fmt.Errorf("loading the x402 app: %w", err)
 	}
 	app := appModule.(*App)
-	engine := app.Facilitator()
-	if engine == nil {
-		return errors.New("x402_facilitator has no facilitator to serve: configure a network in the x402 global option " +
+	networks := app.networkIDs()
+	if len(networks) == 0 {
+		return errors.New("no facilitator to serve: configure a network in the x402 global option " +
 			"(x402 { network <caip2> { rpc ... asset ... wallet_keys ... } }), or give an upstream facilitator")
 	}
-	h.facilitator, h.embedded, h.redactor = engine, true, app.rpcRedactor()
+	h.embedded, h.redactor, h.app = true, app.rpcRedactor(), app
 	for _, n := range h.Networks {
-		if !slices.Contains(engine.Networks(), n) {
-			return fmt.Errorf("x402_facilitator: network %s is not configured in the x402 app, which settles on %s",
-				n, strings.Join(engine.Networks(), ", "))
+		if !slices.Contains(networks, n) {
+			return fmt.Errorf("network %s is not configured in the x402 app, which settles on %s", n, strings.Join(networks, ", "))
 		}
 	}
-	supported, err := engine.Supported(ctx)
+	// The engine runs once the app has started.
+	return app.onStart(func() error { return h.start(app) })
+}
+
+// start takes up the embedded engine once the x402 app runs.
+func (h *FacilitatorHandler) start(app *App) error {
+	engine := app.Facilitator()
+	supported, err := engine.Supported(context.Background())
 	if err != nil {
 		return fmt.Errorf("x402_facilitator: reading the kinds of the embedded facilitator: %w", err)
 	}
@@ -192,6 +199,7 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("x402_facilitator: kinds %v on networks %v leave nothing to serve; the x402 app offers %s",
 			h.Kinds, h.Networks, describeKinds(supported.Kinds))
 	}
+	h.facilitator = engine
 	h.releaseWallets = h.metrics.trackWallets(engine)
 	return nil
 }
@@ -204,7 +212,7 @@ func (h *FacilitatorHandler) upstreamFacilitator(repl *caddy.Replacer) (x402.Fac
 		if key := repl.ReplaceAll(u.APIKey, ""); key != "" {
 			opts = append(opts, facilitatorclient.WithAPIKey(key))
 		} else if u.APIKey != "" {
-			return nil, fmt.Errorf("x402_facilitator: the api_key of upstream #%d is empty once its placeholders are replaced; is its environment variable set?", i+1)
+			return nil, fmt.Errorf("the api_key of upstream #%d is empty once its placeholders are replaced; is its environment variable set?", i+1)
 		}
 		t := facilitatorclient.Timeouts{Settle: time.Duration(u.SettleTimeout)}
 		if d := time.Duration(u.Timeout); d > 0 {
@@ -213,7 +221,7 @@ func (h *FacilitatorHandler) upstreamFacilitator(repl *caddy.Replacer) (x402.Fac
 		opts = append(opts, facilitatorclient.WithTimeouts(t))
 		c, err := facilitatorclient.New(repl.ReplaceAll(u.URL, ""), opts...)
 		if err != nil {
-			return nil, fmt.Errorf("x402_facilitator: upstream #%d: %w", i+1, err)
+			return nil, fmt.Errorf("upstream #%d: %w", i+1, err)
 		}
 		clients = append(clients, c)
 	}
@@ -227,16 +235,16 @@ func (h *FacilitatorHandler) upstreamFacilitator(repl *caddy.Replacer) (x402.Fac
 func (h *FacilitatorHandler) Validate() error {
 	for _, k := range h.Kinds {
 		if k != x402.TransferPermit2 && k != x402.TransferEIP3009 && k != x402.TransferERC2612 {
-			return fmt.Errorf("x402_facilitator: unknown kind %q; want %q, %q or %q", k, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
+			return fmt.Errorf("unknown kind %q; want %q, %q or %q", k, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 		}
 	}
 	for _, n := range h.Networks {
 		if _, _, err := x402.ParseCAIP2(n); err != nil {
-			return fmt.Errorf("x402_facilitator: networks: %w", err)
+			return fmt.Errorf("networks: %w", err)
 		}
 	}
 	if _, err := parsePaymentTerms(h.MinAmount, h.PayTo); err != nil {
-		return fmt.Errorf("x402_facilitator: %w", err)
+		return fmt.Errorf("%w", err)
 	}
 	if l := h.SettleRateLimit; l != nil {
 		for _, r := range []struct {
@@ -244,22 +252,22 @@ func (h *FacilitatorHandler) Validate() error {
 			n    int
 		}{{"per_ip", l.PerIP}, {"per_payer", l.PerPayer}} {
 			if r.n < 0 || r.n > maxPerMinute {
-				return fmt.Errorf("x402_facilitator: settle_rate_limit %s is %d a minute; want 0 (no limit) to %d", r.name, r.n, maxPerMinute)
+				return fmt.Errorf("settle_rate_limit %s is %d a minute; want 0 (no limit) to %d", r.name, r.n, maxPerMinute)
 			}
 		}
 	}
 	if h.MaxBodySize < 0 || h.MaxBodySize > x402.MaxBodyBytes {
-		return fmt.Errorf("x402_facilitator: max_body_size is %d bytes; want 1 to %d (larger bodies are never valid requests)",
+		return fmt.Errorf("max_body_size is %d bytes; want 1 to %d (larger bodies are never valid requests)",
 			h.MaxBodySize, x402.MaxBodyBytes)
 	}
 	for i, u := range h.Upstreams {
 		switch {
 		case u == nil || u.URL == "":
-			return fmt.Errorf("x402_facilitator: upstream #%d has no URL", i+1)
+			return fmt.Errorf("upstream #%d has no URL", i+1)
 		case u.Timeout < 0:
-			return fmt.Errorf("x402_facilitator: upstream #%d: timeout must not be negative", i+1)
+			return fmt.Errorf("upstream #%d: timeout must not be negative", i+1)
 		case u.SettleTimeout < 0:
-			return fmt.Errorf("x402_facilitator: upstream #%d: settle_timeout must not be negative", i+1)
+			return fmt.Errorf("upstream #%d: settle_timeout must not be negative", i+1)
 		}
 	}
 	return nil
@@ -317,6 +325,11 @@ func facilitatorEndpoint(path string) string {
 func (h *FacilitatorHandler) serve(r *http.Request, endpoint string) facilitatorReply {
 	if !h.authorized(r) {
 		return errorReply(http.StatusUnauthorized, "missing or wrong x-api-key header: this facilitator needs an API key")
+	}
+	if h.app != nil {
+		if err := h.app.awaitStart(r.Context()); err != nil {
+			return errorReply(http.StatusServiceUnavailable, "the embedded facilitator is not running: %v", err)
+		}
 	}
 	switch endpoint {
 	case facilitatorEndpointSupported, facilitatorEndpointHealth:

@@ -115,8 +115,9 @@ type Gate struct {
 	// Default: any origin.
 	CORSOrigins []string `json:"cors_origins,omitempty"`
 
-	fac      x402.Facilitator
-	holder   fundsHolder // fac, when it can hold payments against payers' funds and the gate settles async
+	app      *App
+	fac      x402.Facilitator // for the embedded facilitator, set when the x402 app starts
+	holder   fundsHolder      // fac, when it can hold payments against payers' funds and the gate settles async
 	embedded bool
 	facName  string            // for logs: "embedded" or the facilitator's base URL
 	redact   *strings.Replacer // takes RPC URLs (which may hold provider keys) out of engine errors
@@ -203,13 +204,14 @@ const (
 	settleTimeout = 2 * time.Minute
 )
 
-// Provision resolves the gate's offers against the x402 app, picks its facilitator and joins the journal.
+// Provision resolves the gate's offers against the x402 app and picks its facilitator; the gate joins the
+// journal and its ledger when the app starts (see start).
 func (g *Gate) Provision(ctx caddy.Context) error {
 	g.logger = ctx.Logger()
 	g.now = time.Now
 	var err error
 	if g.metrics, err = metricsFor(ctx); err != nil {
-		return fmt.Errorf("x402 gate: %w", err)
+		return err
 	}
 	g.state = new(gateState)
 	g.registry = x402.NewRegistry()
@@ -227,46 +229,60 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	}
 	appVal, err := ctx.App("x402")
 	if err != nil {
-		return fmt.Errorf("x402 gate: loading the x402 app: %w", err)
+		return fmt.Errorf("loading the x402 app: %w", err)
 	}
 	app := appVal.(*App)
 	repl := caddy.NewReplacer()
 	if g.specs, err = g.resolveOffers(app, repl); err != nil {
-		return fmt.Errorf("x402 gate: %w", err)
+		return err
 	}
 	if err := g.pickFacilitator(app, repl); err != nil {
-		return fmt.Errorf("x402 gate: %w", err)
+		return err
+	}
+	if !g.embedded {
+		// A remote facilitator may be down now; Caddy starts anyway and asks when payments come.
+		g.state.offers.Store(buildOffers(g.specs, nil, g.registry, time.Time{}))
+	}
+	g.app = app
+	return app.onStart(func() error {
+		if err := g.start(app); err != nil {
+			return fmt.Errorf("starting the x402 gate: %w", err)
+		}
+		return nil
+	})
+}
+
+// start takes up what the gate works with once the x402 app runs: the embedded engine and its offers, the
+// journal, and the ledger with its background settlements.
+func (g *Gate) start(app *App) error {
+	if g.embedded {
+		g.fac = app.Facilitator()
+		// The engine's /supported never changes while it runs: shape the offers once.
+		sup, err := g.fac.Supported(context.Background())
+		if err != nil {
+			return fmt.Errorf("asking the embedded facilitator what it supports: %w", err)
+		}
+		g.state.offers.Store(buildOffers(g.specs, &sup, g.registry, g.now()))
 	}
 	store, owner, err := app.SettlementJournal()
 	if err != nil {
-		return fmt.Errorf("x402 gate: %w", err)
-	}
-	if g.embedded {
-		// The engine's /supported never changes while it runs: shape the offers once.
-		sup, err := g.fac.Supported(ctx)
-		if err != nil {
-			return fmt.Errorf("x402 gate: asking the embedded facilitator what it supports: %w", err)
-		}
-		g.state.offers.Store(buildOffers(g.specs, &sup, g.registry, g.now()))
-	} else {
-		// A remote facilitator may be down now; Caddy starts anyway and asks when payments come.
-		g.state.offers.Store(buildOffers(g.specs, nil, g.registry, time.Time{}))
+		return err
 	}
 	if h, ok := g.fac.(fundsHolder); ok && g.Settle == SettleAsync {
 		g.holder = h
 	}
-	g.ledger, err = joinLedger(store, owner, g.logger)
+	ledger, err := joinLedger(store, owner, g.logger)
 	if err != nil {
-		return fmt.Errorf("x402 gate: %w", err)
+		return err
 	}
 	// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 	g.enginePrunes = app.Facilitator() != nil
-	if err := g.ledger.register(g); err != nil {
-		g.ledger.unregister(g)
-		_ = leaveLedger(g.ledger)
-		g.ledger = nil
-		return fmt.Errorf("x402 gate: %w", err)
+	if err := ledger.register(g); err != nil {
+		ledger.unregister(g)
+		_ = leaveLedger(ledger)
+		return err
 	}
+	g.ledger = ledger
 	g.untrackBacklog = g.metrics.trackBacklog(g.ledger)
 	return nil
 }
@@ -274,22 +290,19 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 // pickFacilitator sets the facilitator: the app's engine, or a client of a remote one.
 func (g *Gate) pickFacilitator(app *App, repl *caddy.Replacer) error {
 	url := strings.TrimSpace(repl.ReplaceAll(g.FacilitatorURL, ""))
-	engine := app.Facilitator()
 	if url == "" || url == EmbeddedFacilitator {
-		if engine == nil {
+		networks := app.networkIDs()
+		if len(networks) == 0 {
 			return errors.New("no facilitator: set facilitator_url, or configure the gate's network in the x402 global option to use the embedded facilitator")
 		}
-		served := map[string]bool{}
-		for _, n := range engine.Networks() {
-			served[n] = true
-		}
 		for _, s := range g.specs {
-			if !served[s.network] {
+			if !slices.Contains(networks, s.network) {
 				return fmt.Errorf("the embedded facilitator does not settle on %s (it settles on %s); configure that network in the x402 global option or set facilitator_url",
-					s.network, strings.Join(engine.Networks(), ", "))
+					s.network, strings.Join(networks, ", "))
 			}
 		}
-		g.fac, g.embedded, g.facName, g.redact = engine, true, EmbeddedFacilitator, app.rpcRedactor()
+		// The engine itself runs once the app has started (see start).
+		g.embedded, g.facName, g.redact = true, EmbeddedFacilitator, app.rpcRedactor()
 		return nil
 	}
 	var opts []facilitatorclient.Option
@@ -321,27 +334,27 @@ func (g *Gate) Validate() error {
 	switch g.Settle {
 	case SettleAfter, SettleBefore, SettleAsync:
 	default:
-		return fmt.Errorf("x402 gate: settle %q is not a settlement mode; want %q, %q or %q", g.Settle, SettleAfter, SettleBefore, SettleAsync)
+		return fmt.Errorf("settle %q is not a settlement mode; want %q, %q or %q", g.Settle, SettleAfter, SettleBefore, SettleAsync)
 	}
 	if g.FacilitatorTimeout < 0 {
-		return fmt.Errorf("x402 gate: facilitator_timeout %s is negative", time.Duration(g.FacilitatorTimeout))
+		return fmt.Errorf("facilitator_timeout %s is negative", time.Duration(g.FacilitatorTimeout))
 	}
 	if g.AsyncBacklog < 0 {
-		return fmt.Errorf("x402 gate: async_backlog %d is negative", g.AsyncBacklog)
+		return fmt.Errorf("async_backlog %d is negative", g.AsyncBacklog)
 	}
 	if g.MaxBuffer < 0 {
-		return fmt.Errorf("x402 gate: max_buffer %d is negative; want a size in bytes", g.MaxBuffer)
+		return fmt.Errorf("max_buffer %d is negative; want a size in bytes", g.MaxBuffer)
 	}
 	if len(g.specs) == 0 {
-		return errors.New("x402 gate: no way to pay is configured")
+		return errors.New("no way to pay is configured")
 	}
 	for _, o := range g.CORSOrigins {
 		if u, err := url.Parse(o); o != "*" && (err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || strings.Trim(u.Path, "/") != "" || u.RawQuery != "") {
-			return fmt.Errorf("x402 gate: cors_origins %q is not an origin; want * or scheme://host[:port], such as https://app.example.com", o)
+			return fmt.Errorf("cors_origins %q is not an origin; want * or scheme://host[:port], such as https://app.example.com", o)
 		}
 	}
 	if strings.EqualFold(g.PaymentHeader, x402.HeaderXPayment) {
-		return fmt.Errorf("x402 gate: payment_header %s is the version 1 header, which the gate always reads; choose another name", x402.HeaderXPayment)
+		return fmt.Errorf("payment_header %s is the version 1 header, which the gate always reads; choose another name", x402.HeaderXPayment)
 	}
 	return nil
 }
@@ -415,6 +428,9 @@ func (g *Gate) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		// A CORS preflight carries no payment and must not reach the upstream, which may answer it with the
 		// paid resource: the gate answers it itself.
 		return g.answerPreflight(w, r)
+	}
+	if err := g.app.awaitStart(r.Context()); err != nil {
+		return caddyhttp.Error(http.StatusServiceUnavailable, err)
 	}
 	x := &exchange{g: g, w: w, r: r, next: next, start: g.now()}
 	x.repl, _ = r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)

@@ -1,0 +1,108 @@
+package caddymodule_test
+
+import (
+	"encoding/hex"
+	"encoding/json"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"sync/atomic"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/ethereum/go-ethereum/crypto"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+)
+
+// TestValidatingAConfigStartsNoChainDialsNoRPCAndOpensNoJournal checks with caddy.Validate, which provisions
+// every module as `caddy validate` does, a config with a dev chain on a port another server holds, a real
+// network block whose RPC endpoint counts calls, a journal file, a gate on the embedded facilitator and a
+// facilitator route: validation passes, the RPC endpoint hears nothing, no journal file appears and the port
+// is left to its holder.
+func TestValidatingAConfigStartsNoChainDialsNoRPCAndOpensNoJournal(t *testing.T) {
+	dir := t.TempDir()
+	t.Setenv("XDG_DATA_HOME", filepath.Join(dir, "data"))
+	t.Setenv("XDG_CONFIG_HOME", filepath.Join(dir, "config"))
+	var calls atomic.Int64
+	rpc := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		http.Error(w, "counted", http.StatusServiceUnavailable)
+	}))
+	defer rpc.Close()
+	held, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	journalPath := filepath.Join(dir, "journal.db")
+	cfg := adaptCaddyfile(t, `{
+	x402 {
+		dev_chain {
+			listen `+held.Addr().String()+`
+		}
+		network eip155:723487 {
+			rpc `+rpc.URL+`/with/a/key
+			asset 0x69c1c4280cd64e46F1525c67AA9e5F784d09cB4C name "Stable Coin" version 1 decimals 6
+			wallet_keys `+hex.EncodeToString(crypto.FromECDSA(chain.DevWalletKey(0)))+`
+		}
+		journal `+journalPath+`
+	}
+}
+127.0.0.1:`+freePortOf(t)+` {
+	handle /paid/* {
+		x402 $0.01 {
+			pay_to 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11
+			network eip155:723487
+		}
+		respond "paid"
+	}
+	handle /dev/* {
+		x402 $0.01 {
+			pay_to 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11
+		}
+		respond "paid on the dev chain"
+	}
+	handle_path /facilitator/* {
+		x402_facilitator
+	}
+}`, dir)
+	if err := caddy.Validate(mustConfig(t, cfg)); err != nil {
+		t.Fatalf("caddy.Validate: %v", err)
+	}
+	if n := calls.Load(); n != 0 {
+		t.Errorf("validation made %d calls to the network's RPC endpoint, want none", n)
+	}
+	if _, err := os.Stat(journalPath); !os.IsNotExist(err) {
+		t.Errorf("validation created the journal %s (stat: %v)", journalPath, err)
+	}
+	// The listener is still the only one on its port: it accepts.
+	go func() {
+		if c, err := held.Accept(); err == nil {
+			c.Close()
+		}
+	}()
+	c, err := net.Dial("tcp", held.Addr().String())
+	if err != nil {
+		t.Fatalf("the held port stopped answering: %v", err)
+	}
+	c.Close()
+}
+
+// mustConfig decodes a JSON Caddy config.
+func mustConfig(t *testing.T, raw []byte) *caddy.Config {
+	t.Helper()
+	var cfg caddy.Config
+	if err := json.Unmarshal(raw, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	return &cfg
+}
+
+// freePortOf is freeAddr's port.
+func freePortOf(t *testing.T) string {
+	_, port, _ := net.SplitHostPort(freeAddr(t))
+	return port
+}
