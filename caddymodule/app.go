@@ -22,6 +22,7 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -78,7 +79,7 @@ type DevChainConfig struct {
 // devChains holds running dev chains across config reloads, keyed by their configuration.
 var devChains = caddy.NewUsagePool()
 
-type devChainEntry struct{ chain *chain.DevChain }
+type devChainEntry struct{ chain *devchain.Chain }
 
 func (d *devChainEntry) Destruct() error { return d.chain.Close() }
 
@@ -86,14 +87,14 @@ func (d *devChainEntry) Destruct() error { return d.chain.Close() }
 // names that network itself.
 func (a *App) startDevChain() error {
 	repl := caddy.NewReplacer()
-	cfg := chain.DevChainConfig{
+	cfg := devchain.Config{
 		ChainID: a.DevChain.ChainID, Listen: repl.ReplaceAll(a.DevChain.Listen, ""), BlockTime: time.Duration(a.DevChain.BlockTime),
 		DataDir: repl.ReplaceAll(a.DevChain.DataDir, ""), AllocFile: repl.ReplaceAll(a.DevChain.Alloc, ""), Logger: a.logger.Named("dev_chain"),
 	}
 	b, _ := json.Marshal(a.DevChain)
 	a.devKey = string(b)
 	v, _, err := devChains.LoadOrNew(a.devKey, func() (caddy.Destructor, error) {
-		dc, err := chain.StartDevChain(context.Background(), cfg)
+		dc, err := devchain.Start(context.Background(), cfg)
 		if err != nil {
 			return nil, err
 		}
