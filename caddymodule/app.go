@@ -22,6 +22,7 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -87,7 +88,7 @@ type DevChainConfig struct {
 // devChains holds running dev chains across config reloads, keyed by their configuration.
 var devChains = caddy.NewUsagePool()
 
-type devChainEntry struct{ chain *chain.DevChain }
+type devChainEntry struct{ chain *devchain.Chain }
 
 func (d *devChainEntry) Destruct() error { return d.chain.Close() }
 
@@ -101,7 +102,7 @@ func (a *App) planDevChain() error {
 	}
 	id := a.DevChain.ChainID
 	if id == 0 {
-		id = chain.DefaultDevChainID
+		id = devchain.DefaultChainID
 	}
 	network := x402.EIP155(id)
 	for _, n := range a.Networks {
@@ -109,15 +110,15 @@ func (a *App) planDevChain() error {
 			return nil
 		}
 	}
-	keys := make([]string, 0, chain.DefaultDevWallets)
-	for _, k := range chain.DevWalletKeys(chain.DefaultDevWallets) {
+	keys := make([]string, 0, devchain.DefaultWallets)
+	for _, k := range devchain.WalletKeys(devchain.DefaultWallets) {
 		keys = append(keys, hex.EncodeToString(crypto.FromECDSA(k)))
 	}
 	a.devNet = &Network{
 		Network: network, WalletKeys: []string{strings.Join(keys, ",")},
 		Assets: []*Asset{
-			{Address: chain.DevTokenAddress.Hex(), Name: x402.DefaultTokenName, Version: x402.DefaultTokenVersion, Decimals: x402.DefaultTokenDecimals},
-			{Address: chain.DevEIP3009TokenAddress.Hex(), Name: contracts.USDCoinName, Version: contracts.USDCoinVersion, Decimals: contracts.USDCoinDecimals, EIP3009: true},
+			{Address: devchain.TokenAddress.Hex(), Name: x402.DefaultTokenName, Version: x402.DefaultTokenVersion, Decimals: x402.DefaultTokenDecimals},
+			{Address: devchain.EIP3009TokenAddress.Hex(), Name: contracts.USDCoinName, Version: contracts.USDCoinVersion, Decimals: contracts.USDCoinDecimals, EIP3009: true},
 		},
 		// Blocks come as soon as transactions do: look for receipts often.
 		ReceiptPoll: caddy.Duration(2 * time.Millisecond),
@@ -129,14 +130,14 @@ func (a *App) planDevChain() error {
 // startDevChain starts the dev chain (or takes over the running one) and points the dev network at it.
 func (a *App) startDevChain() error {
 	repl := caddy.NewReplacer()
-	cfg := chain.DevChainConfig{
+	cfg := devchain.Config{
 		ChainID: a.DevChain.ChainID, Listen: repl.ReplaceAll(a.DevChain.Listen, ""), BlockTime: time.Duration(a.DevChain.BlockTime),
 		DataDir: repl.ReplaceAll(a.DevChain.DataDir, ""), AllocFile: repl.ReplaceAll(a.DevChain.Alloc, ""), Logger: a.logger.Named("dev_chain"),
 	}
 	b, _ := json.Marshal(a.DevChain)
 	key := string(b)
 	v, _, err := devChains.LoadOrNew(key, func() (caddy.Destructor, error) {
-		dc, err := chain.StartDevChain(context.Background(), cfg)
+		dc, err := devchain.Start(context.Background(), cfg)
 		if err != nil {
 			return nil, err
 		}

@@ -14,7 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/ethereum/go-ethereum/crypto"
 
-	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 )
 
 // TestValidatingAConfigStartsNoChainDialsNoRPCAndOpensNoJournal checks with caddy.Validate, which provisions
@@ -46,7 +46,7 @@ func TestValidatingAConfigStartsNoChainDialsNoRPCAndOpensNoJournal(t *testing.T)
 		network eip155:723487 {
 			rpc `+rpc.URL+`/with/a/key
 			asset 0x69c1c4280cd64e46F1525c67AA9e5F784d09cB4C name "Stable Coin" version 1 decimals 6
-			wallet_keys `+hex.EncodeToString(crypto.FromECDSA(chain.DevWalletKey(0)))+`
+			wallet_keys `+hex.EncodeToString(crypto.FromECDSA(devchain.WalletKeys(1)[0]))+`
 		}
 		journal `+journalPath+`
 	}

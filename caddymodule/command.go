@@ -13,7 +13,7 @@ import (
 	"github.com/ethereum/go-ethereum/crypto"
 	"github.com/spf13/cobra"
 
-	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 )
 
 // envPayerKey is the environment variable `caddy x402 pay` takes the payer key from when no flag gives one:
@@ -68,7 +68,7 @@ method is the public SDKs' standard one and is paid by eip3009 (EIP-3009
 transferWithAuthorization, as USDC takes it).
 
 --dev pays as the dev chain's demo payer through its default RPC address
-(` + "http://" + chain.DefaultDevListen + `); --key, --key-file and --rpc still win over it.
+(` + "http://" + devchain.DefaultListen + `); --key, --key-file and --rpc still win over it.
 
 --sign-only prints the payment header value it would send and sends nothing.
 `,
@@ -139,7 +139,7 @@ func cmdX402Pay(cmd *cobra.Command, args []string) error {
 	o.SignOnly, _ = fs.GetBool("sign-only")
 	o.Timeout, _ = fs.GetDuration("timeout")
 	if dev && o.RPC == "" {
-		o.RPC = "http://" + chain.DefaultDevListen
+		o.RPC = "http://" + devchain.DefaultListen
 	}
 	return runPay(cmd.Context(), o, cmd.OutOrStdout(), cmd.ErrOrStderr())
 }
@@ -160,7 +160,7 @@ func loadPayerKey(keyHex, keyFile, env string, dev bool) (*ecdsa.PrivateKey, err
 		first, _, _ := strings.Cut(string(data), "\n")
 		return parsePayerKey("the first line of --key-file "+keyFile, first)
 	case dev:
-		return chain.DevPayerKey(), nil
+		return devchain.PayerKey(), nil
 	case env != "":
 		return parsePayerKey("$"+envPayerKey, env)
 	}

@@ -26,6 +26,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -384,7 +385,7 @@ func TestPayOfAFreeURLPrintsItAndFailsOnlyWhenTheStatusIsNot2xx(t *testing.T) {
 		fmt.Fprint(w, "free content")
 	}))
 	defer srv.Close()
-	key := hex.EncodeToString(crypto.FromECDSA(chain.DevPayerKey()))
+	key := hex.EncodeToString(crypto.FromECDSA(devchain.PayerKey()))
 
 	stdout, _, err := runX402(t, "", "pay", "--key", key, srv.URL+"/free")
 	if err != nil || !strings.Contains(stdout, "200 OK") || !strings.Contains(stdout, "free content") {
@@ -412,8 +413,8 @@ func TestPayPaysWhereRedirectsLedAndFollowsNoRedirectWithThePayment(t *testing.T
 	}))
 	defer thief.Close()
 	offer, err := x402.EncodeHeader(x402.PaymentRequired{X402Version: 2, Resource: x402.ResourceInfo{URL: "/report"}, Accepts: []x402.PaymentRequirements{{
-		Scheme: x402.SchemeExact, Network: x402.NetworkTestnet, Amount: "1", Asset: chain.DevTokenAddress.Hex(),
-		PayTo: chain.DevPayerAddress.Hex(), MaxTimeoutSeconds: 60, Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2},
+		Scheme: x402.SchemeExact, Network: x402.NetworkTestnet, Amount: "1", Asset: devchain.TokenAddress.Hex(),
+		PayTo: devchain.PayerAddress.Hex(), MaxTimeoutSeconds: 60, Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2},
 	}}})
 	if err != nil {
 		t.Fatal(err)
@@ -434,7 +435,7 @@ func TestPayPaysWhereRedirectsLedAndFollowsNoRedirectWithThePayment(t *testing.T
 	}))
 	defer srv.Close()
 
-	stdout, _, err := runX402(t, "", "pay", "--key", hex.EncodeToString(crypto.FromECDSA(chain.DevPayerKey())), srv.URL+"/start")
+	stdout, _, err := runX402(t, "", "pay", "--key", hex.EncodeToString(crypto.FromECDSA(devchain.PayerKey())), srv.URL+"/start")
 	if err == nil || !strings.Contains(err.Error(), "307") || !strings.Contains(stdout, "307 Temporary Redirect") {
 		t.Fatalf("pay = %v, output %q; want the 307 printed and an error", err, stdout)
 	}
@@ -460,7 +461,7 @@ func TestPayRefusesBadInputBeforeSendingAnything(t *testing.T) {
 	}))
 	defer srv.Close()
 	secret := "ab" + strings.Repeat("cd", 31)
-	good := hex.EncodeToString(crypto.FromECDSA(chain.DevPayerKey()))
+	good := hex.EncodeToString(crypto.FromECDSA(devchain.PayerKey()))
 
 	for _, tc := range []struct {
 		name string
@@ -519,7 +520,7 @@ func TestLoadPayerKeyTakesTheFirstSourceGiven(t *testing.T) {
 	}{
 		{name: "--key", key: accountHex(a), env: accountHex(b), dev: true, want: a.Address},
 		{name: "--key-file, first line", file: file, env: accountHex(a), want: b.Address},
-		{name: "--dev", dev: true, env: accountHex(a), want: chain.DevPayerAddress},
+		{name: "--dev", dev: true, env: accountHex(a), want: devchain.PayerAddress},
 		{name: "the environment", env: " " + accountHex(a) + "\n", want: a.Address},
 		{name: "a missing key file", file: filepath.Join(dir, "none"), wantErrSubstr: "reading --key-file"},
 		{name: "a bad environment key", env: "0x1234", wantErrSubstr: "$" + envPayerKey},
@@ -630,9 +631,9 @@ func TestKeygenPrintsAFreshKeyAndItsAddress(t *testing.T) {
 }
 
 func TestDecodeTellsEveryHeaderByItsShapeAndPrintsItsJSON(t *testing.T) {
-	key := chain.DevPayerKey()
+	key := devchain.PayerKey()
 	rq := x402.PaymentRequirements{
-		Scheme: x402.SchemeExact, Network: x402.NetworkTestnet, Amount: "10000", Asset: chain.DevTokenAddress.Hex(),
+		Scheme: x402.SchemeExact, Network: x402.NetworkTestnet, Amount: "10000", Asset: devchain.TokenAddress.Hex(),
 		PayTo: "0x5e11e75e11e75e11e75e11e75e11e75e11e75e11", MaxTimeoutSeconds: 60,
 		Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, Name: "Stable Coin", Version: "1"},
 	}
@@ -660,7 +661,7 @@ func TestDecodeTellsEveryHeaderByItsShapeAndPrintsItsJSON(t *testing.T) {
 		{"permit2 payment with gas sponsoring", p2, x402.HeaderPaymentSignature, 2},
 		{"erc2612 payment", e2, x402.HeaderPaymentSignature, 2},
 		{"version 1 payment", x402.PaymentPayloadV1{X402Version: 1, Scheme: "exact", Network: "testnet", Payload: e2.Payload}, x402.HeaderXPayment, 1},
-		{"settlement response", x402.SettleResponse{Success: true, Transaction: "0x" + strings.Repeat("ab", 32), Network: x402.NetworkTestnet, Payer: chain.DevPayerAddress.Hex()}, x402.HeaderPaymentResponse, 0},
+		{"settlement response", x402.SettleResponse{Success: true, Transaction: "0x" + strings.Repeat("ab", 32), Network: x402.NetworkTestnet, Payer: devchain.PayerAddress.Hex()}, x402.HeaderPaymentResponse, 0},
 		{"failed settlement response", x402.SettleResponse{ErrorReason: x402.ReasonInsufficientFunds, Network: x402.NetworkTestnet}, x402.HeaderPaymentResponse, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -27,6 +27,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/caddymodule"
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -166,7 +167,7 @@ func newBenchEnv(b *testing.B) *benchEnv {
 		url: startBenchCaddy(b, benchCaddyfile),
 		// Every caller keeps its connection: the figures are of requests, not of TCP handshakes.
 		client: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 2 * benchRouteCallers, DisableCompression: true}},
-		payer:  chain.DevPayerKeyN(0),
+		payer:  devchain.PayerKeyN(0),
 		offers: map[string]x402.PaymentRequirements{},
 	}
 	b.Cleanup(env.client.CloseIdleConnections)

@@ -6,5 +6,6 @@
 // encoding over fixed-size buffers and caches domain separators, and is cross-checked against go-ethereum's
 // apitypes in tests.
 //
-// It must never import Caddy or know about HTTP servers, and it must never import facilitatorclient.
+// It must never import Caddy or know about HTTP servers, and it must never import facilitatorclient. The dev
+// chain (a whole go-ethereum node) lives in chain/devchain, which may import chain; chain never imports it.
 package chain

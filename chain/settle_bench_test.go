@@ -19,6 +19,7 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -35,7 +36,7 @@ func BenchmarkSustainedSettlement(b *testing.B) {
 		b.Run(fmt.Sprintf("wallets=%d", wallets), func(b *testing.B) {
 			ctx := context.Background()
 			const payers, perWallet = 8, 256
-			dc, err := chain.StartDevChain(ctx, chain.DevChainConfig{Listen: "127.0.0.1:0", BlockTime: time.Second, Wallets: wallets, Payers: payers})
+			dc, err := devchain.Start(ctx, devchain.Config{Listen: "127.0.0.1:0", BlockTime: time.Second, Wallets: wallets, Payers: payers})
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -108,7 +109,7 @@ func BenchmarkSustainedSettlement(b *testing.B) {
 }
 
 // approve has owner allow spender to move all its dev tokens, and waits for the receipt.
-func approve(b *testing.B, client *ethclient.Client, dc *chain.DevChain, owner *ecdsa.PrivateKey, spender common.Address) {
+func approve(b *testing.B, client *ethclient.Client, dc *devchain.Chain, owner *ecdsa.PrivateKey, spender common.Address) {
 	b.Helper()
 	ctx := context.Background()
 	data, err := contracts.StableCoinABI.Pack("approve", spender, new(big.Int).Lsh(big.NewInt(1), 255))

@@ -14,7 +14,7 @@ import (
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/crypto"
 
-	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -49,7 +49,7 @@ func TestAsyncSettlementSurvivesSIGKILLBetweenServingAndSettling(t *testing.T) {
 	chainProc := startProcess(t, "the dev chain's Caddy", dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", chainFile)
 	dev := dialChain(t, chainURL)
 	chainProc.waitUntil("the dev token minted to the demo payer", 60*time.Second, func() error {
-		b, err := dev.tokenBalance(chain.DevPayerAddress)
+		b, err := dev.tokenBalance(devchain.PayerAddress)
 		if err == nil && b.Sign() == 0 {
 			err = fmt.Errorf("the demo payer holds no token yet")
 		}
@@ -57,7 +57,7 @@ func TestAsyncSettlementSurvivesSIGKILLBetweenServingAndSettling(t *testing.T) {
 	})
 
 	var keys []string
-	for _, k := range chain.DevWalletKeys(chain.DefaultDevWallets) {
+	for _, k := range devchain.WalletKeys(devchain.DefaultWallets) {
 		keys = append(keys, hexutil.Encode(crypto.FromECDSA(k))[2:])
 	}
 	gateURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
@@ -82,7 +82,7 @@ func TestAsyncSettlementSurvivesSIGKILLBetweenServingAndSettling(t *testing.T) {
 	}
 	respond "paid"
 }
-`, chain.DefaultDevChainID, chainURL, chain.DevTokenAddress.Hex(), strings.Join(keys, ","), filepath.Join(dir, "journal.db"), gateURL, seller.Hex()))
+`, devchain.DefaultChainID, chainURL, devchain.TokenAddress.Hex(), strings.Join(keys, ","), filepath.Join(dir, "journal.db"), gateURL, seller.Hex()))
 	gateEnv := childEnv(t)
 	startGate := func(name string) *process {
 		p := startProcess(t, name, dir, gateEnv, "run", "--adapter", "caddyfile", "--config", gateFile)
@@ -92,7 +92,7 @@ func TestAsyncSettlementSurvivesSIGKILLBetweenServingAndSettling(t *testing.T) {
 	gate := startGate("the gate's Caddy")
 
 	firstBlock := dev.head()
-	payerStart, sellerStart := dev.balance(chain.DevPayerAddress), dev.balance(seller)
+	payerStart, sellerStart := dev.balance(devchain.PayerAddress), dev.balance(seller)
 	price := big.NewInt(asyncPrice)
 
 	killPoints := []struct {
@@ -110,7 +110,7 @@ func TestAsyncSettlementSurvivesSIGKILLBetweenServingAndSettling(t *testing.T) {
 	}
 	var headers []string
 	for i, kp := range killPoints {
-		payerBefore, sellerBefore := dev.balance(chain.DevPayerAddress), dev.balance(seller)
+		payerBefore, sellerBefore := dev.balance(devchain.PayerAddress), dev.balance(seller)
 
 		header := signPayment(t, chainURL, gateURL+"/")
 		paid, err := get(gateURL+"/", x402.HeaderPaymentSignature, header)
@@ -144,7 +144,7 @@ func TestAsyncSettlementSurvivesSIGKILLBetweenServingAndSettling(t *testing.T) {
 			t.Fatalf("payment %d (killed %s): the seller was not paid within %s of the restart; balance %s, want %s",
 				i+1, kp.name, asyncSettleWait, dev.balance(seller), new(big.Int).Add(sellerBefore, price))
 		}
-		if d := delta(payerBefore, dev.balance(chain.DevPayerAddress)); d.Cmp(new(big.Int).Neg(price)) != 0 {
+		if d := delta(payerBefore, dev.balance(devchain.PayerAddress)); d.Cmp(new(big.Int).Neg(price)) != 0 {
 			t.Errorf("payment %d: the payer's balance moved by %s, want -%s", i+1, d, price)
 		}
 	}
@@ -156,10 +156,10 @@ func TestAsyncSettlementSurvivesSIGKILLBetweenServingAndSettling(t *testing.T) {
 	if d := delta(sellerStart, dev.balance(seller)); d.Cmp(total) != 0 {
 		t.Errorf("the seller received %s in all, want exactly %s (%d payments of %s)", d, total, len(killPoints), price)
 	}
-	if d := delta(payerStart, dev.balance(chain.DevPayerAddress)); d.Cmp(new(big.Int).Neg(total)) != 0 {
+	if d := delta(payerStart, dev.balance(devchain.PayerAddress)); d.Cmp(new(big.Int).Neg(total)) != 0 {
 		t.Errorf("the payer paid %s in all, want exactly %s", new(big.Int).Neg(d), total)
 	}
-	logs := dev.transfers(chain.DevPayerAddress, seller, firstBlock)
+	logs := dev.transfers(devchain.PayerAddress, seller, firstBlock)
 	txs := map[string]bool{}
 	for _, l := range logs {
 		txs[l.TxHash.Hex()] = true
@@ -252,7 +252,7 @@ func waitForPendingSettlement(t *testing.T, dev *devChain, sellerBefore *big.Int
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	for ctx.Err() == nil {
-		for _, k := range chain.DevWalletKeys(chain.DefaultDevWallets) {
+		for _, k := range devchain.WalletKeys(devchain.DefaultWallets) {
 			w := crypto.PubkeyToAddress(k.PublicKey)
 			pending, err1 := dev.client.PendingNonceAt(ctx, w)
 			mined, err2 := dev.client.NonceAt(ctx, w, nil)

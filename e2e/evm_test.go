@@ -15,8 +15,8 @@ import (
 	"github.com/ethereum/go-ethereum/crypto"
 	"github.com/ethereum/go-ethereum/ethclient"
 
-	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 )
 
 // seller is the pay_to address of Caddyfile.example, used by every test's gate.
@@ -49,7 +49,7 @@ func rpcContext() (context.Context, context.CancelFunc) {
 
 // tokenBalance reads the dev token's balanceOf(holder), or says why it cannot.
 func (d *devChain) tokenBalance(holder common.Address) (*big.Int, error) {
-	return d.tokenBalanceOf(chain.DevTokenAddress, holder)
+	return d.tokenBalanceOf(devchain.TokenAddress, holder)
 }
 
 // tokenBalanceOf reads token's balanceOf(holder), or says why it cannot.
@@ -74,7 +74,7 @@ func (d *devChain) tokenBalanceOf(token, holder common.Address) (*big.Int, error
 // balance is tokenBalance that fails the test on error.
 func (d *devChain) balance(holder common.Address) *big.Int {
 	d.t.Helper()
-	return d.balanceOf(chain.DevTokenAddress, holder)
+	return d.balanceOf(devchain.TokenAddress, holder)
 }
 
 // balanceOf is tokenBalanceOf that fails the test on error.
@@ -118,7 +118,7 @@ func (d *devChain) transfers(from, to common.Address, fromBlock uint64) []types.
 	defer cancel()
 	logs, err := d.client.FilterLogs(ctx, ethereum.FilterQuery{
 		FromBlock: new(big.Int).SetUint64(fromBlock),
-		Addresses: []common.Address{chain.DevTokenAddress},
+		Addresses: []common.Address{devchain.TokenAddress},
 		Topics:    [][]common.Hash{{transferTopic}, {common.BytesToHash(from.Bytes())}, {common.BytesToHash(to.Bytes())}},
 	})
 	if err != nil {

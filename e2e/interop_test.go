@@ -17,8 +17,8 @@ import (
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/crypto"
 
-	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -92,11 +92,11 @@ func TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain(t *testing.T) {
 	tsGateURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
 	tsFacURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
 	honoURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
-	network := fmt.Sprintf("eip155:%d", chain.DefaultDevChainID)
-	usdc, stable := chain.DevEIP3009TokenAddress, chain.DevTokenAddress
+	network := fmt.Sprintf("eip155:%d", devchain.DefaultChainID)
+	usdc, stable := devchain.EIP3009TokenAddress, devchain.TokenAddress
 
 	// The reference facilitator settles from a key of its own, funded below; it needs the chain only then.
-	tsFacKey := chain.DevPayerKeyN(9)
+	tsFacKey := devchain.PayerKeyN(9)
 	tsFac := startProgram(t, "the TypeScript reference facilitator", in.sdk, append(os.Environ(),
 		"X402_FACILITATOR_KEY="+hexutil.Encode(crypto.FromECDSA(tsFacKey)), "X402_RPC_URL="+in.chainURL, "X402_NETWORK="+network),
 		node, "facilitator.mjs", portOf(t, tsFacURL))
@@ -167,8 +167,8 @@ func TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain(t *testing.T) {
 	// Payer #1 starts with nothing: the demo payer gives it gas money and both tokens, and it approves
 	// Permit2 for both. Payers #2 to #4, one per gas-sponsored cell, get the StableCoin only. The reference
 	// facilitator gets gas money.
-	in.unapproved, in.approved = chain.DevPayerKey(), chain.DevPayerKeyN(1)
-	sponsoredKeys := []*ecdsa.PrivateKey{chain.DevPayerKeyN(2), chain.DevPayerKeyN(3), chain.DevPayerKeyN(4)}
+	in.unapproved, in.approved = devchain.PayerKey(), devchain.PayerKeyN(1)
+	sponsoredKeys := []*ecdsa.PrivateKey{devchain.PayerKeyN(2), devchain.PayerKeyN(3), devchain.PayerKeyN(4)}
 	approvedAddr := crypto.PubkeyToAddress(in.approved.PublicKey)
 	in.dev.send(in.unapproved, approvedAddr, big.NewInt(1e18), nil)
 	in.dev.send(in.unapproved, crypto.PubkeyToAddress(tsFacKey.PublicKey), big.NewInt(1e18), nil)
@@ -237,7 +237,7 @@ func (in *interop) pay(t *testing.T, c interopCell) {
 	var settled *x402.SettleResponse
 	if c.payer == "@x402/fetch" {
 		env := append(os.Environ(), "X402_PAYER_KEY="+hexutil.Encode(crypto.FromECDSA(c.key)), "X402_RPC_URL="+in.chainURL,
-			"X402_ASSET="+c.token.Hex(), fmt.Sprintf("X402_NETWORK=eip155:%d", chain.DefaultDevChainID), "X402_MAX_AMOUNT="+price.String(),
+			"X402_ASSET="+c.token.Hex(), fmt.Sprintf("X402_NETWORK=eip155:%d", devchain.DefaultChainID), "X402_MAX_AMOUNT="+price.String(),
 			"X402_METHOD="+c.method)
 		r := runCommand(t, 2*time.Minute, in.sdk, env, in.node, "pay.mjs", c.url)
 		var got paidByTypeScript

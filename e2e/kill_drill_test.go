@@ -24,6 +24,7 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -126,7 +127,7 @@ func runKillDrill(t *testing.T, shape drillShape) {
 	chainProc := startProcess(t, "the dev chain's Caddy", dir, chainEnv, "run", "--adapter", "caddyfile", "--config", chainFile)
 	dev := dialChain(t, chainURL)
 	chainProc.waitUntil("the dev token minted to the demo payer", 60*time.Second, func() error {
-		b, err := dev.tokenBalance(chain.DevPayerAddress)
+		b, err := dev.tokenBalance(devchain.PayerAddress)
 		if err == nil && b.Sign() == 0 {
 			err = fmt.Errorf("the demo payer holds no token yet")
 		}
@@ -135,16 +136,16 @@ func runKillDrill(t *testing.T, shape drillShape) {
 	// The payer approves Permit2 once, as a returning client has: its payments settle without gas sponsoring,
 	// so its token balance moves by the prices alone.
 	maxUint256 := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
-	dev.send(chain.DevPayerKey(), chain.DevTokenAddress, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
+	dev.send(devchain.PayerKey(), devchain.TokenAddress, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
 
-	walletKeys := chain.DevWalletKeys(chain.DefaultDevWallets)
+	walletKeys := devchain.WalletKeys(devchain.DefaultWallets)
 	if shape.ownWallet {
 		own, err := crypto.GenerateKey()
 		if err != nil {
 			t.Fatal(err)
 		}
 		walletKeys = []*ecdsa.PrivateKey{own}
-		dev.send(chain.DevPayerKey(), crypto.PubkeyToAddress(own.PublicKey), drillWalletFunds, nil)
+		dev.send(devchain.PayerKey(), crypto.PubkeyToAddress(own.PublicKey), drillWalletFunds, nil)
 	}
 	var keys []string
 	var wallets []common.Address
@@ -183,7 +184,7 @@ func runKillDrill(t *testing.T, shape drillShape) {
 %s {
 	bind 127.0.0.1
 %s}
-`, chain.DefaultDevChainID, chainURL, chain.DevTokenAddress.Hex(), strings.Join(keys, ","), journalPath, gateURL, routes))
+`, devchain.DefaultChainID, chainURL, devchain.TokenAddress.Hex(), strings.Join(keys, ","), journalPath, gateURL, routes))
 	gateEnv := childEnv(t)
 	startGate := func(name string) *process {
 		p := startProcess(t, name, dir, gateEnv, "run", "--adapter", "caddyfile", "--config", gateFile)
@@ -195,7 +196,7 @@ func runKillDrill(t *testing.T, shape drillShape) {
 	d := newDrill(t, dev, gateURL)
 	d.wallets = wallets
 	firstBlock := dev.head()
-	payerStart, sellerStart := dev.balance(chain.DevPayerAddress), dev.balance(seller)
+	payerStart, sellerStart := dev.balance(devchain.PayerAddress), dev.balance(seller)
 
 	for k := 1; k <= drillKills; k++ {
 		load := drillMinLoad + time.Duration(rng.Int64N(int64(drillMaxLoad-drillMinLoad)))
@@ -273,8 +274,8 @@ func runKillDrill(t *testing.T, shape drillShape) {
 	again := d.presentDeliveredAgain()
 
 	gate.stop()
-	sellerGot, payerPaid := delta(sellerStart, dev.balance(seller)), new(big.Int).Neg(delta(payerStart, dev.balance(chain.DevPayerAddress)))
-	transfers := dev.transfers(chain.DevPayerAddress, seller, firstBlock)
+	sellerGot, payerPaid := delta(sellerStart, dev.balance(seller)), new(big.Int).Neg(delta(payerStart, dev.balance(devchain.PayerAddress)))
+	transfers := dev.transfers(devchain.PayerAddress, seller, firstBlock)
 	charged := d.chargesInJournal(journalPath, transfers)
 	t.Logf("%d payments, %d delivered a 200 with the content: owed %s; the seller received %s in %d transfers, the payer paid %s (chain time ran %v ahead of the wall clock)",
 		len(d.payments), delivered, owed, sellerGot, len(transfers), payerPaid, time.Until(d.chainTime()).Round(time.Second))
@@ -367,8 +368,8 @@ func newDrill(t *testing.T, dev *devChain, gateURL string) *drill {
 	tr := &http.Transport{MaxIdleConnsPerHost: 2 * drillWorkers}
 	t.Cleanup(tr.CloseIdleConnections)
 	d := &drill{
-		t: t, dev: dev, gateURL: gateURL, payer: chain.DevPayerKey(),
-		chainID: new(big.Int).SetUint64(chain.DefaultDevChainID), offers: map[string]x402.PaymentRequirements{},
+		t: t, dev: dev, gateURL: gateURL, payer: devchain.PayerKey(),
+		chainID: new(big.Int).SetUint64(devchain.DefaultChainID), offers: map[string]x402.PaymentRequirements{},
 		transport: tr, client: &http.Client{Transport: tr, Timeout: drillRequestTimeout},
 	}
 	for _, r := range drillRoutes {
@@ -842,7 +843,7 @@ func (d *drill) setWalletFunds(key *ecdsa.PrivateKey, want *big.Int) string {
 	have := d.dev.ether(w)
 	if want.Sign() > 0 {
 		if have.Cmp(want) < 0 {
-			d.dev.send(chain.DevPayerKey(), w, new(big.Int).Sub(want, have), nil)
+			d.dev.send(devchain.PayerKey(), w, new(big.Int).Sub(want, have), nil)
 		}
 		return fmt.Sprintf("the settlement wallet funded again (%s wei)", d.dev.ether(w))
 	}

@@ -12,7 +12,7 @@ import (
 
 	"github.com/ethereum/go-ethereum/common"
 
-	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -59,9 +59,9 @@ func TestQuickstartSellsThePaidRoutesToCaddyX402PayDev(t *testing.T) {
 		token    common.Address
 		method   string // --method, when the route's comment names one
 	}{
-		{"/paid/index.html", 10000, string(page), chain.DevTokenAddress, ""},
-		{"/api/hello", 1000, `"paid_by": "` + chain.DevPayerAddress.Hex() + `"`, chain.DevTokenAddress, ""},
-		{"/usdc/", 10000, "paid in USD Coin", chain.DevEIP3009TokenAddress, x402.TransferEIP3009},
+		{"/paid/index.html", 10000, string(page), devchain.TokenAddress, ""},
+		{"/api/hello", 1000, `"paid_by": "` + devchain.PayerAddress.Hex() + `"`, devchain.TokenAddress, ""},
+		{"/usdc/", 10000, "paid in USD Coin", devchain.EIP3009TokenAddress, x402.TransferEIP3009},
 	}
 
 	for _, r := range routes {
@@ -83,7 +83,7 @@ func TestQuickstartSellsThePaidRoutesToCaddyX402PayDev(t *testing.T) {
 	}
 
 	for _, r := range routes {
-		payerBefore, sellerBefore := dev.balanceOf(r.token, chain.DevPayerAddress), dev.balanceOf(r.token, seller)
+		payerBefore, sellerBefore := dev.balanceOf(r.token, devchain.PayerAddress), dev.balanceOf(r.token, seller)
 		args := []string{"x402", "pay", "--dev", quickstartSite + r.path}
 		if r.method != "" {
 			args = append(args[:3], "--method", r.method, args[3])
@@ -104,18 +104,18 @@ func TestQuickstartSellsThePaidRoutesToCaddyX402PayDev(t *testing.T) {
 		settled := printedSettlement(t, pay.stdout)
 		want := big.NewInt(r.amount)
 		if !settled.Success || !txHashPattern.MatchString(settled.Transaction) || settled.Network != "eip155:72344" ||
-			!strings.EqualFold(settled.Payer, chain.DevPayerAddress.Hex()) || settled.Amount != want.String() {
+			!strings.EqualFold(settled.Payer, devchain.PayerAddress.Hex()) || settled.Amount != want.String() {
 			t.Errorf("pay %s: PAYMENT-RESPONSE %+v, want success with a transaction, eip155:72344, payer %s, amount %s",
-				r.path, settled, chain.DevPayerAddress.Hex(), want)
+				r.path, settled, devchain.PayerAddress.Hex(), want)
 		}
 
 		// The transaction it names is the transfer, and the balances moved by the price, once.
 		if txHashPattern.MatchString(settled.Transaction) {
-			if !receiptTransfersOf(dev, r.token, common.HexToHash(settled.Transaction), chain.DevPayerAddress, seller, want) {
+			if !receiptTransfersOf(dev, r.token, common.HexToHash(settled.Transaction), devchain.PayerAddress, seller, want) {
 				t.Errorf("pay %s: transaction %s holds no Transfer of %s from the payer to the seller", r.path, settled.Transaction, want)
 			}
 		}
-		if d := delta(payerBefore, dev.balanceOf(r.token, chain.DevPayerAddress)); d.Cmp(new(big.Int).Neg(want)) != 0 {
+		if d := delta(payerBefore, dev.balanceOf(r.token, devchain.PayerAddress)); d.Cmp(new(big.Int).Neg(want)) != 0 {
 			t.Errorf("pay %s: the payer's balance moved by %s, want -%s", r.path, d, want)
 		}
 		if d := delta(sellerBefore, dev.balanceOf(r.token, seller)); d.Cmp(want) != 0 {

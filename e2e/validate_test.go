@@ -14,7 +14,7 @@ import (
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/crypto"
 
-	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 )
 
 // checkConfig runs `caddy validate` and `caddy adapt --validate` on config in a process of their own, as an
@@ -79,7 +79,7 @@ func TestCaddyValidateOfARealNetworkConfigMakesNoRPCCallAndOpensNoJournal(t *tes
 	chainAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	siteAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	var keys []string
-	for _, k := range chain.DevWalletKeys(chain.DefaultDevWallets) {
+	for _, k := range devchain.WalletKeys(devchain.DefaultWallets) {
 		keys = append(keys, hexutil.Encode(crypto.FromECDSA(k))[2:])
 	}
 	// The dev chain serves the network the gate settles on, through the network block's own RPC URL.
@@ -105,7 +105,7 @@ http://%s {
 	}
 	respond "paid" 200
 }
-`, chainAddr, chain.DevTokenAddress.Hex(), journalPath, siteAddr, seller.Hex()))
+`, chainAddr, devchain.TokenAddress.Hex(), journalPath, siteAddr, seller.Hex()))
 	}
 	journalPath := filepath.Join(dir, "journal.db")
 	running := config(journalPath)

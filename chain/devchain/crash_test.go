@@ -1,4 +1,4 @@
-package chain
+package devchain
 
 import (
 	"bufio"
@@ -73,7 +73,7 @@ func TestDevChainOnADataDirKeepsEverySealedBlockThroughASIGKILL(t *testing.T) {
 	}
 
 	start := time.Now()
-	d := devStart(t, DevChainConfig{Listen: "127.0.0.1:0", DataDir: dir})
+	d := devStart(t, Config{Listen: "127.0.0.1:0", DataDir: dir})
 	t.Logf("restarted on the data dir in %s", time.Since(start))
 	client := d.Client()
 	ctx := devContext(t)
@@ -84,7 +84,7 @@ func TestDevChainOnADataDirKeepsEverySealedBlockThroughASIGKILL(t *testing.T) {
 	at := new(big.Int).SetUint64(last.head)
 	got := devCrashReport{head: last.head,
 		recipientTokens: devTokenBalanceAt(t, client, devCrashTokenRecipient, at),
-		payerTokens:     devTokenBalanceAt(t, client, DevPayerAddress, at),
+		payerTokens:     devTokenBalanceAt(t, client, PayerAddress, at),
 	}
 	var err error
 	if got.recipientWei, err = client.BalanceAt(ctx, devCrashEthRecipient, at); err != nil {
@@ -161,18 +161,18 @@ func TestDevChainHelperProcessSealsUntilKilled(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute) // a parent that died leaves no orphan
 	defer cancel()
-	d, err := StartDevChain(ctx, DevChainConfig{Listen: "127.0.0.1:0", DataDir: dir})
+	d, err := Start(ctx, Config{Listen: "127.0.0.1:0", DataDir: dir})
 	if err != nil {
 		fail("starting: %v", err)
 	}
 	client := d.Client()
 	chainID := new(big.Int).SetUint64(d.ChainID())
 	signer := types.LatestSignerForChainID(chainID)
-	nonce, err := client.PendingNonceAt(ctx, DevPayerAddress)
+	nonce, err := client.PendingNonceAt(ctx, PayerAddress)
 	if err != nil {
 		fail("payer nonce: %v", err)
 	}
-	want := devCrashReport{recipientTokens: new(big.Int), payerTokens: big.NewInt(DevPayerTokens), recipientWei: new(big.Int)}
+	want := devCrashReport{recipientTokens: new(big.Int), payerTokens: big.NewInt(mintPerPayer), recipientWei: new(big.Int)}
 	tokenStep, weiStep := big.NewInt(1_000), big.NewInt(1_000_000_007)
 	for i := 0; ; i++ {
 		head, err := client.HeaderByNumber(ctx, nil)
@@ -187,7 +187,7 @@ func TestDevChainHelperProcessSealsUntilKilled(t *testing.T) {
 			if err != nil {
 				fail("encoding the transfer: %v", err)
 			}
-			inner.To, inner.Gas, inner.Data = &DevTokenAddress, 100_000, data
+			inner.To, inner.Gas, inner.Data = &TokenAddress, 100_000, data
 			want.recipientTokens.Add(want.recipientTokens, tokenStep)
 			want.payerTokens.Sub(want.payerTokens, tokenStep)
 		} else {
@@ -226,7 +226,7 @@ func devCrashBalances(ctx context.Context, client *ethclient.Client, block *big.
 	if r.recipientTokens, err = tokenBalanceAt(ctx, client, devCrashTokenRecipient, block); err != nil {
 		return r, err
 	}
-	if r.payerTokens, err = tokenBalanceAt(ctx, client, DevPayerAddress, block); err != nil {
+	if r.payerTokens, err = tokenBalanceAt(ctx, client, PayerAddress, block); err != nil {
 		return r, err
 	}
 	r.recipientWei, err = client.BalanceAt(ctx, devCrashEthRecipient, block)
@@ -248,7 +248,7 @@ func tokenBalanceAt(ctx context.Context, client *ethclient.Client, holder common
 	if err != nil {
 		return nil, err
 	}
-	out, err := client.CallContract(ctx, ethereum.CallMsg{To: &DevTokenAddress, Data: data}, block)
+	out, err := client.CallContract(ctx, ethereum.CallMsg{To: &TokenAddress, Data: data}, block)
 	if err != nil {
 		return nil, err
 	}
@@ -264,7 +264,7 @@ func TestDevChainOnADataDirOfAnEarlierVersionKeepsItsPebbleDatabaseAndWarnsThatA
 	}
 	db.Close()
 	obs, logs := observer.New(zapcore.WarnLevel)
-	d := devStart(t, DevChainConfig{Listen: "127.0.0.1:0", DataDir: dir, Logger: zap.New(obs)})
+	d := devStart(t, Config{Listen: "127.0.0.1:0", DataDir: dir, Logger: zap.New(obs)})
 	client := d.Client()
 	devWaitMined(t, client, devSendTransfer(t, client, d.Payer(), devCrashTokenRecipient, big.NewInt(5), 0).Hash())
 	if got := devTokenBalanceAt(t, client, devCrashTokenRecipient, nil); got.Int64() != 5 {

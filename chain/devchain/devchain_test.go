@@ -1,4 +1,4 @@
-package chain
+package devchain
 
 import (
 	"archive/tar"
@@ -44,64 +44,64 @@ func TestDevKeysAreDerivedFromTheDocumentedSeed(t *testing.T) {
 		key  *ecdsa.PrivateKey
 		want common.Address
 	}{
-		{"deployer", DevDeployerKey(), documented("deployer", 0)},
-		{"payer", DevPayerKey(), documented("payer", 0)},
-		{"second payer", DevPayerKeyN(1), documented("payer", 1)},
-		{"wallet 0", DevWalletKey(0), documented("wallet", 0)},
-		{"wallet 3", DevWalletKeys(4)[3], documented("wallet", 3)},
+		{"deployer", deployerKey(), documented("deployer", 0)},
+		{"payer", PayerKey(), documented("payer", 0)},
+		{"second payer", PayerKeyN(1), documented("payer", 1)},
+		{"wallet 0", walletKey(0), documented("wallet", 0)},
+		{"wallet 3", WalletKeys(4)[3], documented("wallet", 3)},
 	}
 	for _, tt := range tests {
 		if got := crypto.PubkeyToAddress(tt.key.PublicKey); got != tt.want {
 			t.Errorf("%s: address %s, want %s", tt.name, got, tt.want)
 		}
 	}
-	if got := crypto.PubkeyToAddress(DevDeployerKey().PublicKey); got != DevDeployerAddress {
-		t.Errorf("DevDeployerAddress is %s, the deployer key derives %s", DevDeployerAddress, got)
+	if got := crypto.PubkeyToAddress(deployerKey().PublicKey); got != deployerAddress {
+		t.Errorf("deployerAddress is %s, the deployer key derives %s", deployerAddress, got)
 	}
-	if got := crypto.PubkeyToAddress(DevPayerKey().PublicKey); got != DevPayerAddress {
-		t.Errorf("DevPayerAddress is %s, the payer key derives %s", DevPayerAddress, got)
+	if got := crypto.PubkeyToAddress(PayerKey().PublicKey); got != PayerAddress {
+		t.Errorf("PayerAddress is %s, the payer key derives %s", PayerAddress, got)
 	}
-	if got := crypto.CreateAddress(DevDeployerAddress, 0); got != DevTokenAddress {
-		t.Errorf("DevTokenAddress is %s, the deployer's first contract lands at %s", DevTokenAddress, got)
+	if got := crypto.CreateAddress(deployerAddress, 0); got != TokenAddress {
+		t.Errorf("TokenAddress is %s, the deployer's first contract lands at %s", TokenAddress, got)
 	}
-	seen := map[common.Address]bool{DevDeployerAddress: true, DevPayerAddress: true}
-	for i, key := range DevWalletKeys(8) {
+	seen := map[common.Address]bool{deployerAddress: true, PayerAddress: true}
+	for i, key := range WalletKeys(8) {
 		addr := crypto.PubkeyToAddress(key.PublicKey)
 		if seen[addr] {
 			t.Errorf("wallet %d repeats address %s", i, addr)
 		}
 		seen[addr] = true
 	}
-	if n := len(DevWalletKeys(-1)); n != 0 {
-		t.Errorf("DevWalletKeys(-1) returned %d keys, want 0", n)
+	if n := len(WalletKeys(-1)); n != 0 {
+		t.Errorf("WalletKeys(-1) returned %d keys, want 0", n)
 	}
 }
 
-func TestStartDevChainRejectsUnusableSettingsWithAnActionableError(t *testing.T) {
+func TestStartRejectsUnusableSettingsWithAnActionableError(t *testing.T) {
 	dir := t.TempDir()
 	malformed := filepath.Join(dir, "malformed.json")
 	devWriteFile(t, malformed, `["not", "an", "alloc"]`)
 	tokenClash := filepath.Join(dir, "clash.json")
-	devWriteFile(t, tokenClash, `{"`+DevTokenAddress.Hex()+`": {"balance": "0x0", "code": "0x00"}}`)
+	devWriteFile(t, tokenClash, `{"`+TokenAddress.Hex()+`": {"balance": "0x0", "code": "0x00"}}`)
 
 	tests := []struct {
 		name string
-		cfg  DevChainConfig
+		cfg  Config
 		want string
 	}{
-		{"fractional block time", DevChainConfig{BlockTime: 1500 * time.Millisecond}, "whole seconds"},
-		{"negative block time", DevChainConfig{BlockTime: -time.Second}, "whole seconds"},
-		{"listen without port", DevChainConfig{Listen: "127.0.0.1"}, "host:port"},
-		{"listen without host", DevChainConfig{Listen: ":8545"}, "names no host"},
-		{"listen port out of range", DevChainConfig{Listen: "127.0.0.1:70000"}, "0 to 65535"},
-		{"negative wallets", DevChainConfig{Wallets: -1}, "must not be negative"},
-		{"missing alloc file", DevChainConfig{AllocFile: filepath.Join(dir, "absent.json")}, "absent.json"},
-		{"malformed alloc file", DevChainConfig{AllocFile: malformed}, "genesis alloc object"},
-		{"alloc code at the token address", DevChainConfig{Listen: "127.0.0.1:0", AllocFile: tokenClash}, "leave that address out"},
+		{"fractional block time", Config{BlockTime: 1500 * time.Millisecond}, "whole seconds"},
+		{"negative block time", Config{BlockTime: -time.Second}, "whole seconds"},
+		{"listen without port", Config{Listen: "127.0.0.1"}, "host:port"},
+		{"listen without host", Config{Listen: ":8545"}, "names no host"},
+		{"listen port out of range", Config{Listen: "127.0.0.1:70000"}, "0 to 65535"},
+		{"negative wallets", Config{Wallets: -1}, "must not be negative"},
+		{"missing alloc file", Config{AllocFile: filepath.Join(dir, "absent.json")}, "absent.json"},
+		{"malformed alloc file", Config{AllocFile: malformed}, "genesis alloc object"},
+		{"alloc code at the token address", Config{Listen: "127.0.0.1:0", AllocFile: tokenClash}, "leave that address out"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			d, err := StartDevChain(context.Background(), tt.cfg)
+			d, err := Start(context.Background(), tt.cfg)
 			if err == nil {
 				d.Close()
 				t.Fatalf("started, want an error mentioning %q", tt.want)
@@ -116,7 +116,7 @@ func TestStartDevChainRejectsUnusableSettingsWithAnActionableError(t *testing.T)
 func TestDevChainServesTheX402ContractsAndFundedAccountsOverHTTP(t *testing.T) {
 	obs, logs := observer.New(zapcore.InfoLevel)
 	start := time.Now()
-	d := devStart(t, DevChainConfig{Listen: "127.0.0.1:0", Logger: zap.New(obs)})
+	d := devStart(t, Config{Listen: "127.0.0.1:0", Logger: zap.New(obs)})
 	t.Logf("dev chain started in %s", time.Since(start))
 	ctx := devContext(t)
 	client := devDial(t, d)
@@ -125,8 +125,8 @@ func TestDevChainServesTheX402ContractsAndFundedAccountsOverHTTP(t *testing.T) {
 		t.Errorf("RPCURL %s reports port 0, want the port actually bound", d.RPCURL())
 	}
 	id, err := client.ChainID(ctx)
-	if err != nil || id.Uint64() != DefaultDevChainID || d.ChainID() != DefaultDevChainID {
-		t.Errorf("chain id over HTTP %v (%v), ChainID() %d, want %d", id, err, d.ChainID(), DefaultDevChainID)
+	if err != nil || id.Uint64() != DefaultChainID || d.ChainID() != DefaultChainID {
+		t.Errorf("chain id over HTTP %v (%v), ChainID() %d, want %d", id, err, d.ChainID(), DefaultChainID)
 	}
 	if d.Network() != "eip155:72344" {
 		t.Errorf("Network() %q, want eip155:72344", d.Network())
@@ -144,11 +144,11 @@ func TestDevChainServesTheX402ContractsAndFundedAccountsOverHTTP(t *testing.T) {
 			t.Errorf("%s at %s: %d bytes of code (%v), want its %d bytes of runtime code", c.name, c.addr, len(code), err, len(c.want))
 		}
 	}
-	if d.Token() != DevTokenAddress {
-		t.Errorf("Token() %s, want %s", d.Token(), DevTokenAddress)
+	if d.Token() != TokenAddress {
+		t.Errorf("Token() %s, want %s", d.Token(), TokenAddress)
 	}
-	if code, err := client.CodeAt(ctx, DevTokenAddress, nil); err != nil || len(code) == 0 {
-		t.Errorf("no token code at %s (%v)", DevTokenAddress, err)
+	if code, err := client.CodeAt(ctx, TokenAddress, nil); err != nil || len(code) == 0 {
+		t.Errorf("no token code at %s (%v)", TokenAddress, err)
 	}
 	if name := devCallToken[string](t, client, "name"); name != contracts.StableCoinName {
 		t.Errorf("token name %q, want %q", name, contracts.StableCoinName)
@@ -157,34 +157,34 @@ func TestDevChainServesTheX402ContractsAndFundedAccountsOverHTTP(t *testing.T) {
 		t.Errorf("token decimals %d, want %d", decimals, contracts.StableCoinDecimals)
 	}
 	payer := crypto.PubkeyToAddress(d.Payer().PublicKey)
-	if payer != DevPayerAddress {
-		t.Errorf("Payer() is %s, want %s", payer, DevPayerAddress)
+	if payer != PayerAddress {
+		t.Errorf("Payer() is %s, want %s", payer, PayerAddress)
 	}
-	if bal := devCallToken[*big.Int](t, client, "balanceOf", payer); bal.Cmp(big.NewInt(DevPayerTokens)) != 0 {
-		t.Errorf("payer holds %s raw tokens, want %d", bal, int64(DevPayerTokens))
+	if bal := devCallToken[*big.Int](t, client, "balanceOf", payer); bal.Cmp(big.NewInt(mintPerPayer)) != 0 {
+		t.Errorf("payer holds %s raw tokens, want %d", bal, int64(mintPerPayer))
 	}
 	// The USDC-like token, from its own deployer, at its documented address, held by the payer too.
-	if d.EIP3009Token() != DevEIP3009TokenAddress || crypto.CreateAddress(DevEIP3009DeployerAddress, 0) != DevEIP3009TokenAddress ||
-		crypto.PubkeyToAddress(DevEIP3009DeployerKey().PublicKey) != DevEIP3009DeployerAddress {
-		t.Errorf("EIP3009Token() %s, want %s = CreateAddress(%s, 0)", d.EIP3009Token(), DevEIP3009TokenAddress, DevEIP3009DeployerAddress)
+	if d.EIP3009Token() != EIP3009TokenAddress || crypto.CreateAddress(eip3009DeployerAddress, 0) != EIP3009TokenAddress ||
+		crypto.PubkeyToAddress(eip3009DeployerKey().PublicKey) != eip3009DeployerAddress {
+		t.Errorf("EIP3009Token() %s, want %s = CreateAddress(%s, 0)", d.EIP3009Token(), EIP3009TokenAddress, eip3009DeployerAddress)
 	}
-	if name := devCallTokenAt[string](t, client, DevEIP3009TokenAddress, "name"); name != contracts.USDCoinName {
+	if name := devCallTokenAt[string](t, client, EIP3009TokenAddress, "name"); name != contracts.USDCoinName {
 		t.Errorf("EIP-3009 token name %q, want %q", name, contracts.USDCoinName)
 	}
-	if bal := devCallTokenAt[*big.Int](t, client, DevEIP3009TokenAddress, "balanceOf", payer); bal.Cmp(big.NewInt(DevPayerTokens)) != 0 {
-		t.Errorf("payer holds %s raw units of the EIP-3009 token, want %d", bal, int64(DevPayerTokens))
+	if bal := devCallTokenAt[*big.Int](t, client, EIP3009TokenAddress, "balanceOf", payer); bal.Cmp(big.NewInt(mintPerPayer)) != 0 {
+		t.Errorf("payer holds %s raw units of the EIP-3009 token, want %d", bal, int64(mintPerPayer))
 	}
 	if allowance := devCallToken[*big.Int](t, client, "allowance", payer, contracts.Permit2Address); allowance.Sign() != 0 {
 		t.Errorf("payer's Permit2 allowance is %s, want 0 (gas sponsoring grants it)", allowance)
 	}
 	funded := append([]*ecdsa.PrivateKey{d.Payer()}, d.WalletKeys()...)
-	if len(funded) != 1+DefaultDevWallets {
-		t.Errorf("%d wallets, want %d", len(funded)-1, DefaultDevWallets)
+	if len(funded) != 1+DefaultWallets {
+		t.Errorf("%d wallets, want %d", len(funded)-1, DefaultWallets)
 	}
 	for _, key := range funded {
 		addr := crypto.PubkeyToAddress(key.PublicKey)
-		if bal, err := client.BalanceAt(ctx, addr, nil); err != nil || bal.Cmp(DevAccountBalance()) != 0 {
-			t.Errorf("%s holds %v wei (%v), want %s", addr, bal, err, DevAccountBalance())
+		if bal, err := client.BalanceAt(ctx, addr, nil); err != nil || bal.Cmp(accountBalance()) != 0 {
+			t.Errorf("%s holds %v wei (%v), want %s", addr, bal, err, accountBalance())
 		}
 	}
 
@@ -193,18 +193,18 @@ func TestDevChainServesTheX402ContractsAndFundedAccountsOverHTTP(t *testing.T) {
 		t.Fatalf("%d log entries carry the dev-only warning, want 1 (for the one payer)", len(report))
 	}
 	fields := report[0].ContextMap()
-	if fields["address"] != DevPayerAddress.Hex() || fields["private_key"] != "0x"+common.Bytes2Hex(crypto.FromECDSA(DevPayerKey())) {
+	if fields["address"] != PayerAddress.Hex() || fields["private_key"] != "0x"+common.Bytes2Hex(crypto.FromECDSA(PayerKey())) {
 		t.Errorf("payer log fields %v, want the payer's address and private key", fields)
 	}
 	started := logs.FilterMessage("dev chain started").All()
-	if len(started) != 1 || started[0].ContextMap()["rpc"] != d.RPCURL() || started[0].ContextMap()["token"] != DevTokenAddress.Hex() ||
-		started[0].ContextMap()["eip3009_token"] != DevEIP3009TokenAddress.Hex() {
-		t.Errorf("startup log %v, want the RPC URL %s, token %s and eip3009_token %s", started, d.RPCURL(), DevTokenAddress, DevEIP3009TokenAddress)
+	if len(started) != 1 || started[0].ContextMap()["rpc"] != d.RPCURL() || started[0].ContextMap()["token"] != TokenAddress.Hex() ||
+		started[0].ContextMap()["eip3009_token"] != EIP3009TokenAddress.Hex() {
+		t.Errorf("startup log %v, want the RPC URL %s, token %s and eip3009_token %s", started, d.RPCURL(), TokenAddress, EIP3009TokenAddress)
 	}
 }
 
 func TestDevChainSealsATransferAtOnceAtLiveNetworkGasCost(t *testing.T) {
-	d := devStart(t, DevChainConfig{Listen: "127.0.0.1:0"})
+	d := devStart(t, Config{Listen: "127.0.0.1:0"})
 	client := devDial(t, d)
 	ctx := devContext(t)
 
@@ -229,8 +229,8 @@ func TestDevChainSealsATransferAtOnceAtLiveNetworkGasCost(t *testing.T) {
 	// The chain keeps no log index; eth_getLogs must still find the transfer by scanning.
 	logs, err := client.FilterLogs(ctx, ethereum.FilterQuery{
 		FromBlock: big.NewInt(0),
-		Addresses: []common.Address{DevTokenAddress},
-		Topics:    [][]common.Hash{{contracts.StableCoinABI.Events["Transfer"].ID}, {common.BytesToHash(DevPayerAddress.Bytes())}},
+		Addresses: []common.Address{TokenAddress},
+		Topics:    [][]common.Hash{{contracts.StableCoinABI.Events["Transfer"].ID}, {common.BytesToHash(PayerAddress.Bytes())}},
 	})
 	if err != nil {
 		t.Fatalf("eth_getLogs: %v", err)
@@ -240,21 +240,21 @@ func TestDevChainSealsATransferAtOnceAtLiveNetworkGasCost(t *testing.T) {
 	}
 }
 
-func BenchmarkStartDevChain(b *testing.B) {
+func BenchmarkStart(b *testing.B) {
 	for _, bc := range []struct {
 		name string
-		cfg  DevChainConfig
+		cfg  Config
 	}{
-		{"memory", DevChainConfig{Listen: "127.0.0.1:0"}},
-		{"memory block_time 1s", DevChainConfig{Listen: "127.0.0.1:0", BlockTime: time.Second}},
-		{"fresh data dir", DevChainConfig{Listen: "127.0.0.1:0", DataDir: "fresh"}},
-		{"data dir restart", DevChainConfig{Listen: "127.0.0.1:0", DataDir: "restart"}},
+		{"memory", Config{Listen: "127.0.0.1:0"}},
+		{"memory block_time 1s", Config{Listen: "127.0.0.1:0", BlockTime: time.Second}},
+		{"fresh data dir", Config{Listen: "127.0.0.1:0", DataDir: "fresh"}},
+		{"data dir restart", Config{Listen: "127.0.0.1:0", DataDir: "restart"}},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			root := b.TempDir()
 			if bc.cfg.DataDir == "restart" {
 				bc.cfg.DataDir = filepath.Join(root, "restart")
-				d, err := StartDevChain(context.Background(), bc.cfg)
+				d, err := Start(context.Background(), bc.cfg)
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -265,7 +265,7 @@ func BenchmarkStartDevChain(b *testing.B) {
 				if cfg.DataDir == "fresh" {
 					cfg.DataDir = filepath.Join(root, strconv.Itoa(i))
 				}
-				d, err := StartDevChain(context.Background(), cfg)
+				d, err := Start(context.Background(), cfg)
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -285,18 +285,18 @@ func BenchmarkDevChainSealsATransferPerBlock(b *testing.B) {
 		dataDir bool
 	}{{"memory", false}, {"data dir", true}} {
 		b.Run(bc.name, func(b *testing.B) {
-			cfg := DevChainConfig{Listen: "127.0.0.1:0"}
+			cfg := Config{Listen: "127.0.0.1:0"}
 			if bc.dataDir {
 				cfg.DataDir = b.TempDir()
 			}
 			ctx := context.Background()
-			d, err := StartDevChain(ctx, cfg)
+			d, err := Start(ctx, cfg)
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer d.Close()
 			client := d.Client()
-			nonce, err := client.PendingNonceAt(ctx, DevPayerAddress)
+			nonce, err := client.PendingNonceAt(ctx, PayerAddress)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -311,7 +311,7 @@ func BenchmarkDevChainSealsATransferPerBlock(b *testing.B) {
 			for b.Loop() {
 				// The fee cap covers any base fee a chain of single-transfer blocks reaches.
 				tx, err := types.SignNewTx(d.Payer(), signer, &types.DynamicFeeTx{ChainID: chainID, Nonce: nonce,
-					GasTipCap: tip, GasFeeCap: big.NewInt(100e9), Gas: 100_000, To: &DevTokenAddress, Data: data})
+					GasTipCap: tip, GasFeeCap: big.NewInt(100e9), Gas: 100_000, To: &TokenAddress, Data: data})
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -344,11 +344,11 @@ func devBlockNumberB(b *testing.B, client *ethclient.Client) uint64 {
 }
 
 func TestDevChainWithABlockTimePacksTransactionsIntoOneBlockOnWallClockTime(t *testing.T) {
-	d := devStart(t, DevChainConfig{Listen: "127.0.0.1:0", BlockTime: time.Second})
+	d := devStart(t, Config{Listen: "127.0.0.1:0", BlockTime: time.Second})
 	client := devDial(t, d)
 	ctx := devContext(t)
 
-	nonce, err := client.PendingNonceAt(ctx, DevPayerAddress)
+	nonce, err := client.PendingNonceAt(ctx, PayerAddress)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -377,9 +377,9 @@ func TestDevChainWithABlockTimePacksTransactionsIntoOneBlockOnWallClockTime(t *t
 func TestDevChainOnADataDirKeepsItsStateAcrossRestartsWithoutRedeploying(t *testing.T) {
 	dir := t.TempDir()
 	recipient := common.HexToAddress("0xcafe")
-	cfg := DevChainConfig{Listen: "127.0.0.1:0", DataDir: dir}
+	cfg := Config{Listen: "127.0.0.1:0", DataDir: dir}
 
-	first, err := StartDevChain(devContext(t), cfg)
+	first, err := Start(devContext(t), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -400,8 +400,8 @@ func TestDevChainOnADataDirKeepsItsStateAcrossRestartsWithoutRedeploying(t *test
 	if got := devCallToken[*big.Int](t, client, "balanceOf", recipient); got.Int64() != 1234 {
 		t.Errorf("recipient holds %s after restart, want 1234", got)
 	}
-	if got := devCallToken[*big.Int](t, client, "balanceOf", DevPayerAddress); got.Int64() != DevPayerTokens-1234 {
-		t.Errorf("payer holds %s after restart, want %d", got, int64(DevPayerTokens-1234))
+	if got := devCallToken[*big.Int](t, client, "balanceOf", PayerAddress); got.Int64() != mintPerPayer-1234 {
+		t.Errorf("payer holds %s after restart, want %d", got, int64(mintPerPayer-1234))
 	}
 	// Deployment, one mint and the USDCoin deployer's gas money; the USDCoin's deployment and one mint: a
 	// redeployment, second mint or second funding would move a nonce on.
@@ -413,7 +413,7 @@ func TestDevChainOnADataDirKeepsItsStateAcrossRestartsWithoutRedeploying(t *test
 	second.Close()
 
 	cfg.ChainID = 723487
-	if d, err := StartDevChain(devContext(t), cfg); err == nil {
+	if d, err := Start(devContext(t), cfg); err == nil {
 		d.Close()
 		t.Errorf("restart with another chain id started, want an error naming the changed genesis")
 	} else if !strings.Contains(err.Error(), "another genesis") {
@@ -421,22 +421,22 @@ func TestDevChainOnADataDirKeepsItsStateAcrossRestartsWithoutRedeploying(t *test
 	}
 }
 
-// testdata/devchain-before-usdcoin.tar.gz is the data dir of a default dev chain (one payer, four wallets)
+// testdata/before-usdcoin.tar.gz is the data dir of a default dev chain (one payer, four wallets)
 // made by the version before the USDCoin (commit 20103ef), with no node key, locks or logs.
 func TestDevChainOnADataDirFromBeforeTheUSDCoinOpensAndGetsTheUSDCoinOnce(t *testing.T) {
 	dir := t.TempDir()
-	devUntar(t, filepath.Join("testdata", "devchain-before-usdcoin.tar.gz"), dir)
+	devUntar(t, filepath.Join("testdata", "before-usdcoin.tar.gz"), dir)
 	obs, logs := observer.New(zapcore.InfoLevel)
-	cfg := DevChainConfig{Listen: "127.0.0.1:0", DataDir: dir, Logger: zap.New(obs)}
+	cfg := Config{Listen: "127.0.0.1:0", DataDir: dir, Logger: zap.New(obs)}
 
 	d := devStart(t, cfg)
 	client := d.Client()
-	if code, err := client.CodeAt(devContext(t), DevEIP3009TokenAddress, nil); err != nil || len(code) == 0 {
-		t.Fatalf("no USDCoin at %s on the earlier data dir (%v)", DevEIP3009TokenAddress, err)
+	if code, err := client.CodeAt(devContext(t), EIP3009TokenAddress, nil); err != nil || len(code) == 0 {
+		t.Fatalf("no USDCoin at %s on the earlier data dir (%v)", EIP3009TokenAddress, err)
 	}
-	for _, token := range []common.Address{DevTokenAddress, DevEIP3009TokenAddress} {
-		if bal := devCallTokenAt[*big.Int](t, client, token, "balanceOf", DevPayerAddress); bal.Cmp(big.NewInt(DevPayerTokens)) != 0 {
-			t.Errorf("payer holds %s raw units of %s, want %d", bal, token, int64(DevPayerTokens))
+	for _, token := range []common.Address{TokenAddress, EIP3009TokenAddress} {
+		if bal := devCallTokenAt[*big.Int](t, client, token, "balanceOf", PayerAddress); bal.Cmp(big.NewInt(mintPerPayer)) != 0 {
+			t.Errorf("payer holds %s raw units of %s, want %d", bal, token, int64(mintPerPayer))
 		}
 	}
 	devCheckSetupNonces(t, client)
@@ -462,7 +462,7 @@ func TestDevChainAppliesTheAllocFile(t *testing.T) {
 			"storage": {"0x0000000000000000000000000000000000000000000000000000000000000000": "0x000000000000000000000000000000000000000000000000000000000000002a"}
 		}
 	}`)
-	d := devStart(t, DevChainConfig{Listen: "127.0.0.1:0", AllocFile: path})
+	d := devStart(t, Config{Listen: "127.0.0.1:0", AllocFile: path})
 	client := devDial(t, d)
 	ctx := devContext(t)
 	addr := common.HexToAddress("0xa110c")
@@ -479,22 +479,22 @@ func TestDevChainAppliesTheAllocFile(t *testing.T) {
 }
 
 func TestTwoDevChainsRunSideBySideOnTheirOwnPorts(t *testing.T) {
-	a := devStart(t, DevChainConfig{Listen: "127.0.0.1:0"})
-	b := devStart(t, DevChainConfig{Listen: "127.0.0.1:0", ChainID: 723487, Wallets: 2, Payers: 2})
+	a := devStart(t, Config{Listen: "127.0.0.1:0"})
+	b := devStart(t, Config{Listen: "127.0.0.1:0", ChainID: 723487, Wallets: 2, Payers: 2})
 	if a.RPCURL() == b.RPCURL() {
 		t.Fatalf("both chains serve %s", a.RPCURL())
 	}
 	ctx := devContext(t)
 	for _, c := range []struct {
-		d    *DevChain
+		d    *Chain
 		want uint64
-	}{{a, DefaultDevChainID}, {b, 723487}} {
+	}{{a, DefaultChainID}, {b, 723487}} {
 		id, err := devDial(t, c.d).ChainID(ctx)
 		if err != nil || id.Uint64() != c.want {
 			t.Errorf("%s answers chain id %v (%v), want %d", c.d.RPCURL(), id, err, c.want)
 		}
 	}
-	taken, err := StartDevChain(devContext(t), DevChainConfig{Listen: devHostPort(t, a.RPCURL())})
+	taken, err := Start(devContext(t), Config{Listen: devHostPort(t, a.RPCURL())})
 	if err == nil {
 		taken.Close()
 		t.Errorf("a third chain started on %s, which the first holds", a.RPCURL())
@@ -505,13 +505,13 @@ func TestTwoDevChainsRunSideBySideOnTheirOwnPorts(t *testing.T) {
 		t.Errorf("%d wallets, want 2", n)
 	}
 	second := crypto.PubkeyToAddress(b.Payers()[1].PublicKey)
-	if got := devCallToken[*big.Int](t, b.Client(), "balanceOf", second); got.Cmp(big.NewInt(DevPayerTokens)) != 0 {
-		t.Errorf("second payer holds %s raw tokens, want %d", got, int64(DevPayerTokens))
+	if got := devCallToken[*big.Int](t, b.Client(), "balanceOf", second); got.Cmp(big.NewInt(mintPerPayer)) != 0 {
+		t.Errorf("second payer holds %s raw tokens, want %d", got, int64(mintPerPayer))
 	}
 }
 
 func TestClosingTheDevChainFreesItsPort(t *testing.T) {
-	d, err := StartDevChain(devContext(t), DevChainConfig{Listen: "127.0.0.1:0"})
+	d, err := Start(devContext(t), Config{Listen: "127.0.0.1:0"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -530,9 +530,9 @@ func TestClosingTheDevChainFreesItsPort(t *testing.T) {
 }
 
 // devStart starts a dev chain that closes when the test ends.
-func devStart(t *testing.T, cfg DevChainConfig) *DevChain {
+func devStart(t *testing.T, cfg Config) *Chain {
 	t.Helper()
-	d, err := StartDevChain(devContext(t), cfg)
+	d, err := Start(devContext(t), cfg)
 	if err != nil {
 		t.Fatalf("starting the dev chain: %v", err)
 	}
@@ -545,7 +545,7 @@ func devStart(t *testing.T, cfg DevChainConfig) *DevChain {
 }
 
 // devDial connects to the chain over HTTP, as another process would.
-func devDial(t *testing.T, d *DevChain) *ethclient.Client {
+func devDial(t *testing.T, d *Chain) *ethclient.Client {
 	t.Helper()
 	client, err := ethclient.Dial(d.RPCURL())
 	if err != nil {
@@ -564,7 +564,7 @@ func devContext(t *testing.T) context.Context {
 // devCallToken calls a view of the dev token through client.
 func devCallToken[T any](t *testing.T, client *ethclient.Client, method string, args ...any) T {
 	t.Helper()
-	return devCallTokenAt[T](t, client, DevTokenAddress, method, args...)
+	return devCallTokenAt[T](t, client, TokenAddress, method, args...)
 }
 
 // devCallTokenAt calls an ERC-20 view of the token at addr.
@@ -614,7 +614,7 @@ func devSendTransfer(t *testing.T, client *ethclient.Client, key *ecdsa.PrivateK
 	}
 	tip := big.NewInt(1e9)
 	tx, err := types.SignNewTx(key, types.LatestSignerForChainID(chainID), &types.DynamicFeeTx{
-		ChainID: chainID, Nonce: nonce, GasTipCap: tip, Gas: 100_000, To: &DevTokenAddress, Data: data,
+		ChainID: chainID, Nonce: nonce, GasTipCap: tip, Gas: 100_000, To: &TokenAddress, Data: data,
 		GasFeeCap: new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), tip),
 	})
 	if err != nil {
@@ -701,7 +701,7 @@ func devCheckSetupNonces(t *testing.T, client *ethclient.Client) {
 		who   string
 		addr  common.Address
 		nonce uint64
-	}{{"StableCoin deployer", DevDeployerAddress, 3}, {"USDCoin deployer", DevEIP3009DeployerAddress, 2}} {
+	}{{"StableCoin deployer", deployerAddress, 3}, {"USDCoin deployer", eip3009DeployerAddress, 2}} {
 		if nonce, err := client.NonceAt(devContext(t), want.addr, nil); err != nil || nonce != want.nonce {
 			t.Errorf("%s nonce %d (%v), want %d", want.who, nonce, err, want.nonce)
 		}

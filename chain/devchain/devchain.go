@@ -1,4 +1,4 @@
-package chain
+package devchain
 
 import (
 	"context"
@@ -38,35 +38,35 @@ import (
 
 // Defaults and fixed figures of the dev chain.
 const (
-	// DefaultDevChainID is the dev chain's chain ID unless configured otherwise: the spec's testnet.
-	DefaultDevChainID = 72344
-	// DefaultDevListen is where the dev chain serves JSON-RPC over HTTP unless configured otherwise.
-	DefaultDevListen = "127.0.0.1:8545"
-	// DefaultDevWallets is the number of funded settlement wallets unless configured otherwise.
-	DefaultDevWallets = 4
-	// DefaultDevPayers is the number of funded demo payers unless configured otherwise.
-	DefaultDevPayers = 1
-	// DevGasLimit is the block gas limit: high, so that a block holds thousands of settlements under load.
-	DevGasLimit = 1_000_000_000
-	// DevPayerTokens is the amount of each dev token (StableCoin, USDCoin), in raw units, minted to each demo payer:
+	// DefaultChainID is the dev chain's chain ID unless configured otherwise: the spec's testnet.
+	DefaultChainID = 72344
+	// DefaultListen is where the dev chain serves JSON-RPC over HTTP unless configured otherwise.
+	DefaultListen = "127.0.0.1:8545"
+	// DefaultWallets is the number of funded settlement wallets unless configured otherwise.
+	DefaultWallets = 4
+	// defaultPayers is the number of funded demo payers unless configured otherwise.
+	defaultPayers = 1
+	// gasLimit is the block gas limit: high, so that a block holds thousands of settlements under load.
+	gasLimit = 1_000_000_000
+	// mintPerPayer is the amount of each dev token (StableCoin, USDCoin), in raw units, minted to each demo payer:
 	// 1,000,000 tokens.
-	DevPayerTokens = 1_000_000_000_000
+	mintPerPayer = 1_000_000_000_000
 )
 
-// devMintGas bounds the gas of a mint to a fresh holder (about 70,000); a fixed figure lets the mints go
+// mintGas bounds the gas of a mint to a fresh holder (about 70,000); a fixed figure lets the mints go
 // out with the deployment, before the token exists to estimate against.
-const devMintGas = 150_000
+const mintGas = 150_000
 
-// devReceiptPoll is how often startup looks for the receipts of its own transactions.
-const devReceiptPoll = 20 * time.Millisecond
+// receiptPoll is how often startup looks for the receipts of its own transactions.
+const receiptPoll = 20 * time.Millisecond
 
-// DevAccountBalance returns the wei the deployer, each settlement wallet and each demo payer start with: 1,000 ETH.
-func DevAccountBalance() *big.Int {
+// accountBalance returns the wei the deployer, each settlement wallet and each demo payer start with: 1,000 ETH.
+func accountBalance() *big.Int {
 	return new(big.Int).Mul(big.NewInt(1000), big.NewInt(params.Ether))
 }
 
-// DevChainConfig configures StartDevChain. Zero values select the defaults.
-type DevChainConfig struct {
+// Config configures Start. Zero values select the defaults.
+type Config struct {
 	// ChainID is the chain ID (default 72344).
 	ChainID uint64
 	// Listen is the host:port of the JSON-RPC HTTP endpoint (default 127.0.0.1:8545); port 0 picks a free
@@ -85,18 +85,18 @@ type DevChainConfig struct {
 	// ({"0xaddress": {"balance": "0x..", "code": "0x..", "storage": {..}, "nonce": "0x.."}}).
 	// Its entries replace the dev chain's own for the same address.
 	AllocFile string
-	// Wallets is the number of funded settlement wallets, DevWalletKeys(Wallets) (default 4).
+	// Wallets is the number of funded settlement wallets, WalletKeys(Wallets) (default 4).
 	Wallets int
-	// Payers is the number of funded demo payers, DevPayerKeyN(0..Payers-1) (default 1).
+	// Payers is the number of funded demo payers, PayerKeyN(0..Payers-1) (default 1).
 	Payers int
 	// Logger receives the startup report, including the demo payer's key (default: no logging).
 	Logger *zap.Logger
 }
 
-// DevChain is a running in-process go-ethereum node for development: a single post-merge node driven by a
+// Chain is a running in-process go-ethereum node for development: a single post-merge node driven by a
 // simulated beacon, with Permit2 and the x402 proxy at their canonical addresses, the StableCoin at
-// DevTokenAddress, funded settlement wallets and demo payers. Its keys are public (see DevDeployerKey).
-type DevChain struct {
+// TokenAddress, funded settlement wallets and demo payers. Its keys are public (see the package doc).
+type Chain struct {
 	chainID uint64
 	url     string
 	wallets []*ecdsa.PrivateKey
@@ -114,23 +114,23 @@ type DevChain struct {
 	closeErr  error
 }
 
-// StartDevChain starts a dev chain, deploys the StableCoin and mints to the demo payers unless a chain in
+// Start starts a dev chain, deploys the StableCoin and mints to the demo payers unless a chain in
 // DataDir already has them, and logs how to use it. ctx bounds the startup only; the chain runs until Close.
-func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
+func Start(ctx context.Context, cfg Config) (*Chain, error) {
 	cfg, host, port, err := cfg.resolve()
 	if err != nil {
 		return nil, err
 	}
-	extra, err := readDevAlloc(cfg.AllocFile)
+	extra, err := readAlloc(cfg.AllocFile)
 	if err != nil {
 		return nil, err
 	}
-	d := &DevChain{
+	d := &Chain{
 		chainID: cfg.ChainID,
-		wallets: DevWalletKeys(cfg.Wallets),
+		wallets: WalletKeys(cfg.Wallets),
 	}
 	for i := range cfg.Payers {
-		d.payers = append(d.payers, DevPayerKeyN(i))
+		d.payers = append(d.payers, PayerKeyN(i))
 	}
 
 	nodeConf := node.DefaultConfig
@@ -147,7 +147,7 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 		nodeConf.DataDir = d.scratch
 	}
 	// A chain on a data dir writes every sealed block through, so that a killed process loses none of them.
-	writeThrough := cfg.DataDir != "" && devWritesThrough(nodeConf.ResolvePath("chaindata"))
+	writeThrough := cfg.DataDir != "" && writesThrough(nodeConf.ResolvePath("chaindata"))
 	if writeThrough {
 		nodeConf.DBEngine = rawdb.DBLeveldb
 	} else if cfg.DataDir != "" {
@@ -174,7 +174,7 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 	d.stack = stack
 
 	ethConf := ethconfig.Defaults
-	ethConf.Genesis = devGenesis(cfg, d.wallets, d.payers, extra)
+	ethConf.Genesis = genesis(cfg, d.wallets, d.payers, extra)
 	ethConf.NetworkId = cfg.ChainID
 	ethConf.SyncMode = ethconfig.FullSync
 	ethConf.TxPool.NoLocals = true
@@ -184,7 +184,7 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 	// eth_getLogs still answers by scanning blocks; the log index would cost CPU on every block under load
 	// and reads a whole filter map at every restart.
 	ethConf.LogNoHistory = true
-	ethConf.Miner.GasCeil = DevGasLimit
+	ethConf.Miner.GasCeil = gasLimit
 	// The pool admits any tip of at least 1 wei; a miner demanding more would leave such a transaction
 	// pending forever and the seal-on-arrival loop spinning on it.
 	ethConf.Miner.GasPrice = big.NewInt(1)
@@ -253,7 +253,7 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 	return d, nil
 }
 
-// devWritesThrough reports whether the dev chain database at dir is, or will be when created, one that writes
+// writesThrough reports whether the dev chain database at dir is, or will be when created, one that writes
 // every sealed block through to the operating system before the block becomes the head. That takes two
 // settings on the database's creation, and go-ethereum refuses to change either later:
 //   - LevelDB, which hands each write to the operating system before it returns, where go-ethereum's Pebble
@@ -262,23 +262,23 @@ func StartDevChain(ctx context.Context, cfg DevChainConfig) (*DevChain, error) {
 //     path scheme keeps the last 128 blocks' state in memory and writes it at a clean stop only.
 //
 // A Pebble database was created by an earlier version of the dev chain, on the path scheme; it keeps both.
-func devWritesThrough(dir string) bool {
+func writesThrough(dir string) bool {
 	return rawdb.PreexistingDatabase(dir) != rawdb.DBPebble
 }
 
 // resolve fills in defaults and checks cfg, returning the HTTP host and port to listen on.
-func (cfg DevChainConfig) resolve() (DevChainConfig, string, int, error) {
+func (cfg Config) resolve() (Config, string, int, error) {
 	if cfg.ChainID == 0 {
-		cfg.ChainID = DefaultDevChainID
+		cfg.ChainID = DefaultChainID
 	}
 	if cfg.Listen == "" {
-		cfg.Listen = DefaultDevListen
+		cfg.Listen = DefaultListen
 	}
 	if cfg.Wallets == 0 {
-		cfg.Wallets = DefaultDevWallets
+		cfg.Wallets = DefaultWallets
 	}
 	if cfg.Payers == 0 {
-		cfg.Payers = DefaultDevPayers
+		cfg.Payers = defaultPayers
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
@@ -291,10 +291,10 @@ func (cfg DevChainConfig) resolve() (DevChainConfig, string, int, error) {
 	}
 	host, portText, err := net.SplitHostPort(cfg.Listen)
 	if err != nil {
-		return cfg, "", 0, fmt.Errorf("dev chain: listen address must be host:port such as %s, got %q: %w", DefaultDevListen, cfg.Listen, err)
+		return cfg, "", 0, fmt.Errorf("dev chain: listen address must be host:port such as %s, got %q: %w", DefaultListen, cfg.Listen, err)
 	}
 	if host == "" {
-		return cfg, "", 0, fmt.Errorf("dev chain: listen address %q names no host; give one, such as %s", cfg.Listen, DefaultDevListen)
+		return cfg, "", 0, fmt.Errorf("dev chain: listen address %q names no host; give one, such as %s", cfg.Listen, DefaultListen)
 	}
 	port, err := strconv.ParseUint(portText, 10, 16)
 	if err != nil {
@@ -303,8 +303,8 @@ func (cfg DevChainConfig) resolve() (DevChainConfig, string, int, error) {
 	return cfg, host, int(port), nil
 }
 
-// readDevAlloc reads the genesis accounts of path, or none when path is empty.
-func readDevAlloc(path string) (types.GenesisAlloc, error) {
+// readAlloc reads the genesis accounts of path, or none when path is empty.
+func readAlloc(path string) (types.GenesisAlloc, error) {
 	if path == "" {
 		return nil, nil
 	}
@@ -320,10 +320,10 @@ func readDevAlloc(path string) (types.GenesisAlloc, error) {
 	return alloc, nil
 }
 
-// DevChainParams returns the dev chain's configuration: go-ethereum's dev fork set for chainID without the
+// chainParams returns the dev chain's configuration: go-ethereum's dev fork set for chainID without the
 // forks v1.17.10 enables before any network has (Bogota, Amsterdam), under which gas costs about three times
 // what live networks charge.
-func DevChainParams(chainID uint64) *params.ChainConfig {
+func chainParams(chainID uint64) *params.ChainConfig {
 	cfg := *params.AllDevChainProtocolChanges
 	cfg.ChainID = new(big.Int).SetUint64(chainID)
 	cfg.BogotaTime = nil
@@ -331,27 +331,27 @@ func DevChainParams(chainID uint64) *params.ChainConfig {
 	return &cfg
 }
 
-// devGenesis is the dev chain's genesis. It is a pure function of its arguments (timestamp 0, no randomness)
+// genesis is the dev chain's genesis. It is a pure function of its arguments (timestamp 0, no randomness)
 // so that a restart on a data dir finds the same genesis hash. The chain ID is not part of a block hash, and
 // go-ethereum would quietly adopt a new one on restart; naming it in the extra data makes a changed chain ID
 // a changed genesis, which the restart refuses.
-func devGenesis(cfg DevChainConfig, wallets, payers []*ecdsa.PrivateKey, extra types.GenesisAlloc) *core.Genesis {
+func genesis(cfg Config, wallets, payers []*ecdsa.PrivateKey, extra types.GenesisAlloc) *core.Genesis {
 	// The forks the dev chain starts on call into system contracts that must exist from genesis.
 	alloc := core.SystemContractAllocs()
 	for addr, acc := range contracts.GenesisAlloc() {
 		alloc[addr] = acc
 	}
 	// The USDCoin's deployer is left out: provisionTokens funds it (see there).
-	funded := append([]*ecdsa.PrivateKey{DevDeployerKey()}, wallets...)
+	funded := append([]*ecdsa.PrivateKey{deployerKey()}, wallets...)
 	for _, key := range append(funded, payers...) {
-		alloc[crypto.PubkeyToAddress(key.PublicKey)] = types.Account{Balance: DevAccountBalance()}
+		alloc[crypto.PubkeyToAddress(key.PublicKey)] = types.Account{Balance: accountBalance()}
 	}
 	for addr, acc := range extra {
 		alloc[addr] = acc
 	}
 	return &core.Genesis{
-		Config:     DevChainParams(cfg.ChainID),
-		GasLimit:   DevGasLimit,
+		Config:     chainParams(cfg.ChainID),
+		GasLimit:   gasLimit,
 		BaseFee:    big.NewInt(params.InitialBaseFee),
 		Difficulty: new(big.Int),
 		ExtraData:  []byte("x402 dev chain " + strconv.FormatUint(cfg.ChainID, 10)),
@@ -359,30 +359,30 @@ func devGenesis(cfg DevChainConfig, wallets, payers []*ecdsa.PrivateKey, extra t
 	}
 }
 
-// devToken is one token the dev chain deploys and mints to its demo payers.
-type devToken struct {
+// tokenSpec is one token the dev chain deploys and mints to its demo payers.
+type tokenSpec struct {
 	name     string // for messages: "StableCoin"
 	deployer *ecdsa.PrivateKey
 	address  common.Address // crypto.CreateAddress(deployer, 0)
 	creation []byte
 }
 
-// devTokens are the dev chain's tokens: the StableCoin (EIP-2612) and the USDC-like USDCoin (EIP-2612 and
+// tokenSpecs are the dev chain's tokens: the StableCoin (EIP-2612) and the USDC-like USDCoin (EIP-2612 and
 // EIP-3009), each from a deployer of its own so that each lives at a fixed address.
-func devTokens() (stable, usdc devToken) {
-	return devToken{name: "StableCoin", deployer: DevDeployerKey(), address: DevTokenAddress, creation: contracts.StableCoinCreationCode()},
-		devToken{name: "USDCoin", deployer: DevEIP3009DeployerKey(), address: DevEIP3009TokenAddress, creation: contracts.USDCoinCreationCode()}
+func tokenSpecs() (stable, usdc tokenSpec) {
+	return tokenSpec{name: "StableCoin", deployer: deployerKey(), address: TokenAddress, creation: contracts.StableCoinCreationCode()},
+		tokenSpec{name: "USDCoin", deployer: eip3009DeployerKey(), address: EIP3009TokenAddress, creation: contracts.USDCoinCreationCode()}
 }
 
-// devFees are the fees of the dev chain's setup transactions: twice the head's base fee plus the tip, as
+// setupFees are the fees of the dev chain's setup transactions: twice the head's base fee plus the tip, as
 // wallets do, so that a rising base fee cannot leave them pending.
-type devFees struct{ tip, feeCap *big.Int }
+type setupFees struct{ tip, feeCap *big.Int }
 
 // tokenSetup is what the chain still lacks of one dev token: the deployment (deployGas > 0) and the mints to
 // the payers from number firstMint on. The deployer's nonce counts its transactions: deployment at 0, the
 // mint to payer i at 1+i.
 type tokenSetup struct {
-	tok       devToken
+	tok       tokenSpec
 	nonce     uint64 // the deployer's nonce on chain
 	deployGas uint64
 	firstMint int
@@ -391,11 +391,11 @@ type tokenSetup struct {
 // nextNonce is the deployer's nonce once the setup's transactions are sent: past the last mint, or past what
 // the deployer sent after the mints. It is computed, not asked of the transaction pool, which takes in what
 // was just sent in a goroutine of its own and may not count it yet.
-func (s tokenSetup) nextNonce(d *DevChain) uint64 { return max(s.nonce, uint64(1+len(d.payers))) }
+func (s tokenSetup) nextNonce(d *Chain) uint64 { return max(s.nonce, uint64(1+len(d.payers))) }
 
 // cost is the most the setup's transactions pay in gas at fees.
-func (s tokenSetup) cost(d *DevChain, fees devFees) *big.Int {
-	gas := s.deployGas + uint64(len(d.payers)-s.firstMint)*devMintGas
+func (s tokenSetup) cost(d *Chain, fees setupFees) *big.Int {
+	gas := s.deployGas + uint64(len(d.payers)-s.firstMint)*mintGas
 	return new(big.Int).Mul(new(big.Int).SetUint64(gas), fees.feeCap)
 }
 
@@ -403,15 +403,15 @@ func (s tokenSetup) cost(d *DevChain, fees devFees) *big.Int {
 // reports whether it deployed the StableCoin and the USDCoin. The USDCoin's deployer is not in the genesis
 // alloc, whose every change makes go-ethereum refuse the data dirs made before it: the StableCoin's deployer
 // gives it its gas money, in the block of the StableCoin's own setup.
-func (d *DevChain) provisionTokens(ctx context.Context) (deployedStable, deployedUSDC bool, err error) {
+func (d *Chain) provisionTokens(ctx context.Context) (deployedStable, deployedUSDC bool, err error) {
 	head, err := d.client.HeaderByNumber(ctx, nil)
 	if err != nil {
 		return false, false, fmt.Errorf("reading the head block: %w", err)
 	}
 	tip := big.NewInt(params.GWei)
-	fees := devFees{tip: tip, feeCap: new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), tip)}
+	fees := setupFees{tip: tip, feeCap: new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), tip)}
 
-	stableTok, usdcTok := devTokens()
+	stableTok, usdcTok := tokenSpecs()
 	stable, err := d.planToken(ctx, stableTok)
 	if err != nil {
 		return false, false, err
@@ -447,7 +447,7 @@ func (d *DevChain) provisionTokens(ctx context.Context) (deployedStable, deploye
 }
 
 // planToken reads what the chain lacks of tok, refusing a chain this dev chain did not set up.
-func (d *DevChain) planToken(ctx context.Context, tok devToken) (tokenSetup, error) {
+func (d *Chain) planToken(ctx context.Context, tok tokenSpec) (tokenSetup, error) {
 	deployerAddr := crypto.PubkeyToAddress(tok.deployer.PublicKey)
 	nonce, err := d.client.NonceAt(ctx, deployerAddr, nil)
 	if err != nil {
@@ -476,7 +476,7 @@ func (d *DevChain) planToken(ctx context.Context, tok devToken) (tokenSetup, err
 }
 
 // sendSetup sends the transactions of s, the mints right behind the deployment, and returns their hashes.
-func (d *DevChain) sendSetup(ctx context.Context, s tokenSetup, fees devFees) ([]common.Hash, error) {
+func (d *Chain) sendSetup(ctx context.Context, s tokenSetup, fees setupFees) ([]common.Hash, error) {
 	var sent []common.Hash
 	if s.deployGas > 0 {
 		hash, err := d.sendSetupTx(ctx, s.tok.deployer, fees, 0, nil, s.deployGas, nil, s.tok.creation)
@@ -488,11 +488,11 @@ func (d *DevChain) sendSetup(ctx context.Context, s tokenSetup, fees devFees) ([
 	token := s.tok.address
 	for i := s.firstMint; i < len(d.payers); i++ {
 		to := crypto.PubkeyToAddress(d.payers[i].PublicKey)
-		data, err := contracts.StableCoinABI.Pack("mint", to, big.NewInt(DevPayerTokens))
+		data, err := contracts.StableCoinABI.Pack("mint", to, big.NewInt(mintPerPayer))
 		if err != nil {
 			return nil, fmt.Errorf("encoding the mint to %s: %w", to, err)
 		}
-		hash, err := d.sendSetupTx(ctx, s.tok.deployer, fees, uint64(1+i), &token, devMintGas, nil, data)
+		hash, err := d.sendSetupTx(ctx, s.tok.deployer, fees, uint64(1+i), &token, mintGas, nil, data)
 		if err != nil {
 			return nil, fmt.Errorf("minting %s to demo payer %s: %w", s.tok.name, to, err)
 		}
@@ -502,7 +502,7 @@ func (d *DevChain) sendSetup(ctx context.Context, s tokenSetup, fees devFees) ([
 }
 
 // sendSetupTx signs and sends one setup transaction from key.
-func (d *DevChain) sendSetupTx(ctx context.Context, key *ecdsa.PrivateKey, fees devFees, nonce uint64, to *common.Address, gas uint64, value *big.Int, data []byte) (common.Hash, error) {
+func (d *Chain) sendSetupTx(ctx context.Context, key *ecdsa.PrivateKey, fees setupFees, nonce uint64, to *common.Address, gas uint64, value *big.Int, data []byte) (common.Hash, error) {
 	signer := types.LatestSignerForChainID(new(big.Int).SetUint64(d.chainID))
 	tx, err := types.SignNewTx(key, signer, &types.DynamicFeeTx{
 		ChainID: signer.ChainID(), Nonce: nonce, GasTipCap: fees.tip, GasFeeCap: fees.feeCap, Gas: gas, To: to, Value: value, Data: data,
@@ -514,7 +514,7 @@ func (d *DevChain) sendSetupTx(ctx context.Context, key *ecdsa.PrivateKey, fees 
 }
 
 // waitSetup waits until every setup transaction is mined and fails on one that reverted.
-func (d *DevChain) waitSetup(ctx context.Context, sent []common.Hash) error {
+func (d *Chain) waitSetup(ctx context.Context, sent []common.Hash) error {
 	for _, hash := range sent {
 		receipt, err := d.waitReceipt(ctx, hash)
 		if err != nil {
@@ -532,8 +532,8 @@ func (d *DevChain) waitSetup(ctx context.Context, sent []common.Hash) error {
 const errTxIndexing = "transaction indexing is in progress"
 
 // waitReceipt polls for the receipt of hash until it is mined or ctx ends.
-func (d *DevChain) waitReceipt(ctx context.Context, hash common.Hash) (*types.Receipt, error) {
-	ticker := time.NewTicker(devReceiptPoll)
+func (d *Chain) waitReceipt(ctx context.Context, hash common.Hash) (*types.Receipt, error) {
+	ticker := time.NewTicker(receiptPoll)
 	defer ticker.Stop()
 	for polls := 1; ; polls++ {
 		receipt, err := d.client.TransactionReceipt(ctx, hash)
@@ -557,7 +557,7 @@ func (d *DevChain) waitReceipt(ctx context.Context, hash common.Hash) (*types.Re
 // waitTxIndex waits until the transaction indexer has caught up, so that clients asking for receipts from the
 // first moment get receipts or "not found", never "indexing is in progress".
 func waitTxIndex(ctx context.Context, bc *core.BlockChain) error {
-	ticker := time.NewTicker(devReceiptPoll)
+	ticker := time.NewTicker(receiptPoll)
 	defer ticker.Stop()
 	for !bc.TxIndexDone() {
 		select {
@@ -570,7 +570,7 @@ func waitTxIndex(ctx context.Context, bc *core.BlockChain) error {
 }
 
 // logStart reports where the chain is and which keys use it; the keys are public, and the log says so.
-func (d *DevChain) logStart(cfg DevChainConfig, deployed, deployedUSDC bool) {
+func (d *Chain) logStart(cfg Config, deployed, deployedUSDC bool) {
 	storage := "memory"
 	if cfg.DataDir != "" {
 		storage = cfg.DataDir
@@ -585,9 +585,9 @@ func (d *DevChain) logStart(cfg DevChainConfig, deployed, deployedUSDC bool) {
 		zap.String("network", d.Network()),
 		zap.Duration("block_time", cfg.BlockTime),
 		zap.String("storage", storage),
-		zap.String("token", DevTokenAddress.Hex()),
+		zap.String("token", TokenAddress.Hex()),
 		zap.Bool("token_deployed_now", deployed),
-		zap.String("eip3009_token", DevEIP3009TokenAddress.Hex()),
+		zap.String("eip3009_token", EIP3009TokenAddress.Hex()),
 		zap.Bool("eip3009_token_deployed_now", deployedUSDC),
 		zap.String("permit2", contracts.Permit2Address.Hex()),
 		zap.String("proxy", contracts.ProxyAddress.Hex()),
@@ -598,43 +598,44 @@ func (d *DevChain) logStart(cfg DevChainConfig, deployed, deployedUSDC bool) {
 			zap.Int("payer", i),
 			zap.String("address", crypto.PubkeyToAddress(key.PublicKey).Hex()),
 			zap.String("private_key", hexutil.Encode(crypto.FromECDSA(key))),
-			zap.String("tokens_raw", strconv.FormatUint(DevPayerTokens, 10)),
+			zap.String("tokens_raw", strconv.FormatUint(mintPerPayer, 10)),
 		)
 	}
 }
 
 // RPCURL returns the JSON-RPC HTTP endpoint, with the port actually bound.
-func (d *DevChain) RPCURL() string { return d.url }
+func (d *Chain) RPCURL() string { return d.url }
 
 // ChainID returns the chain's ID.
-func (d *DevChain) ChainID() uint64 { return d.chainID }
+func (d *Chain) ChainID() uint64 { return d.chainID }
 
 // Network returns the chain's CAIP-2 identifier, such as eip155:72344.
-func (d *DevChain) Network() string { return x402.EIP155(d.chainID) }
+func (d *Chain) Network() string { return x402.EIP155(d.chainID) }
 
-// EIP3009Token returns the address of the chain's USDCoin (USDC-like, with EIP-3009), DevEIP3009TokenAddress.
-func (d *DevChain) EIP3009Token() common.Address { return DevEIP3009TokenAddress }
+// EIP3009Token returns the address of the chain's USDCoin (USDC-like, with EIP-3009), EIP3009TokenAddress.
+func (d *Chain) EIP3009Token() common.Address { return EIP3009TokenAddress }
 
-// Token returns the address of the chain's StableCoin, DevTokenAddress.
-func (d *DevChain) Token() common.Address { return DevTokenAddress }
+// Token returns the address of the chain's StableCoin, TokenAddress.
+func (d *Chain) Token() common.Address { return TokenAddress }
 
 // WalletKeys returns the funded settlement wallets' keys.
-func (d *DevChain) WalletKeys() []*ecdsa.PrivateKey {
+func (d *Chain) WalletKeys() []*ecdsa.PrivateKey {
 	return append([]*ecdsa.PrivateKey(nil), d.wallets...)
 }
 
-// Payer returns the demo payer's key, which holds ETH and DevPayerTokens and no Permit2 allowance.
-func (d *DevChain) Payer() *ecdsa.PrivateKey { return d.payers[0] }
+// Payer returns the demo payer's key, which holds 1,000 ETH and 1,000,000 of each dev token and no Permit2
+// allowance.
+func (d *Chain) Payer() *ecdsa.PrivateKey { return d.payers[0] }
 
 // Payers returns the keys of all demo payers; Payers()[0] is Payer().
-func (d *DevChain) Payers() []*ecdsa.PrivateKey { return append([]*ecdsa.PrivateKey(nil), d.payers...) }
+func (d *Chain) Payers() []*ecdsa.PrivateKey { return append([]*ecdsa.PrivateKey(nil), d.payers...) }
 
 // Client returns an in-process client of the chain (no HTTP); it is closed by Close.
-func (d *DevChain) Client() *ethclient.Client { return d.client }
+func (d *Chain) Client() *ethclient.Client { return d.client }
 
 // Close stops the chain and frees its port; with a data dir the state is on disk for the next start.
 // Calling it again returns the first result.
-func (d *DevChain) Close() error {
+func (d *Chain) Close() error {
 	d.closeOnce.Do(func() {
 		if d.client != nil {
 			d.client.Close()
@@ -648,7 +649,7 @@ func (d *DevChain) Close() error {
 }
 
 // removeScratch deletes the scratch directory of a chain kept "in memory".
-func (d *DevChain) removeScratch() {
+func (d *Chain) removeScratch() {
 	if d.scratch != "" {
 		_ = os.RemoveAll(d.scratch)
 	}
