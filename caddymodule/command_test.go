@@ -543,60 +543,6 @@ func TestLoadPayerKeyTakesTheFirstSourceGiven(t *testing.T) {
 	}
 }
 
-func TestChooseRequirementPrefersPermit2AndSaysWhyNothingElseCanBePaid(t *testing.T) {
-	req := func(scheme, network, method, spender string) x402.PaymentRequirements {
-		return x402.PaymentRequirements{Scheme: scheme, Network: network, Extra: x402.Extra{AssetTransferMethod: method, Spender: spender}}
-	}
-	spender := "0x1111111111111111111111111111111111111111"
-	erc := req("exact", "eip155:72344", "erc2612", spender)
-	p2 := req("exact", "eip155:72344", "permit2", "")
-	onChain := &payerChain{chainID: big.NewInt(72344), name: "http://127.0.0.1:1"}
-	for _, tc := range []struct {
-		name    string
-		version int
-		accepts []x402.PaymentRequirements
-		method  string
-		rpc     *payerChain
-		want    int
-		errs    []string
-	}{
-		{name: "permit2 wins over an erc2612 listed first", version: 2, accepts: []x402.PaymentRequirements{erc, p2}, rpc: onChain, want: 1},
-		{name: "--method erc2612 takes erc2612", version: 2, accepts: []x402.PaymentRequirements{p2, erc}, method: "erc2612", rpc: onChain, want: 1},
-		{name: "without an RPC erc2612 is skipped", version: 2, accepts: []x402.PaymentRequirements{erc, p2}, want: 1},
-		{name: "version 1 cannot pay permit2", version: 1, accepts: []x402.PaymentRequirements{p2, erc}, rpc: onChain, want: 1},
-		{name: "other schemes and networks are skipped", version: 2, accepts: []x402.PaymentRequirements{req("upto", "eip155:72344", "permit2", ""), req("exact", "solana:abc", "permit2", ""), p2}, want: 2},
-		{
-			name: "nothing payable", version: 2, rpc: onChain,
-			accepts: []x402.PaymentRequirements{req("exact", "eip155:1", "permit2", ""), req("exact", "eip155:72344", "upto", ""), req("exact", "eip155:72344", "erc2612", "")},
-			errs:    []string{"none of the 3", "accepts[0]", "--rpc http://127.0.0.1:1 serves chain 72344", "accepts[1]", `"upto"`, "accepts[2]", "extra.spender"},
-		},
-		{name: "erc2612 without an RPC", version: 2, accepts: []x402.PaymentRequirements{erc}, errs: []string{"give --rpc"}},
-		{name: "an empty offer", version: 2, errs: []string{"accepts is empty"}},
-		// The public SDKs' standard requirement names no method and is paid by EIP-3009.
-		{name: "a requirement naming no method is paid by eip3009", version: 2, accepts: []x402.PaymentRequirements{req("exact", "eip155:72344", "", "")}, method: "eip3009", want: 0},
-		{name: "permit2 wins over eip3009", version: 2, accepts: []x402.PaymentRequirements{req("exact", "eip155:72344", "eip3009", ""), p2}, want: 1},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			offer := paymentOffer{version: tc.version, required: x402.PaymentRequired{X402Version: tc.version, Accepts: tc.accepts}}
-			got, err := chooseRequirement(offer, tc.method, tc.rpc)
-			if tc.errs != nil {
-				if err == nil {
-					t.Fatalf("chose accepts[%d], want an error", got)
-				}
-				for _, w := range tc.errs {
-					if !strings.Contains(err.Error(), w) {
-						t.Errorf("error %q does not say %q", err, w)
-					}
-				}
-				return
-			}
-			if err != nil || got != tc.want {
-				t.Fatalf("chose accepts[%d], %v; want accepts[%d]", got, err, tc.want)
-			}
-		})
-	}
-}
-
 func TestKeygenPrintsAFreshKeyAndItsAddress(t *testing.T) {
 	keys := map[string]bool{}
 	for range 2 {

@@ -1,0 +1,95 @@
+package payer
+
+import (
+	"fmt"
+	"net/http"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// Offer is what a 402 answer offers, in version 2 form whatever version the server speaks.
+type Offer struct {
+	// Version is the x402 version the server speaks, and the one the payment is sent in.
+	Version int
+	// Required is the offer; a version 1 offer's requirements are converted to version 2 form.
+	Required x402.PaymentRequired
+
+	// v1Networks are the networks of a version 1 offer as the server spelled them (names, not CAIP-2), for
+	// the X-PAYMENT payload that must repeat them.
+	v1Networks []string
+}
+
+// ReadOffer reads the payment requirements of a 402 answer from its header and body: the PAYMENT-REQUIRED
+// header (version 2), else the JSON body (version 1).
+func ReadOffer(header http.Header, body []byte) (Offer, error) {
+	if h := header.Get(x402.HeaderPaymentRequired); h != "" {
+		p, err := x402.DecodePaymentRequired(h)
+		if err != nil {
+			return Offer{}, fmt.Errorf("the 402 answer's %s header: %w", x402.HeaderPaymentRequired, err)
+		}
+		return Offer{Version: x402.Version2, Required: p}, nil
+	}
+	v1, err := x402.DecodePaymentRequiredV1(body)
+	if err != nil {
+		return Offer{}, fmt.Errorf("the 402 answer has no %s header (version 2) and its body is no version 1 offer: %w", x402.HeaderPaymentRequired, err)
+	}
+	offer := Offer{Version: x402.Version1, Required: x402.PaymentRequired{X402Version: x402.Version1, Error: v1.Error}}
+	reg := x402.NewRegistry()
+	for i, a := range v1.Accepts {
+		req, res, err := reg.RequirementsFromV1(a)
+		if err != nil {
+			// A name this registry does not know (or a CAIP-2 id some version 1 servers send): keep it as it
+			// is, so that the choice can take a CAIP-2 id or say which network it cannot pay on.
+			req = x402.PaymentRequirements{Scheme: a.Scheme, Network: a.Network, Amount: a.MaxAmountRequired, Asset: a.Asset,
+				PayTo: a.PayTo, MaxTimeoutSeconds: a.MaxTimeoutSeconds}
+			if a.Extra != nil {
+				req.Extra = *a.Extra
+			}
+			res = x402.ResourceInfo{URL: a.Resource, Description: a.Description, MimeType: a.MimeType}
+		}
+		if i == 0 {
+			offer.Required.Resource = res
+		}
+		offer.Required.Accepts = append(offer.Required.Accepts, req)
+		offer.v1Networks = append(offer.v1Networks, a.Network)
+	}
+	return offer, nil
+}
+
+// encodePayment gives the header that carries p to a server of the offer's version: PAYMENT-SIGNATURE, or
+// X-PAYMENT with the network spelled as the version 1 server spelled it.
+func encodePayment(offer Offer, i int, p x402.PaymentPayload) (name, value string, err error) {
+	if offer.Version == x402.Version1 {
+		network := p.Accepted.Network
+		if i < len(offer.v1Networks) {
+			network = offer.v1Networks[i]
+		}
+		v1 := x402.PaymentPayloadV1{X402Version: x402.Version1, Scheme: p.Accepted.Scheme, Network: network, Payload: p.Payload}
+		value, err = x402.EncodeHeader(v1)
+		return x402.HeaderXPayment, value, err
+	}
+	value, err = x402.EncodeHeader(p)
+	return x402.HeaderPaymentSignature, value, err
+}
+
+// Settlement decodes the settlement response a paid request was answered with: the PAYMENT-RESPONSE header
+// (version 2), else X-PAYMENT-RESPONSE (version 1). It returns nil and no error when the response carries
+// neither, as the answer to a request that needed no payment does. A response with Success false names why
+// in ErrorReason; one that is Pending may still settle, and must not be paid again.
+func Settlement(resp *http.Response) (*x402.SettleResponse, error) {
+	if resp == nil {
+		return nil, nil
+	}
+	for _, name := range []string{x402.HeaderPaymentResponse, x402.HeaderXPaymentResponse} {
+		h := resp.Header.Get(name)
+		if h == "" {
+			continue
+		}
+		s, err := x402.DecodeSettleResponse(h)
+		if err != nil {
+			return nil, fmt.Errorf("the %s header: %w", name, err)
+		}
+		return &s, nil
+	}
+	return nil, nil
+}

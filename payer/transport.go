@@ -1,0 +1,307 @@
+package payer
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"math/big"
+	"net/http"
+	"strings"
+	"sync"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// DefaultMaxBufferedBody is how much of a request body without GetBody a Transport buffers, unless told
+// otherwise, so that it can send the body again with the payment.
+const DefaultMaxBufferedBody = 64 << 10
+
+// maxOfferBody caps how much of a 402 answer's body a Transport reads for a version 1 offer.
+const maxOfferBody = 1 << 20
+
+// Limit bounds what a Transport pays in one asset. Amounts are raw token units: 10000 is 0.01 of a token of 6
+// decimals.
+type Limit struct {
+	// Network is the CAIP-2 chain the asset lives on, such as eip155:8453; "" matches every network.
+	Network string
+	// Asset is the token's address; "" matches every asset, each of which still has a total of its own.
+	Asset string
+	// PerRequest is the most one payment may cost; nil puts no bound on one payment.
+	PerRequest *big.Int
+	// Total is the most all payments through the Transport may cost together in the asset; nil puts no bound on
+	// the total.
+	Total *big.Int
+}
+
+// matches says whether the limit covers asset on network.
+func (l Limit) matches(network, asset string) bool {
+	return (l.Network == "" || l.Network == network) && (l.Asset == "" || x402.SameAddress(l.Asset, asset))
+}
+
+// LimitError is a payment a Transport refused to sign because of its limits. Nothing was signed or sent.
+type LimitError struct {
+	// URL is the resource that asked for the payment, without its query.
+	URL string
+	// Network and Asset say what the server asked to be paid in.
+	Network, Asset string
+	// Amount is the amount it asked, in raw units.
+	Amount *big.Int
+	// Limit is the bound the payment would have passed: the limit per request, or the Total; nil when no Limit
+	// covers the asset.
+	Limit *big.Int
+	// Spent is, for a Total, what was already paid in the asset; nil otherwise.
+	Spent *big.Int
+}
+
+func (e *LimitError) Error() string {
+	asked := fmt.Sprintf("payer: %s asks %s of asset %s on %s", e.URL, e.Amount, e.Asset, e.Network)
+	switch {
+	case e.Limit == nil:
+		return asked + ", and no spending limit covers that asset: not paid"
+	case e.Spent == nil:
+		return fmt.Sprintf("%s, over the limit of %s per request: not paid", asked, e.Limit)
+	}
+	return fmt.Sprintf("%s, over the total budget of %s, of which %s is spent: not paid", asked, e.Limit, e.Spent)
+}
+
+// Transport is an http.RoundTripper that pays for what it fetches. It sends the request; when the answer is
+// 402 Payment Required with an x402 offer (the PAYMENT-REQUIRED header, or a version 1 body), it chooses a
+// requirement, checks it against the limits, signs the payment and sends the request once more with it. The
+// answer to that second request is returned whatever it is; Settlement decodes its PAYMENT-RESPONSE.
+//
+// A 402 without an x402 offer is returned as it came. A request that already carries a payment header is
+// sent as it is. A redirect is followed by the http.Client above, without the payment, which went only to the
+// request that asked for it.
+//
+// A Transport is safe for concurrent use; its fields must not change once it is in use.
+type Transport struct {
+	// Payer signs the payments; required.
+	Payer *Payer
+	// Base sends the requests; nil is http.DefaultTransport.
+	Base http.RoundTripper
+	// Limits bound what is paid: a payment is checked against the first Limit that covers its network and
+	// asset, and one that no Limit covers is not paid. With no Limits, nothing is paid. Totals count every
+	// payment sent, whether or not the server settled it: a signed payment can be settled by whoever holds it
+	// until it expires.
+	Limits []Limit
+	// MaxBufferedBody is the largest request body without GetBody that is buffered so that it can be sent
+	// again with the payment; 0 is DefaultMaxBufferedBody, and a negative value buffers none. A request whose
+	// body cannot be sent again is sent once, and a 402 to it is an error.
+	MaxBufferedBody int64
+
+	mu    sync.Mutex
+	spent map[string]*big.Int // by network and lower-case asset address
+}
+
+// RoundTrip sends req, and pays and sends it once more when it is answered 402 with an x402 offer.
+func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if t.Payer == nil {
+		closeBody(req)
+		return nil, errors.New("payer: Transport.Payer is nil")
+	}
+	if req.Header.Get(x402.HeaderPaymentSignature) != "" || req.Header.Get(x402.HeaderXPayment) != "" {
+		return t.base().RoundTrip(req)
+	}
+	where := requestURL(req)
+	firstBody, again, err := t.replayable(req, where)
+	if err != nil {
+		return nil, err
+	}
+	first := req.Clone(req.Context())
+	first.Body = firstBody
+	if req.GetBody == nil && again != nil && firstBody != nil && firstBody != http.NoBody {
+		first.GetBody = again
+	}
+	resp, err := t.base().RoundTrip(first)
+	if err != nil || resp.StatusCode != http.StatusPaymentRequired {
+		return resp, err
+	}
+
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxOfferBody+1))
+	if err != nil {
+		resp.Body.Close()
+		return nil, fmt.Errorf("payer: reading the 402 answer of %s: %w", where, err)
+	}
+	if int64(len(body)) > maxOfferBody && resp.Header.Get(x402.HeaderPaymentRequired) == "" {
+		// Too big for a version 1 offer: the 402 is the caller's to read, all of it.
+		resp.Body = struct {
+			io.Reader
+			io.Closer
+		}{io.MultiReader(bytes.NewReader(body), resp.Body), resp.Body}
+		return resp, nil
+	}
+	resp.Body.Close()
+	offer, err := ReadOffer(resp.Header, body)
+	if err != nil {
+		if resp.Header.Get(x402.HeaderPaymentRequired) == "" {
+			// Not an x402 offer: the 402 is the caller's to read.
+			resp.Body = io.NopCloser(bytes.NewReader(body))
+			return resp, nil
+		}
+		return nil, fmt.Errorf("payer: %s: %w", where, err)
+	}
+	if again == nil {
+		return nil, fmt.Errorf("payer: %s asks for a payment, but the request's body has no GetBody and is over %d bytes, so it cannot be sent again with the payment", where, t.maxBuffered())
+	}
+
+	ctx := req.Context()
+	rpc, err := t.Payer.chain(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("payer: %s: %w", where, err)
+	}
+	i, err := choose(offer, t.Payer.opts.Method, rpc, func(r x402.PaymentRequirements) error { return t.check(where, r, false) })
+	if err != nil {
+		var le *LimitError
+		if errors.As(err, &le) {
+			return nil, err
+		}
+		return nil, fmt.Errorf("payer: %s: %w", where, err)
+	}
+	chosen := offer.Required.Accepts[i]
+	// Checked again, and reserved, under the lock: a concurrent payment may have spent the budget meanwhile.
+	if err := t.check(where, chosen, true); err != nil {
+		return nil, err
+	}
+	pay, err := t.Payer.Sign(ctx, offer, i)
+	if err != nil {
+		t.release(chosen)
+		return nil, fmt.Errorf("payer: %s: %w", where, err)
+	}
+	paid := req.Clone(ctx)
+	if paid.Body, err = again(); err != nil {
+		t.release(chosen)
+		return nil, fmt.Errorf("payer: %s: the request body for the paid request: %w", where, err)
+	}
+	if req.GetBody == nil && paid.Body != nil && paid.Body != http.NoBody {
+		paid.GetBody = again
+	}
+	paid.Header.Set(pay.Header, pay.Value)
+	return t.base().RoundTrip(paid)
+}
+
+// Spent returns what the Transport has paid in asset on network, in raw units.
+func (t *Transport) Spent(network, asset string) *big.Int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if s := t.spent[spentKey(network, asset)]; s != nil {
+		return new(big.Int).Set(s)
+	}
+	return new(big.Int)
+}
+
+func (t *Transport) base() http.RoundTripper {
+	if t.Base != nil {
+		return t.Base
+	}
+	return http.DefaultTransport
+}
+
+func (t *Transport) maxBuffered() int64 {
+	if t.MaxBufferedBody == 0 {
+		return DefaultMaxBufferedBody
+	}
+	return max(t.MaxBufferedBody, 0)
+}
+
+// check says whether req may be paid under the limits, as a *LimitError when not. With reserve, it adds the
+// amount to what the asset has spent.
+func (t *Transport) check(where string, req x402.PaymentRequirements, reserve bool) error {
+	amount, err := x402.ParseUint256(req.Amount)
+	if err != nil {
+		return fmt.Errorf("requirements.amount: %w", err)
+	}
+	refuse := &LimitError{URL: where, Network: req.Network, Asset: req.Asset, Amount: amount}
+	var limit *Limit
+	for i := range t.Limits {
+		if t.Limits[i].matches(req.Network, req.Asset) {
+			limit = &t.Limits[i]
+			break
+		}
+	}
+	if limit == nil {
+		return refuse
+	}
+	if limit.PerRequest != nil && amount.Cmp(limit.PerRequest) > 0 {
+		refuse.Limit = new(big.Int).Set(limit.PerRequest)
+		return refuse
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	key := spentKey(req.Network, req.Asset)
+	spent := t.spent[key]
+	if spent == nil {
+		spent = new(big.Int)
+	}
+	after := new(big.Int).Add(spent, amount)
+	if limit.Total != nil && after.Cmp(limit.Total) > 0 {
+		refuse.Limit, refuse.Spent = new(big.Int).Set(limit.Total), new(big.Int).Set(spent)
+		return refuse
+	}
+	if reserve {
+		if t.spent == nil {
+			t.spent = map[string]*big.Int{}
+		}
+		t.spent[key] = after
+	}
+	return nil
+}
+
+// release gives back a reservation whose payment was never sent.
+func (t *Transport) release(req x402.PaymentRequirements) {
+	amount, err := x402.ParseUint256(req.Amount)
+	if err != nil {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if s := t.spent[spentKey(req.Network, req.Asset)]; s != nil {
+		s.Sub(s, amount)
+	}
+}
+
+func spentKey(network, asset string) string { return network + " " + strings.ToLower(asset) }
+
+// replayable returns the body to send req with first, and a function that gives it again for the paid
+// request; again is nil when the body cannot be given again (no GetBody, and over the buffer).
+func (t *Transport) replayable(req *http.Request, where string) (first io.ReadCloser, again func() (io.ReadCloser, error), err error) {
+	switch {
+	case req.Body == nil || req.Body == http.NoBody:
+		body := req.Body
+		return body, func() (io.ReadCloser, error) { return body, nil }, nil
+	case req.GetBody != nil:
+		return req.Body, req.GetBody, nil
+	}
+	limit := t.maxBuffered()
+	buf, err := io.ReadAll(io.LimitReader(req.Body, limit+1))
+	if err != nil {
+		req.Body.Close()
+		return nil, nil, fmt.Errorf("payer: reading the request body of %s: %w", where, err)
+	}
+	if int64(len(buf)) > limit {
+		// Too big to keep: sent once as it streams.
+		return struct {
+			io.Reader
+			io.Closer
+		}{io.MultiReader(bytes.NewReader(buf), req.Body), req.Body}, nil, nil
+	}
+	req.Body.Close()
+	again = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(buf)), nil }
+	first, _ = again()
+	return first, again, nil
+}
+
+// requestURL is the request's URL without user info, query or fragment, which may hold secrets, for errors.
+func requestURL(req *http.Request) string {
+	u := *req.URL
+	u.User, u.RawQuery, u.Fragment = nil, "", ""
+	return u.String()
+}
+
+func closeBody(req *http.Request) {
+	if req.Body != nil {
+		req.Body.Close()
+	}
+}
+
+var _ http.RoundTripper = (*Transport)(nil)
