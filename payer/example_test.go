@@ -14,14 +14,14 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	_ "github.com/x402-gateway/caddy-x402/caddymodule"
-	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/payer"
 )
 
 // devPayerKey is the demo payer of the dev chain the example runs: funded with the dev tokens and ETH, and
 // without a Permit2 allowance, so its permit2 payment is gas sponsored. Its key is public; never use it on a
 // real chain. (The example's one reference to the dev chain's Go package.)
-func devPayerKey() *ecdsa.PrivateKey { return chain.DevPayerKey() }
+func devPayerKey() *ecdsa.PrivateKey { return devchain.PayerKey() }
 
 // shopConfig is a Caddy config running the x402 app's dev chain with its JSON-RPC on chainAddr, and a site on
 // siteAddr whose every page costs $0.01 of the dev chain's Stable Coin (10000 raw units), settled by the
