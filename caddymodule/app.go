@@ -383,7 +383,7 @@ func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
 	for _, u := range n.RPC {
 		u = repl.ReplaceAll(u, "")
 		if _, err := url.Parse(u); err != nil || u == "" {
-			return spec, fmt.Errorf("rpc %q is not a URL", redactURL(u))
+			return spec, fmt.Errorf("rpc %q is not a URL", chain.RedactRPCURL(u))
 		}
 		spec.RPC = append(spec.RPC, u)
 	}
@@ -576,10 +576,10 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 	for _, u := range s.RPC {
 		c, err := chain.DialRPC(ctx, u)
 		if err != nil {
-			return nc, fmt.Errorf("rpc %s: %w", redactURL(u), err)
+			return nc, fmt.Errorf("rpc %s: %w", chain.RedactRPCURL(u), err)
 		}
 		entry.clients = append(entry.clients, c)
-		names, backends = append(names, redactURL(u)), append(backends, c)
+		names, backends = append(names, chain.RedactRPCURL(u)), append(backends, c)
 	}
 	fo, err := chain.NewFailover(names, backends)
 	if err != nil {
@@ -680,15 +680,6 @@ func (a *App) Facilitator() *chain.Facilitator {
 		return nil
 	}
 	return a.engine.facilitator
-}
-
-// redactURL drops credentials, path and query of an RPC URL (providers put API keys there) for logs and errors.
-func redactURL(u string) string {
-	p, err := url.Parse(u)
-	if err != nil || p.Host == "" {
-		return "<rpc url>"
-	}
-	return p.Scheme + "://" + p.Host
 }
 
 // Interface guards

@@ -10,6 +10,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
+	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/facilitatorclient"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -24,7 +25,7 @@ func (a *App) rpcRedactor() *strings.Replacer {
 	for _, n := range a.Networks {
 		for _, raw := range n.RPC {
 			u := repl.ReplaceAll(raw, "")
-			short := redactURL(u)
+			short := chain.RedactRPCURL(u)
 			forms := []string{u}
 			if p, err := url.Parse(u); err == nil {
 				forms = append(forms, p.String(), p.Redacted())

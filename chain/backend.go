@@ -283,6 +283,16 @@ func round[T any](ctx context.Context, f *Failover, call func(context.Context, B
 	return zero, false, hung && len(errs) > 0, errors.Join(errs...)
 }
 
+// RedactRPCURL keeps the scheme and host of an RPC URL, for logs and errors: node providers put API keys in its
+// user info, path and query.
+func RedactRPCURL(u string) string {
+	p, err := url.Parse(u)
+	if err != nil || p.Host == "" {
+		return "<rpc url>"
+	}
+	return p.Scheme + "://" + p.Host
+}
+
 // redactErr keeps the endpoint's URL out of a transport error: providers put API keys in its path and query,
 // and Go's HTTP client quotes the whole URL. name is the endpoint's safe label.
 func redactErr(err error, name string) error {

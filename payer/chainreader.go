@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math/big"
-	"net/url"
 	"strings"
 	"time"
 
@@ -25,7 +24,7 @@ type chainReader struct {
 // dialChain connects to rawURL and reads the chain ID, so that an unreachable RPC fails before anything is
 // signed.
 func dialChain(ctx context.Context, rawURL string) (*chainReader, error) {
-	c := &chainReader{raw: rawURL, name: redactRPC(rawURL)}
+	c := &chainReader{raw: rawURL, name: chain.RedactRPCURL(rawURL)}
 	client, err := ethclient.DialContext(ctx, rawURL)
 	if err != nil {
 		return nil, c.wrap("connecting to the RPC", err)
@@ -73,12 +72,3 @@ type rpcError struct {
 
 func (e *rpcError) Error() string { return e.msg }
 func (e *rpcError) Unwrap() error { return e.err }
-
-// redactRPC keeps the scheme and host of an RPC URL: its path, query and user info may hold an API key.
-func redactRPC(u string) string {
-	p, err := url.Parse(u)
-	if err != nil || p.Host == "" {
-		return "<rpc url>"
-	}
-	return p.Scheme + "://" + p.Host
-}
