@@ -421,10 +421,10 @@ func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
 			return spec, fmt.Errorf("asset %q is not an address", as.Address)
 		}
 		if as.Name == "" {
-			as.Name = "Stable Coin"
+			as.Name = x402.DefaultTokenName
 		}
 		if as.Version == "" {
-			as.Version = "1"
+			as.Version = x402.DefaultTokenVersion
 		}
 		if as.Decimals == 0 {
 			as.Decimals = x402.DefaultTokenDecimals

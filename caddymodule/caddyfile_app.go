@@ -136,7 +136,7 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 			a := &Asset{Address: d.Val()}
 			for d.NextArg() {
 				key := d.Val()
-				if key == "eip3009" {
+				if key == x402.TransferEIP3009 {
 					a.EIP3009 = true
 					continue
 				}
@@ -226,7 +226,7 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 				return nil, d.Err("methods needs one or more of permit2, eip3009 and erc2612")
 			}
 			for _, m := range args {
-				if m != "permit2" && m != "eip3009" && m != "erc2612" {
+				if !x402.IsTransferMethod(m) {
 					return nil, d.Errf("unknown method '%s'; want permit2, eip3009 or erc2612", m)
 				}
 				if slices.Contains(n.Methods, m) {

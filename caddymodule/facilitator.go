@@ -234,7 +234,7 @@ func (h *FacilitatorHandler) upstreamFacilitator(repl *caddy.Replacer) (x402.Fac
 // Validate checks the configuration for values no request could make right.
 func (h *FacilitatorHandler) Validate() error {
 	for _, k := range h.Kinds {
-		if k != x402.TransferPermit2 && k != x402.TransferEIP3009 && k != x402.TransferERC2612 {
+		if !x402.IsTransferMethod(k) {
 			return fmt.Errorf("unknown kind %q; want %q, %q or %q", k, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 		}
 	}

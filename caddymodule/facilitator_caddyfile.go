@@ -59,7 +59,7 @@ func (h *FacilitatorHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("kind needs one or more of %s, %s and %s", x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 			}
 			for _, k := range args {
-				if k != x402.TransferPermit2 && k != x402.TransferEIP3009 && k != x402.TransferERC2612 {
+				if !x402.IsTransferMethod(k) {
 					return d.Errf("unknown kind '%s'; want %s, %s or %s", k, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 				}
 				if !slices.Contains(h.Kinds, k) {

@@ -201,7 +201,7 @@ func (a *GateAccept) unmarshalOption(d *caddyfile.Dispenser, opt string) (bool, 
 		return true, d.Errf("%s needs exactly one argument", opt)
 	}
 	switch {
-	case opt == "asset_transfer_method" && *dst != x402.TransferPermit2 && *dst != x402.TransferEIP3009 && *dst != x402.TransferERC2612:
+	case opt == "asset_transfer_method" && !x402.IsTransferMethod(*dst):
 		return true, d.Errf("asset_transfer_method '%s': want %s, %s or %s", *dst, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 	case opt == "price" && a.Amount != "", opt == "amount" && a.Price != "":
 		return true, d.Err("give either price or amount, not both")

@@ -140,8 +140,8 @@ func benchOffer(method string) (*offer, x402.PaymentRequirements) {
 		amount:  big.NewInt(1000),
 		spender: canonicalProxy,
 		permit2: canonicalPermit2,
-		name:    DefaultTokenName,
-		version: DefaultTokenVersion,
+		name:    x402.DefaultTokenName,
+		version: x402.DefaultTokenVersion,
 	}
 	if method == x402.TransferERC2612 {
 		req.Extra.Spender = testWallet.Hex()

@@ -11,6 +11,8 @@ import (
 	"github.com/ethereum/go-ethereum/signer/core/apitypes"
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+
+	"github.com/x402-gateway/caddy-x402/x402"
 )
 
 func referenceDigest(t testing.TB, td apitypes.TypedData) common.Hash {
@@ -245,7 +247,7 @@ func TestDomainCacheIsSafeForConcurrentUse(t *testing.T) {
 
 // stableCoinDomain is the uncached "Stable Coin" / "1" domain.
 func stableCoinDomain(chainID *big.Int, token common.Address) common.Hash {
-	return PermitDomainSeparator(DefaultTokenName, DefaultTokenVersion, chainID, token)
+	return PermitDomainSeparator(x402.DefaultTokenName, x402.DefaultTokenVersion, chainID, token)
 }
 
 func TestDigestsDoNotAllocate(t *testing.T) {

@@ -334,7 +334,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		methods = []string{x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612}
 	}
 	for _, m := range methods {
-		if m != x402.TransferPermit2 && m != x402.TransferERC2612 && m != x402.TransferEIP3009 {
+		if !x402.IsTransferMethod(m) {
 			return nil, fmt.Errorf("unknown asset transfer method %q; want %q, %q or %q", m, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 		}
 		n.methods[m] = true

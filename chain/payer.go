@@ -16,12 +16,6 @@ import (
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// Token permit domain defaults: the values of the spec's networks, used when requirements.extra names none.
-const (
-	DefaultTokenName    = "Stable Coin"
-	DefaultTokenVersion = "1"
-)
-
 // validAfterSkew is how far before now payers date validAfter, as public clients do, so that a chain whose
 // clock lags the payer's still accepts the payment at once.
 const validAfterSkew = 600 * time.Second
@@ -540,10 +534,10 @@ func contractAddress(explicit common.Address, fromExtra, field string, canonical
 
 func tokenDomain(name, version string) (string, string) {
 	if name == "" {
-		name = DefaultTokenName
+		name = x402.DefaultTokenName
 	}
 	if version == "" {
-		version = DefaultTokenVersion
+		version = x402.DefaultTokenVersion
 	}
 	return name, version
 }

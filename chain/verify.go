@@ -306,7 +306,7 @@ func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
 
 	p.method = x402.TransferMethod(rq, pp.Payload)
 	switch {
-	case p.method != x402.TransferPermit2 && p.method != x402.TransferERC2612 && p.method != x402.TransferEIP3009:
+	case !x402.IsTransferMethod(p.method):
 		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "assetTransferMethod %q is not supported; want %q, %q or %q", p.method, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 	case !n.methods[p.method]:
 		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "this facilitator does not settle %s payments on %s", p.method, n.caip2)

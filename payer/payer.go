@@ -222,7 +222,7 @@ func cannotPay(version int, req x402.PaymentRequirements, method string, rpc *ch
 		return fmt.Sprintf("network %q is not an EVM chain this payer knows (eip155:<chain id>)", req.Network)
 	}
 	switch {
-	case m != x402.TransferPermit2 && m != x402.TransferEIP3009 && m != x402.TransferERC2612:
+	case !x402.IsTransferMethod(m):
 		return fmt.Sprintf("asset transfer method %q; this payer pays %s, %s or %s", m, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 	case method != "" && m != method:
 		return "not the method " + method + ", the only one this payer pays by"

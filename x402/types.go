@@ -23,6 +23,11 @@ const (
 	TransferEIP3009 = "eip3009"
 )
 
+// IsTransferMethod reports whether m is one of the asset transfer methods: permit2, eip3009 or erc2612.
+func IsTransferMethod(m string) bool {
+	return m == TransferPermit2 || m == TransferEIP3009 || m == TransferERC2612
+}
+
 // ExtensionEIP2612GasSponsoring is the extension under which a facilitator performs the payer's one-time
 // Permit2 approval from an EIP-2612 permit, paying the gas itself.
 const ExtensionEIP2612GasSponsoring = "eip2612GasSponsoring"
