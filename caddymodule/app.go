@@ -24,6 +24,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/gate"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -475,56 +476,12 @@ type journalEntry struct {
 // writes its payment's served mark after its response is out: closed under it, the journal would lose the mark,
 // and the payment would buy its response again after the next start.
 func (j *journalEntry) Destruct() error {
-	journalUsersOf(j.store).waitIdle(journalDrainWait)
-	journalUsers.Delete(j.store)
+	gate.WaitIdle(j.store, journalDrainWait)
 	return j.store.Close()
 }
 
 // journalDrainWait bounds how long closing a journal waits for the requests at work on it.
 const journalDrainWait = 30 * time.Second
-
-// journalUsers counts, per journal store, the gate requests at work on a payment (see gateLedger.acquire).
-var journalUsers sync.Map // journal.Store -> *storeUsers
-
-// storeUsers is the number of requests at work on one journal.
-type storeUsers struct {
-	mu   sync.Mutex
-	n    int
-	idle chan struct{} // closed when n drops to zero while someone waits
-}
-
-func journalUsersOf(st journal.Store) *storeUsers {
-	u, _ := journalUsers.LoadOrStore(st, &storeUsers{})
-	return u.(*storeUsers)
-}
-
-func (u *storeUsers) add(d int) {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	u.n += d
-	if u.n == 0 && u.idle != nil {
-		close(u.idle)
-		u.idle = nil
-	}
-}
-
-// waitIdle waits until no request is at work, or max has passed.
-func (u *storeUsers) waitIdle(max time.Duration) {
-	u.mu.Lock()
-	if u.n == 0 {
-		u.mu.Unlock()
-		return
-	}
-	if u.idle == nil {
-		u.idle = make(chan struct{})
-	}
-	idle := u.idle
-	u.mu.Unlock()
-	select {
-	case <-idle:
-	case <-time.After(max):
-	}
-}
 
 func (a *App) newEngine(specs []networkSpec) (*engineEntry, error) {
 	je, err := openJournal(a.Journal)

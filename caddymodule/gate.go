@@ -1,24 +1,20 @@
 package caddymodule
 
 import (
-	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
 	"slices"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
-	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/facilitatorclient"
+	"github.com/x402-gateway/caddy-x402/gate"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -30,21 +26,12 @@ func init() {
 const (
 	// SettleAfter runs the upstream first and settles only a successful response (the default): the payer
 	// never pays for an error.
-	SettleAfter = "after"
+	SettleAfter = gate.SettleAfter
 	// SettleBefore settles first and runs the upstream only for a settled payment, for resources that must
 	// not be served unpaid (the upstream does something that cannot be undone).
-	SettleBefore = "before"
+	SettleBefore = gate.SettleBefore
 	// SettleAsync records the verified payment in the journal, serves at once and settles in the background.
-	SettleAsync = "async"
-
-	// defaultAsyncBacklog is how many served payments may wait for settlement before settle async settles
-	// first: ten seconds of the dev chain's settlement rate, minutes of a slow network's, inside the default
-	// five-minute validity of a payment either way.
-	defaultAsyncBacklog = 10_000
-
-	// defaultMaxBuffer bounds the response body a gate holds back per request: a page or a document is served
-	// whole after settlement, a download streams once its payment settled.
-	defaultMaxBuffer = 8 << 20
+	SettleAsync = gate.SettleAsync
 )
 
 // EmbeddedFacilitator is the facilitator_url that names the x402 app's in-process engine.
@@ -117,41 +104,15 @@ type Gate struct {
 
 	app      *App
 	fac      x402.Facilitator // for the embedded facilitator, set when the x402 app starts
-	holder   fundsHolder      // fac, when it can hold payments against payers' funds and the gate settles async
 	embedded bool
 	facName  string            // for logs: "embedded" or the facilitator's base URL
 	redact   *strings.Replacer // takes RPC URLs (which may hold provider keys) out of engine errors
-	specs    []offerSpec
-	registry *x402.Registry
-	ledger   *gateLedger
-	// enginePrunes: the x402 app's embedded engine prunes the journal, so the ledger need not.
-	enginePrunes bool
-	// untrackBacklog takes the ledger out of the backlog gauge.
+	specs    []gate.Offer
+	core     *gate.Gate // the gate itself, made when the x402 app starts
+	// untrackBacklog takes the gate's ledger out of the backlog gauge.
 	untrackBacklog func()
 	metrics        *metrics
 	logger         *zap.Logger
-	now            func() time.Time
-	state          *gateState
-}
-
-// gateState is what a gate changes while it serves (kept behind a pointer so that Gate stays copyable).
-type gateState struct {
-	offers   atomic.Pointer[offerSet] // the current offers, rebuilt from /supported of a remote facilitator
-	refresh  sync.Mutex               // one /supported fetch at a time
-	rotation atomic.Uint64            // spreads erc2612 payers over the settlement wallets
-	warnedAt atomic.Int64             // when the async backlog was last reported full (unix nanoseconds)
-}
-
-// warnBacklog logs, at most every ten seconds, that settle async is settling before serving because too many
-// served payments wait for settlement.
-func (g *Gate) warnBacklog() {
-	now := g.now().UnixNano()
-	last := g.state.warnedAt.Load()
-	if now-last < int64(10*time.Second) || !g.state.warnedAt.CompareAndSwap(last, now) {
-		return
-	}
-	g.logger.Warn("settle async: the backlog of served payments waiting for settlement is full; settling before serving until it drains",
-		zap.Int("async_backlog", g.AsyncBacklog))
 }
 
 // GateAccept is one way to pay: a network, an asset, a recipient, a price and optionally one transfer method.
@@ -190,31 +151,17 @@ func (Gate) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Defaults of a gate.
-const (
-	defaultMaxTimeout = 5 * time.Minute
-	// supportedTTL is how long a remote facilitator's /supported answer shapes the offers before it is asked
-	// again; supportedRetry how long a failed fetch is not retried, so a facilitator that is down costs an
-	// unpaid request nothing; supportedWait how long an unpaid request waits for a fetch.
-	supportedTTL   = 30 * time.Second
-	supportedRetry = 5 * time.Second
-	supportedWait  = 3 * time.Second
-	// settleTimeout bounds one settlement; it runs on even when the client has gone, because a payment that
-	// reached the facilitator must be accounted for.
-	settleTimeout = 2 * time.Minute
-)
+// defaultMaxTimeout is how long a signed payment stays valid unless max_timeout says otherwise.
+const defaultMaxTimeout = 5 * time.Minute
 
 // Provision resolves the gate's offers against the x402 app and picks its facilitator; the gate joins the
 // journal and its ledger when the app starts (see start).
 func (g *Gate) Provision(ctx caddy.Context) error {
 	g.logger = ctx.Logger()
-	g.now = time.Now
 	var err error
 	if g.metrics, err = metricsFor(ctx); err != nil {
 		return err
 	}
-	g.state = new(gateState)
-	g.registry = x402.NewRegistry()
 	if g.PaymentHeader == "" {
 		g.PaymentHeader = x402.HeaderPaymentSignature
 	}
@@ -222,10 +169,10 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 		g.Settle = SettleAfter
 	}
 	if g.AsyncBacklog == 0 {
-		g.AsyncBacklog = defaultAsyncBacklog
+		g.AsyncBacklog = gate.DefaultAsyncBacklog
 	}
 	if g.MaxBuffer == 0 {
-		g.MaxBuffer = defaultMaxBuffer
+		g.MaxBuffer = gate.DefaultMaxBuffer
 	}
 	appVal, err := ctx.App("x402")
 	if err != nil {
@@ -239,10 +186,6 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	if err := g.pickFacilitator(app, repl); err != nil {
 		return err
 	}
-	if !g.embedded {
-		// A remote facilitator may be down now; Caddy starts anyway and asks when payments come.
-		g.state.offers.Store(buildOffers(g.specs, nil, g.registry, time.Time{}))
-	}
 	g.app = app
 	return app.onStart(func() error {
 		if err := g.start(app); err != nil {
@@ -252,38 +195,32 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	})
 }
 
-// start takes up what the gate works with once the x402 app runs: the embedded engine and its offers, the
-// journal, and the ledger with its background settlements.
+// start makes the gate once the x402 app runs, with the embedded engine or the remote facilitator and the
+// app's journal, and starts it: its offers, and the journal's ledger with its background settlements.
 func (g *Gate) start(app *App) error {
 	if g.embedded {
 		g.fac = app.Facilitator()
-		// The engine's /supported never changes while it runs: shape the offers once.
-		sup, err := g.fac.Supported(context.Background())
-		if err != nil {
-			return fmt.Errorf("asking the embedded facilitator what it supports: %w", err)
-		}
-		g.state.offers.Store(buildOffers(g.specs, &sup, g.registry, g.now()))
 	}
 	store, owner, err := app.SettlementJournal()
 	if err != nil {
 		return err
 	}
-	if h, ok := g.fac.(fundsHolder); ok && g.Settle == SettleAsync {
-		g.holder = h
-	}
-	ledger, err := joinLedger(store, owner, g.logger)
+	core, err := gate.New(gate.Config{
+		Offers: g.specs, Settle: g.Settle, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body,
+		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType,
+		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
+		Embedded: g.embedded, EnginePrunes: app.Facilitator() != nil, FacilitatorName: g.facName, Redact: g.redact.Replace,
+		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: originalURI,
+		ErrorStatus: handlerErrorStatus,
+	}, g.fac, store, owner)
 	if err != nil {
 		return err
 	}
-	// The engine's journal is the app's settlement journal: an app with an engine prunes it.
-	g.enginePrunes = app.Facilitator() != nil
-	if err := ledger.register(g); err != nil {
-		ledger.unregister(g)
-		_ = leaveLedger(ledger)
+	if err := core.Start(); err != nil {
 		return err
 	}
-	g.ledger = ledger
-	g.untrackBacklog = g.metrics.trackBacklog(g.ledger)
+	g.core = core
+	g.untrackBacklog = g.metrics.trackBacklog(core.Ledger())
 	return nil
 }
 
@@ -296,9 +233,9 @@ func (g *Gate) pickFacilitator(app *App, repl *caddy.Replacer) error {
 			return errors.New("no facilitator: set facilitator_url, or configure the gate's network in the x402 global option to use the embedded facilitator")
 		}
 		for _, s := range g.specs {
-			if !slices.Contains(networks, s.network) {
+			if !slices.Contains(networks, s.Network) {
 				return fmt.Errorf("the embedded facilitator does not settle on %s (it settles on %s); configure that network in the x402 global option or set facilitator_url",
-					s.network, strings.Join(networks, ", "))
+					s.Network, strings.Join(networks, ", "))
 			}
 		}
 		// The engine itself runs once the app has started (see start).
@@ -318,15 +255,6 @@ func (g *Gate) pickFacilitator(app *App, repl *caddy.Replacer) error {
 	}
 	g.fac, g.facName, g.redact = c, c.BaseURL(), strings.NewReplacer()
 	return nil
-}
-
-// settlesOn reports whether the gate's facilitator settles on network: the engine's networks for the
-// embedded one, the networks of the gate's own offers for a remote one (what else it serves is not known here).
-func (g *Gate) settlesOn(network string) bool {
-	if n, ok := g.fac.(interface{ Networks() []string }); ok && g.embedded {
-		return slices.Contains(n.Networks(), network)
-	}
-	return slices.ContainsFunc(g.specs, func(s offerSpec) bool { return s.network == network })
 }
 
 // Validate checks what Provision could not have fixed.
@@ -361,189 +289,79 @@ func (g *Gate) Validate() error {
 
 // Cleanup leaves the journal; the last gate of a journal stops its background settlements.
 func (g *Gate) Cleanup() error {
-	if g.ledger == nil {
+	if g.core == nil {
 		return nil
 	}
 	if g.untrackBacklog != nil {
 		g.untrackBacklog()
 	}
-	g.ledger.unregister(g)
-	return leaveLedger(g.ledger)
+	return g.core.Close()
 }
 
-// currentOffers returns the offers to make now. For a remote facilitator they are rebuilt from its /supported
-// answer when that is older than supportedTTL: in the background while a stale answer serves, or, when none
-// is known yet, while the request waits (up to supportedWait). A fetch that fails keeps the last offers (or
-// only what is configured explicitly) and is not repeated for supportedRetry.
-func (g *Gate) currentOffers(ctx context.Context) *offerSet {
-	st := g.state
-	cur := st.offers.Load()
-	if g.embedded {
-		return cur
-	}
-	now := g.now()
-	if (cur.known && now.Sub(cur.at) < supportedTTL) || (!cur.failedAt.IsZero() && now.Sub(cur.failedAt) < supportedRetry) {
-		return cur
-	}
-	if cur.known {
-		if st.refresh.TryLock() {
-			go func() {
-				defer st.refresh.Unlock()
-				g.fetchOffers(context.Background())
-			}()
-		}
-		return cur
-	}
-	st.refresh.Lock()
-	defer st.refresh.Unlock()
-	if latest := st.offers.Load(); latest != cur {
-		return latest // fetched while this request waited for the lock
-	}
-	return g.fetchOffers(ctx)
-}
-
-// fetchOffers asks the facilitator's /supported and rebuilds the offers from it; the caller holds refresh.
-func (g *Gate) fetchOffers(ctx context.Context) *offerSet {
-	st := g.state
-	ctx, cancel := context.WithTimeout(ctx, supportedWait)
-	defer cancel()
-	sup, err := g.fac.Supported(ctx)
-	now := g.now()
-	if err != nil {
-		g.logger.Warn("the facilitator's /supported could not be read; the offers stay as they were",
-			zap.String("facilitator", g.facName), zap.String("error", g.describe(err)))
-		next := *st.offers.Load()
-		next.failedAt = now
-		st.offers.Store(&next)
-		return &next
-	}
-	next := buildOffers(g.specs, &sup, g.registry, now)
-	st.offers.Store(next)
-	return next
-}
-
-// ServeHTTP gates the request behind a payment.
+// ServeHTTP gates the request behind a payment. A CORS preflight is answered at once; anything else waits
+// for the x402 app to have started.
 func (g *Gate) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	if isPreflight(r) {
-		// A CORS preflight carries no payment and must not reach the upstream, which may answer it with the
-		// paid resource: the gate answers it itself.
-		return g.answerPreflight(w, r)
+	if gate.IsPreflight(r) {
+		return gate.AnswerPreflight(w, r, g.CORSOrigins, g.PaymentHeader)
 	}
 	if err := g.app.awaitStart(r.Context()); err != nil {
 		return caddyhttp.Error(http.StatusServiceUnavailable, err)
 	}
-	x := &exchange{g: g, w: w, r: r, next: next, start: g.now()}
-	x.repl, _ = r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	if x.repl == nil {
-		x.repl = caddy.NewReplacer()
+	if g.core == nil {
+		return caddyhttp.Error(http.StatusServiceUnavailable, errors.New("the x402 gate did not start"))
 	}
-	g.allowOrigin(w.Header(), r)
-	exposePaymentHeaders(w.Header())
-	return x.run()
+	err := g.core.ServeHTTP(w, r, next)
+	if se, ok := err.(*gate.StatusError); ok {
+		return caddyhttp.Error(se.Status, se.Err)
+	}
+	return err
 }
 
-// preflightMaxAge is how long a browser may keep a preflight answer, in seconds.
-const preflightMaxAge = "600"
-
-// answerPreflight answers a CORS preflight: 204 naming what a paying request may send, or 403 for an origin the
-// gate does not allow. The upstream is never called.
-func (g *Gate) answerPreflight(w http.ResponseWriter, r *http.Request) error {
-	h := w.Header()
-	if !g.allowOrigin(h, r) {
-		h.Set("Content-Type", "text/plain; charset=utf-8")
-		w.WriteHeader(http.StatusForbidden)
-		_, err := fmt.Fprintf(w, "origin %q may not make cross-origin requests to this resource\n", r.Header.Get("Origin"))
-		return err
+// setPaymentPlaceholder publishes one of the gate's variables as its {http.x402.*} placeholder.
+func setPaymentPlaceholder(r *http.Request, name, value string) {
+	repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if !ok {
+		return
 	}
-	allowed := []string{g.PaymentHeader, x402.HeaderXPayment, "Content-Type"}
-	for _, v := range r.Header.Values("Access-Control-Request-Headers") {
-		for _, name := range strings.Split(v, ",") {
-			if name = strings.TrimSpace(name); name != "" && !slices.ContainsFunc(allowed, func(a string) bool { return strings.EqualFold(a, name) }) {
-				allowed = append(allowed, name)
-			}
-		}
-	}
-	h.Set("Access-Control-Allow-Methods", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
-	h.Set("Access-Control-Allow-Headers", strings.Join(allowed, ", "))
-	h.Set("Access-Control-Max-Age", preflightMaxAge)
-	exposePaymentHeaders(h)
-	w.WriteHeader(http.StatusNoContent)
-	return nil
-}
-
-// allowOrigin sets Access-Control-Allow-Origin for a cross-origin request from an allowed origin and reports
-// whether the origin is allowed.
-func (g *Gate) allowOrigin(h http.Header, r *http.Request) bool {
-	origin := r.Header.Get("Origin")
-	if origin == "" {
-		return true
-	}
-	if len(g.CORSOrigins) == 0 || slices.Contains(g.CORSOrigins, "*") {
-		h.Set("Access-Control-Allow-Origin", "*")
-		return true
-	}
-	h.Add("Vary", "Origin")
-	if !slices.ContainsFunc(g.CORSOrigins, func(o string) bool { return strings.EqualFold(strings.TrimSuffix(o, "/"), origin) }) {
-		return false
-	}
-	h.Set("Access-Control-Allow-Origin", origin)
-	return true
-}
-
-// isUpgrade reports whether r asks for a tunnel (a protocol upgrade such as WebSocket, or CONNECT), which is
-// served as it goes and may outlast the payment's validity: such a request is paid for before it opens.
-func isUpgrade(r *http.Request) bool {
-	if r.Method == http.MethodConnect {
-		return true
-	}
-	if r.Header.Get("Upgrade") == "" {
-		return false
-	}
-	for _, v := range r.Header.Values("Connection") {
-		for _, tok := range strings.Split(v, ",") {
-			if strings.EqualFold(strings.TrimSpace(tok), "upgrade") {
-				return true
-			}
-		}
-	}
-	return false
-}
-
-// describe is an error's text with RPC URLs taken out, for answers and logs.
-func (g *Gate) describe(err error) string { return g.redact.Replace(err.Error()) }
-
-// isPreflight reports whether r is a CORS preflight request.
-func isPreflight(r *http.Request) bool {
-	return r.Method == http.MethodOptions && r.Header.Get("Origin") != "" && r.Header.Get("Access-Control-Request-Method") != ""
-}
-
-// exposePaymentHeaders lets browser scripts read the payment headers of cross-origin answers.
-func exposePaymentHeaders(h http.Header) {
-	const name = "Access-Control-Expose-Headers"
-	have := strings.ToLower(strings.Join(h.Values(name), ","))
-	var add []string
-	for _, v := range []string{x402.HeaderPaymentRequired, x402.HeaderPaymentResponse, x402.HeaderXPaymentResponse} {
-		if !strings.Contains(have, strings.ToLower(v)) {
-			add = append(add, v)
-		}
-	}
-	if len(add) > 0 {
-		h.Add(name, strings.Join(add, ", "))
+	switch name {
+	case gate.VarStatus:
+		repl.Set("http.x402.status", value)
+	case gate.VarPayer:
+		repl.Set("http.x402.payer", value)
+	case gate.VarNetwork:
+		repl.Set("http.x402.network", value)
+	case gate.VarAmount:
+		repl.Set("http.x402.amount", value)
+	case gate.VarTransaction:
+		repl.Set("http.x402.transaction", value)
+	default:
+		repl.Set("http.x402."+name, value)
 	}
 }
 
-// gateBuffers recycles the buffers upstream responses are held in until the payment is settled.
-var gateBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
-
-// gateID is the journal id of the gate's record of a payment: the engine's own settlement record of the same
-// payment lives in the same journal, so the method is prefixed to keep the two apart.
-func gateID(network, method, asset string, p x402.ExactEVMPayload) (journal.ID, bool) {
-	from, nonce := p.PayerAndNonce()
-	if from == "" || nonce == "" || network == "" || asset == "" || method == "" {
-		return journal.ID{}, false
+// originalURI is the URI the client asked for, before any rewrite.
+func originalURI(r *http.Request) string {
+	if orig, ok := r.Context().Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok && orig.URL != nil {
+		return orig.URL.RequestURI()
 	}
-	return journal.PaymentID(network, "gate/"+method, asset, from, nonce), true
+	return r.URL.RequestURI()
 }
+
+// handlerErrorStatus is the status a Caddy handler error carries, 0 for none.
+func handlerErrorStatus(err error) int {
+	var he caddyhttp.HandlerError
+	if errors.As(err, &he) {
+		return he.StatusCode
+	}
+	return 0
+}
+
+// gateMetrics reports a gate's observations as the caddy_x402_* metrics of the gate handler.
+type gateMetrics struct{ m *metrics }
+
+func (gm gateMetrics) ObserveOutcome(status x402.OutcomeStatus) { gm.m.observeOutcome(status) }
+func (gm gateMetrics) ObserveVerify(d time.Duration)            { gm.m.observeVerify(metricsHandlerGate, d) }
+func (gm gateMetrics) ObserveSettle(d time.Duration)            { gm.m.observeSettle(metricsHandlerGate, d) }
 
 // Interface guards
 var (
@@ -551,4 +369,5 @@ var (
 	_ caddy.Validator             = (*Gate)(nil)
 	_ caddy.CleanerUpper          = (*Gate)(nil)
 	_ caddyhttp.MiddlewareHandler = (*Gate)(nil)
+	_ gate.Metrics                = gateMetrics{}
 )

@@ -277,8 +277,8 @@ func (s *sources[S]) list() []S {
 	return out
 }
 
-// backlogSource is the gate ledger of one journal (*gateLedger).
-type backlogSource interface{ backlog() int }
+// backlogSource is the gate ledger of one journal (*gate.Ledger).
+type backlogSource interface{ Backlog() int }
 
 // backlogCollector reports how many served settle-async payments wait for their settlement, over the journals
 // of the config's gates, read when scraped.
@@ -302,7 +302,7 @@ func (c *backlogCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 func (c *backlogCollector) Collect(ch chan<- prometheus.Metric) {
 	total := 0
 	for _, s := range c.list() {
-		total += s.backlog()
+		total += s.Backlog()
 	}
 	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(total))
 }

@@ -1,4 +1,4 @@
-package caddymodule
+package gate
 
 import (
 	"bytes"

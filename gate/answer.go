@@ -1,4 +1,4 @@
-package caddymodule
+package gate
 
 import (
 	"encoding/json"
@@ -8,19 +8,18 @@ import (
 	"strings"
 	"time"
 
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
 // This file holds the answers the gate writes itself, one per PaymentOutcome that does not serve the resource,
-// and the bookkeeping every request ends with: placeholders and a log line.
+// and the bookkeeping every request ends with: variables (Config.SetVar), metrics and a log line.
 
 // noPayment answers a request without a payment: 402 with what to pay, as the PAYMENT-REQUIRED header and as
 // the body (the version 1 body if so configured, a paywall page for browsers).
 func (x *exchange) noPayment() error {
-	errText := fmt.Sprintf("%s header is required", x.g.PaymentHeader)
+	errText := fmt.Sprintf("%s header is required", x.g.cfg.PaymentHeader)
 	if len(x.offers.offers) == 0 {
 		errText = "no way to pay is available right now: the facilitator could not be asked what it supports; try again shortly"
 	}
@@ -30,7 +29,7 @@ func (x *exchange) noPayment() error {
 	if wantsHTML(x.r) {
 		return x.writePaywall(pr)
 	}
-	x.v1 = x.g.V1Body
+	x.v1 = x.g.cfg.V1Body
 	return x.writeRequired(http.StatusPaymentRequired, pr)
 }
 
@@ -81,7 +80,7 @@ func (x *exchange) settleUnreachable(detail string, cause error, pending *x402.S
 	x.resetHeaders()
 	if pending != nil {
 		o.Transaction, body.Transaction = pending.Transaction, pending.Transaction
-		x.repl.Set("http.x402.transaction", pending.Transaction)
+		x.setVar(VarTransaction, pending.Transaction)
 		x.setSettleHeader(*pending)
 	}
 	x.end(o, x.causeField(cause)...)
@@ -139,11 +138,7 @@ func (x *exchange) resource() x402.ResourceInfo {
 	if x.r.TLS != nil {
 		scheme = "https"
 	}
-	uri := x.r.URL.RequestURI()
-	if orig, ok := x.r.Context().Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok && orig.URL != nil {
-		uri = orig.URL.RequestURI()
-	}
-	return x402.ResourceInfo{URL: scheme + "://" + x.r.Host + uri, Description: x.g.Description, MimeType: x.g.MimeType}
+	return x402.ResourceInfo{URL: scheme + "://" + x.r.Host + x.g.cfg.OriginalURI(x.r), Description: x.g.cfg.Description, MimeType: x.g.cfg.MimeType}
 }
 
 func (x *exchange) setRequiredHeader(pr x402.PaymentRequired) {
@@ -203,29 +198,29 @@ func wantsHTML(r *http.Request) bool {
 	return strings.Contains(strings.ToLower(r.Header.Get("Accept")), "text/html")
 }
 
-// end records the request's one outcome: placeholders for logs and later handlers, and a log line.
+// end records the request's one outcome: variables for logs and later handlers, metrics, and a log line.
 func (x *exchange) end(o x402.PaymentOutcome, extra ...zap.Field) {
 	if x.ended {
 		x.g.logger.Error("a gated request ended twice; keeping the first outcome", zap.String("second", string(o.Status)))
 		return
 	}
 	x.ended = true
-	x.g.metrics.observeOutcome(o.Status)
+	x.g.metrics.ObserveOutcome(o.Status)
 	if o.VerifyMs > 0 {
-		x.g.metrics.observeVerify(metricsHandlerGate, time.Duration(o.VerifyMs*float64(time.Millisecond)))
+		x.g.metrics.ObserveVerify(time.Duration(o.VerifyMs * float64(time.Millisecond)))
 	}
 	if o.SettleMs > 0 {
-		x.g.metrics.observeSettle(metricsHandlerGate, time.Duration(o.SettleMs*float64(time.Millisecond)))
+		x.g.metrics.ObserveSettle(time.Duration(o.SettleMs * float64(time.Millisecond)))
 	}
-	x.repl.Set("http.x402.status", string(o.Status))
+	x.setVar(VarStatus, string(o.Status))
 	if o.Payer != "" {
-		x.repl.Set("http.x402.payer", o.Payer)
+		x.setVar(VarPayer, o.Payer)
 	}
 	if o.Network != "" {
-		x.repl.Set("http.x402.network", o.Network)
+		x.setVar(VarNetwork, o.Network)
 	}
 	if o.Transaction != "" {
-		x.repl.Set("http.x402.transaction", o.Transaction)
+		x.setVar(VarTransaction, o.Transaction)
 	}
 	fields := append([]zap.Field{
 		zap.String("outcome", string(o.Status)), zap.String("payer", o.Payer), zap.String("network", o.Network),

@@ -1,8 +1,9 @@
-package caddymodule
+package gate
 
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -10,7 +11,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/chain/journal"
@@ -20,15 +20,18 @@ import (
 // ledgers holds the gates' side of each open settlement journal across config reloads, keyed by the store:
 // requests of the old and the new config must see the same payments in flight, and background settlements
 // must outlive a reload.
-var ledgers = caddy.NewUsagePool()
+var ledgers = struct {
+	mu sync.Mutex
+	m  map[journal.Store]*Ledger
+}{m: map[journal.Store]*Ledger{}}
 
-// gateLedger is what the gates of one journal share: the payments a request is working on right now, and
+// Ledger is what the gates of one journal share: the payments a request is working on right now, and
 // the async payments being settled in the background.
 //
 // The journal makes each payment buy one response: a payment is served only after its gate record says so,
 // and a record that says so is never served again. The in-flight set covers the time before that record
 // exists; the journal file is locked to one process, so an in-memory set is enough.
-type gateLedger struct {
+type Ledger struct {
 	store journal.Store
 	owner string
 	log   *zap.Logger
@@ -40,6 +43,8 @@ type gateLedger struct {
 
 	// users counts the requests at work here for the journal, which waits for them before it closes.
 	users *storeUsers
+	// refs counts the gates that joined (see joinLedger).
+	refs int
 
 	mu       sync.Mutex
 	inflight map[journal.ID]struct{}
@@ -84,48 +89,87 @@ const (
 )
 
 // settlementPause, when set, holds background settlements before they start until it is closed. Only
-// benchmarks set it (PauseBackgroundSettlement in export_test.go), to measure what serving costs apart from
+// benchmarks set it (PauseBackgroundSettlement), to measure what serving costs apart from
 // settling on the same cores.
 var settlementPause atomic.Pointer[chan struct{}]
 
 // joinLedger takes a reference on the ledger of store, creating it for the first gate of the journal.
-func joinLedger(store journal.Store, owner string, log *zap.Logger) (*gateLedger, error) {
-	v, _, err := ledgers.LoadOrNew(store, func() (caddy.Destructor, error) {
-		ctx, cancel := context.WithCancel(context.Background())
-		return &gateLedger{
-			store: store, owner: owner, log: log, now: time.Now, users: journalUsersOf(store),
-			inflight: map[journal.ID]struct{}{}, settling: map[journal.ID]struct{}{},
-			debts: map[string]*payerDebt{}, owedBy: map[journal.ID]string{},
-			slots: make(chan struct{}, asyncConcurrency), ctx: ctx, cancel: cancel,
-		}, nil
-	})
-	if err != nil {
-		return nil, err
+func joinLedger(store journal.Store, owner string, log *zap.Logger) *Ledger {
+	ledgers.mu.Lock()
+	defer ledgers.mu.Unlock()
+	if l := ledgers.m[store]; l != nil {
+		l.refs++
+		return l
 	}
-	return v.(*gateLedger), nil
+	ctx, cancel := context.WithCancel(context.Background())
+	l := &Ledger{
+		store: store, owner: owner, log: log, now: time.Now, users: journalUsersOf(store),
+		inflight: map[journal.ID]struct{}{}, settling: map[journal.ID]struct{}{},
+		debts: map[string]*payerDebt{}, owedBy: map[journal.ID]string{},
+		slots: make(chan struct{}, asyncConcurrency), ctx: ctx, cancel: cancel, refs: 1,
+	}
+	ledgers.m[store] = l
+	return l
 }
 
 // leaveLedger lets go of a reference; the last one stops the background settlements.
-func leaveLedger(l *gateLedger) error {
-	_, err := ledgers.Delete(l.store)
-	return err
+func leaveLedger(l *Ledger) {
+	ledgers.mu.Lock()
+	l.refs--
+	last := l.refs == 0
+	if last {
+		delete(ledgers.m, l.store)
+	}
+	ledgers.mu.Unlock()
+	if last {
+		l.stop()
+	}
 }
 
-// Destruct stops background settlements and the prune loop, and waits for them. Payments they did not finish
+// stop stops background settlements and the prune loop, and waits for them. Payments they did not finish
 // stay pending in the journal and are settled after the next start.
-func (l *gateLedger) Destruct() error {
+func (l *Ledger) stop() {
 	l.mu.Lock()
 	l.cancel()
 	l.mu.Unlock()
 	l.wg.Wait()
-	return nil
+}
+
+// PruneJournals runs the gates' periodic journal prune now, as if the clock read now, on every journal a
+// started gate uses, and returns how many records it deleted: the real prune runs every ten minutes. For tests.
+func PruneJournals(now time.Time) (int, error) {
+	ledgers.mu.Lock()
+	list := make([]*Ledger, 0, len(ledgers.m))
+	for _, l := range ledgers.m {
+		list = append(list, l)
+	}
+	ledgers.mu.Unlock()
+	total := 0
+	var errs []error
+	for _, l := range list {
+		n, err := l.prune(now)
+		total += n
+		errs = append(errs, err)
+	}
+	return total, errors.Join(errs...)
+}
+
+// PauseBackgroundSettlement holds the background settlements of settle-async gates until resume is called, so a
+// benchmark can measure what serving paid requests costs apart from settling them on the same cores.
+func PauseBackgroundSettlement() (resume func()) {
+	ch := make(chan struct{})
+	settlementPause.Store(&ch)
+	return func() {
+		settlementPause.Store(nil)
+		close(ch)
+	}
 }
 
 // register adds a gate that can settle payments, settles the async payments waiting in the journal (left
 // by a previous process, or waiting for a facilitator of their network), and starts the prune loop.
 // An error says the journal could not be read: its async payments would be forgotten (never settled, their
 // payers not counted), so the gate must not start.
-func (l *gateLedger) register(g *Gate) error {
+func (l *Ledger) register(g *Gate) error {
 	l.mu.Lock()
 	l.gates = append(l.gates, g)
 	if !l.pruning && l.ctx.Err() == nil {
@@ -137,14 +181,14 @@ func (l *gateLedger) register(g *Gate) error {
 	return l.replay()
 }
 
-func (l *gateLedger) unregister(g *Gate) {
+func (l *Ledger) unregister(g *Gate) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.gates = slices.DeleteFunc(l.gates, func(x *Gate) bool { return x == g })
 }
 
 // acquire marks a payment as being worked on by a request; false means another request has it.
-func (l *gateLedger) acquire(id journal.ID) bool {
+func (l *Ledger) acquire(id journal.ID) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if _, busy := l.inflight[id]; busy {
@@ -155,7 +199,7 @@ func (l *gateLedger) acquire(id journal.ID) bool {
 	return true
 }
 
-func (l *gateLedger) release(id journal.ID) {
+func (l *Ledger) release(id journal.ID) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if _, ok := l.inflight[id]; ok {
@@ -167,7 +211,7 @@ func (l *gateLedger) release(id journal.ID) {
 // replay settles every async payment the journal holds unsettled. Those not marked served count too: a process
 // that died between writing a response and recording it as delivered leaves them so, and their responses may
 // have reached the payer.
-func (l *gateLedger) replay() error {
+func (l *Ledger) replay() error {
 	served, err := l.store.PendingOf(l.ctx, true)
 	if err != nil {
 		return fmt.Errorf("reading the async payments the settlement journal holds unsettled: %w; not starting with them forgotten", err)
@@ -187,7 +231,7 @@ func (l *gateLedger) replay() error {
 // embedded engine), as serving them did before the restart: settlements start a few at a time, and until each
 // starts, a new payment of the same payer must still count it. A payment already settled, or one its payer can
 // no longer cover, is not held: its settlement is final, or will be refused, either way.
-func (l *gateLedger) holdReplayed(recs []journal.Record) {
+func (l *Ledger) holdReplayed(recs []journal.Record) {
 	defer l.wg.Done()
 	for _, rec := range recs {
 		if l.ctx.Err() != nil {
@@ -208,7 +252,7 @@ func (l *gateLedger) holdReplayed(recs []journal.Record) {
 }
 
 // settleLater settles a served async payment in the background, retrying until the outcome is final.
-func (l *gateLedger) settleLater(id journal.ID) {
+func (l *Ledger) settleLater(id journal.ID) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.ctx.Err() != nil {
@@ -222,8 +266,8 @@ func (l *gateLedger) settleLater(id journal.ID) {
 	go l.settleInBackground(id)
 }
 
-// backlog is how many served async payments are waiting for their settlement.
-func (l *gateLedger) backlog() int {
+// Backlog is how many served async payments are waiting for their settlement.
+func (l *Ledger) Backlog() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return len(l.settling)
@@ -244,7 +288,7 @@ const maxWaitersPerPayer = 4
 // reserveWaiter takes one of the payer's waiting places when the payer owes an unsettled served payment: full
 // says all are taken (the request is refused before anything is verified), and release gives the place back.
 // A payer who owes nothing needs no place.
-func (l *gateLedger) reserveWaiter(payer string) (release func(), full bool) {
+func (l *Ledger) reserveWaiter(payer string) (release func(), full bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	d := l.debts[strings.ToLower(payer)]
@@ -268,7 +312,7 @@ func (l *gateLedger) reserveWaiter(payer string) (release func(), full bool) {
 // is final, and serveFirst returns nil. Otherwise it returns a channel that is closed once the payer's earlier
 // payments have settled; the caller waits for it and settles this payment before serving it, so its
 // settlement sees what the earlier ones spent and a payer is never served more than the payer can pay.
-func (l *gateLedger) serveFirst(id journal.ID, payer string) <-chan struct{} {
+func (l *Ledger) serveFirst(id journal.ID, payer string) <-chan struct{} {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if d := l.debts[strings.ToLower(payer)]; d != nil {
@@ -279,7 +323,7 @@ func (l *gateLedger) serveFirst(id journal.ID, payer string) <-chan struct{} {
 }
 
 // owe counts a replayed async payment against its payer until its settlement is final.
-func (l *gateLedger) owe(id journal.ID, payer string) {
+func (l *Ledger) owe(id journal.ID, payer string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if _, counted := l.owedBy[id]; !counted {
@@ -287,7 +331,7 @@ func (l *gateLedger) owe(id journal.ID, payer string) {
 	}
 }
 
-func (l *gateLedger) oweLocked(id journal.ID, payer string) {
+func (l *Ledger) oweLocked(id journal.ID, payer string) {
 	k := strings.ToLower(payer)
 	d := l.debts[k]
 	if d == nil {
@@ -300,7 +344,7 @@ func (l *gateLedger) oweLocked(id journal.ID, payer string) {
 
 // forgive stops counting a payment that will not be settled in the background after all (its upstream
 // failed, or the journal did not take it). A payment being settled stays counted until its settlement is final.
-func (l *gateLedger) forgive(id journal.ID) {
+func (l *Ledger) forgive(id journal.ID) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if _, running := l.settling[id]; !running {
@@ -308,7 +352,7 @@ func (l *gateLedger) forgive(id journal.ID) {
 	}
 }
 
-func (l *gateLedger) clearDebtLocked(id journal.ID) {
+func (l *Ledger) clearDebtLocked(id journal.ID) {
 	k, ok := l.owedBy[id]
 	if !ok {
 		return
@@ -326,11 +370,11 @@ func (l *gateLedger) clearDebtLocked(id journal.ID) {
 // whose terms include rq, else (a reload changed the price or the recipient since the payment was served) one
 // whose facilitator settles on rq's network. The payment is settled with rq either way, the requirement it
 // was served under and its payer signed for. nil when no gate's facilitator settles on the network.
-func (l *gateLedger) gateFor(rq x402.PaymentRequirements) (g *Gate, sameTerms bool) {
+func (l *Ledger) gateFor(rq x402.PaymentRequirements) (g *Gate, sameTerms bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for _, g := range l.gates {
-		for _, s := range g.specs {
+		for _, s := range g.cfg.Offers {
 			if s.sameTerms(rq) {
 				return g, true
 			}
@@ -353,7 +397,7 @@ type settleState struct {
 
 // settleInBackground settles one async payment. An unreachable facilitator, a settlement still pending and a
 // busy wallet pool are retried with a growing pause; any other answer is final and recorded.
-func (l *gateLedger) settleInBackground(id journal.ID) {
+func (l *Ledger) settleInBackground(id journal.ID) {
 	defer l.wg.Done()
 	defer func() {
 		l.mu.Lock()
@@ -392,7 +436,7 @@ func (l *gateLedger) settleInBackground(id journal.ID) {
 }
 
 // settleAttempt makes one attempt and reports whether another is needed.
-func (l *gateLedger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) bool {
+func (l *Ledger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) bool {
 	rec, ok, err := l.store.Get(l.ctx, id)
 	if err != nil {
 		if l.ctx.Err() == nil {
@@ -427,14 +471,14 @@ func (l *gateLedger) settleAttempt(log *zap.Logger, id journal.ID, st *settleSta
 	}
 	if !sameTerms && !st.notedTerms {
 		log.Info("no configured gate offers the terms a served async payment was served under any more; settling it under those terms",
-			zap.String("facilitator", g.facName), zap.String("network", rq.Network), zap.String("pay_to", rq.PayTo),
+			zap.String("facilitator", g.cfg.FacilitatorName), zap.String("network", rq.Network), zap.String("pay_to", rq.PayTo),
 			zap.String("amount", rq.Amount))
 		st.notedTerms = true
 	}
 	ctx, cancel := context.WithTimeout(l.ctx, settleTimeout)
 	resp, err := g.fac.Settle(ctx, req)
 	cancel()
-	log = log.With(zap.String("facilitator", g.facName), zap.String("payer", rec.Payer), zap.String("amount", rec.Amount))
+	log = log.With(zap.String("facilitator", g.cfg.FacilitatorName), zap.String("payer", rec.Payer), zap.String("amount", rec.Amount))
 	switch {
 	case err != nil:
 		if l.ctx.Err() == nil {
@@ -466,7 +510,7 @@ func (l *gateLedger) settleAttempt(log *zap.Logger, id journal.ID, st *settleSta
 // expire finishes a served async payment that no facilitator can settle any more: no configured gate's
 // facilitator settled on its network before its authorization expired. Its record becomes final with a failed
 // answer, so that it leaves the backlog and no longer counts against its payer.
-func (l *gateLedger) expire(log *zap.Logger, id journal.ID, payer string, req x402.SettleRequest, deadline time.Time) {
+func (l *Ledger) expire(log *zap.Logger, id journal.ID, payer string, req x402.SettleRequest, deadline time.Time) {
 	rq := req.PaymentRequirements
 	reason := x402.ReasonValidBefore
 	if x402.TransferMethod(rq, req.PaymentPayload.Payload) == x402.TransferPermit2 {
@@ -481,7 +525,7 @@ func (l *gateLedger) expire(log *zap.Logger, id journal.ID, payer string, req x4
 }
 
 // finalise records the final answer of an async payment.
-func (l *gateLedger) finalise(log *zap.Logger, id journal.ID, resp x402.SettleResponse) {
+func (l *Ledger) finalise(log *zap.Logger, id journal.ID, resp x402.SettleResponse) {
 	_, err := l.store.Update(context.Background(), id, func(r *journal.Record) error {
 		if r.State != journal.StateFinal {
 			r.State, r.Response = journal.StateFinal, &resp
@@ -496,7 +540,7 @@ func (l *gateLedger) finalise(log *zap.Logger, id journal.ID, resp x402.SettleRe
 
 // pruneLoop deletes the journal's final records gatePruneAfter past their deadline, once at start and then
 // every gatePruneEvery, while no embedded engine prunes the journal (its own pruning keeps them longer).
-func (l *gateLedger) pruneLoop() {
+func (l *Ledger) pruneLoop() {
 	defer l.wg.Done()
 	t := time.NewTicker(gatePruneEvery)
 	defer t.Stop()
@@ -520,13 +564,13 @@ func (l *gateLedger) pruneLoop() {
 }
 
 // enginePrunes reports whether an embedded engine prunes the journal: a gate of a config with one is registered.
-func (l *gateLedger) enginePrunes() bool {
+func (l *Ledger) enginePrunes() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return slices.ContainsFunc(l.gates, func(g *Gate) bool { return g.enginePrunes })
+	return slices.ContainsFunc(l.gates, func(g *Gate) bool { return g.cfg.EnginePrunes })
 }
 
 // prune deletes the final records gatePruneAfter past their deadline at now, and returns how many.
-func (l *gateLedger) prune(now time.Time) (int, error) {
+func (l *Ledger) prune(now time.Time) (int, error) {
 	return l.store.Prune(l.ctx, now.Add(-gatePruneAfter))
 }

@@ -1,4 +1,4 @@
-package caddymodule
+package gate
 
 import (
 	"bytes"
@@ -61,7 +61,7 @@ func (x *exchange) writePaywall(pr x402.PaymentRequired) error {
 		Description, URL, Price, Header string
 		Rows                            []paywallRow
 		JSON                            template.JS
-	}{Description: pr.Resource.Description, URL: pr.Resource.URL, Header: x.g.PaymentHeader, JSON: template.JS(doc)}
+	}{Description: pr.Resource.Description, URL: pr.Resource.URL, Header: x.g.cfg.PaymentHeader, JSON: template.JS(doc)}
 	var prices []string
 	for _, o := range x.offers.offers {
 		amount := x402.FormatTokenAmount(o.req.Amount, o.decimals) + " " + o.req.Extra.Name

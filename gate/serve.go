@@ -1,4 +1,4 @@
-package caddymodule
+package gate
 
 import (
 	"bytes"
@@ -11,8 +11,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/ethereum/go-ethereum/common"
 	"go.uber.org/zap"
 
@@ -26,8 +24,7 @@ type exchange struct {
 	g     *Gate
 	w     http.ResponseWriter
 	r     *http.Request
-	next  caddyhttp.Handler
-	repl  *caddy.Replacer
+	next  Handler
 	start time.Time
 
 	offers *offerSet
@@ -54,7 +51,7 @@ type exchange struct {
 type upstream struct {
 	rec *heldResponse
 	buf *bytes.Buffer
-	err error // the handler's error (Caddy then answers with its status)
+	err error // the next handler's error (the server then answers with its status)
 }
 
 // ok reports whether the upstream produced a response the payer pays for: no error and no 4xx/5xx status.
@@ -75,7 +72,7 @@ const maxPooledBuffer = 1 << 20
 // configured order of upstream and settlement.
 func (x *exchange) run() error {
 	x.offers = x.g.currentOffers(x.r.Context())
-	x.turn = x.g.state.rotation.Add(1)
+	x.turn = x.g.rotation.Add(1)
 	value, fromV1Header := x.paymentHeader()
 	if value == "" {
 		return x.noPayment()
@@ -153,7 +150,7 @@ func (x *exchange) read(value string, fromV1Header bool) (presented, error) {
 
 // paymentHeader returns the payment the request carries, and whether it came in the version 1 header.
 func (x *exchange) paymentHeader() (string, bool) {
-	if v := x.r.Header.Get(x.g.PaymentHeader); v != "" {
+	if v := x.r.Header.Get(x.g.cfg.PaymentHeader); v != "" {
 		return v, false
 	}
 	if v := x.r.Header.Get(x402.HeaderXPayment); v != "" {
@@ -164,7 +161,7 @@ func (x *exchange) paymentHeader() (string, bool) {
 
 // verifyAndServe verifies a new payment and serves it in the gate's settlement mode.
 func (x *exchange) verifyAndServe() error {
-	if x.g.Settle == SettleAsync && x.g.holder == nil {
+	if x.g.cfg.Settle == SettleAsync && x.g.holder == nil {
 		// A payer who owes a served payment waits for it to settle (serveFirst): only a few of its requests may
 		// wait at once, each holding a connection; the rest are turned away before they cost a verification.
 		release, full := x.g.ledger.reserveWaiter(signedPayer(x.req))
@@ -190,15 +187,15 @@ func (x *exchange) verifyAndServe() error {
 	}
 	x.setPaymentPlaceholders()
 
-	x.repl.Set("http.x402.status", "verified")
+	x.setVar(VarStatus, "verified")
 	switch {
-	case x.g.Settle == SettleBefore, isUpgrade(x.r):
+	case x.g.cfg.Settle == SettleBefore, isUpgrade(x.r):
 		if err := x.record(); err != nil {
 			return x.recordFailed(err)
 		}
 		return x.settleThenServe(nil)
-	case x.g.Settle == SettleAsync:
-		if x.g.ledger.backlog() >= x.g.AsyncBacklog {
+	case x.g.cfg.Settle == SettleAsync:
+		if x.g.ledger.Backlog() >= x.g.cfg.AsyncBacklog {
 			x.g.warnBacklog()
 			return x.settleAfter()
 		}
@@ -310,7 +307,7 @@ func (x *exchange) presentedAgain(rec journal.Record, payload x402.ExactEVMPaylo
 	}
 	// The earlier /settle of the payment may have reached a remote facilitator (its outcome was never learnt, or
 	// was pending): a refusal now may be that facilitator finding the nonce spent by its own settlement.
-	x.resend = !x.g.embedded && (rec.Response == nil || rec.Response.Pending())
+	x.resend = !x.g.cfg.Embedded && (rec.Response == nil || rec.Response.Pending())
 	return x.settleThenServe(nil)
 }
 
@@ -422,7 +419,7 @@ func (x *exchange) settleThenServe(up *upstream) error {
 		return x.settleUnreachable(fmt.Sprintf("the facilitator could not be reached to settle: %s", facilitatorProblem(err)), err, nil)
 	}
 	if problem := x402.SettlementProblem(x.req, resp); resp.Success && problem != "" {
-		x.g.logger.Error("the facilitator answered success for a settlement it does not show", zap.String("facilitator", x.g.facName),
+		x.g.logger.Error("the facilitator answered success for a settlement it does not show", zap.String("facilitator", x.g.cfg.FacilitatorName),
 			zap.String("payment", x.id.String()), zap.String("problem", problem))
 		return x.settleUnreachable("the facilitator answered success, but "+problem+"; the outcome is unknown", nil, nil)
 	}
@@ -451,15 +448,15 @@ func (x *exchange) settleThenServe(up *upstream) error {
 // before the response gets nothing; either way the payment stays unserved, so presenting it again serves it
 // without paying again.
 func (x *exchange) serveSettled(resp x402.SettleResponse, up *upstream) error {
-	x.repl.Set("http.x402.status", string(x402.OutcomeSettled))
-	x.repl.Set("http.x402.transaction", resp.Transaction)
+	x.setVar(VarStatus, string(x402.OutcomeSettled))
+	x.setVar(VarTransaction, resp.Transaction)
 	if err := x.r.Context().Err(); err != nil {
 		// The client left while the payment settled: the response would reach nobody, so the payment has not
 		// bought it yet. Presenting the same payment again serves it without paying again.
 		x.note(func(r *journal.Record) { r.Response = &resp })
 		x.end(x.settledOutcome(resp),
 			zap.String("note", "the client left before the response; presenting the payment again serves it"))
-		return caddyhttp.Error(499, err) // as reverse_proxy reports a client that went away
+		return &StatusError{Status: 499, Err: err} // as Caddy's reverse_proxy reports a client that went away
 	}
 	if up == nil {
 		return x.serveUpstream(func(up *upstream) error { return x.serveSettledUpstream(resp, up) })
@@ -605,7 +602,7 @@ func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 	buf := gateBuffers.Get().(*bytes.Buffer)
 	buf.Reset()
 	up = &upstream{buf: buf}
-	up.rec = newHeldResponse(x.w, buf, x.g.MaxBuffer, func() error { return serve(up) })
+	up.rec = newHeldResponse(x.w, buf, x.g.cfg.MaxBuffer, func() error { return serve(up) })
 	returned := false
 	defer func() {
 		if returned {
@@ -644,7 +641,7 @@ func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 // streamedPayment is what deliver leaves for the end of a streamed response: the settlement to record with it.
 type streamedPayment struct{ settled *x402.SettleResponse }
 
-// writeUpstream sends the held-back response, or hands the upstream's error to Caddy.
+// writeUpstream sends the held-back response, or returns the upstream's error to the server.
 func (x *exchange) writeUpstream(up *upstream) error {
 	if up.err != nil {
 		return up.err
@@ -671,9 +668,8 @@ func (x *exchange) passFailure(up *upstream, detail string) error {
 	status := up.rec.Status()
 	if up.err != nil {
 		status = http.StatusInternalServerError
-		var he caddyhttp.HandlerError
-		if errors.As(up.err, &he) && he.StatusCode != 0 {
-			status = he.StatusCode
+		if s := x.g.cfg.ErrorStatus(up.err); s != 0 {
+			status = s
 		}
 	}
 	x.end(x402.PaymentOutcome{Status: x402.OutcomeSettleFailed, Payer: x.payer, Network: x.req.PaymentRequirements.Network,
@@ -698,12 +694,19 @@ func (x *exchange) resetHeaders() {
 	}
 }
 
-// setPaymentPlaceholders publishes who pays what, for header_up to the upstream and for access logs.
+// setPaymentPlaceholders publishes who pays what (Config.SetVar), for the upstream and for access logs.
 func (x *exchange) setPaymentPlaceholders() {
 	rq := x.req.PaymentRequirements
-	x.repl.Set("http.x402.payer", x.payer)
-	x.repl.Set("http.x402.network", rq.Network)
-	x.repl.Set("http.x402.amount", rq.Amount)
+	x.setVar(VarPayer, x.payer)
+	x.setVar(VarNetwork, rq.Network)
+	x.setVar(VarAmount, rq.Amount)
+}
+
+// setVar publishes one variable of the request's payment (a Var* name).
+func (x *exchange) setVar(name, value string) {
+	if x.g.cfg.SetVar != nil {
+		x.g.cfg.SetVar(x.r, name, value)
+	}
 }
 
 func (x *exchange) totalMs() float64 { return msSince(x.g.now, x.start) }
@@ -720,4 +723,34 @@ func signedPayer(req x402.VerifyRequest) string {
 		return common.HexToAddress(from).Hex()
 	}
 	return from
+}
+
+// facilitatorProblem says what went wrong with a facilitator call in words fit for the payer: the kind of
+// failure and the HTTP status, never the facilitator's URL, the hosts behind it, or its own error text.
+func facilitatorProblem(err error) string {
+	var fe *x402.FacilitatorError
+	if !errors.As(err, &fe) {
+		return "an internal error"
+	}
+	var what string
+	switch {
+	case errors.Is(err, facilitatorclient.ErrNotSent):
+		what = "no connection could be made"
+	case errors.Is(err, context.DeadlineExceeded):
+		what = "no answer came in time"
+	case fe.Kind == x402.FailureBadAnswer && fe.Status >= 300 && fe.Status < 400:
+		return fmt.Sprintf("the answer was a redirect (HTTP %d), which is not followed", fe.Status)
+	case fe.Kind == x402.FailureBadAnswer:
+		what = "the answer was not a facilitator response"
+	case fe.Kind == x402.FailureRejected && fe.Status == 0:
+		what = "no facilitator serves this kind of payment" // a failover set that asked no member
+	case fe.Kind == x402.FailureRejected:
+		what = "the request was refused"
+	default:
+		what = "no answer came"
+	}
+	if fe.Status != 0 {
+		what += fmt.Sprintf(" (HTTP %d)", fe.Status)
+	}
+	return what
 }

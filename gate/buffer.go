@@ -1,4 +1,4 @@
-package caddymodule
+package gate
 
 import (
 	"bufio"
@@ -8,7 +8,6 @@ import (
 	"net"
 	"net/http"
 
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/chain/journal"
@@ -24,7 +23,7 @@ import (
 // Like caddyhttp's recorder, a 1xx status passes straight through: it is not the final answer, and 101 hands
 // the connection over to the upstream.
 type heldResponse struct {
-	*caddyhttp.ResponseWriterWrapper
+	*responseWriterWrapper
 	buf    *bytes.Buffer
 	max    int64
 	decide func() error
@@ -41,7 +40,7 @@ type heldResponse struct {
 var errGateAnswered = errors.New("x402 gate: the gate answered this request itself; the upstream's response is not sent")
 
 func newHeldResponse(w http.ResponseWriter, buf *bytes.Buffer, max int64, decide func() error) *heldResponse {
-	return &heldResponse{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, buf: buf, max: max, decide: decide}
+	return &heldResponse{responseWriterWrapper: &responseWriterWrapper{ResponseWriter: w}, buf: buf, max: max, decide: decide}
 }
 
 // WriteHeader records the status; only a 1xx status is sent at once.
@@ -51,7 +50,7 @@ func (h *heldResponse) WriteHeader(status int) {
 	}
 	h.status = status
 	if status >= 100 && status <= 199 {
-		h.ResponseWriterWrapper.WriteHeader(status)
+		h.responseWriterWrapper.WriteHeader(status)
 		return
 	}
 	h.wroteHeader = true
@@ -66,7 +65,7 @@ func (h *heldResponse) Write(p []byte) (int, error) {
 	}
 	switch {
 	case h.streaming:
-		n, err := h.ResponseWriterWrapper.Write(p)
+		n, err := h.responseWriterWrapper.Write(p)
 		h.sendFailed(err)
 		return n, err
 	case h.decided:
@@ -99,7 +98,7 @@ func (h *heldResponse) ReadFrom(r io.Reader) (int64, error) {
 			}
 		}
 	}
-	m, err := h.ResponseWriterWrapper.ReadFrom(r)
+	m, err := h.responseWriterWrapper.ReadFrom(r)
 	h.sendFailed(err)
 	return n + m, err
 }
@@ -114,8 +113,8 @@ func (h *heldResponse) WriteResponse() error {
 		h.WriteHeader(http.StatusOK) // nothing was written: an empty 200, as caddyhttp's recorder sends
 	}
 	h.streaming = true
-	h.ResponseWriterWrapper.WriteHeader(h.status)
-	_, err := h.buf.WriteTo(h.ResponseWriterWrapper)
+	h.responseWriterWrapper.WriteHeader(h.status)
+	_, err := h.buf.WriteTo(h.responseWriterWrapper)
 	h.sendFailed(err)
 	return err
 }
@@ -127,7 +126,7 @@ func (h *heldResponse) FlushError() error {
 		return nil
 	}
 	//nolint:bodyclose
-	err := http.NewResponseController(h.ResponseWriterWrapper).Flush()
+	err := http.NewResponseController(h.responseWriterWrapper).Flush()
 	h.sendFailed(err)
 	return err
 }
@@ -135,7 +134,7 @@ func (h *heldResponse) FlushError() error {
 // Hijack hands the connection to the upstream (after a 101).
 func (h *heldResponse) Hijack() (net.Conn, *bufio.ReadWriter, error) {
 	//nolint:bodyclose
-	return http.NewResponseController(h.ResponseWriterWrapper).Hijack()
+	return http.NewResponseController(h.responseWriterWrapper).Hijack()
 }
 
 // answered reports whether the gate answered midway instead of the upstream.
@@ -146,6 +145,34 @@ func (h *heldResponse) sendFailed(err error) {
 		h.sendErr = err
 	}
 }
+
+// responseWriterWrapper passes the optional methods of the real writer through, as caddyhttp's
+// ResponseWriterWrapper does, for a wrapper that embeds it and overrides what it changes.
+type responseWriterWrapper struct {
+	http.ResponseWriter
+}
+
+// errNotImplemented is returned when the real writer lacks an optional method.
+var errNotImplemented = errors.New("method not implemented")
+
+// Push implements http.Pusher through the real writer.
+func (w *responseWriterWrapper) Push(target string, opts *http.PushOptions) error {
+	if pusher, ok := w.ResponseWriter.(http.Pusher); ok {
+		return pusher.Push(target, opts)
+	}
+	return errNotImplemented
+}
+
+// ReadFrom implements io.ReaderFrom through the real writer's, else io.Copy.
+func (w *responseWriterWrapper) ReadFrom(r io.Reader) (int64, error) {
+	if rf, ok := w.ResponseWriter.(io.ReaderFrom); ok {
+		return rf.ReadFrom(r)
+	}
+	return io.Copy(w.ResponseWriter, r)
+}
+
+// Unwrap returns the real writer, for http.ResponseController.
+func (w *responseWriterWrapper) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 // Interface guards
 var (

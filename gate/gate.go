@@ -1,0 +1,422 @@
+package gate
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// Settlement modes of a gate: when the payment is settled relative to serving the resource.
+const (
+	// SettleAfter runs the upstream first and settles only a successful response (the default): the payer
+	// never pays for an error.
+	SettleAfter = "after"
+	// SettleBefore settles first and runs the upstream only for a settled payment, for resources that must
+	// not be served unpaid (the upstream does something that cannot be undone).
+	SettleBefore = "before"
+	// SettleAsync records the verified payment in the journal, serves at once and settles in the background.
+	SettleAsync = "async"
+)
+
+// Defaults of a Config field left zero.
+const (
+	// DefaultAsyncBacklog is how many served payments may wait for settlement before settle async settles
+	// first: ten seconds of the dev chain's settlement rate, minutes of a slow network's, inside the default
+	// five-minute validity of a payment either way.
+	DefaultAsyncBacklog = 10_000
+	// DefaultMaxBuffer bounds the response body a gate holds back per request: a page or a document is served
+	// whole after settlement, a download streams once its payment settled.
+	DefaultMaxBuffer = 8 << 20
+)
+
+// Names of the variables a gate publishes about a request's payment through Config.SetVar.
+const (
+	// VarStatus is the PaymentOutcome status; "verified" while the upstream runs before settlement.
+	VarStatus = "status"
+	// VarPayer is the verified payer.
+	VarPayer = "payer"
+	// VarNetwork is the CAIP-2 network paid on.
+	VarNetwork = "network"
+	// VarAmount is the amount in raw token units.
+	VarAmount = "amount"
+	// VarTransaction is the settlement transaction, once known.
+	VarTransaction = "transaction"
+)
+
+// Timing of a gate.
+const (
+	// supportedTTL is how long a remote facilitator's /supported answer shapes the offers before it is asked
+	// again; supportedRetry how long a failed fetch is not retried, so a facilitator that is down costs an
+	// unpaid request nothing; supportedWait how long an unpaid request waits for a fetch.
+	supportedTTL   = 30 * time.Second
+	supportedRetry = 5 * time.Second
+	supportedWait  = 3 * time.Second
+	// settleTimeout bounds one settlement; it runs on even when the client has gone, because a payment that
+	// reached the facilitator must be accounted for.
+	settleTimeout = 2 * time.Minute
+)
+
+// Offer is one way to pay with every default applied: a network, an asset, a recipient, a price and
+// optionally one transfer method.
+type Offer struct {
+	// Network is the CAIP-2 network, Asset the token's address, PayTo the recipient, Amount the price in raw
+	// token units (a decimal string).
+	Network, Asset, PayTo, Amount string
+	// TokenName and TokenVersion are the token's EIP-712 domain.
+	TokenName, TokenVersion string
+	// Decimals are the token's, to show the price to people.
+	Decimals uint8
+	// EIP3009 says the token implements EIP-3009 transferWithAuthorization.
+	EIP3009 bool
+	// Method restricts the offer to one transfer method; "" offers every method the facilitator supports.
+	Method string
+	// MaxTimeoutSeconds is how long a signed payment stays valid.
+	MaxTimeoutSeconds int64
+}
+
+// Config is what a gate sells and how: its ways to pay, already resolved, and the hooks through which the
+// server around it observes each request.
+type Config struct {
+	// Offers are the ways to pay, in the order a 402 lists them (before the facilitator's methods expand them).
+	Offers []Offer
+	// Settle is SettleAfter (default), SettleBefore or SettleAsync.
+	Settle string
+	// AsyncBacklog bounds, with SettleAsync, the payments served and not settled yet (per journal); past it a
+	// payment is settled before it is served. Default DefaultAsyncBacklog.
+	AsyncBacklog int
+	// MaxBuffer is how much of the upstream's response body, in bytes, is held back until the gate decides what
+	// to send. Default DefaultMaxBuffer.
+	MaxBuffer int64
+	// V1Body answers unpaid requests with the version 1 JSON body.
+	V1Body bool
+	// CORSOrigins are the origins whose browser scripts may pay; empty or "*" allows any origin.
+	CORSOrigins []string
+	// PaymentHeader is the request header carrying a version 2 payment. Default PAYMENT-SIGNATURE.
+	PaymentHeader string
+	// Description and MimeType describe the resource in the 402 answer.
+	Description, MimeType string
+
+	// Embedded says the facilitator is the in-process engine: what it supports is asked once at Start, its
+	// answers about a settlement are its journal's, and it settles on the networks it names.
+	Embedded bool
+	// EnginePrunes says an embedded engine prunes the journal, so the gates need not.
+	EnginePrunes bool
+	// FacilitatorName names the facilitator in logs: "embedded" or its base URL.
+	FacilitatorName string
+	// Redact takes secrets (RPC URLs holding provider keys) out of a facilitator's error text before it is
+	// logged or answered. Default: none.
+	Redact func(string) string
+
+	// Logger receives the gate's log. Default: none.
+	Logger *zap.Logger
+	// Metrics counts outcomes and times verifications and settlements. Default: none.
+	Metrics Metrics
+	// SetVar publishes what the gate learns about a request's payment (names Var*), for access logs and the
+	// upstream. Default: none.
+	SetVar func(r *http.Request, name, value string)
+	// OriginalURI is the request URI the client sent, before any rewrite, which the 402 names as the resource.
+	// Default: r.URL.RequestURI().
+	OriginalURI func(r *http.Request) string
+	// ErrorStatus is the HTTP status an error of the next handler stands for, 0 when it names none (then 500).
+	// Default: a *StatusError's status.
+	ErrorStatus func(err error) int
+	// Now is the gate's clock. Default time.Now.
+	Now func() time.Time
+}
+
+// Metrics is what a gate reports to a metrics collector; its methods must be safe for concurrent use.
+type Metrics interface {
+	// ObserveOutcome counts one gated request by its PaymentOutcome status.
+	ObserveOutcome(status x402.OutcomeStatus)
+	// ObserveVerify records how long the facilitator took to verify a payment.
+	ObserveVerify(d time.Duration)
+	// ObserveSettle records how long the facilitator took to settle a payment.
+	ObserveSettle(d time.Duration)
+}
+
+// Handler is the rest of the route a gate runs once a payment is good: the same shape as Caddy's
+// caddyhttp.Handler, so a Caddy middleware passes its next handler straight through.
+type Handler interface {
+	ServeHTTP(http.ResponseWriter, *http.Request) error
+}
+
+// HandlerFunc adapts a function to Handler.
+type HandlerFunc func(http.ResponseWriter, *http.Request) error
+
+// ServeHTTP calls f(w, r).
+func (f HandlerFunc) ServeHTTP(w http.ResponseWriter, r *http.Request) error { return f(w, r) }
+
+// StatusError is an error that stands for an HTTP status the server should log and, if nothing was written
+// yet, answer: the gate returns 499 for a client that left while its payment settled.
+type StatusError struct {
+	// Status is the HTTP status, such as 499 for a client that went away.
+	Status int
+	// Err is what happened.
+	Err error
+}
+
+// Error implements error.
+func (e *StatusError) Error() string { return fmt.Sprintf("HTTP %d: %v", e.Status, e.Err) }
+
+// Unwrap returns the cause.
+func (e *StatusError) Unwrap() error { return e.Err }
+
+// Gate is the x402 payment gate: it answers an unpaid request with 402 and what to pay, verifies the payment
+// a client sends, runs the next handler, settles, and answers with the resource and the settlement. One
+// payment buys exactly one response, across every gate of one journal.
+type Gate struct {
+	cfg      Config
+	fac      x402.Facilitator
+	holder   fundsHolder // fac, when it can hold payments against payers' funds and the gate settles async
+	store    journal.Store
+	owner    string
+	registry *x402.Registry
+	ledger   *Ledger
+	metrics  Metrics
+	logger   *zap.Logger
+	now      func() time.Time
+
+	offers   atomic.Pointer[offerSet] // the current offers, rebuilt from /supported of a remote facilitator
+	refresh  sync.Mutex               // one /supported fetch at a time
+	rotation atomic.Uint64            // spreads erc2612 payers over the settlement wallets
+	warnedAt atomic.Int64             // when the async backlog was last reported full (unix nanoseconds)
+}
+
+// New makes a gate that verifies and settles with fac and records payments in store, claiming them as owner
+// (the token of this process's claims in the journal). It does no I/O: Start takes up the journal.
+func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*Gate, error) {
+	if fac == nil {
+		return nil, errors.New("no facilitator")
+	}
+	if store == nil {
+		return nil, errors.New("no settlement journal")
+	}
+	if len(cfg.Offers) == 0 {
+		return nil, errors.New("no way to pay is configured")
+	}
+	if cfg.PaymentHeader == "" {
+		cfg.PaymentHeader = x402.HeaderPaymentSignature
+	}
+	switch cfg.Settle {
+	case "":
+		cfg.Settle = SettleAfter
+	case SettleAfter, SettleBefore, SettleAsync:
+	default:
+		return nil, fmt.Errorf("settle %q is not a settlement mode; want %q, %q or %q", cfg.Settle, SettleAfter, SettleBefore, SettleAsync)
+	}
+	if cfg.AsyncBacklog == 0 {
+		cfg.AsyncBacklog = DefaultAsyncBacklog
+	}
+	if cfg.MaxBuffer == 0 {
+		cfg.MaxBuffer = DefaultMaxBuffer
+	}
+	if cfg.Redact == nil {
+		cfg.Redact = func(s string) string { return s }
+	}
+	if cfg.OriginalURI == nil {
+		cfg.OriginalURI = func(r *http.Request) string { return r.URL.RequestURI() }
+	}
+	if cfg.ErrorStatus == nil {
+		cfg.ErrorStatus = func(err error) int {
+			var se *StatusError
+			if errors.As(err, &se) {
+				return se.Status
+			}
+			return 0
+		}
+	}
+	g := &Gate{cfg: cfg, fac: fac, store: store, owner: owner, registry: x402.NewRegistry(),
+		metrics: cfg.Metrics, logger: cfg.Logger, now: cfg.Now}
+	if g.metrics == nil {
+		g.metrics = noMetrics{}
+	}
+	if g.logger == nil {
+		g.logger = zap.NewNop()
+	}
+	if g.now == nil {
+		g.now = time.Now
+	}
+	if h, ok := fac.(fundsHolder); ok && cfg.Settle == SettleAsync {
+		g.holder = h
+	}
+	if !cfg.Embedded {
+		// A remote facilitator may be down now; the gate starts anyway and asks when payments come.
+		g.offers.Store(buildOffers(cfg.Offers, nil, g.registry, time.Time{}))
+	}
+	return g, nil
+}
+
+// Start takes up what the gate works with: the embedded engine's offers, and the journal's ledger with its
+// background settlements (async payments a previous process served are settled from here on).
+func (g *Gate) Start() error {
+	if g.cfg.Embedded {
+		// The engine's /supported never changes while it runs: shape the offers once.
+		sup, err := g.fac.Supported(context.Background())
+		if err != nil {
+			return fmt.Errorf("asking the embedded facilitator what it supports: %w", err)
+		}
+		g.offers.Store(buildOffers(g.cfg.Offers, &sup, g.registry, g.now()))
+	}
+	ledger := joinLedger(g.store, g.owner, g.logger)
+	if err := ledger.register(g); err != nil {
+		ledger.unregister(g)
+		leaveLedger(ledger)
+		return err
+	}
+	g.ledger = ledger
+	return nil
+}
+
+// Close leaves the journal; the last gate of a journal stops its background settlements, and the payments
+// they did not finish are settled after the next Start.
+func (g *Gate) Close() error {
+	if g.ledger == nil {
+		return nil
+	}
+	g.ledger.unregister(g)
+	leaveLedger(g.ledger)
+	return nil
+}
+
+// Ledger is the ledger the gate shares with the other gates of its journal, once started.
+func (g *Gate) Ledger() *Ledger { return g.ledger }
+
+// ServeHTTP gates one request behind a payment: next runs only for a payment that is good for it.
+func (g *Gate) ServeHTTP(w http.ResponseWriter, r *http.Request, next Handler) error {
+	if IsPreflight(r) {
+		// A CORS preflight carries no payment and must not reach the upstream, which may answer it with the
+		// paid resource: the gate answers it itself.
+		return AnswerPreflight(w, r, g.cfg.CORSOrigins, g.cfg.PaymentHeader)
+	}
+	if g.ledger == nil {
+		return &StatusError{Status: http.StatusServiceUnavailable, Err: errors.New("the x402 gate has not started")}
+	}
+	x := &exchange{g: g, w: w, r: r, next: next, start: g.now()}
+	allowOrigin(g.cfg.CORSOrigins, w.Header(), r)
+	exposePaymentHeaders(w.Header())
+	return x.run()
+}
+
+// noMetrics is the Metrics of a gate configured without any.
+type noMetrics struct{}
+
+func (noMetrics) ObserveOutcome(x402.OutcomeStatus) {}
+func (noMetrics) ObserveVerify(time.Duration)       {}
+func (noMetrics) ObserveSettle(time.Duration)       {}
+
+// warnBacklog logs, at most every ten seconds, that settle async is settling before serving because too many
+// served payments wait for settlement.
+func (g *Gate) warnBacklog() {
+	now := g.now().UnixNano()
+	last := g.warnedAt.Load()
+	if now-last < int64(10*time.Second) || !g.warnedAt.CompareAndSwap(last, now) {
+		return
+	}
+	g.logger.Warn("settle async: the backlog of served payments waiting for settlement is full; settling before serving until it drains",
+		zap.Int("async_backlog", g.cfg.AsyncBacklog))
+}
+
+// settlesOn reports whether the gate's facilitator settles on network: the engine's networks for the
+// embedded one, the networks of the gate's own offers for a remote one (what else it serves is not known here).
+func (g *Gate) settlesOn(network string) bool {
+	if n, ok := g.fac.(interface{ Networks() []string }); ok && g.cfg.Embedded {
+		return slices.Contains(n.Networks(), network)
+	}
+	return slices.ContainsFunc(g.cfg.Offers, func(s Offer) bool { return s.Network == network })
+}
+
+// currentOffers returns the offers to make now. For a remote facilitator they are rebuilt from its /supported
+// answer when that is older than supportedTTL: in the background while a stale answer serves, or, when none
+// is known yet, while the request waits (up to supportedWait). A fetch that fails keeps the last offers (or
+// only what is configured explicitly) and is not repeated for supportedRetry.
+func (g *Gate) currentOffers(ctx context.Context) *offerSet {
+	cur := g.offers.Load()
+	if g.cfg.Embedded {
+		return cur
+	}
+	now := g.now()
+	if (cur.known && now.Sub(cur.at) < supportedTTL) || (!cur.failedAt.IsZero() && now.Sub(cur.failedAt) < supportedRetry) {
+		return cur
+	}
+	if cur.known {
+		if g.refresh.TryLock() {
+			go func() {
+				defer g.refresh.Unlock()
+				g.fetchOffers(context.Background())
+			}()
+		}
+		return cur
+	}
+	g.refresh.Lock()
+	defer g.refresh.Unlock()
+	if latest := g.offers.Load(); latest != cur {
+		return latest // fetched while this request waited for the lock
+	}
+	return g.fetchOffers(ctx)
+}
+
+// fetchOffers asks the facilitator's /supported and rebuilds the offers from it; the caller holds refresh.
+func (g *Gate) fetchOffers(ctx context.Context) *offerSet {
+	ctx, cancel := context.WithTimeout(ctx, supportedWait)
+	defer cancel()
+	sup, err := g.fac.Supported(ctx)
+	now := g.now()
+	if err != nil {
+		g.logger.Warn("the facilitator's /supported could not be read; the offers stay as they were",
+			zap.String("facilitator", g.cfg.FacilitatorName), zap.String("error", g.describe(err)))
+		next := *g.offers.Load()
+		next.failedAt = now
+		g.offers.Store(&next)
+		return &next
+	}
+	next := buildOffers(g.cfg.Offers, &sup, g.registry, now)
+	g.offers.Store(next)
+	return next
+}
+
+// isUpgrade reports whether r asks for a tunnel (a protocol upgrade such as WebSocket, or CONNECT), which is
+// served as it goes and may outlast the payment's validity: such a request is paid for before it opens.
+func isUpgrade(r *http.Request) bool {
+	if r.Method == http.MethodConnect {
+		return true
+	}
+	if r.Header.Get("Upgrade") == "" {
+		return false
+	}
+	for _, v := range r.Header.Values("Connection") {
+		for _, tok := range strings.Split(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(tok), "upgrade") {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// describe is an error's text with secrets taken out, for answers and logs.
+func (g *Gate) describe(err error) string { return g.cfg.Redact(err.Error()) }
+
+// gateBuffers recycles the buffers upstream responses are held in until the payment is settled.
+var gateBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
+
+// gateID is the journal id of the gate's record of a payment: the engine's own settlement record of the same
+// payment lives in the same journal, so the method is prefixed to keep the two apart.
+func gateID(network, method, asset string, p x402.ExactEVMPayload) (journal.ID, bool) {
+	from, nonce := p.PayerAndNonce()
+	if from == "" || nonce == "" || network == "" || asset == "" || method == "" {
+		return journal.ID{}, false
+	}
+	return journal.PaymentID(network, "gate/"+method, asset, from, nonce), true
+}
