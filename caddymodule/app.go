@@ -24,6 +24,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/facilitatorserver"
 	"github.com/x402-gateway/caddy-x402/gate"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -371,7 +372,7 @@ type networkSpec struct {
 	Keys    []string // hex, for the pool key only; never logged
 	RPC     []string
 	Assets  []*Asset
-	terms   paymentTerms // parsed from Network.MinAmount and PayTo, which are part of the pool key
+	terms   facilitatorserver.Terms // parsed from Network.MinAmount and PayTo, which are part of the pool key
 	// factories are Network.SmartWalletFactories, parsed.
 	factories []common.Address
 }
@@ -402,7 +403,7 @@ func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
 	} else {
 		return spec, errors.New("no settlement wallet: set wallet_keys or wallet_key_file")
 	}
-	terms, err := parsePaymentTerms(n.MinAmount, n.PayTo)
+	terms, err := facilitatorserver.ParseTerms(n.MinAmount, n.PayTo)
 	if err != nil {
 		return spec, err
 	}
@@ -526,7 +527,10 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 		// Payments verified within a quarter second share one read of chain time: far inside the 6 s margin
 		// deadlines must keep, and one round trip less per payment under load.
 		HeadCacheTTL: 250 * time.Millisecond,
-		MinAmount:    s.terms.minAmount, PayTo: s.terms.payToList, SmartWalletFactories: s.factories,
+		MinAmount:    s.terms.MinAmount(), SmartWalletFactories: s.factories,
+	}
+	for _, a := range s.terms.PayTo() {
+		nc.PayTo = append(nc.PayTo, common.HexToAddress(a))
 	}
 	var names []string
 	var backends []chain.Backend

@@ -2,16 +2,15 @@ package caddymodule
 
 import (
 	"fmt"
-	"math"
 	"net"
 	"net/http"
 	"strconv"
 	"strings"
-	"sync"
-	"time"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/x402-gateway/caddy-x402/facilitatorserver"
 )
 
 // SettleRateLimit caps how often /settle is called, per client IP and per payer, so that nobody can make a
@@ -32,63 +31,6 @@ type SettleRateLimit struct {
 	PerPayer int `json:"per_payer,omitempty"`
 }
 
-// settleLimiter enforces a SettleRateLimit.
-type settleLimiter struct {
-	ip, payer *rateBuckets // nil: no limit of that kind
-}
-
-func newSettleLimiter(l *SettleRateLimit, now func() time.Time) *settleLimiter {
-	if l == nil || (l.PerIP == 0 && l.PerPayer == 0) {
-		return nil
-	}
-	s := &settleLimiter{}
-	if l.PerIP > 0 {
-		s.ip = newRateBuckets(l.PerIP, rateBucketsMax, now)
-	}
-	if l.PerPayer > 0 {
-		s.payer = newRateBuckets(l.PerPayer, rateBucketsMax, now)
-	}
-	return s
-}
-
-// takeIP counts a /settle call of the client IP; a refusal is the 429 to answer.
-func (s *settleLimiter) takeIP(ip string) (facilitatorReply, bool) {
-	if s == nil || s.ip == nil {
-		return facilitatorReply{}, true
-	}
-	if ok, wait := s.ip.take(ip); !ok {
-		return tooManySettlements(wait, "client IP %s has made more than %d /settle calls in the last minute (settle_rate_limit per_ip)", ip, s.ip.perMinute)
-	}
-	return facilitatorReply{}, true
-}
-
-// takePayer counts a settlement of payer ("" when the payload names none: not limited here, and refused behind).
-func (s *settleLimiter) takePayer(payer string) (facilitatorReply, bool) {
-	if s == nil || s.payer == nil || payer == "" {
-		return facilitatorReply{}, true
-	}
-	if ok, wait := s.payer.take(payer); !ok {
-		return tooManySettlements(wait, "payer %s has had more than %d settlements in the last minute (settle_rate_limit per_payer)", payer, s.payer.perMinute)
-	}
-	return facilitatorReply{}, true
-}
-
-// refundPayer gives back the count of a settlement that sent nothing.
-func (s *settleLimiter) refundPayer(payer string) {
-	if s == nil || s.payer == nil || payer == "" {
-		return
-	}
-	s.payer.refund(payer)
-}
-
-// tooManySettlements is the 429 answer: what was exceeded, and when to come back.
-func tooManySettlements(wait time.Duration, format string, args ...any) (facilitatorReply, bool) {
-	secs := max(1, int(math.Ceil(wait.Seconds())))
-	res := errorReply(http.StatusTooManyRequests, "%s; nothing was sent: retry after %d s", fmt.Sprintf(format, args...), secs)
-	res.retryAfter = secs
-	return res, false
-}
-
 // clientIP is the client's address as Caddy determined it (honouring the server's trusted_proxies), else the
 // peer's.
 func clientIP(r *http.Request) string {
@@ -99,97 +41,6 @@ func clientIP(r *http.Request) string {
 		return host
 	}
 	return r.RemoteAddr
-}
-
-// rateBucketsMax bounds the keys one limit remembers. A key whose bucket has filled up again (a minute after
-// its last call at most) is forgotten; when this many keys have called within the last minute, a new key is
-// refused until some are forgotten, rather than the memory growing or a busy key's count being dropped.
-const rateBucketsMax = 65536
-
-// rateBuckets is a token bucket per key: perMinute tokens at most, refilled at perMinute a minute.
-type rateBuckets struct {
-	perMinute int
-	max       int
-	now       func() time.Time
-
-	mu        sync.Mutex
-	buckets   map[string]*rateBucket
-	lastSweep time.Time
-}
-
-type rateBucket struct {
-	tokens float64
-	at     time.Time // when tokens was last brought up to date
-}
-
-func newRateBuckets(perMinute, max int, now func() time.Time) *rateBuckets {
-	if now == nil {
-		now = time.Now
-	}
-	return &rateBuckets{perMinute: perMinute, max: max, now: now, buckets: map[string]*rateBucket{}, lastSweep: now()}
-}
-
-// refill brings b up to date at now and reports whether it is full (then it is as good as forgotten).
-func (rb *rateBuckets) refill(b *rateBucket, now time.Time) bool {
-	if elapsed := now.Sub(b.at); elapsed > 0 {
-		b.tokens = min(float64(rb.perMinute), b.tokens+elapsed.Minutes()*float64(rb.perMinute))
-		b.at = now
-	}
-	return b.tokens >= float64(rb.perMinute)
-}
-
-// take takes a token of key. Without one, it says how long until the next.
-func (rb *rateBuckets) take(key string) (bool, time.Duration) {
-	rb.mu.Lock()
-	defer rb.mu.Unlock()
-	now := rb.now()
-	if now.Sub(rb.lastSweep) >= time.Minute {
-		rb.sweep(now)
-	}
-	b := rb.buckets[key]
-	if b == nil {
-		if len(rb.buckets) >= rb.max && (now.Sub(rb.lastSweep) < time.Second || rb.sweep(now) == 0) {
-			// Full of keys that all called within the last minute: refuse the newcomer (see rateBucketsMax).
-			return false, time.Minute / time.Duration(rb.perMinute)
-		}
-		b = &rateBucket{tokens: float64(rb.perMinute), at: now}
-		rb.buckets[key] = b
-	}
-	rb.refill(b, now)
-	if b.tokens < 1 {
-		return false, time.Duration((1 - b.tokens) * float64(time.Minute) / float64(rb.perMinute))
-	}
-	b.tokens--
-	return true, 0
-}
-
-// refund gives key back a token it took.
-func (rb *rateBuckets) refund(key string) {
-	rb.mu.Lock()
-	defer rb.mu.Unlock()
-	if b := rb.buckets[key]; b != nil {
-		b.tokens = min(float64(rb.perMinute), b.tokens+1)
-	}
-}
-
-// sweep forgets the keys whose buckets are full again, and says how many.
-func (rb *rateBuckets) sweep(now time.Time) int {
-	rb.lastSweep = now
-	n := 0
-	for k, b := range rb.buckets {
-		if rb.refill(b, now) {
-			delete(rb.buckets, k)
-			n++
-		}
-	}
-	return n
-}
-
-// size is the number of keys remembered.
-func (rb *rateBuckets) size() int {
-	rb.mu.Lock()
-	defer rb.mu.Unlock()
-	return len(rb.buckets)
 }
 
 // unmarshalSettleRateLimit reads a settle_rate_limit block:
@@ -235,11 +86,8 @@ func unmarshalSettleRateLimit(d *caddyfile.Dispenser) (*SettleRateLimit, error) 
 func parsePerMinute(s string) (int, error) {
 	num, ok := strings.CutSuffix(s, "/min")
 	n, err := strconv.Atoi(num)
-	if !ok || err != nil || n < 1 || n > maxPerMinute {
-		return 0, fmt.Errorf("want a rate of calls per minute such as 10/min, from 1/min to %d/min", maxPerMinute)
+	if !ok || err != nil || n < 1 || n > facilitatorserver.MaxPerMinute {
+		return 0, fmt.Errorf("want a rate of calls per minute such as 10/min, from 1/min to %d/min", facilitatorserver.MaxPerMinute)
 	}
 	return n, nil
 }
-
-// maxPerMinute is the highest rate a limit takes: a thousand settlements a second.
-const maxPerMinute = 60_000

@@ -11,6 +11,7 @@ import (
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/x402-gateway/caddy-x402/facilitatorserver"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -165,7 +166,7 @@ func (m *metrics) observeFacilitatorOutcome(endpoint, reason string) {
 		return
 	}
 	switch {
-	case reason == "" && endpoint == facilitatorEndpointVerify:
+	case reason == "" && endpoint == facilitatorserver.EndpointVerify:
 		reason = "valid"
 	case reason == "":
 		reason = "settled"

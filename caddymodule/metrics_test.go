@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/x402-gateway/caddy-x402/facilitatorserver"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -59,7 +60,7 @@ func TestMetricsRegisteredTwiceInOneRegistryShareTheirCollectors(t *testing.T) {
 	second.observeOutcome(x402.OutcomeVerifyFailed)
 	first.observeVerify(metricsHandlerGate, 30*time.Millisecond)
 	second.observeSettle(metricsHandlerFacilitator, 2*time.Second)
-	second.observeFacilitatorRequest(facilitatorEndpointSettle, 200)
+	second.observeFacilitatorRequest(facilitatorserver.EndpointSettle, 200)
 
 	got := gathered(t, reg)
 	for name, want := range map[string]float64{
@@ -86,10 +87,10 @@ func TestMetricsLabelValuesFromOutsideAreBoundedToKnownOnes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m.observeFacilitatorOutcome(facilitatorEndpointVerify, "")
-	m.observeFacilitatorOutcome(facilitatorEndpointSettle, "")
-	m.observeFacilitatorOutcome(facilitatorEndpointVerify, x402.ReasonInsufficientFunds)
-	m.observeFacilitatorOutcome(facilitatorEndpointSettle, "made_up_by_a_remote_facilitator_12345")
+	m.observeFacilitatorOutcome(facilitatorserver.EndpointVerify, "")
+	m.observeFacilitatorOutcome(facilitatorserver.EndpointSettle, "")
+	m.observeFacilitatorOutcome(facilitatorserver.EndpointVerify, x402.ReasonInsufficientFunds)
+	m.observeFacilitatorOutcome(facilitatorserver.EndpointSettle, "made_up_by_a_remote_facilitator_12345")
 	m.observeOutcome(x402.OutcomeStatus("not-a-status"))
 
 	got := gathered(t, reg)
@@ -158,7 +159,7 @@ func TestMetricsMethodsOnANilSetDoNothing(t *testing.T) {
 	m.observeOutcome(x402.OutcomeSettled)
 	m.observeVerify(metricsHandlerGate, time.Second)
 	m.observeSettle(metricsHandlerGate, time.Second)
-	m.observeFacilitatorRequest(facilitatorEndpointVerify, 200)
-	m.observeFacilitatorOutcome(facilitatorEndpointVerify, "")
+	m.observeFacilitatorRequest(facilitatorserver.EndpointVerify, 200)
+	m.observeFacilitatorOutcome(facilitatorserver.EndpointVerify, "")
 	m.trackWallets(&fakeWallets{})()
 }

@@ -247,15 +247,8 @@ func (p *payment) permit2NonceUsed(ctx context.Context) (bool, error) {
 }
 
 // ClaimedPayer is the payer a payload names, for answers about payloads that did not parse: in checksum case,
-// as answers about parsed payloads give it, or "" when the payload names no address.
-func ClaimedPayer(req x402.VerifyRequest) string {
-	from, _ := req.PaymentPayload.Payload.PayerAndNonce()
-	addr, err := ParseAddress("from", from)
-	if err != nil {
-		return ""
-	}
-	return addr.Hex()
-}
+// as answers about parsed payloads give it, or "" when the payload names no address (x402.ClaimedPayer).
+func ClaimedPayer(req x402.VerifyRequest) string { return x402.ClaimedPayer(req) }
 
 // parse runs every check that needs neither the chain nor the clock: version, scheme, network, requirements,
 // payload shape, recipient, spender, amount, asset and signature.
