@@ -2,7 +2,7 @@ package caddymodule
 
 import (
 	"context"
-	"errors"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"slices"
@@ -14,7 +14,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/chain"
-	"github.com/x402-gateway/caddy-x402/facilitatorclient"
+
 	"github.com/x402-gateway/caddy-x402/facilitatorserver"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -63,6 +63,11 @@ type FacilitatorHandler struct {
 
 	// SettleRateLimit caps the /settle calls per client IP and per payer; over it, 429 with Retry-After.
 	SettleRateLimit *SettleRateLimit `json:"settle_rate_limit,omitempty"`
+
+	// Facilitator is the facilitator served, a module of the x402.facilitators namespace: `embedded` (the x402
+	// app's engine), `http` (facilitators over HTTP, with failover) or one of another plugin. Default: what
+	// Upstreams say, else the embedded engine.
+	FacilitatorRaw json.RawMessage `json:"facilitator,omitempty" caddy:"namespace=x402.facilitators inline_key=source"`
 
 	// Upstreams make this handler serve other facilitators over HTTP instead of the embedded engine.
 	// Several are a failover set: each payment goes to the first member whose /supported lists its kind,
@@ -136,8 +141,13 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	opts.Metrics = facilitatorMetrics{h.metrics}
-	if len(h.Upstreams) > 0 {
-		f, err := h.upstreamFacilitator(repl)
+	src, err := facilitatorSource(ctx, h, "FacilitatorRaw", h.FacilitatorRaw, h.Upstreams)
+	if err != nil {
+		return err
+	}
+	ip, inProcess := src.(inProcessSource)
+	if !inProcess {
+		f, err := src.Facilitator()
 		if err != nil {
 			return err
 		}
@@ -146,16 +156,8 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		h.server, err = facilitatorserver.New(f, opts)
 		return err
 	}
-	appModule, err := ctx.App("x402")
-	if err != nil {
-		return fmt.Errorf("loading the x402 app: %w", err)
-	}
-	app := appModule.(*App)
+	app := ip.app()
 	networks := app.networkIDs()
-	if len(networks) == 0 {
-		return errors.New("no facilitator to serve: configure a network in the x402 global option " +
-			"(x402 { network <caip2> { rpc ... asset ... wallet_keys ... } }), or give an upstream facilitator")
-	}
 	h.app = app
 	for _, n := range h.Networks {
 		if !slices.Contains(networks, n) {
@@ -206,33 +208,6 @@ func (e startedEngine) Health(ctx context.Context) (x402.HealthResponse, error) 
 	return e.h.engine.Health(ctx)
 }
 
-// upstreamFacilitator builds the facilitatorclient for the upstreams: one client, or a failover set.
-func (h *FacilitatorHandler) upstreamFacilitator(repl *caddy.Replacer) (x402.Facilitator, error) {
-	clients := make([]*facilitatorclient.Client, 0, len(h.Upstreams))
-	for i, u := range h.Upstreams {
-		opts := []facilitatorclient.Option{}
-		if key := repl.ReplaceAll(u.APIKey, ""); key != "" {
-			opts = append(opts, facilitatorclient.WithAPIKey(key))
-		} else if u.APIKey != "" {
-			return nil, fmt.Errorf("the api_key of upstream #%d is empty once its placeholders are replaced; is its environment variable set?", i+1)
-		}
-		t := facilitatorclient.Timeouts{Settle: time.Duration(u.SettleTimeout)}
-		if d := time.Duration(u.Timeout); d > 0 {
-			t.Verify, t.Supported, t.Health = d, d, d
-		}
-		opts = append(opts, facilitatorclient.WithTimeouts(t))
-		c, err := facilitatorclient.New(repl.ReplaceAll(u.URL, ""), opts...)
-		if err != nil {
-			return nil, fmt.Errorf("upstream #%d: %w", i+1, err)
-		}
-		clients = append(clients, c)
-	}
-	if len(clients) == 1 {
-		return clients[0], nil
-	}
-	return facilitatorclient.NewFailover(clients...), nil
-}
-
 // Validate checks the configuration for values no request could make right.
 func (h *FacilitatorHandler) Validate() error {
 	for _, k := range h.Kinds {
@@ -262,17 +237,7 @@ func (h *FacilitatorHandler) Validate() error {
 		return fmt.Errorf("max_body_size is %d bytes; want 1 to %d (larger bodies are never valid requests)",
 			h.MaxBodySize, x402.MaxBodyBytes)
 	}
-	for i, u := range h.Upstreams {
-		switch {
-		case u == nil || u.URL == "":
-			return fmt.Errorf("upstream #%d has no URL", i+1)
-		case u.Timeout < 0:
-			return fmt.Errorf("upstream #%d: timeout must not be negative", i+1)
-		case u.SettleTimeout < 0:
-			return fmt.Errorf("upstream #%d: settle_timeout must not be negative", i+1)
-		}
-	}
-	return nil
+	return validateUpstreams(h.Upstreams)
 }
 
 // Cleanup stops reporting the engine's wallets; the engine itself belongs to the x402 app.

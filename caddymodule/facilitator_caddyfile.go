@@ -42,6 +42,9 @@ func parseFacilitatorCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHand
 //			timeout <duration>
 //			settle_timeout <duration>
 //		}
+//		facilitator <module> [...] {       # or a module of x402.facilitators: embedded, http, a plugin's
+//			...
+//		}
 //	}
 //
 // kind, networks, api_key, pay_to and upstream may be repeated; several upstreams are a failover set. It is
@@ -114,8 +117,17 @@ func (h *FacilitatorHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.Upstreams = append(h.Upstreams, u)
+		case "facilitator":
+			url, module, err := unmarshalFacilitatorOption(d)
+			if err != nil {
+				return err
+			}
+			if url != "" && url != EmbeddedFacilitator {
+				h.Upstreams = append(h.Upstreams, &FacilitatorUpstream{URL: url})
+			}
+			h.FacilitatorRaw = module
 		default:
-			return d.Errf("unrecognized x402_facilitator option '%s'; want kind, networks, api_key, max_body_size, min_amount, pay_to, settle_rate_limit or upstream", d.Val())
+			return d.Errf("unrecognized x402_facilitator option '%s'; want kind, networks, api_key, max_body_size, min_amount, pay_to, settle_rate_limit, upstream or facilitator", d.Val())
 		}
 	}
 	return nil

@@ -1,6 +1,7 @@
 package caddymodule
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -13,7 +14,6 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
-	"github.com/x402-gateway/caddy-x402/facilitatorclient"
 	"github.com/x402-gateway/caddy-x402/gate"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -57,6 +57,11 @@ type Gate struct {
 	// Accepts are further ways to pay, offered after the gate's own. A field an accept leaves empty takes the
 	// gate's value.
 	Accepts []*GateAccept `json:"accepts,omitempty"`
+
+	// Facilitator is the facilitator that verifies and settles, a module of the x402.facilitators namespace:
+	// `embedded` (the x402 app's engine), `http` (facilitators reached over HTTP, with failover) or one of another
+	// plugin. Default: what FacilitatorURL says.
+	FacilitatorRaw json.RawMessage `json:"facilitator,omitempty" caddy:"namespace=x402.facilitators inline_key=source"`
 
 	// FacilitatorURL is the base URL of the facilitator that verifies and settles, or "embedded" for the x402
 	// app's in-process engine. Default: embedded when the x402 app configures the gate's networks.
@@ -183,7 +188,7 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	if g.specs, err = g.resolveOffers(app, repl); err != nil {
 		return err
 	}
-	if err := g.pickFacilitator(app, repl); err != nil {
+	if err := g.pickFacilitator(ctx, app, repl); err != nil {
 		return err
 	}
 	g.app = app
@@ -224,14 +229,26 @@ func (g *Gate) start(app *App) error {
 	return nil
 }
 
-// pickFacilitator sets the facilitator: the app's engine, or a client of a remote one.
-func (g *Gate) pickFacilitator(app *App, repl *caddy.Replacer) error {
+// pickFacilitator loads the gate's facilitator source: its facilitator module, or the shorthand of
+// FacilitatorURL (the app's engine, or one facilitator over HTTP).
+func (g *Gate) pickFacilitator(ctx caddy.Context, app *App, repl *caddy.Replacer) error {
+	var upstreams []*FacilitatorUpstream
 	url := strings.TrimSpace(repl.ReplaceAll(g.FacilitatorURL, ""))
-	if url == "" || url == EmbeddedFacilitator {
-		networks := app.networkIDs()
-		if len(networks) == 0 {
-			return errors.New("no facilitator: set facilitator_url, or configure the gate's network in the x402 global option to use the embedded facilitator")
-		}
+	if url != "" && url != EmbeddedFacilitator {
+		// The gate's one timeout bounds every call, settle included.
+		upstreams = []*FacilitatorUpstream{{URL: url, APIKey: g.FacilitatorAPIKey, Timeout: g.FacilitatorTimeout, SettleTimeout: g.FacilitatorTimeout}}
+	} else if g.FacilitatorRaw == nil && len(app.networkIDs()) == 0 {
+		return errors.New("no facilitator: set facilitator_url, or configure the gate's network in the x402 global option to use the embedded facilitator")
+	}
+	if g.FacilitatorRaw != nil && g.FacilitatorURL != "" {
+		return errors.New("give facilitator (a module) or facilitator_url, not both")
+	}
+	src, err := facilitatorSource(ctx, g, "FacilitatorRaw", g.FacilitatorRaw, upstreams)
+	if err != nil {
+		return err
+	}
+	if ip, ok := src.(inProcessSource); ok {
+		networks := ip.app().networkIDs()
 		for _, s := range g.specs {
 			if !slices.Contains(networks, s.Network) {
 				return fmt.Errorf("the embedded facilitator does not settle on %s (it settles on %s); configure that network in the x402 global option or set facilitator_url",
@@ -239,21 +256,13 @@ func (g *Gate) pickFacilitator(app *App, repl *caddy.Replacer) error {
 			}
 		}
 		// The engine itself runs once the app has started (see start).
-		g.embedded, g.facName, g.redact = true, EmbeddedFacilitator, app.rpcRedactor()
+		g.embedded, g.facName, g.redact = true, EmbeddedFacilitator, ip.app().rpcRedactor()
 		return nil
 	}
-	var opts []facilitatorclient.Option
-	if key := repl.ReplaceAll(g.FacilitatorAPIKey, ""); key != "" {
-		opts = append(opts, facilitatorclient.WithAPIKey(key))
-	}
-	if d := time.Duration(g.FacilitatorTimeout); d > 0 {
-		opts = append(opts, facilitatorclient.WithTimeouts(facilitatorclient.Timeouts{Verify: d, Settle: d, Supported: d, Health: d}))
-	}
-	c, err := facilitatorclient.New(url, opts...)
-	if err != nil {
+	if g.fac, err = src.Facilitator(); err != nil {
 		return err
 	}
-	g.fac, g.facName, g.redact = c, c.BaseURL(), strings.NewReplacer()
+	g.facName, g.redact = sourceName(src), strings.NewReplacer()
 	return nil
 }
 

@@ -38,6 +38,9 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		token_eip3009                        # the token has EIP-3009: offer eip3009 too
 //		max_timeout <duration>
 //		facilitator embedded|<url>           # or: facilitator_url <url>
+//		facilitator <module> [...] {         # or a module of x402.facilitators: http { upstream <url> ... }, a plugin's
+//			...
+//		}
 //		facilitator_api_key <key>
 //		facilitator_timeout <duration>
 //		payment_header <header name>
@@ -87,6 +90,14 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			g.Accepts = append(g.Accepts, a)
 		case "facilitator", "facilitator_url":
+			if opt == "facilitator" {
+				url, module, err := unmarshalFacilitatorOption(d)
+				if err != nil {
+					return err
+				}
+				g.FacilitatorURL, g.FacilitatorRaw = url, module
+				continue
+			}
 			if !d.AllArgs(&g.FacilitatorURL) {
 				return d.Errf("%s needs one argument: %s or the facilitator's base URL", opt, EmbeddedFacilitator)
 			}
