@@ -1,9 +1,6 @@
 package caddymodule
 
 import (
-	"context"
-	"errors"
-	"fmt"
 	"net/url"
 	"sort"
 	"strings"
@@ -11,8 +8,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/x402-gateway/caddy-x402/chain"
-	"github.com/x402-gateway/caddy-x402/facilitatorclient"
-	"github.com/x402-gateway/caddy-x402/x402"
 )
 
 // rpcRedactor returns a replacer that turns the app's RPC URLs into scheme://host wherever they appear in a
@@ -44,34 +39,4 @@ func (a *App) rpcRedactor() *strings.Replacer {
 		args = append(args, p.long, p.short)
 	}
 	return strings.NewReplacer(args...)
-}
-
-// facilitatorProblem says what went wrong with a facilitator call in words fit for any caller: the kind of
-// failure and the HTTP status, never the facilitator's URL, the hosts behind it, or its own error text.
-func facilitatorProblem(err error) string {
-	var fe *x402.FacilitatorError
-	if !errors.As(err, &fe) {
-		return "an internal error"
-	}
-	var what string
-	switch {
-	case errors.Is(err, facilitatorclient.ErrNotSent):
-		what = "no connection could be made"
-	case errors.Is(err, context.DeadlineExceeded):
-		what = "no answer came in time"
-	case fe.Kind == x402.FailureBadAnswer && fe.Status >= 300 && fe.Status < 400:
-		return fmt.Sprintf("the answer was a redirect (HTTP %d), which is not followed", fe.Status)
-	case fe.Kind == x402.FailureBadAnswer:
-		what = "the answer was not a facilitator response"
-	case fe.Kind == x402.FailureRejected && fe.Status == 0:
-		what = "no facilitator serves this kind of payment" // a failover set that asked no member
-	case fe.Kind == x402.FailureRejected:
-		what = "the request was refused"
-	default:
-		what = "no answer came"
-	}
-	if fe.Status != 0 {
-		what += fmt.Sprintf(" (HTTP %d)", fe.Status)
-	}
-	return what
 }

@@ -268,13 +268,13 @@ func (h *FacilitatorHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, _
 // for which payment.
 func (h *FacilitatorHandler) describeUpstreamFailure(err error, payment string) string {
 	if len(h.Upstreams) == 1 {
-		return "the upstream facilitator gave no usable answer: " + facilitatorProblem(err)
+		return "the upstream facilitator gave no usable answer: " + x402.DescribeFailure(err)
 	}
 	who := "no facilitator upstream answered"
 	if payment != "" {
 		who += " for a " + payment
 	}
-	return who + ": " + facilitatorProblem(err)
+	return who + ": " + x402.DescribeFailure(err)
 }
 
 // facilitatorMetrics reports the server's measurements as the caddy_x402_* metrics of the facilitator handler.

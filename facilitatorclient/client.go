@@ -3,7 +3,6 @@ package facilitatorclient
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -22,7 +21,8 @@ const (
 
 // ErrNotSent is wrapped into an error of a call none of whose requests can have reached the facilitator
 // (connection refused, name not resolved, TLS handshake failed): sending the same payment elsewhere is safe.
-var ErrNotSent = errors.New("request never reached the facilitator")
+// It is x402.ErrNotSent, which callers that know no facilitatorclient test for.
+var ErrNotSent = x402.ErrNotSent
 
 // Client is one remote facilitator. It is safe for concurrent use.
 type Client struct {

@@ -15,7 +15,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/chain/journal"
-	"github.com/x402-gateway/caddy-x402/facilitatorclient"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -174,7 +173,7 @@ func (x *exchange) verifyAndServe() error {
 	vres, err := x.verify()
 	x.verifyMs = msSince(x.g.now, t)
 	if err != nil {
-		return x.verifyUnreachable(fmt.Sprintf("the facilitator could not verify the payment: %s; nothing was charged, try again", facilitatorProblem(err)), err)
+		return x.verifyUnreachable(fmt.Sprintf("the facilitator could not verify the payment: %s; nothing was charged, try again", x402.DescribeFailure(err)), err)
 	}
 	if !vres.IsValid {
 		return x.verifyFailed(vres)
@@ -409,14 +408,14 @@ func (x *exchange) settleThenServe(up *upstream) error {
 	resp, err := x.g.fac.Settle(ctx, x.req)
 	x.settleMs = msSince(x.g.now, t)
 	if err != nil {
-		if errors.Is(err, facilitatorclient.ErrNotSent) && !x.resend {
+		if errors.Is(err, x402.ErrNotSent) && !x.resend {
 			// Surely never reached the facilitator: a refusal of the payment presented again is then final.
 			x.note(func(r *journal.Record) {
 				r.Response = &x402.SettleResponse{Success: false, Network: x.req.PaymentRequirements.Network, Payer: x.payer,
 					ErrorReason: x402.ReasonUnexpectedSettleError, ErrorMessage: "the settlement request never reached the facilitator"}
 			})
 		}
-		return x.settleUnreachable(fmt.Sprintf("the facilitator could not be reached to settle: %s", facilitatorProblem(err)), err, nil)
+		return x.settleUnreachable(fmt.Sprintf("the facilitator could not be reached to settle: %s", x402.DescribeFailure(err)), err, nil)
 	}
 	if problem := x402.SettlementProblem(x.req, resp); resp.Success && problem != "" {
 		x.g.logger.Error("the facilitator answered success for a settlement it does not show", zap.String("facilitator", x.g.cfg.FacilitatorName),
@@ -723,34 +722,4 @@ func signedPayer(req x402.VerifyRequest) string {
 		return common.HexToAddress(from).Hex()
 	}
 	return from
-}
-
-// facilitatorProblem says what went wrong with a facilitator call in words fit for the payer: the kind of
-// failure and the HTTP status, never the facilitator's URL, the hosts behind it, or its own error text.
-func facilitatorProblem(err error) string {
-	var fe *x402.FacilitatorError
-	if !errors.As(err, &fe) {
-		return "an internal error"
-	}
-	var what string
-	switch {
-	case errors.Is(err, facilitatorclient.ErrNotSent):
-		what = "no connection could be made"
-	case errors.Is(err, context.DeadlineExceeded):
-		what = "no answer came in time"
-	case fe.Kind == x402.FailureBadAnswer && fe.Status >= 300 && fe.Status < 400:
-		return fmt.Sprintf("the answer was a redirect (HTTP %d), which is not followed", fe.Status)
-	case fe.Kind == x402.FailureBadAnswer:
-		what = "the answer was not a facilitator response"
-	case fe.Kind == x402.FailureRejected && fe.Status == 0:
-		what = "no facilitator serves this kind of payment" // a failover set that asked no member
-	case fe.Kind == x402.FailureRejected:
-		what = "the request was refused"
-	default:
-		what = "no answer came"
-	}
-	if fe.Status != 0 {
-		what += fmt.Sprintf(" (HTTP %d)", fe.Status)
-	}
-	return what
 }

@@ -60,3 +60,39 @@ func IsUnreachable(err error) bool {
 	}
 	return false
 }
+
+// ErrNotSent is wrapped into the error of a facilitator call none of whose requests can have reached the
+// facilitator (connection refused, name not resolved, TLS handshake failed): sending the same payment elsewhere,
+// or again, is safe.
+var ErrNotSent = errors.New("request never reached the facilitator")
+
+// DescribeFailure says what went wrong with a facilitator call in words fit for any caller, the payer included:
+// the kind of failure and the HTTP status, never the facilitator's URL, the hosts behind it, or its own error
+// text.
+func DescribeFailure(err error) string {
+	var fe *FacilitatorError
+	if !errors.As(err, &fe) {
+		return "an internal error"
+	}
+	var what string
+	switch {
+	case errors.Is(err, ErrNotSent):
+		what = "no connection could be made"
+	case errors.Is(err, context.DeadlineExceeded):
+		what = "no answer came in time"
+	case fe.Kind == FailureBadAnswer && fe.Status >= 300 && fe.Status < 400:
+		return fmt.Sprintf("the answer was a redirect (HTTP %d), which is not followed", fe.Status)
+	case fe.Kind == FailureBadAnswer:
+		what = "the answer was not a facilitator response"
+	case fe.Kind == FailureRejected && fe.Status == 0:
+		what = "no facilitator serves this kind of payment" // a failover set that asked no member
+	case fe.Kind == FailureRejected:
+		what = "the request was refused"
+	default:
+		what = "no answer came"
+	}
+	if fe.Status != 0 {
+		what += fmt.Sprintf(" (HTTP %d)", fe.Status)
+	}
+	return what
+}
