@@ -2,7 +2,10 @@ module github.com/x402-gateway/caddy-x402
 
 go 1.26.0
 
-require github.com/caddyserver/caddy/v2 v2.11.9
+require (
+	github.com/caddyserver/caddy/v2 v2.11.9
+	github.com/go-json-experiment/json v1.27.2
+)
 
 require (
 	cel.dev/cel-go v0.32.0 // indirect

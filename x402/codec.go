@@ -110,36 +110,32 @@ func EncodeHeader(v any) (string, error) {
 // forwards the client's payment to a facilitator as it came). It accepts standard or URL-safe Base64, padded
 // or not, surrounded by spaces or tabs, and refuses a value that would decode to more than MaxHeaderBytes.
 func HeaderJSON(header string) ([]byte, error) {
-	doc, err := decodeHeader(docPaymentHeader, header)
-	if err != nil {
-		return nil, err
-	}
-	return []byte(doc), nil
+	return decodeHeader(docPaymentHeader, header)
 }
 
 // decodeHeader undoes the Base64 of a header value, tolerating either alphabet and missing padding.
-func decodeHeader(docName, header string) (string, error) {
+func decodeHeader(docName, header string) ([]byte, error) {
 	fail := func(kind DecodeErrorKind, offset int, format string, args ...any) error {
 		return &DecodeError{Doc: docName, Kind: kind, Offset: offset, Detail: fmt.Sprintf(format, args...)}
 	}
 	lead := len(header) - len(strings.TrimLeft(header, " \t"))
 	text := strings.Trim(header, " \t")
 	if text == "" {
-		return "", fail(DecodeNotBase64, 0, "the header is empty, expected Base64 of a JSON document")
+		return nil, fail(DecodeNotBase64, 0, "the header is empty, expected Base64 of a JSON document")
 	}
 	if len(text) > maxHeaderText {
-		return "", fail(DecodeTooLarge, 0, "%d characters of Base64, more than the %d that %d bytes of JSON take", len(text), maxHeaderText, MaxHeaderBytes)
+		return nil, fail(DecodeTooLarge, 0, "%d characters of Base64, more than the %d that %d bytes of JSON take", len(text), maxHeaderText, MaxHeaderBytes)
 	}
 	body := strings.TrimRight(text, "=")
 	padding := len(text) - len(body)
 	// encoding/base64 skips CR and LF; a header cannot carry them, so their presence means a mangled value.
 	for _, c := range []byte{'\r', '\n'} { // two IndexByte scans are far cheaper than one IndexAny
 		if i := strings.IndexByte(body, c); i >= 0 {
-			return "", fail(DecodeNotBase64, lead+i, "unexpected %s, expected Base64", describeByte(c))
+			return nil, fail(DecodeNotBase64, lead+i, "unexpected %s, expected Base64", describeByte(c))
 		}
 	}
 	if padding > 2 || (padding > 0 && len(text)%4 != 0) {
-		return "", fail(DecodeNotBase64, lead+len(body), "wrong '=' padding for %d characters of Base64", len(body))
+		return nil, fail(DecodeNotBase64, lead+len(body), "wrong '=' padding for %d characters of Base64", len(body))
 	}
 	// Try the standard alphabet, then the URL-safe one; work out what is wrong only when both fail.
 	buf := make([]byte, base64.RawStdEncoding.DecodedLen(len(body)))
@@ -148,12 +144,12 @@ func decodeHeader(docName, header string) (string, error) {
 		n, err = base64.RawURLEncoding.Decode(buf, []byte(body))
 	}
 	if err != nil {
-		return "", diagnoseBase64(fail, lead, body)
+		return nil, diagnoseBase64(fail, lead, body)
 	}
 	if n > MaxHeaderBytes {
-		return "", fail(DecodeTooLarge, 0, "%d bytes of JSON, more than %d", n, MaxHeaderBytes)
+		return nil, fail(DecodeTooLarge, 0, "%d bytes of JSON, more than %d", n, MaxHeaderBytes)
 	}
-	return string(buf[:n]), nil
+	return buf[:n], nil
 }
 
 // diagnoseBase64 explains why Base64 text decodes in neither alphabet.
@@ -176,22 +172,13 @@ func diagnoseBase64(fail func(DecodeErrorKind, int, string, ...any) error, lead 
 	return fail(DecodeNotBase64, lead+len(body), "%d characters of Base64 cannot be complete (a character is missing or extra)", len(body))
 }
 
-// finish turns the reader's outcome into the error a caller sees.
-func (r *jsonReader) finish(docName string, err error) error {
-	if err == nil {
-		err = r.end()
-	}
-	if err == nil && r.err != nil {
-		err = r.err
-	}
-	if err == nil {
+// finish names the document in the checker's error, if any.
+func (c *checker) finish(docName string) error {
+	if c.err == nil {
 		return nil
 	}
-	var de *DecodeError
-	if errors.As(err, &de) {
-		de.Doc = docName
-	}
-	return err
+	c.err.Doc = docName
+	return c.err
 }
 
 // checkBody refuses an oversized or empty body before reading it.
@@ -206,22 +193,19 @@ func checkBody(docName string, body []byte) error {
 }
 
 // readPayment reads a payment of the versions in want from a JSON document.
-func readPayment(docName, doc string, want versionSet) (paymentWire, error) {
-	r := jsonReader{s: doc}
+func readPayment(docName string, doc []byte, want versionSet) (paymentWire, error) {
+	c := checker{doc: doc}
 	var w paymentWire
-	_, err := r.payment(nil, &w)
-	if err == nil && r.checkVersion(nil, w.version, w.hasVersion, docPaymentVersioned, want) {
-		r.checkPayment(nil, &w)
+	c.unmarshal(&w)
+	if c.version(nil, w.X402Version, docPaymentVersioned, want) && c.decoded {
+		hasAccepted, hasPayload := c.paymentParts(nil, &w)
+		c.paymentRequires(nil, &w, hasAccepted, hasPayload)
 	}
-	return w, r.finish(docName, err)
-}
-
-func (w *paymentWire) v2() PaymentPayload {
-	return PaymentPayload{X402Version: int(w.version), Resource: w.resource, Accepted: w.accepted, Payload: w.payload, Extensions: w.extensions}
+	return w, c.finish(docName)
 }
 
 func (w *paymentWire) v1() PaymentPayloadV1 {
-	return PaymentPayloadV1{X402Version: int(w.version), Scheme: w.scheme, Network: w.network, Payload: w.payload}
+	return PaymentPayloadV1{X402Version: w.X402Version, Scheme: w.Scheme, Network: w.Network, Payload: w.Payload}
 }
 
 // DecodePaymentPayload decodes a version 2 PAYMENT-SIGNATURE header value. Any problem is a *DecodeError that
@@ -237,7 +221,7 @@ func DecodePaymentPayload(header string) (PaymentPayload, error) {
 	if err != nil {
 		return PaymentPayload{}, err
 	}
-	return w.v2(), nil
+	return w.PaymentPayload, nil
 }
 
 // DecodePaymentPayloadV1 decodes a version 1 X-PAYMENT header value.
@@ -271,12 +255,11 @@ func DecodePaymentHeader(header string) (AnyPaymentPayload, error) {
 	if err != nil {
 		return AnyPaymentPayload{}, err
 	}
-	if w.version == Version1 {
+	if w.X402Version == Version1 {
 		p := w.v1()
 		return AnyPaymentPayload{Version: Version1, V1: &p}, nil
 	}
-	p := w.v2()
-	return AnyPaymentPayload{Version: Version2, V2: &p}, nil
+	return AnyPaymentPayload{Version: Version2, V2: &w.PaymentPayload}, nil
 }
 
 // UnmarshalPaymentPayload decodes a version 2 payment given as JSON (the paymentPayload of a request, or the
@@ -285,11 +268,11 @@ func UnmarshalPaymentPayload(data []byte) (PaymentPayload, error) {
 	if err := checkBody(docPayment, data); err != nil {
 		return PaymentPayload{}, err
 	}
-	w, err := readPayment(docPayment, string(data), onlyV2)
+	w, err := readPayment(docPayment, data, onlyV2)
 	if err != nil {
 		return PaymentPayload{}, err
 	}
-	return w.v2(), nil
+	return w.PaymentPayload, nil
 }
 
 // DecodeVerifyRequest decodes the body of POST /verify or POST /settle (version 2). Field paths in errors are
@@ -299,21 +282,38 @@ func DecodeVerifyRequest(body []byte) (VerifyRequest, error) {
 	if err := checkBody(docVerifyRequest, body); err != nil {
 		return VerifyRequest{}, err
 	}
-	r := jsonReader{s: string(body)}
+	c := checker{doc: body}
 	var req VerifyRequest
-	var w paymentWire
-	version, hasVersion, err := r.verifyRequest(&req, &w)
-	if err == nil && r.checkVersion(nil, version, hasVersion, "a request", onlyV2) {
+	c.unmarshal(&req)
+	if c.version(nil, req.X402Version, "a request", onlyV2) {
 		at := (*fieldPath)(nil).key("paymentPayload")
-		if w.present && r.checkVersion(&at, w.version, w.hasVersion, "the payment of a request", onlyV2) {
-			r.checkPayment(&at, &w)
+		w := paymentWire{PaymentPayload: req.PaymentPayload}
+		hasPayment := c.present(nil, "paymentPayload", w.zero())
+		if (!hasPayment || c.version(&at, w.X402Version, "the payment of a request", onlyV2)) && c.decoded {
+			var hasAccepted, hasPayload bool
+			if hasPayment {
+				hasAccepted, hasPayload = c.paymentParts(&at, &w)
+			}
+			hasRequirements := c.present(nil, "paymentRequirements", req.PaymentRequirements == PaymentRequirements{})
+			if hasRequirements {
+				rq := (*fieldPath)(nil).key("paymentRequirements")
+				c.requirements(&rq, &req.PaymentRequirements)
+			}
+			if !hasPayment {
+				c.missing(nil, "paymentPayload")
+			}
+			if !hasRequirements {
+				c.missing(nil, "paymentRequirements")
+			}
+			if hasPayment {
+				c.paymentRequires(&at, &w, hasAccepted, hasPayload)
+			}
+			req.PaymentPayload = w.PaymentPayload
 		}
 	}
-	if err := r.finish(docVerifyRequest, err); err != nil {
+	if err := c.finish(docVerifyRequest); err != nil {
 		return VerifyRequest{}, err
 	}
-	req.X402Version = int(version)
-	req.PaymentPayload = w.v2()
 	return req, nil
 }
 
@@ -323,16 +323,27 @@ func DecodePaymentRequired(header string) (PaymentRequired, error) {
 	if err != nil {
 		return PaymentRequired{}, err
 	}
-	r := jsonReader{s: doc}
+	c := checker{doc: doc}
 	var p PaymentRequired
-	version, hasVersion, err := r.paymentRequired(&p)
-	if err == nil {
-		r.checkVersion(nil, version, hasVersion, "a payment-required header", onlyV2)
+	c.unmarshal(&p)
+	if c.version(nil, p.X402Version, "a payment-required header", onlyV2) && c.decoded {
+		hasResource := c.present(nil, "resource", p.Resource == ResourceInfo{})
+		if hasResource {
+			at := (*fieldPath)(nil).key("resource")
+			c.requireString(&at, "url", p.Resource.URL)
+		}
+		checkAccepts(&c, p.Accepts, (*checker).requirements)
+		if !hasResource {
+			c.missing(nil, "resource")
+		}
+		if p.Accepts == nil {
+			c.missing(nil, "accepts")
+		}
+		p.Extensions = compactExtensions(p.Extensions)
 	}
-	if err := r.finish(docPaymentRequired, err); err != nil {
+	if err := c.finish(docPaymentRequired); err != nil {
 		return PaymentRequired{}, err
 	}
-	p.X402Version = int(version)
 	return p, nil
 }
 
@@ -341,16 +352,18 @@ func DecodePaymentRequiredV1(body []byte) (PaymentRequiredV1, error) {
 	if err := checkBody(docPaymentRequiredV1, body); err != nil {
 		return PaymentRequiredV1{}, err
 	}
-	r := jsonReader{s: string(body)}
+	c := checker{doc: body}
 	var p PaymentRequiredV1
-	version, hasVersion, err := r.paymentRequiredV1(&p)
-	if err == nil {
-		r.checkVersion(nil, version, hasVersion, "a version 1 402 body", onlyV1)
+	c.unmarshal(&p)
+	if c.version(nil, p.X402Version, "a version 1 402 body", onlyV1) && c.decoded {
+		checkAccepts(&c, p.Accepts, (*checker).requirementsV1)
+		if p.Accepts == nil {
+			c.missing(nil, "accepts")
+		}
 	}
-	if err := r.finish(docPaymentRequiredV1, err); err != nil {
+	if err := c.finish(docPaymentRequiredV1); err != nil {
 		return PaymentRequiredV1{}, err
 	}
-	p.X402Version = int(version)
 	return p, nil
 }
 
@@ -369,13 +382,20 @@ func UnmarshalSettleResponse(body []byte) (SettleResponse, error) {
 	if err := checkBody(docSettleResponse, body); err != nil {
 		return SettleResponse{}, err
 	}
-	return unmarshalSettleResponse(docSettleResponse, string(body))
+	return unmarshalSettleResponse(docSettleResponse, body)
 }
 
-func unmarshalSettleResponse(docName, doc string) (SettleResponse, error) {
-	r := jsonReader{s: doc}
+// unmarshalSettleResponse reads a SettleResponse. Only success is required: a peer's answer with success and a
+// reason is an answer, and the facts sheet's "transaction and network always present" is ours to keep, not to
+// demand.
+func unmarshalSettleResponse(docName string, doc []byte) (SettleResponse, error) {
+	c := checker{doc: doc}
 	var s SettleResponse
-	if err := r.finish(docName, r.settleResponse(&s)); err != nil {
+	if c.unmarshal(&s); c.decoded {
+		c.require(nil, "success", !s.Success)
+		s.Extensions = compactExtensions(s.Extensions)
+	}
+	if err := c.finish(docName); err != nil {
 		return SettleResponse{}, err
 	}
 	return s, nil
@@ -387,9 +407,13 @@ func UnmarshalVerifyResponse(body []byte) (VerifyResponse, error) {
 	if err := checkBody(docVerifyResponse, body); err != nil {
 		return VerifyResponse{}, err
 	}
-	r := jsonReader{s: string(body)}
+	c := checker{doc: body}
 	var v VerifyResponse
-	if err := r.finish(docVerifyResponse, r.verifyResponse(&v)); err != nil {
+	if c.unmarshal(&v); c.decoded {
+		c.require(nil, "isValid", !v.IsValid)
+		v.Extensions = compactExtensions(v.Extensions)
+	}
+	if err := c.finish(docVerifyResponse); err != nil {
 		return VerifyResponse{}, err
 	}
 	return v, nil

@@ -674,3 +674,30 @@ func TestDecodePaymentRequiredV1ChecksVersion1Fields(t *testing.T) {
 		t.Errorf("a version 1 requirement without description and mimeType = %+v, %v", p, err)
 	}
 }
+
+func TestDecodersHoldTheWholeDocumentToJSONV2Rules(t *testing.T) {
+	const p2 = "v2-payload-permit2.json"
+	p2doc := string(readExample(t, p2))
+	t.Run("duplicate names are refused in unknown members and extension values too", func(t *testing.T) {
+		withExt := string(mutated(t, p2, set("extensions", map[string]any{"x": map[string]any{}})))
+		for _, tt := range []struct{ doc, field string }{
+			{strings.Replace(p2doc, `{`, `{"paymentId":"a","paymentId":"b",`, 1), "paymentId"},
+			{strings.Replace(withExt, `"x":{}`, `"x":{"a":1,"a":2}`, 1), "extensions.x.a"},
+		} {
+			_, err := DecodePaymentPayload(b64([]byte(tt.doc)))
+			wantDecodeError(t, err, DecodeInvalidValue, tt.field)
+		}
+	})
+	t.Run("a lone escaped surrogate reads as U+FFFD, as encoding/json reads it", func(t *testing.T) {
+		doc := strings.Replace(p2doc, `"scheme":"exact"`, `"scheme":"exact","note":"\ud800"`, 1)
+		doc = strings.Replace(doc, `"name":"Stable Coin"`, `"name":"Stable\udc00Coin"`, 1)
+		p, err := DecodePaymentPayload(b64([]byte(doc)))
+		if err != nil || p.Accepted.Extra.Name != "Stable\uFFFDCoin" {
+			t.Fatalf("name = %q, %v", p.Accepted.Extra.Name, err)
+		}
+	})
+	t.Run("a type error after a valid version names the field", func(t *testing.T) {
+		_, err := DecodeVerifyRequest(mutated(t, "verify-request-permit2.json", set("paymentRequirements.extra", []any{})))
+		wantDecodeError(t, err, DecodeWrongType, "paymentRequirements.extra")
+	})
+}

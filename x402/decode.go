@@ -1,123 +1,324 @@
 package x402
 
 import (
+	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
+	"reflect"
+	"strconv"
+	"strings"
+	"unicode/utf8"
+
+	jsonv2 "github.com/go-json-experiment/json"
+	"github.com/go-json-experiment/json/jsontext"
 )
 
-// This file holds one reader method per wire type. Each reads its object, records wrong types and duplicate
-// keys as it goes, tolerates unknown keys (peers add fields), and checks its required fields once the object
-// is complete. Required strings must be non-empty unless noted.
+// Documents are read into the wire types by json/v2 (github.com/go-json-experiment/json) with its default
+// semantics: member names match exactly (not case-insensitively as encoding/json does), a duplicate name anywhere
+// in the document is refused (peers could disagree on which one counts), unknown members are ignored (peers add
+// fields), and anything after the document is refused. What the types cannot say (which fields are required, the
+// version, exactly one authorization) is checked afterwards by a small check per type. Only when a check fails
+// does it read the document again, to tell an absent member from a null or empty one and to name the field.
 
-// first marks bit as seen, or records a duplicate key and returns false so the caller skips the value.
-func (r *jsonReader) first(seen *uint32, bit uint32, at *fieldPath) bool {
-	if *seen&bit != 0 {
-		r.duplicate(at)
-		return false
-	}
-	*seen |= bit
-	return true
+// maxJSONDepth bounds the nesting of objects and arrays; protocol documents nest a few levels, so deeper input
+// is an attack or a mistake.
+const maxJSONDepth = 64
+
+// checker reads one document and records the first problem found in it.
+type checker struct {
+	doc []byte
+	err *DecodeError
+	// decoded is false when json/v2 refused the document for a type or a duplicate name (err says which): the
+	// version is still checked, as it explains the rest, but the contents are not complete.
+	decoded bool
 }
 
-// require records a missing required field: absent (seen false) or present but empty or null.
-func (r *jsonReader) require(at *fieldPath, name string, seen, empty bool) {
-	if seen && !empty {
+// unmarshal reads c.doc into v. A syntax error anywhere in the document wins over a type error or a duplicate
+// name before it, as a broken document is best reported as broken.
+func (c *checker) unmarshal(v any) {
+	if off, deep := tooDeep(c.doc); deep {
+		c.err = &DecodeError{Kind: DecodeNotJSON, Offset: off, Detail: fmt.Sprintf("nested deeper than %d levels", maxJSONDepth)}
+		return
+	}
+	if i := invalidUTF8(c.doc); i >= 0 {
+		c.err = &DecodeError{Kind: DecodeNotJSON, Offset: i, Detail: "invalid UTF-8; a JSON document is UTF-8 text"}
+		return
+	}
+	err := jsonv2.Unmarshal(c.doc, v, allowLoneSurrogates)
+	if err == nil {
+		c.decoded = true
+		return
+	}
+	var syn *jsontext.SyntacticError
+	if !errors.As(err, &syn) || errors.Is(err, jsontext.ErrDuplicateName) {
+		// json/v2 stops at the first problem; look for a syntax error further on.
+		if serr := jsonv2.Unmarshal(c.doc, new(jsontext.Value), allowLoneSurrogates, jsontext.AllowDuplicateNames(true)); serr != nil {
+			err = serr
+		}
+	}
+	var sem *jsonv2.SemanticError
+	switch {
+	case errors.Is(err, jsontext.ErrDuplicateName) && errors.As(err, &syn):
+		_, field := locate(c.doc, syn.JSONPointer)
+		c.err = &DecodeError{Kind: DecodeInvalidValue, Field: field, Detail: "appears more than once in its object"}
+	case errors.As(err, &syn):
+		c.err = &DecodeError{Kind: DecodeNotJSON, Offset: int(syn.ByteOffset), Detail: syntaxDetail(c.doc, syn)}
+	case errors.As(err, &sem):
+		_, field := locate(c.doc, sem.JSONPointer)
+		c.err = &DecodeError{Kind: DecodeWrongType, Field: field, Detail: typeDetail(sem)}
+	default:
+		c.err = &DecodeError{Kind: DecodeNotJSON, Detail: err.Error()}
+	}
+}
+
+// allowLoneSurrogates reads an escaped UTF-16 surrogate that is not half of a pair (\ud800) as U+FFFD, as
+// encoding/json does and JavaScript's JSON.stringify writes them, rather than refusing the document. The option
+// also lets invalid UTF-8 bytes through, which invalidUTF8 refuses before.
+var allowLoneSurrogates = jsontext.AllowInvalidUTF8(true)
+
+// invalidUTF8 returns the offset of the first byte of doc that is not UTF-8, or -1.
+func invalidUTF8(doc []byte) int {
+	if utf8.Valid(doc) {
+		return -1
+	}
+	for i := 0; i < len(doc); {
+		r, n := utf8.DecodeRune(doc[i:])
+		if r == utf8.RuneError && n == 1 {
+			return i
+		}
+		i += n
+	}
+	return -1
+}
+
+// tooDeep reports whether doc nests objects and arrays deeper than maxJSONDepth, and where. Counting the
+// brackets first spares the byte-by-byte scan to every document that has few of them.
+func tooDeep(doc []byte) (offset int, deep bool) {
+	if bytes.Count(doc, []byte{'{'})+bytes.Count(doc, []byte{'['}) <= maxJSONDepth {
+		return 0, false
+	}
+	depth, inString := 0, false
+	for i := 0; i < len(doc); i++ {
+		switch c := doc[i]; {
+		case inString && c == '\\':
+			i++
+		case inString:
+			inString = c != '"'
+		case c == '"':
+			inString = true
+		case c == '{' || c == '[':
+			if depth++; depth > maxJSONDepth {
+				return i, true
+			}
+		case c == '}' || c == ']':
+			depth--
+		}
+	}
+	return 0, false
+}
+
+// syntaxDetail says what is wrong with a document that is not JSON, in json/v2's words where they are plain.
+func syntaxDetail(doc []byte, syn *jsontext.SyntacticError) string {
+	msg := syn.Err.Error()
+	off := int(syn.ByteOffset)
+	switch {
+	case errors.Is(syn.Err, io.ErrUnexpectedEOF):
+		return "the document ends before it is complete"
+	case strings.Contains(msg, "after top-level value") && off < len(doc):
+		return fmt.Sprintf("unexpected %s after the end of the JSON document", describeByte(doc[off]))
+	case strings.Contains(msg, "at start of value") && off < len(doc):
+		return fmt.Sprintf("expected a JSON value, found %s", describeByte(doc[off]))
+	}
+	return msg
+}
+
+// typeDetail says which JSON type came and which was expected.
+func typeDetail(sem *jsonv2.SemanticError) string {
+	got := describeKind(sem.JSONKind)
+	switch {
+	case sem.JSONKind == '0' && errors.Is(sem.Err, strconv.ErrRange):
+		return fmt.Sprintf("got %s, expected an integer that fits 64 bits", quoteInput(string(sem.JSONValue)))
+	case sem.JSONKind == '0' && errors.Is(sem.Err, strconv.ErrSyntax):
+		return fmt.Sprintf("got %s, expected an integer", quoteInput(string(sem.JSONValue)))
+	}
+	want := "a value of another type"
+	if t := sem.GoType; t != nil {
+		if t.Kind() == reflect.Pointer {
+			t = t.Elem()
+		}
+		switch t.Kind() {
+		case reflect.String:
+			want = "a string"
+		case reflect.Bool:
+			want = "a boolean"
+		case reflect.Int, reflect.Int64:
+			want = "a number"
+		case reflect.Slice:
+			want = "an array"
+		case reflect.Struct, reflect.Map:
+			want = "an object"
+		}
+	}
+	detail := "got " + got + ", expected " + want
+	if want == "a string" && got == "a number" {
+		detail += ": amounts, nonces and timestamps are decimal strings, such as \"10000\""
+	}
+	return detail
+}
+
+// describeKind names a JSON kind as an error message says it.
+func describeKind(k jsontext.Kind) string {
+	switch k {
+	case '{':
+		return "an object"
+	case '[':
+		return "an array"
+	case '"':
+		return "a string"
+	case 't', 'f':
+		return "a boolean"
+	case 'n':
+		return "null"
+	case '0':
+		return "a number"
+	}
+	return "something that is not JSON"
+}
+
+func describeByte(c byte) string {
+	if c >= 0x20 && c < 0x7f {
+		return fmt.Sprintf("%q", c)
+	}
+	return fmt.Sprintf("byte %#02x", c)
+}
+
+// locate finds the value at ptr in doc, returning it (nil when there is none) and its path as a DecodeError
+// names it ("accepts[1].amount"). It reads the document again, so it serves error paths only.
+func locate(doc []byte, ptr jsontext.Pointer) (jsontext.Value, string) {
+	dec := jsontext.NewDecoder(bytes.NewReader(doc), allowLoneSurrogates, jsontext.AllowDuplicateNames(true))
+	var field strings.Builder
+	found := true
+	for tok := range ptr.Tokens() {
+		kind := dec.PeekKind()
+		if found && kind == '[' {
+			field.WriteString("[" + tok + "]")
+		} else {
+			if field.Len() > 0 {
+				field.WriteByte('.')
+			}
+			field.WriteString(tok)
+		}
+		if !found {
+			continue
+		}
+		found = false
+		switch kind {
+		case '{':
+			dec.ReadToken()
+			for dec.PeekKind() == '"' {
+				name, err := dec.ReadToken()
+				if err != nil {
+					break
+				}
+				if name.String() == tok {
+					found = true
+					break
+				}
+				if dec.SkipValue() != nil {
+					break
+				}
+			}
+		case '[':
+			n, err := strconv.Atoi(tok)
+			if err != nil {
+				continue
+			}
+			dec.ReadToken()
+			for i := 0; i < n && dec.PeekKind() != ']' && dec.SkipValue() == nil; i++ {
+			}
+			found = dec.PeekKind() != ']'
+		}
+	}
+	if !found {
+		return nil, field.String()
+	}
+	v, err := dec.ReadValue()
+	if err != nil {
+		return nil, field.String()
+	}
+	return v, field.String()
+}
+
+// pointerOf turns a field path as DecodeError names it into a JSON Pointer (the protocol's names hold no '.',
+// '[', '~' or '/').
+func pointerOf(field string) jsontext.Pointer {
+	if field == "" {
+		return ""
+	}
+	return jsontext.Pointer("/" + strings.NewReplacer(".", "/", "[", "/", "]", "").Replace(field))
+}
+
+// fail records a problem unless one is already recorded.
+func (c *checker) fail(kind DecodeErrorKind, at *fieldPath, detail string) {
+	if c.err == nil {
+		c.err = &DecodeError{Kind: kind, Field: at.String(), Detail: detail}
+	}
+}
+
+// member returns the value of member name of the object at `at`, nil when it is absent.
+func (c *checker) member(at *fieldPath, name string) jsontext.Value {
+	f := at.key(name)
+	v, _ := locate(c.doc, pointerOf(f.String()))
+	return v
+}
+
+// missing records member name of the object at `at` as missing: absent, or null or empty.
+func (c *checker) missing(at *fieldPath, name string) {
+	if c.err != nil {
 		return
 	}
 	f := at.key(name)
-	if !seen {
-		r.fail(DecodeMissingField, f.String(), "is missing")
+	if c.member(at, name) == nil {
+		c.fail(DecodeMissingField, &f, "is missing")
 	} else {
-		r.fail(DecodeMissingField, f.String(), "is empty or null, expected a value")
+		c.fail(DecodeMissingField, &f, "is empty or null, expected a value")
 	}
 }
 
-// paymentWire is a payment of either version as read, before the version decides which fields must be there.
-type paymentWire struct {
-	present     bool // the payment object was there (not absent or null)
-	version     int64
-	hasVersion  bool
-	resource    *ResourceInfo
-	accepted    PaymentRequirements
-	hasAccepted bool
-	scheme      string // version 1
-	network     string // version 1
-	seen        uint32
-	payload     ExactEVMPayload
-	hasPayload  bool
-	extensions  map[string]json.RawMessage
-}
-
-const (
-	pwVersion uint32 = 1 << iota
-	pwResource
-	pwAccepted
-	pwScheme
-	pwNetwork
-	pwPayload
-	pwExtensions
-)
-
-func (r *jsonReader) payment(at *fieldPath, w *paymentWire) (bool, error) {
-	var err error
-	w.present, err = r.object(at, func(key string) error {
-		f := at.key(key)
-		var err error
-		switch key {
-		case "x402Version":
-			if r.first(&w.seen, pwVersion, &f) {
-				w.version, w.hasVersion, err = r.integer(&f)
-				return err
-			}
-		case "resource":
-			if r.first(&w.seen, pwResource, &f) {
-				res := new(ResourceInfo)
-				var ok bool
-				if ok, err = r.resource(&f, res, false); ok {
-					w.resource = res
-				}
-				return err
-			}
-		case "accepted":
-			if r.first(&w.seen, pwAccepted, &f) {
-				w.hasAccepted, err = r.requirements(&f, &w.accepted)
-				return err
-			}
-		case "scheme":
-			if r.first(&w.seen, pwScheme, &f) {
-				w.scheme, _, err = r.str(&f)
-				return err
-			}
-		case "network":
-			if r.first(&w.seen, pwNetwork, &f) {
-				w.network, _, err = r.str(&f)
-				return err
-			}
-		case "payload":
-			if r.first(&w.seen, pwPayload, &f) {
-				w.hasPayload, err = r.exactPayload(&f, &w.payload)
-				return err
-			}
-		case "extensions":
-			if r.first(&w.seen, pwExtensions, &f) {
-				w.extensions, err = r.extensions(&f)
-				return err
-			}
-		}
-		return r.skipValue()
-	})
-	return w.present, err
-}
-
-// checkPayment checks the fields the payment's version requires (once the version is known to be 1 or 2).
-func (r *jsonReader) checkPayment(at *fieldPath, w *paymentWire) {
-	if w.version == Version1 {
-		r.require(at, "scheme", w.seen&pwScheme != 0, w.scheme == "")
-		r.require(at, "network", w.seen&pwNetwork != 0, w.network == "")
-	} else {
-		r.require(at, "accepted", w.seen&pwAccepted != 0, !w.hasAccepted)
+// requireString records a required string member that is absent, null or empty.
+func (c *checker) requireString(at *fieldPath, name, v string) {
+	if v == "" {
+		c.missing(at, name)
 	}
-	r.require(at, "payload", w.seen&pwPayload != 0, !w.hasPayload)
+}
+
+// present reports whether member name of the object at `at` is there and not null, for a member that was
+// decoded as zero; zero members that are present are rare, so the document is read again only for them.
+func (c *checker) present(at *fieldPath, name string, zero bool) bool {
+	if !zero {
+		return true
+	}
+	v := c.member(at, name)
+	return v != nil && v.Kind() != 'n'
+}
+
+// require records a required member of another type than string that is absent or null.
+func (c *checker) require(at *fieldPath, name string, zero bool) {
+	if c.err == nil && !c.present(at, name, zero) {
+		c.missing(at, name)
+	}
+}
+
+// positiveTimeout refuses a maxTimeoutSeconds that is there but not a positive number of seconds (its absence is
+// require's to report, before this).
+func (c *checker) positiveTimeout(at *fieldPath, seconds int64) {
+	if seconds > 0 || c.err != nil || !c.present(at, "maxTimeoutSeconds", seconds == 0) {
+		return
+	}
+	f := at.key("maxTimeoutSeconds")
+	c.fail(DecodeInvalidValue, &f, fmt.Sprintf("is %d, expected a positive number of seconds", seconds))
 }
 
 // versionSet is a set of protocol versions, one bit per version.
@@ -142,815 +343,246 @@ func (s versionSet) String() string {
 	}
 }
 
-// checkVersion records an absent or unsupported x402Version and reports whether the version is one of want.
-// An unsupported version is reported before any other error: the other problems are likely just the other
-// version's shape.
-func (r *jsonReader) checkVersion(at *fieldPath, version int64, present bool, doc string, want versionSet) bool {
+// version checks the x402Version of the object at `at`, decoded as got, and reports whether it is one of want.
+// An absent or unsupported version replaces any problem found before it, which is likely just the other
+// version's shape, unless that problem is the version itself or its object. The version is read from the
+// document again when it is not one of want, as json/v2 may have stopped before reading it.
+func (c *checker) version(at *fieldPath, got int, doc string, want versionSet) bool {
 	f := at.key("x402Version")
-	if r.err != nil && (r.err.Field == f.String() || r.err.Field == at.String()) {
-		return false // a wrong type or a duplicate of the version or its object already says what is wrong
-	}
-	if !present {
-		r.err = &DecodeError{Kind: DecodeMissingField, Field: f.String(), Detail: "is missing; expected " + want.String()}
+	if c.err != nil && (c.err.Field == f.String() || c.err.Field == at.String()) {
 		return false
 	}
-	if want.has(version) {
+	if want.has(int64(got)) {
 		return true
 	}
-	detail := fmt.Sprintf("is %d; %s must be %s", version, doc, want)
-	if version == Version1 && want == onlyV2 && at == nil && doc == docPaymentVersioned {
+	raw := c.member(at, "x402Version")
+	var n int64
+	switch {
+	case raw == nil || raw.Kind() == 'n':
+		c.err = &DecodeError{Kind: DecodeMissingField, Field: f.String(), Detail: "is missing; expected " + want.String()}
+		return false
+	case raw.Kind() != '0':
+		c.err = &DecodeError{Kind: DecodeWrongType, Field: f.String(), Detail: "got " + describeKind(raw.Kind()) + ", expected a number"}
+		return false
+	case jsonv2.Unmarshal(raw, &n) != nil:
+		c.err = &DecodeError{Kind: DecodeWrongType, Field: f.String(), Detail: fmt.Sprintf("got %s, expected an integer", quoteInput(string(raw)))}
+		return false
+	case want.has(n):
+		return true
+	}
+	detail := fmt.Sprintf("is %d; %s must be %s", n, doc, want)
+	if n == Version1 && want == onlyV2 && at == nil && doc == docPaymentVersioned {
 		detail += " (a version 1 payment goes in the X-PAYMENT header, or re-sign it as version 2)"
 	}
-	r.err = &DecodeError{Kind: DecodeUnsupportedVersion, Field: f.String(), Detail: detail}
+	c.err = &DecodeError{Kind: DecodeUnsupportedVersion, Field: f.String(), Detail: detail}
 	return false
 }
 
-const (
-	rqScheme uint32 = 1 << iota
-	rqNetwork
-	rqAmount
-	rqAsset
-	rqPayTo
-	rqTimeout
-	rqExtra
-)
+// paymentWire is a payment of either version as read, before the version decides which fields must be there.
+type paymentWire struct {
+	PaymentPayload
+	Scheme  string `json:"scheme"`  // version 1
+	Network string `json:"network"` // version 1
+}
 
-// requirements reads a version 2 PaymentRequirements (spec 2.6: every field required).
-func (r *jsonReader) requirements(at *fieldPath, req *PaymentRequirements) (bool, error) {
-	var seen uint32
-	var hasTimeout, hasExtra bool
-	present, err := r.object(at, func(key string) error {
-		f := at.key(key)
-		var err error
-		switch key {
-		case "scheme":
-			if r.first(&seen, rqScheme, &f) {
-				req.Scheme, _, err = r.str(&f)
-				return err
-			}
-		case "network":
-			if r.first(&seen, rqNetwork, &f) {
-				req.Network, _, err = r.str(&f)
-				return err
-			}
-		case "amount":
-			if r.first(&seen, rqAmount, &f) {
-				req.Amount, _, err = r.str(&f)
-				return err
-			}
-		case "asset":
-			if r.first(&seen, rqAsset, &f) {
-				req.Asset, _, err = r.str(&f)
-				return err
-			}
-		case "payTo":
-			if r.first(&seen, rqPayTo, &f) {
-				req.PayTo, _, err = r.str(&f)
-				return err
-			}
-		case "maxTimeoutSeconds":
-			if r.first(&seen, rqTimeout, &f) {
-				req.MaxTimeoutSeconds, hasTimeout, err = r.integer(&f)
-				return err
-			}
-		case "extra":
-			if r.first(&seen, rqExtra, &f) {
-				hasExtra, err = r.extra(&f, &req.Extra)
-				return err
-			}
-		}
-		return r.skipValue()
-	})
-	if err != nil || !present {
-		return present, err
+// paymentParts checks the members of a payment that are there (the ones it requires are checked by
+// paymentRequires), and reports which of accepted and payload are.
+func (c *checker) paymentParts(at *fieldPath, w *paymentWire) (hasAccepted, hasPayload bool) {
+	if hasAccepted = c.present(at, "accepted", w.Accepted == PaymentRequirements{}); hasAccepted {
+		f := at.key("accepted")
+		c.requirements(&f, &w.Accepted)
 	}
-	r.require(at, "scheme", seen&rqScheme != 0, req.Scheme == "")
-	r.require(at, "network", seen&rqNetwork != 0, req.Network == "")
-	r.require(at, "amount", seen&rqAmount != 0, req.Amount == "")
-	r.require(at, "asset", seen&rqAsset != 0, req.Asset == "")
-	r.require(at, "payTo", seen&rqPayTo != 0, req.PayTo == "")
-	r.require(at, "maxTimeoutSeconds", seen&rqTimeout != 0, !hasTimeout)
-	r.require(at, "extra", seen&rqExtra != 0, !hasExtra)
-	r.checkTimeout(at, hasTimeout, req.MaxTimeoutSeconds)
-	return true, nil
+	if hasPayload = c.present(at, "payload", w.Payload == ExactEVMPayload{}); hasPayload {
+		f := at.key("payload")
+		c.exactPayload(&f, &w.Payload)
+	}
+	w.Extensions = compactExtensions(w.Extensions)
+	return hasAccepted, hasPayload
 }
 
-// nullElement records an array element that is null where the array holds objects: an absent object member may
-// be null, but an element must be there.
-func (r *jsonReader) nullElement(at *fieldPath, want string) {
-	r.fail(DecodeWrongType, at.String(), "got null, expected "+want)
-}
-
-// checkTimeout refuses a timeout that is not a positive number of seconds.
-func (r *jsonReader) checkTimeout(at *fieldPath, present bool, seconds int64) {
-	if present && seconds <= 0 {
-		f := at.key("maxTimeoutSeconds")
-		r.fail(DecodeInvalidValue, f.String(), fmt.Sprintf("is %d, expected a positive number of seconds", seconds))
+// paymentRequires checks the members a payment's version requires (once the version is known to be 1 or 2).
+func (c *checker) paymentRequires(at *fieldPath, w *paymentWire, hasAccepted, hasPayload bool) {
+	if w.X402Version == Version1 {
+		c.requireString(at, "scheme", w.Scheme)
+		c.requireString(at, "network", w.Network)
+	} else if !hasAccepted {
+		c.missing(at, "accepted")
+	}
+	if !hasPayload {
+		c.missing(at, "payload")
 	}
 }
 
-const (
-	rv1Scheme uint32 = 1 << iota
-	rv1Network
-	rv1Amount
-	rv1Resource
-	rv1Description
-	rv1MimeType
-	rv1OutputSchema
-	rv1PayTo
-	rv1Timeout
-	rv1Asset
-	rv1Extra
-)
+// zero reports whether nothing of the payment was read.
+func (p *PaymentPayload) zero() bool {
+	return p.X402Version == 0 && p.Resource == nil && p.Accepted == PaymentRequirements{} && p.Payload == ExactEVMPayload{} && p.Extensions == nil
+}
 
-// requirementsV1 reads a version 1 PaymentRequirements. Description and mimeType may be empty or absent, as
+// requirements checks a version 2 PaymentRequirements (spec 2.6: every field required).
+func (c *checker) requirements(at *fieldPath, rq *PaymentRequirements) {
+	c.requireString(at, "scheme", rq.Scheme)
+	c.requireString(at, "network", rq.Network)
+	c.requireString(at, "amount", rq.Amount)
+	c.requireString(at, "asset", rq.Asset)
+	c.requireString(at, "payTo", rq.PayTo)
+	c.require(at, "maxTimeoutSeconds", rq.MaxTimeoutSeconds == 0)
+	c.require(at, "extra", rq.Extra == Extra{})
+	c.positiveTimeout(at, rq.MaxTimeoutSeconds)
+}
+
+// requirementsV1 checks a version 1 PaymentRequirements. Description and mimeType may be empty or absent, as
 // many version 1 servers leave them out; outputSchema and extra are optional.
-func (r *jsonReader) requirementsV1(at *fieldPath, req *PaymentRequirementsV1) (bool, error) {
-	var seen uint32
-	var hasTimeout bool
-	present, err := r.object(at, func(key string) error {
-		f := at.key(key)
-		var err error
-		switch key {
-		case "scheme":
-			if r.first(&seen, rv1Scheme, &f) {
-				req.Scheme, _, err = r.str(&f)
-				return err
-			}
-		case "network":
-			if r.first(&seen, rv1Network, &f) {
-				req.Network, _, err = r.str(&f)
-				return err
-			}
-		case "maxAmountRequired":
-			if r.first(&seen, rv1Amount, &f) {
-				req.MaxAmountRequired, _, err = r.str(&f)
-				return err
-			}
-		case "resource":
-			if r.first(&seen, rv1Resource, &f) {
-				req.Resource, _, err = r.str(&f)
-				return err
-			}
-		case "description":
-			if r.first(&seen, rv1Description, &f) {
-				req.Description, _, err = r.str(&f)
-				return err
-			}
-		case "mimeType":
-			if r.first(&seen, rv1MimeType, &f) {
-				req.MimeType, _, err = r.str(&f)
-				return err
-			}
-		case "outputSchema":
-			if r.first(&seen, rv1OutputSchema, &f) {
-				var raw string
-				if raw, err = r.raw(); err == nil && raw != "null" {
-					req.OutputSchema = json.RawMessage(raw)
-				}
-				return err
-			}
-		case "payTo":
-			if r.first(&seen, rv1PayTo, &f) {
-				req.PayTo, _, err = r.str(&f)
-				return err
-			}
-		case "maxTimeoutSeconds":
-			if r.first(&seen, rv1Timeout, &f) {
-				req.MaxTimeoutSeconds, hasTimeout, err = r.integer(&f)
-				return err
-			}
-		case "asset":
-			if r.first(&seen, rv1Asset, &f) {
-				req.Asset, _, err = r.str(&f)
-				return err
-			}
-		case "extra":
-			if r.first(&seen, rv1Extra, &f) {
-				extra := new(Extra)
-				var ok bool
-				if ok, err = r.extra(&f, extra); ok {
-					req.Extra = extra
-				}
-				return err
-			}
-		}
-		return r.skipValue()
-	})
-	if err != nil || !present {
-		return present, err
+func (c *checker) requirementsV1(at *fieldPath, rq *PaymentRequirementsV1) {
+	c.requireString(at, "scheme", rq.Scheme)
+	c.requireString(at, "network", rq.Network)
+	c.requireString(at, "maxAmountRequired", rq.MaxAmountRequired)
+	c.requireString(at, "resource", rq.Resource)
+	c.requireString(at, "payTo", rq.PayTo)
+	c.require(at, "maxTimeoutSeconds", rq.MaxTimeoutSeconds == 0)
+	c.requireString(at, "asset", rq.Asset)
+	c.positiveTimeout(at, rq.MaxTimeoutSeconds)
+	if rq.OutputSchema = compactRaw(rq.OutputSchema); string(rq.OutputSchema) == "null" {
+		rq.OutputSchema = nil
 	}
-	r.require(at, "scheme", seen&rv1Scheme != 0, req.Scheme == "")
-	r.require(at, "network", seen&rv1Network != 0, req.Network == "")
-	r.require(at, "maxAmountRequired", seen&rv1Amount != 0, req.MaxAmountRequired == "")
-	r.require(at, "resource", seen&rv1Resource != 0, req.Resource == "")
-	r.require(at, "payTo", seen&rv1PayTo != 0, req.PayTo == "")
-	r.require(at, "maxTimeoutSeconds", seen&rv1Timeout != 0, !hasTimeout)
-	r.require(at, "asset", seen&rv1Asset != 0, req.Asset == "")
-	r.checkTimeout(at, hasTimeout, req.MaxTimeoutSeconds)
-	return true, nil
 }
 
-const (
-	exMethod uint32 = 1 << iota
-	exName
-	exVersion
-	exSpender
-	exPermit2
-	exProxy
-)
-
-// extra reads the scheme metadata; all of its fields are optional and unknown ones are dropped.
-func (r *jsonReader) extra(at *fieldPath, e *Extra) (bool, error) {
-	var seen uint32
-	return r.object(at, func(key string) error {
-		f := at.key(key)
-		var dst *string
-		switch key {
-		case "assetTransferMethod":
-			if r.first(&seen, exMethod, &f) {
-				dst = &e.AssetTransferMethod
-			}
-		case "name":
-			if r.first(&seen, exName, &f) {
-				dst = &e.Name
-			}
-		case "version":
-			if r.first(&seen, exVersion, &f) {
-				dst = &e.Version
-			}
-		case "spender":
-			if r.first(&seen, exSpender, &f) {
-				dst = &e.Spender
-			}
-		case "permit2Address":
-			if r.first(&seen, exPermit2, &f) {
-				dst = &e.Permit2Address
-			}
-		case "x402Permit2ProxyAddress":
-			if r.first(&seen, exProxy, &f) {
-				dst = &e.X402Permit2ProxyAddress
+// checkAccepts checks the requirements of a 402 answer; an element must be an object, never null.
+func checkAccepts[R any](c *checker, list []R, check func(*checker, *fieldPath, *R)) {
+	f := (*fieldPath)(nil).key("accepts")
+	for i := range list {
+		e := f.elem(i)
+		if c.err == nil && reflect.ValueOf(&list[i]).Elem().IsZero() {
+			if v, _ := locate(c.doc, pointerOf(e.String())); v.Kind() == 'n' {
+				c.fail(DecodeWrongType, &e, "got null, expected a requirement object")
 			}
 		}
-		if dst == nil {
-			return r.skipValue()
-		}
-		var err error
-		*dst, _, err = r.str(&f)
-		return err
-	})
+		check(c, &e, &list[i])
+	}
 }
 
-const (
-	riURL uint32 = 1 << iota
-	riDescription
-	riMimeType
-)
-
-// resource reads a ResourceInfo; the url is required only where the spec requires it (PaymentRequired).
-func (r *jsonReader) resource(at *fieldPath, res *ResourceInfo, needURL bool) (bool, error) {
-	var seen uint32
-	present, err := r.object(at, func(key string) error {
-		f := at.key(key)
-		var dst *string
-		switch key {
-		case "url":
-			if r.first(&seen, riURL, &f) {
-				dst = &res.URL
-			}
-		case "description":
-			if r.first(&seen, riDescription, &f) {
-				dst = &res.Description
-			}
-		case "mimeType":
-			if r.first(&seen, riMimeType, &f) {
-				dst = &res.MimeType
-			}
-		}
-		if dst == nil {
-			return r.skipValue()
-		}
-		var err error
-		*dst, _, err = r.str(&f)
-		return err
-	})
-	if err == nil && present && needURL {
-		r.require(at, "url", seen&riURL != 0, res.URL == "")
+// exactPayload checks the signed part of an exact EVM payment: a signature and exactly one authorization.
+func (c *checker) exactPayload(at *fieldPath, p *ExactEVMPayload) {
+	if p.Authorization != nil {
+		f := at.key("authorization")
+		c.authorization(&f, p.Authorization)
 	}
-	return present, err
-}
-
-const (
-	epSignature uint32 = 1 << iota
-	epAuthorization
-	epPermit2
-)
-
-// exactPayload reads the signed part of an exact EVM payment: a signature and exactly one authorization.
-func (r *jsonReader) exactPayload(at *fieldPath, p *ExactEVMPayload) (bool, error) {
-	var seen uint32
-	present, err := r.object(at, func(key string) error {
-		f := at.key(key)
-		var err error
-		switch key {
-		case "signature":
-			if r.first(&seen, epSignature, &f) {
-				p.Signature, _, err = r.str(&f)
-				return err
-			}
-		case "authorization":
-			if r.first(&seen, epAuthorization, &f) {
-				a := new(EIP2612Authorization)
-				var ok bool
-				if ok, err = r.authorization(&f, a); ok {
-					p.Authorization = a
-				}
-				return err
-			}
-		case "permit2Authorization":
-			if r.first(&seen, epPermit2, &f) {
-				a := new(Permit2Authorization)
-				var ok bool
-				if ok, err = r.permit2Authorization(&f, a); ok {
-					p.Permit2Authorization = a
-				}
-				return err
-			}
-		}
-		return r.skipValue()
-	})
-	if err != nil || !present {
-		return present, err
+	if p.Permit2Authorization != nil {
+		f := at.key("permit2Authorization")
+		c.permit2Authorization(&f, p.Permit2Authorization)
 	}
-	r.require(at, "signature", seen&epSignature != 0, p.Signature == "")
+	c.requireString(at, "signature", p.Signature)
 	switch {
 	case p.Authorization == nil && p.Permit2Authorization == nil:
 		f := at.key("authorization")
-		r.fail(DecodeMissingField, f.String(),
-			"is missing: expected exactly one of authorization (erc2612) or permit2Authorization (permit2)")
+		c.fail(DecodeMissingField, &f, "is missing: expected exactly one of authorization (erc2612) or permit2Authorization (permit2)")
 	case p.Authorization != nil && p.Permit2Authorization != nil:
-		r.fail(DecodeInvalidValue, at.String(),
-			"has both authorization and permit2Authorization, expected exactly one")
+		c.fail(DecodeInvalidValue, at, "has both authorization and permit2Authorization, expected exactly one")
 	}
-	return true, nil
 }
 
-const (
-	auFrom uint32 = 1 << iota
-	auTo
-	auValue
-	auValidAfter
-	auValidBefore
-	auNonce
-)
-
-// authorization reads an EIP-2612 authorization; all six fields are required strings.
-func (r *jsonReader) authorization(at *fieldPath, a *EIP2612Authorization) (bool, error) {
-	var seen uint32
-	present, err := r.object(at, func(key string) error {
-		f := at.key(key)
-		var dst *string
-		switch key {
-		case "from":
-			if r.first(&seen, auFrom, &f) {
-				dst = &a.From
-			}
-		case "to":
-			if r.first(&seen, auTo, &f) {
-				dst = &a.To
-			}
-		case "value":
-			if r.first(&seen, auValue, &f) {
-				dst = &a.Value
-			}
-		case "validAfter":
-			if r.first(&seen, auValidAfter, &f) {
-				dst = &a.ValidAfter
-			}
-		case "validBefore":
-			if r.first(&seen, auValidBefore, &f) {
-				dst = &a.ValidBefore
-			}
-		case "nonce":
-			if r.first(&seen, auNonce, &f) {
-				dst = &a.Nonce
-			}
-		}
-		if dst == nil {
-			return r.skipValue()
-		}
-		var err error
-		*dst, _, err = r.str(&f)
-		return err
-	})
-	if err != nil || !present {
-		return present, err
-	}
-	r.require(at, "from", seen&auFrom != 0, a.From == "")
-	r.require(at, "to", seen&auTo != 0, a.To == "")
-	r.require(at, "value", seen&auValue != 0, a.Value == "")
-	r.require(at, "validAfter", seen&auValidAfter != 0, a.ValidAfter == "")
-	r.require(at, "validBefore", seen&auValidBefore != 0, a.ValidBefore == "")
-	r.require(at, "nonce", seen&auNonce != 0, a.Nonce == "")
-	return true, nil
+// authorization checks an EIP-2612 (or EIP-3009) authorization; all six fields are required strings.
+func (c *checker) authorization(at *fieldPath, a *EIP2612Authorization) {
+	c.requireString(at, "from", a.From)
+	c.requireString(at, "to", a.To)
+	c.requireString(at, "value", a.Value)
+	c.requireString(at, "validAfter", a.ValidAfter)
+	c.requireString(at, "validBefore", a.ValidBefore)
+	c.requireString(at, "nonce", a.Nonce)
 }
 
-const (
-	p2From uint32 = 1 << iota
-	p2Permitted
-	p2Spender
-	p2Nonce
-	p2Deadline
-	p2Witness
-	p2Token
-	p2Amount
-	p2To
-	p2ValidAfter
-)
-
-// permit2Authorization reads a Permit2 authorization with its permitted and witness objects; every field is
-// a required string.
-func (r *jsonReader) permit2Authorization(at *fieldPath, a *Permit2Authorization) (bool, error) {
-	var seen uint32
-	var hasPermitted, hasWitness bool
-	present, err := r.object(at, func(key string) error {
-		f := at.key(key)
-		var dst *string
-		var err error
-		switch key {
-		case "from":
-			if r.first(&seen, p2From, &f) {
-				dst = &a.From
-			}
-		case "spender":
-			if r.first(&seen, p2Spender, &f) {
-				dst = &a.Spender
-			}
-		case "nonce":
-			if r.first(&seen, p2Nonce, &f) {
-				dst = &a.Nonce
-			}
-		case "deadline":
-			if r.first(&seen, p2Deadline, &f) {
-				dst = &a.Deadline
-			}
-		case "permitted":
-			if r.first(&seen, p2Permitted, &f) {
-				hasPermitted, err = r.stringPair(&f, &seen, "token", p2Token, &a.Permitted.Token, "amount", p2Amount, &a.Permitted.Amount)
-				return err
-			}
-		case "witness":
-			if r.first(&seen, p2Witness, &f) {
-				hasWitness, err = r.stringPair(&f, &seen, "to", p2To, &a.Witness.To, "validAfter", p2ValidAfter, &a.Witness.ValidAfter)
-				return err
-			}
-		}
-		if dst == nil {
-			return r.skipValue()
-		}
-		*dst, _, err = r.str(&f)
-		return err
-	})
-	if err != nil || !present {
-		return present, err
-	}
-	r.require(at, "from", seen&p2From != 0, a.From == "")
-	r.require(at, "permitted", seen&p2Permitted != 0, !hasPermitted)
-	if hasPermitted {
+// permit2Authorization checks a Permit2 authorization; every field of it and of its permitted and witness
+// objects is a required string.
+func (c *checker) permit2Authorization(at *fieldPath, a *Permit2Authorization) {
+	c.requireString(at, "from", a.From)
+	if c.present(at, "permitted", a.Permitted == TokenPermissions{}) {
 		f := at.key("permitted")
-		r.require(&f, "token", seen&p2Token != 0, a.Permitted.Token == "")
-		r.require(&f, "amount", seen&p2Amount != 0, a.Permitted.Amount == "")
+		c.requireString(&f, "token", a.Permitted.Token)
+		c.requireString(&f, "amount", a.Permitted.Amount)
+	} else {
+		c.missing(at, "permitted")
 	}
-	r.require(at, "spender", seen&p2Spender != 0, a.Spender == "")
-	r.require(at, "nonce", seen&p2Nonce != 0, a.Nonce == "")
-	r.require(at, "deadline", seen&p2Deadline != 0, a.Deadline == "")
-	r.require(at, "witness", seen&p2Witness != 0, !hasWitness)
-	if hasWitness {
+	c.requireString(at, "spender", a.Spender)
+	c.requireString(at, "nonce", a.Nonce)
+	c.requireString(at, "deadline", a.Deadline)
+	if c.present(at, "witness", a.Witness == Permit2Witness{}) {
 		f := at.key("witness")
-		r.require(&f, "to", seen&p2To != 0, a.Witness.To == "")
-		r.require(&f, "validAfter", seen&p2ValidAfter != 0, a.Witness.ValidAfter == "")
+		c.requireString(&f, "to", a.Witness.To)
+		c.requireString(&f, "validAfter", a.Witness.ValidAfter)
+	} else {
+		c.missing(at, "witness")
 	}
-	return true, nil
 }
 
-// stringPair reads an object of two string members (TokenPermissions, Permit2Witness), marking their bits in seen.
-func (r *jsonReader) stringPair(at *fieldPath, seen *uint32, k1 string, b1 uint32, v1 *string, k2 string, b2 uint32, v2 *string) (bool, error) {
-	return r.object(at, func(key string) error {
-		f := at.key(key)
-		var dst *string
-		switch key {
-		case k1:
-			if r.first(seen, b1, &f) {
-				dst = v1
-			}
-		case k2:
-			if r.first(seen, b2, &f) {
-				dst = v2
-			}
-		}
-		if dst == nil {
-			return r.skipValue()
-		}
-		var err error
-		*dst, _, err = r.str(&f)
-		return err
-	})
-}
-
-// extensions reads an extensions object, keeping each value as compact raw JSON. An empty object reads as nil,
-// so that decoding what was encoded (where an empty map is omitted) gives the same value.
-func (r *jsonReader) extensions(at *fieldPath) (map[string]json.RawMessage, error) {
-	var m map[string]json.RawMessage
-	_, err := r.object(at, func(key string) error {
-		raw, err := r.raw()
-		if err != nil {
-			return err
-		}
-		if _, dup := m[key]; dup {
-			f := at.key(key)
-			r.duplicate(&f)
-			return nil
-		}
-		if m == nil {
-			m = make(map[string]json.RawMessage, 2)
-		}
-		m[key] = json.RawMessage(raw)
+// compactExtensions keeps each extension as compact raw JSON, and reads an empty object as none, so that
+// decoding what was encoded (where an empty map is omitted) gives the same value.
+func compactExtensions(m map[string]json.RawMessage) map[string]json.RawMessage {
+	if len(m) == 0 {
 		return nil
-	})
-	return m, err
+	}
+	for k, v := range m {
+		m[k] = compactRaw(v)
+	}
+	return m
 }
 
-const (
-	vqVersion uint32 = 1 << iota
-	vqPayload
-	vqRequirements
-)
-
-// verifyRequest reads the body of /verify and /settle.
-func (r *jsonReader) verifyRequest(req *VerifyRequest, w *paymentWire) (version int64, hasVersion bool, err error) {
-	var seen uint32
-	var hasPayload, hasRequirements bool
-	_, err = r.object(nil, func(key string) error {
-		f := (*fieldPath)(nil).key(key)
-		var err error
-		switch key {
-		case "x402Version":
-			if r.first(&seen, vqVersion, &f) {
-				version, hasVersion, err = r.integer(&f)
-				return err
-			}
-		case "paymentPayload":
-			if r.first(&seen, vqPayload, &f) {
-				hasPayload, err = r.payment(&f, w)
-				return err
-			}
-		case "paymentRequirements":
-			if r.first(&seen, vqRequirements, &f) {
-				hasRequirements, err = r.requirements(&f, &req.PaymentRequirements)
-				return err
-			}
-		}
-		return r.skipValue()
-	})
-	if err != nil {
-		return version, hasVersion, err
+// compactRaw removes insignificant whitespace from a valid raw value, leaving strings as they were written.
+func compactRaw(v json.RawMessage) json.RawMessage {
+	if !bytes.ContainsAny(v, " \t\r\n") {
+		return v
 	}
-	if !hasPayload {
-		r.require(nil, "paymentPayload", seen&vqPayload != 0, true)
+	jv := jsontext.Value(v)
+	if jv.Compact() != nil {
+		return v
 	}
-	if !hasRequirements {
-		r.require(nil, "paymentRequirements", seen&vqRequirements != 0, true)
-	}
-	return version, hasVersion, nil
+	return json.RawMessage(jv)
 }
 
-const (
-	prVersion uint32 = 1 << iota
-	prError
-	prResource
-	prAccepts
-	prExtensions
-)
-
-// paymentRequired reads a version 2 PaymentRequired (spec 2.6).
-func (r *jsonReader) paymentRequired(p *PaymentRequired) (version int64, hasVersion bool, err error) {
-	var seen uint32
-	var hasResource, hasAccepts bool
-	_, err = r.object(nil, func(key string) error {
-		f := (*fieldPath)(nil).key(key)
-		var err error
-		switch key {
-		case "x402Version":
-			if r.first(&seen, prVersion, &f) {
-				version, hasVersion, err = r.integer(&f)
-				return err
-			}
-		case "error":
-			if r.first(&seen, prError, &f) {
-				p.Error, _, err = r.str(&f)
-				return err
-			}
-		case "resource":
-			if r.first(&seen, prResource, &f) {
-				hasResource, err = r.resource(&f, &p.Resource, true)
-				return err
-			}
-		case "accepts":
-			if r.first(&seen, prAccepts, &f) {
-				p.Accepts = []PaymentRequirements{}
-				hasAccepts, err = r.array(&f, func(i int) error {
-					e := f.elem(i)
-					p.Accepts = append(p.Accepts, PaymentRequirements{})
-					present, err := r.requirements(&e, &p.Accepts[i])
-					if err == nil && !present {
-						r.nullElement(&e, "a requirement object")
-					}
-					return err
-				})
-				return err
-			}
-		case "extensions":
-			if r.first(&seen, prExtensions, &f) {
-				p.Extensions, err = r.extensions(&f)
-				return err
-			}
-		}
-		return r.skipValue()
-	})
-	if err != nil {
-		return version, hasVersion, err
-	}
-	r.require(nil, "resource", seen&prResource != 0, !hasResource)
-	r.require(nil, "accepts", seen&prAccepts != 0, !hasAccepts)
-	if !hasAccepts {
-		p.Accepts = nil
-	}
-	return version, hasVersion, nil
+// fieldPath is the JSON path of a value, built as a chain of stack values and spelled out
+// ("payload.authorization.value", "accepts[1].amount") only when an error names it.
+type fieldPath struct {
+	parent *fieldPath
+	name   string // object key, or "" for an array element
+	index  int
 }
 
-// paymentRequiredV1 reads the JSON body of a version 1 402 answer.
-func (r *jsonReader) paymentRequiredV1(p *PaymentRequiredV1) (version int64, hasVersion bool, err error) {
-	var seen uint32
-	var hasAccepts bool
-	_, err = r.object(nil, func(key string) error {
-		f := (*fieldPath)(nil).key(key)
-		var err error
-		switch key {
-		case "x402Version":
-			if r.first(&seen, prVersion, &f) {
-				version, hasVersion, err = r.integer(&f)
-				return err
-			}
-		case "error":
-			if r.first(&seen, prError, &f) {
-				p.Error, _, err = r.str(&f)
-				return err
-			}
-		case "accepts":
-			if r.first(&seen, prAccepts, &f) {
-				p.Accepts = []PaymentRequirementsV1{}
-				hasAccepts, err = r.array(&f, func(i int) error {
-					e := f.elem(i)
-					p.Accepts = append(p.Accepts, PaymentRequirementsV1{})
-					present, err := r.requirementsV1(&e, &p.Accepts[i])
-					if err == nil && !present {
-						r.nullElement(&e, "a requirement object")
-					}
-					return err
-				})
-				return err
-			}
-		}
-		return r.skipValue()
-	})
-	if err != nil {
-		return version, hasVersion, err
-	}
-	r.require(nil, "accepts", seen&prAccepts != 0, !hasAccepts)
-	if !hasAccepts {
-		p.Accepts = nil
-	}
-	return version, hasVersion, nil
-}
+// key is the path of member name of the object at p.
+func (p *fieldPath) key(name string) fieldPath { return fieldPath{parent: p, name: name} }
 
-const (
-	rsSuccess uint32 = 1 << iota
-	rsTransaction
-	rsNetwork
-	rsPayer
-	rsAmount
-	rsReason
-	rsMessage
-	rsExtensions
-)
+// elem is the path of element i of the array at p.
+func (p *fieldPath) elem(i int) fieldPath { return fieldPath{parent: p, index: i} }
 
-// settleResponse reads a SettleResponse. Only success is required: a peer's answer with success and a reason is
-// an answer, and the facts sheet's "transaction and network always present" is ours to keep, not to demand.
-func (r *jsonReader) settleResponse(s *SettleResponse) error {
-	var seen uint32
-	var hasSuccess bool
-	_, err := r.object(nil, func(key string) error {
-		f := (*fieldPath)(nil).key(key)
-		var dst *string
-		var err error
-		switch key {
-		case "success":
-			if r.first(&seen, rsSuccess, &f) {
-				s.Success, hasSuccess, err = r.boolean(&f)
-				return err
-			}
-		case "transaction":
-			if r.first(&seen, rsTransaction, &f) {
-				dst = &s.Transaction
-			}
-		case "network":
-			if r.first(&seen, rsNetwork, &f) {
-				dst = &s.Network
-			}
-		case "payer":
-			if r.first(&seen, rsPayer, &f) {
-				dst = &s.Payer
-			}
-		case "amount":
-			if r.first(&seen, rsAmount, &f) {
-				dst = &s.Amount
-			}
-		case "errorReason":
-			if r.first(&seen, rsReason, &f) {
-				dst = &s.ErrorReason
-			}
-		case "errorMessage":
-			if r.first(&seen, rsMessage, &f) {
-				dst = &s.ErrorMessage
-			}
-		case "extensions":
-			if r.first(&seen, rsExtensions, &f) {
-				s.Extensions, err = r.extensions(&f)
-				return err
+// String spells the path; the root (nil) is "". It walks the chain twice (measure, then fill from the end)
+// rather than recursing, because a recursive method makes the compiler move every path node to the heap.
+func (p *fieldPath) String() string {
+	n := 0
+	for q := p; q != nil; q = q.parent {
+		if q.name == "" {
+			n += len(strconv.Itoa(q.index)) + 2
+		} else {
+			n += len(q.name)
+			if q.parent != nil {
+				n++
 			}
 		}
-		if dst == nil {
-			return r.skipValue()
-		}
-		*dst, _, err = r.str(&f)
-		return err
-	})
-	if err != nil {
-		return err
 	}
-	r.require(nil, "success", seen&rsSuccess != 0, !hasSuccess)
-	return nil
-}
-
-const (
-	vrValid uint32 = 1 << iota
-	vrPayer
-	vrReason
-	vrMessage
-	vrExtensions
-)
-
-// verifyResponse reads a VerifyResponse; only isValid is required.
-func (r *jsonReader) verifyResponse(v *VerifyResponse) error {
-	var seen uint32
-	var hasValid bool
-	_, err := r.object(nil, func(key string) error {
-		f := (*fieldPath)(nil).key(key)
-		var dst *string
-		var err error
-		switch key {
-		case "isValid":
-			if r.first(&seen, vrValid, &f) {
-				v.IsValid, hasValid, err = r.boolean(&f)
-				return err
-			}
-		case "payer":
-			if r.first(&seen, vrPayer, &f) {
-				dst = &v.Payer
-			}
-		case "invalidReason":
-			if r.first(&seen, vrReason, &f) {
-				dst = &v.InvalidReason
-			}
-		case "invalidMessage":
-			if r.first(&seen, vrMessage, &f) {
-				dst = &v.InvalidMessage
-			}
-		case "extensions":
-			if r.first(&seen, vrExtensions, &f) {
-				v.Extensions, err = r.extensions(&f)
-				return err
+	buf := make([]byte, n)
+	for q := p; q != nil; q = q.parent {
+		if q.name == "" {
+			idx := strconv.Itoa(q.index)
+			n--
+			buf[n] = ']'
+			n -= len(idx)
+			copy(buf[n:], idx)
+			n--
+			buf[n] = '['
+		} else {
+			n -= len(q.name)
+			copy(buf[n:], q.name)
+			if q.parent != nil {
+				n--
+				buf[n] = '.'
 			}
 		}
-		if dst == nil {
-			return r.skipValue()
-		}
-		*dst, _, err = r.str(&f)
-		return err
-	})
-	if err != nil {
-		return err
 	}
-	r.require(nil, "isValid", seen&vrValid != 0, !hasValid)
-	return nil
+	return string(buf)
 }

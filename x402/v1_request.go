@@ -17,13 +17,16 @@ func (r *Registry) DecodeFacilitatorRequest(body []byte) (req VerifyRequest, v1 
 	if err == nil || !errors.As(err, &de) || de.Kind != DecodeUnsupportedVersion || de.Field != "x402Version" {
 		return req, false, err
 	}
+	if v, _ := locate(body, "/x402Version"); string(v) != "1" {
+		return req, false, err // not version 1 either: the version 2 decoder said what is wrong
+	}
 	var top struct {
-		X402Version         json.RawMessage `json:"x402Version"`
 		PaymentPayload      json.RawMessage `json:"paymentPayload"`
 		PaymentRequirements json.RawMessage `json:"paymentRequirements"`
 	}
-	if json.Unmarshal(body, &top) != nil || string(top.X402Version) != "1" {
-		return req, false, err // not version 1 either: the version 2 decoder said what is wrong
+	c := checker{doc: body}
+	if c.unmarshal(&top); c.err != nil {
+		return VerifyRequest{}, true, c.finish(docVerifyRequestV1)
 	}
 	req, err = r.decodeVerifyRequestV1(top.PaymentPayload, top.PaymentRequirements)
 	return req, true, err
