@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
@@ -117,6 +118,8 @@ type Gate struct {
 	// untrackBacklog takes the gate's ledger out of the backlog gauge.
 	untrackBacklog func()
 	metrics        *metrics
+	events         *caddyevents.App
+	ctx            caddy.Context
 	logger         *zap.Logger
 }
 
@@ -179,6 +182,11 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	if g.MaxBuffer == 0 {
 		g.MaxBuffer = gate.DefaultMaxBuffer
 	}
+	events, err := ctx.App("events")
+	if err != nil {
+		return fmt.Errorf("loading the events app: %w", err)
+	}
+	g.events, g.ctx = events.(*caddyevents.App), ctx
 	appVal, err := ctx.App("x402")
 	if err != nil {
 		return fmt.Errorf("loading the x402 app: %w", err)
@@ -216,7 +224,7 @@ func (g *Gate) start(app *App) error {
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: app.Facilitator() != nil, FacilitatorName: g.facName, Redact: g.redact.Replace,
 		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: originalURI,
-		ErrorStatus: handlerErrorStatus,
+		ErrorStatus: handlerErrorStatus, Event: g.emit,
 	}, g.fac, store, owner)
 	if err != nil {
 		return err
@@ -227,6 +235,14 @@ func (g *Gate) start(app *App) error {
 	g.core = core
 	g.untrackBacklog = g.metrics.trackBacklog(core.Ledger())
 	return nil
+}
+
+// emit reports a payment event through Caddy's events app, for `events` subscribers to react to; it builds the
+// event's data only when someone listens.
+func (g *Gate) emit(_ *http.Request, name string, data func() map[string]any) {
+	if g.events.ShouldEmit(name) {
+		g.events.Emit(g.ctx, name, data())
+	}
 }
 
 // pickFacilitator loads the gate's facilitator source: its facilitator module, or the shorthand of

@@ -213,6 +213,9 @@ func (x *exchange) end(o x402.PaymentOutcome, extra ...zap.Field) {
 		x.g.metrics.ObserveSettle(time.Duration(o.SettleMs * float64(time.Millisecond)))
 	}
 	x.setVar(VarStatus, string(o.Status))
+	if name, ok := outcomeEvents[o.Status]; ok {
+		x.emit(name, &o)
+	}
 	if o.Payer != "" {
 		x.setVar(VarPayer, o.Payer)
 	}

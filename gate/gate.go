@@ -129,11 +129,40 @@ type Config struct {
 	// OriginalURI is the request URI the client sent, before any rewrite, which the 402 names as the resource.
 	// Default: r.URL.RequestURI().
 	OriginalURI func(r *http.Request) string
+	// Event reports what happens to payments (names Event*), with the payment's details, for other parts of
+	// the server to react to; data builds the details only when called, so an event nobody listens to costs
+	// nothing. It is called on the request's goroutine and must return quickly. Default: none.
+	Event func(r *http.Request, name string, data func() map[string]any)
 	// ErrorStatus is the HTTP status an error of the next handler stands for, 0 when it names none (then 500).
 	// Default: a *StatusError's status.
 	ErrorStatus func(err error) int
 	// Now is the gate's clock. Default time.Now.
 	Now func() time.Time
+}
+
+// Payment events, reported through Config.Event.
+const (
+	// EventVerified: the facilitator verified a payment; the resource is about to be produced.
+	EventVerified = "payment_verified"
+	// EventSettled: the payment settled on chain and bought the response.
+	EventSettled = "payment_settled"
+	// EventPending: the response was served and the payment settles in the background (settle async), or its
+	// settlement's outcome is not known yet (the facilitator did not answer /settle).
+	EventPending = "payment_pending"
+	// EventFailed: a payment was refused or not settled (malformed, not verified, settlement refused, or the
+	// facilitator unreachable for verification); nothing was served for it.
+	EventFailed = "payment_failed"
+)
+
+// outcomeEvents names the event of each outcome that concerns a payment.
+var outcomeEvents = map[x402.OutcomeStatus]string{
+	x402.OutcomeInvalidHeader:     EventFailed,
+	x402.OutcomeVerifyFailed:      EventFailed,
+	x402.OutcomeVerifyUnreachable: EventFailed,
+	x402.OutcomeSettleFailed:      EventFailed,
+	x402.OutcomeSettleUnreachable: EventPending,
+	x402.OutcomeSettlePending:     EventPending,
+	x402.OutcomeSettled:           EventSettled,
 }
 
 // Metrics is what a gate reports to a metrics collector; its methods must be safe for concurrent use.

@@ -187,6 +187,7 @@ func (x *exchange) verifyAndServe() error {
 	x.setPaymentPlaceholders()
 
 	x.setVar(VarStatus, "verified")
+	x.emit(EventVerified, nil)
 	switch {
 	case x.g.cfg.Settle == SettleBefore, isUpgrade(x.r):
 		if err := x.record(); err != nil {
@@ -702,6 +703,39 @@ func (x *exchange) setPaymentPlaceholders() {
 }
 
 // setVar publishes one variable of the request's payment (a Var* name).
+// emit reports a payment event with what is known of the payment, and the outcome o when it has ended.
+func (x *exchange) emit(name string, o *x402.PaymentOutcome) {
+	if x.g.cfg.Event == nil {
+		return
+	}
+	x.g.cfg.Event(x.r, name, func() map[string]any {
+		rq := x.req.PaymentRequirements
+		data := map[string]any{
+			"network": rq.Network, "asset": rq.Asset, "amount": rq.Amount, "pay_to": rq.PayTo,
+			"method": rq.Extra.AssetTransferMethod, "payer": x.payer,
+		}
+		if o == nil {
+			return data
+		}
+		data["outcome"] = string(o.Status)
+		if o.Payer != "" {
+			data["payer"] = o.Payer
+		}
+		if o.Transaction != "" {
+			data["transaction"] = o.Transaction
+		}
+		switch d := o.Detail.(type) {
+		case x402.VerifyResponse:
+			data["reason"] = d.InvalidReason
+		case x402.SettleResponse:
+			data["reason"] = d.ErrorReason
+		case string:
+			data["reason"] = d
+		}
+		return data
+	})
+}
+
 func (x *exchange) setVar(name, value string) {
 	if x.g.cfg.SetVar != nil {
 		x.g.cfg.SetVar(x.r, name, value)
