@@ -101,3 +101,22 @@ func TestTheGateEmitsPaymentEventsThatEventsSubscribersReceive(t *testing.T) {
 		t.Errorf("a payment presented again was reported as %+v, want one payment_failed naming the reason", ev)
 	}
 }
+
+// With handle_errors in the site, a gate's 502 (here: the facilitator gone before /verify) is handed to it as an
+// error, so the site's own error page answers with the gate's status; without, the gate's JSON body answers
+// (the 502 tests of edges_test.go).
+func TestAGates502GoesToHandleErrorsWhenTheSiteHasThem(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	t.Cleanup(commitPending(t, c))
+	remote := newRemoteFacilitator(t, c, 2, 0)
+	env := startGateOn(t, c, gateSetup{facURL: remote.URL,
+		site: "respond \"paid content\"\n\thandle_errors {\n\t\trespond \"the site's own error page: {err.status_code}\" {err.status_code}\n\t}"})
+	payer := c.Payers[0]
+	env.approvePermit2(payer)
+	header := env.permit2Header("/", payer)
+	remote.srv.Close()
+	a := env.get("/", x402.HeaderPaymentSignature, header)
+	if a.status != http.StatusBadGateway || a.body != "the site's own error page: 502" {
+		t.Fatalf("paid GET with the facilitator gone = %d %q, want 502 from handle_errors", a.status, a.body)
+	}
+}

@@ -224,7 +224,7 @@ func (g *Gate) start(app *App) error {
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: app.Facilitator() != nil, FacilitatorName: g.facName, Redact: g.redact.Replace,
 		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: originalURI,
-		ErrorStatus: handlerErrorStatus, Event: g.emit,
+		ErrorStatus: handlerErrorStatus, Event: g.emit, HandsOff: handlesErrors,
 	}, g.fac, store, owner)
 	if err != nil {
 		return err
@@ -243,6 +243,13 @@ func (g *Gate) emit(_ *http.Request, name string, data func() map[string]any) {
 	if g.events.ShouldEmit(name) {
 		g.events.Emit(g.ctx, name, data())
 	}
+}
+
+// handlesErrors reports whether the request's server has handle_errors routes: the gate's 502 outcomes are then
+// returned as errors for them to answer.
+func handlesErrors(r *http.Request) bool {
+	srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	return ok && srv.Errors != nil && len(srv.Errors.Routes) > 0
 }
 
 // pickFacilitator loads the gate's facilitator source: its facilitator module, or the shorthand of

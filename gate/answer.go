@@ -65,7 +65,7 @@ func (x *exchange) verifyUnreachable(detail string, cause error) error {
 	x.resetHeaders()
 	x.end(x402.PaymentOutcome{Status: x402.OutcomeVerifyUnreachable, Detail: detail, Payer: x.payer,
 		Network: x.req.PaymentRequirements.Network, VerifyMs: x.verifyMs, TotalMs: x.totalMs()}, x.causeField(cause)...)
-	return x.writeJSON(http.StatusBadGateway, gateError{Error: detail, Outcome: x402.OutcomeVerifyUnreachable,
+	return x.writeBadGateway(gateError{Error: detail, Outcome: x402.OutcomeVerifyUnreachable,
 		Retry: "the payment was not settled; the same payment may be sent again"})
 }
 
@@ -84,6 +84,16 @@ func (x *exchange) settleUnreachable(detail string, cause error, pending *x402.S
 		x.setSettleHeader(*pending)
 	}
 	x.end(o, x.causeField(cause)...)
+	return x.writeBadGateway(body)
+}
+
+// writeBadGateway answers 502 with body, or, where the server has error handling of its own (Config.HandsOff),
+// returns the 502 as a *StatusError for it to answer, the payment headers already set.
+func (x *exchange) writeBadGateway(body gateError) error {
+	if x.g.cfg.HandsOff != nil && x.g.cfg.HandsOff(x.r) {
+		x.w.Header().Set("Cache-Control", "no-store")
+		return &StatusError{Status: http.StatusBadGateway, Err: fmt.Errorf("%s: %s; %s", body.Outcome, body.Error, body.Retry)}
+	}
 	return x.writeJSON(http.StatusBadGateway, body)
 }
 

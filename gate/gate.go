@@ -133,6 +133,10 @@ type Config struct {
 	// the server to react to; data builds the details only when called, so an event nobody listens to costs
 	// nothing. It is called on the request's goroutine and must return quickly. Default: none.
 	Event func(r *http.Request, name string, data func() map[string]any)
+	// HandsOff reports whether the server answers errors itself (Caddy's handle_errors): then a 502 outcome is
+	// returned as a *StatusError, its payment headers set, instead of being answered with the gate's JSON body.
+	// Default: the gate answers.
+	HandsOff func(r *http.Request) bool
 	// ErrorStatus is the HTTP status an error of the next handler stands for, 0 when it names none (then 500).
 	// Default: a *StatusError's status.
 	ErrorStatus func(err error) int
