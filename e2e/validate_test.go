@@ -45,7 +45,9 @@ func TestCaddyValidateBesideTheRunningQuickstartTouchesNoChainJournalOrPort(t *t
 	}
 	caddy := startProcess(t, "caddy run --config Caddyfile.example", repoRoot, childEnv(t), "run", "--config", "Caddyfile.example")
 	caddy.skipOnPortConflict = true
-	caddy.waitUntil("answer on "+quickstartSite+"/", quickstartReady, answersWith(quickstartSite+"/", 200))
+	// A paid route answers once the x402 app (the dev chain with it) has started: Caddy starts its apps in no
+	// fixed order, so the free route may answer before.
+	caddy.waitUntil("a 402 on "+quickstartSite+"/paid/index.html", quickstartReady, answersWith(quickstartSite+"/paid/index.html", 402))
 	dev := dialChain(t, quickstartRPC)
 	head := dev.head()
 	sellerBefore := dev.balance(seller)
