@@ -2,6 +2,7 @@ package gate
 
 import (
 	"bytes"
+	_ "embed"
 	"encoding/json"
 	"fmt"
 	"html/template"
@@ -15,37 +16,11 @@ import (
 
 // paywallPage is the 402 page a browser gets: what the resource costs, where the money goes, and how to pay.
 // The offer itself rides along as JSON for wallet scripts, next to the PAYMENT-REQUIRED header.
-var paywallPage = template.Must(template.New("paywall").Parse(`<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>Payment required</title>
-<style>
-body{font-family:system-ui,sans-serif;max-width:42rem;margin:3rem auto;padding:0 1rem;color:#222;line-height:1.5}
-h1{font-size:1.5rem}table{border-collapse:collapse;width:100%}td,th{text-align:left;padding:.4rem;border-bottom:1px solid #ddd}
-code{font-size:.85rem;word-break:break-all}.note{color:#555;font-size:.9rem}
-</style>
-</head>
-<body>
-<h1>Payment required</h1>
-<p>{{if .Description}}{{.Description}}: {{end}}<code>{{.URL}}</code></p>
-<p>This resource costs <strong>{{.Price}}</strong>, paid with the x402 protocol.</p>
-<table>
-<tr><th>Network</th><th>Token</th><th>Amount</th><th>Method</th><th>Pay to</th></tr>
-{{range .Rows}}<tr><td>{{.Network}}</td><td><code>{{.Asset}}</code></td><td>{{.Amount}}</td><td>{{.Method}}</td><td><code>{{.PayTo}}</code></td></tr>
-{{end}}</table>
-<h2>How to pay</h2>
-<ol>
-<li>Use an x402 client, such as <code>@x402/fetch</code> with a wallet holding the token.</li>
-<li>It reads the <code>PAYMENT-REQUIRED</code> header of this answer, signs one of the offers above and repeats the request with the signed payment in the <code>{{.Header}}</code> header.</li>
-<li>The answer carries the resource and, in <code>PAYMENT-RESPONSE</code>, the settlement transaction.</li>
-</ol>
-<p class="note">Nothing is charged until a signed payment is sent. A signed payment buys one response.</p>
-<script type="application/json" id="x402-payment-required">{{.JSON}}</script>
-</body>
-</html>
-`))
+//
+//go:embed paywall.html
+var paywallHTML string
+
+var paywallPage = template.Must(template.New("paywall").Parse(paywallHTML))
 
 type paywallRow struct {
 	Network, Asset, Amount, Method, PayTo string
