@@ -4,7 +4,7 @@
 #
 #   scripts/xcaddy-check.sh
 #
-# Exit status: 0 when the build lists x402, http.handlers.x402 and http.handlers.x402_facilitator, or when
+# Exit status: 0 when the build lists x402, http.handlers.x402, http.handlers.x402_facilitator and x402.facilitators.*, or when
 # xcaddy itself cannot be installed (it then prints "skipped: <why>"); non-zero when the build or the
 # check fails. Everything it makes lives in a temporary folder that is removed at the end.
 set -euo pipefail
@@ -74,7 +74,7 @@ esac
 
 modules=$("$work/caddy" list-modules)
 missing=()
-for m in x402 http.handlers.x402 http.handlers.x402_facilitator; do
+for m in x402 http.handlers.x402 http.handlers.x402_facilitator x402.facilitators.embedded x402.facilitators.http; do
 	if ! grep -qx "$m" <<<"$modules"; then
 		missing+=("$m")
 	fi
@@ -84,4 +84,4 @@ if [ ${#missing[@]} -gt 0 ]; then
 	grep -i x402 <<<"$modules" >&2 || echo "  (no x402 module at all)" >&2
 	exit 1
 fi
-echo "ok: Caddy $caddy_version built by xcaddy $xcaddy_version lists x402, http.handlers.x402 and http.handlers.x402_facilitator"
+echo "ok: Caddy $caddy_version built by xcaddy $xcaddy_version lists x402, http.handlers.x402, http.handlers.x402_facilitator and the x402.facilitators modules"
