@@ -46,7 +46,7 @@ func DialRPC(ctx context.Context, url string) (*RPCClient, error) {
 	transport.MaxIdleConns, transport.MaxIdleConnsPerHost = 512, 512
 	// Answers are small and the node usually near: gzip costs both ends more CPU than it saves.
 	transport.DisableCompression = true
-	// Every engine call carries its own deadline (Failover.CallTimeout); the client's timeout is only the last
+	// Every engine call carries its own deadline (Failover.callTimeout); the client's timeout is only the last
 	// guard against a caller that passed none, so that a node that never answers cannot hold a call forever.
 	c, err := rpc.DialOptions(ctx, url, rpc.WithHTTPClient(&http.Client{Transport: transport, Timeout: time.Minute}))
 	if err != nil {
@@ -133,30 +133,30 @@ type endpoint struct {
 	probing bool
 }
 
-// DefaultRPCTimeout bounds one call to one RPC node unless configured otherwise: far longer than any healthy
+// defaultRPCTimeout bounds one call to one RPC node unless configured otherwise: far longer than any healthy
 // node takes, short enough that a node that accepts and never answers does not stall a payment.
-const DefaultRPCTimeout = 5 * time.Second
+const defaultRPCTimeout = 5 * time.Second
 
 // Failover is a Backend over several RPC endpoints of one chain: each call goes to the first endpoint that is not
-// resting after a failure; an endpoint that fails to answer, or does not answer within CallTimeout, is skipped
+// resting after a failure; an endpoint that fails to answer, or does not answer within callTimeout, is skipped
 // for a growing pause and the call moves on. When no endpoint answered (unreachable, overloaded, an internal
-// error), the call is tried again over all of them with growing pauses for up to RetryFor: every call of the
+// error), the call is tried again over all of them with growing pauses for up to retryFor: every call of the
 // Backend is safe to repeat, reads by nature and sends because the same signed transaction has the same hash.
 // A round in which every endpoint let the call time out is not repeated: those nodes had their chance.
 // A node's answer (a revert, "nonce too low", "not found") is never retried: another try would say the same.
 type Failover struct {
 	endpoints []*endpoint
 	now       func() time.Time
-	// RetryAfter is the first pause of a failed endpoint; it doubles per consecutive failure up to MaxRetryAfter.
-	RetryAfter, MaxRetryAfter time.Duration
-	// CallTimeout bounds one call to one endpoint (default DefaultRPCTimeout; zero: only the caller's deadline).
-	CallTimeout time.Duration
-	// RetryFor is how long after its start a call that no endpoint answered may begin another round over the
+	// retryAfter is the first pause of a failed endpoint; it doubles per consecutive failure up to maxRetryAfter.
+	retryAfter, maxRetryAfter time.Duration
+	// callTimeout bounds one call to one endpoint (default defaultRPCTimeout; zero: only the caller's deadline).
+	callTimeout time.Duration
+	// retryFor is how long after its start a call that no endpoint answered may begin another round over the
 	// endpoints (default 2s; zero: one round). The caller's deadline bounds the retries too: no round starts
 	// that the deadline would cut short before its pause is over.
-	RetryFor time.Duration
-	// RetryBackoff is the pause before the second round; it doubles for each round after (default 25ms).
-	RetryBackoff time.Duration
+	retryFor time.Duration
+	// retryBackoff is the pause before the second round; it doubles for each round after (default 25ms).
+	retryBackoff time.Duration
 }
 
 // NewFailover returns a Failover over the given backends, tried in order. Names label endpoints in errors and
@@ -165,22 +165,22 @@ func NewFailover(names []string, backends []Backend) (*Failover, error) {
 	if len(backends) == 0 || len(names) != len(backends) {
 		return nil, fmt.Errorf("failover needs at least one RPC endpoint and one name per endpoint (got %d names, %d endpoints)", len(names), len(backends))
 	}
-	f := &Failover{now: time.Now, RetryAfter: 500 * time.Millisecond, MaxRetryAfter: 30 * time.Second,
-		CallTimeout: DefaultRPCTimeout, RetryFor: 2 * time.Second, RetryBackoff: 25 * time.Millisecond}
+	f := &Failover{now: time.Now, retryAfter: 500 * time.Millisecond, maxRetryAfter: 30 * time.Second,
+		callTimeout: defaultRPCTimeout, retryFor: 2 * time.Second, retryBackoff: 25 * time.Millisecond}
 	for i, b := range backends {
 		f.endpoints = append(f.endpoints, &endpoint{name: names[i], backend: b})
 	}
 	return f, nil
 }
 
-// do runs call against the endpoints in order until one answers, each try bounded by CallTimeout, and repeats
-// the round with growing pauses while RetryFor and ctx allow, unless every endpoint let the round time out. If
+// do runs call against the endpoints in order until one answers, each try bounded by callTimeout, and repeats
+// the round with growing pauses while retryFor and ctx allow, unless every endpoint let the round time out. If
 // every endpoint is resting, the one that rests the shortest is tried anyway: a call is never refused without
 // trying.
 func do[T any](ctx context.Context, f *Failover, call func(context.Context, Backend) (T, error)) (T, error) {
 	var zero T
 	start := time.Now()
-	pause := max(f.RetryBackoff, time.Millisecond)
+	pause := max(f.retryBackoff, time.Millisecond)
 	tried, rounds := 0, 0
 	var errs []error
 	for {
@@ -193,8 +193,8 @@ func do[T any](ctx context.Context, f *Failover, call func(context.Context, Back
 		if err != nil {
 			errs = []error{err}
 		}
-		// A node that did not answer within CallTimeout had its chance: another round would cost as much again.
-		if hung || ctx.Err() != nil || time.Since(start)+pause > f.RetryFor {
+		// A node that did not answer within callTimeout had its chance: another round would cost as much again.
+		if hung || ctx.Err() != nil || time.Since(start)+pause > f.retryFor {
 			break
 		}
 		if dl, ok := ctx.Deadline(); ok && time.Until(dl) < pause {
@@ -214,7 +214,7 @@ func do[T any](ctx context.Context, f *Failover, call func(context.Context, Back
 	if ctx.Err() != nil {
 		errs = append(errs, ctx.Err())
 	}
-	return zero, &UnreachableError{Tried: tried, Rounds: rounds, Err: errors.Join(errs...)}
+	return zero, &unreachableError{Tried: tried, Rounds: rounds, Err: errors.Join(errs...)}
 }
 
 // round tries each endpoint once, resting ones last, and reports whether one answered. When none did, err
@@ -254,8 +254,8 @@ func round[T any](ctx context.Context, f *Failover, call func(context.Context, B
 		}
 		*tried++
 		cctx, cancel := ctx, context.CancelFunc(func() {})
-		if f.CallTimeout > 0 {
-			cctx, cancel = context.WithTimeout(ctx, f.CallTimeout)
+		if f.callTimeout > 0 {
+			cctx, cancel = context.WithTimeout(ctx, f.callTimeout)
 		}
 		v, err := call(cctx, e.backend)
 		timedOut := err != nil && cctx.Err() != nil && ctx.Err() == nil
@@ -268,14 +268,14 @@ func round[T any](ctx context.Context, f *Failover, call func(context.Context, B
 		}
 		e.mu.Lock()
 		e.fails++
-		pause := f.RetryAfter << min(e.fails-1, 16)
-		if pause > f.MaxRetryAfter || pause <= 0 {
-			pause = f.MaxRetryAfter
+		pause := f.retryAfter << min(e.fails-1, 16)
+		if pause > f.maxRetryAfter || pause <= 0 {
+			pause = f.maxRetryAfter
 		}
 		e.downTil = f.now().Add(pause)
 		e.mu.Unlock()
 		if timedOut {
-			err = fmt.Errorf("no answer within %v: %w", f.CallTimeout, err)
+			err = fmt.Errorf("no answer within %v: %w", f.callTimeout, err)
 		}
 		hung = hung && timedOut
 		errs = append(errs, fmt.Errorf("rpc %s: %w", e.name, redactErr(err, e.name)))
@@ -303,26 +303,26 @@ func redactErr(err error, name string) error {
 	return err
 }
 
-// UnreachableError says no RPC endpoint of a network answered: Tried calls in Rounds rounds over the endpoints.
+// unreachableError says no RPC endpoint of a network answered: Tried calls in Rounds rounds over the endpoints.
 // Err holds the failures of the last round.
-type UnreachableError struct {
+type unreachableError struct {
 	Tried  int
 	Rounds int
 	Err    error
 }
 
-func (e *UnreachableError) Error() string {
+func (e *unreachableError) Error() string {
 	if e.Rounds > 1 {
 		return fmt.Sprintf("no RPC endpoint answered (%d tries in %d rounds): %v", e.Tried, e.Rounds, e.Err)
 	}
 	return fmt.Sprintf("no RPC endpoint answered (%d tried): %v", e.Tried, e.Err)
 }
 
-func (e *UnreachableError) Unwrap() error { return e.Err }
+func (e *unreachableError) Unwrap() error { return e.Err }
 
 // isTransportError reports whether err means the node was not reached (as opposed to a node's answer).
 func isTransportError(err error) bool {
-	var ue *UnreachableError
+	var ue *unreachableError
 	if errors.As(err, &ue) {
 		return true
 	}
@@ -388,7 +388,7 @@ func (f *Failover) SendTransaction(ctx context.Context, tx *types.Transaction) e
 		return struct{}{}, err
 	})
 	if err != nil && reachedUnanswered > 0 && isAnswer(err) && !isAlreadyKnown(err) {
-		return &UnreachableError{Tried: reachedUnanswered + 1, Rounds: 1, Err: fmt.Errorf(
+		return &unreachableError{Tried: reachedUnanswered + 1, Rounds: 1, Err: fmt.Errorf(
 			"an endpoint failed without answering (it may hold the transaction) before another refused it: %w", err)}
 	}
 	return err

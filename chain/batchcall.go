@@ -26,12 +26,12 @@ func (c *RPCClient) BatchCallContext(ctx context.Context, b []rpc.BatchElem) err
 }
 
 // BatchCallContext sends the batch to the first endpoint that answers it (see do). Every element's result and
-// error are reset before each try. A node answers a batch call by call: each endpoint is given CallTimeout and
+// error are reset before each try. A node answers a batch call by call: each endpoint is given callTimeout and
 // a further eighth of it per call past the first, so that a full batch on a busy node is not taken for a hang.
 func (f *Failover) BatchCallContext(ctx context.Context, b []rpc.BatchElem) error {
 	scaled := *f
-	if f.CallTimeout > 0 && len(b) > 1 {
-		scaled.CallTimeout += f.CallTimeout * time.Duration(len(b)-1) / 8
+	if f.callTimeout > 0 && len(b) > 1 {
+		scaled.callTimeout += f.callTimeout * time.Duration(len(b)-1) / 8
 	}
 	_, err := do(ctx, &scaled, func(ctx context.Context, be Backend) (struct{}, error) {
 		bc, ok := be.(batchCaller)
@@ -130,7 +130,7 @@ func (cb *callBatcher) run(bc batchCaller) {
 		}
 		// The batch outlives any one caller: each gives up on its own context, and a node that never answers is
 		// bounded by this timeout (a Failover's per-endpoint timeout comes first).
-		ctx, cancel := context.WithTimeout(context.Background(), DefaultRPCTimeout)
+		ctx, cancel := context.WithTimeout(context.Background(), defaultRPCTimeout)
 		err := bc.BatchCallContext(ctx, elems)
 		cancel()
 		for i, c := range batch {

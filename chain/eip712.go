@@ -13,27 +13,27 @@ import (
 // EIP-712 type strings of the two transfer methods (x402-wire-facts 4.1 and 4.2). The type hashes derived
 // from them are fixed by deployed contracts and clients, so tests pin them to the published values.
 const (
-	// PermitDomainType is the domain of an EIP-2612 token: name and version from requirements.extra.
-	PermitDomainType = "EIP712Domain(string name,string version,uint256 chainId,address verifyingContract)"
-	// Permit2DomainType is Permit2's domain, which has no version.
-	Permit2DomainType = "EIP712Domain(string name,uint256 chainId,address verifyingContract)"
-	// PermitType is the EIP-2612 Permit message.
-	PermitType = "Permit(address owner,address spender,uint256 value,uint256 nonce,uint256 deadline)"
-	// TokenPermissionsType is Permit2's token and amount pair.
-	TokenPermissionsType = "TokenPermissions(address token,uint256 amount)"
-	// WitnessType is the x402 witness bound into a Permit2 signature.
-	WitnessType = "Witness(address to,uint256 validAfter)"
-	// PermitWitnessTransferFromType is the full Permit2 message type with the x402 witness, referenced types
+	// permitDomainType is the domain of an EIP-2612 token: name and version from requirements.extra.
+	permitDomainType = "EIP712Domain(string name,string version,uint256 chainId,address verifyingContract)"
+	// permit2DomainType is Permit2's domain, which has no version.
+	permit2DomainType = "EIP712Domain(string name,uint256 chainId,address verifyingContract)"
+	// permitType is the EIP-2612 Permit message.
+	permitType = "Permit(address owner,address spender,uint256 value,uint256 nonce,uint256 deadline)"
+	// tokenPermissionsType is Permit2's token and amount pair.
+	tokenPermissionsType = "TokenPermissions(address token,uint256 amount)"
+	// witnessType is the x402 witness bound into a Permit2 signature.
+	witnessType = "Witness(address to,uint256 validAfter)"
+	// permitWitnessTransferFromType is the full Permit2 message type with the x402 witness, referenced types
 	// appended in alphabetical order as EIP-712 requires.
-	PermitWitnessTransferFromType = "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline,Witness witness)" +
-		TokenPermissionsType + WitnessType
-	// Permit2WitnessTypeString is the witnessTypeString the proxy hands to Permit2.permitWitnessTransferFrom.
-	Permit2WitnessTypeString = "Witness witness)" + TokenPermissionsType + WitnessType
-	// TransferWithAuthorizationType is the EIP-3009 message of an eip3009 payment, signed under the token's
+	permitWitnessTransferFromType = "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline,Witness witness)" +
+		tokenPermissionsType + witnessType
+	// permit2WitnessTypeString is the witnessTypeString the proxy hands to Permit2.permitWitnessTransferFrom.
+	permit2WitnessTypeString = "Witness witness)" + tokenPermissionsType + witnessType
+	// transferWithAuthorizationType is the EIP-3009 message of an eip3009 payment, signed under the token's
 	// domain (the same domain type as an EIP-2612 permit's).
-	TransferWithAuthorizationType = "TransferWithAuthorization(address from,address to,uint256 value,uint256 validAfter,uint256 validBefore,bytes32 nonce)"
-	// Permit2DomainName is the name in Permit2's EIP-712 domain.
-	Permit2DomainName = "Permit2"
+	transferWithAuthorizationType = "TransferWithAuthorization(address from,address to,uint256 value,uint256 validAfter,uint256 validBefore,bytes32 nonce)"
+	// permit2DomainName is the name in Permit2's EIP-712 domain.
+	permit2DomainName = "Permit2"
 )
 
 // Canonical deployments of the permit2 transfer method (x402-wire-facts 4.2), named once in package contracts.
@@ -45,14 +45,14 @@ var (
 // Type hashes, computed once: they never change, and hashing them per request would double the hot path's
 // keccak work.
 var (
-	permitDomainTypeHash              = crypto.Keccak256Hash([]byte(PermitDomainType))
-	permit2DomainTypeHash             = crypto.Keccak256Hash([]byte(Permit2DomainType))
-	permitTypeHash                    = crypto.Keccak256Hash([]byte(PermitType))
-	tokenPermissionsTypeHash          = crypto.Keccak256Hash([]byte(TokenPermissionsType))
-	witnessTypeHash                   = crypto.Keccak256Hash([]byte(WitnessType))
-	permitWitnessTransferFromTypeHash = crypto.Keccak256Hash([]byte(PermitWitnessTransferFromType))
-	permit2NameHash                   = crypto.Keccak256Hash([]byte(Permit2DomainName))
-	transferWithAuthorizationTypeHash = crypto.Keccak256Hash([]byte(TransferWithAuthorizationType))
+	permitDomainTypeHash              = crypto.Keccak256Hash([]byte(permitDomainType))
+	permit2DomainTypeHash             = crypto.Keccak256Hash([]byte(permit2DomainType))
+	permitTypeHash                    = crypto.Keccak256Hash([]byte(permitType))
+	tokenPermissionsTypeHash          = crypto.Keccak256Hash([]byte(tokenPermissionsType))
+	witnessTypeHash                   = crypto.Keccak256Hash([]byte(witnessType))
+	permitWitnessTransferFromTypeHash = crypto.Keccak256Hash([]byte(permitWitnessTransferFromType))
+	permit2NameHash                   = crypto.Keccak256Hash([]byte(permit2DomainName))
+	transferWithAuthorizationTypeHash = crypto.Keccak256Hash([]byte(transferWithAuthorizationType))
 )
 
 // Permit is an EIP-2612 Permit message. Numbers must lie in [0, 2^256); nil counts as zero.
@@ -64,10 +64,10 @@ type Permit struct {
 	Deadline *big.Int
 }
 
-// Permit2Transfer is a Permit2 PermitWitnessTransferFrom with the x402 witness: Permit2 lets Spender (the
+// permit2Transfer is a Permit2 PermitWitnessTransferFrom with the x402 witness: Permit2 lets Spender (the
 // x402 proxy) move Amount of Token once, to To only, not before ValidAfter and not after Deadline.
 // Numbers must lie in [0, 2^256); nil counts as zero.
-type Permit2Transfer struct {
+type permit2Transfer struct {
 	Token      common.Address
 	Amount     *big.Int
 	Spender    common.Address
@@ -77,10 +77,10 @@ type Permit2Transfer struct {
 	ValidAfter *big.Int
 }
 
-// TransferAuthorization is an EIP-3009 TransferWithAuthorization message: the token moves Value from From to
+// transferAuthorization is an EIP-3009 TransferWithAuthorization message: the token moves Value from From to
 // To once, when sent after ValidAfter and before ValidBefore, under the random 32-byte Nonce. Numbers must lie
 // in [0, 2^256); nil counts as zero.
-type TransferAuthorization struct {
+type transferAuthorization struct {
 	From        common.Address
 	To          common.Address
 	Value       *big.Int
@@ -141,7 +141,7 @@ func putUint256(dst []byte, x *big.Int) {
 	}
 }
 
-// PermitDomainSeparator returns the EIP-712 domain separator of an EIP-2612 token. Prefer a DomainCache on
+// PermitDomainSeparator returns the EIP-712 domain separator of an EIP-2612 token. Prefer a domainCache on
 // hot paths: this hashes three times.
 func PermitDomainSeparator(name, version string, chainID *big.Int, token common.Address) common.Hash {
 	h := hasherPool.Get().(*hasher)
@@ -154,8 +154,8 @@ func PermitDomainSeparator(name, version string, chainID *big.Int, token common.
 	return h.sum(5 * 32)
 }
 
-// Permit2DomainSeparator returns the EIP-712 domain separator of the Permit2 contract at permit2.
-func Permit2DomainSeparator(chainID *big.Int, permit2 common.Address) common.Hash {
+// permit2DomainSeparator returns the EIP-712 domain separator of the Permit2 contract at permit2.
+func permit2DomainSeparator(chainID *big.Int, permit2 common.Address) common.Hash {
 	h := hasherPool.Get().(*hasher)
 	defer hasherPool.Put(h)
 	putHash(h.word(0), permit2DomainTypeHash)
@@ -179,9 +179,9 @@ func PermitDigest(domain common.Hash, p Permit) common.Hash {
 	return h.digest(domain, h.sum(6*32))
 }
 
-// TransferAuthorizationDigest returns the EIP-712 digest an EIP-3009 TransferWithAuthorization signature signs,
+// transferAuthorizationDigest returns the EIP-712 digest an EIP-3009 TransferWithAuthorization signature signs,
 // given the token's domain separator.
-func TransferAuthorizationDigest(domain common.Hash, a TransferAuthorization) common.Hash {
+func transferAuthorizationDigest(domain common.Hash, a transferAuthorization) common.Hash {
 	h := hasherPool.Get().(*hasher)
 	defer hasherPool.Put(h)
 	putHash(h.word(0), transferWithAuthorizationTypeHash)
@@ -194,9 +194,9 @@ func TransferAuthorizationDigest(domain common.Hash, a TransferAuthorization) co
 	return h.digest(domain, h.sum(7*32))
 }
 
-// Permit2Digest returns the EIP-712 digest a Permit2 PermitWitnessTransferFrom signature with the x402
+// permit2Digest returns the EIP-712 digest a Permit2 PermitWitnessTransferFrom signature with the x402
 // witness signs, given Permit2's domain separator.
-func Permit2Digest(domain common.Hash, p Permit2Transfer) common.Hash {
+func permit2Digest(domain common.Hash, p permit2Transfer) common.Hash {
 	h := hasherPool.Get().(*hasher)
 	defer hasherPool.Put(h)
 
@@ -219,7 +219,7 @@ func Permit2Digest(domain common.Hash, p Permit2Transfer) common.Hash {
 	return h.digest(domain, h.sum(6*32))
 }
 
-// domainCacheLimit bounds a DomainCache: requirements can come from remote /verify callers, so the set of
+// domainCacheLimit bounds a domainCache: requirements can come from remote /verify callers, so the set of
 // domains seen is not ours to bound, while the domains in real use are a handful per configured asset.
 const domainCacheLimit = 256
 
@@ -232,16 +232,16 @@ type domainKey struct {
 	contract common.Address
 }
 
-// DomainCache remembers domain separators so that a verification hashes only its message. It is safe for
+// domainCache remembers domain separators so that a verification hashes only its message. It is safe for
 // concurrent use and its zero value is ready to use. It holds a bounded number of domains and starts over
 // when full, so untrusted requirements cannot grow it without limit.
-type DomainCache struct {
+type domainCache struct {
 	mu sync.RWMutex
 	m  map[domainKey]common.Hash
 }
 
 // Permit returns the domain separator of an EIP-2612 token, as PermitDomainSeparator.
-func (c *DomainCache) Permit(name, version string, chainID *big.Int, token common.Address) common.Hash {
+func (c *domainCache) Permit(name, version string, chainID *big.Int, token common.Address) common.Hash {
 	k := domainKey{name: name, version: version, contract: token}
 	putUint256(k.chainID[:], chainID)
 	if d, ok := c.lookup(k); ok {
@@ -252,33 +252,33 @@ func (c *DomainCache) Permit(name, version string, chainID *big.Int, token commo
 	return d
 }
 
-// Permit2 returns the domain separator of the Permit2 contract at permit2, as Permit2DomainSeparator.
-func (c *DomainCache) Permit2(chainID *big.Int, permit2 common.Address) common.Hash {
+// Permit2 returns the domain separator of the Permit2 contract at permit2, as permit2DomainSeparator.
+func (c *domainCache) Permit2(chainID *big.Int, permit2 common.Address) common.Hash {
 	k := domainKey{permit2: true, contract: permit2}
 	putUint256(k.chainID[:], chainID)
 	if d, ok := c.lookup(k); ok {
 		return d
 	}
-	d := Permit2DomainSeparator(chainID, permit2)
+	d := permit2DomainSeparator(chainID, permit2)
 	c.store(k, d)
 	return d
 }
 
 // Len reports how many domain separators the cache holds.
-func (c *DomainCache) Len() int {
+func (c *domainCache) Len() int {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	return len(c.m)
 }
 
-func (c *DomainCache) lookup(k domainKey) (common.Hash, bool) {
+func (c *domainCache) lookup(k domainKey) (common.Hash, bool) {
 	c.mu.RLock()
 	d, ok := c.m[k]
 	c.mu.RUnlock()
 	return d, ok
 }
 
-func (c *DomainCache) store(k domainKey, d common.Hash) {
+func (c *domainCache) store(k domainKey, d common.Hash) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.m == nil || len(c.m) >= domainCacheLimit {

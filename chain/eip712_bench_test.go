@@ -36,7 +36,7 @@ func decodeHeader(header string) (x402.PaymentPayload, error) {
 	return x402.DecodePaymentPayload(header)
 }
 
-func verifyHotPathPermit2(header string, o *offer, domains *DomainCache) (common.Address, error) {
+func verifyHotPathPermit2(header string, o *offer, domains *domainCache) (common.Address, error) {
 	p, err := decodeHeader(header)
 	if err != nil {
 		return common.Address{}, err
@@ -46,8 +46,8 @@ func verifyHotPathPermit2(header string, o *offer, domains *DomainCache) (common
 
 // verifyPayloadPermit2 is the part of the hot path an embedded facilitator's Verify runs: the gate has
 // decoded the header already.
-func verifyPayloadPermit2(p *x402.PaymentPayload, o *offer, domains *DomainCache) (common.Address, error) {
-	t, owner, err := Permit2TransferFromPayload(p.Payload.Permit2Authorization)
+func verifyPayloadPermit2(p *x402.PaymentPayload, o *offer, domains *domainCache) (common.Address, error) {
+	t, owner, err := permit2TransferFromPayload(p.Payload.Permit2Authorization)
 	if err != nil {
 		return common.Address{}, err
 	}
@@ -58,7 +58,7 @@ func verifyPayloadPermit2(p *x402.PaymentPayload, o *offer, domains *DomainCache
 	if err != nil {
 		return common.Address{}, err
 	}
-	signer, err := RecoverSigner(Permit2Digest(domains.Permit2(o.chainID, o.permit2), t), sig)
+	signer, err := RecoverSigner(permit2Digest(domains.Permit2(o.chainID, o.permit2), t), sig)
 	if err != nil {
 		return common.Address{}, err
 	}
@@ -68,7 +68,7 @@ func verifyPayloadPermit2(p *x402.PaymentPayload, o *offer, domains *DomainCache
 	return signer, nil
 }
 
-func verifyHotPathERC2612(header string, o *offer, domains *DomainCache) (common.Address, error) {
+func verifyHotPathERC2612(header string, o *offer, domains *domainCache) (common.Address, error) {
 	p, err := decodeHeader(header)
 	if err != nil {
 		return common.Address{}, err
@@ -77,7 +77,7 @@ func verifyHotPathERC2612(header string, o *offer, domains *DomainCache) (common
 }
 
 // verifyPayloadERC2612 is the part of the hot path an embedded facilitator's Verify runs.
-func verifyPayloadERC2612(p *x402.PaymentPayload, o *offer, domains *DomainCache) (common.Address, error) {
+func verifyPayloadERC2612(p *x402.PaymentPayload, o *offer, domains *domainCache) (common.Address, error) {
 	permit, err := PermitFromAuthorization(p.Payload.Authorization)
 	if err != nil {
 		return common.Address{}, err
@@ -99,7 +99,7 @@ func verifyPayloadERC2612(p *x402.PaymentPayload, o *offer, domains *DomainCache
 	return signer, nil
 }
 
-func verifyHotPathEIP3009(header string, o *offer, domains *DomainCache) (common.Address, error) {
+func verifyHotPathEIP3009(header string, o *offer, domains *domainCache) (common.Address, error) {
 	p, err := decodeHeader(header)
 	if err != nil {
 		return common.Address{}, err
@@ -108,8 +108,8 @@ func verifyHotPathEIP3009(header string, o *offer, domains *DomainCache) (common
 }
 
 // verifyPayloadEIP3009 is the part of the hot path an embedded facilitator's Verify runs for eip3009.
-func verifyPayloadEIP3009(p *x402.PaymentPayload, o *offer, domains *DomainCache) (common.Address, error) {
-	a, err := TransferAuthorizationFromPayload(p.Payload.Authorization)
+func verifyPayloadEIP3009(p *x402.PaymentPayload, o *offer, domains *domainCache) (common.Address, error) {
+	a, err := transferAuthorizationFromPayload(p.Payload.Authorization)
 	if err != nil {
 		return common.Address{}, err
 	}
@@ -120,7 +120,7 @@ func verifyPayloadEIP3009(p *x402.PaymentPayload, o *offer, domains *DomainCache
 	if err != nil {
 		return common.Address{}, err
 	}
-	signer, err := RecoverSigner(TransferAuthorizationDigest(domains.Permit(o.name, o.version, o.chainID, o.asset), a), sig)
+	signer, err := RecoverSigner(transferAuthorizationDigest(domains.Permit(o.name, o.version, o.chainID, o.asset), a), sig)
 	if err != nil {
 		return common.Address{}, err
 	}
@@ -204,12 +204,12 @@ func BenchmarkVerifyHotPathEIP3009(b *testing.B) {
 }
 
 func benchHotPath(b *testing.B, header string, o *offer,
-	fromHeader func(string, *offer, *DomainCache) (common.Address, error),
-	fromPayload func(*x402.PaymentPayload, *offer, *DomainCache) (common.Address, error),
+	fromHeader func(string, *offer, *domainCache) (common.Address, error),
+	fromPayload func(*x402.PaymentPayload, *offer, *domainCache) (common.Address, error),
 ) {
 	want := crypto.PubkeyToAddress(testKey(b).PublicKey)
 	b.Run("header", func(b *testing.B) {
-		var domains DomainCache
+		var domains domainCache
 		b.SetBytes(int64(len(header)))
 		b.ReportAllocs()
 		for b.Loop() {
@@ -220,7 +220,7 @@ func benchHotPath(b *testing.B, header string, o *offer,
 		}
 	})
 	b.Run("payload", func(b *testing.B) {
-		var domains DomainCache
+		var domains domainCache
 		p, err := decodeHeader(header)
 		if err != nil {
 			b.Fatal(err)

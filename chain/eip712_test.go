@@ -99,8 +99,8 @@ func TestPermit2WitnessTypeStringCompletesThePermit2TypePrefix(t *testing.T) {
 	// Permit2 hashes "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline,"
 	// followed by the witness type string; the result must be the type we sign.
 	const stub = "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline,"
-	if got := stub + Permit2WitnessTypeString; got != PermitWitnessTransferFromType {
-		t.Fatalf("stub + witness type string = %q, want %q", got, PermitWitnessTransferFromType)
+	if got := stub + permit2WitnessTypeString; got != permitWitnessTransferFromType {
+		t.Fatalf("stub + witness type string = %q, want %q", got, permitWitnessTransferFromType)
 	}
 }
 
@@ -132,7 +132,7 @@ func TestPermit2DigestMatchesGoEthereumTypedDataHashing(t *testing.T) {
 		if i%3 == 0 {
 			permit2 = canonicalPermit2
 		}
-		p := Permit2Transfer{
+		p := permit2Transfer{
 			Token:      randAddress(r),
 			Amount:     randUint256(r),
 			Spender:    randAddress(r),
@@ -141,7 +141,7 @@ func TestPermit2DigestMatchesGoEthereumTypedDataHashing(t *testing.T) {
 			To:         randAddress(r),
 			ValidAfter: randUint256(r),
 		}
-		got := Permit2Digest(Permit2DomainSeparator(chainID, permit2), p)
+		got := permit2Digest(permit2DomainSeparator(chainID, permit2), p)
 		want := referenceDigest(t, chaintest.Permit2WitnessTypedData(chainID, permit2,
 			p.Token.Hex(), p.Amount.String(), p.Spender.Hex(), p.Nonce.String(), p.Deadline.String(),
 			p.To.Hex(), p.ValidAfter.String()))
@@ -157,7 +157,7 @@ func TestDigestsTreatNilNumbersAsZero(t *testing.T) {
 	if PermitDigest(domain, Permit{}) != PermitDigest(domain, Permit{Value: zero, Nonce: zero, Deadline: zero}) {
 		t.Error("Permit digest with nil numbers differs from the one with zeros")
 	}
-	if Permit2Digest(domain, Permit2Transfer{}) != Permit2Digest(domain, Permit2Transfer{Amount: zero, Nonce: zero, Deadline: zero, ValidAfter: zero}) {
+	if permit2Digest(domain, permit2Transfer{}) != permit2Digest(domain, permit2Transfer{Amount: zero, Nonce: zero, Deadline: zero, ValidAfter: zero}) {
 		t.Error("Permit2 digest with nil numbers differs from the one with zeros")
 	}
 }
@@ -186,14 +186,14 @@ func TestNumbersOutsideUint256AreEncodedModulo2To256(t *testing.T) {
 }
 
 func TestDomainCacheReturnsTheSeparatorsItCaches(t *testing.T) {
-	var c DomainCache
+	var c domainCache
 	chainID := big.NewInt(72344)
 	token := common.HexToAddress("0x1111111111111111111111111111111111111111")
 	for range 2 {
 		if got, want := c.Permit("Stable Coin", "1", chainID, token), PermitDomainSeparator("Stable Coin", "1", chainID, token); got != want {
 			t.Fatalf("cached permit domain %s, want %s", got, want)
 		}
-		if got, want := c.Permit2(chainID, canonicalPermit2), Permit2DomainSeparator(chainID, canonicalPermit2); got != want {
+		if got, want := c.Permit2(chainID, canonicalPermit2), permit2DomainSeparator(chainID, canonicalPermit2); got != want {
 			t.Fatalf("cached Permit2 domain %s, want %s", got, want)
 		}
 	}
@@ -210,7 +210,7 @@ func TestDomainCacheReturnsTheSeparatorsItCaches(t *testing.T) {
 }
 
 func TestDomainCacheStaysBoundedUnderManyDomains(t *testing.T) {
-	var c DomainCache
+	var c domainCache
 	for i := range 3 * domainCacheLimit {
 		c.Permit(fmt.Sprintf("token %d", i), "1", big.NewInt(1), common.Address{})
 		if n := c.Len(); n > domainCacheLimit {
@@ -224,7 +224,7 @@ func TestDomainCacheStaysBoundedUnderManyDomains(t *testing.T) {
 }
 
 func TestDomainCacheIsSafeForConcurrentUse(t *testing.T) {
-	var c DomainCache
+	var c domainCache
 	var wg sync.WaitGroup
 	for g := range 8 {
 		wg.Go(func() {
@@ -235,7 +235,7 @@ func TestDomainCacheIsSafeForConcurrentUse(t *testing.T) {
 					t.Errorf("goroutine %d: wrong permit domain for chain %s", g, chainID)
 					return
 				}
-				if c.Permit2(chainID, token) != Permit2DomainSeparator(chainID, token) {
+				if c.Permit2(chainID, token) != permit2DomainSeparator(chainID, token) {
 					t.Errorf("goroutine %d: wrong Permit2 domain for chain %s", g, chainID)
 					return
 				}
@@ -251,16 +251,16 @@ func stableCoinDomain(chainID *big.Int, token common.Address) common.Hash {
 }
 
 func TestDigestsDoNotAllocate(t *testing.T) {
-	domain := Permit2DomainSeparator(big.NewInt(72344), canonicalPermit2)
-	p := Permit2Transfer{Amount: big.NewInt(1000), Nonce: big.NewInt(7), Deadline: big.NewInt(1 << 40), ValidAfter: big.NewInt(0)}
-	if n := testing.AllocsPerRun(100, func() { Permit2Digest(domain, p) }); n != 0 {
-		t.Errorf("Permit2Digest allocates %v times per call, want 0", n)
+	domain := permit2DomainSeparator(big.NewInt(72344), canonicalPermit2)
+	p := permit2Transfer{Amount: big.NewInt(1000), Nonce: big.NewInt(7), Deadline: big.NewInt(1 << 40), ValidAfter: big.NewInt(0)}
+	if n := testing.AllocsPerRun(100, func() { permit2Digest(domain, p) }); n != 0 {
+		t.Errorf("permit2Digest allocates %v times per call, want 0", n)
 	}
 	pp := Permit{Value: big.NewInt(1000), Nonce: big.NewInt(7), Deadline: big.NewInt(1 << 40)}
 	if n := testing.AllocsPerRun(100, func() { PermitDigest(domain, pp) }); n != 0 {
 		t.Errorf("PermitDigest allocates %v times per call, want 0", n)
 	}
-	var c DomainCache
+	var c domainCache
 	c.Permit2(big.NewInt(72344), canonicalPermit2)
 	if n := testing.AllocsPerRun(100, func() { c.Permit2(big.NewInt(72344), canonicalPermit2) }); n > 1 {
 		t.Errorf("a cached Permit2 domain lookup allocates %v times, want at most 1 (the chain ID)", n)
@@ -289,9 +289,9 @@ func TestTransferAuthorizationDigestMatchesGoEthereumTypedDataHashing(t *testing
 		for j := range nonce {
 			nonce[j] = byte(r.Uint32())
 		}
-		a := TransferAuthorization{From: randAddress(r), To: randAddress(r), Value: randUint256(r),
+		a := transferAuthorization{From: randAddress(r), To: randAddress(r), Value: randUint256(r),
 			ValidAfter: randUint256(r), ValidBefore: randUint256(r), Nonce: nonce}
-		got := TransferAuthorizationDigest(PermitDomainSeparator(name, version, chainID, token), a)
+		got := transferAuthorizationDigest(PermitDomainSeparator(name, version, chainID, token), a)
 		want := referenceDigest(t, chaintest.TransferAuthorizationTypedData(name, version, chainID, token,
 			a.From.Hex(), a.To.Hex(), a.Value.String(), a.ValidAfter.String(), a.ValidBefore.String(), a.Nonce.Hex()))
 		if got != want {

@@ -2,6 +2,7 @@ package chain
 
 import (
 	"math/big"
+	"time"
 
 	"github.com/ethereum/go-ethereum/common"
 
@@ -35,4 +36,21 @@ func (f *Facilitator) ParseForTest(req x402.VerifyRequest) (p ParsedPayment, rea
 		p.SponsorReason, p.SponsorMessage = parsed.sponsor.err.reason, parsed.sponsor.err.message
 	}
 	return p, "", ""
+}
+
+// The EIP-712 pieces the external tests sign tampered and contract-wallet payments with: the engine's own, so
+// that a test signs exactly the digest verification checks.
+var (
+	Permit2TransferFromPayload       = permit2TransferFromPayload
+	Permit2DomainSeparator           = permit2DomainSeparator
+	Permit2Digest                    = permit2Digest
+	TransferAuthorizationFromPayload = transferAuthorizationFromPayload
+	TransferAuthorizationDigest      = transferAuthorizationDigest
+	SignDigest                       = signDigest
+)
+
+// SetRetryAfterForTest sets the first rest of a failed endpoint, which doubles per consecutive failure up to max,
+// so that a test meets a failing node again sooner than the defaults would let it.
+func (f *Failover) SetRetryAfterForTest(first, max time.Duration) {
+	f.retryAfter, f.maxRetryAfter = first, max
 }

@@ -36,11 +36,11 @@ type NetworkConfig struct {
 	// Backend reaches the chain: one node, or a Failover over several.
 	Backend Backend
 	// RPCTimeout, when set, bounds each call to one node of a Failover backend before the next endpoint is tried
-	// (it is the network's copy of the Failover's CallTimeout, which defaults to DefaultRPCTimeout).
+	// (it is the network's copy of the Failover's call timeout, which defaults to 5s, defaultRPCTimeout).
 	RPCTimeout time.Duration
 	// DeadlineSkew is how far past chain time plus the requirements' maxTimeoutSeconds a payment's deadline may
 	// lie (a client's clock ahead of the chain, a head block a few seconds old); a later deadline is refused.
-	// Zero means DefaultDeadlineSkew.
+	// Zero means 60s (defaultDeadlineSkew).
 	DeadlineSkew time.Duration
 	// Assets are the tokens accepted; the first is the default.
 	Assets []AssetConfig
@@ -50,8 +50,8 @@ type NetworkConfig struct {
 	// x402.TransferERC2612); empty means all three. Whether a token implements EIP-3009 the chain says, when a
 	// payment in it is verified.
 	Methods []string
-	// Permit2 and Proxy default to the canonical addresses.
-	Permit2, Proxy common.Address
+	// permit2 and proxy default to the canonical addresses.
+	permit2, proxy common.Address
 	// ReceiptTimeout bounds how long Settle waits for a receipt before answering settlement_pending (default 30s).
 	// It bounds the signing and broadcast of a settlement as well, which run on after the caller leaves.
 	ReceiptTimeout time.Duration
@@ -75,8 +75,8 @@ type NetworkConfig struct {
 	// about a block on most networks; negative: every verification asks the chain). Only a payment the read
 	// covers is answered from it; settlement always simulates its exact call first.
 	FundsCacheTTL time.Duration
-	// LowBalance is the native balance (wei) under which a wallet is reported low by Health (default 0.01 ether).
-	LowBalance *big.Int
+	// lowBalance is the native balance (wei) under which a wallet is reported low by Health (default 0.01 ether).
+	lowBalance *big.Int
 	// MinAmount, when set, is the smallest payment settled, in raw token units; a smaller one is refused with
 	// invalid_payment_requirements before any chain call. Nil: any amount of at least 1.
 	MinAmount *big.Int
@@ -139,8 +139,8 @@ type Facilitator struct {
 }
 
 // network is the per-network state of a Facilitator.
-// DefaultDeadlineSkew is the clock skew a payment's deadline is allowed beyond maxTimeoutSeconds by default.
-const DefaultDeadlineSkew = 60 * time.Second
+// defaultDeadlineSkew is the clock skew a payment's deadline is allowed beyond maxTimeoutSeconds by default.
+const defaultDeadlineSkew = 60 * time.Second
 
 type network struct {
 	skew    time.Duration // see NetworkConfig.DeadlineSkew
@@ -154,7 +154,7 @@ type network struct {
 	factories []common.Address
 	permit2   common.Address
 	proxy     common.Address
-	pool      *WalletPool
+	pool      *walletPool
 	sender    *sender
 	watcher   *receiptWatcher
 	timeout   time.Duration
@@ -268,7 +268,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 			return nil, fmt.Errorf("RPC timeout %v is negative", nc.RPCTimeout)
 		}
 		own := *fo // the endpoints, and their rest after failures, stay shared with the caller's Failover
-		own.CallTimeout = nc.RPCTimeout
+		own.callTimeout = nc.RPCTimeout
 		backend = &own
 	}
 	got, err := backend.ChainID(ctx)
@@ -281,7 +281,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	if len(nc.Assets) == 0 {
 		return nil, errors.New("no asset configured")
 	}
-	pool, err := NewWalletPool(nc.Keys)
+	pool, err := newWalletPool(nc.Keys)
 	if err != nil {
 		return nil, err
 	}
@@ -293,10 +293,10 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	}
 	n := &network{
 		caip2: nc.Network, chainID: chainID, backend: backend, assets: map[common.Address]*asset{},
-		methods: map[string]bool{}, permit2: nc.Permit2, proxy: nc.Proxy, pool: pool,
+		methods: map[string]bool{}, permit2: nc.permit2, proxy: nc.proxy, pool: pool,
 		sender: newSender(backend, chainID, nc.Fees, f.now), watcher: newReceiptWatcher(backend, nc.ReceiptPoll),
 		reads:   &callBatcher{backend: backend},
-		timeout: nc.ReceiptTimeout, low: nc.LowBalance, headTTL: nc.HeadCacheTTL, now: f.now, skew: nc.DeadlineSkew,
+		timeout: nc.ReceiptTimeout, low: nc.lowBalance, headTTL: nc.HeadCacheTTL, now: f.now, skew: nc.DeadlineSkew,
 	}
 	if n.permit2 == (common.Address{}) {
 		n.permit2 = contracts.Permit2Address
@@ -328,7 +328,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	if n.low == nil {
 		n.low = new(big.Int).Exp(big.NewInt(10), big.NewInt(16), nil)
 	}
-	n.p2dom = Permit2DomainSeparator(chainID, n.permit2)
+	n.p2dom = permit2DomainSeparator(chainID, n.permit2)
 	methods := nc.Methods
 	if len(methods) == 0 {
 		methods = []string{x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612}

@@ -98,7 +98,7 @@ func TestSettlementsThroughAFaultyRPCSettleEachPaymentExactlyOnce(t *testing.T) 
 					if err != nil {
 						t.Fatal(err)
 					}
-					fo.RetryAfter, fo.MaxRetryAfter = 20*time.Millisecond, 200*time.Millisecond
+					fo.SetRetryAfterForTest(20*time.Millisecond, 200*time.Millisecond)
 					nc.Backend, nc.RPCTimeout = fo, tc.rpcTimeout
 				},
 			})

@@ -20,7 +20,7 @@ func fundsPayment(i int, amount int64, deadline uint64) *payment {
 		amount: big.NewInt(amount),
 		id:     fundsID(i),
 		method: x402.TransferPermit2,
-		p2:     Permit2Transfer{Deadline: new(big.Int).SetUint64(deadline)},
+		p2:     permit2Transfer{Deadline: new(big.Int).SetUint64(deadline)},
 	}
 }
 

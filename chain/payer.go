@@ -30,8 +30,8 @@ type Permit2Options struct {
 	Deadline *big.Int
 	// Now is the signing time the defaults derive from; zero means time.Now().
 	Now time.Time
-	// Permit2 defaults to requirements.extra.permit2Address, else the canonical deployment.
-	Permit2 common.Address
+	// permit2 defaults to requirements.extra.permit2Address, else the canonical deployment.
+	permit2 common.Address
 	// Proxy, the Permit2 spender, defaults to requirements.extra.x402Permit2ProxyAddress, else the canonical
 	// x402ExactPermit2Proxy.
 	Proxy common.Address
@@ -83,7 +83,7 @@ func SignPermit2Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, cha
 	if err != nil {
 		return x402.PaymentPayload{}, err
 	}
-	permit2, err := contractAddress(opts.Permit2, req.Extra.Permit2Address, "requirements.extra.permit2Address", canonicalPermit2)
+	permit2, err := contractAddress(opts.permit2, req.Extra.Permit2Address, "requirements.extra.permit2Address", canonicalPermit2)
 	if err != nil {
 		return x402.PaymentPayload{}, err
 	}
@@ -102,7 +102,7 @@ func SignPermit2Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, cha
 		return x402.PaymentPayload{}, err
 	}
 
-	p := Permit2Transfer{
+	p := permit2Transfer{
 		Token:      t.asset,
 		Amount:     t.amount,
 		Spender:    proxy,
@@ -111,7 +111,7 @@ func SignPermit2Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, cha
 		To:         t.payTo,
 		ValidAfter: t.validAfter,
 	}
-	sig, err := SignDigest(key, Permit2Digest(Permit2DomainSeparator(chainID, permit2), p))
+	sig, err := signDigest(key, permit2Digest(permit2DomainSeparator(chainID, permit2), p))
 	if err != nil {
 		return x402.PaymentPayload{}, err
 	}
@@ -119,7 +119,7 @@ func SignPermit2Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, cha
 		X402Version: x402.Version2,
 		Accepted:    req,
 		Payload: x402.ExactEVMPayload{
-			Signature: sig.Hex(),
+			Signature: sig.hex(),
 			Permit2Authorization: &x402.Permit2Authorization{
 				From:      crypto.PubkeyToAddress(key.PublicKey).Hex(),
 				Permitted: x402.TokenPermissions{Token: p.Token.Hex(), Amount: p.Amount.String()},
@@ -162,7 +162,7 @@ func SignERC2612Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, cha
 	from := crypto.PubkeyToAddress(key.PublicKey)
 	p := Permit{Owner: from, Spender: spender, Value: t.amount, Nonce: opts.TokenNonce, Deadline: t.deadline}
 	name, version := tokenDomain(req.Extra.Name, req.Extra.Version)
-	sig, err := SignDigest(key, PermitDigest(PermitDomainSeparator(name, version, chainID, t.asset), p))
+	sig, err := signDigest(key, PermitDigest(PermitDomainSeparator(name, version, chainID, t.asset), p))
 	if err != nil {
 		return x402.PaymentPayload{}, err
 	}
@@ -170,7 +170,7 @@ func SignERC2612Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, cha
 		X402Version: x402.Version2,
 		Accepted:    req,
 		Payload: x402.ExactEVMPayload{
-			Signature: sig.Hex(),
+			Signature: sig.hex(),
 			Authorization: &x402.EIP2612Authorization{
 				From:        from.Hex(),
 				To:          spender.Hex(),
@@ -201,10 +201,10 @@ func SignEIP3009Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, cha
 			return x402.PaymentPayload{}, fmt.Errorf("drawing an EIP-3009 nonce: %w", err)
 		}
 	}
-	a := TransferAuthorization{From: crypto.PubkeyToAddress(key.PublicKey), To: t.payTo, Value: t.amount,
+	a := transferAuthorization{From: crypto.PubkeyToAddress(key.PublicKey), To: t.payTo, Value: t.amount,
 		ValidAfter: t.validAfter, ValidBefore: t.deadline, Nonce: nonce}
 	name, version := tokenDomain(req.Extra.Name, req.Extra.Version)
-	sig, err := SignDigest(key, TransferAuthorizationDigest(PermitDomainSeparator(name, version, chainID, t.asset), a))
+	sig, err := signDigest(key, transferAuthorizationDigest(PermitDomainSeparator(name, version, chainID, t.asset), a))
 	if err != nil {
 		return x402.PaymentPayload{}, err
 	}
@@ -212,7 +212,7 @@ func SignEIP3009Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, cha
 		X402Version: x402.Version2,
 		Accepted:    req,
 		Payload: x402.ExactEVMPayload{
-			Signature: sig.Hex(),
+			Signature: sig.hex(),
 			Authorization: &x402.EIP2612Authorization{
 				From:        a.From.Hex(),
 				To:          a.To.Hex(),
@@ -240,7 +240,7 @@ func AddGasSponsoring(p *x402.PaymentPayload, key *ecdsa.PrivateKey, chainID *bi
 	if err := checkUint256("token nonce", tokenNonce); err != nil {
 		return err
 	}
-	t, owner, err := Permit2TransferFromPayload(p.Payload.Permit2Authorization)
+	t, owner, err := permit2TransferFromPayload(p.Payload.Permit2Authorization)
 	if err != nil {
 		return err
 	}
@@ -261,7 +261,7 @@ func AddGasSponsoring(p *x402.PaymentPayload, key *ecdsa.PrivateKey, chainID *bi
 	name, version := tokenDomain(tokenName, tokenVersion)
 
 	permit := Permit{Owner: from, Spender: permit2, Value: t.Amount, Nonce: tokenNonce, Deadline: t.Deadline}
-	sig, err := SignDigest(key, PermitDigest(PermitDomainSeparator(name, version, chainID, t.Token), permit))
+	sig, err := signDigest(key, PermitDigest(PermitDomainSeparator(name, version, chainID, t.Token), permit))
 	if err != nil {
 		return err
 	}
@@ -272,7 +272,7 @@ func AddGasSponsoring(p *x402.PaymentPayload, key *ecdsa.PrivateKey, chainID *bi
 		Amount:    permit.Value.String(),
 		Nonce:     permit.Nonce.String(),
 		Deadline:  permit.Deadline.String(),
-		Signature: sig.Hex(),
+		Signature: sig.hex(),
 		Version:   "1",
 	}
 
@@ -293,15 +293,15 @@ func AddGasSponsoring(p *x402.PaymentPayload, key *ecdsa.PrivateKey, chainID *bi
 	return nil
 }
 
-// Permit2TransferFromPayload parses a permit2 authorization strictly (addresses 0x + 40 hex digits, numbers
-// decimal uint256 as x402.ParseUint256 reads them) into the message its signature signs, and the payer it claims. Errors are *FieldError.
-func Permit2TransferFromPayload(a *x402.Permit2Authorization) (Permit2Transfer, common.Address, error) {
+// permit2TransferFromPayload parses a permit2 authorization strictly (addresses 0x + 40 hex digits, numbers
+// decimal uint256 as x402.ParseUint256 reads them) into the message its signature signs, and the payer it claims. Errors are *fieldError.
+func permit2TransferFromPayload(a *x402.Permit2Authorization) (permit2Transfer, common.Address, error) {
 	if a == nil {
-		return Permit2Transfer{}, common.Address{}, &FieldError{Field: "permit2Authorization", Want: "an object", Got: "nothing"}
+		return permit2Transfer{}, common.Address{}, &fieldError{Field: "permit2Authorization", Want: "an object", Got: "nothing"}
 	}
 	f := fields{prefix: "permit2Authorization."}
 	owner := f.address("from", a.From)
-	p := Permit2Transfer{
+	p := permit2Transfer{
 		Token:      f.address("permitted.token", a.Permitted.Token),
 		Amount:     f.number("permitted.amount", a.Permitted.Amount),
 		Spender:    f.address("spender", a.Spender),
@@ -315,10 +315,10 @@ func Permit2TransferFromPayload(a *x402.Permit2Authorization) (Permit2Transfer, 
 
 // PermitFromAuthorization parses an erc2612 authorization strictly into the EIP-2612 Permit its signature
 // signs: owner = from, spender = to, deadline = validBefore. validAfter is checked for form too, though the
-// permit does not sign it. Errors are *FieldError.
+// permit does not sign it. Errors are *fieldError.
 func PermitFromAuthorization(a *x402.EIP2612Authorization) (Permit, error) {
 	if a == nil {
-		return Permit{}, &FieldError{Field: "authorization", Want: "an object", Got: "nothing"}
+		return Permit{}, &fieldError{Field: "authorization", Want: "an object", Got: "nothing"}
 	}
 	f := fields{prefix: "authorization."}
 	p := Permit{
@@ -332,14 +332,14 @@ func PermitFromAuthorization(a *x402.EIP2612Authorization) (Permit, error) {
 	return p, f.err
 }
 
-// TransferAuthorizationFromPayload parses an eip3009 authorization strictly into the EIP-3009
-// TransferWithAuthorization its signature signs; the nonce must be 0x and 64 hex digits. Errors are *FieldError.
-func TransferAuthorizationFromPayload(a *x402.EIP2612Authorization) (TransferAuthorization, error) {
+// transferAuthorizationFromPayload parses an eip3009 authorization strictly into the EIP-3009
+// TransferWithAuthorization its signature signs; the nonce must be 0x and 64 hex digits. Errors are *fieldError.
+func transferAuthorizationFromPayload(a *x402.EIP2612Authorization) (transferAuthorization, error) {
 	if a == nil {
-		return TransferAuthorization{}, &FieldError{Field: "authorization", Want: "an object", Got: "nothing"}
+		return transferAuthorization{}, &fieldError{Field: "authorization", Want: "an object", Got: "nothing"}
 	}
 	f := fields{prefix: "authorization."}
-	t := TransferAuthorization{
+	t := transferAuthorization{
 		From:        f.address("from", a.From),
 		To:          f.address("to", a.To),
 		Value:       f.number("value", a.Value),
@@ -348,7 +348,7 @@ func TransferAuthorizationFromPayload(a *x402.EIP2612Authorization) (TransferAut
 	}
 	if f.err == nil {
 		if !x402.IsBytes32(a.Nonce) {
-			f.err = &FieldError{Field: "authorization.nonce", Want: "0x and 64 hex digits (a 32-byte EIP-3009 nonce)", Got: truncate(a.Nonce)}
+			f.err = &fieldError{Field: "authorization.nonce", Want: "0x and 64 hex digits (a 32-byte EIP-3009 nonce)", Got: truncate(a.Nonce)}
 		} else {
 			t.Nonce = common.HexToHash(a.Nonce)
 		}
@@ -356,12 +356,12 @@ func TransferAuthorizationFromPayload(a *x402.EIP2612Authorization) (TransferAut
 	return t, f.err
 }
 
-// PermitFromGasSponsoring parses an eip2612GasSponsoring info strictly into the EIP-2612 Permit its signature
+// permitFromGasSponsoring parses an eip2612GasSponsoring info strictly into the EIP-2612 Permit its signature
 // signs and the token whose domain it is signed over. It does not judge the values (spender = Permit2, from =
-// payer): the verifier does. Errors are *FieldError.
-func PermitFromGasSponsoring(info *x402.EIP2612GasSponsoringInfo) (Permit, common.Address, error) {
+// payer): the verifier does. Errors are *fieldError.
+func permitFromGasSponsoring(info *x402.EIP2612GasSponsoringInfo) (Permit, common.Address, error) {
 	if info == nil {
-		return Permit{}, common.Address{}, &FieldError{Field: "eip2612GasSponsoring.info", Want: "an object", Got: "nothing"}
+		return Permit{}, common.Address{}, &fieldError{Field: "eip2612GasSponsoring.info", Want: "an object", Got: "nothing"}
 	}
 	f := fields{prefix: "eip2612GasSponsoring.info."}
 	p := Permit{Owner: f.address("from", info.From)}
@@ -398,8 +398,8 @@ func (f *fields) number(name, s string) *big.Int {
 	return n
 }
 
-// FieldError says which field of a payload or requirement does not have the expected form, and what came.
-type FieldError struct {
+// fieldError says which field of a payload or requirement does not have the expected form, and what came.
+type fieldError struct {
 	// Field is the JSON path of the field, such as "permit2Authorization.witness.to".
 	Field string
 	// Want describes the expected form.
@@ -411,7 +411,7 @@ type FieldError struct {
 }
 
 // Error names the field, what was expected and what came.
-func (e *FieldError) Error() string {
+func (e *fieldError) Error() string {
 	if e.Err != nil {
 		return fmt.Sprintf("%s: expected %s: %v", e.Field, e.Want, e.Err)
 	}
@@ -419,20 +419,20 @@ func (e *FieldError) Error() string {
 }
 
 // Unwrap returns the parser's error, so errors.Is sees x402.ErrNumberSyntax and x402.ErrNumberRange.
-func (e *FieldError) Unwrap() error { return e.Err }
+func (e *fieldError) Unwrap() error { return e.Err }
 
 // ParseAddress parses an address strictly: 0x followed by exactly 40 hex digits, any case (the checksum case
 // is not enforced, as clients and servers write addresses differently). field names it in errors.
 func ParseAddress(field, s string) (common.Address, error) {
 	var a common.Address
 	if len(s) != 42 || s[0] != '0' || (s[1] != 'x' && s[1] != 'X') {
-		return a, &FieldError{Field: field, Want: "an address (0x and 40 hex digits)", Got: truncate(s)}
+		return a, &fieldError{Field: field, Want: "an address (0x and 40 hex digits)", Got: truncate(s)}
 	}
 	for i := range a {
 		hi, ok1 := fromHexChar(s[2+2*i])
 		lo, ok2 := fromHexChar(s[3+2*i])
 		if !ok1 || !ok2 {
-			return common.Address{}, &FieldError{Field: field, Want: "an address (0x and 40 hex digits)", Got: truncate(s)}
+			return common.Address{}, &fieldError{Field: field, Want: "an address (0x and 40 hex digits)", Got: truncate(s)}
 		}
 		a[i] = hi<<4 | lo
 	}
@@ -444,7 +444,7 @@ func ParseAddress(field, s string) (common.Address, error) {
 func parseNumber(field, s string) (*big.Int, error) {
 	x, err := x402.ParseUint256(s)
 	if err != nil {
-		return nil, &FieldError{Field: field, Want: "a decimal uint256", Got: truncate(s), Err: err}
+		return nil, &fieldError{Field: field, Want: "a decimal uint256", Got: truncate(s), Err: err}
 	}
 	return x, nil
 }

@@ -138,7 +138,7 @@ func TestSignPermit2PaymentHonoursExplicitOptions(t *testing.T) {
 		ValidAfter: big.NewInt(0),
 		Deadline:   big.NewInt(1_900_000_000),
 		Now:        testNow,
-		Permit2:    permit2,
+		permit2:    permit2,
 		Proxy:      proxy,
 	}
 	p, err := SignPermit2Payment(key, testRequirements(), testChainID, opts)
@@ -320,7 +320,7 @@ func TestAddGasSponsoringAddsAPermitToPermit2ThatVerifiesOverTheTokenDomain(t *t
 		t.Fatalf("gas sponsoring permit recovers %s under the token domain, want payer %s", got, payer)
 	}
 
-	permit, token, err := PermitFromGasSponsoring(&info)
+	permit, token, err := permitFromGasSponsoring(&info)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -357,7 +357,7 @@ func TestPermit2TransferFromPayloadRebuildsTheSignedMessage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	transfer, owner, err := Permit2TransferFromPayload(overTheWire(t, p).Payload.Permit2Authorization)
+	transfer, owner, err := permit2TransferFromPayload(overTheWire(t, p).Payload.Permit2Authorization)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -365,7 +365,7 @@ func TestPermit2TransferFromPayloadRebuildsTheSignedMessage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := RecoverSigner(Permit2Digest(Permit2DomainSeparator(testChainID, canonicalPermit2), transfer), sig)
+	got, err := RecoverSigner(permit2Digest(permit2DomainSeparator(testChainID, canonicalPermit2), transfer), sig)
 	if err != nil || got != owner || owner != crypto.PubkeyToAddress(key.PublicKey) {
 		t.Fatalf("recovered %s (%v), claimed owner %s, payer %s", got, err, owner, crypto.PubkeyToAddress(key.PublicKey))
 	}
@@ -421,17 +421,17 @@ func TestPermit2TransferFromPayloadNamesTheMalformedField(t *testing.T) {
 	for _, c := range cases {
 		a := validPermit2Authorization()
 		c.mutate(&a)
-		_, _, err := Permit2TransferFromPayload(&a)
-		var fe *FieldError
+		_, _, err := permit2TransferFromPayload(&a)
+		var fe *fieldError
 		if !errors.As(err, &fe) || fe.Field != c.field {
-			t.Errorf("%+v: error = %v, want a FieldError on %s", a, err, c.field)
+			t.Errorf("%+v: error = %v, want a fieldError on %s", a, err, c.field)
 		}
 	}
 	a := validPermit2Authorization()
-	if _, _, err := Permit2TransferFromPayload(&a); err != nil {
+	if _, _, err := permit2TransferFromPayload(&a); err != nil {
 		t.Fatalf("the valid authorization is refused: %v", err)
 	}
-	if _, _, err := Permit2TransferFromPayload(nil); err == nil {
+	if _, _, err := permit2TransferFromPayload(nil); err == nil {
 		t.Fatal("a missing authorization is accepted")
 	}
 }
@@ -444,9 +444,9 @@ func TestPermitFromAuthorizationRefusesTheEIP3009LookAlike(t *testing.T) {
 		Nonce: "0x4bd0aa8a46ed54dfc89b5dcf1ee1a96c25b3b1a5cbe4d7cb1e1ec4c2e4a9b6f1",
 	}
 	_, err := PermitFromAuthorization(&a)
-	var fe *FieldError
+	var fe *fieldError
 	if !errors.As(err, &fe) || fe.Field != "authorization.nonce" || !strings.Contains(err.Error(), "decimal") {
-		t.Fatalf("error = %v, want a FieldError saying authorization.nonce is not decimal", err)
+		t.Fatalf("error = %v, want a fieldError saying authorization.nonce is not decimal", err)
 	}
 }
 
@@ -482,9 +482,9 @@ func TestNumberFieldsFollowX402RulesAndNameTheField(t *testing.T) {
 			}
 			continue
 		}
-		var fe *FieldError
+		var fe *fieldError
 		if !errors.As(err, &fe) || fe.Field != "permit2Authorization.nonce" || !errors.Is(err, c.kind) {
-			t.Errorf("parseNumber(%q) error = %v, want a FieldError on permit2Authorization.nonce wrapping %v", c.in, err, c.kind)
+			t.Errorf("parseNumber(%q) error = %v, want a fieldError on permit2Authorization.nonce wrapping %v", c.in, err, c.kind)
 		}
 	}
 }
@@ -493,7 +493,7 @@ func TestNumberFieldsFollowX402RulesAndNameTheField(t *testing.T) {
 var addressGrammar = regexp.MustCompile(`^0[xX][0-9a-fA-F]{40}$`)
 
 // ParseAddress accepts exactly 0x and 40 hex digits, as x402.IsHexAddress does, reads them as go-ethereum does,
-// and refuses anything else with a short FieldError naming the field.
+// and refuses anything else with a short fieldError naming the field.
 func FuzzParseAddress(f *testing.F) {
 	for _, s := range []string{testAsset.Hex(), strings.ToLower(testAsset.Hex()), "0X" + strings.ToUpper(testAsset.Hex()[2:]), testAsset.Hex()[2:],
 		testAsset.Hex() + "0", testAsset.Hex()[:41], "", "0x", "0x" + strings.Repeat("g", 40), " " + testAsset.Hex(), "0x" + strings.Repeat("0", 64)} {
@@ -506,9 +506,9 @@ func FuzzParseAddress(f *testing.F) {
 			t.Fatalf("ParseAddress(%q) = %v; the grammar says %v, x402.IsHexAddress %v", s, err, addressGrammar.MatchString(s), x402.IsHexAddress(s))
 		}
 		if err != nil {
-			var fe *FieldError
+			var fe *fieldError
 			if !errors.As(err, &fe) || fe.Field != field || !strings.Contains(err.Error(), field) || len(err.Error()) > 600 || a != (common.Address{}) {
-				t.Fatalf("ParseAddress(%q) = %s, %v: want the zero address and a short FieldError naming %s", s, a, err, field)
+				t.Fatalf("ParseAddress(%q) = %s, %v: want the zero address and a short fieldError naming %s", s, a, err, field)
 			}
 			return
 		}

@@ -121,7 +121,7 @@ func TestOneHangingRPCEndpointLeavesVerificationsAndSettlementsFlowingThroughThe
 			tune(fx, nc)
 			// The hanging node is tried again after short rests, so that payments keep meeting it.
 			fo := nc.Backend.(*chain.Failover)
-			fo.RetryAfter, fo.MaxRetryAfter = 50*time.Millisecond, 200*time.Millisecond
+			fo.SetRetryAfterForTest(50*time.Millisecond, 200*time.Millisecond)
 			// Payments share reads of the head: one read stuck on the hanging node must not hold up the rest.
 			nc.HeadCacheTTL = 250 * time.Millisecond
 		},

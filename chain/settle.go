@@ -53,7 +53,7 @@ func (f *Facilitator) Settle(ctx context.Context, req x402.SettleRequest) (x402.
 		}
 	}
 	if ref != nil {
-		return failed(req.PaymentRequirements.Network, ClaimedPayer(req), "", ref), nil
+		return failed(req.PaymentRequirements.Network, x402.ClaimedPayer(req), "", ref), nil
 	}
 	f.flightMu.Lock()
 	if fl, ok := f.flights[p.id]; ok {
@@ -149,7 +149,7 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 		want = &from
 	}
 	w, err := n.pool.Acquire(ctx, want)
-	if errors.Is(err, ErrNoAvailableWallets) {
+	if errors.Is(err, errNoAvailableWallets) {
 		return common.Hash{}, refuse(x402.ReasonNoAvailableWallets, "%s; retry in 1 to 2 seconds", x402.MessageNoAvailableWallets), nil
 	} else if err != nil {
 		return common.Hash{}, nil, err

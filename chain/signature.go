@@ -13,16 +13,16 @@ import (
 // Errors of signature parsing and recovery. They are wrapped with detail; test with errors.Is. A verifier
 // answers all of them with an invalid-signature reason, but logs and tests need to tell them apart.
 var (
-	// ErrSignatureLength means the signature is not 65 bytes (r, s, v). Smart-wallet signatures
+	// errSignatureLength means the signature is not 65 bytes (r, s, v). Smart-wallet signatures
 	// (EIP-1271, EIP-6492) are longer and end here too.
-	ErrSignatureLength = errors.New("signature is not 65 bytes")
-	// ErrSignatureHighS means s lies in the upper half of the curve order: a malleated copy of a valid
+	errSignatureLength = errors.New("signature is not 65 bytes")
+	// errSignatureHighS means s lies in the upper half of the curve order: a malleated copy of a valid
 	// signature, which the permit contracts (OpenZeppelin ECDSA) refuse.
-	ErrSignatureHighS = errors.New("signature s is in the upper half of the curve order")
-	// ErrSignatureV means the recovery byte v is not 0, 1, 27 or 28.
-	ErrSignatureV = errors.New("signature v is not 0, 1, 27 or 28")
-	// ErrSignatureInvalid means the signature is not hex, r or s is out of range, or no key recovers from it.
-	ErrSignatureInvalid = errors.New("invalid signature")
+	errSignatureHighS = errors.New("signature s is in the upper half of the curve order")
+	// errSignatureV means the recovery byte v is not 0, 1, 27 or 28.
+	errSignatureV = errors.New("signature v is not 0, 1, 27 or 28")
+	// errSignatureInvalid means the signature is not hex, r or s is out of range, or no key recovers from it.
+	errSignatureInvalid = errors.New("invalid signature")
 )
 
 // Signature is a 65-byte secp256k1 signature r || s || v, with v normalised to 27 or 28 as contracts and
@@ -40,17 +40,17 @@ var (
 func ParseSignature(s string) (Signature, error) {
 	var sig Signature
 	if len(s) < 2 || s[0] != '0' || (s[1] != 'x' && s[1] != 'X') {
-		return sig, fmt.Errorf("%w: expected 0x-prefixed hex, got %q", ErrSignatureInvalid, truncate(s))
+		return sig, fmt.Errorf("%w: expected 0x-prefixed hex, got %q", errSignatureInvalid, truncate(s))
 	}
 	h := s[2:]
 	if len(h) != 2*len(sig) {
-		return sig, fmt.Errorf("%w: expected 130 hex digits (65 bytes) after 0x, got %d", ErrSignatureLength, len(h))
+		return sig, fmt.Errorf("%w: expected 130 hex digits (65 bytes) after 0x, got %d", errSignatureLength, len(h))
 	}
 	for i := range sig {
 		hi, ok1 := fromHexChar(h[2*i])
 		lo, ok2 := fromHexChar(h[2*i+1])
 		if !ok1 || !ok2 {
-			return Signature{}, fmt.Errorf("%w: expected hex digits, got %q at offset %d", ErrSignatureInvalid, h[2*i:2*i+2], 2+2*i)
+			return Signature{}, fmt.Errorf("%w: expected hex digits, got %q at offset %d", errSignatureInvalid, h[2*i:2*i+2], 2+2*i)
 		}
 		sig[i] = hi<<4 | lo
 	}
@@ -71,19 +71,19 @@ func RecoverSigner(digest common.Hash, sig Signature) (common.Address, error) {
 	}
 	r, s := sig[0:32], sig[32:64]
 	if isZero(r) || bytes.Compare(r, secp256k1N[:]) >= 0 {
-		return common.Address{}, fmt.Errorf("%w: r is not in [1, n-1]", ErrSignatureInvalid)
+		return common.Address{}, fmt.Errorf("%w: r is not in [1, n-1]", errSignatureInvalid)
 	}
 	if isZero(s) {
-		return common.Address{}, fmt.Errorf("%w: s is zero", ErrSignatureInvalid)
+		return common.Address{}, fmt.Errorf("%w: s is zero", errSignatureInvalid)
 	}
 	if bytes.Compare(s, secp256k1HalfN[:]) > 0 {
-		return common.Address{}, fmt.Errorf("%w: s = 0x%x exceeds n/2; expected the low-s form n - s", ErrSignatureHighS, s)
+		return common.Address{}, fmt.Errorf("%w: s = 0x%x exceeds n/2; expected the low-s form n - s", errSignatureHighS, s)
 	}
 	// Ecrecover wants v as the recovery id 0 or 1.
 	sig[64] = v
 	pub, err := crypto.Ecrecover(digest[:], sig[:])
 	if err != nil {
-		return common.Address{}, fmt.Errorf("%w: no public key recovers from it: %v", ErrSignatureInvalid, err)
+		return common.Address{}, fmt.Errorf("%w: no public key recovers from it: %v", errSignatureInvalid, err)
 	}
 	// Hashing the 64-byte point directly spares the unmarshal and curve check SigToPub would do; secp256k1
 	// only returns points on the curve.
@@ -94,9 +94,9 @@ func RecoverSigner(digest common.Hash, sig Signature) (common.Address, error) {
 	return common.BytesToAddress(hash[12:]), nil
 }
 
-// SplitSignature returns v (27 or 28), r and s as the on-chain permit(owner, spender, value, deadline, v, r, s)
+// splitSignature returns v (27 or 28), r and s as the on-chain permit(owner, spender, value, deadline, v, r, s)
 // takes them.
-func SplitSignature(sig Signature) (v uint8, r, s [32]byte) {
+func splitSignature(sig Signature) (v uint8, r, s [32]byte) {
 	v = sig[64]
 	if v < 27 {
 		v += 27
@@ -106,8 +106,8 @@ func SplitSignature(sig Signature) (v uint8, r, s [32]byte) {
 	return v, r, s
 }
 
-// SignDigest signs an EIP-712 digest with key. The result has low s and v of 27 or 28.
-func SignDigest(key *ecdsa.PrivateKey, digest common.Hash) (Signature, error) {
+// signDigest signs an EIP-712 digest with key. The result has low s and v of 27 or 28.
+func signDigest(key *ecdsa.PrivateKey, digest common.Hash) (Signature, error) {
 	var sig Signature
 	raw, err := crypto.Sign(digest[:], key)
 	if err != nil {
@@ -118,8 +118,8 @@ func SignDigest(key *ecdsa.PrivateKey, digest common.Hash) (Signature, error) {
 	return sig, nil
 }
 
-// Hex returns the signature as 0x-prefixed lower-case hex, the wire form.
-func (sig Signature) Hex() string {
+// hex returns the signature as 0x-prefixed lower-case hex, the wire form.
+func (sig Signature) hex() string {
 	const digits = "0123456789abcdef"
 	var b [2 + 2*len(sig)]byte
 	b[0], b[1] = '0', 'x'
@@ -130,8 +130,8 @@ func (sig Signature) Hex() string {
 	return string(b[:])
 }
 
-// String returns the signature as Hex.
-func (sig Signature) String() string { return sig.Hex() }
+// String returns the signature as hex.
+func (sig Signature) String() string { return sig.hex() }
 
 func normaliseV(v byte) (byte, error) {
 	switch v {
@@ -140,7 +140,7 @@ func normaliseV(v byte) (byte, error) {
 	case 27, 28:
 		return v - 27, nil
 	}
-	return 0, fmt.Errorf("%w: got %d", ErrSignatureV, v)
+	return 0, fmt.Errorf("%w: got %d", errSignatureV, v)
 }
 
 func isZero(b []byte) bool {

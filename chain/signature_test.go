@@ -25,7 +25,7 @@ func testKey(t testing.TB) *ecdsa.PrivateKey {
 
 func signed(t testing.TB, key *ecdsa.PrivateKey, digest common.Hash) Signature {
 	t.Helper()
-	sig, err := SignDigest(key, digest)
+	sig, err := signDigest(key, digest)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -102,8 +102,8 @@ func TestRecoverSignerRefusesTheMalleatedHighSTwin(t *testing.T) {
 		t.Fatalf("the high-s twin recovers %s, not the signer, so this test would prove nothing", got)
 	}
 
-	if _, err := RecoverSigner(digest, twin); !errors.Is(err, ErrSignatureHighS) {
-		t.Fatalf("RecoverSigner(high-s twin) error = %v, want ErrSignatureHighS", err)
+	if _, err := RecoverSigner(digest, twin); !errors.Is(err, errSignatureHighS) {
+		t.Fatalf("RecoverSigner(high-s twin) error = %v, want errSignatureHighS", err)
 	}
 }
 
@@ -121,16 +121,16 @@ func TestRecoverSignerRefusesBadSignatures(t *testing.T) {
 		sig  Signature
 		want error
 	}{
-		{"v of 2", with(func(s *Signature) { s[64] = 2 }), ErrSignatureV},
-		{"v of 29", with(func(s *Signature) { s[64] = 29 }), ErrSignatureV},
-		{"v of 255", with(func(s *Signature) { s[64] = 255 }), ErrSignatureV},
-		{"r of zero", with(func(s *Signature) { clear(s[0:32]) }), ErrSignatureInvalid},
-		{"r equal to n", with(func(s *Signature) { copy(s[0:32], secp256k1N[:]) }), ErrSignatureInvalid},
-		{"s of zero", with(func(s *Signature) { clear(s[32:64]) }), ErrSignatureInvalid},
-		{"s equal to n", with(func(s *Signature) { copy(s[32:64], secp256k1N[:]) }), ErrSignatureHighS},
+		{"v of 2", with(func(s *Signature) { s[64] = 2 }), errSignatureV},
+		{"v of 29", with(func(s *Signature) { s[64] = 29 }), errSignatureV},
+		{"v of 255", with(func(s *Signature) { s[64] = 255 }), errSignatureV},
+		{"r of zero", with(func(s *Signature) { clear(s[0:32]) }), errSignatureInvalid},
+		{"r equal to n", with(func(s *Signature) { copy(s[0:32], secp256k1N[:]) }), errSignatureInvalid},
+		{"s of zero", with(func(s *Signature) { clear(s[32:64]) }), errSignatureInvalid},
+		{"s equal to n", with(func(s *Signature) { copy(s[32:64], secp256k1N[:]) }), errSignatureHighS},
 		{"s just above n/2", with(func(s *Signature) {
 			new(big.Int).Add(new(big.Int).SetBytes(secp256k1HalfN[:]), big.NewInt(1)).FillBytes(s[32:64])
-		}), ErrSignatureHighS},
+		}), errSignatureHighS},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -146,7 +146,7 @@ func TestRecoverSignerAcceptsSExactlyHalfTheOrder(t *testing.T) {
 	// does not refuse the boundary.
 	sig := signed(t, testKey(t), crypto.Keccak256Hash([]byte("boundary")))
 	copy(sig[32:64], secp256k1HalfN[:])
-	if _, err := RecoverSigner(crypto.Keccak256Hash([]byte("boundary")), sig); errors.Is(err, ErrSignatureHighS) {
+	if _, err := RecoverSigner(crypto.Keccak256Hash([]byte("boundary")), sig); errors.Is(err, errSignatureHighS) {
 		t.Fatalf("s = n/2 refused as high: %v", err)
 	}
 }
@@ -163,7 +163,7 @@ func TestRecoverSignerOfAnotherDigestIsAnotherAddress(t *testing.T) {
 func TestParseSignature(t *testing.T) {
 	key := testKey(t)
 	sig := signed(t, key, crypto.Keccak256Hash([]byte("parse")))
-	body := sig.Hex()[2:130] // r and s
+	body := sig.hex()[2:130] // r and s
 	cases := []struct {
 		name  string
 		in    string
@@ -174,14 +174,14 @@ func TestParseSignature(t *testing.T) {
 		{"v 28 upper-case hex", "0X" + strings.ToUpper(body) + "1C", 28, nil},
 		{"v 0 normalised", "0x" + body + "00", 27, nil},
 		{"v 1 normalised", "0x" + body + "01", 28, nil},
-		{"v 2", "0x" + body + "02", 0, ErrSignatureV},
-		{"v 29", "0x" + body + "1d", 0, ErrSignatureV},
-		{"64 bytes", "0x" + body, 0, ErrSignatureLength},
-		{"66 bytes", "0x" + body + "1b00", 0, ErrSignatureLength},
-		{"odd length", "0x" + body + "1", 0, ErrSignatureLength},
-		{"empty", "", 0, ErrSignatureInvalid},
-		{"no 0x", body + "1b00", 0, ErrSignatureInvalid},
-		{"non-hex digit", "0x" + body[:10] + "zz" + body[12:] + "1b", 0, ErrSignatureInvalid},
+		{"v 2", "0x" + body + "02", 0, errSignatureV},
+		{"v 29", "0x" + body + "1d", 0, errSignatureV},
+		{"64 bytes", "0x" + body, 0, errSignatureLength},
+		{"66 bytes", "0x" + body + "1b00", 0, errSignatureLength},
+		{"odd length", "0x" + body + "1", 0, errSignatureLength},
+		{"empty", "", 0, errSignatureInvalid},
+		{"no 0x", body + "1b00", 0, errSignatureInvalid},
+		{"non-hex digit", "0x" + body[:10] + "zz" + body[12:] + "1b", 0, errSignatureInvalid},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -198,8 +198,8 @@ func TestParseSignature(t *testing.T) {
 			if got[64] != c.wantV {
 				t.Errorf("v = %d, want %d", got[64], c.wantV)
 			}
-			if got.Hex()[:130] != "0x"+body {
-				t.Errorf("r||s = %s, want 0x%s", got.Hex()[:130], body)
+			if got.hex()[:130] != "0x"+body {
+				t.Errorf("r||s = %s, want 0x%s", got.hex()[:130], body)
 			}
 		})
 	}
@@ -207,7 +207,7 @@ func TestParseSignature(t *testing.T) {
 
 func TestParsedSignatureRoundTripsThroughHex(t *testing.T) {
 	sig := signed(t, testKey(t), crypto.Keccak256Hash([]byte("round trip")))
-	got, err := ParseSignature(sig.Hex())
+	got, err := ParseSignature(sig.hex())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -221,7 +221,7 @@ func TestSplitSignatureGivesPermitArguments(t *testing.T) {
 	for _, rawV := range []byte{sig[64], sig[64] - 27} {
 		s := sig
 		s[64] = rawV
-		v, r, ss := SplitSignature(s)
+		v, r, ss := splitSignature(s)
 		if v != sig[64] {
 			t.Errorf("v from raw %d = %d, want %d", rawV, v, sig[64])
 		}
@@ -241,16 +241,16 @@ var sigGrammar = regexp.MustCompile(`^0[xX][0-9a-fA-F]{128}(00|01|1[bB]|1[cC])$`
 func FuzzParseSignature(f *testing.F) {
 	key := testKey(f)
 	sig := signed(f, key, fuzzDigest)
-	body := sig.Hex()[2:130]
-	for _, s := range []string{sig.Hex(), "0X" + strings.ToUpper(body) + "1C", "0x" + body + "00", "0x" + body + "1d", "0x" + body, "0x" + body + "1b00",
-		"", "0x", body + "1b", "0x" + body[:10] + "zz" + body[12:] + "1b", malleate(sig).Hex()} {
+	body := sig.hex()[2:130]
+	for _, s := range []string{sig.hex(), "0X" + strings.ToUpper(body) + "1C", "0x" + body + "00", "0x" + body + "1d", "0x" + body, "0x" + body + "1b00",
+		"", "0x", body + "1b", "0x" + body[:10] + "zz" + body[12:] + "1b", malleate(sig).hex()} {
 		f.Add(s, sig[:])
 	}
 	high := malleate(sig)
 	var zero Signature
 	zero[64] = 27
 	for _, raw := range [][]byte{high[:], zero[:], append(sig[:64:64], 0), append(sig[:64:64], 2)} {
-		f.Add(sig.Hex(), raw)
+		f.Add(sig.hex(), raw)
 	}
 	halfN := new(big.Int).Rsh(crypto.S256().Params().N, 1)
 	f.Fuzz(func(t *testing.T, s string, raw []byte) {
@@ -271,7 +271,7 @@ func checkParsedSignature(t *testing.T, s string) (Signature, bool) {
 		t.Fatalf("ParseSignature(%q) = %v; the grammar says %v", s, err, sigGrammar.MatchString(s))
 	}
 	if err != nil {
-		if sig != (Signature{}) || len(err.Error()) > 300 || !(errors.Is(err, ErrSignatureInvalid) || errors.Is(err, ErrSignatureLength) || errors.Is(err, ErrSignatureV)) {
+		if sig != (Signature{}) || len(err.Error()) > 300 || !(errors.Is(err, errSignatureInvalid) || errors.Is(err, errSignatureLength) || errors.Is(err, errSignatureV)) {
 			t.Fatalf("ParseSignature(%q) = %s, %v: want the zero signature and a short error of a known kind", s, sig, err)
 		}
 		return sig, false
@@ -279,10 +279,10 @@ func checkParsedSignature(t *testing.T, s string) (Signature, bool) {
 	if sig[64] != 27 && sig[64] != 28 {
 		t.Fatalf("ParseSignature(%q) has v %d, want 27 or 28", s, sig[64])
 	}
-	if got := sig.Hex(); got[:130] != strings.ToLower("0x"+s[2:130]) {
+	if got := sig.hex(); got[:130] != strings.ToLower("0x"+s[2:130]) {
 		t.Fatalf("ParseSignature(%q) wrote back r||s as %s", s, got[:130])
 	}
-	if again, err := ParseSignature(sig.Hex()); err != nil || again != sig {
+	if again, err := ParseSignature(sig.hex()); err != nil || again != sig {
 		t.Fatalf("ParseSignature(Hex()) = %s, %v; want %s", again, err, sig)
 	}
 	return sig, true
@@ -302,7 +302,7 @@ func checkRecovery(t *testing.T, sig Signature, halfN *big.Int) {
 		t.Fatalf("RecoverSigner(%s) = %s, %v; go-ethereum says valid = %v (%v)", sig, got, err, refOK, refErr)
 	}
 	if err != nil {
-		if !errors.Is(err, ErrSignatureInvalid) && !errors.Is(err, ErrSignatureHighS) {
+		if !errors.Is(err, errSignatureInvalid) && !errors.Is(err, errSignatureHighS) {
 			t.Fatalf("RecoverSigner(%s) error %v is of no known kind", sig, err)
 		}
 		return
@@ -313,7 +313,7 @@ func checkRecovery(t *testing.T, sig Signature, halfN *big.Int) {
 	if s.Cmp(halfN) > 0 {
 		t.Fatalf("RecoverSigner accepted a high-s signature %s", sig)
 	}
-	if twin, err := RecoverSigner(fuzzDigest, malleate(sig)); !errors.Is(err, ErrSignatureHighS) {
+	if twin, err := RecoverSigner(fuzzDigest, malleate(sig)); !errors.Is(err, errSignatureHighS) {
 		t.Fatalf("RecoverSigner accepted %s and its malleated twin (%s, %v)", sig, twin, err)
 	}
 }

@@ -152,7 +152,7 @@ func (p *payment) verifySigner(sig string, parsed error, reason string, contract
 		}
 		return p.contractSignature(sig, reason, describe(got, err))
 	}
-	if !contracts || !errors.Is(parsed, ErrSignatureLength) {
+	if !contracts || !errors.Is(parsed, errSignatureLength) {
 		return refuse(x402.ReasonInvalidPayload, "payload.signature: %v", parsed)
 	}
 	return p.contractSignature(sig, reason, nil)

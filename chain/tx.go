@@ -26,8 +26,8 @@ type contractCall struct {
 type FeePolicy struct {
 	// Legacy sends type-0 transactions priced by eth_gasPrice, for networks without EIP-1559.
 	Legacy bool
-	// TipCap overrides the suggested priority fee (wei) when set.
-	TipCap *big.Int
+	// tipCap overrides the suggested priority fee (wei) when set.
+	tipCap *big.Int
 	// CacheFor is how long a fee quote is reused; settlements in one block pay alike.
 	CacheFor time.Duration
 }
@@ -76,7 +76,7 @@ func (s *sender) readFeeQuote(ctx context.Context) (*feeQuote, error) {
 		if err != nil {
 			return nil, fmt.Errorf("head block for the base fee: %w", err)
 		}
-		tip := s.fees.TipCap
+		tip := s.fees.tipCap
 		if tip == nil {
 			if tip, err = s.backend.SuggestGasTipCap(ctx); err != nil {
 				return nil, fmt.Errorf("priority fee: %w", err)
@@ -99,7 +99,7 @@ func bump(v *big.Int) *big.Int {
 	return out.Add(out, big.NewInt(1))
 }
 
-func (s *sender) sign(w *Wallet, nonce uint64, c contractCall, q *feeQuote) (*types.Transaction, error) {
+func (s *sender) sign(w *wallet, nonce uint64, c contractCall, q *feeQuote) (*types.Transaction, error) {
 	var inner types.TxData
 	if q.gasPrice != nil {
 		inner = &types.LegacyTx{Nonce: nonce, GasPrice: q.gasPrice, Gas: c.Gas, To: &c.To, Data: c.Data}
@@ -117,7 +117,7 @@ var errBroadcastUnknown = errors.New("the node could not be reached while broadc
 // broadcasts them in order. It returns the transactions that may have reached a node. A nonce conflict
 // (another sender used the wallet, or a restart forgot pending transactions) re-reads the pending nonce and
 // re-signs before anything of the batch went out.
-func (s *sender) send(ctx context.Context, w *Wallet, calls []contractCall, record func([]*types.Transaction) error) ([]*types.Transaction, error) {
+func (s *sender) send(ctx context.Context, w *wallet, calls []contractCall, record func([]*types.Transaction) error) ([]*types.Transaction, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	q, err := s.feeQuote(ctx)
@@ -190,7 +190,7 @@ func (s *sender) send(ctx context.Context, w *Wallet, calls []contractCall, reco
 // replace signs a fee-bumped copy of a transaction stuck in the pool: same wallet, nonce, recipient, data and gas,
 // every fee raised by at least an eighth and to no less than a fresh quote. Whichever of the two mines, the
 // other cannot: they share the nonce.
-func (s *sender) replace(ctx context.Context, w *Wallet, stuck *types.Transaction) (*types.Transaction, error) {
+func (s *sender) replace(ctx context.Context, w *wallet, stuck *types.Transaction) (*types.Transaction, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	s.quote.forget() // the quote that priced the stuck transaction is stale by definition
@@ -214,7 +214,7 @@ func (s *sender) replace(ctx context.Context, w *Wallet, stuck *types.Transactio
 
 // fillNonce sends a zero-value transfer from w to itself at nonce, a hole below transactions of w that the node
 // holds back: a nonce no transaction of the node or the journal holds.
-func (s *sender) fillNonce(ctx context.Context, w *Wallet, nonce uint64) (common.Hash, error) {
+func (s *sender) fillNonce(ctx context.Context, w *wallet, nonce uint64) (common.Hash, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	q, err := s.feeQuote(ctx)

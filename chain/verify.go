@@ -62,8 +62,8 @@ type payment struct {
 	undeployed bool
 	nonce      *big.Int
 	permit     Permit                // erc2612
-	p2         Permit2Transfer       // permit2
-	auth       TransferAuthorization // eip3009
+	p2         permit2Transfer       // permit2
+	auth       transferAuthorization // eip3009
 	sponsor    *sponsorPermit        // permit2 with eip2612GasSponsoring; nil when absent or unneeded (the approval covers)
 	id         journal.ID
 	digest     common.Hash   // what the payer signed
@@ -179,7 +179,7 @@ func (f *Facilitator) verify(ctx context.Context, req x402.VerifyRequest, use fu
 			return x402.VerifyResponse{}, &x402.FacilitatorError{Op: "verify", Kind: x402.FailureUnreachable, Err: err}
 		}
 	}
-	payer := ClaimedPayer(req)
+	payer := x402.ClaimedPayer(req)
 	if p != nil && p.payer != (common.Address{}) {
 		// A payload refused before its payer was read leaves p.payer zero: that is no payer.
 		payer = p.payer.Hex()
@@ -245,10 +245,6 @@ func (p *payment) permit2NonceUsed(ctx context.Context) (bool, error) {
 	}
 	return bitmap.Bit(int(new(big.Int).And(p.nonce, big.NewInt(0xff)).Int64())) == 1, nil
 }
-
-// ClaimedPayer is the payer a payload names, for answers about payloads that did not parse: in checksum case,
-// as answers about parsed payloads give it, or "" when the payload names no address (x402.ClaimedPayer).
-func ClaimedPayer(req x402.VerifyRequest) string { return x402.ClaimedPayer(req) }
 
 // parse runs every check that needs neither the chain nor the clock: version, scheme, network, requirements,
 // payload shape, recipient, spender, amount, asset and signature.
@@ -368,7 +364,7 @@ func (p *payment) parseEIP3009(pp x402.PaymentPayload, rq x402.PaymentRequiremen
 	if version := rq.Extra.Version; version != "" && version != p.asset.Version {
 		return refuse(x402.ReasonEIP3009TokenVersionMismatch, "paymentRequirements.extra.version is %q but the EIP-712 domain version of %s is %q", version, p.asset.Address.Hex(), p.asset.Version)
 	}
-	t, err := TransferAuthorizationFromPayload(a)
+	t, err := transferAuthorizationFromPayload(a)
 	if err != nil {
 		return refuse(x402.ReasonInvalidPayload, "payload.%v", err)
 	}
@@ -379,7 +375,7 @@ func (p *payment) parseEIP3009(pp x402.PaymentPayload, rq x402.PaymentRequiremen
 	if t.Value.Cmp(p.amount) != 0 {
 		return refuse(x402.ReasonEIP3009AuthorizationValue, "authorization.value is %s but the required amount is exactly %s", t.Value, p.amount)
 	}
-	p.digest = TransferAuthorizationDigest(p.asset.domain, t)
+	p.digest = transferAuthorizationDigest(p.asset.domain, t)
 	if ref := p.verifySigner(pp.Payload.Signature, sigErr, x402.ReasonEIP3009InvalidSignature, true, func(got common.Address, err error) *refusal {
 		return refuse(x402.ReasonEIP3009InvalidSignature, "the signature is not %s's EIP-3009 TransferWithAuthorization for %s (%s, version %s) on chain %s%s", p.payer.Hex(), p.asset.Address.Hex(), p.asset.Name, p.asset.Version, p.net.chainID, recoverDetail(got, err))
 	}); ref != nil {
@@ -397,7 +393,7 @@ func (p *payment) parsePermit2(pp x402.PaymentPayload, sigErr error) *refusal {
 		}
 		return refuse(x402.ReasonInvalidPayload, "payload.permit2Authorization is missing; a permit2 payment carries the signed PermitWitnessTransferFrom there")
 	}
-	t, owner, err := Permit2TransferFromPayload(a)
+	t, owner, err := permit2TransferFromPayload(a)
 	if err != nil {
 		return refuse(x402.ReasonInvalidPayload, "payload.%v", err)
 	}
@@ -414,7 +410,7 @@ func (p *payment) parsePermit2(pp x402.PaymentPayload, sigErr error) *refusal {
 	if t.Token != p.asset.Address {
 		return refuse(x402.ReasonPermit2TokenMismatch, "permit2Authorization.permitted.token is %s but the requirements ask for %s", t.Token.Hex(), p.asset.Address.Hex())
 	}
-	p.digest = Permit2Digest(p.net.p2dom, t)
+	p.digest = permit2Digest(p.net.p2dom, t)
 	if ref := p.verifySigner(pp.Payload.Signature, sigErr, x402.ReasonPermit2InvalidSignature, true, func(got common.Address, err error) *refusal {
 		return refuse(x402.ReasonPermit2InvalidSignature, "the signature is not %s's Permit2 PermitWitnessTransferFrom on chain %s%s", p.payer.Hex(), p.net.chainID, recoverDetail(got, err))
 	}); ref != nil {
@@ -438,7 +434,7 @@ func (p *payment) parseSponsor(raw json.RawMessage) *sponsorPermit {
 		sp.err = refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "extensions.eip2612GasSponsoring must be {\"info\":{from, asset, spender, amount, nonce, deadline, signature, version}}")
 		return sp
 	}
-	permit, token, err := PermitFromGasSponsoring(ext.Info)
+	permit, token, err := permitFromGasSponsoring(ext.Info)
 	if err != nil {
 		sp.err = refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "extensions.%v", err)
 		return sp
@@ -476,7 +472,7 @@ func (p *payment) checkFarDeadline(chainNow uint64) *refusal {
 	}
 	skew := p.net.skew
 	if skew <= 0 {
-		skew = DefaultDeadlineSkew
+		skew = defaultDeadlineSkew
 	}
 	// The later of chain time and this machine's clock: the head of a chain that seals on demand (a dev chain)
 	// can be minutes old, and the payer signed by its own clock.
@@ -806,7 +802,7 @@ func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.A
 		var err error
 		gas := uint64(200_000)
 		if p.sponsor != nil {
-			v, r, s := SplitSignature(p.sponsor.sig)
+			v, r, s := splitSignature(p.sponsor.sig)
 			data, err = contracts.PackSettleWithPermit(contracts.EIP2612Permit{Value: p.sponsor.permit.Value, Deadline: p.sponsor.permit.Deadline, R: r, S: s, V: v}, permit, p.payer, witness, p.sigBytes)
 			gas = 300_000
 		} else {
@@ -828,7 +824,7 @@ func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.A
 			data, err = contracts.PackTransferWithAuthorizationBytes(t, p.sigBytes)
 			gas = 200_000
 		} else {
-			v, r, s := SplitSignature(p.sig)
+			v, r, s := splitSignature(p.sig)
 			data, err = contracts.PackTransferWithAuthorization(t, v, r, s)
 		}
 		if err != nil {
@@ -846,7 +842,7 @@ func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.A
 		// The signed permit is always spent, even when an allowance the payer gave the spender otherwise covers
 		// the payment: unspent, its token nonce would block the payer's next payment (signed with the same
 		// nonce), and the permit could be replayed later to reset the allowance.
-		v, r, s := SplitSignature(p.sig)
+		v, r, s := splitSignature(p.sig)
 		permit, err := contracts.StableCoinABI.Pack("permit", p.payer, spender, p.permit.Value, p.permit.Deadline, v, r, s)
 		if err != nil {
 			return nil, common.Address{}, err

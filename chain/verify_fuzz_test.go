@@ -178,7 +178,7 @@ func checkParsedPayment(t *testing.T, fx *fixture, req x402.VerifyRequest, got c
 	if err != nil || crypto.PubkeyToAddress(*pub) != got.Payer {
 		t.Fatalf("accepted a payment whose signature does not recover its payer %s (%v)", got.Payer, err)
 	}
-	if claimed := chain.ClaimedPayer(req); claimed != got.Payer.Hex() {
+	if claimed := x402.ClaimedPayer(req); claimed != got.Payer.Hex() {
 		t.Fatalf("read payer %s, the payload names %q", got.Payer, claimed)
 	}
 	if (got.SponsorReason == "") != (got.SponsorMessage == "") || (got.SponsorReason != "" && !reasons[got.SponsorReason]) {

@@ -275,7 +275,7 @@ func (fx *fixture) resign(req *x402.VerifyRequest, key *ecdsa.PrivateKey) {
 	if err != nil {
 		fx.t.Fatal(err)
 	}
-	req.PaymentPayload.Payload.Signature = sig.Hex()
+	req.PaymentPayload.Payload.Signature = sig.String()
 }
 
 // highS replaces the payload's signature by its malleated twin (n - s, v flipped), which recovers the same
@@ -329,7 +329,7 @@ func (fx *fixture) sponsor(req *x402.VerifyRequest, payer *chaintest.Account, ed
 	}
 	info := x402.EIP2612GasSponsoringInfo{
 		From: st.from.Hex(), Asset: st.asset.Hex(), Spender: st.spender.Hex(), Amount: st.amount.String(),
-		Nonce: st.nonce.String(), Deadline: st.deadline.String(), Signature: sig.Hex(), Version: "1",
+		Nonce: st.nonce.String(), Deadline: st.deadline.String(), Signature: sig.String(), Version: "1",
 	}
 	if editInfo != nil {
 		editInfo(&info)

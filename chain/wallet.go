@@ -14,12 +14,12 @@ import (
 	"github.com/ethereum/go-ethereum/crypto"
 )
 
-// ErrNoAvailableWallets is returned when every settlement wallet stayed busy for the pool's whole wait.
-var ErrNoAvailableWallets = errors.New("No available wallets in pool")
+// errNoAvailableWallets is returned when every settlement wallet stayed busy for the pool's whole wait.
+var errNoAvailableWallets = errors.New("No available wallets in pool")
 
-// Wallet is one settlement account. Its mutex serialises nonce assignment and sending, so transactions of one
+// wallet is one settlement account. Its mutex serialises nonce assignment and sending, so transactions of one
 // wallet are signed and broadcast in nonce order while many are in flight (pipelining without waiting for receipts).
-type Wallet struct {
+type wallet struct {
 	key     *ecdsa.PrivateKey
 	Address common.Address
 
@@ -30,18 +30,18 @@ type Wallet struct {
 	busy int // settlements holding this wallet; guarded by the pool's mutex
 }
 
-// NewWallet wraps a private key. The key never leaves the wallet, and the wallet's String shows only the address.
-func NewWallet(key *ecdsa.PrivateKey) *Wallet {
-	return &Wallet{key: key, Address: crypto.PubkeyToAddress(key.PublicKey)}
+// newWallet wraps a private key. The key never leaves the wallet, and the wallet's String shows only the address.
+func newWallet(key *ecdsa.PrivateKey) *wallet {
+	return &wallet{key: key, Address: crypto.PubkeyToAddress(key.PublicKey)}
 }
 
-func (w *Wallet) String() string { return w.Address.Hex() }
+func (w *wallet) String() string { return w.Address.Hex() }
 
-// WalletPool hands out the settlement wallets of one network. A wallet carries at most MaxInFlight settlements at
-// once; a caller waits at most Wait for one to free up before getting ErrNoAvailableWallets.
-type WalletPool struct {
-	wallets []*Wallet
-	byAddr  map[common.Address]*Wallet
+// walletPool hands out the settlement wallets of one network. A wallet carries at most MaxInFlight settlements at
+// once; a caller waits at most Wait for one to free up before getting errNoAvailableWallets.
+type walletPool struct {
+	wallets []*wallet
+	byAddr  map[common.Address]*wallet
 
 	// MaxInFlight is how many settlements one wallet pipelines at once.
 	MaxInFlight int
@@ -52,14 +52,14 @@ type WalletPool struct {
 	changed chan struct{} // closed and replaced whenever a wallet is released
 }
 
-// NewWalletPool returns a pool over keys; duplicate keys are refused.
-func NewWalletPool(keys []*ecdsa.PrivateKey) (*WalletPool, error) {
+// newWalletPool returns a pool over keys; duplicate keys are refused.
+func newWalletPool(keys []*ecdsa.PrivateKey) (*walletPool, error) {
 	if len(keys) == 0 {
 		return nil, errors.New("a wallet pool needs at least one settlement key")
 	}
-	p := &WalletPool{byAddr: map[common.Address]*Wallet{}, MaxInFlight: 64, Wait: 2 * time.Second, changed: make(chan struct{})}
+	p := &walletPool{byAddr: map[common.Address]*wallet{}, MaxInFlight: 64, Wait: 2 * time.Second, changed: make(chan struct{})}
 	for _, k := range keys {
-		w := NewWallet(k)
+		w := newWallet(k)
 		if _, dup := p.byAddr[w.Address]; dup {
 			return nil, fmt.Errorf("settlement wallet %s is listed twice", w.Address.Hex())
 		}
@@ -70,7 +70,7 @@ func NewWalletPool(keys []*ecdsa.PrivateKey) (*WalletPool, error) {
 }
 
 // Addresses lists the wallets' addresses in configuration order.
-func (p *WalletPool) Addresses() []common.Address {
+func (p *walletPool) Addresses() []common.Address {
 	out := make([]common.Address, len(p.wallets))
 	for i, w := range p.wallets {
 		out[i] = w.Address
@@ -79,16 +79,16 @@ func (p *WalletPool) Addresses() []common.Address {
 }
 
 // Wallets lists the wallets in configuration order.
-func (p *WalletPool) Wallets() []*Wallet { return p.wallets }
+func (p *walletPool) Wallets() []*wallet { return p.wallets }
 
 // Has reports whether addr is one of the pool's wallets.
-func (p *WalletPool) Has(addr common.Address) bool {
+func (p *walletPool) Has(addr common.Address) bool {
 	_, ok := p.byAddr[addr]
 	return ok
 }
 
 // InUse is how many settlements hold wallets right now.
-func (p *WalletPool) InUse() int {
+func (p *walletPool) InUse() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	n := 0
@@ -100,7 +100,7 @@ func (p *WalletPool) InUse() int {
 
 // Acquire takes a wallet for one settlement: the wallet want when it is given (an erc2612 permit can only be
 // spent by the spender it names), else the least busy one. Release it when the settlement no longer needs it.
-func (p *WalletPool) Acquire(ctx context.Context, want *common.Address) (*Wallet, error) {
+func (p *walletPool) Acquire(ctx context.Context, want *common.Address) (*wallet, error) {
 	if want != nil && !p.Has(*want) {
 		return nil, fmt.Errorf("%s is not a settlement wallet of this facilitator", want.Hex())
 	}
@@ -108,7 +108,7 @@ func (p *WalletPool) Acquire(ctx context.Context, want *common.Address) (*Wallet
 	defer timer.Stop()
 	for {
 		p.mu.Lock()
-		var pick *Wallet
+		var pick *wallet
 		if want != nil {
 			if w := p.byAddr[*want]; w.busy < p.MaxInFlight {
 				pick = w
@@ -130,7 +130,7 @@ func (p *WalletPool) Acquire(ctx context.Context, want *common.Address) (*Wallet
 		select {
 		case <-changed:
 		case <-timer.C:
-			return nil, ErrNoAvailableWallets
+			return nil, errNoAvailableWallets
 		case <-ctx.Done():
 			return nil, fmt.Errorf("waiting for a settlement wallet: %w", ctx.Err())
 		}
@@ -138,7 +138,7 @@ func (p *WalletPool) Acquire(ctx context.Context, want *common.Address) (*Wallet
 }
 
 // Release gives back a wallet taken with Acquire.
-func (p *WalletPool) Release(w *Wallet) {
+func (p *walletPool) Release(w *wallet) {
 	p.mu.Lock()
 	w.busy--
 	close(p.changed)

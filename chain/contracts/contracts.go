@@ -8,7 +8,6 @@ import (
 	"math/big"
 
 	"github.com/ethereum/go-ethereum/accounts/abi"
-	"github.com/ethereum/go-ethereum/accounts/abi/bind/v2"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
 )
@@ -34,8 +33,8 @@ const (
 	StableCoinDecimals = 6
 )
 
-// WitnessTypeString is the witness tail the proxy hands to Permit2.permitWitnessTransferFrom.
-const WitnessTypeString = "Witness witness)TokenPermissions(address token,uint256 amount)Witness(address to,uint256 validAfter)"
+// witnessTypeString is the witness tail the proxy hands to Permit2.permitWitnessTransferFrom.
+const witnessTypeString = "Witness witness)TokenPermissions(address token,uint256 amount)Witness(address to,uint256 validAfter)"
 
 var (
 	//go:embed build/StableCoin.abi.json
@@ -97,18 +96,14 @@ func mustHex(name, s string) []byte {
 // StableCoinCreationCode returns a copy of StableCoin's creation code (its constructor takes no arguments).
 func StableCoinCreationCode() []byte { return bytes.Clone(stableCoinCreation) }
 
-// StableCoinRuntimeCode returns a copy of StableCoin's runtime code as compiled; a deployed
-// instance differs from it in the immutables OpenZeppelin fills in at construction.
-func StableCoinRuntimeCode() []byte { return bytes.Clone(stableCoinRuntime) }
-
-// Permit2CreationCode returns a copy of Permit2's creation code.
-func Permit2CreationCode() []byte { return bytes.Clone(permit2Creation) }
+// permit2CreationCode returns a copy of Permit2's creation code.
+func permit2CreationCode() []byte { return bytes.Clone(permit2Creation) }
 
 // Permit2RuntimeCode returns a copy of Permit2's runtime code, the code placed at Permit2Address.
 func Permit2RuntimeCode() []byte { return bytes.Clone(permit2Runtime) }
 
-// ProxyCreationCode returns a copy of X402ExactPermit2Proxy's creation code.
-func ProxyCreationCode() []byte { return bytes.Clone(proxyCreation) }
+// proxyCreationCode returns a copy of X402ExactPermit2Proxy's creation code.
+func proxyCreationCode() []byte { return bytes.Clone(proxyCreation) }
 
 // ProxyRuntimeCode returns a copy of X402ExactPermit2Proxy's runtime code, the code placed at ProxyAddress.
 func ProxyRuntimeCode() []byte { return bytes.Clone(proxyRuntime) }
@@ -120,16 +115,6 @@ func GenesisAlloc() types.GenesisAlloc {
 		Permit2Address: {Code: Permit2RuntimeCode(), Nonce: 1, Balance: new(big.Int)},
 		ProxyAddress:   {Code: ProxyRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
 	}
-}
-
-// DeployStableCoin sends the creation transaction of a StableCoin owned by opts.From.
-// The caller waits for the receipt (or commits the simulated block).
-func DeployStableCoin(opts *bind.TransactOpts, backend bind.ContractBackend) (common.Address, *types.Transaction, error) {
-	addr, tx, err := bind.DeployContract(opts, StableCoinCreationCode(), backend, nil)
-	if err != nil {
-		return common.Address{}, nil, fmt.Errorf("deploying StableCoin from %s: %w", opts.From, err)
-	}
-	return addr, tx, nil
 }
 
 // TokenPermissions is Permit2's TokenPermissions(address token,uint256 amount).
@@ -192,7 +177,7 @@ func DecodeRevert(data []byte) (reason string, ok bool) {
 	}
 	var selector [4]byte
 	copy(selector[:], data[:4])
-	for _, parsed := range []*abi.ABI{&ProxyABI, &Permit2ABI, &StableCoinABI, &USDCoinABI, &DeployThenCallABI} {
+	for _, parsed := range []*abi.ABI{&ProxyABI, &Permit2ABI, &StableCoinABI, &USDCoinABI, &deployThenCallABI} {
 		e, err := parsed.ErrorByID(selector)
 		if err != nil {
 			continue

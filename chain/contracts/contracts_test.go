@@ -49,7 +49,7 @@ func TestSelectorsMatchTheWireFacts(t *testing.T) {
 }
 
 func TestWitnessTypeStringGivesTheTypehashesOfTheWireFacts(t *testing.T) {
-	full := "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline," + WitnessTypeString
+	full := "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline," + witnessTypeString
 	tests := []struct{ typ, want string }{
 		{full, "0xebc156cd23678a74c94df13d772ef5478420637f0c94bd10d509e1dc98f521c7"},
 		{"TokenPermissions(address token,uint256 amount)", "0x618358ac3db8dc274f0cd8829da7e234bd48cd73c4a740aede1adec9846d06a1"},
@@ -82,8 +82,8 @@ func TestCreationCodeEmbedsTheRuntimeCodeOfGenesisContracts(t *testing.T) {
 	// Without immutables the constructor copies the runtime code verbatim, which is
 	// what makes placing it into genesis equivalent to deploying it.
 	for name, pair := range map[string][2][]byte{
-		"Permit2": {Permit2CreationCode(), Permit2RuntimeCode()},
-		"Proxy":   {ProxyCreationCode(), ProxyRuntimeCode()},
+		"Permit2": {permit2CreationCode(), Permit2RuntimeCode()},
+		"Proxy":   {proxyCreationCode(), ProxyRuntimeCode()},
 	} {
 		if !bytes.Contains(pair[0], pair[1]) {
 			t.Errorf("%s creation code does not contain its runtime code", name)

@@ -6,9 +6,7 @@ import (
 	"math/big"
 
 	"github.com/ethereum/go-ethereum/accounts/abi"
-	"github.com/ethereum/go-ethereum/accounts/abi/bind/v2"
 	"github.com/ethereum/go-ethereum/common"
-	"github.com/ethereum/go-ethereum/core/types"
 )
 
 // Token metadata of USDCoin, the USDC-like token with EIP-3009, as x402 requirements carry it in extra.name /
@@ -27,8 +25,8 @@ const (
 // ERC1271MagicValue is what isValidSignature returns for a valid signature (its own selector).
 var ERC1271MagicValue = [4]byte{0x16, 0x26, 0xba, 0x7e}
 
-// ERC6492MagicSuffix ends every ERC-6492 signature: abi.encode(factory, factoryCalldata, signature) ++ suffix.
-var ERC6492MagicSuffix = common.FromHex("0x6492649264926492649264926492649264926492649264926492649264926492")
+// erc6492MagicSuffix ends every ERC-6492 signature: abi.encode(factory, factoryCalldata, signature) ++ suffix.
+var erc6492MagicSuffix = common.FromHex("0x6492649264926492649264926492649264926492649264926492649264926492")
 
 var (
 	//go:embed build/USDCoin.abi.json
@@ -56,8 +54,8 @@ var (
 	SmartWalletABI = mustABI("SmartWallet", smartWalletABIJSON)
 	// SmartWalletFactoryABI is the ABI of its CREATE2 factory (createAccount, accountAddress).
 	SmartWalletFactoryABI = mustABI("SmartWalletFactory", smartWalletFactoryABIJSON)
-	// DeployThenCallABI is the ABI of DeployThenCall: its constructor and WalletDeploymentFailed error.
-	DeployThenCallABI = mustABI("DeployThenCall", deployThenCallABIJSON)
+	// deployThenCallABI is the ABI of DeployThenCall: its constructor and WalletDeploymentFailed error.
+	deployThenCallABI = mustABI("DeployThenCall", deployThenCallABIJSON)
 
 	usdCoinCreation            = mustHex("USDCoin.bin", usdCoinBin)
 	smartWalletFactoryCreation = mustHex("SmartWalletFactory.bin", smartWalletFactoryBin)
@@ -72,15 +70,6 @@ func mustType(t string) abi.Type {
 		panic(fmt.Sprintf("contracts: abi type %s: %v", t, err))
 	}
 	return typ
-}
-
-// DeployUSDCoin sends the creation transaction of a USDCoin owned by opts.From.
-func DeployUSDCoin(opts *bind.TransactOpts, backend bind.ContractBackend) (common.Address, *types.Transaction, error) {
-	addr, tx, err := bind.DeployContract(opts, usdCoinCreation, backend, nil)
-	if err != nil {
-		return common.Address{}, nil, fmt.Errorf("deploying USDCoin from %s: %w", opts.From, err)
-	}
-	return addr, tx, nil
 }
 
 // USDCoinCreationCode returns a copy of USDCoin's creation code (its constructor takes no arguments).
@@ -100,7 +89,7 @@ func PackDeployThenCall(wallet, factory common.Address, factoryData []byte, call
 	for i, c := range calls {
 		targets[i], data[i] = c.To, c.Data
 	}
-	args, err := DeployThenCallABI.Pack("", wallet, factory, factoryData, targets, data)
+	args, err := deployThenCallABI.Pack("", wallet, factory, factoryData, targets, data)
 	if err != nil {
 		return nil, fmt.Errorf("packing DeployThenCall: %w", err)
 	}
@@ -138,15 +127,15 @@ func WrapERC6492(factory common.Address, factoryData, signature []byte) ([]byte,
 	if err != nil {
 		return nil, fmt.Errorf("packing an ERC-6492 signature: %w", err)
 	}
-	return append(enc, ERC6492MagicSuffix...), nil
+	return append(enc, erc6492MagicSuffix...), nil
 }
 
 // UnwrapERC6492 reads an ERC-6492 signature: the factory, its calldata and the inner signature. ok is false
 // when sig does not end with the magic suffix (it is then a plain signature); err when it does but the rest
 // is not abi.encode(address, bytes, bytes).
 func UnwrapERC6492(sig []byte) (factory common.Address, factoryData, inner []byte, ok bool, err error) {
-	n := len(ERC6492MagicSuffix)
-	if len(sig) < n || string(sig[len(sig)-n:]) != string(ERC6492MagicSuffix) {
+	n := len(erc6492MagicSuffix)
+	if len(sig) < n || string(sig[len(sig)-n:]) != string(erc6492MagicSuffix) {
 		return common.Address{}, nil, nil, false, nil
 	}
 	args := abi.Arguments{{Type: mustType("address")}, {Type: mustType("bytes")}, {Type: mustType("bytes")}}

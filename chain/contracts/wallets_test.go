@@ -48,7 +48,7 @@ func TestERC6492SignaturesRoundTrip(t *testing.T) {
 	if _, _, _, ok, err := UnwrapERC6492(inner); ok || err != nil {
 		t.Errorf("a plain signature read as ERC-6492 (ok %v, err %v)", ok, err)
 	}
-	bad := append(bytes.Repeat([]byte{0xff}, 40), ERC6492MagicSuffix...)
+	bad := append(bytes.Repeat([]byte{0xff}, 40), erc6492MagicSuffix...)
 	if _, _, _, ok, err := UnwrapERC6492(bad); !ok || err == nil {
 		t.Errorf("a malformed ERC-6492 signature gave ok %v, err %v; want ok and an error", ok, err)
 	}
@@ -63,10 +63,10 @@ func FuzzUnwrapERC6492(f *testing.F) {
 	}
 	f.Add(wrapped)
 	f.Add(bytes.Repeat([]byte{1}, 65))
-	f.Add(append([]byte{0xff}, ERC6492MagicSuffix...))
+	f.Add(append([]byte{0xff}, erc6492MagicSuffix...))
 	f.Fuzz(func(t *testing.T, sig []byte) {
 		factory, data, inner, ok, err := UnwrapERC6492(sig)
-		if !bytes.HasSuffix(sig, ERC6492MagicSuffix) {
+		if !bytes.HasSuffix(sig, erc6492MagicSuffix) {
 			if ok || err != nil {
 				t.Fatalf("a signature without the suffix read as ERC-6492 (ok %v, err %v)", ok, err)
 			}

@@ -87,7 +87,7 @@ func OpenBolt(path string, opts Options) (*BoltStore, error) {
 	}
 	timeout := opts.OpenTimeout
 	if timeout <= 0 {
-		timeout = DefaultOpenTimeout
+		timeout = defaultOpenTimeout
 	}
 	db, err := openBoltFile(path, timeout)
 	if errors.Is(err, bolterrors.ErrTimeout) {

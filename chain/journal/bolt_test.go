@@ -259,7 +259,7 @@ func TestBoltKeepsCommittedRecordsAcrossKills(t *testing.T) {
 			step, idText, _ := strings.Cut(line, " ")
 			switch step {
 			case "claimed", "releasing", "released", "broadcast", "final":
-				id, err := ParseID(idText)
+				id, err := parseID(idText)
 				if err != nil {
 					t.Fatalf("round %d: helper wrote %q: %v", round, line, err)
 				}

@@ -93,8 +93,8 @@ func plainDecimal(s string) bool {
 	return true
 }
 
-// ParseID reads an id written by ID.String: 64 hex digits, with or without a 0x prefix.
-func ParseID(s string) (ID, error) {
+// parseID reads an id written by ID.String: 64 hex digits, with or without a 0x prefix.
+func parseID(s string) (ID, error) {
 	var id ID
 	raw := s
 	if len(raw) >= 2 && raw[0] == '0' && (raw[1] == 'x' || raw[1] == 'X') {
@@ -120,7 +120,7 @@ func (id ID) MarshalText() ([]byte, error) { return []byte(id.String()), nil }
 
 // UnmarshalText reads what MarshalText wrote.
 func (id *ID) UnmarshalText(b []byte) error {
-	parsed, err := ParseID(string(b))
+	parsed, err := parseID(string(b))
 	if err != nil {
 		return err
 	}

@@ -77,9 +77,9 @@ func TestIDStringRoundTripsThroughParseIDAndText(t *testing.T) {
 		t.Fatalf("String = %q, want 0x and 64 hex digits", s)
 	}
 	for _, in := range []string{s, s[2:], strings.ToUpper(s[2:])} {
-		got, err := ParseID(in)
+		got, err := parseID(in)
 		if err != nil || got != id {
-			t.Fatalf("ParseID(%q) = %s, %v; want %s", in, got, err, id)
+			t.Fatalf("parseID(%q) = %s, %v; want %s", in, got, err, id)
 		}
 	}
 	text, _ := id.MarshalText()
@@ -93,8 +93,8 @@ func TestParseIDRefusesWhatIsNotAnID(t *testing.T) {
 	// Two prefixes were read as one (FuzzParseID's grammar check, seeded with them).
 	for _, in := range []string{"", "0x", "0x1234", strings.Repeat("z", 64), "0x" + strings.Repeat("a", 66), "0x0X" + strings.Repeat("a", 64),
 		"0x0x" + strings.Repeat("a", 62)} {
-		if _, err := ParseID(in); err == nil {
-			t.Errorf("ParseID(%q) succeeded, want an error", in)
+		if _, err := parseID(in); err == nil {
+			t.Errorf("parseID(%q) succeeded, want an error", in)
 		}
 	}
 }
@@ -117,11 +117,11 @@ func FuzzCanonicalNonceShortcutMatchesTheFullParse(f *testing.F) {
 	})
 }
 
-// idGrammar is what ParseID documents it reads, written independently of it: 64 hex digits, with or without one
+// idGrammar is what parseID documents it reads, written independently of it: 64 hex digits, with or without one
 // 0x prefix.
 var idGrammar = regexp.MustCompile(`^(0[xX])?[0-9a-fA-F]{64}$`)
 
-// ParseID reads exactly the spellings of an id it documents and no other, and what it reads is written back by
+// parseID reads exactly the spellings of an id it documents and no other, and what it reads is written back by
 // String and read again as the same id.
 func FuzzParseID(f *testing.F) {
 	id := PaymentID(testNetwork, "permit2", testAsset, testPayer, "7")
@@ -130,18 +130,18 @@ func FuzzParseID(f *testing.F) {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, s string) {
-		got, err := ParseID(s)
+		got, err := parseID(s)
 		if (err == nil) != idGrammar.MatchString(s) {
-			t.Fatalf("ParseID(%q) = %s, %v; want it to succeed exactly for 64 hex digits after an optional 0x", s, got, err)
+			t.Fatalf("parseID(%q) = %s, %v; want it to succeed exactly for 64 hex digits after an optional 0x", s, got, err)
 		}
 		if err != nil {
 			if got != (ID{}) || !strings.Contains(err.Error(), "journal id") {
-				t.Fatalf("ParseID(%q) = %s, %v; want the zero id and an error naming a journal id", s, got, err)
+				t.Fatalf("parseID(%q) = %s, %v; want the zero id and an error naming a journal id", s, got, err)
 			}
 			return
 		}
 		if want := "0x" + strings.ToLower(s[len(s)-64:]); got.String() != want {
-			t.Fatalf("ParseID(%q).String() = %s, want %s", s, got, want)
+			t.Fatalf("parseID(%q).String() = %s, want %s", s, got, want)
 		}
 		var back ID
 		text, _ := got.MarshalText()

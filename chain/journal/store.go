@@ -86,15 +86,15 @@ var (
 	ErrDamaged = errors.New("journal: file is damaged")
 )
 
-// DefaultOpenTimeout is how long OpenBolt waits for the file lock when Options.OpenTimeout is unset.
-const DefaultOpenTimeout = time.Second
+// defaultOpenTimeout is how long OpenBolt waits for the file lock when Options.OpenTimeout is unset.
+const defaultOpenTimeout = time.Second
 
 // Options configure a store.
 type Options struct {
 	// Clock gives the time stamped on records (ClaimedAt, UpdatedAt, FinalAt); nil means time.Now.
 	Clock func() time.Time
 	// OpenTimeout bounds the wait for the file lock of OpenBolt, which then fails with ErrLocked rather than
-	// hang behind another process; zero or less means DefaultOpenTimeout.
+	// hang behind another process; zero or less means one second (defaultOpenTimeout).
 	OpenTimeout time.Duration
 }
 
