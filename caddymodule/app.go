@@ -285,19 +285,10 @@ func (a *App) networkIDs() []string {
 	return ids
 }
 
-// onStart registers a handler's start hook, run by Start once the engine and the journal are up (at once, when
-// the app has started already).
-func (a *App) onStart(start func() error) error {
-	select {
-	case <-a.ready:
-		if a.startErr != nil {
-			return a.startErr
-		}
-		return start()
-	default:
-	}
+// onStart registers a handler's start hook, run by Start once the engine and the journal are up. Handlers are
+// provisioned before their config's apps start, so every hook is registered by then.
+func (a *App) onStart(start func() error) {
 	a.starters = append(a.starters, start)
-	return nil
 }
 
 // awaitStart waits until Start has run, for a request that arrives before it: Caddy starts its apps in no

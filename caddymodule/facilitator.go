@@ -169,7 +169,8 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 	if h.server, err = facilitatorserver.New(startedEngine{h}, opts); err != nil {
 		return err
 	}
-	return app.onStart(func() error { return h.start(app) })
+	app.onStart(func() error { return h.start(app) })
+	return nil
 }
 
 // start takes up the embedded engine once the x402 app runs.

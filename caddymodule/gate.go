@@ -200,12 +200,13 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 		return err
 	}
 	g.app = app
-	return app.onStart(func() error {
+	app.onStart(func() error {
 		if err := g.start(app); err != nil {
 			return fmt.Errorf("starting the x402 gate: %w", err)
 		}
 		return nil
 	})
+	return nil
 }
 
 // start makes the gate once the x402 app runs, with the embedded engine or the remote facilitator and the
