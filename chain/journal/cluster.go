@@ -1,0 +1,94 @@
+package journal
+
+import (
+	"context"
+	"errors"
+	"math/big"
+	"time"
+)
+
+// Cluster is what a store shared by several processes at once adds to Store (the PostgreSQL store): which of
+// them are alive, which one is working on a payment right now, which one holds each settlement wallet, and
+// what every one of them holds against a payer's funds. A store one process holds alone (bbolt, memory) does not
+// implement it: the engine and the gate keep those things in memory then.
+//
+// Every method is safe for concurrent use. Times that decide between processes (lease expiry, heartbeats)
+// are the database's, never a process's own clock, so processes whose clocks disagree still agree on them.
+type Cluster interface {
+	Store
+
+	// Instance is this process's owner token in the store, unique to this open of it and kept alive by a
+	// heartbeat while the store is open. Records this process claims carry it as their Owner.
+	Instance() string
+	// Alive reports whether the instance owner has a current heartbeat: it has not closed its store and has
+	// not missed heartbeats for the instance TTL. This instance is always alive.
+	Alive(ctx context.Context, owner string) (bool, error)
+	// Instances counts the live instances, this one included.
+	Instances(ctx context.Context) (int, error)
+
+	// Busy marks payment id as being worked on by this instance and returns true; it returns false, changing
+	// nothing, when another live instance has marked it. A mark left by a dead instance is taken over. Marking
+	// a payment this instance has marked already returns true.
+	Busy(ctx context.Context, id ID) (bool, error)
+	// Idle removes this instance's mark of id; another instance's mark is left alone.
+	Idle(ctx context.Context, id ID) error
+
+	// Lease takes or renews the lease called name for this instance for ttl of the database's time, and
+	// returns the lease as it stands afterwards. Held says this instance holds it; otherwise Owner is the live
+	// instance that does, and nothing changed. A lease that was free, past its expiry, or held by a dead
+	// instance is taken over, and every takeover bumps Fence; a renewal by the holder keeps it.
+	Lease(ctx context.Context, name string, ttl time.Duration) (Lease, error)
+	// Unlease gives up this instance's lease of name; a lease held by another is left alone. The fence stays,
+	// so the next holder's fence is higher than any before it.
+	Unlease(ctx context.Context, name string) error
+
+	// Hold holds h against the funds of h.Key when they cover it beside every other hold of that key, and
+	// reports whether h is held (true too when h.ID was held already) and what the key's funds cover beside the
+	// holds (avail less the other holds). avail is what the caller read the payer can pay at block readBlock
+	// (the lesser of balance and allowance); holds whose settlement was mined at or before readBlock, and
+	// holds never seen mined whose Deadline is before chainTime, no longer count and are deleted. With take
+	// false nothing is written: Hold only answers whether h would be covered.
+	Hold(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, take bool) (ok bool, left *big.Int, err error)
+	// HoldMined records that the settlement of the held payment id was mined in block.
+	HoldMined(ctx context.Context, id ID, block uint64) error
+	// Unhold deletes the hold of id (its payment will not move tokens); deleting an absent hold is a no-op.
+	Unhold(ctx context.Context, id ID) error
+	// HoldsOf lists the live holds of key, for a caller that must look at them (a sponsor permit's nonce).
+	HoldsOf(ctx context.Context, key string) ([]Hold, error)
+}
+
+// Lease is a named lease as a Cluster store holds it.
+type Lease struct {
+	Name  string
+	Owner string // the instance holding it; "" when nobody does
+	// Fence is bumped on every change of holder: whatever a holder writes under its lease can carry it, and
+	// a write fenced by a lower number comes from a holder that has lost it.
+	Fence uint64
+	// Expires is when the lease lapses unless renewed, by the database's clock.
+	Expires time.Time
+	// Held says this instance holds the lease (Owner is Instance()).
+	Held bool
+	// Took says this call took the lease over (it was free, expired or a dead instance's): its holder must
+	// treat whatever it remembered of the leased thing as stale.
+	Took bool
+}
+
+// Hold is one payment held against a payer's funds until its settlement shows on chain.
+type Hold struct {
+	ID ID
+	// Key names whose funds: network, token and payer, as the caller spells them.
+	Key    string
+	Amount *big.Int
+	// Deadline is the chain time after which the payment can no longer be mined.
+	Deadline uint64
+	// Mined is the block its settlement was mined in; 0 until known.
+	Mined uint64
+	// PermitNonce is the token nonce of the sponsor permit its settlement applies; nil when none.
+	PermitNonce *big.Int
+}
+
+// ErrUnavailable marks a failure to reach a shared store's database (connection refused or lost, a timeout):
+// nothing was written, except that a connection lost while a write commits leaves that write's fate unknown. Every
+// write of the journal is safe to repeat (a repeated Claim returns the first one's record), so a caller may
+// try again once the database answers.
+var ErrUnavailable = errors.New("journal: database unavailable")
