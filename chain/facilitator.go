@@ -112,6 +112,10 @@ type Config struct {
 	// ReconcileGrace is how long a broadcast settlement is left to its own caller before the background pass
 	// looks at it (default 3s).
 	ReconcileGrace time.Duration
+	// WalletLeaseTTL is how long a settlement wallet's lease lasts unless renewed, with a journal several
+	// processes share (a journal.Cluster; see lease.go): a dead process's wallets pass to the living this long
+	// after its last renewal (default 15s).
+	WalletLeaseTTL time.Duration
 }
 
 // Facilitator is the embedded x402 facilitator: it verifies and settles `exact` payments on the configured EVM
@@ -132,6 +136,11 @@ type Facilitator struct {
 
 	holesMu sync.Mutex
 	holes   map[common.Address]holeSighting // per settlement wallet, the nonce hole reconciliation last saw
+
+	// cluster is the journal when several processes share it; leases then keeps this process's wallet leases.
+	// Both are nil with a journal of one process.
+	cluster journal.Cluster
+	leases  *leaser
 
 	stop   chan struct{}
 	wg     sync.WaitGroup
@@ -220,6 +229,15 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 		f.journal = journal.NewMemory(journal.Options{Clock: f.now})
 	}
 	f.owner = cfg.Owner
+	if c, ok := f.journal.(journal.Cluster); ok {
+		// Records carry the instance token the store keeps alive, so the other processes can tell a live
+		// claimant from a dead one.
+		f.cluster, f.owner = c, c.Instance()
+		f.leases = &leaser{cluster: c, ttl: cfg.WalletLeaseTTL, log: f.log, now: time.Now}
+		if f.leases.ttl <= 0 {
+			f.leases.ttl = defaultWalletLeaseTTL
+		}
+	}
 	if f.owner == "" {
 		var tok [8]byte
 		_, _ = rand.Read(tok[:])
@@ -239,7 +257,18 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 		f.networks[n.caip2] = n
 		f.order = append(f.order, n.caip2)
 	}
+	if f.leases != nil {
+		for _, id := range f.order {
+			f.networks[id].pool.leasing = true
+			if err := f.leasePass(ctx, f.networks[id]); err != nil {
+				return nil, fmt.Errorf("network %s: taking settlement wallet leases: %w", id, err)
+			}
+		}
+		f.wg.Add(1)
+		go f.leaseLoop()
+	}
 	if err := f.reconcile(ctx, true); err != nil {
+		f.Close()
 		return nil, fmt.Errorf("reconciling the settlement journal with the chain: %w", err)
 	}
 	every := cfg.ReconcileEvery
@@ -321,6 +350,9 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		fundsTTL = 0
 	}
 	n.funds = newFunds(fundsTTL, f.now)
+	if f.cluster != nil {
+		n.funds.shared, n.funds.network = f.cluster, n.caip2
+	}
 	if n.terms, err = newPaymentTerms(nc); err != nil {
 		return nil, err
 	}

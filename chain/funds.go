@@ -1,6 +1,7 @@
 package chain
 
 import (
+	"context"
 	"math/big"
 	"sync"
 	"time"
@@ -23,9 +24,18 @@ import (
 // pay. And a fresh read (younger than ttl) answers the balance and allowance checks of later payments of the
 // same payer without asking the chain: a verification then needs no chain call at all. Only positive answers
 // come from the cache; a payment it does not cover is checked against the chain afresh.
+//
+// With a journal several processes share (a journal.Cluster), the holds are the journal's, so that what one
+// process holds against a payer every process counts (see check): two gates cannot together serve a payer more
+// than the payer can pay. Reads stay each process's own.
 type funds struct {
 	ttl time.Duration // how long a read answers for; 0: every verification reads the chain
 	now func() time.Time
+
+	// shared keeps the holds when several processes share the journal; network names this engine's network in
+	// the holds' keys.
+	shared  journal.Cluster
+	network string
 
 	mu     sync.Mutex
 	payers map[fundsKey]*payerFunds
@@ -135,6 +145,9 @@ func (fs *funds) permitHeld(p *payment) bool {
 // of a one-off payer's funds would cost three chain calls and never answer for a later payment). p is then held
 // (with take) without a read. A repeat payer is worth the read, which answers the payer's next payments.
 func (fs *funds) simulationSuffices(p *payment, take bool) bool {
+	if fs.shared != nil {
+		return false // whether other processes hold anything against the payer, only a read and the journal say
+	}
 	key := fundsKey{p.asset.Address, p.payer}
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
@@ -235,4 +248,101 @@ func (fs *funds) sweep() {
 			delete(fs.payers, key)
 		}
 	}
+}
+
+// sharedHoldTimeout bounds a write of the shared holds made outside a caller's context (mined, drop).
+const sharedHoldTimeout = 5 * time.Second
+
+// holdKey names whose funds a payment is held against in the shared holds.
+func (fs *funds) holdKey(p *payment) string {
+	return fs.network + ":" + p.asset.Address.Hex() + ":" + p.payer.Hex()
+}
+
+// check is cover for every kind of journal: with shared holds, the journal answers what the other payments of
+// the payer hold (and holds p, with take); an error says the journal could not be asked.
+func (fs *funds) check(ctx context.Context, p *payment, chainTime uint64, r *fundsRead, take bool) (ok, known bool, avail *big.Int, err error) {
+	if fs.shared == nil {
+		ok, known, avail = fs.cover(p, chainTime, r, take)
+		return ok, known, avail, nil
+	}
+	key := fundsKey{p.asset.Address, p.payer}
+	fs.mu.Lock()
+	pf := fs.payers[key]
+	if r != nil {
+		pf = fs.payer(key)
+		if r.block >= pf.read.block {
+			pf.read, pf.readAt = *r, fs.now()
+		}
+	}
+	if pf == nil || pf.read.block == 0 || (r == nil && fs.now().Sub(pf.readAt) >= fs.ttl) {
+		fs.mu.Unlock()
+		return false, false, nil, nil
+	}
+	read := pf.read
+	fs.mu.Unlock()
+	limit := read.allowance
+	switch {
+	case p.method != x402.TransferPermit2:
+		limit = read.balance
+	case p.sponsor != nil:
+		limit = p.sponsor.permit.Value
+	}
+	if read.balance.Cmp(limit) < 0 {
+		limit = read.balance
+	}
+	h := journal.Hold{ID: p.id, Key: fs.holdKey(p), Amount: p.amount, Deadline: deadlineUint(p)}
+	if p.sponsor != nil {
+		h.PermitNonce = p.sponsor.permit.Nonce
+	}
+	ok, avail, err = fs.shared.Hold(ctx, h, limit, read.block, chainTime, take)
+	return ok, true, avail, err
+}
+
+// deadlineUint is p's deadline as chain time, the largest one when it does not fit.
+func deadlineUint(p *payment) uint64 {
+	d := p.deadlineValue()
+	if !d.IsUint64() {
+		return ^uint64(0)
+	}
+	return d.Uint64()
+}
+
+// permitInUse is permitHeld for every kind of journal.
+func (fs *funds) permitInUse(ctx context.Context, p *payment) (bool, error) {
+	if fs.shared == nil || p.sponsor == nil {
+		return fs.permitHeld(p), nil
+	}
+	holds, err := fs.shared.HoldsOf(ctx, fs.holdKey(p))
+	if err != nil {
+		return false, err
+	}
+	for _, h := range holds {
+		if h.ID != p.id && h.PermitNonce != nil && h.PermitNonce.Cmp(p.sponsor.permit.Nonce) == 0 {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+// sawMined is mined for every kind of journal.
+func (fs *funds) sawMined(id journal.ID, block uint64) {
+	if fs.shared == nil {
+		fs.mined(id, block)
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), sharedHoldTimeout)
+	defer cancel()
+	// A failure leaves the hold counted until its deadline: it errs on refusing, never on serving unpaid.
+	_ = fs.shared.HoldMined(ctx, id, block)
+}
+
+// let is drop for every kind of journal.
+func (fs *funds) let(id journal.ID) {
+	if fs.shared == nil {
+		fs.drop(id)
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), sharedHoldTimeout)
+	defer cancel()
+	_ = fs.shared.Unhold(ctx, id)
 }

@@ -34,6 +34,8 @@ func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
 		}
 	}()
 	for _, rec := range recs {
+		look := startup // every record, grace or not
+		tookOver := false
 		n := f.networks[rec.Network]
 		if n == nil || !f.isSettlementRecord(rec) {
 			continue // another network's, or another user's of the journal (a gate's record of serving)
@@ -41,12 +43,25 @@ func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
 		if rec.State == journal.StateBroadcast {
 			held = append(held, rec)
 		}
-		if !startup && (f.isSending(rec.ID) || f.now().Sub(rec.UpdatedAt) < f.grace) {
+		if f.cluster != nil && rec.Owner != f.owner {
+			// A journal several processes share: a live process reconciles its own settlements, and a dead one's
+			// are taken over by whichever process gets to them first.
+			mine, err := f.takeOver(ctx, rec)
+			if err != nil {
+				return err
+			}
+			if !mine {
+				continue
+			}
+			rec.Owner, tookOver = f.owner, true
+			look = true // nobody is working on it: no grace to wait out
+		}
+		if !look && (f.isSending(rec.ID) || f.now().Sub(rec.UpdatedAt) < f.grace) {
 			continue
 		}
 		switch rec.State {
 		case journal.StateClaimed:
-			if rec.Owner != f.owner {
+			if rec.Owner != f.owner || tookOver {
 				if err := f.journal.Release(ctx, rec.ID); err != nil && !errors.Is(err, journal.ErrNotReleasable) {
 					return err
 				}
@@ -148,6 +163,9 @@ func (f *Facilitator) bumpFees(ctx context.Context, n *network, rec journal.Reco
 	w := n.pool.byAddr[common.HexToAddress(rec.Wallet)]
 	if w == nil {
 		return fmt.Errorf("payment %s: wallet %s is not in this facilitator's pool; cannot replace its transaction", rec.ID, rec.Wallet)
+	}
+	if !n.pool.maySign(w) {
+		return nil // another instance holds the wallet's lease: it is the one that may sign a replacement
 	}
 	raws := append(append([][]byte{}, rec.PriorRawTxs...), rec.RawTx)
 	for i, raw := range raws {
@@ -270,6 +288,35 @@ func (f *Facilitator) isSettlementRecord(rec journal.Record) bool {
 	return ref == nil && p.id == rec.ID
 }
 
+// takeOver makes a settlement record of another process this process's, when that process is dead: its claim is
+// released, and its broadcast transactions are finished, by this one. mine false: the owner is alive (it
+// reconciles the record itself), or another process took the record over first.
+func (f *Facilitator) takeOver(ctx context.Context, rec journal.Record) (mine bool, _ error) {
+	alive, err := f.cluster.Alive(ctx, rec.Owner)
+	if err != nil || alive {
+		return false, err
+	}
+	_, err = f.journal.Update(ctx, rec.ID, func(r *journal.Record) error {
+		if r.Owner != rec.Owner {
+			return errTakenOver
+		}
+		r.Owner = f.owner
+		return nil
+	})
+	switch {
+	case err == nil:
+		f.log.Info("took over a settlement of an instance that is gone", zap.String("payment", rec.ID.String()),
+			zap.String("state", string(rec.State)), zap.String("tx", rec.TxHash))
+		return true, nil
+	case errors.Is(err, errTakenOver), errors.Is(err, journal.ErrNotFound):
+		return false, nil
+	}
+	return false, err
+}
+
+// errTakenOver: another process took a dead process's record over first.
+var errTakenOver = errors.New("another instance took the record over")
+
 func (f *Facilitator) isSending(id journal.ID) bool {
 	f.flightMu.Lock()
 	defer f.flightMu.Unlock()
@@ -359,7 +406,7 @@ func (f *Facilitator) fillNonceHoles(ctx context.Context, looked, held []journal
 	}
 	for k, first := range lowest {
 		w := k.net.pool.byAddr[k.wallet]
-		if w == nil {
+		if !k.net.pool.maySign(w) {
 			continue // another process's wallet: it fills its own holes
 		}
 		next, err := k.net.backend.PendingNonceAt(ctx, k.wallet)

@@ -101,7 +101,7 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 	}
 	resp, keep, err := f.broadcastAndWait(ctx, p)
 	if !keep {
-		p.net.funds.drop(p.id)
+		p.net.funds.let(p.id)
 		// Nothing left the process: the payer may try again (after topping up, say).
 		if relErr := f.journal.Release(context.WithoutCancel(ctx), p.id); relErr != nil {
 			f.log.Error("releasing a settlement claim that sent nothing", zap.String("payment", p.id.String()), zap.Error(relErr))
@@ -300,9 +300,9 @@ func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, r
 		f.log.Error("recording a final settlement", zap.String("tx", receipt.TxHash.Hex()), zap.Error(err))
 	}
 	if resp.Success {
-		n.funds.mined(id, receipt.BlockNumber.Uint64())
+		n.funds.sawMined(id, receipt.BlockNumber.Uint64())
 	} else {
-		n.funds.drop(id)
+		n.funds.let(id)
 	}
 	f.log.Info("settlement final", zap.String("network", n.caip2), zap.String("payer", payer), zap.String("amount", amount),
 		zap.String("tx", receipt.TxHash.Hex()), zap.Bool("success", resp.Success), zap.Uint64("block", receipt.BlockNumber.Uint64()))

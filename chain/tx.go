@@ -130,7 +130,7 @@ func (s *sender) send(ctx context.Context, w *wallet, calls []contractCall, reco
 			if err != nil {
 				return nil, fmt.Errorf("pending nonce of %s: %w", w.Address.Hex(), err)
 			}
-			w.nonce, w.synced = n, true
+			w.nonce, w.synced = max(n, w.floor), true
 		}
 		txs := make([]*types.Transaction, len(calls))
 		for i, c := range calls {

@@ -155,7 +155,7 @@ func (f *Facilitator) VerifyAndHold(ctx context.Context, req x402.VerifyRequest)
 // Release lets go of the hold VerifyAndHold placed on a payment that is not going to be settled.
 func (f *Facilitator) Release(req x402.VerifyRequest) {
 	if p, ref := f.parse(req); ref == nil {
-		p.net.funds.drop(p.id)
+		p.net.funds.let(p.id)
 	}
 }
 
@@ -206,14 +206,17 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 	// the payment, the permit is not applied (see checkChain). Whether the permit would apply, the chain says.
 	sponsor := p.sponsor
 	p.sponsor = nil
-	ok, _, _ := p.net.funds.cover(p, p.head.Time, nil, use == fundsHold)
+	ok, _, _, err := p.net.funds.check(ctx, p, p.head.Time, nil, use == fundsHold)
+	if err != nil {
+		ok = false // the full checks ask again, and report the journal's failure
+	}
 	if ok {
 		// The read knows the payer's funds, not its nonces: a nonce spent elsewhere (the payer's own
 		// invalidateUnorderedNonces, another facilitator, a settlement whose record was pruned) is asked of the
 		// chain every time, one call. Spent, or not known, the full checks below name the reason.
 		if used, err := p.permit2NonceUsed(ctx); err != nil || used {
 			if use == fundsHold {
-				p.net.funds.drop(p.id)
+				p.net.funds.let(p.id)
 			}
 			ok = false
 		}
@@ -677,11 +680,15 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 		return nil, nil
 	}
 	if use == fundsSettle && n.funds.ttl > 0 {
-		if ok, _, _ := n.funds.cover(p, p.head.Time, nil, take); ok {
+		if ok, _, _, err := n.funds.check(ctx, p, p.head.Time, nil, take); err != nil {
+			return nil, err
+		} else if ok {
 			return nil, nil
 		}
 	}
-	if n.funds.permitHeld(p) {
+	if held, err := n.funds.permitInUse(ctx, p); err != nil {
+		return nil, err
+	} else if held {
 		return p.permitInFlight(), nil
 	}
 	// The head checkTime used may be a cached one older than the state the simulation just saw: read at the
@@ -695,11 +702,18 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 	if err != nil {
 		return nil, err
 	}
-	ok, _, left := n.funds.cover(p, head.Time, &fundsRead{block: block.Uint64(), balance: balance, allowance: allowance}, take)
+	ok, _, left, err := n.funds.check(ctx, p, head.Time, &fundsRead{block: block.Uint64(), balance: balance, allowance: allowance}, take)
+	if err != nil {
+		return nil, err
+	}
+	permitHeld, err := n.funds.permitInUse(ctx, p)
+	if err != nil {
+		return nil, err
+	}
 	switch {
 	case ok:
 		return nil, nil
-	case n.funds.permitHeld(p):
+	case permitHeld:
 		// Held meanwhile by a concurrent payment with the same permit.
 		return p.permitInFlight(), nil
 	case p.method == x402.TransferEIP3009:

@@ -23,11 +23,21 @@ type wallet struct {
 	key     *ecdsa.PrivateKey
 	Address common.Address
 
-	mu     sync.Mutex // guards nonce and synced; held while signing and sending
+	mu     sync.Mutex // guards nonce, synced and floor; held while signing and sending
 	nonce  uint64
 	synced bool
+	// floor is the lowest nonce the next send may use whatever the node says: one past the highest nonce the
+	// journal records for the wallet when this process took the wallet over (see leases), so a node that lost
+	// an earlier holder's transactions cannot have them signed over.
+	floor uint64
 
 	busy int // settlements holding this wallet; guarded by the pool's mutex
+	// With a shared journal (see leases), whether this process holds the wallet's lease, until when (by this
+	// process's clock) it may sign with it, and draining: the lease is being given up, so the wallet takes no
+	// new settlement. Guarded by the pool's mutex.
+	leased     bool
+	validUntil time.Time
+	draining   bool
 }
 
 // newWallet wraps a private key. The key never leaves the wallet, and the wallet's String shows only the address.
@@ -48,6 +58,11 @@ type walletPool struct {
 	// Wait bounds how long Acquire waits for a wallet to free up.
 	Wait time.Duration
 
+	// leasing: wallets are shared with other processes through leases, and only a wallet this process holds
+	// the lease of (see usable) is handed out.
+	leasing bool
+	now     func() time.Time
+
 	mu      sync.Mutex
 	changed chan struct{} // closed and replaced whenever a wallet is released
 }
@@ -57,7 +72,7 @@ func newWalletPool(keys []*ecdsa.PrivateKey) (*walletPool, error) {
 	if len(keys) == 0 {
 		return nil, errors.New("a wallet pool needs at least one settlement key")
 	}
-	p := &walletPool{byAddr: map[common.Address]*wallet{}, MaxInFlight: 64, Wait: 2 * time.Second, changed: make(chan struct{})}
+	p := &walletPool{byAddr: map[common.Address]*wallet{}, MaxInFlight: 64, Wait: 2 * time.Second, changed: make(chan struct{}), now: time.Now}
 	for _, k := range keys {
 		w := newWallet(k)
 		if _, dup := p.byAddr[w.Address]; dup {
@@ -109,13 +124,14 @@ func (p *walletPool) Acquire(ctx context.Context, want *common.Address) (*wallet
 	for {
 		p.mu.Lock()
 		var pick *wallet
+		now := p.now()
 		if want != nil {
-			if w := p.byAddr[*want]; w.busy < p.MaxInFlight {
+			if w := p.byAddr[*want]; w.busy < p.MaxInFlight && p.usable(w, now) {
 				pick = w
 			}
 		} else {
 			for _, w := range p.wallets {
-				if w.busy < p.MaxInFlight && (pick == nil || w.busy < pick.busy) {
+				if w.busy < p.MaxInFlight && p.usable(w, now) && (pick == nil || w.busy < pick.busy) {
 					pick = w
 				}
 			}
@@ -141,9 +157,31 @@ func (p *walletPool) Acquire(ctx context.Context, want *common.Address) (*wallet
 func (p *walletPool) Release(w *wallet) {
 	p.mu.Lock()
 	w.busy--
+	p.changedLocked()
+	p.mu.Unlock()
+}
+
+// changedLocked wakes the callers waiting in Acquire. Called with mu held.
+func (p *walletPool) changedLocked() {
 	close(p.changed)
 	p.changed = make(chan struct{})
-	p.mu.Unlock()
+}
+
+// usable reports whether a new settlement may take w: always without leasing; with it, only while this process
+// holds w's lease and is not giving it up. Called with mu held.
+func (p *walletPool) usable(w *wallet, now time.Time) bool {
+	return !p.leasing || (w.leased && !w.draining && now.Before(w.validUntil))
+}
+
+// maySign reports whether this process may sign with w outside a settlement (a nonce hole, a fee bump): it is one
+// of the pool's wallets and, with leasing, this process holds its lease.
+func (p *walletPool) maySign(w *wallet) bool {
+	if w == nil {
+		return false
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return !p.leasing || (w.leased && p.now().Before(w.validUntil))
 }
 
 // ParsePrivateKeys reads settlement keys from a comma, space or newline separated list of hex keys (0x optional).

@@ -30,7 +30,8 @@ var ledgers = struct {
 //
 // The journal makes each payment buy one response: a payment is served only after its gate record says so,
 // and a record that says so is never served again. The in-flight set covers the time before that record
-// exists; the journal file is locked to one process, so an in-memory set is enough.
+// exists. A journal file is locked to one process, so an in-memory set is enough for it; a journal several
+// processes share (a journal.Cluster) keeps the in-flight marks itself, beside this set (see acquire).
 type Ledger struct {
 	store journal.Store
 	owner string
@@ -55,8 +56,8 @@ type Ledger struct {
 	// at a time (see serveFirst).
 	debts  map[string]*payerDebt
 	owedBy map[journal.ID]string
-	// pruning: the prune loop runs (see pruneLoop).
-	pruning bool
+	// pruning: the prune loop runs (see pruneLoop); adopting: the adopt loop does (see adoptLoop).
+	pruning, adopting bool
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -100,6 +101,11 @@ func joinLedger(store journal.Store, owner string, log *zap.Logger) *Ledger {
 	if l := ledgers.m[store]; l != nil {
 		l.refs++
 		return l
+	}
+	if c, ok := store.(journal.Cluster); ok {
+		// Records carry the instance token the store keeps alive, so other processes can tell whether the
+		// process that served an async payment is still there to settle it.
+		owner = c.Instance()
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	l := &Ledger{
@@ -187,19 +193,44 @@ func (l *Ledger) unregister(g *Gate) {
 	l.gates = slices.DeleteFunc(l.gates, func(x *Gate) bool { return x == g })
 }
 
-// acquire marks a payment as being worked on by a request; false means another request has it.
-func (l *Ledger) acquire(id journal.ID) bool {
+// acquire marks a payment as being worked on by a request; false means another request has it. With a journal
+// several processes share (a journal.Cluster), the mark is the journal's too, so that a request of another
+// process presenting the same payment is turned away as one of this process would be; an error says the journal
+// could not be asked, and nothing is marked.
+func (l *Ledger) acquire(ctx context.Context, id journal.ID) (bool, error) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
 	if _, busy := l.inflight[id]; busy {
-		return false
+		l.mu.Unlock()
+		return false, nil
 	}
 	l.inflight[id] = struct{}{}
 	l.users.add(1)
-	return true
+	l.mu.Unlock()
+	if c, ok := l.store.(journal.Cluster); ok {
+		mine, err := c.Busy(ctx, id)
+		if err != nil || !mine {
+			l.forget(id)
+			return false, err
+		}
+	}
+	return true, nil
 }
 
+// release lets go of a payment acquire marked.
 func (l *Ledger) release(id journal.ID) {
+	if c, ok := l.store.(journal.Cluster); ok {
+		// A mark left behind (the journal could not be reached) is another process's to take over once this
+		// one is gone; until then, a request elsewhere presenting the payment is told to wait.
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		if err := c.Idle(ctx, id); err != nil {
+			l.log.Warn("clearing the journal's in-flight mark of a payment", zap.String("payment", id.String()), zap.Error(err))
+		}
+		cancel()
+	}
+	l.forget(id)
+}
+
+func (l *Ledger) forget(id journal.ID) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if _, ok := l.inflight[id]; ok {
@@ -216,15 +247,99 @@ func (l *Ledger) replay() error {
 	if err != nil {
 		return fmt.Errorf("reading the async payments the settlement journal holds unsettled: %w; not starting with them forgotten", err)
 	}
-	for _, rec := range served {
+	if c, ok := l.store.(journal.Cluster); ok {
+		if served, err = l.adoptable(c, served); err != nil {
+			return fmt.Errorf("taking over the async payments of instances that are gone: %w", err)
+		}
+		l.mu.Lock()
+		if !l.adopting && l.ctx.Err() == nil {
+			l.adopting = true
+			l.wg.Add(1)
+			go l.adoptLoop(c)
+		}
+		l.mu.Unlock()
+	}
+	l.settleAll(served)
+	return nil
+}
+
+// settleAll settles recs in the background, counting each against its payer until it is settled.
+func (l *Ledger) settleAll(recs []journal.Record) {
+	for _, rec := range recs {
 		l.owe(rec.ID, rec.Payer)
 		l.settleLater(rec.ID)
 	}
-	if len(served) > 0 {
+	if len(recs) > 0 {
 		l.wg.Add(1)
-		go l.holdReplayed(served)
+		go l.holdReplayed(recs)
 	}
-	return nil
+}
+
+// adoptEvery is how often a gate of a journal several processes share looks for served async payments whose
+// process is gone, to settle them itself.
+const adoptEvery = 3 * time.Second
+
+// adoptable keeps of recs the async payments this process is to settle: its own, and those of instances that
+// are gone, which it takes over (their Owner becomes this instance) unless another process took them first.
+func (l *Ledger) adoptable(c journal.Cluster, recs []journal.Record) ([]journal.Record, error) {
+	var out []journal.Record
+	for _, rec := range recs {
+		if rec.Owner == l.owner {
+			out = append(out, rec)
+			continue
+		}
+		alive, err := c.Alive(l.ctx, rec.Owner)
+		if err != nil {
+			return out, err
+		}
+		if alive {
+			continue // its own process settles it
+		}
+		prev := rec.Owner
+		rec, err = l.store.Update(l.ctx, rec.ID, func(r *journal.Record) error {
+			if r.Owner != prev {
+				return errAdopted
+			}
+			r.Owner = l.owner
+			return nil
+		})
+		switch {
+		case err == nil:
+			l.log.Info("took over a served async payment of an instance that is gone; settling it",
+				zap.String("payment", rec.ID.String()), zap.String("payer", rec.Payer), zap.String("amount", rec.Amount))
+			out = append(out, rec)
+		case errors.Is(err, errAdopted), errors.Is(err, journal.ErrNotFound):
+		default:
+			return out, err
+		}
+	}
+	return out, nil
+}
+
+// errAdopted: another process took a gone instance's async payment over first.
+var errAdopted = errors.New("another instance took the payment over")
+
+// adoptLoop takes over, every adoptEvery, the served async payments of instances that are gone.
+func (l *Ledger) adoptLoop(c journal.Cluster) {
+	defer l.wg.Done()
+	t := time.NewTicker(adoptEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-l.ctx.Done():
+			return
+		case <-t.C:
+		}
+		recs, err := l.store.PendingOf(l.ctx, true)
+		if err == nil {
+			recs = slices.DeleteFunc(recs, func(r journal.Record) bool { return r.Owner == l.owner })
+			recs, err = l.adoptable(c, recs)
+		}
+		if err != nil && l.ctx.Err() == nil {
+			l.log.Warn("looking for served async payments of instances that are gone", zap.Error(err))
+		}
+		l.settleAll(recs)
+	}
 }
 
 // holdReplayed holds the replayed payments against their payers' funds (with a facilitator that holds, the

@@ -90,7 +90,9 @@ func (x *exchange) run() error {
 			InvalidMessage: "the payment names no payer and nonce"})
 	}
 	x.req, x.id = p.req, p.id
-	if !x.g.ledger.acquire(p.id) {
+	if mine, err := x.g.ledger.acquire(x.r.Context(), p.id); err != nil {
+		return x.verifyUnreachable("the gate's settlement journal could not be reached; nothing was charged, try again", err)
+	} else if !mine {
 		return x.alreadyUsed("another request is presenting this payment right now; wait for its answer instead of paying again")
 	}
 	defer x.g.ledger.release(p.id)

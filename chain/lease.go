@@ -1,0 +1,232 @@
+package chain
+
+import (
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+)
+
+// Wallet leases. With a journal several processes share (a journal.Cluster), every process may be configured
+// with the same settlement keys, but a wallet's nonce sequence belongs to one process at a time: the one holding
+// the wallet's lease. Only the holder hands the wallet to a settlement, signs and sends with it; a process that
+// takes a lease over first reads the wallet's nonce afresh, from the chain and from the journal (the highest nonce
+// any record of the wallet holds), so it never signs over a transaction of the previous holder. A process that
+// dies keeps its leases until they expire; the living then take them over, and reconciliation finishes the dead
+// one's broadcast settlements from their recorded transactions.
+//
+// The wallets are shared out evenly: each process holds at most ceil(wallets / live processes), giving up the
+// ones it prefers least (by a hash of its instance and the wallet, so processes prefer different wallets) once
+// they have no settlement in flight.
+
+// defaultWalletLeaseTTL is how long a wallet lease lasts unless renewed; renewals come every third of it.
+const defaultWalletLeaseTTL = 15 * time.Second
+
+// leaseName is the name of a wallet's lease in the journal.
+func leaseName(network string, addr common.Address) string {
+	return "wallet:" + network + ":" + addr.Hex()
+}
+
+// leaser keeps the wallet leases of one facilitator.
+type leaser struct {
+	cluster journal.Cluster
+	ttl     time.Duration
+	log     *zap.Logger
+	now     func() time.Time
+}
+
+// leasePass renews the leases n's pool holds, gives up those past its share, and takes free ones up to its share.
+// It reports the first error; a failure on one wallet does not stop the others.
+func (f *Facilitator) leasePass(ctx context.Context, n *network) error {
+	l := f.leases
+	live, err := l.cluster.Instances(ctx)
+	if err != nil {
+		return err
+	}
+	live = max(live, 1)
+	wallets := n.pool.Wallets()
+	share := (len(wallets) + live - 1) / live
+	ordered := slices.Clone(wallets)
+	slices.SortFunc(ordered, func(a, b *wallet) int {
+		return slices.Compare(preference(l.cluster.Instance(), a.Address), preference(l.cluster.Instance(), b.Address))
+	})
+
+	var firstErr error
+	note := func(err error) {
+		if firstErr == nil {
+			firstErr = err
+		}
+	}
+	held := 0
+	for _, w := range ordered {
+		n.pool.mu.Lock()
+		leased, draining, busy := w.leased, w.draining, w.busy
+		n.pool.mu.Unlock()
+		if !leased {
+			continue
+		}
+		if held >= share || draining {
+			// Past this process's share: stop handing it out, and give it up once nothing of it is in flight.
+			n.pool.mu.Lock()
+			w.draining = true
+			n.pool.mu.Unlock()
+			if busy == 0 {
+				f.giveUp(ctx, n, w)
+				continue
+			}
+		}
+		if err := f.renew(ctx, n, w); err != nil {
+			note(err)
+		}
+		n.pool.mu.Lock()
+		if w.leased && !w.draining {
+			held++
+		}
+		n.pool.mu.Unlock()
+	}
+	for _, w := range ordered {
+		if held >= share {
+			break
+		}
+		n.pool.mu.Lock()
+		leased := w.leased
+		n.pool.mu.Unlock()
+		if leased {
+			continue
+		}
+		if err := f.renew(ctx, n, w); err != nil {
+			note(err)
+			continue
+		}
+		n.pool.mu.Lock()
+		if w.leased {
+			held++
+		}
+		n.pool.mu.Unlock()
+	}
+	return firstErr
+}
+
+// preference orders the wallets for one instance: lower is preferred.
+func preference(instance string, addr common.Address) []byte {
+	h := sha256.Sum256(append([]byte(instance), addr.Bytes()...))
+	return h[:]
+}
+
+// renew takes or renews w's lease. Taking it (over) resyncs the wallet's nonce before it is handed out.
+func (f *Facilitator) renew(ctx context.Context, n *network, w *wallet) error {
+	l := f.leases
+	start := l.now()
+	lease, err := l.cluster.Lease(ctx, leaseName(n.caip2, w.Address), l.ttl)
+	if err != nil {
+		return fmt.Errorf("lease of settlement wallet %s: %w", w.Address.Hex(), err)
+	}
+	n.pool.mu.Lock()
+	was := w.leased
+	n.pool.mu.Unlock()
+	if !lease.Held {
+		if was {
+			f.log.Warn("lost the lease of a settlement wallet to another instance; it settles with it from now on",
+				zap.String("network", n.caip2), zap.String("wallet", w.Address.Hex()), zap.String("holder", lease.Owner))
+			f.dropLease(n, w)
+		}
+		return nil
+	}
+	if !was || lease.Took {
+		if err := f.resyncFromJournal(ctx, n, w); err != nil {
+			// Not handed out until its nonce is known: the lease is kept, and the next pass tries again.
+			return err
+		}
+		f.log.Info("took the lease of a settlement wallet", zap.String("network", n.caip2),
+			zap.String("wallet", w.Address.Hex()), zap.Uint64("fence", lease.Fence))
+	}
+	n.pool.mu.Lock()
+	// Valid for the lease's time less a third, measured from before the call: a renewal that comes late, or a
+	// database that cannot be reached, stops this process signing well before another may take the wallet.
+	w.leased, w.validUntil = true, start.Add(l.ttl*2/3)
+	n.pool.changedLocked()
+	n.pool.mu.Unlock()
+	return nil
+}
+
+// resyncFromJournal makes w's next send read its nonce afresh from the node, and never below one past the highest
+// nonce a journalled transaction of w holds.
+func (f *Facilitator) resyncFromJournal(ctx context.Context, n *network, w *wallet) error {
+	recs, err := f.journal.PendingOf(ctx, false)
+	if err != nil {
+		return fmt.Errorf("reading the journal's transactions of wallet %s: %w", w.Address.Hex(), err)
+	}
+	var floor uint64
+	for _, r := range recs {
+		if r.State == journal.StateBroadcast && r.Network == n.caip2 && common.HexToAddress(r.Wallet) == w.Address && r.TxNonce+1 > floor {
+			floor = r.TxNonce + 1
+		}
+	}
+	w.mu.Lock()
+	w.synced, w.floor = false, floor
+	w.mu.Unlock()
+	return nil
+}
+
+// dropLease stops handing w out and forgets its nonce: whoever holds it now may have moved it on.
+func (f *Facilitator) dropLease(n *network, w *wallet) {
+	n.pool.mu.Lock()
+	w.leased, w.draining = false, false
+	n.pool.mu.Unlock()
+	w.mu.Lock()
+	w.synced = false
+	w.mu.Unlock()
+}
+
+// giveUp gives w's lease back so another instance can take it at once.
+func (f *Facilitator) giveUp(ctx context.Context, n *network, w *wallet) {
+	f.dropLease(n, w)
+	if err := f.leases.cluster.Unlease(ctx, leaseName(n.caip2, w.Address)); err != nil {
+		f.log.Warn("giving up the lease of a settlement wallet; it passes to another instance when it expires",
+			zap.String("wallet", w.Address.Hex()), zap.Error(err))
+		return
+	}
+	f.log.Info("gave up the lease of a settlement wallet to share the wallets with other instances",
+		zap.String("network", n.caip2), zap.String("wallet", w.Address.Hex()))
+}
+
+// leaseLoop keeps the wallet leases of every network until the facilitator closes, then gives them up.
+func (f *Facilitator) leaseLoop() {
+	defer f.wg.Done()
+	every := f.leases.ttl / 3
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-f.stop:
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			for _, id := range f.order {
+				n := f.networks[id]
+				for _, w := range n.pool.Wallets() {
+					n.pool.mu.Lock()
+					leased := w.leased
+					n.pool.mu.Unlock()
+					if leased {
+						f.giveUp(ctx, n, w)
+					}
+				}
+			}
+			cancel()
+			return
+		case <-t.C:
+			for _, id := range f.order {
+				ctx, cancel := context.WithTimeout(context.Background(), every)
+				if err := f.leasePass(ctx, f.networks[id]); err != nil {
+					f.log.Warn("keeping the settlement wallet leases", zap.String("network", id), zap.Error(err))
+				}
+				cancel()
+			}
+		}
+	}
+}
