@@ -103,7 +103,7 @@ func TestValidatingDevChainRPCAndWalletsRefusesWhatCannotWork(t *testing.T) {
 		{"nothing wrong: wallets of a chain running elsewhere", "rpc http://127.0.0.1:8545\n\t\t\tchain_id 1337\n\t\t\twallets 8-9", ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg := adaptCaddyfile(t, "{\n\tx402 {\n\t\tdev_chain {\n\t\t\t"+tc.options+"\n\t\t}\n\t}\n}\n\n127.0.0.1:"+freePortOf(t)+
+			cfg := adaptCaddyfile(t, "{\n\tx402 {\n\t\tdev_chain {\n\t\t\t"+tc.options+"\n\t\t}\n\t}\n}\n\nhttp://127.0.0.1:"+freePortOf(t)+
 				" {\n\tx402 $0.01 {\n\t\tpay_to 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11\n\t}\n\trespond paid\n}\n", t.TempDir())
 			err := caddy.Validate(mustConfig(t, cfg))
 			switch {

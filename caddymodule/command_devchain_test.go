@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"math/big"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"slices"
 	"strings"
@@ -14,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/crypto"
 
@@ -306,4 +309,36 @@ func (b *syncBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()
+}
+
+func TestDevChainRPCAtAnotherChainFailsToStartNamingTheCommand(t *testing.T) {
+	// A node of chain 1 where the dev chain should be: the engine refuses it at once.
+	other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var req struct {
+			ID json.RawMessage `json:"id"`
+		}
+		_ = json.NewDecoder(r.Body).Decode(&req)
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"jsonrpc":"2.0","id":%s,"result":"0x1"}`, req.ID)
+	}))
+	defer other.Close()
+	caddyMu.Lock()
+	defer caddyMu.Unlock()
+	cfg := adaptCaddyfile(t, `{
+	x402 {
+		dev_chain {
+			rpc `+other.URL+`
+		}
+	}
+}
+
+http://127.0.0.1:`+freePortOf(t)+` {
+	respond "free"
+}
+`, t.TempDir())
+	err := caddy.Load(cfg, true)
+	_ = caddy.Stop()
+	if err == nil || !strings.Contains(err.Error(), "is `caddy x402 devchain` running there?") || !strings.Contains(err.Error(), "serves chain 1") {
+		t.Fatalf("loading a config whose dev_chain rpc is a node of chain 1: %v; want an error naming caddy x402 devchain and chain 1", err)
+	}
 }
