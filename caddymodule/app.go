@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"net/url"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -85,6 +86,15 @@ type DevChainConfig struct {
 	DataDir string `json:"data_dir,omitempty"`
 	// Alloc is a JSON file of extra genesis accounts and contract code (geth's genesis alloc format).
 	Alloc string `json:"alloc,omitempty"`
+	// RPC is the JSON-RPC URL of a dev chain already running, such as one `caddy x402 devchain` runs: the app
+	// settles on it with the dev chain's network, tokens and settlement wallets, and starts no chain of its own,
+	// so several Caddy processes can share one. Listen, BlockTime, DataDir and Alloc configure a chain this app
+	// starts and must then be empty. Unless Journal is set, the journal is in memory, as each process's own.
+	RPC string `json:"rpc,omitempty"`
+	// Wallets are the numbers of the dev chain's settlement wallets this app settles with (devchain.WalletKeys
+	// order, from 0). Default: 0 to 3, every wallet the embedded chain funds. Processes sharing a dev chain must
+	// not share a wallet: each engine sends from its wallets with nonces of its own counting.
+	Wallets []int `json:"wallets,omitempty"`
 }
 
 // devChains holds running dev chains across config reloads, keyed by their configuration.
@@ -96,13 +106,24 @@ func (d *devChainEntry) Destruct() error { return d.chain.Close() }
 
 // planDevChain adds the dev chain's network, unless the config names that network itself. Everything about it
 // but its RPC URL is fixed by the configuration (the dev keys and token addresses are), so the gates and the
-// facilitator handler can be configured against it before the chain runs; startDevChain fills in the URL.
+// facilitator handler can be configured against it before the chain runs; startDevChain fills in the URL, or
+// RPC gives it for a chain running elsewhere.
 func (a *App) planDevChain() error {
-	if a.DevChain.BlockTime < 0 || time.Duration(a.DevChain.BlockTime)%time.Second != 0 {
+	dc := a.DevChain
+	if dc.BlockTime < 0 || time.Duration(dc.BlockTime)%time.Second != 0 {
 		return fmt.Errorf("dev_chain: block_time must be 0 (a block per transaction burst) or whole seconds such as 1s, got %s",
-			time.Duration(a.DevChain.BlockTime))
+			time.Duration(dc.BlockTime))
 	}
-	id := a.DevChain.ChainID
+	if dc.RPC != "" && (dc.Listen != "" || dc.BlockTime != 0 || dc.DataDir != "" || dc.Alloc != "") {
+		return fmt.Errorf("dev_chain: rpc %s names a dev chain already running, which this app does not start; listen, "+
+			"block_time, data_dir and alloc configure a chain it starts: leave them out, or give them to `caddy x402 devchain`",
+			chain.RedactRPCURL(dc.RPC))
+	}
+	wallets, err := dc.walletNumbers()
+	if err != nil {
+		return err
+	}
+	id := dc.ChainID
 	if id == 0 {
 		id = devchain.DefaultChainID
 	}
@@ -112,21 +133,54 @@ func (a *App) planDevChain() error {
 			return nil
 		}
 	}
-	keys := make([]string, 0, devchain.DefaultWallets)
-	for _, k := range devchain.WalletKeys(devchain.DefaultWallets) {
-		keys = append(keys, hex.EncodeToString(crypto.FromECDSA(k)))
+	all := devchain.WalletKeys(slices.Max(wallets) + 1)
+	keys := make([]string, 0, len(wallets))
+	for _, i := range wallets {
+		keys = append(keys, hex.EncodeToString(crypto.FromECDSA(all[i])))
 	}
 	a.devNet = &Network{
 		Network: network, WalletKeys: []string{strings.Join(keys, ",")},
-		Assets: []*Asset{
-			{Address: devchain.TokenAddress.Hex(), Name: x402.DefaultTokenName, Version: x402.DefaultTokenVersion, Decimals: x402.DefaultTokenDecimals},
-			{Address: devchain.EIP3009TokenAddress.Hex(), Name: contracts.USDCoinName, Version: contracts.USDCoinVersion, Decimals: contracts.USDCoinDecimals, EIP3009: true},
-		},
+		Assets: devChainAssets(),
 		// Blocks come as soon as transactions do: look for receipts often.
 		ReceiptPoll: caddy.Duration(2 * time.Millisecond),
 	}
+	if dc.RPC != "" {
+		a.devNet.RPC = []string{dc.RPC}
+	}
 	a.Networks = append(a.Networks, a.devNet)
 	return nil
+}
+
+// walletNumbers returns the numbers of the dev chain's settlement wallets the app settles with, checked.
+func (dc *DevChainConfig) walletNumbers() ([]int, error) {
+	if len(dc.Wallets) == 0 {
+		wallets := make([]int, devchain.DefaultWallets)
+		for i := range wallets {
+			wallets[i] = i
+		}
+		return wallets, nil
+	}
+	for i, w := range dc.Wallets {
+		switch {
+		case w < 0:
+			return nil, fmt.Errorf("dev_chain: wallets: %d is no wallet number; they count from 0", w)
+		case dc.RPC == "" && w >= devchain.DefaultWallets:
+			return nil, fmt.Errorf("dev_chain: wallets: the dev chain this app starts funds wallets 0 to %d, not %d; for more, "+
+				"run `caddy x402 devchain --wallets %d` and give its URL as rpc", devchain.DefaultWallets-1, w, w+1)
+		case slices.Contains(dc.Wallets[:i], w):
+			return nil, fmt.Errorf("dev_chain: wallets: wallet %d is listed twice", w)
+		}
+	}
+	return dc.Wallets, nil
+}
+
+// devChainAssets are the dev chain's tokens as the app's assets: the Stable Coin first (the default of gates),
+// then the USDC-like USD Coin with EIP-3009.
+func devChainAssets() []*Asset {
+	return []*Asset{
+		{Address: devchain.TokenAddress.Hex(), Name: x402.DefaultTokenName, Version: x402.DefaultTokenVersion, Decimals: x402.DefaultTokenDecimals},
+		{Address: devchain.EIP3009TokenAddress.Hex(), Name: contracts.USDCoinName, Version: contracts.USDCoinVersion, Decimals: contracts.USDCoinDecimals, EIP3009: true},
+	}
 }
 
 // startDevChain starts the dev chain (or takes over the running one) and points the dev network at it.
@@ -136,7 +190,10 @@ func (a *App) startDevChain() error {
 		ChainID: a.DevChain.ChainID, Listen: repl.ReplaceAll(a.DevChain.Listen, ""), BlockTime: time.Duration(a.DevChain.BlockTime),
 		DataDir: repl.ReplaceAll(a.DevChain.DataDir, ""), AllocFile: repl.ReplaceAll(a.DevChain.Alloc, ""), Logger: a.logger.Named("dev_chain"),
 	}
-	b, _ := json.Marshal(a.DevChain)
+	// Which wallets settle is no part of the chain: a reload that changes them keeps the chain running.
+	chainOnly := *a.DevChain
+	chainOnly.Wallets = nil
+	b, _ := json.Marshal(chainOnly)
 	key := string(b)
 	v, _, err := devChains.LoadOrNew(key, func() (caddy.Destructor, error) {
 		dc, err := devchain.Start(context.Background(), cfg)
@@ -327,7 +384,7 @@ func (a *App) Start() error {
 }
 
 func (a *App) start() error {
-	if a.DevChain != nil {
+	if a.DevChain != nil && a.DevChain.RPC == "" {
 		if err := a.startDevChain(); err != nil {
 			return err
 		}
@@ -344,6 +401,10 @@ func (a *App) start() error {
 		val, _, err := engines.LoadOrNew(key, func() (caddy.Destructor, error) {
 			return a.newEngine(specs)
 		})
+		if err != nil && a.devNet != nil && a.DevChain.RPC != "" {
+			return fmt.Errorf("starting the embedded facilitator on the dev chain at %s (dev_chain rpc; is `caddy x402 devchain` "+
+				"running there?): %w", chain.RedactRPCURL(a.DevChain.RPC), err)
+		}
 		if err != nil {
 			return fmt.Errorf("starting the embedded facilitator: %w", err)
 		}
@@ -594,7 +655,8 @@ func (a *App) SettlementJournal() (journal.Store, string, error) {
 
 func (a *App) journalPath() string {
 	if a.Journal == "" && a.DevChain != nil && a.DevChain.DataDir == "" {
-		// A chain that forgets everything on exit must not meet a journal that remembers it.
+		// A chain that forgets everything on exit must not meet a journal that remembers it. A dev chain running
+		// elsewhere (rpc) is shared by several Caddy processes, which would all open the one default journal file.
 		return memoryJournal
 	}
 	if a.Journal == "" {

@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -89,6 +90,30 @@ func TestValidatingAConfigStartsNoChainDialsNoRPCAndOpensNoJournal(t *testing.T)
 		t.Fatalf("the held port stopped answering: %v", err)
 	}
 	c.Close()
+}
+
+func TestValidatingDevChainRPCAndWalletsRefusesWhatCannotWork(t *testing.T) {
+	for _, tc := range []struct {
+		name, options, want string
+	}{
+		{"rpc and the options of a chain the app starts", "rpc http://127.0.0.1:8545\n\t\t\tlisten 127.0.0.1:8546", "leave them out"},
+		{"rpc and a data dir", "rpc http://127.0.0.1:8545\n\t\t\tdata_dir /tmp/x", "leave them out"},
+		{"a wallet the embedded chain does not fund", "wallets 2-4", "funds wallets 0 to 3, not 4"},
+		{"a wallet listed twice", "rpc http://127.0.0.1:8545\n\t\t\twallets 4-6 5", "wallet 5 is listed twice"},
+		{"nothing wrong: wallets of a chain running elsewhere", "rpc http://127.0.0.1:8545\n\t\t\tchain_id 1337\n\t\t\twallets 8-9", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := adaptCaddyfile(t, "{\n\tx402 {\n\t\tdev_chain {\n\t\t\t"+tc.options+"\n\t\t}\n\t}\n}\n\nhttp://127.0.0.1:"+freePortOf(t)+
+				" {\n\tx402 $0.01 {\n\t\tpay_to 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11\n\t}\n\trespond paid\n}\n", t.TempDir())
+			err := caddy.Validate(mustConfig(t, cfg))
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("caddy.Validate: %v", err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+				t.Fatalf("caddy.Validate = %v, want an error saying %q", err, tc.want)
+			}
+		})
+	}
 }
 
 // mustConfig decodes a JSON Caddy config.

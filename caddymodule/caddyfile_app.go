@@ -3,6 +3,7 @@ package caddymodule
 import (
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
@@ -61,6 +62,8 @@ func durationArg(d *caddyfile.Dispenser, option string) (time.Duration, error) {
 //			block_time <duration>
 //			data_dir <path>
 //			alloc <file>
+//			rpc <url>
+//			wallets <n>|<n>-<m> [...]
 //		}
 //	}
 func parseGlobalX402(d *caddyfile.Dispenser, existing any) (any, error) {
@@ -278,6 +281,14 @@ func parseDevChain(d *caddyfile.Dispenser) (*DevChainConfig, error) {
 	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		name := d.Val()
+		if name == "wallets" {
+			wallets, err := parseWalletNumbers(d)
+			if err != nil {
+				return nil, err
+			}
+			dc.Wallets = append(dc.Wallets, wallets...)
+			continue
+		}
 		var v string
 		if !d.AllArgs(&v) {
 			return nil, d.ArgErr()
@@ -301,9 +312,35 @@ func parseDevChain(d *caddyfile.Dispenser) (*DevChainConfig, error) {
 			dc.DataDir = v
 		case "alloc":
 			dc.Alloc = v
+		case "rpc":
+			dc.RPC = v
 		default:
-			return nil, d.Errf("unrecognized dev_chain option '%s'; want chain_id, listen, block_time, data_dir or alloc", name)
+			return nil, d.Errf("unrecognized dev_chain option '%s'; want chain_id, listen, block_time, data_dir, alloc, rpc or wallets", name)
 		}
 	}
 	return dc, nil
+}
+
+// parseWalletNumbers reads the arguments of dev_chain's wallets: wallet numbers and ranges such as 4-7.
+func parseWalletNumbers(d *caddyfile.Dispenser) ([]int, error) {
+	args := d.RemainingArgs()
+	if len(args) == 0 {
+		return nil, d.Err("wallets needs one or more wallet numbers or ranges, such as 0 1 or 4-7")
+	}
+	var wallets []int
+	for _, arg := range args {
+		first, last, isRange := strings.Cut(arg, "-")
+		lo, err1 := strconv.ParseUint(first, 10, 16)
+		hi, err2 := lo, error(nil)
+		if isRange {
+			hi, err2 = strconv.ParseUint(last, 10, 16)
+		}
+		if err1 != nil || err2 != nil || hi < lo {
+			return nil, d.Errf("wallets: %q is not a wallet number or a range such as 4-7", arg)
+		}
+		for i := lo; i <= hi; i++ {
+			wallets = append(wallets, int(i))
+		}
+	}
+	return wallets, nil
 }

@@ -3,6 +3,7 @@ package caddymodule
 import (
 	"bytes"
 	"context"
+	"io"
 	"strings"
 	"time"
 
@@ -31,4 +32,16 @@ func RunX402(stdin string, args ...string) (stdout, stderr string, err error) {
 	defer cancel()
 	err = cmd.ExecuteContext(ctx)
 	return out.String(), errOut.String(), err
+}
+
+// RunX402Context runs `caddy x402 <args>` in this process until it returns or ctx ends (which a long-running
+// command such as devchain takes as SIGINT), writing its output as it goes.
+func RunX402Context(ctx context.Context, stdout, stderr io.Writer, args ...string) error {
+	cmd := &cobra.Command{Use: "x402", SilenceUsage: true}
+	addX402Commands(cmd)
+	cmd.SetOut(stdout)
+	cmd.SetErr(stderr)
+	cmd.SetIn(strings.NewReader(""))
+	cmd.SetArgs(args)
+	return cmd.ExecuteContext(ctx)
 }

@@ -143,6 +143,10 @@ func TestBadCaddyfilesAreRefusedNamingTheirLine(t *testing.T) {
 		{"a dev_chain chain_id of zero", global("\t\tdev_chain {", "\t\t\tchain_id 0", "\t\t}"), "Caddyfile:4", "chain_id \"0\" is not a positive number"},
 		{"a dev_chain block_time that is no duration", global("\t\tdev_chain {", "\t\t\tblock_time often", "\t\t}"), "Caddyfile:4", "block_time"},
 		{"a dev_chain listen without an address", global("\t\tdev_chain {", "\t\t\tlisten", "\t\t}"), "Caddyfile:4", "wrong argument count"},
+		{"a dev_chain rpc without a URL", global("\t\tdev_chain {", "\t\t\trpc", "\t\t}"), "Caddyfile:4", "wrong argument count"},
+		{"dev_chain wallets without a number", global("\t\tdev_chain {", "\t\t\twallets", "\t\t}"), "Caddyfile:4", "wallets needs one or more wallet numbers"},
+		{"dev_chain wallets that are no number", global("\t\tdev_chain {", "\t\t\twallets first", "\t\t}"), "Caddyfile:4", `wallets: "first" is not a wallet number`},
+		{"a dev_chain wallets range backwards", global("\t\tdev_chain {", "\t\t\twallets 7-4", "\t\t}"), "Caddyfile:4", `wallets: "7-4" is not a wallet number or a range`},
 		{"journal with two paths", global("\t\tjournal a b"), "Caddyfile:3", "wrong argument count"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

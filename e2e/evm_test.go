@@ -142,6 +142,22 @@ func (d *devChain) receipt(tx common.Hash) *types.Receipt {
 	return r
 }
 
+// sender reads who signed the mined transaction tx, failing the test when it cannot.
+func (d *devChain) sender(tx common.Hash) common.Address {
+	d.t.Helper()
+	ctx, cancel := rpcContext()
+	defer cancel()
+	t, _, err := d.client.TransactionByHash(ctx, tx)
+	if err != nil {
+		d.t.Fatalf("reading the transaction %s: %v", tx, err)
+	}
+	from, err := types.Sender(types.LatestSignerForChainID(t.ChainId()), t)
+	if err != nil {
+		d.t.Fatalf("recovering the sender of %s: %v", tx, err)
+	}
+	return from
+}
+
 // send signs a transaction from key to `to` with value and data, sends it and waits for its receipt; the test
 // fails unless it succeeds. For set-up only (funding and approving payers).
 func (d *devChain) send(key *ecdsa.PrivateKey, to common.Address, value *big.Int, data []byte) *types.Receipt {
