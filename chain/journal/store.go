@@ -94,8 +94,14 @@ type Options struct {
 	// Clock gives the time stamped on records (ClaimedAt, UpdatedAt, FinalAt); nil means time.Now.
 	Clock func() time.Time
 	// OpenTimeout bounds the wait for the file lock of OpenBolt, which then fails with ErrLocked rather than
-	// hang behind another process; zero or less means one second (defaultOpenTimeout).
+	// hang behind another process; zero or less means one second (defaultOpenTimeout). For OpenPostgres it
+	// bounds each attempt to connect to the database, unless the DSN sets connect_timeout; zero or less means
+	// five seconds there (defaultConnectTimeout).
 	OpenTimeout time.Duration
+	// InstanceTTL is, for OpenPostgres, how long this process counts as alive after its last heartbeat (it
+	// beats every third of it); zero or less means ten seconds (defaultInstanceTTL). Another process takes over
+	// its busy marks and leases once it has been silent that long.
+	InstanceTTL time.Duration
 }
 
 // now reads the configured clock; times are kept in UTC so a record reads the same whatever the zone.

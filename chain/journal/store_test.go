@@ -14,6 +14,7 @@ import (
 
 	bolt "go.etcd.io/bbolt"
 
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -114,6 +115,26 @@ var harnesses = []harness{
 			}
 			t.Cleanup(func() { again.Close() })
 			return again
+		},
+	},
+	{
+		// A fresh database of the shared test server (pgtest) for every test.
+		name: "postgres",
+		open: func(t *testing.T, clock func() time.Time) Store {
+			return openPostgres(t, pgtest.Shared(t), Options{Clock: clock})
+		},
+		reopen: func(t *testing.T, s Store) Store {
+			p := s.(*PostgresStore)
+			if err := p.Close(); err != nil {
+				t.Fatal(err)
+			}
+			return openPostgres(t, pgDSN(p), p.opts)
+		},
+		plant: func(t *testing.T, s Store, id ID, raw []byte) Store {
+			p := s.(*PostgresStore)
+			pgExec(t, pgDSN(p), `INSERT INTO x402_records (id, state, pending, claimed_ns, data) VALUES ($1, 'claimed', true, 0, $2)
+ON CONFLICT (id) DO UPDATE SET data = EXCLUDED.data`, id[:], raw)
+			return s
 		},
 	},
 }

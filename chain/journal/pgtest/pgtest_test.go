@@ -1,0 +1,63 @@
+package pgtest
+
+import (
+	"context"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+)
+
+func ping(t *testing.T, dsn string) {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	var n int
+	if err := conn.QueryRow(ctx, "select 1").Scan(&n); err != nil || n != 1 {
+		t.Fatalf("select 1 = %d, %v", n, err)
+	}
+}
+
+// TestStartStopRestart: a server of the test's own answers, stops answering when stopped, and answers again
+// on the same port after a restart, with its data.
+func TestStartStopRestart(t *testing.T) {
+	s := Start(t)
+	ping(t, s.DSN())
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, s.DSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, "create table kept(x int); insert into kept values (7)"); err != nil {
+		t.Fatal(err)
+	}
+	conn.Close(ctx)
+	s.Stop(t)
+	if c, err := pgx.Connect(ctx, s.DSN()); err == nil {
+		c.Close(ctx)
+		t.Fatal("connected to a stopped server")
+	}
+	s.Restart(t)
+	conn, err = pgx.Connect(ctx, s.DSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	var x int
+	if err := conn.QueryRow(ctx, "select x from kept").Scan(&x); err != nil || x != 7 {
+		t.Fatalf("after restart: %d, %v", x, err)
+	}
+}
+
+// TestSharedGivesEachTestAFreshDatabase: two calls, two databases on one server.
+func TestSharedGivesEachTestAFreshDatabase(t *testing.T) {
+	a, b := Shared(t), Shared(t)
+	if a == b {
+		t.Fatalf("Shared returned %s twice", a)
+	}
+	ping(t, a)
+	ping(t, b)
+}

@@ -1,0 +1,138 @@
+package journal
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// pgMigrations are the PostgreSQL store's schema, one migration per version (version n is pgMigrations[n-1]).
+// A migration once released never changes: a new release appends one. Every statement tolerates having run
+// before (IF NOT EXISTS), and each migration runs in one transaction with the row that records it.
+//
+// Times that only the journal's clock decides (a record's claim, how long a final record is kept, when it was
+// served) are unix nanoseconds, as the bolt store keeps them: exact to the nanosecond, where timestamptz keeps
+// microseconds. Times that decide between processes (heartbeats, leases) are timestamptz from the database's
+// now().
+var pgMigrations = []string{
+	// 1: the first schema.
+	`
+-- One row per payment. data is the record as encodeRecord writes it; the other columns are what queries select
+-- on. served_ns is the served mark MarkServed writes alone: it, not data, says whether the payment was served.
+CREATE TABLE IF NOT EXISTS x402_records (
+	id            bytea   PRIMARY KEY,
+	state         text    NOT NULL,
+	async         boolean NOT NULL DEFAULT false,
+	pending       boolean NOT NULL,  -- not final
+	claimed_ns    bigint  NOT NULL,  -- ClaimedAt, for Pending's order
+	kept_until_ns bigint,            -- max(FinalAt, Deadline) of a final record, for Prune
+	served_ns     bigint,            -- ServedAt of a served payment
+	data          bytea   NOT NULL
+);
+CREATE INDEX IF NOT EXISTS x402_records_pending ON x402_records (claimed_ns, id) WHERE pending;
+CREATE INDEX IF NOT EXISTS x402_records_kept_until ON x402_records (kept_until_ns) WHERE NOT pending;
+
+-- The processes sharing the journal: each open of a store, alive while its heartbeat keeps expires_at ahead.
+CREATE TABLE IF NOT EXISTS x402_instances (
+	token      text        PRIMARY KEY,
+	started_at timestamptz NOT NULL DEFAULT now(),
+	expires_at timestamptz NOT NULL
+);
+
+-- Payments an instance is working on right now (Busy, Idle).
+CREATE TABLE IF NOT EXISTS x402_busy (
+	id    bytea       PRIMARY KEY,
+	owner text        NOT NULL,
+	since timestamptz NOT NULL DEFAULT now()
+);
+
+-- Named leases (a settlement wallet each) with their fences.
+CREATE TABLE IF NOT EXISTS x402_leases (
+	name       text        PRIMARY KEY,
+	owner      text        NOT NULL DEFAULT '',
+	fence      bigint      NOT NULL DEFAULT 0,
+	expires_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- Payments held against a payer's funds; x402_hold_keys has one row per key, which Hold locks so that the
+-- holds of one key are decided one at a time.
+CREATE TABLE IF NOT EXISTS x402_hold_keys (
+	hold_key text PRIMARY KEY
+);
+CREATE TABLE IF NOT EXISTS x402_holds (
+	id           bytea       PRIMARY KEY,
+	hold_key     text        NOT NULL,
+	amount       numeric     NOT NULL,
+	deadline     numeric(20) NOT NULL,
+	mined        numeric(20) NOT NULL DEFAULT 0,
+	permit_nonce numeric,
+	held_at      timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS x402_holds_key ON x402_holds (hold_key);
+`,
+}
+
+// ErrSchemaTooNew: OpenPostgres found a database migrated by a newer release than this one, whose schema this
+// build cannot promise to read or write correctly.
+var ErrSchemaTooNew = errors.New("journal: database schema is newer than this build")
+
+// migrate brings the database's schema up to this build's, and refuses a database of a newer schema. Several
+// processes may run it at once: each migration is applied in a transaction that first inserts its version's
+// row, so concurrent starters queue behind the one that inserted it and then find the version applied.
+func migrate(ctx context.Context, pool *pgxpool.Pool) error {
+	for attempt := 0; ; attempt++ {
+		_, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS x402_schema_migrations (
+	version    integer     PRIMARY KEY,
+	applied_at timestamptz NOT NULL DEFAULT now()
+)`)
+		// Two sessions creating the table at once can both pass IF NOT EXISTS; the loser gets a duplicate.
+		if err == nil || attempt == 4 || !hasCode(err, "42P07", "23505") {
+			if err != nil {
+				return fmt.Errorf("create x402_schema_migrations: %w", err)
+			}
+			break
+		}
+		time.Sleep(time.Duration(10*(attempt+1)) * time.Millisecond)
+	}
+	applied, err := schemaVersion(ctx, pool)
+	if err != nil {
+		return err
+	}
+	for i, sql := range pgMigrations {
+		version := i + 1
+		if version <= applied {
+			continue
+		}
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			tag, err := tx.Exec(ctx, `INSERT INTO x402_schema_migrations (version) VALUES ($1) ON CONFLICT (version) DO NOTHING`, version)
+			if err != nil || tag.RowsAffected() == 0 {
+				return err // applied by another process meanwhile
+			}
+			_, err = tx.Exec(ctx, sql)
+			return err
+		})
+		if err != nil {
+			return fmt.Errorf("apply schema migration %d: %w", version, err)
+		}
+	}
+	_, err = schemaVersion(ctx, pool)
+	return err
+}
+
+// schemaVersion returns the highest migration applied, refusing one this build does not know.
+func schemaVersion(ctx context.Context, pool *pgxpool.Pool) (int, error) {
+	var v int
+	if err := pool.QueryRow(ctx, `SELECT COALESCE(max(version), 0) FROM x402_schema_migrations`).Scan(&v); err != nil {
+		return 0, fmt.Errorf("read the schema version: %w", err)
+	}
+	if v > len(pgMigrations) {
+		return v, fmt.Errorf("%w: the database has schema version %d and this build knows versions up to %d; "+
+			"it was migrated by a newer release, which must be run instead (a downgrade cannot read what it writes)",
+			ErrSchemaTooNew, v, len(pgMigrations))
+	}
+	return v, nil
+}
