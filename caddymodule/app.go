@@ -42,8 +42,10 @@ type App struct {
 	// Networks the embedded facilitator settles on.
 	Networks []*Network `json:"networks,omitempty"`
 
-	// Journal is the path of the settlement journal (a bbolt file). Default: x402/journal.db in Caddy's
-	// data directory; with an in-memory dev chain and no journal set, an in-memory journal.
+	// Journal is the path of the settlement journal (a bbolt file), or a PostgreSQL DSN (postgres://...) for a
+	// journal several Caddy instances share (see README, "Several instances, one database"). Placeholders such
+	// as {env.X402_JOURNAL_DSN} are replaced. Default: x402/journal.db in Caddy's data directory; with an
+	// in-memory dev chain and no journal set, an in-memory journal.
 	Journal string `json:"journal,omitempty"`
 
 	// DevChain runs an embedded go-ethereum dev chain in this process, with the Stable Coin, the USDC-like USD Coin
@@ -310,8 +312,46 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return nil
 	}
 	a.Journal = a.journalPath()
+	if isPostgresDSN(a.Journal) {
+		// Checked here, connected to only at Start: `caddy validate` must not talk to the database.
+		if _, err := url.Parse(a.Journal); err != nil {
+			return fmt.Errorf("journal: the PostgreSQL DSN is not a URL (postgres://user:password@host:port/database): %v", redactDSNError(err, a.Journal))
+		}
+	}
 	_, err := a.networkSpecs()
 	return err
+}
+
+// isPostgresDSN reports whether a journal setting names a PostgreSQL database rather than a file.
+func isPostgresDSN(s string) bool {
+	return strings.HasPrefix(s, "postgres://") || strings.HasPrefix(s, "postgresql://")
+}
+
+// journalName is how a journal is named in errors and logs: a DSN without its password.
+func journalName(path string) string {
+	if !isPostgresDSN(path) {
+		return path
+	}
+	u, err := url.Parse(path)
+	if err != nil {
+		return "the PostgreSQL database (its DSN is not a URL)"
+	}
+	return u.Redacted()
+}
+
+// redactDSNError is err's text with the DSN's password taken out, should the parser have quoted it.
+func redactDSNError(err error, dsn string) string {
+	msg := err.Error()
+	if i := strings.Index(dsn, "://"); i >= 0 {
+		if at := strings.LastIndex(dsn, "@"); at > i {
+			if colon := strings.Index(dsn[i+3:at], ":"); colon >= 0 {
+				if pw := dsn[i+3+colon+1 : at]; pw != "" {
+					msg = strings.ReplaceAll(msg, pw, "xxxxx")
+				}
+			}
+		}
+	}
+	return msg
 }
 
 // networkSpecs resolves every network: placeholders replaced, defaults filled in, values checked.
@@ -665,6 +705,9 @@ func (a *App) journalPath() string {
 	return caddy.NewReplacer().ReplaceAll(a.Journal, "")
 }
 
+// postgresOpenTimeout bounds connecting to a PostgreSQL journal and migrating its schema at start.
+const postgresOpenTimeout = 30 * time.Second
+
 // memoryJournal is the journal path that means "in memory, for this process only".
 const memoryJournal = ":memory:"
 
@@ -672,18 +715,29 @@ const memoryJournal = ":memory:"
 func openJournal(path string) (*journalEntry, error) {
 	jv, _, err := journals.LoadOrNew(path, func() (caddy.Destructor, error) {
 		var st journal.Store = journal.NewMemory(journal.Options{})
-		if path != memoryJournal {
+		var tok [8]byte
+		_, _ = rand.Read(tok[:])
+		owner := hex.EncodeToString(tok[:])
+		switch {
+		case isPostgresDSN(path):
+			ctx, cancel := context.WithTimeout(context.Background(), postgresOpenTimeout)
+			defer cancel()
+			pg, err := journal.OpenPostgres(ctx, path, journal.Options{})
+			if err != nil {
+				return nil, err
+			}
+			// The instance token the database keeps alive: other instances tell by it whether this one is there.
+			st, owner = pg, pg.Instance()
+		case path != memoryJournal:
 			var err error
 			if st, err = journal.OpenBolt(path, journal.Options{}); err != nil {
 				return nil, err
 			}
 		}
-		var tok [8]byte
-		_, _ = rand.Read(tok[:])
-		return &journalEntry{store: st, owner: hex.EncodeToString(tok[:]), path: path}, nil
+		return &journalEntry{store: st, owner: owner, path: path}, nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("opening the settlement journal %s: %w", path, err)
+		return nil, fmt.Errorf("opening the settlement journal %s: %w", journalName(path), err)
 	}
 	return jv.(*journalEntry), nil
 }

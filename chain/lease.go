@@ -230,3 +230,22 @@ func (f *Facilitator) leaseLoop() {
 		}
 	}
 }
+
+// LeasedWallets lists the settlement wallets of the network this process may settle with: every wallet with a
+// journal of one process, only those whose lease it holds with a shared one. nil for an unknown network.
+func (f *Facilitator) LeasedWallets(networkID string) []common.Address {
+	n := f.networks[networkID]
+	if n == nil {
+		return nil
+	}
+	n.pool.mu.Lock()
+	defer n.pool.mu.Unlock()
+	var out []common.Address
+	now := n.pool.now()
+	for _, w := range n.pool.wallets {
+		if n.pool.usable(w, now) {
+			out = append(out, w.Address)
+		}
+	}
+	return out
+}
