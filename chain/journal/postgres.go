@@ -240,11 +240,11 @@ func (s *PostgresStore) fail(caller context.Context, op string, err error) error
 	case !unavailable(err) && !errors.As(err, &pe) && !isPgxError(err):
 		return err
 	}
-	msg := redact(fmt.Sprintf("journal: postgres %s: %v", op, err), s.secret)
 	if unavailable(err) {
+		msg := redact(fmt.Sprintf("%v: postgres %s: %v", ErrUnavailable, op, err), s.secret)
 		return &dbError{msg: msg, cause: []error{ErrUnavailable, err}}
 	}
-	return &dbError{msg: msg, cause: []error{err}}
+	return &dbError{msg: redact(fmt.Sprintf("journal: postgres %s: %v", op, err), s.secret), cause: []error{err}}
 }
 
 // isPgxError reports an error of pgx's own making (a scan, a closed transaction).
