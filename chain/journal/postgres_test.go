@@ -603,3 +603,60 @@ func pgQuery(t testing.TB, dsn, sql string, scan func(pgx.Rows) error) {
 		t.Fatal(err)
 	}
 }
+
+// TestPostgresRestartMidLoad: claims and updates under way while the database restarts either succeed or fail
+// with ErrUnavailable, and a caller that repeats what failed ends with every payment claimed once, by itself.
+func TestPostgresRestartMidLoad(t *testing.T) {
+	srv := pgtest.Start(t)
+	ctx := context.Background()
+	s := openPostgres(t, srv.DSN(), Options{OpenTimeout: time.Second})
+	const workers, each = 4, 150
+	var unavailable atomic.Int64
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			owner := fmt.Sprintf("worker-%d", w)
+			for i := range each {
+				r := claimOf(7000 + w*each + i)
+				r.Owner = owner
+				for try := 0; ; try++ {
+					got, _, err := s.Claim(ctx, r)
+					if err == nil {
+						// Claimed by this call, or by an earlier try whose answer the restart lost: either way the
+						// claim is this worker's.
+						if got.Owner != owner {
+							t.Errorf("payment %d claimed by %q, want %q", i, got.Owner, owner)
+							return
+						}
+						_, err = s.Update(ctx, r.ID, toBroadcast(fmt.Sprintf("0x%x", w*each+i)))
+					}
+					if err == nil {
+						break
+					}
+					if !errors.Is(err, ErrUnavailable) || try == 200 {
+						t.Errorf("%s, payment %d: %v; want success or ErrUnavailable", owner, i, err)
+						return
+					}
+					unavailable.Add(1)
+					time.Sleep(20 * time.Millisecond)
+				}
+			}
+		})
+	}
+	time.Sleep(300 * time.Millisecond)
+	srv.Restart(t)
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+	t.Logf("%d calls failed with ErrUnavailable during the restart", unavailable.Load())
+	pending, err := s.Pending(ctx)
+	if err != nil || len(pending) != workers*each {
+		t.Fatalf("Pending = %d, %v; want %d", len(pending), err, workers*each)
+	}
+	for _, r := range pending {
+		if r.State != StateBroadcast {
+			t.Fatalf("%s is %q, want broadcast", r.ID, r.State)
+		}
+	}
+}
