@@ -727,7 +727,8 @@ func (s *PostgresStore) Alive(ctx context.Context, owner string) (bool, error) {
 
 // Instances implements Cluster.
 func (s *PostgresStore) Instances(ctx context.Context) (int, error) {
-	return s.count(ctx, `SELECT count(*) FROM x402_instances WHERE expires_at > now()`)
+	// This instance counts even while its heartbeat is behind: it is always alive to itself.
+	return s.count(ctx, `SELECT count(*) FROM x402_instances WHERE expires_at > now() OR token = $1`, s.instance)
 }
 
 // Busy implements Cluster, in one statement: the insert of the mark, or, when there is one, its takeover if
