@@ -2,10 +2,16 @@ package journal
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 )
 
 // BenchmarkBoltClaimUpdateFinal measures whole settlements as the journal sees them: a claim, the update to
@@ -60,6 +66,56 @@ func BenchmarkBoltClaimUpdateFinal(b *testing.B) {
 				})
 			}
 			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "settlements/s")
+		})
+	}
+}
+
+// BenchmarkPostgresClaim measures claims of distinct payments in the PostgreSQL store (each an INSERT ... ON
+// CONFLICT DO NOTHING, one round trip and one commit) from 1, 8 and 64 concurrent writers, each with a
+// connection of its own (pool_max_conns is the number of writers), on a fresh database of the test server
+// (pgtest: fsync on, synchronous_commit on).
+func BenchmarkPostgresClaim(b *testing.B) {
+	for _, writers := range []int{1, 8, 64} {
+		b.Run(fmt.Sprintf("writers-%d", writers), func(b *testing.B) {
+			s, err := OpenPostgres(context.Background(), pgtest.Shared(b)+fmt.Sprintf("&pool_max_conns=%d", writers), Options{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer s.Close()
+			// Open every writer's connection before the clock starts.
+			var conns []*pgxpool.Conn
+			for range writers {
+				conn, err := s.pool.Acquire(context.Background())
+				if err != nil {
+					b.Fatal(err)
+				}
+				conns = append(conns, conn)
+			}
+			for _, c := range conns {
+				c.Release()
+			}
+			var next atomic.Int64
+			b.ReportAllocs()
+			b.ResetTimer()
+			var wg sync.WaitGroup
+			for range writers {
+				wg.Go(func() {
+					for {
+						n := next.Add(1)
+						if n > int64(b.N) {
+							return
+						}
+						r := claimOf(int(n))
+						r.Request = benchRequest
+						if _, claimed, err := s.Claim(context.Background(), r); err != nil || !claimed {
+							b.Errorf("claim %d: %v %v", n, claimed, err)
+							return
+						}
+					}
+				})
+			}
+			wg.Wait()
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "claims/s")
 		})
 	}
 }

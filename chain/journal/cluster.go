@@ -18,7 +18,8 @@ type Cluster interface {
 	Store
 
 	// Instance is this process's owner token in the store, unique to this open of it and kept alive by a
-	// heartbeat while the store is open. Records this process claims carry it as their Owner.
+	// heartbeat while the store is open. Records this process claims carry it as their Owner: the caller sets
+	// Owner, as with any store, and Claim stores what it is given.
 	Instance() string
 	// Alive reports whether the instance owner has a current heartbeat: it has not closed its store and has
 	// not missed heartbeats for the instance TTL. This instance is always alive.
@@ -53,7 +54,9 @@ type Cluster interface {
 	HoldMined(ctx context.Context, id ID, block uint64) error
 	// Unhold deletes the hold of id (its payment will not move tokens); deleting an absent hold is a no-op.
 	Unhold(ctx context.Context, id ID) error
-	// HoldsOf lists the live holds of key, for a caller that must look at them (a sponsor permit's nonce).
+	// HoldsOf lists the holds of key, oldest first, for a caller that must look at them (a sponsor permit's
+	// nonce). It knows no block or chain time, so it lists every hold not yet deleted: one mined or past its
+	// deadline goes at the next Hold of its key with take.
 	HoldsOf(ctx context.Context, key string) ([]Hold, error)
 }
 

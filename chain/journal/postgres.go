@@ -240,11 +240,11 @@ func (s *PostgresStore) fail(caller context.Context, op string, err error) error
 	case !unavailable(err) && !errors.As(err, &pe) && !isPgxError(err):
 		return err
 	}
-	msg := redact(fmt.Sprintf("journal: postgres %s: %v", op, err), s.secret)
 	if unavailable(err) {
+		msg := redact(fmt.Sprintf("%v: postgres %s: %v", ErrUnavailable, op, err), s.secret)
 		return &dbError{msg: msg, cause: []error{ErrUnavailable, err}}
 	}
-	return &dbError{msg: msg, cause: []error{err}}
+	return &dbError{msg: redact(fmt.Sprintf("journal: postgres %s: %v", op, err), s.secret), cause: []error{err}}
 }
 
 // isPgxError reports an error of pgx's own making (a scan, a closed transaction).
@@ -727,7 +727,8 @@ func (s *PostgresStore) Alive(ctx context.Context, owner string) (bool, error) {
 
 // Instances implements Cluster.
 func (s *PostgresStore) Instances(ctx context.Context) (int, error) {
-	return s.count(ctx, `SELECT count(*) FROM x402_instances WHERE expires_at > now()`)
+	// This instance counts even while its heartbeat is behind: it is always alive to itself.
+	return s.count(ctx, `SELECT count(*) FROM x402_instances WHERE expires_at > now() OR token = $1`, s.instance)
 }
 
 // Busy implements Cluster, in one statement: the insert of the mark, or, when there is one, its takeover if

@@ -107,14 +107,22 @@ func migrate(ctx context.Context, pool *pgxpool.Pool) error {
 		if version <= applied {
 			continue
 		}
-		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			tag, err := tx.Exec(ctx, `INSERT INTO x402_schema_migrations (version) VALUES ($1) ON CONFLICT (version) DO NOTHING`, version)
-			if err != nil || tag.RowsAffected() == 0 {
-				return err // applied by another process meanwhile
+		var err error
+		for attempt := 0; attempt < 5; attempt++ {
+			err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				tag, err := tx.Exec(ctx, `INSERT INTO x402_schema_migrations (version) VALUES ($1) ON CONFLICT (version) DO NOTHING`, version)
+				if err != nil || tag.RowsAffected() == 0 {
+					return err // applied by another process meanwhile
+				}
+				_, err = tx.Exec(ctx, sql)
+				return err
+			})
+			// A database with SERIALIZABLE transactions may refuse the loser of two concurrent starters.
+			if !hasCode(err, "40001", "40P01") {
+				break
 			}
-			_, err = tx.Exec(ctx, sql)
-			return err
-		})
+			time.Sleep(time.Duration(10*(attempt+1)) * time.Millisecond)
+		}
 		if err != nil {
 			return fmt.Errorf("apply schema migration %d: %w", version, err)
 		}

@@ -2,10 +2,20 @@ package journal
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"math/big"
+	"math/rand/v2"
+	"net"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 )
 
 // pgDSNs remembers the DSN each test store was opened on, for reopen and plant (the store keeps no DSN: it
@@ -47,5 +57,606 @@ func pgExec(t testing.TB, dsn, sql string, args ...any) {
 	defer conn.Close(ctx)
 	if _, err := conn.Exec(ctx, sql, args...); err != nil {
 		t.Fatalf("%s: %v", sql, err)
+	}
+}
+
+// crash ends s as a killed process would: its heartbeat stops and its connections close, but its instance row
+// stays until it expires.
+func (s *PostgresStore) crash() {
+	s.closeOnce.Do(func() {
+		s.closed.Store(true)
+		close(s.stopBeat)
+		<-s.beatDone
+		s.pool.Close()
+	})
+}
+
+// eventually polls cond until it holds or d has passed.
+func eventually(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("after %s: %s", d, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestPostgresTwoStoresClaimEachPaymentExactlyOnce: two stores on one database, as two processes would
+// open it, each claiming every payment from four goroutines at once: every payment has exactly one winner, and
+// every caller sees the winner's claim.
+func TestPostgresTwoStoresClaimEachPaymentExactlyOnce(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	stores := []*PostgresStore{openPostgres(t, dsn, Options{}), openPostgres(t, dsn, Options{})}
+	const ids, goroutines = 200, 4
+	var (
+		mu      sync.Mutex
+		winners = map[ID][]string{}
+		seen    = map[ID]map[string]bool{}
+	)
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for si, s := range stores {
+		for g := range goroutines {
+			owner := fmt.Sprintf("store-%d/goroutine-%d", si, g)
+			order := rand.New(rand.NewPCG(uint64(si), uint64(g))).Perm(ids)
+			wg.Go(func() {
+				<-start
+				for _, n := range order {
+					r := claimOf(5000 + n)
+					r.Owner = owner
+					got, claimed, err := s.Claim(context.Background(), r)
+					if err != nil {
+						t.Errorf("%s: claim %d: %v", owner, n, err)
+						return
+					}
+					mu.Lock()
+					if claimed {
+						winners[r.ID] = append(winners[r.ID], owner)
+					}
+					if seen[r.ID] == nil {
+						seen[r.ID] = map[string]bool{}
+					}
+					seen[r.ID][got.Owner] = true
+					mu.Unlock()
+				}
+			})
+		}
+	}
+	close(start)
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+	for n := range ids {
+		id := claimOf(5000 + n).ID
+		if len(winners[id]) != 1 {
+			t.Fatalf("payment %d was claimed by %v, want exactly one winner", n, winners[id])
+		}
+		if len(seen[id]) != 1 || !seen[id][winners[id][0]] {
+			t.Fatalf("callers of payment %d saw owners %v, want only the winner %s", n, seen[id], winners[id][0])
+		}
+	}
+	if n, err := stores[1].Count(context.Background()); err != nil || n != ids {
+		t.Fatalf("Count = %d, %v; want %d", n, err, ids)
+	}
+}
+
+// TestPostgresMigratesOnceFromConcurrentOpens: eight processes starting at once on an empty database all open,
+// and the schema is applied once.
+func TestPostgresMigratesOnceFromConcurrentOpens(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	const opens = 8
+	errs := make([]error, opens)
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range opens {
+		wg.Go(func() {
+			<-start
+			s, err := OpenPostgres(context.Background(), dsn, Options{})
+			if err == nil {
+				s.Close()
+			}
+			errs[i] = err
+		})
+	}
+	close(start)
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("open %d of %d at once: %v", i, opens, err)
+		}
+	}
+	var versions []int
+	pgQuery(t, dsn, `SELECT version FROM x402_schema_migrations ORDER BY version`, func(rows pgx.Rows) error {
+		var v int
+		err := rows.Scan(&v)
+		versions = append(versions, v)
+		return err
+	})
+	if len(versions) != len(pgMigrations) || versions[0] != 1 || versions[len(versions)-1] != len(pgMigrations) {
+		t.Fatalf("schema versions recorded: %v, want 1..%d once each", versions, len(pgMigrations))
+	}
+	// And a later open finds nothing to do.
+	s := openPostgres(t, dsn, Options{})
+	mustClaim(t, s, claimOf(1))
+}
+
+// TestPostgresRefusesADatabaseOfANewerSchema: a database a newer release migrated is not opened.
+func TestPostgresRefusesADatabaseOfANewerSchema(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	openPostgres(t, dsn, Options{}).Close()
+	pgExec(t, dsn, `INSERT INTO x402_schema_migrations (version) VALUES ($1)`, len(pgMigrations)+1)
+	s, err := OpenPostgres(context.Background(), dsn, Options{})
+	if err == nil {
+		s.Close()
+		t.Fatal("OpenPostgres opened a database of a newer schema")
+	}
+	want := fmt.Sprintf("schema version %d", len(pgMigrations)+1)
+	if !errors.Is(err, ErrSchemaTooNew) || !strings.Contains(err.Error(), want) {
+		t.Fatalf("OpenPostgres: %v; want ErrSchemaTooNew saying %q", err, want)
+	}
+}
+
+// TestPostgresBusyMarksAcrossStores: a payment one live instance marks busy is not another's to mark; an
+// instance's Idle leaves another's mark alone; the mark of a closed instance is taken over at once, and that of
+// an instance that stopped beating once its TTL has passed.
+func TestPostgresBusyMarksAcrossStores(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	ctx := context.Background()
+	a, b := openPostgres(t, dsn, Options{}), openPostgres(t, dsn, Options{})
+	id := claimOf(1).ID
+	busy := func(s *PostgresStore, id ID, want bool) {
+		t.Helper()
+		if got, err := s.Busy(ctx, id); err != nil || got != want {
+			t.Fatalf("Busy by %s = %v, %v; want %v", s.Instance(), got, err, want)
+		}
+	}
+	busy(a, id, true)
+	busy(a, id, true) // marked by itself already
+	busy(b, id, false)
+	if err := b.Idle(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	busy(b, id, false) // b's Idle left a's mark
+	if err := a.Idle(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	busy(b, id, true)
+
+	closed := openPostgres(t, dsn, Options{})
+	id2 := claimOf(2).ID
+	busy(closed, id2, true)
+	busy(b, id2, false)
+	closed.Close()
+	busy(b, id2, true) // closed: dead at once
+
+	crashed := openPostgres(t, dsn, Options{InstanceTTL: time.Second})
+	id3 := claimOf(3).ID
+	busy(crashed, id3, true)
+	crashed.crash()
+	busy(b, id3, false) // still within its TTL
+	if ok, err := b.Alive(ctx, crashed.Instance()); err != nil || !ok {
+		t.Fatalf("Alive of an instance within its TTL = %v, %v", ok, err)
+	}
+	eventually(t, 5*time.Second, "the mark of an instance whose heartbeat stopped was not taken over", func() bool {
+		ok, err := b.Busy(ctx, id3)
+		return err == nil && ok
+	})
+	if ok, err := b.Alive(ctx, crashed.Instance()); err != nil || ok {
+		t.Fatalf("Alive of an instance past its TTL = %v, %v", ok, err)
+	}
+}
+
+// TestPostgresInstancesAndHeartbeat: a store is alive while open, its heartbeat keeps it alive past its TTL, and
+// Close ends it.
+func TestPostgresInstancesAndHeartbeat(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	ctx := context.Background()
+	a := openPostgres(t, dsn, Options{InstanceTTL: 600 * time.Millisecond})
+	b := openPostgres(t, dsn, Options{})
+	if a.Instance() == b.Instance() || len(a.Instance()) != 32 {
+		t.Fatalf("instances %q and %q; want two distinct random tokens", a.Instance(), b.Instance())
+	}
+	if n, err := b.Instances(ctx); err != nil || n != 2 {
+		t.Fatalf("Instances = %d, %v; want 2", n, err)
+	}
+	time.Sleep(1500 * time.Millisecond) // more than twice a's TTL: only its heartbeat keeps it alive
+	if ok, err := b.Alive(ctx, a.Instance()); err != nil || !ok {
+		t.Fatalf("Alive of a beating instance past its TTL = %v, %v", ok, err)
+	}
+	if ok, err := b.Alive(ctx, "no-such-instance"); err != nil || ok {
+		t.Fatalf("Alive of an unknown instance = %v, %v", ok, err)
+	}
+	a.Close()
+	if ok, err := b.Alive(ctx, a.Instance()); err != nil || ok {
+		t.Fatalf("Alive of a closed instance = %v, %v", ok, err)
+	}
+	if n, err := b.Instances(ctx); err != nil || n != 1 {
+		t.Fatalf("Instances after a Close = %d, %v; want 1", n, err)
+	}
+	if _, err := a.Alive(ctx, a.Instance()); !errors.Is(err, ErrClosed) {
+		t.Fatalf("Alive after Close: %v, want ErrClosed", err)
+	}
+}
+
+// TestPostgresLeaseFencesEveryTakeover: a takeover bumps the fence and a renewal keeps it; a live holder's lease
+// is not taken; a lease given up, lapsed, or held by a closed or silent instance is.
+func TestPostgresLeaseFencesEveryTakeover(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	ctx := context.Background()
+	a, b := openPostgres(t, dsn, Options{}), openPostgres(t, dsn, Options{})
+	lease := func(s *PostgresStore, ttl time.Duration) Lease {
+		t.Helper()
+		l, err := s.Lease(ctx, "wallet-1", ttl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	l := lease(a, time.Minute)
+	if !l.Held || !l.Took || l.Fence != 1 || l.Owner != a.Instance() || l.Name != "wallet-1" || time.Until(l.Expires) < 50*time.Second {
+		t.Fatalf("first Lease = %+v; want held and taken at fence 1 for a minute", l)
+	}
+	renewed := lease(a, time.Minute)
+	if !renewed.Held || renewed.Took || renewed.Fence != 1 || renewed.Expires.Before(l.Expires) {
+		t.Fatalf("renewal = %+v; want held, not taken, fence 1, expiring no earlier than %s", renewed, l.Expires)
+	}
+	other := lease(b, time.Minute)
+	if other.Held || other.Took || other.Owner != a.Instance() || other.Fence != 1 {
+		t.Fatalf("Lease by another instance = %+v; want a's lease at fence 1 left alone", other)
+	}
+	if err := b.Unlease(ctx, "wallet-1"); err != nil {
+		t.Fatal(err)
+	}
+	if still := lease(a, time.Minute); !still.Held || still.Took || still.Fence != 1 {
+		t.Fatalf("after another's Unlease, a's renewal = %+v; want it still a's at fence 1", still)
+	}
+	if err := a.Unlease(ctx, "wallet-1"); err != nil {
+		t.Fatal(err)
+	}
+	l = lease(b, 300*time.Millisecond)
+	if !l.Held || !l.Took || l.Fence != 2 {
+		t.Fatalf("Lease after Unlease = %+v; want taken at fence 2", l)
+	}
+	time.Sleep(500 * time.Millisecond) // b's lease lapses
+	l = lease(a, time.Minute)
+	if !l.Held || !l.Took || l.Fence != 3 {
+		t.Fatalf("Lease of a lapsed lease = %+v; want taken at fence 3", l)
+	}
+
+	// A closed holder's lease passes at once; a silent one's once its instance TTL has passed, however long
+	// the lease itself had to run.
+	a.Close()
+	l = lease(b, time.Minute)
+	if !l.Held || !l.Took || l.Fence != 4 {
+		t.Fatalf("Lease of a closed holder's lease = %+v; want taken at fence 4", l)
+	}
+	silent := openPostgres(t, dsn, Options{InstanceTTL: time.Second})
+	if l, err := silent.Lease(ctx, "wallet-2", time.Hour); err != nil || !l.Held || l.Fence != 1 {
+		t.Fatalf("Lease of wallet-2 = %+v, %v", l, err)
+	}
+	silent.crash()
+	if l, err := b.Lease(ctx, "wallet-2", time.Minute); err != nil || l.Held || l.Owner != silent.Instance() {
+		t.Fatalf("Lease of a silent holder's lease within its TTL = %+v, %v; want it left alone", l, err)
+	}
+	eventually(t, 5*time.Second, "the lease of an instance whose heartbeat stopped was not taken over", func() bool {
+		l, err := b.Lease(ctx, "wallet-2", time.Minute)
+		return err == nil && l.Held && l.Took && l.Fence == 2
+	})
+	if _, err := b.Lease(ctx, "wallet-3", 0); err == nil {
+		t.Fatal("Lease for a ttl of 0 succeeded")
+	}
+}
+
+// TestPostgresHoldsAcrossStoresNeverExceedWhatThePayerHas: fifty holds of 10 against 200, at once from two
+// stores, hold exactly twenty.
+func TestPostgresHoldsAcrossStoresNeverExceedWhatThePayerHas(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	ctx := context.Background()
+	stores := []*PostgresStore{openPostgres(t, dsn, Options{}), openPostgres(t, dsn, Options{})}
+	const key, tries = "eip155:8453/0xtoken/0xpayer", 50
+	avail := big.NewInt(200)
+	var held atomic.Int64
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range tries {
+		wg.Go(func() {
+			<-start
+			h := Hold{ID: claimOf(i).ID, Key: key, Amount: big.NewInt(10), Deadline: 2000}
+			ok, left, err := stores[i%2].Hold(ctx, h, avail, 100, 1000, true)
+			if err != nil {
+				t.Errorf("hold %d: %v", i, err)
+				return
+			}
+			if ok {
+				held.Add(1)
+			}
+			if left.Sign() < 0 && ok {
+				t.Errorf("hold %d held with %s left", i, left)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	if held.Load() != 20 {
+		t.Fatalf("%d of %d holds of 10 against 200 were held, want exactly 20", held.Load(), tries)
+	}
+	holds, err := stores[0].HoldsOf(ctx, key)
+	if err != nil || len(holds) != 20 {
+		t.Fatalf("HoldsOf = %d holds, %v; want 20", len(holds), err)
+	}
+	sum := new(big.Int)
+	for _, h := range holds {
+		sum.Add(sum, h.Amount)
+	}
+	if sum.Cmp(avail) != 0 {
+		t.Fatalf("holds sum to %s, want %s", sum, avail)
+	}
+}
+
+// TestPostgresHoldRules: what Hold counts, deletes and answers, as cluster.go describes.
+func TestPostgresHoldRules(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	ctx := context.Background()
+	a, b := openPostgres(t, dsn, Options{}), openPostgres(t, dsn, Options{})
+	const key = "k"
+	hold := func(s *PostgresStore, n int, amount int64, deadline uint64, avail int64, readBlock, chainTime uint64, take bool) (bool, *big.Int) {
+		t.Helper()
+		h := Hold{ID: claimOf(n).ID, Key: key, Amount: big.NewInt(amount), Deadline: deadline}
+		if n == 4 {
+			h.PermitNonce = new(big.Int).Lsh(big.NewInt(1), 200)
+		}
+		ok, left, err := s.Hold(ctx, h, big.NewInt(avail), readBlock, chainTime, take)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ok, left
+	}
+	count := func() int {
+		t.Helper()
+		hs, err := a.HoldsOf(ctx, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(hs)
+	}
+	// Without take nothing is written.
+	if ok, left := hold(a, 1, 60, 1000, 100, 10, 500, false); !ok || left.Int64() != 100 || count() != 0 {
+		t.Fatalf("Hold without take = %v, %s with %d holds; want covered, 100 left, nothing held", ok, left, count())
+	}
+	if ok, left := hold(a, 1, 60, 1000, 100, 10, 500, true); !ok || left.Int64() != 100 {
+		t.Fatalf("first hold = %v, %s; want held with 100 beside the others", ok, left)
+	}
+	if ok, left := hold(b, 2, 50, 1000, 100, 10, 500, true); ok || left.Int64() != 40 {
+		t.Fatalf("hold of 50 beside 60 against 100 = %v, %s; want refused with 40 left", ok, left)
+	}
+	// A payment held already is covered by its own hold, however little is left.
+	if ok, left := hold(b, 1, 60, 1000, 10, 10, 500, true); !ok || left.Int64() != 10 || count() != 1 {
+		t.Fatalf("hold of a held payment = %v, %s (%d holds); want held, 10 left, still one hold", ok, left, count())
+	}
+	// Mined at block 20: it counts until a read at block 20 or later.
+	if err := a.HoldMined(ctx, claimOf(1).ID, 20); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.HoldMined(ctx, claimOf(1).ID, 25); err != nil { // the first block recorded stays
+		t.Fatal(err)
+	}
+	if ok, _ := hold(b, 2, 50, 1000, 100, 19, 500, false); ok {
+		t.Fatal("a hold mined after the read still counts; hold of 50 was covered")
+	}
+	if hs, _ := a.HoldsOf(ctx, key); len(hs) != 1 || hs[0].Mined != 20 || hs[0].Deadline != 1000 || hs[0].Amount.Int64() != 60 {
+		t.Fatalf("HoldsOf = %+v; want the hold of 60 mined at 20", hs)
+	}
+	if ok, left := hold(b, 2, 50, 1000, 100, 20, 500, true); !ok || left.Int64() != 100 || count() != 1 {
+		t.Fatalf("hold after a read at the mined block = %v, %s (%d holds); want held, 100 left, the mined one gone", ok, left, count())
+	}
+	// Never mined and past its deadline (hold 2, deadline 1000, at chain time 1001): gone at the next hold with take.
+	if ok, left := hold(a, 3, 30, 5000, 100, 21, 1001, true); !ok || left.Int64() != 100 {
+		t.Fatalf("hold beside one past its deadline = %v, %s; want held with 100 left", ok, left)
+	}
+	hold(a, 4, 1, 5000, 100, 21, 1001, true)
+	hs, err := b.HoldsOf(ctx, key)
+	if err != nil || len(hs) != 2 || hs[0].ID != claimOf(3).ID || hs[1].PermitNonce == nil || hs[1].PermitNonce.Cmp(new(big.Int).Lsh(big.NewInt(1), 200)) != 0 {
+		t.Fatalf("HoldsOf = %+v, %v; want holds 3 and 4 (with its permit nonce)", hs, err)
+	}
+	if err := b.Unhold(ctx, claimOf(3).ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Unhold(ctx, claimOf(3).ID); err != nil {
+		t.Fatalf("Unhold of an absent hold: %v", err)
+	}
+	if count() != 1 {
+		t.Fatalf("%d holds after Unhold, want 1", count())
+	}
+	if hs, err := a.HoldsOf(ctx, "nobody"); err != nil || len(hs) != 0 {
+		t.Fatalf("HoldsOf an unknown key = %v, %v", hs, err)
+	}
+}
+
+// TestPostgresUnavailableDuringAnOutage: with the database down every call fails fast with ErrUnavailable,
+// and once it is back the same store works again.
+func TestPostgresUnavailableDuringAnOutage(t *testing.T) {
+	srv := pgtest.Start(t)
+	ctx := context.Background()
+	s := openPostgres(t, srv.DSN(), Options{OpenTimeout: time.Second})
+	first := mustClaim(t, s, claimOf(1)).ID
+	mustClaim(t, s, claimOf(2))
+	srv.Stop(t)
+
+	id := claimOf(3).ID
+	calls := map[string]func() error{
+		"Claim":         func() error { _, _, err := s.Claim(ctx, claimOf(3)); return err },
+		"Get":           func() error { _, _, err := s.Get(ctx, first); return err },
+		"Update":        func() error { _, err := s.Update(ctx, first, toBroadcast("0x1")); return err },
+		"MarkServed":    func() error { return s.MarkServed(ctx, first, time.Now()) },
+		"Release":       func() error { return s.Release(ctx, first) },
+		"ReleaseUnsent": func() error { return s.ReleaseUnsent(ctx, first, "0x1") },
+		"Pending":       func() error { _, err := s.Pending(ctx); return err },
+		"PendingOf":     func() error { _, err := s.PendingOf(ctx, true); return err },
+		"Prune":         func() error { _, err := s.Prune(ctx, time.Now()); return err },
+		"Count":         func() error { _, err := s.Count(ctx); return err },
+		"Backlog":       func() error { _, err := s.Backlog(ctx); return err },
+		"Alive":         func() error { _, err := s.Alive(ctx, "x"); return err },
+		"Instances":     func() error { _, err := s.Instances(ctx); return err },
+		"Busy":          func() error { _, err := s.Busy(ctx, id); return err },
+		"Idle":          func() error { return s.Idle(ctx, id) },
+		"Lease":         func() error { _, err := s.Lease(ctx, "w", time.Minute); return err },
+		"Unlease":       func() error { return s.Unlease(ctx, "w") },
+		"Hold": func() error {
+			_, _, err := s.Hold(ctx, Hold{ID: id, Key: "k", Amount: big.NewInt(1)}, big.NewInt(5), 1, 1, true)
+			return err
+		},
+		"HoldMined": func() error { return s.HoldMined(ctx, id, 1) },
+		"Unhold":    func() error { return s.Unhold(ctx, id) },
+		"HoldsOf":   func() error { _, err := s.HoldsOf(ctx, "k"); return err },
+	}
+	for name, call := range calls {
+		began := time.Now()
+		err := call()
+		if !errors.Is(err, ErrUnavailable) {
+			t.Errorf("%s with the database down: %v, want ErrUnavailable", name, err)
+		}
+		if took := time.Since(began); took > 3*time.Second {
+			t.Errorf("%s with the database down took %s", name, took)
+		}
+	}
+	if t.Failed() {
+		return
+	}
+
+	srv.Restart(t)
+	got, claimed, err := s.Claim(ctx, claimOf(3))
+	if err != nil || !claimed {
+		t.Fatalf("Claim after the restart = %v, %v; want the store to reconnect", claimed, err)
+	}
+	if _, err := s.Update(ctx, got.ID, toBroadcast("0x3")); err != nil {
+		t.Fatalf("Update after the restart: %v", err)
+	}
+	if n, err := s.Backlog(ctx); err != nil || n != 3 {
+		t.Fatalf("Backlog after the restart = %d, %v; want 3", n, err)
+	}
+	if ok, err := s.Busy(ctx, id); err != nil || !ok {
+		t.Fatalf("Busy after the restart = %v, %v", ok, err)
+	}
+}
+
+// TestPostgresErrorsNeverShowThePassword: a DSN's password appears in no error, whatever the form of the DSN.
+func TestPostgresErrorsNeverShowThePassword(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close() // nothing listens there now
+	const pw = "s3cret-pw"
+	for _, dsn := range []string{
+		fmt.Sprintf("postgres://x402:%s@127.0.0.1:%d/journal?sslmode=disable", pw, port),
+		fmt.Sprintf("host=127.0.0.1 port=%d user=x402 password=%s dbname=journal sslmode=disable", port, pw),
+	} {
+		began := time.Now()
+		s, err := OpenPostgres(context.Background(), dsn, Options{OpenTimeout: time.Second})
+		if err == nil {
+			s.Close()
+			t.Fatalf("OpenPostgres of a closed port succeeded")
+		}
+		if !errors.Is(err, ErrUnavailable) || strings.Contains(err.Error(), pw) {
+			t.Fatalf("OpenPostgres of a closed port: %q; want ErrUnavailable without the password", err)
+		}
+		if took := time.Since(began); took > 3*time.Second {
+			t.Fatalf("OpenPostgres of a closed port took %s", took)
+		}
+	}
+	for _, dsn := range []string{
+		fmt.Sprintf("postgres://x402:%s@127.0.0.1:notaport/journal", pw),
+		fmt.Sprintf("postgres://x402:%s@127.0.0.1/journal?sslmode=nonsense", pw),
+		fmt.Sprintf("host=127.0.0.1 password=%s sslmode=nonsense", pw),
+	} {
+		_, err := OpenPostgres(context.Background(), dsn, Options{})
+		if err == nil || strings.Contains(err.Error(), pw) {
+			t.Fatalf("OpenPostgres of a bad DSN: %v; want an error without the password", err)
+		}
+	}
+}
+
+// pgQuery runs a query on dsn's database and hands each row to scan.
+func pgQuery(t testing.TB, dsn, sql string, scan func(pgx.Rows) error) {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	rows, err := conn.Query(ctx, sql)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		if err := scan(rows); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestPostgresRestartMidLoad: claims and updates under way while the database restarts either succeed or fail
+// with ErrUnavailable, and a caller that repeats what failed ends with every payment claimed once, by itself.
+func TestPostgresRestartMidLoad(t *testing.T) {
+	srv := pgtest.Start(t)
+	ctx := context.Background()
+	s := openPostgres(t, srv.DSN(), Options{OpenTimeout: time.Second})
+	const workers, each = 4, 150
+	var unavailable atomic.Int64
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			owner := fmt.Sprintf("worker-%d", w)
+			for i := range each {
+				r := claimOf(7000 + w*each + i)
+				r.Owner = owner
+				for try := 0; ; try++ {
+					got, _, err := s.Claim(ctx, r)
+					if err == nil {
+						// Claimed by this call, or by an earlier try whose answer the restart lost: either way the
+						// claim is this worker's.
+						if got.Owner != owner {
+							t.Errorf("payment %d claimed by %q, want %q", i, got.Owner, owner)
+							return
+						}
+						_, err = s.Update(ctx, r.ID, toBroadcast(fmt.Sprintf("0x%x", w*each+i)))
+					}
+					if err == nil {
+						break
+					}
+					if !errors.Is(err, ErrUnavailable) || try == 200 {
+						t.Errorf("%s, payment %d: %v; want success or ErrUnavailable", owner, i, err)
+						return
+					}
+					unavailable.Add(1)
+					time.Sleep(20 * time.Millisecond)
+				}
+			}
+		})
+	}
+	time.Sleep(300 * time.Millisecond)
+	srv.Restart(t)
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+	t.Logf("%d calls failed with ErrUnavailable during the restart", unavailable.Load())
+	pending, err := s.Pending(ctx)
+	if err != nil || len(pending) != workers*each {
+		t.Fatalf("Pending = %d, %v; want %d", len(pending), err, workers*each)
+	}
+	for _, r := range pending {
+		if r.State != StateBroadcast {
+			t.Fatalf("%s is %q, want broadcast", r.ID, r.State)
+		}
 	}
 }
