@@ -36,8 +36,10 @@ type Cluster interface {
 
 	// Lease takes or renews the lease called name for this instance for ttl of the database's time, and
 	// returns the lease as it stands afterwards. Held says this instance holds it; otherwise Owner is the live
-	// instance that does, and nothing changed. A lease that was free, past its expiry, or held by a dead
-	// instance is taken over, and every takeover bumps Fence; a renewal by the holder keeps it.
+	// instance that does, and nothing changed. A lease that was free or past its expiry is taken over, and
+	// every takeover bumps Fence; a renewal by the holder keeps it. A lease whose holder looks dead is not
+	// taken before it expires: a holder cut off from the database goes on signing until its own reckoning of
+	// the lease runs out, which it keeps shorter than the lease.
 	Lease(ctx context.Context, name string, ttl time.Duration) (Lease, error)
 	// Unlease gives up this instance's lease of name; a lease held by another is left alone. The fence stays,
 	// so the next holder's fence is higher than any before it.

@@ -99,6 +99,11 @@ func OpenPostgres(ctx context.Context, dsn string, opts Options) (*PostgresStore
 		stopBeat: make(chan struct{}),
 		beatDone: make(chan struct{}),
 	}
+	if !strings.Contains(dsn, "pool_max_conns") {
+		// pgx's default, four connections on a small machine, would queue a busy gateway's requests behind
+		// each other; each connection costs the server a process, so the default stays modest.
+		cfg.MaxConns = defaultMaxConns
+	}
 	if s.pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
 		return nil, s.openErr(err)
 	}
@@ -119,6 +124,9 @@ func OpenPostgres(ctx context.Context, dsn string, opts Options) (*PostgresStore
 	go s.heartbeat()
 	return s, nil
 }
+
+// defaultMaxConns is the connection pool's size when the DSN sets no pool_max_conns.
+const defaultMaxConns = 16
 
 func (s *PostgresStore) openErr(err error) error {
 	if errors.Is(err, ErrSchemaTooNew) {
@@ -788,12 +796,11 @@ func (s *PostgresStore) Lease(ctx context.Context, name string, ttl time.Duratio
 			return err
 		}
 		var (
-			fence              int64
-			current, ownerLive bool
+			fence   int64
+			current bool
 		)
-		err := tx.QueryRow(wctx, `SELECT l.owner, l.fence, l.expires_at, l.expires_at > now(),
-	EXISTS (SELECT 1 FROM x402_instances i WHERE i.token = l.owner AND i.expires_at > now())
-FROM x402_leases l WHERE l.name = $1 FOR UPDATE`, name).Scan(&l.Owner, &fence, &l.Expires, &current, &ownerLive)
+		err := tx.QueryRow(wctx, `SELECT l.owner, l.fence, l.expires_at, l.expires_at > now()
+FROM x402_leases l WHERE l.name = $1 FOR UPDATE`, name).Scan(&l.Owner, &fence, &l.Expires, &current)
 		if err != nil {
 			return err
 		}
@@ -804,7 +811,9 @@ FROM x402_leases l WHERE l.name = $1 FOR UPDATE`, name).Scan(&l.Owner, &fence, &
 			err = tx.QueryRow(wctx, `UPDATE x402_leases SET expires_at = now() + $2 * interval '1 microsecond' WHERE name = $1
 RETURNING expires_at`, name, ttl.Microseconds()).Scan(&l.Expires)
 			l.Held = true
-		case l.Owner == "" || !current || !ownerLive:
+		case l.Owner == "" || !current:
+			// Never because the holder looks dead: a holder that cannot reach the database goes on signing until
+			// its own reckoning of the lease runs out, which is before the lease expires here.
 			// A takeover, even of this instance's own lapsed lease: someone may have read it as free.
 			err = tx.QueryRow(wctx, `UPDATE x402_leases SET owner = $2, fence = fence + 1, expires_at = now() + $3 * interval '1 microsecond'
 WHERE name = $1 RETURNING fence, expires_at`, name, s.instance, ttl.Microseconds()).Scan(&fence, &l.Expires)
