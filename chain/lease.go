@@ -28,6 +28,9 @@ import (
 // defaultWalletLeaseTTL is how long a wallet lease lasts unless renewed; renewals come every third of it.
 const defaultWalletLeaseTTL = 15 * time.Second
 
+// leaseLook is how often the lease loop looks at the wallets' sharing at most.
+const leaseLook = time.Second
+
 // leaseName is the name of a wallet's lease in the journal.
 func leaseName(network string, addr common.Address) string {
 	return "wallet:" + network + ":" + addr.Hex()
@@ -81,8 +84,13 @@ func (f *Facilitator) leasePass(ctx context.Context, n *network) error {
 				continue
 			}
 		}
-		if err := f.renew(ctx, n, w); err != nil {
-			note(err)
+		n.pool.mu.Lock()
+		due := l.now().After(w.validUntil.Add(-l.ttl / 3))
+		n.pool.mu.Unlock()
+		if due {
+			if err := f.renew(ctx, n, w); err != nil {
+				note(err)
+			}
 		}
 		n.pool.mu.Lock()
 		if w.leased && !w.draining {
@@ -196,10 +204,13 @@ func (f *Facilitator) giveUp(ctx context.Context, n *network, w *wallet) {
 		zap.String("network", n.caip2), zap.String("wallet", w.Address.Hex()))
 }
 
-// leaseLoop keeps the wallet leases of every network until the facilitator closes, then gives them up.
+// leaseLoop keeps the wallet leases of every network until the facilitator closes, then gives them up. It looks
+// every second (or every third of the lease, when shorter) whether the wallets need sharing out anew, so that an
+// instance that starts beside others gets its share within a second or two of the others giving theirs up; a
+// lease itself is renewed once a third of it has passed.
 func (f *Facilitator) leaseLoop() {
 	defer f.wg.Done()
-	every := f.leases.ttl / 3
+	every := min(f.leases.ttl/3, leaseLook)
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {

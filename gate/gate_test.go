@@ -48,12 +48,18 @@ type env struct {
 type setup struct {
 	settle  string
 	journal journal.Store // default: in memory
+	// chain is the chain to settle on, shared with another env (a second gateway); default a new one, sealing
+	// every 5ms.
+	chain *chaintest.Chain
 }
 
 func newEnv(t *testing.T, s setup) *env {
 	t.Helper()
-	c := chaintest.New(t)
-	t.Cleanup(c.AutoCommit(5 * time.Millisecond))
+	c := s.chain
+	if c == nil {
+		c = chaintest.New(t)
+		t.Cleanup(c.AutoCommit(5 * time.Millisecond))
+	}
 	e := &env{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"),
 		net: x402.EIP155(c.ChainID.Uint64()), vars: &vars{m: map[string]string{}}, metrics: &countingMetrics{}}
 	e.store = s.journal

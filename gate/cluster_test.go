@@ -1,0 +1,137 @@
+package gate_test
+
+import (
+	"context"
+	"math/big"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
+	"github.com/x402-gateway/caddy-x402/gate"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// twoGateways are two gates, each with an engine and a store of its own on one PostgreSQL database, settling on
+// one chain: two processes behind a load balancer.
+func twoGateways(t *testing.T, settle string, opts ...chaintest.Option) [2]*env {
+	t.Helper()
+	dsn := pgtest.Shared(t)
+	c := chaintest.New(t, opts...)
+	t.Cleanup(c.AutoCommit(5 * time.Millisecond))
+	var out [2]*env
+	for i := range out {
+		st, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { st.Close() })
+		out[i] = newEnv(t, setup{settle: settle, journal: st, chain: c})
+	}
+	// The second engine gets its share of the settlement wallets once the first gives it up.
+	deadline := time.Now().Add(20 * time.Second)
+	for len(out[0].fac.LeasedWallets(out[0].net)) != 1 || len(out[1].fac.LeasedWallets(out[1].net)) != 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the two engines hold %v and %v of the two wallets; want one each", out[0].fac.LeasedWallets(out[0].net), out[1].fac.LeasedWallets(out[1].net))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return out
+}
+
+func TestTwoSettleAsyncGatewaysTogetherServeAPayerNoMoreThanThePayerCanPay(t *testing.T) {
+	// Each payer holds three prices. Served before they settle, six payments alternating between the two
+	// gateways: each gateway alone would see funds for three, and only the holds they share stop the fourth.
+	gws := twoGateways(t, gate.SettleAsync, chaintest.WithTokenBalance(big.NewInt(3*price)))
+	payer := gws[0].c.Payers[0]
+	headers := make([]string, 6)
+	for i := range headers {
+		headers[i] = gws[i%2].permit2(payer)
+	}
+	before := gws[0].balances(payer)
+	resume := gate.PauseBackgroundSettlement()
+	resumed := false
+	defer func() {
+		if !resumed {
+			resume()
+		}
+	}()
+
+	served, refused := 0, 0
+	for i, h := range headers {
+		a := gws[i%2].get(x402.HeaderPaymentSignature, h)
+		switch a.status {
+		case http.StatusOK:
+			served++
+		case http.StatusPaymentRequired:
+			refused++
+			pr, err := x402.DecodePaymentRequired(a.header.Get(x402.HeaderPaymentRequired))
+			if err != nil || pr.Error == "" {
+				t.Fatalf("payment %d refused without a reason: %+v, %v", i, pr, err)
+			}
+		default:
+			t.Fatalf("payment %d on gateway %d = %d %q; want 200 or 402", i, i%2, a.status, a.body)
+		}
+	}
+	if served != 3 || refused != 3 {
+		t.Fatalf("the two gateways served %d payments and refused %d; want 3 and 3: the payer can pay for three", served, refused)
+	}
+	resume()
+	resumed = true
+	deadline := time.Now().Add(30 * time.Second)
+	for gws[0].gate.Ledger().Backlog()+gws[1].gate.Ledger().Backlog() > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the served payments did not settle in time")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if lost, gained := gws[0].paid(payer, before); lost.Int64() != 3*price || gained.Int64() != 3*price {
+		t.Fatalf("the payer lost %s and the seller gained %s; want exactly %d: every served payment paid", lost, gained, 3*price)
+	}
+}
+
+func TestOnePaymentPresentedToTwoGatewaysAtOnceBuysOneResponse(t *testing.T) {
+	for _, settle := range []string{gate.SettleAfter, gate.SettleAsync} {
+		t.Run(settle, func(t *testing.T) {
+			gws := twoGateways(t, settle)
+			payer := gws[0].c.Payers[1]
+			for round := range 3 {
+				h := gws[0].permit2(payer)
+				before := gws[0].balances(payer)
+				answers := make(chan answer, 2)
+				for _, g := range gws {
+					go func() { answers <- g.get(x402.HeaderPaymentSignature, h) }()
+				}
+				got := map[int]int{}
+				var seen []answer
+				for range 2 {
+					a := <-answers
+					got[a.status]++
+					seen = append(seen, a)
+				}
+				if got[http.StatusOK] != 1 || got[http.StatusPaymentRequired] != 1 {
+					for _, a := range seen {
+						pr, _ := x402.DecodePaymentRequired(a.header.Get(x402.HeaderPaymentRequired))
+						t.Logf("answer %d: %q %s", a.status, a.body, pr.Error)
+					}
+					t.Fatalf("round %d: the two gateways answered %v; want one 200 and one 402 (already used or in flight)", round, got)
+				}
+				deadline := time.Now().Add(30 * time.Second)
+				for gws[0].gate.Ledger().Backlog()+gws[1].gate.Ledger().Backlog() > 0 {
+					if time.Now().After(deadline) {
+						t.Fatal("the payment did not settle in time")
+					}
+					time.Sleep(10 * time.Millisecond)
+				}
+				if lost, gained := gws[0].paid(payer, before); lost.Int64() != price || gained.Int64() != price {
+					t.Fatalf("round %d: the payer lost %s and the seller gained %s; want exactly %d", round, lost, gained, price)
+				}
+			}
+			if n := gws[0].served.Load() + gws[1].served.Load(); n != 3 {
+				t.Fatalf("the upstreams ran %d times for 3 payments; want 3", n)
+			}
+		})
+	}
+}
