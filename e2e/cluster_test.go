@@ -1,0 +1,785 @@
+package e2e
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/big"
+	"net/http"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/crypto"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// The acceptance tests of several Caddy gateways sharing one PostgreSQL journal: one `caddy x402 devchain`
+// process, one PostgreSQL server of the test's own, and three Caddy processes with the same Caddyfile (the
+// same twelve dev wallets, the same journal DSN, one paid route). What they assert is judged on chain: token
+// balances and Transfer logs, to the unit.
+
+const (
+	// clusterGateways is the number of Caddy processes sharing the journal.
+	clusterGateways = 3
+	// clusterWallets is the number of settlement wallets every gateway is configured with; the gateways share
+	// them by leases, four each while three are alive.
+	clusterWallets = 12
+	// clusterPrice is the paid route's price in raw units of the 6-decimal dev token ($0.01).
+	clusterPrice = 10000
+	// clusterContent is the paid route's response body.
+	clusterContent = "paid"
+	// clusterRequestTimeout is longer than the gate's own settlement timeout (2 minutes).
+	clusterRequestTimeout = 3 * time.Minute
+	// clusterRetryFor bounds how long a client presents again a payment whose answer was not final (no answer,
+	// a 5xx, or another instance presenting it): long enough for a dead instance's in-flight marks (instance TTL
+	// 10 s) and wallet leases (15 s) to pass on.
+	clusterRetryFor = 90 * time.Second
+	// clusterDrainWait bounds how long the settlements get to drain at the end.
+	clusterDrainWait = 90 * time.Second
+)
+
+// cluster is the dev chain, the database and the gateways of one test, and the client that pays them.
+type cluster struct {
+	t        *testing.T
+	dir      string
+	dev      *devChain
+	chainURL string
+	chainID  *big.Int
+	wallets  []common.Address
+	pg       *pgtest.Server
+	dsn      string // never logged
+	gates    []*clusterGate
+	offer    x402.PaymentRequirements
+	payers   []*ecdsa.PrivateKey
+
+	transport *http.Transport
+	client    *http.Client
+
+	mu       sync.Mutex
+	payments []*clusterPayment
+}
+
+// clusterGate is one Caddy process of the cluster.
+type clusterGate struct {
+	n    int
+	name string
+	url  string
+	proc *process
+	dead atomic.Bool // SIGKILLed by the test
+}
+
+// startCluster starts the dev chain with payers funded demo payers (each approves Permit2 once, so that its
+// token balance moves by the prices alone), the database and the three gateways, and waits until the wallet
+// leases are shared out: four wallets held by each gateway.
+func startCluster(t *testing.T, payers int) *cluster {
+	t.Helper()
+	needBinary(t)
+	started := time.Now()
+	c := &cluster{t: t, dir: t.TempDir(), chainID: new(big.Int).SetUint64(devchain.DefaultChainID)}
+
+	// The database starts while the chain does.
+	pgReady := make(chan struct{})
+	var pgErr any
+	go func() {
+		defer close(pgReady)
+		defer func() { pgErr = recover() }()
+		c.pg = pgtest.Start(t)
+	}()
+
+	chainProc := startProcess(t, "caddy x402 devchain", c.dir, childEnv(t), "x402", "devchain", "--listen", "127.0.0.1:0", "--json",
+		"--wallets", fmt.Sprint(clusterWallets), "--payers", fmt.Sprint(payers))
+	var facts struct {
+		RPC     string   `json:"rpc"`
+		Wallets []string `json:"wallets"`
+		Payers  []string `json:"payers"`
+	}
+	chainProc.waitUntil("the JSON line of the chain's facts", 90*time.Second, func() error {
+		for _, line := range strings.Split(chainProc.out.String(), "\n") {
+			if strings.HasPrefix(line, `{"rpc":`) {
+				return json.Unmarshal([]byte(line), &facts)
+			}
+		}
+		return fmt.Errorf("no JSON line yet")
+	})
+	if len(facts.Wallets) != clusterWallets || len(facts.Payers) != payers {
+		t.Fatalf("the chain funded %d wallets and %d payers, want %d and %d", len(facts.Wallets), len(facts.Payers), clusterWallets, payers)
+	}
+	c.chainURL = facts.RPC
+	c.dev = dialChain(t, c.chainURL)
+	for _, w := range facts.Wallets {
+		c.wallets = append(c.wallets, common.HexToAddress(w))
+	}
+	maxUint256 := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
+	for i := range payers {
+		key := devchain.PayerKeyN(i)
+		if got := crypto.PubkeyToAddress(key.PublicKey); got != common.HexToAddress(facts.Payers[i]) {
+			t.Fatalf("demo payer %d is %s on the chain, %s by devchain.PayerKeyN", i, facts.Payers[i], got)
+		}
+		c.payers = append(c.payers, key)
+		c.dev.send(key, devchain.TokenAddress, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
+	}
+
+	<-pgReady
+	if pgErr != nil {
+		t.Fatalf("starting PostgreSQL: %v", pgErr)
+	}
+	c.dsn = c.pg.DSN()
+
+	for i := range clusterGateways {
+		g := &clusterGate{n: i, name: fmt.Sprintf("gateway %d", i), url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t))}
+		file := writeFile(t, c.dir, fmt.Sprintf("gateway%d.Caddyfile", i), fmt.Sprintf(`{
+	admin off
+	x402 {
+		dev_chain {
+			rpc %s
+			wallets 0-%d
+		}
+		journal %s
+	}
+}
+
+%s {
+	bind 127.0.0.1
+	x402 $0.01 {
+		pay_to %s
+		max_timeout 24h
+	}
+	respond %q
+}
+`, c.chainURL, clusterWallets-1, c.dsn, g.url, seller.Hex(), clusterContent))
+		g.proc = startProcess(t, g.name, c.dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", file)
+		c.gates = append(c.gates, g)
+	}
+	for _, g := range c.gates {
+		g.proc.waitUntil("a 402 from the gateway", 90*time.Second, answersWith(g.url+"/", 402))
+	}
+	c.waitLeases("the wallets shared out by the three gateways", 60*time.Second, clusterGateways)
+	c.offer = permit2Offer(t, c.gates[0].url+"/")
+	if c.offer.MaxTimeoutSeconds < 3600 {
+		t.Fatalf("the offer's maxTimeoutSeconds is %d; the test needs the max_timeout 24h it configured", c.offer.MaxTimeoutSeconds)
+	}
+
+	c.transport = &http.Transport{MaxIdleConnsPerHost: 64}
+	t.Cleanup(c.transport.CloseIdleConnections)
+	c.client = &http.Client{Transport: c.transport, Timeout: clusterRequestTimeout}
+	t.Logf("the cluster is up in %v: a dev chain, PostgreSQL, %d gateways sharing %d wallets, %d payers",
+		time.Since(started).Round(100*time.Millisecond), clusterGateways, clusterWallets, payers)
+	return c
+}
+
+// query runs fn on a fresh connection to the journal's database.
+func (c *cluster) query(fn func(ctx context.Context, conn *pgx.Conn) error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, c.dsn)
+	if err != nil {
+		return fmt.Errorf("connecting to the journal's database: %w", errors.New(strings.ReplaceAll(err.Error(), c.dsn, "<dsn>")))
+	}
+	defer conn.Close(ctx)
+	return fn(ctx, conn)
+}
+
+// leases reads the live wallet leases: instance token -> wallets.
+func (c *cluster) leases() (map[string][]common.Address, error) {
+	out := map[string][]common.Address{}
+	err := c.query(func(ctx context.Context, conn *pgx.Conn) error {
+		rows, err := conn.Query(ctx, `SELECT owner, name FROM x402_leases WHERE owner <> '' AND expires_at > now() ORDER BY name`)
+		if err != nil {
+			return err
+		}
+		for rows.Next() {
+			var owner, name string
+			if err := rows.Scan(&owner, &name); err != nil {
+				return err
+			}
+			out[owner] = append(out[owner], common.HexToAddress(name[strings.LastIndex(name, ":")+1:]))
+		}
+		return rows.Err()
+	})
+	return out, err
+}
+
+// waitLeases waits until every wallet's lease is held, by exactly holders instances, evenly.
+func (c *cluster) waitLeases(what string, timeout time.Duration, holders int) map[string][]common.Address {
+	c.t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		l, err := c.leases()
+		if err == nil {
+			n := 0
+			even := len(l) == holders
+			for _, ws := range l {
+				n += len(ws)
+				even = even && (len(ws) == (clusterWallets+holders-1)/holders || len(ws) == clusterWallets/holders)
+			}
+			if even && n == clusterWallets && len(l) == holders {
+				return l
+			}
+			err = fmt.Errorf("the leases held: %s", describeLeases(l))
+		}
+		if time.Now().After(deadline) {
+			c.t.Fatalf("no %s within %v: %v", what, timeout, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+func describeLeases(l map[string][]common.Address) string {
+	var parts []string
+	for owner, ws := range l {
+		parts = append(parts, fmt.Sprintf("instance %s holds %d", shortToken(owner), len(ws)))
+	}
+	sort.Strings(parts)
+	if len(parts) == 0 {
+		return "none"
+	}
+	return strings.Join(parts, ", ")
+}
+
+func shortToken(s string) string {
+	if len(s) > 8 {
+		return s[:8]
+	}
+	return s
+}
+
+// pendingRecords counts the journal's records whose settlement is not final.
+func (c *cluster) pendingRecords() (int, error) {
+	var n int
+	err := c.query(func(ctx context.Context, conn *pgx.Conn) error {
+		return conn.QueryRow(ctx, `SELECT count(*) FROM x402_records WHERE pending`).Scan(&n)
+	})
+	return n, err
+}
+
+// describePending lists the journal's records that are not final, read through the journal package. Opening
+// the store adds an instance to the cluster: only for a test that is failing already.
+func (c *cluster) describePending() string {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	st, err := journal.OpenPostgres(ctx, c.dsn, journal.Options{})
+	if err != nil {
+		return fmt.Sprintf("(the journal could not be opened to list them: %v)", err)
+	}
+	defer st.Close()
+	recs, err := st.Pending(ctx)
+	if err != nil {
+		return fmt.Sprintf("(listing them: %v)", err)
+	}
+	var lines []string
+	for i, r := range recs {
+		if i == 15 {
+			lines = append(lines, fmt.Sprintf("  ... and %d more", len(recs)-i))
+			break
+		}
+		lines = append(lines, fmt.Sprintf("  %s: payer %s, state %s, async %v, served %v, owner %s, wallet %s nonce %d, tx %q, response %+v",
+			r.ID, r.Payer, r.State, r.Async, r.Served, shortToken(r.Owner), r.Wallet, r.TxNonce, r.TxHash, r.Response))
+	}
+	return strings.Join(lines, "\n")
+}
+
+// heldWallets reads from a gateway's log the wallets whose leases it took and, of those, the ones it still
+// holds (not given up or lost since).
+func (g *clusterGate) heldWallets() (took, holds map[common.Address]bool) {
+	took, holds = map[common.Address]bool{}, map[common.Address]bool{}
+	for _, line := range strings.Split(g.proc.out.String(), "\n") {
+		if !strings.HasPrefix(line, "{") || !strings.Contains(line, "lease of a settlement wallet") {
+			continue
+		}
+		var e struct {
+			Msg    string `json:"msg"`
+			Wallet string `json:"wallet"`
+		}
+		if json.Unmarshal([]byte(line), &e) != nil || !common.IsHexAddress(e.Wallet) {
+			continue
+		}
+		w := common.HexToAddress(e.Wallet)
+		switch {
+		case strings.HasPrefix(e.Msg, "took the lease"):
+			took[w], holds[w] = true, true
+		case strings.HasPrefix(e.Msg, "gave up the lease"), strings.HasPrefix(e.Msg, "lost the lease"):
+			delete(holds, w)
+		}
+	}
+	return took, holds
+}
+
+// chainTime is the time of the chain's head block, which the client signs by: with block time 0 the chain
+// runs ahead of the wall clock, a second per block.
+func (c *cluster) chainTime() time.Time {
+	c.t.Helper()
+	ctx, cancel := rpcContext()
+	defer cancel()
+	h, err := c.dev.client.HeaderByNumber(ctx, nil)
+	if err != nil {
+		c.t.Fatalf("reading the chain's head: %v", err)
+	}
+	return time.Unix(int64(h.Time), 0)
+}
+
+// clusterPayment is one signed payment and every answer its presentations got.
+type clusterPayment struct {
+	n      int
+	payer  int
+	header string
+	nonce  string
+
+	mu      sync.Mutex
+	answers []clusterAnswer
+	paid    int    // 200s with the content
+	tx      string // the transaction of the (first) 200's PAYMENT-RESPONSE
+	refused string // a final answer other than 200, when there was one
+}
+
+// clusterAnswer is one presentation of a payment to one gateway.
+type clusterAnswer struct {
+	gate       int
+	sent, got  time.Time
+	status     int    // 0: no answer
+	text       string // the error, the 402's reason or the body
+	tx         string // a 200's settlement transaction
+	final      bool   // 200, or a refusal that presenting again cannot change
+	presenting bool   // 402: another request is presenting the payment right now
+}
+
+func (a clusterAnswer) String() string {
+	s := fmt.Sprintf("gw%d ", a.gate)
+	switch {
+	case a.status == 0:
+		s += "no answer (" + a.text + ")"
+	case a.status == http.StatusOK:
+		s += "200 tx " + a.tx
+	default:
+		s += fmt.Sprintf("%d %s", a.status, a.text)
+	}
+	return s
+}
+
+func (p *clusterPayment) String() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var as []string
+	for _, a := range p.answers {
+		as = append(as, a.String())
+	}
+	return fmt.Sprintf("payment #%d (payer %d, nonce %s): %s", p.n, p.payer, p.nonce, strings.Join(as, "; "))
+}
+
+// sign signs a new payment of payer for the route, dated now (chain time).
+func (c *cluster) sign(payer int, now time.Time) *clusterPayment {
+	c.t.Helper()
+	pl, err := chain.SignPermit2Payment(c.payers[payer], c.offer, c.chainID, chain.Permit2Options{Now: now})
+	if err != nil {
+		c.t.Fatalf("signing a payment: %v", err)
+	}
+	header, err := x402.EncodeHeader(pl)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	p := &clusterPayment{n: len(c.payments) + 1, payer: payer, header: header, nonce: pl.Payload.Permit2Authorization.Nonce}
+	c.payments = append(c.payments, p)
+	return p
+}
+
+// signMany signs n payments, spread over the payers in turn.
+func (c *cluster) signMany(n int) []*clusterPayment {
+	c.t.Helper()
+	now := c.chainTime()
+	out := make([]*clusterPayment, n)
+	for i := range out {
+		out[i] = c.sign(i%len(c.payers), now)
+	}
+	return out
+}
+
+// present sends p to gateway gate once and records the answer.
+func (c *cluster) present(ctx context.Context, p *clusterPayment, gate int) clusterAnswer {
+	a := c.ask(ctx, p, gate)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.answers = append(p.answers, a)
+	switch {
+	case a.status == http.StatusOK:
+		p.paid++
+		if p.tx == "" {
+			p.tx = a.tx
+		}
+	case a.final:
+		p.refused = a.String()
+	}
+	return a
+}
+
+func (c *cluster) ask(ctx context.Context, p *clusterPayment, gate int) clusterAnswer {
+	a := clusterAnswer{gate: gate, sent: time.Now()}
+	defer func() { a.got = time.Now() }()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.gates[gate].url+"/", nil)
+	if err != nil {
+		a.text = err.Error()
+		return a
+	}
+	req.Header.Set(x402.HeaderPaymentSignature, p.header)
+	resp, err := c.client.Do(req)
+	if err != nil {
+		a.text = shorten(err.Error())
+		a.got = time.Now()
+		return a
+	}
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	a.got = time.Now()
+	a.status = resp.StatusCode
+	switch {
+	case err != nil:
+		a.text = fmt.Sprintf("its body cut after %d bytes (%s)", len(body), shorten(err.Error()))
+		if a.status == http.StatusOK {
+			a.status = 0 // a 200 the client could not read is no response bought
+		}
+	case resp.StatusCode == http.StatusOK:
+		s, err := x402.DecodeSettleResponse(resp.Header.Get(x402.HeaderPaymentResponse))
+		switch {
+		case string(body) != clusterContent:
+			c.t.Errorf("payment #%d: 200 from gateway %d with body %q, want %q", p.n, gate, shorten(string(body)), clusterContent)
+		case err != nil || !s.Success || s.Transaction == "":
+			c.t.Errorf("payment #%d: 200 from gateway %d with PAYMENT-RESPONSE %+v (%v), want a settled transaction", p.n, gate, s, err)
+		}
+		a.tx, a.final = strings.ToLower(s.Transaction), true
+	case resp.StatusCode == http.StatusPaymentRequired:
+		pr, err := x402.DecodePaymentRequired(resp.Header.Get(x402.HeaderPaymentRequired))
+		if err != nil {
+			a.text = "without a readable PAYMENT-REQUIRED"
+			a.final = true
+			break
+		}
+		a.text = shorten(pr.Error)
+		a.presenting = strings.HasPrefix(pr.Error, x402.ReasonPaymentAlreadyUsed) && strings.Contains(pr.Error, "another request is presenting")
+		a.final = !a.presenting
+	default:
+		a.text = shorten(string(body))
+		a.final = resp.StatusCode < 500
+	}
+	return a
+}
+
+// settle presents p to gateway first, then, while the answer is not final (no answer, a 5xx, another request
+// presenting it), again to the next gateway not known dead, with a growing pause, for at most retryFor.
+func (c *cluster) settle(p *clusterPayment, first int, retryFor time.Duration) {
+	deadline := time.Now().Add(retryFor)
+	pause := 100 * time.Millisecond
+	gate := first
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), clusterRequestTimeout)
+		a := c.present(ctx, p, gate)
+		cancel()
+		if a.final || time.Now().After(deadline) {
+			return
+		}
+		time.Sleep(pause)
+		pause = min(2*pause, 2*time.Second)
+		for range c.gates {
+			gate = (gate + 1) % len(c.gates)
+			if !c.gates[gate].dead.Load() {
+				break
+			}
+		}
+	}
+}
+
+// load settles payments at concurrency workers, payment i first presented to gateway i mod 3. after, when
+// set, is called once by the worker that finishes the payment numbered at (1-based).
+func (c *cluster) load(payments []*clusterPayment, workers int, retryFor time.Duration, at int, after func()) {
+	queue := make(chan int)
+	var wg sync.WaitGroup
+	var finished atomic.Int64
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range queue {
+				c.settle(payments[i], i%len(c.gates), retryFor)
+				if n := finished.Add(1); after != nil && int(n) == at {
+					after()
+				}
+			}
+		}()
+	}
+	for i := range payments {
+		queue <- i
+	}
+	close(queue)
+	wg.Wait()
+}
+
+// chainLedger is what the chain shows of the payments to the seller since a block.
+type chainLedger struct {
+	transfers []types.Log
+	byTx      map[string]types.Log // lower-case hash -> the transfer to the seller
+	perPayer  []int                // transfers from each payer
+}
+
+func (c *cluster) chainLedger(fromBlock uint64) chainLedger {
+	c.t.Helper()
+	l := chainLedger{byTx: map[string]types.Log{}, perPayer: make([]int, len(c.payers))}
+	for i, k := range c.payers {
+		for _, tr := range c.dev.transfers(crypto.PubkeyToAddress(k.PublicKey), seller, fromBlock) {
+			if transferAmount(tr).Cmp(big.NewInt(clusterPrice)) != 0 {
+				c.t.Errorf("transfer in %s moved %s to the seller, want %d", tr.TxHash, transferAmount(tr), clusterPrice)
+			}
+			if _, dup := l.byTx[strings.ToLower(tr.TxHash.Hex())]; dup {
+				c.t.Errorf("transaction %s moved tokens to the seller twice", tr.TxHash)
+			}
+			l.transfers = append(l.transfers, tr)
+			l.byTx[strings.ToLower(tr.TxHash.Hex())] = tr
+			l.perPayer[i]++
+		}
+	}
+	return l
+}
+
+// balances are the seller's and the payers' token balances.
+type balances struct {
+	seller *big.Int
+	payers []*big.Int
+}
+
+func (c *cluster) balances() balances {
+	c.t.Helper()
+	b := balances{seller: c.dev.balance(seller)}
+	for _, k := range c.payers {
+		b.payers = append(b.payers, c.dev.balance(crypto.PubkeyToAddress(k.PublicKey)))
+	}
+	return b
+}
+
+// nonces reads every settlement wallet's mined nonce.
+func (c *cluster) nonces() map[common.Address]uint64 {
+	c.t.Helper()
+	out := map[common.Address]uint64{}
+	for _, w := range c.wallets {
+		ctx, cancel := rpcContext()
+		n, err := c.dev.client.NonceAt(ctx, w, nil)
+		cancel()
+		if err != nil {
+			c.t.Fatalf("reading the nonce of %s: %v", w, err)
+		}
+		out[w] = n
+	}
+	return out
+}
+
+// checkAccounts asserts, for the payments given, that each got exactly one 200, that every 200's transaction
+// is a transfer of the price to the seller on chain and no transfer since fromBlock belongs to no 200, that the
+// seller received exactly 200s x price and each payer paid exactly its 200s x price. It returns the ledger.
+func (c *cluster) checkAccounts(payments []*clusterPayment, before balances, fromBlock uint64) chainLedger {
+	c.t.Helper()
+	after := c.balances()
+	ledger := c.chainLedger(fromBlock)
+	paid := 0
+	paidBy := make([]int, len(c.payers))
+	txs := map[string]*clusterPayment{}
+	var notOne, notOnChain []string
+	for _, p := range payments {
+		if p.paid != 1 {
+			notOne = append(notOne, p.String())
+		}
+		if p.paid == 0 {
+			continue
+		}
+		paid++
+		paidBy[p.payer]++
+		if other := txs[p.tx]; other != nil {
+			c.t.Errorf("payments #%d and #%d were answered with the same settlement transaction %s", other.n, p.n, p.tx)
+		}
+		txs[p.tx] = p
+		tr, ok := ledger.byTx[p.tx]
+		if !ok {
+			notOnChain = append(notOnChain, p.String())
+		} else if from := common.BytesToAddress(tr.Topics[1].Bytes()); from != crypto.PubkeyToAddress(c.payers[p.payer].PublicKey) {
+			c.t.Errorf("payment #%d of payer %d was settled by %s, a transfer from %s", p.n, p.payer, p.tx, from)
+		}
+	}
+	for h := range ledger.byTx {
+		if txs[h] == nil {
+			c.t.Errorf("transfer %s to the seller belongs to no payment answered 200", h)
+		}
+	}
+	listFirst(c.t, "payments were not answered 200 exactly once", notOne, len(payments))
+	listFirst(c.t, "payments were answered 200 with a transaction that moved nothing to the seller on chain", notOnChain, len(payments))
+
+	owed := new(big.Int).Mul(big.NewInt(clusterPrice), big.NewInt(int64(paid)))
+	if got := delta(before.seller, after.seller); got.Cmp(owed) != 0 {
+		c.t.Errorf("the seller received %s, want exactly %s: %d payments answered 200 at %d each", got, owed, paid, clusterPrice)
+	}
+	if len(ledger.transfers) != paid {
+		c.t.Errorf("%d transfers to the seller on chain, want %d: one per payment answered 200", len(ledger.transfers), paid)
+	}
+	for i := range c.payers {
+		want := big.NewInt(int64(-clusterPrice * paidBy[i]))
+		if got := delta(before.payers[i], after.payers[i]); got.Cmp(want) != 0 {
+			c.t.Errorf("payer %d's balance moved by %s, want %s: %d payments of it answered 200", i, got, want, paidBy[i])
+		}
+		if ledger.perPayer[i] != paidBy[i] {
+			c.t.Errorf("payer %d: %d transfers on chain, %d payments answered 200", i, ledger.perPayer[i], paidBy[i])
+		}
+	}
+	c.t.Logf("%d payments, %d answered 200; the seller received %s (%d transfers on chain), the payers paid %s",
+		len(payments), paid, delta(before.seller, after.seller), len(ledger.transfers), describePaid(before, after))
+	return ledger
+}
+
+func describePaid(before, after balances) string {
+	var parts []string
+	for i := range before.payers {
+		parts = append(parts, new(big.Int).Neg(delta(before.payers[i], after.payers[i])).String())
+	}
+	return strings.Join(parts, ", ")
+}
+
+// listFirst fails t with a list of what went wrong, the first few items of it.
+func listFirst(t *testing.T, what string, items []string, of int) {
+	t.Helper()
+	if len(items) == 0 {
+		return
+	}
+	shown := items
+	if len(shown) > 10 {
+		shown = append(slices.Clone(shown[:10]), fmt.Sprintf("... and %d more", len(items)-10))
+	}
+	t.Errorf("%d of %d %s:\n  %s", len(items), of, what, strings.Join(shown, "\n  "))
+}
+
+// drain waits until no journal record is pending and the seller holds want, at most clusterDrainWait, and
+// fails the test with the records left otherwise.
+func (c *cluster) drain(want *big.Int) {
+	c.t.Helper()
+	start := time.Now()
+	for {
+		n, err := c.pendingRecords()
+		b, berr := c.dev.tokenBalance(seller)
+		if err == nil && berr == nil && n == 0 && b.Cmp(want) == 0 {
+			c.t.Logf("drained in %v: no journal record pending, the seller holds %s", time.Since(start).Round(100*time.Millisecond), b)
+			return
+		}
+		if time.Since(start) > clusterDrainWait {
+			c.t.Errorf("not drained within %v: %d journal records pending (%v), the seller holds %s (%v), want %s:\n%s",
+				clusterDrainWait, n, err, b, berr, want, c.describePending())
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// countAnswers tallies answers by status and reason.
+func countAnswers(payments []*clusterPayment, keep func(clusterAnswer) bool) map[string]int {
+	out := map[string]int{}
+	for _, p := range payments {
+		p.mu.Lock()
+		for _, a := range p.answers {
+			if keep != nil && !keep(a) {
+				continue
+			}
+			k := fmt.Sprint(a.status)
+			switch {
+			case a.status == 0:
+				k = "no answer"
+			case a.presenting:
+				k = "402 another request is presenting"
+			case a.status == http.StatusPaymentRequired:
+				k = "402 " + firstWords(a.text, 12)
+			case a.status != http.StatusOK:
+				k = fmt.Sprintf("%d %s", a.status, firstWords(a.text, 8))
+			}
+			out[k]++
+		}
+		p.mu.Unlock()
+	}
+	return out
+}
+
+func firstWords(s string, n int) string {
+	f := strings.Fields(s)
+	if len(f) > n {
+		f = append(f[:n], "...")
+	}
+	return strings.Join(f, " ")
+}
+
+func describeCounts(m map[string]int) string {
+	var keys []string
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	var parts []string
+	for _, k := range keys {
+		parts = append(parts, fmt.Sprintf("%d× %s", m[k], k))
+	}
+	return strings.Join(parts, "; ")
+}
+
+// TestClusterServesOneSignatureOnceWhenAllThreeGatewaysGetItAtOnce signs a payment and presents the same
+// PAYMENT-SIGNATURE to the three gateways at the same moment, twenty times over with twenty payments. Each
+// payment is answered 200 by exactly one gateway; the other two refuse it with 402 payment_already_used
+// (another request is presenting it, or it bought its response already). On chain: exactly one transfer to
+// the seller per payment, the one the 200 named, and the seller's balance moved by 20 x the price.
+func TestClusterServesOneSignatureOnceWhenAllThreeGatewaysGetItAtOnce(t *testing.T) {
+	c := startCluster(t, 1)
+	const rounds = 20
+	before, firstBlock := c.balances(), c.dev.head()
+	payments := c.signMany(rounds)
+	for _, p := range payments {
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		for g := range c.gates {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				ctx, cancel := context.WithTimeout(context.Background(), clusterRequestTimeout)
+				defer cancel()
+				c.present(ctx, p, g)
+			}()
+		}
+		close(start)
+		wg.Wait()
+	}
+	counts := countAnswers(payments, nil)
+	t.Logf("answers to %d payments, each presented to the %d gateways at once: %s", rounds, clusterGateways, describeCounts(counts))
+	winners := make([]int, clusterGateways)
+	for _, p := range payments {
+		for _, a := range p.answers {
+			switch {
+			case a.status == http.StatusOK:
+				winners[a.gate]++
+			case a.status == http.StatusPaymentRequired && strings.HasPrefix(a.text, x402.ReasonPaymentAlreadyUsed):
+			default:
+				t.Errorf("payment #%d: gateway %d answered %s; want 200 or 402 %s", p.n, a.gate, a, x402.ReasonPaymentAlreadyUsed)
+			}
+		}
+	}
+	t.Logf("the 200s by gateway: %v", winners)
+	c.checkAccounts(payments, before, firstBlock)
+	c.drain(new(big.Int).Add(before.seller, big.NewInt(rounds*clusterPrice)))
+	for _, g := range c.gates {
+		g.proc.stop()
+	}
+}
