@@ -504,21 +504,18 @@ func (c *cluster) settle(p *clusterPayment, first int, retryFor time.Duration) {
 	}
 }
 
-// load settles payments at concurrency workers, payment i first presented to gateway i mod 3. after, when
-// set, is called once by the worker that finishes the payment numbered at (1-based).
-func (c *cluster) load(payments []*clusterPayment, workers int, retryFor time.Duration, at int, after func()) {
+// load settles payments at concurrency workers, payment i first presented to gateway pick(i), and counts
+// the payments finished in done.
+func (c *cluster) load(payments []*clusterPayment, workers int, retryFor time.Duration, pick func(i int) int, done *atomic.Int64) {
 	queue := make(chan int)
 	var wg sync.WaitGroup
-	var finished atomic.Int64
 	for range workers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for i := range queue {
-				c.settle(payments[i], i%len(c.gates), retryFor)
-				if n := finished.Add(1); after != nil && int(n) == at {
-					after()
-				}
+				c.settle(payments[i], pick(i), retryFor)
+				done.Add(1)
 			}
 		}()
 	}
@@ -527,6 +524,21 @@ func (c *cluster) load(payments []*clusterPayment, workers int, retryFor time.Du
 	}
 	close(queue)
 	wg.Wait()
+}
+
+// roundRobin presents payment i first to gateway i mod 3.
+func roundRobin(i int) int { return i % clusterGateways }
+
+// waitDone waits until n payments are finished, at most timeout.
+func (c *cluster) waitDone(done *atomic.Int64, n int64, timeout time.Duration) {
+	c.t.Helper()
+	deadline := time.Now().Add(timeout)
+	for done.Load() < n {
+		if time.Now().After(deadline) {
+			c.t.Fatalf("only %d payments finished within %v, waiting for %d", done.Load(), timeout, n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // chainLedger is what the chain shows of the payments to the seller since a block.
@@ -779,6 +791,112 @@ func TestClusterServesOneSignatureOnceWhenAllThreeGatewaysGetItAtOnce(t *testing
 	t.Logf("the 200s by gateway: %v", winners)
 	c.checkAccounts(payments, before, firstBlock)
 	c.drain(new(big.Int).Add(before.seller, big.NewInt(rounds*clusterPrice)))
+	for _, g := range c.gates {
+		g.proc.stop()
+	}
+}
+
+// settlementsBy reads the sender of every 200's settlement transaction among payments, and checks that it is
+// one of the cluster's wallets and that the gateway that answered 200 had taken that wallet's lease. It returns
+// the wallets each gateway settled from, and all the wallets used.
+func (c *cluster) settlementsBy(payments []*clusterPayment) (perGate []map[common.Address]int, used map[common.Address]int) {
+	c.t.Helper()
+	ours := map[common.Address]bool{}
+	for _, w := range c.wallets {
+		ours[w] = true
+	}
+	perGate, used = make([]map[common.Address]int, len(c.gates)), map[common.Address]int{}
+	took := make([]map[common.Address]bool, len(c.gates))
+	for i, g := range c.gates {
+		perGate[i] = map[common.Address]int{}
+		took[i], _ = g.heldWallets()
+	}
+	for _, p := range payments {
+		for _, a := range p.answers {
+			if a.status != http.StatusOK {
+				continue
+			}
+			from := c.dev.sender(common.HexToHash(a.tx))
+			if !ours[from] {
+				c.t.Errorf("payment #%d was settled by gateway %d from %s, none of the cluster's wallets", p.n, a.gate, from)
+			}
+			if !took[a.gate][from] {
+				c.t.Errorf("payment #%d was settled by gateway %d from wallet %s, whose lease its log never says it took", p.n, a.gate, from)
+			}
+			perGate[a.gate][from]++
+			used[from]++
+		}
+	}
+	return perGate, used
+}
+
+func describeWallets(m map[common.Address]int) string {
+	var parts []string
+	for w, n := range m {
+		parts = append(parts, fmt.Sprintf("%s…:%d", w.Hex()[:6], n))
+	}
+	sort.Strings(parts)
+	return strings.Join(parts, " ")
+}
+
+// TestClusterSettles600PaymentsSpreadOverThreeGatewaysEachOnce pays 600 distinct payments of six payers at
+// concurrency 24, payment i to gateway i mod 3, each presented once. Every payment is answered 200 with a
+// transaction of its own (600 distinct hashes), the chain shows 600 transfers to the seller, the seller's
+// balance moved by exactly 600 x the price and each payer's by exactly its payments. Each gateway settled only
+// from wallets whose leases it took; the three used all twelve wallets between them, and the wallets' nonces
+// moved by 600 in all: every settlement transaction was mined and none was lost to a nonce collision.
+func TestClusterSettles600PaymentsSpreadOverThreeGatewaysEachOnce(t *testing.T) {
+	c := startCluster(t, 6)
+	const n, workers = 600, 24
+	payments := c.signMany(n)
+	before, firstBlock, noncesBefore := c.balances(), c.dev.head(), c.nonces()
+	start := time.Now()
+	var done atomic.Int64
+	c.load(payments, workers, 0, roundRobin, &done)
+	elapsed := time.Since(start)
+	t.Logf("%d payments at concurrency %d in %v (%.0f/s): %s", n, workers, elapsed.Round(10*time.Millisecond),
+		float64(n)/elapsed.Seconds(), describeCounts(countAnswers(payments, nil)))
+
+	ledger := c.checkAccounts(payments, before, firstBlock)
+	txs := map[string]bool{}
+	for _, p := range payments {
+		if p.tx != "" {
+			txs[p.tx] = true
+		}
+	}
+	if len(txs) != n || len(ledger.transfers) != n {
+		t.Errorf("%d distinct settlement transactions in the 200s and %d transfers on chain, want %d of each", len(txs), len(ledger.transfers), n)
+	}
+	perGate, used := c.settlementsBy(payments)
+	for i := range c.gates {
+		t.Logf("gateway %d settled from %d wallets: %s", i, len(perGate[i]), describeWallets(perGate[i]))
+	}
+	if len(used) != clusterWallets {
+		t.Errorf("the gateways settled from %d wallets, want all %d", len(used), clusterWallets)
+	}
+	for w := range used {
+		var by []int
+		for i := range c.gates {
+			if perGate[i][w] > 0 {
+				by = append(by, i)
+			}
+		}
+		if len(by) > 1 {
+			// Leases did not move during the load: no wallet should serve two instances.
+			t.Errorf("wallet %s settled for gateways %v: its lease moved during a load with every gateway alive", w, by)
+		}
+	}
+	noncesAfter, sent := c.nonces(), uint64(0)
+	for _, w := range c.wallets {
+		sent += noncesAfter[w] - noncesBefore[w]
+	}
+	if sent != n {
+		t.Errorf("the settlement wallets' nonces moved by %d in all, want %d: one mined transaction per payment", sent, n)
+	}
+	c.drain(new(big.Int).Add(before.seller, big.NewInt(n*clusterPrice)))
+	if l, err := c.leases(); err != nil || len(l) != clusterGateways {
+		t.Errorf("after the load, the leases held: %s (%v); want each gateway to hold 4", describeLeases(l), err)
+	}
 	for _, g := range c.gates {
 		g.proc.stop()
 	}
