@@ -9,6 +9,8 @@ import (
 	"io"
 	"math/big"
 	"net/http"
+	"os"
+	"path/filepath"
 	"slices"
 	"sort"
 	"strings"
@@ -167,6 +169,7 @@ func startCluster(t *testing.T, payers int) *cluster {
 		g.proc = startProcess(t, g.name, c.dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", file)
 		c.gates = append(c.gates, g)
 	}
+	t.Cleanup(c.keepLogs)
 	for _, g := range c.gates {
 		g.proc.waitUntil("a 402 from the gateway", 90*time.Second, answersWith(g.url+"/", 402))
 	}
@@ -182,6 +185,38 @@ func startCluster(t *testing.T, payers int) *cluster {
 	t.Logf("the cluster is up in %v: a dev chain, PostgreSQL, %d gateways sharing %d wallets, %d payers",
 		time.Since(started).Round(100*time.Millisecond), clusterGateways, clusterWallets, payers)
 	return c
+}
+
+// clusterLogsEnv names a directory where a failed cluster test leaves the whole output of each gateway.
+const clusterLogsEnv = "X402_CLUSTER_LOGS"
+
+// keepLogs writes each gateway's whole output to $X402_CLUSTER_LOGS when the test failed.
+func (c *cluster) keepLogs() {
+	dir := os.Getenv(clusterLogsEnv)
+	if dir == "" || !c.t.Failed() {
+		return
+	}
+	for _, g := range c.gates {
+		path := filepath.Join(dir, fmt.Sprintf("%s-gateway%d.log", c.t.Name(), g.n))
+		if err := os.WriteFile(path, []byte(g.proc.out.String()), 0o644); err != nil {
+			c.t.Logf("keeping the log of %s: %v", g.name, err)
+			continue
+		}
+		c.t.Logf("the whole output of %s is in %s", g.name, path)
+	}
+}
+
+// logged counts, over the gateways' output, the log lines whose message starts with each of msgs, and says so.
+func (c *cluster) logged(msgs ...string) string {
+	var parts []string
+	for _, m := range msgs {
+		n := 0
+		for _, g := range c.gates {
+			n += strings.Count(g.proc.out.String(), `"msg":"`+m)
+		}
+		parts = append(parts, fmt.Sprintf("%d× %q", n, m))
+	}
+	return strings.Join(parts, ", ")
 }
 
 // query runs fn on a fresh connection to the journal's database.
@@ -900,4 +935,171 @@ func TestClusterSettles600PaymentsSpreadOverThreeGatewaysEachOnce(t *testing.T) 
 	for _, g := range c.gates {
 		g.proc.stop()
 	}
+}
+
+// TestClusterSIGKILLOfOneGatewayMidLoadLosesAndDoublesNothing pays 300 distinct payments of six payers over the
+// three gateways at concurrency 12 and SIGKILLs one gateway after the first 100 have finished. A client whose
+// request got no answer, a 5xx, or "another request is presenting this payment" (the dead gateway's in-flight
+// mark, until its instance expires) presents THE SAME payment to the next live gateway, with a growing pause,
+// for up to 90 s. Then, once the living have taken the dead one's wallet leases, 60 more payments go to the
+// living two. In the end every payment got exactly one 200; the seller's balance moved by exactly 200s x the
+// price and each payer's by its own 200s; the dead gateway's wallets settled payments for the living after
+// the kill; and, once drained, no journal record is left pending.
+func TestClusterSIGKILLOfOneGatewayMidLoadLosesAndDoublesNothing(t *testing.T) {
+	c := startCluster(t, 6)
+	const n, workers, killAfter, afterKill = 300, 12, 100, 60
+	payments := c.signMany(n)
+	before, firstBlock := c.balances(), c.dev.head()
+	victim := c.gates[2]
+
+	var done atomic.Int64
+	loaded := make(chan struct{})
+	start := time.Now()
+	go func() {
+		defer close(loaded)
+		c.load(payments, workers, clusterRetryFor, roundRobin, &done)
+	}()
+	c.waitDone(&done, killAfter, 2*time.Minute)
+	_, victimWallets := victim.heldWallets()
+	victim.dead.Store(true)
+	victim.proc.kill()
+	killedAt := time.Now()
+	t.Logf("SIGKILLed gateway %d after %v, %d payments finished; it held the leases of %d wallets", victim.n,
+		killedAt.Sub(start).Round(10*time.Millisecond), done.Load(), len(victimWallets))
+	<-loaded
+	t.Logf("the load of %d payments finished %v after the kill: %s", n, time.Since(killedAt).Round(10*time.Millisecond),
+		describeCounts(countAnswers(payments, nil)))
+
+	// The payments the kill cut: presented to the dead gateway around the kill, without a final answer from it.
+	cut := 0
+	for _, p := range payments {
+		for _, a := range p.answers {
+			if a.gate == victim.n && !a.final && !a.presenting {
+				cut++
+				break
+			}
+		}
+	}
+	t.Logf("%d payments got no final answer from the dead gateway (cut by the kill, or sent to it after); after the kill the "+
+		"living answered: %s", cut, describeCounts(countAnswers(payments, func(a clusterAnswer) bool { return a.sent.After(killedAt) })))
+
+	leases := c.waitLeases("the dead gateway's wallets taken over by the living two", 60*time.Second, clusterGateways-1)
+	t.Logf("%v after the kill, the living hold the leases: %s", time.Since(killedAt).Round(100*time.Millisecond), describeLeases(leases))
+
+	more := c.signMany(afterKill)
+	c.load(more, workers, clusterRetryFor, func(i int) int { return i % (clusterGateways - 1) }, &done)
+	t.Logf("%d payments to the living two after the takeover: %s", afterKill, describeCounts(countAnswers(more, nil)))
+	perGate, _ := c.settlementsBy(more)
+	reused := map[common.Address]int{}
+	for i := range clusterGateways - 1 {
+		for w, k := range perGate[i] {
+			if victimWallets[w] {
+				reused[w] += k
+			}
+		}
+	}
+	t.Logf("the living settled %d payments from %d of the dead gateway's %d wallets: %s", sumCounts(reused), len(reused),
+		len(victimWallets), describeWallets(reused))
+	if len(reused) == 0 {
+		t.Errorf("none of the dead gateway's wallets (%d) settled any of the %d payments after the takeover", len(victimWallets), afterKill)
+	}
+
+	all := append(slices.Clone(payments), more...)
+	paid := 0
+	for _, p := range all {
+		paid += min(p.paid, 1)
+	}
+	c.drain(new(big.Int).Add(before.seller, big.NewInt(int64(paid*clusterPrice))))
+	c.checkAccounts(all, before, firstBlock)
+	t.Logf("the living logged: %s", c.logged("took over a settlement of an instance that is gone",
+		"released a settlement claim left by an earlier process", "took over a served async payment", "took the lease of a settlement wallet"))
+	for _, g := range c.gates[:clusterGateways-1] {
+		g.proc.stop()
+	}
+}
+
+func sumCounts(m map[common.Address]int) int {
+	s := 0
+	for _, k := range m {
+		s += k
+	}
+	return s
+}
+
+// TestClusterPostgreSQLRestartMidLoadLosesAndDoublesNothing pays 300 distinct payments of six payers over the
+// three gateways at concurrency 12, and after the first 80 have finished stops the journal's PostgreSQL server
+// (fast shutdown: every connection cut) for three seconds, then starts it again on the same data and port.
+// Clients present the same payment again after an error (no answer, a 5xx, or another request presenting it),
+// for up to 90 s. Every answer to a request sent while the database was down is a 502 or 503; every 200 names a
+// transfer of the price to the seller on chain; no payment is refused for good; every payment ends with exactly
+// one 200, the seller's balance moved by exactly 200s x the price, each payer's by its own; the three gateways
+// share the wallets again afterwards; and, once drained, no journal record is left pending.
+func TestClusterPostgreSQLRestartMidLoadLosesAndDoublesNothing(t *testing.T) {
+	c := startCluster(t, 6)
+	const n, workers, stopAfter, outage = 300, 12, 80, 3 * time.Second
+	payments := c.signMany(n)
+	before, firstBlock := c.balances(), c.dev.head()
+
+	var done atomic.Int64
+	loaded := make(chan struct{})
+	start := time.Now()
+	go func() {
+		defer close(loaded)
+		c.load(payments, workers, clusterRetryFor, roundRobin, &done)
+	}()
+	c.waitDone(&done, stopAfter, 2*time.Minute)
+	stopping := time.Now()
+	c.pg.Stop(t)
+	down := time.Now()
+	time.Sleep(outage)
+	restarting := time.Now()
+	c.pg.Restart(t)
+	up := time.Now()
+	t.Logf("PostgreSQL stopped %v into the load (%d payments finished; the stop took %v), down for %v, restarted in %v",
+		stopping.Sub(start).Round(10*time.Millisecond), stopAfter, down.Sub(stopping).Round(10*time.Millisecond),
+		restarting.Sub(down).Round(10*time.Millisecond), up.Sub(restarting).Round(10*time.Millisecond))
+	<-loaded
+	t.Logf("the load of %d payments finished %v after the restart: %s", n, time.Since(up).Round(10*time.Millisecond),
+		describeCounts(countAnswers(payments, nil)))
+
+	during := func(a clusterAnswer) bool { return a.sent.After(down) && a.got.Before(restarting) }
+	t.Logf("answers to the requests sent and answered while the database was down: %s", describeCounts(countAnswers(payments, during)))
+	var wrong []string
+	for _, p := range payments {
+		for _, a := range p.answers {
+			if during(a) && a.status != http.StatusBadGateway && a.status != http.StatusServiceUnavailable {
+				wrong = append(wrong, fmt.Sprintf("payment #%d: %s", p.n, a))
+			}
+		}
+	}
+	listFirst(t, "answers while the database was down were neither 502 nor 503", wrong, countAnswersTotal(payments, during))
+	var refused []string
+	for _, p := range payments {
+		if p.refused != "" {
+			refused = append(refused, p.String())
+		}
+	}
+	listFirst(t, "payments were refused for good (a payment the payer was told not to count on)", refused, n)
+
+	paid := 0
+	for _, p := range payments {
+		paid += min(p.paid, 1)
+	}
+	c.drain(new(big.Int).Add(before.seller, big.NewInt(int64(paid*clusterPrice))))
+	c.checkAccounts(payments, before, firstBlock)
+	leases := c.waitLeases("the wallets shared by the three gateways after the restart", 60*time.Second, clusterGateways)
+	t.Logf("after the restart the leases held: %s; the gateways logged: %s", describeLeases(leases), c.logged(
+		"released a settlement claim that its settlement could not release", "releasing a settlement claim that sent nothing",
+		"clearing the journal's in-flight mark", "keeping the settlement wallet leases", "lost the lease of a settlement wallet"))
+	for _, g := range c.gates {
+		g.proc.stop()
+	}
+}
+
+func countAnswersTotal(payments []*clusterPayment, keep func(clusterAnswer) bool) int {
+	n := 0
+	for _, k := range countAnswers(payments, keep) {
+		n += k
+	}
+	return n
 }
