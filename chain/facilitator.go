@@ -133,6 +133,9 @@ type Facilitator struct {
 	flightMu sync.Mutex
 	flights  map[journal.ID]*flight
 	sending  map[journal.ID]bool // payments between write-ahead record and broadcast
+	// claiming counts, per payment, the settlements of this process claiming it or holding its claim: a claim of
+	// this process that none holds is abandoned (see releaseAbandonedClaim).
+	claiming map[journal.ID]int
 
 	holesMu sync.Mutex
 	holes   map[common.Address]holeSighting // per settlement wallet, the nonce hole reconciliation last saw
@@ -208,6 +211,7 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 		now:       cfg.Now,
 		flights:   map[journal.ID]*flight{},
 		sending:   map[journal.ID]bool{},
+		claiming:  map[journal.ID]int{},
 		holes:     map[common.Address]holeSighting{},
 		stop:      make(chan struct{}),
 		grace:     cfg.ReconcileGrace,

@@ -66,6 +66,8 @@ func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
 					return err
 				}
 				f.log.Info("released a settlement claim left by an earlier process; nothing had been broadcast", zap.String("payment", rec.ID.String()))
+			} else if err := f.releaseAbandonedClaim(ctx, rec); err != nil {
+				return err
 			}
 		case journal.StateBroadcast:
 			gapped = append(gapped, rec)
@@ -312,6 +314,40 @@ func (f *Facilitator) takeOver(ctx context.Context, rec journal.Record) (mine bo
 		return false, nil
 	}
 	return false, err
+}
+
+// releaseAbandonedClaim releases a claim of this process that no settlement of it is working on: the settlement
+// that claimed it could not release it (the journal's database was unreachable when it gave up), or its claim
+// was written while the call that made it failed (a connection lost as the write committed). Nothing was sent: a
+// claim is made broadcast in the journal before its transaction leaves. Kept, the payment could never settle,
+// here or on another process sharing the journal, while this one lives: every settlement of it would wait for
+// the claim to move. rec is the record as a pass read it; one claimed since (another claim of the payment, after
+// a release) is left alone.
+func (f *Facilitator) releaseAbandonedClaim(ctx context.Context, rec journal.Record) error {
+	if f.holdsClaim(rec.ID) {
+		return nil
+	}
+	cur, ok, err := f.journal.Get(ctx, rec.ID)
+	if err != nil || !ok || cur.State != journal.StateClaimed || cur.Owner != f.owner || !cur.ClaimedAt.Equal(rec.ClaimedAt) {
+		return err
+	}
+	// Only this process's settlements change a claim of its own that it still lives to hold, and none is working
+	// on this one: it stays as read until released here.
+	if err := f.journal.Release(ctx, rec.ID); err != nil && !errors.Is(err, journal.ErrNotReleasable) {
+		return err
+	}
+	f.log.Warn("released a settlement claim that its settlement could not release; nothing had been broadcast, the payment may be presented again",
+		zap.String("payment", rec.ID.String()))
+	return nil
+}
+
+// holdsClaim reports whether a settlement of this process is claiming payment id, holds its claim or is sending
+// its transaction. A settlement waiting for another claim of the payment to move (answerFromJournal) does not
+// hold it: a client presenting the payment again and again must not keep an abandoned claim alive.
+func (f *Facilitator) holdsClaim(id journal.ID) bool {
+	f.flightMu.Lock()
+	defer f.flightMu.Unlock()
+	return f.claiming[id] > 0 || f.sending[id]
 }
 
 // errTakenOver: another process took a dead process's record over first.

@@ -81,8 +81,22 @@ func (f *Facilitator) Settle(ctx context.Context, req x402.SettleRequest) (x402.
 	return fl.resp, fl.err
 }
 
+// markClaiming counts a settlement of this process claiming payment id or holding its claim (add 1), or one that
+// stopped (add -1).
+func (f *Facilitator) markClaiming(id journal.ID, add int) {
+	f.flightMu.Lock()
+	defer f.flightMu.Unlock()
+	if f.claiming[id] += add; f.claiming[id] <= 0 {
+		delete(f.claiming, id)
+	}
+}
+
 func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.SettleRequest) (x402.SettleResponse, error) {
 	body, _ := json.Marshal(req)
+	// Counted from before the claim is written to after its settlement let it go (or handed it on, broadcast): a
+	// write that commits while its call fails leaves a claim that no settlement holds, which reconciliation
+	// releases, and it must never take this one for such a claim.
+	f.markClaiming(p.id, 1)
 	rec, claimed, err := f.journal.Claim(ctx, journal.Record{
 		ID: p.id, State: journal.StateClaimed, Network: p.net.caip2, Payer: p.payer.Hex(), Asset: p.asset.Address.Hex(),
 		Amount: p.amount.String(), PayTo: p.payTo.Hex(), Request: body, Owner: f.owner,
@@ -90,6 +104,11 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 		// earlier, a presentation of it would be new to the journal.
 		Deadline: p.deadline(),
 	})
+	if err != nil || !claimed {
+		f.markClaiming(p.id, -1)
+	} else {
+		defer f.markClaiming(p.id, -1)
+	}
 	if err != nil {
 		return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("settlement journal: %w", err)}
 	}
@@ -217,6 +236,11 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 				// Kept, it would be sent by reconciliation: the payer must not be told it was not sent.
 				return common.Hash{}, nil, fmt.Errorf("the node refused the settlement transaction (%v) and the journal could not forget it: %w", err, rerr)
 			}
+		} else if errors.Is(err, journal.ErrUnavailable) {
+			// The journal's database could not be reached to record the transaction: nothing was sent, and nothing
+			// is wrong with the payment. An error, not a refusal: the payer is told to present it again, not that
+			// it failed (a gate would answer 402 and the payer sign another).
+			return common.Hash{}, nil, fmt.Errorf("nothing was sent: %w", err)
 		}
 		return common.Hash{}, nil, fmt.Errorf("%w: %v", errNotSent, err)
 	}

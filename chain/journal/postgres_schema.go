@@ -89,8 +89,9 @@ func migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	version    integer     PRIMARY KEY,
 	applied_at timestamptz NOT NULL DEFAULT now()
 )`)
-		// Two sessions creating the table at once can both pass IF NOT EXISTS; the loser gets a duplicate.
-		if err == nil || attempt == 4 || !hasCode(err, "42P07", "23505") {
+		// Two sessions creating the table at once can both pass IF NOT EXISTS; the loser gets a duplicate: of the
+		// table (42P07), of its row type (42710), or of a catalog row (23505).
+		if err == nil || attempt == 4 || !hasCode(err, "42P07", "42710", "23505") {
 			if err != nil {
 				return fmt.Errorf("create x402_schema_migrations: %w", err)
 			}

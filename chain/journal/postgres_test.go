@@ -663,3 +663,36 @@ func TestPostgresRestartMidLoad(t *testing.T) {
 		}
 	}
 }
+// TestOpenPostgresByManyProcessesAtOnceOnAFreshDatabase opens eight stores at the same moment on each of several
+// fresh databases, as the Caddy instances of a cluster do when they start together: every open must succeed.
+// Concurrent CREATE TABLE IF NOT EXISTS of the migrations table can fail with a duplicate table (42P07), a
+// duplicate row of the catalog (23505) or a duplicate type (42710, seen from three Caddy processes starting
+// together); each means another process created it, and the open goes on.
+func TestOpenPostgresByManyProcessesAtOnceOnAFreshDatabase(t *testing.T) {
+	const databases, opens = 4, 8
+	for range databases {
+		dsn := pgtest.Shared(t)
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		errs := make(chan error, opens)
+		for range opens {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				s, err := OpenPostgres(context.Background(), dsn, Options{})
+				if err != nil {
+					errs <- err
+					return
+				}
+				s.Close()
+			}()
+		}
+		close(start)
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Errorf("OpenPostgres on a fresh database, %d at once: %v", opens, err)
+		}
+	}
+}
