@@ -366,6 +366,10 @@ func (rw *receiptWatcher) wait(ctx context.Context, justSent bool, hashes ...com
 
 func (rw *receiptWatcher) loop() {
 	var lastHead uint64
+	// unscanned: the last round took in blocks without scanning them (the first look, or a gap past maxScan).
+	// A transaction registered as just sent while it ran may sit in one of them, where no later scan finds
+	// it: this round looks up every such transaction instead.
+	unscanned := false
 	ticker := time.NewTicker(rw.poll)
 	defer ticker.Stop()
 	for {
@@ -378,6 +382,10 @@ func (rw *receiptWatcher) loop() {
 		fresh, sent := rw.fresh, rw.sent
 		rw.fresh, rw.sent = nil, nil
 		rw.mu.Unlock()
+		if unscanned {
+			fresh, sent = append(fresh, sent...), nil
+			unscanned = false
+		}
 
 		ctx, cancel := context.WithTimeout(context.Background(), 10*rw.poll+time.Second)
 		lookups, head, err := rw.newlyMined(ctx, lastHead)
@@ -388,9 +396,10 @@ func (rw *receiptWatcher) loop() {
 			rw.sent = append(rw.sent, sent...)
 			rw.mu.Unlock()
 		} else {
-			if lastHead == 0 {
-				// Nothing was scanned before this look: every awaited transaction was looked up.
-				sent = nil
+			if lastHead == 0 || head-lastHead > maxScan {
+				// The blocks up to head were not scanned: every transaction awaited when this round began was
+				// looked up, and those registered since are looked up next round.
+				sent, unscanned = nil, true
 			}
 			lastHead = head
 			for _, h := range sent {

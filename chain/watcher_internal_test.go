@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math/big"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -76,5 +77,76 @@ func TestTheReceiptWatcherStopsPollingOnceEveryWaiterOfAReplacedTransactionIsDon
 				c.Commit() // mine it, so the next case starts clean
 			}
 		})
+	}
+}
+
+// gatedBackend lets a test hold the watcher's look at the head (headMu) and, once armed, its first receipt
+// lookup of hold until release is closed, so that a transaction can be registered at a chosen moment of a
+// round of the watcher's loop.
+type gatedBackend struct {
+	Backend
+	headMu  sync.Mutex
+	hold    common.Hash
+	armed   atomic.Bool
+	reached chan struct{}
+	release chan struct{}
+}
+
+func (g *gatedBackend) HeaderByNumber(ctx context.Context, n *big.Int) (*types.Header, error) {
+	g.headMu.Lock()
+	g.headMu.Unlock()
+	return g.Backend.HeaderByNumber(ctx, n)
+}
+
+func (g *gatedBackend) TransactionReceipt(ctx context.Context, h common.Hash) (*types.Receipt, error) {
+	if h == g.hold && g.armed.CompareAndSwap(true, false) {
+		close(g.reached)
+		<-g.release
+	}
+	return g.Backend.TransactionReceipt(ctx, h)
+}
+
+// TestTheReceiptWatcherFindsATransactionMinedInBlocksItSkippedOver: after more than maxScan blocks in one look,
+// the watcher looks up the receipt of every awaited transaction instead of scanning the blocks. A transaction
+// registered as just sent while that round runs, and mined in one of those skipped blocks, must still be
+// found: it was filed as "only in a recently scanned block", and the skipped blocks were never scanned, so its
+// waiter waited out its whole timeout (seen as a settle_ms of 30 s and a 502 "not final yet" for a payment
+// that had settled in the first second, with three gateways sealing blocks fast on one chain).
+func TestTheReceiptWatcherFindsATransactionMinedInBlocksItSkippedOver(t *testing.T) {
+	c := chaintest.New(t)
+	neverMines := common.HexToHash("0x0bad")
+	gb := &gatedBackend{Backend: c.Client, hold: neverMines, reached: make(chan struct{}), release: make(chan struct{})}
+	rw := newReceiptWatcher(gb, 2*time.Millisecond)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _, _ = rw.wait(ctx, false, neverMines) }() // keeps the loop running
+	time.Sleep(50 * time.Millisecond)                      // its first look is done: it knows the head
+
+	gb.headMu.Lock() // the loop does not see the blocks one by one
+	tx, err := c.SendTx(context.Background(), c.Payers[0], &c.Deployer.Address, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range maxScan + 8 {
+		c.Commit()
+	}
+	gb.armed.Store(true)
+	gb.headMu.Unlock()
+	<-gb.reached // the round that skipped the blocks is looking up what it awaited before they came
+	got := make(chan error, 1)
+	go func() {
+		wctx, wcancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer wcancel()
+		_, err := rw.wait(wctx, true, tx.Hash())
+		got <- err
+	}()
+	for filed := false; !filed; time.Sleep(time.Millisecond) {
+		rw.mu.Lock()
+		filed = len(rw.waiters[tx.Hash()]) > 0
+		rw.mu.Unlock()
+	}
+	close(gb.release)
+	if err := <-got; err != nil {
+		t.Fatalf("waiting for a transaction mined in a block the watcher skipped over: %v", err)
 	}
 }
