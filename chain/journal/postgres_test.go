@@ -663,6 +663,7 @@ func TestPostgresRestartMidLoad(t *testing.T) {
 		}
 	}
 }
+
 // TestOpenPostgresByManyProcessesAtOnceOnAFreshDatabase opens eight stores at the same moment on each of several
 // fresh databases, as the Caddy instances of a cluster do when they start together: every open must succeed.
 // Concurrent CREATE TABLE IF NOT EXISTS of the migrations table can fail with a duplicate table (42P07), a
