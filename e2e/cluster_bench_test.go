@@ -94,9 +94,14 @@ func TestClusterBenchmarkThreeOnPostgresAgainstOneOnBolt(t *testing.T) {
 			c.waitLeases("the wallets shared out by the three gateways", 60*time.Second, clusterGateways)
 		}
 		run(fmt.Sprintf("round %d, three gateways, PostgreSQL journal, 4 leased wallets each", round+1), roundRobin)
-		for _, g := range c.gates {
+		// The same journal with one gateway left: what PostgreSQL costs apart from three processes on the cores.
+		for _, g := range c.gates[1:] {
 			g.proc.stop()
 		}
+		c.gates = c.gates[:1]
+		c.waitLeases("the wallets held by the gateway left", 60*time.Second, 1)
+		run(fmt.Sprintf("round %d, one gateway, PostgreSQL journal, 12 leased wallets", round+1), func(int) int { return 0 })
+		c.gates[0].proc.stop()
 
 		port := freePort(t)
 		single := &clusterGate{n: 9, name: "the single gateway", url: fmt.Sprintf("http://127.0.0.1:%d", port)}
@@ -107,11 +112,11 @@ func TestClusterBenchmarkThreeOnPostgresAgainstOneOnBolt(t *testing.T) {
 		run(fmt.Sprintf("round %d, one gateway, bbolt journal, 12 wallets", round+1), func(int) int { return 0 })
 		single.proc.stop()
 	}
-	for i := 0; i+1 < len(results); i += 2 {
-		three, one := results[i], results[i+1]
-		t.Logf("round %d: three on PostgreSQL %.0f/s, one on bbolt %.0f/s: ratio %.2f", i/2+1,
-			float64(three.ok)/three.elapsed.Seconds(), float64(one.ok)/one.elapsed.Seconds(),
-			(float64(three.ok)/three.elapsed.Seconds())/(float64(one.ok)/one.elapsed.Seconds()))
+	rate := func(r result) float64 { return float64(r.ok) / r.elapsed.Seconds() }
+	for i := 0; i+2 < len(results); i += 3 {
+		three, onePG, oneBolt := results[i], results[i+1], results[i+2]
+		t.Logf("round %d: three on PostgreSQL %.0f/s, one on PostgreSQL %.0f/s, one on bbolt %.0f/s: three/bbolt %.2f, one PostgreSQL/bbolt %.2f",
+			i/3+1, rate(three), rate(onePG), rate(oneBolt), rate(three)/rate(oneBolt), rate(onePG)/rate(oneBolt))
 	}
 }
 
