@@ -18,12 +18,11 @@ import (
 // sharedEngines is a fixture's chain with n engines that share one PostgreSQL journal, as n processes would:
 // each has a store of its own on the same database, and every one is configured with the same wallets.
 func sharedEngines(t *testing.T, n int, leaseTTL time.Duration) (*fixture, []*chain.Facilitator, []*journal.PostgresStore) {
-	return sharedEnginesOn(t, n, leaseTTL, fixtureOpts{wallets: 4, receiptTimeout: time.Minute})
+	return sharedEnginesOn(t, pgtest.Shared(t), n, leaseTTL, fixtureOpts{wallets: 4, receiptTimeout: time.Minute})
 }
 
-func sharedEnginesOn(t *testing.T, n int, leaseTTL time.Duration, o fixtureOpts) (*fixture, []*chain.Facilitator, []*journal.PostgresStore) {
+func sharedEnginesOn(t *testing.T, dsn string, n int, leaseTTL time.Duration, o fixtureOpts) (*fixture, []*chain.Facilitator, []*journal.PostgresStore) {
 	t.Helper()
-	dsn := pgtest.Shared(t)
 	var stores []*journal.PostgresStore
 	var nc chain.NetworkConfig
 	o.tune = func(_ *fixture, c *chain.NetworkConfig) { nc = *c }
@@ -167,7 +166,7 @@ func TestADeadInstancesWalletsPassToTheLivingAfterTheLeaseExpires(t *testing.T) 
 
 func TestALivingEngineFinishesTheBroadcastSettlementOfAnInstanceThatIsGone(t *testing.T) {
 	// Blocks are sealed by hand: the first engine's settlement waits in the node's pool when its process goes.
-	fx, engines, stores := sharedEnginesOn(t, 2, 2*time.Second, fixtureOpts{wallets: 4, receiptTimeout: 300 * time.Millisecond, autoCommit: -1})
+	fx, engines, stores := sharedEnginesOn(t, pgtest.Shared(t), 2, 2*time.Second, fixtureOpts{wallets: 4, receiptTimeout: 300 * time.Millisecond, autoCommit: -1})
 	waitLeases(t, fx, engines, 2, 2)
 	fx.approvePermit2(fx.c.Payers[0])
 	fx.c.Commit()
@@ -209,5 +208,48 @@ func TestALivingEngineFinishesTheBroadcastSettlementOfAnInstanceThatIsGone(t *te
 	again, err := engines[1].Settle(context.Background(), req)
 	if err != nil || !again.Success || again.Transaction != resp.Transaction {
 		t.Fatalf("settle again on the living engine = %+v, %v; want the first settlement's answer", again, err)
+	}
+}
+
+func TestAnEngineThatLostAWalletLeaseWithoutKnowingSendsNothingWithIt(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	fx, engines, _ := sharedEnginesOn(t, dsn, 1, time.Second, fixtureOpts{wallets: 1, receiptTimeout: time.Minute})
+	f := engines[0]
+	waitLeases(t, fx, engines, 1)
+	wallet := fx.c.Wallets[0].Address
+	// The process stalls (a long pause, a stopped clock): it renews nothing and still takes its lease for valid.
+	f.StallLeasesForTest()
+	other, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	name := chain.LeaseNameForTest(fx.net, wallet)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		l, err := other.Lease(context.Background(), name, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l.Held {
+			break // another instance holds the wallet now, at a higher fence
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the stalled engine's lease never expired: %+v", l)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+
+	fx.approvePermit2(fx.c.Payers[0])
+	sent := fx.c.TxCount(wallet)
+	resp, err := f.Settle(context.Background(), fx.permit2(fx.c.Payers[0], fx.requirements(x402.TransferPermit2), chain.Permit2Options{}))
+	if err == nil || resp.Success {
+		t.Fatalf("settle with a wallet whose lease another instance holds = %+v, %v; want an error, nothing sent", resp, err)
+	}
+	if got := fx.c.TxCount(wallet); got != sent {
+		t.Fatalf("the wallet sent %d transactions under a lease it had lost; want none", got-sent)
+	}
+	if ws := f.LeasedWallets(fx.net); len(ws) != 0 {
+		t.Fatalf("the engine still hands out %v after its fenced write failed", ws)
 	}
 }

@@ -54,3 +54,23 @@ var (
 func (f *Failover) SetRetryAfterForTest(first, max time.Duration) {
 	f.retryAfter, f.maxRetryAfter = first, max
 }
+
+// StallLeasesForTest makes this process act as one paused past its wallet leases: its lease loop stops, and it
+// takes every lease it holds for valid for another hour.
+func (f *Facilitator) StallLeasesForTest() {
+	f.leases.stalled.Store(true)
+	for _, n := range f.networks {
+		n.pool.mu.Lock()
+		for _, w := range n.pool.wallets {
+			if w.leased {
+				w.validUntil = time.Now().Add(time.Hour)
+			}
+		}
+		n.pool.mu.Unlock()
+	}
+}
+
+// LeaseNameForTest is the journal's name of a settlement wallet's lease.
+func LeaseNameForTest(network string, wallet common.Address) string {
+	return leaseName(network, wallet)
+}

@@ -3,8 +3,10 @@ package chain
 import (
 	"context"
 	"crypto/sha256"
+	"errors"
 	"fmt"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
@@ -42,6 +44,8 @@ type leaser struct {
 	ttl     time.Duration
 	log     *zap.Logger
 	now     func() time.Time
+	// stalled stops the loop's passes, as a process paused past its leases would be (tests only).
+	stalled atomic.Bool
 }
 
 // leasePass renews the leases n's pool holds, gives up those past its share, and takes free ones up to its share.
@@ -157,7 +161,7 @@ func (f *Facilitator) renew(ctx context.Context, n *network, w *wallet) error {
 	n.pool.mu.Lock()
 	// Valid for the lease's time less a third, measured from before the call: a renewal that comes late, or a
 	// database that cannot be reached, stops this process signing well before another may take the wallet.
-	w.leased, w.validUntil = true, start.Add(l.ttl*2/3)
+	w.leased, w.validUntil, w.fence = true, start.Add(l.ttl*2/3), lease.Fence
 	n.pool.changedLocked()
 	n.pool.mu.Unlock()
 	return nil
@@ -231,6 +235,9 @@ func (f *Facilitator) leaseLoop() {
 			cancel()
 			return
 		case <-t.C:
+			if f.leases.stalled.Load() {
+				continue
+			}
 			for _, id := range f.order {
 				ctx, cancel := context.WithTimeout(context.Background(), every)
 				if err := f.leasePass(ctx, f.networks[id]); err != nil {
@@ -259,4 +266,27 @@ func (f *Facilitator) LeasedWallets(networkID string) []common.Address {
 		}
 	}
 	return out
+}
+
+// recordSigned writes the journal record of transactions just signed with w, before they are sent. With a shared
+// journal the write is fenced by w's lease (journal.Cluster.UpdateFenced): should this process have lost the
+// lease without knowing it (paused past its expiry, its clock stalled), the write fails, so nothing is sent, and
+// the wallet is taken out of use until the lease loop looks again. The caller holds w.mu (it is sending).
+func (f *Facilitator) recordSigned(ctx context.Context, n *network, w *wallet, id journal.ID, fn func(*journal.Record) error) (journal.Record, error) {
+	if f.cluster == nil {
+		return f.journal.Update(ctx, id, fn)
+	}
+	n.pool.mu.Lock()
+	fence := w.fence
+	n.pool.mu.Unlock()
+	rec, err := f.cluster.UpdateFenced(ctx, id, leaseName(n.caip2, w.Address), fence, fn)
+	if errors.Is(err, journal.ErrFenced) {
+		f.log.Warn("a settlement wallet's lease was lost before this process knew; nothing was sent with it",
+			zap.String("network", n.caip2), zap.String("wallet", w.Address.Hex()), zap.Uint64("fence", fence))
+		n.pool.mu.Lock()
+		w.leased, w.draining = false, false
+		n.pool.mu.Unlock()
+		w.synced = false // the caller, sending, holds w.mu
+	}
+	return rec, err
 }

@@ -197,7 +197,7 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 		last := txs[len(txs)-1]
 		first := !seen
 		seen = true
-		_, err := f.journal.Update(context.WithoutCancel(ctx), p.id, func(r *journal.Record) error {
+		_, err := f.recordSigned(context.WithoutCancel(ctx), n, w, p.id, func(r *journal.Record) error {
 			if first && r.State == journal.StateBroadcast && r.TxHash != "" {
 				sentBefore = true
 				if !slices.Contains(r.ReplacedTxHashes, r.TxHash) {
@@ -236,9 +236,9 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 				// Kept, it would be sent by reconciliation: the payer must not be told it was not sent.
 				return common.Hash{}, nil, fmt.Errorf("the node refused the settlement transaction (%v) and the journal could not forget it: %w", err, rerr)
 			}
-		} else if errors.Is(err, journal.ErrUnavailable) {
-			// The journal's database could not be reached to record the transaction: nothing was sent, and nothing
-			// is wrong with the payment. An error, not a refusal: the payer is told to present it again, not that
+		} else if errors.Is(err, journal.ErrUnavailable) || errors.Is(err, journal.ErrFenced) {
+			// The journal's database could not be reached to record the transaction, or the wallet's lease was
+			// lost: nothing was sent, and nothing is wrong with the payment. An error, not a refusal: the payer is told to present it again, not that
 			// it failed (a gate would answer 402 and the payer sign another).
 			return common.Hash{}, nil, fmt.Errorf("nothing was sent: %w", err)
 		}

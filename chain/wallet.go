@@ -38,6 +38,7 @@ type wallet struct {
 	leased     bool
 	validUntil time.Time
 	draining   bool
+	fence      uint64 // the lease's fence when this process last took or renewed it
 }
 
 // newWallet wraps a private key. The key never leaves the wallet, and the wallet's String shows only the address.

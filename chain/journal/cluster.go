@@ -44,6 +44,12 @@ type Cluster interface {
 	// Unlease gives up this instance's lease of name; a lease held by another is left alone. The fence stays,
 	// so the next holder's fence is higher than any before it.
 	Unlease(ctx context.Context, name string) error
+	// UpdateFenced is Update, done only while this instance holds the lease called lease at fence, unexpired,
+	// checked in the same transaction; otherwise nothing is written and the error wraps ErrFenced. It is the
+	// write-ahead record of a transaction signed with a leased wallet: a holder that lost the lease without
+	// knowing (paused past its expiry) cannot record, so cannot send, and a new holder's nonce, read after its
+	// takeover, is above every nonce an earlier holder recorded.
+	UpdateFenced(ctx context.Context, id ID, lease string, fence uint64, fn func(*Record) error) (Record, error)
 
 	// Hold holds h against the funds of h.Key when they cover it beside every other hold of that key, and
 	// reports whether h is held (true too when h.ID was held already) and what the key's funds cover beside the
@@ -91,6 +97,9 @@ type Hold struct {
 	// PermitNonce is the token nonce of the sponsor permit its settlement applies; nil when none.
 	PermitNonce *big.Int
 }
+
+// ErrFenced: UpdateFenced by an instance that no longer holds the lease at that fence.
+var ErrFenced = errors.New("journal: the lease is no longer held at this fence")
 
 // ErrUnavailable marks a failure to reach a shared store's database (connection refused or lost, a timeout):
 // nothing was written, except that a connection lost while a write commits leaves that write's fate unknown. Every

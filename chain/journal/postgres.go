@@ -765,6 +765,39 @@ RETURNING true`, id[:], s.instance).Scan(&marked)
 	return marked, nil
 }
 
+// UpdateFenced implements Cluster: Update in one transaction with a check, under a share lock of the lease's
+// row (a takeover waits for the write, or the write sees the takeover), that this instance holds the lease at
+// fence and it has not expired.
+func (s *PostgresStore) UpdateFenced(ctx context.Context, id ID, lease string, fence uint64, fn func(*Record) error) (Record, error) {
+	wctx, cancel, err := s.begin(ctx, true)
+	if err != nil {
+		return Record{}, err
+	}
+	defer cancel()
+	now := s.opts.now()
+	var rec Record
+	err = s.inTx(wctx, func(tx pgx.Tx) (err error) {
+		var held bool
+		err = tx.QueryRow(wctx, `SELECT owner = $2 AND fence = $3 AND expires_at > now() FROM x402_leases WHERE name = $1 FOR SHARE`,
+			lease, s.instance, int64(fence)).Scan(&held)
+		if errors.Is(err, pgx.ErrNoRows) {
+			held, err = false, nil
+		}
+		if err != nil {
+			return err
+		}
+		if !held {
+			return fmt.Errorf("%w: %s at fence %d", ErrFenced, lease, fence)
+		}
+		rec, err = updateIn(pgTxn{wctx, tx}, id, fn, now)
+		return err
+	})
+	if err != nil {
+		return Record{}, s.fail(ctx, "update", err)
+	}
+	return rec, nil
+}
+
 // Idle implements Cluster.
 func (s *PostgresStore) Idle(ctx context.Context, id ID) error {
 	wctx, cancel, err := s.begin(ctx, true)

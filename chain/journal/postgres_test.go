@@ -697,3 +697,51 @@ func TestOpenPostgresByManyProcessesAtOnceOnAFreshDatabase(t *testing.T) {
 		}
 	}
 }
+
+// TestPostgresUpdateFencedWritesOnlyUnderTheLeaseAtItsFence: the write-ahead record of a transaction signed with a
+// leased wallet goes in only while the writer holds the lease at the fence it signed under.
+func TestPostgresUpdateFencedWritesOnlyUnderTheLeaseAtItsFence(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	ctx := context.Background()
+	a, b := openPostgres(t, dsn, Options{}), openPostgres(t, dsn, Options{})
+	r := claimOf(9100)
+	mustClaim(t, a, r)
+	la, err := a.Lease(ctx, "wallet-f", 500*time.Millisecond)
+	if err != nil || !la.Held {
+		t.Fatalf("Lease = %+v, %v", la, err)
+	}
+	mark := func(s *PostgresStore, fence uint64) error {
+		_, err := s.UpdateFenced(ctx, r.ID, "wallet-f", fence, func(rec *Record) error { rec.Attempts++; return nil })
+		return err
+	}
+	if err := mark(a, la.Fence); err != nil {
+		t.Fatalf("UpdateFenced by the holder at its fence: %v", err)
+	}
+	for name, try := range map[string]func() error{
+		"by the holder at an older fence":  func() error { return mark(a, la.Fence-1) },
+		"by another instance at the fence": func() error { return mark(b, la.Fence) },
+		"of a lease nobody ever took":      func() error { _, err := a.UpdateFenced(ctx, r.ID, "wallet-none", 1, nil); return err },
+	} {
+		if err := try(); !errors.Is(err, ErrFenced) {
+			t.Errorf("UpdateFenced %s = %v; want ErrFenced", name, err)
+		}
+	}
+	time.Sleep(700 * time.Millisecond) // the lease expires
+	if err := mark(a, la.Fence); !errors.Is(err, ErrFenced) {
+		t.Errorf("UpdateFenced under an expired lease = %v; want ErrFenced", err)
+	}
+	lb, err := b.Lease(ctx, "wallet-f", time.Minute)
+	if err != nil || !lb.Held || lb.Fence != la.Fence+1 {
+		t.Fatalf("takeover = %+v, %v; want held at fence %d", lb, err, la.Fence+1)
+	}
+	if err := mark(a, la.Fence); !errors.Is(err, ErrFenced) {
+		t.Errorf("UpdateFenced by the old holder after a takeover = %v; want ErrFenced", err)
+	}
+	if err := mark(b, lb.Fence); err != nil {
+		t.Errorf("UpdateFenced by the new holder: %v", err)
+	}
+	got, _, err := a.Get(ctx, r.ID)
+	if err != nil || got.Attempts != 2 {
+		t.Fatalf("the record took %d of the writes (%v); want 2, the holders' at their fences", got.Attempts, err)
+	}
+}
