@@ -356,13 +356,38 @@ func (rw *receiptWatcher) wait(ctx context.Context, justSent bool, hashes ...com
 		delete(rw.filed, ch)
 		rw.mu.Unlock()
 	}()
-	select {
-	case r := <-ch:
-		return r, nil
-	case <-ctx.Done():
-		return nil, ctx.Err()
+	// A transaction registered right after its broadcast is looked up only if a block scanned since holds it. A
+	// block the watcher did not scan one by one (after a gap of more than maxScan blocks it looks up the waiters
+	// it has instead, and remembers no block; a block scanned more than recentBlocks ago is forgotten) may hold it
+	// when the waiter registered after that look: it would then be found by no later block and wait its whole
+	// timeout for a receipt the node has had all along. Seen under load on a dev chain sealing a block per
+	// transaction: a settlement mined in a second answered settlement_pending after 30 s. So a waiter still
+	// waiting after sentRescue is looked up once by receipt: whatever was mined before it registered shows then,
+	// and what is mined after is in a block scanned (or a gap looked up) since.
+	var rescue <-chan time.Time
+	if justSent {
+		t := time.NewTimer(sentRescue)
+		defer t.Stop()
+		rescue = t.C
+	}
+	for {
+		select {
+		case r := <-ch:
+			return r, nil
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-rescue:
+			rescue = nil
+			rw.mu.Lock()
+			rw.fresh = append(rw.fresh, hashes...)
+			rw.mu.Unlock()
+		}
 	}
 }
+
+// sentRescue is how long a transaction registered right after its broadcast waits before it is looked up by
+// receipt regardless of the blocks scanned (see wait): one more call only for a settlement slower than this.
+const sentRescue = 2 * time.Second
 
 func (rw *receiptWatcher) loop() {
 	var lastHead uint64

@@ -150,3 +150,61 @@ func TestTheReceiptWatcherFindsATransactionMinedInBlocksItSkippedOver(t *testing
 		t.Fatalf("waiting for a transaction mined in a block the watcher skipped over: %v", err)
 	}
 }
+
+// headGate holds the watcher's polls of the head block while closed, so a test can move the chain many blocks
+// between two of its looks.
+type headGate struct {
+	Backend
+	mu    chan struct{} // a token: held by the test while the gate is closed
+	polls atomic.Int64
+}
+
+func (g *headGate) HeaderByNumber(ctx context.Context, n *big.Int) (*types.Header, error) {
+	g.mu <- struct{}{}
+	<-g.mu
+	g.polls.Add(1)
+	return g.Backend.HeaderByNumber(ctx, n)
+}
+
+// TestTheReceiptWatcherFindsATransactionMinedInABlockItSkipped: the head moves more than maxScan blocks between
+// two looks of the watcher, so it looks up the waiters it has and scans none of those blocks; a transaction mined
+// in one of them whose waiter registers (right after its broadcast, justSent) only after that look is in no block
+// the watcher will scan. It must still be found: before, its waiter waited its whole timeout for a receipt the
+// node had all along (a settlement mined in a second answered settlement_pending after 30 s, under load).
+func TestTheReceiptWatcherFindsATransactionMinedInABlockItSkipped(t *testing.T) {
+	c := chaintest.New(t)
+	g := &headGate{Backend: c.Client, mu: make(chan struct{}, 1)}
+	rw := newReceiptWatcher(g, 2*time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	// A waiter that keeps the watcher polling, on a transaction that never mines.
+	go rw.wait(ctx, false, common.HexToHash("0x0bad"))
+	for g.polls.Load() < 2 {
+		time.Sleep(time.Millisecond)
+	}
+
+	g.mu <- struct{}{} // the watcher's next look waits
+	tx, err := c.SendTx(ctx, c.Payers[0], &c.Deployer.Address, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Commit()
+	for range maxScan + 8 {
+		c.Commit()
+	}
+	polled := g.polls.Load()
+	<-g.mu // the watcher looks: a gap of more than maxScan blocks
+	for g.polls.Load() < polled+3 {
+		time.Sleep(time.Millisecond)
+	}
+
+	start := time.Now()
+	r, err := rw.wait(ctx, true, tx.Hash())
+	if err != nil {
+		t.Fatalf("waiting for the receipt of a transaction mined %d blocks ago, in a gap the watcher did not scan: %v", maxScan+8, err)
+	}
+	if r.TxHash != tx.Hash() {
+		t.Fatalf("got the receipt of %s, want %s", r.TxHash, tx.Hash())
+	}
+	t.Logf("found after %v", time.Since(start).Round(time.Millisecond))
+}

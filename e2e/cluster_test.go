@@ -970,18 +970,20 @@ func TestClusterSIGKILLOfOneGatewayMidLoadLosesAndDoublesNothing(t *testing.T) {
 	t.Logf("the load of %d payments finished %v after the kill: %s", n, time.Since(killedAt).Round(10*time.Millisecond),
 		describeCounts(countAnswers(payments, nil)))
 
-	// The payments the kill cut: presented to the dead gateway around the kill, without a final answer from it.
-	cut := 0
+	// The payments the kill cut: in the dead gateway's hands when it was killed, without an answer.
+	cut, refused := 0, 0
 	for _, p := range payments {
 		for _, a := range p.answers {
-			if a.gate == victim.n && !a.final && !a.presenting {
+			switch {
+			case a.gate == victim.n && a.status == 0 && a.sent.Before(killedAt):
 				cut++
-				break
+			case a.gate == victim.n && a.status == 0:
+				refused++
 			}
 		}
 	}
-	t.Logf("%d payments got no final answer from the dead gateway (cut by the kill, or sent to it after); after the kill the "+
-		"living answered: %s", cut, describeCounts(countAnswers(payments, func(a clusterAnswer) bool { return a.sent.After(killedAt) })))
+	t.Logf("the kill cut %d requests in flight at the dead gateway; %d more were sent to it after and found nobody; after the kill the "+
+		"living answered: %s", cut, refused, describeCounts(countAnswers(payments, func(a clusterAnswer) bool { return a.sent.After(killedAt) })))
 
 	leases := c.waitLeases("the dead gateway's wallets taken over by the living two", 60*time.Second, clusterGateways-1)
 	t.Logf("%v after the kill, the living hold the leases: %s", time.Since(killedAt).Round(100*time.Millisecond), describeLeases(leases))
