@@ -24,6 +24,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/payer"
+	"github.com/x402-gateway/caddy-x402/x402"
 )
 
 // devchainSeller is who the standalone dev chain's tests sell to.
@@ -227,15 +228,22 @@ func sellOnDevchain(t *testing.T, rpc, wallets string) {
 	}
 	respond "paid"
 }`)
+	payDevchainRoute(t, rpc, srv.URL+"/")
+}
+
+// payDevchainRoute pays url as the dev chain's demo payer through rpc, at most the route's price, and fails the
+// test unless it answers 200 "paid" with a settlement; it returns the paid response (body read and closed).
+func payDevchainRoute(t *testing.T, rpc, url string) (*http.Response, *x402.SettleResponse) {
+	t.Helper()
 	p, err := payer.New(devchain.PayerKey(), payer.Options{RPC: rpc})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { p.Close() })
 	client := &http.Client{Transport: &payer.Transport{Payer: p, Limits: []payer.Limit{{PerRequest: big.NewInt(devchainPrice)}}}}
-	resp, err := client.Get(srv.URL + "/")
+	resp, err := client.Get(url)
 	if err != nil {
-		t.Fatalf("paying %s: %v", srv.URL, err)
+		t.Fatalf("paying %s: %v", url, err)
 	}
 	body, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
@@ -243,6 +251,7 @@ func sellOnDevchain(t *testing.T, rpc, wallets string) {
 	if resp.StatusCode != 200 || string(body) != "paid" || err != nil || settled == nil || !settled.Success {
 		t.Fatalf("paid GET: %d %q, settlement %+v (%v); want 200 \"paid\", settled", resp.StatusCode, body, settled, err)
 	}
+	return resp, settled
 }
 
 func TestCaddySettlesOnAStandaloneDevChainThroughDevChainRPCWithTheWalletsItNames(t *testing.T) {

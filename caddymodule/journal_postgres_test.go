@@ -2,8 +2,6 @@ package caddymodule_test
 
 import (
 	"context"
-	"io"
-	"math/big"
 	"net"
 	"net/http"
 	"strings"
@@ -15,7 +13,6 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
-	"github.com/x402-gateway/caddy-x402/payer"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -38,22 +35,7 @@ func TestAGateOnAPostgresJournalKeepsItsPaymentsInTheDatabase(t *testing.T) {
 	}
 	respond "paid"
 }`)
-	p, err := payer.New(devchain.PayerKey(), payer.Options{RPC: d.facts.RPC})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { p.Close() })
-	client := &http.Client{Transport: &payer.Transport{Payer: p, Limits: []payer.Limit{{PerRequest: big.NewInt(devchainPrice)}}}}
-	resp, err := client.Get(srv.URL + "/")
-	if err != nil {
-		t.Fatal(err)
-	}
-	body, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	settled, err := payer.Settlement(resp)
-	if resp.StatusCode != 200 || string(body) != "paid" || err != nil || settled == nil || !settled.Success {
-		t.Fatalf("paid GET: %d %q, settlement %+v (%v); want 200 \"paid\", settled", resp.StatusCode, body, settled, err)
-	}
+	resp, settled := payDevchainRoute(t, d.facts.RPC, srv.URL+"/")
 
 	// What the gate and its engine recorded is in the database, final, with the transaction, the gate's record
 	// marked served; the gate's in-flight mark is gone.

@@ -34,26 +34,9 @@ func TestClusterBenchmarkThreeOnPostgresAgainstOneOnBolt(t *testing.T) {
 
 	// The single gateway: a bbolt journal, the same twelve wallets. It starts once the cluster has stopped, and
 	// stops before the cluster starts again, so that no wallet is settled from by two processes at once.
-	boltFile := writeFile(t, c.dir, "single.Caddyfile", fmt.Sprintf(`{
-	admin off
-	x402 {
-		dev_chain {
-			rpc %s
-			wallets 0-%d
-		}
-		journal %s
-	}
-}
-
-%s {
-	bind 127.0.0.1
-	x402 $0.01 {
-		pay_to %s
-		max_timeout 24h
-	}
-	respond %q
-}
-`, c.chainURL, clusterWallets-1, filepath.Join(c.dir, "single-journal.db"), "http://127.0.0.1:{$X402_SINGLE_PORT}", seller.Hex(), clusterContent))
+	port := freePort(t)
+	single := &clusterGate{n: 9, name: "the single gateway", url: fmt.Sprintf("http://127.0.0.1:%d", port)}
+	boltFile := writeFile(t, c.dir, "single.Caddyfile", c.caddyfile(filepath.Join(c.dir, "single-journal.db"), single.url))
 
 	type result struct {
 		what    string
@@ -103,10 +86,7 @@ func TestClusterBenchmarkThreeOnPostgresAgainstOneOnBolt(t *testing.T) {
 		run(fmt.Sprintf("round %d, one gateway, PostgreSQL journal, 12 leased wallets", round+1), func(int) int { return 0 })
 		c.gates[0].proc.stop()
 
-		port := freePort(t)
-		single := &clusterGate{n: 9, name: "the single gateway", url: fmt.Sprintf("http://127.0.0.1:%d", port)}
-		single.proc = startProcess(t, single.name, c.dir, append(childEnv(t), fmt.Sprintf("X402_SINGLE_PORT=%d", port)),
-			"run", "--adapter", "caddyfile", "--config", boltFile)
+		single.proc = startProcess(t, single.name, c.dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", boltFile)
 		single.proc.waitUntil("a 402 from the gateway", 90*time.Second, answersWith(single.url+"/", 402))
 		c.gates = []*clusterGate{single}
 		run(fmt.Sprintf("round %d, one gateway, bbolt journal, 12 wallets", round+1), func(int) int { return 0 })

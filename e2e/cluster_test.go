@@ -146,26 +146,7 @@ func startCluster(t *testing.T, payers int) *cluster {
 
 	for i := range clusterGateways {
 		g := &clusterGate{n: i, name: fmt.Sprintf("gateway %d", i), url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t))}
-		file := writeFile(t, c.dir, fmt.Sprintf("gateway%d.Caddyfile", i), fmt.Sprintf(`{
-	admin off
-	x402 {
-		dev_chain {
-			rpc %s
-			wallets 0-%d
-		}
-		journal %s
-	}
-}
-
-%s {
-	bind 127.0.0.1
-	x402 $0.01 {
-		pay_to %s
-		max_timeout 24h
-	}
-	respond %q
-}
-`, c.chainURL, clusterWallets-1, c.dsn, g.url, seller.Hex(), clusterContent))
+		file := writeFile(t, c.dir, fmt.Sprintf("gateway%d.Caddyfile", i), c.caddyfile(c.dsn, g.url))
 		g.proc = startProcess(t, g.name, c.dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", file)
 		c.gates = append(c.gates, g)
 	}
@@ -185,6 +166,31 @@ func startCluster(t *testing.T, payers int) *cluster {
 	t.Logf("the cluster is up in %v: a dev chain, PostgreSQL, %d gateways sharing %d wallets, %d payers",
 		time.Since(started).Round(100*time.Millisecond), clusterGateways, clusterWallets, payers)
 	return c
+}
+
+// caddyfile is a gateway's Caddyfile: the dev chain's twelve wallets, the journal (a DSN or a file) and the paid
+// route at siteURL.
+func (c *cluster) caddyfile(journal, siteURL string) string {
+	return fmt.Sprintf(`{
+	admin off
+	x402 {
+		dev_chain {
+			rpc %s
+			wallets 0-%d
+		}
+		journal %s
+	}
+}
+
+%s {
+	bind 127.0.0.1
+	x402 $0.01 {
+		pay_to %s
+		max_timeout 24h
+	}
+	respond %q
+}
+`, c.chainURL, clusterWallets-1, journal, siteURL, seller.Hex(), clusterContent)
 }
 
 // clusterLogsEnv names a directory where a failed cluster test leaves the whole output of each gateway.

@@ -558,6 +558,11 @@ func (s *PostgresStore) Get(ctx context.Context, id ID) (Record, bool, error) {
 
 // Update implements Store.
 func (s *PostgresStore) Update(ctx context.Context, id ID, fn func(*Record) error) (Record, error) {
+	return s.update(ctx, id, fn, nil)
+}
+
+// update is Update, with check run first in the same transaction: an error from it writes nothing.
+func (s *PostgresStore) update(ctx context.Context, id ID, fn func(*Record) error, check func(context.Context, pgx.Tx) error) (Record, error) {
 	wctx, cancel, err := s.begin(ctx, true)
 	if err != nil {
 		return Record{}, err
@@ -566,6 +571,11 @@ func (s *PostgresStore) Update(ctx context.Context, id ID, fn func(*Record) erro
 	now := s.opts.now()
 	var rec Record
 	err = s.inTx(wctx, func(tx pgx.Tx) (err error) {
+		if check != nil {
+			if err := check(wctx, tx); err != nil {
+				return err
+			}
+		}
 		rec, err = updateIn(pgTxn{wctx, tx}, id, fn, now)
 		return err
 	})
@@ -769,16 +779,9 @@ RETURNING true`, id[:], s.instance).Scan(&marked)
 // row (a takeover waits for the write, or the write sees the takeover), that this instance holds the lease at
 // fence and it has not expired.
 func (s *PostgresStore) UpdateFenced(ctx context.Context, id ID, lease string, fence uint64, fn func(*Record) error) (Record, error) {
-	wctx, cancel, err := s.begin(ctx, true)
-	if err != nil {
-		return Record{}, err
-	}
-	defer cancel()
-	now := s.opts.now()
-	var rec Record
-	err = s.inTx(wctx, func(tx pgx.Tx) (err error) {
+	return s.update(ctx, id, fn, func(ctx context.Context, tx pgx.Tx) error {
 		var held bool
-		err = tx.QueryRow(wctx, `SELECT owner = $2 AND fence = $3 AND expires_at > now() FROM x402_leases WHERE name = $1 FOR SHARE`,
+		err := tx.QueryRow(ctx, `SELECT owner = $2 AND fence = $3 AND expires_at > now() FROM x402_leases WHERE name = $1 FOR SHARE`,
 			lease, s.instance, int64(fence)).Scan(&held)
 		if errors.Is(err, pgx.ErrNoRows) {
 			held, err = false, nil
@@ -789,27 +792,13 @@ func (s *PostgresStore) UpdateFenced(ctx context.Context, id ID, lease string, f
 		if !held {
 			return fmt.Errorf("%w: %s at fence %d", ErrFenced, lease, fence)
 		}
-		rec, err = updateIn(pgTxn{wctx, tx}, id, fn, now)
-		return err
+		return nil
 	})
-	if err != nil {
-		return Record{}, s.fail(ctx, "update", err)
-	}
-	return rec, nil
 }
 
 // Idle implements Cluster.
 func (s *PostgresStore) Idle(ctx context.Context, id ID) error {
-	wctx, cancel, err := s.begin(ctx, true)
-	if err != nil {
-		return err
-	}
-	defer cancel()
-	err = retrySafe(func() error {
-		_, err := s.pool.Exec(wctx, `DELETE FROM x402_busy WHERE id = $1 AND owner = $2`, id[:], s.instance)
-		return err
-	})
-	return s.fail(ctx, "idle", err)
+	return s.execWrite(ctx, "idle", `DELETE FROM x402_busy WHERE id = $1 AND owner = $2`, id[:], s.instance)
 }
 
 // Lease implements Cluster, in one transaction that locks the lease's row.
@@ -863,16 +852,7 @@ WHERE name = $1 RETURNING fence, expires_at`, name, s.instance, ttl.Microseconds
 
 // Unlease implements Cluster.
 func (s *PostgresStore) Unlease(ctx context.Context, name string) error {
-	wctx, cancel, err := s.begin(ctx, true)
-	if err != nil {
-		return err
-	}
-	defer cancel()
-	err = retrySafe(func() error {
-		_, err := s.pool.Exec(wctx, `UPDATE x402_leases SET owner = '', expires_at = now() WHERE name = $1 AND owner = $2`, name, s.instance)
-		return err
-	})
-	return s.fail(ctx, "unlease", err)
+	return s.execWrite(ctx, "unlease", `UPDATE x402_leases SET owner = '', expires_at = now() WHERE name = $1 AND owner = $2`, name, s.instance)
 }
 
 // Hold implements Cluster. With take, it locks the key's row in x402_hold_keys, so that the holds of one key are
@@ -986,30 +966,12 @@ FROM x402_holds WHERE hold_key = $1 ORDER BY held_at, id`, key)
 
 // HoldMined implements Cluster; the first block recorded stays.
 func (s *PostgresStore) HoldMined(ctx context.Context, id ID, block uint64) error {
-	wctx, cancel, err := s.begin(ctx, true)
-	if err != nil {
-		return err
-	}
-	defer cancel()
-	err = retrySafe(func() error {
-		_, err := s.pool.Exec(wctx, `UPDATE x402_holds SET mined = $2::numeric WHERE id = $1 AND mined = 0`, id[:], strconv.FormatUint(block, 10))
-		return err
-	})
-	return s.fail(ctx, "hold mined", err)
+	return s.execWrite(ctx, "hold mined", `UPDATE x402_holds SET mined = $2::numeric WHERE id = $1 AND mined = 0`, id[:], strconv.FormatUint(block, 10))
 }
 
 // Unhold implements Cluster.
 func (s *PostgresStore) Unhold(ctx context.Context, id ID) error {
-	wctx, cancel, err := s.begin(ctx, true)
-	if err != nil {
-		return err
-	}
-	defer cancel()
-	err = retrySafe(func() error {
-		_, err := s.pool.Exec(wctx, `DELETE FROM x402_holds WHERE id = $1`, id[:])
-		return err
-	})
-	return s.fail(ctx, "unhold", err)
+	return s.execWrite(ctx, "unhold", `DELETE FROM x402_holds WHERE id = $1`, id[:])
 }
 
 // HoldsOf implements Cluster: every hold of key stored, oldest first. Which of them the chain has caught up
@@ -1031,3 +993,17 @@ var (
 	_ Store   = (*PostgresStore)(nil)
 	_ Cluster = (*PostgresStore)(nil)
 )
+
+// execWrite runs one statement that writes, retried as retrySafe says, and reports its failure as op's.
+func (s *PostgresStore) execWrite(ctx context.Context, op, sql string, args ...any) error {
+	wctx, cancel, err := s.begin(ctx, true)
+	if err != nil {
+		return err
+	}
+	defer cancel()
+	err = retrySafe(func() error {
+		_, err := s.pool.Exec(wctx, sql, args...)
+		return err
+	})
+	return s.fail(ctx, op, err)
+}
