@@ -237,7 +237,7 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 		// Records carry the instance token the store keeps alive, so the other processes can tell a live
 		// claimant from a dead one.
 		f.cluster, f.owner = c, c.Instance()
-		f.leases = &leaser{cluster: c, ttl: cfg.WalletLeaseTTL, log: f.log, now: time.Now}
+		f.leases = &leaser{cluster: c, ttl: cfg.WalletLeaseTTL, now: time.Now}
 		if f.leases.ttl <= 0 {
 			f.leases.ttl = defaultWalletLeaseTTL
 		}

@@ -85,16 +85,12 @@ func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, take bool) (o
 	key := fundsKey{p.asset.Address, p.payer}
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
-	pf := fs.payers[key]
-	if r != nil {
-		pf = fs.payer(key)
-		if r.block >= pf.read.block {
-			pf.read, pf.readAt = *r, fs.now()
-			pf.settle(chainTime, fs.byID)
-		}
-	}
-	if pf == nil || pf.read.block == 0 || (r == nil && fs.now().Sub(pf.readAt) >= fs.ttl) {
+	pf := fs.readLocked(key, r)
+	if pf == nil {
 		return false, false, nil
+	}
+	if r != nil && r.block == pf.read.block {
+		pf.settle(chainTime, fs.byID)
 	}
 	if _, held := pf.holds[p.id]; held {
 		return true, true, nil
@@ -118,6 +114,23 @@ func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, take bool) (o
 		fs.hold(pf, key, p)
 	}
 	return true, true, avail
+}
+
+// readLocked takes in r, a read just made (when it is not older than the one kept), and returns the payer's entry
+// when its read answers: r's, or, with r nil, a fresh one. nil when there is no read to answer from. Called with
+// mu held.
+func (fs *funds) readLocked(key fundsKey, r *fundsRead) *payerFunds {
+	pf := fs.payers[key]
+	if r != nil {
+		pf = fs.payer(key)
+		if r.block >= pf.read.block {
+			pf.read, pf.readAt = *r, fs.now()
+		}
+	}
+	if pf == nil || pf.read.block == 0 || (r == nil && fs.now().Sub(pf.readAt) >= fs.ttl) {
+		return nil
+	}
+	return pf
 }
 
 // permitHeld reports whether another payment held against p's payer applies a sponsor permit with the token nonce
@@ -187,12 +200,7 @@ func (fs *funds) hold(pf *payerFunds, key fundsKey, p *payment) {
 	if _, held := pf.holds[p.id]; held {
 		return
 	}
-	d := p.deadlineValue()
-	deadline := d.Uint64()
-	if !d.IsUint64() {
-		deadline = ^uint64(0)
-	}
-	h := &hold{amount: new(big.Int).Set(p.amount), deadline: deadline}
+	h := &hold{amount: new(big.Int).Set(p.amount), deadline: deadlineUint(p)}
 	if p.sponsor != nil {
 		h.permitNonce = p.sponsor.permit.Nonce
 	}
@@ -265,16 +273,9 @@ func (fs *funds) check(ctx context.Context, p *payment, chainTime uint64, r *fun
 		ok, known, avail = fs.cover(p, chainTime, r, take)
 		return ok, known, avail, nil
 	}
-	key := fundsKey{p.asset.Address, p.payer}
 	fs.mu.Lock()
-	pf := fs.payers[key]
-	if r != nil {
-		pf = fs.payer(key)
-		if r.block >= pf.read.block {
-			pf.read, pf.readAt = *r, fs.now()
-		}
-	}
-	if pf == nil || pf.read.block == 0 || (r == nil && fs.now().Sub(pf.readAt) >= fs.ttl) {
+	pf := fs.readLocked(fundsKey{p.asset.Address, p.payer}, r)
+	if pf == nil {
 		fs.mu.Unlock()
 		return false, false, nil, nil
 	}

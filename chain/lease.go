@@ -42,7 +42,6 @@ func leaseName(network string, addr common.Address) string {
 type leaser struct {
 	cluster journal.Cluster
 	ttl     time.Duration
-	log     *zap.Logger
 	now     func() time.Time
 	// stalled stops the loop's passes, as a process paused past its leases would be (tests only).
 	stalled atomic.Bool

@@ -33,6 +33,10 @@ func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
 			f.fillNonceHoles(ctx, gapped, held)
 		}
 	}()
+	var alive func(context.Context, string) (bool, error)
+	if f.cluster != nil {
+		alive = journal.AliveOnce(f.cluster)
+	}
 	for _, rec := range recs {
 		look := startup // every record, grace or not
 		tookOver := false
@@ -46,7 +50,7 @@ func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
 		if f.cluster != nil && rec.Owner != f.owner {
 			// A journal several processes share: a live process reconciles its own settlements, and a dead one's
 			// are taken over by whichever process gets to them first.
-			mine, err := f.takeOver(ctx, rec)
+			mine, err := f.takeOver(ctx, rec, alive)
 			if err != nil {
 				return err
 			}
@@ -293,8 +297,8 @@ func (f *Facilitator) isSettlementRecord(rec journal.Record) bool {
 // takeOver makes a settlement record of another process this process's, when that process is dead: its claim is
 // released, and its broadcast transactions are finished, by this one. mine false: the owner is alive (it
 // reconciles the record itself), or another process took the record over first.
-func (f *Facilitator) takeOver(ctx context.Context, rec journal.Record) (mine bool, _ error) {
-	alive, err := f.cluster.Alive(ctx, rec.Owner)
+func (f *Facilitator) takeOver(ctx context.Context, rec journal.Record, isAlive func(context.Context, string) (bool, error)) (mine bool, _ error) {
+	alive, err := isAlive(ctx, rec.Owner)
 	if err != nil || alive {
 		return false, err
 	}

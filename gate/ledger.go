@@ -283,12 +283,13 @@ const adoptEvery = 3 * time.Second
 // are gone, which it takes over (their Owner becomes this instance) unless another process took them first.
 func (l *Ledger) adoptable(c journal.Cluster, recs []journal.Record) ([]journal.Record, error) {
 	var out []journal.Record
+	isAlive := journal.AliveOnce(c)
 	for _, rec := range recs {
 		if rec.Owner == l.owner {
 			out = append(out, rec)
 			continue
 		}
-		alive, err := c.Alive(l.ctx, rec.Owner)
+		alive, err := isAlive(l.ctx, rec.Owner)
 		if err != nil {
 			return out, err
 		}

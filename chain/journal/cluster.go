@@ -68,6 +68,22 @@ type Cluster interface {
 	HoldsOf(ctx context.Context, key string) ([]Hold, error)
 }
 
+// AliveOnce is c's Alive, asking the database once per owner: for one pass over many records, which mostly share a
+// few owners.
+func AliveOnce(c Cluster) func(ctx context.Context, owner string) (bool, error) {
+	seen := map[string]bool{}
+	return func(ctx context.Context, owner string) (bool, error) {
+		if alive, ok := seen[owner]; ok {
+			return alive, nil
+		}
+		alive, err := c.Alive(ctx, owner)
+		if err == nil {
+			seen[owner] = alive
+		}
+		return alive, err
+	}
+}
+
 // Lease is a named lease as a Cluster store holds it.
 type Lease struct {
 	Name  string
