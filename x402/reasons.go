@@ -56,6 +56,17 @@ const (
 	ReasonEIP3009TokenVersionMismatch = "invalid_exact_evm_token_version_mismatch"
 )
 
+// Reason codes of upto payments, as the public SDKs' upto EVM scheme names them.
+const (
+	// ReasonUptoFacilitatorMismatch: the witness names a facilitator address that is not one of this
+	// facilitator's settlement wallets.
+	ReasonUptoFacilitatorMismatch = "upto_facilitator_mismatch"
+	// ReasonUptoSettlementExceedsAmount: the settlement asks for more than the payer permitted.
+	ReasonUptoSettlementExceedsAmount = "invalid_upto_evm_payload_settlement_exceeds_amount"
+	// ReasonUptoTransactionFailed: the upto settlement transaction was mined but reverted.
+	ReasonUptoTransactionFailed = "invalid_upto_evm_transaction_failed"
+)
+
 // Reason codes of smart-wallet payers, as the public SDKs name them.
 const (
 	// ReasonEIP6492FactoryNotAllowed refuses an undeployed wallet whose ERC-6492 factory the facilitator does

@@ -5,18 +5,27 @@ import (
 	"strings"
 )
 
-// Kind finds the kind that serves `exact` payments of version on network by the asset transfer method. A kind
-// that names no method is the standard EVM `exact` kind of the public SDKs, which serves EIP-3009 and, for a
-// requirement that says so, Permit2: it serves eip3009 and permit2, never erc2612, which only a kind naming it
-// serves. A kind naming the method is preferred to the standard one. A nil response (no /supported answer yet)
-// serves nothing.
+// Kind finds the kind that serves `exact` payments of version on network by the asset transfer method (see
+// SchemeKind).
 func (s *SupportedResponse) Kind(version int, network, method string) (SupportedKind, bool) {
+	return s.SchemeKind(version, SchemeExact, network, method)
+}
+
+// SchemeKind finds the kind that serves payments of scheme and version on network by the asset transfer method.
+// A kind that names no method is the standard EVM kind of the public SDKs: for `exact` it serves eip3009 and,
+// for a requirement that says so, permit2, never erc2612, which only a kind naming it serves; for `upto` it
+// serves permit2, the only method that scheme has. A kind naming the method is preferred to the standard one.
+// A nil response (no /supported answer yet) serves nothing.
+func (s *SupportedResponse) SchemeKind(version int, scheme, network, method string) (SupportedKind, bool) {
 	if s == nil {
+		return SupportedKind{}, false
+	}
+	if scheme == SchemeUpto && method != TransferPermit2 {
 		return SupportedKind{}, false
 	}
 	var standard *SupportedKind
 	for i, k := range s.Kinds {
-		if k.X402Version != version || k.Scheme != SchemeExact || k.Network != network {
+		if k.X402Version != version || k.Scheme != scheme || k.Network != network {
 			continue
 		}
 		switch km := k.Extra.AssetTransferMethod; {

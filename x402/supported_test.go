@@ -59,3 +59,24 @@ func TestKindMatchesVersionNetworkAndMethodAndReadsAMissingMethodAsTheStandardKi
 		}
 	}
 }
+
+func TestAnUptoKindServesPermit2OnlyAndNamesItsFacilitatorAddress(t *testing.T) {
+	s := &SupportedResponse{Kinds: []SupportedKind{
+		{X402Version: 2, Scheme: SchemeExact, Network: "eip155:1"},
+		{X402Version: 2, Scheme: SchemeUpto, Network: "eip155:1", Extra: Extra{FacilitatorAddress: "0x00000000000000000000000000000000000000aa"}},
+	}}
+	if k, ok := s.SchemeKind(2, SchemeUpto, "eip155:1", TransferPermit2); !ok || k.Extra.FacilitatorAddress == "" {
+		t.Fatalf("upto permit2: got %+v, %v", k, ok)
+	}
+	for _, m := range []string{TransferEIP3009, TransferERC2612} {
+		if _, ok := s.SchemeKind(2, SchemeUpto, "eip155:1", m); ok {
+			t.Errorf("upto %s is served; upto has permit2 only", m)
+		}
+	}
+	if k, ok := s.Kind(2, "eip155:1", TransferPermit2); !ok || k.Scheme != SchemeExact {
+		t.Errorf("exact permit2: got %+v, %v", k, ok)
+	}
+	if _, ok := (&SupportedResponse{Kinds: s.Kinds[:1]}).SchemeKind(2, SchemeUpto, "eip155:1", TransferPermit2); ok {
+		t.Error("an exact kind serves upto")
+	}
+}

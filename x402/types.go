@@ -11,8 +11,15 @@ const (
 	Version2 = 2
 )
 
-// SchemeExact is the only payment scheme this project implements.
-const SchemeExact = "exact"
+// Payment schemes: exact charges the amount signed; upto lets the payer sign a maximum, of which the resource
+// server charges what the request used (any amount from zero up to it).
+const (
+	SchemeExact = "exact"
+	SchemeUpto  = "upto"
+)
+
+// IsScheme reports whether s is a payment scheme this project implements.
+func IsScheme(s string) bool { return s == SchemeExact || s == SchemeUpto }
 
 // Asset transfer methods named in PaymentRequirements.extra.assetTransferMethod.
 const (
@@ -61,6 +68,9 @@ type Extra struct {
 	// Permit2Address and X402Permit2ProxyAddress are the contracts a permit2 payment goes through.
 	Permit2Address          string `json:"permit2Address,omitempty"`
 	X402Permit2ProxyAddress string `json:"x402Permit2ProxyAddress,omitempty"`
+	// FacilitatorAddress (upto) is the settlement wallet the payer names in its witness: the upto proxy lets
+	// only that address settle the payment.
+	FacilitatorAddress string `json:"facilitatorAddress,omitempty"`
 }
 
 // PaymentRequirements is one way to pay for a resource (PaymentRequirementsItem of the spec, version 2).
@@ -101,10 +111,12 @@ type TokenPermissions struct {
 	Amount string `json:"amount"`
 }
 
-// Permit2Witness is the x402 witness bound into a Permit2 signature: who receives, and from when.
+// Permit2Witness is the x402 witness bound into a Permit2 signature: who receives, and from when; for the upto
+// scheme also which facilitator address alone may settle it (the exact scheme's witness has no such field).
 type Permit2Witness struct {
-	To         string `json:"to"`
-	ValidAfter string `json:"validAfter"`
+	To          string `json:"to"`
+	Facilitator string `json:"facilitator,omitempty"`
+	ValidAfter  string `json:"validAfter"`
 }
 
 // Permit2Authorization is the signed PermitWitnessTransferFrom of a permit2 payment. Numbers are decimal strings;
