@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
@@ -16,6 +17,8 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -352,5 +355,83 @@ func TestAnUptoPaymentSignedHereRecoversUnderTheTypeScriptClientsTypes(t *testin
 	pub, err := crypto.SigToPub(hash, sig)
 	if err != nil || crypto.PubkeyToAddress(*pub) != payer.Address {
 		t.Fatalf("the signature recovers %v (%v) under apitypes, want the payer %s", pub, err, payer.Address.Hex())
+	}
+}
+
+// A broadcast upto settlement whose receipt is not seen in time is journalled with its request: an engine that
+// restarts on the same journal re-reads that request (the amount to settle, not the maximum) and answers from
+// the chain, and nothing is sent twice.
+func TestAnUptoSettlementPendingAcrossARestartSettlesOnceForItsAmount(t *testing.T) {
+	store := journal.NewMemory(journal.Options{})
+	fx := newFixture(t, fixtureOpts{journal: store, autoCommit: -1, receiptTimeout: 200 * time.Millisecond})
+	payer := fx.c.Payers[0]
+	fx.approvePermit2(payer)
+	fx.c.Commit()
+	sellerBefore, txsBefore := fx.c.TokenBalance(fx.payTo), fx.walletTxs()
+	req := settleFor(fx.upto(payer), 1_500)
+	s := fx.settle(req)
+	if !s.Pending() || s.Amount != "1500" {
+		t.Fatalf("settle with no block sealed = %+v, want settlement_pending for 1500 with the transaction", s)
+	}
+	fx.f.Close()
+
+	again, err := chain.New(context.Background(), chain.Config{Journal: store, Networks: []chain.NetworkConfig{{
+		Network: fx.net, Backend: fx.c.Client, ReceiptTimeout: 5 * time.Second, ReceiptPoll: 2 * time.Millisecond,
+		Assets: []chain.AssetConfig{{Address: fx.c.Token, Name: "Stable Coin", Version: "1", Decimals: 6}},
+		Keys:   chaintestKeys(fx.c),
+	}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Close()
+	stop := fx.c.AutoCommit(5 * time.Millisecond)
+	defer stop()
+	final, err := again.Settle(context.Background(), req)
+	if err != nil || !final.Success || final.Transaction != s.Transaction || final.Amount != "1500" {
+		t.Fatalf("after the restart the payment answered %+v, %v; want settled for 1500 by %s", final, err, s.Transaction)
+	}
+	if n, _ := fx.sentSince(txsBefore); n != 1 {
+		t.Errorf("%d transactions sent, want 1", n)
+	}
+	if got := new(big.Int).Sub(fx.c.TokenBalance(fx.payTo), sellerBefore); got.Int64() != 1_500 {
+		t.Errorf("seller received %s, want 1500", got)
+	}
+}
+
+// With a shared journal a wallet sends only from the process holding its lease: an upto payment naming a wallet
+// another engine holds is refused by this one as busy (no_available_wallets, nothing sent), and settles on the
+// engine holding it. Each engine's upto kind names a wallet it holds.
+func TestAnUptoPaymentSettlesOnlyOnTheEngineHoldingTheNamedWalletsLease(t *testing.T) {
+	fx, engines, _ := sharedEnginesOn(t, pgtest.Shared(t), 2, 2*time.Second, fixtureOpts{wallets: 4, receiptTimeout: time.Minute,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) { nc.WalletWait = 200 * time.Millisecond }})
+	waitLeases(t, fx, engines, 2, 2)
+	payer := fx.c.Payers[0]
+	fx.approvePermit2(payer)
+	for i, f := range engines {
+		resp, err := f.Supported(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		kind, ok := resp.SchemeKind(x402.Version2, x402.SchemeUpto, fx.net, x402.TransferPermit2)
+		if !ok || kind.Extra.FacilitatorAddress != f.LeasedWallets(fx.net)[0].Hex() {
+			t.Errorf("engine %d's upto kind %+v, want it to name the first wallet it holds, %s", i, kind, f.LeasedWallets(fx.net)[0].Hex())
+		}
+	}
+	named := engines[1].LeasedWallets(fx.net)[0]
+	req := fx.permit2(payer, fx.uptoRequirements(named), chain.Permit2Options{})
+	txsBefore := fx.walletTxs()
+	refused, err := engines[0].Settle(context.Background(), req)
+	if err != nil || refused.Success || refused.ErrorReason != x402.ReasonNoAvailableWallets {
+		t.Fatalf("settle on the engine without the named wallet's lease = %+v, %v; want %s", refused, err, x402.ReasonNoAvailableWallets)
+	}
+	if n, _ := fx.sentSince(txsBefore); n != 0 {
+		t.Fatalf("%d transactions sent by the refused settlement, want none", n)
+	}
+	settled, err := engines[1].Settle(context.Background(), req)
+	if err != nil || !settled.Success {
+		t.Fatalf("settle on the engine holding the named wallet = %+v, %v; want success", settled, err)
+	}
+	if _, from := fx.sentSince(txsBefore); len(from) != 1 || from[0] != named {
+		t.Errorf("sent from %v, want from %s", from, named.Hex())
 	}
 }
