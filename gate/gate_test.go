@@ -51,6 +51,8 @@ type setup struct {
 	// chain is the chain to settle on, shared with another env (a second gateway); default a new one, sealing
 	// every 5ms.
 	chain *chaintest.Chain
+	// config, when set, changes the gate's configuration before it is made.
+	config func(*gate.Config)
 }
 
 func newEnv(t *testing.T, s setup) *env {
@@ -79,12 +81,16 @@ func newEnv(t *testing.T, s setup) *env {
 	}
 	t.Cleanup(func() { f.Close() })
 	e.fac = f
-	g, err := gate.New(gate.Config{
+	cfg := gate.Config{
 		Offers: []gate.Offer{{Network: e.net, Asset: c.Token.Hex(), PayTo: e.payTo.Hex(), Amount: big.NewInt(price).String(),
 			TokenName: "Stable Coin", TokenVersion: "1", Decimals: 6, MaxTimeoutSeconds: 300}},
 		Settle: s.settle, Description: "a test resource", Embedded: true, EnginePrunes: true, FacilitatorName: "embedded",
 		SetVar: e.vars.set, Metrics: e.metrics,
-	}, f, e.store, "test")
+	}
+	if s.config != nil {
+		s.config(&cfg)
+	}
+	g, err := gate.New(cfg, f, e.store, "test")
 	if err != nil {
 		t.Fatalf("gate.New: %v", err)
 	}
