@@ -45,6 +45,10 @@ const EmbeddedFacilitator = "embedded"
 // The gate's own way to pay is given by its inline fields; accept blocks add more (another network, asset
 // or method) and take whatever they leave empty from the gate.
 //
+// Price, Amount, PayTo and Description may hold placeholders a request fills (a map's or vars' output,
+// {http.request.*}): they are then resolved and checked for each request, and a value that is not good answers
+// 500. Global placeholders ({env.*}) are resolved once, at Provision.
+//
 // Placeholders, for access logs (log_append) and for the upstream (header_up):
 //
 //	{http.x402.status}       the PaymentOutcome status; "verified" while the upstream runs before settlement
