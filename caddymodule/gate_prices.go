@@ -30,7 +30,7 @@ const maxResolvedTerms = 256
 // placeholders, and checks them by the rules Provision checks the others by.
 type requestTerms struct {
 	gate   Gate        // the gate as configured, whose ways to pay are copied and filled per request
-	app    *App        //
+	app    *App        // whose networks and assets fill the defaults
 	fields []termField // the options with request placeholders, in a fixed order
 	logger *zap.Logger
 
