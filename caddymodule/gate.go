@@ -45,6 +45,10 @@ const EmbeddedFacilitator = "embedded"
 // The gate's own way to pay is given by its inline fields; accept blocks add more (another network, asset
 // or method) and take whatever they leave empty from the gate.
 //
+// Price, Amount, PayTo and Description may hold placeholders a request fills (a map's or vars' output,
+// {http.request.*}): they are then resolved and checked for each request, and a value that is not good answers
+// 500. Global placeholders ({env.*}) are resolved once, at Provision.
+//
 // Placeholders, for access logs (log_append) and for the upstream (header_up):
 //
 //	{http.x402.status}       the PaymentOutcome status; "verified" while the upstream runs before settlement
@@ -112,6 +116,18 @@ type Gate struct {
 	// preflight itself (never passing it on unpaid) and lets them read its answers. "*" allows any origin.
 	// Default: any origin.
 	CORSOrigins []string `json:"cors_origins,omitempty"`
+
+	// PriceGrace keeps a payment signed against an offer this resource's 402 made good for this long after the
+	// offer changed (a reload with a new price, or a new value of a placeholder in price, amount or pay_to): the
+	// terms each 402 offered are remembered by the request's method and URL, across reloads but not restarts.
+	// Default 0: a payment must match the offer of its request.
+	PriceGrace caddy.Duration `json:"price_grace,omitempty"`
+
+	// offersFor resolves price, amount and pay_to per request when they hold request placeholders;
+	// descriptionFor does so for Description.
+	offersFor      func(*http.Request) ([]gate.Offer, error)
+	descriptionFor func(*http.Request) string
+	offered        *gate.OfferMemory // the process's memory of offers, with a price grace
 
 	app      *App
 	fac      x402.Facilitator // for the embedded facilitator, set when the x402 app starts
@@ -202,7 +218,10 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	}
 	app := appVal.(*App)
 	repl := caddy.NewReplacer()
-	if g.specs, err = g.resolveOffers(app, repl); err != nil {
+	if g.specs, err = g.provisionOffers(app, repl); err != nil {
+		return err
+	}
+	if err := g.takeOfferMemory(); err != nil {
 		return err
 	}
 	if err := g.pickFacilitator(ctx, app, repl); err != nil {
@@ -235,6 +254,7 @@ func (g *Gate) start(app *App) error {
 		Embedded: g.embedded, EnginePrunes: app.Facilitator() != nil, FacilitatorName: g.facName, Redact: g.redact.Replace,
 		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: originalURI,
 		ErrorStatus: handlerErrorStatus, Event: g.emit, HandsOff: handlesErrors,
+		OffersFor: g.offersFor, DescriptionFor: g.descriptionFor, PriceGrace: time.Duration(g.PriceGrace), OfferMemory: g.offered,
 	}, g.fac, store, owner)
 	if err != nil {
 		return err
@@ -315,6 +335,9 @@ func (g *Gate) Validate() error {
 	if g.MaxBuffer < 0 {
 		return fmt.Errorf("max_buffer %d is negative; want a size in bytes", g.MaxBuffer)
 	}
+	if g.PriceGrace < 0 {
+		return fmt.Errorf("price_grace %s is negative; want a duration such as 1m, or 0 for none", time.Duration(g.PriceGrace))
+	}
 	if len(g.specs) == 0 {
 		return errors.New("no way to pay is configured")
 	}
@@ -341,6 +364,7 @@ func (g *Gate) Validate() error {
 
 // Cleanup leaves the journal; the last gate of a journal stops its background settlements.
 func (g *Gate) Cleanup() error {
+	g.releaseOfferMemory()
 	if g.core == nil {
 		return nil
 	}

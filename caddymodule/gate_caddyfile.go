@@ -53,13 +53,16 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		max_buffer <size>
 //		v1_body
 //		cors_origins <origin>...             # default *
+//		price_grace <duration>               # keep earlier offers of a resource good this long after a change
 //		accept {
 //			pay_to, scheme, price, amount, network, asset, asset_transfer_method,
 //			token_name, token_version, token_eip3009, max_timeout
 //		}
 //	}
 //
-// Each accept block is one more way to pay; what it leaves out it takes from the gate.
+// Each accept block is one more way to pay; what it leaves out it takes from the gate. price, amount, pay_to
+// and description may hold placeholders a request fills (a map's output, {http.request.host}): they are then
+// resolved and checked for each request.
 func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // directive name
 	if d.NextArg() {
@@ -175,6 +178,15 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			g.V1Body = true
+		case "price_grace":
+			dur, err := durationArg(d, opt)
+			if err != nil {
+				return err
+			}
+			if dur < 0 {
+				return d.Errf("price_grace %s is negative; want a duration such as 1m, or 0 for none", dur)
+			}
+			g.PriceGrace = caddy.Duration(dur)
 		default:
 			return d.Errf("unrecognized x402 option '%s'", opt)
 		}

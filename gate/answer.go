@@ -139,16 +139,26 @@ type gateError struct {
 
 // paymentRequired is the gate's current offer for this request's resource.
 func (x *exchange) paymentRequired(errText string) x402.PaymentRequired {
+	x.rememberOffered()
 	return x.offers.paymentRequired(x.resource(), errText, x.turn)
 }
 
 // resource describes what the request buys, by the URL the client asked for (before any rewrite).
 func (x *exchange) resource() x402.ResourceInfo {
+	description := x.g.cfg.Description
+	if x.g.cfg.DescriptionFor != nil {
+		description = x.g.cfg.DescriptionFor(x.r)
+	}
+	return x402.ResourceInfo{URL: x.resourceURL(), Description: description, MimeType: x.g.cfg.MimeType}
+}
+
+// resourceURL is the URL the client asked for (before any rewrite), which the 402 names as the resource.
+func (x *exchange) resourceURL() string {
 	scheme := "http"
 	if x.r.TLS != nil {
 		scheme = "https"
 	}
-	return x402.ResourceInfo{URL: scheme + "://" + x.r.Host + x.g.cfg.OriginalURI(x.r), Description: x.g.cfg.Description, MimeType: x.g.cfg.MimeType}
+	return scheme + "://" + x.r.Host + x.g.cfg.OriginalURI(x.r)
 }
 
 func (x *exchange) setRequiredHeader(pr x402.PaymentRequired) {

@@ -156,6 +156,22 @@ type Config struct {
 	ErrorStatus func(err error) int
 	// Now is the gate's clock. Default time.Now.
 	Now func() time.Time
+
+	// OffersFor, when set, gives the ways to pay of one request, for a gate whose prices or recipients depend
+	// on the request: the 402 offers them and a payment is matched against them. Offers then lists the ways to
+	// pay as far as they are known without a request (their networks, to find the gate that settles a
+	// journalled payment). An error stops the request with a 500 before the next handler runs; the offers
+	// built from each distinct answer are kept, so the hook should return what it resolves quickly.
+	OffersFor func(r *http.Request) ([]Offer, error)
+	// DescriptionFor, when set, describes the resource of one request in place of Description.
+	DescriptionFor func(r *http.Request) string
+	// PriceGrace is how long after a 402 offered them its terms stay good for a payment of the same resource
+	// (the same HTTP method and URL), when they are no longer among the request's offers: a price changed by a
+	// reload or by the request's own values does not fail payments already signed. 0: off.
+	PriceGrace time.Duration
+	// OfferMemory is where the 402s' offers are remembered for PriceGrace, shared by the gates that replace one
+	// another on a reload. Default: a memory of this gate's own.
+	OfferMemory *OfferMemory
 }
 
 // Payment events, reported through Config.Event.
@@ -236,6 +252,7 @@ type Gate struct {
 	now      func() time.Time
 
 	offers   atomic.Pointer[offerSet] // the current offers, rebuilt from /supported of a remote facilitator
+	priced   pricedOffers             // with Config.OffersFor: the offers of each distinct answer
 	refresh  sync.Mutex               // one /supported fetch at a time
 	rotation atomic.Uint64            // spreads erc2612 payers over the settlement wallets
 	warnedAt atomic.Int64             // when the async backlog was last reported full (unix nanoseconds)
@@ -312,6 +329,9 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 	if g.now == nil {
 		g.now = time.Now
 	}
+	if cfg.PriceGrace > 0 && cfg.OfferMemory == nil {
+		g.cfg.OfferMemory = NewOfferMemory(DefaultOfferMemoryLimit)
+	}
 	if h, ok := fac.(fundsHolder); ok && cfg.Settle == SettleAsync {
 		g.holder = h
 	}
@@ -331,7 +351,9 @@ func (g *Gate) Start() error {
 		if err != nil {
 			return fmt.Errorf("asking the embedded facilitator what it supports: %w", err)
 		}
-		g.offers.Store(buildOffers(g.cfg.Offers, &sup, g.registry, g.now()))
+		set := buildOffers(g.cfg.Offers, &sup, g.registry, g.now())
+		set.sup = &sup
+		g.offers.Store(set)
 	}
 	ledger := joinLedger(g.store, g.owner, g.logger)
 	if err := ledger.register(g); err != nil {
@@ -446,6 +468,7 @@ func (g *Gate) fetchOffers(ctx context.Context) *offerSet {
 		return &next
 	}
 	next := buildOffers(g.cfg.Offers, &sup, g.registry, now)
+	next.sup = &sup
 	g.offers.Store(next)
 	return next
 }

@@ -55,6 +55,8 @@ type setup struct {
 	scheme, defaultAmount string
 	// override, when set, is the Settlement-Overrides header the upstream answers a request with ("" for none).
 	override func(r *http.Request) string
+	// config, when set, changes the gate's configuration before it is made.
+	config func(*gate.Config)
 }
 
 func newEnv(t *testing.T, s setup) *env {
@@ -83,12 +85,16 @@ func newEnv(t *testing.T, s setup) *env {
 	}
 	t.Cleanup(func() { f.Close() })
 	e.fac = f
-	g, err := gate.New(gate.Config{
+	cfg := gate.Config{
 		Offers: []gate.Offer{{Network: e.net, Asset: c.Token.Hex(), PayTo: e.payTo.Hex(), Amount: big.NewInt(price).String(),
 			TokenName: "Stable Coin", TokenVersion: "1", Decimals: 6, MaxTimeoutSeconds: 300, Scheme: s.scheme}},
 		Settle: s.settle, DefaultAmount: s.defaultAmount, Description: "a test resource", Embedded: true, EnginePrunes: true, FacilitatorName: "embedded",
 		SetVar: e.vars.set, Metrics: e.metrics,
-	}, f, e.store, "test")
+	}
+	if s.config != nil {
+		s.config(&cfg)
+	}
+	g, err := gate.New(cfg, f, e.store, "test")
 	if err != nil {
 		t.Fatalf("gate.New: %v", err)
 	}

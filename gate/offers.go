@@ -45,6 +45,9 @@ type offerSet struct {
 	known      bool      // built from the facilitator's /supported answer
 	at         time.Time // when that answer was had
 	failedAt   time.Time // when asking for it last failed
+	// sup is the /supported answer the set was built from, nil when none: Config.OffersFor builds the
+	// offers of a request from it.
+	sup *x402.SupportedResponse
 }
 
 // methodOrder is the order offers list transfer methods in: clients take the first they can pay. Permit2 works

@@ -74,7 +74,13 @@ const maxPooledBuffer = 1 << 20
 // run walks the payment through the gate: decode, match, one request per payment, verify, then the
 // configured order of upstream and settlement.
 func (x *exchange) run() error {
-	x.offers = x.g.currentOffers(x.r.Context())
+	offers, err := x.g.offersFor(x.r)
+	if err != nil {
+		// The request's own terms are not good: answering with them, or serving, would sell at a price
+		// nobody set.
+		return &StatusError{Status: http.StatusInternalServerError, Err: err}
+	}
+	x.offers = offers
 	x.turn = x.g.rotation.Add(1)
 	value, fromV1Header := x.paymentHeader()
 	if value == "" {
@@ -134,7 +140,7 @@ func (x *exchange) read(value string, fromV1Header bool) (presented, error) {
 		}
 		if decoded.V1 != nil {
 			p.payload = decoded.V1.Payload
-			if p.req, p.mismatch = x.offers.matchV1(decoded.V1, x.g.registry); p.mismatch == nil {
+			if p.req, p.mismatch = x.matchV1(decoded.V1); p.mismatch == nil {
 				rq := p.req.PaymentRequirements
 				p.id, p.haveID = gateID(rq.Network, rq.Extra.AssetTransferMethod, rq.Asset, p.payload)
 			}
@@ -151,7 +157,7 @@ func (x *exchange) read(value string, fromV1Header bool) (presented, error) {
 	p.payload = v2.Payload
 	p.id, p.haveID = gateID(v2.Accepted.Network, x402.TransferMethod(v2.Accepted, p.payload), v2.Accepted.Asset, p.payload)
 	var o *offer
-	if p.req, o, p.mismatch = x.offers.match(v2); o != nil {
+	if p.req, o, p.mismatch = x.match(v2); o != nil {
 		p.decimals = o.decimals
 	}
 	return p, nil
