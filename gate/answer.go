@@ -247,7 +247,7 @@ func (x *exchange) end(o x402.PaymentOutcome, extra ...zap.Field) {
 	}
 	fields := append([]zap.Field{
 		zap.String("outcome", string(o.Status)), zap.String("payer", o.Payer), zap.String("network", o.Network),
-		zap.String("amount", x.req.PaymentRequirements.Amount), zap.String("tx", o.Transaction),
+		zap.String("amount", x.chargeAmount()), zap.String("tx", o.Transaction),
 		zap.Float64("verify_ms", o.VerifyMs), zap.Float64("settle_ms", o.SettleMs), zap.Float64("total_ms", o.TotalMs),
 	}, extra...)
 	if o.Detail != nil {
