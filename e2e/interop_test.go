@@ -32,11 +32,16 @@ type paidByTypeScript struct {
 	Error  string `json:"error"`
 	Payer  string `json:"payer"`
 	Sent   *struct {
-		Method     string   `json:"method"`
-		Extensions []string `json:"extensions"`
-		Sponsored  bool     `json:"sponsored"`
+		Scheme      string   `json:"scheme"`
+		Method      string   `json:"method"`
+		Amount      string   `json:"amount"`      // the amount signed: the price, or the upto maximum
+		Facilitator string   `json:"facilitator"` // upto: the witness's facilitator address
+		Extensions  []string `json:"extensions"`
+		Sponsored   bool     `json:"sponsored"`
 	} `json:"sent"`
 	PaymentResponse *x402.SettleResponse `json:"paymentResponse"`
+	// SettlementOverrides is the Settlement-Overrides header of the final answer, nil if none reached the client.
+	SettlementOverrides *string `json:"settlementOverrides"`
 }
 
 // interop is one dev chain with the servers of the interop matrix around it: our gate with the embedded
