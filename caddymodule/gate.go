@@ -89,6 +89,11 @@ type Gate struct {
 	// Settle is when the payment is settled: "after" the upstream answered successfully (default),
 	// "before" the upstream is called, or "async" in the background after serving.
 	Settle string `json:"settle,omitempty"`
+
+	// DefaultAmount is what an upto payment is charged when the upstream's response names no usable amount
+	// (no Settlement-Overrides header, or one that cannot be read): max (the default), the price offered, or
+	// zero. An amount above the price is never charged: the price is, and the event is logged.
+	DefaultAmount string `json:"default_amount,omitempty"`
 	// AsyncBacklog bounds, with settle "async", the payments served and not settled yet (per journal). Past it a
 	// payment is settled before it is served, as with "after": serving cannot run ahead of settlement until
 	// payments expire unsettled, and throughput falls back to what settlement sustains. Default 10000.
@@ -127,6 +132,10 @@ type Gate struct {
 type GateAccept struct {
 	// PayTo is the address that receives the payment.
 	PayTo string `json:"pay_to,omitempty"`
+	// Scheme is exact (the default: the price is charged) or upto: the price is the most a payer authorizes,
+	// and the upstream names what is charged in a Settlement-Overrides response header (see DefaultAmount).
+	// upto is paid by permit2.
+	Scheme string `json:"scheme,omitempty"`
 	// Amount is the price in raw token units, a decimal string ("10000" is 0.01 of a 6-decimal token).
 	Amount string `json:"amount,omitempty"`
 	// Price is the price in dollars ("$0.01"), converted to raw units with the asset's decimals. Give either
@@ -220,7 +229,7 @@ func (g *Gate) start(app *App) error {
 		return err
 	}
 	core, err := gate.New(gate.Config{
-		Offers: g.specs, Settle: g.Settle, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body,
+		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body,
 		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType,
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: app.Facilitator() != nil, FacilitatorName: g.facName, Redact: g.redact.Replace,
@@ -308,6 +317,16 @@ func (g *Gate) Validate() error {
 	}
 	if len(g.specs) == 0 {
 		return errors.New("no way to pay is configured")
+	}
+	switch g.DefaultAmount {
+	case "", gate.DefaultAmountMax, gate.DefaultAmountZero:
+	default:
+		return fmt.Errorf("default_amount %q: want %q or %q", g.DefaultAmount, gate.DefaultAmountMax, gate.DefaultAmountZero)
+	}
+	for _, s := range g.specs {
+		if s.Scheme == x402.SchemeUpto && g.Settle == SettleBefore {
+			return errors.New("scheme upto charges what the upstream used, known only once it answered: use settle after (the default) or settle async, not settle before")
+		}
 	}
 	for _, o := range g.CORSOrigins {
 		if u, err := url.Parse(o); o != "*" && (err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || strings.Trim(u.Path, "/") != "" || u.RawQuery != "") {

@@ -9,6 +9,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/dustin/go-humanize"
 
+	"github.com/x402-gateway/caddy-x402/gate"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -29,6 +30,8 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //
 //	x402 [<matcher>] [<price>] {
 //		pay_to <address>
+//		scheme exact|upto                    # upto: the price is a maximum, the upstream names the charge
+//		default_amount max|zero              # upto without a usable Settlement-Overrides answer; default max
 //		price <dollars>                      # or: amount <raw token units>
 //		network <caip2>
 //		asset <token address>
@@ -51,7 +54,7 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		v1_body
 //		cors_origins <origin>...             # default *
 //		accept {
-//			pay_to, price, amount, network, asset, asset_transfer_method,
+//			pay_to, scheme, price, amount, network, asset, asset_transfer_method,
 //			token_name, token_version, token_eip3009, max_timeout
 //		}
 //	}
@@ -85,7 +88,7 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 					return err
 				}
 				if !handled {
-					return d.Errf("unrecognized accept option '%s'; want pay_to, price, amount, network, asset, asset_transfer_method, token_name, token_version, token_eip3009 or max_timeout", d.Val())
+					return d.Errf("unrecognized accept option '%s'; want pay_to, scheme, price, amount, network, asset, asset_transfer_method, token_name, token_version, token_eip3009 or max_timeout", d.Val())
 				}
 			}
 			g.Accepts = append(g.Accepts, a)
@@ -114,6 +117,13 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("facilitator_timeout %s is not a positive duration such as 30s", dur)
 			}
 			g.FacilitatorTimeout = caddy.Duration(dur)
+		case "default_amount":
+			if !d.AllArgs(&g.DefaultAmount) {
+				return d.ArgErr()
+			}
+			if g.DefaultAmount != gate.DefaultAmountMax && g.DefaultAmount != gate.DefaultAmountZero {
+				return d.Errf("default_amount '%s': want %s or %s", g.DefaultAmount, gate.DefaultAmountMax, gate.DefaultAmountZero)
+			}
 		case "payment_header":
 			if !d.AllArgs(&g.PaymentHeader) {
 				return d.ArgErr()
@@ -178,6 +188,8 @@ func (a *GateAccept) unmarshalOption(d *caddyfile.Dispenser, opt string) (bool, 
 	switch opt {
 	case "pay_to":
 		dst = &a.PayTo
+	case "scheme":
+		dst = &a.Scheme
 	case "price":
 		dst = &a.Price
 	case "amount":
@@ -212,6 +224,8 @@ func (a *GateAccept) unmarshalOption(d *caddyfile.Dispenser, opt string) (bool, 
 		return true, d.Errf("%s needs exactly one argument", opt)
 	}
 	switch {
+	case opt == "scheme" && !x402.IsScheme(*dst):
+		return true, d.Errf("scheme '%s': want %s or %s", *dst, x402.SchemeExact, x402.SchemeUpto)
 	case opt == "asset_transfer_method" && !x402.IsTransferMethod(*dst):
 		return true, d.Errf("asset_transfer_method '%s': want %s, %s or %s", *dst, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 	case opt == "price" && a.Amount != "", opt == "amount" && a.Price != "":

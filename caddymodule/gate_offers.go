@@ -51,7 +51,17 @@ func (g *Gate) resolveOffer(app *App, repl *caddy.Replacer, a *GateAccept) (gate
 		Network: pick(a.Network, g.Network), Asset: pick(a.Asset, g.Asset), PayTo: pick(a.PayTo, g.PayTo),
 		Method: pick(a.AssetTransferMethod, g.AssetTransferMethod), TokenName: pick(a.TokenName, g.TokenName),
 		TokenVersion: pick(a.TokenVersion, g.TokenVersion), Decimals: x402.DefaultTokenDecimals,
-		EIP3009: a.TokenEIP3009 || g.TokenEIP3009,
+		EIP3009: a.TokenEIP3009 || g.TokenEIP3009, Scheme: pick(a.Scheme, g.Scheme),
+	}
+	switch s.Scheme {
+	case "", x402.SchemeExact:
+		s.Scheme = x402.SchemeExact
+	case x402.SchemeUpto:
+		if s.Method != "" && s.Method != x402.TransferPermit2 {
+			return s, fmt.Errorf("scheme upto is paid by permit2 only, not asset_transfer_method %s", s.Method)
+		}
+	default:
+		return s, fmt.Errorf("scheme %q is not supported; want %s or %s", s.Scheme, x402.SchemeExact, x402.SchemeUpto)
 	}
 	if s.Network == "" {
 		if len(app.Networks) == 0 {

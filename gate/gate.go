@@ -30,6 +30,14 @@ const (
 	SettleAsync = "async"
 )
 
+// What an upto payment is charged when the upstream names no amount (Config.DefaultAmount).
+const (
+	// DefaultAmountMax charges the maximum the payer authorized, the price offered.
+	DefaultAmountMax = "max"
+	// DefaultAmountZero charges nothing: only an upstream that names an amount is paid.
+	DefaultAmountZero = "zero"
+)
+
 // Defaults of a Config field left zero.
 const (
 	// DefaultAsyncBacklog is how many served payments may wait for settlement before settle async settles
@@ -82,6 +90,9 @@ type Offer struct {
 	EIP3009 bool
 	// Method restricts the offer to one transfer method; "" offers every method the facilitator supports.
 	Method string
+	// Scheme is x402.SchemeExact ("" too) or x402.SchemeUpto: the payer signs Amount as a maximum, and the
+	// gate settles what the upstream's Settlement-Overrides header names (see Config.DefaultAmount).
+	Scheme string
 	// MaxTimeoutSeconds is how long a signed payment stays valid.
 	MaxTimeoutSeconds int64
 }
@@ -99,6 +110,9 @@ type Config struct {
 	// MaxBuffer is how much of the upstream's response body, in bytes, is held back until the gate decides what
 	// to send. Default DefaultMaxBuffer.
 	MaxBuffer int64
+	// DefaultAmount is what an upto payment is charged when the upstream names no amount (no Settlement-Overrides
+	// header, or one that says nothing usable): DefaultAmountMax (the default) or DefaultAmountZero.
+	DefaultAmount string
 	// V1Body answers unpaid requests with the version 1 JSON body.
 	V1Body bool
 	// CORSOrigins are the origins whose browser scripts may pay; empty or "*" allows any origin.
@@ -241,6 +255,23 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 	}
 	if cfg.PaymentHeader == "" {
 		cfg.PaymentHeader = x402.HeaderPaymentSignature
+	}
+	switch cfg.DefaultAmount {
+	case "":
+		cfg.DefaultAmount = DefaultAmountMax
+	case DefaultAmountMax, DefaultAmountZero:
+	default:
+		return nil, fmt.Errorf("default_amount %q is not one; want %q or %q", cfg.DefaultAmount, DefaultAmountMax, DefaultAmountZero)
+	}
+	for _, o := range cfg.Offers {
+		switch {
+		case !x402.IsScheme(o.Scheme) && o.Scheme != "":
+			return nil, fmt.Errorf("scheme %q is not supported; want %q or %q", o.Scheme, x402.SchemeExact, x402.SchemeUpto)
+		case o.Scheme == x402.SchemeUpto && o.Method != "" && o.Method != x402.TransferPermit2:
+			return nil, fmt.Errorf("scheme upto is paid by permit2 only, not %s", o.Method)
+		case o.Scheme == x402.SchemeUpto && cfg.Settle == SettleBefore:
+			return nil, errors.New("scheme upto settles what the upstream used, which is known only after it answers: use settle after (the default) or settle async, not settle before")
+		}
 	}
 	switch cfg.Settle {
 	case "":

@@ -591,6 +591,10 @@ func (l *Ledger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) 
 			zap.String("amount", rq.Amount))
 		st.notedTerms = true
 	}
+	if rq.Scheme == x402.SchemeUpto && rec.Amount != "" {
+		// Served under the offer's maximum (req); charged what the upstream named then, kept in the record.
+		req.PaymentRequirements.Amount = rec.Amount
+	}
 	ctx, cancel := context.WithTimeout(l.ctx, settleTimeout)
 	resp, err := g.fac.Settle(ctx, req)
 	cancel()

@@ -1,6 +1,7 @@
 package gate
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"math/big"
@@ -18,8 +19,11 @@ import (
 type offer struct {
 	req      x402.PaymentRequirements
 	spenders []string
-	v1       bool  // version 1 clients may pay it (erc2612 on a network with a version 1 name)
-	decimals uint8 // of the asset, to show the price to people
+	// facilitators (upto) are the facilitator addresses a payer may name in its witness; each 402 names the
+	// next one, so that payers spread over the settlement wallets.
+	facilitators []string
+	v1           bool  // version 1 clients may pay it (erc2612 on a network with a version 1 name)
+	decimals     uint8 // of the asset, to show the price to people
 }
 
 // requirement is the offer as a 402 states it: an erc2612 one names the turn's settlement wallet as spender.
@@ -27,6 +31,9 @@ func (o offer) requirement(turn uint64) x402.PaymentRequirements {
 	rq := o.req
 	if len(o.spenders) > 0 {
 		rq.Extra.Spender = o.spenders[turn%uint64(len(o.spenders))]
+	}
+	if len(o.facilitators) > 0 {
+		rq.Extra.FacilitatorAddress = o.facilitators[turn%uint64(len(o.facilitators))]
 	}
 	return rq
 }
@@ -51,6 +58,13 @@ func buildOffers(specs []Offer, sup *x402.SupportedResponse, reg *x402.Registry,
 	set := &offerSet{known: sup != nil, at: at}
 	sponsoring := false
 	for _, s := range specs {
+		if s.Scheme == x402.SchemeUpto {
+			if o, ok := uptoOffer(s, sup); ok {
+				set.offers = append(set.offers, o)
+				sponsoring = sponsoring || slices.Contains(sup.Extensions, x402.ExtensionEIP2612GasSponsoring)
+			}
+			continue
+		}
 		for _, m := range methodOrder {
 			if s.Method != "" && s.Method != m {
 				continue
@@ -86,6 +100,35 @@ func buildOffers(specs []Offer, sup *x402.SupportedResponse, reg *x402.Registry,
 		set.extensions = map[string]json.RawMessage{x402.ExtensionEIP2612GasSponsoring: gasSponsoringDeclaration}
 	}
 	return set
+}
+
+// uptoOffer is the upto offer of s: permit2 only, and only when the facilitator's /supported says it settles
+// upto on the network and names the address a payer's witness must name (without it no payer can sign).
+func uptoOffer(s Offer, sup *x402.SupportedResponse) (offer, bool) {
+	kind, ok := sup.SchemeKind(x402.Version2, x402.SchemeUpto, s.Network, x402.TransferPermit2)
+	if !ok {
+		return offer{}, false
+	}
+	var facilitators []string
+	if a := kind.Extra.FacilitatorAddress; x402.IsHexAddress(a) {
+		facilitators = append(facilitators, a)
+	}
+	// Every settlement wallet the facilitator names can settle a payment that names it: spreading payers over
+	// them spreads the settlements over the wallets.
+	for _, a := range sup.SignersFor(s.Network) {
+		if x402.IsHexAddress(a) && !x402.ContainsAddress(facilitators, a) {
+			facilitators = append(facilitators, a)
+		}
+	}
+	if len(facilitators) == 0 {
+		return offer{}, false
+	}
+	return offer{req: x402.PaymentRequirements{
+		Scheme: x402.SchemeUpto, Network: s.Network, Amount: s.Amount, Asset: s.Asset, PayTo: s.PayTo,
+		MaxTimeoutSeconds: s.MaxTimeoutSeconds,
+		Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, Name: s.TokenName, Version: s.TokenVersion,
+			Permit2Address: kind.Extra.Permit2Address, X402Permit2ProxyAddress: kind.Extra.X402Permit2ProxyAddress},
+	}, facilitators: facilitators, decimals: s.Decimals}, true
 }
 
 // gasSponsoringDeclaration declares the eip2612GasSponsoring extension in a 402 (x402-wire-facts 4.3): what the
@@ -153,18 +196,25 @@ func (s *offerSet) requirements() []x402.PaymentRequirements {
 
 // match finds the offer a version 2 payment chose (x402.MatchAccepted) and returns the request the facilitator
 // gets: the payload as decoded and the gate's own requirement (spec rule 4).
-func (s *offerSet) match(p *x402.PaymentPayload) (x402.VerifyRequest, *x402.Mismatch) {
+func (s *offerSet) match(p *x402.PaymentPayload) (x402.VerifyRequest, *offer, *x402.Mismatch) {
 	i, m := x402.MatchAccepted(s.requirements(), p)
 	if m != nil {
-		return x402.VerifyRequest{}, m
+		return x402.VerifyRequest{}, nil, m
 	}
-	return s.request(*p, s.offers[i]), nil
+	return s.request(*p, s.offers[i]), &s.offers[i], nil
 }
 
 // request builds the facilitator request for a payment of offer o. An erc2612 requirement names the wallet the
 // payer signed its permit to, when that is one of the facilitator's.
 func (s *offerSet) request(p x402.PaymentPayload, o offer) x402.VerifyRequest {
 	rq := o.req
+	if len(o.facilitators) > 0 {
+		// The address the payer's witness names, when it is one of the facilitator's: only that one can settle.
+		rq.Extra.FacilitatorAddress = o.facilitators[0]
+		if a := p.Payload.Permit2Authorization; a != nil && x402.ContainsAddress(o.facilitators, a.Witness.Facilitator) {
+			rq.Extra.FacilitatorAddress = a.Witness.Facilitator
+		}
+	}
 	if len(o.spenders) > 0 {
 		rq.Extra.Spender = o.spenders[0]
 		for _, candidate := range []string{p.Accepted.Extra.Spender, authorizationSpender(p.Payload)} {
@@ -225,7 +275,7 @@ func (s *offerSet) matchV1(p *x402.PaymentPayloadV1, reg *x402.Registry) (x402.V
 // sameTerms reports whether a requirement is one an Offer offers (scheme, network, asset, recipient, amount and
 // method), which is how a journalled payment finds a gate able to settle it.
 func (s Offer) sameTerms(rq x402.PaymentRequirements) bool {
-	return rq.Scheme == x402.SchemeExact && rq.Network == s.Network && x402.SameAddress(rq.Asset, s.Asset) &&
+	return rq.Scheme == cmp.Or(s.Scheme, x402.SchemeExact) && rq.Network == s.Network && x402.SameAddress(rq.Asset, s.Asset) &&
 		x402.SameAddress(rq.PayTo, s.PayTo) && rq.Amount == s.Amount &&
 		(s.Method == "" || s.Method == rq.Extra.AssetTransferMethod)
 }

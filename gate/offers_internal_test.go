@@ -110,7 +110,7 @@ func TestAPaymentMatchesTheOfferItEchoesComparingAddressesAsBytesAndAmountsAsNum
 			p := x402.PaymentPayload{X402Version: 2, Accepted: offered, Payload: x402.ExactEVMPayload{Signature: "0x00",
 				Permit2Authorization: &x402.Permit2Authorization{From: testWallet, Nonce: "1"}}}
 			tc.edit(&p.Accepted)
-			req, mm := set.match(&p)
+			req, _, mm := set.match(&p)
 			switch {
 			case tc.reason == "" && mm != nil:
 				t.Fatalf("no match: %v", mm)

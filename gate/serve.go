@@ -31,6 +31,10 @@ type exchange struct {
 	v1     bool   // the client paid with version 1: answer in its forms
 
 	req      x402.VerifyRequest // the payment and the gate's own requirement, as the facilitator gets them
+	decimals uint8              // of the offer's asset, to read an upstream's dollar amount
+	// charge is what an upto payment is settled for once decided (decideCharge, or its journal record);
+	// "" while undecided.
+	charge   string
 	id       journal.ID
 	payer    string
 	verifyMs float64
@@ -89,7 +93,7 @@ func (x *exchange) run() error {
 		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: x402.ReasonInvalidPayload,
 			InvalidMessage: "the payment names no payer and nonce"})
 	}
-	x.req, x.id = p.req, p.id
+	x.req, x.id, x.decimals = p.req, p.id, p.decimals
 	if mine, err := x.g.ledger.acquire(x.r.Context(), p.id); err != nil {
 		return x.verifyUnreachable("the gate's settlement journal could not be reached; nothing was charged, try again", err)
 	} else if !mine {
@@ -113,6 +117,7 @@ type presented struct {
 	mismatch *x402.Mismatch
 	id       journal.ID
 	haveID   bool
+	decimals uint8 // of the offer's asset
 }
 
 // read decodes a payment header and matches it against the offers. PAYMENT-SIGNATURE carries version 2;
@@ -145,7 +150,10 @@ func (x *exchange) read(value string, fromV1Header bool) (presented, error) {
 	}
 	p.payload = v2.Payload
 	p.id, p.haveID = gateID(v2.Accepted.Network, x402.TransferMethod(v2.Accepted, p.payload), v2.Accepted.Asset, p.payload)
-	p.req, p.mismatch = x.offers.match(v2)
+	var o *offer
+	if p.req, o, p.mismatch = x.offers.match(v2); o != nil {
+		p.decimals = o.decimals
+	}
 	return p, nil
 }
 
@@ -244,6 +252,7 @@ func (x *exchange) settleAfter() error {
 		if !up.ok() {
 			return x.passUnpaid(up)
 		}
+		x.decideCharge()
 		if err := x.record(); err != nil {
 			return x.recordFailed(err)
 		}
@@ -298,6 +307,10 @@ func (x *exchange) presentedAgain(rec journal.Record, payload x402.ExactEVMPaylo
 			rec.ServedAt.UTC().Format(time.RFC3339)))
 	}
 	x.req, x.id, x.payer = recorded, rec.ID, rec.Payer
+	if x.upto() && rec.Amount != "" {
+		// Decided when the payment was first served: the upstream's answer now changes nothing.
+		x.charge = rec.Amount
+	}
 	x.setPaymentPlaceholders()
 	if rec.Async {
 		return x.serveAsyncAgain(rec)
@@ -374,7 +387,7 @@ func (x *exchange) claim(ctx context.Context, edit func(*journal.Record)) error 
 	}
 	rq := x.req.PaymentRequirements
 	rec := journal.Record{
-		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: rq.Amount,
+		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: x.chargeAmount(),
 		PayTo: rq.PayTo, Request: body, Owner: x.g.ledger.owner,
 		Deadline: x.req.PaymentPayload.Payload.Deadline(),
 	}
@@ -408,7 +421,8 @@ func (x *exchange) settleThenServe(up *upstream) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(x.r.Context()), settleTimeout)
 	defer cancel()
 	t := x.g.now()
-	resp, err := x.g.fac.Settle(ctx, x.req)
+	req := x.settleRequest()
+	resp, err := x.g.fac.Settle(ctx, req)
 	x.settleMs = msSince(x.g.now, t)
 	if err != nil {
 		if errors.Is(err, x402.ErrNotSent) && !x.resend {
@@ -420,7 +434,7 @@ func (x *exchange) settleThenServe(up *upstream) error {
 		}
 		return x.settleUnreachable(fmt.Sprintf("the facilitator could not be reached to settle: %s", x402.DescribeFailure(err)), err, nil)
 	}
-	if problem := x402.SettlementProblem(x.req, resp); resp.Success && problem != "" {
+	if problem := x402.SettlementProblem(req, resp); resp.Success && problem != "" {
 		x.g.logger.Error("the facilitator answered success for a settlement it does not show", zap.String("facilitator", x.g.cfg.FacilitatorName),
 			zap.String("payment", x.id.String()), zap.String("problem", problem))
 		return x.settleUnreachable("the facilitator answered success, but "+problem+"; the outcome is unknown", nil, nil)
@@ -441,6 +455,9 @@ func (x *exchange) settleThenServe(up *upstream) error {
 		// payment is still asked of the facilitator, which answers from its own journal.
 		x.note(func(r *journal.Record) { r.State, r.Response = journal.StateFinal, &resp })
 		return x.settleFailed(resp)
+	}
+	if x.upto() && resp.Amount == "" {
+		resp.Amount = req.PaymentRequirements.Amount // a facilitator that settled it without saying how much
 	}
 	return x.serveSettled(resp, up)
 }
@@ -490,6 +507,7 @@ func (x *exchange) settledOutcome(resp x402.SettleResponse) x402.PaymentOutcome 
 // written before the response leaves, so a crash after serving loses no payment; it is marked served once the
 // response is out, so a response cut short can be had by presenting the payment again.
 func (x *exchange) serveAsync(up *upstream) error {
+	x.decideCharge()
 	err := x.claim(context.WithoutCancel(x.r.Context()), func(r *journal.Record) { r.Async = true })
 	if err != nil {
 		return x.recordFailed(err)
@@ -645,6 +663,8 @@ type streamedPayment struct{ settled *x402.SettleResponse }
 
 // writeUpstream sends the held-back response, or returns the upstream's error to the server.
 func (x *exchange) writeUpstream(up *upstream) error {
+	// What the upstream tells the gate to charge is for the gate only, whatever the route's scheme.
+	x.w.Header().Del(x402.HeaderSettlementOverrides)
 	if up.err != nil {
 		return up.err
 	}
@@ -701,7 +721,71 @@ func (x *exchange) setPaymentPlaceholders() {
 	rq := x.req.PaymentRequirements
 	x.setVar(VarPayer, x.payer)
 	x.setVar(VarNetwork, rq.Network)
-	x.setVar(VarAmount, rq.Amount)
+	x.setVar(VarAmount, x.chargeAmount())
+}
+
+// upto reports whether the payment is of the upto scheme: it is charged what the upstream used.
+func (x *exchange) upto() bool { return x.req.PaymentRequirements.Scheme == x402.SchemeUpto }
+
+// chargeAmount is what the payment is settled for: the price of an exact payment; for upto, the charge once
+// decided, and until then the gate's default amount.
+func (x *exchange) chargeAmount() string {
+	switch {
+	case !x.upto():
+		return x.req.PaymentRequirements.Amount
+	case x.charge != "":
+		return x.charge
+	case x.g.cfg.DefaultAmount == DefaultAmountZero:
+		return "0"
+	}
+	return x.req.PaymentRequirements.Amount
+}
+
+// settleRequest is the request the facilitator settles: the payment and its requirement, whose amount for an
+// upto payment is the charge (the facilitator then moves that much of what the payer authorized).
+func (x *exchange) settleRequest() x402.SettleRequest {
+	req := x.req
+	req.PaymentRequirements.Amount = x.chargeAmount()
+	return req
+}
+
+// decideCharge decides what an upto payment is charged from the upstream's Settlement-Overrides header, once:
+// the amount it names, at most the maximum the payer authorized (an upstream asking more is charged the
+// maximum, and logged); a missing or unusable header charges the default amount. The header never reaches the
+// client (writeUpstream drops it too).
+func (x *exchange) decideCharge() {
+	h := x.w.Header()
+	values := h.Values(x402.HeaderSettlementOverrides)
+	h.Del(x402.HeaderSettlementOverrides)
+	if !x.upto() || x.charge != "" {
+		return
+	}
+	rq := x.req.PaymentRequirements
+	x.charge = x.chargeAmount()
+	log := func(msg string, fields ...zap.Field) {
+		x.g.logger.Warn(msg, append(fields, zap.String("payment", x.id.String()), zap.String("max", rq.Amount),
+			zap.String("charged", x.charge), zap.String("default_amount", x.g.cfg.DefaultAmount))...)
+	}
+	switch {
+	case len(values) == 1:
+		max, err := x402.ParseAmount(rq.Amount)
+		if err != nil {
+			break // the offer's own amount, checked when it was configured
+		}
+		n, err := x402.ParseSettlementOverride(values[0], max, x.decimals)
+		switch {
+		case errors.Is(err, x402.ErrOverrideAboveMaximum):
+			x.charge = rq.Amount
+			log("the upstream asked to charge more than the payer authorized; the maximum is charged", zap.String("asked", n.String()))
+		case err != nil:
+			log("the upstream's Settlement-Overrides header is not usable; the default amount is charged", zap.Error(err))
+		default:
+			x.charge = n.String()
+		}
+	case len(values) > 1:
+		log("the upstream sent several Settlement-Overrides headers; none is used, the default amount is charged", zap.Int("headers", len(values)))
+	}
+	x.setVar(VarAmount, x.charge)
 }
 
 // setVar publishes one variable of the request's payment (a Var* name).
@@ -713,7 +797,7 @@ func (x *exchange) emit(name string, o *x402.PaymentOutcome) {
 	x.g.cfg.Event(x.r, name, func() map[string]any {
 		rq := x.req.PaymentRequirements
 		data := map[string]any{
-			"network": rq.Network, "asset": rq.Asset, "amount": rq.Amount, "pay_to": rq.PayTo,
+			"network": rq.Network, "asset": rq.Asset, "amount": x.chargeAmount(), "pay_to": rq.PayTo,
 			"method": rq.Extra.AssetTransferMethod, "payer": x.payer,
 		}
 		if o == nil {

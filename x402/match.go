@@ -92,13 +92,17 @@ func SameTerms(a, b PaymentRequirements) bool {
 
 // SettlementProblem says why a successful settlement answer is no proof that req's payment settled, or "" when
 // it is: the answer must name a transaction, the requirement's network and the payer the payment is signed by,
-// and the required amount when it names an amount. A facilitator's "success" that does not say so is an unknown
+// and the required amount when it names an amount. An upto settlement of zero sends nothing: its answer names
+// no transaction. A facilitator's "success" that does not say so is an unknown
 // outcome, not a settlement.
 func SettlementProblem(req VerifyRequest, resp SettleResponse) string {
 	rq := req.PaymentRequirements
 	from, _ := req.PaymentPayload.Payload.PayerAndNonce()
+	nothingToSend := rq.Scheme == SchemeUpto && sameAmount(rq.Amount, "0")
 	switch {
-	case !IsTxHash(resp.Transaction):
+	case nothingToSend && resp.Transaction != "" && !IsTxHash(resp.Transaction):
+		return fmt.Sprintf("its answer to a settlement of nothing names no transaction but %q", resp.Transaction)
+	case !nothingToSend && !IsTxHash(resp.Transaction):
 		return fmt.Sprintf("its answer names no transaction (%q)", resp.Transaction)
 	case resp.Network != rq.Network:
 		return fmt.Sprintf("its answer is for network %q, not %s", resp.Network, rq.Network)
