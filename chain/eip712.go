@@ -27,6 +27,12 @@ const (
 	// appended in alphabetical order as EIP-712 requires.
 	permitWitnessTransferFromType = "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline,Witness witness)" +
 		tokenPermissionsType + witnessType
+	// uptoWitnessType is the x402 upto witness: the exact one with the facilitator address that alone may
+	// settle the payment.
+	uptoWitnessType = "Witness(address to,address facilitator,uint256 validAfter)"
+	// uptoPermitWitnessTransferFromType is the full Permit2 message type with the upto witness.
+	uptoPermitWitnessTransferFromType = "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline,Witness witness)" +
+		tokenPermissionsType + uptoWitnessType
 	// permit2WitnessTypeString is the witnessTypeString the proxy hands to Permit2.permitWitnessTransferFrom.
 	permit2WitnessTypeString = "Witness witness)" + tokenPermissionsType + witnessType
 	// transferWithAuthorizationType is the EIP-3009 message of an eip3009 payment, signed under the token's
@@ -40,6 +46,8 @@ const (
 var (
 	canonicalPermit2 = contracts.Permit2Address
 	canonicalProxy   = contracts.ProxyAddress
+	// canonicalUptoProxy is the spender of upto payments.
+	canonicalUptoProxy = contracts.UptoProxyAddress
 )
 
 // Type hashes, computed once: they never change, and hashing them per request would double the hot path's
@@ -51,6 +59,8 @@ var (
 	tokenPermissionsTypeHash          = crypto.Keccak256Hash([]byte(tokenPermissionsType))
 	witnessTypeHash                   = crypto.Keccak256Hash([]byte(witnessType))
 	permitWitnessTransferFromTypeHash = crypto.Keccak256Hash([]byte(permitWitnessTransferFromType))
+	uptoWitnessTypeHash               = crypto.Keccak256Hash([]byte(uptoWitnessType))
+	uptoPermitWitnessTransferFromHash = crypto.Keccak256Hash([]byte(uptoPermitWitnessTransferFromType))
 	permit2NameHash                   = crypto.Keccak256Hash([]byte(permit2DomainName))
 	transferWithAuthorizationTypeHash = crypto.Keccak256Hash([]byte(transferWithAuthorizationType))
 )
@@ -65,16 +75,19 @@ type Permit struct {
 }
 
 // permit2Transfer is a Permit2 PermitWitnessTransferFrom with the x402 witness: Permit2 lets Spender (the
-// x402 proxy) move Amount of Token once, to To only, not before ValidAfter and not after Deadline.
+// x402 proxy) move Amount of Token once, to To only, not before ValidAfter and not after Deadline. An upto
+// payment's witness names Facilitator too, the only sender the upto proxy takes its settlement from, and
+// Amount is then the most it moves (permit2Digest signs no Facilitator, uptoDigest does).
 // Numbers must lie in [0, 2^256); nil counts as zero.
 type permit2Transfer struct {
-	Token      common.Address
-	Amount     *big.Int
-	Spender    common.Address
-	Nonce      *big.Int
-	Deadline   *big.Int
-	To         common.Address
-	ValidAfter *big.Int
+	Token       common.Address
+	Amount      *big.Int
+	Spender     common.Address
+	Nonce       *big.Int
+	Deadline    *big.Int
+	To          common.Address
+	Facilitator common.Address
+	ValidAfter  *big.Int
 }
 
 // transferAuthorization is an EIP-3009 TransferWithAuthorization message: the token moves Value from From to
@@ -211,6 +224,32 @@ func permit2Digest(domain common.Hash, p permit2Transfer) common.Hash {
 	witness := h.sum(3 * 32)
 
 	putHash(h.word(0), permitWitnessTransferFromTypeHash)
+	putHash(h.word(1), permitted)
+	putAddress(h.word(2), p.Spender)
+	putUint256(h.word(3), p.Nonce)
+	putUint256(h.word(4), p.Deadline)
+	putHash(h.word(5), witness)
+	return h.digest(domain, h.sum(6*32))
+}
+
+// uptoDigest returns the EIP-712 digest a Permit2 PermitWitnessTransferFrom signature with the x402 upto
+// witness (to, facilitator, validAfter) signs, given Permit2's domain separator.
+func uptoDigest(domain common.Hash, p permit2Transfer) common.Hash {
+	h := hasherPool.Get().(*hasher)
+	defer hasherPool.Put(h)
+
+	putHash(h.word(0), tokenPermissionsTypeHash)
+	putAddress(h.word(1), p.Token)
+	putUint256(h.word(2), p.Amount)
+	permitted := h.sum(3 * 32)
+
+	putHash(h.word(0), uptoWitnessTypeHash)
+	putAddress(h.word(1), p.To)
+	putAddress(h.word(2), p.Facilitator)
+	putUint256(h.word(3), p.ValidAfter)
+	witness := h.sum(4 * 32)
+
+	putHash(h.word(0), uptoPermitWitnessTransferFromHash)
 	putHash(h.word(1), permitted)
 	putAddress(h.word(2), p.Spender)
 	putUint256(h.word(3), p.Nonce)

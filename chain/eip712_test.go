@@ -151,6 +151,36 @@ func TestPermit2DigestMatchesGoEthereumTypedDataHashing(t *testing.T) {
 	}
 }
 
+func TestUptoDigestMatchesGoEthereumTypedDataHashing(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	for i := range 300 {
+		chainID, permit2 := randChainID(r), randAddress(r)
+		if i%3 == 0 {
+			permit2 = canonicalPermit2
+		}
+		p := permit2Transfer{
+			Token:       randAddress(r),
+			Amount:      randUint256(r),
+			Spender:     randAddress(r),
+			Nonce:       randUint256(r),
+			Deadline:    randUint256(r),
+			To:          randAddress(r),
+			Facilitator: randAddress(r),
+			ValidAfter:  randUint256(r),
+		}
+		got := uptoDigest(permit2DomainSeparator(chainID, permit2), p)
+		want := referenceDigest(t, chaintest.UptoWitnessTypedData(chainID, permit2,
+			p.Token.Hex(), p.Amount.String(), p.Spender.Hex(), p.Nonce.String(), p.Deadline.String(),
+			p.To.Hex(), p.Facilitator.Hex(), p.ValidAfter.String()))
+		if got != want {
+			t.Fatalf("case %d (chain %s): digest %s, apitypes %s", i, chainID, got, want)
+		}
+		if exact := permit2Digest(permit2DomainSeparator(chainID, permit2), p); exact == got {
+			t.Fatalf("case %d: the upto digest equals the exact one: the facilitator is not signed", i)
+		}
+	}
+}
+
 func TestDigestsTreatNilNumbersAsZero(t *testing.T) {
 	zero := big.NewInt(0)
 	domain := common.HexToHash("0x01")

@@ -27,7 +27,7 @@ type ParsedPayment struct {
 // reach them without a chain call: what they made of an accepted payment, or the reason code and message of
 // their refusal.
 func (f *Facilitator) ParseForTest(req x402.VerifyRequest) (p ParsedPayment, reason, message string) {
-	parsed, ref := f.parse(req)
+	parsed, ref := f.parse(req, false)
 	if ref != nil {
 		return ParsedPayment{}, ref.reason, ref.message
 	}

@@ -50,8 +50,8 @@ type NetworkConfig struct {
 	// x402.TransferERC2612); empty means all three. Whether a token implements EIP-3009 the chain says, when a
 	// payment in it is verified.
 	Methods []string
-	// permit2 and proxy default to the canonical addresses.
-	permit2, proxy common.Address
+	// permit2, proxy (exact) and uptoProxy default to the canonical addresses.
+	permit2, proxy, uptoProxy common.Address
 	// ReceiptTimeout bounds how long Settle waits for a receipt before answering settlement_pending (default 30s).
 	// It bounds the signing and broadcast of a settlement as well, which run on after the caller leaves.
 	ReceiptTimeout time.Duration
@@ -119,7 +119,8 @@ type Config struct {
 }
 
 // Facilitator is the embedded x402 facilitator: it verifies and settles `exact` payments on the configured EVM
-// networks, with erc2612 (x402 versions 1 and 2) and permit2 (version 2, with eip2612GasSponsoring).
+// networks, with erc2612 (x402 versions 1 and 2) and permit2 (version 2, with eip2612GasSponsoring), and `upto`
+// payments by permit2 (version 2, with eip2612GasSponsoring).
 type Facilitator struct {
 	networks  map[string]*network
 	order     []string
@@ -165,7 +166,8 @@ type network struct {
 	// factories are the ERC-6492 factories undeployed payer wallets may be deployed through.
 	factories []common.Address
 	permit2   common.Address
-	proxy     common.Address
+	proxy     common.Address // the spender of exact permit2 payments
+	uptoProxy common.Address // the spender of upto payments
 	pool      *walletPool
 	sender    *sender
 	watcher   *receiptWatcher
@@ -326,7 +328,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	}
 	n := &network{
 		caip2: nc.Network, chainID: chainID, backend: backend, assets: map[common.Address]*asset{},
-		methods: map[string]bool{}, permit2: nc.permit2, proxy: nc.proxy, pool: pool,
+		methods: map[string]bool{}, permit2: nc.permit2, proxy: nc.proxy, uptoProxy: nc.uptoProxy, pool: pool,
 		sender: newSender(backend, chainID, nc.Fees, f.now), watcher: newReceiptWatcher(backend, nc.ReceiptPoll),
 		reads:   &callBatcher{backend: backend},
 		timeout: nc.ReceiptTimeout, low: nc.lowBalance, headTTL: nc.HeadCacheTTL, now: f.now, skew: nc.DeadlineSkew,
@@ -336,6 +338,9 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	}
 	if n.proxy == (common.Address{}) {
 		n.proxy = contracts.ProxyAddress
+	}
+	if n.uptoProxy == (common.Address{}) {
+		n.uptoProxy = contracts.UptoProxyAddress
 	}
 	if n.timeout <= 0 {
 		n.timeout = 30 * time.Second
@@ -415,8 +420,10 @@ func (f *Facilitator) WalletsInUse(networkID string) int {
 }
 
 // Supported lists the kinds this facilitator serves: permit2 (version 2, with eip2612GasSponsoring), eip3009
-// (versions 1 and 2) and erc2612 (versions 1 and 2) per network, and the settlement wallets as signers. The
-// eip3009 kind names no token domain: it is the token's own, which each requirement carries.
+// (versions 1 and 2) and erc2612 (versions 1 and 2) per network for the exact scheme, upto by permit2 (version 2)
+// where permit2 is served, and the settlement wallets as signers. The eip3009 kind names no token domain: it is
+// the token's own, which each requirement carries. The upto kind names in extra.facilitatorAddress the wallet
+// payers are to bind into their witness (see uptoFacilitator).
 func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error) {
 	resp := x402.SupportedResponse{Kinds: []x402.SupportedKind{}, Extensions: []string{}, Signers: map[string][]string{}}
 	sponsoring := false
@@ -426,7 +433,11 @@ func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error)
 			sponsoring = true
 			resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: x402.Version2, Scheme: x402.SchemeExact, Network: id,
 				Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, Name: n.first.Name, Version: n.first.Version,
-					Permit2Address: n.permit2.Hex(), X402Permit2ProxyAddress: n.proxy.Hex()}})
+					Permit2Address: n.permit2.Hex(), X402Permit2ProxyAddress: n.proxy.Hex()}},
+				x402.SupportedKind{X402Version: x402.Version2, Scheme: x402.SchemeUpto, Network: id,
+					Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, Name: n.first.Name, Version: n.first.Version,
+						Permit2Address: n.permit2.Hex(), X402Permit2ProxyAddress: n.uptoProxy.Hex(),
+						FacilitatorAddress: f.uptoFacilitator(id).Hex()}})
 		}
 		if n.methods[x402.TransferEIP3009] {
 			for _, v := range []int{x402.Version1, x402.Version2} {
@@ -448,6 +459,21 @@ func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error)
 		resp.Extensions = append(resp.Extensions, x402.ExtensionEIP2612GasSponsoring)
 	}
 	return resp, nil
+}
+
+// uptoFacilitator is the settlement wallet the upto kind of a network names as extra.facilitatorAddress: the
+// public TypeScript server copies it into its requirements, and the payer binds it into its witness, so every
+// upto payment made from that answer settles from that one wallet. The public facilitator names a random wallet
+// at each call; one that does not change makes the requirements a server derives stable (cacheable, comparable
+// across its replicas) and costs nothing here, since a wallet pipelines many settlements. It is the first wallet
+// of the pool, or with leases (several processes sharing the journal) the first this process holds the lease
+// of, as only the lease holder can send from it; a gate rotating over the signers list can name any other
+// wallet, which this facilitator settles as well when it holds that wallet's lease.
+func (f *Facilitator) uptoFacilitator(networkID string) common.Address {
+	if leased := f.LeasedWallets(networkID); len(leased) > 0 {
+		return leased[0]
+	}
+	return f.networks[networkID].pool.Addresses()[0]
 }
 
 // Health reports per network whether the node answers, how old its head block is, the wallets' native

@@ -228,6 +228,31 @@ func (pf *payerFunds) remove(id journal.ID, byID map[journal.ID]fundsKey) {
 	delete(byID, id)
 }
 
+// shrink lowers the hold of p, placed at an upto payment's maximum when it was verified, to p.amount, what its
+// settlement moves: the rest of the maximum is the payer's again as soon as the settlement is under way, not only
+// once a read shows it mined. A payment not held, or held at no more, is left alone.
+//
+// With shared holds the journal offers no way to lower a hold in place, and letting it go to hold it again would
+// leave a moment in which another payment could take the room: the hold stays at the maximum until the
+// settlement is seen mined, which errs on refusing (another payment of the payer meanwhile may be refused for
+// funds it has).
+func (fs *funds) shrink(p *payment) {
+	if fs.shared != nil {
+		return
+	}
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	key, ok := fs.byID[p.id]
+	if !ok {
+		return
+	}
+	pf := fs.payers[key]
+	if h := pf.holds[p.id]; h != nil && h.amount.Cmp(p.amount) > 0 {
+		pf.held.Sub(pf.held, new(big.Int).Sub(h.amount, p.amount))
+		h.amount = new(big.Int).Set(p.amount)
+	}
+}
+
 // mined records that a held payment's settlement was mined in block: reads from that block on reflect it.
 func (fs *funds) mined(id journal.ID, block uint64) {
 	fs.mu.Lock()

@@ -150,3 +150,27 @@ func TestFundsSimulationSufficesForOneOffPayers(t *testing.T) {
 		t.Error("a payer seen longer ago than the TTL counted as a repeat payer")
 	}
 }
+
+func TestAnUptoHoldShrunkToItsSettledAmountFreesTheRestAtOnce(t *testing.T) {
+	now := time.Unix(1_000_000, 0)
+	fs := newFunds(time.Minute, func() time.Time { return now })
+	r := &fundsRead{block: 5, balance: big.NewInt(30), allowance: big.NewInt(1 << 40)}
+	upto := fundsPayment(1, 25, 900)
+	upto.scheme = x402.SchemeUpto
+	if ok, _, _ := fs.cover(upto, 500, r, true); !ok {
+		t.Fatal("holding the upto payment at its maximum of 25 was refused")
+	}
+	if ok, _, _ := fs.cover(fundsPayment(2, 10, 900), 500, nil, false); ok {
+		t.Fatal("a payment of 10 beside a hold of 25 out of 30 was covered")
+	}
+	settling := fundsPayment(1, 4, 900) // the same payment, settled for 4
+	fs.shrink(settling)
+	if ok, _, avail := fs.cover(fundsPayment(2, 10, 900), 500, nil, false); !ok || avail.Int64() != 26 {
+		t.Fatalf("after the hold shrank to 4, a payment of 10 is covered %v with %v left, want true with 26", ok, avail)
+	}
+	fs.shrink(fundsPayment(1, 20, 900)) // never grows
+	if _, _, avail := fs.cover(fundsPayment(2, 10, 900), 500, nil, false); avail.Int64() != 26 {
+		t.Fatalf("shrinking to more than the hold changed it: %v left, want 26", avail)
+	}
+	fs.shrink(fundsPayment(3, 1, 900)) // not held: nothing happens
+}

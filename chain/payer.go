@@ -33,8 +33,11 @@ type Permit2Options struct {
 	// permit2 defaults to requirements.extra.permit2Address, else the canonical deployment.
 	permit2 common.Address
 	// Proxy, the Permit2 spender, defaults to requirements.extra.x402Permit2ProxyAddress, else the canonical
-	// x402ExactPermit2Proxy.
+	// x402ExactPermit2Proxy (x402UptoPermit2Proxy for an upto requirement).
 	Proxy common.Address
+	// Facilitator (upto) is the settlement wallet the witness names, the only one that can settle the payment;
+	// defaults to requirements.extra.facilitatorAddress, and one of the two is required.
+	Facilitator common.Address
 }
 
 // ERC2612Options tunes SignERC2612Payment.
@@ -75,6 +78,10 @@ type payerTerms struct {
 // SignPermit2Payment builds and signs a version 2 permit2 payment for req: a Permit2 PermitWitnessTransferFrom
 // that lets the x402 proxy move exactly req.Amount of req.Asset to req.PayTo. The payer must have approved
 // Permit2 on the token, or the caller adds AddGasSponsoring.
+//
+// An upto requirement (req.Scheme "upto") is signed as the public UptoEvmScheme client signs it: req.Amount is
+// the most the upto proxy may move, and the witness (to, facilitator, validAfter) names the facilitator wallet
+// that alone may settle it, requirements.extra.facilitatorAddress.
 func SignPermit2Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, chainID *big.Int, opts Permit2Options) (x402.PaymentPayload, error) {
 	if err := checkMethod(req, x402.TransferPermit2); err != nil {
 		return x402.PaymentPayload{}, err
@@ -87,9 +94,23 @@ func SignPermit2Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, cha
 	if err != nil {
 		return x402.PaymentPayload{}, err
 	}
-	proxy, err := contractAddress(opts.Proxy, req.Extra.X402Permit2ProxyAddress, "requirements.extra.x402Permit2ProxyAddress", canonicalProxy)
+	upto := req.Scheme == x402.SchemeUpto
+	defaultProxy := canonicalProxy
+	if upto {
+		defaultProxy = canonicalUptoProxy
+	}
+	proxy, err := contractAddress(opts.Proxy, req.Extra.X402Permit2ProxyAddress, "requirements.extra.x402Permit2ProxyAddress", defaultProxy)
 	if err != nil {
 		return x402.PaymentPayload{}, err
+	}
+	var facilitator common.Address
+	if upto {
+		if opts.Facilitator == (common.Address{}) && req.Extra.FacilitatorAddress == "" {
+			return x402.PaymentPayload{}, errors.New("an upto payment names the facilitator wallet that may settle it, and requirements.extra.facilitatorAddress is missing: the server takes it from its facilitator's /supported upto kind (or set Permit2Options.Facilitator)")
+		}
+		if facilitator, err = contractAddress(opts.Facilitator, req.Extra.FacilitatorAddress, "requirements.extra.facilitatorAddress", common.Address{}); err != nil {
+			return x402.PaymentPayload{}, err
+		}
 	}
 	nonce := opts.Nonce
 	if nonce == nil {
@@ -103,15 +124,22 @@ func SignPermit2Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, cha
 	}
 
 	p := permit2Transfer{
-		Token:      t.asset,
-		Amount:     t.amount,
-		Spender:    proxy,
-		Nonce:      nonce,
-		Deadline:   t.deadline,
-		To:         t.payTo,
-		ValidAfter: t.validAfter,
+		Token:       t.asset,
+		Amount:      t.amount,
+		Spender:     proxy,
+		Nonce:       nonce,
+		Deadline:    t.deadline,
+		To:          t.payTo,
+		Facilitator: facilitator,
+		ValidAfter:  t.validAfter,
 	}
-	sig, err := signDigest(key, permit2Digest(permit2DomainSeparator(chainID, permit2), p))
+	digest := permit2Digest(permit2DomainSeparator(chainID, permit2), p)
+	witness := x402.Permit2Witness{To: p.To.Hex(), ValidAfter: p.ValidAfter.String()}
+	if upto {
+		digest = uptoDigest(permit2DomainSeparator(chainID, permit2), p)
+		witness.Facilitator = p.Facilitator.Hex()
+	}
+	sig, err := signDigest(key, digest)
 	if err != nil {
 		return x402.PaymentPayload{}, err
 	}
@@ -126,7 +154,7 @@ func SignPermit2Payment(key *ecdsa.PrivateKey, req x402.PaymentRequirements, cha
 				Spender:   p.Spender.Hex(),
 				Nonce:     p.Nonce.String(),
 				Deadline:  p.Deadline.String(),
-				Witness:   x402.Permit2Witness{To: p.To.Hex(), ValidAfter: p.ValidAfter.String()},
+				Witness:   witness,
 			},
 		},
 	}, nil
@@ -302,14 +330,18 @@ func permit2TransferFromPayload(a *x402.Permit2Authorization) (permit2Transfer, 
 	f := fields{prefix: "permit2Authorization."}
 	owner := f.address("from", a.From)
 	p := permit2Transfer{
-		Token:      f.address("permitted.token", a.Permitted.Token),
-		Amount:     f.number("permitted.amount", a.Permitted.Amount),
-		Spender:    f.address("spender", a.Spender),
-		Nonce:      f.number("nonce", a.Nonce),
-		Deadline:   f.number("deadline", a.Deadline),
-		To:         f.address("witness.to", a.Witness.To),
-		ValidAfter: f.number("witness.validAfter", a.Witness.ValidAfter),
+		Token:    f.address("permitted.token", a.Permitted.Token),
+		Amount:   f.number("permitted.amount", a.Permitted.Amount),
+		Spender:  f.address("spender", a.Spender),
+		Nonce:    f.number("nonce", a.Nonce),
+		Deadline: f.number("deadline", a.Deadline),
+		To:       f.address("witness.to", a.Witness.To),
 	}
+	if a.Witness.Facilitator != "" {
+		// An upto witness; whether the scheme wants one the verifier says.
+		p.Facilitator = f.address("witness.facilitator", a.Witness.Facilitator)
+	}
+	p.ValidAfter = f.number("witness.validAfter", a.Witness.ValidAfter)
 	return p, owner, f.err
 }
 
@@ -455,8 +487,8 @@ func parseTerms(req x402.PaymentRequirements, chainID *big.Int, now time.Time, v
 		t   payerTerms
 		err error
 	)
-	if req.Scheme != "" && req.Scheme != x402.SchemeExact {
-		return t, fmt.Errorf("requirements.scheme: expected %q, got %q", x402.SchemeExact, req.Scheme)
+	if req.Scheme != "" && !x402.IsScheme(req.Scheme) {
+		return t, fmt.Errorf("requirements.scheme: expected %q or %q, got %q", x402.SchemeExact, x402.SchemeUpto, req.Scheme)
 	}
 	if err := checkChainID(req.Network, chainID); err != nil {
 		return t, err
@@ -506,8 +538,12 @@ func checkChainID(network string, chainID *big.Int) error {
 	return nil
 }
 
-// checkMethod refuses requirements that name a different asset transfer method; none named is fine.
+// checkMethod refuses requirements that name a different asset transfer method; none named is fine. The upto
+// scheme is paid by permit2 only.
 func checkMethod(req x402.PaymentRequirements, method string) error {
+	if req.Scheme == x402.SchemeUpto && method != x402.TransferPermit2 {
+		return fmt.Errorf("requirements.scheme is %q, which is paid by %s only; this signs a %s payment", req.Scheme, x402.TransferPermit2, method)
+	}
 	if m := req.Extra.AssetTransferMethod; m != "" && m != method {
 		return fmt.Errorf("requirements.extra.assetTransferMethod is %q; this signs a %s payment", m, method)
 	}

@@ -199,7 +199,8 @@ func TestSignPermit2PaymentRefusesUnusableRequirements(t *testing.T) {
 		{"another method", func(r *x402.PaymentRequirements, _ *Permit2Options) {
 			r.Extra.AssetTransferMethod = x402.TransferERC2612
 		}, "assetTransferMethod"},
-		{"another scheme", func(r *x402.PaymentRequirements, _ *Permit2Options) { r.Scheme = "upto" }, "requirements.scheme"},
+		{"another scheme", func(r *x402.PaymentRequirements, _ *Permit2Options) { r.Scheme = "stream" }, "requirements.scheme"},
+		{"upto without a facilitator", func(r *x402.PaymentRequirements, _ *Permit2Options) { r.Scheme = x402.SchemeUpto }, "facilitatorAddress"},
 		{"no timeout and no deadline", func(r *x402.PaymentRequirements, _ *Permit2Options) { r.MaxTimeoutSeconds = 0 }, "maxTimeoutSeconds"},
 		{"negative nonce", func(_ *x402.PaymentRequirements, o *Permit2Options) { o.Nonce = big.NewInt(-1) }, "nonce"},
 		{"bad proxy in extra", func(r *x402.PaymentRequirements, _ *Permit2Options) { r.Extra.X402Permit2ProxyAddress = "proxy" }, "x402Permit2ProxyAddress"},

@@ -146,11 +146,21 @@ func (f *Facilitator) finaliseFromReceipts(ctx context.Context, n *network, rec 
 			continue
 		}
 		if final, ok := f.outcome(ctx, n, rec.ID, receipt); ok {
-			f.finalise(ctx, n, rec.ID, final, rec.Payer, rec.Amount)
+			f.finalise(ctx, n, rec.ID, final, rec.Payer, rec.Amount, recordedUpto(rec))
 			return true, nil
 		}
 	}
 	return false, nil
+}
+
+// recordedUpto reports whether the record's request is of the upto scheme (its revert has its own reason code).
+func recordedUpto(rec journal.Record) bool {
+	var req struct {
+		PaymentRequirements struct {
+			Scheme string `json:"scheme"`
+		} `json:"paymentRequirements"`
+	}
+	return json.Unmarshal(rec.Request, &req) == nil && req.PaymentRequirements.Scheme == x402.SchemeUpto
 }
 
 // recordHashes lists every transaction hash that may settle the record's payment: the current one and the ones
@@ -232,7 +242,7 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 	if err := json.Unmarshal(rec.Request, &req); err != nil {
 		return fmt.Errorf("payment %s: the journal holds no readable request to settle again: %w", rec.ID, err)
 	}
-	p, ref := f.parse(req)
+	p, ref := f.parse(req, true)
 	if ref == nil && p.id != rec.ID {
 		return fmt.Errorf("payment %s: its recorded request belongs to payment %s", rec.ID, p.id)
 	}
@@ -290,7 +300,7 @@ func (f *Facilitator) isSettlementRecord(rec journal.Record) bool {
 	if err := json.Unmarshal(rec.Request, &req); err != nil {
 		return false
 	}
-	p, ref := f.parse(req)
+	p, ref := f.parse(req, true)
 	return ref == nil && p.id == rec.ID
 }
 

@@ -44,8 +44,11 @@ type flight struct {
 // concurrent and repeated calls for one payment lead to one transaction and share its answer. A receipt not seen
 // within the network's receipt timeout gives the non-final settlement_pending answer with the transaction hash;
 // asking again later answers from the journal.
+//
+// An upto payment settles paymentRequirements.amount, from zero up to the maximum the payer permitted, from the
+// settlement wallet its witness names. Zero sends nothing: the payment is recorded as settled, for nothing.
 func (f *Facilitator) Settle(ctx context.Context, req x402.SettleRequest) (x402.SettleResponse, error) {
-	p, ref := f.parse(req)
+	p, ref := f.parse(req, true)
 	if ref == nil {
 		var err error
 		if ref, err = f.admitSettlement(ctx, p); err != nil {
@@ -118,7 +121,13 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 		}
 		return f.answerFromJournal(ctx, p, req, rec)
 	}
-	resp, keep, err := f.broadcastAndWait(ctx, p)
+	var resp x402.SettleResponse
+	var keep bool
+	if p.upto() && p.amount.Sign() == 0 {
+		resp, keep, err = f.settleNothing(ctx, p)
+	} else {
+		resp, keep, err = f.broadcastAndWait(ctx, p)
+	}
 	if !keep {
 		p.net.funds.let(p.id)
 		// Nothing left the process: the payer may try again (after topping up, say).
@@ -141,7 +150,42 @@ func (f *Facilitator) broadcastAndWait(ctx context.Context, p *payment) (x402.Se
 	case ref != nil:
 		return failed(p.net.caip2, p.payer.Hex(), "", ref), false, nil
 	}
-	return f.awaitReceipt(ctx, p.net, p.id, p.payer.Hex(), p.amount.String(), true, hash), true, nil
+	return f.awaitReceipt(ctx, p.net, p.id, p.payer.Hex(), p.amount.String(), p.upto(), true, hash), true, nil
+}
+
+// settleNothing settles an upto payment for zero, which the journal has just claimed: the payment is checked as
+// a settlement would check it before sending (its time window, a contract wallet's signature, its Permit2 nonce
+// unspent), then recorded as final and successful with no transaction. Nothing goes on chain, so the payer's
+// Permit2 nonce stays unspent there: the record is what makes the payment settled once (see parsePermit2). Its
+// hold, if a verification placed one, is let go. keep is as broadcastAndWait's.
+func (f *Facilitator) settleNothing(ctx context.Context, p *payment) (x402.SettleResponse, bool, error) {
+	n := p.net
+	if ref := p.checkTime(ctx); ref != nil {
+		return failed(n.caip2, p.payer.Hex(), "", ref), false, nil
+	}
+	if ref, err := p.checkWallet(ctx); err != nil {
+		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
+	} else if ref != nil {
+		return failed(n.caip2, p.payer.Hex(), "", ref), false, nil
+	}
+	used, err := p.permit2NonceUsed(ctx)
+	if err != nil {
+		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
+	}
+	if used {
+		return failed(n.caip2, p.payer.Hex(), "", refuse(x402.ReasonPermit2InvalidNonce, "Permit2 nonce %s of %s was already used", p.nonce, p.payer.Hex())), false, nil
+	}
+	resp := x402.SettleResponse{Success: true, Network: n.caip2, Payer: p.payer.Hex(), Amount: "0"}
+	if _, err := f.journal.Update(context.WithoutCancel(ctx), p.id, func(r *journal.Record) error {
+		r.State, r.Response = journal.StateFinal, &resp
+		return nil
+	}); err != nil {
+		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("settlement journal: %w", err)}
+	}
+	n.funds.let(p.id)
+	f.log.Info("settlement final", zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()), zap.String("amount", "0"),
+		zap.String("tx", ""), zap.Bool("success", true))
+	return resp, true, nil
 }
 
 // broadcast re-checks the payment against the chain and sends its settlement from a pool wallet, recording the
@@ -156,6 +200,10 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 	if ref, err := p.checkWallet(ctx); err != nil || ref != nil {
 		return common.Hash{}, ref, err
 	}
+	if p.upto() {
+		// A verification may have held the payment at its maximum: what this settlement moves is what stays held.
+		n.funds.shrink(p)
+	}
 	if ref, err := p.checkChain(ctx, fundsSettle); err != nil || ref != nil {
 		return common.Hash{}, ref, err
 	}
@@ -164,7 +212,9 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 		return common.Hash{}, nil, err
 	}
 	var want *common.Address
-	if p.method == x402.TransferERC2612 {
+	if p.method == x402.TransferERC2612 || p.upto() {
+		// Only that wallet can: the erc2612 permit's spender, the upto witness's facilitator. With leases, a
+		// wallet another process holds stays busy here, and the settlement gets no_available_wallets.
 		want = &from
 	}
 	w, err := n.pool.Acquire(ctx, want)
@@ -255,8 +305,9 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 }
 
 // awaitReceipt waits up to the network's receipt timeout and finalises the journal record when a receipt comes.
-// justSent says the transaction was broadcast just now (see receiptWatcher.wait).
-func (f *Facilitator) awaitReceipt(ctx context.Context, n *network, id journal.ID, payer, amount string, justSent bool, hashes ...common.Hash) x402.SettleResponse {
+// upto says the payment is an upto one (see finalise); justSent that the transaction was broadcast just now (see
+// receiptWatcher.wait).
+func (f *Facilitator) awaitReceipt(ctx context.Context, n *network, id journal.ID, payer, amount string, upto, justSent bool, hashes ...common.Hash) x402.SettleResponse {
 	wctx, cancel := context.WithTimeout(ctx, n.timeout)
 	defer cancel()
 	first := hashes[0]
@@ -266,7 +317,7 @@ func (f *Facilitator) awaitReceipt(ctx context.Context, n *network, id journal.I
 			break
 		}
 		if final, ok := f.outcome(wctx, n, id, receipt); ok {
-			return f.finalise(ctx, n, id, final, payer, amount)
+			return f.finalise(ctx, n, id, final, payer, amount, upto)
 		}
 		// An earlier transaction of the payment reverted: the latest may still settle it.
 		hashes = slices.DeleteFunc(slices.Clone(hashes), func(h common.Hash) bool { return h == receipt.TxHash })
@@ -304,12 +355,17 @@ func (f *Facilitator) outcome(ctx context.Context, n *network, id journal.ID, re
 	return receipt, true
 }
 
-// finalise turns a receipt into the final answer and records it.
-func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, receipt *types.Receipt, payer, amount string) x402.SettleResponse {
+// finalise turns a receipt into the final answer and records it. An upto payment's revert has the upto reason
+// code, as the public facilitators give it.
+func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, receipt *types.Receipt, payer, amount string, upto bool) x402.SettleResponse {
 	resp := x402.SettleResponse{Success: true, Transaction: receipt.TxHash.Hex(), Network: n.caip2, Payer: payer, Amount: amount}
 	if receipt.Status != types.ReceiptStatusSuccessful {
+		reason := x402.ReasonTransactionFailed
+		if upto {
+			reason = x402.ReasonUptoTransactionFailed
+		}
 		resp = x402.SettleResponse{Success: false, Transaction: receipt.TxHash.Hex(), Network: n.caip2, Payer: payer,
-			ErrorReason: x402.ReasonTransactionFailed, ErrorMessage: "the settlement transaction was mined but reverted; no tokens moved"}
+			ErrorReason: reason, ErrorMessage: "the settlement transaction was mined but reverted; no tokens moved"}
 	}
 	if _, err := f.journal.Update(context.WithoutCancel(ctx), id, func(r *journal.Record) error {
 		if r.State == journal.StateFinal {
@@ -340,7 +396,7 @@ func (f *Facilitator) answerFromJournal(ctx context.Context, p *payment, req x40
 	case journal.StateFinal:
 		return *rec.Response, nil
 	case journal.StateBroadcast:
-		return f.awaitReceipt(ctx, p.net, p.id, p.payer.Hex(), p.amount.String(), false, recordHashes(rec)...), nil
+		return f.awaitReceipt(ctx, p.net, p.id, p.payer.Hex(), p.amount.String(), p.upto(), false, recordHashes(rec)...), nil
 	default:
 		// Claimed by another process that has not broadcast yet: wait for it to move.
 		deadline := time.Now().Add(p.net.timeout)
@@ -373,7 +429,7 @@ func (f *Facilitator) recordedSame(p *payment, rec journal.Record) bool {
 	if err := json.Unmarshal(rec.Request, &req); err != nil {
 		return false
 	}
-	q, ref := f.parse(req)
+	q, ref := f.parse(req, true)
 	return ref == nil && q.same(p)
 }
 

@@ -43,8 +43,12 @@ func newPaymentTerms(nc NetworkConfig) (paymentTerms, error) {
 // check refuses a payment outside the terms. It needs only what parse read, so it runs before any chain call.
 // Both refusals are invalid_payment_requirements: what the resource server asked for is what this facilitator
 // does not settle; the payer's signature matches the requirements, and signing again would not help.
+//
+// An upto payment's amount is what it moves: its maximum when verified, the amount to settle when settled, so
+// that the smallest settlement sent is min_amount whoever signed the maximum. A settlement of zero sends nothing
+// and costs no gas: the minimum does not apply to it.
 func (t paymentTerms) check(p *payment) *refusal {
-	if t.minAmount != nil && p.amount.Cmp(t.minAmount) < 0 {
+	if t.minAmount != nil && p.amount.Cmp(t.minAmount) < 0 && (!p.upto() || p.amount.Sign() != 0) {
 		return refuse(x402.ReasonInvalidPaymentRequirements, "paymentRequirements.amount %s is below min_amount %s, the smallest payment this facilitator settles on %s",
 			p.amount, t.minAmount, p.net.caip2)
 	}

@@ -42,8 +42,11 @@ func refuse(reason, format string, args ...any) *refusal {
 type payment struct {
 	net    *network
 	asset  *asset
+	scheme string // x402.SchemeExact or x402.SchemeUpto
 	method string
 	payer  common.Address
+	// amount is what the payment moves: the required amount, which an exact payment signs exactly; for an upto
+	// payment, the permitted maximum when verifying and the amount to settle (0 up to it) when settling.
 	amount *big.Int
 	payTo  common.Address
 	sig    Signature // an EOA's signature, parsed; zero for a contract wallet's
@@ -117,9 +120,14 @@ func (p *payment) tracksFunds() bool {
 
 // same reports whether q is the same payment as p: same signed message, same recipient, same amount. Two
 // payloads can share a journal id (payer and nonce) and still differ; only the same payment may share an answer.
+// For upto the amount is the one settled: the same signature settled for another amount is another payment,
+// and the first settlement of it is the only one.
 func (p *payment) same(q *payment) bool {
-	return p.id == q.id && p.digest == q.digest && p.payTo == q.payTo && p.amount.Cmp(q.amount) == 0
+	return p.id == q.id && p.digest == q.digest && p.payTo == q.payTo && p.amount.Cmp(q.amount) == 0 && p.scheme == q.scheme
 }
+
+// upto reports whether p is an upto payment.
+func (p *payment) upto() bool { return p.scheme == x402.SchemeUpto }
 
 // sponsorPermit is the payer's EIP-2612 permit to Permit2 from the eip2612GasSponsoring extension.
 type sponsorPermit struct {
@@ -148,19 +156,22 @@ func (f *Facilitator) Verify(ctx context.Context, req x402.VerifyRequest) (x402.
 // it as spent. It is for a gate that serves before it settles (settle async), which must not serve a payer more
 // than the payer can pay while the settlements wait their turn. A payment that will not be settled after all
 // must be let go with Release.
+//
+// An upto payment is held at its maximum; its settlement holds only the amount settled (see broadcast), and a
+// settlement of zero lets the hold go.
 func (f *Facilitator) VerifyAndHold(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
 	return f.verify(ctx, req, fundsHold)
 }
 
 // Release lets go of the hold VerifyAndHold placed on a payment that is not going to be settled.
 func (f *Facilitator) Release(req x402.VerifyRequest) {
-	if p, ref := f.parse(req); ref == nil {
+	if p, ref := f.parse(req, false); ref == nil {
 		p.net.funds.let(p.id)
 	}
 }
 
 func (f *Facilitator) verify(ctx context.Context, req x402.VerifyRequest, use fundsUse) (x402.VerifyResponse, error) {
-	p, ref := f.parse(req)
+	p, ref := f.parse(req, false)
 	if ref == nil {
 		ref = p.net.terms.check(p)
 	}
@@ -250,8 +261,10 @@ func (p *payment) permit2NonceUsed(ctx context.Context) (bool, error) {
 }
 
 // parse runs every check that needs neither the chain nor the clock: version, scheme, network, requirements,
-// payload shape, recipient, spender, amount, asset and signature.
-func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
+// payload shape, recipient, spender, amount, asset and signature. settling says the request is a settlement's:
+// an upto requirement's amount is then the amount to settle, from 0 up to the permitted maximum, where a
+// verification's must be the maximum itself.
+func (f *Facilitator) parse(req x402.VerifyRequest, settling bool) (*payment, *refusal) {
 	pp, rq := req.PaymentPayload, req.PaymentRequirements
 	if req.X402Version != x402.Version1 && req.X402Version != x402.Version2 {
 		return nil, refuse(x402.ReasonInvalidX402Version, "x402Version %d is not supported; want 1 or 2", req.X402Version)
@@ -259,8 +272,8 @@ func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
 	if pp.X402Version != req.X402Version {
 		return nil, refuse(x402.ReasonInvalidX402Version, "paymentPayload.x402Version is %d but the request's x402Version is %d", pp.X402Version, req.X402Version)
 	}
-	if rq.Scheme != x402.SchemeExact {
-		return nil, refuse(x402.ReasonUnsupportedScheme, "scheme %q is not supported; want %q", rq.Scheme, x402.SchemeExact)
+	if !x402.IsScheme(rq.Scheme) {
+		return nil, refuse(x402.ReasonUnsupportedScheme, "scheme %q is not supported; want %q or %q", rq.Scheme, x402.SchemeExact, x402.SchemeUpto)
 	}
 	if pp.Accepted.Scheme != rq.Scheme {
 		return nil, refuse(x402.ReasonInvalidScheme, "the payment is for scheme %q but the requirements ask for %q", pp.Accepted.Scheme, rq.Scheme)
@@ -272,7 +285,7 @@ func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
 	if pp.Accepted.Network != rq.Network {
 		return nil, refuse(x402.ReasonInvalidNetwork, "the payment is for network %q but the requirements ask for %q", pp.Accepted.Network, rq.Network)
 	}
-	p := &payment{net: n}
+	p := &payment{net: n, scheme: rq.Scheme}
 	var err error
 	tokenAddr, err := ParseAddress("paymentRequirements.asset", rq.Asset)
 	if err != nil {
@@ -288,7 +301,9 @@ func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
 		// Tokens refuse transfers to the zero address; an erc2612 permit would be spent for nothing.
 		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "paymentRequirements.payTo is the zero address; payments need a recipient")
 	}
-	if p.amount, err = x402.ParseUint256(rq.Amount); err != nil || p.amount.Sign() == 0 {
+	// An upto settlement may charge nothing: the resource server found the request used nothing.
+	zeroOK := settling && p.upto()
+	if p.amount, err = x402.ParseUint256(rq.Amount); err != nil || (p.amount.Sign() == 0 && !zeroOK) {
 		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "paymentRequirements.amount must be a positive decimal number of raw token units, got %q", rq.Amount)
 	}
 	if rq.MaxTimeoutSeconds <= 0 {
@@ -300,6 +315,10 @@ func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
 	switch {
 	case !x402.IsTransferMethod(p.method):
 		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "assetTransferMethod %q is not supported; want %q, %q or %q", p.method, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
+	case p.upto() && p.method != x402.TransferPermit2:
+		// Only a Permit2 witness can bind the facilitator that chooses the amount: a permit or an EIP-3009
+		// authorization signs one exact value.
+		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "the upto scheme is paid by permit2 only, but assetTransferMethod is %q", p.method)
 	case !n.methods[p.method]:
 		return nil, refuse(x402.ReasonInvalidPaymentRequirements, "this facilitator does not settle %s payments on %s", p.method, n.caip2)
 	case p.method == x402.TransferPermit2 && req.X402Version != x402.Version2:
@@ -309,7 +328,7 @@ func (f *Facilitator) parse(req x402.VerifyRequest) (*payment, *refusal) {
 	p.sig, sigErr = ParseSignature(pp.Payload.Signature)
 	switch p.method {
 	case x402.TransferPermit2:
-		return p, p.parsePermit2(pp, sigErr)
+		return p, p.parsePermit2(pp, sigErr, settling)
 	case x402.TransferEIP3009:
 		return p, p.parseEIP3009(pp, rq, sigErr)
 	}
@@ -388,7 +407,7 @@ func (p *payment) parseEIP3009(pp x402.PaymentPayload, rq x402.PaymentRequiremen
 	return nil
 }
 
-func (p *payment) parsePermit2(pp x402.PaymentPayload, sigErr error) *refusal {
+func (p *payment) parsePermit2(pp x402.PaymentPayload, sigErr error, settling bool) *refusal {
 	a := pp.Payload.Permit2Authorization
 	if a == nil {
 		if pp.Payload.Authorization != nil {
@@ -401,27 +420,59 @@ func (p *payment) parsePermit2(pp x402.PaymentPayload, sigErr error) *refusal {
 		return refuse(x402.ReasonInvalidPayload, "payload.%v", err)
 	}
 	p.p2, p.payer, p.nonce = t, owner, t.Nonce
+	// The witness's facilitator is what tells the two schemes' signed messages apart; a payload of the one
+	// presented as the other could only fail its signature check, which would not say why.
+	switch hasFacilitator := a.Witness.Facilitator != ""; {
+	case p.upto() && !hasFacilitator:
+		return refuse(x402.ReasonInvalidPayload, "permit2Authorization.witness.facilitator is missing: an upto payment names the settlement wallet that alone may settle it (one of %s); this looks like an exact-scheme witness",
+			strings.Join(hexAddrs(p.net.pool.Addresses()), ", "))
+	case !p.upto() && hasFacilitator:
+		return refuse(x402.ReasonInvalidPayload, "permit2Authorization.witness.facilitator is set: that is an upto witness, but the requirements ask for the %s scheme, whose witness is (to, validAfter)", p.scheme)
+	}
 	if t.To != p.payTo {
 		return refuse(x402.ReasonPermit2RecipientMismatch, "permit2Authorization.witness.to is %s but the requirements pay %s", t.To.Hex(), p.payTo.Hex())
 	}
-	if t.Spender != p.net.proxy {
-		return refuse(x402.ReasonPermit2InvalidSpender, "permit2Authorization.spender is %s; it must be the x402 Permit2 proxy %s", t.Spender.Hex(), p.net.proxy.Hex())
+	proxy, proxyName := p.net.proxy, "x402 Permit2 proxy"
+	if p.upto() {
+		proxy, proxyName = p.net.uptoProxy, "x402 upto Permit2 proxy"
 	}
-	if t.Amount.Cmp(p.amount) != 0 {
+	if t.Spender != proxy {
+		return refuse(x402.ReasonPermit2InvalidSpender, "permit2Authorization.spender is %s; it must be the %s %s", t.Spender.Hex(), proxyName, proxy.Hex())
+	}
+	if p.upto() && !p.net.pool.Has(t.Facilitator) {
+		return refuse(x402.ReasonUptoFacilitatorMismatch, "permit2Authorization.witness.facilitator is %s, which is not a settlement wallet of this facilitator on %s (%s); the upto proxy takes the settlement from that address only",
+			t.Facilitator.Hex(), p.net.caip2, strings.Join(hexAddrs(p.net.pool.Addresses()), ", "))
+	}
+	switch {
+	case p.upto() && settling && p.amount.Cmp(t.Amount) > 0:
+		return refuse(x402.ReasonUptoSettlementExceedsAmount, "the amount to settle, %s, is above the %s the payer permitted (permit2Authorization.permitted.amount)", p.amount, t.Amount)
+	case p.upto() && settling:
+	case t.Amount.Cmp(p.amount) != 0 && p.upto():
+		return refuse(x402.ReasonPermit2AmountMismatch, "permit2Authorization.permitted.amount is %s but an upto payment is verified at its maximum, the required amount %s", t.Amount, p.amount)
+	case t.Amount.Cmp(p.amount) != 0:
 		return refuse(x402.ReasonPermit2AmountMismatch, "permit2Authorization.permitted.amount is %s but the required amount is exactly %s", t.Amount, p.amount)
 	}
 	if t.Token != p.asset.Address {
 		return refuse(x402.ReasonPermit2TokenMismatch, "permit2Authorization.permitted.token is %s but the requirements ask for %s", t.Token.Hex(), p.asset.Address.Hex())
 	}
-	p.digest = permit2Digest(p.net.p2dom, t)
+	message := "Permit2 PermitWitnessTransferFrom"
+	if p.upto() {
+		p.digest, message = uptoDigest(p.net.p2dom, t), "Permit2 PermitWitnessTransferFrom with the upto witness (to, facilitator, validAfter)"
+	} else {
+		p.digest = permit2Digest(p.net.p2dom, t)
+	}
 	if ref := p.verifySigner(pp.Payload.Signature, sigErr, x402.ReasonPermit2InvalidSignature, true, func(got common.Address, err error) *refusal {
-		return refuse(x402.ReasonPermit2InvalidSignature, "the signature is not %s's Permit2 PermitWitnessTransferFrom on chain %s%s", p.payer.Hex(), p.net.chainID, recoverDetail(got, err))
+		return refuse(x402.ReasonPermit2InvalidSignature, "the signature is not %s's %s on chain %s%s", p.payer.Hex(), message, p.net.chainID, recoverDetail(got, err))
 	}); ref != nil {
 		return ref
 	}
 	if raw, ok := pp.Extensions[x402.ExtensionEIP2612GasSponsoring]; ok {
 		p.sponsor = p.parseSponsor(raw)
 	}
+	// exact and upto payments share one id space: both spend the payer's Permit2 nonce, from the one bitmap of
+	// the canonical Permit2 whichever proxy sends them, so one nonce is one payment. An upto payment settled for
+	// zero leaves its nonce unspent on chain, and its record is then all that keeps the nonce from paying again
+	// (under either scheme) until the payment's deadline.
 	p.id = journal.PaymentID(p.net.caip2, p.method, p.asset.Address.Hex(), p.payer.Hex(), p.nonce.String())
 	return nil
 }
@@ -454,8 +505,9 @@ func (p *payment) parseSponsor(raw json.RawMessage) *sponsorPermit {
 		sp.err = refuse(x402.ReasonEIP2612AssetMismatch, "eip2612GasSponsoring.info.asset is %s but the payment is in %s", token.Hex(), p.asset.Address.Hex())
 	case permit.Spender != p.net.permit2:
 		sp.err = refuse(x402.ReasonEIP2612SpenderNotPermit2, "eip2612GasSponsoring.info.spender is %s; it must be Permit2 %s", permit.Spender.Hex(), p.net.permit2.Hex())
-	case permit.Value.Cmp(p.amount) != 0:
-		sp.err = refuse(x402.ReasonPermit2EIP2612AmountMismatch, "eip2612GasSponsoring.info.amount is %s but the payment is exactly %s", permit.Value, p.amount)
+	case permit.Value.Cmp(p.p2.Amount) != 0:
+		// The proxies take the permit's value as the permitted amount: an upto payment's maximum.
+		sp.err = refuse(x402.ReasonPermit2EIP2612AmountMismatch, "eip2612GasSponsoring.info.amount is %s but the payment permits exactly %s", permit.Value, p.p2.Amount)
 	default:
 		got, err := RecoverSigner(PermitDigest(p.asset.domain, permit), sp.sig)
 		if err != nil || got != p.payer {
@@ -779,6 +831,11 @@ func (p *payment) simulate(ctx context.Context) (*refusal, error) {
 	if p.method == x402.TransferPermit2 {
 		reason = x402.ReasonPermit2SimulationFailed
 	}
+	if p.undeployed && p.upto() {
+		// DeployThenCall would be the upto proxy's caller, which takes the settlement from the witness's
+		// facilitator only: the call cannot be simulated where the wallet has been deployed.
+		return refuse(x402.ReasonInvalidPayload, "the payer %s is a smart wallet not deployed yet (ERC-6492): its upto payment cannot be checked before settling; deploy the wallet first, or pay by the exact scheme", p.payer.Hex()), nil
+	}
 	if p.undeployed {
 		// The settlement call, made where the wallet has been deployed (the deployment is calls[0]).
 		last := calls[len(calls)-1]
@@ -809,6 +866,9 @@ func (p *payment) simulate(ctx context.Context) (*refusal, error) {
 // permit2: the proxy's settle, or settleWithPermit with the sponsored permit; any wallet may send it.
 func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.Address, error) {
 	n := p.net
+	if p.method == x402.TransferPermit2 && p.upto() {
+		return p.uptoSettlementCalls()
+	}
 	if p.method == x402.TransferPermit2 {
 		permit := contracts.PermitTransferFrom{Permitted: contracts.TokenPermissions{Token: p.p2.Token, Amount: p.p2.Amount}, Nonce: p.p2.Nonce, Deadline: p.p2.Deadline}
 		witness := contracts.Witness{To: p.p2.To, ValidAfter: p.p2.ValidAfter}
@@ -865,6 +925,27 @@ func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.A
 	}
 	calls = append(calls, contractCall{To: p.asset.Address, Data: transfer, Gas: 120_000})
 	return calls, spender, nil
+}
+
+// uptoSettlementCalls is settlementCalls of an upto payment: the upto proxy's settle (or settleWithPermit) of
+// p.amount, from the wallet the witness names, the only sender the proxy takes it from.
+func (p *payment) uptoSettlementCalls() ([]contractCall, common.Address, error) {
+	permit := contracts.PermitTransferFrom{Permitted: contracts.TokenPermissions{Token: p.p2.Token, Amount: p.p2.Amount}, Nonce: p.p2.Nonce, Deadline: p.p2.Deadline}
+	witness := contracts.UptoWitness{To: p.p2.To, Facilitator: p.p2.Facilitator, ValidAfter: p.p2.ValidAfter}
+	var data []byte
+	var err error
+	gas := uint64(200_000)
+	if p.sponsor != nil {
+		v, r, s := splitSignature(p.sponsor.sig)
+		data, err = contracts.PackUptoSettleWithPermit(contracts.EIP2612Permit{Value: p.sponsor.permit.Value, Deadline: p.sponsor.permit.Deadline, R: r, S: s, V: v}, permit, p.amount, p.payer, witness, p.sigBytes)
+		gas = 300_000
+	} else {
+		data, err = contracts.PackUptoSettle(permit, p.amount, p.payer, witness, p.sigBytes)
+	}
+	if err != nil {
+		return nil, common.Address{}, err
+	}
+	return p.deployFirst(contractCall{To: p.net.uptoProxy, Data: data, Gas: gas}), p.p2.Facilitator, nil
 }
 
 // deployFirst puts the deployment of the payer's wallet before the settlement call when the wallet has no code

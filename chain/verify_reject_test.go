@@ -473,8 +473,8 @@ func rejections() []rejection {
 
 		// Scheme.
 		{
-			name: "a scheme other than exact is unsupported", methods: both, reason: x402.ReasonUnsupportedScheme, message: `"upto"`,
-			build: signedUnder(func(rq *x402.PaymentRequirements) { rq.Scheme = "upto" }),
+			name: "a scheme other than exact and upto is unsupported", methods: both, reason: x402.ReasonUnsupportedScheme, message: `"stream"`,
+			build: signedUnder(func(rq *x402.PaymentRequirements) { rq.Scheme = "stream" }),
 		}, {
 			name: "a payment for another scheme than the requirements' is refused", methods: both, reason: x402.ReasonInvalidScheme,
 			message: "the payment is for scheme",

@@ -23,8 +23,9 @@ func TestContractsSitAtTheirCanonicalAddresses(t *testing.T) {
 	c := New(t)
 	ctx := context.Background()
 	for addr, want := range map[common.Address][]byte{
-		contracts.Permit2Address: contracts.Permit2RuntimeCode(),
-		contracts.ProxyAddress:   contracts.ProxyRuntimeCode(),
+		contracts.Permit2Address:   contracts.Permit2RuntimeCode(),
+		contracts.ProxyAddress:     contracts.ProxyRuntimeCode(),
+		contracts.UptoProxyAddress: contracts.UptoProxyRuntimeCode(),
 	} {
 		code, err := c.Client.CodeAt(ctx, addr, nil)
 		if err != nil {

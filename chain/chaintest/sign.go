@@ -173,6 +173,62 @@ func (c *Chain) NewPermit2Authorization(owner *Account, to common.Address, amoun
 	return c.SignPermit2(owner, permit, contracts.ProxyAddress, witness)
 }
 
+// UptoAuthorization is a payer's signed PermitWitnessTransferFrom for the x402 upto proxy: at most
+// Permit.Permitted.Amount, to Witness.To, settled only by Witness.Facilitator.
+type UptoAuthorization struct {
+	Owner     common.Address
+	Permit    contracts.PermitTransferFrom
+	Spender   common.Address
+	Witness   contracts.UptoWitness
+	Signature []byte
+}
+
+// SettleCalldata returns the calldata of uptoProxy.settle moving amount under the authorization.
+func (a *UptoAuthorization) SettleCalldata(amount *big.Int) ([]byte, error) {
+	return contracts.PackUptoSettle(a.Permit, amount, a.Owner, a.Witness, a.Signature)
+}
+
+// SettleWithPermitCalldata returns the calldata of uptoProxy.settleWithPermit moving amount under the
+// authorization, applying an EIP-2612 permit to Permit2 first.
+func (a *UptoAuthorization) SettleWithPermitCalldata(permit *ERC2612Permit, amount *big.Int) ([]byte, error) {
+	return contracts.PackUptoSettleWithPermit(permit.ProxyPermit(), a.Permit, amount, a.Owner, a.Witness, a.Signature)
+}
+
+// UptoWitnessTypedData is Permit2's PermitWitnessTransferFrom with the x402 upto witness {to, facilitator,
+// validAfter} as apitypes sees it (the type definitions of the public TypeScript client's
+// uptoPermit2WitnessTypes), with the domain {name "Permit2", chainId, verifyingContract permit2} (no version).
+func UptoWitnessTypedData(chainID *big.Int, permit2 common.Address, token, amount, spender, nonce, deadline, to, facilitator, validAfter string) apitypes.TypedData {
+	td := Permit2WitnessTypedData(chainID, permit2, token, amount, spender, nonce, deadline, to, validAfter)
+	td.Types["Witness"] = []apitypes.Type{
+		{Name: "to", Type: "address"},
+		{Name: "facilitator", Type: "address"},
+		{Name: "validAfter", Type: "uint256"},
+	}
+	td.Message["witness"] = map[string]any{"to": to, "facilitator": facilitator, "validAfter": validAfter}
+	return td
+}
+
+// SignUpto signs an upto PermitWitnessTransferFrom of owner for spender.
+func (c *Chain) SignUpto(owner *Account, permit contracts.PermitTransferFrom, spender common.Address, witness contracts.UptoWitness) *UptoAuthorization {
+	c.tb.Helper()
+	td := UptoWitnessTypedData(c.ChainID, contracts.Permit2Address, permit.Permitted.Token.Hex(), permit.Permitted.Amount.String(),
+		spender.Hex(), permit.Nonce.String(), permit.Deadline.String(), witness.To.Hex(), witness.Facilitator.Hex(), witness.ValidAfter.String())
+	return &UptoAuthorization{Owner: owner.Address, Permit: permit, Spender: spender, Witness: witness, Signature: c.SignTypedData(owner, td)}
+}
+
+// NewUptoAuthorization signs what an x402 client signs for an upto payment: at most max of the chain's token
+// to `to` through the upto proxy, settled by facilitator only, with a random unordered nonce.
+func (c *Chain) NewUptoAuthorization(owner *Account, to, facilitator common.Address, max *big.Int, validAfter, deadline uint64) *UptoAuthorization {
+	c.tb.Helper()
+	permit := contracts.PermitTransferFrom{
+		Permitted: contracts.TokenPermissions{Token: c.Token, Amount: new(big.Int).Set(max)},
+		Nonce:     RandomNonce(),
+		Deadline:  new(big.Int).SetUint64(deadline),
+	}
+	witness := contracts.UptoWitness{To: to, Facilitator: facilitator, ValidAfter: new(big.Int).SetUint64(validAfter)}
+	return c.SignUpto(owner, permit, contracts.UptoProxyAddress, witness)
+}
+
 // SignERC2612Permit signs an EIP-2612 permit of owner for spender with the owner's current token nonce.
 func (c *Chain) SignERC2612Permit(owner *Account, spender common.Address, value *big.Int, deadline uint64) *ERC2612Permit {
 	c.tb.Helper()

@@ -12,13 +12,14 @@ const here = __dirname;
 const outDir = path.resolve(process.argv[2] || path.join(here, 'build'));
 
 // Contracts whose runtime code goes into a genesis: they must not use immutables.
-const genesisContracts = new Set(['Permit2', 'X402ExactPermit2Proxy']);
+const genesisContracts = new Set(['Permit2', 'X402ExactPermit2Proxy', 'X402UptoPermit2Proxy']);
 // Each contract and the source file it is in.
 const contracts = {
   StableCoin: 'StableCoin.sol',
   USDCoin: 'USDCoin.sol',
   Permit2: 'Permit2.sol',
   X402ExactPermit2Proxy: 'X402ExactPermit2Proxy.sol',
+  X402UptoPermit2Proxy: 'X402UptoPermit2Proxy.sol',
   SmartWallet: 'SmartWallet.sol',
   SmartWalletFactory: 'SmartWallet.sol',
   DeployThenCall: 'DeployThenCall.sol',

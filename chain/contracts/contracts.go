@@ -19,6 +19,8 @@ var (
 	Permit2Address = common.HexToAddress("0x000000000022D473030F116dDEE9F6B43aC78BA3")
 	// ProxyAddress is the canonical x402ExactPermit2Proxy address public clients sign for.
 	ProxyAddress = common.HexToAddress("0x402085c248EeA27D92E8b30b2C58ed07f9E20001")
+	// UptoProxyAddress is the canonical x402UptoPermit2Proxy address public clients sign upto payments for.
+	UptoProxyAddress = common.HexToAddress("0x4020A4f3b7b90ccA423B9fabCc0CE57C6C240002")
 )
 
 // Token metadata of StableCoin, as x402 requirements carry it in extra.name / extra.version.
@@ -57,6 +59,13 @@ var (
 	proxyBin string
 	//go:embed build/X402ExactPermit2Proxy.bin-runtime
 	proxyBinRuntime string
+
+	//go:embed build/X402UptoPermit2Proxy.abi.json
+	uptoProxyABIJSON string
+	//go:embed build/X402UptoPermit2Proxy.bin
+	uptoProxyBin string
+	//go:embed build/X402UptoPermit2Proxy.bin-runtime
+	uptoProxyBinRuntime string
 )
 
 // Parsed ABIs and decoded bytecode. They are derived once from the embedded artifacts and
@@ -68,6 +77,9 @@ var (
 	Permit2ABI = mustABI("Permit2", permit2ABIJSON)
 	// ProxyABI is the ABI of X402ExactPermit2Proxy (settle, settleWithPermit, PERMIT2).
 	ProxyABI = mustABI("X402ExactPermit2Proxy", proxyABIJSON)
+	// UptoProxyABI is the ABI of X402UptoPermit2Proxy (settle and settleWithPermit of an amount up to the
+	// permitted one, PERMIT2).
+	UptoProxyABI = mustABI("X402UptoPermit2Proxy", uptoProxyABIJSON)
 
 	stableCoinCreation = mustHex("StableCoin.bin", stableCoinBin)
 	stableCoinRuntime  = mustHex("StableCoin.bin-runtime", stableCoinBinRuntime)
@@ -75,6 +87,8 @@ var (
 	permit2Runtime     = mustHex("Permit2.bin-runtime", permit2BinRuntime)
 	proxyCreation      = mustHex("X402ExactPermit2Proxy.bin", proxyBin)
 	proxyRuntime       = mustHex("X402ExactPermit2Proxy.bin-runtime", proxyBinRuntime)
+	uptoProxyCreation  = mustHex("X402UptoPermit2Proxy.bin", uptoProxyBin)
+	uptoProxyRuntime   = mustHex("X402UptoPermit2Proxy.bin-runtime", uptoProxyBinRuntime)
 )
 
 func mustABI(name, s string) abi.ABI {
@@ -108,12 +122,19 @@ func proxyCreationCode() []byte { return bytes.Clone(proxyCreation) }
 // ProxyRuntimeCode returns a copy of X402ExactPermit2Proxy's runtime code, the code placed at ProxyAddress.
 func ProxyRuntimeCode() []byte { return bytes.Clone(proxyRuntime) }
 
-// GenesisAlloc returns genesis accounts holding Permit2 and the proxy at their canonical
-// addresses. Nonce 1 marks them as deployed contracts (EIP-161), as a CREATE would.
+// uptoProxyCreationCode returns a copy of X402UptoPermit2Proxy's creation code.
+func uptoProxyCreationCode() []byte { return bytes.Clone(uptoProxyCreation) }
+
+// UptoProxyRuntimeCode returns a copy of X402UptoPermit2Proxy's runtime code, the code placed at UptoProxyAddress.
+func UptoProxyRuntimeCode() []byte { return bytes.Clone(uptoProxyRuntime) }
+
+// GenesisAlloc returns genesis accounts holding Permit2 and the two proxies (exact and upto) at their
+// canonical addresses. Nonce 1 marks them as deployed contracts (EIP-161), as a CREATE would.
 func GenesisAlloc() types.GenesisAlloc {
 	return types.GenesisAlloc{
-		Permit2Address: {Code: Permit2RuntimeCode(), Nonce: 1, Balance: new(big.Int)},
-		ProxyAddress:   {Code: ProxyRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
+		Permit2Address:   {Code: Permit2RuntimeCode(), Nonce: 1, Balance: new(big.Int)},
+		ProxyAddress:     {Code: ProxyRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
+		UptoProxyAddress: {Code: UptoProxyRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
 	}
 }
 
@@ -134,6 +155,14 @@ type PermitTransferFrom struct {
 type Witness struct {
 	To         common.Address
 	ValidAfter *big.Int
+}
+
+// UptoWitness is the upto proxy's Witness(address to,address facilitator,uint256 validAfter): Facilitator is
+// the only address the proxy lets settle the payment.
+type UptoWitness struct {
+	To          common.Address
+	Facilitator common.Address
+	ValidAfter  *big.Int
 }
 
 // EIP2612Permit is the proxy's EIP2612Permit{value, deadline, r, s, v}: a permit approving Permit2.
@@ -163,6 +192,26 @@ func PackSettleWithPermit(permit2612 EIP2612Permit, permit PermitTransferFrom, o
 	return data, nil
 }
 
+// PackUptoSettle returns the calldata of uptoProxy.settle(permit, amount, owner, witness, signature): a
+// transfer of amount, at most permit.Permitted.Amount, which only witness.Facilitator may send.
+func PackUptoSettle(permit PermitTransferFrom, amount *big.Int, owner common.Address, witness UptoWitness, signature []byte) ([]byte, error) {
+	data, err := UptoProxyABI.Pack("settle", permit, amount, owner, witness, signature)
+	if err != nil {
+		return nil, fmt.Errorf("packing upto settle: %w", err)
+	}
+	return data, nil
+}
+
+// PackUptoSettleWithPermit returns the calldata of uptoProxy.settleWithPermit(permit2612, permit, amount, owner,
+// witness, signature); permit2612.Value must be permit.Permitted.Amount.
+func PackUptoSettleWithPermit(permit2612 EIP2612Permit, permit PermitTransferFrom, amount *big.Int, owner common.Address, witness UptoWitness, signature []byte) ([]byte, error) {
+	data, err := UptoProxyABI.Pack("settleWithPermit", permit2612, permit, amount, owner, witness, signature)
+	if err != nil {
+		return nil, fmt.Errorf("packing upto settleWithPermit: %w", err)
+	}
+	return data, nil
+}
+
 // DecodeRevert names the custom error or Error(string) in revert data returned by one of
 // these contracts (including the OpenZeppelin ERC-20 errors of StableCoin), e.g.
 // "PaymentTooEarly()" or "ERC20InsufficientAllowance(0x…, 0, 1000)". ok is false when the
@@ -177,7 +226,7 @@ func DecodeRevert(data []byte) (reason string, ok bool) {
 	}
 	var selector [4]byte
 	copy(selector[:], data[:4])
-	for _, parsed := range []*abi.ABI{&ProxyABI, &Permit2ABI, &StableCoinABI, &USDCoinABI, &deployThenCallABI} {
+	for _, parsed := range []*abi.ABI{&ProxyABI, &UptoProxyABI, &Permit2ABI, &StableCoinABI, &USDCoinABI, &deployThenCallABI} {
 		e, err := parsed.ErrorByID(selector)
 		if err != nil {
 			continue

@@ -26,6 +26,12 @@ func TestSelectorsMatchTheWireFacts(t *testing.T) {
 		{"proxy", ProxyABI, "settle", "13cd3b53"},
 		{"proxy", ProxyABI, "settleWithPermit", "fa340378"},
 		{"proxy", ProxyABI, "PERMIT2", "6afdd850"},
+		// The upto proxy's, as the public @x402/evm 2.27 ABI gives them (viem's toFunctionSelector).
+		{"upto proxy", UptoProxyABI, "settle", "ff11e7b4"},
+		{"upto proxy", UptoProxyABI, "settleWithPermit", "016c1748"},
+		{"upto proxy", UptoProxyABI, "PERMIT2", "6afdd850"},
+		{"upto proxy", UptoProxyABI, "WITNESS_TYPEHASH", "2c03ae6a"},
+		{"upto proxy", UptoProxyABI, "WITNESS_TYPE_STRING", "156e2152"},
 		{"token", StableCoinABI, "permit", "d505accf"},
 		{"token", StableCoinABI, "transferFrom", "23b872dd"},
 		{"token", StableCoinABI, "nonces", "7ecebe00"},
@@ -62,9 +68,60 @@ func TestWitnessTypeStringGivesTheTypehashesOfTheWireFacts(t *testing.T) {
 	}
 }
 
+func TestUptoWitnessTypeStringGivesTheTypehashesOfTheTypeScriptClient(t *testing.T) {
+	// Pinned from viem's keccak256 of the type strings of @x402/evm 2.27's uptoPermit2WitnessTypes.
+	const tail = "Witness witness)TokenPermissions(address token,uint256 amount)Witness(address to,address facilitator,uint256 validAfter)"
+	full := "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline," + tail
+	tests := []struct{ typ, want string }{
+		{full, "0x51dff6974ad4388c499e7fcfe838d2bd767162553a144098ce20ea661d70c2ee"},
+		{"Witness(address to,address facilitator,uint256 validAfter)", "0xd4171c445a74218b01d4fd8af34ff1106580ea1e36ff837e64484bfaa2253b75"},
+	}
+	for _, tt := range tests {
+		if got := crypto.Keccak256Hash([]byte(tt.typ)).Hex(); got != tt.want {
+			t.Errorf("keccak(%q) = %s, want %s", tt.typ, got, tt.want)
+		}
+	}
+	for _, name := range []string{"AmountExceedsPermitted", "UnauthorizedFacilitator", "InvalidDestination", "InvalidOwner", "PaymentTooEarly", "Permit2612AmountMismatch"} {
+		if _, ok := UptoProxyABI.Errors[name]; !ok {
+			t.Errorf("the upto proxy ABI lacks the error %s of the public ABI", name)
+		}
+	}
+}
+
+func TestPackUptoSettleCarriesTheAmountAndTheFacilitator(t *testing.T) {
+	permit := PermitTransferFrom{
+		Permitted: TokenPermissions{Token: common.HexToAddress("0x01"), Amount: big.NewInt(1000)},
+		Nonce:     big.NewInt(7),
+		Deadline:  big.NewInt(1_900_000_000),
+	}
+	witness := UptoWitness{To: common.HexToAddress("0x02"), Facilitator: common.HexToAddress("0x04"), ValidAfter: big.NewInt(0)}
+	sig := bytes.Repeat([]byte{1}, 65)
+	data, err := PackUptoSettle(permit, big.NewInt(250), common.HexToAddress("0x03"), witness, sig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	args, err := UptoProxyABI.Methods["settle"].Inputs.Unpack(data[4:])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if amount := args[1].(*big.Int); amount.Int64() != 250 {
+		t.Errorf("amount round-tripped as %s", amount)
+	}
+	if got := reflect.ValueOf(args[3]).FieldByName("Facilitator").Interface().(common.Address); got != witness.Facilitator {
+		t.Errorf("witness.facilitator round-tripped as %s", got)
+	}
+	data, err = PackUptoSettleWithPermit(EIP2612Permit{Value: big.NewInt(1000), Deadline: big.NewInt(1), V: 27}, permit, big.NewInt(250), common.HexToAddress("0x03"), witness, sig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := hex.EncodeToString(data[:4]); got != "016c1748" {
+		t.Errorf("upto settleWithPermit calldata starts with 0x%s, want 0x016c1748", got)
+	}
+}
+
 func TestGenesisAllocPlacesRuntimeCodeAtTheCanonicalAddresses(t *testing.T) {
 	alloc := GenesisAlloc()
-	for addr, want := range map[common.Address][]byte{Permit2Address: Permit2RuntimeCode(), ProxyAddress: ProxyRuntimeCode()} {
+	for addr, want := range map[common.Address][]byte{Permit2Address: Permit2RuntimeCode(), ProxyAddress: ProxyRuntimeCode(), UptoProxyAddress: UptoProxyRuntimeCode()} {
 		acc, ok := alloc[addr]
 		if !ok {
 			t.Fatalf("genesis alloc lacks %s", addr)
@@ -73,8 +130,8 @@ func TestGenesisAllocPlacesRuntimeCodeAtTheCanonicalAddresses(t *testing.T) {
 			t.Errorf("code at %s is not the runtime code", addr)
 		}
 	}
-	if len(alloc) != 2 {
-		t.Errorf("genesis alloc has %d accounts, want 2", len(alloc))
+	if len(alloc) != 3 {
+		t.Errorf("genesis alloc has %d accounts, want 3", len(alloc))
 	}
 }
 
@@ -82,8 +139,9 @@ func TestCreationCodeEmbedsTheRuntimeCodeOfGenesisContracts(t *testing.T) {
 	// Without immutables the constructor copies the runtime code verbatim, which is
 	// what makes placing it into genesis equivalent to deploying it.
 	for name, pair := range map[string][2][]byte{
-		"Permit2": {permit2CreationCode(), Permit2RuntimeCode()},
-		"Proxy":   {proxyCreationCode(), ProxyRuntimeCode()},
+		"Permit2":   {permit2CreationCode(), Permit2RuntimeCode()},
+		"Proxy":     {proxyCreationCode(), ProxyRuntimeCode()},
+		"UptoProxy": {uptoProxyCreationCode(), UptoProxyRuntimeCode()},
 	} {
 		if !bytes.Contains(pair[0], pair[1]) {
 			t.Errorf("%s creation code does not contain its runtime code", name)
@@ -224,7 +282,7 @@ func FuzzDecodeRevert(f *testing.F) {
 	reasonString, panicCode := abi.Arguments{{Type: str}}, abi.Arguments{{Type: word}}
 	errorSelector, panicSelector := []byte{0x08, 0xc3, 0x79, 0xa0}, []byte{0x4e, 0x48, 0x7b, 0x71}
 	custom := map[[4]byte]abi.Error{}
-	for _, parsed := range []*abi.ABI{&ProxyABI, &Permit2ABI, &StableCoinABI} {
+	for _, parsed := range []*abi.ABI{&ProxyABI, &UptoProxyABI, &Permit2ABI, &StableCoinABI} {
 		for _, e := range parsed.Errors {
 			custom[[4]byte(e.ID[:4])] = e
 			args := make([]any, len(e.Inputs))

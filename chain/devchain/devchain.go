@@ -91,6 +91,10 @@ type Config struct {
 	Payers int
 	// Logger receives the startup report, including the demo payer's key (default: no logging).
 	Logger *zap.Logger
+
+	// withoutUpto leaves the upto proxy out of the genesis: a data dir made before the proxy was placed there
+	// holds that genesis, and opens on it (see Start).
+	withoutUpto bool
 }
 
 // Chain is a running in-process go-ethereum node for development: a single post-merge node driven by a
@@ -204,6 +208,19 @@ func Start(ctx context.Context, cfg Config) (*Chain, error) {
 		stack.Close()
 		d.removeScratch()
 		var mismatch *core.GenesisMismatchError
+		if errors.As(err, &mismatch) && !cfg.withoutUpto {
+			// A data dir made before the upto proxy was part of the genesis holds the same chain but for it. The
+			// proxy cannot be deployed at its canonical address afterwards (only a genesis places code there),
+			// so such a chain opens as it is, and says that upto payments cannot settle on it.
+			before := cfg
+			before.withoutUpto = true
+			if mismatch.Stored == genesis(before, d.wallets, d.payers, extra).ToBlock().Hash() {
+				cfg.Logger.Warn("dev chain data dir was created before the x402 upto proxy was part of the genesis: "+
+					"upto payments cannot settle on it; start on an empty data dir to have it",
+					zap.String("data_dir", cfg.DataDir), zap.String("upto_proxy", contracts.UptoProxyAddress.Hex()))
+				return Start(ctx, before)
+			}
+		}
 		if errors.As(err, &mismatch) {
 			return nil, fmt.Errorf("dev chain: data dir %q holds a chain with another genesis (chain id, wallets, "+
 				"payers or alloc file changed since it was created); use those settings again or an empty data dir: %w",
@@ -339,6 +356,9 @@ func genesis(cfg Config, wallets, payers []*ecdsa.PrivateKey, extra types.Genesi
 	// The forks the dev chain starts on call into system contracts that must exist from genesis.
 	alloc := core.SystemContractAllocs()
 	for addr, acc := range contracts.GenesisAlloc() {
+		if cfg.withoutUpto && addr == contracts.UptoProxyAddress {
+			continue
+		}
 		alloc[addr] = acc
 	}
 	// The USDCoin's deployer is left out: provisionTokens funds it (see there).
@@ -606,6 +626,8 @@ func (d *Chain) logStart(cfg Config, deployed, deployedUSDC bool) {
 		zap.Bool("eip3009_token_deployed_now", deployedUSDC),
 		zap.String("permit2", contracts.Permit2Address.Hex()),
 		zap.String("proxy", contracts.ProxyAddress.Hex()),
+		zap.Bool("upto_proxy_in_genesis", !cfg.withoutUpto),
+		zap.String("upto_proxy", contracts.UptoProxyAddress.Hex()),
 		zap.Strings("settlement_wallets", wallets),
 	)
 	for i, key := range d.payers {

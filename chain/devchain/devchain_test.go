@@ -138,6 +138,7 @@ func TestDevChainServesTheX402ContractsAndFundedAccountsOverHTTP(t *testing.T) {
 	}{
 		{"Permit2", contracts.Permit2Address, contracts.Permit2RuntimeCode()},
 		{"proxy", contracts.ProxyAddress, contracts.ProxyRuntimeCode()},
+		{"upto proxy", contracts.UptoProxyAddress, contracts.UptoProxyRuntimeCode()},
 	} {
 		code, err := client.CodeAt(ctx, c.addr, nil)
 		if err != nil || !bytes.Equal(code, c.want) {
@@ -441,8 +442,16 @@ func TestDevChainOnADataDirFromBeforeTheUSDCoinOpensAndGetsTheUSDCoinOnce(t *tes
 	}
 	devCheckSetupNonces(t, client)
 	if entries := logs.FilterMessage("dev chain started").All(); len(entries) != 1 || entries[0].ContextMap()["token_deployed_now"] != false ||
-		entries[0].ContextMap()["eip3009_token_deployed_now"] != true {
-		t.Errorf("startup log %v, want token_deployed_now=false and eip3009_token_deployed_now=true", entries)
+		entries[0].ContextMap()["eip3009_token_deployed_now"] != true || entries[0].ContextMap()["upto_proxy_in_genesis"] != false {
+		t.Errorf("startup log %v, want token_deployed_now=false, eip3009_token_deployed_now=true and upto_proxy_in_genesis=false", entries)
+	}
+	// Its genesis predates the upto proxy, which only a genesis can place at its canonical address: the chain
+	// opens without it, and says so.
+	if code, err := client.CodeAt(devContext(t), contracts.UptoProxyAddress, nil); err != nil || len(code) != 0 {
+		t.Errorf("code at the upto proxy address on a data dir from before it: %d bytes (%v), want none", len(code), err)
+	}
+	if n := logs.FilterMessageSnippet("created before the x402 upto proxy").Len(); n != 1 {
+		t.Errorf("%d warnings that the data dir predates the upto proxy, want 1", n)
 	}
 	if err := d.Close(); err != nil {
 		t.Fatalf("closing: %v", err)
