@@ -30,7 +30,8 @@ const uptoMaximum = 10000
 
 // uptoInterop is one dev chain with one Caddy around it: at /facilitator/ the x402_facilitator handler over the
 // embedded engine, at /used/ an upto gate in front of an upstream in the test process, and at /unmetered/ the
-// same gate with default_amount zero. The payer has approved Permit2 for the dev token.
+// same gate with default_amount zero; with the reference facilitator, at /through-ts/ the /used/ gate settling
+// through it. The payer has approved Permit2 for the dev token.
 type uptoInterop struct {
 	t                 *testing.T
 	node, sdk         string
@@ -39,6 +40,10 @@ type uptoInterop struct {
 	dev               *devChain
 	payer             *ecdsa.PrivateKey
 	upstream          *meteredUpstream
+	// tsFacilitator is the process of the TypeScript reference facilitator (facilitator.mjs), nil without one;
+	// tsFacilitatorKey is the key it settles from, funded with gas money.
+	tsFacilitator    *process
+	tsFacilitatorKey *ecdsa.PrivateKey
 }
 
 // meteredUpstream is the resource server behind the upto gate: a handler that says what a request used in a
@@ -78,9 +83,9 @@ func (u *meteredUpstream) asked(path string) bool {
 	return slices.Contains(u.seen, path)
 }
 
-// startUptoInterop installs the pinned TypeScript SDK, starts the upstream, Caddy with its dev chain, and funds
-// and approves the payer.
-func startUptoInterop(t *testing.T) *uptoInterop {
+// startUptoInterop installs the pinned TypeScript SDK, starts the upstream, with withTSFacilitator the
+// TypeScript reference facilitator, Caddy with its dev chain, and funds and approves the payer.
+func startUptoInterop(t *testing.T, withTSFacilitator bool) *uptoInterop {
 	t.Helper()
 	needBinary(t)
 	npm, err := exec.LookPath("npm")
@@ -98,6 +103,29 @@ func startUptoInterop(t *testing.T) *uptoInterop {
 
 	u.chainURL = fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
 	u.gateURL = fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	var throughTS string
+	if withTSFacilitator {
+		tsFacURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+		u.tsFacilitatorKey = devchain.PayerKeyN(9)
+		u.tsFacilitator = startProgram(t, "the TypeScript reference facilitator", u.sdk, append(os.Environ(),
+			"X402_FACILITATOR_KEY="+hexutil.Encode(crypto.FromECDSA(u.tsFacilitatorKey)), "X402_RPC_URL="+u.chainURL,
+			fmt.Sprintf("X402_NETWORK=eip155:%d", devchain.DefaultChainID), "X402_LIFETIME_SECONDS=300"),
+			node, "facilitator.mjs", portOf(t, tsFacURL))
+		u.tsFacilitator.waitUntil("its /supported", 60*time.Second, answersWith(tsFacURL+"/supported", 200))
+		throughTS = fmt.Sprintf(`
+	handle /through-ts/* {
+		x402 {
+			scheme upto
+			price $0.01
+			pay_to %s
+			asset %s
+			token_name "Stable Coin"
+			token_version 1
+			facilitator %s
+		}
+		reverse_proxy %s
+	}`, seller.Hex(), devchain.TokenAddress.Hex(), tsFacURL, upstream.URL)
+	}
 	dir := t.TempDir()
 	config := writeFile(t, dir, "Caddyfile", fmt.Sprintf(`{
 	admin off
@@ -131,9 +159,9 @@ func startUptoInterop(t *testing.T) *uptoInterop {
 			pay_to %[3]s
 		}
 		reverse_proxy %[4]s
-	}
+	}%[5]s
 }
-`, strings.TrimPrefix(u.chainURL, "http://"), u.gateURL, seller.Hex(), upstream.URL))
+`, strings.TrimPrefix(u.chainURL, "http://"), u.gateURL, seller.Hex(), upstream.URL, throughTS))
 	u.caddy = startProcess(t, "Caddy with the dev chain, the upto gate and the facilitator", dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", config)
 	started := time.Now()
 	u.caddy.waitUntil("a 402 from the upto gate", 60*time.Second, answersWith(u.gateURL+"/used/none", 402))
@@ -148,6 +176,9 @@ func startUptoInterop(t *testing.T) *uptoInterop {
 	u.dev.send(devchain.PayerKey(), devchain.TokenAddress, nil, callToken(t, "transfer", payer, big.NewInt(1_000_000)))
 	maxUint256 := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
 	u.dev.send(u.payer, devchain.TokenAddress, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
+	if u.tsFacilitatorKey != nil {
+		u.dev.send(devchain.PayerKey(), crypto.PubkeyToAddress(u.tsFacilitatorKey.PublicKey), big.NewInt(1e18), nil)
+	}
 	return u
 }
 
@@ -230,7 +261,7 @@ func (u *uptoInterop) chain(t *testing.T) *devChain {
 // transaction (none for zero); the client gets 200, a PAYMENT-RESPONSE naming the amount and the transaction,
 // and never the Settlement-Overrides header.
 func TestTheTypeScriptUptoClientPaysOurGateWhatTheUpstreamSaysItUsed(t *testing.T) {
-	u := startUptoInterop(t)
+	u := startUptoInterop(t, false)
 	cases := []struct {
 		name, path string
 		charged    int64
@@ -274,7 +305,7 @@ func TestTheTypeScriptUptoClientPaysOurGateWhatTheUpstreamSaysItUsed(t *testing.
 // TypeScript client signs for that address, and the hono server's settlement moves exactly what the handler
 // named, sent by that wallet, as its PAYMENT-RESPONSE says.
 func TestAnHonoUptoServerSettlesWhatItsHandlerUsedThroughOurFacilitator(t *testing.T) {
-	u := startUptoInterop(t)
+	u := startUptoInterop(t, false)
 	network := fmt.Sprintf("eip155:%d", devchain.DefaultChainID)
 
 	a, err := get(u.gateURL + "/facilitator/supported")
@@ -345,4 +376,46 @@ func TestAnHonoUptoServerSettlesWhatItsHandlerUsedThroughOurFacilitator(t *testi
 	}
 	hono.stop()
 	u.caddy.stop()
+}
+
+// TestOurUptoGateSettlesWhatItsUpstreamUsedThroughTheTypeScriptReferenceFacilitator puts our upto gate in front
+// of the public TypeScript reference facilitator (x402Facilitator with UptoEvmScheme of @x402/evm/upto/facilitator,
+// settling from a key of its own through the upto proxy at the canonical address): the gate takes the
+// facilitatorAddress from the reference facilitator's /supported upto kind, the TypeScript client signs for
+// it, and the reference facilitator settles on our dev chain's upto proxy exactly what the upstream named.
+func TestOurUptoGateSettlesWhatItsUpstreamUsedThroughTheTypeScriptReferenceFacilitator(t *testing.T) {
+	u := startUptoInterop(t, true)
+	facilitator := crypto.PubkeyToAddress(u.tsFacilitatorKey.PublicKey)
+	cases := []struct {
+		name, path string
+		charged    int64
+	}{
+		{"an override below the maximum settles exactly the override", "/through-ts/below", 4321},
+		{"an override of zero settles nothing", "/through-ts/zero", 0},
+		{"no override settles the maximum", "/through-ts/none", uptoMaximum},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			start := time.Now()
+			dev, payer := u.chain(t), crypto.PubkeyToAddress(u.payer.PublicKey)
+			from := dev.head() + 1
+			payerBefore, sellerBefore := dev.balance(payer), dev.balance(seller)
+			got := u.payWithTypeScript(t, u.gateURL+c.path)
+			if got.Sent != nil && !strings.EqualFold(got.Sent.Facilitator, facilitator.Hex()) {
+				t.Errorf("the client signed for facilitator %s; the reference facilitator settles from %s", got.Sent.Facilitator, facilitator.Hex())
+			}
+			if got.SettlementOverrides != nil {
+				t.Errorf("the Settlement-Overrides header reached the client: %q", *got.SettlementOverrides)
+			}
+			u.charged(t, got.PaymentResponse, from, payerBefore, sellerBefore, c.charged)
+			if c.charged != 0 && got.PaymentResponse != nil && txHashPattern.MatchString(got.PaymentResponse.Transaction) {
+				if sender := dev.sender(common.HexToHash(got.PaymentResponse.Transaction)); sender != facilitator {
+					t.Errorf("the settlement was sent by %s, not the reference facilitator's %s", sender, facilitator)
+				}
+			}
+			t.Logf("%s: %d raw units in %s", c.path, c.charged, time.Since(start).Round(time.Millisecond))
+		})
+	}
+	u.caddy.stop()
+	u.tsFacilitator.stop()
 }
