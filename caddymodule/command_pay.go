@@ -95,8 +95,12 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 		return err
 	}
 	req := pay.Requirements
-	fmt.Fprintf(stderr, "paying %s of %s to %s on %s by %s as %s%s\n",
-		req.Amount, req.Asset, req.PayTo, req.Network, pay.Method, p.Address().Hex(), payNote(pay))
+	upTo := ""
+	if req.Scheme == x402.SchemeUpto {
+		upTo = "up to " // the server charges what the request used, at most this
+	}
+	fmt.Fprintf(stderr, "paying %s%s of %s to %s on %s by %s as %s%s\n",
+		upTo, req.Amount, req.Asset, req.PayTo, req.Network, pay.Method, p.Address().Hex(), payNote(pay))
 
 	// The 402 came from where the redirects ended: pay there, and follow no redirect with the payment
 	// attached, which would hand a signed payment to another host.

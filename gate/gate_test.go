@@ -51,6 +51,10 @@ type setup struct {
 	// chain is the chain to settle on, shared with another env (a second gateway); default a new one, sealing
 	// every 5ms.
 	chain *chaintest.Chain
+	// scheme is the offer's scheme (default exact) and defaultAmount the gate's upto default.
+	scheme, defaultAmount string
+	// override, when set, is the Settlement-Overrides header the upstream answers a request with ("" for none).
+	override func(r *http.Request) string
 }
 
 func newEnv(t *testing.T, s setup) *env {
@@ -81,8 +85,8 @@ func newEnv(t *testing.T, s setup) *env {
 	e.fac = f
 	g, err := gate.New(gate.Config{
 		Offers: []gate.Offer{{Network: e.net, Asset: c.Token.Hex(), PayTo: e.payTo.Hex(), Amount: big.NewInt(price).String(),
-			TokenName: "Stable Coin", TokenVersion: "1", Decimals: 6, MaxTimeoutSeconds: 300}},
-		Settle: s.settle, Description: "a test resource", Embedded: true, EnginePrunes: true, FacilitatorName: "embedded",
+			TokenName: "Stable Coin", TokenVersion: "1", Decimals: 6, MaxTimeoutSeconds: 300, Scheme: s.scheme}},
+		Settle: s.settle, DefaultAmount: s.defaultAmount, Description: "a test resource", Embedded: true, EnginePrunes: true, FacilitatorName: "embedded",
 		SetVar: e.vars.set, Metrics: e.metrics,
 	}, f, e.store, "test")
 	if err != nil {
@@ -95,6 +99,11 @@ func newEnv(t *testing.T, s setup) *env {
 	e.gate = g
 	next := gate.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		e.served.Add(1)
+		if s.override != nil {
+			if v := s.override(r); v != "" {
+				w.Header().Set(x402.HeaderSettlementOverrides, v)
+			}
+		}
 		if e.failing.Load() {
 			http.Error(w, "upstream down", http.StatusServiceUnavailable)
 			return nil

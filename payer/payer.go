@@ -214,8 +214,8 @@ func preferred(a, b x402.PaymentRequirements) bool {
 // cannotPay says why req cannot be paid, or "" when it can.
 func cannotPay(version int, req x402.PaymentRequirements, method string, rpc *chainReader) string {
 	m := payMethod(req)
-	if req.Scheme != x402.SchemeExact {
-		return fmt.Sprintf("scheme %q; this payer pays %q only", req.Scheme, x402.SchemeExact)
+	if !x402.IsScheme(req.Scheme) {
+		return fmt.Sprintf("scheme %q; this payer pays %q and %q", req.Scheme, x402.SchemeExact, x402.SchemeUpto)
 	}
 	id, err := x402.ChainID(req.Network)
 	if err != nil {
@@ -226,6 +226,10 @@ func cannotPay(version int, req x402.PaymentRequirements, method string, rpc *ch
 		return fmt.Sprintf("asset transfer method %q; this payer pays %s, %s or %s", m, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 	case method != "" && m != method:
 		return "not the method " + method + ", the only one this payer pays by"
+	case req.Scheme == x402.SchemeUpto && m != x402.TransferPermit2:
+		return fmt.Sprintf("upto is paid by permit2, and this requirement names %s", m)
+	case req.Scheme == x402.SchemeUpto && !x402.IsHexAddress(req.Extra.FacilitatorAddress):
+		return "upto needs the facilitator address that alone may settle it, and extra.facilitatorAddress names none"
 	case m == x402.TransferPermit2 && version != x402.Version2:
 		return fmt.Sprintf("permit2 needs x402 version 2 and the server speaks version %d", version)
 	case m == x402.TransferERC2612 && rpc == nil:

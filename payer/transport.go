@@ -177,7 +177,27 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		paid.GetBody = again
 	}
 	paid.Header.Set(pay.Header, pay.Value)
-	return t.base().RoundTrip(paid)
+	resp, err = t.base().RoundTrip(paid)
+	if err == nil && chosen.Scheme == x402.SchemeUpto {
+		t.refundUnused(chosen, resp)
+	}
+	return resp, err
+}
+
+// refundUnused gives back to the budget what an upto payment, reserved at its maximum, was not charged: the
+// part above the amount a successful PAYMENT-RESPONSE names. Without one (settle async answers pending) the
+// maximum stays spent, as the server may still charge it.
+func (t *Transport) refundUnused(req x402.PaymentRequirements, resp *http.Response) {
+	s, err := Settlement(resp)
+	if err != nil || s == nil || !s.Success || s.Amount == "" {
+		return
+	}
+	max, err1 := x402.ParseUint256(req.Amount)
+	charged, err2 := x402.ParseUint256(s.Amount)
+	if err1 != nil || err2 != nil || charged.Cmp(max) >= 0 {
+		return
+	}
+	t.releaseAmount(req, new(big.Int).Sub(max, charged))
 }
 
 // Spent returns what the Transport has paid in asset on network, in raw units.
@@ -253,6 +273,11 @@ func (t *Transport) release(req x402.PaymentRequirements) {
 	if err != nil {
 		return
 	}
+	t.releaseAmount(req, amount)
+}
+
+// releaseAmount gives back amount of what was reserved for req's asset.
+func (t *Transport) releaseAmount(req x402.PaymentRequirements, amount *big.Int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if s := t.spent[spentKey(req.Network, req.Asset)]; s != nil {
