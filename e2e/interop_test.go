@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -32,11 +33,16 @@ type paidByTypeScript struct {
 	Error  string `json:"error"`
 	Payer  string `json:"payer"`
 	Sent   *struct {
-		Method     string   `json:"method"`
-		Extensions []string `json:"extensions"`
-		Sponsored  bool     `json:"sponsored"`
+		Scheme      string   `json:"scheme"`
+		Method      string   `json:"method"`
+		Amount      string   `json:"amount"`      // the amount signed: the price, or the upto maximum
+		Facilitator string   `json:"facilitator"` // upto: the witness's facilitator address
+		Extensions  []string `json:"extensions"`
+		Sponsored   bool     `json:"sponsored"`
 	} `json:"sent"`
 	PaymentResponse *x402.SettleResponse `json:"paymentResponse"`
+	// SettlementOverrides is the Settlement-Overrides header of the final answer, nil if none reached the client.
+	SettlementOverrides *string `json:"settlementOverrides"`
 }
 
 // interop is one dev chain with the servers of the interop matrix around it: our gate with the embedded
@@ -306,25 +312,51 @@ func portOf(t *testing.T, url string) string {
 	return url[i+1:]
 }
 
+// typeScriptSDK is the pinned SDK installed once for the test run: npm ci takes 15 s or more, and the tests
+// only read the folder. TestMain removes it after the last test.
+var typeScriptSDK struct {
+	once sync.Once
+	dir  string
+	err  error
+}
+
 // installTypeScriptClient copies e2e/interop to a temporary folder and installs the pinned client there with
-// npm ci, and returns the folder.
+// npm ci, once for the test run, and returns the folder.
 func installTypeScriptClient(t *testing.T, npm string) string {
 	t.Helper()
-	dir := t.TempDir()
-	for _, name := range []string{"package.json", "package-lock.json", "pay.mjs", "server.mjs", "facilitator.mjs"} {
-		b, err := os.ReadFile(filepath.Join(repoRoot, "e2e", "interop", name))
+	typeScriptSDK.once.Do(func() {
+		dir, err := os.MkdirTemp("", "caddy-x402-interop-")
 		if err != nil {
-			t.Fatal(err)
+			typeScriptSDK.err = err
+			return
 		}
-		writeFile(t, dir, name, string(b))
+		afterAll = append(afterAll, func() { os.RemoveAll(dir) })
+		for _, name := range []string{"package.json", "package-lock.json", "pay.mjs", "server.mjs", "facilitator.mjs"} {
+			b, err := os.ReadFile(filepath.Join(repoRoot, "e2e", "interop", name))
+			if err == nil {
+				err = os.WriteFile(filepath.Join(dir, name), b, 0o600)
+			}
+			if err != nil {
+				typeScriptSDK.err = err
+				return
+			}
+		}
+		start := time.Now()
+		r := runCommand(t, 5*time.Minute, dir, os.Environ(), npm, "ci", "--no-audit", "--no-fund", "--prefer-offline")
+		if r.code != 0 {
+			typeScriptSDK.err = fmt.Errorf("npm ci of the TypeScript x402 client exited %d\nstdout:\n%s\nstderr:\n%s", r.code, r.stdout, r.stderr)
+			return
+		}
+		t.Logf("npm ci of the TypeScript x402 client took %s", time.Since(start).Round(time.Millisecond))
+		typeScriptSDK.dir = dir
+	})
+	if typeScriptSDK.err != nil {
+		t.Fatal(typeScriptSDK.err)
 	}
-	start := time.Now()
-	r := runCommand(t, 5*time.Minute, dir, os.Environ(), npm, "ci", "--no-audit", "--no-fund", "--prefer-offline")
-	if r.code != 0 {
-		t.Fatalf("npm ci of the TypeScript x402 client exited %d\nstdout:\n%s\nstderr:\n%s", r.code, r.stdout, r.stderr)
+	if typeScriptSDK.dir == "" {
+		t.Fatal("an earlier test's install of the TypeScript x402 client did not finish")
 	}
-	t.Logf("npm ci of the TypeScript x402 client took %s", time.Since(start).Round(time.Millisecond))
-	return dir
+	return typeScriptSDK.dir
 }
 
 // permit2Allowance reads token's allowance(owner, Permit2).

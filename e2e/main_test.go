@@ -18,6 +18,9 @@ var (
 	caddyBin string
 	// buildTime is how long that build took, for the quickstart's report.
 	buildTime time.Duration
+	// afterAll is what TestMain does once every test has run: remove what tests share, such as the installed
+	// TypeScript SDK.
+	afterAll []func()
 )
 
 // prebuiltEnv names a binary to test instead of building ./cmd/caddy, such as one built by xcaddy.
@@ -32,6 +35,9 @@ func TestMain(m *testing.M) {
 		os.Exit(m.Run())
 	}
 	code, err := buildAndRun(m)
+	for _, f := range afterAll {
+		f()
+	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		os.Exit(1)

@@ -1,6 +1,7 @@
 // facilitator.mjs runs the public TypeScript reference facilitator (x402Facilitator from @x402/core with the
-// exact EVM scheme of @x402/evm, no transfer method configured) over HTTP on 127.0.0.1, so that
-// e2e/interop_test.go can put our gate in front of a facilitator nobody here wrote.
+// exact EVM scheme of @x402/evm, no transfer method configured, and its upto EVM scheme, which settles through
+// the x402 upto Permit2 proxy from the facilitator's key) over HTTP on 127.0.0.1, so that e2e/interop_test.go
+// can put our gate in front of a facilitator nobody here wrote.
 //
 //   X402_FACILITATOR_KEY=0x... X402_RPC_URL=http://127.0.0.1:8545 X402_NETWORK=eip155:72344 node facilitator.mjs <port>
 //
@@ -10,6 +11,7 @@
 import http from "node:http";
 import { x402Facilitator } from "@x402/core/facilitator";
 import { registerExactEvmScheme } from "@x402/evm/exact/facilitator";
+import { UptoEvmScheme } from "@x402/evm/upto/facilitator";
 import { toFacilitatorEvmSigner } from "@x402/evm";
 import { createWalletClient, defineChain, http as viemHttp, publicActions } from "viem";
 import { privateKeyToAccount } from "viem/accounts";
@@ -40,6 +42,7 @@ const signer = toFacilitatorEvmSigner({ ...client, address: account.address });
 
 const facilitator = new x402Facilitator();
 registerExactEvmScheme(facilitator, { signer, networks: network });
+facilitator.register(network, new UptoEvmScheme(signer));
 
 async function body(req) {
   const chunks = [];

@@ -1,5 +1,6 @@
-// pay.mjs pays for one URL with the public TypeScript x402 client (@x402/fetch with @x402/evm), as a third
-// party's agent would, and prints what happened as one JSON line on stdout for e2e/interop_test.go to check.
+// pay.mjs pays for one URL with the public TypeScript x402 client (@x402/fetch with @x402/evm's exact and upto
+// EVM schemes), as a third party's agent would, and prints what happened as one JSON line on stdout for
+// e2e/interop_test.go and e2e/upto_interop_test.go to check.
 //
 //   X402_PAYER_KEY=0x... X402_RPC_URL=http://127.0.0.1:8545 node pay.mjs <url>
 //
@@ -7,17 +8,25 @@
 //   X402_PAYER_KEY   the payer's private key, hex (read from the environment so it never shows in `ps`)
 //   X402_RPC_URL     JSON-RPC URL of the chain: the client reads the payer's Permit2 allowance and the
 //                    token's EIP-2612 nonce there to decide on, and sign, eip2612GasSponsoring
-//   X402_NETWORK     the CAIP-2 network to register the exact EVM scheme for (default eip155:72344)
+//   X402_NETWORK     the CAIP-2 network of X402_ASSET for the spend controls (default eip155:72344); the exact
+//                    and upto EVM schemes are registered for every EVM network, eip155:*
 //   X402_ASSET       the token to allow through the client's spend controls; they accept only well-known
 //                    assets (USDC and the like) by default, and the dev chain's token is none of them
 //   X402_MAX_AMOUNT  the largest payment, in raw token units, the spend controls allow (default 1000000)
 //   X402_METHOD      pay the first offer of this transfer method (permit2 or eip3009; an offer naming none is
 //                    eip3009, as the client reads it) instead of the client's default, the first offer
+//   X402_SCHEME      pay the first offer of this scheme (exact or upto); with X402_METHOD, of both
+//
+// The JSON line: status and body of the final answer, payer, what the client signed (sent: scheme, method,
+// the amount signed, extensions, whether gas-sponsored), the decoded PAYMENT-RESPONSE (paymentResponse), and
+// the Settlement-Overrides header of the final answer if one reached the client (settlementOverrides, else
+// null: a resource server must strip it).
 //
 // Exit status: 0 when the paid request answered 2xx with a successful PAYMENT-RESPONSE, 1 otherwise, 2 on
 // wrong usage.
 import { decodePaymentResponseHeader, wrapFetchWithPayment, x402Client } from "@x402/fetch";
 import { ExactEvmScheme, toClientEvmSigner } from "@x402/evm";
+import { UptoEvmScheme } from "@x402/evm/upto/client";
 import { createPublicClient, http } from "viem";
 import { privateKeyToAccount } from "viem/accounts";
 
@@ -37,12 +46,15 @@ if (!/^0x[0-9a-fA-F]{40}$/.test(asset ?? "")) usage("X402_ASSET must be the toke
 const network = process.env.X402_NETWORK || "eip155:72344";
 const maxAmount = process.env.X402_MAX_AMOUNT || "1000000";
 const method = process.env.X402_METHOD;
+const scheme = process.env.X402_SCHEME;
 const methodOf = (requirement) => requirement.extra?.assetTransferMethod ?? "eip3009";
-// The client's selector sees the offers it can pay; with no offer of the method the payment fails, as it should.
-const selector = method
+const describe = (r) => `${r.scheme} by ${methodOf(r)}`;
+// The client's selector sees the offers it can pay; with no offer of the method (or scheme) the payment fails, as
+// it should.
+const selector = method || scheme
   ? (_version, accepts) => {
-      const chosen = accepts.find((r) => methodOf(r) === method);
-      if (!chosen) throw new Error(`no offer by ${method} among ${accepts.map(methodOf).join(", ")}`);
+      const chosen = accepts.find((r) => (!method || methodOf(r) === method) && (!scheme || r.scheme === scheme));
+      if (!chosen) throw new Error(`no offer of ${scheme ?? "any scheme"} by ${method ?? "any method"} among ${accepts.map(describe).join(", ")}`);
       return chosen;
     }
   : undefined;
@@ -53,14 +65,21 @@ const account = privateKeyToAccount(rawKey.startsWith("0x") ? rawKey : `0x${rawK
 const publicClient = createPublicClient({ transport: http(rpcUrl) });
 const signer = toClientEvmSigner(account, publicClient);
 
-// Record what the client signed, so the test can tell the plain permit2 flow from the sponsored one.
+// Record what the client signed, so the test can tell the plain permit2 flow from the sponsored one, and the
+// upto maximum from the amount settled. Both schemes under one network pattern: the client looks up the schemes
+// of the most specific registered network only.
 let sent;
 const client = new x402Client(selector)
-  .register(network, new ExactEvmScheme(signer, { rpcUrl }))
+  .register("eip155:*", new ExactEvmScheme(signer, { rpcUrl }))
+  .register("eip155:*", new UptoEvmScheme(signer, { rpcUrl }))
   .setSpendControls({ allowedAssets: [{ network, asset, maxAmountPerPayment: maxAmount }] })
   .onAfterPaymentCreation(async ({ paymentPayload }) => {
+    const authorization = paymentPayload.payload?.permit2Authorization ?? paymentPayload.payload?.authorization;
     sent = {
+      scheme: paymentPayload.accepted?.scheme ?? null,
       method: methodOf(paymentPayload.accepted ?? {}),
+      amount: authorization?.permitted?.amount ?? authorization?.value ?? null,
+      facilitator: authorization?.witness?.facilitator ?? null,
       extensions: Object.keys(paymentPayload.extensions ?? {}),
       sponsored: paymentPayload.extensions?.eip2612GasSponsoring?.info?.signature != null,
     };
@@ -78,6 +97,7 @@ try {
     payer: account.address,
     sent: sent ?? null,
     paymentResponse: header ? decodePaymentResponseHeader(header) : null,
+    settlementOverrides: response.headers.get("Settlement-Overrides"),
   };
 } catch (err) {
   result = { error: err instanceof Error ? err.message : String(err), payer: account.address, sent: sent ?? null };

@@ -6,12 +6,17 @@
 //
 // GET /paid costs X402_AMOUNT raw units of X402_ASSET (EIP-712 domain X402_TOKEN_NAME / X402_TOKEN_VERSION) by
 // permit2, and declares the eip2612GasSponsoring extension, so that a payer who never approved Permit2 can pay.
+// With X402_UPTO_AMOUNT set, GET /upto is sold by the upto scheme (@x402/evm/upto/server) for at most that many
+// raw units, and its handler charges what the request names in ?use= (raw units or a percentage such as "50%", as
+// setSettlementOverrides takes them; no ?use= sets no override, so the maximum is charged). The facilitator must
+// then list an upto kind for the network: the SDK takes the facilitatorAddress the payer signs for from it.
 // It prints "listening <url>" once it serves, and stops by itself after X402_LIFETIME_SECONDS (default 600).
 import { Hono } from "hono";
 import { serve } from "@hono/node-server";
-import { paymentMiddleware, x402ResourceServer } from "@x402/hono";
+import { paymentMiddleware, setSettlementOverrides, x402ResourceServer } from "@x402/hono";
 import { HTTPFacilitatorClient } from "@x402/core/server";
 import { ExactEvmScheme } from "@x402/evm/exact/server";
+import { UptoEvmScheme } from "@x402/evm/upto/server";
 import { declareEip2612GasSponsoringExtension } from "@x402/extensions";
 
 function usage(message) {
@@ -27,14 +32,33 @@ const asset = process.env.X402_ASSET;
 const payTo = process.env.X402_PAY_TO;
 if (!/^0x[0-9a-fA-F]{40}$/.test(asset ?? "") || !/^0x[0-9a-fA-F]{40}$/.test(payTo ?? "")) usage("X402_ASSET and X402_PAY_TO must be addresses");
 const network = process.env.X402_NETWORK || "eip155:72344";
+const uptoAmount = process.env.X402_UPTO_AMOUNT;
+if (uptoAmount !== undefined && !/^\d+$/.test(uptoAmount)) usage("X402_UPTO_AMOUNT must be raw token units (digits)");
+const token = { name: process.env.X402_TOKEN_NAME || "Stable Coin", version: process.env.X402_TOKEN_VERSION || "1" };
 
 const resourceServer = new x402ResourceServer(new HTTPFacilitatorClient({ url: facilitatorUrl }))
   .register(network, new ExactEvmScheme());
+if (uptoAmount !== undefined) resourceServer.register(network, new UptoEvmScheme());
+
+// The upto route exists only when asked for: the SDK refuses to start a route its facilitator lists no kind for.
+const uptoRoutes = uptoAmount === undefined ? {} : {
+  "GET /upto": {
+    accepts: {
+      scheme: "upto",
+      network,
+      payTo,
+      price: { amount: uptoAmount, asset, extra: { ...token } },
+      maxTimeoutSeconds: 600,
+    },
+    description: "Content sold by use by an @x402/hono server",
+  },
+};
 
 const app = new Hono();
 app.use(
   paymentMiddleware(
     {
+      ...uptoRoutes,
       "GET /paid": {
         accepts: {
           scheme: "exact",
@@ -43,11 +67,7 @@ app.use(
           price: {
             amount: process.env.X402_AMOUNT || "10000",
             asset,
-            extra: {
-              name: process.env.X402_TOKEN_NAME || "Stable Coin",
-              version: process.env.X402_TOKEN_VERSION || "1",
-              assetTransferMethod: "permit2",
-            },
+            extra: { ...token, assetTransferMethod: "permit2" },
           },
           maxTimeoutSeconds: 600,
         },
@@ -59,6 +79,11 @@ app.use(
   ),
 );
 app.get("/paid", (c) => c.text("paid content from the hono server"));
+app.get("/upto", (c) => {
+  const use = c.req.query("use");
+  if (use !== undefined) setSettlementOverrides(c, { amount: use });
+  return c.text(`used ${use ?? "everything"} of the hono server's upto content`);
+});
 
 serve({ fetch: app.fetch, port, hostname: "127.0.0.1" }, () => {
   process.stdout.write(`listening http://127.0.0.1:${port}\n`);
