@@ -213,23 +213,10 @@ func permit2Digest(domain common.Hash, p permit2Transfer) common.Hash {
 	h := hasherPool.Get().(*hasher)
 	defer hasherPool.Put(h)
 
-	putHash(h.word(0), tokenPermissionsTypeHash)
-	putAddress(h.word(1), p.Token)
-	putUint256(h.word(2), p.Amount)
-	permitted := h.sum(3 * 32)
-
 	putHash(h.word(0), witnessTypeHash)
 	putAddress(h.word(1), p.To)
 	putUint256(h.word(2), p.ValidAfter)
-	witness := h.sum(3 * 32)
-
-	putHash(h.word(0), permitWitnessTransferFromTypeHash)
-	putHash(h.word(1), permitted)
-	putAddress(h.word(2), p.Spender)
-	putUint256(h.word(3), p.Nonce)
-	putUint256(h.word(4), p.Deadline)
-	putHash(h.word(5), witness)
-	return h.digest(domain, h.sum(6*32))
+	return h.permitWitnessDigest(domain, permitWitnessTransferFromTypeHash, p, h.sum(3*32))
 }
 
 // uptoDigest returns the EIP-712 digest a Permit2 PermitWitnessTransferFrom signature with the x402 upto
@@ -238,18 +225,22 @@ func uptoDigest(domain common.Hash, p permit2Transfer) common.Hash {
 	h := hasherPool.Get().(*hasher)
 	defer hasherPool.Put(h)
 
+	putHash(h.word(0), uptoWitnessTypeHash)
+	putAddress(h.word(1), p.To)
+	putAddress(h.word(2), p.Facilitator)
+	putUint256(h.word(3), p.ValidAfter)
+	return h.permitWitnessDigest(domain, uptoPermitWitnessTransferFromHash, p, h.sum(4*32))
+}
+
+// permitWitnessDigest finishes the digest of p as a PermitWitnessTransferFrom whose type hash (which names the
+// witness type) is typeHash and whose witness hashes to witness.
+func (h *hasher) permitWitnessDigest(domain, typeHash common.Hash, p permit2Transfer, witness common.Hash) common.Hash {
 	putHash(h.word(0), tokenPermissionsTypeHash)
 	putAddress(h.word(1), p.Token)
 	putUint256(h.word(2), p.Amount)
 	permitted := h.sum(3 * 32)
 
-	putHash(h.word(0), uptoWitnessTypeHash)
-	putAddress(h.word(1), p.To)
-	putAddress(h.word(2), p.Facilitator)
-	putUint256(h.word(3), p.ValidAfter)
-	witness := h.sum(4 * 32)
-
-	putHash(h.word(0), uptoPermitWitnessTransferFromHash)
+	putHash(h.word(0), typeHash)
 	putHash(h.word(1), permitted)
 	putAddress(h.word(2), p.Spender)
 	putUint256(h.word(3), p.Nonce)

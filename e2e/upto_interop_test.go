@@ -277,25 +277,44 @@ func TestTheTypeScriptUptoClientPaysOurGateWhatTheUpstreamSaysItUsed(t *testing.
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			start := time.Now()
-			dev, payer := u.chain(t), crypto.PubkeyToAddress(u.payer.PublicKey)
-			from := dev.head() + 1
-			payerBefore, sellerBefore := dev.balance(payer), dev.balance(seller)
-			got := u.payWithTypeScript(t, u.gateURL+c.path)
+			got := u.payAndCheck(t, u.gateURL+c.path, common.Address{}, c.charged)
 			if want := "the upstream's answer to " + c.path; got.Body != want {
 				t.Errorf("the client got %q, want %q", got.Body, want)
-			}
-			if got.SettlementOverrides != nil {
-				t.Errorf("the Settlement-Overrides header reached the client: %q", *got.SettlementOverrides)
 			}
 			if !u.upstream.asked(c.path) {
 				t.Errorf("the upstream was never asked for %s", c.path)
 			}
-			u.charged(t, got.PaymentResponse, from, payerBefore, sellerBefore, c.charged)
-			t.Logf("%s: %d raw units in %s", c.path, c.charged, time.Since(start).Round(time.Millisecond))
 		})
 	}
 	u.caddy.stop()
+}
+
+// payAndCheck pays url with the TypeScript client and checks that exactly charged moved (u.charged), that the
+// Settlement-Overrides header did not reach the client, and, when facilitator is set, that the client signed
+// for it and the settlement was sent from it: the only address the payer allowed to settle.
+func (u *uptoInterop) payAndCheck(t *testing.T, url string, facilitator common.Address, charged int64) paidByTypeScript {
+	t.Helper()
+	start := time.Now()
+	dev, payer := u.chain(t), crypto.PubkeyToAddress(u.payer.PublicKey)
+	from := dev.head() + 1
+	payerBefore, sellerBefore := dev.balance(payer), dev.balance(seller)
+	got := u.payWithTypeScript(t, url)
+	if got.SettlementOverrides != nil {
+		t.Errorf("the Settlement-Overrides header reached the client: %q", *got.SettlementOverrides)
+	}
+	u.charged(t, got.PaymentResponse, from, payerBefore, sellerBefore, charged)
+	if facilitator != (common.Address{}) {
+		if got.Sent != nil && !strings.EqualFold(got.Sent.Facilitator, facilitator.Hex()) {
+			t.Errorf("the client signed for facilitator %s, want %s", got.Sent.Facilitator, facilitator.Hex())
+		}
+		if charged != 0 && got.PaymentResponse != nil && txHashPattern.MatchString(got.PaymentResponse.Transaction) {
+			if sender := dev.sender(common.HexToHash(got.PaymentResponse.Transaction)); sender != facilitator {
+				t.Errorf("the settlement was sent by %s; the payer allowed only %s", sender, facilitator)
+			}
+		}
+	}
+	t.Logf("%s: %d raw units in %s", url, charged, time.Since(start).Round(time.Millisecond))
+	return got
 }
 
 // TestAnHonoUptoServerSettlesWhatItsHandlerUsedThroughOurFacilitator runs an @x402/hono resource server with an
@@ -350,28 +369,11 @@ func TestAnHonoUptoServerSettlesWhatItsHandlerUsedThroughOurFacilitator(t *testi
 	}
 	for _, c := range cases {
 		t.Run("@x402/fetch pays: "+c.name, func(t *testing.T) {
-			start := time.Now()
 			url := honoURL + "/upto"
 			if c.use != "" {
 				url += "?use=" + c.use
 			}
-			dev, payer := u.chain(t), crypto.PubkeyToAddress(u.payer.PublicKey)
-			from := dev.head() + 1
-			payerBefore, sellerBefore := dev.balance(payer), dev.balance(seller)
-			got := u.payWithTypeScript(t, url)
-			if got.Sent != nil && !strings.EqualFold(got.Sent.Facilitator, facilitator.Hex()) {
-				t.Errorf("the client signed for facilitator %s; our /supported names %s", got.Sent.Facilitator, facilitator.Hex())
-			}
-			if got.SettlementOverrides != nil {
-				t.Errorf("the Settlement-Overrides header reached the client: %q", *got.SettlementOverrides)
-			}
-			u.charged(t, got.PaymentResponse, from, payerBefore, sellerBefore, c.charged)
-			if c.charged != 0 && got.PaymentResponse != nil && txHashPattern.MatchString(got.PaymentResponse.Transaction) {
-				if sender := dev.sender(common.HexToHash(got.PaymentResponse.Transaction)); sender != facilitator {
-					t.Errorf("the settlement was sent by %s; the payer allowed only %s", sender, facilitator)
-				}
-			}
-			t.Logf("%s: %d raw units in %s", url, c.charged, time.Since(start).Round(time.Millisecond))
+			u.payAndCheck(t, url, facilitator, c.charged)
 		})
 	}
 	hono.stop()
@@ -396,24 +398,7 @@ func TestOurUptoGateSettlesWhatItsUpstreamUsedThroughTheTypeScriptReferenceFacil
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			start := time.Now()
-			dev, payer := u.chain(t), crypto.PubkeyToAddress(u.payer.PublicKey)
-			from := dev.head() + 1
-			payerBefore, sellerBefore := dev.balance(payer), dev.balance(seller)
-			got := u.payWithTypeScript(t, u.gateURL+c.path)
-			if got.Sent != nil && !strings.EqualFold(got.Sent.Facilitator, facilitator.Hex()) {
-				t.Errorf("the client signed for facilitator %s; the reference facilitator settles from %s", got.Sent.Facilitator, facilitator.Hex())
-			}
-			if got.SettlementOverrides != nil {
-				t.Errorf("the Settlement-Overrides header reached the client: %q", *got.SettlementOverrides)
-			}
-			u.charged(t, got.PaymentResponse, from, payerBefore, sellerBefore, c.charged)
-			if c.charged != 0 && got.PaymentResponse != nil && txHashPattern.MatchString(got.PaymentResponse.Transaction) {
-				if sender := dev.sender(common.HexToHash(got.PaymentResponse.Transaction)); sender != facilitator {
-					t.Errorf("the settlement was sent by %s, not the reference facilitator's %s", sender, facilitator)
-				}
-			}
-			t.Logf("%s: %d raw units in %s", c.path, c.charged, time.Since(start).Round(time.Millisecond))
+			u.payAndCheck(t, u.gateURL+c.path, facilitator, c.charged)
 		})
 	}
 	u.caddy.stop()
