@@ -300,7 +300,11 @@ func describeKinds(kinds []x402.SupportedKind) string {
 	}
 	parts := make([]string, 0, len(kinds))
 	for _, k := range kinds {
-		parts = append(parts, fmt.Sprintf("%s on %s (v%d)", k.Extra.AssetTransferMethod, k.Network, k.X402Version))
+		kind := k.Extra.AssetTransferMethod
+		if k.Scheme != x402.SchemeExact {
+			kind = k.Scheme + " " + kind
+		}
+		parts = append(parts, fmt.Sprintf("%s on %s (v%d)", kind, k.Network, k.X402Version))
 	}
 	return strings.Join(parts, ", ")
 }

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -46,7 +47,7 @@ func startProgram(t *testing.T, name, dir string, env []string, bin string, args
 	t.Helper()
 	p := &process{t: t, name: name, out: new(lockedBuffer), done: make(chan struct{})}
 	p.cmd = exec.Command(bin, args...)
-	p.cmd.Dir, p.cmd.Env = dir, env
+	p.cmd.Dir, p.cmd.Env = dir, ownTempDir(t, env)
 	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
 	p.cmd.SysProcAttr = dieWithParent()
 	if err := p.cmd.Start(); err != nil {
@@ -65,6 +66,16 @@ func startProgram(t *testing.T, name, dir string, env []string, bin string, args
 		}
 	})
 	return p
+}
+
+// ownTempDir gives a process a temporary folder of its own (TMPDIR), removed when the test ends, after the
+// process is killed: a dev chain's scratch database (hundreds of megabytes) is removed only by a clean stop,
+// and a killed process would otherwise leave it in the system's /tmp for good. env nil means this process's.
+func ownTempDir(t *testing.T, env []string) []string {
+	if env == nil {
+		env = os.Environ()
+	}
+	return append(slices.Clip(env), "TMPDIR="+t.TempDir())
 }
 
 // running reports whether the process has not exited yet.
@@ -141,7 +152,7 @@ func runCommand(t *testing.T, timeout time.Duration, dir string, env []string, n
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, name, args...)
-	cmd.Dir, cmd.Env = dir, env
+	cmd.Dir, cmd.Env = dir, ownTempDir(t, env)
 	cmd.SysProcAttr = dieWithParent()
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr

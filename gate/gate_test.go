@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"log"
 	"math/big"
 	"net/http"
 	"net/http/httptest"
@@ -55,6 +56,10 @@ type setup struct {
 	scheme, defaultAmount string
 	// override, when set, is the Settlement-Overrides header the upstream answers a request with ("" for none).
 	override func(r *http.Request) string
+	// upstream, when set, is the upstream instead of the one that answers "paid content".
+	upstream gate.HandlerFunc
+	// serverLog, when set, receives the HTTP server's own log (a panic in a handler is logged there).
+	serverLog *log.Logger
 	// config, when set, changes the gate's configuration before it is made.
 	config func(*gate.Config)
 }
@@ -103,21 +108,24 @@ func newEnv(t *testing.T, s setup) *env {
 	}
 	t.Cleanup(func() { _ = g.Close() })
 	e.gate = g
-	next := gate.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-		e.served.Add(1)
-		if s.override != nil {
-			if v := s.override(r); v != "" {
-				w.Header().Set(x402.HeaderSettlementOverrides, v)
+	var next gate.Handler = s.upstream
+	if s.upstream == nil {
+		next = gate.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			e.served.Add(1)
+			if s.override != nil {
+				if v := s.override(r); v != "" {
+					w.Header().Set(x402.HeaderSettlementOverrides, v)
+				}
 			}
-		}
-		if e.failing.Load() {
-			http.Error(w, "upstream down", http.StatusServiceUnavailable)
-			return nil
-		}
-		_, err := io.WriteString(w, "paid content")
-		return err
-	})
-	e.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if e.failing.Load() {
+				http.Error(w, "upstream down", http.StatusServiceUnavailable)
+				return nil
+			}
+			_, err := io.WriteString(w, "paid content")
+			return err
+		})
+	}
+	e.srv = httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if err := g.ServeHTTP(w, r, next); err != nil {
 			status := http.StatusInternalServerError
 			var se *gate.StatusError
@@ -127,6 +135,8 @@ func newEnv(t *testing.T, s setup) *env {
 			http.Error(w, err.Error(), status)
 		}
 	}))
+	e.srv.Config.ErrorLog = s.serverLog
+	e.srv.Start()
 	t.Cleanup(e.srv.Close)
 	return e
 }

@@ -540,7 +540,9 @@ func (x *exchange) deliver(up *upstream, settled *x402.SettleResponse) error {
 		x.streamed = &streamedPayment{settled: settled}
 		return nil
 	}
-	if err == nil {
+	if err == nil && up.rec.Status() != http.StatusSwitchingProtocols {
+		// (A tunnel was served on the connection the upstream hijacked: its response is no longer the server's
+		// to write, and flushing it panics inside net/http.)
 		if ferr := http.NewResponseController(x.w).Flush(); ferr != nil && !errors.Is(ferr, http.ErrNotSupported) {
 			err = ferr
 		}
