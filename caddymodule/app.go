@@ -62,6 +62,8 @@ type App struct {
 	journalMu *sync.Mutex
 	journal   *journalEntry // this config's own reference, taken by SettlementJournal()
 	devKey    string
+	// devChain is the dev chain this process runs, once started: the engine reaches it in process.
+	devChain *devchain.Chain
 	// devNet is the dev chain's network among Networks; its RPC URL is known once the chain runs.
 	devNet *Network
 
@@ -207,9 +209,9 @@ func (a *App) startDevChain() error {
 	if err != nil {
 		return fmt.Errorf("starting the dev chain: %w", err)
 	}
-	a.devKey = key
+	a.devKey, a.devChain = key, v.(*devChainEntry).chain
 	if a.devNet != nil {
-		a.devNet.RPC = []string{v.(*devChainEntry).chain.RPCURL()}
+		a.devNet.RPC = []string{a.devChain.RPCURL()}
 	}
 	return nil
 }
@@ -627,6 +629,12 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 	var names []string
 	var backends []chain.Backend
 	for _, u := range s.RPC {
+		if a.devChain != nil && u == a.devChain.RPCURL() {
+			// The dev chain runs in this process: the engine calls it without HTTP, and is told of its blocks as
+			// they are sealed. Its URL still serves everyone else.
+			names, backends = append(names, chain.RedactRPCURL(u)), append(backends, chain.AttachedClient(a.devChain.Client()))
+			continue
+		}
 		c, err := chain.DialRPC(ctx, u)
 		if err != nil {
 			return nc, fmt.Errorf("rpc %s: %w", chain.RedactRPCURL(u), err)

@@ -59,14 +59,43 @@ func DialRPC(ctx context.Context, url string) (*RPCClient, error) {
 type RPCClient struct {
 	*ethclient.Client
 	transport *http.Transport
+	attached  bool // a client of a node in this process (AttachedClient): the node's to close
 }
+
+// AttachedClient is an RPCClient over a client of a node that runs in this process (the embedded dev chain,
+// through go-ethereum's in-process RPC): every call skips HTTP and its JSON framing on loopback, and new heads
+// are pushed rather than polled. Close leaves it open: it belongs to the node and closes with it.
+func AttachedClient(c *ethclient.Client) *RPCClient { return &RPCClient{Client: c, attached: true} }
 
 // Close closes the client and its idle connections. go-ethereum's Close does nothing for an HTTP client, so
 // without this every engine a config reload replaced would leave its connections open, and a node shutting
 // down would wait out the ones the transport had dialled but not yet used.
 func (c *RPCClient) Close() {
+	if c.attached {
+		return
+	}
 	c.Client.Close()
 	c.transport.CloseIdleConnections()
+}
+
+// headSubscriber is a backend that pushes new heads: a node over WebSocket, or one in this process.
+type headSubscriber interface {
+	SubscribeNewHead(ctx context.Context, ch chan<- *types.Header) (ethereum.Subscription, error)
+}
+
+// errNoHeadPush says no endpoint pushes new heads (HTTP endpoints cannot): callers poll.
+var errNoHeadPush = errors.New("no endpoint pushes new heads")
+
+// SubscribeNewHead subscribes to the new heads of the first endpoint that pushes them.
+func (f *Failover) SubscribeNewHead(ctx context.Context, ch chan<- *types.Header) (ethereum.Subscription, error) {
+	for _, e := range f.endpoints {
+		if hs, ok := e.backend.(headSubscriber); ok {
+			if sub, err := hs.SubscribeNewHead(ctx, ch); err == nil {
+				return sub, nil
+			}
+		}
+	}
+	return nil, errNoHeadPush
 }
 
 // blockReceiptsReader is a backend that serves eth_getBlockReceipts: every receipt of a block in one call.

@@ -304,6 +304,10 @@ type receiptWatcher struct {
 	recentOrder []scannedBlock
 
 	noBlockReceipts bool // the node does not serve eth_getBlockReceipts; only the loop goroutine touches it
+	// lastHead is the head the last loop had scanned up to when it stopped (no waiters left); the next loop goes
+	// on from it, scanning the blocks since, instead of taking them in unscanned and looking its first
+	// transactions up one poll later. Only a loop goroutine touches it, and one runs at a time.
+	lastHead uint64
 }
 
 func newReceiptWatcher(b Backend, poll time.Duration) *receiptWatcher {
@@ -390,17 +394,32 @@ func (rw *receiptWatcher) wait(ctx context.Context, justSent bool, hashes ...com
 const sentRescue = 2 * time.Second
 
 func (rw *receiptWatcher) loop() {
-	var lastHead uint64
+	lastHead := rw.lastHead
 	// unscanned: the last round took in blocks without scanning them (the first look, or a gap past maxScan).
 	// A transaction registered as just sent while it ran may sit in one of them, where no later scan finds
 	// it: this round looks up every such transaction instead.
 	unscanned := false
 	ticker := time.NewTicker(rw.poll)
 	defer ticker.Stop()
+	// A node that pushes new heads (one in this process, or over WebSocket) starts a round as soon as a block
+	// comes; the poll stays, for a head the subscription loses.
+	var heads chan *types.Header
+	var subErr <-chan error
+	if hs, ok := rw.backend.(headSubscriber); ok {
+		ch := make(chan *types.Header, 64)
+		ctx, cancel := context.WithTimeout(context.Background(), rw.poll+time.Second)
+		sub, err := hs.SubscribeNewHead(ctx, ch)
+		cancel()
+		if err == nil {
+			defer sub.Unsubscribe()
+			heads, subErr = ch, sub.Err()
+		}
+	}
 	for {
 		rw.mu.Lock()
 		if len(rw.waiters) == 0 {
 			rw.running = false
+			rw.lastHead = lastHead
 			rw.mu.Unlock()
 			return
 		}
@@ -441,7 +460,21 @@ func (rw *receiptWatcher) loop() {
 			}
 		}
 		cancel()
-		<-ticker.C
+		select {
+		case <-ticker.C:
+		case <-heads:
+		case <-subErr:
+			heads, subErr = nil, nil
+		}
+		// One round scans every block up to the head it reads: the heads pushed meanwhile need no round of
+		// their own (and must not pile up in the subscription's buffer).
+		for drained := false; !drained; {
+			select {
+			case <-heads:
+			default:
+				drained = true
+			}
+		}
 	}
 }
 
