@@ -15,7 +15,6 @@ import (
 	"github.com/ethereum/go-ethereum/crypto"
 
 	"github.com/x402-gateway/caddy-x402/chain"
-	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -312,19 +311,13 @@ func (p *Payer) sign(ctx context.Context, rpc *chainReader, offer Offer, req x40
 // allowance is below the amount, echoing the server's declaration of the extension (its schema) if it made
 // one.
 func (p *Payer) sponsorIfNeeded(ctx context.Context, pl *x402.PaymentPayload, rpc *chainReader, offer Offer, req x402.PaymentRequirements, chainID *big.Int, pay *Payment) error {
-	asset, err := chain.ParseAddress("requirements.asset", req.Asset)
+	asset, permit2, err := permit2Of(req)
 	if err != nil {
 		return err
 	}
 	amount, err := x402.ParseUint256(req.Amount)
 	if err != nil {
 		return fmt.Errorf("requirements.amount: %w", err)
-	}
-	permit2 := contracts.Permit2Address
-	if req.Extra.Permit2Address != "" {
-		if permit2, err = chain.ParseAddress("requirements.extra.permit2Address", req.Extra.Permit2Address); err != nil {
-			return err
-		}
 	}
 	allowance, err := rpc.callUint(ctx, asset, "allowance", p.address, permit2)
 	if err != nil {
