@@ -30,7 +30,7 @@ func (p *Payer) SignBatch(ctx context.Context, offer Offer, i, n int) ([]Payment
 		return nil, fmt.Errorf("payer: cannot sign %d payments", n)
 	}
 	req := offer.Required.Accepts[i]
-	method := payMethod(req)
+	method := TransferMethod(req)
 	if method == x402.TransferERC2612 {
 		return nil, errors.New("payer: erc2612 payments cannot be signed ahead in a batch: each permit signs the token's nonces(payer), which rises by one as each settles")
 	}

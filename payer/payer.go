@@ -154,7 +154,7 @@ func (p *Payer) Sign(ctx context.Context, offer Offer, i int) (Payment, error) {
 		return Payment{}, err
 	}
 	req := offer.Required.Accepts[i]
-	pay := Payment{Index: i, Requirements: req, Method: payMethod(req)}
+	pay := Payment{Index: i, Requirements: req, Method: TransferMethod(req)}
 	if pay.Payload, err = p.sign(ctx, rpc, offer, req, &pay); err != nil {
 		return Payment{}, err
 	}
@@ -212,7 +212,7 @@ func preferred(a, b x402.PaymentRequirements) bool {
 
 // cannotPay says why req cannot be paid, or "" when it can.
 func cannotPay(version int, req x402.PaymentRequirements, method string, rpc *chainReader) string {
-	m := payMethod(req)
+	m := TransferMethod(req)
 	if !x402.IsScheme(req.Scheme) {
 		return fmt.Sprintf("scheme %q; this payer pays %q and %q", req.Scheme, x402.SchemeExact, x402.SchemeUpto)
 	}
@@ -241,9 +241,9 @@ func cannotPay(version int, req x402.PaymentRequirements, method string, rpc *ch
 	return ""
 }
 
-// payMethod is how a requirement is paid: the method it names, or, naming none, EIP-3009, as the public
+// TransferMethod is how a requirement is paid: the method it names, or, naming none, EIP-3009, as the public
 // SDKs read the standard `exact` requirement.
-func payMethod(req x402.PaymentRequirements) string {
+func TransferMethod(req x402.PaymentRequirements) string {
 	if m := req.Extra.AssetTransferMethod; m != "" {
 		return m
 	}
