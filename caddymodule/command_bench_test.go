@@ -255,11 +255,18 @@ var (
 	cmdBenchAsyncSeller  = common.HexToAddress("0x5e11000000000000000000000000000000000002")
 	cmdBenchBrokenSeller = common.HexToAddress("0x5e11000000000000000000000000000000000003")
 	cmdBenchUnpaidSeller = common.HexToAddress("0x5e11000000000000000000000000000000000004")
+	cmdBenchUptoSeller   = common.HexToAddress("0x5e11000000000000000000000000000000000005")
 )
 
 func TestBenchOnTheDevChainShowsTheSellerPaidExactlyForEachAnswerServed(t *testing.T) {
 	d := startDevchainCommand(t, "--listen", "127.0.0.1:0", "--payers", "2")
 	c := d.dial(t)
+	// The upto route's upstream says each request used a quarter of the maximum.
+	usedQuarter := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Settlement-Overrides", `{"amount":"2500"}`)
+		fmt.Fprint(w, "paid a quarter")
+	}))
+	defer usedQuarter.Close()
 	srv := startCaddy(t, `{
 	x402 {
 		dev_chain {
@@ -281,6 +288,13 @@ func TestBenchOnTheDevChainShowsTheSellerPaidExactlyForEachAnswerServed(t *testi
 			settle async
 		}
 		respond "paid"
+	}
+	handle /upto {
+		x402 $0.01 {
+			pay_to `+cmdBenchUptoSeller.Hex()+`
+			scheme upto
+		}
+		reverse_proxy `+strings.TrimPrefix(usedQuarter.URL, "http://")+`
 	}
 	handle /broken {
 		x402 $0.01 {
@@ -344,6 +358,12 @@ func TestBenchOnTheDevChainShowsTheSellerPaidExactlyForEachAnswerServed(t *testi
 			t.Errorf("requests %d, ok %d, failures %+v; want 20, 20, none", out.Requests, out.OK, out.Failures)
 		}
 	})
+	t.Run("an upto route's seller receives what each PAYMENT-RESPONSE charged", func(t *testing.T) {
+		out, _ := bench(t, "/upto", cmdBenchUptoSeller, big.NewInt(20*2500))
+		if out.Requests != 20 || out.OK != 20 || out.Scheme != "upto" || len(out.Failures) != 0 {
+			t.Errorf("requests %d, ok %d, scheme %q, failures %+v; want 20, 20, upto, none", out.Requests, out.OK, out.Scheme, out.Failures)
+		}
+	})
 	t.Run("a route whose upstream fails serves nothing and charges nothing", func(t *testing.T) {
 		out, _ := bench(t, "/broken", cmdBenchBrokenSeller, new(big.Int))
 		if out.Requests != 20 || out.OK != 0 || len(out.Failures) != 1 || out.Failures[0].Status != 500 || out.Failures[0].Count != 20 {
@@ -377,4 +397,34 @@ func deref(s *string) string {
 		return "<null>"
 	}
 	return *s
+}
+
+func TestBenchStopsSendingNewRequestsAfterDAndRefusesADLongerThanThePaymentsAreGoodFor(t *testing.T) {
+	slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(5 * time.Millisecond)
+		fmt.Fprint(w, "free")
+	}))
+	defer slow.Close()
+	out, stderr, err := runBench(t, "-c", "2", "-n", "100000", "-d", "200ms", slow.URL+"/")
+	if err != nil {
+		t.Fatalf("bench -d 200ms: %v\n%s", err, stderr)
+	}
+	if out.Requests == 0 || out.Requests > 200 || out.OK != out.Requests || out.DurationSeconds < 0.2 || out.DurationSeconds > 2 {
+		t.Errorf("requests %d, ok %d in %.3f s; want some, about 200 ms' worth of 2 callers at 5 ms each, all ok", out.Requests, out.OK, out.DurationSeconds)
+	}
+
+	key, err := crypto.GenerateKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := newFakeSeller(t, devchain.TokenAddress.Hex(), devchainSeller.Hex(), func(int, http.ResponseWriter) {})
+	_, _, err = caddymodule.RunX402("", "bench", "--key", common.Bytes2Hex(crypto.FromECDSA(key)), "-d", "10m", f.resource)
+	if err == nil || !strings.Contains(err.Error(), "-d 10m0s is longer than the 300 s the offer's payments are good for") {
+		t.Errorf("bench -d 10m of an offer good for 300 s: %v; want a refusal", err)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.paid) != 0 {
+		t.Errorf("%d payments were sent, want none", len(f.paid))
+	}
 }
