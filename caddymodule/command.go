@@ -23,12 +23,13 @@ const envPayerKey = "X402_PAYER_KEY"
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "x402",
-		Usage: "pay|keygen|decode|devchain",
+		Usage: "pay|bench|keygen|decode|devchain",
 		Short: "Pays for x402-protected URLs, makes payer keys, decodes payment headers and runs the dev chain",
 		Long: `
 Tools for the x402 payment protocol, for trying out and debugging a gateway:
 
   caddy x402 pay <url>         pays for a URL that answers 402 Payment Required
+  caddy x402 bench <url>       load-tests a paid URL and checks the seller was paid for each answer
   caddy x402 keygen            makes a new payer key
   caddy x402 decode <header>   pretty-prints a PAYMENT-* header value
   caddy x402 devchain          runs the dev chain on its own, for Caddy processes to share
@@ -121,7 +122,7 @@ value from standard input. Errors say which field is wrong and what was expected
 		},
 	}
 
-	cmd.AddCommand(pay, keygen, decode, newDevchainCommand())
+	cmd.AddCommand(pay, newBenchCommand(), keygen, decode, newDevchainCommand())
 }
 
 // cmdX402Pay resolves the flags of `caddy x402 pay` and runs it.

@@ -45,3 +45,6 @@ func RunX402Context(ctx context.Context, stdout, stderr io.Writer, args ...strin
 	cmd.SetArgs(args)
 	return cmd.ExecuteContext(ctx)
 }
+
+// BenchPercentile is the nearest-rank percentile of sorted latencies that `caddy x402 bench` reports.
+func BenchPercentile(sorted []time.Duration, p float64) time.Duration { return percentile(sorted, p) }

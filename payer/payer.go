@@ -15,7 +15,6 @@ import (
 	"github.com/ethereum/go-ethereum/crypto"
 
 	"github.com/x402-gateway/caddy-x402/chain"
-	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -155,7 +154,7 @@ func (p *Payer) Sign(ctx context.Context, offer Offer, i int) (Payment, error) {
 		return Payment{}, err
 	}
 	req := offer.Required.Accepts[i]
-	pay := Payment{Index: i, Requirements: req, Method: payMethod(req)}
+	pay := Payment{Index: i, Requirements: req, Method: TransferMethod(req)}
 	if pay.Payload, err = p.sign(ctx, rpc, offer, req, &pay); err != nil {
 		return Payment{}, err
 	}
@@ -213,7 +212,7 @@ func preferred(a, b x402.PaymentRequirements) bool {
 
 // cannotPay says why req cannot be paid, or "" when it can.
 func cannotPay(version int, req x402.PaymentRequirements, method string, rpc *chainReader) string {
-	m := payMethod(req)
+	m := TransferMethod(req)
 	if !x402.IsScheme(req.Scheme) {
 		return fmt.Sprintf("scheme %q; this payer pays %q and %q", req.Scheme, x402.SchemeExact, x402.SchemeUpto)
 	}
@@ -242,9 +241,9 @@ func cannotPay(version int, req x402.PaymentRequirements, method string, rpc *ch
 	return ""
 }
 
-// payMethod is how a requirement is paid: the method it names, or, naming none, EIP-3009, as the public
+// TransferMethod is how a requirement is paid: the method it names, or, naming none, EIP-3009, as the public
 // SDKs read the standard `exact` requirement.
-func payMethod(req x402.PaymentRequirements) string {
+func TransferMethod(req x402.PaymentRequirements) string {
 	if m := req.Extra.AssetTransferMethod; m != "" {
 		return m
 	}
@@ -312,19 +311,13 @@ func (p *Payer) sign(ctx context.Context, rpc *chainReader, offer Offer, req x40
 // allowance is below the amount, echoing the server's declaration of the extension (its schema) if it made
 // one.
 func (p *Payer) sponsorIfNeeded(ctx context.Context, pl *x402.PaymentPayload, rpc *chainReader, offer Offer, req x402.PaymentRequirements, chainID *big.Int, pay *Payment) error {
-	asset, err := chain.ParseAddress("requirements.asset", req.Asset)
+	asset, permit2, err := permit2Of(req)
 	if err != nil {
 		return err
 	}
 	amount, err := x402.ParseUint256(req.Amount)
 	if err != nil {
 		return fmt.Errorf("requirements.amount: %w", err)
-	}
-	permit2 := contracts.Permit2Address
-	if req.Extra.Permit2Address != "" {
-		if permit2, err = chain.ParseAddress("requirements.extra.permit2Address", req.Extra.Permit2Address); err != nil {
-			return err
-		}
 	}
 	allowance, err := rpc.callUint(ctx, asset, "allowance", p.address, permit2)
 	if err != nil {
