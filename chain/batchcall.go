@@ -47,16 +47,21 @@ func (f *Failover) BatchCallContext(ctx context.Context, b []rpc.BatchElem) erro
 }
 
 // callBatcher makes reads at the latest block (eth_getStorageAt) for concurrent callers, in as few JSON-RPC
-// requests as it can: a read that finds none in flight goes out at once, alone; the reads that come while one is
-// in flight go out together, in one batch, when it returns. Nothing waits for company, and a burst of callers
-// costs the node a handful of requests instead of one each. A backend that cannot batch gets each read alone.
+// requests as it can: a read that finds fewer than maxLanes requests in flight goes out at once, alone; the
+// reads that come while every lane is in flight go out together, in one batch, when a lane returns. Nothing
+// waits for company, a burst of callers costs the node a handful of requests instead of one each, and a slow
+// answer (a node busy sealing) holds up one lane, not every read behind it. A backend that cannot batch gets
+// each read alone.
 type callBatcher struct {
 	backend Backend
 
 	mu    sync.Mutex
 	queue []*batchedCall
-	busy  bool
+	lanes int // requests in flight
 }
+
+// maxLanes bounds the requests a callBatcher has in flight at once.
+const maxLanes = 4
 
 type batchedCall struct {
 	method string
@@ -93,8 +98,8 @@ func (cb *callBatcher) do(ctx context.Context, method string, args []any, alone 
 	c := &batchedCall{method: method, args: args, done: make(chan struct{})}
 	cb.mu.Lock()
 	cb.queue = append(cb.queue, c)
-	if !cb.busy {
-		cb.busy = true
+	if cb.lanes < maxLanes {
+		cb.lanes++
 		go cb.run(bc)
 	}
 	cb.mu.Unlock()
@@ -115,7 +120,7 @@ func (cb *callBatcher) run(bc batchCaller) {
 		cb.mu.Lock()
 		n := min(len(cb.queue), maxBatch)
 		if n == 0 {
-			cb.busy = false
+			cb.lanes--
 			cb.mu.Unlock()
 			return
 		}
