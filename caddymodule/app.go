@@ -632,7 +632,7 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 		if a.devChain != nil && u == a.devChain.RPCURL() {
 			// The dev chain runs in this process: the engine calls it without HTTP, and is told of its blocks as
 			// they are sealed. Its URL still serves everyone else.
-			names, backends = append(names, chain.RedactRPCURL(u)), append(backends, chain.AttachedClient(a.devChain.Client()))
+			names, backends = append(names, chain.RedactRPCURL(u)), append(backends, chain.AttachedClient(a.devChain.Client(), a.devChain.StorageAt))
 			continue
 		}
 		c, err := chain.DialRPC(ctx, u)

@@ -60,12 +60,46 @@ type RPCClient struct {
 	*ethclient.Client
 	transport *http.Transport
 	attached  bool // a client of a node in this process (AttachedClient): the node's to close
+	// storage reads a storage slot at the head straight from the state of a node in this process; nil: by RPC.
+	storage func(ctx context.Context, contract common.Address, slot common.Hash) ([]byte, error)
 }
 
 // AttachedClient is an RPCClient over a client of a node that runs in this process (the embedded dev chain,
-// through go-ethereum's in-process RPC): every call skips HTTP and its JSON framing on loopback, and new heads
-// are pushed rather than polled. Close leaves it open: it belongs to the node and closes with it.
-func AttachedClient(c *ethclient.Client) *RPCClient { return &RPCClient{Client: c, attached: true} }
+// through go-ethereum's in-process RPC): every call skips HTTP and its framing on loopback, and new heads are
+// pushed rather than polled. storage, when given, reads a storage slot at the head straight from the node's
+// state, with no RPC at all: the read every permit2 verification makes. Close leaves the client open: it
+// belongs to the node and closes with it.
+func AttachedClient(c *ethclient.Client, storage func(ctx context.Context, contract common.Address, slot common.Hash) ([]byte, error)) *RPCClient {
+	return &RPCClient{Client: c, attached: true, storage: storage}
+}
+
+// localStorageReader is a backend that reads storage at the head from a node in this process, with no RPC.
+type localStorageReader interface {
+	LocalStorageAt(ctx context.Context, contract common.Address, slot common.Hash) ([]byte, error)
+}
+
+// errNoLocalStorage says a backend has no node in this process to read storage from.
+var errNoLocalStorage = errors.New("no node in this process to read storage from")
+
+// LocalStorageAt reads a storage slot at the head from the node in this process, if the client has one.
+func (c *RPCClient) LocalStorageAt(ctx context.Context, contract common.Address, slot common.Hash) ([]byte, error) {
+	if c.storage == nil {
+		return nil, errNoLocalStorage
+	}
+	return c.storage(ctx, contract, slot)
+}
+
+// LocalStorageAt reads a storage slot at the head from the first endpoint that is a node in this process.
+func (f *Failover) LocalStorageAt(ctx context.Context, contract common.Address, slot common.Hash) ([]byte, error) {
+	for _, e := range f.endpoints {
+		if ls, ok := e.backend.(localStorageReader); ok {
+			if b, err := ls.LocalStorageAt(ctx, contract, slot); !errors.Is(err, errNoLocalStorage) {
+				return b, err
+			}
+		}
+	}
+	return nil, errNoLocalStorage
+}
 
 // Close closes the client and its idle connections. go-ethereum's Close does nothing for an HTTP client, so
 // without this every engine a config reload replaced would leave its connections open, and a node shutting

@@ -77,6 +77,12 @@ const maxBatch = 16
 
 // storageAt reads one storage slot of a contract at the latest block: no EVM run, the cheapest read a node serves.
 func (cb *callBatcher) storageAt(ctx context.Context, contract common.Address, slot common.Hash) ([]byte, error) {
+	if ls, ok := cb.backend.(localStorageReader); ok {
+		// A node in this process: its state answers at once, with nothing to batch.
+		if b, err := ls.LocalStorageAt(ctx, contract, slot); !errors.Is(err, errNoLocalStorage) {
+			return b, err
+		}
+	}
 	return cb.do(ctx, "eth_getStorageAt", []any{contract, slot, "latest"}, func() ([]byte, error) {
 		if sr, ok := cb.backend.(storageReader); ok {
 			return sr.StorageAt(ctx, contract, slot, nil)

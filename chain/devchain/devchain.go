@@ -107,6 +107,7 @@ type Chain struct {
 	payers  []*ecdsa.PrivateKey
 	stack   *node.Node
 	client  *ethclient.Client
+	eth     *eth.Ethereum
 	// nudge seals a block by hand. With block_time 0 the beacon API seals when its subscription to the
 	// transaction pool sees a transaction, but it subscribes in a goroutine of its own: a transaction that
 	// arrives first waits for the next one. Startup nudges when its own transactions wait too long.
@@ -248,7 +249,7 @@ func Start(ctx context.Context, cfg Config) (*Chain, error) {
 		d.removeScratch()
 		return nil, fmt.Errorf("dev chain: starting the node with JSON-RPC on %s: %w", cfg.Listen, err)
 	}
-	d.client = ethclient.NewClient(stack.Attach())
+	d.client, d.eth = ethclient.NewClient(stack.Attach()), backend
 	d.url = stack.HTTPEndpoint()
 	if cfg.BlockTime == 0 {
 		d.nudge = func() { beacon.Commit() }
@@ -666,6 +667,17 @@ func (d *Chain) Payer() *ecdsa.PrivateKey { return d.payers[0] }
 
 // Payers returns the keys of all demo payers; Payers()[0] is Payer().
 func (d *Chain) Payers() []*ecdsa.PrivateKey { return append([]*ecdsa.PrivateKey(nil), d.payers...) }
+
+// StorageAt reads one storage slot of a contract at the head block straight from the node's state, with no RPC
+// in between: what an engine in this process asks at every verification (the payer's Permit2 nonce bitmap).
+func (d *Chain) StorageAt(ctx context.Context, contract common.Address, slot common.Hash) ([]byte, error) {
+	state, _, err := d.eth.APIBackend.StateAndHeaderByNumber(ctx, rpc.LatestBlockNumber)
+	if err != nil {
+		return nil, err
+	}
+	v := state.GetState(contract, slot)
+	return v[:], nil
+}
 
 // Client returns an in-process client of the chain (no HTTP); it is closed by Close.
 func (d *Chain) Client() *ethclient.Client { return d.client }

@@ -1,0 +1,39 @@
+#!/bin/bash
+# Measures a Caddy binary from outside, as docs/BENCHMARKS.md reports it: one fresh Caddy with an embedded dev
+# chain (scripts/bench/Caddyfile: a free route, a paid route settling after the upstream, the same settling
+# async, and the facilitator), loaded by `caddy x402 bench` (another process) at concurrency 1, 8 and 32, and
+# POST /facilitator/verify loaded by wrk at 8 connections with 200 distinct valid bodies of one payer.
+#
+#   go build -o /tmp/caddy ./cmd/caddy && scripts/bench/run.sh /tmp/caddy /tmp/bench-out && scripts/bench/summary.py /tmp/bench-out
+#
+# Needs wrk (Debian: apt-get install wrk) and python3; uses ports 18080, 18545 and 12019 on 127.0.0.1. The bench
+# client is the binary given, so two binaries compared are loaded by their own `caddy x402 bench`.
+set -eu
+BIN=$1; D=$2; HERE=$(cd "$(dirname "$0")" && pwd); ROOT=$(cd "$HERE/../.." && pwd)
+rm -rf "$D"; mkdir -p "$D"
+X402_BENCH_SITE=$ROOT/examples/site XDG_DATA_HOME=$D/data XDG_CONFIG_HOME=$D/cfg TMPDIR=$D \
+	"$BIN" run --config "$HERE/Caddyfile" > "$D/caddy.log" 2>&1 &
+PID=$!
+trap 'kill -INT $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
+for i in $(seq 1 150); do curl -s -o /dev/null http://127.0.0.1:18080/ && break; sleep 0.2; done
+B="$BIN x402 bench --dev --rpc http://127.0.0.1:18545 --json"
+$B -c 1 -n 20 http://127.0.0.1:18080/paid/index.html > /dev/null 2>&1 # warm-up (and the demo payer's Permit2 approval)
+for c in 1 8 32; do
+	n=$((c == 1 ? 300 : (c == 8 ? 1000 : 2000)))
+	$B -c $c -n $n http://127.0.0.1:18080/free/index.html > "$D/free-c$c.json" 2>/dev/null
+	for route in sync:paid async:async; do
+		name=${route%%:*}; path=${route##*:}
+		a=$(wc -l < "$D/caddy.log")
+		$B -c $c -n $n "http://127.0.0.1:18080/$path/index.html" > "$D/$name-c$c.json" 2>/dev/null
+		b=$(wc -l < "$D/caddy.log")
+		sed -n "$((a + 1)),${b}p" "$D/caddy.log" > "$D/$name-c$c.log" # the gate's log lines of this run
+	done
+	curl -s http://127.0.0.1:18080/facilitator/health > "$D/health-after-c$c.json"
+done
+# 200 distinct payments of the demo payer, each as a /verify body
+mkdir -p "$D/bodies"
+for i in $(seq 1 200); do
+	"$BIN" x402 pay --dev --rpc http://127.0.0.1:18545 --sign-only http://127.0.0.1:18080/paid/index.html > "$D/bodies/$i.txt" 2>/dev/null
+done
+python3 "$HERE/verify_lua.py" "$D/bodies" "$HERE/verify.lua.tail" > "$D/verify.lua"
+wrk -t 2 -c 8 -d 10s -s "$D/verify.lua" http://127.0.0.1:18080 > "$D/verify-wrk.txt" 2>&1
