@@ -6,8 +6,9 @@
 #
 #   go build -o /tmp/caddy ./cmd/caddy && scripts/bench/run.sh /tmp/caddy /tmp/bench-out && scripts/bench/summary.py /tmp/bench-out
 #
-# Needs wrk (Debian: apt-get install wrk) and python3; uses ports 18080, 18545 and 12019 on 127.0.0.1. The bench
-# client is the binary given, so two binaries compared are loaded by their own `caddy x402 bench`.
+# Needs wrk (Debian: apt-get install wrk) and python3; uses ports 18080, 18545 and 12019 on 127.0.0.1. The load
+# comes from the binary given, or from X402_BENCH_CLIENT (a binary with `caddy x402 bench`, to load an older
+# Caddy with the same client).
 set -eu
 BIN=$1; D=$2; HERE=$(cd "$(dirname "$0")" && pwd); ROOT=$(cd "$HERE/../.." && pwd)
 rm -rf "$D"; mkdir -p "$D"
@@ -16,7 +17,8 @@ X402_BENCH_SITE=$ROOT/examples/site XDG_DATA_HOME=$D/data XDG_CONFIG_HOME=$D/cfg
 PID=$!
 trap 'kill -INT $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
 for i in $(seq 1 150); do curl -s -o /dev/null http://127.0.0.1:18080/ && break; sleep 0.2; done
-B="$BIN x402 bench --dev --rpc http://127.0.0.1:18545 --json"
+CLIENT=${X402_BENCH_CLIENT:-$BIN}
+B="$CLIENT x402 bench --dev --rpc http://127.0.0.1:18545 --json"
 $B -c 1 -n 20 http://127.0.0.1:18080/paid/index.html > /dev/null 2>&1 # warm-up (and the demo payer's Permit2 approval)
 for c in 1 8 32; do
 	n=$((c == 1 ? 300 : (c == 8 ? 1000 : 2000)))
@@ -33,7 +35,7 @@ done
 # 200 distinct payments of the demo payer, each as a /verify body
 mkdir -p "$D/bodies"
 for i in $(seq 1 200); do
-	"$BIN" x402 pay --dev --rpc http://127.0.0.1:18545 --sign-only http://127.0.0.1:18080/paid/index.html > "$D/bodies/$i.txt" 2>/dev/null
+	"$CLIENT" x402 pay --dev --rpc http://127.0.0.1:18545 --sign-only http://127.0.0.1:18080/paid/index.html > "$D/bodies/$i.txt" 2>/dev/null
 done
 python3 "$HERE/verify_lua.py" "$D/bodies" "$HERE/verify.lua.tail" > "$D/verify.lua"
 wrk -t 2 -c 8 -d 10s -s "$D/verify.lua" http://127.0.0.1:18080 > "$D/verify-wrk.txt" 2>&1
