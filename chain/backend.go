@@ -112,19 +112,22 @@ func (c *RPCClient) Close() {
 	c.transport.CloseIdleConnections()
 }
 
-// headSubscriber is a backend that pushes new heads: a node over WebSocket, or one in this process.
+// headSubscriber is a backend that pushes new heads.
 type headSubscriber interface {
 	SubscribeNewHead(ctx context.Context, ch chan<- *types.Header) (ethereum.Subscription, error)
 }
 
-// errNoHeadPush says no endpoint pushes new heads (HTTP endpoints cannot): callers poll.
-var errNoHeadPush = errors.New("no endpoint pushes new heads")
+// errNoHeadPush says no endpoint pushes new heads: callers poll.
+var errNoHeadPush = errors.New("no node in this process to push new heads")
 
-// SubscribeNewHead subscribes to the new heads of the first endpoint that pushes them.
+// SubscribeNewHead subscribes to the new heads of the first endpoint that is a node in this process
+// (AttachedClient). A node over WebSocket could push them too, but the receipt watcher subscribes each time it
+// starts waiting, and a round trip to a remote node before its first look would delay the settlements it
+// waits for: remote nodes are polled.
 func (f *Failover) SubscribeNewHead(ctx context.Context, ch chan<- *types.Header) (ethereum.Subscription, error) {
 	for _, e := range f.endpoints {
-		if hs, ok := e.backend.(headSubscriber); ok {
-			if sub, err := hs.SubscribeNewHead(ctx, ch); err == nil {
+		if c, ok := e.backend.(*RPCClient); ok && c.attached {
+			if sub, err := c.SubscribeNewHead(ctx, ch); err == nil {
 				return sub, nil
 			}
 		}

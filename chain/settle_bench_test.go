@@ -109,7 +109,7 @@ func BenchmarkSustainedSettlement(b *testing.B) {
 }
 
 // approve has owner allow spender to move all its dev tokens, and waits for the receipt.
-func approve(b *testing.B, client *ethclient.Client, dc *devchain.Chain, owner *ecdsa.PrivateKey, spender common.Address) {
+func approve(b testing.TB, client *ethclient.Client, dc *devchain.Chain, owner *ecdsa.PrivateKey, spender common.Address) {
 	b.Helper()
 	ctx := context.Background()
 	data, err := contracts.StableCoinABI.Pack("approve", spender, new(big.Int).Lsh(big.NewInt(1), 255))

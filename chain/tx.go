@@ -401,8 +401,8 @@ func (rw *receiptWatcher) loop() {
 	unscanned := false
 	ticker := time.NewTicker(rw.poll)
 	defer ticker.Stop()
-	// A node that pushes new heads (one in this process, or over WebSocket) starts a round as soon as a block
-	// comes; the poll stays, for a head the subscription loses.
+	// A node in this process pushes its new heads: a round starts as soon as a block comes. The poll stays, for
+	// a head the subscription loses.
 	var heads chan *types.Header
 	var subErr <-chan error
 	if hs, ok := rw.backend.(headSubscriber); ok {

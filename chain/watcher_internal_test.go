@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
 
@@ -207,4 +208,81 @@ func TestTheReceiptWatcherFindsATransactionMinedInABlockItSkipped(t *testing.T) 
 		t.Fatalf("got the receipt of %s, want %s", r.TxHash, tx.Hash())
 	}
 	t.Logf("found after %v", time.Since(start).Round(time.Millisecond))
+}
+
+// pushingBackend pushes the heads a test hands it, as a node in this process does.
+type pushingBackend struct {
+	Backend
+	mu   sync.Mutex
+	subs []chan<- *types.Header
+}
+
+type pushedSub struct{ err chan error }
+
+func (s pushedSub) Unsubscribe()      {}
+func (s pushedSub) Err() <-chan error { return s.err }
+
+func (p *pushingBackend) SubscribeNewHead(_ context.Context, ch chan<- *types.Header) (ethereum.Subscription, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.subs = append(p.subs, ch)
+	return pushedSub{err: make(chan error)}, nil
+}
+
+func (p *pushingBackend) push(h *types.Header) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, ch := range p.subs {
+		select {
+		case ch <- h:
+		default:
+		}
+	}
+}
+
+// TestTheReceiptWatcherLooksAgainAsSoonAsANodeInThisProcessPushesANewHead: a transaction mined after the
+// watcher's first look is found when the node pushes the block's head, not a poll (a minute here) or the 2 s
+// rescue later.
+func TestTheReceiptWatcherLooksAgainAsSoonAsANodeInThisProcessPushesANewHead(t *testing.T) {
+	c := chaintest.New(t)
+	pb := &pushingBackend{Backend: c.Client}
+	rw := newReceiptWatcher(pb, time.Minute)
+	tx, err := c.SendTx(context.Background(), c.Payers[0], &c.Deployer.Address, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_, err := rw.wait(ctx, true, tx.Hash())
+		got <- err
+	}()
+	for subscribed, deadline := false, time.Now().Add(5*time.Second); !subscribed; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the watcher did not subscribe to the pushed heads of a node that pushes them")
+		}
+		pb.mu.Lock()
+		subscribed = len(pb.subs) > 0
+		pb.mu.Unlock()
+	}
+	time.Sleep(50 * time.Millisecond) // the first look is done: the transaction is not mined yet
+	c.Commit()
+	head, err := c.Client.HeaderByNumber(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	pb.push(head)
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatalf("waiting for the receipt: %v", err)
+		}
+		if took := time.Since(start); took > time.Second {
+			t.Fatalf("found %s after the head was pushed: by the rescue, not the push", took)
+		}
+	case <-time.After(1500 * time.Millisecond):
+		t.Fatal("the receipt was not found within 1.5 s of the pushed head (the rescue comes at 2 s, the poll at 1 min)")
+	}
 }
