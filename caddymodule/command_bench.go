@@ -296,7 +296,7 @@ func runBench(ctx context.Context, o benchOptions, stdout, stderr io.Writer) err
 	client := benchClient(o.Concurrency, o.Timeout)
 	defer client.CloseIdleConnections()
 
-	first, firstBody, err := benchProbe(ctx, client, o.HTTPMethod, target.String())
+	first, firstBody, err := fetch(ctx, client, o.HTTPMethod, target.String(), "", "") // the first request, unpaid
 	if err != nil {
 		return err
 	}
@@ -388,24 +388,6 @@ func runBench(ctx context.Context, o benchOptions, stdout, stderr io.Writer) err
 		return err
 	}
 	return mismatch
-}
-
-// benchProbe sends the first request, without payment, and reads its body.
-func benchProbe(ctx context.Context, client *http.Client, method, u string) (*http.Response, []byte, error) {
-	r, err := http.NewRequestWithContext(ctx, method, u, nil)
-	if err != nil {
-		return nil, nil, fmt.Errorf("building the request: %w", err)
-	}
-	resp, err := client.Do(r)
-	if err != nil {
-		return nil, nil, fmt.Errorf("requesting %s: %w", r.URL.Redacted(), err)
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxPrintedBody))
-	if err != nil {
-		return nil, nil, fmt.Errorf("reading the answer of %s: %w", r.URL.Redacted(), err)
-	}
-	return resp, body, nil
 }
 
 // prepareBenchPayments chooses the requirement to pay, checks the payer can pay o.Requests of it, and signs

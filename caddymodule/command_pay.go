@@ -66,7 +66,7 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 		client = &http.Client{}
 	}
 
-	first, firstBody, err := fetch(ctx, client, target.String(), "", "")
+	first, firstBody, err := fetch(ctx, client, http.MethodGet, target.String(), "", "")
 	if err != nil {
 		return err
 	}
@@ -106,16 +106,16 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 	// attached, which would hand a signed payment to another host.
 	noRedirect := *client
 	noRedirect.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
-	resp, body, err := fetch(ctx, &noRedirect, first.Request.URL.String(), pay.Header, pay.Value)
+	resp, body, err := fetch(ctx, &noRedirect, http.MethodGet, first.Request.URL.String(), pay.Header, pay.Value)
 	if err != nil {
 		return err
 	}
 	return printAnswer(stdout, stderr, resp, body)
 }
 
-// fetch GETs u, with the payment header when name is set, and reads the body.
-func fetch(ctx context.Context, client *http.Client, u, name, value string) (*http.Response, []byte, error) {
-	r, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+// fetch sends method to u, with the payment header when name is set, and reads the body (as much of it as is printed).
+func fetch(ctx context.Context, client *http.Client, method, u, name, value string) (*http.Response, []byte, error) {
+	r, err := http.NewRequestWithContext(ctx, method, u, nil)
 	if err != nil {
 		return nil, nil, fmt.Errorf("building the request: %w", err)
 	}

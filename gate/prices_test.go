@@ -14,6 +14,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/gate"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -65,11 +66,9 @@ func TestAGateWithOffersForOffersAndMatchesEachRequestAtItsOwnPrice(t *testing.T
 
 	p.amount.Store(5_000)
 	a := e.get(x402.HeaderPaymentSignature, header)
-	if a.status != http.StatusPaymentRequired || !strings.HasPrefix(requiredErrorOf(t, a), x402.ReasonValueMismatch) {
-		t.Fatalf("a payment of 1000 where 5000 is asked = %d %q, want 402 %s", a.status, a.body, x402.ReasonValueMismatch)
-	}
-	if lost, gained := e.paid(payer, before); lost.Sign() != 0 || gained.Sign() != 0 || e.served.Load() != 0 {
-		t.Fatalf("refused payment moved %s/%s and reached the upstream %d times", lost, gained, e.served.Load())
+	refusedForItsPrice(t, e, a, payer, before, "a payment of 1000 where 5000 is asked")
+	if e.served.Load() != 0 {
+		t.Fatalf("a refused payment reached the upstream %d times", e.served.Load())
 	}
 
 	p.amount.Store(1_000)
@@ -126,12 +125,7 @@ func TestWithinPriceGraceAPaymentAtTheEarlierPriceIsTakenAndPastItRefused(t *tes
 	p.offset.Store(int64(2*time.Second + time.Millisecond))
 	before = e.balances(payer)
 	a := e.get(x402.HeaderPaymentSignature, second)
-	if a.status != http.StatusPaymentRequired || !strings.HasPrefix(requiredErrorOf(t, a), x402.ReasonValueMismatch) {
-		t.Fatalf("a payment at the earlier price past the grace = %d %q, want 402 %s", a.status, a.body, x402.ReasonValueMismatch)
-	}
-	if lost, gained := e.paid(payer, before); lost.Sign() != 0 || gained.Sign() != 0 {
-		t.Fatalf("a refused payment moved %s/%s", lost, gained)
-	}
+	refusedForItsPrice(t, e, a, payer, before, "a payment at the earlier price past the grace")
 }
 
 func TestWithoutPriceGraceAPaymentAtTheEarlierPriceIsRefused(t *testing.T) {
@@ -142,11 +136,9 @@ func TestWithoutPriceGraceAPaymentAtTheEarlierPriceIsRefused(t *testing.T) {
 	before := e.balances(payer)
 	p.amount.Store(5_000)
 	a := e.get(x402.HeaderPaymentSignature, header)
-	if a.status != http.StatusPaymentRequired || !strings.HasPrefix(requiredErrorOf(t, a), x402.ReasonValueMismatch) {
-		t.Fatalf("a payment at the earlier price = %d %q, want 402 %s", a.status, a.body, x402.ReasonValueMismatch)
-	}
-	if lost, gained := e.paid(payer, before); lost.Sign() != 0 || gained.Sign() != 0 || e.served.Load() != 0 {
-		t.Fatalf("a refused payment moved %s/%s, upstream reached %d times", lost, gained, e.served.Load())
+	refusedForItsPrice(t, e, a, payer, before, "a payment at the earlier price")
+	if e.served.Load() != 0 {
+		t.Fatalf("a refused payment reached the upstream %d times", e.served.Load())
 	}
 }
 
@@ -158,4 +150,16 @@ func requiredErrorOf(t *testing.T, a answer) string {
 		t.Fatalf("decoding PAYMENT-REQUIRED of %d %q: %v", a.status, a.body, err)
 	}
 	return pr.Error
+}
+
+// refusedForItsPrice checks that a, the answer to payer's payment, refuses it for its amount (402,
+// value mismatch) and that nothing moved since before.
+func refusedForItsPrice(t *testing.T, e *env, a answer, payer *chaintest.Account, before [2]*big.Int, what string) {
+	t.Helper()
+	if a.status != http.StatusPaymentRequired || !strings.HasPrefix(requiredErrorOf(t, a), x402.ReasonValueMismatch) {
+		t.Fatalf("%s = %d %q, want 402 %s", what, a.status, a.body, x402.ReasonValueMismatch)
+	}
+	if lost, gained := e.paid(payer, before); lost.Sign() != 0 || gained.Sign() != 0 {
+		t.Fatalf("%s was refused but moved %s/%s", what, lost, gained)
+	}
 }
