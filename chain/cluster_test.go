@@ -25,11 +25,17 @@ func sharedEnginesOn(t *testing.T, dsn string, n int, leaseTTL time.Duration, o 
 	t.Helper()
 	var stores []*journal.PostgresStore
 	var nc chain.NetworkConfig
-	o.tune = func(_ *fixture, c *chain.NetworkConfig) { nc = *c }
+	tune := o.tune
+	o.tune = func(fx *fixture, c *chain.NetworkConfig) {
+		if tune != nil {
+			tune(fx, c)
+		}
+		nc = *c
+	}
 	fx := newFixture(t, o)
 	var engines []*chain.Facilitator
 	for range n {
-		st, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})
+		st, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{InstanceTTL: o.instanceTTL})
 		if err != nil {
 			t.Fatal(err)
 		}

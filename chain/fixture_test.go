@@ -40,6 +40,7 @@ type fixtureOpts struct {
 	autoCommit     time.Duration // 0: commit every 5ms; negative: never (tests commit by hand)
 	tune           func(*fixture, *chain.NetworkConfig)
 	configure      func(*chain.Config)
+	instanceTTL    time.Duration // of each store sharedEnginesOn opens; 0: the store's default
 }
 
 func newFixture(t testing.TB, o fixtureOpts) *fixture {

@@ -42,11 +42,11 @@ func (j *outageJournal) Update(ctx context.Context, id journal.ID, fn func(*jour
 	return j.Store.Update(ctx, id, fn)
 }
 
-func (j *outageJournal) Release(ctx context.Context, id journal.ID) error {
+func (j *outageJournal) Release(ctx context.Context, claim journal.Record) error {
 	if j.down.Load() {
 		return errOutage
 	}
-	return j.Store.Release(ctx, id)
+	return j.Store.Release(ctx, claim)
 }
 
 func (j *outageJournal) ReleaseUnsent(ctx context.Context, id journal.ID, tx string) error {

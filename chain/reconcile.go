@@ -66,7 +66,7 @@ func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
 		switch rec.State {
 		case journal.StateClaimed:
 			if rec.Owner != f.owner || tookOver {
-				if err := f.journal.Release(ctx, rec.ID); err != nil && !errors.Is(err, journal.ErrNotReleasable) {
+				if err := f.journal.Release(ctx, rec); err != nil && !errors.Is(err, journal.ErrNotReleasable) {
 					return err
 				}
 				f.log.Info("released a settlement claim left by an earlier process; nothing had been broadcast", zap.String("payment", rec.ID.String()))
@@ -246,6 +246,9 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 	if ref == nil && p.id != rec.ID {
 		return fmt.Errorf("payment %s: its recorded request belongs to payment %s", rec.ID, p.id)
 	}
+	if ref == nil {
+		p.claim = rec
+	}
 	var hash common.Hash
 	var err error
 	if ref == nil && p.method == x402.TransferERC2612 {
@@ -347,7 +350,9 @@ func (f *Facilitator) releaseAbandonedClaim(ctx context.Context, rec journal.Rec
 	}
 	// Only this process's settlements change a claim of its own that it still lives to hold, and none is working
 	// on this one: it stays as read until released here.
-	if err := f.journal.Release(ctx, rec.ID); err != nil && !errors.Is(err, journal.ErrNotReleasable) {
+	if err := f.journal.Release(ctx, cur); errors.Is(err, journal.ErrNotReleasable) {
+		return nil
+	} else if err != nil {
 		return err
 	}
 	f.log.Warn("released a settlement claim that its settlement could not release; nothing had been broadcast, the payment may be presented again",

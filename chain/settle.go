@@ -21,6 +21,20 @@ import (
 // process: nothing is on its way, the payer may present the payment again.
 var errNotSent = errors.New("the settlement transaction could not be sent")
 
+// errClaimLost marks a settlement whose claim of the payment is no longer the journal's record of it: another
+// instance took the payment over while this one looked dead to it (its heartbeat lapsed, say while the
+// journal's database was down), and released or settled it. Nothing was sent by this settlement: the write that
+// makes a record broadcast checks the claim in the same transaction, before any transaction leaves.
+var errClaimLost = errors.New("the payment's claim was taken over by another instance")
+
+// checkClaim refuses, with errClaimLost, a write to the record r of payment p that is no longer p's claim.
+func checkClaim(p *payment, r *journal.Record) error {
+	if r.Owner != p.claim.Owner || !r.ClaimedAt.Equal(p.claim.ClaimedAt) {
+		return fmt.Errorf("%w (the record is %s's, claimed at %s)", errClaimLost, r.Owner, r.ClaimedAt.Format(time.RFC3339Nano))
+	}
+	return nil
+}
+
 // markSending flags a payment whose transactions are being signed and sent, which reconciliation must not touch.
 func (f *Facilitator) markSending(id journal.ID, on bool) {
 	f.flightMu.Lock()
@@ -121,6 +135,7 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 		}
 		return f.answerFromJournal(ctx, p, req, rec)
 	}
+	p.claim = rec
 	var resp x402.SettleResponse
 	var keep bool
 	if p.upto() && p.amount.Sign() == 0 {
@@ -128,14 +143,45 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 	} else {
 		resp, keep, err = f.broadcastAndWait(ctx, p)
 	}
+	if errors.Is(err, errClaimLost) {
+		// The record is another settlement's now (or gone): it says what became of the payment.
+		p.net.funds.let(p.id)
+		return f.answerAfterLostClaim(ctx, p, req, err)
+	}
 	if !keep {
 		p.net.funds.let(p.id)
 		// Nothing left the process: the payer may try again (after topping up, say).
-		if relErr := f.journal.Release(context.WithoutCancel(ctx), p.id); relErr != nil {
+		relErr := f.journal.Release(context.WithoutCancel(ctx), p.claim)
+		switch {
+		case errors.Is(relErr, journal.ErrNotReleasable):
+			// The claim is not this settlement's any more: another instance took it over while this one looked
+			// dead, and may have settled the payment (which a refusal here, "nonce already used", would deny).
+			return f.answerAfterLostClaim(ctx, p, req, fmt.Errorf("%w: %w", errClaimLost, relErr))
+		case relErr != nil:
 			f.log.Error("releasing a settlement claim that sent nothing", zap.String("payment", p.id.String()), zap.Error(relErr))
 		}
 	}
 	return resp, err
+}
+
+// answerAfterLostClaim answers a settlement whose claim was taken over before it sent anything (lost, which
+// says so) from the journal's record of the payment as it is now: another settlement's claim, broadcast or
+// final answer. With no record left (taken over and released), nothing was sent by anyone: the payer is told to
+// present the payment again, never that it failed.
+func (f *Facilitator) answerAfterLostClaim(ctx context.Context, p *payment, req x402.SettleRequest, lost error) (x402.SettleResponse, error) {
+	f.log.Warn("a settlement's claim was taken over by another instance before it sent anything; answering from the journal",
+		zap.String("payment", p.id.String()), zap.Error(lost))
+	rec, ok, err := f.journal.Get(ctx, p.id)
+	switch {
+	case err != nil:
+		return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("settlement journal: %w", err)}
+	case !ok:
+		return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable,
+			Err: fmt.Errorf("nothing was sent: %w, which released it; present the payment again", lost)}
+	case !f.recordedSame(p, rec):
+		return failed(p.net.caip2, p.payer.Hex(), "", reused(p)), nil
+	}
+	return f.answerFromJournal(ctx, p, req, rec)
 }
 
 // broadcastAndWait re-checks the payment, sends its settlement and waits for the receipt. keep says whether
@@ -143,6 +189,8 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 func (f *Facilitator) broadcastAndWait(ctx context.Context, p *payment) (x402.SettleResponse, bool, error) {
 	hash, ref, err := f.broadcast(ctx, p)
 	switch {
+	case errors.Is(err, errClaimLost):
+		return x402.SettleResponse{}, false, err
 	case errors.Is(err, errNotSent):
 		return failed(p.net.caip2, p.payer.Hex(), "", refuse(x402.ReasonUnexpectedSettleError, "%v", err)), false, nil
 	case err != nil:
@@ -177,9 +225,14 @@ func (f *Facilitator) settleNothing(ctx context.Context, p *payment) (x402.Settl
 	}
 	resp := x402.SettleResponse{Success: true, Network: n.caip2, Payer: p.payer.Hex(), Amount: "0"}
 	if _, err := f.journal.Update(context.WithoutCancel(ctx), p.id, func(r *journal.Record) error {
+		if err := checkClaim(p, r); err != nil {
+			return err
+		}
 		r.State, r.Response = journal.StateFinal, &resp
 		return nil
-	}); err != nil {
+	}); errors.Is(err, errClaimLost) || errors.Is(err, journal.ErrNotFound) {
+		return x402.SettleResponse{}, false, fmt.Errorf("%w: %w", errClaimLost, err)
+	} else if err != nil {
 		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("settlement journal: %w", err)}
 	}
 	n.funds.let(p.id)
@@ -248,6 +301,9 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 		first := !seen
 		seen = true
 		_, err := f.recordSigned(context.WithoutCancel(ctx), n, w, p.id, func(r *journal.Record) error {
+			if err := checkClaim(p, r); err != nil {
+				return err
+			}
 			if first && r.State == journal.StateBroadcast && r.TxHash != "" {
 				sentBefore = true
 				if !slices.Contains(r.ReplacedTxHashes, r.TxHash) {
@@ -286,6 +342,10 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 				// Kept, it would be sent by reconciliation: the payer must not be told it was not sent.
 				return common.Hash{}, nil, fmt.Errorf("the node refused the settlement transaction (%v) and the journal could not forget it: %w", err, rerr)
 			}
+		} else if errors.Is(err, errClaimLost) || errors.Is(err, journal.ErrNotFound) {
+			// Taken over by another instance, which released the claim or claimed the payment again: this
+			// settlement sent nothing, and must not release what is now another's.
+			return common.Hash{}, nil, fmt.Errorf("%w: %w", errClaimLost, err)
 		} else if errors.Is(err, journal.ErrUnavailable) || errors.Is(err, journal.ErrFenced) {
 			// The journal's database could not be reached to record the transaction, or the wallet's lease was
 			// lost: nothing was sent, and nothing is wrong with the payment. An error, not a refusal: the payer is told to present it again, not that

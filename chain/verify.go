@@ -69,8 +69,11 @@ type payment struct {
 	auth       transferAuthorization // eip3009
 	sponsor    *sponsorPermit        // permit2 with eip2612GasSponsoring; nil when absent or unneeded (the approval covers)
 	id         journal.ID
-	digest     common.Hash   // what the payer signed
-	head       *types.Header // the head block checkTime read chain time from; nil when it could not be read
+	// claim is the payment's journal record as this settlement claimed it (or, settling it again, as
+	// reconciliation read it): its writes go to that claim only, never to a claim made since by another.
+	claim  journal.Record
+	digest common.Hash   // what the payer signed
+	head   *types.Header // the head block checkTime read chain time from; nil when it could not be read
 	// maxTimeout is the requirements' maxTimeoutSeconds: the deadline may lie no further beyond chain time.
 	maxTimeout int64
 	// permitApplied (erc2612) says a permit transaction of this very settlement mined: the permit nonce it spent

@@ -63,6 +63,9 @@ func startProgram(t *testing.T, name, dir string, env []string, bin string, args
 		}
 		if t.Failed() {
 			t.Logf("--- output of %s (pid %d), last lines:\n%s", name, p.cmd.Process.Pid, lastLines(p.out.String(), 60))
+			if dir := os.Getenv("X402_E2E_LOGS"); dir != "" {
+				keepOutput(t, dir, name, p)
+			}
 		}
 	})
 	return p
@@ -76,6 +79,21 @@ func ownTempDir(t *testing.T, env []string) []string {
 		env = os.Environ()
 	}
 	return append(slices.Clip(env), "TMPDIR="+t.TempDir())
+}
+
+// keepOutput writes the whole output of a failed test's process to a file under dir (X402_E2E_LOGS), where the
+// last lines logged are not enough to follow one payment through it.
+func keepOutput(t *testing.T, dir, name string, p *process) {
+	file := filepath.Join(dir, fmt.Sprintf("%s-%s-%d.log", strings.NewReplacer("/", "_", " ", "_").Replace(t.Name()), strings.ReplaceAll(name, " ", "_"), p.cmd.Process.Pid))
+	err := os.MkdirAll(dir, 0o755)
+	if err == nil {
+		err = os.WriteFile(file, []byte(p.out.String()), 0o644)
+	}
+	if err != nil {
+		t.Logf("keeping the whole output of %s: %v", name, err)
+		return
+	}
+	t.Logf("the whole output of %s is in %s", name, file)
 }
 
 // running reports whether the process has not exited yet.

@@ -565,9 +565,9 @@ func (s *BoltStore) MarkServed(ctx context.Context, id ID, at time.Time) error {
 }
 
 // Release implements Store.
-func (s *BoltStore) Release(ctx context.Context, id ID) error {
+func (s *BoltStore) Release(ctx context.Context, claim Record) error {
 	var opErr error
-	err := s.write(ctx, func(t *boltTxn) { opErr = releaseIn(t, id) })
+	err := s.write(ctx, func(t *boltTxn) { opErr = releaseIn(t, claim) })
 	if err == nil {
 		err = opErr
 	}

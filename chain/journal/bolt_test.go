@@ -217,7 +217,7 @@ func TestBoltHelperProcessWritesUntilKilled(t *testing.T) {
 				report("claimed", r.ID)
 				if i%5 == 4 {
 					report("releasing", r.ID)
-					if err := s.Release(ctx, r.ID); err != nil {
+					if err := s.Release(ctx, r); err != nil {
 						fmt.Println("error release", err)
 						os.Exit(2)
 					}

@@ -129,12 +129,12 @@ func (s *MemoryStore) MarkServed(ctx context.Context, id ID, at time.Time) error
 }
 
 // Release implements Store.
-func (s *MemoryStore) Release(ctx context.Context, id ID) error {
+func (s *MemoryStore) Release(ctx context.Context, claim Record) error {
 	if err := s.lock(ctx); err != nil {
 		return err
 	}
 	defer s.mu.Unlock()
-	return releaseIn(memTxn{s}, id)
+	return releaseIn(memTxn{s}, claim)
 }
 
 // ReleaseUnsent implements Store.

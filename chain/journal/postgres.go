@@ -165,19 +165,29 @@ func redact(msg, secret string) string {
 // Instance implements Cluster.
 func (s *PostgresStore) Instance() string { return s.instance }
 
-// heartbeat keeps this instance alive until Close.
+// heartbeat keeps this instance alive until Close. A beat that fails (the database down, restarting, or a
+// pooled connection it closed) is tried again soon, not a third of the TTL later: after an outage of a few
+// seconds, the instance would otherwise look dead to the others for want of a beat, and they would take over
+// its marks and its settlements while it still works on them.
 func (s *PostgresStore) heartbeat() {
 	defer close(s.beatDone)
-	tick := time.NewTicker(max(s.ttl/3, time.Millisecond))
-	defer tick.Stop()
+	every := max(s.ttl/3, time.Millisecond)
+	retry := max(min(every/10, 250*time.Millisecond), time.Millisecond)
+	t := time.NewTimer(every)
+	defer t.Stop()
 	for {
 		select {
 		case <-s.stopBeat:
 			return
-		case <-tick.C:
-			ctx, cancel := context.WithTimeout(context.Background(), s.ttl/3)
-			s.beat(ctx) // a missed beat is tried again at the next tick; missing them for the TTL is what dying means
+		case <-t.C:
+			ctx, cancel := context.WithTimeout(context.Background(), every)
+			err := s.beat(ctx)
 			cancel()
+			if err != nil {
+				t.Reset(retry)
+			} else {
+				t.Reset(every)
+			}
 		}
 	}
 }
@@ -249,6 +259,7 @@ func (s *PostgresStore) fail(caller context.Context, op string, err error) error
 		return err
 	}
 	if unavailable(err) {
+		s.dropConnsIfServerWentAway(err)
 		msg := redact(fmt.Sprintf("%v: postgres %s: %v", ErrUnavailable, op, err), s.secret)
 		return &dbError{msg: msg, cause: []error{ErrUnavailable, err}}
 	}
@@ -347,6 +358,29 @@ func (s *PostgresStore) txOnce(ctx context.Context, fn func(pgx.Tx) error) error
 		return commitError{err}
 	}
 	return nil
+}
+
+// read runs a read, and once more when the connection it ran on broke or could not be had: a pooled connection
+// the server closed (after a restart, every idle connection of the pool is one) fails the first call made on
+// it. A read changes nothing, so repeating it is always safe.
+func (s *PostgresStore) read(ctx context.Context, fn func() error) error {
+	err := fn()
+	if err != nil && unavailable(err) && ctx.Err() == nil {
+		s.dropConnsIfServerWentAway(err)
+		err = fn()
+	}
+	return err
+}
+
+// dropConnsIfServerWentAway closes every pooled connection when err says the server closed the one it came on
+// (shut down, restarted, or the connection reset): the others were opened to the same server and are as dead,
+// and each would otherwise fail the next call made on it.
+func (s *PostgresStore) dropConnsIfServerWentAway(err error) {
+	var pe *pgconn.PgError
+	if (errors.As(err, &pe) && (pe.Code == "57P01" || pe.Code == "57P02")) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) {
+		s.pool.Reset()
+	}
 }
 
 // retrySafe runs one statement, and once more when it failed before anything reached the server.
@@ -552,7 +586,12 @@ func (s *PostgresStore) Get(ctx context.Context, id ID) (Record, bool, error) {
 		return Record{}, false, err
 	}
 	defer cancel()
-	r, ok, err := getRow(rctx, s.pool, id, false)
+	var r Record
+	var ok bool
+	err = s.read(rctx, func() (err error) {
+		r, ok, err = getRow(rctx, s.pool, id, false)
+		return err
+	})
 	return r, ok, s.fail(ctx, "get", err)
 }
 
@@ -614,13 +653,13 @@ func (s *PostgresStore) MarkServed(ctx context.Context, id ID, at time.Time) err
 }
 
 // Release implements Store.
-func (s *PostgresStore) Release(ctx context.Context, id ID) error {
+func (s *PostgresStore) Release(ctx context.Context, claim Record) error {
 	wctx, cancel, err := s.begin(ctx, true)
 	if err != nil {
 		return err
 	}
 	defer cancel()
-	return s.fail(ctx, "release", s.inTx(wctx, func(tx pgx.Tx) error { return releaseIn(pgTxn{wctx, tx}, id) }))
+	return s.fail(ctx, "release", s.inTx(wctx, func(tx pgx.Tx) error { return releaseIn(pgTxn{wctx, tx}, claim) }))
 }
 
 // ReleaseUnsent implements Store.
@@ -649,26 +688,35 @@ func (s *PostgresStore) pending(ctx context.Context, sql string, args ...any) ([
 		return nil, err
 	}
 	defer cancel()
-	rows, err := s.pool.Query(rctx, sql, args...)
+	var out []Record
+	var damaged error
+	err = s.read(rctx, func() error {
+		out = out[:0]
+		rows, err := s.pool.Query(rctx, sql, args...)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var id, data []byte
+			var served *int64
+			if err := rows.Scan(&id, &data, &served); err != nil {
+				return err
+			}
+			r, err := decodeRow(id, data, served)
+			if err != nil {
+				damaged = err
+				return nil
+			}
+			out = append(out, r)
+		}
+		return rows.Err()
+	})
 	if err != nil {
 		return nil, s.fail(ctx, "pending", err)
 	}
-	defer rows.Close()
-	var out []Record
-	for rows.Next() {
-		var id, data []byte
-		var served *int64
-		if err := rows.Scan(&id, &data, &served); err != nil {
-			return nil, s.fail(ctx, "pending", err)
-		}
-		r, err := decodeRow(id, data, served)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, r)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, s.fail(ctx, "pending", err)
+	if damaged != nil {
+		return nil, damaged
 	}
 	// The database sorted by the clamped claim time; records claimed at times an int64 of nanoseconds cannot
 	// hold sort as the other stores sort them.
@@ -722,7 +770,7 @@ func (s *PostgresStore) count(ctx context.Context, sql string, args ...any) (int
 	}
 	defer cancel()
 	var n int64
-	if err := s.pool.QueryRow(rctx, sql, args...).Scan(&n); err != nil {
+	if err := s.read(rctx, func() error { return s.pool.QueryRow(rctx, sql, args...).Scan(&n) }); err != nil {
 		return 0, s.fail(ctx, "count", err)
 	}
 	return int(n), nil
@@ -739,7 +787,9 @@ func (s *PostgresStore) Alive(ctx context.Context, owner string) (bool, error) {
 		return true, nil
 	}
 	var alive bool
-	err = s.pool.QueryRow(rctx, `SELECT EXISTS (SELECT 1 FROM x402_instances WHERE token = $1 AND expires_at > now())`, owner).Scan(&alive)
+	err = s.read(rctx, func() error {
+		return s.pool.QueryRow(rctx, `SELECT EXISTS (SELECT 1 FROM x402_instances WHERE token = $1 AND expires_at > now())`, owner).Scan(&alive)
+	})
 	return alive, s.fail(ctx, "alive", err)
 }
 

@@ -478,13 +478,47 @@ func TestPostgresHoldRules(t *testing.T) {
 	}
 }
 
+// TestPostgresAnInstanceBeatsAgainAsSoonAsItsDatabaseIsBack: a heartbeat missed while the database was down is
+// tried again within a fraction of a second, not at the next regular beat a third of the TTL later; an instance
+// whose database comes back after a few seconds must not look dead to the others for want of a beat (they
+// would take over its settlements while it still works on them).
+func TestPostgresAnInstanceBeatsAgainAsSoonAsItsDatabaseIsBack(t *testing.T) {
+	srv := pgtest.Start(t)
+	ctx := context.Background()
+	const ttl = 10 * time.Second // beats every 3.3 s
+	s := openPostgres(t, srv.DSN(), Options{InstanceTTL: ttl, OpenTimeout: time.Second})
+	srv.Stop(t)
+	time.Sleep(ttl/3 + 300*time.Millisecond) // at least one beat falls in the outage
+	srv.Restart(t)
+	back := time.Now()
+
+	other := openPostgres(t, srv.DSN(), Options{})
+	for {
+		var left time.Duration
+		err := other.pool.QueryRow(ctx, `SELECT expires_at - now() FROM x402_instances WHERE token = $1`,
+			s.Instance()).Scan(&left)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if left > ttl-time.Second {
+			t.Logf("the instance beat %v after the database was back", time.Since(back).Round(10*time.Millisecond))
+			return
+		}
+		if time.Since(back) > time.Second {
+			t.Fatalf("no beat within a second of the database coming back: the instance's row expires in %v", left)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // TestPostgresUnavailableDuringAnOutage: with the database down every call fails fast with ErrUnavailable,
 // and once it is back the same store works again.
 func TestPostgresUnavailableDuringAnOutage(t *testing.T) {
 	srv := pgtest.Start(t)
 	ctx := context.Background()
 	s := openPostgres(t, srv.DSN(), Options{OpenTimeout: time.Second})
-	first := mustClaim(t, s, claimOf(1)).ID
+	claim := mustClaim(t, s, claimOf(1))
+	first := claim.ID
 	mustClaim(t, s, claimOf(2))
 	srv.Stop(t)
 
@@ -494,7 +528,7 @@ func TestPostgresUnavailableDuringAnOutage(t *testing.T) {
 		"Get":           func() error { _, _, err := s.Get(ctx, first); return err },
 		"Update":        func() error { _, err := s.Update(ctx, first, toBroadcast("0x1")); return err },
 		"MarkServed":    func() error { return s.MarkServed(ctx, first, time.Now()) },
-		"Release":       func() error { return s.Release(ctx, first) },
+		"Release":       func() error { return s.Release(ctx, claim) },
 		"ReleaseUnsent": func() error { return s.ReleaseUnsent(ctx, first, "0x1") },
 		"Pending":       func() error { _, err := s.Pending(ctx); return err },
 		"PendingOf":     func() error { _, err := s.PendingOf(ctx, true); return err },
@@ -614,7 +648,7 @@ func TestPostgresRestartMidLoad(t *testing.T) {
 	ctx := context.Background()
 	s := openPostgres(t, srv.DSN(), Options{OpenTimeout: time.Second})
 	const workers, each = 4, 150
-	var unavailable atomic.Int64
+	var unavailable, done atomic.Int64
 	var wg sync.WaitGroup
 	for w := range workers {
 		wg.Go(func() {
@@ -634,6 +668,7 @@ func TestPostgresRestartMidLoad(t *testing.T) {
 						_, err = s.Update(ctx, r.ID, toBroadcast(fmt.Sprintf("0x%x", w*each+i)))
 					}
 					if err == nil {
+						done.Add(1)
 						break
 					}
 					if !errors.Is(err, ErrUnavailable) || try == 200 {
@@ -646,13 +681,20 @@ func TestPostgresRestartMidLoad(t *testing.T) {
 			}
 		})
 	}
-	time.Sleep(300 * time.Millisecond)
+	// The restart comes while most of the load is still to do, however fast this machine runs it.
+	for done.Load() < workers*each/10 {
+		time.Sleep(time.Millisecond)
+	}
 	srv.Restart(t)
+	restarted := done.Load()
 	wg.Wait()
 	if t.Failed() {
 		return
 	}
-	t.Logf("%d calls failed with ErrUnavailable during the restart", unavailable.Load())
+	t.Logf("%d calls failed with ErrUnavailable during the restart, which came after %d of %d payments", unavailable.Load(), restarted, workers*each)
+	if restarted == workers*each {
+		t.Fatal("the load was over before the database restarted")
+	}
 	pending, err := s.Pending(ctx)
 	if err != nil || len(pending) != workers*each {
 		t.Fatalf("Pending = %d, %v; want %d", len(pending), err, workers*each)

@@ -20,7 +20,9 @@ import (
 type Store interface {
 	// Claim inserts r in state claimed if no record with r.ID exists, and returns it with claimed true.
 	// Otherwise it returns the existing record with claimed false and changes nothing: the later caller of
-	// a payment learns what the first one did (its transaction hash, its final answer).
+	// a payment learns what the first one did (its transaction hash, its final answer). r may instead be in
+	// state final, with its Response: a record whose outcome is decided as it is written (a gate's record of a
+	// payment it settles there and then), written in one go rather than claimed and then made final.
 	Claim(ctx context.Context, r Record) (rec Record, claimed bool, err error)
 	// Get returns the record of id, and whether there is one.
 	Get(ctx context.Context, id ID) (Record, bool, error)
@@ -36,13 +38,15 @@ type Store interface {
 	// record and ErrServed when the payment was marked served already, by MarkServed or by an Update.
 	MarkServed(ctx context.Context, id ID, at time.Time) error
 	// Release deletes a claim that never broadcast, so the payer may try again (after topping up a balance,
-	// say). It refuses a broadcast or final record with ErrNotReleasable; releasing an absent record is a
-	// no-op. Only the claimant should release, and only once.
-	Release(ctx context.Context, id ID) error
+	// say). claim is the claim as Claim returned it or Get read it: the record of claim.ID goes only while it
+	// is still that claim (state claimed, same Owner and ClaimedAt). A broadcast or final record, or a claim
+	// made since (the payment was taken over, released and claimed again, by this process or another), is
+	// refused with ErrNotReleasable; releasing an absent record is a no-op.
+	Release(ctx context.Context, claim Record) error
 	// ReleaseUnsent deletes a broadcast record whose transaction txHash every node it was sent to refused
 	// outright: its claimant knows that nothing of it is on its way, and the payer was told so. A record with
-	// another hash (a later attempt) or a final one is refused with ErrNotReleasable; a claimed one is released
-	// as by Release; an absent one is a no-op.
+	// another hash (a later attempt), a final one, or a claimed one (a claim made since, not the refused
+	// transaction's) is refused with ErrNotReleasable; an absent one is a no-op.
 	ReleaseUnsent(ctx context.Context, id ID, txHash string) error
 	// Pending lists every record that is not final (claimed, broadcast, async payments not yet settled),
 	// oldest claim first: what start-up must reconcile before accepting new work.
@@ -140,9 +144,9 @@ func claimIn(t txn, r Record, now time.Time) (Record, bool, error) {
 	if r.State == "" {
 		r.State = StateClaimed
 	}
-	if r.State != StateClaimed {
-		return Record{}, false, fmt.Errorf("%w: claim of %s must be in state %q, got %q",
-			ErrInvalidUpdate, r.ID, StateClaimed, r.State)
+	if r.State != StateClaimed && r.State != StateFinal {
+		return Record{}, false, fmt.Errorf("%w: claim of %s must be in state %q or %q, got %q",
+			ErrInvalidUpdate, r.ID, StateClaimed, StateFinal, r.State)
 	}
 	if err := r.validate(); err != nil {
 		return Record{}, false, fmt.Errorf("%w: %w", ErrInvalidUpdate, err)
@@ -155,6 +159,9 @@ func claimIn(t txn, r Record, now time.Time) (Record, bool, error) {
 		r.ClaimedAt = now
 	}
 	r.UpdatedAt, r.FinalAt = now, time.Time{}
+	if r.State == StateFinal {
+		r.FinalAt = now
+	}
 	if err := t.put(nil, &r); err != nil {
 		return Record{}, false, err
 	}
@@ -191,13 +198,17 @@ func updateIn(t txn, id ID, fn func(*Record) error, now time.Time) (Record, erro
 }
 
 // releaseIn is Release inside a transaction.
-func releaseIn(t txn, id ID) error {
-	prev, ok, err := t.get(id)
+func releaseIn(t txn, claim Record) error {
+	prev, ok, err := t.get(claim.ID)
 	if err != nil || !ok {
 		return err
 	}
 	if prev.State != StateClaimed {
-		return fmt.Errorf("%w: %s is %q (transaction %s)", ErrNotReleasable, id, prev.State, prev.TxHash)
+		return fmt.Errorf("%w: %s is %q (transaction %s)", ErrNotReleasable, claim.ID, prev.State, prev.TxHash)
+	}
+	if prev.Owner != claim.Owner || !prev.ClaimedAt.Equal(claim.ClaimedAt) {
+		return fmt.Errorf("%w: %s was claimed again since (by %q at %s), not the claim of %q at %s", ErrNotReleasable, claim.ID,
+			prev.Owner, prev.ClaimedAt.Format(time.RFC3339Nano), claim.Owner, claim.ClaimedAt.Format(time.RFC3339Nano))
 	}
 	return t.del(&prev)
 }
@@ -208,10 +219,7 @@ func releaseUnsentIn(t txn, id ID, txHash string) error {
 	if err != nil || !ok {
 		return err
 	}
-	switch {
-	case prev.State == StateClaimed:
-	case prev.State == StateBroadcast && prev.TxHash == txHash:
-	default:
+	if prev.State != StateBroadcast || prev.TxHash != txHash {
 		return fmt.Errorf("%w: %s is %q with transaction %s, not the refused %s", ErrNotReleasable, id, prev.State, prev.TxHash, txHash)
 	}
 	return t.del(&prev)

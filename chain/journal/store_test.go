@@ -229,6 +229,7 @@ func TestStoreClaimRefusesARecordThatIsNotAFreshClaim(t *testing.T) {
 			{"no id", func(r *Record) { r.ID = ID{} }},
 			{"already broadcast", func(r *Record) { r.State, r.TxHash = StateBroadcast, "0x1" }},
 			{"unknown state", func(r *Record) { r.State = "settled" }},
+			{"final without its answer", func(r *Record) { r.State = StateFinal }},
 		} {
 			r := claimOf(2)
 			tc.edit(&r)
@@ -238,6 +239,42 @@ func TestStoreClaimRefusesARecordThatIsNotAFreshClaim(t *testing.T) {
 		}
 		if n, _ := s.Count(context.Background()); n != 0 {
 			t.Fatalf("Count after refused claims = %d, want 0", n)
+		}
+	})
+}
+
+// TestStoreClaimOfAFinalRecordWritesItFinalInOneGo: a record decided as it is written (a gate's record of a
+// payment it settles at once) is claimed final: later claims see it, it is in no backlog, and it is pruned like
+// any final record, once both its finality and its deadline are past.
+func TestStoreClaimOfAFinalRecordWritesItFinalInOneGo(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		clock := newTestClock()
+		s := h.open(t, clock.Now)
+		ctx := context.Background()
+		r := claimOf(30)
+		r.State, r.Response = StateFinal, &x402.SettleResponse{Network: testNetwork, ErrorReason: x402.ReasonSettlementPending}
+		r.Deadline = clock.Now().Add(2 * time.Hour)
+		got, claimed, err := s.Claim(ctx, r)
+		if err != nil || !claimed || got.State != StateFinal || !got.FinalAt.Equal(clock.Now()) {
+			t.Fatalf("Claim of a final record = %+v, %v, %v; want it claimed, final at %s", got, claimed, err, clock.Now())
+		}
+		if again, claimed, err := s.Claim(ctx, claimOf(30)); err != nil || claimed || again.State != StateFinal ||
+			again.Response == nil || again.Response.ErrorReason != x402.ReasonSettlementPending {
+			t.Fatalf("a later Claim = %+v, %v, %v; want the final record, not claimed", again, claimed, err)
+		}
+		if n, _ := s.Backlog(ctx); n != 0 {
+			t.Fatalf("Backlog = %d, want 0: a final record is no one's work", n)
+		}
+		if recs, _ := s.Pending(ctx); len(recs) != 0 {
+			t.Fatalf("Pending lists %d records, want none", len(recs))
+		}
+		clock.Advance(time.Hour)
+		if n, err := s.Prune(ctx, clock.Now()); err != nil || n != 0 {
+			t.Fatalf("Prune before the deadline = %d, %v; want nothing pruned", n, err)
+		}
+		clock.Advance(2 * time.Hour)
+		if n, err := s.Prune(ctx, clock.Now()); err != nil || n != 1 {
+			t.Fatalf("Prune past the deadline = %d, %v; want the record pruned", n, err)
 		}
 	})
 }
@@ -393,30 +430,47 @@ func TestStoreUpdateWritesNothingWhenTheFunctionFails(t *testing.T) {
 
 func TestStoreReleaseDeletesOnlyClaimsThatNeverBroadcast(t *testing.T) {
 	forEachStore(t, func(t *testing.T, h harness) {
-		s := h.open(t, nil)
+		clock := newTestClock()
+		s := h.open(t, clock.Now)
 		ctx := context.Background()
-		claimed := mustClaim(t, s, claimOf(11)).ID
-		broadcast := mustClaim(t, s, claimOf(12)).ID
-		mustUpdate(t, s, broadcast, toBroadcast("0x12"))
-		final := mustClaim(t, s, claimOf(13)).ID
-		mustUpdate(t, s, final, toFinal(true))
+		claimed := mustClaim(t, s, claimOf(11))
+		broadcast := mustClaim(t, s, claimOf(12))
+		mustUpdate(t, s, broadcast.ID, toBroadcast("0x12"))
+		final := mustClaim(t, s, claimOf(13))
+		mustUpdate(t, s, final.ID, toFinal(true))
 
 		if err := s.Release(ctx, claimed); err != nil {
 			t.Fatalf("Release of a claim: %v", err)
 		}
-		if _, ok, _ := s.Get(ctx, claimed); ok {
+		if _, ok, _ := s.Get(ctx, claimed.ID); ok {
 			t.Fatal("released claim is still there")
 		}
-		mustClaim(t, s, claimOf(11)) // the payer may try again
-		for name, id := range map[string]ID{"broadcast": broadcast, "final": final} {
-			if err := s.Release(ctx, id); !errors.Is(err, ErrNotReleasable) {
+		clock.Advance(time.Second)
+		again := mustClaim(t, s, claimOf(11)) // the payer may try again
+		for name, r := range map[string]Record{"broadcast": broadcast, "final": final} {
+			if err := s.Release(ctx, r); !errors.Is(err, ErrNotReleasable) {
 				t.Errorf("Release of a %s record: %v, want ErrNotReleasable", name, err)
 			}
-			if _, ok, _ := s.Get(ctx, id); !ok {
+			if _, ok, _ := s.Get(ctx, r.ID); !ok {
 				t.Errorf("refused Release deleted the %s record", name)
 			}
 		}
-		if err := s.Release(ctx, claimOf(14).ID); err != nil {
+		// A claim made since the one released, and a claim of another process, are not the caller's to release:
+		// the first claimant of a payment that was taken over and claimed again must not delete the new claim.
+		taken := mustClaim(t, s, claimOf(20))
+		mustUpdate(t, s, taken.ID, func(r *Record) error { r.Owner = "process-b"; return nil })
+		for name, r := range map[string]Record{"released and claimed again since": claimed, "taken over by another process": taken} {
+			if err := s.Release(ctx, r); !errors.Is(err, ErrNotReleasable) {
+				t.Errorf("Release of a claim %s: %v, want ErrNotReleasable", name, err)
+			}
+			if got, ok, _ := s.Get(ctx, r.ID); !ok || got.State != StateClaimed {
+				t.Errorf("Release of a claim %s deleted the claim there now: %+v, %v", name, got, ok)
+			}
+		}
+		if err := s.Release(ctx, again); err != nil {
+			t.Fatalf("Release of the claim made again: %v", err)
+		}
+		if err := s.Release(ctx, claimOf(14)); err != nil {
 			t.Fatalf("Release of an absent id: %v, want nil", err)
 		}
 	})
@@ -440,7 +494,7 @@ func TestStoreReleaseUnsentDeletesOnlyTheRefusedTransactionsRecord(t *testing.T)
 		for name, c := range map[string]struct {
 			id   ID
 			hash string
-		}{"another transaction's": {other, "0x15"}, "final": {final, "0x17"}} {
+		}{"another transaction's": {other, "0x15"}, "final": {final, "0x17"}, "claimed": {claimed, "0x99"}} {
 			if err := s.ReleaseUnsent(ctx, c.id, c.hash); !errors.Is(err, ErrNotReleasable) {
 				t.Errorf("ReleaseUnsent of the %s record: %v, want ErrNotReleasable", name, err)
 			}
@@ -451,7 +505,7 @@ func TestStoreReleaseUnsentDeletesOnlyTheRefusedTransactionsRecord(t *testing.T)
 		for name, c := range map[string]struct {
 			id   ID
 			hash string
-		}{"refused broadcast": {refused, "0x15"}, "claimed": {claimed, "0x99"}} {
+		}{"refused broadcast": {refused, "0x15"}} {
 			if err := s.ReleaseUnsent(ctx, c.id, c.hash); err != nil {
 				t.Fatalf("ReleaseUnsent of the %s record: %v", name, err)
 			}
@@ -460,8 +514,8 @@ func TestStoreReleaseUnsentDeletesOnlyTheRefusedTransactionsRecord(t *testing.T)
 			}
 		}
 		mustClaim(t, s, claimOf(15)) // the payer may present it again
-		if n, _ := s.Backlog(ctx); n != 2 {
-			t.Fatalf("Backlog = %d, want 2 (the other broadcast and the claim again)", n)
+		if n, _ := s.Backlog(ctx); n != 3 {
+			t.Fatalf("Backlog = %d, want 3 (the other broadcast, the claim made since and the claim again)", n)
 		}
 		if err := s.ReleaseUnsent(ctx, claimOf(19).ID, "0x19"); err != nil {
 			t.Fatalf("ReleaseUnsent of an absent id: %v, want nil", err)
@@ -748,7 +802,7 @@ func TestStoreMarkServedRecordsTheResponseOnceAndNothingElse(t *testing.T) {
 		if err := s.MarkServed(ctx, v.ID, at); err != nil {
 			t.Fatal(err)
 		}
-		if err := s.Release(ctx, v.ID); err != nil {
+		if err := s.Release(ctx, v); err != nil {
 			t.Fatal(err)
 		}
 		clock.Advance(time.Hour)

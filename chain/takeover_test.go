@@ -1,0 +1,268 @@
+package chain_test
+
+import (
+	"context"
+	"errors"
+	"math/big"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// pausingBackend holds every contract call made while it is armed (the checks and the simulation a settlement
+// runs after claiming its payment and before recording its transaction) until the test lets that call go.
+type pausingBackend struct {
+	chain.Backend
+	armed  atomic.Bool
+	paused chan chan struct{} // each held call, as it is held: close the channel to let it go
+}
+
+func (b *pausingBackend) CallContract(ctx context.Context, msg ethereum.CallMsg, block *big.Int) ([]byte, error) {
+	if b.armed.Load() {
+		resume := make(chan struct{})
+		b.paused <- resume
+		<-resume
+	}
+	return b.Backend.CallContract(ctx, msg, block)
+}
+
+// takeoverCluster is two engines on one PostgreSQL journal, the first of which can be made to look dead to the
+// second (its heartbeat row expired by hand) while it works on: what a database outage longer than the
+// heartbeat can do to a living process. Their stores beat once a minute, so the row stays expired for the test.
+type takeoverCluster struct {
+	fx      *fixture
+	a, b    *chain.Facilitator
+	stores  []*journal.PostgresStore
+	dsn     string
+	backend *pausingBackend
+	req     x402.VerifyRequest
+	id      journal.ID
+}
+
+func newTakeoverCluster(t *testing.T) *takeoverCluster {
+	c := &takeoverCluster{dsn: pgtest.Shared(t)}
+	fx, engines, stores := sharedEnginesOn(t, c.dsn, 2, time.Minute, fixtureOpts{
+		wallets: 4, receiptTimeout: time.Minute, instanceTTL: 3 * time.Minute,
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			c.backend = &pausingBackend{Backend: nc.Backend, paused: make(chan chan struct{}, 8)}
+			nc.Backend = c.backend
+		},
+	})
+	waitLeases(t, fx, engines, 2, 2)
+	fx.approvePermit2(fx.c.Payers[0])
+	c.fx, c.a, c.b, c.stores = fx, engines[0], engines[1], stores
+	c.req = fx.permit2(fx.c.Payers[0], fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	a := c.req.PaymentPayload.Payload.Permit2Authorization
+	c.id = journal.PaymentID(fx.net, x402.TransferPermit2, fx.c.Token.Hex(), a.From, a.Nonce)
+	return c
+}
+
+type settleResult struct {
+	resp x402.SettleResponse
+	err  error
+}
+
+// settle settles the payment on f in the background.
+func (c *takeoverCluster) settle(f *chain.Facilitator) <-chan settleResult {
+	out := make(chan settleResult, 1)
+	go func() {
+		resp, err := f.Settle(context.Background(), c.req)
+		out <- settleResult{resp, err}
+	}()
+	return out
+}
+
+// held waits for the next contract call the armed backend holds.
+func (c *takeoverCluster) held(t *testing.T, who string) chan struct{} {
+	t.Helper()
+	select {
+	case resume := <-c.backend.paused:
+		return resume
+	case <-time.After(30 * time.Second):
+		t.Fatalf("%s's settlement made no contract call", who)
+		return nil
+	}
+}
+
+// record is the journal's record of the payment, and whether there is one.
+func (c *takeoverCluster) record(t *testing.T) (journal.Record, bool) {
+	t.Helper()
+	rec, ok, err := c.stores[1].Get(context.Background(), c.id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rec, ok
+}
+
+// aLooksDead expires the first engine's heartbeat row, and waits until the second has taken its claim of the
+// payment over and released it (nothing had been sent).
+func (c *takeoverCluster) aLooksDead(t *testing.T) {
+	t.Helper()
+	if rec, ok := c.record(t); !ok || rec.State != journal.StateClaimed || rec.Owner != c.stores[0].Instance() {
+		t.Fatalf("the first engine's settlement holds no claim of the payment: %+v, %v", rec, ok)
+	}
+	conn, err := pgx.Connect(context.Background(), c.dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(context.Background(), `UPDATE x402_instances SET expires_at = now() - interval '1 second' WHERE token = $1`,
+		c.stores[0].Instance()); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		if _, ok := c.record(t); !ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the second engine did not take over the claim of an instance that looks dead")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// sent is the number of transactions the settlement wallets have sent.
+func (c *takeoverCluster) sent() uint64 {
+	var n uint64
+	for _, w := range c.fx.c.Wallets[:4] {
+		n += c.fx.c.TxCount(w.Address)
+	}
+	return n
+}
+
+// TestAClaimTakenOverAndSettledByAnotherInstanceIsAnsweredWithItsSettlement: an engine's settlement claims a
+// payment and is paused before it records its transaction; meanwhile its instance looks dead to another engine
+// (the database was down longer than the heartbeat), which takes the claim over, releases it, and settles the
+// payment when it is presented there. The first settlement then sends nothing, and answers the settlement the
+// other made: never "not sent" (a 402 telling the payer to pay again) for a payment that settled.
+func TestAClaimTakenOverAndSettledByAnotherInstanceIsAnsweredWithItsSettlement(t *testing.T) {
+	c := newTakeoverCluster(t)
+	sellerBefore, sentBefore := c.fx.c.TokenBalance(c.fx.payTo), c.sent()
+	c.backend.armed.Store(true)
+	first := c.settle(c.a)
+	resumeA := c.held(t, "the first engine")
+	c.backend.armed.Store(false)
+	c.aLooksDead(t)
+
+	other, err := c.b.Settle(context.Background(), c.req)
+	if err != nil || !other.Success {
+		t.Fatalf("settle on the engine that took the claim over = %+v, %v; want a success", other, err)
+	}
+	close(resumeA)
+	got := <-first
+	if got.err != nil || !got.resp.Success || got.resp.Transaction != other.Transaction {
+		t.Fatalf("the first settlement, resumed after its claim was taken over and settled = %+v, %v; want the other's success with %s",
+			got.resp, got.err, other.Transaction)
+	}
+	if n := c.sent() - sentBefore; n != 1 {
+		t.Fatalf("the settlement wallets sent %d transactions; want 1", n)
+	}
+	if paid := new(big.Int).Sub(c.fx.c.TokenBalance(c.fx.payTo), sellerBefore); paid.Cmp(big.NewInt(price)) != 0 {
+		t.Fatalf("the seller received %s; want %d, once", paid, price)
+	}
+}
+
+// TestAClaimTakenOverWhileAnotherSettlementHoldsItIsNeverSentTwice: as above, but the other engine's settlement
+// of the payment is itself paused, holding its new claim, when the first resumes. The first must neither write
+// its transaction over the other's claim nor release it: it waits for the other's answer, and one transaction
+// is sent.
+func TestAClaimTakenOverWhileAnotherSettlementHoldsItIsNeverSentTwice(t *testing.T) {
+	c := newTakeoverCluster(t)
+	sellerBefore, sentBefore := c.fx.c.TokenBalance(c.fx.payTo), c.sent()
+	c.backend.armed.Store(true)
+	first := c.settle(c.a)
+	resumeA := c.held(t, "the first engine")
+	c.aLooksDead(t)
+	second := c.settle(c.b)
+	resumeB := c.held(t, "the second engine")
+	c.backend.armed.Store(false)
+	if rec, ok := c.record(t); !ok || rec.State != journal.StateClaimed || rec.Owner != c.stores[1].Instance() {
+		t.Fatalf("the second engine's settlement holds no claim of the payment: %+v, %v", rec, ok)
+	}
+
+	close(resumeA)
+	// The first settlement runs to its journal write and finds the claim is not its own any more.
+	time.Sleep(500 * time.Millisecond)
+	if rec, ok := c.record(t); !ok || rec.State != journal.StateClaimed || rec.Owner != c.stores[1].Instance() {
+		t.Fatalf("the first settlement, resumed, changed the second's claim: %+v, %v", rec, ok)
+	}
+	if n := c.sent() - sentBefore; n != 0 {
+		t.Fatalf("the first settlement sent %d transactions over another's claim", n)
+	}
+	close(resumeB)
+	results := map[string]settleResult{"first": <-first, "second": <-second}
+	var tx string
+	for who, r := range results {
+		if r.err != nil || !r.resp.Success {
+			t.Fatalf("the %s settlement = %+v, %v; want a success", who, r.resp, r.err)
+		}
+		if tx == "" {
+			tx = r.resp.Transaction
+		} else if r.resp.Transaction != tx {
+			t.Fatalf("the settlements answered transactions %s and %s; want one", tx, r.resp.Transaction)
+		}
+	}
+	if n := c.sent() - sentBefore; n != 1 {
+		t.Fatalf("the settlement wallets sent %d transactions; want 1", n)
+	}
+	if paid := new(big.Int).Sub(c.fx.c.TokenBalance(c.fx.payTo), sellerBefore); paid.Cmp(big.NewInt(price)) != 0 {
+		t.Fatalf("the seller received %s; want %d, once", paid, price)
+	}
+}
+
+// TestAClaimTakenOverAndReleasedIsAnsweredPresentAgainAndSettlesOnce: the other engine takes the claim over and
+// releases it, and nobody settles the payment meanwhile. The first settlement, resumed, sends nothing and says
+// the payment may be presented again (an error: a gate answers 502, never a 402 refusal); presented again, it
+// settles once.
+func TestAClaimTakenOverAndReleasedIsAnsweredPresentAgainAndSettlesOnce(t *testing.T) {
+	c := newTakeoverCluster(t)
+	sellerBefore, sentBefore := c.fx.c.TokenBalance(c.fx.payTo), c.sent()
+	c.backend.armed.Store(true)
+	first := c.settle(c.a)
+	resumeA := c.held(t, "the first engine")
+	c.backend.armed.Store(false)
+	c.aLooksDead(t)
+	close(resumeA)
+	got := <-first
+	var fe *x402.FacilitatorError
+	if got.err == nil || !errors.As(got.err, &fe) || fe.Kind != x402.FailureUnreachable {
+		t.Fatalf("the first settlement, resumed after its claim was taken over and released = %+v, %v; want an error saying to present it again",
+			got.resp, got.err)
+	}
+	if n := c.sent() - sentBefore; n != 0 {
+		t.Fatalf("the settlement wallets sent %d transactions; want none", n)
+	}
+	var wg sync.WaitGroup
+	answers := make([]x402.SettleResponse, 2)
+	for i, f := range []*chain.Facilitator{c.a, c.b} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := f.Settle(context.Background(), c.req)
+			if err != nil {
+				t.Errorf("settle presented again = %v", err)
+			}
+			answers[i] = resp
+		}()
+	}
+	wg.Wait()
+	if !answers[0].Success || answers[0].Transaction != answers[1].Transaction {
+		t.Fatalf("presented again to both engines: %+v and %+v; want one success", answers[0], answers[1])
+	}
+	if n := c.sent() - sentBefore; n != 1 {
+		t.Fatalf("the settlement wallets sent %d transactions; want 1", n)
+	}
+	if paid := new(big.Int).Sub(c.fx.c.TokenBalance(c.fx.payTo), sellerBefore); paid.Cmp(big.NewInt(price)) != 0 {
+		t.Fatalf("the seller received %s; want %d, once", paid, price)
+	}
+}
