@@ -366,22 +366,16 @@ func samePayload(a, b x402.ExactEVMPayload) bool {
 	return errA == nil && errB == nil && strings.EqualFold(string(ja), string(jb))
 }
 
-// record writes the gate's record of a payment about to be settled. It is made final at once (with a
-// not-yet-known answer) because the engine's start-up reconciliation releases claimed records a previous
+// record writes the gate's record of a payment about to be settled. It is written final (with a not-yet-known
+// answer), in one write, because the engine's start-up reconciliation releases claimed records a previous
 // process left, and a payment whose settlement may have been sent must stay known, so that presenting it
 // again settles it from the journal and serves it.
 func (x *exchange) record() error {
-	ctx := context.WithoutCancel(x.r.Context())
-	if err := x.claim(ctx, nil); err != nil {
-		return err
-	}
 	rq := x.req.PaymentRequirements
-	_, err := x.g.ledger.store.Update(ctx, x.id, func(r *journal.Record) error {
+	return x.claim(context.WithoutCancel(x.r.Context()), func(r *journal.Record) {
 		r.State, r.Response = journal.StateFinal, &x402.SettleResponse{Success: false, Network: rq.Network, Payer: x.payer,
 			ErrorReason: x402.ReasonSettlementPending, ErrorMessage: "settlement requested; its outcome is not known yet"}
-		return nil
 	})
-	return err
 }
 
 // claim writes the gate's record of the payment (what it is, and the request to settle it with), changed by
