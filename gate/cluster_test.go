@@ -2,8 +2,11 @@ package gate_test
 
 import (
 	"context"
+	"io"
 	"math/big"
 	"net/http"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -131,6 +134,73 @@ func TestOnePaymentPresentedToTwoGatewaysAtOnceBuysOneResponse(t *testing.T) {
 			}
 			if n := gws[0].served.Load() + gws[1].served.Load(); n != 3 {
 				t.Fatalf("the upstreams ran %d times for 3 payments; want 3", n)
+			}
+		})
+	}
+}
+
+// TestAGatewayThatMayHaveLookedDeadServesNothingAndThePaymentIsServedOnceWhenPresentedAgain: the shared
+// journal's database is out of reach for most of the heartbeat's TTL while a request works on a payment, so
+// other gateways may have taken its in-flight mark over and be serving the payment themselves. The request
+// serves nothing (502, nothing charged twice: the payment settles once); presented again, the payment is
+// served once, and then never again.
+func TestAGatewayThatMayHaveLookedDeadServesNothingAndThePaymentIsServedOnceWhenPresentedAgain(t *testing.T) {
+	for _, settle := range []string{gate.SettleAfter, gate.SettleAsync} {
+		t.Run(settle, func(t *testing.T) {
+			srv := pgtest.Start(t)
+			const ttl = 2 * time.Second
+			st, err := journal.OpenPostgres(context.Background(), srv.DSN(), journal.Options{InstanceTTL: ttl, OpenTimeout: time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { st.Close() })
+			entered, proceed := make(chan struct{}, 1), make(chan struct{})
+			var first sync.Once
+			e := newEnv(t, setup{settle: settle, journal: st, upstream: gate.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+				first.Do(func() {
+					entered <- struct{}{}
+					<-proceed
+				})
+				_, err := io.WriteString(w, "paid content")
+				return err
+			})})
+			payer := e.c.Payers[0]
+			h := e.permit2(payer)
+			before := e.balances(payer)
+
+			answers := make(chan answer, 1)
+			go func() { answers <- e.get(x402.HeaderPaymentSignature, h) }()
+			<-entered
+			// The database goes for longer than the heartbeat can vouch for this gateway, and comes back.
+			srv.Stop(t)
+			time.Sleep(ttl)
+			srv.Restart(t)
+			close(proceed)
+			a := <-answers
+			if a.status != http.StatusBadGateway || !strings.Contains(a.body, "present the same payment again") {
+				t.Fatalf("the request whose gateway may have looked dead = %d %q; want 502 saying to present the payment again", a.status, a.body)
+			}
+			if a.header.Get(x402.HeaderPaymentResponse) != "" {
+				t.Fatalf("the 502 carries PAYMENT-RESPONSE %q", a.header.Get(x402.HeaderPaymentResponse))
+			}
+
+			again := e.get(x402.HeaderPaymentSignature, h)
+			if again.status != http.StatusOK || again.body != "paid content" {
+				t.Fatalf("presented again = %d %q; want the response the payment bought", again.status, again.body)
+			}
+			if third := e.get(x402.HeaderPaymentSignature, h); third.status != http.StatusPaymentRequired {
+				t.Fatalf("presented a third time = %d %q; want 402: it bought one response", third.status, third.body)
+			}
+			deadline := time.Now().Add(30 * time.Second)
+			for {
+				lost, gained := e.paid(payer, before)
+				if lost.Int64() == price && gained.Int64() == price {
+					break
+				}
+				if time.Now().After(deadline) || lost.Int64() > price {
+					t.Fatalf("the payer lost %s and the seller gained %s; want %d once", lost, gained, price)
+				}
+				time.Sleep(20 * time.Millisecond)
 			}
 		})
 	}

@@ -47,8 +47,10 @@ type Ledger struct {
 	// refs counts the gates that joined (see joinLedger).
 	refs int
 
-	mu       sync.Mutex
-	inflight map[journal.ID]struct{}
+	mu sync.Mutex
+	// inflight holds the payments requests are working on, each with the journal's Continuity when its request
+	// marked it (with a journal.Cluster; 0 otherwise), see holds.
+	inflight map[journal.ID]uint64
 	settling map[journal.ID]struct{}
 	gates    []*Gate
 	// debts are the served async payments not settled yet, by payer (lowercase), and owedBy the payer of each.
@@ -110,7 +112,7 @@ func joinLedger(store journal.Store, owner string, log *zap.Logger) *Ledger {
 	ctx, cancel := context.WithCancel(context.Background())
 	l := &Ledger{
 		store: store, owner: owner, log: log, now: time.Now, users: journalUsersOf(store),
-		inflight: map[journal.ID]struct{}{}, settling: map[journal.ID]struct{}{},
+		inflight: map[journal.ID]uint64{}, settling: map[journal.ID]struct{}{},
 		debts: map[string]*payerDebt{}, owedBy: map[journal.ID]string{},
 		slots: make(chan struct{}, asyncConcurrency), ctx: ctx, cancel: cancel, refs: 1,
 	}
@@ -203,17 +205,36 @@ func (l *Ledger) acquire(ctx context.Context, id journal.ID) (bool, error) {
 		l.mu.Unlock()
 		return false, nil
 	}
-	l.inflight[id] = struct{}{}
+	l.inflight[id] = 0
 	l.users.add(1)
 	l.mu.Unlock()
 	if c, ok := l.store.(journal.Cluster); ok {
+		life := c.Continuity()
 		mine, err := c.Busy(ctx, id)
 		if err != nil || !mine {
 			l.forget(id)
 			return false, err
 		}
+		l.mu.Lock()
+		l.inflight[id] = life
+		l.mu.Unlock()
 	}
 	return true, nil
+}
+
+// holds reports whether the request that marked payment id still holds it surely: with a journal several
+// processes share, this process has not looked dead to the others since the mark was taken (a database out of
+// reach for most of the heartbeat's TTL), when another process may have taken the mark over and be serving the
+// payment itself. Such a request serves nothing: the payer presents the payment again, and it is served once.
+func (l *Ledger) holds(id journal.ID) bool {
+	c, ok := l.store.(journal.Cluster)
+	if !ok {
+		return true
+	}
+	l.mu.Lock()
+	life, marked := l.inflight[id]
+	l.mu.Unlock()
+	return marked && life == c.Continuity()
 }
 
 // release lets go of a payment acquire marked.

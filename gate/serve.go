@@ -349,6 +349,9 @@ func (x *exchange) serveAsyncAgain(rec journal.Record) error {
 		if !up.ok() {
 			return x.passFailure(up, "the upstream answered %d; the payment is settling and may be presented again for its response")
 		}
+		if x.lostMark() {
+			return x.settleUnreachable("the payment is being settled, but this gateway may have lost its hold on it while its shared journal was out of reach, and served nothing; present the same payment again to receive the resource: it is not charged again", nil, nil)
+		}
 		x.setSettleHeader(resp)
 		if resp.Success {
 			x.end(x.settledOutcome(resp))
@@ -492,9 +495,24 @@ func (x *exchange) serveSettledUpstream(resp x402.SettleResponse, up *upstream) 
 			zap.String("note", "the upstream failed after the payment settled; presenting the payment again retries it"))
 		return x.writeUpstream(up)
 	}
+	if x.lostMark() {
+		x.note(func(r *journal.Record) { r.Response = &resp })
+		return x.settleUnreachable(fmt.Sprintf("the payment settled (transaction %s), but this gateway may have lost its hold on it while its shared journal was out of reach, and served nothing; present the same payment again to receive the resource: it is not charged again", resp.Transaction), nil, nil)
+	}
 	x.setSettleHeader(resp)
 	x.end(x.settledOutcome(resp))
 	return x.deliver(up, &resp)
+}
+
+// lostMark reports whether this request's hold on its payment may have passed to another process sharing the
+// journal (see Ledger.holds), which may be serving the payment: this request must then serve nothing.
+func (x *exchange) lostMark() bool {
+	if x.g.ledger.holds(x.id) {
+		return false
+	}
+	x.g.logger.Warn("this gateway may have looked dead to the others sharing its journal while a request worked on a payment; serving nothing, the payment may be presented again",
+		zap.String("payment", x.id.String()))
+	return true
 }
 
 // settledOutcome is the outcome of a request whose payment settled.
@@ -513,6 +531,10 @@ func (x *exchange) serveAsync(up *upstream) error {
 		return x.recordFailed(err)
 	}
 	rq := x.req.PaymentRequirements
+	if x.lostMark() {
+		x.g.ledger.settleLater(x.id) // journalled: it is settled, and served when presented again
+		return x.settleUnreachable("the payment was accepted and is being settled, but this gateway may have lost its hold on it while its shared journal was out of reach, and served nothing; present the same payment again to receive the resource: it is not charged again", nil, nil)
+	}
 	pending := x402.SettleResponse{Success: false, Network: rq.Network, Payer: x.payer, ErrorReason: x402.ReasonSettlementPending,
 		ErrorMessage: "the payment was accepted and is being settled in the background"}
 	x.setSettleHeader(pending)

@@ -26,6 +26,12 @@ type Cluster interface {
 	Alive(ctx context.Context, owner string) (bool, error)
 	// Instances counts the live instances, this one included.
 	Instances(ctx context.Context) (int, error)
+	// Continuity is a number that changes whenever this instance may have looked dead to the others: its last
+	// heartbeat the database took is too old to vouch for it now (the database out of reach for most of the
+	// TTL), or such a gap came between two heartbeats. Others take over a dead instance's in-flight marks; work
+	// that holds one is finished as this instance's only while the number is what it was when the mark was
+	// taken.
+	Continuity() uint64
 
 	// Busy marks payment id as being worked on by this instance and returns true; it returns false, changing
 	// nothing, when another live instance has marked it. A mark left by a dead instance is taken over. Marking

@@ -58,6 +58,10 @@ type PostgresStore struct {
 	closeOnce sync.Once
 	stopBeat  chan struct{}
 	beatDone  chan struct{}
+
+	lifeMu    sync.Mutex
+	beatSent  time.Time // when the last heartbeat that the database took was sent
+	lifeCount uint64    // Continuity
 }
 
 // OpenPostgres connects to the PostgreSQL database dsn names (a URL, postgres://user:password@host:port/db, or
@@ -194,9 +198,34 @@ func (s *PostgresStore) heartbeat() {
 
 // beat moves this instance's expiry a TTL ahead of the database's clock, inserting its row if it is gone.
 func (s *PostgresStore) beat(ctx context.Context) error {
+	sent := time.Now()
 	_, err := s.pool.Exec(ctx, `INSERT INTO x402_instances (token, expires_at) VALUES ($1, now() + $2 * interval '1 microsecond')
 ON CONFLICT (token) DO UPDATE SET expires_at = EXCLUDED.expires_at`, s.instance, s.ttl.Microseconds())
+	if err == nil {
+		s.lifeMu.Lock()
+		s.lapsedLocked(sent) // a beat after a gap: the row may have expired in it
+		s.beatSent = sent
+		s.lifeMu.Unlock()
+	}
 	return err
+}
+
+// Continuity implements Cluster. The database set this instance's expiry a TTL after it received a beat,
+// which is after the beat was sent: by this process's clock, the row is surely unexpired until the last beat's
+// sending plus the TTL, less a quarter of it for the clocks' drift and for the time between a caller's look
+// and what it then does.
+func (s *PostgresStore) Continuity() uint64 {
+	s.lifeMu.Lock()
+	defer s.lifeMu.Unlock()
+	s.lapsedLocked(time.Now())
+	return s.lifeCount
+}
+
+// lapsedLocked counts a lapse of this instance's life when at time at its last beat is too old to vouch for it.
+func (s *PostgresStore) lapsedLocked(at time.Time) {
+	if !s.beatSent.IsZero() && at.Sub(s.beatSent) > s.ttl-s.ttl/4 {
+		s.lifeCount++
+	}
 }
 
 // Close stops the heartbeat, deletes this instance's row (so that other instances take over its marks and

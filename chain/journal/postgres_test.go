@@ -511,6 +511,35 @@ func TestPostgresAnInstanceBeatsAgainAsSoonAsItsDatabaseIsBack(t *testing.T) {
 	}
 }
 
+// TestPostgresContinuityChangesOnlyWhenTheInstanceMayHaveLookedDead: regular heartbeats keep the number; an
+// outage longer than the heartbeat can vouch for changes it, during the outage and after it.
+func TestPostgresContinuityChangesOnlyWhenTheInstanceMayHaveLookedDead(t *testing.T) {
+	srv := pgtest.Start(t)
+	const ttl = 2 * time.Second
+	s := openPostgres(t, srv.DSN(), Options{InstanceTTL: ttl, OpenTimeout: time.Second})
+	start := s.Continuity()
+	time.Sleep(ttl) // three beats
+	if got := s.Continuity(); got != start {
+		t.Fatalf("Continuity moved from %d to %d with the heartbeat beating", start, got)
+	}
+	srv.Stop(t)
+	time.Sleep(ttl)
+	during := s.Continuity()
+	if during == start {
+		t.Fatalf("Continuity is still %d with no beat for %v of a %v TTL", during, ttl, ttl)
+	}
+	srv.Restart(t)
+	time.Sleep(ttl / 2)
+	after := s.Continuity()
+	if after == during {
+		t.Fatalf("Continuity is still %d after the first beat that followed the gap", after)
+	}
+	time.Sleep(ttl)
+	if got := s.Continuity(); got != after {
+		t.Fatalf("Continuity moved from %d to %d with the heartbeat beating again", after, got)
+	}
+}
+
 // TestPostgresUnavailableDuringAnOutage: with the database down every call fails fast with ErrUnavailable,
 // and once it is back the same store works again.
 func TestPostgresUnavailableDuringAnOutage(t *testing.T) {
