@@ -46,6 +46,9 @@ type takeoverCluster struct {
 	backend *pausingBackend
 	req     x402.VerifyRequest
 	id      journal.ID
+	// sellerBefore and sentBefore are the seller's balance and the wallets' transactions before the payment.
+	sellerBefore *big.Int
+	sentBefore   uint64
 }
 
 func newTakeoverCluster(t *testing.T) *takeoverCluster {
@@ -60,6 +63,7 @@ func newTakeoverCluster(t *testing.T) *takeoverCluster {
 	waitLeases(t, fx, engines, 2, 2)
 	fx.approvePermit2(fx.c.Payers[0])
 	c.fx, c.a, c.b, c.stores = fx, engines[0], engines[1], stores
+	c.sellerBefore, c.sentBefore = fx.c.TokenBalance(fx.payTo), c.sent()
 	c.req = fx.permit2(fx.c.Payers[0], fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
 	a := c.req.PaymentPayload.Payload.Permit2Authorization
 	c.id = journal.PaymentID(fx.net, x402.TransferPermit2, fx.c.Token.Hex(), a.From, a.Nonce)
@@ -140,6 +144,26 @@ func (c *takeoverCluster) sent() uint64 {
 	return n
 }
 
+// pausedInA starts the payment's settlement on the first engine and pauses it at its first contract call, after
+// its claim; the backend stays armed.
+func (c *takeoverCluster) pausedInA(t *testing.T) (<-chan settleResult, chan struct{}) {
+	t.Helper()
+	c.backend.armed.Store(true)
+	first := c.settle(c.a)
+	return first, c.held(t, "the first engine")
+}
+
+// settledOnce checks that the payment moved the price to the seller once, in one transaction of the wallets.
+func (c *takeoverCluster) settledOnce(t *testing.T) {
+	t.Helper()
+	if n := c.sent() - c.sentBefore; n != 1 {
+		t.Fatalf("the settlement wallets sent %d transactions; want 1", n)
+	}
+	if paid := new(big.Int).Sub(c.fx.c.TokenBalance(c.fx.payTo), c.sellerBefore); paid.Cmp(big.NewInt(price)) != 0 {
+		t.Fatalf("the seller received %s; want %d, once", paid, price)
+	}
+}
+
 // TestAClaimTakenOverAndSettledByAnotherInstanceIsAnsweredWithItsSettlement: an engine's settlement claims a
 // payment and is paused before it records its transaction; meanwhile its instance looks dead to another engine
 // (the database was down longer than the heartbeat), which takes the claim over, releases it, and settles the
@@ -147,10 +171,7 @@ func (c *takeoverCluster) sent() uint64 {
 // other made: never "not sent" (a 402 telling the payer to pay again) for a payment that settled.
 func TestAClaimTakenOverAndSettledByAnotherInstanceIsAnsweredWithItsSettlement(t *testing.T) {
 	c := newTakeoverCluster(t)
-	sellerBefore, sentBefore := c.fx.c.TokenBalance(c.fx.payTo), c.sent()
-	c.backend.armed.Store(true)
-	first := c.settle(c.a)
-	resumeA := c.held(t, "the first engine")
+	first, resumeA := c.pausedInA(t)
 	c.backend.armed.Store(false)
 	c.aLooksDead(t)
 
@@ -164,12 +185,7 @@ func TestAClaimTakenOverAndSettledByAnotherInstanceIsAnsweredWithItsSettlement(t
 		t.Fatalf("the first settlement, resumed after its claim was taken over and settled = %+v, %v; want the other's success with %s",
 			got.resp, got.err, other.Transaction)
 	}
-	if n := c.sent() - sentBefore; n != 1 {
-		t.Fatalf("the settlement wallets sent %d transactions; want 1", n)
-	}
-	if paid := new(big.Int).Sub(c.fx.c.TokenBalance(c.fx.payTo), sellerBefore); paid.Cmp(big.NewInt(price)) != 0 {
-		t.Fatalf("the seller received %s; want %d, once", paid, price)
-	}
+	c.settledOnce(t)
 }
 
 // TestAClaimTakenOverWhileAnotherSettlementHoldsItIsNeverSentTwice: as above, but the other engine's settlement
@@ -178,10 +194,7 @@ func TestAClaimTakenOverAndSettledByAnotherInstanceIsAnsweredWithItsSettlement(t
 // is sent.
 func TestAClaimTakenOverWhileAnotherSettlementHoldsItIsNeverSentTwice(t *testing.T) {
 	c := newTakeoverCluster(t)
-	sellerBefore, sentBefore := c.fx.c.TokenBalance(c.fx.payTo), c.sent()
-	c.backend.armed.Store(true)
-	first := c.settle(c.a)
-	resumeA := c.held(t, "the first engine")
+	first, resumeA := c.pausedInA(t)
 	c.aLooksDead(t)
 	second := c.settle(c.b)
 	resumeB := c.held(t, "the second engine")
@@ -196,7 +209,7 @@ func TestAClaimTakenOverWhileAnotherSettlementHoldsItIsNeverSentTwice(t *testing
 	if rec, ok := c.record(t); !ok || rec.State != journal.StateClaimed || rec.Owner != c.stores[1].Instance() {
 		t.Fatalf("the first settlement, resumed, changed the second's claim: %+v, %v", rec, ok)
 	}
-	if n := c.sent() - sentBefore; n != 0 {
+	if n := c.sent() - c.sentBefore; n != 0 {
 		t.Fatalf("the first settlement sent %d transactions over another's claim", n)
 	}
 	close(resumeB)
@@ -212,12 +225,7 @@ func TestAClaimTakenOverWhileAnotherSettlementHoldsItIsNeverSentTwice(t *testing
 			t.Fatalf("the settlements answered transactions %s and %s; want one", tx, r.resp.Transaction)
 		}
 	}
-	if n := c.sent() - sentBefore; n != 1 {
-		t.Fatalf("the settlement wallets sent %d transactions; want 1", n)
-	}
-	if paid := new(big.Int).Sub(c.fx.c.TokenBalance(c.fx.payTo), sellerBefore); paid.Cmp(big.NewInt(price)) != 0 {
-		t.Fatalf("the seller received %s; want %d, once", paid, price)
-	}
+	c.settledOnce(t)
 }
 
 // TestAClaimTakenOverAndReleasedIsAnsweredPresentAgainAndSettlesOnce: the other engine takes the claim over and
@@ -226,10 +234,7 @@ func TestAClaimTakenOverWhileAnotherSettlementHoldsItIsNeverSentTwice(t *testing
 // settles once.
 func TestAClaimTakenOverAndReleasedIsAnsweredPresentAgainAndSettlesOnce(t *testing.T) {
 	c := newTakeoverCluster(t)
-	sellerBefore, sentBefore := c.fx.c.TokenBalance(c.fx.payTo), c.sent()
-	c.backend.armed.Store(true)
-	first := c.settle(c.a)
-	resumeA := c.held(t, "the first engine")
+	first, resumeA := c.pausedInA(t)
 	c.backend.armed.Store(false)
 	c.aLooksDead(t)
 	close(resumeA)
@@ -239,7 +244,7 @@ func TestAClaimTakenOverAndReleasedIsAnsweredPresentAgainAndSettlesOnce(t *testi
 		t.Fatalf("the first settlement, resumed after its claim was taken over and released = %+v, %v; want an error saying to present it again",
 			got.resp, got.err)
 	}
-	if n := c.sent() - sentBefore; n != 0 {
+	if n := c.sent() - c.sentBefore; n != 0 {
 		t.Fatalf("the settlement wallets sent %d transactions; want none", n)
 	}
 	var wg sync.WaitGroup
@@ -259,10 +264,5 @@ func TestAClaimTakenOverAndReleasedIsAnsweredPresentAgainAndSettlesOnce(t *testi
 	if !answers[0].Success || answers[0].Transaction != answers[1].Transaction {
 		t.Fatalf("presented again to both engines: %+v and %+v; want one success", answers[0], answers[1])
 	}
-	if n := c.sent() - sentBefore; n != 1 {
-		t.Fatalf("the settlement wallets sent %d transactions; want 1", n)
-	}
-	if paid := new(big.Int).Sub(c.fx.c.TokenBalance(c.fx.payTo), sellerBefore); paid.Cmp(big.NewInt(price)) != 0 {
-		t.Fatalf("the seller received %s; want %d, once", paid, price)
-	}
+	c.settledOnce(t)
 }
