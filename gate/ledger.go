@@ -215,12 +215,21 @@ func (l *Ledger) acquire(ctx context.Context, id journal.ID) (bool, error) {
 			l.forget(id)
 			return false, err
 		}
+		if c.Continuity() != life {
+			// This process may look dead to the others right now (its heartbeat is behind): the mark may not
+			// hold, and nothing would be served on it.
+			l.release(id)
+			return false, errMayLookDead
+		}
 		l.mu.Lock()
 		l.inflight[id] = life
 		l.mu.Unlock()
 	}
 	return true, nil
 }
+
+// errMayLookDead: this process's heartbeat is too far behind for its in-flight marks to hold.
+var errMayLookDead = errors.New("this gateway's heartbeat in the shared journal is behind: it may look dead to the others")
 
 // holds reports whether the request that marked payment id still holds it surely: with a journal several
 // processes share, this process has not looked dead to the others since the mark was taken (a database out of

@@ -515,7 +515,7 @@ func TestPostgresAnInstanceBeatsAgainAsSoonAsItsDatabaseIsBack(t *testing.T) {
 // outage longer than the heartbeat can vouch for changes it, during the outage and after it.
 func TestPostgresContinuityChangesOnlyWhenTheInstanceMayHaveLookedDead(t *testing.T) {
 	srv := pgtest.Start(t)
-	const ttl = 2 * time.Second
+	const ttl = 3 * time.Second
 	s := openPostgres(t, srv.DSN(), Options{InstanceTTL: ttl, OpenTimeout: time.Second})
 	start := s.Continuity()
 	time.Sleep(ttl) // three beats
