@@ -1043,8 +1043,21 @@ func sumCounts(m map[common.Address]int) int {
 // one 200, the seller's balance moved by exactly 200s x the price, each payer's by its own; the three gateways
 // share the wallets again afterwards; and, once drained, no journal record is left pending.
 func TestClusterPostgreSQLRestartMidLoadLosesAndDoublesNothing(t *testing.T) {
+	postgresOutageMidLoad(t, 3*time.Second)
+}
+
+// TestClusterPostgreSQLDownLongerThanTheHeartbeatLosesAndDoublesNothing is the same with the database down for
+// 12 s, past the instances' heartbeat TTL (10 s): when it comes back, every gateway's heartbeat has lapsed and
+// each may look dead to the others, which take over its in-flight marks and settlement claims while it still
+// works on them. Nothing may be lost or doubled all the same.
+func TestClusterPostgreSQLDownLongerThanTheHeartbeatLosesAndDoublesNothing(t *testing.T) {
+	postgresOutageMidLoad(t, 12*time.Second)
+}
+
+// postgresOutageMidLoad is the two tests above, with the database down for outage.
+func postgresOutageMidLoad(t *testing.T, outage time.Duration) {
 	c := startCluster(t, 6)
-	const n, workers, stopAfter, outage = 300, 12, 80, 3 * time.Second
+	const n, workers, stopAfter = 300, 12, 80
 	payments := c.signMany(n)
 	before, firstBlock := c.balances(), c.dev.head()
 
