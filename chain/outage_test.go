@@ -49,11 +49,11 @@ func (j *outageJournal) Release(ctx context.Context, claim journal.Record) error
 	return j.Store.Release(ctx, claim)
 }
 
-func (j *outageJournal) ReleaseUnsent(ctx context.Context, id journal.ID, tx string) error {
+func (j *outageJournal) ReleaseUnsent(ctx context.Context, claim journal.Record, tx string) error {
 	if j.down.Load() {
 		return errOutage
 	}
-	return j.Store.ReleaseUnsent(ctx, id, tx)
+	return j.Store.ReleaseUnsent(ctx, claim, tx)
 }
 
 // TestAClaimTheJournalCouldNotReleaseDoesNotStickForever: the journal's database goes down right after a

@@ -338,7 +338,7 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 			return common.Hash{}, nil, fmt.Errorf("the node refused the settlement transaction sent again (%v); the payment's earlier transaction is still watched", err)
 		}
 		if recorded != "" {
-			if rerr := f.journal.ReleaseUnsent(context.WithoutCancel(ctx), p.id, recorded); rerr != nil {
+			if rerr := f.journal.ReleaseUnsent(context.WithoutCancel(ctx), p.claim, recorded); rerr != nil {
 				// Kept, it would be sent by reconciliation: the payer must not be told it was not sent.
 				return common.Hash{}, nil, fmt.Errorf("the node refused the settlement transaction (%v) and the journal could not forget it: %w", err, rerr)
 			}

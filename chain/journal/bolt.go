@@ -575,9 +575,9 @@ func (s *BoltStore) Release(ctx context.Context, claim Record) error {
 }
 
 // ReleaseUnsent implements Store.
-func (s *BoltStore) ReleaseUnsent(ctx context.Context, id ID, txHash string) error {
+func (s *BoltStore) ReleaseUnsent(ctx context.Context, claim Record, txHash string) error {
 	var opErr error
-	err := s.write(ctx, func(t *boltTxn) { opErr = releaseUnsentIn(t, id, txHash) })
+	err := s.write(ctx, func(t *boltTxn) { opErr = releaseUnsentIn(t, claim, txHash) })
 	if err == nil {
 		err = opErr
 	}

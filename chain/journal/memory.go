@@ -138,12 +138,12 @@ func (s *MemoryStore) Release(ctx context.Context, claim Record) error {
 }
 
 // ReleaseUnsent implements Store.
-func (s *MemoryStore) ReleaseUnsent(ctx context.Context, id ID, txHash string) error {
+func (s *MemoryStore) ReleaseUnsent(ctx context.Context, claim Record, txHash string) error {
 	if err := s.lock(ctx); err != nil {
 		return err
 	}
 	defer s.mu.Unlock()
-	return releaseUnsentIn(memTxn{s}, id, txHash)
+	return releaseUnsentIn(memTxn{s}, claim, txHash)
 }
 
 // Pending implements Store.

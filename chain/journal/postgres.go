@@ -692,13 +692,13 @@ func (s *PostgresStore) Release(ctx context.Context, claim Record) error {
 }
 
 // ReleaseUnsent implements Store.
-func (s *PostgresStore) ReleaseUnsent(ctx context.Context, id ID, txHash string) error {
+func (s *PostgresStore) ReleaseUnsent(ctx context.Context, claim Record, txHash string) error {
 	wctx, cancel, err := s.begin(ctx, true)
 	if err != nil {
 		return err
 	}
 	defer cancel()
-	return s.fail(ctx, "release unsent", s.inTx(wctx, func(tx pgx.Tx) error { return releaseUnsentIn(pgTxn{wctx, tx}, id, txHash) }))
+	return s.fail(ctx, "release unsent", s.inTx(wctx, func(tx pgx.Tx) error { return releaseUnsentIn(pgTxn{wctx, tx}, claim, txHash) }))
 }
 
 // Pending implements Store.

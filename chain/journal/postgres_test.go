@@ -558,7 +558,7 @@ func TestPostgresUnavailableDuringAnOutage(t *testing.T) {
 		"Update":        func() error { _, err := s.Update(ctx, first, toBroadcast("0x1")); return err },
 		"MarkServed":    func() error { return s.MarkServed(ctx, first, time.Now()) },
 		"Release":       func() error { return s.Release(ctx, claim) },
-		"ReleaseUnsent": func() error { return s.ReleaseUnsent(ctx, first, "0x1") },
+		"ReleaseUnsent": func() error { return s.ReleaseUnsent(ctx, claim, "0x1") },
 		"Pending":       func() error { _, err := s.Pending(ctx); return err },
 		"PendingOf":     func() error { _, err := s.PendingOf(ctx, true); return err },
 		"Prune":         func() error { _, err := s.Prune(ctx, time.Now()); return err },

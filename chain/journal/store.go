@@ -44,10 +44,11 @@ type Store interface {
 	// refused with ErrNotReleasable; releasing an absent record is a no-op.
 	Release(ctx context.Context, claim Record) error
 	// ReleaseUnsent deletes a broadcast record whose transaction txHash every node it was sent to refused
-	// outright: its claimant knows that nothing of it is on its way, and the payer was told so. A record with
-	// another hash (a later attempt), a final one, or a claimed one (a claim made since, not the refused
-	// transaction's) is refused with ErrNotReleasable; an absent one is a no-op.
-	ReleaseUnsent(ctx context.Context, id ID, txHash string) error
+	// outright: its claimant knows that nothing of it is on its way, and the payer was told so. claim is the
+	// claim that recorded the transaction (as for Release): a record with another hash (a later attempt), a
+	// final one, a claimed one (a claim made since), or one taken over by another process since (which may
+	// have sent the recorded transaction again) is refused with ErrNotReleasable; an absent one is a no-op.
+	ReleaseUnsent(ctx context.Context, claim Record, txHash string) error
 	// Pending lists every record that is not final (claimed, broadcast, async payments not yet settled),
 	// oldest claim first: what start-up must reconcile before accepting new work.
 	Pending(ctx context.Context) ([]Record, error)
@@ -206,23 +207,35 @@ func releaseIn(t txn, claim Record) error {
 	if prev.State != StateClaimed {
 		return fmt.Errorf("%w: %s is %q (transaction %s)", ErrNotReleasable, claim.ID, prev.State, prev.TxHash)
 	}
-	if prev.Owner != claim.Owner || !prev.ClaimedAt.Equal(claim.ClaimedAt) {
-		return fmt.Errorf("%w: %s was claimed again since (by %q at %s), not the claim of %q at %s", ErrNotReleasable, claim.ID,
-			prev.Owner, prev.ClaimedAt.Format(time.RFC3339Nano), claim.Owner, claim.ClaimedAt.Format(time.RFC3339Nano))
+	if err := sameClaim(&prev, &claim); err != nil {
+		return err
 	}
 	return t.del(&prev)
 }
 
 // releaseUnsentIn is ReleaseUnsent inside a transaction.
-func releaseUnsentIn(t txn, id ID, txHash string) error {
-	prev, ok, err := t.get(id)
+func releaseUnsentIn(t txn, claim Record, txHash string) error {
+	prev, ok, err := t.get(claim.ID)
 	if err != nil || !ok {
 		return err
 	}
 	if prev.State != StateBroadcast || prev.TxHash != txHash {
-		return fmt.Errorf("%w: %s is %q with transaction %s, not the refused %s", ErrNotReleasable, id, prev.State, prev.TxHash, txHash)
+		return fmt.Errorf("%w: %s is %q with transaction %s, not the refused %s", ErrNotReleasable, claim.ID, prev.State, prev.TxHash, txHash)
+	}
+	if err := sameClaim(&prev, &claim); err != nil {
+		return err
 	}
 	return t.del(&prev)
+}
+
+// sameClaim refuses, with ErrNotReleasable, a record that is not the claim given: claimed by another process, or
+// claimed again since.
+func sameClaim(prev, claim *Record) error {
+	if prev.Owner != claim.Owner || !prev.ClaimedAt.Equal(claim.ClaimedAt) {
+		return fmt.Errorf("%w: %s was claimed again since (by %q at %s), not the claim of %q at %s", ErrNotReleasable, claim.ID,
+			prev.Owner, prev.ClaimedAt.Format(time.RFC3339Nano), claim.Owner, claim.ClaimedAt.Format(time.RFC3339Nano))
+	}
+	return nil
 }
 
 // sortPending orders records oldest claim first, then by id, so reconciliation is deterministic.

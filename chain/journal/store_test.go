@@ -477,47 +477,47 @@ func TestStoreReleaseDeletesOnlyClaimsThatNeverBroadcast(t *testing.T) {
 }
 
 // TestStoreReleaseUnsentDeletesOnlyTheRefusedTransactionsRecord: a broadcast record goes when its claimant says
-// its very transaction was refused; a record of another transaction (a later attempt), or a final one, stays.
+// its very transaction was refused; a record of another transaction (a later attempt), a final one, a claim, or
+// a record another process took over since (it may have sent the transaction again), stays.
 func TestStoreReleaseUnsentDeletesOnlyTheRefusedTransactionsRecord(t *testing.T) {
 	forEachStore(t, func(t *testing.T, h harness) {
 		s := h.open(t, nil)
 		ctx := context.Background()
-		refused := mustClaim(t, s, claimOf(15)).ID
-		mustUpdate(t, s, refused, toBroadcast("0x15"))
-		other := mustClaim(t, s, claimOf(16)).ID
-		mustUpdate(t, s, other, toBroadcast("0x16"))
-		final := mustClaim(t, s, claimOf(17)).ID
-		mustUpdate(t, s, final, toBroadcast("0x17"))
-		mustUpdate(t, s, final, toFinal(true))
-		claimed := mustClaim(t, s, claimOf(18)).ID
+		refused := mustClaim(t, s, claimOf(15))
+		mustUpdate(t, s, refused.ID, toBroadcast("0x15"))
+		other := mustClaim(t, s, claimOf(16))
+		mustUpdate(t, s, other.ID, toBroadcast("0x16"))
+		final := mustClaim(t, s, claimOf(17))
+		mustUpdate(t, s, final.ID, toBroadcast("0x17"))
+		mustUpdate(t, s, final.ID, toFinal(true))
+		claimed := mustClaim(t, s, claimOf(18))
+		taken := mustClaim(t, s, claimOf(20))
+		mustUpdate(t, s, taken.ID, toBroadcast("0x20"))
+		mustUpdate(t, s, taken.ID, func(r *Record) error { r.Owner = "process-b"; return nil })
 
 		for name, c := range map[string]struct {
-			id   ID
-			hash string
-		}{"another transaction's": {other, "0x15"}, "final": {final, "0x17"}, "claimed": {claimed, "0x99"}} {
-			if err := s.ReleaseUnsent(ctx, c.id, c.hash); !errors.Is(err, ErrNotReleasable) {
+			claim Record
+			hash  string
+		}{"another transaction's": {other, "0x15"}, "final": {final, "0x17"}, "claimed": {claimed, "0x99"},
+			"taken over by another process": {taken, "0x20"}} {
+			if err := s.ReleaseUnsent(ctx, c.claim, c.hash); !errors.Is(err, ErrNotReleasable) {
 				t.Errorf("ReleaseUnsent of the %s record: %v, want ErrNotReleasable", name, err)
 			}
-			if _, ok, _ := s.Get(ctx, c.id); !ok {
+			if _, ok, _ := s.Get(ctx, c.claim.ID); !ok {
 				t.Errorf("a refused ReleaseUnsent deleted the %s record", name)
 			}
 		}
-		for name, c := range map[string]struct {
-			id   ID
-			hash string
-		}{"refused broadcast": {refused, "0x15"}} {
-			if err := s.ReleaseUnsent(ctx, c.id, c.hash); err != nil {
-				t.Fatalf("ReleaseUnsent of the %s record: %v", name, err)
-			}
-			if _, ok, _ := s.Get(ctx, c.id); ok {
-				t.Fatalf("the %s record is still there after ReleaseUnsent", name)
-			}
+		if err := s.ReleaseUnsent(ctx, refused, "0x15"); err != nil {
+			t.Fatalf("ReleaseUnsent of the refused broadcast record: %v", err)
+		}
+		if _, ok, _ := s.Get(ctx, refused.ID); ok {
+			t.Fatal("the refused broadcast record is still there after ReleaseUnsent")
 		}
 		mustClaim(t, s, claimOf(15)) // the payer may present it again
-		if n, _ := s.Backlog(ctx); n != 3 {
-			t.Fatalf("Backlog = %d, want 3 (the other broadcast, the claim made since and the claim again)", n)
+		if n, _ := s.Backlog(ctx); n != 4 {
+			t.Fatalf("Backlog = %d, want 4 (the other broadcast, the claim, the taken over broadcast and the claim again)", n)
 		}
-		if err := s.ReleaseUnsent(ctx, claimOf(19).ID, "0x19"); err != nil {
+		if err := s.ReleaseUnsent(ctx, claimOf(19), "0x19"); err != nil {
 			t.Fatalf("ReleaseUnsent of an absent id: %v, want nil", err)
 		}
 	})
