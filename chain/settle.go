@@ -29,8 +29,20 @@ var errClaimLost = errors.New("the payment's claim was taken over by another ins
 
 // checkClaim refuses, with errClaimLost, a write to the record r of payment p that is no longer p's claim.
 func checkClaim(p *payment, r *journal.Record) error {
-	if r.Owner != p.claim.Owner || !r.ClaimedAt.Equal(p.claim.ClaimedAt) {
+	if !r.SameClaim(&p.claim) {
 		return fmt.Errorf("%w (the record is %s's, claimed at %s)", errClaimLost, r.Owner, r.ClaimedAt.Format(time.RFC3339Nano))
+	}
+	return nil
+}
+
+// asClaimLost is err as errClaimLost when a write to the payment's claim found it another's or gone (taken over
+// and released); nil for any other err.
+func asClaimLost(err error) error {
+	switch {
+	case errors.Is(err, errClaimLost):
+		return err
+	case errors.Is(err, journal.ErrNotFound):
+		return fmt.Errorf("%w: %w", errClaimLost, err)
 	}
 	return nil
 }
@@ -143,22 +155,20 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 	} else {
 		resp, keep, err = f.broadcastAndWait(ctx, p)
 	}
-	if errors.Is(err, errClaimLost) {
-		// The record is another settlement's now (or gone): it says what became of the payment.
-		p.net.funds.let(p.id)
-		return f.answerAfterLostClaim(ctx, p, req, err)
-	}
 	if !keep {
 		p.net.funds.let(p.id)
-		// Nothing left the process: the payer may try again (after topping up, say).
+		// Nothing left the process: the payer may try again (after topping up, say). A claim that is not this
+		// settlement's any more stays: another instance took it over while this one looked dead, and may have
+		// settled the payment (which a refusal here, "nonce already used", would deny). The journal's record of
+		// the payment then says what became of it.
 		relErr := f.journal.Release(context.WithoutCancel(ctx), p.claim)
-		switch {
-		case errors.Is(relErr, journal.ErrNotReleasable):
-			// The claim is not this settlement's any more: another instance took it over while this one looked
-			// dead, and may have settled the payment (which a refusal here, "nonce already used", would deny).
-			return f.answerAfterLostClaim(ctx, p, req, fmt.Errorf("%w: %w", errClaimLost, relErr))
-		case relErr != nil:
+		if errors.Is(relErr, journal.ErrNotReleasable) {
+			err = fmt.Errorf("%w: %w", errClaimLost, relErr)
+		} else if relErr != nil {
 			f.log.Error("releasing a settlement claim that sent nothing", zap.String("payment", p.id.String()), zap.Error(relErr))
+		}
+		if errors.Is(err, errClaimLost) {
+			return f.answerAfterLostClaim(ctx, p, req, err)
 		}
 	}
 	return resp, err
@@ -230,8 +240,8 @@ func (f *Facilitator) settleNothing(ctx context.Context, p *payment) (x402.Settl
 		}
 		r.State, r.Response = journal.StateFinal, &resp
 		return nil
-	}); errors.Is(err, errClaimLost) || errors.Is(err, journal.ErrNotFound) {
-		return x402.SettleResponse{}, false, fmt.Errorf("%w: %w", errClaimLost, err)
+	}); asClaimLost(err) != nil {
+		return x402.SettleResponse{}, false, asClaimLost(err)
 	} else if err != nil {
 		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("settlement journal: %w", err)}
 	}
@@ -342,10 +352,10 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 				// Kept, it would be sent by reconciliation: the payer must not be told it was not sent.
 				return common.Hash{}, nil, fmt.Errorf("the node refused the settlement transaction (%v) and the journal could not forget it: %w", err, rerr)
 			}
-		} else if errors.Is(err, errClaimLost) || errors.Is(err, journal.ErrNotFound) {
+		} else if lost := asClaimLost(err); lost != nil {
 			// Taken over by another instance, which released the claim or claimed the payment again: this
 			// settlement sent nothing, and must not release what is now another's.
-			return common.Hash{}, nil, fmt.Errorf("%w: %w", errClaimLost, err)
+			return common.Hash{}, nil, lost
 		} else if errors.Is(err, journal.ErrUnavailable) || errors.Is(err, journal.ErrFenced) {
 			// The journal's database could not be reached to record the transaction, or the wallet's lease was
 			// lost: nothing was sent, and nothing is wrong with the payment. An error, not a refusal: the payer is told to present it again, not that

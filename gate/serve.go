@@ -350,7 +350,7 @@ func (x *exchange) serveAsyncAgain(rec journal.Record) error {
 			return x.passFailure(up, "the upstream answered %d; the payment is settling and may be presented again for its response")
 		}
 		if x.lostMark() {
-			return x.settleUnreachable("the payment is being settled, but this gateway may have lost its hold on it while its shared journal was out of reach, and served nothing; present the same payment again to receive the resource: it is not charged again", nil, nil)
+			return x.servedNothing("the payment is being settled")
 		}
 		x.setSettleHeader(resp)
 		if resp.Success {
@@ -497,7 +497,7 @@ func (x *exchange) serveSettledUpstream(resp x402.SettleResponse, up *upstream) 
 	}
 	if x.lostMark() {
 		x.note(func(r *journal.Record) { r.Response = &resp })
-		return x.settleUnreachable(fmt.Sprintf("the payment settled (transaction %s), but this gateway may have lost its hold on it while its shared journal was out of reach, and served nothing; present the same payment again to receive the resource: it is not charged again", resp.Transaction), nil, nil)
+		return x.servedNothing(fmt.Sprintf("the payment settled (transaction %s)", resp.Transaction))
 	}
 	x.setSettleHeader(resp)
 	x.end(x.settledOutcome(resp))
@@ -513,6 +513,13 @@ func (x *exchange) lostMark() bool {
 	x.g.logger.Warn("this gateway may have looked dead to the others sharing its journal while a request worked on a payment; serving nothing, the payment may be presented again",
 		zap.String("payment", x.id.String()))
 	return true
+}
+
+// servedNothing answers a request that lost its mark (lostMark) after its payment got as far as state says: 502,
+// and the payment is served when presented again.
+func (x *exchange) servedNothing(state string) error {
+	return x.settleUnreachable(state+", but this gateway may have lost its hold on it while its shared journal was out of reach, and served nothing; "+
+		"present the same payment again to receive the resource: it is not charged again", nil, nil)
 }
 
 // settledOutcome is the outcome of a request whose payment settled.
@@ -533,7 +540,7 @@ func (x *exchange) serveAsync(up *upstream) error {
 	rq := x.req.PaymentRequirements
 	if x.lostMark() {
 		x.g.ledger.settleLater(x.id) // journalled: it is settled, and served when presented again
-		return x.settleUnreachable("the payment was accepted and is being settled, but this gateway may have lost its hold on it while its shared journal was out of reach, and served nothing; present the same payment again to receive the resource: it is not charged again", nil, nil)
+		return x.servedNothing("the payment was accepted and is being settled")
 	}
 	pending := x402.SettleResponse{Success: false, Network: rq.Network, Payer: x.payer, ErrorReason: x402.ReasonSettlementPending,
 		ErrorMessage: "the payment was accepted and is being settled in the background"}

@@ -103,6 +103,12 @@ func (r *Record) keptUntil() time.Time {
 }
 
 // validate checks what must hold of any stored record.
+// SameClaim reports whether r and claim are one claim of the payment: made by the same owner at the same time.
+// A record taken over by another process, or released and claimed again, is another claim.
+func (r *Record) SameClaim(claim *Record) bool {
+	return r.Owner == claim.Owner && r.ClaimedAt.Equal(claim.ClaimedAt)
+}
+
 func (r *Record) validate() error {
 	if r.ID.IsZero() {
 		return fmt.Errorf("record has no id; want PaymentID of the payment")

@@ -231,7 +231,7 @@ func releaseUnsentIn(t txn, claim Record, txHash string) error {
 // sameClaim refuses, with ErrNotReleasable, a record that is not the claim given: claimed by another process, or
 // claimed again since.
 func sameClaim(prev, claim *Record) error {
-	if prev.Owner != claim.Owner || !prev.ClaimedAt.Equal(claim.ClaimedAt) {
+	if !prev.SameClaim(claim) {
 		return fmt.Errorf("%w: %s was claimed again since (by %q at %s), not the claim of %q at %s", ErrNotReleasable, claim.ID,
 			prev.Owner, prev.ClaimedAt.Format(time.RFC3339Nano), claim.Owner, claim.ClaimedAt.Format(time.RFC3339Nano))
 	}
