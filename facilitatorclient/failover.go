@@ -30,8 +30,8 @@ func NewFailover(clients ...*Client) *Failover {
 }
 
 // NewFailoverSharing is NewFailover remembering the payments it sends in memory, which other sets may share (nil:
-// a memory of its own). A payment remembered as sent to a base URL that is no member of this set is asked of no
-// member: it may have settled there, and the others would refuse it.
+// a memory of its own). A payment remembered as sent to a member of this set stays with it; one sent only to
+// base URLs that are no member of this set (a member a reload took out) is routed as a new one.
 func NewFailoverSharing(memory *SentPayments, clients ...*Client) *Failover {
 	if memory == nil {
 		memory = NewSentPayments()
@@ -45,11 +45,14 @@ func NewFailoverSharing(memory *SentPayments, clients ...*Client) *Failover {
 	return f
 }
 
-// member is the member of base URL base, or nil.
-func (f *Failover) member(base string) *Client {
-	for _, c := range f.members {
-		if c.base == base {
-			return c
+// stickyMember is the member of this set a payment was last sent to, by the memory's record, or nil.
+func (f *Failover) stickyMember(key string) *Client {
+	bases := f.sticky.get(key, f.now())
+	for i := len(bases) - 1; i >= 0; i-- {
+		for _, c := range f.members {
+			if c.base == bases[i] {
+				return c
+			}
 		}
 	}
 	return nil
@@ -107,12 +110,7 @@ func (f *Failover) Settle(ctx context.Context, req x402.SettleRequest) (x402.Set
 // SettleResult.Facilitator names the member that was asked last.
 func (f *Failover) SettleDetailed(ctx context.Context, req x402.SettleRequest) (SettleResult, error) {
 	key := stickyKey(req)
-	if base := f.sticky.get(key, f.now()); base != "" {
-		c := f.member(base)
-		if c == nil {
-			return SettleResult{Facilitator: base}, &x402.FacilitatorError{Op: opSettle, Kind: x402.FailureUnreachable, Err: fmt.Errorf(
-				"this payment's settlement was sent to %s, which is not a member of this failover set (any more); it may have settled there, and no other member is asked", base)}
-		}
+	if c := f.stickyMember(key); c != nil {
 		res, err := c.SettleDetailed(ctx, req)
 		if err != nil && errors.Is(err, ErrNotSent) {
 			// This request never left, but an earlier one for the payment may have reached the member: the

@@ -2,6 +2,7 @@ package facilitatorclient
 
 import (
 	"container/list"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -9,20 +10,19 @@ import (
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// stickyPayments remembers, for every payment whose /settle may have reached a member of a failover set, that
-// member. Only that member is asked to settle it again: another would find its nonce spent by the first member's
-// settlement, or, past the payment's deadline, the authorization expired, and refuse it, and the payer, who
-// paid, would be told to pay again. Past the deadline the payment cannot settle anywhere any more, but the member
-// that may have settled it is still the only one whose journal can say whether it did.
-// SentPayments is the memory of a Failover: the member each payment's /settle may have reached. Failover sets
-// that share one (NewFailoverSharing) keep a payment with its member across them: a set built anew when a
-// configuration is reloaded, or another set of the same process the payment is presented to. It is safe for
-// concurrent use, and bounded.
+// SentPayments is the memory of a Failover: the member each payment's /settle may have reached. Only that member
+// is asked to settle the payment again: another would find its nonce spent by the first member's settlement, or,
+// past the payment's deadline, the authorization expired, and refuse it, and the payer, who paid, would be told
+// to pay again. Past the deadline the payment cannot settle anywhere any more, but the member that may have
+// settled it is still the only one whose journal can say whether it did. Failover sets that share one
+// (NewFailoverSharing) keep a payment with its member across them, a set built anew when a configuration is
+// reloaded included. It is safe for concurrent use, and bounded.
 type SentPayments struct{ stickyPayments }
 
 // NewSentPayments returns an empty memory to share between failover sets.
 func NewSentPayments() *SentPayments { return new(SentPayments) }
 
+// stickyPayments is the memory of SentPayments.
 type stickyPayments struct {
 	mu    sync.Mutex
 	by    map[string]*list.Element // of *stickyMember, in order
@@ -30,10 +30,17 @@ type stickyPayments struct {
 }
 
 type stickyMember struct {
-	key    string
-	member string // the member's base URL: the payment stays with it in every set that shares the memory
-	until  time.Time
+	key string
+	// members are the base URLs of the members the payment was sent to, the last sent to last: in every set
+	// that shares the memory, the payment stays with the last of them that is a member of the set. Several
+	// sets of one process may each send it once (a gate's set whose member is a middleware of this process,
+	// with a set of its own).
+	members []string
+	until   time.Time
 }
+
+// maxStickyMembers bounds the members remembered of one payment.
+const maxStickyMembers = 4
 
 // maxSticky bounds the payments remembered. Past it, the payment sent the longest ago is forgotten: at the
 // default deadline of minutes and stickyPastDeadline, that is one whose deadline passed long ago, unless more
@@ -71,26 +78,26 @@ func stickyUntil(req x402.VerifyRequest, now time.Time) time.Time {
 	return limit
 }
 
-// get names the member a payment was sent to (its base URL), or "" when none is remembered.
-func (s *stickyPayments) get(key string, now time.Time) string {
+// get names the members a payment was sent to (their base URLs, the last sent to last), or none.
+func (s *stickyPayments) get(key string, now time.Time) []string {
 	if key == "" {
-		return ""
+		return nil
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e, ok := s.by[key]
 	if !ok {
-		return ""
+		return nil
 	}
 	m := e.Value.(*stickyMember)
 	if !now.Before(m.until) {
 		s.forget(e)
-		return ""
+		return nil
 	}
-	return m.member
+	return slices.Clone(m.members)
 }
 
-// put remembers that a payment was sent to member (its base URL) until until.
+// put remembers that a payment was sent to member (its base URL), until until.
 func (s *stickyPayments) put(key, member string, until, now time.Time) {
 	if key == "" || !now.Before(until) {
 		return
@@ -102,7 +109,13 @@ func (s *stickyPayments) put(key, member string, until, now time.Time) {
 	}
 	if e, known := s.by[key]; known {
 		m := e.Value.(*stickyMember)
-		m.member, m.until = member, until
+		m.members = append(slices.DeleteFunc(m.members, func(b string) bool { return b == member }), member)
+		if len(m.members) > maxStickyMembers {
+			m.members = m.members[len(m.members)-maxStickyMembers:]
+		}
+		if until.After(m.until) {
+			m.until = until
+		}
 		s.order.MoveToBack(e)
 		return
 	}
@@ -114,7 +127,7 @@ func (s *stickyPayments) put(key, member string, until, now time.Time) {
 		}
 		s.forget(e)
 	}
-	s.by[key] = s.order.PushBack(&stickyMember{key: key, member: member, until: until})
+	s.by[key] = s.order.PushBack(&stickyMember{key: key, members: []string{member}, until: until})
 }
 
 // forget drops one payment; s.mu is held.

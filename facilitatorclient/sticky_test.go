@@ -2,10 +2,8 @@ package facilitatorclient
 
 import (
 	"context"
-	"errors"
 	"net/http"
 	"strconv"
-	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -35,18 +33,19 @@ func TestAPaymentStaysWithItsMemberADayPastItsDeadline(t *testing.T) {
 	key := stickyKey(req)
 	s.put(key, a, stickyUntil(req, now), now)
 	for _, at := range []time.Duration{0, time.Minute + time.Second, time.Hour, stickyPastDeadline} {
-		if got := s.get(key, now.Add(at)); got != a {
+		if got := s.get(key, now.Add(at)); len(got) != 1 || got[0] != a {
 			t.Errorf("%s later: member %q, want a", at, got)
 		}
 	}
-	if got := s.get(key, now.Add(time.Minute+stickyPastDeadline)); got != "" || s.size() != 0 {
+	if got := s.get(key, now.Add(time.Minute+stickyPastDeadline)); got != nil || s.size() != 0 {
 		t.Errorf("a day past the deadline: member %q, %d remembered; want forgotten", got, s.size())
 	}
-	// Sent again to another member, the payment moves with it.
+	// Sent to another member too (by another set), both are remembered, the last sent to last.
 	s.put(key, a, stickyUntil(req, now), now)
 	s.put(key, b, stickyUntil(req, now), now)
-	if got := s.get(key, now); got != b {
-		t.Errorf("member %q, want b, the member last sent the payment", got)
+	s.put(key, a, stickyUntil(req, now), now)
+	if got := s.get(key, now); len(got) != 2 || got[0] != b || got[1] != a {
+		t.Errorf("members %q, want b then a", got)
 	}
 }
 
@@ -67,11 +66,11 @@ func TestStickyPaymentsForgetTheEarliestSentPastTheirBound(t *testing.T) {
 		t.Fatalf("%d remembered, want the bound %d", n, maxSticky)
 	}
 	for i := range 10 {
-		if s.get("k"+strconv.Itoa(i), now) != "" {
+		if s.get("k"+strconv.Itoa(i), now) != nil {
 			t.Fatalf("payment %d, among the earliest sent, is still remembered past the bound", i)
 		}
 	}
-	if s.get("k10", now) == "" || s.get("k"+strconv.Itoa(maxSticky+9), now) == "" {
+	if s.get("k10", now) == nil || s.get("k"+strconv.Itoa(maxSticky+9), now) == nil {
 		t.Fatal("a payment within the bound was forgotten")
 	}
 	// An hour later every payment has run out: the next put forgets them all.
@@ -82,8 +81,8 @@ func TestStickyPaymentsForgetTheEarliestSentPastTheirBound(t *testing.T) {
 }
 
 // Failover sets that share their memory keep a payment with the member it was sent to: a set built anew (a
-// reload) asks that member alone, and a set without it asks nobody (the payment may have settled there; any
-// other member would refuse it): an unknown outcome, never ErrNotSent.
+// reload) asks that member alone, whatever its order. A set that sends it on to a member of its own (a
+// middleware of the same process) keeps it with that member, and the first set with its own.
 func TestFailoverSetsSharingTheirMemoryKeepAPaymentWithItsMember(t *testing.T) {
 	req := permit2Request(mainnet)
 	req.PaymentPayload.Payload.Permit2Authorization.Deadline = strconv.FormatInt(time.Now().Add(time.Minute).Unix(), 10)
@@ -109,12 +108,21 @@ func TestFailoverSetsSharingTheirMemoryKeepAPaymentWithItsMember(t *testing.T) {
 	if resp, err := NewFailoverSharing(memory, mustClient(t, b.URL()), mustClient(t, a.URL())).Settle(context.Background(), req); err != nil || !resp.Success {
 		t.Fatalf("settled again through a new set = %+v, %v; want A's settlement", resp, err)
 	}
-	// A set without A: no member is asked.
-	res, err := NewFailoverSharing(memory, mustClient(t, b.URL())).SettleDetailed(context.Background(), req)
-	if !x402.IsUnreachable(err) || errors.Is(err, ErrNotSent) || !strings.Contains(err.Error(), "not a member of this failover set") || res.Facilitator != a.URL() {
-		t.Fatalf("settled through a set without A = %+v, %v; want an unknown outcome naming A", res, err)
-	}
 	if n := b.settleCalls.Load(); n != 0 {
 		t.Errorf("B was asked to settle %d times; want never", n)
+	}
+
+	// Another set of the process sends it to a member of its own: each set keeps it with its member.
+	c := newFakeFacilitator(t, permit2Supported(mainnet))
+	d := newFakeFacilitator(t, permit2Supported(mainnet))
+	inner := NewFailoverSharing(memory, mustClient(t, c.URL()), mustClient(t, d.URL()))
+	if _, err := inner.Settle(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	if got := NewFailoverSharing(memory, mustClient(t, b.URL()), mustClient(t, a.URL())).stickyMember(stickyKey(req)); got == nil || got.base != a.URL() {
+		t.Errorf("the first set's member = %v, want A", got)
+	}
+	if got := NewFailoverSharing(memory, mustClient(t, d.URL()), mustClient(t, c.URL())).stickyMember(stickyKey(req)); got == nil || got.base != c.URL() {
+		t.Errorf("the other set's member = %v, want C", got)
 	}
 }
