@@ -11,7 +11,7 @@ import (
 
 func TestAHeldResponseThatFitsReachesTheClientOnlyWhenTheGateSendsIt(t *testing.T) {
 	client := httptest.NewRecorder()
-	h := newHeldResponse(client, new(bytes.Buffer), 64, func() error {
+	h := newHeldResponse(client, new(bytes.Buffer), 64, false, func() error {
 		t.Fatal("a body within max made the gate decide early")
 		return nil
 	})
@@ -36,7 +36,7 @@ func TestAHeldResponseThatOutgrowsMaxIsDecidedOnceAndStreamsWhileHoldingNoMoreTh
 	buf := new(bytes.Buffer)
 	decisions := 0
 	var h *heldResponse
-	h = newHeldResponse(client, buf, max, func() error {
+	h = newHeldResponse(client, buf, max, false, func() error {
 		decisions++
 		if buf.Len() > max {
 			t.Errorf("the gate decided holding %d bytes, more than max %d", buf.Len(), max)
@@ -66,7 +66,7 @@ func TestAHeldResponseThatOutgrowsMaxIsDecidedOnceAndStreamsWhileHoldingNoMoreTh
 func TestAHeldResponseTheGateAnsweredInsteadRefusesTheUpstreamsWrites(t *testing.T) {
 	client := httptest.NewRecorder()
 	answer := errors.New("the gate's own answer")
-	h := newHeldResponse(client, new(bytes.Buffer), 4, func() error {
+	h := newHeldResponse(client, new(bytes.Buffer), 4, false, func() error {
 		http.Error(client, "payment refused", http.StatusPaymentRequired)
 		return answer
 	})
@@ -90,7 +90,7 @@ func TestAHeldResponseTheGateAnsweredInsteadRefusesTheUpstreamsWrites(t *testing
 // An informational status is not the answer: it goes to the client at once, and the final one is held.
 func TestAHeldResponsePassesInformationalStatusesStraightThrough(t *testing.T) {
 	client := httptest.NewRecorder()
-	h := newHeldResponse(client, new(bytes.Buffer), 64, func() error { return nil })
+	h := newHeldResponse(client, new(bytes.Buffer), 64, false, func() error { return nil })
 	h.WriteHeader(http.StatusEarlyHints)
 	if client.Code != http.StatusEarlyHints {
 		t.Fatalf("103 reached the client as %d", client.Code)
