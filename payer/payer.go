@@ -21,9 +21,9 @@ import (
 )
 
 // DefaultMaxValidity is how long a signed payment stays valid at most, unless Options.MaxValidity says
-// otherwise: twice the five minutes gates offer by default (max_timeout, and the public SDKs' servers), so that
-// a server that settles in the background still has time, while a signature handed to a server is worthless
-// ten minutes later whatever maxTimeoutSeconds it asked for.
+// otherwise: twice the five minutes this project's gate offers by default (max_timeout), so that a server that
+// settles in the background still has time, while a signature handed to a server is worthless ten minutes
+// later whatever maxTimeoutSeconds it asked for.
 const DefaultMaxValidity = 10 * time.Minute
 
 // Options configures a Payer. The zero value pays by any method it can sign without a chain, at the wall

@@ -15,25 +15,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// What a Transport gives back to its budget, and on what proof.
-//
-// A budget counts what was signed. A signed permit2 payment is a bearer authorization: whoever holds it can
-// settle it, up to its amount, until its deadline, whatever the server said in PAYMENT-RESPONSE. So the part
-// of a payment's amount that it did not cost is given back only when the chain shows it can no longer cost it:
-//
-//   - settled: a mined, successful transaction sent to the pinned x402 proxy the payment was signed for, whose
-//     calldata spends this payment's Permit2 nonce from this payer (so one transaction proves one payment, the
-//     one whose nonce it spent, and a seller cannot name someone else's transfer), and whose receipt's Transfer
-//     logs of the asset from the payer add up to what it moved: an upto payment's maximum less that is given
-//     back. The transaction is the one PAYMENT-RESPONSE names, or, for Reconcile, one found among the asset's
-//     Transfer logs from the payer to payTo since the payment was signed;
-//   - expired unspent: the head block is past the payment's deadline and its nonce is unspent, so Permit2 will
-//     refuse it forever: all of it is given back (Reconcile only).
-//
-// Without an RPC (Options.RPC) nothing is given back. Only permit2 payments are followed (exact and upto):
-// eip3009 and erc2612 payments stay counted at their amount. An exact payment a server says settled is taken
-// at its amount (it cannot cost less) and no longer followed. A receipt is taken as final once mined: a chain
-// that reorganizes could undo a settlement that gave budget back.
+// What a Transport gives back, and on what proof, is told in its doc comment; this file holds the proofs.
 
 // authorization is a permit2 payment a Transport sent and follows until the chain shows its final cost.
 type authorization struct {
@@ -109,16 +91,13 @@ func (t *Transport) answered(ctx context.Context, rpc *chainReader, a *authoriza
 // once.
 func (t *Transport) close(a *authorization, cost *big.Int) {
 	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.open[a.key] != a {
-		return
+	mine := t.open[a.key] == a
+	if mine {
+		delete(t.open, a.key)
 	}
-	delete(t.open, a.key)
-	if cost == nil || cost.Cmp(a.amount) >= 0 {
-		return
-	}
-	if s := t.spent[spentKey(a.req.Network, a.req.Asset)]; s != nil {
-		s.Sub(s, new(big.Int).Sub(a.amount, cost))
+	t.mu.Unlock()
+	if mine && cost != nil && cost.Cmp(a.amount) < 0 {
+		t.releaseAmount(a.req, new(big.Int).Sub(a.amount, cost))
 	}
 }
 

@@ -167,6 +167,30 @@ func TestTransportGivesBackWhatAnUptoPaymentDidNotCostOnlyWhenTheChainShowsIt(t 
 		}
 	})
 
+	t.Run("a gas-sponsored payment, settled by settleWithPermit, is proved too", func(t *testing.T) {
+		sponsored, err := payer.New(c.PayerNoGas.Key, payer.Options{RPC: c.RPCURL})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sponsored.Close()
+		tr := &payer.Transport{Payer: sponsored, Limits: []payer.Limit{{Network: network, Asset: token, Total: big.NewInt(100_000)}}}
+		var withPermit bool
+		s.setAnswer(func(w http.ResponseWriter, vr x402.VerifyRequest) {
+			_, withPermit = vr.PaymentPayload.Extensions[x402.ExtensionEIP2612GasSponsoring]
+			s.serve(w, s.settle(vr, 4000))
+		})
+		before := c.TokenBalance(c.PayerNoGas.Address)
+		if err := get(t, &http.Client{Transport: tr}, s.url); err != nil {
+			t.Fatal(err)
+		}
+		if got := new(big.Int).Sub(before, c.TokenBalance(c.PayerNoGas.Address)); !withPermit || got.Cmp(big.NewInt(4000)) != 0 {
+			t.Fatalf("sponsored %v, the chain moved %s; want a sponsored payment moving 4000", withPermit, got)
+		}
+		if spent := tr.Spent(network, token); spent.Cmp(big.NewInt(4000)) != 0 || tr.Pending() != 0 {
+			t.Errorf("Spent %s, Pending %d; want 4000 and 0", spent, tr.Pending())
+		}
+	})
+
 	t.Run("a seller that settles the maximum and says it charged nothing is counted the maximum", func(t *testing.T) {
 		tr := &payer.Transport{Payer: p, Limits: []payer.Limit{{Network: network, Asset: token, Total: big.NewInt(100_000)}}}
 		hc := &http.Client{Transport: tr}

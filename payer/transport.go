@@ -74,6 +74,21 @@ func (e *LimitError) Error() string {
 // sent as it is. A redirect is followed by the http.Client above, without the payment, which went only to the
 // request that asked for it.
 //
+// The budget counts what was signed, and only the chain gives any of it back, never a server's word: a signed
+// payment is a bearer authorization that whoever holds it can settle, up to its amount, until its deadline.
+// With an RPC (the Payer's Options.RPC; without one nothing is given back), a permit2 payment is followed:
+//   - an upto payment the server says it settled gives back its maximum less what the transaction named in
+//     PAYMENT-RESPONSE moved, if that transaction is mined, successful, a call of the pinned proxy the payment
+//     was signed for, and spends this payment's Permit2 nonce from this payer in its calldata (so one
+//     transaction proves one payment, and another payment's settlement or someone else's transfer proves
+//     nothing); what it moved is the sum of the asset's Transfer logs from the payer in its receipt;
+//   - Reconcile later finds a settlement the answer did not prove among the asset's Transfer logs from the
+//     payer to payTo, and gives back the whole of a payment whose deadline the head block has passed with its
+//     nonce unspent (Permit2 refuses it from then on).
+//
+// eip3009 and erc2612 payments stay counted at their amount. A mined receipt is taken as final: on a chain
+// that reorganizes, a settlement that gave budget back could be undone.
+//
 // A Transport is safe for concurrent use; its fields must not change once it is in use.
 type Transport struct {
 	// Payer signs the payments; required.
@@ -191,8 +206,8 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 
 // Spent returns what the Transport counts as paid in asset on network, in raw units: the amounts of the
 // payments it signed and sent (an upto payment's maximum), less what the chain has shown they did not cost
-// (the part of an upto maximum its settlement did not move, a payment that expired unspent). It is never
-// less than what the signed payments can still move, whatever the servers say.
+// (the part of an upto maximum its settlement did not move, a payment that expired unspent). Whatever the
+// servers say, it is never less than what the payments sent have moved and can still move.
 func (t *Transport) Spent(network, asset string) *big.Int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
