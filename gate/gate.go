@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net/http"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -471,25 +470,6 @@ func (g *Gate) fetchOffers(ctx context.Context) *offerSet {
 	next.sup = &sup
 	g.offers.Store(next)
 	return next
-}
-
-// isUpgrade reports whether r asks for a tunnel (a protocol upgrade such as WebSocket, or CONNECT), which is
-// served as it goes and may outlast the payment's validity: such a request is paid for before it opens.
-func isUpgrade(r *http.Request) bool {
-	if r.Method == http.MethodConnect {
-		return true
-	}
-	if r.Header.Get("Upgrade") == "" {
-		return false
-	}
-	for _, v := range r.Header.Values("Connection") {
-		for _, tok := range strings.Split(v, ",") {
-			if strings.EqualFold(strings.TrimSpace(tok), "upgrade") {
-				return true
-			}
-		}
-	}
-	return false
 }
 
 // describe is an error's text with secrets taken out, for answers and logs.
