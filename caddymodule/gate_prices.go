@@ -247,7 +247,7 @@ func (g *Gate) takeOfferMemory() error {
 		return nil
 	}
 	val, _, err := offerMemories.LoadOrNew(offerMemoryKey, func() (caddy.Destructor, error) {
-		return offerMemory{gate.NewOfferMemory(gate.DefaultOfferMemoryLimit)}, nil
+		return offerMemory{gate.NewOfferMemory(gate.DefaultOfferMemoryBytes)}, nil
 	})
 	if err != nil {
 		return err

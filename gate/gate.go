@@ -330,7 +330,7 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 		g.now = time.Now
 	}
 	if cfg.PriceGrace > 0 && cfg.OfferMemory == nil {
-		g.cfg.OfferMemory = NewOfferMemory(DefaultOfferMemoryLimit)
+		g.cfg.OfferMemory = NewOfferMemory(DefaultOfferMemoryBytes)
 	}
 	if h, ok := fac.(fundsHolder); ok && cfg.Settle == SettleAsync {
 		g.holder = h

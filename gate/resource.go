@@ -13,8 +13,7 @@ import (
 
 // Bounds of the resource a record names.
 const (
-	// maxResourceLen bounds the resource kept in a journal record: a longer one keeps its first
-	// resourcePrefixLen bytes and the SHA-256 of the whole, which tells it apart from any other just as well.
+	// maxResourceLen bounds the resource kept in a journal record (see boundedKey).
 	maxResourceLen    = 2048
 	resourcePrefixLen = 1024
 	// shownResourceLen bounds the resource an answer names.
@@ -38,7 +37,13 @@ func resourceKey(method, host, uri string) string {
 			host = "[" + h + "]" // an IPv6 address keeps its brackets
 		}
 	}
-	key := method + " " + strings.TrimSuffix(strings.ToLower(host), ".") + uri
+	return boundedKey(method + " " + strings.TrimSuffix(strings.ToLower(host), ".") + uri)
+}
+
+// boundedKey is key, or, when it is longer than maxResourceLen, its first resourcePrefixLen bytes and the SHA-256
+// of the whole, which tells it apart from any other key just as well: what a request's URL makes the gate keep
+// (a journal record, the price grace's memory) is bounded whatever the URL's length.
+func boundedKey(key string) string {
 	if len(key) <= maxResourceLen {
 		return key
 	}
