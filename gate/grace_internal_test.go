@@ -2,6 +2,8 @@ package gate
 
 import (
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"reflect"
 	"strings"
 	"testing"
@@ -146,5 +148,23 @@ func TestTheKeyOfPricedOffersCoversEveryFieldOfAnOffer(t *testing.T) {
 	}
 	if pricedKey([]Offer{base, base}) == key {
 		t.Error("pricedKey does not count the offers")
+	}
+}
+
+func TestTheOfferMemoryKeysARequestByItsMethodItsURLAndTheURIARewriteMadeOfIt(t *testing.T) {
+	g := &Gate{cfg: Config{OriginalURI: func(r *http.Request) string { return "/report?v=1" }}}
+	r := httptest.NewRequest(http.MethodGet, "http://shop.example/report?v=1", nil)
+	x := &exchange{g: g, r: r}
+	if got := x.offeredKey(); got != "GET http://shop.example/report?v=1" {
+		t.Errorf("offeredKey of an unrewritten request = %q", got)
+	}
+	// A rewrite (which the request's URI placeholders read) is part of what the offer depended on.
+	r.URL.Path = "/gold/report"
+	if got := x.offeredKey(); got != "GET http://shop.example/report?v=1 /gold/report?v=1" {
+		t.Errorf("offeredKey of a rewritten request = %q", got)
+	}
+	r.URL.Path = "/" + strings.Repeat("r", 8<<10)
+	if got := x.offeredKey(); len(got) > maxResourceLen {
+		t.Errorf("offeredKey of a long URI has %d bytes, want at most %d", len(got), maxResourceLen)
 	}
 }
