@@ -118,8 +118,10 @@ type Gate struct {
 	CORSOrigins []string `json:"cors_origins,omitempty"`
 
 	// PriceGrace keeps a payment signed against an offer this resource's 402 made good for this long after the
-	// offer changed (a reload with a new price, or a new value of a placeholder in price, amount or pay_to): the
-	// terms each 402 offered are remembered by the request's method and URL, across reloads but not restarts.
+	// offer changed (a reload with a new price): the terms each 402 offered are remembered by the request's method
+	// and URL, across reloads but not restarts, within 16 MiB. With a grace, price, amount and pay_to may hold only
+	// the request's method and URL placeholders ({http.request.uri.*}, {http.request.host}, {http.request.method}):
+	// a config whose terms depend on more (a header, a user, the client's address, a map or vars output) is refused.
 	// Default 0: a payment must match the offer of its request.
 	PriceGrace caddy.Duration `json:"price_grace,omitempty"`
 

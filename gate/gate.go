@@ -165,8 +165,10 @@ type Config struct {
 	// DescriptionFor, when set, describes the resource of one request in place of Description.
 	DescriptionFor func(r *http.Request) string
 	// PriceGrace is how long after a 402 offered them its terms stay good for a payment of the same resource
-	// (the same HTTP method and URL), when they are no longer among the request's offers: a price changed by a
-	// reload or by the request's own values does not fail payments already signed. 0: off.
+	// (the same HTTP method and URL, and the URI a rewrite made of it), when they are no longer among the
+	// request's offers: a price changed by a reload does not fail payments already signed. Its memory is keyed by
+	// those alone, so OffersFor must then depend on nothing else of the request (caddymodule refuses a config
+	// whose terms do). 0: off.
 	PriceGrace time.Duration
 	// OfferMemory is where the 402s' offers are remembered for PriceGrace, shared by the gates that replace one
 	// another on a reload. Default: a memory of this gate's own.
@@ -329,7 +331,7 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 		g.now = time.Now
 	}
 	if cfg.PriceGrace > 0 && cfg.OfferMemory == nil {
-		g.cfg.OfferMemory = NewOfferMemory(DefaultOfferMemoryLimit)
+		g.cfg.OfferMemory = NewOfferMemory(DefaultOfferMemoryBytes)
 	}
 	if h, ok := fac.(fundsHolder); ok && cfg.Settle == SettleAsync {
 		g.holder = h

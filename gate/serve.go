@@ -300,7 +300,8 @@ func (x *exchange) unhold() {
 }
 
 // presentedAgain answers a payment the journal already holds. It buys nothing on a route whose offer differs
-// from the one it was journalled under. Served: never again. Not served (its settlement was pending or unknown,
+// from the one it was journalled under, nor for another resource than the one it was first presented for
+// (boughtResource). Served: never again. Not served (its settlement was pending or unknown,
 // the upstream failed after it settled, or its response was cut short): the same payment, byte for byte in
 // what it signs, is served once without paying twice: a synchronous one is settled from the journal's request,
 // which answers with the first settlement, and an async one is settling in the background already.
@@ -320,6 +321,12 @@ func (x *exchange) presentedAgain(rec journal.Record, payload x402.ExactEVMPaylo
 	if rec.Served {
 		return x.alreadyUsed(fmt.Sprintf("this payment already bought its response at %s; sign a new payment for another",
 			rec.ServedAt.UTC().Format(time.RFC3339)))
+	}
+	// Only the holder of this very payment gets this far, and learns only what it was first presented for. A
+	// record written before records named their resource is taken on its terms alone, as it was then.
+	if rec.Resource != "" && rec.Resource != x.boughtResource() {
+		return x.alreadyUsed(fmt.Sprintf("this payment was first presented for %s and buys only that resource's response: present it "+
+			"for that resource to receive it (it is not charged again), or sign a new payment for this one", shownResource(rec.Resource)))
 	}
 	x.req, x.id, x.payer = recorded, rec.ID, rec.Payer
 	if x.upto() && rec.Amount != "" {
@@ -401,7 +408,7 @@ func (x *exchange) claim(ctx context.Context, edit func(*journal.Record)) error 
 	rec := journal.Record{
 		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: x.chargeAmount(),
 		PayTo: rq.PayTo, Request: body, Owner: x.g.ledger.owner,
-		Deadline: x.req.PaymentPayload.Payload.Deadline(),
+		Deadline: x.req.PaymentPayload.Payload.Deadline(), Resource: x.boughtResource(),
 	}
 	if edit != nil {
 		edit(&rec)
