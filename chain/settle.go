@@ -156,7 +156,13 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 		resp, keep, err = f.broadcastAndWait(ctx, p)
 	}
 	if !keep {
-		p.net.funds.let(p.id)
+		if refusedForGood(resp, err) {
+			p.net.funds.let(p.id)
+		} else {
+			// Tried again later (a gate that served the payment before settling it means to): a served
+			// payment's hold stays, and the payer's funds stay spent meanwhile.
+			p.net.funds.failedForNow(p.id)
+		}
 		// Nothing left the process: the payer may try again (after topping up, say). A claim that is not this
 		// settlement's any more stays: another instance took it over while this one looked dead, and may have
 		// settled the payment (which a refusal here, "nonce already used", would deny). The journal's record of
@@ -172,6 +178,15 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 		}
 	}
 	return resp, err
+}
+
+// refusedForGood reports whether a settlement that sent nothing was refused in a way a later attempt would be
+// too: the payment will not move tokens. A busy wallet pool (no_available_wallets), a transaction the node would
+// not take or could not be asked to send (unexpected_settle_error), a chain or journal that could not be asked
+// (an error) are not: a gate that served the payment tries again (see gate's Ledger.settleAttempt).
+func refusedForGood(resp x402.SettleResponse, err error) bool {
+	return err == nil && !resp.Success && !resp.Pending() &&
+		resp.ErrorReason != x402.ReasonNoAvailableWallets && resp.ErrorReason != x402.ReasonUnexpectedSettleError
 }
 
 // answerAfterLostClaim answers a settlement whose claim was taken over before it sent anything (lost, which
