@@ -4,14 +4,18 @@ import (
 	"context"
 	"math/big"
 	"net/http"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ethereum/go-ethereum/core/types"
 
 	"github.com/x402-gateway/caddy-x402/caddymodule"
+	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -171,4 +175,102 @@ func revertedSince(t testing.TB, c *chaintest.Chain, from uint64) int {
 		}
 	}
 	return n
+}
+
+// An erc2612 payment and a permit2 payment whose gas-sponsoring permit has the same token nonce cannot both
+// settle: the token takes each permit nonce once. A payer who never approved Permit2, whose funds cover both,
+// presents the two on a settle async route before either settles, in either order: one is served, the other is
+// refused with a 402 that names the spent nonce, before the upstream runs. The one settles, and nothing reverts.
+func TestSettleAsyncServesOnePaymentPerPermitNonce(t *testing.T) {
+	for _, first := range []string{x402.TransferERC2612, x402.TransferPermit2} {
+		t.Run(first+" first", func(t *testing.T) {
+			up := newTestUpstream(t)
+			env := newGateEnv(t, gateSetup{
+				gate: "\t\tsettle async\n", site: "reverse_proxy " + up.Addr, noCommit: true,
+				chainOpts: []chaintest.Option{chaintest.WithTokenBalance(big.NewInt(2 * gatePrice))},
+			})
+			payer := env.c.Payers[0]
+			if got := env.c.Allowance(payer.Address, contracts.Permit2Address); got.Sign() != 0 {
+				t.Fatalf("the payer has approved Permit2 for %s; the test needs a payer who did not", got)
+			}
+			before, sentBefore, fromBlock := env.balances(payer), env.sent(), env.c.HeadNumber()+1
+			tokenNonce := env.c.TokenNonce(payer.Address)
+
+			erc2612 := gateEncode(t, env.signERC2612(payer, env.requirement("/", x402.TransferERC2612)))
+			sponsored := env.signPermit2(payer, env.requirement("/", x402.TransferPermit2))
+			sponsored.Extensions = env.offer("/").Extensions
+			if err := chain.AddGasSponsoring(&sponsored, payer.Key, env.c.ChainID, "", "", tokenNonce); err != nil {
+				t.Fatal(err)
+			}
+			headers := map[string]string{x402.TransferERC2612: erc2612, x402.TransferPermit2: gateEncode(t, sponsored)}
+			second, wantReason := x402.TransferPermit2, x402.ReasonInvalidEIP2612ExtensionFormat
+			if first == x402.TransferPermit2 {
+				second, wantReason = x402.TransferERC2612, x402.ReasonNonceAlreadyUsed
+			}
+
+			if a := env.get("/", x402.HeaderPaymentSignature, headers[first]); a.status != http.StatusOK {
+				t.Fatalf("the %s payment: %d %q, want it served", first, a.status, a.body)
+			}
+			a := env.get("/", x402.HeaderPaymentSignature, headers[second])
+			if a.status != http.StatusPaymentRequired || !strings.Contains(requiredError(t, a), wantReason) {
+				t.Errorf("the %s payment spending the same permit nonce: %d %q, want 402 naming %s", second, a.status, a.body, wantReason)
+			}
+			if got := up.calls.Load(); got != 1 {
+				t.Errorf("the upstream ran %d times, want 1", got)
+			}
+			t.Cleanup(commitPending(t, env.c))
+			env.waitPaid(payer, before, 1)
+			waitBacklog(t, 0)
+			if n := revertedSince(t, env.c, fromBlock); n != 0 {
+				t.Errorf("%d transactions reverted on chain, want none", n)
+			}
+			if got := env.sent() - sentBefore; got > 2 {
+				t.Errorf("the settlement wallets sent %d transactions, want those of the served payment alone", got)
+			}
+		})
+	}
+}
+
+// After a restart, a served async payment the journal holds unsettled counts against its payer's funds from the
+// gate's first request, whether or not the node answers: here it does not, for the first seconds (eth_call
+// answers 503). Once it does, the payer, whose funds cover that one payment, presents a new one: it is refused
+// with a 402 naming insufficient_funds, and the replayed payment settles, once.
+func TestAReplayedAsyncPaymentIsHeldWhileTheNodeIsDownAtStart(t *testing.T) {
+	env := newStoppedGateEnv(t, chaintest.WithTokenBalance(big.NewInt(gatePrice)))
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before, fromBlock := env.balances(payer), env.c.HeadNumber()+1
+	journalPath := filepath.Join(t.TempDir(), "journal.db")
+	env.journalServedAsync(journalPath, payer, 1)
+
+	proxy := chaintest.NewFaultProxy(t, env.c.RPCURL)
+	proxy.SetDecide(func(method string) chaintest.Fault {
+		if method == "eth_call" {
+			return chaintest.ErrorStatus
+		}
+		return chaintest.Pass
+	})
+	resume := sync.OnceFunc(caddymodule.PauseBackgroundSettlement())
+	t.Cleanup(resume)
+	up := newTestUpstream(t)
+	env.srv = startCaddy(t, env.caddyfile(gateSetup{journal: journalPath, gate: "\t\tsettle async\n", site: "reverse_proxy " + up.Addr,
+		rpc: proxy.URL, noCommit: true}))
+	// Long enough for anything the start left running to give up on the node (its calls are tried for ~2 s).
+	time.Sleep(4 * time.Second)
+	proxy.SetDecide(nil)
+
+	a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer))
+	if a.status != http.StatusPaymentRequired || !strings.Contains(requiredError(t, a), x402.ReasonInsufficientFunds) {
+		t.Errorf("a new payment of a payer whose funds the replayed payment spends: %d %q, want 402 naming insufficient_funds", a.status, a.body)
+	}
+	if got := up.calls.Load(); got != 0 {
+		t.Errorf("the upstream ran %d times, want 0", got)
+	}
+	resume()
+	t.Cleanup(commitPending(t, env.c))
+	env.waitPaid(payer, before, 1)
+	waitBacklog(t, 0)
+	if n := revertedSince(t, env.c, fromBlock); n != 0 {
+		t.Errorf("%d transactions reverted on chain, want none", n)
+	}
 }
