@@ -91,7 +91,7 @@ func TestSettleAsyncKeepsAPaymentHeldWhileItsSettlementFailsForAWhile(t *testing
 				return chaintest.ErrorStatus // the settlement's fee quote: settling needs it, verifying does not
 			}
 			return chaintest.Pass
-		}, "failed unexpectedly; retrying"},
+		}, "facilitator unreachable; retrying"},
 		{"the node refuses the transaction", func(string) chaintest.Fault { return chaintest.Refuse }, "failed unexpectedly; retrying"},
 	}
 	for _, store := range []string{"bbolt", "postgres"} {
