@@ -139,7 +139,7 @@ func (p *payment) permitNonce() *big.Int {
 	switch {
 	case p.method == x402.TransferERC2612 && !p.permitApplied:
 		return p.permit.Nonce
-	case p.sponsor != nil:
+	case p.sponsor != nil && p.sponsor.err == nil:
 		return p.sponsor.permit.Nonce
 	}
 	return nil

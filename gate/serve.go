@@ -198,6 +198,7 @@ func (x *exchange) verifyAndServe() error {
 	// names another is no answer about this payment.
 	x.payer = signedPayer(x.req)
 	if vres.Payer != "" && !strings.EqualFold(vres.Payer, x.payer) {
+		x.unhold()
 		return x.verifyUnreachable(fmt.Sprintf("the facilitator's answer names payer %s, but the payment is signed by %s; nothing was charged", vres.Payer, x.payer), nil)
 	}
 	x.setPaymentPlaceholders()
