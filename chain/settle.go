@@ -290,15 +290,21 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 		return common.Hash{}, nil, err
 	}
 	var want *common.Address
-	if p.method == x402.TransferERC2612 || p.upto() {
-		// Only that wallet can: the erc2612 permit's spender, the upto witness's facilitator. With leases, a
-		// wallet another process holds stays busy here, and the settlement gets no_available_wallets.
+	if _, bound := p.boundWallet(); bound {
+		// Only that wallet can: the erc2612 permit's spender, the upto witness's facilitator.
 		want = &from
 	}
 	w, err := n.pool.Acquire(ctx, want)
-	if errors.Is(err, errNoAvailableWallets) {
+	switch {
+	case errors.Is(err, errWalletNotHeld):
+		// Another process sharing the journal holds the wallet's lease (it moved since the payment was verified
+		// here): it is the one that can settle the payment. Nothing was sent; a served async payment is taken
+		// over by the wallet's holder (see the gate's ledger).
+		return common.Hash{}, refuse(x402.ReasonNoAvailableWallets, "%s: the payment can only be settled from %s, whose lease another instance sharing the journal holds now; nothing was sent",
+			x402.MessageNoAvailableWallets, from.Hex()), nil
+	case errors.Is(err, errNoAvailableWallets):
 		return common.Hash{}, refuse(x402.ReasonNoAvailableWallets, "%s; retry in 1 to 2 seconds", x402.MessageNoAvailableWallets), nil
-	} else if err != nil {
+	case err != nil:
 		return common.Hash{}, nil, err
 	}
 	defer n.pool.Release(w)
