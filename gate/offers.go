@@ -48,6 +48,8 @@ type offerSet struct {
 	// sup is the /supported answer the set was built from, nil when none: Config.OffersFor builds the
 	// offers of a request from it.
 	sup *x402.SupportedResponse
+	// version is the embedded facilitator's SupportedVersion when sup was had (see Gate.currentOffers).
+	version uint64
 }
 
 // methodOrder is the order offers list transfer methods in: clients take the first they can pay. Permit2 works
