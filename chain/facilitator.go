@@ -440,8 +440,8 @@ func (f *Facilitator) WalletsInUse(networkID string) int {
 // signers names the others too.
 //
 // With a journal several processes share, this process sends only from the wallets whose leases it holds (and
-// is not giving up): only those are signers, and the kinds that bind a payment to one wallet (upto, erc2612)
-// are left out while it holds none. The answer changes as leases move; SupportedVersion says when.
+// is not giving up): only those are signers, an erc2612 permit is to name one of them, and the upto kind, which
+// names one, is left out while it holds none. The answer changes as leases move; SupportedVersion says when.
 func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error) {
 	resp := x402.SupportedResponse{Kinds: []x402.SupportedKind{}, Extensions: []string{}, Signers: map[string][]string{}}
 	sponsoring := false
@@ -466,7 +466,7 @@ func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error)
 					Extra: x402.Extra{AssetTransferMethod: x402.TransferEIP3009}})
 			}
 		}
-		if n.methods[x402.TransferERC2612] && len(signers) > 0 {
+		if n.methods[x402.TransferERC2612] {
 			for _, v := range []int{x402.Version1, x402.Version2} {
 				resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: v, Scheme: x402.SchemeExact, Network: id,
 					Extra: x402.Extra{AssetTransferMethod: x402.TransferERC2612, Name: n.first.Name, Version: n.first.Version}})
