@@ -48,7 +48,7 @@ func (p *Payer) SignBatch(ctx context.Context, offer Offer, i, n int) ([]Payment
 		return nil, err
 	}
 	if rpc != nil {
-		if now, err = rpc.now(ctx); err != nil {
+		if now, err = rpc.now(ctx, now); err != nil {
 			return nil, err
 		}
 	}

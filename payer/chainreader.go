@@ -39,14 +39,19 @@ func dialChain(ctx context.Context, rawURL string) (*chainReader, error) {
 
 func (c *chainReader) close() { c.client.Close() }
 
-// now is the head block's time: the clock the facilitator judges deadlines by, which may run ahead of the
-// wall clock.
-func (c *chainReader) now(ctx context.Context) (time.Time, error) {
+// now is the time a payment's validity starts from: the later of the head block's time and wall, the
+// payer's clock. A chain's head may run ahead of the wall clock (a dev chain under load); a chain that seals
+// only when transactions come may have sat idle for minutes, and its next block, which the settlement lands
+// in, is stamped with the wall clock: a payment dated from that head would be born expired.
+func (c *chainReader) now(ctx context.Context, wall time.Time) (time.Time, error) {
 	head, err := c.client.HeaderByNumber(ctx, nil)
 	if err != nil {
 		return time.Time{}, c.wrap("reading the head block from the RPC", err)
 	}
-	return time.Unix(int64(head.Time), 0), nil
+	if chainTime := time.Unix(int64(head.Time), 0); chainTime.After(wall) {
+		return chainTime, nil
+	}
+	return wall, nil
 }
 
 // callUint calls a uint256 view of the token (allowance, nonces).

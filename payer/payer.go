@@ -22,14 +22,14 @@ import (
 // clock.
 type Options struct {
 	// RPC is a JSON-RPC URL of the chain the payments settle on; "" for none. With it, payments are signed at
-	// chain time (which the facilitator judges deadlines by), a permit2 payer that has not approved Permit2
+	// the later of chain time and Now (see chainReader.now), a permit2 payer that has not approved Permit2
 	// adds eip2612GasSponsoring, and erc2612 can be paid (it signs the token's nonces(payer)). It is dialed
 	// when a payment first needs it.
 	RPC string
 	// Method restricts payments to one asset transfer method: permit2, eip3009 or erc2612. "" pays the first
 	// payable requirement, permit2 before the others.
 	Method string
-	// Now is the signing clock when there is no RPC; nil is the wall clock.
+	// Now is the signing clock (with an RPC, unless the head block is later); nil is the wall clock.
 	Now func() time.Time
 }
 
@@ -262,7 +262,7 @@ func (p *Payer) sign(ctx context.Context, rpc *chainReader, offer Offer, req x40
 		now = p.opts.Now()
 	}
 	if rpc != nil {
-		if now, err = rpc.now(ctx); err != nil {
+		if now, err = rpc.now(ctx, now); err != nil {
 			return x402.PaymentPayload{}, err
 		}
 	}
