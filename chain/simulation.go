@@ -183,7 +183,7 @@ type penalties struct {
 	ttl time.Duration // 0: no penalty
 	now func() time.Time
 
-	mu      sync.Mutex
+	mu      sync.RWMutex // read on every verification, written on a revert
 	byPayer map[common.Address]penalty
 }
 
@@ -217,11 +217,9 @@ func (b *penalties) note(payer common.Address, tx common.Hash, block uint64) pen
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	now := b.now()
-	if len(b.byPayer) >= maxPenalties {
-		for a, pen := range b.byPayer {
-			if !now.Before(pen.until) {
-				delete(b.byPayer, a)
-			}
+	for a, pen := range b.byPayer {
+		if !now.Before(pen.until) {
+			delete(b.byPayer, a) // over: forgotten here, where a revert already costs more than the walk
 		}
 	}
 	pen, known := b.byPayer[payer]
@@ -237,14 +235,10 @@ func (b *penalties) refuse(p *payment) *refusal {
 	if b.ttl <= 0 {
 		return nil
 	}
-	b.mu.Lock()
+	b.mu.RLock()
 	pen, ok := b.byPayer[p.payer]
-	if ok && !b.now().Before(pen.until) {
-		delete(b.byPayer, p.payer)
-		ok = false
-	}
-	b.mu.Unlock()
-	if !ok {
+	b.mu.RUnlock()
+	if !ok || !b.now().Before(pen.until) {
 		return nil
 	}
 	reason := x402.ReasonSimulationFailed
