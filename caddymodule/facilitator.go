@@ -79,7 +79,7 @@ type FacilitatorHandler struct {
 	server         *facilitatorserver.Server // the serving: API keys, limits, refusals, answers
 	metrics        *metrics
 	releaseWallets func()
-	accessLog      *keyedAccessLog
+	accessLog      *bearerAccessLog
 	logger         *zap.Logger
 }
 
@@ -128,7 +128,7 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		}
 		opts.APIKeys = append(opts.APIKeys, key)
 	}
-	h.accessLog = newKeyedAccessLog(ctx)
+	h.accessLog = newBearerAccessLog(ctx, x402.HeaderAPIKey)
 
 	var err error
 	if opts.Terms, err = facilitatorserver.ParseTerms(h.MinAmount, h.PayTo); err != nil {
