@@ -120,7 +120,7 @@ func (p *payment) call(ctx context.Context, to *common.Address, data []byte, gas
 		return nil, err
 	}
 	out, err := p.net.callAs(ctx, x, to, data, gas)
-	if err != nil && strings.Contains(err.Error(), "insufficient funds") {
+	if err != nil && !failsOnChain(err) && strings.Contains(err.Error(), "insufficient funds") {
 		// The settlement wallet cannot pay the gas at these fees: the node would refuse the transaction too.
 		// Not the payer's doing, and nothing was sent: the payer may present the payment again.
 		return nil, fmt.Errorf("%w: settlement wallet %s cannot pay for the settlement's gas at the current fees (fund it): %v", errNotSent, x.from.Hex(), err)
