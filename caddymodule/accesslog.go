@@ -1,12 +1,15 @@
 package caddymodule
 
 import (
+	"context"
 	"io"
 	"net"
 	"net/http"
+	"reflect"
 	"slices"
 	"strings"
 	"time"
+	"unsafe"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -22,9 +25,10 @@ import (
 // other headers to those or change Caddy's copy, and a filter in every log configuration is a step each
 // operator would have to know of. So such a request is marked log_skip, which Caddy honours, and its entry is
 // written here instead: to the loggers Caddy would have chosen, in Caddy's shape, with the values written
-// "REDACTED" as Caddy writes Authorization's. What the entry cannot show: fields added with log_append (Caddy
-// keeps them unexported, and adds most after the inner handlers returned), and changes an outer handler makes
-// to the answer after the handler wrote it (its size once encoded, headers added last).
+// "REDACTED" as Caddy writes Authorization's. The entry is written once the request has ended, as Caddy's is,
+// with the fields log_append added meanwhile (most are added after the inner handlers returned). What it cannot
+// show: changes an outer handler makes to the answer after the handler wrote it (its size once encoded, headers
+// added last).
 type bearerAccessLog struct {
 	logger  *zap.Logger // Caddy's own access logger, http.log.access
 	headers []string    // the request headers that carry bearer values
@@ -139,14 +143,36 @@ func (e *bearerEntry) write(w http.ResponseWriter, status, size int, more ...zap
 		zap.Duration("duration", duration),
 		zap.Int("size", size),
 		zap.Int("status", status),
-		zap.Object("resp_headers", caddyhttp.LoggableHTTPHeader{Header: w.Header()}),
+		zap.Object("resp_headers", caddyhttp.LoggableHTTPHeader{Header: w.Header().Clone()}), // w is not to be read once the request ended
 	}
 	fields = append(fields, more...)
-	for _, logger := range e.loggers {
-		if c := logger.Check(level, "handled request"); c != nil {
-			c.Write(fields...)
+	// The handlers around this one (log_append among them) are still to return: the entry is written when the
+	// request has ended, as Caddy writes its own, so that it holds what they add.
+	context.AfterFunc(ctx, func() {
+		fields := append(fields, extraLogFields(ctx)...)
+		for _, logger := range e.loggers {
+			if c := logger.Check(level, "handled request"); c != nil {
+				c.Write(fields...)
+			}
 		}
+	})
+}
+
+// extraLogFields returns the fields handlers added to the request's access log entry through
+// caddyhttp.ExtraLogFields (log_append). Caddy offers no way to read them back (its ExtraLogFields keeps them
+// in an unexported slice, which only its own logRequest reads), so they are read by reflection: the layout is
+// that of the Caddy version go.mod pins, and TestAPaidSitesAccessLogHoldsNoPaymentHeader fails if an upgrade
+// changes it. Should it change, the entry is written without them rather than not at all.
+func extraLogFields(ctx context.Context) []zapcore.Field {
+	extra, _ := ctx.Value(caddyhttp.ExtraLogFieldsCtxKey).(*caddyhttp.ExtraLogFields)
+	if extra == nil {
+		return nil
 	}
+	f := reflect.ValueOf(extra).Elem().FieldByName("fields")
+	if !f.IsValid() || f.Type() != reflect.TypeFor[[]zapcore.Field]() {
+		return nil
+	}
+	return slices.Clone(*(*[]zapcore.Field)(unsafe.Pointer(f.UnsafeAddr())))
 }
 
 // logsHost reports whether Caddy's server logs requests for host, as its shouldLogRequest decides.

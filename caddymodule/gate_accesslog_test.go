@@ -16,7 +16,7 @@ import (
 )
 
 // A payment header is a bearer value: the access log of a paid site never holds one (PAYMENT-SIGNATURE or
-// X-PAYMENT, valid or not), while every request still has its entry, in Caddy's shape, and a paid one says
+// X-PAYMENT, valid or not), while every request still has its entry, in Caddy's shape with its log_append fields, and a paid one says
 // who paid what and by which transaction. PAYMENT-RESPONSE, the answer's receipt, may be logged: it buys
 // nothing.
 func TestAPaidSitesAccessLogHoldsNoPaymentHeader(t *testing.T) {
@@ -93,8 +93,9 @@ func TestAPaidSitesAccessLogHoldsNoPaymentHeader(t *testing.T) {
 	}
 	for i, rq := range requests[1:] {
 		e := logged[i+1]
-		if e.Status != rq.status || !strings.HasPrefix(e.Logger, "http.log.access") || strings.Join(e.Request.Headers[http.CanonicalHeaderKey(rq.header)], ",") != "REDACTED" {
-			t.Errorf("%s: entry %+v, want status %d by Caddy's access logger with %s REDACTED", rq.name, e, rq.status, rq.header)
+		if e.Status != rq.status || !strings.HasPrefix(e.Logger, "http.log.access") || strings.Join(e.Request.Headers[http.CanonicalHeaderKey(rq.header)], ",") != "REDACTED" ||
+			e.Marker != "x402-log-test" {
+			t.Errorf("%s: entry %+v, want status %d by Caddy's access logger with %s REDACTED and the log_append field", rq.name, e, rq.status, rq.header)
 		}
 	}
 	if e := logged[1]; e.X402["payer"] != payer.Address.Hex() || e.X402["amount"] != strconv.Itoa(gatePrice) ||

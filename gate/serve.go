@@ -198,6 +198,7 @@ func (x *exchange) verifyAndServe() error {
 	// names another is no answer about this payment.
 	x.payer = signedPayer(x.req)
 	if vres.Payer != "" && !strings.EqualFold(vres.Payer, x.payer) {
+		x.unhold()
 		return x.verifyUnreachable(fmt.Sprintf("the facilitator's answer names payer %s, but the payment is signed by %s; nothing was charged", vres.Payer, x.payer), nil)
 	}
 	x.setPaymentPlaceholders()
@@ -277,9 +278,13 @@ func (x *exchange) settleHeld(up *upstream) error {
 
 // fundsHolder is a facilitator that can hold a verified payment against the payer's funds until it settles
 // (the embedded engine). A gate that serves before it settles verifies with it, so that a payer is not served
-// more than the payer can pay while the settlements wait their turn.
+// more than the payer can pay while the settlements wait their turn. The hold lasts until the payment settles,
+// is refused for good or expires, whatever the settlement attempts meet meanwhile, or until Release.
 type fundsHolder interface {
 	VerifyAndHold(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error)
+	// HoldServed holds a payment served before a restart, unsettled, without verifying it again (see
+	// Ledger.settleAll).
+	HoldServed(ctx context.Context, req x402.SettleRequest) error
 	Release(req x402.VerifyRequest)
 }
 
@@ -473,6 +478,7 @@ func (x *exchange) settleThenServe(up *upstream) error {
 		// Refused: final, so the record leaves the backlog and is pruned past its deadline. Presented again, the
 		// payment is still asked of the facilitator, which answers from its own journal.
 		x.note(func(r *journal.Record) { r.State, r.Response = journal.StateFinal, &resp })
+		x.unhold() // settle async's fallback: a refusal the facilitator would retry (a busy pool) keeps its hold
 		return x.settleFailed(resp)
 	}
 	if x.upto() && resp.Amount == "" {
