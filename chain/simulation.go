@@ -94,15 +94,27 @@ func (p *payment) namedSender() *common.Address {
 	return nil
 }
 
-// execution is how p's settlement will run (see execution): set by the settlement once it holds its wallet,
-// and at verification worked out on first use, from the wallet a settlement would take now.
+// execution is how p's settlement will run (see execution): set by the settlement once it holds its wallet and
+// has quoted its fees, and at verification worked out on first use, from the wallet a settlement would take now
+// and priced by the last settlement's quote (or from the head block, see headQuote). A verification asks the
+// node for no fee: it must not depend on what only a settlement needs, nor hand a settlement a quote read
+// before it; the settlement simulates again, with the very quote it sends with.
 func (p *payment) execution(ctx context.Context) (*execution, error) {
 	if p.exec != nil {
 		return p.exec, nil
 	}
-	q, err := p.net.sender.feeQuote(ctx)
-	if err != nil {
-		return nil, err
+	if p.head == nil {
+		// Asked before the time window was checked (a contract wallet's signature, as a settlement is admitted):
+		// the head prices the call and places it in the next block.
+		head, err := p.net.chainHead(ctx)
+		if err != nil {
+			return nil, err
+		}
+		p.setHead(head)
+	}
+	q, ok := p.net.sender.quote.last()
+	if !ok {
+		q = headQuote(p.head)
 	}
 	from := p.net.pool.Peek()
 	if named := p.namedSender(); named != nil {
@@ -110,6 +122,16 @@ func (p *payment) execution(ctx context.Context) (*execution, error) {
 	}
 	p.exec = newExecution(from, q, p.head, p.mineAt)
 	return p.exec, nil
+}
+
+// headQuote prices a verification's simulation when no settlement has quoted fees yet: as a settlement would
+// be priced in the head block, its base fee twice over as the fee cap and no tip (so the gas price is the base
+// fee, nonzero on every chain that has one); a chain without a base fee at 1 wei.
+func headQuote(head *types.Header) *feeQuote {
+	if head.BaseFee == nil {
+		return &feeQuote{gasPrice: big.NewInt(1)}
+	}
+	return &feeQuote{tipCap: new(big.Int), feeCap: new(big.Int).Mul(head.BaseFee, big.NewInt(2))}
 }
 
 // call runs an eth_call standing for p's settlement transaction (see execution): to (nil: a creation) with

@@ -596,8 +596,7 @@ func (p *payment) checkTime(ctx context.Context) *refusal {
 		// No chain time: the chain checks that follow will report the node as unreachable.
 		return nil
 	}
-	wall := p.net.now().Unix()
-	p.head, p.mineAt = head, max(head.Time+1, uint64(max(wall, 0)))
+	wall := p.setHead(head)
 	if ref := p.checkFarDeadline(head.Time); ref != nil {
 		return ref
 	}
@@ -633,6 +632,14 @@ func (p *payment) checkTime(ctx context.Context) *refusal {
 		return refuse(x402.ReasonValidBefore, "%s: authorization.validBefore %s is too close: %s; sign again with a later deadline", x402.MessagePermitExpired, p.permit.Deadline, tooClose())
 	}
 	return nil
+}
+
+// setHead keeps the head block chain time was read from, and the earliest time of the next block: one second
+// past the head's, and no earlier than the engine's clock, which it returns (see checkTime).
+func (p *payment) setHead(head *types.Header) (wall int64) {
+	wall = p.net.now().Unix()
+	p.head, p.mineAt = head, max(head.Time+1, uint64(max(wall, 0)))
+	return wall
 }
 
 // checkChain reads what only the chain knows: the nonce, the balance, the Permit2 allowance, and finally
