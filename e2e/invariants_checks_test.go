@@ -567,6 +567,7 @@ func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 		p.mu.Lock()
 		answers := append([]*invAnswer(nil), p.answers...)
 		p.mu.Unlock()
+		var wrong []string
 		for _, a := range answers {
 			switch {
 			case a.res != home || !a.final || a.whole:
@@ -574,12 +575,19 @@ func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 				refusedShape++ // a request shape the route does not sell (4xx), nothing charged: the charge checks say
 			case alreadyUsed(a.note) && (delivered || strings.Contains(a.note, "another request is presenting")):
 			case alreadyUsed(a.note):
-				out = append(out, invViolation{what: fmt.Sprintf("payment #%d was answered 402 %q (action #%d), and never delivered its response whole", p.n, a.note, a.action), payments: []*invPayment{p}})
+				wrong = append(wrong, fmt.Sprintf("402 %q (action #%d), and it never delivered its response whole", a.note, a.action))
 			case r.reloadedSince(p.signed) && hasAnyPrefix(a.note, termsReasons):
 				refusedForTerms++
 			default:
-				out = append(out, invViolation{what: fmt.Sprintf("payment #%d, honest, was refused for %s: 402 %q (action #%d)", p.n, home, a.note, a.action), payments: []*invPayment{p}})
+				wrong = append(wrong, fmt.Sprintf("402 %q (action #%d)", a.note, a.action))
 			}
+		}
+		if len(wrong) > 0 {
+			more := ""
+			if len(wrong) > 1 {
+				more = fmt.Sprintf(", and %d more such answers", len(wrong)-1)
+			}
+			out = append(out, invViolation{what: fmt.Sprintf("payment #%d, honest, was refused for %s: %s%s", p.n, home, wrong[0], more), payments: []*invPayment{p}})
 		}
 		if last := p.lastAt(home); !delivered && (last == nil || !last.final) {
 			out = append(out, invViolation{what: fmt.Sprintf("payment #%d has no final answer for %s after quiescence", p.n, home), payments: []*invPayment{p}})
@@ -644,6 +652,7 @@ func (r *invRun) checkTransportSpent(end *invEnd) ([]invViolation, string) {
 // payments' histories, the actions and faults around them, and the seed.
 func (r *invRun) runChecks(end *invEnd) {
 	failed := 0
+	defer func() { r.summarize(end, failed) }()
 	for _, c := range invChecks {
 		violations, summary := c.judge(r, end)
 		if len(violations) == 0 {
@@ -670,6 +679,31 @@ func (r *invRun) runChecks(end *invEnd) {
 			r.topo.name, failed, len(invChecks), time.Since(r.began).Round(time.Second), invSeedEnv, r.seed, invTopologyEnv, r.topo.key,
 			invDurationEnv, r.duration, r.logf.Name())
 	}
+}
+
+// summarize logs the run's figures on one line, for scripts/soak to add up.
+func (r *invRun) summarize(end *invEnd, failed int) {
+	payments := r.snapshot()
+	delivered := 0
+	for _, p := range payments {
+		if p.delivered() > 0 {
+			delivered++
+		}
+	}
+	r.mu.Lock()
+	actions, faults := 0, 0
+	for _, a := range r.actions {
+		switch a.worker {
+		case "F":
+			faults++
+		case "Q":
+		default:
+			actions++
+		}
+	}
+	r.mu.Unlock()
+	r.t.Logf("%s: SUMMARY topology=%s seed=%d seconds=%.0f actions=%d faults=%d payments=%d delivered=%d settlements=%d checks_failed=%d/%d",
+		r.topo.name, r.topo.key, r.seed, time.Since(r.began).Seconds(), actions, faults, len(payments), delivered, end.settlements, failed, len(invChecks))
 }
 
 // history tells a payment's story: its presentations, and the actions and faults of its lifetime.

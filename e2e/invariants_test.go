@@ -669,7 +669,7 @@ func (r *invRun) spentProblems() (problems []string, summary string) {
 		it.mu.Lock()
 		for key, signed := range it.signed {
 			spent := it.tr.Spent(key[0], key[1])
-			parts = append(parts, fmt.Sprintf("worker %d: signed %s, spent %s", it.worker, signed, spent))
+			parts = append(parts, fmt.Sprintf("worker %d, asset %s…: signed %s, counted spent %s", it.worker, key[1][:6], signed, spent))
 			if spent.Cmp(signed) < 0 {
 				problems = append(problems, fmt.Sprintf("worker %d's payer.Transport signed payments of %s of %s in all (upto at their maxima), and counts %s spent: "+
 					"a server can still charge all it signed, and the budget would let it sign more", it.worker, signed, key[1], spent))
