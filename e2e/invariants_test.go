@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math/big"
 	"math/rand/v2"
@@ -103,6 +104,8 @@ type invRun struct {
 
 	transports []*invTransport
 	heads      headSampler
+
+	erc2612 sync.Mutex // held while an erc2612 payment is signed: see pay
 
 	mu       sync.Mutex
 	payments []*invPayment
@@ -421,46 +424,53 @@ func (r *invRun) present(a *invAction, p *invPayment, gate int, res invResource,
 
 // pay signs a new payment for a resource of a route, read from the gateway's 402, and presents it there.
 func (w *invWorker) pay(a *invAction) {
-	r := w.r
 	rk := w.pickRoute(nil)
 	path := rk.paths[w.rng.IntN(len(rk.paths))]
 	shape := pickShape(w.rng, rk, path, "")
 	gate, draw, useDraw := w.pickGate(), w.rng.Float64(), rand.New(rand.NewPCG(w.rng.Uint64(), 7))
+	res := invResource{shapeMethod(shape), path}
+	p, err := w.sign(rk, res, shape, gate, useDraw)
+	if err != nil {
+		a.say("gw%d %s: %v", gate, res, shorten(err.Error()))
+		return
+	}
+	w.r.present(a, p, gate, res, shape, 0.05+0.35*draw)
+}
+
+// sign signs and registers a payment for res of rk at gateway gate, by a payer drawn for it.
+func (w *invWorker) sign(rk *routeKind, res invResource, shape string, gate int, useDraw *rand.Rand) (*invPayment, error) {
+	r := w.r
+	if rk.method == x402.TransferERC2612 {
+		// Choosing a payer whose erc2612 payments have all delivered, signing with the token's next nonce and
+		// registering the payment go together: two payments signed with one nonce would be a dishonest payer.
+		r.erc2612.Lock()
+		defer r.erc2612.Unlock()
+	}
 	pp := w.pickPayer(rk)
 	if pp == nil {
-		a.say("every payer has an erc2612 payment open; nothing signed")
-		return
+		return nil, errors.New("every payer has an erc2612 payment open; nothing signed")
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	offer, err := r.readOffer(ctx, r.w.gateways[gate].url, path)
+	offer, err := r.readOffer(ctx, r.w.gateways[gate].url, res.path)
 	if err != nil {
-		a.say("gw%d: %v", gate, shorten(err.Error()))
-		return
+		return nil, err
 	}
 	i, err := offerIndex(offer, rk)
 	if err != nil {
-		a.say("%v", err)
 		r.t.Errorf("%s: %v", rk.name, err)
-		return
+		return nil, err
 	}
 	pay, err := pp.p.Sign(ctx, offer, i)
 	if err != nil {
-		a.say("signing: %v", shorten(err.Error()))
-		return
+		return nil, fmt.Errorf("signing: %w", err)
 	}
 	use := ""
 	if rk.scheme == x402.SchemeUpto {
 		max, _ := x402.ParseUint256(pay.Requirements.Amount)
 		use = pickUse(useDraw, max)
 	}
-	res := invResource{shapeMethod(shape), path}
-	p, err := r.newPayment(pp, rk, pay.Header, pay.Value, pay.Requirements, pay.Payload, use, -1, res, shape, gate)
-	if err != nil {
-		a.say("%v", err)
-		return
-	}
-	r.present(a, p, gate, res, shape, 0.05+0.35*draw)
+	return r.newPayment(pp, rk, pay.Header, pay.Value, pay.Requirements, pay.Payload, use, -1, res, shape, gate)
 }
 
 // againSame presents a payment again to the resource it bought or was first presented for, at the gateway it
