@@ -59,17 +59,14 @@ type routeKind struct {
 	method string   // the asset transfer method its offers name, and the client pays by
 	settle string   // before, after or async
 	asset  common.Address
-	// price is the x402 price (a template with placeholders for a price set per request) before and after
-	// a reload that changes prices; altPrice "" keeps it.
+	// price is the gate's price option (price or amount, placeholders allowed: a price set per request)
+	// before and after a reload that changes prices; altPrice "" keeps it.
 	price, altPrice string
-	// priceMap is, for a price set per request, the map of the path to the price: rows "regexp dollars",
-	// before and after the reload.
-	priceMap, altPriceMap []string
-	defaultAmount         string // upto: max or zero
-	serve                 string
-	remote                bool   // settled through the remote facilitators' failover set
-	grace                 string // price_grace
-	payTo                 common.Address
+	defaultAmount   string // upto: max or zero
+	serve           string
+	remote          bool   // settled through the remote facilitators' failover set
+	grace           string // price_grace
+	payTo           common.Address
 }
 
 // invSeller is the pay_to of route i: a seller of its own, so that the chain shows what each route was paid.
@@ -107,28 +104,29 @@ func invRoutes() []*routeKind {
 	}
 	routes := []*routeKind{
 		{name: "exact permit2, settle after", prefix: "/p2/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
-			settle: "after", price: "$0.01", altPrice: "$0.012", serve: serveUpstream},
+			settle: "after", price: "price $0.01", altPrice: "price $0.012", serve: serveUpstream},
 		{name: "exact eip3009, settle before", prefix: "/e3009/", scheme: x402.SchemeExact, method: x402.TransferEIP3009,
-			settle: "before", asset: devchain.EIP3009TokenAddress, price: "$0.004", serve: serveUpstream},
+			settle: "before", asset: devchain.EIP3009TokenAddress, price: "price $0.004", serve: serveUpstream},
 		{name: "exact erc2612, settle after", prefix: "/e2612/", scheme: x402.SchemeExact, method: x402.TransferERC2612,
-			settle: "after", price: "$0.003", serve: serveUpstream},
+			settle: "after", price: "price $0.003", serve: serveUpstream},
 		{name: "exact permit2, settle async", prefix: "/async/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
-			settle: "async", price: "$0.002", serve: serveUpstream},
+			settle: "async", price: "price $0.002", serve: serveUpstream},
 		{name: "upto (default max), settle after", prefix: "/upto-max/", scheme: x402.SchemeUpto, method: x402.TransferPermit2,
-			settle: "after", price: "$0.01", defaultAmount: "max", serve: serveUpstream},
+			settle: "after", price: "price $0.01", defaultAmount: "max", serve: serveUpstream},
 		{name: "upto (default zero), settle async", prefix: "/upto-zero/", scheme: x402.SchemeUpto, method: x402.TransferPermit2,
-			settle: "async", price: "$0.01", defaultAmount: "zero", serve: serveUpstream},
+			settle: "async", price: "price $0.01", defaultAmount: "zero", serve: serveUpstream},
+		// The price is the path's second segment, in raw units; after the reload, that with a 5 after it. A price
+		// with a grace may depend on the request's method and URL only.
 		{name: "price set per request, price_grace", prefix: "/priced/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
-			settle: "after", price: "{inv_price}", priceMap: []string{"~^/priced/cheap/ 0.001", "default 0.02"},
-			altPriceMap: []string{"~^/priced/cheap/ 0.0015", "default 0.025"}, grace: "10s", serve: serveUpstream},
+			settle: "after", price: "amount {http.request.uri.path.1}", altPrice: "amount {http.request.uri.path.1}5", grace: "10s", serve: serveUpstream},
 		{name: "file_server, settle after", prefix: "/files/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
-			settle: "after", price: "$0.005", serve: serveFiles},
+			settle: "after", price: "price $0.005", serve: serveFiles},
 		{name: "file_server, settle async", prefix: "/afiles/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
-			settle: "async", price: "$0.006", serve: serveFiles},
+			settle: "async", price: "price $0.006", serve: serveFiles},
 		{name: "WebSocket upstream", prefix: "/ws/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
-			settle: "after", price: "$0.007", serve: serveWebSocket},
+			settle: "after", price: "price $0.007", serve: serveWebSocket},
 		{name: "remote facilitators (failover), settle after", prefix: "/remote/", scheme: x402.SchemeExact,
-			method: x402.TransferPermit2, settle: "after", price: "$0.008", serve: serveUpstream, remote: true},
+			method: x402.TransferPermit2, settle: "after", price: "price $0.008", serve: serveUpstream, remote: true},
 	}
 	for i, rk := range routes {
 		rk.payTo = invSeller(i)
@@ -143,8 +141,8 @@ func invRoutes() []*routeKind {
 		default:
 			rk.paths = upstreamPaths(rk.prefix)
 		}
-		if len(rk.priceMap) > 0 {
-			rk.paths = []string{rk.prefix + "cheap/a", rk.prefix + "cheap/b", rk.prefix + "dear/a"}
+		if strings.Contains(rk.price, "{") {
+			rk.paths = []string{rk.prefix + "1000/a", rk.prefix + "1000/b", rk.prefix + "20000/a"}
 		}
 	}
 	return routes
@@ -155,17 +153,11 @@ func invRoutes() []*routeKind {
 func (rk *routeKind) caddy(w *invWorld, gen int) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "\thandle %s* {\n", rk.prefix)
-	if rows := rk.priceMap; len(rows) > 0 {
-		if gen == 1 && len(rk.altPriceMap) > 0 {
-			rows = rk.altPriceMap
-		}
-		fmt.Fprintf(&b, "\t\tmap {path} {inv_price} {\n\t\t\t%s\n\t\t}\n", strings.Join(rows, "\n\t\t\t"))
-	}
 	price := rk.price
 	if gen == 1 && rk.altPrice != "" {
 		price = rk.altPrice
 	}
-	fmt.Fprintf(&b, "\t\tx402 {\n\t\t\tprice %s\n\t\t\tpay_to %s\n\t\t\tscheme %s\n\t\t\tasset %s\n", price, rk.payTo.Hex(), rk.scheme, rk.asset.Hex())
+	fmt.Fprintf(&b, "\t\tx402 {\n\t\t\t%s\n\t\t\tpay_to %s\n\t\t\tscheme %s\n\t\t\tasset %s\n", price, rk.payTo.Hex(), rk.scheme, rk.asset.Hex())
 	fmt.Fprintf(&b, "\t\t\tasset_transfer_method %s\n\t\t\tsettle %s\n\t\t\tmax_timeout 24h\n\t\t\tmax_buffer %d\n", rk.method, rk.settle, invMaxBuffer)
 	if rk.defaultAmount != "" {
 		fmt.Fprintf(&b, "\t\t\tdefault_amount %s\n", rk.defaultAmount)
