@@ -332,7 +332,7 @@ var invChecks = []invCheck{
 	{"charged-means-delivered", "no payer was charged for nothing: a charged payment without its response got it when presented again", (*invRun).checkChargedDelivered},
 	{"payer-charged-once", "no payer was charged twice: each payer paid exactly the charges of its delivered responses", (*invRun).checkPayerCharged},
 	{"no-pay-again-after-settling", "no payment the chain took was answered 402 (but as already used) unless a later presentation of it settled it", (*invRun).checkNoPayAgain},
-	{"honest-payment-never-refused", "an honest payment (funded, signed from the offer, presented in time for its own resource) gets its response, or a 5xx to present it again, or a refusal for a reason of its own (terms a reload changed, a request shape not sold); never a 402 for a reason of the server's", (*invRun).checkHonestServed},
+	{"honest-payment-never-refused", "an honest payment (funded, signed from the offer, presented in time for its own resource) gets its response, or a 5xx to present it again, or a refusal for a reason of its own (terms a reload changed, a request shape not sold, in a cluster a wallet lease the gateway does not hold, refused at verification); never a settlement refused after it was verified, nor another 402", (*invRun).checkHonestServed},
 	{"nothing-left-pending", "once quiet, nothing is pending: no async backlog, no journal record not final, no funds hold left", (*invRun).checkNothingLeft},
 	{"no-reverted-settlement", "no settlement wallet spent gas on a transaction that reverted", (*invRun).checkNoRevert},
 	{"transport-counts-what-it-signed", "every payer.Transport's spent total is at least what its payments moved on chain plus the whole of those that can still be settled (upto: the maximum), whatever the servers said", (*invRun).checkTransportSpent},
@@ -558,6 +558,12 @@ func (r *invRun) minedBy(n uint64) (time.Time, bool) {
 	return time.Time{}, false
 }
 
+// leaseReasons are the refusals, at verification, of a payment bound to a settlement wallet (upto's facilitator,
+// erc2612's spender) that the answering gateway of a cluster does not hold, or by a gateway that holds none right
+// now: before anything runs or is charged, the payment staying good at the gateway that holds its wallet (README,
+// "Offers name only wallets the instance sends from").
+var leaseReasons = []string{x402.ReasonUptoFacilitatorMismatch, x402.ReasonRecipientMismatch, x402.ReasonNoAvailableWallets}
+
 // termsReasons are the refusals of a payment whose terms the resource no longer offers: after a reload that
 // changed the price, an honest payment signed before may be refused so (and nothing is charged).
 var termsReasons = []string{x402.ReasonValueMismatch, x402.ReasonPermit2AmountMismatch, x402.ReasonEIP3009AuthorizationValue,
@@ -565,7 +571,7 @@ var termsReasons = []string{x402.ReasonValueMismatch, x402.ReasonPermit2AmountMi
 
 func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 	var out []invViolation
-	refusedForTerms, refusedShape := 0, 0
+	refusedForTerms, refusedShape, refusedForLeases := 0, 0, 0
 	for _, p := range r.snapshot() {
 		home := p.home()
 		delivered := p.delivered() > 0
@@ -583,6 +589,8 @@ func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 				wrong = append(wrong, fmt.Sprintf("402 %q (action #%d), and it never delivered its response whole", a.note, a.action))
 			case r.reloadedSince(p.signed) && hasAnyPrefix(a.note, termsReasons):
 				refusedForTerms++
+			case a.settle == nil && len(r.w.gateways) > 1 && hasAnyPrefix(a.note, leaseReasons):
+				refusedForLeases++ // at verification (no settlement was asked): nothing ran, nothing was charged
 			default:
 				wrong = append(wrong, fmt.Sprintf("402 %q (action #%d)", a.note, a.action))
 			}
@@ -598,7 +606,8 @@ func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 			out = append(out, invViolation{what: fmt.Sprintf("payment #%d has no final answer for %s after quiescence", p.n, home), payments: []*invPayment{p}})
 		}
 	}
-	return out, fmt.Sprintf("no honest payment was refused for a reason of the server's (%d refusals for terms a reload changed, %d of a request's shape)", refusedForTerms, refusedShape)
+	return out, fmt.Sprintf("no honest payment was refused for a reason of the server's (%d refusals for terms a reload changed, %d of a request's shape, "+
+		"%d at verification for a wallet lease the gateway does not hold)", refusedForTerms, refusedShape, refusedForLeases)
 }
 
 func hasAnyPrefix(s string, prefixes []string) bool {

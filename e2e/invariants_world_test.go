@@ -339,11 +339,30 @@ func startWorld(t *testing.T, topo invTopology) *invWorld {
 	if topo.postgres {
 		waitLeasesShared(t, w.dsn, invGatewayWallets, len(w.gateways), "the wallets shared out by the gateways", 60*time.Second)
 	}
+	w.checkOffers()
 	w.startBlock = w.dev.head()
 	t.Logf("%s: the world is up in %v: a dev chain, a fault proxy before its RPC, an upstream, %d remote facilitators, %d gateway(s)%s, %d routes, %d payers",
 		topo.name, time.Since(started).Round(100*time.Millisecond), len(w.facilitators), len(w.gateways),
 		map[bool]string{true: " on one PostgreSQL", false: " on bbolt"}[topo.postgres], len(w.routes), len(w.payers))
 	return w
+}
+
+// checkOffers makes sure, before the run starts, that every route of the first gateway offers the way to pay the
+// run pays it by: a route that offers none would be a run that never pays it.
+func (w *invWorld) checkOffers() {
+	for _, rk := range w.routes {
+		a, err := get(w.gateways[0].url + rk.paths[0])
+		if err != nil {
+			w.t.Fatal(err)
+		}
+		offer, err := payer.ReadOffer(a.header, []byte(a.body))
+		if err != nil {
+			w.t.Fatalf("%s: the 402 of %s: %v", rk.name, rk.paths[0], err)
+		}
+		if _, err := offerIndex(offer, rk); err != nil {
+			w.t.Fatalf("%s: %v", rk.name, err)
+		}
+	}
 }
 
 // gatewayConfig is a gateway's Caddyfile: the dev chain through the fault proxy, the journal, every route, and
