@@ -331,7 +331,7 @@ var invChecks = []invCheck{
 	{"one-response-one-resource", "each payment delivered at most one whole response, and only for the resource (method and URL) it was first presented for", (*invRun).checkOneResource},
 	{"charged-means-delivered", "no payer was charged for nothing: a charged payment without its response got it when presented again", (*invRun).checkChargedDelivered},
 	{"payer-charged-once", "no payer was charged twice: each payer paid exactly the charges of its delivered responses", (*invRun).checkPayerCharged},
-	{"no-pay-again-after-settling", "no payment the chain took was answered 402 (but as already used) unless a later presentation of it settled it", (*invRun).checkNoPayAgain},
+	{"no-pay-again-after-settling", "no payer waiting for the response it paid for was answered 402 (but as already used) while the chain took its payment: only a later presentation of it may have settled it", (*invRun).checkNoPayAgain},
 	{"honest-payment-never-refused", "an honest payment (funded, signed from the offer, presented in time for its own resource) gets its response, or a 5xx to present it again, or a refusal for a reason of its own (terms a reload changed, a request shape not sold, in a cluster a wallet lease the gateway does not hold, refused at verification); never a settlement refused after it was verified, nor another 402", (*invRun).checkHonestServed},
 	{"nothing-left-pending", "once quiet, nothing is pending: no async backlog, no journal record not final, no funds hold left", (*invRun).checkNothingLeft},
 	{"no-reverted-settlement", "no settlement wallet spent gas on a transaction that reverted", (*invRun).checkNoRevert},
@@ -516,15 +516,10 @@ func (r *invRun) checkNoPayAgain(end *invEnd) ([]invViolation, string) {
 				mined = at
 			}
 		}
-		home, delivered := p.home(), p.delivered() > 0
+		home := p.home()
 		p.mu.Lock()
 		for _, a := range p.answers {
-			if a.res != home || a.status != http.StatusPaymentRequired || alreadyUsed(a.note) {
-				continue
-			}
-			if delivered && r.reloadedSince(p.signed) && hasAnyPrefix(a.note, termsReasons) {
-				// A delivered payment for terms a reload changed since: the gate matches terms before it asks
-				// the journal (README), and its payer, served, has nothing to pay again for.
+			if a.res != home || a.status != http.StatusPaymentRequired || alreadyUsed(a.note) || p.servedBefore(a) {
 				continue
 			}
 			// A refusal is true if nothing was charged until a later presentation of the same payment settled it.
@@ -544,6 +539,18 @@ func (r *invRun) checkNoPayAgain(end *invEnd) ([]invViolation, string) {
 		p.mu.Unlock()
 	}
 	return out, fmt.Sprintf("no payment was answered 402 while the chain took it (%d refused, then settled by a later presentation)", refusedThenSettled)
+}
+
+// servedBefore says whether the payment had delivered a whole response before a was sent: its payer has what it
+// paid for, and whatever a later presentation of the spent payment is answered tells it nothing it could act on
+// (a second delivery is one-response-one-resource's to judge). p.mu is held.
+func (p *invPayment) servedBefore(a *invAnswer) bool {
+	for _, d := range p.deliveries {
+		if d.got.Before(a.sent) {
+			return true
+		}
+	}
+	return false
 }
 
 // minedBy is when the chain's head was first seen at block n or beyond, by the run's head sampler.
@@ -575,13 +582,11 @@ func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 	for _, p := range r.snapshot() {
 		home := p.home()
 		delivered := p.delivered() > 0
-		p.mu.Lock()
-		answers := append([]*invAnswer(nil), p.answers...)
-		p.mu.Unlock()
 		var wrong []string
-		for _, a := range answers {
+		p.mu.Lock()
+		for _, a := range p.answers {
 			switch {
-			case a.res != home || !a.final || a.whole:
+			case a.res != home || !a.final || a.whole || p.servedBefore(a):
 			case a.status != http.StatusPaymentRequired:
 				refusedShape++ // a request shape the route does not sell (4xx), nothing charged: the charge checks say
 			case alreadyUsed(a.note) && (delivered || strings.Contains(a.note, "another request is presenting")):
@@ -595,6 +600,7 @@ func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 				wrong = append(wrong, fmt.Sprintf("402 %q (action #%d)", a.note, a.action))
 			}
 		}
+		p.mu.Unlock()
 		if len(wrong) > 0 {
 			more := ""
 			if len(wrong) > 1 {
