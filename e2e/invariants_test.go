@@ -97,7 +97,7 @@ type invRun struct {
 	topo     invTopology
 	seed     uint64
 	duration time.Duration // of the actions
-	began    time.Time     // the test's start, world start-up included
+	began    time.Time     // the topology's start, world start-up included
 	start    time.Time     // the first action
 	client   *invClient
 	logf     *os.File
@@ -105,7 +105,7 @@ type invRun struct {
 	transports []*invTransport
 	heads      headSampler
 
-	erc2612 sync.Mutex // held while an erc2612 payment is signed: see pay
+	erc2612 sync.Mutex // held while an erc2612 payment is signed: see invWorker.sign
 
 	mu       sync.Mutex
 	payments []*invPayment
