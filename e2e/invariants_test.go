@@ -855,45 +855,50 @@ func (r *invRun) resolve(p *invPayment, deadline time.Time) {
 // async backlog, no journal a backlog (health), no PostgreSQL record pending; at most timeout. It says how it
 // went; what is left is judged by the checks.
 func (r *invRun) drain(timeout time.Duration) string {
-	start, changed, last := time.Now(), time.Now(), ""
+	start, moved, least := time.Now(), time.Now(), -1
 	for {
-		left := r.leftToSettle()
+		left, n := r.leftToSettle()
 		if left == "" {
 			return fmt.Sprintf("drained in %v", time.Since(start).Round(100*time.Millisecond))
 		}
-		if left != last {
-			changed, last = time.Now(), left
+		if least < 0 || n < least {
+			moved, least = time.Now(), n
 		}
 		switch {
 		case time.Since(start) > timeout:
 			return fmt.Sprintf("not drained within %v: %s", timeout, left)
-		case time.Since(changed) > invDrainStall:
-			return fmt.Sprintf("not drained: nothing moved for %v: %s", invDrainStall, left)
+		case time.Since(moved) > invDrainStall:
+			return fmt.Sprintf("not drained: nothing settled for %v: %s", invDrainStall, left)
 		}
 		time.Sleep(250 * time.Millisecond)
 	}
 }
 
-// leftToSettle says what is still waiting to settle, "" when nothing.
-func (r *invRun) leftToSettle() string {
+// leftToSettle says what is still waiting to settle, "" when nothing, and counts it.
+func (r *invRun) leftToSettle() (string, int) {
 	var left []string
+	n := 0
 	if !r.w.dev.walletsIdle(r.w.wallets()) {
 		left = append(left, "a settlement wallet has a transaction waiting")
+		n++
+	}
+	count := func(what string, k int, err error) {
+		if err != nil || k > 0 {
+			left = append(left, fmt.Sprintf("%s %d (%v)", what, k, err))
+			n += max(k, 1)
+		}
 	}
 	for _, g := range r.w.gateways {
-		if n, err := asyncBacklog(g.admin); err != nil || n > 0 {
-			left = append(left, fmt.Sprintf("%s: async backlog %d (%v)", g.name, n, err))
-		}
-		if n, err := journalBacklog(g.url + "/x402/health"); err != nil || n > 0 {
-			left = append(left, fmt.Sprintf("%s: journal backlog %d (%v)", g.name, n, err))
-		}
+		k, err := asyncBacklog(g.admin)
+		count(g.name+": async backlog", k, err)
+		k, err = journalBacklog(g.url + "/x402/health")
+		count(g.name+": journal backlog", k, err)
 	}
 	for _, f := range r.w.facilitators {
-		if n, err := journalBacklog(f.url + "/health"); err != nil || n > 0 {
-			left = append(left, fmt.Sprintf("%s: journal backlog %d (%v)", f.name, n, err))
-		}
+		k, err := journalBacklog(f.url + "/health")
+		count(f.name+": journal backlog", k, err)
 	}
-	return strings.Join(left, "; ")
+	return strings.Join(left, "; "), n
 }
 
 // asyncBacklog reads caddy_x402_gate_async_backlog from a Caddy's admin /metrics.
