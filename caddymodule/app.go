@@ -45,7 +45,8 @@ type App struct {
 	// Journal is the path of the settlement journal (a bbolt file), or a PostgreSQL DSN (postgres://...) for a
 	// journal several Caddy instances share (see README, "Several instances, one database"). Placeholders such
 	// as {env.X402_JOURNAL_DSN} are replaced. Default: x402/journal.db in Caddy's data directory; with an
-	// in-memory dev chain and no journal set, an in-memory journal.
+	// in-memory dev chain, or a dev chain another process runs (dev_chain rpc), an in-memory journal (Caddy warns
+	// at start in the second case: the chain outlives the journal).
 	Journal string `json:"journal,omitempty"`
 
 	// DevChain runs an embedded go-ethereum dev chain in this process, with the Stable Coin, the USDC-like USD Coin
@@ -93,7 +94,8 @@ type DevChainConfig struct {
 	// RPC is the JSON-RPC URL of a dev chain already running, such as one `caddy x402 devchain` runs: the app
 	// settles on it with the dev chain's network, tokens and settlement wallets, and starts no chain of its own,
 	// so several Caddy processes can share one. Listen, BlockTime, DataDir and Alloc configure a chain this app
-	// starts and must then be empty. Unless Journal is set, the journal is in memory, as each process's own.
+	// starts and must then be empty. Unless Journal is set, the journal is in memory, as each process's own, and
+	// Caddy warns as it starts that a restart forgets what the chain still remembers.
 	RPC string `json:"rpc,omitempty"`
 	// Wallets are the numbers of the dev chain's settlement wallets this app settles with (devchain.WalletKeys
 	// order, from 0). Default: 0 to 3, every wallet the embedded chain funds. Processes sharing a dev chain must
@@ -431,6 +433,7 @@ func (a *App) start() error {
 			return err
 		}
 	}
+	a.warnForgetfulJournal()
 	if len(a.Networks) > 0 {
 		specs, err := a.networkSpecs()
 		if err != nil {
@@ -711,6 +714,25 @@ func (a *App) journalPath() string {
 		return filepath.Join(caddy.AppDataDir(), "x402", "journal.db")
 	}
 	return caddy.NewReplacer().ReplaceAll(a.Journal, "")
+}
+
+// warnForgetfulJournal warns, as the app starts, when its settlement journal is in memory but its chain outlives
+// the process (a dev chain another process runs, `dev_chain { rpc }`): a restart then forgets what the chain still
+// remembers. Only a dev chain this app runs in memory forgets with it.
+func (a *App) warnForgetfulJournal() {
+	if len(a.Networks) == 0 || a.journalPath() != memoryJournal || (a.DevChain != nil && a.DevChain.RPC == "" && a.DevChain.DataDir == "") {
+		return
+	}
+	chainName := "its networks' chains"
+	if a.DevChain != nil && a.DevChain.RPC != "" {
+		chainName = "the dev chain at " + chain.RedactRPCURL(a.DevChain.RPC) + " (dev_chain rpc)"
+	}
+	a.logger.Warn("the settlement journal is in memory, but "+chainName+" outlives this process: when Caddy restarts, "+
+		"a payment whose response was cut short is no longer served when presented again (its payer is told to pay again), "+
+		"a settle async payment served and not yet settled is never settled, and an upto payment charged zero (nothing is sent "+
+		"to the chain for it) buys its response again; set journal <path> in the x402 global option, a file of this process's own, "+
+		"to keep them across restarts",
+		zap.String("journal", memoryJournal))
 }
 
 // postgresOpenTimeout bounds connecting to a PostgreSQL journal and migrating its schema at start.

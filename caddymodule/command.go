@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
+	"github.com/x402-gateway/caddy-x402/payer"
 )
 
 // envPayerKey is the environment variable `caddy x402 pay` takes the payer key from when no flag gives one:
@@ -44,7 +45,7 @@ See 'caddy x402 <command> --help' for each.
 // streams rather than to the process's, which is what lets tests run them as a whole, flags included.
 func addX402Commands(cmd *cobra.Command) {
 	pay := &cobra.Command{
-		Use:   "pay [--key HEX | --key-file FILE] [--rpc URL] [--method permit2|eip3009|erc2612] [--dev] [--sign-only] <url>",
+		Use:   "pay [--key HEX | --key-file FILE] [--rpc URL] [--method permit2|eip3009|erc2612] [--dev] [--max AMOUNT] [--max-validity 10m] [--sign-only] <url>",
 		Short: "Pays for a URL that answers 402 Payment Required",
 		Long: `
 Requests the URL; when it answers 402 Payment Required, reads the payment
@@ -72,6 +73,20 @@ transferWithAuthorization, as USDC takes it).
 --dev pays as the dev chain's demo payer through its default RPC address
 (` + "http://" + devchain.DefaultListen + `); --key, --key-file and --rpc still win over it.
 
+--max is the most the payment may authorize (an upto payment's maximum, which
+the server may charge in full): raw token units (10000), or a dollar amount
+($0.01) read in the token's decimals from the chain (needs --rpc or --dev). A
+402 asking more is not signed. Without --max, pay signs at most $0.10, which
+needs --rpc or --dev to read the decimals; without them, give --max in raw
+units.
+
+--max-validity caps how long the signed payment stays valid, whatever
+maxTimeoutSeconds the server asks (default 10m); a maxTimeoutSeconds that does
+not fit a 64-bit clock is refused.
+
+The Permit2 and x402 proxy contracts a permit2 payment is signed for are the
+canonical ones; a 402 naming others in its extra is not signed.
+
 --sign-only prints the payment header value it would send and sends nothing.
 `,
 		Args: cobra.ExactArgs(1),
@@ -84,6 +99,8 @@ transferWithAuthorization, as USDC takes it).
 	pay.Flags().Bool("dev", false, "Pay as the dev chain's demo payer through its default RPC address")
 	pay.Flags().Bool("sign-only", false, "Print the payment header value and send nothing")
 	pay.Flags().Duration("timeout", 2*time.Minute, "Give up after this long, settlement included")
+	pay.Flags().String("max", "", "Most the payment may authorize: raw units (10000) or dollars ($0.01, needs --rpc); default "+defaultPayMax)
+	pay.Flags().Duration("max-validity", payer.DefaultMaxValidity, "Longest a signed payment stays valid, whatever the server asks")
 
 	keygen := &cobra.Command{
 		Use:   "keygen",
@@ -140,6 +157,8 @@ func cmdX402Pay(cmd *cobra.Command, args []string) error {
 	o.Method, _ = fs.GetString("method")
 	o.SignOnly, _ = fs.GetBool("sign-only")
 	o.Timeout, _ = fs.GetDuration("timeout")
+	o.Max, _ = fs.GetString("max")
+	o.MaxValidity, _ = fs.GetDuration("max-validity")
 	if dev && o.RPC == "" {
 		o.RPC = "http://" + devchain.DefaultListen
 	}

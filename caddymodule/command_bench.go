@@ -48,7 +48,7 @@ const (
 // newBenchCommand is `caddy x402 bench`.
 func newBenchCommand() *cobra.Command {
 	bench := &cobra.Command{
-		Use:   "bench [--dev | --key HEX | --key-file FILE] [--rpc URL] [-c N] [-n N] [-d DURATION] [--method permit2|eip3009] [--http-method GET] [--timeout 60s] [--settle-wait 60s] [--json] <url>",
+		Use:   "bench [--dev | --key HEX | --key-file FILE] [--rpc URL] [-c N] [-n N] [-d DURATION] [--method permit2|eip3009] [--http-method GET] [--timeout 60s] [--settle-wait 60s] [--max-failures 0] [--json] <url>",
 		Short: "Load-tests a paid (or free) URL with payments signed ahead, and checks the seller was paid for each",
 		Long: `
 Requests the URL once. When it answers 402 Payment Required, chooses a
@@ -70,6 +70,10 @@ rise must be what the 2xx answers paid: the price for each (exact), or the
 amount each PAYMENT-RESPONSE names (upto; a pending answer that names none
 counts at the maximum). A mismatch is printed and bench exits non-zero: a
 resource served and not paid for fails the run.
+
+A request that got no 2xx answer is a failure; bench exits non-zero when more
+than --max-failures (default 0) requests failed, after printing the report, so
+that a script or CI never takes a run that served nothing for a result.
 
 A permit2 payer must have approved Permit2 for N payments: bench sends no
 transaction of its own accord, and says what to approve when the allowance is
@@ -97,6 +101,7 @@ stdout; the report is otherwise on stdout and progress on stderr.
 	f.String("http-method", http.MethodGet, "HTTP method of the requests")
 	f.Duration("timeout", 60*time.Second, "Give up on one request after this long, body included")
 	f.Duration("settle-wait", 60*time.Second, "Wait at most this long after the run for the seller's balance to show the payments")
+	f.Int("max-failures", 0, "Exit non-zero when more requests than this got no 2xx answer")
 	f.Bool("json", false, "Print one JSON object on stdout")
 	return bench
 }
@@ -129,6 +134,8 @@ type benchOptions struct {
 	SettleWait time.Duration
 	// JSON prints the report as one JSON object.
 	JSON bool
+	// MaxFailures is how many requests may fail (no 2xx answer) before the run fails.
+	MaxFailures int
 }
 
 // cmdX402Bench resolves the flags of `caddy x402 bench` and runs it.
@@ -151,6 +158,7 @@ func cmdX402Bench(cmd *cobra.Command, args []string) error {
 	o.Timeout, _ = fs.GetDuration("timeout")
 	o.SettleWait, _ = fs.GetDuration("settle-wait")
 	o.JSON, _ = fs.GetBool("json")
+	o.MaxFailures, _ = fs.GetInt("max-failures")
 	if o.Dev && o.RPC == "" {
 		o.RPC = "http://" + devchain.DefaultListen
 	}
@@ -170,6 +178,8 @@ func (o benchOptions) check() (*url.URL, error) {
 		return nil, fmt.Errorf("--timeout: expected a positive duration, got %s", o.Timeout)
 	case o.SettleWait < 0:
 		return nil, fmt.Errorf("--settle-wait: expected a duration of 0 or more, got %s", o.SettleWait)
+	case o.MaxFailures < 0:
+		return nil, fmt.Errorf("--max-failures: expected 0 or more failed requests, got %d", o.MaxFailures)
 	}
 	switch o.Method {
 	case "", x402.TransferPermit2, x402.TransferEIP3009:
@@ -237,6 +247,8 @@ type benchReport struct {
 	LatencyMS       benchLatency   `json:"latency_ms"`
 	LatencyAllMS    benchLatency   `json:"latency_all_ms"`
 	Failures        []benchFailure `json:"failures"`
+	Failed          int            `json:"failed"`
+	MaxFailures     int            `json:"max_failures"`
 	SellerBefore    *string        `json:"seller_before"`
 	SellerAfter     *string        `json:"seller_after"`
 	SellerDelta     *string        `json:"seller_delta"`
@@ -346,6 +358,11 @@ func runBench(ctx context.Context, o benchOptions, stdout, stderr io.Writer) err
 	}
 	rep.LatencyMS, rep.LatencyAllMS = latencySummary(tally.okLatency), latencySummary(tally.allLatency)
 	rep.Failures = groupFailures(tally.failures)
+	rep.Failed, rep.MaxFailures = rep.Requests-rep.OK, o.MaxFailures
+	var failed error
+	if rep.Failed > o.MaxFailures {
+		failed = fmt.Errorf("%d of %d requests failed, more than --max-failures %d: FAILED", rep.Failed, rep.Requests, o.MaxFailures)
+	}
 
 	var mismatch error
 	if paid != nil {
@@ -387,7 +404,7 @@ func runBench(ctx context.Context, o benchOptions, stdout, stderr io.Writer) err
 	} else if err := printBenchReport(stdout, rep); err != nil {
 		return err
 	}
-	return mismatch
+	return errors.Join(mismatch, failed)
 }
 
 // prepareBenchPayments chooses the requirement to pay, checks the payer can pay o.Requests of it, and signs
@@ -410,8 +427,13 @@ func prepareBenchPayments(ctx context.Context, o benchOptions, p *payer.Payer, f
 	if err != nil {
 		return nil, fmt.Errorf("the 402 offers the amount %q: %w", req.Amount, err)
 	}
-	if o.Duration > 0 && req.MaxTimeoutSeconds > 0 && o.Duration > time.Duration(req.MaxTimeoutSeconds)*time.Second {
-		return nil, fmt.Errorf("-d %s is longer than the %d s the offer's payments are good for (maxTimeoutSeconds): payments signed before the run would expire during it", o.Duration, req.MaxTimeoutSeconds)
+	validity, err := p.Validity(req)
+	if err != nil {
+		return nil, err
+	}
+	if o.Duration > 0 && o.Duration > validity {
+		return nil, fmt.Errorf("-d %s is longer than the %d s the offer's payments are good for (maxTimeoutSeconds, at most %s): payments signed before the run would expire during it",
+			o.Duration, int64(validity/time.Second), payer.DefaultMaxValidity)
 	}
 	total := new(big.Int).Mul(amount, big.NewInt(int64(o.Requests)))
 	upTo := ""
@@ -800,6 +822,9 @@ func printBenchReport(w io.Writer, r benchReport) error {
 	}
 	for _, n := range r.Notes {
 		fmt.Fprintf(&b, "note:        %s\n", n)
+	}
+	if r.Failed > r.MaxFailures {
+		fmt.Fprintf(&b, "result:      FAILED: %d of %d requests failed (--max-failures %d)\n", r.Failed, r.Requests, r.MaxFailures)
 	}
 	_, err := io.WriteString(w, b.String())
 	return err

@@ -47,6 +47,8 @@ type benchJSON struct {
 	SellerDelta   *string `json:"seller_delta"`
 	ExpectedDelta *string `json:"expected_delta"`
 	BalanceOK     *bool   `json:"balance_ok"`
+	Failed        int     `json:"failed"`
+	MaxFailures   int     `json:"max_failures"`
 }
 
 // runBench runs `caddy x402 bench args... --json` and decodes its JSON line; err is the command's result.
@@ -74,6 +76,7 @@ func TestBenchRefusesFlagsThatMakeNoRunAndSaysWhy(t *testing.T) {
 		{[]string{"-n", "2000000", "http://127.0.0.1:1/"}, "-n: expected 1 to"},
 		{[]string{"-d", "-1s", "http://127.0.0.1:1/"}, "-d: expected a duration of 0"},
 		{[]string{"--timeout", "0s", "http://127.0.0.1:1/"}, "--timeout: expected a positive duration"},
+		{[]string{"--max-failures", "-1", "http://127.0.0.1:1/"}, "--max-failures: expected 0 or more"},
 		{[]string{"--method", "erc2612", "http://127.0.0.1:1/"}, "--method erc2612 cannot be benchmarked: each EIP-2612 permit signs the token's nonces(payer)"},
 		{[]string{"--method", "cash", "http://127.0.0.1:1/"}, `--method: expected permit2 or eip3009, got "cash"`},
 		{[]string{"ftp://example.com/"}, "expected an http:// or https:// URL"},
@@ -181,9 +184,15 @@ func TestBenchSendsEachPaymentOnceAndGroupsFailuresByStatusAndX402Reason(t *test
 		}
 	})
 
-	stdout, stderr, err := caddymodule.RunX402("", "bench", "--key", hexKey, "-c", "4", "-n", "20", "--json", f.resource)
+	// 15 of the 20 fail: a run allowed 15 failures passes, and the default of none fails after its report.
+	stdout, stderr, err := caddymodule.RunX402("", "bench", "--key", hexKey, "-c", "4", "-n", "20", "--json", "--max-failures", "15", f.resource)
 	if err != nil {
 		t.Fatalf("bench: %v\nstderr:\n%s", err, stderr)
+	}
+	strictSeller := newFakeSeller(t, devchain.TokenAddress.Hex(), devchainSeller.Hex(), f.answer)
+	strict, _, strictErr := runBench(t, "--key", hexKey, "-c", "4", "-n", "8", strictSeller.resource)
+	if strictErr == nil || !strings.Contains(strictErr.Error(), "6 of 8 requests failed, more than --max-failures 0: FAILED") || strict.Failed != 6 || strict.MaxFailures != 0 {
+		t.Errorf("bench with 6 of 8 failing and no --max-failures: %v, failed %d; want a non-zero exit saying 6 of 8 failed", strictErr, strict.Failed)
 	}
 	if strings.Contains(stdout+stderr, hexKey) {
 		t.Fatal("bench printed the payer's key")
@@ -364,10 +373,28 @@ func TestBenchOnTheDevChainShowsTheSellerPaidExactlyForEachAnswerServed(t *testi
 			t.Errorf("requests %d, ok %d, scheme %q, failures %+v; want 20, 20, upto, none", out.Requests, out.OK, out.Scheme, out.Failures)
 		}
 	})
-	t.Run("a route whose upstream fails serves nothing and charges nothing", func(t *testing.T) {
-		out, _ := bench(t, "/broken", cmdBenchBrokenSeller, new(big.Int))
-		if out.Requests != 20 || out.OK != 0 || len(out.Failures) != 1 || out.Failures[0].Status != 500 || out.Failures[0].Count != 20 {
-			t.Errorf("requests %d, ok %d, failures %+v; want 20, 0, and 500 x 20", out.Requests, out.OK, out.Failures)
+	t.Run("a route whose upstream fails serves nothing, charges nothing, and fails the run", func(t *testing.T) {
+		// As bench once printed "seller: +0, expected +0: OK" and exited 0 with 0 of 200 served: a run in which
+		// every request failed exits non-zero, after its report.
+		before := tokenBalanceAt(t, c, devchain.TokenAddress, cmdBenchBrokenSeller)
+		out, stderr, err := runBench(t, "--dev", "--rpc", d.facts.RPC, "-c", "4", "-n", "20", srv.URL+"/broken")
+		if err == nil || !strings.Contains(err.Error(), "20 of 20 requests failed, more than --max-failures 0: FAILED") {
+			t.Errorf("bench of a route that served nothing: %v; want a non-zero exit saying 20 of 20 failed\n%s", err, stderr)
+		}
+		if out.Requests != 20 || out.OK != 0 || out.Failed != 20 || len(out.Failures) != 1 || out.Failures[0].Status != 500 || out.Failures[0].Count != 20 ||
+			out.BalanceOK == nil || !*out.BalanceOK || deref(out.SellerDelta) != "0" {
+			t.Errorf("requests %d, ok %d, failed %d, failures %+v, balance_ok %v, seller_delta %s; want 20, 0, 20, 500 x 20, true, 0",
+				out.Requests, out.OK, out.Failed, out.Failures, out.BalanceOK, deref(out.SellerDelta))
+		}
+		if got := tokenBalanceAt(t, c, devchain.TokenAddress, cmdBenchBrokenSeller); got.Cmp(before) != 0 {
+			t.Errorf("the seller of /broken received %s, want nothing", new(big.Int).Sub(got, before))
+		}
+		stdout, _, err := caddymodule.RunX402("", "bench", "--dev", "--rpc", d.facts.RPC, "-n", "3", srv.URL+"/broken")
+		if err == nil || !strings.Contains(stdout, "result:      FAILED: 3 of 3 requests failed (--max-failures 0)") {
+			t.Errorf("the report does not say the run failed (%v):\n%s", err, stdout)
+		}
+		if _, _, err := runBench(t, "--dev", "--rpc", d.facts.RPC, "-n", "3", "--max-failures", "3", srv.URL+"/broken"); err != nil {
+			t.Errorf("bench --max-failures 3 of 3 failing: %v, want exit 0", err)
 		}
 	})
 	t.Run("a free route is benchmarked without payment", func(t *testing.T) {

@@ -7,16 +7,26 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/big"
 	"net/http"
 	"net/url"
 	"time"
 
+	"github.com/ethereum/go-ethereum/common"
+
+	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/payer"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
 // maxPrintedBody caps how much of a response body `caddy x402 pay` reads and prints.
 const maxPrintedBody = 32 << 20
+
+// defaultPayMax is the most `caddy x402 pay` signs without --max: ten times the example site's price, so that
+// trying out a gateway never needs the flag, while a hostile or mistyped 402 (a price of $100 for $0.01, the
+// payer's whole balance as an upto maximum) costs at most a dime. A dollar amount is read in the token's
+// decimals, from the chain: without an RPC, --max must be given in raw units.
+const defaultPayMax = "$0.10"
 
 // payOptions is what `caddy x402 pay` was asked to do.
 type payOptions struct {
@@ -36,6 +46,11 @@ type payOptions struct {
 	Client *http.Client
 	// Now is the signing clock when no RPC gives chain time; nil is the wall clock.
 	Now func() time.Time
+	// Max is the most the payment may authorize: raw units ("10000"), or a dollar amount ("$0.01") read in the
+	// token's decimals; "" is defaultPayMax.
+	Max string
+	// MaxValidity caps how long the payment stays valid; 0 is payer.DefaultMaxValidity.
+	MaxValidity time.Duration
 }
 
 // runPay requests o.URL, pays if it answers 402 and prints the outcome; see the `pay` command's help.
@@ -51,6 +66,15 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 	}
 	if o.Method == x402.TransferERC2612 && o.RPC == "" {
 		return errors.New("--method erc2612 needs --rpc (or --dev): an EIP-2612 permit signs the token's nonces(payer), which only the chain knows")
+	}
+	if o.Max != "" && !isRawAmount(o.Max) {
+		// The form is checked now; the amount in raw units needs the token's decimals, read once the 402 names it.
+		if _, err := x402.ParsePrice(o.Max, 77); err != nil {
+			return fmt.Errorf("--max: expected raw token units (such as 10000) or a dollar amount (such as $0.01): %w", err)
+		}
+	}
+	if o.MaxValidity < 0 || (o.MaxValidity > 0 && o.MaxValidity < time.Second) {
+		return fmt.Errorf("--max-validity: expected a duration of a second or more, got %s", o.MaxValidity)
 	}
 	target, err := url.Parse(o.URL)
 	if err != nil || (target.Scheme != "http" && target.Scheme != "https") || target.Host == "" {
@@ -81,14 +105,24 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	p, err := payer.New(o.Key, payer.Options{RPC: o.RPC, Method: o.Method, Now: o.Now})
+	p, err := payer.New(o.Key, payer.Options{RPC: o.RPC, Method: o.Method, Now: o.Now, MaxValidity: o.MaxValidity})
 	if err != nil {
 		return err
 	}
 	defer p.Close()
-	pay, err := p.Pay(ctx, offer)
+	i, err := p.Choose(ctx, offer)
 	if err != nil {
 		return err
+	}
+	if err := checkPayMax(ctx, p, o, offer.Required.Accepts[i]); err != nil {
+		return err
+	}
+	pay, err := p.Sign(ctx, offer, i)
+	if err != nil {
+		return err
+	}
+	if v, err := p.Validity(pay.Requirements); err == nil && int64(v/time.Second) < pay.Requirements.MaxTimeoutSeconds {
+		fmt.Fprintf(stderr, "the server asks for a payment valid %d s; signed valid for %s (--max-validity)\n", pay.Requirements.MaxTimeoutSeconds, v)
 	}
 	if o.SignOnly {
 		_, err := fmt.Fprintln(stdout, pay.Value)
@@ -111,6 +145,86 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 		return err
 	}
 	return printAnswer(stdout, stderr, resp, body)
+}
+
+// checkPayMax refuses to sign req when it authorizes more than o.Max (or defaultPayMax): an upto requirement
+// at its maximum, which the server may charge in full.
+func checkPayMax(ctx context.Context, p *payer.Payer, o payOptions, req x402.PaymentRequirements) error {
+	amount, err := x402.ParseUint256(req.Amount)
+	if err != nil {
+		return fmt.Errorf("the 402 asks the amount %q: %w", req.Amount, err)
+	}
+	flag, given := o.Max, o.Max != ""
+	if !given {
+		flag = defaultPayMax
+	}
+	var (
+		limit    *big.Int
+		decimals = -1
+		raw      = isRawAmount(flag)
+	)
+	if raw {
+		if limit, err = x402.ParseUint256(flag); err != nil {
+			return fmt.Errorf("--max %s: expected raw token units (such as 10000) or a dollar amount (such as $0.01): %w", flag, err)
+		}
+		if o.RPC != "" {
+			if d, err := p.TokenDecimals(ctx, common.HexToAddress(req.Asset)); err == nil {
+				decimals = int(d) // only to say what the amounts are in tokens
+			}
+		}
+	} else {
+		if o.RPC == "" {
+			if !given {
+				return fmt.Errorf("without --max, pay signs at most %s, read in the token's decimals from the chain; with no --rpc they are unknown: give --max in raw units (the 402 asks %s of %s) or --rpc", defaultPayMax, amount, req.Asset)
+			}
+			return fmt.Errorf("--max %s is a dollar amount, read in the token's decimals from the chain; with no --rpc they are unknown: give --max in raw units (the 402 asks %s of %s) or --rpc", flag, amount, req.Asset)
+		}
+		asset, err := chain.ParseAddress("requirements.asset", req.Asset)
+		if err != nil {
+			return err
+		}
+		d, err := p.TokenDecimals(ctx, asset)
+		if err != nil {
+			return fmt.Errorf("reading the decimals of the token %s for --max %s: %w", req.Asset, flag, err)
+		}
+		decimals = int(d)
+		if limit, err = x402.ParsePrice(flag, d); err != nil {
+			return fmt.Errorf("--max: %w", err)
+		}
+	}
+	if amount.Cmp(limit) <= 0 {
+		return nil
+	}
+	asked, most := amount.String(), limit.String()
+	switch {
+	case decimals >= 0 && raw:
+		asked = fmt.Sprintf("%s (%s tokens)", amount, x402.FormatTokenAmount(amount.String(), uint8(decimals)))
+		most = fmt.Sprintf("%s (%s tokens)", limit, x402.FormatTokenAmount(limit.String(), uint8(decimals)))
+	case decimals >= 0:
+		asked = fmt.Sprintf("%s (%s tokens)", amount, x402.FormatTokenAmount(amount.String(), uint8(decimals)))
+		most = fmt.Sprintf("%s (%s raw units)", flag, limit)
+	}
+	upTo, source := "", "--max"
+	if req.Scheme == x402.SchemeUpto {
+		upTo = "up to "
+	}
+	if !given {
+		source = "the default --max"
+	}
+	return fmt.Errorf("the 402 asks %s%s of %s on %s, over %s of %s: not signed; give a --max of at least that to pay it", upTo, asked, req.Asset, req.Network, source, most)
+}
+
+// isRawAmount says whether a --max is raw token units: digits only.
+func isRawAmount(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] < '0' || s[i] > '9' {
+			return false
+		}
+	}
+	return true
 }
 
 // fetch sends method to u, with the payment header when name is set, and reads the body (as much of it as is printed).

@@ -435,7 +435,7 @@ func TestPayPaysWhereRedirectsLedAndFollowsNoRedirectWithThePayment(t *testing.T
 	}))
 	defer srv.Close()
 
-	stdout, _, err := runX402(t, "", "pay", "--key", hex.EncodeToString(crypto.FromECDSA(devchain.PayerKey())), srv.URL+"/start")
+	stdout, _, err := runX402(t, "", "pay", "--key", hex.EncodeToString(crypto.FromECDSA(devchain.PayerKey())), "--max", "1", srv.URL+"/start")
 	if err == nil || !strings.Contains(err.Error(), "307") || !strings.Contains(stdout, "307 Temporary Redirect") {
 		t.Fatalf("pay = %v, output %q; want the 307 printed and an error", err, stdout)
 	}
@@ -476,6 +476,9 @@ func TestPayRefusesBadInputBeforeSendingAnything(t *testing.T) {
 		{"erc2612 without an RPC", []string{"--key", good, "--method", "erc2612"}, []string{"--method erc2612 needs --rpc"}},
 		{"an unknown method", []string{"--key", good, "--method", "upto"}, []string{"--method", "permit2", "erc2612", "eip3009", "upto"}},
 		{"a URL that is not http", []string{"--key", good, "ftp://example.com/x"}, []string{"http:// or https:// URL"}},
+		{"a --max that is no amount", []string{"--key", good, "--max", "ten cents"}, []string{"--max", "raw token units", "dollar amount"}},
+		{"a negative --max", []string{"--key", good, "--max", "-5"}, []string{"--max", "negative"}},
+		{"a --max-validity below a second", []string{"--key", good, "--max-validity", "10ms"}, []string{"--max-validity", "a second or more"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			args := append([]string{"pay"}, tc.args...)

@@ -15,6 +15,16 @@ import (
 // PauseBackgroundSettlement holds the background settlements of settle-async gates until resume is called.
 func PauseBackgroundSettlement() (resume func()) { return gate.PauseBackgroundSettlement() }
 
+// OfferMemoryBytes is how many bytes the process's price_grace memory counts, 0 when no gate has one.
+func OfferMemoryBytes() int64 {
+	var n int64
+	offerMemories.Range(func(_, v any) bool {
+		n += v.(offerMemory).Bytes()
+		return true
+	})
+	return n
+}
+
 // PruneGateJournals runs the gates' periodic journal prune now, as if the clock read now (see gate.PruneJournals).
 func PruneGateJournals(now time.Time) (int, error) { return gate.PruneJournals(now) }
 

@@ -64,6 +64,10 @@ type FacilitatorHandler struct {
 	// SettleRateLimit caps the /settle calls per client IP and per payer; over it, 429 with Retry-After.
 	SettleRateLimit *SettleRateLimit `json:"settle_rate_limit,omitempty"`
 
+	// VerifyRateLimit caps the /verify calls per client IP that the facilitator behind refuses or fails; over
+	// it, 429 with Retry-After. Default: 600 a minute per client (an IPv6 client by its /64).
+	VerifyRateLimit *VerifyRateLimit `json:"verify_rate_limit,omitempty"`
+
 	// Facilitator is the facilitator served, a module of the x402.facilitators namespace: `embedded` (the x402
 	// app's engine), `http` (facilitators over HTTP, with failover) or one of another plugin. Default: what
 	// Upstreams say, else the embedded engine.
@@ -79,7 +83,7 @@ type FacilitatorHandler struct {
 	server         *facilitatorserver.Server // the serving: API keys, limits, refusals, answers
 	metrics        *metrics
 	releaseWallets func()
-	accessLog      *keyedAccessLog
+	accessLog      *bearerAccessLog
 	logger         *zap.Logger
 }
 
@@ -128,15 +132,16 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		}
 		opts.APIKeys = append(opts.APIKeys, key)
 	}
-	h.accessLog = newKeyedAccessLog(ctx)
+	h.accessLog = newBearerAccessLog(ctx, x402.HeaderAPIKey)
 
 	var err error
 	if opts.Terms, err = facilitatorserver.ParseTerms(h.MinAmount, h.PayTo); err != nil {
 		return fmt.Errorf("%w", err)
 	}
 	if l := h.SettleRateLimit; l != nil {
-		opts.SettleRateLimit = facilitatorserver.RateLimit{PerIP: l.PerIP, PerPayer: l.PerPayer}
+		opts.SettleRateLimit = facilitatorserver.RateLimit{PerIP: l.PerIP, IPv6Prefix: l.IPv6Prefix, PerPayer: l.PerPayer}
 	}
+	opts.VerifyRateLimit = verifyLimit(h.VerifyRateLimit)
 	if h.metrics, err = metricsFor(ctx); err != nil {
 		return err
 	}
@@ -224,14 +229,19 @@ func (h *FacilitatorHandler) Validate() error {
 	if _, err := facilitatorserver.ParseTerms(h.MinAmount, h.PayTo); err != nil {
 		return fmt.Errorf("%w", err)
 	}
+	var limits []rateField
 	if l := h.SettleRateLimit; l != nil {
-		for _, r := range []struct {
-			name string
-			n    int
-		}{{"per_ip", l.PerIP}, {"per_payer", l.PerPayer}} {
-			if r.n < 0 || r.n > facilitatorserver.MaxPerMinute {
-				return fmt.Errorf("settle_rate_limit %s is %d a minute; want 0 (no limit) to %d", r.name, r.n, facilitatorserver.MaxPerMinute)
-			}
+		limits = append(limits, rateField{"settle_rate_limit per_ip", l.PerIP, l.IPv6Prefix}, rateField{"settle_rate_limit per_payer", l.PerPayer, 0})
+	}
+	if l := h.VerifyRateLimit; l != nil {
+		limits = append(limits, rateField{"verify_rate_limit per_ip", l.PerIP, l.IPv6Prefix})
+	}
+	for _, r := range limits {
+		if r.n < 0 || r.n > facilitatorserver.MaxPerMinute {
+			return fmt.Errorf("%s is %d a minute; want 0 (no limit) to %d", r.name, r.n, facilitatorserver.MaxPerMinute)
+		}
+		if r.ipv6Prefix < 0 || r.ipv6Prefix > 128 {
+			return fmt.Errorf("%s ipv6_prefix is %d bits; want 1 to 128 (0 for the default, 64)", r.name, r.ipv6Prefix)
 		}
 	}
 	if h.MaxBodySize < 0 || h.MaxBodySize > x402.MaxBodyBytes {
@@ -239,6 +249,13 @@ func (h *FacilitatorHandler) Validate() error {
 			h.MaxBodySize, x402.MaxBodyBytes)
 	}
 	return validateUpstreams(h.Upstreams)
+}
+
+// rateField is a configured rate limit as Validate checks it.
+type rateField struct {
+	name       string
+	n          int
+	ipv6Prefix int
 }
 
 // Cleanup stops reporting the engine's wallets; the engine itself belongs to the x402 app.

@@ -34,8 +34,11 @@ func parseFacilitatorCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHand
 //		min_amount <raw units>
 //		pay_to <address> [...]
 //		settle_rate_limit {
-//			per_ip <n>/min
+//			per_ip <n>/min [ipv6_prefix <bits>]
 //			per_payer <n>/min
+//		}
+//		verify_rate_limit {                # or: verify_rate_limit off
+//			per_ip <n>/min [ipv6_prefix <bits>]
 //		}
 //		upstream <url> {
 //			api_key <key>
@@ -111,6 +114,15 @@ func (h *FacilitatorHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.SettleRateLimit = l
+		case "verify_rate_limit":
+			if h.VerifyRateLimit != nil {
+				return d.Err("verify_rate_limit is given twice; write it once")
+			}
+			l, err := unmarshalVerifyRateLimit(d)
+			if err != nil {
+				return err
+			}
+			h.VerifyRateLimit = l
 		case "upstream":
 			u, err := parseFacilitatorUpstream(d)
 			if err != nil {
@@ -127,7 +139,7 @@ func (h *FacilitatorHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.FacilitatorRaw = module
 		default:
-			return d.Errf("unrecognized x402_facilitator option '%s'; want kind, networks, api_key, max_body_size, min_amount, pay_to, settle_rate_limit, upstream or facilitator", d.Val())
+			return d.Errf("unrecognized x402_facilitator option '%s'; want kind, networks, api_key, max_body_size, min_amount, pay_to, settle_rate_limit, verify_rate_limit, upstream or facilitator", d.Val())
 		}
 	}
 	return nil

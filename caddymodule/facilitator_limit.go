@@ -1,6 +1,7 @@
 package caddymodule
 
 import (
+	"cmp"
 	"fmt"
 	"net"
 	"net/http"
@@ -19,16 +20,53 @@ import (
 // buckets: up to the limit at once, then one more each 60s/limit. They are kept in memory per handler and start
 // afresh when the config is reloaded.
 type SettleRateLimit struct {
-	// PerIP is the number of /settle calls a client IP may make per minute; 0: no limit. Every call counts,
+	// PerIP is the number of /settle calls a client may make per minute; 0: no limit. Every call counts,
 	// malformed or refused ones too (calls refused for their API key or method do not). The client IP is Caddy's:
-	// the peer's address, or what the trusted_proxies of the server say the client is.
+	// the peer's address, or what the trusted_proxies of the server say the client is. An IPv6 client is counted
+	// by its network of IPv6Prefix bits.
 	PerIP int `json:"per_ip,omitempty"`
+	// IPv6Prefix is how many leading bits of an IPv6 client address name one client for PerIP: every address of
+	// one such network shares its limit. Default: 64 (the smallest network a subscriber is given).
+	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
 	// PerPayer is the number of settlements per minute of the payer a payment names; 0: no limit. It counts the
 	// /settle calls whose answer carries a transaction hash (settled, pending or failed on chain: each may have
 	// cost gas), and those that got no answer from the facilitator behind; a call refused before anything was
 	// sent does not count, so a payload that merely names someone else as payer cannot use up that payer's
 	// budget. Re-presenting a payment to learn its outcome counts like a new one.
 	PerPayer int `json:"per_payer,omitempty"`
+}
+
+// VerifyRateLimit caps, per client IP, the /verify calls the facilitator behind refuses or fails: each costs it
+// work and often a chain read (a forged signature an eth_getCode, an ERC-6492 wrapper a simulation), and the
+// caller signs nothing to make it. A valid payment costs nothing against the limit, nor do the refusals the
+// handler makes itself (kind, network, terms, a malformed body). Over the limit, the client's /verify calls are
+// answered 429 with Retry-After (and a VerifyResponse with unexpected_verify_error) before the facilitator behind
+// is asked, until its bucket refills: the limit per minute, up to the limit at once. It is on by default.
+type VerifyRateLimit struct {
+	// PerIP is the number of refused or failed /verify calls a client may have per minute. Default: 600 (see
+	// DefaultVerifyPerIP). A resource server that passes on the payments of many clients from one address
+	// counts their bad payments together: raise it for such callers, or give them a route of their own.
+	PerIP int `json:"per_ip,omitempty"`
+	// IPv6Prefix is how many leading bits of an IPv6 client address name one client. Default: 64.
+	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
+	// Off turns the limit off.
+	Off bool `json:"off,omitempty"`
+}
+
+// DefaultVerifyPerIP is the verify rate limit of a handler that configures none: ten refused verifications a
+// second, six hundred at once, per client. It bounds what one client's forged payments cost in chain reads,
+// far above what a client paying honestly is refused.
+const DefaultVerifyPerIP = 600
+
+// verifyLimit is the facilitatorserver limit of l (nil: the default).
+func verifyLimit(l *VerifyRateLimit) facilitatorserver.VerifyRateLimit {
+	switch {
+	case l == nil:
+		return facilitatorserver.VerifyRateLimit{PerIP: DefaultVerifyPerIP}
+	case l.Off:
+		return facilitatorserver.VerifyRateLimit{}
+	}
+	return facilitatorserver.VerifyRateLimit{PerIP: cmp.Or(l.PerIP, DefaultVerifyPerIP), IPv6Prefix: l.IPv6Prefix}
 }
 
 // clientIP is the client's address as Caddy determined it (honouring the server's trusted_proxies), else the
@@ -46,7 +84,7 @@ func clientIP(r *http.Request) string {
 // unmarshalSettleRateLimit reads a settle_rate_limit block:
 //
 //	settle_rate_limit {
-//		per_ip <n>/min
+//		per_ip <n>/min [ipv6_prefix <bits>]
 //		per_payer <n>/min
 //	}
 func unmarshalSettleRateLimit(d *caddyfile.Dispenser) (*SettleRateLimit, error) {
@@ -56,30 +94,80 @@ func unmarshalSettleRateLimit(d *caddyfile.Dispenser) (*SettleRateLimit, error) 
 	l := new(SettleRateLimit)
 	file, line := d.File(), d.Line() // an empty block is reported at its opening line
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		option := d.Val()
-		var target *int
-		switch option {
+		var err error
+		switch option := d.Val(); option {
 		case "per_ip":
-			target = &l.PerIP
+			l.PerIP, l.IPv6Prefix, err = unmarshalPerIP(d)
 		case "per_payer":
-			target = &l.PerPayer
+			var s string
+			if !d.AllArgs(&s) {
+				return nil, d.Errf("%s needs one rate such as 10/min", option)
+			}
+			if l.PerPayer, err = parsePerMinute(s); err != nil {
+				return nil, d.Errf("%s '%s': %v", option, s, err)
+			}
 		default:
 			return nil, d.Errf("unrecognized settle_rate_limit option '%s'; want per_ip or per_payer", option)
 		}
-		var s string
-		if !d.AllArgs(&s) {
-			return nil, d.Errf("%s needs one rate such as 10/min", option)
-		}
-		n, err := parsePerMinute(s)
 		if err != nil {
-			return nil, d.Errf("%s '%s': %v", option, s, err)
+			return nil, err
 		}
-		*target = n
 	}
 	if l.PerIP == 0 && l.PerPayer == 0 {
 		return nil, fmt.Errorf("settle_rate_limit needs per_ip, per_payer or both, at %s:%d", file, line)
 	}
 	return l, nil
+}
+
+// unmarshalVerifyRateLimit reads verify_rate_limit, a block or off:
+//
+//	verify_rate_limit {
+//		per_ip <n>/min [ipv6_prefix <bits>]
+//	}
+//	verify_rate_limit off
+func unmarshalVerifyRateLimit(d *caddyfile.Dispenser) (*VerifyRateLimit, error) {
+	l := new(VerifyRateLimit)
+	if d.NextArg() {
+		if d.Val() != "off" || d.NextArg() {
+			return nil, d.Errf("verify_rate_limit takes no arguments but off; write its limit in a block: verify_rate_limit { per_ip %d/min }", DefaultVerifyPerIP)
+		}
+		if d.NextBlock(d.Nesting()) {
+			return nil, d.Err("verify_rate_limit off takes no block")
+		}
+		l.Off = true
+		return l, nil
+	}
+	file, line := d.File(), d.Line()
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		if option := d.Val(); option != "per_ip" {
+			return nil, d.Errf("unrecognized verify_rate_limit option '%s'; want per_ip", option)
+		}
+		var err error
+		if l.PerIP, l.IPv6Prefix, err = unmarshalPerIP(d); err != nil {
+			return nil, err
+		}
+	}
+	if l.PerIP == 0 {
+		return nil, fmt.Errorf("verify_rate_limit needs per_ip (or write verify_rate_limit off), at %s:%d", file, line)
+	}
+	return l, nil
+}
+
+// unmarshalPerIP reads the arguments of a per_ip line: a rate, and the IPv6 prefix counted as one client.
+func unmarshalPerIP(d *caddyfile.Dispenser) (perMinute, ipv6Prefix int, err error) {
+	args := d.RemainingArgs()
+	if len(args) != 1 && (len(args) != 3 || args[1] != "ipv6_prefix") {
+		return 0, 0, d.Err("per_ip needs one rate such as 10/min, and may name the IPv6 prefix counted as one client: per_ip 10/min ipv6_prefix 56")
+	}
+	if perMinute, err = parsePerMinute(args[0]); err != nil {
+		return 0, 0, d.Errf("per_ip '%s': %v", args[0], err)
+	}
+	if len(args) == 3 {
+		if ipv6Prefix, err = strconv.Atoi(args[2]); err != nil || ipv6Prefix < 1 || ipv6Prefix > 128 {
+			return 0, 0, d.Errf("ipv6_prefix '%s' is not a prefix length from 1 to 128 (64: every address of a /64 is one client)", args[2])
+		}
+	}
+	return perMinute, ipv6Prefix, nil
 }
 
 // parsePerMinute reads "<n>/min" with n a positive whole number.

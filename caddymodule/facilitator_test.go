@@ -51,6 +51,7 @@ type facilitatorEnv struct {
 	key       string
 	payTo     common.Address
 	network   string
+	rpc       string // the x402 app's RPC URL where it is not the chain's own (limits env)
 }
 
 func startFacilitatorEnv(t *testing.T) *facilitatorEnv {

@@ -32,6 +32,9 @@ func TestFacilitatorValidateRefusesConfigurationsNoRequestCouldMakeRight(t *test
 		{"a pay_to that is no address", FacilitatorHandler{PayTo: []string{"seller"}}, `pay_to: expected an address (0x and 40 hex digits), got "seller"`},
 		{"a negative rate", FacilitatorHandler{SettleRateLimit: &SettleRateLimit{PerPayer: -1}}, "settle_rate_limit per_payer is -1 a minute"},
 		{"a rate above the maximum", FacilitatorHandler{SettleRateLimit: &SettleRateLimit{PerIP: 60_001}}, "settle_rate_limit per_ip is 60001 a minute"},
+		{"an IPv6 prefix too long", FacilitatorHandler{SettleRateLimit: &SettleRateLimit{PerIP: 1, IPv6Prefix: 129}}, "settle_rate_limit per_ip ipv6_prefix is 129 bits"},
+		{"a negative verify rate", FacilitatorHandler{VerifyRateLimit: &VerifyRateLimit{PerIP: -1}}, "verify_rate_limit per_ip is -1 a minute"},
+		{"a negative verify IPv6 prefix", FacilitatorHandler{VerifyRateLimit: &VerifyRateLimit{IPv6Prefix: -1}}, "verify_rate_limit per_ip ipv6_prefix is -1 bits"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.h.Validate()
@@ -89,6 +92,25 @@ func TestFacilitatorAcceptsAnyOfItsAPIKeysAndNothingElse(t *testing.T) {
 		}
 		if got := w.Code != http.StatusUnauthorized; got != want {
 			t.Errorf("authorized with key %q = %v (HTTP %d), want %v", key, got, w.Code, want)
+		}
+	}
+}
+
+// A handler that configures no verify_rate_limit has the default; a block without per_ip keeps the default
+// rate; off turns it off.
+func TestTheVerifyRateLimitIsOnByDefault(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		l           *VerifyRateLimit
+		perIP, bits int
+	}{
+		{"none configured", nil, DefaultVerifyPerIP, 0},
+		{"a prefix only", &VerifyRateLimit{IPv6Prefix: 56}, DefaultVerifyPerIP, 56},
+		{"a rate", &VerifyRateLimit{PerIP: 30}, 30, 0},
+		{"off", &VerifyRateLimit{PerIP: 30, Off: true}, 0, 0},
+	} {
+		if got := verifyLimit(tc.l); got.PerIP != tc.perIP || got.IPv6Prefix != tc.bits {
+			t.Errorf("%s: limit %+v, want per IP %d, IPv6 prefix %d", tc.name, got, tc.perIP, tc.bits)
 		}
 	}
 }

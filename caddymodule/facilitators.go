@@ -214,8 +214,14 @@ func httpFacilitator(upstreams []*FacilitatorUpstream, repl *caddy.Replacer) (x4
 	if len(clients) == 1 {
 		return clients[0], nil
 	}
-	return facilitatorclient.NewFailover(clients...), nil
+	return facilitatorclient.NewFailoverSharing(sentPayments, clients...), nil
 }
+
+// sentPayments is the memory every failover set of this process shares: the member each payment's /settle may
+// have reached. It outlives a configuration, so that a payment presented again after a reload, or retried by an
+// async settlement that outlives it, is still asked of that member alone (another would refuse a payment that
+// settled). It is bounded and its entries run out, so nothing needs to let go of it.
+var sentPayments = facilitatorclient.NewSentPayments()
 
 // validateUpstreams checks what no request could make right.
 func validateUpstreams(upstreams []*FacilitatorUpstream) error {

@@ -118,8 +118,10 @@ type Gate struct {
 	CORSOrigins []string `json:"cors_origins,omitempty"`
 
 	// PriceGrace keeps a payment signed against an offer this resource's 402 made good for this long after the
-	// offer changed (a reload with a new price, or a new value of a placeholder in price, amount or pay_to): the
-	// terms each 402 offered are remembered by the request's method and URL, across reloads but not restarts.
+	// offer changed (a reload with a new price): the terms each 402 offered are remembered by the request's method
+	// and URL, across reloads but not restarts, within 16 MiB. With a grace, price, amount and pay_to may hold only
+	// the request's method and URL placeholders ({http.request.uri.*}, {http.request.host}, {http.request.method}):
+	// a config whose terms depend on more (a header, a user, the client's address, a map or vars output) is refused.
 	// Default 0: a payment must match the offer of its request.
 	PriceGrace caddy.Duration `json:"price_grace,omitempty"`
 
@@ -142,6 +144,7 @@ type Gate struct {
 	events         *caddyevents.App
 	ctx            caddy.Context
 	logger         *zap.Logger
+	accessLog      *bearerAccessLog // keeps payment headers out of Caddy's access log
 }
 
 // GateAccept is one way to pay: a network, an asset, a recipient, a price and optionally one transfer method.
@@ -198,6 +201,10 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	if g.PaymentHeader == "" {
 		g.PaymentHeader = x402.HeaderPaymentSignature
 	}
+	// A payment header is a bearer value: whoever reads it may present the payment while it is unserved (a
+	// response cut short, an upstream failure, a payment made for another route). Both headers of the
+	// protocol are kept out, whatever this gate reads.
+	g.accessLog = newBearerAccessLog(ctx, g.PaymentHeader, x402.HeaderPaymentSignature, x402.HeaderXPayment)
 	if g.Settle == "" {
 		g.Settle = SettleAfter
 	}
@@ -377,6 +384,43 @@ func (g *Gate) Cleanup() error {
 // ServeHTTP gates the request behind a payment. A CORS preflight is answered at once; anything else waits
 // for the x402 app to have started.
 func (g *Gate) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	entry := g.accessLog.takeOver(r)
+	if entry == nil {
+		return g.serve(w, r, next)
+	}
+	rec := caddyhttp.NewResponseRecorder(w, nil, nil)
+	err := g.serve(rec, r, next)
+	status := rec.Status()
+	if status == 0 {
+		status = http.StatusOK // nothing written: net/http answers 200
+		if err != nil {
+			status = http.StatusInternalServerError // the server's error handling answers
+			var he caddyhttp.HandlerError
+			if errors.As(err, &he) && he.StatusCode != 0 {
+				status = he.StatusCode
+			}
+		}
+	}
+	entry.write(rec, status, rec.Size(), paymentLogFields(r))
+	return err
+}
+
+// paymentLogFields is what an access log entry the gate writes says of the payment: its {http.x402.*}
+// placeholders, which log_append would have added to Caddy's own entry.
+func paymentLogFields(r *http.Request) zap.Field {
+	fields := map[string]string{}
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		for _, name := range []string{gate.VarStatus, gate.VarPayer, gate.VarNetwork, gate.VarAmount, gate.VarTransaction} {
+			if v, ok := repl.GetString("http.x402." + name); ok && v != "" {
+				fields[name] = v
+			}
+		}
+	}
+	return zap.Any("x402", fields)
+}
+
+// serve is ServeHTTP with the access log entry settled.
+func (g *Gate) serve(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	if gate.IsPreflight(r) {
 		return gate.AnswerPreflight(w, r, g.CORSOrigins, g.PaymentHeader)
 	}

@@ -53,7 +53,8 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		max_buffer <size>
 //		v1_body
 //		cors_origins <origin>...             # default *
-//		price_grace <duration>               # keep earlier offers of a resource good this long after a change
+//		price_grace <duration>               # keep earlier offers of a resource good this long after a reload
+//		                                     # (terms then set from the method and URL only)
 //		accept {
 //			pay_to, scheme, price, amount, network, asset, asset_transfer_method,
 //			token_name, token_version, token_eip3009, max_timeout
@@ -71,6 +72,7 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return d.ArgErr()
 		}
 	}
+	var graceAt *caddyfile.Dispenser // at price_grace, to name its line
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		opt := d.Val()
 		if handled, err := g.GateAccept.unmarshalOption(d, opt); handled || err != nil {
@@ -179,6 +181,8 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			g.V1Body = true
 		case "price_grace":
+			at := *d
+			graceAt = &at
 			dur, err := durationArg(d, opt)
 			if err != nil {
 				return err
@@ -190,6 +194,9 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		default:
 			return d.Errf("unrecognized x402 option '%s'", opt)
 		}
+	}
+	if err := g.graceProblem(); err != nil {
+		return graceAt.WrapErr(err)
 	}
 	return nil
 }

@@ -56,6 +56,8 @@ type gateSetup struct {
 	// receiptTimeout is how long a settlement waits for its receipt before answering settlement_pending.
 	receiptTimeout time.Duration
 	chainOpts      []chaintest.Option
+	// logFile sends Caddy's log to caddy.log in the data folder, for logged to read.
+	logFile bool
 }
 
 // facilitatorKinds are the two ways a gate reaches its facilitator; outcome tests run for both.
@@ -127,6 +129,9 @@ func (env *gateEnv) caddyfile(s gateSetup) string {
 	site := s.site
 	if site == "" {
 		site = `respond "paid content"`
+	}
+	if s.logFile {
+		global = "\tlog {\n\t\toutput file {{DATA}}/caddy.log\n\t\tformat json\n\t\tlevel INFO\n\t}\n" + global
 	}
 	return fmt.Sprintf(`{
 %s}

@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
@@ -69,6 +70,73 @@ func requestPlaceholders(v string) bool {
 	return hasPlaceholder(caddy.NewReplacer().ReplaceKnown(v, ""))
 }
 
+// requestPlaceholderKeys returns the placeholders of v (their keys, without braces) that only a request fills:
+// those the global replacer does not know.
+func requestPlaceholderKeys(v string) []string {
+	global := caddy.NewReplacer()
+	var keys []string
+	for i := 0; i < len(v); i++ {
+		if v[i] != '{' || (i > 0 && v[i-1] == '\\') {
+			continue
+		}
+		end := strings.IndexByte(v[i+1:], '}')
+		if end <= 0 {
+			break
+		}
+		key := v[i+1 : i+1+end]
+		if _, known := global.Get(key); !known {
+			keys = append(keys, key)
+		}
+		i += end + 1
+	}
+	return keys
+}
+
+// graceKeyed reports whether a request placeholder is part of what price_grace remembers a 402's offers by (see
+// gate.Config.PriceGrace): the request's method and URL, as sent and as rewritten.
+func graceKeyed(key string) bool {
+	switch key {
+	case "http.request.method", "http.request.orig_method", "http.request.scheme", "http.request.host",
+		"http.request.hostport", "http.request.port", "http.request.uri", "http.request.orig_uri":
+		return true
+	}
+	for _, prefix := range [...]string{"http.request.uri.", "http.request.orig_uri.", "http.request.host.labels."} {
+		if strings.HasPrefix(key, prefix) {
+			return true
+		}
+	}
+	return false
+}
+
+// graceProblem says why the gate's price_grace cannot be taken, nil when it can (or there is none): price_grace
+// remembers what a 402 offered by the request's method and URL, so a term set from anything else would make the
+// offer one request got payable by every request of that URL.
+func (g *Gate) graceProblem() error {
+	if g.PriceGrace <= 0 {
+		return nil
+	}
+	for i := 0; i <= len(g.Accepts); i++ {
+		for _, opt := range termOptions {
+			v := *termValue(g.way(i), opt)
+			for _, key := range requestPlaceholderKeys(v) {
+				if graceKeyed(key) {
+					continue
+				}
+				name := opt
+				if i > 0 {
+					name = fmt.Sprintf("accept block %d's %s", i, opt)
+				}
+				return fmt.Errorf("price_grace %s cannot be used with %s %s: price_grace remembers a 402's offers by the request's "+
+					"method and URL only, and {%s} is neither (a header, a user, the client's address, a map or vars output), so the "+
+					"offer one request got would be payable by every request of that URL; set %s from the method and URL only "+
+					"({http.request.uri.*}, {http.request.host}, {http.request.method}), give each price a route of its own, or leave "+
+					"price_grace out", time.Duration(g.PriceGrace), name, v, key, opt)
+			}
+		}
+	}
+	return nil
+}
+
 // way returns way i of g: its own fields for 0, accept block i else.
 func (g *Gate) way(i int) *GateAccept {
 	if i == 0 {
@@ -112,6 +180,9 @@ func (g *Gate) withTerms(fields []termField, values []string) *Gate {
 // their place for the checks), and the offers returned then leave their amounts and recipients empty: they name
 // the networks only.
 func (g *Gate) provisionOffers(app *App, repl *caddy.Replacer) ([]gate.Offer, error) {
+	if err := g.graceProblem(); err != nil {
+		return nil, err
+	}
 	var fields []termField
 	for i := 0; i <= len(g.Accepts); i++ {
 		for _, opt := range termOptions {
@@ -247,7 +318,7 @@ func (g *Gate) takeOfferMemory() error {
 		return nil
 	}
 	val, _, err := offerMemories.LoadOrNew(offerMemoryKey, func() (caddy.Destructor, error) {
-		return offerMemory{gate.NewOfferMemory(gate.DefaultOfferMemoryLimit)}, nil
+		return offerMemory{gate.NewOfferMemory(gate.DefaultOfferMemoryBytes)}, nil
 	})
 	if err != nil {
 		return err

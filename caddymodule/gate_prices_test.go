@@ -130,8 +130,7 @@ func refusedForValue(t *testing.T, a gateAnswer, what string) {
 }
 
 func TestAMapFromPathToPriceOffersEachPathItsPriceAndAPaymentBuysOnlyThePathItWasSignedFor(t *testing.T) {
-	// With a grace: it never carries a payment from one resource to another.
-	env, up := newPricesEnv(t, "{price}", "1m")
+	env, up := newPricesEnv(t, "{price}", "")
 	for path, want := range map[string]int64{"/cheap/report": cheapAmount, "/dear/report": dearAmount, "/other": defaultAmount} {
 		pr := env.offer(path)
 		if len(pr.Accepts) == 0 {

@@ -226,19 +226,16 @@ func TestAPreflightBehindRespondDoesNotGetThePaidBody(t *testing.T) {
 	}
 }
 
-// tunnelUpstream accepts one protocol upgrade per request, answers 101 and echoes lines; it notes the seller's
-// balance at the moment each upgrade request reached it.
+// tunnelUpstream accepts one protocol upgrade per request, answers 101 and echoes lines.
 type tunnelUpstream struct {
-	Addr        string
-	sellerAtHit atomic.Pointer[big.Int]
-	calls       atomic.Int64
+	Addr  string
+	calls atomic.Int64
 }
 
-func newTunnelUpstream(t *testing.T, balance func() *big.Int) *tunnelUpstream {
+func newTunnelUpstream(t *testing.T) *tunnelUpstream {
 	u := &tunnelUpstream{}
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		u.calls.Add(1)
-		u.sellerAtHit.Store(balance())
 		conn, rw, err := http.NewResponseController(w).Hijack()
 		if err != nil {
 			return
@@ -260,12 +257,15 @@ func newTunnelUpstream(t *testing.T, balance func() *big.Int) *tunnelUpstream {
 	return u
 }
 
-func TestATunnelIsPaidForBeforeTheUpstreamOpensIt(t *testing.T) {
+// A tunnel is served as it goes, for as long as it stays open: in every settle mode it is paid for before the
+// client gets its 101. (The upstream runs first, as settle after and async run it for any request: its answer
+// decides what is charged, and the gate holds the 101 until the payment settled.)
+func TestATunnelIsPaidForBeforeItOpens(t *testing.T) {
 	for _, mode := range []string{"after", "async"} {
 		t.Run(mode, func(t *testing.T) {
 			env := newStoppedGateEnv(t)
 			t.Cleanup(commitPending(t, env.c))
-			up := newTunnelUpstream(t, func() *big.Int { return env.c.TokenBalance(env.payTo) })
+			up := newTunnelUpstream(t)
 			env.srv = startCaddy(t, env.caddyfile(gateSetup{site: "reverse_proxy " + up.Addr, gate: "\t\tsettle " + mode + "\n"}))
 			payer := env.c.Payers[0]
 			env.approvePermit2(payer)
@@ -288,13 +288,16 @@ func TestATunnelIsPaidForBeforeTheUpstreamOpensIt(t *testing.T) {
 				body, _ := io.ReadAll(resp.Body)
 				t.Fatalf("upgrade = %d %q, want 101", resp.StatusCode, body)
 			}
+			at := env.c.TokenBalance(env.payTo)
+			if want := new(big.Int).Add(before.seller, big.NewInt(gatePrice)); at.Cmp(want) != 0 {
+				t.Fatalf("the seller held %v when the client got the 101, want %s: the tunnel must be paid for before it opens", at, want)
+			}
+			if pr := settleResponse(t, gateAnswer{status: resp.StatusCode, header: resp.Header}); !pr.Success || pr.Transaction == "" {
+				t.Errorf("the 101's PAYMENT-RESPONSE = %+v, want the settlement", pr)
+			}
 			fmt.Fprint(conn, "hello\n")
 			if line, err := br.ReadString('\n'); err != nil || line != "echo: hello\n" {
 				t.Fatalf("through the tunnel: %q, %v; want the echo", line, err)
-			}
-			at := up.sellerAtHit.Load()
-			if want := new(big.Int).Add(before.seller, big.NewInt(gatePrice)); at == nil || at.Cmp(want) != 0 {
-				t.Fatalf("the seller held %v when the upstream opened the tunnel, want %s: the tunnel must be paid for first", at, want)
 			}
 			conn.Close()
 			env.assertPaid(payer, before, 1)

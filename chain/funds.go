@@ -12,11 +12,19 @@ import (
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// funds is what each permit2 or eip3009 payer can still pay as this engine sees it: the token balance and the allowance to
-// Permit2, read from the chain at one block, less the payments this engine has taken on (settling, or served by
-// a gate that settles afterwards) that the chain did not show at that block. A payment whose settlement applies
-// the payer's gas-sponsoring permit is held like any other; the allowance it counts against is the one the
-// permit grants, since an EIP-2612 permit sets the allowance rather than adding to it.
+// funds is what each payer can still pay as this engine sees it: the token balance and the allowance to Permit2,
+// read from the chain at one block, less the payments this engine has taken on (settling, or served by a gate
+// that settles afterwards) that the chain did not show at that block. Every transfer method is counted and held
+// the same way (see payment.fundsLimit): all of them spend the balance, and a permit2 payment spends the Permit2
+// allowance too. A payment whose settlement applies the payer's gas-sponsoring permit is held like any other;
+// the allowance it counts against is the one the permit grants, since an EIP-2612 permit sets the allowance
+// rather than adding to it.
+//
+// A hold lasts as long as someone still means to settle its payment: until its settlement is seen mined, is
+// refused for good (or reverts), or its deadline passes. A hold taken for a payment a gate served before
+// settling it (served) outlives a settlement attempt that failed for now (a node that could not be reached, a
+// busy wallet pool): the gate tries again, and the payer's funds are spent meanwhile. Only the gate's Release
+// lets it go earlier, when the gate will not settle it after all.
 //
 // It serves two purposes. Payments held against a payer are counted before anything is sent, so a payer whose
 // balance covers three payments is not sent a fourth settlement that would revert and burn gas while the first
@@ -64,7 +72,8 @@ type hold struct {
 	amount      *big.Int
 	deadline    uint64   // chain time after which the payment can no longer be mined
 	mined       uint64   // block its settlement was mined in; 0 until known
-	permitNonce *big.Int // the token nonce of the sponsor permit its settlement applies; nil when it applies none
+	permitNonce *big.Int // the token nonce of the EIP-2612 permit its settlement applies; nil when it applies none
+	served      bool     // taken for a payment served before it settles (see funds)
 }
 
 // fundsSweepAt is the number of payers tracked past which idle entries are dropped.
@@ -76,12 +85,10 @@ func newFunds(ttl time.Duration, now func() time.Time) *funds {
 
 // cover reports whether the payer's funds cover p beside every other payment held against them: from r, a read
 // just made, or from the last read when r is nil and that read is fresh (known is false when there is none).
-// With take, a covered payment is held until its settlement is seen mined (mined), fails (drop), or its
-// deadline passes. A payment already held is covered by its own hold. p.sponsor says whether p's settlement
-// applies a sponsor permit: the allowance that counts is then the permit's value, less what is held, for the
-// permit replaces the allowance that other held payments may be relying on. avail is what the payer can still
-// pay beside the holds.
-func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, take bool) (ok, known bool, avail *big.Int) {
+// Unless use is fundsVerify, a covered payment is held until its settlement is seen mined (mined), is let go
+// (drop), or its deadline passes; with fundsHold, as a served payment's. A payment already held is covered by its
+// own hold. avail is what the payer can still pay beside the holds (see payment.fundsLimit).
+func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, use fundsUse) (ok, known bool, avail *big.Int) {
 	key := fundsKey{p.asset.Address, p.payer}
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
@@ -92,28 +99,50 @@ func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, take bool) (o
 	if r != nil && r.block == pf.read.block {
 		pf.settle(chainTime, fs.byID)
 	}
-	if _, held := pf.holds[p.id]; held {
+	if h, held := pf.holds[p.id]; held {
+		h.served = h.served || use == fundsHold
 		return true, true, nil
 	}
-	allowance := pf.read.allowance
-	switch {
-	case p.method != x402.TransferPermit2:
-		allowance = pf.read.balance // an eip3009 transfer needs no allowance: only the balance bounds it
-	case p.sponsor != nil:
-		allowance = p.sponsor.permit.Value
-	}
-	balance := new(big.Int).Sub(pf.read.balance, pf.held)
-	avail = new(big.Int).Sub(allowance, pf.held)
-	if balance.Cmp(avail) < 0 {
-		avail = balance
-	}
+	avail = new(big.Int).Sub(p.fundsLimit(pf.read), pf.held)
 	if avail.Cmp(p.amount) < 0 {
 		return false, true, avail
 	}
-	if take {
-		fs.hold(pf, key, p)
+	if use != fundsVerify {
+		fs.hold(pf, key, p, use == fundsHold)
 	}
 	return true, true, avail
+}
+
+// fundsLimit is what p's settlement can move at most as r shows the payer's funds, before any hold: the balance
+// for every transfer method, and for permit2 the Permit2 allowance too (the one a gas-sponsoring permit sets,
+// when the settlement applies one). Holds count against the whole of it, whatever their method: the limit errs
+// on refusing a payer whose Permit2 allowance is low while other kinds of payment are held, never on sending a
+// settlement that would revert.
+func (p *payment) fundsLimit(r fundsRead) *big.Int {
+	limit := r.balance
+	if p.method == x402.TransferPermit2 {
+		allowance := r.allowance
+		if p.sponsor != nil {
+			allowance = p.sponsor.permit.Value
+		}
+		if allowance.Cmp(limit) < 0 {
+			limit = allowance
+		}
+	}
+	return limit
+}
+
+// permitNonce is the token nonce of the EIP-2612 permit p's settlement applies: an erc2612 payment's own permit
+// (unless it mined already), or a permit2 payment's gas-sponsoring permit. nil when it applies none. The token
+// takes each nonce once, so two payments held with the same one cannot both settle.
+func (p *payment) permitNonce() *big.Int {
+	switch {
+	case p.method == x402.TransferERC2612 && !p.permitApplied:
+		return p.permit.Nonce
+	case p.sponsor != nil && p.sponsor.err == nil:
+		return p.sponsor.permit.Nonce
+	}
+	return nil
 }
 
 // readLocked takes in r, a read just made (when it is not older than the one kept), and returns the payer's entry
@@ -133,10 +162,12 @@ func (fs *funds) readLocked(key fundsKey, r *fundsRead) *payerFunds {
 	return pf
 }
 
-// permitHeld reports whether another payment held against p's payer applies a sponsor permit with the token nonce
-// of p's: that permit can be applied once, and the first settlement to land spends it.
+// permitHeld reports whether another payment held against p's payer applies an EIP-2612 permit with the token
+// nonce of the one p's settlement applies: that nonce can be spent once, and the first settlement to land spends
+// it.
 func (fs *funds) permitHeld(p *payment) bool {
-	if p.sponsor == nil {
+	nonce := p.permitNonce()
+	if nonce == nil {
 		return false
 	}
 	fs.mu.Lock()
@@ -146,7 +177,7 @@ func (fs *funds) permitHeld(p *payment) bool {
 		return false
 	}
 	for id, h := range pf.holds {
-		if id != p.id && h.permitNonce != nil && h.permitNonce.Cmp(p.sponsor.permit.Nonce) == 0 {
+		if id != p.id && h.permitNonce != nil && h.permitNonce.Cmp(nonce) == 0 {
 			return true
 		}
 	}
@@ -156,8 +187,9 @@ func (fs *funds) permitHeld(p *payment) bool {
 // simulationSuffices reports whether the simulation of p's settlement, which just succeeded, answers for the
 // payer's funds alone: nothing else is held against the payer, and the payer paid nothing within the TTL (a read
 // of a one-off payer's funds would cost three chain calls and never answer for a later payment). p is then held
-// (with take) without a read. A repeat payer is worth the read, which answers the payer's next payments.
-func (fs *funds) simulationSuffices(p *payment, take bool) bool {
+// (unless use is fundsVerify) without a read. A repeat payer is worth the read, which answers the payer's next
+// payments.
+func (fs *funds) simulationSuffices(p *payment, use fundsUse) bool {
 	if fs.shared != nil {
 		return false // whether other processes hold anything against the payer, only a read and the journal say
 	}
@@ -175,8 +207,8 @@ func (fs *funds) simulationSuffices(p *payment, take bool) bool {
 	if others > 0 || repeat {
 		return false
 	}
-	if take {
-		fs.hold(pf, key, p)
+	if use != fundsVerify {
+		fs.hold(pf, key, p, use == fundsHold)
 	}
 	return true
 }
@@ -195,15 +227,13 @@ func (fs *funds) payer(key fundsKey) *payerFunds {
 	return pf
 }
 
-// hold holds p against pf. Called with mu held.
-func (fs *funds) hold(pf *payerFunds, key fundsKey, p *payment) {
-	if _, held := pf.holds[p.id]; held {
+// hold holds p against pf; served marks it as a served payment's (see funds). Called with mu held.
+func (fs *funds) hold(pf *payerFunds, key fundsKey, p *payment, served bool) {
+	if h, held := pf.holds[p.id]; held {
+		h.served = h.served || served
 		return
 	}
-	h := &hold{amount: new(big.Int).Set(p.amount), deadline: deadlineUint(p)}
-	if p.sponsor != nil {
-		h.permitNonce = p.sponsor.permit.Nonce
-	}
+	h := &hold{amount: new(big.Int).Set(p.amount), deadline: deadlineUint(p), permitNonce: p.permitNonce(), served: served}
 	pf.holds[p.id] = h
 	pf.held.Add(pf.held, p.amount)
 	fs.byID[p.id] = key
@@ -264,13 +294,29 @@ func (fs *funds) mined(id journal.ID, block uint64) {
 	}
 }
 
-// drop lets go of a hold whose payment will not move tokens (refused, not sent, or reverted).
-func (fs *funds) drop(id journal.ID) {
+// drop lets go of a hold whose payment will not move tokens (refused for good, reverted, or not to be settled);
+// with unlessServed, a served payment's hold stays (see funds).
+func (fs *funds) drop(id journal.ID, unlessServed bool) {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	if key, ok := fs.byID[id]; ok {
-		fs.payers[key].remove(id, fs.byID)
+		pf := fs.payers[key]
+		if h := pf.holds[id]; h != nil && h.served && unlessServed {
+			return
+		}
+		pf.remove(id, fs.byID)
 	}
+}
+
+// holdServed holds p, a payment a gate served before settling it, without checking the payer's funds: it was
+// checked when it was served, and until it settles it is what the payer owes, whatever the funds are now (a
+// settlement they no longer cover is refused, and lets the hold go). Only for holds of this process's own:
+// shared holds live in the journal.
+func (fs *funds) holdServed(p *payment) {
+	key := fundsKey{p.asset.Address, p.payer}
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	fs.hold(fs.payer(key), key, p, true)
 }
 
 // sweep drops payers with nothing held whose read is stale. Called with mu held.
@@ -292,10 +338,10 @@ func (fs *funds) holdKey(p *payment) string {
 }
 
 // check is cover for every kind of journal: with shared holds, the journal answers what the other payments of
-// the payer hold (and holds p, with take); an error says the journal could not be asked.
-func (fs *funds) check(ctx context.Context, p *payment, chainTime uint64, r *fundsRead, take bool) (ok, known bool, avail *big.Int, err error) {
+// the payer hold (and holds p, unless use is fundsVerify); an error says the journal could not be asked.
+func (fs *funds) check(ctx context.Context, p *payment, chainTime uint64, r *fundsRead, use fundsUse) (ok, known bool, avail *big.Int, err error) {
 	if fs.shared == nil {
-		ok, known, avail = fs.cover(p, chainTime, r, take)
+		ok, known, avail = fs.cover(p, chainTime, r, use)
 		return ok, known, avail, nil
 	}
 	fs.mu.Lock()
@@ -306,21 +352,8 @@ func (fs *funds) check(ctx context.Context, p *payment, chainTime uint64, r *fun
 	}
 	read := pf.read
 	fs.mu.Unlock()
-	limit := read.allowance
-	switch {
-	case p.method != x402.TransferPermit2:
-		limit = read.balance
-	case p.sponsor != nil:
-		limit = p.sponsor.permit.Value
-	}
-	if read.balance.Cmp(limit) < 0 {
-		limit = read.balance
-	}
-	h := journal.Hold{ID: p.id, Key: fs.holdKey(p), Amount: p.amount, Deadline: deadlineUint(p)}
-	if p.sponsor != nil {
-		h.PermitNonce = p.sponsor.permit.Nonce
-	}
-	ok, avail, err = fs.shared.Hold(ctx, h, limit, read.block, chainTime, take)
+	h := journal.Hold{ID: p.id, Key: fs.holdKey(p), Amount: p.amount, Deadline: deadlineUint(p), PermitNonce: p.permitNonce(), Served: use == fundsHold}
+	ok, avail, err = fs.shared.Hold(ctx, h, p.fundsLimit(read), read.block, chainTime, use != fundsVerify)
 	return ok, true, avail, err
 }
 
@@ -335,7 +368,8 @@ func deadlineUint(p *payment) uint64 {
 
 // permitInUse is permitHeld for every kind of journal.
 func (fs *funds) permitInUse(ctx context.Context, p *payment) (bool, error) {
-	if fs.shared == nil || p.sponsor == nil {
+	nonce := p.permitNonce()
+	if fs.shared == nil || nonce == nil {
 		return fs.permitHeld(p), nil
 	}
 	holds, err := fs.shared.HoldsOf(ctx, fs.holdKey(p))
@@ -343,7 +377,7 @@ func (fs *funds) permitInUse(ctx context.Context, p *payment) (bool, error) {
 		return false, err
 	}
 	for _, h := range holds {
-		if h.ID != p.id && h.PermitNonce != nil && h.PermitNonce.Cmp(p.sponsor.permit.Nonce) == 0 {
+		if h.ID != p.id && h.PermitNonce != nil && h.PermitNonce.Cmp(nonce) == 0 {
 			return true, nil
 		}
 	}
@@ -362,13 +396,20 @@ func (fs *funds) sawMined(id journal.ID, block uint64) {
 	_ = fs.shared.HoldMined(ctx, id, block)
 }
 
-// let is drop for every kind of journal.
-func (fs *funds) let(id journal.ID) {
+// let is drop for every kind of journal: the payment will not move tokens.
+func (fs *funds) let(id journal.ID) { fs.unhold(id, false) }
+
+// failedForNow lets go of the hold of a payment whose settlement sent nothing and will be tried again, unless it
+// is a served payment's (see funds).
+func (fs *funds) failedForNow(id journal.ID) { fs.unhold(id, true) }
+
+func (fs *funds) unhold(id journal.ID, unlessServed bool) {
 	if fs.shared == nil {
-		fs.drop(id)
+		fs.drop(id, unlessServed)
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), sharedHoldTimeout)
 	defer cancel()
-	_ = fs.shared.Unhold(ctx, id)
+	// A failure leaves the hold counted until its deadline: it errs on refusing, never on serving unpaid.
+	_ = fs.shared.Unhold(ctx, id, unlessServed)
 }

@@ -36,7 +36,7 @@ func TestFundsCountHoldsUntilTheChainShowsThem(t *testing.T) {
 	type step func(fs *funds)
 	take := func(i int, deadline uint64, r *fundsRead) step {
 		return func(fs *funds) {
-			if ok, _, _ := fs.cover(fundsPayment(i, 10, deadline), chainTime, r, true); !ok {
+			if ok, _, _ := fs.cover(fundsPayment(i, 10, deadline), chainTime, r, fundsSettle); !ok {
 				t.Fatalf("holding payment %d was refused", i)
 			}
 		}
@@ -51,19 +51,19 @@ func TestFundsCountHoldsUntilTheChainShowsThem(t *testing.T) {
 		{"a read of 30 covers 10", []step{take(1, 900, read(5, 30))}, true, true},
 		{"three holds of 10 use up 30", []step{take(1, 900, read(5, 30)), take(2, 900, nil), take(3, 900, nil)}, false, true},
 		{"a dropped hold frees its amount", []step{take(1, 900, read(5, 30)), take(2, 900, nil), take(3, 900, nil),
-			func(fs *funds) { fs.drop(fundsID(2)) }}, true, true},
+			func(fs *funds) { fs.drop(fundsID(2), false) }}, true, true},
 		{"a hold mined at block 6 still counts against a read of block 5", []step{take(1, 900, read(5, 20)), take(2, 900, nil),
 			func(fs *funds) { fs.mined(fundsID(1), 6) }}, false, true},
 		{"a read of block 6 reflects it: the hold ends", []step{take(1, 900, read(5, 20)), take(2, 900, nil),
 			func(fs *funds) { fs.mined(fundsID(1), 6) },
-			func(fs *funds) { fs.cover(fundsPayment(9, 10, 900), chainTime, read(6, 10), false) }}, false, true},
+			func(fs *funds) { fs.cover(fundsPayment(9, 10, 900), chainTime, read(6, 10), fundsVerify) }}, false, true},
 		{"after that read, one more payment fits a top-up", []step{take(1, 900, read(5, 20)), take(2, 900, nil),
 			func(fs *funds) { fs.mined(fundsID(1), 6) },
-			func(fs *funds) { fs.cover(fundsPayment(9, 10, 900), chainTime, read(6, 20), false) }}, true, true},
+			func(fs *funds) { fs.cover(fundsPayment(9, 10, 900), chainTime, read(6, 20), fundsVerify) }}, true, true},
 		{"a hold past its deadline, never mined, ends at the next read", []step{take(1, 400, read(5, 20)), take(2, 900, nil),
-			func(fs *funds) { fs.cover(fundsPayment(9, 10, 900), chainTime, read(7, 20), false) }}, true, true},
+			func(fs *funds) { fs.cover(fundsPayment(9, 10, 900), chainTime, read(7, 20), fundsVerify) }}, true, true},
 		{"an older read does not replace a newer one", []step{take(1, 900, read(8, 10)),
-			func(fs *funds) { fs.cover(fundsPayment(9, 10, 900), chainTime, read(7, 1000), false) }}, false, true},
+			func(fs *funds) { fs.cover(fundsPayment(9, 10, 900), chainTime, read(7, 1000), fundsVerify) }}, false, true},
 		{"a read older than the TTL answers nothing", []step{take(1, 900, read(5, 100)),
 			func(*funds) { now = now.Add(3 * time.Second) }}, false, false},
 	} {
@@ -73,7 +73,7 @@ func TestFundsCountHoldsUntilTheChainShowsThem(t *testing.T) {
 			for _, s := range tc.steps {
 				s(fs)
 			}
-			ok, known, _ := fs.cover(fundsPayment(100, 10, 900), chainTime, nil, false)
+			ok, known, _ := fs.cover(fundsPayment(100, 10, 900), chainTime, nil, fundsVerify)
 			if ok != tc.want || known != tc.wantKnown {
 				t.Errorf("covered %v (known %v), want %v (known %v)", ok, known, tc.want, tc.wantKnown)
 			}
@@ -86,13 +86,13 @@ func TestFundsCountHoldsUntilTheChainShowsThem(t *testing.T) {
 func TestFundsAPaymentIsCoveredByItsOwnHold(t *testing.T) {
 	fs := newFunds(2*time.Second, time.Now)
 	p := fundsPayment(1, 10, 900)
-	if ok, _, _ := fs.cover(p, 500, &fundsRead{block: 1, balance: big.NewInt(10), allowance: big.NewInt(10)}, true); !ok {
+	if ok, _, _ := fs.cover(p, 500, &fundsRead{block: 1, balance: big.NewInt(10), allowance: big.NewInt(10)}, fundsSettle); !ok {
 		t.Fatal("holding the payment was refused")
 	}
-	if ok, _, _ := fs.cover(p, 500, nil, true); !ok {
+	if ok, _, _ := fs.cover(p, 500, nil, fundsSettle); !ok {
 		t.Error("the held payment is not covered by its own hold")
 	}
-	if ok, _, _ := fs.cover(fundsPayment(2, 10, 900), 500, nil, true); ok {
+	if ok, _, _ := fs.cover(fundsPayment(2, 10, 900), 500, nil, fundsSettle); ok {
 		t.Error("another payment was covered by funds already held")
 	}
 }
@@ -102,11 +102,11 @@ func TestFundsForgetIdlePayersButNotHolds(t *testing.T) {
 	now := time.Unix(1_000_000, 0)
 	fs := newFunds(time.Second, func() time.Time { return now })
 	held := fundsPayment(0, 10, 900)
-	fs.cover(held, 500, &fundsRead{block: 1, balance: big.NewInt(100), allowance: big.NewInt(100)}, true)
+	fs.cover(held, 500, &fundsRead{block: 1, balance: big.NewInt(100), allowance: big.NewInt(100)}, fundsSettle)
 	for i := 1; i < fundsSweepAt+10; i++ {
 		p := fundsPayment(i, 10, 900)
 		p.payer = common.BigToAddress(big.NewInt(int64(1000 + i)))
-		fs.cover(p, 500, &fundsRead{block: 1, balance: big.NewInt(100), allowance: big.NewInt(100)}, false)
+		fs.cover(p, 500, &fundsRead{block: 1, balance: big.NewInt(100), allowance: big.NewInt(100)}, fundsVerify)
 		if i == fundsSweepAt/2 {
 			now = now.Add(2 * time.Second)
 		}
@@ -137,16 +137,20 @@ func TestFundsSimulationSufficesForOneOffPayers(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			fs := newFunds(tc.ttl, func() time.Time { return now })
 			for i, take := range tc.steps {
-				if got := fs.simulationSuffices(fundsPayment(i, 10, 900), take); got != tc.want[i] {
+				use := fundsVerify
+				if take {
+					use = fundsSettle
+				}
+				if got := fs.simulationSuffices(fundsPayment(i, 10, 900), use); got != tc.want[i] {
 					t.Errorf("payment %d: simulation suffices = %v, want %v", i, got, tc.want[i])
 				}
 			}
 		})
 	}
 	fs := newFunds(2*time.Second, func() time.Time { return now })
-	fs.simulationSuffices(fundsPayment(1, 10, 900), false)
+	fs.simulationSuffices(fundsPayment(1, 10, 900), fundsVerify)
 	now = now.Add(3 * time.Second)
-	if !fs.simulationSuffices(fundsPayment(2, 10, 900), false) {
+	if !fs.simulationSuffices(fundsPayment(2, 10, 900), fundsVerify) {
 		t.Error("a payer seen longer ago than the TTL counted as a repeat payer")
 	}
 }
@@ -157,19 +161,19 @@ func TestAnUptoHoldShrunkToItsSettledAmountFreesTheRestAtOnce(t *testing.T) {
 	r := &fundsRead{block: 5, balance: big.NewInt(30), allowance: big.NewInt(1 << 40)}
 	upto := fundsPayment(1, 25, 900)
 	upto.scheme = x402.SchemeUpto
-	if ok, _, _ := fs.cover(upto, 500, r, true); !ok {
+	if ok, _, _ := fs.cover(upto, 500, r, fundsSettle); !ok {
 		t.Fatal("holding the upto payment at its maximum of 25 was refused")
 	}
-	if ok, _, _ := fs.cover(fundsPayment(2, 10, 900), 500, nil, false); ok {
+	if ok, _, _ := fs.cover(fundsPayment(2, 10, 900), 500, nil, fundsVerify); ok {
 		t.Fatal("a payment of 10 beside a hold of 25 out of 30 was covered")
 	}
 	settling := fundsPayment(1, 4, 900) // the same payment, settled for 4
 	fs.shrink(settling)
-	if ok, _, avail := fs.cover(fundsPayment(2, 10, 900), 500, nil, false); !ok || avail.Int64() != 26 {
+	if ok, _, avail := fs.cover(fundsPayment(2, 10, 900), 500, nil, fundsVerify); !ok || avail.Int64() != 26 {
 		t.Fatalf("after the hold shrank to 4, a payment of 10 is covered %v with %v left, want true with 26", ok, avail)
 	}
 	fs.shrink(fundsPayment(1, 20, 900)) // never grows
-	if _, _, avail := fs.cover(fundsPayment(2, 10, 900), 500, nil, false); avail.Int64() != 26 {
+	if _, _, avail := fs.cover(fundsPayment(2, 10, 900), 500, nil, fundsVerify); avail.Int64() != 26 {
 		t.Fatalf("shrinking to more than the hold changed it: %v left, want 26", avail)
 	}
 	fs.shrink(fundsPayment(3, 1, 900)) // not held: nothing happens

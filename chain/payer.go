@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"math/big"
 	"strings"
 	"time"
@@ -513,6 +514,10 @@ func parseTerms(req x402.PaymentRequirements, chainID *big.Int, now time.Time, v
 	if t.deadline = deadline; t.deadline == nil {
 		if req.MaxTimeoutSeconds <= 0 {
 			return t, fmt.Errorf("requirements.maxTimeoutSeconds: expected a positive number to derive the deadline from, got %d; or set Deadline", req.MaxTimeoutSeconds)
+		}
+		if unix := now.Unix(); unix < 0 || req.MaxTimeoutSeconds > math.MaxInt64-unix {
+			// Added as it is, it would wrap and be signed as a uint256 near 2^256: a payment valid forever.
+			return t, fmt.Errorf("requirements.maxTimeoutSeconds: %d seconds after the signing time does not fit a 64-bit clock: a payment that would never expire; not signed", req.MaxTimeoutSeconds)
 		}
 		t.deadline = big.NewInt(now.Unix() + req.MaxTimeoutSeconds)
 	} else if err := checkUint256("deadline", t.deadline); err != nil {

@@ -217,6 +217,35 @@ func TestSignPermit2PaymentRefusesUnusableRequirements(t *testing.T) {
 	}
 }
 
+func TestSigningRefusesAMaxTimeoutWhoseDeadlineWrapsAroundInsteadOfSigningOneValidForever(t *testing.T) {
+	// A hostile 402 asks for math.MaxInt64 seconds: now + that wraps below zero in int64, and signed as it wrapped
+	// the deadline would be a uint256 near 2^256, a permit valid forever.
+	for _, method := range []string{x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612} {
+		t.Run(method, func(t *testing.T) {
+			req := testRequirements()
+			req.Extra.AssetTransferMethod = method
+			req.Extra.Spender = testWallet.Hex()
+			req.MaxTimeoutSeconds = 9223372036854775807
+			var (
+				p   x402.PaymentPayload
+				err error
+			)
+			switch method {
+			case x402.TransferPermit2:
+				p, err = SignPermit2Payment(testKey(t), req, testChainID, Permit2Options{Now: testNow})
+			case x402.TransferEIP3009:
+				p, err = SignEIP3009Payment(testKey(t), req, testChainID, EIP3009Options{Now: testNow})
+			case x402.TransferERC2612:
+				p, err = SignERC2612Payment(testKey(t), req, testChainID, ERC2612Options{Now: testNow, TokenNonce: big.NewInt(0)})
+			}
+			if err == nil || !strings.Contains(err.Error(), "requirements.maxTimeoutSeconds") || !strings.Contains(err.Error(), "never expire") {
+				raw, _ := json.Marshal(p.Payload)
+				t.Fatalf("signing with maxTimeoutSeconds 2^63-1: %v; want a refusal naming requirements.maxTimeoutSeconds; signed %s", err, raw)
+			}
+		})
+	}
+}
+
 func erc2612Requirements() x402.PaymentRequirements {
 	req := testRequirements()
 	req.Extra.AssetTransferMethod = x402.TransferERC2612

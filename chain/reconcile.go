@@ -286,6 +286,9 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 			r.State, r.Response = journal.StateFinal, &resp
 			return nil
 		})
+		if err == nil {
+			n.funds.let(rec.ID) // refused for good: it will not move tokens
+		}
 		return err
 	}
 	f.log.Info("settled again a payment whose transaction was dropped", zap.String("payment", rec.ID.String()), zap.String("old_tx", rec.TxHash), zap.String("tx", hash.Hex()))

@@ -156,7 +156,13 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 		resp, keep, err = f.broadcastAndWait(ctx, p)
 	}
 	if !keep {
-		p.net.funds.let(p.id)
+		if refusedForGood(resp, err) {
+			p.net.funds.let(p.id)
+		} else {
+			// Tried again later (a gate that served the payment before settling it means to): a served
+			// payment's hold stays, and the payer's funds stay spent meanwhile.
+			p.net.funds.failedForNow(p.id)
+		}
 		// Nothing left the process: the payer may try again (after topping up, say). A claim that is not this
 		// settlement's any more stays: another instance took it over while this one looked dead, and may have
 		// settled the payment (which a refusal here, "nonce already used", would deny). The journal's record of
@@ -172,6 +178,15 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 		}
 	}
 	return resp, err
+}
+
+// refusedForGood reports whether a settlement that sent nothing was refused in a way a later attempt would be
+// too: the payment will not move tokens. A busy wallet pool (no_available_wallets), a transaction the node would
+// not take (unexpected_settle_error), a chain or journal that could not be asked (an error) are not: a gate
+// that served the payment tries again (see gate's Ledger.settleAttempt).
+func refusedForGood(resp x402.SettleResponse, err error) bool {
+	return err == nil && !resp.Success && !resp.Pending() &&
+		resp.ErrorReason != x402.ReasonNoAvailableWallets && resp.ErrorReason != x402.ReasonUnexpectedSettleError
 }
 
 // answerAfterLostClaim answers a settlement whose claim was taken over before it sent anything (lost, which
@@ -356,10 +371,12 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 			// Taken over by another instance, which released the claim or claimed the payment again: this
 			// settlement sent nothing, and must not release what is now another's.
 			return common.Hash{}, nil, lost
-		} else if errors.Is(err, journal.ErrUnavailable) || errors.Is(err, journal.ErrFenced) {
-			// The journal's database could not be reached to record the transaction, or the wallet's lease was
-			// lost: nothing was sent, and nothing is wrong with the payment. An error, not a refusal: the payer is told to present it again, not that
-			// it failed (a gate would answer 402 and the payer sign another).
+		} else if errors.Is(err, journal.ErrUnavailable) || errors.Is(err, journal.ErrFenced) || errors.Is(err, errNodeNotAsked) {
+			// The journal's database could not be reached to record the transaction, the wallet's lease was lost,
+			// or the node could not be asked for the transaction's fee or nonce: nothing was sent, and nothing is
+			// wrong with the payment. An error, not a refusal: the payer is told to present it again, not that it
+			// failed (a gate would answer 402 and the payer sign another), and a gate that served it settles it
+			// when the node answers, however long that takes, not only as often as it retries a refusal.
 			return common.Hash{}, nil, fmt.Errorf("nothing was sent: %w", err)
 		}
 		return common.Hash{}, nil, fmt.Errorf("%w: %v", errNotSent, err)

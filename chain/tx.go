@@ -109,6 +109,11 @@ func (s *sender) sign(w *wallet, nonce uint64, c contractCall, q *feeQuote) (*ty
 	return types.SignNewTx(w.key, s.signer, inner)
 }
 
+// errNodeNotAsked marks a send that stopped before it signed anything because the node could not be asked what a
+// transaction needs (its fee, the wallet's nonce): nothing is wrong with the payment, and a later attempt sends
+// it once the node answers.
+var errNodeNotAsked = errors.New("the node could not be asked for what the settlement transaction needs")
+
 // errBroadcastUnknown marks a send whose transactions were signed and recorded but whose delivery to a node is
 // unknown: they may be in a mempool. They keep their nonces and are re-broadcast as they are, never re-signed.
 var errBroadcastUnknown = errors.New("the node could not be reached while broadcasting; the transaction may have been sent")
@@ -122,13 +127,13 @@ func (s *sender) send(ctx context.Context, w *wallet, calls []contractCall, reco
 	defer w.mu.Unlock()
 	q, err := s.feeQuote(ctx)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("%w: %w", errNodeNotAsked, err)
 	}
 	for attempt := 0; ; attempt++ {
 		if !w.synced {
 			n, err := s.backend.PendingNonceAt(ctx, w.Address)
 			if err != nil {
-				return nil, fmt.Errorf("pending nonce of %s: %w", w.Address.Hex(), err)
+				return nil, fmt.Errorf("%w: pending nonce of %s: %w", errNodeNotAsked, w.Address.Hex(), err)
 			}
 			w.nonce, w.synced = max(n, w.floor), true
 		}

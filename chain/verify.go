@@ -114,12 +114,10 @@ const (
 	fundsSettle                 // count, and hold the payment being sent
 )
 
-// tracksFunds reports whether the payment's funds are tracked: a permit2 or eip3009 payment, with chain time
-// known. A sponsor permit changes which allowance a payment counts against (see funds.cover), never whether it
-// is held: otherwise attaching one would let a payer skip the holds.
-func (p *payment) tracksFunds() bool {
-	return (p.method == x402.TransferPermit2 || p.method == x402.TransferEIP3009) && p.head != nil
-}
+// tracksFunds reports whether the payment's funds are tracked: whatever its transfer method, once chain time is
+// known. Neither the method nor a sponsor permit changes whether a payment is held, only what it counts against
+// (see payment.fundsLimit): otherwise choosing one would let a payer skip the holds.
+func (p *payment) tracksFunds() bool { return p.head != nil }
 
 // same reports whether q is the same payment as p: same signed message, same recipient, same amount. Two
 // payloads can share a journal id (payer and nonce) and still differ; only the same payment may share an answer.
@@ -166,11 +164,34 @@ func (f *Facilitator) VerifyAndHold(ctx context.Context, req x402.VerifyRequest)
 	return f.verify(ctx, req, fundsHold)
 }
 
-// Release lets go of the hold VerifyAndHold placed on a payment that is not going to be settled.
+// Release lets go of the hold VerifyAndHold placed on a payment that is not going to be settled: its upstream
+// failed, or its gate gave up settling it. req may name the amount to settle instead of an upto maximum.
 func (f *Facilitator) Release(req x402.VerifyRequest) {
-	if p, ref := f.parse(req, false); ref == nil {
+	if p, ref := f.parse(req, true); ref == nil {
 		p.net.funds.let(p.id)
 	}
+}
+
+// HoldServed holds a payment a gate served before settling it, and has not settled yet, against the payer's
+// funds, without verifying it again: for the payments a previous process served, which must count against their
+// payers from the start, before any new payment of theirs is verified. It asks nothing of the chain. A payment
+// whose settlement this engine's journal holds as final is not held (it settled, or was refused for good); one
+// that does not parse is left to its settlement, which reports it. req names the amount to settle (an upto
+// payment's charge), which is what is held.
+func (f *Facilitator) HoldServed(ctx context.Context, req x402.SettleRequest) error {
+	p, ref := f.parse(req, true)
+	if ref != nil || p.net.funds.shared != nil {
+		return nil // shared holds live in the journal: a served payment's outlives the process that took it
+	}
+	rec, known, err := f.journal.Get(ctx, p.id)
+	if err != nil {
+		return fmt.Errorf("holding a served payment: settlement journal: %w", err)
+	}
+	if known && rec.State == journal.StateFinal {
+		return nil
+	}
+	p.net.funds.holdServed(p)
+	return nil
 }
 
 func (f *Facilitator) verify(ctx context.Context, req x402.VerifyRequest, use fundsUse) (x402.VerifyResponse, error) {
@@ -220,7 +241,7 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 	// the payment, the permit is not applied (see checkChain). Whether the permit would apply, the chain says.
 	sponsor := p.sponsor
 	p.sponsor = nil
-	ok, _, _, err := p.net.funds.check(ctx, p, p.head.Time, nil, use == fundsHold)
+	ok, _, _, err := p.net.funds.check(ctx, p, p.head.Time, nil, use)
 	if err != nil {
 		ok = false // the full checks ask again, and report the journal's failure
 	}
@@ -730,12 +751,11 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 		return nil, nil
 	}
 	n := p.net
-	take := use != fundsVerify
-	if n.funds.simulationSuffices(p, take) {
+	if n.funds.simulationSuffices(p, use) {
 		return nil, nil
 	}
 	if use == fundsSettle && n.funds.ttl > 0 {
-		if ok, _, _, err := n.funds.check(ctx, p, p.head.Time, nil, take); err != nil {
+		if ok, _, _, err := n.funds.check(ctx, p, p.head.Time, nil, use); err != nil {
 			return nil, err
 		} else if ok {
 			return nil, nil
@@ -757,7 +777,7 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 	if err != nil {
 		return nil, err
 	}
-	ok, _, left, err := n.funds.check(ctx, p, head.Time, &fundsRead{block: block.Uint64(), balance: balance, allowance: allowance}, take)
+	ok, _, left, err := n.funds.check(ctx, p, head.Time, &fundsRead{block: block.Uint64(), balance: balance, allowance: allowance}, use)
 	if err != nil {
 		return nil, err
 	}
@@ -773,6 +793,9 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 		return p.permitInFlight(), nil
 	case p.method == x402.TransferEIP3009:
 		return refuse(x402.ReasonEIP3009InsufficientBalance, "payer %s has %s at block %s, but payments to this facilitator that are not settled yet hold part of it, leaving %s: below the required amount %s; wait for them to settle or top up",
+			p.payer.Hex(), balance, block, left, p.amount), nil
+	case p.method == x402.TransferERC2612:
+		return refuse(x402.ReasonInsufficientFunds, "payer %s has %s at block %s, but payments to this facilitator that are not settled yet hold part of it, leaving %s: below the required amount %s; wait for them to settle or top up",
 			p.payer.Hex(), balance, block, left, p.amount), nil
 	case p.sponsor != nil:
 		return refuse(x402.ReasonInsufficientFunds, "payer %s has %s at block %s and its gas-sponsoring permit sets the Permit2 allowance to %s, but payments to this facilitator that are not settled yet hold part of it, leaving %s: below the required amount %s; wait for them to settle, then sign again",
@@ -814,13 +837,18 @@ func (p *payment) readFunds(ctx context.Context, block *big.Int) (balance, allow
 	return new(big.Int).SetBytes(res[0].Return[:32]), new(big.Int).SetBytes(res[1].Return[:32]), nil
 }
 
-// permitInFlight refuses a payment whose gas-sponsoring permit another payment, held and not yet settled, will
-// spend. The reason is the one the chain gives the same permit once that settlement lands (its nonce is then
-// no longer the token's next), so the answer does not depend on the moment it is asked; insufficient_funds
-// would mislead a payer whose balance covers both payments.
+// permitInFlight refuses a payment whose EIP-2612 permit (an erc2612 payment's own, or a gas-sponsoring permit)
+// has the token nonce of one that another payment, held and not yet settled, will spend (an erc2612 payment, or
+// a permit2 payment with a gas-sponsoring permit). The reason is the one the chain gives the same permit once
+// that settlement lands (its nonce is then no longer the token's next), so the answer does not depend on the
+// moment it is asked; insufficient_funds would mislead a payer whose balance covers both payments.
 func (p *payment) permitInFlight() *refusal {
-	return refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "eip2612GasSponsoring.info.nonce %s of %s is the token nonce of the gas-sponsoring permit of another payment to this facilitator that is not settled yet, which spends it; wait for that payment to settle, then sign again with the token's next nonce (or approve Permit2)",
-		p.sponsor.permit.Nonce, p.payer.Hex())
+	const other = "the token nonce of the EIP-2612 permit of another payment to this facilitator that is not settled yet (an erc2612 payment, or a gas-sponsoring permit), which spends it; wait for that payment to settle, then sign again with the token's next nonce"
+	if p.method == x402.TransferERC2612 {
+		return refuse(x402.ReasonNonceAlreadyUsed, "permit nonce %s of %s is %s", p.permit.Nonce, p.payer.Hex(), other)
+	}
+	return refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "eip2612GasSponsoring.info.nonce %s of %s is %s (or approve Permit2)",
+		p.sponsor.permit.Nonce, p.payer.Hex(), other)
 }
 
 // simulate runs the payment's first settlement call as an eth_call from the wallet that would send it: a

@@ -116,7 +116,8 @@ func (c *Client) GoString() string { return fmt.Sprintf("facilitatorclient.Clien
 // BaseURL is the facilitator's base URL as the endpoint paths are appended to it.
 func (c *Client) BaseURL() string { return c.base }
 
-// Verify posts req to /verify. A refused payment is an answer with IsValid false, not an error.
+// Verify posts req to /verify. A refused payment is an answer with IsValid false, not an error; a valid answer
+// that names another payer than the payment's signer is an error (x402.ErrAnswerNotThisPayment).
 func (c *Client) Verify(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
 	body, err := json.Marshal(req)
 	if err != nil {
@@ -127,6 +128,9 @@ func (c *Client) Verify(ctx context.Context, req x402.VerifyRequest) (x402.Verif
 		return x402.VerifyResponse{}, c.transportFailure(ctx, opVerify, sent)
 	}
 	if resp, ok := decodeVerify(sent.last.status, sent.last.body); ok {
+		if problem := x402.VerifyProblem(req, resp); problem != "" {
+			return x402.VerifyResponse{}, notThisPayment(opVerify, sent.last.status, "the facilitator answered valid, but "+problem)
+		}
 		return resp, nil
 	}
 	return x402.VerifyResponse{}, c.statusFailure(opVerify, sent.last, "a VerifyResponse with isValid")
@@ -146,7 +150,8 @@ type SettleResult struct {
 }
 
 // Settle posts req to /settle; see SettleDetailed for when it is resent. A failed settlement is an answer
-// with Success false, not an error; after an error the payment may still have settled.
+// with Success false, not an error; a success that does not show this payment settled is an error
+// (x402.ErrAnswerNotThisPayment); after an error the payment may still have settled.
 func (c *Client) Settle(ctx context.Context, req x402.SettleRequest) (x402.SettleResponse, error) {
 	res, err := c.SettleDetailed(ctx, req)
 	return res.Response, err
@@ -171,10 +176,20 @@ func (c *Client) SettleDetailed(ctx context.Context, req x402.SettleRequest) (Se
 		return res, c.transportFailure(ctx, opSettle, sent)
 	}
 	if resp, ok := decodeSettle(sent.last.status, sent.last.body); ok {
+		if problem := x402.SettlementProblem(req, resp); resp.Success && problem != "" {
+			return res, notThisPayment(opSettle, sent.last.status, "the facilitator answered success, but "+problem+"; the outcome is unknown, and the payment may have settled")
+		}
 		res.Response = resp
 		return res, nil
 	}
 	return res, c.statusFailure(opSettle, sent.last, "a SettleResponse with success")
+}
+
+// notThisPayment is the error of an answer that does not show it is about the payment asked of (see
+// x402.ErrAnswerNotThisPayment): no answer, never a refusal, so that no caller tells a payer whose payment may
+// have settled to pay again, nor serves on the strength of another payment's success.
+func notThisPayment(op string, status int, problem string) error {
+	return &x402.FacilitatorError{Op: op, Kind: x402.FailureBadAnswer, Status: status, Err: fmt.Errorf("%w: %s", x402.ErrAnswerNotThisPayment, problem)}
 }
 
 // Health asks /health once, without retries: it is a probe, and its caller decides how often to ask.

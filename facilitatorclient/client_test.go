@@ -186,6 +186,10 @@ func TestVerifyFollowsTheStatusConventions(t *testing.T) {
 		{"200 without isValid is a bad answer", 200, `{"valid":true}`, x402.FailureBadAnswer},
 		{"200 with isValid of the wrong type is a bad answer", 200, `{"isValid":"yes"}`, x402.FailureBadAnswer},
 		{"200 longer than the cap is a bad answer", 200, `{"isValid":true,"payer":"` + strings.Repeat("a", 2048) + `"}`, x402.FailureBadAnswer},
+		{"200 valid naming another payer is a bad answer", 200, `{"isValid":true,"payer":"` + walletA + `"}`, x402.FailureBadAnswer},
+		{"200 valid naming no payer is the answer", 200, `{"isValid":true,"payer":""}`, ""},
+		{"200 valid naming the payer in another case is the answer", 200, `{"isValid":true,"payer":"` + strings.ToLower(payer) + `"}`, ""},
+		{"200 refusal naming another payer is the answer", 200, `{"isValid":false,"invalidReason":"invalid_permit2_signature","payer":"` + walletA + `"}`, ""},
 	}
 	for _, row := range rows {
 		t.Run(row.name, func(t *testing.T) {
@@ -221,6 +225,12 @@ func TestSettleFollowsTheStatusConventions(t *testing.T) {
 		{"200 that is not JSON is a bad answer", 200, `OK`, x402.FailureBadAnswer},
 		{"200 without success is a bad answer", 200, `{"transaction":"` + txHash + `"}`, x402.FailureBadAnswer},
 		{"200 longer than the cap is a bad answer", 200, `{"success":true,"transaction":"` + strings.Repeat("f", 2048) + `"}`, x402.FailureBadAnswer},
+		{"200 success naming another payer is a bad answer", 200, `{"success":true,"transaction":"` + txHash + `","network":"` + mainnet + `","payer":"` + walletA + `"}`, x402.FailureBadAnswer},
+		{"200 success on another network is a bad answer", 200, `{"success":true,"transaction":"` + txHash + `","network":"` + testnet + `","payer":"` + payer + `"}`, x402.FailureBadAnswer},
+		{"200 success for another amount is a bad answer", 200, `{"success":true,"transaction":"` + txHash + `","network":"` + mainnet + `","payer":"` + payer + `","amount":"10001"}`, x402.FailureBadAnswer},
+		{"200 success without a transaction is a bad answer", 200, `{"success":true,"transaction":"","network":"` + mainnet + `","payer":"` + payer + `"}`, x402.FailureBadAnswer},
+		{"200 success for the amount is the answer", 200, `{"success":true,"transaction":"` + txHash + `","network":"` + mainnet + `","payer":"` + payer + `","amount":"10000"}`, ""},
+		{"200 failure naming another payer is the answer", 200, `{"success":false,"errorReason":"insufficient_funds","transaction":"","network":"` + mainnet + `","payer":"` + walletA + `"}`, ""},
 	}
 	for _, row := range rows {
 		t.Run(row.name, func(t *testing.T) {
@@ -721,5 +731,30 @@ func TestSettleThroughAnOpaqueTransportIsNeverCalledNotSent(t *testing.T) {
 	}
 	if rt.calls.Load() != 1 || res.Resent {
 		t.Fatalf("calls = %d resent = %v, want 1 and false: what may have been delivered is not sent again", rt.calls.Load(), res.Resent)
+	}
+}
+
+// A success that does not show this payment settled is an unknown outcome: an error wrapping
+// x402.ErrAnswerNotThisPayment that a gate reads as "may have settled" (unreachable, never ErrNotSent), and a
+// failover set does not send the payment to another member after it, for the first may have settled it.
+func TestASettlementAnswerAboutAnotherPaymentIsAnUnknownOutcome(t *testing.T) {
+	lie := `{"success":true,"transaction":"` + txHash + `","network":"` + mainnet + `","payer":"` + walletA + `"}`
+	a := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+		f.settle = func(w http.ResponseWriter, _ *http.Request, _ []byte) { writeRaw(w, 200, lie) }
+	})
+	b := newFakeFacilitator(t, permit2Supported(mainnet))
+	set := NewFailover(mustClient(t, a.URL()), mustClient(t, b.URL()))
+	resp, err := set.Settle(context.Background(), permit2Request(mainnet))
+	if !errors.Is(err, x402.ErrAnswerNotThisPayment) || !x402.IsUnreachable(err) || errors.Is(err, ErrNotSent) || resp.Success {
+		t.Fatalf("settle = %+v, %v; want an unknown outcome wrapping ErrAnswerNotThisPayment", resp, err)
+	}
+	if !strings.Contains(err.Error(), `names payer "`+walletA+`"`) || !strings.Contains(err.Error(), "may have settled") {
+		t.Errorf("error %q does not say what the answer named, nor that the payment may have settled", err)
+	}
+	if got := x402.DescribeFailure(err); got != "its answer claimed success for another payment (HTTP 200)" {
+		t.Errorf("DescribeFailure = %q", got)
+	}
+	if n := b.settleCalls.Load(); n != 0 {
+		t.Errorf("the second member was asked to settle %d times after the first's answer; want never", n)
 	}
 }

@@ -20,19 +20,42 @@ import (
 // failed is skipped until its retry time (WithSupportedRetry). It is safe for concurrent use.
 type Failover struct {
 	members []*Client
-	sticky  stickyPayments // payments whose /settle may have reached a member, and that member
+	sticky  *SentPayments // payments whose /settle may have reached a member, and that member
 	now     func() time.Time
 }
 
 // NewFailover returns a failover set of clients, tried in the given order; nil clients are left out.
 func NewFailover(clients ...*Client) *Failover {
-	f := &Failover{now: time.Now}
+	return NewFailoverSharing(nil, clients...)
+}
+
+// NewFailoverSharing is NewFailover remembering the payments it sends in memory, which other sets may share (nil:
+// a memory of its own). A payment remembered as sent to a member of this set stays with it; one sent only to
+// base URLs that are no member of this set (a member a reload took out) is routed as a new one.
+func NewFailoverSharing(memory *SentPayments, clients ...*Client) *Failover {
+	if memory == nil {
+		memory = NewSentPayments()
+	}
+	f := &Failover{sticky: memory, now: time.Now}
 	for _, c := range clients {
 		if c != nil {
 			f.members = append(f.members, c)
 		}
 	}
 	return f
+}
+
+// stickyMember is the member of this set a payment was last sent to, by the memory's record, or nil.
+func (f *Failover) stickyMember(key string) *Client {
+	bases := f.sticky.get(key, f.now())
+	for i := len(bases) - 1; i >= 0; i-- {
+		for _, c := range f.members {
+			if c.base == bases[i] {
+				return c
+			}
+		}
+	}
+	return nil
 }
 
 // Members returns the clients of the set in the order they are tried.
@@ -80,13 +103,14 @@ func (f *Failover) Settle(ctx context.Context, req x402.SettleRequest) (x402.Set
 
 // SettleDetailed asks the first compatible member, and moves on to the next only when the request surely
 // never reached the member (ErrNotSent): after anything else the payment may have settled there, so the error
-// is returned. A payment whose /settle may have reached a member stays with that member until its deadline:
-// presented again (after an unknown outcome), it is asked of that member only, whatever the others' state, for
-// another would find its nonce spent and refuse a payment that settled. SettleResult.Facilitator names the
-// member that was asked last.
+// is returned. A payment whose /settle may have reached a member stays with that member until a day past its
+// deadline: presented again (after an unknown outcome), it is asked of that member only, whatever the others'
+// state, for another would find its nonce spent, or its deadline passed, and refuse a payment that settled; the
+// member that may have settled it is the only one whose journal can tell, before its deadline and after.
+// SettleResult.Facilitator names the member that was asked last.
 func (f *Failover) SettleDetailed(ctx context.Context, req x402.SettleRequest) (SettleResult, error) {
 	key := stickyKey(req)
-	if c := f.sticky.get(key, f.now()); c != nil {
+	if c := f.stickyMember(key); c != nil {
 		res, err := c.SettleDetailed(ctx, req)
 		if err != nil && errors.Is(err, ErrNotSent) {
 			// This request never left, but an earlier one for the payment may have reached the member: the
@@ -105,7 +129,7 @@ func (f *Failover) SettleDetailed(ctx context.Context, req x402.SettleRequest) (
 		res, err = c.SettleDetailed(ctx, req)
 		if err == nil || !errors.Is(err, ErrNotSent) {
 			now := f.now()
-			f.sticky.put(key, c, stickyUntil(req, now), now)
+			f.sticky.put(key, c.base, stickyUntil(req, now), now)
 		}
 		if err == nil {
 			return true

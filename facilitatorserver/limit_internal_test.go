@@ -60,43 +60,101 @@ func TestARateBucketAllowsItsRatePerMinuteAndSaysWhenToComeBack(t *testing.T) {
 	}
 }
 
-// The keys a limit remembers are bounded: keys whose buckets have refilled are forgotten, and when the bound is
-// reached by keys that all called within the minute, a new key is refused rather than the map growing or a busy
-// key's count being dropped.
-func TestRateBucketsForgetRefilledKeysAndNeverGrowPastTheirBound(t *testing.T) {
+// The keys a limit remembers are bounded, and a full table never turns a new key away: the newcomer takes the
+// place of the least recently used key, whose count is forgotten; a key that called since keeps its count. Keys
+// not used for a minute are forgotten without waiting for the table to fill.
+func TestRateBucketsNeverTurnANewKeyAwayAndForgetTheLeastRecentlyUsed(t *testing.T) {
 	clock := &fakeClock{t: time.Unix(1_700_000_000, 0)}
 	rb := newRateBuckets(2, 10, clock.now)
 	for i := 0; i < 10; i++ {
-		if ok, _ := rb.take(strconv.Itoa(i)); !ok {
-			t.Fatalf("key %d refused", i)
+		rb.take(strconv.Itoa(i))
+		rb.take(strconv.Itoa(i)) // every key's bucket empty
+		clock.advance(time.Second)
+	}
+	rb.take("0") // key 0 is now the most recently used (and refused: empty)
+	for i := range 3 {
+		if ok, wait := rb.take("new" + strconv.Itoa(i)); !ok {
+			t.Fatalf("new key %d with the table full = refused, wait %v; want taken", i, wait)
+		}
+		if n := rb.size(); n != 10 {
+			t.Fatalf("%d keys remembered, want the bound 10", n)
 		}
 	}
-	rb.take("0") // key 0 is now empty
-	if ok, wait := rb.take("new"); ok || wait <= 0 {
-		t.Fatalf("a new key with the map full of active keys = %v, wait %v; want refused", ok, wait)
+	// Keys 1, 2 and 3 were the least recently used: forgotten, they start afresh.
+	if ok, _ := rb.take("1"); !ok {
+		t.Error("key 1, forgotten to make room, is refused; want a fresh bucket")
 	}
-	if n := rb.size(); n != 10 {
-		t.Fatalf("%d keys remembered, want the bound 10", n)
+	// Key 0 called after them, and keys 5 to 9 were not evicted: they keep their empty buckets.
+	for _, k := range []string{"0", "5", "9"} {
+		if ok, _ := rb.take(k); ok {
+			t.Errorf("key %s was allowed a call: its count was dropped though others were used less recently", k)
+		}
 	}
-	// After 30s every key but 0 has refilled (one call taken, one refilled): they are forgotten to make room.
-	clock.advance(30 * time.Second)
-	if ok, _ := rb.take("new"); !ok {
-		t.Fatal("a new key refused once the others refilled")
-	}
-	if n := rb.size(); n != 2 {
-		t.Fatalf("%d keys remembered, want 2 (key 0, still short, and the new one)", n)
-	}
-	if ok, _ := rb.take("0"); !ok {
-		t.Fatal("key 0 refused after 30s, want the call refilled meanwhile")
-	}
-	if ok, _ := rb.take("0"); ok {
-		t.Fatal("key 0 allowed twice: its count was dropped")
-	}
-	// The periodic sweep forgets refilled keys without waiting for the map to fill.
-	clock.advance(2 * time.Minute)
+	// A minute later every key has refilled and is forgotten by the next call.
+	clock.advance(time.Minute)
 	rb.take("other")
 	if n := rb.size(); n != 1 {
-		t.Fatalf("%d keys remembered after the sweep, want 1", n)
+		t.Fatalf("%d keys remembered a minute after their last call, want 1", n)
+	}
+}
+
+// An attacker who keeps a full table's worth of keys busy does not lock out anyone: a newcomer gets its calls,
+// and the busy keys still have their counts, as long as they were used more recently than max others.
+func TestAFullTableOfBusyKeysLocksNobodyOut(t *testing.T) {
+	clock := &fakeClock{t: time.Unix(1_700_000_000, 0)}
+	rb := newRateBuckets(3, 100, clock.now)
+	for round := range 5 {
+		for i := range 100 {
+			rb.take("attacker" + strconv.Itoa(i))
+		}
+		if ok, _ := rb.take("newcomer" + strconv.Itoa(round)); !ok {
+			t.Fatalf("round %d: a newcomer refused while the table is full of busy keys", round)
+		}
+		clock.advance(time.Second)
+	}
+	if n := rb.size(); n != 100 {
+		t.Fatalf("%d keys remembered, want the bound 100", n)
+	}
+}
+
+// A client IP is an IPv4 address, or an IPv6 network of the configured prefix: the addresses of one network
+// share a bucket, an IPv4-mapped IPv6 address is its IPv4 address, a zone is no other client, and what is no
+// address is counted as it is.
+func TestAClientLimitCountsIPv6ByPrefixAndIPv4ByAddress(t *testing.T) {
+	for _, tc := range []struct {
+		prefix    int
+		ip        string
+		key, word string
+	}{
+		{0, "203.0.113.7", "203.0.113.7", "client IP 203.0.113.7"},
+		{0, "::ffff:203.0.113.7", "203.0.113.7", "client IP 203.0.113.7"},
+		{0, "2001:db8:1:2:3:4:5:6", "2001:db8:1:2::/64", "client network 2001:db8:1:2::/64"},
+		{0, "2001:db8:1:2::1", "2001:db8:1:2::/64", "client network 2001:db8:1:2::/64"},
+		{0, "fe80::1%eth0", "fe80::/64", "client network fe80::/64"},
+		{56, "2001:db8:1:2ff::1", "2001:db8:1:200::/56", "client network 2001:db8:1:200::/56"},
+		{48, "2001:db8:1:ffff::1", "2001:db8:1::/48", "client network 2001:db8:1::/48"},
+		{128, "2001:db8::1", "2001:db8::1", "client IP 2001:db8::1"},
+		{56, "198.51.100.1", "198.51.100.1", "client IP 198.51.100.1"},
+		{0, "@", "@", "client @"},
+	} {
+		l := newClientLimit(1, tc.prefix, nil)
+		key, word := l.client(tc.ip)
+		if key != tc.key || word != tc.word {
+			t.Errorf("/%d: client(%q) = %q, %q; want %q, %q", tc.prefix, tc.ip, key, word, tc.key, tc.word)
+		}
+	}
+	clock := &fakeClock{t: time.Unix(1_700_000_000, 0)}
+	l := newClientLimit(2, 0, clock.now)
+	for _, ip := range []string{"2001:db8:5:6::1", "2001:db8:5:6:ffff::2"} {
+		if ok, _, _ := l.take(ip); !ok {
+			t.Fatalf("call from %s refused; want the /64's two calls allowed", ip)
+		}
+	}
+	if ok, who, wait := l.take("2001:db8:5:6::abcd"); ok || who != "client network 2001:db8:5:6::/64" || wait != 30*time.Second {
+		t.Fatalf("third call of the /64 = %v, %q, wait %v; want refused, naming the /64, 30s to wait", ok, who, wait)
+	}
+	if ok, _, _ := l.take("2001:db8:5:7::1"); !ok {
+		t.Fatal("another /64 refused; want a limit of its own")
 	}
 }
 

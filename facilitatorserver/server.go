@@ -54,8 +54,10 @@ type Options struct {
 	Terms Terms
 	// SettleRateLimit caps the /settle calls per client IP and per payer.
 	SettleRateLimit RateLimit
-	// ClientIP names the client of a request for SettleRateLimit's PerIP; nil: the host of r.RemoteAddr. A
-	// server behind proxies it trusts says here which client they name.
+	// VerifyRateLimit caps the /verify calls per client IP that the facilitator behind refuses or fails.
+	VerifyRateLimit VerifyRateLimit
+	// ClientIP names the client of a request for the PerIP limits; nil: the host of r.RemoteAddr. A server
+	// behind proxies it trusts says here which client they name.
 	ClientIP func(r *http.Request) string
 	// Await, when set, is waited on by every request once its API key is accepted and before anything else is
 	// read of it, for a facilitator that starts after the server is built: an error is answered 503 with its
@@ -93,7 +95,7 @@ type Metrics interface {
 //
 // A refused payment is a full VerifyResponse or SettleResponse with HTTP 200; a malformed body is 400 and names
 // the field; a body too large is 413; a wrong method is 405 with Allow; a missing or wrong API key is 401; a
-// /settle over the rate limit is 429 with Retry-After; a facilitator behind that gives no answer is 502 (500
+// /settle or /verify over its rate limit is 429 with Retry-After; a facilitator behind that gives no answer is 502 (500
 // for an error that is no x402.FacilitatorError) with a JSON error. A Server is safe for concurrent use.
 type Server struct {
 	f        x402.Facilitator
@@ -102,7 +104,8 @@ type Server struct {
 	networks map[string]bool // nil: every network
 	keys     [][sha256.Size]byte
 	maxBody  int64
-	limiter  *settleLimiter // nil: no rate limit
+	limiter  *settleLimiter // nil: no rate limit of /settle
+	verifies *clientLimit   // nil: no rate limit of /verify
 	registry *x402.Registry
 	health   *healthCache
 	logger   *zap.Logger
@@ -133,12 +136,19 @@ func New(f x402.Facilitator, o Options) (*Server, error) {
 	for _, r := range []struct {
 		name string
 		n    int
-	}{{"per IP", o.SettleRateLimit.PerIP}, {"per payer", o.SettleRateLimit.PerPayer}} {
+	}{{"settle rate limit per IP", o.SettleRateLimit.PerIP}, {"settle rate limit per payer", o.SettleRateLimit.PerPayer}, {"verify rate limit per IP", o.VerifyRateLimit.PerIP}} {
 		if r.n < 0 || r.n > MaxPerMinute {
-			return nil, fmt.Errorf("facilitatorserver: the settle rate limit %s is %d a minute; want 0 (no limit) to %d", r.name, r.n, MaxPerMinute)
+			return nil, fmt.Errorf("facilitatorserver: the %s is %d a minute; want 0 (no limit) to %d", r.name, r.n, MaxPerMinute)
 		}
 	}
+	if err := checkIPv6Prefix("facilitatorserver: the settle rate limit's IPv6 prefix", o.SettleRateLimit.IPv6Prefix); err != nil {
+		return nil, err
+	}
+	if err := checkIPv6Prefix("facilitatorserver: the verify rate limit's IPv6 prefix", o.VerifyRateLimit.IPv6Prefix); err != nil {
+		return nil, err
+	}
 	s.limiter = newSettleLimiter(o.SettleRateLimit, nil)
+	s.verifies = newClientLimit(o.VerifyRateLimit.PerIP, o.VerifyRateLimit.IPv6Prefix, nil)
 	if len(o.Kinds) > 0 {
 		s.kinds = map[string]bool{}
 		for _, k := range o.Kinds {
@@ -277,7 +287,8 @@ func (s *Server) serves(method, network string) bool {
 
 // servePayment answers /verify and /settle. A /settle call is counted against the client IP's rate limit before
 // its body is read, and against its payer's once the body names one; a call over either gets 429 and goes no
-// further. The payer's count is given back when the answer carries no transaction: nothing was sent.
+// further. The payer's count is given back when the answer carries no transaction: nothing was sent. A /verify
+// call is counted when it is about to reach the facilitator behind (see limitedVerify).
 func (s *Server) servePayment(r *http.Request, endpoint string) reply {
 	settle := endpoint == EndpointSettle
 	if settle {
@@ -324,7 +335,7 @@ func (s *Server) servePayment(r *http.Request, endpoint string) reply {
 	return res
 }
 
-// clientIP names the client of r for the rate limit.
+// clientIP names the client of r for the rate limits.
 func (s *Server) clientIP(r *http.Request) string {
 	if s.opts.ClientIP != nil {
 		return s.opts.ClientIP(r)
@@ -354,11 +365,30 @@ func (s *Server) answerPayment(r *http.Request, req x402.VerifyRequest, v1 bool,
 		req.X402Version, req.PaymentPayload.X402Version = x402.Version2, x402.Version2
 	}
 	if endpoint == EndpointVerify {
-		return s.verify(r.Context(), req)
+		return s.limitedVerify(r, req)
 	}
 	// A settlement runs to its end even when the caller hangs up: it may have been broadcast, and its
 	// answer must reach the journal (and the caller, if it asks again).
 	return s.settle(context.WithoutCancel(r.Context()), req, v1)
+}
+
+// limitedVerify verifies req within the client's VerifyRateLimit: a call is counted before the facilitator
+// behind is asked, so that a burst of them costs it no more than the limit, and given back when the payment
+// turns out valid.
+func (s *Server) limitedVerify(r *http.Request, req x402.VerifyRequest) reply {
+	if s.verifies == nil {
+		return s.verify(r.Context(), req)
+	}
+	ip := s.clientIP(r)
+	if ok, who, wait := s.verifies.take(ip); !ok {
+		s.logger.Debug("verification refused: client over its rate limit", zap.String("client", who))
+		return tooManyVerifications(s.verifies, who, wait, x402.ClaimedPayer(req))
+	}
+	res := s.verify(r.Context(), req)
+	if v, ok := res.body.(x402.VerifyResponse); ok && v.IsValid {
+		s.verifies.refund(ip)
+	}
+	return res
 }
 
 func (s *Server) verify(ctx context.Context, req x402.VerifyRequest) reply {
@@ -456,7 +486,7 @@ func (s *Server) refusal(req x402.VerifyRequest) (reason, message string) {
 	case req.X402Version == x402.Version1 && method != x402.TransferERC2612:
 		return x402.ReasonInvalidX402Version, fmt.Sprintf("%s payments need x402Version 2; version 1 is served for erc2612 only", method)
 	}
-	return s.opts.Terms.Refusal(rq)
+	return s.opts.Terms.Refusal(req)
 }
 
 // networkName is the network as the caller named it: the version 1 name for a version 1 request.

@@ -61,17 +61,33 @@ func (t Terms) PayTo() []string {
 	return append([]string(nil), t.payToList...)
 }
 
-// Refusal says why a payment's requirements are outside the terms, or "" when they are within. Both refusals
-// are invalid_payment_requirements: the resource server asked for what this facilitator does not settle; the
+// Refusal says why a payment is outside the terms, or "" when it is within. Both refusals are
+// invalid_payment_requirements: the resource server asked for what this facilitator does not settle; the
 // payment matches what it asked for, and signing again would not help.
-func (t Terms) Refusal(rq x402.PaymentRequirements) (reason, message string) {
+//
+// min_amount judges what the payer authorized: an exact payment's amount, an upto payment's maximum (its
+// permit2Authorization.permitted.amount), at /verify and at /settle alike. An upto payment is settled for what
+// the resource server found the request used, from nothing up to that maximum, and decided once its upstream
+// has done the work: a charge below min_amount refused then would answer the client 402 for a response already
+// made. The smallest settlement a stranger can make this facilitator send is bounded by the per-payer settle
+// rate limit, and a settlement of nothing sends nothing.
+func (t Terms) Refusal(req x402.VerifyRequest) (reason, message string) {
+	rq := req.PaymentRequirements
 	if t.minAmount != nil {
 		amount, err := x402.ParseAmount(rq.Amount)
-		switch {
-		case err != nil:
+		if err != nil {
 			return x402.ReasonInvalidPaymentRequirements, fmt.Sprintf("paymentRequirements.amount must be a whole number of raw token units, got %q", rq.Amount)
-		case amount.Cmp(t.minAmount) < 0:
-			return x402.ReasonInvalidPaymentRequirements, fmt.Sprintf("paymentRequirements.amount %s is below min_amount %s, the smallest payment this facilitator settles", amount, t.minAmount)
+		}
+		field, authorized := "paymentRequirements.amount", amount
+		if p2 := req.PaymentPayload.Payload.Permit2Authorization; rq.Scheme == x402.SchemeUpto && p2 != nil {
+			// An unreadable maximum leaves the requirement's amount to judge; the facilitator behind refuses
+			// the payload.
+			if max, err := x402.ParseAmount(p2.Permitted.Amount); err == nil {
+				field, authorized = "the upto maximum permit2Authorization.permitted.amount", max
+			}
+		}
+		if authorized.Cmp(t.minAmount) < 0 {
+			return x402.ReasonInvalidPaymentRequirements, fmt.Sprintf("%s %s is below min_amount %s, the smallest payment this facilitator settles", field, authorized, t.minAmount)
 		}
 	}
 	if t.payTo != nil {

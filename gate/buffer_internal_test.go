@@ -7,11 +7,13 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"testing"
+
+	"github.com/x402-gateway/caddy-x402/x402"
 )
 
 func TestAHeldResponseThatFitsReachesTheClientOnlyWhenTheGateSendsIt(t *testing.T) {
 	client := httptest.NewRecorder()
-	h := newHeldResponse(client, new(bytes.Buffer), 64, func() error {
+	h := newHeldResponse(client, new(bytes.Buffer), 64, false, func() error {
 		t.Fatal("a body within max made the gate decide early")
 		return nil
 	})
@@ -36,7 +38,7 @@ func TestAHeldResponseThatOutgrowsMaxIsDecidedOnceAndStreamsWhileHoldingNoMoreTh
 	buf := new(bytes.Buffer)
 	decisions := 0
 	var h *heldResponse
-	h = newHeldResponse(client, buf, max, func() error {
+	h = newHeldResponse(client, buf, max, false, func() error {
 		decisions++
 		if buf.Len() > max {
 			t.Errorf("the gate decided holding %d bytes, more than max %d", buf.Len(), max)
@@ -66,7 +68,7 @@ func TestAHeldResponseThatOutgrowsMaxIsDecidedOnceAndStreamsWhileHoldingNoMoreTh
 func TestAHeldResponseTheGateAnsweredInsteadRefusesTheUpstreamsWrites(t *testing.T) {
 	client := httptest.NewRecorder()
 	answer := errors.New("the gate's own answer")
-	h := newHeldResponse(client, new(bytes.Buffer), 4, func() error {
+	h := newHeldResponse(client, new(bytes.Buffer), 4, false, func() error {
 		http.Error(client, "payment refused", http.StatusPaymentRequired)
 		return answer
 	})
@@ -90,7 +92,7 @@ func TestAHeldResponseTheGateAnsweredInsteadRefusesTheUpstreamsWrites(t *testing
 // An informational status is not the answer: it goes to the client at once, and the final one is held.
 func TestAHeldResponsePassesInformationalStatusesStraightThrough(t *testing.T) {
 	client := httptest.NewRecorder()
-	h := newHeldResponse(client, new(bytes.Buffer), 64, func() error { return nil })
+	h := newHeldResponse(client, new(bytes.Buffer), 64, false, func() error { return nil })
 	h.WriteHeader(http.StatusEarlyHints)
 	if client.Code != http.StatusEarlyHints {
 		t.Fatalf("103 reached the client as %d", client.Code)
@@ -99,4 +101,75 @@ func TestAHeldResponsePassesInformationalStatusesStraightThrough(t *testing.T) {
 	if h.Status() != http.StatusAccepted || client.Code != http.StatusEarlyHints {
 		t.Fatalf("status %d held, client saw %d; want 202 held and only the 103 sent", h.Status(), client.Code)
 	}
+}
+
+// A 2xx to CONNECT that the upstream flushes opens a tunnel (reverse_proxy answers HTTP/2 extended CONNECT so):
+// the gate decides at the flush, and the answer streams from there; held, the client would wait for ever.
+func TestAFlushed2xxToCONNECTIsATunnelTheGateDecidesAtTheFlush(t *testing.T) {
+	client := httptest.NewRecorder()
+	decisions := 0
+	var h *heldResponse
+	h = newHeldResponse(client, new(bytes.Buffer), 1<<20, true, func() error {
+		decisions++
+		return h.WriteResponse()
+	})
+	h.WriteHeader(http.StatusOK)
+	if err := h.FlushError(); err != nil {
+		t.Fatal(err)
+	}
+	if decisions != 1 || !h.tunnel || client.Code != http.StatusOK || !client.Flushed {
+		t.Fatalf("after the flush: %d decisions, tunnel %v, client %d flushed %v; want one decision and the 200 out", decisions, h.tunnel, client.Code, client.Flushed)
+	}
+	_, _ = h.Write([]byte("frame"))
+	if client.Body.String() != "frame" {
+		t.Fatalf("the tunnel's bytes reached the client as %q, want them streamed", client.Body)
+	}
+	// Not a CONNECT: a flush of a held answer sends nothing and decides nothing.
+	other := httptest.NewRecorder()
+	g := newHeldResponse(other, new(bytes.Buffer), 1<<20, false, func() error { t.Fatal("decided at a flush"); return nil })
+	g.WriteHeader(http.StatusOK)
+	_ = g.FlushError()
+	if other.Flushed {
+		t.Fatal("a held answer was flushed")
+	}
+}
+
+// Settlement-Overrides stays out of an informational answer and stays in the map for the final one; a charge
+// set after the status, or announced as a trailer, is a trailer's.
+func TestSettlementOverridesIsHiddenFromA103AndATrailerNamesNoCharge(t *testing.T) {
+	var sent http.Header
+	client := &informational{ResponseRecorder: httptest.NewRecorder(), sent: func(h http.Header) { sent = h.Clone() }}
+	h := newHeldResponse(client, new(bytes.Buffer), 64, false, func() error { return nil })
+	h.Header().Set("Link", "</a.css>; rel=preload")
+	h.Header().Set(x402.HeaderSettlementOverrides, `{"amount":"1"}`)
+	h.WriteHeader(http.StatusEarlyHints)
+	if sent.Get("Link") == "" || sent.Get(x402.HeaderSettlementOverrides) != "" {
+		t.Fatalf("the 103 went out with %v; want its Link without Settlement-Overrides", sent)
+	}
+	h.WriteHeader(http.StatusOK)
+	if v, inTrailer := h.chargeNamed(); len(v) != 1 || inTrailer {
+		t.Fatalf("charge named with the status = %q (trailer %v), want the one set before the 103", v, inTrailer)
+	}
+	h.Header().Set(x402.HeaderSettlementOverrides, `{"amount":"2"}`)
+	if _, inTrailer := h.chargeNamed(); !inTrailer {
+		t.Fatal("a charge set after the status was taken for the header's")
+	}
+	hdr := http.Header{"Trailer": {"X-Sum, settlement-overrides"}, http.TrailerPrefix + x402.HeaderSettlementOverrides: {"3"}}
+	if !stripSettlementOverrides(hdr) || len(hdr) != 1 || hdr.Get("Trailer") != "X-Sum" {
+		t.Fatalf("stripped: %v, want only the X-Sum trailer announced", hdr)
+	}
+}
+
+// informational is a recorder that reports the header map each 1xx is written with.
+type informational struct {
+	*httptest.ResponseRecorder
+	sent func(http.Header)
+}
+
+func (w *informational) WriteHeader(status int) {
+	if status >= 100 && status <= 199 {
+		w.sent(w.Header())
+		return
+	}
+	w.ResponseRecorder.WriteHeader(status)
 }

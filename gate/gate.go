@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net/http"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -166,8 +165,10 @@ type Config struct {
 	// DescriptionFor, when set, describes the resource of one request in place of Description.
 	DescriptionFor func(r *http.Request) string
 	// PriceGrace is how long after a 402 offered them its terms stay good for a payment of the same resource
-	// (the same HTTP method and URL), when they are no longer among the request's offers: a price changed by a
-	// reload or by the request's own values does not fail payments already signed. 0: off.
+	// (the same HTTP method and URL, and the URI a rewrite made of it), when they are no longer among the
+	// request's offers: a price changed by a reload does not fail payments already signed. Its memory is keyed by
+	// those alone, so OffersFor must then depend on nothing else of the request (caddymodule refuses a config
+	// whose terms do). 0: off.
 	PriceGrace time.Duration
 	// OfferMemory is where the 402s' offers are remembered for PriceGrace, shared by the gates that replace one
 	// another on a reload. Default: a memory of this gate's own.
@@ -330,7 +331,7 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 		g.now = time.Now
 	}
 	if cfg.PriceGrace > 0 && cfg.OfferMemory == nil {
-		g.cfg.OfferMemory = NewOfferMemory(DefaultOfferMemoryLimit)
+		g.cfg.OfferMemory = NewOfferMemory(DefaultOfferMemoryBytes)
 	}
 	if h, ok := fac.(fundsHolder); ok && cfg.Settle == SettleAsync {
 		g.holder = h
@@ -471,25 +472,6 @@ func (g *Gate) fetchOffers(ctx context.Context) *offerSet {
 	next.sup = &sup
 	g.offers.Store(next)
 	return next
-}
-
-// isUpgrade reports whether r asks for a tunnel (a protocol upgrade such as WebSocket, or CONNECT), which is
-// served as it goes and may outlast the payment's validity: such a request is paid for before it opens.
-func isUpgrade(r *http.Request) bool {
-	if r.Method == http.MethodConnect {
-		return true
-	}
-	if r.Header.Get("Upgrade") == "" {
-		return false
-	}
-	for _, v := range r.Header.Values("Connection") {
-		for _, tok := range strings.Split(v, ",") {
-			if strings.EqualFold(strings.TrimSpace(tok), "upgrade") {
-				return true
-			}
-		}
-	}
-	return false
 }
 
 // describe is an error's text with secrets taken out, for answers and logs.

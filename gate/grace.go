@@ -4,22 +4,32 @@ import (
 	"container/list"
 	"sync"
 	"time"
+	"unsafe"
 
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// DefaultOfferMemoryLimit is how many offered terms an OfferMemory keeps, over all resources: a few megabytes.
-const DefaultOfferMemoryLimit = 10_000
+// DefaultOfferMemoryBytes is how much an OfferMemory may hold, over all resources: tens of thousands of offers
+// of ordinary URLs. A URL is counted at its length, so many long ones are forgotten sooner, never held past it.
+const DefaultOfferMemoryBytes = 16 << 20
+
+// What an OfferMemory counts beside the bytes of a resource's key: the resource's list element, map entry and
+// struct, and each offered terms' struct (whose strings are the offer set's, shared, and bounded apart).
+const (
+	offeredResourceBytes = int64(unsafe.Sizeof(list.Element{})+unsafe.Sizeof(offeredResource{})) + 64
+	offeredTermsBytes    = int64(unsafe.Sizeof(offeredTerms{}))
+)
 
 // OfferMemory remembers what the 402s of gates offered for each resource (an HTTP method and URL) and when they
 // last offered it, so that a gate with a price grace takes a payment signed against an offer it made just before
-// its price changed. It is kept in memory only, and is safe for concurrent use: the gates that replace one
-// another on a config reload share one.
+// its price changed. It is kept in memory only, within a number of bytes, and is safe for concurrent use: the
+// gates that replace one another on a config reload share one.
 type OfferMemory struct {
 	mu        sync.Mutex
-	limit     int
+	maxBytes  int64
+	bytes     int64                    // counted over all resources (resourceBytes)
 	size      int                      // terms remembered, over all resources
 	resources map[string]*list.Element // of *offeredResource, by resource
 	lru       list.List                // the resources, the one offered last in front
@@ -31,6 +41,11 @@ type offeredResource struct {
 	terms []offeredTerms
 }
 
+// bytes is what a resource counts for against the memory's limit.
+func (r *offeredResource) bytes() int64 {
+	return offeredResourceBytes + int64(len(r.key)) + int64(cap(r.terms))*offeredTermsBytes
+}
+
 // offeredTerms is one offer a 402 made, by its terms (x402.SameTerms).
 type offeredTerms struct {
 	offer offer
@@ -38,10 +53,10 @@ type offeredTerms struct {
 	until time.Time // when it may be forgotten: the grace of the gate that last offered it has passed
 }
 
-// NewOfferMemory makes a memory of at most limit offered terms; when it is full, the resources offered longest
-// ago are forgotten first.
-func NewOfferMemory(limit int) *OfferMemory {
-	return &OfferMemory{limit: max(limit, 1), resources: make(map[string]*list.Element)}
+// NewOfferMemory makes a memory of at most maxBytes; when it is full, the resources offered longest ago are
+// forgotten first, and a resource that alone would not fit is not remembered.
+func NewOfferMemory(maxBytes int64) *OfferMemory {
+	return &OfferMemory{maxBytes: max(maxBytes, 1), resources: make(map[string]*list.Element)}
 }
 
 // Len is how many offered terms the memory holds.
@@ -49,6 +64,13 @@ func (m *OfferMemory) Len() int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.size
+}
+
+// Bytes is how many bytes the memory counts against its limit.
+func (m *OfferMemory) Bytes() int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.bytes
 }
 
 // remember notes that a 402 for resource offered offers at time at, by a gate whose grace is grace.
@@ -63,6 +85,9 @@ func (m *OfferMemory) remember(resource string, offers []offer, at time.Time, gr
 		m.resources[resource] = el
 	}
 	res := el.Value.(*offeredResource)
+	if ok {
+		m.bytes -= res.bytes()
+	}
 	kept := res.terms[:0]
 	for _, t := range res.terms {
 		if !at.After(t.until) {
@@ -83,12 +108,14 @@ outer:
 		res.terms = append(res.terms, offeredTerms{offer: o, at: at, until: until})
 		m.size++
 	}
-	for m.size > m.limit && m.lru.Len() > 1 {
+	m.bytes += res.bytes()
+	for m.bytes > m.maxBytes && m.lru.Len() > 0 {
 		oldest := m.lru.Back()
 		gone := oldest.Value.(*offeredResource)
 		m.lru.Remove(oldest)
 		delete(m.resources, gone.key)
 		m.size -= len(gone.terms)
+		m.bytes -= gone.bytes()
 	}
 }
 
@@ -116,8 +143,16 @@ func maxTime(a, b time.Time) time.Time {
 	return b
 }
 
-// offeredKey names the resource of a request in the offer memory: its method and the URL its 402 names.
-func (x *exchange) offeredKey() string { return x.r.Method + " " + x.resourceURL() }
+// offeredKey names the resource of a request in the offer memory: its method, the URL its 402 names, and the URI
+// a rewrite made of that (the request's URI placeholders read the rewritten one): all that the terms of a gate
+// with a price grace may depend on (Config.PriceGrace). A long one is bounded (boundedKey).
+func (x *exchange) offeredKey() string {
+	key := x.r.Method + " " + x.resourceURL()
+	if uri := x.r.URL.RequestURI(); uri != x.g.cfg.OriginalURI(x.r) {
+		key += " " + uri
+	}
+	return boundedKey(key)
+}
 
 // rememberOffered notes the offers of the 402 this request is answered with, for the price grace.
 func (x *exchange) rememberOffered() {

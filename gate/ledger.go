@@ -293,15 +293,17 @@ func (l *Ledger) replay() error {
 	return nil
 }
 
-// settleAll settles recs in the background, counting each against its payer until it is settled.
+// settleAll settles recs in the background, counting each against its payer until it is settled. With a
+// facilitator that holds payments against their payers' funds (the embedded engine), each is held first, as
+// serving it did before the restart: until it settles, a new payment of the same payer must count it, from the
+// first request served.
 func (l *Ledger) settleAll(recs []journal.Record) {
+	for _, rec := range recs {
+		l.holdServed(rec)
+	}
 	for _, rec := range recs {
 		l.owe(rec.ID, rec.Payer)
 		l.settleLater(rec.ID)
-	}
-	if len(recs) > 0 {
-		l.wg.Add(1)
-		go l.holdReplayed(recs)
 	}
 }
 
@@ -373,28 +375,36 @@ func (l *Ledger) adoptLoop(c journal.Cluster) {
 	}
 }
 
-// holdReplayed holds the replayed payments against their payers' funds (with a facilitator that holds, the
-// embedded engine), as serving them did before the restart: settlements start a few at a time, and until each
-// starts, a new payment of the same payer must still count it. A payment already settled, or one its payer can
-// no longer cover, is not held: its settlement is final, or will be refused, either way.
-func (l *Ledger) holdReplayed(recs []journal.Record) {
-	defer l.wg.Done()
-	for _, rec := range recs {
-		if l.ctx.Err() != nil {
-			return
-		}
-		var req x402.VerifyRequest
-		if err := json.Unmarshal(rec.Request, &req); err != nil {
-			continue // settleInBackground reports it
-		}
-		g, _ := l.gateFor(req.PaymentRequirements)
-		if g == nil {
-			continue
-		}
-		if h, ok := g.fac.(fundsHolder); ok {
-			_, _ = h.VerifyAndHold(l.ctx, req)
-		}
+// holdServed holds rec, a served async payment not settled yet, against its payer's funds, when a gate's
+// facilitator can hold (see fundsHolder.HoldServed: it asks nothing of the chain). A record whose request does
+// not read is left to settleInBackground, which reports it.
+func (l *Ledger) holdServed(rec journal.Record) {
+	req, h := l.holderFor(rec)
+	if h == nil {
+		return
 	}
+	if err := h.HoldServed(l.ctx, req); err != nil && l.ctx.Err() == nil {
+		l.log.Warn("holding a served async payment against its payer's funds; until it settles, the payer's new payments may not count it",
+			zap.String("payment", rec.ID.String()), zap.Error(err))
+	}
+}
+
+// holderFor is the request to settle rec with (an upto payment at the amount charged) and the facilitator that
+// holds it against its payer's funds; nil when no gate's facilitator does.
+func (l *Ledger) holderFor(rec journal.Record) (x402.SettleRequest, fundsHolder) {
+	var req x402.SettleRequest
+	if err := json.Unmarshal(rec.Request, &req); err != nil {
+		return req, nil
+	}
+	g, _ := l.gateFor(req.PaymentRequirements)
+	if g == nil {
+		return req, nil
+	}
+	h, _ := g.fac.(fundsHolder)
+	if req.PaymentRequirements.Scheme == x402.SchemeUpto && rec.Amount != "" {
+		req.PaymentRequirements.Amount = rec.Amount
+	}
+	return req, h
 }
 
 // settleLater settles a served async payment in the background, retrying until the outcome is final.
@@ -652,6 +662,11 @@ func (l *Ledger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) 
 		return true
 	}
 	l.finalise(log, id, resp)
+	if h, ok := g.fac.(fundsHolder); ok {
+		// Given up: what it held against the payer's funds is the payer's again (the facilitator let go already
+		// of a refusal it knows to be final, not of one it would retry).
+		h.Release(req)
+	}
 	log.Error("an async payment was served but its settlement was refused; the resource went unpaid",
 		zap.String("reason", resp.ErrorReason), zap.String("message", resp.ErrorMessage), zap.String("tx", resp.Transaction))
 	return false

@@ -198,14 +198,17 @@ func (x *exchange) verifyAndServe() error {
 	// names another is no answer about this payment.
 	x.payer = signedPayer(x.req)
 	if vres.Payer != "" && !strings.EqualFold(vres.Payer, x.payer) {
+		x.unhold()
 		return x.verifyUnreachable(fmt.Sprintf("the facilitator's answer names payer %s, but the payment is signed by %s; nothing was charged", vres.Payer, x.payer), nil)
 	}
 	x.setPaymentPlaceholders()
 
 	x.setVar(VarStatus, "verified")
 	x.emit(EventVerified, nil)
+	// A request for a tunnel (upgrade headers, CONNECT) is served in its route's mode like any other: what the
+	// upstream answers decides its charge, and a tunnel it opens is paid for before it opens (heldResponse).
 	switch {
-	case x.g.cfg.Settle == SettleBefore, isUpgrade(x.r):
+	case x.g.cfg.Settle == SettleBefore:
 		if err := x.record(); err != nil {
 			return x.recordFailed(err)
 		}
@@ -225,6 +228,10 @@ func (x *exchange) verifyAndServe() error {
 			defer x.g.ledger.forgive(x.id)
 		}
 		return x.serveUpstream(func(up *upstream) error {
+			if up.ok() && up.rec.tunnel {
+				// A tunnel is served as it goes, for as long as it stays open: it is settled before it opens.
+				return x.settleHeld(up)
+			}
 			if !up.ok() {
 				return x.passUnpaid(up)
 			}
@@ -254,23 +261,30 @@ func (x *exchange) awaitEarlierPayments(settled <-chan struct{}) bool {
 
 // settleAfter runs the upstream and settles if it answered successfully, then serves.
 func (x *exchange) settleAfter() error {
-	return x.serveUpstream(func(up *upstream) error {
-		if !up.ok() {
-			return x.passUnpaid(up)
-		}
-		x.decideCharge()
-		if err := x.record(); err != nil {
-			return x.recordFailed(err)
-		}
-		return x.settleThenServe(up)
-	})
+	return x.serveUpstream(x.settleHeld)
+}
+
+// settleHeld settles for the upstream's held answer, when it is one the payer pays for, and serves it.
+func (x *exchange) settleHeld(up *upstream) error {
+	if !up.ok() {
+		return x.passUnpaid(up)
+	}
+	x.decideCharge(up)
+	if err := x.record(); err != nil {
+		return x.recordFailed(err)
+	}
+	return x.settleThenServe(up)
 }
 
 // fundsHolder is a facilitator that can hold a verified payment against the payer's funds until it settles
 // (the embedded engine). A gate that serves before it settles verifies with it, so that a payer is not served
-// more than the payer can pay while the settlements wait their turn.
+// more than the payer can pay while the settlements wait their turn. The hold lasts until the payment settles,
+// is refused for good or expires, whatever the settlement attempts meet meanwhile, or until Release.
 type fundsHolder interface {
 	VerifyAndHold(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error)
+	// HoldServed holds a payment served before a restart, unsettled, without verifying it again (see
+	// Ledger.settleAll).
+	HoldServed(ctx context.Context, req x402.SettleRequest) error
 	Release(req x402.VerifyRequest)
 }
 
@@ -291,7 +305,8 @@ func (x *exchange) unhold() {
 }
 
 // presentedAgain answers a payment the journal already holds. It buys nothing on a route whose offer differs
-// from the one it was journalled under. Served: never again. Not served (its settlement was pending or unknown,
+// from the one it was journalled under, nor for another resource than the one it was first presented for
+// (boughtResource). Served: never again. Not served (its settlement was pending or unknown,
 // the upstream failed after it settled, or its response was cut short): the same payment, byte for byte in
 // what it signs, is served once without paying twice: a synchronous one is settled from the journal's request,
 // which answers with the first settlement, and an async one is settling in the background already.
@@ -311,6 +326,12 @@ func (x *exchange) presentedAgain(rec journal.Record, payload x402.ExactEVMPaylo
 	if rec.Served {
 		return x.alreadyUsed(fmt.Sprintf("this payment already bought its response at %s; sign a new payment for another",
 			rec.ServedAt.UTC().Format(time.RFC3339)))
+	}
+	// Only the holder of this very payment gets this far, and learns only what it was first presented for. A
+	// record written before records named their resource is taken on its terms alone, as it was then.
+	if rec.Resource != "" && rec.Resource != x.boughtResource() {
+		return x.alreadyUsed(fmt.Sprintf("this payment was first presented for %s and buys only that resource's response: present it "+
+			"for that resource to receive it (it is not charged again), or sign a new payment for this one", shownResource(rec.Resource)))
 	}
 	x.req, x.id, x.payer = recorded, rec.ID, rec.Payer
 	if x.upto() && rec.Amount != "" {
@@ -392,7 +413,7 @@ func (x *exchange) claim(ctx context.Context, edit func(*journal.Record)) error 
 	rec := journal.Record{
 		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: x.chargeAmount(),
 		PayTo: rq.PayTo, Request: body, Owner: x.g.ledger.owner,
-		Deadline: x.req.PaymentPayload.Payload.Deadline(),
+		Deadline: x.req.PaymentPayload.Payload.Deadline(), Resource: x.boughtResource(),
 	}
 	if edit != nil {
 		edit(&rec)
@@ -457,6 +478,7 @@ func (x *exchange) settleThenServe(up *upstream) error {
 		// Refused: final, so the record leaves the backlog and is pruned past its deadline. Presented again, the
 		// payment is still asked of the facilitator, which answers from its own journal.
 		x.note(func(r *journal.Record) { r.State, r.Response = journal.StateFinal, &resp })
+		x.unhold() // settle async's fallback: a refusal the facilitator would retry (a busy pool) keeps its hold
 		return x.settleFailed(resp)
 	}
 	if x.upto() && resp.Amount == "" {
@@ -532,7 +554,7 @@ func (x *exchange) settledOutcome(resp x402.SettleResponse) x402.PaymentOutcome 
 // written before the response leaves, so a crash after serving loses no payment; it is marked served once the
 // response is out, so a response cut short can be had by presenting the payment again.
 func (x *exchange) serveAsync(up *upstream) error {
-	x.decideCharge()
+	x.decideCharge(up)
 	err := x.claim(context.WithoutCancel(x.r.Context()), func(r *journal.Record) { r.Async = true })
 	if err != nil {
 		return x.recordFailed(err)
@@ -563,9 +585,9 @@ func (x *exchange) deliver(up *upstream, settled *x402.SettleResponse) error {
 		x.streamed = &streamedPayment{settled: settled}
 		return nil
 	}
-	if err == nil && up.rec.Status() != http.StatusSwitchingProtocols {
-		// (A tunnel was served on the connection the upstream hijacked: its response is no longer the server's
-		// to write, and flushing it panics inside net/http.)
+	if err == nil {
+		// (A tunnel the upstream takes the connection for is decided as it opens, above: this is no hijacked
+		// connection, which net/http panics flushing.)
 		if ferr := http.NewResponseController(x.w).Flush(); ferr != nil && !errors.Is(ferr, http.ErrNotSupported) {
 			err = ferr
 		}
@@ -653,7 +675,7 @@ func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 	buf := gateBuffers.Get().(*bytes.Buffer)
 	buf.Reset()
 	up = &upstream{buf: buf}
-	up.rec = newHeldResponse(x.w, buf, x.g.cfg.MaxBuffer, func() error { return serve(up) })
+	up.rec = newHeldResponse(x.w, buf, x.g.cfg.MaxBuffer, x.r.Method == http.MethodConnect, func() error { return serve(up) })
 	returned := false
 	defer func() {
 		if returned {
@@ -673,6 +695,11 @@ func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 	}()
 	up.err = x.next.ServeHTTP(up.rec, x.r)
 	returned = true
+	if up.rec.streaming && stripSettlementOverrides(x.w.Header()) {
+		// Set after the answer began to stream: a trailer, which net/http sends once this handler returns.
+		x.g.logger.Warn("the upstream named a charge in a trailer (Settlement-Overrides after its status); it is not used, and not sent",
+			zap.String("payment", x.id.String()))
+	}
 	switch {
 	case !up.rec.decided || !up.rec.streaming:
 	case up.err != nil:
@@ -680,9 +707,12 @@ func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 	case up.rec.sendErr != nil:
 		x.streamBroke(up, up.rec.sendErr.Error())
 	case x.streamed != nil:
-		if err := http.NewResponseController(x.w).Flush(); err != nil && !errors.Is(err, http.ErrNotSupported) {
-			x.streamBroke(up, err.Error())
-			break
+		// (A connection the upstream hijacked is no longer the server's to flush: that panics inside net/http.)
+		if !up.rec.hijacked {
+			if err := http.NewResponseController(x.w).Flush(); err != nil && !errors.Is(err, http.ErrNotSupported) {
+				x.streamBroke(up, err.Error())
+				break
+			}
 		}
 		x.markServed(x.streamed.settled)
 	}
@@ -695,16 +725,13 @@ type streamedPayment struct{ settled *x402.SettleResponse }
 // writeUpstream sends the held-back response, or returns the upstream's error to the server.
 func (x *exchange) writeUpstream(up *upstream) error {
 	// What the upstream tells the gate to charge is for the gate only, whatever the route's scheme.
-	x.w.Header().Del(x402.HeaderSettlementOverrides)
+	stripSettlementOverrides(x.w.Header())
 	if up.err != nil {
 		return up.err
 	}
 	if v := x.w.Header().Values("Access-Control-Allow-Origin"); len(v) > 1 {
 		// The upstream has a CORS policy of its own: browsers refuse two values, and its word is the last.
 		x.w.Header().Set("Access-Control-Allow-Origin", v[len(v)-1])
-	}
-	if up.rec.Status() == http.StatusSwitchingProtocols {
-		return nil // the connection was upgraded and served as it went
 	}
 	return up.rec.WriteResponse()
 }
@@ -780,14 +807,13 @@ func (x *exchange) settleRequest() x402.SettleRequest {
 	return req
 }
 
-// decideCharge decides what an upto payment is charged from the upstream's Settlement-Overrides header, once:
-// the amount it names, at most the maximum the payer authorized (an upstream asking more is charged the
-// maximum, and logged); a missing or unusable header charges the default amount. The header never reaches the
-// client (writeUpstream drops it too).
-func (x *exchange) decideCharge() {
-	h := x.w.Header()
-	values := h.Values(x402.HeaderSettlementOverrides)
-	h.Del(x402.HeaderSettlementOverrides)
+// decideCharge decides what an upto payment is charged from the Settlement-Overrides header of the upstream's
+// answer, once: the amount it names, at most the maximum the payer authorized (an upstream asking more is
+// charged the maximum, and logged); a missing or unusable header, or one named only in a trailer, charges the
+// default amount. The header never reaches the client (writeUpstream drops it too).
+func (x *exchange) decideCharge(up *upstream) {
+	values, inTrailer := up.rec.chargeNamed()
+	stripSettlementOverrides(x.w.Header())
 	if !x.upto() || x.charge != "" {
 		return
 	}
@@ -798,6 +824,9 @@ func (x *exchange) decideCharge() {
 			zap.String("charged", x.charge), zap.String("default_amount", x.g.cfg.DefaultAmount))...)
 	}
 	switch {
+	case inTrailer:
+		log("the upstream named its charge in a trailer (Settlement-Overrides after its status, or announced as a trailer), which arrives after the charge is decided; it is not usable, the default amount is charged",
+			zap.Strings("with_status", values))
 	case len(values) == 1:
 		max, err := x402.ParseAmount(rq.Amount)
 		if err != nil {

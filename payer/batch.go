@@ -39,17 +39,23 @@ func (p *Payer) SignBatch(ctx context.Context, offer Offer, i, n int) ([]Payment
 		return nil, err
 	}
 	chainID := new(big.Int).SetUint64(id)
-	now := time.Now()
-	if p.opts.Now != nil {
-		now = p.opts.Now()
-	}
 	rpc, err := p.chain(ctx)
 	if err != nil {
 		return nil, err
 	}
-	if rpc != nil {
-		if now, err = rpc.now(ctx); err != nil {
-			return nil, err
+	var at Payment
+	now, err := p.signingTime(ctx, rpc, &at)
+	if err != nil {
+		return nil, err
+	}
+	deadline, err := p.deadline(now, req)
+	if err != nil {
+		return nil, fmt.Errorf("payer: %w", err)
+	}
+	var spender common.Address
+	if method == x402.TransferPermit2 {
+		if _, spender, err = p.permit2Contracts(req); err != nil {
+			return nil, fmt.Errorf("payer: %w", err)
 		}
 	}
 
@@ -66,14 +72,14 @@ func (p *Payer) SignBatch(ctx context.Context, offer Offer, i, n int) ([]Payment
 					errs[w] = ctx.Err()
 					return
 				}
-				pay := Payment{Index: i, Requirements: req, Method: method}
+				pay := Payment{Index: i, Requirements: req, Method: method, signedAt: at.signedAt}
 				var pl x402.PaymentPayload
 				var err error
 				switch method {
 				case x402.TransferPermit2:
-					pl, err = chain.SignPermit2Payment(p.key, req, chainID, chain.Permit2Options{Now: now})
+					pl, err = chain.SignPermit2Payment(p.key, req, chainID, chain.Permit2Options{Now: now, Deadline: deadline, Proxy: spender})
 				case x402.TransferEIP3009:
-					pl, err = chain.SignEIP3009Payment(p.key, req, chainID, chain.EIP3009Options{Now: now})
+					pl, err = chain.SignEIP3009Payment(p.key, req, chainID, chain.EIP3009Options{Now: now, ValidBefore: deadline})
 				default:
 					err = fmt.Errorf("cannot sign asset transfer method %q", method)
 				}
@@ -117,7 +123,7 @@ func (p *Payer) Permit2Allowance(ctx context.Context, req x402.PaymentRequiremen
 	if err != nil {
 		return nil, err
 	}
-	asset, permit2, err := permit2Of(req)
+	asset, permit2, err := p.permit2Of(req)
 	if err != nil {
 		return nil, err
 	}
@@ -132,7 +138,7 @@ func (p *Payer) ApprovePermit2(ctx context.Context, req x402.PaymentRequirements
 	if err != nil {
 		return common.Hash{}, err
 	}
-	asset, permit2, err := permit2Of(req)
+	asset, permit2, err := p.permit2Of(req)
 	if err != nil {
 		return common.Hash{}, err
 	}
@@ -190,14 +196,30 @@ func (p *Payer) needChain(ctx context.Context, what string) (*chainReader, error
 	return rpc, nil
 }
 
-// permit2Of is req's asset and the Permit2 it names (else the canonical one).
-func permit2Of(req x402.PaymentRequirements) (asset, permit2 common.Address, err error) {
+// permit2Of is req's asset and the Permit2 it names (else the canonical one), which must be the one the payer
+// pins on req's network: an allowance or a permit for another would let it take the payer's tokens.
+func (p *Payer) permit2Of(req x402.PaymentRequirements) (asset, permit2 common.Address, err error) {
 	if asset, err = chain.ParseAddress("requirements.asset", req.Asset); err != nil {
 		return asset, permit2, err
 	}
-	permit2 = contracts.Permit2Address
-	if req.Extra.Permit2Address != "" {
-		permit2, err = chain.ParseAddress("requirements.extra.permit2Address", req.Extra.Permit2Address)
-	}
+	pinned := p.contractsOf(req.Network)
+	permit2, err = pinnedContract("requirements.extra.permit2Address", req.Extra.Permit2Address, CanonicalContracts().Permit2, pinned.Permit2, "Permit2", req.Network)
 	return asset, permit2, err
+}
+
+// TokenDecimals reads the decimals of the token at asset through the Payer's RPC: what a dollar amount is in
+// its raw units, read from the chain rather than taken from a server.
+func (p *Payer) TokenDecimals(ctx context.Context, asset common.Address) (uint8, error) {
+	rpc, err := p.needChain(ctx, "reading a token's decimals")
+	if err != nil {
+		return 0, err
+	}
+	d, err := rpc.callUint(ctx, asset, "decimals")
+	if err != nil {
+		return 0, err
+	}
+	if !d.IsUint64() || d.Uint64() > 77 { // 10^77 is the largest power of ten below 2^256
+		return 0, fmt.Errorf("token %s says it has %s decimals, expected at most 77", asset.Hex(), d)
+	}
+	return uint8(d.Uint64()), nil
 }

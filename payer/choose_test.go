@@ -45,7 +45,7 @@ func TestChoosePrefersPermit2AndSaysWhyNothingElseCanBePaid(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			offer := Offer{Version: tc.version, Required: x402.PaymentRequired{X402Version: tc.version, Accepts: tc.accepts}}
-			got, err := choose(offer, tc.method, tc.rpc, nil)
+			got, err := (&Payer{opts: Options{Method: tc.method}}).choose(offer, tc.rpc, nil)
 			if tc.errs != nil {
 				if err == nil {
 					t.Fatalf("chose accepts[%d], want an error", got)
@@ -110,7 +110,7 @@ func TestTheLimitRefusesWhatIsOverItAndNamesTheAmountAndTheLimit(t *testing.T) {
 			if tc.spent > 0 {
 				tr.spent = map[string]*big.Int{spentKey("eip155:72344", tokenA): big.NewInt(tc.spent)}
 			}
-			got, err := choose(tc.offer, "", nil, func(r x402.PaymentRequirements) error { return tr.check("http://seller/report", r, false) })
+			got, err := (&Payer{}).choose(tc.offer, nil, func(r x402.PaymentRequirements) error { return tr.check("http://seller/report", r, false) })
 			if tc.errs == nil {
 				if err != nil || got != tc.want {
 					t.Fatalf("chose accepts[%d], %v; want accepts[%d]", got, err, tc.want)

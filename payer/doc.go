@@ -10,6 +10,10 @@
 // What it must never do:
 //   - sign a payment over the Transport's limit: the amount is checked, and the budget reserved, before
 //     anything is signed, and a payment no limit covers is refused;
+//   - give budget back on a server's word: a signed payment counts at its amount until the chain shows it
+//     cost less or can no longer be settled;
+//   - sign a payment valid longer than Options.MaxValidity, or for a Permit2 or proxy other than those pinned
+//     for its network (a hostile 402 names the spender it wants);
 //   - log, print or put into an error the payer's private key (a Payer prints as its address), or an RPC
 //     URL's credentials (errors name the RPC by scheme and host only);
 //   - send a payment anywhere but to the request that asked for it: it retries that request once, and

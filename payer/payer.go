@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"math/big"
 	"strings"
 	"sync"
@@ -15,8 +16,15 @@ import (
 	"github.com/ethereum/go-ethereum/crypto"
 
 	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
+
+// DefaultMaxValidity is how long a signed payment stays valid at most, unless Options.MaxValidity says
+// otherwise: twice the five minutes this project's gate offers by default (max_timeout), so that a server that
+// settles in the background still has time, while a signature handed to a server is worthless ten minutes
+// later whatever maxTimeoutSeconds it asked for.
+const DefaultMaxValidity = 10 * time.Minute
 
 // Options configures a Payer. The zero value pays by any method it can sign without a chain, at the wall
 // clock.
@@ -31,6 +39,36 @@ type Options struct {
 	Method string
 	// Now is the signing clock when there is no RPC; nil is the wall clock.
 	Now func() time.Time
+	// MaxValidity caps how long a payment stays valid: its deadline (validBefore) is the signing time plus the
+	// server's maxTimeoutSeconds, or plus MaxValidity when that is shorter. 0 is DefaultMaxValidity. A
+	// maxTimeoutSeconds whose deadline does not fit a 64-bit clock is refused, not capped: no honest server
+	// asks for it.
+	MaxValidity time.Duration
+	// Contracts pins, by network (CAIP-2, such as eip155:8453), the contracts a permit2 payment may name. A
+	// network not listed, and a zero field of one listed, pins the canonical deployment (CanonicalContracts). A
+	// requirement naming another Permit2 or proxy in its extra is not paid: see Contracts.
+	Contracts map[string]Contracts
+}
+
+// Contracts are the contracts a permit2 payment on one network is signed for. They are pinned by the payer, not
+// taken from the server's offer: a permit2 signature lets its spender move the amount to any address (the
+// witness that binds payTo is checked by the x402 proxy, not by Permit2), and an eip2612GasSponsoring permit
+// approves its spender for the amount. Signed only for these, a payment handed to a hostile server is worth no
+// more than its payTo and amount.
+type Contracts struct {
+	// Permit2 is the Permit2 deployment: the EIP-712 domain of the signature, and the spender a gas-sponsoring
+	// permit approves.
+	Permit2 common.Address
+	// ExactProxy is the x402ExactPermit2Proxy, the only spender an exact permit2 payment is signed for.
+	ExactProxy common.Address
+	// UptoProxy is the x402UptoPermit2Proxy, the only spender an upto payment is signed for.
+	UptoProxy common.Address
+}
+
+// CanonicalContracts are the deployments the public x402 SDKs sign for on every chain (the same addresses
+// everywhere, by CREATE2), which the dev chain places in its genesis.
+func CanonicalContracts() Contracts {
+	return Contracts{Permit2: contracts.Permit2Address, ExactProxy: contracts.ProxyAddress, UptoProxy: contracts.UptoProxyAddress}
 }
 
 // Payer signs x402 payments with one private key. It is safe for concurrent use.
@@ -55,6 +93,14 @@ func New(key *ecdsa.PrivateKey, opts Options) (*Payer, error) {
 	}
 	if opts.Method == x402.TransferERC2612 && opts.RPC == "" {
 		return nil, errors.New("payer: method erc2612 needs an RPC URL: an EIP-2612 permit signs the token's nonces(payer), which only the chain knows")
+	}
+	if opts.MaxValidity < 0 || (opts.MaxValidity > 0 && opts.MaxValidity < time.Second) {
+		return nil, fmt.Errorf("payer: MaxValidity: expected 0 (the default, %s) or at least a second, got %s", DefaultMaxValidity, opts.MaxValidity)
+	}
+	for network := range opts.Contracts {
+		if _, err := x402.ChainID(network); err != nil {
+			return nil, fmt.Errorf("payer: Contracts: network %q: expected a CAIP-2 EVM network such as eip155:8453: %w", network, err)
+		}
 	}
 	return &Payer{key: key, address: crypto.PubkeyToAddress(key.PublicKey), opts: opts}, nil
 }
@@ -119,6 +165,8 @@ type Payment struct {
 	// SponsoringDeclared says the server declared eip2612GasSponsoring in its offer; the payment echoes that
 	// declaration.
 	SponsoringDeclared bool
+
+	signedAt uint64 // the head block's number at signing, with an RPC: where a search for its settlement starts
 }
 
 // Choose returns the index in offer.Required.Accepts of the requirement the payer would pay: of those it can
@@ -130,7 +178,7 @@ func (p *Payer) Choose(ctx context.Context, offer Offer) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	return choose(offer, p.opts.Method, rpc, nil)
+	return p.choose(offer, rpc, nil)
 }
 
 // Pay chooses a requirement of offer and signs its payment. It checks no spending limit: Transport does.
@@ -167,7 +215,7 @@ func (p *Payer) Sign(ctx context.Context, offer Offer, i int) (Payment, error) {
 // choose picks the requirement to pay, as Choose says. allow, when not nil, refuses requirements the payer
 // could pay but must not (the spending limit): when it refuses every payable one, its error for the one
 // that would have been chosen is returned as it is.
-func choose(offer Offer, method string, rpc *chainReader, allow func(x402.PaymentRequirements) error) (int, error) {
+func (p *Payer) choose(offer Offer, rpc *chainReader, allow func(x402.PaymentRequirements) error) (int, error) {
 	accepts := offer.Required.Accepts
 	var (
 		reasons  []string
@@ -176,7 +224,7 @@ func choose(offer Offer, method string, rpc *chainReader, allow func(x402.Paymen
 		allowErr error
 	)
 	for i, req := range accepts {
-		why := cannotPay(offer.Version, req, method, rpc)
+		why := p.cannotPay(offer.Version, req, rpc)
 		if why == "" && allow != nil {
 			if err := allow(req); err != nil {
 				why = err.Error()
@@ -211,8 +259,8 @@ func preferred(a, b x402.PaymentRequirements) bool {
 }
 
 // cannotPay says why req cannot be paid, or "" when it can.
-func cannotPay(version int, req x402.PaymentRequirements, method string, rpc *chainReader) string {
-	m := TransferMethod(req)
+func (p *Payer) cannotPay(version int, req x402.PaymentRequirements, rpc *chainReader) string {
+	m, method := TransferMethod(req), p.opts.Method
 	if !x402.IsScheme(req.Scheme) {
 		return fmt.Sprintf("scheme %q; this payer pays %q and %q", req.Scheme, x402.SchemeExact, x402.SchemeUpto)
 	}
@@ -238,7 +286,102 @@ func cannotPay(version int, req x402.PaymentRequirements, method string, rpc *ch
 	case rpc != nil && rpc.chainID.Cmp(new(big.Int).SetUint64(id)) != 0:
 		return fmt.Sprintf("on chain %d but the RPC %s serves chain %s", id, rpc.name, rpc.chainID)
 	}
+	if m == x402.TransferPermit2 {
+		if _, _, err := p.permit2Contracts(req); err != nil {
+			return err.Error()
+		}
+	}
 	return ""
+}
+
+// contractsOf is what the payer pins on network: Options.Contracts, the canonical deployments filling what it
+// leaves out.
+func (p *Payer) contractsOf(network string) Contracts {
+	c, canonical := p.opts.Contracts[network], CanonicalContracts()
+	if c.Permit2 == (common.Address{}) {
+		c.Permit2 = canonical.Permit2
+	}
+	if c.ExactProxy == (common.Address{}) {
+		c.ExactProxy = canonical.ExactProxy
+	}
+	if c.UptoProxy == (common.Address{}) {
+		c.UptoProxy = canonical.UptoProxy
+	}
+	return c
+}
+
+// permit2Contracts returns the Permit2 and the proxy (the spender) a permit2 payment of req is signed for, after
+// checking that those req names in its extra (or, naming none, the canonical ones the signer then takes) are
+// the ones the payer pins on req's network. Anything else is refused, naming the field and both addresses.
+func (p *Payer) permit2Contracts(req x402.PaymentRequirements) (permit2, spender common.Address, err error) {
+	pinned := p.contractsOf(req.Network)
+	canonical := CanonicalContracts()
+	proxyField, pinnedProxy, canonicalProxy, kind := "requirements.extra.x402Permit2ProxyAddress", pinned.ExactProxy, canonical.ExactProxy, "x402ExactPermit2Proxy"
+	if req.Scheme == x402.SchemeUpto {
+		pinnedProxy, canonicalProxy, kind = pinned.UptoProxy, canonical.UptoProxy, "x402UptoPermit2Proxy"
+	}
+	if permit2, err = pinnedContract("requirements.extra.permit2Address", req.Extra.Permit2Address, canonical.Permit2, pinned.Permit2, "Permit2", req.Network); err != nil {
+		return permit2, spender, err
+	}
+	spender, err = pinnedContract(proxyField, req.Extra.X402Permit2ProxyAddress, canonicalProxy, pinnedProxy, kind, req.Network)
+	return permit2, spender, err
+}
+
+// pinnedContract is the contract a requirement names in field (or implies, naming none: the canonical one), if
+// it is the pinned one.
+func pinnedContract(field, named string, canonical, pinned common.Address, kind, network string) (common.Address, error) {
+	got := canonical
+	if named != "" {
+		a, err := chain.ParseAddress(field, named)
+		if err != nil {
+			return common.Address{}, err
+		}
+		got = a
+	}
+	if got != pinned {
+		if named == "" {
+			return common.Address{}, fmt.Errorf("%s names none, which means the canonical %s %s, and this payer signs on %s only for the %s at %s (Options.Contracts): not signed",
+				field, kind, canonical.Hex(), network, kind, pinned.Hex())
+		}
+		return common.Address{}, fmt.Errorf("%s is %s, and this payer signs on %s only for the %s at %s (Options.Contracts): a signature for another contract could move the payment anywhere; not signed",
+			field, got.Hex(), network, kind, pinned.Hex())
+	}
+	return got, nil
+}
+
+// Validity is how long a payment of req signed now stays valid: the server's maxTimeoutSeconds, at most
+// Options.MaxValidity. It is an error when maxTimeoutSeconds is not positive or its deadline does not fit a
+// 64-bit clock.
+func (p *Payer) Validity(req x402.PaymentRequirements) (time.Duration, error) {
+	now := time.Now()
+	d, err := p.deadline(now, req)
+	if err != nil {
+		return 0, err
+	}
+	return time.Duration(d.Int64()-now.Unix()) * time.Second, nil
+}
+
+// maxValidity is Options.MaxValidity, or its default.
+func (p *Payer) maxValidity() time.Duration {
+	if p.opts.MaxValidity > 0 {
+		return p.opts.MaxValidity
+	}
+	return DefaultMaxValidity
+}
+
+// deadline is the deadline (validBefore) of a payment of req signed at now: now plus maxTimeoutSeconds, capped
+// at now plus the payer's MaxValidity. A maxTimeoutSeconds that does not fit a 64-bit clock added to now is
+// refused: signed as it wraps, it would be a uint256 near 2^256, a payment valid forever.
+func (p *Payer) deadline(now time.Time, req x402.PaymentRequirements) (*big.Int, error) {
+	mts := req.MaxTimeoutSeconds
+	switch unix := now.Unix(); {
+	case mts <= 0:
+		return nil, fmt.Errorf("requirements.maxTimeoutSeconds: expected a positive number of seconds, got %d", mts)
+	case unix < 0 || mts > math.MaxInt64-unix:
+		return nil, fmt.Errorf("requirements.maxTimeoutSeconds: %d seconds after the signing time does not fit a 64-bit clock: a payment that would never expire; not signed", mts)
+	}
+	secs := min(mts, int64(p.maxValidity()/time.Second))
+	return big.NewInt(now.Unix() + secs), nil
 }
 
 // TransferMethod is how a requirement is paid: the method it names, or, naming none, EIP-3009, as the public
@@ -257,24 +400,27 @@ func (p *Payer) sign(ctx context.Context, rpc *chainReader, offer Offer, req x40
 		return x402.PaymentPayload{}, err
 	}
 	chainID := new(big.Int).SetUint64(id)
-	now := time.Now()
-	if p.opts.Now != nil {
-		now = p.opts.Now()
+	now, err := p.signingTime(ctx, rpc, pay)
+	if err != nil {
+		return x402.PaymentPayload{}, err
 	}
-	if rpc != nil {
-		if now, err = rpc.now(ctx); err != nil {
-			return x402.PaymentPayload{}, err
-		}
+	deadline, err := p.deadline(now, req)
+	if err != nil {
+		return x402.PaymentPayload{}, err
 	}
 
 	var pl x402.PaymentPayload
 	switch pay.Method {
 	case x402.TransferEIP3009:
-		if pl, err = chain.SignEIP3009Payment(p.key, req, chainID, chain.EIP3009Options{Now: now}); err != nil {
+		if pl, err = chain.SignEIP3009Payment(p.key, req, chainID, chain.EIP3009Options{Now: now, ValidBefore: deadline}); err != nil {
 			return pl, fmt.Errorf("signing the eip3009 payment: %w", err)
 		}
 	case x402.TransferPermit2:
-		if pl, err = chain.SignPermit2Payment(p.key, req, chainID, chain.Permit2Options{Now: now}); err != nil {
+		_, spender, err := p.permit2Contracts(req)
+		if err != nil {
+			return pl, err
+		}
+		if pl, err = chain.SignPermit2Payment(p.key, req, chainID, chain.Permit2Options{Now: now, Deadline: deadline, Proxy: spender}); err != nil {
 			return pl, fmt.Errorf("signing the permit2 payment: %w", err)
 		}
 		if rpc != nil {
@@ -294,7 +440,7 @@ func (p *Payer) sign(ctx context.Context, rpc *chainReader, offer Offer, req x40
 		if err != nil {
 			return pl, err
 		}
-		if pl, err = chain.SignERC2612Payment(p.key, req, chainID, chain.ERC2612Options{Now: now, TokenNonce: nonce}); err != nil {
+		if pl, err = chain.SignERC2612Payment(p.key, req, chainID, chain.ERC2612Options{Now: now, Deadline: deadline, TokenNonce: nonce}); err != nil {
 			return pl, fmt.Errorf("signing the erc2612 payment: %w", err)
 		}
 	default:
@@ -307,11 +453,30 @@ func (p *Payer) sign(ctx context.Context, rpc *chainReader, offer Offer, req x40
 	return pl, nil
 }
 
+// signingTime is the time a payment is signed at: the head block's with an RPC (recorded on pay, with the
+// block's number), else the clock of Options.
+func (p *Payer) signingTime(ctx context.Context, rpc *chainReader, pay *Payment) (time.Time, error) {
+	if rpc == nil {
+		if p.opts.Now != nil {
+			return p.opts.Now(), nil
+		}
+		return time.Now(), nil
+	}
+	head, err := rpc.head(ctx)
+	if err != nil {
+		return time.Time{}, err
+	}
+	if pay != nil {
+		pay.signedAt = head.Number.Uint64()
+	}
+	return time.Unix(int64(head.Time), 0), nil
+}
+
 // sponsorIfNeeded adds the eip2612GasSponsoring permit to a permit2 payment when the payer's Permit2
 // allowance is below the amount, echoing the server's declaration of the extension (its schema) if it made
 // one.
 func (p *Payer) sponsorIfNeeded(ctx context.Context, pl *x402.PaymentPayload, rpc *chainReader, offer Offer, req x402.PaymentRequirements, chainID *big.Int, pay *Payment) error {
-	asset, permit2, err := permit2Of(req)
+	asset, permit2, err := p.permit2Of(req)
 	if err != nil {
 		return err
 	}

@@ -74,6 +74,21 @@ func (e *LimitError) Error() string {
 // sent as it is. A redirect is followed by the http.Client above, without the payment, which went only to the
 // request that asked for it.
 //
+// The budget counts what was signed, and only the chain gives any of it back, never a server's word: a signed
+// payment is a bearer authorization that whoever holds it can settle, up to its amount, until its deadline.
+// With an RPC (the Payer's Options.RPC; without one nothing is given back), a permit2 payment is followed:
+//   - an upto payment the server says it settled gives back its maximum less what the transaction named in
+//     PAYMENT-RESPONSE moved, if that transaction is mined, successful, a call of the pinned proxy the payment
+//     was signed for, and spends this payment's Permit2 nonce from this payer in its calldata (so one
+//     transaction proves one payment, and another payment's settlement or someone else's transfer proves
+//     nothing); what it moved is the sum of the asset's Transfer logs from the payer in its receipt;
+//   - Reconcile later finds a settlement the answer did not prove among the asset's Transfer logs from the
+//     payer to payTo, and gives back the whole of a payment whose deadline the head block has passed with its
+//     nonce unspent (Permit2 refuses it from then on).
+//
+// eip3009 and erc2612 payments stay counted at their amount. A mined receipt is taken as final: on a chain
+// that reorganizes, a settlement that gave budget back could be undone.
+//
 // A Transport is safe for concurrent use; its fields must not change once it is in use.
 type Transport struct {
 	// Payer signs the payments; required.
@@ -81,17 +96,20 @@ type Transport struct {
 	// Base sends the requests; nil is http.DefaultTransport.
 	Base http.RoundTripper
 	// Limits bound what is paid: a payment is checked against the first Limit that covers its network and
-	// asset, and one that no Limit covers is not paid. With no Limits, nothing is paid. Totals count every
-	// payment sent, whether or not the server settled it: a signed payment can be settled by whoever holds it
-	// until it expires.
+	// asset, and one that no Limit covers is not paid. With no Limits, nothing is paid. Totals count what was
+	// signed: every payment sent, at the amount it authorizes (an upto payment at its maximum), whether or not
+	// and whatever the server says it charged, since whoever holds a signed payment can settle it until it
+	// expires. Only the chain gives budget back; see Spent.
 	Limits []Limit
 	// MaxBufferedBody is the largest request body without GetBody that is buffered so that it can be sent
 	// again with the payment; 0 is DefaultMaxBufferedBody, and a negative value buffers none. A request whose
 	// body cannot be sent again is sent once, and a 402 to it is an error.
 	MaxBufferedBody int64
 
-	mu    sync.Mutex
-	spent map[string]*big.Int // by network and lower-case asset address
+	mu     sync.Mutex
+	spent  map[string]*big.Int       // by network and lower-case asset address: reserved, less what the chain gave back
+	signed map[string]*big.Int       // the same key: the amounts of the payments sent
+	open   map[string]*authorization // permit2 payments sent whose final cost the chain has not shown, by nonce
 }
 
 // RoundTrip sends req, and pays and sends it once more when it is answered 402 with an x402 offer.
@@ -150,7 +168,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if err != nil {
 		return nil, fmt.Errorf("payer: %s: %w", where, err)
 	}
-	i, err := choose(offer, t.Payer.opts.Method, rpc, func(r x402.PaymentRequirements) error { return t.check(where, r, false) })
+	i, err := t.Payer.choose(offer, rpc, func(r x402.PaymentRequirements) error { return t.check(where, r, false) })
 	if err != nil {
 		var le *LimitError
 		if errors.As(err, &le) {
@@ -177,37 +195,56 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		paid.GetBody = again
 	}
 	paid.Header.Set(pay.Header, pay.Value)
+	t.sent(chosen)
+	a := t.watch(rpc, pay)
 	resp, err = t.base().RoundTrip(paid)
-	if err == nil && chosen.Scheme == x402.SchemeUpto {
-		t.refundUnused(chosen, resp)
+	if a != nil && err == nil {
+		t.answered(ctx, rpc, a, resp)
 	}
 	return resp, err
 }
 
-// refundUnused gives back to the budget what an upto payment, reserved at its maximum, was not charged: the
-// part above the amount a successful PAYMENT-RESPONSE names. Without one (settle async answers pending) the
-// maximum stays spent, as the server may still charge it.
-func (t *Transport) refundUnused(req x402.PaymentRequirements, resp *http.Response) {
-	s, err := Settlement(resp)
-	if err != nil || s == nil || !s.Success || s.Amount == "" {
-		return
-	}
-	max, err1 := x402.ParseUint256(req.Amount)
-	charged, err2 := x402.ParseUint256(s.Amount)
-	if err1 != nil || err2 != nil || charged.Cmp(max) >= 0 {
-		return
-	}
-	t.releaseAmount(req, new(big.Int).Sub(max, charged))
-}
-
-// Spent returns what the Transport has paid in asset on network, in raw units.
+// Spent returns what the Transport counts as paid in asset on network, in raw units: the amounts of the
+// payments it signed and sent (an upto payment's maximum), less what the chain has shown they did not cost
+// (the part of an upto maximum its settlement did not move, a payment that expired unspent). Whatever the
+// servers say, it is never less than what the payments sent have moved and can still move.
 func (t *Transport) Spent(network, asset string) *big.Int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if s := t.spent[spentKey(network, asset)]; s != nil {
+	return amountOf(t.spent, network, asset)
+}
+
+// Signed returns the sum of the amounts of the payments the Transport signed and sent in asset on network, in
+// raw units (an upto payment at its maximum): what Spent started from, before anything was given back.
+func (t *Transport) Signed(network, asset string) *big.Int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return amountOf(t.signed, network, asset)
+}
+
+func amountOf(m map[string]*big.Int, network, asset string) *big.Int {
+	if s := m[spentKey(network, asset)]; s != nil {
 		return new(big.Int).Set(s)
 	}
 	return new(big.Int)
+}
+
+// sent counts a payment of req as signed and sent.
+func (t *Transport) sent(req x402.PaymentRequirements) {
+	amount, err := x402.ParseUint256(req.Amount)
+	if err != nil {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.signed == nil {
+		t.signed = map[string]*big.Int{}
+	}
+	key := spentKey(req.Network, req.Asset)
+	if t.signed[key] == nil {
+		t.signed[key] = new(big.Int)
+	}
+	t.signed[key].Add(t.signed[key], amount)
 }
 
 func (t *Transport) base() http.RoundTripper {

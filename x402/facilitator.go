@@ -66,6 +66,12 @@ func IsUnreachable(err error) bool {
 // or again, is safe.
 var ErrNotSent = errors.New("request never reached the facilitator")
 
+// ErrAnswerNotThisPayment is wrapped into the error of a facilitator call whose answer does not show that it is
+// about the payment asked of: a settlement's success that names another network, payer or amount, or no
+// transaction (see SettlementProblem), or a verification's that names another payer (see VerifyProblem). It is
+// no refusal: after such a settlement answer the payment may have settled, and its outcome is unknown.
+var ErrAnswerNotThisPayment = errors.New("the facilitator's answer is not about this payment")
+
 // DescribeFailure says what went wrong with a facilitator call in words fit for any caller, the payer included:
 // the kind of failure and the HTTP status, never the facilitator's URL, the hosts behind it, or its own error
 // text.
@@ -80,6 +86,8 @@ func DescribeFailure(err error) string {
 		what = "no connection could be made"
 	case errors.Is(err, context.DeadlineExceeded):
 		what = "no answer came in time"
+	case errors.Is(err, ErrAnswerNotThisPayment):
+		what = "its answer claimed success for another payment"
 	case fe.Kind == FailureBadAnswer && fe.Status >= 300 && fe.Status < 400:
 		return fmt.Sprintf("the answer was a redirect (HTTP %d), which is not followed", fe.Status)
 	case fe.Kind == FailureBadAnswer:

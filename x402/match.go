@@ -114,6 +114,16 @@ func SettlementProblem(req VerifyRequest, resp SettleResponse) string {
 	return ""
 }
 
+// VerifyProblem says why a verification answer of a valid payment is no answer about req's payment, or "" when
+// it is: a facilitator that checked the signature names the payer who signed it, or no payer at all.
+func VerifyProblem(req VerifyRequest, resp VerifyResponse) string {
+	from, _ := req.PaymentPayload.Payload.PayerAndNonce()
+	if resp.IsValid && resp.Payer != "" && !SameAddress(resp.Payer, from) {
+		return fmt.Sprintf("its answer names payer %s, but the payment is signed by %s", resp.Payer, from)
+	}
+	return ""
+}
+
 // sameAmount reports whether two amounts are the same valid amount.
 func sameAmount(a, b string) bool {
 	x, errA := ParseAmount(a)

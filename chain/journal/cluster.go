@@ -64,10 +64,13 @@ type Cluster interface {
 	// holds never seen mined whose Deadline is before chainTime, no longer count and are deleted. With take
 	// false nothing is written: Hold only answers whether h would be covered.
 	Hold(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, take bool) (ok bool, left *big.Int, err error)
+	// A hold that is Served is marked so by Hold with take (even when h.ID was held already), and stays so.
+	//
 	// HoldMined records that the settlement of the held payment id was mined in block.
 	HoldMined(ctx context.Context, id ID, block uint64) error
-	// Unhold deletes the hold of id (its payment will not move tokens); deleting an absent hold is a no-op.
-	Unhold(ctx context.Context, id ID) error
+	// Unhold deletes the hold of id (its payment will not move tokens); deleting an absent hold is a no-op. With
+	// unlessServed, a Served hold stays: its settlement failed for now, and is tried again.
+	Unhold(ctx context.Context, id ID, unlessServed bool) error
 	// HoldsOf lists the holds of key, oldest first, for a caller that must look at them (a sponsor permit's
 	// nonce). It knows no block or chain time, so it lists every hold not yet deleted: one mined or past its
 	// deadline goes at the next Hold of its key with take.
@@ -116,8 +119,12 @@ type Hold struct {
 	Deadline uint64
 	// Mined is the block its settlement was mined in; 0 until known.
 	Mined uint64
-	// PermitNonce is the token nonce of the sponsor permit its settlement applies; nil when none.
+	// PermitNonce is the token nonce of the EIP-2612 permit its settlement applies (an erc2612 payment's own, or
+	// a gas-sponsoring permit); nil when none.
 	PermitNonce *big.Int
+	// Served says the payment was served before it settles (a gate that settles async): its hold lasts until
+	// it settles, is refused for good or its deadline passes, whoever's settlement attempts fail meanwhile.
+	Served bool
 }
 
 // ErrFenced: UpdateFenced by an instance that no longer holds the lease at that fence.

@@ -968,6 +968,10 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 		}
 		left = new(big.Int).Sub(avail, others)
 		ok = held || left.Cmp(h.Amount) >= 0
+		if take && held && h.Served {
+			_, err = q.Exec(wctx, `UPDATE x402_holds SET served = true WHERE id = $1 AND NOT served`, h.ID[:])
+			return err
+		}
 		if !take || held || !ok {
 			return nil
 		}
@@ -976,9 +980,9 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 			n := h.PermitNonce.String()
 			nonce = &n
 		}
-		_, err = q.Exec(wctx, `INSERT INTO x402_holds (id, hold_key, amount, deadline, mined, permit_nonce)
-VALUES ($1, $2, $3::numeric, $4::numeric, $5::numeric, $6::numeric) ON CONFLICT (id) DO NOTHING`,
-			h.ID[:], h.Key, h.Amount.String(), strconv.FormatUint(h.Deadline, 10), strconv.FormatUint(h.Mined, 10), nonce)
+		_, err = q.Exec(wctx, `INSERT INTO x402_holds (id, hold_key, amount, deadline, mined, permit_nonce, served)
+VALUES ($1, $2, $3::numeric, $4::numeric, $5::numeric, $6::numeric, $7) ON CONFLICT (id) DO NOTHING`,
+			h.ID[:], h.Key, h.Amount.String(), strconv.FormatUint(h.Deadline, 10), strconv.FormatUint(h.Mined, 10), nonce, h.Served)
 		return err
 	}
 	if !take {
@@ -1007,7 +1011,7 @@ AND ((mined <> 0 AND mined <= $2::numeric) OR (mined = 0 AND deadline < $3::nume
 
 // queryHolds reads the holds of key, oldest first.
 func queryHolds(ctx context.Context, q querier, key string) ([]Hold, error) {
-	rows, err := q.Query(ctx, `SELECT id, amount::text, deadline::text, mined::text, permit_nonce::text
+	rows, err := q.Query(ctx, `SELECT id, amount::text, deadline::text, mined::text, permit_nonce::text, served
 FROM x402_holds WHERE hold_key = $1 ORDER BY held_at, id`, key)
 	if err != nil {
 		return nil, err
@@ -1019,11 +1023,12 @@ FROM x402_holds WHERE hold_key = $1 ORDER BY held_at, id`, key)
 			id                      []byte
 			amount, deadline, mined string
 			nonce                   *string
+			served                  bool
 		)
-		if err := rows.Scan(&id, &amount, &deadline, &mined, &nonce); err != nil {
+		if err := rows.Scan(&id, &amount, &deadline, &mined, &nonce, &served); err != nil {
 			return nil, err
 		}
-		h := Hold{Key: key, Amount: new(big.Int)}
+		h := Hold{Key: key, Amount: new(big.Int), Served: served}
 		bad := len(id) != len(h.ID)
 		copy(h.ID[:], id)
 		_, okA := h.Amount.SetString(amount, 10)
@@ -1049,8 +1054,8 @@ func (s *PostgresStore) HoldMined(ctx context.Context, id ID, block uint64) erro
 }
 
 // Unhold implements Cluster.
-func (s *PostgresStore) Unhold(ctx context.Context, id ID) error {
-	return s.execWrite(ctx, "unhold", `DELETE FROM x402_holds WHERE id = $1`, id[:])
+func (s *PostgresStore) Unhold(ctx context.Context, id ID, unlessServed bool) error {
+	return s.execWrite(ctx, "unhold", `DELETE FROM x402_holds WHERE id = $1 AND NOT (served AND $2)`, id[:], unlessServed)
 }
 
 // HoldsOf implements Cluster: every hold of key stored, oldest first. Which of them the chain has caught up

@@ -74,6 +74,10 @@ CREATE TABLE IF NOT EXISTS x402_holds (
 );
 CREATE INDEX IF NOT EXISTS x402_holds_key ON x402_holds (hold_key);
 `,
+	// 2: a hold taken for a payment served before it settles outlives a settlement attempt that failed for now.
+	`
+ALTER TABLE x402_holds ADD COLUMN IF NOT EXISTS served boolean NOT NULL DEFAULT false;
+`,
 }
 
 // ErrSchemaTooNew: OpenPostgres found a database migrated by a newer release than this one, whose schema this

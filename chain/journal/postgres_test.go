@@ -464,10 +464,10 @@ func TestPostgresHoldRules(t *testing.T) {
 	if err != nil || len(hs) != 2 || hs[0].ID != claimOf(3).ID || hs[1].PermitNonce == nil || hs[1].PermitNonce.Cmp(new(big.Int).Lsh(big.NewInt(1), 200)) != 0 {
 		t.Fatalf("HoldsOf = %+v, %v; want holds 3 and 4 (with its permit nonce)", hs, err)
 	}
-	if err := b.Unhold(ctx, claimOf(3).ID); err != nil {
+	if err := b.Unhold(ctx, claimOf(3).ID, false); err != nil {
 		t.Fatal(err)
 	}
-	if err := b.Unhold(ctx, claimOf(3).ID); err != nil {
+	if err := b.Unhold(ctx, claimOf(3).ID, false); err != nil {
 		t.Fatalf("Unhold of an absent hold: %v", err)
 	}
 	if count() != 1 {
@@ -575,7 +575,7 @@ func TestPostgresUnavailableDuringAnOutage(t *testing.T) {
 			return err
 		},
 		"HoldMined": func() error { return s.HoldMined(ctx, id, 1) },
-		"Unhold":    func() error { return s.Unhold(ctx, id) },
+		"Unhold":    func() error { return s.Unhold(ctx, id, false) },
 		"HoldsOf":   func() error { _, err := s.HoldsOf(ctx, "k"); return err },
 	}
 	for name, call := range calls {

@@ -80,6 +80,10 @@ type Record struct {
 	ServedAt time.Time `json:"servedAt,omitzero"`
 	// Async marks a payment accepted before settlement, to be settled in the background.
 	Async bool `json:"async,omitempty"`
+	// Resource is what a gate's payment buys: the request it was first presented for (its method and URL, in the
+	// gate's words), the only one it may be presented again for. Once set it never changes; a record written by
+	// a release before it was kept has none.
+	Resource string `json:"resource,omitempty"`
 	// Deadline is the last moment the payment's authorization can be settled, when its claimant knows it. Prune
 	// keeps a final record until its deadline too: pruned earlier, the payment would look new to Claim while it
 	// can still be presented.
@@ -142,6 +146,10 @@ func checkTransition(prev, next *Record) error {
 	}
 	if next.State.rank() < prev.State.rank() {
 		return fmt.Errorf("%w: record %s cannot move from %q back to %q", ErrInvalidUpdate, prev.ID, prev.State, next.State)
+	}
+	if prev.Resource != "" && next.Resource != prev.Resource {
+		// A payment bound to another resource could buy a second one's response.
+		return fmt.Errorf("%w: record %s buys %q and cannot be bound to %q", ErrInvalidUpdate, prev.ID, prev.Resource, next.Resource)
 	}
 	if prev.Served && (!next.Served || !next.ServedAt.Equal(prev.ServedAt)) {
 		// A payment unmarked as served could buy its response a second time.

@@ -75,8 +75,8 @@ var (
 	ErrNotFound = errors.New("journal: no record")
 	// ErrNotReleasable: Release of a record that is broadcast or final; its transaction may be on chain.
 	ErrNotReleasable = errors.New("journal: record is past claimed and cannot be released")
-	// ErrInvalidUpdate: an update that changes the id, moves the state backwards, unmarks a served payment or
-	// breaks a state's needs.
+	// ErrInvalidUpdate: an update that changes the id, moves the state backwards, unmarks a served payment,
+	// binds a payment to another resource or breaks a state's needs.
 	ErrInvalidUpdate = errors.New("journal: invalid update")
 	// ErrServed: MarkServed of a payment that was served already.
 	ErrServed = errors.New("journal: payment was served already")

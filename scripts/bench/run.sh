@@ -19,14 +19,21 @@ trap 'kill -INT $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
 for i in $(seq 1 150); do curl -s -o /dev/null http://127.0.0.1:18080/ && break; sleep 0.2; done
 CLIENT=${X402_BENCH_CLIENT:-$BIN}
 B="$CLIENT x402 bench --dev --rpc http://127.0.0.1:18545 --json"
-$B -c 1 -n 20 http://127.0.0.1:18080/paid/index.html > /dev/null 2>&1 # warm-up (and the demo payer's Permit2 approval)
+# bench exits non-zero when a request failed (a figure this script reports), when the seller's balance does not
+# match, and when it could make no run (which stop the script): bench FILE ARGS runs it with its report in FILE.
+bench() {
+	local out=$1; shift
+	$B "$@" > "$out" 2>/dev/null || python3 -c 'import json, sys; sys.exit(json.load(open(sys.argv[1])).get("balance_ok") is False)' "$out" 2>/dev/null ||
+		{ echo "bench $*: no report, or the seller's balance does not match what was served" >&2; exit 1; }
+}
+bench "$D/warm-up.json" -c 1 -n 20 http://127.0.0.1:18080/paid/index.html # and the demo payer's Permit2 approval
 for c in 1 8 32; do
 	n=$((c == 1 ? 300 : (c == 8 ? 1000 : 2000)))
-	$B -c $c -n $n http://127.0.0.1:18080/free/index.html > "$D/free-c$c.json" 2>/dev/null
+	bench "$D/free-c$c.json" -c $c -n $n http://127.0.0.1:18080/free/index.html
 	for route in sync:paid async:async; do
 		name=${route%%:*}; path=${route##*:}
 		a=$(wc -l < "$D/caddy.log")
-		$B -c $c -n $n "http://127.0.0.1:18080/$path/index.html" > "$D/$name-c$c.json" 2>/dev/null
+		bench "$D/$name-c$c.json" -c $c -n $n "http://127.0.0.1:18080/$path/index.html"
 		b=$(wc -l < "$D/caddy.log")
 		sed -n "$((a + 1)),${b}p" "$D/caddy.log" > "$D/$name-c$c.log" # the gate's log lines of this run
 	done

@@ -1,51 +1,57 @@
 package caddymodule
 
 import (
+	"context"
 	"io"
 	"net"
 	"net/http"
+	"reflect"
+	"slices"
 	"strings"
 	"time"
+	"unsafe"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/certmagic"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
-
-	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// keyedAccessLog writes the access log entry of a facilitator request that presents an API key, with the key
-// left out. Caddy logs each request's headers as they arrived, copied before the first handler runs, and
-// redacts only Cookie, Set-Cookie, Authorization and Proxy-Authorization (unless the server logs
-// credentials): no handler can add x-api-key to those or change Caddy's copy, and a filter in every log
-// configuration is a step each operator would have to know of. So such a request is marked log_skip, which
-// Caddy honours, and its entry is written here instead: to the loggers Caddy would have chosen, in Caddy's
-// shape, with the key's value written "REDACTED" as Caddy writes Authorization's. What the entry cannot show:
-// fields added with log_append (Caddy keeps them where no handler can read them), and changes an outer handler
-// makes to the answer after the facilitator wrote it (its size once encoded, headers added last).
-type keyedAccessLog struct {
-	logger *zap.Logger // Caddy's own access logger, http.log.access
+// bearerAccessLog writes the access log entry of a request that presents a bearer value in a header (a
+// facilitator's API key, a payment: whoever reads it can present it), with the value left out. Caddy logs each
+// request's headers as they arrived, copied before the first handler runs, and redacts only Cookie,
+// Set-Cookie, Authorization and Proxy-Authorization (unless the server logs credentials): no handler can add
+// other headers to those or change Caddy's copy, and a filter in every log configuration is a step each
+// operator would have to know of. So such a request is marked log_skip, which Caddy honours, and its entry is
+// written here instead: to the loggers Caddy would have chosen, in Caddy's shape, with the values written
+// "REDACTED" as Caddy writes Authorization's. The entry is written once the request has ended, as Caddy's is,
+// with the fields log_append added meanwhile (most are added after the inner handlers returned). What it cannot
+// show: changes an outer handler makes to the answer after the handler wrote it (its size once encoded, headers
+// added last).
+type bearerAccessLog struct {
+	logger  *zap.Logger // Caddy's own access logger, http.log.access
+	headers []string    // the request headers that carry bearer values
 }
 
-// newKeyedAccessLog finds the access logger of Caddy's HTTP app, through which Caddy writes its own entries.
-func newKeyedAccessLog(ctx caddy.Context) *keyedAccessLog {
-	return &keyedAccessLog{logger: ctx.Logger(caddyhttp.App{}).Named("log.access")}
+// newBearerAccessLog finds the access logger of Caddy's HTTP app, through which Caddy writes its own entries,
+// for requests presenting any of headers.
+func newBearerAccessLog(ctx caddy.Context, headers ...string) *bearerAccessLog {
+	return &bearerAccessLog{logger: ctx.Logger(caddyhttp.App{}).Named("log.access"), headers: headers}
 }
 
-// keyedEntry is the access log entry of one request taken over from Caddy.
-type keyedEntry struct {
+// bearerEntry is the access log entry of one request taken over from Caddy.
+type bearerEntry struct {
 	loggers []*zap.Logger
 	request caddyhttp.LoggableHTTPRequest
 	body    *countingBody
 	r       *http.Request
 }
 
-// takeOver tells Caddy not to log r, and returns the entry to write in its place, when r presents an API key
-// that Caddy's entry would show. It returns nil when Caddy's own entry may stand.
-func (l *keyedAccessLog) takeOver(r *http.Request) *keyedEntry {
-	if l == nil || len(r.Header.Values(x402.HeaderAPIKey)) == 0 {
+// takeOver tells Caddy not to log r, and returns the entry to write in its place, when r presents a bearer
+// value that Caddy's entry would show. It returns nil when Caddy's own entry may stand.
+func (l *bearerAccessLog) takeOver(r *http.Request) *bearerEntry {
+	if l == nil || !l.presented(r.Header) {
 		return nil
 	}
 	srv, _ := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
@@ -70,11 +76,11 @@ func (l *keyedAccessLog) takeOver(r *http.Request) *keyedEntry {
 		logged.Method, logged.RemoteAddr, logged.RequestURI = orig.Method, orig.RemoteAddr, orig.RequestURI
 	}
 	for name := range logged.Header {
-		if strings.EqualFold(name, x402.HeaderAPIKey) {
+		if l.bearer(name) {
 			logged.Header[name] = []string{"REDACTED"}
 		}
 	}
-	e := &keyedEntry{
+	e := &bearerEntry{
 		loggers: accessLoggers(l.logger, srv.Logs, r, host),
 		request: caddyhttp.LoggableHTTPRequest{Request: logged},
 		r:       r,
@@ -86,8 +92,24 @@ func (l *keyedAccessLog) takeOver(r *http.Request) *keyedEntry {
 	return e
 }
 
-// write writes the entry of a request answered with status, size bytes of body and the headers in w.
-func (e *keyedEntry) write(w http.ResponseWriter, status, size int) {
+// presented reports whether h carries any of the bearer headers.
+func (l *bearerAccessLog) presented(h http.Header) bool {
+	for name := range h {
+		if l.bearer(name) {
+			return true
+		}
+	}
+	return false
+}
+
+// bearer reports whether a header of this name carries a bearer value.
+func (l *bearerAccessLog) bearer(name string) bool {
+	return slices.ContainsFunc(l.headers, func(h string) bool { return strings.EqualFold(h, name) })
+}
+
+// write writes the entry of a request answered with status, size bytes of body and the headers in w, with any
+// further fields.
+func (e *bearerEntry) write(w http.ResponseWriter, status, size int, more ...zap.Field) {
 	ctx := e.r.Context()
 	var duration time.Duration
 	if start, ok := caddyhttp.GetVar(ctx, "start_time").(time.Time); ok {
@@ -121,13 +143,36 @@ func (e *keyedEntry) write(w http.ResponseWriter, status, size int) {
 		zap.Duration("duration", duration),
 		zap.Int("size", size),
 		zap.Int("status", status),
-		zap.Object("resp_headers", caddyhttp.LoggableHTTPHeader{Header: w.Header()}),
+		zap.Object("resp_headers", caddyhttp.LoggableHTTPHeader{Header: w.Header().Clone()}), // w is not to be read once the request ended
 	}
-	for _, logger := range e.loggers {
-		if c := logger.Check(level, "handled request"); c != nil {
-			c.Write(fields...)
+	fields = append(fields, more...)
+	// The handlers around this one (log_append among them) are still to return: the entry is written when the
+	// request has ended, as Caddy writes its own, so that it holds what they add.
+	context.AfterFunc(ctx, func() {
+		fields := append(fields, extraLogFields(ctx)...)
+		for _, logger := range e.loggers {
+			if c := logger.Check(level, "handled request"); c != nil {
+				c.Write(fields...)
+			}
 		}
+	})
+}
+
+// extraLogFields returns the fields handlers added to the request's access log entry through
+// caddyhttp.ExtraLogFields (log_append). Caddy offers no way to read them back (its ExtraLogFields keeps them
+// in an unexported slice, which only its own logRequest reads), so they are read by reflection: the layout is
+// that of the Caddy version go.mod pins, and TestAPaidSitesAccessLogHoldsNoPaymentHeader fails if an upgrade
+// changes it. Should it change, the entry is written without them rather than not at all.
+func extraLogFields(ctx context.Context) []zapcore.Field {
+	extra, _ := ctx.Value(caddyhttp.ExtraLogFieldsCtxKey).(*caddyhttp.ExtraLogFields)
+	if extra == nil {
+		return nil
 	}
+	f := reflect.ValueOf(extra).Elem().FieldByName("fields")
+	if !f.IsValid() || f.Type() != reflect.TypeFor[[]zapcore.Field]() {
+		return nil
+	}
+	return slices.Clone(*(*[]zapcore.Field)(unsafe.Pointer(f.UnsafeAddr())))
 }
 
 // logsHost reports whether Caddy's server logs requests for host, as its shouldLogRequest decides.
