@@ -161,6 +161,13 @@ func (r *invRun) readEnd(before invBalances) *invEnd {
 		end.consumed[p] = used
 	}
 	r.scanSettlements(end, owner)
+	for _, it := range r.transports {
+		// The Transports learn from the chain what their async and unanswered payments cost, as a client
+		// would once the run is over: what they give back is judged by transport-counts-what-it-signed.
+		if err := it.tr.Reconcile(ctx); err != nil {
+			t.Errorf("worker %d's payer.Transport could not reconcile with the chain: %v", it.worker, err)
+		}
+	}
 	return end
 }
 
@@ -682,8 +689,12 @@ func (r *invRun) checkTransportSpent(end *invEnd) ([]invViolation, string) {
 	var out []invViolation
 	var parts []string
 	for k, b := range bound {
-		spent := k.it.tr.Spent(r.w.facts.Network, k.asset)
+		spent, counted := k.it.tr.Spent(r.w.facts.Network, k.asset), k.it.tr.Signed(r.w.facts.Network, k.asset)
 		parts = append(parts, fmt.Sprintf("worker %d in %s…: signed %s, moved or can still move %s, counted spent %s", k.it.worker, k.asset[:6], signed[k], b, spent))
+		if counted.Cmp(signed[k]) != 0 {
+			out = append(out, invViolation{what: fmt.Sprintf("worker %d's payer.Transport sent payments of %s of %s (its Base saw each), and counts %s signed",
+				k.it.worker, signed[k], k.asset, counted)})
+		}
 		if spent.Cmp(b) < 0 {
 			out = append(out, invViolation{what: fmt.Sprintf("worker %d's payer.Transport counts %s of %s spent, but its payments signed for %s moved or can still move %s on chain: "+
 				"the budget lets it sign more than it can be charged", k.it.worker, spent, k.asset, signed[k], b)})

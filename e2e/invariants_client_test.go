@@ -3,6 +3,7 @@ package e2e
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -85,7 +86,7 @@ func (a *invAnswer) String() string {
 	if a.settle != nil {
 		switch {
 		case a.settle.Success:
-			s += fmt.Sprintf(" settled %s tx %s", cmpOr(a.settle.Amount, "?"), shortHash(a.settle.Transaction))
+			s += fmt.Sprintf(" settled %s tx %s", cmp.Or(a.settle.Amount, "?"), shortHash(a.settle.Transaction))
 		case a.settle.Pending():
 			s += " pending"
 		default:
@@ -94,13 +95,6 @@ func (a *invAnswer) String() string {
 	}
 	if a.note != "" {
 		s += " (" + a.note + ")"
-	}
-	return s
-}
-
-func cmpOr(s, def string) string {
-	if s == "" {
-		return def
 	}
 	return s
 }
@@ -130,7 +124,7 @@ func (p *invPayment) String() string {
 	}
 	use := ""
 	if p.route.scheme == x402.SchemeUpto {
-		use = ", upstream names " + cmpOr(p.use, "none")
+		use = ", upstream names " + cmp.Or(p.use, "none")
 	}
 	by := ""
 	if p.transport >= 0 {
@@ -203,8 +197,6 @@ type invShape struct {
 	weight int
 	fits   func(rk *routeKind, path string) bool
 }
-
-func anyRoute(*routeKind, string) bool { return true }
 
 func upstreamRoute(rk *routeKind, _ string) bool { return rk.serve == serveUpstream }
 
@@ -353,12 +345,6 @@ func (c *invClient) closeIdle() {
 	for _, tr := range c.all {
 		tr.CloseIdleConnections()
 	}
-}
-
-// invTarget is where a presentation goes.
-type invTarget struct {
-	gate int
-	res  invResource
 }
 
 // send presents payment p to gateway base (the gateway's URL) for res in shape, and returns the answer; the

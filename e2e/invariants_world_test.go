@@ -506,16 +506,6 @@ func (p *invProc) stop() {
 	}
 }
 
-// output is everything the process's current run printed.
-func (p *invProc) output() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.proc == nil {
-		return ""
-	}
-	return p.proc.out.String()
-}
-
 // reload loads the Caddyfile of price generation gen through the admin API, as `caddy reload` does.
 func (p *invProc) reload(gen int) error {
 	config := p.config(gen)
