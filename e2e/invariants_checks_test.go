@@ -665,12 +665,19 @@ func (r *invRun) checkNoRevert(end *invEnd) ([]invViolation, string) {
 
 func (r *invRun) checkTransportSpent(end *invEnd) ([]invViolation, string) {
 	// What each Transport's payments cost, as far as the chain can tell: what a spent authorization moved, and
-	// the whole of one that can still be settled (its nonce unspent, its deadline a day away).
+	// the whole of one that can still be settled (its nonce unspent, its deadline not passed by chain time).
 	type key struct {
 		it    *invTransport
 		asset string
 	}
 	bound, signed := map[key]*big.Int{}, map[key]*big.Int{}
+	ctx, cancel := rpcContext()
+	head, err := r.w.dev.client.HeaderByNumber(ctx, nil)
+	cancel()
+	if err != nil {
+		r.t.Fatalf("reading the head block: %v", err)
+	}
+	chainNow := time.Unix(int64(head.Time), 0)
 	for _, p := range r.snapshot() {
 		if p.transport < 0 {
 			continue
@@ -680,9 +687,12 @@ func (r *invRun) checkTransportSpent(end *invEnd) ([]invViolation, string) {
 			bound[k], signed[k] = new(big.Int), new(big.Int)
 		}
 		signed[k].Add(signed[k], p.amount)
-		if end.consumed[p] {
+		switch pl, err := x402.DecodePaymentPayload(p.header); {
+		case end.consumed[p]:
 			bound[k].Add(bound[k], orZero(end.charged[p]))
-		} else {
+		case err == nil && !pl.Payload.Deadline().After(chainNow):
+			// Expired unspent: Permit2 refuses it from now on, so it can move nothing.
+		default:
 			bound[k].Add(bound[k], p.amount)
 		}
 	}

@@ -39,6 +39,9 @@ const (
 	invPayers         = 12
 )
 
+// invValidity is how long the gates' offers (max_timeout) and the payers' payments are valid.
+const invValidity = 24 * time.Hour
+
 // invMaxBuffer is the gates' max_buffer: a larger response streams, and only a streamed response can be cut
 // short by its client before the gate has written all of it.
 const invMaxBuffer = 64 << 10
@@ -158,7 +161,7 @@ func (rk *routeKind) caddy(w *invWorld, gen int) string {
 		price = rk.altPrice
 	}
 	fmt.Fprintf(&b, "\t\tx402 {\n\t\t\t%s\n\t\t\tpay_to %s\n\t\t\tscheme %s\n\t\t\tasset %s\n", price, rk.payTo.Hex(), rk.scheme, rk.asset.Hex())
-	fmt.Fprintf(&b, "\t\t\tasset_transfer_method %s\n\t\t\tsettle %s\n\t\t\tmax_timeout 24h\n\t\t\tmax_buffer %d\n", rk.method, rk.settle, invMaxBuffer)
+	fmt.Fprintf(&b, "\t\t\tasset_transfer_method %s\n\t\t\tsettle %s\n\t\t\tmax_timeout %s\n\t\t\tmax_buffer %d\n", rk.method, rk.settle, invValidity, invMaxBuffer)
 	if rk.defaultAmount != "" {
 		fmt.Fprintf(&b, "\t\t\tdefault_amount %s\n", rk.defaultAmount)
 	}
@@ -277,7 +280,10 @@ func startWorld(t *testing.T, topo invTopology) *invWorld {
 	}
 	for i := range invPayers {
 		key := devchain.PayerKeyN(i)
-		p, err := payer.New(key, payer.Options{RPC: w.facts.RPC})
+		// Valid as long as the gates' offers say (max_timeout 24h): with a block per transaction the chain's
+		// time runs ahead of the wall clock, a second a block, and a payment cut short early in the run is
+		// presented again at its end.
+		p, err := payer.New(key, payer.Options{RPC: w.facts.RPC, MaxValidity: invValidity})
 		if err != nil {
 			t.Fatal(err)
 		}
