@@ -526,7 +526,7 @@ func (r *invRun) checkNoPayAgain(end *invEnd) ([]invViolation, string) {
 		home := p.home()
 		p.mu.Lock()
 		for _, a := range p.answers {
-			if a.res != home || a.status != http.StatusPaymentRequired || alreadyUsed(a.note) || p.servedBefore(a) {
+			if a.res != home || a.status != http.StatusPaymentRequired || !a.final || alreadyUsed(a.note) || p.servedBefore(a) {
 				continue
 			}
 			// A refusal is true if nothing was charged until a later presentation of the same payment settled it.

@@ -448,7 +448,10 @@ func (r *invRun) judge(a *invAnswer, p *invPayment, resp *http.Response, body []
 	switch {
 	case resp.StatusCode == http.StatusPaymentRequired:
 		a.note = refusalReason(resp, body)
-		a.final = !strings.Contains(a.note, "another request is presenting")
+		// Not final: another request presents the payment right now, or the gateway offers no way to pay at all
+		// right now (a 402 that names nothing to pay instead cannot be a "pay again"; a later answer decides).
+		pr, err := x402.DecodePaymentRequired(resp.Header.Get(x402.HeaderPaymentRequired))
+		a.final = !strings.Contains(a.note, "another request is presenting") && (err != nil || len(pr.Accepts) > 0)
 		return
 	case resp.StatusCode >= 500 || resp.StatusCode == http.StatusRequestTimeout || resp.StatusCode == http.StatusTooManyRequests:
 		a.note = shorten(string(body))
