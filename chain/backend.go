@@ -14,6 +14,7 @@ import (
 
 	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/core/types"
 	"github.com/ethereum/go-ethereum/ethclient"
 	"github.com/ethereum/go-ethereum/rpc"
@@ -157,7 +158,7 @@ func (f *Failover) BlockReceipts(ctx context.Context, n rpc.BlockNumberOrHash) (
 // or "not found"), as opposed to a failure to reach it. Answers are never retried on another endpoint: another
 // node would say the same.
 func isAnswer(err error) bool {
-	if err == nil || errors.Is(err, ethereum.NotFound) || errors.Is(err, errNoBlockReceipts) || errors.Is(err, errNoBatch) {
+	if err == nil || errors.Is(err, ethereum.NotFound) || errors.Is(err, errNoBlockReceipts) || errors.Is(err, errNoBatch) || errors.Is(err, errNoBlockOverrides) {
 		return true
 	}
 	var rpcErr rpc.Error
@@ -474,6 +475,85 @@ func (f *Failover) TransactionByHash(ctx context.Context, h common.Hash) (*types
 		return r{tx, p}, err
 	})
 	return v.tx, v.pending, err
+}
+
+// errNoBlockOverrides says a backend cannot run an eth_call in another block's context (block overrides): the
+// call runs in the head block's.
+var errNoBlockOverrides = errors.New("the backend does not take block overrides in eth_call")
+
+// blockOverrideCaller is a backend that runs an eth_call with block overrides (number, time), the fourth
+// parameter of eth_call that geth, reth and most node software take.
+type blockOverrideCaller interface {
+	CallContractInBlock(ctx context.Context, msg ethereum.CallMsg, block *ethereum.BlockOverrides) ([]byte, error)
+}
+
+// rawRPCClient is a backend that hands out its JSON-RPC client: go-ethereum's ethclient.Client.
+type rawRPCClient interface {
+	Client() *rpc.Client
+}
+
+// callContractInBlock runs msg as an eth_call at the latest state in the block context block describes, through
+// b's JSON-RPC client; errNoBlockOverrides when b has none, or its node refuses the parameter.
+func callContractInBlock(ctx context.Context, b Backend, msg ethereum.CallMsg, block *ethereum.BlockOverrides) ([]byte, error) {
+	if c, ok := b.(blockOverrideCaller); ok {
+		return c.CallContractInBlock(ctx, msg, block)
+	}
+	c, ok := b.(rawRPCClient)
+	if !ok {
+		return nil, errNoBlockOverrides
+	}
+	var out hexutil.Bytes
+	err := c.Client().CallContext(ctx, &out, "eth_call", callArg(msg), "latest", nil, block)
+	if err != nil && refusesBlockOverrides(err) {
+		return nil, fmt.Errorf("%w: %v", errNoBlockOverrides, err)
+	}
+	return out, err
+}
+
+// refusesBlockOverrides reports whether a node's error says it does not take eth_call's fourth parameter.
+func refusesBlockOverrides(err error) bool {
+	var rpcErr rpc.Error
+	if errors.As(err, &rpcErr) && rpcErr.ErrorCode() == -32602 {
+		return true // invalid params
+	}
+	msg := strings.ToLower(err.Error())
+	return strings.Contains(msg, "too many arguments") || strings.Contains(msg, "blockoverrides") || strings.Contains(msg, "block override")
+}
+
+// callArg is the eth_call transaction object of msg, as go-ethereum's ethclient writes it.
+func callArg(msg ethereum.CallMsg) map[string]any {
+	arg := map[string]any{"from": msg.From, "to": msg.To}
+	if len(msg.Data) > 0 {
+		arg["input"] = hexutil.Bytes(msg.Data)
+	}
+	if msg.Value != nil {
+		arg["value"] = (*hexutil.Big)(msg.Value)
+	}
+	if msg.Gas != 0 {
+		arg["gas"] = hexutil.Uint64(msg.Gas)
+	}
+	if msg.GasPrice != nil {
+		arg["gasPrice"] = (*hexutil.Big)(msg.GasPrice)
+	}
+	if msg.GasFeeCap != nil {
+		arg["maxFeePerGas"] = (*hexutil.Big)(msg.GasFeeCap)
+	}
+	if msg.GasTipCap != nil {
+		arg["maxPriorityFeePerGas"] = (*hexutil.Big)(msg.GasTipCap)
+	}
+	return arg
+}
+
+// CallContractInBlock runs an eth_call with block overrides through the node.
+func (c *RPCClient) CallContractInBlock(ctx context.Context, msg ethereum.CallMsg, block *ethereum.BlockOverrides) ([]byte, error) {
+	return callContractInBlock(ctx, c.Client, msg, block)
+}
+
+// CallContractInBlock runs an eth_call with block overrides on the first endpoint that answers; an endpoint
+// that cannot take them answers errNoBlockOverrides, which is not retried elsewhere (the caller then calls
+// without them).
+func (f *Failover) CallContractInBlock(ctx context.Context, msg ethereum.CallMsg, block *ethereum.BlockOverrides) ([]byte, error) {
+	return do(ctx, f, func(ctx context.Context, b Backend) ([]byte, error) { return callContractInBlock(ctx, b, msg, block) })
 }
 
 var _ Backend = (*Failover)(nil)

@@ -10,6 +10,7 @@ import (
 	"math/big"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
@@ -83,6 +84,11 @@ type NetworkConfig struct {
 	// PayTo, when not empty, are the only recipients payments may be for; a payment to another is refused with
 	// invalid_payment_requirements before any chain call. Empty: any recipient.
 	PayTo []common.Address
+	// RevertPenalty is how long a payer whose settlement transaction was mined and reverted is refused, at
+	// verification and at settlement, before any chain call: such a revert, after a simulation run as the
+	// transaction runs, is the payer's doing (see penalties). Zero means DefaultRevertPenalty (10 minutes);
+	// negative: never refused.
+	RevertPenalty time.Duration
 	// SmartWalletFactories are the ERC-6492 factories through which this facilitator deploys a payer's
 	// undeployed smart wallet before settling its payment (the deployment is a transaction of its own, sent
 	// with arbitrary calldata, so only factories the operator trusts). Empty: payments of undeployed wallets
@@ -184,6 +190,12 @@ type network struct {
 	headTTL time.Duration
 	head    sharedRead[*types.Header]
 	now     func() time.Time
+
+	// penalties are the payers refused after a settlement of theirs reverted.
+	penalties *penalties
+	// noBlockOverrides says the node refused block overrides in eth_call once: simulations run at the head.
+	noBlockOverrides atomic.Bool
+	log              *zap.Logger
 }
 
 // chainHead is the head block, shared for headTTL between callers. Callers that come while it is being read
@@ -332,6 +344,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		sender: newSender(backend, chainID, nc.Fees, f.now), watcher: newReceiptWatcher(backend, nc.ReceiptPoll),
 		reads:   &callBatcher{backend: backend},
 		timeout: nc.ReceiptTimeout, low: nc.lowBalance, headTTL: nc.HeadCacheTTL, now: f.now, skew: nc.DeadlineSkew,
+		penalties: newPenalties(nc.RevertPenalty, f.now), log: f.log,
 	}
 	if n.permit2 == (common.Address{}) {
 		n.permit2 = contracts.Permit2Address

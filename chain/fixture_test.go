@@ -60,7 +60,7 @@ func newFixture(t testing.TB, o fixtureOpts) *fixture {
 		nWallets = len(c.Wallets)
 	}
 	nc := chain.NetworkConfig{
-		Network: fx.net, Backend: c.Client,
+		Network: fx.net, Backend: c.EthClient,
 		Assets:         []chain.AssetConfig{{Address: c.Token, Name: "Stable Coin", Version: "1", Decimals: 6}},
 		ReceiptTimeout: o.receiptTimeout, ReceiptPoll: 2 * time.Millisecond,
 	}

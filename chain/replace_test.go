@@ -9,6 +9,7 @@ import (
 
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/rpc"
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
@@ -29,6 +30,12 @@ func (s *stingyBackend) HeaderByNumber(ctx context.Context, n *big.Int) (*types.
 		h.BaseFee = big.NewInt(1)
 	}
 	return h, err
+}
+
+// Client is the node's JSON-RPC client, through which the engine simulates a settlement in the next block's
+// context: a block whose base fee the stingy quote pays, as a block that takes the stuck transaction would.
+func (s *stingyBackend) Client() *rpc.Client {
+	return s.Backend.(interface{ Client() *rpc.Client }).Client()
 }
 
 func (s *stingyBackend) SuggestGasTipCap(ctx context.Context) (*big.Int, error) {

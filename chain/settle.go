@@ -270,11 +270,32 @@ func (f *Facilitator) settleNothing(ctx context.Context, p *payment) (x402.Settl
 // signed transactions in the journal before they leave. It returns the hash of the transaction that moves the
 // tokens; a refusal when the payment must not be sent (nothing was); an error when the chain could not be asked
 // (nothing was sent either).
+//
+// The wallet is taken and the fees quoted before the chain checks: the contract wallet's signature and the
+// settlement call are simulated from that wallet, with those fees and the gas limits the transactions carry, in
+// the next block (see execution), and the transactions are sent exactly so.
 func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *refusal, error) {
 	n := p.net
+	if ref := n.penalties.refuse(p); ref != nil {
+		return common.Hash{}, ref, nil
+	}
 	if ref := p.checkTime(ctx); ref != nil {
 		return common.Hash{}, ref, nil
 	}
+	// The erc2612 permit's spender and the upto witness's facilitator are the only wallets that can send theirs.
+	// With leases, a wallet another process holds stays busy here, and the settlement gets no_available_wallets.
+	w, err := n.pool.Acquire(ctx, p.namedSender())
+	if errors.Is(err, errNoAvailableWallets) {
+		return common.Hash{}, refuse(x402.ReasonNoAvailableWallets, "%s; retry in 1 to 2 seconds", x402.MessageNoAvailableWallets), nil
+	} else if err != nil {
+		return common.Hash{}, nil, err
+	}
+	defer n.pool.Release(w)
+	quote, err := n.sender.feeQuote(ctx)
+	if err != nil {
+		return common.Hash{}, nil, fmt.Errorf("nothing was sent: %w: %w", errNodeNotAsked, err)
+	}
+	p.exec = newExecution(w.Address, quote, p.head, p.mineAt)
 	if ref, err := p.checkWallet(ctx); err != nil || ref != nil {
 		return common.Hash{}, ref, err
 	}
@@ -285,23 +306,10 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 	if ref, err := p.checkChain(ctx, fundsSettle); err != nil || ref != nil {
 		return common.Hash{}, ref, err
 	}
-	calls, from, err := p.settlementCalls(ctx)
+	calls, err := p.settlementCalls()
 	if err != nil {
 		return common.Hash{}, nil, err
 	}
-	var want *common.Address
-	if p.method == x402.TransferERC2612 || p.upto() {
-		// Only that wallet can: the erc2612 permit's spender, the upto witness's facilitator. With leases, a
-		// wallet another process holds stays busy here, and the settlement gets no_available_wallets.
-		want = &from
-	}
-	w, err := n.pool.Acquire(ctx, want)
-	if errors.Is(err, errNoAvailableWallets) {
-		return common.Hash{}, refuse(x402.ReasonNoAvailableWallets, "%s; retry in 1 to 2 seconds", x402.MessageNoAvailableWallets), nil
-	} else if err != nil {
-		return common.Hash{}, nil, err
-	}
-	defer n.pool.Release(w)
 
 	f.markSending(p.id, true)
 	defer f.markSending(p.id, false)
@@ -314,7 +322,7 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 	// transaction's nonce went to another): that transaction stays among the record's hashes, and a refusal now
 	// does not release the record, for that transaction may be the one that mined.
 	var sentBefore, seen bool
-	txs, err := n.sender.send(sendCtx, w, calls, func(txs []*types.Transaction) error {
+	txs, err := n.sender.send(sendCtx, w, calls, quote, func(txs []*types.Transaction) error {
 		raws := make([][]byte, len(txs))
 		for i, tx := range txs {
 			var err error
@@ -454,8 +462,10 @@ func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, r
 		resp = x402.SettleResponse{Success: false, Transaction: receipt.TxHash.Hex(), Network: n.caip2, Payer: payer,
 			ErrorReason: reason, ErrorMessage: "the settlement transaction was mined but reverted; no tokens moved"}
 	}
+	decidedBefore := false
 	if _, err := f.journal.Update(context.WithoutCancel(ctx), id, func(r *journal.Record) error {
-		if r.State == journal.StateFinal {
+		decidedBefore = r.State == journal.StateFinal
+		if decidedBefore {
 			if r.Response != nil {
 				resp = *r.Response // decided before: the answer given then stays the answer
 			}
@@ -471,8 +481,19 @@ func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, r
 	} else {
 		n.funds.let(id)
 	}
-	f.log.Info("settlement final", zap.String("network", n.caip2), zap.String("payer", payer), zap.String("amount", amount),
-		zap.String("tx", receipt.TxHash.Hex()), zap.Bool("success", resp.Success), zap.Uint64("block", receipt.BlockNumber.Uint64()))
+	if receipt.Status == types.ReceiptStatusSuccessful || decidedBefore {
+		f.log.Info("settlement final", zap.String("network", n.caip2), zap.String("payer", payer), zap.String("amount", amount),
+			zap.String("tx", receipt.TxHash.Hex()), zap.Bool("success", resp.Success), zap.Uint64("block", receipt.BlockNumber.Uint64()))
+		return resp
+	}
+	// The settlement passed its simulation, run as the transaction ran, and reverted on chain: the settlement
+	// wallet paid the gas and no token moved. The payer's state changed in between (see penalties): its
+	// payments are refused for a while.
+	pen := n.penalties.note(common.HexToAddress(payer), receipt.TxHash, receipt.BlockNumber.Uint64())
+	f.log.Error("settlement transaction reverted: the settlement wallet paid its gas and no tokens moved; the payer's payments are refused for a while",
+		zap.String("network", n.caip2), zap.String("payer", payer), zap.String("amount", amount), zap.String("tx", receipt.TxHash.Hex()),
+		zap.Uint64("block", receipt.BlockNumber.Uint64()), zap.Uint64("gas_used", receipt.GasUsed), zap.Time("refused_until", pen.until),
+		zap.Int("reverts", pen.reverts))
 	return resp
 }
 

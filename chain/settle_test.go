@@ -129,9 +129,10 @@ func assertMoved(t *testing.T, fx *fixture, payer common.Address, payerBefore, s
 }
 
 // A final record outlives the retention until its payment's deadline has passed (pruned earlier, a presentation
-// of the payment would be new to the journal); once pruned, the payment presented again is refused by its nonce
-// on chain, and nothing is sent.
-func TestAPaymentPresentedAfterItsRecordWasPrunedIsRefusedByItsNonceNotSettledAgain(t *testing.T) {
+// of the payment would be new to the journal); once pruned, the payment presented again is refused, and nothing
+// is sent: by its deadline, which the facilitator's clock is past (its nonce, spent on chain, would refuse it
+// too).
+func TestAPaymentPresentedAfterItsRecordWasPrunedIsRefusedNotSettledAgain(t *testing.T) {
 	var ahead atomic.Int64 // how far the facilitator's clock runs ahead of the wall clock
 	fx := newFixture(t, fixtureOpts{configure: func(cfg *chain.Config) {
 		cfg.Retention, cfg.ReconcileEvery = 200*time.Millisecond, 50*time.Millisecond
@@ -160,8 +161,8 @@ func TestAPaymentPresentedAfterItsRecordWasPrunedIsRefusedByItsNonceNotSettledAg
 		}
 	}
 	again := fx.settle(req)
-	if again.Success || again.ErrorReason != x402.ReasonPermit2InvalidNonce || again.Transaction != "" {
-		t.Fatalf("settle after pruning = %+v, want %s with nothing sent", again, x402.ReasonPermit2InvalidNonce)
+	if again.Success || again.ErrorReason != x402.ReasonPermit2DeadlineExpired || again.Transaction != "" {
+		t.Fatalf("settle after pruning = %+v, want %s with nothing sent", again, x402.ReasonPermit2DeadlineExpired)
 	}
 	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
 }

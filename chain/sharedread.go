@@ -73,3 +73,11 @@ func (s *sharedRead[T]) forget() {
 	s.ok = false
 	s.mu.Unlock()
 }
+
+// last returns the value read last, however long ago, without reading; ok is false when none was read yet (or
+// it was forgotten).
+func (s *sharedRead[T]) last() (v T, ok bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.val, s.ok
+}

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"slices"
 
-	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/common/hexutil"
 
@@ -74,8 +73,10 @@ func (p *payment) checkContractSignature(ctx context.Context, reason string) (*r
 	var ret []byte
 	switch {
 	case len(code) > 0:
-		out, err := n.backend.CallContract(ctx, ethereum.CallMsg{To: &p.payer, Data: check}, nil)
-		if err != nil && !isRevert(err) {
+		// Asked as the settlement asks it (see execution): a wallet must not answer the engine otherwise than
+		// the mined transaction.
+		out, err := p.call(ctx, &p.payer, check, walletCheckGas)
+		if err != nil && !failsOnChain(err) {
 			return nil, err
 		}
 		ret = out
@@ -103,16 +104,18 @@ func (p *payment) checkContractSignature(ctx context.Context, reason string) (*r
 // errDeployFailed is the revert of DeployThenCall when the factory does not deploy the wallet.
 var errDeployFailed = fmt.Errorf("the factory did not deploy the wallet")
 
-// afterDeploy makes calls in an eth_call where p's counterfactual wallet has been deployed by its factory. A
-// nil result with a nil error means the deployment failed (errDeployFailed is returned then).
+// afterDeploy makes calls in an eth_call where p's counterfactual wallet has been deployed by its factory, as
+// the settlement's transactions run (see execution: their sender, fees and block; the gas of the deployment
+// and a settlement call). A nil result with a nil error means the deployment failed (errDeployFailed is
+// returned then).
 func (p *payment) afterDeploy(ctx context.Context, calls ...contracts.Call) ([]contracts.CallResult, error) {
 	data, err := contracts.PackDeployThenCall(p.payer, p.wallet.factory, p.wallet.data, calls)
 	if err != nil {
 		return nil, err
 	}
-	out, err := p.net.backend.CallContract(ctx, ethereum.CallMsg{From: p.net.pool.Addresses()[0], Data: data}, nil)
+	out, err := p.call(ctx, nil, data, walletDeployGas+uint64(len(calls))*settleWithPermitGas)
 	if err != nil {
-		if isRevert(err) {
+		if failsOnChain(err) {
 			return nil, fmt.Errorf("%w: %s", errDeployFailed, revertReason(err))
 		}
 		return nil, err

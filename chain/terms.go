@@ -64,11 +64,16 @@ func (t paymentTerms) check(p *payment) *refusal {
 // (a reload may have tightened them since), may have been broadcast, and a retry must get its answer, not a
 // refusal that tells the payer to pay again. Only a new payment is refused, with nothing claimed or sent.
 //
+// So is the penalty of a payer whose settlement reverted (see penalties).
+//
 // A contract wallet's signature is judged here too, by the chain, before the journal is claimed in its payer's
 // name: a payload must prove its payer before it can occupy its payer's nonce. The error is for a chain that
 // could not be asked.
 func (f *Facilitator) admitSettlement(ctx context.Context, p *payment) (*refusal, error) {
 	ref := p.net.terms.check(p)
+	if ref == nil {
+		ref = p.net.penalties.refuse(p)
+	}
 	if ref == nil && !p.contractSig {
 		return nil, nil
 	}
@@ -78,5 +83,8 @@ func (f *Facilitator) admitSettlement(ctx context.Context, p *payment) (*refusal
 	if ref != nil {
 		return ref, nil
 	}
-	return p.checkWallet(ctx)
+	ref, err := p.checkWallet(ctx)
+	// Asked before chain time was read: the settlement asks again in the next block's context, from its wallet.
+	p.exec = nil
+	return ref, err
 }

@@ -118,17 +118,14 @@ var errNodeNotAsked = errors.New("the node could not be asked for what the settl
 // unknown: they may be in a mempool. They keep their nonces and are re-broadcast as they are, never re-signed.
 var errBroadcastUnknown = errors.New("the node could not be reached while broadcasting; the transaction may have been sent")
 
-// send signs calls with consecutive nonces of w, hands them to record (the write-ahead journal entry) and
-// broadcasts them in order. It returns the transactions that may have reached a node. A nonce conflict
-// (another sender used the wallet, or a restart forgot pending transactions) re-reads the pending nonce and
-// re-signs before anything of the batch went out.
-func (s *sender) send(ctx context.Context, w *wallet, calls []contractCall, record func([]*types.Transaction) error) ([]*types.Transaction, error) {
+// send signs calls with consecutive nonces of w, priced by q (the quote the settlement was simulated with), hands
+// them to record (the write-ahead journal entry) and broadcasts them in order. It returns the transactions that
+// may have reached a node. A nonce conflict (another sender used the wallet, or a restart forgot pending
+// transactions) re-reads the pending nonce and re-signs before anything of the batch went out.
+func (s *sender) send(ctx context.Context, w *wallet, calls []contractCall, q *feeQuote, record func([]*types.Transaction) error) ([]*types.Transaction, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	q, err := s.feeQuote(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("%w: %w", errNodeNotAsked, err)
-	}
+	var err error
 	for attempt := 0; ; attempt++ {
 		if !w.synced {
 			n, err := s.backend.PendingNonceAt(ctx, w.Address)

@@ -21,8 +21,9 @@ import (
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// deadlineMargin is how long a signed authorization must stay valid after verification: settlement needs a
-// block or two, and a permit that expires in flight costs gas for nothing.
+// deadlineMargin is how long a signed authorization must stay valid after the earliest time the settlement can
+// be mined at (see checkTime): settlement needs a block or two, and a permit that expires in flight costs gas
+// for nothing.
 const deadlineMargin = 6
 
 // refusal is a payment the facilitator will not settle: a reason code from x402 and a message a person can act on.
@@ -74,6 +75,10 @@ type payment struct {
 	claim  journal.Record
 	digest common.Hash   // what the payer signed
 	head   *types.Header // the head block checkTime read chain time from; nil when it could not be read
+	// mineAt is the earliest timestamp of the block the settlement can land in (see checkTime).
+	mineAt uint64
+	// exec is how the settlement transaction runs, which every eth_call standing for it runs as (see execution).
+	exec *execution
 	// maxTimeout is the requirements' maxTimeoutSeconds: the deadline may lie no further beyond chain time.
 	maxTimeout int64
 	// permitApplied (erc2612) says a permit transaction of this very settlement mined: the permit nonce it spent
@@ -200,6 +205,9 @@ func (f *Facilitator) verify(ctx context.Context, req x402.VerifyRequest, use fu
 		ref = p.net.terms.check(p)
 	}
 	if ref == nil {
+		ref = p.net.penalties.refuse(p)
+	}
+	if ref == nil {
 		ref = p.checkTime(ctx)
 	}
 	if ref == nil {
@@ -232,6 +240,11 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 	// Only permit2: its nonce is one storage read of the canonical Permit2. An eip3009 nonce lives where each
 	// token keeps it, and asking authorizationState costs the call the simulation would.
 	if p.method != x402.TransferPermit2 || !p.tracksFunds() || p.net.funds.ttl <= 0 {
+		return false
+	}
+	if p.contractSig {
+		// A contract wallet's consent can depend on how its settlement runs (the gas price, the sender, the
+		// block): only the simulation of that settlement can vouch for it, never a read of its funds.
 		return false
 	}
 	if _, known, err := f.journal.Get(ctx, p.id); err != nil || known {
@@ -569,44 +582,64 @@ func (p *payment) checkFarDeadline(chainNow uint64) *refusal {
 		field, d, p.maxTimeout, skew, now, latest)
 }
 
-// checkTime checks the validity window against chain time: the head block's timestamp, not the wall clock.
+// checkTime checks the validity window against the time the settlement can be mined at: the timestamp of the
+// next block, which is at least one second past the head's and, on a chain whose blocks are stamped with the
+// wall clock, no earlier than this machine's clock. A chain that seals only when transactions come (a dev
+// chain) may have sat idle for minutes: its head is that old, and its next block jumps to the wall clock, past
+// a deadline the head allows; on any chain a deadline closer than that plus deadlineMargin (a block or two)
+// would expire in flight, and the settlement revert at the settlement wallet's expense. The time is read from
+// the head block and the engine's clock (which the tests control), and kept for the simulation, which runs in
+// that next block's context (see execution).
 func (p *payment) checkTime(ctx context.Context) *refusal {
 	head, err := p.net.chainHead(ctx)
 	if err != nil {
 		// No chain time: the chain checks that follow will report the node as unreachable.
 		return nil
 	}
-	p.head = head
-	now := new(big.Int).SetUint64(head.Time)
-	minDeadline := new(big.Int).SetUint64(head.Time + deadlineMargin)
+	wall := p.setHead(head)
 	if ref := p.checkFarDeadline(head.Time); ref != nil {
 		return ref
 	}
+	mineAt := new(big.Int).SetUint64(p.mineAt)
+	minDeadline := new(big.Int).SetUint64(p.mineAt + deadlineMargin)
+	// tooClose says why a deadline is refused: when the settlement would be mined, and from what.
+	tooClose := func() string {
+		return fmt.Sprintf("the settlement would land in the next block, stamped %d at the earliest (the head block %s is stamped %d, this facilitator's clock reads %d), and needs %ds more to be mined",
+			p.mineAt, head.Number, head.Time, wall, deadlineMargin)
+	}
 	if p.method == x402.TransferPermit2 {
 		if p.p2.Deadline.Cmp(minDeadline) < 0 {
-			return refuse(x402.ReasonPermit2DeadlineExpired, "%s: permit2Authorization.deadline %s is not at least %ds after chain time %s; sign again with a fresh deadline", x402.MessagePermitExpired, p.p2.Deadline, deadlineMargin, now)
+			return refuse(x402.ReasonPermit2DeadlineExpired, "%s: permit2Authorization.deadline %s is too close: %s; sign again with a later deadline", x402.MessagePermitExpired, p.p2.Deadline, tooClose())
 		}
-		if p.p2.ValidAfter.Cmp(now) > 0 {
-			return refuse(x402.ReasonPermit2NotYetValid, "permit2Authorization.witness.validAfter %s is after chain time %s", p.p2.ValidAfter, now)
+		if p.p2.ValidAfter.Cmp(mineAt) > 0 {
+			return refuse(x402.ReasonPermit2NotYetValid, "permit2Authorization.witness.validAfter %s is after %s, the earliest time of the next block", p.p2.ValidAfter, mineAt)
 		}
 		if sp := p.sponsor; sp != nil && sp.err == nil && sp.permit.Deadline.Cmp(minDeadline) < 0 {
-			sp.err = refuse(x402.ReasonEIP2612DeadlineExpired, "eip2612GasSponsoring.info.deadline %s is not at least %ds after chain time %s", sp.permit.Deadline, deadlineMargin, now)
+			sp.err = refuse(x402.ReasonEIP2612DeadlineExpired, "eip2612GasSponsoring.info.deadline %s is too close: %s", sp.permit.Deadline, tooClose())
 		}
 		return nil
 	}
 	if p.method == x402.TransferEIP3009 {
 		if p.auth.ValidBefore.Cmp(minDeadline) < 0 {
-			return refuse(x402.ReasonValidBefore, "authorization.validBefore %s is not at least %ds after chain time %s; sign again with a fresh validBefore", p.auth.ValidBefore, deadlineMargin, now)
+			return refuse(x402.ReasonValidBefore, "authorization.validBefore %s is too close: %s; sign again with a later validBefore", p.auth.ValidBefore, tooClose())
 		}
-		if p.auth.ValidAfter.Cmp(now) > 0 {
-			return refuse(x402.ReasonValidAfter, "authorization.validAfter %s is after chain time %s", p.auth.ValidAfter, now)
+		if p.auth.ValidAfter.Cmp(mineAt) > 0 {
+			return refuse(x402.ReasonValidAfter, "authorization.validAfter %s is after %s, the earliest time of the next block", p.auth.ValidAfter, mineAt)
 		}
 		return nil
 	}
 	if p.permit.Deadline.Cmp(minDeadline) < 0 {
-		return refuse(x402.ReasonValidBefore, "%s: authorization.validBefore %s is not at least %ds after chain time %s; sign again with a fresh deadline", x402.MessagePermitExpired, p.permit.Deadline, deadlineMargin, now)
+		return refuse(x402.ReasonValidBefore, "%s: authorization.validBefore %s is too close: %s; sign again with a later deadline", x402.MessagePermitExpired, p.permit.Deadline, tooClose())
 	}
 	return nil
+}
+
+// setHead keeps the head block chain time was read from, and the earliest time of the next block: one second
+// past the head's, and no earlier than the engine's clock, which it returns (see checkTime).
+func (p *payment) setHead(head *types.Header) (wall int64) {
+	wall = p.net.now().Unix()
+	p.head, p.mineAt = head, max(head.Time+1, uint64(max(wall, 0)))
+	return wall
 }
 
 // checkChain reads what only the chain knows: the nonce, the balance, the Permit2 allowance, and finally
@@ -851,10 +884,11 @@ func (p *payment) permitInFlight() *refusal {
 		p.sponsor.permit.Nonce, p.payer.Hex(), other)
 }
 
-// simulate runs the payment's first settlement call as an eth_call from the wallet that would send it: a
-// refusal when the contract reverts, an error when the node could not be asked.
+// simulate runs the payment's first settlement call as an eth_call standing for its transaction (see
+// execution): from the wallet that sends it, with its gas limit and fees, in the next block. A refusal when the
+// call would fail on chain, an error when the node could not be asked.
 func (p *payment) simulate(ctx context.Context) (*refusal, error) {
-	calls, from, err := p.settlementCalls(ctx)
+	calls, err := p.settlementCalls()
 	if err != nil {
 		return nil, err
 	}
@@ -883,19 +917,20 @@ func (p *payment) simulate(ctx context.Context) (*refusal, error) {
 		}
 		return nil, nil
 	}
-	if _, err := p.net.backend.CallContract(ctx, ethereum.CallMsg{From: from, To: &calls[0].To, Data: calls[0].Data}, nil); err != nil {
-		if !isRevert(err) {
+	if _, err := p.call(ctx, &calls[0].To, calls[0].Data, calls[0].Gas); err != nil {
+		if !failsOnChain(err) {
 			return nil, err
 		}
-		return refuse(reason, "simulating the settlement call failed: %s", revertReason(err)), nil
+		return refuse(reason, "simulating the settlement call failed: %s (run as it will be sent: from %s, with its fees and its gas limit of %d, in the next block)",
+			revertReason(err), p.exec.from.Hex(), calls[0].Gas), nil
 	}
 	return nil, nil
 }
 
-// settlementCalls builds the transactions that settle the payment and the wallet that must send the first.
-// erc2612: permit (unless a permit of this settlement already mined), then transferFrom, both from the spender.
-// permit2: the proxy's settle, or settleWithPermit with the sponsored permit; any wallet may send it.
-func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.Address, error) {
+// settlementCalls builds the transactions that settle the payment, all sent from one wallet (namedSender, when
+// the payment names one). erc2612: permit (unless a permit of this settlement already mined), then transferFrom,
+// from the spender. permit2: the proxy's settle, or settleWithPermit with the sponsored permit.
+func (p *payment) settlementCalls() ([]contractCall, error) {
 	n := p.net
 	if p.method == x402.TransferPermit2 && p.upto() {
 		return p.uptoSettlementCalls()
@@ -905,18 +940,18 @@ func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.A
 		witness := contracts.Witness{To: p.p2.To, ValidAfter: p.p2.ValidAfter}
 		var data []byte
 		var err error
-		gas := uint64(200_000)
+		gas := uint64(walletCheckGas)
 		if p.sponsor != nil {
 			v, r, s := splitSignature(p.sponsor.sig)
 			data, err = contracts.PackSettleWithPermit(contracts.EIP2612Permit{Value: p.sponsor.permit.Value, Deadline: p.sponsor.permit.Deadline, R: r, S: s, V: v}, permit, p.payer, witness, p.sigBytes)
-			gas = 300_000
+			gas = settleWithPermitGas
 		} else {
 			data, err = contracts.PackSettle(permit, p.payer, witness, p.sigBytes)
 		}
 		if err != nil {
-			return nil, common.Address{}, err
+			return nil, err
 		}
-		return p.deployFirst(contractCall{To: n.proxy, Data: data, Gas: gas}), n.pool.Addresses()[0], nil
+		return p.deployFirst(contractCall{To: n.proxy, Data: data, Gas: gas}), nil
 	}
 	if p.method == x402.TransferEIP3009 {
 		a := p.auth
@@ -933,14 +968,14 @@ func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.A
 			data, err = contracts.PackTransferWithAuthorization(t, v, r, s)
 		}
 		if err != nil {
-			return nil, common.Address{}, err
+			return nil, err
 		}
-		return p.deployFirst(contractCall{To: p.asset.Address, Data: data, Gas: gas}), n.pool.Addresses()[0], nil
+		return p.deployFirst(contractCall{To: p.asset.Address, Data: data, Gas: gas}), nil
 	}
 	spender := p.permit.Spender
 	transfer, err := contracts.StableCoinABI.Pack("transferFrom", p.payer, p.payTo, p.amount)
 	if err != nil {
-		return nil, common.Address{}, err
+		return nil, err
 	}
 	calls := []contractCall{}
 	if !p.permitApplied {
@@ -950,33 +985,33 @@ func (p *payment) settlementCalls(ctx context.Context) ([]contractCall, common.A
 		v, r, s := splitSignature(p.sig)
 		permit, err := contracts.StableCoinABI.Pack("permit", p.payer, spender, p.permit.Value, p.permit.Deadline, v, r, s)
 		if err != nil {
-			return nil, common.Address{}, err
+			return nil, err
 		}
 		calls = append(calls, contractCall{To: p.asset.Address, Data: permit, Gas: 120_000})
 	}
 	calls = append(calls, contractCall{To: p.asset.Address, Data: transfer, Gas: 120_000})
-	return calls, spender, nil
+	return calls, nil
 }
 
 // uptoSettlementCalls is settlementCalls of an upto payment: the upto proxy's settle (or settleWithPermit) of
 // p.amount, from the wallet the witness names, the only sender the proxy takes it from.
-func (p *payment) uptoSettlementCalls() ([]contractCall, common.Address, error) {
+func (p *payment) uptoSettlementCalls() ([]contractCall, error) {
 	permit := contracts.PermitTransferFrom{Permitted: contracts.TokenPermissions{Token: p.p2.Token, Amount: p.p2.Amount}, Nonce: p.p2.Nonce, Deadline: p.p2.Deadline}
 	witness := contracts.UptoWitness{To: p.p2.To, Facilitator: p.p2.Facilitator, ValidAfter: p.p2.ValidAfter}
 	var data []byte
 	var err error
-	gas := uint64(200_000)
+	gas := uint64(walletCheckGas)
 	if p.sponsor != nil {
 		v, r, s := splitSignature(p.sponsor.sig)
 		data, err = contracts.PackUptoSettleWithPermit(contracts.EIP2612Permit{Value: p.sponsor.permit.Value, Deadline: p.sponsor.permit.Deadline, R: r, S: s, V: v}, permit, p.amount, p.payer, witness, p.sigBytes)
-		gas = 300_000
+		gas = settleWithPermitGas
 	} else {
 		data, err = contracts.PackUptoSettle(permit, p.amount, p.payer, witness, p.sigBytes)
 	}
 	if err != nil {
-		return nil, common.Address{}, err
+		return nil, err
 	}
-	return p.deployFirst(contractCall{To: p.net.uptoProxy, Data: data, Gas: gas}), p.p2.Facilitator, nil
+	return p.deployFirst(contractCall{To: p.net.uptoProxy, Data: data, Gas: gas}), nil
 }
 
 // deployFirst puts the deployment of the payer's wallet before the settlement call when the wallet has no code
@@ -987,6 +1022,15 @@ func (p *payment) deployFirst(settle contractCall) []contractCall {
 	}
 	return []contractCall{{To: p.wallet.factory, Data: p.wallet.data, Gas: walletDeployGas}, settle}
 }
+
+// walletCheckGas is the gas of a settlement call that asks the payer's contract wallet (ERC-1271) whether it
+// signed: the Permit2 proxies' settle, and EIP-3009's transferWithAuthorization with a bytes signature. The
+// wallet's answer to the engine's own question (checkContractSignature) is asked within as much.
+const walletCheckGas = 200_000
+
+// settleWithPermitGas is the gas of a Permit2 proxy's settleWithPermit, which applies the payer's EIP-2612
+// permit first.
+const settleWithPermitGas = 300_000
 
 // walletDeployGas bounds the gas of a smart wallet's deployment (a minimal proxy costs about 100,000, a full
 // contract some hundreds of thousands); what is not used is not paid.

@@ -628,7 +628,7 @@ func rejections() []rejection {
 			build: deadline(func(fx *fixture) *big.Int { return fx.headPlus(-1) }),
 		}, {
 			name: "a deadline only 5 s ahead of chain time is refused", methods: both,
-			reason: x402.ReasonValidBefore, reasonPermit2: x402.ReasonPermit2DeadlineExpired, message: "at least 6s after chain time",
+			reason: x402.ReasonValidBefore, reasonPermit2: x402.ReasonPermit2DeadlineExpired, message: "needs 6s more to be mined",
 			build: deadline(func(fx *fixture) *big.Int { return fx.headPlus(5) }),
 		}, {
 			name: "a deadline ahead of the wall clock but behind chain time is refused", methods: both,
@@ -647,7 +647,7 @@ func rejections() []rejection {
 			},
 		}, {
 			name: "a validAfter in the future of chain time is refused", methods: permit2Only, reason: x402.ReasonPermit2NotYetValid,
-			message: "after chain time",
+			message: "the earliest time of the next block",
 			build:   signedWith(func(fx *fixture) chain.Permit2Options { return chain.Permit2Options{ValidAfter: fx.headPlus(60)} }, nil),
 		},
 

@@ -154,6 +154,24 @@ func (p *walletPool) Acquire(ctx context.Context, want *common.Address) (*wallet
 	}
 }
 
+// Peek is the wallet Acquire would hand out now to a settlement any wallet may send, without taking it: the
+// sender a verification simulates the settlement from. With none usable, the first wallet.
+func (p *walletPool) Peek() common.Address {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := p.now()
+	var pick *wallet
+	for _, w := range p.wallets {
+		if p.usable(w, now) && (pick == nil || w.busy < pick.busy) {
+			pick = w
+		}
+	}
+	if pick == nil {
+		return p.wallets[0].Address
+	}
+	return pick.Address
+}
+
 // Release gives back a wallet taken with Acquire.
 func (p *walletPool) Release(w *wallet) {
 	p.mu.Lock()

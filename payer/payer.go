@@ -30,14 +30,14 @@ const DefaultMaxValidity = 10 * time.Minute
 // clock.
 type Options struct {
 	// RPC is a JSON-RPC URL of the chain the payments settle on; "" for none. With it, payments are signed at
-	// chain time (which the facilitator judges deadlines by), a permit2 payer that has not approved Permit2
+	// the later of chain time and Now (see signingTime), a permit2 payer that has not approved Permit2
 	// adds eip2612GasSponsoring, and erc2612 can be paid (it signs the token's nonces(payer)). It is dialed
 	// when a payment first needs it.
 	RPC string
 	// Method restricts payments to one asset transfer method: permit2, eip3009 or erc2612. "" pays the first
 	// payable requirement, permit2 before the others.
 	Method string
-	// Now is the signing clock when there is no RPC; nil is the wall clock.
+	// Now is the signing clock (with an RPC, unless the head block is later); nil is the wall clock.
 	Now func() time.Time
 	// MaxValidity caps how long a payment stays valid: its deadline (validBefore) is the signing time plus the
 	// server's maxTimeoutSeconds, or plus MaxValidity when that is shorter. 0 is DefaultMaxValidity. A
@@ -453,14 +453,18 @@ func (p *Payer) sign(ctx context.Context, rpc *chainReader, offer Offer, req x40
 	return pl, nil
 }
 
-// signingTime is the time a payment is signed at: the head block's with an RPC (recorded on pay, with the
-// block's number), else the clock of Options.
+// signingTime is the time a payment is signed at: the clock of Options, or with an RPC the head block's time
+// when it is later (the head block's number is recorded on pay). A chain's head may run ahead of the clock (a
+// dev chain under load); a chain that seals only when transactions come may have sat idle for minutes, and its
+// next block, which the settlement lands in, is stamped with the wall clock: a payment dated from that head
+// would be born expired.
 func (p *Payer) signingTime(ctx context.Context, rpc *chainReader, pay *Payment) (time.Time, error) {
+	now := time.Now()
+	if p.opts.Now != nil {
+		now = p.opts.Now()
+	}
 	if rpc == nil {
-		if p.opts.Now != nil {
-			return p.opts.Now(), nil
-		}
-		return time.Now(), nil
+		return now, nil
 	}
 	head, err := rpc.head(ctx)
 	if err != nil {
@@ -469,7 +473,10 @@ func (p *Payer) signingTime(ctx context.Context, rpc *chainReader, pay *Payment)
 	if pay != nil {
 		pay.signedAt = head.Number.Uint64()
 	}
-	return time.Unix(int64(head.Time), 0), nil
+	if chainTime := time.Unix(int64(head.Time), 0); chainTime.After(now) {
+		return chainTime, nil
+	}
+	return now, nil
 }
 
 // sponsorIfNeeded adds the eip2612GasSponsoring permit to a permit2 payment when the payer's Permit2

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/big"
 	"net"
+	"reflect"
 	"strconv"
 	"sync"
 	"testing"
@@ -15,6 +16,7 @@ import (
 	"github.com/ethereum/go-ethereum/core/types"
 	"github.com/ethereum/go-ethereum/crypto"
 	"github.com/ethereum/go-ethereum/eth/ethconfig"
+	"github.com/ethereum/go-ethereum/ethclient"
 	"github.com/ethereum/go-ethereum/ethclient/simulated"
 	"github.com/ethereum/go-ethereum/node"
 	"github.com/ethereum/go-ethereum/params"
@@ -74,6 +76,10 @@ type Chain struct {
 	Backend *simulated.Backend
 	// Client talks to the chain; it satisfies bind.ContractBackend and the ethereum interfaces.
 	Client simulated.Client
+	// EthClient is the go-ethereum client Client wraps, which hands out its JSON-RPC client: for calls the
+	// ethereum interfaces have no method for, such as an eth_call with block overrides. Code under test that
+	// takes a backend gets this one, as it gets a client of a real node.
+	EthClient *ethclient.Client
 	// ChainID is the chain's ID (72344 unless WithChainID).
 	ChainID *big.Int
 	// Config is the chain configuration (the dev fork set without Bogota and Amsterdam).
@@ -245,6 +251,7 @@ func New(tb testing.TB, opts ...Option) *Chain {
 		}
 	})
 	c.Client = c.Backend.Client()
+	c.EthClient = unwrapClient(c.Client)
 	if cfg.http {
 		c.RPCURL = "http://127.0.0.1:" + strconv.Itoa(httpPort)
 	}
@@ -441,6 +448,17 @@ func (c *Chain) AutoCommit(interval time.Duration) (stop func()) {
 		prev()
 	}
 	return stop
+}
+
+// unwrapClient returns the ethclient.Client inside the simulated backend's client. go-ethereum wraps it in a
+// struct of its own to hide it (the exported field of an unexported type), which only reflection reaches.
+func unwrapClient(c simulated.Client) *ethclient.Client {
+	if f := reflect.ValueOf(c).FieldByName("Client"); f.IsValid() {
+		if ec, ok := f.Interface().(*ethclient.Client); ok {
+			return ec
+		}
+	}
+	panic(fmt.Sprintf("chaintest: the simulated backend's client %T no longer wraps an ethclient.Client", c))
 }
 
 func freeLoopbackPort() (int, error) {

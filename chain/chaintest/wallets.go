@@ -69,3 +69,24 @@ func (c *Chain) HasCode(addr common.Address) bool {
 	}
 	return len(code) > 0
 }
+
+// DeploySimulationOnlyWallet deploys a hostile ERC-1271 wallet of owner that accepts owner's signatures only
+// where no mined transaction runs (see contracts.TrickZeroGasPrice), sealed into a block. It approves spender
+// for token at creation (token zero: none).
+func (c *Chain) DeploySimulationOnlyWallet(owner common.Address, trick uint8, token, spender common.Address) common.Address {
+	c.tb.Helper()
+	code, err := contracts.SimulationOnlyWalletCreationCode(owner, trick, token, spender)
+	if err != nil {
+		c.tb.Fatal(err)
+	}
+	ctx := context.Background()
+	tx, err := c.SendTx(ctx, c.Deployer, nil, code)
+	if err != nil {
+		c.tb.Fatalf("chaintest: deploying a SimulationOnlyWallet: %v", err)
+	}
+	receipts, err := c.CommitUntilIncluded(ctx, tx.Hash())
+	if err != nil || receipts[0].Status != types.ReceiptStatusSuccessful {
+		c.tb.Fatalf("chaintest: deploying a SimulationOnlyWallet: %v", err)
+	}
+	return receipts[0].ContractAddress
+}

@@ -23,6 +23,7 @@ const contracts = {
   SmartWallet: 'SmartWallet.sol',
   SmartWalletFactory: 'SmartWallet.sol',
   DeployThenCall: 'DeployThenCall.sol',
+  SimulationOnlyWallet: 'SimulationOnlyWallet.sol',
 };
 
 const sources = {};

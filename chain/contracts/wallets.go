@@ -45,6 +45,11 @@ var (
 	deployThenCallABIJSON string
 	//go:embed build/DeployThenCall.bin
 	deployThenCallBin string
+
+	//go:embed build/SimulationOnlyWallet.abi.json
+	simulationOnlyWalletABIJSON string
+	//go:embed build/SimulationOnlyWallet.bin
+	simulationOnlyWalletBin string
 )
 
 var (
@@ -56,10 +61,13 @@ var (
 	SmartWalletFactoryABI = mustABI("SmartWalletFactory", smartWalletFactoryABIJSON)
 	// deployThenCallABI is the ABI of DeployThenCall: its constructor and WalletDeploymentFailed error.
 	deployThenCallABI = mustABI("DeployThenCall", deployThenCallABIJSON)
+	// simulationOnlyWalletABI is the ABI of the hostile test wallet SimulationOnlyWallet (its constructor).
+	simulationOnlyWalletABI = mustABI("SimulationOnlyWallet", simulationOnlyWalletABIJSON)
 
 	usdCoinCreation            = mustHex("USDCoin.bin", usdCoinBin)
 	smartWalletFactoryCreation = mustHex("SmartWalletFactory.bin", smartWalletFactoryBin)
 	deployThenCallCreation     = mustHex("DeployThenCall.bin", deployThenCallBin)
+	simulationOnlyCreation     = mustHex("SimulationOnlyWallet.bin", simulationOnlyWalletBin)
 
 	deployThenCallResult = abi.Arguments{{Type: mustType("bool[]")}, {Type: mustType("bytes[]")}}
 )
@@ -211,4 +219,23 @@ func PackTransferWithAuthorizationBytes(t EIP3009Transfer, signature []byte) ([]
 // SmartWalletFactoryCreationCode returns a copy of SmartWalletFactory's creation code.
 func SmartWalletFactoryCreationCode() []byte {
 	return append([]byte(nil), smartWalletFactoryCreation...)
+}
+
+// The tricks of SimulationOnlyWallet, the hostile ERC-1271 test wallet that accepts its owner's signature only
+// where no mined transaction runs.
+const (
+	// TrickZeroGasPrice accepts only under a zero gas price: an eth_call without fee fields.
+	TrickZeroGasPrice uint8 = 1
+	// TrickPlentyOfGas accepts only with more than 1,000,000 gas left: an eth_call without a gas limit.
+	TrickPlentyOfGas uint8 = 2
+)
+
+// SimulationOnlyWalletCreationCode returns the creation code of a SimulationOnlyWallet of owner playing trick,
+// which approves spender for token at creation (token zero: no approval).
+func SimulationOnlyWalletCreationCode(owner common.Address, trick uint8, token, spender common.Address) ([]byte, error) {
+	args, err := simulationOnlyWalletABI.Pack("", owner, trick, token, spender)
+	if err != nil {
+		return nil, fmt.Errorf("packing the SimulationOnlyWallet constructor: %w", err)
+	}
+	return append(append([]byte(nil), simulationOnlyCreation...), args...), nil
 }
