@@ -12,6 +12,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -161,6 +162,28 @@ func (p *invPayment) home() invResource {
 		return *p.bound
 	}
 	return p.first
+}
+
+// homes are the resources the payment may have bought, in the order to present it again for them: the one it
+// bought when an answer showed it; else each it was presented for without a final answer (no answer, a 5xx: the
+// gate may have recorded it there, as when a settle-before request's body was cut short after its payment
+// settled), in the order presented, then the one it was first presented for.
+func (p *invPayment) homes() []invResource {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.bound != nil {
+		return []invResource{*p.bound}
+	}
+	var out []invResource
+	for _, a := range p.answers {
+		if !a.final && !slices.Contains(out, a.res) {
+			out = append(out, a.res)
+		}
+	}
+	if !slices.Contains(out, p.first) {
+		out = append(out, p.first)
+	}
+	return out
 }
 
 // charge is what a payment owes once it delivered its response: the price, or for upto what the upstream named

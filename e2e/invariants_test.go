@@ -832,22 +832,27 @@ func (r *invRun) quiesce() string {
 		len(todo), delivered, refused, open)
 }
 
-// resolve presents p again until its answer is final or deadline passes.
+// resolve presents p again until its answer is final or deadline passes: for each resource it may have bought
+// (homes), until one delivers.
 func (r *invRun) resolve(p *invPayment, deadline time.Time) {
 	a := r.begin("Q", "present again until the answer is final")
 	defer r.finish(a)
-	res := p.home()
-	shape := plainShape(res.method, p.firstShape)
-	gate := p.firstGate
-	pause := 250 * time.Millisecond
-	for {
-		ans := r.present(a, p, gate, res, shape, 0)
-		if ans.final || time.Now().After(deadline) {
-			return
+	for _, res := range p.homes() {
+		shape := plainShape(res.method, p.firstShape)
+		gate := p.firstGate
+		pause := 250 * time.Millisecond
+		for {
+			ans := r.present(a, p, gate, res, shape, 0)
+			if ans.whole || time.Now().After(deadline) {
+				return
+			}
+			if ans.final {
+				break // refused here: it may have bought the next
+			}
+			time.Sleep(pause)
+			pause = min(2*pause, 2*time.Second)
+			gate = (gate + 1) % len(r.w.gateways)
 		}
-		time.Sleep(pause)
-		pause = min(2*pause, 2*time.Second)
-		gate = (gate + 1) % len(r.w.gateways)
 	}
 }
 
