@@ -529,10 +529,12 @@ func (r *invRun) checkNoPayAgain(end *invEnd) ([]invViolation, string) {
 			if a.res != home || a.status != http.StatusPaymentRequired || !a.final || alreadyUsed(a.note) || p.servedBefore(a) {
 				continue
 			}
-			// A refusal is true if nothing was charged until a later presentation of the same payment settled it.
+			// A refusal is true if nothing was charged until another presentation of the same payment, one still
+			// under way when it was sent (at another gateway, whose price_grace may still hold the terms) or a later
+			// one, settled it.
 			later := false
 			for _, c := range p.answers {
-				if c != a && c.sent.After(a.sent) && c.sent.Before(mined) {
+				if c != a && (c.sent.After(a.sent) || c.got.After(a.sent)) && c.sent.Before(mined) {
 					later = true
 				}
 			}
@@ -545,7 +547,7 @@ func (r *invRun) checkNoPayAgain(end *invEnd) ([]invViolation, string) {
 		}
 		p.mu.Unlock()
 	}
-	return out, fmt.Sprintf("no payment was answered 402 while the chain took it (%d refused, then settled by a later presentation)", refusedThenSettled)
+	return out, fmt.Sprintf("no payment was answered 402 while the chain took it (%d refused, then settled by another presentation under way or later)", refusedThenSettled)
 }
 
 // servedBefore says whether the payment had delivered a whole response before a was sent: its payer has what it
