@@ -21,6 +21,12 @@ import (
 // one chain: two processes behind a load balancer.
 func twoGateways(t *testing.T, settle string, opts ...chaintest.Option) [2]*env {
 	t.Helper()
+	return twoGatewaysOf(t, [2]setup{{settle: settle}, {settle: settle}}, opts...)
+}
+
+// twoGatewaysOf is twoGateways with each gate set up as its setup says (its journal and chain aside).
+func twoGatewaysOf(t *testing.T, setups [2]setup, opts ...chaintest.Option) [2]*env {
+	t.Helper()
 	dsn := pgtest.Shared(t)
 	c := chaintest.New(t, opts...)
 	t.Cleanup(c.AutoCommit(5 * time.Millisecond))
@@ -31,7 +37,9 @@ func twoGateways(t *testing.T, settle string, opts ...chaintest.Option) [2]*env 
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { st.Close() })
-		out[i] = newEnv(t, setup{settle: settle, journal: st, chain: c})
+		s := setups[i]
+		s.journal, s.chain = st, c
+		out[i] = newEnv(t, s)
 	}
 	// The second engine gets its share of the settlement wallets once the first gives it up.
 	deadline := time.Now().Add(20 * time.Second)
