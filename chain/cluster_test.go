@@ -2,7 +2,9 @@ package chain_test
 
 import (
 	"context"
+	"fmt"
 	"math/big"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -23,7 +25,20 @@ func sharedEngines(t *testing.T, n int, leaseTTL time.Duration) (*fixture, []*ch
 
 func sharedEnginesOn(t *testing.T, dsn string, n int, leaseTTL time.Duration, o fixtureOpts) (*fixture, []*chain.Facilitator, []*journal.PostgresStore) {
 	t.Helper()
+	fx, join := clusterOn(t, dsn, leaseTTL, o)
 	var stores []*journal.PostgresStore
+	var engines []*chain.Facilitator
+	for range n {
+		f, st := join()
+		stores, engines = append(stores, st), append(engines, f)
+	}
+	return fx, engines, stores
+}
+
+// clusterOn is a fixture's chain and join, which starts one more engine sharing the PostgreSQL journal at dsn, as
+// one more process would: a store of its own on the database, the same wallets as every other.
+func clusterOn(t *testing.T, dsn string, leaseTTL time.Duration, o fixtureOpts) (*fixture, func() (*chain.Facilitator, *journal.PostgresStore)) {
+	t.Helper()
 	var nc chain.NetworkConfig
 	tune := o.tune
 	o.tune = func(fx *fixture, c *chain.NetworkConfig) {
@@ -33,8 +48,8 @@ func sharedEnginesOn(t *testing.T, dsn string, n int, leaseTTL time.Duration, o 
 		nc = *c
 	}
 	fx := newFixture(t, o)
-	var engines []*chain.Facilitator
-	for range n {
+	return fx, func() (*chain.Facilitator, *journal.PostgresStore) {
+		t.Helper()
 		st, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{InstanceTTL: o.instanceTTL})
 		if err != nil {
 			t.Fatal(err)
@@ -46,9 +61,8 @@ func sharedEnginesOn(t *testing.T, dsn string, n int, leaseTTL time.Duration, o 
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { f.Close() })
-		stores, engines = append(stores, st), append(engines, f)
+		return f, st
 	}
-	return fx, engines, stores
 }
 
 // waitLeases waits until the engines hold want wallets each (their shares, once the lease passes have run).
@@ -257,5 +271,196 @@ func TestAnEngineThatLostAWalletLeaseWithoutKnowingSendsNothingWithIt(t *testing
 	}
 	if ws := f.LeasedWallets(fx.net); len(ws) != 0 {
 		t.Fatalf("the engine still hands out %v after its fenced write failed", ws)
+	}
+}
+
+// waitEven waits until the engines hold every wallet between them, each as many as the others or one more, and
+// returns what each holds.
+func waitEven(t *testing.T, fx *fixture, engines []*chain.Facilitator, wallets int) [][]common.Address {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		held, total, even := make([][]common.Address, len(engines)), 0, true
+		seen := map[common.Address]int{}
+		for i, f := range engines {
+			held[i] = f.LeasedWallets(fx.net)
+			total += len(held[i])
+			even = even && (len(held[i]) == wallets/len(engines) || len(held[i]) == (wallets+len(engines)-1)/len(engines))
+			for _, w := range held[i] {
+				if seen[w]++; seen[w] > 1 {
+					t.Fatalf("wallet %s is leased to two engines at once", w.Hex())
+				}
+			}
+		}
+		if total == wallets && even {
+			return held
+		}
+		if time.Now().After(deadline) {
+			var counts []int
+			for _, h := range held {
+				counts = append(counts, len(h))
+			}
+			t.Fatalf("the %d engines hold %v of the %d wallets; want all of them, shared evenly (each %d or %d)",
+				len(engines), counts, wallets, wallets/len(engines), (wallets+len(engines)-1)/len(engines))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestEnginesSharingAJournalShareTheWalletsEvenlyWhateverTheirNumber: three engines sharing four wallets hold
+// two, one and one (each used to hold at most two, rounded up for every one, and the last to come found none
+// free: two, two and none), and three sharing two hold one, one and none. The one that holds none sends from no
+// wallet, so it names none (no signer, no upto kind, whose facilitatorAddress would name one) and refuses at
+// verification, before a gate runs anything, the payments it could not settle, with no_available_wallets.
+func TestEnginesSharingAJournalShareTheWalletsEvenlyWhateverTheirNumber(t *testing.T) {
+	for _, wallets := range []int{4, 2} {
+		t.Run(fmt.Sprintf("%d wallets", wallets), func(t *testing.T) {
+			fx, engines, _ := sharedEnginesOn(t, pgtest.Shared(t), 3, 3*time.Second, fixtureOpts{wallets: wallets, receiptTimeout: time.Minute})
+			held := waitEven(t, fx, engines, wallets)
+			fx.approvePermit2(fx.c.Payers[0])
+			for i, f := range engines {
+				sup, err := f.Supported(context.Background())
+				if err != nil {
+					t.Fatal(err)
+				}
+				signers := sup.SignersFor(fx.net)
+				if len(signers) != len(held[i]) {
+					t.Errorf("engine %d lists signers %v; it holds the leases of %v", i, signers, held[i])
+				}
+				_, upto := sup.SchemeKind(x402.Version2, x402.SchemeUpto, fx.net, x402.TransferPermit2)
+				if len(held[i]) > 0 {
+					continue
+				}
+				if upto {
+					t.Errorf("engine %d, which holds no wallet, offers upto: payments bound to a wallet it cannot send from", i)
+				}
+				v, err := f.Verify(context.Background(), fx.permit2(fx.c.Payers[0], fx.requirements(x402.TransferPermit2), chain.Permit2Options{}))
+				if err != nil || v.IsValid || v.InvalidReason != x402.ReasonNoAvailableWallets {
+					t.Errorf("engine %d, which holds no wallet, verifies a permit2 payment as %+v, %v; want refused with %s", i, v, err, x402.ReasonNoAvailableWallets)
+				}
+			}
+		})
+	}
+}
+
+// TestAnEngineOfAClusterOffersAndVerifiesOnlyTheWalletsItSendsFrom: two engines share four wallets, two each.
+// Each one's /supported lists as signers, and as the upto facilitatorAddress, only wallets it holds the lease
+// of; a payment bound to the other's wallet (an upto witness naming it, an erc2612 permit to it) is refused at
+// verification, naming the wallet, and settled for nothing at once, no transaction sent; one bound to its own is
+// valid and settles.
+func TestAnEngineOfAClusterOffersAndVerifiesOnlyTheWalletsItSendsFrom(t *testing.T) {
+	fx, engines, _ := sharedEngines(t, 2, 3*time.Second)
+	held := waitEven(t, fx, engines, 4)
+	payer := fx.c.Payers[0]
+	fx.approvePermit2(payer)
+	for i, f := range engines {
+		sup, err := f.Supported(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		mine := hexAddrs(held[i])
+		if signers := sup.SignersFor(fx.net); len(signers) != len(mine) || !containsAll(mine, signers) {
+			t.Errorf("engine %d lists signers %v; it holds the leases of %v only", i, signers, mine)
+		}
+		kind, ok := sup.SchemeKind(x402.Version2, x402.SchemeUpto, fx.net, x402.TransferPermit2)
+		if !ok || !x402.ContainsAddress(mine, kind.Extra.FacilitatorAddress) {
+			t.Errorf("engine %d's upto kind (%v) names facilitatorAddress %s; it holds the leases of %v only", i, ok, kind.Extra.FacilitatorAddress, mine)
+		}
+	}
+	own, other := held[0][0], held[1][0]
+	erc := func(spender common.Address) x402.VerifyRequest {
+		rq := fx.requirements(x402.TransferERC2612)
+		rq.Extra.Spender = spender.Hex()
+		return fx.erc2612(payer, rq, chain.ERC2612Options{})
+	}
+	for _, tc := range []struct {
+		name   string
+		bound  func(common.Address) x402.VerifyRequest
+		reason string
+	}{
+		{"upto", func(w common.Address) x402.VerifyRequest {
+			return fx.permit2(payer, fx.uptoRequirements(w), chain.Permit2Options{})
+		}, x402.ReasonUptoFacilitatorMismatch},
+		{"erc2612", erc, x402.ReasonRecipientMismatch},
+	} {
+		req := tc.bound(other)
+		v, err := engines[0].Verify(context.Background(), req)
+		if err != nil || v.IsValid || v.InvalidReason != tc.reason || !strings.Contains(v.InvalidMessage, other.Hex()) {
+			t.Errorf("%s bound to the other engine's wallet: verified as %+v, %v; want refused with %s naming %s", tc.name, v, err, tc.reason, other.Hex())
+		}
+		sent := fx.c.TxCount(other)
+		start := time.Now()
+		s, err := engines[0].Settle(context.Background(), req)
+		if err != nil || s.Success || s.ErrorReason != x402.ReasonNoAvailableWallets || time.Since(start) > time.Second {
+			t.Errorf("%s bound to the other engine's wallet: settled as %+v, %v in %v; want %s at once", tc.name, s, err, time.Since(start), x402.ReasonNoAvailableWallets)
+		}
+		if fx.c.TxCount(other) != sent {
+			t.Errorf("%s: the other engine's wallet sent a transaction for this engine", tc.name)
+		}
+		req = tc.bound(own)
+		if v, err := engines[0].Verify(context.Background(), req); err != nil || !v.IsValid {
+			t.Errorf("%s bound to the engine's own wallet: verified as %+v, %v; want valid", tc.name, v, err)
+		}
+		if s, err := engines[0].Settle(context.Background(), req); err != nil || !s.Success {
+			t.Errorf("%s bound to the engine's own wallet: settled as %+v, %v; want settled", tc.name, s, err)
+		}
+	}
+}
+
+func hexAddrs(ws []common.Address) []string {
+	out := make([]string, len(ws))
+	for i, w := range ws {
+		out[i] = w.Hex()
+	}
+	return out
+}
+
+func containsAll(set, items []string) bool {
+	for _, a := range items {
+		if !x402.ContainsAddress(set, a) {
+			return false
+		}
+	}
+	return true
+}
+
+// TestAWalletBeingGivenUpStillSettlesThePaymentsVerifiedAgainstIt: an engine holds both wallets and verifies an
+// upto payment bound to each, as a gate does before it runs the upstream. A second engine joins: the first must
+// give a wallet up, and stops offering it at once, but keeps its lease while a payment verified against it may
+// still come to settle, so both payments settle (the lease used to be given up within a second, and the
+// settlement of the payment bound to it refused with no_available_wallets after its upstream had run).
+func TestAWalletBeingGivenUpStillSettlesThePaymentsVerifiedAgainstIt(t *testing.T) {
+	fx, join := clusterOn(t, pgtest.Shared(t), 3*time.Second, fixtureOpts{wallets: 2, receiptTimeout: time.Minute})
+	first, _ := join()
+	waitEven(t, fx, []*chain.Facilitator{first}, 2)
+	fx.approvePermit2(fx.c.Payers[0], fx.c.Payers[1])
+	var reqs []x402.VerifyRequest
+	for i, w := range fx.c.Wallets[:2] {
+		req := fx.permit2(fx.c.Payers[i], fx.uptoRequirements(w.Address), chain.Permit2Options{})
+		if v, err := first.Verify(context.Background(), req); err != nil || !v.IsValid {
+			t.Fatalf("an upto payment bound to %s = %+v, %v; want valid", w.Address.Hex(), v, err)
+		}
+		reqs = append(reqs, req)
+	}
+	second, _ := join()
+	deadline := time.Now().Add(10 * time.Second)
+	for len(first.LeasedWallets(fx.net)) != 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the first engine still offers %v with a second engine beside it; want one wallet", first.LeasedWallets(fx.net))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	time.Sleep(3 * time.Second) // several passes of the lease loops: the wallet given up would be gone by now
+	sellerBefore := fx.c.TokenBalance(fx.payTo)
+	for i, req := range reqs {
+		if s, err := first.Settle(context.Background(), req); err != nil || !s.Success {
+			t.Errorf("the payment bound to %s, verified before the second engine came = %+v, %v; want settled", fx.c.Wallets[i].Address.Hex(), s, err)
+		}
+	}
+	if got := new(big.Int).Sub(fx.c.TokenBalance(fx.payTo), sellerBefore); got.Cmp(big.NewInt(2*price)) != 0 {
+		t.Errorf("the seller received %s, want %d", got, 2*price)
+	}
+	if ws := second.LeasedWallets(fx.net); len(ws) != 0 {
+		t.Errorf("the second engine holds %v while the first may still settle from them", ws)
 	}
 }

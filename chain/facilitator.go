@@ -151,6 +151,8 @@ type Facilitator struct {
 	// Both are nil with a journal of one process.
 	cluster journal.Cluster
 	leases  *leaser
+	// walletsVersion is bumped whenever the wallets a network's offers may name change (see SupportedVersion).
+	walletsVersion atomic.Uint64
 
 	stop   chan struct{}
 	wg     sync.WaitGroup
@@ -272,6 +274,7 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 		if _, dup := f.networks[n.caip2]; dup {
 			return nil, fmt.Errorf("network %s is configured twice", n.caip2)
 		}
+		n.pool.versions = &f.walletsVersion
 		f.networks[n.caip2] = n
 		f.order = append(f.order, n.caip2)
 	}
@@ -284,6 +287,10 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 		}
 		f.wg.Add(1)
 		go f.leaseLoop()
+	} else {
+		for _, id := range f.order {
+			f.networks[id].pool.publish() // every wallet, for good
+		}
 	}
 	if err := f.reconcile(ctx, true); err != nil {
 		f.Close()
@@ -434,23 +441,36 @@ func (f *Facilitator) WalletsInUse(networkID string) int {
 
 // Supported lists the kinds this facilitator serves: permit2 (version 2, with eip2612GasSponsoring), eip3009
 // (versions 1 and 2) and erc2612 (versions 1 and 2) per network for the exact scheme, upto by permit2 (version 2)
-// where permit2 is served, and the settlement wallets as signers. The eip3009 kind names no token domain: it is
-// the token's own, which each requirement carries. The upto kind names in extra.facilitatorAddress the wallet
-// payers are to bind into their witness (see uptoFacilitator).
+// where permit2 is served, and as signers the settlement wallets it sends from now. The eip3009 kind names no
+// token domain: it is the token's own, which each requirement carries.
+//
+// The upto kind names in extra.facilitatorAddress the wallet payers are to bind into their witness: the public
+// TypeScript server copies it into its requirements, so every upto payment made from that answer settles from
+// that one wallet. The public facilitator names a random wallet at each call; the first signer, which does not
+// change while the leases do not, makes the requirements a server derives stable (cacheable, comparable across
+// its replicas) and costs nothing here, since a wallet pipelines many settlements. A gate rotating over the
+// signers names the others too.
+//
+// With a journal several processes share, this process sends only from the wallets whose leases it holds (and
+// is not giving up): only those are signers, an erc2612 permit is to name one of them, and the upto kind, which
+// names one, is left out while it holds none. The answer changes as leases move; SupportedVersion says when.
 func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error) {
 	resp := x402.SupportedResponse{Kinds: []x402.SupportedKind{}, Extensions: []string{}, Signers: map[string][]string{}}
 	sponsoring := false
 	for _, id := range f.order {
 		n := f.networks[id]
+		signers := n.pool.offers()
 		if n.methods[x402.TransferPermit2] {
 			sponsoring = true
 			resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: x402.Version2, Scheme: x402.SchemeExact, Network: id,
 				Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, Name: n.first.Name, Version: n.first.Version,
-					Permit2Address: n.permit2.Hex(), X402Permit2ProxyAddress: n.proxy.Hex()}},
-				x402.SupportedKind{X402Version: x402.Version2, Scheme: x402.SchemeUpto, Network: id,
+					Permit2Address: n.permit2.Hex(), X402Permit2ProxyAddress: n.proxy.Hex()}})
+			if len(signers) > 0 {
+				resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: x402.Version2, Scheme: x402.SchemeUpto, Network: id,
 					Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, Name: n.first.Name, Version: n.first.Version,
 						Permit2Address: n.permit2.Hex(), X402Permit2ProxyAddress: n.uptoProxy.Hex(),
-						FacilitatorAddress: f.uptoFacilitator(id).Hex()}})
+						FacilitatorAddress: signers[0].Hex()}})
+			}
 		}
 		if n.methods[x402.TransferEIP3009] {
 			for _, v := range []int{x402.Version1, x402.Version2} {
@@ -464,7 +484,7 @@ func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error)
 					Extra: x402.Extra{AssetTransferMethod: x402.TransferERC2612, Name: n.first.Name, Version: n.first.Version}})
 			}
 		}
-		for _, a := range n.pool.Addresses() {
+		for _, a := range signers {
 			resp.Signers[id] = append(resp.Signers[id], a.Hex())
 		}
 	}
@@ -472,21 +492,6 @@ func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error)
 		resp.Extensions = append(resp.Extensions, x402.ExtensionEIP2612GasSponsoring)
 	}
 	return resp, nil
-}
-
-// uptoFacilitator is the settlement wallet the upto kind of a network names as extra.facilitatorAddress: the
-// public TypeScript server copies it into its requirements, and the payer binds it into its witness, so every
-// upto payment made from that answer settles from that one wallet. The public facilitator names a random wallet
-// at each call; one that does not change makes the requirements a server derives stable (cacheable, comparable
-// across its replicas) and costs nothing here, since a wallet pipelines many settlements. It is the first wallet
-// of the pool, or with leases (several processes sharing the journal) the first this process holds the lease
-// of, as only the lease holder can send from it; a gate rotating over the signers list can name any other
-// wallet, which this facilitator settles as well when it holds that wallet's lease.
-func (f *Facilitator) uptoFacilitator(networkID string) common.Address {
-	if leased := f.LeasedWallets(networkID); len(leased) > 0 {
-		return leased[0]
-	}
-	return f.networks[networkID].pool.Addresses()[0]
 }
 
 // Health reports per network whether the node answers, how old its head block is, the wallets' native

@@ -23,15 +23,29 @@ import (
 // dies keeps its leases until they expire; the living then take them over, and reconciliation finishes the dead
 // one's broadcast settlements from their recorded transactions.
 //
-// The wallets are shared out evenly: each process holds at most ceil(wallets / live processes), giving up the
-// ones it prefers least (by a hash of its instance and the wallet, so processes prefer different wallets) once
-// they have no settlement in flight.
+// The wallets are shared out evenly, every process being configured with the same ones: of W wallets and L live
+// processes, the process of rank r (its place among the live ones, by instance token) holds W/L, one more when
+// r < W mod L, so that the shares add up to W and every process holds one as long as W >= L (a share rounded up
+// for everyone left one process with none: 4 wallets, 3 processes, 2+2+0). A process past its share gives up
+// the wallets it prefers least (by a hash of its instance and the wallet, so processes prefer different wallets)
+// once they have no settlement in flight and no payment bound to them was verified for bindingGrace; until
+// then offers no longer name them.
+//
+// Offers name only wallets a process can send from (walletPool.publish): an upto payment names the one wallet
+// that may settle it, an erc2612 permit the one that may spend it, so a payment bound to another process's
+// wallet could not be settled here.
 
 // defaultWalletLeaseTTL is how long a wallet lease lasts unless renewed; renewals come every third of it.
 const defaultWalletLeaseTTL = 15 * time.Second
 
 // leaseLook is how often the lease loop looks at the wallets' sharing at most.
 const leaseLook = time.Second
+
+// bindingGrace is how long a process keeps the lease of a wallet it is giving up after it last verified a
+// payment bound to that wallet: a gate verifies a payment, runs the upstream, then settles, and the payment can
+// only be settled from that wallet. An upstream slower than this may find the wallet gone, and the payment is
+// refused uncharged (no_available_wallets); offers stop naming the wallet as soon as it is being given up.
+const bindingGrace = 30 * time.Second
 
 // leaseName is the name of a wallet's lease in the journal.
 func leaseName(network string, addr common.Address) string {
@@ -49,15 +63,16 @@ type leaser struct {
 
 // leasePass renews the leases n's pool holds, gives up those past its share, and takes free ones up to its share.
 // It reports the first error; a failure on one wallet does not stop the others.
+// Whatever happens, it publishes the wallets offers may name afterwards.
 func (f *Facilitator) leasePass(ctx context.Context, n *network) error {
+	defer n.pool.publish()
 	l := f.leases
-	live, err := l.cluster.Instances(ctx)
+	live, rank, err := l.cluster.Instances(ctx)
 	if err != nil {
 		return err
 	}
-	live = max(live, 1)
 	wallets := n.pool.Wallets()
-	share := (len(wallets) + live - 1) / live
+	share := leaseShare(len(wallets), live, rank)
 	ordered := slices.Clone(wallets)
 	slices.SortFunc(ordered, func(a, b *wallet) int {
 		return slices.Compare(preference(l.cluster.Instance(), a.Address), preference(l.cluster.Instance(), b.Address))
@@ -72,17 +87,18 @@ func (f *Facilitator) leasePass(ctx context.Context, n *network) error {
 	held := 0
 	for _, w := range ordered {
 		n.pool.mu.Lock()
-		leased, draining, busy := w.leased, w.draining, w.busy
+		leased, draining, busy, boundAt := w.leased, w.draining, w.busy, w.boundAt
 		n.pool.mu.Unlock()
 		if !leased {
 			continue
 		}
 		if held >= share || draining {
-			// Past this process's share: stop handing it out, and give it up once nothing of it is in flight.
+			// Past this process's share: stop handing it out and offering it, and give it up once nothing of it
+			// is in flight and no payment verified against it may still come to settle.
 			n.pool.mu.Lock()
 			w.draining = true
 			n.pool.mu.Unlock()
-			if busy == 0 {
+			if busy == 0 && l.now().Sub(boundAt) >= bindingGrace {
 				f.giveUp(ctx, n, w)
 				continue
 			}
@@ -124,6 +140,17 @@ func (f *Facilitator) leasePass(ctx context.Context, n *network) error {
 	return firstErr
 }
 
+// leaseShare is how many of wallets the live instance of rank rank holds: an even share, the first wallets mod
+// live instances holding one more.
+func leaseShare(wallets, live, rank int) int {
+	live = max(live, 1)
+	share := wallets / live
+	if rank < wallets%live {
+		share++
+	}
+	return share
+}
+
 // preference orders the wallets for one instance: lower is preferred.
 func preference(instance string, addr common.Address) []byte {
 	h := sha256.Sum256(append([]byte(instance), addr.Bytes()...))
@@ -155,7 +182,7 @@ func (f *Facilitator) renew(ctx context.Context, n *network, w *wallet) error {
 			return err
 		}
 		f.log.Info("took the lease of a settlement wallet", zap.String("network", n.caip2),
-			zap.String("wallet", w.Address.Hex()), zap.Uint64("fence", lease.Fence))
+			zap.String("wallet", w.Address.Hex()), zap.Uint64("fence", lease.Fence), zap.String("instance", l.cluster.Instance()))
 	}
 	n.pool.mu.Lock()
 	// Valid for the lease's time less a third, measured from before the call: a renewal that comes late, or a
@@ -185,11 +212,12 @@ func (f *Facilitator) resyncFromJournal(ctx context.Context, n *network, w *wall
 	return nil
 }
 
-// dropLease stops handing w out and forgets its nonce: whoever holds it now may have moved it on.
+// dropLease stops handing w out and offering it, and forgets its nonce: whoever holds it now may have moved it on.
 func (f *Facilitator) dropLease(n *network, w *wallet) {
 	n.pool.mu.Lock()
 	w.leased, w.draining = false, false
 	n.pool.mu.Unlock()
+	n.pool.publish()
 	w.mu.Lock()
 	w.synced = false
 	w.mu.Unlock()
@@ -248,6 +276,20 @@ func (f *Facilitator) leaseLoop() {
 	}
 }
 
+// SendsFrom reports whether this process may send settlements from wallet on the network now: it is one of the
+// network's settlement wallets and, with a journal several processes share, this process holds its lease. A
+// payment bound to the wallet (an upto witness naming it, an erc2612 permit to it) is settled only by the
+// process that does.
+func (f *Facilitator) SendsFrom(networkID string, wallet common.Address) bool {
+	n := f.networks[networkID]
+	return n != nil && n.pool.maySign(n.pool.byAddr[wallet])
+}
+
+// SupportedVersion changes whenever what Supported answers may have changed: the settlement wallets this process
+// sends from (with a journal several processes share, a wallet lease taken, lost or being given up). A gate of
+// the embedded facilitator builds its offers anew when it does, and compares it on every request: one atomic read.
+func (f *Facilitator) SupportedVersion() uint64 { return f.walletsVersion.Load() }
+
 // LeasedWallets lists the settlement wallets of the network this process may settle with: every wallet with a
 // journal of one process, only those whose lease it holds with a shared one. nil for an unknown network.
 func (f *Facilitator) LeasedWallets(networkID string) []common.Address {
@@ -285,6 +327,7 @@ func (f *Facilitator) recordSigned(ctx context.Context, n *network, w *wallet, i
 		n.pool.mu.Lock()
 		w.leased, w.draining = false, false
 		n.pool.mu.Unlock()
+		n.pool.publish()
 		w.synced = false // the caller, sending, holds w.mu
 	}
 	return rec, err

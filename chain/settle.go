@@ -283,11 +283,18 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 		return common.Hash{}, ref, nil
 	}
 	// The erc2612 permit's spender and the upto witness's facilitator are the only wallets that can send theirs.
-	// With leases, a wallet another process holds stays busy here, and the settlement gets no_available_wallets.
-	w, err := n.pool.Acquire(ctx, p.namedSender())
-	if errors.Is(err, errNoAvailableWallets) {
+	named := p.namedSender()
+	w, err := n.pool.Acquire(ctx, named)
+	switch {
+	case errors.Is(err, errWalletNotHeld):
+		// Another process sharing the journal holds the wallet's lease (it moved since the payment was verified
+		// here): it is the one that can settle the payment. Nothing was sent; a served async payment is taken
+		// over by the wallet's holder (see the gate's ledger).
+		return common.Hash{}, refuse(x402.ReasonNoAvailableWallets, "%s: the payment can only be settled from %s, whose lease another instance sharing the journal holds now; nothing was sent",
+			x402.MessageNoAvailableWallets, named.Hex()), nil
+	case errors.Is(err, errNoAvailableWallets):
 		return common.Hash{}, refuse(x402.ReasonNoAvailableWallets, "%s; retry in 1 to 2 seconds", x402.MessageNoAvailableWallets), nil
-	} else if err != nil {
+	case err != nil:
 		return common.Hash{}, nil, err
 	}
 	defer n.pool.Release(w)

@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
@@ -39,6 +41,10 @@ type wallet struct {
 	validUntil time.Time
 	draining   bool
 	fence      uint64 // the lease's fence when this process last took or renewed it
+	// boundAt is when this process last verified a payment bound to the wallet (an upto witness naming it, an
+	// erc2612 permit to it): a lease being given up is kept a while after it (see bindingGrace), so that a
+	// payment verified before the giving up can still be settled. Guarded by the pool's mutex.
+	boundAt time.Time
 }
 
 // newWallet wraps a private key. The key never leaves the wallet, and the wallet's String shows only the address.
@@ -66,6 +72,12 @@ type walletPool struct {
 
 	mu      sync.Mutex
 	changed chan struct{} // closed and replaced whenever a wallet is released
+
+	// offered are the wallets an offer may name now (see offerable), as publish last found them. Read without a
+	// lock on every 402; replaced, never changed.
+	offered atomic.Pointer[[]common.Address]
+	// versions is bumped whenever offered changes (the facilitator's, shared by its networks' pools).
+	versions *atomic.Uint64
 }
 
 // newWalletPool returns a pool over keys; duplicate keys are refused.
@@ -73,7 +85,8 @@ func newWalletPool(keys []*ecdsa.PrivateKey) (*walletPool, error) {
 	if len(keys) == 0 {
 		return nil, errors.New("a wallet pool needs at least one settlement key")
 	}
-	p := &walletPool{byAddr: map[common.Address]*wallet{}, MaxInFlight: 64, Wait: 2 * time.Second, changed: make(chan struct{}), now: time.Now}
+	p := &walletPool{byAddr: map[common.Address]*wallet{}, MaxInFlight: 64, Wait: 2 * time.Second, changed: make(chan struct{}), now: time.Now,
+		versions: new(atomic.Uint64)}
 	for _, k := range keys {
 		w := newWallet(k)
 		if _, dup := p.byAddr[w.Address]; dup {
@@ -127,7 +140,14 @@ func (p *walletPool) Acquire(ctx context.Context, want *common.Address) (*wallet
 		var pick *wallet
 		now := p.now()
 		if want != nil {
-			if w := p.byAddr[*want]; w.busy < p.MaxInFlight && p.usable(w, now) {
+			w := p.byAddr[*want]
+			if p.leasing && !w.leased {
+				// Another process holds the wallet (or nobody does): waiting here would not bring it back. A lease
+				// this process holds and has not renewed in time may be renewed within the wait.
+				p.mu.Unlock()
+				return nil, errWalletNotHeld
+			}
+			if w.busy < p.MaxInFlight && p.holds(w, now) {
 				pick = w
 			}
 		} else {
@@ -189,7 +209,68 @@ func (p *walletPool) changedLocked() {
 // usable reports whether a new settlement may take w: always without leasing; with it, only while this process
 // holds w's lease and is not giving it up. Called with mu held.
 func (p *walletPool) usable(w *wallet, now time.Time) bool {
-	return !p.leasing || (w.leased && !w.draining && now.Before(w.validUntil))
+	return !p.leasing || (w.leased && !w.draining && p.holds(w, now))
+}
+
+// holds reports whether this process may send from w now: always without leasing; with it, while it holds w's
+// lease, giving it up or not. A payment bound to w (an upto witness, an erc2612 permit) is settled from w
+// while it is held: giving a lease up waits for those (see bindingGrace). Called with mu held.
+func (p *walletPool) holds(w *wallet, now time.Time) bool {
+	return !p.leasing || (w.leased && now.Before(w.validUntil))
+}
+
+// offerable reports whether an offer may name w: this process holds its lease and is not giving it up. A lease
+// whose renewal is late (the database slow or out of reach a moment) still counts: the renewal brings it back,
+// and a settlement waits for it (see Acquire); a lease found lost is dropped at once. Called with mu held.
+func (p *walletPool) offerable(w *wallet) bool {
+	return !p.leasing || (w.leased && !w.draining)
+}
+
+// errWalletNotHeld: the settlement wallet a payment is bound to is one whose lease this process does not hold.
+var errWalletNotHeld = errors.New("the settlement wallet the payment names is not one this instance sends from")
+
+// bind reports whether this process holds the lease of addr (giving it up or not, its renewal late or not) and,
+// when it does, notes that a payment bound to it was just verified, so that the lease is not given up under
+// that payment (see bindingGrace).
+func (p *walletPool) bind(addr common.Address) bool {
+	w := p.byAddr[addr]
+	if w == nil {
+		return false
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.leasing && !w.leased {
+		return false
+	}
+	w.boundAt = p.now()
+	return true
+}
+
+// publish finds the wallets an offer may name now (see offerable) and, when they changed, makes them the offered
+// ones and bumps the version. The lease keeper calls it after every look at the leases and whenever one is
+// taken, lost or given up.
+func (p *walletPool) publish() {
+	p.mu.Lock()
+	defer p.mu.Unlock() // two publishers never store what they found out of order
+	var list []common.Address
+	for _, w := range p.wallets {
+		if p.offerable(w) {
+			list = append(list, w.Address)
+		}
+	}
+	if cur := p.offered.Load(); cur != nil && slices.Equal(*cur, list) {
+		return
+	}
+	p.offered.Store(&list)
+	p.versions.Add(1)
+}
+
+// offers lists the wallets an offer may name, as publish last found them.
+func (p *walletPool) offers() []common.Address {
+	if l := p.offered.Load(); l != nil {
+		return *l
+	}
+	return nil
 }
 
 // maySign reports whether this process may sign with w outside a settlement (a nonce hole, a fee bump): it is one
@@ -200,7 +281,7 @@ func (p *walletPool) maySign(w *wallet) bool {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return !p.leasing || (w.leased && p.now().Before(w.validUntil))
+	return p.holds(w, p.now())
 }
 
 // ParsePrivateKeys reads settlement keys from a comma, space or newline separated list of hex keys (0x optional).

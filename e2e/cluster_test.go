@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"cmp"
 	"context"
 	"crypto/ecdsa"
 	"encoding/json"
@@ -70,6 +71,7 @@ type cluster struct {
 	gates    []*clusterGate
 	offer    x402.PaymentRequirements
 	payers   []*ecdsa.PrivateKey
+	setup    clusterSetup
 
 	transport *http.Transport
 	client    *http.Client
@@ -87,14 +89,33 @@ type clusterGate struct {
 	dead atomic.Bool // SIGKILLed by the test
 }
 
+// clusterSetup is what a cluster test changes of the defaults.
+type clusterSetup struct {
+	payers  int
+	wallets int // the settlement wallets every gateway is configured with (clusterWallets by default)
+	// routes, when set, are the site's routes in place of the one paid route at /: a format taking the seller
+	// (%[1]s) and the content (%[2]q).
+	routes string
+	// anyShares: start once every wallet is leased, however they are shared out (the test looks at that).
+	anyShares bool
+}
+
 // startCluster starts the dev chain with payers funded demo payers (each approves Permit2 once, so that its
 // token balance moves by the prices alone), the database and the three gateways, and waits until the wallet
 // leases are shared out: four wallets held by each gateway.
 func startCluster(t *testing.T, payers int) *cluster {
 	t.Helper()
+	return startClusterWith(t, clusterSetup{payers: payers})
+}
+
+// startClusterWith is startCluster as s says.
+func startClusterWith(t *testing.T, s clusterSetup) *cluster {
+	t.Helper()
 	needBinary(t)
 	started := time.Now()
-	c := &cluster{t: t, dir: t.TempDir(), chainID: new(big.Int).SetUint64(devchain.DefaultChainID)}
+	s.wallets = cmp.Or(s.wallets, clusterWallets)
+	payers := s.payers
+	c := &cluster{t: t, dir: t.TempDir(), chainID: new(big.Int).SetUint64(devchain.DefaultChainID), setup: s}
 
 	// The database starts while the chain does.
 	pgReady := make(chan struct{})
@@ -106,7 +127,7 @@ func startCluster(t *testing.T, payers int) *cluster {
 	}()
 
 	chainProc := startProcess(t, "caddy x402 devchain", c.dir, childEnv(t), "x402", "devchain", "--listen", "127.0.0.1:0", "--json",
-		"--wallets", fmt.Sprint(clusterWallets), "--payers", fmt.Sprint(payers))
+		"--wallets", fmt.Sprint(s.wallets), "--payers", fmt.Sprint(payers))
 	var facts struct {
 		RPC     string   `json:"rpc"`
 		Wallets []string `json:"wallets"`
@@ -120,8 +141,8 @@ func startCluster(t *testing.T, payers int) *cluster {
 		}
 		return fmt.Errorf("no JSON line yet")
 	})
-	if len(facts.Wallets) != clusterWallets || len(facts.Payers) != payers {
-		t.Fatalf("the chain funded %d wallets and %d payers, want %d and %d", len(facts.Wallets), len(facts.Payers), clusterWallets, payers)
+	if len(facts.Wallets) != s.wallets || len(facts.Payers) != payers {
+		t.Fatalf("the chain funded %d wallets and %d payers, want %d and %d", len(facts.Wallets), len(facts.Payers), s.wallets, payers)
 	}
 	c.chainURL = facts.RPC
 	c.dev = dialChain(t, c.chainURL)
@@ -154,7 +175,11 @@ func startCluster(t *testing.T, payers int) *cluster {
 	for _, g := range c.gates {
 		g.proc.waitUntil("a 402 from the gateway", 90*time.Second, answersWith(g.url+"/", 402))
 	}
-	c.waitLeases("the wallets shared out by the three gateways", 60*time.Second, clusterGateways)
+	if s.anyShares {
+		c.waitSettledLeases(60 * time.Second)
+	} else {
+		c.waitLeases("the wallets shared out by the three gateways", 60*time.Second, clusterGateways)
+	}
 	c.offer = permit2Offer(t, c.gates[0].url+"/")
 	if c.offer.MaxTimeoutSeconds < 3600 {
 		t.Fatalf("the offer's maxTimeoutSeconds is %d; the test needs the max_timeout 24h it configured", c.offer.MaxTimeoutSeconds)
@@ -164,13 +189,21 @@ func startCluster(t *testing.T, payers int) *cluster {
 	t.Cleanup(c.transport.CloseIdleConnections)
 	c.client = &http.Client{Transport: c.transport, Timeout: clusterRequestTimeout}
 	t.Logf("the cluster is up in %v: a dev chain, PostgreSQL, %d gateways sharing %d wallets, %d payers",
-		time.Since(started).Round(100*time.Millisecond), clusterGateways, clusterWallets, payers)
+		time.Since(started).Round(100*time.Millisecond), clusterGateways, s.wallets, payers)
 	return c
 }
 
-// caddyfile is a gateway's Caddyfile: the dev chain's twelve wallets, the journal (a DSN or a file) and the paid
-// route at siteURL.
+// caddyfile is a gateway's Caddyfile: the dev chain's wallets (twelve by default), the journal (a DSN or a file)
+// and the paid route at siteURL (or the setup's routes).
 func (c *cluster) caddyfile(journal, siteURL string) string {
+	routes := fmt.Sprintf(`	x402 $0.01 {
+		pay_to %s
+		max_timeout 24h
+	}
+	respond %q`, seller.Hex(), clusterContent)
+	if c.setup.routes != "" {
+		routes = fmt.Sprintf(c.setup.routes, seller.Hex(), clusterContent)
+	}
 	return fmt.Sprintf(`{
 	admin off
 	x402 {
@@ -184,13 +217,9 @@ func (c *cluster) caddyfile(journal, siteURL string) string {
 
 %s {
 	bind 127.0.0.1
-	x402 $0.01 {
-		pay_to %s
-		max_timeout 24h
-	}
-	respond %q
+%s
 }
-`, c.chainURL, clusterWallets-1, journal, siteURL, seller.Hex(), clusterContent)
+`, c.chainURL, c.setup.wallets-1, journal, siteURL, routes)
 }
 
 // clusterLogsEnv names a directory where a failed cluster test leaves the whole output of each gateway.
@@ -257,26 +286,64 @@ func (c *cluster) leases() (map[string][]common.Address, error) {
 	return out, err
 }
 
-// waitLeases waits until every wallet's lease is held, by exactly holders instances, evenly.
+// waitLeases waits until every wallet's lease is held, by exactly holders instances, evenly; with holders 0,
+// however they are shared out.
 func (c *cluster) waitLeases(what string, timeout time.Duration, holders int) map[string][]common.Address {
 	c.t.Helper()
+	wallets := c.setup.wallets
 	deadline := time.Now().Add(timeout)
 	for {
 		l, err := c.leases()
 		if err == nil {
 			n := 0
-			even := len(l) == holders
+			even := len(l) == holders || holders == 0
 			for _, ws := range l {
 				n += len(ws)
-				even = even && (len(ws) == (clusterWallets+holders-1)/holders || len(ws) == clusterWallets/holders)
+				even = even && (holders == 0 || len(ws) == (wallets+holders-1)/holders || len(ws) == wallets/holders)
 			}
-			if even && n == clusterWallets && len(l) == holders {
+			if even && n == wallets {
 				return l
 			}
 			err = fmt.Errorf("the leases held: %s", describeLeases(l))
 		}
 		if time.Now().After(deadline) {
 			c.t.Fatalf("no %s within %v: %v", what, timeout, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// waitSettledLeases waits until every wallet is leased, every gateway's instance is alive, and the leases have
+// stayed as they are for a few seconds (several passes of every gateway's lease loop), however they are shared.
+func (c *cluster) waitSettledLeases(timeout time.Duration) map[string][]common.Address {
+	c.t.Helper()
+	const still = 4 * time.Second
+	deadline := time.Now().Add(timeout)
+	var last string
+	since := time.Now()
+	for {
+		l, err := c.leases()
+		var live int
+		if err == nil {
+			err = c.query(func(ctx context.Context, conn *pgx.Conn) error {
+				return conn.QueryRow(ctx, `SELECT count(*) FROM x402_instances WHERE expires_at > now()`).Scan(&live)
+			})
+		}
+		if err == nil {
+			n := 0
+			for _, ws := range l {
+				n += len(ws)
+			}
+			now := fmt.Sprint(l)
+			if n != c.setup.wallets || live != len(c.gates) || now != last {
+				last, since = now, time.Now()
+			} else if time.Since(since) >= still {
+				return l
+			}
+			err = fmt.Errorf("%d live instances, the leases held: %s", live, describeLeases(l))
+		}
+		if time.Now().After(deadline) {
+			c.t.Fatalf("the wallet leases did not settle within %v: %v", timeout, err)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}

@@ -14,10 +14,12 @@ import (
 
 // Failover is a set of facilitators tried in order. A payment goes only to members whose /supported lists
 // its version, scheme, network and transfer method, so that, say, an erc2612-only facilitator never becomes
-// the failover of a permit2 payment; an erc2612 payment goes only to a member that may own the permit's
-// spender. A member that failed a call, or whose /supported is past its TTL, is asked /supported again aside,
-// and a payment does not wait for that while another compatible member is known; a member whose /supported
-// failed is skipped until its retry time (WithSupportedRetry). It is safe for concurrent use.
+// the failover of a permit2 payment; a payment bound to one settlement wallet (an erc2612 permit's spender, an
+// upto witness's facilitator) goes only to a member that may own that wallet: members sharing a journal each
+// list only the wallets whose leases they hold. A member that failed a call, or whose /supported is past its
+// TTL, is asked /supported again aside, and a payment does not wait for that while another compatible member is
+// known; a member whose /supported failed is skipped until its retry time (WithSupportedRetry). It is safe for
+// concurrent use.
 type Failover struct {
 	members []*Client
 	sticky  *SentPayments // payments whose /settle may have reached a member, and that member
@@ -284,7 +286,8 @@ type want struct {
 	scheme  string
 	network string
 	method  string
-	// spender is the settlement wallet an erc2612 permit names: only the facilitator owning it can settle.
+	// spender is the settlement wallet the payment is bound to (x402.BoundWallet: an erc2612 permit's spender,
+	// an upto witness's facilitator): only the facilitator owning it can settle.
 	spender string
 	// implied: the requirements named no transfer method and method is the one the payload implies (a version
 	// 1 body); a kind that names no method then serves it too.
@@ -309,9 +312,9 @@ func wantOf(req x402.VerifyRequest) want {
 			w.method, w.implied = x402.TransferERC2612, true
 		}
 	}
-	if w.method == x402.TransferERC2612 && req.PaymentPayload.Payload.Authorization != nil {
-		w.spender = req.PaymentPayload.Payload.Authorization.To
-	}
+	rq := req.PaymentRequirements
+	rq.Scheme, rq.Extra.AssetTransferMethod = w.scheme, w.method
+	w.spender = x402.BoundWallet(rq, req.PaymentPayload.Payload)
 	return w
 }
 
@@ -357,8 +360,10 @@ func (w want) servedBy(s x402.SupportedResponse) int {
 	// A facilitator that names its wallets and not this one cannot spend the permit; one that names none
 	// may still own it.
 	owned := s.SignersFor(w.network)
-	if kind.Extra.Spender != "" {
-		owned = append(owned, kind.Extra.Spender)
+	for _, a := range []string{kind.Extra.Spender, kind.Extra.FacilitatorAddress} {
+		if a != "" {
+			owned = append(owned, a)
+		}
 	}
 	if len(owned) == 0 || x402.ContainsAddress(owned, w.spender) {
 		return servedOK
@@ -402,6 +407,9 @@ type passedOver struct {
 
 func (p passedOver) text(w want) string {
 	if p.why == servedOtherSpender {
+		if w.scheme == x402.SchemeUpto {
+			return p.facilitator + " does not own the upto witness's facilitator " + w.spender
+		}
 		return p.facilitator + " does not own the permit's spender " + w.spender
 	}
 	return p.facilitator + " offers " + kindsText(p.supported.Kinds)

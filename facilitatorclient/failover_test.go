@@ -475,6 +475,37 @@ func TestFailoverRoutesAnERC2612PaymentToTheOwnerOfItsSpender(t *testing.T) {
 	}
 }
 
+// TestFailoverRoutesAnUptoPaymentToTheOwnerOfItsWitnessFacilitator: members sharing a journal each list only the
+// wallets they hold; an upto payment, which only the wallet its witness names can settle, goes to that wallet's
+// owner, and one naming a wallet no member owns is refused as such.
+func TestFailoverRoutesAnUptoPaymentToTheOwnerOfItsWitnessFacilitator(t *testing.T) {
+	uptoSupported := func(wallet string) x402.SupportedResponse {
+		return x402.SupportedResponse{Extensions: []string{}, Signers: map[string][]string{mainnet: {wallet}},
+			Kinds: []x402.SupportedKind{{X402Version: 2, Scheme: x402.SchemeUpto, Network: mainnet,
+				Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, FacilitatorAddress: wallet}}}}
+	}
+	upto := func(facilitator string) x402.VerifyRequest {
+		req := permit2Request(mainnet)
+		req.PaymentRequirements.Scheme, req.PaymentPayload.Accepted.Scheme = x402.SchemeUpto, x402.SchemeUpto
+		req.PaymentPayload.Payload.Permit2Authorization.Witness.Facilitator = facilitator
+		return req
+	}
+	a := newFakeFacilitator(t, uptoSupported(walletA))
+	b := newFakeFacilitator(t, uptoSupported(walletB))
+	fo := NewFailover(mustClient(t, a.URL()), mustClient(t, b.URL()))
+	ctx := context.Background()
+	if _, err := fo.Settle(ctx, upto(strings.ToLower(walletB))); err != nil {
+		t.Fatal(err)
+	}
+	if a.settleCalls.Load() != 0 || b.settleCalls.Load() != 1 {
+		t.Fatalf("settlements a=%d b=%d, want only b, the owner of the witness's facilitator", a.settleCalls.Load(), b.settleCalls.Load())
+	}
+	_, err := fo.Verify(ctx, upto("0x1111111111111111111111111111111111111111"))
+	if fe := failureOf(t, err); fe.Kind != x402.FailureRejected || !strings.Contains(err.Error(), "does not own the upto witness's facilitator") {
+		t.Fatalf("a witness facilitator nobody owns should be refused as such, got %v", err)
+	}
+}
+
 func TestFailoverHealthSumsUpTheMembers(t *testing.T) {
 	ok := func(network string) *fakeFacilitator {
 		return newFakeFacilitator(t, permit2Supported(network), func(f *fakeFacilitator) {

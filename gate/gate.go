@@ -144,7 +144,8 @@ type Config struct {
 	OriginalURI func(r *http.Request) string
 	// Event reports what happens to payments (names Event*), with the payment's details, for other parts of
 	// the server to react to; data builds the details only when called, so an event nobody listens to costs
-	// nothing. It is called on the request's goroutine and must return quickly. Default: none.
+	// nothing. It is called on the request's goroutine and must return quickly. r is nil for what happens to
+	// a served async payment in the background (its settlement failing for good, say). Default: none.
 	Event func(r *http.Request, name string, data func() map[string]any)
 	// HandsOff reports whether the server answers errors itself (Caddy's handle_errors): then a 502 outcome is
 	// returned as a *StatusError, its payment headers set, instead of being answered with the gate's JSON body.
@@ -185,7 +186,8 @@ const (
 	// settlement's outcome is not known yet (the facilitator did not answer /settle).
 	EventPending = "payment_pending"
 	// EventFailed: a payment was refused or not settled (malformed, not verified, settlement refused, or the
-	// facilitator unreachable for verification); nothing was served for it.
+	// facilitator unreachable for verification); nothing was served for it. Reported too, with "async" true,
+	// for a served async payment whose settlement failed for good: its resource went unpaid.
 	EventFailed = "payment_failed"
 )
 
@@ -252,11 +254,14 @@ type Gate struct {
 	logger   *zap.Logger
 	now      func() time.Time
 
-	offers   atomic.Pointer[offerSet] // the current offers, rebuilt from /supported of a remote facilitator
+	offers   atomic.Pointer[offerSet] // the current offers, rebuilt from /supported as it changes
 	priced   pricedOffers             // with Config.OffersFor: the offers of each distinct answer
 	refresh  sync.Mutex               // one /supported fetch at a time
 	rotation atomic.Uint64            // spreads erc2612 payers over the settlement wallets
 	warnedAt atomic.Int64             // when the async backlog was last reported full (unix nanoseconds)
+	// versioned is the embedded facilitator, when its /supported answer changes while it runs (see
+	// supportedVersioner); nil otherwise.
+	versioned supportedVersioner
 }
 
 // New makes a gate that verifies and settles with fac and records payments in store, claiming them as owner
@@ -339,22 +344,27 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 	if !cfg.Embedded {
 		// A remote facilitator may be down now; the gate starts anyway and asks when payments come.
 		g.offers.Store(buildOffers(cfg.Offers, nil, g.registry, time.Time{}))
+	} else {
+		g.versioned, _ = fac.(supportedVersioner)
 	}
 	return g, nil
+}
+
+// supportedVersioner is an embedded facilitator whose /supported answer changes while it runs: the engine sharing
+// its journal with other processes sends only from the wallets whose leases it holds, and an upto or erc2612
+// offer binds the payment to one of them. SupportedVersion changes whenever the answer may have.
+type supportedVersioner interface {
+	SupportedVersion() uint64
 }
 
 // Start takes up what the gate works with: the embedded engine's offers, and the journal's ledger with its
 // background settlements (async payments a previous process served are settled from here on).
 func (g *Gate) Start() error {
 	if g.cfg.Embedded {
-		// The engine's /supported never changes while it runs: shape the offers once.
-		sup, err := g.fac.Supported(context.Background())
-		if err != nil {
-			return fmt.Errorf("asking the embedded facilitator what it supports: %w", err)
+		// Shaped once, and again only when the engine says its answer changed (see currentOffers).
+		if _, err := g.fetchEmbeddedOffers(); err != nil {
+			return err
 		}
-		set := buildOffers(g.cfg.Offers, &sup, g.registry, g.now())
-		set.sup = &sup
-		g.offers.Store(set)
 	}
 	ledger := joinLedger(g.store, g.owner, g.logger)
 	if err := ledger.register(g); err != nil {
@@ -428,10 +438,27 @@ func (g *Gate) settlesOn(network string) bool {
 // answer when that is older than supportedTTL: in the background while a stale answer serves, or, when none
 // is known yet, while the request waits (up to supportedWait). A fetch that fails keeps the last offers (or
 // only what is configured explicitly) and is not repeated for supportedRetry.
+//
+// The embedded engine's offers are rebuilt when its SupportedVersion moved (a wallet lease taken, lost or being
+// given up), before the request is answered: a 402 names only wallets the engine sends from at that moment.
+// Checking costs one atomic read; rebuilding, done once per change, a few microseconds.
 func (g *Gate) currentOffers(ctx context.Context) *offerSet {
 	cur := g.offers.Load()
 	if g.cfg.Embedded {
-		return cur
+		if g.versioned == nil || g.versioned.SupportedVersion() == cur.version {
+			return cur
+		}
+		g.refresh.Lock()
+		defer g.refresh.Unlock()
+		if latest := g.offers.Load(); latest.version == g.versioned.SupportedVersion() {
+			return latest // rebuilt while this request waited for the lock
+		}
+		set, err := g.fetchEmbeddedOffers()
+		if err != nil {
+			g.logger.Warn("the embedded facilitator's offers could not be rebuilt; they stay as they were", zap.Error(err))
+			return cur
+		}
+		return set
 	}
 	now := g.now()
 	if (cur.known && now.Sub(cur.at) < supportedTTL) || (!cur.failedAt.IsZero() && now.Sub(cur.failedAt) < supportedRetry) {
@@ -452,6 +479,24 @@ func (g *Gate) currentOffers(ctx context.Context) *offerSet {
 		return latest // fetched while this request waited for the lock
 	}
 	return g.fetchOffers(ctx)
+}
+
+// fetchEmbeddedOffers asks the embedded facilitator what it supports and builds the offers from it, noting the
+// version of the answer (read before it, so that a change while it is asked makes the next request ask again).
+// The caller holds refresh, or is Start.
+func (g *Gate) fetchEmbeddedOffers() (*offerSet, error) {
+	var version uint64
+	if g.versioned != nil {
+		version = g.versioned.SupportedVersion()
+	}
+	sup, err := g.fac.Supported(context.Background())
+	if err != nil {
+		return nil, fmt.Errorf("asking the embedded facilitator what it supports: %w", err)
+	}
+	set := buildOffers(g.cfg.Offers, &sup, g.registry, g.now())
+	set.sup, set.version = &sup, version
+	g.offers.Store(set)
+	return set, nil
 }
 
 // fetchOffers asks the facilitator's /supported and rebuilds the offers from it; the caller holds refresh.

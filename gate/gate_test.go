@@ -1,6 +1,7 @@
 package gate_test
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"io"
@@ -43,6 +44,7 @@ type env struct {
 	failing atomic.Bool  // the upstream answers 503
 	vars    *vars
 	metrics *countingMetrics
+	cfg     gate.Config // the gate's configuration
 }
 
 // setup says how a test's gate is configured.
@@ -62,6 +64,11 @@ type setup struct {
 	serverLog *log.Logger
 	// config, when set, changes the gate's configuration before it is made.
 	config func(*gate.Config)
+	// wallets is how many of the chain's wallets the engine settles with (default 2).
+	wallets int
+	// noGate makes an env of the engine alone, as a process of a cluster that runs no gate: startGate makes
+	// its gate later.
+	noGate bool
 }
 
 func newEnv(t *testing.T, s setup) *env {
@@ -81,7 +88,7 @@ func newEnv(t *testing.T, s setup) *env {
 		Network: e.net, Backend: c.Client, ReceiptPoll: 2 * time.Millisecond,
 		Assets: []chain.AssetConfig{{Address: c.Token, Name: "Stable Coin", Version: "1", Decimals: 6}},
 	}
-	for _, w := range c.Wallets[:2] {
+	for _, w := range c.Wallets[:cmp.Or(s.wallets, 2)] {
 		nc.Keys = append(nc.Keys, w.Key)
 	}
 	f, err := chain.New(context.Background(), chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: e.store, Owner: "test"})
@@ -99,15 +106,10 @@ func newEnv(t *testing.T, s setup) *env {
 	if s.config != nil {
 		s.config(&cfg)
 	}
-	g, err := gate.New(cfg, f, e.store, "test")
-	if err != nil {
-		t.Fatalf("gate.New: %v", err)
+	e.cfg = cfg
+	if !s.noGate {
+		e.startGate()
 	}
-	if err := g.Start(); err != nil {
-		t.Fatalf("starting the gate: %v", err)
-	}
-	t.Cleanup(func() { _ = g.Close() })
-	e.gate = g
 	var next gate.Handler = s.upstream
 	if s.upstream == nil {
 		next = gate.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
@@ -126,7 +128,7 @@ func newEnv(t *testing.T, s setup) *env {
 		})
 	}
 	e.srv = httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if err := g.ServeHTTP(w, r, next); err != nil {
+		if err := e.gate.ServeHTTP(w, r, next); err != nil {
 			status := http.StatusInternalServerError
 			var se *gate.StatusError
 			if errors.As(err, &se) {
@@ -139,6 +141,20 @@ func newEnv(t *testing.T, s setup) *env {
 	e.srv.Start()
 	t.Cleanup(e.srv.Close)
 	return e
+}
+
+// startGate makes and starts the env's gate (see setup.noGate).
+func (e *env) startGate() {
+	e.t.Helper()
+	g, err := gate.New(e.cfg, e.fac, e.store, "test")
+	if err != nil {
+		e.t.Fatalf("gate.New: %v", err)
+	}
+	if err := g.Start(); err != nil {
+		e.t.Fatalf("starting the gate: %v", err)
+	}
+	e.t.Cleanup(func() { _ = g.Close() })
+	e.gate = g
 }
 
 // answer is a response with its body read.

@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/ethereum/go-ethereum/common"
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/chain/journal"
@@ -311,8 +312,12 @@ func (l *Ledger) settleAll(recs []journal.Record) {
 // process is gone, to settle them itself.
 const adoptEvery = 3 * time.Second
 
-// adoptable keeps of recs the async payments this process is to settle: its own, and those of instances that
-// are gone, which it takes over (their Owner becomes this instance) unless another process took them first.
+// adoptable keeps of recs the async payments this process is to settle: its own, those of instances that are
+// gone, and those bound to a settlement wallet this process sends from (an upto witness naming it, an erc2612
+// permit to it), which only the holder of the wallet's lease can settle: their owner may be alive and unable to,
+// say after the wallet's lease moved to this process, or after it took over the payments of a gone instance
+// whose wallets went to others. It takes them over (their Owner becomes this instance, and their owner's
+// background settlement stops) unless another process took them first.
 func (l *Ledger) adoptable(c journal.Cluster, recs []journal.Record) ([]journal.Record, error) {
 	var out []journal.Record
 	isAlive := journal.AliveOnce(c)
@@ -325,12 +330,18 @@ func (l *Ledger) adoptable(c journal.Cluster, recs []journal.Record) ([]journal.
 		if err != nil {
 			return out, err
 		}
+		why := "took over a served async payment of an instance that is gone; settling it"
 		if alive {
-			continue // its own process settles it
+			// Its own process settles it, unless only this one can: left a moment to its owner first, which
+			// may hold the wallet right now and be settling it.
+			if l.now().Sub(rec.UpdatedAt) < adoptEvery || !l.sendsFromWalletOf(rec) {
+				continue
+			}
+			why = "took over a served async payment bound to a settlement wallet whose lease this instance holds; settling it"
 		}
 		prev := rec.Owner
 		rec, err = l.store.Update(l.ctx, rec.ID, func(r *journal.Record) error {
-			if r.Owner != prev {
+			if r.Owner != prev || r.State == journal.StateFinal {
 				return errAdopted
 			}
 			r.Owner = l.owner
@@ -338,8 +349,8 @@ func (l *Ledger) adoptable(c journal.Cluster, recs []journal.Record) ([]journal.
 		})
 		switch {
 		case err == nil:
-			l.log.Info("took over a served async payment of an instance that is gone; settling it",
-				zap.String("payment", rec.ID.String()), zap.String("payer", rec.Payer), zap.String("amount", rec.Amount))
+			l.log.Info(why, zap.String("payment", rec.ID.String()), zap.String("payer", rec.Payer), zap.String("amount", rec.Amount),
+				zap.String("previous_owner", prev))
 			out = append(out, rec)
 		case errors.Is(err, errAdopted), errors.Is(err, journal.ErrNotFound):
 		default:
@@ -349,7 +360,34 @@ func (l *Ledger) adoptable(c journal.Cluster, recs []journal.Record) ([]journal.
 	return out, nil
 }
 
-// errAdopted: another process took a gone instance's async payment over first.
+// walletSender is a facilitator that sends settlements only from the wallets whose leases it holds (the embedded
+// engine sharing its journal with other processes).
+type walletSender interface {
+	SendsFrom(network string, wallet common.Address) bool
+}
+
+// sendsFromWalletOf reports whether the async payment rec is bound to a settlement wallet (see x402.BoundWallet)
+// that the facilitator of one of this ledger's gates sends from now.
+func (l *Ledger) sendsFromWalletOf(rec journal.Record) bool {
+	var req x402.SettleRequest
+	if err := json.Unmarshal(rec.Request, &req); err != nil {
+		return false
+	}
+	w := x402.BoundWallet(req.PaymentRequirements, req.PaymentPayload.Payload)
+	if !x402.IsHexAddress(w) {
+		return false
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, g := range l.gates {
+		if s, ok := g.fac.(walletSender); ok && g.settlesOn(rec.Network) && s.SendsFrom(rec.Network, common.HexToAddress(w)) {
+			return true
+		}
+	}
+	return false
+}
+
+// errAdopted: another process took the async payment over first (or it became final meanwhile).
 var errAdopted = errors.New("another instance took the payment over")
 
 // adoptLoop takes over, every adoptEvery, the served async payments of instances that are gone.
@@ -549,6 +587,9 @@ type settleState struct {
 	unexpected  int  // unexpected_settle_error answers so far
 	warnedNoFac bool // the wait for a facilitator of the payment's network was logged
 	notedTerms  bool // settling under terms no gate offers any more was logged
+	// noWallet is the last no_available_wallets answer: for a payment bound to a settlement wallet, another
+	// instance sharing the journal holds its lease (it moved since the payment was served).
+	noWallet string
 }
 
 // settleInBackground settles one async payment. An unreachable facilitator, a settlement still pending and a
@@ -603,6 +644,13 @@ func (l *Ledger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) 
 	if !ok || rec.State == journal.StateFinal || !rec.Async {
 		return false
 	}
+	if _, shared := l.store.(journal.Cluster); shared && rec.Owner != l.owner {
+		// Another instance took the payment over: the holder of the settlement wallet it is bound to, or a
+		// process that found this one dead. It settles it; settling here too would only race it.
+		log.Info("a served async payment was taken over by another instance, which settles it; leaving it to that instance",
+			zap.String("owner", rec.Owner))
+		return false
+	}
 	var req x402.SettleRequest
 	if err := json.Unmarshal(rec.Request, &req); err != nil {
 		log.Error("an async payment cannot be settled: its journal record holds no readable request; settle it by hand",
@@ -614,7 +662,7 @@ func (l *Ledger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) 
 	if g == nil {
 		deadline := req.PaymentPayload.Payload.Deadline()
 		if !deadline.IsZero() && l.now().After(deadline.Add(asyncExpiryMargin)) {
-			l.expire(log, id, rec.Payer, req, deadline)
+			l.expire(log, id, rec, req, deadline)
 			return false
 		}
 		if !st.warnedNoFac {
@@ -631,12 +679,13 @@ func (l *Ledger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) 
 			zap.String("amount", rq.Amount))
 		st.notedTerms = true
 	}
+	charge := req // what is settled; req stays the payment as served (and held)
 	if rq.Scheme == x402.SchemeUpto && rec.Amount != "" {
 		// Served under the offer's maximum (req); charged what the upstream named then, kept in the record.
-		req.PaymentRequirements.Amount = rec.Amount
+		charge.PaymentRequirements.Amount = rec.Amount
 	}
 	ctx, cancel := context.WithTimeout(l.ctx, settleTimeout)
-	resp, err := g.fac.Settle(ctx, req)
+	resp, err := g.fac.Settle(ctx, charge)
 	cancel()
 	log = log.With(zap.String("facilitator", g.cfg.FacilitatorName), zap.String("payer", rec.Payer), zap.String("amount", rec.Amount))
 	switch {
@@ -645,48 +694,94 @@ func (l *Ledger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) 
 			log.Warn("background settlement: facilitator unreachable; retrying", zap.String("error", g.describe(err)))
 		}
 		return true
-	case resp.Success && x402.SettlementProblem(req, resp) != "":
+	case resp.Success && x402.SettlementProblem(charge, resp) != "":
 		// Not proof that this payment settled: looked at again later, as an unknown outcome.
 		log.Error("background settlement: the facilitator answered success for a settlement it does not show; retrying",
-			zap.String("problem", x402.SettlementProblem(req, resp)))
+			zap.String("problem", x402.SettlementProblem(charge, resp)))
 		return true
 	case resp.Success:
 		l.finalise(log, id, resp)
 		log.Info("async payment settled", zap.String("network", resp.Network), zap.String("tx", resp.Transaction))
 		return false
-	case resp.Pending(), resp.ErrorReason == x402.ReasonNoAvailableWallets:
+	case resp.ErrorReason == x402.ReasonNoAvailableWallets:
+		deadline := req.PaymentPayload.Payload.Deadline()
+		if !deadline.IsZero() && l.now().After(deadline.Add(asyncExpiryMargin)) {
+			// No wallet was had for it, so this attempt sent nothing, and past its deadline none can.
+			resp.ErrorMessage += fmt.Sprintf("; the authorization expired at %s before a settlement wallet could settle it", deadline.UTC().Format(time.RFC3339))
+			l.fail(log, g, id, rec, req, resp, "an async payment was served but never settled: no settlement wallet could send it before its authorization expired; the resource went unpaid")
+			return false
+		}
+		if st.noWallet == "" {
+			log.Warn("background settlement: no settlement wallet here can send it; retrying until its authorization expires (a payment bound to a wallet another instance holds is taken over by that instance)",
+				zap.String("message", resp.ErrorMessage), zap.String("bound_wallet", x402.BoundWallet(rq, req.PaymentPayload.Payload)),
+				zap.Time("deadline", deadline))
+		}
+		st.noWallet = resp.ErrorMessage
+		return true
+	case resp.Pending():
 		return true
 	case resp.ErrorReason == x402.ReasonUnexpectedSettleError && st.unexpected < asyncUnexpectedLimit:
 		st.unexpected++
 		log.Warn("background settlement failed unexpectedly; retrying", zap.String("reason", resp.ErrorMessage))
 		return true
 	}
+	what := "an async payment was served but its settlement was refused; the resource went unpaid"
+	if st.noWallet != "" {
+		what = "an async payment was served but never settled: no settlement wallet could send it before its settlement was refused; the resource went unpaid"
+	}
+	l.fail(log, g, id, rec, req, resp, what)
+	return false
+}
+
+// fail records the final failure of a served async payment (settlement refused, or never possible before its
+// deadline): its record becomes final with resp, which says why, so that it leaves the backlog and no longer
+// counts against its payer; the failure is logged at error level with what, and reported as payment_failed. req
+// is the payment as it was served (an upto one at its maximum, as it was held).
+func (l *Ledger) fail(log *zap.Logger, g *Gate, id journal.ID, rec journal.Record, req x402.SettleRequest, resp x402.SettleResponse, what string) {
 	l.finalise(log, id, resp)
+	log.Error(what, zap.String("reason", resp.ErrorReason), zap.String("message", resp.ErrorMessage), zap.String("tx", resp.Transaction))
+	if g == nil {
+		return
+	}
 	if h, ok := g.fac.(fundsHolder); ok {
 		// Given up: what it held against the payer's funds is the payer's again (the facilitator let go already
 		// of a refusal it knows to be final, not of one it would retry).
 		h.Release(req)
 	}
-	log.Error("an async payment was served but its settlement was refused; the resource went unpaid",
-		zap.String("reason", resp.ErrorReason), zap.String("message", resp.ErrorMessage), zap.String("tx", resp.Transaction))
-	return false
+	if g.cfg.Event == nil {
+		return
+	}
+	rq := req.PaymentRequirements
+	g.cfg.Event(nil, EventFailed, func() map[string]any {
+		return map[string]any{
+			"network": rq.Network, "asset": rq.Asset, "amount": rec.Amount, "pay_to": rq.PayTo,
+			"method": x402.TransferMethod(rq, req.PaymentPayload.Payload), "payer": rec.Payer, "async": true,
+			"outcome": string(x402.OutcomeSettleFailed), "reason": resp.ErrorReason, "payment": id.String(),
+		}
+	})
 }
 
 // expire finishes a served async payment that no facilitator can settle any more: no configured gate's
-// facilitator settled on its network before its authorization expired. Its record becomes final with a failed
-// answer, so that it leaves the backlog and no longer counts against its payer.
-func (l *Ledger) expire(log *zap.Logger, id journal.ID, payer string, req x402.SettleRequest, deadline time.Time) {
+// facilitator settled on its network before its authorization expired (see fail).
+func (l *Ledger) expire(log *zap.Logger, id journal.ID, rec journal.Record, req x402.SettleRequest, deadline time.Time) {
 	rq := req.PaymentRequirements
 	reason := x402.ReasonValidBefore
 	if x402.TransferMethod(rq, req.PaymentPayload.Payload) == x402.TransferPermit2 {
 		reason = x402.ReasonPermit2DeadlineExpired
 	}
-	l.finalise(log, id, x402.SettleResponse{Success: false, Network: rq.Network, Payer: payer, ErrorReason: reason,
+	resp := x402.SettleResponse{Success: false, Network: rq.Network, Payer: rec.Payer, ErrorReason: reason,
 		ErrorMessage: fmt.Sprintf("%s: the authorization expired at %s while no configured facilitator settled on %s",
-			x402.MessagePermitExpired, deadline.UTC().Format(time.RFC3339), rq.Network)})
-	log.Error("an async payment was served but never settled: no configured gate's facilitator settles on its network, and its authorization has expired; the resource went unpaid",
-		zap.String("network", rq.Network), zap.String("payer", payer), zap.String("pay_to", rq.PayTo),
-		zap.String("amount", rq.Amount), zap.Time("deadline", deadline), zap.String("reason", reason))
+			x402.MessagePermitExpired, deadline.UTC().Format(time.RFC3339), rq.Network)}
+	// Reported through a gate of this journal: none settles on the network, but its hooks are the server's.
+	l.mu.Lock()
+	var g *Gate
+	if len(l.gates) > 0 {
+		g = l.gates[0]
+	}
+	l.mu.Unlock()
+	l.fail(log.With(zap.String("network", rq.Network), zap.String("payer", rec.Payer), zap.String("pay_to", rq.PayTo),
+		zap.String("amount", rq.Amount), zap.Time("deadline", deadline)), g, id, rec, req, resp,
+		"an async payment was served but never settled: no configured gate's facilitator settles on its network, and its authorization has expired; the resource went unpaid")
 }
 
 // finalise records the final answer of an async payment.

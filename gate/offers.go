@@ -48,6 +48,8 @@ type offerSet struct {
 	// sup is the /supported answer the set was built from, nil when none: Config.OffersFor builds the
 	// offers of a request from it.
 	sup *x402.SupportedResponse
+	// version is the embedded facilitator's SupportedVersion when sup was had (see Gate.currentOffers).
+	version uint64
 }
 
 // methodOrder is the order offers list transfer methods in: clients take the first they can pay. Permit2 works
@@ -91,6 +93,11 @@ func buildOffers(specs []Offer, sup *x402.SupportedResponse, reg *x402.Registry,
 				sponsoring = sponsoring || (sup != nil && slices.Contains(sup.Extensions, x402.ExtensionEIP2612GasSponsoring))
 			case x402.TransferERC2612:
 				o.spenders = sup.SignersFor(s.Network)
+				if sup != nil && len(o.spenders) == 0 {
+					// The permit must name a wallet the facilitator sends from, and it names none (an instance of
+					// a cluster holding no wallet's lease right now): no payer could sign this offer.
+					continue
+				}
 				// Version 1 names networks, so only a network with a version 1 name can be offered to it.
 				n, known := reg.Lookup(s.Network)
 				_, v1Kind := sup.Kind(x402.Version1, s.Network, m)

@@ -25,6 +25,12 @@ func testSupported(kinds ...x402.SupportedKind) *x402.SupportedResponse {
 		Signers: map[string][]string{"eip155:*": {testWallet}}}
 }
 
+// noSigners is sup naming no settlement wallet.
+func noSigners(sup *x402.SupportedResponse) *x402.SupportedResponse {
+	sup.Signers = map[string][]string{}
+	return sup
+}
+
 func kind(version int, method string) x402.SupportedKind {
 	return x402.SupportedKind{X402Version: version, Scheme: "exact", Network: x402.NetworkTestnet, Extra: x402.Extra{AssetTransferMethod: method}}
 }
@@ -56,6 +62,7 @@ func TestOffersFollowWhatTheFacilitatorSupportsPermit2First(t *testing.T) {
 		{"both supported", "", testSupported(kind(2, "erc2612"), kind(1, "erc2612"), kind(2, "permit2")), "permit2 erc2612+v1", true},
 		{"only permit2 supported", "", testSupported(kind(2, "permit2")), "permit2", true},
 		{"erc2612 without version 1", "", testSupported(kind(2, "erc2612")), "erc2612", false},
+		{"erc2612 with no signer to name as spender (a cluster instance holding no wallet)", "", noSigners(testSupported(kind(2, "erc2612"), kind(2, "permit2"))), "permit2", true},
 		{"a kind without a method is the standard kind: permit2, never erc2612", "", testSupported(kind(2, "")), "permit2", true},
 		{"eip3009 is not offered for a token not known to have it", "", testSupported(kind(2, "permit2"), kind(2, "eip3009")), "permit2", true},
 		{"an explicit eip3009 is offered", "eip3009", testSupported(kind(2, "")), "eip3009", false},

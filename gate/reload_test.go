@@ -85,7 +85,7 @@ func TestAChargedPaymentThatBrokeOffIsServedByItsRecordAtAGatewayOfTheClusterWho
 	for _, settle := range []string{gate.SettleAfter, gate.SettleBefore, gate.SettleAsync} {
 		t.Run(settle, func(t *testing.T) {
 			var ups [2]breakingUpstream
-			gws := twoGatewaysOf(t, [2]setup{pricedAt(settle, price, &ups[0]), pricedAt(settle, 2*price, &ups[1])})
+			gws := gatewaysOf(t, []setup{pricedAt(settle, price, &ups[0]), pricedAt(settle, 2*price, &ups[1])})
 			payer := gws[0].c.Payers[0]
 			header := gws[0].permit2(payer)
 			unsent := gws[0].permit2(payer)
@@ -126,7 +126,7 @@ func TestAChargedPaymentThatBrokeOffIsServedByItsRecordAtAGatewayOfTheClusterWho
 
 func TestARecordThatDoesNotDescribeItsResourceIsJudgedByTheRoutesOffersAsBefore(t *testing.T) {
 	var ups [2]breakingUpstream
-	gws := twoGatewaysOf(t, [2]setup{pricedAt(gate.SettleAfter, price, &ups[0]), pricedAt(gate.SettleAfter, 2*price, &ups[1])})
+	gws := gatewaysOf(t, []setup{pricedAt(gate.SettleAfter, price, &ups[0]), pricedAt(gate.SettleAfter, 2*price, &ups[1])})
 	payer := gws[0].c.Payers[0]
 	header := gws[0].permit2(payer)
 	before := gws[0].balances(payer)

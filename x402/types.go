@@ -195,6 +195,19 @@ func TransferMethod(rq PaymentRequirements, p ExactEVMPayload) string {
 	return TransferERC2612
 }
 
+// BoundWallet is the settlement wallet that alone can settle a payment of rq with payload p, as the payload names
+// it (unchecked): an upto witness's facilitator, an erc2612 permit's spender. It is "" for a payment any of the
+// facilitator's wallets can settle (exact permit2, eip3009).
+func BoundWallet(rq PaymentRequirements, p ExactEVMPayload) string {
+	switch {
+	case rq.Scheme == SchemeUpto && p.Permit2Authorization != nil:
+		return p.Permit2Authorization.Witness.Facilitator
+	case TransferMethod(rq, p) == TransferERC2612 && p.Authorization != nil:
+		return p.Authorization.To
+	}
+	return ""
+}
+
 // PaymentPayload is the client's payment, Base64-encoded in the PAYMENT-SIGNATURE header (version 2).
 type PaymentPayload struct {
 	X402Version int                        `json:"x402Version"`

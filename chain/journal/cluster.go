@@ -24,8 +24,10 @@ type Cluster interface {
 	// Alive reports whether the instance owner has a current heartbeat: it has not closed its store and has
 	// not missed heartbeats for the instance TTL. This instance is always alive.
 	Alive(ctx context.Context, owner string) (bool, error)
-	// Instances counts the live instances, this one included.
-	Instances(ctx context.Context) (int, error)
+	// Instances counts the live instances, this one included, and gives this instance's rank among them: how
+	// many live instances have a token that sorts before its own. Instances that agree on who is alive agree on
+	// the ranks, so that shares each computes from its own rank add up to the whole (see the wallet leases).
+	Instances(ctx context.Context) (live, rank int, err error)
 	// Continuity is a number that changes whenever this instance may have looked dead to the others: its last
 	// heartbeat the database took is too old to vouch for it now (the database out of reach for most of the
 	// TTL), or such a gap came between two heartbeats. Others take over a dead instance's in-flight marks; work

@@ -822,10 +822,24 @@ func (s *PostgresStore) Alive(ctx context.Context, owner string) (bool, error) {
 	return alive, s.fail(ctx, "alive", err)
 }
 
-// Instances implements Cluster.
-func (s *PostgresStore) Instances(ctx context.Context) (int, error) {
-	// This instance counts even while its heartbeat is behind: it is always alive to itself.
-	return s.count(ctx, `SELECT count(*) FROM x402_instances WHERE expires_at > now() OR token = $1`, s.instance)
+// Instances implements Cluster, in one statement. Tokens are compared byte by byte (COLLATE "C"), so every
+// instance orders them alike whatever the database's collation.
+func (s *PostgresStore) Instances(ctx context.Context) (live, rank int, err error) {
+	rctx, cancel, err := s.begin(ctx, false)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer cancel()
+	var n, before int64
+	err = s.read(rctx, func() error {
+		// This instance counts even while its heartbeat is behind: it is always alive to itself.
+		return s.pool.QueryRow(rctx, `SELECT count(*), count(*) FILTER (WHERE token COLLATE "C" < $1 COLLATE "C")
+FROM x402_instances WHERE expires_at > now() OR token = $1`, s.instance).Scan(&n, &before)
+	})
+	if err != nil {
+		return 0, 0, s.fail(ctx, "instances", err)
+	}
+	return int(n), int(before), nil
 }
 
 // Busy implements Cluster, in one statement: the insert of the mark, or, when there is one, its takeover if

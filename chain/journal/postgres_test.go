@@ -259,8 +259,14 @@ func TestPostgresInstancesAndHeartbeat(t *testing.T) {
 	if a.Instance() == b.Instance() || len(a.Instance()) != 32 {
 		t.Fatalf("instances %q and %q; want two distinct random tokens", a.Instance(), b.Instance())
 	}
-	if n, err := b.Instances(ctx); err != nil || n != 2 {
+	if n, _, err := b.Instances(ctx); err != nil || n != 2 {
 		t.Fatalf("Instances = %d, %v; want 2", n, err)
+	}
+	// The ranks are the tokens' order, the same to both: one is first, the other second.
+	_, ra, errA := a.Instances(ctx)
+	_, rb, errB := b.Instances(ctx)
+	if errA != nil || errB != nil || ra+rb != 1 || (ra == 0) != (a.Instance() < b.Instance()) {
+		t.Fatalf("ranks %d (%q) and %d (%q), %v %v; want 0 and 1 in the order of the tokens", ra, a.Instance(), rb, b.Instance(), errA, errB)
 	}
 	time.Sleep(1500 * time.Millisecond) // more than twice a's TTL: only its heartbeat keeps it alive
 	if ok, err := b.Alive(ctx, a.Instance()); err != nil || !ok {
@@ -273,8 +279,8 @@ func TestPostgresInstancesAndHeartbeat(t *testing.T) {
 	if ok, err := b.Alive(ctx, a.Instance()); err != nil || ok {
 		t.Fatalf("Alive of a closed instance = %v, %v", ok, err)
 	}
-	if n, err := b.Instances(ctx); err != nil || n != 1 {
-		t.Fatalf("Instances after a Close = %d, %v; want 1", n, err)
+	if n, r, err := b.Instances(ctx); err != nil || n != 1 || r != 0 {
+		t.Fatalf("Instances after a Close = %d (rank %d), %v; want 1, rank 0", n, r, err)
 	}
 	if _, err := a.Alive(ctx, a.Instance()); !errors.Is(err, ErrClosed) {
 		t.Fatalf("Alive after Close: %v, want ErrClosed", err)
@@ -565,7 +571,7 @@ func TestPostgresUnavailableDuringAnOutage(t *testing.T) {
 		"Count":         func() error { _, err := s.Count(ctx); return err },
 		"Backlog":       func() error { _, err := s.Backlog(ctx); return err },
 		"Alive":         func() error { _, err := s.Alive(ctx, "x"); return err },
-		"Instances":     func() error { _, err := s.Instances(ctx); return err },
+		"Instances":     func() error { _, _, err := s.Instances(ctx); return err },
 		"Busy":          func() error { _, err := s.Busy(ctx, id); return err },
 		"Idle":          func() error { return s.Idle(ctx, id) },
 		"Lease":         func() error { _, err := s.Lease(ctx, "w", time.Minute); return err },
