@@ -183,6 +183,9 @@ func cutShortAcrossAReload(t *testing.T, before, after termsSetup) {
 			t.Errorf("PAYMENT-RESPONSE of the whole file: %+v (%v); want the settlement of %d it was charged", resp, err, before.amount)
 		}
 	}
+	if !env.logged(`"level":"info"`, "judged by its record", `"resource":"GET 127.0.0.1/big.bin"`, fmt.Sprintf(`"amount":"%d"`, before.amount)) {
+		t.Errorf("no info line says the payment was judged by its record")
+	}
 	wantRefused(t, env.presentOnceFree(client, "/big.bin", header), "presented a third time, after it bought /big.bin whole",
 		x402.ReasonPaymentAlreadyUsed)
 	wantRefused(t, env.presentOnceFree(client, "/big.bin", unsent), "a payment signed on the old terms and never presented, after the reload",

@@ -338,6 +338,11 @@ func (x *exchange) presentedAgain(rec journal.Record, p presented) error {
 		// A reload since (another price, recipient or networks), a price_grace passed, a price set per request
 		// that resolves otherwise now, another gateway configured otherwise: none leaves its payer charged for
 		// nothing.
+		if p.mismatch != nil {
+			x.g.logger.Info("a payment presented again for the resource it bought is judged by its record: the terms it was accepted under are no longer offered here",
+				zap.String("payment", rec.ID.String()), zap.String("resource", shownResource(rec.Resource)), zap.String("amount", rq.Amount),
+				zap.String("pay_to", rq.PayTo), zap.String("network", rq.Network), zap.String("mismatch", p.mismatch.Reason))
+		}
 	case p.mismatch != nil:
 		return x.mismatched(p)
 	case !x402.SameTerms(rq, x.req.PaymentRequirements):
