@@ -72,7 +72,9 @@ const (
 	asyncRetryMin = 100 * time.Millisecond
 	asyncRetryMax = 10 * time.Second
 	// asyncUnexpectedLimit bounds retries of a settlement the facilitator keeps failing with
-	// unexpected_settle_error (the node refused the transaction): past it the failure is taken as final.
+	// unexpected_settle_error: past it the failure is taken as final. The embedded engine never answers it (a
+	// transaction its node refused is an error, retried until the payment settles or expires); a remote
+	// facilitator may.
 	asyncUnexpectedLimit = 10
 	// asyncConcurrency is how many background settlements run at once per journal.
 	asyncConcurrency = 64
