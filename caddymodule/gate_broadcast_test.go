@@ -193,3 +193,34 @@ func (env *gateEnv) loggedNow(text string) bool {
 	b, _ := os.ReadFile(filepath.Join(env.srv.dir, "caddy.log"))
 	return strings.Contains(string(b), text)
 }
+
+// A settle-async gate whose remote facilitator answers a background settlement with a failure that names the
+// transaction it sent (its receipt not seen) keeps the payment as settling, not as refused: that transaction may
+// mine (here it did). Asked again, the facilitator answers from its journal that it settled: the gate's record
+// ends settled, and the gate never logs the served payment as unpaid.
+func TestSettleAsyncTakesARemoteFailureAfterItsBroadcastAsNoRefusal(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	t.Cleanup(commitPending(t, c))
+	engine := newRemoteFacilitatorOf(t, c, c.Wallets[:2], 20*time.Second)
+	remote := &scriptedFacilitator{engine: engine.URL}
+	env := startGateOn(t, c, gateSetup{facURL: serveTest(t, remote), gate: "\t\tsettle async\n", logFile: true})
+	payer := c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	p := env.signPermit2(payer, env.requirement("/", x402.TransferPermit2))
+	remote.next(rewritten(func(r *x402.SettleResponse) {
+		r.Success, r.ErrorReason, r.ErrorMessage = false, x402.ReasonFailedToGetReceipt, "scripted: no receipt in time"
+	}))
+	if a := env.get("/", x402.HeaderPaymentSignature, gateEncode(t, p)); a.status != http.StatusOK {
+		t.Fatalf("the payment: %d %q, want served", a.status, a.body)
+	}
+	env.waitPaid(payer, before, 1)
+	waitBacklog(t, 0)
+	if rec := env.gateRecord(p); rec.Response == nil || !rec.Response.Success {
+		t.Errorf("the gate's record of the payment ends with %+v; want it settled", rec.Response)
+	}
+	if env.loggedNow("went unpaid") {
+		t.Error("the gate logged the served payment as unpaid, though its transaction settled it")
+	}
+	env.assertPaid(payer, before, 1)
+}

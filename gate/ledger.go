@@ -720,7 +720,8 @@ func (l *Ledger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) 
 		}
 		st.noWallet = resp.ErrorMessage
 		return true
-	case resp.Pending():
+	case resp.Pending(), !g.cfg.Embedded && resp.OutcomeUnknown():
+		// Sent and not final yet; a remote facilitator's failure after its broadcast too (see settleThenServe).
 		return true
 	case resp.ErrorReason == x402.ReasonUnexpectedSettleError && st.unexpected < asyncUnexpectedLimit:
 		st.unexpected++
