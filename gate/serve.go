@@ -497,6 +497,14 @@ func (x *exchange) settleThenServe(up *upstream) error {
 			x.note(func(r *journal.Record) { r.Response = &resp })
 			return x.settleUnreachable("the settlement transaction "+resp.Transaction+" is not final yet", nil, &resp)
 		}
+		if !x.g.cfg.Embedded && resp.OutcomeUnknown() {
+			// A remote facilitator's failure after it broadcast: the transaction may still mine. The record stays
+			// "outcome not known", so a refusal of the payment presented again is no final answer either (resend).
+			// The engine names a transaction in a failure only when it reverted (or, in a record of an older
+			// release, when it was dropped and its nonce taken): its answers are final as they are.
+			return x.settleUnreachable(fmt.Sprintf("the facilitator answered %s: %s, after it sent transaction %s, which may still settle",
+				resp.ErrorReason, resp.ErrorMessage, resp.Transaction), nil, nil)
+		}
 		if x.resend {
 			// A refusal of a payment whose earlier settlement may have reached the facilitator says nothing
 			// sure: a facilitator without a journal refuses a repeat of a settlement it made ("nonce already
