@@ -281,7 +281,10 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 		return fmt.Errorf("payment %s: its nonce is spent on chain and no receipt of its transactions was found yet: %s", rec.ID, ref.message)
 	}
 	if ref != nil {
-		resp := failed(n.caip2, rec.Payer, rec.TxHash, refuse(ref.reason, "the settlement transaction %s was dropped and cannot be sent again: %s", rec.TxHash, ref.message))
+		// The answer names no transaction: the dropped one can never mine (its nonce went to another), and a
+		// failure naming a transaction is one whose transaction may still mine, unless it reverted (see
+		// x402.SettleResponse.OutcomeUnknown). The message names it.
+		resp := failed(n.caip2, rec.Payer, "", refuse(ref.reason, "the settlement transaction %s was dropped and cannot be sent again: %s", rec.TxHash, ref.message))
 		_, err := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error {
 			r.State, r.Response = journal.StateFinal, &resp
 			return nil
