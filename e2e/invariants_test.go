@@ -701,6 +701,7 @@ var invFaultKinds = []invFaultKind{
 	{"RPC answers 503", weight(2), func(r *invRun, rng *rand.Rand, a *invAction) { r.rpcFault(rng, a, rpc503) }},
 	{"RPC hangs", weight(2), func(r *invRun, rng *rand.Rand, a *invAction) { r.rpcFault(rng, a, rpcHang) }},
 	{"RPC answers lost", weight(1), func(r *invRun, rng *rand.Rand, a *invAction) { r.rpcFault(rng, a, rpcLose) }},
+	{"RPC refuses transactions", weight(2), func(r *invRun, rng *rand.Rand, a *invAction) { r.rpcFault(rng, a, rpcRefuse) }},
 	{"PostgreSQL stopped, then started", clusterOnly(3), (*invRun).stopPostgres},
 	{"SIGKILL a remote facilitator, then start it again", weight(2), (*invRun).killFacilitator},
 }

@@ -2,9 +2,11 @@ package e2e
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/sha1"
 	"encoding/base64"
+	"encoding/json"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -633,6 +635,9 @@ const (
 	rpc503  = "503"  // every request is answered 503, the node never sees it
 	rpcHang = "hang" // requests are held until the mode changes, then passed on; their callers have usually gone
 	rpcLose = "lose" // requests reach the node, and the connection is cut before its answer
+	// rpcRefuse: every eth_sendRawTransaction is refused as a node refuses a transaction whose sender cannot pay
+	// its gas (JSON-RPC -32000), and never reaches the node; every other request passes.
+	rpcRefuse = "refuse"
 )
 
 // faultProxy is a reverse proxy between the Caddys and the chain's JSON-RPC, switched between the modes above.
@@ -678,6 +683,15 @@ func (f *faultProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	mode, release := f.mode, f.release
 	f.counts[mode]++
 	f.mu.Unlock()
+	if mode == rpcRefuse && bytes.Contains(body, []byte(`"eth_sendRawTransaction"`)) {
+		var probe struct {
+			ID json.RawMessage `json:"id"`
+		}
+		_ = json.Unmarshal(body, &probe)
+		w.Header().Set("Content-Type", "application/json")
+		w.Write([]byte(`{"jsonrpc":"2.0","id":` + cmp.Or(string(probe.ID), "1") + `,"error":{"code":-32000,"message":"insufficient funds for gas * price + value"}}`))
+		return
+	}
 	switch mode {
 	case rpc503:
 		http.Error(w, "the fault proxy answers 503", http.StatusServiceUnavailable)
@@ -713,7 +727,7 @@ func (f *faultProxy) tally() string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	var parts []string
-	for _, m := range []string{rpcPass, rpc503, rpcHang, rpcLose} {
+	for _, m := range []string{rpcPass, rpc503, rpcHang, rpcLose, rpcRefuse} {
 		name := m
 		if m == rpcPass {
 			name = "passed"
