@@ -406,7 +406,10 @@ func (l *Ledger) adoptLoop(c journal.Cluster) {
 		}
 		recs, err := l.store.PendingOf(l.ctx, true)
 		if err == nil {
-			recs = slices.DeleteFunc(recs, func(r journal.Record) bool { return r.Owner == l.owner && l.isSettling(r.ID) })
+			recs = slices.DeleteFunc(recs, func(r journal.Record) bool {
+				// (One whose request does not read was reported once by the settlement that gave it up.)
+				return r.Owner == l.owner && (l.isSettling(r.ID) || json.Unmarshal(r.Request, new(x402.SettleRequest)) != nil)
+			})
 			recs, err = l.adoptable(c, recs)
 		}
 		if err != nil && l.ctx.Err() == nil {
