@@ -811,7 +811,13 @@ func (l *Ledger) finalise(log *zap.Logger, id journal.ID, resp x402.SettleRespon
 			}
 			return nil
 		})
-		if err == nil || errors.Is(err, journal.ErrNotFound) {
+		switch {
+		case err == nil, errors.Is(err, journal.ErrNotFound):
+			return
+		case errors.Is(err, journal.ErrCorrupt), errors.Is(err, journal.ErrInvalidUpdate):
+			// Never written, however often it is tried: the settlement stands, and the record is left to a person.
+			log.Error("recording the outcome of an async payment; the journal's record of it cannot take it", zap.String("tx", resp.Transaction),
+				zap.Bool("success", resp.Success), zap.Error(err))
 			return
 		}
 		log.Warn("recording the outcome of an async payment; trying again", zap.String("tx", resp.Transaction),
