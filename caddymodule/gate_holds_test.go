@@ -92,7 +92,7 @@ func TestSettleAsyncKeepsAPaymentHeldWhileItsSettlementFailsForAWhile(t *testing
 			}
 			return chaintest.Pass
 		}, "facilitator unreachable; retrying"},
-		{"the node refuses the transaction", func(string) chaintest.Fault { return chaintest.Refuse }, "failed unexpectedly; retrying"},
+		{"the node refuses the transaction", func(string) chaintest.Fault { return chaintest.Refuse }, "facilitator unreachable; retrying"},
 	}
 	for _, store := range []string{"bbolt", "postgres"} {
 		for _, fault := range faults {

@@ -103,6 +103,14 @@ func TestAGateReadsEveryWayARemoteFacilitatorCanAnswerASettlement(t *testing.T) 
 		{"success naming another payer", rewritten(func(r *x402.SettleResponse) { r.Payer = c.Payers[1].Address.Hex() }), unknown, true, served},
 		{"success naming no transaction", rewritten(func(r *x402.SettleResponse) { r.Transaction = "" }), unknown, true, served},
 		{"success for another amount", rewritten(func(r *x402.SettleResponse) { r.Amount = "1" }), unknown, true, served},
+		// A facilitator keeps the transaction's hash on every failure after it broadcast: that transaction may
+		// still mine (here it did), so the payment's outcome is unknown, whatever the reason says.
+		{"failure naming the transaction it sent, its receipt not seen", rewritten(func(r *x402.SettleResponse) {
+			r.Success, r.ErrorReason, r.ErrorMessage = false, x402.ReasonFailedToGetReceipt, "scripted: no receipt in time"
+		}), unknown, true, served},
+		{"unexpected failure naming the transaction it sent", rewritten(func(r *x402.SettleResponse) {
+			r.Success, r.ErrorReason, r.ErrorMessage = false, x402.ReasonUnexpectedSettleError, "scripted: the node went away while waiting"
+		}), unknown, true, served},
 		{"refusal", func(w http.ResponseWriter, _ *http.Request, _ []byte, _ func() (int, []byte)) {
 			gateWriteJSON(w, http.StatusOK, x402.SettleResponse{Success: false, Network: env.net, ErrorReason: x402.ReasonInsufficientFunds, ErrorMessage: "scripted refusal"})
 		}, refused, false, served},

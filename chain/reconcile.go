@@ -286,7 +286,10 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 		if err := n.funds.let(rec.ID); err != nil {
 			return fmt.Errorf("payment %s: letting go of its funds hold: %w", rec.ID, err)
 		}
-		resp := failed(n.caip2, rec.Payer, rec.TxHash, refuse(ref.reason, "the settlement transaction %s was dropped and cannot be sent again: %s", rec.TxHash, ref.message))
+		// The answer names no transaction: the dropped one can never mine (its nonce went to another), and a
+		// failure naming a transaction is one whose transaction may still mine, unless it reverted (see
+		// x402.SettleResponse.OutcomeUnknown). The message names it.
+		resp := failed(n.caip2, rec.Payer, "", refuse(ref.reason, "the settlement transaction %s was dropped and cannot be sent again: %s", rec.TxHash, ref.message))
 		_, err := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error {
 			r.State, r.Response = journal.StateFinal, &resp
 			return nil

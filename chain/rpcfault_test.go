@@ -337,8 +337,10 @@ func TestABroadcastTheOnlyNodeRefusesIsAnsweredNotSentAndNeverSentLater(t *testi
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		s, err := fx.f.Settle(ctx, req)
 		cancel()
-		if err != nil || s.Success || s.ErrorReason != x402.ReasonUnexpectedSettleError || s.Transaction != "" {
-			t.Fatalf("payment %d: a settlement the node refused answered %+v, %v; want %s without a transaction", i, s, err, x402.ReasonUnexpectedSettleError)
+		// Nothing was sent and nothing is wrong with the payment: not a refusal (the payer would pay again) but
+		// the facilitator unable to settle it now (present the same payment again).
+		if !x402.IsUnreachable(err) {
+			t.Fatalf("payment %d: a settlement the node refused answered %+v, %v; want an unreachable error", i, s, err)
 		}
 	}
 	if proxy.Count(chaintest.Refuse) == 0 {
@@ -356,4 +358,109 @@ func TestABroadcastTheOnlyNodeRefusesIsAnsweredNotSentAndNeverSentLater(t *testi
 		answers[i], _ = settleUntilFinal(t, fx.f, req, time.Now().Add(30*time.Second))
 	}
 	settledExactlyOnce(t, fx, reqs, answers, sellerBefore, payersBefore)
+}
+
+// sendRawFault is a fault policy that gives every eth_sendRawTransaction fault f and passes everything else.
+func sendRawFault(f chaintest.Fault) func(string) chaintest.Fault {
+	return func(method string) chaintest.Fault {
+		if method == "eth_sendRawTransaction" {
+			return f
+		}
+		return chaintest.Pass
+	}
+}
+
+// A settlement whose broadcast fails is never answered as refused, whichever way it fails: a refusal tells the
+// payer to pay again, and the payment is good. Each way eth_sendRawTransaction can fail, through the only node's
+// fault proxy:
+//   - the node may have received the transaction (the connection cut after the request went out, or no answer
+//     in time), or cannot be known not to have (503, the connection closed before forwarding: from the sender's
+//     side a proxy's 503 or a reset looks the same whether or not the node behind got the request): the signed
+//     transaction stays in the journal, its nonce spent, and the answer is its success or settlement_pending
+//     with its hash; reconciliation sends the same bytes again once the node takes them, so it settles once,
+//     with that very transaction;
+//   - the node answered and refused it (here "insufficient funds for gas"): it is surely not sent, its
+//     write-ahead record goes so that nothing sends it later, and the answer is an unreachable error (present
+//     the same payment again), not unexpected_settle_error; presented again, it settles, once.
+func TestABroadcastThatFailsIsNeverAnsweredRefusedAndSettlesOnce(t *testing.T) {
+	ways := []struct {
+		name  string
+		fault chaintest.Fault
+		// sent: the answer names the transaction (success or pending), which is the one that settles; else
+		// the answer is an unreachable error and nothing is sent until the payment is presented again.
+		sent bool
+	}{
+		{"the node refuses it", chaintest.Refuse, false},
+		{"503 before the node", chaintest.ErrorStatus, true},
+		{"the connection closed before the node", chaintest.Drop, true},
+		{"no answer in time", chaintest.Hang, true},
+		{"the answer lost after the node took it", chaintest.DieAfterForward, true},
+	}
+	for _, way := range ways {
+		t.Run(way.name, func(t *testing.T) {
+			var proxy *chaintest.FaultProxy
+			fx := newFixture(t, fixtureOpts{
+				chainOpts: []chaintest.Option{chaintest.WithHTTP(), chaintest.WithPromptCommit()}, receiptTimeout: 2 * time.Second,
+				configure: func(cfg *chain.Config) {
+					cfg.ReconcileEvery, cfg.ReconcileGrace = 100*time.Millisecond, 100*time.Millisecond
+				},
+				tune: behindFaultProxy(t, &proxy, false, 500*time.Millisecond),
+			})
+			payer := fx.c.Payers[0]
+			fx.approvePermit2(payer)
+			req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+			payerBefore, sellerBefore, sentBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo), fx.walletTxs()
+
+			proxy.SetDecide(sendRawFault(way.fault))
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			resp, err := fx.f.Settle(ctx, req)
+			cancel()
+			if proxy.Count(way.fault) == 0 {
+				t.Fatal("no broadcast met the fault: the test proves nothing")
+			}
+			var tx string
+			switch {
+			case err == nil && !resp.Success && !resp.Pending():
+				t.Fatalf("a broadcast that failed (%s) was answered refused: %+v; the payer would pay again for a good payment", way.name, resp)
+			case way.sent && err != nil:
+				t.Fatalf("a broadcast the node may hold answered %v; want its success or settlement_pending with its transaction", err)
+			case way.sent:
+				if tx = resp.Transaction; tx == "" {
+					t.Fatalf("answer %+v names no transaction", resp)
+				}
+			case err == nil:
+				t.Fatalf("a broadcast the node refused answered %+v; want an unreachable error: nothing was sent", resp)
+			case !x402.IsUnreachable(err):
+				t.Fatalf("a broadcast the node refused answered %v; want an unreachable error", err)
+			}
+			t.Logf("answered %+v, %v", resp, err)
+
+			// The node takes transactions again. Reconciliation passes many times meanwhile: what may have been
+			// sent goes out (the same bytes), what was surely not sent stays unsent.
+			proxy.SetDecide(nil)
+			time.Sleep(time.Second)
+			sent, _ := fx.sentSince(sentBefore)
+			if want := map[bool]int{true: 1, false: 0}[way.sent]; sent != want {
+				t.Fatalf("the settlement wallets sent %d transactions once the node was back, before the payment was presented again; want %d", sent, want)
+			}
+
+			final, seen := settleUntilFinal(t, fx.f, req, time.Now().Add(30*time.Second))
+			if !final.Success {
+				t.Fatalf("the same payment presented again did not settle: %+v (answers %v)", final, seen)
+			}
+			if tx != "" && final.Transaction != tx {
+				t.Errorf("settled by %s, not by the transaction first answered (%s)", final.Transaction, tx)
+			}
+			time.Sleep(200 * time.Millisecond) // blocks are sealed at once: anything else sent would be mined
+			if sent, _ := fx.sentSince(sentBefore); sent != 1 {
+				t.Errorf("the settlement wallets sent %d transactions, want 1", sent)
+			}
+			if paid := new(big.Int).Sub(payerBefore, fx.c.TokenBalance(payer.Address)); paid.Int64() != price {
+				t.Errorf("the payer paid %s, want %d", paid, price)
+			}
+			if got := new(big.Int).Sub(fx.c.TokenBalance(fx.payTo), sellerBefore); got.Int64() != price {
+				t.Errorf("the seller received %s, want %d", got, price)
+			}
+		})
+	}
 }

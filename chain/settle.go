@@ -17,8 +17,11 @@ import (
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// errNotSent marks a settlement that was refused by the node or could not be recorded before anything left the
-// process: nothing is on its way, the payer may present the payment again.
+// errNotSent marks a settlement that sent nothing for a reason of the settlement's, not the payment's: the node
+// refused the transaction (its settlement wallet short of gas money, its fee or nonce refused), or it could not be
+// recorded before anything left the process. Nothing is on its way and nothing is wrong with the payment, so it is
+// answered as an error (the facilitator could not settle it now), never as a refusal: a gate then tells the payer
+// to present the same payment again (502), not to pay again (402), and a gate that served it settles it later.
 var errNotSent = errors.New("the settlement transaction could not be sent")
 
 // errClaimLost marks a settlement whose claim of the payment is no longer the journal's record of it: another
@@ -190,11 +193,10 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 
 // refusedForGood reports whether a settlement that sent nothing was refused in a way a later attempt would be
 // too: the payment will not move tokens. A busy wallet pool (no_available_wallets), a transaction the node would
-// not take (unexpected_settle_error), a chain or journal that could not be asked (an error) are not: a gate
-// that served the payment tries again (see gate's Ledger.settleAttempt).
+// not take, a chain or journal that could not be asked (the last two are errors) are not: a gate that served the
+// payment tries again (see gate's Ledger.settleAttempt).
 func refusedForGood(resp x402.SettleResponse, err error) bool {
-	return err == nil && !resp.Success && !resp.Pending() &&
-		resp.ErrorReason != x402.ReasonNoAvailableWallets && resp.ErrorReason != x402.ReasonUnexpectedSettleError
+	return err == nil && !resp.Success && !resp.Pending() && resp.ErrorReason != x402.ReasonNoAvailableWallets
 }
 
 // answerAfterLostClaim answers a settlement whose claim was taken over before it sent anything (lost, which
@@ -224,9 +226,10 @@ func (f *Facilitator) broadcastAndWait(ctx context.Context, p *payment) (x402.Se
 	switch {
 	case errors.Is(err, errClaimLost):
 		return x402.SettleResponse{}, false, err
-	case errors.Is(err, errNotSent):
-		return failed(p.net.caip2, p.payer.Hex(), "", refuse(x402.ReasonUnexpectedSettleError, "%v", err)), false, nil
 	case err != nil:
+		// This settlement sent nothing (errNotSent, errNodeNotAsked, the journal out of reach), or an earlier
+		// transaction of the payment is still watched: whatever the cause, not the payment's. Presented again, it
+		// settles once.
 		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
 	case ref != nil:
 		return failed(p.net.caip2, p.payer.Hex(), "", ref), false, nil
@@ -397,15 +400,14 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 			// Taken over by another instance, which released the claim or claimed the payment again: this
 			// settlement sent nothing, and must not release what is now another's.
 			return common.Hash{}, nil, lost
-		} else if errors.Is(err, journal.ErrUnavailable) || errors.Is(err, journal.ErrFenced) || errors.Is(err, errNodeNotAsked) {
-			// The journal's database could not be reached to record the transaction, the wallet's lease was lost,
-			// or the node could not be asked for the transaction's fee or nonce: nothing was sent, and nothing is
-			// wrong with the payment. An error, not a refusal: the payer is told to present it again, not that it
-			// failed (a gate would answer 402 and the payer sign another), and a gate that served it settles it
-			// when the node answers, however long that takes, not only as often as it retries a refusal.
-			return common.Hash{}, nil, fmt.Errorf("nothing was sent: %w", err)
 		}
-		return common.Hash{}, nil, fmt.Errorf("%w: %v", errNotSent, err)
+		// The node refused the transaction (and no endpoint may hold it: see Failover.SendTransaction), the
+		// journal's database could not be reached to record it, the wallet's lease was lost, or the node could not
+		// be asked for the transaction's fee or nonce: nothing was sent, and nothing is wrong with the payment. An
+		// error, not a refusal (see errNotSent): the payer is told to present it again, not that it failed (a gate
+		// would answer 402 and the payer sign another), and a gate that served it settles it once the node takes
+		// it, however long that takes, not only as often as it retries a refusal.
+		return common.Hash{}, nil, fmt.Errorf("%w: %w", errNotSent, err)
 	}
 	hash := txs[len(txs)-1].Hash()
 	f.log.Info("settlement broadcast", zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()),

@@ -35,11 +35,22 @@ func twoGateways(t *testing.T, settle string, opts ...chaintest.Option) [2]*env 
 // returns once every wallet is leased, each engine holding its share.
 func gateways(t *testing.T, s setup, n int, opts ...chaintest.Option) []*env {
 	t.Helper()
+	setups := make([]setup, n)
+	for i := range setups {
+		setups[i] = s
+	}
+	return gatewaysOf(t, setups, opts...)
+}
+
+// gatewaysOf is gateways, each configured by its own setup: gateways of a cluster whose configs differ (a rolling
+// reload).
+func gatewaysOf(t *testing.T, setups []setup, opts ...chaintest.Option) []*env {
+	t.Helper()
 	dsn := pgtest.Shared(t)
 	c := chaintest.New(t, opts...)
 	t.Cleanup(c.AutoCommit(5 * time.Millisecond))
 	var out []*env
-	for range n {
+	for _, s := range setups {
 		st, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})
 		if err != nil {
 			t.Fatal(err)

@@ -72,7 +72,9 @@ const (
 	asyncRetryMin = 100 * time.Millisecond
 	asyncRetryMax = 10 * time.Second
 	// asyncUnexpectedLimit bounds retries of a settlement the facilitator keeps failing with
-	// unexpected_settle_error (the node refused the transaction): past it the failure is taken as final.
+	// unexpected_settle_error: past it the failure is taken as final. The embedded engine never answers it (a
+	// transaction its node refused is an error, retried until the payment settles or expires); a remote
+	// facilitator may.
 	asyncUnexpectedLimit = 10
 	// asyncConcurrency is how many background settlements run at once per journal.
 	asyncConcurrency = 64
@@ -732,7 +734,8 @@ func (l *Ledger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) 
 		}
 		st.noWallet = resp.ErrorMessage
 		return true
-	case resp.Pending():
+	case resp.Pending(), !g.cfg.Embedded && resp.OutcomeUnknown():
+		// Sent and not final yet; a remote facilitator's failure after its broadcast too (see settleThenServe).
 		return true
 	case resp.ErrorReason == x402.ReasonUnexpectedSettleError && st.unexpected < asyncUnexpectedLimit:
 		st.unexpected++

@@ -3,13 +3,21 @@ package gate
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"net"
 	"strings"
+
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
 )
 
 // A payment buys one resource: the one it was first presented for, which its journal record names
 // (journal.Record.Resource). A response cut short leaves the payment good to present again, so that a broken
-// connection never strands a payer; presented again for another resource, it buys nothing.
+// connection never strands a payer; presented again for another resource, it buys nothing. Presented again for
+// that resource, it is judged by its record, the terms it was accepted under, not by the route's offers now: a
+// reload that changed the price, the recipient or the networks, a price_grace that has passed, a price set per
+// request that resolves otherwise now, or another gateway of the cluster configured otherwise must not leave a
+// payer charged for nothing.
 
 // Bounds of the resource a record names.
 const (
@@ -49,6 +57,44 @@ func boundedKey(key string) string {
 	}
 	sum := sha256.Sum256([]byte(key))
 	return key[:resourcePrefixLen] + "... sha256:" + hex.EncodeToString(sum[:])
+}
+
+// describedKey is what the 402 of this request says of its resource beside the URL (its description and MIME
+// type), as a payment's record keeps it (journal.Record.Described): a digest, whatever the description's length.
+// Another route of the same URL (chosen by a header) that describes another resource does not serve a payment on
+// the record of this one.
+func (x *exchange) describedKey() string {
+	info := x.resource()
+	sum := sha256.Sum256([]byte(info.Description + "\x00" + info.MimeType))
+	return hex.EncodeToString(sum[:16])
+}
+
+// boughtHere reports whether rec, whose request is recorded, is the record of this very payment (the payload byte
+// for byte) first presented for this request's resource, at a route that described it as this one does: the
+// payment is then judged by its record. A record of a release before records named their resource, or described
+// it, says too little to tell: the payment is judged by the request's offers, as then.
+func (x *exchange) boughtHere(rec journal.Record, recorded x402.VerifyRequest, payload x402.ExactEVMPayload) bool {
+	return rec.Resource != "" && rec.Described != "" && rec.Resource == x.boughtResource() &&
+		rec.Described == x.describedKey() && samePayload(recorded.PaymentPayload.Payload, payload)
+}
+
+// onRecord reports whether a payment that matches none of this request's offers is one the journal holds for this
+// very resource (boughtHere), to be judged by its record (presentedAgain). Only a version 2 payment names the asset
+// its journal id needs before it matches an offer. The record is only read here: it is read again once the
+// payment is marked in flight.
+func (x *exchange) onRecord(p presented) (bool, error) {
+	if !p.haveID {
+		return false, nil
+	}
+	rec, found, err := x.g.ledger.store.Get(x.r.Context(), p.id)
+	if err != nil || !found {
+		return false, err
+	}
+	var recorded x402.VerifyRequest
+	if json.Unmarshal(rec.Request, &recorded) != nil {
+		return false, nil
+	}
+	return x.boughtHere(rec, recorded, p.payload), nil
 }
 
 // shownResource is a resource as an answer names it: cut to shownResourceLen bytes.

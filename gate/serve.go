@@ -90,11 +90,18 @@ func (x *exchange) run() error {
 	if err != nil {
 		return x.invalidHeader(err)
 	}
-	// A payment buys only a response of a route whose offer it matches: it is matched before the journal is
-	// asked, so a payment another route journalled is never served here on the strength of its record.
+	// A payment buys only a response of a route whose offer it matches, or, presented again, the resource its
+	// record names at a route describing it alike (onRecord): a payment another route journalled is never served
+	// here on the strength of its record.
+	if p.mismatch != nil {
+		switch again, err := x.onRecord(p); {
+		case err != nil:
+			return x.verifyUnreachable("the gate's settlement journal could not be read; nothing was charged, try again", err)
+		case !again:
+			return x.mismatched(p)
+		}
+	}
 	switch {
-	case p.mismatch != nil:
-		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: p.mismatch.Reason, InvalidMessage: p.mismatch.Message})
 	case !p.haveID:
 		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: x402.ReasonInvalidPayload,
 			InvalidMessage: "the payment names no payer and nonce"})
@@ -110,10 +117,18 @@ func (x *exchange) run() error {
 	if err != nil {
 		return x.verifyUnreachable("the gate's settlement journal could not be read; nothing was charged, try again", err)
 	}
-	if found {
-		return x.presentedAgain(rec, p.payload)
+	switch {
+	case found:
+		return x.presentedAgain(rec, p)
+	case p.mismatch != nil:
+		return x.mismatched(p) // its record went (pruned past its deadline) since onRecord read it
 	}
 	return x.verifyAndServe()
+}
+
+// mismatched answers a payment that matches none of the request's offers.
+func (x *exchange) mismatched(p presented) error {
+	return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: p.mismatch.Reason, InvalidMessage: p.mismatch.Message})
 }
 
 // presented is a payment header as read: the payload, the offer it pays (or why none), and its journal id.
@@ -304,23 +319,37 @@ func (x *exchange) unhold() {
 	}
 }
 
-// presentedAgain answers a payment the journal already holds. It buys nothing on a route whose offer differs
-// from the one it was journalled under, nor for another resource than the one it was first presented for
-// (boughtResource). Served: never again. Not served (its settlement was pending or unknown,
-// the upstream failed after it settled, or its response was cut short): the same payment, byte for byte in
-// what it signs, is served once without paying twice: a synchronous one is settled from the journal's request,
-// which answers with the first settlement, and an async one is settling in the background already.
-func (x *exchange) presentedAgain(rec journal.Record, payload x402.ExactEVMPayload) error {
+// presentedAgain answers a payment the journal already holds. Presented for the resource it was first presented
+// for, at a route describing it alike (boughtHere), it is judged by its record: the terms it was accepted under,
+// whatever the route offers now. Elsewhere it buys nothing: not on a route whose offer differs from the one it was
+// journalled under, nor for another resource than the one it was first presented for (boughtResource).
+// Served: never again. Not served (its settlement was pending or unknown, the upstream failed after it settled,
+// or its response was cut short): the same payment, byte for byte in what it signs, is served once without paying
+// twice: a synchronous one is settled from the journal's request, which answers with the first settlement, and an
+// async one is settling in the background already.
+func (x *exchange) presentedAgain(rec journal.Record, p presented) error {
 	var recorded x402.VerifyRequest
 	if err := json.Unmarshal(rec.Request, &recorded); err != nil {
 		x.g.logger.Error("a journalled payment cannot be resumed", zap.String("payment", rec.ID.String()), zap.Error(err))
 		return x.alreadyUsed("this payment is already recorded and cannot be presented again")
 	}
-	if rq := recorded.PaymentRequirements; !x402.SameTerms(rq, x.req.PaymentRequirements) {
+	switch rq := recorded.PaymentRequirements; {
+	case x.boughtHere(rec, recorded, p.payload):
+		// A reload since (another price, recipient or networks), a price_grace passed, a price set per request
+		// that resolves otherwise now, another gateway configured otherwise: none leaves its payer charged for
+		// nothing.
+		if p.mismatch != nil {
+			x.g.logger.Info("a payment presented again for the resource it bought is judged by its record: the terms it was accepted under are no longer offered here",
+				zap.String("payment", rec.ID.String()), zap.String("resource", shownResource(rec.Resource)), zap.String("amount", rq.Amount),
+				zap.String("pay_to", rq.PayTo), zap.String("network", rq.Network), zap.String("mismatch", p.mismatch.Reason))
+		}
+	case p.mismatch != nil:
+		return x.mismatched(p)
+	case !x402.SameTerms(rq, x.req.PaymentRequirements):
 		return x.alreadyUsed(fmt.Sprintf("this payment was made for another resource (%s raw units of %s to %s on %s); it buys only that resource's response",
 			rq.Amount, rq.Asset, rq.PayTo, rq.Network))
 	}
-	if !samePayload(recorded.PaymentPayload.Payload, payload) {
+	if !samePayload(recorded.PaymentPayload.Payload, p.payload) {
 		return x.alreadyUsed("another payment with this payer and nonce was already presented; sign a new payment")
 	}
 	if rec.Served {
@@ -413,7 +442,7 @@ func (x *exchange) claim(ctx context.Context, edit func(*journal.Record)) error 
 	rec := journal.Record{
 		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: x.chargeAmount(),
 		PayTo: rq.PayTo, Request: body, Owner: x.g.ledger.owner,
-		Deadline: x.req.PaymentPayload.Payload.Deadline(), Resource: x.boughtResource(),
+		Deadline: x.req.PaymentPayload.Payload.Deadline(), Resource: x.boughtResource(), Described: x.describedKey(),
 	}
 	if edit != nil {
 		edit(&rec)
@@ -467,6 +496,14 @@ func (x *exchange) settleThenServe(up *upstream) error {
 		if resp.Pending() {
 			x.note(func(r *journal.Record) { r.Response = &resp })
 			return x.settleUnreachable("the settlement transaction "+resp.Transaction+" is not final yet", nil, &resp)
+		}
+		if !x.g.cfg.Embedded && resp.OutcomeUnknown() {
+			// A remote facilitator's failure after it broadcast: the transaction may still mine. The record stays
+			// "outcome not known", so a refusal of the payment presented again is no final answer either (resend).
+			// The engine names a transaction in a failure only when it reverted (or, in a record of an older
+			// release, when it was dropped and its nonce taken): its answers are final as they are.
+			return x.settleUnreachable(fmt.Sprintf("the facilitator answered %s: %s, after it sent transaction %s, which may still settle",
+				resp.ErrorReason, resp.ErrorMessage, resp.Transaction), nil, nil)
 		}
 		if x.resend {
 			// A refusal of a payment whose earlier settlement may have reached the facilitator says nothing

@@ -61,3 +61,28 @@ func TestSettledOutcomeEncodesOnlyItsOwnFields(t *testing.T) {
 		t.Errorf("round trip = %+v, %v", back, err)
 	}
 }
+
+// A failed settlement's outcome is unknown when it is pending, or when it names a transaction it broadcast (or
+// says it had no receipt) without saying that transaction reverted: that transaction may still mine.
+func TestASettlementFailureNamingItsTransactionIsNoFinalRefusalUnlessItReverted(t *testing.T) {
+	const tx = "0x1111111111111111111111111111111111111111111111111111111111111111"
+	for _, c := range []struct {
+		name    string
+		resp    SettleResponse
+		unknown bool
+	}{
+		{"settled", SettleResponse{Success: true, Transaction: tx}, false},
+		{"pending", SettleResponse{Transaction: tx, ErrorReason: ReasonSettlementPending}, true},
+		{"refused before any broadcast", SettleResponse{ErrorReason: ReasonInsufficientFunds}, false},
+		{"an unexpected error before any broadcast", SettleResponse{ErrorReason: ReasonUnexpectedSettleError}, false},
+		{"an unexpected error after the broadcast", SettleResponse{Transaction: tx, ErrorReason: ReasonUnexpectedSettleError}, true},
+		{"no receipt, the transaction named", SettleResponse{Transaction: tx, ErrorReason: ReasonFailedToGetReceipt}, true},
+		{"no receipt, no transaction named", SettleResponse{ErrorReason: ReasonFailedToGetReceipt}, true},
+		{"mined and reverted", SettleResponse{Transaction: tx, ErrorReason: ReasonTransactionFailed}, false},
+		{"an upto settlement mined and reverted", SettleResponse{Transaction: tx, ErrorReason: ReasonUptoTransactionFailed}, false},
+	} {
+		if got := c.resp.OutcomeUnknown(); got != c.unknown {
+			t.Errorf("%s: OutcomeUnknown() = %v, want %v", c.name, got, c.unknown)
+		}
+	}
+}

@@ -268,6 +268,21 @@ func (r SettleResponse) Pending() bool {
 	return !r.Success && r.ErrorReason == ReasonSettlementPending
 }
 
+// Reverted reports whether a failed settlement says its transaction was mined and reverted: final, and no tokens
+// moved.
+func (r SettleResponse) Reverted() bool {
+	return !r.Success && (r.ErrorReason == ReasonTransactionFailed || r.ErrorReason == ReasonUptoTransactionFailed)
+}
+
+// OutcomeUnknown reports whether a failed settlement leaves the payment's outcome unknown: pending, or a failure
+// after a broadcast that does not say the transaction reverted. Facilitators keep the transaction's hash on every
+// failure after they broadcast (and name no transaction when nothing was), so a failure naming one, or saying the
+// receipt was not had (invalid_exact_evm_failed_to_get_receipt), is of a transaction that may still mine. Its
+// payer must not be told to pay again.
+func (r SettleResponse) OutcomeUnknown() bool {
+	return r.Pending() || (!r.Success && !r.Reverted() && (r.Transaction != "" || r.ErrorReason == ReasonFailedToGetReceipt))
+}
+
 // SupportedKind is one (version, scheme, network) a facilitator serves.
 type SupportedKind struct {
 	X402Version int    `json:"x402Version"`

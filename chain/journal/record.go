@@ -84,6 +84,11 @@ type Record struct {
 	// gate's words), the only one it may be presented again for. Once set it never changes; a record written by
 	// a release before it was kept has none.
 	Resource string `json:"resource,omitempty"`
+	// Described is a digest of what the gate's 402 said of Resource beside its URL (its description and MIME type)
+	// when the payment was first presented. Presented again for Resource at a gate that describes it alike, the
+	// payment is judged by this record, whatever that gate's terms are now (a reload, another gateway); a record
+	// without it, by the gate's terms.
+	Described string `json:"described,omitempty"`
 	// Deadline is the last moment the payment's authorization can be settled, when its claimant knows it. Prune
 	// keeps a final record until its deadline too: pruned earlier, the payment would look new to Claim while it
 	// can still be presented.
