@@ -114,6 +114,12 @@ func TestAGateReadsEveryWayARemoteFacilitatorCanAnswerASettlement(t *testing.T) 
 		{"refusal", func(w http.ResponseWriter, _ *http.Request, _ []byte, _ func() (int, []byte)) {
 			gateWriteJSON(w, http.StatusOK, x402.SettleResponse{Success: false, Network: env.net, ErrorReason: x402.ReasonInsufficientFunds, ErrorMessage: "scripted refusal"})
 		}, refused, false, served},
+		// No wallet free to send it: the spec says retry in 1 to 2 seconds; nothing was sent, the payment stays
+		// good, and a 402 would have the payer pay again for it.
+		{"no settlement wallet free right now", func(w http.ResponseWriter, _ *http.Request, _ []byte, _ func() (int, []byte)) {
+			gateWriteJSON(w, http.StatusOK, x402.SettleResponse{Success: false, Network: env.net, ErrorReason: x402.ReasonNoAvailableWallets,
+				ErrorMessage: x402.MessageNoAvailableWallets + "; retry in 1 to 2 seconds"})
+		}, unknown, false, served},
 		{"5xx", func(w http.ResponseWriter, _ *http.Request, _ []byte, _ func() (int, []byte)) {
 			http.Error(w, "overloaded", http.StatusServiceUnavailable)
 		}, unknown, false, served},
@@ -169,6 +175,9 @@ func TestAGateReadsEveryWayARemoteFacilitatorCanAnswerASettlement(t *testing.T) 
 				}
 			}
 			check("first presentation", first, row.want)
+			if row.script != nil && strings.HasPrefix(row.name, "no settlement wallet") && first.header.Get("Retry-After") != "2" {
+				t.Errorf("first presentation: Retry-After %q; want 2 (the spec's retry after 1 to 2 seconds)", first.header.Get("Retry-After"))
+			}
 			if row.settled {
 				env.waitPaid(payer, before, 1)
 			}

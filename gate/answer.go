@@ -78,6 +78,9 @@ func (x *exchange) settleUnreachable(detail string, cause error, pending *x402.S
 	body := gateError{Error: detail, Outcome: x402.OutcomeSettleUnreachable,
 		Retry: "the payment may have settled: check before paying again, and present the same payment again to receive the resource once it is settled"}
 	x.resetHeaders()
+	if x.retryAfter != "" {
+		x.w.Header().Set("Retry-After", x.retryAfter)
+	}
 	if pending != nil {
 		o.Transaction, body.Transaction = pending.Transaction, pending.Transaction
 		x.setVar(VarTransaction, pending.Transaction)

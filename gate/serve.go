@@ -43,8 +43,9 @@ type exchange struct {
 	// facilitator: a refusal now is no final answer.
 	resend bool
 
-	headers http.Header // the response headers before the upstream ran, restored when the gate answers itself
-	ended   bool
+	headers    http.Header // the response headers before the upstream ran, restored when the gate answers itself
+	retryAfter string      // the Retry-After of the gate's own 502, when it knows when to present the payment again
+	ended      bool
 	// streamed is set once a response larger than max_buffer began to stream: it is marked served when the
 	// upstream has sent all of it.
 	streamed *streamedPayment
@@ -505,6 +506,9 @@ func (x *exchange) settleThenServe(up *upstream) error {
 			return x.settleUnreachable(fmt.Sprintf("the facilitator answered %s: %s, after it sent transaction %s, which may still settle",
 				resp.ErrorReason, resp.ErrorMessage, resp.Transaction), nil, nil)
 		}
+		if resp.ErrorReason == x402.ReasonNoAvailableWallets {
+			return x.noWalletNow(resp)
+		}
 		if x.resend {
 			// A refusal of a payment whose earlier settlement may have reached the facilitator says nothing
 			// sure: a facilitator without a journal refuses a repeat of a settlement it made ("nonce already
@@ -522,6 +526,17 @@ func (x *exchange) settleThenServe(up *upstream) error {
 		resp.Amount = req.PaymentRequirements.Amount // a facilitator that settled it without saying how much
 	}
 	return x.serveSettled(resp, up)
+}
+
+// noWalletNow answers a payment no settlement wallet could send right now: the pool was busy, or (in a cluster)
+// the wallet the payment is bound to is another instance's. The spec's answer to that is "retry after 1 to 2
+// seconds", and the payment stays good: nothing was sent, and the record keeps its outcome "not known" (and a
+// settle async fallback its hold), so the same payment presented again (here in a moment, or at the gateway
+// holding its wallet) settles once. A 402 would tell the payer to pay again for it, after the upstream ran.
+func (x *exchange) noWalletNow(resp x402.SettleResponse) error {
+	x.retryAfter = "2"
+	return x.settleUnreachable(fmt.Sprintf("no settlement wallet could send the payment right now (%s: %s); nothing was sent: present the same payment again in a moment",
+		resp.ErrorReason, resp.ErrorMessage), nil, nil)
 }
 
 // serveSettled serves a settled payment: the upstream's response (called now when up is nil) with
