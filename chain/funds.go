@@ -334,8 +334,11 @@ const sharedHoldTimeout = 5 * time.Second
 
 // holdKey names whose funds a payment is held against in the shared holds.
 func (fs *funds) holdKey(p *payment) string {
-	return fs.network + ":" + p.asset.Address.Hex() + ":" + p.payer.Hex()
+	return fs.keyPrefix() + p.asset.Address.Hex() + ":" + p.payer.Hex()
 }
+
+// keyPrefix starts the key of every shared hold of this engine's network.
+func (fs *funds) keyPrefix() string { return fs.network + ":" }
 
 // check is cover for every kind of journal: with shared holds, the journal answers what the other payments of
 // the payer hold (and holds p, unless use is fundsVerify); an error says the journal could not be asked.
@@ -384,32 +387,32 @@ func (fs *funds) permitInUse(ctx context.Context, p *payment) (bool, error) {
 	return false, nil
 }
 
-// sawMined is mined for every kind of journal.
-func (fs *funds) sawMined(id journal.ID, block uint64) {
+// sawMined is mined for every kind of journal. An error says the shared holds' database did not take it: the hold
+// stays counted, which errs on refusing, never on serving unpaid; a caller that can write it again later must,
+// for until then nothing else ends the hold before its deadline (see Facilitator.finalise).
+func (fs *funds) sawMined(id journal.ID, block uint64) error {
 	if fs.shared == nil {
 		fs.mined(id, block)
-		return
+		return nil
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), sharedHoldTimeout)
 	defer cancel()
-	// A failure leaves the hold counted until its deadline: it errs on refusing, never on serving unpaid.
-	_ = fs.shared.HoldMined(ctx, id, block)
+	return fs.shared.HoldMined(ctx, id, block)
 }
 
-// let is drop for every kind of journal: the payment will not move tokens.
-func (fs *funds) let(id journal.ID) { fs.unhold(id, false) }
+// let is drop for every kind of journal: the payment will not move tokens. An error is as sawMined's.
+func (fs *funds) let(id journal.ID) error { return fs.unhold(id, false) }
 
 // failedForNow lets go of the hold of a payment whose settlement sent nothing and will be tried again, unless it
-// is a served payment's (see funds).
-func (fs *funds) failedForNow(id journal.ID) { fs.unhold(id, true) }
+// is a served payment's (see funds). An error is as sawMined's.
+func (fs *funds) failedForNow(id journal.ID) error { return fs.unhold(id, true) }
 
-func (fs *funds) unhold(id journal.ID, unlessServed bool) {
+func (fs *funds) unhold(id journal.ID, unlessServed bool) error {
 	if fs.shared == nil {
 		fs.drop(id, unlessServed)
-		return
+		return nil
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), sharedHoldTimeout)
 	defer cancel()
-	// A failure leaves the hold counted until its deadline: it errs on refusing, never on serving unpaid.
-	_ = fs.shared.Unhold(ctx, id, unlessServed)
+	return fs.shared.Unhold(ctx, id, unlessServed)
 }

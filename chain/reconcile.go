@@ -66,11 +66,12 @@ func (f *Facilitator) reconcile(ctx context.Context, startup bool) error {
 		switch rec.State {
 		case journal.StateClaimed:
 			if rec.Owner != f.owner || tookOver {
-				if err := f.journal.Release(ctx, rec); err != nil && !errors.Is(err, journal.ErrNotReleasable) {
+				if released, err := f.releaseClaim(ctx, n, rec); err != nil {
 					return err
+				} else if released {
+					f.log.Info("released a settlement claim left by an earlier process; nothing had been broadcast", zap.String("payment", rec.ID.String()))
 				}
-				f.log.Info("released a settlement claim left by an earlier process; nothing had been broadcast", zap.String("payment", rec.ID.String()))
-			} else if err := f.releaseAbandonedClaim(ctx, rec); err != nil {
+			} else if err := f.releaseAbandonedClaim(ctx, n, rec); err != nil {
 				return err
 			}
 		case journal.StateBroadcast:
@@ -281,6 +282,10 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 		return fmt.Errorf("payment %s: its nonce is spent on chain and no receipt of its transactions was found yet: %s", rec.ID, ref.message)
 	}
 	if ref != nil {
+		// Refused for good: it will not move tokens. Its hold goes before its record is final (see finalise).
+		if err := n.funds.let(rec.ID); err != nil {
+			return fmt.Errorf("payment %s: letting go of its funds hold: %w", rec.ID, err)
+		}
 		// The answer names no transaction: the dropped one can never mine (its nonce went to another), and a
 		// failure naming a transaction is one whose transaction may still mine, unless it reverted (see
 		// x402.SettleResponse.OutcomeUnknown). The message names it.
@@ -289,9 +294,6 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 			r.State, r.Response = journal.StateFinal, &resp
 			return nil
 		})
-		if err == nil {
-			n.funds.let(rec.ID) // refused for good: it will not move tokens
-		}
 		return err
 	}
 	f.log.Info("settled again a payment whose transaction was dropped", zap.String("payment", rec.ID.String()), zap.String("old_tx", rec.TxHash), zap.String("tx", hash.Hex()))
@@ -346,7 +348,7 @@ func (f *Facilitator) takeOver(ctx context.Context, rec journal.Record, isAlive 
 // here or on another process sharing the journal, while this one lives: every settlement of it would wait for
 // the claim to move. rec is the record as a pass read it; one claimed since (another claim of the payment, after
 // a release) is left alone.
-func (f *Facilitator) releaseAbandonedClaim(ctx context.Context, rec journal.Record) error {
+func (f *Facilitator) releaseAbandonedClaim(ctx context.Context, n *network, rec journal.Record) error {
 	if f.holdsClaim(rec.ID) {
 		return nil
 	}
@@ -356,14 +358,31 @@ func (f *Facilitator) releaseAbandonedClaim(ctx context.Context, rec journal.Rec
 	}
 	// Only this process's settlements change a claim of its own that it still lives to hold, and none is working
 	// on this one: it stays as read until released here.
-	if err := f.journal.Release(ctx, cur); errors.Is(err, journal.ErrNotReleasable) {
-		return nil
-	} else if err != nil {
+	if released, err := f.releaseClaim(ctx, n, cur); err != nil || !released {
 		return err
 	}
 	f.log.Warn("released a settlement claim that its settlement could not release; nothing had been broadcast, the payment may be presented again",
 		zap.String("payment", rec.ID.String()))
 	return nil
+}
+
+// releaseClaim releases a settlement claim that never broadcast and that no settlement holds any more, its funds
+// hold first: the settlement that claimed it could let go of neither (the journal's database unreachable as it
+// gave up, or its process gone), and a hold whose claim went first would be nobody's to let go until its deadline.
+// A served payment's hold stays: its gate settles it again. rec is the claim as read; one made since is left alone
+// (released false). While the claim is there no other settlement of the payment can hold it: the hold let go is
+// this claim's.
+func (f *Facilitator) releaseClaim(ctx context.Context, n *network, rec journal.Record) (released bool, _ error) {
+	if err := n.funds.failedForNow(rec.ID); err != nil {
+		return false, fmt.Errorf("payment %s: letting go of the funds hold of a claim to release: %w", rec.ID, err)
+	}
+	switch err := f.journal.Release(ctx, rec); {
+	case errors.Is(err, journal.ErrNotReleasable):
+		return false, nil
+	case err != nil:
+		return false, err
+	}
+	return true, nil
 }
 
 // holdsClaim reports whether a settlement of this process is claiming payment id, holds its claim or is sending
@@ -406,8 +425,41 @@ func (f *Facilitator) reconcileLoop(every time.Duration) {
 				} else if n > 0 {
 					f.log.Info("pruned final settlements from the journal", zap.Int("records", n), zap.Duration("older_than", f.retention))
 				}
+				f.pruneHolds(ctx)
 			}
 			cancel()
+		}
+	}
+}
+
+// holdPruneMargin is how long past its payment's deadline, in chain time, a shared funds hold is kept: by then the
+// payment can no longer be mined, and a settlement of it that was shows in every read of the payer's funds that
+// still answers (a read answers for the funds cache TTL, which is added).
+const holdPruneMargin = 10 * time.Minute
+
+// pruneHolds deletes the shared funds holds of this engine's networks past their payments' deadlines (see
+// holdPruneMargin), whoever took them: a hold whose end was never written (its process gone before it could, say)
+// ends with its payment's deadline, and the payer's funds are the payer's again.
+func (f *Facilitator) pruneHolds(ctx context.Context) {
+	if f.cluster == nil {
+		return
+	}
+	for _, id := range f.order {
+		n := f.networks[id]
+		head, err := n.backend.HeaderByNumber(ctx, nil)
+		if err != nil {
+			f.log.Warn("reading the head block to prune funds holds past their deadlines", zap.String("network", n.caip2), zap.Error(err))
+			continue
+		}
+		margin := uint64((holdPruneMargin + n.funds.ttl) / time.Second)
+		if head.Time <= margin {
+			continue
+		}
+		if k, err := f.cluster.PruneHolds(ctx, n.funds.keyPrefix(), head.Time-margin); err != nil {
+			f.log.Warn("pruning funds holds past their deadlines", zap.String("network", n.caip2), zap.Error(err))
+		} else if k > 0 {
+			f.log.Info("pruned funds holds past their payments' deadlines", zap.String("network", n.caip2), zap.Int("holds", k),
+				zap.Duration("past_deadline", holdPruneMargin+n.funds.ttl))
 		}
 	}
 }

@@ -159,22 +159,30 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 		resp, keep, err = f.broadcastAndWait(ctx, p)
 	}
 	if !keep {
+		var holdErr error
 		if refusedForGood(resp, err) {
-			p.net.funds.let(p.id)
+			holdErr = p.net.funds.let(p.id)
 		} else {
 			// Tried again later (a gate that served the payment before settling it means to): a served
 			// payment's hold stays, and the payer's funds stay spent meanwhile.
-			p.net.funds.failedForNow(p.id)
+			holdErr = p.net.funds.failedForNow(p.id)
 		}
-		// Nothing left the process: the payer may try again (after topping up, say). A claim that is not this
-		// settlement's any more stays: another instance took it over while this one looked dead, and may have
-		// settled the payment (which a refusal here, "nonce already used", would deny). The journal's record of
-		// the payment then says what became of it.
-		relErr := f.journal.Release(context.WithoutCancel(ctx), p.claim)
-		if errors.Is(relErr, journal.ErrNotReleasable) {
-			err = fmt.Errorf("%w: %w", errClaimLost, relErr)
-		} else if relErr != nil {
-			f.log.Error("releasing a settlement claim that sent nothing", zap.String("payment", p.id.String()), zap.Error(relErr))
+		if holdErr != nil {
+			// The hold goes before the claim: a claim left is reconciliation's to release, and it lets the hold go
+			// first (releaseClaim), where a hold left alone would be nobody's until its deadline.
+			f.log.Warn("letting go of the funds hold of a settlement that sent nothing; its claim stays until reconciliation releases both",
+				zap.String("payment", p.id.String()), zap.Error(holdErr))
+		} else {
+			// Nothing left the process: the payer may try again (after topping up, say). A claim that is not this
+			// settlement's any more stays: another instance took it over while this one looked dead, and may have
+			// settled the payment (which a refusal here, "nonce already used", would deny). The journal's record of
+			// the payment then says what became of it.
+			relErr := f.journal.Release(context.WithoutCancel(ctx), p.claim)
+			if errors.Is(relErr, journal.ErrNotReleasable) {
+				err = fmt.Errorf("%w: %w", errClaimLost, relErr)
+			} else if relErr != nil {
+				f.log.Error("releasing a settlement claim that sent nothing", zap.String("payment", p.id.String()), zap.Error(relErr))
+			}
 		}
 		if errors.Is(err, errClaimLost) {
 			return f.answerAfterLostClaim(ctx, p, req, err)
@@ -251,6 +259,10 @@ func (f *Facilitator) settleNothing(ctx context.Context, p *payment) (x402.Settl
 	if used {
 		return failed(n.caip2, p.payer.Hex(), "", refuse(x402.ReasonPermit2InvalidNonce, "Permit2 nonce %s of %s was already used", p.nonce, p.payer.Hex())), false, nil
 	}
+	// Its hold goes before its record is final (see finalise).
+	if err := n.funds.let(p.id); err != nil {
+		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("funds holds: %w", err)}
+	}
 	resp := x402.SettleResponse{Success: true, Network: n.caip2, Payer: p.payer.Hex(), Amount: "0"}
 	if _, err := f.journal.Update(context.WithoutCancel(ctx), p.id, func(r *journal.Record) error {
 		if err := checkClaim(p, r); err != nil {
@@ -263,7 +275,6 @@ func (f *Facilitator) settleNothing(ctx context.Context, p *payment) (x402.Settl
 	} else if err != nil {
 		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("settlement journal: %w", err)}
 	}
-	n.funds.let(p.id)
 	f.log.Info("settlement final", zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()), zap.String("amount", "0"),
 		zap.String("tx", ""), zap.Bool("success", true))
 	return resp, true, nil
@@ -471,6 +482,24 @@ func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, r
 		resp = x402.SettleResponse{Success: false, Transaction: receipt.TxHash.Hex(), Network: n.caip2, Payer: payer,
 			ErrorReason: reason, ErrorMessage: "the settlement transaction was mined but reverted; no tokens moved"}
 	}
+	// The payment's funds hold ends before its record does. A final record is never looked at again, so an end of
+	// the hold that the shared holds' database did not take (down as the settlement ended) would leave the payer's
+	// funds looking spent until the payment's deadline: until it is taken, the record stays broadcast, and
+	// reconciliation ends both once the database answers (finaliseFromReceipts). The answer stands meanwhile.
+	var holdErr error
+	if resp.Success {
+		holdErr = n.funds.sawMined(id, receipt.BlockNumber.Uint64())
+	} else if rec, _, err := f.journal.Get(context.WithoutCancel(ctx), id); err != nil {
+		holdErr = err
+	} else if rec.State != journal.StateFinal || rec.Response == nil || !rec.Response.Success {
+		// (Recorded settled already, by another of its transactions: that answer stays, and its hold is mined.)
+		holdErr = n.funds.let(id)
+	}
+	if holdErr != nil {
+		f.log.Warn("recording the end of a settled payment's funds hold; its record stays broadcast until reconciliation records both",
+			zap.String("payment", id.String()), zap.String("tx", receipt.TxHash.Hex()), zap.Bool("success", resp.Success), zap.Error(holdErr))
+		return resp
+	}
 	decidedBefore := false
 	if _, err := f.journal.Update(context.WithoutCancel(ctx), id, func(r *journal.Record) error {
 		decidedBefore = r.State == journal.StateFinal
@@ -484,11 +513,6 @@ func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, r
 		return nil
 	}); err != nil {
 		f.log.Error("recording a final settlement", zap.String("tx", receipt.TxHash.Hex()), zap.Error(err))
-	}
-	if resp.Success {
-		n.funds.sawMined(id, receipt.BlockNumber.Uint64())
-	} else {
-		n.funds.let(id)
 	}
 	if receipt.Status == types.ReceiptStatusSuccessful || decidedBefore {
 		f.log.Info("settlement final", zap.String("network", n.caip2), zap.String("payer", payer), zap.String("amount", amount),

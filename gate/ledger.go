@@ -392,7 +392,10 @@ func (l *Ledger) sendsFromWalletOf(rec journal.Record) bool {
 // errAdopted: another process took the async payment over first (or it became final meanwhile).
 var errAdopted = errors.New("another instance took the payment over")
 
-// adoptLoop takes over, every adoptEvery, the served async payments of instances that are gone.
+// adoptLoop takes over, every adoptEvery, the served async payments of instances that are gone. It settles too
+// this instance's own that no background settlement of it is working on: one whose takeover was written while the
+// call that wrote it failed (a connection lost as it committed), whose owner, now this instance, would otherwise
+// leave it to an instance that is gone.
 func (l *Ledger) adoptLoop(c journal.Cluster) {
 	defer l.wg.Done()
 	t := time.NewTicker(adoptEvery)
@@ -405,7 +408,10 @@ func (l *Ledger) adoptLoop(c journal.Cluster) {
 		}
 		recs, err := l.store.PendingOf(l.ctx, true)
 		if err == nil {
-			recs = slices.DeleteFunc(recs, func(r journal.Record) bool { return r.Owner == l.owner })
+			recs = slices.DeleteFunc(recs, func(r journal.Record) bool {
+				// (One whose request does not read was reported once by the settlement that gave it up.)
+				return r.Owner == l.owner && (l.isSettling(r.ID) || json.Unmarshal(r.Request, new(x402.SettleRequest)) != nil)
+			})
 			recs, err = l.adoptable(c, recs)
 		}
 		if err != nil && l.ctx.Err() == nil {
@@ -460,6 +466,14 @@ func (l *Ledger) settleLater(id journal.ID) {
 	l.settling[id] = struct{}{}
 	l.wg.Add(1)
 	go l.settleInBackground(id)
+}
+
+// isSettling reports whether a background settlement of payment id runs here.
+func (l *Ledger) isSettling(id journal.ID) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	_, running := l.settling[id]
+	return running
 }
 
 // Backlog is how many served async payments are waiting for their settlement.
@@ -787,17 +801,35 @@ func (l *Ledger) expire(log *zap.Logger, id journal.ID, rec journal.Record, req 
 		"an async payment was served but never settled: no configured gate's facilitator settles on its network, and its authorization has expired; the resource went unpaid")
 }
 
-// finalise records the final answer of an async payment.
+// finalise records the final answer of an async payment, trying again with a growing pause until the journal
+// takes it or the ledger stops. Nothing else would: the payment's settlement is over, so no attempt of it is left to
+// write it, and a record left unfinal while its owner lives is nobody else's to settle, so it would stay in the
+// backlog for ever (the journal's database down as the settlement ended, say). Stopped first, the record stays as it
+// is, and the next start settles it again: the facilitator answers from its own journal.
 func (l *Ledger) finalise(log *zap.Logger, id journal.ID, resp x402.SettleResponse) {
-	_, err := l.store.Update(context.Background(), id, func(r *journal.Record) error {
-		if r.State != journal.StateFinal {
-			r.State, r.Response = journal.StateFinal, &resp
+	for pause := asyncRetryMin; ; pause = min(2*pause, asyncRetryMax) {
+		_, err := l.store.Update(context.Background(), id, func(r *journal.Record) error {
+			if r.State != journal.StateFinal {
+				r.State, r.Response = journal.StateFinal, &resp
+			}
+			return nil
+		})
+		switch {
+		case err == nil, errors.Is(err, journal.ErrNotFound):
+			return
+		case errors.Is(err, journal.ErrCorrupt), errors.Is(err, journal.ErrInvalidUpdate):
+			// Never written, however often it is tried: the settlement stands, and the record is left to a person.
+			log.Error("recording the outcome of an async payment; the journal's record of it cannot take it", zap.String("tx", resp.Transaction),
+				zap.Bool("success", resp.Success), zap.Error(err))
+			return
 		}
-		return nil
-	})
-	if err != nil {
-		// The settlement stands; after a restart the journal asks the facilitator again and gets the same answer.
-		log.Warn("recording the outcome of an async payment", zap.Error(err))
+		log.Warn("recording the outcome of an async payment; trying again", zap.String("tx", resp.Transaction),
+			zap.Bool("success", resp.Success), zap.Duration("retry_in", pause), zap.Error(err))
+		select {
+		case <-l.ctx.Done():
+			return
+		case <-time.After(pause):
+		}
 	}
 }
 

@@ -77,6 +77,10 @@ type Cluster interface {
 	// nonce). It knows no block or chain time, so it lists every hold not yet deleted: one mined or past its
 	// deadline goes at the next Hold of its key with take.
 	HoldsOf(ctx context.Context, key string) ([]Hold, error)
+	// PruneHolds deletes the holds of the keys that start with prefix whose Deadline is before the chain time
+	// before, mined or not, and returns how many it deleted: Hold deletes those of one key only when a payment of
+	// that key is held, so a payer who pays no more would keep its holds for ever.
+	PruneHolds(ctx context.Context, prefix string, before uint64) (int, error)
 }
 
 // AliveOnce is c's Alive, asking the database once per owner: for one pass over many records, which mostly share a

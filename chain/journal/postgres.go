@@ -1087,6 +1087,25 @@ func (s *PostgresStore) HoldsOf(ctx context.Context, key string) ([]Hold, error)
 	return holds, nil
 }
 
+// PruneHolds implements Cluster, in one statement.
+func (s *PostgresStore) PruneHolds(ctx context.Context, prefix string, before uint64) (int, error) {
+	wctx, cancel, err := s.begin(ctx, true)
+	if err != nil {
+		return 0, err
+	}
+	defer cancel()
+	var tag pgconn.CommandTag
+	err = retrySafe(func() (err error) {
+		tag, err = s.pool.Exec(wctx, `DELETE FROM x402_holds WHERE left(hold_key, length($1)) = $1 AND deadline < $2::numeric`,
+			prefix, strconv.FormatUint(before, 10))
+		return err
+	})
+	if err != nil {
+		return 0, s.fail(ctx, "prune holds", err)
+	}
+	return int(tag.RowsAffected()), nil
+}
+
 var (
 	_ Store   = (*PostgresStore)(nil)
 	_ Cluster = (*PostgresStore)(nil)

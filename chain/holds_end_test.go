@@ -1,0 +1,267 @@
+package chain_test
+
+import (
+	"context"
+	"errors"
+	"math/big"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// The tests below stop a cluster's PostgreSQL between two writes of one settlement: a test connection holds a lock
+// on the table the second write needs, waits until the engine is blocked on it, and stops the server, whose fast
+// shutdown ends the blocked statement with a lost connection. The first write has landed, the second has not, as
+// an outage landing between them leaves them (the money-invariant run found such a hold after a WebSocket payment
+// settled as PostgreSQL stopped).
+
+// TestAHoldEndsWithItsSettlementWhenTheDatabaseStopsAsItIsRecorded: the settlement mines while its hold's end (mined)
+// cannot be written. Once the database is back the hold must end all the same, or the payer's funds look spent
+// until its deadline and beyond.
+func TestAHoldEndsWithItsSettlementWhenTheDatabaseStopsAsItIsRecorded(t *testing.T) {
+	srv := pgtest.Start(t)
+	fx, engines, stores := sharedEnginesOn(t, srv.DSN(), 1, 15*time.Second, fixtureOpts{wallets: 2, receiptTimeout: time.Minute, autoCommit: -1})
+	waitLeases(t, fx, engines, 2)
+	payer := fx.c.Payers[0]
+	fx.approvePermit2(payer)
+	fx.c.Commit()
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	id := permit2ID(fx, req)
+
+	settled := settleInBackground(engines[0], req)
+	waitEngineRecord(t, stores[0], id, "the settlement sent, waiting for its block", func(r journal.Record) bool { return r.State == journal.StateBroadcast })
+	if mined, err := holdMined(srv.DSN(), id); err != nil || mined != "0" {
+		t.Fatalf("the settlement's hold = %q, %v; want one, not yet seen mined", mined, err)
+	}
+	unlock := lockTable(t, srv.DSN(), "x402_holds", "ACCESS EXCLUSIVE")
+	defer unlock()
+	fx.c.Commit()
+	waitBlocked(t, srv.DSN(), "UPDATE x402_holds")
+	srv.Stop(t)
+	if r := <-settled; r.err != nil || !r.resp.Success {
+		t.Fatalf("the settlement mined = %+v, %v; want its success", r.resp, r.err)
+	}
+	srv.Restart(t)
+
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		rec, ok, err := stores[0].Get(context.Background(), id)
+		mined, herr := holdMined(srv.DSN(), id)
+		if err == nil && ok && rec.State == journal.StateFinal && herr == nil && mined != "0" {
+			if !rec.Response.Success {
+				t.Fatalf("the final record answers %+v; want the settlement's success", rec.Response)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("20 s after the database came back the settlement's record is %s (%v, %v) and its hold is still there, not seen mined (%q, %v): "+
+				"the payer's funds look spent until its deadline", rec.State, ok, err, mined, herr)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestAHoldEndsWhenTheDatabaseStopsBeforeItsSettlementIsSent: the database stops as the settlement's transaction is
+// to be recorded (before it is sent): nothing is sent, and neither the hold nor the claim can be let go then. Once
+// the database is back, both must go (the claim is released by reconciliation, and the hold with it): the
+// payment was not settled, and its payer's funds are not spent.
+func TestAHoldEndsWhenTheDatabaseStopsBeforeItsSettlementIsSent(t *testing.T) {
+	srv := pgtest.Start(t)
+	fx, engines, stores := sharedEnginesOn(t, srv.DSN(), 1, 15*time.Second, fixtureOpts{wallets: 2, receiptTimeout: time.Minute, autoCommit: -1})
+	waitLeases(t, fx, engines, 2)
+	payer := fx.c.Payers[0]
+	fx.approvePermit2(payer)
+	fx.c.Commit()
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	id := permit2ID(fx, req)
+	sent := fx.walletTxs()
+
+	// The write that records the transaction checks the wallet's lease first: it waits behind the lock.
+	unlock := lockTable(t, srv.DSN(), "x402_leases", "EXCLUSIVE")
+	defer unlock()
+	settled := settleInBackground(engines[0], req)
+	waitBlocked(t, srv.DSN(), "SELECT owner = $2 AND fence")
+	if mined, err := holdMined(srv.DSN(), id); err != nil || mined != "0" {
+		t.Fatalf("the settlement's hold = %q, %v; want one, taken before the transaction is recorded", mined, err)
+	}
+	srv.Stop(t)
+	if r := <-settled; r.err == nil && r.resp.Success {
+		t.Fatalf("the settlement whose transaction could not be recorded = %+v; want no success: nothing was sent", r.resp)
+	}
+	srv.Restart(t)
+
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		rec, ok, err := stores[0].Get(context.Background(), id)
+		mined, herr := holdMined(srv.DSN(), id)
+		if err == nil && !ok && herr == nil && mined == "" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("20 s after the database came back the claim is %v (%s, %v) and the hold %q (%v); want both gone: nothing was sent",
+				ok, rec.State, err, mined, herr)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if total, _ := fx.sentSince(sent); total != 0 {
+		t.Fatalf("the wallets sent %d transactions; want none", total)
+	}
+	fx.c.Commit()
+	if got := fx.c.TokenBalance(fx.payTo); got.Sign() != 0 {
+		t.Fatalf("the seller holds %s; want nothing moved", got)
+	}
+}
+
+// permit2ID is the engine's journal id of a permit2 payment.
+func permit2ID(fx *fixture, req x402.VerifyRequest) journal.ID {
+	a := req.PaymentPayload.Payload.Permit2Authorization
+	return journal.PaymentID(fx.net, x402.TransferPermit2, fx.c.Token.Hex(), a.From, a.Nonce)
+}
+
+// settleInBackground settles req with f on a goroutine of its own; the channel gets its answer.
+func settleInBackground(f *chain.Facilitator, req x402.VerifyRequest) <-chan settleResult {
+	out := make(chan settleResult, 1)
+	go func() {
+		resp, err := f.Settle(context.Background(), req)
+		out <- settleResult{resp, err}
+	}()
+	return out
+}
+
+// waitEngineRecord waits until the journal's record of id is as ok says.
+func waitEngineRecord(t *testing.T, st journal.Store, id journal.ID, what string, ok func(journal.Record) bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		r, found, err := st.Get(context.Background(), id)
+		if err == nil && found && ok(r) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("waiting for %s: the record is %s (found %v, %v)", what, r.State, found, err)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// lockTable takes a lock of mode on table in a transaction of a connection of its own, until unlock (or the
+// server's stop) ends it.
+func lockTable(t *testing.T, dsn, table, mode string) (unlock func()) {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := conn.Begin(ctx)
+	if err == nil {
+		_, err = tx.Exec(ctx, "LOCK TABLE "+table+" IN "+mode+" MODE")
+	}
+	if err != nil {
+		conn.Close(ctx)
+		t.Fatalf("locking %s: %v", table, err)
+	}
+	return func() {
+		cctx, cancel := context.WithTimeout(ctx, time.Second)
+		defer cancel()
+		conn.Close(cctx) // the lock goes with the connection; an error only says the server stopped first
+	}
+}
+
+// waitBlocked waits until a statement starting with prefix waits for a lock.
+func waitBlocked(t *testing.T, dsn, prefix string) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		var n int
+		err := query(dsn, func(ctx context.Context, conn *pgx.Conn) error {
+			return conn.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND starts_with(query, $1)`, prefix).Scan(&n)
+		})
+		if err == nil && n > 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no statement %q waited for the lock (%v)", prefix, err)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// holdMined reads the mined block of payment id's funds hold: "0" while not seen mined, "" when there is none.
+func holdMined(dsn string, id journal.ID) (string, error) {
+	var mined string
+	err := query(dsn, func(ctx context.Context, conn *pgx.Conn) error {
+		err := conn.QueryRow(ctx, `SELECT mined::text FROM x402_holds WHERE id = $1`, id[:]).Scan(&mined)
+		if errors.Is(err, pgx.ErrNoRows) {
+			mined, err = "", nil
+		}
+		return err
+	})
+	return mined, err
+}
+
+// query runs fn on a connection of its own to dsn.
+func query(dsn string, fn func(context.Context, *pgx.Conn) error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	return fn(ctx, conn)
+}
+
+// TestAHoldPastItsPaymentsDeadlineIsPrunedThoughItsPayerPaysNoMore: a shared hold whose end nobody wrote (its
+// process gone before it could) no longer counts once its payment's deadline has passed, but only a later hold of
+// the same payer deleted it: a payer who pays no more kept it for ever. The engine prunes it, and only it.
+func TestAHoldPastItsPaymentsDeadlineIsPrunedThoughItsPayerPaysNoMore(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	st, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	// A short retention prunes every second.
+	fx := newFixture(t, fixtureOpts{journal: st, configure: func(c *chain.Config) {
+		c.Retention, c.ReconcileEvery = 2*time.Second, 100*time.Millisecond
+	}})
+	other, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { other.Close() })
+	now := fx.c.HeadTime()
+	key := func(payer int) string {
+		return fx.net + ":" + fx.c.Token.Hex() + ":" + fx.c.Payers[payer].Address.Hex()
+	}
+	gone := journal.Hold{ID: journal.PaymentID(fx.net, x402.TransferPermit2, fx.c.Token.Hex(), fx.c.Payers[0].Address.Hex(), "1"),
+		Key: key(0), Amount: big.NewInt(price), Deadline: now - 3600}
+	live := journal.Hold{ID: journal.PaymentID(fx.net, x402.TransferPermit2, fx.c.Token.Hex(), fx.c.Payers[1].Address.Hex(), "2"),
+		Key: key(1), Amount: big.NewInt(price), Deadline: now + 3600}
+	for _, h := range []journal.Hold{gone, live} {
+		if ok, _, err := other.Hold(context.Background(), h, big.NewInt(price), 0, 0, true); err != nil || !ok {
+			t.Fatalf("holding %+v = %v, %v", h, ok, err)
+		}
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		hs, err := other.HoldsOf(context.Background(), gone.Key)
+		if err == nil && len(hs) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the hold an hour past its payment's deadline is still there (%+v, %v): its payer's funds were never pruned of it", hs, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if hs, err := other.HoldsOf(context.Background(), live.Key); err != nil || len(hs) != 1 {
+		t.Fatalf("the hold whose deadline is an hour away = %+v, %v; want it kept", hs, err)
+	}
+}

@@ -1,0 +1,145 @@
+package gate_test
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
+	"github.com/x402-gateway/caddy-x402/gate"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// TestAnAsyncPaymentThatSettlesWhileTheJournalIsDownIsRecordedFinalOnceItIsBack: a settle async payment is served
+// and its settlement sent; PostgreSQL stops while the transaction waits for its block, and the settlement ends
+// (mined) while the database is down, so the gate's final write of the payment cannot land. Once the database is
+// back the gate's record must become final with the settlement, leaving the backlog (the money-invariant run found
+// one left claimed for ever, every gateway's journal backlog at 1), and no funds hold may be left unmined.
+func TestAnAsyncPaymentThatSettlesWhileTheJournalIsDownIsRecordedFinalOnceItIsBack(t *testing.T) {
+	srv := pgtest.Start(t)
+	st, err := journal.OpenPostgres(context.Background(), srv.DSN(), journal.Options{OpenTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	// Blocks are sealed by the test: the settlement waits in the node's pool until the database is down.
+	c := chaintest.New(t)
+	e := newEnv(t, setup{settle: gate.SettleAsync, journal: st, chain: c})
+	payer := c.Payers[0]
+	h := e.permit2(payer)
+	before := e.balances(payer)
+	gateID, engineID := paymentIDs(t, e, h)
+
+	if a := e.get(x402.HeaderPaymentSignature, h); a.status != http.StatusOK || a.body != "paid content" {
+		t.Fatalf("the async payment = %d %q; want 200 with the content, served before it settles", a.status, a.body)
+	}
+	waitRecord(t, st, engineID, "the settlement sent and waiting for its block", func(r journal.Record) bool { return r.State == journal.StateBroadcast })
+	waitRecord(t, st, gateID, "the gate's record served", func(r journal.Record) bool { return r.Served })
+
+	srv.Stop(t)
+	c.Commit()
+	deadline := time.Now().Add(10 * time.Second)
+	for lost, _ := e.paid(payer, before); lost.Int64() != price; lost, _ = e.paid(payer, before) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the settlement did not mine: the payer lost %s", lost)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// The settlement ends, with the journal out of reach, a few milliseconds after its block.
+	time.Sleep(time.Second)
+	srv.Restart(t)
+	t.Cleanup(c.AutoCommit(5 * time.Millisecond))
+
+	var rec journal.Record
+	deadline = time.Now().Add(30 * time.Second)
+	for {
+		r, ok, err := st.Get(context.Background(), gateID)
+		if err == nil && ok && r.State == journal.StateFinal && e.gate.Ledger().Backlog() == 0 {
+			rec = r
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("30 s after the database came back the gate's record of the settled payment is %s (found %v, %v), backlog %d; want final, the backlog 0",
+				r.State, ok, err, e.gate.Ledger().Backlog())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if rec.Response == nil || !rec.Response.Success || rec.Response.Transaction == "" {
+		t.Fatalf("the gate's final record answers %+v; want the settlement's success with its transaction", rec.Response)
+	}
+	if lost, gained := e.paid(payer, before); lost.Int64() != price || gained.Int64() != price {
+		t.Fatalf("the payer lost %s and the seller gained %s; want %d once", lost, gained, price)
+	}
+	waitNoHoldLeft(t, srv.DSN(), engineID)
+	if a := e.get(x402.HeaderPaymentSignature, h); a.status != http.StatusPaymentRequired {
+		t.Fatalf("presented again = %d %q; want 402: it bought its response", a.status, a.body)
+	}
+}
+
+// paymentIDs are the journal ids of a permit2 payment header: the gate's record and the engine's settlement.
+func paymentIDs(t *testing.T, e *env, header string) (gateID, engineID journal.ID) {
+	t.Helper()
+	p, err := x402.DecodePaymentPayload(header)
+	if err != nil {
+		t.Fatal(err)
+	}
+	from, nonce := p.Payload.PayerAndNonce()
+	return journal.PaymentID(e.net, "gate/"+x402.TransferPermit2, p.Accepted.Asset, from, nonce),
+		journal.PaymentID(e.net, x402.TransferPermit2, p.Accepted.Asset, from, nonce)
+}
+
+// waitRecord waits until the journal's record of id is as ok says.
+func waitRecord(t *testing.T, st journal.Store, id journal.ID, what string, ok func(journal.Record) bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		r, found, err := st.Get(context.Background(), id)
+		if err == nil && found && ok(r) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("waiting for %s: the record is %+v (found %v, %v)", what, r, found, err)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// waitNoHoldLeft waits until the database at dsn holds no funds hold of payment id that its settlement did not end
+// (not seen mined), as after quiescence none may be.
+func waitNoHoldLeft(t *testing.T, dsn string, id journal.ID) {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		mined, err := holdMined(dsn, id)
+		if err == nil && mined != "0" {
+			return // none, or seen mined
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the payment's funds hold is still there, not seen mined (%v): the payer's funds look spent for ever", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// holdMined reads the mined block of payment id's hold; "" when there is none.
+func holdMined(dsn string, id journal.ID) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		return "", err
+	}
+	defer conn.Close(ctx)
+	var mined string
+	err = conn.QueryRow(ctx, `SELECT mined::text FROM x402_holds WHERE id = $1`, id[:]).Scan(&mined)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", nil
+	}
+	return mined, err
+}
