@@ -26,7 +26,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/x402-gateway/caddy-x402/chain"
-	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
@@ -126,21 +125,7 @@ func startClusterWith(t *testing.T, s clusterSetup) *cluster {
 		c.pg = pgtest.Start(t)
 	}()
 
-	chainProc := startProcess(t, "caddy x402 devchain", c.dir, childEnv(t), "x402", "devchain", "--listen", "127.0.0.1:0", "--json",
-		"--wallets", fmt.Sprint(s.wallets), "--payers", fmt.Sprint(payers))
-	var facts struct {
-		RPC     string   `json:"rpc"`
-		Wallets []string `json:"wallets"`
-		Payers  []string `json:"payers"`
-	}
-	chainProc.waitUntil("the JSON line of the chain's facts", 90*time.Second, func() error {
-		for _, line := range strings.Split(chainProc.out.String(), "\n") {
-			if strings.HasPrefix(line, `{"rpc":`) {
-				return json.Unmarshal([]byte(line), &facts)
-			}
-		}
-		return fmt.Errorf("no JSON line yet")
-	})
+	_, facts := startDevchain(t, c.dir, "--wallets", fmt.Sprint(s.wallets), "--payers", fmt.Sprint(payers))
 	if len(facts.Wallets) != s.wallets || len(facts.Payers) != payers {
 		t.Fatalf("the chain funded %d wallets and %d payers, want %d and %d", len(facts.Wallets), len(facts.Payers), s.wallets, payers)
 	}
@@ -149,14 +134,13 @@ func startClusterWith(t *testing.T, s clusterSetup) *cluster {
 	for _, w := range facts.Wallets {
 		c.wallets = append(c.wallets, common.HexToAddress(w))
 	}
-	maxUint256 := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
 	for i := range payers {
 		key := devchain.PayerKeyN(i)
 		if got := crypto.PubkeyToAddress(key.PublicKey); got != common.HexToAddress(facts.Payers[i]) {
 			t.Fatalf("demo payer %d is %s on the chain, %s by devchain.PayerKeyN", i, facts.Payers[i], got)
 		}
 		c.payers = append(c.payers, key)
-		c.dev.send(key, devchain.TokenAddress, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
+		c.dev.approvePermit2(key, devchain.TokenAddress)
 	}
 
 	<-pgReady
@@ -256,20 +240,28 @@ func (c *cluster) logged(msgs ...string) string {
 
 // query runs fn on a fresh connection to the journal's database.
 func (c *cluster) query(fn func(ctx context.Context, conn *pgx.Conn) error) error {
+	return queryPostgres(c.dsn, fn)
+}
+
+// queryPostgres runs fn on a fresh connection to the database at dsn, which no error quotes.
+func queryPostgres(dsn string, fn func(ctx context.Context, conn *pgx.Conn) error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	conn, err := pgx.Connect(ctx, c.dsn)
+	conn, err := pgx.Connect(ctx, dsn)
 	if err != nil {
-		return fmt.Errorf("connecting to the journal's database: %w", errors.New(strings.ReplaceAll(err.Error(), c.dsn, "<dsn>")))
+		return fmt.Errorf("connecting to the journal's database: %w", errors.New(strings.ReplaceAll(err.Error(), dsn, "<dsn>")))
 	}
 	defer conn.Close(ctx)
 	return fn(ctx, conn)
 }
 
 // leases reads the live wallet leases: instance token -> wallets.
-func (c *cluster) leases() (map[string][]common.Address, error) {
+func (c *cluster) leases() (map[string][]common.Address, error) { return readLeases(c.dsn) }
+
+// readLeases reads the live wallet leases of the journal at dsn: instance token -> wallets.
+func readLeases(dsn string) (map[string][]common.Address, error) {
 	out := map[string][]common.Address{}
-	err := c.query(func(ctx context.Context, conn *pgx.Conn) error {
+	err := queryPostgres(dsn, func(ctx context.Context, conn *pgx.Conn) error {
 		rows, err := conn.Query(ctx, `SELECT owner, name FROM x402_leases WHERE owner <> '' AND expires_at > now() ORDER BY name`)
 		if err != nil {
 			return err
@@ -290,10 +282,16 @@ func (c *cluster) leases() (map[string][]common.Address, error) {
 // however they are shared out.
 func (c *cluster) waitLeases(what string, timeout time.Duration, holders int) map[string][]common.Address {
 	c.t.Helper()
-	wallets := c.setup.wallets
+	return waitLeasesShared(c.t, c.dsn, c.setup.wallets, holders, what, timeout)
+}
+
+// waitLeasesShared waits until the leases of the journal at dsn share out all of wallets, evenly among exactly
+// holders instances (with holders 0, however they are shared out), and fails t after timeout.
+func waitLeasesShared(t *testing.T, dsn string, wallets, holders int, what string, timeout time.Duration) map[string][]common.Address {
+	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for {
-		l, err := c.leases()
+		l, err := readLeases(dsn)
 		if err == nil {
 			n := 0
 			even := len(l) == holders || holders == 0
@@ -307,7 +305,7 @@ func (c *cluster) waitLeases(what string, timeout time.Duration, holders int) ma
 			err = fmt.Errorf("the leases held: %s", describeLeases(l))
 		}
 		if time.Now().After(deadline) {
-			c.t.Fatalf("no %s within %v: %v", what, timeout, err)
+			t.Fatalf("no %s within %v: %v", what, timeout, err)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}

@@ -20,20 +20,7 @@ import (
 func TestTwoCaddysShareOneStandaloneDevChainAndItStopsCleanlyOnSIGINT(t *testing.T) {
 	needBinary(t)
 	dir := t.TempDir()
-	chainProc := startProcess(t, "caddy x402 devchain", dir, childEnv(t), "x402", "devchain", "--listen", "127.0.0.1:0", "--json")
-	var facts struct {
-		RPC     string   `json:"rpc"`
-		Network string   `json:"network"`
-		Wallets []string `json:"wallets"`
-	}
-	chainProc.waitUntil("the JSON line of the chain's facts", 60*time.Second, func() error {
-		for _, line := range strings.Split(chainProc.out.String(), "\n") {
-			if strings.HasPrefix(line, `{"rpc":`) {
-				return json.Unmarshal([]byte(line), &facts)
-			}
-		}
-		return fmt.Errorf("no JSON line yet")
-	})
+	chainProc, facts := startDevchain(t, dir)
 	if facts.Network != "eip155:72344" || len(facts.Wallets) != devchain.DefaultWallets || strings.HasSuffix(facts.RPC, ":0") {
 		t.Fatalf("the chain's facts %+v, want eip155:72344, %d wallets and the port it picked", facts, devchain.DefaultWallets)
 	}
@@ -87,4 +74,31 @@ func TestTwoCaddysShareOneStandaloneDevChainAndItStopsCleanlyOnSIGINT(t *testing
 	if out := chainProc.out.String(); !strings.Contains(out, "dev chain stopped") {
 		t.Errorf("the chain did not say it stopped:\n%s", lastLines(out, 10))
 	}
+}
+
+// devchainFacts is what `caddy x402 devchain --json` prints on its one line of stdout.
+type devchainFacts struct {
+	RPC     string   `json:"rpc"`
+	Network string   `json:"network"`
+	Wallets []string `json:"wallets"`
+	Payers  []string `json:"payers"`
+}
+
+// startDevchain runs `caddy x402 devchain` on a free loopback port with extra flags (such as --wallets 12
+// --payers 6), as a process of its own that outlives the Caddy processes settling on it, and returns it with the
+// facts it printed once they are out.
+func startDevchain(t *testing.T, dir string, flags ...string) (*process, devchainFacts) {
+	t.Helper()
+	args := append([]string{"x402", "devchain", "--listen", "127.0.0.1:0", "--json"}, flags...)
+	proc := startProcess(t, "caddy x402 devchain", dir, childEnv(t), args...)
+	var facts devchainFacts
+	proc.waitUntil("the JSON line of the chain's facts", 90*time.Second, func() error {
+		for _, line := range strings.Split(proc.out.String(), "\n") {
+			if strings.HasPrefix(line, `{"rpc":`) {
+				return json.Unmarshal([]byte(line), &facts)
+			}
+		}
+		return fmt.Errorf("no JSON line yet")
+	})
+	return proc, facts
 }

@@ -114,15 +114,26 @@ func (d *devChain) head() uint64 {
 // transfers lists the dev token's Transfer logs from -> to in blocks from fromBlock on.
 func (d *devChain) transfers(from, to common.Address, fromBlock uint64) []types.Log {
 	d.t.Helper()
+	return d.tokenTransfers(devchain.TokenAddress, &from, &to, fromBlock)
+}
+
+// tokenTransfers lists token's Transfer logs in blocks from fromBlock on, from and to whom they say (nil: anyone).
+func (d *devChain) tokenTransfers(token common.Address, from, to *common.Address, fromBlock uint64) []types.Log {
+	d.t.Helper()
+	topics := [][]common.Hash{{transferTopic}, nil, nil}
+	if from != nil {
+		topics[1] = []common.Hash{common.BytesToHash(from.Bytes())}
+	}
+	if to != nil {
+		topics[2] = []common.Hash{common.BytesToHash(to.Bytes())}
+	}
 	ctx, cancel := rpcContext()
 	defer cancel()
 	logs, err := d.client.FilterLogs(ctx, ethereum.FilterQuery{
-		FromBlock: new(big.Int).SetUint64(fromBlock),
-		Addresses: []common.Address{devchain.TokenAddress},
-		Topics:    [][]common.Hash{{transferTopic}, {common.BytesToHash(from.Bytes())}, {common.BytesToHash(to.Bytes())}},
+		FromBlock: new(big.Int).SetUint64(fromBlock), Addresses: []common.Address{token}, Topics: topics,
 	})
 	if err != nil {
-		d.t.Fatalf("reading Transfer logs %s -> %s: %v", from, to, err)
+		d.t.Fatalf("reading the Transfer logs of %s: %v", token, err)
 	}
 	return logs
 }
@@ -225,6 +236,31 @@ func callToken(t *testing.T, method string, args ...any) []byte {
 		t.Fatalf("encoding %s: %v", method, err)
 	}
 	return data
+}
+
+// walletsIdle reports whether none of wallets has a transaction sent and not mined; false when that cannot be
+// read.
+func (d *devChain) walletsIdle(wallets []common.Address) bool {
+	ctx, cancel := rpcContext()
+	defer cancel()
+	for _, w := range wallets {
+		pending, err1 := d.client.PendingNonceAt(ctx, w)
+		mined, err2 := d.client.NonceAt(ctx, w, nil)
+		if err1 != nil || err2 != nil || pending != mined {
+			return false
+		}
+	}
+	return true
+}
+
+// maxUint256 is the largest uint256: an allowance that never runs out.
+var maxUint256 = new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
+
+// approvePermit2 has key's account approve Permit2 for all of its token, as a returning client has: its permit2
+// payments then settle without gas sponsoring, and its balance moves by the prices alone.
+func (d *devChain) approvePermit2(key *ecdsa.PrivateKey, token common.Address) {
+	d.t.Helper()
+	d.send(key, token, nil, callToken(d.t, "approve", contracts.Permit2Address, maxUint256))
 }
 
 // delta is after - before.

@@ -178,10 +178,9 @@ func TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain(t *testing.T) {
 	approvedAddr := crypto.PubkeyToAddress(in.approved.PublicKey)
 	in.dev.send(in.unapproved, approvedAddr, big.NewInt(1e18), nil)
 	in.dev.send(in.unapproved, crypto.PubkeyToAddress(tsFacKey.PublicKey), big.NewInt(1e18), nil)
-	maxUint256 := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
 	for _, token := range []common.Address{stable, usdc} {
 		in.dev.send(in.unapproved, token, nil, callToken(t, "transfer", approvedAddr, big.NewInt(1_000_000_000)))
-		in.dev.send(in.approved, token, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
+		in.dev.approvePermit2(in.approved, token)
 	}
 	for _, key := range sponsoredKeys {
 		in.dev.send(in.unapproved, stable, nil, callToken(t, "transfer", crypto.PubkeyToAddress(key.PublicKey), big.NewInt(1_000_000)))

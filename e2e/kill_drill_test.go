@@ -9,7 +9,6 @@ import (
 	"math/big"
 	"math/rand/v2"
 	"net/http"
-	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -23,7 +22,6 @@ import (
 	"github.com/ethereum/go-ethereum/crypto"
 
 	"github.com/x402-gateway/caddy-x402/chain"
-	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -135,8 +133,7 @@ func runKillDrill(t *testing.T, shape drillShape) {
 	})
 	// The payer approves Permit2 once, as a returning client has: its payments settle without gas sponsoring,
 	// so its token balance moves by the prices alone.
-	maxUint256 := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
-	dev.send(devchain.PayerKey(), devchain.TokenAddress, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
+	dev.approvePermit2(devchain.PayerKey(), devchain.TokenAddress)
 
 	walletKeys := devchain.WalletKeys(devchain.DefaultWallets)
 	if shape.ownWallet {
@@ -309,20 +306,7 @@ func runKillDrill(t *testing.T, shape drillShape) {
 }
 
 // drillSeed returns the seed of the kill points: $X402_DRILL_SEED, or a fresh one, logged for a replay.
-func drillSeed(t *testing.T) uint64 {
-	t.Helper()
-	if v := os.Getenv(drillSeedEnv); v != "" {
-		seed, err := strconv.ParseUint(v, 10, 64)
-		if err != nil {
-			t.Fatalf("$%s=%q: want an unsigned integer: %v", drillSeedEnv, v, err)
-		}
-		t.Logf("kill points seeded by $%s=%d", drillSeedEnv, seed)
-		return seed
-	}
-	seed := uint64(time.Now().UnixNano())
-	t.Logf("kill points seeded by %d (%s=%d replays them)", seed, drillSeedEnv, seed)
-	return seed
-}
+func drillSeed(t *testing.T) uint64 { return seedFromEnv(t, drillSeedEnv, "kill points") }
 
 // drill is the paying client of the drill and what it saw of every payment.
 type drill struct {
@@ -688,18 +672,7 @@ func (d *drill) drain(want *big.Int) string {
 }
 
 // walletsIdle reports whether no settlement wallet has a transaction sent and not mined.
-func (d *drill) walletsIdle() bool {
-	ctx, cancel := rpcContext()
-	defer cancel()
-	for _, w := range d.wallets {
-		pending, err1 := d.dev.client.PendingNonceAt(ctx, w)
-		mined, err2 := d.dev.client.NonceAt(ctx, w, nil)
-		if err1 != nil || err2 != nil || pending != mined {
-			return false
-		}
-	}
-	return true
-}
+func (d *drill) walletsIdle() bool { return d.dev.walletsIdle(d.wallets) }
 
 // presentDeliveredAgain presents once more every payment that bought its response; the answer must be 402
 // payment_already_used or the response again. It returns the numbers of the payments served again.

@@ -7,3 +7,9 @@ import "syscall"
 func dieWithParent() *syscall.SysProcAttr {
 	return &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 }
+
+// capReceiveBuffer caps a socket's receive buffer at n bytes, which also stops the kernel growing it: a client
+// that stops reading then holds back the server's writes after at most that much (and the server's send buffer).
+func capReceiveBuffer(fd uintptr, n int) error {
+	return syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, n)
+}

@@ -314,3 +314,20 @@ func lastLines(s string, n int) string {
 	}
 	return strings.Join(lines, "\n")
 }
+
+// seedFromEnv returns the seed of a randomized test: the unsigned integer in $env, or a fresh one; either way
+// it is logged, with the line that replays it. what says what the seed draws.
+func seedFromEnv(t *testing.T, env, what string) uint64 {
+	t.Helper()
+	if v := os.Getenv(env); v != "" {
+		seed, err := strconv.ParseUint(v, 10, 64)
+		if err != nil {
+			t.Fatalf("$%s=%q: want an unsigned integer: %v", env, v, err)
+		}
+		t.Logf("%s seeded by $%s=%d", what, env, seed)
+		return seed
+	}
+	seed := uint64(time.Now().UnixNano())
+	t.Logf("%s seeded by %d (%s=%d replays them)", what, seed, env, seed)
+	return seed
+}

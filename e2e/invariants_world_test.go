@@ -1,0 +1,738 @@
+package e2e
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"crypto/sha1"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
+	"github.com/x402-gateway/caddy-x402/payer"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// The world of the money-invariant run: one `caddy x402 devchain` process, a fault proxy between every Caddy and
+// the chain's RPC, an upstream in the test process, two remote facilitator Caddys (one failover set), the
+// gateways (one on a bbolt journal, or three on one PostgreSQL), and the routes every gateway serves. A route
+// kind is a row of invRoutes: adding a kind of route to the run is adding a row.
+
+// Settlement wallets of the dev chain, by who settles from them: the gateways share the first invGatewayWallets
+// (by leases, in the cluster), and each remote facilitator member has two of its own after them.
+const (
+	invGatewayWallets = 12
+	invWalletsPerFac  = 2
+	invFacilitators   = 2
+	invPayers         = 12
+)
+
+// invValidity is how long the gates' offers (max_timeout) and the payers' payments are valid.
+const invValidity = 24 * time.Hour
+
+// invMaxBuffer is the gates' max_buffer: a larger response streams, and only a streamed response can be cut
+// short by its client before the gate has written all of it.
+const invMaxBuffer = 64 << 10
+
+// How a route serves its resources.
+const (
+	serveUpstream  = "upstream"  // reverse_proxy to the test's upstream, which names upto charges
+	serveFiles     = "files"     // file_server over invFiles
+	serveWebSocket = "websocket" // reverse_proxy to the upstream's WebSocket echo
+)
+
+// routeKind is one paid route of every gateway: its terms, how it serves, and the resources under it.
+type routeKind struct {
+	name   string   // names the route in reports
+	prefix string   // the path prefix it serves, such as /p2/
+	paths  []string // its resources, the paths a client asks for
+	scheme string   // exact or upto
+	method string   // the asset transfer method its offers name, and the client pays by
+	settle string   // before, after or async
+	asset  common.Address
+	// price is the gate's price option (price or amount, placeholders allowed: a price set per request)
+	// before and after a reload that changes prices; altPrice "" keeps it.
+	price, altPrice string
+	defaultAmount   string // upto: max or zero
+	serve           string
+	remote          bool   // settled through the remote facilitators' failover set
+	grace           string // price_grace
+	payTo           common.Address
+}
+
+// invSeller is the pay_to of route i: a seller of its own, so that the chain shows what each route was paid.
+func invSeller(i int) common.Address {
+	return common.HexToAddress(fmt.Sprintf("0x5e11e75e11e75e11e75e11e75e11e75e11e7%04x", i+1))
+}
+
+// invFiles are the files of the file_server routes: two larger than any socket buffer (a client that reads a
+// part and hangs up surely cuts the gate's writing short) and two small ones (one above max_buffer).
+var invFiles = []struct {
+	name string
+	size int
+}{
+	{"big1.bin", 8 << 20},
+	{"big2.bin", 10 << 20},
+	{"small1.txt", 2 << 10},
+	{"small2.txt", 100 << 10},
+}
+
+// invBigFile is the size from which a file's response can be cut short for sure: more than a loopback
+// socket's send buffer (4 MiB at most) and an HTTP/2 stream window (4 MiB) beyond what the client read.
+const invBigFile = 8 << 20
+
+// invRoutes builds the route kinds of the run.
+func invRoutes() []*routeKind {
+	upstreamPaths := func(prefix string) []string {
+		return []string{prefix + "a", prefix + "b", prefix + "c/d"}
+	}
+	var filePaths = func(prefix string) []string {
+		var out []string
+		for _, f := range invFiles {
+			out = append(out, prefix+f.name)
+		}
+		return out
+	}
+	routes := []*routeKind{
+		{name: "exact permit2, settle after", prefix: "/p2/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
+			settle: "after", price: "price $0.01", altPrice: "price $0.012", serve: serveUpstream},
+		{name: "exact eip3009, settle before", prefix: "/e3009/", scheme: x402.SchemeExact, method: x402.TransferEIP3009,
+			settle: "before", asset: devchain.EIP3009TokenAddress, price: "price $0.004", serve: serveUpstream},
+		{name: "exact erc2612, settle after", prefix: "/e2612/", scheme: x402.SchemeExact, method: x402.TransferERC2612,
+			settle: "after", price: "price $0.003", serve: serveUpstream},
+		{name: "exact permit2, settle async", prefix: "/async/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
+			settle: "async", price: "price $0.002", serve: serveUpstream},
+		{name: "upto (default max), settle after", prefix: "/upto-max/", scheme: x402.SchemeUpto, method: x402.TransferPermit2,
+			settle: "after", price: "price $0.01", defaultAmount: "max", serve: serveUpstream},
+		{name: "upto (default zero), settle async", prefix: "/upto-zero/", scheme: x402.SchemeUpto, method: x402.TransferPermit2,
+			settle: "async", price: "price $0.01", defaultAmount: "zero", serve: serveUpstream},
+		// The price is the path's second segment, in raw units; after the reload, that with a 5 after it. A price
+		// with a grace may depend on the request's method and URL only.
+		{name: "price set per request, price_grace", prefix: "/priced/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
+			settle: "after", price: "amount {http.request.uri.path.1}", altPrice: "amount {http.request.uri.path.1}5", grace: "10s", serve: serveUpstream},
+		{name: "file_server, settle after", prefix: "/files/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
+			settle: "after", price: "price $0.005", serve: serveFiles},
+		{name: "file_server, settle async", prefix: "/afiles/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
+			settle: "async", price: "price $0.006", serve: serveFiles},
+		{name: "WebSocket upstream", prefix: "/ws/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
+			settle: "after", price: "price $0.007", serve: serveWebSocket},
+		{name: "remote facilitators (failover), settle after", prefix: "/remote/", scheme: x402.SchemeExact,
+			method: x402.TransferPermit2, settle: "after", price: "price $0.008", serve: serveUpstream, remote: true},
+	}
+	for i, rk := range routes {
+		rk.payTo = invSeller(i)
+		if rk.asset == (common.Address{}) {
+			rk.asset = devchain.TokenAddress
+		}
+		switch rk.serve {
+		case serveFiles:
+			rk.paths = filePaths(rk.prefix)
+		case serveWebSocket:
+			rk.paths = []string{rk.prefix + "echo", rk.prefix + "chat"}
+		default:
+			rk.paths = upstreamPaths(rk.prefix)
+		}
+		if strings.Contains(rk.price, "{") {
+			rk.paths = []string{rk.prefix + "1000/a", rk.prefix + "1000/b", rk.prefix + "20000/a"}
+		}
+	}
+	return routes
+}
+
+// caddy is the route's handle block in a gateway's Caddyfile, in price generation gen (1: after the reload that
+// changes prices).
+func (rk *routeKind) caddy(w *invWorld, gen int) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "\thandle %s* {\n", rk.prefix)
+	price := rk.price
+	if gen == 1 && rk.altPrice != "" {
+		price = rk.altPrice
+	}
+	fmt.Fprintf(&b, "\t\tx402 {\n\t\t\t%s\n\t\t\tpay_to %s\n\t\t\tscheme %s\n\t\t\tasset %s\n", price, rk.payTo.Hex(), rk.scheme, rk.asset.Hex())
+	fmt.Fprintf(&b, "\t\t\tasset_transfer_method %s\n\t\t\tsettle %s\n\t\t\tmax_timeout %s\n\t\t\tmax_buffer %d\n", rk.method, rk.settle, invValidity, invMaxBuffer)
+	if rk.defaultAmount != "" {
+		fmt.Fprintf(&b, "\t\t\tdefault_amount %s\n", rk.defaultAmount)
+	}
+	if rk.grace != "" {
+		fmt.Fprintf(&b, "\t\t\tprice_grace %s\n", rk.grace)
+	}
+	if rk.remote {
+		fmt.Fprintf(&b, "\t\t\tfacilitator http %s\n", strings.Join(w.facilitatorURLs(), " "))
+	}
+	b.WriteString("\t\t}\n")
+	switch rk.serve {
+	case serveFiles:
+		fmt.Fprintf(&b, "\t\troot * %s\n\t\tfile_server\n", w.filesDir)
+	default:
+		fmt.Fprintf(&b, "\t\treverse_proxy %s\n", w.upstreamURL)
+	}
+	b.WriteString("\t}\n")
+	return b.String()
+}
+
+// route returns the route kind serving path, or nil.
+func (w *invWorld) route(path string) *routeKind {
+	for _, rk := range w.routes {
+		if strings.HasPrefix(path, rk.prefix) {
+			return rk
+		}
+	}
+	return nil
+}
+
+// invWorld is every process and server of one topology's run.
+type invWorld struct {
+	t    *testing.T
+	topo invTopology
+	dir  string
+
+	chain       *process
+	facts       devchainFacts
+	dev         *devChain
+	proxy       *faultProxy
+	upstream    *invUpstream
+	upstreamURL string
+	filesDir    string
+	files       map[string][]byte // by path under filesDir ("/files/big1.bin")
+
+	pg  *pgtest.Server
+	dsn string // never logged
+
+	facilitators []*invProc
+	gateways     []*invProc
+	routes       []*routeKind
+	payers       []*invPayer
+
+	gatewayWallets, facilitatorWallets []common.Address
+	startBlock                         uint64
+
+	mu  sync.Mutex
+	gen int // the price generation the gateways run: 0, or 1 after a reload that changes prices
+}
+
+// invPayer is a funded demo payer of the dev chain, signing with the public payer package.
+type invPayer struct {
+	n    int
+	addr common.Address
+	p    *payer.Payer
+}
+
+// invProc is a Caddy process of the run that faults stop and start again: a gateway or a facilitator member.
+type invProc struct {
+	w      *invWorld
+	n      int
+	name   string
+	url    string // the site
+	admin  string // the admin API, "" when off
+	file   string // its Caddyfile
+	ready  string // a URL that answers readyStatus once the process serves
+	status int
+	config func(gen int) string
+	env    []string
+	// journal is the bbolt journal file of the process, "" on PostgreSQL.
+	journal string
+
+	mu     sync.Mutex
+	proc   *process
+	starts int
+}
+
+// startWorld starts everything a topology's run needs and returns once every gateway answers 402 and, in the
+// cluster, the gateways share the wallets.
+func startWorld(t *testing.T, topo invTopology) *invWorld {
+	t.Helper()
+	started := time.Now()
+	w := &invWorld{t: t, topo: topo, dir: t.TempDir(), routes: invRoutes()}
+
+	pgReady := make(chan struct{})
+	if topo.postgres {
+		go func() {
+			defer close(pgReady)
+			w.pg = pgtest.Start(t)
+		}()
+	} else {
+		close(pgReady)
+	}
+	wallets := invGatewayWallets + invFacilitators*invWalletsPerFac
+	w.chain, w.facts = startDevchain(t, w.dir, "--wallets", fmt.Sprint(wallets), "--payers", fmt.Sprint(invPayers))
+	if len(w.facts.Wallets) != wallets || len(w.facts.Payers) != invPayers {
+		t.Fatalf("the chain funded %d wallets and %d payers, want %d and %d", len(w.facts.Wallets), len(w.facts.Payers), wallets, invPayers)
+	}
+	w.dev = dialChain(t, w.facts.RPC)
+	for i, a := range w.facts.Wallets {
+		if i < invGatewayWallets {
+			w.gatewayWallets = append(w.gatewayWallets, common.HexToAddress(a))
+		} else {
+			w.facilitatorWallets = append(w.facilitatorWallets, common.HexToAddress(a))
+		}
+	}
+	for i := range invPayers {
+		key := devchain.PayerKeyN(i)
+		// Valid as long as the gates' offers say (max_timeout 24h): with a block per transaction the chain's
+		// time runs ahead of the wall clock, a second a block, and a payment cut short early in the run is
+		// presented again at its end.
+		p, err := payer.New(key, payer.Options{RPC: w.facts.RPC, MaxValidity: invValidity})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { p.Close() })
+		if p.Address() != common.HexToAddress(w.facts.Payers[i]) {
+			t.Fatalf("demo payer %d is %s on the chain, %s by devchain.PayerKeyN", i, w.facts.Payers[i], p.Address())
+		}
+		w.payers = append(w.payers, &invPayer{n: i, addr: p.Address(), p: p})
+		w.dev.approvePermit2(key, devchain.TokenAddress)
+	}
+
+	w.proxy = startFaultProxy(t, w.facts.RPC)
+	w.upstream = &invUpstream{runs: map[string]int{}}
+	up := httptest.NewServer(w.upstream)
+	t.Cleanup(up.Close)
+	w.upstreamURL = up.URL
+	w.writeFiles()
+
+	for i := range invFacilitators {
+		first := invGatewayWallets + i*invWalletsPerFac
+		f := &invProc{w: w, n: i, name: fmt.Sprintf("facilitator %c", 'A'+i), env: childEnv(t), status: http.StatusOK,
+			url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t)), journal: filepath.Join(w.dir, fmt.Sprintf("facilitator%d.db", i))}
+		f.file, f.ready = filepath.Join(w.dir, fmt.Sprintf("facilitator%d.Caddyfile", i)), f.url+"/supported"
+		f.config = func(int) string {
+			return fmt.Sprintf("{\n\tadmin off\n\tx402 {\n\t\tdev_chain {\n\t\t\trpc %s\n\t\t\twallets %d-%d\n\t\t}\n\t\tjournal %s\n\t}\n}\n\n%s {\n\tbind 127.0.0.1\n\tx402_facilitator\n}\n",
+				w.proxy.url, first, first+invWalletsPerFac-1, f.journal, f.url)
+		}
+		w.facilitators = append(w.facilitators, f)
+	}
+	for _, f := range w.facilitators {
+		f.start()
+	}
+
+	<-pgReady
+	if topo.postgres {
+		if w.pg == nil {
+			t.Fatal("PostgreSQL did not start")
+		}
+		w.dsn = w.pg.DSN()
+	}
+	for i := range topo.gateways {
+		g := &invProc{w: w, n: i, name: fmt.Sprintf("gateway %d", i), env: childEnv(t), status: http.StatusPaymentRequired,
+			url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t)), admin: fmt.Sprintf("127.0.0.1:%d", freePort(t))}
+		g.file, g.ready = filepath.Join(w.dir, fmt.Sprintf("gateway%d.Caddyfile", i)), g.url+w.routes[0].paths[0]
+		journal := w.dsn
+		if !topo.postgres {
+			g.journal = filepath.Join(w.dir, fmt.Sprintf("gateway%d.db", i))
+			journal = g.journal
+		}
+		g.config = func(gen int) string { return w.gatewayConfig(g, journal, gen) }
+		w.gateways = append(w.gateways, g)
+	}
+	for _, g := range w.gateways {
+		g.launch()
+	}
+	for _, g := range w.gateways {
+		g.awaitReady()
+	}
+	if topo.postgres {
+		waitLeasesShared(t, w.dsn, invGatewayWallets, len(w.gateways), "the wallets shared out by the gateways", 60*time.Second)
+	}
+	w.checkOffers()
+	w.startBlock = w.dev.head()
+	t.Logf("%s: the world is up in %v: a dev chain, a fault proxy before its RPC, an upstream, %d remote facilitators, %d gateway(s)%s, %d routes, %d payers",
+		topo.name, time.Since(started).Round(100*time.Millisecond), len(w.facilitators), len(w.gateways),
+		map[bool]string{true: " on one PostgreSQL", false: " on bbolt"}[topo.postgres], len(w.routes), len(w.payers))
+	return w
+}
+
+// checkOffers makes sure, before the run starts, that every route of the first gateway offers the way to pay the
+// run pays it by: a route that offers none would be a run that never pays it.
+func (w *invWorld) checkOffers() {
+	for _, rk := range w.routes {
+		a, err := get(w.gateways[0].url + rk.paths[0])
+		if err != nil {
+			w.t.Fatal(err)
+		}
+		offer, err := payer.ReadOffer(a.header, []byte(a.body))
+		if err != nil {
+			w.t.Fatalf("%s: the 402 of %s: %v", rk.name, rk.paths[0], err)
+		}
+		if _, err := offerIndex(offer, rk); err != nil {
+			w.t.Fatalf("%s: %v", rk.name, err)
+		}
+	}
+}
+
+// gatewayConfig is a gateway's Caddyfile: the dev chain through the fault proxy, the journal, every route, and
+// the facilitator handler at /x402/ (for its /health: the journal backlog).
+func (w *invWorld) gatewayConfig(g *invProc, journal string, gen int) string {
+	var routes strings.Builder
+	for _, rk := range w.routes {
+		routes.WriteString(rk.caddy(w, gen))
+	}
+	return fmt.Sprintf(`{
+	admin %s
+	servers {
+		protocols h1 h2 h2c
+	}
+	x402 {
+		dev_chain {
+			rpc %s
+			wallets 0-%d
+		}
+		journal %s
+	}
+}
+
+%s {
+	bind 127.0.0.1
+%s	handle_path /x402/* {
+		x402_facilitator
+	}
+	handle {
+		respond "no route of the run" 404
+	}
+}
+`, g.admin, w.proxy.url, invGatewayWallets-1, journal, g.url, routes.String())
+}
+
+// wallets are every settlement wallet of the run: the gateways', then the facilitators'.
+func (w *invWorld) wallets() []common.Address {
+	return append(append([]common.Address(nil), w.gatewayWallets...), w.facilitatorWallets...)
+}
+
+// facilitatorURLs are the remote facilitator members, in failover order.
+func (w *invWorld) facilitatorURLs() []string {
+	var out []string
+	for _, f := range w.facilitators {
+		out = append(out, f.url+"/")
+	}
+	return out
+}
+
+// writeFiles writes the file_server routes' files, the same bytes under each route's prefix.
+func (w *invWorld) writeFiles() {
+	w.filesDir = filepath.Join(w.dir, "www")
+	w.files = map[string][]byte{}
+	for _, rk := range w.routes {
+		if rk.serve != serveFiles {
+			continue
+		}
+		if err := os.MkdirAll(filepath.Join(w.filesDir, rk.prefix), 0o755); err != nil {
+			w.t.Fatal(err)
+		}
+		for i, f := range invFiles {
+			content := make([]byte, f.size)
+			rng := rand.New(rand.NewPCG(uint64(i), 402))
+			for j := range content {
+				content[j] = byte('a' + rng.IntN(26))
+			}
+			path := rk.prefix + f.name
+			if err := os.WriteFile(filepath.Join(w.filesDir, path), content, 0o644); err != nil {
+				w.t.Fatal(err)
+			}
+			w.files[path] = content
+		}
+	}
+}
+
+// generation returns the price generation the gateways run.
+func (w *invWorld) generation() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.gen
+}
+
+// start starts the process and waits until it serves.
+func (p *invProc) start() {
+	p.w.t.Helper()
+	p.launch()
+	p.awaitReady()
+}
+
+// launch writes the process's Caddyfile for the current price generation and starts it.
+func (p *invProc) launch() {
+	t := p.w.t
+	t.Helper()
+	if err := os.WriteFile(p.file, []byte(p.config(p.w.generation())), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.starts++
+	name := p.name
+	if p.starts > 1 {
+		name = fmt.Sprintf("%s, start %d", p.name, p.starts)
+	}
+	p.proc = startProcess(t, name, p.w.dir, p.env, "run", "--adapter", "caddyfile", "--config", p.file)
+}
+
+// awaitReady waits until the launched process serves: a gateway's paid route answers 402, a facilitator's
+// /supported 200.
+func (p *invProc) awaitReady() {
+	p.w.t.Helper()
+	p.mu.Lock()
+	proc := p.proc
+	p.mu.Unlock()
+	proc.waitUntil("its first answer", 90*time.Second, answersWith(p.ready, p.status))
+}
+
+// running reports whether the process is up.
+func (p *invProc) running() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.proc != nil && p.proc.running()
+}
+
+// kill SIGKILLs the process.
+func (p *invProc) kill() {
+	p.mu.Lock()
+	proc := p.proc
+	p.mu.Unlock()
+	if proc != nil {
+		proc.kill()
+	}
+}
+
+// stop stops the process cleanly (SIGINT), if it runs.
+func (p *invProc) stop() {
+	p.mu.Lock()
+	proc := p.proc
+	p.mu.Unlock()
+	if proc != nil && proc.running() {
+		proc.stop()
+	}
+}
+
+// reload loads the Caddyfile of price generation gen through the admin API, as `caddy reload` does.
+func (p *invProc) reload(gen int) error {
+	config := p.config(gen)
+	if err := os.WriteFile(p.file, []byte(config), 0o600); err != nil {
+		return err
+	}
+	req, err := http.NewRequest(http.MethodPost, "http://"+p.admin+"/load", strings.NewReader(config))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "text/caddyfile")
+	resp, err := httpClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("reloading %s: %w", p.name, err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("reloading %s: %d %s", p.name, resp.StatusCode, shorten(string(body)))
+	}
+	return nil
+}
+
+// The upstream's protocol with the run's client: request headers that say which payment a request presents
+// and what the upstream should name as its charge.
+const (
+	invPaymentHeader = "X-Invariant-Payment" // the run's number of the payment presented
+	invUseHeader     = "X-Invariant-Use"     // what the upstream names in Settlement-Overrides (see overrideFor)
+)
+
+// overrideFor is the Settlement-Overrides an upstream names for use: "" for none (no header).
+func overrideFor(use string) string {
+	switch use {
+	case "", "none":
+		return ""
+	case "malformed":
+		return `4321 units, roughly`
+	}
+	return fmt.Sprintf(`{"amount":%q}`, use)
+}
+
+// invUpstream is the resource server behind the upstream routes: it answers every request 200 with a body that
+// names the method, the path and the size of the request body, names the charge the client asked for in
+// Settlement-Overrides whatever the request's shape (upgrade headers included: it ignores them), and on /ws/
+// speaks WebSocket (the handshake, then echoes what it gets). It counts the requests of each payment.
+type invUpstream struct {
+	mu   sync.Mutex
+	runs map[string]int // by payment number: requests the upstream answered
+}
+
+// upstreamBody is what the upstream answers to method on path with a request body of n bytes.
+func upstreamBody(method, path string, n int) string {
+	return fmt.Sprintf("the upstream's answer to %s %s with a body of %d bytes\n", method, path, n)
+}
+
+// wsGUID is RFC 6455's key suffix.
+const wsGUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+func wsAccept(key string) string {
+	h := sha1.Sum([]byte(key + wsGUID))
+	return base64.StdEncoding.EncodeToString(h[:])
+}
+
+func (u *invUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	u.mu.Lock()
+	u.runs[r.Header.Get(invPaymentHeader)]++
+	u.mu.Unlock()
+	if strings.EqualFold(r.Header.Get("Upgrade"), "websocket") {
+		u.websocket(w, r)
+		return
+	}
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		http.Error(w, "reading the request body: "+err.Error(), http.StatusBadRequest)
+		return
+	}
+	if v := overrideFor(r.Header.Get(invUseHeader)); v != "" {
+		w.Header().Set(x402.HeaderSettlementOverrides, v)
+	}
+	answer := upstreamBody(r.Method, r.URL.Path, len(body))
+	w.Header().Set("Content-Type", "text/plain")
+	w.Header().Set("Content-Length", fmt.Sprint(len(answer)))
+	if r.Method != http.MethodHead {
+		io.WriteString(w, answer)
+	}
+}
+
+// websocket answers the handshake and echoes what the client sends until it hangs up.
+func (u *invUpstream) websocket(w http.ResponseWriter, r *http.Request) {
+	hj, ok := w.(http.Hijacker)
+	if !ok {
+		http.Error(w, "cannot hijack", http.StatusInternalServerError)
+		return
+	}
+	conn, rw, err := hj.Hijack()
+	if err != nil {
+		return
+	}
+	defer conn.Close()
+	fmt.Fprintf(rw, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: %s\r\n\r\n",
+		wsAccept(r.Header.Get("Sec-WebSocket-Key")))
+	if rw.Flush() != nil {
+		return
+	}
+	conn.SetDeadline(time.Now().Add(30 * time.Second))
+	io.Copy(conn, rw.Reader)
+}
+
+// runsOf is how many requests of payment n the upstream answered.
+func (u *invUpstream) runsOf(n int) int {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.runs[fmt.Sprint(n)]
+}
+
+// Modes of the fault proxy.
+const (
+	rpcPass = ""     // every request passes
+	rpc503  = "503"  // every request is answered 503, the node never sees it
+	rpcHang = "hang" // requests are held until the mode changes, then passed on; their callers have usually gone
+	rpcLose = "lose" // requests reach the node, and the connection is cut before its answer
+	// rpcRefuse: every eth_sendRawTransaction is refused as a node refuses a transaction whose sender cannot pay
+	// its gas (JSON-RPC -32000), and never reaches the node; every other request passes.
+	rpcRefuse = "refuse"
+)
+
+// faultProxy is a reverse proxy between the Caddys and the chain's JSON-RPC, switched between the modes above.
+type faultProxy struct {
+	target string
+	url    string
+	client *http.Client
+
+	mu      sync.Mutex
+	mode    string
+	release chan struct{} // closed when a hang ends
+	counts  map[string]int
+}
+
+func startFaultProxy(t *testing.T, target string) *faultProxy {
+	f := &faultProxy{target: target, client: &http.Client{Timeout: 30 * time.Second}, release: make(chan struct{}), counts: map[string]int{}}
+	srv := httptest.NewServer(f)
+	t.Cleanup(func() {
+		f.set(rpcPass)
+		srv.Close()
+	})
+	f.url = srv.URL
+	return f
+}
+
+// set switches the proxy to mode; the requests a hang held go on.
+func (f *faultProxy) set(mode string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.mode == rpcHang && mode != rpcHang {
+		close(f.release)
+		f.release = make(chan struct{})
+	}
+	f.mode = mode
+}
+
+func (f *faultProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		return
+	}
+	f.mu.Lock()
+	mode, release := f.mode, f.release
+	f.counts[mode]++
+	f.mu.Unlock()
+	if mode == rpcRefuse && bytes.Contains(body, []byte(`"eth_sendRawTransaction"`)) {
+		var probe struct {
+			ID json.RawMessage `json:"id"`
+		}
+		_ = json.Unmarshal(body, &probe)
+		w.Header().Set("Content-Type", "application/json")
+		w.Write([]byte(`{"jsonrpc":"2.0","id":` + cmp.Or(string(probe.ID), "1") + `,"error":{"code":-32000,"message":"insufficient funds for gas * price + value"}}`))
+		return
+	}
+	switch mode {
+	case rpc503:
+		http.Error(w, "the fault proxy answers 503", http.StatusServiceUnavailable)
+		return
+	case rpcHang:
+		<-release
+	}
+	// Passed on whatever became of the caller: a node gets what was sent to it.
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, f.target, bytes.NewReader(body))
+	if err != nil {
+		return
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := f.client.Do(req)
+	if err != nil {
+		http.Error(w, "the fault proxy could not reach the node: "+err.Error(), http.StatusBadGateway)
+		return
+	}
+	defer resp.Body.Close()
+	answer, err := io.ReadAll(resp.Body)
+	if mode == rpcLose || err != nil {
+		panic(http.ErrAbortHandler) // the connection is cut: the node did it, the caller never learns what
+	}
+	w.Header().Set("Content-Type", resp.Header.Get("Content-Type"))
+	w.WriteHeader(resp.StatusCode)
+	w.Write(answer)
+}
+
+// tally says how many requests each mode saw.
+func (f *faultProxy) tally() string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var parts []string
+	for _, m := range []string{rpcPass, rpc503, rpcHang, rpcLose, rpcRefuse} {
+		name := m
+		if m == rpcPass {
+			name = "passed"
+		}
+		parts = append(parts, fmt.Sprintf("%s %d", name, f.counts[m]))
+	}
+	return strings.Join(parts, ", ")
+}
