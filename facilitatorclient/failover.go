@@ -105,12 +105,12 @@ func (f *Failover) Settle(ctx context.Context, req x402.SettleRequest) (x402.Set
 
 // SettleDetailed asks the first compatible member, and moves on to the next only when the request surely
 // never reached the member (ErrNotSent), or the member answered that it sent nothing, no wallet of its being free
-// (no_available_wallets: its answer, if no other member settles the payment): after anything else the payment may
-// have settled there, so the answer or error is returned. A payment whose /settle may have reached a member stays with that member until a day past its
-// deadline: presented again (after an unknown outcome), it is asked of that member only, whatever the others'
-// state, for another would find its nonce spent, or its deadline passed, and refuse a payment that settled; the
-// member that may have settled it is the only one whose journal can tell, before its deadline and after.
-// SettleResult.Facilitator names the member that was asked last.
+// (no_available_wallets: the answer, unless another member settles the payment): after anything else the payment
+// may have settled there, so the answer or error is returned. A payment whose /settle may have reached a member
+// stays with that member until a day past its deadline: presented again (after an unknown outcome), it is asked
+// of that member only, whatever the others' state, for another would find its nonce spent, or its deadline
+// passed, and refuse a payment that settled; the member that may have settled it is the only one whose journal
+// can tell, before its deadline and after. SettleResult.Facilitator names the member whose answer it is.
 func (f *Failover) SettleDetailed(ctx context.Context, req x402.SettleRequest) (SettleResult, error) {
 	key := stickyKey(req)
 	if c := f.stickyMember(key); c != nil {
