@@ -83,7 +83,7 @@ func (x *exchange) run() error {
 	}
 	x.offers = offers
 	x.turn = x.g.rotation.Add(1)
-	value, fromV1Header := x.paymentHeader()
+	value, fromV1Header := x.takePaymentHeader()
 	if value == "" {
 		return x.noPayment()
 	}
@@ -179,15 +179,20 @@ func (x *exchange) read(value string, fromV1Header bool) (presented, error) {
 	return p, nil
 }
 
-// paymentHeader returns the payment the request carries, and whether it came in the version 1 header.
-func (x *exchange) paymentHeader() (string, bool) {
-	if v := x.r.Header.Get(x.g.cfg.PaymentHeader); v != "" {
-		return v, false
+// takePaymentHeader returns the payment the request carries, and whether it came in the version 1 header, and takes
+// every payment header off the request. A payment header is a bearer value: nothing after the gate needs it once
+// read, and whatever sees it could present it (the upstream and its logs, reverse_proxy's debug log of the
+// request it sends, an error route proxying the request on). Who paid what reaches the upstream through the
+// gate's variables (Config.SetVar), never the payment itself.
+func (x *exchange) takePaymentHeader() (value string, fromV1Header bool) {
+	h := x.r.Header
+	if value = h.Get(x.g.cfg.PaymentHeader); value == "" {
+		value, fromV1Header = h.Get(x402.HeaderXPayment), true
 	}
-	if v := x.r.Header.Get(x402.HeaderXPayment); v != "" {
-		return v, true
+	for _, name := range []string{x.g.cfg.PaymentHeader, x402.HeaderPaymentSignature, x402.HeaderXPayment} {
+		h.Del(name)
 	}
-	return "", false
+	return value, fromV1Header && value != ""
 }
 
 // verifyAndServe verifies a new payment and serves it in the gate's settlement mode.
