@@ -91,7 +91,9 @@ type Gate struct {
 	MimeType    string `json:"mime_type,omitempty"`
 
 	// Settle is when the payment is settled: "after" the upstream answered successfully (default),
-	// "before" the upstream is called, or "async" in the background after serving.
+	// "before" the upstream is called, or "async" in the background after serving (a payment whose
+	// authorization stays valid less than a minute past the time its settlement could be mined at is settled
+	// before it is served: served first, it could expire before its turn to settle).
 	Settle string `json:"settle,omitempty"`
 
 	// DefaultAmount is what an upto payment is charged when the upstream's response names no usable amount

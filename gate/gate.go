@@ -25,7 +25,8 @@ const (
 	// SettleBefore settles first and runs the upstream only for a settled payment, for resources that must
 	// not be served unpaid (the upstream does something that cannot be undone).
 	SettleBefore = "before"
-	// SettleAsync records the verified payment in the journal, serves at once and settles in the background.
+	// SettleAsync records the verified payment in the journal, serves at once and settles in the background; a
+	// payment whose deadline leaves its settlement too little room for that is settled first (asyncSettleMargin).
 	SettleAsync = "async"
 )
 
@@ -340,6 +341,15 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 	}
 	if h, ok := fac.(fundsHolder); ok && cfg.Settle == SettleAsync {
 		g.holder = h
+	}
+	if cfg.Settle == SettleAsync {
+		for _, o := range cfg.Offers {
+			if time.Duration(o.MaxTimeoutSeconds)*time.Second <= asyncSettleMargin {
+				g.logger.Warn("settle async: an offer's payments are valid too briefly to be settled after serving; each is settled before it is served",
+					zap.Int64("max_timeout_seconds", o.MaxTimeoutSeconds), zap.Duration("settle_margin", asyncSettleMargin))
+				break
+			}
+		}
 	}
 	if !cfg.Embedded {
 		// A remote facilitator may be down now; the gate starts anyway and asks when payments come.

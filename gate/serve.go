@@ -248,6 +248,10 @@ func (x *exchange) verifyAndServe() error {
 			}
 			defer x.g.ledger.forgive(x.id)
 		}
+		if !x.roomToSettleAfterServing() {
+			// Served first, it could expire before its turn to settle: settled first, it is paid or not served.
+			return x.settleAfter()
+		}
 		return x.serveUpstream(func(up *upstream) error {
 			if up.ok() && up.rec.tunnel {
 				// A tunnel is served as it goes, for as long as it stays open: it is settled before it opens.
