@@ -130,6 +130,7 @@ type Gate struct {
 	offersFor      func(*http.Request) ([]gate.Offer, error)
 	descriptionFor func(*http.Request) string
 	offered        *gate.OfferMemory // the process's memory of offers, with a price grace
+	routeID        string            // the gate's route (gate.Config.Route, see route)
 
 	app      *App
 	fac      x402.Facilitator // for the embedded facilitator, set when the x402 app starts
@@ -224,6 +225,9 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("loading the x402 app: %w", err)
 	}
 	app := appVal.(*App)
+	if g.routeID, err = g.route(ctx, app); err != nil {
+		return err
+	}
 	repl := caddy.NewReplacer()
 	if g.specs, err = g.provisionOffers(app, repl); err != nil {
 		return err
@@ -256,7 +260,7 @@ func (g *Gate) start(app *App) error {
 	}
 	core, err := gate.New(gate.Config{
 		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body,
-		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType,
+		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID,
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: app.Facilitator() != nil, FacilitatorName: g.facName, Redact: g.redact.Replace,
 		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: originalURI,

@@ -92,8 +92,8 @@ func (x *exchange) run() error {
 		return x.invalidHeader(err)
 	}
 	// A payment buys only a response of a route whose offer it matches, or, presented again, the resource its
-	// record names at a route describing it alike (onRecord): a payment another route journalled is never served
-	// here on the strength of its record.
+	// record names at the route it was first presented at (onRecord): a payment another route journalled is never
+	// served here on the strength of its record.
 	if p.mismatch != nil {
 		switch again, err := x.onRecord(p); {
 		case err != nil:
@@ -321,9 +321,9 @@ func (x *exchange) unhold() {
 }
 
 // presentedAgain answers a payment the journal already holds. Presented for the resource it was first presented
-// for, at a route describing it alike (boughtHere), it is judged by its record: the terms it was accepted under,
-// whatever the route offers now. Elsewhere it buys nothing: not on a route whose offer differs from the one it was
-// journalled under, nor for another resource than the one it was first presented for (boughtResource).
+// for, at the route it was first presented at (boughtHere), it is judged by its record: the terms it was accepted
+// under, whatever the route offers now. Elsewhere it buys nothing: not on a route whose offer differs from the one
+// it was journalled under, nor for another resource than the one it was first presented for (boughtResource).
 // Served: never again. Not served (its settlement was pending or unknown, the upstream failed after it settled,
 // or its response was cut short): the same payment, byte for byte in what it signs, is served once without paying
 // twice: a synchronous one is settled from the journal's request, which answers with the first settlement, and an
@@ -444,6 +444,7 @@ func (x *exchange) claim(ctx context.Context, edit func(*journal.Record)) error 
 		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: x.chargeAmount(),
 		PayTo: rq.PayTo, Request: body, Owner: x.g.ledger.owner,
 		Deadline: x.req.PaymentPayload.Payload.Deadline(), Resource: x.boughtResource(), Described: x.describedKey(),
+		Route: x.g.cfg.Route,
 	}
 	if edit != nil {
 		edit(&rec)
