@@ -24,10 +24,11 @@ import (
 // before by their terms (value_mismatch at another price), never by the record of another route.
 
 // routeTerms are the JSON names of a gate's configuration that its route's identity leaves out: its ways to pay
-// (every field of GateAccept, and its accept blocks), what may change with them in a reload (price_grace), and
-// its facilitator, which says who settles, not what is sold, and whose API key may differ between gateways.
+// (every field of GateAccept, and its accept blocks), what may change with them in a reload (price_grace, and
+// upto's default_amount), and its facilitator, which says who settles, not what is sold, and whose API key may
+// differ between gateways.
 var routeTerms = append(jsonNames(reflect.TypeFor[GateAccept]()),
-	"accepts", "price_grace", "facilitator", "facilitator_url", "facilitator_api_key", "facilitator_timeout")
+	"accepts", "price_grace", "default_amount", "facilitator", "facilitator_url", "facilitator_api_key", "facilitator_timeout")
 
 // jsonNames are the JSON names of t's fields.
 func jsonNames(t reflect.Type) []string {

@@ -34,7 +34,7 @@ func TestAGatesRouteStaysThroughAChangeOfItsTermsAndTellsGatesConfiguredAlikeApa
 
 	// A reload (or another gateway of the cluster) with other terms, another facilitator and a grace.
 	reloaded := cheap("200", "0x02")
-	reloaded.Price, reloaded.Network, reloaded.PriceGrace = "", "eip155:1", caddy.Duration(1)
+	reloaded.Price, reloaded.Network, reloaded.PriceGrace, reloaded.DefaultAmount = "", "eip155:1", caddy.Duration(1), "zero"
 	reloaded.FacilitatorURL, reloaded.FacilitatorAPIKey = "https://facilitator.example", "{env.KEY}"
 	reloaded.Accepts = []*GateAccept{{Network: "eip155:2"}}
 	after := routesOf(t, reloaded, cheap("20000", "0x02"),
