@@ -118,8 +118,8 @@ type Gate struct {
 	CORSOrigins []string `json:"cors_origins,omitempty"`
 
 	// PriceGrace keeps a payment signed against an offer this resource's 402 made good for this long after the
-	// offer changed (a reload with a new price): the terms each 402 offered are remembered by the request's method
-	// and URL, across reloads but not restarts, within 16 MiB. With a grace, price, amount and pay_to may hold only
+	// offer changed (a reload with a new price): the terms each 402 offered are remembered by the gate's route and
+	// the request's method and URL, across reloads but not restarts, within 16 MiB. With a grace, price, amount and pay_to may hold only
 	// the request's method and URL placeholders ({http.request.uri.*}, {http.request.host}, {http.request.method}):
 	// a config whose terms depend on more (a header, a user, the client's address, a map or vars output) is refused.
 	// Default 0: a payment must match the offer of its request.

@@ -407,6 +407,39 @@ func TestACheapPaymentCutShortDoesNotBuyTheExpensiveRouteOfTheSameURL(t *testing
 	}
 }
 
+// With a price_grace on both routes of one URL chosen by a header, the grace keeps the offers of each route's own
+// 402s: a payment signed against the cheap route's offer, within its grace, is refused by the premium route
+// (value_mismatch, its upstream never runs, nothing is charged), and bought the cheap route's response.
+func TestAPaymentSignedForACheapRouteWithinItsPriceGraceDoesNotBuyTheExpensiveRouteOfTheSameURL(t *testing.T) {
+	env := newStoppedGateEnv(t)
+	t.Cleanup(commitPending(t, env.c))
+	root := resourceFiles(t)
+	graced := strings.Replace(env.tieredCaddyfile(root, gatePrice, "\t\t\tmax_buffer 1MiB\n\t\t\tprice_grace 1m\n"),
+		"\t\t\tmax_buffer 1MiB\n\t\t}\n\t\troot", "\t\t\tmax_buffer 1MiB\n\t\t\tprice_grace 1m\n\t\t}\n\t\troot", 1)
+	if strings.Count(graced, "price_grace 1m") != 2 {
+		t.Fatalf("want both gates with a price grace:\n%s", graced)
+	}
+	env.srv = startCaddy(t, graced)
+	client := resourceClient(t, false)
+	premium := &http.Client{Transport: headerTransport{base: client.Transport, name: "X-Tier", value: "premium"}, Timeout: client.Timeout}
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	payerBefore, sellerBefore := env.c.TokenBalance(payer.Address), env.c.TokenBalance(env.payTo)
+
+	header := env.permit2Header("/small.txt", payer) // the cheap route's 402, remembered for the grace
+	got := env.presentOnceFree(premium, "/small.txt", header)
+	wantRefused(t, got, "a payment signed for the cheap route's offer, within its grace, presented to the premium route", x402.ReasonValueMismatch)
+	if strings.Contains(got.body, "premium") {
+		t.Errorf("the premium route's content was sent: %v", got)
+	}
+	time.Sleep(200 * time.Millisecond) // a settlement wrongly sent would have mined by now (blocks every 5 ms)
+	env.movedTo(payer, env.payTo, payerBefore, sellerBefore, 0, "refused by the premium route")
+	if f := env.presentOnceFree(client, "/small.txt", header); f.status != http.StatusOK || f.body != resourceSmall {
+		t.Fatalf("the payment presented to the cheap route it was signed for: %v; want 200 and the file", f)
+	}
+	env.movedTo(payer, env.payTo, payerBefore, sellerBefore, gatePrice, "served by the cheap route")
+}
+
 // headerTransport sets a request header on every request it carries.
 type headerTransport struct {
 	base        http.RoundTripper
