@@ -83,7 +83,7 @@ type FacilitatorHandler struct {
 	server         *facilitatorserver.Server // the serving: API keys, limits, refusals, answers
 	metrics        *metrics
 	releaseWallets func()
-	accessLog      *bearerAccessLog
+	logs           *bearerLog
 	logger         *zap.Logger
 }
 
@@ -132,7 +132,7 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		}
 		opts.APIKeys = append(opts.APIKeys, key)
 	}
-	h.accessLog = newBearerAccessLog(ctx, x402.HeaderAPIKey)
+	h.logs = newBearerLog(ctx, x402.HeaderAPIKey)
 
 	var err error
 	if opts.Terms, err = facilitatorserver.ParseTerms(h.MinAmount, h.PayTo); err != nil {
@@ -268,7 +268,7 @@ func (h *FacilitatorHandler) Cleanup() error {
 
 // ServeHTTP answers the request through the server; it is a terminal handler and never calls next.
 func (h *FacilitatorHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
-	entry := h.accessLog.takeOver(r) // the x-api-key header must not reach the access log
+	entry := h.logs.takeOver(r) // the x-api-key header must not reach Caddy's logs
 	status, size := h.server.Serve(w, r)
 	if entry != nil {
 		entry.write(w, status, size)

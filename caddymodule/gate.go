@@ -145,7 +145,7 @@ type Gate struct {
 	events         *caddyevents.App
 	ctx            caddy.Context
 	logger         *zap.Logger
-	accessLog      *bearerAccessLog // keeps payment headers out of Caddy's access log
+	logs           *bearerLog // keeps payment headers out of Caddy's access and error logs
 }
 
 // GateAccept is one way to pay: a network, an asset, a recipient, a price and optionally one transfer method.
@@ -205,7 +205,7 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	// A payment header is a bearer value: whoever reads it may present the payment while it is unserved (a
 	// response cut short, an upstream failure, a payment made for another route). Both headers of the
 	// protocol are kept out, whatever this gate reads.
-	g.accessLog = newBearerAccessLog(ctx, g.PaymentHeader, x402.HeaderPaymentSignature, x402.HeaderXPayment)
+	g.logs = newBearerLog(ctx, g.PaymentHeader, x402.HeaderPaymentSignature, x402.HeaderXPayment)
 	if g.Settle == "" {
 		g.Settle = SettleAfter
 	}
@@ -386,24 +386,19 @@ func (g *Gate) Cleanup() error {
 }
 
 // ServeHTTP gates the request behind a payment. A CORS preflight is answered at once; anything else waits
-// for the x402 app to have started.
+// for the x402 app to have started. A request presenting a payment header has its logging taken over
+// (bearerLog): its error, whichever handler it comes from (the gate, or one inside it such as reverse_proxy),
+// is answered here rather than by Caddy, whose error log would show the header.
 func (g *Gate) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	entry := g.accessLog.takeOver(r)
+	entry := g.logs.takeOver(r)
 	if entry == nil {
 		return g.serve(w, r, next)
 	}
 	rec := caddyhttp.NewResponseRecorder(w, nil, nil)
-	err := g.serve(rec, r, next)
+	err := entry.answerError(rec, g.serve(rec, r, next))
 	status := rec.Status()
 	if status == 0 {
 		status = http.StatusOK // nothing written: net/http answers 200
-		if err != nil {
-			status = http.StatusInternalServerError // the server's error handling answers
-			var he caddyhttp.HandlerError
-			if errors.As(err, &he) && he.StatusCode != 0 {
-				status = he.StatusCode
-			}
-		}
 	}
 	entry.write(rec, status, rec.Size(), paymentLogFields(r))
 	return err

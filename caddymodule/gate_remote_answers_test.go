@@ -9,6 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
+	"github.com/ethereum/go-ethereum/common"
+
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -188,5 +191,104 @@ func TestAGateReadsEveryWayARemoteFacilitatorCanAnswerASettlement(t *testing.T) 
 			}
 			env.assertPaid(payer, before, 1)
 		})
+	}
+}
+
+// A remote facilitator's no_available_wallets says nothing was sent, and the gate answers 502 "present the same
+// payment again". The record says so too: the payment presented again is a fresh settlement, not a resend of
+// one that may have reached the facilitator, so a refusal then (here the payer's funds went elsewhere meanwhile)
+// is final, 402 with the facilitator's reason, not 502 "it may have settled, check the chain" for ever.
+func TestAPaymentNoWalletCouldSendIsRefusedAsSuchWhenPresentedAgain(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	t.Cleanup(commitPending(t, c))
+	engine := newRemoteFacilitatorOf(t, c, c.Wallets[:2], 20*time.Second)
+	remote := &scriptedFacilitator{engine: engine.URL}
+	env := startGateOn(t, c, gateSetup{facURL: serveTest(t, remote)})
+	payer := c.Payers[0]
+	env.approvePermit2(payer)
+	header := env.permit2Header("/", payer)
+	remote.next(func(w http.ResponseWriter, _ *http.Request, _ []byte, _ func() (int, []byte)) {
+		gateWriteJSON(w, http.StatusOK, x402.SettleResponse{Success: false, ErrorReason: x402.ReasonNoAvailableWallets,
+			ErrorMessage: "scripted: every wallet is busy; retry in 1 to 2 seconds", Network: env.net, Payer: payer.Address.Hex()})
+	})
+	if a := env.get("/", x402.HeaderPaymentSignature, header); a.status != http.StatusBadGateway || a.header.Get("Retry-After") == "" {
+		t.Fatalf("the payment no wallet could send = %d %q, want 502 with Retry-After", a.status, a.body)
+	}
+	// The payer's funds go elsewhere meanwhile: the facilitator now refuses the payment, before sending anything.
+	c.TransferToken(payer, common.HexToAddress("0xd1a1d1a1d1a1d1a1d1a1d1a1d1a1d1a1d1a1d1a1"), c.TokenBalance(payer.Address))
+	a := env.get("/", x402.HeaderPaymentSignature, header)
+	if a.status != http.StatusPaymentRequired {
+		t.Errorf("presented again after the facilitator sent nothing and now refuses it = %d %q; want 402 with the refusal", a.status, a.body)
+	}
+}
+
+// A payment whose settlement sent nothing (no wallet was free) or was refused is settled afresh when presented
+// again, and that settlement is recorded as requested before it is sent: if its answer is lost (the remote
+// settled it and the connection was cut), the payment presented again is a resend, and a refusal then ("nonce
+// already used", from a facilitator that settled it and keeps no journal) is no final answer, 502, never a 402
+// telling the payer to pay again. The record is the journal's on disk, read by a Caddy started again; settle
+// before and after alike.
+func TestAPaymentSettledAfreshWhenPresentedAgainIsRecordedAsRequestedBeforeItIsSent(t *testing.T) {
+	noWallet := func(w http.ResponseWriter, _ *http.Request, _ []byte, _ func() (int, []byte)) {
+		gateWriteJSON(w, http.StatusOK, x402.SettleResponse{Success: false, ErrorReason: x402.ReasonNoAvailableWallets,
+			ErrorMessage: "scripted: every wallet is busy; retry in 1 to 2 seconds"})
+	}
+	refusal := func(w http.ResponseWriter, _ *http.Request, _ []byte, _ func() (int, []byte)) {
+		gateWriteJSON(w, http.StatusOK, x402.SettleResponse{Success: false, ErrorReason: x402.ReasonInsufficientFunds,
+			ErrorMessage: "scripted: the payer's balance is short"})
+	}
+	for _, first := range []struct {
+		name   string
+		script func(http.ResponseWriter, *http.Request, []byte, func() (int, []byte))
+		status int
+	}{{"no wallet free", noWallet, http.StatusBadGateway}, {"refused", refusal, http.StatusPaymentRequired}} {
+		for _, mode := range []string{"before", "after"} {
+			t.Run(first.name+", settle "+mode, func(t *testing.T) {
+				c := chaintest.New(t, chaintest.WithHTTP())
+				t.Cleanup(commitPending(t, c))
+				engine := newRemoteFacilitatorOf(t, c, c.Wallets[:2], 20*time.Second)
+				remote := &scriptedFacilitator{engine: engine.URL}
+				setup := gateSetup{facURL: serveTest(t, remote), gate: "\t\tsettle " + mode + "\n"}
+				env := startGateOn(t, c, setup)
+				payer := c.Payers[0]
+				env.approvePermit2(payer)
+				before := env.balances(payer)
+				header := env.permit2Header("/", payer)
+
+				remote.next(first.script)
+				if a := env.get("/", x402.HeaderPaymentSignature, header); a.status != first.status {
+					t.Fatalf("first presentation = %d %q, want %d", a.status, a.body, first.status)
+				}
+				// Caddy stops (its journal closes) and starts again on the same bbolt file.
+				if err := caddy.Stop(); err != nil {
+					t.Fatalf("stopping Caddy: %v", err)
+				}
+				http.DefaultClient.CloseIdleConnections()
+				env.srv.load(env.caddyfile(setup))
+
+				remote.next(func(w http.ResponseWriter, _ *http.Request, _ []byte, forward func() (int, []byte)) {
+					forward()
+					hangUpOn(w)
+				})
+				if a := env.get("/", x402.HeaderPaymentSignature, header); a.status != http.StatusBadGateway || !strings.Contains(a.body, "may have settled") {
+					t.Fatalf("presented again, settled there and its answer lost = %d %q; want 502, it may have settled", a.status, a.body)
+				}
+				env.waitPaid(payer, before, 1)
+				remote.next(func(w http.ResponseWriter, _ *http.Request, _ []byte, _ func() (int, []byte)) {
+					gateWriteJSON(w, http.StatusOK, x402.SettleResponse{Success: false, ErrorReason: x402.ReasonPermit2InvalidNonce,
+						ErrorMessage: "scripted: the Permit2 nonce was already used", Network: env.net, Payer: payer.Address.Hex()})
+				})
+				if a := env.get("/", x402.HeaderPaymentSignature, header); a.status != http.StatusBadGateway || !strings.Contains(a.body, "may have settled") {
+					t.Errorf("presented again, refused as spent by the settlement whose answer was lost = %d %.200q; want 502, it may have settled", a.status, a.body)
+				}
+				if a := env.get("/", x402.HeaderPaymentSignature, header); a.status != http.StatusOK || a.body != "paid content" {
+					t.Errorf("presented again, the facilitator answering from its journal = %d %.200q; want 200 with the content", a.status, a.body)
+				}
+				if a := env.get("/", x402.HeaderPaymentSignature, header); a.status != http.StatusPaymentRequired {
+					t.Errorf("presented once more after it bought its response = %d %.200q; want 402", a.status, a.body)
+				}
+				env.assertPaid(payer, before, 1)
+			})
+		}
 	}
 }

@@ -104,12 +104,13 @@ func (f *Failover) Settle(ctx context.Context, req x402.SettleRequest) (x402.Set
 }
 
 // SettleDetailed asks the first compatible member, and moves on to the next only when the request surely
-// never reached the member (ErrNotSent): after anything else the payment may have settled there, so the error
-// is returned. A payment whose /settle may have reached a member stays with that member until a day past its
-// deadline: presented again (after an unknown outcome), it is asked of that member only, whatever the others'
-// state, for another would find its nonce spent, or its deadline passed, and refuse a payment that settled; the
-// member that may have settled it is the only one whose journal can tell, before its deadline and after.
-// SettleResult.Facilitator names the member that was asked last.
+// never reached the member (ErrNotSent), or the member answered that it sent nothing, no wallet of its being free
+// (no_available_wallets: the answer, unless another member settles the payment): after anything else the payment
+// may have settled there, so the answer or error is returned. A payment whose /settle may have reached a member
+// stays with that member until a day past its deadline: presented again (after an unknown outcome), it is asked
+// of that member only, whatever the others' state, for another would find its nonce spent, or its deadline
+// passed, and refuse a payment that settled; the member that may have settled it is the only one whose journal
+// can tell, before its deadline and after. SettleResult.Facilitator names the member whose answer it is.
 func (f *Failover) SettleDetailed(ctx context.Context, req x402.SettleRequest) (SettleResult, error) {
 	key := stickyKey(req)
 	if c := f.stickyMember(key); c != nil {
@@ -126,9 +127,19 @@ func (f *Failover) SettleDetailed(ctx context.Context, req x402.SettleRequest) (
 	var (
 		res SettleResult
 		err error
+		// noWallet is a member's answer that it sent nothing, no settlement wallet of its being free: the
+		// answer, unless another member settles the payment.
+		noWallet *SettleResult
 	)
 	if r.route(ctx, f.members, func(c *Client) bool {
 		res, err = c.SettleDetailed(ctx, req)
+		if err == nil && sentNothing(res.Response) {
+			// The payment did not reach the chain through this member, so it is not kept with it: another may
+			// settle it, now or when it is presented again.
+			answer := res
+			noWallet = &answer
+			return ctx.Err() != nil
+		}
 		if err == nil || !errors.Is(err, ErrNotSent) {
 			now := f.now()
 			f.sticky.put(key, c.base, stickyUntil(req, now), now)
@@ -144,7 +155,16 @@ func (f *Failover) SettleDetailed(ctx context.Context, req x402.SettleRequest) (
 	}) {
 		return res, err
 	}
+	if noWallet != nil {
+		return *noWallet, nil
+	}
 	return SettleResult{}, r.err(ctx)
+}
+
+// sentNothing reports whether a settlement answer says the facilitator sent nothing and the payment stays good:
+// no settlement wallet of its was free (no_available_wallets, naming no transaction).
+func sentNothing(resp x402.SettleResponse) bool {
+	return !resp.Success && resp.ErrorReason == x402.ReasonNoAvailableWallets && resp.Transaction == ""
 }
 
 // Supported merges the members' /supported answers: kinds and extensions without duplicates, signers per

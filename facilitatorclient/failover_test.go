@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -630,4 +631,77 @@ func TestFailoverUnderConcurrentLoad(t *testing.T) {
 	if s, _ := fo.Supported(context.Background()); s.Kinds[0].Network != mainnet {
 		t.Fatalf("the cache was modified through a returned copy: %+v", s.Kinds[0])
 	}
+}
+
+// A member that answers no_available_wallets sent nothing: the payment is not kept with it, and the next
+// compatible member is asked, in the same call and when the payment is presented again. With no other member
+// that can take it, the answer is the member's, and the payment stays free to go to whichever member has a
+// wallet when presented again. A payment whose earlier /settle may have reached the member stays with it,
+// whatever it answers now.
+func TestFailoverMovesOnFromAMemberThatSentNothingForWantOfAWallet(t *testing.T) {
+	noWallet := func(w http.ResponseWriter, _ *http.Request, _ []byte) {
+		writeJSON(w, http.StatusOK, x402.SettleResponse{Success: false, ErrorReason: x402.ReasonNoAvailableWallets,
+			ErrorMessage: x402.MessageNoAvailableWallets, Network: mainnet, Payer: payer})
+	}
+	ctx := context.Background()
+	t.Run("another member has a wallet", func(t *testing.T) {
+		a := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) { f.settle = noWallet })
+		b := newFakeFacilitator(t, permit2Supported(mainnet))
+		fo := NewFailover(mustClient(t, a.URL()), mustClient(t, b.URL()))
+		req := permit2Request(mainnet)
+		req.PaymentPayload.Payload.Permit2Authorization.Deadline = strconv.FormatInt(time.Now().Add(time.Minute).Unix(), 10)
+		for range 2 {
+			res, err := fo.SettleDetailed(ctx, req)
+			if err != nil || !res.Response.Success || res.Facilitator != b.URL() {
+				t.Fatalf("settled = %+v, %v; want B's settlement", res, err)
+			}
+		}
+		if a.settleCalls.Load() != 1 || b.settleCalls.Load() != 2 {
+			t.Errorf("settlements a=%d b=%d; want A asked once, then the payment kept with B, which settled it", a.settleCalls.Load(), b.settleCalls.Load())
+		}
+	})
+	t.Run("no other member can take it", func(t *testing.T) {
+		a := newFakeFacilitator(t, erc2612Supported(walletA, mainnet), func(f *fakeFacilitator) { f.settle = noWallet })
+		b := newFakeFacilitator(t, erc2612Supported(walletB, mainnet))
+		fo := NewFailover(mustClient(t, a.URL()), mustClient(t, b.URL()))
+		req := erc2612Request(mainnet, walletA)
+		req.PaymentPayload.Payload.Authorization.ValidBefore = strconv.FormatInt(time.Now().Add(time.Minute).Unix(), 10)
+		res, err := fo.SettleDetailed(ctx, req)
+		if err != nil || res.Response.ErrorReason != x402.ReasonNoAvailableWallets || res.Facilitator != a.URL() {
+			t.Fatalf("settled = %+v, %v; want A's no_available_wallets", res, err)
+		}
+		if got := fo.stickyMember(stickyKey(req)); got != nil || b.settleCalls.Load() != 0 {
+			t.Errorf("the payment is kept with %v, B asked %d times; want it kept with nobody, B (not its spender's owner) never asked",
+				got, b.settleCalls.Load())
+		}
+	})
+	t.Run("its earlier settlement may have reached the member", func(t *testing.T) {
+		var lost atomic.Bool
+		lost.Store(true)
+		a := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+			f.settle = func(w http.ResponseWriter, r *http.Request, body []byte) {
+				if lost.Load() {
+					dropConnection(w)
+					return
+				}
+				noWallet(w, r, body)
+			}
+		})
+		b := newFakeFacilitator(t, permit2Supported(mainnet))
+		fo := NewFailover(mustClient(t, a.URL()), mustClient(t, b.URL()))
+		req := permit2Request(mainnet)
+		req.PaymentPayload.Payload.Permit2Authorization.Deadline = strconv.FormatInt(time.Now().Add(time.Minute).Unix(), 10)
+		if _, err := fo.Settle(ctx, req); !x402.IsUnreachable(err) {
+			t.Fatalf("first settlement, A's answer lost: %v; want unreachable", err)
+		}
+		lost.Store(false)
+		for range 2 {
+			if res, err := fo.SettleDetailed(ctx, req); err != nil || res.Response.ErrorReason != x402.ReasonNoAvailableWallets || res.Facilitator != a.URL() {
+				t.Fatalf("presented again = %+v, %v; want A's no_available_wallets", res, err)
+			}
+		}
+		if b.settleCalls.Load() != 0 {
+			t.Errorf("B was asked to settle %d times a payment that may have settled at A; want never", b.settleCalls.Load())
+		}
+	})
 }

@@ -2,6 +2,8 @@ package facilitatorclient
 
 import (
 	"container/list"
+	"crypto/sha256"
+	"encoding/binary"
 	"slices"
 	"strings"
 	"sync"
@@ -14,8 +16,9 @@ import (
 // is asked to settle the payment again: another would find its nonce spent by the first member's settlement, or,
 // past the payment's deadline, the authorization expired, and refuse it, and the payer, who paid, would be told
 // to pay again. Past the deadline the payment cannot settle anywhere any more, but the member that may have
-// settled it is still the only one whose journal can say whether it did. Failover sets that share one
-// (NewFailoverSharing) keep a payment with its member across them, a set built anew when a configuration is
+// settled it is still the only one whose journal can say whether it did. A payment is known by what its payer
+// signed (stickyKey): another one with the same payer and nonce is routed as a new one. Failover sets that share
+// one (NewFailoverSharing) keep a payment with its member across them, a set built anew when a configuration is
 // reloaded included. It is safe for concurrent use, and bounded.
 type SentPayments struct{ stickyPayments }
 
@@ -55,13 +58,37 @@ const stickyPastDeadline = 24 * time.Hour
 // maxStickyFor caps how long a payment is remembered, whatever deadline it carries.
 const maxStickyFor = 48 * time.Hour
 
-// stickyKey names a payment by network, payer and nonce; "" when the payload names no payer or nonce.
+// stickyKey names a payment by what its payer signed: the network, the transfer method, the token and every field
+// of the authorization; "" when the payload names no payer or nonce. Payer and nonce alone do not name one payment:
+// an erc2612 nonce is the token's counter, the same after a refused settlement (nothing spent it), so the payer's
+// next permit, to another member's wallet, carries it too; and an eip3009 or permit2 nonce is the client's choice.
+// The signature is left out: another signature of the same authorization (re-encoded, or malleated) spends the
+// same nonce on the same terms, so it is the same payment on chain and must go where the first may have settled.
+// Text is compared without case, as addresses and hex are.
 func stickyKey(req x402.VerifyRequest) string {
-	from, nonce := req.PaymentPayload.Payload.PayerAndNonce()
+	p := req.PaymentPayload.Payload
+	from, nonce := p.PayerAndNonce()
 	if from == "" || nonce == "" {
 		return ""
 	}
-	return req.PaymentRequirements.Network + "|" + strings.ToLower(from) + "|" + nonce
+	rq, acc := req.PaymentRequirements, req.PaymentPayload.Accepted
+	fields := []string{cmpOr(rq.Network, acc.Network), x402.TransferMethod(rq, p), cmpOr(rq.Asset, acc.Asset)}
+	switch a, a2 := p.Authorization, p.Permit2Authorization; {
+	case a2 != nil:
+		fields = append(fields, "permit2Authorization", a2.From, a2.Permitted.Token, a2.Permitted.Amount, a2.Spender,
+			a2.Nonce, a2.Deadline, a2.Witness.To, a2.Witness.Facilitator, a2.Witness.ValidAfter)
+	case a != nil:
+		fields = append(fields, "authorization", a.From, a.To, a.Value, a.ValidAfter, a.ValidBefore, a.Nonce)
+	}
+	h := sha256.New()
+	var n [binary.MaxVarintLen64]byte
+	for _, f := range fields {
+		// Length-prefixed, so that no choice of field contents makes two different payments one key.
+		f = strings.ToLower(f)
+		h.Write(n[:binary.PutUvarint(n[:], uint64(len(f)))])
+		h.Write([]byte(f))
+	}
+	return string(h.Sum(nil))
 }
 
 // stickyUntil is how long a payment is remembered: stickyPastDeadline past its deadline, or past

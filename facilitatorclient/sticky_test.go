@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -124,5 +125,133 @@ func TestFailoverSetsSharingTheirMemoryKeepAPaymentWithItsMember(t *testing.T) {
 	}
 	if got := NewFailoverSharing(memory, mustClient(t, d.URL()), mustClient(t, c.URL())).stickyMember(stickyKey(req)); got == nil || got.base != c.URL() {
 		t.Errorf("the other set's member = %v, want C", got)
+	}
+}
+
+// The memory names a payment by what it signs, not by its payer and nonce alone. An erc2612 nonce is the token's
+// nonces(payer), a small counter: it stays the same after a settlement refused (nothing spent it), and is the same
+// number in every token. The payer's next erc2612 payment, with the same token nonce and a permit to another
+// member's wallet (the gate's offers rotate the spender over every member's signers), goes to the owner of that
+// wallet, not to the member that refused the first: that one cannot spend the permit.
+func TestAnERC2612PaymentReusingARefusedPaymentsTokenNonceGoesToTheOwnerOfItsSpender(t *testing.T) {
+	deadline := strconv.FormatInt(time.Now().Add(time.Minute).Unix(), 10)
+	a := newFakeFacilitator(t, erc2612Supported(walletA, mainnet), func(f *fakeFacilitator) {
+		f.settle = func(w http.ResponseWriter, _ *http.Request, _ []byte) {
+			writeJSON(w, http.StatusOK, x402.SettleResponse{Success: false, ErrorReason: x402.ReasonInsufficientFunds,
+				ErrorMessage: "scripted: the payer's balance is short", Network: mainnet, Payer: payer})
+		}
+	})
+	b := newFakeFacilitator(t, erc2612Supported(walletB, mainnet))
+	fo := NewFailover(mustClient(t, a.URL()), mustClient(t, b.URL()))
+	ctx := context.Background()
+
+	first := erc2612Request(mainnet, strings.ToLower(walletA))
+	first.PaymentPayload.Payload.Authorization.ValidBefore = deadline
+	if resp, err := fo.Settle(ctx, first); err != nil || resp.Success {
+		t.Fatalf("the first payment, to A's wallet: %+v, %v; want A's refusal", resp, err)
+	}
+	// The payer tops up and pays again: the token nonce is unchanged (nothing spent it), the permit names B's wallet.
+	second := erc2612Request(mainnet, strings.ToLower(walletB))
+	second.PaymentPayload.Payload.Authorization.ValidBefore = deadline
+	resp, err := fo.Settle(ctx, second)
+	if a.settleCalls.Load() != 1 || b.settleCalls.Load() != 1 || err != nil || !resp.Success {
+		t.Errorf("the second payment, to B's wallet, with the same token nonce: %+v, %v; settlements a=%d b=%d, want it settled by B alone",
+			resp, err, a.settleCalls.Load(), b.settleCalls.Load())
+	}
+}
+
+// The memory knows a payment by what its payer signed, in every transfer method and scheme: presented again with
+// its signature or addresses spelled otherwise, or with what the payer did not sign changed (the resource, the
+// extensions, an upto payment's charge), it is the same payment and goes to the member it was sent to; with any
+// signed field changed, or another token, it is another payment, whatever its payer and nonce.
+func TestTheMemoryKnowsAPaymentByWhatItsPayerSigned(t *testing.T) {
+	eip3009 := func() x402.VerifyRequest {
+		req := erc2612Request(mainnet, payTo)
+		req.PaymentRequirements.Extra.AssetTransferMethod = x402.TransferEIP3009
+		req.PaymentPayload.Accepted = req.PaymentRequirements
+		req.PaymentPayload.Payload.Authorization.Nonce = "0x" + strings.Repeat("5a", 32)
+		return req
+	}
+	upto := func() x402.VerifyRequest {
+		req := permit2Request(mainnet)
+		req.PaymentRequirements.Scheme, req.PaymentPayload.Accepted.Scheme = x402.SchemeUpto, x402.SchemeUpto
+		req.PaymentPayload.Payload.Permit2Authorization.Witness.Facilitator = walletA
+		return req
+	}
+	type edit func(*x402.VerifyRequest)
+	sameSigned := map[string]edit{
+		"signature in capitals": func(r *x402.VerifyRequest) {
+			r.PaymentPayload.Payload.Signature = "0x" + strings.ToUpper(r.PaymentPayload.Payload.Signature[2:])
+		},
+		"another signature": func(r *x402.VerifyRequest) { r.PaymentPayload.Payload.Signature = "0x" + strings.Repeat("11", 65) },
+		"payer in lower case": func(r *x402.VerifyRequest) {
+			if a := r.PaymentPayload.Payload.Authorization; a != nil {
+				a.From = strings.ToLower(a.From)
+			} else {
+				r.PaymentPayload.Payload.Permit2Authorization.From = strings.ToLower(payer)
+			}
+		},
+		"another resource": func(r *x402.VerifyRequest) {
+			r.PaymentPayload.Resource = &x402.ResourceInfo{URL: "https://api.example.com/other"}
+		},
+		"no extensions":         func(r *x402.VerifyRequest) { r.PaymentPayload.Extensions = nil },
+		"another charge":        func(r *x402.VerifyRequest) { r.PaymentRequirements.Amount = "1" },
+		"another timeout":       func(r *x402.VerifyRequest) { r.PaymentRequirements.MaxTimeoutSeconds = 600 },
+		"asset in lower case":   func(r *x402.VerifyRequest) { r.PaymentRequirements.Asset = strings.ToLower(token) },
+		"another payment shape": func(r *x402.VerifyRequest) { r.PaymentPayload.X402Version, r.X402Version = 1, 1 },
+	}
+	authorization := map[string]edit{
+		"another recipient or spender": func(r *x402.VerifyRequest) { r.PaymentPayload.Payload.Authorization.To = walletB },
+		"another value":                func(r *x402.VerifyRequest) { r.PaymentPayload.Payload.Authorization.Value = "10001" },
+		"another validAfter":           func(r *x402.VerifyRequest) { r.PaymentPayload.Payload.Authorization.ValidAfter = "1" },
+		"another validBefore":          func(r *x402.VerifyRequest) { r.PaymentPayload.Payload.Authorization.ValidBefore = "1767225661" },
+		"another token":                func(r *x402.VerifyRequest) { r.PaymentRequirements.Asset = walletB },
+	}
+	permit2 := map[string]edit{
+		"another token":      func(r *x402.VerifyRequest) { r.PaymentPayload.Payload.Permit2Authorization.Permitted.Token = walletB },
+		"another amount":     func(r *x402.VerifyRequest) { r.PaymentPayload.Payload.Permit2Authorization.Permitted.Amount = "10001" },
+		"another spender":    func(r *x402.VerifyRequest) { r.PaymentPayload.Payload.Permit2Authorization.Spender = walletB },
+		"another deadline":   func(r *x402.VerifyRequest) { r.PaymentPayload.Payload.Permit2Authorization.Deadline = "1767225661" },
+		"another recipient":  func(r *x402.VerifyRequest) { r.PaymentPayload.Payload.Permit2Authorization.Witness.To = walletB },
+		"another validAfter": func(r *x402.VerifyRequest) { r.PaymentPayload.Payload.Permit2Authorization.Witness.ValidAfter = "1" },
+		"another facilitator": func(r *x402.VerifyRequest) {
+			r.PaymentPayload.Payload.Permit2Authorization.Witness.Facilitator = walletB
+		},
+		"another network": func(r *x402.VerifyRequest) { r.PaymentRequirements.Network = testnet },
+		"another method":  func(r *x402.VerifyRequest) { r.PaymentRequirements.Extra.AssetTransferMethod = x402.TransferERC2612 },
+		"another nonce":   func(r *x402.VerifyRequest) { r.PaymentPayload.Payload.Permit2Authorization.Nonce = "7" },
+		"another payer":   func(r *x402.VerifyRequest) { r.PaymentPayload.Payload.Permit2Authorization.From = walletB },
+		"an empty witness": func(r *x402.VerifyRequest) {
+			r.PaymentPayload.Payload.Permit2Authorization.Witness = x402.Permit2Witness{}
+		},
+	}
+	for _, m := range []struct {
+		name    string
+		payment func() x402.VerifyRequest
+		other   map[string]edit
+	}{
+		{"erc2612", func() x402.VerifyRequest { return erc2612Request(mainnet, walletA) }, authorization},
+		{"eip3009", eip3009, authorization},
+		{"permit2", func() x402.VerifyRequest { return permit2Request(mainnet) }, permit2},
+		{"upto", upto, permit2},
+	} {
+		key := stickyKey(m.payment())
+		if key == "" {
+			t.Fatalf("%s: no key", m.name)
+		}
+		for name, e := range sameSigned {
+			req := m.payment()
+			e(&req)
+			if stickyKey(req) != key {
+				t.Errorf("%s, %s: another key; want the same payment's", m.name, name)
+			}
+		}
+		for name, e := range m.other {
+			req := m.payment()
+			e(&req)
+			if stickyKey(req) == key {
+				t.Errorf("%s, %s: the same key; want another payment's", m.name, name)
+			}
+		}
 	}
 }

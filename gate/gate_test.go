@@ -413,6 +413,35 @@ func TestAnUpstreamFailureIsPassedOnUnchargedAndThePaymentStillBuysTheResource(t
 	}
 }
 
+// A payment header is a bearer value, the gate's alone to read: the next handler gets the request without any
+// payment header (the gate's own payment_header, PAYMENT-SIGNATURE, X-PAYMENT), whichever carried the payment.
+func TestTheNextHandlerGetsTheRequestWithoutItsPaymentHeaders(t *testing.T) {
+	var mu sync.Mutex
+	var seen http.Header
+	e := newEnv(t, setup{
+		config: func(c *gate.Config) { c.PaymentHeader = "X-Pay" },
+		upstream: func(w http.ResponseWriter, r *http.Request) error {
+			mu.Lock()
+			seen = r.Header.Clone()
+			mu.Unlock()
+			_, err := io.WriteString(w, "paid content")
+			return err
+		},
+	})
+	payer := e.c.Payers[0]
+	a := e.get("X-Pay", e.permit2(payer), x402.HeaderPaymentSignature, "a payment for another gate", x402.HeaderXPayment, "and another")
+	if a.status != http.StatusOK || a.body != "paid content" {
+		t.Fatalf("paid in X-Pay = %d %q, want 200", a.status, a.body)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, name := range []string{"X-Pay", x402.HeaderPaymentSignature, x402.HeaderXPayment} {
+		if v := seen.Get(name); v != "" {
+			t.Errorf("the next handler got %s: %.64s", name, v)
+		}
+	}
+}
+
 func TestACORSPreflightIsAnsweredByTheGateWithoutReachingTheUpstream(t *testing.T) {
 	e := newEnv(t, setup{})
 	req, _ := http.NewRequest(http.MethodOptions, e.srv.URL+"/report", nil)

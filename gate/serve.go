@@ -87,7 +87,7 @@ func (x *exchange) run() error {
 	}
 	x.offers = offers
 	x.turn = x.g.rotation.Add(1)
-	value, fromV1Header := x.paymentHeader()
+	value, fromV1Header := x.takePaymentHeader()
 	if value == "" {
 		return x.noPayment()
 	}
@@ -183,15 +183,20 @@ func (x *exchange) read(value string, fromV1Header bool) (presented, error) {
 	return p, nil
 }
 
-// paymentHeader returns the payment the request carries, and whether it came in the version 1 header.
-func (x *exchange) paymentHeader() (string, bool) {
-	if v := x.r.Header.Get(x.g.cfg.PaymentHeader); v != "" {
-		return v, false
+// takePaymentHeader returns the payment the request carries, and whether it came in the version 1 header, and takes
+// every payment header off the request. A payment header is a bearer value: nothing after the gate needs it once
+// read, and whatever sees it could present it (the upstream and its logs, reverse_proxy's debug log of the
+// request it sends, an error route proxying the request on). Who paid what reaches the upstream through the
+// gate's variables (Config.SetVar), never the payment itself.
+func (x *exchange) takePaymentHeader() (value string, fromV1Header bool) {
+	h := x.r.Header
+	if value = h.Get(x.g.cfg.PaymentHeader); value == "" {
+		value, fromV1Header = h.Get(x402.HeaderXPayment), true
 	}
-	if v := x.r.Header.Get(x402.HeaderXPayment); v != "" {
-		return v, true
+	for _, name := range []string{x.g.cfg.PaymentHeader, x402.HeaderPaymentSignature, x402.HeaderXPayment} {
+		h.Del(name)
 	}
-	return "", false
+	return value, fromV1Header && value != ""
 }
 
 // verifyAndServe verifies a new payment and serves it in the gate's settlement mode.
@@ -385,7 +390,34 @@ func (x *exchange) presentedAgain(rec journal.Record, p presented) error {
 	// The earlier /settle of the payment may have reached a remote facilitator (its outcome was never learnt, or
 	// was pending): a refusal now may be that facilitator finding the nonce spent by its own settlement.
 	x.resend = !x.g.cfg.Embedded && (rec.Response == nil || rec.Response.Pending())
+	if !x.g.cfg.Embedded && !x.resend {
+		if err := x.requestAgain(); err != nil {
+			return x.verifyUnreachable("the gate's settlement journal could not be written; nothing was charged, try again", err)
+		}
+	}
 	return x.settleThenServe(nil)
+}
+
+// requestAgain writes, before a payment is settled again whose record says no settlement of it reached the
+// remote facilitator (nothing was sent, or it was refused), that its settlement is requested and its outcome not
+// known: this one may reach it, and if its answer is lost, a refusal of the payment presented again after it
+// ("nonce already used", from a facilitator that settled it) must be no final answer. A record that says the
+// payment settled meanwhile is left as it is, and the payment is presented again to be served from it.
+func (x *exchange) requestAgain() error {
+	_, err := x.g.ledger.store.Update(context.WithoutCancel(x.r.Context()), x.id, func(r *journal.Record) error {
+		if r.Response != nil && r.Response.Success {
+			return errors.New("the payment's record says it settled meanwhile")
+		}
+		r.Response = x.settlementRequested()
+		return nil
+	})
+	return err
+}
+
+// settlementRequested is the answer recorded of a settlement requested and not answered yet.
+func (x *exchange) settlementRequested() *x402.SettleResponse {
+	return &x402.SettleResponse{Success: false, Network: x.req.PaymentRequirements.Network, Payer: x.payer,
+		ErrorReason: x402.ReasonSettlementPending, ErrorMessage: "settlement requested; its outcome is not known yet"}
 }
 
 // serveAsyncAgain serves an async payment whose first response was cut short (the client went, the write
@@ -433,10 +465,8 @@ func samePayload(a, b x402.ExactEVMPayload) bool {
 // process left, and a payment whose settlement may have been sent must stay known, so that presenting it
 // again settles it from the journal and serves it.
 func (x *exchange) record() error {
-	rq := x.req.PaymentRequirements
 	return x.claim(context.WithoutCancel(x.r.Context()), func(r *journal.Record) {
-		r.State, r.Response = journal.StateFinal, &x402.SettleResponse{Success: false, Network: rq.Network, Payer: x.payer,
-			ErrorReason: x402.ReasonSettlementPending, ErrorMessage: "settlement requested; its outcome is not known yet"}
+		r.State, r.Response = journal.StateFinal, x.settlementRequested()
 	})
 }
 
@@ -516,6 +546,10 @@ func (x *exchange) settleThenServe(up *upstream) error {
 				resp.ErrorReason, resp.ErrorMessage, resp.Transaction), nil, nil)
 		}
 		if resp.ErrorReason == x402.ReasonNoAvailableWallets {
+			if !x.resend {
+				// Nothing was sent: presented again, the payment is settled afresh, and a refusal then is final.
+				x.note(func(r *journal.Record) { r.Response = &resp })
+			}
 			return x.noWalletNow(resp)
 		}
 		if x.resend {
@@ -539,9 +573,11 @@ func (x *exchange) settleThenServe(up *upstream) error {
 
 // noWalletNow answers a payment no settlement wallet could send right now: the pool was busy, or (in a cluster)
 // the wallet the payment is bound to is another instance's. The spec's answer to that is "retry after 1 to 2
-// seconds", and the payment stays good: nothing was sent, and the record keeps its outcome "not known" (and a
-// settle async fallback its hold), so the same payment presented again (here in a moment, or at the gateway
-// holding its wallet) settles once. A 402 would tell the payer to pay again for it, after the upstream ran.
+// seconds", and the payment stays good: nothing was sent, and its record says so (a settle async fallback keeps
+// its hold), so the same payment presented again (here in a moment, or at the gateway holding its wallet) is
+// settled afresh, once, and a refusal then is final. A 402 would tell the payer to pay again for it, after the
+// upstream ran. (Presented again after a settlement that may have reached the facilitator, the record keeps its
+// outcome not known.)
 func (x *exchange) noWalletNow(resp x402.SettleResponse) error {
 	x.retryAfter = "2"
 	return x.settleUnreachable(fmt.Sprintf("no settlement wallet could send the payment right now (%s: %s); nothing was sent: present the same payment again in a moment",
