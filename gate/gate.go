@@ -121,6 +121,11 @@ type Config struct {
 	PaymentHeader string
 	// Description and MimeType describe the resource in the 402 answer.
 	Description, MimeType string
+	// Route identifies the route this gate guards among the routes of its configuration: the same on every gateway
+	// of that configuration and after a reload that changes only its terms (price, recipient, networks), and never
+	// the same as another route's. A payment presented again for its resource is judged by its journal record only
+	// at the route the record names. Default "": none, and every payment is judged by the route's offers.
+	Route string
 
 	// Embedded says the facilitator is the in-process engine: what it supports is asked once at Start, its
 	// answers about a settlement are its journal's, and it settles on the networks it names.
