@@ -71,6 +71,9 @@ type App struct {
 	// starters are the handlers' start hooks, registered while they are provisioned and run by Start, after
 	// the engine and the journal are up, in the order the handlers were provisioned.
 	starters []func() error
+	// gatesAlike counts the gates provisioned so far by what their routes leave out of their ordinals (see
+	// Gate.route).
+	gatesAlike map[string]int
 	// ready is closed when Start has finished, well or not; startErr then says which.
 	ready    chan struct{}
 	startErr error

@@ -91,7 +91,9 @@ type Gate struct {
 	MimeType    string `json:"mime_type,omitempty"`
 
 	// Settle is when the payment is settled: "after" the upstream answered successfully (default),
-	// "before" the upstream is called, or "async" in the background after serving.
+	// "before" the upstream is called, or "async" in the background after serving (a payment whose
+	// authorization stays valid less than a minute past the time its settlement could be mined at is settled
+	// before it is served: served first, it could expire before its turn to settle).
 	Settle string `json:"settle,omitempty"`
 
 	// DefaultAmount is what an upto payment is charged when the upstream's response names no usable amount
@@ -118,8 +120,8 @@ type Gate struct {
 	CORSOrigins []string `json:"cors_origins,omitempty"`
 
 	// PriceGrace keeps a payment signed against an offer this resource's 402 made good for this long after the
-	// offer changed (a reload with a new price): the terms each 402 offered are remembered by the request's method
-	// and URL, across reloads but not restarts, within 16 MiB. With a grace, price, amount and pay_to may hold only
+	// offer changed (a reload with a new price): the terms each 402 offered are remembered by the gate's route and
+	// the request's method and URL, across reloads but not restarts, within 16 MiB. With a grace, price, amount and pay_to may hold only
 	// the request's method and URL placeholders ({http.request.uri.*}, {http.request.host}, {http.request.method}):
 	// a config whose terms depend on more (a header, a user, the client's address, a map or vars output) is refused.
 	// Default 0: a payment must match the offer of its request.
@@ -130,6 +132,7 @@ type Gate struct {
 	offersFor      func(*http.Request) ([]gate.Offer, error)
 	descriptionFor func(*http.Request) string
 	offered        *gate.OfferMemory // the process's memory of offers, with a price grace
+	routeID        string            // the gate's route (gate.Config.Route, see route)
 
 	app      *App
 	fac      x402.Facilitator // for the embedded facilitator, set when the x402 app starts
@@ -224,6 +227,9 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("loading the x402 app: %w", err)
 	}
 	app := appVal.(*App)
+	if g.routeID, err = g.route(ctx, app); err != nil {
+		return err
+	}
 	repl := caddy.NewReplacer()
 	if g.specs, err = g.provisionOffers(app, repl); err != nil {
 		return err
@@ -256,7 +262,7 @@ func (g *Gate) start(app *App) error {
 	}
 	core, err := gate.New(gate.Config{
 		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body,
-		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType,
+		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID,
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: app.Facilitator() != nil, FacilitatorName: g.facName, Redact: g.redact.Replace,
 		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: originalURI,

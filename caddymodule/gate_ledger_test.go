@@ -94,8 +94,9 @@ func TestServedAsyncPaymentsSettleUnderTheirOwnTermsAfterAReloadChangesPriceAndR
 // cannot be settled; once its authorization has expired it is finished: final and failed in the journal, out of
 // the backlog, and no longer held against its payer, whose next payment is served at once.
 func TestAServedAsyncPaymentNoFacilitatorSettlesIsFinishedOnceItsAuthorizationExpires(t *testing.T) {
-	// A short validity brings the deadline soon; the facilitator wants at least six seconds left to verify.
-	const gate = "\t\tsettle async\n\t\tmax_timeout 8s\n"
+	// A deadline as soon as settle async serves a payment before settling it (a minute past the time its
+	// settlement could be mined at, by the gate's clock with a remote facilitator), and a few seconds more.
+	const gate = "\t\tsettle async\n\t\tmax_timeout 2m\n"
 	env := newGateEnv(t, gateSetup{remote: true, gate: gate})
 	payer := env.c.Payers[0]
 	env.approvePermit2(payer)
@@ -103,9 +104,14 @@ func TestAServedAsyncPaymentNoFacilitatorSettlesIsFinishedOnceItsAuthorizationEx
 	resume := sync.OnceFunc(caddymodule.PauseBackgroundSettlement())
 	t.Cleanup(resume)
 
-	p := env.signPermit2(payer, env.requirement("/", x402.TransferPermit2))
-	if a := env.get("/", x402.HeaderPaymentSignature, gateEncode(t, p)); a.status != http.StatusOK {
-		t.Fatalf("the payment: %d %q, want served", a.status, a.body)
+	soon := big.NewInt(max(int64(env.c.HeadTime())+1, time.Now().Unix()) + 60 + 5)
+	p, err := chain.SignPermit2Payment(payer.Key, env.requirement("/", x402.TransferPermit2), env.c.ChainID,
+		chain.Permit2Options{Now: env.chainNow(), Deadline: soon})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a := env.get("/", x402.HeaderPaymentSignature, gateEncode(t, p)); a.status != http.StatusOK || settleResponse(t, a).ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("the payment: %d %q, want served before it settles", a.status, a.body)
 	}
 	// The gate now takes payments on another network only, through the same facilitator.
 	env.reload(gateSetup{remote: true, gate: gate + "\t\tnetwork eip155:1\n"})

@@ -316,6 +316,130 @@ func TestAChargedPaymentCutShortIsNotServedByAnotherRouteOfTheSameURL(t *testing
 	env.movedTo(payer, env.payTo, payerBefore, sellerBefore, gatePrice, "once served")
 }
 
+// tieredCaddyfile is a Caddy with two routes of one URL chosen by a header, neither describing its resource (the
+// default): X-Tier premium gets "the premium content" at 100 times the price, the rest the files of root at
+// cheap raw units. premiumLines are more lines of the premium gate.
+func (env *gateEnv) tieredCaddyfile(root string, cheap int64, premiumLines string) string {
+	var keys []string
+	for _, w := range env.c.Wallets[:2] {
+		keys = append(keys, hexKey(w))
+	}
+	return fmt.Sprintf(`{
+	x402 {
+		network %s {
+			rpc %s
+			asset %s name "Stable Coin" version 1 decimals 6
+			wallet_keys %s
+			receipt_poll 2ms
+		}
+		journal {{DATA}}/journal.db
+	}
+}
+
+{{ADDR}} {
+	@premium header X-Tier premium
+	handle @premium {
+		x402 {
+			pay_to %s
+			amount %d
+%s		}
+		respond "the premium content"
+	}
+	handle {
+		x402 {
+			pay_to %s
+			amount %d
+			max_buffer 1MiB
+		}
+		root * %s
+		file_server
+	}
+}
+`, env.net, env.c.RPCURL, env.c.Token.Hex(), strings.Join(keys, ","), env.payTo.Hex(), 100*gatePrice, premiumLines, env.payTo.Hex(), cheap, root)
+}
+
+// Two routes of one URL, chosen by a header, say nothing of their resource: they describe it alike, and sell it at
+// different prices. A payment of the cheap route whose response was cut short, presented with the premium route's
+// header, is refused for its terms, not served the premium response on the cheap record; its own route serves it
+// whole, after a reload that doubled the cheap route's price too (judged by its record there). With the premium
+// gate configured exactly as the cheap one but for its price, only the order of the two tells their routes apart.
+func TestACheapPaymentCutShortDoesNotBuyTheExpensiveRouteOfTheSameURL(t *testing.T) {
+	for _, tc := range []struct{ name, premiumLines string }{
+		{"the premium gate configured otherwise (max_buffer)", ""},
+		{"the premium gate configured alike but for its price", "\t\t\tmax_buffer 1MiB\n"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			env := newStoppedGateEnv(t)
+			t.Cleanup(commitPending(t, env.c))
+			root := resourceFiles(t)
+			env.srv = startCaddy(t, env.tieredCaddyfile(root, gatePrice, tc.premiumLines))
+			client := resourceClient(t, false)
+			premium := &http.Client{Transport: headerTransport{base: client.Transport, name: "X-Tier", value: "premium"}, Timeout: client.Timeout}
+			payer := env.c.Payers[0]
+			env.approvePermit2(payer)
+			payerBefore, sellerBefore := env.c.TokenBalance(payer.Address), env.c.TokenBalance(env.payTo)
+
+			header := env.permit2Header("/big.bin", payer)
+			cut := env.fetch(client, "/big.bin", header, resourceBigSize*3/4)
+			if cut.status != http.StatusOK || cut.n != resourceBigSize*3/4 {
+				t.Fatalf("the paid download of /big.bin: %v; want 200 and three quarters of it read", cut)
+			}
+			env.movedTo(payer, env.payTo, payerBefore, sellerBefore, gatePrice, "charged for the download cut short")
+
+			got := env.presentOnceFree(premium, "/big.bin", header)
+			if got.status == http.StatusOK || strings.Contains(got.body, "premium") {
+				t.Errorf("the cheap route's payment (%d raw units) presented to the premium route (%d) of the same URL: %v; want 402 value_mismatch",
+					gatePrice, 100*gatePrice, got)
+			}
+			wantRefused(t, got, "the cheap route's payment presented to the premium route", x402.ReasonValueMismatch)
+
+			env.srv.load(env.tieredCaddyfile(root, 2*gatePrice, tc.premiumLines))
+			client.CloseIdleConnections()
+			wantRefused(t, env.presentOnceFree(premium, "/big.bin", header), "the cheap route's payment presented to the premium route after a reload",
+				x402.ReasonValueMismatch)
+			whole := env.presentOnceFree(client, "/big.bin", header)
+			if whole.status != http.StatusOK || whole.n != resourceBigSize || whole.sum != bigBodySum(resourceBigSize) || whole.err != nil {
+				t.Fatalf("the payment presented again to its own route, its price doubled by a reload: %v; want 200 and the whole file", whole)
+			}
+			time.Sleep(200 * time.Millisecond) // a settlement wrongly sent would have mined by now (blocks every 5 ms)
+			env.movedTo(payer, env.payTo, payerBefore, sellerBefore, gatePrice, "once served")
+		})
+	}
+}
+
+// With a price_grace on both routes of one URL chosen by a header, the grace keeps the offers of each route's own
+// 402s: a payment signed against the cheap route's offer, within its grace, is refused by the premium route
+// (value_mismatch, its upstream never runs, nothing is charged), and bought the cheap route's response.
+func TestAPaymentSignedForACheapRouteWithinItsPriceGraceDoesNotBuyTheExpensiveRouteOfTheSameURL(t *testing.T) {
+	env := newStoppedGateEnv(t)
+	t.Cleanup(commitPending(t, env.c))
+	root := resourceFiles(t)
+	graced := strings.Replace(env.tieredCaddyfile(root, gatePrice, "\t\t\tmax_buffer 1MiB\n\t\t\tprice_grace 1m\n"),
+		"\t\t\tmax_buffer 1MiB\n\t\t}\n\t\troot", "\t\t\tmax_buffer 1MiB\n\t\t\tprice_grace 1m\n\t\t}\n\t\troot", 1)
+	if strings.Count(graced, "price_grace 1m") != 2 {
+		t.Fatalf("want both gates with a price grace:\n%s", graced)
+	}
+	env.srv = startCaddy(t, graced)
+	client := resourceClient(t, false)
+	premium := &http.Client{Transport: headerTransport{base: client.Transport, name: "X-Tier", value: "premium"}, Timeout: client.Timeout}
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	payerBefore, sellerBefore := env.c.TokenBalance(payer.Address), env.c.TokenBalance(env.payTo)
+
+	header := env.permit2Header("/small.txt", payer) // the cheap route's 402, remembered for the grace
+	got := env.presentOnceFree(premium, "/small.txt", header)
+	wantRefused(t, got, "a payment signed for the cheap route's offer, within its grace, presented to the premium route", x402.ReasonValueMismatch)
+	if strings.Contains(got.body, "premium") {
+		t.Errorf("the premium route's content was sent: %v", got)
+	}
+	time.Sleep(200 * time.Millisecond) // a settlement wrongly sent would have mined by now (blocks every 5 ms)
+	env.movedTo(payer, env.payTo, payerBefore, sellerBefore, 0, "refused by the premium route")
+	if f := env.presentOnceFree(client, "/small.txt", header); f.status != http.StatusOK || f.body != resourceSmall {
+		t.Fatalf("the payment presented to the cheap route it was signed for: %v; want 200 and the file", f)
+	}
+	env.movedTo(payer, env.payTo, payerBefore, sellerBefore, gatePrice, "served by the cheap route")
+}
+
 // headerTransport sets a request header on every request it carries.
 type headerTransport struct {
 	base        http.RoundTripper

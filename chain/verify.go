@@ -669,12 +669,36 @@ func (p *payment) checkTime(ctx context.Context) *refusal {
 	return nil
 }
 
-// setHead keeps the head block chain time was read from, and the earliest time of the next block: one second
-// past the head's, and no earlier than the engine's clock, which it returns (see checkTime).
+// setHead keeps the head block chain time was read from, and the earliest time of the next block (see
+// network.mineAt); it returns the engine's clock it read.
 func (p *payment) setHead(head *types.Header) (wall int64) {
-	wall = p.net.now().Unix()
-	p.head, p.mineAt = head, max(head.Time+1, uint64(max(wall, 0)))
+	p.mineAt, wall = p.net.mineAt(head)
+	p.head = head
 	return wall
+}
+
+// mineAt is the earliest time of the block after head, which a settlement sent now lands in at the soonest: one
+// second past the head's, and no earlier than the engine's clock (wall), on a chain whose blocks are stamped
+// with the wall clock (see checkTime).
+func (n *network) mineAt(head *types.Header) (at uint64, wall int64) {
+	wall = n.now().Unix()
+	return max(head.Time+1, uint64(max(wall, 0))), wall
+}
+
+// NextBlockTime is the earliest time a settlement sent now can be mined at on networkID, the time the engine
+// judges deadlines by (see checkTime): one second past the head block's, and no earlier than its clock. A gate
+// that serves a payment before settling it asks it whether the payment's deadline leaves the settlement room.
+func (f *Facilitator) NextBlockTime(ctx context.Context, networkID string) (time.Time, error) {
+	n := f.networks[networkID]
+	if n == nil {
+		return time.Time{}, fmt.Errorf("network %s is not configured", networkID)
+	}
+	head, err := n.chainHead(ctx)
+	if err != nil {
+		return time.Time{}, fmt.Errorf("reading the head block of %s: %w", networkID, err)
+	}
+	at, _ := n.mineAt(head)
+	return time.Unix(int64(at), 0), nil
 }
 
 // checkChain reads what only the chain knows: the nonce, the balance, the Permit2 allowance, and finally

@@ -25,7 +25,8 @@ const (
 	// SettleBefore settles first and runs the upstream only for a settled payment, for resources that must
 	// not be served unpaid (the upstream does something that cannot be undone).
 	SettleBefore = "before"
-	// SettleAsync records the verified payment in the journal, serves at once and settles in the background.
+	// SettleAsync records the verified payment in the journal, serves at once and settles in the background; a
+	// payment whose deadline leaves its settlement too little room for that is settled first (asyncSettleMargin).
 	SettleAsync = "async"
 )
 
@@ -120,6 +121,11 @@ type Config struct {
 	PaymentHeader string
 	// Description and MimeType describe the resource in the 402 answer.
 	Description, MimeType string
+	// Route identifies the route this gate guards among the routes of its configuration: the same on every gateway
+	// of that configuration and after a reload that changes only its terms (price, recipient, networks), and never
+	// the same as another route's. A payment presented again for its resource is judged by its journal record only
+	// at the route the record names. Default "": none, and every payment is judged by the route's offers.
+	Route string
 
 	// Embedded says the facilitator is the in-process engine: what it supports is asked once at Start, its
 	// answers about a settlement are its journal's, and it settles on the networks it names.
@@ -342,6 +348,15 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 	}
 	if h, ok := fac.(fundsHolder); ok && cfg.Settle == SettleAsync {
 		g.holder = h
+	}
+	if cfg.Settle == SettleAsync {
+		for _, o := range cfg.Offers {
+			if time.Duration(o.MaxTimeoutSeconds)*time.Second <= asyncSettleMargin {
+				g.logger.Warn("settle async: an offer's payments are valid too briefly to be settled after serving; each is settled before it is served",
+					zap.Int64("max_timeout_seconds", o.MaxTimeoutSeconds), zap.Duration("settle_margin", asyncSettleMargin))
+				break
+			}
+		}
 	}
 	if !cfg.Embedded {
 		// A remote facilitator may be down now; the gate starts anyway and asks when payments come.

@@ -100,7 +100,7 @@ func newEnv(t *testing.T, s setup) *env {
 	cfg := gate.Config{
 		Offers: []gate.Offer{{Network: e.net, Asset: c.Token.Hex(), PayTo: e.payTo.Hex(), Amount: big.NewInt(price).String(),
 			TokenName: "Stable Coin", TokenVersion: "1", Decimals: 6, MaxTimeoutSeconds: 300, Scheme: s.scheme}},
-		Settle: s.settle, DefaultAmount: s.defaultAmount, Description: "a test resource", Embedded: true, EnginePrunes: true, FacilitatorName: "embedded",
+		Settle: s.settle, DefaultAmount: s.defaultAmount, Description: "a test resource", Route: "the test route", Embedded: true, EnginePrunes: true, FacilitatorName: "embedded",
 		SetVar: e.vars.set, Metrics: e.metrics,
 	}
 	if s.config != nil {

@@ -145,9 +145,14 @@ func maxTime(a, b time.Time) time.Time {
 
 // offeredKey names the resource of a request in the offer memory: its method, the URL its 402 names, and the URI
 // a rewrite made of that (the request's URI placeholders read the rewritten one): all that the terms of a gate
-// with a price grace may depend on (Config.PriceGrace). A long one is bounded (boundedKey).
+// with a price grace may depend on (Config.PriceGrace); and the gate's route (Config.Route), which keeps it across
+// reloads, for another route of the same URL (chosen by a header, say) sells it at terms of its own. A long one
+// is bounded (boundedKey).
 func (x *exchange) offeredKey() string {
 	key := x.r.Method + " " + x.resourceURL()
+	if x.g.cfg.Route != "" {
+		key = x.g.cfg.Route + " " + key
+	}
 	if uri := x.r.URL.RequestURI(); uri != x.g.cfg.OriginalURI(x.r) {
 		key += " " + uri
 	}

@@ -159,6 +159,47 @@ func TestARecordThatDoesNotDescribeItsResourceIsJudgedByTheRoutesOffersAsBefore(
 	}
 }
 
+// A payment whose response broke off at one route is judged by its record only at that route: at another route of
+// the same resource that describes it alike (here: another gate of the same journal, described the same way, at
+// twice the price), or when its record names no route (written by a release before records did, or by a gate
+// without one), it must match the route's offers, and is refused for its terms. Its own route serves it whole,
+// once.
+func TestAPaymentThatBrokeOffIsJudgedByItsRecordOnlyAtTheRouteItWasFirstPresentedAt(t *testing.T) {
+	for _, tc := range []struct{ name, route string }{
+		{"another route that describes the resource alike", "the cheap route"},
+		{"a record that names no route", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var ups [2]breakingUpstream
+			cheap, premium := pricedAt(gate.SettleAfter, price, &ups[0]), pricedAt(gate.SettleAfter, 2*price, &ups[1])
+			priced := cheap.config
+			cheap.config = func(c *gate.Config) { priced(c); c.Route = tc.route }
+			gws := gatewaysOf(t, []setup{cheap, premium})
+			if gws[0].cfg.Description != gws[1].cfg.Description || gws[1].cfg.Route == "" {
+				t.Fatalf("the two gates describe their resource as %q and %q, the second at route %q; want alike, and a route",
+					gws[0].cfg.Description, gws[1].cfg.Description, gws[1].cfg.Route)
+			}
+			payer := gws[0].c.Payers[0]
+			header := gws[0].permit2(payer)
+			before := gws[0].balances(payer)
+			breakOffCharged(t, gws[0], &ups[0], header, before, price)
+
+			refusedWith(t, gws[1].get(x402.HeaderPaymentSignature, header), x402.ReasonValueMismatch,
+				"the cheap route's payment, its response broken off, at the route of twice the price")
+			if n := ups[1].calls.Load(); n != 0 {
+				t.Errorf("the upstream of the route of twice the price ran %d times, want never", n)
+			}
+			if a := gws[0].get(x402.HeaderPaymentSignature, header); a.status != http.StatusOK || a.body != strings.Repeat("x", brokenBodySize) {
+				t.Fatalf("the payment presented again at its own route = %d with %d bytes, want 200 and the whole body", a.status, len(a.body))
+			}
+			time.Sleep(100 * time.Millisecond) // a settlement wrongly sent would have mined by now (blocks every 5 ms)
+			if lost, gained := gws[0].paid(payer, before); lost.Int64() != price || gained.Int64() != price {
+				t.Errorf("the payer lost %s and the seller gained %s, want %d once", lost, gained, price)
+			}
+		})
+	}
+}
+
 // mustSettleResponse decodes a's PAYMENT-RESPONSE.
 func mustSettleResponse(t *testing.T, a answer) x402.SettleResponse {
 	t.Helper()

@@ -70,12 +70,14 @@ func (x *exchange) describedKey() string {
 }
 
 // boughtHere reports whether rec, whose request is recorded, is the record of this very payment (the payload byte
-// for byte) first presented for this request's resource, at a route that described it as this one does: the
-// payment is then judged by its record. A record of a release before records named their resource, or described
-// it, says too little to tell: the payment is judged by the request's offers, as then.
+// for byte) first presented for this request's resource at this very route (Config.Route), which described it as
+// it does now: the payment is then judged by its record. Two routes of one URL (chosen by a header, say) may
+// describe it alike, or not at all, and sell it at different prices: a description is no route. A record of a
+// release before records named their resource, described it or named their route says too little to tell, as
+// does a gate without a route: the payment is judged by the request's offers, as then.
 func (x *exchange) boughtHere(rec journal.Record, recorded x402.VerifyRequest, payload x402.ExactEVMPayload) bool {
-	return rec.Resource != "" && rec.Described != "" && rec.Resource == x.boughtResource() &&
-		rec.Described == x.describedKey() && samePayload(recorded.PaymentPayload.Payload, payload)
+	return rec.Resource != "" && rec.Described != "" && rec.Route != "" && rec.Resource == x.boughtResource() &&
+		rec.Described == x.describedKey() && rec.Route == x.g.cfg.Route && samePayload(recorded.PaymentPayload.Payload, payload)
 }
 
 // onRecord reports whether a payment that matches none of this request's offers is one the journal holds for this

@@ -43,6 +43,10 @@ type exchange struct {
 	// facilitator: a refusal now is no final answer.
 	resend bool
 
+	// chargeRecorded: charge is its journal record's, decided by the response the payment was first presented
+	// for; this request's response may not name more (namesMoreThanCharged).
+	chargeRecorded bool
+
 	headers    http.Header // the response headers before the upstream ran, restored when the gate answers itself
 	retryAfter string      // the Retry-After of the gate's own 502, when it knows when to present the payment again
 	ended      bool
@@ -92,8 +96,8 @@ func (x *exchange) run() error {
 		return x.invalidHeader(err)
 	}
 	// A payment buys only a response of a route whose offer it matches, or, presented again, the resource its
-	// record names at a route describing it alike (onRecord): a payment another route journalled is never served
-	// here on the strength of its record.
+	// record names at the route it was first presented at (onRecord): a payment another route journalled is never
+	// served here on the strength of its record.
 	if p.mismatch != nil {
 		switch again, err := x.onRecord(p); {
 		case err != nil:
@@ -248,6 +252,10 @@ func (x *exchange) verifyAndServe() error {
 			}
 			defer x.g.ledger.forgive(x.id)
 		}
+		if !x.roomToSettleAfterServing() {
+			// Served first, it could expire before its turn to settle: settled first, it is paid or not served.
+			return x.settleAfter()
+		}
 		return x.serveUpstream(func(up *upstream) error {
 			if up.ok() && up.rec.tunnel {
 				// A tunnel is served as it goes, for as long as it stays open: it is settled before it opens.
@@ -326,9 +334,9 @@ func (x *exchange) unhold() {
 }
 
 // presentedAgain answers a payment the journal already holds. Presented for the resource it was first presented
-// for, at a route describing it alike (boughtHere), it is judged by its record: the terms it was accepted under,
-// whatever the route offers now. Elsewhere it buys nothing: not on a route whose offer differs from the one it was
-// journalled under, nor for another resource than the one it was first presented for (boughtResource).
+// for, at the route it was first presented at (boughtHere), it is judged by its record: the terms it was accepted
+// under, whatever the route offers now. Elsewhere it buys nothing: not on a route whose offer differs from the one
+// it was journalled under, nor for another resource than the one it was first presented for (boughtResource).
 // Served: never again. Not served (its settlement was pending or unknown, the upstream failed after it settled,
 // or its response was cut short): the same payment, byte for byte in what it signs, is served once without paying
 // twice: a synchronous one is settled from the journal's request, which answers with the first settlement, and an
@@ -370,8 +378,9 @@ func (x *exchange) presentedAgain(rec journal.Record, p presented) error {
 	}
 	x.req, x.id, x.payer = recorded, rec.ID, rec.Payer
 	if x.upto() && rec.Amount != "" {
-		// Decided when the payment was first served: the upstream's answer now changes nothing.
-		x.charge = rec.Amount
+		// Decided when the payment was first served: the upstream's answer now changes nothing, and a response
+		// that names more is not sent (namesMoreThanCharged).
+		x.charge, x.chargeRecorded = rec.Amount, true
 	}
 	x.setPaymentPlaceholders()
 	if rec.Async {
@@ -440,6 +449,9 @@ func (x *exchange) serveAsyncAgain(rec journal.Record) error {
 		if !up.ok() {
 			return x.passFailure(up, "the upstream answered %d; the payment is settling and may be presented again for its response")
 		}
+		if named, more := x.namesMoreThanCharged(up); more {
+			return x.chargedLess(named, resp)
+		}
 		if x.lostMark() {
 			return x.servedNothing("the payment is being settled")
 		}
@@ -482,6 +494,7 @@ func (x *exchange) claim(ctx context.Context, edit func(*journal.Record)) error 
 		ID: x.id, State: journal.StateClaimed, Network: rq.Network, Payer: x.payer, Asset: rq.Asset, Amount: x.chargeAmount(),
 		PayTo: rq.PayTo, Request: body, Owner: x.g.ledger.owner,
 		Deadline: x.req.PaymentPayload.Payload.Deadline(), Resource: x.boughtResource(), Described: x.describedKey(),
+		Route: x.g.cfg.Route,
 	}
 	if edit != nil {
 		edit(&rec)
@@ -612,6 +625,10 @@ func (x *exchange) serveSettledUpstream(resp x402.SettleResponse, up *upstream) 
 		x.end(x.settledOutcome(resp),
 			zap.String("note", "the upstream failed after the payment settled; presenting the payment again retries it"))
 		return x.writeUpstream(up)
+	}
+	if named, more := x.namesMoreThanCharged(up); more {
+		x.note(func(r *journal.Record) { r.Response = &resp })
+		return x.chargedLess(named, resp)
 	}
 	if x.lostMark() {
 		x.note(func(r *journal.Record) { r.Response = &resp })
@@ -913,11 +930,21 @@ func (x *exchange) decideCharge(up *upstream) {
 	if !x.upto() || x.charge != "" {
 		return
 	}
+	x.charge = x.namedCharge(values, inTrailer)
+	x.setVar(VarAmount, x.charge)
+}
+
+// namedCharge is what the upstream's Settlement-Overrides values (with its status, or inTrailer) charge an upto
+// payment, as decideCharge says; what is not usable is logged.
+func (x *exchange) namedCharge(values []string, inTrailer bool) string {
 	rq := x.req.PaymentRequirements
-	x.charge = x.chargeAmount()
+	charge := rq.Amount
+	if x.g.cfg.DefaultAmount == DefaultAmountZero {
+		charge = "0"
+	}
 	log := func(msg string, fields ...zap.Field) {
 		x.g.logger.Warn(msg, append(fields, zap.String("payment", x.id.String()), zap.String("max", rq.Amount),
-			zap.String("charged", x.charge), zap.String("default_amount", x.g.cfg.DefaultAmount))...)
+			zap.String("charged", charge), zap.String("default_amount", x.g.cfg.DefaultAmount))...)
 	}
 	switch {
 	case inTrailer:
@@ -931,17 +958,17 @@ func (x *exchange) decideCharge(up *upstream) {
 		n, err := x402.ParseSettlementOverride(values[0], max, x.decimals)
 		switch {
 		case errors.Is(err, x402.ErrOverrideAboveMaximum):
-			x.charge = rq.Amount
+			charge = rq.Amount
 			log("the upstream asked to charge more than the payer authorized; the maximum is charged", zap.String("asked", n.String()))
 		case err != nil:
 			log("the upstream's Settlement-Overrides header is not usable; the default amount is charged", zap.Error(err))
 		default:
-			x.charge = n.String()
+			charge = n.String()
 		}
 	case len(values) > 1:
 		log("the upstream sent several Settlement-Overrides headers; none is used, the default amount is charged", zap.Int("headers", len(values)))
 	}
-	x.setVar(VarAmount, x.charge)
+	return charge
 }
 
 // setVar publishes one variable of the request's payment (a Var* name).

@@ -1,9 +1,15 @@
 package gate_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
 	"math/big"
 	"net/http"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -156,5 +162,97 @@ func TestASettleAsyncUptoPaymentIsSettledInTheBackgroundForTheAmountTheUpstreamN
 	}
 	if n := e.c.CountTokenTransfers(payer.Address, e.payTo); n != 1 {
 		t.Errorf("%d transfers, want 1", n)
+	}
+}
+
+// workingUpstream names the charge of the work a request asks for (X-Work: expensive costs 9000, anything else
+// 100) and answers it with a body of four times the gate's max_buffer; while breakOff is set, it breaks off halfway,
+// after the answer began to stream.
+type workingUpstream struct {
+	breakOff atomic.Bool
+	calls    atomic.Int64
+}
+
+func (u *workingUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
+	u.calls.Add(1)
+	work := 100
+	if r.Header.Get("X-Work") == "expensive" {
+		work = 9000
+	}
+	w.Header().Set(x402.HeaderSettlementOverrides, fmt.Sprintf(`{"amount":"%d"}`, work))
+	if u.breakOff.Load() {
+		if _, err := w.Write(bytes.Repeat([]byte("x"), brokenBodySize/2)); err != nil {
+			return err
+		}
+		return errors.New("the upstream broke off")
+	}
+	_, err := w.Write(bytes.Repeat([]byte("x"), brokenBodySize))
+	return err
+}
+
+// An upto payment's charge is decided by the response it was first presented for (100 here), and presented again
+// (that response broke off) it is settled for that charge. Presented again with a request that asks for more work
+// at the same URL, its response names 9000: the gate does not send it, and answers 409 naming both charges, with
+// the payment's settlement in PAYMENT-RESPONSE (never 402: the payment is charged). The payment stays good for a
+// response that costs no more, which it gets whole, once, and the payer is charged 100 in all.
+func TestAnUptoPaymentPresentedAgainIsNotSentAResponseThatNamesMoreThanItWasCharged(t *testing.T) {
+	for _, settle := range []string{gate.SettleAfter, gate.SettleAsync} {
+		t.Run(settle, func(t *testing.T) {
+			var up workingUpstream
+			e := newEnv(t, setup{settle: settle, scheme: x402.SchemeUpto, upstream: up.ServeHTTP,
+				config: func(c *gate.Config) { c.MaxBuffer = 1 << 10 }})
+			payer := e.c.Payers[0]
+			header := e.permit2(payer)
+			before := e.balances(payer)
+
+			up.breakOff.Store(true)
+			if a := e.get(x402.HeaderPaymentSignature, header); a.status != http.StatusOK || len(a.body) >= brokenBodySize {
+				t.Fatalf("the paid request while the upstream breaks off = %d with %d bytes, want 200 and part of the body", a.status, len(a.body))
+			}
+			up.breakOff.Store(false)
+			for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+				if _, gained := e.paid(payer, before); gained.Int64() >= 100 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the payment whose response broke off was not charged in time")
+				}
+			}
+
+			a := e.get(x402.HeaderPaymentSignature, header, "X-Work", "expensive")
+			var body struct {
+				Reason, Outcome, Charged, Named, Transaction string
+			}
+			if err := json.Unmarshal([]byte(a.body), &body); a.status != http.StatusConflict || err != nil || strings.Contains(a.body, "xxx") {
+				t.Fatalf("the payment charged 100 presented again for work the upstream names 9000 for = %d with %d bytes %.80q, want 409 and not the response",
+					a.status, len(a.body), a.body)
+			}
+			if body.Reason != "charge_above_charged" || body.Charged != "100" || body.Named != "9000" {
+				t.Errorf("the 409 says %+v; want reason charge_above_charged, charged 100, named 9000", body)
+			}
+			if v := a.header.Values(x402.HeaderSettlementOverrides); len(v) != 0 {
+				t.Errorf("the client got the upstream's Settlement-Overrides %q", v)
+			}
+			resp := mustSettleResponse(t, a)
+			if settle == gate.SettleAfter && (!resp.Success || resp.Amount != "100" || body.Transaction != resp.Transaction) {
+				t.Errorf("PAYMENT-RESPONSE %+v, transaction in the body %q; want the settlement of 100, named in both", resp, body.Transaction)
+			}
+			if settle == gate.SettleAsync && !resp.Success && !resp.Pending() {
+				t.Errorf("PAYMENT-RESPONSE %+v, want the payment settled or settling", resp)
+			}
+
+			if a := e.get(x402.HeaderPaymentSignature, header); a.status != http.StatusOK || a.body != strings.Repeat("x", brokenBodySize) {
+				t.Fatalf("the payment presented again for the work it was charged for = %d with %d bytes, want 200 and the whole body", a.status, len(a.body))
+			}
+			refusedWith(t, e.get(x402.HeaderPaymentSignature, header, "X-Work", "expensive"), x402.ReasonPaymentAlreadyUsed,
+				"the payment presented once more, after it bought its response")
+			time.Sleep(100 * time.Millisecond) // a settlement wrongly sent would have mined by now (blocks every 5 ms)
+			if lost, gained := e.paid(payer, before); lost.Int64() != 100 || gained.Int64() != 100 {
+				t.Errorf("the payer lost %s and the seller gained %s, want 100 once", lost, gained)
+			}
+			if n := e.c.CountTokenTransfers(payer.Address, e.payTo); n != 1 {
+				t.Errorf("%d token transfers from the payer to the seller, want 1", n)
+			}
+		})
 	}
 }

@@ -89,6 +89,11 @@ type Record struct {
 	// payment is judged by this record, whatever that gate's terms are now (a reload, another gateway); a record
 	// without it, by the gate's terms.
 	Described string `json:"described,omitempty"`
+	// Route identifies the gate's route the payment was first presented at (gate.Config.Route): the same on every
+	// gateway of one configuration and across its reloads, whatever its price. The payment is judged by this record
+	// only at that route; a record without it (of a release before it was kept), by the route's terms. Once set it
+	// never changes.
+	Route string `json:"route,omitempty"`
 	// Deadline is the last moment the payment's authorization can be settled, when its claimant knows it. Prune
 	// keeps a final record until its deadline too: pruned earlier, the payment would look new to Claim while it
 	// can still be presented.
@@ -155,6 +160,10 @@ func checkTransition(prev, next *Record) error {
 	if prev.Resource != "" && next.Resource != prev.Resource {
 		// A payment bound to another resource could buy a second one's response.
 		return fmt.Errorf("%w: record %s buys %q and cannot be bound to %q", ErrInvalidUpdate, prev.ID, prev.Resource, next.Resource)
+	}
+	if prev.Route != "" && next.Route != prev.Route {
+		// A payment moved to another route could be judged by its record where another price holds.
+		return fmt.Errorf("%w: record %s was taken at route %q and cannot be moved to %q", ErrInvalidUpdate, prev.ID, prev.Route, next.Route)
 	}
 	if prev.Served && (!next.Served || !next.ServedAt.Equal(prev.ServedAt)) {
 		// A payment unmarked as served could buy its response a second time.

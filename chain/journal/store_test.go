@@ -827,27 +827,31 @@ func TestStoreMarkServedRecordsTheResponseOnceAndNothingElse(t *testing.T) {
 	})
 }
 
-// TestStoreKeepsTheResourceAPaymentBuysAndNeverBindsItToAnother: the resource a gate's record names survives
-// every write (an Update, the served mark, a reopen) and an Update that changes it is refused; a record without
-// one (written before it was kept) may be given one.
+// TestStoreKeepsTheResourceAPaymentBuysAndNeverBindsItToAnother: the resource a gate's record names, and the
+// route it was taken at, survive every write (an Update, the served mark, a reopen) and an Update that changes
+// either is refused; a record without a resource (written before it was kept) may be given one.
 func TestStoreKeepsTheResourceAPaymentBuysAndNeverBindsItToAnother(t *testing.T) {
 	forEachStore(t, func(t *testing.T, h harness) {
 		s := h.open(t, newTestClock().Now)
 		ctx := context.Background()
 		r := claimOf(90)
-		r.Resource = "GET example.com/big.bin?part=1"
+		r.Resource, r.Route = "GET example.com/big.bin?part=1", "3f2a9c"
 		mustClaim(t, s, r)
 		mustUpdate(t, s, r.ID, toFinal(true))
 		if err := s.MarkServed(ctx, r.ID, time.Now()); err != nil {
 			t.Fatal(err)
 		}
 		s = h.reopen(t, s)
-		if got, _, err := s.Get(ctx, r.ID); err != nil || got.Resource != r.Resource {
-			t.Fatalf("after an update, the served mark and a reopen the record buys %q (%v), want %q", got.Resource, err, r.Resource)
+		if got, _, err := s.Get(ctx, r.ID); err != nil || got.Resource != r.Resource || got.Route != r.Route {
+			t.Fatalf("after an update, the served mark and a reopen the record buys %q at route %q (%v), want %q at %q",
+				got.Resource, got.Route, err, r.Resource, r.Route)
 		}
 		for _, other := range []string{"GET example.com/small.txt", ""} {
 			if _, err := s.Update(ctx, r.ID, func(rec *Record) error { rec.Resource = other; return nil }); !errors.Is(err, ErrInvalidUpdate) {
 				t.Fatalf("an Update binding the payment to %q: %v, want ErrInvalidUpdate", other, err)
+			}
+			if _, err := s.Update(ctx, r.ID, func(rec *Record) error { rec.Route = other; return nil }); !errors.Is(err, ErrInvalidUpdate) {
+				t.Fatalf("an Update moving the payment to route %q: %v, want ErrInvalidUpdate", other, err)
 			}
 		}
 		old := mustClaim(t, s, claimOf(91))

@@ -1,0 +1,58 @@
+package caddymodule
+
+import (
+	"context"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// routesOf names the routes of gates provisioned in order into one config's app, as Provision does.
+func routesOf(t *testing.T, gates ...*Gate) []string {
+	t.Helper()
+	app, ctx := new(App), caddy.Context{Context: context.Background()}
+	var routes []string
+	for _, g := range gates {
+		r, err := g.route(ctx, app)
+		if err != nil {
+			t.Fatal(err)
+		}
+		routes = append(routes, r)
+	}
+	return routes
+}
+
+func TestAGatesRouteStaysThroughAChangeOfItsTermsAndTellsGatesConfiguredAlikeApart(t *testing.T) {
+	cheap := func(amount, payTo string) *Gate {
+		return &Gate{GateAccept: GateAccept{Amount: amount, PayTo: payTo}, MaxBuffer: 1 << 20}
+	}
+	before := routesOf(t, cheap("100", "0x01"), cheap("10000", "0x01"),
+		&Gate{GateAccept: GateAccept{Amount: "100"}, MaxBuffer: 1 << 20, Description: "the files"})
+	if before[0] == before[1] || before[0] == before[2] || before[1] == before[2] {
+		t.Fatalf("three gates of one config, two alike but for their price, one described otherwise, have routes %q; want three", before)
+	}
+
+	// A reload (or another gateway of the cluster) with other terms, another facilitator and a grace.
+	reloaded := cheap("200", "0x02")
+	reloaded.Price, reloaded.Network, reloaded.PriceGrace, reloaded.DefaultAmount = "", "eip155:1", caddy.Duration(1), "zero"
+	reloaded.FacilitatorURL, reloaded.FacilitatorAPIKey = "https://facilitator.example", "{env.KEY}"
+	reloaded.Accepts = []*GateAccept{{Network: "eip155:2"}}
+	after := routesOf(t, reloaded, cheap("20000", "0x02"),
+		&Gate{GateAccept: GateAccept{Amount: "300"}, MaxBuffer: 1 << 20, Description: "the files"})
+	for i := range before {
+		if after[i] != before[i] {
+			t.Errorf("gate %d's route after its terms changed: %q, want %q as before", i, after[i], before[i])
+		}
+	}
+
+	// What a gate serves and how is its route's: another settle mode or description is another route.
+	settled := cheap("100", "0x01")
+	settled.Settle = SettleAsync
+	described := cheap("100", "0x01")
+	described.Description = "the premium files"
+	for _, r := range routesOf(t, settled, described) {
+		if r == before[0] {
+			t.Errorf("a gate configured otherwise than the first has its route %q", r)
+		}
+	}
+}

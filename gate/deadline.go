@@ -1,0 +1,75 @@
+package gate
+
+import (
+	"context"
+	"encoding/json"
+	"math/big"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// asyncSettleMargin is how long a settle async payment's authorization must stay valid, past the earliest time
+// its settlement can be mined at, for the gate to serve it before settling it. The engine refuses to settle a
+// deadline closer than 6 s to that time (a permit that expires in flight costs gas for nothing), and the
+// background settlement may wait its turn behind a backlog, or retry a facilitator out of reach, for a while
+// after serving: a payment served with less room may be refused as expiring once served, and its resource go
+// unpaid. It is settled before it is served instead, as settle after does. A payer signing for an offer's
+// max_timeout (5 minutes by default) has minutes of room.
+const asyncSettleMargin = time.Minute
+
+// nextBlockTimer is a facilitator that knows the earliest time a settlement sent now can be mined at on a
+// network (the embedded engine: one second past the head block's, and no earlier than its clock), the time it
+// judges a payment's deadline by.
+type nextBlockTimer interface {
+	NextBlockTime(ctx context.Context, network string) (time.Time, error)
+}
+
+// roomToSettleAfterServing reports whether the payment's authorization stays valid asyncSettleMargin past the
+// earliest time its settlement can be mined at: judged by the embedded engine's chain time (the next block's),
+// and by the gate's clock for a remote facilitator, which the gate cannot ask. When it does not, the payment is
+// logged and the caller settles it before serving it.
+func (x *exchange) roomToSettleAfterServing() bool {
+	deadline := settlementDeadline(x.req.PaymentPayload)
+	if deadline.IsZero() {
+		return true // no deadline the gate can read: the facilitator judged the payment, and its settlement will
+	}
+	at := x.g.now()
+	if c, ok := x.g.fac.(nextBlockTimer); ok && x.g.cfg.Embedded {
+		// A chain that seals on demand (a dev chain) runs ahead of the wall clock under load.
+		if next, err := c.NextBlockTime(x.r.Context(), x.req.PaymentRequirements.Network); err == nil && next.After(at) {
+			at = next
+		}
+	}
+	if !deadline.Before(at.Add(asyncSettleMargin)) {
+		return true
+	}
+	x.g.logger.Info("settle async: the payment's authorization expires too soon to be settled after serving; settling it before serving it",
+		zap.String("payment", x.id.String()), zap.String("payer", x.payer), zap.Time("deadline", deadline),
+		zap.Time("settles_at", at), zap.Duration("margin", asyncSettleMargin))
+	return false
+}
+
+// settlementDeadline is the last moment the payment can be settled: its authorization's deadline (the permit2
+// deadline, or the erc2612 and eip3009 validBefore), or, when earlier, the deadline of the EIP-2612 permit its
+// eip2612GasSponsoring extension carries, which its settlement needs unless the payer approved Permit2 already.
+// Zero when the payment names no deadline that reads.
+func settlementDeadline(p x402.PaymentPayload) time.Time {
+	deadline := p.Payload.Deadline()
+	raw, ok := p.Extensions[x402.ExtensionEIP2612GasSponsoring]
+	if !ok || deadline.IsZero() {
+		return deadline
+	}
+	var ext struct {
+		Info *x402.EIP2612GasSponsoringInfo `json:"info"`
+	}
+	if json.Unmarshal(raw, &ext) != nil || ext.Info == nil {
+		return deadline // malformed: refused by the facilitator when the settlement needs it
+	}
+	if d, ok := new(big.Int).SetString(ext.Info.Deadline, 10); ok && d.Sign() >= 0 && d.IsInt64() && d.Int64() < deadline.Unix() {
+		return time.Unix(d.Int64(), 0).UTC()
+	}
+	return deadline
+}
