@@ -189,7 +189,9 @@ const (
 	// EventSettled: the payment settled on chain and bought the response.
 	EventSettled = "payment_settled"
 	// EventPending: the response was served and the payment settles in the background (settle async), or its
-	// settlement's outcome is not known yet (the facilitator did not answer /settle).
+	// settlement's outcome is not known yet (the facilitator did not answer /settle). Reported too, with "async"
+	// true and outcome settle-unreachable, for a served async payment whose settlement's outcome could not be
+	// learnt: an earlier attempt may have settled it, its answer lost, and the facilitator now refuses it.
 	EventPending = "payment_pending"
 	// EventFailed: a payment was refused or not settled (malformed, not verified, settlement refused, or the
 	// facilitator unreachable for verification); nothing was served for it. Reported too, with "async" true,

@@ -700,12 +700,40 @@ func (l *Ledger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) 
 		// Served under the offer's maximum (req); charged what the upstream named then, kept in the record.
 		charge.PaymentRequirements.Amount = rec.Amount
 	}
+	// resend: an earlier attempt may have reached a remote facilitator and settled the payment, its answer lost; a
+	// refusal now is then no proof that nothing settled (see fail).
+	resend := mayHaveSettled(rec)
+	if !g.cfg.Embedded && !resend {
+		// Written before the request goes, so that whoever settles the payment next (this process, or another
+		// after a restart or a takeover) knows this one may have reached the facilitator if its answer is lost.
+		// The engine knows what it sent, and answers from its own journal.
+		if err := l.noteAttempt(id, requestedSettlement(rq.Network, rec.Payer)); err != nil {
+			if l.ctx.Err() == nil && !errors.Is(err, errAdopted) {
+				log.Warn("recording that an async payment's settlement is requested, before requesting it; trying again", zap.Error(err))
+			}
+			return true
+		}
+	}
+	// nothingReached: this attempt surely reached no facilitator, or its answer says nothing was sent; the
+	// record no longer says it may have settled, so that a refusal of the next attempt is final.
+	nothingReached := func() {
+		if g.cfg.Embedded || resend {
+			return
+		}
+		if err := l.noteAttempt(id, nil); err != nil && l.ctx.Err() == nil && !errors.Is(err, errAdopted) {
+			log.Warn("recording that an async payment's settlement reached no facilitator; a refusal of it will be taken as of unknown outcome",
+				zap.Error(err))
+		}
+	}
 	ctx, cancel := context.WithTimeout(l.ctx, settleTimeout)
 	resp, err := g.fac.Settle(ctx, charge)
 	cancel()
 	log = log.With(zap.String("facilitator", g.cfg.FacilitatorName), zap.String("payer", rec.Payer), zap.String("amount", rec.Amount))
 	switch {
 	case err != nil:
+		if errors.Is(err, x402.ErrNotSent) {
+			nothingReached()
+		}
 		if l.ctx.Err() == nil {
 			log.Warn("background settlement: facilitator unreachable; retrying", zap.String("error", g.describe(err)))
 		}
@@ -727,6 +755,7 @@ func (l *Ledger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) 
 			l.fail(log, g, id, rec, req, resp, "an async payment was served but never settled: no settlement wallet could send it before its authorization expired; the resource went unpaid")
 			return false
 		}
+		nothingReached()
 		if st.noWallet == "" {
 			log.Warn("background settlement: no settlement wallet here can send it; retrying until its authorization expires (a payment bound to a wallet another instance holds is taken over by that instance)",
 				zap.String("message", resp.ErrorMessage), zap.String("bound_wallet", x402.BoundWallet(rq, req.PaymentPayload.Payload)),
@@ -738,6 +767,7 @@ func (l *Ledger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) 
 		// Sent and not final yet; a remote facilitator's failure after its broadcast too (see settleThenServe).
 		return true
 	case resp.ErrorReason == x402.ReasonUnexpectedSettleError && st.unexpected < asyncUnexpectedLimit:
+		nothingReached() // a failure naming no transaction: nothing was sent (see x402.SettleResponse.OutcomeUnknown)
 		st.unexpected++
 		log.Warn("background settlement failed unexpectedly; retrying", zap.String("reason", resp.ErrorMessage))
 		return true
@@ -753,9 +783,28 @@ func (l *Ledger) settleAttempt(log *zap.Logger, id journal.ID, st *settleState) 
 // fail records the final failure of a served async payment (settlement refused, or never possible before its
 // deadline): its record becomes final with resp, which says why, so that it leaves the backlog and no longer
 // counts against its payer; the failure is logged at error level with what, and reported as payment_failed. req
-// is the payment as it was served (an upto one at its maximum, as it was held).
+// is the payment as it was served (an upto one at its maximum, as it was held); rec, its record as this attempt
+// found it.
+//
+// A record that says an earlier attempt may have reached a remote facilitator (mayHaveSettled) makes the failure
+// no proof that nothing settled: a facilitator that keeps no journal of the settlement it made refuses the
+// payment then, its nonce spent ("nonce already used"), and an expired authorization may have been settled in
+// time. The payment's outcome is then not known, and said so: its record becomes final as settlement requested
+// and not answered (the payment presented again gets the response it may have paid for, never a 402 asking to
+// pay again), the operator is told at error level to check the chain, and it is reported as settle-unreachable
+// (payment_pending), never as a resource that went unpaid.
 func (l *Ledger) fail(log *zap.Logger, g *Gate, id journal.ID, rec journal.Record, req x402.SettleRequest, resp x402.SettleResponse, what string) {
-	l.finalise(log, id, resp)
+	rq := req.PaymentRequirements
+	final, outcome := resp, x402.OutcomeSettleFailed
+	if mayHaveSettled(rec) {
+		final = *requestedSettlement(rq.Network, rec.Payer)
+		final.ErrorMessage = fmt.Sprintf("outcome not known: an earlier request to settle the payment may have reached the facilitator and settled it, its answer lost; then %s: %s",
+			resp.ErrorReason, resp.ErrorMessage)
+		outcome = x402.OutcomeSettleUnreachable
+		what = "an async payment was served and the outcome of its settlement is not known: an earlier request to settle it may have reached the facilitator and settled it, its answer lost, " +
+			"and the payment is now refused, as a payment that settled already is; check the chain for its transfer before taking the resource as unpaid"
+	}
+	l.finalise(log, id, final)
 	log.Error(what, zap.String("reason", resp.ErrorReason), zap.String("message", resp.ErrorMessage), zap.String("tx", resp.Transaction))
 	if g == nil {
 		return
@@ -768,14 +817,34 @@ func (l *Ledger) fail(log *zap.Logger, g *Gate, id journal.ID, rec journal.Recor
 	if g.cfg.Event == nil {
 		return
 	}
-	rq := req.PaymentRequirements
-	g.cfg.Event(nil, EventFailed, func() map[string]any {
+	g.cfg.Event(nil, outcomeEvents[outcome], func() map[string]any {
 		return map[string]any{
 			"network": rq.Network, "asset": rq.Asset, "amount": rec.Amount, "pay_to": rq.PayTo,
 			"method": x402.TransferMethod(rq, req.PaymentPayload.Payload), "payer": rec.Payer, "async": true,
-			"outcome": string(x402.OutcomeSettleFailed), "reason": resp.ErrorReason, "payment": id.String(),
+			"outcome": string(outcome), "reason": resp.ErrorReason, "payment": id.String(),
 		}
 	})
+}
+
+// mayHaveSettled reports whether the record of an async payment not settled yet says an earlier attempt of its
+// settlement may have reached a remote facilitator, and no answer of it was had: it may have settled.
+func mayHaveSettled(rec journal.Record) bool {
+	return rec.Response != nil && rec.Response.OutcomeUnknown()
+}
+
+// noteAttempt writes into the record of an async payment what an attempt of its settlement leaves known: resp,
+// the settlement requested (written before a request to a remote facilitator goes), or nil, nothing reached a
+// facilitator. A record final, or taken over by another instance, is left as it is: errAdopted.
+func (l *Ledger) noteAttempt(id journal.ID, resp *x402.SettleResponse) error {
+	_, shared := l.store.(journal.Cluster)
+	_, err := l.store.Update(l.ctx, id, func(r *journal.Record) error {
+		if r.State == journal.StateFinal || (shared && r.Owner != l.owner) {
+			return errAdopted
+		}
+		r.Response = resp
+		return nil
+	})
+	return err
 }
 
 // expire finishes a served async payment that no facilitator can settle any more: no configured gate's

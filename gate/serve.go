@@ -420,20 +420,28 @@ func (x *exchange) requestAgain() error {
 
 // settlementRequested is the answer recorded of a settlement requested and not answered yet.
 func (x *exchange) settlementRequested() *x402.SettleResponse {
-	return &x402.SettleResponse{Success: false, Network: x.req.PaymentRequirements.Network, Payer: x.payer,
+	return requestedSettlement(x.req.PaymentRequirements.Network, x.payer)
+}
+
+// requestedSettlement is the answer recorded of a settlement on network of payer's payment, requested and not
+// answered yet: its outcome is not known (x402.SettleResponse.OutcomeUnknown).
+func requestedSettlement(network, payer string) *x402.SettleResponse {
+	return &x402.SettleResponse{Success: false, Network: network, Payer: payer,
 		ErrorReason: x402.ReasonSettlementPending, ErrorMessage: "settlement requested; its outcome is not known yet"}
 }
 
 // serveAsyncAgain serves an async payment whose first response was cut short (the client went, the write
 // failed, the process died before it could record the response as delivered). Its settlement runs in the
-// background, from the journal, whatever happens here; only a settlement already refused stops it.
+// background, from the journal, whatever happens here; only a settlement already refused stops it. One whose
+// outcome the background settlement could not learn (an earlier attempt may have settled it, see Ledger.fail) is
+// served: its payer may have paid for it.
 func (x *exchange) serveAsyncAgain(rec journal.Record) error {
 	rq := x.req.PaymentRequirements
 	resp := x402.SettleResponse{Success: false, Network: rq.Network, Payer: x.payer, ErrorReason: x402.ReasonSettlementPending,
 		ErrorMessage: "the payment was accepted and is being settled in the background"}
 	if rec.Response != nil && rec.State == journal.StateFinal {
 		resp = *rec.Response
-		if !resp.Success {
+		if !resp.Success && !resp.OutcomeUnknown() {
 			return x.settleFailed(resp)
 		}
 	}
