@@ -519,6 +519,15 @@ func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, r
 			zap.String("tx", receipt.TxHash.Hex()), zap.Bool("success", resp.Success), zap.Uint64("block", receipt.BlockNumber.Uint64()))
 		return resp
 	}
+	if deadline, minedAt, ok := f.expiredInFlight(ctx, n, id, receipt); ok {
+		// Not the payer's doing: the chain's time ran past a deadline this engine judged far enough, while the
+		// transaction waited to be mined. The payer is not refused for it.
+		f.log.Error("settlement transaction reverted: its payment's deadline passed while it waited to be mined; the settlement wallet paid its gas and no tokens moved",
+			zap.String("network", n.caip2), zap.String("payer", payer), zap.String("amount", amount), zap.String("tx", receipt.TxHash.Hex()),
+			zap.Uint64("block", receipt.BlockNumber.Uint64()), zap.Uint64("block_time", minedAt), zap.Int64("deadline", deadline),
+			zap.Uint64("gas_used", receipt.GasUsed))
+		return resp
+	}
 	// The settlement passed its simulation, run as the transaction ran, and reverted on chain: the settlement
 	// wallet paid the gas and no token moved. The payer's state changed in between (see penalties): its
 	// payments are refused for a while.
@@ -528,6 +537,32 @@ func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, r
 		zap.Uint64("block", receipt.BlockNumber.Uint64()), zap.Uint64("gas_used", receipt.GasUsed), zap.Time("refused_until", pen.until),
 		zap.Int("reverts", pen.reverts))
 	return resp
+}
+
+// expiredInFlight reports whether the reverted settlement of payment id was mined in a block stamped past the
+// payment's deadline: the transaction waited while the chain's time ran past it (a chain that seals a block per
+// batch of transactions runs ahead of the clock under load, a second a block), which is no doing of the payer's,
+// whatever else may also have made it revert. It reports false when the record or the block cannot be read.
+func (f *Facilitator) expiredInFlight(ctx context.Context, n *network, id journal.ID, receipt *types.Receipt) (deadline int64, minedAt uint64, ok bool) {
+	rec, found, err := f.journal.Get(context.WithoutCancel(ctx), id)
+	if err != nil || !found {
+		return 0, 0, false
+	}
+	var req x402.SettleRequest
+	if err := json.Unmarshal(rec.Request, &req); err != nil {
+		return 0, 0, false
+	}
+	d := req.PaymentPayload.Payload.Deadline()
+	if d.IsZero() {
+		return 0, 0, false
+	}
+	hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), n.timeout)
+	defer cancel()
+	head, err := n.backend.HeaderByNumber(hctx, receipt.BlockNumber)
+	if err != nil || head == nil {
+		return 0, 0, false
+	}
+	return d.Unix(), head.Time, head.Time > uint64(max(d.Unix(), 0))
 }
 
 // answerFromJournal answers a payment someone already claimed: the recorded final answer, or the outcome of the
