@@ -232,3 +232,51 @@ func busyOwner(dsn string, id journal.ID) (string, error) {
 	}
 	return owner, err
 }
+
+// TestALeftHoldIsNotTakenFromALaterPresentation: as above, but the payment is presented again as soon as the
+// database is back, before the release the outage lost is tried again, and is served; its settlement waits for
+// its block. The hold it took over (the same row) must stay until the settlement is mined: a retried release
+// that deleted the payment's hold regardless would leave a served, unsettled payment counting nothing against
+// its payer.
+func TestALeftHoldIsNotTakenFromALaterPresentation(t *testing.T) {
+	srv := pgtest.Start(t)
+	st, err := journal.OpenPostgres(context.Background(), srv.DSN(), journal.Options{OpenTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	c := chaintest.New(t) // blocks are sealed by the test
+	var stopped atomic.Bool
+	e := newEnv(t, setup{settle: gate.SettleAsync, journal: st, chain: c, config: func(c *gate.Config) {
+		c.Event = func(r *http.Request, name string, data func() map[string]any) {
+			if name == gate.EventVerified && stopped.CompareAndSwap(false, true) {
+				srv.Stop(t)
+			}
+		}
+	}})
+	payer := c.Payers[0]
+	h := e.permit2(payer)
+	before := e.balances(payer)
+	gateID, engineID := paymentIDs(t, e, h)
+	if a := e.get(x402.HeaderPaymentSignature, h); a.status != http.StatusBadGateway {
+		t.Fatalf("the payment with the journal stopping = %d %q; want 502, nothing charged", a.status, a.body)
+	}
+	srv.Restart(t)
+	if a := e.get(x402.HeaderPaymentSignature, h); a.status != http.StatusOK || a.body != "paid content" {
+		t.Fatalf("presented again once the database is back = %d %q; want 200 with the content", a.status, a.body)
+	}
+	waitRecord(t, st, gateID, "the gate's record served", func(r journal.Record) bool { return r.Served })
+	time.Sleep(2 * time.Second) // the leftovers are tried again meanwhile
+	if mined, err := holdMined(srv.DSN(), engineID); err != nil || mined != "0" {
+		t.Fatalf("the served payment's hold, its settlement not mined, reads %q (%v); want it held", mined, err)
+	}
+	t.Cleanup(c.AutoCommit(5 * time.Millisecond))
+	deadline := time.Now().Add(10 * time.Second)
+	for lost, _ := e.paid(payer, before); lost.Int64() != price; lost, _ = e.paid(payer, before) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the payment presented again did not settle: the payer lost %s", lost)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	waitNoHoldLeft(t, srv.DSN(), engineID)
+}
