@@ -170,11 +170,17 @@ func (f *Facilitator) VerifyAndHold(ctx context.Context, req x402.VerifyRequest)
 }
 
 // Release lets go of the hold VerifyAndHold placed on a payment that is not going to be settled: its upstream
-// failed, or its gate gave up settling it. req may name the amount to settle instead of an upto maximum.
-func (f *Facilitator) Release(req x402.VerifyRequest) {
+// failed, or its gate gave up settling it. req may name the amount to settle instead of an upto maximum. An
+// error says the shared holds' database did not take it: the hold stays until its deadline unless the caller
+// lets it go again later, when it knows no later presentation of the payment took the hold over (see
+// gate.Ledger's leftovers).
+func (f *Facilitator) Release(req x402.VerifyRequest) error {
 	if p, ref := f.parse(req, true); ref == nil {
-		p.net.funds.let(p.id)
+		if err := p.net.funds.let(p.id); err != nil {
+			return fmt.Errorf("releasing the funds hold of %s: %w", p.id, err)
+		}
 	}
+	return nil
 }
 
 // HoldServed holds a payment a gate served before settling it, and has not settled yet, against the payer's

@@ -59,8 +59,12 @@ type Ledger struct {
 	// at a time (see serveFirst).
 	debts  map[string]*payerDebt
 	owedBy map[journal.ID]string
-	// pruning: the prune loop runs (see pruneLoop); adopting: the adopt loop does (see adoptLoop).
-	pruning, adopting bool
+	// leftovers are what requests could not clear in a shared journal for an outage (see leaveBehind); the
+	// leftover loop runs while there are any.
+	leftovers map[journal.ID]*leftover
+	// pruning: the prune loop runs (see pruneLoop); adopting: the adopt loop does (see adoptLoop); tidying:
+	// the leftover loop does (see leftoverLoop).
+	pruning, adopting, tidying bool
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -115,7 +119,7 @@ func joinLedger(store journal.Store, owner string, log *zap.Logger) *Ledger {
 	ctx, cancel := context.WithCancel(context.Background())
 	l := &Ledger{
 		store: store, owner: owner, log: log, now: time.Now, users: journalUsersOf(store),
-		inflight: map[journal.ID]uint64{}, settling: map[journal.ID]struct{}{},
+		inflight: map[journal.ID]uint64{}, settling: map[journal.ID]struct{}{}, leftovers: map[journal.ID]*leftover{},
 		debts: map[string]*payerDebt{}, owedBy: map[journal.ID]string{},
 		slots: make(chan struct{}, asyncConcurrency), ctx: ctx, cancel: cancel, refs: 1,
 	}
@@ -256,7 +260,9 @@ func (l *Ledger) release(id journal.ID) {
 		// one is gone; until then, a request elsewhere presenting the payment is told to wait.
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		if err := c.Idle(ctx, id); err != nil {
-			l.log.Warn("clearing the journal's in-flight mark of a payment", zap.String("payment", id.String()), zap.Error(err))
+			l.log.Warn("clearing the journal's in-flight mark of a payment; trying again once the journal is back",
+				zap.String("payment", id.String()), zap.Error(err))
+			l.leaveBehind(id, nil, time.Time{})
 		}
 		cancel()
 	}
@@ -812,7 +818,10 @@ func (l *Ledger) fail(log *zap.Logger, g *Gate, id journal.ID, rec journal.Recor
 	if h, ok := g.fac.(fundsHolder); ok {
 		// Given up: what it held against the payer's funds is the payer's again (the facilitator let go already
 		// of a refusal it knows to be final, not of one it would retry).
-		h.Release(req)
+		if err := h.Release(req); err != nil {
+			// Its record is final: the hold ends at the payment's deadline (the engine prunes it).
+			log.Warn("letting go of a failed payment's funds hold", zap.Error(err))
+		}
 	}
 	if g.cfg.Event == nil {
 		return

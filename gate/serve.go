@@ -314,7 +314,7 @@ type fundsHolder interface {
 	// HoldServed holds a payment served before a restart, unsettled, without verifying it again (see
 	// Ledger.settleAll).
 	HoldServed(ctx context.Context, req x402.SettleRequest) error
-	Release(req x402.VerifyRequest)
+	Release(req x402.VerifyRequest) error
 }
 
 // verify asks the facilitator about the payment; in settle async, holding it against the payer's funds.
@@ -327,9 +327,15 @@ func (x *exchange) verify() (x402.VerifyResponse, error) {
 
 // unhold lets go of the hold verify placed on a payment that will not be settled after all (the upstream
 // failed, or the journal could not record it), in settle async and in its fallback once the backlog is full.
+// A release the journal did not take (an outage) is tried again once it is back (see Ledger.leaveBehind).
 func (x *exchange) unhold() {
-	if x.g.holder != nil {
-		x.g.holder.Release(x.req)
+	if x.g.holder == nil {
+		return
+	}
+	if err := x.g.holder.Release(x.req); err != nil {
+		x.g.logger.Warn("letting go of a payment's funds hold; trying again once the journal is back", zap.Error(err))
+		h, req := x.g.holder, x.req
+		x.g.ledger.leaveBehind(x.id, func() error { return h.Release(req) }, x.req.PaymentPayload.Payload.Deadline())
 	}
 }
 
