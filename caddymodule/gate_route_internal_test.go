@@ -56,3 +56,15 @@ func TestAGatesRouteStaysThroughAChangeOfItsTermsAndTellsGatesConfiguredAlikeApa
 		}
 	}
 }
+
+// A reload that changes a gate's price and, with it, a setting of how it answers (max_buffer, cors_origins,
+// async_backlog, payment_header, v1_body) keeps its route: a payment settled and cut short before the reload is
+// judged by its record after it (found by a review of issue 28: such a reload answered it 402 value_mismatch).
+func TestAGatesRouteStaysThroughAReloadOfItsPriceAndHowItAnswers(t *testing.T) {
+	before := routesOf(t, &Gate{GateAccept: GateAccept{Amount: "100", PayTo: "0x01"}, MaxBuffer: 1 << 20})
+	tuned := &Gate{GateAccept: GateAccept{Amount: "200", PayTo: "0x01"}, MaxBuffer: 2 << 20, AsyncBacklog: 7,
+		CORSOrigins: []string{"https://a.example"}, PaymentHeader: "X-Pay", V1Body: true}
+	if after := routesOf(t, tuned); after[0] != before[0] {
+		t.Errorf("the route after a reload of the price and how the gate answers: %q, before %q", after[0], before[0])
+	}
+}
