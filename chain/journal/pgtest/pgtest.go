@@ -18,6 +18,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/url"
 	"os"
@@ -157,10 +158,21 @@ func (s *Server) Restart(t testing.TB) {
 	if err := s.halt("fast"); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.run(); err != nil {
+	// Another process may have bound the port while the server was down (a client connection's local port, a
+	// test's listener): wait a while for it to be let go.
+	var err error
+	for deadline := time.Now().Add(restartWait); ; time.Sleep(200 * time.Millisecond) {
+		if err = s.run(); err == nil || time.Now().After(deadline) {
+			break
+		}
+	}
+	if err != nil {
 		t.Fatal(err)
 	}
 }
+
+// restartWait is how long Restart waits for the server's port to be free again.
+const restartWait = 30 * time.Second
 
 func (s *Server) needOwn(t testing.TB) {
 	t.Helper()
@@ -323,13 +335,40 @@ func version(dir string) float64 {
 	return v
 }
 
+// freePort finds a port free now for a server, below the range the system draws the local ports of outgoing
+// connections and of listeners on port 0 from (ephemeralLow): a server stopped and started again by a test
+// (Restart) must find its port free again, and a port of that range can be taken meanwhile by any connection
+// of any process. It falls back to a port of the system's choosing.
 func freePort() (int, error) {
+	if low := ephemeralLow(); low > 20000 {
+		for range 50 {
+			port := 16384 + rand.IntN(low-16384)
+			if l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port)); err == nil {
+				l.Close()
+				return port, nil
+			}
+		}
+	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, fmt.Errorf("pgtest: find a free port: %w", err)
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// ephemeralLow is the lowest local port the system gives outgoing connections (Linux); 0 when unknown.
+func ephemeralLow() int {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return 0
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return 0
+	}
+	n, _ := strconv.Atoi(f[0])
+	return n
 }
 
 func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }

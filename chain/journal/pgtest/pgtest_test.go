@@ -2,7 +2,10 @@ package pgtest
 
 import (
 	"context"
+	"fmt"
+	"net"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -60,4 +63,22 @@ func TestSharedGivesEachTestAFreshDatabase(t *testing.T) {
 	}
 	ping(t, a)
 	ping(t, b)
+}
+
+// TestARestartedServerWaitsForItsPortToBeFreeAgain: a port taken while the server was stopped (the money-invariant
+// run's PostgreSQL fault met a connection of a test running beside it, which had been given that port as its
+// local one) delays the restart; it does not fail it. The port is chosen below the range such ports come from.
+func TestARestartedServerWaitsForItsPortToBeFreeAgain(t *testing.T) {
+	s := Start(t)
+	if low := ephemeralLow(); low > 20000 && s.Port() >= low {
+		t.Errorf("the server listens on %d, in the range (from %d) the system takes the local ports of connections from", s.Port(), low)
+	}
+	s.Stop(t)
+	l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", s.Port()))
+	if err != nil {
+		t.Fatalf("taking the stopped server's port: %v", err)
+	}
+	go func() { time.Sleep(time.Second); l.Close() }()
+	s.Restart(t)
+	ping(t, s.DSN())
 }
