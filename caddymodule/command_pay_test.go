@@ -4,6 +4,7 @@ import (
 	"math/big"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ethereum/go-ethereum/common"
 
@@ -122,8 +123,15 @@ func TestPaySignsAPaymentValidAtMostMaxValidityAndRefusesOneThatNeverExpires(t *
 	fx := newPayFixture(t, x402.Version2)
 	payer := fx.c.Payers[1]
 	fx.c.Approve(payer, contracts.Permit2Address, big.NewInt(commandPrice))
+	// signedAt is the time a payment is dated from: the later of the chain's head and the wall clock (a block
+	// may be sealed, and the clock cross a second, while pay runs).
+	signedAt := func() int64 { return max(int64(fx.c.HeadTime()), time.Now().Unix()) }
+	// deadline is how long past the time it was signed at the payment pay signs is valid, or the nearest to
+	// want of the values the signing window allows.
+	var want int64
 	deadline := func(args ...string) (int64, string) {
 		t.Helper()
+		from := signedAt()
 		stdout, stderr, err := runX402(t, "", append([]string{"pay", "--sign-only", "--key", accountHex(payer), "--rpc", fx.c.RPCURL}, append(args, fx.url)...)...)
 		if err != nil {
 			t.Fatalf("pay --sign-only %v: %v\n%s", args, err, stderr)
@@ -133,13 +141,19 @@ func TestPaySignsAPaymentValidAtMostMaxValidityAndRefusesOneThatNeverExpires(t *
 			t.Fatal(err)
 		}
 		d, _ := new(big.Int).SetString(p.Payload.Permit2Authorization.Deadline, 10)
-		return d.Int64() - int64(fx.c.HeadTime()), stderr
+		to := signedAt()
+		if got := d.Int64() - want; got >= from && got <= to {
+			return want, stderr
+		}
+		return d.Int64() - to, stderr
 	}
 
 	fx.onlyPermit2(func(r *x402.PaymentRequirements) { r.MaxTimeoutSeconds = 100_000_000_000 })
+	want = 600
 	if got, stderr := deadline(); got != 600 || !strings.Contains(stderr, "the server asks for a payment valid 100000000000 s; signed valid for 10m0s") {
 		t.Errorf("a 402 asking 10^11 s got a payment valid %d s after the chain's time, want 600 (the default cap), and a note:\n%s", got, stderr)
 	}
+	want = 120
 	if got, _ := deadline("--max-validity", "2m"); got != 120 {
 		t.Errorf("--max-validity 2m signed a payment valid %d s, want 120", got)
 	}
