@@ -2,7 +2,6 @@ package chain
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -544,8 +543,8 @@ func (p *payment) parsePermit2(pp x402.PaymentPayload, sigErr error, settling bo
 	}); ref != nil {
 		return ref
 	}
-	if raw, ok := pp.Extensions[x402.ExtensionEIP2612GasSponsoring]; ok {
-		p.sponsor = p.parseSponsor(raw)
+	if info, ok, err := pp.GasSponsoring(); ok {
+		p.sponsor = p.parseSponsor(info, err)
 	}
 	// exact and upto payments share one id space: both spend the payer's Permit2 nonce, from the one bitmap of
 	// the canonical Permit2 whichever proxy sends them, so one nonce is one payment. An upto payment settled for
@@ -555,23 +554,20 @@ func (p *payment) parsePermit2(pp x402.PaymentPayload, sigErr error, settling bo
 	return nil
 }
 
-// parseSponsor reads the eip2612GasSponsoring extension. Its problems are kept, not returned: they matter only
-// when the payer has not approved Permit2 already.
-func (p *payment) parseSponsor(raw json.RawMessage) *sponsorPermit {
-	var ext struct {
-		Info *x402.EIP2612GasSponsoringInfo `json:"info"`
-	}
+// parseSponsor reads the eip2612GasSponsoring extension's info (decodeErr: it did not decode). Its problems are
+// kept, not returned: they matter only when the payer has not approved Permit2 already.
+func (p *payment) parseSponsor(info *x402.EIP2612GasSponsoringInfo, decodeErr error) *sponsorPermit {
 	sp := &sponsorPermit{}
-	if err := json.Unmarshal(raw, &ext); err != nil || ext.Info == nil {
-		sp.err = refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "extensions.eip2612GasSponsoring must be {\"info\":{from, asset, spender, amount, nonce, deadline, signature, version}}")
+	if decodeErr != nil {
+		sp.err = refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "%v", decodeErr)
 		return sp
 	}
-	permit, token, err := permitFromGasSponsoring(ext.Info)
+	permit, token, err := permitFromGasSponsoring(info)
 	if err != nil {
 		sp.err = refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "extensions.%v", err)
 		return sp
 	}
-	if sp.sig, err = ParseSignature(ext.Info.Signature); err != nil {
+	if sp.sig, err = ParseSignature(info.Signature); err != nil {
 		sp.err = refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "extensions.eip2612GasSponsoring.info.signature: %v", err)
 		return sp
 	}

@@ -1,6 +1,7 @@
 package facilitatorclient
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -319,10 +320,10 @@ type want struct {
 func wantOf(req x402.VerifyRequest) want {
 	r, acc := req.PaymentRequirements, req.PaymentPayload.Accepted
 	w := want{
-		version: cmpOr(req.PaymentPayload.X402Version, req.X402Version),
-		scheme:  cmpOr(r.Scheme, acc.Scheme),
-		network: cmpOr(r.Network, acc.Network),
-		method:  cmpOr(r.Extra.AssetTransferMethod, acc.Extra.AssetTransferMethod),
+		version: cmp.Or(req.PaymentPayload.X402Version, req.X402Version),
+		scheme:  cmp.Or(r.Scheme, acc.Scheme),
+		network: cmp.Or(r.Network, acc.Network),
+		method:  cmp.Or(r.Extra.AssetTransferMethod, acc.Extra.AssetTransferMethod),
 	}
 	if p := req.PaymentPayload.Payload; w.method == "" {
 		switch {
@@ -336,14 +337,6 @@ func wantOf(req x402.VerifyRequest) want {
 	rq.Scheme, rq.Extra.AssetTransferMethod = w.scheme, w.method
 	w.spender = x402.BoundWallet(rq, req.PaymentPayload.Payload)
 	return w
-}
-
-func cmpOr[T comparable](a, b T) T {
-	var zero T
-	if a != zero {
-		return a
-	}
-	return b
 }
 
 func (w want) String() string {
@@ -402,7 +395,7 @@ func kindsText(kinds []x402.SupportedKind) string {
 			parts = append(parts, fmt.Sprintf("and %d more", len(kinds)-most))
 			break
 		}
-		method := cmpOr(k.Extra.AssetTransferMethod, "-")
+		method := cmp.Or(k.Extra.AssetTransferMethod, "-")
 		parts = append(parts, fmt.Sprintf("%s/%s on %s v%d", k.Scheme, method, k.Network, k.X402Version))
 	}
 	return strings.Join(parts, ", ")

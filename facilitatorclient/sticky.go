@@ -1,6 +1,7 @@
 package facilitatorclient
 
 import (
+	"cmp"
 	"container/list"
 	"crypto/sha256"
 	"encoding/binary"
@@ -72,7 +73,7 @@ func stickyKey(req x402.VerifyRequest) string {
 		return ""
 	}
 	rq, acc := req.PaymentRequirements, req.PaymentPayload.Accepted
-	fields := []string{cmpOr(rq.Network, acc.Network), x402.TransferMethod(rq, p), cmpOr(rq.Asset, acc.Asset)}
+	fields := []string{cmp.Or(rq.Network, acc.Network), x402.TransferMethod(rq, p), cmp.Or(rq.Asset, acc.Asset)}
 	switch a, a2 := p.Authorization, p.Permit2Authorization; {
 	case a2 != nil:
 		fields = append(fields, "permit2Authorization", a2.From, a2.Permitted.Token, a2.Permitted.Amount, a2.Spender,

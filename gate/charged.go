@@ -29,10 +29,6 @@ func (x *exchange) namesMoreThanCharged(up *upstream) (named string, more bool) 
 	if !x.upto() || !x.chargeRecorded {
 		return "", false
 	}
-	if x.decimals == 0 {
-		// A payment judged by its record matched no offer of the route, which is where decimals come from.
-		x.decimals = x.assetDecimals(x.req.PaymentRequirements)
-	}
 	values, inTrailer := up.rec.chargeNamed()
 	named = x.namedCharge(values, inTrailer)
 	n, errNamed := x402.ParseAmount(named)

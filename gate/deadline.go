@@ -2,13 +2,9 @@ package gate
 
 import (
 	"context"
-	"encoding/json"
-	"math/big"
 	"time"
 
 	"go.uber.org/zap"
-
-	"github.com/x402-gateway/caddy-x402/x402"
 )
 
 // asyncSettleMargin is how long a settle async payment's authorization must stay valid, past the earliest time
@@ -32,7 +28,7 @@ type nextBlockTimer interface {
 // and by the gate's clock for a remote facilitator, which the gate cannot ask. When it does not, the payment is
 // logged and the caller settles it before serving it.
 func (x *exchange) roomToSettleAfterServing() bool {
-	deadline := settlementDeadline(x.req.PaymentPayload)
+	deadline := x.req.PaymentPayload.SettlementDeadline()
 	if deadline.IsZero() {
 		return true // no deadline the gate can read: the facilitator judged the payment, and its settlement will
 	}
@@ -50,26 +46,4 @@ func (x *exchange) roomToSettleAfterServing() bool {
 		zap.String("payment", x.id.String()), zap.String("payer", x.payer), zap.Time("deadline", deadline),
 		zap.Time("settles_at", at), zap.Duration("margin", asyncSettleMargin))
 	return false
-}
-
-// settlementDeadline is the last moment the payment can be settled: its authorization's deadline (the permit2
-// deadline, or the erc2612 and eip3009 validBefore), or, when earlier, the deadline of the EIP-2612 permit its
-// eip2612GasSponsoring extension carries, which its settlement needs unless the payer approved Permit2 already.
-// Zero when the payment names no deadline that reads.
-func settlementDeadline(p x402.PaymentPayload) time.Time {
-	deadline := p.Payload.Deadline()
-	raw, ok := p.Extensions[x402.ExtensionEIP2612GasSponsoring]
-	if !ok || deadline.IsZero() {
-		return deadline
-	}
-	var ext struct {
-		Info *x402.EIP2612GasSponsoringInfo `json:"info"`
-	}
-	if json.Unmarshal(raw, &ext) != nil || ext.Info == nil {
-		return deadline // malformed: refused by the facilitator when the settlement needs it
-	}
-	if d, ok := new(big.Int).SetString(ext.Info.Deadline, 10); ok && d.Sign() >= 0 && d.IsInt64() && d.Int64() < deadline.Unix() {
-		return time.Unix(d.Int64(), 0).UTC()
-	}
-	return deadline
 }

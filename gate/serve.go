@@ -383,6 +383,10 @@ func (x *exchange) presentedAgain(rec journal.Record, p presented) error {
 			"for that resource to receive it (it is not charged again), or sign a new payment for this one", shownResource(rec.Resource)))
 	}
 	x.req, x.id, x.payer = recorded, rec.ID, rec.Payer
+	if x.decimals == 0 {
+		// Judged by its record, the payment matched no offer of the route, which is where decimals come from.
+		x.decimals = x.assetDecimals(recorded.PaymentRequirements)
+	}
 	if x.upto() && rec.Amount != "" {
 		// Decided when the payment was first served: the upstream's answer now changes nothing, and a response
 		// that names more is not sent (namesMoreThanCharged).
@@ -418,15 +422,10 @@ func (x *exchange) requestAgain() error {
 		if r.Response != nil && r.Response.Success {
 			return errors.New("the payment's record says it settled meanwhile")
 		}
-		r.Response = x.settlementRequested()
+		r.Response = requestedSettlement(x.req.PaymentRequirements.Network, x.payer)
 		return nil
 	})
 	return err
-}
-
-// settlementRequested is the answer recorded of a settlement requested and not answered yet.
-func (x *exchange) settlementRequested() *x402.SettleResponse {
-	return requestedSettlement(x.req.PaymentRequirements.Network, x.payer)
 }
 
 // requestedSettlement is the answer recorded of a settlement on network of payer's payment, requested and not
@@ -484,7 +483,7 @@ func samePayload(a, b x402.ExactEVMPayload) bool {
 // again settles it from the journal and serves it.
 func (x *exchange) record() error {
 	return x.claim(context.WithoutCancel(x.r.Context()), func(r *journal.Record) {
-		r.State, r.Response = journal.StateFinal, x.settlementRequested()
+		r.State, r.Response = journal.StateFinal, requestedSettlement(x.req.PaymentRequirements.Network, x.payer)
 	})
 }
 

@@ -2,6 +2,7 @@ package x402
 
 import (
 	"encoding/json"
+	"errors"
 	"time"
 )
 
@@ -228,6 +229,38 @@ type EIP2612GasSponsoringInfo struct {
 	Deadline  string `json:"deadline"`
 	Signature string `json:"signature"`
 	Version   string `json:"version"`
+}
+
+// GasSponsoring decodes the payment's eip2612GasSponsoring extension: its info, or an error when the extension is
+// not {"info": {...}}; nil and ok false when the payment carries none.
+func (p PaymentPayload) GasSponsoring() (info *EIP2612GasSponsoringInfo, ok bool, err error) {
+	raw, ok := p.Extensions[ExtensionEIP2612GasSponsoring]
+	if !ok {
+		return nil, false, nil
+	}
+	var ext struct {
+		Info *EIP2612GasSponsoringInfo `json:"info"`
+	}
+	if err := json.Unmarshal(raw, &ext); err != nil || ext.Info == nil {
+		return nil, true, errors.New(`extensions.eip2612GasSponsoring must be {"info":{from, asset, spender, amount, nonce, deadline, signature, version}}`)
+	}
+	return ext.Info, true, nil
+}
+
+// SettlementDeadline is the last moment the payment can be settled: its authorization's Deadline, or, when
+// earlier, the deadline of the EIP-2612 permit its eip2612GasSponsoring extension carries, which its settlement
+// applies unless the payer approved Permit2 already. Zero when the authorization names no deadline that reads; an
+// extension that does not read leaves the authorization's (the facilitator refuses it, when it needs it).
+func (p PaymentPayload) SettlementDeadline() time.Time {
+	deadline := p.Payload.Deadline()
+	info, ok, err := p.GasSponsoring()
+	if !ok || err != nil || deadline.IsZero() {
+		return deadline
+	}
+	if d, err := parseUint256(info.Deadline); err == nil && d.IsInt64() && d.Int64() < deadline.Unix() {
+		return time.Unix(d.Int64(), 0).UTC()
+	}
+	return deadline
 }
 
 // VerifyRequest is the body of POST /verify. SettleRequest has the same shape.
