@@ -462,7 +462,7 @@ func (a *App) start() error {
 			return err
 		}
 		val, _, err := engines.LoadOrNew(key, func() (caddy.Destructor, error) {
-			return a.newEngine(specs)
+			return a.newEngine(context.Background(), specs)
 		})
 		if err != nil && a.chainDown(specs) {
 			return a.startWithoutChain(key, specs, err)
@@ -607,7 +607,7 @@ func (j *journalEntry) Destruct() error {
 // journalDrainWait bounds how long closing a journal waits for the requests at work on it.
 const journalDrainWait = 30 * time.Second
 
-func (a *App) newEngine(specs []networkSpec) (*engineEntry, error) {
+func (a *App) newEngine(ctx context.Context, specs []networkSpec) (*engineEntry, error) {
 	je, err := openJournal(a.Journal)
 	if err != nil {
 		return nil, err
@@ -622,7 +622,7 @@ func (a *App) newEngine(specs []networkSpec) (*engineEntry, error) {
 			_, _ = journals.Delete(a.Journal)
 		}
 	}()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	cfg := chain.Config{Journal: je.store, Owner: je.owner, Logger: a.logger.Named("facilitator")}
 	for _, s := range specs {
@@ -695,7 +695,14 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 }
 
 // Stop stops the app; what Start took up is let go of by Cleanup, once the next config (if any) has taken it over.
-func (*App) Stop() error { return nil }
+// An engine still waiting for its chain stops waiting here, before the handlers are cleaned up, so that none is
+// started after its Cleanup.
+func (a *App) Stop() error {
+	if a.wait != nil {
+		a.wait.stop()
+	}
+	return nil
+}
 
 // Cleanup lets go of this config's hold on the engine; the last holder stops it.
 func (a *App) Cleanup() error {

@@ -41,6 +41,9 @@ const chainRetryAfter = "5"
 type chainWait struct {
 	up   chan struct{} // closed once the engine is up and the hooks that need it ran (or failed: err)
 	quit chan struct{}
+	// ctx is cancelled by stop: it ends a try to start the engine under way.
+	ctx    context.Context
+	cancel context.CancelFunc
 
 	mu      sync.Mutex
 	stopped bool
@@ -117,6 +120,7 @@ func errorText(err error) string {
 // background. cause is why the engine did not start.
 func (a *App) startWithoutChain(key string, specs []networkSpec, cause error) error {
 	w := &chainWait{up: make(chan struct{}), quit: make(chan struct{}), since: time.Now()}
+	w.ctx, w.cancel = context.WithCancel(context.Background())
 	w.reason = a.downReason(specs, w.since, cause)
 	a.wait = w
 	a.logger.Error("starting without the chain: the paid routes answer 503 or 502 verify-unreachable with Retry-After "+
@@ -151,7 +155,7 @@ func (a *App) awaitChain(w *chainWait, key string, specs []networkSpec) {
 		}
 		pause = min(2*pause, chainRetryMax)
 		val, _, err := engines.LoadOrNew(key, func() (caddy.Destructor, error) {
-			return a.newEngine(specs)
+			return a.newEngine(w.ctx, specs)
 		})
 		if err != nil {
 			reason := a.downReason(specs, w.since, err)
@@ -164,6 +168,8 @@ func (a *App) awaitChain(w *chainWait, key string, specs []networkSpec) {
 			}
 			continue
 		}
+		// The hooks run under w.mu: stop (from App.Stop, before any handler's Cleanup) waits for them, and no
+		// hook starts a handler after it was cleaned up.
 		w.mu.Lock()
 		if w.stopped {
 			w.mu.Unlock()
@@ -171,7 +177,6 @@ func (a *App) awaitChain(w *chainWait, key string, specs []networkSpec) {
 			return
 		}
 		a.key, a.engine = key, val.(*engineEntry)
-		w.mu.Unlock()
 		err = a.runStarters(a.engineStarters)
 		if err != nil {
 			a.logger.Error("the chain answers, but the paid routes did not start", zap.Error(err))
@@ -180,16 +185,17 @@ func (a *App) awaitChain(w *chainWait, key string, specs []networkSpec) {
 			a.logger.Info("the chain answers: the embedded facilitator started and the paid routes take payments",
 				zap.Duration("down_for", time.Since(w.since).Round(time.Millisecond)))
 		}
-		w.mu.Lock()
 		w.err = err
-		w.mu.Unlock()
 		close(w.up)
+		w.mu.Unlock()
 		return
 	}
 }
 
-// stop ends the wait: the engine, if it starts after this, is let go of at once.
+// stop ends the wait: a try under way is cancelled, and the engine, if it starts after this, is let go of at once.
+// It waits for the start hooks if they are running.
 func (w *chainWait) stop() {
+	w.cancel()
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if !w.stopped {
