@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/chain"
@@ -246,6 +247,11 @@ func answerChainDown(w http.ResponseWriter, r *http.Request, paymentHeader strin
 	if hasPayment {
 		status, body = http.StatusBadGateway, `{"error":"the facilitator cannot reach its chain yet: the payment could not be verified",`+
 			`"outcome":"`+string(x402.OutcomeVerifyUnreachable)+`","retry":"the payment was not settled; the same payment may be sent again after Retry-After seconds"}`
+	}
+	if handlesErrors(r) {
+		// The server's handle_errors routes answer, as for the gate's other 502s; Retry-After is set already.
+		w.Header().Del("Content-Type")
+		return caddyhttp.Error(status, errors.New("the facilitator cannot reach its chain yet"))
 	}
 	w.WriteHeader(status)
 	_, err := w.Write([]byte(body + "\n"))

@@ -108,3 +108,18 @@ func TestAReloadWithTheChainDownKeepsTheOldConfigServing(t *testing.T) {
 	}
 	env.assertPaid(payer, before, 1)
 }
+
+// With handle_errors routes, the answers given while the chain is down are theirs to write, as the gate's other
+// 502s are, and keep their Retry-After.
+func TestAnswersWithTheChainDownGoToHandleErrors(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	env := startGateOn(t, c, gateSetup{rpc: "http://" + freeAddr(t),
+		site: "respond \"paid content\"\n\thandle_errors {\n\t\trespond \"custom {err.status_code}\"\n\t}"})
+	if a := env.get("/"); a.status != http.StatusServiceUnavailable || a.body != "custom 503" || a.header.Get("Retry-After") == "" {
+		t.Fatalf("without payment = %d %q Retry-After %q, want handle_errors' 503 with Retry-After", a.status, a.body, a.header.Get("Retry-After"))
+	}
+	a := env.get("/", x402.HeaderPaymentSignature, gateEncode(t, map[string]any{"x402Version": 2}))
+	if a.status != http.StatusBadGateway || a.body != "custom 502" || a.header.Get("Retry-After") == "" {
+		t.Fatalf("with a payment = %d %q Retry-After %q, want handle_errors' 502 with Retry-After", a.status, a.body, a.header.Get("Retry-After"))
+	}
+}
