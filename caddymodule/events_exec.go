@@ -90,13 +90,20 @@ func (h *EventsExec) Handle(ctx context.Context, e caddy.Event) error {
 	}
 }
 
-// runner runs queued commands one at a time until the config is unloaded. A config unloaded with commands
-// waiting drops them; a command already running finishes (or reaches its timeout).
+// runner runs queued commands one at a time until the config is unloaded, and then the commands still
+// waiting, so that a reload loses no event's command.
 func (h *EventsExec) runner(ctx caddy.Context) {
 	for {
 		select {
 		case <-ctx.Done():
-			return
+			for {
+				select {
+				case argv := <-h.queue:
+					h.run(argv)
+				default:
+					return
+				}
+			}
 		case argv := <-h.queue:
 			h.run(argv)
 		}
