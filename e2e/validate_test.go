@@ -35,24 +35,17 @@ func checkConfig(t *testing.T, dir string, env []string, config string) {
 // TestCaddyValidateBesideTheRunningQuickstartTouchesNoChainJournalOrPort starts Caddyfile.example as the
 // quick start does, then checks the same file with `caddy validate` and `caddy adapt --validate` from a second
 // process. Both exit 0, and they start no dev chain and bind no port: the first process's chain is the one
-// still answering on 8545 with the same head block, and its gate still sells a page for a settled payment.
+// still answering on its port with the same head block, and its gate still sells a page for a settled payment.
 func TestCaddyValidateBesideTheRunningQuickstartTouchesNoChainJournalOrPort(t *testing.T) {
 	needBinary(t)
-	for _, port := range []int{8080, 8081, 8545, 2019} {
-		if why := portTaken(port); why != "" {
-			t.Skipf("skipped: port %d is taken (%s); Caddyfile.example needs 8080, 8081, 8545 and the admin port 2019", port, why)
-		}
-	}
-	caddy := startProcess(t, "caddy run --config Caddyfile.example", repoRoot, childEnv(t), "run", "--config", "Caddyfile.example")
-	caddy.skipOnPortConflict = true
-	// A paid route answers once the x402 app (the dev chain with it) has started: Caddy starts its apps in no
-	// fixed order, so the free route may answer before.
-	caddy.waitUntil("a 402 on "+quickstartSite+"/paid/index.html", quickstartReady, answersWith(quickstartSite+"/paid/index.html", 402))
-	dev := dialChain(t, quickstartRPC)
+	holdExamplePorts(t) // as the README's main job would
+	q := newQuickstart(t)
+	caddy := q.start(t)
+	dev := dialChain(t, q.rpc)
 	head := dev.head()
 	sellerBefore := dev.balance(seller)
 
-	checkConfig(t, repoRoot, childEnv(t), "Caddyfile.example")
+	checkConfig(t, repoRoot, childEnv(t), q.config)
 
 	if !caddy.running() {
 		t.Fatal("the running Caddy exited while its config was validated")
@@ -60,7 +53,7 @@ func TestCaddyValidateBesideTheRunningQuickstartTouchesNoChainJournalOrPort(t *t
 	if h := dev.head(); h != head {
 		t.Errorf("the dev chain's head moved from %d to %d while nothing was paid: validation sent transactions", head, h)
 	}
-	pay := runCommand(t, 2*time.Minute, repoRoot, childEnv(t), caddyBin, "x402", "pay", "--dev", quickstartSite+"/paid/index.html")
+	pay := runCommand(t, 2*time.Minute, repoRoot, childEnv(t), caddyBin, "x402", "pay", "--dev", "--rpc", q.rpc, q.site+"/paid/index.html")
 	if pay.code != 0 || !strings.HasPrefix(pay.stdout, "HTTP/1.1 200 OK\n") {
 		t.Fatalf("paying the running gate after validation: exit %d\nstdout:\n%s\nstderr:\n%s", pay.code, pay.stdout, pay.stderr)
 	}
