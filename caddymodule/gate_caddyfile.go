@@ -68,6 +68,9 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // directive name
 	if d.NextArg() {
 		g.Price = d.Val()
+		if err := gateValueProblem("price", g.Price); err != nil {
+			return d.Errf("x402 %s: %v", g.Price, err)
+		}
 		if d.NextArg() {
 			return d.ArgErr()
 		}
@@ -249,6 +252,9 @@ func (a *GateAccept) unmarshalOption(d *caddyfile.Dispenser, opt string) (bool, 
 		return true, d.Errf("asset_transfer_method '%s': want %s, %s or %s", *dst, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 	case opt == "price" && a.Amount != "", opt == "amount" && a.Price != "":
 		return true, d.Err("give either price or amount, not both")
+	}
+	if err := gateValueProblem(opt, *dst); err != nil {
+		return true, d.Err(err.Error())
 	}
 	return true, nil
 }
