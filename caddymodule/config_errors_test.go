@@ -59,7 +59,7 @@ func TestBadPricesAmountsAddressesAndNetworksAreRefusedNamingTheirCaddyfileLine(
 	}
 	for _, tc := range []struct {
 		name, caddyfile, line string
-		texts              []string
+		texts                 []string
 	}{
 		{"a bare number as the gate's price", ":8080\n\nx402 /paid/* 10000 {\n\tpay_to " + lowerCase + "\n}\n", "Caddyfile:3",
 			[]string{`price "10000" is a bare number: write "$10000" for dollars, or amount 10000 for raw token units`}},
