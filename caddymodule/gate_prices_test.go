@@ -66,8 +66,8 @@ func (env *gateEnv) pricesCaddyfile(price, grace string, up *testUpstream) strin
 
 {{ADDR}} {
 	map {path} {price} {
-		~^/cheap/ 0.001
-		~^/dear/ 0.05
+		~^/cheap/ "0.001 USD"
+		~^/dear/ $$0.05
 		/broken $abc
 		default $0.01
 	}
