@@ -348,3 +348,26 @@ func TestAReloadToARefusedConfigLeavesTheRunningOneServing(t *testing.T) {
 		})
 	}
 }
+
+// A price finer than the token it is paid in is refused at its line, by the decimals the x402 option gives the
+// token (6 when it names none), wherever the way to pay takes its token from.
+func TestAPriceFinerThanItsTokenIsRefusedAtItsLine(t *testing.T) {
+	global := "{\n\tx402 {\n\t\tnetwork eip155:723487 {\n\t\t\tasset " + lowerCase + " decimals 18\n\t\t}\n\t\tnetwork eip155:8453 {\n\t\t\tasset " + upperCase + "\n\t\t}\n\t}\n}\n\n"
+	gate := func(lines ...string) string {
+		return global + ":8080\n\nx402 {\n\tpay_to " + lowerCase + "\n" + strings.Join(lines, "\n") + "\n}\n"
+	}
+	for _, tc := range []struct{ name, caddyfile, line string }{
+		{"of the default 6-decimal token, no x402 option", ":8080\n\nx402 /paid/* $0.0000001 {\n\tpay_to " + lowerCase + "\n\tnetwork eip155:723487\n\tasset " + lowerCase + "\n}\n", "Caddyfile:3"},
+		{"of the network's 6-decimal token", gate("\tnetwork eip155:8453", "\tprice $0.0000001"), "Caddyfile:17"},
+		{"inherited by an accept block on the 6-decimal token", gate("\tprice $0.0000001", "\taccept {", "\t\tnetwork eip155:8453", "\t}"), "Caddyfile:16"},
+		{"of an accept block's own", gate("\tprice $0.01", "\taccept {", "\t\tnetwork eip155:8453", "\t\tprice $0.00000001", "\t}"), "Caddyfile:19"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			adaptError(t, tc.caddyfile, tc.line, "decimal places but the token has only 6")
+		})
+	}
+	// The first network's 18-decimal token takes it.
+	if _, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(gate("\tprice $0.0000001")), map[string]any{"filename": "Caddyfile"}); err != nil {
+		t.Fatalf("a price of 7 decimal places in an 18-decimal token: %v", err)
+	}
+}

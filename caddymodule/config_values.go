@@ -1,10 +1,14 @@
 package caddymodule
 
 import (
+	"cmp"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"regexp"
 	"strings"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -96,4 +100,46 @@ func walletKeysSource(entry string, i, n int) string {
 		return "the keys written out"
 	}
 	return fmt.Sprintf("entry %d of %d", i+1, n)
+}
+
+// pricePrecisionOfCaddyfile checks each price the gate's Caddyfile writes out against the decimals of the token
+// it will be paid in, as the Caddyfile's x402 global option (option, from httpcaddyfile.Helper.Option) configures
+// the app, so that a price finer than its token ("$0.0000001" of a 6-decimal token) is refused at its line. It
+// follows resolveOffers' inheritance; anything it cannot tell from the Caddyfile (a placeholder, an app that does
+// not plan) it leaves to Provision, which checks every price again.
+func (g *Gate) pricePrecisionOfCaddyfile(option any) error {
+	var app App
+	if global, ok := option.(httpcaddyfile.App); ok {
+		if json.Unmarshal(global.Value, &app) != nil {
+			return nil
+		}
+	}
+	if app.DevChain != nil && app.planDevChain() != nil {
+		return nil
+	}
+	for i := 0; i <= len(g.Accepts); i++ {
+		if i == 0 && len(g.Accepts) > 0 && g.Network == "" && len(app.Networks) == 0 {
+			continue // resolveOffers leaves the gate's own way out
+		}
+		way := g.way(i)
+		price, at := way.Price, way.priceAt
+		if price == "" && way.Amount == "" {
+			price, at = g.Price, g.priceAt
+		}
+		network, asset := cmp.Or(way.Network, g.Network), cmp.Or(way.Asset, g.Asset)
+		if network == "" && len(app.Networks) > 0 {
+			network = app.Networks[0].Network
+		}
+		if price == "" || at == nil || hasPlaceholder(price) || hasPlaceholder(network) || hasPlaceholder(asset) {
+			continue
+		}
+		decimals := uint8(x402.DefaultTokenDecimals)
+		if as := app.asset(network, asset); as != nil && as.Decimals != 0 {
+			decimals = as.Decimals
+		}
+		if _, err := x402.ParsePrice(price, decimals); err != nil {
+			return at.Err(err.Error())
+		}
+	}
+	return nil
 }

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -182,6 +183,9 @@ type GateAccept struct {
 	TokenEIP3009 bool `json:"token_eip3009,omitempty"`
 	// MaxTimeout is how long a signed payment stays valid (maxTimeoutSeconds). Default 5m.
 	MaxTimeout caddy.Duration `json:"max_timeout,omitempty"`
+
+	// priceAt is the Caddyfile's price token, to name its line when the price is finer than its token.
+	priceAt *caddyfile.Dispenser
 }
 
 // CaddyModule returns the Caddy module information.

@@ -22,8 +22,13 @@ func init() {
 
 func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
 	g := new(Gate)
-	err := g.UnmarshalCaddyfile(h.Dispenser)
-	return g, err
+	if err := g.UnmarshalCaddyfile(h.Dispenser); err != nil {
+		return g, err
+	}
+	if err := g.pricePrecisionOfCaddyfile(h.Option("x402")); err != nil {
+		return nil, err
+	}
+	return g, nil
 }
 
 // UnmarshalCaddyfile sets up the gate from Caddyfile tokens. Syntax:
@@ -68,6 +73,8 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // directive name
 	if d.NextArg() {
 		g.Price = d.Val()
+		at := *d
+		g.priceAt = &at
 		if err := gateValueProblem("price", g.Price); err != nil {
 			return d.Errf("x402 %s: %v", g.Price, err)
 		}
@@ -244,6 +251,10 @@ func (a *GateAccept) unmarshalOption(d *caddyfile.Dispenser, opt string) (bool, 
 	}
 	if !d.AllArgs(dst) {
 		return true, d.Errf("%s needs exactly one argument", opt)
+	}
+	if opt == "price" {
+		at := *d
+		a.priceAt = &at
 	}
 	switch {
 	case opt == "scheme" && !x402.IsScheme(*dst):
