@@ -371,3 +371,24 @@ func TestAPriceFinerThanItsTokenIsRefusedAtItsLine(t *testing.T) {
 		t.Fatalf("a price of 7 decimal places in an 18-decimal token: %v", err)
 	}
 }
+
+// An API key from an environment variable that is not set is named by its placeholder (which holds no secret:
+// the key is empty), at validate.
+func TestAnAPIKeyFromAnUnsetVariableIsNamedByItsPlaceholder(t *testing.T) {
+	for _, tc := range []struct{ name, site, want string }{
+		{"a facilitator route's api_key", "handle_path /f/* {\n\t\tx402_facilitator {\n\t\t\tupstream http://127.0.0.1:9\n\t\t\tapi_key {env.X402_TEST_UNSET_KEY}\n\t\t}\n\t}",
+			"api_key #1, {env.X402_TEST_UNSET_KEY}, is empty once its placeholders are replaced"},
+		{"an upstream's api_key", "handle_path /f/* {\n\t\tx402_facilitator {\n\t\t\tupstream http://127.0.0.1:9 {\n\t\t\t\tapi_key {env.X402_TEST_UNSET_KEY}\n\t\t\t}\n\t\t}\n\t}",
+			"the api_key of upstream #1, {env.X402_TEST_UNSET_KEY}, is empty"},
+		{"a gate's facilitator_api_key", "x402 $0.01 {\n\t\tpay_to " + lowerCase + "\n\t\tnetwork eip155:723487\n\t\tasset " + lowerCase +
+			"\n\t\tfacilitator http://127.0.0.1:9\n\t\tfacilitator_api_key {env.X402_TEST_UNSET_KEY}\n\t}\n\trespond paid", "{env.X402_TEST_UNSET_KEY}, is empty"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := adaptCaddyfile(t, "http://127.0.0.1:"+freePortOf(t)+" {\n\t"+tc.site+"\n}\n", t.TempDir())
+			err := caddy.Validate(mustConfig(t, cfg))
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("caddy.Validate = %v, want an error saying %q", err, tc.want)
+			}
+		})
+	}
+}

@@ -133,7 +133,8 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 	for i, k := range h.APIKeys {
 		key := repl.ReplaceAll(k, "")
 		if key == "" {
-			return fmt.Errorf("api_key #%d is empty once its placeholders are replaced; is its environment variable set?", i+1)
+			// Its text is placeholders only (any other character would be left), so naming it shows no secret.
+			return fmt.Errorf("api_key #%d, %s, is empty once its placeholders are replaced; is its environment variable set?", i+1, k)
 		}
 		opts.APIKeys = append(opts.APIKeys, key)
 	}
