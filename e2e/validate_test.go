@@ -156,3 +156,51 @@ func fileState(t *testing.T, path string) string {
 	}
 	return fmt.Sprintf("%d bytes, modified %s", fi.Size(), fi.ModTime().Format(time.RFC3339Nano))
 }
+
+// TestAMalformedWalletKeyFromTheEnvironmentStopsValidateAndRunNamingTheVariableNotTheKey checks with the built
+// binary what an operator meets: `caddy validate` (which talks to no chain) and `caddy run` both refuse a config
+// whose {env.X402_TEST_WALLET_KEYS} holds a malformed second key, both name the variable and the key's position,
+// and neither prints any part of either key.
+func TestAMalformedWalletKeyFromTheEnvironmentStopsValidateAndRunNamingTheVariableNotTheKey(t *testing.T) {
+	needBinary(t)
+	dir := t.TempDir()
+	good := hexutil.Encode(crypto.FromECDSA(devchain.WalletKeys(1)[0]))[2:]
+	bad := strings.Repeat("c0ffee", 10) + "zz"
+	config := writeFile(t, dir, "Caddyfile", fmt.Sprintf(`{
+	admin off
+	x402 {
+		network eip155:723487 {
+			rpc http://127.0.0.1:1
+			asset %s
+			wallet_keys {env.X402_TEST_WALLET_KEYS}
+		}
+	}
+}
+
+http://127.0.0.1:%d {
+	x402 $0.01 {
+		pay_to %s
+	}
+	respond "paid" 200
+}
+`, devchain.TokenAddress.Hex(), freePort(t), seller.Hex()))
+	env := childEnv(t, "X402_TEST_WALLET_KEYS="+good+","+bad)
+	const want = "wallet_keys: {env.X402_TEST_WALLET_KEYS}: key 2 of 2 is not 32 bytes of hex"
+	for _, args := range [][]string{
+		{"validate", "--adapter", "caddyfile", "--config", config},
+		{"run", "--adapter", "caddyfile", "--config", config},
+	} {
+		r := runCommand(t, time.Minute, dir, env, caddyBin, args...)
+		out := r.stdout + r.stderr
+		if r.code == 0 || !strings.Contains(out, want) {
+			t.Errorf("caddy %s exited %d, want a failure saying %q\nstdout:\n%s\nstderr:\n%s", args[0], r.code, want, r.stdout, r.stderr)
+		}
+		for _, key := range []string{good, bad} {
+			for i := 0; i+8 <= len(key); i++ {
+				if strings.Contains(out, key[i:i+8]) {
+					t.Fatalf("caddy %s printed a part of a wallet key (%q)\nstdout:\n%s\nstderr:\n%s", args[0], key[i:i+8], r.stdout, r.stderr)
+				}
+			}
+		}
+	}
+}
