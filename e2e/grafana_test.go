@@ -62,6 +62,7 @@ type dashboardPanel struct {
 
 type dashboardTarget struct {
 	RefID      string         `json:"refId"`
+	Instant    bool           `json:"instant"`
 	Expr       string         `json:"expr"`
 	Datasource *datasourceRef `json:"datasource"`
 }
@@ -275,6 +276,7 @@ scrape_configs:
 		})
 	}
 
+	loadStart := time.Now()
 	// The load, in two rounds a scrape apart, as a site's traffic goes on: unpaid requests (402 offers) and
 	// payments through each gate, then one payment the facilitator refuses (a payer with no funds).
 	for round := 1; round <= 2; round++ {
@@ -325,18 +327,26 @@ scrape_configs:
 				}
 			}
 			expr := substituteVars(t, where, q.Expr)
-			res, err := promQuery(promURL, expr)
+			// As Grafana asks: an instant query for an instant target, else a range query over the time the
+			// load took (each step's samples count; the latest steps see the whole load in their window).
+			var res []promSample
+			var err error
+			if q.Instant {
+				res, err = promQuery(promURL, expr)
+			} else {
+				res, err = promQueryRange(promURL, expr, loadStart.Add(-2*time.Second), time.Now())
+			}
 			switch {
 			case err != nil:
 				t.Errorf("%s: %v\nquery: %s", where, err, expr)
 			case len(res) == 0:
 				t.Errorf("%s returned no data\nquery: %s", where, expr)
 			case countsLoad(expr) && !anyPositive(res):
-				t.Errorf("%s shows none of the load: every series is 0 or NaN (%v)\nquery: %s", where, res, expr)
+				t.Errorf("%s shows none of the load: each of its %d values is 0 or NaN\nquery: %s", where, len(res), expr)
 			default:
 				queries++
 				top := slices.MaxFunc(res, func(a, b promSample) int { return cmp.Compare(sampleValue(a), sampleValue(b)) })
-				t.Logf("%s: %d series, highest %v %v", where, len(res), top.Metric, top.Value[1])
+				t.Logf("%s: %d values, highest %v %v", where, len(res), top.Metric, top.Value[1])
 			}
 		}
 	}
@@ -436,6 +446,42 @@ func promQuery(base, expr string) ([]promSample, error) {
 	default:
 		return nil, fmt.Errorf("result type %s, want an instant vector or a scalar", r.Data.ResultType)
 	}
+}
+
+// promQueryRange evaluates expr every second from start to end through Prometheus's HTTP API, as a Grafana
+// time series panel does, and returns one promSample per series and step that has a value.
+func promQueryRange(base, expr string, start, end time.Time) ([]promSample, error) {
+	a, err := get(fmt.Sprintf("%s/api/v1/query_range?query=%s&start=%d&end=%d&step=1", base, url.QueryEscape(expr), start.Unix(), end.Unix()+1))
+	if err != nil {
+		return nil, err
+	}
+	var r struct {
+		Status string `json:"status"`
+		Error  string `json:"error"`
+		Data   struct {
+			ResultType string `json:"resultType"`
+			Result     []struct {
+				Metric map[string]string `json:"metric"`
+				Values [][2]any          `json:"values"`
+			} `json:"result"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal([]byte(a.body), &r); err != nil {
+		return nil, fmt.Errorf("Prometheus answered %d %s: %w", a.status, shorten(a.body), err)
+	}
+	if r.Status != "success" {
+		return nil, fmt.Errorf("Prometheus refused the query: %s", r.Error)
+	}
+	if r.Data.ResultType != "matrix" {
+		return nil, fmt.Errorf("result type %s, want a range vector", r.Data.ResultType)
+	}
+	var out []promSample
+	for _, series := range r.Data.Result {
+		for _, v := range series.Values {
+			out = append(out, promSample{Metric: series.Metric, Value: v})
+		}
+	}
+	return out, nil
 }
 
 // promLabelValues returns the values of label over the series match selects ("" for every series).
