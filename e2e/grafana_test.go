@@ -172,8 +172,10 @@ func metricFamily(name string) string {
 // /metrics every second while it serves paid load on the dev chain: payments through an embedded-facilitator
 // gate settling before serving, a settle async gate and a gate settling through the same Caddy's
 // x402_facilitator handler; unpaid requests answered 402; and one payment the facilitator refuses (a payer with
-// no funds). Every query (the dashboard's variables given concrete values) must return data, every
-// caddy_x402_* metric a query names must exist, and every caddy_x402_* metric Caddy exports must be on a panel.
+// no funds). Every query (the dashboard's variables given concrete values, asked as Grafana asks: query_range
+// for a graph, query for an instant target) must return data, and one over a window (rate, increase) must show
+// the load (a value above 0); every caddy_x402_* metric a query names must exist, and every caddy_x402_* metric
+// Caddy exports must be on a panel.
 func TestGrafanaDashboardEveryPanelReturnsDataFromPrometheusScrapingCaddyUnderPaidLoad(t *testing.T) {
 	needBinary(t)
 	prometheus := needs.Command(t, "prometheus", "apt-get install prometheus")
