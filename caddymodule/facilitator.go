@@ -148,7 +148,7 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		opts.SettleRateLimit = facilitatorserver.RateLimit{PerIP: l.PerIP, IPv6Prefix: l.IPv6Prefix, PerPayer: l.PerPayer}
 	}
 	opts.VerifyRateLimit = verifyLimit(h.VerifyRateLimit)
-	if h.metrics, err = metricsFor(ctx); err != nil {
+	if h.metrics, err = metricsFor(ctx, metricsHandlerFacilitator); err != nil {
 		return err
 	}
 	opts.Metrics = facilitatorMetrics{h.metrics}

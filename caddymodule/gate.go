@@ -204,7 +204,7 @@ const defaultMaxTimeout = 5 * time.Minute
 func (g *Gate) Provision(ctx caddy.Context) error {
 	g.logger = ctx.Logger()
 	var err error
-	if g.metrics, err = metricsFor(ctx); err != nil {
+	if g.metrics, err = metricsFor(ctx, metricsHandlerGate); err != nil {
 		return err
 	}
 	if g.PaymentHeader == "" {
