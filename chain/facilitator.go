@@ -147,6 +147,9 @@ type Facilitator struct {
 	holesMu sync.Mutex
 	holes   map[common.Address]holeSighting // per settlement wallet, the nonce hole reconciliation last saw
 
+	// refused is what the engine refused lately, for /health.
+	refused refusals
+
 	// cluster is the journal when several processes share it; leases then keeps this process's wallet leases.
 	// Both are nil with a journal of one process.
 	cluster journal.Cluster
@@ -495,16 +498,24 @@ func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error)
 }
 
 // Health reports per network whether the node answers, how old its head block is, the wallets' native
-// balances, and how many journalled settlements are not final.
+// balances and settlements in flight, how many journalled settlements are not final and how many of them are
+// claimed or broadcast; and the payments the engine refused lately.
 func (f *Facilitator) Health(ctx context.Context) (x402.HealthResponse, error) {
-	resp := x402.HealthResponse{Status: x402.HealthOK}
+	resp := x402.HealthResponse{Status: x402.HealthOK, Refusals: f.refused.health()}
 	backlog, err := f.journal.Backlog(ctx)
+	if err != nil {
+		resp.Status = x402.HealthDegraded
+	}
+	pending, oldest, err := f.pendingByNetwork(ctx)
 	if err != nil {
 		resp.Status = x402.HealthDegraded
 	}
 	for _, id := range f.order {
 		n := f.networks[id]
-		h := x402.NetworkHealth{Network: id, Status: x402.HealthOK, JournalBacklog: backlog}
+		h := x402.NetworkHealth{Network: id, Status: x402.HealthOK, JournalBacklog: backlog, PendingSettlements: pending[id]}
+		if at, ok := oldest[id]; ok {
+			h.OldestPendingSeconds = max(0, f.now().Sub(at).Seconds())
+		}
 		head, err := n.backend.HeaderByNumber(ctx, nil)
 		if err != nil {
 			h.Status, h.Error = x402.HealthDown, "RPC unreachable: "+err.Error()
@@ -524,7 +535,7 @@ func (f *Facilitator) Health(ctx context.Context) (x402.HealthResponse, error) {
 			if low {
 				h.Status = x402.HealthDegraded
 			}
-			h.Wallets = append(h.Wallets, x402.WalletHealth{Address: w.Address.Hex(), Balance: bal.String(), Low: low})
+			h.Wallets = append(h.Wallets, x402.WalletHealth{Address: w.Address.Hex(), Balance: bal.String(), Low: low, InFlight: n.pool.InFlight(w)})
 		}
 		if h.Status != x402.HealthOK {
 			resp.Status = x402.HealthDegraded
@@ -532,6 +543,23 @@ func (f *Facilitator) Health(ctx context.Context) (x402.HealthResponse, error) {
 		resp.Networks = append(resp.Networks, h)
 	}
 	return resp, nil
+}
+
+// pendingByNetwork counts the journal's settlements that are claimed or broadcast and not final, per network,
+// and when the oldest of each was claimed. Payments a gate served before settling are not among them.
+func (f *Facilitator) pendingByNetwork(ctx context.Context) (map[string]int, map[string]time.Time, error) {
+	recs, err := f.journal.PendingOf(ctx, false)
+	if err != nil {
+		return nil, nil, fmt.Errorf("listing the journal's pending settlements: %w", err)
+	}
+	counts, oldest := map[string]int{}, map[string]time.Time{}
+	for _, r := range recs {
+		counts[r.Network]++
+		if at, ok := oldest[r.Network]; !ok || r.ClaimedAt.Before(at) {
+			oldest[r.Network] = r.ClaimedAt
+		}
+	}
+	return counts, oldest, nil
 }
 
 var _ x402.Facilitator = (*Facilitator)(nil)

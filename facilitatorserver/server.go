@@ -197,7 +197,15 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // Serve answers the request as ServeHTTP does, and returns the status and the number of body bytes it wrote,
 // for an access log or a request count.
 func (s *Server) Serve(w http.ResponseWriter, r *http.Request) (status, size int) {
-	res := s.serve(r, Endpoint(r.URL.Path))
+	endpoint := Endpoint(r.URL.Path)
+	res := s.serve(r, endpoint)
+	if endpoint == EndpointHealth && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
+		// One URL, two forms: a cache must not hand a browser's page to a monitor, nor the JSON to a browser.
+		w.Header().Add("Vary", "Accept")
+		if x402.WantsHTML(r) {
+			return res.status, WriteHealthPage(w, res.status, res.body)
+		}
+	}
 	return res.status, writeReply(w, res)
 }
 
