@@ -506,14 +506,14 @@ func (f *Facilitator) Health(ctx context.Context) (x402.HealthResponse, error) {
 	if err != nil {
 		resp.Status = x402.HealthDegraded
 	}
-	pending, oldest, err := f.pendingByNetwork(ctx)
+	pending, err := f.pendingSettlements(ctx)
 	if err != nil {
 		resp.Status = x402.HealthDegraded
 	}
 	for _, id := range f.order {
 		n := f.networks[id]
-		h := x402.NetworkHealth{Network: id, Status: x402.HealthOK, JournalBacklog: backlog, PendingSettlements: pending[id]}
-		if at, ok := oldest[id]; ok {
+		h := x402.NetworkHealth{Network: id, Status: x402.HealthOK, JournalBacklog: backlog, PendingSettlements: pending.count[id]}
+		if at, ok := pending.oldest[id]; ok {
 			h.OldestPendingSeconds = max(0, f.now().Sub(at).Seconds())
 		}
 		head, err := n.backend.HeaderByNumber(ctx, nil)
@@ -535,7 +535,8 @@ func (f *Facilitator) Health(ctx context.Context) (x402.HealthResponse, error) {
 			if low {
 				h.Status = x402.HealthDegraded
 			}
-			h.Wallets = append(h.Wallets, x402.WalletHealth{Address: w.Address.Hex(), Balance: bal.String(), Low: low, InFlight: n.pool.InFlight(w)})
+			h.Wallets = append(h.Wallets, x402.WalletHealth{Address: w.Address.Hex(), Balance: bal.String(), Low: low,
+				InFlight: pending.sent[w.Address]})
 		}
 		if h.Status != x402.HealthOK {
 			resp.Status = x402.HealthDegraded
@@ -545,21 +546,32 @@ func (f *Facilitator) Health(ctx context.Context) (x402.HealthResponse, error) {
 	return resp, nil
 }
 
-// pendingByNetwork counts the journal's settlements that are claimed or broadcast and not final, per network,
-// and when the oldest of each was claimed. Payments a gate served before settling are not among them.
-func (f *Facilitator) pendingByNetwork(ctx context.Context) (map[string]int, map[string]time.Time, error) {
+// pendingSettlementsSeen is what the journal's settlements that are claimed or broadcast and not final say, by
+// network and by the wallet that sent them. Payments a gate served before settling are not among them.
+type pendingSettlementsSeen struct {
+	count  map[string]int         // by network
+	oldest map[string]time.Time   // by network: the oldest claim
+	sent   map[common.Address]int // by the wallet that signed the latest transaction
+}
+
+// pendingSettlements reads the journal's settlements that are not final: those of every process sharing it, as
+// a wallet's transactions on chain are.
+func (f *Facilitator) pendingSettlements(ctx context.Context) (pendingSettlementsSeen, error) {
+	seen := pendingSettlementsSeen{count: map[string]int{}, oldest: map[string]time.Time{}, sent: map[common.Address]int{}}
 	recs, err := f.journal.PendingOf(ctx, false)
 	if err != nil {
-		return nil, nil, fmt.Errorf("listing the journal's pending settlements: %w", err)
+		return seen, fmt.Errorf("listing the journal's pending settlements: %w", err)
 	}
-	counts, oldest := map[string]int{}, map[string]time.Time{}
 	for _, r := range recs {
-		counts[r.Network]++
-		if at, ok := oldest[r.Network]; !ok || r.ClaimedAt.Before(at) {
-			oldest[r.Network] = r.ClaimedAt
+		seen.count[r.Network]++
+		if at, ok := seen.oldest[r.Network]; !ok || r.ClaimedAt.Before(at) {
+			seen.oldest[r.Network] = r.ClaimedAt
+		}
+		if r.Wallet != "" && common.IsHexAddress(r.Wallet) {
+			seen.sent[common.HexToAddress(r.Wallet)]++
 		}
 	}
-	return counts, oldest, nil
+	return seen, nil
 }
 
 var _ x402.Facilitator = (*Facilitator)(nil)

@@ -127,13 +127,6 @@ func (p *walletPool) InUse() int {
 	return n
 }
 
-// InFlight is how many settlements hold w right now.
-func (p *walletPool) InFlight(w *wallet) int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return w.busy
-}
-
 // Acquire takes a wallet for one settlement: the wallet want when it is given (an erc2612 permit can only be
 // spent by the spender it names), else the least busy one. Release it when the settlement no longer needs it.
 func (p *walletPool) Acquire(ctx context.Context, want *common.Address) (*wallet, error) {

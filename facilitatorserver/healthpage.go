@@ -2,6 +2,7 @@ package facilitatorserver
 
 import (
 	"bytes"
+	"cmp"
 	_ "embed"
 	"encoding/json"
 	"fmt"
@@ -24,6 +25,63 @@ var healthPageHTML string
 
 var healthPage = template.Must(template.New("health").Parse(healthPageHTML))
 
+// HealthDoc is a /health answer as a person's view reads it: the document, an error text when there is one,
+// and per network the fields this version does not know, so that a newer facilitator's state still shows.
+type HealthDoc struct {
+	Status   string
+	Error    string
+	Networks []NetworkDoc
+	Refusals *x402.RefusalsHealth
+}
+
+// NetworkDoc is one network of a HealthDoc.
+type NetworkDoc struct {
+	x402.NetworkHealth
+	// Extra are the network's fields x402.NetworkHealth does not have, by name, each a string, a number or
+	// its JSON.
+	Extra []ExtraField
+}
+
+// ExtraField is a field of a network's health that this version does not lay out itself.
+type ExtraField struct{ Name, Value string }
+
+// knownNetworkFields are the fields of x402.NetworkHealth.
+var knownNetworkFields = map[string]bool{"network": true, "status": true, "rpcReachable": true, "headBlock": true,
+	"headAgeSeconds": true, "wallets": true, "journalBacklog": true, "error": true, "pendingSettlements": true,
+	"oldestPendingSeconds": true}
+
+// ReadHealth reads a /health answer (an x402.HealthResponse, or an error document with status and error).
+func ReadHealth(doc []byte) (HealthDoc, error) {
+	var raw struct {
+		Status   string               `json:"status"`
+		Error    string               `json:"error"`
+		Networks []json.RawMessage    `json:"networks"`
+		Refusals *x402.RefusalsHealth `json:"refusals"`
+	}
+	if err := json.Unmarshal(doc, &raw); err != nil {
+		return HealthDoc{}, fmt.Errorf("reading the health document: %w", err)
+	}
+	h := HealthDoc{Status: raw.Status, Error: raw.Error, Refusals: raw.Refusals}
+	for i, rn := range raw.Networks {
+		var n NetworkDoc
+		var all map[string]any
+		if err := json.Unmarshal(rn, &n.NetworkHealth); err != nil {
+			return HealthDoc{}, fmt.Errorf("reading network #%d of the health document: %w", i+1, err)
+		}
+		if err := json.Unmarshal(rn, &all); err != nil {
+			return HealthDoc{}, fmt.Errorf("reading network #%d of the health document: %w", i+1, err)
+		}
+		for name, val := range all {
+			if !knownNetworkFields[name] {
+				n.Extra = append(n.Extra, ExtraField{Name: name, Value: extraValue(val)})
+			}
+		}
+		slices.SortFunc(n.Extra, func(a, b ExtraField) int { return strings.Compare(a.Name, b.Name) })
+		h.Networks = append(h.Networks, n)
+	}
+	return h, nil
+}
+
 // healthView is the health document as the page shows it.
 type healthView struct {
 	Status, Error, Now string
@@ -32,12 +90,9 @@ type healthView struct {
 }
 
 type networkView struct {
-	x402.NetworkHealth
+	NetworkDoc
 	HeadAge, OldestPending string
 	Wallets                []walletView
-	// Extra are the network's fields this page does not know, shown as they come: a newer engine's state
-	// reaches the operator before the page learns to lay it out.
-	Extra []extraField
 }
 
 type walletView struct {
@@ -45,8 +100,6 @@ type walletView struct {
 	Low                   bool
 	InFlight              int
 }
-
-type extraField struct{ Name, Value string }
 
 type refusalsView struct {
 	Total  int
@@ -58,11 +111,6 @@ type refusalView struct {
 	x402.Refusal
 	At string
 }
-
-// knownNetworkFields are the fields of x402.NetworkHealth the page lays out itself.
-var knownNetworkFields = map[string]bool{"network": true, "status": true, "rpcReachable": true, "headBlock": true,
-	"headAgeSeconds": true, "wallets": true, "journalBacklog": true, "error": true, "pendingSettlements": true,
-	"oldestPendingSeconds": true}
 
 // WriteHealthPage writes body, a /health answer (an x402.HealthResponse, or an error document), as the page for a
 // person with the given status, and returns the number of body bytes written.
@@ -78,7 +126,6 @@ func WriteHealthPage(w http.ResponseWriter, status int, body any) int {
 	h.Set("Cache-Control", "no-store")
 	h.Set("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'")
 	h.Set("X-Content-Type-Options", "nosniff")
-	h.Add("Vary", "Accept")
 	w.WriteHeader(status)
 	n, _ := w.Write(page)
 	return n
@@ -91,48 +138,26 @@ func renderHealthPage(body any, now time.Time) ([]byte, error) {
 	if err != nil {
 		return nil, fmt.Errorf("encoding the health document: %w", err)
 	}
-	var raw struct {
-		Status   string               `json:"status"`
-		Error    string               `json:"error"`
-		Networks []json.RawMessage    `json:"networks"`
-		Refusals *x402.RefusalsHealth `json:"refusals"`
+	h, err := ReadHealth(doc)
+	if err != nil {
+		return nil, err
 	}
-	if err := json.Unmarshal(doc, &raw); err != nil {
-		return nil, fmt.Errorf("reading the health document: %w", err)
-	}
-	v := healthView{Status: raw.Status, Error: raw.Error, Now: now.UTC().Format("2006-01-02 15:04:05 UTC")}
-	if v.Status == "" {
-		v.Status = "unknown"
-	}
-	for _, rn := range raw.Networks {
-		var n x402.NetworkHealth
-		var all map[string]any
-		if err := json.Unmarshal(rn, &n); err != nil {
-			return nil, fmt.Errorf("reading a network of the health document: %w", err)
-		}
-		_ = json.Unmarshal(rn, &all) // an object, since it decoded into n
-		nv := networkView{NetworkHealth: n, HeadAge: "unknown"}
+	v := healthView{Status: cmp.Or(h.Status, "unknown"), Error: h.Error, Now: now.UTC().Format("2006-01-02 15:04:05 UTC")}
+	for _, n := range h.Networks {
+		nv := networkView{NetworkDoc: n, HeadAge: "unknown"}
+		nv.Status = cmp.Or(n.Status, "unknown")
 		if n.RPCReachable {
 			nv.HeadAge = FormatAge(n.HeadAgeSeconds)
 		}
 		if n.OldestPendingSeconds > 0 {
 			nv.OldestPending = FormatAge(n.OldestPendingSeconds)
 		}
-		if nv.Status == "" {
-			nv.Status = "unknown"
-		}
 		for _, w := range n.Wallets {
 			nv.Wallets = append(nv.Wallets, walletView{Address: w.Address, Balance: FormatNative(w.Balance), Wei: w.Balance, Low: w.Low, InFlight: w.InFlight})
 		}
-		for name, val := range all {
-			if !knownNetworkFields[name] {
-				nv.Extra = append(nv.Extra, extraField{Name: name, Value: extraValue(val)})
-			}
-		}
-		slices.SortFunc(nv.Extra, func(a, b extraField) int { return strings.Compare(a.Name, b.Name) })
 		v.Networks = append(v.Networks, nv)
 	}
-	if r := raw.Refusals; r != nil {
+	if r := h.Refusals; r != nil {
 		rv := &refusalsView{Total: r.Total, Counts: r.Counts}
 		for _, one := range r.Recent {
 			rv.Recent = append(rv.Recent, refusalView{Refusal: one, At: one.At.UTC().Format("2006-01-02 15:04:05") + " (" + FormatAge(now.Sub(one.At).Seconds()) + " ago)"})

@@ -370,7 +370,8 @@ type WalletHealth struct {
 	Address string `json:"address"`
 	Balance string `json:"balance"`
 	Low     bool   `json:"low"`
-	// InFlight counts the settlements holding the wallet in this process right now.
+	// InFlight counts the settlements the wallet sent (this process or another sharing its journal) that are
+	// not final yet.
 	InFlight int `json:"inFlight"`
 }
 
