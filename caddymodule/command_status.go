@@ -168,7 +168,7 @@ func printStatus(out io.Writer, addr string, doc facilitatorserver.HealthDoc, no
 			fmt.Fprintf(tw, "  error\t%s\n", n.Error)
 		}
 		if n.RPCReachable {
-			fmt.Fprintf(tw, "  head\tblock %d, %s old\n", n.HeadBlock, facilitatorserver.FormatAge(n.HeadAgeSeconds))
+			fmt.Fprintf(tw, "  head\tblock %d, %s\n", n.HeadBlock, facilitatorserver.FormatHeadAge(n.HeadAgeSeconds))
 		} else {
 			fmt.Fprintf(tw, "  head\tunknown: the RPC is not reachable\n")
 		}
@@ -185,14 +185,14 @@ func printStatus(out io.Writer, addr string, doc facilitatorserver.HealthDoc, no
 			return err
 		}
 		if len(n.Wallets) > 0 {
-			tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', tabwriter.AlignRight)
-			fmt.Fprintf(tw, "  WALLET\tBALANCE (NATIVE)\tIN FLIGHT\t\n")
+			tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
+			fmt.Fprintf(tw, "  WALLET\tBALANCE (NATIVE)\tIN FLIGHT\n")
 			for _, w := range n.Wallets {
 				low := ""
 				if w.Low {
-					low = "LOW"
+					low = "  LOW"
 				}
-				fmt.Fprintf(tw, "  %s\t%s\t%d\t%s\n", w.Address, facilitatorserver.FormatNative(w.Balance), w.InFlight, low)
+				fmt.Fprintf(tw, "  %s\t%s\t%d%s\n", w.Address, facilitatorserver.FormatNative(w.Balance), w.InFlight, low)
 			}
 			if err := tw.Flush(); err != nil {
 				return err

@@ -147,7 +147,7 @@ func renderHealthPage(body any, now time.Time) ([]byte, error) {
 		nv := networkView{NetworkDoc: n, HeadAge: "unknown"}
 		nv.Status = cmp.Or(n.Status, "unknown")
 		if n.RPCReachable {
-			nv.HeadAge = FormatAge(n.HeadAgeSeconds)
+			nv.HeadAge = FormatHeadAge(n.HeadAgeSeconds)
 		}
 		if n.OldestPendingSeconds > 0 {
 			nv.OldestPending = FormatAge(n.OldestPendingSeconds)
@@ -188,12 +188,10 @@ func extraValue(v any) string {
 	return string(b)
 }
 
-// FormatAge says how long seconds is for a person: "4 s", "2 min 5 s", "3 h 20 min", "2 d 4 h". A negative
-// age (a chain whose head is stamped ahead of this clock, as a dev chain sealing a block per transaction is)
-// reads "… ahead".
+// FormatAge says how long seconds is for a person: "4.2 s", "25 s", "2 min 5 s", "3 h 20 min", "2 d 4 h".
 func FormatAge(seconds float64) string {
 	if seconds < 0 {
-		return FormatAge(-seconds) + " ahead"
+		return "-" + FormatAge(-seconds)
 	}
 	s := int64(seconds)
 	switch {
@@ -207,6 +205,15 @@ func FormatAge(seconds float64) string {
 		return fmt.Sprintf("%d h %d min", s/3600, s%3600/60)
 	}
 	return fmt.Sprintf("%d d %d h", s/86400, s%86400/3600)
+}
+
+// FormatHeadAge says how old a head block is: "4.2 s old", or, for a block stamped later than this clock (a
+// dev chain sealing a block per transaction runs ahead under load), "stamped 3.0 s ahead of this clock".
+func FormatHeadAge(seconds float64) string {
+	if seconds < 0 {
+		return "stamped " + FormatAge(-seconds) + " ahead of this clock"
+	}
+	return FormatAge(seconds) + " old"
 }
 
 // FormatNative shows a native balance given in wei (decimal) in whole coins, to 6 decimals: "1.250000". A value
