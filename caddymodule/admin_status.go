@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"sync"
 
 	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/facilitatorserver"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -25,7 +27,15 @@ const adminStatusPath = "/x402/status"
 // facilitatorserver as /health does, so RPC URLs are redacted the same way; nothing in it is a secret. It
 // needs no handler in any route: the admin API, local to the machine by default, is where it lives.
 type AdminStatus struct {
-	server *facilitatorserver.Server // nil: the running config has no x402 app
+	logger *zap.Logger
+	served *statusServed
+}
+
+// statusServed is the x402 app the status was last asked of, and the server of its health.
+type statusServed struct {
+	mu     sync.Mutex
+	app    *App
+	server *facilitatorserver.Server // of app; its health cache lives as long as app runs
 }
 
 // CaddyModule returns the Caddy module information.
@@ -36,22 +46,38 @@ func (AdminStatus) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision finds the config's x402 app, if it has one. The app's own errors are not this module's to report:
-// Caddy reports them as it loads the app itself (Caddy's pki admin module does the same).
+// Provision looks nothing up: Caddy provisions the admin API before the config's apps, and an x402 app
+// provisioned from here would report its configuration errors as this module's (and without Caddy's
+// "provision x402:"). The app is found when asked for, in the config that runs then.
 func (a *AdminStatus) Provision(ctx caddy.Context) error {
-	v, err := ctx.AppIfConfigured("x402")
-	if err != nil {
-		return nil
-	}
-	app := v.(*App)
-	srv, err := facilitatorserver.New(appEngine{app}, facilitatorserver.Options{
-		Await: app.awaitStart, Redact: app.rpcRedactor().Replace, Logger: ctx.Logger(),
-	})
-	if err != nil {
-		return fmt.Errorf("x402 status: %w", err)
-	}
-	a.server = srv
+	a.logger, a.served = ctx.Logger(), new(statusServed)
 	return nil
+}
+
+// statusServer is the server of the running config's x402 app, made again when a reload brought another app.
+// Only a config that has started is asked (caddy.ActiveContext), whose apps are no longer being provisioned.
+func (a *AdminStatus) statusServer() (*facilitatorserver.Server, error) {
+	v, err := caddy.ActiveContext().AppIfConfigured("x402")
+	if err != nil {
+		return nil, err
+	}
+	app, ok := v.(*App)
+	if !ok {
+		return nil, fmt.Errorf("the x402 app is a %T", v)
+	}
+	st := a.served
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.app != app {
+		srv, err := facilitatorserver.New(appEngine{app}, facilitatorserver.Options{
+			Await: app.awaitStart, Redact: app.rpcRedactor().Replace, Logger: a.logger,
+		})
+		if err != nil {
+			return nil, fmt.Errorf("x402 status: %w", err)
+		}
+		st.app, st.server = app, srv
+	}
+	return st.server, nil
 }
 
 // Routes returns the admin API's x402 routes.
@@ -67,10 +93,14 @@ func (a *AdminStatus) serveStatus(w http.ResponseWriter, r *http.Request) error 
 		w.Header().Set("Allow", "GET, HEAD")
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("%s %s is not served; use GET", r.Method, adminStatusPath)}
 	}
-	if a.server == nil {
+	srv, err := a.statusServer()
+	if errors.Is(err, caddy.ErrNotConfigured) {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: errors.New("the running config has no x402 app: there is no x402 status to show")}
 	}
-	a.server.ServeHealth(w, r)
+	if err != nil {
+		return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("the x402 app is not running: %w", err)}
+	}
+	srv.ServeHealth(w, r)
 	return nil
 }
 

@@ -20,6 +20,16 @@ import (
 // returns. The admin API is closed when the test ends.
 func startCaddyWithAdmin(t *testing.T, caddyfile string) (*caddyServer, string) {
 	t.Helper()
+	s, admin, err := loadWithAdmin(t, caddyfile)
+	if err != nil {
+		t.Fatalf("loading the Caddy config: %v", err)
+	}
+	return s, admin
+}
+
+// loadWithAdmin loads caddyfile as startCaddyWithAdmin does and returns Caddy's error.
+func loadWithAdmin(t *testing.T, caddyfile string) (*caddyServer, string, error) {
+	t.Helper()
 	caddyMu.Lock()
 	s := &caddyServer{t: t, Addr: freeAddr(t), dir: t.TempDir()}
 	s.URL = "http://" + s.Addr
@@ -41,10 +51,7 @@ func startCaddyWithAdmin(t *testing.T, caddyfile string) (*caddyServer, string) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := caddy.Load(raw, true); err != nil {
-		t.Fatalf("loading the Caddy config: %v\n%s", err, raw)
-	}
-	return s, admin
+	return s, admin, caddy.Load(raw, true)
 }
 
 // `caddy x402 status` reads the running Caddy's admin API: the dev chain's network with its head, its four
@@ -161,4 +168,26 @@ func readAll(t *testing.T, res *http.Response) string {
 		t.Fatal(err)
 	}
 	return string(b)
+}
+
+// The admin API is provisioned before the config's apps; its x402 module must not provision the x402 app
+// itself, which would have Caddy report the app's configuration errors otherwise than without an admin API.
+func TestAnX402AppErrorReadsTheSameWithTheAdminAPIOn(t *testing.T) {
+	_, _, err := loadWithAdmin(t, `{
+	x402 {
+		network eip155:1 {
+			rpc http://127.0.0.1:1
+			asset 0x833589fCD6eDb6E08f4c7C32D4f71b54bdA02913
+		}
+		journal "postgres://u@h/%zz"
+	}
+}
+
+{{ADDR}} {
+	respond "free"
+}
+`)
+	if err == nil || !strings.Contains(err.Error(), "loading x402 app module: provision x402: journal: the PostgreSQL DSN is not a URL") {
+		t.Errorf("a bad journal DSN with the admin API on = %v, want Caddy's usual \"loading x402 app module: provision x402: journal: ...\"", err)
+	}
 }
