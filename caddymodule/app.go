@@ -516,13 +516,23 @@ func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
 		return spec, errors.New("no rpc URL configured")
 	}
 	var list []string
-	for _, k := range n.WalletKeys {
-		list = append(list, repl.ReplaceAll(k, ""))
+	for i, k := range n.WalletKeys {
+		v := repl.ReplaceAll(k, "")
+		// The keys' form is checked here, without the chain, so that `caddy validate` finds a malformed key and
+		// names where it came from; the error holds no part of it.
+		if err := walletKeysProblem(walletKeysSource(k, i, len(n.WalletKeys)), v); err != nil {
+			return spec, err
+		}
+		list = append(list, v)
 	}
 	if len(list) > 0 {
 		spec.Keys = list
 	} else if n.WalletKeyFile != "" {
-		spec.Keys = []string{"file:" + repl.ReplaceAll(n.WalletKeyFile, "")}
+		path := repl.ReplaceAll(n.WalletKeyFile, "")
+		if _, err := chain.ReadPrivateKeyFile(path); err != nil {
+			return spec, fmt.Errorf("wallet_key_file: %w", err)
+		}
+		spec.Keys = []string{"file:" + path}
 	} else {
 		return spec, errors.New("no settlement wallet: set wallet_keys or wallet_key_file")
 	}
@@ -532,8 +542,8 @@ func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
 	}
 	spec.terms = terms
 	for _, f := range n.SmartWalletFactories {
-		if !common.IsHexAddress(f) {
-			return spec, fmt.Errorf("smart_wallet_factories: %q is not an address (0x and 40 hex digits)", f)
+		if err := addressProblem("smart_wallet_factories:", f); err != nil {
+			return spec, err
 		}
 		spec.factories = append(spec.factories, common.HexToAddress(f))
 	}
@@ -542,8 +552,8 @@ func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
 		return spec, errors.New("no asset configured: add `asset <address>`")
 	}
 	for _, as := range spec.Assets {
-		if !common.IsHexAddress(as.Address) {
-			return spec, fmt.Errorf("asset %q is not an address", as.Address)
+		if err := addressProblem("asset", as.Address); err != nil {
+			return spec, err
 		}
 		if as.Name == "" {
 			as.Name = x402.DefaultTokenName

@@ -67,7 +67,9 @@ func TestValidatingAConfigStartsNoChainDialsNoRPCAndOpensNoJournal(t *testing.T)
 		respond "paid on the dev chain"
 	}
 	handle_path /facilitator/* {
-		x402_facilitator
+		x402_facilitator {
+			open
+		}
 	}
 }`, dir)
 	if err := caddy.Validate(mustConfig(t, cfg)); err != nil {

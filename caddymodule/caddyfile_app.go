@@ -6,8 +6,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/ethereum/go-ethereum/common"
-
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -133,8 +131,8 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 			if !d.NextArg() {
 				return nil, d.Err("asset needs the token's contract address")
 			}
-			if !common.IsHexAddress(d.Val()) {
-				return nil, d.Errf("asset %q is not a token contract address (0x and 40 hex digits)", d.Val())
+			if err := addressProblem("asset", d.Val()); err != nil {
+				return nil, d.Err(err.Error())
 			}
 			a := &Asset{Address: d.Val()}
 			for d.NextArg() {
@@ -169,6 +167,16 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 			args := d.RemainingArgs()
 			if len(args) == 0 {
 				return nil, d.Err("wallet_keys needs at least one key or placeholder such as {env.X402_WALLET_KEYS}")
+			}
+			for i, k := range args {
+				// A placeholder is read when Caddy starts (Provision names it then); a key written out (or one a
+				// {$VAR} put in as the Caddyfile was read) is checked here, for its line.
+				if hasPlaceholder(k) {
+					continue
+				}
+				if err := walletKeysProblem(walletKeysSource(k, i, len(args)), k); err != nil {
+					return nil, d.Err(err.Error())
+				}
 			}
 			n.WalletKeys = append(n.WalletKeys, args...)
 		case "wallet_key_file":
@@ -258,8 +266,8 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 				return nil, d.Err("smart_wallet_factories needs one or more ERC-6492 factory addresses")
 			}
 			for _, a := range args {
-				if !common.IsHexAddress(a) {
-					return nil, d.Errf("smart_wallet_factories: %q is not an address (0x and 40 hex digits)", a)
+				if err := addressProblem("smart_wallet_factories:", a); err != nil {
+					return nil, d.Err(err.Error())
 				}
 			}
 			n.SmartWalletFactories = append(n.SmartWalletFactories, args...)

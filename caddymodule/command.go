@@ -24,8 +24,8 @@ const envPayerKey = "X402_PAYER_KEY"
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "x402",
-		Usage: "pay|bench|keygen|decode|devchain",
-		Short: "Pays for x402-protected URLs, makes payer keys, decodes payment headers and runs the dev chain",
+		Usage: "pay|bench|keygen|decode|devchain|status",
+		Short: "Pays for x402-protected URLs, makes payer keys, decodes payment headers, runs the dev chain, shows the status",
 		Long: `
 Tools for the x402 payment protocol, for trying out and debugging a gateway:
 
@@ -34,6 +34,7 @@ Tools for the x402 payment protocol, for trying out and debugging a gateway:
   caddy x402 keygen            makes a new payer key
   caddy x402 decode <header>   pretty-prints a PAYMENT-* header value
   caddy x402 devchain          runs the dev chain on its own, for Caddy processes to share
+  caddy x402 status            shows a running Caddy's networks, wallets, journal and refusals
 
 See 'caddy x402 <command> --help' for each.
 `,
@@ -139,7 +140,7 @@ value from standard input. Errors say which field is wrong and what was expected
 		},
 	}
 
-	cmd.AddCommand(pay, newBenchCommand(), keygen, decode, newDevchainCommand())
+	cmd.AddCommand(pay, newBenchCommand(), keygen, decode, newDevchainCommand(), newStatusCommand())
 }
 
 // cmdX402Pay resolves the flags of `caddy x402 pay` and runs it.

@@ -480,7 +480,9 @@ func TestCaddyRefusesToStartOnADamagedJournalNamingTheFile(t *testing.T) {
 }
 
 http://` + freeAddr(t) + ` {
-	x402_facilitator
+	x402_facilitator {
+		open
+	}
 }
 `
 			caddyMu.Lock()

@@ -61,6 +61,11 @@ type FacilitatorHandler struct {
 	// Default: any recipient.
 	PayTo []string `json:"pay_to,omitempty"`
 
+	// Open says the route is meant to serve anyone. A route serving the embedded engine on a network other than
+	// the dev chain, with no APIKeys, PayTo or MinAmount here or in the network's x402 app block, is refused
+	// without it: anyone could sign 1-unit payments to themselves and have its wallets pay the gas of each.
+	Open bool `json:"open,omitempty"`
+
 	// SettleRateLimit caps the /settle calls per client IP and per payer; over it, 429 with Retry-After.
 	SettleRateLimit *SettleRateLimit `json:"settle_rate_limit,omitempty"`
 
@@ -128,7 +133,8 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 	for i, k := range h.APIKeys {
 		key := repl.ReplaceAll(k, "")
 		if key == "" {
-			return fmt.Errorf("api_key #%d is empty once its placeholders are replaced; is its environment variable set?", i+1)
+			// Its text is placeholders only (any other character would be left), so naming it shows no secret.
+			return fmt.Errorf("api_key #%d, %s, is empty once its placeholders are replaced; is its environment variable set?", i+1, k)
 		}
 		opts.APIKeys = append(opts.APIKeys, key)
 	}
@@ -142,7 +148,7 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		opts.SettleRateLimit = facilitatorserver.RateLimit{PerIP: l.PerIP, IPv6Prefix: l.IPv6Prefix, PerPayer: l.PerPayer}
 	}
 	opts.VerifyRateLimit = verifyLimit(h.VerifyRateLimit)
-	if h.metrics, err = metricsFor(ctx); err != nil {
+	if h.metrics, err = metricsFor(ctx, metricsHandlerFacilitator); err != nil {
 		return err
 	}
 	opts.Metrics = facilitatorMetrics{h.metrics}
@@ -168,6 +174,13 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		if !slices.Contains(networks, n) {
 			return fmt.Errorf("network %s is not configured in the x402 app, which settles on %s", n, strings.Join(networks, ", "))
 		}
+	}
+	devNetwork := ""
+	if app.devNet != nil {
+		devNetwork = app.devNet.Network
+	}
+	if err := h.openProblem(app.Networks, devNetwork); err != nil {
+		return err
 	}
 	// The engine runs once the app has started: requests wait for that, then reach it through startedEngine.
 	opts.Await, opts.Redact = app.awaitStart, app.rpcRedactor().Replace

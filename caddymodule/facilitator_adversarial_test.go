@@ -60,6 +60,7 @@ func startAdversaryEnv(t *testing.T) *adversaryEnv {
 	}
 	handle_path /limited/* {
 		x402_facilitator {
+			open
 			settle_rate_limit {
 				per_ip 2/min
 			}

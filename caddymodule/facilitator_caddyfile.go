@@ -20,8 +20,15 @@ func init() {
 
 func parseFacilitatorCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
 	f := new(FacilitatorHandler)
-	err := f.UnmarshalCaddyfile(h.Dispenser)
-	return f, err
+	at := *h.Dispenser // before the directive, to name its line
+	if err := f.UnmarshalCaddyfile(h.Dispenser); err != nil {
+		return f, err
+	}
+	at.Next()
+	if err := f.openProblemOfCaddyfile(h.Option("x402")); err != nil {
+		return nil, at.WrapErr(err)
+	}
+	return f, nil
 }
 
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
@@ -30,6 +37,7 @@ func parseFacilitatorCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHand
 //		kind permit2|eip3009|erc2612 [...]
 //		networks <caip2> [...]
 //		api_key <key>
+//		open                               # meant to serve anyone: no api_key, pay_to or min_amount needed
 //		max_body_size <size>
 //		min_amount <raw units>
 //		pay_to <address> [...]
@@ -105,6 +113,11 @@ func (h *FacilitatorHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if _, err := unmarshalTermOption(d, &h.MinAmount, &h.PayTo); err != nil {
 				return err
 			}
+		case "open":
+			if d.NextArg() {
+				return d.Errf("open takes no argument, got '%s'", d.Val())
+			}
+			h.Open = true
 		case "settle_rate_limit":
 			if h.SettleRateLimit != nil {
 				return d.Err("settle_rate_limit is given twice; write per_ip and per_payer in one block")
@@ -139,7 +152,7 @@ func (h *FacilitatorHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.FacilitatorRaw = module
 		default:
-			return d.Errf("unrecognized x402_facilitator option '%s'; want kind, networks, api_key, max_body_size, min_amount, pay_to, settle_rate_limit, verify_rate_limit, upstream or facilitator", d.Val())
+			return d.Errf("unrecognized x402_facilitator option '%s'; want kind, networks, api_key, open, max_body_size, min_amount, pay_to, settle_rate_limit, verify_rate_limit, upstream or facilitator", d.Val())
 		}
 	}
 	return nil

@@ -60,7 +60,9 @@ func limitsCaddyfile(t *testing.T, e *facilitatorEnv, global string) string {
 
 {{ADDR}} {
 	handle_path /open/* {
-		x402_facilitator
+		x402_facilitator {
+			open
+		}
 	}
 	handle_path /terms/* {
 		x402_facilitator {
@@ -79,6 +81,7 @@ func limitsCaddyfile(t *testing.T, e *facilitatorEnv, global string) string {
 	}
 	handle_path /per-payer/* {
 		x402_facilitator {
+			open
 			settle_rate_limit {
 				per_payer 2/min
 			}
@@ -86,6 +89,7 @@ func limitsCaddyfile(t *testing.T, e *facilitatorEnv, global string) string {
 	}
 	handle_path /per-ip/* {
 		x402_facilitator {
+			open
 			settle_rate_limit {
 				per_ip 3/min
 			}
@@ -461,6 +465,7 @@ func ipv6Caddyfile(t *testing.T, e *facilitatorEnv) string {
 	text := limitsCaddyfile(t, e, trustLoopback)
 	return strings.Replace(text, "\thandle_path /open/* {", `	handle_path /v6-56/* {
 		x402_facilitator {
+			open
 			settle_rate_limit {
 				per_ip 2/min ipv6_prefix 56
 			}
@@ -468,6 +473,7 @@ func ipv6Caddyfile(t *testing.T, e *facilitatorEnv) string {
 	}
 	handle_path /verify-5/* {
 		x402_facilitator {
+			open
 			verify_rate_limit {
 				per_ip 5/min
 			}
@@ -475,6 +481,7 @@ func ipv6Caddyfile(t *testing.T, e *facilitatorEnv) string {
 	}
 	handle_path /verify-off/* {
 		x402_facilitator {
+			open
 			verify_rate_limit off
 		}
 	}

@@ -101,6 +101,7 @@ func startFacilitatorEnvOn(t *testing.T, c *chaintest.Chain, rpc string) *facili
 	}
 	handle_path /erc2612/* {
 		x402_facilitator {
+			open
 			kind erc2612
 		}
 	}
@@ -837,7 +838,7 @@ func TestFacilitatorRefusesToStartWithNothingToServe(t *testing.T) {
 		{"without a network or an upstream", "", "x402_facilitator", "configure a network in the x402 global option"},
 		{"for a network the app does not settle on", erc2612Only, "x402_facilitator {\n\t\tnetworks eip155:723487\n\t}",
 			"network eip155:723487 is not configured in the x402 app"},
-		{"for a kind the app does not offer", erc2612Only, "x402_facilitator {\n\t\tkind permit2\n\t}", "leave nothing to serve"},
+		{"for a kind the app does not offer", erc2612Only, "x402_facilitator {\n\t\tkind permit2\n\t\topen\n\t}", "leave nothing to serve"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()

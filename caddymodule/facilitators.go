@@ -198,7 +198,8 @@ func httpFacilitator(upstreams []*FacilitatorUpstream, repl *caddy.Replacer) (x4
 		if key := repl.ReplaceAll(u.APIKey, ""); key != "" {
 			opts = append(opts, facilitatorclient.WithAPIKey(key))
 		} else if u.APIKey != "" {
-			return nil, fmt.Errorf("the api_key of upstream #%d is empty once its placeholders are replaced; is its environment variable set?", i+1)
+			// Its text is placeholders only (any other character would be left), so naming it shows no secret.
+			return nil, fmt.Errorf("the api_key of upstream #%d, %s, is empty once its placeholders are replaced; is its environment variable set?", i+1, u.APIKey)
 		}
 		t := facilitatorclient.Timeouts{Settle: time.Duration(u.SettleTimeout)}
 		if d := time.Duration(u.Timeout); d > 0 {

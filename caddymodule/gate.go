@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -152,7 +153,7 @@ type Gate struct {
 
 // GateAccept is one way to pay: a network, an asset, a recipient, a price and optionally one transfer method.
 type GateAccept struct {
-	// PayTo is the address that receives the payment.
+	// PayTo is the address that receives the payment: in one case, or in EIP-55 mixed case whose checksum holds.
 	PayTo string `json:"pay_to,omitempty"`
 	// Scheme is exact (the default: the price is charged) or upto: the price is the most a payer authorizes,
 	// and the upstream names what is charged in a Settlement-Overrides response header (see DefaultAmount).
@@ -160,12 +161,14 @@ type GateAccept struct {
 	Scheme string `json:"scheme,omitempty"`
 	// Amount is the price in raw token units, a decimal string ("10000" is 0.01 of a 6-decimal token).
 	Amount string `json:"amount,omitempty"`
-	// Price is the price in dollars ("$0.01"), converted to raw units with the asset's decimals. Give either
-	// Amount or Price.
+	// Price is the price in dollars ("$0.01" or "0.01 USD"), converted to raw units with the asset's decimals.
+	// A bare number ("10000") is refused, as in the Caddyfile: dollars, or raw units meant as Amount? Give
+	// either Amount or Price.
 	Price string `json:"price,omitempty"`
 	// Network is the CAIP-2 network, such as eip155:72344. Default: the first network the x402 app configures.
 	Network string `json:"network,omitempty"`
-	// Asset is the token's contract address. Default: the first asset the x402 app configures for the network.
+	// Asset is the token's contract address (one case, or EIP-55 mixed case whose checksum holds). Default: the
+	// first asset the x402 app configures for the network.
 	Asset string `json:"asset,omitempty"`
 	// AssetTransferMethod restricts the offer to permit2, eip3009 or erc2612. Default: every method the
 	// facilitator supports on the network, in the order permit2, eip3009 (for a token with EIP-3009, see
@@ -180,6 +183,9 @@ type GateAccept struct {
 	TokenEIP3009 bool `json:"token_eip3009,omitempty"`
 	// MaxTimeout is how long a signed payment stays valid (maxTimeoutSeconds). Default 5m.
 	MaxTimeout caddy.Duration `json:"max_timeout,omitempty"`
+
+	// priceAt is the Caddyfile's price token, to name its line when the price is finer than its token.
+	priceAt *caddyfile.Dispenser
 }
 
 // CaddyModule returns the Caddy module information.
@@ -198,7 +204,7 @@ const defaultMaxTimeout = 5 * time.Minute
 func (g *Gate) Provision(ctx caddy.Context) error {
 	g.logger = ctx.Logger()
 	var err error
-	if g.metrics, err = metricsFor(ctx); err != nil {
+	if g.metrics, err = metricsFor(ctx, metricsHandlerGate); err != nil {
 		return err
 	}
 	if g.PaymentHeader == "" {

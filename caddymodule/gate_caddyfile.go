@@ -22,8 +22,13 @@ func init() {
 
 func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
 	g := new(Gate)
-	err := g.UnmarshalCaddyfile(h.Dispenser)
-	return g, err
+	if err := g.UnmarshalCaddyfile(h.Dispenser); err != nil {
+		return g, err
+	}
+	if err := g.pricePrecisionOfCaddyfile(h.Option("x402")); err != nil {
+		return nil, err
+	}
+	return g, nil
 }
 
 // UnmarshalCaddyfile sets up the gate from Caddyfile tokens. Syntax:
@@ -68,6 +73,11 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // directive name
 	if d.NextArg() {
 		g.Price = d.Val()
+		at := *d
+		g.priceAt = &at
+		if err := gateValueProblem("price", g.Price); err != nil {
+			return d.Errf("x402 %s: %v", g.Price, err)
+		}
 		if d.NextArg() {
 			return d.ArgErr()
 		}
@@ -242,6 +252,10 @@ func (a *GateAccept) unmarshalOption(d *caddyfile.Dispenser, opt string) (bool, 
 	if !d.AllArgs(dst) {
 		return true, d.Errf("%s needs exactly one argument", opt)
 	}
+	if opt == "price" {
+		at := *d
+		a.priceAt = &at
+	}
 	switch {
 	case opt == "scheme" && !x402.IsScheme(*dst):
 		return true, d.Errf("scheme '%s': want %s or %s", *dst, x402.SchemeExact, x402.SchemeUpto)
@@ -249,6 +263,9 @@ func (a *GateAccept) unmarshalOption(d *caddyfile.Dispenser, opt string) (bool, 
 		return true, d.Errf("asset_transfer_method '%s': want %s, %s or %s", *dst, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 	case opt == "price" && a.Amount != "", opt == "amount" && a.Price != "":
 		return true, d.Err("give either price or amount, not both")
+	}
+	if err := gateValueProblem(opt, *dst); err != nil {
+		return true, d.Err(err.Error())
 	}
 	return true, nil
 }

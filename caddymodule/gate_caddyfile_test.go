@@ -198,14 +198,21 @@ func TestGateConfigurationsThatCannotWorkAreRefusedWhenLoaded(t *testing.T) {
 	}
 }
 
-// loadGateConfig loads a Caddyfile that is expected to be refused and returns why; a config that loads is
-// stopped again.
+// loadGateConfig loads a Caddyfile that is expected to be refused and returns why: as it is read (a value the
+// Caddyfile checks, naming its line), or as it loads; a config that loads is stopped again.
 func loadGateConfig(t *testing.T, caddyfile string) error {
 	t.Helper()
 	caddyMu.Lock()
 	defer caddyMu.Unlock()
 	dir := t.TempDir()
-	cfg := adaptCaddyfile(t, strings.ReplaceAll(caddyfile, "{{DATA}}", dir), dir)
+	caddyfile = strings.ReplaceAll(caddyfile, "{{DATA}}", dir)
+	if _, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfile), map[string]any{"filename": "Caddyfile"}); err != nil {
+		if !strings.Contains(err.Error(), "Caddyfile:") {
+			t.Errorf("the Caddyfile's error %q names no line", err)
+		}
+		return err
+	}
+	cfg := adaptCaddyfile(t, caddyfile, dir)
 	err := caddy.Load(cfg, true)
 	if err == nil {
 		_ = caddy.Stop()

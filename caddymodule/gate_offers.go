@@ -79,8 +79,8 @@ func (g *Gate) resolveOffer(app *App, repl *caddy.Replacer, a *GateAccept) (gate
 		}
 		s.Asset = appAsset.Address
 	}
-	if !x402.IsHexAddress(s.Asset) {
-		return s, fmt.Errorf("asset %q is not an address (0x and 40 hex digits)", s.Asset)
+	if err := addressProblem("asset", s.Asset); err != nil {
+		return s, err
 	}
 	if appAsset != nil {
 		if appAsset.Decimals != 0 { // 0 means the default, 6
@@ -92,11 +92,14 @@ func (g *Gate) resolveOffer(app *App, repl *caddy.Replacer, a *GateAccept) (gate
 	}
 	s.TokenName = cmp.Or(s.TokenName, x402.DefaultTokenName)
 	s.TokenVersion = cmp.Or(s.TokenVersion, x402.DefaultTokenVersion)
-	if !x402.IsHexAddress(s.PayTo) {
-		if s.PayTo == "" {
-			return s, errors.New("no recipient: set `pay_to <address>`")
-		}
-		return s, fmt.Errorf("pay_to %q is not an address (0x and 40 hex digits)", s.PayTo)
+	if s.PayTo == "" {
+		return s, errors.New("no recipient: set `pay_to <address>`")
+	}
+	if err := addressProblem("pay_to", s.PayTo); err != nil {
+		return s, err
+	}
+	if x402.SameAddress(s.PayTo, zeroAddress) {
+		return s, errZeroPayTo
 	}
 	switch s.Method {
 	case "", x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612:
@@ -135,7 +138,7 @@ func parseCost(amount, price string, decimals uint8) (*big.Int, error) {
 		return nil, fmt.Errorf("both amount %q and price %q are set; give one", amount, price)
 	case amount != "":
 		if n, err = x402.ParseAmount(amount); err != nil {
-			return nil, fmt.Errorf("amount: %w", err)
+			return nil, err // it names the amount
 		}
 	case price != "":
 		if n, err = x402.ParsePrice(price, decimals); err != nil {
@@ -145,7 +148,7 @@ func parseCost(amount, price string, decimals uint8) (*big.Int, error) {
 		return nil, errors.New("no price: set `price <dollars>` (such as $0.01) or `amount <raw token units>`")
 	}
 	if n.Sign() == 0 {
-		return nil, errors.New("the price is zero; a free resource needs no gate (and the settlement contract refuses zero)")
+		return nil, errZeroPrice
 	}
 	return n, nil
 }

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -66,8 +67,8 @@ func (env *gateEnv) pricesCaddyfile(price, grace string, up *testUpstream) strin
 
 {{ADDR}} {
 	map {path} {price} {
-		~^/cheap/ 0.001
-		~^/dear/ 0.05
+		~^/cheap/ "0.001 USD"
+		~^/dear/ $$0.05
 		/broken $abc
 		default $0.01
 	}
@@ -259,11 +260,19 @@ func TestOptionsWithoutRequestPlaceholdersAreStillCheckedWhenTheConfigLoads(t *t
 		{"a price from an unset environment variable", "price {env.X402_TEST_UNSET_PRICE}\n\t\tpay_to " + good, "no price"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg := adaptCaddyfile(t, "{\n\tx402 {\n\t\tnetwork eip155:723487 {\n\t\t\trpc http://127.0.0.1:1\n"+
-				"\t\t\tasset 0x69c1c4280cd64e46F1525c67AA9e5F784d09cB4C name \"Stable Coin\" version 1 decimals 6\n"+
-				"\t\t\twallet_keys 4c0883a69102937d6231471b5dbb6204fe5129617082792ae468d01a3f362318\n\t\t}\n\t}\n}\n\n"+
-				"http://127.0.0.1:"+freePortOf(t)+" {\n\tx402 {\n\t\t"+tc.gate+"\n\t}\n\trespond paid\n}\n", t.TempDir())
-			err := caddy.Validate(mustConfig(t, cfg))
+			caddyfile := "{\n\tx402 {\n\t\tnetwork eip155:723487 {\n\t\t\trpc http://127.0.0.1:1\n" +
+				"\t\t\tasset 0x69c1c4280cd64e46F1525c67AA9e5F784d09cB4C name \"Stable Coin\" version 1 decimals 6\n" +
+				"\t\t\twallet_keys 4c0883a69102937d6231471b5dbb6204fe5129617082792ae468d01a3f362318\n\t\t}\n\t}\n}\n\n" +
+				"http://127.0.0.1:" + freePortOf(t) + " {\n\tx402 {\n\t\t" + tc.gate + "\n\t}\n\trespond paid\n}\n"
+			// A value without placeholders is refused as the Caddyfile is read, naming its line; the rest when
+			// the config is provisioned.
+			_, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfile), map[string]any{"filename": "Caddyfile"})
+			if err != nil && !strings.Contains(err.Error(), "Caddyfile:") {
+				t.Errorf("the Caddyfile's error %q names no line", err)
+			}
+			if err == nil {
+				err = caddy.Validate(mustConfig(t, adaptCaddyfile(t, caddyfile, t.TempDir())))
+			}
 			switch {
 			case tc.want == "" && err != nil:
 				t.Fatalf("caddy.Validate: %v", err)

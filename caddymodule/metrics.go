@@ -52,14 +52,51 @@ type metrics struct {
 }
 
 // metricsFor returns the collectors registered in ctx's metrics registry, registering them if this is the
-// first handler of the config to ask.
-func metricsFor(ctx caddy.Context) (*metrics, error) {
+// first handler of the config to ask, with the series a handler of this kind (metricsHandlerGate or
+// metricsHandlerFacilitator) counts made at zero.
+func metricsFor(ctx caddy.Context, handler string) (*metrics, error) {
 	reg := ctx.GetMetricsRegistry()
 	if reg == nil {
 		// A context not made by Caddy (a unit test); its metrics go nowhere.
 		reg = prometheus.NewRegistry()
 	}
-	return newMetrics(reg)
+	m, err := newMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
+	m.preset(handler)
+	return m, nil
+}
+
+// preset makes at zero every series of the closed label sets that a handler of this kind counts: each gate
+// outcome status, each facilitator answer (the successes and every known reason, per endpoint), and the
+// handler's latency histograms. A labelled series is otherwise born at its first increment, with the value 1,
+// and Prometheus's rate and increase take a series' first sample as its start: the first refusal of a reason
+// (often the only one, the one that matters) and a whole burst between two scrapes would show as nothing on a
+// dashboard. The facilitator's request counter is left to its first request: HTTP codes are an open set.
+func (m *metrics) preset(handler string) {
+	if m == nil {
+		return
+	}
+	m.verifyDuration.WithLabelValues(handler)
+	m.settleDuration.WithLabelValues(handler)
+	switch handler {
+	case metricsHandlerGate:
+		for _, s := range x402.OutcomeStatuses() {
+			m.gateOutcomes.WithLabelValues(string(s))
+		}
+	case metricsHandlerFacilitator:
+		for endpoint, success := range map[string]string{
+			facilitatorserver.EndpointVerify: "valid",
+			facilitatorserver.EndpointSettle: "settled",
+		} {
+			m.facilitatorOutcomes.WithLabelValues(endpoint, success)
+			m.facilitatorOutcomes.WithLabelValues(endpoint, metricsOther)
+			for r := range knownReasons {
+				m.facilitatorOutcomes.WithLabelValues(endpoint, r)
+			}
+		}
+	}
 }
 
 // newMetrics registers the collectors in reg, or takes those already registered there.

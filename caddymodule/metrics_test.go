@@ -162,4 +162,47 @@ func TestMetricsMethodsOnANilSetDoNothing(t *testing.T) {
 	m.observeFacilitatorRequest(facilitatorserver.EndpointVerify, 200)
 	m.observeFacilitatorOutcome(facilitatorserver.EndpointVerify, "")
 	m.trackWallets(&fakeWallets{})()
+	m.preset(metricsHandlerGate)
+}
+
+func TestMetricsPresetMakesAHandlersClosedSeriesAtZeroSoARateSeesTheirFirstIncrement(t *testing.T) {
+	reg := prometheus.NewPedanticRegistry()
+	m, err := newMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.preset(metricsHandlerGate)
+	got := gathered(t, reg)
+	for _, s := range x402.OutcomeStatuses() {
+		name := `caddy_x402_gate_outcomes_total{status="` + string(s) + `"}`
+		if v, ok := got[name]; !ok || v != 0 {
+			t.Errorf("after a gate's preset %s = %v (present %v), want 0", name, v, ok)
+		}
+	}
+	for _, name := range []string{`caddy_x402_verify_duration_seconds_count{handler="gate"}`, `caddy_x402_settle_duration_seconds_count{handler="gate"}`} {
+		if v, ok := got[name]; !ok || v != 0 {
+			t.Errorf("after a gate's preset %s = %v (present %v), want 0", name, v, ok)
+		}
+	}
+	for name := range got {
+		if strings.Contains(name, "facilitator") {
+			t.Errorf("a gate's preset made a facilitator series: %s", name)
+		}
+	}
+
+	m.preset(metricsHandlerFacilitator)
+	m.observeFacilitatorOutcome(facilitatorserver.EndpointVerify, x402.ReasonInsufficientFunds)
+	got = gathered(t, reg)
+	for name, want := range map[string]float64{
+		`caddy_x402_facilitator_outcomes_total{endpoint="verify",reason="valid"}`:                                0,
+		`caddy_x402_facilitator_outcomes_total{endpoint="settle",reason="settled"}`:                              0,
+		`caddy_x402_facilitator_outcomes_total{endpoint="settle",reason="` + x402.ReasonTransactionFailed + `"}`: 0,
+		`caddy_x402_facilitator_outcomes_total{endpoint="settle",reason="other"}`:                                0,
+		`caddy_x402_facilitator_outcomes_total{endpoint="verify",reason="insufficient_funds"}`:                   1,
+		`caddy_x402_settle_duration_seconds_count{handler="facilitator"}`:                                        0,
+	} {
+		if v, ok := got[name]; !ok || v != want {
+			t.Errorf("after a facilitator's preset %s = %v (present %v), want %v", name, v, ok, want)
+		}
+	}
 }

@@ -147,6 +147,9 @@ type Facilitator struct {
 	holesMu sync.Mutex
 	holes   map[common.Address]holeSighting // per settlement wallet, the nonce hole reconciliation last saw
 
+	// refused is what the engine refused lately, for /health.
+	refused refusals
+
 	// cluster is the journal when several processes share it; leases then keeps this process's wallet leases.
 	// Both are nil with a journal of one process.
 	cluster journal.Cluster
@@ -495,16 +498,24 @@ func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error)
 }
 
 // Health reports per network whether the node answers, how old its head block is, the wallets' native
-// balances, and how many journalled settlements are not final.
+// balances and settlements in flight, how many journalled settlements are not final and how many of them are
+// claimed or broadcast; and the payments the engine refused lately.
 func (f *Facilitator) Health(ctx context.Context) (x402.HealthResponse, error) {
-	resp := x402.HealthResponse{Status: x402.HealthOK}
+	resp := x402.HealthResponse{Status: x402.HealthOK, Refusals: f.refused.health()}
 	backlog, err := f.journal.Backlog(ctx)
+	if err != nil {
+		resp.Status = x402.HealthDegraded
+	}
+	pending, err := f.pendingSettlements(ctx)
 	if err != nil {
 		resp.Status = x402.HealthDegraded
 	}
 	for _, id := range f.order {
 		n := f.networks[id]
-		h := x402.NetworkHealth{Network: id, Status: x402.HealthOK, JournalBacklog: backlog}
+		h := x402.NetworkHealth{Network: id, Status: x402.HealthOK, JournalBacklog: backlog, PendingSettlements: pending.count[id]}
+		if at, ok := pending.oldest[id]; ok {
+			h.OldestPendingSeconds = max(0, f.now().Sub(at).Seconds())
+		}
 		head, err := n.backend.HeaderByNumber(ctx, nil)
 		if err != nil {
 			h.Status, h.Error = x402.HealthDown, "RPC unreachable: "+err.Error()
@@ -524,7 +535,8 @@ func (f *Facilitator) Health(ctx context.Context) (x402.HealthResponse, error) {
 			if low {
 				h.Status = x402.HealthDegraded
 			}
-			h.Wallets = append(h.Wallets, x402.WalletHealth{Address: w.Address.Hex(), Balance: bal.String(), Low: low})
+			h.Wallets = append(h.Wallets, x402.WalletHealth{Address: w.Address.Hex(), Balance: bal.String(), Low: low,
+				InFlight: pending.sent[w.Address]})
 		}
 		if h.Status != x402.HealthOK {
 			resp.Status = x402.HealthDegraded
@@ -532,6 +544,34 @@ func (f *Facilitator) Health(ctx context.Context) (x402.HealthResponse, error) {
 		resp.Networks = append(resp.Networks, h)
 	}
 	return resp, nil
+}
+
+// pendingSettlementsSeen is what the journal's settlements that are claimed or broadcast and not final say, by
+// network and by the wallet that sent them. Payments a gate served before settling are not among them.
+type pendingSettlementsSeen struct {
+	count  map[string]int         // by network
+	oldest map[string]time.Time   // by network: the oldest claim
+	sent   map[common.Address]int // by the wallet that signed the latest transaction
+}
+
+// pendingSettlements reads the journal's settlements that are not final: those of every process sharing it, as
+// a wallet's transactions on chain are.
+func (f *Facilitator) pendingSettlements(ctx context.Context) (pendingSettlementsSeen, error) {
+	seen := pendingSettlementsSeen{count: map[string]int{}, oldest: map[string]time.Time{}, sent: map[common.Address]int{}}
+	recs, err := f.journal.PendingOf(ctx, false)
+	if err != nil {
+		return seen, fmt.Errorf("listing the journal's pending settlements: %w", err)
+	}
+	for _, r := range recs {
+		seen.count[r.Network]++
+		if at, ok := seen.oldest[r.Network]; !ok || r.ClaimedAt.Before(at) {
+			seen.oldest[r.Network] = r.ClaimedAt
+		}
+		if r.Wallet != "" && common.IsHexAddress(r.Wallet) {
+			seen.sent[common.HexToAddress(r.Wallet)]++
+		}
+	}
+	return seen, nil
 }
 
 var _ x402.Facilitator = (*Facilitator)(nil)

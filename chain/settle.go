@@ -76,7 +76,8 @@ type flight struct {
 //
 // An upto payment settles paymentRequirements.amount, from zero up to the maximum the payer permitted, from the
 // settlement wallet its witness names. Zero sends nothing: the payment is recorded as settled, for nothing.
-func (f *Facilitator) Settle(ctx context.Context, req x402.SettleRequest) (x402.SettleResponse, error) {
+func (f *Facilitator) Settle(ctx context.Context, req x402.SettleRequest) (resp x402.SettleResponse, err error) {
+	defer func() { f.noteSettle(req, resp, err) }()
 	p, ref := f.parse(req, true)
 	if ref == nil {
 		var err error

@@ -153,7 +153,9 @@ type sponsorPermit struct {
 // chain call; with a gas-sponsoring permit, only when the payer's approval covers it without the permit. Its
 // settlement still simulates the exact call before anything is sent.
 func (f *Facilitator) Verify(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
-	return f.verify(ctx, req, fundsVerify)
+	resp, err := f.verify(ctx, req, fundsVerify)
+	f.noteVerify(req, resp, err)
+	return resp, err
 }
 
 // VerifyAndHold verifies like Verify and, when the payment is valid, holds its amount against the payer's funds
@@ -165,7 +167,9 @@ func (f *Facilitator) Verify(ctx context.Context, req x402.VerifyRequest) (x402.
 // An upto payment is held at its maximum; its settlement holds only the amount settled (see broadcast), and a
 // settlement of zero lets the hold go.
 func (f *Facilitator) VerifyAndHold(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
-	return f.verify(ctx, req, fundsHold)
+	resp, err := f.verify(ctx, req, fundsHold)
+	f.noteVerify(req, resp, err)
+	return resp, err
 }
 
 // Release lets go of the hold VerifyAndHold placed on a payment that is not going to be settled: its upstream

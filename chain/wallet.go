@@ -292,7 +292,8 @@ func ParsePrivateKeys(list string) ([]*ecdsa.PrivateKey, error) {
 	for i, f := range fields {
 		k, err := crypto.HexToECDSA(strings.TrimPrefix(strings.TrimPrefix(f, "0x"), "0X"))
 		if err != nil {
-			return nil, fmt.Errorf("settlement key #%d is not a 32-byte hex private key", i+1)
+			// Never the key nor any part of it: a key mistyped by one character is still nearly a secret.
+			return nil, fmt.Errorf("key %d of %d is not 32 bytes of hex (a private key of 64 hex digits, 0x optional)", i+1, len(fields))
 		}
 		keys = append(keys, k)
 	}

@@ -116,7 +116,9 @@ func startClusterWith(t *testing.T, s clusterSetup) *cluster {
 	payers := s.payers
 	c := &cluster{t: t, dir: t.TempDir(), chainID: new(big.Int).SetUint64(devchain.DefaultChainID), setup: s}
 
-	// The database starts while the chain does.
+	// The database starts while the chain does; a machine without PostgreSQL ends the test here, in its own
+	// goroutine, where a test may be skipped.
+	pgtest.Need(t)
 	pgReady := make(chan struct{})
 	var pgErr any
 	go func() {

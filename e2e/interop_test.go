@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math/big"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -20,6 +19,7 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
+	"github.com/x402-gateway/caddy-x402/internal/needs"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -82,14 +82,9 @@ type interopCell struct {
 // offers permit2 and eip3009 in front of it, never erc2612.
 func TestThePublicTypeScriptSDKAndOursPayEachOtherOnTheDevChain(t *testing.T) {
 	needBinary(t)
-	npm, err := exec.LookPath("npm")
-	if err != nil {
-		t.Skip("skipped: npm is not on PATH; the interop test installs the public TypeScript x402 SDK with npm")
-	}
-	node, err := exec.LookPath("node")
-	if err != nil {
-		t.Fatalf("npm is on PATH but node is not: %v", err)
-	}
+	// The public TypeScript x402 SDK is installed from npm and run with node.
+	npm := needs.Command(t, "npm", "apt-get install nodejs npm")
+	node := needs.Command(t, "node", "apt-get install nodejs")
 	in := &interop{t: t, node: node, sdk: installTypeScriptClient(t, npm)}
 
 	dir := t.TempDir()

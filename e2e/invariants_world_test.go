@@ -260,6 +260,7 @@ func startWorld(t *testing.T, topo invTopology) *invWorld {
 
 	pgReady := make(chan struct{})
 	if topo.postgres {
+		pgtest.Need(t) // here, in the test's goroutine, where a test may be skipped
 		go func() {
 			defer close(pgReady)
 			w.pg = pgtest.Start(t)

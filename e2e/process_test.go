@@ -30,9 +30,6 @@ type process struct {
 	out  *lockedBuffer
 	done chan struct{} // closed once the process has exited and err is set
 	err  error
-	// skipOnPortConflict skips the test, rather than failing it, when the process exits because a port it
-	// must use is taken: fixed ports (the quickstart's) may be held by another run on the same machine.
-	skipOnPortConflict bool
 }
 
 // startProcess starts the built binary with args in dir and env. The process is killed when the test ends
@@ -144,9 +141,6 @@ func (p *process) waitUntil(what string, timeout time.Duration, ready func() err
 		}
 		select {
 		case <-p.done:
-			if p.skipOnPortConflict && strings.Contains(p.out.String(), "address already in use") {
-				p.t.Skipf("skipped: %s could not listen, a port it needs is taken:\n%s", p.name, lastLines(p.out.String(), 5))
-			}
 			p.t.Fatalf("%s exited (%v) before %s", p.name, p.err, what)
 		default:
 		}

@@ -2,7 +2,9 @@ package e2e
 
 import (
 	"encoding/json"
+	"fmt"
 	"math/big"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -16,12 +18,92 @@ import (
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// The fixed addresses of Caddyfile.example and of `caddy x402 pay --dev`.
-const (
-	quickstartSite  = "http://localhost:8080"
-	quickstartRPC   = "http://127.0.0.1:8545"
-	quickstartReady = 60 * time.Second
-)
+// quickstartReady is how long Caddyfile.example's Caddy gets to answer a paid route's 402.
+const quickstartReady = 60 * time.Second
+
+// quickstart is Caddyfile.example as a test runs it: the same file with its fixed ports (the site's 8080, the
+// legacy app's 8081, the dev chain's 8545 and the admin API's 2019) moved to free ones, so that a test never
+// depends on what else runs on the machine, such as the README's main job.
+type quickstart struct {
+	site   string // the site's URL, http://localhost:<port>
+	rpc    string // the dev chain's JSON-RPC URL, http://127.0.0.1:<port>
+	admin  string // the admin API's address, localhost:<port>
+	config string // the rewritten file, named Caddyfile.example so that Caddy reads it as a Caddyfile
+	ports  map[int]int
+}
+
+// newQuickstart writes Caddyfile.example, on free ports, to a temporary folder. The file is run from the
+// repository's root, as the README runs it (its paths, such as examples/site, are relative to it). A rewrite
+// that no longer finds what it replaces fails the test: the example changed, and this must follow it.
+func newQuickstart(t *testing.T) *quickstart {
+	t.Helper()
+	q := &quickstart{ports: map[int]int{8080: freePort(t), 8081: freePort(t), 8545: freePort(t), 2019: freePort(t)}}
+	q.site = fmt.Sprintf("http://localhost:%d", q.ports[8080])
+	q.rpc = fmt.Sprintf("http://127.0.0.1:%d", q.ports[8545])
+	q.admin = fmt.Sprintf("localhost:%d", q.ports[2019])
+	b, err := os.ReadFile(filepath.Join(repoRoot, "Caddyfile.example"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	config := string(b)
+	for _, r := range []struct{ old, new string }{
+		{"\tadmin localhost:2019\n", fmt.Sprintf("\tadmin %s\n", q.admin)},
+		{"\n:8080 {\n", fmt.Sprintf("\n:%d {\n", q.ports[8080])},
+		{"\n:8081 {\n", fmt.Sprintf("\n:%d {\n", q.ports[8081])},
+		{"reverse_proxy localhost:8081 {", fmt.Sprintf("reverse_proxy localhost:%d {", q.ports[8081])},
+		// The dev chain listens on 127.0.0.1:8545 unless told otherwise.
+		{"\t\tdev_chain {\n", fmt.Sprintf("\t\tdev_chain {\n\t\t\tlisten 127.0.0.1:%d\n", q.ports[8545])},
+	} {
+		if n := strings.Count(config, r.old); n != 1 {
+			t.Fatalf("Caddyfile.example holds %q %d times, want once: the example changed, update newQuickstart", r.old, n)
+		}
+		config = strings.Replace(config, r.old, r.new, 1)
+	}
+	q.config = writeFile(t, t.TempDir(), "Caddyfile.example", config)
+	return q
+}
+
+// start runs `caddy run --config Caddyfile.example` from the repository's root and waits for a paid route's 402:
+// Caddy starts its apps in no fixed order, so the free route may answer before the x402 app (the dev chain with
+// it) has started.
+func (q *quickstart) start(t *testing.T) *process {
+	t.Helper()
+	caddy := startProcess(t, "caddy run --config Caddyfile.example", repoRoot, childEnv(t), "run", "--config", q.config)
+	caddy.waitUntil("a 402 on "+q.site+"/paid/index.html", quickstartReady, answersWith(q.site+"/paid/index.html", 402))
+	return caddy
+}
+
+// rewrite moves the example's fixed addresses in a command line (the README's, Caddyfile.example's comments) to
+// this quickstart's ports, and points `caddy x402 pay --dev` and `bench --dev`, which look for the dev chain on
+// 127.0.0.1:8545, at its chain.
+func (q *quickstart) rewrite(line string) string {
+	line = strings.NewReplacer(
+		"localhost:8080", fmt.Sprintf("localhost:%d", q.ports[8080]),
+		"localhost:8081", fmt.Sprintf("localhost:%d", q.ports[8081]),
+		"127.0.0.1:8545", fmt.Sprintf("127.0.0.1:%d", q.ports[8545]),
+		"localhost:2019", q.admin,
+	).Replace(line)
+	for _, cmd := range []string{"x402 pay --dev", "x402 bench --dev"} {
+		if strings.Contains(line, cmd) && !strings.Contains(line, "--rpc") {
+			line = strings.Replace(line, cmd, cmd+" --rpc "+q.rpc, 1)
+		}
+	}
+	return line
+}
+
+// holdExamplePorts listens on Caddyfile.example's fixed ports, where they are free, until the test ends, as the
+// README's main job would: a test on the example must not need them.
+func holdExamplePorts(t *testing.T) {
+	t.Helper()
+	for _, port := range []int{8080, 8081, 8545, 2019} {
+		if l, err := net.Listen("tcp", fmt.Sprintf(":%d", port)); err == nil {
+			t.Cleanup(func() { l.Close() })
+		}
+		if portTaken(port) == "" {
+			t.Fatalf("port %d is free after holdExamplePorts", port)
+		}
+	}
+}
 
 // txHashPattern is a transaction hash as PAYMENT-RESPONSE carries it.
 var txHashPattern = regexp.MustCompile(`^0x[0-9a-fA-F]{64}$`)
@@ -30,24 +112,19 @@ var txHashPattern = regexp.MustCompile(`^0x[0-9a-fA-F]{64}$`)
 // built binary: `caddy run --config Caddyfile.example` from the repository root, then
 // `caddy x402 pay --dev` for a paid file, the paid legacy API and (--method eip3009) the route paid in the
 // USD Coin. Each pay exits 0 with the content and a
-// settled PAYMENT-RESPONSE naming a transaction, and the dev chain's balances moved by exactly the prices.
+// settled PAYMENT-RESPONSE naming a transaction, and the dev chain's balances moved by exactly the prices. The
+// example's own ports are held by the test meanwhile, as the README's main job holds them: it runs on free ones.
 func TestQuickstartSellsThePaidRoutesToCaddyX402PayDev(t *testing.T) {
 	needBinary(t)
-	for _, port := range []int{8080, 8081, 8545, 2019} {
-		if why := portTaken(port); why != "" {
-			t.Skipf("skipped: port %d is taken (%s); Caddyfile.example needs 8080, 8081, 8545 and the admin port 2019", port, why)
-		}
-	}
+	// The README's main job may be running: the test holds the example's own ports and runs on others.
+	holdExamplePorts(t)
+	q := newQuickstart(t)
 
 	start := time.Now()
-	caddy := startProcess(t, "caddy run --config Caddyfile.example", repoRoot, childEnv(t), "run", "--config", "Caddyfile.example")
-	caddy.skipOnPortConflict = true
-	// A paid route answers once the x402 app (the dev chain with it) has started: Caddy starts its apps in no
-	// fixed order, so the free route may answer before.
-	caddy.waitUntil("a 402 on "+quickstartSite+"/paid/index.html", quickstartReady, answersWith(quickstartSite+"/paid/index.html", 402))
+	caddy := q.start(t)
 	t.Logf("Caddy with the dev chain answered %s after %s (the test's go build took %s)",
-		quickstartSite, time.Since(start).Round(time.Millisecond), buildTime.Round(time.Millisecond))
-	dev := dialChain(t, quickstartRPC)
+		q.site, time.Since(start).Round(time.Millisecond), buildTime.Round(time.Millisecond))
+	dev := dialChain(t, q.rpc)
 
 	page, err := os.ReadFile(filepath.Join(repoRoot, "examples", "site", "index.html"))
 	if err != nil {
@@ -67,7 +144,7 @@ func TestQuickstartSellsThePaidRoutesToCaddyX402PayDev(t *testing.T) {
 	}
 
 	for _, r := range routes {
-		unpaid, err := get(quickstartSite + r.path)
+		unpaid, err := get(q.site + r.path)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -86,9 +163,9 @@ func TestQuickstartSellsThePaidRoutesToCaddyX402PayDev(t *testing.T) {
 
 	for _, r := range routes {
 		payerBefore, sellerBefore := dev.balanceOf(r.token, devchain.PayerAddress), dev.balanceOf(r.token, seller)
-		args := []string{"x402", "pay", "--dev", quickstartSite + r.path}
+		args := []string{"x402", "pay", "--dev", "--rpc", q.rpc, q.site + r.path}
 		if r.method != "" {
-			args = append(args[:3], "--method", r.method, args[3])
+			args = append(args[:5], "--method", r.method, args[5])
 		}
 		pay := runCommand(t, 2*time.Minute, repoRoot, childEnv(t), caddyBin, args...)
 		if pay.code != 0 {

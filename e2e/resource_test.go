@@ -35,6 +35,7 @@ const (
 func TestAPaymentCutShortBuysOnlyItsURLAfterASIGKILLAndOnAnotherGatewayOfItsCluster(t *testing.T) {
 	needBinary(t)
 	dir := t.TempDir()
+	pgtest.Need(t) // here, in the test's goroutine, where a test may be skipped
 	pgReady := make(chan *pgtest.Server, 1)
 	go func() { pgReady <- pgtest.Start(t) }()
 

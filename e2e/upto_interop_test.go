@@ -8,7 +8,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"os/exec"
 	"slices"
 	"strings"
 	"sync"
@@ -22,6 +21,7 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
+	"github.com/x402-gateway/caddy-x402/internal/needs"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -88,14 +88,9 @@ func (u *meteredUpstream) asked(path string) bool {
 func startUptoInterop(t *testing.T, withTSFacilitator bool) *uptoInterop {
 	t.Helper()
 	needBinary(t)
-	npm, err := exec.LookPath("npm")
-	if err != nil {
-		t.Skip("skipped: npm is not on PATH; the upto interop tests install the public TypeScript x402 SDK with npm")
-	}
-	node, err := exec.LookPath("node")
-	if err != nil {
-		t.Fatalf("npm is on PATH but node is not: %v", err)
-	}
+	// The public TypeScript x402 SDK is installed from npm and run with node.
+	npm := needs.Command(t, "npm", "apt-get install nodejs npm")
+	node := needs.Command(t, "node", "apt-get install nodejs")
 	u := &uptoInterop{t: t, node: node, sdk: installTypeScriptClient(t, npm), upstream: new(meteredUpstream)}
 
 	upstream := httptest.NewServer(u.upstream) // on 127.0.0.1

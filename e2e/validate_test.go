@@ -35,24 +35,17 @@ func checkConfig(t *testing.T, dir string, env []string, config string) {
 // TestCaddyValidateBesideTheRunningQuickstartTouchesNoChainJournalOrPort starts Caddyfile.example as the
 // quick start does, then checks the same file with `caddy validate` and `caddy adapt --validate` from a second
 // process. Both exit 0, and they start no dev chain and bind no port: the first process's chain is the one
-// still answering on 8545 with the same head block, and its gate still sells a page for a settled payment.
+// still answering on its port with the same head block, and its gate still sells a page for a settled payment.
 func TestCaddyValidateBesideTheRunningQuickstartTouchesNoChainJournalOrPort(t *testing.T) {
 	needBinary(t)
-	for _, port := range []int{8080, 8081, 8545, 2019} {
-		if why := portTaken(port); why != "" {
-			t.Skipf("skipped: port %d is taken (%s); Caddyfile.example needs 8080, 8081, 8545 and the admin port 2019", port, why)
-		}
-	}
-	caddy := startProcess(t, "caddy run --config Caddyfile.example", repoRoot, childEnv(t), "run", "--config", "Caddyfile.example")
-	caddy.skipOnPortConflict = true
-	// A paid route answers once the x402 app (the dev chain with it) has started: Caddy starts its apps in no
-	// fixed order, so the free route may answer before.
-	caddy.waitUntil("a 402 on "+quickstartSite+"/paid/index.html", quickstartReady, answersWith(quickstartSite+"/paid/index.html", 402))
-	dev := dialChain(t, quickstartRPC)
+	holdExamplePorts(t) // as the README's main job would
+	q := newQuickstart(t)
+	caddy := q.start(t)
+	dev := dialChain(t, q.rpc)
 	head := dev.head()
 	sellerBefore := dev.balance(seller)
 
-	checkConfig(t, repoRoot, childEnv(t), "Caddyfile.example")
+	checkConfig(t, repoRoot, childEnv(t), q.config)
 
 	if !caddy.running() {
 		t.Fatal("the running Caddy exited while its config was validated")
@@ -60,7 +53,7 @@ func TestCaddyValidateBesideTheRunningQuickstartTouchesNoChainJournalOrPort(t *t
 	if h := dev.head(); h != head {
 		t.Errorf("the dev chain's head moved from %d to %d while nothing was paid: validation sent transactions", head, h)
 	}
-	pay := runCommand(t, 2*time.Minute, repoRoot, childEnv(t), caddyBin, "x402", "pay", "--dev", quickstartSite+"/paid/index.html")
+	pay := runCommand(t, 2*time.Minute, repoRoot, childEnv(t), caddyBin, "x402", "pay", "--dev", "--rpc", q.rpc, q.site+"/paid/index.html")
 	if pay.code != 0 || !strings.HasPrefix(pay.stdout, "HTTP/1.1 200 OK\n") {
 		t.Fatalf("paying the running gate after validation: exit %d\nstdout:\n%s\nstderr:\n%s", pay.code, pay.stdout, pay.stderr)
 	}
@@ -162,4 +155,52 @@ func fileState(t *testing.T, path string) string {
 		t.Fatalf("the journal %s: %v", path, err)
 	}
 	return fmt.Sprintf("%d bytes, modified %s", fi.Size(), fi.ModTime().Format(time.RFC3339Nano))
+}
+
+// TestAMalformedWalletKeyFromTheEnvironmentStopsValidateAndRunNamingTheVariableNotTheKey checks with the built
+// binary what an operator meets: `caddy validate` (which talks to no chain) and `caddy run` both refuse a config
+// whose {env.X402_TEST_WALLET_KEYS} holds a malformed second key, both name the variable and the key's position,
+// and neither prints any part of either key.
+func TestAMalformedWalletKeyFromTheEnvironmentStopsValidateAndRunNamingTheVariableNotTheKey(t *testing.T) {
+	needBinary(t)
+	dir := t.TempDir()
+	good := hexutil.Encode(crypto.FromECDSA(devchain.WalletKeys(1)[0]))[2:]
+	bad := strings.Repeat("c0ffee", 10) + "zz"
+	config := writeFile(t, dir, "Caddyfile", fmt.Sprintf(`{
+	admin off
+	x402 {
+		network eip155:723487 {
+			rpc http://127.0.0.1:1
+			asset %s
+			wallet_keys {env.X402_TEST_WALLET_KEYS}
+		}
+	}
+}
+
+http://127.0.0.1:%d {
+	x402 $0.01 {
+		pay_to %s
+	}
+	respond "paid" 200
+}
+`, devchain.TokenAddress.Hex(), freePort(t), seller.Hex()))
+	env := childEnv(t, "X402_TEST_WALLET_KEYS="+good+","+bad)
+	const want = "wallet_keys: {env.X402_TEST_WALLET_KEYS}: key 2 of 2 is not 32 bytes of hex"
+	for _, args := range [][]string{
+		{"validate", "--adapter", "caddyfile", "--config", config},
+		{"run", "--adapter", "caddyfile", "--config", config},
+	} {
+		r := runCommand(t, time.Minute, dir, env, caddyBin, args...)
+		out := r.stdout + r.stderr
+		if r.code == 0 || !strings.Contains(out, want) {
+			t.Errorf("caddy %s exited %d, want a failure saying %q\nstdout:\n%s\nstderr:\n%s", args[0], r.code, want, r.stdout, r.stderr)
+		}
+		for _, key := range []string{good, bad} {
+			for i := 0; i+8 <= len(key); i++ {
+				if strings.Contains(out, key[i:i+8]) {
+					t.Fatalf("caddy %s printed a part of a wallet key (%q)\nstdout:\n%s\nstderr:\n%s", args[0], key[i:i+8], r.stdout, r.stderr)
+				}
+			}
+		}
+	}
 }

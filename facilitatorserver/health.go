@@ -110,6 +110,9 @@ func (s *Server) filterHealth(resp x402.HealthResponse) x402.HealthResponse {
 			}
 		}
 		resp.Networks = kept
+		if r := resp.Refusals; r != nil {
+			resp.Refusals = s.filterRefusals(*r)
+		}
 		if resp.Status == x402.HealthDegraded {
 			resp.Status = x402.HealthOK // re-derived below from the networks that are left
 		}
@@ -130,4 +133,21 @@ func (s *Server) filterHealth(resp x402.HealthResponse) x402.HealthResponse {
 		resp.Status = x402.HealthDown
 	}
 	return resp
+}
+
+// filterRefusals keeps the refusals on the networks this server serves: the others are another server's to show.
+func (s *Server) filterRefusals(r x402.RefusalsHealth) *x402.RefusalsHealth {
+	out := &x402.RefusalsHealth{Counts: []x402.RefusalCount{}, Recent: []x402.Refusal{}}
+	for _, c := range r.Counts {
+		if s.networks[c.Network] {
+			out.Counts = append(out.Counts, c)
+			out.Total += c.Count
+		}
+	}
+	for _, one := range r.Recent {
+		if s.networks[one.Network] {
+			out.Recent = append(out.Recent, one)
+		}
+	}
+	return out
 }

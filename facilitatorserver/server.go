@@ -197,7 +197,24 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // Serve answers the request as ServeHTTP does, and returns the status and the number of body bytes it wrote,
 // for an access log or a request count.
 func (s *Server) Serve(w http.ResponseWriter, r *http.Request) (status, size int) {
-	res := s.serve(r, Endpoint(r.URL.Path))
+	return s.respond(w, r, Endpoint(r.URL.Path))
+}
+
+// ServeHealth answers r as GET /health, whatever its path: for a status page mounted elsewhere (Caddy's admin
+// API) that must say what /health says, redacted, cached and laid out the same.
+func (s *Server) ServeHealth(w http.ResponseWriter, r *http.Request) (status, size int) {
+	return s.respond(w, r, EndpointHealth)
+}
+
+func (s *Server) respond(w http.ResponseWriter, r *http.Request, endpoint string) (status, size int) {
+	res := s.serve(r, endpoint)
+	if endpoint == EndpointHealth && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
+		// One URL, two forms: a cache must not hand a browser's page to a monitor, nor the JSON to a browser.
+		w.Header().Add("Vary", "Accept")
+		if x402.WantsHTML(r) {
+			return res.status, WriteHealthPage(w, res.status, res.body)
+		}
+	}
 	return res.status, writeReply(w, res)
 }
 

@@ -1,6 +1,7 @@
 package facilitatorserver
 
 import (
+	"errors"
 	"fmt"
 	"math/big"
 
@@ -19,7 +20,7 @@ type Terms struct {
 }
 
 // ParseTerms checks min_amount (raw token units, from 1 to 2^256-1; "" for none) and the pay_to addresses
-// (none: any recipient). Its errors name the option, as an operator wrote it.
+// (none: any recipient; in one case, or in mixed case whose EIP-55 checksum holds). Its errors name the option, as an operator wrote it.
 func ParseTerms(minAmount string, payTo []string) (Terms, error) {
 	var t Terms
 	if minAmount != "" {
@@ -30,6 +31,11 @@ func ParseTerms(minAmount string, payTo []string) (Terms, error) {
 		t.minAmount = v
 	}
 	for _, s := range payTo {
+		// An operator's address in mixed case is checked against its EIP-55 checksum: a payment's payTo is
+		// compared to it, and one mistyped would refuse every seller's payments, or let through a stranger's.
+		if err := x402.CheckAddress(s); errors.Is(err, x402.ErrAddressChecksum) {
+			return t, fmt.Errorf("pay_to %w", err)
+		}
 		a, err := checksumAddress("pay_to", s)
 		if err != nil {
 			return t, err

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
-	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -26,7 +25,7 @@ func (x *exchange) noPayment() error {
 	pr := x.paymentRequired(fmt.Sprintf("%s header is required", x.g.cfg.PaymentHeader))
 	x.end(x402.PaymentOutcome{Status: x402.OutcomeNoPayment, Requirements: &pr, TotalMs: x.totalMs()})
 	x.setRequiredHeader(pr)
-	if wantsHTML(x.r) {
+	if x402.WantsHTML(x.r) {
 		return x.writePaywall(pr)
 	}
 	x.v1 = x.g.cfg.V1Body
@@ -233,11 +232,6 @@ func (x *exchange) writeJSON(status int, v any) error {
 	x.w.WriteHeader(status)
 	_, err = x.w.Write(append(body, '\n'))
 	return err
-}
-
-// wantsHTML reports whether the client is a browser asking for a page.
-func wantsHTML(r *http.Request) bool {
-	return strings.Contains(strings.ToLower(r.Header.Get("Accept")), "text/html")
 }
 
 // end records the request's one outcome: variables for logs and later handlers, metrics, and a log line.

@@ -5,8 +5,10 @@
 #   scripts/xcaddy-check.sh
 #
 # Exit status: 0 when the build lists x402, http.handlers.x402, http.handlers.x402_facilitator and x402.facilitators.*, or when
-# xcaddy itself cannot be installed (it then prints "skipped: <why>"); non-zero when the build or the
-# check fails. Everything it makes lives in a temporary folder that is removed at the end.
+# xcaddy itself cannot be installed and CI is not set (it then prints "skipped: <why>"); non-zero when the build or
+# the check fails, and when xcaddy cannot be installed under CI (CI set to anything but "", "false" or "0", as
+# internal/needs reads it), where a skipped check would let CI pass without it. Everything it makes lives in a
+# temporary folder that is removed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,9 +50,16 @@ if ! GOBIN="$work/bin" GOFLAGS=-buildvcs=false go install "github.com/caddyserve
 	mkdir -p "$work/xcaddy-mod"
 	printf 'module xcaddycheck\n\ngo %s\n\nrequire github.com/caddyserver/xcaddy %s\n' "$(go env GOVERSION | sed 's/^go//')" "$xcaddy_version" >"$work/xcaddy-mod/go.mod"
 	if ! (cd "$work/xcaddy-mod" && GOFLAGS='-mod=mod -buildvcs=false' go build -o "$work/bin/xcaddy" github.com/caddyserver/xcaddy/cmd/xcaddy) >>"$work/install.log" 2>&1; then
-		echo "skipped: xcaddy $xcaddy_version could not be installed from the Go module proxy:"
-		sed 's/^/  /' "$work/install.log" | tail -n 8
-		exit 0
+		case "${CI:-}" in
+		"" | false | FALSE | False | 0)
+			echo "skipped: xcaddy $xcaddy_version could not be installed from the Go module proxy:"
+			sed 's/^/  /' "$work/install.log" | tail -n 8
+			exit 0
+			;;
+		esac
+		echo "FAIL: xcaddy $xcaddy_version could not be installed from the Go module proxy, and CI is set, so this check may not skip:" >&2
+		sed 's/^/  /' "$work/install.log" | tail -n 8 >&2
+		exit 1
 	fi
 fi
 echo "xcaddy $xcaddy_version installed in $(elapsed "$start")"

@@ -2,6 +2,8 @@ package x402
 
 import (
 	"encoding/hex"
+	"errors"
+	"fmt"
 	"strings"
 
 	"golang.org/x/crypto/sha3"
@@ -25,6 +27,28 @@ func ChecksumAddress(s string) string {
 		}
 	}
 	return string(out)
+}
+
+// ErrAddressChecksum is the error of CheckAddress for an address in mixed case whose EIP-55 checksum fails.
+var ErrAddressChecksum = errors.New("its mixed case fails the EIP-55 checksum, so a character of it is mistyped")
+
+// CheckAddress says why s cannot name an address in configuration, nil when it can: "0x" and 40 hex digits, in
+// one case, or in mixed case whose EIP-55 checksum holds. Mixed case is a checksum: one that fails says the
+// address was mistyped (or its case edited), and tokens sent to a mistyped address are gone. Its error never
+// offers the checksummed spelling of what came: that would be the right case of a wrong address.
+func CheckAddress(s string) error {
+	if !IsHexAddress(s) {
+		return fmt.Errorf("%s is not an address (0x and 40 hex digits)", quoteInput(s))
+	}
+	hexPart := s[2:]
+	if hexPart == strings.ToLower(hexPart) || hexPart == strings.ToUpper(hexPart) {
+		return nil
+	}
+	if ChecksumAddress(s)[2:] != hexPart {
+		return fmt.Errorf("%s: %w; check it against where it came from (an address in one case, all lower or all upper, carries no checksum)",
+			quoteInput(s), ErrAddressChecksum)
+	}
+	return nil
 }
 
 // ClaimedPayer is the payer a payment's payload names, in EIP-55 case, for answers about payments that were not

@@ -1,6 +1,9 @@
 package x402
 
-import "testing"
+import (
+	"strings"
+	"testing"
+)
 
 // The vectors of EIP-55 itself, each given in lower and upper case too.
 func TestChecksumAddressSpellsAddressesAsEIP55Does(t *testing.T) {
@@ -60,4 +63,27 @@ func toUpper(s string) string {
 		}
 	}
 	return string(b)
+}
+
+func TestCheckAddressRefusesAMixedCaseAddressWhoseChecksumFails(t *testing.T) {
+	const good = "0xfB6916095ca1df60bB79Ce92cE3Ea74c37c5d359"
+	for _, ok := range []string{good, toLower(good), "0x" + toUpper(good[2:]), "0X" + toUpper(good[2:]), "0x0000000000000000000000000000000000000001"} {
+		if err := CheckAddress(ok); err != nil {
+			t.Errorf("CheckAddress(%s) = %v, want nil", ok, err)
+		}
+	}
+	for _, tc := range []struct{ in, want string }{
+		{"0xFB6916095ca1df60bB79Ce92cE3Ea74c37c5d359", "EIP-55 checksum"}, // one letter's case changed
+		{"0xfB6916095ca1df60bB79Ce92cE3Ea74c37c5d358", "EIP-55 checksum"}, // one digit mistyped
+		{"0xfB69", "is not an address (0x and 40 hex digits)"},
+		{"", "is not an address"},
+	} {
+		err := CheckAddress(tc.in)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("CheckAddress(%q) = %v, want an error saying %q", tc.in, err, tc.want)
+		}
+		if err != nil && tc.want == "EIP-55 checksum" && strings.Contains(err.Error(), ChecksumAddress(tc.in)) {
+			t.Errorf("CheckAddress(%q) = %v: it offers the checksummed spelling of a mistyped address", tc.in, err)
+		}
+	}
 }

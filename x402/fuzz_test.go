@@ -199,7 +199,7 @@ func FuzzParseAmount(f *testing.F) {
 }
 
 func FuzzParsePrice(f *testing.F) {
-	for _, s := range []string{"$0.01", "0.01 USD", "0.01", "$1", "$0.0000001", "-0.01", "", "$", ".5", "1e3", "$12345678.123456", "0.01usd", "$0.000001000"} {
+	for _, s := range []string{"$0.01", "0.01 USD", "0.01", "10000", "$1", "$0.0000001", "-0.01", "", "$", ".5", "1e3", "$12345678.123456", "0.01usd", "$0.000001000"} {
 		f.Add(s, uint8(6))
 	}
 	f.Add("$0.5", uint8(0))
@@ -227,6 +227,9 @@ func FuzzParsePrice(f *testing.F) {
 		}
 		if strings.ContainsAny(num, "eE+-_, ") {
 			t.Fatalf("ParsePrice accepted %q", s)
+		}
+		if trimmed := strings.TrimSpace(s); !strings.HasPrefix(trimmed, "$") && !strings.HasSuffix(strings.ToUpper(trimmed), "USD") {
+			t.Fatalf("ParsePrice accepted %q, a price that names no currency", s)
 		}
 	})
 }

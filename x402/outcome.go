@@ -1,6 +1,9 @@
 package x402
 
-import "net/http"
+import (
+	"net/http"
+	"strings"
+)
 
 // OutcomeStatus is the discriminator of a PaymentOutcome: how one gated request ended.
 type OutcomeStatus string
@@ -74,3 +77,9 @@ type PaymentOutcome struct {
 
 // HTTPStatus is the status code of the outcome's status.
 func (o PaymentOutcome) HTTPStatus() int { return o.Status.HTTPStatus() }
+
+// WantsHTML reports whether the client is a browser asking for a page (its Accept names text/html), which gets
+// a page for a person where any other client gets the JSON document.
+func WantsHTML(r *http.Request) bool {
+	return strings.Contains(strings.ToLower(r.Header.Get("Accept")), "text/html")
+}

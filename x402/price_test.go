@@ -15,7 +15,6 @@ func TestParsePriceTurnsDollarPricesIntoRawUnitsExactly(t *testing.T) {
 		{"0.01 USD", 6, "10000"},
 		{"0.01USD", 6, "10000"},
 		{"0.01 usd", 6, "10000"},
-		{"0.01", 6, "10000"},
 		{"  $1  ", 6, "1000000"},
 		{"$1.5", 6, "1500000"},
 		{"$0.000001", 6, "1"},
@@ -25,7 +24,7 @@ func TestParsePriceTurnsDollarPricesIntoRawUnitsExactly(t *testing.T) {
 		{"$0", 6, "0"},
 		{"$0.29", 6, "290000"}, // 0.29 is not exact in binary floating point
 		{"$3", 0, "3"},
-		{"007.5", 1, "75"},
+		{"$007.5", 1, "75"},
 	}
 	for _, tt := range tests {
 		got, err := ParsePrice(tt.in, tt.decimals)
@@ -59,6 +58,10 @@ func TestParsePriceRefusesWhatItCannotChargeExactly(t *testing.T) {
 		{"5.", 6, "both sides of the decimal point"},
 		{"1.2.3", 6, "unexpected"},
 		{"$" + strings.Repeat("9", 200), 6, "longer than"},
+		// A bare number says neither dollars nor raw units: "10000" is $10,000 or a hundredth of a token.
+		{"10000", 6, `price "10000" is a bare number: write "$10000" for dollars, or amount 10000 for raw token units`},
+		{" 0.01 ", 6, `price " 0.01 " is a bare number: write "$0.01" (or "0.01 USD") for dollars`},
+		{"0", 6, "bare number"},
 		{"$" + strings.Repeat("9", 80), 6, "256 bits"},
 	}
 	for _, tt := range tests {

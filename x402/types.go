@@ -336,6 +336,9 @@ type SupportedResponse struct {
 type HealthResponse struct {
 	Status   string          `json:"status"`
 	Networks []NetworkHealth `json:"networks,omitempty"`
+	// Refusals are the payments the facilitator refused lately, for an operator; absent from facilitators that
+	// do not keep them.
+	Refusals *RefusalsHealth `json:"refusals,omitempty"`
 }
 
 // Health statuses.
@@ -355,6 +358,11 @@ type NetworkHealth struct {
 	Wallets        []WalletHealth `json:"wallets,omitempty"`
 	JournalBacklog int            `json:"journalBacklog"`
 	Error          string         `json:"error,omitempty"`
+	// PendingSettlements counts the journal's settlements on this network that are claimed or broadcast and not
+	// final yet (payments served before settling, which wait their turn, are in JournalBacklog only);
+	// OldestPendingSeconds is how long the oldest of them has been claimed.
+	PendingSettlements   int     `json:"pendingSettlements"`
+	OldestPendingSeconds float64 `json:"oldestPendingSeconds,omitempty"`
 }
 
 // WalletHealth is the native balance of one settlement wallet (wei, decimal) and whether it is running low.
@@ -362,4 +370,31 @@ type WalletHealth struct {
 	Address string `json:"address"`
 	Balance string `json:"balance"`
 	Low     bool   `json:"low"`
+	// InFlight counts the settlements the wallet sent (this process or another sharing its journal) that are
+	// not final yet.
+	InFlight int `json:"inFlight"`
+}
+
+// RefusalsHealth is what a facilitator keeps in memory of the payments it refused since it started: counts by
+// network and reason, and the latest few. It holds no payment and no signature, only the payer's address.
+type RefusalsHealth struct {
+	Total  int            `json:"total"`
+	Counts []RefusalCount `json:"counts"`
+	Recent []Refusal      `json:"recent"`
+}
+
+// RefusalCount is how many payments on one network were refused for one reason.
+type RefusalCount struct {
+	Network string `json:"network"`
+	Reason  string `json:"reason"`
+	Count   int    `json:"count"`
+}
+
+// Refusal is one refused payment: when, by which call (verify or settle), on which network, why, and the payer.
+type Refusal struct {
+	At      time.Time `json:"at"`
+	Op      string    `json:"op"`
+	Network string    `json:"network"`
+	Reason  string    `json:"reason"`
+	Payer   string    `json:"payer,omitempty"`
 }

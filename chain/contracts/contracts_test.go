@@ -14,6 +14,8 @@ import (
 	"github.com/ethereum/go-ethereum/accounts/abi"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/crypto"
+
+	"github.com/x402-gateway/caddy-x402/internal/needs"
 )
 
 func TestSelectorsMatchTheWireFacts(t *testing.T) {
@@ -235,12 +237,9 @@ func TestCommittedArtifactsMatchAFreshBuild(t *testing.T) {
 	if testing.Short() {
 		t.Skip("compiles with solc-js")
 	}
-	node, err := exec.LookPath("node")
-	if err != nil {
-		t.Skip("node is not installed")
-	}
+	node := needs.Command(t, "node", "apt-get install nodejs npm")
 	if _, err := os.Stat(filepath.Join("node_modules", "solc")); err != nil {
-		t.Skip("node_modules missing: run go generate ./chain/contracts first")
+		needs.Missing(t, "chain/contracts/node_modules (the pinned solc-js)", "cd chain/contracts && npm ci (or go generate ./chain/contracts)")
 	}
 	out := t.TempDir()
 	cmd := exec.Command(node, "build.js", out)

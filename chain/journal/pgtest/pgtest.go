@@ -3,12 +3,14 @@
 // database on one server started once, so that a suite of many tests stays fast.
 //
 // The server is the machine's own PostgreSQL (initdb, pg_ctl and postgres from PATH, else the highest version
-// in /usr/lib/postgresql/*/bin), its data and sockets in a temporary directory, listening on 127.0.0.1 on a
-// free port with trust authentication. Run as root (CI containers), it runs as the postgres system user, for
-// initdb refuses root. When the binaries are missing the test fails, naming the Debian package to install,
-// rather than skip: a test that silently does not run proves nothing. X402_TEST_POSTGRES_DSN, when set, names
-// a running server to use instead (its user must be allowed to create databases); a test that needs to stop
-// the server is then skipped.
+// in /usr/lib/postgresql/*/bin, unless X402_TEST_POSTGRES_PATH_ONLY is set), its data and sockets in a
+// temporary directory, listening on 127.0.0.1 on a free port with trust authentication. Run as root (CI
+// containers), it runs as the postgres system user, for initdb refuses root. When the binaries are missing the
+// test ends as internal/needs says: skipped with one line naming what to install on a machine with only Go, failed
+// under CI. X402_TEST_POSTGRES_DSN, when set, names a running server to use instead (its user must be allowed to
+// create databases); a test that needs to stop the server is then skipped. X402_TEST_POSTGRES_PATH_ONLY (any
+// value) looks for the binaries in PATH alone, so that hiding them from PATH hides PostgreSQL from the tests, as
+// scripts/go-only-check.sh does to show what a machine with only Go runs.
 //
 // A watchdog process stops every server started here, and removes its directory, once the test binary is gone,
 // whether it ended normally, timed out or was killed, so no server outlives its tests.
@@ -35,10 +37,32 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/x402-gateway/caddy-x402/internal/needs"
 )
 
 // EnvDSN names the environment variable that points the tests at an existing server instead.
 const EnvDSN = "X402_TEST_POSTGRES_DSN"
+
+// EnvPathOnly names the environment variable that, set, has the binaries looked for in PATH alone, without the
+// fallback to /usr/lib/postgresql/*/bin (Debian installs them there, outside PATH).
+const EnvPathOnly = "X402_TEST_POSTGRES_PATH_ONLY"
+
+// errNoServer is findBin's answer on a machine without PostgreSQL's server binaries.
+var errNoServer = errors.New("pgtest: no PostgreSQL server binaries (initdb, pg_ctl, postgres)")
+
+// Need ends the test, as internal/needs does, when it can have no server: neither X402_TEST_POSTGRES_DSN nor
+// PostgreSQL's binaries. Start and Shared call it; a test that starts a server in a goroutine of its own calls
+// it first, for a test may only be skipped from its own goroutine.
+func Need(t testing.TB) {
+	t.Helper()
+	if os.Getenv(EnvDSN) != "" {
+		return
+	}
+	if _, err := findBin(); errors.Is(err, errNoServer) {
+		needs.Missing(t, "PostgreSQL's initdb", "apt-get install postgresql (or set "+EnvDSN+")")
+	}
+}
 
 // superuser is the role initdb makes; trust authentication lets it in without a password.
 const superuser = "postgres"
@@ -61,6 +85,7 @@ type Server struct {
 // X402_TEST_POSTGRES_DSN set it gives the test a fresh database on that server instead.
 func Start(t testing.TB) *Server {
 	t.Helper()
+	Need(t)
 	if dsn := os.Getenv(EnvDSN); dsn != "" {
 		s := &Server{external: true, admin: dsn}
 		s.dsn = s.CreateDatabase(t)
@@ -85,6 +110,7 @@ var (
 // at the first call (or on X402_TEST_POSTGRES_DSN's server). The server runs until the binary exits.
 func Shared(t testing.TB) string {
 	t.Helper()
+	Need(t)
 	sharedOnce.Do(func() {
 		if dsn := os.Getenv(EnvDSN); dsn != "" {
 			shared = &Server{external: true, admin: dsn}
@@ -309,6 +335,9 @@ func findBin() (string, error) {
 			return filepath.Dir(p), nil
 		}
 	}
+	if os.Getenv(EnvPathOnly) != "" {
+		return "", fmt.Errorf("%w in PATH (%s is set: /usr/lib/postgresql is not looked in)", errNoServer, EnvPathOnly)
+	}
 	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
 	sort.Slice(dirs, func(i, j int) bool { return version(dirs[i]) > version(dirs[j]) })
 	for _, d := range dirs {
@@ -316,8 +345,8 @@ func findBin() (string, error) {
 			return d, nil
 		}
 	}
-	return "", errors.New("pgtest: no PostgreSQL server binaries (initdb, pg_ctl, postgres) in PATH or /usr/lib/postgresql/*/bin: " +
-		"install Debian's postgresql package (apt-get install postgresql), or set " + EnvDSN + " to a server the tests may create databases on")
+	return "", fmt.Errorf("%w in PATH or /usr/lib/postgresql/*/bin: install Debian's postgresql package (apt-get install postgresql), "+
+		"or set %s to a server the tests may create databases on", errNoServer, EnvDSN)
 }
 
 func hasServer(dir string) bool {

@@ -4,6 +4,9 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
+	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
@@ -81,4 +84,39 @@ func TestARestartedServerWaitsForItsPortToBeFreeAgain(t *testing.T) {
 	go func() { time.Sleep(time.Second); l.Close() }()
 	s.Restart(t)
 	ping(t, s.DSN())
+}
+
+// TestAMachineWithoutPostgreSQLSkipsOutsideCIAndFailsUnderIt runs a test that wants a server in a child process
+// whose PATH has no PostgreSQL and which may not look in /usr/lib/postgresql: it is skipped with one line naming
+// the package to install, and under CI it fails with that line instead.
+func TestAMachineWithoutPostgreSQLSkipsOutsideCIAndFailsUnderIt(t *testing.T) {
+	if os.Getenv("PGTEST_HELPER") == "1" {
+		Shared(t)
+		t.Fatal("Shared returned a database on a machine without PostgreSQL")
+	}
+	const line = "needs PostgreSQL's initdb: apt-get install postgresql (or set " + EnvDSN + ")"
+	for _, tc := range []struct {
+		ci       string
+		wantFail bool
+		want     string
+	}{
+		{"", false, "--- SKIP"},
+		{"true", true, "--- FAIL"},
+	} {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestAMachineWithoutPostgreSQLSkipsOutsideCIAndFailsUnderIt$", "-test.v")
+		var env []string
+		for _, kv := range os.Environ() {
+			if !strings.HasPrefix(kv, "PATH=") && !strings.HasPrefix(kv, EnvDSN+"=") && !strings.HasPrefix(kv, "CI=") {
+				env = append(env, kv)
+			}
+		}
+		cmd.Env = append(env, "PGTEST_HELPER=1", "PATH="+t.TempDir(), EnvPathOnly+"=1", "CI="+tc.ci)
+		out, err := cmd.CombinedOutput()
+		if (err != nil) != tc.wantFail {
+			t.Errorf("CI=%q: exit error %v, want failure %v:\n%s", tc.ci, err, tc.wantFail, out)
+		}
+		if !strings.Contains(string(out), tc.want) || !strings.Contains(string(out), line) {
+			t.Errorf("CI=%q: output lacks %q and the line %q:\n%s", tc.ci, tc.want, line, out)
+		}
+	}
 }
