@@ -25,7 +25,7 @@ func TestASiteStartsWithoutItsChainAndSettlesOnceTheRPCAnswers(t *testing.T) {
 	t.Cleanup(commitPending(t, c))
 	rpcAddr, side := freeAddr(t), freeAddr(t)
 	env := startGateOn(t, c, gateSetup{rpc: "http://" + rpcAddr, sites: "http://" + side + " {\n\thandle /free {\n\t\trespond \"free\"\n\t}\n" +
-		"\thandle_path /facilitator/* {\n\t\tx402_facilitator\n\t}\n}\n"})
+		"\thandle_path /facilitator/* {\n\t\tx402_facilitator {\n\t\t\topen\n\t\t}\n\t}\n}\n"})
 
 	get := func(u string, headers ...string) gateAnswer {
 		t.Helper()
