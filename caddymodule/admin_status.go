@@ -116,6 +116,12 @@ var errStatusOnly = errors.New("the x402 status serves health only")
 type appEngine struct{ app *App }
 
 func (e appEngine) Health(ctx context.Context) (x402.HealthResponse, error) {
+	// An engine waiting for its chain (App.startWithoutChain) is down, saying since when and why.
+	if waiting, err := e.app.engineDown(); waiting {
+		return e.app.downHealth(err.(*x402.FacilitatorError).Err.Error()), nil
+	} else if err != nil {
+		return x402.HealthResponse{}, err
+	}
 	f := e.app.Facilitator()
 	if f == nil {
 		return x402.HealthResponse{}, errNoEngine

@@ -77,6 +77,12 @@ type App struct {
 	// ready is closed when Start has finished, well or not; startErr then says which.
 	ready    chan struct{}
 	startErr error
+	// wait is the engine's start in the background when no RPC endpoint answered as the app started (see
+	// startWithoutChain); nil when the engine started with the app, or the app has none.
+	wait *chainWait
+	// engineStarters are the start hooks that need the engine: with the chain down at start they run once the
+	// engine is up.
+	engineStarters []func() error
 }
 
 // DevChainConfig configures the embedded dev chain.
@@ -310,6 +316,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 	a.journalMu = new(sync.Mutex)
 	a.logger = ctx.Logger()
 	a.ready = make(chan struct{})
+	a.engineStarters = nil
 	if a.DevChain != nil {
 		if err := a.planDevChain(); err != nil {
 			return err
@@ -390,8 +397,13 @@ func (a *App) networkIDs() []string {
 }
 
 // onStart registers a handler's start hook, run by Start once the engine and the journal are up. Handlers are
-// provisioned before their config's apps start, so every hook is registered by then.
-func (a *App) onStart(start func() error) {
+// provisioned before their config's apps start, so every hook is registered by then. A hook that needs the
+// engine (needsEngine) runs later when the chain was down at start: once the engine is up.
+func (a *App) onStart(needsEngine bool, start func() error) {
+	if needsEngine {
+		a.engineStarters = append(a.engineStarters, start)
+		return
+	}
 	a.starters = append(a.starters, start)
 }
 
@@ -422,6 +434,9 @@ const startWait = 30 * time.Second
 // previous config), then the handlers that registered with the app.
 func (a *App) Start() error {
 	err := a.start()
+	if err == nil {
+		liveApps.Add(1)
+	}
 	a.startErr = err
 	if err != nil {
 		a.startErr = fmt.Errorf("the x402 app did not start: %w", err)
@@ -447,8 +462,11 @@ func (a *App) start() error {
 			return err
 		}
 		val, _, err := engines.LoadOrNew(key, func() (caddy.Destructor, error) {
-			return a.newEngine(specs)
+			return a.newEngine(context.Background(), specs)
 		})
+		if err != nil && a.chainDown(specs) {
+			return a.startWithoutChain(key, specs, err)
+		}
 		if err != nil && a.devNet != nil && a.DevChain.RPC != "" {
 			return fmt.Errorf("starting the embedded facilitator on the dev chain at %s (dev_chain rpc; is `caddy x402 devchain` "+
 				"running there?): %w", chain.RedactRPCURL(a.DevChain.RPC), err)
@@ -458,7 +476,12 @@ func (a *App) start() error {
 		}
 		a.key, a.engine = key, val.(*engineEntry)
 	}
-	for _, start := range a.starters {
+	return a.runStarters(append(slices.Clone(a.engineStarters), a.starters...))
+}
+
+// runStarters runs start hooks in order, stopping at the first that fails.
+func (*App) runStarters(starters []func() error) error {
+	for _, start := range starters {
 		if err := start(); err != nil {
 			return err
 		}
@@ -594,7 +617,7 @@ func (j *journalEntry) Destruct() error {
 // journalDrainWait bounds how long closing a journal waits for the requests at work on it.
 const journalDrainWait = 30 * time.Second
 
-func (a *App) newEngine(specs []networkSpec) (*engineEntry, error) {
+func (a *App) newEngine(ctx context.Context, specs []networkSpec) (*engineEntry, error) {
 	je, err := openJournal(a.Journal)
 	if err != nil {
 		return nil, err
@@ -609,7 +632,7 @@ func (a *App) newEngine(specs []networkSpec) (*engineEntry, error) {
 			_, _ = journals.Delete(a.Journal)
 		}
 	}()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	cfg := chain.Config{Journal: je.store, Owner: je.owner, Logger: a.logger.Named("facilitator")}
 	for _, s := range specs {
@@ -682,11 +705,24 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 }
 
 // Stop stops the app; what Start took up is let go of by Cleanup, once the next config (if any) has taken it over.
-func (*App) Stop() error { return nil }
+// An engine still waiting for its chain stops waiting here, before the handlers are cleaned up, so that none is
+// started after its Cleanup.
+func (a *App) Stop() error {
+	if a.wait != nil {
+		a.wait.stop()
+	}
+	return nil
+}
 
 // Cleanup lets go of this config's hold on the engine; the last holder stops it.
 func (a *App) Cleanup() error {
 	var errs []error
+	if a.wait != nil {
+		a.wait.stop()
+	}
+	if a.started() {
+		liveApps.Add(-1)
+	}
 	if a.journal != nil {
 		_, err := journals.Delete(a.journal.path)
 		errs = append(errs, err)

@@ -187,7 +187,7 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 	if h.server, err = facilitatorserver.New(startedEngine{h}, opts); err != nil {
 		return err
 	}
-	app.onStart(func() error { return h.start(app) })
+	app.onStart(true, func() error { return h.start(app) })
 	return nil
 }
 
@@ -211,19 +211,35 @@ func (h *FacilitatorHandler) start(app *App) error {
 // (Options.Await) before any call, and start has set the engine by then.
 type startedEngine struct{ h *FacilitatorHandler }
 
+// While the engine waits for its chain (App.startWithoutChain) every call but /health fails as a facilitator
+// that cannot be reached, and /health says why.
 func (e startedEngine) Supported(ctx context.Context) (x402.SupportedResponse, error) {
+	if _, err := e.h.app.engineDown(); err != nil {
+		return x402.SupportedResponse{}, err
+	}
 	return e.h.engine.Supported(ctx)
 }
 
 func (e startedEngine) Verify(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
+	if _, err := e.h.app.engineDown(); err != nil {
+		return x402.VerifyResponse{}, err
+	}
 	return e.h.engine.Verify(ctx, req)
 }
 
 func (e startedEngine) Settle(ctx context.Context, req x402.SettleRequest) (x402.SettleResponse, error) {
+	if _, err := e.h.app.engineDown(); err != nil {
+		return x402.SettleResponse{}, err
+	}
 	return e.h.engine.Settle(ctx, req)
 }
 
 func (e startedEngine) Health(ctx context.Context) (x402.HealthResponse, error) {
+	if waiting, err := e.h.app.engineDown(); waiting {
+		return e.h.app.downHealth(err.(*x402.FacilitatorError).Err.Error()), nil
+	} else if err != nil {
+		return x402.HealthResponse{}, err
+	}
 	return e.h.engine.Health(ctx)
 }
 

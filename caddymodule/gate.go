@@ -247,7 +247,7 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 		return err
 	}
 	g.app = app
-	app.onStart(func() error {
+	app.onStart(g.embedded, func() error {
 		if err := g.start(app); err != nil {
 			return fmt.Errorf("starting the x402 gate: %w", err)
 		}
@@ -270,7 +270,7 @@ func (g *Gate) start(app *App) error {
 		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body,
 		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID,
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
-		Embedded: g.embedded, EnginePrunes: app.Facilitator() != nil, FacilitatorName: g.facName, Redact: g.redact.Replace,
+		Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
 		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: originalURI,
 		ErrorStatus: handlerErrorStatus, Event: g.emit, HandsOff: handlesErrors,
 		OffersFor: g.offersFor, DescriptionFor: g.descriptionFor, PriceGrace: time.Duration(g.PriceGrace), OfferMemory: g.offered,
@@ -433,6 +433,13 @@ func (g *Gate) serve(w http.ResponseWriter, r *http.Request, next caddyhttp.Hand
 	}
 	if err := g.app.awaitStart(r.Context()); err != nil {
 		return caddyhttp.Error(http.StatusServiceUnavailable, err)
+	}
+	if g.embedded {
+		if waiting, err := g.app.engineDown(); waiting {
+			return answerChainDown(w, r, g.PaymentHeader)
+		} else if err != nil {
+			return caddyhttp.Error(http.StatusServiceUnavailable, err)
+		}
 	}
 	if g.core == nil {
 		return caddyhttp.Error(http.StatusServiceUnavailable, errors.New("the x402 gate did not start"))

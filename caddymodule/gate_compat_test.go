@@ -193,12 +193,17 @@ func TestAPayerWithoutGasOrPermit2AllowancePaysThroughTheGasSponsoringExtension(
 	}
 }
 
-func TestARemoteFacilitatorDownAtStartLeavesCaddyRunningWithOnlyExplicitOffers(t *testing.T) {
+// A gate whose remote facilitator is down has no way to pay to offer: it answers 503 with Retry-After, not a 402
+// with an empty accepts list (which invites a payment no one can make), and Caddy keeps running.
+func TestARemoteFacilitatorDownAtStartAnswers503WithRetryAfterNotAnEmptyOffer(t *testing.T) {
 	env := newGateEnv(t, gateSetup{remote: true, facURL: "http://" + freeAddr(t)})
-	a := env.get("/")
-	pr, err := x402.DecodePaymentRequired(a.header.Get(x402.HeaderPaymentRequired))
-	if a.status != http.StatusPaymentRequired || err != nil || len(pr.Accepts) != 0 || !strings.Contains(pr.Error, "facilitator") {
-		t.Fatalf("answer = %d %+v (%v), want 402 with no offers and an error naming the facilitator", a.status, pr, err)
+	for _, accept := range []string{"application/json", "text/html"} {
+		a := env.get("/", "Accept", accept)
+		if a.status != http.StatusServiceUnavailable || a.header.Get("Retry-After") == "" ||
+			a.header.Get(x402.HeaderPaymentRequired) != "" || !strings.Contains(a.body, "facilitator") {
+			t.Fatalf("Accept %s: answer = %d Retry-After %q PAYMENT-REQUIRED %q %q, want 503 with Retry-After, no offer, "+
+				"and a body naming the facilitator", accept, a.status, a.header.Get("Retry-After"), a.header.Get(x402.HeaderPaymentRequired), a.body)
+		}
 	}
 }
 

@@ -2,6 +2,7 @@ package gate
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -18,11 +19,10 @@ import (
 // noPayment answers a request without a payment: 402 with what to pay, as the PAYMENT-REQUIRED header and as
 // the body (the version 1 body if so configured, a paywall page for browsers).
 func (x *exchange) noPayment() error {
-	errText := fmt.Sprintf("%s header is required", x.g.cfg.PaymentHeader)
 	if len(x.offers.offers) == 0 {
-		errText = "no way to pay is available right now: the facilitator could not be asked what it supports; try again shortly"
+		return x.noOffer()
 	}
-	pr := x.paymentRequired(errText)
+	pr := x.paymentRequired(fmt.Sprintf("%s header is required", x.g.cfg.PaymentHeader))
 	x.end(x402.PaymentOutcome{Status: x402.OutcomeNoPayment, Requirements: &pr, TotalMs: x.totalMs()})
 	x.setRequiredHeader(pr)
 	if x402.WantsHTML(x.r) {
@@ -31,6 +31,25 @@ func (x *exchange) noPayment() error {
 	x.v1 = x.g.cfg.V1Body
 	return x.writeRequired(http.StatusPaymentRequired, pr)
 }
+
+// noOffer answers a request without a payment when the gate has no way to pay to offer (its facilitators could
+// not be asked what they support): 503 with Retry-After, not a 402 with an empty accepts list, which would invite
+// a payment no one can make.
+func (x *exchange) noOffer() error {
+	const detail = "no way to pay is available right now: the facilitator could not be asked what it supports"
+	x.end(x402.PaymentOutcome{Status: x402.OutcomeNoPayment, Detail: detail, TotalMs: x.totalMs()})
+	x.w.Header().Set("Retry-After", noOfferRetryAfter)
+	x.w.Header().Set("Cache-Control", "no-store")
+	if x.g.cfg.HandsOff != nil && x.g.cfg.HandsOff(x.r) {
+		return &StatusError{Status: http.StatusServiceUnavailable, Err: errors.New(detail)}
+	}
+	return x.writeJSON(http.StatusServiceUnavailable, gateError{Error: detail, Outcome: x402.OutcomeNoPayment,
+		Retry: "nothing was charged; ask again after Retry-After seconds for what to pay"})
+}
+
+// noOfferRetryAfter is the Retry-After of a 503 for want of an offer: the gate asks its facilitators again
+// within seconds.
+const noOfferRetryAfter = "5"
 
 // invalidHeader answers a payment header that does not decode: 400, saying what is wrong.
 func (x *exchange) invalidHeader(err error) error {

@@ -1,0 +1,259 @@
+package caddymodule
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// This file lets a site start without its chain: when no RPC endpoint of a network answers as Caddy starts, the
+// x402 app starts all the same (free routes serve), and its engine starts in the background once an endpoint
+// answers, reconciling the journal first as a normal start does. Until then the engine does not exist: nothing
+// is verified, settled, held or leased, and the gates and facilitator handlers that need it answer as the spec
+// maps an unreachable facilitator. A reload with the chain down fails as before and keeps the old config.
+
+// liveApps counts the x402 apps started and not yet cleaned up in this process: a Start while one runs is a
+// reload, which keeps the old config serving rather than start without its chain.
+var liveApps atomic.Int32
+
+// chainRetryMax bounds the pause between two tries to start the engine; chainWarnEvery spaces the WARN lines
+// that say the chain is still down.
+const (
+	chainRetryMax  = 5 * time.Second
+	chainWarnEvery = 30 * time.Second
+)
+
+// chainRetryAfter is the Retry-After of the answers given while the engine waits for its chain, in seconds.
+const chainRetryAfter = "5"
+
+// chainWait is an engine waiting for its chain.
+type chainWait struct {
+	up   chan struct{} // closed once the engine is up and the hooks that need it ran (or failed: err)
+	quit chan struct{}
+	// ctx is cancelled by stop: it ends a try to start the engine under way.
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	mu      sync.Mutex
+	stopped bool
+	since   time.Time
+	reason  string // the last failure, its RPC URLs redacted, per network: "network X: no RPC endpoint answered ..."
+	err     error  // set before up is closed when the hooks that need the engine failed
+}
+
+// started reports whether Start succeeded.
+func (a *App) started() bool {
+	select {
+	case <-a.ready:
+		return a.startErr == nil
+	default:
+		return false
+	}
+}
+
+// chainDown reports, after the engine failed to start, whether it failed because some network's chain gave no
+// answer at all (rather than for a configuration no chain makes right), and the app may start without it: at the
+// first start of this process only, not on a reload, and never for the dev chain this process runs.
+func (a *App) chainDown(specs []networkSpec) bool {
+	if liveApps.Load() > 0 {
+		return false
+	}
+	// A journal that does not open is no chain's fault: the start fails naming it, as always.
+	if _, err := openJournal(a.Journal); err != nil {
+		return false
+	}
+	_, _ = journals.Delete(a.Journal)
+	_, down := a.probeChains(specs)
+	return down != ""
+}
+
+// probeChains asks every network's endpoints for their chain id and returns the first network none of whose
+// endpoints answered, with the last error (RPC URLs redacted).
+func (a *App) probeChains(specs []networkSpec) (reason, network string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, s := range specs {
+		var last error
+		answered := false
+		for _, u := range s.RPC {
+			if a.devChain != nil && u == a.devChain.RPCURL() {
+				answered = true // in process: never down
+				break
+			}
+			c, err := chain.DialRPC(ctx, u)
+			if err == nil {
+				_, err = c.ChainID(ctx)
+				c.Close()
+			}
+			if err == nil {
+				answered = true
+				break
+			}
+			last = fmt.Errorf("rpc %s: %w", chain.RedactRPCURL(u), err)
+		}
+		if !answered {
+			return a.rpcRedactor().Replace(errorText(last)), s.Network.Network
+		}
+	}
+	return "", ""
+}
+
+func errorText(err error) string {
+	if err == nil {
+		return "no endpoint"
+	}
+	return err.Error()
+}
+
+// startWithoutChain starts the app with its engine waiting for the chain, and the engine's start in the
+// background. cause is why the engine did not start.
+func (a *App) startWithoutChain(key string, specs []networkSpec, cause error) error {
+	w := &chainWait{up: make(chan struct{}), quit: make(chan struct{}), since: time.Now()}
+	w.ctx, w.cancel = context.WithCancel(context.Background())
+	w.reason = a.downReason(specs, w.since, cause)
+	a.wait = w
+	a.logger.Error("starting without the chain: the paid routes answer 503 or 502 verify-unreachable with Retry-After "+
+		"until an RPC endpoint answers, then the embedded facilitator starts by itself", zap.String("reason", w.reason))
+	if err := a.runStarters(a.starters); err != nil {
+		w.stop()
+		return err
+	}
+	go a.awaitChain(w, key, specs)
+	return nil
+}
+
+// downReason says, for /health and the log, which network has no RPC endpoint answering, since when and why.
+func (a *App) downReason(specs []networkSpec, since time.Time, cause error) string {
+	why, network := a.probeChains(specs)
+	if network == "" {
+		why = a.rpcRedactor().Replace(errorText(cause))
+		network = strings.Join(a.networkIDs(), ", ")
+	}
+	return fmt.Sprintf("network %s: no RPC endpoint answered since %s: %s", network, since.UTC().Format(time.RFC3339), why)
+}
+
+// awaitChain tries to start the engine, with growing pauses, until it starts or the app is cleaned up; then
+// runs the start hooks that need it.
+func (a *App) awaitChain(w *chainWait, key string, specs []networkSpec) {
+	pause, lastWarn := 250*time.Millisecond, time.Now()
+	for {
+		select {
+		case <-w.quit:
+			return
+		case <-time.After(pause):
+		}
+		pause = min(2*pause, chainRetryMax)
+		val, _, err := engines.LoadOrNew(key, func() (caddy.Destructor, error) {
+			return a.newEngine(w.ctx, specs)
+		})
+		if err != nil {
+			reason := a.downReason(specs, w.since, err)
+			w.mu.Lock()
+			w.reason = reason
+			w.mu.Unlock()
+			if time.Since(lastWarn) >= chainWarnEvery {
+				lastWarn = time.Now()
+				a.logger.Warn("still waiting for the chain: the paid routes cannot take payments", zap.String("reason", reason))
+			}
+			continue
+		}
+		// The hooks run under w.mu: stop (from App.Stop, before any handler's Cleanup) waits for them, and no
+		// hook starts a handler after it was cleaned up.
+		w.mu.Lock()
+		if w.stopped {
+			w.mu.Unlock()
+			_, _ = engines.Delete(key)
+			return
+		}
+		a.key, a.engine = key, val.(*engineEntry)
+		err = a.runStarters(a.engineStarters)
+		if err != nil {
+			a.logger.Error("the chain answers, but the paid routes did not start", zap.Error(err))
+			err = fmt.Errorf("the x402 app did not start: %w", err)
+		} else {
+			a.logger.Info("the chain answers: the embedded facilitator started and the paid routes take payments",
+				zap.Duration("down_for", time.Since(w.since).Round(time.Millisecond)))
+		}
+		w.err = err
+		close(w.up)
+		w.mu.Unlock()
+		return
+	}
+}
+
+// stop ends the wait: a try under way is cancelled, and the engine, if it starts after this, is let go of at once.
+// It waits for the start hooks if they are running.
+func (w *chainWait) stop() {
+	w.cancel()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.stopped {
+		w.stopped = true
+		close(w.quit)
+	}
+}
+
+// engineDown is the error of a call that needs the engine while it waits for its chain (nil once it is up), and
+// whether the engine is still waiting (rather than failed to start when its chain came).
+func (a *App) engineDown() (waiting bool, err error) {
+	w := a.wait
+	if w == nil {
+		return false, nil
+	}
+	select {
+	case <-w.up:
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return false, w.err
+	default:
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return true, &x402.FacilitatorError{Op: "verify", Err: errors.New(w.reason)}
+}
+
+// downHealth is the /health of an engine waiting for its chain: down, each network saying why.
+func (a *App) downHealth(reason string) x402.HealthResponse {
+	resp := x402.HealthResponse{Status: x402.HealthDown}
+	for _, n := range a.networkIDs() {
+		resp.Networks = append(resp.Networks, x402.NetworkHealth{Network: n, Status: x402.HealthDown, Error: reason})
+	}
+	return resp
+}
+
+// answerChainDown answers a paid request while the engine waits for its chain, as the spec maps an unreachable
+// facilitator: a payment gets 502 verify-unreachable (nothing was charged; the same payment may be sent again),
+// a request without one 503 (no offer is made that could not be settled). Both carry Retry-After.
+func answerChainDown(w http.ResponseWriter, r *http.Request, paymentHeader string) error {
+	w.Header().Set("Retry-After", chainRetryAfter)
+	w.Header().Set("Cache-Control", "no-store")
+	w.Header().Set("Content-Type", "application/json")
+	hasPayment := r.Header.Get(x402.HeaderPaymentSignature) != "" || r.Header.Get(x402.HeaderXPayment) != "" ||
+		(paymentHeader != "" && r.Header.Get(paymentHeader) != "")
+	status, body := http.StatusServiceUnavailable, `{"error":"the facilitator cannot reach its chain yet: no way to pay is available right now",`+
+		`"outcome":"`+string(x402.OutcomeNoPayment)+`","retry":"nothing was charged; ask again after Retry-After seconds for what to pay"}`
+	if hasPayment {
+		status, body = http.StatusBadGateway, `{"error":"the facilitator cannot reach its chain yet: the payment could not be verified",`+
+			`"outcome":"`+string(x402.OutcomeVerifyUnreachable)+`","retry":"the payment was not settled; the same payment may be sent again after Retry-After seconds"}`
+	}
+	if handlesErrors(r) {
+		// The server's handle_errors routes answer, as for the gate's other 502s; Retry-After is set already.
+		w.Header().Del("Content-Type")
+		return caddyhttp.Error(status, errors.New("the facilitator cannot reach its chain yet"))
+	}
+	w.WriteHeader(status)
+	_, err := w.Write([]byte(body + "\n"))
+	return err
+}

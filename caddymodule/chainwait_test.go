@@ -1,0 +1,125 @@
+package caddymodule_test
+
+import (
+	"encoding/json"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// A site whose RPC refuses connections as Caddy starts starts all the same: its free route serves, its paid route
+// answers 503 (no offer it could not settle) or, with a payment, 502 verify-unreachable, both with Retry-After;
+// x402_facilitator's /health says which network is down since when; and once the RPC answers the engine starts
+// by itself and a payment settles on chain.
+func TestASiteStartsWithoutItsChainAndSettlesOnceTheRPCAnswers(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	t.Cleanup(commitPending(t, c))
+	rpcAddr, side := freeAddr(t), freeAddr(t)
+	env := startGateOn(t, c, gateSetup{rpc: "http://" + rpcAddr, sites: "http://" + side + " {\n\thandle /free {\n\t\trespond \"free\"\n\t}\n" +
+		"\thandle_path /facilitator/* {\n\t\tx402_facilitator {\n\t\t\topen\n\t\t}\n\t}\n}\n"})
+
+	get := func(u string, headers ...string) gateAnswer {
+		t.Helper()
+		req, err := http.NewRequest(http.MethodGet, u, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; i+1 < len(headers); i += 2 {
+			req.Header.Set(headers[i], headers[i+1])
+		}
+		return env.do(req)
+	}
+	if a := get("http://" + side + "/free"); a.status != http.StatusOK || a.body != "free" {
+		t.Fatalf("free route with the chain down = %d %q, want 200 free", a.status, a.body)
+	}
+	if a := env.get("/"); a.status != http.StatusServiceUnavailable || a.header.Get("Retry-After") == "" || a.header.Get(x402.HeaderPaymentRequired) != "" {
+		t.Fatalf("paid route without payment, chain down = %d Retry-After %q %q, want 503 with Retry-After and no offer",
+			a.status, a.header.Get("Retry-After"), a.body)
+	}
+	a := env.get("/", x402.HeaderPaymentSignature, gateEncode(t, map[string]any{"x402Version": 2}))
+	if a.status != http.StatusBadGateway || a.header.Get("Retry-After") == "" || !strings.Contains(a.body, string(x402.OutcomeVerifyUnreachable)) {
+		t.Fatalf("paid route with a payment, chain down = %d Retry-After %q %q, want 502 verify-unreachable with Retry-After",
+			a.status, a.header.Get("Retry-After"), a.body)
+	}
+	h := get("http://" + side + "/facilitator/health")
+	var health x402.HealthResponse
+	if err := json.Unmarshal([]byte(h.body), &health); err != nil || health.Status != x402.HealthDown || len(health.Networks) != 1 ||
+		!strings.Contains(health.Networks[0].Error, "network "+env.net+": no RPC endpoint answered since ") ||
+		!strings.Contains(health.Networks[0].Error, rpcAddr) {
+		t.Fatalf("/health with the chain down = %d %q (%v), want down, naming the network, since when and the endpoint", h.status, h.body, err)
+	}
+
+	// The RPC comes up on the configured port.
+	target, _ := url.Parse(c.RPCURL)
+	ln, err := net.Listen("tcp", rpcAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: httputil.NewSingleHostReverseProxy(target)}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	up := time.Now()
+	for {
+		if a := env.get("/"); a.status == http.StatusPaymentRequired {
+			break
+		}
+		if time.Since(up) > 15*time.Second {
+			t.Fatal("the paid route does not offer a payment 15 s after the RPC came up")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	payer := c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	if a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer)); a.status != http.StatusOK || a.body != "paid content" {
+		t.Fatalf("paid request once the RPC answers = %d %q, want 200", a.status, a.body)
+	}
+	env.assertPaid(payer, before, 1)
+	for h := get("http://" + side + "/facilitator/health"); !strings.Contains(h.body, `"rpcReachable":true`); h = get("http://" + side + "/facilitator/health") {
+		if time.Since(up) > 15*time.Second {
+			t.Fatalf("/health 15 s after the RPC came up = %d %q, want the network reachable", h.status, h.body)
+		}
+		time.Sleep(100 * time.Millisecond) // /health is cached for a moment
+	}
+}
+
+// A reload whose RPC refuses connections fails, as before, and leaves the old config serving and settling.
+func TestAReloadWithTheChainDownKeepsTheOldConfigServing(t *testing.T) {
+	env := newGateEnv(t, gateSetup{})
+	bad := env.srv.adapt(env.caddyfile(gateSetup{rpc: "http://" + freeAddr(t), site: `respond "new content"`}))
+	if err := caddy.Load(bad, true); err == nil {
+		t.Fatal("a reload with its chain down was taken, want it refused")
+	}
+	http.DefaultClient.CloseIdleConnections()
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	if a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer)); a.status != http.StatusOK || a.body != "paid content" {
+		t.Fatalf("paid request after the refused reload = %d %q, want the old config's 200", a.status, a.body)
+	}
+	env.assertPaid(payer, before, 1)
+}
+
+// With handle_errors routes, the answers given while the chain is down are theirs to write, as the gate's other
+// 502s are, and keep their Retry-After.
+func TestAnswersWithTheChainDownGoToHandleErrors(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	env := startGateOn(t, c, gateSetup{rpc: "http://" + freeAddr(t),
+		site: "respond \"paid content\"\n\thandle_errors {\n\t\trespond \"custom {err.status_code}\"\n\t}"})
+	if a := env.get("/"); a.status != http.StatusServiceUnavailable || a.body != "custom 503" || a.header.Get("Retry-After") == "" {
+		t.Fatalf("without payment = %d %q Retry-After %q, want handle_errors' 503 with Retry-After", a.status, a.body, a.header.Get("Retry-After"))
+	}
+	a := env.get("/", x402.HeaderPaymentSignature, gateEncode(t, map[string]any{"x402Version": 2}))
+	if a.status != http.StatusBadGateway || a.body != "custom 502" || a.header.Get("Retry-After") == "" {
+		t.Fatalf("with a payment = %d %q Retry-After %q, want handle_errors' 502 with Retry-After", a.status, a.body, a.header.Get("Retry-After"))
+	}
+}
