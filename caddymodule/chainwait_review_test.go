@@ -1,0 +1,102 @@
+package caddymodule_test
+
+import (
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// restartWithTheChainDown stops Caddy, as a process exit does, and starts the same site again, on the same
+// journal, with its RPC at a port nobody listens on.
+func (env *gateEnv) restartWithTheChainDown(s gateSetup) {
+	env.t.Helper()
+	if err := caddy.Stop(); err != nil {
+		env.t.Fatal(err)
+	}
+	http.DefaultClient.CloseIdleConnections()
+	s.rpc = "http://" + freeAddr(env.t)
+	env.srv.load(env.caddyfile(s))
+}
+
+// A payment that bought its response before a restart is, presented again while the chain is down, a payment
+// already used: the journal says so, and nothing about it needs the chain. It must not be told "the payment was
+// not settled; the same payment may be sent again" (502 verify-unreachable), which is false, and which the same
+// gate contradicts once the chain is back (402 already used).
+func TestAPaymentServedBeforeARestartIsNotToldItWasNotSettledWhileTheChainIsDown(t *testing.T) {
+	env := newGateEnv(t, gateSetup{})
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	header := env.permit2Header("/", payer)
+	if a := env.get("/", x402.HeaderPaymentSignature, header); a.status != http.StatusOK {
+		t.Fatalf("paying = %d %q, want 200", a.status, a.body)
+	}
+	env.assertPaid(payer, before, 1)
+
+	env.restartWithTheChainDown(gateSetup{})
+	a := env.get("/", x402.HeaderPaymentSignature, header)
+	if a.status != http.StatusPaymentRequired || strings.Contains(a.body, "not settled") {
+		t.Fatalf("the payment settled and served before the restart, presented again with the chain down = %d %q, "+
+			"want 402 %s (the journal says it was used)", a.status, a.body, x402.ReasonPaymentAlreadyUsed)
+	}
+	env.assertPaid(payer, before, 1)
+}
+
+// A payment that settled before a restart whose response was cut short (the client left) has bought a response it
+// did not get: presented again, the gate serves it from its journal's settlement, asking nothing of the chain. With
+// the chain down at the restart it must still be served (or at least never be told it was not settled).
+func TestAPaymentSettledButNotServedBeforeARestartIsServedWhileTheChainIsDown(t *testing.T) {
+	env := newGateEnv(t, gateSetup{noCommit: true})
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	header := env.permit2Header("/", payer)
+	env.leaveWhileSettling("/", header)
+	t.Cleanup(commitPending(t, env.c))
+	env.waitOutcomes(x402.OutcomeSettled, 1)
+	env.assertPaid(payer, before, 1)
+
+	env.restartWithTheChainDown(gateSetup{})
+	a := env.get("/", x402.HeaderPaymentSignature, header)
+	if a.status != http.StatusOK || a.body != "paid content" {
+		t.Fatalf("the payment settled (not served) before the restart, presented again with the chain down = %d %q, "+
+			"want 200 paid content served from the journal's settlement", a.status, a.body)
+	}
+	env.assertPaid(payer, before, 1)
+}
+
+// An RPC URL carrying an API key in its path and a user and password (basic auth, as some providers take it) must
+// not reach /health or the log while the chain is down: the probe's error quotes the URL as Go's HTTP client
+// writes it (user:***@...), which the app's redactor does not know.
+func TestAnRPCURLWithCredentialsStaysOutOfHealthAndLogWhileTheChainIsDown(t *testing.T) {
+	const secret = "provider-path-key-7c1f"
+	env := newStoppedGateEnv(t)
+	side := freeAddr(t)
+	rpc := "http://user:pass@" + freeAddr(t) + "/v2/" + secret
+	env.srv = startCaddy(t, env.caddyfile(gateSetup{rpc: rpc, logFile: true,
+		sites: "http://" + side + " {\n\thandle_path /facilitator/* {\n\t\tx402_facilitator {\n\t\t\topen\n\t\t}\n\t}\n}\n"}))
+	a := env.get("/")
+	if a.status != http.StatusServiceUnavailable {
+		t.Fatalf("paid route with the chain down = %d %q, want 503", a.status, a.body)
+	}
+	req, _ := http.NewRequest(http.MethodGet, "http://"+side+"/facilitator/health", nil)
+	h := env.do(req)
+	if strings.Contains(h.body, secret) {
+		t.Errorf("/health with the chain down holds the RPC URL's key: %s", h.body)
+	}
+	log, err := os.ReadFile(filepath.Join(env.srv.dir, "caddy.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(log), "\n") {
+		if strings.Contains(line, secret) {
+			t.Errorf("the log holds the RPC URL's key: %s", line)
+		}
+	}
+}
