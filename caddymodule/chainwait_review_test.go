@@ -1,11 +1,14 @@
 package caddymodule_test
 
 import (
+	"fmt"
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 
@@ -98,5 +101,34 @@ func TestAnRPCURLWithCredentialsStaysOutOfHealthAndLogWhileTheChainIsDown(t *tes
 		if strings.Contains(line, secret) {
 			t.Errorf("the log holds the RPC URL's key: %s", line)
 		}
+	}
+}
+
+// Reloads while the engine waits for its chain are refused (the old config keeps serving) and leave nothing
+// running behind them: no second waiter, no goroutine per reload.
+func TestReloadsWhileTheChainIsDownLeaveNoGoroutinesBehind(t *testing.T) {
+	env := newStoppedGateEnv(t)
+	down := gateSetup{rpc: "http://" + freeAddr(t)}
+	env.srv = startCaddy(t, env.caddyfile(down))
+	if a := env.get("/"); a.status != http.StatusServiceUnavailable {
+		t.Fatalf("paid route with the chain down = %d %q, want 503", a.status, a.body)
+	}
+	time.Sleep(time.Second)
+	base := runtime.NumGoroutine()
+	for i := range 5 {
+		s := down
+		s.site = fmt.Sprintf("respond \"config %d\"", i)
+		if err := caddy.Load(env.srv.adapt(env.caddyfile(s)), true); err == nil {
+			t.Fatalf("reload %d with the chain down was taken, want it refused", i)
+		}
+	}
+	http.DefaultClient.CloseIdleConnections()
+	time.Sleep(7 * time.Second) // a probe under way ends within 5 s
+	if n := runtime.NumGoroutine(); n > base+5 {
+		buf := make([]byte, 1<<20)
+		t.Fatalf("%d goroutines after 5 refused reloads, %d before:\n%s", n, base, buf[:runtime.Stack(buf, true)])
+	}
+	if a := env.get("/"); a.status != http.StatusServiceUnavailable || a.header.Get("Retry-After") == "" {
+		t.Fatalf("paid route after the refused reloads = %d %q, want the old config's 503", a.status, a.body)
 	}
 }
