@@ -2,7 +2,10 @@ package caddymodule_test
 
 import (
 	"fmt"
+	"net"
 	"net/http"
+	"net/http/httputil"
+	"net/url"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -12,6 +15,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
+	"github.com/x402-gateway/caddy-x402/caddymodule"
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -130,5 +135,55 @@ func TestReloadsWhileTheChainIsDownLeaveNoGoroutinesBehind(t *testing.T) {
 	}
 	if a := env.get("/"); a.status != http.StatusServiceUnavailable || a.header.Get("Retry-After") == "" {
 		t.Fatalf("paid route after the refused reloads = %d %q, want the old config's 503", a.status, a.body)
+	}
+}
+
+// An engine waiting for its chain when a reload comes as the chain comes up: the process ends with one engine,
+// held once by the config that runs, a payment settles once, and nothing is held after Stop.
+func TestAWaitingEngineRacingAReloadAsTheChainComesUpLeaksNoEngine(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	t.Cleanup(commitPending(t, c))
+	rpcAddr := freeAddr(t)
+	setup := gateSetup{rpc: "http://" + rpcAddr}
+	env := startGateOn(t, c, setup)
+	if a := env.get("/"); a.status != http.StatusServiceUnavailable {
+		t.Fatalf("paid route with the chain down = %d %q, want 503", a.status, a.body)
+	}
+	target, _ := url.Parse(c.RPCURL)
+	ln, err := net.Listen("tcp", rpcAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: httputil.NewSingleHostReverseProxy(target)}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	s := setup
+	s.site = `respond "paid content"` + "\n\theader X-Config new"
+	for deadline := time.Now().Add(15 * time.Second); ; {
+		if err := caddy.Load(env.srv.adapt(env.caddyfile(s)), true); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no reload was taken 15 s after the RPC came up")
+		}
+	}
+	http.DefaultClient.CloseIdleConnections()
+	env.srv.waitForOldSocket()
+	time.Sleep(6 * time.Second) // the old waiter's try ends
+	if n, refs := caddymodule.EnginesHeld(); n != 1 || refs != 1 {
+		t.Errorf("after the reload: %d engines, %d references, want 1 engine held once", n, refs)
+	}
+	payer := c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	if a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer)); a.status != http.StatusOK || a.header.Get("X-Config") != "new" {
+		t.Fatalf("paying after the reload = %d %q, want 200 from the new config", a.status, a.body)
+	}
+	env.assertPaid(payer, before, 1)
+	if err := caddy.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if n, refs := caddymodule.EnginesHeld(); n != 0 || refs != 0 {
+		t.Errorf("after Stop: %d engines, %d references, want none", n, refs)
 	}
 }
