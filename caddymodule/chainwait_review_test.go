@@ -1,6 +1,7 @@
 package caddymodule_test
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"net/http"
@@ -17,6 +18,8 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/caddymodule"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -185,5 +188,35 @@ func TestAWaitingEngineRacingAReloadAsTheChainComesUpLeaksNoEngine(t *testing.T)
 	}
 	if n, refs := caddymodule.EnginesHeld(); n != 0 || refs != 0 {
 		t.Errorf("after Stop: %d engines, %d references, want none", n, refs)
+	}
+}
+
+// A gateway of a cluster (PostgreSQL journal) whose chain is down must not flicker in and out of the cluster's
+// live instances: the others size their share of the settlement wallets by how many instances are live, and give
+// up wallets past it. Each try to start the engine opens the journal (a new instance) and closes it on failure.
+func TestAGatewayWaitingForItsChainDoesNotFlickerAmongTheClustersInstances(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	t.Setenv("X402_TEST_JOURNAL_DSN", dsn)
+	env := newStoppedGateEnv(t)
+	observer, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer observer.Close()
+	env.srv = startCaddy(t, env.caddyfile(gateSetup{rpc: "http://" + freeAddr(t), journal: "{env.X402_TEST_JOURNAL_DSN}"}))
+	if a := env.get("/"); a.status != http.StatusServiceUnavailable {
+		t.Fatalf("paid route with the chain down = %d %q, want 503", a.status, a.body)
+	}
+	seen := map[int]int{}
+	for end := time.Now().Add(12 * time.Second); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+		live, _, err := observer.Instances(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		seen[live]++
+	}
+	if len(seen) > 1 {
+		t.Errorf("the live instances another gateway counts, sampled every 20 ms for 12 s while this one waits for its chain: %v "+
+			"(count: samples); want one steady count", seen)
 	}
 }
