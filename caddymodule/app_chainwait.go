@@ -51,6 +51,21 @@ type chainWait struct {
 	since   time.Time
 	reason  string // the last failure, its RPC URLs redacted, per network: "network X: no RPC endpoint answered ..."
 	err     error  // set before up is closed when the hooks that need the engine failed
+
+	// journal is the app's journal, held open while the engine waits and let go of (once) when the engine, which
+	// holds its own, is up or the wait ends: otherwise every try would open it afresh and close it again, and a
+	// PostgreSQL journal's instance would come and go among its cluster's live ones with each try, making the
+	// other gateways redeal their wallet leases again and again.
+	journal     string
+	journalHeld bool
+}
+
+// releaseJournal lets go of the journal the wait held, once. Call with w.mu held.
+func (w *chainWait) releaseJournal() {
+	if w.journalHeld {
+		w.journalHeld = false
+		_, _ = journals.Delete(w.journal)
+	}
 }
 
 // started reports whether Start succeeded.
@@ -101,7 +116,7 @@ func (a *App) probeChains(specs []networkSpec) (reason, network string) {
 				answered = true
 				break
 			}
-			last = fmt.Errorf("rpc %s: %w", chain.RedactRPCURL(u), err)
+			last = fmt.Errorf("rpc %s: %w", chain.RedactRPCURL(u), chain.RedactRPCError(err, u))
 		}
 		if !answered {
 			return a.rpcRedactor().Replace(errorText(last)), s.Network.Network
@@ -123,6 +138,9 @@ func (a *App) startWithoutChain(key string, specs []networkSpec, cause error) er
 	w := &chainWait{up: make(chan struct{}), quit: make(chan struct{}), since: time.Now()}
 	w.ctx, w.cancel = context.WithCancel(context.Background())
 	w.reason = a.downReason(specs, w.since, cause)
+	if _, err := openJournal(a.Journal); err == nil {
+		w.journal, w.journalHeld = a.Journal, true
+	}
 	a.wait = w
 	a.logger.Error("starting without the chain: the paid routes answer 503 or 502 verify-unreachable with Retry-After "+
 		"until an RPC endpoint answers, then the embedded facilitator starts by itself", zap.String("reason", w.reason))
@@ -172,6 +190,7 @@ func (a *App) awaitChain(w *chainWait, key string, specs []networkSpec) {
 		// The hooks run under w.mu: stop (from App.Stop, before any handler's Cleanup) waits for them, and no
 		// hook starts a handler after it was cleaned up.
 		w.mu.Lock()
+		w.releaseJournal() // the engine holds it now
 		if w.stopped {
 			w.mu.Unlock()
 			_, _ = engines.Delete(key)
@@ -203,6 +222,7 @@ func (w *chainWait) stop() {
 		w.stopped = true
 		close(w.quit)
 	}
+	w.releaseJournal()
 }
 
 // engineDown is the error of a call that needs the engine while it waits for its chain (nil once it is up), and
@@ -234,7 +254,7 @@ func (a *App) downHealth(reason string) x402.HealthResponse {
 }
 
 // answerChainDown answers a paid request while the engine waits for its chain, as the spec maps an unreachable
-// facilitator: a payment gets 502 verify-unreachable (nothing was charged; the same payment may be sent again),
+// facilitator: a payment gets 502 verify-unreachable (nothing is charged now; present the same payment again),
 // a request without one 503 (no offer is made that could not be settled). Both carry Retry-After.
 func answerChainDown(w http.ResponseWriter, r *http.Request, paymentHeader string) error {
 	w.Header().Set("Retry-After", chainRetryAfter)
@@ -245,8 +265,12 @@ func answerChainDown(w http.ResponseWriter, r *http.Request, paymentHeader strin
 	status, body := http.StatusServiceUnavailable, `{"error":"the facilitator cannot reach its chain yet: no way to pay is available right now",`+
 		`"outcome":"`+string(x402.OutcomeNoPayment)+`","retry":"nothing was charged; ask again after Retry-After seconds for what to pay"}`
 	if hasPayment {
-		status, body = http.StatusBadGateway, `{"error":"the facilitator cannot reach its chain yet: the payment could not be verified",`+
-			`"outcome":"`+string(x402.OutcomeVerifyUnreachable)+`","retry":"the payment was not settled; the same payment may be sent again after Retry-After seconds"}`
+		// Whether this payment settled or bought a response before (in an earlier run: the journal knows, the
+		// gate that reads it waits for the engine) is not said here: "not settled" could be false. What is true:
+		// nothing is charged while the chain is down, and the same payment, presented again, gets its answer.
+		status, body = http.StatusBadGateway, `{"error":"the facilitator cannot reach its chain yet: the payment could not be checked",`+
+			`"outcome":"`+string(x402.OutcomeVerifyUnreachable)+`","retry":"nothing is charged while the chain is down; present the same payment again `+
+			`after Retry-After seconds, not a new one: if it bought a response before, that is answered then"}`
 	}
 	if handlesErrors(r) {
 		// The server's handle_errors routes answer, as for the gate's other 502s; Retry-After is set already.

@@ -360,6 +360,10 @@ func RedactRPCURL(u string) string {
 	return p.Scheme + "://" + p.Host
 }
 
+// RedactRPCError keeps an RPC URL out of a transport error of a call to it, naming the endpoint as RedactRPCURL
+// does: Go's HTTP client quotes the whole URL (user:***@host/path?query), and providers put API keys in its path.
+func RedactRPCError(err error, rpcURL string) error { return redactErr(err, RedactRPCURL(rpcURL)) }
+
 // redactErr keeps the endpoint's URL out of a transport error: providers put API keys in its path and query,
 // and Go's HTTP client quotes the whole URL. name is the endpoint's safe label.
 func redactErr(err error, name string) error {
