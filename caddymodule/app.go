@@ -650,6 +650,27 @@ func (a *App) newEngine(ctx context.Context, specs []networkSpec) (*engineEntry,
 	return entry, nil
 }
 
+// configuredNetworks is what the networks' configuration says without a chain: network, methods and assets
+// (for chain.ConfiguredSupported while the chain does not answer).
+func (a *App) configuredNetworks(specs []networkSpec) []chain.NetworkConfig {
+	var ncs []chain.NetworkConfig
+	for _, s := range specs {
+		nc := chain.NetworkConfig{Network: s.Network.Network, Methods: s.Network.Methods}
+		nc.Assets = assetConfigs(s.Assets)
+		ncs = append(ncs, nc)
+	}
+	return ncs
+}
+
+// assetConfigs are the engine's view of a network's configured assets.
+func assetConfigs(assets []*Asset) []chain.AssetConfig {
+	var acs []chain.AssetConfig
+	for _, as := range assets {
+		acs = append(acs, chain.AssetConfig{Address: common.HexToAddress(as.Address), Name: as.Name, Version: as.Version, Decimals: as.Decimals})
+	}
+	return acs
+}
+
 func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEntry) (chain.NetworkConfig, error) {
 	n := s.Network
 	nc := chain.NetworkConfig{
@@ -698,9 +719,7 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 		}
 		nc.Keys = append(nc.Keys, keys...)
 	}
-	for _, as := range s.Assets {
-		nc.Assets = append(nc.Assets, chain.AssetConfig{Address: common.HexToAddress(as.Address), Name: as.Name, Version: as.Version, Decimals: as.Decimals})
-	}
+	nc.Assets = assetConfigs(s.Assets)
 	return nc, nil
 }
 

@@ -58,6 +58,11 @@ type chainWait struct {
 	// other gateways redeal their wallet leases again and again.
 	journal     string
 	journalHeld bool
+
+	// supported is what the configuration alone says the engine supports (chain.ConfiguredSupported), for the
+	// offers a gate makes while the chain is down; supportedOK is false when it could not be said.
+	supported   x402.SupportedResponse
+	supportedOK bool
 }
 
 // releaseJournal lets go of the journal the wait held, once. Call with w.mu held.
@@ -138,12 +143,18 @@ func (a *App) startWithoutChain(key string, specs []networkSpec, cause error) er
 	w := &chainWait{up: make(chan struct{}), quit: make(chan struct{}), since: time.Now()}
 	w.ctx, w.cancel = context.WithCancel(context.Background())
 	w.reason = a.downReason(specs, w.since, cause)
+	if sup, err := chain.ConfiguredSupported(a.configuredNetworks(specs)); err == nil {
+		w.supported, w.supportedOK = sup, true
+	} else {
+		a.logger.Warn("no offers can be made while the chain is down: paid routes answer 503", zap.Error(err))
+	}
 	if _, err := openJournal(a.Journal); err == nil {
 		w.journal, w.journalHeld = a.Journal, true
 	}
 	a.wait = w
-	a.logger.Error("starting without the chain: the paid routes answer 503 or 502 verify-unreachable with Retry-After "+
-		"until an RPC endpoint answers, then the embedded facilitator starts by itself", zap.String("reason", w.reason))
+	a.logger.Error("starting without the chain: the paid routes offer what the configuration alone can (402; 503 with "+
+		"Retry-After where nothing can be offered) and answer payments 502 verify-unreachable with Retry-After until an "+
+		"RPC endpoint answers, then the embedded facilitator starts by itself", zap.String("reason", w.reason))
 	if err := a.runStarters(a.starters); err != nil {
 		w.stop()
 		return err
@@ -260,8 +271,7 @@ func answerChainDown(w http.ResponseWriter, r *http.Request, paymentHeader strin
 	w.Header().Set("Retry-After", chainRetryAfter)
 	w.Header().Set("Cache-Control", "no-store")
 	w.Header().Set("Content-Type", "application/json")
-	hasPayment := r.Header.Get(x402.HeaderPaymentSignature) != "" || r.Header.Get(x402.HeaderXPayment) != "" ||
-		(paymentHeader != "" && r.Header.Get(paymentHeader) != "")
+	hasPayment := carriesPayment(r, paymentHeader)
 	status, body := http.StatusServiceUnavailable, `{"error":"the facilitator cannot reach its chain yet: no way to pay is available right now",`+
 		`"outcome":"`+string(x402.OutcomeNoPayment)+`","retry":"nothing was charged; ask again after Retry-After seconds for what to pay"}`
 	if hasPayment {
@@ -280,4 +290,39 @@ func answerChainDown(w http.ResponseWriter, r *http.Request, paymentHeader strin
 	w.WriteHeader(status)
 	_, err := w.Write([]byte(body + "\n"))
 	return err
+}
+
+// carriesPayment reports whether the request carries a payment header (the gate's own name for it included).
+func carriesPayment(r *http.Request, paymentHeader string) bool {
+	return r.Header.Get(x402.HeaderPaymentSignature) != "" || r.Header.Get(x402.HeaderXPayment) != "" ||
+		(paymentHeader != "" && r.Header.Get(paymentHeader) != "")
+}
+
+// offlineSupported is what the engine supports as far as the configuration tells, while it waits for its chain.
+func (a *App) offlineSupported() (x402.SupportedResponse, bool) {
+	w := a.wait
+	if w == nil {
+		return x402.SupportedResponse{}, false
+	}
+	return w.supported, w.supportedOK
+}
+
+// offlineFacilitator is the facilitator of a gate's offline offers: it says what the configuration supports and
+// takes no payment (gate.Gate.Offer never asks it to).
+type offlineFacilitator struct{ sup x402.SupportedResponse }
+
+func (f offlineFacilitator) Supported(context.Context) (x402.SupportedResponse, error) {
+	return f.sup, nil
+}
+
+func (offlineFacilitator) Verify(context.Context, x402.VerifyRequest) (x402.VerifyResponse, error) {
+	return x402.VerifyResponse{}, &x402.FacilitatorError{Op: "verify", Err: errors.New("the chain does not answer yet")}
+}
+
+func (offlineFacilitator) Settle(context.Context, x402.SettleRequest) (x402.SettleResponse, error) {
+	return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Err: errors.New("the chain does not answer yet")}
+}
+
+func (offlineFacilitator) Health(context.Context) (x402.HealthResponse, error) {
+	return x402.HealthResponse{Status: x402.HealthDown}, nil
 }

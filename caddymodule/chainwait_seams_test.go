@@ -144,8 +144,8 @@ func TestAnRPCURLWithCredentialsStaysOutOfHealthAndLogWhileTheChainIsDown(t *tes
 	env.srv = startCaddy(t, env.caddyfile(gateSetup{rpc: rpc, logFile: true,
 		sites: "http://" + side + " {\n\thandle_path /facilitator/* {\n\t\tx402_facilitator {\n\t\t\topen\n\t\t}\n\t}\n}\n"}))
 	a := env.get("/")
-	if a.status != http.StatusServiceUnavailable {
-		t.Fatalf("paid route with the chain down = %d %q, want 503", a.status, a.body)
+	if a.status != http.StatusPaymentRequired {
+		t.Fatalf("paid route with the chain down = %d %q, want its 402 made from the configuration", a.status, a.body)
 	}
 	req, _ := http.NewRequest(http.MethodGet, "http://"+side+"/facilitator/health", nil)
 	h := env.do(req)
@@ -169,8 +169,8 @@ func TestReloadsWhileTheChainIsDownLeaveNoGoroutinesBehind(t *testing.T) {
 	env := newStoppedGateEnv(t)
 	down := gateSetup{rpc: "http://" + freeAddr(t)}
 	env.srv = startCaddy(t, env.caddyfile(down))
-	if a := env.get("/"); a.status != http.StatusServiceUnavailable {
-		t.Fatalf("paid route with the chain down = %d %q, want 503", a.status, a.body)
+	if a := env.get("/"); a.status != http.StatusPaymentRequired {
+		t.Fatalf("paid route with the chain down = %d %q, want its 402 made from the configuration", a.status, a.body)
 	}
 	time.Sleep(time.Second)
 	base := runtime.NumGoroutine()
@@ -187,8 +187,8 @@ func TestReloadsWhileTheChainIsDownLeaveNoGoroutinesBehind(t *testing.T) {
 		buf := make([]byte, 1<<20)
 		t.Fatalf("%d goroutines after 5 refused reloads, %d before:\n%s", n, base, buf[:runtime.Stack(buf, true)])
 	}
-	if a := env.get("/"); a.status != http.StatusServiceUnavailable || a.header.Get("Retry-After") == "" {
-		t.Fatalf("paid route after the refused reloads = %d %q, want the old config's 503", a.status, a.body)
+	if a := env.get("/"); a.status != http.StatusPaymentRequired || a.header.Get(x402.HeaderPaymentRequired) == "" {
+		t.Fatalf("paid route after the refused reloads = %d %q, want the old config's 402", a.status, a.body)
 	}
 }
 
@@ -200,8 +200,8 @@ func TestAWaitingEngineRacingAReloadAsTheChainComesUpLeaksNoEngine(t *testing.T)
 	rpcAddr := freeAddr(t)
 	setup := gateSetup{rpc: "http://" + rpcAddr}
 	env := startGateOn(t, c, setup)
-	if a := env.get("/"); a.status != http.StatusServiceUnavailable {
-		t.Fatalf("paid route with the chain down = %d %q, want 503", a.status, a.body)
+	if a := env.get("/"); a.status != http.StatusPaymentRequired {
+		t.Fatalf("paid route with the chain down = %d %q, want its 402 made from the configuration", a.status, a.body)
 	}
 	target, _ := url.Parse(c.RPCURL)
 	ln, err := net.Listen("tcp", rpcAddr)
@@ -255,8 +255,8 @@ func TestAGatewayWaitingForItsChainDoesNotFlickerAmongTheClustersInstances(t *te
 	}
 	defer observer.Close()
 	env.srv = startCaddy(t, env.caddyfile(gateSetup{rpc: "http://" + freeAddr(t), journal: "{env.X402_TEST_JOURNAL_DSN}"}))
-	if a := env.get("/"); a.status != http.StatusServiceUnavailable {
-		t.Fatalf("paid route with the chain down = %d %q, want 503", a.status, a.body)
+	if a := env.get("/"); a.status != http.StatusPaymentRequired {
+		t.Fatalf("paid route with the chain down = %d %q, want its 402 made from the configuration", a.status, a.body)
 	}
 	seen := map[int]int{}
 	for end := time.Now().Add(12 * time.Second); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {

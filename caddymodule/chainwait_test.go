@@ -6,6 +6,8 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"net/url"
+	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -17,7 +19,8 @@ import (
 )
 
 // A site whose RPC refuses connections as Caddy starts starts all the same: its free route serves, its paid route
-// answers 503 (no offer it could not settle) or, with a payment, 502 verify-unreachable, both with Retry-After;
+// answers with the offers its configuration alone can make (402: exact by permit2 and eip3009, each as the gate
+// offers it once the chain is up) or, with a payment, 502 verify-unreachable with Retry-After;
 // x402_facilitator's /health says which network is down since when; and once the RPC answers the engine starts
 // by itself and a payment settles on chain.
 func TestASiteStartsWithoutItsChainAndSettlesOnceTheRPCAnswers(t *testing.T) {
@@ -41,9 +44,14 @@ func TestASiteStartsWithoutItsChainAndSettlesOnceTheRPCAnswers(t *testing.T) {
 	if a := get("http://" + side + "/free"); a.status != http.StatusOK || a.body != "free" {
 		t.Fatalf("free route with the chain down = %d %q, want 200 free", a.status, a.body)
 	}
-	if a := env.get("/"); a.status != http.StatusServiceUnavailable || a.header.Get("Retry-After") == "" || a.header.Get(x402.HeaderPaymentRequired) != "" {
-		t.Fatalf("paid route without payment, chain down = %d Retry-After %q %q, want 503 with Retry-After and no offer",
-			a.status, a.header.Get("Retry-After"), a.body)
+	offline := env.offer("/") // 402, or the test fails
+	if len(offline.Accepts) == 0 {
+		t.Fatal("the 402 with the chain down offers nothing")
+	}
+	for _, o := range offline.Accepts {
+		if o.Scheme != x402.SchemeExact || (o.Extra.AssetTransferMethod != x402.TransferPermit2 && o.Extra.AssetTransferMethod != x402.TransferEIP3009) {
+			t.Errorf("the 402 with the chain down offers %s by %s, which names a settlement wallet only the engine knows", o.Scheme, o.Extra.AssetTransferMethod)
+		}
 	}
 	a := env.get("/", x402.HeaderPaymentSignature, gateEncode(t, map[string]any{"x402Version": 2}))
 	if a.status != http.StatusBadGateway || a.header.Get("Retry-After") == "" || !strings.Contains(a.body, string(x402.OutcomeVerifyUnreachable)) {
@@ -69,13 +77,20 @@ func TestASiteStartsWithoutItsChainAndSettlesOnceTheRPCAnswers(t *testing.T) {
 	t.Cleanup(func() { _ = srv.Close() })
 	up := time.Now()
 	for {
-		if a := env.get("/"); a.status == http.StatusPaymentRequired {
+		if h := get("http://" + side + "/facilitator/health"); h.status == http.StatusOK && !strings.Contains(h.body, `"status":"down"`) {
 			break
 		}
 		if time.Since(up) > 15*time.Second {
-			t.Fatal("the paid route does not offer a payment 15 s after the RPC came up")
+			t.Fatal("the facilitator is still down 15 s after the RPC came up")
 		}
 		time.Sleep(100 * time.Millisecond)
+	}
+	// Every offer made with the chain down is one the gate makes once it is up, to the byte.
+	online := env.offer("/")
+	for _, o := range offline.Accepts {
+		if !slices.ContainsFunc(online.Accepts, func(p x402.PaymentRequirements) bool { return reflect.DeepEqual(o, p) }) {
+			t.Errorf("offered with the chain down, not once it is up: %+v\nonline: %+v", o, online.Accepts)
+		}
 	}
 	payer := c.Payers[0]
 	env.approvePermit2(payer)
@@ -110,10 +125,10 @@ func TestAReloadWithTheChainDownKeepsTheOldConfigServing(t *testing.T) {
 }
 
 // With handle_errors routes, the answers given while the chain is down are theirs to write, as the gate's other
-// 502s are, and keep their Retry-After.
+// 502s and 503s are, and keep their Retry-After (an upto route: with the chain down it has nothing to offer).
 func TestAnswersWithTheChainDownGoToHandleErrors(t *testing.T) {
 	c := chaintest.New(t, chaintest.WithHTTP())
-	env := startGateOn(t, c, gateSetup{rpc: "http://" + freeAddr(t),
+	env := startGateOn(t, c, gateSetup{rpc: "http://" + freeAddr(t), gate: "\t\tscheme upto\n",
 		site: "respond \"paid content\"\n\thandle_errors {\n\t\trespond \"custom {err.status_code}\"\n\t}"})
 	if a := env.get("/"); a.status != http.StatusServiceUnavailable || a.body != "custom 503" || a.header.Get("Retry-After") == "" {
 		t.Fatalf("without payment = %d %q Retry-After %q, want handle_errors' 503 with Retry-After", a.status, a.body, a.header.Get("Retry-After"))

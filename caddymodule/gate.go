@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -16,6 +17,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
+	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/gate"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -142,6 +144,9 @@ type Gate struct {
 	redact   *strings.Replacer // takes RPC URLs (which may hold provider keys) out of engine errors
 	specs    []gate.Offer
 	core     *gate.Gate // the gate itself, made when the x402 app starts
+	// offline makes the 402s of an embedded gate while its engine waits for its chain: offers from the
+	// configuration alone (gate.Gate.Offer), never a payment taken. Made at the first request that needs it.
+	offline *offlineGate
 	// untrackBacklog takes the gate's ledger out of the backlog gauge.
 	untrackBacklog func()
 	metrics        *metrics
@@ -247,6 +252,7 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 		return err
 	}
 	g.app = app
+	g.offline = &offlineGate{}
 	app.onStart(g.embedded, func() error {
 		if err := g.start(app); err != nil {
 			return fmt.Errorf("starting the x402 gate: %w", err)
@@ -266,15 +272,7 @@ func (g *Gate) start(app *App) error {
 	if err != nil {
 		return err
 	}
-	core, err := gate.New(gate.Config{
-		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body,
-		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID,
-		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
-		Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
-		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: originalURI,
-		ErrorStatus: handlerErrorStatus, Event: g.emit, HandsOff: handlesErrors,
-		OffersFor: g.offersFor, DescriptionFor: g.descriptionFor, PriceGrace: time.Duration(g.PriceGrace), OfferMemory: g.offered,
-	}, g.fac, store, owner)
+	core, err := gate.New(g.coreConfig(app), g.fac, store, owner)
 	if err != nil {
 		return err
 	}
@@ -284,6 +282,48 @@ func (g *Gate) start(app *App) error {
 	g.core = core
 	g.untrackBacklog = g.metrics.trackBacklog(core.Ledger())
 	return nil
+}
+
+// coreConfig is the configuration of the gate's core, shaped from its Caddy config.
+func (g *Gate) coreConfig(app *App) gate.Config {
+	return gate.Config{
+		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body,
+		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID,
+		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
+		Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
+		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: originalURI,
+		ErrorStatus: handlerErrorStatus, Event: g.emit, HandsOff: handlesErrors,
+		OffersFor: g.offersFor, DescriptionFor: g.descriptionFor, PriceGrace: time.Duration(g.PriceGrace), OfferMemory: g.offered,
+	}
+}
+
+// offlineGate is the gate core of offerOffline, made once.
+type offlineGate struct {
+	once sync.Once
+	core *gate.Gate
+}
+
+// offerOffline answers a request without payment while the engine waits for its chain: the offers the
+// configuration alone can make (exact by permit2 and eip3009; upto and erc2612 name a settlement wallet, known
+// only once the engine holds its lease), else 503 with Retry-After as for any gate with nothing to offer.
+func (g *Gate) offerOffline(w http.ResponseWriter, r *http.Request, sup x402.SupportedResponse) error {
+	o := g.offline
+	o.once.Do(func() {
+		core, err := gate.New(g.coreConfig(g.app), offlineFacilitator{sup}, journal.NewMemory(journal.Options{}), "offline")
+		if err != nil {
+			g.logger.Warn("no offers can be made while the chain is down", zap.Error(err))
+			return
+		}
+		o.core = core
+	})
+	if o.core == nil {
+		return answerChainDown(w, r, g.PaymentHeader)
+	}
+	err := o.core.Offer(w, r)
+	if se, ok := err.(*gate.StatusError); ok {
+		return caddyhttp.Error(se.Status, se.Err)
+	}
+	return err
 }
 
 // emit reports a payment event through Caddy's events app, for `events` subscribers to react to; it builds the
@@ -436,6 +476,9 @@ func (g *Gate) serve(w http.ResponseWriter, r *http.Request, next caddyhttp.Hand
 	}
 	if g.embedded {
 		if waiting, err := g.app.engineDown(); waiting {
+			if sup, ok := g.app.offlineSupported(); ok && !carriesPayment(r, g.PaymentHeader) {
+				return g.offerOffline(w, r, sup)
+			}
 			return answerChainDown(w, r, g.PaymentHeader)
 		} else if err != nil {
 			return caddyhttp.Error(http.StatusServiceUnavailable, err)

@@ -350,7 +350,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	}
 	n := &network{
 		caip2: nc.Network, chainID: chainID, backend: backend, assets: map[common.Address]*asset{},
-		methods: map[string]bool{}, permit2: nc.permit2, proxy: nc.proxy, uptoProxy: nc.uptoProxy, pool: pool,
+		permit2: nc.permit2, proxy: nc.proxy, uptoProxy: nc.uptoProxy, pool: pool,
 		sender: newSender(backend, chainID, nc.Fees, f.now), watcher: newReceiptWatcher(backend, nc.ReceiptPoll),
 		reads:   &callBatcher{backend: backend},
 		timeout: nc.ReceiptTimeout, low: nc.lowBalance, headTTL: nc.HeadCacheTTL, now: f.now, skew: nc.DeadlineSkew,
@@ -393,15 +393,8 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		n.low = new(big.Int).Exp(big.NewInt(10), big.NewInt(16), nil)
 	}
 	n.p2dom = permit2DomainSeparator(chainID, n.permit2)
-	methods := nc.Methods
-	if len(methods) == 0 {
-		methods = []string{x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612}
-	}
-	for _, m := range methods {
-		if !x402.IsTransferMethod(m) {
-			return nil, fmt.Errorf("unknown asset transfer method %q; want %q, %q or %q", m, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
-		}
-		n.methods[m] = true
+	if n.methods, err = transferMethods(nc.Methods); err != nil {
+		return nil, err
 	}
 	for _, ac := range nc.Assets {
 		if ac.Name == "" || ac.Version == "" {
@@ -459,42 +452,41 @@ func (f *Facilitator) WalletsInUse(networkID string) int {
 // names one, is left out while it holds none. The answer changes as leases move; SupportedVersion says when.
 func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error) {
 	resp := x402.SupportedResponse{Kinds: []x402.SupportedKind{}, Extensions: []string{}, Signers: map[string][]string{}}
-	sponsoring := false
 	for _, id := range f.order {
 		n := f.networks[id]
 		signers := n.pool.offers()
-		if n.methods[x402.TransferPermit2] {
-			sponsoring = true
-			resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: x402.Version2, Scheme: x402.SchemeExact, Network: id,
-				Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, Name: n.first.Name, Version: n.first.Version,
-					Permit2Address: n.permit2.Hex(), X402Permit2ProxyAddress: n.proxy.Hex()}})
-			if len(signers) > 0 {
-				resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: x402.Version2, Scheme: x402.SchemeUpto, Network: id,
-					Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, Name: n.first.Name, Version: n.first.Version,
-						Permit2Address: n.permit2.Hex(), X402Permit2ProxyAddress: n.uptoProxy.Hex(),
-						FacilitatorAddress: signers[0].Hex()}})
-			}
-		}
-		if n.methods[x402.TransferEIP3009] {
-			for _, v := range []int{x402.Version1, x402.Version2} {
-				resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: v, Scheme: x402.SchemeExact, Network: id,
-					Extra: x402.Extra{AssetTransferMethod: x402.TransferEIP3009}})
-			}
-		}
-		if n.methods[x402.TransferERC2612] {
-			for _, v := range []int{x402.Version1, x402.Version2} {
-				resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: v, Scheme: x402.SchemeExact, Network: id,
-					Extra: x402.Extra{AssetTransferMethod: x402.TransferERC2612, Name: n.first.Name, Version: n.first.Version}})
-			}
-		}
-		for _, a := range signers {
-			resp.Signers[id] = append(resp.Signers[id], a.Hex())
-		}
+		addNetwork(&resp, id, n.methods, n.first.AssetConfig, n.permit2, n.proxy, n.uptoProxy, signers)
 	}
-	if sponsoring {
-		resp.Extensions = append(resp.Extensions, x402.ExtensionEIP2612GasSponsoring)
+	return finishSupported(resp), nil
+}
+
+// ConfiguredSupported is what an engine of these networks supports as far as its configuration alone tells,
+// without a chain: the kinds it settles, naming no settlement wallet (which wallets an instance sends from is
+// known only once it holds their leases), so no upto kind and no signers. A gate offers from it while its chain
+// does not answer yet; every payment still waits for the engine.
+func ConfiguredSupported(cfgs []NetworkConfig) (x402.SupportedResponse, error) {
+	resp := x402.SupportedResponse{Kinds: []x402.SupportedKind{}, Extensions: []string{}, Signers: map[string][]string{}}
+	for _, nc := range cfgs {
+		methods, err := transferMethods(nc.Methods)
+		if err != nil {
+			return resp, err
+		}
+		if len(nc.Assets) == 0 {
+			return resp, fmt.Errorf("network %s: no asset", nc.Network)
+		}
+		permit2, proxy, uptoProxy := nc.permit2, nc.proxy, nc.uptoProxy
+		if permit2 == (common.Address{}) {
+			permit2 = contracts.Permit2Address
+		}
+		if proxy == (common.Address{}) {
+			proxy = contracts.ProxyAddress
+		}
+		if uptoProxy == (common.Address{}) {
+			uptoProxy = contracts.UptoProxyAddress
+		}
+		addNetwork(&resp, nc.Network, methods, nc.Assets[0], permit2, proxy, uptoProxy, nil)
 	}
-	return resp, nil
+	return finishSupported(resp), nil
 }
 
 // Health reports per network whether the node answers, how old its head block is, the wallets' native
@@ -575,3 +567,57 @@ func (f *Facilitator) pendingSettlements(ctx context.Context) (pendingSettlement
 }
 
 var _ x402.Facilitator = (*Facilitator)(nil)
+
+// transferMethods is the set of asset transfer methods a network offers: all three when none is named.
+func transferMethods(names []string) (map[string]bool, error) {
+	if len(names) == 0 {
+		names = []string{x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612}
+	}
+	methods := map[string]bool{}
+	for _, m := range names {
+		if !x402.IsTransferMethod(m) {
+			return nil, fmt.Errorf("unknown asset transfer method %q; want %q, %q or %q", m, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
+		}
+		methods[m] = true
+	}
+	return methods, nil
+}
+
+// addNetwork adds to resp the kinds a network settles: exact by each of its methods (the permit domain of its
+// first asset), and upto by permit2 when a settlement wallet is there to name; and its signers.
+func addNetwork(resp *x402.SupportedResponse, id string, methods map[string]bool, first AssetConfig, permit2, proxy, uptoProxy common.Address, signers []common.Address) {
+	if methods[x402.TransferPermit2] {
+		resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: x402.Version2, Scheme: x402.SchemeExact, Network: id,
+			Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, Name: first.Name, Version: first.Version,
+				Permit2Address: permit2.Hex(), X402Permit2ProxyAddress: proxy.Hex()}})
+		if len(signers) > 0 {
+			resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: x402.Version2, Scheme: x402.SchemeUpto, Network: id,
+				Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, Name: first.Name, Version: first.Version,
+					Permit2Address: permit2.Hex(), X402Permit2ProxyAddress: uptoProxy.Hex(),
+					FacilitatorAddress: signers[0].Hex()}})
+		}
+	}
+	if methods[x402.TransferEIP3009] {
+		for _, v := range []int{x402.Version1, x402.Version2} {
+			resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: v, Scheme: x402.SchemeExact, Network: id,
+				Extra: x402.Extra{AssetTransferMethod: x402.TransferEIP3009}})
+		}
+	}
+	if methods[x402.TransferERC2612] {
+		for _, v := range []int{x402.Version1, x402.Version2} {
+			resp.Kinds = append(resp.Kinds, x402.SupportedKind{X402Version: v, Scheme: x402.SchemeExact, Network: id,
+				Extra: x402.Extra{AssetTransferMethod: x402.TransferERC2612, Name: first.Name, Version: first.Version}})
+		}
+	}
+	for _, a := range signers {
+		resp.Signers[id] = append(resp.Signers[id], a.Hex())
+	}
+}
+
+// finishSupported declares the gas-sponsoring extension when some network settles by permit2.
+func finishSupported(resp x402.SupportedResponse) x402.SupportedResponse {
+	if slices.ContainsFunc(resp.Kinds, func(k x402.SupportedKind) bool { return k.Extra.AssetTransferMethod == x402.TransferPermit2 }) {
+		resp.Extensions = append(resp.Extensions, x402.ExtensionEIP2612GasSponsoring)
+	}
+	return resp
+}

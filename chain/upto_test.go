@@ -435,3 +435,31 @@ func TestAnUptoPaymentSettlesOnlyOnTheEngineHoldingTheNamedWalletsLease(t *testi
 		t.Errorf("sent from %v, want from %s", from, named.Hex())
 	}
 }
+
+// What the configuration alone says the engine supports (for offers while its chain does not answer) is what the
+// engine says once up, less what names a settlement wallet: no upto kind, no signers.
+func TestConfiguredSupportedIsTheEnginesLessWhatNamesAWallet(t *testing.T) {
+	var nc chain.NetworkConfig
+	fx := newFixture(t, fixtureOpts{tune: func(_ *fixture, c *chain.NetworkConfig) { nc = *c }})
+	up, err := fx.f.Supported(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc.Backend, nc.Keys = nil, nil
+	offline, err := chain.ConfiguredSupported([]chain.NetworkConfig{nc})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want []x402.SupportedKind
+	for _, k := range up.Kinds {
+		if k.Scheme != x402.SchemeUpto {
+			want = append(want, k)
+		}
+	}
+	if !reflect.DeepEqual(offline.Kinds, want) || !reflect.DeepEqual(offline.Extensions, up.Extensions) || len(offline.Signers) != 0 {
+		t.Errorf("configured: %+v\nengine less upto and signers: kinds %+v extensions %v", offline, want, up.Extensions)
+	}
+	if _, err := chain.ConfiguredSupported([]chain.NetworkConfig{{Network: fx.net, Methods: []string{"wire"}, Assets: nc.Assets}}); err == nil {
+		t.Error("an unknown transfer method was taken")
+	}
+}

@@ -423,6 +423,33 @@ func (g *Gate) ServeHTTP(w http.ResponseWriter, r *http.Request, next Handler) e
 	return x.run()
 }
 
+// Offer answers a request that carries no payment with what to pay (402, or 503 with Retry-After when there is
+// nothing to offer), without the gate having started: for a gate whose embedded facilitator says what it
+// supports from its configuration but cannot verify or settle yet (its chain does not answer). It reads no
+// journal and calls no next handler; a request carrying a payment is not its to answer.
+func (g *Gate) Offer(w http.ResponseWriter, r *http.Request) error {
+	if g.cfg.Embedded && g.offers.Load() == nil {
+		g.refresh.Lock()
+		if g.offers.Load() == nil {
+			if _, err := g.fetchEmbeddedOffers(); err != nil {
+				g.refresh.Unlock()
+				x := &exchange{g: g, w: w, r: r, start: g.now()}
+				return x.noOffer()
+			}
+		}
+		g.refresh.Unlock()
+	}
+	x := &exchange{g: g, w: w, r: r, start: g.now()}
+	allowOrigin(g.cfg.CORSOrigins, w.Header(), r)
+	exposePaymentHeaders(w.Header())
+	offers, err := g.offersFor(r)
+	if err != nil {
+		return &StatusError{Status: http.StatusInternalServerError, Err: err}
+	}
+	x.offers, x.turn = offers, g.rotation.Add(1)
+	return x.noPayment()
+}
+
 // noMetrics is the Metrics of a gate configured without any.
 type noMetrics struct{}
 
