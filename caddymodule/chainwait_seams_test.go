@@ -36,17 +36,17 @@ func (env *gateEnv) restartWithTheChainDownAt() string {
 	return addr
 }
 
-// bringTheChainUpAt makes the simulated chain answer at addr, the RPC address the restarted Caddy was given.
-func (env *gateEnv) bringTheChainUpAt(addr string) {
-	env.t.Helper()
-	target, _ := url.Parse(env.c.RPCURL)
+// proxyChainAt makes the simulated chain answer at addr: the RPC address a Caddy was given while nothing listened.
+func proxyChainAt(t testing.TB, c *chaintest.Chain, addr string) {
+	t.Helper()
+	target, _ := url.Parse(c.RPCURL)
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		env.t.Fatal(err)
+		t.Fatal(err)
 	}
 	srv := &http.Server{Handler: httputil.NewSingleHostReverseProxy(target)}
 	go func() { _ = srv.Serve(ln) }()
-	env.t.Cleanup(func() { _ = srv.Close() })
+	t.Cleanup(func() { _ = srv.Close() })
 }
 
 // awaitNot502 presents the payment header at path until the answer is not the chain-down 502 (15 s at most).
@@ -82,7 +82,7 @@ func TestAPaymentServedBeforeARestartIsNotToldItWasNotSettledWhileTheChainIsDown
 	a := env.get("/", x402.HeaderPaymentSignature, header)
 	assertChainDownAnswerIsTrue(t, a)
 
-	env.bringTheChainUpAt(rpc)
+	proxyChainAt(t, env.c, rpc)
 	a = env.awaitNot502("/", header)
 	if a.status != http.StatusPaymentRequired || !strings.HasPrefix(requiredError(t, a), x402.ReasonPaymentAlreadyUsed) {
 		t.Fatalf("the same payment once the chain is back = %d %q, want 402 %s", a.status, a.body, x402.ReasonPaymentAlreadyUsed)
@@ -108,7 +108,7 @@ func TestAPaymentSettledButNotServedBeforeARestartIsServedWhileTheChainIsDown(t 
 	a := env.get("/", x402.HeaderPaymentSignature, header)
 	assertChainDownAnswerIsTrue(t, a)
 
-	env.bringTheChainUpAt(rpc)
+	proxyChainAt(t, env.c, rpc)
 	a = env.awaitNot502("/", header)
 	if a.status != http.StatusOK || a.body != "paid content" {
 		t.Fatalf("the payment settled (not served) before the restart, presented again once the chain is back = %d %q, "+
@@ -203,14 +203,7 @@ func TestAWaitingEngineRacingAReloadAsTheChainComesUpLeaksNoEngine(t *testing.T)
 	if a := env.get("/"); a.status != http.StatusPaymentRequired {
 		t.Fatalf("paid route with the chain down = %d %q, want its 402 made from the configuration", a.status, a.body)
 	}
-	target, _ := url.Parse(c.RPCURL)
-	ln, err := net.Listen("tcp", rpcAddr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := &http.Server{Handler: httputil.NewSingleHostReverseProxy(target)}
-	go func() { _ = srv.Serve(ln) }()
-	t.Cleanup(func() { _ = srv.Close() })
+	proxyChainAt(t, c, rpcAddr)
 	s := setup
 	s.site = `respond "paid content"` + "\n\theader X-Config new"
 	for deadline := time.Now().Add(15 * time.Second); ; {

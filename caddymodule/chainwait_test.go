@@ -2,10 +2,7 @@ package caddymodule_test
 
 import (
 	"encoding/json"
-	"net"
 	"net/http"
-	"net/http/httputil"
-	"net/url"
 	"reflect"
 	"slices"
 	"strings"
@@ -67,14 +64,7 @@ func TestASiteStartsWithoutItsChainAndSettlesOnceTheRPCAnswers(t *testing.T) {
 	}
 
 	// The RPC comes up on the configured port.
-	target, _ := url.Parse(c.RPCURL)
-	ln, err := net.Listen("tcp", rpcAddr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := &http.Server{Handler: httputil.NewSingleHostReverseProxy(target)}
-	go func() { _ = srv.Serve(ln) }()
-	t.Cleanup(func() { _ = srv.Close() })
+	proxyChainAt(t, c, rpcAddr)
 	up := time.Now()
 	for {
 		if h := get("http://" + side + "/facilitator/health"); h.status == http.StatusOK && !strings.Contains(h.body, `"status":"down"`) {
