@@ -348,6 +348,17 @@ func (c *Chain) Commit() common.Hash {
 	return c.Backend.Commit()
 }
 
+// sealed waits for a block being sealed to become the head. The node indexes a new block's transactions before
+// it moves its head (core.BlockChain.writeHeadBlock), so a receipt can be served a moment before "latest" holds
+// the block: code under test that returned on that receipt would otherwise have its effects read from the block
+// before (seen under load: a settlement answered success, and the seller's balance read right after was the old
+// one). Sealing holds mu until the head has moved, so taking mu once is enough. Every read of the head goes
+// through here; mu must not be held.
+func (c *Chain) sealed() {
+	c.mu.Lock()
+	c.mu.Unlock() //nolint:staticcheck // an empty critical section: waiting for the sealer is the point
+}
+
 // somethingPending reports whether transactions wait in the pool. The pending block's transaction count alone
 // can lag by seconds (the node caches its pending block); with WithPromptCommit the settlement wallets' pool
 // nonces, which the pool keeps current, are asked as well: they are where the code under test sends from.
@@ -404,6 +415,7 @@ func (c *Chain) HeadNumber() uint64 {
 
 func (c *Chain) head() *types.Header {
 	c.tb.Helper()
+	c.sealed()
 	h, err := c.Client.HeaderByNumber(context.Background(), nil)
 	if err != nil {
 		c.tb.Fatalf("chaintest: reading the head block: %v", err)

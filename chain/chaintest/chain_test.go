@@ -582,3 +582,34 @@ func TestHTTPEndpointServesTheChainOnLoopback(t *testing.T) {
 		t.Errorf("revert over HTTP %q (%v), want PaymentTooEarly()", got, err)
 	}
 }
+
+// The node serves a new block's receipts a moment before its head moves to that block: what the chain's readers
+// report right after a receipt was seen must already include the receipt's block, or a test asserting balances
+// after a settlement that returned on its receipt reads the block before (a CI failure of
+// TestAnUptoPaymentOfAPayerWithoutAllowancePaysThroughTheGasSponsoringPermitOfItsMaximum).
+func TestWhatTheReadersReportAfterAReceiptIncludesItsBlock(t *testing.T) {
+	c := New(t)
+	ctx := context.Background()
+	dest := common.HexToAddress("0xde57de57de57de57de57de57de57de57de57de57")
+	data, err := contracts.StableCoinABI.Pack("transfer", dest, big.NewInt(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 150 {
+		tx, err := c.SendTx(ctx, c.Payers[0], &c.Token, data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan struct{})
+		go func() { defer close(done); c.Commit() }()
+		for {
+			if r, err := c.Client.TransactionReceipt(ctx, tx.Hash()); err == nil && r != nil {
+				break
+			}
+		}
+		if got := c.TokenBalance(dest); got.Int64() != int64(i+1) {
+			t.Fatalf("transfer %d: balance read right after its receipt = %s, want %d", i+1, got, i+1)
+		}
+		<-done
+	}
+}

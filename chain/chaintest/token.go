@@ -59,6 +59,7 @@ func (c *Chain) BalanceOf(token, addr common.Address) *big.Int {
 // ETHBalance returns the ETH balance of addr in wei.
 func (c *Chain) ETHBalance(addr common.Address) *big.Int {
 	c.tb.Helper()
+	c.sealed()
 	b, err := c.Client.BalanceAt(context.Background(), addr, nil)
 	if err != nil {
 		c.tb.Fatalf("chaintest: reading the balance of %s: %v", addr, err)
@@ -95,6 +96,7 @@ func (c *Chain) Permit2NonceUsed(owner common.Address, nonce *big.Int) bool {
 // TxCount returns the number of transactions addr has sent (its confirmed account nonce).
 func (c *Chain) TxCount(addr common.Address) uint64 {
 	c.tb.Helper()
+	c.sealed()
 	n, err := c.Client.NonceAt(context.Background(), addr, nil)
 	if err != nil {
 		c.tb.Fatalf("chaintest: reading the nonce of %s: %v", addr, err)
@@ -193,6 +195,7 @@ func (c *Chain) transfers(q ethereum.FilterQuery, from, to common.Address) []Tra
 	if to != (common.Address{}) {
 		q.Topics = append(q.Topics, []common.Hash{common.BytesToHash(to.Bytes())})
 	}
+	c.sealed()
 	logs, err := c.Client.FilterLogs(context.Background(), q)
 	if err != nil {
 		c.tb.Fatalf("chaintest: filtering Transfer logs: %v", err)

@@ -130,6 +130,7 @@ func (c *Chain) CommitUntilIncluded(ctx context.Context, hashes ...common.Hash) 
 // error whose message names the decoded reason (e.g. "PaymentTooEarly()"); RevertData
 // extracts the raw bytes.
 func (c *Chain) Call(ctx context.Context, from common.Address, to common.Address, data []byte) ([]byte, error) {
+	c.sealed()
 	out, err := c.Client.CallContract(ctx, ethereum.CallMsg{From: from, To: &to, Data: data}, nil)
 	if err != nil {
 		return nil, describeRevert(err)
