@@ -399,17 +399,19 @@ func (c *cluster) reloadThroughAdmin(g *clusterGate) {
 
 // TestClusterJournalThatHangsMidLoadIsAnsweredWithinTheTimeoutsAndRecovers pays 200 payments of six payers over
 // the three gateways at concurrency 12, each gateway reaching PostgreSQL through a TCP proxy of the test's own.
-// After the first 60, the proxies stop forwarding (they accept, and read and write nothing) for 12 s, past the
-// instances' heartbeat TTL (10 s), then pass everything on again. Every request is answered (none waits on the
-// client's own timeout); what is answered while the database hangs is a 200 (its settlement done before the
-// hang), a 502 or 503, or "another request is presenting it"; no payment is refused for good; every payment ends
-// with exactly one 200, the seller's balance moved by exactly 200s x the price and each payer's by its own; the
+// After the first 60, the proxies stop forwarding (they accept, and read and write nothing) for 40 s: past the
+// instances' heartbeat TTL (10 s) and past the journal's bound on a write (30 s). Then they pass everything on
+// again. Requests are answered while the database still hangs, once the journal gives up on it (each a 502 or
+// 503, or a 200 whose settlement was done before the hang, or "another request is presenting it"); every request
+// is answered, none later than 5 s after the database answers again; no payment is refused for good; every payment
+// ends with exactly one 200, the seller's balance moved by exactly 200s x the price and each payer's by its own; the
 // gateways share the wallets again and nothing is left pending.
 func TestClusterJournalThatHangsMidLoadIsAnsweredWithinTheTimeoutsAndRecovers(t *testing.T) {
 	// When the hang outlasts the leases' signing margin every gateway gives its wallets up, and for a moment the
 	// cluster has none: 402 no_available_wallets, which the spec says to present again in a second or two.
 	c := startClusterWith(t, clusterSetup{payers: 6, journalProxies: true, retryNoWallets: true})
-	const n, workers, hangAfter, hang = 200, 12, 60, 12 * time.Second
+	// Past the journal's bound on a write (30 s), so that the gateways answer before the database does.
+	const n, workers, hangAfter, hang = 200, 12, 60, 40 * time.Second
 	payments := c.signMany(n)
 	before, firstBlock := c.balances(), c.dev.head()
 
@@ -439,7 +441,7 @@ func TestClusterJournalThatHangsMidLoadIsAnsweredWithinTheTimeoutsAndRecovers(t 
 	t.Logf("answered while the journal hung: %s", describeCounts(countAnswers(payments, during)))
 	overlapping := func(a clusterAnswer) bool { return a.got.After(hungAt) && a.sent.Before(resumed) }
 	var slowest time.Duration
-	var wrong, unanswered []string
+	var wrong, unanswered, late []string
 	for _, p := range payments {
 		for _, a := range p.answers {
 			if !overlapping(a) {
@@ -447,6 +449,9 @@ func TestClusterJournalThatHangsMidLoadIsAnsweredWithinTheTimeoutsAndRecovers(t 
 			}
 			slowest = max(slowest, a.got.Sub(a.sent))
 			switch {
+			case a.got.After(resumed.Add(5 * time.Second)):
+				late = append(late, fmt.Sprintf("payment #%d: %s, sent %v into the hang, answered %v after it", p.n, a,
+					a.sent.Sub(hungAt).Round(time.Millisecond), a.got.Sub(resumed).Round(time.Millisecond)))
 			case a.status == 0:
 				unanswered = append(unanswered, fmt.Sprintf("payment #%d: %s after %v", p.n, a, a.got.Sub(a.sent).Round(time.Millisecond)))
 			case during(a) && a.status != http.StatusOK && a.status != http.StatusBadGateway && a.status != http.StatusServiceUnavailable && !a.presenting:
@@ -456,6 +461,11 @@ func TestClusterJournalThatHangsMidLoadIsAnsweredWithinTheTimeoutsAndRecovers(t 
 	}
 	t.Logf("the slowest answer to a request the hang overlapped took %v", slowest.Round(time.Millisecond))
 	listFirst(t, "requests the hang overlapped got no answer", unanswered, countAnswersTotal(payments, overlapping))
+	listFirst(t, "requests the hang overlapped were answered more than 5 s after the database answered again", late,
+		countAnswersTotal(payments, overlapping))
+	if countAnswersTotal(payments, during) == 0 {
+		t.Errorf("no request was answered while the database hung for %v, past the journal's bound on a write", hang)
+	}
 	listFirst(t, "answers while the journal hung were neither 200, 502, 503 nor \"another request is presenting it\"", wrong,
 		countAnswersTotal(payments, during))
 	var refused []string
