@@ -3,6 +3,7 @@ package journal
 import (
 	"context"
 	"errors"
+	"net/url"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -77,16 +78,19 @@ func TestARateBucketRefillsAndIsPrunedOnceFull(t *testing.T) {
 	dsn := pgtest.Shared(t)
 	s := openPostgres(t, dsn, Options{})
 	ctx := context.Background()
-	if ok, _, _ := s.TakeToken(ctx, "fast", 600); !ok { // 10 a second
+	if ok, _, _ := s.TakeToken(ctx, "fast", 60); !ok { // one a second
 		t.Fatal("first take refused")
 	}
-	pgExec(t, dsn, `UPDATE x402_rate_buckets SET tokens = 0 WHERE key = 'fast'`)
-	if ok, _, _ := s.TakeToken(ctx, "fast", 600); ok {
-		t.Fatal("a take of an emptied bucket was allowed at once")
+	pgExec(t, dsn, `UPDATE x402_rate_buckets SET tokens = 0, at = now() WHERE key = 'fast'`)
+	if ok, wait, _ := s.TakeToken(ctx, "fast", 60); ok || wait > time.Second {
+		t.Fatalf("a take of an emptied bucket = %v, wait %v; want refused, at most a second to wait", ok, wait)
 	}
-	time.Sleep(150 * time.Millisecond)
-	if ok, wait, err := s.TakeToken(ctx, "fast", 600); err != nil || !ok {
-		t.Fatalf("a take 150 ms later at 10 a second = %v, wait %v, %v; want a refilled token", ok, wait, err)
+	pgExec(t, dsn, `UPDATE x402_rate_buckets SET at = at - interval '1500 milliseconds' WHERE key = 'fast'`)
+	if ok, wait, err := s.TakeToken(ctx, "fast", 60); err != nil || !ok {
+		t.Fatalf("a take 1.5 s after the bucket emptied, at one a second = %v, wait %v, %v; want a refilled token", ok, wait, err)
+	}
+	if ok, _, _ := s.TakeToken(ctx, "fast", 60); ok {
+		t.Fatal("a second take was allowed: 1.5 s refill one token and a half")
 	}
 	pgExec(t, dsn, `UPDATE x402_rate_buckets SET at = now() - interval '61 seconds' WHERE key = 'fast'`)
 	if ok, _, _ := s.TakeToken(ctx, "kept", 600); !ok {
@@ -113,5 +117,38 @@ func TestATakeOfADatabaseThatIsDownFailsWithErrUnavailableInTheCallersTime(t *te
 	}
 	if took := time.Since(start); took > 2*time.Second {
 		t.Fatalf("TakeToken took %v with a 1 s context", took)
+	}
+}
+
+// A take is one statement with no session state and no statement prepared for later: it works as well with
+// pgx's simple protocol and its exec mode, which is how a pooler in transaction mode (PgBouncer) is spoken to.
+func TestRateBucketsNeedNoPreparedStatements(t *testing.T) {
+	for _, mode := range []string{"simple_protocol", "exec"} {
+		t.Run(mode, func(t *testing.T) {
+			u, err := url.Parse(pgtest.Shared(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			q := u.Query()
+			q.Set("default_query_exec_mode", mode)
+			u.RawQuery = q.Encode()
+			a, b := openPostgres(t, u.String(), Options{}), openPostgres(t, u.String(), Options{})
+			ctx := context.Background()
+			for i, s := range []*PostgresStore{a, b} {
+				if ok, _, err := s.TakeToken(ctx, "k", 2); err != nil || !ok {
+					t.Fatalf("take %d = %v, %v; want taken", i+1, ok, err)
+				}
+			}
+			ok, wait, err := a.TakeToken(ctx, "k", 2)
+			if err != nil || ok || wait <= 29*time.Second || wait > 30*time.Second {
+				t.Fatalf("3rd take of 2 a minute = %v, wait %v, %v; want refused, just under 30s to wait", ok, wait, err)
+			}
+			if err := b.GiveToken(ctx, "k", 2); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := a.PruneRateBuckets(ctx); err != nil {
+				t.Fatal(err)
+			}
+		})
 	}
 }
