@@ -3,10 +3,13 @@ package facilitatorserver
 import (
 	"container/list"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"math"
 	"net/http"
 	"net/netip"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -238,8 +241,14 @@ func (s *settleLimiter) sharedCounts() SharedCounts {
 }
 
 // sharedKey names key's bucket in the shared counts: the limit and its rate too, so that servers configured with
-// different rates (a reload that changes it) do not share a bucket.
+// different rates (a reload that changes it) do not share a bucket. A key that is long or not printable ASCII (what
+// a ClientIP of the embedder's may return) is named by its hash: the database would refuse some such keys, and a
+// refusal would send every limit to memory for a while.
 func (s *settleLimiter) sharedKey(limit string, local *rateBuckets, key string) string {
+	if len(key) > 100 || strings.ContainsFunc(key, func(r rune) bool { return r < ' ' || r > '~' }) {
+		sum := sha256.Sum256([]byte(key))
+		key = "sha256:" + hex.EncodeToString(sum[:])
+	}
 	return fmt.Sprintf("%s %d/min %s", limit, local.perMinute, key)
 }
 
