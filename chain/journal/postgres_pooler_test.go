@@ -241,3 +241,12 @@ func pgDirectDSN(s *PostgresStore) string {
 	v, _ := pgDirect.Load(s)
 	return v.(string)
 }
+
+// TestPostgresRestartMidLoadThroughPgBouncer is TestPostgresRestartMidLoad with the store behind a PgBouncer in
+// transaction mode, which stays up while the server behind it restarts: what PgBouncer answers meanwhile (a
+// server connection lost mid-statement, a login to the server refused) is ErrUnavailable, and a caller that
+// repeats what failed ends with every payment claimed once, by itself.
+func TestPostgresRestartMidLoadThroughPgBouncer(t *testing.T) {
+	srv := pgtest.Start(t)
+	restartMidLoad(t, srv, pgtest.StartPgBouncer(t, srv.DSN()).DSN())
+}
