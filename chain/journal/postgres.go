@@ -63,6 +63,8 @@ type PostgresStore struct {
 	lifeMu    sync.Mutex
 	beatSent  time.Time // when the last heartbeat that the database took was sent
 	lifeCount uint64    // Continuity
+
+	pruneRates sync.Once // starts pruneRateBuckets at the first TakeToken
 }
 
 // OpenPostgres connects to the PostgreSQL database dsn names (a URL, postgres://user:password@host:port/db, or
