@@ -18,10 +18,11 @@ import (
 // PgBouncer in transaction pooling mode (fewer server connections than the stores' clients, so that their
 // transactions take turns on the same server connections), and works both at once: claims of the same payments
 // from both, updates to broadcast and final, served marks, in-flight marks, wallet leases and fenced writes,
-// holds against one payer's funds, and the reads of Pending, Instances and Alive. Every payment has exactly one
-// claimant, every write lands, the holds never exceed what the payer has, and nothing fails for the pooler: no
-// prepared statement met on a server connection it was not made on (42P05 "already exists", 26000 "does not
-// exist"), no session state assumed to carry over from one transaction to the next.
+// holds against one payer's funds, a shared rate limit, and the reads of Pending, Instances and Alive. Every
+// payment has exactly one claimant, every write lands, the holds and the rate limit are never exceeded, and
+// nothing fails for the pooler: no prepared statement met on a server connection it was not made on (42P05
+// "already exists", 26000 "does not exist"), no session state assumed to carry over from one transaction to the
+// next.
 func TestPostgresTwoStoresThroughPgBouncerInTransactionMode(t *testing.T) {
 	dsn := pgtest.Shared(t)
 	bouncer := pgtest.StartPgBouncer(t, dsn)
@@ -112,6 +113,21 @@ func TestPostgresTwoStoresThroughPgBouncerInTransactionMode(t *testing.T) {
 			}
 		})
 	}
+	// Both stores count one settle rate limit at once, as the gateways' facilitators do: 50 a minute, taken 80
+	// times, gives exactly 50.
+	var tokens atomic.Int64
+	for i := range 80 {
+		wg.Go(func() {
+			<-start
+			ok, _, err := stores[i%2].TakeToken(ctx, "per_ip:127.0.0.1", 50)
+			if err != nil {
+				t.Errorf("take %d: %v", i, err)
+			}
+			if ok {
+				tokens.Add(1)
+			}
+		})
+	}
 	// Both stores hold payments of one payer against its funds at once.
 	const key, holds = "eip155:8453/0xtoken/0xpayer", 40
 	avail := big.NewInt(150)
@@ -144,6 +160,9 @@ func TestPostgresTwoStoresThroughPgBouncerInTransactionMode(t *testing.T) {
 		if c := claimed[n].Load(); c != 1 {
 			t.Errorf("payment %d was claimed %d times, want once", n, c)
 		}
+	}
+	if tokens.Load() != 50 {
+		t.Errorf("%d of 80 takes of a limit of 50 a minute were allowed, want exactly 50", tokens.Load())
 	}
 	if held.Load() != 15 {
 		t.Errorf("%d holds of 10 against 150 were held, want exactly 15", held.Load())
