@@ -28,7 +28,7 @@ func TestClusterThroughPgBouncerServesEachPaymentOnceWhenAllThreeGatewaysGetIt(t
 	payments := c.signMany(n)
 	before, firstBlock := c.balances(), c.dev.head()
 	start := time.Now()
-	c.fanOut(payments, atOnce)
+	c.fanOutEach(payments, atOnce)
 	elapsed := time.Since(start)
 	t.Logf("%d payments, each to the %d gateways at once, %d at a time, through PgBouncer in %v (%.0f/s): %s", n, clusterGateways,
 		atOnce, elapsed.Round(10*time.Millisecond), float64(n)/elapsed.Seconds(), describeCounts(countAnswers(payments, nil)))
@@ -53,8 +53,8 @@ func TestClusterThroughPgBouncerServesEachPaymentOnceWhenAllThreeGatewaysGetIt(t
 	}
 }
 
-// fanOut presents each payment to every gateway at the same moment, atOnce payments at a time, once each.
-func (c *cluster) fanOut(payments []*clusterPayment, atOnce int) {
+// fanOutEach presents each payment to every gateway at the same moment, atOnce payments at a time, once each.
+func (c *cluster) fanOutEach(payments []*clusterPayment, atOnce int) {
 	queue := make(chan *clusterPayment)
 	var workers sync.WaitGroup
 	for range atOnce {
