@@ -1,0 +1,113 @@
+package e2e
+
+import (
+	"context"
+	"math/big"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// The cluster when wallets are scarce: fewer settlement wallets than a gateway's share would want, or fewer than
+// gateways. A gateway that holds no free wallet when a payment it served must settle hands the settlement to
+// one that does, through the journal; a payer is told no_available_wallets only when the whole cluster's wallets
+// stayed busy.
+
+// scarcityPayments is the number of payments of a fan-out run: the figure.
+const scarcityPayments = 200
+
+// TestClusterOfFourWalletsSettlesEveryPaymentFannedOutToThreeGateways: three gateways share four wallets (the
+// dev chain's 0-3), and the load starts as soon as each gateway answers its paid route, while the wallets are
+// still being shared out. 200 distinct payments, each sent to all three gateways at once, 8 payments at a time:
+// every payment is answered 200 in its fan-out by exactly one gateway, none is refused no_available_wallets,
+// and the chain shows exactly one transfer of the price per payment.
+func TestClusterOfFourWalletsSettlesEveryPaymentFannedOutToThreeGateways(t *testing.T) {
+	fanOutUnderScarcity(t, 4)
+}
+
+// TestClusterOfTwoWalletsSettlesEveryPaymentFannedOutToThreeGateways is the fan-out with two wallets for three
+// gateways: one gateway holds none, and the payments it holds settle through the two that do.
+func TestClusterOfTwoWalletsSettlesEveryPaymentFannedOutToThreeGateways(t *testing.T) {
+	fanOutUnderScarcity(t, 2)
+}
+
+func fanOutUnderScarcity(t *testing.T, wallets int) {
+	c := startClusterWith(t, clusterSetup{payers: 8, wallets: wallets, noLeaseWait: true})
+	payments := c.signMany(scarcityPayments)
+	before, firstBlock := c.balances(), c.dev.head()
+	start := time.Now()
+	queue := make(chan int)
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range queue {
+				c.fanOut(payments[i])
+			}
+		}()
+	}
+	for i := range payments {
+		queue <- i
+	}
+	close(queue)
+	wg.Wait()
+	elapsed := time.Since(start)
+	t.Logf("%d payments, each sent to the %d gateways at once, 8 at a time, in %v: %s", len(payments), clusterGateways,
+		elapsed.Round(10*time.Millisecond), describeCounts(countAnswers(payments, nil)))
+
+	var without, refused []string
+	for _, p := range payments {
+		if p.paid == 0 {
+			without = append(without, p.String())
+		}
+		for _, a := range p.answers {
+			if strings.HasPrefix(a.text, x402.ReasonNoAvailableWallets) || strings.Contains(a.text, x402.MessageNoAvailableWallets) {
+				refused = append(refused, p.String())
+				break
+			}
+		}
+	}
+	listFirst(t, "payments got no 200 from any gateway of their fan-out", without, len(payments))
+	listFirst(t, "payments were refused for want of a wallet", refused, len(payments))
+
+	// A payment whose fan-out ended without a final answer (a settlement still pending) is presented again
+	// until it has one: it must then be the 200 it paid for, once.
+	for _, p := range payments {
+		if p.paid == 0 && p.refused == "" {
+			c.settle(p, 0, clusterRetryFor)
+		}
+	}
+	c.checkAccounts(payments, before, firstBlock)
+	c.drain(new(big.Int).Add(before.seller, big.NewInt(int64(scarcityPayments*clusterPrice))))
+	for _, g := range c.gates {
+		g.proc.stop()
+	}
+}
+
+// fanOut sends p to every gateway at the same moment, once, and waits for the three answers.
+func (c *cluster) fanOut(p *clusterPayment) {
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for g := range c.gates {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			ctx, cancel := context.WithTimeout(context.Background(), clusterRequestTimeout)
+			defer cancel()
+			c.present(ctx, p, g)
+		}()
+	}
+	close(start)
+	wg.Wait()
+	for _, a := range p.answers {
+		if a.status != http.StatusOK && a.status != http.StatusPaymentRequired {
+			c.t.Logf("payment #%d: %s", p.n, a)
+		}
+	}
+}
