@@ -314,7 +314,7 @@ func (f *Facilitator) takeHandoffs(ctx context.Context) (seen bool) {
 			continue
 		}
 		p.claim = taken
-		f.log.Debug("took a settlement another instance handed off", zap.String("payment", p.id.String()), zap.String("from", rec.Owner))
+		f.log.Info("took a settlement another instance handed off", zap.String("payment", p.id.String()), zap.String("from", rec.Owner))
 		f.wg.Add(1)
 		go f.settleHandedOff(ctx, p)
 	}

@@ -20,6 +20,9 @@ import (
 // scarcityPayments is the number of payments of a fan-out run: the figure.
 const scarcityPayments = 200
 
+// handoffTaken is what a gateway logs when it takes a settlement another handed off.
+const handoffTaken = "took a settlement another instance handed off"
+
 // TestClusterOfFourWalletsSettlesEveryPaymentFannedOutToThreeGateways: three gateways share four wallets (the
 // dev chain's 0-3), and the load starts as soon as each gateway answers its paid route, while the wallets are
 // still being shared out. 200 distinct payments, each sent to all three gateways at once, 8 payments at a time:
@@ -59,6 +62,10 @@ func fanOutUnderScarcity(t *testing.T, wallets int) {
 	elapsed := time.Since(start)
 	t.Logf("%d payments, each sent to the %d gateways at once, 8 at a time, in %v: %s", len(payments), clusterGateways,
 		elapsed.Round(10*time.Millisecond), describeCounts(countAnswers(payments, nil)))
+	t.Logf("the gateways logged %s", c.logged(handoffTaken, "no instance sharing the journal took"))
+	if wallets < clusterGateways && strings.HasPrefix(c.logged(handoffTaken), "0×") {
+		t.Errorf("no settlement was handed off, with %d wallets for %d gateways: one holds none, and the payments it holds must settle through the others", wallets, clusterGateways)
+	}
 
 	var without, refused []string
 	for _, p := range payments {
