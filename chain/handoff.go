@@ -331,7 +331,9 @@ func (f *Facilitator) settleHandedOff(ctx context.Context, p *payment) {
 	if keep || errors.Is(err, errClaimLost) {
 		return
 	}
-	again := err == nil && resp.ErrorReason == x402.ReasonNoAvailableWallets
+	// Offered again when this process's wallet was gone by the time it settled, or it is closing: another may
+	// take it within the claimant's wait.
+	again := ctx.Err() != nil || err == nil && resp.ErrorReason == x402.ReasonNoAvailableWallets
 	_, uerr := f.journal.Update(context.WithoutCancel(ctx), p.id, func(r *journal.Record) error {
 		if err := checkClaim(p, r); err != nil {
 			return err

@@ -2,7 +2,9 @@ package chain_test
 
 import (
 	"context"
+	"math/big"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -103,4 +105,48 @@ func TestAWalletBeingGivenUpIsKeptWhenItsShareGrowsAgain(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 	t.Logf("both wallets offered again %v after the second engine went", time.Since(gone).Round(10*time.Millisecond))
+}
+
+// TestPaymentsSettledAtOnceOnEnginesWithoutAWalletSettleOnceThroughTheOneThatHasIt: three engines share one
+// wallet; twelve payments are settled at once, four on each engine, so that eight are handed off together to the
+// one engine holding the wallet while it settles its own. Every payment settles, each once, all from that wallet,
+// and the seller receives twelve prices.
+func TestPaymentsSettledAtOnceOnEnginesWithoutAWalletSettleOnceThroughTheOneThatHasIt(t *testing.T) {
+	fx, engines, _ := sharedEnginesOn(t, pgtest.Shared(t), 3, 3*time.Second, fixtureOpts{wallets: 1, receiptTimeout: time.Minute})
+	waitEven(t, fx, engines, 1)
+	payers := fx.c.Payers[:2]
+	fx.approvePermit2(payers...)
+	const n = 12
+	reqs := make([]x402.VerifyRequest, n)
+	for i := range reqs {
+		reqs[i] = fx.permit2(payers[i%len(payers)], fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	}
+	before, sellerBefore := fx.walletTxs(), fx.c.TokenBalance(fx.payTo)
+	var wg sync.WaitGroup
+	txs := make([]string, n)
+	for i, req := range reqs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s, err := engines[i%len(engines)].Settle(context.Background(), req)
+			if err != nil || !s.Success {
+				t.Errorf("payment %d on engine %d settled as %+v, %v; want settled", i, i%len(engines), s, err)
+			}
+			txs[i] = s.Transaction
+		}()
+	}
+	wg.Wait()
+	seen := map[string]int{}
+	for i, tx := range txs {
+		if j, dup := seen[tx]; dup && tx != "" {
+			t.Errorf("payments %d and %d answered with the same transaction %s", j, i, tx)
+		}
+		seen[tx] = i
+	}
+	if sent, from := fx.sentSince(before); sent != n || len(from) != 1 {
+		t.Errorf("%d transactions sent from %v; want %d from the one wallet", sent, from, n)
+	}
+	if got := new(big.Int).Sub(fx.c.TokenBalance(fx.payTo), sellerBefore); got.Cmp(big.NewInt(n*price)) != 0 {
+		t.Errorf("the seller received %s, want %d", got, n*price)
+	}
 }
