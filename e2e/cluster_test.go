@@ -66,7 +66,8 @@ type cluster struct {
 	chainID  *big.Int
 	wallets  []common.Address
 	pg       *pgtest.Server
-	dsn      string // never logged
+	dsn      string // the gateways' journal DSN (through bouncer, when there is one); never logged
+	bouncer  *pgtest.PgBouncer
 	gates    []*clusterGate
 	offer    x402.PaymentRequirements
 	payers   []*ecdsa.PrivateKey
@@ -99,6 +100,10 @@ type clusterSetup struct {
 	anyShares bool
 	// noLeaseWait: start as soon as every gateway answers its paid route, the leases still being shared out.
 	noLeaseWait bool
+	// pgbouncer: the gateways reach the journal through a PgBouncer of the test's own in transaction pooling
+	// mode (c.bouncer), as production PostgreSQL often is; the test's own reads of the journal go through it too.
+	// Stopping and restarting c.pg leaves PgBouncer up.
+	pgbouncer bool
 }
 
 // startCluster starts the dev chain with payers funded demo payers (each approves Permit2 once, so that its
@@ -152,6 +157,10 @@ func startClusterWith(t *testing.T, s clusterSetup) *cluster {
 		t.Fatalf("starting PostgreSQL: %v", pgErr)
 	}
 	c.dsn = c.pg.DSN()
+	if s.pgbouncer {
+		c.bouncer = pgtest.StartPgBouncer(t, c.dsn)
+		c.dsn = c.bouncer.DSN()
+	}
 
 	for i := range clusterGateways {
 		g := &clusterGate{n: i, name: fmt.Sprintf("gateway %d", i), url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t))}
@@ -249,11 +258,17 @@ func (c *cluster) query(fn func(ctx context.Context, conn *pgx.Conn) error) erro
 	return queryPostgres(c.dsn, fn)
 }
 
-// queryPostgres runs fn on a fresh connection to the database at dsn, which no error quotes.
+// queryPostgres runs fn on a fresh connection to the database at dsn, which no error quotes. The connection
+// prepares no statement (the simple protocol), so it works through a connection pooler too.
 func queryPostgres(dsn string, fn func(ctx context.Context, conn *pgx.Conn) error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	conn, err := pgx.Connect(ctx, dsn)
+	cfg, err := pgx.ParseConfig(dsn)
+	if err != nil {
+		return fmt.Errorf("the journal's DSN does not parse: %w", errors.New(strings.ReplaceAll(err.Error(), dsn, "<dsn>")))
+	}
+	cfg.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+	conn, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		return fmt.Errorf("connecting to the journal's database: %w", errors.New(strings.ReplaceAll(err.Error(), dsn, "<dsn>")))
 	}
@@ -1114,7 +1129,7 @@ func sumCounts(m map[common.Address]int) int {
 // one 200, the seller's balance moved by exactly 200s x the price, each payer's by its own; the three gateways
 // share the wallets again afterwards; and, once drained, no journal record is left pending.
 func TestClusterPostgreSQLRestartMidLoadLosesAndDoublesNothing(t *testing.T) {
-	postgresOutageMidLoad(t, 3*time.Second)
+	postgresOutageMidLoad(t, clusterSetup{payers: 6}, 3*time.Second)
 }
 
 // TestClusterPostgreSQLDownLongerThanTheHeartbeatLosesAndDoublesNothing is the same with the database down for
@@ -1122,12 +1137,12 @@ func TestClusterPostgreSQLRestartMidLoadLosesAndDoublesNothing(t *testing.T) {
 // each may look dead to the others, which take over its in-flight marks and settlement claims while it still
 // works on them. Nothing may be lost or doubled all the same.
 func TestClusterPostgreSQLDownLongerThanTheHeartbeatLosesAndDoublesNothing(t *testing.T) {
-	postgresOutageMidLoad(t, 12*time.Second)
+	postgresOutageMidLoad(t, clusterSetup{payers: 6}, 12*time.Second)
 }
 
-// postgresOutageMidLoad is the two tests above, with the database down for outage.
-func postgresOutageMidLoad(t *testing.T, outage time.Duration) {
-	c := startCluster(t, 6)
+// postgresOutageMidLoad is the two tests above, on a cluster set up as s says, with the database down for outage.
+func postgresOutageMidLoad(t *testing.T, s clusterSetup, outage time.Duration) {
+	c := startClusterWith(t, s)
 	const n, workers, stopAfter = 300, 12, 80
 	payments := c.signMany(n)
 	before, firstBlock := c.balances(), c.dev.head()
