@@ -2,6 +2,7 @@ package caddymodule_test
 
 import (
 	"io"
+	"net"
 	"net/http"
 	"strings"
 	"sync/atomic"
@@ -52,51 +53,76 @@ func (env *gateEnv) restartGate(s gateSetup) {
 	env.srv.load(env.caddyfile(s))
 }
 
-// A gate settles through two remote facilitators, a failover set, each with its own journal. A has no wallet free,
-// so B settles the payment; B's answer is lost and the gateway dies before it serves (the money-invariant run's
-// SIGKILL mid-request on /remote/): the payment is charged and its response not delivered. The gateway comes back
-// without its memory of where the payment was sent (so would any other gateway of a cluster). Presented again, the
-// payment goes to A, which never saw it and finds its nonce spent: that refusal must not be the last word. B,
-// whose journal knows it settled the payment, must be asked, and the payment served, once, without paying again.
+// A gate settles through two remote facilitators, a failover set, each with its own journal. A is down, or has
+// no wallet free, so B settles the payment; B's answer is lost and the gateway dies before it serves (the
+// money-invariant run's SIGKILL mid-request on /remote/): the payment is charged and its response not delivered.
+// The gateway comes back without its memory of where the payment was sent (so would any other gateway of a
+// cluster), and A is back. Presented again, the payment goes to A, which never saw it and finds its nonce spent:
+// that refusal must not be the last word. B, whose journal knows it settled the payment, must be asked, and the
+// payment served, once, without paying again.
 func TestAPaymentSettledByTheSecondFacilitatorIsServedAfterTheGatewayRestarts(t *testing.T) {
-	c := chaintest.New(t, chaintest.WithHTTP())
-	t.Cleanup(commitPending(t, c))
-	a := newRemoteFacilitatorOf(t, c, c.Wallets[:2], 20*time.Second)
-	b := newRemoteFacilitatorOf(t, c, c.Wallets[2:4], 20*time.Second)
-	proxyA := &busyProxy{target: a.URL}
-	setup := gateSetup{facURL: "http " + serveTest(t, proxyA) + " " + b.URL}
-	env := startGateOn(t, c, setup)
-	payer := c.Payers[0]
-	env.approvePermit2(payer)
-	before := env.balances(payer)
-	header := env.permit2Header("/", payer)
+	for _, aDown := range []bool{true, false} {
+		name := "A busy"
+		if aDown {
+			name = "A down"
+		}
+		t.Run(name, func(t *testing.T) {
+			c := chaintest.New(t, chaintest.WithHTTP())
+			t.Cleanup(commitPending(t, c))
+			a := newRemoteFacilitatorOf(t, c, c.Wallets[:2], 20*time.Second)
+			b := newRemoteFacilitatorOf(t, c, c.Wallets[2:4], 20*time.Second)
+			proxyA := &busyProxy{target: a.URL}
+			addrA := freeAddr(t) // nothing listens there until A is back: connections are refused
+			setup := gateSetup{facURL: "http http://" + addrA + " " + b.URL}
+			env := startGateOn(t, c, setup)
+			startA := func() {
+				ln, err := net.Listen("tcp", addrA)
+				if err != nil {
+					t.Fatalf("A listening again on %s: %v", addrA, err)
+				}
+				srv := &http.Server{Handler: proxyA}
+				go func() { _ = srv.Serve(ln) }()
+				t.Cleanup(func() { _ = srv.Close() })
+			}
+			if !aDown {
+				startA()
+				proxyA.busy.Store(true)
+			}
+			payer := c.Payers[0]
+			env.approvePermit2(payer)
+			before := env.balances(payer)
+			header := env.permit2Header("/", payer)
 
-	proxyA.busy.Store(true)
-	b.setSettleFault("lose-gateAnswer")
-	first := env.get("/", x402.HeaderPaymentSignature, header)
-	if first.status != http.StatusBadGateway {
-		t.Fatalf("the first presentation, B's answer lost: %d %q; want 502", first.status, first.body)
-	}
-	env.waitPaid(payer, before, 1) // B settled it
-	proxyA.busy.Store(false)
-	b.setSettleFault("")
+			b.setSettleFault("lose-gateAnswer")
+			first := env.get("/", x402.HeaderPaymentSignature, header)
+			if first.status != http.StatusBadGateway {
+				t.Fatalf("the first presentation, B's answer lost: %d %q; want 502", first.status, first.body)
+			}
+			env.waitPaid(payer, before, 1) // B settled it
+			b.setSettleFault("")
+			if aDown {
+				startA()
+			}
+			proxyA.busy.Store(false)
 
-	env.restartGate(setup)
-	again := env.get("/", x402.HeaderPaymentSignature, header)
-	if again.status != http.StatusOK || again.body != "paid content" {
-		t.Fatalf("the same payment presented again after the gateway restarted: %d %q; want 200 with the content (B settled it)", again.status, again.body)
+			env.restartGate(setup)
+			again := env.get("/", x402.HeaderPaymentSignature, header)
+			if again.status != http.StatusOK || again.body != "paid content" {
+				t.Fatalf("the same payment presented again after the gateway restarted: %d %q; want 200 with the content (B settled it)", again.status, again.body)
+			}
+			if resp := settleResponse(t, again); !resp.Success || resp.Transaction == "" {
+				t.Errorf("PAYMENT-RESPONSE %+v; want B's settlement, with its transaction", resp)
+			}
+			if n := proxyA.settles.Load(); n != 1 {
+				t.Errorf("A was asked to settle the payment %d times; want once (it refuses the spent nonce; B answers)", n)
+			}
+			once := env.get("/", x402.HeaderPaymentSignature, header)
+			if once.status == http.StatusOK {
+				t.Errorf("the payment presented once more after it was served: 200; want it refused (it bought one response)")
+			} else if !strings.Contains(once.body, "already") {
+				t.Errorf("the payment presented once more after it was served: %d %q; want it refused as already used", once.status, once.body)
+			}
+			env.assertPaid(payer, before, 1)
+		})
 	}
-	if resp := settleResponse(t, again); !resp.Success || resp.Transaction == "" {
-		t.Errorf("PAYMENT-RESPONSE %+v; want B's settlement, with its transaction", resp)
-	}
-	if n := proxyA.settles.Load(); n > 1 {
-		t.Errorf("A was asked to settle the payment %d times; want at most once (it refuses the spent nonce)", n)
-	}
-	once := env.get("/", x402.HeaderPaymentSignature, header)
-	if once.status == http.StatusOK {
-		t.Errorf("the payment presented once more after it was served: 200; want it refused (it bought one response)")
-	} else if !strings.Contains(once.body, "already") {
-		t.Errorf("the payment presented once more after it was served: %d %q; want it refused as already used", once.status, once.body)
-	}
-	env.assertPaid(payer, before, 1)
 }
