@@ -1,7 +1,9 @@
 package caddymodule_test
 
 import (
+	"context"
 	"io"
+	"math/big"
 	"net"
 	"net/http"
 	"strings"
@@ -12,7 +14,9 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/x402-gateway/caddy-x402/caddymodule"
+	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/facilitatorclient"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -125,4 +129,58 @@ func TestAPaymentSettledByTheSecondFacilitatorIsServedAfterTheGatewayRestarts(t 
 			env.assertPaid(payer, before, 1)
 		})
 	}
+}
+
+// The other side of asking every member of a failover set about a payment one of them finds spent: a payment
+// whose nonce another payment's settlement spent buys nothing. Payment P settles at B; P', the same payer and
+// nonce on other terms (a later deadline), is refused by A (nonce spent) and by B, whose journal holds P, not P'.
+// P itself, asked of the set, is answered from B's journal with its one transfer, and nothing moves again.
+func TestAFailoverSetAnswersOnlyForThePaymentAMemberSettledNotAnotherWithItsNonce(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	t.Cleanup(commitPending(t, c))
+	a := newRemoteFacilitatorOf(t, c, c.Wallets[:2], 20*time.Second)
+	b := newRemoteFacilitatorOf(t, c, c.Wallets[2:4], 20*time.Second)
+	env := startGateOn(t, c, gateSetup{facURL: "http " + a.URL + " " + b.URL})
+	payer := c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	rq := env.requirement("/", x402.TransferPermit2)
+	nonce := big.NewInt(7_777_001)
+	sign := func(deadline time.Duration) x402.SettleRequest {
+		now := env.chainNow()
+		p, err := chain.SignPermit2Payment(payer.Key, rq, c.ChainID, chain.Permit2Options{Now: now, Nonce: nonce,
+			Deadline: big.NewInt(now.Add(deadline).Unix())})
+		if err != nil {
+			t.Fatalf("signing: %v", err)
+		}
+		return x402.SettleRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: rq}
+	}
+	paid, other := sign(2*time.Minute), sign(4*time.Minute)
+	clientOf := func(url string) *facilitatorclient.Client {
+		cl, err := facilitatorclient.New(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cl
+	}
+	ctx := context.Background()
+	if resp, err := clientOf(b.URL).Settle(ctx, paid); err != nil || !resp.Success {
+		t.Fatalf("B settling P: %+v, %v", resp, err)
+	}
+	env.assertPaid(payer, before, 1)
+
+	set := facilitatorclient.NewFailover(clientOf(a.URL), clientOf(b.URL))
+	settlesB := b.settles.Load()
+	resp, err := set.Settle(ctx, other)
+	if err != nil || resp.Success || resp.ErrorReason != x402.ReasonPermit2InvalidNonce {
+		t.Fatalf("P', whose nonce P spent: %+v, %v; want refused, %s", resp, err, x402.ReasonPermit2InvalidNonce)
+	}
+	if n := b.settles.Load() - settlesB; n != 1 {
+		t.Errorf("B was asked about P' %d times; want once (A found its nonce spent)", n)
+	}
+	res, err := set.SettleDetailed(ctx, paid)
+	if err != nil || !res.Response.Success || res.Facilitator != b.URL || res.Response.Transaction == "" {
+		t.Fatalf("P asked of the set: %+v from %s, %v; want B's settlement", res.Response, res.Facilitator, err)
+	}
+	env.assertPaid(payer, before, 1)
 }
