@@ -383,3 +383,63 @@ func (s *PostgresStore) markAndGet(ctx context.Context, id ID) (marked bool, rec
 	}
 	return true, rec, found, nil
 }
+
+// UpdateFencedKnown is c.UpdateFenced of a record its caller knows as it stands (prev, as a write of it returned
+// it), as UpdateKnown is Update: the PostgreSQL store writes it in one statement, the lease checked in it under
+// the same share lock, where the stored record is still prev, and goes through UpdateFenced otherwise.
+func UpdateFencedKnown(ctx context.Context, c Cluster, prev Record, lease string, fence uint64, fn func(*Record) error) (Record, error) {
+	if k, ok := c.(interface {
+		updateFencedKnown(ctx context.Context, prev Record, lease string, fence uint64, fn func(*Record) error) (Record, error)
+	}); ok {
+		return k.updateFencedKnown(ctx, prev, lease, fence, fn)
+	}
+	return c.UpdateFenced(ctx, prev.ID, lease, fence, fn)
+}
+
+// updateFencedKnown writes fn's change of prev in one statement: the lease's row is read under a share lock (as
+// UpdateFenced's check reads it), and the record is written only when this instance holds the lease at fence,
+// unexpired, and the stored record is still prev, byte for byte and not marked served. Not held: ErrFenced,
+// nothing written. Held, the record changed since: UpdateFenced, which reads it.
+func (s *PostgresStore) updateFencedKnown(ctx context.Context, prev Record, lease string, fence uint64, fn func(*Record) error) (Record, error) {
+	if prev.Served || prev.ID.IsZero() {
+		return s.UpdateFenced(ctx, prev.ID, lease, fence, fn)
+	}
+	wctx, cancel, err := s.begin(ctx, true)
+	if err != nil {
+		return Record{}, err
+	}
+	defer cancel()
+	was, err := encodeRecord(&prev)
+	if err != nil {
+		return Record{}, err
+	}
+	next, err := updateIn(&pgKnownTxn{prev: prev}, prev.ID, fn, s.opts.now())
+	if err != nil {
+		return Record{}, err
+	}
+	row, err := rowOf(&next)
+	if err != nil {
+		return Record{}, err
+	}
+	var held, written bool
+	err = retrySafe(func() error {
+		return s.pool.QueryRow(wctx, `WITH lease AS (
+	SELECT 1 FROM x402_leases WHERE name = $9 AND owner = $10 AND fence = $11 AND expires_at > now() FOR SHARE
+), written AS (
+	UPDATE x402_records SET state = $2, async = $3, pending = $4, kept_until_ns = $5, served_ns = $6, data = $7
+	WHERE id = $1 AND data = $8 AND served_ns IS NULL AND EXISTS (SELECT 1 FROM lease) RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM lease), EXISTS (SELECT 1 FROM written)`,
+			next.ID[:], string(next.State), next.Async, row.pending, row.keptNS, row.servedNS, row.data, was,
+			lease, s.instance, int64(fence)).Scan(&held, &written)
+	})
+	switch {
+	case err != nil:
+		return Record{}, s.fail(ctx, "update", err)
+	case !held:
+		return Record{}, fmt.Errorf("%w: %s at fence %d", ErrFenced, lease, fence)
+	case written:
+		return next, nil
+	}
+	return s.UpdateFenced(ctx, prev.ID, lease, fence, fn)
+}
