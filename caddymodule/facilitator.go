@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -90,6 +91,7 @@ type FacilitatorHandler struct {
 	releaseWallets func()
 	logs           *bearerLog
 	logger         *zap.Logger
+	shared         atomic.Value // of sharedCounts: where the settle rate limits count, once the journal is open
 }
 
 // FacilitatorUpstream is a facilitator the handler forwards to in middleware mode.
@@ -148,6 +150,7 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		opts.SettleRateLimit = facilitatorserver.RateLimit{PerIP: l.PerIP, IPv6Prefix: l.IPv6Prefix, PerPayer: l.PerPayer}
 	}
 	opts.VerifyRateLimit = verifyLimit(h.VerifyRateLimit)
+	opts.SharedCounts = h.sharedCounts
 	if h.metrics, err = metricsFor(ctx, metricsHandlerFacilitator); err != nil {
 		return err
 	}
@@ -164,8 +167,15 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		}
 		// A remote facilitator reads a version 1 request in the version 1 shape only.
 		opts.UpgradeV1, opts.Describe = true, h.describeUpstreamFailure
-		h.server, err = facilitatorserver.New(f, opts)
-		return err
+		if h.server, err = facilitatorserver.New(f, opts); err != nil {
+			return err
+		}
+		// A middleware facilitator has no journal of its own; the x402 app's, when it is a cluster's, counts.
+		if v, err := ctx.AppIfConfigured("x402"); err == nil && h.SettleRateLimit != nil {
+			app := v.(*App)
+			app.onStart(false, func() error { h.shareCounts(app); return nil })
+		}
+		return nil
 	}
 	app := ip.app()
 	networks := app.networkIDs()
@@ -188,6 +198,38 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	app.onStart(true, func() error { return h.start(app) })
+	if h.SettleRateLimit != nil {
+		app.onStart(false, func() error { h.shareCounts(app); return nil })
+	}
+	return nil
+}
+
+// sharedCounts holds the journal that the settle rate limits count in.
+type sharedCounts struct{ facilitatorserver.SharedCounts }
+
+// shareCounts makes the settle rate limits count in the app's journal when it is a PostgreSQL database, which
+// every instance of a cluster shares, so that the cluster enforces one limit and not one per instance. A journal
+// of one process (bbolt, memory) keeps the counts in memory, as does a journal that cannot be opened now (the
+// server counts in memory until its shared counts answer; see facilitatorserver.SharedCounts).
+func (h *FacilitatorHandler) shareCounts(app *App) {
+	if !isPostgresDSN(app.journalPath()) {
+		return
+	}
+	store, _, err := app.SettlementJournal()
+	if err != nil {
+		h.logger.Warn("the settle rate limits count in memory, each instance on its own: the journal did not open", zap.Error(err))
+		return
+	}
+	if sc, ok := store.(facilitatorserver.SharedCounts); ok {
+		h.shared.Store(sharedCounts{sc})
+	}
+}
+
+// sharedCounts is where the settle rate limits count: the cluster's journal, or nil (in memory).
+func (h *FacilitatorHandler) sharedCounts() facilitatorserver.SharedCounts {
+	if sc, ok := h.shared.Load().(sharedCounts); ok {
+		return sc.SharedCounts
+	}
 	return nil
 }
 

@@ -17,8 +17,11 @@ import (
 // SettleRateLimit caps how often /settle is called, per client IP and per payer, so that nobody can make a
 // facilitator send settlement after settlement (each paying gas) as fast as it can sign them. A call over a limit
 // is answered 429 with Retry-After and never reaches the facilitator behind. Limits are per minute, as token
-// buckets: up to the limit at once, then one more each 60s/limit. They are kept in memory per handler and start
-// afresh when the config is reloaded.
+// buckets: up to the limit at once, then one more each 60s/limit. With a PostgreSQL journal they are kept in its
+// database, shared by every instance of the cluster and by config reloads that keep the rate, so that the cluster
+// allows the limit once, not once per instance; while the database does not answer (within a second), each
+// instance counts in memory and logs a warning. With a bbolt or in-memory journal they are kept in memory per
+// handler and start afresh when the config is reloaded.
 type SettleRateLimit struct {
 	// PerIP is the number of /settle calls a client may make per minute; 0: no limit. Every call counts,
 	// malformed or refused ones too (calls refused for their API key or method do not). The client IP is Caddy's:

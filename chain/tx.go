@@ -454,7 +454,7 @@ func (rw *receiptWatcher) loop() {
 				}
 			}
 			// A transaction registered just now may sit in a block already scanned.
-			retry := rw.lookUp(ctx, lookups, fresh)
+			retry := rw.lookUp(ctx, head, lookups, fresh)
 			if len(retry) > 0 {
 				rw.mu.Lock()
 				rw.fresh = append(rw.fresh, retry...)
@@ -576,7 +576,12 @@ const lookupWorkers = 16
 // few at a time, and delivers them. It returns what must be asked again: a mined one whose receipt is not served
 // yet, or any the node could not answer for (one still indexing says "transaction indexing is in progress").
 // "Not found" for a fresh one means not mined yet: a later block will show it.
-func (rw *receiptWatcher) lookUp(ctx context.Context, mined, fresh []common.Hash) []common.Hash {
+//
+// A receipt of a block past head (the head this round read) is held back and asked again: a node indexes a
+// block's transactions before it moves its head to it (go-ethereum's writeHeadBlock), so a settlement answered
+// on such a receipt would be read back, by whoever asks the node's latest state right after (a payer checking
+// its balance, the funds holds), as not having happened yet.
+func (rw *receiptWatcher) lookUp(ctx context.Context, head uint64, mined, fresh []common.Hash) []common.Hash {
 	var (
 		mu    sync.Mutex
 		retry []common.Hash
@@ -590,8 +595,14 @@ func (rw *receiptWatcher) lookUp(ctx context.Context, mined, fresh []common.Hash
 		go func() {
 			defer func() { <-sem; wg.Done() }()
 			r, err := rw.backend.TransactionReceipt(ctx, h)
-			if err == nil && r != nil {
+			if err == nil && r != nil && (r.BlockNumber == nil || r.BlockNumber.Uint64() <= head) {
 				rw.deliver(h, r)
+				return
+			}
+			if err == nil && r != nil {
+				mu.Lock()
+				retry = append(retry, h) // mined in a block the head has not reached yet
+				mu.Unlock()
 				return
 			}
 			if i < len(mined) || (err != nil && !errors.Is(err, ethereum.NotFound)) {

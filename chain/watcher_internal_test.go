@@ -286,3 +286,49 @@ func TestTheReceiptWatcherLooksAgainAsSoonAsANodeInThisProcessPushesANewHead(t *
 		t.Fatal("the receipt was not found within 1.5 s of the pushed head (the rescue comes at 2 s, the poll at 1 min)")
 	}
 }
+
+// laggingHead answers the head block as it was when frozen, while receipts come from the chain as it is: the
+// moment a node has indexed a new block's transactions and not yet moved its head to it.
+type laggingHead struct {
+	Backend
+	frozen atomic.Pointer[types.Header]
+}
+
+func (l *laggingHead) HeaderByNumber(ctx context.Context, n *big.Int) (*types.Header, error) {
+	if h := l.frozen.Load(); h != nil && n == nil {
+		return h, nil
+	}
+	return l.Backend.HeaderByNumber(ctx, n)
+}
+
+// TestTheReceiptWatcherDeliversNoReceiptOfABlockPastTheHead: a receipt the node serves for a block its head has
+// not reached yet is held back until the head gets there. Delivered at once, a settlement answered success was
+// read back at the node's latest block as not having happened (a CI failure: the seller's balance read right
+// after a successful settle was the old one).
+func TestTheReceiptWatcherDeliversNoReceiptOfABlockPastTheHead(t *testing.T) {
+	c := chaintest.New(t)
+	lb := &laggingHead{Backend: c.Client}
+	head, err := c.Client.HeaderByNumber(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lb.frozen.Store(head)
+	rw := newReceiptWatcher(lb, 2*time.Millisecond)
+	tx, err := c.SendTx(context.Background(), c.Payers[0], &c.Deployer.Address, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Commit()
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	if r, err := rw.wait(ctx, false, tx.Hash()); err == nil {
+		t.Fatalf("got the receipt of block %d while the head is block %d", r.BlockNumber, head.Number)
+	}
+	lb.frozen.Store(nil)
+	ctx, cancel = context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	r, err := rw.wait(ctx, false, tx.Hash())
+	if err != nil || r.TxHash != tx.Hash() {
+		t.Fatalf("once the head reached its block: receipt %v, %v", r, err)
+	}
+}

@@ -66,11 +66,14 @@ type cluster struct {
 	chainID  *big.Int
 	wallets  []common.Address
 	pg       *pgtest.Server
-	dsn      string // never logged
+	dsn      string // the gateways' journal DSN (through bouncer, when there is one); never logged
+	bouncer  *pgtest.PgBouncer
 	gates    []*clusterGate
 	offer    x402.PaymentRequirements
 	payers   []*ecdsa.PrivateKey
 	setup    clusterSetup
+	// price is the paid route's price as its Caddyfile says it ("$0.01" unless a test reloads another).
+	price string
 
 	transport *http.Transport
 	client    *http.Client
@@ -86,6 +89,13 @@ type clusterGate struct {
 	url  string
 	proc *process
 	dead atomic.Bool // SIGKILLed by the test
+
+	file     string      // its Caddyfile
+	dsn      string      // the journal's DSN it uses: the database's, or its journal proxy's; never logged
+	rpc      string      // the chain's RPC it uses: the chain's, or its fault proxy's
+	admin    string      // its admin API's address, "" when off
+	pgProxy  *pgProxy    // with clusterSetup.journalProxies
+	rpcProxy *faultProxy // with clusterSetup.chainProxies
 }
 
 // clusterSetup is what a cluster test changes of the defaults.
@@ -97,6 +107,23 @@ type clusterSetup struct {
 	routes string
 	// anyShares: start once every wallet is leased, however they are shared out (the test looks at that).
 	anyShares bool
+	// async: the paid route settles async; its 200s say the settlement is pending, and the test reads each
+	// payment's settlement from the journal (asyncSettlements).
+	async bool
+	// admin: each gateway's admin API listens on a port of its own (clusterGate.admin), for reloads.
+	admin bool
+	// journalProxies: each gateway reaches PostgreSQL through a TCP proxy of the test's own (clusterGate.pgProxy),
+	// which the test can make hang.
+	journalProxies bool
+	// chainProxies: each gateway reaches the chain's RPC through a fault proxy of its own (clusterGate.rpcProxy).
+	chainProxies bool
+	// retryNoWallets: a 402 no_available_wallets (the spec's "retry in 1 to 2 seconds") is not final: the
+	// payment is presented again, as a client told so does.
+	retryNoWallets bool
+	// pgbouncer: the gateways reach the journal through a PgBouncer of the test's own in transaction pooling
+	// mode (c.bouncer), as production PostgreSQL often is; the test's own reads of the journal go through it too.
+	// Stopping and restarting c.pg leaves PgBouncer up.
+	pgbouncer bool
 }
 
 // startCluster starts the dev chain with payers funded demo payers (each approves Permit2 once, so that its
@@ -114,7 +141,7 @@ func startClusterWith(t *testing.T, s clusterSetup) *cluster {
 	started := time.Now()
 	s.wallets = cmp.Or(s.wallets, clusterWallets)
 	payers := s.payers
-	c := &cluster{t: t, dir: t.TempDir(), chainID: new(big.Int).SetUint64(devchain.DefaultChainID), setup: s}
+	c := &cluster{t: t, dir: t.TempDir(), chainID: new(big.Int).SetUint64(devchain.DefaultChainID), setup: s, price: "$0.01"}
 
 	// The database starts while the chain does; a machine without PostgreSQL ends the test here, in its own
 	// goroutine, where a test may be skipped.
@@ -150,11 +177,27 @@ func startClusterWith(t *testing.T, s clusterSetup) *cluster {
 		t.Fatalf("starting PostgreSQL: %v", pgErr)
 	}
 	c.dsn = c.pg.DSN()
+	if s.pgbouncer {
+		c.bouncer = pgtest.StartPgBouncer(t, c.dsn)
+		c.dsn = c.bouncer.DSN()
+	}
 
 	for i := range clusterGateways {
-		g := &clusterGate{n: i, name: fmt.Sprintf("gateway %d", i), url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t))}
-		file := writeFile(t, c.dir, fmt.Sprintf("gateway%d.Caddyfile", i), c.caddyfile(c.dsn, g.url))
-		g.proc = startProcess(t, g.name, c.dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", file)
+		g := &clusterGate{n: i, name: fmt.Sprintf("gateway %d", i), url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t)),
+			dsn: c.dsn, rpc: c.chainURL}
+		if s.admin {
+			g.admin = fmt.Sprintf("127.0.0.1:%d", freePort(t))
+		}
+		if s.journalProxies {
+			g.pgProxy = startPgProxy(t, c.dsn)
+			g.dsn = g.pgProxy.dsn
+		}
+		if s.chainProxies {
+			g.rpcProxy = startFaultProxy(t, c.chainURL)
+			g.rpc = g.rpcProxy.url
+		}
+		g.file = writeFile(t, c.dir, fmt.Sprintf("gateway%d.Caddyfile", i), c.gateCaddyfile(g))
+		g.proc = startProcess(t, g.name, c.dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", g.file)
 		c.gates = append(c.gates, g)
 	}
 	t.Cleanup(c.keepLogs)
@@ -182,16 +225,30 @@ func startClusterWith(t *testing.T, s clusterSetup) *cluster {
 // caddyfile is a gateway's Caddyfile: the dev chain's wallets (twelve by default), the journal (a DSN or a file)
 // and the paid route at siteURL (or the setup's routes).
 func (c *cluster) caddyfile(journal, siteURL string) string {
-	routes := fmt.Sprintf(`	x402 $0.01 {
-		pay_to %s
-		max_timeout 24h
+	return c.caddyfileWith(journal, siteURL, c.chainURL, "")
+}
+
+// gateCaddyfile is gateway g's Caddyfile: its journal DSN, chain RPC and admin API, and the cluster's price now.
+func (c *cluster) gateCaddyfile(g *clusterGate) string {
+	return c.caddyfileWith(g.dsn, g.url, g.rpc, g.admin)
+}
+
+// caddyfileWith is caddyfile with the chain's RPC at rpc and the admin API at admin ("": off).
+func (c *cluster) caddyfileWith(journal, siteURL, rpc, admin string) string {
+	settle := ""
+	if c.setup.async {
+		settle = "\n\t\tsettle async"
 	}
-	respond %q`, seller.Hex(), clusterContent)
+	routes := fmt.Sprintf(`	x402 %s {
+		pay_to %s
+		max_timeout 24h%s
+	}
+	respond %q`, c.price, seller.Hex(), settle, clusterContent)
 	if c.setup.routes != "" {
 		routes = fmt.Sprintf(c.setup.routes, seller.Hex(), clusterContent)
 	}
 	return fmt.Sprintf(`{
-	admin off
+	admin %s
 	x402 {
 		dev_chain {
 			rpc %s
@@ -205,7 +262,7 @@ func (c *cluster) caddyfile(journal, siteURL string) string {
 	bind 127.0.0.1
 %s
 }
-`, c.chainURL, c.setup.wallets-1, journal, siteURL, routes)
+`, cmp.Or(admin, "off"), rpc, c.setup.wallets-1, journal, siteURL, routes)
 }
 
 // clusterLogsEnv names a directory where a failed cluster test leaves the whole output of each gateway.
@@ -245,11 +302,17 @@ func (c *cluster) query(fn func(ctx context.Context, conn *pgx.Conn) error) erro
 	return queryPostgres(c.dsn, fn)
 }
 
-// queryPostgres runs fn on a fresh connection to the database at dsn, which no error quotes.
+// queryPostgres runs fn on a fresh connection to the database at dsn, which no error quotes. The connection
+// prepares no statement (the simple protocol), so it works through a connection pooler too.
 func queryPostgres(dsn string, fn func(ctx context.Context, conn *pgx.Conn) error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	conn, err := pgx.Connect(ctx, dsn)
+	cfg, err := pgx.ParseConfig(dsn)
+	if err != nil {
+		return fmt.Errorf("the journal's DSN does not parse: %w", errors.New(strings.ReplaceAll(err.Error(), dsn, "<dsn>")))
+	}
+	cfg.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+	conn, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		return fmt.Errorf("connecting to the journal's database: %w", errors.New(strings.ReplaceAll(err.Error(), dsn, "<dsn>")))
 	}
@@ -448,6 +511,7 @@ type clusterPayment struct {
 	payer  int
 	header string
 	nonce  string
+	price  int64 // what it pays, in raw units
 
 	mu      sync.Mutex
 	answers []clusterAnswer
@@ -503,7 +567,12 @@ func (c *cluster) sign(payer int, now time.Time) *clusterPayment {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	p := &clusterPayment{n: len(c.payments) + 1, payer: payer, header: header, nonce: pl.Payload.Permit2Authorization.Nonce}
+	price, ok := new(big.Int).SetString(c.offer.Amount, 10)
+	if !ok || !price.IsInt64() {
+		c.t.Fatalf("the offer's amount %q is no price in raw units", c.offer.Amount)
+	}
+	p := &clusterPayment{n: len(c.payments) + 1, payer: payer, header: header, nonce: pl.Payload.Permit2Authorization.Nonce,
+		price: price.Int64()}
 	c.payments = append(c.payments, p)
 	return p
 }
@@ -567,6 +636,8 @@ func (c *cluster) ask(ctx context.Context, p *clusterPayment, gate int) clusterA
 		switch {
 		case string(body) != clusterContent:
 			c.t.Errorf("payment #%d: 200 from gateway %d with body %q, want %q", p.n, gate, shorten(string(body)), clusterContent)
+		case c.setup.async && err == nil && s.Pending():
+			// Settled in the background: asyncSettlements reads its transaction from the journal.
 		case err != nil || !s.Success || s.Transaction == "":
 			c.t.Errorf("payment #%d: 200 from gateway %d with PAYMENT-RESPONSE %+v (%v), want a settled transaction", p.n, gate, s, err)
 		}
@@ -580,7 +651,8 @@ func (c *cluster) ask(ctx context.Context, p *clusterPayment, gate int) clusterA
 		}
 		a.text = shorten(pr.Error)
 		a.presenting = strings.HasPrefix(pr.Error, x402.ReasonPaymentAlreadyUsed) && strings.Contains(pr.Error, "another request is presenting")
-		a.final = !a.presenting
+		noWallets := c.setup.retryNoWallets && strings.HasPrefix(pr.Error, x402.ReasonNoAvailableWallets)
+		a.final = !a.presenting && !noWallets
 	default:
 		a.text = shorten(string(body))
 		a.final = resp.StatusCode < 500
@@ -661,9 +733,6 @@ func (c *cluster) chainLedger(fromBlock uint64) chainLedger {
 	l := chainLedger{byTx: map[string]types.Log{}, perPayer: make([]int, len(c.payers))}
 	for i, k := range c.payers {
 		for _, tr := range c.dev.transfers(crypto.PubkeyToAddress(k.PublicKey), seller, fromBlock) {
-			if transferAmount(tr).Cmp(big.NewInt(clusterPrice)) != 0 {
-				c.t.Errorf("transfer in %s moved %s to the seller, want %d", tr.TxHash, transferAmount(tr), clusterPrice)
-			}
 			if _, dup := l.byTx[strings.ToLower(tr.TxHash.Hex())]; dup {
 				c.t.Errorf("transaction %s moved tokens to the seller twice", tr.TxHash)
 			}
@@ -715,6 +784,7 @@ func (c *cluster) checkAccounts(payments []*clusterPayment, before balances, fro
 	ledger := c.chainLedger(fromBlock)
 	paid := 0
 	paidBy := make([]int, len(c.payers))
+	owed, owedBy := new(big.Int), make([]int64, len(c.payers))
 	txs := map[string]*clusterPayment{}
 	var notOne, notOnChain []string
 	for _, p := range payments {
@@ -730,11 +800,16 @@ func (c *cluster) checkAccounts(payments []*clusterPayment, before balances, fro
 			c.t.Errorf("payments #%d and #%d were answered with the same settlement transaction %s", other.n, p.n, p.tx)
 		}
 		txs[p.tx] = p
+		owed.Add(owed, big.NewInt(p.price))
+		owedBy[p.payer] += p.price
 		tr, ok := ledger.byTx[p.tx]
-		if !ok {
+		switch {
+		case !ok:
 			notOnChain = append(notOnChain, p.String())
-		} else if from := common.BytesToAddress(tr.Topics[1].Bytes()); from != crypto.PubkeyToAddress(c.payers[p.payer].PublicKey) {
-			c.t.Errorf("payment #%d of payer %d was settled by %s, a transfer from %s", p.n, p.payer, p.tx, from)
+		case common.BytesToAddress(tr.Topics[1].Bytes()) != crypto.PubkeyToAddress(c.payers[p.payer].PublicKey):
+			c.t.Errorf("payment #%d of payer %d was settled by %s, a transfer from %s", p.n, p.payer, p.tx, common.BytesToAddress(tr.Topics[1].Bytes()))
+		case transferAmount(tr).Cmp(big.NewInt(p.price)) != 0:
+			c.t.Errorf("payment #%d was settled by %s, a transfer of %s to the seller; it pays %d", p.n, p.tx, transferAmount(tr), p.price)
 		}
 	}
 	for h := range ledger.byTx {
@@ -745,15 +820,14 @@ func (c *cluster) checkAccounts(payments []*clusterPayment, before balances, fro
 	listFirst(c.t, "payments were not answered 200 exactly once", notOne, len(payments))
 	listFirst(c.t, "payments were answered 200 with a transaction that moved nothing to the seller on chain", notOnChain, len(payments))
 
-	owed := new(big.Int).Mul(big.NewInt(clusterPrice), big.NewInt(int64(paid)))
 	if got := delta(before.seller, after.seller); got.Cmp(owed) != 0 {
-		c.t.Errorf("the seller received %s, want exactly %s: %d payments answered 200 at %d each", got, owed, paid, clusterPrice)
+		c.t.Errorf("the seller received %s, want exactly %s: what the %d payments answered 200 pay", got, owed, paid)
 	}
 	if len(ledger.transfers) != paid {
 		c.t.Errorf("%d transfers to the seller on chain, want %d: one per payment answered 200", len(ledger.transfers), paid)
 	}
 	for i := range c.payers {
-		want := big.NewInt(int64(-clusterPrice * paidBy[i]))
+		want := big.NewInt(-owedBy[i])
 		if got := delta(before.payers[i], after.payers[i]); got.Cmp(want) != 0 {
 			c.t.Errorf("payer %d's balance moved by %s, want %s: %d payments of it answered 200", i, got, want, paidBy[i])
 		}
@@ -1110,7 +1184,7 @@ func sumCounts(m map[common.Address]int) int {
 // one 200, the seller's balance moved by exactly 200s x the price, each payer's by its own; the three gateways
 // share the wallets again afterwards; and, once drained, no journal record is left pending.
 func TestClusterPostgreSQLRestartMidLoadLosesAndDoublesNothing(t *testing.T) {
-	postgresOutageMidLoad(t, 3*time.Second)
+	postgresOutageMidLoad(t, clusterSetup{payers: 6}, 3*time.Second)
 }
 
 // TestClusterPostgreSQLDownLongerThanTheHeartbeatLosesAndDoublesNothing is the same with the database down for
@@ -1118,12 +1192,12 @@ func TestClusterPostgreSQLRestartMidLoadLosesAndDoublesNothing(t *testing.T) {
 // each may look dead to the others, which take over its in-flight marks and settlement claims while it still
 // works on them. Nothing may be lost or doubled all the same.
 func TestClusterPostgreSQLDownLongerThanTheHeartbeatLosesAndDoublesNothing(t *testing.T) {
-	postgresOutageMidLoad(t, 12*time.Second)
+	postgresOutageMidLoad(t, clusterSetup{payers: 6}, 12*time.Second)
 }
 
-// postgresOutageMidLoad is the two tests above, with the database down for outage.
-func postgresOutageMidLoad(t *testing.T, outage time.Duration) {
-	c := startCluster(t, 6)
+// postgresOutageMidLoad is the two tests above, on a cluster set up as s says, with the database down for outage.
+func postgresOutageMidLoad(t *testing.T, s clusterSetup, outage time.Duration) {
+	c := startClusterWith(t, s)
 	const n, workers, stopAfter = 300, 12, 80
 	payments := c.signMany(n)
 	before, firstBlock := c.balances(), c.dev.head()

@@ -111,7 +111,7 @@ type invRun struct {
 	payments []*invPayment
 	actions  []*invAction
 	kills    []invEvent // SIGKILLs of gateways
-	outages  []invEvent // PostgreSQL down
+	outages  []invEvent // PostgreSQL down, or the way to it hung
 	reloads  []invEvent // the gateways ran other prices
 	counts   map[string]int
 }
@@ -703,6 +703,7 @@ var invFaultKinds = []invFaultKind{
 	{"RPC answers lost", weight(1), func(r *invRun, rng *rand.Rand, a *invAction) { r.rpcFault(rng, a, rpcLose) }},
 	{"RPC refuses transactions", weight(2), func(r *invRun, rng *rand.Rand, a *invAction) { r.rpcFault(rng, a, rpcRefuse) }},
 	{"PostgreSQL stopped, then started", clusterOnly(3), (*invRun).stopPostgres},
+	{"PostgreSQL hangs", clusterOnly(2), (*invRun).hangPostgres},
 	{"SIGKILL a remote facilitator, then start it again", weight(2), (*invRun).killFacilitator},
 }
 
@@ -767,6 +768,33 @@ func (r *invRun) stopPostgres(rng *rand.Rand, a *invAction) {
 	r.outages = append(r.outages, invEvent{gate: -1, from: from, to: time.Now()})
 	r.mu.Unlock()
 	a.say("down for %v", hold)
+}
+
+// hangPostgres makes the way to PostgreSQL hang, the gateways' proxies accepting and forwarding nothing: half the
+// time every gateway's, half the time one gateway's (which then looks gone to the others while it works on).
+// Mostly short, sometimes past the instances' heartbeat TTL (10 s).
+func (r *invRun) hangPostgres(rng *rand.Rand, a *invAction) {
+	hold := time.Duration(500+rng.IntN(3500)) * time.Millisecond
+	if rng.IntN(4) == 0 {
+		hold = time.Duration(8000+rng.IntN(5000)) * time.Millisecond
+	}
+	hung, which := r.w.pgProxies, "every gateway's"
+	if rng.IntN(2) == 0 {
+		n := rng.IntN(len(hung))
+		hung, which = hung[n:n+1], fmt.Sprintf("gateway %d's", n)
+	}
+	from := time.Now()
+	for _, p := range hung {
+		p.hang()
+	}
+	time.Sleep(hold)
+	for _, p := range hung {
+		p.resumeForwarding()
+	}
+	r.mu.Lock()
+	r.outages = append(r.outages, invEvent{gate: -1, from: from, to: time.Now()})
+	r.mu.Unlock()
+	a.say("%s way to it hung for %v", which, hold)
 }
 
 func (r *invRun) killFacilitator(rng *rand.Rand, a *invAction) {

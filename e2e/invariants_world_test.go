@@ -211,6 +211,9 @@ type invWorld struct {
 
 	pg  *pgtest.Server
 	dsn string // never logged
+	// pgProxies are the TCP proxies each gateway of the cluster reaches PostgreSQL through (by gateway), which
+	// the fault "PostgreSQL hangs" makes hang.
+	pgProxies []*pgProxy
 
 	facilitators []*invProc
 	gateways     []*invProc
@@ -332,7 +335,11 @@ func startWorld(t *testing.T, topo invTopology) *invWorld {
 			url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t)), admin: fmt.Sprintf("127.0.0.1:%d", freePort(t))}
 		g.file, g.ready = filepath.Join(w.dir, fmt.Sprintf("gateway%d.Caddyfile", i)), g.url+w.routes[0].paths[0]
 		journal := w.dsn
-		if !topo.postgres {
+		if topo.postgres {
+			proxy := startPgProxy(t, w.dsn)
+			w.pgProxies = append(w.pgProxies, proxy)
+			journal = proxy.dsn
+		} else {
 			g.journal = filepath.Join(w.dir, fmt.Sprintf("gateway%d.db", i))
 			journal = g.journal
 		}

@@ -2,12 +2,19 @@ package facilitatorserver
 
 import (
 	"container/list"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"math"
 	"net/http"
 	"net/netip"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -15,7 +22,8 @@ import (
 // RateLimit caps how often /settle is called, per client IP and per payer, so that nobody can make a facilitator
 // send settlement after settlement (each paying gas) as fast as they can sign them. A call over a limit is
 // answered 429 with Retry-After and never reaches the facilitator behind. Limits are per minute, as token
-// buckets: up to the limit at once, then one more each 60s/limit. They are kept in memory by the Server.
+// buckets: up to the limit at once, then one more each 60s/limit. They are kept in memory by the Server, or in
+// Options.SharedCounts when several servers enforce them together.
 type RateLimit struct {
 	// PerIP is the number of /settle calls a client may make per minute; 0: no limit. Every call counts,
 	// malformed or refused ones too; calls refused for their API key or method do not. A client is an IPv4
@@ -108,18 +116,51 @@ func (l *clientLimit) refund(ip string) {
 	l.buckets.refund(key)
 }
 
+// SharedCounts keeps token buckets where several servers take from them at once, so that a cluster of servers
+// enforces one /settle rate limit rather than one per server (the journal's PostgreSQL store is one). Buckets
+// are named by key and hold perMinute tokens at most, refilled at perMinute a minute, as the in-memory ones.
+type SharedCounts interface {
+	// TakeToken takes a token of key's bucket; without one it takes nothing and says how long until the next.
+	// An error takes nothing.
+	TakeToken(ctx context.Context, key string, perMinute int) (ok bool, wait time.Duration, err error)
+	// GiveToken gives key's bucket back a token TakeToken took.
+	GiveToken(ctx context.Context, key string, perMinute int) error
+}
+
+// When the shared counts do not answer within sharedTakeTimeout (the database slow or down), the limits count
+// in memory for sharedDownFor before they ask again. Chosen over refusing (a database outage would then refuse
+// every payer, for a limit whose only purpose is to stop abuse) and over letting calls through uncounted (an
+// attacker who can slow the database would lift the limit): meanwhile each server enforces the limit on its own,
+// so a cluster of N allows at most N times it, and says so in its log. Asking again only after a while keeps a
+// slow database from adding its delay to every /settle and from being asked more while it struggles.
+const (
+	sharedTakeTimeout = time.Second
+	sharedDownFor     = 5 * time.Second
+	// sharedWarnEvery bounds how often counting in memory is logged.
+	sharedWarnEvery = 10 * time.Second
+)
+
 // settleLimiter enforces a RateLimit.
 type settleLimiter struct {
 	ip    *clientLimit // nil: no limit per client
 	payer *rateBuckets // nil: no limit per payer
+
+	shared    func() SharedCounts // nil, or nil returned: in memory only
+	logger    *zap.Logger
+	now       func() time.Time
+	downUntil atomic.Int64 // unix nanoseconds until which the shared counts are not asked
+	warned    atomic.Int64 // unix nanoseconds of the last warning
 }
 
 // newSettleLimiter returns the limiter of l, or nil when l limits nothing.
-func newSettleLimiter(l RateLimit, now func() time.Time) *settleLimiter {
+func newSettleLimiter(l RateLimit, shared func() SharedCounts, logger *zap.Logger, now func() time.Time) *settleLimiter {
 	if l.PerIP == 0 && l.PerPayer == 0 {
 		return nil
 	}
-	s := &settleLimiter{ip: newClientLimit(l.PerIP, l.IPv6Prefix, now)}
+	if now == nil {
+		now = time.Now
+	}
+	s := &settleLimiter{ip: newClientLimit(l.PerIP, l.IPv6Prefix, now), shared: shared, logger: logger, now: now}
 	if l.PerPayer > 0 {
 		s.payer = newRateBuckets(l.PerPayer, rateBucketsMax, now)
 	}
@@ -127,33 +168,88 @@ func newSettleLimiter(l RateLimit, now func() time.Time) *settleLimiter {
 }
 
 // takeIP counts a /settle call of the client IP; a refusal is the 429 to answer.
-func (s *settleLimiter) takeIP(ip string) (reply, bool) {
+func (s *settleLimiter) takeIP(ctx context.Context, ip string) (reply, bool) {
 	if s == nil || s.ip == nil {
 		return reply{}, true
 	}
-	if ok, who, wait := s.ip.take(ip); !ok {
+	key, who := s.ip.client(ip)
+	if ok, wait, _ := s.take(ctx, "settle_rate_limit per_ip", s.ip.buckets, key); !ok {
 		return tooManySettlements(wait, "%s has made more than %d /settle calls in the last minute (settle_rate_limit per_ip)", who, s.ip.buckets.perMinute)
 	}
 	return reply{}, true
 }
 
 // takePayer counts a settlement of payer ("" when the payload names none: not limited here, and refused behind).
-func (s *settleLimiter) takePayer(payer string) (reply, bool) {
+// shared says where the count was taken, for refundPayer.
+func (s *settleLimiter) takePayer(ctx context.Context, payer string) (res reply, ok, shared bool) {
 	if s == nil || s.payer == nil || payer == "" {
-		return reply{}, true
+		return reply{}, true, false
 	}
-	if ok, wait := s.payer.take(payer); !ok {
-		return tooManySettlements(wait, "payer %s has had more than %d settlements in the last minute (settle_rate_limit per_payer)", payer, s.payer.perMinute)
+	ok, wait, shared := s.take(ctx, "settle_rate_limit per_payer", s.payer, payer)
+	if !ok {
+		res, _ = tooManySettlements(wait, "payer %s has had more than %d settlements in the last minute (settle_rate_limit per_payer)", payer, s.payer.perMinute)
 	}
-	return reply{}, true
+	return res, ok, shared
 }
 
-// refundPayer gives back the count of a settlement that sent nothing.
-func (s *settleLimiter) refundPayer(payer string) {
+// refundPayer gives back the count of a settlement that sent nothing, where takePayer took it.
+func (s *settleLimiter) refundPayer(ctx context.Context, payer string, shared bool) {
 	if s == nil || s.payer == nil || payer == "" {
 		return
 	}
-	s.payer.refund(payer)
+	if !shared {
+		s.payer.refund(payer)
+		return
+	}
+	if sc := s.sharedCounts(); sc != nil {
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), sharedTakeTimeout)
+		defer cancel()
+		if err := sc.GiveToken(ctx, s.sharedKey("settle_rate_limit per_payer", s.payer, payer), s.payer.perMinute); err != nil {
+			// The payer keeps the count of a call that sent nothing, until its bucket refills.
+			s.logger.Debug("giving back a payer's settlement count failed", zap.Error(err))
+		}
+	}
+}
+
+// take takes a token of key in the limit called limit: from the shared counts when there are some and they
+// answer, else from local; shared says which.
+func (s *settleLimiter) take(ctx context.Context, limit string, local *rateBuckets, key string) (ok bool, wait time.Duration, shared bool) {
+	if sc := s.sharedCounts(); sc != nil {
+		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), sharedTakeTimeout)
+		ok, wait, err := sc.TakeToken(tctx, s.sharedKey(limit, local, key), local.perMinute)
+		cancel()
+		if err == nil {
+			return ok, wait, true
+		}
+		now := s.now()
+		s.downUntil.Store(now.Add(sharedDownFor).UnixNano())
+		if last := s.warned.Load(); now.UnixNano()-last >= int64(sharedWarnEvery) && s.warned.CompareAndSwap(last, now.UnixNano()) {
+			s.logger.Warn("the settle rate limits shared by the cluster did not answer: each instance counts in memory meanwhile, "+
+				"so that the cluster allows up to the limit once per instance", zap.String("limit", limit), zap.Error(err))
+		}
+	}
+	ok, wait = local.take(key)
+	return ok, wait, false
+}
+
+// sharedCounts is where the limits count now: the shared counts, unless there are none or they were down lately.
+func (s *settleLimiter) sharedCounts() SharedCounts {
+	if s.shared == nil || s.now().UnixNano() < s.downUntil.Load() {
+		return nil
+	}
+	return s.shared()
+}
+
+// sharedKey names key's bucket in the shared counts: the limit and its rate too, so that servers configured with
+// different rates (a reload that changes it) do not share a bucket. A key that is long or not printable ASCII (what
+// a ClientIP of the embedder's may return) is named by its hash: the database would refuse some such keys, and a
+// refusal would send every limit to memory for a while.
+func (s *settleLimiter) sharedKey(limit string, local *rateBuckets, key string) string {
+	if len(key) > 100 || strings.ContainsFunc(key, func(r rune) bool { return r < ' ' || r > '~' }) {
+		sum := sha256.Sum256([]byte(key))
+		key = "sha256:" + hex.EncodeToString(sum[:])
+	}
+	return fmt.Sprintf("%s %d/min %s", limit, local.perMinute, key)
 }
 
 // tooManySettlements is the 429 answer of /settle: what was exceeded, and when to come back. Its body is an

@@ -1,11 +1,16 @@
 package facilitatorserver
 
 import (
+	"context"
+	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"go.uber.org/zap"
 )
 
 // fakeClock is a clock a test moves by hand.
@@ -179,5 +184,65 @@ func TestRateBucketsCountExactlyUnderConcurrency(t *testing.T) {
 	wg.Wait()
 	if n := allowed.Load(); n != 50 {
 		t.Fatalf("%d of 800 concurrent calls allowed, want 50", n)
+	}
+}
+
+// hangingCounts are shared counts that never answer: a database that hangs.
+type hangingCounts struct{ asked atomic.Int32 }
+
+func (h *hangingCounts) TakeToken(ctx context.Context, _ string, _ int) (bool, time.Duration, error) {
+	h.asked.Add(1)
+	<-ctx.Done()
+	return false, 0, ctx.Err()
+}
+
+func (h *hangingCounts) GiveToken(ctx context.Context, _ string, _ int) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// Shared counts that hang cost a call at most sharedTakeTimeout, after which the limit counts in memory, and are
+// not asked again for sharedDownFor: a slow database neither refuses every call, nor lifts the limit, nor adds its
+// delay to every call.
+func TestSharedCountsThatHangAreGivenUpAndTheLimitHoldsInMemory(t *testing.T) {
+	clock := &fakeClock{t: time.Now()}
+	hang := &hangingCounts{}
+	l := newSettleLimiter(RateLimit{PerIP: 2}, func() SharedCounts { return hang }, zap.NewNop(), clock.now)
+	start := time.Now()
+	if _, ok := l.takeIP(context.Background(), "198.51.100.1"); !ok {
+		t.Fatal("the first call was refused while the shared counts hang; want it counted in memory")
+	}
+	if took := time.Since(start); took < sharedTakeTimeout || took > sharedTakeTimeout+time.Second {
+		t.Fatalf("the first call took %v; want the shared counts given up after %v", took, sharedTakeTimeout)
+	}
+	start = time.Now()
+	if _, ok := l.takeIP(context.Background(), "198.51.100.1"); !ok {
+		t.Fatal("the second call was refused; want the limit's 2")
+	}
+	if res, ok := l.takeIP(context.Background(), "198.51.100.1"); ok || res.status != http.StatusTooManyRequests || res.retryAfter < 1 {
+		t.Fatalf("the third call = %v, %+v; want 429 with Retry-After: the limit holds in memory", ok, res)
+	}
+	if took, n := time.Since(start), hang.asked.Load(); took > 100*time.Millisecond || n != 1 {
+		t.Fatalf("the calls after the first took %v and asked the shared counts %d times in all; want them not asked again within %v",
+			took, n, sharedDownFor)
+	}
+	clock.advance(sharedDownFor)
+	l.takeIP(context.Background(), "198.51.100.2")
+	if n := hang.asked.Load(); n != 2 {
+		t.Fatalf("the shared counts were asked %d times after %v; want asked again", n, sharedDownFor)
+	}
+}
+
+// A key the database might refuse (long, or not printable ASCII) is named by its hash in the shared counts.
+func TestSharedKeysAreHashedWhenLongOrNotPrintable(t *testing.T) {
+	l := newSettleLimiter(RateLimit{PerIP: 2}, nil, zap.NewNop(), nil)
+	if k := l.sharedKey("settle_rate_limit per_ip", l.ip.buckets, "203.0.113.7"); k != "settle_rate_limit per_ip 2/min 203.0.113.7" {
+		t.Errorf("sharedKey of an IP = %q", k)
+	}
+	for _, key := range []string{strings.Repeat("a", 101), "a\x00b", "\xff"} {
+		k := l.sharedKey("settle_rate_limit per_ip", l.ip.buckets, key)
+		if !strings.HasPrefix(k, "settle_rate_limit per_ip 2/min sha256:") || len(k) != len("settle_rate_limit per_ip 2/min sha256:")+64 {
+			t.Errorf("sharedKey(%q) = %q; want its hash", key, k)
+		}
 	}
 }

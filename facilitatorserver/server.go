@@ -54,8 +54,13 @@ type Options struct {
 	Terms Terms
 	// SettleRateLimit caps the /settle calls per client IP and per payer.
 	SettleRateLimit RateLimit
-	// VerifyRateLimit caps the /verify calls per client IP that the facilitator behind refuses or fails.
+	// VerifyRateLimit caps the /verify calls per client IP that the facilitator behind refuses or fails. It is
+	// counted in memory, by each server on its own.
 	VerifyRateLimit VerifyRateLimit
+	// SharedCounts, when set, returns where the SettleRateLimit counts, shared with the other servers of a
+	// cluster, or nil while there is no such place (yet): then, and while it does not answer, the server counts
+	// in memory.
+	SharedCounts func() SharedCounts
 	// ClientIP names the client of a request for the PerIP limits; nil: the host of r.RemoteAddr. A server
 	// behind proxies it trusts says here which client they name.
 	ClientIP func(r *http.Request) string
@@ -147,7 +152,6 @@ func New(f x402.Facilitator, o Options) (*Server, error) {
 	if err := checkIPv6Prefix("facilitatorserver: the verify rate limit's IPv6 prefix", o.VerifyRateLimit.IPv6Prefix); err != nil {
 		return nil, err
 	}
-	s.limiter = newSettleLimiter(o.SettleRateLimit, nil)
 	s.verifies = newClientLimit(o.VerifyRateLimit.PerIP, o.VerifyRateLimit.IPv6Prefix, nil)
 	if len(o.Kinds) > 0 {
 		s.kinds = map[string]bool{}
@@ -164,6 +168,7 @@ func New(f x402.Facilitator, o Options) (*Server, error) {
 	if s.logger == nil {
 		s.logger = zap.NewNop()
 	}
+	s.limiter = newSettleLimiter(o.SettleRateLimit, o.SharedCounts, s.logger, nil)
 	if s.metrics == nil {
 		s.metrics = noMetrics{}
 	}
@@ -310,7 +315,7 @@ func (s *Server) servePayment(r *http.Request, endpoint string) reply {
 	settle := endpoint == EndpointSettle
 	if settle {
 		ip := s.clientIP(r)
-		if res, ok := s.limiter.takeIP(ip); !ok {
+		if res, ok := s.limiter.takeIP(r.Context(), ip); !ok {
 			s.logger.Debug("settlement refused: client IP over its rate limit", zap.String("client_ip", ip))
 			return res
 		}
@@ -341,13 +346,14 @@ func (s *Server) servePayment(r *http.Request, endpoint string) reply {
 		return s.answerPayment(r, req, v1, endpoint)
 	}
 	payer := x402.ClaimedPayer(req)
-	if res, ok := s.limiter.takePayer(payer); !ok {
+	res, ok, shared := s.limiter.takePayer(r.Context(), payer)
+	if !ok {
 		s.logger.Debug("settlement refused: payer over its rate limit", zap.String("payer", payer))
 		return res
 	}
-	res := s.answerPayment(r, req, v1, endpoint)
+	res = s.answerPayment(r, req, v1, endpoint)
 	if sr, ok := res.body.(x402.SettleResponse); ok && sr.Transaction == "" {
-		s.limiter.refundPayer(payer)
+		s.limiter.refundPayer(r.Context(), payer, shared)
 	}
 	return res
 }

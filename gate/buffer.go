@@ -49,6 +49,8 @@ type heldResponse struct {
 	// raw: the upstream took the connection before it wrote a status, to answer on the connection itself.
 	raw     bool
 	sendErr error // the first failure sending to the client, or reading what to send
+	// lost, when set, says why no more of a streaming response may be written (see exchange.holdLost).
+	lost func() error
 }
 
 // errGateAnswered stops an upstream whose response the gate will not send: it answered the request itself.
@@ -84,6 +86,9 @@ func (h *heldResponse) Write(p []byte) (int, error) {
 	}
 	switch {
 	case h.streaming:
+		if err := h.stillHeld(); err != nil {
+			return 0, err
+		}
 		n, err := h.responseWriterWrapper.Write(p)
 		h.sendFailed(err)
 		return n, err
@@ -117,9 +122,24 @@ func (h *heldResponse) ReadFrom(r io.Reader) (int64, error) {
 			}
 		}
 	}
+	if h.lost != nil {
+		// Piece by piece through Write, which looks at the hold before each (no sendfile).
+		m, err := io.Copy(struct{ io.Writer }{h}, r)
+		return n + m, err
+	}
 	m, err := h.responseWriterWrapper.ReadFrom(r)
 	h.sendFailed(err)
 	return n + m, err
+}
+
+// stillHeld returns why no more of the response may be written, and keeps it as the send's failure.
+func (h *heldResponse) stillHeld() error {
+	if h.lost == nil {
+		return nil
+	}
+	err := h.lost()
+	h.sendFailed(err)
+	return err
 }
 
 // Status returns the status the upstream wrote, if any.

@@ -417,6 +417,93 @@ func TestAGatewayThatMayHaveLookedDeadServesNothingAndThePaymentIsServedOnceWhen
 	}
 }
 
+// TestAStreamWhoseGatewayMayHaveLookedDeadIsCutShortAndServedOnceWhenPresentedAgain: a paid-for response larger
+// than max_buffer streams, and midway the shared journal's database is out of reach for most of the heartbeat's
+// TTL, so that another gateway may have taken the payment's in-flight mark over and be serving it too. The rest of
+// the stream is not sent: the response is cut short (the client cannot take it for whole), and the payment,
+// presented again, is served once, whole, and then never again; it settles once.
+func TestAStreamWhoseGatewayMayHaveLookedDeadIsCutShortAndServedOnceWhenPresentedAgain(t *testing.T) {
+	for _, settle := range []string{gate.SettleAfter, gate.SettleAsync} {
+		t.Run(settle, func(t *testing.T) {
+			srv := pgtest.Start(t)
+			const ttl = 3 * time.Second
+			st, err := journal.OpenPostgres(context.Background(), srv.DSN(), journal.Options{InstanceTTL: ttl, OpenTimeout: time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { st.Close() })
+			part := strings.Repeat("s", 4<<10)
+			streaming, proceed := make(chan struct{}, 1), make(chan struct{})
+			var first sync.Once
+			e := newEnv(t, setup{settle: settle, journal: st, config: func(cfg *gate.Config) { cfg.MaxBuffer = 1 << 10 },
+				upstream: gate.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+					if _, err := io.WriteString(w, part); err != nil {
+						return err
+					}
+					http.NewResponseController(w).Flush()
+					first.Do(func() {
+						streaming <- struct{}{}
+						<-proceed
+					})
+					_, err := io.WriteString(w, part)
+					return err
+				})})
+			payer := e.c.Payers[0]
+			h := e.permit2(payer)
+			before := e.balances(payer)
+
+			req, err := http.NewRequest(http.MethodGet, e.srv.URL+"/report", nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Header.Set(x402.HeaderPaymentSignature, h)
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				t.Fatalf("the paid stream = %d; want 200", resp.StatusCode)
+			}
+			<-streaming
+			// The database goes for longer than the heartbeat can vouch for this gateway, and comes back.
+			srv.Stop(t)
+			time.Sleep(ttl)
+			srv.Restart(t)
+			close(proceed)
+			body, err := io.ReadAll(resp.Body)
+			if err == nil || len(body) >= 2*len(part) {
+				t.Fatalf("the stream whose gateway may have looked dead delivered %d bytes of %d (read error %v); want it cut short", len(body), 2*len(part), err)
+			}
+
+			// Presented again, as a client whose response was cut short does, until the gateway's heartbeat has
+			// caught up (502 meanwhile, serving nothing).
+			again, retryUntil := answer{}, time.Now().Add(ttl)
+			for again = e.get(x402.HeaderPaymentSignature, h); again.status == http.StatusBadGateway && time.Now().Before(retryUntil); {
+				time.Sleep(50 * time.Millisecond)
+				again = e.get(x402.HeaderPaymentSignature, h)
+			}
+			if again.status != http.StatusOK || again.body != part+part {
+				t.Fatalf("presented again = %d, %d bytes; want 200 and the whole response the payment bought", again.status, len(again.body))
+			}
+			if third := e.get(x402.HeaderPaymentSignature, h); third.status != http.StatusPaymentRequired {
+				t.Fatalf("presented a third time = %d %q; want 402: it bought one response", third.status, third.body)
+			}
+			deadline := time.Now().Add(30 * time.Second)
+			for {
+				lost, gained := e.paid(payer, before)
+				if lost.Int64() == price && gained.Int64() == price {
+					break
+				}
+				if time.Now().After(deadline) || lost.Int64() > price {
+					t.Fatalf("the payer lost %s and the seller gained %s; want %d once", lost, gained, price)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+		})
+	}
+}
+
 // TestAServedAsyncPaymentIsSettledByTheHolderOfTheWalletItIsBoundTo: three instances share three wallets, one
 // each: C and B run settle async upto gates, A only the engine so far. C serves an upto payment (bound to C's
 // wallet) and goes before it settles. The living share the wallets anew, A (first by its token) taking two, C's

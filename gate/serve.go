@@ -804,6 +804,9 @@ func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 	buf.Reset()
 	up = &upstream{buf: buf}
 	up.rec = newHeldResponse(x.w, buf, x.g.cfg.MaxBuffer, x.r.Method == http.MethodConnect, func() error { return serve(up) })
+	if _, shared := x.g.ledger.store.(journal.Cluster); shared {
+		up.rec.lost = x.holdLost
+	}
 	returned := false
 	defer func() {
 		if returned {
@@ -842,9 +845,32 @@ func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 				break
 			}
 		}
+		if err := up.rec.stillHeld(); err != nil {
+			x.streamBroke(up, err.Error())
+			break
+		}
 		x.markServed(x.streamed.settled)
 	}
+	if errors.Is(up.rec.sendErr, errHoldLost) && !up.rec.hijacked {
+		// Ended cleanly, the client would take what it got for the whole response: the connection is cut instead.
+		panic(http.ErrAbortHandler)
+	}
 	return up
+}
+
+// errHoldLost stops a paid-for response streaming at a gateway that may have looked dead to the others sharing
+// its journal: one of them may have taken over the payment's in-flight mark and be serving it too. Cut short, it
+// delivered nothing; the payment presented again gets its one response.
+var errHoldLost = errors.New("this gateway may have looked dead to the others sharing its journal while the response streamed; cut short, " +
+	"presenting the payment again serves it")
+
+// holdLost is heldResponse.lost for a gate whose journal other processes share: a paid-for response stops
+// streaming once the request may have lost its in-flight mark (Ledger.holds).
+func (x *exchange) holdLost() error {
+	if x.streamed != nil && !x.g.ledger.holds(x.id) {
+		return errHoldLost
+	}
+	return nil
 }
 
 // streamedPayment is what deliver leaves for the end of a streamed response: the settlement to record with it.

@@ -7,7 +7,8 @@
 // default (a single bbolt file, fsynced on every commit, with group commit so concurrent writers share fsyncs),
 // NewMemory keeps the same semantics in memory for tests and for a dev chain, and OpenPostgres keeps them in a
 // PostgreSQL database that several processes share, adding what they must agree on (Cluster: live instances,
-// busy marks, fenced wallet leases, holds against a payer's funds).
+// busy marks, fenced wallet leases, holds against a payer's funds), directly or through a connection pooler in
+// transaction mode (postgres_pooler.go): it keeps no state in a database session between transactions.
 //
 // It must never import package chain, talk to a node, or know anything of HTTP or Caddy: it stores what it is
 // told, atomically, and refuses transitions that would lose a broadcast transaction.

@@ -53,6 +53,7 @@ type PostgresStore struct {
 	ttl      time.Duration
 	instance string
 	secret   string // the DSN's password, kept out of every error
+	pooled   bool   // through a connection pooler: see postgres_pooler.go
 
 	closed    atomic.Bool
 	closeOnce sync.Once
@@ -62,6 +63,8 @@ type PostgresStore struct {
 	lifeMu    sync.Mutex
 	beatSent  time.Time // when the last heartbeat that the database took was sent
 	lifeCount uint64    // Continuity
+
+	pruneRates sync.Once // starts pruneRateBuckets at the first TakeToken
 }
 
 // OpenPostgres connects to the PostgreSQL database dsn names (a URL, postgres://user:password@host:port/db, or
@@ -110,6 +113,9 @@ func OpenPostgres(ctx context.Context, dsn string, opts Options) (*PostgresStore
 		// pgx's default, four connections on a small machine, would queue a busy gateway's requests behind
 		// each other; each connection costs the server a process, so the default stays modest.
 		cfg.MaxConns = defaultMaxConns
+	}
+	if s.pooled, err = choosePgExecMode(ctx, dsn, cfg); err != nil {
+		return nil, s.openErr(err)
 	}
 	if s.pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
 		return nil, s.openErr(err)

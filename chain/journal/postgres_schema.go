@@ -78,6 +78,17 @@ CREATE INDEX IF NOT EXISTS x402_holds_key ON x402_holds (hold_key);
 	`
 ALTER TABLE x402_holds ADD COLUMN IF NOT EXISTS served boolean NOT NULL DEFAULT false;
 `,
+	// 3: the rate limits the instances of a cluster enforce together (TakeToken): a token bucket per key.
+	`
+-- tokens is what the bucket held at time at, by the database's clock; a bucket untouched for a minute is full,
+-- the same as no row, and is pruned.
+CREATE TABLE IF NOT EXISTS x402_rate_buckets (
+	key    text             PRIMARY KEY,
+	tokens double precision NOT NULL,
+	at     timestamptz      NOT NULL
+);
+CREATE INDEX IF NOT EXISTS x402_rate_buckets_at ON x402_rate_buckets (at);
+`,
 }
 
 // ErrSchemaTooNew: OpenPostgres found a database migrated by a newer release than this one, whose schema this

@@ -680,8 +680,13 @@ func pgQuery(t testing.TB, dsn, sql string, scan func(pgx.Rows) error) {
 // with ErrUnavailable, and a caller that repeats what failed ends with every payment claimed once, by itself.
 func TestPostgresRestartMidLoad(t *testing.T) {
 	srv := pgtest.Start(t)
+	restartMidLoad(t, srv, srv.DSN())
+}
+
+// restartMidLoad is TestPostgresRestartMidLoad with the store opened on dsn, which reaches srv.
+func restartMidLoad(t *testing.T, srv *pgtest.Server, dsn string) {
 	ctx := context.Background()
-	s := openPostgres(t, srv.DSN(), Options{OpenTimeout: time.Second})
+	s := openPostgres(t, dsn, Options{OpenTimeout: time.Second})
 	const workers, each = 4, 150
 	var unavailable, done atomic.Int64
 	var wg sync.WaitGroup

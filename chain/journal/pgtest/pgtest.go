@@ -215,16 +215,8 @@ func start() (*Server, error) {
 		return nil, err
 	}
 	s := &Server{bin: bin}
-	if os.Geteuid() == 0 {
-		// initdb and postgres refuse to run as root.
-		u, err := user.Lookup("postgres")
-		if err != nil {
-			return nil, fmt.Errorf("pgtest: running as root, the server must run as the postgres system user, and there is none (%v); "+
-				"the Debian package postgresql creates it", err)
-		}
-		uid, _ := strconv.ParseUint(u.Uid, 10, 32)
-		gid, _ := strconv.ParseUint(u.Gid, 10, 32)
-		s.cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+	if s.cred, err = serverCredential(); err != nil {
+		return nil, err
 	}
 	if s.base, err = os.MkdirTemp("", "pgtest-"); err != nil {
 		return nil, fmt.Errorf("pgtest: %w", err)
@@ -307,16 +299,36 @@ func (s *Server) halt(mode string) error {
 	return nil
 }
 
-// watchdog starts a shell, in its own session and as the server's user, that waits for this process to go and
-// then stops the server and removes its directory.
+// watchdog makes sure the server is stopped and its directory removed once this process is gone.
 func (s *Server) watchdog() error {
+	return watchdog(s.cred, fmt.Sprintf("%s -D %s -m immediate -w stop >/dev/null 2>&1\nrm -rf %s",
+		shellQuote(filepath.Join(s.bin, "pg_ctl")), shellQuote(s.data()), shellQuote(s.base)))
+}
+
+// serverCredential is the credential that servers started here run as: the postgres system user's when the
+// tests run as root (initdb, postgres and pgbouncer refuse to run as root), nil otherwise.
+func serverCredential() (*syscall.Credential, error) {
+	if os.Geteuid() != 0 {
+		return nil, nil
+	}
+	u, err := user.Lookup("postgres")
+	if err != nil {
+		return nil, fmt.Errorf("pgtest: running as root, the server must run as the postgres system user, and there is none (%v); "+
+			"the Debian package postgresql creates it", err)
+	}
+	uid, _ := strconv.ParseUint(u.Uid, 10, 32)
+	gid, _ := strconv.ParseUint(u.Gid, 10, 32)
+	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}, nil
+}
+
+// watchdog starts a shell, in its own session and as cred's user (nil: this process's), that waits for this
+// process to go and then runs script, which stops what a test started.
+func watchdog(cred *syscall.Credential, script string) error {
 	pid := os.Getpid()
-	script := fmt.Sprintf(`while [ -d /proc/%[1]d ] || kill -0 %[1]d 2>/dev/null; do sleep 1; done
-%[2]s -D %[3]s -m immediate -w stop >/dev/null 2>&1
-rm -rf %[4]s`, pid, shellQuote(filepath.Join(s.bin, "pg_ctl")), shellQuote(s.data()), shellQuote(s.base))
+	script = fmt.Sprintf("while [ -d /proc/%[1]d ] || kill -0 %[1]d 2>/dev/null; do sleep 1; done\n%[2]s", pid, script)
 	cmd := exec.Command("/bin/sh", "-c", script)
 	cmd.Dir = "/"
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Credential: s.cred}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Credential: cred}
 	// No stdin, stdout or stderr: go test waits for the pipes of its test binary to close.
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("pgtest: start the watchdog: %w", err)
