@@ -3,6 +3,7 @@ package journal
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -12,14 +13,26 @@ import (
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
+// throughEitherWay runs test against PostgreSQL directly and through PgBouncer in transaction mode, where the
+// statements of one pipelined batch (and a transaction's two) must reach the one server connection.
+// Each run has records (and leases) of its own: n is added to the numbers of its payments.
+func throughEitherWay(t *testing.T, test func(t *testing.T, dsn string, n int)) {
+	dsn := pgtest.Shared(t)
+	t.Run("direct", func(t *testing.T) { test(t, dsn, 0) })
+	t.Run("through PgBouncer", func(t *testing.T) { test(t, pgtest.StartPgBouncer(t, dsn).DSN(), 50) })
+}
+
 // TestPostgresUpdateKnownWritesInOneStatementOnlyWhatItKnows: UpdateKnown of the record a Claim returned writes the
 // change; of a record changed since (by another store), it judges the change against the record as stored (an
 // update function that refuses a served record refuses), and never unmarks, re-dates or moves a record backwards.
 func TestPostgresUpdateKnownWritesInOneStatementOnlyWhatItKnows(t *testing.T) {
-	dsn := pgtest.Shared(t)
+	throughEitherWay(t, testPostgresUpdateKnownWritesInOneStatementOnlyWhatItKnows)
+}
+
+func testPostgresUpdateKnownWritesInOneStatementOnlyWhatItKnows(t *testing.T, dsn string, n int) {
 	ctx := context.Background()
 	a, b := openPostgres(t, dsn, Options{}), openPostgres(t, dsn, Options{})
-	known, claimed, err := a.Claim(ctx, claimOf(9101))
+	known, claimed, err := a.Claim(ctx, claimOf(9101+n))
 	if err != nil || !claimed {
 		t.Fatalf("Claim = %v, %v", claimed, err)
 	}
@@ -44,7 +57,7 @@ func TestPostgresUpdateKnownWritesInOneStatementOnlyWhatItKnows(t *testing.T) {
 		t.Fatalf("UpdateKnown of a record served since wrote it again")
 	}
 	// A record another store changed: its change is not overwritten.
-	known2, _, _ := a.Claim(ctx, claimOf(9102))
+	known2, _, _ := a.Claim(ctx, claimOf(9102+n))
 	sent, err := b.Update(ctx, known2.ID, toBroadcast("0xabc"))
 	if err != nil {
 		t.Fatal(err)
@@ -62,10 +75,13 @@ func TestPostgresUpdateKnownWritesInOneStatementOnlyWhatItKnows(t *testing.T) {
 // TestPostgresMarkAndGetIsBusyAndGet: MarkAndGet marks a payment for one store of several at once, and only the
 // store that holds the mark reads the record.
 func TestPostgresMarkAndGetIsBusyAndGet(t *testing.T) {
-	dsn := pgtest.Shared(t)
+	throughEitherWay(t, testPostgresMarkAndGetIsBusyAndGet)
+}
+
+func testPostgresMarkAndGetIsBusyAndGet(t *testing.T, dsn string, n int) {
 	ctx := context.Background()
 	stores := []*PostgresStore{openPostgres(t, dsn, Options{}), openPostgres(t, dsn, Options{}), openPostgres(t, dsn, Options{})}
-	r := claimOf(9201)
+	r := claimOf(9201 + n)
 	if _, _, err := stores[0].Claim(ctx, r); err != nil {
 		t.Fatal(err)
 	}
@@ -90,7 +106,7 @@ func TestPostgresMarkAndGetIsBusyAndGet(t *testing.T) {
 	if n := marked.Load(); n != 1 {
 		t.Fatalf("%d stores hold the mark of one payment; want exactly one", n)
 	}
-	if mine, _, found, err := MarkAndGet(ctx, stores[0], claimOf(9202).ID); !mine || found || err != nil {
+	if mine, _, found, err := MarkAndGet(ctx, stores[0], claimOf(9202+n).ID); !mine || found || err != nil {
 		t.Fatalf("MarkAndGet of a payment with no record = %v, found %v, %v; want marked, not found", mine, found, err)
 	}
 }
@@ -99,10 +115,13 @@ func TestPostgresMarkAndGetIsBusyAndGet(t *testing.T) {
 // Update without the lease, write nothing and leave no transaction open (the store goes on working on all of its
 // connections).
 func TestPostgresATransactionInTwoBatchesWritesNothingWhenRefused(t *testing.T) {
-	dsn := pgtest.Shared(t)
+	throughEitherWay(t, testPostgresATransactionInTwoBatchesWritesNothingWhenRefused)
+}
+
+func testPostgresATransactionInTwoBatchesWritesNothingWhenRefused(t *testing.T, dsn string, n int) {
 	ctx := context.Background()
 	s := openPostgres(t, dsn, Options{})
-	r, _, err := s.Claim(ctx, claimOf(9301))
+	r, _, err := s.Claim(ctx, claimOf(9301+n))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -126,37 +145,41 @@ func TestPostgresATransactionInTwoBatchesWritesNothingWhenRefused(t *testing.T) 
 // record its caller knows, writes only while its instance holds the lease at the fence, unexpired (ErrFenced
 // otherwise, nothing written), and a record changed since is judged as stored, through UpdateFenced.
 func TestPostgresUpdateFencedKnownWritesOnlyUnderTheLeaseAtItsFence(t *testing.T) {
-	dsn := pgtest.Shared(t)
+	throughEitherWay(t, testPostgresUpdateFencedKnownWritesOnlyUnderTheLeaseAtItsFence)
+}
+
+func testPostgresUpdateFencedKnownWritesOnlyUnderTheLeaseAtItsFence(t *testing.T, dsn string, n int) {
 	ctx := context.Background()
 	a, b := openPostgres(t, dsn, Options{}), openPostgres(t, dsn, Options{})
-	known, _, err := a.Claim(ctx, claimOf(9401))
+	known, _, err := a.Claim(ctx, claimOf(9401+n))
 	if err != nil {
 		t.Fatal(err)
 	}
-	la, err := a.Lease(ctx, "wallet-k", 500*time.Millisecond)
+	lease := fmt.Sprintf("wallet-k%d", n)
+	la, err := a.Lease(ctx, lease, 500*time.Millisecond)
 	if err != nil || !la.Held {
 		t.Fatalf("Lease = %+v, %v", la, err)
 	}
 	bump := func(r *Record) error { r.Attempts++; return nil }
 	for name, try := range map[string]func() error{
-		"by the holder at an older fence":  func() error { _, err := UpdateFencedKnown(ctx, a, known, "wallet-k", la.Fence-1, bump); return err },
-		"by another instance at the fence": func() error { _, err := UpdateFencedKnown(ctx, b, known, "wallet-k", la.Fence, bump); return err },
-		"of a lease nobody ever took":      func() error { _, err := UpdateFencedKnown(ctx, a, known, "wallet-none", 1, bump); return err },
+		"by the holder at an older fence":  func() error { _, err := UpdateFencedKnown(ctx, a, known, lease, la.Fence-1, bump); return err },
+		"by another instance at the fence": func() error { _, err := UpdateFencedKnown(ctx, b, known, lease, la.Fence, bump); return err },
+		"of a lease nobody ever took":      func() error { _, err := UpdateFencedKnown(ctx, a, known, lease+"-none", 1, bump); return err },
 	} {
 		if err := try(); !errors.Is(err, ErrFenced) {
 			t.Errorf("UpdateFencedKnown %s = %v; want ErrFenced", name, err)
 		}
 	}
-	got, err := UpdateFencedKnown(ctx, a, known, "wallet-k", la.Fence, bump)
+	got, err := UpdateFencedKnown(ctx, a, known, lease, la.Fence, bump)
 	if err != nil || got.Attempts != 1 {
 		t.Fatalf("UpdateFencedKnown by the holder = %+v, %v; want one attempt", got, err)
 	}
 	// known is stale now (one attempt recorded): the write reads the record and adds to it.
-	if got, err = UpdateFencedKnown(ctx, a, known, "wallet-k", la.Fence, bump); err != nil || got.Attempts != 2 {
+	if got, err = UpdateFencedKnown(ctx, a, known, lease, la.Fence, bump); err != nil || got.Attempts != 2 {
 		t.Fatalf("UpdateFencedKnown of a record changed since = %+v, %v; want two attempts", got, err)
 	}
 	time.Sleep(700 * time.Millisecond) // the lease expires
-	if _, err := UpdateFencedKnown(ctx, a, got, "wallet-k", la.Fence, bump); !errors.Is(err, ErrFenced) {
+	if _, err := UpdateFencedKnown(ctx, a, got, lease, la.Fence, bump); !errors.Is(err, ErrFenced) {
 		t.Errorf("UpdateFencedKnown under an expired lease = %v; want ErrFenced", err)
 	}
 	if r, _, err := b.Get(ctx, known.ID); err != nil || r.Attempts != 2 {
