@@ -294,8 +294,9 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 				return nil, fmt.Errorf("network %s: taking settlement wallet leases: %w", id, err)
 			}
 		}
-		f.wg.Add(1)
+		f.wg.Add(2)
 		go f.leaseLoop()
+		go f.handoffLoop()
 	} else {
 		for _, id := range f.order {
 			f.networks[id].pool.publish() // every wallet, for good

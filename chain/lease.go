@@ -92,7 +92,7 @@ func (f *Facilitator) leasePass(ctx context.Context, n *network) error {
 		if !leased {
 			continue
 		}
-		if held >= share || draining {
+		if held >= share {
 			// Past this process's share: stop handing it out and offering it, and give it up once nothing of it
 			// is in flight and no payment verified against it may still come to settle.
 			n.pool.mu.Lock()
@@ -102,6 +102,15 @@ func (f *Facilitator) leasePass(ctx context.Context, n *network) error {
 				f.giveUp(ctx, n, w)
 				continue
 			}
+		} else if draining {
+			// Within its share again (an instance went, or the ranks moved back): kept and handed out again
+			// rather than given up and taken again, which would resync its nonce and leave it unused meanwhile.
+			n.pool.mu.Lock()
+			w.draining = false
+			n.pool.changedLocked()
+			n.pool.mu.Unlock()
+			f.log.Info("kept the lease of a settlement wallet it was giving up: it is within this instance's share again",
+				zap.String("network", n.caip2), zap.String("wallet", w.Address.Hex()))
 		}
 		n.pool.mu.Lock()
 		due := l.now().After(w.validUntil.Add(-l.ttl / 3))

@@ -158,6 +158,10 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 		resp, keep, err = f.settleNothing(ctx, p)
 	} else {
 		resp, keep, err = f.broadcastAndWait(ctx, p)
+		if f.cluster != nil && !keep && err == nil && resp.ErrorReason == x402.ReasonNoAvailableWallets {
+			// No free wallet here: another instance sharing the journal may have one (see handoff.go).
+			resp, keep, err = f.handOff(ctx, p, resp)
+		}
 	}
 	if !keep {
 		var holdErr error
@@ -299,7 +303,17 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 	}
 	// The erc2612 permit's spender and the upto witness's facilitator are the only wallets that can send theirs.
 	named := p.namedSender()
-	w, err := n.pool.Acquire(ctx, named)
+	var w *wallet
+	var err error
+	if n.pool.holdsNoFreeWallet(named) {
+		// Nothing to wait for here: the settlement is handed to an instance that has one (see handoff.go).
+		err = errNoAvailableWallets
+		if named != nil {
+			err = errWalletNotHeld
+		}
+	} else {
+		w, err = n.pool.Acquire(ctx, named)
+	}
 	switch {
 	case errors.Is(err, errWalletNotHeld):
 		// Another process sharing the journal holds the wallet's lease (it moved since the payment was verified

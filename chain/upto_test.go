@@ -399,8 +399,9 @@ func TestAnUptoSettlementPendingAcrossARestartSettlesOnceForItsAmount(t *testing
 }
 
 // With a shared journal a wallet sends only from the process holding its lease: an upto payment naming a wallet
-// another engine holds is refused by this one as busy (no_available_wallets, nothing sent), and settles on the
-// engine holding it. Each engine's upto kind names a wallet it holds.
+// another engine holds, settled on this one, is handed to the engine holding it and settles from that wallet
+// (it used to be refused as busy, no_available_wallets); settled again on the holder, it answers the same.
+// Each engine's upto kind names a wallet it holds.
 func TestAnUptoPaymentSettlesOnlyOnTheEngineHoldingTheNamedWalletsLease(t *testing.T) {
 	fx, engines, _ := sharedEnginesOn(t, pgtest.Shared(t), 2, 2*time.Second, fixtureOpts{wallets: 4, receiptTimeout: time.Minute,
 		tune: func(_ *fixture, nc *chain.NetworkConfig) { nc.WalletWait = 200 * time.Millisecond }})
@@ -420,16 +421,13 @@ func TestAnUptoPaymentSettlesOnlyOnTheEngineHoldingTheNamedWalletsLease(t *testi
 	named := engines[1].LeasedWallets(fx.net)[0]
 	req := fx.permit2(payer, fx.uptoRequirements(named), chain.Permit2Options{})
 	txsBefore := fx.walletTxs()
-	refused, err := engines[0].Settle(context.Background(), req)
-	if err != nil || refused.Success || refused.ErrorReason != x402.ReasonNoAvailableWallets {
-		t.Fatalf("settle on the engine without the named wallet's lease = %+v, %v; want %s", refused, err, x402.ReasonNoAvailableWallets)
-	}
-	if n, _ := fx.sentSince(txsBefore); n != 0 {
-		t.Fatalf("%d transactions sent by the refused settlement, want none", n)
+	handed, err := engines[0].Settle(context.Background(), req)
+	if err != nil || !handed.Success {
+		t.Fatalf("settle on the engine without the named wallet's lease = %+v, %v; want settled by the engine holding it", handed, err)
 	}
 	settled, err := engines[1].Settle(context.Background(), req)
-	if err != nil || !settled.Success {
-		t.Fatalf("settle on the engine holding the named wallet = %+v, %v; want success", settled, err)
+	if err != nil || !settled.Success || settled.Transaction != handed.Transaction {
+		t.Fatalf("settle on the engine holding the named wallet = %+v, %v; want the same settlement, %s", settled, err, handed.Transaction)
 	}
 	if _, from := fx.sentSince(txsBefore); len(from) != 1 || from[0] != named {
 		t.Errorf("sent from %v, want from %s", from, named.Hex())

@@ -247,24 +247,21 @@ func (f *Facilitator) verify(ctx context.Context, req x402.VerifyRequest, use fu
 
 // checkSender refuses a payment whose settlement this process cannot send now: one bound to a settlement wallet
 // whose lease another process sharing the journal holds (the lease moved since the 402 named it, or the 402 came
-// from another gateway), or any payment while this process holds no wallet at all. A gate verifies before it
+// from another gateway). A payment any wallet may settle is not refused for want of one here, even while this
+// process holds none: its settlement is handed to an instance that has one (see handoff.go). A gate verifies before it
 // runs the upstream and before it serves: refused here, the payer is charged nothing, nothing is served unpaid,
 // and the 402 that says why offers the wallets this process sends from. A payment it accepts keeps its wallet's
 // lease from being given up for a while (bindingGrace), so that it can still be settled from it.
 func (p *payment) checkSender() *refusal {
 	pool := p.net.pool
 	named := p.namedSender()
-	switch {
-	case named != nil && !pool.bind(*named):
+	if named != nil && !pool.bind(*named) {
 		what, reason := "permit2Authorization.witness.facilitator", x402.ReasonUptoFacilitatorMismatch
 		if !p.upto() {
 			what, reason = "authorization.to (the permit's spender)", x402.ReasonRecipientMismatch
 		}
 		return refuse(reason, "%s is %s, a settlement wallet this facilitator instance does not send from now (another instance sharing its journal holds it: its lease moved since it was offered, or another instance offered it); only that wallet can settle the payment: sign it again naming one of %s",
 			what, named.Hex(), offeredText(pool.offers()))
-	case named == nil && len(pool.offers()) == 0:
-		return refuse(x402.ReasonNoAvailableWallets, "%s: this facilitator instance holds no settlement wallet's lease on %s right now (the instances sharing its journal hold them all); nothing was charged, try again in a few seconds",
-			x402.MessageNoAvailableWallets, p.net.caip2)
 	}
 	return nil
 }

@@ -271,14 +271,14 @@ func startWorld(t *testing.T, topo invTopology) *invWorld {
 	} else {
 		close(pgReady)
 	}
-	wallets := invGatewayWallets + invFacilitators*invWalletsPerFac
+	wallets := w.gatewayWalletCount() + invFacilitators*invWalletsPerFac
 	w.chain, w.facts = startDevchain(t, w.dir, "--wallets", fmt.Sprint(wallets), "--payers", fmt.Sprint(invPayers))
 	if len(w.facts.Wallets) != wallets || len(w.facts.Payers) != invPayers {
 		t.Fatalf("the chain funded %d wallets and %d payers, want %d and %d", len(w.facts.Wallets), len(w.facts.Payers), wallets, invPayers)
 	}
 	w.dev = dialChain(t, w.facts.RPC)
 	for i, a := range w.facts.Wallets {
-		if i < invGatewayWallets {
+		if i < w.gatewayWalletCount() {
 			w.gatewayWallets = append(w.gatewayWallets, common.HexToAddress(a))
 		} else {
 			w.facilitatorWallets = append(w.facilitatorWallets, common.HexToAddress(a))
@@ -309,7 +309,7 @@ func startWorld(t *testing.T, topo invTopology) *invWorld {
 	w.writeFiles()
 
 	for i := range invFacilitators {
-		first := invGatewayWallets + i*invWalletsPerFac
+		first := w.gatewayWalletCount() + i*invWalletsPerFac
 		f := &invProc{w: w, n: i, name: fmt.Sprintf("facilitator %c", 'A'+i), env: childEnv(t), status: http.StatusOK,
 			url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t)), journal: filepath.Join(w.dir, fmt.Sprintf("facilitator%d.db", i))}
 		f.file, f.ready = filepath.Join(w.dir, fmt.Sprintf("facilitator%d.Caddyfile", i)), f.url+"/supported"
@@ -353,7 +353,7 @@ func startWorld(t *testing.T, topo invTopology) *invWorld {
 		g.awaitReady()
 	}
 	if topo.postgres {
-		waitLeasesShared(t, w.dsn, invGatewayWallets, len(w.gateways), "the wallets shared out by the gateways", 60*time.Second)
+		w.waitLeases("the wallets shared out by the gateways", 60*time.Second)
 	}
 	w.checkOffers()
 	w.startBlock = w.dev.head()
@@ -367,15 +367,25 @@ func startWorld(t *testing.T, topo invTopology) *invWorld {
 // run pays it by: a route that offers none would be a run that never pays it.
 func (w *invWorld) checkOffers() {
 	for _, rk := range w.routes {
-		a, err := get(w.gateways[0].url + rk.paths[0])
-		if err != nil {
-			w.t.Fatal(err)
+		var err error
+		// With fewer wallets than gateways, a gateway that holds none offers no payment bound to a wallet (upto,
+		// erc2612): some gateway must.
+		for _, g := range w.gateways {
+			var a answer
+			if a, err = get(g.url + rk.paths[0]); err != nil {
+				w.t.Fatal(err)
+			}
+			offer, rerr := payer.ReadOffer(a.header, []byte(a.body))
+			if rerr != nil {
+				// A route whose every offer names a wallet has none to make here: not a 402.
+				err = fmt.Errorf("%s answered %s with %d and no offer: %w", g.name, rk.paths[0], a.status, rerr)
+				continue
+			}
+			if _, err = offerIndex(offer, rk); err == nil {
+				break
+			}
 		}
-		offer, err := payer.ReadOffer(a.header, []byte(a.body))
 		if err != nil {
-			w.t.Fatalf("%s: the 402 of %s: %v", rk.name, rk.paths[0], err)
-		}
-		if _, err := offerIndex(offer, rk); err != nil {
 			w.t.Fatalf("%s: %v", rk.name, err)
 		}
 	}
@@ -411,7 +421,17 @@ func (w *invWorld) gatewayConfig(g *invProc, journal string, gen int) string {
 		respond "no route of the run" 404
 	}
 }
-`, g.admin, w.proxy.url, invGatewayWallets-1, journal, g.url, routes.String())
+`, g.admin, w.proxy.url, w.gatewayWalletCount()-1, journal, g.url, routes.String())
+}
+
+// gatewayWalletCount is how many settlement wallets the gateways share.
+func (w *invWorld) gatewayWalletCount() int { return cmp.Or(w.topo.wallets, invGatewayWallets) }
+
+// waitLeases waits until the gateways of the cluster share out their wallets: evenly, each held, by as many
+// gateways as there are wallets when there are fewer.
+func (w *invWorld) waitLeases(what string, timeout time.Duration) {
+	w.t.Helper()
+	waitLeasesShared(w.t, w.dsn, w.gatewayWalletCount(), min(len(w.gateways), w.gatewayWalletCount()), what, timeout)
 }
 
 // wallets are every settlement wallet of the run: the gateways', then the facilitators'.

@@ -106,6 +106,34 @@ type Record struct {
 	// Owner is the claim token of the process that holds the payment, so that start-up can tell its own
 	// claims from those a crashed process left behind.
 	Owner string `json:"owner,omitempty"`
+	// Handoff is set on a claim whose settlement its claimant handed to the other instances sharing the journal,
+	// holding no free settlement wallet itself (see chain's handoff.go); nil otherwise. Only a Cluster store's
+	// records carry it.
+	Handoff *Handoff `json:"handoff,omitempty"`
+}
+
+// Handoff is a settlement handed from the instance that claimed the payment, which waits for its answer, to
+// one that holds a free settlement wallet. The claim moves by conditional updates only: the taker makes the
+// record its own (Owner) while Taker is empty and the claim is still From's, the waiter takes it back on the
+// same condition, so exactly one of them settles it; a taker that sent nothing gives it back to From with its
+// answer.
+type Handoff struct {
+	// From is the owner token of the instance that handed the settlement off and waits for its answer.
+	From string `json:"from"`
+	// Wallet is the only settlement wallet that can settle the payment (an upto witness's facilitator, an
+	// erc2612 permit's spender), or "" when any can.
+	Wallet string `json:"wallet,omitempty"`
+	// Taker is the owner token of the instance that took the settlement; "" while it is on offer.
+	Taker string `json:"taker,omitempty"`
+	// Answer is the taker's answer when it sent nothing and gave the claim back (a refusal); Failure its error
+	// then, when it could not settle the payment for a reason not the payment's.
+	Answer  *x402.SettleResponse `json:"answer,omitempty"`
+	Failure string               `json:"failure,omitempty"`
+}
+
+// OnOffer reports whether r is a settlement handed off and not taken yet.
+func (r *Record) OnOffer() bool {
+	return r.State == StateClaimed && r.Handoff != nil && r.Handoff.Taker == "" && r.Owner == r.Handoff.From
 }
 
 // keptUntil is when a final record may go: once it is final and past its deadline.

@@ -1,0 +1,361 @@
+package chain
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// Settlement hand-off. With a journal several processes share, the wallets are shared out by leases (lease.go),
+// so one process may hold no free wallet when a payment it claimed must settle: it holds none (more gateways than
+// wallets, or the leases still being shared out), the ones it holds are busy or being given up, or the payment is
+// bound to a wallet another process holds (an upto witness names its facilitator, an erc2612 permit its
+// spender). Wallets are the cluster's, not the process's: the claimant hands the settlement to the others
+// through the journal and waits for its answer, and the payer is told no_available_wallets only when no process
+// took it within the pool's wait (every wallet of the cluster stayed busy that long).
+//
+// The hand-off is the payment's claim itself, moved by conditional updates of its record (journal.Handoff):
+//   - the claimant marks its claim handed off (Handoff.From is itself) and waits;
+//   - a process with a free wallet (the bound one, when the payment is bound) takes it: it makes the record its
+//     own (Owner, Handoff.Taker) only while the claim is still the claimant's and on offer, and settles it through
+//     the normal path (simulation, the fenced write-ahead record, broadcast, receipt), as its own claim;
+//   - the claimant takes it back when nobody took it within the wait, on the same condition: exactly one of
+//     taker and claimant wins, so the payment is settled by one process or refused by the other, never both;
+//   - a taker that sent nothing gives the claim back to the claimant with its answer (a refusal, an error), and
+//     the claimant ends the claim as it ends its own (its funds hold, the release); one whose wallet was gone by
+//     then offers it again.
+//
+// Once taken, the claimant answers with the record's outcome: final, or the receipt of its broadcast
+// transaction, waited for as long as its own settlement would wait, else settlement_pending: the payment is the
+// taker's to finish (or, the taker dying, reconciliation's, which takes over a dead process's records), never
+// settled a second time. A claimant that dies while its payment is on offer leaves a claim of a dead process,
+// which reconciliation releases (or the taker gives back to it, and reconciliation releases then).
+//
+// Takers look for payments on offer every handoffLook, every handoffLookHot for a while after they saw one.
+
+const (
+	// handoffLook is how often a process with a free wallet looks for settlements handed off when none was lately.
+	handoffLook = 200 * time.Millisecond
+	// handoffLookHot is how often it looks for handoffHot after it last saw one: scarcity comes in spells.
+	handoffLookHot = 25 * time.Millisecond
+	handoffHot     = 5 * time.Second
+	// handoffPoll is how often a claimant waiting on its hand-off reads the record.
+	handoffPoll = 15 * time.Millisecond
+)
+
+// handOff hands the settlement of p, which this process claimed and cannot send from a wallet of its own (refused
+// says why), to the other processes sharing the journal, and waits for its answer. The results are
+// broadcastAndWait's: keep says the claim must stay (another process took it and may have sent something).
+func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.SettleResponse) (x402.SettleResponse, bool, error) {
+	n := p.net
+	h := journal.Handoff{From: f.owner}
+	if named := p.namedSender(); named != nil {
+		h.Wallet = named.Hex()
+	}
+	_, err := f.journal.Update(ctx, p.id, func(r *journal.Record) error {
+		if err := checkClaim(p, r); err != nil {
+			return err
+		}
+		if r.State != journal.StateClaimed {
+			return fmt.Errorf("the payment's record is %s, not claimed", r.State)
+		}
+		handoff := h
+		r.Handoff = &handoff
+		return nil
+	})
+	if lost := asClaimLost(err); lost != nil {
+		return x402.SettleResponse{}, false, lost
+	} else if err != nil {
+		// Not handed off: the claim is as it was, this process's, and nothing was sent.
+		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable,
+			Err: fmt.Errorf("handing the settlement to an instance with a free wallet: %w", err)}
+	}
+	f.log.Debug("handed a settlement to the instances sharing the journal", zap.String("payment", p.id.String()), zap.String("wallet", h.Wallet))
+	offerUntil := time.Now().Add(n.pool.Wait)
+	var answerUntil time.Time // once taken
+	t := time.NewTicker(handoffPoll)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return f.endHandoff(p, refused, ctx.Err())
+		case <-t.C:
+		}
+		cur, ok, err := f.journal.Get(ctx, p.id)
+		switch {
+		case err != nil:
+			if time.Now().After(offerUntil) && answerUntil.IsZero() {
+				return f.endHandoff(p, refused, err)
+			}
+			continue // the database a moment out of reach: the hand-off stands
+		case !ok:
+			// Released by reconciliation (this process looked dead to another a while), or by a taker's process
+			// gone and reconciled: nothing was sent.
+			return x402.SettleResponse{}, false, fmt.Errorf("%w: the payment's claim went while its settlement was handed off", errClaimLost)
+		case !cur.SameClaim(&p.claim):
+			// Taken: by a taker, or by reconciliation of a process that looked dead. Its outcome is the answer.
+			if answerUntil.IsZero() {
+				answerUntil = time.Now().Add(n.timeout)
+			}
+			switch cur.State {
+			case journal.StateFinal:
+				return *cur.Response, true, nil
+			case journal.StateBroadcast:
+				// Its transaction is out: wait for the receipt as a settlement of this payment would.
+				return f.awaitReceipt(ctx, n, p.id, p.payer.Hex(), p.amount.String(), p.upto(), false, recordHashes(cur)...), true, nil
+			}
+			if time.Now().After(answerUntil) {
+				return x402.SettleResponse{Success: false, Network: n.caip2, Payer: p.payer.Hex(), ErrorReason: x402.ReasonSettlementPending,
+					ErrorMessage: "another instance sharing the journal took this payment's settlement and has not sent it yet; do not pay again, present the same payment again to learn the outcome"}, true, nil
+			}
+		case cur.Handoff == nil:
+			return refused, false, nil // not handed off after all (nothing else clears it)
+		case cur.Handoff.Taker != "":
+			// Given back by a taker that sent nothing: its answer is the settlement's.
+			f.log.Debug("a settlement handed off was given back", zap.String("payment", p.id.String()), zap.String("taker", cur.Handoff.Taker))
+			if cur.Handoff.Answer != nil {
+				return *cur.Handoff.Answer, false, nil
+			}
+			return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable,
+				Err: fmt.Errorf("%w: the instance that took the settlement could not send it: %s", errNotSent, cur.Handoff.Failure)}
+		case n.pool.canTake(p.namedSender()):
+			// A wallet of this process's came free meanwhile (a lease taken, a settlement done): settled here.
+			if took, err := f.takeBack(p); err != nil || !took {
+				continue // taken meanwhile, or not known: the next read says
+			}
+			return f.broadcastAndWait(ctx, p)
+		case time.Now().After(offerUntil):
+			took, err := f.takeBack(p)
+			if err != nil {
+				continue
+			}
+			if took {
+				f.log.Info("no instance sharing the journal took a settlement handed off within the wait; the payer is told to retry",
+					zap.String("payment", p.id.String()), zap.Duration("wait", n.pool.Wait), zap.String("wallet", h.Wallet))
+				ref := refuse(x402.ReasonNoAvailableWallets, "%s: no instance sharing the journal had a free settlement wallet for %v; nothing was sent, retry in 1 to 2 seconds",
+					x402.MessageNoAvailableWallets, n.pool.Wait)
+				if h.Wallet != "" {
+					ref = refuse(x402.ReasonNoAvailableWallets, "%s: the payment can only be settled from %s, and no instance sharing the journal could send from it for %v; nothing was sent, retry in 1 to 2 seconds",
+						x402.MessageNoAvailableWallets, h.Wallet, n.pool.Wait)
+				}
+				return failed(n.caip2, p.payer.Hex(), "", ref), false, nil
+			}
+		}
+	}
+}
+
+// endHandoff ends a claimant's wait that cannot go on (its caller gone, the journal out of reach): it takes the
+// settlement back when it is still on offer, and otherwise keeps the claim, which another process took.
+func (f *Facilitator) endHandoff(p *payment, refused x402.SettleResponse, cause error) (x402.SettleResponse, bool, error) {
+	took, err := f.takeBack(p)
+	switch {
+	case err == nil && took:
+		return refused, false, nil
+	case err == nil:
+		// Taken (or given back, which the claim's record keeps for reconciliation to end).
+		return x402.SettleResponse{}, true, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable,
+			Err: fmt.Errorf("waiting for the instance that took the settlement: %w", cause)}
+	}
+	return x402.SettleResponse{}, true, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable,
+		Err: fmt.Errorf("taking back a settlement handed off (%w): %w", cause, err)}
+}
+
+// takeBack makes p's claim, handed off, this process's to settle again, while no other process took it.
+func (f *Facilitator) takeBack(p *payment) (bool, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), p.net.pool.Wait+5*time.Second)
+	defer cancel()
+	_, err := f.journal.Update(ctx, p.id, func(r *journal.Record) error {
+		if !r.SameClaim(&p.claim) || !r.OnOffer() {
+			return errTakenOver
+		}
+		r.Handoff = nil
+		return nil
+	})
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, errTakenOver), errors.Is(err, journal.ErrNotFound):
+		return false, nil
+	}
+	return false, err
+}
+
+// canTake reports whether a settlement may take a wallet of this process at once: want when it is given (and
+// this process holds it), else any it may hand out.
+func (p *walletPool) canTake(want *common.Address) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := p.now()
+	if want != nil {
+		w := p.byAddr[*want]
+		// Held and being given up counts: the lease is kept for the payments bound to it (see bindingGrace).
+		return w != nil && w.busy < p.MaxInFlight && p.holds(w, now)
+	}
+	for _, w := range p.wallets {
+		if w.busy < p.MaxInFlight && p.usable(w, now) {
+			return true
+		}
+	}
+	return false
+}
+
+// holdsFree reports whether this process holds a wallet with room for another settlement, being given up or not.
+func (p *walletPool) holdsFree() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := p.now()
+	for _, w := range p.wallets {
+		if w.busy < p.MaxInFlight && p.holds(w, now) {
+			return true
+		}
+	}
+	return false
+}
+
+// holdsNoFreeWallet reports whether a settlement would find no wallet of this process to take now: with leases,
+// a settlement that would only wait for one hands off at once instead.
+func (p *walletPool) holdsNoFreeWallet(want *common.Address) bool {
+	return p.leasing && !p.canTake(want)
+}
+
+// handoffLoop takes the settlements other processes handed off, while this process has a free wallet for them,
+// until the facilitator closes.
+func (f *Facilitator) handoffLoop() {
+	defer f.wg.Done()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		<-f.stop
+		cancel()
+	}()
+	var lastSeen time.Time
+	for {
+		every := handoffLook
+		if time.Since(lastSeen) < handoffHot {
+			every = handoffLookHot
+		}
+		select {
+		case <-f.stop:
+			return
+		case <-time.After(every):
+		}
+		if f.leases.stalled.Load() {
+			continue
+		}
+		if f.takeHandoffs(ctx) {
+			lastSeen = time.Now()
+		}
+	}
+}
+
+// takeHandoffs takes every settlement on offer this process has a free wallet for, and settles each in the
+// background. It reports whether it saw any on offer.
+func (f *Facilitator) takeHandoffs(ctx context.Context) (seen bool) {
+	free := false
+	for _, id := range f.order {
+		if f.networks[id].pool.holdsFree() {
+			free = true
+		}
+	}
+	if !free {
+		// A payment bound to a wallet this process holds busy waits for it like any: looked at next time.
+		return false
+	}
+	rctx, cancel := context.WithTimeout(ctx, handoffLook*5)
+	recs, err := f.journal.PendingOf(rctx, false)
+	cancel()
+	if err != nil {
+		return false
+	}
+	for _, rec := range recs {
+		if !rec.OnOffer() || rec.Owner == f.owner {
+			continue
+		}
+		seen = true
+		n := f.networks[rec.Network]
+		if n == nil {
+			continue
+		}
+		var req x402.SettleRequest
+		if err := json.Unmarshal(rec.Request, &req); err != nil {
+			continue
+		}
+		p, ref := f.parse(req, true)
+		if ref != nil || p.id != rec.ID {
+			continue
+		}
+		named := p.namedSender()
+		if (named == nil) != (rec.Handoff.Wallet == "") || (named != nil && named.Hex() != rec.Handoff.Wallet) {
+			continue // a record at odds with its own request: not this engine's to guess at
+		}
+		if !n.pool.canTake(named) {
+			continue
+		}
+		f.markClaiming(p.id, 1)
+		taken, err := f.journal.Update(ctx, p.id, func(r *journal.Record) error {
+			if !r.SameClaim(&rec) || !r.OnOffer() {
+				return errTakenOver
+			}
+			h := *r.Handoff
+			h.Taker = f.owner
+			r.Owner, r.Handoff = f.owner, &h
+			return nil
+		})
+		if err != nil {
+			f.markClaiming(p.id, -1)
+			continue
+		}
+		p.claim = taken
+		f.log.Info("took a settlement another instance handed off", zap.String("payment", p.id.String()), zap.String("from", rec.Owner))
+		f.wg.Add(1)
+		go f.settleHandedOff(ctx, p)
+	}
+	return seen
+}
+
+// settleHandedOff settles a payment this process took from another's hand-off, whose claim it now holds (counted
+// in claiming by takeHandoffs). Broadcast, the settlement is this process's like any of its own; sent nothing,
+// the claim goes back to the claimant with the answer, or on offer again when the wallet was gone by now.
+func (f *Facilitator) settleHandedOff(ctx context.Context, p *payment) {
+	defer f.wg.Done()
+	defer f.markClaiming(p.id, -1)
+	resp, keep, err := f.broadcastAndWait(ctx, p)
+	if keep || errors.Is(err, errClaimLost) {
+		return
+	}
+	// Offered again when this process's wallet was gone by the time it settled, or it is closing: another may
+	// take it within the claimant's wait.
+	again := ctx.Err() != nil || err == nil && resp.ErrorReason == x402.ReasonNoAvailableWallets
+	_, uerr := f.journal.Update(context.WithoutCancel(ctx), p.id, func(r *journal.Record) error {
+		if err := checkClaim(p, r); err != nil {
+			return err
+		}
+		if r.State != journal.StateClaimed || r.Handoff == nil {
+			return fmt.Errorf("the payment's record is %s, not a claim handed off", r.State)
+		}
+		h := *r.Handoff
+		switch {
+		case again:
+			h.Taker = ""
+		case err != nil:
+			h.Failure = err.Error()
+		default:
+			h.Answer = &resp
+		}
+		r.Owner, r.Handoff = h.From, &h
+		return nil
+	})
+	if uerr != nil {
+		// Kept as this process's claim: reconciliation releases it (a claim none of its settlements holds), and
+		// the claimant, finding it gone, tells its payer to present the payment again.
+		f.log.Warn("giving a settlement handed off back to its claimant", zap.String("payment", p.id.String()), zap.Error(uerr))
+	}
+}
