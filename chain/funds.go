@@ -360,6 +360,24 @@ func (fs *funds) check(ctx context.Context, p *payment, chainTime uint64, r *fun
 	return ok, true, avail, err
 }
 
+// checkUnrecorded is check with fundsVerify, for shared holds, of a payment the journal holds no record of: the
+// journal's read of the record goes with its read of the holds (journal.UnrecordedAndCovered), one round trip
+// where there were two. ok false when the journal holds a record of p (it was presented before, and the chain
+// answers for it), or the payer has no fresh read (the journal is not asked: the chain answers).
+func (fs *funds) checkUnrecorded(ctx context.Context, p *payment, chainTime uint64) (ok bool, err error) {
+	fs.mu.Lock()
+	pf := fs.readLocked(fundsKey{p.asset.Address, p.payer}, nil)
+	if pf == nil {
+		fs.mu.Unlock()
+		return false, nil
+	}
+	read := pf.read
+	fs.mu.Unlock()
+	h := journal.Hold{ID: p.id, Key: fs.holdKey(p), Amount: p.amount, Deadline: deadlineUint(p), PermitNonce: p.permitNonce()}
+	unrecorded, ok, _, err := journal.UnrecordedAndCovered(ctx, fs.shared, h, p.fundsLimit(read), read.block, chainTime)
+	return unrecorded && ok, err
+}
+
 // deadlineUint is p's deadline as chain time, the largest one when it does not fit.
 func deadlineUint(p *payment) uint64 {
 	d := p.deadlineValue()
