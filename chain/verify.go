@@ -314,10 +314,10 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 }
 
 // coveredUnrecorded is funds.check of p, when the journal holds no record of it (false when it does): with shared
-// holds and nothing to hold, the journal reads both at once (funds.checkUnrecorded).
+// holds, the journal reads the record with the holds (funds.checkUnrecorded).
 func (f *Facilitator) coveredUnrecorded(ctx context.Context, p *payment, use fundsUse) (bool, error) {
-	if p.net.funds.shared != nil && use == fundsVerify {
-		return p.net.funds.checkUnrecorded(ctx, p, p.head.Time)
+	if p.net.funds.shared != nil {
+		return p.net.funds.checkUnrecorded(ctx, p, p.head.Time, use)
 	}
 	if _, known, err := f.journal.Get(ctx, p.id); err != nil || known {
 		return false, err
