@@ -81,6 +81,7 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 	f.log.Debug("handed a settlement to the instances sharing the journal", zap.String("payment", p.id.String()), zap.String("wallet", h.Wallet))
 	offerUntil := time.Now().Add(n.pool.Wait)
 	var answerUntil time.Time // once taken
+	vouched := p.claim        // the last claim of the record found to be of this very payment
 	t := time.NewTicker(handoffPoll)
 	defer t.Stop()
 	for {
@@ -101,7 +102,17 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 			// gone and reconciled: nothing was sent.
 			return x402.SettleResponse{}, false, fmt.Errorf("%w: the payment's claim went while its settlement was handed off", errClaimLost)
 		case !cur.SameClaim(&p.claim):
-			// Taken: by a taker, or by reconciliation of a process that looked dead. Its outcome is the answer.
+			// Taken: by a taker, or by reconciliation of a process that looked dead. Its outcome is the answer, when
+			// the claim is still of this very payment: released meanwhile (this process looked dead a while), the
+			// payment's id may have been claimed by another payment of its payer and nonce, whose outcome says
+			// nothing of this one's (a success would buy this payment's response with a payment to someone else).
+			if !cur.SameClaim(&vouched) {
+				if !f.recordedSame(p, cur) {
+					// Its nonce is another payment's now, for good; the claim and its hold are that payment's.
+					return failed(n.caip2, p.payer.Hex(), "", reused(p)), true, nil
+				}
+				vouched = cur
+			}
 			if answerUntil.IsZero() {
 				answerUntil = time.Now().Add(n.timeout)
 			}
