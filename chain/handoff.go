@@ -96,6 +96,13 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 			if time.Now().After(offerUntil) && answerUntil.IsZero() {
 				return f.endHandoff(p, refused, err)
 			}
+			if !answerUntil.IsZero() && time.Now().After(answerUntil) {
+				// Taken, and its outcome not to be read for as long as this process's own settlement would have
+				// waited for its receipt: no final answer (presented again, the payment is answered from the
+				// journal), and the claim is the taker's.
+				return x402.SettleResponse{}, true, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable,
+					Err: fmt.Errorf("reading the outcome of the settlement another instance sharing the journal took: %w", err)}
+			}
 			continue // the database a moment out of reach: the hand-off stands
 		case !ok:
 			// Released by reconciliation (this process looked dead to another a while), or by a taker's process
