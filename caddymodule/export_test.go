@@ -9,6 +9,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/x402-gateway/caddy-x402/facilitatorclient"
 	"github.com/x402-gateway/caddy-x402/gate"
 )
 
@@ -24,6 +25,10 @@ func OfferMemoryBytes() int64 {
 	})
 	return n
 }
+
+// ForgetSentPayments gives the process a new, empty memory of the failover member each payment's /settle was sent
+// to, as a restarted process starts with; failover sets provisioned from then on use it.
+func ForgetSentPayments() { sentPayments = facilitatorclient.NewSentPayments() }
 
 // PruneGateJournals runs the gates' periodic journal prune now, as if the clock read now (see gate.PruneJournals).
 func PruneGateJournals(now time.Time) (int, error) { return gate.PruneJournals(now) }

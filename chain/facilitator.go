@@ -137,6 +137,11 @@ type Facilitator struct {
 	grace     time.Duration
 	retention time.Duration
 
+	// signedMu guards signed: the record of each settlement this process broadcast and has not finalised, as it
+	// last wrote it, so that finalise need not read it first (journal.UpdateKnown); at most maxSigned of them.
+	signedMu sync.Mutex
+	signed   map[journal.ID]journal.Record
+
 	flightMu sync.Mutex
 	flights  map[journal.ID]*flight
 	sending  map[journal.ID]bool // payments between write-ahead record and broadcast
@@ -229,6 +234,7 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 		log:       cfg.Logger,
 		now:       cfg.Now,
 		flights:   map[journal.ID]*flight{},
+		signed:    map[journal.ID]journal.Record{},
 		sending:   map[journal.ID]bool{},
 		claiming:  map[journal.ID]int{},
 		holes:     map[common.Address]holeSighting{},

@@ -82,11 +82,12 @@ func TestAHoldEndsWhenTheDatabaseStopsBeforeItsSettlementIsSent(t *testing.T) {
 	id := permit2ID(fx, req)
 	sent := fx.walletTxs()
 
-	// The write that records the transaction checks the wallet's lease first: it waits behind the lock.
+	// The write that records the transaction checks the wallet's lease in the same statement (the engine knows the
+	// claim it writes over: journal.UpdateFencedKnown): it waits behind the lock.
 	unlock := lockTable(t, srv.DSN(), "x402_leases", "EXCLUSIVE")
 	defer unlock()
 	settled := settleInBackground(engines[0], req)
-	waitBlocked(t, srv.DSN(), "SELECT owner = $2 AND fence")
+	waitBlocked(t, srv.DSN(), "WITH lease AS (")
 	if mined, err := holdMined(srv.DSN(), id); err != nil || mined != "0" {
 		t.Fatalf("the settlement's hold = %q, %v; want one, taken before the transaction is recorded", mined, err)
 	}

@@ -322,14 +322,23 @@ func (f *Facilitator) LeasedWallets(networkID string) []common.Address {
 // journal the write is fenced by w's lease (journal.Cluster.UpdateFenced): should this process have lost the
 // lease without knowing it (paused past its expiry, its clock stalled), the write fails, so nothing is sent, and
 // the wallet is taken out of use until the lease loop looks again. The caller holds w.mu (it is sending).
-func (f *Facilitator) recordSigned(ctx context.Context, n *network, w *wallet, id journal.ID, fn func(*journal.Record) error) (journal.Record, error) {
+//
+// known is the record as this settlement last wrote it (its claim, or its previous recordSigned), which a shared
+// journal then need not read first (journal.UpdateFencedKnown); the zero Record when not known.
+func (f *Facilitator) recordSigned(ctx context.Context, n *network, w *wallet, id journal.ID, known journal.Record, fn func(*journal.Record) error) (journal.Record, error) {
 	if f.cluster == nil {
 		return f.journal.Update(ctx, id, fn)
 	}
 	n.pool.mu.Lock()
 	fence := w.fence
 	n.pool.mu.Unlock()
-	rec, err := f.cluster.UpdateFenced(ctx, id, leaseName(n.caip2, w.Address), fence, fn)
+	var rec journal.Record
+	var err error
+	if known.ID == id {
+		rec, err = journal.UpdateFencedKnown(ctx, f.cluster, known, leaseName(n.caip2, w.Address), fence, fn)
+	} else {
+		rec, err = f.cluster.UpdateFenced(ctx, id, leaseName(n.caip2, w.Address), fence, fn)
+	}
 	if errors.Is(err, journal.ErrFenced) {
 		f.log.Warn("a settlement wallet's lease was lost before this process knew; nothing was sent with it",
 			zap.String("network", n.caip2), zap.String("wallet", w.Address.Hex()), zap.Uint64("fence", fence))

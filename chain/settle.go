@@ -358,6 +358,7 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 	// transaction's nonce went to another): that transaction stays among the record's hashes, and a refusal now
 	// does not release the record, for that transaction may be the one that mined.
 	var sentBefore, seen bool
+	known := p.claim // the record as this settlement last wrote it
 	txs, err := n.sender.send(sendCtx, w, calls, quote, func(txs []*types.Transaction) error {
 		raws := make([][]byte, len(txs))
 		for i, tx := range txs {
@@ -369,7 +370,7 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 		last := txs[len(txs)-1]
 		first := !seen
 		seen = true
-		_, err := f.recordSigned(context.WithoutCancel(ctx), n, w, p.id, func(r *journal.Record) error {
+		rec, err := f.recordSigned(context.WithoutCancel(ctx), n, w, p.id, known, func(r *journal.Record) error {
 			if err := checkClaim(p, r); err != nil {
 				return err
 			}
@@ -390,6 +391,8 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 			return nil
 		})
 		if err == nil {
+			known = rec
+			f.rememberSigned(rec)
 			recorded = last.Hash().Hex()
 			f.log.Debug("settlement transaction signed and recorded", zap.String("payment", p.id.String()),
 				zap.String("wallet", w.Address.Hex()), zap.Uint64("nonce", last.Nonce()), zap.String("tx", recorded), zap.Bool("sent_before", sentBefore))
@@ -516,7 +519,15 @@ func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, r
 		return resp
 	}
 	decidedBefore := false
-	if _, err := f.journal.Update(context.WithoutCancel(ctx), id, func(r *journal.Record) error {
+	update := func(ctx context.Context, id journal.ID, fn func(*journal.Record) error) (journal.Record, error) {
+		return f.journal.Update(ctx, id, fn)
+	}
+	if known, ok := f.takeSigned(id); ok {
+		update = func(ctx context.Context, _ journal.ID, fn func(*journal.Record) error) (journal.Record, error) {
+			return journal.UpdateKnown(ctx, f.journal, known, fn)
+		}
+	}
+	if _, err := update(context.WithoutCancel(ctx), id, func(r *journal.Record) error {
 		decidedBefore = r.State == journal.StateFinal
 		if decidedBefore {
 			if r.Response != nil {
@@ -644,4 +655,27 @@ func reused(p *payment) *refusal {
 
 func failed(network, payer, tx string, r *refusal) x402.SettleResponse {
 	return x402.SettleResponse{Success: false, Transaction: tx, Network: network, Payer: payer, ErrorReason: r.reason, ErrorMessage: r.message}
+}
+
+// maxSigned bounds the records rememberSigned keeps: those whose settlement this process never finalises (another
+// instance took it over) would otherwise pile up. They are only a shortcut: one forgotten costs finalise a read.
+const maxSigned = 4096
+
+// rememberSigned keeps rec, the write-ahead record of a settlement just signed, for its finalise.
+func (f *Facilitator) rememberSigned(rec journal.Record) {
+	f.signedMu.Lock()
+	defer f.signedMu.Unlock()
+	if _, ok := f.signed[rec.ID]; !ok && len(f.signed) >= maxSigned {
+		clear(f.signed)
+	}
+	f.signed[rec.ID] = rec
+}
+
+// takeSigned returns and forgets what rememberSigned kept of payment id.
+func (f *Facilitator) takeSigned(id journal.ID) (journal.Record, bool) {
+	f.signedMu.Lock()
+	defer f.signedMu.Unlock()
+	rec, ok := f.signed[id]
+	delete(f.signed, id)
+	return rec, ok
 }

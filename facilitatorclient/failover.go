@@ -111,7 +111,9 @@ func (f *Failover) Settle(ctx context.Context, req x402.SettleRequest) (x402.Set
 // stays with that member until a day past its deadline: presented again (after an unknown outcome), it is asked
 // of that member only, whatever the others' state, for another would find its nonce spent, or its deadline
 // passed, and refuse a payment that settled; the member that may have settled it is the only one whose journal
-// can tell, before its deadline and after. SettleResult.Facilitator names the member whose answer it is.
+// can tell, before its deadline and after. That memory is the process's: a member refusing the payment for a
+// spent nonce or a passed deadline may be one that never saw it, so the others are asked then (settledElsewhere).
+// SettleResult.Facilitator names the member whose answer it is.
 func (f *Failover) SettleDetailed(ctx context.Context, req x402.SettleRequest) (SettleResult, error) {
 	key := stickyKey(req)
 	if c := f.stickyMember(key); c != nil {
@@ -121,6 +123,9 @@ func (f *Failover) SettleDetailed(ctx context.Context, req x402.SettleRequest) (
 			// outcome is unknown, and the payment must not go elsewhere.
 			err = &x402.FacilitatorError{Op: opSettle, Kind: x402.FailureUnreachable, Err: fmt.Errorf(
 				"%s, the only facilitator this payment's settlement was sent to, could not be reached (%v); it may have settled there", c.base, err)}
+		}
+		if err == nil && spentOrExpired(res.Response) {
+			return f.settledElsewhere(ctx, req, key, c, res), nil
 		}
 		return res, err
 	}
@@ -154,12 +159,77 @@ func (f *Failover) SettleDetailed(ctx context.Context, req x402.SettleRequest) (
 		}
 		return ctx.Err() != nil || !errors.Is(err, ErrNotSent)
 	}) {
+		if err == nil && spentOrExpired(res.Response) {
+			return f.settledElsewhere(ctx, req, key, f.member(res.Facilitator), res), nil
+		}
 		return res, err
 	}
 	if noWallet != nil {
 		return *noWallet, nil
 	}
 	return SettleResult{}, r.err(ctx)
+}
+
+// spentOrExpired reports whether a settlement's refusal could be another member's settlement of the payment seen
+// from outside it: the nonce is spent, or the authorization's deadline passed (after it settled elsewhere).
+func spentOrExpired(resp x402.SettleResponse) bool {
+	if resp.Success || resp.Transaction != "" {
+		return false
+	}
+	switch resp.ErrorReason {
+	case x402.ReasonPermit2InvalidNonce, x402.ReasonNonceAlreadyUsed,
+		x402.ReasonPermit2DeadlineExpired, x402.ReasonEIP2612DeadlineExpired, x402.ReasonValidBefore:
+		return true
+	}
+	return false
+}
+
+// settledElsewhere answers a payment that member refused for a spent nonce or a passed deadline (refusal): the
+// answer of another compatible member that knows the payment as its own (it settled it, or its settlement is under
+// way or its outcome unknown), else the refusal. The memory of where a payment was sent is this process's: it is
+// lost when the process restarts, and another gateway of a cluster never had it, so a payment settled by the second
+// member, its answer lost with the process that asked, is presented again to the first, which never saw it and finds
+// its nonce spent. Only the member that settled it can tell, from its journal; the others refuse it too. Asking them
+// spends nothing: the nonce is spent or the deadline passed, so no member can settle the payment anew, and a member
+// answers success only for this very payment, never for another whose settlement spent the same nonce (a facilitator
+// journal refuses a payment whose nonce its record of another payment holds).
+func (f *Failover) settledElsewhere(ctx context.Context, req x402.SettleRequest, key string, member *Client, refusal SettleResult) SettleResult {
+	r := routing{op: opSettle, want: wantOf(req)}
+	var found *SettleResult
+	r.route(ctx, f.members, func(c *Client) bool {
+		if c == member {
+			return false
+		}
+		res, err := c.SettleDetailed(ctx, req)
+		if err == nil || !errors.Is(err, ErrNotSent) {
+			now := f.now()
+			f.sticky.put(key, c.base, stickyUntil(req, now), now)
+		}
+		if err == nil && (res.Response.Success || res.Response.OutcomeUnknown()) {
+			found = &res
+			return true
+		}
+		return ctx.Err() != nil
+	})
+	if found != nil {
+		return *found
+	}
+	if member != nil {
+		// Presented again, the payment is asked of the member that refused it first, then of the others again.
+		now := f.now()
+		f.sticky.put(key, member.base, stickyUntil(req, now), now)
+	}
+	return refusal
+}
+
+// member is the member of the set whose base URL is base, or nil.
+func (f *Failover) member(base string) *Client {
+	for _, c := range f.members {
+		if c.base == base {
+			return c
+		}
+	}
+	return nil
 }
 
 // sentNothing reports whether a settlement answer says the facilitator sent nothing and the payment stays good:

@@ -2,6 +2,7 @@ package facilitatorclient
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -704,4 +705,88 @@ func TestFailoverMovesOnFromAMemberThatSentNothingForWantOfAWallet(t *testing.T)
 			t.Errorf("B was asked to settle %d times a payment that may have settled at A; want never", b.settleCalls.Load())
 		}
 	})
+}
+
+// refusing is a /settle that refuses every payment for reason, naming no transaction.
+func refusing(reason string) func(*fakeFacilitator) {
+	return func(f *fakeFacilitator) {
+		f.settle = func(w http.ResponseWriter, r *http.Request, body []byte) {
+			var req x402.SettleRequest
+			_ = json.Unmarshal(body, &req)
+			writeJSON(w, http.StatusOK, x402.SettleResponse{Success: false, Network: req.PaymentRequirements.Network,
+				Payer: payer, ErrorReason: reason, ErrorMessage: "refused: " + reason})
+		}
+	}
+}
+
+// The memory of which member a payment's /settle was sent to is the process's: a gateway that restarts, or
+// another gateway of a cluster, routes a payment that the second member settled (its answer lost) to the first,
+// which never saw it and refuses it for its spent nonce (or, past the deadline, its expired authorization). The
+// other members are asked then, and the one whose journal knows the payment answers for it. A refusal for
+// another reason is the answer, and nobody else is asked; nor does a member that refuses too change it.
+func TestFailoverAsksTheOtherMembersWhenOneFindsThePaymentsNonceSpent(t *testing.T) {
+	tests := []struct {
+		name      string
+		aReason   string
+		b         func(*fakeFacilitator) // B's /settle; nil: B settled the payment and answers success
+		sticky    bool                   // the payment was sent to A before, in this process
+		wantB     int64                  // /settle calls B gets
+		wantOK    bool                   // B's success is the answer
+		wantFirst string                 // else the answer's reason
+	}{
+		{name: "permit2 nonce spent", aReason: x402.ReasonPermit2InvalidNonce, wantB: 1, wantOK: true},
+		{name: "eip3009 or erc2612 nonce used", aReason: x402.ReasonNonceAlreadyUsed, wantB: 1, wantOK: true},
+		{name: "permit2 deadline passed", aReason: x402.ReasonPermit2DeadlineExpired, wantB: 1, wantOK: true},
+		{name: "remembered with A, which refuses it", aReason: x402.ReasonPermit2InvalidNonce, sticky: true, wantB: 1, wantOK: true},
+		{name: "B refuses it too", aReason: x402.ReasonPermit2InvalidNonce, b: refusing(x402.ReasonPermit2InvalidNonce), wantB: 1,
+			wantFirst: x402.ReasonPermit2InvalidNonce},
+		{name: "B does not answer", aReason: x402.ReasonPermit2InvalidNonce, b: func(f *fakeFacilitator) {
+			f.settle = func(w http.ResponseWriter, _ *http.Request, _ []byte) { dropConnection(w) }
+		}, wantB: 1, wantFirst: x402.ReasonPermit2InvalidNonce},
+		{name: "insufficient funds", aReason: x402.ReasonPermit2InsufficientBalance, wantB: 0, wantFirst: x402.ReasonPermit2InsufficientBalance},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			a := newFakeFacilitator(t, permit2Supported(mainnet), refusing(tt.aReason))
+			var setup []func(*fakeFacilitator)
+			if tt.b != nil {
+				setup = append(setup, tt.b)
+			}
+			b := newFakeFacilitator(t, permit2Supported(mainnet), setup...)
+			fo := NewFailover(mustClient(t, a.URL()), mustClient(t, b.URL()))
+			fo.now = newTestClock().Now // before the fixture's deadline
+			req := permit2Request(mainnet)
+			if tt.sticky {
+				now := fo.now()
+				fo.sticky.put(stickyKey(req), a.URL(), stickyUntil(req, now), now)
+			}
+
+			res, err := fo.SettleDetailed(context.Background(), req)
+			if err != nil {
+				t.Fatalf("settle: %v", err)
+			}
+			if n := b.settleCalls.Load(); n != tt.wantB {
+				t.Errorf("B was asked to settle %d times; want %d", n, tt.wantB)
+			}
+			if n := a.settleCalls.Load(); n != 1 {
+				t.Errorf("A was asked to settle %d times; want once", n)
+			}
+			if tt.wantOK {
+				if !res.Response.Success || res.Facilitator != b.URL() {
+					t.Fatalf("answer %+v from %s; want B's settlement", res.Response, res.Facilitator)
+				}
+				// Presented again, it goes to B, whose journal knows it, and to nobody else.
+				if _, err := fo.SettleDetailed(context.Background(), req); err != nil {
+					t.Fatal(err)
+				}
+				if na, nb := a.settleCalls.Load(), b.settleCalls.Load(); na != 1 || nb != 2 {
+					t.Errorf("presented again: A asked %d times, B %d; want 1 and 2 (B alone the second time)", na, nb)
+				}
+				return
+			}
+			if res.Response.Success || res.Response.ErrorReason != tt.wantFirst || res.Facilitator != a.URL() {
+				t.Fatalf("answer %+v from %s; want A's refusal %s", res.Response, res.Facilitator, tt.wantFirst)
+			}
+		})
+	}
 }

@@ -13,8 +13,9 @@ import (
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// SentPayments is the memory of a Failover: the member each payment's /settle may have reached. Only that member
-// is asked to settle the payment again: another would find its nonce spent by the first member's settlement, or,
+// SentPayments is the memory of a Failover: the member each payment's /settle may have reached. That member is
+// asked to settle the payment again, and another only once it refused the payment for a spent nonce or a passed
+// deadline (Failover.settledElsewhere): another would find its nonce spent by the first member's settlement, or,
 // past the payment's deadline, the authorization expired, and refuse it, and the payer, who paid, would be told
 // to pay again. Past the deadline the payment cannot settle anywhere any more, but the member that may have
 // settled it is still the only one whose journal can say whether it did. A payment is known by what its payer

@@ -207,32 +207,68 @@ func (l *Ledger) unregister(g *Gate) {
 // process presenting the same payment is turned away as one of this process would be; an error says the journal
 // could not be asked, and nothing is marked.
 func (l *Ledger) acquire(ctx context.Context, id journal.ID) (bool, error) {
+	mine, _, _, err := l.acquireMarking(id, func(c journal.Cluster) (bool, journal.Record, bool, error) {
+		mine, err := c.Busy(ctx, id)
+		return mine, journal.Record{}, false, err
+	})
+	return mine, err
+}
+
+// acquireRecord is acquire, and reads the payment's journal record once it is this request's: with a shared
+// journal, the mark and the read go to the database together (journal.MarkAndGet).
+func (l *Ledger) acquireRecord(ctx context.Context, id journal.ID) (mine bool, rec journal.Record, found bool, err error) {
+	mine, rec, found, err = l.acquireMarking(id, func(journal.Cluster) (bool, journal.Record, bool, error) {
+		return journal.MarkAndGet(ctx, l.store, id)
+	})
+	if err == nil && mine {
+		if _, ok := l.store.(journal.Cluster); !ok {
+			rec, found, err = l.store.Get(ctx, id)
+		}
+	}
+	if err != nil && mine {
+		l.release(id)
+		return false, journal.Record{}, false, err
+	}
+	return mine, rec, found, err
+}
+
+// acquireMarking is acquire with the journal's mark (and what else it reads with it) made by mark.
+func (l *Ledger) acquireMarking(id journal.ID, mark func(journal.Cluster) (bool, journal.Record, bool, error)) (bool, journal.Record, bool, error) {
 	l.mu.Lock()
 	if _, busy := l.inflight[id]; busy {
 		l.mu.Unlock()
-		return false, nil
+		return false, journal.Record{}, false, nil
 	}
 	l.inflight[id] = 0
 	l.users.add(1)
 	l.mu.Unlock()
+	var (
+		rec   journal.Record
+		found bool
+	)
 	if c, ok := l.store.(journal.Cluster); ok {
 		life := c.Continuity()
-		mine, err := c.Busy(ctx, id)
+		mine, r, f, err := mark(c)
+		if err != nil && mine {
+			l.release(id) // marked, and what was read with the mark failed
+			return false, journal.Record{}, false, err
+		}
 		if err != nil || !mine {
 			l.forget(id)
-			return false, err
+			return false, journal.Record{}, false, err
 		}
 		if c.Continuity() != life {
 			// This process may look dead to the others right now (its heartbeat is behind): the mark may not
 			// hold, and nothing would be served on it.
 			l.release(id)
-			return false, errMayLookDead
+			return false, journal.Record{}, false, errMayLookDead
 		}
 		l.mu.Lock()
 		l.inflight[id] = life
 		l.mu.Unlock()
+		rec, found = r, f
 	}
-	return true, nil
+	return true, rec, found, nil
 }
 
 // errMayLookDead: this process's heartbeat is too far behind for its in-flight marks to hold.

@@ -46,6 +46,9 @@ type exchange struct {
 	// chargeRecorded: charge is its journal record's, decided by the response the payment was first presented
 	// for; this request's response may not name more (namesMoreThanCharged).
 	chargeRecorded bool
+	// recorded is the gate's record of the payment as this request wrote it (claim), for a later write that
+	// changes it to skip reading it first (journal.UpdateKnown); nil when this request did not write it.
+	recorded *journal.Record
 
 	headers    http.Header // the response headers before the upstream ran, restored when the gate answers itself
 	retryAfter string      // the Retry-After of the gate's own 502, when it knows when to present the payment again
@@ -112,16 +115,13 @@ func (x *exchange) run() error {
 			InvalidMessage: "the payment names no payer and nonce"})
 	}
 	x.req, x.id, x.decimals = p.req, p.id, p.decimals
-	if mine, err := x.g.ledger.acquire(x.r.Context(), p.id); err != nil {
+	mine, rec, found, err := x.g.ledger.acquireRecord(x.r.Context(), p.id)
+	if err != nil {
 		return x.verifyUnreachable("the gate's settlement journal could not be reached; nothing was charged, try again", err)
 	} else if !mine {
 		return x.alreadyUsed("another request is presenting this payment right now; wait for its answer instead of paying again")
 	}
 	defer x.g.ledger.release(p.id)
-	rec, found, err := x.g.ledger.store.Get(x.r.Context(), p.id)
-	if err != nil {
-		return x.verifyUnreachable("the gate's settlement journal could not be read; nothing was charged, try again", err)
-	}
 	switch {
 	case found:
 		return x.presentedAgain(rec, p)
@@ -504,9 +504,12 @@ func (x *exchange) claim(ctx context.Context, edit func(*journal.Record)) error 
 	if edit != nil {
 		edit(&rec)
 	}
-	_, claimed, err := x.g.ledger.store.Claim(ctx, rec)
+	written, claimed, err := x.g.ledger.store.Claim(ctx, rec)
 	if err == nil && !claimed {
 		err = errRecordedElsewhere
+	}
+	if err == nil {
+		x.recorded = &written
 	}
 	return err
 }
@@ -748,7 +751,7 @@ func (x *exchange) markServed(settled *x402.SettleResponse) {
 	if settled == nil {
 		err = x.g.ledger.store.MarkServed(ctx, x.id, at)
 	} else {
-		_, err = x.g.ledger.store.Update(ctx, x.id, func(r *journal.Record) error {
+		served := func(r *journal.Record) error {
 			if r.Served {
 				return errServed
 			}
@@ -756,7 +759,14 @@ func (x *exchange) markServed(settled *x402.SettleResponse) {
 			r.Served, r.ServedAt = true, at
 			r.State, r.Response = journal.StateFinal, settled
 			return nil
-		})
+		}
+		if x.recorded != nil {
+			// Written by this request, under its in-flight mark: the record is most likely as it was written, and
+			// the journal then need not read it first.
+			_, err = journal.UpdateKnown(ctx, x.g.ledger.store, *x.recorded, served)
+		} else {
+			_, err = x.g.ledger.store.Update(ctx, x.id, served)
+		}
 	}
 	if err != nil {
 		x.g.logger.Error("recording a served payment in the journal", zap.String("payment", x.id.String()), zap.Error(err))

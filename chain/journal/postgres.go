@@ -89,6 +89,9 @@ func OpenPostgres(ctx context.Context, dsn string, opts Options) (*PostgresStore
 			cfg.ConnConfig.ConnectTimeout = opts.OpenTimeout
 		}
 	}
+	if opts.Tracer != nil {
+		cfg.ConnConfig.Tracer = opts.Tracer
+	}
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "caddy-x402"
 	}
@@ -632,31 +635,7 @@ func (s *PostgresStore) Get(ctx context.Context, id ID) (Record, bool, error) {
 
 // Update implements Store.
 func (s *PostgresStore) Update(ctx context.Context, id ID, fn func(*Record) error) (Record, error) {
-	return s.update(ctx, id, fn, nil)
-}
-
-// update is Update, with check run first in the same transaction: an error from it writes nothing.
-func (s *PostgresStore) update(ctx context.Context, id ID, fn func(*Record) error, check func(context.Context, pgx.Tx) error) (Record, error) {
-	wctx, cancel, err := s.begin(ctx, true)
-	if err != nil {
-		return Record{}, err
-	}
-	defer cancel()
-	now := s.opts.now()
-	var rec Record
-	err = s.inTx(wctx, func(tx pgx.Tx) (err error) {
-		if check != nil {
-			if err := check(wctx, tx); err != nil {
-				return err
-			}
-		}
-		rec, err = updateIn(pgTxn{wctx, tx}, id, fn, now)
-		return err
-	})
-	if err != nil {
-		return Record{}, s.fail(ctx, "update", err)
-	}
-	return rec, nil
+	return s.updateInTwo(ctx, id, fn, nil)
 }
 
 // MarkServed implements Store: it writes the served_ns column alone.
@@ -858,11 +837,7 @@ func (s *PostgresStore) Busy(ctx context.Context, id ID) (bool, error) {
 	defer cancel()
 	var marked bool
 	err = retrySafe(func() error {
-		err := s.pool.QueryRow(wctx, `INSERT INTO x402_busy AS b (id, owner) VALUES ($1, $2)
-ON CONFLICT (id) DO UPDATE SET owner = EXCLUDED.owner, since = now()
-WHERE b.owner = EXCLUDED.owner
-   OR NOT EXISTS (SELECT 1 FROM x402_instances i WHERE i.token = b.owner AND i.expires_at > now())
-RETURNING true`, id[:], s.instance).Scan(&marked)
+		err := s.pool.QueryRow(wctx, pgBusy, id[:], s.instance).Scan(&marked)
 		if errors.Is(err, pgx.ErrNoRows) {
 			marked, err = false, nil // another live instance's mark
 		}
@@ -874,25 +849,19 @@ RETURNING true`, id[:], s.instance).Scan(&marked)
 	return marked, nil
 }
 
+// pgBusy is Busy's statement: the insert of the mark, or its takeover when it is this instance's or its owner is
+// not alive; it returns a row only when the mark is this instance's.
+const pgBusy = `INSERT INTO x402_busy AS b (id, owner) VALUES ($1, $2)
+ON CONFLICT (id) DO UPDATE SET owner = EXCLUDED.owner, since = now()
+WHERE b.owner = EXCLUDED.owner
+   OR NOT EXISTS (SELECT 1 FROM x402_instances i WHERE i.token = b.owner AND i.expires_at > now())
+RETURNING true`
+
 // UpdateFenced implements Cluster: Update in one transaction with a check, under a share lock of the lease's
 // row (a takeover waits for the write, or the write sees the takeover), that this instance holds the lease at
 // fence and it has not expired.
 func (s *PostgresStore) UpdateFenced(ctx context.Context, id ID, lease string, fence uint64, fn func(*Record) error) (Record, error) {
-	return s.update(ctx, id, fn, func(ctx context.Context, tx pgx.Tx) error {
-		var held bool
-		err := tx.QueryRow(ctx, `SELECT owner = $2 AND fence = $3 AND expires_at > now() FROM x402_leases WHERE name = $1 FOR SHARE`,
-			lease, s.instance, int64(fence)).Scan(&held)
-		if errors.Is(err, pgx.ErrNoRows) {
-			held, err = false, nil
-		}
-		if err != nil {
-			return err
-		}
-		if !held {
-			return fmt.Errorf("%w: %s at fence %d", ErrFenced, lease, fence)
-		}
-		return nil
-	})
+	return s.updateInTwo(ctx, id, fn, s.fenceCheck(lease, fence))
 }
 
 // Idle implements Cluster.
@@ -970,58 +939,13 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 		ok   bool
 		left *big.Int
 	)
-	decide := func(q querier) error {
-		holds, err := queryHolds(wctx, q, h.Key)
-		if err != nil {
-			return err
-		}
-		others, held := new(big.Int), false
-		for _, o := range holds {
-			if (o.Mined != 0 && o.Mined <= readBlock) || (o.Mined == 0 && o.Deadline < chainTime) {
-				continue // take deleted it already; without take it only does not count
-			}
-			if o.ID == h.ID {
-				held = true
-				continue
-			}
-			others.Add(others, o.Amount)
-		}
-		left = new(big.Int).Sub(avail, others)
-		ok = held || left.Cmp(h.Amount) >= 0
-		if take && held && h.Served {
-			_, err = q.Exec(wctx, `UPDATE x402_holds SET served = true WHERE id = $1 AND NOT served`, h.ID[:])
-			return err
-		}
-		if !take || held || !ok {
-			return nil
-		}
-		var nonce *string
-		if h.PermitNonce != nil {
-			n := h.PermitNonce.String()
-			nonce = &n
-		}
-		_, err = q.Exec(wctx, `INSERT INTO x402_holds (id, hold_key, amount, deadline, mined, permit_nonce, served)
-VALUES ($1, $2, $3::numeric, $4::numeric, $5::numeric, $6::numeric, $7) ON CONFLICT (id) DO NOTHING`,
-			h.ID[:], h.Key, h.Amount.String(), strconv.FormatUint(h.Deadline, 10), strconv.FormatUint(h.Mined, 10), nonce, h.Served)
-		return err
-	}
-	if !take {
-		err = decide(s.pool)
+	if take {
+		ok, left, err = s.holdInTwo(wctx, h, avail, readBlock, chainTime)
 	} else {
-		err = s.inTx(wctx, func(tx pgx.Tx) error {
-			if _, err := tx.Exec(wctx, `INSERT INTO x402_hold_keys (hold_key) VALUES ($1) ON CONFLICT (hold_key) DO NOTHING`, h.Key); err != nil {
-				return err
-			}
-			if _, err := tx.Exec(wctx, `SELECT hold_key FROM x402_hold_keys WHERE hold_key = $1 FOR UPDATE`, h.Key); err != nil {
-				return err
-			}
-			if _, err := tx.Exec(wctx, `DELETE FROM x402_holds WHERE hold_key = $1
-AND ((mined <> 0 AND mined <= $2::numeric) OR (mined = 0 AND deadline < $3::numeric))`,
-				h.Key, strconv.FormatUint(readBlock, 10), strconv.FormatUint(chainTime, 10)); err != nil {
-				return err
-			}
-			return decide(tx)
-		})
+		var holds []Hold
+		if holds, err = queryHolds(wctx, s.pool, h.Key); err == nil {
+			ok, left, _ = decideHold(holds, h, avail, readBlock, chainTime)
+		}
 	}
 	if err != nil {
 		return false, nil, s.fail(ctx, "hold", err)
@@ -1031,11 +955,15 @@ AND ((mined <> 0 AND mined <= $2::numeric) OR (mined = 0 AND deadline < $3::nume
 
 // queryHolds reads the holds of key, oldest first.
 func queryHolds(ctx context.Context, q querier, key string) ([]Hold, error) {
-	rows, err := q.Query(ctx, `SELECT id, amount::text, deadline::text, mined::text, permit_nonce::text, served
-FROM x402_holds WHERE hold_key = $1 ORDER BY held_at, id`, key)
+	rows, err := q.Query(ctx, pgSelectHolds, key)
 	if err != nil {
 		return nil, err
 	}
+	return scanHolds(rows, key)
+}
+
+// scanHolds reads the rows of pgSelectHolds, the holds of key, and closes them.
+func scanHolds(rows pgx.Rows, key string) ([]Hold, error) {
 	defer rows.Close()
 	var out []Hold
 	for rows.Next() {

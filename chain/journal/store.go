@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"slices"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // Store is the journal's storage. Every method is safe for concurrent use, and every write is atomic: it
@@ -107,6 +109,9 @@ type Options struct {
 	// beats every third of it); zero or less means ten seconds (defaultInstanceTTL). Another process takes over
 	// its busy marks and leases once it has been silent that long.
 	InstanceTTL time.Duration
+	// Tracer, for OpenPostgres, sees every statement the store sends to the database (and every batch, when it
+	// is a pgx.BatchTracer too): what a test counts a payment's round trips with. nil traces nothing.
+	Tracer pgx.QueryTracer
 }
 
 // now reads the configured clock; times are kept in UTC so a record reads the same whatever the zone.
