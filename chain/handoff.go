@@ -81,6 +81,7 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 	f.log.Debug("handed a settlement to the instances sharing the journal", zap.String("payment", p.id.String()), zap.String("wallet", h.Wallet))
 	offerUntil := time.Now().Add(n.pool.Wait)
 	var answerUntil time.Time // once taken
+	vouched := p.claim        // the last claim of the record found to be of this very payment
 	t := time.NewTicker(handoffPoll)
 	defer t.Stop()
 	for {
@@ -95,13 +96,30 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 			if time.Now().After(offerUntil) && answerUntil.IsZero() {
 				return f.endHandoff(p, refused, err)
 			}
+			if !answerUntil.IsZero() && time.Now().After(answerUntil) {
+				// Taken, and its outcome not to be read for as long as this process's own settlement would have
+				// waited for its receipt: no final answer (presented again, the payment is answered from the
+				// journal), and the claim is the taker's.
+				return x402.SettleResponse{}, true, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable,
+					Err: fmt.Errorf("reading the outcome of the settlement another instance sharing the journal took: %w", err)}
+			}
 			continue // the database a moment out of reach: the hand-off stands
 		case !ok:
 			// Released by reconciliation (this process looked dead to another a while), or by a taker's process
 			// gone and reconciled: nothing was sent.
 			return x402.SettleResponse{}, false, fmt.Errorf("%w: the payment's claim went while its settlement was handed off", errClaimLost)
 		case !cur.SameClaim(&p.claim):
-			// Taken: by a taker, or by reconciliation of a process that looked dead. Its outcome is the answer.
+			// Taken: by a taker, or by reconciliation of a process that looked dead. Its outcome is the answer, when
+			// the claim is still of this very payment: released meanwhile (this process looked dead a while), the
+			// payment's id may have been claimed by another payment of its payer and nonce, whose outcome says
+			// nothing of this one's (a success would buy this payment's response with a payment to someone else).
+			if !cur.SameClaim(&vouched) {
+				if !f.recordedSame(p, cur) {
+					// Its nonce is another payment's now, for good; the claim and its hold are that payment's.
+					return failed(n.caip2, p.payer.Hex(), "", reused(p)), true, nil
+				}
+				vouched = cur
+			}
 			if answerUntil.IsZero() {
 				answerUntil = time.Now().Add(n.timeout)
 			}

@@ -636,6 +636,15 @@ func (f *Facilitator) answerFromJournal(ctx context.Context, p *payment, req x40
 				// The other claimant released it (its settlement was refused): settle afresh.
 				return f.settleOnce(ctx, p, req)
 			}
+			if !r.SameClaim(&rec) {
+				// Released and claimed again between two reads: perhaps by another payment of the same payer and
+				// nonce, whose outcome says nothing of this one's (a success would buy this payment's response with
+				// a payment to someone else).
+				if !f.recordedSame(p, r) {
+					return failed(p.net.caip2, p.payer.Hex(), "", reused(p)), nil
+				}
+				rec = r
+			}
 			if r.State != journal.StateClaimed {
 				return f.answerFromJournal(ctx, p, req, r)
 			}
