@@ -142,7 +142,7 @@ const (
 	pathBudgetSync, pathBudgetAsync = 9, 5
 	// totalBudgetSync and totalBudgetAsync bound a payment's round trips in all, the background settlement of an
 	// async one and the clearing of its in-flight mark included.
-	totalBudgetSync, totalBudgetAsync = 9, 15
+	totalBudgetSync, totalBudgetAsync = 9, 16
 )
 
 func TestAPaidRequestsRoundTripsToPostgreSQLStayWithinItsBudget(t *testing.T) {
