@@ -360,6 +360,29 @@ func (fs *funds) check(ctx context.Context, p *payment, chainTime uint64, r *fun
 	return ok, true, avail, err
 }
 
+// checkUnrecorded is check, for shared holds, of a payment the journal holds no record of: the journal's read of
+// the record goes with its read of the holds (journal.UnrecordedAndCovered), or into the hold's transaction
+// unless use is fundsVerify (journal.UnrecordedAndHeld), one round trip fewer. ok false when the journal holds a
+// record of p (it was presented before, and the chain answers for it; nothing is held), or the payer has no fresh
+// read (the journal is not asked: the chain answers).
+func (fs *funds) checkUnrecorded(ctx context.Context, p *payment, chainTime uint64, use fundsUse) (ok bool, err error) {
+	fs.mu.Lock()
+	pf := fs.readLocked(fundsKey{p.asset.Address, p.payer}, nil)
+	if pf == nil {
+		fs.mu.Unlock()
+		return false, nil
+	}
+	read := pf.read
+	fs.mu.Unlock()
+	h := journal.Hold{ID: p.id, Key: fs.holdKey(p), Amount: p.amount, Deadline: deadlineUint(p), PermitNonce: p.permitNonce(), Served: use == fundsHold}
+	readHolds := journal.UnrecordedAndCovered
+	if use != fundsVerify {
+		readHolds = journal.UnrecordedAndHeld
+	}
+	unrecorded, ok, _, err := readHolds(ctx, fs.shared, h, p.fundsLimit(read), read.block, chainTime)
+	return unrecorded && ok, err
+}
+
 // deadlineUint is p's deadline as chain time, the largest one when it does not fit.
 func deadlineUint(p *payment) uint64 {
 	d := p.deadlineValue()

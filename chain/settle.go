@@ -504,14 +504,26 @@ func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, r
 	// the hold that the shared holds' database did not take (down as the settlement ended) would leave the payer's
 	// funds looking spent until the payment's deadline: until it is taken, the record stays broadcast, and
 	// reconciliation ends both once the database answers (finaliseFromReceipts). The answer stands meanwhile.
+	// With shared holds and the record this process signed at hand, a success's hold ends in the same write as the
+	// record's final answer (journal.UpdateKnownHoldMined): both or neither, so the order's guarantee holds with one
+	// commit fewer.
+	known, haveKnown := f.takeSigned(id)
+	together := resp.Success && haveKnown && n.funds.shared != nil
 	var holdErr error
-	if resp.Success {
+	switch {
+	case together:
+		// Its hold ends with the final answer, below.
+	case resp.Success:
 		holdErr = n.funds.sawMined(id, receipt.BlockNumber.Uint64())
-	} else if rec, _, err := f.journal.Get(context.WithoutCancel(ctx), id); err != nil {
-		holdErr = err
-	} else if rec.State != journal.StateFinal || rec.Response == nil || !rec.Response.Success {
-		// (Recorded settled already, by another of its transactions: that answer stays, and its hold is mined.)
-		holdErr = n.funds.let(id)
+	default:
+		rec, _, err := f.journal.Get(context.WithoutCancel(ctx), id)
+		switch {
+		case err != nil:
+			holdErr = err
+		case rec.State != journal.StateFinal || rec.Response == nil || !rec.Response.Success:
+			// (Recorded settled already, by another of its transactions: that answer stays, and its hold is mined.)
+			holdErr = n.funds.let(id)
+		}
 	}
 	if holdErr != nil {
 		f.log.Warn("recording the end of a settled payment's funds hold; its record stays broadcast until reconciliation records both",
@@ -522,7 +534,12 @@ func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, r
 	update := func(ctx context.Context, id journal.ID, fn func(*journal.Record) error) (journal.Record, error) {
 		return f.journal.Update(ctx, id, fn)
 	}
-	if known, ok := f.takeSigned(id); ok {
+	switch {
+	case together:
+		update = func(ctx context.Context, _ journal.ID, fn func(*journal.Record) error) (journal.Record, error) {
+			return journal.UpdateKnownHoldMined(ctx, n.funds.shared, known, receipt.BlockNumber.Uint64(), fn)
+		}
+	case haveKnown:
 		update = func(ctx context.Context, _ journal.ID, fn func(*journal.Record) error) (journal.Record, error) {
 			return journal.UpdateKnown(ctx, f.journal, known, fn)
 		}
@@ -537,7 +554,10 @@ func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, r
 		}
 		r.State, r.Response, r.TxHash = journal.StateFinal, &resp, receipt.TxHash.Hex()
 		return nil
-	}); err != nil {
+	}); err != nil && together {
+		f.log.Warn("recording a settled payment's final answer with the end of its funds hold; its record stays broadcast until reconciliation records both",
+			zap.String("payment", id.String()), zap.String("tx", receipt.TxHash.Hex()), zap.Error(err))
+	} else if err != nil {
 		f.log.Error("recording a final settlement", zap.String("tx", receipt.TxHash.Hex()), zap.Error(err))
 	}
 	if receipt.Status == types.ReceiptStatusSuccessful || decidedBefore {

@@ -288,14 +288,11 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 		// block): only the simulation of that settlement can vouch for it, never a read of its funds.
 		return false
 	}
-	if _, known, err := f.journal.Get(ctx, p.id); err != nil || known {
-		return false
-	}
 	// A read answers for a sponsored payment only as for an unsponsored one: when the approval it shows covers
 	// the payment, the permit is not applied (see checkChain). Whether the permit would apply, the chain says.
 	sponsor := p.sponsor
 	p.sponsor = nil
-	ok, _, _, err := p.net.funds.check(ctx, p, p.head.Time, nil, use)
+	ok, err := f.coveredUnrecorded(ctx, p, use)
 	if err != nil {
 		ok = false // the full checks ask again, and report the journal's failure
 	}
@@ -314,6 +311,19 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 		p.sponsor = sponsor
 	}
 	return ok
+}
+
+// coveredUnrecorded is funds.check of p, when the journal holds no record of it (false when it does): with shared
+// holds, the journal reads the record with the holds (funds.checkUnrecorded).
+func (f *Facilitator) coveredUnrecorded(ctx context.Context, p *payment, use fundsUse) (bool, error) {
+	if p.net.funds.shared != nil {
+		return p.net.funds.checkUnrecorded(ctx, p, p.head.Time, use)
+	}
+	if _, known, err := f.journal.Get(ctx, p.id); err != nil || known {
+		return false, err
+	}
+	ok, _, _, err := p.net.funds.check(ctx, p, p.head.Time, nil, use)
+	return ok, err
 }
 
 // permit2NonceSlot is the storage slot of Permit2's nonceBitmap[owner][word]: the mapping is Permit2's first

@@ -305,6 +305,16 @@ func (l *Ledger) release(id journal.ID) {
 	l.forget(id)
 }
 
+// releaseIdled is release of a payment whose journal mark was cleared already when idled (journal.MarkServedIdle,
+// journal.UpdateKnownIdle, written with its served mark): only this process's own mark is left to let go of.
+func (l *Ledger) releaseIdled(id journal.ID, idled bool) {
+	if idled {
+		l.forget(id)
+		return
+	}
+	l.release(id)
+}
+
 func (l *Ledger) forget(id journal.ID) {
 	l.mu.Lock()
 	defer l.mu.Unlock()

@@ -49,6 +49,8 @@ type exchange struct {
 	// recorded is the gate's record of the payment as this request wrote it (claim), for a later write that
 	// changes it to skip reading it first (journal.UpdateKnown); nil when this request did not write it.
 	recorded *journal.Record
+	// idled: the journal's in-flight mark of the payment was cleared with its served mark (markServed).
+	idled bool
 
 	headers    http.Header // the response headers before the upstream ran, restored when the gate answers itself
 	retryAfter string      // the Retry-After of the gate's own 502, when it knows when to present the payment again
@@ -121,7 +123,7 @@ func (x *exchange) run() error {
 	} else if !mine {
 		return x.alreadyUsed("another request is presenting this payment right now; wait for its answer instead of paying again")
 	}
-	defer x.g.ledger.release(p.id)
+	defer func() { x.g.ledger.releaseIdled(p.id, x.idled) }()
 	switch {
 	case found:
 		return x.presentedAgain(rec, p)
@@ -744,12 +746,14 @@ var errServed = errors.New("the payment was served already")
 // in-flight set keeps every other request of the payment out until this is written, and presentedAgain refuses
 // a served payment, so only a journal failure can leave it unwritten: that is logged, and the response stands.
 // Without a settlement (an async payment) the mark is the journal's MarkServed, which leaves the record alone:
-// a second rewrite of the whole record per response would cost more than the rest of serving it.
+// a second rewrite of the whole record per response would cost more than the rest of serving it. Either clears
+// the journal's in-flight mark in the same write where the journal can (x.idled): the payment is never seen
+// unmarked before it is seen served.
 func (x *exchange) markServed(settled *x402.SettleResponse) {
 	ctx, at := context.WithoutCancel(x.r.Context()), x.g.now().UTC()
 	var err error
 	if settled == nil {
-		err = x.g.ledger.store.MarkServed(ctx, x.id, at)
+		x.idled, err = journal.MarkServedIdle(ctx, x.g.ledger.store, x.id, at)
 	} else {
 		served := func(r *journal.Record) error {
 			if r.Served {
@@ -763,7 +767,7 @@ func (x *exchange) markServed(settled *x402.SettleResponse) {
 		if x.recorded != nil {
 			// Written by this request, under its in-flight mark: the record is most likely as it was written, and
 			// the journal then need not read it first.
-			_, err = journal.UpdateKnown(ctx, x.g.ledger.store, *x.recorded, served)
+			_, x.idled, err = journal.UpdateKnownIdle(ctx, x.g.ledger.store, *x.recorded, served)
 		} else {
 			_, err = x.g.ledger.store.Update(ctx, x.id, served)
 		}

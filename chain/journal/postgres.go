@@ -940,7 +940,7 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 		left *big.Int
 	)
 	if take {
-		ok, left, err = s.holdInTwo(wctx, h, avail, readBlock, chainTime)
+		ok, left, err = s.holdInTwo(wctx, h, avail, readBlock, chainTime, nil)
 	} else {
 		var holds []Hold
 		if holds, err = queryHolds(wctx, s.pool, h.Key); err == nil {

@@ -1,0 +1,115 @@
+package journal
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/big"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// UnrecordedAndCovered is, for an engine answering a verification from the payer's funds, whether c holds no
+// record of h.ID (a payment presented before is left to the chain) and c.Hold of h without take (whether the
+// key's funds cover h beside its other holds): the read of the record and the read of the holds in one round
+// trip where the store can (the PostgreSQL store pipelines them), else in two. Nothing is written. unrecorded
+// false (a record, even one that does not decode) leaves ok and left unset.
+func UnrecordedAndCovered(ctx context.Context, c Cluster, h Hold, avail *big.Int, readBlock, chainTime uint64) (unrecorded, ok bool, left *big.Int, err error) {
+	if u, is := c.(interface {
+		unrecordedAndCovered(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64) (bool, bool, *big.Int, error)
+	}); is {
+		return u.unrecordedAndCovered(ctx, h, avail, readBlock, chainTime)
+	}
+	if _, known, err := c.Get(ctx, h.ID); err != nil || known {
+		return false, false, nil, err
+	}
+	ok, left, err = c.Hold(ctx, h, avail, readBlock, chainTime, false)
+	return err == nil, ok, left, err
+}
+
+// unrecordedAndCovered sends the record's read and Hold's read of the holds (without take) in one batch.
+func (s *PostgresStore) unrecordedAndCovered(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64) (bool, bool, *big.Int, error) {
+	if h.Amount == nil || avail == nil || h.Amount.Sign() < 0 {
+		return false, false, nil, fmt.Errorf("journal: hold of %s: amount %v and avail %v must be set, amount not negative", h.ID, h.Amount, avail)
+	}
+	rctx, cancel, err := s.begin(ctx, false)
+	if err != nil {
+		return false, false, nil, err
+	}
+	defer cancel()
+	var (
+		known bool
+		holds []Hold
+	)
+	err = s.read(rctx, func() error {
+		holds = nil
+		b := &pgx.Batch{}
+		b.Queue(`SELECT EXISTS (SELECT 1 FROM x402_records WHERE id = $1)`, h.ID[:]).QueryRow(func(row pgx.Row) error {
+			return row.Scan(&known)
+		})
+		b.Queue(pgSelectHolds, h.Key).Query(func(rows pgx.Rows) (err error) {
+			holds, err = scanHolds(rows, h.Key)
+			return err
+		})
+		return s.pool.SendBatch(rctx, b).Close()
+	})
+	if err != nil {
+		return false, false, nil, s.fail(ctx, "hold", err)
+	}
+	if known {
+		return false, false, nil, nil
+	}
+	ok, left, _ := decideHold(holds, h, avail, readBlock, chainTime)
+	return true, ok, left, nil
+}
+
+// UnrecordedAndHeld is UnrecordedAndCovered with take: h is held (as c.Hold with take holds it) only when c holds
+// no record of h.ID, the record's read going in the hold's transaction, whose first round trip it joins, where the
+// store can (the PostgreSQL store); else the record is read first. A recorded payment holds nothing.
+func UnrecordedAndHeld(ctx context.Context, c Cluster, h Hold, avail *big.Int, readBlock, chainTime uint64) (unrecorded, ok bool, left *big.Int, err error) {
+	if u, is := c.(interface {
+		unrecordedAndHeld(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64) (bool, bool, *big.Int, error)
+	}); is {
+		return u.unrecordedAndHeld(ctx, h, avail, readBlock, chainTime)
+	}
+	if _, known, err := c.Get(ctx, h.ID); err != nil || known {
+		return false, false, nil, err
+	}
+	ok, left, err = c.Hold(ctx, h, avail, readBlock, chainTime, true)
+	return err == nil, ok, left, err
+}
+
+// errRecorded rolls back the hold of a payment the journal holds a record of.
+var errRecorded = errors.New("journal: the payment has a record")
+
+// unrecordedAndHeld is Hold with take whose transaction reads, with its first batch, whether the record exists,
+// and rolls back when it does.
+func (s *PostgresStore) unrecordedAndHeld(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64) (bool, bool, *big.Int, error) {
+	if h.Amount == nil || avail == nil || h.Amount.Sign() < 0 {
+		return false, false, nil, fmt.Errorf("journal: hold of %s: amount %v and avail %v must be set, amount not negative", h.ID, h.Amount, avail)
+	}
+	wctx, cancel, err := s.begin(ctx, true)
+	if err != nil {
+		return false, false, nil, err
+	}
+	defer cancel()
+	ok, left, err := s.holdInTwo(wctx, h, avail, readBlock, chainTime, func(b *pgx.Batch) func() error {
+		var known bool
+		b.Queue(`SELECT EXISTS (SELECT 1 FROM x402_records WHERE id = $1)`, h.ID[:]).QueryRow(func(row pgx.Row) error {
+			return row.Scan(&known)
+		})
+		return func() error {
+			if known {
+				return errRecorded
+			}
+			return nil
+		}
+	})
+	switch {
+	case errors.Is(err, errRecorded):
+		return false, false, nil, nil
+	case err != nil:
+		return false, false, nil, s.fail(ctx, "hold", err)
+	}
+	return true, ok, left, nil
+}
