@@ -355,9 +355,14 @@ func (e commitError) Unwrap() error { return e.err }
 // a connection that broke before COMMIT was sent (a pooled connection the server closed). fn may run more
 // than once.
 func (s *PostgresStore) inTx(ctx context.Context, fn func(pgx.Tx) error) error {
+	return retryTx(ctx, func() error { return s.txOnce(ctx, fn) })
+}
+
+// retryTx runs once, a whole transaction, and runs it again as inTx says.
+func retryTx(ctx context.Context, once func() error) error {
 	brokenRetried := false
 	for attempt := 1; ; attempt++ {
-		err := s.txOnce(ctx, fn)
+		err := once()
 		var ce commitError
 		switch {
 		case err == nil:
@@ -499,24 +504,31 @@ type querier interface {
 
 // getRow reads the record of id; forUpdate locks its row until the transaction ends.
 func getRow(ctx context.Context, q querier, id ID, forUpdate bool) (Record, bool, error) {
-	sql := `SELECT data, served_ns FROM x402_records WHERE id = $1`
+	sql := pgGetRecord
 	if forUpdate {
 		sql += ` FOR UPDATE`
 	}
+	return scanRecord(q.QueryRow(ctx, sql, id[:]), id)
+}
+
+// pgGetRecord reads the record of id $1: scanRecord reads its row.
+const pgGetRecord = `SELECT data, served_ns FROM x402_records WHERE id = $1`
+
+// scanRecord reads the row of pgGetRecord: the record, or found false for no row.
+func scanRecord(row pgx.Row, id ID) (rec Record, found bool, err error) {
 	var data []byte
 	var served *int64
-	err := q.QueryRow(ctx, sql, id[:]).Scan(&data, &served)
+	err = row.Scan(&data, &served)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Record{}, false, nil
 	}
 	if err != nil {
 		return Record{}, false, err
 	}
-	r, err := decodeRow(id[:], data, served)
-	if err != nil {
+	if rec, err = decodeRow(id[:], data, served); err != nil {
 		return Record{}, false, err
 	}
-	return r, true, nil
+	return rec, true, nil
 }
 
 const pgInsertRecord = `INSERT INTO x402_records (id, state, async, pending, claimed_ns, kept_until_ns, served_ns, data)
@@ -925,10 +937,18 @@ func (s *PostgresStore) Unlease(ctx context.Context, name string) error {
 
 // Hold implements Cluster. With take, it locks the key's row in x402_hold_keys, so that the holds of one key are
 // decided one at a time across every process, deletes the holds that no longer count, and inserts h when the
+// checkHold refuses a hold whose amount or the funds it is judged against are missing, or a negative amount.
+func checkHold(h Hold, avail *big.Int) error {
+	if h.Amount == nil || avail == nil || h.Amount.Sign() < 0 {
+		return fmt.Errorf("journal: hold of %s: amount %v and avail %v must be set, amount not negative", h.ID, h.Amount, avail)
+	}
+	return nil
+}
+
 // rest leave room for it.
 func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, take bool) (bool, *big.Int, error) {
-	if h.Amount == nil || avail == nil || h.Amount.Sign() < 0 {
-		return false, nil, fmt.Errorf("journal: hold of %s: amount %v and avail %v must be set, amount not negative", h.ID, h.Amount, avail)
+	if err := checkHold(h, avail); err != nil {
+		return false, nil, err
 	}
 	wctx, cancel, err := s.begin(ctx, take)
 	if err != nil {

@@ -3,7 +3,6 @@ package journal
 import (
 	"context"
 	"errors"
-	"fmt"
 	"math/big"
 
 	"github.com/jackc/pgx/v5"
@@ -29,8 +28,8 @@ func UnrecordedAndCovered(ctx context.Context, c Cluster, h Hold, avail *big.Int
 
 // unrecordedAndCovered sends the record's read and Hold's read of the holds (without take) in one batch.
 func (s *PostgresStore) unrecordedAndCovered(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64) (bool, bool, *big.Int, error) {
-	if h.Amount == nil || avail == nil || h.Amount.Sign() < 0 {
-		return false, false, nil, fmt.Errorf("journal: hold of %s: amount %v and avail %v must be set, amount not negative", h.ID, h.Amount, avail)
+	if err := checkHold(h, avail); err != nil {
+		return false, false, nil, err
 	}
 	rctx, cancel, err := s.begin(ctx, false)
 	if err != nil {
@@ -44,9 +43,7 @@ func (s *PostgresStore) unrecordedAndCovered(ctx context.Context, h Hold, avail 
 	err = s.read(rctx, func() error {
 		holds = nil
 		b := &pgx.Batch{}
-		b.Queue(`SELECT EXISTS (SELECT 1 FROM x402_records WHERE id = $1)`, h.ID[:]).QueryRow(func(row pgx.Row) error {
-			return row.Scan(&known)
-		})
+		queueRecorded(b, h.ID, &known)
 		b.Queue(pgSelectHolds, h.Key).Query(func(rows pgx.Rows) (err error) {
 			holds, err = scanHolds(rows, h.Key)
 			return err
@@ -85,8 +82,8 @@ var errRecorded = errors.New("journal: the payment has a record")
 // unrecordedAndHeld is Hold with take whose transaction reads, with its first batch, whether the record exists,
 // and rolls back when it does.
 func (s *PostgresStore) unrecordedAndHeld(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64) (bool, bool, *big.Int, error) {
-	if h.Amount == nil || avail == nil || h.Amount.Sign() < 0 {
-		return false, false, nil, fmt.Errorf("journal: hold of %s: amount %v and avail %v must be set, amount not negative", h.ID, h.Amount, avail)
+	if err := checkHold(h, avail); err != nil {
+		return false, false, nil, err
 	}
 	wctx, cancel, err := s.begin(ctx, true)
 	if err != nil {
@@ -95,9 +92,7 @@ func (s *PostgresStore) unrecordedAndHeld(ctx context.Context, h Hold, avail *bi
 	defer cancel()
 	ok, left, err := s.holdInTwo(wctx, h, avail, readBlock, chainTime, func(b *pgx.Batch) func() error {
 		var known bool
-		b.Queue(`SELECT EXISTS (SELECT 1 FROM x402_records WHERE id = $1)`, h.ID[:]).QueryRow(func(row pgx.Row) error {
-			return row.Scan(&known)
-		})
+		queueRecorded(b, h.ID, &known)
 		return func() error {
 			if known {
 				return errRecorded
@@ -112,4 +107,11 @@ func (s *PostgresStore) unrecordedAndHeld(ctx context.Context, h Hold, avail *bi
 		return false, false, nil, s.fail(ctx, "hold", err)
 	}
 	return true, ok, left, nil
+}
+
+// queueRecorded queues into b the read of whether the journal holds a record of id, into known.
+func queueRecorded(b *pgx.Batch, id ID, known *bool) {
+	b.Queue(`SELECT EXISTS (SELECT 1 FROM x402_records WHERE id = $1)`, id[:]).QueryRow(func(row pgx.Row) error {
+		return row.Scan(known)
+	})
 }

@@ -25,21 +25,7 @@ import (
 // and is returned. It is retried as inTx retries (a serialization failure, a deadlock, a connection that broke
 // before COMMIT was sent), so first and then may run more than once.
 func (s *PostgresStore) txInTwo(ctx context.Context, first func(*pgx.Batch), then func(*pgx.Batch) error) error {
-	brokenRetried := false
-	for attempt := 1; ; attempt++ {
-		err := s.txInTwoOnce(ctx, first, then)
-		var ce commitError
-		switch {
-		case err == nil:
-			return nil
-		case hasCode(err, "40001", "40P01") && attempt <= pgTxRetries:
-			time.Sleep(time.Duration(attempt) * time.Duration(1+randN(4)) * time.Millisecond)
-		case unavailable(err) && !errors.As(err, &ce) && !brokenRetried && ctx.Err() == nil:
-			brokenRetried = true
-		default:
-			return err
-		}
-	}
+	return retryTx(ctx, func() error { return s.txInTwoOnce(ctx, first, then) })
 }
 
 func (s *PostgresStore) txInTwoOnce(ctx context.Context, first func(*pgx.Batch), then func(*pgx.Batch) error) error {
@@ -92,22 +78,10 @@ type pgQueuedTxn struct {
 // queueGet queues the read of the record of id, locked until the transaction ends, into b.
 func (t *pgQueuedTxn) queueGet(b *pgx.Batch) {
 	t.found = false
-	b.Queue(`SELECT data, served_ns FROM x402_records WHERE id = $1 FOR UPDATE`, t.id[:]).QueryRow(func(row pgx.Row) error {
-		var data []byte
-		var served *int64
-		err := row.Scan(&data, &served)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
+	b.Queue(pgGetRecord+` FOR UPDATE`, t.id[:]).QueryRow(func(row pgx.Row) (err error) {
 		// A record that does not decode fails the first batch: nothing is written.
-		if t.rec, err = decodeRow(t.id[:], data, served); err != nil {
-			return err
-		}
-		t.found = true
-		return nil
+		t.rec, t.found, err = scanRecord(row, t.id)
+		return err
 	})
 }
 
@@ -367,18 +341,8 @@ func (s *PostgresStore) markAndGet(ctx context.Context, id ID) (marked bool, rec
 			}
 			return err
 		})
-		b.Queue(`SELECT data, served_ns FROM x402_records WHERE id = $1`, id[:]).QueryRow(func(row pgx.Row) error {
-			var data []byte
-			var served *int64
-			err := row.Scan(&data, &served)
-			if errors.Is(err, pgx.ErrNoRows) {
-				return nil
-			}
-			if err != nil {
-				return err
-			}
-			rec, err = decodeRow(id[:], data, served)
-			found = err == nil
+		b.Queue(pgGetRecord, id[:]).QueryRow(func(row pgx.Row) (err error) {
+			rec, found, err = scanRecord(row, id)
 			return err
 		})
 		return s.pool.SendBatch(wctx, b).Close()
