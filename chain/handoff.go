@@ -108,8 +108,10 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 			// Released by reconciliation (this process looked dead to another a while), or by a taker's process
 			// gone and reconciled: nothing was sent.
 			return x402.SettleResponse{}, false, fmt.Errorf("%w: the payment's claim went while its settlement was handed off", errClaimLost)
-		case !cur.SameClaim(&p.claim):
-			// Taken: by a taker, or by reconciliation of a process that looked dead. Its outcome is the answer, when
+		case !cur.SameClaim(&p.claim) || cur.Handoff != nil && cur.Handoff.Taker != "" && !givenBack(&cur):
+			// Taken: by a taker, or by reconciliation of a process that looked dead, this one's too (a taker that
+			// died, taken over here, makes the record this process's claim again, not given back: it may have
+			// sent the settlement's transaction, which reconciliation finishes). Its outcome is the answer, when
 			// the claim is still of this very payment: released meanwhile (this process looked dead a while), the
 			// payment's id may have been claimed by another payment of its payer and nonce, whose outcome says
 			// nothing of this one's (a success would buy this payment's response with a payment to someone else).
@@ -137,7 +139,7 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 		case cur.Handoff == nil:
 			return refused, false, nil // not handed off after all (nothing else clears it)
 		case cur.Handoff.Taker != "":
-			// Given back by a taker that sent nothing: its answer is the settlement's.
+			// Given back by a taker that sent nothing (givenBack): its answer is the settlement's.
 			f.log.Debug("a settlement handed off was given back", zap.String("payment", p.id.String()), zap.String("taker", cur.Handoff.Taker))
 			if cur.Handoff.Answer != nil {
 				return *cur.Handoff.Answer, false, nil
@@ -168,6 +170,14 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 			}
 		}
 	}
+}
+
+// givenBack reports whether r, a claim handed off and taken, was given back to its claimant by the taker, having
+// sent nothing: the give-back always carries the taker's answer or failure (see settleHandedOff). A record the
+// claimant's own reconciliation took over from a taker that died is its claim too, but carries neither.
+func givenBack(r *journal.Record) bool {
+	h := r.Handoff
+	return r.State == journal.StateClaimed && h != nil && h.Taker != "" && r.Owner == h.From && (h.Answer != nil || h.Failure != "")
 }
 
 // endHandoff ends a claimant's wait that cannot go on (its caller gone, the journal out of reach): it takes the
@@ -365,6 +375,9 @@ func (f *Facilitator) settleHandedOff(ctx context.Context, p *payment) {
 			h.Taker = ""
 		case err != nil:
 			h.Failure = err.Error()
+			if h.Failure == "" {
+				h.Failure = "an error without a message" // never empty: it marks the give-back (see givenBack)
+			}
 		default:
 			h.Answer = &resp
 		}
