@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"math/big"
+	"reflect"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
 
 	"github.com/x402-gateway/caddy-x402/chain"
@@ -67,11 +69,12 @@ func (s *hookedStore) Get(ctx context.Context, id journal.ID) (journal.Record, b
 	return rec, ok, err
 }
 
-// sendGate holds every transaction sent through a heldSends node while on, until release is closed.
+// sendGate holds every transaction sent through a heldSends node while on, and every fee quote while fees is,
+// until release is closed.
 type sendGate struct {
-	on      atomic.Bool
-	entered chan struct{}
-	release chan struct{}
+	on, fees atomic.Bool
+	entered  chan struct{}
+	release  chan struct{}
 }
 
 func newSendGate() *sendGate {
@@ -96,6 +99,17 @@ func (b heldSends) SendTransaction(ctx context.Context, tx *types.Transaction) e
 		}
 	}
 	return b.Backend.SendTransaction(ctx, tx)
+}
+
+func (b heldSends) SuggestGasTipCap(ctx context.Context) (*big.Int, error) {
+	if b.g.fees.Load() {
+		select {
+		case <-b.g.release:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	return b.Backend.SuggestGasTipCap(ctx)
 }
 
 // handoffPair is two engines on one PostgreSQL journal and one wallet, each behind a hookedStore, every
@@ -125,22 +139,29 @@ func newHandoffPair(t *testing.T, receiptTimeout, walletWait time.Duration) *han
 			return h
 		}})
 	hp.fx, hp.engines = fx, engines
-	// The lease may still move once as the engines learn of each other: the roles are taken once it stays put.
-	for stable := false; !stable; {
-		leases := waitEven(t, fx, engines, 1)
-		time.Sleep(1500 * time.Millisecond)
-		again := waitEven(t, fx, engines, 1)
-		stable = len(leases[0]) == len(again[0])
-		hp.taker, hp.claimant = 0, 1
-		if len(again[0]) == 0 {
-			hp.taker, hp.claimant = 1, 0
-		}
+	hp.taker, hp.claimant = 0, 1
+	if len(stableLeases(t, fx, engines, 1)[0]) == 0 {
+		hp.taker, hp.claimant = 1, 0
 	}
 	hp.payer = fx.c.Payers[0]
 	fx.approvePermit2(hp.payer)
 	rq := fx.requirements(x402.TransferPermit2)
 	hp.first, hp.second = fx.permit2(hp.payer, rq, chain.Permit2Options{}), fx.permit2(hp.payer, rq, chain.Permit2Options{})
 	return hp
+}
+
+// stableLeases is waitEven's share of the wallets once it stays put a while: the leases may still move once as the
+// engines learn of each other, and a test's roles are taken by who holds what.
+func stableLeases(t *testing.T, fx *fixture, engines []*chain.Facilitator, wallets int) [][]common.Address {
+	t.Helper()
+	for {
+		leases := waitEven(t, fx, engines, wallets)
+		time.Sleep(1500 * time.Millisecond)
+		again := waitEven(t, fx, engines, wallets)
+		if reflect.DeepEqual(leases, again) {
+			return again
+		}
+	}
 }
 
 // record is the first payment's record as the journal holds it.
