@@ -56,7 +56,11 @@ func clusterOn(t *testing.T, dsn string, leaseTTL time.Duration, o fixtureOpts) 
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { st.Close() })
-		f, err := chain.New(context.Background(), chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: st,
+		var j journal.Store = st
+		if o.wrap != nil {
+			j = o.wrap(st)
+		}
+		f, err := chain.New(context.Background(), chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: j,
 			Logger: engineLog(t), WalletLeaseTTL: leaseTTL, ReconcileEvery: 200 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)

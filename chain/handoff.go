@@ -39,16 +39,22 @@ import (
 // settled a second time. A claimant that dies while its payment is on offer leaves a claim of a dead process,
 // which reconciliation releases (or the taker gives back to it, and reconciliation releases then).
 //
-// Takers look for payments on offer every handoffLook, every handoffLookHot for a while after they saw one.
+// Takers look for payments on offer every handoffLook, every handoffLookHot for a while after they saw one they
+// could take. A claimant reads its record every handoffPoll while it changes, less often while it does not.
 
 const (
 	// handoffLook is how often a process with a free wallet looks for settlements handed off when none was lately.
 	handoffLook = 200 * time.Millisecond
-	// handoffLookHot is how often it looks for handoffHot after it last saw one: scarcity comes in spells.
+	// handoffLookHot is how often it looks for handoffHot after it last saw one it could take: scarcity comes in
+	// spells.
 	handoffLookHot = 25 * time.Millisecond
 	handoffHot     = 5 * time.Second
-	// handoffPoll is how often a claimant waiting on its hand-off reads the record.
-	handoffPoll = 15 * time.Millisecond
+	// handoffPoll is how soon a claimant waiting on its hand-off reads the record again after it changed (taken,
+	// sent): a take comes within tens of milliseconds when another instance has a free wallet. Each read that
+	// finds it unchanged doubles the rest, up to handoffPollMax: a hand-off nobody takes for the pool's wait costs
+	// a read every handoffPollMax, not every handoffPoll.
+	handoffPoll    = 15 * time.Millisecond
+	handoffPollMax = 200 * time.Millisecond
 )
 
 // handOff hands the settlement of p, which this process claimed and cannot send from a wallet of its own (refused
@@ -82,7 +88,9 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 	offerUntil := time.Now().Add(n.pool.Wait)
 	var answerUntil time.Time // once taken
 	vouched := p.claim        // the last claim of the record found to be of this very payment
-	t := time.NewTicker(handoffPoll)
+	rest := handoffPoll
+	var last journal.Record // the record as last read
+	t := time.NewTimer(rest)
 	defer t.Stop()
 	for {
 		select {
@@ -90,7 +98,24 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 			return f.endHandoff(p, refused, ctx.Err())
 		case <-t.C:
 		}
-		cur, ok, err := f.journal.Get(ctx, p.id)
+		// A read lasts no longer than what is left of the wait it serves (and a rest): a database that hangs
+		// rather than refuses must not hold the payer's answer past it.
+		until := offerUntil
+		if !answerUntil.IsZero() {
+			until = answerUntil
+		}
+		if now := time.Now(); until.Before(now) {
+			until = now
+		}
+		rctx, cancel := context.WithDeadline(ctx, until.Add(handoffPollMax))
+		cur, ok, err := f.journal.Get(rctx, p.id)
+		cancel()
+		if err == nil && ok && (!cur.UpdatedAt.Equal(last.UpdatedAt) || cur.Owner != last.Owner) {
+			rest, last = handoffPoll, cur
+		} else {
+			rest = min(2*rest, handoffPollMax)
+		}
+		t.Reset(rest)
 		switch {
 		case err != nil:
 			if time.Now().After(offerUntil) && answerUntil.IsZero() {
@@ -108,8 +133,10 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 			// Released by reconciliation (this process looked dead to another a while), or by a taker's process
 			// gone and reconciled: nothing was sent.
 			return x402.SettleResponse{}, false, fmt.Errorf("%w: the payment's claim went while its settlement was handed off", errClaimLost)
-		case !cur.SameClaim(&p.claim):
-			// Taken: by a taker, or by reconciliation of a process that looked dead. Its outcome is the answer, when
+		case !cur.SameClaim(&p.claim) || cur.Handoff != nil && cur.Handoff.Taker != "" && !givenBack(&cur):
+			// Taken: by a taker, or by reconciliation of a process that looked dead, this one's too (a taker that
+			// died, taken over here, makes the record this process's claim again, not given back: it may have
+			// sent the settlement's transaction, which reconciliation finishes). Its outcome is the answer, when
 			// the claim is still of this very payment: released meanwhile (this process looked dead a while), the
 			// payment's id may have been claimed by another payment of its payer and nonce, whose outcome says
 			// nothing of this one's (a success would buy this payment's response with a payment to someone else).
@@ -137,7 +164,7 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 		case cur.Handoff == nil:
 			return refused, false, nil // not handed off after all (nothing else clears it)
 		case cur.Handoff.Taker != "":
-			// Given back by a taker that sent nothing: its answer is the settlement's.
+			// Given back by a taker that sent nothing (givenBack): its answer is the settlement's.
 			f.log.Debug("a settlement handed off was given back", zap.String("payment", p.id.String()), zap.String("taker", cur.Handoff.Taker))
 			if cur.Handoff.Answer != nil {
 				return *cur.Handoff.Answer, false, nil
@@ -168,6 +195,14 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 			}
 		}
 	}
+}
+
+// givenBack reports whether r, a claim handed off and taken, was given back to its claimant by the taker, having
+// sent nothing: the give-back always carries the taker's answer or failure (see settleHandedOff). A record the
+// claimant's own reconciliation took over from a taker that died is its claim too, but carries neither.
+func givenBack(r *journal.Record) bool {
+	h := r.Handoff
+	return r.State == journal.StateClaimed && h != nil && h.Taker != "" && r.Owner == h.From && (h.Answer != nil || h.Failure != "")
 }
 
 // endHandoff ends a claimant's wait that cannot go on (its caller gone, the journal out of reach): it takes the
@@ -297,7 +332,6 @@ func (f *Facilitator) takeHandoffs(ctx context.Context) (seen bool) {
 		if !rec.OnOffer() || rec.Owner == f.owner {
 			continue
 		}
-		seen = true
 		n := f.networks[rec.Network]
 		if n == nil {
 			continue
@@ -317,6 +351,9 @@ func (f *Facilitator) takeHandoffs(ctx context.Context) (seen bool) {
 		if !n.pool.canTake(named) {
 			continue
 		}
+		// Only an offer this process could take starts a spell of quick looks: one bound to a wallet another
+		// process holds is that one's to take, however often it is looked at here.
+		seen = true
 		f.markClaiming(p.id, 1)
 		taken, err := f.journal.Update(ctx, p.id, func(r *journal.Record) error {
 			if !r.SameClaim(&rec) || !r.OnOffer() {
@@ -365,6 +402,9 @@ func (f *Facilitator) settleHandedOff(ctx context.Context, p *payment) {
 			h.Taker = ""
 		case err != nil:
 			h.Failure = err.Error()
+			if h.Failure == "" {
+				h.Failure = "an error without a message" // never empty: it marks the give-back (see givenBack)
+			}
 		default:
 			h.Answer = &resp
 		}

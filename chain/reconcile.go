@@ -342,12 +342,12 @@ func (f *Facilitator) takeOver(ctx context.Context, rec journal.Record, isAlive 
 }
 
 // releaseAbandonedClaim releases a claim of this process that no settlement of it is working on: the settlement
-// that claimed it could not release it (the journal's database was unreachable when it gave up), or its claim
-// was written while the call that made it failed (a connection lost as the write committed). Nothing was sent: a
-// claim is made broadcast in the journal before its transaction leaves. Kept, the payment could never settle,
-// here or on another process sharing the journal, while this one lives: every settlement of it would wait for
-// the claim to move. rec is the record as a pass read it; one claimed since (another claim of the payment, after
-// a release) is left alone.
+// that claimed it could not release it (the journal's database was unreachable when it gave up, or as it took
+// back a settlement it had handed off), or its claim was written while the call that made it failed (a
+// connection lost as the write committed). Nothing was sent: a claim is made broadcast in the journal before its
+// transaction leaves. Kept, the payment could never settle, here or on another process sharing the journal,
+// while this one lives: every settlement of it would wait for the claim to move. rec is the record as a pass
+// read it; one claimed since (another claim of the payment, after a release) is left alone.
 func (f *Facilitator) releaseAbandonedClaim(ctx context.Context, n *network, rec journal.Record) error {
 	if f.holdsClaim(rec.ID) {
 		return nil
@@ -356,8 +356,28 @@ func (f *Facilitator) releaseAbandonedClaim(ctx context.Context, n *network, rec
 	if err != nil || !ok || cur.State != journal.StateClaimed || cur.Owner != f.owner || !cur.ClaimedAt.Equal(rec.ClaimedAt) {
 		return err
 	}
-	// Only this process's settlements change a claim of its own that it still lives to hold, and none is working
-	// on this one: it stays as read until released here.
+	if cur.OnOffer() {
+		// Handed off, with nobody waiting for it (its settlement gave up, or a taker offered it again after that):
+		// another process may take it at any moment, and the claim, the funds hold its settlement takes and its
+		// transaction are then the taker's. The offer is withdrawn first, on the condition a take is made on, so
+		// that exactly one of the two goes on; a take that came first is left alone.
+		withdrawn, err := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error {
+			if !r.SameClaim(&cur) || !r.OnOffer() {
+				return errTakenOver
+			}
+			r.Handoff = nil
+			return nil
+		})
+		switch {
+		case errors.Is(err, errTakenOver), errors.Is(err, journal.ErrNotFound):
+			return nil
+		case err != nil:
+			return fmt.Errorf("payment %s: withdrawing the offer of a claim to release: %w", rec.ID, err)
+		}
+		cur = withdrawn
+	}
+	// Only this process's settlements change a claim of its own that it still lives to hold and that is on offer
+	// to nobody, and none is working on this one: it stays as read until released here.
 	if released, err := f.releaseClaim(ctx, n, cur); err != nil || !released {
 		return err
 	}
