@@ -246,18 +246,7 @@ func (f *Facilitator) takeBack(p *payment) (bool, error) {
 func (p *walletPool) canTake(want *common.Address) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	now := p.now()
-	if want != nil {
-		w := p.byAddr[*want]
-		// Held and being given up counts: the lease is kept for the payments bound to it (see bindingGrace).
-		return w != nil && w.busy < p.MaxInFlight && p.holds(w, now)
-	}
-	for _, w := range p.wallets {
-		if w.busy < p.MaxInFlight && p.usable(w, now) {
-			return true
-		}
-	}
-	return false
+	return p.pickLocked(want, p.now()) != nil
 }
 
 // holdsFree reports whether this process holds a wallet with room for another settlement, being given up or not.

@@ -137,27 +137,13 @@ func (p *walletPool) Acquire(ctx context.Context, want *common.Address) (*wallet
 	defer timer.Stop()
 	for {
 		p.mu.Lock()
-		var pick *wallet
-		now := p.now()
-		if want != nil {
-			w := p.byAddr[*want]
-			if p.leasing && !w.leased {
-				// Another process holds the wallet (or nobody does): waiting here would not bring it back. A lease
-				// this process holds and has not renewed in time may be renewed within the wait.
-				p.mu.Unlock()
-				return nil, errWalletNotHeld
-			}
-			if w.busy < p.MaxInFlight && p.holds(w, now) {
-				pick = w
-			}
-		} else {
-			for _, w := range p.wallets {
-				if w.busy < p.MaxInFlight && p.usable(w, now) && (pick == nil || w.busy < pick.busy) {
-					pick = w
-				}
-			}
+		if want != nil && p.leasing && !p.byAddr[*want].leased {
+			// Another process holds the wallet (or nobody does): waiting here would not bring it back. A lease
+			// this process holds and has not renewed in time may be renewed within the wait.
+			p.mu.Unlock()
+			return nil, errWalletNotHeld
 		}
-		if pick != nil {
+		if pick := p.pickLocked(want, p.now()); pick != nil {
 			pick.busy++
 			p.mu.Unlock()
 			return pick, nil
@@ -172,6 +158,25 @@ func (p *walletPool) Acquire(ctx context.Context, want *common.Address) (*wallet
 			return nil, fmt.Errorf("waiting for a settlement wallet: %w", ctx.Err())
 		}
 	}
+}
+
+// pickLocked is the wallet a settlement would take now: want when given, held and with room for another
+// settlement (one being given up counts: its lease is kept for the payments bound to it, see bindingGrace); else
+// the least busy usable wallet with room. nil when there is none. Called with mu held.
+func (p *walletPool) pickLocked(want *common.Address, now time.Time) *wallet {
+	if want != nil {
+		if w := p.byAddr[*want]; w != nil && w.busy < p.MaxInFlight && p.holds(w, now) {
+			return w
+		}
+		return nil
+	}
+	var pick *wallet
+	for _, w := range p.wallets {
+		if w.busy < p.MaxInFlight && p.usable(w, now) && (pick == nil || w.busy < pick.busy) {
+			pick = w
+		}
+	}
+	return pick
 }
 
 // Peek is the wallet Acquire would hand out now to a settlement any wallet may send, without taking it: the

@@ -9,7 +9,6 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -40,14 +39,8 @@ func TestClusterSIGKILLOfAnAsyncGatewayMidLoadHasItsServedPaymentsSettledOnceByT
 	before, firstBlock := c.balances(), c.dev.head()
 	victim := c.gates[2]
 
-	var done atomic.Int64
-	loaded := make(chan struct{})
-	start := time.Now()
-	go func() {
-		defer close(loaded)
-		c.load(payments, workers, clusterRetryFor, roundRobin, &done)
-	}()
-	c.waitDone(&done, killAfter, 2*time.Minute)
+	done, loaded, start := c.loadInBackground(payments, workers)
+	c.waitDone(done, killAfter, 2*time.Minute)
 	victim.rpcProxy.set(rpcRefuse)
 	stalled := time.Now()
 	time.Sleep(stall)
@@ -132,14 +125,8 @@ func TestClusterReloadedUnderLoadJudgesPaymentsPresentedAgainByTheirRecord(t *te
 	c.offer = pageOffer
 	before, firstBlock := c.balances(), c.dev.head()
 
-	var done atomic.Int64
-	loaded := make(chan struct{})
-	start := time.Now()
-	go func() {
-		defer close(loaded)
-		c.load(payments, workers, clusterRetryFor, roundRobin, &done)
-	}()
-	c.waitDone(&done, reloadAfter, 2*time.Minute)
+	done, loaded, start := c.loadInBackground(payments, workers)
+	c.waitDone(done, reloadAfter, 2*time.Minute)
 	reloading := time.Now()
 	for _, g := range c.gates {
 		c.reloadThroughAdmin(g)
@@ -156,7 +143,7 @@ func TestClusterReloadedUnderLoadJudgesPaymentsPresentedAgainByTheirRecord(t *te
 	}
 	cutting.Wait()
 	t.Logf("%d payments of /held settled before and cut short while their upstream held them", held)
-	c.waitDone(&done, repriceAfter, 2*time.Minute)
+	c.waitDone(done, repriceAfter, 2*time.Minute)
 	c.setup.routes = routes("$0.02")
 	repricing := time.Now()
 	for _, g := range c.gates {
@@ -229,7 +216,7 @@ func TestClusterReloadedUnderLoadJudgesPaymentsPresentedAgainByTheirRecord(t *te
 		t.Fatalf("after the reload the gateway offers %s raw units, want 20000 ($0.02)", c.offer.Amount)
 	}
 	more := c.signMany(atNewPrice)
-	c.load(more, workers, clusterRetryFor, roundRobin, &done)
+	c.load(more, workers, clusterRetryFor, roundRobin, done)
 	t.Logf("%d payments at the new price: %s", atNewPrice, describeCounts(countAnswers(more, nil)))
 	judged = append(judged, more...)
 
@@ -415,14 +402,8 @@ func TestClusterJournalThatHangsMidLoadIsAnsweredWithinTheTimeoutsAndRecovers(t 
 	payments := c.signMany(n)
 	before, firstBlock := c.balances(), c.dev.head()
 
-	var done atomic.Int64
-	loaded := make(chan struct{})
-	start := time.Now()
-	go func() {
-		defer close(loaded)
-		c.load(payments, workers, clusterRetryFor, roundRobin, &done)
-	}()
-	c.waitDone(&done, hangAfter, 2*time.Minute)
+	done, loaded, start := c.loadInBackground(payments, workers)
+	c.waitDone(done, hangAfter, 2*time.Minute)
 	hungAt := time.Now()
 	for _, g := range c.gates {
 		g.pgProxy.hang()

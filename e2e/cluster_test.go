@@ -688,6 +688,19 @@ func (c *cluster) settle(p *clusterPayment, first int, retryFor time.Duration) {
 	}
 }
 
+// loadInBackground starts c.load of payments at concurrency workers, each presented first to the gateways in
+// turn and again to the next on no answer, and returns at once: the count of the payments finished, a channel
+// closed when the load ends, and when it started.
+func (c *cluster) loadInBackground(payments []*clusterPayment, workers int) (done *atomic.Int64, loaded <-chan struct{}, start time.Time) {
+	done, start = new(atomic.Int64), time.Now()
+	end := make(chan struct{})
+	go func() {
+		defer close(end)
+		c.load(payments, workers, clusterRetryFor, roundRobin, done)
+	}()
+	return done, end, start
+}
+
 // load settles payments at concurrency workers, payment i first presented to gateway pick(i), and counts
 // the payments finished in done.
 func (c *cluster) load(payments []*clusterPayment, workers int, retryFor time.Duration, pick func(i int) int, done *atomic.Int64) {
@@ -1103,14 +1116,8 @@ func TestClusterSIGKILLOfOneGatewayMidLoadLosesAndDoublesNothing(t *testing.T) {
 	before, firstBlock := c.balances(), c.dev.head()
 	victim := c.gates[2]
 
-	var done atomic.Int64
-	loaded := make(chan struct{})
-	start := time.Now()
-	go func() {
-		defer close(loaded)
-		c.load(payments, workers, clusterRetryFor, roundRobin, &done)
-	}()
-	c.waitDone(&done, killAfter, 2*time.Minute)
+	done, loaded, start := c.loadInBackground(payments, workers)
+	c.waitDone(done, killAfter, 2*time.Minute)
 	_, victimWallets := victim.heldWallets()
 	victim.dead.Store(true)
 	victim.proc.kill()
@@ -1140,7 +1147,7 @@ func TestClusterSIGKILLOfOneGatewayMidLoadLosesAndDoublesNothing(t *testing.T) {
 	t.Logf("%v after the kill, the living hold the leases: %s", time.Since(killedAt).Round(100*time.Millisecond), describeLeases(leases))
 
 	more := c.signMany(afterKill)
-	c.load(more, workers, clusterRetryFor, func(i int) int { return i % (clusterGateways - 1) }, &done)
+	c.load(more, workers, clusterRetryFor, func(i int) int { return i % (clusterGateways - 1) }, done)
 	t.Logf("%d payments to the living two after the takeover: %s", afterKill, describeCounts(countAnswers(more, nil)))
 	perGate, _ := c.settlementsBy(more)
 	reused := map[common.Address]int{}
@@ -1206,14 +1213,8 @@ func postgresOutageMidLoad(t *testing.T, s clusterSetup, outage time.Duration) {
 	payments := c.signMany(n)
 	before, firstBlock := c.balances(), c.dev.head()
 
-	var done atomic.Int64
-	loaded := make(chan struct{})
-	start := time.Now()
-	go func() {
-		defer close(loaded)
-		c.load(payments, workers, clusterRetryFor, roundRobin, &done)
-	}()
-	c.waitDone(&done, stopAfter, 2*time.Minute)
+	done, loaded, start := c.loadInBackground(payments, workers)
+	c.waitDone(done, stopAfter, 2*time.Minute)
 	stopping := time.Now()
 	c.pg.Stop(t)
 	down := time.Now()

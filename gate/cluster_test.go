@@ -233,17 +233,7 @@ func TestAPaymentBoundToAnotherGatewaysWalletIsRefusedBeforeItsUpstreamRuns(t *t
 				if a := gws[0].get(x402.HeaderPaymentSignature, h); a.status != http.StatusOK || a.body != "paid content" {
 					t.Fatalf("the same payment presented to the gateway that offered it = %d %q; want 200", a.status, a.body)
 				}
-				deadline := time.Now().Add(20 * time.Second)
-				for {
-					lost, gained := gws[0].paid(payer, before)
-					if lost.Int64() == price && gained.Int64() == price {
-						break
-					}
-					if time.Now().After(deadline) || lost.Int64() > price {
-						t.Fatalf("the payer lost %s and the seller gained %s; want exactly %d", lost, gained, price)
-					}
-					time.Sleep(20 * time.Millisecond)
-				}
+				gws[0].waitPaidOnce(t, payer, before, price, 20*time.Second)
 			})
 		}
 	}
@@ -402,17 +392,7 @@ func TestAGatewayThatMayHaveLookedDeadServesNothingAndThePaymentIsServedOnceWhen
 			if third := e.get(x402.HeaderPaymentSignature, h); third.status != http.StatusPaymentRequired {
 				t.Fatalf("presented a third time = %d %q; want 402: it bought one response", third.status, third.body)
 			}
-			deadline := time.Now().Add(30 * time.Second)
-			for {
-				lost, gained := e.paid(payer, before)
-				if lost.Int64() == price && gained.Int64() == price {
-					break
-				}
-				if time.Now().After(deadline) || lost.Int64() > price {
-					t.Fatalf("the payer lost %s and the seller gained %s; want %d once", lost, gained, price)
-				}
-				time.Sleep(20 * time.Millisecond)
-			}
+			e.waitPaidOnce(t, payer, before, price, 30*time.Second)
 		})
 	}
 }
@@ -489,17 +469,7 @@ func TestAStreamWhoseGatewayMayHaveLookedDeadIsCutShortAndServedOnceWhenPresente
 			if third := e.get(x402.HeaderPaymentSignature, h); third.status != http.StatusPaymentRequired {
 				t.Fatalf("presented a third time = %d %q; want 402: it bought one response", third.status, third.body)
 			}
-			deadline := time.Now().Add(30 * time.Second)
-			for {
-				lost, gained := e.paid(payer, before)
-				if lost.Int64() == price && gained.Int64() == price {
-					break
-				}
-				if time.Now().After(deadline) || lost.Int64() > price {
-					t.Fatalf("the payer lost %s and the seller gained %s; want %d once", lost, gained, price)
-				}
-				time.Sleep(20 * time.Millisecond)
-			}
+			e.waitPaidOnce(t, payer, before, price, 30*time.Second)
 		})
 	}
 }

@@ -225,6 +225,23 @@ func (e *env) paid(payer *chaintest.Account, before [2]*big.Int) (lost, gained *
 	return new(big.Int).Sub(before[0], e.c.TokenBalance(payer.Address)), new(big.Int).Sub(e.c.TokenBalance(e.payTo), before[1])
 }
 
+// waitPaidOnce waits up to within until the payer has paid price once and the seller received it since the
+// balances before, and fails the test when either moves by more, or not at all in time.
+func (e *env) waitPaidOnce(t *testing.T, payer *chaintest.Account, before [2]*big.Int, price int64, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		lost, gained := e.paid(payer, before)
+		if lost.Int64() == price && gained.Int64() == price {
+			return
+		}
+		if time.Now().After(deadline) || lost.Int64() > price {
+			t.Fatalf("the payer lost %s and the seller gained %s; want exactly %d once", lost, gained, price)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 func (e *env) balances(payer *chaintest.Account) [2]*big.Int {
 	return [2]*big.Int{e.c.TokenBalance(payer.Address), e.c.TokenBalance(e.payTo)}
 }
