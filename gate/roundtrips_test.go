@@ -143,7 +143,7 @@ const (
 	pathBudgetSync, pathBudgetAsync = 8, 4
 	// totalBudgetSync and totalBudgetAsync bound a payment's round trips in all, the background settlement of an
 	// async one and the clearing of its in-flight mark included.
-	totalBudgetSync, totalBudgetAsync = 8, 13
+	totalBudgetSync, totalBudgetAsync = 8, 14
 )
 
 func TestAPaidRequestsRoundTripsToPostgreSQLStayWithinItsBudget(t *testing.T) {
