@@ -139,10 +139,10 @@ func perPayment(rts []roundTrip) (payment []roundTrip) {
 const (
 	// pathBudgetSync and pathBudgetAsync bound the round trips sent under a paid request's own context, settled
 	// in the request (after or before the upstream) or in the background.
-	pathBudgetSync, pathBudgetAsync = 9, 5
+	pathBudgetSync, pathBudgetAsync = 7, 5
 	// totalBudgetSync and totalBudgetAsync bound a payment's round trips in all, the background settlement of an
 	// async one and the clearing of its in-flight mark included.
-	totalBudgetSync, totalBudgetAsync = 9, 16
+	totalBudgetSync, totalBudgetAsync = 7, 16
 )
 
 func TestAPaidRequestsRoundTripsToPostgreSQLStayWithinItsBudget(t *testing.T) {
