@@ -535,12 +535,13 @@ func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, r
 		// end ride with the gate's own final write, in its batch: the record stays broadcast until then (at most
 		// a second), which reconciliation resolves from the receipt should this process die meanwhile. The record
 		// this settlement signed is broadcast, not decided: the answer is this receipt's.
-		hash := receipt.TxHash.Hex()
+		hash, settled := receipt.TxHash.Hex(), resp
+		// It may run again, where the write lands (see journal.UpdateKnownHoldMinedBehind): it reads only its own.
 		final := func(r *journal.Record) error {
 			if r.State == journal.StateFinal {
 				return nil // decided before: that answer stays
 			}
-			answer := resp
+			answer := settled
 			r.State, r.Response, r.TxHash = journal.StateFinal, &answer, hash
 			return nil
 		}
