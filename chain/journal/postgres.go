@@ -608,7 +608,9 @@ func (pgClaimTxn) del(*Record) error { return errors.New("journal: a claim delet
 
 // Claim implements Store. Deferred writes of ctx (postgres_behind.go) ride in the batch of its insert.
 func (s *PostgresStore) Claim(ctx context.Context, r Record) (Record, bool, error) {
-	if items, done := s.carry(ctx); len(items) > 0 {
+	if items, done, err := s.carry(ctx); err != nil {
+		return Record{}, false, err
+	} else if len(items) > 0 {
 		return s.claimCarrying(ctx, r, items, done)
 	}
 	wctx, cancel, err := s.begin(ctx, true)

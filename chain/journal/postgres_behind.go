@@ -51,6 +51,9 @@ type behind struct {
 	mu    sync.Mutex
 	items []*behindWrite
 	timer *time.Timer
+	// broken is the failure of a deferred claim: what the context sends after it must not run (a batch that
+	// carried it stopped there), so every later call of the store under the context fails with it.
+	broken error
 }
 
 // behindWrite is one deferred statement and who learns its outcome.
@@ -60,6 +63,8 @@ type behindWrite struct {
 	tag  pgconn.CommandTag
 	err  error
 	sent bool
+	// fence: a failure of this write breaks its queue (see behind.broken).
+	fence bool
 	// landed is told the write's outcome (under the queue's lock); what it returns runs once the lock is let go
 	// (a fallback that sends statements of its own).
 	landed func(tag pgconn.CommandTag, err error) func()
@@ -79,13 +84,13 @@ func Defer(ctx context.Context, s Store) context.Context {
 	return ctx
 }
 
-// Flush sends what ctx's queue holds, if anything, and reports the first failure.
+// Flush sends what ctx's queue holds, if anything, and reports its failure.
 func Flush(ctx context.Context) error {
 	q, _ := ctx.Value(behindKey{}).(*behind)
 	if q == nil {
 		return nil
 	}
-	return q.s.sendBehind(ctx)
+	return q.s.fail(ctx, "deferred write", q.flush())
 }
 
 // behindOf is ctx's queue when it is bound to s.
@@ -102,9 +107,40 @@ func (q *behind) add(w *behindWrite) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	q.items = append(q.items, w)
-	if q.timer == nil {
-		q.timer = time.AfterFunc(maxBehind, func() { q.s.sendBehind(q.base) })
+	q.arm()
+}
+
+// arm starts the clock of maxBehind for what q holds, unless it runs; q is locked.
+func (q *behind) arm() {
+	if q.timer == nil && len(q.items) > 0 {
+		q.timer = time.AfterFunc(maxBehind, func() { q.flush() })
 	}
+}
+
+// takeUnbroken is take, unless a deferred claim of q failed: then q stays as it is, unlocked, and the error says
+// so.
+func (q *behind) takeUnbroken() ([]*behindWrite, error) {
+	items := q.take()
+	if q.broken == nil {
+		return items, nil
+	}
+	err := fmt.Errorf("journal: a claim deferred ahead of this call was not written: %w", q.broken)
+	q.items = append(items, q.items...)
+	q.arm()
+	q.mu.Unlock()
+	return nil, err
+}
+
+// flush sends what q holds, alone, in one batch.
+func (q *behind) flush() error {
+	items := q.take()
+	if len(items) == 0 {
+		q.mu.Unlock()
+		return nil
+	}
+	err := q.s.sendItems(q.base, items)
+	q.land(items, err)
+	return err
 }
 
 // take locks q and takes what it holds; the caller sends it and gives it back to land, which unlocks q.
@@ -133,6 +169,9 @@ func (q *behind) land(items []*behindWrite, err error) {
 			w.err = fmt.Errorf("%w: %w", errBehindNotSent, err)
 		default:
 			w.err = errBehindNotSent
+		}
+		if w.fence && w.err != nil && q.broken == nil {
+			q.broken = w.err
 		}
 		if w.landed != nil {
 			if f := w.landed(w.tag, w.err); f != nil {
@@ -181,18 +220,22 @@ func (e behindFailed) Error() string {
 func (e behindFailed) Unwrap() error { return e.err }
 
 // sendBehind sends what ctx's queue for s holds, alone, in one batch. Every call of the store does this first
-// (begin): nothing it writes overtakes a deferred write of the same context.
+// (begin): nothing it writes overtakes a deferred write of the same context, and nothing runs after a deferred
+// claim that failed.
 func (s *PostgresStore) sendBehind(ctx context.Context) error {
 	q := s.behindOf(ctx)
 	if q == nil {
 		return nil
 	}
-	items := q.take()
+	items, err := q.takeUnbroken()
+	if err != nil {
+		return err
+	}
 	if len(items) == 0 {
 		q.mu.Unlock()
 		return nil
 	}
-	err := s.sendItems(q.base, items)
+	err = s.sendItems(q.base, items)
 	q.land(items, err)
 	if err != nil {
 		return s.fail(ctx, "deferred write", err)
@@ -316,17 +359,21 @@ func closeErr(cerr, readErr error) error {
 
 // carry takes what ctx's queue for s holds, for the caller to send in front of its own statement, in the same
 // batch; done must then be called once, with the batch's error. Nothing queued: items is empty, done does nothing.
-func (s *PostgresStore) carry(ctx context.Context) (items []*behindWrite, done func(error)) {
+// A deferred claim of the context that failed: an error, and the caller sends nothing.
+func (s *PostgresStore) carry(ctx context.Context) (items []*behindWrite, done func(error), err error) {
+	nothing := func(error) {}
 	q := s.behindOf(ctx)
 	if q == nil {
-		return nil, func(error) {}
+		return nil, nothing, nil
 	}
-	items = q.take()
+	if items, err = q.takeUnbroken(); err != nil {
+		return nil, nothing, err
+	}
 	if len(items) == 0 {
 		q.mu.Unlock()
-		return nil, func(error) {}
+		return nil, nothing, nil
 	}
-	return items, func(err error) { q.land(items, err) }
+	return items, func(err error) { q.land(items, err) }, nil
 }
 
 // Later is the outcome of a deferred write, known once it is sent.
@@ -344,7 +391,7 @@ func (l *Later) Land() error {
 	done := l.done
 	l.q.mu.Unlock()
 	if !done {
-		l.q.s.sendBehind(l.q.base)
+		l.q.flush()
 	}
 	l.q.mu.Lock()
 	defer l.q.mu.Unlock()
@@ -377,6 +424,7 @@ func ClaimBehind(ctx context.Context, s Store, r Record) (rec Record, claimed bo
 		return Record{}, false, nil, err
 	}
 	l := &Later{q: q, w: t.w}
+	t.w.fence = true
 	t.w.landed = func(_ pgconn.CommandTag, err error) func() {
 		if hasCode(err, "23505") {
 			err = fmt.Errorf("%w: %s", ErrExists, rec.ID)

@@ -14,7 +14,8 @@ import (
 // TestPostgresADeferredWriteRidesWithTheNextStatementAndNothingOvertakesIt: a claim deferred in a request's context
 // is not written until the store sends something for that context; then it goes first, whatever the call (a read
 // sees it); another context does not send it. A deferred claim that finds a record there fails the batch it rides
-// in: the claim carrying it is not written either, and its outcome says ErrExists. Left alone, a deferred write
+// in: the claim carrying it is not written either, its outcome says ErrExists, and nothing the context sends after
+// it runs. Left alone, a deferred write
 // goes by itself after maxBehind.
 func TestPostgresADeferredWriteRidesWithTheNextStatementAndNothingOvertakesIt(t *testing.T) {
 	throughEitherWay(t, testPostgresADeferredWriteRidesWithTheNextStatementAndNothingOvertakesIt)
@@ -79,6 +80,16 @@ func testPostgresADeferredWriteRidesWithTheNextStatementAndNothingOvertakesIt(t 
 	}
 	if found(other, bg, base+4) {
 		t.Fatal("the claim that carried a deferred claim that failed was written")
+	}
+	// Nothing the context sends after it runs, whatever the call; the end of its request's flush has nothing to say.
+	if _, _, err := s.Get(ctx, claimOf(base+4).ID); err == nil {
+		t.Fatal("a read of a context whose deferred claim failed ran")
+	}
+	if _, claimed, err := s.Claim(ctx, claimOf(base+4)); err == nil || claimed || found(other, bg, base+4) {
+		t.Fatalf("a Claim of a context whose deferred claim failed = %v, %v; want an error, nothing claimed", claimed, err)
+	}
+	if err := Flush(ctx); err != nil {
+		t.Fatalf("Flush of a context whose deferred claim failed, with nothing queued = %v", err)
 	}
 
 	// Left alone, it goes after maxBehind.

@@ -90,7 +90,10 @@ func (s *PostgresStore) updateKnownIdle(ctx context.Context, prev Record, fn fun
 		return Record{}, false, err
 	}
 	var written bool
-	items, done := s.carry(ctx)
+	items, done, err := s.carry(ctx)
+	if err != nil {
+		return Record{}, false, err
+	}
 	err = retrySafe(func() error {
 		return s.rowCarrying(wctx, items, `WITH written AS (
 	UPDATE x402_records SET state = $2, async = $3, pending = $4, kept_until_ns = $5, served_ns = $6, data = $7
