@@ -62,3 +62,35 @@ func TestADeferredGateRecordThatFindsAnotherRequestsLeavesNoEngineClaim(t *testi
 		t.Fatalf("the payer lost %s and the seller gained %s; want nothing sent", lost, gained)
 	}
 }
+
+// TestADeferredFinalAnswerDoesNotWaitOnASlowUpstream: settled before its upstream runs, a payment's final answer
+// (and its funds hold's end) is deferred to ride with the gate's last write, after the upstream. An upstream that
+// takes its time must not keep it unwritten: within about a second it goes alone, so the payer's funds do not look
+// held meanwhile, and the record reads final while the upstream still works.
+func TestADeferredFinalAnswerDoesNotWaitOnASlowUpstream(t *testing.T) {
+	st, err := journal.OpenPostgres(context.Background(), pgtest.Shared(t), journal.Options{InstanceTTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	var engineID journal.ID
+	var during journal.Record
+	var duringErr error
+	e := newEnv(t, setup{settle: gate.SettleBefore, journal: st, upstream: gate.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		time.Sleep(1500 * time.Millisecond)
+		during, _, duringErr = st.Get(context.Background(), engineID)
+		_, err := w.Write([]byte("paid content"))
+		return err
+	})})
+	waitShares(t, e)
+	payer := e.c.Payers[0]
+	header := e.signFor(payer, e.required(x402.TransferPermit2))
+	_, engineID = paymentIDs(t, e, header)
+	if a := e.get(x402.HeaderPaymentSignature, header); a.status != http.StatusOK {
+		t.Fatalf("the payment = %d %q; want 200", a.status, a.body)
+	}
+	if duringErr != nil || during.State != journal.StateFinal || during.Response == nil || !during.Response.Success {
+		t.Fatalf("1.5 s into the upstream, after the payment settled, the engine's record is %s answering %+v (%v); want final, its deferred write sent alone",
+			during.State, during.Response, duringErr)
+	}
+}
