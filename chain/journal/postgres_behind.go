@@ -379,9 +379,8 @@ func (s *PostgresStore) carry(ctx context.Context) (items []*behindWrite, done f
 // Later is the outcome of a deferred write, known once it is sent.
 type Later struct {
 	q    *behind
-	w    *behindWrite
-	err  error
-	done bool
+	err  error // guarded by q.mu
+	done bool  // guarded by q.mu
 }
 
 // Land sends the write if it is still queued (and what is queued before it), and returns its outcome: nil once
@@ -423,7 +422,7 @@ func ClaimBehind(ctx context.Context, s Store, r Record) (rec Record, claimed bo
 	if err != nil {
 		return Record{}, false, nil, err
 	}
-	l := &Later{q: q, w: t.w}
+	l := &Later{q: q}
 	t.w.fence = true
 	t.w.landed = func(_ pgconn.CommandTag, err error) func() {
 		if hasCode(err, "23505") {
