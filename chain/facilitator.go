@@ -426,6 +426,10 @@ func (f *Facilitator) Close() error {
 // Networks lists the configured CAIP-2 networks in configuration order.
 func (f *Facilitator) Networks() []string { return append([]string(nil), f.order...) }
 
+// SharesJournal reports whether s is this engine's settlement journal: a gate writing to it may defer its writes
+// into the engine's (journal.Defer), as they go to one database.
+func (f *Facilitator) SharesJournal(s journal.Store) bool { return f.journal == s }
+
 // Wallets lists the settlement wallet addresses of a network.
 func (f *Facilitator) Wallets(networkID string) []common.Address {
 	if n := f.networks[networkID]; n != nil {

@@ -530,6 +530,32 @@ func (f *Facilitator) finalise(ctx context.Context, n *network, id journal.ID, r
 			zap.String("payment", id.String()), zap.String("tx", receipt.TxHash.Hex()), zap.Bool("success", resp.Success), zap.Error(holdErr))
 		return resp
 	}
+	if together {
+		// Within a paid request a gate serves on the same journal (journal.Defer), the final answer and the hold's
+		// end ride with the gate's own final write, in its batch: the record stays broadcast until then (at most
+		// a second), which reconciliation resolves from the receipt should this process die meanwhile. The record
+		// this settlement signed is broadcast, not decided: the answer is this receipt's.
+		hash, settled := receipt.TxHash.Hex(), resp
+		// It may run again, where the write lands (see journal.UpdateKnownHoldMinedBehind): it reads only its own.
+		final := func(r *journal.Record) error {
+			if r.State == journal.StateFinal {
+				return nil // decided before: that answer stays
+			}
+			answer := settled
+			r.State, r.Response, r.TxHash = journal.StateFinal, &answer, hash
+			return nil
+		}
+		if _, deferred := journal.UpdateKnownHoldMinedBehind(context.WithoutCancel(ctx), n.funds.shared, known, receipt.BlockNumber.Uint64(), final, func(err error) {
+			if err != nil {
+				f.log.Warn("recording a settled payment's final answer with the end of its funds hold; its record stays broadcast until reconciliation records both",
+					zap.String("payment", id.String()), zap.String("tx", hash), zap.Error(err))
+			}
+		}); deferred {
+			f.log.Info("settlement final", zap.String("network", n.caip2), zap.String("payer", payer), zap.String("amount", amount),
+				zap.String("tx", hash), zap.Bool("success", true), zap.Uint64("block", receipt.BlockNumber.Uint64()))
+			return resp
+		}
+	}
 	decidedBefore := false
 	update := func(ctx context.Context, id journal.ID, fn func(*journal.Record) error) (journal.Record, error) {
 		return f.journal.Update(ctx, id, fn)

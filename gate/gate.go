@@ -270,6 +270,10 @@ type Gate struct {
 	// versioned is the embedded facilitator, when its /supported answer changes while it runs (see
 	// supportedVersioner); nil otherwise.
 	versioned supportedVersioner
+	// behind: fac is the embedded engine on this gate's own journal, so a paid request's writes to it may ride in
+	// the engine's batches and the engine's in the gate's (journal.Defer). Never with a facilitator elsewhere: the
+	// gate's record must be written before a settlement request leaves the process.
+	behind bool
 }
 
 // New makes a gate that verifies and settles with fac and records payments in store, claiming them as owner
@@ -334,6 +338,9 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 	}
 	g := &Gate{cfg: cfg, fac: fac, store: store, owner: owner, registry: x402.NewRegistry(),
 		metrics: cfg.Metrics, logger: cfg.Logger, now: cfg.Now}
+	if sj, ok := fac.(interface{ SharesJournal(journal.Store) bool }); ok && cfg.Embedded {
+		g.behind = sj.SharesJournal(store)
+	}
 	if g.metrics == nil {
 		g.metrics = noMetrics{}
 	}

@@ -51,6 +51,11 @@ type exchange struct {
 	recorded *journal.Record
 	// idled: the journal's in-flight mark of the payment was cleared with its served mark (markServed).
 	idled bool
+	// jctx is the context of this request's journal writes when they may be deferred into the embedded engine's
+	// (journal.Defer; see Gate.behind), nil otherwise: see journalCtx.
+	jctx context.Context
+	// claimLater is the outcome of the gate's record, deferred to ride with the engine's claim (record).
+	claimLater *journal.Later
 
 	headers    http.Header // the response headers before the upstream ran, restored when the gate answers itself
 	retryAfter string      // the Retry-After of the gate's own 502, when it knows when to present the payment again
@@ -124,6 +129,11 @@ func (x *exchange) run() error {
 		return x.alreadyUsed("another request is presenting this payment right now; wait for its answer instead of paying again")
 	}
 	defer func() { x.g.ledger.releaseIdled(p.id, x.idled) }()
+	if x.g.behind {
+		// Sent before the in-flight mark is cleared, whatever happened: no deferred write outlives the request.
+		x.jctx = journal.Defer(context.WithoutCancel(x.r.Context()), x.g.ledger.store)
+		defer x.flushBehind()
+	}
 	switch {
 	case found:
 		return x.presentedAgain(rec, p)
@@ -484,14 +494,16 @@ func samePayload(a, b x402.ExactEVMPayload) bool {
 // process left, and a payment whose settlement may have been sent must stay known, so that presenting it
 // again settles it from the journal and serves it.
 func (x *exchange) record() error {
-	return x.claim(context.WithoutCancel(x.r.Context()), func(r *journal.Record) {
+	return x.claim(x.journalCtx(), true, func(r *journal.Record) {
 		r.State, r.Response = journal.StateFinal, requestedSettlement(x.req.PaymentRequirements.Network, x.payer)
 	})
 }
 
 // claim writes the gate's record of the payment (what it is, and the request to settle it with), changed by
-// edit when given; errRecordedElsewhere when the journal holds one already.
-func (x *exchange) claim(ctx context.Context, edit func(*journal.Record)) error {
+// edit when given; errRecordedElsewhere when the journal holds one already. later lets the write ride with the
+// embedded engine's claim, when ctx allows (journal.ClaimBehind): its outcome is then x.claimLater's, which
+// settleThenServe reads once the engine answered.
+func (x *exchange) claim(ctx context.Context, later bool, edit func(*journal.Record)) error {
 	body, err := json.Marshal(x.req)
 	if err != nil {
 		return err
@@ -506,7 +518,13 @@ func (x *exchange) claim(ctx context.Context, edit func(*journal.Record)) error 
 	if edit != nil {
 		edit(&rec)
 	}
-	written, claimed, err := x.g.ledger.store.Claim(ctx, rec)
+	var written journal.Record
+	var claimed bool
+	if later {
+		written, claimed, x.claimLater, err = journal.ClaimBehind(ctx, x.g.ledger.store, rec)
+	} else {
+		written, claimed, err = x.g.ledger.store.Claim(ctx, rec)
+	}
 	if err == nil && !claimed {
 		err = errRecordedElsewhere
 	}
@@ -533,12 +551,22 @@ func (x *exchange) recordFailed(err error) error {
 // settleThenServe settles the recorded payment and serves it once settled: with up, the response the upstream
 // already gave; without, the upstream is called now.
 func (x *exchange) settleThenServe(up *upstream) error {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(x.r.Context()), settleTimeout)
+	ctx, cancel := context.WithTimeout(x.journalCtx(), settleTimeout)
 	defer cancel()
 	t := x.g.now()
 	req := x.settleRequest()
 	resp, err := x.g.fac.Settle(ctx, req)
 	x.settleMs = msSince(x.g.now, t)
+	if x.claimLater != nil {
+		// The gate's record rode with the engine's claim (or goes now, if the engine wrote nothing): one that found
+		// another request's record there stopped the engine's claim with it, and nothing was sent.
+		if err := x.claimLater.Land(); err != nil {
+			if errors.Is(err, journal.ErrExists) {
+				err = errRecordedElsewhere
+			}
+			return x.recordFailed(err)
+		}
+	}
 	if err != nil {
 		if errors.Is(err, x402.ErrNotSent) && !x.resend {
 			// Surely never reached the facilitator: a refusal of the payment presented again is then final.
@@ -678,7 +706,7 @@ func (x *exchange) settledOutcome(resp x402.SettleResponse) x402.PaymentOutcome 
 // response is out, so a response cut short can be had by presenting the payment again.
 func (x *exchange) serveAsync(up *upstream) error {
 	x.decideCharge(up)
-	err := x.claim(context.WithoutCancel(x.r.Context()), func(r *journal.Record) { r.Async = true })
+	err := x.claim(x.journalCtx(), false, func(r *journal.Record) { r.Async = true })
 	if err != nil {
 		return x.recordFailed(err)
 	}
@@ -750,7 +778,7 @@ var errServed = errors.New("the payment was served already")
 // the journal's in-flight mark in the same write where the journal can (x.idled): the payment is never seen
 // unmarked before it is seen served.
 func (x *exchange) markServed(settled *x402.SettleResponse) {
-	ctx, at := context.WithoutCancel(x.r.Context()), x.g.now().UTC()
+	ctx, at := x.journalCtx(), x.g.now().UTC()
 	var err error
 	if settled == nil {
 		x.idled, err = journal.MarkServedIdle(ctx, x.g.ledger.store, x.id, at)
@@ -780,12 +808,29 @@ func (x *exchange) markServed(settled *x402.SettleResponse) {
 // note updates the gate's record of the payment. A failure is logged, not answered: the payment's fate is
 // decided by then, and the record only helps a later presentation of it.
 func (x *exchange) note(edit func(*journal.Record)) {
-	_, err := x.g.ledger.store.Update(context.WithoutCancel(x.r.Context()), x.id, func(r *journal.Record) error {
+	_, err := x.g.ledger.store.Update(x.journalCtx(), x.id, func(r *journal.Record) error {
 		edit(r)
 		return nil
 	})
 	if err != nil {
 		x.g.logger.Error("updating the gate's journal record of a payment", zap.String("payment", x.id.String()), zap.Error(err))
+	}
+}
+
+// journalCtx is the context of this request's journal writes: its own, not cancelled with it, carrying its queue
+// of deferred writes when there is one (run).
+func (x *exchange) journalCtx() context.Context {
+	if x.jctx != nil {
+		return x.jctx
+	}
+	return context.WithoutCancel(x.r.Context())
+}
+
+// flushBehind sends what the request's journal writes left deferred (the engine's final answer, when the gate
+// wrote nothing after it): the engine's answer stands either way, and reconciliation records it from the chain.
+func (x *exchange) flushBehind() {
+	if err := journal.Flush(x.jctx); err != nil {
+		x.g.logger.Error("writing a payment's deferred journal writes", zap.String("payment", x.id.String()), zap.Error(err))
 	}
 }
 

@@ -253,10 +253,18 @@ func (s *PostgresStore) Close() error {
 	return nil
 }
 
-// begin checks that a call may start, and returns the context its database work runs under: the caller's for a
-// read; for a write, one that the caller's cancellation no longer reaches once the write is under way, bounded
-// by pgWriteTimeout.
+// begin checks that a call may start, sends what ctx's queue of deferred writes holds (postgres_behind.go), and
+// returns the context its database work runs under: the caller's for a read; for a write, one that the caller's
+// cancellation no longer reaches once the write is under way, bounded by pgWriteTimeout.
 func (s *PostgresStore) begin(ctx context.Context, write bool) (context.Context, context.CancelFunc, error) {
+	if err := s.sendBehind(ctx); err != nil {
+		return nil, nil, err
+	}
+	return s.start(ctx, write)
+}
+
+// start is begin without the deferred writes: for a call that sends them in its own batch (carry).
+func (s *PostgresStore) start(ctx context.Context, write bool) (context.Context, context.CancelFunc, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, nil, err
 	}
@@ -598,8 +606,13 @@ func (t pgClaimTxn) put(_, next *Record) error {
 
 func (pgClaimTxn) del(*Record) error { return errors.New("journal: a claim deletes nothing") }
 
-// Claim implements Store.
+// Claim implements Store. Deferred writes of ctx (postgres_behind.go) ride in the batch of its insert.
 func (s *PostgresStore) Claim(ctx context.Context, r Record) (Record, bool, error) {
+	if items, done, err := s.carry(ctx); err != nil {
+		return Record{}, false, err
+	} else if len(items) > 0 {
+		return s.claimCarrying(ctx, r, items, done)
+	}
 	wctx, cancel, err := s.begin(ctx, true)
 	if err != nil {
 		return Record{}, false, err

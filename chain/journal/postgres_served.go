@@ -71,7 +71,8 @@ func (s *PostgresStore) updateKnownIdle(ctx context.Context, prev Record, fn fun
 		rec, err := s.Update(ctx, prev.ID, fn)
 		return rec, false, err
 	}
-	wctx, cancel, err := s.begin(ctx, true)
+	// Deferred writes of ctx (postgres_behind.go: the engine's final answer) ride in its batch, below.
+	wctx, cancel, err := s.start(ctx, true)
 	if err != nil {
 		return Record{}, false, err
 	}
@@ -89,16 +90,21 @@ func (s *PostgresStore) updateKnownIdle(ctx context.Context, prev Record, fn fun
 		return Record{}, false, err
 	}
 	var written bool
+	items, done, err := s.carry(ctx)
+	if err != nil {
+		return Record{}, false, err
+	}
 	err = retrySafe(func() error {
-		return s.pool.QueryRow(wctx, `WITH written AS (
+		return s.rowCarrying(wctx, items, `WITH written AS (
 	UPDATE x402_records SET state = $2, async = $3, pending = $4, kept_until_ns = $5, served_ns = $6, data = $7
 	WHERE id = $1 AND data = $8 AND served_ns IS NULL RETURNING 1
 ), idle AS (
 	DELETE FROM x402_busy WHERE id = $1 AND owner = $9 AND EXISTS (SELECT 1 FROM written)
 )
 SELECT EXISTS (SELECT 1 FROM written)`,
-			next.ID[:], string(next.State), next.Async, row.pending, row.keptNS, row.servedNS, row.data, was, s.instance).Scan(&written)
+			[]any{next.ID[:], string(next.State), next.Async, row.pending, row.keptNS, row.servedNS, row.data, was, s.instance}, &written)
 	})
+	done(err)
 	if err != nil {
 		return Record{}, false, s.fail(ctx, "update", err)
 	}
