@@ -65,6 +65,8 @@ type PostgresStore struct {
 	lifeCount uint64    // Continuity
 
 	pruneRates sync.Once // starts pruneRateBuckets at the first TakeToken
+
+	readsAnswerFor atomic.Int64 // the longest a funds read answers for, in nanoseconds (see ReadsAnswerFor)
 }
 
 // OpenPostgres connects to the PostgreSQL database dsn names (a URL, postgres://user:password@host:port/db, or
@@ -1040,7 +1042,7 @@ func holdOfRow(key string, id []byte, amount, deadline, mined string, nonce *str
 
 // HoldMined implements Cluster; the first block recorded stays.
 func (s *PostgresStore) HoldMined(ctx context.Context, id ID, block uint64) error {
-	return s.execWrite(ctx, "hold mined", `UPDATE x402_holds SET mined = $2::numeric WHERE id = $1 AND mined = 0`, id[:], strconv.FormatUint(block, 10))
+	return s.execWrite(ctx, "hold mined", `UPDATE x402_holds SET mined = $2::numeric, mined_at = now() WHERE id = $1 AND mined = 0`, id[:], strconv.FormatUint(block, 10))
 }
 
 // Unhold implements Cluster.

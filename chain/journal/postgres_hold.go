@@ -77,9 +77,11 @@ FROM recorded r CROSS JOIN fits f LEFT JOIN holds h ON true
 ORDER BY h.held_at, h.id`
 
 // pgDeleteHoldsPast deletes the holds of key $1 that no longer count at readBlock $2 and chainTime $3 (see
-// Cluster.Hold).
+// Cluster.Hold) for any reader: a mined one only once it was marked mined more than $4 microseconds ago
+// (minedHoldsKept), for another instance's older read may still count it (postgres_mined.go).
 const pgDeleteHoldsPast = `DELETE FROM x402_holds WHERE hold_key = $1
-AND ((mined <> 0 AND mined <= $2::numeric) OR (mined = 0 AND deadline < $3::numeric))`
+AND ((mined <> 0 AND mined <= $2::numeric AND (mined_at IS NULL OR mined_at < now() - $4::bigint * interval '1 microsecond'))
+	OR (mined = 0 AND deadline < $3::numeric))`
 
 // holdInOne is Hold with take in one round trip (see above). With unrecordedOnly, a record of h.ID refuses the
 // hold: nothing of h is written, and recorded says so (ok and left unset).
@@ -94,7 +96,7 @@ func (s *PostgresStore) holdInOne(ctx context.Context, h Hold, avail *big.Int, r
 		recorded, fits, holds = false, false, nil
 		b.Queue(`INSERT INTO x402_hold_keys (hold_key) VALUES ($1) ON CONFLICT (hold_key) DO NOTHING`, h.Key)
 		b.Queue(`SELECT hold_key FROM x402_hold_keys WHERE hold_key = $1 FOR UPDATE`, h.Key)
-		b.Queue(pgDeleteHoldsPast, h.Key, block, at)
+		b.Queue(pgDeleteHoldsPast, h.Key, block, at, s.minedHoldsKept().Microseconds())
 		b.Queue(pgHoldSQL, args...).Query(func(rows pgx.Rows) (err error) {
 			recorded, fits, holds, err = scanHoldDecision(rows, h.Key)
 			return err

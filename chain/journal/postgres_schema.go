@@ -89,6 +89,12 @@ CREATE TABLE IF NOT EXISTS x402_rate_buckets (
 );
 CREATE INDEX IF NOT EXISTS x402_rate_buckets_at ON x402_rate_buckets (at);
 `,
+	// 4: when a hold was marked mined, by the database's clock: a hold mined after another instance's funds read
+	// still counts for that read, so its row stays until no read older than its block can still answer (see
+	// postgres_mined.go). NULL, a hold marked before this migration, is a mark made long ago.
+	`
+ALTER TABLE x402_holds ADD COLUMN IF NOT EXISTS mined_at timestamptz;
+`,
 }
 
 // ErrSchemaTooNew: OpenPostgres found a database migrated by a newer release than this one, whose schema this
