@@ -210,8 +210,9 @@ func (s *PostgresStore) heartbeat() {
 // beat moves this instance's expiry a TTL ahead of the database's clock, inserting its row if it is gone.
 func (s *PostgresStore) beat(ctx context.Context) error {
 	sent := time.Now()
-	_, err := s.pool.Exec(ctx, `INSERT INTO x402_instances (token, expires_at) VALUES ($1, now() + $2 * interval '1 microsecond')
-ON CONFLICT (token) DO UPDATE SET expires_at = EXCLUDED.expires_at`, s.instance, s.ttl.Microseconds())
+	_, err := s.pool.Exec(ctx, `INSERT INTO x402_instances (token, expires_at, reads_answer_for_us) VALUES ($1, now() + $2 * interval '1 microsecond', $3)
+ON CONFLICT (token) DO UPDATE SET expires_at = EXCLUDED.expires_at, reads_answer_for_us = EXCLUDED.reads_answer_for_us`,
+		s.instance, s.ttl.Microseconds(), s.readsAnswerFor.Load()/1000)
 	if err == nil {
 		s.lifeMu.Lock()
 		s.lapsedLocked(sent) // a beat after a gap: the row may have expired in it

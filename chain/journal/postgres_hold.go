@@ -77,10 +77,12 @@ FROM recorded r CROSS JOIN fits f LEFT JOIN holds h ON true
 ORDER BY h.held_at, h.id`
 
 // pgDeleteHoldsPast deletes the holds of key $1 that no longer count at readBlock $2 and chainTime $3 (see
-// Cluster.Hold) for any reader: a mined one only once it was marked mined more than $4 microseconds ago
-// (minedHoldsKept), for another instance's older read may still count it (postgres_mined.go).
+// Cluster.Hold) for any reader: a mined one only once it was marked mined longer ago than any instance's funds
+// read answers for (the longest of $5 microseconds, this instance's, and what the instances' rows say) and $4
+// microseconds more (postgres_mined.go), for another instance's older read may still count it.
 const pgDeleteHoldsPast = `DELETE FROM x402_holds WHERE hold_key = $1
-AND ((mined <> 0 AND mined <= $2::numeric AND (mined_at IS NULL OR mined_at < now() - $4::bigint * interval '1 microsecond'))
+AND ((mined <> 0 AND mined <= $2::numeric AND (mined_at IS NULL OR mined_at < now() - ($4::bigint
+		+ greatest($5::bigint, (SELECT coalesce(max(reads_answer_for_us), 0) FROM x402_instances))) * interval '1 microsecond'))
 	OR (mined = 0 AND deadline < $3::numeric))`
 
 // holdInOne is Hold with take in one round trip (see above). With unrecordedOnly, a record of h.ID refuses the
@@ -96,7 +98,7 @@ func (s *PostgresStore) holdInOne(ctx context.Context, h Hold, avail *big.Int, r
 		recorded, fits, holds = false, false, nil
 		b.Queue(`INSERT INTO x402_hold_keys (hold_key) VALUES ($1) ON CONFLICT (hold_key) DO NOTHING`, h.Key)
 		b.Queue(`SELECT hold_key FROM x402_hold_keys WHERE hold_key = $1 FOR UPDATE`, h.Key)
-		b.Queue(pgDeleteHoldsPast, h.Key, block, at, s.minedHoldsKept().Microseconds())
+		b.Queue(pgDeleteHoldsPast, h.Key, block, at, s.minedHoldsSlack().Microseconds(), s.readsAnswerFor.Load()/1000)
 		b.Queue(pgHoldSQL, args...).Query(func(rows pgx.Rows) (err error) {
 			recorded, fits, holds, err = scanHoldDecision(rows, h.Key)
 			return err

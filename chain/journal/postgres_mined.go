@@ -1,6 +1,9 @@
 package journal
 
-import "time"
+import (
+	"context"
+	"time"
+)
 
 // A hold marked mined no longer counts for a funds read at or after its block, which shows its transfer; for a
 // read older than its block it still counts, or the payer's funds would be counted twice: once in the read, which
@@ -14,9 +17,16 @@ import "time"
 //
 // A read older than its block, wherever the read came from, was made before the transfer was seen mined and the
 // hold marked: it answers for at most the longest time a read answers for (ReadsAnswerFor) after it came back,
-// which is its chain round trips after it was asked. minedHoldsKept adds Options.MinedHoldsKept to that longest
+// which is its chain round trips after it was asked. The deletion adds Options.MinedHoldsKept to that longest
 // time, for those round trips and the hold's own to the database. Rows stay for that long and no longer, so a
 // busy payer's key holds its last minute or so of payments, not every one.
+//
+// The instances of a cluster may answer from their reads for different times (a config of their own each, or a
+// reload's old and new config): the one deleting must keep the hold for the longest of them, not for its own.
+// Each instance writes how long its reads answer for into its row of x402_instances (with every heartbeat, and
+// at once when it is told a longer time), and the deletion takes the longest of every row there and its own. An
+// instance gone keeps its row, and its time, until it is cleaned up a day later: mined holds are kept longer
+// meanwhile, never shorter.
 
 const (
 	// defaultMinedHoldsKept is Options.MinedHoldsKept when unset.
@@ -26,28 +36,40 @@ const (
 )
 
 // ReadsAnswerFor tells the store that a funds read of this process may answer for up to d after it came back
-// (the engine's FundsCacheTTL), so that a hold marked mined is kept at least that long, and Options.MinedHoldsKept
-// more, for the reads that do not show its transfer. The longest d told stays: several engines (networks, a
-// reload's old and new config) may share one store.
+// (the engine's FundsCacheTTL), so that every instance of the cluster keeps a hold marked mined at least that
+// long, and Options.MinedHoldsKept more, for the reads that do not show its transfer. The longest d told stays:
+// several engines (networks, a reload's old and new config) may share one store. The other instances learn it
+// from this instance's row, written at once (the heartbeat writes it again, should this write fail).
 func (s *PostgresStore) ReadsAnswerFor(d time.Duration) {
 	for {
 		was := s.readsAnswerFor.Load()
-		if int64(d) <= was || s.readsAnswerFor.CompareAndSwap(was, int64(d)) {
+		if int64(d) <= was {
 			return
 		}
+		if s.readsAnswerFor.CompareAndSwap(was, int64(d)) {
+			break
+		}
 	}
+	if s.closed.Load() {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, _ = s.pool.Exec(ctx, `UPDATE x402_instances SET reads_answer_for_us = greatest(reads_answer_for_us, $2) WHERE token = $1`,
+		s.instance, d.Microseconds())
 }
 
-// minedHoldsKept is how long after its mark a mined hold is kept (see above).
-func (s *PostgresStore) minedHoldsKept() time.Duration {
-	slack := s.opts.MinedHoldsKept
-	switch {
+// minedHoldsSlack is Options.MinedHoldsKept, its default and floor applied: how long past the longest a read
+// answers for a mined hold is kept.
+func (s *PostgresStore) minedHoldsSlack() time.Duration {
+	switch slack := s.opts.MinedHoldsKept; {
 	case slack == 0:
-		slack = defaultMinedHoldsKept
+		return defaultMinedHoldsKept
 	case slack < minMinedHoldsKept:
-		slack = minMinedHoldsKept
+		return minMinedHoldsKept
+	default:
+		return slack
 	}
-	return slack + time.Duration(s.readsAnswerFor.Load())
 }
 
 // ReadsAnswerFor is PostgresStore.ReadsAnswerFor for a Cluster that keeps its holds where other processes read

@@ -91,9 +91,11 @@ CREATE INDEX IF NOT EXISTS x402_rate_buckets_at ON x402_rate_buckets (at);
 `,
 	// 4: when a hold was marked mined, by the database's clock: a hold mined after another instance's funds read
 	// still counts for that read, so its row stays until no read older than its block can still answer (see
-	// postgres_mined.go). NULL, a hold marked before this migration, is a mark made long ago.
+	// postgres_mined.go). NULL, a hold marked before this migration, is a mark made long ago. Each instance says
+	// how long its funds reads answer for, so that every instance keeps mined holds for the longest.
 	`
 ALTER TABLE x402_holds ADD COLUMN IF NOT EXISTS mined_at timestamptz;
+ALTER TABLE x402_instances ADD COLUMN IF NOT EXISTS reads_answer_for_us bigint NOT NULL DEFAULT 0;
 `,
 }
 
