@@ -51,11 +51,14 @@ import (
 // text), $11 whether a record of $1 refuses the hold. Every part of a statement sees one snapshot, so the holds it
 // returns are the ones it judged; its insert and its update cannot touch one row (the insert needs h not live,
 // the update needs it live). One row per hold of the key (oldest first, as pgSelectHolds), or one row of NULLs
-// when there is none, each beginning with whether $1 has a record (when asked) and whether h fits.
+// when there is none, each beginning with whether $1 has a record (when asked) and whether h fits. The holds read
+// leave out those mined at or before $9, which count for nobody reading at $9 (decideHold skips them too) and
+// which a busy payer's key keeps for a while (postgres_mined.go).
 const pgHoldSQL = `WITH recorded AS (
 	SELECT $11::boolean AND EXISTS (SELECT 1 FROM x402_records WHERE id = $1::bytea) AS yes
 ), holds AS (
-	SELECT id, amount, deadline, mined, permit_nonce, served, held_at FROM x402_holds WHERE hold_key = $2::text
+	SELECT id, amount, deadline, mined, permit_nonce, served, held_at FROM x402_holds
+	WHERE hold_key = $2::text AND (mined = 0 OR mined > $9::numeric)
 ), live AS (
 	SELECT id, amount FROM holds
 	WHERE NOT ((mined <> 0 AND mined <= $9::numeric) OR (mined = 0 AND deadline < $10::numeric))
