@@ -237,10 +237,24 @@ func (s *PostgresStore) sendBehind(ctx context.Context) error {
 	}
 	err = s.sendItems(q.base, items)
 	q.land(items, err)
-	if err != nil {
+	if err != nil && fenceFailed(items) {
 		return s.fail(ctx, "deferred write", err)
 	}
+	// A deferred write that is no claim and failed was told so (landed): nothing the caller writes depends on it
+	// (the engine's final answer, which reconciliation records should it never be written), and the caller's own
+	// write, a gate's served mark say, must not fail with it.
 	return nil
+}
+
+// fenceFailed reports whether a deferred claim among items, landed, failed: what the context sends after it must
+// not run.
+func fenceFailed(items []*behindWrite) bool {
+	for _, w := range items {
+		if w.fence && w.err != nil {
+			return true
+		}
+	}
+	return false
 }
 
 // sendItems sends items in one batch.
