@@ -135,15 +135,16 @@ func perPayment(rts []roundTrip) (payment []roundTrip) {
 // knows dropped (main had 26 on the path of a payment settled in the request, 12 of one settled async; 28 and up
 // to 40 in all), and writes that must land together merged into one statement (a served mark and the clearing
 // of the in-flight mark; a funds hold's end and its payment's final answer) or reads into one batch (the engine's
-// look for its record and the payer's holds while it verifies), and the gate's writes of a request settled in it
-// ride in the embedded engine's batches and the other way round (journal.Defer), and only go down.
+// look for its record and the payer's holds while it verifies), the gate's writes of a request settled in it
+// ride in the embedded engine's batches and the other way round (journal.Defer), and a funds hold with take
+// decided in the database in one batch, and only go down.
 const (
 	// pathBudgetSync and pathBudgetAsync bound the round trips sent under a paid request's own context, settled
 	// in the request (after or before the upstream) or in the background.
-	pathBudgetSync, pathBudgetAsync = 7, 5
+	pathBudgetSync, pathBudgetAsync = 6, 4
 	// totalBudgetSync and totalBudgetAsync bound a payment's round trips in all, the background settlement of an
 	// async one and the clearing of its in-flight mark included.
-	totalBudgetSync, totalBudgetAsync = 7, 16
+	totalBudgetSync, totalBudgetAsync = 6, 14
 )
 
 func TestAPaidRequestsRoundTripsToPostgreSQLStayWithinItsBudget(t *testing.T) {

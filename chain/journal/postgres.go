@@ -948,8 +948,6 @@ func (s *PostgresStore) Unlease(ctx context.Context, name string) error {
 	return s.execWrite(ctx, "unlease", `UPDATE x402_leases SET owner = '', expires_at = now() WHERE name = $1 AND owner = $2`, name, s.instance)
 }
 
-// Hold implements Cluster. With take, it locks the key's row in x402_hold_keys, so that the holds of one key are
-// decided one at a time across every process, deletes the holds that no longer count, and inserts h when the
 // checkHold refuses a hold whose amount or the funds it is judged against are missing, or a negative amount.
 func checkHold(h Hold, avail *big.Int) error {
 	if h.Amount == nil || avail == nil || h.Amount.Sign() < 0 {
@@ -958,7 +956,9 @@ func checkHold(h Hold, avail *big.Int) error {
 	return nil
 }
 
-// rest leave room for it.
+// Hold implements Cluster. With take, it locks the key's row in x402_hold_keys, so that the holds of one key are
+// decided one at a time across every process, deletes the holds that no longer count, and inserts h when the
+// rest leave room for it: one transaction in one round trip (holdInOne).
 func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, take bool) (bool, *big.Int, error) {
 	if err := checkHold(h, avail); err != nil {
 		return false, nil, err
@@ -973,7 +973,7 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 		left *big.Int
 	)
 	if take {
-		ok, left, err = s.holdInTwo(wctx, h, avail, readBlock, chainTime, nil)
+		_, ok, left, err = s.holdInOne(wctx, h, avail, readBlock, chainTime, false)
 	} else {
 		var holds []Hold
 		if holds, err = queryHolds(wctx, s.pool, h.Key); err == nil {
@@ -1009,24 +1009,33 @@ func scanHolds(rows pgx.Rows, key string) ([]Hold, error) {
 		if err := rows.Scan(&id, &amount, &deadline, &mined, &nonce, &served); err != nil {
 			return nil, err
 		}
-		h := Hold{Key: key, Amount: new(big.Int), Served: served}
-		bad := len(id) != len(h.ID)
-		copy(h.ID[:], id)
-		_, okA := h.Amount.SetString(amount, 10)
-		var errD, errM error
-		h.Deadline, errD = strconv.ParseUint(deadline, 10, 64)
-		h.Mined, errM = strconv.ParseUint(mined, 10, 64)
-		if nonce != nil {
-			var okN bool
-			h.PermitNonce, okN = new(big.Int).SetString(*nonce, 10)
-			bad = bad || !okN
-		}
-		if bad || !okA || errD != nil || errM != nil {
-			return nil, fmt.Errorf("%w: hold %x of %q does not read (amount %q, deadline %q, mined %q)", ErrCorrupt, id, key, amount, deadline, mined)
+		h, err := holdOfRow(key, id, amount, deadline, mined, nonce, served)
+		if err != nil {
+			return nil, err
 		}
 		out = append(out, h)
 	}
 	return out, rows.Err()
+}
+
+// holdOfRow is the hold of key whose columns (numbers as text) a row of x402_holds holds.
+func holdOfRow(key string, id []byte, amount, deadline, mined string, nonce *string, served bool) (Hold, error) {
+	h := Hold{Key: key, Amount: new(big.Int), Served: served}
+	bad := len(id) != len(h.ID)
+	copy(h.ID[:], id)
+	_, okA := h.Amount.SetString(amount, 10)
+	var errD, errM error
+	h.Deadline, errD = strconv.ParseUint(deadline, 10, 64)
+	h.Mined, errM = strconv.ParseUint(mined, 10, 64)
+	if nonce != nil {
+		var okN bool
+		h.PermitNonce, okN = new(big.Int).SetString(*nonce, 10)
+		bad = bad || !okN
+	}
+	if bad || !okA || errD != nil || errM != nil {
+		return Hold{}, fmt.Errorf("%w: hold %x of %q does not read (amount %q, deadline %q, mined %q)", ErrCorrupt, id, key, amount, deadline, mined)
+	}
+	return h, nil
 }
 
 // HoldMined implements Cluster; the first block recorded stays.

@@ -2,7 +2,6 @@ package journal
 
 import (
 	"context"
-	"errors"
 	"math/big"
 
 	"github.com/jackc/pgx/v5"
@@ -61,8 +60,9 @@ func (s *PostgresStore) unrecordedAndCovered(ctx context.Context, h Hold, avail 
 }
 
 // UnrecordedAndHeld is UnrecordedAndCovered with take: h is held (as c.Hold with take holds it) only when c holds
-// no record of h.ID, the record's read going in the hold's transaction, whose first round trip it joins, where the
-// store can (the PostgreSQL store); else the record is read first. A recorded payment holds nothing.
+// no record of h.ID, the record's read going in the statement of the hold's transaction that decides it, where the
+// store can (the PostgreSQL store: one round trip in all); else the record is read first. A recorded payment holds
+// nothing.
 func UnrecordedAndHeld(ctx context.Context, c Cluster, h Hold, avail *big.Int, readBlock, chainTime uint64) (unrecorded, ok bool, left *big.Int, err error) {
 	if u, is := c.(interface {
 		unrecordedAndHeld(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64) (bool, bool, *big.Int, error)
@@ -76,11 +76,8 @@ func UnrecordedAndHeld(ctx context.Context, c Cluster, h Hold, avail *big.Int, r
 	return err == nil, ok, left, err
 }
 
-// errRecorded rolls back the hold of a payment the journal holds a record of.
-var errRecorded = errors.New("journal: the payment has a record")
-
-// unrecordedAndHeld is Hold with take whose transaction reads, with its first batch, whether the record exists,
-// and rolls back when it does.
+// unrecordedAndHeld is Hold with take whose deciding statement reads whether the record exists, and holds
+// nothing when it does (holdInOne).
 func (s *PostgresStore) unrecordedAndHeld(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64) (bool, bool, *big.Int, error) {
 	if err := checkHold(h, avail); err != nil {
 		return false, false, nil, err
@@ -90,21 +87,12 @@ func (s *PostgresStore) unrecordedAndHeld(ctx context.Context, h Hold, avail *bi
 		return false, false, nil, err
 	}
 	defer cancel()
-	ok, left, err := s.holdInTwo(wctx, h, avail, readBlock, chainTime, func(b *pgx.Batch) func() error {
-		var known bool
-		queueRecorded(b, h.ID, &known)
-		return func() error {
-			if known {
-				return errRecorded
-			}
-			return nil
-		}
-	})
+	recorded, ok, left, err := s.holdInOne(wctx, h, avail, readBlock, chainTime, true)
 	switch {
-	case errors.Is(err, errRecorded):
-		return false, false, nil, nil
 	case err != nil:
 		return false, false, nil, s.fail(ctx, "hold", err)
+	case recorded:
+		return false, false, nil, nil
 	}
 	return true, ok, left, nil
 }

@@ -168,47 +168,9 @@ func (s *PostgresStore) fenceCheck(lease string, fence uint64) func(*pgx.Batch) 
 	}
 }
 
-// holdInTwo is Hold with take in two round trips (see txInTwo): the lock of the key's row, the deletion of the
-// holds that no longer count and the read of the rest go with BEGIN; the insert of h (or its served mark) with
-// COMMIT. check, when given, is queued first, as updateInTwo's: an error from what it reads rolls it all back.
-func (s *PostgresStore) holdInTwo(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, check func(*pgx.Batch) func() error) (ok bool, left *big.Int, err error) {
-	var holds []Hold
-	var checked func() error
-	err = s.txInTwo(ctx, func(b *pgx.Batch) {
-		holds = nil
-		if check != nil {
-			checked = check(b)
-		}
-		b.Queue(`INSERT INTO x402_hold_keys (hold_key) VALUES ($1) ON CONFLICT (hold_key) DO NOTHING`, h.Key)
-		b.Queue(`SELECT hold_key FROM x402_hold_keys WHERE hold_key = $1 FOR UPDATE`, h.Key)
-		b.Queue(`DELETE FROM x402_holds WHERE hold_key = $1
-AND ((mined <> 0 AND mined <= $2::numeric) OR (mined = 0 AND deadline < $3::numeric))`,
-			h.Key, strconv.FormatUint(readBlock, 10), strconv.FormatUint(chainTime, 10))
-		b.Queue(pgSelectHolds, h.Key).Query(func(rows pgx.Rows) (err error) {
-			holds, err = scanHolds(rows, h.Key)
-			return err
-		})
-	}, func(b *pgx.Batch) error {
-		if checked != nil {
-			if err := checked(); err != nil {
-				return err
-			}
-		}
-		var held bool
-		ok, left, held = decideHold(holds, h, avail, readBlock, chainTime)
-		switch {
-		case held && h.Served:
-			b.Queue(`UPDATE x402_holds SET served = true WHERE id = $1 AND NOT served`, h.ID[:])
-		case !held && ok:
-			b.Queue(pgInsertHold, holdArgs(h)...)
-		}
-		return nil
-	})
-	return ok, left, err
-}
-
 // decideHold is what Hold decides from the holds of h's key: whether h is held or covered (ok), what the key's
-// funds cover beside the other holds (left), and whether h was held already.
+// funds cover beside the other holds (left), and whether h was held already. pgHoldSQL states the same rule in
+// the database, where a hold with take is decided (postgres_hold.go): change both or neither.
 func decideHold(holds []Hold, h Hold, avail *big.Int, readBlock, chainTime uint64) (ok bool, left *big.Int, held bool) {
 	others := new(big.Int)
 	for _, o := range holds {

@@ -40,8 +40,8 @@ import (
 //	simple_protocol  1      4       1            5      7     works: parameters interpolated client-side
 //	describe_exec    2      6       2            8      12    works: a Describe round trip before every statement
 //
-// (Measured before a transaction was sent as two pipelined batches, postgres_pipeline.go: since, an update and a
-// hold cost two round trips in every mode, an update of a record its writer knows one.)
+// (Measured before a transaction was sent as two pipelined batches, postgres_pipeline.go: since, an update costs
+// two round trips in every mode, an update of a record its writer knows and a hold one, postgres_hold.go.)
 //
 // So cache_describe costs no round trip more than the default (one more for the first use of a statement on a
 // connection, as cache_statement's own prepare does), keeps parameters binary and typed as the server said, and

@@ -1,0 +1,172 @@
+package journal
+
+import (
+	"context"
+	"fmt"
+	"math/big"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// A funds hold with take is one transaction sent as one pipelined batch: one round trip.
+//
+//	begin isolation level read committed
+//	INSERT the key's row (when new); SELECT it FOR UPDATE
+//	DELETE the key's holds that no longer count
+//	one statement: read the key's holds, insert h when they leave room for it, mark it served; return the holds read
+//	commit
+//
+// Nothing is decided between the batch's statements, so nothing has to come back to the store before the
+// transaction's writes go: the rule that the two-batch form applied in Go between its batches (decideHold) is in
+// the database's statement too, and the statement returns the holds it judged from, for decideHold to answer from
+// the same rows (a read of the holds by a later statement could see a hold another process let go meanwhile, and
+// answer held for a hold the statement found no room for).
+//
+// The lock of the key's row serializes the holds of one key across every process, as before, because the
+// transaction runs at READ COMMITTED, said in its BEGIN: every statement sees what was committed before it
+// started, so the statements after the lock see every hold of the key committed before the lock was granted, and
+// no hold of the key is committed by anyone else until this transaction ends. (The two-batch form relied on the
+// same order, at the database's default isolation.) At REPEATABLE READ the snapshot would be the transaction's
+// first statement's, taken before the lock was waited for, and a hold committed meanwhile would go unseen: two
+// holds that fit only one at a time would both be held. A database whose default_transaction_isolation was raised
+// to REPEATABLE READ over-committed so; at SERIALIZABLE it refused one of two holds that read each other's, and
+// under many holds of one key at once ran out of retries. A database speaking PostgreSQL's protocol that runs
+// READ COMMITTED as SERIALIZABLE refuses (40001) the loser of two holds that read each other's, which retryTx runs
+// again.
+//
+// Two things the two-batch form did between its batches now happen in the database or not at all:
+//   - UnrecordedAndHeld's read of the payment's record is in the deciding statement, which writes nothing when
+//     the record exists. The key's row and the deletion of its holds that no longer count commit all the same
+//     (where the two-batch form rolled them back): neither holds anything, and any hold of the key with take
+//     writes them.
+//   - The statement's rule and decideHold are one rule written twice: the statement also returns whether it
+//     found room for h, and a disagreement with decideHold, which only a change of one without the other can
+//     make, is an error (the transaction has committed by then: the error says so, and errs on refusing).
+
+// pgHoldSQL decides a hold with take in one statement, after the lock of its key's row and the deletion of the
+// key's holds that no longer count. Its arguments: $1 the hold's id, $2 its key, $3 amount, $4 deadline, $5
+// mined, $6 permit nonce, $7 served (pgInsertHold's, holdArgs), $8 avail, $9 readBlock, $10 chainTime (numeric as
+// text), $11 whether a record of $1 refuses the hold. Every part of a statement sees one snapshot, so the holds it
+// returns are the ones it judged; its insert and its update cannot touch one row (the insert needs h not live,
+// the update needs it live). One row per hold of the key (oldest first, as pgSelectHolds), or one row of NULLs
+// when there is none, each beginning with whether $1 has a record (when asked) and whether h fits.
+const pgHoldSQL = `WITH recorded AS (
+	SELECT $11::boolean AND EXISTS (SELECT 1 FROM x402_records WHERE id = $1::bytea) AS yes
+), holds AS (
+	SELECT id, amount, deadline, mined, permit_nonce, served, held_at FROM x402_holds WHERE hold_key = $2::text
+), live AS (
+	SELECT id, amount FROM holds
+	WHERE NOT ((mined <> 0 AND mined <= $9::numeric) OR (mined = 0 AND deadline < $10::numeric))
+), fits AS (
+	SELECT NOT EXISTS (SELECT 1 FROM live WHERE id = $1::bytea)
+		AND (SELECT coalesce(sum(amount), 0) FROM live WHERE id <> $1::bytea) + $3::numeric <= $8::numeric AS yes
+), inserted AS (
+	INSERT INTO x402_holds (id, hold_key, amount, deadline, mined, permit_nonce, served)
+	SELECT $1::bytea, $2::text, $3::numeric, $4::numeric, $5::numeric, $6::numeric, $7::boolean
+	WHERE (SELECT yes FROM fits) AND NOT (SELECT yes FROM recorded)
+	ON CONFLICT (id) DO NOTHING
+), marked AS (
+	UPDATE x402_holds SET served = true
+	WHERE $7::boolean AND id = $1::bytea AND hold_key = $2::text AND NOT served
+		AND id IN (SELECT id FROM live) AND NOT (SELECT yes FROM recorded)
+)
+SELECT r.yes, f.yes, h.id, h.amount::text, h.deadline::text, h.mined::text, h.permit_nonce::text, h.served
+FROM recorded r CROSS JOIN fits f LEFT JOIN holds h ON true
+ORDER BY h.held_at, h.id`
+
+// pgDeleteHoldsPast deletes the holds of key $1 that no longer count at readBlock $2 and chainTime $3 (see
+// Cluster.Hold).
+const pgDeleteHoldsPast = `DELETE FROM x402_holds WHERE hold_key = $1
+AND ((mined <> 0 AND mined <= $2::numeric) OR (mined = 0 AND deadline < $3::numeric))`
+
+// holdInOne is Hold with take in one round trip (see above). With unrecordedOnly, a record of h.ID refuses the
+// hold: nothing of h is written, and recorded says so (ok and left unset).
+func (s *PostgresStore) holdInOne(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, unrecordedOnly bool) (recorded, ok bool, left *big.Int, err error) {
+	var (
+		fits  bool
+		holds []Hold
+	)
+	block, at := strconv.FormatUint(readBlock, 10), strconv.FormatUint(chainTime, 10)
+	args := append(holdArgs(h), avail.String(), block, at, unrecordedOnly)
+	err = s.txInOne(ctx, func(b *pgx.Batch) {
+		recorded, fits, holds = false, false, nil
+		b.Queue(`INSERT INTO x402_hold_keys (hold_key) VALUES ($1) ON CONFLICT (hold_key) DO NOTHING`, h.Key)
+		b.Queue(`SELECT hold_key FROM x402_hold_keys WHERE hold_key = $1 FOR UPDATE`, h.Key)
+		b.Queue(pgDeleteHoldsPast, h.Key, block, at)
+		b.Queue(pgHoldSQL, args...).Query(func(rows pgx.Rows) (err error) {
+			recorded, fits, holds, err = scanHoldDecision(rows, h.Key)
+			return err
+		})
+	})
+	if err != nil || recorded {
+		return recorded, false, nil, err
+	}
+	ok, left, held := decideHold(holds, h, avail, readBlock, chainTime)
+	if fits != (!held && ok) {
+		return false, false, nil, fmt.Errorf("journal: hold of %s: the database found room for it %v, decideHold %v (held already %v): the hold's two rules differ; the transaction committed",
+			h.ID, fits, ok, held)
+	}
+	return false, ok, left, nil
+}
+
+// scanHoldDecision reads the rows of pgHoldSQL for key, and closes them.
+func scanHoldDecision(rows pgx.Rows, key string) (recorded, fits bool, holds []Hold, err error) {
+	defer rows.Close()
+	for rows.Next() {
+		var (
+			id                      []byte
+			amount, deadline, mined *string
+			nonce                   *string
+			served                  *bool
+		)
+		if err := rows.Scan(&recorded, &fits, &id, &amount, &deadline, &mined, &nonce, &served); err != nil {
+			return false, false, nil, err
+		}
+		if id == nil {
+			continue // the key has no hold
+		}
+		if amount == nil || deadline == nil || mined == nil || served == nil {
+			return false, false, nil, fmt.Errorf("%w: hold %x of %q does not read (a column is NULL)", ErrCorrupt, id, key)
+		}
+		h, err := holdOfRow(key, id, *amount, *deadline, *mined, nonce, *served)
+		if err != nil {
+			return false, false, nil, err
+		}
+		holds = append(holds, h)
+	}
+	return recorded, fits, holds, rows.Err()
+}
+
+// txInOne runs a transaction at READ COMMITTED in one round trip: BEGIN, what queue queues, COMMIT, as one
+// pipelined batch; the transaction's statements decide among themselves (queue's callbacks only read what they
+// returned), each seeing what committed before it started (see above). It is
+// retried as inTx retries, and once too after a connection that broke with the batch sent, when whether it
+// committed is unknown: for a transaction safe to run twice only (a hold with take, which finds h held when
+// the first run committed, and answers as that run did), and queue may run more than once.
+func (s *PostgresStore) txInOne(ctx context.Context, queue func(*pgx.Batch)) error {
+	return retryTx(ctx, func() error {
+		c, err := s.pool.Acquire(ctx)
+		if err != nil {
+			return err
+		}
+		// A connection left inside the transaction (a statement that failed, a rollback that did not get
+		// through) is closed by the pool rather than reused.
+		defer c.Release()
+		b := &pgx.Batch{}
+		b.Queue("begin isolation level read committed")
+		queue(b)
+		b.Queue("commit")
+		if err := c.SendBatch(ctx, b).Close(); err != nil {
+			if !unavailable(err) {
+				// A statement failed: the server skipped the rest of the batch, COMMIT too.
+				rctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				c.Exec(rctx, "rollback")
+				cancel()
+			}
+			return err
+		}
+		return nil
+	})
+}
