@@ -24,7 +24,9 @@ import (
 // gate's record that finds another request's there (a plain INSERT, whose unique violation aborts the batch)
 // leaves no engine claim either, and the engine sends nothing. Every other call of the store sends what is queued
 // first, alone (begin), so no later write of the context overtakes a deferred one, and a queued write waits at
-// most maxBehind: then it is sent on its own.
+// most maxBehind: then it is sent on its own. Only a deferred claim's failure stops what comes after it: a
+// deferred final answer that fails (reconciliation records it from the chain's receipt) is told so, and the write
+// it rode with or went ahead of, a gate's served mark, is still written (alone, when they shared a batch).
 
 // maxBehind is how long a deferred write may wait for a statement to ride with before it is sent alone. It bounds
 // how long a settled payment's funds hold still counts (a payer's next payment is judged with it) and its record
@@ -237,10 +239,24 @@ func (s *PostgresStore) sendBehind(ctx context.Context) error {
 	}
 	err = s.sendItems(q.base, items)
 	q.land(items, err)
-	if err != nil {
+	if err != nil && fenceFailed(items) {
 		return s.fail(ctx, "deferred write", err)
 	}
+	// A deferred write that is no claim and failed was told so (landed): nothing the caller writes depends on it
+	// (the engine's final answer, which reconciliation records should it never be written), and the caller's own
+	// write, a gate's served mark say, must not fail with it.
 	return nil
+}
+
+// fenceFailed reports whether a deferred claim among items, landed, failed: what the context sends after it must
+// not run.
+func fenceFailed(items []*behindWrite) bool {
+	for _, w := range items {
+		if w.fence && w.err != nil {
+			return true
+		}
+	}
+	return false
 }
 
 // sendItems sends items in one batch.

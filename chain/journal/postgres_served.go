@@ -2,6 +2,7 @@ package journal
 
 import (
 	"context"
+	"errors"
 	"time"
 )
 
@@ -94,17 +95,20 @@ func (s *PostgresStore) updateKnownIdle(ctx context.Context, prev Record, fn fun
 	if err != nil {
 		return Record{}, false, err
 	}
-	err = retrySafe(func() error {
-		return s.rowCarrying(wctx, items, `WITH written AS (
-	UPDATE x402_records SET state = $2, async = $3, pending = $4, kept_until_ns = $5, served_ns = $6, data = $7
-	WHERE id = $1 AND data = $8 AND served_ns IS NULL RETURNING 1
-), idle AS (
-	DELETE FROM x402_busy WHERE id = $1 AND owner = $9 AND EXISTS (SELECT 1 FROM written)
-)
-SELECT EXISTS (SELECT 1 FROM written)`,
-			[]any{next.ID[:], string(next.State), next.Async, row.pending, row.keptNS, row.servedNS, row.data, was, s.instance}, &written)
-	})
+	args := []any{next.ID[:], string(next.State), next.Async, row.pending, row.keptNS, row.servedNS, row.data, was, s.instance}
+	err = retrySafe(func() error { return s.rowCarrying(wctx, items, pgUpdateKnownIdle, args, &written) })
 	done(err)
+	if err != nil && len(items) > 0 && !fenceFailed(items) && errors.As(err, new(behindFailed)) {
+		// A deferred write that is no claim (the engine's final answer, which reconciliation records should it
+		// never be written) failed ahead of this one, and took it with it: this one goes alone. A payment served
+		// and not marked served would be served again.
+		ectx, ecancel, eerr := s.start(ctx, true)
+		if eerr != nil {
+			return Record{}, false, eerr
+		}
+		defer ecancel()
+		err = retrySafe(func() error { return s.rowCarrying(ectx, nil, pgUpdateKnownIdle, args, &written) })
+	}
 	if err != nil {
 		return Record{}, false, s.fail(ctx, "update", err)
 	}
@@ -114,3 +118,13 @@ SELECT EXISTS (SELECT 1 FROM written)`,
 	rec, err := s.Update(ctx, prev.ID, fn)
 	return rec, false, err
 }
+
+// pgUpdateKnownIdle is updateKnownIdle's statement: the record's change where it is still the one known, and the
+// clearing of this instance's in-flight mark when it was written.
+const pgUpdateKnownIdle = `WITH written AS (
+	UPDATE x402_records SET state = $2, async = $3, pending = $4, kept_until_ns = $5, served_ns = $6, data = $7
+	WHERE id = $1 AND data = $8 AND served_ns IS NULL RETURNING 1
+), idle AS (
+	DELETE FROM x402_busy WHERE id = $1 AND owner = $9 AND EXISTS (SELECT 1 FROM written)
+)
+SELECT EXISTS (SELECT 1 FROM written)`
