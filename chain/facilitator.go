@@ -391,6 +391,9 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	n.funds = newFunds(fundsTTL, f.now)
 	if f.cluster != nil {
 		n.funds.shared, n.funds.network = f.cluster, n.caip2
+		// A hold mined after one of this engine's reads must outlive, in the journal, every hold from a newer
+		// read (another instance's) for as long as the read answers.
+		journal.ReadsAnswerFor(f.cluster, fundsTTL)
 	}
 	if n.terms, err = newPaymentTerms(nc); err != nil {
 		return nil, err

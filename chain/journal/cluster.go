@@ -63,8 +63,10 @@ type Cluster interface {
 	// reports whether h is held (true too when h.ID was held already) and what the key's funds cover beside the
 	// holds (avail less the other holds). avail is what the caller read the payer can pay at block readBlock
 	// (the lesser of balance and allowance); holds whose settlement was mined at or before readBlock, and
-	// holds never seen mined whose Deadline is before chainTime, no longer count and are deleted. With take
-	// false nothing is written: Hold only answers whether h would be covered.
+	// holds never seen mined whose Deadline is before chainTime, no longer count. With take they are deleted,
+	// a mined one only once no instance's read older than its block can still answer (see
+	// PostgresStore.ReadsAnswerFor). With take false nothing is written: Hold only answers whether h would be
+	// covered.
 	Hold(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, take bool) (ok bool, left *big.Int, err error)
 	// A hold that is Served is marked so by Hold with take (even when h.ID was held already), and stays so.
 	//
@@ -74,8 +76,8 @@ type Cluster interface {
 	// unlessServed, a Served hold stays: its settlement failed for now, and is tried again.
 	Unhold(ctx context.Context, id ID, unlessServed bool) error
 	// HoldsOf lists the holds of key, oldest first, for a caller that must look at them (a sponsor permit's
-	// nonce). It knows no block or chain time, so it lists every hold not yet deleted: one mined or past its
-	// deadline goes at the next Hold of its key with take.
+	// nonce). It knows no block or chain time, so it lists every hold not yet deleted: one past its deadline goes
+	// at the next Hold of its key with take, one mined at such a Hold once it was marked long enough ago.
 	HoldsOf(ctx context.Context, key string) ([]Hold, error)
 	// PruneHolds deletes the holds of the keys that start with prefix whose Deadline is before the chain time
 	// before, mined or not, and returns how many it deleted: Hold deletes those of one key only when a payment of

@@ -65,6 +65,8 @@ type PostgresStore struct {
 	lifeCount uint64    // Continuity
 
 	pruneRates sync.Once // starts pruneRateBuckets at the first TakeToken
+
+	readsAnswerFor atomic.Int64 // the longest a funds read answers for, in nanoseconds (see ReadsAnswerFor)
 }
 
 // OpenPostgres connects to the PostgreSQL database dsn names (a URL, postgres://user:password@host:port/db, or
@@ -208,8 +210,9 @@ func (s *PostgresStore) heartbeat() {
 // beat moves this instance's expiry a TTL ahead of the database's clock, inserting its row if it is gone.
 func (s *PostgresStore) beat(ctx context.Context) error {
 	sent := time.Now()
-	_, err := s.pool.Exec(ctx, `INSERT INTO x402_instances (token, expires_at) VALUES ($1, now() + $2 * interval '1 microsecond')
-ON CONFLICT (token) DO UPDATE SET expires_at = EXCLUDED.expires_at`, s.instance, s.ttl.Microseconds())
+	_, err := s.pool.Exec(ctx, `INSERT INTO x402_instances (token, expires_at, reads_answer_for_us) VALUES ($1, now() + $2 * interval '1 microsecond', $3)
+ON CONFLICT (token) DO UPDATE SET expires_at = EXCLUDED.expires_at, reads_answer_for_us = EXCLUDED.reads_answer_for_us`,
+		s.instance, s.ttl.Microseconds(), s.readsAnswerFor.Load()/1000)
 	if err == nil {
 		s.lifeMu.Lock()
 		s.lapsedLocked(sent) // a beat after a gap: the row may have expired in it
@@ -1040,7 +1043,7 @@ func holdOfRow(key string, id []byte, amount, deadline, mined string, nonce *str
 
 // HoldMined implements Cluster; the first block recorded stays.
 func (s *PostgresStore) HoldMined(ctx context.Context, id ID, block uint64) error {
-	return s.execWrite(ctx, "hold mined", `UPDATE x402_holds SET mined = $2::numeric WHERE id = $1 AND mined = 0`, id[:], strconv.FormatUint(block, 10))
+	return s.execWrite(ctx, "hold mined", `UPDATE x402_holds SET mined = $2::numeric, mined_at = now() WHERE id = $1 AND mined = 0`, id[:], strconv.FormatUint(block, 10))
 }
 
 // Unhold implements Cluster.

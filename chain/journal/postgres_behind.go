@@ -508,7 +508,7 @@ func UpdateKnownHoldMinedBehind(ctx context.Context, c Cluster, prev Record, blo
 		// updateKnownHoldMined's statement, with the record's update at the top, so that its command tag says
 		// whether the record was written.
 		sql: `WITH mined AS (
-	UPDATE x402_holds SET mined = $9::numeric WHERE id = $1 AND mined = 0
+	UPDATE x402_holds SET mined = $9::numeric, mined_at = now() WHERE id = $1 AND mined = 0
 )
 UPDATE x402_records SET state = $2, async = $3, pending = $4, kept_until_ns = $5, served_ns = $6, data = $7
 WHERE id = $1 AND data = $8 AND served_ns IS NULL`,

@@ -187,6 +187,9 @@ func testPostgresADeferredFinalAnswerRidesWithTheGatesAndFallsBackWhenTheRecordC
 			if h.ID == engine.ID && h.Mined != 7 {
 				t.Fatalf("the hold's end = %d; want block 7, written with the final answer", h.Mined)
 			}
+			if h.ID == engine.ID && !markedMinedAt(t, other, h.ID) {
+				t.Fatal("the deferred final write marked the hold mined without the time of its mark")
+			}
 		}
 	}
 }

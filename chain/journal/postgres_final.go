@@ -58,7 +58,7 @@ func (s *PostgresStore) updateKnownHoldMined(ctx context.Context, prev Record, b
 	var written bool
 	err = retrySafe(func() error {
 		return s.pool.QueryRow(wctx, `WITH mined AS (
-	UPDATE x402_holds SET mined = $9::numeric WHERE id = $1 AND mined = 0
+	UPDATE x402_holds SET mined = $9::numeric, mined_at = now() WHERE id = $1 AND mined = 0
 ), written AS (
 	UPDATE x402_records SET state = $2, async = $3, pending = $4, kept_until_ns = $5, served_ns = $6, data = $7
 	WHERE id = $1 AND data = $8 AND served_ns IS NULL RETURNING 1

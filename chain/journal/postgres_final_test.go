@@ -66,6 +66,9 @@ func testPostgresUpdateKnownHoldMinedEndsTheHoldWithTheRecord(t *testing.T, dsn 
 	if rec, _, err := b.Get(ctx, r.ID); err != nil || rec.State != StateFinal || mined(r.ID) != 42 {
 		t.Fatalf("as another store reads them: the record %s (%v), the hold mined at %d; want final, mined at 42", rec.State, err, mined(r.ID))
 	}
+	if !markedMinedAt(t, b, r.ID) {
+		t.Fatal("the hold was marked mined without the time of its mark")
+	}
 
 	// Changed since (another transaction of the payment recorded by another store): written through Update.
 	r = broadcastHeld(9602)

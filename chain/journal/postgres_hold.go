@@ -51,11 +51,14 @@ import (
 // text), $11 whether a record of $1 refuses the hold. Every part of a statement sees one snapshot, so the holds it
 // returns are the ones it judged; its insert and its update cannot touch one row (the insert needs h not live,
 // the update needs it live). One row per hold of the key (oldest first, as pgSelectHolds), or one row of NULLs
-// when there is none, each beginning with whether $1 has a record (when asked) and whether h fits.
+// when there is none, each beginning with whether $1 has a record (when asked) and whether h fits. The holds read
+// leave out those mined at or before $9, which count for nobody reading at $9 (decideHold skips them too) and
+// which a busy payer's key keeps for a while (postgres_mined.go).
 const pgHoldSQL = `WITH recorded AS (
 	SELECT $11::boolean AND EXISTS (SELECT 1 FROM x402_records WHERE id = $1::bytea) AS yes
 ), holds AS (
-	SELECT id, amount, deadline, mined, permit_nonce, served, held_at FROM x402_holds WHERE hold_key = $2::text
+	SELECT id, amount, deadline, mined, permit_nonce, served, held_at FROM x402_holds
+	WHERE hold_key = $2::text AND (mined = 0 OR mined > $9::numeric)
 ), live AS (
 	SELECT id, amount FROM holds
 	WHERE NOT ((mined <> 0 AND mined <= $9::numeric) OR (mined = 0 AND deadline < $10::numeric))
@@ -77,9 +80,13 @@ FROM recorded r CROSS JOIN fits f LEFT JOIN holds h ON true
 ORDER BY h.held_at, h.id`
 
 // pgDeleteHoldsPast deletes the holds of key $1 that no longer count at readBlock $2 and chainTime $3 (see
-// Cluster.Hold).
+// Cluster.Hold) for any reader: a mined one only once it was marked mined longer ago than any instance's funds
+// read answers for (the longest of $5 microseconds, this instance's, and what the instances' rows say) and $4
+// microseconds more (postgres_mined.go), for another instance's older read may still count it.
 const pgDeleteHoldsPast = `DELETE FROM x402_holds WHERE hold_key = $1
-AND ((mined <> 0 AND mined <= $2::numeric) OR (mined = 0 AND deadline < $3::numeric))`
+AND ((mined <> 0 AND mined <= $2::numeric AND (mined_at IS NULL OR mined_at < now() - ($4::bigint
+		+ greatest($5::bigint, (SELECT coalesce(max(reads_answer_for_us), 0) FROM x402_instances))) * interval '1 microsecond'))
+	OR (mined = 0 AND deadline < $3::numeric))`
 
 // holdInOne is Hold with take in one round trip (see above). With unrecordedOnly, a record of h.ID refuses the
 // hold: nothing of h is written, and recorded says so (ok and left unset).
@@ -94,7 +101,7 @@ func (s *PostgresStore) holdInOne(ctx context.Context, h Hold, avail *big.Int, r
 		recorded, fits, holds = false, false, nil
 		b.Queue(`INSERT INTO x402_hold_keys (hold_key) VALUES ($1) ON CONFLICT (hold_key) DO NOTHING`, h.Key)
 		b.Queue(`SELECT hold_key FROM x402_hold_keys WHERE hold_key = $1 FOR UPDATE`, h.Key)
-		b.Queue(pgDeleteHoldsPast, h.Key, block, at)
+		b.Queue(pgDeleteHoldsPast, h.Key, block, at, s.minedHoldsSlack().Microseconds(), s.readsAnswerFor.Load()/1000)
 		b.Queue(pgHoldSQL, args...).Query(func(rows pgx.Rows) (err error) {
 			recorded, fits, holds, err = scanHoldDecision(rows, h.Key)
 			return err

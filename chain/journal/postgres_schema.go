@@ -89,6 +89,18 @@ CREATE TABLE IF NOT EXISTS x402_rate_buckets (
 );
 CREATE INDEX IF NOT EXISTS x402_rate_buckets_at ON x402_rate_buckets (at);
 `,
+	// 4: when a hold was marked mined, by the database's clock: a hold mined after another instance's funds read
+	// still counts for that read, so its row stays until no read older than its block can still answer (see
+	// postgres_mined.go). NULL, a hold marked before this migration, is a mark made long ago. Each instance says
+	// how long its funds reads answer for, so that every instance keeps mined holds for the longest.
+	`
+ALTER TABLE x402_holds ADD COLUMN IF NOT EXISTS mined_at timestamptz;
+-- A busy payer's key keeps a minute or so of mined holds: the hold reads only those that still count for its
+-- read (never mined, or mined after it), and deletes only those marked long enough ago, each through an index.
+CREATE INDEX IF NOT EXISTS x402_holds_key_mined ON x402_holds (hold_key, mined);
+CREATE INDEX IF NOT EXISTS x402_holds_key_mined_at ON x402_holds (hold_key, mined_at) WHERE mined <> 0;
+ALTER TABLE x402_instances ADD COLUMN IF NOT EXISTS reads_answer_for_us bigint NOT NULL DEFAULT 0;
+`,
 }
 
 // ErrSchemaTooNew: OpenPostgres found a database migrated by a newer release than this one, whose schema this

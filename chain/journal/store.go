@@ -112,6 +112,11 @@ type Options struct {
 	// Tracer, for OpenPostgres, sees every statement the store sends to the database (and every batch, when it
 	// is a pgx.BatchTracer too): what a test counts a payment's round trips with. nil traces nothing.
 	Tracer pgx.QueryTracer
+	// MinedHoldsKept is, for OpenPostgres, how long past the longest a funds read answers for (ReadsAnswerFor) a
+	// hold marked mined is kept, for the reads older than its block: the slack for a read's own round trips to
+	// the chain and the hold's to the database. Zero means one minute (defaultMinedHoldsKept); less than ten
+	// seconds means ten seconds (minMinedHoldsKept).
+	MinedHoldsKept time.Duration
 }
 
 // now reads the configured clock; times are kept in UTC so a record reads the same whatever the zone.
