@@ -3,6 +3,7 @@ package journal
 import (
 	"context"
 	"math/big"
+	"slices"
 	"strconv"
 	"testing"
 	"time"
@@ -79,26 +80,8 @@ func TestPostgresAMinedHoldGoesOnceNoReadThatMissesItCanAnswer(t *testing.T) {
 	}
 	const key = "mined:goes"
 	x := claimOf(32001).ID
-	held := func(n int, readBlock uint64) {
-		t.Helper()
-		h := Hold{ID: claimOf(32000 + n).ID, Key: key, Amount: big.NewInt(1), Deadline: 5000}
-		if ok, _, err := s.Hold(ctx, h, big.NewInt(100), readBlock, 1000, true); err != nil || !ok {
-			t.Fatalf("hold %d = %v, %v", n, ok, err)
-		}
-	}
-	stored := func() bool {
-		t.Helper()
-		holds, err := s.HoldsOf(ctx, key)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, h := range holds {
-			if h.ID == x {
-				return true
-			}
-		}
-		return false
-	}
+	held := func(n int, readBlock uint64) { t.Helper(); holdOneOf(t, s, key, claimOf(32000+n).ID, readBlock) }
+	stored := func() bool { t.Helper(); return holdStored(t, s, key, x) }
 	markedAgo := func(ago string) {
 		t.Helper()
 		if _, err := s.pool.Exec(ctx, `UPDATE x402_holds SET mined_at = now() - $2::interval WHERE id = $1`, x[:], ago); err != nil {
@@ -166,26 +149,8 @@ func TestPostgresAMinedHoldIsKeptForTheInstanceWhoseReadsAnswerLongest(t *testin
 	b.ReadsAnswerFor(5 * time.Minute)
 	const key = "mined:longest"
 	x := claimOf(33001).ID
-	held := func(n int, readBlock uint64) {
-		t.Helper()
-		h := Hold{ID: claimOf(33000 + n).ID, Key: key, Amount: big.NewInt(1), Deadline: 5000}
-		if ok, _, err := a.Hold(ctx, h, big.NewInt(100), readBlock, 1000, true); err != nil || !ok {
-			t.Fatalf("hold %d = %v, %v", n, ok, err)
-		}
-	}
-	stored := func() bool {
-		t.Helper()
-		holds, err := a.HoldsOf(ctx, key)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, h := range holds {
-			if h.ID == x {
-				return true
-			}
-		}
-		return false
-	}
+	held := func(n int, readBlock uint64) { t.Helper(); holdOneOf(t, a, key, claimOf(33000+n).ID, readBlock) }
+	stored := func() bool { t.Helper(); return holdStored(t, a, key, x) }
 	held(1, 100)
 	if err := a.HoldMined(ctx, x, 105); err != nil {
 		t.Fatal(err)
@@ -202,4 +167,24 @@ func TestPostgresAMinedHoldIsKeptForTheInstanceWhoseReadsAnswerLongest(t *testin
 	if stored() {
 		t.Fatal("a hold marked mined 5m30s ago is still stored after the instance whose reads answer for 5m closed")
 	}
+}
+
+// holdOneOf holds id, an amount of 1, against key's funds of 100 with take, read at readBlock, and fails the test
+// unless it is held.
+func holdOneOf(t *testing.T, s *PostgresStore, key string, id ID, readBlock uint64) {
+	t.Helper()
+	h := Hold{ID: id, Key: key, Amount: big.NewInt(1), Deadline: 5000}
+	if ok, _, err := s.Hold(context.Background(), h, big.NewInt(100), readBlock, 1000, true); err != nil || !ok {
+		t.Fatalf("hold %s = %v, %v", id, ok, err)
+	}
+}
+
+// holdStored reports whether key's holds in s list id.
+func holdStored(t *testing.T, s *PostgresStore, key string, id ID) bool {
+	t.Helper()
+	holds, err := s.HoldsOf(context.Background(), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return slices.ContainsFunc(holds, func(h Hold) bool { return h.ID == id })
 }
