@@ -979,7 +979,7 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 		_, ok, left, err = s.holdInOne(wctx, h, avail, readBlock, chainTime, false)
 	} else {
 		var holds []Hold
-		if holds, err = queryHolds(wctx, s.pool, h.Key); err == nil {
+		if holds, err = queryHolds(wctx, s.pool, h.Key, pgSelectCountingHolds, countingArgs(h.Key, readBlock, chainTime)...); err == nil {
 			ok, left, _ = decideHold(holds, h, avail, readBlock, chainTime)
 		}
 	}
@@ -989,16 +989,16 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 	return ok, left, nil
 }
 
-// queryHolds reads the holds of key, oldest first.
-func queryHolds(ctx context.Context, q querier, key string) ([]Hold, error) {
-	rows, err := q.Query(ctx, pgSelectHolds, key)
+// queryHolds reads the holds of key that sql selects with args, oldest first.
+func queryHolds(ctx context.Context, q querier, key, sql string, args ...any) ([]Hold, error) {
+	rows, err := q.Query(ctx, sql, args...)
 	if err != nil {
 		return nil, err
 	}
 	return scanHolds(rows, key)
 }
 
-// scanHolds reads the rows of pgSelectHolds, the holds of key, and closes them.
+// scanHolds reads the rows of pgSelectHolds (or pgSelectCountingHolds), the holds of key, and closes them.
 func scanHolds(rows pgx.Rows, key string) ([]Hold, error) {
 	defer rows.Close()
 	var out []Hold
@@ -1059,7 +1059,7 @@ func (s *PostgresStore) HoldsOf(ctx context.Context, key string) ([]Hold, error)
 		return nil, err
 	}
 	defer cancel()
-	holds, err := queryHolds(rctx, s.pool, key)
+	holds, err := queryHolds(rctx, s.pool, key, pgSelectHolds, key)
 	if err != nil {
 		return nil, s.fail(ctx, "holds of", err)
 	}

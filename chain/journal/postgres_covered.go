@@ -43,7 +43,7 @@ func (s *PostgresStore) unrecordedAndCovered(ctx context.Context, h Hold, avail 
 		holds = nil
 		b := &pgx.Batch{}
 		queueRecorded(b, h.ID, &known)
-		b.Queue(pgSelectHolds, h.Key).Query(func(rows pgx.Rows) (err error) {
+		b.Queue(pgSelectCountingHolds, countingArgs(h.Key, readBlock, chainTime)...).Query(func(rows pgx.Rows) (err error) {
 			holds, err = scanHolds(rows, h.Key)
 			return err
 		})

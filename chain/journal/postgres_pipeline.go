@@ -190,6 +190,20 @@ func decideHold(holds []Hold, h Hold, avail *big.Int, readBlock, chainTime uint6
 const pgSelectHolds = `SELECT id, amount::text, deadline::text, mined::text, permit_nonce::text, served
 FROM x402_holds WHERE hold_key = $1 ORDER BY held_at, id`
 
+// pgSelectCountingHolds is pgSelectHolds of only the holds that count for a read at block $2 and chain time $3,
+// by decideHold's rule (and pgHoldSQL's): a busy payer's key keeps the holds mined since the longest read that
+// could miss them (see Options.MinedHoldsKept) and the holds past their deadline until the next hold with take,
+// and a verification needs none of them.
+const pgSelectCountingHolds = `SELECT id, amount::text, deadline::text, mined::text, permit_nonce::text, served
+FROM x402_holds WHERE hold_key = $1 AND (mined > $2::numeric OR (mined = 0 AND deadline >= $3::numeric))
+ORDER BY held_at, id`
+
+// countingArgs are pgSelectCountingHolds' arguments for the holds of key that count for a read at readBlock and
+// chainTime.
+func countingArgs(key string, readBlock, chainTime uint64) []any {
+	return []any{key, strconv.FormatUint(readBlock, 10), strconv.FormatUint(chainTime, 10)}
+}
+
 const pgInsertHold = `INSERT INTO x402_holds (id, hold_key, amount, deadline, mined, permit_nonce, served)
 VALUES ($1, $2, $3::numeric, $4::numeric, $5::numeric, $6::numeric, $7) ON CONFLICT (id) DO NOTHING`
 
