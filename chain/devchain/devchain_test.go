@@ -468,21 +468,15 @@ func TestDevChainOnADataDirFromBeforeTheUSDCoinOpensAndGetsTheUSDCoinOnce(t *tes
 	devCheckSetupNonces(t, client)
 }
 
-// A data dir made before the batch-settlement contracts were part of the genesis (with the upto proxy) opens on
-// its own genesis, says that batch-settlement cannot settle there, and keeps its state.
+// testdata/before-batch-settlement.tar.gz is the data dir of a default dev chain made by the version before the
+// batch-settlement contracts were part of the genesis (commit 174668c, with the upto proxy), with no node key, locks
+// or logs. It opens on its own genesis, says that batch-settlement cannot settle there, and keeps its state.
 func TestDevChainOnADataDirFromBeforeTheBatchSettlementContractsOpens(t *testing.T) {
 	dir := t.TempDir()
-	before := Config{Listen: "127.0.0.1:0", DataDir: dir, era: eraBeforeBatch}
-	d := devStart(t, before)
-	if code, err := d.Client().CodeAt(devContext(t), contracts.BatchSettlementAddress, nil); err != nil || len(code) != 0 {
-		t.Fatalf("the earlier genesis has %d bytes at the batch settlement address (%v), want none", len(code), err)
-	}
-	if err := d.Close(); err != nil {
-		t.Fatalf("closing: %v", err)
-	}
+	devUntar(t, filepath.Join("testdata", "before-batch-settlement.tar.gz"), dir)
 
 	obs, logs := observer.New(zapcore.InfoLevel)
-	d = devStart(t, Config{Listen: "127.0.0.1:0", DataDir: dir, Logger: zap.New(obs)})
+	d := devStart(t, Config{Listen: "127.0.0.1:0", DataDir: dir, Logger: zap.New(obs)})
 	client := d.Client()
 	if code, err := client.CodeAt(devContext(t), contracts.UptoProxyAddress, nil); err != nil || !bytes.Equal(code, contracts.UptoProxyRuntimeCode()) {
 		t.Errorf("upto proxy on the earlier data dir: %d bytes (%v), want its runtime code", len(code), err)
