@@ -9,6 +9,7 @@ import (
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
 	"github.com/ethereum/go-ethereum/crypto"
+	"github.com/ethereum/go-ethereum/signer/core/apitypes"
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 )
@@ -616,4 +617,41 @@ func (c *Chain) signPermitOn(token common.Address, owner *Account, spender commo
 	p.Signature = c.SignTypedData(owner, PermitTypedData(contracts.USDCoinName, contracts.USDCoinVersion, c.ChainID, token,
 		owner.Address.Hex(), spender.Hex(), value.String(), nonce.String(), p.Deadline.String()))
 	return p
+}
+
+func TestBatchTypeStringsAreTheContractsTypehashes(t *testing.T) {
+	fx := newBatchFixture(t)
+	for method, typ := range map[string]string{
+		"CHANNEL_CONFIG_TYPEHASH": contracts.ChannelConfigType,
+		"VOUCHER_TYPEHASH":        contracts.VoucherType,
+		"REFUND_TYPEHASH":         contracts.RefundType,
+		"CLAIM_ENTRY_TYPEHASH":    contracts.ClaimEntryType,
+		"CLAIM_BATCH_TYPEHASH":    contracts.ClaimBatchType,
+	} {
+		if got := common.Hash(fx.view(t, method)[0].([32]byte)); got != crypto.Keccak256Hash([]byte(typ)) {
+			t.Errorf("%s = %s, keccak(%q) = %s", method, got, typ, crypto.Keccak256Hash([]byte(typ)))
+		}
+	}
+	data, _ := contracts.Permit2DepositCollectorABI.Pack("WITNESS_TYPE_STRING")
+	raw, err := fx.c.Call(context.Background(), fx.relayer.Address, contracts.Permit2DepositCollectorAddress, data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := contracts.Permit2DepositCollectorABI.Unpack("WITNESS_TYPE_STRING", raw)
+	if err != nil || out[0].(string) != contracts.DepositWitnessTypeString {
+		t.Errorf("the Permit2 collector's witness type string %v (%v), want %q", out, err, contracts.DepositWitnessTypeString)
+	}
+	// The digest the contract checks a voucher against is the one the typed data gives.
+	want, _, err := apitypesHash(VoucherTypedData(fx.c.ChainID, fx.id, big.NewInt(42)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := common.Hash(fx.view(t, "getVoucherDigest", fx.id, big.NewInt(42))[0].([32]byte)); got != want {
+		t.Errorf("getVoucherDigest = %s, the typed data hashes to %s", got, want)
+	}
+}
+
+func apitypesHash(td apitypes.TypedData) (common.Hash, string, error) {
+	hash, raw, err := apitypes.TypedDataAndHash(td)
+	return common.BytesToHash(hash), raw, err
 }
