@@ -978,9 +978,18 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 	if take {
 		_, ok, left, err = s.holdInOne(wctx, h, avail, readBlock, chainTime, false)
 	} else {
-		var holds []Hold
-		if holds, err = queryHolds(wctx, s.pool, h.Key, pgSelectCountingHolds, countingArgs(h.Key, readBlock, chainTime)...); err == nil {
-			ok, left, _ = decideHold(holds, h, avail, readBlock, chainTime)
+		var (
+			sum  string
+			held bool
+		)
+		err = s.read(wctx, func() error {
+			return s.pool.QueryRow(wctx, pgCoveredSQL, coveredArgs(h, readBlock, chainTime)...).Scan(&sum, &held)
+		})
+		var others *big.Int
+		if err == nil {
+			if others, err = holdsSum(h.Key, sum); err == nil {
+				ok, left = covers(h, avail, others, held)
+			}
 		}
 	}
 	if err != nil {
@@ -989,16 +998,16 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 	return ok, left, nil
 }
 
-// queryHolds reads the holds of key that sql selects with args, oldest first.
-func queryHolds(ctx context.Context, q querier, key, sql string, args ...any) ([]Hold, error) {
-	rows, err := q.Query(ctx, sql, args...)
+// queryHolds reads the holds of key, oldest first.
+func queryHolds(ctx context.Context, q querier, key string) ([]Hold, error) {
+	rows, err := q.Query(ctx, pgSelectHolds, key)
 	if err != nil {
 		return nil, err
 	}
 	return scanHolds(rows, key)
 }
 
-// scanHolds reads the rows of pgSelectHolds (or pgSelectCountingHolds), the holds of key, and closes them.
+// scanHolds reads the rows of pgSelectHolds, the holds of key, and closes them.
 func scanHolds(rows pgx.Rows, key string) ([]Hold, error) {
 	defer rows.Close()
 	var out []Hold
@@ -1059,7 +1068,7 @@ func (s *PostgresStore) HoldsOf(ctx context.Context, key string) ([]Hold, error)
 		return nil, err
 	}
 	defer cancel()
-	holds, err := queryHolds(rctx, s.pool, key, pgSelectHolds, key)
+	holds, err := queryHolds(rctx, s.pool, key)
 	if err != nil {
 		return nil, s.fail(ctx, "holds of", err)
 	}
