@@ -322,10 +322,16 @@ func TestBatchClaimMovesExactlyTheClaimedAmountOnce(t *testing.T) {
 	fx := newBatchFixture(t)
 	fx.deposited(t, 1_000_000)
 
-	// The payer signed cumulative vouchers of 1000 per request; the latest, 100 requests' worth, is claimed.
+	// The payer signs cumulative vouchers of 1000 per request: the first claim takes one request's worth, the next
+	// the latest voucher, 100 requests' worth in all (a claim costs the same whatever the number of vouchers).
+	r := fx.mustSend(t, fx.relayer, fx.claimWithSignatureData(t, fx.authorizer, fx.claimRow(fx.cfg, fx.payer, 1_000, 1_000)), "first claim")
+	t.Logf("gas: claimWithSignature, one channel, first claim (1 voucher's worth) %d", r.GasUsed)
+	if _, claimed := fx.channelState(t, fx.id); claimed != 1_000 {
+		t.Errorf("claimed %d after the first claim, want 1000", claimed)
+	}
 	row := fx.claimRow(fx.cfg, fx.payer, 100_000, 100_000)
-	r := fx.mustSend(t, fx.relayer, fx.claimWithSignatureData(t, fx.authorizer, row), "claim")
-	t.Logf("gas: claimWithSignature, one channel (100 vouchers' worth) %d", r.GasUsed)
+	r = fx.mustSend(t, fx.relayer, fx.claimWithSignatureData(t, fx.authorizer, row), "claim")
+	t.Logf("gas: claimWithSignature, one channel, a later claim (up to 100 vouchers' worth) %d", r.GasUsed)
 	if bal, claimed := fx.channelState(t, fx.id); bal != 1_000_000 || claimed != 100_000 {
 		t.Errorf("channel after claim: balance %d, claimed %d; want 1000000, 100000", bal, claimed)
 	}
@@ -654,4 +660,25 @@ func TestBatchTypeStringsAreTheContractsTypehashes(t *testing.T) {
 func apitypesHash(td apitypes.TypedData) (common.Hash, string, error) {
 	hash, raw, err := apitypes.TypedDataAndHash(td)
 	return common.BytesToHash(hash), raw, err
+}
+
+func TestBatchVoucherWithoutAPayerAuthorizerIsThePayersOwn(t *testing.T) {
+	fx := newBatchFixture(t)
+	fx.cfg.PayerAuthorizer = common.Address{}
+	fx.id = ChannelID(fx.c.ChainID, fx.cfg)
+	fx.deposited(t, 10_000)
+	// Without a payerAuthorizer the payer itself signs (ECDSA here; ERC-1271 for a contract payer).
+	if why, _ := fx.send(t, fx.relayer, fx.claimWithSignatureData(t, fx.authorizer, fx.claimRow(fx.cfg, DeriveAccount("stranger", 0), 500, 500))); why != "InvalidSignature()" {
+		t.Errorf("a voucher signed by a stranger: %q, want InvalidSignature()", why)
+	}
+	fx.mustSend(t, fx.relayer, fx.claimWithSignatureData(t, fx.authorizer, fx.claimRow(fx.cfg, fx.payer, 500, 500)), "claim")
+	if bal, claimed := fx.channelState(t, fx.id); bal != 10_000 || claimed != 500 {
+		t.Errorf("channel after claim: balance %d, claimed %d; want 10000, 500", bal, claimed)
+	}
+	// The payer alone withdraws: a zero payerAuthorizer authorises nobody.
+	data, _ := contracts.PackInitiateWithdraw(fx.cfg, big.NewInt(1))
+	if why, _ := fx.send(t, fx.relayer, data); why != "NotPayer()" {
+		t.Errorf("a stranger initiating a withdrawal: %q, want NotPayer()", why)
+	}
+	fx.mustSend(t, fx.payer, data, "initiateWithdraw by the payer")
 }
