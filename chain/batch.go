@@ -318,8 +318,9 @@ type AcceptedVoucher struct {
 	Charge     *big.Int
 	Signer     common.Address
 	Digest     common.Hash
-	// Signature is the 65-byte signature of an EOA's voucher; zero for a contract wallet's, whose signature is
-	// the payload's as sent.
+	// Signature is the 65-byte signature of an EOA's voucher with v normalised to 27 or 28; zero for a contract
+	// wallet's, whose signature is the payload's as sent. A claim must carry this one, not the payload's text:
+	// the check accepts v as 0 or 1 too, which the contract's ecrecover would not.
 	Signature Signature
 	ClaimBy   time.Time
 }

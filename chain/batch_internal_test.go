@@ -505,3 +505,19 @@ func TestCheckDepositAuthorizationRefusesWhatTheCollectorWouldNotTake(t *testing
 		})
 	}
 }
+
+// A voucher signed with v as 0 or 1 passes, and what a claim would carry is the contract's form, v 27 or 28.
+func TestAnAcceptedVoucherCarriesItsSignatureAsTheContractRecoversIt(t *testing.T) {
+	f := newBatchFixture(t)
+	p := f.voucher(t, f.cfg, f.authKey, 3000)
+	sig := p.Payload.Voucher.Signature
+	v := sig[len(sig)-2:]
+	p.Payload.Voucher.Signature = sig[:len(sig)-2] + map[string]string{"1b": "00", "1c": "01"}[v]
+	av, err := f.terms.CheckVoucher(p, ChannelView{Balance: big.NewInt(10_000), Charged: big.NewInt(2000)}, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := av.Signature.hex(); got != sig {
+		t.Fatalf("accepted signature %s, want %s (v %s)", got, sig, v)
+	}
+}
