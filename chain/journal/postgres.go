@@ -978,9 +978,18 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 	if take {
 		_, ok, left, err = s.holdInOne(wctx, h, avail, readBlock, chainTime, false)
 	} else {
-		var holds []Hold
-		if holds, err = queryHolds(wctx, s.pool, h.Key); err == nil {
-			ok, left, _ = decideHold(holds, h, avail, readBlock, chainTime)
+		var (
+			sum  string
+			held bool
+		)
+		err = s.read(wctx, func() error {
+			return s.pool.QueryRow(wctx, pgCoveredSQL, coveredArgs(h, readBlock, chainTime)...).Scan(&sum, &held)
+		})
+		var others *big.Int
+		if err == nil {
+			if others, err = holdsSum(h.Key, sum); err == nil {
+				ok, left = covers(h, avail, others, held)
+			}
 		}
 	}
 	if err != nil {
