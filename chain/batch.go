@@ -261,11 +261,21 @@ type BatchTerms struct {
 	// ClaimMargin is how long before a pending withdrawal can be finalized the receiver must have claimed: a
 	// voucher counts only the deposit that will still be there that long from now.
 	ClaimMargin time.Duration
+	// ChainID is the chain's id, for the token's and Permit2's domains a deposit is signed under.
+	ChainID *big.Int
+	// TokenName and TokenVersion are the token's EIP-712 domain an ERC-3009 deposit is signed under, and
+	// TransferMethod how the route takes deposits (x402.TransferEIP3009 or x402.TransferPermit2): the route's, never
+	// the payment's, which the payer writes.
+	TokenName, TokenVersion, TransferMethod string
 }
 
 // NewBatchTerms parses the terms of requirement rq on chain chainID.
 func NewBatchTerms(rq x402.BatchRequirements, chainID *big.Int, claimMargin time.Duration) (*BatchTerms, error) {
-	t := &BatchTerms{Network: rq.Network, Domain: BatchDomainSeparator(chainID), ClaimMargin: claimMargin}
+	t := &BatchTerms{Network: rq.Network, Domain: BatchDomainSeparator(chainID), ClaimMargin: claimMargin,
+		ChainID: new(big.Int).Set(chainID), TokenName: rq.Extra.Name, TokenVersion: rq.Extra.Version, TransferMethod: rq.Extra.AssetTransferMethod}
+	if t.TransferMethod == "" {
+		t.TransferMethod = x402.TransferEIP3009
+	}
 	for _, f := range []struct {
 		name, s string
 		to      *common.Address
@@ -306,11 +316,17 @@ type ChannelView struct {
 	// PayerHasCode says the payer is a contract: a channel whose payer authorizer is the zero address then signs
 	// its vouchers by ERC-1271, which needs a chain call.
 	PayerHasCode bool
+	// ReadAt is the time of the block Balance, TotalClaimed and the withdrawal were read at. A withdrawal the
+	// payer asks for after that block cannot be finalized before ReadAt plus the channel's withdrawDelay, so the
+	// view vouches for the deposit until then, less ClaimMargin; the zero time vouches for nothing.
+	ReadAt time.Time
 }
 
 // AcceptedVoucher is a voucher that passed CheckVoucher: the channel, its new cumulative amount, what this
-// request is charged (Cumulative - the view's Charged), who signed, and the digest signed. ClaimBy, when not
-// zero, is when the channel's pending withdrawal can be finalized: the voucher must be claimed before it.
+// request is charged (Cumulative - the view's Charged), who signed, and the digest signed. ClaimBy is when the
+// voucher must have been claimed: when the channel's pending withdrawal can be finalized, or, with none pending
+// in the view, when one asked for just after the view was read could be (a later read that shows none moves it
+// to that read's ReadAt plus the withdrawDelay).
 type AcceptedVoucher struct {
 	ChannelID  common.Hash
 	Channel    Channel
@@ -332,6 +348,13 @@ var errContractVoucher = errors.New("the channel's vouchers are signed by the pa
 // no payer authorizer and its payer is a contract wallet.
 func IsContractVoucher(err error) bool { return errors.Is(err, errContractVoucher) }
 
+// errStaleChannelView is CheckVoucher's error for a view read too long ago to vouch for the deposit.
+var errStaleChannelView = errors.New("the channel was read from the chain too long ago: a withdrawal asked for since could be finalized before a claim lands")
+
+// IsStaleChannelView reports whether err is CheckVoucher's for a view too old to trust: the engine reads the
+// channel again and checks the voucher with the fresh view. The payer did nothing wrong.
+func IsStaleChannelView(err error) bool { return errors.Is(err, errStaleChannelView) }
+
 // CheckVoucher runs the off-chain checks of a batch-settlement payment's voucher against the terms and the
 // engine's view of the channel, cheap ones first and with no chain call: the scheme and network; the channel
 // configuration binds to the voucher's channel id and names this receiver, receiver authorizer, token and
@@ -339,7 +362,8 @@ func IsContractVoucher(err error) bool { return errors.Is(err, errContractVouche
 // payer is no contract); the channel holds a deposit that covers the cumulative amount (minus a withdrawal that
 // can be finalized before a claim lands); the cumulative amount is above what was claimed and is exactly the
 // last accepted one plus the price (a refund: exactly the last accepted one). A refusal is a *BatchRefusal; a
-// voucher of a contract wallet is an error IsContractVoucher knows.
+// voucher of a contract wallet is an error IsContractVoucher knows, and a view read too long ago (see
+// ChannelView.ReadAt) one IsStaleChannelView knows.
 func (t *BatchTerms) CheckVoucher(p *x402.BatchPayment, view ChannelView, now time.Time) (AcceptedVoucher, error) {
 	return t.checkVoucher(p, view, now, nil)
 }
@@ -447,6 +471,13 @@ func (t *BatchTerms) checkVoucher(p *x402.BatchPayment, view ChannelView, now ti
 		}
 	}
 
+	// A withdrawal asked for after the view was read would go unseen: its delay runs from then at the earliest.
+	fresh := view.ReadAt.Add(time.Duration(ch.WithdrawDelay) * time.Second)
+	if !now.Add(t.ClaimMargin).Before(fresh) {
+		return av, fmt.Errorf("%w: channel %s was read at %s, and a claim must land by %s (withdrawDelay %d s, claim margin %s)",
+			errStaleChannelView, id.Hex(), view.ReadAt.UTC().Format(time.RFC3339), fresh.UTC().Format(time.RFC3339), ch.WithdrawDelay, t.ClaimMargin)
+	}
+	av.ClaimBy = fresh
 	balance, totalClaimed, charged := orZero(view.Balance), orZero(view.TotalClaimed), orZero(view.Charged)
 	if balance.Sign() == 0 {
 		return av, refuseBatch(x402.ReasonBatchChannelNotFound, "channel %s holds no deposit", id.Hex())

@@ -187,7 +187,7 @@ func checkSDKPayment(t *testing.T, p *x402.BatchPayment, channelID string) {
 		t.Fatalf("channel id %s, the SDK computed %s", got, channelID)
 	}
 	cumulative, _ := x402.ParseAmount(p.Payload.Voucher.MaxClaimableAmount)
-	view := ChannelView{Balance: new(big.Int).Mul(cumulative, big.NewInt(10)), TotalClaimed: new(big.Int)}
+	view := ChannelView{Balance: new(big.Int).Mul(cumulative, big.NewInt(10)), TotalClaimed: new(big.Int), ReadAt: time.Now()}
 	view.Charged = new(big.Int).Sub(cumulative, terms.Price)
 	switch p.Payload.Type {
 	case x402.BatchRefund:
@@ -195,7 +195,7 @@ func checkSDKPayment(t *testing.T, p *x402.BatchPayment, channelID string) {
 	case x402.BatchDeposit:
 		view.Balance, _ = x402.ParseAmount(p.Payload.Deposit.Amount)
 		now := sdkSigningTime(t, p)
-		if r := CheckDepositAuthorization(p, sdkChainID, now); r != nil {
+		if r := terms.CheckDepositAuthorization(p, now); r != nil {
 			t.Fatalf("deposit authorization refused: %v", r)
 		}
 	}
@@ -272,7 +272,7 @@ func TestCheckVoucherRefusesWhatTheChannelDoesNotCover(t *testing.T) {
 	f := newBatchFixture(t)
 	now := time.Unix(1_800_000_000, 0)
 	view := func(balance, claimed, charged int64) ChannelView {
-		return ChannelView{Balance: big.NewInt(balance), TotalClaimed: big.NewInt(claimed), Charged: big.NewInt(charged)}
+		return ChannelView{Balance: big.NewInt(balance), TotalClaimed: big.NewInt(claimed), Charged: big.NewInt(charged), ReadAt: now}
 	}
 	otherReceiver := f.cfg
 	otherReceiver.Receiver = "0x15d34AAf54267DB7D7c367839AAf71A00a2C6A65"
@@ -374,8 +374,8 @@ func TestCheckVoucherLeavesAContractWalletsVoucherToTheChain(t *testing.T) {
 func BenchmarkCheckVoucher(b *testing.B) {
 	f := newBatchFixture(b)
 	p := f.voucher(b, f.cfg, f.authKey, 3000)
-	view := ChannelView{Balance: big.NewInt(10_000), TotalClaimed: new(big.Int), Charged: big.NewInt(2000)}
 	now := time.Now()
+	view := ChannelView{Balance: big.NewInt(10_000), TotalClaimed: new(big.Int), Charged: big.NewInt(2000), ReadAt: now}
 	b.ReportAllocs()
 	for b.Loop() {
 		if _, err := f.terms.CheckVoucher(p, view, now); err != nil {
@@ -406,7 +406,7 @@ func TestCheckContractVoucherAsksThePayersWallet(t *testing.T) {
 	wallet := c.CreateSmartWallet(c.DeploySmartWalletFactory(), contracts.SmartWalletAccount{Owner: owner, Salt: big.NewInt(7)})
 	cfg := f.cfg
 	cfg.Payer, cfg.PayerAuthorizer = wallet.Hex(), "0x0000000000000000000000000000000000000000"
-	view := ChannelView{Balance: big.NewInt(10_000), TotalClaimed: new(big.Int), Charged: big.NewInt(2000), PayerHasCode: true}
+	view := ChannelView{Balance: big.NewInt(10_000), TotalClaimed: new(big.Int), Charged: big.NewInt(2000), PayerHasCode: true, ReadAt: time.Now()}
 	ctx := context.Background()
 
 	byOwner := f.voucher(t, cfg, f.payerKey, 3000)
@@ -495,7 +495,12 @@ func TestCheckDepositAuthorizationRefusesWhatTheCollectorWouldNotTake(t *testing
 			p := sdkPayment(t, tc.vector)
 			now := sdkSigningTime(t, p).Add(tc.late)
 			tc.edit(p)
-			r := CheckDepositAuthorization(p, sdkChainID, now)
+			// The edits of accepted stand for the route's requirement: the terms are built from it.
+			terms, err := NewBatchTerms(p.Accepted, sdkChainID, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := terms.CheckDepositAuthorization(p, now)
 			switch {
 			case tc.reason == "" && r != nil:
 				t.Fatalf("refused: %v", r)
@@ -513,7 +518,7 @@ func TestAnAcceptedVoucherCarriesItsSignatureAsTheContractRecoversIt(t *testing.
 	sig := p.Payload.Voucher.Signature
 	v := sig[len(sig)-2:]
 	p.Payload.Voucher.Signature = sig[:len(sig)-2] + map[string]string{"1b": "00", "1c": "01"}[v]
-	av, err := f.terms.CheckVoucher(p, ChannelView{Balance: big.NewInt(10_000), Charged: big.NewInt(2000)}, time.Now())
+	av, err := f.terms.CheckVoucher(p, ChannelView{Balance: big.NewInt(10_000), Charged: big.NewInt(2000), ReadAt: time.Now()}, time.Now())
 	if err != nil {
 		t.Fatal(err)
 	}
