@@ -1,50 +1,10 @@
 package chaintest
 
 import (
-	"context"
-	"math/big"
 	"testing"
 
 	"github.com/ethereum/go-ethereum/common"
-	"github.com/ethereum/go-ethereum/core/types"
-	"github.com/holiman/uint256"
 )
-
-// delegate gives account's address the code of target (EIP-7702), through a set-code transaction a fresh relayer
-// sends and seals.
-func (c *Chain) delegate(t *testing.T, account *Account, target common.Address) {
-	t.Helper()
-	ctx := context.Background()
-	sender := DeriveAccount("delegation relayer", 0)
-	c.SendETH(c.Deployer, sender.Address, big.NewInt(1e17))
-	nonce, err := c.Client.PendingNonceAt(ctx, account.Address)
-	if err != nil {
-		t.Fatal(err)
-	}
-	auth, err := types.SignSetCode(account.Key, types.SetCodeAuthorization{ChainID: *uint256.MustFromBig(c.ChainID), Address: target, Nonce: nonce})
-	if err != nil {
-		t.Fatal(err)
-	}
-	head, err := c.Client.HeaderByNumber(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tip := uint256.NewInt(1e9)
-	tx, err := types.SignNewTx(sender.Key, c.Signer, &types.SetCodeTx{
-		ChainID: uint256.MustFromBig(c.ChainID), Nonce: 0, GasTipCap: tip,
-		GasFeeCap: new(uint256.Int).Add(new(uint256.Int).Mul(uint256.MustFromBig(head.BaseFee), uint256.NewInt(2)), tip),
-		Gas:       100_000, To: sender.Address, Value: new(uint256.Int), AuthList: []types.SetCodeAuthorization{auth},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := c.Client.SendTransaction(ctx, tx); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.CommitUntilIncluded(ctx, tx.Hash()); err != nil {
-		t.Fatal(err)
-	}
-}
 
 // A channel naming no payerAuthorizer is paid with the payer's own ECDSA vouchers, which a server checks off chain
 // while the payer has no code. The payer then delegates its account (EIP-7702) to code that answers no
@@ -58,7 +18,7 @@ func TestBatchVoucherSignedBeforeThePayerDelegatesItsAccountStaysClaimable(t *te
 	// The voucher the server accepted: the payer's key signed it, and the payer had no code.
 	row := fx.claimRow(fx.cfg, fx.payer, 4_000, 4_000)
 
-	fx.c.delegate(t, fx.payer, fx.token)
+	fx.c.Delegate(fx.payer, fx.token)
 	if !fx.c.HasCode(fx.payer.Address) {
 		t.Fatal("the payer has no code after its delegation")
 	}
