@@ -1,20 +1,15 @@
 package chain
 
 import (
-	"bytes"
-	"context"
 	"crypto/ecdsa"
 	"errors"
 	"fmt"
 	"math/big"
 	"time"
 
-	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
-	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/crypto"
 
-	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -313,8 +308,8 @@ type ChannelView struct {
 	// how much (nil: all of it).
 	WithdrawRequestedAt time.Time
 	WithdrawAmount      *big.Int
-	// PayerHasCode says the payer is a contract: a channel whose payer authorizer is the zero address then signs
-	// its vouchers by ERC-1271, which needs a chain call.
+	// PayerHasCode says the payer has code (a contract, or an EIP-7702 delegation): a channel whose payer
+	// authorizer is the zero address then has its vouchers judged by ERC-1271 at claim time, and is refused.
 	PayerHasCode bool
 	// ReadAt is the time of the block Balance, TotalClaimed and the withdrawal were read at. A withdrawal the
 	// payer asks for after that block cannot be finalized before ReadAt plus the channel's withdrawDelay, so the
@@ -334,19 +329,12 @@ type AcceptedVoucher struct {
 	Charge     *big.Int
 	Signer     common.Address
 	Digest     common.Hash
-	// Signature is the 65-byte signature of an EOA's voucher with v normalised to 27 or 28; zero for a contract
-	// wallet's, whose signature is the payload's as sent. A claim must carry this one, not the payload's text:
+	// Signature is the voucher's 65-byte signature with v normalised to 27 or 28. A claim must carry this one, not
+	// the payload's text:
 	// the check accepts v as 0 or 1 too, which the contract's ecrecover would not.
 	Signature Signature
 	ClaimBy   time.Time
 }
-
-// errContractVoucher is CheckVoucher's error for a voucher only the payer's contract wallet can judge.
-var errContractVoucher = errors.New("the channel's vouchers are signed by the payer's contract wallet (ERC-1271), which only a chain call can check")
-
-// IsContractVoucher reports whether err is CheckVoucher's for a voucher that needs the chain: the channel names
-// no payer authorizer and its payer is a contract wallet.
-func IsContractVoucher(err error) bool { return errors.Is(err, errContractVoucher) }
 
 // errStaleChannelView is CheckVoucher's error for a view read too long ago to vouch for the deposit.
 var errStaleChannelView = errors.New("the channel was read from the chain too long ago: a withdrawal asked for since could be finalized before a claim lands")
@@ -358,49 +346,12 @@ func IsStaleChannelView(err error) bool { return errors.Is(err, errStaleChannelV
 // CheckVoucher runs the off-chain checks of a batch-settlement payment's voucher against the terms and the
 // engine's view of the channel, cheap ones first and with no chain call: the scheme and network; the channel
 // configuration binds to the voucher's channel id and names this receiver, receiver authorizer, token and
-// withdraw delay; the signature is the payer authorizer's (or the payer's, for a channel naming none, when the
-// payer is no contract); the channel holds a deposit that covers the cumulative amount (minus a withdrawal that
+// withdraw delay; the signature is the payer authorizer's (or the payer's key's, for a channel naming none; a
+// payer that is a contract is refused, as its answer can change before the claim); the channel holds a deposit that covers the cumulative amount (minus a withdrawal that
 // can be finalized before a claim lands); the cumulative amount is above what was claimed and is exactly the
 // last accepted one plus the price (a refund: exactly the last accepted one). A refusal is a *BatchRefusal; a
-// voucher of a contract wallet is an error IsContractVoucher knows, and a view read too long ago (see
-// ChannelView.ReadAt) one IsStaleChannelView knows.
+// view read too long ago (see ChannelView.ReadAt) is an error IsStaleChannelView knows.
 func (t *BatchTerms) CheckVoucher(p *x402.BatchPayment, view ChannelView, now time.Time) (AcceptedVoucher, error) {
-	return t.checkVoucher(p, view, now, nil)
-}
-
-// CheckContractVoucher runs CheckVoucher's checks on a voucher CheckVoucher leaves to the chain: the channel
-// names no payer authorizer and its payer is a contract wallet, which judges the signature by ERC-1271
-// isValidSignature, asked through caller at the latest block (as the contract's SignatureChecker asks it when
-// it claims). A voucher any other key signs is checked as CheckVoucher checks it, with no call.
-func (t *BatchTerms) CheckContractVoucher(ctx context.Context, caller ethereum.ContractCaller, p *x402.BatchPayment, view ChannelView, now time.Time) (AcceptedVoucher, error) {
-	return t.checkVoucher(p, view, now, func(wallet common.Address, digest common.Hash, sig string) (*BatchRefusal, error) {
-		raw, err := hexutil.Decode(sig)
-		switch {
-		case err != nil:
-			return refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature must be 0x-prefixed hex: %v", err), nil
-		case len(raw) < minSignatureBytes || len(raw) > maxSignatureBytes:
-			return refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature is %d bytes, expected %d to %d", len(raw), minSignatureBytes, maxSignatureBytes), nil
-		}
-		data, err := contracts.SmartWalletABI.Pack("isValidSignature", digest, raw)
-		if err != nil {
-			return nil, err
-		}
-		ret, err := caller.CallContract(ctx, ethereum.CallMsg{To: &wallet, Data: data, Gas: walletCheckGas}, nil)
-		if err != nil && !failsOnChain(err) {
-			return nil, fmt.Errorf("asking the payer's wallet %s whether it signed the voucher: %w", wallet.Hex(), err)
-		}
-		if len(ret) < 4 || !bytes.Equal(ret[:4], contracts.ERC1271MagicValue[:]) {
-			return refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "the payer's contract wallet %s does not accept the voucher's signature (isValidSignature answered 0x%x)", wallet.Hex(), ret), nil
-		}
-		return nil, nil
-	})
-}
-
-// contractSignatureCheck judges a voucher signature by the payer's contract wallet: a refusal, or an error when
-// the chain could not be asked.
-type contractSignatureCheck func(wallet common.Address, digest common.Hash, signature string) (*BatchRefusal, error)
-
-func (t *BatchTerms) checkVoucher(p *x402.BatchPayment, view ChannelView, now time.Time, contract contractSignatureCheck) (AcceptedVoucher, error) {
 	var av AcceptedVoucher
 	pl := &p.Payload
 	switch {
@@ -443,32 +394,23 @@ func (t *BatchTerms) checkVoucher(p *x402.BatchPayment, view ChannelView, now ti
 	digest := VoucherDigest(t.Domain, id, cumulative)
 	signer := ch.PayerAuthorizer
 	var sig Signature
-	switch {
-	case signer == (common.Address{}) && view.PayerHasCode && contract == nil:
-		return av, errContractVoucher
-	case signer == (common.Address{}) && view.PayerHasCode:
-		// The contract's SignatureChecker asks a payer with code by ERC-1271 only, never by ecrecover.
+	if signer == (common.Address{}) {
+		// The payer signs. A payer with code has its vouchers judged by that code (ERC-1271) when the claim runs,
+		// and code can answer otherwise then than any check made now (its state, its caller, its gas price, or a
+		// new EIP-7702 delegation): nothing accepted now would be sure to be paid. Only a key is.
+		if view.PayerHasCode {
+			return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "the channel names no payerAuthorizer and its payer %s is a contract, "+
+				"whose ERC-1271 answer can change before a claim: open the channel with a payerAuthorizer, the key that signs its vouchers", ch.Payer.Hex())
+		}
 		signer = ch.Payer
-		r, err := contract(signer, digest, pl.Voucher.Signature)
-		if err != nil {
-			return av, err
-		}
-		if r != nil {
-			return av, r
-		}
-	default:
-		if signer == (common.Address{}) {
-			signer = ch.Payer
-		}
-		var err error
-		if sig, err = ParseSignature(pl.Voucher.Signature); err != nil {
-			return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature: %v", err)
-		}
-		if got, err := RecoverSigner(digest, sig); err != nil {
-			return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature: %v", err)
-		} else if got != signer {
-			return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "the voucher is signed by %s, not the channel's voucher signer %s", got.Hex(), signer.Hex())
-		}
+	}
+	if sig, err = ParseSignature(pl.Voucher.Signature); err != nil {
+		return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature: %v", err)
+	}
+	if got, err := RecoverSigner(digest, sig); err != nil {
+		return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature: %v", err)
+	} else if got != signer {
+		return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "the voucher is signed by %s, not the channel's voucher signer %s", got.Hex(), signer.Hex())
 	}
 
 	// A withdrawal asked for after the view was read would go unseen: its delay runs from then at the earliest.

@@ -59,7 +59,12 @@ func (b *batchChain) wireConfig() *x402.ChannelConfig {
 
 // voucher is the payer's voucher payment for cumulative.
 func (b *batchChain) voucher(cumulative int64) *x402.BatchPayment {
-	sig := b.c.SignVoucher(b.payer, b.id, big.NewInt(cumulative))
+	return b.voucherBy(b.payer, cumulative)
+}
+
+// voucherBy is a voucher payment for cumulative signed by signer's key.
+func (b *batchChain) voucherBy(signer *chaintest.Account, cumulative int64) *x402.BatchPayment {
+	sig := b.c.SignVoucher(signer, b.id, big.NewInt(cumulative))
 	return &x402.BatchPayment{X402Version: 2, Accepted: b.rq, Payload: x402.BatchPayload{Type: x402.BatchVoucher, ChannelConfig: b.wireConfig(),
 		Voucher: &x402.BatchVoucherFields{ChannelID: b.id.Hex(), MaxClaimableAmount: fmt.Sprint(cumulative), Signature: hexutil.Encode(sig)}}}
 }
@@ -121,8 +126,14 @@ func (b *batchChain) now() time.Time { return time.Unix(int64(b.c.HeadTime()), 0
 // the cumulative amount claimed in full. It returns the revert reason, "" when the claim was mined.
 func (b *batchChain) claim(t *testing.T, av AcceptedVoucher) string {
 	t.Helper()
-	rows := []contracts.VoucherClaim{{Voucher: contracts.Voucher{Channel: b.cfg, MaxClaimableAmount: av.Cumulative},
-		Signature: av.Signature[:], TotalClaimed: av.Cumulative}}
+	return b.claimSigned(t, av.Cumulative, av.Signature[:])
+}
+
+// claimSigned sends the receiver authorizer's claim of cumulative under the voucher signature sig.
+func (b *batchChain) claimSigned(t *testing.T, cumulative *big.Int, sig []byte) string {
+	t.Helper()
+	rows := []contracts.VoucherClaim{{Voucher: contracts.Voucher{Channel: b.cfg, MaxClaimableAmount: cumulative},
+		Signature: sig, TotalClaimed: cumulative}}
 	data, err := contracts.PackClaimWithSignature(rows, b.c.SignClaimBatch(b.authorizer, rows))
 	if err != nil {
 		t.Fatal(err)
@@ -222,5 +233,41 @@ func TestCheckDepositAuthorizationUsesTheRoutesTokenDomain(t *testing.T) {
 	p.Payload.ChannelConfig = &other
 	if r := b.terms.CheckDepositAuthorization(p, time.Now()); r == nil || r.Reason != x402.ReasonBatchTokenMismatch {
 		t.Fatalf("a channel of another token: %v, want %s", r, x402.ReasonBatchTokenMismatch)
+	}
+}
+
+// A channel naming no payerAuthorizer whose payer is a contract is paid with vouchers the payer's code judges
+// (ERC-1271) when the claim runs, and code can answer otherwise then than when the gateway asked: here an account
+// delegated (EIP-7702) to a wallet whose owner key signs the vouchers, which re-delegates once served. Such a voucher
+// is refused off chain; the payer names a payerAuthorizer (a key, checked by plain ECDSA on chain) instead.
+func TestCheckVoucherRefusesAVoucherTheChannelsContractPayerJudges(t *testing.T) {
+	b := newBatchChain(t)
+	b.payer = b.c.Payers[1]
+	b.cfg.Payer, b.cfg.PayerAuthorizer = b.payer.Address, common.Address{}
+	b.id = chaintest.ChannelID(b.c.ChainID, b.cfg)
+	b.deposit(t, 10_000)
+	owner := chaintest.DeriveAccount("wallet owner", 0)
+	wallet := b.c.CreateSmartWallet(b.c.DeploySmartWalletFactory(), contracts.SmartWalletAccount{Owner: owner.Address, Salt: big.NewInt(1)})
+	b.c.Delegate(b.payer, wallet)
+	view := b.read(t)
+	view.PayerHasCode = b.c.HasCode(b.payer.Address)
+	p := b.voucherBy(owner, 1000)
+
+	// Right now the payer's code takes the owner's voucher: a claim would go through.
+	sig := common.FromHex(p.Payload.Voucher.Signature)
+	rows := []contracts.VoucherClaim{{Voucher: contracts.Voucher{Channel: b.cfg, MaxClaimableAmount: big.NewInt(1000)}, Signature: sig, TotalClaimed: big.NewInt(1000)}}
+	data, _ := contracts.PackClaimWithSignature(rows, b.c.SignClaimBatch(b.authorizer, rows))
+	if _, err := b.c.Call(context.Background(), b.relayer.Address, contracts.BatchSettlementAddress, data); err != nil {
+		t.Fatalf("the wallet's voucher does not claim even now: %v", err)
+	}
+	_, err := b.terms.CheckVoucher(p, view, b.now())
+	var r *BatchRefusal
+	if !errors.As(err, &r) || r.Reason != x402.ReasonBatchInvalidVoucherSignature {
+		t.Fatalf("a voucher the payer's code judges: %v, want a refusal %s", err, x402.ReasonBatchInvalidVoucherSignature)
+	}
+	// Once served, the payer changes its code, and the same claim reverts.
+	b.c.Delegate(b.payer, b.token)
+	if why := b.claimSigned(t, big.NewInt(1000), sig); why != "InvalidSignature()" {
+		t.Fatalf("the claim after the payer changed its code: %q, want InvalidSignature()", why)
 	}
 }

@@ -1,7 +1,6 @@
 package chain
 
 import (
-	"context"
 	"crypto/ecdsa"
 	"encoding/json"
 	"errors"
@@ -17,8 +16,6 @@ import (
 	"github.com/ethereum/go-ethereum/crypto"
 	"github.com/ethereum/go-ethereum/signer/core/apitypes"
 
-	"github.com/x402-gateway/caddy-x402/chain/chaintest"
-	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -358,14 +355,17 @@ func TestCheckVoucherRefusesWhatTheChannelDoesNotCover(t *testing.T) {
 	}
 }
 
-func TestCheckVoucherLeavesAContractWalletsVoucherToTheChain(t *testing.T) {
+// A channel naming no payer authorizer whose payer has code is refused off chain, whoever signed: its code
+// judges the voucher when the claim runs (see TestCheckVoucherRefusesAVoucherTheChannelsContractPayerJudges).
+func TestCheckVoucherRefusesAPayerWithCodeWithoutAPayerAuthorizer(t *testing.T) {
 	f := newBatchFixture(t)
 	cfg := f.cfg
 	cfg.PayerAuthorizer = "0x0000000000000000000000000000000000000000"
 	p := f.voucher(t, cfg, f.payerKey, 1000)
-	_, err := f.terms.CheckVoucher(p, ChannelView{Balance: big.NewInt(5000), PayerHasCode: true}, time.Now())
-	if !IsContractVoucher(err) {
-		t.Fatalf("got %v, want the contract-wallet error", err)
+	_, err := f.terms.CheckVoucher(p, ChannelView{Balance: big.NewInt(5000), PayerHasCode: true, ReadAt: time.Now()}, time.Now())
+	var r *BatchRefusal
+	if !errors.As(err, &r) || r.Reason != x402.ReasonBatchInvalidVoucherSignature || !strings.Contains(r.Message, "payerAuthorizer") {
+		t.Fatalf("got %v, want a refusal %s naming the payerAuthorizer", err, x402.ReasonBatchInvalidVoucherSignature)
 	}
 }
 
@@ -394,42 +394,6 @@ func BenchmarkRecoverSignerOfAVoucher(b *testing.B) {
 		if _, err := RecoverSigner(digest, sig); err != nil {
 			b.Fatal(err)
 		}
-	}
-}
-
-// A channel that names no payer authorizer and whose payer is a contract wallet signs its vouchers by ERC-1271:
-// the wallet on a simulated chain is asked, accepts its owner's voucher and refuses another key's.
-func TestCheckContractVoucherAsksThePayersWallet(t *testing.T) {
-	c := chaintest.New(t, chaintest.WithChainID(sdkChainID.Uint64()))
-	f := newBatchFixture(t)
-	owner := crypto.PubkeyToAddress(f.payerKey.PublicKey)
-	wallet := c.CreateSmartWallet(c.DeploySmartWalletFactory(), contracts.SmartWalletAccount{Owner: owner, Salt: big.NewInt(7)})
-	cfg := f.cfg
-	cfg.Payer, cfg.PayerAuthorizer = wallet.Hex(), "0x0000000000000000000000000000000000000000"
-	view := ChannelView{Balance: big.NewInt(10_000), TotalClaimed: new(big.Int), Charged: big.NewInt(2000), PayerHasCode: true, ReadAt: time.Now()}
-	ctx := context.Background()
-
-	byOwner := f.voucher(t, cfg, f.payerKey, 3000)
-	if _, err := f.terms.CheckVoucher(byOwner, view, time.Now()); !IsContractVoucher(err) {
-		t.Fatalf("the off-chain check: %v, want it left to the chain", err)
-	}
-	av, err := f.terms.CheckContractVoucher(ctx, c.Client, byOwner, view, time.Now())
-	if err != nil {
-		t.Fatalf("the wallet owner's voucher: %v", err)
-	}
-	if av.Signer != wallet || av.Charge.Int64() != 1000 {
-		t.Fatalf("accepted %+v", av)
-	}
-	var r *BatchRefusal
-	byOther := f.voucher(t, cfg, f.authKey, 3000)
-	if _, err := f.terms.CheckContractVoucher(ctx, c.Client, byOther, view, time.Now()); !errors.As(err, &r) || r.Reason != x402.ReasonBatchInvalidVoucherSignature {
-		t.Fatalf("another key's voucher: %v, want %s", err, x402.ReasonBatchInvalidVoucherSignature)
-	}
-	// The owner's key alone is not the wallet: a payer with code is never judged by ecrecover.
-	noCode := view
-	noCode.PayerHasCode = false
-	if _, err := f.terms.CheckVoucher(byOwner, noCode, time.Now()); !errors.As(err, &r) || r.Reason != x402.ReasonBatchInvalidVoucherSignature {
-		t.Fatalf("the owner's signature judged as the wallet's own: %v", err)
 	}
 }
 
