@@ -266,6 +266,19 @@ type BatchTerms struct {
 
 // NewBatchTerms parses the terms of requirement rq on chain chainID.
 func NewBatchTerms(rq x402.BatchRequirements, chainID *big.Int, claimMargin time.Duration) (*BatchTerms, error) {
+	// The domain binds every voucher to one chain: the route's network must name the chain it is claimed on.
+	if id, err := x402.ChainID(rq.Network); err != nil || chainID == nil || new(big.Int).SetUint64(id).Cmp(chainID) != 0 {
+		return nil, fmt.Errorf("batch-settlement requirement: network %q is not the chain %v its vouchers are claimed on (%v)", truncate(rq.Network), chainID, err)
+	}
+	// A voucher is accepted only while a claim can land before a withdrawal is finalized: the margin is that time,
+	// shorter than the shortest withdrawDelay a channel of the route can have.
+	delay := time.Duration(rq.Extra.WithdrawDelay) * time.Second
+	if rq.Extra.WithdrawDelay == 0 {
+		delay = x402.MinBatchWithdrawDelay * time.Second
+	}
+	if claimMargin <= 0 || claimMargin >= delay {
+		return nil, fmt.Errorf("batch-settlement requirement: claim margin %s must be positive and shorter than the withdrawDelay %s", claimMargin, delay)
+	}
 	t := &BatchTerms{Network: rq.Network, Domain: BatchDomainSeparator(chainID), ClaimMargin: claimMargin,
 		ChainID: new(big.Int).Set(chainID), TokenName: rq.Extra.Name, TokenVersion: rq.Extra.Version, TransferMethod: rq.Extra.AssetTransferMethod}
 	if t.TransferMethod == "" {

@@ -271,3 +271,33 @@ func TestCheckVoucherRefusesAVoucherTheChannelsContractPayerJudges(t *testing.T)
 		t.Fatalf("the claim after the payer changed its code: %q, want InvalidSignature()", why)
 	}
 }
+
+// The terms bind vouchers to the chain they are claimed on and leave a claim time to land: a route naming another
+// network than the chain, or a claim margin of nothing (or of a whole withdrawDelay), is a configuration error.
+func TestNewBatchTermsRefusesAnotherChainAndAMarginNoClaimFits(t *testing.T) {
+	rq := x402.BatchRequirements{Scheme: x402.SchemeBatchSettlement, Network: "eip155:72344", Amount: "1000",
+		Asset: "0x5FbDB2315678afecb367f032d93F642f64180aa3", PayTo: "0x70997970C51812dc3A010C7d01b50e0d17dc79C8", MaxTimeoutSeconds: 300,
+		Extra: x402.BatchExtra{ReceiverAuthorizer: "0x90F79bf6EB2c4f870365E785982E1f101E93b906"}}
+	if _, err := NewBatchTerms(rq, big.NewInt(72344), time.Minute); err != nil {
+		t.Fatalf("the route's own chain: %v", err)
+	}
+	for _, tc := range []struct {
+		name    string
+		network string
+		chainID *big.Int
+		margin  time.Duration
+	}{
+		{"another chain than the network names", "eip155:72344", big.NewInt(8453), time.Minute},
+		{"no chain", "eip155:72344", nil, time.Minute},
+		{"a network of no chain", "solana:mainnet", big.NewInt(72344), time.Minute},
+		{"no claim margin", "eip155:72344", big.NewInt(72344), 0},
+		{"a negative claim margin", "eip155:72344", big.NewInt(72344), -time.Second},
+		{"a margin as long as the shortest withdrawDelay", "eip155:72344", big.NewInt(72344), x402.MinBatchWithdrawDelay * time.Second},
+	} {
+		rq := rq
+		rq.Network = tc.network
+		if _, err := NewBatchTerms(rq, tc.chainID, tc.margin); err == nil {
+			t.Errorf("%s: accepted", tc.name)
+		}
+	}
+}
