@@ -439,13 +439,18 @@ func (t *BatchTerms) CheckVoucher(p *x402.BatchPayment, view ChannelView, now ti
 	}
 	covered, why := balance, ""
 	if !view.WithdrawRequestedAt.IsZero() {
-		av.ClaimBy = view.WithdrawRequestedAt.Add(time.Duration(ch.WithdrawDelay) * time.Second)
-		if !now.Add(t.ClaimMargin).Before(av.ClaimBy) {
+		finalizable := view.WithdrawRequestedAt.Add(time.Duration(ch.WithdrawDelay) * time.Second)
+		if now.Add(t.ClaimMargin).Before(finalizable) {
+			// The whole balance counts if the claim lands before the withdrawal can be finalized.
+			av.ClaimBy = finalizable
+		} else {
+			// Only what the withdrawal leaves counts; a next withdrawal can be asked for once this one is
+			// finalized, after the read, so the read's deadline stands.
 			covered = new(big.Int)
 			if view.WithdrawAmount != nil && view.WithdrawAmount.Cmp(balance) < 0 {
 				covered.Sub(balance, view.WithdrawAmount)
 			}
-			why = fmt.Sprintf(" once the withdrawal the payer asked for at %s can be finalized (%s)", view.WithdrawRequestedAt.UTC().Format(time.RFC3339), av.ClaimBy.UTC().Format(time.RFC3339))
+			why = fmt.Sprintf(" once the withdrawal the payer asked for at %s can be finalized (%s)", view.WithdrawRequestedAt.UTC().Format(time.RFC3339), finalizable.UTC().Format(time.RFC3339))
 		}
 	}
 	refund := pl.Type == x402.BatchRefund

@@ -301,3 +301,33 @@ func TestNewBatchTermsRefusesAnotherChainAndAMarginNoClaimFits(t *testing.T) {
 		}
 	}
 }
+
+// ClaimBy is when the voucher's claim must have landed: the pending withdrawal's finalization while the whole
+// balance counts, else the read plus the withdrawDelay (a withdrawal asked for after the read, or after a pending
+// one is finalized, cannot be finalized sooner).
+func TestAcceptedVoucherClaimByIsTheEarliestAWithdrawalCouldTakeItsCover(t *testing.T) {
+	f := newBatchFixture(t)
+	read := time.Unix(1_800_000_000, 0)
+	now := read.Add(10 * time.Second)
+	delay := 900 * time.Second
+	for _, tc := range []struct {
+		name        string
+		requestedAt time.Time
+		amount      *big.Int
+		want        time.Time
+	}{
+		{"no withdrawal pending", time.Time{}, nil, read.Add(delay)},
+		{"a withdrawal pending, the whole balance counting", read.Add(-100 * time.Second), nil, read.Add(-100*time.Second + delay)},
+		{"a finalizable withdrawal leaving enough", read.Add(-delay), big.NewInt(7000), read.Add(delay)},
+	} {
+		view := ChannelView{Balance: big.NewInt(10_000), TotalClaimed: new(big.Int), Charged: big.NewInt(2000), ReadAt: read,
+			WithdrawRequestedAt: tc.requestedAt, WithdrawAmount: tc.amount}
+		av, err := f.terms.CheckVoucher(f.voucher(t, f.cfg, f.authKey, 3000), view, now)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if !av.ClaimBy.Equal(tc.want) {
+			t.Errorf("%s: ClaimBy %s, want %s", tc.name, av.ClaimBy.UTC(), tc.want.UTC())
+		}
+	}
+}
