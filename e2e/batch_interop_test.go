@@ -18,6 +18,7 @@ import (
 	"github.com/ethereum/go-ethereum/crypto"
 
 	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/internal/needs"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -129,11 +130,11 @@ func TestBatchSettlementSignaturesInteroperateWithTheTypeScriptSDK(t *testing.T)
 			if err != nil {
 				t.Fatal(err)
 			}
-			ch, err := chain.ParseChannel(*p.Payload.ChannelConfig)
+			ch, err := chain.ParseChannelConfig(*p.Payload.ChannelConfig)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if id := ch.ID(terms.Domain); id != common.HexToHash(s.ChannelID) {
+			if id := chain.ChannelID(terms.Domain, ch); id != common.HexToHash(s.ChannelID) {
 				t.Fatalf("%s: Go's channel id %s, the SDK's %s", s.Name, id.Hex(), s.ChannelID)
 			}
 			cumulative, _ := x402.ParseAmount(p.Payload.Voucher.MaxClaimableAmount)
@@ -174,11 +175,11 @@ func TestBatchSettlementSignaturesInteroperateWithTheTypeScriptSDK(t *testing.T)
 				Receiver: spec.PayTo, ReceiverAuthorizer: spec.ReceiverAuthorizer, Token: spec.Asset, WithdrawDelay: spec.WithdrawDelay, Salt: spec.Salt}
 		}
 		voucher := func(cfg x402.ChannelConfig, key *ecdsa.PrivateKey, kind string, cumulative int64) x402.BatchPayment {
-			ch, err := chain.ParseChannel(cfg)
+			ch, err := chain.ParseChannelConfig(cfg)
 			if err != nil {
 				t.Fatal(err)
 			}
-			id := ch.ID(domain)
+			id := chain.ChannelID(domain, ch)
 			sig := signHash(t, key, chain.VoucherDigest(domain, id, big.NewInt(cumulative)))
 			return x402.BatchPayment{X402Version: 2, Accepted: rq, Payload: x402.BatchPayload{Type: kind, ChannelConfig: &cfg,
 				Voucher: &x402.BatchVoucherFields{ChannelID: id.Hex(), MaxClaimableAmount: big.NewInt(cumulative).String(), Signature: sig}}}
@@ -197,7 +198,7 @@ func TestBatchSettlementSignaturesInteroperateWithTheTypeScriptSDK(t *testing.T)
 				nonce := new(big.Int).SetBytes(randomBytes32(t).Bytes())
 				p.Payload.Deposit.Authorization.Permit2Authorization = &x402.BatchPermit2Authorization{
 					From: from.Hex(), Permitted: x402.TokenPermissions{Token: token.Hex(), Amount: amount.String()},
-					Spender: chain.Permit2DepositCollectorAddress.Hex(), Nonce: nonce.String(), Deadline: validBefore.String(),
+					Spender: contracts.Permit2DepositCollectorAddress.Hex(), Nonce: nonce.String(), Deadline: validBefore.String(),
 					Witness:   x402.BatchPermit2Witness{ChannelID: id.Hex()},
 					Signature: signHash(t, payer, chain.DepositPermit2Digest(batchChainID, token, amount, nonce, validBefore, id)),
 				}
@@ -205,7 +206,7 @@ func TestBatchSettlementSignaturesInteroperateWithTheTypeScriptSDK(t *testing.T)
 			}
 			salt := randomBytes32(t)
 			digest := chain.ReceiveAuthorizationDigest(chain.PermitDomainSeparator(spec.TokenName, spec.TokenVersion, batchChainID, token),
-				from, chain.ERC3009DepositCollectorAddress, amount, new(big.Int), validBefore, chain.ERC3009DepositNonce(id, salt))
+				from, contracts.ERC3009DepositCollectorAddress, amount, new(big.Int), validBefore, contracts.ERC3009DepositNonce(id, salt))
 			p.Payload.Deposit.Authorization.ERC3009Authorization = &x402.BatchERC3009Authorization{
 				ValidAfter: "0", ValidBefore: validBefore.String(), Salt: salt.Hex(), Signature: signHash(t, payer, digest)}
 			return p
