@@ -16,10 +16,12 @@
 // vouchers signed by the payer and by a separate voucher key (payerAuthorizer), and a refund, each as the client
 // puts it in PAYMENT-SIGNATURE, with the channel id the SDK computes for it.
 //
-// verify's items: [{name, payment, requirements, balance, totalClaimed}]. The facilitator reads the channel's
-// balance and total claimed on chain; here a stub chain answers them (and says every payer is an EOA, has the
-// deposit's tokens and Permit2 allowance, and that the deposit would not revert), so the verdict is the SDK's
-// checks of the signatures and of the channel's terms. It prints [{name, isValid, invalidReason}].
+// verify's items: [{name, payment, requirements, balance, totalClaimed}] or [{name, payment, requirements, rpc}].
+// The facilitator reads the channel's balance and total claimed on chain. With rpc it reads the chain there (a
+// dev chain: through its Multicall3, as on any network); else a stub chain answers balance and totalClaimed (and
+// says every payer is an EOA, has the deposit's tokens and Permit2 allowance, and that the deposit would not
+// revert), so the verdict is the SDK's checks of the signatures and of the channel's terms. It prints
+// [{name, isValid, invalidReason}].
 //
 // chaintest is run by hand after `npm ci` here, when the SDK or chaintest's accounts change:
 //   node batch-vectors.mjs chaintest ../../chain/chaintest/testdata/batch-settlement-sdk-vector.json
@@ -36,20 +38,31 @@ import {
   signVoucher,
 } from "@x402/evm/batch-settlement/client";
 import { BatchSettlementEvmScheme as Facilitator } from "@x402/evm/batch-settlement/facilitator";
-import { BATCH_SETTLEMENT_ADDRESS, BATCH_SETTLEMENT_DOMAIN, claimBatchTypes, refundTypes, toClientEvmSigner } from "@x402/evm";
 import {
+  BATCH_SETTLEMENT_ADDRESS,
+  BATCH_SETTLEMENT_DOMAIN,
+  claimBatchTypes,
+  refundTypes,
+  toClientEvmSigner,
+  toFacilitatorEvmSigner,
+} from "@x402/evm";
+import {
+  createWalletClient,
   decodeFunctionData,
+  defineChain,
   encodeFunctionResult,
   getContractAddress,
+  http,
   keccak256,
   parseAbi,
+  publicActions,
   toBytes,
   toEventSelector,
   toEventSignature,
   toFunctionSelector,
   toFunctionSignature,
 } from "viem";
-import { privateKeyToAccount } from "viem/accounts";
+import { generatePrivateKey, privateKeyToAccount } from "viem/accounts";
 
 async function readStdin() {
   const chunks = [];
@@ -150,10 +163,24 @@ function stubChain(balance, totalClaimed) {
   };
 }
 
+// chainSigner is the facilitator's view of a real chain at rpcUrl (a throwaway key: verify sends nothing), where
+// its reads go through Multicall3 as on any network.
+function chainSigner(rpcUrl, network) {
+  const chain = defineChain({
+    id: Number(network.split(":")[1]),
+    name: "x402 dev chain",
+    nativeCurrency: { name: "Ether", symbol: "ETH", decimals: 18 },
+    rpcUrls: { default: { http: [rpcUrl] } },
+  });
+  const account = privateKeyToAccount(generatePrivateKey());
+  const client = createWalletClient({ account, chain, transport: http(rpcUrl) }).extend(publicActions);
+  return toFacilitatorEvmSigner({ ...client, address: account.address });
+}
+
 async function verify(items) {
   const out = [];
   for (const it of items) {
-    const facilitator = new Facilitator(stubChain(it.balance, it.totalClaimed));
+    const facilitator = new Facilitator(it.rpc ? chainSigner(it.rpc, it.requirements.network) : stubChain(it.balance, it.totalClaimed));
     try {
       const r = await facilitator.verify(it.payment, it.requirements);
       out.push({ name: it.name, isValid: r.isValid, invalidReason: r.invalidReason ?? "" });
