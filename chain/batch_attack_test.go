@@ -44,7 +44,7 @@ func newBatchChain(t *testing.T) *batchChain {
 	}
 	b.terms = terms
 	b.cfg = contracts.ChannelConfig{Payer: b.payer.Address, PayerAuthorizer: b.payer.Address, Receiver: b.receiver.Address,
-		ReceiverAuthorizer: b.authorizer.Address, Token: b.token, WithdrawDelay: big.NewInt(contracts.MinWithdrawDelay)}
+		ReceiverAuthorizer: b.authorizer.Address, Token: b.token, WithdrawDelay: contracts.MinWithdrawDelay}
 	b.cfg.Salt[31] = 0x5a
 	b.id = chaintest.ChannelID(c.ChainID, b.cfg)
 	return b
@@ -53,7 +53,7 @@ func newBatchChain(t *testing.T) *batchChain {
 // wireConfig is the channel's configuration as a payment carries it.
 func (b *batchChain) wireConfig() *x402.ChannelConfig {
 	return &x402.ChannelConfig{Payer: b.cfg.Payer.Hex(), PayerAuthorizer: b.cfg.PayerAuthorizer.Hex(), Receiver: b.cfg.Receiver.Hex(),
-		ReceiverAuthorizer: b.cfg.ReceiverAuthorizer.Hex(), Token: b.cfg.Token.Hex(), WithdrawDelay: b.cfg.WithdrawDelay.Int64(),
+		ReceiverAuthorizer: b.cfg.ReceiverAuthorizer.Hex(), Token: b.cfg.Token.Hex(), WithdrawDelay: int64(b.cfg.WithdrawDelay),
 		Salt: hexutil.Encode(b.cfg.Salt[:])}
 }
 
@@ -91,7 +91,7 @@ func (b *batchChain) deposit(t *testing.T, amount int64) {
 	salt := chaintest.RandomNonce()
 	validBefore := new(big.Int).SetUint64(b.c.HeadTime() + 3600)
 	sig := b.c.SignTypedData(b.payer, chaintest.ReceiveAuthorizationTypedData(contracts.USDCoinName, contracts.USDCoinVersion, b.c.ChainID,
-		b.token, b.payer.Address, big.NewInt(amount), new(big.Int), validBefore, contracts.ERC3009DepositNonce(b.id, salt)))
+		b.token, b.payer.Address, big.NewInt(amount), new(big.Int), validBefore, contracts.ERC3009DepositNonce(b.id, common.BigToHash(salt))))
 	collectorData, err := contracts.EncodeERC3009CollectorData(new(big.Int), validBefore, salt, sig)
 	if err != nil {
 		t.Fatal(err)
@@ -210,7 +210,7 @@ func TestCheckDepositAuthorizationUsesTheRoutesTokenDomain(t *testing.T) {
 	validBefore := new(big.Int).SetUint64(uint64(time.Now().Unix()) + 3600)
 	amount := big.NewInt(10_000)
 	sig := b.c.SignTypedData(b.payer, chaintest.ReceiveAuthorizationTypedData("Not The Token", "9", b.c.ChainID,
-		b.token, b.payer.Address, amount, new(big.Int), validBefore, contracts.ERC3009DepositNonce(b.id, salt)))
+		b.token, b.payer.Address, amount, new(big.Int), validBefore, contracts.ERC3009DepositNonce(b.id, common.BigToHash(salt))))
 	p := b.voucher(1000)
 	p.Payload.Type = x402.BatchDeposit
 	p.Accepted.Extra.Name, p.Accepted.Extra.Version = "Not The Token", "9"
@@ -292,7 +292,7 @@ func TestNewBatchTermsRefusesAnotherChainAndAMarginNoClaimFits(t *testing.T) {
 		{"a network of no chain", "solana:mainnet", big.NewInt(72344), time.Minute},
 		{"no claim margin", "eip155:72344", big.NewInt(72344), 0},
 		{"a negative claim margin", "eip155:72344", big.NewInt(72344), -time.Second},
-		{"a margin as long as the shortest withdrawDelay", "eip155:72344", big.NewInt(72344), x402.MinBatchWithdrawDelay * time.Second},
+		{"a margin as long as the shortest withdrawDelay", "eip155:72344", big.NewInt(72344), contracts.MinWithdrawDelay * time.Second},
 	} {
 		rq := rq
 		rq.Network = tc.network
