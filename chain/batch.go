@@ -286,7 +286,9 @@ type ChannelView struct {
 	PayerHasCode bool
 	// ReadAt is the time of the block Balance, TotalClaimed and the withdrawal were read at. A withdrawal the
 	// payer asks for after that block cannot be finalized before ReadAt plus the channel's withdrawDelay, so the
-	// view vouches for the deposit until then, less ClaimMargin; the zero time vouches for nothing.
+	// view vouches for the deposit until then, less ClaimMargin; the zero time vouches for nothing. It is chain
+	// time, as WithdrawRequestedAt is, and CheckVoucher's now must be too (or the wall clock with a ClaimMargin
+	// that covers how far the chain's clock can run ahead of it: a dev chain sealing a block per transaction does).
 	ReadAt time.Time
 }
 
