@@ -410,10 +410,9 @@ func TestChannelsPruneOnlyWithdrawnFullyClaimedChannelsPastTheRetention(t *testi
 // raceVouchers has workers goroutines on each of stores (one journal) take the steps of one channel holding steps
 // vouchers' worth, each reading the row and taking the next step, until the deposit is reached. It fails the test
 // unless every step from 1 to steps was accepted exactly once, and the row holds the last.
-func raceVouchers(t *testing.T, stores []Channels, workers, steps int) {
+func raceVouchers(t *testing.T, stores []Channels, key ChannelKey, workers, steps int) {
 	ctx := context.Background()
 	const price = 7
-	key := chanKey(77)
 	mustObserve(t, stores[0], depositRead(key, int64(steps*price), 1))
 	var (
 		mu       sync.Mutex
@@ -476,9 +475,8 @@ func raceVouchers(t *testing.T, stores []Channels, workers, steps int) {
 	if sum > int64(steps*price) {
 		t.Fatalf("accepted %d in all against a deposit of %d", sum, steps*price)
 	}
-	for i, s := range stores {
+	for _, s := range stores {
 		wantRow(t, s, key, int64(steps*price), int64(steps), 0, "")
-		_ = i
 	}
 	t.Logf("%d steps taken by %d goroutines on %d stores; %d tries found the step taken", steps, workers*len(stores), len(stores), moved.Load())
 }
@@ -487,7 +485,7 @@ func raceVouchers(t *testing.T, stores []Channels, workers, steps int) {
 // one store: each step is taken once, and never past the deposit.
 func TestChannelsConcurrentVouchersOfOneChannelTakeEachStepOnce(t *testing.T) {
 	forEachStore(t, func(t *testing.T, h harness) {
-		raceVouchers(t, []Channels{channelsOf(t, h.open(t, nil))}, 8, 120)
+		raceVouchers(t, []Channels{channelsOf(t, h.open(t, nil))}, chanKey(77), 8, 120)
 	})
 }
 

@@ -145,7 +145,9 @@ var ErrSchemaTooNew = errors.New("journal: database schema is newer than this bu
 // migrate brings the database's schema up to this build's, and refuses a database of a newer schema. Several
 // processes may run it at once: each migration is applied in a transaction that first inserts its version's
 // row, so concurrent starters queue behind the one that inserted it and then find the version applied.
-func migrate(ctx context.Context, pool *pgxpool.Pool) error { return migrateTo(ctx, pool, pgMigrations) }
+func migrate(ctx context.Context, pool *pgxpool.Pool) error {
+	return migrateTo(ctx, pool, pgMigrations)
+}
 
 // migrateTo is migrate for a release whose migrations are those given: the tests run an earlier release's (a
 // prefix of pgMigrations) beside this one's.
