@@ -183,7 +183,15 @@ func TestChannelsAcceptEachVoucherOnceFromExactlyTheLastAmountWithinTheDeposit(t
 		if _, err := accept(110, 120); !errors.Is(err, ErrChannelWithdrawn) {
 			t.Fatalf("a voucher of a withdrawn channel: %v, want ErrChannelWithdrawn", err)
 		}
-		before := wantRow(t, channelsOf(t, s), key, 110, 4, 0, "")
+		// Deposited into again (the same configuration is the same channel): vouchers go on from where they were.
+		mustObserve(t, channelsOf(t, s), depositRead(key, 200, 13))
+		if _, err := accept(110, 120); err != nil {
+			t.Fatalf("a voucher after a new deposit into a refunded channel: %v", err)
+		}
+		before := wantRow(t, channelsOf(t, s), key, 120, 5, 0, "")
+		if before.Withdrawn || !before.WithdrawnAt.IsZero() {
+			t.Fatalf("deposited into again, the row still says withdrawn at %s", before.WithdrawnAt)
+		}
 
 		// Closed and opened again, the store has every voucher it accepted, as it answered.
 		s = h.reopen(t, s)

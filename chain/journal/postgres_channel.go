@@ -403,7 +403,10 @@ func (s *PostgresStore) PruneChannels(ctx context.Context, withdrawnBefore time.
 WHERE withdrawn_ns < $1 AND claim_tx IS NULL AND claimed >= charged`, nanos(withdrawnBefore))
 }
 
-// execCount runs one statement that writes, retried as retrySafe says, and returns how many rows it wrote.
+// execCount runs one statement that writes several rows and is safe to run twice (a second run finds nothing left
+// to do), retried as a transaction is: after a deadlock (a claim's rows, locked in the order the statement finds
+// them, against a MarkClaimSent locking some of them in key order) or a connection that broke. It returns how many
+// rows the last run wrote.
 func (s *PostgresStore) execCount(ctx context.Context, op, sql string, args ...any) (int, error) {
 	wctx, cancel, err := s.begin(ctx, true)
 	if err != nil {
@@ -411,7 +414,7 @@ func (s *PostgresStore) execCount(ctx context.Context, op, sql string, args ...a
 	}
 	defer cancel()
 	var tag pgconn.CommandTag
-	err = retrySafe(func() (err error) {
+	err = retryTx(wctx, func() (err error) {
 		tag, err = s.pool.Exec(wctx, sql, args...)
 		return err
 	})

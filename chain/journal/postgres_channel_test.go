@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/big"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -298,5 +299,82 @@ func TestPostgresChannelsMigrationBesideAnEarlierRelease(t *testing.T) {
 			}
 			t.Fatalf("an earlier release opening a migrated database: %v, want ErrSchemaTooNew", err)
 		}
+	})
+}
+
+// TestPostgresTwoClaimersOfOverlappingChannelsMarkEachChannelOnce: two stores, as two gateways' claimers, mark
+// claims of overlapping sets of channels at once (each claim three neighbouring channels of twelve, each claimer
+// every start in its own order), directly and through PgBouncer. A claim is marked on all its channels or on none
+// (ErrClaimTaken), and no channel is marked by two claims.
+func TestPostgresTwoClaimersOfOverlappingChannelsMarkEachChannelOnce(t *testing.T) {
+	throughEitherWay(t, func(t *testing.T, dsn string, n int) {
+		ctx := context.Background()
+		stores := []*PostgresStore{openPostgres(t, dsn, Options{}), openPostgres(t, dsn, Options{})}
+		const channels = 12
+		keys := make([]ChannelKey, channels)
+		for i := range keys {
+			keys[i] = chanKey(300 + n + i)
+			mustObserve(t, stores[0], depositRead(keys[i], 100, 1))
+			if _, err := stores[0].AcceptVoucher(ctx, keys[i], big.NewInt(0), big.NewInt(10), voucherOf(10)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var (
+			mu   sync.Mutex
+			won  = map[string][]ChannelKey{}
+			wg   sync.WaitGroup
+			next atomic.Int64
+		)
+		start := make(chan struct{})
+		for si, s := range stores {
+			for w := range 3 {
+				wg.Go(func() {
+					<-start
+					for i := range channels {
+						first := (i*5 + si*7 + w*3) % channels
+						var claims []ChannelClaim
+						for j := range 3 {
+							claims = append(claims, ChannelClaim{Key: keys[(first+j)%channels], Amount: big.NewInt(10)})
+						}
+						tx := fmt.Sprintf("0x%064x", 1000*(n+1)+int(next.Add(1)))
+						switch err := s.MarkClaimSent(ctx, tx, claims); {
+						case err == nil:
+							mu.Lock()
+							for _, c := range claims {
+								won[tx] = append(won[tx], c.Key)
+							}
+							mu.Unlock()
+						case !errors.Is(err, ErrClaimTaken):
+							t.Errorf("store %d: claim %s: %v", si, tx, err)
+							return
+						}
+					}
+				})
+			}
+		}
+		close(start)
+		wg.Wait()
+		if t.Failed() {
+			return
+		}
+		marked := map[ChannelKey]string{}
+		for tx, ks := range won {
+			for _, k := range ks {
+				if other, ok := marked[k]; ok {
+					t.Fatalf("channel %s was marked by claim %s and by claim %s", k, other, tx)
+				}
+				marked[k] = tx
+			}
+		}
+		for _, k := range keys {
+			c := mustChannel(t, stores[1], k)
+			if tx, ok := marked[k]; ok && c.ClaimTx != tx {
+				t.Fatalf("channel %s: claim %q in flight, but claim %s was answered marked", k, c.ClaimTx, tx)
+			}
+			if _, ok := marked[k]; !ok && c.ClaimTx != "" {
+				t.Fatalf("channel %s: claim %q in flight, which was answered refused: a claim marked part of its channels", k, c.ClaimTx)
+			}
+		}
+		t.Logf("%d claims of 3 channels marked of %d tried", len(won), next.Load())
 	})
 }
