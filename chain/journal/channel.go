@@ -112,10 +112,14 @@ func (k ChannelKey) bytes() []byte {
 }
 
 // Voucher is what a claim of an accepted voucher must carry: the payer's signature (65 bytes, v 27 or 28, as the
-// contract recovers it; or a contract wallet's as sent) and the EIP-712 digest it signs.
+// contract recovers it; or a contract wallet's as sent) and the EIP-712 digest it signs. By, optional, names this
+// acceptance (a token unique to the request): a caller whose AcceptVoucher failed with its outcome unknown (a
+// connection lost as it committed) reads the row, and the step is its own only when the row is at its amount with
+// its By; the same voucher presented to two gateways at once has one digest but two tokens.
 type Voucher struct {
 	Signature []byte
 	Digest    []byte
+	By        string
 }
 
 // ChannelRead is what a read of a channel on chain found, at block Block.
@@ -167,6 +171,7 @@ type Channel struct {
 	Digest         []byte    `json:"digest,omitempty"`
 	Vouchers       uint64    `json:"vouchers,omitempty"`
 	AcceptedAt     time.Time `json:"acceptedAt,omitzero"`
+	AcceptedBy     string    `json:"acceptedBy,omitempty"`
 	UnclaimedSince time.Time `json:"unclaimedSince,omitzero"`
 
 	// Claimed is what is claimed on chain (mined), ClaimedTx the claim transaction that last raised it ("" when
@@ -313,7 +318,7 @@ func observeIn(prev *Channel, read ChannelRead, now time.Time) (Channel, bool) {
 	if c.Claimed.Cmp(c.Charged) > 0 {
 		// Claimed past what this journal accepted (its vouchers were lost, or another party claimed): the next
 		// voucher must be above the claim, and no voucher of the journal's is left to claim.
-		c.Charged, c.Signature, c.Digest = new(big.Int).Set(c.Claimed), nil, nil
+		c.Charged, c.Signature, c.Digest, c.AcceptedBy = new(big.Int).Set(c.Claimed), nil, nil, ""
 	}
 	if c.Claimed.Cmp(c.Charged) >= 0 {
 		c.UnclaimedSince = time.Time{}
@@ -351,7 +356,7 @@ func acceptIn(c *Channel, from, to *big.Int, v Voucher, now time.Time) (Channel,
 	next.Charged = new(big.Int).Set(to)
 	next.Signature, next.Digest = bytes.Clone(v.Signature), bytes.Clone(v.Digest)
 	next.Vouchers++
-	next.AcceptedAt = now
+	next.AcceptedAt, next.AcceptedBy = now, v.By
 	if next.UnclaimedSince.IsZero() {
 		next.UnclaimedSince = now
 	}

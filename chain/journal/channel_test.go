@@ -84,7 +84,7 @@ func wantRow(t *testing.T, c Channels, key ChannelKey, charged, vouchers, claime
 		t.Fatalf("%s: charged %s, %d vouchers, claimed %s, claim in flight %q; want %d, %d, %d, %q",
 			key, got.Charged, got.Vouchers, got.Claimed, got.ClaimTx, charged, vouchers, claimed, claimTx)
 	}
-	if charged > claimed && got.Vouchers > 0 && !reflect.DeepEqual(Voucher{got.Signature, got.Digest}, voucherOf(charged)) {
+	if charged > claimed && got.Vouchers > 0 && !reflect.DeepEqual(Voucher{Signature: got.Signature, Digest: got.Digest}, voucherOf(charged)) {
 		t.Fatalf("%s at %d holds the signature and digest of another voucher", key, charged)
 	}
 	return got
@@ -101,7 +101,9 @@ func TestChannelsAcceptEachVoucherOnceFromExactlyTheLastAmountWithinTheDeposit(t
 		ctx := context.Background()
 		key := chanKey(1)
 		accept := func(from, to int64) (Channel, error) {
-			return channelsOf(t, s).AcceptVoucher(ctx, key, big.NewInt(from), big.NewInt(to), voucherOf(to))
+			v := voucherOf(to)
+			v.By = fmt.Sprintf("request %d-%d", from, to)
+			return channelsOf(t, s).AcceptVoucher(ctx, key, big.NewInt(from), big.NewInt(to), v)
 		}
 		if _, err := accept(0, 10); !errors.Is(err, ErrChannelNotFound) {
 			t.Fatalf("a voucher of a channel with no row: %v, want ErrChannelNotFound", err)
@@ -138,6 +140,9 @@ func TestChannelsAcceptEachVoucherOnceFromExactlyTheLastAmountWithinTheDeposit(t
 			}
 			if step.want == nil && (got.Charged.Int64() != step.to || !got.AcceptedAt.Equal(clock.Now())) {
 				t.Fatalf("%s: returned the row at %s accepted at %s, want %d now", step.name, got.Charged, got.AcceptedAt, step.to)
+			}
+			if want := fmt.Sprintf("request %d-%d", step.from, step.to); step.want == nil && got.AcceptedBy != want {
+				t.Fatalf("%s: accepted by %q, want %q", step.name, got.AcceptedBy, want)
 			}
 			if errors.Is(step.want, ErrChannelMoved) || errors.Is(step.want, ErrAboveDeposit) {
 				if !strings.Contains(err.Error(), key.ID) {

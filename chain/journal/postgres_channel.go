@@ -23,7 +23,7 @@ import (
 // pgChannelCols are the columns scanChannel reads, numbers as text.
 const pgChannelCols = `network, escrow, channel_id, config, deposit::text, deposit_block::text, deposit_read_ns,
 withdraw_requested_ns, withdraw_amount::text, withdrawn_ns, charged::text, signature, digest, vouchers, accepted_ns,
-unclaimed_since_ns, claimed::text, claimed_tx, claim_tx, claim_amount::text, claim_sent_ns`
+accepted_by, unclaimed_since_ns, claimed::text, claimed_tx, claim_tx, claim_amount::text, claim_sent_ns`
 
 // pgChannelKey selects the row of key $1, $2, $3.
 const pgChannelKey = `network = $1 AND escrow = $2 AND channel_id = $3`
@@ -48,17 +48,18 @@ ON CONFLICT (network, escrow, channel_id) DO UPDATE SET
 	charged = greatest(c.charged, EXCLUDED.claimed),
 	signature = CASE WHEN EXCLUDED.claimed > c.charged THEN NULL ELSE c.signature END,
 	digest = CASE WHEN EXCLUDED.claimed > c.charged THEN NULL ELSE c.digest END,
+	accepted_by = CASE WHEN EXCLUDED.claimed > c.charged THEN NULL ELSE c.accepted_by END,
 	unclaimed_since_ns = CASE WHEN greatest(c.claimed, EXCLUDED.claimed) >= c.charged THEN NULL ELSE c.unclaimed_since_ns END
 WHERE EXCLUDED.deposit_block >= c.deposit_block
 RETURNING ` + pgChannelCols
 
 // pgAcceptVoucher is AcceptVoucher's statement (acceptIn's rules): $1-$3 the key, $4 from, $5 to, $6 the
-// signature, $7 the digest, $8 the time. Its first column says whether the voucher was accepted; the row is the
+// signature, $7 the digest, $8 the time, $9 the voucher's By. Its first column says whether the voucher was accepted; the row is the
 // one written, or, when nothing was, the row as the statement's snapshot saw it (which a concurrent step may have
 // moved since: the update waited for it, and found the amount moved).
 const pgAcceptVoucher = `WITH u AS (
 	UPDATE x402_channels SET charged = $5::numeric, signature = $6, digest = $7, vouchers = vouchers + 1,
-		accepted_ns = $8, unclaimed_since_ns = coalesce(unclaimed_since_ns, $8)
+		accepted_ns = $8, accepted_by = $9, unclaimed_since_ns = coalesce(unclaimed_since_ns, $8)
 	WHERE ` + pgChannelKey + ` AND charged = $4::numeric AND $5::numeric <= deposit AND withdrawn_ns IS NULL
 	RETURNING *
 )
@@ -80,18 +81,18 @@ const pgClaimFailed = `UPDATE x402_channels SET claim_tx = NULL, claim_amount = 
 // scanChannel reads a row of pgChannelCols, after the leading destinations lead.
 func scanChannel(row pgx.Row, lead ...any) (Channel, error) {
 	var (
-		c                                               Channel
-		config                                          []byte
-		deposit, block, charged, claimed                string
-		withdrawAmount, claimAmount, claimedTx, claimTx *string
-		readNS                                          int64
-		withdrawReqNS, withdrawnNS, acceptedNS, sinceNS *int64
-		sentNS                                          *int64
-		vouchers                                        int64
+		c                                                   Channel
+		config                                              []byte
+		deposit, block, charged, claimed                    string
+		withdrawAmount, claimAmount, claimedTx, claimTx, by *string
+		readNS                                              int64
+		withdrawReqNS, withdrawnNS, acceptedNS, sinceNS     *int64
+		sentNS                                              *int64
+		vouchers                                            int64
 	)
 	dest := append(lead, &c.Key.Network, &c.Key.Escrow, &c.Key.ID, &config, &deposit, &block, &readNS,
 		&withdrawReqNS, &withdrawAmount, &withdrawnNS, &charged, &c.Signature, &c.Digest, &vouchers, &acceptedNS,
-		&sinceNS, &claimed, &claimedTx, &claimTx, &claimAmount, &sentNS)
+		&by, &sinceNS, &claimed, &claimedTx, &claimTx, &claimAmount, &sentNS)
 	if err := row.Scan(dest...); err != nil {
 		return Channel{}, err
 	}
@@ -122,6 +123,9 @@ func scanChannel(row pgx.Row, lead ...any) (Channel, error) {
 	c.UnclaimedSince, c.ClaimSentAt = timeOfNS(sinceNS), timeOfNS(sentNS)
 	c.Withdrawn = withdrawnNS != nil
 	c.Vouchers = uint64(vouchers)
+	if by != nil {
+		c.AcceptedBy = *by
+	}
 	if claimedTx != nil {
 		c.ClaimedTx = *claimedTx
 	}
@@ -254,7 +258,7 @@ func (s *PostgresStore) AcceptVoucher(ctx context.Context, key ChannelKey, from,
 	)
 	err = retrySafe(func() (err error) {
 		c, err = scanChannel(s.pool.QueryRow(wctx, pgAcceptVoucher, key.Network, key.Escrow, key.ID, from.String(), to.String(),
-			v.Signature, v.Digest, nanos(now)), &accepted)
+			v.Signature, v.Digest, nanos(now), v.By), &accepted)
 		return err
 	})
 	switch {

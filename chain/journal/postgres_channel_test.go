@@ -26,9 +26,9 @@ func TestPostgresTwoStoresRaceTheVouchersOfOneChannel(t *testing.T) {
 	})
 }
 
-// TestPostgresTwoStoresNeverAcceptTogetherMoreThanTheDeposit: the same step offered to two gateways at once, each
-// by a voucher of its own client (the payer signing twice from one amount): one is accepted, the other refused
-// moved, however many times it is tried; and with the row at its deposit both refuse the next.
+// TestPostgresTwoStoresNeverAcceptTogetherMoreThanTheDeposit: the same voucher offered 16 times at once to two
+// gateways (a client retrying on another gateway): one try is accepted and the row names its token, the others are
+// refused moved; and with the row at its deposit both refuse the next.
 func TestPostgresTwoStoresNeverAcceptTogetherMoreThanTheDeposit(t *testing.T) {
 	dsn := pgtest.Shared(t)
 	a, b := openPostgres(t, dsn, Options{}), openPostgres(t, dsn, Options{})
@@ -44,20 +44,27 @@ func TestPostgresTwoStoresNeverAcceptTogetherMoreThanTheDeposit(t *testing.T) {
 			if i%2 == 1 {
 				s = b
 			}
-			wg.Go(func() { _, errs[i] = s.AcceptVoucher(ctx, key, from, to, voucherOf(to.Int64())) })
+			v := voucherOf(to.Int64())
+			v.By = fmt.Sprintf("try %d", i)
+			wg.Go(func() { _, errs[i] = s.AcceptVoucher(ctx, key, from, to, v) })
 		}
 		wg.Wait()
-		won := 0
+		won, winner := 0, ""
 		for i, err := range errs {
 			switch {
 			case err == nil:
 				won++
+				winner = fmt.Sprintf("try %d", i)
 			case !errors.Is(err, ErrChannelMoved):
 				t.Fatalf("step to %s, try %d: %v, want success or ErrChannelMoved", to, i, err)
 			}
 		}
 		if won != 1 {
 			t.Fatalf("the step to %s was accepted %d times, want once", to, won)
+		}
+		// One voucher, one digest, sent 16 times: only the winner's token says the step was its own.
+		if by := mustChannel(t, b, key).AcceptedBy; by != winner {
+			t.Fatalf("the step to %s is recorded accepted by %q, but %q was answered accepted", to, by, winner)
 		}
 	}
 	for _, s := range []*PostgresStore{a, b} {
@@ -116,8 +123,9 @@ func restartMidVouchers(t *testing.T, srv *pgtest.Server, dsn string) {
 	const steps, price = 300, 3
 	mustObserve(t, s, depositRead(key, steps*price, 1))
 	var (
-		accepted    []int64 // steps reported accepted
+		accepted    []int64 // steps reported accepted, or read accepted by their call after a lost answer
 		unavailable int
+		outcomeRead int
 		done        = make(chan struct{})
 		reached     = make(chan struct{})
 		reachedOnce sync.Once
@@ -130,7 +138,9 @@ func restartMidVouchers(t *testing.T, srv *pgtest.Server, dsn string) {
 				reachedOnce.Do(func() { close(reached) })
 			}
 			to := from + price
-			_, err := s.AcceptVoucher(ctx, key, big.NewInt(from), big.NewInt(to), voucherOf(to))
+			v := voucherOf(to)
+			v.By = fmt.Sprintf("request to %d, try %d", to, unavailable)
+			_, err := s.AcceptVoucher(ctx, key, big.NewInt(from), big.NewInt(to), v)
 			switch {
 			case err == nil:
 				accepted = append(accepted, to)
@@ -144,6 +154,14 @@ func restartMidVouchers(t *testing.T, srv *pgtest.Server, dsn string) {
 			for try := 0; ; try++ {
 				c, ok, err := s.Channel(ctx, key)
 				if err == nil && ok {
+					// The outcome the lost answer would have given: the step is this call's only with its token.
+					if c.Charged.Int64() == to && c.AcceptedBy == v.By {
+						accepted = append(accepted, to)
+						outcomeRead++
+					} else if c.Charged.Int64() != from {
+						t.Errorf("after a lost answer the row is at %s by %q, neither %d nor %d by %q", c.Charged, c.AcceptedBy, from, to, v.By)
+						return
+					}
 					from = c.Charged.Int64()
 					break
 				}
@@ -161,7 +179,7 @@ func restartMidVouchers(t *testing.T, srv *pgtest.Server, dsn string) {
 	if t.Failed() {
 		return
 	}
-	t.Logf("%d calls failed with ErrUnavailable across the restart; %d of %d steps reported accepted", unavailable, len(accepted), steps)
+	t.Logf("%d calls failed with ErrUnavailable across the restart (%d of them had taken their step); %d of %d steps known accepted", unavailable, outcomeRead, len(accepted), steps)
 	if unavailable == 0 && len(accepted) == steps {
 		t.Log("the restart fell between two calls")
 	}
@@ -169,9 +187,12 @@ func restartMidVouchers(t *testing.T, srv *pgtest.Server, dsn string) {
 	if c.Charged.Int64() != steps*price || c.Vouchers != steps {
 		t.Fatalf("after the restart the row is at %s with %d vouchers, want %d with %d: a step was lost or taken twice", c.Charged, c.Vouchers, steps*price, steps)
 	}
+	if len(accepted) != steps {
+		t.Fatalf("%d steps known accepted by the calls that took them, want all %d", len(accepted), steps)
+	}
 	for i, to := range accepted {
-		if i > 0 && to <= accepted[i-1] {
-			t.Fatalf("step %d reported accepted after step %d", to, accepted[i-1])
+		if to != int64(i+1)*price {
+			t.Fatalf("step %d known accepted as the %dth, want %d", to, i+1, (i+1)*price)
 		}
 	}
 	again := mustChannel(t, openPostgres(t, dsn, Options{}), key)

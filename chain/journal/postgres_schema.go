@@ -124,6 +124,7 @@ CREATE TABLE IF NOT EXISTS x402_channels (
 	digest                bytea,
 	vouchers              bigint      NOT NULL DEFAULT 0,
 	accepted_ns           bigint,
+	accepted_by           text,
 	unclaimed_since_ns    bigint,
 	claimed               numeric     NOT NULL,
 	claimed_tx            text,
