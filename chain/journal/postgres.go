@@ -966,26 +966,25 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 	if err := checkHold(h, avail); err != nil {
 		return false, nil, err
 	}
-	wctx, cancel, err := s.begin(ctx, take)
-	if err != nil {
-		return false, nil, err
-	}
-	defer cancel()
-	var (
-		ok   bool
-		left *big.Int
-	)
 	if take {
-		_, ok, left, err = s.holdInOne(wctx, h, avail, readBlock, chainTime, false)
-	} else {
-		var holds []Hold
-		if holds, err = queryHolds(wctx, s.pool, h.Key); err == nil {
-			ok, left, _ = decideHold(holds, h, avail, readBlock, chainTime)
+		// What ctx's queue holds (a gate's deferred mark) rides in the hold's transaction, under its guard.
+		_, ok, left, err := s.holdCarrying(ctx, h, avail, readBlock, chainTime, false)
+		if err != nil {
+			return false, nil, s.fail(ctx, "hold", err)
 		}
+		return ok, left, nil
 	}
+	var holds []Hold
+	err := s.readCarrying(ctx, func(b *pgx.Batch) {
+		b.Queue(pgSelectHolds, h.Key).Query(func(rows pgx.Rows) (err error) {
+			holds, err = scanHolds(rows, h.Key)
+			return err
+		})
+	})
 	if err != nil {
 		return false, nil, s.fail(ctx, "hold", err)
 	}
+	ok, left, _ := decideHold(holds, h, avail, readBlock, chainTime)
 	return ok, left, nil
 }
 

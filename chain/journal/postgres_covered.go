@@ -30,24 +30,17 @@ func (s *PostgresStore) unrecordedAndCovered(ctx context.Context, h Hold, avail 
 	if err := checkHold(h, avail); err != nil {
 		return false, false, nil, err
 	}
-	rctx, cancel, err := s.begin(ctx, false)
-	if err != nil {
-		return false, false, nil, err
-	}
-	defer cancel()
 	var (
 		known bool
 		holds []Hold
 	)
-	err = s.read(rctx, func() error {
+	err := s.readCarrying(ctx, func(b *pgx.Batch) {
 		holds = nil
-		b := &pgx.Batch{}
 		queueRecorded(b, h.ID, &known)
 		b.Queue(pgSelectHolds, h.Key).Query(func(rows pgx.Rows) (err error) {
 			holds, err = scanHolds(rows, h.Key)
 			return err
 		})
-		return s.pool.SendBatch(rctx, b).Close()
 	})
 	if err != nil {
 		return false, false, nil, s.fail(ctx, "hold", err)
@@ -82,12 +75,7 @@ func (s *PostgresStore) unrecordedAndHeld(ctx context.Context, h Hold, avail *bi
 	if err := checkHold(h, avail); err != nil {
 		return false, false, nil, err
 	}
-	wctx, cancel, err := s.begin(ctx, true)
-	if err != nil {
-		return false, false, nil, err
-	}
-	defer cancel()
-	recorded, ok, left, err := s.holdInOne(wctx, h, avail, readBlock, chainTime, true)
+	recorded, ok, left, err := s.holdCarrying(ctx, h, avail, readBlock, chainTime, true)
 	switch {
 	case err != nil:
 		return false, false, nil, s.fail(ctx, "hold", err)

@@ -1,0 +1,119 @@
+package gate_test
+
+import (
+	"context"
+	"math/big"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
+	"github.com/x402-gateway/caddy-x402/gate"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// holdsOf are the funds holds the shared journal st keeps against payer's funds of e's token.
+func holdsOf(t *testing.T, e *env, st journal.Cluster, payer *chaintest.Account) []journal.Hold {
+	t.Helper()
+	holds, err := st.HoldsOf(context.Background(), e.net+":"+e.c.Token.Hex()+":"+payer.Address.Hex())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return holds
+}
+
+// alreadyUsedAnswer fails the test unless a is a 402 whose PAYMENT-REQUIRED says payment_already_used, with what.
+func alreadyUsedAnswer(t *testing.T, what string, a answer, says string) {
+	t.Helper()
+	pr, err := x402.DecodePaymentRequired(a.header.Get(x402.HeaderPaymentRequired))
+	if a.status != http.StatusPaymentRequired || err != nil || !strings.HasPrefix(pr.Error, x402.ReasonPaymentAlreadyUsed) || !strings.Contains(pr.Error, says) {
+		t.Fatalf("%s = %d %q, PAYMENT-REQUIRED %+v (%v); want 402 %s saying %q", what, a.status, a.body, pr.Error, err, x402.ReasonPaymentAlreadyUsed, says)
+	}
+}
+
+// TestAPaymentAnotherGatewayHasInFlightHoldsNothingOfThePayersFunds: a settle async gateway marks a payment in
+// flight in the engine's batch of its verification, which holds the payment against the payer's funds. Presented
+// while another gateway has it in flight, the payment is turned away (402, in use by another request) and must
+// hold nothing: the other gateway's request may end without holding it (its verification refused, say), and a
+// hold left by the one turned away would count against the payer until the payment's deadline, nobody to let it
+// go. The payer, who can pay one price, is then served a new payment.
+func TestAPaymentAnotherGatewayHasInFlightHoldsNothingOfThePayersFunds(t *testing.T) {
+	gws := twoGateways(t, gate.SettleAsync, chaintest.WithTokenBalance(big.NewInt(price)))
+	e := gws[0]
+	st := e.store.(journal.Cluster)
+	other := gws[1].store.(journal.Cluster)
+	payer := e.c.Payers[0]
+	header := e.permit2(payer)
+	gateID, _ := paymentIDs(t, e, header)
+	if marked, err := other.Busy(context.Background(), gateID); err != nil || !marked {
+		t.Fatalf("the other gateway's mark = %v, %v", marked, err)
+	}
+
+	alreadyUsedAnswer(t, "a payment another gateway has in flight", e.get(x402.HeaderPaymentSignature, header), "another request")
+	if holds := holdsOf(t, e, st, payer); len(holds) != 0 {
+		t.Errorf("the payer's funds holds = %+v; want none: the request turned away held the payment", holds)
+	}
+	// The other gateway's request ends without serving it.
+	if err := other.Idle(context.Background(), gateID); err != nil {
+		t.Fatal(err)
+	}
+	before := e.balances(payer)
+	if a := e.get(x402.HeaderPaymentSignature, e.permit2(payer)); a.status != http.StatusOK {
+		pr, _ := x402.DecodePaymentRequired(a.header.Get(x402.HeaderPaymentRequired))
+		t.Fatalf("a new payment of the payer, who can pay it = %d %q (%s); want 200", a.status, a.body, pr.Error)
+	}
+	e.waitPaidOnce(t, payer, before, price, 30*time.Second)
+}
+
+// TestAnAsyncPaymentPresentedAgainBeforeItSettlesKeepsItsOneHold: a settle async payment is served and not settled
+// yet: the gate holds its record, the engine none, and its funds hold is the one the first presentation took.
+// Presented again, its verification now runs before the gate reads its record: the answer is as it always was (402,
+// the payment bought its response already), and the hold stays the one, neither counted twice nor let go. Once
+// settlement resumes, the payment settles once.
+func TestAnAsyncPaymentPresentedAgainBeforeItSettlesKeepsItsOneHold(t *testing.T) {
+	st, err := journal.OpenPostgres(context.Background(), pgtest.Shared(t), journal.Options{InstanceTTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	e := newEnv(t, setup{settle: gate.SettleAsync, journal: st})
+	waitShares(t, e)
+	payer := e.c.Payers[0]
+	header := e.permit2(payer)
+	gateID, engineID := paymentIDs(t, e, header)
+	before := e.balances(payer)
+	resume := gate.PauseBackgroundSettlement()
+	resumed := false
+	defer func() {
+		if !resumed {
+			resume()
+		}
+	}()
+
+	if a := e.get(x402.HeaderPaymentSignature, header); a.status != http.StatusOK {
+		t.Fatalf("the payment = %d %q; want 200", a.status, a.body)
+	}
+	waitRecord(t, st, gateID, "the served mark", func(r journal.Record) bool { return r.Served })
+	if _, found, err := st.Get(context.Background(), engineID); err != nil || found {
+		t.Fatalf("the engine's record before settlement: found %v, %v; want none", found, err)
+	}
+	first := holdsOf(t, e, st, payer)
+	if len(first) != 1 || first[0].ID != engineID || first[0].Amount.Int64() != price || !first[0].Served {
+		t.Fatalf("the payer's funds holds = %+v; want the payment's, served, of %d", first, price)
+	}
+	for i := range 3 {
+		alreadyUsedAnswer(t, "the payment presented again", e.get(x402.HeaderPaymentSignature, header), "already bought its response")
+		if holds := holdsOf(t, e, st, payer); len(holds) != 1 || holds[0].ID != engineID || holds[0].Amount.Cmp(first[0].Amount) != 0 || !holds[0].Served {
+			t.Fatalf("presentation %d again: the payer's funds holds = %+v; want the first presentation's alone, as it was (%+v)", i, holds, first)
+		}
+	}
+	if n := e.served.Load(); n != 1 {
+		t.Fatalf("the upstream ran %d times; want once", n)
+	}
+	resume()
+	resumed = true
+	e.waitPaidOnce(t, payer, before, price, 30*time.Second)
+}
