@@ -117,3 +117,54 @@ func TestAnAsyncPaymentPresentedAgainBeforeItSettlesKeepsItsOneHold(t *testing.T
 	resumed = true
 	e.waitPaidOnce(t, payer, before, price, 30*time.Second)
 }
+
+// TestASettledPaymentPresentedAgainIsAnsweredFromItsRecordAsItAlwaysWas: a payment settled and served is presented
+// again to its gateway, whose in-flight mark and read of the record now ride in the engine's verification, which
+// runs before the gate knows the payment is recorded and refuses it (its nonce spent by its own settlement). The
+// answer is the one it always was, from the record (402 payment_already_used, the payment bought its response
+// already, no PAYMENT-RESPONSE), in every settle mode; and the engine notes no refusal of it on the operator's page
+// (journal.WhenMarked): nothing was refused, the payment was answered as presented again.
+func TestASettledPaymentPresentedAgainIsAnsweredFromItsRecordAsItAlwaysWas(t *testing.T) {
+	for _, settle := range []string{gate.SettleAfter, gate.SettleBefore, gate.SettleAsync} {
+		t.Run(settle, func(t *testing.T) {
+			st, err := journal.OpenPostgres(context.Background(), pgtest.Shared(t), journal.Options{InstanceTTL: time.Minute})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { st.Close() })
+			e := newEnv(t, setup{settle: settle, journal: st})
+			waitShares(t, e)
+			payer := e.c.Payers[0]
+			before := e.balances(payer)
+			header := e.permit2(payer)
+			gateID, _ := paymentIDs(t, e, header)
+			if a := e.get(x402.HeaderPaymentSignature, header); a.status != http.StatusOK {
+				t.Fatalf("the payment = %d %q; want 200", a.status, a.body)
+			}
+			e.waitPaidOnce(t, payer, before, price, 30*time.Second)
+			waitRecord(t, st, gateID, "the payment settled and served", func(r journal.Record) bool {
+				return r.Served && r.State == journal.StateFinal && r.Response != nil && r.Response.Success
+			})
+			for i := range 2 {
+				a := e.get(x402.HeaderPaymentSignature, header)
+				alreadyUsedAnswer(t, "the settled payment presented again", a, "already bought its response")
+				if pr := a.header.Get(x402.HeaderPaymentResponse); pr != "" {
+					t.Fatalf("presentation %d again carries PAYMENT-RESPONSE %q; want none", i, pr)
+				}
+			}
+			h, err := e.fac.Health(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if h.Refusals == nil || h.Refusals.Total != 0 {
+				t.Fatalf("the engine's refusals = %+v; want none: the payment presented again was answered from its record", h.Refusals)
+			}
+			if lost, gained := e.paid(payer, before); lost.Int64() != price || gained.Int64() != price {
+				t.Fatalf("the payer lost %s and the seller gained %s; want exactly %d", lost, gained, price)
+			}
+			if n := e.served.Load(); n != 1 {
+				t.Fatalf("the upstream ran %d times; want once", n)
+			}
+		})
+	}
+}

@@ -47,6 +47,8 @@ type Marked struct {
 	data   []byte
 	served *int64
 	err    error
+	// then is what WhenMarked runs once the mark lands as the request's.
+	then []func()
 }
 
 // MarkAndGetBehind is MarkAndGet of id deferred, when ctx carries a queue bound to s (Defer): the mark and the
@@ -89,7 +91,16 @@ func MarkAndGetBehind(ctx context.Context, s Store, id ID) (vctx context.Context
 				m.err = ps.fail(q.base, "busy", m.err)
 			}
 			m.found, m.data, m.served, m.done = data != nil, data, served, true
-			return nil
+			then := m.then
+			m.then = nil
+			if m.refusesLocked() || len(then) == 0 {
+				return nil
+			}
+			return func() {
+				for _, fn := range then {
+					fn()
+				}
+			}
 		}})
 	return context.WithValue(ctx, guardKey{}, m), m
 }
@@ -128,7 +139,32 @@ func (m *Marked) landed() bool {
 func (m *Marked) refuses() bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.done && (m.err != nil || !m.marked || m.found)
+	return m.refusesLocked()
+}
+
+func (m *Marked) refusesLocked() bool { return m.done && (m.err != nil || !m.marked || m.found) }
+
+// WhenMarked runs fn once ctx's guard (MarkAndGetBehind) landed with the payment the gate request's own (marked
+// here, not recorded): at once when ctx carries no guard, or it landed so; never when it refuses. For what a
+// verification reports of the payment it judged (a refusal on the operator's page): a payment presented again, or
+// in use by another request, is answered by the gate from its mark and record, whatever the verification said.
+func WhenMarked(ctx context.Context, fn func()) {
+	m, _ := ctx.Value(guardKey{}).(*Marked)
+	if m == nil {
+		fn()
+		return
+	}
+	m.mu.Lock()
+	if !m.done {
+		m.then = append(m.then, fn)
+		m.mu.Unlock()
+		return
+	}
+	refuses := m.refusesLocked()
+	m.mu.Unlock()
+	if !refuses {
+		fn()
+	}
 }
 
 // guardOf is the guard ctx carries for s, nil when none.
@@ -225,4 +261,13 @@ func (s *PostgresStore) readCarrying(ctx context.Context, queue func(*pgx.Batch)
 	}
 	done(err)
 	return err
+}
+
+// NotMarked reports whether ctx carries a gate's guard (MarkAndGetBehind) whose mark and read were sent and say
+// the payment is not the gate's request's: another request has it in flight, the gate holds a record of it, or
+// they failed. The gate answers such a payment from the mark and the record, whatever its verification answers: a
+// verification that learns it can stop there, and ask the chain nothing.
+func NotMarked(ctx context.Context) bool {
+	m, _ := ctx.Value(guardKey{}).(*Marked)
+	return m != nil && m.refuses()
 }

@@ -28,7 +28,9 @@ func testPostgresAGatesDeferredMarkRidesInTheEnginesBatchAndGuardsItsHold(t *tes
 	other := openPostgres(t, dsn, Options{})
 	key := "guard:" + strconv.Itoa(n)
 	base := 31000 + 10*n
-	gateID := func(k int) ID { return PaymentID(testNetwork, "gate/permit2", testAsset, testPayer, strconv.Itoa(base+k)) }
+	gateID := func(k int) ID {
+		return PaymentID(testNetwork, "gate/permit2", testAsset, testPayer, strconv.Itoa(base+k))
+	}
 	hold := func(k int) Hold {
 		return Hold{ID: claimOf(base + k).ID, Key: key, Amount: big.NewInt(10), Deadline: 2000, Served: true}
 	}
@@ -58,6 +60,11 @@ func testPostgresAGatesDeferredMarkRidesInTheEnginesBatchAndGuardsItsHold(t *tes
 
 	// Neither marked elsewhere nor recorded: held, in one round trip with the mark and the read.
 	vctx, m := MarkAndGetBehind(Defer(bg, s), s, gateID(1))
+	noted := false
+	WhenMarked(vctx, func() { noted = true })
+	if noted || NotMarked(vctx) {
+		t.Fatalf("before its mark landed: WhenMarked ran %v, NotMarked %v; want neither", noted, NotMarked(vctx))
+	}
 	rt.take()
 	if unrecorded, ok, _, err := UnrecordedAndHeld(vctx, s, hold(1), big.NewInt(100), 1, 1); err != nil || !unrecorded || !ok {
 		t.Fatalf("a hold under a mark of its own = unrecorded %v, ok %v, %v; want held", unrecorded, ok, err)
@@ -66,6 +73,9 @@ func testPostgresAGatesDeferredMarkRidesInTheEnginesBatchAndGuardsItsHold(t *tes
 		t.Fatalf("the hold carrying the mark cost %d round trips, want 1: %q", len(sent), sent)
 	}
 	land("a payment of its own", m, true, false)
+	if !noted || NotMarked(vctx) {
+		t.Fatalf("once its own mark landed: WhenMarked ran %v, NotMarked %v; want it run, and marked", noted, NotMarked(vctx))
+	}
 	if ids := held(); len(ids) != 1 || ids[0] != hold(1).ID {
 		t.Fatalf("holds = %v; want the payment's", ids)
 	}
@@ -79,6 +89,14 @@ func testPostgresAGatesDeferredMarkRidesInTheEnginesBatchAndGuardsItsHold(t *tes
 		t.Fatalf("a hold of a payment another instance has in flight = %v, %v; want ErrNotMarked", ok, err)
 	}
 	land("another instance's payment", m, false, false)
+	if !NotMarked(vctx) {
+		t.Fatal("NotMarked of a verification whose guard landed refusing = false")
+	}
+	noted = false
+	WhenMarked(vctx, func() { noted = true })
+	if noted {
+		t.Fatal("WhenMarked ran its function for a payment another instance has in flight")
+	}
 	if ok, _, err := s.Hold(vctx, hold(2), big.NewInt(100), 1, 1, true); !errors.Is(err, ErrNotMarked) || ok {
 		t.Fatalf("Hold with take after the guard refused = %v, %v; want ErrNotMarked", ok, err)
 	}
