@@ -966,25 +966,34 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 	if err := checkHold(h, avail); err != nil {
 		return false, nil, err
 	}
+	var (
+		ok   bool
+		left *big.Int
+		err  error
+	)
 	if take {
 		// What ctx's queue holds (a gate's deferred mark) rides in the hold's transaction, under its guard.
-		_, ok, left, err := s.holdCarrying(ctx, h, avail, readBlock, chainTime, false)
-		if err != nil {
-			return false, nil, s.fail(ctx, "hold", err)
-		}
-		return ok, left, nil
-	}
-	var holds []Hold
-	err := s.readCarrying(ctx, func(b *pgx.Batch) {
-		b.Queue(pgSelectHolds, h.Key).Query(func(rows pgx.Rows) (err error) {
-			holds, err = scanHolds(rows, h.Key)
-			return err
+		_, ok, left, err = s.holdCarrying(ctx, h, avail, readBlock, chainTime, false)
+	} else {
+		var (
+			sum  string
+			held bool
+		)
+		err = s.readCarrying(ctx, func(b *pgx.Batch) {
+			b.Queue(pgCoveredSQL, coveredArgs(h, readBlock, chainTime)...).QueryRow(func(row pgx.Row) error {
+				return row.Scan(&sum, &held)
+			})
 		})
-	})
+		var others *big.Int
+		if err == nil {
+			if others, err = holdsSum(h.Key, sum); err == nil {
+				ok, left = covers(h, avail, others, held)
+			}
+		}
+	}
 	if err != nil {
 		return false, nil, s.fail(ctx, "hold", err)
 	}
-	ok, left, _ := decideHold(holds, h, avail, readBlock, chainTime)
 	return ok, left, nil
 }
 

@@ -25,21 +25,20 @@ func UnrecordedAndCovered(ctx context.Context, c Cluster, h Hold, avail *big.Int
 	return err == nil, ok, left, err
 }
 
-// unrecordedAndCovered sends the record's read and Hold's read of the holds (without take) in one batch.
+// unrecordedAndCovered sends the record's read and Hold's read of the holds' sum (without take) in one batch.
 func (s *PostgresStore) unrecordedAndCovered(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64) (bool, bool, *big.Int, error) {
 	if err := checkHold(h, avail); err != nil {
 		return false, false, nil, err
 	}
 	var (
 		known bool
-		holds []Hold
+		sum   string
+		held  bool
 	)
 	err := s.readCarrying(ctx, func(b *pgx.Batch) {
-		holds = nil
 		queueRecorded(b, h.ID, &known)
-		b.Queue(pgSelectHolds, h.Key).Query(func(rows pgx.Rows) (err error) {
-			holds, err = scanHolds(rows, h.Key)
-			return err
+		b.Queue(pgCoveredSQL, coveredArgs(h, readBlock, chainTime)...).QueryRow(func(row pgx.Row) error {
+			return row.Scan(&sum, &held)
 		})
 	})
 	if err != nil {
@@ -48,7 +47,11 @@ func (s *PostgresStore) unrecordedAndCovered(ctx context.Context, h Hold, avail 
 	if known {
 		return false, false, nil, nil
 	}
-	ok, left, _ := decideHold(holds, h, avail, readBlock, chainTime)
+	others, err := holdsSum(h.Key, sum)
+	if err != nil {
+		return false, false, nil, s.fail(ctx, "hold", err)
+	}
+	ok, left := covers(h, avail, others, held)
 	return true, ok, left, nil
 }
 

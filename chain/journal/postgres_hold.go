@@ -15,14 +15,14 @@ import (
 //	begin isolation level read committed
 //	INSERT the key's row (when new); SELECT it FOR UPDATE
 //	DELETE the key's holds that no longer count
-//	one statement: read the key's holds, insert h when they leave room for it, mark it served; return the holds read
+//	one statement: read the key's holds, insert h when they leave room for it, mark it served; return what the
+//	  other holds that count sum to, and whether h's is among them
 //	commit
 //
 // Nothing is decided between the batch's statements, so nothing has to come back to the store before the
-// transaction's writes go: the rule that the two-batch form applied in Go between its batches (decideHold) is in
-// the database's statement too, and the statement returns the holds it judged from, for decideHold to answer from
-// the same rows (a read of the holds by a later statement could see a hold another process let go meanwhile, and
-// answer held for a hold the statement found no room for).
+// transaction's writes go: the rule is in the database's statement, which returns the sum it judged from, for
+// covers to answer from the same rows (a read of the holds by a later statement could see a hold another process
+// let go meanwhile, and answer held for a hold the statement found no room for).
 //
 // The lock of the key's row serializes the holds of one key across every process, as before, because the
 // transaction runs at READ COMMITTED, said in its BEGIN: every statement sees what was committed before it
@@ -41,9 +41,10 @@ import (
 //     the record exists. The key's row and the deletion of its holds that no longer count commit all the same
 //     (where the two-batch form rolled them back): neither holds anything, and any hold of the key with take
 //     writes them.
-//   - The statement's rule and decideHold are one rule written twice: the statement also returns whether it
-//     found room for h, and a disagreement with decideHold, which only a change of one without the other can
-//     make, is an error (the transaction has committed by then: the error says so, and errs on refusing).
+//   - The statement decides whether h fits, and covers decides again from the sum it returns: a disagreement,
+//     which only a change of one without the other can make, is an error (the transaction has committed by
+//     then: the error says so, and errs on refusing). The tests hold both to decideHold, the rule in Go over
+//     the holds themselves.
 
 // pgHoldSQL decides a hold with take in one statement, after the lock of its key's row and the deletion of the
 // key's holds that no longer count. Its arguments: $1 the hold's id, $2 its key, $3 amount, $4 deadline, $5
@@ -51,10 +52,11 @@ import (
 // text), $11 whether a record of $1 refuses the hold, $12 and $13 a gate's guard (guardArgs: the gate's payment id,
 // whose record, or in-flight mark not $13's, refuses the hold; NULLs for none). Every part of a statement sees one snapshot, so the holds it
 // returns are the ones it judged; its insert and its update cannot touch one row (the insert needs h not live,
-// the update needs it live). One row per hold of the key (oldest first, as pgSelectHolds), or one row of NULLs
-// when there is none, each beginning with whether $1 has a record (when asked) and whether h fits. The holds read
-// leave out those mined at or before $9, which count for nobody reading at $9 (decideHold skips them too) and
-// which a busy payer's key keeps for a while (postgres_mined.go).
+// the update needs it live). One row: whether $1 has a record (when asked), whether h fits, what the other holds
+// that count sum to, and whether h's is among them; never the holds themselves, of which a busy payer's key counts
+// hundreds while a funds read answers (every hold mined since the read), read under the key's lock. The holds
+// read leave out those mined at or before $9, which count for nobody reading at $9 and which a busy payer's key
+// keeps for a while (postgres_mined.go).
 const pgHoldSQL = `WITH recorded AS (
 	SELECT ($11::boolean AND EXISTS (SELECT 1 FROM x402_records WHERE id = $1::bytea))
 		OR ($12::bytea IS NOT NULL AND (EXISTS (SELECT 1 FROM x402_records WHERE id = $12::bytea)
@@ -78,9 +80,9 @@ const pgHoldSQL = `WITH recorded AS (
 	WHERE $7::boolean AND id = $1::bytea AND hold_key = $2::text AND NOT served
 		AND id IN (SELECT id FROM live) AND NOT (SELECT yes FROM recorded)
 )
-SELECT r.yes, f.yes, h.id, h.amount::text, h.deadline::text, h.mined::text, h.permit_nonce::text, h.served
-FROM recorded r CROSS JOIN fits f LEFT JOIN holds h ON true
-ORDER BY h.held_at, h.id`
+SELECT r.yes, f.yes, (SELECT coalesce(sum(amount), 0) FROM live WHERE id <> $1::bytea)::text,
+	EXISTS (SELECT 1 FROM live WHERE id = $1::bytea)
+FROM recorded r CROSS JOIN fits f`
 
 // pgDeleteHoldsPast deletes the holds of key $1 that no longer count at readBlock $2 and chainTime $3 (see
 // Cluster.Hold) for any reader: a mined one only once it was marked mined longer ago than any instance's funds
@@ -97,20 +99,19 @@ AND ((mined <> 0 AND mined <= $2::numeric AND (mined_at IS NULL OR mined_at < no
 // marked sent when it commits.
 func (s *PostgresStore) holdInOne(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, unrecordedOnly bool, guard *Marked, items []*behindWrite) (recorded, ok bool, left *big.Int, err error) {
 	var (
-		fits  bool
-		holds []Hold
+		fits, held bool
+		sum        string
 	)
 	block, at := strconv.FormatUint(readBlock, 10), strconv.FormatUint(chainTime, 10)
 	args := append(append(holdArgs(h), avail.String(), block, at, unrecordedOnly), s.guardArgs(guard)...)
 	err = s.txInOne(ctx, func(b *pgx.Batch) {
-		recorded, fits, holds = false, false, nil
+		recorded, fits, held, sum = false, false, false, ""
 		queueCarried(b, items)
 		b.Queue(`INSERT INTO x402_hold_keys (hold_key) VALUES ($1) ON CONFLICT (hold_key) DO NOTHING`, h.Key)
 		b.Queue(`SELECT hold_key FROM x402_hold_keys WHERE hold_key = $1 FOR UPDATE`, h.Key)
 		b.Queue(pgDeleteHoldsPast, h.Key, block, at, s.minedHoldsSlack().Microseconds(), s.readsAnswerFor.Load()/1000)
-		b.Queue(pgHoldSQL, args...).Query(func(rows pgx.Rows) (err error) {
-			recorded, fits, holds, err = scanHoldDecision(rows, h.Key)
-			return err
+		b.Queue(pgHoldSQL, args...).QueryRow(func(row pgx.Row) error {
+			return row.Scan(&recorded, &fits, &sum, &held)
 		})
 	})
 	if err == nil {
@@ -119,40 +120,16 @@ func (s *PostgresStore) holdInOne(ctx context.Context, h Hold, avail *big.Int, r
 	if err != nil || recorded {
 		return recorded, false, nil, err
 	}
-	ok, left, held := decideHold(holds, h, avail, readBlock, chainTime)
+	others, err := holdsSum(h.Key, sum)
+	if err != nil {
+		return false, false, nil, fmt.Errorf("%w (the transaction committed)", err)
+	}
+	ok, left = covers(h, avail, others, held)
 	if fits != (!held && ok) {
-		return false, false, nil, fmt.Errorf("journal: hold of %s: the database found room for it %v, decideHold %v (held already %v): the hold's two rules differ; the transaction committed",
+		return false, false, nil, fmt.Errorf("journal: hold of %s: the database found room for it %v, the sum of the other holds %v (held already %v): the hold's two rules differ; the transaction committed",
 			h.ID, fits, ok, held)
 	}
 	return false, ok, left, nil
-}
-
-// scanHoldDecision reads the rows of pgHoldSQL for key, and closes them.
-func scanHoldDecision(rows pgx.Rows, key string) (recorded, fits bool, holds []Hold, err error) {
-	defer rows.Close()
-	for rows.Next() {
-		var (
-			id                      []byte
-			amount, deadline, mined *string
-			nonce                   *string
-			served                  *bool
-		)
-		if err := rows.Scan(&recorded, &fits, &id, &amount, &deadline, &mined, &nonce, &served); err != nil {
-			return false, false, nil, err
-		}
-		if id == nil {
-			continue // the key has no hold
-		}
-		if amount == nil || deadline == nil || mined == nil || served == nil {
-			return false, false, nil, fmt.Errorf("%w: hold %x of %q does not read (a column is NULL)", ErrCorrupt, id, key)
-		}
-		h, err := holdOfRow(key, id, *amount, *deadline, *mined, nonce, *served)
-		if err != nil {
-			return false, false, nil, err
-		}
-		holds = append(holds, h)
-	}
-	return recorded, fits, holds, rows.Err()
 }
 
 // txInOne runs a transaction at READ COMMITTED in one round trip: BEGIN, what queue queues, COMMIT, as one

@@ -398,3 +398,22 @@ func testPostgresConcurrentHoldsOfOneKeyFromTwoStoresNeverOverCommit(t *testing.
 	}
 	t.Logf("%d of %d payments held, %s of %s committed", held, len(answered), sum, avail)
 }
+
+// decideHold is the rule of Hold in Go, over the holds of h's key: whether h is held or covered (ok), what the
+// key's funds cover beside the other holds (left), and whether h was held already. pgHoldSQL and pgCoveredSQL
+// state it in the database, over sums; the tests hold them to it.
+func decideHold(holds []Hold, h Hold, avail *big.Int, readBlock, chainTime uint64) (ok bool, left *big.Int, held bool) {
+	others := new(big.Int)
+	for _, o := range holds {
+		if (o.Mined != 0 && o.Mined <= readBlock) || (o.Mined == 0 && o.Deadline < chainTime) {
+			continue // take deleted it already; without take it only does not count
+		}
+		if o.ID == h.ID {
+			held = true
+			continue
+		}
+		others.Add(others, o.Amount)
+	}
+	left = new(big.Int).Sub(avail, others)
+	return held || left.Cmp(h.Amount) >= 0, left, held
+}

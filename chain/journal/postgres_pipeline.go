@@ -168,27 +168,37 @@ func (s *PostgresStore) fenceCheck(lease string, fence uint64) func(*pgx.Batch) 
 	}
 }
 
-// decideHold is what Hold decides from the holds of h's key: whether h is held or covered (ok), what the key's
-// funds cover beside the other holds (left), and whether h was held already. pgHoldSQL states the same rule in
-// the database, where a hold with take is decided (postgres_hold.go): change both or neither.
-func decideHold(holds []Hold, h Hold, avail *big.Int, readBlock, chainTime uint64) (ok bool, left *big.Int, held bool) {
-	others := new(big.Int)
-	for _, o := range holds {
-		if (o.Mined != 0 && o.Mined <= readBlock) || (o.Mined == 0 && o.Deadline < chainTime) {
-			continue // take deleted it already; without take it only does not count
-		}
-		if o.ID == h.ID {
-			held = true
-			continue
-		}
-		others.Add(others, o.Amount)
-	}
-	left = new(big.Int).Sub(avail, others)
-	return held || left.Cmp(h.Amount) >= 0, left, held
-}
-
 const pgSelectHolds = `SELECT id, amount::text, deadline::text, mined::text, permit_nonce::text, served
 FROM x402_holds WHERE hold_key = $1 ORDER BY held_at, id`
+
+// pgCoveredSQL is what a hold without take needs of the holds of key $1 that count for a read at block $2 and chain
+// time $3 (pgHoldSQL's rule): the sum of those that are not hold $4's, and whether $4's is among them, in one row.
+// A busy payer's key keeps the holds mined since the longest read that could miss them (see
+// Options.MinedHoldsKept), the holds past their deadline until the next hold with take, and, while a funds read
+// answers, every hold mined since that read: hundreds of rows a verification needs only the sum of.
+const pgCoveredSQL = `SELECT coalesce(sum(amount) FILTER (WHERE id <> $4::bytea), 0)::text, coalesce(bool_or(id = $4::bytea), false)
+FROM x402_holds WHERE hold_key = $1 AND (mined > $2::numeric OR (mined = 0 AND deadline >= $3::numeric))`
+
+// coveredArgs are pgCoveredSQL's arguments for h, read at readBlock and chainTime.
+func coveredArgs(h Hold, readBlock, chainTime uint64) []any {
+	return []any{h.Key, strconv.FormatUint(readBlock, 10), strconv.FormatUint(chainTime, 10), h.ID[:]}
+}
+
+// holdsSum reads a sum of the holds of key, as the database wrote it.
+func holdsSum(key, text string) (*big.Int, error) {
+	sum, ok := new(big.Int).SetString(text, 10)
+	if !ok || sum.Sign() < 0 {
+		return nil, fmt.Errorf("%w: the holds of %q sum to %q", ErrCorrupt, key, text)
+	}
+	return sum, nil
+}
+
+// covers is what Hold decides for h from what the other holds that count sum to and whether h's is among them:
+// h is held or covered (ok), and what the key's funds cover beside the others (left).
+func covers(h Hold, avail, others *big.Int, held bool) (ok bool, left *big.Int) {
+	left = new(big.Int).Sub(avail, others)
+	return held || left.Cmp(h.Amount) >= 0, left
+}
 
 const pgInsertHold = `INSERT INTO x402_holds (id, hold_key, amount, deadline, mined, permit_nonce, served)
 VALUES ($1, $2, $3::numeric, $4::numeric, $5::numeric, $6::numeric, $7) ON CONFLICT (id) DO NOTHING`
