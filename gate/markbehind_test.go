@@ -5,9 +5,13 @@ import (
 	"math/big"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
+	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
@@ -164,6 +168,87 @@ func TestASettledPaymentPresentedAgainIsAnsweredFromItsRecordAsItAlwaysWas(t *te
 			}
 			if n := e.served.Load(); n != 1 {
 				t.Fatalf("the upstream ran %d times; want once", n)
+			}
+		})
+	}
+}
+
+// markWatcher is the engine as a gate sees another facilitator: sharesJournal says whether it keeps the gate's
+// journal, and each verification notes whether the journal held the gate's in-flight mark of the payment by then.
+type markWatcher struct {
+	*chain.Facilitator
+	sharesJournal bool
+	conn          *pgx.Conn
+	owner         string
+	id            journal.ID
+	mu            sync.Mutex
+	markedFirst   []bool
+}
+
+func (w *markWatcher) SharesJournal(s journal.Store) bool {
+	return w.sharesJournal && w.Facilitator.SharesJournal(s)
+}
+
+func (w *markWatcher) Verify(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
+	var owner string
+	err := w.conn.QueryRow(context.Background(), `SELECT owner FROM x402_busy WHERE id = $1`, w.id[:]).Scan(&owner)
+	w.mu.Lock()
+	w.markedFirst = append(w.markedFirst, err == nil && owner == w.owner)
+	w.mu.Unlock()
+	return w.Facilitator.Verify(ctx, req)
+}
+
+// TestOnlyAGateOnItsEnginesJournalMarksAPaymentWhileItVerifies: the in-flight mark rides in the verification only
+// where the embedded engine keeps the gate's own PostgreSQL journal. A gate whose facilitator is remote, or an
+// engine keeping another journal, marks the payment in the journal before it asks for the verification, as it
+// always did; each serves the payment once.
+func TestOnlyAGateOnItsEnginesJournalMarksAPaymentWhileItVerifies(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	conn, err := pgx.Connect(context.Background(), dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	for _, tc := range []struct {
+		name                    string
+		embedded, sharesJournal bool
+		wantMarkedFirst         bool
+	}{
+		{"a remote facilitator", false, true, true},
+		{"an engine keeping another journal", true, false, true},
+		{"the engine keeping the gate's journal", true, true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			st, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{InstanceTTL: time.Minute})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { st.Close() })
+			e := newEnv(t, setup{settle: gate.SettleAfter, journal: st, noGate: true})
+			e.cfg.Embedded = tc.embedded
+			w := &markWatcher{Facilitator: e.fac, sharesJournal: tc.sharesJournal, conn: conn, owner: st.Instance()}
+			g, err := gate.New(e.cfg, w, e.store, "test")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := g.Start(); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = g.Close() })
+			e.gate = g
+			waitShares(t, e)
+			payer := e.c.Payers[0]
+			before := e.balances(payer)
+			header := e.permit2(payer)
+			w.id, _ = paymentIDs(t, e, header)
+			if a := e.get(x402.HeaderPaymentSignature, header); a.status != http.StatusOK {
+				t.Fatalf("the payment = %d %q; want 200", a.status, a.body)
+			}
+			e.waitPaidOnce(t, payer, before, price, 30*time.Second)
+			w.mu.Lock()
+			defer w.mu.Unlock()
+			if len(w.markedFirst) != 1 || w.markedFirst[0] != tc.wantMarkedFirst {
+				t.Fatalf("the journal held the gate's mark when the payment was verified: %v; want %v", w.markedFirst, tc.wantMarkedFirst)
 			}
 		})
 	}
