@@ -141,3 +141,43 @@ const (
 	ReasonBatchRefundNoBalance               = "invalid_batch_settlement_evm_refund_no_balance"
 	ReasonBatchRefundAmountInvalid           = "invalid_batch_settlement_evm_refund_amount_invalid"
 )
+
+// reasons are the reason codes above, every one (TestReasonsNamesEveryReasonCode keeps it so).
+var reasons = []string{
+	ReasonInsufficientFunds, ReasonInvalidNetwork, ReasonInvalidPayload, ReasonInvalidPaymentRequirements,
+	ReasonInvalidScheme, ReasonUnsupportedScheme, ReasonInvalidX402Version, ReasonInvalidSignature,
+	ReasonRecipientMismatch, ReasonValueMismatch, ReasonValidAfter, ReasonValidBefore, ReasonNonceAlreadyUsed,
+	ReasonSimulationFailed, ReasonFailedToGetReceipt, ReasonTransactionFailed, ReasonPermit2InvalidSpender,
+	ReasonPermit2RecipientMismatch, ReasonPermit2InvalidSignature, ReasonPermit2DeadlineExpired,
+	ReasonPermit2NotYetValid, ReasonPermit2AmountMismatch, ReasonPermit2TokenMismatch, ReasonPermit2AllowanceRequired,
+	ReasonPermit2InsufficientBalance, ReasonPermit2InvalidNonce, ReasonPermit2ProxyNotDeployed,
+	ReasonPermit2EIP2612AmountMismatch, ReasonPermit2SimulationFailed, ReasonInvalidEIP2612ExtensionFormat,
+	ReasonEIP2612FromMismatch, ReasonEIP2612AssetMismatch, ReasonEIP2612SpenderNotPermit2,
+	ReasonEIP2612DeadlineExpired, ReasonUnexpectedVerifyError, ReasonUnexpectedSettleError, ReasonSettlementPending,
+	ReasonNoAvailableWallets, ReasonPaymentAlreadyUsed, ReasonEIP3009InvalidSignature, ReasonEIP3009RecipientMismatch,
+	ReasonEIP3009AuthorizationValue, ReasonEIP3009InsufficientBalance, ReasonEIP3009NotSupported,
+	ReasonEIP3009TokenNameMismatch, ReasonEIP3009TokenVersionMismatch, ReasonUptoFacilitatorMismatch,
+	ReasonUptoSettlementExceedsAmount, ReasonUptoTransactionFailed, ReasonEIP6492FactoryNotAllowed,
+	ReasonSmartWalletDeploymentFailed, ReasonBatchChannelNotFound, ReasonBatchTokenMismatch,
+	ReasonBatchInvalidVoucherSignature, ReasonBatchCumulativeExceedsBalance, ReasonBatchCumulativeBelowClaimed,
+	ReasonBatchInsufficientBalance, ReasonBatchDepositTransactionFailed, ReasonBatchClaimTransactionFailed,
+	ReasonBatchSettleTransactionFailed, ReasonBatchInvalidScheme, ReasonBatchNetworkMismatch,
+	ReasonBatchMissingEIP712Domain, ReasonBatchValidBefore, ReasonBatchValidAfter,
+	ReasonBatchInvalidReceiveAuthorization, ReasonBatchERC3009AuthorizationRequired,
+	ReasonBatchRefundTransactionFailed, ReasonBatchInvalidPayloadType, ReasonBatchWithdrawDelayOutOfRange,
+	ReasonBatchChannelIDMismatch, ReasonBatchChannelIDInvalid, ReasonBatchReceiverMismatch,
+	ReasonBatchReceiverAuthorizerMismatch, ReasonBatchWithdrawDelayMismatch, ReasonBatchAuthorizerAddressMismatch,
+	ReasonBatchAuthorizerNotConfigured, ReasonBatchDepositSimulationFailed, ReasonBatchDepositBelowMinDeposit,
+	ReasonBatchFactoryNotAllowed, ReasonBatchSmartWalletDeploymentFailed, ReasonBatchClaimSimulationFailed,
+	ReasonBatchSettleSimulationFailed, ReasonBatchNothingToSettle, ReasonBatchRefundPayload,
+	ReasonBatchRefundSimulationFailed, ReasonBatchRPCReadFailed, ReasonBatchPermit2AuthorizationRequired,
+	ReasonBatchPermit2InvalidSpender, ReasonBatchPermit2AmountMismatch, ReasonBatchPermit2DeadlineExpired,
+	ReasonBatchPermit2InvalidSignature, ReasonBatchPermit2AllowanceRequired, ReasonBatchEIP2612AmountMismatch,
+	ReasonBatchEIP2612OwnerMismatch, ReasonBatchEIP2612AssetMismatch, ReasonBatchEIP2612SpenderMismatch,
+	ReasonBatchEIP2612DeadlineExpired, ReasonBatchERC20ApprovalUnavailable, ReasonBatchCumulativeAmountMismatch,
+	ReasonBatchChannelBusy, ReasonBatchVerificationStateUnavailable, ReasonBatchChargeExceedsSignedCumulative,
+	ReasonBatchMissingChannel, ReasonBatchRefundNoBalance, ReasonBatchRefundAmountInvalid,
+}
+
+// Reasons returns every reason code this package names: what a metric may give a label value of its own.
+func Reasons() []string { return append([]string(nil), reasons...) }

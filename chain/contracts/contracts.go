@@ -10,6 +10,7 @@ import (
 	"github.com/ethereum/go-ethereum/accounts/abi"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/params"
 )
 
 // Canonical addresses. Permit2 and the proxy are the same on every chain x402 clients know;
@@ -127,6 +128,17 @@ func uptoProxyCreationCode() []byte { return bytes.Clone(uptoProxyCreation) }
 
 // UptoProxyRuntimeCode returns a copy of X402UptoPermit2Proxy's runtime code, the code placed at UptoProxyAddress.
 func UptoProxyRuntimeCode() []byte { return bytes.Clone(uptoProxyRuntime) }
+
+// ChainConfig is the fork set of every chain whose genesis holds GenesisAlloc (the dev chain and the simulated
+// chains of the tests): go-ethereum's dev fork set for chainID without the forks v1.17.10 enables before any
+// network has (Bogota, Amsterdam), under which gas costs about three times what live networks charge.
+func ChainConfig(chainID uint64) *params.ChainConfig {
+	cfg := *params.AllDevChainProtocolChanges
+	cfg.ChainID = new(big.Int).SetUint64(chainID)
+	cfg.BogotaTime = nil
+	cfg.AmsterdamTime = nil
+	return &cfg
+}
 
 // GenesisAlloc returns genesis accounts holding Permit2, the two proxies (exact and upto) and the three
 // batch-settlement contracts (the escrow and its two deposit collectors) at their canonical addresses. Nonce 1

@@ -361,17 +361,6 @@ func readAlloc(path string) (types.GenesisAlloc, error) {
 	return alloc, nil
 }
 
-// chainParams returns the dev chain's configuration: go-ethereum's dev fork set for chainID without the
-// forks v1.17.10 enables before any network has (Bogota, Amsterdam), under which gas costs about three times
-// what live networks charge.
-func chainParams(chainID uint64) *params.ChainConfig {
-	cfg := *params.AllDevChainProtocolChanges
-	cfg.ChainID = new(big.Int).SetUint64(chainID)
-	cfg.BogotaTime = nil
-	cfg.AmsterdamTime = nil
-	return &cfg
-}
-
 // genesis is the dev chain's genesis. It is a pure function of its arguments (timestamp 0, no randomness)
 // so that a restart on a data dir finds the same genesis hash. The chain ID is not part of a block hash, and
 // go-ethereum would quietly adopt a new one on restart; naming it in the extra data makes a changed chain ID
@@ -399,7 +388,7 @@ func genesis(cfg Config, wallets, payers []*ecdsa.PrivateKey, extra types.Genesi
 		alloc[addr] = acc
 	}
 	return &core.Genesis{
-		Config:     chainParams(cfg.ChainID),
+		Config:     contracts.ChainConfig(cfg.ChainID),
 		GasLimit:   gasLimit,
 		BaseFee:    big.NewInt(params.InitialBaseFee),
 		Difficulty: new(big.Int),
