@@ -208,6 +208,9 @@ func errGuarded(m *Marked) error { return fmt.Errorf("%w (%s)", ErrNotMarked, m.
 // holdCarrying is holdInOne under ctx: with what ctx's queue holds in its transaction, and under ctx's guard. A
 // guard that refuses the hold (landed, or in the deciding statement) gives ErrNotMarked; recorded is then false.
 func (s *PostgresStore) holdCarrying(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, unrecordedOnly bool) (recorded, ok bool, left *big.Int, err error) {
+	if err := s.unstartable(ctx); err != nil {
+		return false, false, nil, err
+	}
 	guard := s.guardOf(ctx)
 	items, done, err := s.carry(ctx)
 	if err != nil {
@@ -236,6 +239,9 @@ func (s *PostgresStore) holdCarrying(ctx context.Context, h Hold, avail *big.Int
 // a read alone is retried once when its connection broke, a batch that carries writes only when it surely did not
 // reach the database.
 func (s *PostgresStore) readCarrying(ctx context.Context, queue func(*pgx.Batch)) error {
+	if err := s.unstartable(ctx); err != nil {
+		return err
+	}
 	items, done, err := s.carry(ctx)
 	if err != nil {
 		return err
@@ -270,4 +276,17 @@ func (s *PostgresStore) readCarrying(ctx context.Context, queue func(*pgx.Batch)
 func NotMarked(ctx context.Context) bool {
 	m, _ := ctx.Value(guardKey{}).(*Marked)
 	return m != nil && m.refuses()
+}
+
+// unstartable is the error of a call under ctx that cannot start (ctx ended, the store closed), once what ctx's
+// queue holds was sent, as begin sends it for every call: a call that would have carried it does not drop it.
+func (s *PostgresStore) unstartable(ctx context.Context) error {
+	if ctx.Err() == nil && !s.closed.Load() {
+		return nil
+	}
+	_, cancel, err := s.begin(ctx, false)
+	if err == nil {
+		cancel() // it could start after all: the call goes on
+	}
+	return err
 }
