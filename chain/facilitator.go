@@ -94,6 +94,11 @@ type NetworkConfig struct {
 	// with arbitrary calldata, so only factories the operator trusts). Empty: payments of undeployed wallets
 	// are refused with eip6492_factory_not_allowed; deployed contract wallets (ERC-1271) pay either way.
 	SmartWalletFactories []common.Address
+	// BatchClaimMargin is how long before a batch-settlement channel's pending withdrawal could be finalized its
+	// vouchers must be claimed (BatchTerms.ClaimMargin): a voucher counts only the deposit still there that long
+	// from now, and a channel read older than its withdrawDelay less this margin is read again. Zero means 5
+	// minutes (defaultBatchClaimMargin); it must stay under the shortest withdrawDelay (15 minutes).
+	BatchClaimMargin time.Duration
 }
 
 // Config configures a Facilitator.
@@ -184,6 +189,7 @@ type network struct {
 	permit2   common.Address
 	proxy     common.Address // the spender of exact permit2 payments
 	uptoProxy common.Address // the spender of upto payments
+	batch     *batchNetwork  // batch-settlement: terms parsed, channel reads' block times (batch_engine.go)
 	pool      *walletPool
 	sender    *sender
 	watcher   *receiptWatcher
@@ -399,6 +405,9 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		return nil, err
 	}
 	n.factories = slices.Clone(nc.SmartWalletFactories)
+	if n.batch, err = newBatchNetwork(nc.BatchClaimMargin); err != nil {
+		return nil, err
+	}
 	if n.low == nil {
 		n.low = new(big.Int).Exp(big.NewInt(10), big.NewInt(16), nil)
 	}

@@ -1,0 +1,322 @@
+package chain_test
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"fmt"
+	"math/big"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/common/hexutil"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// batchPrice is the price of one request of the batch routes below.
+const batchPrice = 1000
+
+// batchRoute is an engine on a simulated chain with the batch-settlement escrow in its genesis, a route paid by
+// voucher, and one payer's channel to it, funded on chain. The engine's clock is chain time.
+type batchRoute struct {
+	fx                          *fixture
+	c                           *chaintest.Chain
+	token                       common.Address
+	payer, receiver, authorizer *chaintest.Account
+	rq                          x402.BatchRequirements
+	cfg                         contracts.ChannelConfig
+	id                          common.Hash
+}
+
+func newBatchRoute(t *testing.T, o fixtureOpts) *batchRoute {
+	t.Helper()
+	o.autoCommit = -1
+	configure := o.configure
+	var c *chaintest.Chain
+	o.configure = func(cfg *chain.Config) {
+		cfg.Now = func() time.Time { return time.Unix(int64(c.HeadTime()), 0) }
+		if configure != nil {
+			configure(cfg)
+		}
+	}
+	tune := o.tune
+	o.tune = func(fx *fixture, nc *chain.NetworkConfig) {
+		c = fx.c
+		if tune != nil {
+			tune(fx, nc)
+		}
+	}
+	fx := newFixture(t, o)
+	b := &batchRoute{fx: fx, c: fx.c, token: fx.c.DeployUSDCoin(big.NewInt(1_000_000_000)), payer: fx.c.Payers[0],
+		receiver: chaintest.DeriveAccount("merchant", 0), authorizer: chaintest.DeriveAccount("authorizer", 0)}
+	b.rq = b.route(b.receiver)
+	b.cfg = contracts.ChannelConfig{Payer: b.payer.Address, PayerAuthorizer: b.payer.Address, Receiver: b.receiver.Address,
+		ReceiverAuthorizer: b.authorizer.Address, Token: b.token, WithdrawDelay: contracts.MinWithdrawDelay}
+	// A salt of its own: tests share a PostgreSQL database, and every simulated chain has one id.
+	b.cfg.Salt = common.BigToHash(chaintest.RandomNonce())
+	b.id = chaintest.ChannelID(b.c.ChainID, b.cfg)
+	return b
+}
+
+// route is the batch-settlement requirement of a route paid to receiver.
+func (b *batchRoute) route(receiver *chaintest.Account) x402.BatchRequirements {
+	return x402.BatchRequirements{Scheme: x402.SchemeBatchSettlement, Network: b.fx.net, Amount: fmt.Sprint(batchPrice),
+		Asset: b.token.Hex(), PayTo: receiver.Address.Hex(), MaxTimeoutSeconds: 300,
+		Extra: x402.BatchExtra{ReceiverAuthorizer: b.authorizer.Address.Hex(), WithdrawDelay: contracts.MinWithdrawDelay,
+			Name: contracts.USDCoinName, Version: contracts.USDCoinVersion}}
+}
+
+// escrow sends calldata to the escrow from sender (the deployer, who is no settlement wallet), mined.
+func (b *batchRoute) escrow(t *testing.T, sender *chaintest.Account, data []byte, what string) {
+	t.Helper()
+	if _, err := b.c.Transact(context.Background(), sender, contracts.BatchSettlementAddress, data); err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+}
+
+// deposit funds the channel with amount on chain, as any facilitator's deposit would.
+func (b *batchRoute) deposit(t *testing.T, amount int64) {
+	t.Helper()
+	salt := chaintest.RandomNonce()
+	validBefore := new(big.Int).SetUint64(b.c.HeadTime() + 3600)
+	nonce := contracts.ERC3009DepositNonce(b.id, common.BigToHash(salt))
+	sig := b.c.SignTypedData(b.payer, chaintest.ReceiveAuthorizationTypedData(contracts.USDCoinName, contracts.USDCoinVersion, b.c.ChainID,
+		b.token, b.payer.Address, big.NewInt(amount), big.NewInt(0), validBefore, nonce))
+	collectorData, err := contracts.EncodeERC3009CollectorData(big.NewInt(0), validBefore, salt, sig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, err := contracts.PackBatchDeposit(b.cfg, big.NewInt(amount), contracts.ERC3009DepositCollectorAddress, collectorData)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.escrow(t, b.c.Deployer, data, "depositing")
+}
+
+// voucher is the batch request of the payer's voucher for cumulative, to route rq.
+func (b *batchRoute) voucher(rq x402.BatchRequirements, cumulative int64) x402.BatchRequest {
+	sig := b.c.SignVoucher(b.payer, b.id, big.NewInt(cumulative))
+	wire := &x402.ChannelConfig{Payer: b.cfg.Payer.Hex(), PayerAuthorizer: b.cfg.PayerAuthorizer.Hex(), Receiver: b.cfg.Receiver.Hex(),
+		ReceiverAuthorizer: b.cfg.ReceiverAuthorizer.Hex(), Token: b.cfg.Token.Hex(), WithdrawDelay: int64(b.cfg.WithdrawDelay),
+		Salt: hexutil.Encode(b.cfg.Salt[:])}
+	p := x402.BatchPayment{X402Version: 2, Accepted: rq, Payload: x402.BatchPayload{Type: x402.BatchVoucher, ChannelConfig: wire,
+		Voucher: &x402.BatchVoucherFields{ChannelID: b.id.Hex(), MaxClaimableAmount: fmt.Sprint(cumulative), Signature: hexutil.Encode(sig)}}}
+	return x402.BatchRequest{X402Version: 2, PaymentPayload: p, PaymentRequirements: rq}
+}
+
+// row is the journal's row of the channel.
+func (b *batchRoute) row(t *testing.T, j journal.Store) journal.Channel {
+	t.Helper()
+	row, ok, err := j.(journal.Channels).Channel(context.Background(), journal.ChannelKey{Network: b.fx.net,
+		Escrow: contracts.BatchSettlementAddress.Hex(), ID: b.id.Hex()})
+	if err != nil || !ok {
+		t.Fatalf("reading the channel's row: ok %v, %v", ok, err)
+	}
+	return row
+}
+
+func settleBatch(t *testing.T, f *chain.Facilitator, req x402.BatchRequest) x402.BatchSettleResponse {
+	t.Helper()
+	resp, err := f.SettleBatch(context.Background(), req)
+	if err != nil {
+		t.Fatalf("settling: %v", err)
+	}
+	return resp
+}
+
+func boltJournal(t *testing.T) journal.Store {
+	t.Helper()
+	st, err := journal.OpenBolt(filepath.Join(t.TempDir(), "journal.db"), journal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	return st
+}
+
+func TestBatchVouchersAreAcceptedOffChainEachOnceAndAnsweredByTheirCommitment(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t)})
+	b.deposit(t, 200*batchPrice)
+	head := b.c.HeadNumber()
+	for i := int64(1); i <= 200; i++ {
+		req := b.voucher(b.rq, i*batchPrice)
+		if v, err := b.fx.f.VerifyBatch(context.Background(), req); err != nil || !v.IsValid {
+			t.Fatalf("voucher %d: verify %+v, %v", i, v, err)
+		}
+		resp := settleBatch(t, b.fx.f, req)
+		want := fmt.Sprintf("%s@%d", hexutil.Encode(b.id[:]), i*batchPrice)
+		if !resp.Success || resp.Commitment() != want || resp.Amount != fmt.Sprint(batchPrice) || resp.Transaction != "" {
+			t.Fatalf("voucher %d: %+v (commitment %q), want success naming %s, charged %d, no transaction", i, resp, resp.Commitment(), want, batchPrice)
+		}
+	}
+	row := b.row(t, b.fx.journal)
+	if row.Charged.Int64() != 200*batchPrice || row.Vouchers != 200 {
+		t.Fatalf("row charged %s by %d vouchers, want %d by 200", row.Charged, row.Vouchers, 200*batchPrice)
+	}
+	if got := b.c.HeadNumber(); got != head {
+		t.Fatalf("the chain moved from block %d to %d: vouchers send nothing", head, got)
+	}
+	// The 201st is above the deposit.
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, 201*batchPrice)); resp.Success || resp.ErrorReason != x402.ReasonBatchCumulativeExceedsBalance {
+		t.Fatalf("a voucher above the deposit: %+v", resp)
+	}
+}
+
+func TestBatchVoucherPresentedAgainAfterItsResponseWasLostIsServedOnceNotChargedTwice(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t)})
+	b.deposit(t, 10*batchPrice)
+	first := settleBatch(t, b.fx.f, b.voucher(b.rq, batchPrice))
+	if !first.Success {
+		t.Fatalf("first voucher: %+v", first)
+	}
+	// Its response never got out: presented again, it is answered as before and charged nothing more.
+	again := settleBatch(t, b.fx.f, b.voucher(b.rq, batchPrice))
+	if !again.Success || again.Commitment() != first.Commitment() || again.Amount != first.Amount {
+		t.Fatalf("presented again before its response was delivered: %+v, want %+v", again, first)
+	}
+	if v, err := b.fx.f.VerifyBatch(context.Background(), b.voucher(b.rq, batchPrice)); err != nil || !v.IsValid {
+		t.Fatalf("verify of the voucher presented again: %+v, %v", v, err)
+	}
+	if row := b.row(t, b.fx.journal); row.Charged.Int64() != batchPrice || row.Vouchers != 1 {
+		t.Fatalf("row charged %s by %d vouchers, want %d by 1", row.Charged, row.Vouchers, batchPrice)
+	}
+	// The gate delivered it: the voucher is spent.
+	if err := b.fx.journal.MarkServed(context.Background(), chain.BatchVoucherID(b.fx.net, b.id, big.NewInt(batchPrice)), time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, batchPrice)); resp.Success || resp.ErrorReason != x402.ReasonPaymentAlreadyUsed {
+		t.Fatalf("presented again after its response was delivered: %+v, want %s", resp, x402.ReasonPaymentAlreadyUsed)
+	}
+	if v, _ := b.fx.f.VerifyBatch(context.Background(), b.voucher(b.rq, batchPrice)); v.IsValid || v.InvalidReason != x402.ReasonPaymentAlreadyUsed {
+		t.Fatalf("verify after delivery: %+v", v)
+	}
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, 2*batchPrice)); !resp.Success || resp.Amount != fmt.Sprint(batchPrice) {
+		t.Fatalf("the next voucher: %+v", resp)
+	}
+}
+
+func TestBatchVoucherRefusals(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t)})
+	b.deposit(t, 5*batchPrice)
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, batchPrice)); !resp.Success {
+		t.Fatalf("first voucher: %+v", resp)
+	}
+	other := b.route(chaintest.DeriveAccount("other merchant", 0))
+	for _, tc := range []struct {
+		name   string
+		req    x402.BatchRequest
+		reason string
+	}{
+		{"below the last accepted", b.voucher(b.rq, batchPrice/2), x402.ReasonBatchCumulativeAmountMismatch},
+		{"a step of two prices", b.voucher(b.rq, 3*batchPrice), x402.ReasonBatchCumulativeAmountMismatch},
+		{"above the deposit", b.voucher(b.rq, 6*batchPrice), x402.ReasonBatchCumulativeExceedsBalance},
+		{"another receiver's route", b.voucher(other, 2*batchPrice), x402.ReasonBatchReceiverMismatch},
+		{"the accepted voucher at another receiver's route", b.voucher(other, batchPrice), x402.ReasonBatchReceiverMismatch},
+	} {
+		resp := settleBatch(t, b.fx.f, tc.req)
+		if resp.Success || resp.ErrorReason != tc.reason {
+			t.Errorf("%s: %+v, want %s", tc.name, resp, tc.reason)
+		}
+	}
+	if row := b.row(t, b.fx.journal); row.Charged.Int64() != batchPrice || row.Vouchers != 1 {
+		t.Fatalf("refusals changed the row: charged %s by %d vouchers", row.Charged, row.Vouchers)
+	}
+}
+
+func TestBatchVoucherAfterAStaleReadSeesAWithdrawalAskedForSince(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t)})
+	b.deposit(t, 5*batchPrice)
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, batchPrice)); !resp.Success {
+		t.Fatalf("first voucher: %+v", resp)
+	}
+	// The payer asks to withdraw everything just after the engine's read, and waits until the read no longer
+	// vouches for the deposit: a voucher then must not be judged by the old read.
+	data, err := contracts.PackInitiateWithdraw(b.cfg, big.NewInt(5*batchPrice))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.escrow(t, b.payer, data, "initiating the withdrawal")
+	b.c.AdjustTime(11 * time.Minute)
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, 2*batchPrice)); resp.Success || resp.ErrorReason != x402.ReasonBatchCumulativeExceedsBalance {
+		t.Fatalf("a voucher after a withdrawal of all the deposit, read stale: %+v", resp)
+	}
+	if row := b.row(t, b.fx.journal); row.WithdrawRequestedAt.IsZero() || row.Charged.Int64() != batchPrice {
+		t.Fatalf("the row after the re-read: %+v", row)
+	}
+	// Finalized, the channel is empty.
+	b.c.AdjustTime(5 * time.Minute)
+	data, err = contracts.PackFinalizeWithdraw(b.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.escrow(t, b.payer, data, "finalizing the withdrawal")
+	b.c.AdjustTime(11 * time.Minute)
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, 2*batchPrice)); resp.Success {
+		t.Fatalf("a voucher of a withdrawn channel: %+v", resp)
+	}
+}
+
+func TestBatchTwoEnginesOnOnePostgresAcceptEachStepOnceAndNeverAboveTheDeposit(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	b := newBatchRoute(t, fixtureOpts{journal: openPostgres(t, dsn)})
+	b.deposit(t, 10*batchPrice)
+	second, err := chain.New(context.Background(), chain.Config{Networks: []chain.NetworkConfig{{Network: b.fx.net, Backend: b.c.EthClient,
+		Assets: []chain.AssetConfig{{Address: b.c.Token, Name: "Stable Coin", Version: "1", Decimals: 6}}, Keys: []*ecdsa.PrivateKey{b.c.Wallets[0].Key}}},
+		Journal: openPostgres(t, dsn), Now: func() time.Time { return time.Unix(int64(b.c.HeadTime()), 0) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { second.Close() })
+	engines := []*chain.Facilitator{b.fx.f, second}
+	// Both engines are given every voucher of the channel, 1 to 12, at once: 10 fit the deposit.
+	var mu sync.Mutex
+	charged := map[string]int{}
+	var wg sync.WaitGroup
+	for _, f := range engines {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := int64(1); i <= 12; i++ {
+				resp, err := f.SettleBatch(context.Background(), b.voucher(b.rq, i*batchPrice))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if resp.Success {
+					mu.Lock()
+					charged[resp.Commitment()]++
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	row := b.row(t, b.fx.journal)
+	if row.Charged.Int64() != 10*batchPrice || row.Vouchers != 10 {
+		t.Fatalf("row charged %s by %d vouchers, want %d by 10", row.Charged, row.Vouchers, 10*batchPrice)
+	}
+	for i := int64(1); i <= 12; i++ {
+		key := fmt.Sprintf("%s@%d", hexutil.Encode(b.id[:]), i*batchPrice)
+		if i > 10 && charged[key] != 0 {
+			t.Errorf("voucher %d above the deposit answered success %d times", i, charged[key])
+		}
+	}
+}
+
+func openPostgres(t *testing.T, dsn string) journal.Store {
+	t.Helper()
+	st, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	return st
+}
