@@ -253,7 +253,9 @@ type voucherCheck struct {
 // checkVoucher judges voucher payment p against the row of its channel, reading the channel from the chain only
 // when the journal has no row of it, the row's read is too old to vouch for the deposit, or the deposit the row
 // holds does not cover the voucher (a top-up since).
-func (f *Facilitator) checkVoucher(ctx context.Context, n *network, chs journal.Channels, terms *BatchTerms, p *x402.BatchPayment) (voucherCheck, error) {
+//
+// extra, when not nil, is a deposit the voucher comes with: the channel is judged as holding it too.
+func (f *Facilitator) checkVoucherWith(ctx context.Context, n *network, chs journal.Channels, terms *BatchTerms, p *x402.BatchPayment, extra *big.Int) (voucherCheck, error) {
 	vc := voucherCheck{terms: terms}
 	pl := &p.Payload
 	if pl.Type != x402.BatchVoucher {
@@ -293,6 +295,9 @@ func (f *Facilitator) checkVoucher(ctx context.Context, n *network, chs journal.
 		view, err := f.channelView(ctx, n, row, ch, id)
 		if err != nil {
 			return vc, err
+		}
+		if extra != nil {
+			view.Balance = new(big.Int).Add(orZero(view.Balance), extra)
 		}
 		vc.av, err = terms.CheckVoucher(p, view, n.chainNow())
 		var refusal *BatchRefusal
@@ -365,7 +370,13 @@ func (f *Facilitator) VerifyBatch(ctx context.Context, req x402.BatchRequest) (x
 	if err != nil {
 		return invalid(err)
 	}
-	vc, err := f.checkVoucher(ctx, n, chs, terms, p)
+	switch p.Payload.Type {
+	case x402.BatchDeposit:
+		return f.verifyDeposit(ctx, req, payer)
+	case x402.BatchRefund:
+		return invalid(refuseBatch(x402.ReasonBatchRefundPayload, "refunds are not served by this facilitator yet"))
+	}
+	vc, err := f.checkVoucherWith(ctx, n, chs, terms, p, nil)
 	if err != nil {
 		return invalid(err)
 	}
@@ -424,9 +435,26 @@ func (f *Facilitator) SettleBatch(ctx context.Context, req x402.BatchRequest) (x
 	if err != nil {
 		return fail(err)
 	}
+	switch p.Payload.Type {
+	case x402.BatchDeposit:
+		return f.settleDeposit(ctx, req, payer)
+	case x402.BatchVoucher:
+		return f.settleVoucher(ctx, n, terms, chs, p, payer)
+	}
+	return fail(refuseBatch(x402.ReasonBatchInvalidPayloadType, "payload.type is %q: this facilitator settles deposits and vouchers", truncate(p.Payload.Type)))
+}
+
+// settleVoucher accepts voucher payment p (see SettleBatch).
+func (f *Facilitator) settleVoucher(ctx context.Context, n *network, terms *BatchTerms, chs journal.Channels, p *x402.BatchPayment, payer string) (x402.BatchSettleResponse, error) {
+	fail := func(err error) (x402.BatchSettleResponse, error) {
+		if r := asBatchRefusal(err); r != nil {
+			return x402.BatchSettleResponse{Network: n.caip2, Payer: payer, ErrorReason: r.Reason, ErrorMessage: r.Message}, nil
+		}
+		return x402.BatchSettleResponse{Network: n.caip2, Payer: payer, ErrorReason: x402.ReasonUnexpectedSettleError, ErrorMessage: err.Error()}, nil
+	}
 	token := f.acceptToken()
 	for attempt := 0; ; attempt++ {
-		vc, err := f.checkVoucher(ctx, n, chs, terms, p)
+		vc, err := f.checkVoucherWith(ctx, n, chs, terms, p, nil)
 		if err != nil {
 			return fail(err)
 		}

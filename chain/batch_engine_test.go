@@ -38,7 +38,9 @@ type batchRoute struct {
 
 func newBatchRoute(t *testing.T, o fixtureOpts) *batchRoute {
 	t.Helper()
-	o.autoCommit = -1
+	if o.autoCommit == 0 {
+		o.autoCommit = -1 // the tests commit by hand, unless the engine is to send
+	}
 	configure := o.configure
 	var c *chaintest.Chain
 	o.configure = func(cfg *chain.Config) {
@@ -48,14 +50,18 @@ func newBatchRoute(t *testing.T, o fixtureOpts) *batchRoute {
 		}
 	}
 	tune := o.tune
+	var token common.Address
 	o.tune = func(fx *fixture, nc *chain.NetworkConfig) {
 		c = fx.c
+		// The route's token is an ERC-3009 one, which the engine settles deposits in.
+		token = c.DeployUSDCoin(big.NewInt(1_000_000_000))
+		nc.Assets = append(nc.Assets, chain.AssetConfig{Address: token, Name: contracts.USDCoinName, Version: contracts.USDCoinVersion, Decimals: 6})
 		if tune != nil {
 			tune(fx, nc)
 		}
 	}
 	fx := newFixture(t, o)
-	b := &batchRoute{fx: fx, c: fx.c, token: fx.c.DeployUSDCoin(big.NewInt(1_000_000_000)), payer: fx.c.Payers[0],
+	b := &batchRoute{fx: fx, c: fx.c, token: token, payer: fx.c.Payers[0],
 		receiver: chaintest.DeriveAccount("merchant", 0), authorizer: chaintest.DeriveAccount("authorizer", 0)}
 	b.rq = b.route(b.receiver)
 	b.cfg = contracts.ChannelConfig{Payer: b.payer.Address, PayerAuthorizer: b.payer.Address, Receiver: b.receiver.Address,
@@ -99,6 +105,40 @@ func (b *batchRoute) deposit(t *testing.T, amount int64) {
 		t.Fatal(err)
 	}
 	b.escrow(t, b.c.Deployer, data, "depositing")
+}
+
+// depositRequest is the batch request of the payer's deposit of amount, with its voucher for the first request.
+func (b *batchRoute) depositRequest(t *testing.T, amount int64) x402.BatchRequest {
+	t.Helper()
+	salt := common.BigToHash(chaintest.RandomNonce())
+	validBefore := new(big.Int).SetUint64(b.c.HeadTime() + 240)
+	nonce := contracts.ERC3009DepositNonce(b.id, salt)
+	sig := b.c.SignTypedData(b.payer, chaintest.ReceiveAuthorizationTypedData(contracts.USDCoinName, contracts.USDCoinVersion, b.c.ChainID,
+		b.token, b.payer.Address, big.NewInt(amount), big.NewInt(0), validBefore, nonce))
+	req := b.voucher(b.rq, batchPrice)
+	pl := &req.PaymentPayload.Payload
+	pl.Type = x402.BatchDeposit
+	pl.Deposit = &x402.BatchDepositFields{Amount: fmt.Sprint(amount), Authorization: x402.BatchDepositAuthorization{
+		ERC3009Authorization: &x402.BatchERC3009Authorization{ValidAfter: "0", ValidBefore: validBefore.String(), Salt: salt.Hex(), Signature: hexutil.Encode(sig)}}}
+	return req
+}
+
+// channelOnChain is the channel's balance and total claimed in the escrow.
+func (b *batchRoute) channelOnChain(t *testing.T) (balance, claimed int64) {
+	t.Helper()
+	data, err := contracts.PackBatchSettlement("channels", b.id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := b.c.Call(context.Background(), b.c.Deployer.Address, contracts.BatchSettlementAddress, data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := contracts.BatchSettlementABI.Unpack("channels", raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out[0].(*big.Int).Int64(), out[1].(*big.Int).Int64()
 }
 
 // voucher is the batch request of the payer's voucher for cumulative, to route rq.
@@ -319,4 +359,80 @@ func openPostgres(t *testing.T, dsn string) journal.Store {
 	}
 	t.Cleanup(func() { st.Close() })
 	return st
+}
+
+func TestBatchDepositIsSentOnceThroughTheEngineAndItsVoucherAccepted(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second})
+	const amount = 50 * batchPrice
+	before := b.c.BalanceOf(b.token, b.payer.Address).Int64()
+	req := b.depositRequest(t, amount)
+	if v, err := b.fx.f.VerifyBatch(context.Background(), req); err != nil || !v.IsValid {
+		t.Fatalf("verify of the deposit: %+v, %v", v, err)
+	}
+	resp := settleBatch(t, b.fx.f, req)
+	want := fmt.Sprintf("%s@%d", hexutil.Encode(b.id[:]), batchPrice)
+	if !resp.Success || resp.Transaction == "" || resp.Commitment() != want || resp.Amount != fmt.Sprint(batchPrice) {
+		t.Fatalf("settle of the deposit: %+v (commitment %q), want success with its transaction, committing %s", resp, resp.Commitment(), want)
+	}
+	if bal, _ := b.channelOnChain(t); bal != amount {
+		t.Fatalf("the channel holds %d on chain, want %d", bal, amount)
+	}
+	if got := b.c.BalanceOf(b.token, b.payer.Address).Int64(); got != before-amount {
+		t.Fatalf("the payer holds %d, want %d", got, before-amount)
+	}
+	row := b.row(t, b.fx.journal)
+	if row.Deposit.Int64() != amount || row.Charged.Int64() != batchPrice || row.Vouchers != 1 {
+		t.Fatalf("row: deposit %s, charged %s by %d vouchers; want %d, %d by 1", row.Deposit, row.Charged, row.Vouchers, amount, batchPrice)
+	}
+	// Its answer lost, the deposit is presented again: the same transaction, nothing sent, nothing charged.
+	again := settleBatch(t, b.fx.f, req)
+	if !again.Success || again.Transaction != resp.Transaction || again.Commitment() != want {
+		t.Fatalf("the deposit presented again: %+v, want %+v", again, resp)
+	}
+	if bal, _ := b.channelOnChain(t); bal != amount {
+		t.Fatalf("the channel holds %d on chain after the deposit was presented again, want %d", bal, amount)
+	}
+	if row := b.row(t, b.fx.journal); row.Charged.Int64() != batchPrice || row.Vouchers != 1 {
+		t.Fatalf("row after the deposit was presented again: charged %s by %d vouchers", row.Charged, row.Vouchers)
+	}
+	// Vouchers follow, off chain.
+	for i := int64(2); i <= 5; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+}
+
+func TestBatchDepositRefusedBeforeAnythingIsSent(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second})
+	head := b.c.HeadNumber()
+	for _, tc := range []struct {
+		name   string
+		req    func() x402.BatchRequest
+		reason string
+	}{
+		{"more than the payer holds", func() x402.BatchRequest { return b.depositRequest(t, 2_000_000_000) }, x402.ReasonBatchInsufficientBalance},
+		{"a voucher above the deposit", func() x402.BatchRequest {
+			req := b.depositRequest(t, batchPrice/2)
+			return req
+		}, x402.ReasonBatchCumulativeExceedsBalance},
+		{"signed by another key", func() x402.BatchRequest {
+			req := b.depositRequest(t, 10*batchPrice)
+			a := req.PaymentPayload.Payload.Deposit.Authorization.ERC3009Authorization
+			a.Signature = hexutil.Encode(b.c.SignVoucher(b.c.Payers[1], b.id, big.NewInt(1)))
+			return req
+		}, x402.ReasonBatchInvalidReceiveAuthorization},
+	} {
+		req := tc.req()
+		if v, err := b.fx.f.VerifyBatch(context.Background(), req); err != nil || v.IsValid || v.InvalidReason != tc.reason {
+			t.Errorf("%s: verify %+v, %v; want %s", tc.name, v, err, tc.reason)
+		}
+		if resp := settleBatch(t, b.fx.f, req); resp.Success || resp.ErrorReason != tc.reason || resp.Transaction != "" {
+			t.Errorf("%s: settle %+v; want %s, nothing sent", tc.name, resp, tc.reason)
+		}
+	}
+	if bal, _ := b.channelOnChain(t); bal != 0 {
+		t.Fatalf("the channel holds %d after refused deposits", bal)
+	}
+	_ = head
 }
