@@ -126,7 +126,7 @@ func (f *Facilitator) parseDeposit(req x402.BatchRequest) (*payment, *BatchRefus
 		auth: transferAuthorization{From: ch.Payer, To: contracts.ERC3009DepositCollectorAddress, Value: amount,
 			ValidAfter: validAfter, ValidBefore: validBefore, Nonce: nonce},
 		maxTimeout: req.PaymentRequirements.MaxTimeoutSeconds, request: request,
-		deposit:    &batchDeposit{terms: terms, cfg: ch, id: id, collectorData: collectorData}}
+		deposit: &batchDeposit{terms: terms, cfg: ch, id: id, collectorData: collectorData}}
 	p.digest = ReceiveAuthorizationDigest(PermitDomainSeparator(terms.TokenName, terms.TokenVersion, terms.ChainID, terms.Token),
 		ch.Payer, contracts.ERC3009DepositCollectorAddress, amount, validAfter, validBefore, nonce)
 	p.id = journal.PaymentID(n.caip2, p.method, asset.Address.Hex(), p.payer.Hex(), nonce.Hex())
