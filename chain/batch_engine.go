@@ -467,6 +467,7 @@ func (f *Facilitator) settleVoucher(ctx context.Context, n *network, terms *Batc
 		row, err := chs.AcceptVoucher(ctx, vc.key, vc.row.Charged, av.Cumulative, journal.Voucher{Signature: av.Signature[:], Digest: av.Digest[:], By: token})
 		switch {
 		case err == nil:
+			n.noteAccepted()
 			return f.answerVoucher(ctx, n, row, av.Cumulative, av.Charge, payer)
 		case errors.Is(err, journal.ErrChannelMoved) && attempt < 3:
 			continue // another voucher took the step: judge this one against the row as it is now

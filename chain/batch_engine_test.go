@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/big"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -435,4 +436,139 @@ func TestBatchDepositRefusedBeforeAnythingIsSent(t *testing.T) {
 		t.Fatalf("the channel holds %d after refused deposits", bal)
 	}
 	_ = head
+}
+
+// batchEngine starts one more engine on the route's chain and journal j, as another process would: the
+// settlement wallets given, the receiver authorizer's key when claims is set (claimed only when asked).
+func (b *batchRoute) engine(t *testing.T, j journal.Store, wallets []*chaintest.Account, claims bool, receiptTimeout time.Duration) *chain.Facilitator {
+	t.Helper()
+	nc := chain.NetworkConfig{Network: b.fx.net, Backend: b.c.EthClient, ReceiptTimeout: receiptTimeout, ReceiptPoll: 2 * time.Millisecond,
+		Assets: []chain.AssetConfig{{Address: b.c.Token, Name: "Stable Coin", Version: "1", Decimals: 6},
+			{Address: b.token, Name: contracts.USDCoinName, Version: contracts.USDCoinVersion, Decimals: 6}}}
+	for _, w := range wallets {
+		nc.Keys = append(nc.Keys, w.Key)
+	}
+	if claims {
+		claimsWhenAsked(&nc, b.authorizer)
+	}
+	f, err := chain.New(context.Background(), chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: j,
+		Now: func() time.Time { return time.Unix(int64(b.c.HeadTime()), 0) }, ReconcileEvery: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
+// claimsWhenAsked gives an engine the receiver authorizer's key, with a policy that claims only when the test
+// asks (ClaimBatches) or the engine closes.
+func claimsWhenAsked(nc *chain.NetworkConfig, authorizer *chaintest.Account) {
+	nc.BatchReceiverAuthorizer, nc.BatchClaimEvery, nc.BatchClaimAfter = authorizer.Key, 1_000_000, time.Hour
+}
+
+// sentBy is how many transactions the wallets have sent.
+func (b *batchRoute) sentBy(t *testing.T, wallets []*chaintest.Account) uint64 {
+	t.Helper()
+	var sum uint64
+	for _, w := range wallets {
+		n, err := b.c.EthClient.PendingNonceAt(context.Background(), w.Address)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sum += n
+	}
+	return sum
+}
+
+func TestBatchClaimerClaimsEveryAcceptedVoucherOnceInOneTransaction(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) { claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0)) }})
+	b.deposit(t, 300*batchPrice)
+	for i := int64(1); i <= 200; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	sent := b.sentBy(t, b.c.Wallets)
+	if err := b.fx.f.ClaimBatches(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.c.BalanceOf(b.token, b.receiver.Address).Int64(); got != 200*batchPrice {
+		t.Fatalf("the receiver holds %d after the claim, want exactly the %d accepted", got, 200*batchPrice)
+	}
+	if _, claimed := b.channelOnChain(t); claimed != 200*batchPrice {
+		t.Fatalf("the channel's total claimed is %d on chain, want %d", claimed, 200*batchPrice)
+	}
+	if got := b.sentBy(t, b.c.Wallets) - sent; got != 1 {
+		t.Fatalf("the claim took %d transactions, want 1", got)
+	}
+	if row := b.row(t, b.fx.journal); row.Claimed.Cmp(row.Charged) != 0 || row.ClaimTx != "" {
+		t.Fatalf("row after the claim: claimed %s of %s, claim in flight %q", row.Claimed, row.Charged, row.ClaimTx)
+	}
+	// Nothing left to claim: nothing is sent, nothing paid twice.
+	if err := b.fx.f.ClaimBatches(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.sentBy(t, b.c.Wallets) - sent; got != 1 {
+		t.Fatalf("a claim with nothing to claim sent %d transactions", got-1)
+	}
+	// Vouchers accepted since are claimed by the next claim, and only they.
+	for i := int64(201); i <= 210; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	if err := b.fx.f.ClaimBatches(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.c.BalanceOf(b.token, b.receiver.Address).Int64(); got != 210*batchPrice {
+		t.Fatalf("the receiver holds %d after the second claim, want %d", got, 210*batchPrice)
+	}
+}
+
+func TestBatchClaimInFlightAcrossARestartIsClaimedOnce(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	b := newBatchRoute(t, fixtureOpts{journal: openPostgres(t, dsn), wallets: 3})
+	b.deposit(t, 100*batchPrice)
+	for i := int64(1); i <= 30; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	// Another process claims; its claim is broadcast, and it is gone before the claim is mined.
+	wallets := b.c.Wallets[:3] // every process is configured with the same wallets, and leases its share
+	first := b.engine(t, openPostgres(t, dsn), wallets, true, 50*time.Millisecond)
+	claimBatches(t, first)
+	if row := b.row(t, b.fx.journal); row.ClaimTx == "" {
+		t.Fatalf("the claim is not in flight: %+v", row)
+	}
+	b.c.Commit()
+	// A new process finds the claim in flight, mined: the receiver is paid once, and nothing is claimed again.
+	next := b.engine(t, openPostgres(t, dsn), wallets, true, 5*time.Second)
+	claimBatches(t, next)
+	b.c.Commit()
+	if got := b.c.BalanceOf(b.token, b.receiver.Address).Int64(); got != 30*batchPrice {
+		t.Fatalf("the receiver holds %d, want exactly the %d accepted", got, 30*batchPrice)
+	}
+	if got := b.sentBy(t, wallets); got != 1 {
+		t.Fatalf("the claimers sent %d transactions, want 1", got)
+	}
+	if row := b.row(t, b.fx.journal); row.Claimed.Int64() != 30*batchPrice || row.ClaimTx != "" {
+		t.Fatalf("row: claimed %s, claim in flight %q", row.Claimed, row.ClaimTx)
+	}
+}
+
+// claimBatches asks f to claim, while the wallets' leases settle between the processes sharing the journal.
+func claimBatches(t *testing.T, f *chain.Facilitator) {
+	t.Helper()
+	var err error
+	for range 20 {
+		if err = f.ClaimBatches(context.Background()); err == nil || !strings.Contains(err.Error(), x402.MessageNoAvailableWallets) {
+			break
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
 }

@@ -99,6 +99,15 @@ type NetworkConfig struct {
 	// from now, and a channel read older than its withdrawDelay less this margin is read again. Zero means 5
 	// minutes (defaultBatchClaimMargin); it must stay under the shortest withdrawDelay (15 minutes).
 	BatchClaimMargin time.Duration
+	// BatchReceiverAuthorizer is the key of the receiverAuthorizer this engine's batch-settlement routes name: it
+	// signs the claims of their channels' vouchers, which a settlement wallet sends. Nil: no claims are sent.
+	BatchReceiverAuthorizer *ecdsa.PrivateKey
+	// BatchClaimEvery, BatchClaimAmount and BatchClaimAfter are when accepted vouchers are claimed: once this
+	// many were accepted here since the last claim (default 100), once this much is unclaimed (nil: never by
+	// amount), or once the oldest unclaimed voucher is this old (default 1 minute); and at Close.
+	BatchClaimEvery  int
+	BatchClaimAmount *big.Int
+	BatchClaimAfter  time.Duration
 }
 
 // Config configures a Facilitator.
@@ -190,6 +199,7 @@ type network struct {
 	proxy     common.Address // the spender of exact permit2 payments
 	uptoProxy common.Address // the spender of upto payments
 	batch     *batchNetwork  // batch-settlement: terms parsed, channel reads' block times (batch_engine.go)
+	claimer   *batchClaimer  // batch-settlement claims (batch_claim.go); nil without a receiver authorizer key
 	pool      *walletPool
 	sender    *sender
 	watcher   *receiptWatcher
@@ -320,6 +330,13 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 		f.wg.Add(1)
 		go f.reconcileLoop(every)
 	}
+	for _, id := range f.order {
+		if f.networks[id].claimer != nil {
+			f.wg.Add(1)
+			go f.claimLoop(time.Second)
+			break
+		}
+	}
 	return f, nil
 }
 
@@ -408,6 +425,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	if n.batch, err = newBatchNetwork(nc.BatchClaimMargin); err != nil {
 		return nil, err
 	}
+	n.claimer = newBatchClaimer(nc)
 	if n.low == nil {
 		n.low = new(big.Int).Exp(big.NewInt(10), big.NewInt(16), nil)
 	}

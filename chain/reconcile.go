@@ -440,6 +440,14 @@ func (f *Facilitator) reconcileLoop(every time.Duration) {
 					f.log.Info("pruned final settlements from the journal", zap.Int("records", n), zap.Duration("older_than", f.retention))
 				}
 				f.pruneHolds(ctx)
+				// Channels refunded or withdrawn, all claimed, go with the records of the same age.
+				if chs, ok := f.journal.(journal.Channels); ok {
+					if n, err := chs.PruneChannels(ctx, f.now().Add(-f.retention)); err != nil {
+						f.log.Warn("pruning the journal's batch-settlement channels", zap.Error(err))
+					} else if n > 0 {
+						f.log.Info("pruned withdrawn batch-settlement channels from the journal", zap.Int("channels", n))
+					}
+				}
 			}
 			cancel()
 		}
