@@ -170,7 +170,10 @@ func (c *batchClaimer) ours(rows []journal.Channel) []journal.Channel {
 // due says whether the policy claims rows now: enough vouchers accepted here since the last claim, enough
 // unclaimed, the oldest unclaimed voucher old enough, or a withdrawal pending on one of the channels (its
 // vouchers must be claimed before it can be finalized).
-func (c *batchClaimer) due(rows []journal.Channel, now time.Time, mu interface{ Lock(); Unlock() }) bool {
+func (c *batchClaimer) due(rows []journal.Channel, now time.Time, mu interface {
+	Lock()
+	Unlock()
+}) bool {
 	mu.Lock()
 	accepted := c.accepted
 	mu.Unlock()

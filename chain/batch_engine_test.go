@@ -482,7 +482,9 @@ func (b *batchRoute) sentBy(t *testing.T, wallets []*chaintest.Account) uint64 {
 
 func TestBatchClaimerClaimsEveryAcceptedVoucherOnceInOneTransaction(t *testing.T) {
 	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second,
-		tune: func(_ *fixture, nc *chain.NetworkConfig) { claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0)) }})
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+		}})
 	b.deposit(t, 300*batchPrice)
 	for i := int64(1); i <= 200; i++ {
 		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
