@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/big"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ethereum/go-ethereum"
@@ -170,10 +171,7 @@ func (c *batchClaimer) ours(rows []journal.Channel) []journal.Channel {
 // due says whether the policy claims rows now: enough vouchers accepted here since the last claim, enough
 // unclaimed, the oldest unclaimed voucher old enough, or a withdrawal pending on one of the channels (its
 // vouchers must be claimed before it can be finalized).
-func (c *batchClaimer) due(rows []journal.Channel, now time.Time, mu interface {
-	Lock()
-	Unlock()
-}) bool {
+func (c *batchClaimer) due(rows []journal.Channel, now time.Time, mu *sync.Mutex) bool {
 	mu.Lock()
 	accepted := c.accepted
 	mu.Unlock()
