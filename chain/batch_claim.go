@@ -90,7 +90,7 @@ func (f *Facilitator) ClaimBatches(ctx context.Context) error {
 	var errs []error
 	for _, id := range f.order {
 		if n := f.networks[id]; n.claimer != nil {
-			errs = append(errs, f.claimPass(ctx, n, true))
+			errs = append(errs, f.claimPass(ctx, n, true, true))
 		}
 	}
 	return errors.Join(errs...)
@@ -105,9 +105,14 @@ func (f *Facilitator) claimLoop(every time.Duration) {
 	for {
 		select {
 		case <-f.stop:
+			// Sent, not waited for: the next start finds the claims in flight and looks them up.
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			if err := f.ClaimBatches(ctx); err != nil {
-				f.log.Warn("claiming batch-settlement vouchers at shutdown", zap.Error(err))
+			for _, id := range f.order {
+				if n := f.networks[id]; n.claimer != nil {
+					if err := f.claimPass(ctx, n, true, false); err != nil {
+						f.log.Warn("claiming batch-settlement vouchers at shutdown", zap.String("network", id), zap.Error(err))
+					}
+				}
 			}
 			cancel()
 			return
@@ -118,7 +123,7 @@ func (f *Facilitator) claimLoop(every time.Duration) {
 					continue
 				}
 				ctx, cancel := context.WithTimeout(context.Background(), n.timeout+10*time.Second)
-				if err := f.claimPass(ctx, n, false); err != nil {
+				if err := f.claimPass(ctx, n, false, true); err != nil {
 					f.log.Warn("claiming batch-settlement vouchers", zap.String("network", id), zap.Error(err))
 				}
 				cancel()
@@ -127,8 +132,9 @@ func (f *Facilitator) claimLoop(every time.Duration) {
 	}
 }
 
-// claimPass resolves the network's claims in flight, then claims what the policy says is due (all, when force).
-func (f *Facilitator) claimPass(ctx context.Context, n *network, force bool) error {
+// claimPass resolves the network's claims in flight, then claims what the policy says is due (all, when force),
+// waiting for each claim's receipt when wait says so.
+func (f *Facilitator) claimPass(ctx context.Context, n *network, force, wait bool) error {
 	chs, err := f.channelStore()
 	if err != nil {
 		return err
@@ -148,7 +154,7 @@ func (f *Facilitator) claimPass(ctx context.Context, n *network, force bool) err
 		if len(rows) > maxClaimsPerTx {
 			rows = rows[:maxClaimsPerTx]
 		}
-		if err := f.sendClaim(ctx, n, chs, rows); err != nil {
+		if err := f.sendClaim(ctx, n, chs, rows, wait); err != nil {
 			return err
 		}
 		if !force {
@@ -236,8 +242,8 @@ func (c *batchClaimer) claimCall(domain common.Hash, rows []journal.Channel) ([]
 }
 
 // sendClaim claims rows in one transaction: simulated from the settlement wallet that sends it, the channels
-// marked claimed by it and its broadcast record written before it leaves, its receipt awaited.
-func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Channels, rows []journal.Channel) error {
+// marked claimed by it and its broadcast record written before it leaves, its receipt awaited when wait says so.
+func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Channels, rows []journal.Channel, wait bool) error {
 	data, marks, err := n.claimer.claimCall(BatchDomainSeparator(n.chainID), rows)
 	if err != nil {
 		return fmt.Errorf("building the claim: %w", err)
@@ -291,6 +297,9 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 	hash := txs[0].Hash()
 	f.log.Info("batch-settlement claim broadcast", zap.String("network", n.caip2), zap.Int("channels", len(rows)),
 		zap.String("wallet", w.Address.Hex()), zap.String("tx", hash.Hex()))
+	if !wait {
+		return nil
+	}
 	// Waited for as long as a settlement is; not mined by then, the next pass looks it up.
 	deadline := time.Now().Add(n.timeout)
 	for time.Now().Before(deadline) {

@@ -200,12 +200,14 @@ type network struct {
 	uptoProxy common.Address // the spender of upto payments
 	batch     *batchNetwork  // batch-settlement: terms parsed, channel reads' block times (batch_engine.go)
 	claimer   *batchClaimer  // batch-settlement claims (batch_claim.go); nil without a receiver authorizer key
-	pool      *walletPool
-	sender    *sender
-	watcher   *receiptWatcher
-	timeout   time.Duration
-	low       *big.Int
-	p2dom     common.Hash
+	// batchEscrow says the batch-settlement escrow is deployed at its canonical address on this chain.
+	batchEscrow bool
+	pool        *walletPool
+	sender      *sender
+	watcher     *receiptWatcher
+	timeout     time.Duration
+	low         *big.Int
+	p2dom       common.Hash
 
 	replaceAfter time.Duration
 
@@ -426,6 +428,12 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		return nil, err
 	}
 	n.claimer = newBatchClaimer(nc)
+	// The batch-settlement kind is served where the escrow is deployed (read once: it never moves).
+	code, err := backend.CodeAt(ctx, contracts.BatchSettlementAddress, nil)
+	if err != nil {
+		return nil, fmt.Errorf("reading the code of the batch-settlement escrow %s: %w", contracts.BatchSettlementAddress.Hex(), err)
+	}
+	n.batchEscrow = len(code) > 0
 	if n.low == nil {
 		n.low = new(big.Int).Exp(big.NewInt(10), big.NewInt(16), nil)
 	}
@@ -497,6 +505,15 @@ func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error)
 		n := f.networks[id]
 		signers := n.pool.offers()
 		addNetwork(&resp, id, n.methods, n.first.AssetConfig, n.permit2, n.proxy, n.uptoProxy, signers)
+		if n.batchEscrow {
+			// Deposits come by ERC-3009 (the only way this engine takes them); vouchers need no chain call.
+			k := x402.SupportedKind{X402Version: x402.Version2, Scheme: x402.SchemeBatchSettlement, Network: id,
+				Extra: x402.Extra{AssetTransferMethod: x402.TransferEIP3009}}
+			if n.claimer != nil {
+				k.Extra.ReceiverAuthorizer = n.claimer.authorizer.Hex()
+			}
+			resp.Kinds = append(resp.Kinds, k)
+		}
 	}
 	return finishSupported(resp), nil
 }
