@@ -2,8 +2,8 @@ package facilitatorserver_test
 
 import (
 	"bytes"
-	"crypto/ecdsa"
 	"context"
+	"crypto/ecdsa"
 	"encoding/json"
 	"fmt"
 	"math/big"
