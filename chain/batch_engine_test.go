@@ -8,11 +8,14 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/common/hexutil"
+	"github.com/ethereum/go-ethereum/core/types"
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
@@ -183,11 +186,39 @@ func boltJournal(t *testing.T) journal.Store {
 	return st
 }
 
+// rpcCounter counts the engine's calls to the chain.
+type rpcCounter struct {
+	chain.Backend
+	calls atomic.Int64
+}
+
+func (b *rpcCounter) CallContract(ctx context.Context, msg ethereum.CallMsg, block *big.Int) ([]byte, error) {
+	b.calls.Add(1)
+	return b.Backend.CallContract(ctx, msg, block)
+}
+
+func (b *rpcCounter) HeaderByNumber(ctx context.Context, n *big.Int) (*types.Header, error) {
+	b.calls.Add(1)
+	return b.Backend.HeaderByNumber(ctx, n)
+}
+
+func (b *rpcCounter) CodeAt(ctx context.Context, a common.Address, n *big.Int) ([]byte, error) {
+	b.calls.Add(1)
+	return b.Backend.CodeAt(ctx, a, n)
+}
+
 func TestBatchVouchersAreAcceptedOffChainEachOnceAndAnsweredByTheirCommitment(t *testing.T) {
-	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t)})
+	var rpc *rpcCounter
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), tune: func(_ *fixture, nc *chain.NetworkConfig) {
+		rpc = &rpcCounter{Backend: nc.Backend}
+		nc.Backend = rpc
+	}})
 	b.deposit(t, 200*batchPrice)
 	head := b.c.HeadNumber()
 	for i := int64(1); i <= 200; i++ {
+		if i == 2 {
+			rpc.calls.Store(0) // the first voucher read the channel; the rest read nothing
+		}
 		req := b.voucher(b.rq, i*batchPrice)
 		if v, err := b.fx.f.VerifyBatch(context.Background(), req); err != nil || !v.IsValid {
 			t.Fatalf("voucher %d: verify %+v, %v", i, v, err)
@@ -204,6 +235,9 @@ func TestBatchVouchersAreAcceptedOffChainEachOnceAndAnsweredByTheirCommitment(t 
 	}
 	if got := b.c.HeadNumber(); got != head {
 		t.Fatalf("the chain moved from block %d to %d: vouchers send nothing", head, got)
+	}
+	if n := rpc.calls.Load(); n != 0 {
+		t.Fatalf("199 vouchers on a fresh channel read made %d calls to the chain, want none", n)
 	}
 	// The 201st is above the deposit.
 	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, 201*batchPrice)); resp.Success || resp.ErrorReason != x402.ReasonBatchCumulativeExceedsBalance {
@@ -261,6 +295,16 @@ func TestBatchVoucherRefusals(t *testing.T) {
 		{"above the deposit", b.voucher(b.rq, 6*batchPrice), x402.ReasonBatchCumulativeExceedsBalance},
 		{"another receiver's route", b.voucher(other, 2*batchPrice), x402.ReasonBatchReceiverMismatch},
 		{"the accepted voucher at another receiver's route", b.voucher(other, batchPrice), x402.ReasonBatchReceiverMismatch},
+		{"naming another channel", func() x402.BatchRequest {
+			req := b.voucher(b.rq, 2*batchPrice)
+			req.PaymentPayload.Payload.Voucher.ChannelID = hexutil.Encode(common.BigToHash(big.NewInt(7)).Bytes())
+			return req
+		}(), x402.ReasonBatchChannelIDMismatch},
+		{"signed by another key", func() x402.BatchRequest {
+			req := b.voucher(b.rq, 2*batchPrice)
+			req.PaymentPayload.Payload.Voucher.Signature = hexutil.Encode(b.c.SignVoucher(b.c.Payers[1], b.id, big.NewInt(2*batchPrice)))
+			return req
+		}(), x402.ReasonBatchInvalidVoucherSignature},
 	} {
 		resp := settleBatch(t, b.fx.f, tc.req)
 		if resp.Success || resp.ErrorReason != tc.reason {
@@ -300,8 +344,8 @@ func TestBatchVoucherAfterAStaleReadSeesAWithdrawalAskedForSince(t *testing.T) {
 	}
 	b.escrow(t, b.payer, data, "finalizing the withdrawal")
 	b.c.AdjustTime(11 * time.Minute)
-	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, 2*batchPrice)); resp.Success {
-		t.Fatalf("a voucher of a withdrawn channel: %+v", resp)
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, 2*batchPrice)); resp.Success || resp.ErrorReason != x402.ReasonBatchChannelNotFound {
+		t.Fatalf("a voucher of a withdrawn channel: %+v, want %s", resp, x402.ReasonBatchChannelNotFound)
 	}
 }
 
