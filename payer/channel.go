@@ -205,7 +205,7 @@ type batchPlan struct {
 	need, least, want *big.Int
 	// deposit is the deposit signed, when one is; refundAmount the refund asked, nil for all that is left.
 	deposit, refundAmount *big.Int
-	payment Payment
+	payment               Payment
 	// counted is what a Transport added to its budget for the payment.
 	counted *big.Int
 	done    bool

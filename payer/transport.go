@@ -118,8 +118,8 @@ type Transport struct {
 	mu      sync.Mutex
 	covered map[common.Hash]*big.Int  // by batch-settlement channel: the cumulative amount its counted deposits cover
 	spent   map[string]*big.Int       // by network and lower-case asset address: reserved, less what the chain gave back
-	signed map[string]*big.Int       // the same key: the amounts of the payments sent
-	open   map[string]*authorization // permit2 payments sent whose final cost the chain has not shown, by nonce
+	signed  map[string]*big.Int       // the same key: the amounts of the payments sent
+	open    map[string]*authorization // permit2 payments sent whose final cost the chain has not shown, by nonce
 }
 
 // RoundTrip sends req, and pays and sends it once more when it is answered 402 with an x402 offer.
