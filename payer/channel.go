@@ -152,6 +152,12 @@ func (p *Payer) channelOf(br *x402.BatchRequirements) (common.Hash, x402.Channel
 	return parsed.ID(chain.BatchDomainSeparator(new(big.Int).SetUint64(id))), cfg, nil
 }
 
+// ChannelID is the id of the channel the payer pays br from.
+func (p *Payer) ChannelID(br x402.BatchRequirements) (common.Hash, error) {
+	id, _, err := p.channelOf(&br)
+	return id, err
+}
+
 // cannotPayBatch says why the batch-settlement requirement br cannot be paid, or "" when it can.
 func (p *Payer) cannotPayBatch(version int, br *x402.BatchRequirements, rpc *chainReader) string {
 	m := br.Extra.AssetTransferMethod

@@ -26,6 +26,14 @@ type Offer struct {
 	batch   []*x402.BatchRequirements
 }
 
+// Batch returns requirement i as a batch-settlement requirement, when it is one.
+func (o Offer) Batch(i int) (x402.BatchRequirements, bool) {
+	if br := o.batchAt(i); br != nil {
+		return *br, true
+	}
+	return x402.BatchRequirements{}, false
+}
+
 // batchAt is requirement i as a batch-settlement requirement, or nil when it is not one.
 func (o Offer) batchAt(i int) *x402.BatchRequirements {
 	if i < 0 || i >= len(o.batch) {
