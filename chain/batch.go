@@ -22,44 +22,26 @@ import (
 // request's path with no chain call. The facts (domain, types, addresses) are those of npm @x402/evm 2.27's
 // batch-settlement, which the contracts at these addresses check on chain.
 
-// Addresses of the batch-settlement contracts, the same on every chain (the public SDK's constants).
-var (
-	// BatchSettlementAddress is the x402BatchSettlement escrow: its address is the verifying contract of every
-	// batch-settlement EIP-712 signature but the deposits'.
-	BatchSettlementAddress = common.HexToAddress("0x4020074e9dF2ce1deE5A9C1b5c3f541D02a10003")
-	// ERC3009DepositCollectorAddress receives a deposit's ERC-3009 ReceiveWithAuthorization.
-	ERC3009DepositCollectorAddress = common.HexToAddress("0x4020806089470a89826cB9fB1f4059150b550004")
-	// Permit2DepositCollectorAddress is the Permit2 spender of a deposit.
-	Permit2DepositCollectorAddress = common.HexToAddress("0x4020425FAf3B746C082C2f942b4E5159887B0005")
-)
-
-// EIP-712 names and types of batch-settlement. Its domain has the shape of an EIP-2612 token's (name, version,
-// chain id, verifying contract).
+// The ERC-3009 and Permit2 messages of a deposit; the batch-settlement domain's name and version, its own type
+// strings and the contracts' addresses are chain/contracts'.
 const (
-	batchDomainName    = "x402 Batch Settlement"
-	batchDomainVersion = "1"
-	channelConfigType  = "ChannelConfig(address payer,address payerAuthorizer,address receiver,address receiverAuthorizer,address token,uint40 withdrawDelay,bytes32 salt)"
-	voucherType        = "Voucher(bytes32 channelId,uint128 maxClaimableAmount)"
-	refundType         = "Refund(bytes32 channelId,uint256 nonce,uint128 amount)"
-	claimEntryType     = "ClaimEntry(bytes32 channelId,uint128 maxClaimableAmount,uint128 totalClaimed)"
-	claimBatchType     = "ClaimBatch(ClaimEntry[] claims)" + claimEntryType
 	// receiveWithAuthorizationType is the ERC-3009 message of a deposit (receive, not transfer: only the
 	// collector it names can spend it).
 	receiveWithAuthorizationType = "ReceiveWithAuthorization(address from,address to,uint256 value,uint256 validAfter,uint256 validBefore,bytes32 nonce)"
-	depositWitnessType           = "DepositWitness(bytes32 channelId)"
-	// depositPermitWitnessType is a deposit's Permit2 message, referenced types in alphabetical order.
-	depositPermitWitnessType = "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline,DepositWitness witness)" +
-		depositWitnessType + tokenPermissionsType
+	// depositPermitWitnessType is a deposit's Permit2 message: the Permit2 deposit collector's witness tail after
+	// Permit2's stub, as Permit2 hashes it.
+	depositPermitWitnessType = "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline," +
+		contracts.DepositWitnessTypeString
 )
 
 var (
-	channelConfigTypeHash            = crypto.Keccak256Hash([]byte(channelConfigType))
-	voucherTypeHash                  = crypto.Keccak256Hash([]byte(voucherType))
-	refundTypeHash                   = crypto.Keccak256Hash([]byte(refundType))
-	claimEntryTypeHash               = crypto.Keccak256Hash([]byte(claimEntryType))
-	claimBatchTypeHash               = crypto.Keccak256Hash([]byte(claimBatchType))
+	channelConfigTypeHash            = crypto.Keccak256Hash([]byte(contracts.ChannelConfigType))
+	voucherTypeHash                  = crypto.Keccak256Hash([]byte(contracts.VoucherType))
+	refundTypeHash                   = crypto.Keccak256Hash([]byte(contracts.RefundType))
+	claimEntryTypeHash               = crypto.Keccak256Hash([]byte(contracts.ClaimEntryType))
+	claimBatchTypeHash               = crypto.Keccak256Hash([]byte(contracts.ClaimBatchType))
 	receiveWithAuthorizationTypeHash = crypto.Keccak256Hash([]byte(receiveWithAuthorizationType))
-	depositWitnessTypeHash           = crypto.Keccak256Hash([]byte(depositWitnessType))
+	depositWitnessTypeHash           = crypto.Keccak256Hash([]byte(contracts.DepositWitnessType))
 	depositPermitWitnessTypeHash     = crypto.Keccak256Hash([]byte(depositPermitWitnessType))
 )
 
@@ -68,24 +50,13 @@ var maxUint128 = new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 128), big.NewI
 
 // BatchDomainSeparator returns the domain separator of batch-settlement signatures on the chain chainID.
 func BatchDomainSeparator(chainID *big.Int) common.Hash {
-	return PermitDomainSeparator(batchDomainName, batchDomainVersion, chainID, BatchSettlementAddress)
+	return PermitDomainSeparator(contracts.BatchSettlementDomainName, contracts.BatchSettlementDomainVersion, chainID, contracts.BatchSettlementAddress)
 }
 
-// Channel is a channel's configuration, parsed (see x402.ChannelConfig).
-type Channel struct {
-	Payer              common.Address
-	PayerAuthorizer    common.Address
-	Receiver           common.Address
-	ReceiverAuthorizer common.Address
-	Token              common.Address
-	WithdrawDelay      uint64
-	Salt               common.Hash
-}
-
-// ParseChannel parses a channel configuration as sent: addresses as 0x and 40 hex digits, the salt as a bytes32,
+// ParseChannelConfig parses a channel configuration as sent: addresses as 0x and 40 hex digits, the salt as a bytes32,
 // the withdraw delay a uint40. The error names the field.
-func ParseChannel(cfg x402.ChannelConfig) (Channel, error) {
-	var ch Channel
+func ParseChannelConfig(cfg x402.ChannelConfig) (contracts.ChannelConfig, error) {
+	var ch contracts.ChannelConfig
 	for _, f := range []struct {
 		name string
 		s    string
@@ -96,24 +67,25 @@ func ParseChannel(cfg x402.ChannelConfig) (Channel, error) {
 		{"token", cfg.Token, &ch.Token},
 	} {
 		if !x402.IsHexAddress(f.s) {
-			return Channel{}, fmt.Errorf("channelConfig.%s is %q, expected an address (0x and 40 hex digits)", f.name, truncate(f.s))
+			return contracts.ChannelConfig{}, fmt.Errorf("channelConfig.%s is %q, expected an address (0x and 40 hex digits)", f.name, truncate(f.s))
 		}
 		*f.to = common.HexToAddress(f.s)
 	}
 	if !x402.IsBytes32(cfg.Salt) {
-		return Channel{}, fmt.Errorf("channelConfig.salt is %q, expected a bytes32 (0x and 64 hex digits)", truncate(cfg.Salt))
+		return contracts.ChannelConfig{}, fmt.Errorf("channelConfig.salt is %q, expected a bytes32 (0x and 64 hex digits)", truncate(cfg.Salt))
 	}
 	ch.Salt = common.HexToHash(cfg.Salt)
 	if cfg.WithdrawDelay < 0 || cfg.WithdrawDelay >= 1<<40 {
-		return Channel{}, fmt.Errorf("channelConfig.withdrawDelay is %d, expected a uint40", cfg.WithdrawDelay)
+		return contracts.ChannelConfig{}, fmt.Errorf("channelConfig.withdrawDelay is %d, expected a uint40", cfg.WithdrawDelay)
 	}
 	ch.WithdrawDelay = uint64(cfg.WithdrawDelay)
 	return ch, nil
 }
 
-// ID returns the channel's id: the EIP-712 digest of its configuration under the batch-settlement domain of
-// the chain (domain: BatchDomainSeparator), as the contract's getChannelId and the SDK's computeChannelId.
-func (c Channel) ID(domain common.Hash) common.Hash {
+// ChannelID returns the id of channel c: the EIP-712 digest of its configuration under the batch-settlement
+// domain of the chain (domain: BatchDomainSeparator), as the contract's getChannelId and the SDK's
+// computeChannelId.
+func ChannelID(domain common.Hash, c contracts.ChannelConfig) common.Hash {
 	h := hasherPool.Get().(*hasher)
 	defer hasherPool.Put(h)
 	putHash(h.word(0), channelConfigTypeHash)
@@ -188,25 +160,12 @@ func ClaimBatchDigest(domain common.Hash, claims []ClaimEntry) common.Hash {
 	return h.digest(domain, h.sum(2*32))
 }
 
-// ERC3009DepositNonce is the ERC-3009 nonce of a deposit into channel channelID with the client's salt:
-// keccak256(abi.encode(channelId, uint256(salt))), which binds the authorization to the channel.
-func ERC3009DepositNonce(channelID, salt common.Hash) common.Hash {
-	return crypto.Keccak256Hash(channelID[:], salt[:])
-}
-
 // ReceiveAuthorizationDigest returns the EIP-712 digest of an ERC-3009 ReceiveWithAuthorization, given the
 // token's domain separator.
 func ReceiveAuthorizationDigest(tokenDomain common.Hash, from, to common.Address, value, validAfter, validBefore *big.Int, nonce common.Hash) common.Hash {
-	h := hasherPool.Get().(*hasher)
-	defer hasherPool.Put(h)
-	putHash(h.word(0), receiveWithAuthorizationTypeHash)
-	putAddress(h.word(1), from)
-	putAddress(h.word(2), to)
-	putUint256(h.word(3), value)
-	putUint256(h.word(4), validAfter)
-	putUint256(h.word(5), validBefore)
-	putHash(h.word(6), nonce)
-	return h.digest(tokenDomain, h.sum(7*32))
+	return erc3009Digest(tokenDomain, receiveWithAuthorizationTypeHash, transferAuthorization{
+		From: from, To: to, Value: value, ValidAfter: validAfter, ValidBefore: validBefore, Nonce: nonce,
+	})
 }
 
 // DepositPermit2Digest returns the EIP-712 digest of a deposit's Permit2 PermitWitnessTransferFrom on chain
@@ -214,7 +173,7 @@ func ReceiveAuthorizationDigest(tokenDomain common.Hash, from, to common.Address
 // deadline, into channel channelID (the witness).
 func DepositPermit2Digest(chainID *big.Int, token common.Address, amount, nonce, deadline *big.Int, channelID common.Hash) common.Hash {
 	return depositPermit2Digest(permit2DomainSeparator(chainID, canonicalPermit2), permit2Transfer{
-		Token: token, Amount: amount, Spender: Permit2DepositCollectorAddress, Nonce: nonce, Deadline: deadline,
+		Token: token, Amount: amount, Spender: contracts.Permit2DepositCollectorAddress, Nonce: nonce, Deadline: deadline,
 	}, channelID)
 }
 
@@ -278,8 +237,8 @@ func NewBatchTerms(rq x402.BatchRequirements, chainID *big.Int, claimMargin time
 	if t.ReceiverAuthorizer == (common.Address{}) {
 		return nil, errors.New("batch-settlement requirement: extra.receiverAuthorizer is the zero address; claims and refunds need a signer")
 	}
-	if d := rq.Extra.WithdrawDelay; d != 0 && (d < x402.MinBatchWithdrawDelay || d > x402.MaxBatchWithdrawDelay) {
-		return nil, fmt.Errorf("batch-settlement requirement: extra.withdrawDelay is %d s, expected %d to %d", d, x402.MinBatchWithdrawDelay, x402.MaxBatchWithdrawDelay)
+	if d := rq.Extra.WithdrawDelay; d != 0 && (d < contracts.MinWithdrawDelay || d > contracts.MaxWithdrawDelay) {
+		return nil, fmt.Errorf("batch-settlement requirement: extra.withdrawDelay is %d s, expected %d to %d", d, contracts.MinWithdrawDelay, contracts.MaxWithdrawDelay)
 	}
 	t.WithdrawDelay = uint64(rq.Extra.WithdrawDelay)
 	price, err := x402.ParseAmount(rq.Amount)
@@ -313,7 +272,7 @@ type ChannelView struct {
 // zero, is when the channel's pending withdrawal can be finalized: the voucher must be claimed before it.
 type AcceptedVoucher struct {
 	ChannelID  common.Hash
-	Channel    Channel
+	Channel    contracts.ChannelConfig
 	Cumulative *big.Int
 	Charge     *big.Int
 	Signer     common.Address
@@ -389,14 +348,14 @@ func (t *BatchTerms) checkVoucher(p *x402.BatchPayment, view ChannelView, now ti
 	case pl.ChannelConfig == nil || pl.Voucher == nil:
 		return av, refuseBatch(x402.ReasonInvalidPayload, "payload has no channelConfig or voucher")
 	}
-	ch, err := ParseChannel(*pl.ChannelConfig)
+	ch, err := ParseChannelConfig(*pl.ChannelConfig)
 	if err != nil {
 		return av, refuseBatch(x402.ReasonInvalidPayload, "payload.%v", err)
 	}
 	if !x402.IsBytes32(pl.Voucher.ChannelID) {
 		return av, refuseBatch(x402.ReasonBatchChannelIDInvalid, "payload.voucher.channelId is not a bytes32 (0x and 64 hex digits)")
 	}
-	id := ch.ID(t.Domain)
+	id := ChannelID(t.Domain, ch)
 	claimed := common.HexToHash(pl.Voucher.ChannelID)
 	switch {
 	case claimed != id:
@@ -409,8 +368,8 @@ func (t *BatchTerms) checkVoucher(p *x402.BatchPayment, view ChannelView, now ti
 		return av, refuseBatch(x402.ReasonBatchTokenMismatch, "the channel's token is %s, this route is paid in %s", ch.Token.Hex(), t.Token.Hex())
 	case t.WithdrawDelay != 0 && ch.WithdrawDelay != t.WithdrawDelay:
 		return av, refuseBatch(x402.ReasonBatchWithdrawDelayMismatch, "the channel's withdrawDelay is %d s, this route names %d s", ch.WithdrawDelay, t.WithdrawDelay)
-	case ch.WithdrawDelay < x402.MinBatchWithdrawDelay || ch.WithdrawDelay > x402.MaxBatchWithdrawDelay:
-		return av, refuseBatch(x402.ReasonBatchWithdrawDelayOutOfRange, "the channel's withdrawDelay is %d s, expected %d to %d", ch.WithdrawDelay, x402.MinBatchWithdrawDelay, x402.MaxBatchWithdrawDelay)
+	case ch.WithdrawDelay < contracts.MinWithdrawDelay || ch.WithdrawDelay > contracts.MaxWithdrawDelay:
+		return av, refuseBatch(x402.ReasonBatchWithdrawDelayOutOfRange, "the channel's withdrawDelay is %d s, expected %d to %d", ch.WithdrawDelay, contracts.MinWithdrawDelay, contracts.MaxWithdrawDelay)
 	}
 	cumulative, err := x402.ParseAmount(pl.Voucher.MaxClaimableAmount)
 	if err != nil || cumulative.Cmp(maxUint128) > 0 {

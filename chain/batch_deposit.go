@@ -6,6 +6,7 @@ import (
 
 	"github.com/ethereum/go-ethereum/common"
 
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -23,7 +24,7 @@ func CheckDepositAuthorization(p *x402.BatchPayment, chainID *big.Int, now time.
 	if pl.Type != x402.BatchDeposit || pl.Deposit == nil || pl.ChannelConfig == nil || pl.Voucher == nil {
 		return refuseBatch(x402.ReasonBatchInvalidPayloadType, "payload is not a deposit with channelConfig, voucher and deposit")
 	}
-	ch, err := ParseChannel(*pl.ChannelConfig)
+	ch, err := ParseChannelConfig(*pl.ChannelConfig)
 	if err != nil {
 		return refuseBatch(x402.ReasonInvalidPayload, "payload.%v", err)
 	}
@@ -75,8 +76,8 @@ func CheckDepositAuthorization(p *x402.BatchPayment, chainID *big.Int, now time.
 		return refuseBatch(x402.ReasonBatchInvalidReceiveAuthorization, "payload.deposit.authorization.erc3009Authorization.signature: %v", err)
 	}
 	domain := PermitDomainSeparator(p.Accepted.Extra.Name, p.Accepted.Extra.Version, chainID, token)
-	nonce := ERC3009DepositNonce(channelID, common.HexToHash(a.Salt))
-	digest := ReceiveAuthorizationDigest(domain, ch.Payer, ERC3009DepositCollectorAddress, amount, validAfter, validBefore, nonce)
+	nonce := contracts.ERC3009DepositNonce(channelID, common.HexToHash(a.Salt))
+	digest := ReceiveAuthorizationDigest(domain, ch.Payer, contracts.ERC3009DepositCollectorAddress, amount, validAfter, validBefore, nonce)
 	if got, err := RecoverSigner(digest, sig); err != nil || got != ch.Payer {
 		return refuseBatch(x402.ReasonBatchInvalidReceiveAuthorization, "the deposit's ReceiveWithAuthorization is not signed by the channel's payer %s", ch.Payer.Hex())
 	}
@@ -86,7 +87,7 @@ func CheckDepositAuthorization(p *x402.BatchPayment, chainID *big.Int, now time.
 // checkPermit2Deposit checks a deposit's Permit2 authorization: from the payer, spent by the Permit2 deposit
 // collector, of the route's token, for the deposit's amount, witnessing its channel, not expiring too soon,
 // and signed by the payer.
-func checkPermit2Deposit(a *x402.BatchPermit2Authorization, ch Channel, channelID common.Hash, token common.Address, amount, chainID *big.Int, now time.Time) *BatchRefusal {
+func checkPermit2Deposit(a *x402.BatchPermit2Authorization, ch contracts.ChannelConfig, channelID common.Hash, token common.Address, amount, chainID *big.Int, now time.Time) *BatchRefusal {
 	const at = "payload.deposit.authorization.permit2Authorization"
 	permitted, err1 := x402.ParseAmount(a.Permitted.Amount)
 	nonce, err2 := x402.ParseUint256(a.Nonce)
@@ -94,8 +95,8 @@ func checkPermit2Deposit(a *x402.BatchPermit2Authorization, ch Channel, channelI
 	switch {
 	case !x402.IsHexAddress(a.From) || common.HexToAddress(a.From) != ch.Payer:
 		return refuseBatch(x402.ReasonBatchPermit2InvalidSignature, "%s.from is %q, not the channel's payer %s", at, truncate(a.From), ch.Payer.Hex())
-	case !x402.IsHexAddress(a.Spender) || common.HexToAddress(a.Spender) != Permit2DepositCollectorAddress:
-		return refuseBatch(x402.ReasonBatchPermit2InvalidSpender, "%s.spender is %q, expected the Permit2 deposit collector %s", at, truncate(a.Spender), Permit2DepositCollectorAddress.Hex())
+	case !x402.IsHexAddress(a.Spender) || common.HexToAddress(a.Spender) != contracts.Permit2DepositCollectorAddress:
+		return refuseBatch(x402.ReasonBatchPermit2InvalidSpender, "%s.spender is %q, expected the Permit2 deposit collector %s", at, truncate(a.Spender), contracts.Permit2DepositCollectorAddress.Hex())
 	case !x402.IsHexAddress(a.Permitted.Token) || common.HexToAddress(a.Permitted.Token) != token:
 		return refuseBatch(x402.ReasonBatchTokenMismatch, "%s.permitted.token is %q, this route is paid in %s", at, truncate(a.Permitted.Token), token.Hex())
 	case err1 != nil || permitted.Cmp(amount) != 0:

@@ -104,7 +104,9 @@ type genesisEra int
 const (
 	// eraNow is today's genesis.
 	eraNow genesisEra = iota
-	// eraBeforeBatch lacks the batch-settlement contracts (the escrow and its two deposit collectors).
+	// eraBeforeMulticall lacks Multicall3.
+	eraBeforeMulticall
+	// eraBeforeBatch lacks the batch-settlement contracts (the escrow and its two deposit collectors) as well.
 	eraBeforeBatch
 	// eraBeforeUpto lacks the upto proxy as well.
 	eraBeforeUpto
@@ -223,20 +225,25 @@ func Start(ctx context.Context, cfg Config) (*Chain, error) {
 		d.removeScratch()
 		var mismatch *core.GenesisMismatchError
 		if errors.As(err, &mismatch) && cfg.era == eraNow {
-			// A data dir made before the upto proxy or the batch-settlement contracts were part of the genesis
-			// holds the same chain but for them. They cannot be deployed at their canonical addresses afterwards
+			// A data dir made before the upto proxy, the batch-settlement contracts or Multicall3 were part of the
+			// genesis holds the same chain but for them. They cannot be deployed at their canonical addresses afterwards
 			// (only a genesis places code there), so such a chain opens as it is, and says what cannot settle on it.
-			for _, era := range []genesisEra{eraBeforeBatch, eraBeforeUpto} {
+			for _, era := range []genesisEra{eraBeforeMulticall, eraBeforeBatch, eraBeforeUpto} {
 				before := cfg
 				before.era = era
 				if mismatch.Stored != genesis(before, d.wallets, d.payers, extra).ToBlock().Hash() {
 					continue
 				}
-				if era == eraBeforeBatch {
+				switch era {
+				case eraBeforeMulticall:
+					cfg.Logger.Warn("dev chain data dir was created before Multicall3 was part of the genesis: the public "+
+						"SDK's batch-settlement facilitator cannot read channels on it; start on an empty data dir to have it",
+						zap.String("data_dir", cfg.DataDir), zap.String("multicall3", contracts.Multicall3Address.Hex()))
+				case eraBeforeBatch:
 					cfg.Logger.Warn("dev chain data dir was created before the x402 batch-settlement contracts were part of "+
 						"the genesis: batch-settlement payments cannot settle on it; start on an empty data dir to have them",
 						zap.String("data_dir", cfg.DataDir), zap.String("batch_settlement", contracts.BatchSettlementAddress.Hex()))
-				} else {
+				default:
 					cfg.Logger.Warn("dev chain data dir was created before the x402 upto proxy was part of the genesis: "+
 						"upto and batch-settlement payments cannot settle on it; start on an empty data dir to have them",
 						zap.String("data_dir", cfg.DataDir), zap.String("upto_proxy", contracts.UptoProxyAddress.Hex()),
@@ -370,6 +377,9 @@ func genesis(cfg Config, wallets, payers []*ecdsa.PrivateKey, extra types.Genesi
 	alloc := core.SystemContractAllocs()
 	for addr, acc := range contracts.GenesisAlloc() {
 		alloc[addr] = acc
+	}
+	if cfg.era >= eraBeforeMulticall {
+		delete(alloc, contracts.Multicall3Address)
 	}
 	if cfg.era >= eraBeforeBatch {
 		for _, addr := range contracts.BatchSettlementAddresses() {
@@ -648,6 +658,8 @@ func (d *Chain) logStart(cfg Config, deployed, deployedUSDC bool) {
 		zap.String("upto_proxy", contracts.UptoProxyAddress.Hex()),
 		zap.Bool("batch_settlement_in_genesis", cfg.era < eraBeforeBatch),
 		zap.String("batch_settlement", contracts.BatchSettlementAddress.Hex()),
+		zap.Bool("multicall3_in_genesis", cfg.era < eraBeforeMulticall),
+		zap.String("multicall3", contracts.Multicall3Address.Hex()),
 		zap.Strings("settlement_wallets", wallets),
 	)
 	for i, key := range d.payers {
