@@ -139,7 +139,7 @@ func (p *Payer) channelOf(br *x402.BatchRequirements) (common.Hash, x402.Channel
 		Payer: p.address.Hex(), PayerAuthorizer: p.address.Hex(), Receiver: br.PayTo,
 		ReceiverAuthorizer: br.Extra.ReceiverAuthorizer, Token: br.Asset, WithdrawDelay: delay, Salt: common.Hash{}.Hex(),
 	}
-	parsed, err := chain.ParseChannel(cfg)
+	parsed, err := chain.ParseChannelConfig(cfg)
 	if err != nil {
 		return common.Hash{}, cfg, err
 	}
@@ -149,7 +149,7 @@ func (p *Payer) channelOf(br *x402.BatchRequirements) (common.Hash, x402.Channel
 	}
 	// Checksummed as the SDK writes them: a server comparing addresses as strings sees the same ones.
 	cfg.Receiver, cfg.ReceiverAuthorizer, cfg.Token = parsed.Receiver.Hex(), parsed.ReceiverAuthorizer.Hex(), parsed.Token.Hex()
-	return parsed.ID(chain.BatchDomainSeparator(new(big.Int).SetUint64(id))), cfg, nil
+	return chain.ChannelID(chain.BatchDomainSeparator(new(big.Int).SetUint64(id)), parsed), cfg, nil
 }
 
 // ChannelID is the id of the channel the payer pays br from.
@@ -420,7 +420,7 @@ func (p *Payer) signDeposit(ctx context.Context, rpc *chainReader, br *x402.Batc
 		}
 		return out, nil
 	}
-	nonce := contracts.ERC3009DepositNonce(id, new(big.Int).SetBytes(salt[:]))
+	nonce := contracts.ERC3009DepositNonce(id, common.Hash(salt))
 	domain := chain.PermitDomainSeparator(br.Extra.Name, br.Extra.Version, chainID, token)
 	digest := chain.ReceiveAuthorizationDigest(domain, p.address, contracts.ERC3009DepositCollectorAddress, amount, new(big.Int), deadline, nonce)
 	sig, err := signDigest(p, digest)
