@@ -16,10 +16,11 @@ const depositValidityMargin = 6
 
 // CheckDepositAuthorization runs the off-chain checks of a deposit payment's authorization (the payload's
 // voucher is CheckVoucher's, given a view whose balance counts this deposit): its form, its terms (the
-// collector, the token, the amount, the channel it funds) and its time window at now, and that the payer's key
-// signed it. The chain checks what is left (the payer's balance and allowance, and, for a payer that is a
-// contract, its signature, by simulating the deposit): chainID is the chain's, for the domains.
-func CheckDepositAuthorization(p *x402.BatchPayment, chainID *big.Int, now time.Time) *BatchRefusal {
+// collector, the route's token and transfer method, the amount, the channel it funds) and its time window at now,
+// and that the payer's key signed it under the domain the token checks it under (the route's token name and
+// version, never the payment's accepted, which the payer writes). The chain checks what is left (the payer's
+// balance and allowance, and, for a payer that is a contract, its signature, by simulating the deposit).
+func (t *BatchTerms) CheckDepositAuthorization(p *x402.BatchPayment, now time.Time) *BatchRefusal {
 	pl := &p.Payload
 	if pl.Type != x402.BatchDeposit || pl.Deposit == nil || pl.ChannelConfig == nil || pl.Voucher == nil {
 		return refuseBatch(x402.ReasonBatchInvalidPayloadType, "payload is not a deposit with channelConfig, voucher and deposit")
@@ -36,14 +37,11 @@ func CheckDepositAuthorization(p *x402.BatchPayment, chainID *big.Int, now time.
 	if err != nil || amount.Sign() == 0 || amount.Cmp(maxUint128) > 0 {
 		return refuseBatch(x402.ReasonInvalidPayload, "payload.deposit.amount %q is not a positive uint128 amount", truncate(pl.Deposit.Amount))
 	}
-	if !x402.IsHexAddress(p.Accepted.Asset) {
-		return refuseBatch(x402.ReasonInvalidPaymentRequirements, "accepted.asset %q is not an address", truncate(p.Accepted.Asset))
+	// The collector moves the channel's token, which must be the route's.
+	if ch.Token != t.Token {
+		return refuseBatch(x402.ReasonBatchTokenMismatch, "the channel's token is %s, this route is paid in %s", ch.Token.Hex(), t.Token.Hex())
 	}
-	token := common.HexToAddress(p.Accepted.Asset)
-	method := p.Accepted.Extra.AssetTransferMethod
-	if method == "" {
-		method = x402.TransferEIP3009
-	}
+	token, method, chainID := t.Token, t.TransferMethod, t.ChainID
 	auth := pl.Deposit.Authorization
 	switch {
 	case method == x402.TransferPermit2 && auth.Permit2Authorization == nil:
@@ -54,8 +52,8 @@ func CheckDepositAuthorization(p *x402.BatchPayment, chainID *big.Int, now time.
 		return refuseBatch(x402.ReasonBatchERC3009AuthorizationRequired, "the requirement's transfer method is eip3009, but the deposit carries no erc3009Authorization")
 	}
 	a := auth.ERC3009Authorization
-	if p.Accepted.Extra.Name == "" || p.Accepted.Extra.Version == "" {
-		return refuseBatch(x402.ReasonBatchMissingEIP712Domain, "accepted.extra names no token name and version, which an ERC-3009 deposit signs under")
+	if t.TokenName == "" || t.TokenVersion == "" {
+		return refuseBatch(x402.ReasonBatchMissingEIP712Domain, "the route's requirement names no token name and version (extra.name, extra.version), which an ERC-3009 deposit signs under")
 	}
 	validAfter, err1 := x402.ParseUint256(a.ValidAfter)
 	validBefore, err2 := x402.ParseUint256(a.ValidBefore)
@@ -75,7 +73,7 @@ func CheckDepositAuthorization(p *x402.BatchPayment, chainID *big.Int, now time.
 	if err != nil {
 		return refuseBatch(x402.ReasonBatchInvalidReceiveAuthorization, "payload.deposit.authorization.erc3009Authorization.signature: %v", err)
 	}
-	domain := PermitDomainSeparator(p.Accepted.Extra.Name, p.Accepted.Extra.Version, chainID, token)
+	domain := PermitDomainSeparator(t.TokenName, t.TokenVersion, chainID, token)
 	nonce := contracts.ERC3009DepositNonce(channelID, common.HexToHash(a.Salt))
 	digest := ReceiveAuthorizationDigest(domain, ch.Payer, contracts.ERC3009DepositCollectorAddress, amount, validAfter, validBefore, nonce)
 	if got, err := RecoverSigner(digest, sig); err != nil || got != ch.Payer {

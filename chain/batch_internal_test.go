@@ -139,7 +139,7 @@ func checkSDKPayment(t *testing.T, p *x402.BatchPayment, channelID string) {
 		t.Fatalf("channel id %s, the SDK computed %s", got, channelID)
 	}
 	cumulative, _ := x402.ParseAmount(p.Payload.Voucher.MaxClaimableAmount)
-	view := ChannelView{Balance: new(big.Int).Mul(cumulative, big.NewInt(10)), TotalClaimed: new(big.Int)}
+	view := ChannelView{Balance: new(big.Int).Mul(cumulative, big.NewInt(10)), TotalClaimed: new(big.Int), ReadAt: time.Now()}
 	view.Charged = new(big.Int).Sub(cumulative, terms.Price)
 	switch p.Payload.Type {
 	case x402.BatchRefund:
@@ -147,7 +147,7 @@ func checkSDKPayment(t *testing.T, p *x402.BatchPayment, channelID string) {
 	case x402.BatchDeposit:
 		view.Balance, _ = x402.ParseAmount(p.Payload.Deposit.Amount)
 		now := sdkSigningTime(t, p)
-		if r := CheckDepositAuthorization(p, sdkChainID, now); r != nil {
+		if r := terms.CheckDepositAuthorization(p, now); r != nil {
 			t.Fatalf("deposit authorization refused: %v", r)
 		}
 	}
@@ -224,7 +224,7 @@ func TestCheckVoucherRefusesWhatTheChannelDoesNotCover(t *testing.T) {
 	f := newBatchFixture(t)
 	now := time.Unix(1_800_000_000, 0)
 	view := func(balance, claimed, charged int64) ChannelView {
-		return ChannelView{Balance: big.NewInt(balance), TotalClaimed: big.NewInt(claimed), Charged: big.NewInt(charged)}
+		return ChannelView{Balance: big.NewInt(balance), TotalClaimed: big.NewInt(claimed), Charged: big.NewInt(charged), ReadAt: now}
 	}
 	otherReceiver := f.cfg
 	otherReceiver.Receiver = "0x15d34AAf54267DB7D7c367839AAf71A00a2C6A65"
@@ -310,14 +310,17 @@ func TestCheckVoucherRefusesWhatTheChannelDoesNotCover(t *testing.T) {
 	}
 }
 
-func TestCheckVoucherLeavesAContractWalletsVoucherToTheChain(t *testing.T) {
+// A channel naming no payer authorizer whose payer has code is refused off chain, whoever signed: its code
+// judges the voucher when the claim runs (see TestCheckVoucherRefusesAVoucherTheChannelsContractPayerJudges).
+func TestCheckVoucherRefusesAPayerWithCodeWithoutAPayerAuthorizer(t *testing.T) {
 	f := newBatchFixture(t)
 	cfg := f.cfg
 	cfg.PayerAuthorizer = "0x0000000000000000000000000000000000000000"
 	p := f.voucher(t, cfg, f.payerKey, 1000)
-	_, err := f.terms.CheckVoucher(p, ChannelView{Balance: big.NewInt(5000), PayerHasCode: true}, time.Now())
-	if !IsContractVoucher(err) {
-		t.Fatalf("got %v, want the contract-wallet error", err)
+	_, err := f.terms.CheckVoucher(p, ChannelView{Balance: big.NewInt(5000), PayerHasCode: true, ReadAt: time.Now()}, time.Now())
+	var r *BatchRefusal
+	if !errors.As(err, &r) || r.Reason != x402.ReasonBatchInvalidVoucherSignature || !strings.Contains(r.Message, "payerAuthorizer") {
+		t.Fatalf("got %v, want a refusal %s naming the payerAuthorizer", err, x402.ReasonBatchInvalidVoucherSignature)
 	}
 }
 
@@ -326,8 +329,8 @@ func TestCheckVoucherLeavesAContractWalletsVoucherToTheChain(t *testing.T) {
 func BenchmarkCheckVoucher(b *testing.B) {
 	f := newBatchFixture(b)
 	p := f.voucher(b, f.cfg, f.authKey, 3000)
-	view := ChannelView{Balance: big.NewInt(10_000), TotalClaimed: new(big.Int), Charged: big.NewInt(2000)}
 	now := time.Now()
+	view := ChannelView{Balance: big.NewInt(10_000), TotalClaimed: new(big.Int), Charged: big.NewInt(2000), ReadAt: now}
 	b.ReportAllocs()
 	for b.Loop() {
 		if _, err := f.terms.CheckVoucher(p, view, now); err != nil {
@@ -346,42 +349,6 @@ func BenchmarkRecoverSignerOfAVoucher(b *testing.B) {
 		if _, err := RecoverSigner(digest, sig); err != nil {
 			b.Fatal(err)
 		}
-	}
-}
-
-// A channel that names no payer authorizer and whose payer is a contract wallet signs its vouchers by ERC-1271:
-// the wallet on a simulated chain is asked, accepts its owner's voucher and refuses another key's.
-func TestCheckContractVoucherAsksThePayersWallet(t *testing.T) {
-	c := chaintest.New(t, chaintest.WithChainID(sdkChainID.Uint64()))
-	f := newBatchFixture(t)
-	owner := crypto.PubkeyToAddress(f.payerKey.PublicKey)
-	wallet := c.CreateSmartWallet(c.DeploySmartWalletFactory(), contracts.SmartWalletAccount{Owner: owner, Salt: big.NewInt(7)})
-	cfg := f.cfg
-	cfg.Payer, cfg.PayerAuthorizer = wallet.Hex(), "0x0000000000000000000000000000000000000000"
-	view := ChannelView{Balance: big.NewInt(10_000), TotalClaimed: new(big.Int), Charged: big.NewInt(2000), PayerHasCode: true}
-	ctx := context.Background()
-
-	byOwner := f.voucher(t, cfg, f.payerKey, 3000)
-	if _, err := f.terms.CheckVoucher(byOwner, view, time.Now()); !IsContractVoucher(err) {
-		t.Fatalf("the off-chain check: %v, want it left to the chain", err)
-	}
-	av, err := f.terms.CheckContractVoucher(ctx, c.Client, byOwner, view, time.Now())
-	if err != nil {
-		t.Fatalf("the wallet owner's voucher: %v", err)
-	}
-	if av.Signer != wallet || av.Charge.Int64() != 1000 {
-		t.Fatalf("accepted %+v", av)
-	}
-	var r *BatchRefusal
-	byOther := f.voucher(t, cfg, f.authKey, 3000)
-	if _, err := f.terms.CheckContractVoucher(ctx, c.Client, byOther, view, time.Now()); !errors.As(err, &r) || r.Reason != x402.ReasonBatchInvalidVoucherSignature {
-		t.Fatalf("another key's voucher: %v, want %s", err, x402.ReasonBatchInvalidVoucherSignature)
-	}
-	// The owner's key alone is not the wallet: a payer with code is never judged by ecrecover.
-	noCode := view
-	noCode.PayerHasCode = false
-	if _, err := f.terms.CheckVoucher(byOwner, noCode, time.Now()); !errors.As(err, &r) || r.Reason != x402.ReasonBatchInvalidVoucherSignature {
-		t.Fatalf("the owner's signature judged as the wallet's own: %v", err)
 	}
 }
 
@@ -439,7 +406,12 @@ func TestCheckDepositAuthorizationRefusesWhatTheCollectorWouldNotTake(t *testing
 			p := sdkPayment(t, tc.vector)
 			now := sdkSigningTime(t, p).Add(tc.late)
 			tc.edit(p)
-			r := CheckDepositAuthorization(p, sdkChainID, now)
+			// The edits of accepted stand for the route's requirement: the terms are built from it.
+			terms, err := NewBatchTerms(p.Accepted, sdkChainID, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := terms.CheckDepositAuthorization(p, now)
 			switch {
 			case tc.reason == "" && r != nil:
 				t.Fatalf("refused: %v", r)
@@ -457,7 +429,7 @@ func TestAnAcceptedVoucherCarriesItsSignatureAsTheContractRecoversIt(t *testing.
 	sig := p.Payload.Voucher.Signature
 	v := sig[len(sig)-2:]
 	p.Payload.Voucher.Signature = sig[:len(sig)-2] + map[string]string{"1b": "00", "1c": "01"}[v]
-	av, err := f.terms.CheckVoucher(p, ChannelView{Balance: big.NewInt(10_000), Charged: big.NewInt(2000)}, time.Now())
+	av, err := f.terms.CheckVoucher(p, ChannelView{Balance: big.NewInt(10_000), Charged: big.NewInt(2000), ReadAt: time.Now()}, time.Now())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -140,12 +140,12 @@ func TestBatchSettlementSignaturesInteroperateWithTheTypeScriptSDK(t *testing.T)
 				t.Fatalf("%s: Go's channel id %s, the SDK's %s", s.Name, id.Hex(), s.ChannelID)
 			}
 			cumulative, _ := x402.ParseAmount(p.Payload.Voucher.MaxClaimableAmount)
-			view := chain.ChannelView{Balance: big.NewInt(1_000_000), TotalClaimed: new(big.Int), Charged: new(big.Int).Sub(cumulative, terms.Price)}
+			view := chain.ChannelView{Balance: big.NewInt(1_000_000), TotalClaimed: new(big.Int), Charged: new(big.Int).Sub(cumulative, terms.Price), ReadAt: time.Now()}
 			switch p.Payload.Type {
 			case x402.BatchRefund:
 				view.Charged = cumulative
 			case x402.BatchDeposit:
-				if r := chain.CheckDepositAuthorization(&p, batchChainID, time.Now()); r != nil {
+				if r := terms.CheckDepositAuthorization(&p, time.Now()); r != nil {
 					t.Fatalf("%s: Go refuses the SDK's deposit authorization: %v", s.Name, r)
 				}
 			}

@@ -471,7 +471,7 @@ func TestDevChainOnADataDirFromBeforeTheUSDCoinOpensAndGetsTheUSDCoinOnce(t *tes
 
 // The testdata data dirs were made by a default dev chain of the version before some contracts were part of the
 // genesis, with no node key, locks or logs: before-batch-settlement.tar.gz by commit 174668c (with the upto proxy),
-// before-multicall3.tar.gz by commit f97ad2b (with the batch-settlement contracts). Each opens on its own genesis,
+// before-multicall3.tar.gz by commit f97ad2b (with the first batch-settlement escrow). Each opens on its own genesis,
 // says what cannot work there, and keeps its state.
 func TestDevChainOnADataDirFromAnEarlierGenesisOpens(t *testing.T) {
 	for _, tc := range []struct {
@@ -487,7 +487,7 @@ func TestDevChainOnADataDirFromAnEarlierGenesisOpens(t *testing.T) {
 			"created before the x402 batch-settlement contracts",
 			map[string]bool{"upto_proxy_in_genesis": true, "batch_settlement_in_genesis": false, "multicall3_in_genesis": false}},
 		{"before Multicall3", "before-multicall3.tar.gz",
-			contracts.BatchSettlementAddress, contracts.BatchSettlementRuntimeCode(), contracts.Multicall3Address,
+			contracts.BatchSettlementAddress, common.FromHex(strings.TrimSpace(firstBatchEscrowRuntimeHex)), contracts.Multicall3Address,
 			"created before Multicall3",
 			map[string]bool{"upto_proxy_in_genesis": true, "batch_settlement_in_genesis": true, "multicall3_in_genesis": false}},
 	} {
@@ -521,6 +521,37 @@ func TestDevChainOnADataDirFromAnEarlierGenesisOpens(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// testdata/first-batch-escrow.tar.gz was made by a default dev chain of commit 2026706 (Multicall3 and the first
+// batch-settlement escrow), with no node key, locks or logs: it opens on that genesis, with that escrow, and says so.
+func TestDevChainOnADataDirWithTheFirstBatchEscrowOpens(t *testing.T) {
+	dir := t.TempDir()
+	devUntar(t, filepath.Join("testdata", "first-batch-escrow.tar.gz"), dir)
+	obs, logs := observer.New(zapcore.InfoLevel)
+	d := devStart(t, Config{Listen: "127.0.0.1:0", DataDir: dir, Logger: zap.New(obs)})
+	client := d.Client()
+	first := common.FromHex(strings.TrimSpace(firstBatchEscrowRuntimeHex))
+	if bytes.Equal(first, contracts.BatchSettlementRuntimeCode()) {
+		t.Fatal("the first escrow's code is today's")
+	}
+	if code, err := client.CodeAt(devContext(t), contracts.BatchSettlementAddress, nil); err != nil || !bytes.Equal(code, first) {
+		t.Errorf("the escrow on the data dir: %d bytes (%v), want the first escrow's code", len(code), err)
+	}
+	if code, err := client.CodeAt(devContext(t), contracts.Multicall3Address, nil); err != nil || len(code) == 0 {
+		t.Errorf("Multicall3 on the data dir: %d bytes (%v), want its code", len(code), err)
+	}
+	if bal := devCallTokenAt[*big.Int](t, client, TokenAddress, "balanceOf", PayerAddress); bal.Cmp(big.NewInt(mintPerPayer)) != 0 {
+		t.Errorf("payer holds %s, want %d", bal, int64(mintPerPayer))
+	}
+	if n := logs.FilterMessageSnippet("created with the first x402 batch-settlement escrow").Len(); n != 1 {
+		t.Errorf("%d warnings about the first escrow, want 1", n)
+	}
+	// A fresh data dir gets today's escrow.
+	fresh := devStart(t, Config{Listen: "127.0.0.1:0", DataDir: t.TempDir()})
+	if code, err := fresh.Client().CodeAt(devContext(t), contracts.BatchSettlementAddress, nil); err != nil || !bytes.Equal(code, contracts.BatchSettlementRuntimeCode()) {
+		t.Errorf("the escrow on a fresh data dir: %d bytes (%v), want today's", len(code), err)
 	}
 }
 
