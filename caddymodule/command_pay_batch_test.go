@@ -68,9 +68,9 @@ func (b *batchRoute) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	b.payloads = append(b.payloads, p.Payload.Type+"@"+p.Payload.Voucher.MaxClaimableAmount)
-	view := chain.ChannelView{Balance: new(big.Int).Set(b.balance), Charged: new(big.Int).Set(b.charged), TotalClaimed: new(big.Int)}
+	view := chain.ChannelView{Balance: new(big.Int).Set(b.balance), Charged: new(big.Int).Set(b.charged), TotalClaimed: new(big.Int), ReadAt: time.Now()}
 	if p.Payload.Type == x402.BatchDeposit {
-		if refusal := chain.CheckDepositAuthorization(&p, big.NewInt(72344), time.Now()); refusal != nil {
+		if refusal := b.terms.CheckDepositAuthorization(&p, time.Now()); refusal != nil {
 			b.t.Errorf("the deposit is refused: %v", refusal)
 			offer(refusal.Reason)
 			return

@@ -116,10 +116,10 @@ func (s *batchSeller) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	if s.balances[id] == nil {
 		s.balances[id], s.charges[id] = new(big.Int), new(big.Int)
 	}
-	view := chain.ChannelView{Balance: new(big.Int).Set(s.balances[id]), Charged: new(big.Int).Set(s.charges[id]), TotalClaimed: new(big.Int)}
+	view := chain.ChannelView{Balance: new(big.Int).Set(s.balances[id]), Charged: new(big.Int).Set(s.charges[id]), TotalClaimed: new(big.Int), ReadAt: time.Unix(1_700_000_000, 0)}
 	var deposit *big.Int
 	if p.Payload.Type == x402.BatchDeposit {
-		if r := chain.CheckDepositAuthorization(&p, big.NewInt(72344), time.Unix(1_700_000_000, 0)); r != nil {
+		if r := s.terms.CheckDepositAuthorization(&p, time.Unix(1_700_000_000, 0)); r != nil {
 			s.t.Errorf("the deposit is refused: %v", r)
 			s.offer(w, req, r.Reason)
 			return
