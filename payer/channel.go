@@ -544,7 +544,7 @@ func (b *batchPlan) resync(ctx context.Context, rpc *chainReader, offer Offer) (
 		}
 		charged, err1 := x402.ParseAmount(cs.ChargedCumulativeAmount)
 		signed, err2 := x402.ParseAmount(vs.SignedMaxClaimable)
-		if err1 != nil || err2 != nil || charged.Cmp(signed) > 0 || signed.Cmp(st.Signed) > 0 {
+		if err1 != nil || err2 != nil || charged.Cmp(signed) > 0 {
 			return false, nil
 		}
 		sig, err := chain.ParseSignature(vs.Signature)
@@ -570,6 +570,9 @@ func (b *batchPlan) resync(ctx context.Context, rpc *chainReader, offer Offer) (
 			st.Balance = balance
 		}
 		st.Charged = charged
+		if st.Signed.Cmp(signed) < 0 {
+			st.Signed = new(big.Int).Set(signed)
+		}
 		b.ch.known, b.ch.stale = true, false
 		return true, nil
 	}

@@ -38,6 +38,7 @@ type batchSeller struct {
 	mu       sync.Mutex
 	balances map[string]*big.Int // by channel id
 	charges  map[string]*big.Int // by channel id: the last accepted cumulative amount
+	vouchers map[string]string   // by channel id: the signature of the last accepted voucher
 	payloads []x402.BatchPayload // each batch payment received, in order
 	refunded *big.Int
 	exact    int // exact payments received
@@ -45,7 +46,7 @@ type batchSeller struct {
 
 func newBatchSeller(t *testing.T, price int64, minDeposit string) (*batchSeller, *httptest.Server) {
 	t.Helper()
-	s := &batchSeller{t: t, price: big.NewInt(price), minDeposit: minDeposit, balances: map[string]*big.Int{}, charges: map[string]*big.Int{}, refunded: new(big.Int)}
+	s := &batchSeller{t: t, price: big.NewInt(price), minDeposit: minDeposit, balances: map[string]*big.Int{}, charges: map[string]*big.Int{}, vouchers: map[string]string{}, refunded: new(big.Int)}
 	key, _ := crypto.GenerateKey()
 	s.authorizer = crypto.PubkeyToAddress(key.PublicKey)
 	terms, err := chain.NewBatchTerms(s.requirement(), big.NewInt(72344), time.Minute)
@@ -66,6 +67,12 @@ func (s *batchSeller) requirement() x402.BatchRequirements {
 
 // offer writes the 402's PAYMENT-REQUIRED by hand: PaymentRequired's accepts cannot hold a batch extra.
 func (s *batchSeller) offer(w http.ResponseWriter, r *http.Request, reason string) {
+	s.offerState(w, r, reason, "")
+}
+
+// offerState is offer; with a channel id, a corrective 402: the channel as the server holds it and its last
+// voucher, as the SDK's server answers a cumulative amount it does not hold.
+func (s *batchSeller) offerState(w http.ResponseWriter, r *http.Request, reason, channel string) {
 	type doc struct {
 		X402Version int               `json:"x402Version"`
 		Error       string            `json:"error,omitempty"`
@@ -77,7 +84,13 @@ func (s *batchSeller) offer(w http.ResponseWriter, r *http.Request, reason strin
 		d.Accepts = append(d.Accepts, x402.PaymentRequirements{Scheme: x402.SchemeExact, Network: testNetwork, Amount: s.price.String(),
 			Asset: testToken, PayTo: testPayTo, MaxTimeoutSeconds: 60, Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2}})
 	}
-	d.Accepts = append(d.Accepts, s.requirement())
+	rq := s.requirement()
+	if channel != "" && s.charges[channel] != nil {
+		rq.Extra.ChannelState = &x402.BatchChannelState{ChannelID: channel, Balance: s.balances[channel].String(), TotalClaimed: "0",
+			RefundNonce: "0", ChargedCumulativeAmount: s.charges[channel].String()}
+		rq.Extra.VoucherState = &x402.BatchVoucherState{SignedMaxClaimable: s.charges[channel].String(), Signature: s.vouchers[channel]}
+	}
+	d.Accepts = append(d.Accepts, rq)
 	h, err := x402.EncodeHeader(d)
 	if err != nil {
 		s.t.Errorf("encoding PAYMENT-REQUIRED: %v", err)
@@ -131,7 +144,7 @@ func (s *batchSeller) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	if err != nil {
 		var refusal *chain.BatchRefusal
 		if errors.As(err, &refusal) {
-			s.offer(w, r, refusal.Reason)
+			s.offerState(w, r, refusal.Reason, id)
 			return
 		}
 		s.t.Errorf("checking the voucher: %v", err)
@@ -149,6 +162,7 @@ func (s *batchSeller) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 		extra.ChargedAmount = "0"
 	}
 	s.charges[id] = av.Cumulative
+	s.vouchers[id] = p.Payload.Voucher.Signature
 	cumulative := av.Cumulative.String()
 	if s.lie != "" {
 		cumulative = s.lie
@@ -431,4 +445,66 @@ func mustKey(t *testing.T) *ecdsa.PrivateKey {
 		t.Fatal(err)
 	}
 	return k
+}
+
+func TestAPayerThatLostItsCountCarriesOnFromTheServersLastVoucherItSigned(t *testing.T) {
+	s, srv := newBatchSeller(t, 1000, "")
+	key := mustKey(t)
+	clock := payer.Options{Now: func() time.Time { return time.Unix(1_700_000_000, 0) }}
+	first, _ := payer.New(key, clock)
+	c, _ := batchClient(first, 1000, big.NewInt(1_000_000))
+	for k := 0; k < 3; k++ {
+		getBody(t, c, srv.URL+"/report")
+	}
+
+	// The same key in a new process: it knows nothing, deposits with a voucher at 1000, and the server answers
+	// with its own count (3000) and the voucher the key signed for it; the payer pays again from there.
+	again, _ := payer.New(key, clock)
+	c2, tr2 := batchClient(again, 1000, big.NewInt(1_000_000))
+	if resp := getBody(t, c2, srv.URL+"/report"); resp.StatusCode != http.StatusOK {
+		t.Fatalf("the new payer's request: %s, want 200 after resyncing", resp.Status)
+	}
+	payloads, _, charged := s.seen()
+	if n := len(payloads); n != 5 || payloads[4].Voucher.MaxClaimableAmount != "4000" {
+		t.Fatalf("the server saw %d payments, the last at %s; want 5, the last at 4000", n, payloads[len(payloads)-1].Voucher.MaxClaimableAmount)
+	}
+	if charged.Cmp(big.NewInt(4000)) != 0 {
+		t.Errorf("the server stands at %s, want 4000", charged)
+	}
+	st := channelOf(t, again, payloads)
+	if st.Charged.Cmp(big.NewInt(4000)) != 0 {
+		t.Errorf("the new payer counts %s, want 4000", st.Charged)
+	}
+	// Both deposits it signed count: the first was handed to the server, which could still submit it.
+	if got := tr2.Spent(testNetwork, testToken); got.Cmp(big.NewInt(20_000)) != 0 {
+		t.Errorf("Spent is %s, want both deposits signed, 20000", got)
+	}
+}
+
+func TestACorrective402WithAVoucherThePayerDidNotSignIsNotBelieved(t *testing.T) {
+	s, srv := newBatchSeller(t, 1000, "")
+	first, _ := payer.New(mustKey(t), payer.Options{Now: func() time.Time { return time.Unix(1_700_000_000, 0) }})
+	c, _ := batchClient(first, 1000, big.NewInt(1_000_000))
+	getBody(t, c, srv.URL+"/report")
+	payloads, _, _ := s.seen()
+	id := strings.ToLower(payloads[0].Voucher.ChannelID)
+	// The server claims the channel stands at 9000, with a signature by another key.
+	other := mustKey(t)
+	sig, err := chain.SignVoucher(other, chain.BatchDomainSeparator(big.NewInt(72344)), common.HexToHash(id), big.NewInt(9000))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.mu.Lock()
+	s.charges[id], s.vouchers[id] = big.NewInt(9000), sig.String()
+	s.mu.Unlock()
+	resp := getBody(t, c, srv.URL+"/report")
+	if resp.StatusCode != http.StatusPaymentRequired {
+		t.Fatalf("got %s, want the server's 402 returned as it is", resp.Status)
+	}
+	if payloads, _, _ := s.seen(); len(payloads) != 2 {
+		t.Errorf("the server saw %d payments, want 2: no retry on a voucher the payer did not sign", len(payloads))
+	}
+	if st := channelOf(t, first, payloads); st.Charged.Cmp(big.NewInt(1000)) != 0 {
+		t.Errorf("the payer counts %s, want its own 1000", st.Charged)
+	}
 }
