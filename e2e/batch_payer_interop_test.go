@@ -108,17 +108,45 @@ func TestOurPayerPaysTheSDKsBatchSettlementServerDepositVouchersAndRefund(t *tes
 		t.Errorf("the escrow holds %s more, want the deposit, %d", delta(escrowBefore, got), 10*price)
 	}
 
-	after, answer, err := p.Refund(ctx, nil, honoURL+"/batch", nil)
+	// The same key in a new run (a second Payer, no memory, an RPC): it finds the channel in the escrow
+	// (10000 deposited, nothing claimed), signs the voucher at 1000, is answered by the server's corrective
+	// 402 with its last voucher (7000, signed by this key), and pays at 8000 with no new deposit.
+	p2, err := payer.New(payerKey, payer.Options{RPC: chainURL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p2.Close()
+	tr2 := &payer.Transport{Payer: p2, Limits: tr.Limits}
+	resp, err := (&http.Client{Transport: tr2, Timeout: time.Minute}).Get(honoURL + "/batch")
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("the new run's request: %s (PAYMENT-REQUIRED %s)", resp.Status, resp.Header.Get(x402.HeaderPaymentRequired))
+	}
+	const paid = (requests + 1) * price
+	if st, ok := p2.Channel(id); !ok || st.Charged.Int64() != paid || st.Balance.Int64() != 10*price {
+		t.Fatalf("the new run keeps %+v (known %v), want %d charged of 10000", st, ok, paid)
+	}
+	// It counts the voucher it signed first (1000, above nothing it had counted) and what the one at 8000 adds
+	// above the 7000 its key had signed: never the deposit of the earlier run, never the 7000 again.
+	if got := tr2.Spent(dev.Network(), usdc.Hex()); got.Int64() != 2*price {
+		t.Errorf("the new run's Transport counts %s spent, want %d", got, 2*price)
+	}
+
+	after, answer, err := p2.Refund(ctx, nil, honoURL+"/batch", nil)
 	if err != nil {
 		t.Fatalf("refund: %v", err)
 	}
-	if after.Left().Sign() != 0 || after.Balance.Int64() != requests*price {
-		t.Errorf("after the refund (transaction %s) the payer keeps balance %s, left %s; want %d and 0", answer.Transaction, after.Balance, after.Left(), requests*price)
+	if after.Left().Sign() != 0 || after.Balance.Int64() != paid {
+		t.Errorf("after the refund (transaction %s) the payer keeps balance %s, left %s; want %d and 0", answer.Transaction, after.Balance, after.Left(), paid)
 	}
 
 	// The server claims what its vouchers charge (the refund already claimed them on chain) and settles it to
 	// the receiver.
-	resp, err := http.Post(honoURL+"/batch-claim", "application/json", nil)
+	resp, err = http.Post(honoURL+"/batch-claim", "application/json", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -127,11 +155,11 @@ func TestOurPayerPaysTheSDKsBatchSettlementServerDepositVouchersAndRefund(t *tes
 	t.Logf("the server's claim and settle: %s", claimed)
 
 	payerAfter, receiverAfter, escrowAfter := d.balanceOf(usdc, payerAddr), d.balanceOf(usdc, receiver), d.balanceOf(usdc, contracts.BatchSettlementAddress)
-	if got := delta(payerAfter, payerBefore); got.Int64() != requests*price {
-		t.Errorf("the payer paid %s in all, want %d requests at %d", got, requests, price)
+	if got := delta(payerAfter, payerBefore); got.Int64() != paid {
+		t.Errorf("the payer paid %s in all, want %d requests at %d", got, requests+1, price)
 	}
-	if got := delta(receiverBefore, receiverAfter); got.Int64() != requests*price {
-		t.Errorf("the receiver got %s, want %d", got, requests*price)
+	if got := delta(receiverBefore, receiverAfter); got.Int64() != paid {
+		t.Errorf("the receiver got %s, want %d", got, paid)
 	}
 	if got := delta(escrowBefore, escrowAfter); got.Sign() != 0 {
 		t.Errorf("the escrow holds %s more than before, want 0", got)

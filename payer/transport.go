@@ -442,6 +442,15 @@ func (t *Transport) payPlan(ctx context.Context, req *http.Request, where string
 	// An answer that does not add up leaves the channel stale, read again before the next payment; the
 	// response is the caller's all the same.
 	resynced, _ := plan.answered(ctx, rpc, resp)
+	if resynced {
+		// The payer's own signature proves it authorized the server's last amount before: a voucher up to it
+		// signs nothing new, so the budget counts only what a voucher adds above it.
+		t.mu.Lock()
+		if c := t.covered[plan.ch.state.ID]; c == nil || c.Cmp(plan.ch.state.Signed) < 0 {
+			t.covered[plan.ch.state.ID] = new(big.Int).Set(plan.ch.state.Signed)
+		}
+		t.mu.Unlock()
+	}
 	return resp, resynced, nil
 }
 
