@@ -508,3 +508,48 @@ func TestACorrective402WithAVoucherThePayerDidNotSignIsNotBelieved(t *testing.T)
 		t.Errorf("the payer counts %s, want its own 1000", st.Charged)
 	}
 }
+
+func TestConcurrentRequestsOnOneChannelTakeTurnsAndEachPaysTheNextVoucher(t *testing.T) {
+	s, srv := newBatchSeller(t, 1000, "")
+	p := newPayer(t)
+	c, tr := batchClient(p, 1000, big.NewInt(1_000_000))
+	const n = 8
+	var wg sync.WaitGroup
+	codes := make([]int, n)
+	for k := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := c.Get(srv.URL + "/report")
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			codes[k] = resp.StatusCode
+		}()
+	}
+	wg.Wait()
+	for k, code := range codes {
+		if code != http.StatusOK {
+			t.Errorf("request %d: %d, want 200", k, code)
+		}
+	}
+	payloads, _, charged := s.seen()
+	deposits := 0
+	for k, pl := range payloads {
+		if pl.Type == x402.BatchDeposit {
+			deposits++
+		}
+		if pl.Voucher.MaxClaimableAmount != fmt.Sprint(1000*(k+1)) {
+			t.Errorf("payment %d is at %s, want %d", k+1, pl.Voucher.MaxClaimableAmount, 1000*(k+1))
+		}
+	}
+	if len(payloads) != n || deposits != 1 || charged.Cmp(big.NewInt(n*1000)) != 0 {
+		t.Errorf("%d payments, %d deposits, the server at %s; want %d, 1, %d", len(payloads), deposits, charged, n, n*1000)
+	}
+	if got := tr.Spent(testNetwork, testToken); got.Cmp(big.NewInt(10_000)) != 0 {
+		t.Errorf("Spent is %s, want the one deposit, 10000", got)
+	}
+}
