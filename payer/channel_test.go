@@ -29,7 +29,8 @@ type batchSeller struct {
 	t          *testing.T
 	price      *big.Int
 	minDeposit string
-	exactToo   bool // offer exact (permit2) first, then batch-settlement
+	exactToo   bool   // offer exact (permit2) first, then batch-settlement
+	method     string // the deposits' asset transfer method: "" (eip3009) or permit2
 	terms      *chain.BatchTerms
 	authorizer common.Address
 	// lie, when set, is the chargedCumulativeAmount the answers name instead of the true one.
@@ -62,7 +63,7 @@ func newBatchSeller(t *testing.T, price int64, minDeposit string) (*batchSeller,
 func (s *batchSeller) requirement() x402.BatchRequirements {
 	return x402.BatchRequirements{Scheme: x402.SchemeBatchSettlement, Network: testNetwork, Amount: s.price.String(), Asset: testToken,
 		PayTo: testPayTo, MaxTimeoutSeconds: 60, Extra: x402.BatchExtra{ReceiverAuthorizer: s.authorizer.Hex(), WithdrawDelay: 900,
-			Name: "Stable Coin", Version: "1", MinDeposit: s.minDeposit}}
+			Name: "Stable Coin", Version: "1", MinDeposit: s.minDeposit, AssetTransferMethod: s.method}}
 }
 
 // offer writes the 402's PAYMENT-REQUIRED by hand: PaymentRequired's accepts cannot hold a batch extra.
@@ -551,5 +552,33 @@ func TestConcurrentRequestsOnOneChannelTakeTurnsAndEachPaysTheNextVoucher(t *tes
 	}
 	if got := tr.Spent(testNetwork, testToken); got.Cmp(big.NewInt(10_000)) != 0 {
 		t.Errorf("Spent is %s, want the one deposit, 10000", got)
+	}
+}
+
+func TestAPermit2DepositIsAWitnessTransferToThePermit2CollectorNamingTheChannel(t *testing.T) {
+	s, srv := newBatchSeller(t, 1000, "")
+	s.method = x402.TransferPermit2
+	terms, err := chain.NewBatchTerms(s.requirement(), big.NewInt(72344), time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.terms = terms
+	p := newPayer(t)
+	c, _ := batchClient(p, 1000, big.NewInt(1_000_000))
+	for k := 0; k < 2; k++ {
+		if resp := getBody(t, c, srv.URL+"/report"); resp.StatusCode != http.StatusOK {
+			t.Fatalf("request %d: %s, want 200", k+1, resp.Status)
+		}
+	}
+	payloads, _, _ := s.seen()
+	a := payloads[0].Deposit.Authorization
+	if a.Permit2Authorization == nil || a.ERC3009Authorization != nil {
+		t.Fatalf("the deposit carries %+v, want a permit2Authorization only", a)
+	}
+	if got := a.Permit2Authorization.Witness.ChannelID; !strings.EqualFold(got, payloads[0].Voucher.ChannelID) {
+		t.Errorf("the witness names channel %s, the voucher %s", got, payloads[0].Voucher.ChannelID)
+	}
+	if payloads[1].Type != x402.BatchVoucher || payloads[1].Voucher.MaxClaimableAmount != "2000" {
+		t.Errorf("the second payment is a %s at %s, want a voucher at 2000", payloads[1].Type, payloads[1].Voucher.MaxClaimableAmount)
 	}
 }
