@@ -582,3 +582,27 @@ func TestAPermit2DepositIsAWitnessTransferToThePermit2CollectorNamingTheChannel(
 		t.Errorf("the second payment is a %s at %s, want a voucher at 2000", payloads[1].Type, payloads[1].Voucher.MaxClaimableAmount)
 	}
 }
+
+func TestBatchSettlementIsNeitherSignedAheadNorSignedOutsideATransport(t *testing.T) {
+	_, srv := newBatchSeller(t, 1000, "")
+	resp, err := http.Get(srv.URL + "/report")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	offer, err := payer.ReadOffer(resp.Header, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newPayer(t)
+	i, err := p.Choose(t.Context(), offer)
+	if err != nil {
+		t.Fatalf("Choose: %v, want the batch-settlement offer", err)
+	}
+	if _, err := p.SignBatch(t.Context(), offer, i, 3); err == nil || !strings.Contains(err.Error(), "cannot be signed ahead") {
+		t.Errorf("SignBatch of a batch-settlement offer: %v, want a refusal", err)
+	}
+	if _, err := p.Sign(t.Context(), offer, i); err == nil || !strings.Contains(err.Error(), "made by a Transport") {
+		t.Errorf("Sign of a batch-settlement offer: %v, want a refusal", err)
+	}
+}
