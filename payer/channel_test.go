@@ -606,3 +606,19 @@ func TestBatchSettlementIsNeitherSignedAheadNorSignedOutsideATransport(t *testin
 		t.Errorf("Sign of a batch-settlement offer: %v, want a refusal", err)
 	}
 }
+
+func TestWithNoTotalAHostileMinDepositIsBoundedByDepositRequestsTimesPerRequest(t *testing.T) {
+	s, srv := newBatchSeller(t, 1000, "1000000000")
+	c, _ := batchClient(newPayer(t), 1000, nil)
+	_, err := c.Get(srv.URL + "/report")
+	var le *payer.LimitError
+	if !errors.As(err, &le) || !le.Deposit || le.Limit.Cmp(big.NewInt(10_000)) != 0 {
+		t.Fatalf("got %v, want a deposit of 1000000000 refused over 10 requests at 1000", err)
+	}
+	if !strings.Contains(err.Error(), "a deposit may be with no Total") {
+		t.Errorf("the error %q does not say which bound", err)
+	}
+	if payloads, _, _ := s.seen(); len(payloads) != 0 {
+		t.Errorf("the server received %d payments, want none", len(payloads))
+	}
+}

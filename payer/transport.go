@@ -68,6 +68,8 @@ func (e *LimitError) Error() string {
 	switch {
 	case e.Limit == nil:
 		return asked + ", and no spending limit covers that asset: not paid"
+	case e.Spent == nil && e.Deposit:
+		return fmt.Sprintf("%s, over the %s a deposit may be with no Total (DepositRequests times the limit per request): not paid", asked, e.Limit)
 	case e.Spent == nil:
 		return fmt.Sprintf("%s, over the limit of %s per request: not paid", asked, e.Limit)
 	}
