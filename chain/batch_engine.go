@@ -381,10 +381,8 @@ func (f *Facilitator) VerifyBatch(ctx context.Context, req x402.BatchRequest) (x
 		return invalid(err)
 	}
 	if vc.again {
-		if rec, ok, err := f.journal.Get(ctx, BatchVoucherID(n.caip2, common.HexToHash(vc.key.ID), vc.row.Charged)); err != nil {
-			return invalid(fmt.Errorf("reading the record of the voucher: %w", err))
-		} else if ok && rec.Served {
-			return invalid(voucherServed(vc.row.Charged, rec.ServedAt))
+		if err := f.voucherSpent(ctx, n, vc.row); err != nil {
+			return invalid(err)
 		}
 	}
 	return x402.VerifyResponse{IsValid: true, Payer: payer}, nil
@@ -406,6 +404,23 @@ func (f *Facilitator) batchSetup(req x402.BatchRequest) (*network, *BatchTerms, 
 		return nil, nil, nil, err
 	}
 	return n, terms, chs, nil
+}
+
+// voucherSpent says whether the voucher row stands at, presented again, has bought its response already: its
+// record is marked served, or is gone with the retention (a record lost to a crash is written again only while
+// it could not have been pruned: past that, the voucher is taken as used). nil: it may be answered again.
+func (f *Facilitator) voucherSpent(ctx context.Context, n *network, row journal.Channel) error {
+	rec, ok, err := f.journal.Get(ctx, BatchVoucherID(n.caip2, common.HexToHash(row.Key.ID), row.Charged))
+	switch {
+	case err != nil:
+		return fmt.Errorf("reading the record of the voucher: %w", err)
+	case ok && rec.Served:
+		return voucherServed(row.Charged, rec.ServedAt)
+	case !ok && f.now().Sub(row.AcceptedAt) > f.retention-time.Minute:
+		return refuseBatch(x402.ReasonPaymentAlreadyUsed, "the voucher for cumulative amount %s was accepted at %s, longer ago than the journal keeps its answer: sign the next voucher",
+			row.Charged, row.AcceptedAt.UTC().Format(time.RFC3339))
+	}
+	return nil
 }
 
 func voucherServed(cumulative *big.Int, at time.Time) *BatchRefusal {
@@ -459,6 +474,9 @@ func (f *Facilitator) settleVoucher(ctx context.Context, n *network, terms *Batc
 			return fail(err)
 		}
 		if vc.again {
+			if err := f.voucherSpent(ctx, n, vc.row); err != nil {
+				return fail(err)
+			}
 			// Its record holds what it charged; a record lost in a crash is written now, with the price every
 			// voucher of the route charges (CheckVoucher took it at exactly that).
 			return f.answerVoucher(ctx, n, vc.row, vc.row.Charged, terms.Price, payer)

@@ -618,3 +618,43 @@ func claimBatches(t *testing.T, f *chain.Facilitator) {
 		t.Fatal(err)
 	}
 }
+
+// acceptAsACrashedEngine takes the channel's step to cumulative as an engine would that crashed right after its
+// compare-and-set, before the voucher's record was written.
+func (b *batchRoute) acceptAsACrashedEngine(t *testing.T, from, cumulative int64) {
+	t.Helper()
+	req := b.voucher(b.rq, cumulative)
+	sig, err := chain.ParseSignature(req.PaymentPayload.Payload.Voucher.Signature)
+	if err != nil {
+		t.Fatal(err)
+	}
+	digest := chain.VoucherDigest(chain.BatchDomainSeparator(b.c.ChainID), b.id, big.NewInt(cumulative))
+	key := journal.ChannelKey{Network: b.fx.net, Escrow: contracts.BatchSettlementAddress.Hex(), ID: b.id.Hex()}
+	if _, err := b.fx.journal.(journal.Channels).AcceptVoucher(context.Background(), key, big.NewInt(from), big.NewInt(cumulative),
+		journal.Voucher{Signature: sig[:], Digest: digest[:], By: "a crashed engine"}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestBatchVoucherAcceptedByAnEngineThatCrashedBeforeItsRecordIsServedOnceThenTakenAsUsed(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), configure: func(cfg *chain.Config) { cfg.Retention = time.Hour }})
+	b.deposit(t, 10*batchPrice)
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, batchPrice)); !resp.Success {
+		t.Fatalf("first voucher: %+v", resp)
+	}
+	// Accepted, its answer never written nor its response sent: presented again, it is answered, charged once.
+	b.acceptAsACrashedEngine(t, batchPrice, 2*batchPrice)
+	resp := settleBatch(t, b.fx.f, b.voucher(b.rq, 2*batchPrice))
+	if !resp.Success || resp.Amount != fmt.Sprint(batchPrice) || resp.Commitment() != fmt.Sprintf("%s@%d", hexutil.Encode(b.id[:]), 2*batchPrice) {
+		t.Fatalf("the voucher the crashed engine accepted, presented again: %+v", resp)
+	}
+	if row := b.row(t, b.fx.journal); row.Charged.Int64() != 2*batchPrice || row.Vouchers != 2 {
+		t.Fatalf("row charged %s by %d vouchers, want %d by 2", row.Charged, row.Vouchers, 2*batchPrice)
+	}
+	// One accepted so long ago that its record would be pruned by now is taken as used, never served again.
+	b.acceptAsACrashedEngine(t, 2*batchPrice, 3*batchPrice)
+	b.c.AdjustTime(2 * time.Hour)
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, 3*batchPrice)); resp.Success || resp.ErrorReason != x402.ReasonPaymentAlreadyUsed {
+		t.Fatalf("a voucher accepted past the retention, presented again: %+v, want %s", resp, x402.ReasonPaymentAlreadyUsed)
+	}
+}
