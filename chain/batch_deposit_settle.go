@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
+	"time"
 
 	"github.com/ethereum/go-ethereum/common"
 
@@ -60,7 +61,7 @@ func (f *Facilitator) parseRecorded(raw []byte) (*payment, *refusal, error) {
 		if err := json.Unmarshal(raw, &req); err != nil {
 			return nil, nil, err
 		}
-		p, r := f.parseDeposit(req)
+		p, r := f.parseDeposit(req, true)
 		if r != nil {
 			return nil, refuse(r.Reason, "%s", r.Message), nil
 		}
@@ -75,8 +76,11 @@ func (f *Facilitator) parseRecorded(raw []byte) (*payment, *refusal, error) {
 }
 
 // parseDeposit parses a deposit payment into the payment its settlement sends, after the off-chain checks of its
-// authorization (BatchTerms.CheckDepositAuthorization). The voucher it carries is checkVoucher's.
-func (f *Facilitator) parseDeposit(req x402.BatchRequest) (*payment, *BatchRefusal) {
+// authorization (BatchTerms.CheckDepositAuthorization). The voucher it carries is checkVoucher's. A deposit read
+// back from its journal record (recorded) is checked at the start of its validity window rather than now: as an
+// exact payment's parse, it must still parse once that window has passed, for reconciliation to finish what was
+// broadcast (the settlement's own time checks refuse sending it again).
+func (f *Facilitator) parseDeposit(req x402.BatchRequest, recorded bool) (*payment, *BatchRefusal) {
 	n, err := f.batchNetworkOf(req.PaymentRequirements)
 	if err != nil {
 		return nil, asBatchRefusal(err)
@@ -89,7 +93,13 @@ func (f *Facilitator) parseDeposit(req x402.BatchRequest) (*payment, *BatchRefus
 	if terms.TransferMethod != x402.TransferEIP3009 {
 		return nil, refuseBatch(x402.ReasonInvalidPaymentRequirements, "the requirement takes deposits by %s; this facilitator takes eip3009 deposits only", terms.TransferMethod)
 	}
-	if r := terms.CheckDepositAuthorization(bp, n.chainNow()); r != nil {
+	now := n.chainNow()
+	if a := depositERC3009(bp); recorded && a != nil {
+		if after, err := x402.ParseUint256(a.ValidAfter); err == nil && after.IsInt64() {
+			now = time.Unix(after.Int64(), 0)
+		}
+	}
+	if r := terms.CheckDepositAuthorization(bp, now); r != nil {
 		return nil, r
 	}
 	pl := &bp.Payload
@@ -133,6 +143,14 @@ func (f *Facilitator) parseDeposit(req x402.BatchRequest) (*payment, *BatchRefus
 	return p, nil
 }
 
+// depositERC3009 is a deposit payment's ERC-3009 authorization, nil when it has none.
+func depositERC3009(bp *x402.BatchPayment) *x402.BatchERC3009Authorization {
+	if d := bp.Payload.Deposit; d != nil {
+		return d.Authorization.ERC3009Authorization
+	}
+	return nil
+}
+
 // asBatchRefusal is err as a *BatchRefusal when it is one, else nil.
 func asBatchRefusal(err error) *BatchRefusal {
 	var r *BatchRefusal
@@ -167,7 +185,7 @@ func asVoucher(bp x402.BatchPayment) x402.BatchPayment {
 // deposit with this one added, then as a payment (time window, the escrow's deposit call simulated from a
 // settlement wallet, the payer's funds held as any payment's are).
 func (f *Facilitator) verifyDeposit(ctx context.Context, req x402.BatchRequest, payer string) (x402.VerifyResponse, error) {
-	p, r := f.parseDeposit(req)
+	p, r := f.parseDeposit(req, false)
 	if r == nil {
 		r = f.checkDepositVoucher(ctx, p, req)
 	}
@@ -201,7 +219,7 @@ func (f *Facilitator) checkDepositVoucher(ctx context.Context, p *payment, req x
 // again is answered from the journal (its transaction's outcome) and its voucher from the channel's row.
 func (f *Facilitator) settleDeposit(ctx context.Context, req x402.BatchRequest, payer string) (x402.BatchSettleResponse, error) {
 	network := req.PaymentRequirements.Network
-	p, r := f.parseDeposit(req)
+	p, r := f.parseDeposit(req, false)
 	if r == nil {
 		r = f.checkDepositVoucher(ctx, p, req)
 	}

@@ -658,3 +658,25 @@ func TestBatchVoucherAcceptedByAnEngineThatCrashedBeforeItsRecordIsServedOnceThe
 		t.Fatalf("a voucher accepted past the retention, presented again: %+v, want %s", resp, x402.ReasonPaymentAlreadyUsed)
 	}
 }
+
+func TestBatchDepositRecordStillReadsAsASettlementAfterItsAuthorizationExpired(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second})
+	req := b.depositRequest(t, 10*batchPrice)
+	if resp := settleBatch(t, b.fx.f, req); !resp.Success {
+		t.Fatalf("the deposit: %+v", resp)
+	}
+	a := req.PaymentPayload.Payload.Deposit.Authorization.ERC3009Authorization
+	id := journal.PaymentID(b.fx.net, x402.TransferEIP3009, b.token.Hex(), b.payer.Address.Hex(),
+		contracts.ERC3009DepositNonce(b.id, common.HexToHash(a.Salt)).Hex())
+	rec, ok, err := b.fx.journal.Get(context.Background(), id)
+	if err != nil || !ok || rec.TxHash == "" {
+		t.Fatalf("the deposit's record: %+v, %v, %v", rec, ok, err)
+	}
+	// Reconciliation reads a record back long after the payer's window closed (a restart, a takeover): it must
+	// still be this engine's settlement, or a broadcast deposit would be left unfinished.
+	b.c.AdjustTime(10 * time.Minute)
+	got, refused, err := b.fx.f.RecordedPaymentIDForTest(rec.Request)
+	if err != nil || refused != "" || got != id {
+		t.Fatalf("the deposit's record read back after its validBefore: id %s, refused %q, %v; want %s", got, refused, err, id)
+	}
+}
