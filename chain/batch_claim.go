@@ -154,7 +154,21 @@ func (f *Facilitator) claimPass(ctx context.Context, n *network, force, wait boo
 		if len(rows) > maxClaimsPerTx {
 			rows = rows[:maxClaimsPerTx]
 		}
-		if err := f.sendClaim(ctx, n, chs, rows, wait); err != nil {
+		err = f.sendClaim(ctx, n, chs, rows, wait)
+		var reverts *claimReverts
+		if errors.As(err, &reverts) && len(rows) > 1 {
+			// One channel's claim sinks the batch (a channel withdrawn since, say): the others are claimed
+			// without it, and it is left for the next pass, which finds it the same unless the chain changed.
+			good := f.claimableAlone(ctx, n, rows)
+			if len(good) == 0 || len(good) == len(rows) {
+				return err
+			}
+			f.log.Warn("batch-settlement claim left out channels whose claim reverts", zap.String("network", n.caip2),
+				zap.Int("left_out", len(rows)-len(good)), zap.String("why", reverts.why))
+			err = f.sendClaim(ctx, n, chs, good, wait)
+			force = false // the channels left out would come back at once
+		}
+		if err != nil {
 			return err
 		}
 		if !force {
@@ -261,7 +275,10 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 	// Nothing is sent that would revert: the claim runs first as it will be sent.
 	to := call.To
 	if _, err := n.backend.CallContract(ctx, ethereum.CallMsg{From: w.Address, To: &to, Gas: call.Gas, Data: call.Data}, nil); err != nil {
-		return fmt.Errorf("simulating the claim of %d channels: %s", len(rows), revertReason(err))
+		if failsOnChain(err) {
+			return &claimReverts{channels: len(rows), why: revertReason(err)}
+		}
+		return fmt.Errorf("simulating the claim of %d channels: %w", len(rows), err)
 	}
 	n.batch.mu.Lock()
 	n.claimer.accepted = 0
@@ -313,6 +330,32 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 		}
 	}
 	return nil
+}
+
+// claimReverts is a claim whose simulation reverted: nothing was sent.
+type claimReverts struct {
+	channels int
+	why      string
+}
+
+func (e *claimReverts) Error() string {
+	return fmt.Sprintf("the claim of %d channels would revert (%s): nothing was sent", e.channels, e.why)
+}
+
+// claimableAlone keeps the rows whose claim, alone, does not revert.
+func (f *Facilitator) claimableAlone(ctx context.Context, n *network, rows []journal.Channel) []journal.Channel {
+	var good []journal.Channel
+	to := contracts.BatchSettlementAddress
+	for _, r := range rows {
+		data, _, err := n.claimer.claimCall(BatchDomainSeparator(n.chainID), []journal.Channel{r})
+		if err != nil {
+			continue
+		}
+		if _, err := n.backend.CallContract(ctx, ethereum.CallMsg{To: &to, Data: data}, nil); err == nil {
+			good = append(good, r)
+		}
+	}
+	return good
 }
 
 // recordClaim writes the broadcast record of claim transaction tx, before it leaves.

@@ -680,3 +680,46 @@ func TestBatchDepositRecordStillReadsAsASettlementAfterItsAuthorizationExpired(t
 		t.Fatalf("the deposit's record read back after its validBefore: id %s, refused %q, %v; want %s", got, refused, err, id)
 	}
 }
+
+// ofPayer is the route with payer i's channel in place of the first payer's.
+func (b *batchRoute) ofPayer(i int) *batchRoute {
+	o := *b
+	o.payer = b.c.Payers[i]
+	o.cfg.Payer, o.cfg.PayerAuthorizer = o.payer.Address, o.payer.Address
+	o.id = chaintest.ChannelID(b.c.ChainID, o.cfg)
+	return &o
+}
+
+func TestBatchClaimLeavesOutAChannelWhoseClaimWouldRevertAndClaimsTheOthers(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) { claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0)) }})
+	gone := b.ofPayer(1)
+	for _, r := range []*batchRoute{b, gone} {
+		r.deposit(t, 5*batchPrice)
+		for i := int64(1); i <= 3; i++ {
+			if resp := settleBatch(t, b.fx.f, r.voucher(r.rq, i*batchPrice)); !resp.Success {
+				t.Fatalf("voucher %d: %+v", i, resp)
+			}
+		}
+	}
+	// The second payer withdraws everything before any claim lands: its vouchers can no longer be claimed.
+	data, err := contracts.PackInitiateWithdraw(gone.cfg, big.NewInt(5*batchPrice))
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone.escrow(t, gone.payer, data, "initiating the withdrawal")
+	b.c.AdjustTime(16 * time.Minute)
+	if data, err = contracts.PackFinalizeWithdraw(gone.cfg); err != nil {
+		t.Fatal(err)
+	}
+	gone.escrow(t, gone.payer, data, "finalizing the withdrawal")
+	if err := b.fx.f.ClaimBatches(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.c.BalanceOf(b.token, b.receiver.Address).Int64(); got != 3*batchPrice {
+		t.Fatalf("the receiver holds %d, want the %d of the channel still claimable", got, 3*batchPrice)
+	}
+	if row := gone.row(t, b.fx.journal); row.ClaimTx != "" || row.Claimed.Sign() != 0 {
+		t.Fatalf("the withdrawn channel's row: claimed %s, claim in flight %q", row.Claimed, row.ClaimTx)
+	}
+}
