@@ -692,7 +692,9 @@ func (b *batchRoute) ofPayer(i int) *batchRoute {
 
 func TestBatchClaimLeavesOutAChannelWhoseClaimWouldRevertAndClaimsTheOthers(t *testing.T) {
 	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second,
-		tune: func(_ *fixture, nc *chain.NetworkConfig) { claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0)) }})
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+		}})
 	gone := b.ofPayer(1)
 	for _, r := range []*batchRoute{b, gone} {
 		r.deposit(t, 5*batchPrice)
