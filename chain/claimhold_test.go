@@ -7,12 +7,16 @@ import (
 	"math/big"
 	"net"
 	"net/url"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -271,4 +275,66 @@ func (p *pgFaultProxy) serve(client net.Conn) {
 			return
 		}
 	}
+}
+
+// TestAnUptoPaymentHeldAtItsMaximumSettlesForLessWithItsClaimInTheHoldsBatch: on a shared journal, an upto payment
+// a gate held at its maximum when it served it (VerifyAndHold) is settled for less: the settlement's claim goes
+// with its hold, which finds the payment held already (at the maximum, which the shared holds keep until the
+// settlement is mined), and it moves exactly the amount settled, once. One never held, settled on the engine
+// that does not hold its named wallet (claimed alone, handed off to the one that does), is held for what its
+// settlement moves.
+func TestAnUptoPaymentHeldAtItsMaximumSettlesForLessWithItsClaimInTheHoldsBatch(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	fx, engines, _ := sharedEnginesOn(t, dsn, 2, 2*time.Second, fixtureOpts{wallets: 4, receiptTimeout: time.Minute,
+		chainOpts: []chaintest.Option{chaintest.WithTokenBalance(big.NewInt(price * 3 / 2))}})
+	waitLeases(t, fx, engines, 2, 2)
+	a, b := engines[0], engines[1]
+	payer := fx.c.Payers[0]
+	fx.approvePermit2(payer)
+	sellerBefore := fx.c.TokenBalance(fx.payTo)
+
+	held := fx.permit2(payer, fx.uptoRequirements(b.LeasedWallets(fx.net)[0]), chain.Permit2Options{})
+	if v, err := b.VerifyAndHold(context.Background(), held); err != nil || !v.IsValid {
+		t.Fatalf("verify and hold at the maximum = %+v, %v; want valid", v, err)
+	}
+	if amount, err := holdAmount(dsn, permit2ID(fx, held)); err != nil || amount != strconv.Itoa(price) {
+		t.Fatalf("the served payment's hold = %q, %v; want its maximum, %d", amount, err, price)
+	}
+	resp, err := b.Settle(context.Background(), settleFor(held, price/2))
+	if err != nil || !resp.Success || resp.Amount != strconv.Itoa(price/2) {
+		t.Fatalf("settle for half the maximum = %+v, %v; want a success of %d", resp, err, price/2)
+	}
+	if amount, err := holdAmount(dsn, permit2ID(fx, held)); err != nil || amount != strconv.Itoa(price) {
+		t.Fatalf("the hold after the settlement = %q, %v; want it kept at the maximum, %d, until it is seen mined", amount, err, price)
+	}
+	if mined, err := holdMined(dsn, permit2ID(fx, held)); err != nil || mined == "0" || mined == "" {
+		t.Fatalf("the hold after the settlement's receipt = %q, %v; want it ended as mined", mined, err)
+	}
+
+	fresh := fx.permit2(payer, fx.uptoRequirements(b.LeasedWallets(fx.net)[0]), chain.Permit2Options{})
+	if resp, err := a.Settle(context.Background(), settleFor(fresh, price/4)); err != nil || !resp.Success {
+		t.Fatalf("settle for a quarter of a payment never held, handed off = %+v, %v; want a success", resp, err)
+	}
+	if amount, err := holdAmount(dsn, permit2ID(fx, fresh)); err != nil || amount != strconv.Itoa(price/4) {
+		t.Fatalf("the hold of a payment never held, settled for a quarter = %q, %v; want %d", amount, err, price/4)
+	}
+	if got := new(big.Int).Sub(fx.c.TokenBalance(fx.payTo), sellerBefore); got.Int64() != price/2+price/4 {
+		t.Fatalf("the seller received %s, want %d", got, price/2+price/4)
+	}
+	if n := fx.c.CountTokenTransfers(payer.Address, fx.payTo); n != 2 {
+		t.Fatalf("%d transfers from the payer, want 2", n)
+	}
+}
+
+// holdAmount reads the amount of payment id's funds hold: "" when there is none.
+func holdAmount(dsn string, id journal.ID) (string, error) {
+	var amount string
+	err := query(dsn, func(ctx context.Context, conn *pgx.Conn) error {
+		err := conn.QueryRow(ctx, `SELECT amount::text FROM x402_holds WHERE id = $1`, id[:]).Scan(&amount)
+		if errors.Is(err, pgx.ErrNoRows) {
+			amount, err = "", nil
+		}
+		return err
+	})
+	return amount, err
 }

@@ -90,11 +90,26 @@ AND ((mined <> 0 AND mined <= $2::numeric AND (mined_at IS NULL OR mined_at < no
 		+ greatest($5::bigint, (SELECT coalesce(max(reads_answer_for_us), 0) FROM x402_instances))) * interval '1 microsecond'))
 	OR (mined = 0 AND deadline < $3::numeric))`
 
+// pgHoldCommitsAsync lets a hold with take that carries no claim commit without waiting for its WAL to reach the
+// disk. The key's row lock is what serializes one payer's holds across the cluster, and a transaction keeps its
+// locks until its commit returns: a synchronous commit holds the lock across the WAL flush, so one payer's holds
+// queued behind one another's flushes. Nothing relies on such a hold's durability before a synchronous commit
+// made after it: every hold is followed by one before anything depends on it (the gate's record of an async
+// payment before it is served, the settlement's claim or its write-ahead record before anything is signed), and
+// PostgreSQL flushes the WAL in order, so that commit makes the hold durable too. A crash before it loses at most
+// a hold that nothing was served or sent for. A hold another transaction reads meanwhile (it is visible once
+// committed) only makes that one err on refusing; one whose claim rides with it (HoldAndClaim) commits
+// synchronously, as a claim always does.
+const pgHoldCommitsAsync = "SET LOCAL synchronous_commit = off"
+
 // holdInOne is Hold with take in one round trip (see above). With unrecordedOnly, a record of h.ID refuses the
 // hold: nothing of h is written, and recorded says so (ok and left unset).
 func (s *PostgresStore) holdInOne(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, unrecordedOnly bool) (recorded, ok bool, left *big.Int, err error) {
 	var d holdDecision
-	err = s.txInOne(ctx, func(b *pgx.Batch) { d.queue(s, b, h, avail, readBlock, chainTime, unrecordedOnly) })
+	err = s.txInOne(ctx, func(b *pgx.Batch) {
+		b.Queue(pgHoldCommitsAsync)
+		d.queue(s, b, h, avail, readBlock, chainTime, unrecordedOnly)
+	})
 	if err != nil || d.recorded {
 		return d.recorded, false, nil, err
 	}

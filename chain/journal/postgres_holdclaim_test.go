@@ -4,9 +4,13 @@ import (
 	"context"
 	"errors"
 	"math/big"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 )
@@ -231,5 +235,96 @@ func TestPostgresAClaimWithItsHoldAcrossARestartIsWrittenOnceOrNotAtAll(t *testi
 	}
 	if got := holdRows(t, s, key, claimOf(33001).ID); len(got) != 1 {
 		t.Fatalf("after the restart the payment is held %d times; want once", len(got))
+	}
+}
+
+// batchSQL is a pgx tracer that keeps the statements of every batch sent.
+type batchSQL struct {
+	mu      sync.Mutex
+	batches [][]string
+}
+
+func (c *batchSQL) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (c *batchSQL) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (c *batchSQL) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var sqls []string
+	for _, q := range d.Batch.QueuedQueries {
+		sqls = append(sqls, q.SQL)
+	}
+	c.batches = append(c.batches, sqls)
+	return ctx
+}
+func (c *batchSQL) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (c *batchSQL) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// asyncHolds takes the batches sent since the last take that hold with take, and says of each whether it commits
+// without waiting for the WAL flush.
+func (c *batchSQL) asyncHolds() (async []bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, b := range c.batches {
+		if slices.ContainsFunc(b, func(s string) bool { return strings.Contains(s, "FOR UPDATE") && strings.Contains(s, "x402_hold_keys") }) {
+			async = append(async, slices.Contains(b, pgHoldCommitsAsync))
+		}
+	}
+	c.batches = nil
+	return async
+}
+
+// TestPostgresAHoldWithoutAClaimCommitsAsynchronouslyAndIsDurableOnceASynchronousCommitFollows: a hold with take
+// that carries no claim (Hold, UnrecordedAndHeld) commits without waiting for the WAL flush, so the key's lock is
+// not held across it; one that carries a claim (HoldAndClaim) waits, as every claim does. Holds committed so and
+// followed by a synchronous commit (what a gate's record, a claim or a write-ahead record is) survive a crash of
+// the database: the WAL is flushed in order.
+func TestPostgresAHoldWithoutAClaimCommitsAsynchronouslyAndIsDurableOnceASynchronousCommitFollows(t *testing.T) {
+	srv := pgtest.Start(t)
+	bg := context.Background()
+	tr := &batchSQL{}
+	s := openPostgres(t, srv.DSN(), Options{Tracer: tr})
+	key := "async-holds"
+	for i := range 10 {
+		if ok, _, err := s.Hold(bg, holdOf(34000+i, key, 1), big.NewInt(100), 1, 1, true); err != nil || !ok {
+			t.Fatalf("hold %d = %v, %v", i, ok, err)
+		}
+	}
+	if unrecorded, ok, _, err := UnrecordedAndHeld(bg, s, holdOf(34010, key, 1), big.NewInt(100), 1, 1); err != nil || !unrecorded || !ok {
+		t.Fatalf("UnrecordedAndHeld = %v, %v, %v", unrecorded, ok, err)
+	}
+	if got := tr.asyncHolds(); len(got) != 11 || slices.Contains(got, false) {
+		t.Fatalf("holds without a claim commit asynchronously: %v; want 11, all", got)
+	}
+	if out, err := HoldAndClaim(bg, s, holdOf(34011, key, 1), big.NewInt(100), 1, 1, claimOf(34011)); err != nil || !out.Claimed {
+		t.Fatalf("HoldAndClaim = %+v, %v", out, err)
+	}
+	if got := tr.asyncHolds(); len(got) != 1 || got[0] {
+		t.Fatalf("a hold carrying a claim commits asynchronously: %v; want one, synchronous", got)
+	}
+	// One more hold alone, then a synchronous commit (a claim of another payment), then a crash.
+	if ok, _, err := s.Hold(bg, holdOf(34012, key, 1), big.NewInt(100), 1, 1, true); err != nil || !ok {
+		t.Fatal(ok, err)
+	}
+	if _, claimed, err := s.Claim(bg, claimOf(34013)); err != nil || !claimed {
+		t.Fatal(claimed, err)
+	}
+	srv.Crash(t)
+	srv.Restart(t)
+	var (
+		holds []Hold
+		err   error
+	)
+	for range 3 { // a pooled connection the crash broke may fail one call
+		if holds, err = s.HoldsOf(bg, key); err == nil {
+			break
+		}
+	}
+	if err != nil || len(holds) != 13 {
+		t.Fatalf("after the crash, %d holds of the key are there (%v); want all 13", len(holds), err)
+	}
+	if _, ok, err := s.Get(bg, claimOf(34011).ID); err != nil || !ok {
+		t.Fatalf("after the crash, the claim made with its hold is gone: %v, %v", ok, err)
 	}
 }
