@@ -89,27 +89,6 @@ func TestBenchRefusesFlagsThatMakeNoRunAndSaysWhy(t *testing.T) {
 	}
 }
 
-func TestBenchPercentilesAreNearestRank(t *testing.T) {
-	var ds []time.Duration
-	for i := 1; i <= 100; i++ {
-		ds = append(ds, time.Duration(i)*time.Millisecond)
-	}
-	for _, c := range []struct {
-		p    float64
-		want time.Duration
-	}{{50, 50 * time.Millisecond}, {90, 90 * time.Millisecond}, {99, 99 * time.Millisecond}, {100, 100 * time.Millisecond}, {0, time.Millisecond}} {
-		if got := caddymodule.BenchPercentile(ds, c.p); got != c.want {
-			t.Errorf("p%v of 1..100 ms = %s, want %s", c.p, got, c.want)
-		}
-	}
-	if got := caddymodule.BenchPercentile([]time.Duration{7 * time.Millisecond}, 99); got != 7*time.Millisecond {
-		t.Errorf("p99 of one latency = %s, want it", got)
-	}
-	if got := caddymodule.BenchPercentile(nil, 50); got != 0 {
-		t.Errorf("p50 of nothing = %s, want 0", got)
-	}
-}
-
 // fakeSeller answers 402 with a permit2 offer of its network and token to payTo, and each paid request with what
 // answer says for the request's turn (0, 1, ...), recording the payment headers it got. It settles nothing.
 type fakeSeller struct {

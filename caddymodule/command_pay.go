@@ -90,7 +90,7 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 		client = &http.Client{}
 	}
 
-	first, firstBody, err := fetch(ctx, client, http.MethodGet, target.String(), "", "")
+	first, firstBody, err := payer.Fetch(ctx, client, http.MethodGet, target.String(), "", "", maxPrintedBody)
 	if err != nil {
 		return err
 	}
@@ -140,7 +140,7 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 	// attached, which would hand a signed payment to another host.
 	noRedirect := *client
 	noRedirect.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
-	resp, body, err := fetch(ctx, &noRedirect, http.MethodGet, first.Request.URL.String(), pay.Header, pay.Value)
+	resp, body, err := payer.Fetch(ctx, &noRedirect, http.MethodGet, first.Request.URL.String(), pay.Header, pay.Value, maxPrintedBody)
 	if err != nil {
 		return err
 	}
@@ -225,27 +225,6 @@ func isRawAmount(s string) bool {
 		}
 	}
 	return true
-}
-
-// fetch sends method to u, with the payment header when name is set, and reads the body (as much of it as is printed).
-func fetch(ctx context.Context, client *http.Client, method, u, name, value string) (*http.Response, []byte, error) {
-	r, err := http.NewRequestWithContext(ctx, method, u, nil)
-	if err != nil {
-		return nil, nil, fmt.Errorf("building the request: %w", err)
-	}
-	if name != "" {
-		r.Header.Set(name, value)
-	}
-	resp, err := client.Do(r)
-	if err != nil {
-		return nil, nil, fmt.Errorf("requesting %s: %w", r.URL.Redacted(), err)
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxPrintedBody))
-	if err != nil {
-		return nil, nil, fmt.Errorf("reading the answer of %s: %w", r.URL.Redacted(), err)
-	}
-	return resp, body, nil
 }
 
 // payNote says, for the progress line, what the payment checked and added beyond the signature.

@@ -61,9 +61,6 @@ func RunX402Context(ctx context.Context, stdout, stderr io.Writer, args ...strin
 	return cmd.ExecuteContext(ctx)
 }
 
-// BenchPercentile is the nearest-rank percentile of sorted latencies that `caddy x402 bench` reports.
-func BenchPercentile(sorted []time.Duration, p float64) time.Duration { return percentile(sorted, p) }
-
 // EnginesHeld is how many embedded engines the process holds, and the references to them (for the review of
 // the chain-down start: none leaked by a waiter).
 func EnginesHeld() (engineCount, refs int) {

@@ -229,27 +229,10 @@ func (m *metrics) trackBacklog(src backlogSource) (release func()) {
 	return m.backlog.add(src)
 }
 
-// knownReasons are the reason codes that get their own label value.
+// knownReasons are the reason codes that get their own label value: every one the protocol package names.
 var knownReasons = func() map[string]bool {
 	set := map[string]bool{}
-	for _, r := range []string{
-		x402.ReasonInsufficientFunds, x402.ReasonInvalidNetwork, x402.ReasonInvalidPayload,
-		x402.ReasonInvalidPaymentRequirements, x402.ReasonInvalidScheme, x402.ReasonUnsupportedScheme,
-		x402.ReasonInvalidX402Version, x402.ReasonInvalidSignature, x402.ReasonRecipientMismatch,
-		x402.ReasonValueMismatch, x402.ReasonValidAfter, x402.ReasonValidBefore, x402.ReasonNonceAlreadyUsed,
-		x402.ReasonSimulationFailed, x402.ReasonFailedToGetReceipt, x402.ReasonTransactionFailed,
-		x402.ReasonPermit2InvalidSpender, x402.ReasonPermit2RecipientMismatch, x402.ReasonPermit2InvalidSignature,
-		x402.ReasonPermit2DeadlineExpired, x402.ReasonPermit2NotYetValid, x402.ReasonPermit2AmountMismatch,
-		x402.ReasonPermit2TokenMismatch, x402.ReasonPermit2AllowanceRequired, x402.ReasonPermit2InsufficientBalance,
-		x402.ReasonPermit2InvalidNonce, x402.ReasonPermit2ProxyNotDeployed, x402.ReasonPermit2EIP2612AmountMismatch,
-		x402.ReasonPermit2SimulationFailed, x402.ReasonInvalidEIP2612ExtensionFormat, x402.ReasonEIP2612FromMismatch,
-		x402.ReasonEIP2612AssetMismatch, x402.ReasonEIP2612SpenderNotPermit2, x402.ReasonEIP2612DeadlineExpired,
-		x402.ReasonUnexpectedVerifyError, x402.ReasonUnexpectedSettleError, x402.ReasonSettlementPending,
-		x402.ReasonNoAvailableWallets, x402.ReasonPaymentAlreadyUsed,
-		x402.ReasonEIP3009InvalidSignature, x402.ReasonEIP3009RecipientMismatch, x402.ReasonEIP3009AuthorizationValue,
-		x402.ReasonEIP3009InsufficientBalance, x402.ReasonEIP3009NotSupported, x402.ReasonEIP3009TokenNameMismatch,
-		x402.ReasonEIP3009TokenVersionMismatch, x402.ReasonEIP6492FactoryNotAllowed, x402.ReasonSmartWalletDeploymentFailed,
-	} {
+	for _, r := range x402.Reasons() {
 		set[r] = true
 	}
 	return set

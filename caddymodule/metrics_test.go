@@ -91,6 +91,8 @@ func TestMetricsLabelValuesFromOutsideAreBoundedToKnownOnes(t *testing.T) {
 	m.observeFacilitatorOutcome(facilitatorserver.EndpointSettle, "")
 	m.observeFacilitatorOutcome(facilitatorserver.EndpointVerify, x402.ReasonInsufficientFunds)
 	m.observeFacilitatorOutcome(facilitatorserver.EndpointSettle, "made_up_by_a_remote_facilitator_12345")
+	m.observeFacilitatorOutcome(facilitatorserver.EndpointVerify, x402.ReasonUptoFacilitatorMismatch)
+	m.observeFacilitatorOutcome(facilitatorserver.EndpointVerify, x402.ReasonBatchCumulativeExceedsBalance)
 	m.observeOutcome(x402.OutcomeStatus("not-a-status"))
 
 	got := gathered(t, reg)
@@ -100,6 +102,10 @@ func TestMetricsLabelValuesFromOutsideAreBoundedToKnownOnes(t *testing.T) {
 		`caddy_x402_facilitator_outcomes_total{endpoint="verify",reason="insufficient_funds"}`: 1,
 		`caddy_x402_facilitator_outcomes_total{endpoint="settle",reason="other"}`:              1,
 		`caddy_x402_gate_outcomes_total{status="other"}`:                                       1,
+		// Every reason the protocol package names has its own series (x402.Reasons), upto's and batch's too.
+		`caddy_x402_facilitator_outcomes_total{endpoint="verify",reason="upto_facilitator_mismatch"}`:                               1,
+		`caddy_x402_facilitator_outcomes_total{endpoint="verify",reason="invalid_batch_settlement_evm_cumulative_exceeds_balance"}`: 1,
+		`caddy_x402_facilitator_outcomes_total{endpoint="verify",reason="other"}`:                                                   0,
 	} {
 		if got[name] != want {
 			t.Errorf("%s = %v, want %v (all: %v)", name, got[name], want, got)

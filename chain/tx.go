@@ -26,8 +26,6 @@ type contractCall struct {
 type FeePolicy struct {
 	// Legacy sends type-0 transactions priced by eth_gasPrice, for networks without EIP-1559.
 	Legacy bool
-	// tipCap overrides the suggested priority fee (wei) when set.
-	tipCap *big.Int
 	// CacheFor is how long a fee quote is reused; settlements in one block pay alike.
 	CacheFor time.Duration
 }
@@ -76,11 +74,9 @@ func (s *sender) readFeeQuote(ctx context.Context) (*feeQuote, error) {
 		if err != nil {
 			return nil, fmt.Errorf("head block for the base fee: %w", err)
 		}
-		tip := s.fees.tipCap
-		if tip == nil {
-			if tip, err = s.backend.SuggestGasTipCap(ctx); err != nil {
-				return nil, fmt.Errorf("priority fee: %w", err)
-			}
+		tip, err := s.backend.SuggestGasTipCap(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("priority fee: %w", err)
 		}
 		base := head.BaseFee
 		if base == nil {

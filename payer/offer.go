@@ -1,7 +1,9 @@
 package payer
 
 import (
+	"context"
 	"fmt"
+	"io"
 	"net/http"
 
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -92,4 +94,27 @@ func Settlement(resp *http.Response) (*x402.SettleResponse, error) {
 		return &s, nil
 	}
 	return nil, nil
+}
+
+// Fetch sends one request with no body, with header name set to value when name is given (a payment), and reads
+// at most limit bytes of its answer's body: the probe that finds a URL's offer, and its paid retry. The answer's
+// body is closed; what it returns is what was read.
+func Fetch(ctx context.Context, client *http.Client, method, u, name, value string, limit int64) (*http.Response, []byte, error) {
+	r, err := http.NewRequestWithContext(ctx, method, u, nil)
+	if err != nil {
+		return nil, nil, fmt.Errorf("building the request: %w", err)
+	}
+	if name != "" {
+		r.Header.Set(name, value)
+	}
+	resp, err := client.Do(r)
+	if err != nil {
+		return nil, nil, fmt.Errorf("requesting %s: %w", r.URL.Redacted(), err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, limit))
+	if err != nil {
+		return nil, nil, fmt.Errorf("reading the answer of %s: %w", r.URL.Redacted(), err)
+	}
+	return resp, body, nil
 }

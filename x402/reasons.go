@@ -81,3 +81,103 @@ const (
 	MessageNoAvailableWallets = "No available wallets in pool"
 	MessagePermitExpired      = "Permit expired"
 )
+
+// Reason codes of batch-settlement payments, as the public SDK's batch-settlement EVM scheme names them (npm
+// @x402/evm 2.27, batch-settlement/errors).
+const (
+	ReasonBatchChannelNotFound               = "invalid_batch_settlement_evm_channel_not_found"
+	ReasonBatchTokenMismatch                 = "invalid_batch_settlement_evm_token_mismatch"
+	ReasonBatchInvalidVoucherSignature       = "invalid_batch_settlement_evm_voucher_signature"
+	ReasonBatchCumulativeExceedsBalance      = "invalid_batch_settlement_evm_cumulative_exceeds_balance"
+	ReasonBatchCumulativeBelowClaimed        = "invalid_batch_settlement_evm_cumulative_below_claimed"
+	ReasonBatchInsufficientBalance           = "invalid_batch_settlement_evm_insufficient_balance"
+	ReasonBatchDepositTransactionFailed      = "invalid_batch_settlement_evm_deposit_transaction_failed"
+	ReasonBatchClaimTransactionFailed        = "invalid_batch_settlement_evm_claim_transaction_failed"
+	ReasonBatchSettleTransactionFailed       = "invalid_batch_settlement_evm_settle_transaction_failed"
+	ReasonBatchInvalidScheme                 = "invalid_batch_settlement_evm_scheme"
+	ReasonBatchNetworkMismatch               = "invalid_batch_settlement_evm_network_mismatch"
+	ReasonBatchMissingEIP712Domain           = "invalid_batch_settlement_evm_missing_eip712_domain"
+	ReasonBatchValidBefore                   = "invalid_batch_settlement_evm_payload_authorization_valid_before"
+	ReasonBatchValidAfter                    = "invalid_batch_settlement_evm_payload_authorization_valid_after"
+	ReasonBatchInvalidReceiveAuthorization   = "invalid_batch_settlement_evm_receive_authorization_signature"
+	ReasonBatchERC3009AuthorizationRequired  = "invalid_batch_settlement_evm_erc3009_authorization_required"
+	ReasonBatchRefundTransactionFailed       = "invalid_batch_settlement_evm_refund_transaction_failed"
+	ReasonBatchInvalidPayloadType            = "invalid_batch_settlement_evm_payload_type"
+	ReasonBatchWithdrawDelayOutOfRange       = "invalid_batch_settlement_evm_withdraw_delay_out_of_range"
+	ReasonBatchChannelIDMismatch             = "invalid_batch_settlement_evm_channel_id_mismatch"
+	ReasonBatchChannelIDInvalid              = "invalid_batch_settlement_evm_channel_id_invalid"
+	ReasonBatchReceiverMismatch              = "invalid_batch_settlement_evm_receiver_mismatch"
+	ReasonBatchReceiverAuthorizerMismatch    = "invalid_batch_settlement_evm_receiver_authorizer_mismatch"
+	ReasonBatchWithdrawDelayMismatch         = "invalid_batch_settlement_evm_withdraw_delay_mismatch"
+	ReasonBatchAuthorizerAddressMismatch     = "invalid_batch_settlement_evm_authorizer_address_mismatch"
+	ReasonBatchAuthorizerNotConfigured       = "invalid_batch_settlement_evm_authorizer_not_configured"
+	ReasonBatchDepositSimulationFailed       = "invalid_batch_settlement_evm_deposit_simulation_failed"
+	ReasonBatchDepositBelowMinDeposit        = "invalid_batch_settlement_evm_deposit_below_min_deposit"
+	ReasonBatchFactoryNotAllowed             = "invalid_batch_settlement_evm_eip6492_factory_not_allowed"
+	ReasonBatchSmartWalletDeploymentFailed   = "invalid_batch_settlement_evm_smart_wallet_deployment_failed"
+	ReasonBatchClaimSimulationFailed         = "invalid_batch_settlement_evm_claim_simulation_failed"
+	ReasonBatchSettleSimulationFailed        = "invalid_batch_settlement_evm_settle_simulation_failed"
+	ReasonBatchNothingToSettle               = "invalid_batch_settlement_evm_nothing_to_settle"
+	ReasonBatchRefundPayload                 = "invalid_batch_settlement_evm_refund_payload"
+	ReasonBatchRefundSimulationFailed        = "invalid_batch_settlement_evm_refund_simulation_failed"
+	ReasonBatchRPCReadFailed                 = "invalid_batch_settlement_evm_rpc_read_failed"
+	ReasonBatchPermit2AuthorizationRequired  = "invalid_batch_settlement_evm_permit2_authorization_required"
+	ReasonBatchPermit2InvalidSpender         = "invalid_batch_settlement_evm_permit2_invalid_spender"
+	ReasonBatchPermit2AmountMismatch         = "invalid_batch_settlement_evm_permit2_amount_mismatch"
+	ReasonBatchPermit2DeadlineExpired        = "invalid_batch_settlement_evm_permit2_deadline_expired"
+	ReasonBatchPermit2InvalidSignature       = "invalid_batch_settlement_evm_permit2_invalid_signature"
+	ReasonBatchPermit2AllowanceRequired      = "invalid_batch_settlement_evm_permit2_allowance_required"
+	ReasonBatchEIP2612AmountMismatch         = "invalid_batch_settlement_evm_eip2612_amount_mismatch"
+	ReasonBatchEIP2612OwnerMismatch          = "invalid_batch_settlement_evm_eip2612_owner_mismatch"
+	ReasonBatchEIP2612AssetMismatch          = "invalid_batch_settlement_evm_eip2612_asset_mismatch"
+	ReasonBatchEIP2612SpenderMismatch        = "invalid_batch_settlement_evm_eip2612_spender_mismatch"
+	ReasonBatchEIP2612DeadlineExpired        = "invalid_batch_settlement_evm_eip2612_deadline_expired"
+	ReasonBatchERC20ApprovalUnavailable      = "invalid_batch_settlement_evm_erc20_approval_unavailable"
+	ReasonBatchCumulativeAmountMismatch      = "invalid_batch_settlement_evm_cumulative_amount_mismatch"
+	ReasonBatchChannelBusy                   = "invalid_batch_settlement_evm_channel_busy"
+	ReasonBatchVerificationStateUnavailable  = "invalid_batch_settlement_evm_verification_state_unavailable"
+	ReasonBatchChargeExceedsSignedCumulative = "invalid_batch_settlement_evm_charge_exceeds_signed_cumulative"
+	ReasonBatchMissingChannel                = "invalid_batch_settlement_evm_missing_channel"
+	ReasonBatchRefundNoBalance               = "invalid_batch_settlement_evm_refund_no_balance"
+	ReasonBatchRefundAmountInvalid           = "invalid_batch_settlement_evm_refund_amount_invalid"
+)
+
+// reasons are the reason codes above, every one (TestReasonsNamesEveryReasonCode keeps it so).
+var reasons = []string{
+	ReasonInsufficientFunds, ReasonInvalidNetwork, ReasonInvalidPayload, ReasonInvalidPaymentRequirements,
+	ReasonInvalidScheme, ReasonUnsupportedScheme, ReasonInvalidX402Version, ReasonInvalidSignature,
+	ReasonRecipientMismatch, ReasonValueMismatch, ReasonValidAfter, ReasonValidBefore, ReasonNonceAlreadyUsed,
+	ReasonSimulationFailed, ReasonFailedToGetReceipt, ReasonTransactionFailed, ReasonPermit2InvalidSpender,
+	ReasonPermit2RecipientMismatch, ReasonPermit2InvalidSignature, ReasonPermit2DeadlineExpired,
+	ReasonPermit2NotYetValid, ReasonPermit2AmountMismatch, ReasonPermit2TokenMismatch, ReasonPermit2AllowanceRequired,
+	ReasonPermit2InsufficientBalance, ReasonPermit2InvalidNonce, ReasonPermit2ProxyNotDeployed,
+	ReasonPermit2EIP2612AmountMismatch, ReasonPermit2SimulationFailed, ReasonInvalidEIP2612ExtensionFormat,
+	ReasonEIP2612FromMismatch, ReasonEIP2612AssetMismatch, ReasonEIP2612SpenderNotPermit2,
+	ReasonEIP2612DeadlineExpired, ReasonUnexpectedVerifyError, ReasonUnexpectedSettleError, ReasonSettlementPending,
+	ReasonNoAvailableWallets, ReasonPaymentAlreadyUsed, ReasonEIP3009InvalidSignature, ReasonEIP3009RecipientMismatch,
+	ReasonEIP3009AuthorizationValue, ReasonEIP3009InsufficientBalance, ReasonEIP3009NotSupported,
+	ReasonEIP3009TokenNameMismatch, ReasonEIP3009TokenVersionMismatch, ReasonUptoFacilitatorMismatch,
+	ReasonUptoSettlementExceedsAmount, ReasonUptoTransactionFailed, ReasonEIP6492FactoryNotAllowed,
+	ReasonSmartWalletDeploymentFailed, ReasonBatchChannelNotFound, ReasonBatchTokenMismatch,
+	ReasonBatchInvalidVoucherSignature, ReasonBatchCumulativeExceedsBalance, ReasonBatchCumulativeBelowClaimed,
+	ReasonBatchInsufficientBalance, ReasonBatchDepositTransactionFailed, ReasonBatchClaimTransactionFailed,
+	ReasonBatchSettleTransactionFailed, ReasonBatchInvalidScheme, ReasonBatchNetworkMismatch,
+	ReasonBatchMissingEIP712Domain, ReasonBatchValidBefore, ReasonBatchValidAfter,
+	ReasonBatchInvalidReceiveAuthorization, ReasonBatchERC3009AuthorizationRequired,
+	ReasonBatchRefundTransactionFailed, ReasonBatchInvalidPayloadType, ReasonBatchWithdrawDelayOutOfRange,
+	ReasonBatchChannelIDMismatch, ReasonBatchChannelIDInvalid, ReasonBatchReceiverMismatch,
+	ReasonBatchReceiverAuthorizerMismatch, ReasonBatchWithdrawDelayMismatch, ReasonBatchAuthorizerAddressMismatch,
+	ReasonBatchAuthorizerNotConfigured, ReasonBatchDepositSimulationFailed, ReasonBatchDepositBelowMinDeposit,
+	ReasonBatchFactoryNotAllowed, ReasonBatchSmartWalletDeploymentFailed, ReasonBatchClaimSimulationFailed,
+	ReasonBatchSettleSimulationFailed, ReasonBatchNothingToSettle, ReasonBatchRefundPayload,
+	ReasonBatchRefundSimulationFailed, ReasonBatchRPCReadFailed, ReasonBatchPermit2AuthorizationRequired,
+	ReasonBatchPermit2InvalidSpender, ReasonBatchPermit2AmountMismatch, ReasonBatchPermit2DeadlineExpired,
+	ReasonBatchPermit2InvalidSignature, ReasonBatchPermit2AllowanceRequired, ReasonBatchEIP2612AmountMismatch,
+	ReasonBatchEIP2612OwnerMismatch, ReasonBatchEIP2612AssetMismatch, ReasonBatchEIP2612SpenderMismatch,
+	ReasonBatchEIP2612DeadlineExpired, ReasonBatchERC20ApprovalUnavailable, ReasonBatchCumulativeAmountMismatch,
+	ReasonBatchChannelBusy, ReasonBatchVerificationStateUnavailable, ReasonBatchChargeExceedsSignedCumulative,
+	ReasonBatchMissingChannel, ReasonBatchRefundNoBalance, ReasonBatchRefundAmountInvalid,
+}
+
+// Reasons returns every reason code this package names: what a metric may give a label value of its own.
+func Reasons() []string { return append([]string(nil), reasons...) }

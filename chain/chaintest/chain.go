@@ -171,17 +171,6 @@ func WithAlloc(alloc types.GenesisAlloc) Option {
 // WithHTTP serves the chain's JSON-RPC (eth, net, web3) on a free 127.0.0.1 port, in RPCURL.
 func WithHTTP() Option { return func(c *config) { c.http = true } }
 
-// DevChainConfig returns go-ethereum's dev fork set for chainID with the unreleased forks
-// (Bogota, Amsterdam) switched off: with them v1.17.10 prices gas about three times higher
-// than any live network.
-func DevChainConfig(chainID uint64) *params.ChainConfig {
-	cfg := *params.AllDevChainProtocolChanges
-	cfg.ChainID = new(big.Int).SetUint64(chainID)
-	cfg.BogotaTime = nil
-	cfg.AmsterdamTime = nil
-	return &cfg
-}
-
 // New starts a simulated chain, deploys the StableCoin, mints to the payers and closes
 // the chain when the test ends.
 func New(tb testing.TB, opts ...Option) *Chain {
@@ -201,7 +190,7 @@ func New(tb testing.TB, opts ...Option) *Chain {
 
 	c := &Chain{
 		ChainID:   new(big.Int).SetUint64(cfg.chainID),
-		Config:    DevChainConfig(cfg.chainID),
+		Config:    contracts.ChainConfig(cfg.chainID),
 		Deployer:  DeriveAccount("deployer", 0),
 		tb:        tb,
 		nextNonce: make(map[common.Address]uint64),

@@ -12,7 +12,14 @@ const here = __dirname;
 const outDir = path.resolve(process.argv[2] || path.join(here, 'build'));
 
 // Contracts whose runtime code goes into a genesis: they must not use immutables.
-const genesisContracts = new Set(['Permit2', 'X402ExactPermit2Proxy', 'X402UptoPermit2Proxy']);
+const genesisContracts = new Set([
+  'Permit2',
+  'X402ExactPermit2Proxy',
+  'X402UptoPermit2Proxy',
+  'X402BatchSettlement',
+  'ERC3009DepositCollector',
+  'Permit2DepositCollector',
+]);
 // Each contract and the source file it is in.
 const contracts = {
   StableCoin: 'StableCoin.sol',
@@ -20,6 +27,9 @@ const contracts = {
   Permit2: 'Permit2.sol',
   X402ExactPermit2Proxy: 'X402ExactPermit2Proxy.sol',
   X402UptoPermit2Proxy: 'X402UptoPermit2Proxy.sol',
+  X402BatchSettlement: 'X402BatchSettlement.sol',
+  ERC3009DepositCollector: 'ERC3009DepositCollector.sol',
+  Permit2DepositCollector: 'Permit2DepositCollector.sol',
   SmartWallet: 'SmartWallet.sol',
   SmartWalletFactory: 'SmartWallet.sol',
   DeployThenCall: 'DeployThenCall.sol',

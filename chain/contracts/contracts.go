@@ -10,6 +10,7 @@ import (
 	"github.com/ethereum/go-ethereum/accounts/abi"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/params"
 )
 
 // Canonical addresses. Permit2 and the proxy are the same on every chain x402 clients know;
@@ -128,14 +129,35 @@ func uptoProxyCreationCode() []byte { return bytes.Clone(uptoProxyCreation) }
 // UptoProxyRuntimeCode returns a copy of X402UptoPermit2Proxy's runtime code, the code placed at UptoProxyAddress.
 func UptoProxyRuntimeCode() []byte { return bytes.Clone(uptoProxyRuntime) }
 
-// GenesisAlloc returns genesis accounts holding Permit2 and the two proxies (exact and upto) at their
-// canonical addresses. Nonce 1 marks them as deployed contracts (EIP-161), as a CREATE would.
+// ChainConfig is the fork set of every chain whose genesis holds GenesisAlloc (the dev chain and the simulated
+// chains of the tests): go-ethereum's dev fork set for chainID without the forks v1.17.10 enables before any
+// network has (Bogota, Amsterdam), under which gas costs about three times what live networks charge.
+func ChainConfig(chainID uint64) *params.ChainConfig {
+	cfg := *params.AllDevChainProtocolChanges
+	cfg.ChainID = new(big.Int).SetUint64(chainID)
+	cfg.BogotaTime = nil
+	cfg.AmsterdamTime = nil
+	return &cfg
+}
+
+// GenesisAlloc returns genesis accounts holding Permit2, the two proxies (exact and upto) and the three
+// batch-settlement contracts (the escrow and its two deposit collectors) at their canonical addresses. Nonce 1
+// marks them as deployed contracts (EIP-161), as a CREATE would.
 func GenesisAlloc() types.GenesisAlloc {
 	return types.GenesisAlloc{
-		Permit2Address:   {Code: Permit2RuntimeCode(), Nonce: 1, Balance: new(big.Int)},
-		ProxyAddress:     {Code: ProxyRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
-		UptoProxyAddress: {Code: UptoProxyRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
+		Permit2Address:                 {Code: Permit2RuntimeCode(), Nonce: 1, Balance: new(big.Int)},
+		ProxyAddress:                   {Code: ProxyRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
+		UptoProxyAddress:               {Code: UptoProxyRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
+		BatchSettlementAddress:         {Code: BatchSettlementRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
+		ERC3009DepositCollectorAddress: {Code: ERC3009DepositCollectorRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
+		Permit2DepositCollectorAddress: {Code: Permit2DepositCollectorRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
 	}
+}
+
+// BatchSettlementAddresses are the genesis accounts of the batch-settlement contracts: a dev chain made before
+// they were part of the genesis lacks them.
+func BatchSettlementAddresses() []common.Address {
+	return []common.Address{BatchSettlementAddress, ERC3009DepositCollectorAddress, Permit2DepositCollectorAddress}
 }
 
 // TokenPermissions is Permit2's TokenPermissions(address token,uint256 amount).
@@ -226,7 +248,7 @@ func DecodeRevert(data []byte) (reason string, ok bool) {
 	}
 	var selector [4]byte
 	copy(selector[:], data[:4])
-	for _, parsed := range []*abi.ABI{&ProxyABI, &UptoProxyABI, &Permit2ABI, &StableCoinABI, &USDCoinABI, &deployThenCallABI} {
+	for _, parsed := range []*abi.ABI{&ProxyABI, &UptoProxyABI, &BatchSettlementABI, &ERC3009DepositCollectorABI, &Permit2DepositCollectorABI, &Permit2ABI, &StableCoinABI, &USDCoinABI, &deployThenCallABI} {
 		e, err := parsed.ErrorByID(selector)
 		if err != nil {
 			continue

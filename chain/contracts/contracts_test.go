@@ -123,7 +123,11 @@ func TestPackUptoSettleCarriesTheAmountAndTheFacilitator(t *testing.T) {
 
 func TestGenesisAllocPlacesRuntimeCodeAtTheCanonicalAddresses(t *testing.T) {
 	alloc := GenesisAlloc()
-	for addr, want := range map[common.Address][]byte{Permit2Address: Permit2RuntimeCode(), ProxyAddress: ProxyRuntimeCode(), UptoProxyAddress: UptoProxyRuntimeCode()} {
+	for addr, want := range map[common.Address][]byte{
+		Permit2Address: Permit2RuntimeCode(), ProxyAddress: ProxyRuntimeCode(), UptoProxyAddress: UptoProxyRuntimeCode(),
+		BatchSettlementAddress: BatchSettlementRuntimeCode(), ERC3009DepositCollectorAddress: ERC3009DepositCollectorRuntimeCode(),
+		Permit2DepositCollectorAddress: Permit2DepositCollectorRuntimeCode(),
+	} {
 		acc, ok := alloc[addr]
 		if !ok {
 			t.Fatalf("genesis alloc lacks %s", addr)
@@ -132,8 +136,8 @@ func TestGenesisAllocPlacesRuntimeCodeAtTheCanonicalAddresses(t *testing.T) {
 			t.Errorf("code at %s is not the runtime code", addr)
 		}
 	}
-	if len(alloc) != 3 {
-		t.Errorf("genesis alloc has %d accounts, want 3", len(alloc))
+	if len(alloc) != 6 {
+		t.Errorf("genesis alloc has %d accounts, want 6", len(alloc))
 	}
 }
 
@@ -141,9 +145,12 @@ func TestCreationCodeEmbedsTheRuntimeCodeOfGenesisContracts(t *testing.T) {
 	// Without immutables the constructor copies the runtime code verbatim, which is
 	// what makes placing it into genesis equivalent to deploying it.
 	for name, pair := range map[string][2][]byte{
-		"Permit2":   {permit2CreationCode(), Permit2RuntimeCode()},
-		"Proxy":     {proxyCreationCode(), ProxyRuntimeCode()},
-		"UptoProxy": {uptoProxyCreationCode(), UptoProxyRuntimeCode()},
+		"Permit2":                 {permit2CreationCode(), Permit2RuntimeCode()},
+		"Proxy":                   {proxyCreationCode(), ProxyRuntimeCode()},
+		"UptoProxy":               {uptoProxyCreationCode(), UptoProxyRuntimeCode()},
+		"BatchSettlement":         {bytes.Clone(batchSettlementCreation), BatchSettlementRuntimeCode()},
+		"ERC3009DepositCollector": {bytes.Clone(erc3009CollectorCreation), ERC3009DepositCollectorRuntimeCode()},
+		"Permit2DepositCollector": {bytes.Clone(permit2CollectorCreation), Permit2DepositCollectorRuntimeCode()},
 	} {
 		if !bytes.Contains(pair[0], pair[1]) {
 			t.Errorf("%s creation code does not contain its runtime code", name)
@@ -281,7 +288,7 @@ func FuzzDecodeRevert(f *testing.F) {
 	reasonString, panicCode := abi.Arguments{{Type: str}}, abi.Arguments{{Type: word}}
 	errorSelector, panicSelector := []byte{0x08, 0xc3, 0x79, 0xa0}, []byte{0x4e, 0x48, 0x7b, 0x71}
 	custom := map[[4]byte]abi.Error{}
-	for _, parsed := range []*abi.ABI{&ProxyABI, &UptoProxyABI, &Permit2ABI, &StableCoinABI} {
+	for _, parsed := range []*abi.ABI{&ProxyABI, &UptoProxyABI, &BatchSettlementABI, &ERC3009DepositCollectorABI, &Permit2DepositCollectorABI, &Permit2ABI, &StableCoinABI} {
 		for _, e := range parsed.Errors {
 			custom[[4]byte(e.ID[:4])] = e
 			args := make([]any, len(e.Inputs))

@@ -92,10 +92,23 @@ type Config struct {
 	// Logger receives the startup report, including the demo payer's key (default: no logging).
 	Logger *zap.Logger
 
-	// withoutUpto leaves the upto proxy out of the genesis: a data dir made before the proxy was placed there
-	// holds that genesis, and opens on it (see Start).
-	withoutUpto bool
+	// era is the genesis of a data dir made before contracts were added to it, which opens on that genesis
+	// (see Start); the zero value is today's.
+	era genesisEra
 }
+
+// genesisEra names the dev chain's genesis as it was before contracts were added to it. Only a genesis places
+// code at a canonical address, so a data dir made earlier keeps its genesis, without them.
+type genesisEra int
+
+const (
+	// eraNow is today's genesis.
+	eraNow genesisEra = iota
+	// eraBeforeBatch lacks the batch-settlement contracts (the escrow and its two deposit collectors).
+	eraBeforeBatch
+	// eraBeforeUpto lacks the upto proxy as well.
+	eraBeforeUpto
+)
 
 // Chain is a running in-process go-ethereum node for development: a single post-merge node driven by a
 // simulated beacon, with Permit2 and the x402 proxy at their canonical addresses, the StableCoin at
@@ -209,16 +222,26 @@ func Start(ctx context.Context, cfg Config) (*Chain, error) {
 		stack.Close()
 		d.removeScratch()
 		var mismatch *core.GenesisMismatchError
-		if errors.As(err, &mismatch) && !cfg.withoutUpto {
-			// A data dir made before the upto proxy was part of the genesis holds the same chain but for it. The
-			// proxy cannot be deployed at its canonical address afterwards (only a genesis places code there),
-			// so such a chain opens as it is, and says that upto payments cannot settle on it.
-			before := cfg
-			before.withoutUpto = true
-			if mismatch.Stored == genesis(before, d.wallets, d.payers, extra).ToBlock().Hash() {
-				cfg.Logger.Warn("dev chain data dir was created before the x402 upto proxy was part of the genesis: "+
-					"upto payments cannot settle on it; start on an empty data dir to have it",
-					zap.String("data_dir", cfg.DataDir), zap.String("upto_proxy", contracts.UptoProxyAddress.Hex()))
+		if errors.As(err, &mismatch) && cfg.era == eraNow {
+			// A data dir made before the upto proxy or the batch-settlement contracts were part of the genesis
+			// holds the same chain but for them. They cannot be deployed at their canonical addresses afterwards
+			// (only a genesis places code there), so such a chain opens as it is, and says what cannot settle on it.
+			for _, era := range []genesisEra{eraBeforeBatch, eraBeforeUpto} {
+				before := cfg
+				before.era = era
+				if mismatch.Stored != genesis(before, d.wallets, d.payers, extra).ToBlock().Hash() {
+					continue
+				}
+				if era == eraBeforeBatch {
+					cfg.Logger.Warn("dev chain data dir was created before the x402 batch-settlement contracts were part of "+
+						"the genesis: batch-settlement payments cannot settle on it; start on an empty data dir to have them",
+						zap.String("data_dir", cfg.DataDir), zap.String("batch_settlement", contracts.BatchSettlementAddress.Hex()))
+				} else {
+					cfg.Logger.Warn("dev chain data dir was created before the x402 upto proxy was part of the genesis: "+
+						"upto and batch-settlement payments cannot settle on it; start on an empty data dir to have them",
+						zap.String("data_dir", cfg.DataDir), zap.String("upto_proxy", contracts.UptoProxyAddress.Hex()),
+						zap.String("batch_settlement", contracts.BatchSettlementAddress.Hex()))
+				}
 				return Start(ctx, before)
 			}
 		}
@@ -338,17 +361,6 @@ func readAlloc(path string) (types.GenesisAlloc, error) {
 	return alloc, nil
 }
 
-// chainParams returns the dev chain's configuration: go-ethereum's dev fork set for chainID without the
-// forks v1.17.10 enables before any network has (Bogota, Amsterdam), under which gas costs about three times
-// what live networks charge.
-func chainParams(chainID uint64) *params.ChainConfig {
-	cfg := *params.AllDevChainProtocolChanges
-	cfg.ChainID = new(big.Int).SetUint64(chainID)
-	cfg.BogotaTime = nil
-	cfg.AmsterdamTime = nil
-	return &cfg
-}
-
 // genesis is the dev chain's genesis. It is a pure function of its arguments (timestamp 0, no randomness)
 // so that a restart on a data dir finds the same genesis hash. The chain ID is not part of a block hash, and
 // go-ethereum would quietly adopt a new one on restart; naming it in the extra data makes a changed chain ID
@@ -357,10 +369,15 @@ func genesis(cfg Config, wallets, payers []*ecdsa.PrivateKey, extra types.Genesi
 	// The forks the dev chain starts on call into system contracts that must exist from genesis.
 	alloc := core.SystemContractAllocs()
 	for addr, acc := range contracts.GenesisAlloc() {
-		if cfg.withoutUpto && addr == contracts.UptoProxyAddress {
-			continue
-		}
 		alloc[addr] = acc
+	}
+	if cfg.era >= eraBeforeBatch {
+		for _, addr := range contracts.BatchSettlementAddresses() {
+			delete(alloc, addr)
+		}
+	}
+	if cfg.era >= eraBeforeUpto {
+		delete(alloc, contracts.UptoProxyAddress)
 	}
 	// The USDCoin's deployer is left out: provisionTokens funds it (see there).
 	funded := append([]*ecdsa.PrivateKey{deployerKey()}, wallets...)
@@ -371,7 +388,7 @@ func genesis(cfg Config, wallets, payers []*ecdsa.PrivateKey, extra types.Genesi
 		alloc[addr] = acc
 	}
 	return &core.Genesis{
-		Config:     chainParams(cfg.ChainID),
+		Config:     contracts.ChainConfig(cfg.ChainID),
 		GasLimit:   gasLimit,
 		BaseFee:    big.NewInt(params.InitialBaseFee),
 		Difficulty: new(big.Int),
@@ -627,8 +644,10 @@ func (d *Chain) logStart(cfg Config, deployed, deployedUSDC bool) {
 		zap.Bool("eip3009_token_deployed_now", deployedUSDC),
 		zap.String("permit2", contracts.Permit2Address.Hex()),
 		zap.String("proxy", contracts.ProxyAddress.Hex()),
-		zap.Bool("upto_proxy_in_genesis", !cfg.withoutUpto),
+		zap.Bool("upto_proxy_in_genesis", cfg.era < eraBeforeUpto),
 		zap.String("upto_proxy", contracts.UptoProxyAddress.Hex()),
+		zap.Bool("batch_settlement_in_genesis", cfg.era < eraBeforeBatch),
+		zap.String("batch_settlement", contracts.BatchSettlementAddress.Hex()),
 		zap.Strings("settlement_wallets", wallets),
 	)
 	for i, key := range d.payers {

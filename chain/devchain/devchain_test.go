@@ -139,6 +139,9 @@ func TestDevChainServesTheX402ContractsAndFundedAccountsOverHTTP(t *testing.T) {
 		{"Permit2", contracts.Permit2Address, contracts.Permit2RuntimeCode()},
 		{"proxy", contracts.ProxyAddress, contracts.ProxyRuntimeCode()},
 		{"upto proxy", contracts.UptoProxyAddress, contracts.UptoProxyRuntimeCode()},
+		{"batch settlement", contracts.BatchSettlementAddress, contracts.BatchSettlementRuntimeCode()},
+		{"ERC-3009 deposit collector", contracts.ERC3009DepositCollectorAddress, contracts.ERC3009DepositCollectorRuntimeCode()},
+		{"Permit2 deposit collector", contracts.Permit2DepositCollectorAddress, contracts.Permit2DepositCollectorRuntimeCode()},
 	} {
 		code, err := client.CodeAt(ctx, c.addr, nil)
 		if err != nil || !bytes.Equal(code, c.want) {
@@ -453,6 +456,9 @@ func TestDevChainOnADataDirFromBeforeTheUSDCoinOpensAndGetsTheUSDCoinOnce(t *tes
 	if n := logs.FilterMessageSnippet("created before the x402 upto proxy").Len(); n != 1 {
 		t.Errorf("%d warnings that the data dir predates the upto proxy, want 1", n)
 	}
+	if code, err := client.CodeAt(devContext(t), contracts.BatchSettlementAddress, nil); err != nil || len(code) != 0 {
+		t.Errorf("code at the batch settlement address on a data dir from before it: %d bytes (%v), want none", len(code), err)
+	}
 	if err := d.Close(); err != nil {
 		t.Fatalf("closing: %v", err)
 	}
@@ -460,6 +466,35 @@ func TestDevChainOnADataDirFromBeforeTheUSDCoinOpensAndGetsTheUSDCoinOnce(t *tes
 	cfg.Logger = nil
 	client = devStart(t, cfg).Client()
 	devCheckSetupNonces(t, client)
+}
+
+// testdata/before-batch-settlement.tar.gz is the data dir of a default dev chain made by the version before the
+// batch-settlement contracts were part of the genesis (commit 174668c, with the upto proxy), with no node key, locks
+// or logs. It opens on its own genesis, says that batch-settlement cannot settle there, and keeps its state.
+func TestDevChainOnADataDirFromBeforeTheBatchSettlementContractsOpens(t *testing.T) {
+	dir := t.TempDir()
+	devUntar(t, filepath.Join("testdata", "before-batch-settlement.tar.gz"), dir)
+
+	obs, logs := observer.New(zapcore.InfoLevel)
+	d := devStart(t, Config{Listen: "127.0.0.1:0", DataDir: dir, Logger: zap.New(obs)})
+	client := d.Client()
+	if code, err := client.CodeAt(devContext(t), contracts.UptoProxyAddress, nil); err != nil || !bytes.Equal(code, contracts.UptoProxyRuntimeCode()) {
+		t.Errorf("upto proxy on the earlier data dir: %d bytes (%v), want its runtime code", len(code), err)
+	}
+	if code, err := client.CodeAt(devContext(t), contracts.BatchSettlementAddress, nil); err != nil || len(code) != 0 {
+		t.Errorf("batch settlement on the earlier data dir: %d bytes (%v), want none", len(code), err)
+	}
+	if bal := devCallTokenAt[*big.Int](t, client, TokenAddress, "balanceOf", PayerAddress); bal.Cmp(big.NewInt(mintPerPayer)) != 0 {
+		t.Errorf("payer holds %s, want %d", bal, int64(mintPerPayer))
+	}
+	devCheckSetupNonces(t, client)
+	if n := logs.FilterMessageSnippet("created before the x402 batch-settlement contracts").Len(); n != 1 {
+		t.Errorf("%d warnings that the data dir predates the batch-settlement contracts, want 1", n)
+	}
+	if entries := logs.FilterMessage("dev chain started").All(); len(entries) != 1 ||
+		entries[0].ContextMap()["batch_settlement_in_genesis"] != false || entries[0].ContextMap()["upto_proxy_in_genesis"] != true {
+		t.Errorf("startup log %v, want batch_settlement_in_genesis=false and upto_proxy_in_genesis=true", entries)
+	}
 }
 
 func TestDevChainAppliesTheAllocFile(t *testing.T) {
