@@ -144,7 +144,7 @@ const (
 	pathBudgetSync, pathBudgetAsync = 5, 4
 	// totalBudgetSync and totalBudgetAsync bound a payment's round trips in all, the background settlement of an
 	// async one and the clearing of its in-flight mark included.
-	totalBudgetSync, totalBudgetAsync = 5, 10
+	totalBudgetSync, totalBudgetAsync = 5, 12
 )
 
 func TestAPaidRequestsRoundTripsToPostgreSQLStayWithinItsBudget(t *testing.T) {
