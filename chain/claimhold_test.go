@@ -93,7 +93,7 @@ func TestAClaimWithItsHoldThatCommitsWhileItsCallFailsIsReleasedAndThePaymentSet
 	dsn := pgtest.Shared(t)
 	proxy := newPGFaultProxy(t, dsn)
 	fx, join := clusterOn(t, proxy.dsn, 3*time.Second, fixtureOpts{wallets: 2, receiptTimeout: time.Minute,
-		configure: func(c *chain.Config) { c.ReconcileEvery, c.ReconcileGrace = 50*time.Millisecond, 200*time.Millisecond }})
+		configure: func(c *chain.Config) { c.ReconcileEvery, c.ReconcileGrace = 50*time.Millisecond, 1500*time.Millisecond }})
 	f, _ := join()
 	waitLeases(t, fx, []*chain.Facilitator{f}, 2)
 	payer := fx.c.Payers[0]
@@ -118,11 +118,12 @@ func TestAClaimWithItsHoldThatCommitsWhileItsCallFailsIsReleasedAndThePaymentSet
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { direct.Close() })
-	if r, ok, err := direct.Get(context.Background(), id); err != nil || !ok || r.State != journal.StateClaimed {
-		t.Fatalf("the claim whose call failed is %s (found %v, %v); want it committed, claimed", r.State, ok, err)
-	}
+	// Looked at within the reconciliation grace, the hold first (reconciliation lets it go before the claim).
 	if mined, err := holdMined(dsn, id); err != nil || mined != "0" {
 		t.Fatalf("the hold whose call failed = %q, %v; want it committed", mined, err)
+	}
+	if r, ok, err := direct.Get(context.Background(), id); err != nil || !ok || r.State != journal.StateClaimed {
+		t.Fatalf("the claim whose call failed is %s (found %v, %v); want it committed, claimed", r.State, ok, err)
 	}
 	if n := fx.c.CountTokenTransfers(payer.Address, fx.payTo); n != 0 {
 		t.Fatalf("%d transfers after a settlement that failed before it sent anything", n)
@@ -134,7 +135,7 @@ func TestAClaimWithItsHoldThatCommitsWhileItsCallFailsIsReleasedAndThePaymentSet
 
 	// A live settlement whose write-ahead record is held back past the grace: its claim is not released.
 	live := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
-	proxy.arm(pgFault{match: [][]byte{[]byte(`"broadcast"`), []byte(payer.Address.Hex())}, delay: time.Second})
+	proxy.arm(pgFault{match: [][]byte{[]byte(`"broadcast"`), []byte(payer.Address.Hex())}, delay: 2500 * time.Millisecond})
 	if resp, err := f.Settle(context.Background(), live); err != nil || !resp.Success {
 		t.Fatalf("a settlement whose write-ahead record was held back past the grace = %+v, %v; want it settled", resp, err)
 	}
