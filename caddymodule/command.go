@@ -46,7 +46,7 @@ See 'caddy x402 <command> --help' for each.
 // streams rather than to the process's, which is what lets tests run them as a whole, flags included.
 func addX402Commands(cmd *cobra.Command) {
 	pay := &cobra.Command{
-		Use:   "pay [--key HEX | --key-file FILE] [--rpc URL] [--method permit2|eip3009|erc2612] [--dev] [--max AMOUNT] [--max-validity 10m] [--sign-only] <url>",
+		Use:   "pay [--key HEX | --key-file FILE] [--rpc URL] [--method permit2|eip3009|erc2612] [--dev] [--max AMOUNT] [--max-validity 10m] [--scheme exact|upto|batch-settlement] [--refund] [--sign-only] <url>",
 		Short: "Pays for a URL that answers 402 Payment Required",
 		Long: `
 Requests the URL; when it answers 402 Payment Required, reads the payment
@@ -88,6 +88,18 @@ not fit a 64-bit clock is refused.
 The Permit2 and x402 proxy contracts a permit2 payment is signed for are the
 canonical ones; a 402 naming others in its extra is not signed.
 
+--scheme restricts the payment to one scheme. By default a batch-settlement
+offer is paid only when the payer holds its channel with a deposit left, or
+when nothing else is offered: its first payment deposits more than one request's
+price into the escrow (the offer's minDeposit, or ten requests' worth, at most
+--max), and each later one is a voucher of the cumulative amount. pay prints
+the channel, its cumulative amount and what is left. With --rpc (or --dev) the
+channel is found again in the escrow on the next run.
+
+--refund asks the URL's server for what is left in the payer's batch-settlement
+channel (the server claims what its vouchers charge and returns the rest on
+chain), and pays nothing.
+
 --sign-only prints the payment header value it would send and sends nothing.
 `,
 		Args: cobra.ExactArgs(1),
@@ -102,6 +114,8 @@ canonical ones; a 402 naming others in its extra is not signed.
 	pay.Flags().Duration("timeout", 2*time.Minute, "Give up after this long, settlement included")
 	pay.Flags().String("max", "", "Most the payment may authorize: raw units (10000) or dollars ($0.01, needs --rpc); default "+defaultPayMax)
 	pay.Flags().Duration("max-validity", payer.DefaultMaxValidity, "Longest a signed payment stays valid, whatever the server asks")
+	pay.Flags().String("scheme", "", "Scheme to pay by: exact, upto or batch-settlement (default: exact and upto before a new batch-settlement channel)")
+	pay.Flags().Bool("refund", false, "Ask for what is left in the payer's batch-settlement channel with the URL's server, and pay nothing")
 
 	keygen := &cobra.Command{
 		Use:   "keygen",
@@ -160,6 +174,8 @@ func cmdX402Pay(cmd *cobra.Command, args []string) error {
 	o.Timeout, _ = fs.GetDuration("timeout")
 	o.Max, _ = fs.GetString("max")
 	o.MaxValidity, _ = fs.GetDuration("max-validity")
+	o.Scheme, _ = fs.GetString("scheme")
+	o.Refund, _ = fs.GetBool("refund")
 	if dev && o.RPC == "" {
 		o.RPC = "http://" + devchain.DefaultListen
 	}

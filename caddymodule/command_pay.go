@@ -51,6 +51,10 @@ type payOptions struct {
 	Max string
 	// MaxValidity caps how long the payment stays valid; 0 is payer.DefaultMaxValidity.
 	MaxValidity time.Duration
+	// Scheme restricts the payment to one scheme (exact, upto, batch-settlement); "" picks one.
+	Scheme string
+	// Refund asks the URL's server for what is left in the payer's batch-settlement channel, and pays nothing.
+	Refund bool
 }
 
 // runPay requests o.URL, pays if it answers 402 and prints the outcome; see the `pay` command's help.
@@ -76,6 +80,11 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 	if o.MaxValidity < 0 || (o.MaxValidity > 0 && o.MaxValidity < time.Second) {
 		return fmt.Errorf("--max-validity: expected a duration of a second or more, got %s", o.MaxValidity)
 	}
+	switch o.Scheme {
+	case "", x402.SchemeExact, x402.SchemeUpto, x402.SchemeBatchSettlement:
+	default:
+		return fmt.Errorf("--scheme: expected %s, %s or %s, got %q", x402.SchemeExact, x402.SchemeUpto, x402.SchemeBatchSettlement, o.Scheme)
+	}
 	target, err := url.Parse(o.URL)
 	if err != nil || (target.Scheme != "http" && target.Scheme != "https") || target.Host == "" {
 		return fmt.Errorf("expected an http:// or https:// URL to pay for, got %q", o.URL)
@@ -88,6 +97,9 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 	client := o.Client
 	if client == nil {
 		client = &http.Client{}
+	}
+	if o.Refund {
+		return runRefund(ctx, o, target, client, stderr)
 	}
 
 	first, firstBody, err := payer.Fetch(ctx, client, http.MethodGet, target.String(), "", "", maxPrintedBody)
@@ -105,7 +117,7 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	p, err := payer.New(o.Key, payer.Options{RPC: o.RPC, Method: o.Method, Now: o.Now, MaxValidity: o.MaxValidity})
+	p, err := payer.New(o.Key, payer.Options{RPC: o.RPC, Method: o.Method, Scheme: o.Scheme, Now: o.Now, MaxValidity: o.MaxValidity})
 	if err != nil {
 		return err
 	}
@@ -116,6 +128,9 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 	}
 	if err := checkPayMax(ctx, p, o, offer.Required.Accepts[i]); err != nil {
 		return err
+	}
+	if br, ok := offer.Batch(i); ok {
+		return runPayBatch(ctx, p, o, br, first.Request.URL.String(), client, stdout, stderr)
 	}
 	pay, err := p.Sign(ctx, offer, i)
 	if err != nil {
@@ -147,6 +162,61 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 	return printAnswer(stdout, stderr, resp, body)
 }
 
+// runPayBatch pays a batch-settlement requirement through a payer.Transport, which opens the payer's channel
+// with a deposit (or, with an RPC, finds it in the escrow) and pays by the next voucher; --max bounds the
+// deposit as it bounds any payment. It prints the answer, then the channel, its cumulative amount and what is
+// left in it.
+func runPayBatch(ctx context.Context, p *payer.Payer, o payOptions, br x402.BatchRequirements, target string, client *http.Client, stdout, stderr io.Writer) error {
+	if o.SignOnly {
+		return errors.New("--sign-only: a batch-settlement payment is the next voucher of a channel, which only the server's answer moves on: it is paid, not printed")
+	}
+	limit, _, err := payMax(ctx, p, o, br.Generic())
+	if err != nil {
+		return err
+	}
+	id, err := p.ChannelID(br)
+	if err != nil {
+		return err
+	}
+	tr := &payer.Transport{Payer: p, Base: client.Transport,
+		Limits: []payer.Limit{{Network: br.Network, Asset: br.Asset, PerRequest: limit, Total: limit}}}
+	paying := *client
+	paying.Transport = tr
+	paying.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	fmt.Fprintf(stderr, "paying %s of %s to %s on %s from batch-settlement channel %s as %s (a deposit of at most %s when it needs one)\n",
+		br.Amount, br.Asset, br.PayTo, br.Network, id.Hex(), p.Address().Hex(), limit)
+	resp, body, err := payer.Fetch(ctx, &paying, http.MethodGet, target, "", "", maxPrintedBody)
+	if err != nil {
+		return err
+	}
+	answerErr := printAnswer(stdout, stderr, resp, body)
+	if st, ok := p.Channel(id); ok {
+		fmt.Fprintf(stderr, "channel %s: cumulative %s charged, balance %s, left %s\n", st.ID.Hex(), st.Charged, st.Balance, st.Left())
+	} else {
+		fmt.Fprintf(stderr, "channel %s: the answer did not confirm the payment; its state is read again next time (with --rpc)\n", id.Hex())
+	}
+	return answerErr
+}
+
+// runRefund asks target's server for what is left in the payer's batch-settlement channel.
+func runRefund(ctx context.Context, o payOptions, target *url.URL, client *http.Client, stderr io.Writer) error {
+	if o.SignOnly {
+		return errors.New("--sign-only and --refund: a refund is asked for, not printed")
+	}
+	p, err := payer.New(o.Key, payer.Options{RPC: o.RPC, Method: o.Method, Now: o.Now, MaxValidity: o.MaxValidity})
+	if err != nil {
+		return err
+	}
+	defer p.Close()
+	st, answer, err := p.Refund(ctx, client, target.String(), nil)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stderr, "refunded channel %s (transaction %s): cumulative %s charged, balance %s, left %s\n",
+		st.ID.Hex(), answer.Transaction, st.Charged, st.Balance, st.Left())
+	return nil
+}
+
 // checkPayMax refuses to sign req when it authorizes more than o.Max (or defaultPayMax): an upto requirement
 // at its maximum, which the server may charge in full.
 func checkPayMax(ctx context.Context, p *payer.Payer, o payOptions, req x402.PaymentRequirements) error {
@@ -154,47 +224,18 @@ func checkPayMax(ctx context.Context, p *payer.Payer, o payOptions, req x402.Pay
 	if err != nil {
 		return fmt.Errorf("the 402 asks the amount %q: %w", req.Amount, err)
 	}
-	flag, given := o.Max, o.Max != ""
-	if !given {
-		flag = defaultPayMax
-	}
-	var (
-		limit    *big.Int
-		decimals = -1
-		raw      = isRawAmount(flag)
-	)
-	if raw {
-		if limit, err = x402.ParseUint256(flag); err != nil {
-			return fmt.Errorf("--max %s: expected raw token units (such as 10000) or a dollar amount (such as $0.01): %w", flag, err)
-		}
-		if o.RPC != "" {
-			if d, err := p.TokenDecimals(ctx, common.HexToAddress(req.Asset)); err == nil {
-				decimals = int(d) // only to say what the amounts are in tokens
-			}
-		}
-	} else {
-		if o.RPC == "" {
-			if !given {
-				return fmt.Errorf("without --max, pay signs at most %s, read in the token's decimals from the chain; with no --rpc they are unknown: give --max in raw units (the 402 asks %s of %s) or --rpc", defaultPayMax, amount, req.Asset)
-			}
-			return fmt.Errorf("--max %s is a dollar amount, read in the token's decimals from the chain; with no --rpc they are unknown: give --max in raw units (the 402 asks %s of %s) or --rpc", flag, amount, req.Asset)
-		}
-		asset, err := chain.ParseAddress("requirements.asset", req.Asset)
-		if err != nil {
-			return err
-		}
-		d, err := p.TokenDecimals(ctx, asset)
-		if err != nil {
-			return fmt.Errorf("reading the decimals of the token %s for --max %s: %w", req.Asset, flag, err)
-		}
-		decimals = int(d)
-		if limit, err = x402.ParsePrice(flag, d); err != nil {
-			return fmt.Errorf("--max: %w", err)
-		}
+	limit, decimals, err := payMax(ctx, p, o, req)
+	if err != nil {
+		return err
 	}
 	if amount.Cmp(limit) <= 0 {
 		return nil
 	}
+	flag, given := o.Max, o.Max != ""
+	if !given {
+		flag = defaultPayMax
+	}
+	raw := isRawAmount(flag)
 	asked, most := amount.String(), limit.String()
 	switch {
 	case decimals >= 0 && raw:
@@ -212,6 +253,54 @@ func checkPayMax(ctx context.Context, p *payer.Payer, o payOptions, req x402.Pay
 		source = "the default --max"
 	}
 	return fmt.Errorf("the 402 asks %s%s of %s on %s, over %s of %s: not signed; give a --max of at least that to pay it", upTo, asked, req.Asset, req.Network, source, most)
+}
+
+// payMax is --max (or defaultPayMax) in raw units of req's asset, and the token's decimals when they were read
+// (-1 otherwise).
+func payMax(ctx context.Context, p *payer.Payer, o payOptions, req x402.PaymentRequirements) (*big.Int, int, error) {
+	amount, err := x402.ParseUint256(req.Amount)
+	if err != nil {
+		return nil, -1, fmt.Errorf("the 402 asks the amount %q: %w", req.Amount, err)
+	}
+	flag, given := o.Max, o.Max != ""
+	if !given {
+		flag = defaultPayMax
+	}
+	var (
+		limit    *big.Int
+		decimals = -1
+		raw      = isRawAmount(flag)
+	)
+	if raw {
+		if limit, err = x402.ParseUint256(flag); err != nil {
+			return nil, -1, fmt.Errorf("--max %s: expected raw token units (such as 10000) or a dollar amount (such as $0.01): %w", flag, err)
+		}
+		if o.RPC != "" {
+			if d, err := p.TokenDecimals(ctx, common.HexToAddress(req.Asset)); err == nil {
+				decimals = int(d) // only to say what the amounts are in tokens
+			}
+		}
+	} else {
+		if o.RPC == "" {
+			if !given {
+				return nil, -1, fmt.Errorf("without --max, pay signs at most %s, read in the token's decimals from the chain; with no --rpc they are unknown: give --max in raw units (the 402 asks %s of %s) or --rpc", defaultPayMax, amount, req.Asset)
+			}
+			return nil, -1, fmt.Errorf("--max %s is a dollar amount, read in the token's decimals from the chain; with no --rpc they are unknown: give --max in raw units (the 402 asks %s of %s) or --rpc", flag, amount, req.Asset)
+		}
+		asset, err := chain.ParseAddress("requirements.asset", req.Asset)
+		if err != nil {
+			return nil, -1, err
+		}
+		d, err := p.TokenDecimals(ctx, asset)
+		if err != nil {
+			return nil, -1, fmt.Errorf("reading the decimals of the token %s for --max %s: %w", req.Asset, flag, err)
+		}
+		decimals = int(d)
+		if limit, err = x402.ParsePrice(flag, d); err != nil {
+			return nil, -1, fmt.Errorf("--max: %w", err)
+		}
+	}
+	return limit, decimals, nil
 }
 
 // isRawAmount says whether a --max is raw token units: digits only.

@@ -1,17 +1,13 @@
 package chain
 
 import (
-	"bytes"
-	"context"
 	"crypto/ecdsa"
 	"errors"
 	"fmt"
 	"math/big"
 	"time"
 
-	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
-	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/crypto"
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
@@ -22,44 +18,26 @@ import (
 // request's path with no chain call. The facts (domain, types, addresses) are those of npm @x402/evm 2.27's
 // batch-settlement, which the contracts at these addresses check on chain.
 
-// Addresses of the batch-settlement contracts, the same on every chain (the public SDK's constants).
-var (
-	// BatchSettlementAddress is the x402BatchSettlement escrow: its address is the verifying contract of every
-	// batch-settlement EIP-712 signature but the deposits'.
-	BatchSettlementAddress = common.HexToAddress("0x4020074e9dF2ce1deE5A9C1b5c3f541D02a10003")
-	// ERC3009DepositCollectorAddress receives a deposit's ERC-3009 ReceiveWithAuthorization.
-	ERC3009DepositCollectorAddress = common.HexToAddress("0x4020806089470a89826cB9fB1f4059150b550004")
-	// Permit2DepositCollectorAddress is the Permit2 spender of a deposit.
-	Permit2DepositCollectorAddress = common.HexToAddress("0x4020425FAf3B746C082C2f942b4E5159887B0005")
-)
-
-// EIP-712 names and types of batch-settlement. Its domain has the shape of an EIP-2612 token's (name, version,
-// chain id, verifying contract).
+// The ERC-3009 and Permit2 messages of a deposit; the batch-settlement domain's name and version, its own type
+// strings and the contracts' addresses are chain/contracts'.
 const (
-	batchDomainName    = "x402 Batch Settlement"
-	batchDomainVersion = "1"
-	channelConfigType  = "ChannelConfig(address payer,address payerAuthorizer,address receiver,address receiverAuthorizer,address token,uint40 withdrawDelay,bytes32 salt)"
-	voucherType        = "Voucher(bytes32 channelId,uint128 maxClaimableAmount)"
-	refundType         = "Refund(bytes32 channelId,uint256 nonce,uint128 amount)"
-	claimEntryType     = "ClaimEntry(bytes32 channelId,uint128 maxClaimableAmount,uint128 totalClaimed)"
-	claimBatchType     = "ClaimBatch(ClaimEntry[] claims)" + claimEntryType
 	// receiveWithAuthorizationType is the ERC-3009 message of a deposit (receive, not transfer: only the
 	// collector it names can spend it).
 	receiveWithAuthorizationType = "ReceiveWithAuthorization(address from,address to,uint256 value,uint256 validAfter,uint256 validBefore,bytes32 nonce)"
-	depositWitnessType           = "DepositWitness(bytes32 channelId)"
-	// depositPermitWitnessType is a deposit's Permit2 message, referenced types in alphabetical order.
-	depositPermitWitnessType = "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline,DepositWitness witness)" +
-		depositWitnessType + tokenPermissionsType
+	// depositPermitWitnessType is a deposit's Permit2 message: the Permit2 deposit collector's witness tail after
+	// Permit2's stub, as Permit2 hashes it.
+	depositPermitWitnessType = "PermitWitnessTransferFrom(TokenPermissions permitted,address spender,uint256 nonce,uint256 deadline," +
+		contracts.DepositWitnessTypeString
 )
 
 var (
-	channelConfigTypeHash            = crypto.Keccak256Hash([]byte(channelConfigType))
-	voucherTypeHash                  = crypto.Keccak256Hash([]byte(voucherType))
-	refundTypeHash                   = crypto.Keccak256Hash([]byte(refundType))
-	claimEntryTypeHash               = crypto.Keccak256Hash([]byte(claimEntryType))
-	claimBatchTypeHash               = crypto.Keccak256Hash([]byte(claimBatchType))
+	channelConfigTypeHash            = crypto.Keccak256Hash([]byte(contracts.ChannelConfigType))
+	voucherTypeHash                  = crypto.Keccak256Hash([]byte(contracts.VoucherType))
+	refundTypeHash                   = crypto.Keccak256Hash([]byte(contracts.RefundType))
+	claimEntryTypeHash               = crypto.Keccak256Hash([]byte(contracts.ClaimEntryType))
+	claimBatchTypeHash               = crypto.Keccak256Hash([]byte(contracts.ClaimBatchType))
 	receiveWithAuthorizationTypeHash = crypto.Keccak256Hash([]byte(receiveWithAuthorizationType))
-	depositWitnessTypeHash           = crypto.Keccak256Hash([]byte(depositWitnessType))
+	depositWitnessTypeHash           = crypto.Keccak256Hash([]byte(contracts.DepositWitnessType))
 	depositPermitWitnessTypeHash     = crypto.Keccak256Hash([]byte(depositPermitWitnessType))
 )
 
@@ -68,24 +46,13 @@ var maxUint128 = new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 128), big.NewI
 
 // BatchDomainSeparator returns the domain separator of batch-settlement signatures on the chain chainID.
 func BatchDomainSeparator(chainID *big.Int) common.Hash {
-	return PermitDomainSeparator(batchDomainName, batchDomainVersion, chainID, BatchSettlementAddress)
+	return PermitDomainSeparator(contracts.BatchSettlementDomainName, contracts.BatchSettlementDomainVersion, chainID, contracts.BatchSettlementAddress)
 }
 
-// Channel is a channel's configuration, parsed (see x402.ChannelConfig).
-type Channel struct {
-	Payer              common.Address
-	PayerAuthorizer    common.Address
-	Receiver           common.Address
-	ReceiverAuthorizer common.Address
-	Token              common.Address
-	WithdrawDelay      uint64
-	Salt               common.Hash
-}
-
-// ParseChannel parses a channel configuration as sent: addresses as 0x and 40 hex digits, the salt as a bytes32,
+// ParseChannelConfig parses a channel configuration as sent: addresses as 0x and 40 hex digits, the salt as a bytes32,
 // the withdraw delay a uint40. The error names the field.
-func ParseChannel(cfg x402.ChannelConfig) (Channel, error) {
-	var ch Channel
+func ParseChannelConfig(cfg x402.ChannelConfig) (contracts.ChannelConfig, error) {
+	var ch contracts.ChannelConfig
 	for _, f := range []struct {
 		name string
 		s    string
@@ -96,24 +63,25 @@ func ParseChannel(cfg x402.ChannelConfig) (Channel, error) {
 		{"token", cfg.Token, &ch.Token},
 	} {
 		if !x402.IsHexAddress(f.s) {
-			return Channel{}, fmt.Errorf("channelConfig.%s is %q, expected an address (0x and 40 hex digits)", f.name, truncate(f.s))
+			return contracts.ChannelConfig{}, fmt.Errorf("channelConfig.%s is %q, expected an address (0x and 40 hex digits)", f.name, truncate(f.s))
 		}
 		*f.to = common.HexToAddress(f.s)
 	}
 	if !x402.IsBytes32(cfg.Salt) {
-		return Channel{}, fmt.Errorf("channelConfig.salt is %q, expected a bytes32 (0x and 64 hex digits)", truncate(cfg.Salt))
+		return contracts.ChannelConfig{}, fmt.Errorf("channelConfig.salt is %q, expected a bytes32 (0x and 64 hex digits)", truncate(cfg.Salt))
 	}
 	ch.Salt = common.HexToHash(cfg.Salt)
 	if cfg.WithdrawDelay < 0 || cfg.WithdrawDelay >= 1<<40 {
-		return Channel{}, fmt.Errorf("channelConfig.withdrawDelay is %d, expected a uint40", cfg.WithdrawDelay)
+		return contracts.ChannelConfig{}, fmt.Errorf("channelConfig.withdrawDelay is %d, expected a uint40", cfg.WithdrawDelay)
 	}
 	ch.WithdrawDelay = uint64(cfg.WithdrawDelay)
 	return ch, nil
 }
 
-// ID returns the channel's id: the EIP-712 digest of its configuration under the batch-settlement domain of
-// the chain (domain: BatchDomainSeparator), as the contract's getChannelId and the SDK's computeChannelId.
-func (c Channel) ID(domain common.Hash) common.Hash {
+// ChannelID returns the id of channel c: the EIP-712 digest of its configuration under the batch-settlement
+// domain of the chain (domain: BatchDomainSeparator), as the contract's getChannelId and the SDK's
+// computeChannelId.
+func ChannelID(domain common.Hash, c contracts.ChannelConfig) common.Hash {
 	h := hasherPool.Get().(*hasher)
 	defer hasherPool.Put(h)
 	putHash(h.word(0), channelConfigTypeHash)
@@ -188,25 +156,12 @@ func ClaimBatchDigest(domain common.Hash, claims []ClaimEntry) common.Hash {
 	return h.digest(domain, h.sum(2*32))
 }
 
-// ERC3009DepositNonce is the ERC-3009 nonce of a deposit into channel channelID with the client's salt:
-// keccak256(abi.encode(channelId, uint256(salt))), which binds the authorization to the channel.
-func ERC3009DepositNonce(channelID, salt common.Hash) common.Hash {
-	return crypto.Keccak256Hash(channelID[:], salt[:])
-}
-
 // ReceiveAuthorizationDigest returns the EIP-712 digest of an ERC-3009 ReceiveWithAuthorization, given the
 // token's domain separator.
 func ReceiveAuthorizationDigest(tokenDomain common.Hash, from, to common.Address, value, validAfter, validBefore *big.Int, nonce common.Hash) common.Hash {
-	h := hasherPool.Get().(*hasher)
-	defer hasherPool.Put(h)
-	putHash(h.word(0), receiveWithAuthorizationTypeHash)
-	putAddress(h.word(1), from)
-	putAddress(h.word(2), to)
-	putUint256(h.word(3), value)
-	putUint256(h.word(4), validAfter)
-	putUint256(h.word(5), validBefore)
-	putHash(h.word(6), nonce)
-	return h.digest(tokenDomain, h.sum(7*32))
+	return erc3009Digest(tokenDomain, receiveWithAuthorizationTypeHash, transferAuthorization{
+		From: from, To: to, Value: value, ValidAfter: validAfter, ValidBefore: validBefore, Nonce: nonce,
+	})
 }
 
 // DepositPermit2Digest returns the EIP-712 digest of a deposit's Permit2 PermitWitnessTransferFrom on chain
@@ -214,7 +169,7 @@ func ReceiveAuthorizationDigest(tokenDomain common.Hash, from, to common.Address
 // deadline, into channel channelID (the witness).
 func DepositPermit2Digest(chainID *big.Int, token common.Address, amount, nonce, deadline *big.Int, channelID common.Hash) common.Hash {
 	return depositPermit2Digest(permit2DomainSeparator(chainID, canonicalPermit2), permit2Transfer{
-		Token: token, Amount: amount, Spender: Permit2DepositCollectorAddress, Nonce: nonce, Deadline: deadline,
+		Token: token, Amount: amount, Spender: contracts.Permit2DepositCollectorAddress, Nonce: nonce, Deadline: deadline,
 	}, channelID)
 }
 
@@ -261,11 +216,34 @@ type BatchTerms struct {
 	// ClaimMargin is how long before a pending withdrawal can be finalized the receiver must have claimed: a
 	// voucher counts only the deposit that will still be there that long from now.
 	ClaimMargin time.Duration
+	// ChainID is the chain's id, for the token's and Permit2's domains a deposit is signed under.
+	ChainID *big.Int
+	// TokenName and TokenVersion are the token's EIP-712 domain an ERC-3009 deposit is signed under, and
+	// TransferMethod how the route takes deposits (x402.TransferEIP3009 or x402.TransferPermit2): the route's, never
+	// the payment's, which the payer writes.
+	TokenName, TokenVersion, TransferMethod string
 }
 
 // NewBatchTerms parses the terms of requirement rq on chain chainID.
 func NewBatchTerms(rq x402.BatchRequirements, chainID *big.Int, claimMargin time.Duration) (*BatchTerms, error) {
-	t := &BatchTerms{Network: rq.Network, Domain: BatchDomainSeparator(chainID), ClaimMargin: claimMargin}
+	// The domain binds every voucher to one chain: the route's network must name the chain it is claimed on.
+	if id, err := x402.ChainID(rq.Network); err != nil || chainID == nil || new(big.Int).SetUint64(id).Cmp(chainID) != 0 {
+		return nil, fmt.Errorf("batch-settlement requirement: network %q is not the chain %v its vouchers are claimed on (%v)", truncate(rq.Network), chainID, err)
+	}
+	// A voucher is accepted only while a claim can land before a withdrawal is finalized: the margin is that time,
+	// shorter than the shortest withdrawDelay a channel of the route can have.
+	delay := time.Duration(rq.Extra.WithdrawDelay) * time.Second
+	if rq.Extra.WithdrawDelay == 0 {
+		delay = contracts.MinWithdrawDelay * time.Second
+	}
+	if claimMargin <= 0 || claimMargin >= delay {
+		return nil, fmt.Errorf("batch-settlement requirement: claim margin %s must be positive and shorter than the withdrawDelay %s", claimMargin, delay)
+	}
+	t := &BatchTerms{Network: rq.Network, Domain: BatchDomainSeparator(chainID), ClaimMargin: claimMargin,
+		ChainID: new(big.Int).Set(chainID), TokenName: rq.Extra.Name, TokenVersion: rq.Extra.Version, TransferMethod: rq.Extra.AssetTransferMethod}
+	if t.TransferMethod == "" {
+		t.TransferMethod = x402.TransferEIP3009
+	}
 	for _, f := range []struct {
 		name, s string
 		to      *common.Address
@@ -278,8 +256,8 @@ func NewBatchTerms(rq x402.BatchRequirements, chainID *big.Int, claimMargin time
 	if t.ReceiverAuthorizer == (common.Address{}) {
 		return nil, errors.New("batch-settlement requirement: extra.receiverAuthorizer is the zero address; claims and refunds need a signer")
 	}
-	if d := rq.Extra.WithdrawDelay; d != 0 && (d < x402.MinBatchWithdrawDelay || d > x402.MaxBatchWithdrawDelay) {
-		return nil, fmt.Errorf("batch-settlement requirement: extra.withdrawDelay is %d s, expected %d to %d", d, x402.MinBatchWithdrawDelay, x402.MaxBatchWithdrawDelay)
+	if d := rq.Extra.WithdrawDelay; d != 0 && (d < contracts.MinWithdrawDelay || d > contracts.MaxWithdrawDelay) {
+		return nil, fmt.Errorf("batch-settlement requirement: extra.withdrawDelay is %d s, expected %d to %d", d, contracts.MinWithdrawDelay, contracts.MaxWithdrawDelay)
 	}
 	t.WithdrawDelay = uint64(rq.Extra.WithdrawDelay)
 	price, err := x402.ParseAmount(rq.Amount)
@@ -303,80 +281,52 @@ type ChannelView struct {
 	// how much (nil: all of it).
 	WithdrawRequestedAt time.Time
 	WithdrawAmount      *big.Int
-	// PayerHasCode says the payer is a contract: a channel whose payer authorizer is the zero address then signs
-	// its vouchers by ERC-1271, which needs a chain call.
+	// PayerHasCode says the payer has code (a contract, or an EIP-7702 delegation): a channel whose payer
+	// authorizer is the zero address then has its vouchers judged by ERC-1271 at claim time, and is refused.
 	PayerHasCode bool
+	// ReadAt is the time of the block Balance, TotalClaimed and the withdrawal were read at. A withdrawal the
+	// payer asks for after that block cannot be finalized before ReadAt plus the channel's withdrawDelay, so the
+	// view vouches for the deposit until then, less ClaimMargin; the zero time vouches for nothing. It is chain
+	// time, as WithdrawRequestedAt is, and CheckVoucher's now must be too (or the wall clock with a ClaimMargin
+	// that covers how far the chain's clock can run ahead of it: a dev chain sealing a block per transaction does).
+	ReadAt time.Time
 }
 
 // AcceptedVoucher is a voucher that passed CheckVoucher: the channel, its new cumulative amount, what this
-// request is charged (Cumulative - the view's Charged), who signed, and the digest signed. ClaimBy, when not
-// zero, is when the channel's pending withdrawal can be finalized: the voucher must be claimed before it.
+// request is charged (Cumulative - the view's Charged), who signed, and the digest signed. ClaimBy is when the
+// voucher must have been claimed: when the channel's pending withdrawal can be finalized, or, with none pending
+// in the view, when one asked for just after the view was read could be (a later read that shows none moves it
+// to that read's ReadAt plus the withdrawDelay).
 type AcceptedVoucher struct {
 	ChannelID  common.Hash
-	Channel    Channel
+	Channel    contracts.ChannelConfig
 	Cumulative *big.Int
 	Charge     *big.Int
 	Signer     common.Address
 	Digest     common.Hash
-	// Signature is the 65-byte signature of an EOA's voucher with v normalised to 27 or 28; zero for a contract
-	// wallet's, whose signature is the payload's as sent. A claim must carry this one, not the payload's text:
+	// Signature is the voucher's 65-byte signature with v normalised to 27 or 28. A claim must carry this one, not
+	// the payload's text:
 	// the check accepts v as 0 or 1 too, which the contract's ecrecover would not.
 	Signature Signature
 	ClaimBy   time.Time
 }
 
-// errContractVoucher is CheckVoucher's error for a voucher only the payer's contract wallet can judge.
-var errContractVoucher = errors.New("the channel's vouchers are signed by the payer's contract wallet (ERC-1271), which only a chain call can check")
+// errStaleChannelView is CheckVoucher's error for a view read too long ago to vouch for the deposit.
+var errStaleChannelView = errors.New("the channel was read from the chain too long ago: a withdrawal asked for since could be finalized before a claim lands")
 
-// IsContractVoucher reports whether err is CheckVoucher's for a voucher that needs the chain: the channel names
-// no payer authorizer and its payer is a contract wallet.
-func IsContractVoucher(err error) bool { return errors.Is(err, errContractVoucher) }
+// IsStaleChannelView reports whether err is CheckVoucher's for a view too old to trust: the engine reads the
+// channel again and checks the voucher with the fresh view. The payer did nothing wrong.
+func IsStaleChannelView(err error) bool { return errors.Is(err, errStaleChannelView) }
 
 // CheckVoucher runs the off-chain checks of a batch-settlement payment's voucher against the terms and the
 // engine's view of the channel, cheap ones first and with no chain call: the scheme and network; the channel
 // configuration binds to the voucher's channel id and names this receiver, receiver authorizer, token and
-// withdraw delay; the signature is the payer authorizer's (or the payer's, for a channel naming none, when the
-// payer is no contract); the channel holds a deposit that covers the cumulative amount (minus a withdrawal that
+// withdraw delay; the signature is the payer authorizer's (or the payer's key's, for a channel naming none; a
+// payer that is a contract is refused, as its answer can change before the claim); the channel holds a deposit that covers the cumulative amount (minus a withdrawal that
 // can be finalized before a claim lands); the cumulative amount is above what was claimed and is exactly the
 // last accepted one plus the price (a refund: exactly the last accepted one). A refusal is a *BatchRefusal; a
-// voucher of a contract wallet is an error IsContractVoucher knows.
+// view read too long ago (see ChannelView.ReadAt) is an error IsStaleChannelView knows.
 func (t *BatchTerms) CheckVoucher(p *x402.BatchPayment, view ChannelView, now time.Time) (AcceptedVoucher, error) {
-	return t.checkVoucher(p, view, now, nil)
-}
-
-// CheckContractVoucher runs CheckVoucher's checks on a voucher CheckVoucher leaves to the chain: the channel
-// names no payer authorizer and its payer is a contract wallet, which judges the signature by ERC-1271
-// isValidSignature, asked through caller at the latest block (as the contract's SignatureChecker asks it when
-// it claims). A voucher any other key signs is checked as CheckVoucher checks it, with no call.
-func (t *BatchTerms) CheckContractVoucher(ctx context.Context, caller ethereum.ContractCaller, p *x402.BatchPayment, view ChannelView, now time.Time) (AcceptedVoucher, error) {
-	return t.checkVoucher(p, view, now, func(wallet common.Address, digest common.Hash, sig string) (*BatchRefusal, error) {
-		raw, err := hexutil.Decode(sig)
-		switch {
-		case err != nil:
-			return refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature must be 0x-prefixed hex: %v", err), nil
-		case len(raw) < minSignatureBytes || len(raw) > maxSignatureBytes:
-			return refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature is %d bytes, expected %d to %d", len(raw), minSignatureBytes, maxSignatureBytes), nil
-		}
-		data, err := contracts.SmartWalletABI.Pack("isValidSignature", digest, raw)
-		if err != nil {
-			return nil, err
-		}
-		ret, err := caller.CallContract(ctx, ethereum.CallMsg{To: &wallet, Data: data, Gas: walletCheckGas}, nil)
-		if err != nil && !failsOnChain(err) {
-			return nil, fmt.Errorf("asking the payer's wallet %s whether it signed the voucher: %w", wallet.Hex(), err)
-		}
-		if len(ret) < 4 || !bytes.Equal(ret[:4], contracts.ERC1271MagicValue[:]) {
-			return refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "the payer's contract wallet %s does not accept the voucher's signature (isValidSignature answered 0x%x)", wallet.Hex(), ret), nil
-		}
-		return nil, nil
-	})
-}
-
-// contractSignatureCheck judges a voucher signature by the payer's contract wallet: a refusal, or an error when
-// the chain could not be asked.
-type contractSignatureCheck func(wallet common.Address, digest common.Hash, signature string) (*BatchRefusal, error)
-
-func (t *BatchTerms) checkVoucher(p *x402.BatchPayment, view ChannelView, now time.Time, contract contractSignatureCheck) (AcceptedVoucher, error) {
 	var av AcceptedVoucher
 	pl := &p.Payload
 	switch {
@@ -389,14 +339,14 @@ func (t *BatchTerms) checkVoucher(p *x402.BatchPayment, view ChannelView, now ti
 	case pl.ChannelConfig == nil || pl.Voucher == nil:
 		return av, refuseBatch(x402.ReasonInvalidPayload, "payload has no channelConfig or voucher")
 	}
-	ch, err := ParseChannel(*pl.ChannelConfig)
+	ch, err := ParseChannelConfig(*pl.ChannelConfig)
 	if err != nil {
 		return av, refuseBatch(x402.ReasonInvalidPayload, "payload.%v", err)
 	}
 	if !x402.IsBytes32(pl.Voucher.ChannelID) {
 		return av, refuseBatch(x402.ReasonBatchChannelIDInvalid, "payload.voucher.channelId is not a bytes32 (0x and 64 hex digits)")
 	}
-	id := ch.ID(t.Domain)
+	id := ChannelID(t.Domain, ch)
 	claimed := common.HexToHash(pl.Voucher.ChannelID)
 	switch {
 	case claimed != id:
@@ -409,8 +359,8 @@ func (t *BatchTerms) checkVoucher(p *x402.BatchPayment, view ChannelView, now ti
 		return av, refuseBatch(x402.ReasonBatchTokenMismatch, "the channel's token is %s, this route is paid in %s", ch.Token.Hex(), t.Token.Hex())
 	case t.WithdrawDelay != 0 && ch.WithdrawDelay != t.WithdrawDelay:
 		return av, refuseBatch(x402.ReasonBatchWithdrawDelayMismatch, "the channel's withdrawDelay is %d s, this route names %d s", ch.WithdrawDelay, t.WithdrawDelay)
-	case ch.WithdrawDelay < x402.MinBatchWithdrawDelay || ch.WithdrawDelay > x402.MaxBatchWithdrawDelay:
-		return av, refuseBatch(x402.ReasonBatchWithdrawDelayOutOfRange, "the channel's withdrawDelay is %d s, expected %d to %d", ch.WithdrawDelay, x402.MinBatchWithdrawDelay, x402.MaxBatchWithdrawDelay)
+	case ch.WithdrawDelay < contracts.MinWithdrawDelay || ch.WithdrawDelay > contracts.MaxWithdrawDelay:
+		return av, refuseBatch(x402.ReasonBatchWithdrawDelayOutOfRange, "the channel's withdrawDelay is %d s, expected %d to %d", ch.WithdrawDelay, contracts.MinWithdrawDelay, contracts.MaxWithdrawDelay)
 	}
 	cumulative, err := x402.ParseAmount(pl.Voucher.MaxClaimableAmount)
 	if err != nil || cumulative.Cmp(maxUint128) > 0 {
@@ -419,47 +369,50 @@ func (t *BatchTerms) checkVoucher(p *x402.BatchPayment, view ChannelView, now ti
 	digest := VoucherDigest(t.Domain, id, cumulative)
 	signer := ch.PayerAuthorizer
 	var sig Signature
-	switch {
-	case signer == (common.Address{}) && view.PayerHasCode && contract == nil:
-		return av, errContractVoucher
-	case signer == (common.Address{}) && view.PayerHasCode:
-		// The contract's SignatureChecker asks a payer with code by ERC-1271 only, never by ecrecover.
+	if signer == (common.Address{}) {
+		// The payer signs. A payer with code has its vouchers judged by that code (ERC-1271) when the claim runs,
+		// and code can answer otherwise then than any check made now (its state, its caller, its gas price, or a
+		// new EIP-7702 delegation): nothing accepted now would be sure to be paid. Only a key is.
+		if view.PayerHasCode {
+			return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "the channel names no payerAuthorizer and its payer %s is a contract, "+
+				"whose ERC-1271 answer can change before a claim: open the channel with a payerAuthorizer, the key that signs its vouchers", ch.Payer.Hex())
+		}
 		signer = ch.Payer
-		r, err := contract(signer, digest, pl.Voucher.Signature)
-		if err != nil {
-			return av, err
-		}
-		if r != nil {
-			return av, r
-		}
-	default:
-		if signer == (common.Address{}) {
-			signer = ch.Payer
-		}
-		var err error
-		if sig, err = ParseSignature(pl.Voucher.Signature); err != nil {
-			return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature: %v", err)
-		}
-		if got, err := RecoverSigner(digest, sig); err != nil {
-			return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature: %v", err)
-		} else if got != signer {
-			return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "the voucher is signed by %s, not the channel's voucher signer %s", got.Hex(), signer.Hex())
-		}
+	}
+	if sig, err = ParseSignature(pl.Voucher.Signature); err != nil {
+		return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature: %v", err)
+	}
+	if got, err := RecoverSigner(digest, sig); err != nil {
+		return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature: %v", err)
+	} else if got != signer {
+		return av, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "the voucher is signed by %s, not the channel's voucher signer %s", got.Hex(), signer.Hex())
 	}
 
+	// A withdrawal asked for after the view was read would go unseen: its delay runs from then at the earliest.
+	fresh := view.ReadAt.Add(time.Duration(ch.WithdrawDelay) * time.Second)
+	if !now.Add(t.ClaimMargin).Before(fresh) {
+		return av, fmt.Errorf("%w: channel %s was read at %s, and a claim must land by %s (withdrawDelay %d s, claim margin %s)",
+			errStaleChannelView, id.Hex(), view.ReadAt.UTC().Format(time.RFC3339), fresh.UTC().Format(time.RFC3339), ch.WithdrawDelay, t.ClaimMargin)
+	}
+	av.ClaimBy = fresh
 	balance, totalClaimed, charged := orZero(view.Balance), orZero(view.TotalClaimed), orZero(view.Charged)
 	if balance.Sign() == 0 {
 		return av, refuseBatch(x402.ReasonBatchChannelNotFound, "channel %s holds no deposit", id.Hex())
 	}
 	covered, why := balance, ""
 	if !view.WithdrawRequestedAt.IsZero() {
-		av.ClaimBy = view.WithdrawRequestedAt.Add(time.Duration(ch.WithdrawDelay) * time.Second)
-		if !now.Add(t.ClaimMargin).Before(av.ClaimBy) {
+		finalizable := view.WithdrawRequestedAt.Add(time.Duration(ch.WithdrawDelay) * time.Second)
+		if now.Add(t.ClaimMargin).Before(finalizable) {
+			// The whole balance counts if the claim lands before the withdrawal can be finalized.
+			av.ClaimBy = finalizable
+		} else {
+			// Only what the withdrawal leaves counts; a next withdrawal can be asked for once this one is
+			// finalized, after the read, so the read's deadline stands.
 			covered = new(big.Int)
 			if view.WithdrawAmount != nil && view.WithdrawAmount.Cmp(balance) < 0 {
 				covered.Sub(balance, view.WithdrawAmount)
 			}
-			why = fmt.Sprintf(" once the withdrawal the payer asked for at %s can be finalized (%s)", view.WithdrawRequestedAt.UTC().Format(time.RFC3339), av.ClaimBy.UTC().Format(time.RFC3339))
+			why = fmt.Sprintf(" once the withdrawal the payer asked for at %s can be finalized (%s)", view.WithdrawRequestedAt.UTC().Format(time.RFC3339), finalizable.UTC().Format(time.RFC3339))
 		}
 	}
 	refund := pl.Type == x402.BatchRefund

@@ -6,6 +6,7 @@ import (
 
 	"github.com/ethereum/go-ethereum/common"
 
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -15,15 +16,16 @@ const depositValidityMargin = 6
 
 // CheckDepositAuthorization runs the off-chain checks of a deposit payment's authorization (the payload's
 // voucher is CheckVoucher's, given a view whose balance counts this deposit): its form, its terms (the
-// collector, the token, the amount, the channel it funds) and its time window at now, and that the payer's key
-// signed it. The chain checks what is left (the payer's balance and allowance, and, for a payer that is a
-// contract, its signature, by simulating the deposit): chainID is the chain's, for the domains.
-func CheckDepositAuthorization(p *x402.BatchPayment, chainID *big.Int, now time.Time) *BatchRefusal {
+// collector, the route's token and transfer method, the amount, the channel it funds) and its time window at now,
+// and that the payer's key signed it under the domain the token checks it under (the route's token name and
+// version, never the payment's accepted, which the payer writes). The chain checks what is left (the payer's
+// balance and allowance, and, for a payer that is a contract, its signature, by simulating the deposit).
+func (t *BatchTerms) CheckDepositAuthorization(p *x402.BatchPayment, now time.Time) *BatchRefusal {
 	pl := &p.Payload
 	if pl.Type != x402.BatchDeposit || pl.Deposit == nil || pl.ChannelConfig == nil || pl.Voucher == nil {
 		return refuseBatch(x402.ReasonBatchInvalidPayloadType, "payload is not a deposit with channelConfig, voucher and deposit")
 	}
-	ch, err := ParseChannel(*pl.ChannelConfig)
+	ch, err := ParseChannelConfig(*pl.ChannelConfig)
 	if err != nil {
 		return refuseBatch(x402.ReasonInvalidPayload, "payload.%v", err)
 	}
@@ -35,14 +37,11 @@ func CheckDepositAuthorization(p *x402.BatchPayment, chainID *big.Int, now time.
 	if err != nil || amount.Sign() == 0 || amount.Cmp(maxUint128) > 0 {
 		return refuseBatch(x402.ReasonInvalidPayload, "payload.deposit.amount %q is not a positive uint128 amount", truncate(pl.Deposit.Amount))
 	}
-	if !x402.IsHexAddress(p.Accepted.Asset) {
-		return refuseBatch(x402.ReasonInvalidPaymentRequirements, "accepted.asset %q is not an address", truncate(p.Accepted.Asset))
+	// The collector moves the channel's token, which must be the route's.
+	if ch.Token != t.Token {
+		return refuseBatch(x402.ReasonBatchTokenMismatch, "the channel's token is %s, this route is paid in %s", ch.Token.Hex(), t.Token.Hex())
 	}
-	token := common.HexToAddress(p.Accepted.Asset)
-	method := p.Accepted.Extra.AssetTransferMethod
-	if method == "" {
-		method = x402.TransferEIP3009
-	}
+	token, method, chainID := t.Token, t.TransferMethod, t.ChainID
 	auth := pl.Deposit.Authorization
 	switch {
 	case method == x402.TransferPermit2 && auth.Permit2Authorization == nil:
@@ -53,8 +52,8 @@ func CheckDepositAuthorization(p *x402.BatchPayment, chainID *big.Int, now time.
 		return refuseBatch(x402.ReasonBatchERC3009AuthorizationRequired, "the requirement's transfer method is eip3009, but the deposit carries no erc3009Authorization")
 	}
 	a := auth.ERC3009Authorization
-	if p.Accepted.Extra.Name == "" || p.Accepted.Extra.Version == "" {
-		return refuseBatch(x402.ReasonBatchMissingEIP712Domain, "accepted.extra names no token name and version, which an ERC-3009 deposit signs under")
+	if t.TokenName == "" || t.TokenVersion == "" {
+		return refuseBatch(x402.ReasonBatchMissingEIP712Domain, "the route's requirement names no token name and version (extra.name, extra.version), which an ERC-3009 deposit signs under")
 	}
 	validAfter, err1 := x402.ParseUint256(a.ValidAfter)
 	validBefore, err2 := x402.ParseUint256(a.ValidBefore)
@@ -74,9 +73,9 @@ func CheckDepositAuthorization(p *x402.BatchPayment, chainID *big.Int, now time.
 	if err != nil {
 		return refuseBatch(x402.ReasonBatchInvalidReceiveAuthorization, "payload.deposit.authorization.erc3009Authorization.signature: %v", err)
 	}
-	domain := PermitDomainSeparator(p.Accepted.Extra.Name, p.Accepted.Extra.Version, chainID, token)
-	nonce := ERC3009DepositNonce(channelID, common.HexToHash(a.Salt))
-	digest := ReceiveAuthorizationDigest(domain, ch.Payer, ERC3009DepositCollectorAddress, amount, validAfter, validBefore, nonce)
+	domain := PermitDomainSeparator(t.TokenName, t.TokenVersion, chainID, token)
+	nonce := contracts.ERC3009DepositNonce(channelID, common.HexToHash(a.Salt))
+	digest := ReceiveAuthorizationDigest(domain, ch.Payer, contracts.ERC3009DepositCollectorAddress, amount, validAfter, validBefore, nonce)
 	if got, err := RecoverSigner(digest, sig); err != nil || got != ch.Payer {
 		return refuseBatch(x402.ReasonBatchInvalidReceiveAuthorization, "the deposit's ReceiveWithAuthorization is not signed by the channel's payer %s", ch.Payer.Hex())
 	}
@@ -86,7 +85,7 @@ func CheckDepositAuthorization(p *x402.BatchPayment, chainID *big.Int, now time.
 // checkPermit2Deposit checks a deposit's Permit2 authorization: from the payer, spent by the Permit2 deposit
 // collector, of the route's token, for the deposit's amount, witnessing its channel, not expiring too soon,
 // and signed by the payer.
-func checkPermit2Deposit(a *x402.BatchPermit2Authorization, ch Channel, channelID common.Hash, token common.Address, amount, chainID *big.Int, now time.Time) *BatchRefusal {
+func checkPermit2Deposit(a *x402.BatchPermit2Authorization, ch contracts.ChannelConfig, channelID common.Hash, token common.Address, amount, chainID *big.Int, now time.Time) *BatchRefusal {
 	const at = "payload.deposit.authorization.permit2Authorization"
 	permitted, err1 := x402.ParseAmount(a.Permitted.Amount)
 	nonce, err2 := x402.ParseUint256(a.Nonce)
@@ -94,8 +93,8 @@ func checkPermit2Deposit(a *x402.BatchPermit2Authorization, ch Channel, channelI
 	switch {
 	case !x402.IsHexAddress(a.From) || common.HexToAddress(a.From) != ch.Payer:
 		return refuseBatch(x402.ReasonBatchPermit2InvalidSignature, "%s.from is %q, not the channel's payer %s", at, truncate(a.From), ch.Payer.Hex())
-	case !x402.IsHexAddress(a.Spender) || common.HexToAddress(a.Spender) != Permit2DepositCollectorAddress:
-		return refuseBatch(x402.ReasonBatchPermit2InvalidSpender, "%s.spender is %q, expected the Permit2 deposit collector %s", at, truncate(a.Spender), Permit2DepositCollectorAddress.Hex())
+	case !x402.IsHexAddress(a.Spender) || common.HexToAddress(a.Spender) != contracts.Permit2DepositCollectorAddress:
+		return refuseBatch(x402.ReasonBatchPermit2InvalidSpender, "%s.spender is %q, expected the Permit2 deposit collector %s", at, truncate(a.Spender), contracts.Permit2DepositCollectorAddress.Hex())
 	case !x402.IsHexAddress(a.Permitted.Token) || common.HexToAddress(a.Permitted.Token) != token:
 		return refuseBatch(x402.ReasonBatchTokenMismatch, "%s.permitted.token is %q, this route is paid in %s", at, truncate(a.Permitted.Token), token.Hex())
 	case err1 != nil || permitted.Cmp(amount) != 0:

@@ -13,30 +13,12 @@ import (
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
-	"github.com/ethereum/go-ethereum/common/math"
 	"github.com/ethereum/go-ethereum/crypto"
-	"github.com/ethereum/go-ethereum/signer/core/apitypes"
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
-
-var batchDomainFields = []apitypes.Type{
-	{Name: "name", Type: "string"}, {Name: "version", Type: "string"},
-	{Name: "chainId", Type: "uint256"}, {Name: "verifyingContract", Type: "address"},
-}
-
-func batchTypedData(chainID *big.Int, primary string, types apitypes.Types, msg apitypes.TypedDataMessage) apitypes.TypedData {
-	types["EIP712Domain"] = batchDomainFields
-	return apitypes.TypedData{
-		Types:       types,
-		PrimaryType: primary,
-		Domain: apitypes.TypedDataDomain{Name: batchDomainName, Version: batchDomainVersion,
-			ChainId: (*math.HexOrDecimal256)(chainID), VerifyingContract: BatchSettlementAddress.Hex()},
-		Message: msg,
-	}
-}
 
 func randHash(r *rand.Rand) common.Hash {
 	var h common.Hash
@@ -50,86 +32,49 @@ func randUint128(r *rand.Rand) *big.Int {
 	return new(big.Int).And(randUint256(r), maxUint128)
 }
 
-// The hand-rolled batch-settlement digests are go-ethereum's apitypes hashing of the SDK's types.
+// The hand-rolled batch-settlement digests are go-ethereum's apitypes hashing of chaintest's typed data, the
+// SDK's types (which chaintest's tests hold against the contract's typehashes and the SDK's own signatures).
 func TestBatchDigestsMatchGoEthereumTypedDataHashing(t *testing.T) {
 	r := rand.New(rand.NewPCG(40, 31))
+	randChannel := func() contracts.ChannelConfig {
+		return contracts.ChannelConfig{Payer: randAddress(r), PayerAuthorizer: randAddress(r), Receiver: randAddress(r),
+			ReceiverAuthorizer: randAddress(r), Token: randAddress(r), WithdrawDelay: r.Uint64() & (1<<40 - 1), Salt: randHash(r)}
+	}
 	for i := range 200 {
 		chainID := randChainID(r)
 		domain := BatchDomainSeparator(chainID)
-		ch := Channel{Payer: randAddress(r), PayerAuthorizer: randAddress(r), Receiver: randAddress(r),
-			ReceiverAuthorizer: randAddress(r), Token: randAddress(r), WithdrawDelay: r.Uint64() & (1<<40 - 1), Salt: randHash(r)}
-		want := referenceDigest(t, batchTypedData(chainID, "ChannelConfig", apitypes.Types{"ChannelConfig": {
-			{Name: "payer", Type: "address"}, {Name: "payerAuthorizer", Type: "address"}, {Name: "receiver", Type: "address"},
-			{Name: "receiverAuthorizer", Type: "address"}, {Name: "token", Type: "address"}, {Name: "withdrawDelay", Type: "uint40"},
-			{Name: "salt", Type: "bytes32"}}}, apitypes.TypedDataMessage{
-			"payer": ch.Payer.Hex(), "payerAuthorizer": ch.PayerAuthorizer.Hex(), "receiver": ch.Receiver.Hex(),
-			"receiverAuthorizer": ch.ReceiverAuthorizer.Hex(), "token": ch.Token.Hex(),
-			"withdrawDelay": new(big.Int).SetUint64(ch.WithdrawDelay).String(), "salt": ch.Salt.Hex()}))
-		if got := ch.ID(domain); got != want {
+		ch := randChannel()
+		if got, want := ChannelID(domain, ch), referenceDigest(t, chaintest.ChannelConfigTypedData(chainID, ch)); got != want {
 			t.Fatalf("case %d: channel id %s, apitypes %s", i, got, want)
 		}
 
 		id, amount, nonce, claimed := randHash(r), randUint128(r), randUint256(r), randUint128(r)
-		want = referenceDigest(t, batchTypedData(chainID, "Voucher", apitypes.Types{"Voucher": {
-			{Name: "channelId", Type: "bytes32"}, {Name: "maxClaimableAmount", Type: "uint128"}}},
-			apitypes.TypedDataMessage{"channelId": id.Hex(), "maxClaimableAmount": amount.String()}))
-		if got := VoucherDigest(domain, id, amount); got != want {
+		if got, want := VoucherDigest(domain, id, amount), referenceDigest(t, chaintest.VoucherTypedData(chainID, id, amount)); got != want {
 			t.Fatalf("case %d: voucher digest %s, apitypes %s", i, got, want)
 		}
-		want = referenceDigest(t, batchTypedData(chainID, "Refund", apitypes.Types{"Refund": {
-			{Name: "channelId", Type: "bytes32"}, {Name: "nonce", Type: "uint256"}, {Name: "amount", Type: "uint128"}}},
-			apitypes.TypedDataMessage{"channelId": id.Hex(), "nonce": nonce.String(), "amount": amount.String()}))
-		if got := RefundDigest(domain, id, nonce, amount); got != want {
+		if got, want := RefundDigest(domain, id, nonce, amount), referenceDigest(t, chaintest.RefundTypedData(chainID, id, nonce, amount)); got != want {
 			t.Fatalf("case %d: refund digest %s, apitypes %s", i, got, want)
 		}
 		entries := make([]ClaimEntry, r.IntN(4))
-		var msgEntries []interface{}
+		claims := make([]contracts.VoucherClaim, len(entries))
 		for j := range entries {
-			entries[j] = ClaimEntry{ChannelID: randHash(r), MaxClaimableAmount: randUint128(r), TotalClaimed: claimed}
-			msgEntries = append(msgEntries, map[string]interface{}{"channelId": entries[j].ChannelID.Hex(),
-				"maxClaimableAmount": entries[j].MaxClaimableAmount.String(), "totalClaimed": claimed.String()})
+			cfg, max := randChannel(), randUint128(r)
+			entries[j] = ClaimEntry{ChannelID: ChannelID(domain, cfg), MaxClaimableAmount: max, TotalClaimed: claimed}
+			claims[j] = contracts.VoucherClaim{Voucher: contracts.Voucher{Channel: cfg, MaxClaimableAmount: max}, TotalClaimed: claimed}
 		}
-		if msgEntries == nil {
-			msgEntries = []interface{}{}
-		}
-		want = referenceDigest(t, batchTypedData(chainID, "ClaimBatch", apitypes.Types{
-			"ClaimBatch": {{Name: "claims", Type: "ClaimEntry[]"}},
-			"ClaimEntry": {{Name: "channelId", Type: "bytes32"}, {Name: "maxClaimableAmount", Type: "uint128"}, {Name: "totalClaimed", Type: "uint128"}}},
-			apitypes.TypedDataMessage{"claims": msgEntries}))
-		if got := ClaimBatchDigest(domain, entries); got != want {
+		if got, want := ClaimBatchDigest(domain, entries), referenceDigest(t, chaintest.ClaimBatchTypedData(chainID, claims)); got != want {
 			t.Fatalf("case %d (%d claims): claim batch digest %s, apitypes %s", i, len(entries), got, want)
 		}
 
 		name, version, token := randString(r), randString(r), randAddress(r)
 		from, value, after, before, n := randAddress(r), randUint256(r), randUint256(r), randUint256(r), randHash(r)
-		td := batchTypedData(chainID, "ReceiveWithAuthorization", apitypes.Types{"ReceiveWithAuthorization": {
-			{Name: "from", Type: "address"}, {Name: "to", Type: "address"}, {Name: "value", Type: "uint256"},
-			{Name: "validAfter", Type: "uint256"}, {Name: "validBefore", Type: "uint256"}, {Name: "nonce", Type: "bytes32"}}},
-			apitypes.TypedDataMessage{"from": from.Hex(), "to": ERC3009DepositCollectorAddress.Hex(), "value": value.String(),
-				"validAfter": after.String(), "validBefore": before.String(), "nonce": n.Hex()})
-		td.Domain = apitypes.TypedDataDomain{Name: name, Version: version, ChainId: (*math.HexOrDecimal256)(chainID), VerifyingContract: token.Hex()}
-		if got := ReceiveAuthorizationDigest(PermitDomainSeparator(name, version, chainID, token), from, ERC3009DepositCollectorAddress, value, after, before, n); got != referenceDigest(t, td) {
+		td := chaintest.ReceiveAuthorizationTypedData(name, version, chainID, token, from, value, after, before, n)
+		if got := ReceiveAuthorizationDigest(PermitDomainSeparator(name, version, chainID, token), from, contracts.ERC3009DepositCollectorAddress, value, after, before, n); got != referenceDigest(t, td) {
 			t.Fatalf("case %d: receive authorization digest %s, apitypes %s", i, got, referenceDigest(t, td))
 		}
 
-		p := permit2Transfer{Token: token, Amount: value, Spender: Permit2DepositCollectorAddress, Nonce: nonce, Deadline: before}
-		td = apitypes.TypedData{
-			Types: apitypes.Types{
-				"EIP712Domain": {{Name: "name", Type: "string"}, {Name: "chainId", Type: "uint256"}, {Name: "verifyingContract", Type: "address"}},
-				"PermitWitnessTransferFrom": {{Name: "permitted", Type: "TokenPermissions"}, {Name: "spender", Type: "address"},
-					{Name: "nonce", Type: "uint256"}, {Name: "deadline", Type: "uint256"}, {Name: "witness", Type: "DepositWitness"}},
-				"TokenPermissions": {{Name: "token", Type: "address"}, {Name: "amount", Type: "uint256"}},
-				"DepositWitness":   {{Name: "channelId", Type: "bytes32"}},
-			},
-			PrimaryType: "PermitWitnessTransferFrom",
-			Domain:      apitypes.TypedDataDomain{Name: "Permit2", ChainId: (*math.HexOrDecimal256)(chainID), VerifyingContract: canonicalPermit2.Hex()},
-			Message: apitypes.TypedDataMessage{
-				"permitted": map[string]interface{}{"token": token.Hex(), "amount": value.String()},
-				"spender":   Permit2DepositCollectorAddress.Hex(), "nonce": nonce.String(), "deadline": before.String(),
-				"witness": map[string]interface{}{"channelId": id.Hex()},
-			},
-		}
-		if got := depositPermit2Digest(permit2DomainSeparator(chainID, canonicalPermit2), p, id); got != referenceDigest(t, td) {
+		td = chaintest.DepositPermit2TypedData(chainID, token, value, nonce, before, id)
+		if got := DepositPermit2Digest(chainID, token, value, nonce, before, id); got != referenceDigest(t, td) {
 			t.Fatalf("case %d: deposit permit2 digest %s, apitypes %s", i, got, referenceDigest(t, td))
 		}
 	}
@@ -148,7 +93,9 @@ type sdkSigned struct {
 // sdkChainID is the chain the vectors were signed for (eip155:72344, the dev chain).
 var sdkChainID = big.NewInt(72344)
 
-func TestVouchersAndDepositsTheTypeScriptSDKSignedVerifyInGo(t *testing.T) {
+// readSDKSigned reads testdata/batch-sdk-signed.json.
+func readSDKSigned(t *testing.T) sdkSigned {
+	t.Helper()
 	raw, err := os.ReadFile("testdata/batch-sdk-signed.json")
 	if err != nil {
 		t.Fatal(err)
@@ -157,6 +104,11 @@ func TestVouchersAndDepositsTheTypeScriptSDKSignedVerifyInGo(t *testing.T) {
 	if err := json.Unmarshal(raw, &vectors); err != nil {
 		t.Fatal(err)
 	}
+	return vectors
+}
+
+func TestVouchersAndDepositsTheTypeScriptSDKSignedVerifyInGo(t *testing.T) {
+	vectors := readSDKSigned(t)
 	if len(vectors.Payments) < 5 {
 		t.Fatalf("%d vectors, expected deposits of both methods, two vouchers and a refund", len(vectors.Payments))
 	}
@@ -179,15 +131,15 @@ func checkSDKPayment(t *testing.T, p *x402.BatchPayment, channelID string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ch, err := ParseChannel(*p.Payload.ChannelConfig)
+	ch, err := ParseChannelConfig(*p.Payload.ChannelConfig)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := ch.ID(terms.Domain); got != common.HexToHash(channelID) {
+	if got := ChannelID(terms.Domain, ch); got != common.HexToHash(channelID) {
 		t.Fatalf("channel id %s, the SDK computed %s", got, channelID)
 	}
 	cumulative, _ := x402.ParseAmount(p.Payload.Voucher.MaxClaimableAmount)
-	view := ChannelView{Balance: new(big.Int).Mul(cumulative, big.NewInt(10)), TotalClaimed: new(big.Int)}
+	view := ChannelView{Balance: new(big.Int).Mul(cumulative, big.NewInt(10)), TotalClaimed: new(big.Int), ReadAt: time.Now()}
 	view.Charged = new(big.Int).Sub(cumulative, terms.Price)
 	switch p.Payload.Type {
 	case x402.BatchRefund:
@@ -195,7 +147,7 @@ func checkSDKPayment(t *testing.T, p *x402.BatchPayment, channelID string) {
 	case x402.BatchDeposit:
 		view.Balance, _ = x402.ParseAmount(p.Payload.Deposit.Amount)
 		now := sdkSigningTime(t, p)
-		if r := CheckDepositAuthorization(p, sdkChainID, now); r != nil {
+		if r := terms.CheckDepositAuthorization(p, now); r != nil {
 			t.Fatalf("deposit authorization refused: %v", r)
 		}
 	}
@@ -203,7 +155,7 @@ func checkSDKPayment(t *testing.T, p *x402.BatchPayment, channelID string) {
 	if err != nil {
 		t.Fatalf("voucher refused: %v", err)
 	}
-	if av.Charge.Cmp(new(big.Int).Sub(cumulative, view.Charged)) != 0 || av.ChannelID != ch.ID(terms.Domain) {
+	if av.Charge.Cmp(new(big.Int).Sub(cumulative, view.Charged)) != 0 || av.ChannelID != ChannelID(terms.Domain, ch) {
 		t.Fatalf("accepted voucher %+v", av)
 	}
 }
@@ -253,11 +205,11 @@ func newBatchFixture(t testing.TB) *batchFixture {
 // voucher signs a voucher payment of cfg for cumulative with key.
 func (f *batchFixture) voucher(t testing.TB, cfg x402.ChannelConfig, key *ecdsa.PrivateKey, cumulative int64) *x402.BatchPayment {
 	t.Helper()
-	ch, err := ParseChannel(cfg)
+	ch, err := ParseChannelConfig(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	id := ch.ID(f.terms.Domain)
+	id := ChannelID(f.terms.Domain, ch)
 	sig, err := SignVoucher(key, f.terms.Domain, id, big.NewInt(cumulative))
 	if err != nil {
 		t.Fatal(err)
@@ -272,7 +224,7 @@ func TestCheckVoucherRefusesWhatTheChannelDoesNotCover(t *testing.T) {
 	f := newBatchFixture(t)
 	now := time.Unix(1_800_000_000, 0)
 	view := func(balance, claimed, charged int64) ChannelView {
-		return ChannelView{Balance: big.NewInt(balance), TotalClaimed: big.NewInt(claimed), Charged: big.NewInt(charged)}
+		return ChannelView{Balance: big.NewInt(balance), TotalClaimed: big.NewInt(claimed), Charged: big.NewInt(charged), ReadAt: now}
 	}
 	otherReceiver := f.cfg
 	otherReceiver.Receiver = "0x15d34AAf54267DB7D7c367839AAf71A00a2C6A65"
@@ -358,14 +310,17 @@ func TestCheckVoucherRefusesWhatTheChannelDoesNotCover(t *testing.T) {
 	}
 }
 
-func TestCheckVoucherLeavesAContractWalletsVoucherToTheChain(t *testing.T) {
+// A channel naming no payer authorizer whose payer has code is refused off chain, whoever signed: its code
+// judges the voucher when the claim runs (see TestCheckVoucherRefusesAVoucherTheChannelsContractPayerJudges).
+func TestCheckVoucherRefusesAPayerWithCodeWithoutAPayerAuthorizer(t *testing.T) {
 	f := newBatchFixture(t)
 	cfg := f.cfg
 	cfg.PayerAuthorizer = "0x0000000000000000000000000000000000000000"
 	p := f.voucher(t, cfg, f.payerKey, 1000)
-	_, err := f.terms.CheckVoucher(p, ChannelView{Balance: big.NewInt(5000), PayerHasCode: true}, time.Now())
-	if !IsContractVoucher(err) {
-		t.Fatalf("got %v, want the contract-wallet error", err)
+	_, err := f.terms.CheckVoucher(p, ChannelView{Balance: big.NewInt(5000), PayerHasCode: true, ReadAt: time.Now()}, time.Now())
+	var r *BatchRefusal
+	if !errors.As(err, &r) || r.Reason != x402.ReasonBatchInvalidVoucherSignature || !strings.Contains(r.Message, "payerAuthorizer") {
+		t.Fatalf("got %v, want a refusal %s naming the payerAuthorizer", err, x402.ReasonBatchInvalidVoucherSignature)
 	}
 }
 
@@ -374,8 +329,8 @@ func TestCheckVoucherLeavesAContractWalletsVoucherToTheChain(t *testing.T) {
 func BenchmarkCheckVoucher(b *testing.B) {
 	f := newBatchFixture(b)
 	p := f.voucher(b, f.cfg, f.authKey, 3000)
-	view := ChannelView{Balance: big.NewInt(10_000), TotalClaimed: new(big.Int), Charged: big.NewInt(2000)}
 	now := time.Now()
+	view := ChannelView{Balance: big.NewInt(10_000), TotalClaimed: new(big.Int), Charged: big.NewInt(2000), ReadAt: now}
 	b.ReportAllocs()
 	for b.Loop() {
 		if _, err := f.terms.CheckVoucher(p, view, now); err != nil {
@@ -397,54 +352,10 @@ func BenchmarkRecoverSignerOfAVoucher(b *testing.B) {
 	}
 }
 
-// A channel that names no payer authorizer and whose payer is a contract wallet signs its vouchers by ERC-1271:
-// the wallet on a simulated chain is asked, accepts its owner's voucher and refuses another key's.
-func TestCheckContractVoucherAsksThePayersWallet(t *testing.T) {
-	c := chaintest.New(t, chaintest.WithChainID(sdkChainID.Uint64()))
-	f := newBatchFixture(t)
-	owner := crypto.PubkeyToAddress(f.payerKey.PublicKey)
-	wallet := c.CreateSmartWallet(c.DeploySmartWalletFactory(), contracts.SmartWalletAccount{Owner: owner, Salt: big.NewInt(7)})
-	cfg := f.cfg
-	cfg.Payer, cfg.PayerAuthorizer = wallet.Hex(), "0x0000000000000000000000000000000000000000"
-	view := ChannelView{Balance: big.NewInt(10_000), TotalClaimed: new(big.Int), Charged: big.NewInt(2000), PayerHasCode: true}
-	ctx := context.Background()
-
-	byOwner := f.voucher(t, cfg, f.payerKey, 3000)
-	if _, err := f.terms.CheckVoucher(byOwner, view, time.Now()); !IsContractVoucher(err) {
-		t.Fatalf("the off-chain check: %v, want it left to the chain", err)
-	}
-	av, err := f.terms.CheckContractVoucher(ctx, c.Client, byOwner, view, time.Now())
-	if err != nil {
-		t.Fatalf("the wallet owner's voucher: %v", err)
-	}
-	if av.Signer != wallet || av.Charge.Int64() != 1000 {
-		t.Fatalf("accepted %+v", av)
-	}
-	var r *BatchRefusal
-	byOther := f.voucher(t, cfg, f.authKey, 3000)
-	if _, err := f.terms.CheckContractVoucher(ctx, c.Client, byOther, view, time.Now()); !errors.As(err, &r) || r.Reason != x402.ReasonBatchInvalidVoucherSignature {
-		t.Fatalf("another key's voucher: %v, want %s", err, x402.ReasonBatchInvalidVoucherSignature)
-	}
-	// The owner's key alone is not the wallet: a payer with code is never judged by ecrecover.
-	noCode := view
-	noCode.PayerHasCode = false
-	if _, err := f.terms.CheckVoucher(byOwner, noCode, time.Now()); !errors.As(err, &r) || r.Reason != x402.ReasonBatchInvalidVoucherSignature {
-		t.Fatalf("the owner's signature judged as the wallet's own: %v", err)
-	}
-}
-
 // sdkPayment is the named payment of testdata/batch-sdk-signed.json, decoded.
 func sdkPayment(t *testing.T, name string) *x402.BatchPayment {
 	t.Helper()
-	raw, err := os.ReadFile("testdata/batch-sdk-signed.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var vectors sdkSigned
-	if err := json.Unmarshal(raw, &vectors); err != nil {
-		t.Fatal(err)
-	}
-	for _, v := range vectors.Payments {
+	for _, v := range readSDKSigned(t).Payments {
 		if v.Name == name {
 			p, err := x402.UnmarshalBatchPayment(v.Payment)
 			if err != nil {
@@ -495,7 +406,12 @@ func TestCheckDepositAuthorizationRefusesWhatTheCollectorWouldNotTake(t *testing
 			p := sdkPayment(t, tc.vector)
 			now := sdkSigningTime(t, p).Add(tc.late)
 			tc.edit(p)
-			r := CheckDepositAuthorization(p, sdkChainID, now)
+			// The edits of accepted stand for the route's requirement: the terms are built from it.
+			terms, err := NewBatchTerms(p.Accepted, sdkChainID, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := terms.CheckDepositAuthorization(p, now)
 			switch {
 			case tc.reason == "" && r != nil:
 				t.Fatalf("refused: %v", r)
@@ -513,11 +429,47 @@ func TestAnAcceptedVoucherCarriesItsSignatureAsTheContractRecoversIt(t *testing.
 	sig := p.Payload.Voucher.Signature
 	v := sig[len(sig)-2:]
 	p.Payload.Voucher.Signature = sig[:len(sig)-2] + map[string]string{"1b": "00", "1c": "01"}[v]
-	av, err := f.terms.CheckVoucher(p, ChannelView{Balance: big.NewInt(10_000), Charged: big.NewInt(2000)}, time.Now())
+	av, err := f.terms.CheckVoucher(p, ChannelView{Balance: big.NewInt(10_000), Charged: big.NewInt(2000), ReadAt: time.Now()}, time.Now())
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got := av.Signature.hex(); got != sig {
 		t.Fatalf("accepted signature %s, want %s (v %s)", got, sig, v)
+	}
+}
+
+// The channel a payment names, parsed once, is the contract's own: packed as it is into the escrow's calldata,
+// the contract hashes it to the id ChannelID computes and the SDK signed for, and a claim row of it packs.
+func TestAChannelParsedFromTheWireIsTheContractsChannel(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithChainID(sdkChainID.Uint64()))
+	for _, name := range []string{"voucher-payer", "voucher-authorizer", "deposit-permit2"} {
+		p := sdkPayment(t, name)
+		ch, err := ParseChannelConfig(*p.Payload.ChannelConfig)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if again, _ := ParseChannelConfig(*p.Payload.ChannelConfig); again != ch {
+			t.Fatalf("%s: the same channel config parsed twice differs: %+v, %+v", name, ch, again)
+		}
+		data, err := contracts.PackBatchSettlement("getChannelId", ch)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		raw, err := c.Call(context.Background(), c.Deployer.Address, contracts.BatchSettlementAddress, data)
+		if err != nil {
+			t.Fatalf("%s: getChannelId: %v", name, err)
+		}
+		out, err := contracts.BatchSettlementABI.Unpack("getChannelId", raw)
+		if err != nil {
+			t.Fatal(err)
+		}
+		onChain, ours, sdk := common.Hash(out[0].([32]byte)), ChannelID(BatchDomainSeparator(c.ChainID), ch), common.HexToHash(p.Payload.Voucher.ChannelID)
+		if onChain != ours || ours != sdk {
+			t.Errorf("%s: the contract's channel id %s, ChannelID %s, the SDK's %s", name, onChain, ours, sdk)
+		}
+		claim := contracts.VoucherClaim{Voucher: contracts.Voucher{Channel: ch, MaxClaimableAmount: big.NewInt(3000)}, Signature: []byte{1}, TotalClaimed: big.NewInt(3000)}
+		if _, err := contracts.PackClaim([]contracts.VoucherClaim{claim}); err != nil {
+			t.Errorf("%s: a claim of the parsed channel does not pack: %v", name, err)
+		}
 	}
 }

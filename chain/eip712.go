@@ -195,9 +195,15 @@ func PermitDigest(domain common.Hash, p Permit) common.Hash {
 // transferAuthorizationDigest returns the EIP-712 digest an EIP-3009 TransferWithAuthorization signature signs,
 // given the token's domain separator.
 func transferAuthorizationDigest(domain common.Hash, a transferAuthorization) common.Hash {
+	return erc3009Digest(domain, transferWithAuthorizationTypeHash, a)
+}
+
+// erc3009Digest returns the EIP-712 digest of an EIP-3009 authorization whose type (TransferWithAuthorization
+// or ReceiveWithAuthorization: the same fields) hashes to typeHash, given the token's domain separator.
+func erc3009Digest(domain, typeHash common.Hash, a transferAuthorization) common.Hash {
 	h := hasherPool.Get().(*hasher)
 	defer hasherPool.Put(h)
-	putHash(h.word(0), transferWithAuthorizationTypeHash)
+	putHash(h.word(0), typeHash)
 	putAddress(h.word(1), a.From)
 	putAddress(h.word(2), a.To)
 	putUint256(h.word(3), a.Value)

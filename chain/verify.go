@@ -157,7 +157,7 @@ type sponsorPermit struct {
 // settlement still simulates the exact call before anything is sent.
 func (f *Facilitator) Verify(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
 	resp, err := f.verify(ctx, req, fundsVerify)
-	f.noteVerify(req, resp, err)
+	journal.WhenMarked(ctx, func() { f.noteVerify(req, resp, err) })
 	return resp, err
 }
 
@@ -171,7 +171,7 @@ func (f *Facilitator) Verify(ctx context.Context, req x402.VerifyRequest) (x402.
 // settlement of zero lets the hold go.
 func (f *Facilitator) VerifyAndHold(ctx context.Context, req x402.VerifyRequest) (x402.VerifyResponse, error) {
 	resp, err := f.verify(ctx, req, fundsHold)
-	f.noteVerify(req, resp, err)
+	journal.WhenMarked(ctx, func() { f.noteVerify(req, resp, err) })
 	return resp, err
 }
 
@@ -232,6 +232,11 @@ func (f *Facilitator) verify(ctx context.Context, req x402.VerifyRequest, use fu
 		}
 	}
 	if ref == nil && !f.fromFunds(ctx, p, use) {
+		if journal.NotMarked(ctx) {
+			// The gate's in-flight mark, carried by the funds read, says the payment is another request's or
+			// presented again: the gate answers it from its record, and nothing is asked of the chain for it.
+			return x402.VerifyResponse{}, &x402.FacilitatorError{Op: "verify", Kind: x402.FailureUnreachable, Err: journal.ErrNotMarked}
+		}
 		var err error
 		if ref, err = p.checkChain(ctx, use); err != nil {
 			return x402.VerifyResponse{}, &x402.FacilitatorError{Op: "verify", Kind: x402.FailureUnreachable, Err: err}

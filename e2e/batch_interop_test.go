@@ -18,12 +18,15 @@ import (
 	"github.com/ethereum/go-ethereum/crypto"
 
 	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/internal/needs"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// batchChainID is the chain the batch-settlement signatures of these tests are for (the dev chain's id); no
-// chain runs: the signatures and the channel's terms are checked off chain on both sides.
+// batchChainID is the chain the batch-settlement signatures of TestBatchSettlementSignaturesInteroperateWithTheTypeScriptSDK
+// are for (the dev chain's id); no chain runs there: the signatures and the channel's terms are checked off chain
+// on both sides.
 var batchChainID = big.NewInt(72344)
 
 // batchSpec is what batch-vectors.mjs signs with: the route's terms and the keys, fresh for each run.
@@ -129,20 +132,20 @@ func TestBatchSettlementSignaturesInteroperateWithTheTypeScriptSDK(t *testing.T)
 			if err != nil {
 				t.Fatal(err)
 			}
-			ch, err := chain.ParseChannel(*p.Payload.ChannelConfig)
+			ch, err := chain.ParseChannelConfig(*p.Payload.ChannelConfig)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if id := ch.ID(terms.Domain); id != common.HexToHash(s.ChannelID) {
+			if id := chain.ChannelID(terms.Domain, ch); id != common.HexToHash(s.ChannelID) {
 				t.Fatalf("%s: Go's channel id %s, the SDK's %s", s.Name, id.Hex(), s.ChannelID)
 			}
 			cumulative, _ := x402.ParseAmount(p.Payload.Voucher.MaxClaimableAmount)
-			view := chain.ChannelView{Balance: big.NewInt(1_000_000), TotalClaimed: new(big.Int), Charged: new(big.Int).Sub(cumulative, terms.Price)}
+			view := chain.ChannelView{Balance: big.NewInt(1_000_000), TotalClaimed: new(big.Int), Charged: new(big.Int).Sub(cumulative, terms.Price), ReadAt: time.Now()}
 			switch p.Payload.Type {
 			case x402.BatchRefund:
 				view.Charged = cumulative
 			case x402.BatchDeposit:
-				if r := chain.CheckDepositAuthorization(&p, batchChainID, time.Now()); r != nil {
+				if r := terms.CheckDepositAuthorization(&p, time.Now()); r != nil {
 					t.Fatalf("%s: Go refuses the SDK's deposit authorization: %v", s.Name, r)
 				}
 			}
@@ -174,11 +177,11 @@ func TestBatchSettlementSignaturesInteroperateWithTheTypeScriptSDK(t *testing.T)
 				Receiver: spec.PayTo, ReceiverAuthorizer: spec.ReceiverAuthorizer, Token: spec.Asset, WithdrawDelay: spec.WithdrawDelay, Salt: spec.Salt}
 		}
 		voucher := func(cfg x402.ChannelConfig, key *ecdsa.PrivateKey, kind string, cumulative int64) x402.BatchPayment {
-			ch, err := chain.ParseChannel(cfg)
+			ch, err := chain.ParseChannelConfig(cfg)
 			if err != nil {
 				t.Fatal(err)
 			}
-			id := ch.ID(domain)
+			id := chain.ChannelID(domain, ch)
 			sig := signHash(t, key, chain.VoucherDigest(domain, id, big.NewInt(cumulative)))
 			return x402.BatchPayment{X402Version: 2, Accepted: rq, Payload: x402.BatchPayload{Type: kind, ChannelConfig: &cfg,
 				Voucher: &x402.BatchVoucherFields{ChannelID: id.Hex(), MaxClaimableAmount: big.NewInt(cumulative).String(), Signature: sig}}}
@@ -197,7 +200,7 @@ func TestBatchSettlementSignaturesInteroperateWithTheTypeScriptSDK(t *testing.T)
 				nonce := new(big.Int).SetBytes(randomBytes32(t).Bytes())
 				p.Payload.Deposit.Authorization.Permit2Authorization = &x402.BatchPermit2Authorization{
 					From: from.Hex(), Permitted: x402.TokenPermissions{Token: token.Hex(), Amount: amount.String()},
-					Spender: chain.Permit2DepositCollectorAddress.Hex(), Nonce: nonce.String(), Deadline: validBefore.String(),
+					Spender: contracts.Permit2DepositCollectorAddress.Hex(), Nonce: nonce.String(), Deadline: validBefore.String(),
 					Witness:   x402.BatchPermit2Witness{ChannelID: id.Hex()},
 					Signature: signHash(t, payer, chain.DepositPermit2Digest(batchChainID, token, amount, nonce, validBefore, id)),
 				}
@@ -205,7 +208,7 @@ func TestBatchSettlementSignaturesInteroperateWithTheTypeScriptSDK(t *testing.T)
 			}
 			salt := randomBytes32(t)
 			digest := chain.ReceiveAuthorizationDigest(chain.PermitDomainSeparator(spec.TokenName, spec.TokenVersion, batchChainID, token),
-				from, chain.ERC3009DepositCollectorAddress, amount, new(big.Int), validBefore, chain.ERC3009DepositNonce(id, salt))
+				from, contracts.ERC3009DepositCollectorAddress, amount, new(big.Int), validBefore, contracts.ERC3009DepositNonce(id, salt))
 			p.Payload.Deposit.Authorization.ERC3009Authorization = &x402.BatchERC3009Authorization{
 				ValidAfter: "0", ValidBefore: validBefore.String(), Salt: salt.Hex(), Signature: signHash(t, payer, digest)}
 			return p
@@ -268,4 +271,83 @@ func TestBatchSettlementSignaturesInteroperateWithTheTypeScriptSDK(t *testing.T)
 			}
 		}
 	})
+}
+
+// The SDK's batch-settlement facilitator verifies a deposit against a running dev chain: it reads the channel,
+// the payer's token balance, a pending withdrawal and the refund nonce in one Multicall3 tryAggregate (at the
+// canonical address, as on any network), then simulates the deposit through our escrow and collector. A payer
+// the SDK's client signed for with the dev chain's funded key passes; a payer with no tokens is refused for its
+// balance, which only a read that answered can say.
+func TestTheSDKsBatchSettlementFacilitatorVerifiesADepositOnTheDevChain(t *testing.T) {
+	npm := needs.Command(t, "npm", "apt-get install nodejs npm")
+	node := needs.Command(t, "node", "apt-get install nodejs")
+	sdk := installTypeScriptClient(t, npm)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	dev, err := devchain.Start(ctx, devchain.Config{Listen: "127.0.0.1:0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := dev.Close(); err != nil {
+			t.Errorf("closing the dev chain: %v", err)
+		}
+	})
+
+	type item struct {
+		Name         string          `json:"name"`
+		Payment      json.RawMessage `json:"payment"`
+		Requirements json.RawMessage `json:"requirements"`
+		RPC          string          `json:"rpc"`
+	}
+	var items []item
+	for _, payer := range []struct {
+		name string
+		key  *ecdsa.PrivateKey
+	}{{"funded payer", devchain.PayerKey()}, {"payer without tokens", newKey(t)}} {
+		spec := batchSpec{
+			Network: dev.Network(), Asset: devchain.EIP3009TokenAddress.Hex(),
+			PayTo: crypto.PubkeyToAddress(newKey(t).PublicKey).Hex(), ReceiverAuthorizer: crypto.PubkeyToAddress(newKey(t).PublicKey).Hex(),
+			WithdrawDelay: 900, Amount: "1000", TokenName: contracts.USDCoinName, TokenVersion: contracts.USDCoinVersion,
+			PayerKey: hexutil.Encode(crypto.FromECDSA(payer.key)), VoucherKey: hexutil.Encode(crypto.FromECDSA(newKey(t))),
+			Salt: randomBytes32(t).Hex(),
+		}
+		var signed struct {
+			Payments []struct {
+				Name    string          `json:"name"`
+				Payment json.RawMessage `json:"payment"`
+			} `json:"payments"`
+		}
+		runBatchVectors(t, node, sdk, "sign", spec, &signed)
+		for _, s := range signed.Payments {
+			if s.Name != "deposit-eip3009" {
+				continue
+			}
+			var p struct {
+				Accepted json.RawMessage `json:"accepted"`
+			}
+			if err := json.Unmarshal(s.Payment, &p); err != nil {
+				t.Fatal(err)
+			}
+			items = append(items, item{Name: payer.name, Payment: s.Payment, Requirements: p.Accepted, RPC: dev.RPCURL()})
+		}
+	}
+	if len(items) != 2 {
+		t.Fatalf("the SDK signed %d eip3009 deposits, want 2", len(items))
+	}
+	var verdicts []struct {
+		Name          string `json:"name"`
+		IsValid       bool   `json:"isValid"`
+		InvalidReason string `json:"invalidReason"`
+	}
+	runBatchVectors(t, node, sdk, "verify", items, &verdicts)
+	want := map[string]string{"funded payer": "", "payer without tokens": x402.ReasonBatchInsufficientBalance}
+	if len(verdicts) != len(want) {
+		t.Fatalf("%d verdicts, want %d", len(verdicts), len(want))
+	}
+	for _, v := range verdicts {
+		if reason := want[v.Name]; v.IsValid != (reason == "") || v.InvalidReason != reason {
+			t.Errorf("%s: the SDK's facilitator says valid=%v %q, want valid=%v %q", v.Name, v.IsValid, v.InvalidReason, reason == "", reason)
+		}
+	}
 }

@@ -234,40 +234,49 @@ func (l *Ledger) acquireRecord(ctx context.Context, id journal.ID) (mine bool, r
 
 // acquireMarking is acquire with the journal's mark (and what else it reads with it) made by mark.
 func (l *Ledger) acquireMarking(id journal.ID, mark func(journal.Cluster) (bool, journal.Record, bool, error)) (bool, journal.Record, bool, error) {
-	l.mu.Lock()
-	if _, busy := l.inflight[id]; busy {
-		l.mu.Unlock()
+	if !l.markHere(id) {
 		return false, journal.Record{}, false, nil
+	}
+	if c, ok := l.store.(journal.Cluster); ok {
+		return l.markedThere(id, c, c.Continuity(), mark)
+	}
+	return true, journal.Record{}, false, nil
+}
+
+// markHere takes this process's own mark of payment id: false when a request here has it.
+func (l *Ledger) markHere(id journal.ID) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, busy := l.inflight[id]; busy {
+		return false
 	}
 	l.inflight[id] = 0
 	l.users.add(1)
-	l.mu.Unlock()
-	var (
-		rec   journal.Record
-		found bool
-	)
-	if c, ok := l.store.(journal.Cluster); ok {
-		life := c.Continuity()
-		mine, r, f, err := mark(c)
-		if err != nil && mine {
-			l.release(id) // marked, and what was read with the mark failed
-			return false, journal.Record{}, false, err
-		}
-		if err != nil || !mine {
-			l.forget(id)
-			return false, journal.Record{}, false, err
-		}
-		if c.Continuity() != life {
-			// This process may look dead to the others right now (its heartbeat is behind): the mark may not
-			// hold, and nothing would be served on it.
-			l.release(id)
-			return false, journal.Record{}, false, errMayLookDead
-		}
-		l.mu.Lock()
-		l.inflight[id] = life
-		l.mu.Unlock()
-		rec, found = r, f
+	return true
+}
+
+// markedThere takes the journal's mark of payment id, marked here already, with mark, and what mark reads with it;
+// life is the journal's Continuity from before the mark was asked for. Not this request's, or failed: the mark
+// here is let go of.
+func (l *Ledger) markedThere(id journal.ID, c journal.Cluster, life uint64, mark func(journal.Cluster) (bool, journal.Record, bool, error)) (bool, journal.Record, bool, error) {
+	mine, rec, found, err := mark(c)
+	if err != nil && mine {
+		l.release(id) // marked, and what was read with the mark failed
+		return false, journal.Record{}, false, err
 	}
+	if err != nil || !mine {
+		l.forget(id)
+		return false, journal.Record{}, false, err
+	}
+	if c.Continuity() != life {
+		// This process may look dead to the others right now (its heartbeat is behind): the mark may not
+		// hold, and nothing would be served on it.
+		l.release(id)
+		return false, journal.Record{}, false, errMayLookDead
+	}
+	l.mu.Lock()
+	l.inflight[id] = life
+	l.mu.Unlock()
 	return true, rec, found, nil
 }
 

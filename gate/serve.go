@@ -122,6 +122,9 @@ func (x *exchange) run() error {
 			InvalidMessage: "the payment names no payer and nonce"})
 	}
 	x.req, x.id, x.decimals = p.req, p.id, p.decimals
+	if x.marksWhileVerifying(p) {
+		return x.markWhileVerifying(p)
+	}
 	mine, rec, found, err := x.g.ledger.acquireRecord(x.r.Context(), p.id)
 	if err != nil {
 		return x.verifyUnreachable("the gate's settlement journal could not be reached; nothing was charged, try again", err)
@@ -222,9 +225,19 @@ func (x *exchange) verifyAndServe() error {
 		}
 		defer release()
 	}
+	return x.serveVerified(x.verifyTimed(x.r.Context()))
+}
+
+// verifyTimed is verify under ctx, timed.
+func (x *exchange) verifyTimed(ctx context.Context) (x402.VerifyResponse, error) {
 	t := x.g.now()
-	vres, err := x.verify()
+	vres, err := x.verify(ctx)
 	x.verifyMs = msSince(x.g.now, t)
+	return vres, err
+}
+
+// serveVerified serves a new payment the facilitator answered vres, err for, in the gate's settlement mode.
+func (x *exchange) serveVerified(vres x402.VerifyResponse, err error) error {
 	if err != nil {
 		return x.verifyUnreachable(fmt.Sprintf("the facilitator could not verify the payment: %s; nothing was charged, try again", x402.DescribeFailure(err)), err)
 	}
@@ -330,11 +343,11 @@ type fundsHolder interface {
 }
 
 // verify asks the facilitator about the payment; in settle async, holding it against the payer's funds.
-func (x *exchange) verify() (x402.VerifyResponse, error) {
+func (x *exchange) verify(ctx context.Context) (x402.VerifyResponse, error) {
 	if x.g.holder != nil {
-		return x.g.holder.VerifyAndHold(x.r.Context(), x.req)
+		return x.g.holder.VerifyAndHold(ctx, x.req)
 	}
-	return x.g.fac.Verify(x.r.Context(), x.req)
+	return x.g.fac.Verify(ctx, x.req)
 }
 
 // unhold lets go of the hold verify placed on a payment that will not be settled after all (the upstream

@@ -30,6 +30,9 @@ func (p *Payer) SignBatch(ctx context.Context, offer Offer, i, n int) ([]Payment
 		return nil, fmt.Errorf("payer: cannot sign %d payments", n)
 	}
 	req := offer.Required.Accepts[i]
+	if req.Scheme == x402.SchemeBatchSettlement {
+		return nil, errors.New("payer: batch-settlement payments cannot be signed ahead: each voucher is the last one the server accepted plus the price, which only its answer to the one before says; pay them through a Transport")
+	}
 	method := TransferMethod(req)
 	if method == x402.TransferERC2612 {
 		return nil, errors.New("payer: erc2612 payments cannot be signed ahead in a batch: each permit signs the token's nonces(payer), which rises by one as each settles")

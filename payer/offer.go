@@ -2,6 +2,7 @@ package payer
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -19,6 +20,60 @@ type Offer struct {
 	// v1Networks are the networks of a version 1 offer as the server spelled them (names, not CAIP-2), for
 	// the X-PAYMENT payload that must repeat them.
 	v1Networks []string
+	// accepts are a version 2 offer's requirements as the server wrote them, and batch, by the same index, those
+	// of scheme batch-settlement decoded as such (their extra names a channel's terms); nil elsewhere.
+	accepts []json.RawMessage
+	batch   []*x402.BatchRequirements
+}
+
+// Batch returns requirement i as a batch-settlement requirement, when it is one.
+func (o Offer) Batch(i int) (x402.BatchRequirements, bool) {
+	if br := o.batchAt(i); br != nil {
+		return *br, true
+	}
+	return x402.BatchRequirements{}, false
+}
+
+// batchAt is requirement i as a batch-settlement requirement, or nil when it is not one.
+func (o Offer) batchAt(i int) *x402.BatchRequirements {
+	if i < 0 || i >= len(o.batch) {
+		return nil
+	}
+	return o.batch[i]
+}
+
+// rawAccepted is requirement i as the server wrote it.
+func (o Offer) rawAccepted(i int) (json.RawMessage, error) {
+	if i < 0 || i >= len(o.accepts) {
+		return nil, fmt.Errorf("payer: the offer has no requirement %d as the server wrote it", i)
+	}
+	return o.accepts[i], nil
+}
+
+// readBatch keeps a version 2 offer's requirements as written, and decodes those of scheme batch-settlement.
+// A batch-settlement requirement that does not decode is left out of batch, and so cannot be paid; the
+// chooser says why.
+func (o *Offer) readBatch(header string) {
+	doc, err := x402.HeaderJSON(header)
+	if err != nil {
+		return
+	}
+	var raw struct {
+		Accepts []json.RawMessage `json:"accepts"`
+	}
+	if json.Unmarshal(doc, &raw) != nil || len(raw.Accepts) != len(o.Required.Accepts) {
+		return
+	}
+	o.accepts = raw.Accepts
+	o.batch = make([]*x402.BatchRequirements, len(raw.Accepts))
+	for i, a := range o.Required.Accepts {
+		if a.Scheme != x402.SchemeBatchSettlement {
+			continue
+		}
+		if br, err := x402.UnmarshalBatchRequirements(raw.Accepts[i]); err == nil {
+			o.batch[i] = &br
+		}
+	}
 }
 
 // ReadOffer reads the payment requirements of a 402 answer from its header and body: the PAYMENT-REQUIRED
@@ -29,7 +84,9 @@ func ReadOffer(header http.Header, body []byte) (Offer, error) {
 		if err != nil {
 			return Offer{}, fmt.Errorf("the 402 answer's %s header: %w", x402.HeaderPaymentRequired, err)
 		}
-		return Offer{Version: x402.Version2, Required: p}, nil
+		offer := Offer{Version: x402.Version2, Required: p}
+		offer.readBatch(h)
+		return offer, nil
 	}
 	v1, err := x402.DecodePaymentRequiredV1(body)
 	if err != nil {

@@ -44,6 +44,13 @@ type Options struct {
 	// maxTimeoutSeconds whose deadline does not fit a 64-bit clock is refused, not capped: no honest server
 	// asks for it.
 	MaxValidity time.Duration
+	// Scheme restricts payments to one scheme: exact, upto or batch-settlement. "" pays any; see Choose for
+	// which comes first.
+	Scheme string
+	// DepositRequests is how many requests at the offer's price a batch-settlement channel's deposit covers
+	// (the offer's minDeposit when that is more); 0 is DefaultDepositRequests. A Transport deposits less when
+	// its limits leave less, never less than the offer's minDeposit.
+	DepositRequests int
 	// Contracts pins, by network (CAIP-2, such as eip155:8453), the contracts a permit2 payment may name. A
 	// network not listed, and a zero field of one listed, pins the canonical deployment (CanonicalContracts). A
 	// requirement naming another Permit2 or proxy in its extra is not paid: see Contracts.
@@ -79,6 +86,8 @@ type Payer struct {
 
 	mu  sync.Mutex
 	rpc *chainReader // dialed on first use
+
+	channels channels // the batch-settlement channels it pays from
 }
 
 // New returns a Payer that signs with key.
@@ -93,6 +102,14 @@ func New(key *ecdsa.PrivateKey, opts Options) (*Payer, error) {
 	}
 	if opts.Method == x402.TransferERC2612 && opts.RPC == "" {
 		return nil, errors.New("payer: method erc2612 needs an RPC URL: an EIP-2612 permit signs the token's nonces(payer), which only the chain knows")
+	}
+	switch opts.Scheme {
+	case "", x402.SchemeExact, x402.SchemeUpto, x402.SchemeBatchSettlement:
+	default:
+		return nil, fmt.Errorf("payer: scheme: expected %s, %s or %s, got %q", x402.SchemeExact, x402.SchemeUpto, x402.SchemeBatchSettlement, opts.Scheme)
+	}
+	if opts.DepositRequests < 0 {
+		return nil, fmt.Errorf("payer: DepositRequests: expected 0 (the default, %d) or more, got %d", DefaultDepositRequests, opts.DepositRequests)
 	}
 	if opts.MaxValidity < 0 || (opts.MaxValidity > 0 && opts.MaxValidity < time.Second) {
 		return nil, fmt.Errorf("payer: MaxValidity: expected 0 (the default, %s) or at least a second, got %s", DefaultMaxValidity, opts.MaxValidity)
@@ -165,14 +182,21 @@ type Payment struct {
 	// SponsoringDeclared says the server declared eip2612GasSponsoring in its offer; the payment echoes that
 	// declaration.
 	SponsoringDeclared bool
+	// Batch is, for a batch-settlement payment, the channel it pays from and what it signed; nil otherwise.
+	// Payload is then empty: the payment is in Value.
+	Batch *BatchPayment
 
 	signedAt uint64 // the head block's number at signing, with an RPC: where a search for its settlement starts
 }
 
 // Choose returns the index in offer.Required.Accepts of the requirement the payer would pay: of those it can
-// pay (scheme exact on an EVM chain, the method of Options, the chain the RPC serves), the first permit2 one,
-// else the first other one in the server's order. permit2 comes first because it needs no RPC and, with gas
-// sponsoring, no approval by the payer. When none can be paid, the error says why for each.
+// pay (scheme exact, upto or batch-settlement on an EVM chain, the scheme and method of Options, the chain the
+// RPC serves), in this order, each in the server's order: a batch-settlement one whose channel the payer holds
+// with a deposit left (a voucher costs no gas and signs away nothing new), a permit2 one (it needs no RPC and,
+// with gas sponsoring, no approval by the payer), any other exact or upto one, and last a batch-settlement one
+// that needs a deposit (which locks more than one request's price in the escrow until it is spent or refunded;
+// the public SDK's client takes the server's first offer instead). When none can be paid, the error says why
+// for each.
 func (p *Payer) Choose(ctx context.Context, offer Offer) (int, error) {
 	rpc, err := p.chain(ctx)
 	if err != nil {
@@ -196,6 +220,9 @@ func (p *Payer) Pay(ctx context.Context, offer Offer) (Payment, error) {
 func (p *Payer) Sign(ctx context.Context, offer Offer, i int) (Payment, error) {
 	if i < 0 || i >= len(offer.Required.Accepts) {
 		return Payment{}, fmt.Errorf("payer: no requirement %d: the offer has %d", i, len(offer.Required.Accepts))
+	}
+	if offer.Required.Accepts[i].Scheme == x402.SchemeBatchSettlement {
+		return Payment{}, errors.New("payer: a batch-settlement payment is made by a Transport, which reads the server's answer to keep the channel's count; Sign signs exact and upto only")
 	}
 	rpc, err := p.chain(ctx)
 	if err != nil {
@@ -224,11 +251,11 @@ func (p *Payer) choose(offer Offer, rpc *chainReader, allow func(x402.PaymentReq
 		allowErr error
 	)
 	for i, req := range accepts {
-		why := p.cannotPay(offer.Version, req, rpc)
+		why := p.cannotPayIn(offer, i, rpc)
 		if why == "" && allow != nil {
 			if err := allow(req); err != nil {
 				why = err.Error()
-				if refused < 0 || preferred(req, accepts[refused]) {
+				if refused < 0 || p.rank(offer, i) < p.rank(offer, refused) {
 					refused, allowErr = i, err
 				}
 			}
@@ -237,7 +264,7 @@ func (p *Payer) choose(offer Offer, rpc *chainReader, allow func(x402.PaymentReq
 			reasons = append(reasons, fmt.Sprintf("accepts[%d] (%s %s on %s): %s", i, req.Scheme, req.Extra.AssetTransferMethod, req.Network, why))
 			continue
 		}
-		if best < 0 || preferred(req, accepts[best]) {
+		if best < 0 || p.rank(offer, i) < p.rank(offer, best) {
 			best = i
 		}
 	}
@@ -253,16 +280,41 @@ func (p *Payer) choose(offer Offer, rpc *chainReader, allow func(x402.PaymentReq
 		len(reasons), strings.Join(reasons, "\n  "))
 }
 
-// preferred says whether a is to be paid rather than b, which comes before it in the server's order.
-func preferred(a, b x402.PaymentRequirements) bool {
-	return a.Extra.AssetTransferMethod == x402.TransferPermit2 && b.Extra.AssetTransferMethod != x402.TransferPermit2
+// rank orders the payable requirements of offer as Choose says: lower first.
+func (p *Payer) rank(offer Offer, i int) int {
+	if br := offer.batchAt(i); br != nil {
+		if p.openChannel(br) {
+			return 0
+		}
+		return 3
+	}
+	if offer.Required.Accepts[i].Extra.AssetTransferMethod == x402.TransferPermit2 {
+		return 1
+	}
+	return 2
+}
+
+// cannotPayIn says why offer's requirement i cannot be paid, or "" when it can.
+func (p *Payer) cannotPayIn(offer Offer, i int, rpc *chainReader) string {
+	req := offer.Required.Accepts[i]
+	if p.opts.Scheme != "" && req.Scheme != p.opts.Scheme {
+		return "not the scheme " + p.opts.Scheme + ", the only one this payer pays by"
+	}
+	if req.Scheme == x402.SchemeBatchSettlement {
+		br := offer.batchAt(i)
+		if br == nil {
+			return "a batch-settlement requirement whose extra does not decode (it needs receiverAuthorizer)"
+		}
+		return p.cannotPayBatch(offer.Version, br, rpc)
+	}
+	return p.cannotPay(offer.Version, req, rpc)
 }
 
 // cannotPay says why req cannot be paid, or "" when it can.
 func (p *Payer) cannotPay(version int, req x402.PaymentRequirements, rpc *chainReader) string {
 	m, method := TransferMethod(req), p.opts.Method
 	if !x402.IsScheme(req.Scheme) {
-		return fmt.Sprintf("scheme %q; this payer pays %q and %q", req.Scheme, x402.SchemeExact, x402.SchemeUpto)
+		return fmt.Sprintf("scheme %q; this payer pays %q, %q and %q", req.Scheme, x402.SchemeExact, x402.SchemeUpto, x402.SchemeBatchSettlement)
 	}
 	id, err := x402.ChainID(req.Network)
 	if err != nil {

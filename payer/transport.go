@@ -2,6 +2,7 @@ package payer
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -9,6 +10,8 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+
+	"github.com/ethereum/go-ethereum/common"
 
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -52,13 +55,21 @@ type LimitError struct {
 	Limit *big.Int
 	// Spent is, for a Total, what was already paid in the asset; nil otherwise.
 	Spent *big.Int
+	// Deposit says Amount is the deposit a batch-settlement channel needs (the least the offer takes), not a
+	// request's price.
+	Deposit bool
 }
 
 func (e *LimitError) Error() string {
 	asked := fmt.Sprintf("payer: %s asks %s of asset %s on %s", e.URL, e.Amount, e.Asset, e.Network)
+	if e.Deposit {
+		asked = fmt.Sprintf("payer: %s needs a batch-settlement deposit of at least %s of asset %s on %s", e.URL, e.Amount, e.Asset, e.Network)
+	}
 	switch {
 	case e.Limit == nil:
 		return asked + ", and no spending limit covers that asset: not paid"
+	case e.Spent == nil && e.Deposit:
+		return fmt.Sprintf("%s, over the %s a deposit may be with no Total (DepositRequests times the limit per request): not paid", asked, e.Limit)
 	case e.Spent == nil:
 		return fmt.Sprintf("%s, over the limit of %s per request: not paid", asked, e.Limit)
 	}
@@ -106,10 +117,11 @@ type Transport struct {
 	// body cannot be sent again is sent once, and a 402 to it is an error.
 	MaxBufferedBody int64
 
-	mu     sync.Mutex
-	spent  map[string]*big.Int       // by network and lower-case asset address: reserved, less what the chain gave back
-	signed map[string]*big.Int       // the same key: the amounts of the payments sent
-	open   map[string]*authorization // permit2 payments sent whose final cost the chain has not shown, by nonce
+	mu      sync.Mutex
+	covered map[common.Hash]*big.Int  // by batch-settlement channel: the cumulative amount its counted deposits cover
+	spent   map[string]*big.Int       // by network and lower-case asset address: reserved, less what the chain gave back
+	signed  map[string]*big.Int       // the same key: the amounts of the payments sent
+	open    map[string]*authorization // permit2 payments sent whose final cost the chain has not shown, by nonce
 }
 
 // RoundTrip sends req, and pays and sends it once more when it is answered 402 with an x402 offer.
@@ -168,7 +180,13 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if err != nil {
 		return nil, fmt.Errorf("payer: %s: %w", where, err)
 	}
-	i, err := t.Payer.choose(offer, rpc, func(r x402.PaymentRequirements) error { return t.check(where, r, false) })
+	i, err := t.Payer.choose(offer, rpc, func(r x402.PaymentRequirements) error {
+		if r.Scheme == x402.SchemeBatchSettlement {
+			_, err := t.priceLimit(where, r)
+			return err
+		}
+		return t.check(where, r, false)
+	})
 	if err != nil {
 		var le *LimitError
 		if errors.As(err, &le) {
@@ -177,6 +195,9 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		return nil, fmt.Errorf("payer: %s: %w", where, err)
 	}
 	chosen := offer.Required.Accepts[i]
+	if chosen.Scheme == x402.SchemeBatchSettlement {
+		return t.payBatch(req, where, offer, i, rpc, again)
+	}
 	// Checked again, and reserved, under the lock: a concurrent payment may have spent the budget meanwhile.
 	if err := t.check(where, chosen, true); err != nil {
 		return nil, err
@@ -235,6 +256,11 @@ func (t *Transport) sent(req x402.PaymentRequirements) {
 	if err != nil {
 		return
 	}
+	t.sentAmount(req, amount)
+}
+
+// sentAmount counts amount of req's asset as signed and sent.
+func (t *Transport) sentAmount(req x402.PaymentRequirements, amount *big.Int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.signed == nil {
@@ -367,3 +393,167 @@ func closeBody(req *http.Request) {
 }
 
 var _ http.RoundTripper = (*Transport)(nil)
+
+// payBatch pays a batch-settlement requirement: the next voucher of the payer's channel with the offer's
+// receiver, and a deposit when the channel does not cover it. A corrective 402 (the server holds another
+// cumulative amount, proven by a voucher the payer signed) resyncs the channel, and the request is paid once
+// more.
+func (t *Transport) payBatch(req *http.Request, where string, offer Offer, i int, rpc *chainReader, again func() (io.ReadCloser, error)) (*http.Response, error) {
+	ctx := req.Context()
+	for attempt := 0; ; attempt++ {
+		plan, err := t.Payer.planBatch(ctx, rpc, offer, i, false)
+		if err != nil {
+			return nil, fmt.Errorf("payer: %s: %w", where, err)
+		}
+		resp, resynced, err := t.payPlan(ctx, req, where, plan, rpc, again)
+		plan.finish()
+		if err != nil || !resynced || attempt > 0 {
+			return resp, err
+		}
+		resp.Body.Close()
+	}
+}
+
+// payPlan reserves, signs and sends the plan's payment, and records the answer on the channel.
+func (t *Transport) payPlan(ctx context.Context, req *http.Request, where string, plan *batchPlan, rpc *chainReader, again func() (io.ReadCloser, error)) (*http.Response, bool, error) {
+	generic := plan.req.Generic()
+	deposit, undo, err := t.reserveBatch(where, plan)
+	if err != nil {
+		return nil, false, err
+	}
+	pay, err := plan.sign(ctx, rpc, deposit, false, nil)
+	if err != nil {
+		undo()
+		return nil, false, fmt.Errorf("payer: %s: %w", where, err)
+	}
+	paid := req.Clone(ctx)
+	if paid.Body, err = again(); err != nil {
+		undo()
+		return nil, false, fmt.Errorf("payer: %s: the request body for the paid request: %w", where, err)
+	}
+	if req.GetBody == nil && paid.Body != nil && paid.Body != http.NoBody {
+		paid.GetBody = again
+	}
+	paid.Header.Set(pay.Header, pay.Value)
+	t.sentAmount(generic, t.counted(plan))
+	resp, err := t.base().RoundTrip(paid)
+	if err != nil {
+		plan.answered(ctx, rpc, nil)
+		return nil, false, err
+	}
+	// An answer that does not add up leaves the channel stale, read again before the next payment; the
+	// response is the caller's all the same.
+	resynced, _ := plan.answered(ctx, rpc, resp)
+	if resynced {
+		// The payer's own signature proves it authorized the server's last amount before: a voucher up to it
+		// signs nothing new, so the budget counts only what a voucher adds above it.
+		t.mu.Lock()
+		if c := t.covered[plan.ch.state.ID]; c == nil || c.Cmp(plan.ch.state.Signed) < 0 {
+			t.covered[plan.ch.state.ID] = new(big.Int).Set(plan.ch.state.Signed)
+		}
+		t.mu.Unlock()
+	}
+	return resp, resynced, nil
+}
+
+// priceLimit is the Limit that covers req's asset, after checking one request's price against its PerRequest.
+func (t *Transport) priceLimit(where string, req x402.PaymentRequirements) (*Limit, error) {
+	price, err := x402.ParseUint256(req.Amount)
+	if err != nil {
+		return nil, fmt.Errorf("requirements.amount: %w", err)
+	}
+	refuse := &LimitError{URL: where, Network: req.Network, Asset: req.Asset, Amount: price}
+	for i := range t.Limits {
+		if l := &t.Limits[i]; l.matches(req.Network, req.Asset) {
+			if l.PerRequest != nil && price.Cmp(l.PerRequest) > 0 {
+				refuse.Limit = new(big.Int).Set(l.PerRequest)
+				return nil, refuse
+			}
+			return l, nil
+		}
+	}
+	return nil, refuse
+}
+
+// reserveBatch works out the deposit the plan signs (nil for none) and reserves what the payment adds to the
+// budget: the deposit, which every voucher up to it spends from, and, on a channel whose deposits this
+// Transport did not count (one found on chain), whatever the voucher signs beyond what they cover. A deposit is
+// what the payer wants (Options.DepositRequests requests, or the offer's minDeposit), less when the Total leaves
+// less (with no Total, at most DepositRequests times PerRequest), and never less than the offer's minDeposit or
+// what the voucher needs: then it is refused. undo gives the reservation back.
+func (t *Transport) reserveBatch(where string, plan *batchPlan) (deposit *big.Int, undo func(), err error) {
+	generic := plan.req.Generic()
+	limit, err := t.priceLimit(where, generic)
+	if err != nil {
+		return nil, nil, err
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	key, id := spentKey(generic.Network, generic.Asset), plan.ch.state.ID
+	spent := orZero(t.spent[key])
+	oldCovered := t.covered[id]
+	covered := new(big.Int).Set(plan.ch.state.Charged)
+	if oldCovered != nil {
+		covered.Set(oldCovered)
+	}
+	count := new(big.Int)
+	if plan.need.Sign() > 0 {
+		amount := new(big.Int).Set(plan.want)
+		var room *big.Int
+		switch {
+		case limit.Total != nil:
+			room = new(big.Int).Sub(limit.Total, spent)
+		case limit.PerRequest != nil:
+			n := int64(t.Payer.opts.DepositRequests)
+			if n <= 0 {
+				n = DefaultDepositRequests
+			}
+			room = new(big.Int).Mul(limit.PerRequest, big.NewInt(n))
+		}
+		if room != nil && amount.Cmp(room) > 0 {
+			amount.Set(room)
+		}
+		if amount.Cmp(plan.least) < 0 {
+			refuse := &LimitError{URL: where, Network: generic.Network, Asset: generic.Asset, Amount: new(big.Int).Set(plan.least), Deposit: true}
+			if limit.Total != nil {
+				refuse.Limit, refuse.Spent = new(big.Int).Set(limit.Total), new(big.Int).Set(spent)
+			} else {
+				refuse.Limit = room
+			}
+			return nil, nil, refuse
+		}
+		deposit = amount
+		count.Add(count, amount)
+		covered.Add(covered, amount)
+	}
+	if plan.next.Cmp(covered) > 0 {
+		count.Add(count, new(big.Int).Sub(plan.next, covered))
+		covered.Set(plan.next)
+	}
+	if after := new(big.Int).Add(spent, count); limit.Total != nil && after.Cmp(limit.Total) > 0 {
+		return nil, nil, &LimitError{URL: where, Network: generic.Network, Asset: generic.Asset, Amount: count,
+			Limit: new(big.Int).Set(limit.Total), Spent: new(big.Int).Set(spent)}
+	}
+	if t.spent == nil {
+		t.spent = map[string]*big.Int{}
+	}
+	if t.covered == nil {
+		t.covered = map[common.Hash]*big.Int{}
+	}
+	t.spent[key] = new(big.Int).Add(spent, count)
+	t.covered[id] = covered
+	plan.counted = count
+	return deposit, func() {
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		t.spent[key].Sub(t.spent[key], count)
+		if oldCovered == nil {
+			delete(t.covered, id)
+		} else {
+			t.covered[id] = oldCovered
+		}
+	}, nil
+}
+
+// counted is what the plan's payment added to the budget.
+func (t *Transport) counted(plan *batchPlan) *big.Int { return orZero(plan.counted) }

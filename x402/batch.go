@@ -27,12 +27,6 @@ const (
 	BatchSettle  = "settle"
 )
 
-// Bounds of a channel's withdrawDelay in seconds (15 minutes to 30 days), the contract's constants.
-const (
-	MinBatchWithdrawDelay = 900
-	MaxBatchWithdrawDelay = 2_592_000
-)
-
 // ChannelConfig is the immutable configuration of a channel; its EIP-712 hash under the batch-settlement
 // domain is the channel id. PayerAuthorizer signs the vouchers (the zero address: the payer itself, checked by
 // ERC-1271 when it is a contract); ReceiverAuthorizer signs claims and refunds. Salt is a bytes32 in hex.

@@ -2,6 +2,7 @@ package chaintest
 
 import (
 	"math/big"
+	"strconv"
 
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/common/hexutil"
@@ -47,7 +48,7 @@ func ChannelConfigTypedData(chainID *big.Int, cfg contracts.ChannelConfig) apity
 			"receiver":           cfg.Receiver.Hex(),
 			"receiverAuthorizer": cfg.ReceiverAuthorizer.Hex(),
 			"token":              cfg.Token.Hex(),
-			"withdrawDelay":      cfg.WithdrawDelay.String(),
+			"withdrawDelay":      strconv.FormatUint(cfg.WithdrawDelay, 10),
 			"salt":               hexutil.Encode(cfg.Salt[:]),
 		},
 	}

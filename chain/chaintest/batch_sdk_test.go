@@ -15,9 +15,10 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 )
 
-// sdkVector is testdata/batch-settlement-sdk-vector.json, written by e2e/interop/batch-vector.mjs with the public
-// @x402/evm 2.27 SDK for chaintest's payer, merchant, authorizer and USDCoin: what the SDK's client signs for a
-// deposit and vouchers, what its facilitator signs for a claim batch and a refund, and its contract ABI.
+// sdkVector is testdata/batch-settlement-sdk-vector.json, written by `node e2e/interop/batch-vectors.mjs
+// chaintest` with the public @x402/evm 2.27 SDK for chaintest's payer, merchant, authorizer and USDCoin: what
+// the SDK's client signs for a deposit and vouchers, what its facilitator signs for a claim batch and a refund,
+// and its contract ABI.
 type sdkVector struct {
 	ChainID       int64          `json:"chainId"`
 	Token         common.Address `json:"token"`
@@ -27,7 +28,7 @@ type sdkVector struct {
 		Receiver           common.Address `json:"receiver"`
 		ReceiverAuthorizer common.Address `json:"receiverAuthorizer"`
 		Token              common.Address `json:"token"`
-		WithdrawDelay      int64          `json:"withdrawDelay"`
+		WithdrawDelay      uint64         `json:"withdrawDelay"`
 		Salt               common.Hash    `json:"salt"`
 	} `json:"channelConfig"`
 	ChannelID common.Hash `json:"channelId"`
@@ -117,12 +118,12 @@ func TestBatchSDKSignedDepositVoucherClaimAndRefundWorkOnOurContracts(t *testing
 	v := loadSDKVector(t)
 	fx := newBatchFixture(t)
 	if fx.c.ChainID.Int64() != v.ChainID || fx.token != v.Token {
-		t.Fatalf("the vector was made for chain %d and USDCoin %s; the fixture has %s and %s: regenerate it (e2e/interop/batch-vector.mjs)",
+		t.Fatalf("the vector was made for chain %d and USDCoin %s; the fixture has %s and %s: regenerate it (node e2e/interop/batch-vectors.mjs chaintest OUT.json)",
 			v.ChainID, v.Token, fx.c.ChainID, fx.token)
 	}
 	cc := v.ChannelConfig
 	cfg := contracts.ChannelConfig{Payer: cc.Payer, PayerAuthorizer: cc.PayerAuthorizer, Receiver: cc.Receiver,
-		ReceiverAuthorizer: cc.ReceiverAuthorizer, Token: cc.Token, WithdrawDelay: big.NewInt(cc.WithdrawDelay), Salt: cc.Salt}
+		ReceiverAuthorizer: cc.ReceiverAuthorizer, Token: cc.Token, WithdrawDelay: cc.WithdrawDelay, Salt: cc.Salt}
 	if cfg.Payer != fx.payer.Address || cfg.Receiver != fx.receiver.Address || cfg.ReceiverAuthorizer != fx.authorizer.Address {
 		t.Fatalf("the vector's accounts are not chaintest's payer, merchant and authorizer")
 	}
@@ -139,7 +140,7 @@ func TestBatchSDKSignedDepositVoucherClaimAndRefundWorkOnOurContracts(t *testing
 	// Our signer signs what the SDK signs.
 	auth := v.Deposit.Deposit.Authorization.ERC3009
 	amount, validAfter, validBefore, salt := dec(t, v.Deposit.Deposit.Amount), dec(t, auth.ValidAfter), dec(t, auth.ValidBefore), dec(t, auth.Salt)
-	nonce := contracts.ERC3009DepositNonce(id, salt)
+	nonce := contracts.ERC3009DepositNonce(id, common.BigToHash(salt))
 	for _, c := range []struct {
 		what      string
 		ours, sdk []byte

@@ -53,7 +53,7 @@ func (fx *batchFixture) channel(receiver, authorizer *Account) contracts.Channel
 		Receiver:           receiver.Address,
 		ReceiverAuthorizer: authorizer.Address,
 		Token:              fx.token,
-		WithdrawDelay:      big.NewInt(contracts.MinWithdrawDelay),
+		WithdrawDelay:      contracts.MinWithdrawDelay,
 	}
 	copy(cfg.Salt[:], crypto.Keccak256([]byte("salt")))
 	return cfg
@@ -91,7 +91,7 @@ func (fx *batchFixture) depositERC3009Data(t *testing.T, cfg contracts.ChannelCo
 	t.Helper()
 	salt := RandomNonce()
 	validBefore := new(big.Int).SetUint64(fx.c.HeadTime() + 3600)
-	nonce := contracts.ERC3009DepositNonce(ChannelID(fx.c.ChainID, cfg), salt)
+	nonce := contracts.ERC3009DepositNonce(ChannelID(fx.c.ChainID, cfg), common.BigToHash(salt))
 	sig := fx.c.SignTypedData(fx.payer, ReceiveAuthorizationTypedData(contracts.USDCoinName, contracts.USDCoinVersion, fx.c.ChainID,
 		fx.token, fx.payer.Address, amount, big.NewInt(0), validBefore, nonce))
 	collectorData, err := contracts.EncodeERC3009CollectorData(big.NewInt(0), validBefore, salt, sig)
@@ -148,7 +148,7 @@ func (fx *batchFixture) receiverState(t *testing.T, receiver common.Address) (cl
 
 func (fx *batchFixture) view(t *testing.T, method string, args ...any) []any {
 	t.Helper()
-	data, err := contracts.BatchSettlementABI.Pack(method, args...)
+	data, err := contracts.PackBatchSettlement(method, args...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -597,7 +597,7 @@ func TestBatchMulticallClaimsAndRefundsAtOnce(t *testing.T) {
 func TestBatchDepositRefusals(t *testing.T) {
 	fx := newBatchFixture(t)
 	short := fx.cfg
-	short.WithdrawDelay = big.NewInt(contracts.MinWithdrawDelay - 1)
+	short.WithdrawDelay = contracts.MinWithdrawDelay - 1
 	noAuthorizer := fx.cfg
 	noAuthorizer.ReceiverAuthorizer = common.Address{}
 	for _, tt := range []struct {

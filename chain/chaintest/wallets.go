@@ -6,6 +6,7 @@ import (
 
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/holiman/uint256"
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 )
@@ -89,4 +90,46 @@ func (c *Chain) DeploySimulationOnlyWallet(owner common.Address, trick uint8, to
 		c.tb.Fatalf("chaintest: deploying a SimulationOnlyWallet: %v", err)
 	}
 	return receipts[0].ContractAddress
+}
+
+// Delegate gives account's address the code of target (EIP-7702: account signs the authorization, the deployer
+// sends the set-code transaction), sealed into a block. A target of the zero address clears the delegation.
+func (c *Chain) Delegate(account *Account, target common.Address) {
+	c.tb.Helper()
+	ctx := context.Background()
+	nonce, err := c.Client.PendingNonceAt(ctx, account.Address)
+	if err != nil {
+		c.tb.Fatalf("chaintest: reading the nonce of %s: %v", account.Address, err)
+	}
+	auth, err := types.SignSetCode(account.Key, types.SetCodeAuthorization{ChainID: *uint256.MustFromBig(c.ChainID), Address: target, Nonce: nonce})
+	if err != nil {
+		c.tb.Fatal(err)
+	}
+	head := c.head()
+	tip := uint256.NewInt(1e9)
+	feeCap := new(uint256.Int).Add(new(uint256.Int).Mul(uint256.MustFromBig(head.BaseFee), uint256.NewInt(2)), tip)
+	c.nonceMu.Lock()
+	sender, err := c.Client.PendingNonceAt(ctx, c.Deployer.Address)
+	if next, ok := c.nextNonce[c.Deployer.Address]; ok && next > sender {
+		sender = next
+	}
+	var tx *types.Transaction
+	if err == nil {
+		tx, err = types.SignNewTx(c.Deployer.Key, c.Signer, &types.SetCodeTx{ChainID: uint256.MustFromBig(c.ChainID), Nonce: sender,
+			GasTipCap: tip, GasFeeCap: feeCap, Gas: 100_000, To: c.Deployer.Address, Value: new(uint256.Int),
+			AuthList: []types.SetCodeAuthorization{auth}})
+	}
+	if err == nil {
+		err = c.Client.SendTransaction(ctx, tx)
+	}
+	if err == nil {
+		c.nextNonce[c.Deployer.Address] = sender + 1
+	}
+	c.nonceMu.Unlock()
+	if err != nil {
+		c.tb.Fatalf("chaintest: delegating %s to %s: %v", account.Address, target, err)
+	}
+	if r, err := c.CommitUntilIncluded(ctx, tx.Hash()); err != nil || r[0].Status != types.ReceiptStatusSuccessful {
+		c.tb.Fatalf("chaintest: delegating %s to %s: %v", account.Address, target, err)
+	}
 }

@@ -273,17 +273,21 @@ contract X402BatchSettlement is Multicall, ReentrancyGuardTransient {
     }
 
     /// @dev A payerAuthorizer is an EOA committed in the config: plain ECDSA against it, which the server can
-    ///      check off chain with no RPC. Without one, the payer itself signs (ECDSA, or ERC-1271 for a contract).
+    ///      check off chain with no RPC. Without one, the payer itself signs: by its key (ECDSA) whatever code its
+    ///      account has, or, for a contract, by ERC-1271. The key's signature is honoured first and regardless of
+    ///      code because a server accepted it off chain while the payer had none: an EIP-7702 delegation made
+    ///      afterwards (to code that refuses isValidSignature) must not revoke vouchers whose responses were served.
     function _voucherSignedByPayer(ChannelConfig calldata c, bytes32 digest, bytes calldata signature)
         private
         view
         returns (bool)
     {
+        (address signer, ECDSA.RecoverError err,) = ECDSA.tryRecover(digest, signature);
         if (c.payerAuthorizer != address(0)) {
-            (address signer, ECDSA.RecoverError err,) = ECDSA.tryRecover(digest, signature);
             return err == ECDSA.RecoverError.NoError && signer == c.payerAuthorizer;
         }
-        return SignatureChecker.isValidSignatureNow(c.payer, digest, signature);
+        if (err == ECDSA.RecoverError.NoError && signer == c.payer) return true;
+        return c.payer.code.length != 0 && SignatureChecker.isValidERC1271SignatureNow(c.payer, digest, signature);
     }
 
     // ---------------------------------------------------------------------------------------------------------

@@ -109,15 +109,18 @@ func ERC3009DepositCollectorRuntimeCode() []byte { return bytes.Clone(erc3009Col
 // Permit2DepositCollectorAddress.
 func Permit2DepositCollectorRuntimeCode() []byte { return bytes.Clone(permit2CollectorRuntime) }
 
-// ChannelConfig is the contract's ChannelConfig: the immutable parameters of a channel, whose EIP-712 hash is its id.
+// ChannelConfig is the contract's ChannelConfig: the immutable parameters of a channel, whose EIP-712 hash is
+// its id. It is the one parsed form of a channel, for the engine's off-chain checks (chain.ParseChannelConfig
+// reads it from the wire's x402.ChannelConfig, chain.ChannelID hashes it) and for the calldata below: plain
+// values, so that it compares with == and can key a map.
 type ChannelConfig struct {
 	Payer              common.Address
 	PayerAuthorizer    common.Address
 	Receiver           common.Address
 	ReceiverAuthorizer common.Address
 	Token              common.Address
-	WithdrawDelay      *big.Int // uint40
-	Salt               [32]byte
+	WithdrawDelay      uint64 // uint40, in seconds
+	Salt               common.Hash
 }
 
 // Voucher is the contract's Voucher: a channel and the cumulative ceiling its payer signed.
@@ -134,60 +137,120 @@ type VoucherClaim struct {
 	TotalClaimed *big.Int // uint128
 }
 
+// channelConfigArg, voucherArg and voucherClaimArg are ChannelConfig, Voucher and VoucherClaim as go-ethereum's
+// ABI packer takes them: it maps a uint40 to *big.Int only.
+type channelConfigArg struct {
+	Payer              common.Address
+	PayerAuthorizer    common.Address
+	Receiver           common.Address
+	ReceiverAuthorizer common.Address
+	Token              common.Address
+	WithdrawDelay      *big.Int
+	Salt               [32]byte
+}
+
+type voucherArg struct {
+	Channel            channelConfigArg
+	MaxClaimableAmount *big.Int
+}
+
+type voucherClaimArg struct {
+	Voucher      voucherArg
+	Signature    []byte
+	TotalClaimed *big.Int
+}
+
+func (c ChannelConfig) arg() channelConfigArg {
+	return channelConfigArg{
+		Payer: c.Payer, PayerAuthorizer: c.PayerAuthorizer, Receiver: c.Receiver, ReceiverAuthorizer: c.ReceiverAuthorizer,
+		Token: c.Token, WithdrawDelay: new(big.Int).SetUint64(c.WithdrawDelay), Salt: c.Salt,
+	}
+}
+
+func claimArgs(claims []VoucherClaim) []voucherClaimArg {
+	args := make([]voucherClaimArg, len(claims))
+	for i, cl := range claims {
+		args[i] = voucherClaimArg{
+			Voucher:      voucherArg{Channel: cl.Voucher.Channel.arg(), MaxClaimableAmount: cl.Voucher.MaxClaimableAmount},
+			Signature:    cl.Signature,
+			TotalClaimed: cl.TotalClaimed,
+		}
+	}
+	return args
+}
+
 // PackBatchDeposit returns the calldata of batchSettlement.deposit(config, amount, collector, collectorData).
 func PackBatchDeposit(config ChannelConfig, amount *big.Int, collector common.Address, collectorData []byte) ([]byte, error) {
-	return packBatch("deposit", config, amount, collector, collectorData)
+	return PackBatchSettlement("deposit", config, amount, collector, collectorData)
 }
 
 // PackClaim returns the calldata of batchSettlement.claim(voucherClaims), sent by the receiver or its
 // receiverAuthorizer.
 func PackClaim(claims []VoucherClaim) ([]byte, error) {
-	return packBatch("claim", claims)
+	return PackBatchSettlement("claim", claims)
 }
 
 // PackClaimWithSignature returns the calldata of batchSettlement.claimWithSignature(voucherClaims,
 // authorizerSignature), which anyone may relay.
 func PackClaimWithSignature(claims []VoucherClaim, authorizerSignature []byte) ([]byte, error) {
-	return packBatch("claimWithSignature", claims, authorizerSignature)
+	return PackBatchSettlement("claimWithSignature", claims, authorizerSignature)
 }
 
 // PackBatchSettle returns the calldata of batchSettlement.settle(receiver, token): pays the receiver what was
 // claimed for it and not yet paid.
 func PackBatchSettle(receiver, token common.Address) ([]byte, error) {
-	return packBatch("settle", receiver, token)
+	return PackBatchSettlement("settle", receiver, token)
 }
 
 // PackRefund returns the calldata of batchSettlement.refund(config, amount), sent by the receiver or its
 // receiverAuthorizer.
 func PackRefund(config ChannelConfig, amount *big.Int) ([]byte, error) {
-	return packBatch("refund", config, amount)
+	return PackBatchSettlement("refund", config, amount)
 }
 
 // PackRefundWithSignature returns the calldata of batchSettlement.refundWithSignature(config, amount, nonce,
 // receiverAuthorizerSignature), which anyone may relay once.
 func PackRefundWithSignature(config ChannelConfig, amount, nonce *big.Int, receiverAuthorizerSignature []byte) ([]byte, error) {
-	return packBatch("refundWithSignature", config, amount, nonce, receiverAuthorizerSignature)
+	return PackBatchSettlement("refundWithSignature", config, amount, nonce, receiverAuthorizerSignature)
 }
 
 // PackInitiateWithdraw returns the calldata of batchSettlement.initiateWithdraw(config, amount), sent by the payer
 // or its payerAuthorizer.
 func PackInitiateWithdraw(config ChannelConfig, amount *big.Int) ([]byte, error) {
-	return packBatch("initiateWithdraw", config, amount)
+	return PackBatchSettlement("initiateWithdraw", config, amount)
 }
 
 // PackFinalizeWithdraw returns the calldata of batchSettlement.finalizeWithdraw(config).
 func PackFinalizeWithdraw(config ChannelConfig) ([]byte, error) {
-	return packBatch("finalizeWithdraw", config)
+	return PackBatchSettlement("finalizeWithdraw", config)
 }
 
 // PackBatchMulticall returns the calldata of batchSettlement.multicall(calls): the calls run in order in one
 // transaction, all or none (the SDK's facilitator claims and refunds at once this way).
 func PackBatchMulticall(calls [][]byte) ([]byte, error) {
-	return packBatch("multicall", calls)
+	return PackBatchSettlement("multicall", calls)
 }
 
-func packBatch(method string, args ...any) ([]byte, error) {
-	data, err := BatchSettlementABI.Pack(method, args...)
+// PackBatchSettlement returns the calldata of batchSettlement.method(args...), any of its functions and views
+// (getChannelId, channels, pendingWithdrawals, refundNonce, ...). A ChannelConfig, Voucher, VoucherClaim or
+// []VoucherClaim argument is taken as it is.
+func PackBatchSettlement(method string, args ...any) ([]byte, error) {
+	packed := make([]any, len(args)) // not args itself: a caller's args... slice stays as it was
+	for i, a := range args {
+		switch a := a.(type) {
+		case ChannelConfig:
+			packed[i] = a.arg()
+		case Voucher:
+			packed[i] = voucherArg{Channel: a.Channel.arg(), MaxClaimableAmount: a.MaxClaimableAmount}
+		case VoucherClaim:
+			packed[i] = claimArgs([]VoucherClaim{a})[0]
+		case []VoucherClaim:
+			packed[i] = claimArgs(a)
+		default:
+			packed[i] = a
+		}
+	}
+	data, err := BatchSettlementABI.Pack(method, packed...)
 	if err != nil {
 		return nil, fmt.Errorf("packing batch settlement %s: %w", method, err)
 	}
@@ -201,14 +264,11 @@ var (
 	bytesType, _   = abi.NewType("bytes", "", nil)
 )
 
-// ERC3009DepositNonce returns the EIP-3009 nonce of a deposit into channelID: keccak256(abi.encode(channelId,
-// salt)), so that the payer's authorization can only fund that channel.
-func ERC3009DepositNonce(channelID [32]byte, salt *big.Int) [32]byte {
-	enc, err := abi.Arguments{{Type: bytes32Type}, {Type: uint256Type}}.Pack(channelID, salt)
-	if err != nil {
-		panic(fmt.Sprintf("contracts: packing an ERC-3009 deposit nonce: %v", err)) // fixed types: cannot fail
-	}
-	return crypto.Keccak256Hash(enc)
+// ERC3009DepositNonce returns the EIP-3009 nonce of a deposit into channelID with the payer's salt:
+// keccak256(abi.encode(channelId, uint256(salt))), two words, so that the payer's authorization can only fund
+// that channel.
+func ERC3009DepositNonce(channelID, salt common.Hash) common.Hash {
+	return crypto.Keccak256Hash(channelID[:], salt[:])
 }
 
 // EncodeERC3009CollectorData returns the collectorData of a deposit through the ERC-3009 collector:

@@ -19,6 +19,7 @@ const genesisContracts = new Set([
   'X402BatchSettlement',
   'ERC3009DepositCollector',
   'Permit2DepositCollector',
+  'Multicall3',
 ]);
 // Each contract and the source file it is in.
 const contracts = {
@@ -30,6 +31,7 @@ const contracts = {
   X402BatchSettlement: 'X402BatchSettlement.sol',
   ERC3009DepositCollector: 'ERC3009DepositCollector.sol',
   Permit2DepositCollector: 'Permit2DepositCollector.sol',
+  Multicall3: 'Multicall3.sol',
   SmartWallet: 'SmartWallet.sol',
   SmartWalletFactory: 'SmartWallet.sol',
   DeployThenCall: 'DeployThenCall.sol',

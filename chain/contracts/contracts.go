@@ -140,9 +140,9 @@ func ChainConfig(chainID uint64) *params.ChainConfig {
 	return &cfg
 }
 
-// GenesisAlloc returns genesis accounts holding Permit2, the two proxies (exact and upto) and the three
-// batch-settlement contracts (the escrow and its two deposit collectors) at their canonical addresses. Nonce 1
-// marks them as deployed contracts (EIP-161), as a CREATE would.
+// GenesisAlloc returns genesis accounts holding Permit2, the two proxies (exact and upto), the three
+// batch-settlement contracts (the escrow and its two deposit collectors) and Multicall3 at their canonical
+// addresses. Nonce 1 marks them as deployed contracts (EIP-161), as a CREATE would.
 func GenesisAlloc() types.GenesisAlloc {
 	return types.GenesisAlloc{
 		Permit2Address:                 {Code: Permit2RuntimeCode(), Nonce: 1, Balance: new(big.Int)},
@@ -151,6 +151,7 @@ func GenesisAlloc() types.GenesisAlloc {
 		BatchSettlementAddress:         {Code: BatchSettlementRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
 		ERC3009DepositCollectorAddress: {Code: ERC3009DepositCollectorRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
 		Permit2DepositCollectorAddress: {Code: Permit2DepositCollectorRuntimeCode(), Nonce: 1, Balance: new(big.Int)},
+		Multicall3Address:              {Code: Multicall3RuntimeCode(), Nonce: 1, Balance: new(big.Int)},
 	}
 }
 
@@ -248,7 +249,7 @@ func DecodeRevert(data []byte) (reason string, ok bool) {
 	}
 	var selector [4]byte
 	copy(selector[:], data[:4])
-	for _, parsed := range []*abi.ABI{&ProxyABI, &UptoProxyABI, &BatchSettlementABI, &ERC3009DepositCollectorABI, &Permit2DepositCollectorABI, &Permit2ABI, &StableCoinABI, &USDCoinABI, &deployThenCallABI} {
+	for _, parsed := range []*abi.ABI{&ProxyABI, &UptoProxyABI, &BatchSettlementABI, &ERC3009DepositCollectorABI, &Permit2DepositCollectorABI, &Multicall3ABI, &Permit2ABI, &StableCoinABI, &USDCoinABI, &deployThenCallABI} {
 		e, err := parsed.ErrorByID(selector)
 		if err != nil {
 			continue

@@ -43,6 +43,10 @@ func TestSelectorsMatchTheWireFacts(t *testing.T) {
 		{"permit2", Permit2ABI, "nonceBitmap", "4fe02b44"},
 		{"permit2", Permit2ABI, "invalidateUnorderedNonces", "3ff9dcb1"},
 		{"permit2", Permit2ABI, "DOMAIN_SEPARATOR", "3644e515"},
+		// tryAggregate as the public @x402/evm 2.27 SDK's multicall helper declares it, aggregate3 as viem's
+		// multicall3Abi (viem's toFunctionSelector of each).
+		{"multicall3", Multicall3ABI, "tryAggregate", "bce38bd7"},
+		{"multicall3", Multicall3ABI, "aggregate3", "82ad56cb"},
 	}
 	for _, tt := range tests {
 		m, ok := tt.parsed.Methods[tt.method]
@@ -126,7 +130,7 @@ func TestGenesisAllocPlacesRuntimeCodeAtTheCanonicalAddresses(t *testing.T) {
 	for addr, want := range map[common.Address][]byte{
 		Permit2Address: Permit2RuntimeCode(), ProxyAddress: ProxyRuntimeCode(), UptoProxyAddress: UptoProxyRuntimeCode(),
 		BatchSettlementAddress: BatchSettlementRuntimeCode(), ERC3009DepositCollectorAddress: ERC3009DepositCollectorRuntimeCode(),
-		Permit2DepositCollectorAddress: Permit2DepositCollectorRuntimeCode(),
+		Permit2DepositCollectorAddress: Permit2DepositCollectorRuntimeCode(), Multicall3Address: Multicall3RuntimeCode(),
 	} {
 		acc, ok := alloc[addr]
 		if !ok {
@@ -136,8 +140,8 @@ func TestGenesisAllocPlacesRuntimeCodeAtTheCanonicalAddresses(t *testing.T) {
 			t.Errorf("code at %s is not the runtime code", addr)
 		}
 	}
-	if len(alloc) != 6 {
-		t.Errorf("genesis alloc has %d accounts, want 6", len(alloc))
+	if len(alloc) != 7 {
+		t.Errorf("genesis alloc has %d accounts, want 7", len(alloc))
 	}
 }
 
@@ -151,6 +155,7 @@ func TestCreationCodeEmbedsTheRuntimeCodeOfGenesisContracts(t *testing.T) {
 		"BatchSettlement":         {bytes.Clone(batchSettlementCreation), BatchSettlementRuntimeCode()},
 		"ERC3009DepositCollector": {bytes.Clone(erc3009CollectorCreation), ERC3009DepositCollectorRuntimeCode()},
 		"Permit2DepositCollector": {bytes.Clone(permit2CollectorCreation), Permit2DepositCollectorRuntimeCode()},
+		"Multicall3":              {bytes.Clone(multicall3Creation), Multicall3RuntimeCode()},
 	} {
 		if !bytes.Contains(pair[0], pair[1]) {
 			t.Errorf("%s creation code does not contain its runtime code", name)

@@ -3,6 +3,7 @@ package devchain
 import (
 	"context"
 	"crypto/ecdsa"
+	_ "embed"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -104,11 +105,22 @@ type genesisEra int
 const (
 	// eraNow is today's genesis.
 	eraNow genesisEra = iota
-	// eraBeforeBatch lacks the batch-settlement contracts (the escrow and its two deposit collectors).
+	// eraFirstEscrow has the first batch-settlement escrow (firstBatchEscrowRuntime) in place of today's.
+	eraFirstEscrow
+	// eraBeforeMulticall lacks Multicall3 (and has the first escrow).
+	eraBeforeMulticall
+	// eraBeforeBatch lacks the batch-settlement contracts (the escrow and its two deposit collectors) as well.
 	eraBeforeBatch
 	// eraBeforeUpto lacks the upto proxy as well.
 	eraBeforeUpto
 )
+
+// firstBatchEscrowRuntime is the runtime code of the first X402BatchSettlement (b86efdf to 2026706), kept for the
+// genesis of the data dirs made then. It judged the voucher of a payer with code by ERC-1271 alone, so a payer that
+// delegates its account (EIP-7702) after paying can make its own vouchers unclaimable there.
+//
+//go:embed first-batch-escrow.bin-runtime
+var firstBatchEscrowRuntimeHex string
 
 // Chain is a running in-process go-ethereum node for development: a single post-merge node driven by a
 // simulated beacon, with Permit2 and the x402 proxy at their canonical addresses, the StableCoin at
@@ -223,20 +235,30 @@ func Start(ctx context.Context, cfg Config) (*Chain, error) {
 		d.removeScratch()
 		var mismatch *core.GenesisMismatchError
 		if errors.As(err, &mismatch) && cfg.era == eraNow {
-			// A data dir made before the upto proxy or the batch-settlement contracts were part of the genesis
-			// holds the same chain but for them. They cannot be deployed at their canonical addresses afterwards
+			// A data dir made before the upto proxy, the batch-settlement contracts or Multicall3 were part of the
+			// genesis holds the same chain but for them. They cannot be deployed at their canonical addresses afterwards
 			// (only a genesis places code there), so such a chain opens as it is, and says what cannot settle on it.
-			for _, era := range []genesisEra{eraBeforeBatch, eraBeforeUpto} {
+			for _, era := range []genesisEra{eraFirstEscrow, eraBeforeMulticall, eraBeforeBatch, eraBeforeUpto} {
 				before := cfg
 				before.era = era
 				if mismatch.Stored != genesis(before, d.wallets, d.payers, extra).ToBlock().Hash() {
 					continue
 				}
-				if era == eraBeforeBatch {
+				switch era {
+				case eraFirstEscrow:
+					cfg.Logger.Warn("dev chain data dir was created with the first x402 batch-settlement escrow, which refuses "+
+						"the claim of a payer's own voucher once the payer delegates its account (EIP-7702); start on an empty "+
+						"data dir to have today's", zap.String("data_dir", cfg.DataDir), zap.String("batch_settlement", contracts.BatchSettlementAddress.Hex()))
+				case eraBeforeMulticall:
+					cfg.Logger.Warn("dev chain data dir was created before Multicall3 was part of the genesis: the public "+
+						"SDK's batch-settlement facilitator cannot read channels on it, and its first batch-settlement escrow refuses the "+
+						"claim of a payer's own voucher once the payer delegates its account (EIP-7702); start on an empty data dir to have both",
+						zap.String("data_dir", cfg.DataDir), zap.String("multicall3", contracts.Multicall3Address.Hex()))
+				case eraBeforeBatch:
 					cfg.Logger.Warn("dev chain data dir was created before the x402 batch-settlement contracts were part of "+
 						"the genesis: batch-settlement payments cannot settle on it; start on an empty data dir to have them",
 						zap.String("data_dir", cfg.DataDir), zap.String("batch_settlement", contracts.BatchSettlementAddress.Hex()))
-				} else {
+				default:
 					cfg.Logger.Warn("dev chain data dir was created before the x402 upto proxy was part of the genesis: "+
 						"upto and batch-settlement payments cannot settle on it; start on an empty data dir to have them",
 						zap.String("data_dir", cfg.DataDir), zap.String("upto_proxy", contracts.UptoProxyAddress.Hex()),
@@ -370,6 +392,14 @@ func genesis(cfg Config, wallets, payers []*ecdsa.PrivateKey, extra types.Genesi
 	alloc := core.SystemContractAllocs()
 	for addr, acc := range contracts.GenesisAlloc() {
 		alloc[addr] = acc
+	}
+	if cfg.era >= eraFirstEscrow {
+		escrow := alloc[contracts.BatchSettlementAddress]
+		escrow.Code = common.FromHex(strings.TrimSpace(firstBatchEscrowRuntimeHex))
+		alloc[contracts.BatchSettlementAddress] = escrow
+	}
+	if cfg.era >= eraBeforeMulticall {
+		delete(alloc, contracts.Multicall3Address)
 	}
 	if cfg.era >= eraBeforeBatch {
 		for _, addr := range contracts.BatchSettlementAddresses() {
@@ -648,6 +678,8 @@ func (d *Chain) logStart(cfg Config, deployed, deployedUSDC bool) {
 		zap.String("upto_proxy", contracts.UptoProxyAddress.Hex()),
 		zap.Bool("batch_settlement_in_genesis", cfg.era < eraBeforeBatch),
 		zap.String("batch_settlement", contracts.BatchSettlementAddress.Hex()),
+		zap.Bool("multicall3_in_genesis", cfg.era < eraBeforeMulticall),
+		zap.String("multicall3", contracts.Multicall3Address.Hex()),
 		zap.Strings("settlement_wallets", wallets),
 	)
 	for i, key := range d.payers {

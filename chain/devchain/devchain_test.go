@@ -142,6 +142,7 @@ func TestDevChainServesTheX402ContractsAndFundedAccountsOverHTTP(t *testing.T) {
 		{"batch settlement", contracts.BatchSettlementAddress, contracts.BatchSettlementRuntimeCode()},
 		{"ERC-3009 deposit collector", contracts.ERC3009DepositCollectorAddress, contracts.ERC3009DepositCollectorRuntimeCode()},
 		{"Permit2 deposit collector", contracts.Permit2DepositCollectorAddress, contracts.Permit2DepositCollectorRuntimeCode()},
+		{"Multicall3", contracts.Multicall3Address, contracts.Multicall3RuntimeCode()},
 	} {
 		code, err := client.CodeAt(ctx, c.addr, nil)
 		if err != nil || !bytes.Equal(code, c.want) {
@@ -468,32 +469,89 @@ func TestDevChainOnADataDirFromBeforeTheUSDCoinOpensAndGetsTheUSDCoinOnce(t *tes
 	devCheckSetupNonces(t, client)
 }
 
-// testdata/before-batch-settlement.tar.gz is the data dir of a default dev chain made by the version before the
-// batch-settlement contracts were part of the genesis (commit 174668c, with the upto proxy), with no node key, locks
-// or logs. It opens on its own genesis, says that batch-settlement cannot settle there, and keeps its state.
-func TestDevChainOnADataDirFromBeforeTheBatchSettlementContractsOpens(t *testing.T) {
-	dir := t.TempDir()
-	devUntar(t, filepath.Join("testdata", "before-batch-settlement.tar.gz"), dir)
+// The testdata data dirs were made by a default dev chain of the version before some contracts were part of the
+// genesis, with no node key, locks or logs: before-batch-settlement.tar.gz by commit 174668c (with the upto proxy),
+// before-multicall3.tar.gz by commit f97ad2b (with the first batch-settlement escrow). Each opens on its own genesis,
+// says what cannot work there, and keeps its state.
+func TestDevChainOnADataDirFromAnEarlierGenesisOpens(t *testing.T) {
+	for _, tc := range []struct {
+		name, tarball string
+		has           common.Address // a contract the earlier genesis had
+		hasCode       []byte
+		lacks         common.Address // the first one it lacks
+		warning       string
+		inGenesis     map[string]bool // startup log fields
+	}{
+		{"before the batch-settlement contracts", "before-batch-settlement.tar.gz",
+			contracts.UptoProxyAddress, contracts.UptoProxyRuntimeCode(), contracts.BatchSettlementAddress,
+			"created before the x402 batch-settlement contracts",
+			map[string]bool{"upto_proxy_in_genesis": true, "batch_settlement_in_genesis": false, "multicall3_in_genesis": false}},
+		{"before Multicall3", "before-multicall3.tar.gz",
+			contracts.BatchSettlementAddress, common.FromHex(strings.TrimSpace(firstBatchEscrowRuntimeHex)), contracts.Multicall3Address,
+			"created before Multicall3",
+			map[string]bool{"upto_proxy_in_genesis": true, "batch_settlement_in_genesis": true, "multicall3_in_genesis": false}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			devUntar(t, filepath.Join("testdata", tc.tarball), dir)
 
+			obs, logs := observer.New(zapcore.InfoLevel)
+			d := devStart(t, Config{Listen: "127.0.0.1:0", DataDir: dir, Logger: zap.New(obs)})
+			client := d.Client()
+			if code, err := client.CodeAt(devContext(t), tc.has, nil); err != nil || !bytes.Equal(code, tc.hasCode) {
+				t.Errorf("%s on the earlier data dir: %d bytes (%v), want its runtime code", tc.has, len(code), err)
+			}
+			if code, err := client.CodeAt(devContext(t), tc.lacks, nil); err != nil || len(code) != 0 {
+				t.Errorf("%s on the earlier data dir: %d bytes (%v), want none", tc.lacks, len(code), err)
+			}
+			if bal := devCallTokenAt[*big.Int](t, client, TokenAddress, "balanceOf", PayerAddress); bal.Cmp(big.NewInt(mintPerPayer)) != 0 {
+				t.Errorf("payer holds %s, want %d", bal, int64(mintPerPayer))
+			}
+			devCheckSetupNonces(t, client)
+			if n := logs.FilterMessageSnippet(tc.warning).Len(); n != 1 {
+				t.Errorf("%d warnings %q, want 1", n, tc.warning)
+			}
+			entries := logs.FilterMessage("dev chain started").All()
+			if len(entries) != 1 {
+				t.Fatalf("%d startup logs, want 1", len(entries))
+			}
+			for field, want := range tc.inGenesis {
+				if got := entries[0].ContextMap()[field]; got != want {
+					t.Errorf("startup log %s=%v, want %v", field, got, want)
+				}
+			}
+		})
+	}
+}
+
+// testdata/first-batch-escrow.tar.gz was made by a default dev chain of commit 2026706 (Multicall3 and the first
+// batch-settlement escrow), with no node key, locks or logs: it opens on that genesis, with that escrow, and says so.
+func TestDevChainOnADataDirWithTheFirstBatchEscrowOpens(t *testing.T) {
+	dir := t.TempDir()
+	devUntar(t, filepath.Join("testdata", "first-batch-escrow.tar.gz"), dir)
 	obs, logs := observer.New(zapcore.InfoLevel)
 	d := devStart(t, Config{Listen: "127.0.0.1:0", DataDir: dir, Logger: zap.New(obs)})
 	client := d.Client()
-	if code, err := client.CodeAt(devContext(t), contracts.UptoProxyAddress, nil); err != nil || !bytes.Equal(code, contracts.UptoProxyRuntimeCode()) {
-		t.Errorf("upto proxy on the earlier data dir: %d bytes (%v), want its runtime code", len(code), err)
+	first := common.FromHex(strings.TrimSpace(firstBatchEscrowRuntimeHex))
+	if bytes.Equal(first, contracts.BatchSettlementRuntimeCode()) {
+		t.Fatal("the first escrow's code is today's")
 	}
-	if code, err := client.CodeAt(devContext(t), contracts.BatchSettlementAddress, nil); err != nil || len(code) != 0 {
-		t.Errorf("batch settlement on the earlier data dir: %d bytes (%v), want none", len(code), err)
+	if code, err := client.CodeAt(devContext(t), contracts.BatchSettlementAddress, nil); err != nil || !bytes.Equal(code, first) {
+		t.Errorf("the escrow on the data dir: %d bytes (%v), want the first escrow's code", len(code), err)
+	}
+	if code, err := client.CodeAt(devContext(t), contracts.Multicall3Address, nil); err != nil || len(code) == 0 {
+		t.Errorf("Multicall3 on the data dir: %d bytes (%v), want its code", len(code), err)
 	}
 	if bal := devCallTokenAt[*big.Int](t, client, TokenAddress, "balanceOf", PayerAddress); bal.Cmp(big.NewInt(mintPerPayer)) != 0 {
 		t.Errorf("payer holds %s, want %d", bal, int64(mintPerPayer))
 	}
-	devCheckSetupNonces(t, client)
-	if n := logs.FilterMessageSnippet("created before the x402 batch-settlement contracts").Len(); n != 1 {
-		t.Errorf("%d warnings that the data dir predates the batch-settlement contracts, want 1", n)
+	if n := logs.FilterMessageSnippet("created with the first x402 batch-settlement escrow").Len(); n != 1 {
+		t.Errorf("%d warnings about the first escrow, want 1", n)
 	}
-	if entries := logs.FilterMessage("dev chain started").All(); len(entries) != 1 ||
-		entries[0].ContextMap()["batch_settlement_in_genesis"] != false || entries[0].ContextMap()["upto_proxy_in_genesis"] != true {
-		t.Errorf("startup log %v, want batch_settlement_in_genesis=false and upto_proxy_in_genesis=true", entries)
+	// A fresh data dir gets today's escrow.
+	fresh := devStart(t, Config{Listen: "127.0.0.1:0", DataDir: t.TempDir()})
+	if code, err := fresh.Client().CodeAt(devContext(t), contracts.BatchSettlementAddress, nil); err != nil || !bytes.Equal(code, contracts.BatchSettlementRuntimeCode()) {
+		t.Errorf("the escrow on a fresh data dir: %d bytes (%v), want today's", len(code), err)
 	}
 }
 

@@ -27,7 +27,10 @@ var (
 	bucketPending = []byte("pending") // id -> pendingTag, for every record not final
 	bucketFinals  = []byte("finals")  // keptUntil (unix ns, big endian) ++ id -> empty, for Prune
 	bucketServed  = []byte("served")  // id -> ServedAt (unix ns, big endian), for every served record
-	keyLayout     = []byte("layout")
+	// bucketChannels holds the batch-settlement channel rows: ChannelKey.bytes -> encoded Channel. A file of an
+	// earlier release gains it at open; an earlier release opening a file that has it leaves it alone.
+	bucketChannels = []byte("channels")
+	keyLayout      = []byte("layout")
 	// Layout 2 added the served bucket: a served mark is written there alone, and the bucket (not the record)
 	// is what says a payment was served, so a release that reads layout 1 must not open the file and serve a
 	// served payment again.
@@ -207,7 +210,7 @@ func initLayout(tx *bolt.Tx) error {
 	default:
 		return fmt.Errorf("file has journal layout %q, this build reads layouts %q and %q", got, layoutV1, layoutV2)
 	}
-	for _, name := range [][]byte{bucketRecords, bucketPending, bucketFinals, bucketServed} {
+	for _, name := range [][]byte{bucketRecords, bucketPending, bucketFinals, bucketServed, bucketChannels} {
 		if _, err := tx.CreateBucketIfNotExists(name); err != nil {
 			return err
 		}

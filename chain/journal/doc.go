@@ -10,6 +10,10 @@
 // busy marks, fenced wallet leases, holds against a payer's funds), directly or through a connection pooler in
 // transaction mode (postgres_pooler.go): it keeps no state in a database session between transactions.
 //
+// Every store keeps batch-settlement channels too (Channels, channel.go): one row per channel, whose cumulative
+// amount each accepted voucher advances by a compare-and-set, and which a claim is marked sent on before it is
+// broadcast.
+//
 // It must never import package chain, talk to a node, or know anything of HTTP or Caddy: it stores what it is
 // told, atomically, and refuses transitions that would lose a broadcast transaction.
 package journal

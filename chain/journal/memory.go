@@ -18,6 +18,8 @@ type MemoryStore struct {
 	records map[ID][]byte
 	pending map[ID]bool      // id -> async, as the bolt store's pending index
 	served  map[ID]time.Time // as the bolt store's served bucket: MarkServed writes here alone
+	// channels holds the channel rows, encoded as the bolt store keeps them, by ChannelKey.bytes.
+	channels map[string][]byte
 }
 
 // NewMemory returns an empty in-memory store; of opts only Clock applies.
@@ -27,6 +29,8 @@ func NewMemory(opts Options) *MemoryStore {
 		records: make(map[ID][]byte),
 		pending: make(map[ID]bool),
 		served:  make(map[ID]time.Time),
+
+		channels: make(map[string][]byte),
 	}
 }
 

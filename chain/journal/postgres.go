@@ -966,24 +966,23 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 	if err := checkHold(h, avail); err != nil {
 		return false, nil, err
 	}
-	wctx, cancel, err := s.begin(ctx, take)
-	if err != nil {
-		return false, nil, err
-	}
-	defer cancel()
 	var (
 		ok   bool
 		left *big.Int
+		err  error
 	)
 	if take {
-		_, ok, left, err = s.holdInOne(wctx, h, avail, readBlock, chainTime, false)
+		// What ctx's queue holds (a gate's deferred mark) rides in the hold's transaction, under its guard.
+		_, ok, left, err = s.holdCarrying(ctx, h, avail, readBlock, chainTime, false)
 	} else {
 		var (
 			sum  string
 			held bool
 		)
-		err = s.read(wctx, func() error {
-			return s.pool.QueryRow(wctx, pgCoveredSQL, coveredArgs(h, readBlock, chainTime)...).Scan(&sum, &held)
+		err = s.readCarrying(ctx, func(b *pgx.Batch) {
+			b.Queue(pgCoveredSQL, coveredArgs(h, readBlock, chainTime)...).QueryRow(func(row pgx.Row) error {
+				return row.Scan(&sum, &held)
+			})
 		})
 		var others *big.Int
 		if err == nil {

@@ -67,6 +67,8 @@ type behindWrite struct {
 	sent bool
 	// fence: a failure of this write breaks its queue (see behind.broken).
 	fence bool
+	// read, when set, makes the statement a read of one row, which read scans (a deferred MarkAndGetBehind).
+	read func(pgx.Row) error
 	// landed is told the write's outcome (under the queue's lock); what it returns runs once the lock is let go
 	// (a fallback that sends statements of its own).
 	landed func(tag pgconn.CommandTag, err error) func()
@@ -199,7 +201,12 @@ func queueBehind(b *pgx.Batch, items []*behindWrite) {
 // written until the whole batch is (markSent): a later statement of it that fails rolls them back.
 func readBehind(br pgx.BatchResults, items []*behindWrite) error {
 	for _, w := range items {
-		if w.tag, w.err = br.Exec(); w.err != nil {
+		if w.read != nil {
+			w.err = w.read(br.QueryRow())
+		} else {
+			w.tag, w.err = br.Exec()
+		}
+		if w.err != nil {
 			return behindFailed{w.err}
 		}
 	}

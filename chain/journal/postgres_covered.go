@@ -30,23 +30,16 @@ func (s *PostgresStore) unrecordedAndCovered(ctx context.Context, h Hold, avail 
 	if err := checkHold(h, avail); err != nil {
 		return false, false, nil, err
 	}
-	rctx, cancel, err := s.begin(ctx, false)
-	if err != nil {
-		return false, false, nil, err
-	}
-	defer cancel()
 	var (
 		known bool
 		sum   string
 		held  bool
 	)
-	err = s.read(rctx, func() error {
-		b := &pgx.Batch{}
+	err := s.readCarrying(ctx, func(b *pgx.Batch) {
 		queueRecorded(b, h.ID, &known)
 		b.Queue(pgCoveredSQL, coveredArgs(h, readBlock, chainTime)...).QueryRow(func(row pgx.Row) error {
 			return row.Scan(&sum, &held)
 		})
-		return s.pool.SendBatch(rctx, b).Close()
 	})
 	if err != nil {
 		return false, false, nil, s.fail(ctx, "hold", err)
@@ -85,12 +78,7 @@ func (s *PostgresStore) unrecordedAndHeld(ctx context.Context, h Hold, avail *bi
 	if err := checkHold(h, avail); err != nil {
 		return false, false, nil, err
 	}
-	wctx, cancel, err := s.begin(ctx, true)
-	if err != nil {
-		return false, false, nil, err
-	}
-	defer cancel()
-	recorded, ok, left, err := s.holdInOne(wctx, h, avail, readBlock, chainTime, true)
+	recorded, ok, left, err := s.holdCarrying(ctx, h, avail, readBlock, chainTime, true)
 	switch {
 	case err != nil:
 		return false, false, nil, s.fail(ctx, "hold", err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/big"
+	"slices"
 	"strconv"
 	"time"
 
@@ -49,7 +50,8 @@ import (
 // pgHoldSQL decides a hold with take in one statement, after the lock of its key's row and the deletion of the
 // key's holds that no longer count. Its arguments: $1 the hold's id, $2 its key, $3 amount, $4 deadline, $5
 // mined, $6 permit nonce, $7 served (pgInsertHold's, holdArgs), $8 avail, $9 readBlock, $10 chainTime (numeric as
-// text), $11 whether a record of $1 refuses the hold. Every part of a statement sees one snapshot, so the holds it
+// text), $11 whether a record of $1 refuses the hold, $12 and $13 a gate's guard (guardArgs: the gate's payment id,
+// whose record, or in-flight mark not $13's, refuses the hold; NULLs for none). Every part of a statement sees one snapshot, so the holds it
 // returns are the ones it judged; its insert and its update cannot touch one row (the insert needs h not live,
 // the update needs it live). One row: whether $1 has a record (when asked), whether h fits, what the other holds
 // that count sum to, and whether h's is among them; never the holds themselves, of which a busy payer's key counts
@@ -57,7 +59,9 @@ import (
 // read leave out those mined at or before $9, which count for nobody reading at $9 and which a busy payer's key
 // keeps for a while (postgres_mined.go).
 const pgHoldSQL = `WITH recorded AS (
-	SELECT $11::boolean AND EXISTS (SELECT 1 FROM x402_records WHERE id = $1::bytea) AS yes
+	SELECT ($11::boolean AND EXISTS (SELECT 1 FROM x402_records WHERE id = $1::bytea))
+		OR ($12::bytea IS NOT NULL AND (EXISTS (SELECT 1 FROM x402_records WHERE id = $12::bytea)
+			OR NOT EXISTS (SELECT 1 FROM x402_busy WHERE id = $12::bytea AND owner = $13::text))) AS yes
 ), holds AS (
 	SELECT id, amount, deadline, mined, permit_nonce, served, held_at FROM x402_holds
 	WHERE hold_key = $2::text AND (mined = 0 OR mined > $9::numeric)
@@ -103,13 +107,23 @@ AND ((mined <> 0 AND mined <= $2::numeric AND (mined_at IS NULL OR mined_at < no
 const pgHoldCommitsAsync = "SET LOCAL synchronous_commit = off"
 
 // holdInOne is Hold with take in one round trip (see above). With unrecordedOnly, a record of h.ID refuses the
-// hold: nothing of h is written, and recorded says so (ok and left unset).
-func (s *PostgresStore) holdInOne(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, unrecordedOnly bool) (recorded, ok bool, left *big.Int, err error) {
+// hold: nothing of h is written, and recorded says so (ok and left unset); so does guard, when given, refusing it
+// (postgres_markbehind.go). items, taken from the context's queue (carry), go first in the transaction, and are
+// marked sent when it commits.
+func (s *PostgresStore) holdInOne(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, unrecordedOnly bool, guard *Marked, items []*behindWrite) (recorded, ok bool, left *big.Int, err error) {
 	var d holdDecision
 	err = s.txInOne(ctx, func(b *pgx.Batch) {
-		b.Queue(pgHoldCommitsAsync)
-		d.queue(s, b, h, avail, readBlock, chainTime, unrecordedOnly)
+		if !slices.ContainsFunc(items, func(w *behindWrite) bool { return w.fence }) {
+			// No claim rides here (a gate's in-flight mark and read may: what they guard is decided by the
+			// records' inserts, which commit synchronously).
+			b.Queue(pgHoldCommitsAsync)
+		}
+		queueCarried(b, items)
+		d.queue(s, b, h, avail, readBlock, chainTime, unrecordedOnly, guard)
 	})
+	if err == nil {
+		markSent(items)
+	}
 	if err != nil || d.recorded {
 		return d.recorded, false, nil, err
 	}
@@ -127,13 +141,13 @@ type holdDecision struct {
 
 // queue queues the statements of a hold with take of h into b, inside its transaction (see above); the last one
 // scans into d. It may run more than once (a transaction tried again).
-func (d *holdDecision) queue(s *PostgresStore, b *pgx.Batch, h Hold, avail *big.Int, readBlock, chainTime uint64, unrecordedOnly bool) {
+func (d *holdDecision) queue(s *PostgresStore, b *pgx.Batch, h Hold, avail *big.Int, readBlock, chainTime uint64, unrecordedOnly bool, guard *Marked) {
 	*d = holdDecision{}
 	block, at := strconv.FormatUint(readBlock, 10), strconv.FormatUint(chainTime, 10)
 	b.Queue(`INSERT INTO x402_hold_keys (hold_key) VALUES ($1) ON CONFLICT (hold_key) DO NOTHING`, h.Key)
 	b.Queue(`SELECT hold_key FROM x402_hold_keys WHERE hold_key = $1 FOR UPDATE`, h.Key)
 	b.Queue(pgDeleteHoldsPast, h.Key, block, at, s.minedHoldsSlack().Microseconds(), s.readsAnswerFor.Load()/1000)
-	b.Queue(pgHoldSQL, append(holdArgs(h), avail.String(), block, at, unrecordedOnly)...).QueryRow(func(row pgx.Row) error {
+	b.Queue(pgHoldSQL, append(append(holdArgs(h), avail.String(), block, at, unrecordedOnly), s.guardArgs(guard)...)...).QueryRow(func(row pgx.Row) error {
 		return row.Scan(&d.recorded, &d.fits, &d.sum, &d.held)
 	})
 }

@@ -145,7 +145,7 @@ func (s *PostgresStore) holdAndClaimOnce(ctx context.Context, items []*behindWri
 	b := &pgx.Batch{}
 	b.Queue("begin isolation level read committed")
 	queueBehind(b, items)
-	d.queue(s, b, h, avail, readBlock, chainTime, true)
+	d.queue(s, b, h, avail, readBlock, chainTime, true, nil) // a settlement is under no gate's guard (postgres_markbehind.go)
 	b.Queue(pgInsertRecord, claimArgs...)
 	b.Queue("commit")
 	br := c.SendBatch(ctx, b)

@@ -101,6 +101,42 @@ CREATE INDEX IF NOT EXISTS x402_holds_key_mined ON x402_holds (hold_key, mined);
 CREATE INDEX IF NOT EXISTS x402_holds_key_mined_at ON x402_holds (hold_key, mined_at) WHERE mined <> 0;
 ALTER TABLE x402_instances ADD COLUMN IF NOT EXISTS reads_answer_for_us bigint NOT NULL DEFAULT 0;
 `,
+	// 5: batch-settlement channels (postgres_channel.go): one row per channel, whose cumulative amount every
+	// accepted voucher advances by one compare-and-set. A new table only, which no earlier release reads or
+	// writes: instances of release 4 go on as they were beside instances of this one.
+	`
+-- Amounts are numeric (uint128 on chain), blocks numeric(20) (uint64); times the journal's clock decides are unix
+-- nanoseconds, as x402_records keeps them. claim_tx is the claim in flight (NULL: none), and claim_amount what it
+-- claims; claimed is what the chain has claimed, as mined claims and reads of the chain said.
+CREATE TABLE IF NOT EXISTS x402_channels (
+	network               text        NOT NULL,
+	escrow                text        NOT NULL,
+	channel_id            text        NOT NULL,
+	config                bytea       NOT NULL,
+	deposit               numeric     NOT NULL,
+	deposit_block         numeric(20) NOT NULL,
+	deposit_read_ns       bigint      NOT NULL,
+	withdraw_requested_ns bigint,
+	withdraw_amount       numeric,
+	withdrawn_ns          bigint,
+	charged               numeric     NOT NULL,
+	signature             bytea,
+	digest                bytea,
+	vouchers              bigint      NOT NULL DEFAULT 0,
+	accepted_ns           bigint,
+	accepted_by           text,
+	unclaimed_since_ns    bigint,
+	claimed               numeric     NOT NULL,
+	claimed_tx            text,
+	claim_tx              text,
+	claim_amount          numeric,
+	claim_sent_ns         bigint,
+	PRIMARY KEY (network, escrow, channel_id),
+	CHECK ((claim_tx IS NULL) = (claim_amount IS NULL))
+);
+CREATE INDEX IF NOT EXISTS x402_channels_claim_tx ON x402_channels (claim_tx) WHERE claim_tx IS NOT NULL;
+CREATE INDEX IF NOT EXISTS x402_channels_withdrawn ON x402_channels (withdrawn_ns) WHERE withdrawn_ns IS NOT NULL;
+`,
 }
 
 // ErrSchemaTooNew: OpenPostgres found a database migrated by a newer release than this one, whose schema this
@@ -111,6 +147,12 @@ var ErrSchemaTooNew = errors.New("journal: database schema is newer than this bu
 // processes may run it at once: each migration is applied in a transaction that first inserts its version's
 // row, so concurrent starters queue behind the one that inserted it and then find the version applied.
 func migrate(ctx context.Context, pool *pgxpool.Pool) error {
+	return migrateTo(ctx, pool, pgMigrations)
+}
+
+// migrateTo is migrate for a release whose migrations are those given: the tests run an earlier release's (a
+// prefix of pgMigrations) beside this one's.
+func migrateTo(ctx context.Context, pool *pgxpool.Pool, migrations []string) error {
 	for attempt := 0; ; attempt++ {
 		_, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS x402_schema_migrations (
 	version    integer     PRIMARY KEY,
@@ -126,11 +168,11 @@ func migrate(ctx context.Context, pool *pgxpool.Pool) error {
 		}
 		time.Sleep(time.Duration(10*(attempt+1)) * time.Millisecond)
 	}
-	applied, err := schemaVersion(ctx, pool)
+	applied, err := schemaVersion(ctx, pool, len(migrations))
 	if err != nil {
 		return err
 	}
-	for i, sql := range pgMigrations {
+	for i, sql := range migrations {
 		version := i + 1
 		if version <= applied {
 			continue
@@ -155,20 +197,20 @@ func migrate(ctx context.Context, pool *pgxpool.Pool) error {
 			return fmt.Errorf("apply schema migration %d: %w", version, err)
 		}
 	}
-	_, err = schemaVersion(ctx, pool)
+	_, err = schemaVersion(ctx, pool, len(migrations))
 	return err
 }
 
-// schemaVersion returns the highest migration applied, refusing one this build does not know.
-func schemaVersion(ctx context.Context, pool *pgxpool.Pool) (int, error) {
+// schemaVersion returns the highest migration applied, refusing one above known, the last this build knows.
+func schemaVersion(ctx context.Context, pool *pgxpool.Pool, known int) (int, error) {
 	var v int
 	if err := pool.QueryRow(ctx, `SELECT COALESCE(max(version), 0) FROM x402_schema_migrations`).Scan(&v); err != nil {
 		return 0, fmt.Errorf("read the schema version: %w", err)
 	}
-	if v > len(pgMigrations) {
+	if v > known {
 		return v, fmt.Errorf("%w: the database has schema version %d and this build knows versions up to %d; "+
 			"it was migrated by a newer release, which must be run instead (a downgrade cannot read what it writes)",
-			ErrSchemaTooNew, v, len(pgMigrations))
+			ErrSchemaTooNew, v, known)
 	}
 	return v, nil
 }

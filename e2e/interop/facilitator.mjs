@@ -5,6 +5,10 @@
 //
 //   X402_FACILITATOR_KEY=0x... X402_RPC_URL=http://127.0.0.1:8545 X402_NETWORK=eip155:72344 node facilitator.mjs <port>
 //
+// With X402_BATCH=1 it also serves the batch-settlement scheme (@x402/evm/batch-settlement/facilitator), its
+// receiver authorizer the facilitator's own key (listed in /supported): deposits, claims, settles and refunds are
+// sent from that key. It reads channels through Multicall3, which the dev chain's genesis holds.
+//
 // Endpoints: GET /supported, POST /verify and POST /settle ({paymentPayload, paymentRequirements}), as the
 // public HTTPFacilitatorClient calls them. It prints "listening <url>" once it serves, and stops by itself
 // after X402_LIFETIME_SECONDS (default 600).
@@ -12,6 +16,7 @@ import http from "node:http";
 import { x402Facilitator } from "@x402/core/facilitator";
 import { registerExactEvmScheme } from "@x402/evm/exact/facilitator";
 import { UptoEvmScheme } from "@x402/evm/upto/facilitator";
+import { BatchSettlementEvmScheme } from "@x402/evm/batch-settlement/facilitator";
 import { toFacilitatorEvmSigner } from "@x402/evm";
 import { createWalletClient, defineChain, http as viemHttp, publicActions } from "viem";
 import { privateKeyToAccount } from "viem/accounts";
@@ -43,6 +48,7 @@ const signer = toFacilitatorEvmSigner({ ...client, address: account.address });
 const facilitator = new x402Facilitator();
 registerExactEvmScheme(facilitator, { signer, networks: network });
 facilitator.register(network, new UptoEvmScheme(signer));
+if (process.env.X402_BATCH === "1") facilitator.register(network, new BatchSettlementEvmScheme(signer, account));
 
 async function body(req) {
   const chunks = [];

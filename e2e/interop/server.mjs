@@ -10,6 +10,11 @@
 // raw units, and its handler charges what the request names in ?use= (raw units or a percentage such as "50%", as
 // setSettlementOverrides takes them; no ?use= sets no override, so the maximum is charged). The facilitator must
 // then list an upto kind for the network: the SDK takes the facilitatorAddress the payer signs for from it.
+// With X402_BATCH_AMOUNT set, GET /batch is sold by the batch-settlement scheme (@x402/evm/batch-settlement/server,
+// its channels in memory) at that many raw units a request of X402_BATCH_ASSET (default X402_ASSET; EIP-712
+// domain X402_BATCH_TOKEN_NAME / X402_BATCH_TOKEN_VERSION, for ERC-3009 deposits), the receiver authorizer the
+// facilitator's (it must list a batch-settlement kind naming one); POST /batch-claim claims every voucher the
+// server holds and settles what was claimed to X402_PAY_TO through the facilitator, and prints the results.
 // It prints "listening <url>" once it serves, and stops by itself after X402_LIFETIME_SECONDS (default 600).
 import { Hono } from "hono";
 import { serve } from "@hono/node-server";
@@ -17,6 +22,7 @@ import { paymentMiddleware, setSettlementOverrides, x402ResourceServer } from "@
 import { HTTPFacilitatorClient } from "@x402/core/server";
 import { ExactEvmScheme } from "@x402/evm/exact/server";
 import { UptoEvmScheme } from "@x402/evm/upto/server";
+import { BatchSettlementEvmScheme } from "@x402/evm/batch-settlement/server";
 import { declareEip2612GasSponsoringExtension } from "@x402/extensions";
 
 function usage(message) {
@@ -36,9 +42,29 @@ const uptoAmount = process.env.X402_UPTO_AMOUNT;
 if (uptoAmount !== undefined && !/^\d+$/.test(uptoAmount)) usage("X402_UPTO_AMOUNT must be raw token units (digits)");
 const token = { name: process.env.X402_TOKEN_NAME || "Stable Coin", version: process.env.X402_TOKEN_VERSION || "1" };
 
-const resourceServer = new x402ResourceServer(new HTTPFacilitatorClient({ url: facilitatorUrl }))
+const batchAmount = process.env.X402_BATCH_AMOUNT;
+if (batchAmount !== undefined && !/^\d+$/.test(batchAmount)) usage("X402_BATCH_AMOUNT must be raw token units (digits)");
+const batchAsset = process.env.X402_BATCH_ASSET || asset;
+const batchToken = { name: process.env.X402_BATCH_TOKEN_NAME || token.name, version: process.env.X402_BATCH_TOKEN_VERSION || token.version };
+
+const facilitatorClient = new HTTPFacilitatorClient({ url: facilitatorUrl });
+const resourceServer = new x402ResourceServer(facilitatorClient)
   .register(network, new ExactEvmScheme());
 if (uptoAmount !== undefined) resourceServer.register(network, new UptoEvmScheme());
+const batchScheme = batchAmount === undefined ? undefined : new BatchSettlementEvmScheme(payTo);
+if (batchScheme) resourceServer.register(network, batchScheme);
+const batchRoutes = batchAmount === undefined ? {} : {
+  "GET /batch": {
+    accepts: {
+      scheme: "batch-settlement",
+      network,
+      payTo,
+      price: { amount: batchAmount, asset: batchAsset, extra: { ...batchToken } },
+      maxTimeoutSeconds: 600,
+    },
+    description: "Content sold per request by vouchers of a batch-settlement channel",
+  },
+};
 
 // The upto route exists only when asked for: the SDK refuses to start a route its facilitator lists no kind for.
 const uptoRoutes = uptoAmount === undefined ? {} : {
@@ -59,6 +85,7 @@ app.use(
   paymentMiddleware(
     {
       ...uptoRoutes,
+      ...batchRoutes,
       "GET /paid": {
         accepts: {
           scheme: "exact",
@@ -83,6 +110,21 @@ app.get("/upto", (c) => {
   const use = c.req.query("use");
   if (use !== undefined) setSettlementOverrides(c, { amount: use });
   return c.text(`used ${use ?? "everything"} of the hono server's upto content`);
+});
+
+app.get("/batch", (c) => c.text("batch-settled content from the hono server"));
+app.post("/batch-claim", async (c) => {
+  const manager = batchScheme.createChannelManager(facilitatorClient, network, batchAsset);
+  const claims = await manager.claim();
+  let settle;
+  try {
+    settle = await manager.settle();
+  } catch (err) {
+    settle = { error: err instanceof Error ? err.message : String(err) };
+  }
+  const result = { claims, settle };
+  process.stderr.write(`/batch-claim: ${JSON.stringify(result, (_, v) => (typeof v === "bigint" ? v.toString() : v))}\n`);
+  return c.json(JSON.parse(JSON.stringify(result, (_, v) => (typeof v === "bigint" ? v.toString() : v))));
 });
 
 serve({ fetch: app.fetch, port, hostname: "127.0.0.1" }, () => {

@@ -1,0 +1,159 @@
+package journal
+
+import (
+	"context"
+	"math/big"
+	"slices"
+	"time"
+)
+
+// memChanTxn is a chanTxn over the memory store's channel rows; the caller holds the store's lock.
+type memChanTxn struct{ s *MemoryStore }
+
+func (t memChanTxn) getChannel(key ChannelKey) (Channel, bool, error) {
+	k := key.bytes()
+	b, ok := t.s.channels[string(k)]
+	if !ok {
+		return Channel{}, false, nil
+	}
+	c, err := decodeChannel(k, b)
+	return c, err == nil, err
+}
+
+func (t memChanTxn) putChannel(c *Channel) error {
+	enc, err := encodeChannel(c)
+	if err != nil {
+		return err
+	}
+	t.s.channels[string(c.Key.bytes())] = enc
+	return nil
+}
+
+func (t memChanTxn) eachChannel(fn func(*Channel) bool) error {
+	keys := make([]string, 0, len(t.s.channels))
+	for k := range t.s.channels {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	for _, k := range keys {
+		c, err := decodeChannel([]byte(k), t.s.channels[k])
+		if err != nil {
+			return err
+		}
+		if !fn(&c) {
+			return nil
+		}
+	}
+	return nil
+}
+
+func (t memChanTxn) delChannel(key ChannelKey) error {
+	delete(t.s.channels, string(key.bytes()))
+	return nil
+}
+
+// Channel implements Channels.
+func (s *MemoryStore) Channel(ctx context.Context, key ChannelKey) (Channel, bool, error) {
+	key, err := key.canonical()
+	if err != nil {
+		return Channel{}, false, err
+	}
+	if err := s.lock(ctx); err != nil {
+		return Channel{}, false, err
+	}
+	defer s.mu.Unlock()
+	return memChanTxn{s}.getChannel(key)
+}
+
+// ObserveChannel implements Channels.
+func (s *MemoryStore) ObserveChannel(ctx context.Context, read ChannelRead) (Channel, error) {
+	read, err := checkRead(read)
+	if err != nil {
+		return Channel{}, err
+	}
+	if err := s.lock(ctx); err != nil {
+		return Channel{}, err
+	}
+	defer s.mu.Unlock()
+	return observeChannelIn(memChanTxn{s}, read, s.opts.now())
+}
+
+// AcceptVoucher implements Channels.
+func (s *MemoryStore) AcceptVoucher(ctx context.Context, key ChannelKey, from, to *big.Int, v Voucher) (Channel, error) {
+	key, err := checkAccept(key, from, to, v)
+	if err != nil {
+		return Channel{}, err
+	}
+	if err := s.lock(ctx); err != nil {
+		return Channel{}, err
+	}
+	defer s.mu.Unlock()
+	return acceptVoucherIn(memChanTxn{s}, key, from, to, v, s.opts.now())
+}
+
+// Unclaimed implements Channels.
+func (s *MemoryStore) Unclaimed(ctx context.Context, network string) ([]Channel, error) {
+	out, err := s.listChannels(ctx, network, (*Channel).claimable)
+	sortUnclaimed(out)
+	return out, err
+}
+
+// ClaimsInFlight implements Channels.
+func (s *MemoryStore) ClaimsInFlight(ctx context.Context, network string) ([]Channel, error) {
+	out, err := s.listChannels(ctx, network, func(c *Channel) bool { return c.ClaimTx != "" })
+	sortInFlight(out)
+	return out, err
+}
+
+func (s *MemoryStore) listChannels(ctx context.Context, network string, want func(*Channel) bool) ([]Channel, error) {
+	if err := s.lock(ctx); err != nil {
+		return nil, err
+	}
+	defer s.mu.Unlock()
+	return listChannelsIn(memChanTxn{s}, network, want)
+}
+
+// MarkClaimSent implements Channels.
+func (s *MemoryStore) MarkClaimSent(ctx context.Context, tx string, claims []ChannelClaim) error {
+	claims, err := checkClaims(tx, claims)
+	if err != nil {
+		return err
+	}
+	if err := s.lock(ctx); err != nil {
+		return err
+	}
+	defer s.mu.Unlock()
+	return claimSentAllIn(memChanTxn{s}, canonicalTx(tx), claims, s.opts.now())
+}
+
+// MarkClaimMined implements Channels.
+func (s *MemoryStore) MarkClaimMined(ctx context.Context, tx string) (int, error) {
+	return s.claimEnd(ctx, tx, claimMinedIn)
+}
+
+// MarkClaimFailed implements Channels.
+func (s *MemoryStore) MarkClaimFailed(ctx context.Context, tx string) (int, error) {
+	return s.claimEnd(ctx, tx, claimFailedIn)
+}
+
+func (s *MemoryStore) claimEnd(ctx context.Context, tx string, end func(*Channel) Channel) (int, error) {
+	if err := checkClaimTx(tx); err != nil {
+		return 0, err
+	}
+	if err := s.lock(ctx); err != nil {
+		return 0, err
+	}
+	defer s.mu.Unlock()
+	return claimEndIn(memChanTxn{s}, canonicalTx(tx), end)
+}
+
+// PruneChannels implements Channels.
+func (s *MemoryStore) PruneChannels(ctx context.Context, withdrawnBefore time.Time) (int, error) {
+	if err := s.lock(ctx); err != nil {
+		return 0, err
+	}
+	defer s.mu.Unlock()
+	return pruneChannelsIn(memChanTxn{s}, withdrawnBefore)
+}
+
+var _ Channels = (*MemoryStore)(nil)
