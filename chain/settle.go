@@ -139,38 +139,63 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 	// write that commits while its call fails leaves a claim that no settlement holds, which reconciliation
 	// releases, and it must never take this one for such a claim.
 	f.markClaiming(p.id, 1)
-	rec, claimed, err := f.journal.Claim(ctx, journal.Record{
+	counted := true
+	uncount := func() {
+		if counted {
+			counted = false
+			f.markClaiming(p.id, -1)
+		}
+	}
+	defer uncount()
+	claim := journal.Record{
 		ID: p.id, State: journal.StateClaimed, Network: p.net.caip2, Payer: p.payer.Hex(), Asset: p.asset.Address.Hex(),
 		Amount: p.amount.String(), PayTo: p.payTo.Hex(), Request: body, Owner: f.owner,
 		// Kept until the payment can no longer be settled, however soon retention would prune it: pruned
 		// earlier, a presentation of it would be new to the journal.
 		Deadline: p.deadline(),
-	})
-	if err != nil || !claimed {
-		f.markClaiming(p.id, -1)
-	} else {
-		defer f.markClaiming(p.id, -1)
 	}
-	if err != nil {
-		return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("settlement journal: %w", err)}
-	}
-	if !claimed {
-		if !f.recordedSame(p, rec) {
+	unclaimed := func(err error, found journal.Record) (x402.SettleResponse, error) {
+		uncount()
+		if err != nil {
+			return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("settlement journal: %w", err)}
+		}
+		if !f.recordedSame(p, found) {
 			return failed(p.net.caip2, p.payer.Hex(), "", reused(p)), nil
 		}
-		return f.answerFromJournal(ctx, p, req, rec)
+		return f.answerFromJournal(ctx, p, req, found)
 	}
-	p.claim = rec
-	var resp x402.SettleResponse
-	var keep bool
-	if p.upto() && p.amount.Sign() == 0 {
-		resp, keep, err = f.settleNothing(ctx, p)
-	} else {
+	var (
+		resp x402.SettleResponse
+		keep bool
+		err  error
+	)
+	p.pending = nil
+	if f.claimWithHold(p) {
+		// Claimed with its funds hold (claimhold.go). A settlement that ended before it held claims now, alone,
+		// and ends as its claim's owner below; one whose claim is not its own touches nothing.
+		p.pending = &pendingClaim{rec: claim}
 		resp, keep, err = f.broadcastAndWait(ctx, p)
-		if f.cluster != nil && !keep && err == nil && resp.ErrorReason == x402.ReasonNoAvailableWallets {
-			// No free wallet here: another instance sharing the journal may have one (see handoff.go).
-			resp, keep, err = f.handOff(ctx, p, resp)
+		if !keep {
+			f.claimAlone(context.WithoutCancel(ctx), p) // to end what the settlement began, as its owner
 		}
+		if c := p.pending; !c.won {
+			return unclaimed(c.err, c.found)
+		}
+	} else {
+		rec, claimed, cerr := f.journal.Claim(ctx, claim)
+		if cerr != nil || !claimed {
+			return unclaimed(cerr, rec)
+		}
+		p.claim = rec
+		if p.upto() && p.amount.Sign() == 0 {
+			resp, keep, err = f.settleNothing(ctx, p)
+		} else {
+			resp, keep, err = f.broadcastAndWait(ctx, p)
+		}
+	}
+	if f.cluster != nil && !keep && err == nil && resp.ErrorReason == x402.ReasonNoAvailableWallets {
+		// No free wallet here: another instance sharing the journal may have one (see handoff.go).
+		resp, keep, err = f.handOff(ctx, p, resp)
 	}
 	if !keep {
 		var holdErr error
@@ -350,6 +375,15 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 	}
 	if ref, err := p.checkChain(ctx, fundsSettle); err != nil || ref != nil {
 		return common.Hash{}, ref, err
+	}
+	// Nothing is signed before the payment's claim is written and this settlement's: written with the hold, or
+	// now, alone, when the checks held nothing (claimhold.go). A claim another won lets the wallet go unused.
+	f.claimAlone(ctx, p)
+	if c := p.pending; c != nil && !c.won {
+		if c.err != nil {
+			return common.Hash{}, nil, fmt.Errorf("nothing was sent: settlement journal: %w", c.err)
+		}
+		return common.Hash{}, nil, errClaimNotWon
 	}
 	calls, err := p.settlementCalls()
 	if err != nil {

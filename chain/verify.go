@@ -71,9 +71,12 @@ type payment struct {
 	id         journal.ID
 	// claim is the payment's journal record as this settlement claimed it (or, settling it again, as
 	// reconciliation read it): its writes go to that claim only, never to a claim made since by another.
-	claim  journal.Record
-	digest common.Hash   // what the payer signed
-	head   *types.Header // the head block checkTime read chain time from; nil when it could not be read
+	claim journal.Record
+	// pending is this settlement's claim of the payment while it is not written yet: it goes in the batch of the
+	// payment's funds hold (see claimWithHold); nil when the claim was written first, or p is not settled here.
+	pending *pendingClaim
+	digest  common.Hash   // what the payer signed
+	head    *types.Header // the head block checkTime read chain time from; nil when it could not be read
 	// mineAt is the earliest timestamp of the block the settlement can land in (see checkTime).
 	mineAt uint64
 	// exec is how the settlement transaction runs, which every eth_call standing for it runs as (see execution).
