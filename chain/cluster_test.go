@@ -60,8 +60,12 @@ func clusterOn(t *testing.T, dsn string, leaseTTL time.Duration, o fixtureOpts) 
 		if o.wrap != nil {
 			j = o.wrap(st)
 		}
-		f, err := chain.New(context.Background(), chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: j,
-			Logger: engineLog(t), WalletLeaseTTL: leaseTTL, ReconcileEvery: 200 * time.Millisecond})
+		cfg := chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: j,
+			Logger: engineLog(t), WalletLeaseTTL: leaseTTL, ReconcileEvery: 200 * time.Millisecond}
+		if o.configure != nil {
+			o.configure(&cfg)
+		}
+		f, err := chain.New(context.Background(), cfg)
 		if err != nil {
 			t.Fatal(err)
 		}

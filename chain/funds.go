@@ -356,6 +356,11 @@ func (fs *funds) check(ctx context.Context, p *payment, chainTime uint64, r *fun
 	read := pf.read
 	fs.mu.Unlock()
 	h := journal.Hold{ID: p.id, Key: fs.holdKey(p), Amount: p.amount, Deadline: deadlineUint(p), PermitNonce: p.permitNonce(), Served: use == fundsHold}
+	if use == fundsSettle && p.pending.unsent() {
+		// The settlement's claim goes in the hold's transaction (see claimWithHold).
+		ok, avail, err = p.pending.withHold(ctx, p, fs.shared, h, p.fundsLimit(read), read.block, chainTime)
+		return ok, true, avail, err
+	}
 	ok, avail, err = fs.shared.Hold(ctx, h, p.fundsLimit(read), read.block, chainTime, use != fundsVerify)
 	return ok, true, avail, err
 }

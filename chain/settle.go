@@ -88,6 +88,12 @@ func (f *Facilitator) Settle(ctx context.Context, req x402.SettleRequest) (resp 
 	if ref != nil {
 		return failed(req.PaymentRequirements.Network, x402.ClaimedPayer(req), "", ref), nil
 	}
+	return f.settleParsed(ctx, p, req)
+}
+
+// settleParsed settles a parsed and admitted payment exactly once (see Settle): one settlement of it in this
+// process at a time, the later callers waiting for its answer.
+func (f *Facilitator) settleParsed(ctx context.Context, p *payment, req x402.SettleRequest) (x402.SettleResponse, error) {
 	f.flightMu.Lock()
 	if fl, ok := f.flights[p.id]; ok {
 		f.flightMu.Unlock()
@@ -125,43 +131,71 @@ func (f *Facilitator) markClaiming(id journal.ID, add int) {
 }
 
 func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.SettleRequest) (x402.SettleResponse, error) {
-	body, _ := json.Marshal(req)
+	body := p.request
+	if body == nil {
+		body, _ = json.Marshal(req)
+	}
 	// Counted from before the claim is written to after its settlement let it go (or handed it on, broadcast): a
 	// write that commits while its call fails leaves a claim that no settlement holds, which reconciliation
 	// releases, and it must never take this one for such a claim.
 	f.markClaiming(p.id, 1)
-	rec, claimed, err := f.journal.Claim(ctx, journal.Record{
+	counted := true
+	uncount := func() {
+		if counted {
+			counted = false
+			f.markClaiming(p.id, -1)
+		}
+	}
+	defer uncount()
+	claim := journal.Record{
 		ID: p.id, State: journal.StateClaimed, Network: p.net.caip2, Payer: p.payer.Hex(), Asset: p.asset.Address.Hex(),
 		Amount: p.amount.String(), PayTo: p.payTo.Hex(), Request: body, Owner: f.owner,
 		// Kept until the payment can no longer be settled, however soon retention would prune it: pruned
 		// earlier, a presentation of it would be new to the journal.
 		Deadline: p.deadline(),
-	})
-	if err != nil || !claimed {
-		f.markClaiming(p.id, -1)
-	} else {
-		defer f.markClaiming(p.id, -1)
 	}
-	if err != nil {
-		return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("settlement journal: %w", err)}
-	}
-	if !claimed {
-		if !f.recordedSame(p, rec) {
+	unclaimed := func(err error, found journal.Record) (x402.SettleResponse, error) {
+		uncount()
+		if err != nil {
+			return x402.SettleResponse{}, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("settlement journal: %w", err)}
+		}
+		if !f.recordedSame(p, found) {
 			return failed(p.net.caip2, p.payer.Hex(), "", reused(p)), nil
 		}
-		return f.answerFromJournal(ctx, p, req, rec)
+		return f.answerFromJournal(ctx, p, req, found)
 	}
-	p.claim = rec
-	var resp x402.SettleResponse
-	var keep bool
-	if p.upto() && p.amount.Sign() == 0 {
-		resp, keep, err = f.settleNothing(ctx, p)
-	} else {
+	var (
+		resp x402.SettleResponse
+		keep bool
+		err  error
+	)
+	p.pending = nil
+	if f.claimWithHold(p) {
+		// Claimed with its funds hold (claimhold.go). A settlement that ended before it held claims now, alone,
+		// and ends as its claim's owner below; one whose claim is not its own touches nothing.
+		p.pending = &pendingClaim{rec: claim}
 		resp, keep, err = f.broadcastAndWait(ctx, p)
-		if f.cluster != nil && !keep && err == nil && resp.ErrorReason == x402.ReasonNoAvailableWallets {
-			// No free wallet here: another instance sharing the journal may have one (see handoff.go).
-			resp, keep, err = f.handOff(ctx, p, resp)
+		if !keep {
+			f.claimAlone(context.WithoutCancel(ctx), p) // to end what the settlement began, as its owner
 		}
+		if c := p.pending; !c.won {
+			return unclaimed(c.err, c.found)
+		}
+	} else {
+		rec, claimed, cerr := f.journal.Claim(ctx, claim)
+		if cerr != nil || !claimed {
+			return unclaimed(cerr, rec)
+		}
+		p.claim = rec
+		if p.upto() && p.amount.Sign() == 0 {
+			resp, keep, err = f.settleNothing(ctx, p)
+		} else {
+			resp, keep, err = f.broadcastAndWait(ctx, p)
+		}
+	}
+	if f.cluster != nil && !keep && err == nil && resp.ErrorReason == x402.ReasonNoAvailableWallets {
+		// No free wallet here: another instance sharing the journal may have one (see handoff.go).
+		resp, keep, err = f.handOff(ctx, p, resp)
 	}
 	if !keep {
 		var holdErr error
@@ -341,6 +375,15 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 	}
 	if ref, err := p.checkChain(ctx, fundsSettle); err != nil || ref != nil {
 		return common.Hash{}, ref, err
+	}
+	// Nothing is signed before the payment's claim is written and this settlement's: written with the hold, or
+	// now, alone, when the checks held nothing (claimhold.go). A claim another won lets the wallet go unused.
+	f.claimAlone(ctx, p)
+	if c := p.pending; c != nil && !c.won {
+		if c.err != nil {
+			return common.Hash{}, nil, fmt.Errorf("nothing was sent: settlement journal: %w", c.err)
+		}
+		return common.Hash{}, nil, errClaimNotWon
 	}
 	calls, err := p.settlementCalls()
 	if err != nil {
@@ -682,12 +725,8 @@ func (f *Facilitator) answerFromJournal(ctx context.Context, p *payment, req x40
 
 // recordedSame reports whether the journal record is of this very payment, not merely of its payer and nonce.
 func (f *Facilitator) recordedSame(p *payment, rec journal.Record) bool {
-	var req x402.SettleRequest
-	if err := json.Unmarshal(rec.Request, &req); err != nil {
-		return false
-	}
-	q, ref := f.parse(req, true)
-	return ref == nil && q.same(p)
+	q, ref, err := f.parseRecorded(rec.Request)
+	return err == nil && ref == nil && q.same(p)
 }
 
 // reused is the refusal of a payment whose nonce belongs to another, already claimed, payment.

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ethereum/go-ethereum"
+	"github.com/ethereum/go-ethereum/common"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/x402-gateway/caddy-x402/chain"
@@ -18,21 +18,22 @@ import (
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// pausingBackend holds every contract call made while it is armed (the checks and the simulation a settlement
-// runs after claiming its payment and before recording its transaction) until the test lets that call go.
+// pausingBackend holds every read of a wallet's pending nonce made while it is armed (what a settlement asks
+// once it holds its claim, checked and held, and before it signs and records its transaction, the first time it
+// sends from a wallet) until the test lets that call go.
 type pausingBackend struct {
 	chain.Backend
 	armed  atomic.Bool
 	paused chan chan struct{} // each held call, as it is held: close the channel to let it go
 }
 
-func (b *pausingBackend) CallContract(ctx context.Context, msg ethereum.CallMsg, block *big.Int) ([]byte, error) {
+func (b *pausingBackend) PendingNonceAt(ctx context.Context, account common.Address) (uint64, error) {
 	if b.armed.Load() {
 		resume := make(chan struct{})
 		b.paused <- resume
 		<-resume
 	}
-	return b.Backend.CallContract(ctx, msg, block)
+	return b.Backend.PendingNonceAt(ctx, account)
 }
 
 // takeoverCluster is two engines on one PostgreSQL journal, the first of which can be made to look dead to the
@@ -92,7 +93,7 @@ func (c *takeoverCluster) held(t *testing.T, who string) chan struct{} {
 	case resume := <-c.backend.paused:
 		return resume
 	case <-time.After(30 * time.Second):
-		t.Fatalf("%s's settlement made no contract call", who)
+		t.Fatalf("%s's settlement did not read its wallet's nonce", who)
 		return nil
 	}
 }
@@ -144,7 +145,7 @@ func (c *takeoverCluster) sent() uint64 {
 	return n
 }
 
-// pausedInA starts the payment's settlement on the first engine and pauses it at its first contract call, after
+// pausedInA starts the payment's settlement on the first engine and pauses it at its wallet's nonce read, after
 // its claim; the backend stays armed.
 func (c *takeoverCluster) pausedInA(t *testing.T) (<-chan settleResult, chan struct{}) {
 	t.Helper()

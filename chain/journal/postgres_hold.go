@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/big"
+	"slices"
 	"strconv"
 	"time"
 
@@ -93,43 +94,77 @@ AND ((mined <> 0 AND mined <= $2::numeric AND (mined_at IS NULL OR mined_at < no
 		+ greatest($5::bigint, (SELECT coalesce(max(reads_answer_for_us), 0) FROM x402_instances))) * interval '1 microsecond'))
 	OR (mined = 0 AND deadline < $3::numeric))`
 
+// pgHoldCommitsAsync lets a hold with take that carries no claim commit without waiting for its WAL to reach the
+// disk. The key's row lock is what serializes one payer's holds across the cluster, and a transaction keeps its
+// locks until its commit returns: a synchronous commit holds the lock across the WAL flush, so one payer's holds
+// queued behind one another's flushes. Nothing relies on such a hold's durability before a synchronous commit
+// made after it: every hold is followed by one before anything depends on it (the gate's record of an async
+// payment before it is served, the settlement's claim or its write-ahead record before anything is signed), and
+// PostgreSQL flushes the WAL in order, so that commit makes the hold durable too. A crash before it loses at most
+// a hold that nothing was served or sent for. A hold another transaction reads meanwhile (it is visible once
+// committed) only makes that one err on refusing; one whose claim rides with it (HoldAndClaim) commits
+// synchronously, as a claim always does.
+const pgHoldCommitsAsync = "SET LOCAL synchronous_commit = off"
+
 // holdInOne is Hold with take in one round trip (see above). With unrecordedOnly, a record of h.ID refuses the
 // hold: nothing of h is written, and recorded says so (ok and left unset); so does guard, when given, refusing it
 // (postgres_markbehind.go). items, taken from the context's queue (carry), go first in the transaction, and are
 // marked sent when it commits.
 func (s *PostgresStore) holdInOne(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, unrecordedOnly bool, guard *Marked, items []*behindWrite) (recorded, ok bool, left *big.Int, err error) {
-	var (
-		fits, held bool
-		sum        string
-	)
-	block, at := strconv.FormatUint(readBlock, 10), strconv.FormatUint(chainTime, 10)
-	args := append(append(holdArgs(h), avail.String(), block, at, unrecordedOnly), s.guardArgs(guard)...)
+	var d holdDecision
 	err = s.txInOne(ctx, func(b *pgx.Batch) {
-		recorded, fits, held, sum = false, false, false, ""
+		if !slices.ContainsFunc(items, func(w *behindWrite) bool { return w.fence }) {
+			// No claim rides here (a gate's in-flight mark and read may: what they guard is decided by the
+			// records' inserts, which commit synchronously).
+			b.Queue(pgHoldCommitsAsync)
+		}
 		queueCarried(b, items)
-		b.Queue(`INSERT INTO x402_hold_keys (hold_key) VALUES ($1) ON CONFLICT (hold_key) DO NOTHING`, h.Key)
-		b.Queue(`SELECT hold_key FROM x402_hold_keys WHERE hold_key = $1 FOR UPDATE`, h.Key)
-		b.Queue(pgDeleteHoldsPast, h.Key, block, at, s.minedHoldsSlack().Microseconds(), s.readsAnswerFor.Load()/1000)
-		b.Queue(pgHoldSQL, args...).QueryRow(func(row pgx.Row) error {
-			return row.Scan(&recorded, &fits, &sum, &held)
-		})
+		d.queue(s, b, h, avail, readBlock, chainTime, unrecordedOnly, guard)
 	})
 	if err == nil {
 		markSent(items)
 	}
-	if err != nil || recorded {
-		return recorded, false, nil, err
+	if err != nil || d.recorded {
+		return d.recorded, false, nil, err
 	}
-	others, err := holdsSum(h.Key, sum)
+	ok, left, err = d.decide(h, avail)
+	return false, ok, left, err
+}
+
+// holdDecision is what the statements of a hold with take (queue) returned: whether a record of the hold's
+// payment refused it, whether the database found room for it, what the other holds that count sum to, and
+// whether it was held already.
+type holdDecision struct {
+	recorded, fits, held bool
+	sum                  string
+}
+
+// queue queues the statements of a hold with take of h into b, inside its transaction (see above); the last one
+// scans into d. It may run more than once (a transaction tried again).
+func (d *holdDecision) queue(s *PostgresStore, b *pgx.Batch, h Hold, avail *big.Int, readBlock, chainTime uint64, unrecordedOnly bool, guard *Marked) {
+	*d = holdDecision{}
+	block, at := strconv.FormatUint(readBlock, 10), strconv.FormatUint(chainTime, 10)
+	b.Queue(`INSERT INTO x402_hold_keys (hold_key) VALUES ($1) ON CONFLICT (hold_key) DO NOTHING`, h.Key)
+	b.Queue(`SELECT hold_key FROM x402_hold_keys WHERE hold_key = $1 FOR UPDATE`, h.Key)
+	b.Queue(pgDeleteHoldsPast, h.Key, block, at, s.minedHoldsSlack().Microseconds(), s.readsAnswerFor.Load()/1000)
+	b.Queue(pgHoldSQL, append(append(holdArgs(h), avail.String(), block, at, unrecordedOnly), s.guardArgs(guard)...)...).QueryRow(func(row pgx.Row) error {
+		return row.Scan(&d.recorded, &d.fits, &d.sum, &d.held)
+	})
+}
+
+// decide answers a hold with take the database decided (and committed) as d says, unless a record refused it:
+// covers judges from the sum the statement returned, and a disagreement with the statement is an error.
+func (d *holdDecision) decide(h Hold, avail *big.Int) (ok bool, left *big.Int, err error) {
+	others, err := holdsSum(h.Key, d.sum)
 	if err != nil {
-		return false, false, nil, fmt.Errorf("%w (the transaction committed)", err)
+		return false, nil, fmt.Errorf("%w (the transaction committed)", err)
 	}
-	ok, left = covers(h, avail, others, held)
-	if fits != (!held && ok) {
-		return false, false, nil, fmt.Errorf("journal: hold of %s: the database found room for it %v, the sum of the other holds %v (held already %v): the hold's two rules differ; the transaction committed",
-			h.ID, fits, ok, held)
+	ok, left = covers(h, avail, others, d.held)
+	if d.fits != (!d.held && ok) {
+		return false, nil, fmt.Errorf("journal: hold of %s: the database found room for it %v, the sum of the other holds %v (held already %v): the hold's two rules differ; the transaction committed",
+			h.ID, d.fits, ok, d.held)
 	}
-	return false, ok, left, nil
+	return ok, left, nil
 }
 
 // txInOne runs a transaction at READ COMMITTED in one round trip: BEGIN, what queue queues, COMMIT, as one

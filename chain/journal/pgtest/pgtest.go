@@ -177,6 +177,16 @@ func (s *Server) Stop(t testing.TB) {
 	}
 }
 
+// Crash stops the server as a crash would (immediate shutdown: no checkpoint, the next start recovers from the
+// WAL); the test goes on without it until Restart.
+func (s *Server) Crash(t testing.TB) {
+	t.Helper()
+	s.needOwn(t)
+	if err := s.halt("immediate"); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // Restart stops the server if it runs and starts it again on the same data and port.
 func (s *Server) Restart(t testing.TB) {
 	t.Helper()
