@@ -309,6 +309,12 @@ var engines = caddy.NewUsagePool()
 // journals holds open settlement journals across config reloads, keyed by path: a bbolt file can be open once.
 var journals = caddy.NewUsagePool()
 
+// gateLedgers holds the gates' ledger of each open journal, which the app hands every gate it starts
+// (gate.Config.Ledgers): a Caddy app is made anew by each config, so what the gates of the old and the new config
+// must share across a reload (the payments in flight, the background settlements, the requests at work on a
+// journal) lives here, beside the journals, as the engines do.
+var gateLedgers = gate.NewLedgers()
+
 // Provision checks the configuration and fills in its defaults. It starts nothing: no dev chain, no RPC
 // client, no journal, no settlement (Start does), so that `caddy validate` is safe beside a running server.
 func (a *App) Provision(ctx caddy.Context) error {
@@ -610,7 +616,7 @@ type journalEntry struct {
 // writes its payment's served mark after its response is out: closed under it, the journal would lose the mark,
 // and the payment would buy its response again after the next start.
 func (j *journalEntry) Destruct() error {
-	gate.WaitIdle(j.store, journalDrainWait)
+	gateLedgers.WaitIdle(j.store, journalDrainWait)
 	return j.store.Close()
 }
 

@@ -10,11 +10,10 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/x402-gateway/caddy-x402/facilitatorclient"
-	"github.com/x402-gateway/caddy-x402/gate"
 )
 
 // PauseBackgroundSettlement holds the background settlements of settle-async gates until resume is called.
-func PauseBackgroundSettlement() (resume func()) { return gate.PauseBackgroundSettlement() }
+func PauseBackgroundSettlement() (resume func()) { return gateLedgers.PauseBackgroundSettlement() }
 
 // OfferMemoryBytes is how many bytes the process's price_grace memory counts, 0 when no gate has one.
 func OfferMemoryBytes() int64 {
@@ -30,8 +29,9 @@ func OfferMemoryBytes() int64 {
 // to, as a restarted process starts with; failover sets provisioned from then on use it.
 func ForgetSentPayments() { sentPayments = facilitatorclient.NewSentPayments() }
 
-// PruneGateJournals runs the gates' periodic journal prune now, as if the clock read now (see gate.PruneJournals).
-func PruneGateJournals(now time.Time) (int, error) { return gate.PruneJournals(now) }
+// PruneGateJournals runs the gates' periodic journal prune now, as if the clock read now (see
+// gate.Ledgers.PruneJournals).
+func PruneGateJournals(now time.Time) (int, error) { return gateLedgers.PruneJournals(now) }
 
 // RunX402 runs `caddy x402 <args>` in this process with stdin as its input, as the command line would,
 // within a minute.

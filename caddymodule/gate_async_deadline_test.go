@@ -14,9 +14,9 @@ import (
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/crypto"
 
+	"github.com/x402-gateway/caddy-x402/caddymodule"
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
-	"github.com/x402-gateway/caddy-x402/gate"
 	"github.com/x402-gateway/caddy-x402/payer"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -83,7 +83,7 @@ func TestASettleAsyncPaymentSignedToExpireSoonAfterVerificationIsSettledBeforeIt
 			if err != nil {
 				t.Fatal(err)
 			}
-			resume := gate.PauseBackgroundSettlement()
+			resume := caddymodule.PauseBackgroundSettlement()
 			defer func() {
 				if resume != nil {
 					resume()
@@ -193,7 +193,7 @@ func TestASettleAsyncPaymentWhoseGasSponsoringPermitExpiresSoonIsSettledBeforeIt
 	}
 	p.Extensions = map[string]json.RawMessage{x402.ExtensionEIP2612GasSponsoring: raw}
 
-	resume := gate.PauseBackgroundSettlement()
+	resume := caddymodule.PauseBackgroundSettlement()
 	defer func() {
 		if resume != nil {
 			resume()

@@ -249,7 +249,7 @@ func TestTwoSettleAsyncGatewaysTogetherServeAPayerNoMoreThanThePayerCanPay(t *te
 		headers[i] = gws[i%2].permit2(payer)
 	}
 	before := gws[0].balances(payer)
-	resume := gate.PauseBackgroundSettlement()
+	resume := ledgers.PauseBackgroundSettlement()
 	resumed := false
 	defer func() {
 		if !resumed {
@@ -527,7 +527,7 @@ func TestAServedAsyncPaymentIsSettledByTheHolderOfTheWalletItIsBoundTo(t *testin
 			gc := newEnv(t, withStore(sc, false))
 			waitShares(t, a, b, gc)
 
-			resume := gate.PauseBackgroundSettlement()
+			resume := ledgers.PauseBackgroundSettlement()
 			resumed := false
 			defer func() {
 				if !resumed {

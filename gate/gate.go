@@ -180,6 +180,14 @@ type Config struct {
 	// OfferMemory is where the 402s' offers are remembered for PriceGrace, shared by the gates that replace one
 	// another on a reload. Default: a memory of this gate's own.
 	OfferMemory *OfferMemory
+
+	// Ledgers holds the ledger of the gate's journal, shared with every other gate of that journal, of this
+	// config and of the next after a reload: the owner of the journal (the Caddy app) holds it. Required by Start:
+	// two ledgers of one journal would each miss the payments in flight at the other.
+	Ledgers *Ledgers
+	// Permits recovers who signed a version 1 erc2612 payment's permit, which tells the offer it was signed for
+	// (the gate knows no EIP-712 itself). Required by New.
+	Permits x402.PermitSigners
 }
 
 // Payment events, reported through Config.Event.
@@ -288,6 +296,9 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 	if len(cfg.Offers) == 0 {
 		return nil, errors.New("no way to pay is configured")
 	}
+	if cfg.Permits == nil {
+		return nil, errors.New("Config.Permits is nil: a version 1 erc2612 payment could not be matched to the offer it was signed for")
+	}
 	if cfg.PaymentHeader == "" {
 		cfg.PaymentHeader = x402.HeaderPaymentSignature
 	}
@@ -390,10 +401,13 @@ func (g *Gate) Start() error {
 			return err
 		}
 	}
-	ledger := joinLedger(g.store, g.owner, g.logger)
+	if g.cfg.Ledgers == nil {
+		return errors.New("x402 gate: Config.Ledgers is nil: the gates of a journal must share its owner's ledgers")
+	}
+	ledger := g.cfg.Ledgers.join(g.store, g.owner, g.logger)
 	if err := ledger.register(g); err != nil {
 		ledger.unregister(g)
-		leaveLedger(ledger)
+		g.cfg.Ledgers.leave(ledger)
 		return err
 	}
 	g.ledger = ledger
@@ -407,7 +421,7 @@ func (g *Gate) Close() error {
 		return nil
 	}
 	g.ledger.unregister(g)
-	leaveLedger(g.ledger)
+	g.cfg.Ledgers.leave(g.ledger)
 	return nil
 }
 

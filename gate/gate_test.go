@@ -71,6 +71,10 @@ type setup struct {
 	noGate bool
 }
 
+// ledgers is what owns the journals' ledgers in these tests, as the Caddy app does in the server: the gates of
+// every env share it, so a gate made again on an env's journal (a reload) finds the ledger the first one left.
+var ledgers = gate.NewLedgers()
+
 func newEnv(t *testing.T, s setup) *env {
 	t.Helper()
 	c := s.chain
@@ -101,7 +105,7 @@ func newEnv(t *testing.T, s setup) *env {
 		Offers: []gate.Offer{{Network: e.net, Asset: c.Token.Hex(), PayTo: e.payTo.Hex(), Amount: big.NewInt(price).String(),
 			TokenName: "Stable Coin", TokenVersion: "1", Decimals: 6, MaxTimeoutSeconds: 300, Scheme: s.scheme}},
 		Settle: s.settle, DefaultAmount: s.defaultAmount, Description: "a test resource", Route: "the test route", Embedded: true, EnginePrunes: true, FacilitatorName: "embedded",
-		SetVar: e.vars.set, Metrics: e.metrics,
+		SetVar: e.vars.set, Metrics: e.metrics, Ledgers: ledgers, Permits: chain.PermitSigners{},
 	}
 	if s.config != nil {
 		s.config(&cfg)
@@ -488,7 +492,7 @@ func TestGatesOfOneJournalShareOneLedgerUntilTheLastCloses(t *testing.T) {
 	e := newEnv(t, setup{journal: store})
 	second, err := gate.New(gate.Config{Offers: []gate.Offer{{Network: e.net, Asset: e.c.Token.Hex(), PayTo: e.payTo.Hex(),
 		Amount: "20000", TokenName: "Stable Coin", TokenVersion: "1", Decimals: 6, MaxTimeoutSeconds: 300}},
-		Embedded: true}, e.fac, store, "test")
+		Embedded: true, Ledgers: e.cfg.Ledgers, Permits: e.cfg.Permits}, e.fac, store, "test")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -537,10 +541,37 @@ func TestASettleAsyncPaymentIsServedAtOnceAndSettlesInTheBackgroundOnce(t *testi
 	}
 }
 
+// A gate is handed what it cannot know by itself: who owns its journal's ledger, and how to recover a permit's
+// signer. Without them it refuses to be made or started, saying which, rather than keep a ledger of its own (which
+// would miss the payments in flight at the other gates of its journal) or match version 1 payments blind.
+func TestAGateWithoutItsLedgersOrPermitSignersRefusesToStart(t *testing.T) {
+	e := newEnv(t, setup{noGate: true})
+	cfg := e.cfg
+	cfg.Permits = nil
+	if _, err := gate.New(cfg, e.fac, e.store, "test"); err == nil || !strings.Contains(err.Error(), "Config.Permits") {
+		t.Errorf("gate.New without Permits = %v, want an error naming Config.Permits", err)
+	}
+	cfg = e.cfg
+	cfg.Ledgers = nil
+	g, err := gate.New(cfg, e.fac, e.store, "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.Start(); err == nil || !strings.Contains(err.Error(), "Config.Ledgers") {
+		t.Fatalf("Start without Ledgers = %v, want an error naming Config.Ledgers", err)
+	}
+	err = g.ServeHTTP(httptest.NewRecorder(), httptest.NewRequest(http.MethodGet, "/report", nil),
+		gate.HandlerFunc(func(http.ResponseWriter, *http.Request) error { t.Error("the upstream ran"); return nil }))
+	var se *gate.StatusError
+	if !errors.As(err, &se) || se.Status != http.StatusServiceUnavailable {
+		t.Fatalf("ServeHTTP after a failed Start = %v, want a 503 StatusError", err)
+	}
+}
+
 func TestAGateNotStartedYetAnswers503AndCallsNothing(t *testing.T) {
 	e := newEnv(t, setup{})
 	g, err := gate.New(gate.Config{Offers: []gate.Offer{{Network: e.net, Asset: e.c.Token.Hex(), PayTo: e.payTo.Hex(),
-		Amount: "10000", MaxTimeoutSeconds: 300}}, Embedded: true}, e.fac, e.store, "test")
+		Amount: "10000", MaxTimeoutSeconds: 300}}, Embedded: true, Ledgers: e.cfg.Ledgers, Permits: e.cfg.Permits}, e.fac, e.store, "test")
 	if err != nil {
 		t.Fatal(err)
 	}

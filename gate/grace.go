@@ -186,12 +186,12 @@ func (x *exchange) match(p *x402.PaymentPayload) (x402.VerifyRequest, *offer, *x
 
 // matchV1 is match for a version 1 payment.
 func (x *exchange) matchV1(p *x402.PaymentPayloadV1) (x402.VerifyRequest, *x402.Mismatch) {
-	req, m := x.offers.matchV1(p, x.g.registry)
+	req, m := x.offers.matchV1(p, x.g.registry, x.g.cfg.Permits)
 	if m == nil {
 		return req, nil
 	}
 	if past := x.pastOffers(); past != nil {
-		if earlier, mm := past.matchV1(p, x.g.registry); mm == nil {
+		if earlier, mm := past.matchV1(p, x.g.registry, x.g.cfg.Permits); mm == nil {
 			x.acceptedThroughGrace(earlier.PaymentRequirements, past)
 			return earlier, nil
 		}

@@ -18,13 +18,25 @@ import (
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
-// ledgers holds the gates' side of each open settlement journal across config reloads, keyed by the store:
-// requests of the old and the new config must see the same payments in flight, and background settlements
-// must outlive a reload.
-var ledgers = struct {
+// Ledgers holds the gates' side of each open settlement journal, keyed by the store, for whoever owns the
+// journals (the Caddy app): requests of the old and the new config must see the same payments in flight, and
+// background settlements must outlive a reload, so the gates of every config share one Ledgers (Config.Ledgers).
+// It also counts the requests at work on each journal (WaitIdle), and can hold background settlements back
+// (PauseBackgroundSettlement).
+type Ledgers struct {
 	mu sync.Mutex
 	m  map[journal.Store]*Ledger
-}{m: map[journal.Store]*Ledger{}}
+	// users counts, per journal store, the gate requests at work on a payment (see Ledger.acquire).
+	users map[journal.Store]*storeUsers
+	// pause, when set, holds background settlements before they start until it is closed (see
+	// PauseBackgroundSettlement).
+	pause atomic.Pointer[chan struct{}]
+}
+
+// NewLedgers returns an empty set of ledgers, for the gates of every journal its owner opens.
+func NewLedgers() *Ledgers {
+	return &Ledgers{m: map[journal.Store]*Ledger{}, users: map[journal.Store]*storeUsers{}}
+}
 
 // Ledger is what the gates of one journal share: the payments a request is working on right now, and
 // the async payments being settled in the background.
@@ -45,8 +57,9 @@ type Ledger struct {
 
 	// users counts the requests at work here for the journal, which waits for them before it closes.
 	users *storeUsers
-	// refs counts the gates that joined (see joinLedger).
+	// refs counts the gates that joined (see join); pool is the Ledgers it belongs to.
 	refs int
+	pool *Ledgers
 
 	mu sync.Mutex
 	// inflight holds the payments requests are working on, each with the journal's Continuity when its request
@@ -98,16 +111,11 @@ const (
 	gatePruneAfter = 10 * time.Minute
 )
 
-// settlementPause, when set, holds background settlements before they start until it is closed. Only
-// benchmarks set it (PauseBackgroundSettlement), to measure what serving costs apart from
-// settling on the same cores.
-var settlementPause atomic.Pointer[chan struct{}]
-
-// joinLedger takes a reference on the ledger of store, creating it for the first gate of the journal.
-func joinLedger(store journal.Store, owner string, log *zap.Logger) *Ledger {
-	ledgers.mu.Lock()
-	defer ledgers.mu.Unlock()
-	if l := ledgers.m[store]; l != nil {
+// join takes a reference on the ledger of store, creating it for the first gate of the journal.
+func (ls *Ledgers) join(store journal.Store, owner string, log *zap.Logger) *Ledger {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if l := ls.m[store]; l != nil {
 		l.refs++
 		return l
 	}
@@ -118,24 +126,24 @@ func joinLedger(store journal.Store, owner string, log *zap.Logger) *Ledger {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	l := &Ledger{
-		store: store, owner: owner, log: log, now: time.Now, users: journalUsersOf(store),
+		store: store, owner: owner, log: log, now: time.Now, users: ls.usersOfLocked(store), pool: ls,
 		inflight: map[journal.ID]uint64{}, settling: map[journal.ID]struct{}{}, leftovers: map[journal.ID]*leftover{},
 		debts: map[string]*payerDebt{}, owedBy: map[journal.ID]string{},
 		slots: make(chan struct{}, asyncConcurrency), ctx: ctx, cancel: cancel, refs: 1,
 	}
-	ledgers.m[store] = l
+	ls.m[store] = l
 	return l
 }
 
-// leaveLedger lets go of a reference; the last one stops the background settlements.
-func leaveLedger(l *Ledger) {
-	ledgers.mu.Lock()
+// leave lets go of a reference; the last one stops the background settlements.
+func (ls *Ledgers) leave(l *Ledger) {
+	ls.mu.Lock()
 	l.refs--
 	last := l.refs == 0
 	if last {
-		delete(ledgers.m, l.store)
+		delete(ls.m, l.store)
 	}
-	ledgers.mu.Unlock()
+	ls.mu.Unlock()
 	if last {
 		l.stop()
 	}
@@ -151,14 +159,14 @@ func (l *Ledger) stop() {
 }
 
 // PruneJournals runs the gates' periodic journal prune now, as if the clock read now, on every journal a
-// started gate uses, and returns how many records it deleted: the real prune runs every ten minutes. For tests.
-func PruneJournals(now time.Time) (int, error) {
-	ledgers.mu.Lock()
-	list := make([]*Ledger, 0, len(ledgers.m))
-	for _, l := range ledgers.m {
+// started gate of ls uses, and returns how many records it deleted: the real prune runs every ten minutes. For tests.
+func (ls *Ledgers) PruneJournals(now time.Time) (int, error) {
+	ls.mu.Lock()
+	list := make([]*Ledger, 0, len(ls.m))
+	for _, l := range ls.m {
 		list = append(list, l)
 	}
-	ledgers.mu.Unlock()
+	ls.mu.Unlock()
 	total := 0
 	var errs []error
 	for _, l := range list {
@@ -169,13 +177,13 @@ func PruneJournals(now time.Time) (int, error) {
 	return total, errors.Join(errs...)
 }
 
-// PauseBackgroundSettlement holds the background settlements of settle-async gates until resume is called, so a
-// benchmark can measure what serving paid requests costs apart from settling them on the same cores.
-func PauseBackgroundSettlement() (resume func()) {
+// PauseBackgroundSettlement holds the background settlements of the settle-async gates of ls until resume is
+// called, so a benchmark can measure what serving paid requests costs apart from settling them on the same cores.
+func (ls *Ledgers) PauseBackgroundSettlement() (resume func()) {
 	ch := make(chan struct{})
-	settlementPause.Store(&ch)
+	ls.pause.Store(&ch)
 	return func() {
-		settlementPause.Store(nil)
+		ls.pause.Store(nil)
 		close(ch)
 	}
 }
@@ -682,7 +690,7 @@ func (l *Ledger) settleInBackground(id journal.ID) {
 	log := l.log.With(zap.String("payment", id.String()))
 	pause := asyncRetryMin
 	var st settleState
-	if held := settlementPause.Load(); held != nil {
+	if held := l.pool.pause.Load(); held != nil {
 		select {
 		case <-*held:
 		case <-l.ctx.Done():

@@ -89,7 +89,7 @@ func TestAnAsyncPaymentPresentedAgainBeforeItSettlesKeepsItsOneHold(t *testing.T
 	header := e.permit2(payer)
 	gateID, engineID := paymentIDs(t, e, header)
 	before := e.balances(payer)
-	resume := gate.PauseBackgroundSettlement()
+	resume := ledgers.PauseBackgroundSettlement()
 	resumed := false
 	defer func() {
 		if !resumed {

@@ -4,13 +4,11 @@ import (
 	"cmp"
 	"encoding/json"
 	"fmt"
-	"math/big"
 	"slices"
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
 
-	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -246,7 +244,7 @@ func authorizationSpender(p x402.ExactEVMPayload) string {
 
 // matchV1 finds the offer a version 1 payment pays: version 1 names only scheme and network, and pays only
 // erc2612. Among several erc2612 offers on the network the one whose amount the permit carries is taken.
-func (s *offerSet) matchV1(p *x402.PaymentPayloadV1, reg *x402.Registry) (x402.VerifyRequest, *x402.Mismatch) {
+func (s *offerSet) matchV1(p *x402.PaymentPayloadV1, reg *x402.Registry, permits x402.PermitSigners) (x402.VerifyRequest, *x402.Mismatch) {
 	network, err := reg.CAIP2(p.Network)
 	if err != nil {
 		return x402.VerifyRequest{}, &x402.Mismatch{Reason: x402.ReasonInvalidNetwork, Message: fmt.Sprintf("version 1 network %q is not known here: %v", p.Network, err)}
@@ -263,7 +261,7 @@ func (s *offerSet) matchV1(p *x402.PaymentPayloadV1, reg *x402.Registry) (x402.V
 		if !o.v1 || o.req.Scheme != p.Scheme || o.req.Network != network {
 			continue
 		}
-		signed := signedFor(o.req, p.Payload)
+		signed := signedFor(permits, o.req, p.Payload)
 		better := chosen == nil || (signed && !chosenSigned) ||
 			(signed == chosenSigned && o.req.Amount == p.Payload.Authorization.Value && chosen.req.Amount != p.Payload.Authorization.Value)
 		if better {
@@ -291,24 +289,11 @@ func (s Offer) sameTerms(rq x402.PaymentRequirements) bool {
 }
 
 // signedFor reports whether an erc2612 payload's signature is its payer's permit under the EIP-712 domain of
-// rq's token (name, version, chain and address).
-func signedFor(rq x402.PaymentRequirements, p x402.ExactEVMPayload) bool {
+// rq's token (name, version, chain and address), as permits recovers it.
+func signedFor(permits x402.PermitSigners, rq x402.PaymentRequirements, p x402.ExactEVMPayload) bool {
 	if p.Authorization == nil || !common.IsHexAddress(rq.Asset) || !common.IsHexAddress(p.Authorization.From) {
 		return false
 	}
-	chainID, err := x402.ChainID(rq.Network)
-	if err != nil {
-		return false
-	}
-	permit, err := chain.PermitFromAuthorization(p.Authorization)
-	if err != nil {
-		return false
-	}
-	sig, err := chain.ParseSignature(p.Signature)
-	if err != nil {
-		return false
-	}
-	domain := chain.PermitDomainSeparator(rq.Extra.Name, rq.Extra.Version, new(big.Int).SetUint64(chainID), common.HexToAddress(rq.Asset))
-	signer, err := chain.RecoverSigner(chain.PermitDigest(domain, permit), sig)
-	return err == nil && signer == common.HexToAddress(p.Authorization.From)
+	signer, err := permits.PermitSigner(rq, p)
+	return err == nil && common.IsHexAddress(signer) && common.HexToAddress(signer) == common.HexToAddress(p.Authorization.From)
 }

@@ -7,9 +7,6 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 )
 
-// journalUsers counts, per journal store, the gate requests at work on a payment (see Ledger.acquire).
-var journalUsers sync.Map // journal.Store -> *storeUsers
-
 // storeUsers is the number of requests at work on one journal.
 type storeUsers struct {
 	mu   sync.Mutex
@@ -17,9 +14,14 @@ type storeUsers struct {
 	idle chan struct{} // closed when n drops to zero while someone waits
 }
 
-func journalUsersOf(st journal.Store) *storeUsers {
-	u, _ := journalUsers.LoadOrStore(st, &storeUsers{})
-	return u.(*storeUsers)
+// usersOfLocked is the count of requests at work on st, made at its first use; ls.mu is held.
+func (ls *Ledgers) usersOfLocked(st journal.Store) *storeUsers {
+	u := ls.users[st]
+	if u == nil {
+		u = &storeUsers{}
+		ls.users[st] = u
+	}
+	return u
 }
 
 func (u *storeUsers) add(d int) {
@@ -50,10 +52,17 @@ func (u *storeUsers) waitIdle(max time.Duration) {
 	}
 }
 
-// WaitIdle waits until no gate request is at work on a payment of store, or max has passed, and then forgets
-// the store. Call it before closing a journal: a request writes its payment's served mark after its response
-// is out, and a journal closed under it would lose the mark, so the payment would buy its response again.
-func WaitIdle(store journal.Store, max time.Duration) {
-	journalUsersOf(store).waitIdle(max)
-	journalUsers.Delete(store)
+// WaitIdle waits until no gate request of ls is at work on a payment of store, or max has passed, and then
+// forgets the store. Call it before closing a journal: a request writes its payment's served mark after its
+// response is out, and a journal closed under it would lose the mark, so the payment would buy its response again.
+func (ls *Ledgers) WaitIdle(store journal.Store, max time.Duration) {
+	ls.mu.Lock()
+	u := ls.usersOfLocked(store)
+	ls.mu.Unlock()
+	u.waitIdle(max)
+	ls.mu.Lock()
+	if ls.users[store] == u {
+		delete(ls.users, store)
+	}
+	ls.mu.Unlock()
 }
