@@ -435,8 +435,7 @@ func TestAnUptoPaymentSettlesOnlyOnTheEngineHoldingTheNamedWalletsLease(t *testi
 }
 
 // What the configuration alone says the engine supports (for offers while its chain does not answer) is what the
-// engine says once up, less what names a settlement wallet (no upto kind, no signers) and what only the chain says
-// (the batch-settlement kind, listed where the escrow is deployed).
+// engine says once up, less what names a settlement wallet: no upto kind, no signers.
 func TestConfiguredSupportedIsTheEnginesLessWhatNamesAWallet(t *testing.T) {
 	var nc chain.NetworkConfig
 	fx := newFixture(t, fixtureOpts{tune: func(_ *fixture, c *chain.NetworkConfig) { nc = *c }})
@@ -451,7 +450,7 @@ func TestConfiguredSupportedIsTheEnginesLessWhatNamesAWallet(t *testing.T) {
 	}
 	var want []x402.SupportedKind
 	for _, k := range up.Kinds {
-		if k.Scheme != x402.SchemeUpto && k.Scheme != x402.SchemeBatchSettlement {
+		if k.Scheme != x402.SchemeUpto {
 			want = append(want, k)
 		}
 	}
