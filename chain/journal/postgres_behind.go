@@ -67,6 +67,9 @@ type behindWrite struct {
 	sent bool
 	// fence: a failure of this write breaks its queue (see behind.broken).
 	fence bool
+	// lossless says the write may commit without waiting for its WAL flush (pgHoldCommitsAsync): losing it in a
+	// crash loses nothing anyone relied on. Only the gate's in-flight mark and its read of the record are.
+	lossless bool
 	// read, when set, makes the statement a read of one row, which read scans (a deferred MarkAndGetBehind).
 	read func(pgx.Row) error
 	// landed is told the write's outcome (under the queue's lock); what it returns runs once the lock is let go

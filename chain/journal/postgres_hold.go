@@ -103,7 +103,8 @@ AND ((mined <> 0 AND mined <= $2::numeric AND (mined_at IS NULL OR mined_at < no
 // PostgreSQL flushes the WAL in order, so that commit makes the hold durable too. A crash before it loses at most
 // a hold that nothing was served or sent for. A hold another transaction reads meanwhile (it is visible once
 // committed) only makes that one err on refusing; one whose claim rides with it (HoldAndClaim) commits
-// synchronously, as a claim always does.
+// synchronously, as a claim always does, and so does one carrying any deferred write but the gate's in-flight mark
+// and read (behindWrite.lossless).
 const pgHoldCommitsAsync = "SET LOCAL synchronous_commit = off"
 
 // holdInOne is Hold with take in one round trip (see above). With unrecordedOnly, a record of h.ID refuses the
@@ -113,9 +114,10 @@ const pgHoldCommitsAsync = "SET LOCAL synchronous_commit = off"
 func (s *PostgresStore) holdInOne(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, unrecordedOnly bool, guard *Marked, items []*behindWrite) (recorded, ok bool, left *big.Int, err error) {
 	var d holdDecision
 	err = s.txInOne(ctx, func(b *pgx.Batch) {
-		if !slices.ContainsFunc(items, func(w *behindWrite) bool { return w.fence }) {
-			// No claim rides here (a gate's in-flight mark and read may: what they guard is decided by the
-			// records' inserts, which commit synchronously).
+		if !slices.ContainsFunc(items, func(w *behindWrite) bool { return !w.lossless }) {
+			// Nothing rides here but what a crash may lose: a gate's in-flight mark and read (what they guard is
+			// decided by the records' inserts, which commit synchronously). A claim, a final answer or a served
+			// mark riding here commits synchronously, as it would alone.
 			b.Queue(pgHoldCommitsAsync)
 		}
 		queueCarried(b, items)

@@ -66,7 +66,7 @@ func MarkAndGetBehind(ctx context.Context, s Store, id ID) (vctx context.Context
 	}
 	m = &Marked{q: q, id: id}
 	var markErr error
-	q.add(&behindWrite{sql: pgBusy, args: []any{id[:], ps.instance}, landed: func(tag pgconn.CommandTag, err error) func() {
+	q.add(&behindWrite{sql: pgBusy, args: []any{id[:], ps.instance}, lossless: true, landed: func(tag pgconn.CommandTag, err error) func() {
 		m.mu.Lock()
 		defer m.mu.Unlock()
 		markErr, m.marked = err, err == nil && tag.RowsAffected() == 1
@@ -74,7 +74,7 @@ func MarkAndGetBehind(ctx context.Context, s Store, id ID) (vctx context.Context
 	}})
 	var data []byte
 	var served *int64
-	q.add(&behindWrite{sql: pgGetRecord, args: []any{id[:]},
+	q.add(&behindWrite{sql: pgGetRecord, args: []any{id[:]}, lossless: true,
 		read: func(row pgx.Row) error {
 			// Decoded once landed: a record that does not decode fails this read, not the engine's batch.
 			data, served = nil, nil
