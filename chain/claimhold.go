@@ -26,6 +26,13 @@ import (
 //
 // Payments whose settlement holds nothing in the shared holds claim first, alone, as before: an upto payment of
 // zero (settleNothing), and any journal that is not the shared holds' PostgreSQL store.
+//
+// One round trip fewer again: the claim and the hold wait for the settlement's signed transaction, and go with its
+// write-ahead record, the payment's record written once, already broadcast (journal.HoldClaimAndSign, under the
+// wallet's lease). Signing sends nothing: a write that is not won (another's record, the lease lost, the funds
+// short) leaves nothing written and the wallet's nonce unused, so no record is ever written of a transaction that
+// may not be sent, and no claim or hold of this settlement is left to end. The funds short, the checks run again
+// as above, holding and claiming before signing, where the funds are read afresh.
 
 // pendingClaim is a settlement's claim of its payment, to be written with the payment's funds hold.
 type pendingClaim struct {
@@ -36,7 +43,25 @@ type pendingClaim struct {
 	won   bool
 	found journal.Record
 	err   error
+	// withSigned says the claim and its hold wait for the settlement's signed transaction, to be written with its
+	// record in one transaction (HoldClaimAndSign): the checks then leave hold set to what they would have held.
+	// Cleared when that write found the payer's funds short: the checks then hold and claim as before.
+	withSigned bool
+	hold       *deferredHold
 }
+
+// deferredHold is the funds hold with take the checks of a settlement decided on, to be written with its claim and
+// its signed transaction's record (see signedWithHold).
+type deferredHold struct {
+	holds                journal.Cluster
+	h                    journal.Hold
+	avail                *big.Int
+	readBlock, chainTime uint64
+}
+
+// errHoldRefusedSigned: the claim written with the signed transaction's record found the payer's funds short,
+// and wrote nothing; the signed transaction is dropped, its nonce unused, and the checks run again as before.
+var errHoldRefusedSigned = errors.New("the payer's funds fell short of the hold written with the signed transaction; nothing was written or sent")
 
 // errClaimNotWon: the claim, written with the hold, found another settlement's record of the payment: nothing was
 // written, and nothing was sent.
@@ -62,6 +87,34 @@ func (c *pendingClaim) withHold(ctx context.Context, p *payment, holds journal.C
 	return out.Held, out.Left, nil
 }
 
+// waitsForSigned reports whether c is a claim whose hold the checks deferred to its signed transaction's record.
+func (c *pendingClaim) waitsForSigned() bool { return c.unsent() && c.hold != nil }
+
+// signedWithHold writes c, its deferred hold and the record of the signed transaction (sign's change of the claim)
+// in one transaction, under w's lease at fence (journal.HoldClaimAndSign). Written: the payment is this
+// settlement's (p.claim), and the record as written is returned. Another's record: errClaimNotWon. The funds
+// short: errHoldRefusedSigned, c unsent again and no longer waiting, for the checks to run again. Any error: as
+// recordSigned's, and c.err (the write may have committed: the claim is left to reconciliation).
+func (f *Facilitator) signedWithHold(ctx context.Context, p *payment, w *wallet, fence uint64, sign func(*journal.Record) error) (journal.Record, error) {
+	c, d, n := p.pending, p.pending.hold, p.net
+	c.sent, c.hold = true, nil
+	out, err := journal.HoldClaimAndSign(ctx, d.holds, d.h, d.avail, d.readBlock, d.chainTime, c.rec, leaseName(n.caip2, w.Address), fence, sign)
+	switch {
+	case err != nil:
+		f.leaseLost(n, w, fence, err)
+		c.err = err
+		return journal.Record{}, err
+	case out.Found:
+		c.found = out.Rec
+		return journal.Record{}, errClaimNotWon
+	case out.Refused:
+		c.sent, c.withSigned = false, false
+		return journal.Record{}, errHoldRefusedSigned
+	}
+	c.won, p.claim = true, out.Claim
+	return out.Rec, nil
+}
+
 // claimWithHold reports whether p's settlement claims the payment in the batch of its funds hold (see above).
 func (f *Facilitator) claimWithHold(p *payment) bool {
 	return !(p.upto() && p.amount.Sign() == 0) && journal.ClaimsWithHold(f.journal, p.net.funds.shared)
@@ -70,7 +123,7 @@ func (f *Facilitator) claimWithHold(p *payment) bool {
 // claimAlone writes p's pending claim by itself, when it was not written with a hold; nothing otherwise.
 func (f *Facilitator) claimAlone(ctx context.Context, p *payment) {
 	c := p.pending
-	if !c.unsent() {
+	if !c.unsent() || c.waitsForSigned() {
 		return
 	}
 	c.sent = true

@@ -339,3 +339,96 @@ func holdAmount(dsn string, id journal.ID) (string, error) {
 	})
 	return amount, err
 }
+
+// TestEnginesSharingHoldsSendNothingForWhatTheirSignedWriteFoundThePayersFundsShortOf: engines sharing one
+// PostgreSQL journal write a settlement's claim and hold with the record of its signed transaction
+// (journal.HoldClaimAndSign). A payer with funds for three payments settles five at once on two engines, before any
+// block: each engine checked the funds at the same read, so the holds decide in the database. Three are sent and
+// settle; two are refused insufficient_funds with no transaction, the signed transactions their writes refused
+// never sent (the wallets sent three in all, every one mined), and no record or hold of theirs left behind.
+func TestEnginesSharingHoldsSendNothingForWhatTheirSignedWriteFoundThePayersFundsShortOf(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	const amount = 1_000_000
+	fx, engines, _ := sharedEnginesOn(t, dsn, 2, 3*time.Second, fixtureOpts{wallets: 6, autoCommit: -1, receiptTimeout: 30 * time.Second,
+		chainOpts: []chaintest.Option{chaintest.WithTokenBalance(big.NewInt(3 * amount))}})
+	waitLeases(t, fx, engines, 3, 3)
+	payer := fx.c.Payers[0]
+	fx.approvePermit2(payer)
+	rq := fx.requirements(x402.TransferPermit2)
+	rq.Amount = big.NewInt(amount).String()
+	sellerBefore := fx.c.TokenBalance(fx.payTo)
+	sent := func() (n uint64) {
+		for _, s := range fx.sentByWallets() {
+			n += s
+		}
+		return n
+	}
+	sentBefore := sent()
+	answers := make(chan x402.SettleResponse, 5)
+	var reqs []x402.VerifyRequest
+	var wg sync.WaitGroup
+	for i := range 5 {
+		req := fx.permit2(payer, rq, chain.Permit2Options{})
+		reqs = append(reqs, req)
+		wg.Go(func() {
+			resp, err := engines[i%2].Settle(context.Background(), req)
+			if err != nil {
+				t.Errorf("settle %d: %v", i, err)
+			}
+			answers <- resp
+		})
+	}
+	// Nothing is mined until every settlement has been sent or refused.
+	var refused []x402.SettleResponse
+	for deadline := time.Now().Add(30 * time.Second); len(refused) < 2 || sent()-sentBefore < 3; {
+		if time.Now().After(deadline) {
+			t.Fatalf("after 30s: %d answered, %d sent; want 2 refused and 3 sent", len(refused), sent()-sentBefore)
+		}
+		select {
+		case resp := <-answers:
+			refused = append(refused, resp)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	for _, resp := range refused {
+		if resp.Success || resp.ErrorReason != x402.ReasonInsufficientFunds || resp.Transaction != "" {
+			t.Errorf("a settlement beyond the payer's funds answered %+v; want insufficient_funds and no transaction", resp)
+		}
+	}
+	fx.c.Commit()
+	wg.Wait()
+	close(answers)
+	txs := map[string]bool{}
+	for resp := range answers {
+		if !resp.Success {
+			t.Errorf("a settlement within the payer's funds answered %+v", resp)
+		}
+		txs[resp.Transaction] = true
+	}
+	if len(txs) != 3 {
+		t.Errorf("%d distinct transactions settled, want 3", len(txs))
+	}
+	if got := sent() - sentBefore; got != 3 {
+		t.Errorf("the wallets sent %d transactions, want 3 (none refused by its write, none that would revert)", got)
+	}
+	if got := new(big.Int).Sub(fx.c.TokenBalance(fx.payTo), sellerBefore); got.Int64() != 3*amount {
+		t.Errorf("the seller received %s, want %d", got, 3*amount)
+	}
+	// The refused left nothing: no record (presented again later, after a top-up, it would settle) and no hold.
+	left := 0
+	for _, req := range reqs {
+		mined, err := holdMined(dsn, permit2ID(fx, req))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if mined == "" || mined == "0" {
+			left++
+			if mined == "0" {
+				t.Errorf("a refused payment's hold is still there, unmined")
+			}
+		}
+	}
+	if left != 2 {
+		t.Errorf("%d payments have no mined hold; want the 2 refused", left)
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -204,4 +205,214 @@ func retryBeforeCommit(ctx context.Context, once func() error) error {
 			return err
 		}
 	}
+}
+
+// A settlement's claim, its funds hold and its write-ahead record of the transaction it signed, in one round
+// trip. The claim and the hold are needed before anything leaves, and the record of the signed transaction too
+// (a crash after the send must find it); none of the three decides anything the database could not decide
+// itself. So an engine settling on the same PostgreSQL store as its shared holds signs first (locally: nothing
+// leaves, and a write that is not won leaves the wallet's nonce unused), and writes the payment's record once,
+// already broadcast, with its hold, under its wallet's lease:
+//
+//	begin isolation level read committed
+//	the lease's row, read under a share lock, UpdateFenced's check: not held at the fence, the statement fails
+//	  (division by the zero rows found) and the transaction with it, nothing written
+//	the context's deferred writes (journal.Defer)
+//	the hold with take, refused by a record of the payment (as in HoldAndClaim)
+//	the record inserted as the claim stamped and then changed by sign, only where the payment's hold now counts
+//	  (the hold was taken, or was there): ON CONFLICT DO NOTHING
+//	commit
+//
+// A record of the payment there (another's claim, broadcast or final answer) refuses both, as in HoldAndClaim; a
+// hold refused for want of funds leaves no record, so that no record of a transaction is ever written that the
+// settlement may not send: the caller then decides as it would without (HoldAndClaim, the funds read again).
+
+// pgLeaseHeld fails (division by zero, 22012) unless this instance holds lease $1 at fence $3 ($2 the instance),
+// unexpired, and locks its row against a takeover until the transaction ends; as UpdateFenced checks a lease.
+const pgLeaseHeld = `SELECT 1 / count(*) FROM (
+	SELECT 1 FROM x402_leases WHERE name = $1 AND owner = $2 AND fence = $3 AND expires_at > now() FOR SHARE
+) held`
+
+// pgInsertRecordHeld is pgInsertRecord where the hold of the record's payment counts ($9 its key, $10 the read
+// block, $11 the chain time, numeric as text: the rule of pgHoldSQL's live holds), ON CONFLICT DO NOTHING.
+const pgInsertRecordHeld = `INSERT INTO x402_records (id, state, async, pending, claimed_ns, kept_until_ns, served_ns, data)
+SELECT $1, $2, $3, $4, $5, $6, $7, $8 WHERE EXISTS (SELECT 1 FROM x402_holds WHERE id = $1 AND hold_key = $9::text
+	AND ((mined = 0 AND deadline >= $11::numeric) OR mined > $10::numeric))
+ON CONFLICT (id) DO NOTHING`
+
+// SignedClaim is the outcome of HoldClaimAndSign.
+type SignedClaim struct {
+	// Written says the record was written, with the hold: the payment is the caller's, its transaction recorded.
+	// Claim is then the claim as stamped (what Release and SameClaim compare with), Rec the record as written.
+	Written    bool
+	Claim, Rec Record
+	// Found says another's record of the payment was there (Rec): nothing of the caller's was written.
+	Found bool
+	// Refused says the hold was refused, the payer's funds short (Left is what the other holds leave): nothing
+	// of the caller's was written.
+	Refused bool
+	Left    *big.Int
+}
+
+// HoldClaimAndSign is HoldAndClaim of r with h, the claim written as sign changes it (the settlement's signed
+// transaction), under UpdateFenced's check of lease at fence, in one transaction sent as one batch (see above).
+// Not held: an error wrapping ErrFenced, nothing written. Any other error says the transaction may have committed:
+// the record may be there, broadcast (reconciliation sends it again); the caller must neither end the hold nor
+// release the claim, nor give the signed transaction's nonce to another.
+func HoldClaimAndSign(ctx context.Context, c Cluster, h Hold, avail *big.Int, readBlock, chainTime uint64, r Record, lease string, fence uint64, sign func(*Record) error) (SignedClaim, error) {
+	ps, ok := c.(*PostgresStore)
+	switch {
+	case !ok:
+		return SignedClaim{}, fmt.Errorf("journal: a claim with its hold needs a PostgreSQL store, not %T", c)
+	case h.ID != r.ID:
+		return SignedClaim{}, fmt.Errorf("journal: a claim of %s with the hold of %s", r.ID, h.ID)
+	}
+	if err := checkHold(h, avail); err != nil {
+		return SignedClaim{}, err
+	}
+	for attempt := 0; ; attempt++ {
+		out, err := ps.holdClaimAndSign(ctx, h, avail, readBlock, chainTime, r, lease, fence, sign)
+		if err != nil || !out.Found {
+			return out, err
+		}
+		// Another's record was there: read it, as Claim answers a claim it lost.
+		rctx, cancel, err := ps.begin(ctx, false)
+		if err != nil {
+			return SignedClaim{}, err
+		}
+		rec, found, err := getRow(rctx, ps.pool, r.ID, false)
+		cancel()
+		switch {
+		case err != nil:
+			return SignedClaim{}, ps.fail(ctx, "claim", err)
+		case found:
+			return SignedClaim{Found: true, Rec: rec}, nil
+		case attempt == 3:
+			return SignedClaim{}, fmt.Errorf("journal: claim of %s: the record came and went four times", r.ID)
+		}
+		// Released between the two: the payment is free again.
+	}
+}
+
+// holdClaimAndSign runs HoldClaimAndSign's transaction once (tried again as holdAndClaim's); Found with no record:
+// another's record was there, for the caller to read.
+func (s *PostgresStore) holdClaimAndSign(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, r Record, lease string, fence uint64, sign func(*Record) error) (SignedClaim, error) {
+	items, done, err := s.carry(ctx)
+	if err != nil {
+		return SignedClaim{}, err
+	}
+	wctx, cancel, err := s.start(ctx, true)
+	if err != nil {
+		done(err)
+		return SignedClaim{}, err
+	}
+	defer cancel()
+	// The claim as Claim would stamp it, then sign's change of it as Update would check and stamp it.
+	now := s.opts.now()
+	claim, _, err := claimIn(&behindClaimTxn{}, r, now)
+	var next Record
+	if err == nil {
+		next, err = updateIn(&pgKnownTxn{prev: claim}, r.ID, sign, now)
+	}
+	var row pgRow
+	if err == nil {
+		row, err = rowOf(&next)
+	}
+	if err != nil {
+		done(s.sendItems(wctx, items)) // refused before anything was sent: what it carried goes alone
+		return SignedClaim{}, err
+	}
+	block, at := strconv.FormatUint(readBlock, 10), strconv.FormatUint(chainTime, 10)
+	insertArgs := []any{next.ID[:], string(next.State), next.Async, row.pending, row.claimedNS, row.keptNS, row.servedNS, row.data, h.Key, block, at}
+	var (
+		d       holdDecision
+		written bool
+	)
+	err = retryBeforeCommit(wctx, func() error {
+		var err error
+		written, err = s.holdClaimAndSignOnce(wctx, items, &d, h, avail, readBlock, chainTime, lease, fence, insertArgs)
+		return err
+	})
+	if hasCode(err, "22012") {
+		// The lease is not held: the transaction rolled back before it wrote anything; what it carried goes alone.
+		done(s.sendItems(wctx, items))
+		return SignedClaim{}, fmt.Errorf("%w: %s at fence %d", ErrFenced, lease, fence)
+	}
+	done(err)
+	if err != nil {
+		return SignedClaim{}, s.fail(ctx, "claim with hold and signed transaction", err)
+	}
+	if d.recorded {
+		return SignedClaim{Found: true}, nil
+	}
+	ok, left, err := d.decide(h, avail)
+	switch {
+	case err != nil:
+		return SignedClaim{}, err
+	case !ok:
+		return SignedClaim{Refused: true, Left: left}, nil
+	case !written:
+		// A claim made alone committed between the hold's statement and the insert: the hold is of the same
+		// payment, the winner's to count and end (see HoldAndClaim).
+		return SignedClaim{Found: true}, nil
+	}
+	return SignedClaim{Written: true, Claim: claim, Rec: next}, nil
+}
+
+// holdClaimAndSignOnce sends HoldClaimAndSign's transaction and reads what each statement returned: the lease's
+// check, items' outcomes (for done), the hold's decision into d, and whether the record's insert wrote it.
+func (s *PostgresStore) holdClaimAndSignOnce(ctx context.Context, items []*behindWrite, d *holdDecision, h Hold, avail *big.Int, readBlock, chainTime uint64, lease string, fence uint64, insertArgs []any) (bool, error) {
+	c, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return false, err
+	}
+	// A connection left inside the transaction is closed by the pool rather than reused (see txInOne).
+	defer c.Release()
+	b := &pgx.Batch{}
+	b.Queue("begin isolation level read committed")
+	b.Queue(pgLeaseHeld, lease, s.instance, int64(fence))
+	queueBehind(b, items)
+	d.queue(s, b, h, avail, readBlock, chainTime, true, nil) // a settlement is under no gate's guard (postgres_markbehind.go)
+	b.Queue(pgInsertRecordHeld, insertArgs...)
+	b.Queue("commit")
+	br := c.SendBatch(ctx, b)
+	var tag pgconn.CommandTag
+	err = func() error {
+		if _, err := br.Exec(); err != nil {
+			return err
+		}
+		if _, err := br.Exec(); err != nil { // the lease
+			return err
+		}
+		if err := readBehind(br, items); err != nil {
+			return err
+		}
+		for range 3 { // the key's row, its lock, the holds that no longer count
+			if _, err := br.Exec(); err != nil {
+				return err
+			}
+		}
+		if err := br.QueryRow().Scan(&d.recorded, &d.fits, &d.sum, &d.held); err != nil {
+			return err
+		}
+		var err error
+		if tag, err = br.Exec(); err != nil {
+			return err
+		}
+		if _, err := br.Exec(); err != nil {
+			return commitError{err}
+		}
+		return nil
+	}()
+	if err = errors.Join(err, closeErr(br.Close(), err)); err != nil {
+		if !unavailable(err) {
+			// A statement failed: the server skipped the rest of the batch, COMMIT too.
+			rctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			c.Exec(rctx, "rollback")
+			cancel()
+		}
+		return false, err
+	}
+	markSent(items)
+	return tag.RowsAffected() == 1, nil
 }
