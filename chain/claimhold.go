@@ -27,12 +27,13 @@ import (
 // Payments whose settlement holds nothing in the shared holds claim first, alone, as before: an upto payment of
 // zero (settleNothing), and any journal that is not the shared holds' PostgreSQL store.
 //
-// One round trip fewer again: the claim and the hold wait for the settlement's signed transaction, and go with its
-// write-ahead record, the payment's record written once, already broadcast (journal.HoldClaimAndSign, under the
-// wallet's lease). Signing sends nothing: a write that is not won (another's record, the lease lost, the funds
-// short) leaves nothing written and the wallet's nonce unused, so no record is ever written of a transaction that
-// may not be sent, and no claim or hold of this settlement is left to end. The funds short, the checks run again
-// as above, holding and claiming before signing, where the funds are read afresh.
+// One round trip fewer again: the claim and the hold wait for the settlement's signed transaction, and go in the
+// batch of its write-ahead record (journal.HoldClaimAndSign: the claim with its hold, then the claim made broadcast
+// under the wallet's lease). Signing sends nothing: a record that is not written leaves the wallet's nonce unused.
+// Another's record there: nothing written, nothing sent. The claim written but not made broadcast (the funds
+// short, the lease lost) ends as a claim that sent nothing does, above; the funds short, the checks run again first
+// as for a claim written first, reading the funds afresh. A batch that broke is left to reconciliation, as a claim
+// with hold whose answer was lost, or as a broadcast record.
 
 // pendingClaim is a settlement's claim of its payment, to be written with the payment's funds hold.
 type pendingClaim struct {
@@ -44,8 +45,7 @@ type pendingClaim struct {
 	found journal.Record
 	err   error
 	// withSigned says the claim and its hold wait for the settlement's signed transaction, to be written with its
-	// record in one transaction (HoldClaimAndSign): the checks then leave hold set to what they would have held.
-	// Cleared when that write found the payer's funds short: the checks then hold and claim as before.
+	// record in one batch (HoldClaimAndSign): the checks then leave hold set to what they would have held.
 	withSigned bool
 	hold       *deferredHold
 }
@@ -59,9 +59,10 @@ type deferredHold struct {
 	readBlock, chainTime uint64
 }
 
-// errHoldRefusedSigned: the claim written with the signed transaction's record found the payer's funds short,
-// and wrote nothing; the signed transaction is dropped, its nonce unused, and the checks run again as before.
-var errHoldRefusedSigned = errors.New("the payer's funds fell short of the hold written with the signed transaction; nothing was written or sent")
+// errHoldRefusedSigned: the hold written with the claim and the signed transaction found the payer's funds short:
+// the claim is written, the transaction not recorded (dropped, its nonce unused), and the checks run again as for
+// a claim written first, reading the funds afresh.
+var errHoldRefusedSigned = errors.New("the payer's funds fell short of the hold written with the signed transaction; nothing was sent")
 
 // errClaimNotWon: the claim, written with the hold, found another settlement's record of the payment: nothing was
 // written, and nothing was sent.
@@ -90,29 +91,42 @@ func (c *pendingClaim) withHold(ctx context.Context, p *payment, holds journal.C
 // waitsForSigned reports whether c is a claim whose hold the checks deferred to its signed transaction's record.
 func (c *pendingClaim) waitsForSigned() bool { return c.unsent() && c.hold != nil }
 
-// signedWithHold writes c, its deferred hold and the record of the signed transaction (sign's change of the claim)
-// in one transaction, under w's lease at fence (journal.HoldClaimAndSign). Written: the payment is this
-// settlement's (p.claim), and the record as written is returned. Another's record: errClaimNotWon. The funds
-// short: errHoldRefusedSigned, c unsent again and no longer waiting, for the checks to run again. Any error: as
-// recordSigned's, and c.err (the write may have committed: the claim is left to reconciliation).
+// signedWithHold writes c with its deferred hold, and makes it broadcast with the signed transaction (sign's change
+// of the claim), under w's lease at fence, in one batch (journal.HoldClaimAndSign). Written: the payment is this
+// settlement's (p.claim), and the record as written is returned. Another's record: errClaimNotWon, nothing written.
+// Claimed but not made broadcast, the claim is this settlement's to end as any that sent nothing: the funds short,
+// errHoldRefusedSigned (the checks run again, as for a claim written first); the lease lost, its error, as
+// recordSigned's. Any other error: c.err (the batch may have committed: reconciliation releases the claim, or sends
+// the recorded transaction).
 func (f *Facilitator) signedWithHold(ctx context.Context, p *payment, w *wallet, fence uint64, sign func(*journal.Record) error) (journal.Record, error) {
 	c, d, n := p.pending, p.pending.hold, p.net
 	c.sent, c.hold = true, nil
 	out, err := journal.HoldClaimAndSign(ctx, d.holds, d.h, d.avail, d.readBlock, d.chainTime, c.rec, leaseName(n.caip2, w.Address), fence, sign)
+	if out.Claimed {
+		c.won, p.claim = true, out.Rec
+	}
 	switch {
-	case err != nil:
+	case err != nil && out.Claimed:
 		f.leaseLost(n, w, fence, err)
+		return journal.Record{}, err
+	case err != nil:
 		c.err = err
 		return journal.Record{}, err
-	case out.Found:
+	case !out.Claimed:
 		c.found = out.Rec
 		return journal.Record{}, errClaimNotWon
-	case out.Refused:
-		c.sent, c.withSigned = false, false
+	case !out.Held:
 		return journal.Record{}, errHoldRefusedSigned
+	case !out.Signed:
+		// Held, and the record changed between the claim and its broadcast write: written as without.
+		return f.recordSigned(ctx, n, w, p.id, out.Rec, func(r *journal.Record) error {
+			if err := checkClaim(p, r); err != nil {
+				return err
+			}
+			return sign(r)
+		})
 	}
-	c.won, p.claim = true, out.Claim
-	return out.Rec, nil
+	return out.Broadcast, nil
 }
 
 // claimWithHold reports whether p's settlement claims the payment in the batch of its funds hold (see above).

@@ -235,54 +235,58 @@ func retryBeforeCommit(ctx context.Context, once func() error) error {
 // trip. The claim and the hold are needed before anything leaves, and the record of the signed transaction too
 // (a crash after the send must find it); none of the three decides anything the database could not decide
 // itself. So an engine settling on the same PostgreSQL store as its shared holds signs first (locally: nothing
-// leaves, and a write that is not won leaves the wallet's nonce unused), and writes the payment's record once,
-// already broadcast, with its hold, under its wallet's lease:
+// leaves, and a record that is not written leaves the wallet's nonce unused), and sends one batch of two
+// transactions:
 //
-//	begin isolation level read committed
-//	the lease's row, read under a share lock, UpdateFenced's check: not held at the fence, the statement fails
-//	  (division by the zero rows found) and the transaction with it, nothing written
+//	begin isolation level read committed; synchronous_commit off for it
 //	the context's deferred writes (journal.Defer)
 //	the hold with take, refused by a record of the payment (as in HoldAndClaim)
-//	the record inserted as the claim stamped and then changed by sign, only where the payment's hold now counts
-//	  (the hold was taken, or was there): ON CONFLICT DO NOTHING
+//	the claim: the record inserted, ON CONFLICT DO NOTHING
+//	commit
+//	begin isolation level read committed
+//	the claim made broadcast as sign changes it, in one statement, as UpdateFencedKnown writes it: only under the
+//	  wallet's lease at the fence (its row read under a share lock), where the record is still the claim just
+//	  written, and where the payment's hold counts (taken, or there before)
 //	commit
 //
-// A record of the payment there (another's claim, broadcast or final answer) refuses both, as in HoldAndClaim; a
-// hold refused for want of funds leaves no record, so that no record of a transaction is ever written that the
-// settlement may not send: the caller then decides as it would without (HoldAndClaim, the funds read again).
+// The first is HoldAndClaim's, its claim with it, committed without waiting for the WAL flush, so that the payer's
+// key lock is let go before it (see HoldAndClaim); the second commits synchronously, and PostgreSQL flushes the
+// WAL in order, so that once it returns the claim, the hold and the deferred writes are durable too, before the
+// transaction is sent. What the second did not write is the settlement's to end as any claim that sent nothing
+// (Release, its hold let go): the hold refused for want of funds, the lease lost. A batch broken between the two
+// leaves the claim and the hold, as a HoldAndClaim whose answer was lost: reconciliation releases such a claim, its
+// hold first. No record of a transaction is written that the settlement may not send.
 
-// pgLeaseHeld fails (division by zero, 22012) unless this instance holds lease $1 at fence $3 ($2 the instance),
-// unexpired, and locks its row against a takeover until the transaction ends; as UpdateFenced checks a lease.
-const pgLeaseHeld = `SELECT 1 / count(*) FROM (
-	SELECT 1 FROM x402_leases WHERE name = $1 AND owner = $2 AND fence = $3 AND expires_at > now() FOR SHARE
-) held`
-
-// pgInsertRecordHeld is pgInsertRecord where the hold of the record's payment counts ($9 its key, $10 the read
-// block, $11 the chain time, numeric as text: the rule of pgHoldSQL's live holds), ON CONFLICT DO NOTHING.
-const pgInsertRecordHeld = `INSERT INTO x402_records (id, state, async, pending, claimed_ns, kept_until_ns, served_ns, data)
-SELECT $1, $2, $3, $4, $5, $6, $7, $8 WHERE EXISTS (SELECT 1 FROM x402_holds WHERE id = $1 AND hold_key = $9::text
-	AND ((mined = 0 AND deadline >= $11::numeric) OR mined > $10::numeric))
-ON CONFLICT (id) DO NOTHING`
+// pgClaimSigned makes the claim just written broadcast, as updateFencedKnown's statement, where the payment's hold
+// counts: $12 its key, $13 the read block, $14 the chain time (numeric as text: the rule of pgHoldSQL's live holds).
+const pgClaimSigned = `WITH lease AS (
+	SELECT 1 FROM x402_leases WHERE name = $9 AND owner = $10 AND fence = $11 AND expires_at > now() FOR SHARE
+), written AS (
+	UPDATE x402_records SET state = $2, async = $3, pending = $4, kept_until_ns = $5, served_ns = $6, data = $7
+	WHERE id = $1 AND data = $8 AND served_ns IS NULL AND EXISTS (SELECT 1 FROM lease)
+		AND EXISTS (SELECT 1 FROM x402_holds WHERE id = $1 AND hold_key = $12::text
+			AND ((mined = 0 AND deadline >= $14::numeric) OR mined > $13::numeric))
+	RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM lease), EXISTS (SELECT 1 FROM written)`
 
 // SignedClaim is the outcome of HoldClaimAndSign.
 type SignedClaim struct {
-	// Written says the record was written, with the hold: the payment is the caller's, its transaction recorded.
-	// Claim is then the claim as stamped (what Release and SameClaim compare with), Rec the record as written.
-	Written    bool
-	Claim, Rec Record
-	// Found says another's record of the payment was there (Rec): nothing of the caller's was written.
-	Found bool
-	// Refused says the hold was refused, the payer's funds short (Left is what the other holds leave): nothing
-	// of the caller's was written.
-	Refused bool
-	Left    *big.Int
+	// HeldClaim is HoldAndClaim's outcome: Claimed, Rec the claim as written (or the record that was there, and
+	// nothing of the caller's written), Held and Left.
+	HeldClaim
+	// Signed says the claim was made broadcast with the signed transaction: Broadcast is the record as written.
+	Signed    bool
+	Broadcast Record
 }
 
-// HoldClaimAndSign is HoldAndClaim of r with h, the claim written as sign changes it (the settlement's signed
-// transaction), under UpdateFenced's check of lease at fence, in one transaction sent as one batch (see above).
-// Not held: an error wrapping ErrFenced, nothing written. Any other error says the transaction may have committed:
-// the record may be there, broadcast (reconciliation sends it again); the caller must neither end the hold nor
-// release the claim, nor give the signed transaction's nonce to another.
+// HoldClaimAndSign is HoldAndClaim of r with h, and then UpdateFencedKnown of the claim with sign (the settlement's
+// signed transaction) under lease at fence, where the hold counts, in one batch (see above). Claimed and held but
+// the lease not held: the claim and the hold written, nothing signed, and an error wrapping ErrFenced. Claimed, not
+// held: the claim written, nothing signed. Any other error says the batch may have committed, all of it or its first
+// transaction only: the caller must neither end the hold nor release the claim (reconciliation releases a claim
+// nobody settles, its hold first, and sends a broadcast record nobody sends), nor give the signed transaction's
+// nonce to another.
 func HoldClaimAndSign(ctx context.Context, c Cluster, h Hold, avail *big.Int, readBlock, chainTime uint64, r Record, lease string, fence uint64, sign func(*Record) error) (SignedClaim, error) {
 	ps, ok := c.(*PostgresStore)
 	switch {
@@ -296,7 +300,7 @@ func HoldClaimAndSign(ctx context.Context, c Cluster, h Hold, avail *big.Int, re
 	}
 	for attempt := 0; ; attempt++ {
 		out, err := ps.holdClaimAndSign(ctx, h, avail, readBlock, chainTime, r, lease, fence, sign)
-		if err != nil || !out.Found {
+		if err != nil || out.Claimed {
 			return out, err
 		}
 		// Another's record was there: read it, as Claim answers a claim it lost.
@@ -310,7 +314,7 @@ func HoldClaimAndSign(ctx context.Context, c Cluster, h Hold, avail *big.Int, re
 		case err != nil:
 			return SignedClaim{}, ps.fail(ctx, "claim", err)
 		case found:
-			return SignedClaim{Found: true, Rec: rec}, nil
+			return SignedClaim{HeldClaim: HeldClaim{Rec: rec}}, nil
 		case attempt == 3:
 			return SignedClaim{}, fmt.Errorf("journal: claim of %s: the record came and went four times", r.ID)
 		}
@@ -318,8 +322,8 @@ func HoldClaimAndSign(ctx context.Context, c Cluster, h Hold, avail *big.Int, re
 	}
 }
 
-// holdClaimAndSign runs HoldClaimAndSign's transaction once (tried again as holdAndClaim's); Found with no record:
-// another's record was there, for the caller to read.
+// holdClaimAndSign runs HoldClaimAndSign's batch once (tried again only where nothing of it reached the database,
+// or the database refused it before anything committed); Claimed false with no error: another's record was there.
 func (s *PostgresStore) holdClaimAndSign(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, r Record, lease string, fence uint64, sign func(*Record) error) (SignedClaim, error) {
 	items, done, err := s.carry(ctx)
 	if err != nil {
@@ -331,14 +335,22 @@ func (s *PostgresStore) holdClaimAndSign(ctx context.Context, h Hold, avail *big
 		return SignedClaim{}, err
 	}
 	defer cancel()
-	// The claim as Claim would stamp it, then sign's change of it as Update would check and stamp it.
+	// The claim's row as Claim would write it, then sign's change of it as UpdateFencedKnown would write it.
 	now := s.opts.now()
-	claim, _, err := claimIn(&behindClaimTxn{}, r, now)
-	var next Record
+	t := &behindClaimTxn{}
+	claim, _, err := claimIn(t, r, now)
+	var (
+		next     Record
+		was      []byte
+		row      pgRow
+		signArgs []any
+	)
 	if err == nil {
 		next, err = updateIn(&pgKnownTxn{prev: claim}, r.ID, sign, now)
 	}
-	var row pgRow
+	if err == nil {
+		was, err = encodeRecord(&claim)
+	}
 	if err == nil {
 		row, err = rowOf(&next)
 	}
@@ -346,67 +358,77 @@ func (s *PostgresStore) holdClaimAndSign(ctx context.Context, h Hold, avail *big
 		done(s.sendItems(wctx, items)) // refused before anything was sent: what it carried goes alone
 		return SignedClaim{}, err
 	}
-	block, at := strconv.FormatUint(readBlock, 10), strconv.FormatUint(chainTime, 10)
-	insertArgs := []any{next.ID[:], string(next.State), next.Async, row.pending, row.claimedNS, row.keptNS, row.servedNS, row.data, h.Key, block, at}
+	signArgs = []any{next.ID[:], string(next.State), next.Async, row.pending, row.keptNS, row.servedNS, row.data, was,
+		lease, s.instance, int64(fence), h.Key, strconv.FormatUint(readBlock, 10), strconv.FormatUint(chainTime, 10)}
 	var (
-		d       holdDecision
-		written bool
+		d                holdDecision
+		claimed, leased  bool
+		signed, afterOne bool
+		broken           error
 	)
 	err = retryBeforeCommit(wctx, func() error {
 		var err error
-		written, err = s.holdClaimAndSignOnce(wctx, items, &d, h, avail, readBlock, chainTime, lease, fence, insertArgs)
+		claimed, leased, signed, afterOne, err = s.holdClaimAndSignOnce(wctx, items, &d, h, avail, readBlock, chainTime, t.w.args, signArgs)
+		if err != nil && afterOne {
+			// The first transaction committed, the claim with it: never run again (it would find its own record).
+			broken = err
+			return nil
+		}
 		return err
 	})
-	if hasCode(err, "22012") {
-		// The lease is not held: the transaction rolled back before it wrote anything; what it carried goes alone.
-		done(s.sendItems(wctx, items))
-		return SignedClaim{}, fmt.Errorf("%w: %s at fence %d", ErrFenced, lease, fence)
+	if err == nil {
+		err = broken
 	}
-	done(err)
+	done(err) // the deferred writes landed with the first transaction, or not at all
 	if err != nil {
 		return SignedClaim{}, s.fail(ctx, "claim with hold and signed transaction", err)
 	}
-	if d.recorded {
-		return SignedClaim{Found: true}, nil
+	if d.recorded || !claimed {
+		return SignedClaim{}, nil
 	}
 	ok, left, err := d.decide(h, avail)
-	switch {
-	case err != nil:
+	if err != nil {
 		return SignedClaim{}, err
-	case !ok:
-		return SignedClaim{Refused: true, Left: left}, nil
-	case !written:
-		// A claim made alone committed between the hold's statement and the insert: the hold is of the same
-		// payment, the winner's to count and end (see HoldAndClaim).
-		return SignedClaim{Found: true}, nil
 	}
-	return SignedClaim{Written: true, Claim: claim, Rec: next}, nil
+	out := SignedClaim{HeldClaim: HeldClaim{Claimed: true, Rec: claim, Held: ok, Left: left}, Signed: signed}
+	switch {
+	case signed:
+		out.Broadcast = next
+	case ok && !leased:
+		return out, fmt.Errorf("%w: %s at fence %d", ErrFenced, lease, fence)
+	case ok:
+		// Held, leased, and not written: the hold went or the record changed between the two (taken over and
+		// released, say). The caller writes its record as it would without (UpdateFenced reads the record).
+	}
+	return out, nil
 }
 
-// holdClaimAndSignOnce sends HoldClaimAndSign's transaction and reads what each statement returned: the lease's
-// check, items' outcomes (for done), the hold's decision into d, and whether the record's insert wrote it.
-func (s *PostgresStore) holdClaimAndSignOnce(ctx context.Context, items []*behindWrite, d *holdDecision, h Hold, avail *big.Int, readBlock, chainTime uint64, lease string, fence uint64, insertArgs []any) (bool, error) {
+// holdClaimAndSignOnce sends HoldClaimAndSign's batch and reads what each statement returned: items' outcomes
+// (for done), the hold's decision into d, whether the claim was written, whether the lease is held, and whether
+// the claim was made broadcast; afterOne says the first transaction committed.
+func (s *PostgresStore) holdClaimAndSignOnce(ctx context.Context, items []*behindWrite, d *holdDecision, h Hold, avail *big.Int, readBlock, chainTime uint64, claimArgs, signArgs []any) (claimed, leased, signed, afterOne bool, err error) {
 	c, err := s.pool.Acquire(ctx)
 	if err != nil {
-		return false, err
+		return false, false, false, false, err
 	}
 	// A connection left inside the transaction is closed by the pool rather than reused (see txInOne).
 	defer c.Release()
 	b := &pgx.Batch{}
 	b.Queue("begin isolation level read committed")
-	b.Queue(pgLeaseHeld, lease, s.instance, int64(fence))
+	b.Queue(pgHoldCommitsAsync)
 	queueBehind(b, items)
 	d.queue(s, b, h, avail, readBlock, chainTime, true, nil) // a settlement is under no gate's guard (postgres_markbehind.go)
-	b.Queue(pgInsertRecordHeld, insertArgs...)
+	b.Queue(pgInsertRecord, claimArgs...)
+	b.Queue("commit")
+	b.Queue("begin isolation level read committed")
+	b.Queue(pgClaimSigned, signArgs...)
 	b.Queue("commit")
 	br := c.SendBatch(ctx, b)
-	var tag pgconn.CommandTag
 	err = func() error {
-		if _, err := br.Exec(); err != nil {
-			return err
-		}
-		if _, err := br.Exec(); err != nil { // the lease
-			return err
+		for range 2 { // begin, synchronous_commit
+			if _, err := br.Exec(); err != nil {
+				return err
+			}
 		}
 		if err := readBehind(br, items); err != nil {
 			return err
@@ -419,8 +441,20 @@ func (s *PostgresStore) holdClaimAndSignOnce(ctx context.Context, items []*behin
 		if err := br.QueryRow().Scan(&d.recorded, &d.fits, &d.sum, &d.held); err != nil {
 			return err
 		}
-		var err error
-		if tag, err = br.Exec(); err != nil {
+		tag, err := br.Exec()
+		if err != nil {
+			return err
+		}
+		claimed = tag.RowsAffected() == 1
+		if _, err := br.Exec(); err != nil {
+			return commitError{err}
+		}
+		markSent(items) // the first transaction committed, and they with it
+		afterOne = true
+		if _, err := br.Exec(); err != nil {
+			return err
+		}
+		if err := br.QueryRow().Scan(&leased, &signed); err != nil {
 			return err
 		}
 		if _, err := br.Exec(); err != nil {
@@ -435,8 +469,7 @@ func (s *PostgresStore) holdClaimAndSignOnce(ctx context.Context, items []*behin
 			c.Exec(rctx, "rollback")
 			cancel()
 		}
-		return false, err
+		return false, false, false, afterOne, err
 	}
-	markSent(items)
-	return tag.RowsAffected() == 1, nil
+	return claimed, leased, signed, true, nil
 }

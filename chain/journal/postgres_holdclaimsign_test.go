@@ -10,10 +10,10 @@ import (
 )
 
 // TestPostgresAClaimWithItsHoldAndSignedTransactionIsOneRoundTripAndWritesNothingItMayNotSend: HoldClaimAndSign
-// writes the payment's record, broadcast with the signed transaction, and its hold in one batch, the gate's record
-// riding in front; a payment another recorded, a payer whose funds fall short and a wallet lease not held at the
-// fence each leave nothing of the settlement's written (no record of a transaction it may not send, no hold), and
-// a gate's record that rode with a transaction the lease refused is written alone all the same.
+// writes the claim with its hold and makes it broadcast with the signed transaction in one batch, the gate's record
+// riding in front. A payment another recorded is neither held nor claimed; a payer whose funds fall short and a
+// wallet lease not held at the fence leave the claim (the caller's to release) and no record of the transaction,
+// which the settlement may not send; a gate's record that rode in front is written.
 func TestPostgresAClaimWithItsHoldAndSignedTransactionIsOneRoundTripAndWritesNothingItMayNotSend(t *testing.T) {
 	throughEitherWay(t, testPostgresAClaimWithItsHoldAndSignedTransactionIsOneRoundTripAndWritesNothingItMayNotSend)
 }
@@ -43,13 +43,13 @@ func testPostgresAClaimWithItsHoldAndSignedTransactionIsOneRoundTripAndWritesNot
 		}
 		return r, ok
 	}
-	nothing := func(what string, k int) {
+	claimedOnly := func(what string, k int, held bool) {
 		t.Helper()
-		if r, ok := found(k); ok {
-			t.Errorf("%s: a record was written: %+v", what, r)
+		if r, ok := found(k); !ok || r.State != StateClaimed || r.TxHash != "" {
+			t.Errorf("%s: the record is %+v (found %v); want the claim, no transaction recorded", what, r, ok)
 		}
-		if got := holdRows(t, other, key, claimOf(k).ID); len(got) != 0 {
-			t.Errorf("%s: a hold was written: %v", what, got)
+		if got := holdRows(t, other, key, claimOf(k).ID); (len(got) == 1) != held {
+			t.Errorf("%s: the holds are %v; want held %v", what, got, held)
 		}
 	}
 
@@ -61,9 +61,9 @@ func testPostgresAClaimWithItsHoldAndSignedTransactionIsOneRoundTripAndWritesNot
 	}
 	rt.take()
 	out, err := HoldClaimAndSign(ctx, s, holdOf(base+1, key, 60), big.NewInt(100), 1, 1, claimOf(base+1), lease, l.Fence, sign)
-	if err != nil || !out.Written || out.Rec.State != StateBroadcast || out.Rec.TxHash != "0xabc" || out.Rec.Attempts != 1 ||
-		out.Claim.State != StateClaimed || out.Claim.ClaimedAt.IsZero() || !out.Rec.SameClaim(&out.Claim) {
-		t.Fatalf("HoldClaimAndSign of a new payment = %+v, %v; want it written broadcast, its claim stamped", out, err)
+	if err != nil || !out.Claimed || !out.Held || !out.Signed || out.Broadcast.State != StateBroadcast || out.Broadcast.TxHash != "0xabc" ||
+		out.Broadcast.Attempts != 1 || out.Rec.State != StateClaimed || out.Rec.ClaimedAt.IsZero() || !out.Broadcast.SameClaim(&out.Rec) {
+		t.Fatalf("HoldClaimAndSign of a new payment = %+v, %v; want it claimed, held and made broadcast, its claim stamped", out, err)
 	}
 	if sent := rt.take(); len(sent) != 1 {
 		t.Errorf("HoldClaimAndSign carrying a gate's record cost %d round trips, want 1: %q", len(sent), sent)
@@ -74,7 +74,7 @@ func testPostgresAClaimWithItsHoldAndSignedTransactionIsOneRoundTripAndWritesNot
 	if _, ok := found(base); !ok {
 		t.Fatal("the gate's record that rode with the claim was not written")
 	}
-	if r, ok := found(base + 1); !ok || r.State != StateBroadcast || string(r.RawTx) != "\x01\x02\x03" || !r.SameClaim(&out.Claim) {
+	if r, ok := found(base + 1); !ok || r.State != StateBroadcast || string(r.RawTx) != "\x01\x02\x03" || !r.SameClaim(&out.Rec) {
 		t.Fatalf("the record = %+v (found %v); want the broadcast record HoldClaimAndSign answered", r, ok)
 	}
 	if got := holdRows(t, other, key, claimOf(base+1).ID); len(got) != 1 || got[0] != "60" {
@@ -91,44 +91,46 @@ func testPostgresAClaimWithItsHoldAndSignedTransactionIsOneRoundTripAndWritesNot
 		t.Fatal(ok, err)
 	}
 	out, err = HoldClaimAndSign(bg, s, holdOf(base+2, key, 30), big.NewInt(100), 1, 1, claimOf(base+2), lease, l.Fence, sign)
-	if err != nil || out.Written || !out.Found || out.Rec.Owner != "process-b" || out.Rec.State != StateClaimed {
+	if err != nil || out.Claimed || out.Signed || out.Rec.Owner != "process-b" || out.Rec.State != StateClaimed {
 		t.Fatalf("HoldClaimAndSign of a payment another claimed = %+v, %v; want it found, the other's record answered", out, err)
 	}
 	if got := holdRows(t, other, key, claimOf(base+2).ID); len(got) != 1 || got[0] != "30" {
 		t.Fatalf("the other's hold after the loser's HoldClaimAndSign = %v; want it as it was, 30", got)
 	}
 
-	// Past the funds (60 and 30 held of 100): nothing written, the claim included.
+	// Past the funds (60 and 30 held of 100): the claim written, not held, not made broadcast.
 	out, err = HoldClaimAndSign(bg, s, holdOf(base+3, key, 11), big.NewInt(100), 1, 1, claimOf(base+3), lease, l.Fence, sign)
-	if err != nil || out.Written || out.Found || !out.Refused || out.Left.Int64() != 10 {
-		t.Fatalf("HoldClaimAndSign past the funds = %+v, %v; want it refused, 10 left", out, err)
+	if err != nil || !out.Claimed || out.Held || out.Signed || out.Left.Int64() != 10 {
+		t.Fatalf("HoldClaimAndSign past the funds = %+v, %v; want it claimed, not held, not signed, 10 left", out, err)
 	}
-	nothing("a hold refused for want of funds", base+3)
+	claimedOnly("a hold refused for want of funds", base+3, false)
 
-	// The lease not held at the fence, or never taken: ErrFenced, nothing written; the gate's record that rode in
-	// front is written alone.
-	for name, try := range map[string]struct {
+	// The lease not held at the fence, or never taken: ErrFenced; the claim and the hold written, not made
+	// broadcast; the gate's record that rode in front written.
+	for i, try := range []struct {
+		name  string
 		lease string
 		fence uint64
 	}{
-		"at an older fence":           {lease, l.Fence - 1},
-		"of a lease nobody ever took": {lease + "-none", 1},
+		{"at an older fence", lease, l.Fence - 1},
+		{"of a lease nobody ever took", lease + "-none", 1},
 	} {
 		ctx := Defer(bg, s)
-		_, _, later, err := ClaimBehind(ctx, s, claimOf(base+4))
+		_, _, later, err := ClaimBehind(ctx, s, claimOf(base+4+2*i))
 		if err != nil {
 			t.Fatal(err)
 		}
-		out, err := HoldClaimAndSign(ctx, s, holdOf(base+5, key, 1), big.NewInt(100), 1, 1, claimOf(base+5), try.lease, try.fence, sign)
-		if !errors.Is(err, ErrFenced) || out.Written {
-			t.Fatalf("HoldClaimAndSign %s = %+v, %v; want ErrFenced", name, out, err)
+		k := base + 5 + 2*i
+		out, err := HoldClaimAndSign(ctx, s, holdOf(k, key, 1), big.NewInt(100), 1, 1, claimOf(k), try.lease, try.fence, sign)
+		if !errors.Is(err, ErrFenced) || !out.Claimed || !out.Held || out.Signed {
+			t.Fatalf("HoldClaimAndSign %s = %+v, %v; want ErrFenced, claimed and held, not signed", try.name, out, err)
 		}
-		nothing("HoldClaimAndSign "+name, base+5)
-		if err := later.Land(); err != nil && !errors.Is(err, ErrExists) {
-			t.Fatalf("the gate's record that rode with a fenced write landed %v", err)
+		claimedOnly("HoldClaimAndSign "+try.name, k, true)
+		if err := later.Land(); err != nil {
+			t.Fatalf("the gate's record that rode with a write %s landed %v", try.name, err)
 		}
-		if _, ok := found(base + 4); !ok {
-			t.Fatalf("the gate's record that rode with a write %s was not written", name)
+		if _, ok := found(base + 4 + 2*i); !ok {
+			t.Fatalf("the gate's record that rode with a write %s was not written", try.name)
 		}
 	}
 }
