@@ -3,6 +3,7 @@ package chain_test
 import (
 	"context"
 	"math/big"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -170,5 +171,86 @@ func TestASettlementWhoseDeadlinePassesAfterItsClaimAndHoldAreWrittenLetsBothGo(
 	again := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
 	if s, err := f.Settle(context.Background(), again); err != nil || !s.Success {
 		t.Fatalf("the payer's next payment = %+v, %v; want it settled (the refused payment's hold gone)", s, err)
+	}
+}
+
+// On a chain that seals a block per transaction burst, each of the engine's settlements sent and not yet mined
+// may take a block of its own ahead of the next, a second of chain time each: a payment whose deadline the next
+// block allows, but not those blocks, is refused at verification and at settlement with the deadline reason, and
+// nothing is sent for it. Once they are mined the same deadline has room again. On a chain with periodic blocks
+// (stamped by the clock, its head not ahead of the engine's), the settlements ahead share the next block: the
+// same payment is valid. Before, the engine judged only the next block, and such a settlement could be mined
+// blocks later, past its deadline.
+func TestASettlementBehindTheEnginesUnminedTransactionsIsJudgedByTheBlocksTheyMayTake(t *testing.T) {
+	const ahead = 3
+	for _, c := range []struct {
+		name   string
+		bursts bool
+	}{{"a chain sealing per transaction burst", true}, {"a chain with periodic blocks", false}} {
+		t.Run(c.name, func(t *testing.T) {
+			start := time.Now()
+			var clockLead time.Duration // the engine's clock ahead of the wall clock: a periodic chain's head is not ahead of it
+			fx := newFixture(t, fixtureOpts{autoCommit: -1, receiptTimeout: time.Minute,
+				tune: func(fx *fixture, nc *chain.NetworkConfig) {
+					nc.SealsPerBurst = c.bursts
+					if !c.bursts {
+						clockLead = time.Until(time.Unix(int64(fx.c.HeadTime()), 0)) + 30*time.Second
+					}
+				},
+				configure: func(cfg *chain.Config) { cfg.Now = func() time.Time { return time.Now().Add(clockLead) } },
+			})
+			next := func() int64 { return max(int64(fx.c.HeadTime())+1, time.Now().Add(clockLead).Unix()) }
+			payers := fx.c.Payers
+			fx.approvePermit2(payers...)
+			// ahead settlements, sent and waiting in the pool for a block.
+			sentStart := fx.walletTxs()
+			var answers []<-chan settleResult
+			for i := range ahead {
+				answers = append(answers, settleInBackground(fx.f, fx.permit2(payers[i], fx.requirements(x402.TransferPermit2), chain.Permit2Options{})))
+			}
+			for pending := 0; pending < ahead; {
+				if time.Since(start) > 20*time.Second {
+					t.Fatalf("%d of the %d settlements ahead reached the pool", pending, ahead)
+				}
+				time.Sleep(5 * time.Millisecond)
+				pending = 0
+				for _, w := range fx.c.Wallets {
+					n, err := fx.c.Client.PendingNonceAt(context.Background(), w.Address)
+					if err != nil {
+						t.Fatal(err)
+					}
+					pending += int(n - fx.c.TxCount(w.Address))
+				}
+			}
+			// The next block allows it by a second; the blocks ahead do not.
+			req := fx.permit2(payers[ahead], fx.requirements(x402.TransferPermit2), chain.Permit2Options{Deadline: big.NewInt(next() + deadlineMargin + 1)})
+			v := fx.verify(req)
+			if !c.bursts {
+				if !v.IsValid {
+					t.Fatalf("verify = %+v; want valid: on a chain with periodic blocks the settlements ahead share the next block", v)
+				}
+			} else {
+				if v.IsValid || v.InvalidReason != x402.ReasonPermit2DeadlineExpired || !strings.Contains(v.InvalidMessage, "3 of this facilitator's settlements are ahead") {
+					t.Fatalf("verify = %+v; want %s naming the 3 settlements ahead", v, x402.ReasonPermit2DeadlineExpired)
+				}
+				if s := fx.settle(req); s.Success || s.ErrorReason != x402.ReasonPermit2DeadlineExpired || s.Transaction != "" {
+					t.Fatalf("settle = %+v; want %s with no transaction", s, x402.ReasonPermit2DeadlineExpired)
+				}
+			}
+			fx.c.Commit()
+			for i, a := range answers {
+				if r := <-a; r.err != nil || !r.resp.Success {
+					t.Fatalf("settlement %d ahead: %+v, %v; want settled", i, r.resp, r.err)
+				}
+			}
+			if n, _ := fx.sentSince(sentStart); n != ahead {
+				t.Fatalf("the wallets sent %d transactions; want the %d ahead only", n, ahead)
+			}
+			// Nothing ahead now: the same deadline, as close to the next block, has room.
+			again := fx.permit2(payers[ahead], fx.requirements(x402.TransferPermit2), chain.Permit2Options{Deadline: big.NewInt(next() + deadlineMargin + 1)})
+			if v := fx.verify(again); !v.IsValid {
+				t.Fatalf("verify with nothing ahead = %+v; want valid", v)
+			}
+		})
 	}
 }
