@@ -230,7 +230,7 @@ func TestASettlementBehindTheEnginesUnminedTransactionsIsJudgedByTheBlocksTheyMa
 					t.Fatalf("verify = %+v; want valid: on a chain with periodic blocks the settlements ahead share the next block", v)
 				}
 			} else {
-				if v.IsValid || v.InvalidReason != x402.ReasonPermit2DeadlineExpired || !strings.Contains(v.InvalidMessage, "3 of this facilitator's settlements are ahead") {
+				if v.IsValid || v.InvalidReason != x402.ReasonPermit2DeadlineExpired || !strings.Contains(v.InvalidMessage, "3 of this facilitator's settlements are ahead of it") {
 					t.Fatalf("verify = %+v; want %s naming the 3 settlements ahead", v, x402.ReasonPermit2DeadlineExpired)
 				}
 				if s := fx.settle(req); s.Success || s.ErrorReason != x402.ReasonPermit2DeadlineExpired || s.Transaction != "" {

@@ -680,10 +680,10 @@ func (p *payment) checkDeadline(t mineTime) *refusal {
 	tooClose := func() string {
 		ahead := ""
 		if t.ahead > 0 {
-			ahead = fmt.Sprintf(", and %d of this facilitator's settlements are ahead of it on a chain that seals a block per transaction burst, a second each", t.ahead)
+			ahead = fmt.Sprintf("; %d of this facilitator's settlements are ahead of it on a chain that seals a block per transaction burst, a block each, so it would be mined by %d", t.ahead, t.latest)
 		}
-		return fmt.Sprintf("the settlement would be mined in a block stamped %d at the latest (the head block %s is stamped %d, this facilitator's clock reads %d%s), and needs %ds more to be mined",
-			t.latest, t.head.Number, t.head.Time, t.wall, ahead, deadlineMargin)
+		return fmt.Sprintf("the settlement would land in the next block, stamped %d at the earliest (the head block %s is stamped %d, this facilitator's clock reads %d)%s, and needs %ds more to be mined",
+			t.earliest, t.head.Number, t.head.Time, t.wall, ahead, deadlineMargin)
 	}
 	switch p.method {
 	case x402.TransferPermit2:
