@@ -710,7 +710,10 @@ func (p *payment) checkDeadline(t mineTime) *refusal {
 // wallet, the fee quote and the simulation, and a chain that seals a block per transaction burst may have
 // sealed dozens of blocks since, a second each (seen under load: settlements mined 3 s past their deadline,
 // reverted at the settlement wallet's expense). On such a chain the head is read afresh; on a chain with
-// periodic blocks the wall clock moves the next block's time and the shared head read is fresh enough. A
+// periodic blocks the wall clock, read now, moves the next block's time, and the shared head read (one a
+// HeadCacheTTL between all callers) is fresh enough. That shared read, not the head checkTime read, says which
+// kind of chain it is: a chain sealing per burst, not configured so, shows itself only once its clock runs
+// ahead, which may be while this settlement was prepared. A
 // sponsor permit the settlement applies must hold as long. A refusal sends nothing, and the caller lets the
 // claim and the hold go as for any refusal; the error is a head that could not be read (nothing was sent).
 func (p *payment) checkDeadlineBeforeSending(ctx context.Context) (*refusal, error) {
