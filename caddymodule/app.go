@@ -286,7 +286,7 @@ type Network struct {
 	// eip6492_factory_not_allowed; deployed contract wallets pay by ERC-1271 either way).
 	SmartWalletFactories []string `json:"smart_wallet_factories,omitempty"`
 
-	// sealsPerBurst says the network is the dev chain this app runs at block_time 0 (see startDevChain).
+	// sealsPerBurst says the network is the dev chain this app runs at block_time 0 (see planDevChain).
 	sealsPerBurst bool
 }
 

@@ -97,7 +97,7 @@ type NetworkConfig struct {
 	// SealsPerBurst says the chain seals a block as soon as transactions arrive, each a second past the one
 	// before (a dev chain with block_time 0): under load its clock runs ahead of the wall clock by a second a
 	// block, and a settlement sent now may wait for a block for each transaction sent before it. Deadlines are
-	// then judged by that later time (see network.mineBy). A chain whose head runs ahead of this machine's clock
+	// then judged by that later time (see network.mineTime). A chain whose head runs ahead of this machine's clock
 	// is taken to seal so even when this is false; a chain with periodic blocks is not, and must not be set so.
 	SealsPerBurst bool
 }
@@ -216,7 +216,7 @@ type network struct {
 	// sealsPerBurst: see NetworkConfig.SealsPerBurst.
 	sealsPerBurst bool
 	// sending counts this engine's settlements past their last deadline check and not yet sent, and unmined its
-	// settlements sent whose receipt was not seen yet: what is ahead of a settlement sent now (see mineBy).
+	// settlements sent whose receipt was not seen yet: what is ahead of a settlement sent now (see mineTime).
 	sending, unmined atomic.Int64
 }
 
