@@ -53,6 +53,8 @@ type batchNetwork struct {
 	payerCode map[common.Hash]bool
 	// chainTime is the latest head block time seen (unix seconds): the engine's chain clock between reads.
 	chainTime atomic.Int64
+	// actions serialises the receiver's /settle actions (claim, settle, refund) on one channel or payee.
+	actions actionLocks
 }
 
 func newBatchNetwork(margin time.Duration) (*batchNetwork, error) {
@@ -445,6 +447,10 @@ func (f *Facilitator) SettleBatch(ctx context.Context, req x402.BatchRequest) (x
 		}
 		return x402.BatchSettleResponse{Network: req.PaymentRequirements.Network, Payer: payer, ErrorReason: x402.ReasonUnexpectedSettleError,
 			ErrorMessage: err.Error()}, nil
+	}
+	if isBatchAction(p.Payload.Type) {
+		// A receiver's action pays for no resource: its requirements name no price or terms.
+		return f.settleAction(ctx, req)
 	}
 	n, terms, chs, err := f.batchSetup(req)
 	if err != nil {

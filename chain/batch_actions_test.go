@@ -1,0 +1,388 @@
+package chain_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math/big"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common/hexutil"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// The receiver's /settle actions (claim, settle, refund), as the SDK's server sends them, against the engine on
+// the simulated chain with the real escrow.
+
+// wire is the channel's configuration as the wire spells it.
+func (b *batchRoute) wire() x402.ChannelConfig {
+	return x402.ChannelConfig{Payer: b.cfg.Payer.Hex(), PayerAuthorizer: b.cfg.PayerAuthorizer.Hex(), Receiver: b.cfg.Receiver.Hex(),
+		ReceiverAuthorizer: b.cfg.ReceiverAuthorizer.Hex(), Token: b.cfg.Token.Hex(), WithdrawDelay: int64(b.cfg.WithdrawDelay),
+		Salt: hexutil.Encode(b.cfg.Salt[:])}
+}
+
+// claimOf is a claim of total under the voucher for ceiling signed by signer.
+func (b *batchRoute) claimOf(signer *chaintest.Account, ceiling, total int64) x402.BatchVoucherClaim {
+	return x402.BatchVoucherClaim{Voucher: x402.BatchClaimedVoucher{Channel: b.wire(), MaxClaimableAmount: fmt.Sprint(ceiling)},
+		Signature: hexutil.Encode(b.c.SignVoucher(signer, b.id, big.NewInt(ceiling))), TotalClaimed: fmt.Sprint(total)}
+}
+
+// action is the /settle body of a receiver's action with payload pl, as the SDK's server builds it (requirements
+// with amount 0, no timeout, an empty extra), decoded by the facilitator server's decoder.
+func (b *batchRoute) action(t *testing.T, pl x402.BatchPayload) x402.BatchRequest {
+	t.Helper()
+	rq := map[string]any{"scheme": x402.SchemeBatchSettlement, "network": b.fx.net, "asset": b.token.Hex(), "amount": "0",
+		"payTo": b.receiver.Address.Hex(), "maxTimeoutSeconds": 0, "extra": map[string]any{}}
+	body, err := json.Marshal(map[string]any{"x402Version": 2, "paymentPayload": map[string]any{"x402Version": 2, "accepted": rq, "payload": pl},
+		"paymentRequirements": rq})
+	if err != nil {
+		t.Fatal(err)
+	}
+	req, err := x402.DecodeBatchSettleRequest(body)
+	if err != nil {
+		t.Fatalf("the facilitator server's decoder refuses the action: %v\n%s", err, body)
+	}
+	return req
+}
+
+// refundOf is a refund of amount at nonce, with the payer's voucher for cumulative signed by signer, claiming
+// claims first.
+func (b *batchRoute) refundOf(signer *chaintest.Account, cumulative, amount, nonce int64, claims ...x402.BatchVoucherClaim) x402.BatchPayload {
+	w := b.wire()
+	return x402.BatchPayload{Type: x402.BatchRefund, ChannelConfig: &w, Amount: fmt.Sprint(amount), RefundNonce: fmt.Sprint(nonce),
+		Claims: append([]x402.BatchVoucherClaim{}, claims...),
+		Voucher: &x402.BatchVoucherFields{ChannelID: b.id.Hex(), MaxClaimableAmount: fmt.Sprint(cumulative),
+			Signature: hexutil.Encode(b.c.SignVoucher(signer, b.id, big.NewInt(cumulative)))}}
+}
+
+func (b *batchRoute) settleOf() x402.BatchPayload {
+	return x402.BatchPayload{Type: x402.BatchSettle, Receiver: b.receiver.Address.Hex(), Token: b.token.Hex()}
+}
+
+func (b *batchRoute) balances(t *testing.T) (payer, receiver int64) {
+	t.Helper()
+	return b.c.BalanceOf(b.token, b.payer.Address).Int64(), b.c.BalanceOf(b.token, b.receiver.Address).Int64()
+}
+
+// actionRoute is a batch route whose engine holds the receiver authorizer's key (it signs what the server leaves
+// unsigned) and claims only when asked, on journal j.
+func actionRoute(t *testing.T, j journal.Store) *batchRoute {
+	return newBatchRoute(t, fixtureOpts{journal: j, autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+		}})
+}
+
+func TestBatchServerClaimsSettlesAndRefundsThroughTheEngineEachOnceBalancesExact(t *testing.T) {
+	b := actionRoute(t, boltJournal(t))
+	payer0, _ := b.balances(t)
+	b.deposit(t, 10*batchPrice)
+	sent := b.sentBy(t, b.c.Wallets)
+
+	// The server claims the seven vouchers it was paid, leaving the claim's signature to the facilitator.
+	claim := b.action(t, x402.BatchPayload{Type: x402.BatchClaim, Claims: []x402.BatchVoucherClaim{b.claimOf(b.payer, 7*batchPrice, 7*batchPrice)}})
+	first := settleBatch(t, b.fx.f, claim)
+	if !first.Success || first.Transaction == "" || first.Amount != fmt.Sprint(7*batchPrice) {
+		t.Fatalf("claim: %+v", first)
+	}
+	if _, claimed := b.channelOnChain(t); claimed != 7*batchPrice {
+		t.Fatalf("the channel's total claimed is %d, want %d", claimed, 7*batchPrice)
+	}
+	// Presented again (the server's answer was lost): answered from the record, nothing sent.
+	if again := settleBatch(t, b.fx.f, claim); !again.Success || again.Transaction != first.Transaction {
+		t.Fatalf("the claim presented again: %+v, want the first answer %s", again, first.Transaction)
+	}
+	// settle pays the receiver what was claimed; again, from its record.
+	st := settleBatch(t, b.fx.f, b.action(t, b.settleOf()))
+	if !st.Success || st.Transaction == "" || st.Amount != fmt.Sprint(7*batchPrice) {
+		t.Fatalf("settle: %+v", st)
+	}
+	if again := settleBatch(t, b.fx.f, b.action(t, b.settleOf())); !again.Success || again.Transaction != st.Transaction {
+		t.Fatalf("the settle presented again: %+v, want %s", again, st.Transaction)
+	}
+	// The payer's refund of the rest, enriched by the server: its claim is the one mined already.
+	refund := b.action(t, b.refundOf(b.payer, 7*batchPrice, 3*batchPrice, 0, b.claimOf(b.payer, 7*batchPrice, 7*batchPrice)))
+	rf := settleBatch(t, b.fx.f, refund)
+	if !rf.Success || rf.Amount != fmt.Sprint(3*batchPrice) || rf.Extra == nil || rf.Extra.ChannelState == nil ||
+		rf.Extra.ChannelState.Balance != fmt.Sprint(7*batchPrice) || rf.Extra.ChannelState.RefundNonce != "1" {
+		t.Fatalf("refund: %+v (extra %+v)", rf, rf.Extra)
+	}
+	if again := settleBatch(t, b.fx.f, refund); !again.Success || again.Transaction != rf.Transaction || again.Amount != rf.Amount {
+		t.Fatalf("the refund presented again: %+v, want %s", again, rf.Transaction)
+	}
+	payer, receiver := b.balances(t)
+	if payer != payer0-7*batchPrice || receiver != 7*batchPrice {
+		t.Fatalf("the payer holds %d (want %d) and the receiver %d (want %d)", payer, payer0-7*batchPrice, receiver, 7*batchPrice)
+	}
+	if got := b.sentBy(t, b.c.Wallets) - sent; got != 3 {
+		t.Fatalf("the actions sent %d transactions, want 3 (claim, settle, refund)", got)
+	}
+}
+
+func TestBatchActionRefusalsSendNothing(t *testing.T) {
+	b := actionRoute(t, boltJournal(t))
+	b.deposit(t, 10*batchPrice)
+	stranger := chaintest.DeriveAccount("stranger", 0)
+	// A route whose engine holds no authorizer key.
+	keyless := b.engine(t, boltJournal(t), b.c.Wallets[len(b.c.Wallets)-1:], false, 5*time.Second)
+	claimOf := func(c ...x402.BatchVoucherClaim) x402.BatchPayload {
+		return x402.BatchPayload{Type: x402.BatchClaim, Claims: c}
+	}
+	for _, tc := range []struct {
+		name   string
+		f      *chain.Facilitator
+		pl     x402.BatchPayload
+		reason string
+	}{
+		{"a claim over more than its voucher allows", nil, claimOf(b.claimOf(b.payer, 3*batchPrice, 4*batchPrice)), x402.ReasonBatchChargeExceedsSignedCumulative},
+		{"a claim of a voucher another key signed", nil, claimOf(b.claimOf(stranger, 3*batchPrice, 3*batchPrice)), x402.ReasonBatchInvalidVoucherSignature},
+		{"a claim above the deposit", nil, claimOf(b.claimOf(b.payer, 11*batchPrice, 11*batchPrice)), x402.ReasonBatchClaimSimulationFailed},
+		{"a claim nobody signed, to a facilitator without the authorizer's key", keyless, claimOf(b.claimOf(b.payer, 3*batchPrice, 3*batchPrice)), x402.ReasonBatchAuthorizerNotConfigured},
+		{"a settle with nothing claimed", nil, b.settleOf(), x402.ReasonBatchNothingToSettle},
+		{"a refund signed by another payer", nil, b.refundOf(stranger, 0, batchPrice, 0), x402.ReasonBatchInvalidVoucherSignature},
+		{"a refund at a nonce not the channel's next", nil, b.refundOf(b.payer, 0, batchPrice, 1), x402.ReasonBatchRefundPayload},
+		{"a refund whose claims take all the deposit", nil, b.refundOf(b.payer, 10*batchPrice, batchPrice, 0, b.claimOf(b.payer, 10*batchPrice, 10*batchPrice)), x402.ReasonBatchRefundNoBalance},
+		{"a refund whose claim is of another channel's voucher", nil, b.refundOf(b.payer, 0, batchPrice, 0, b.ofPayer(1).claimOf(b.c.Payers[1], batchPrice, batchPrice)), x402.ReasonBatchChannelIDMismatch},
+		{"a refund of no amount", nil, b.refundOf(b.payer, 0, 0, 0), x402.ReasonBatchRefundAmountInvalid},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := tc.f
+			if f == nil {
+				f = b.fx.f
+			}
+			sent := b.sentBy(t, b.c.Wallets)
+			payer, receiver := b.balances(t)
+			resp := settleBatch(t, f, b.action(t, tc.pl))
+			if resp.Success || resp.ErrorReason != tc.reason || resp.Transaction != "" {
+				t.Fatalf("%+v, want refused with %s and no transaction", resp, tc.reason)
+			}
+			if got := b.sentBy(t, b.c.Wallets) - sent; got != 0 {
+				t.Fatalf("a refused action sent %d transactions", got)
+			}
+			if p, r := b.balances(t); p != payer || r != receiver {
+				t.Fatalf("balances moved: payer %d -> %d, receiver %d -> %d", payer, p, receiver, r)
+			}
+		})
+	}
+}
+
+func TestBatchRefundThatWouldLeaveVouchersAcceptedHereUnclaimedIsRefused(t *testing.T) {
+	b := actionRoute(t, boltJournal(t))
+	b.deposit(t, 10*batchPrice)
+	for i := int64(1); i <= 4; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	sent := b.sentBy(t, b.c.Wallets)
+	// The payer's refund carrying an older voucher: the four responses served would go unpaid.
+	resp := settleBatch(t, b.fx.f, b.action(t, b.refundOf(b.payer, 2*batchPrice, 8*batchPrice, 0, b.claimOf(b.payer, 2*batchPrice, 2*batchPrice))))
+	if resp.Success || resp.ErrorReason != x402.ReasonBatchCumulativeAmountMismatch {
+		t.Fatalf("a refund below what was accepted: %+v", resp)
+	}
+	if got := b.sentBy(t, b.c.Wallets) - sent; got != 0 {
+		t.Fatalf("sent %d transactions", got)
+	}
+	// Claiming what was accepted, it goes, and returns exactly the rest.
+	payer0, _ := b.balances(t)
+	resp = settleBatch(t, b.fx.f, b.action(t, b.refundOf(b.payer, 4*batchPrice, 6*batchPrice, 0, b.claimOf(b.payer, 4*batchPrice, 4*batchPrice))))
+	if !resp.Success || resp.Amount != fmt.Sprint(6*batchPrice) {
+		t.Fatalf("the refund claiming what was accepted: %+v", resp)
+	}
+	if payer, _ := b.balances(t); payer != payer0+6*batchPrice {
+		t.Fatalf("the payer holds %d, want %d", payer, payer0+6*batchPrice)
+	}
+	// The journal's row follows the chain: no voucher is taken above what is left.
+	if row := b.row(t, b.fx.journal); row.Deposit.Int64() != 4*batchPrice || row.Claimed.Int64() != 4*batchPrice {
+		t.Fatalf("row after the refund: deposit %s, claimed %s", row.Deposit, row.Claimed)
+	}
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, 5*batchPrice)); resp.Success {
+		t.Fatalf("a voucher above what the refund left was accepted: %+v", resp)
+	}
+}
+
+func TestBatchClaimAndRefundRacingOnOneChannelNeitherRevertsAndTheTokensAddUp(t *testing.T) {
+	for round := range 8 {
+		t.Run(fmt.Sprint(round), func(t *testing.T) {
+			// A block every 300ms: both actions are simulated and sent within one block unless one waits for the
+			// other's receipt.
+			b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 300 * time.Millisecond, receiptTimeout: 30 * time.Second,
+				tune: func(_ *fixture, nc *chain.NetworkConfig) {
+					claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+				}})
+			payer0, _ := b.balances(t)
+			b.deposit(t, 10*batchPrice)
+			sent := b.sentBy(t, b.c.Wallets)
+			// The claim takes the channel to 6; the refund claims it to 3 and asks for all the rest.
+			claim := b.action(t, x402.BatchPayload{Type: x402.BatchClaim, Claims: []x402.BatchVoucherClaim{b.claimOf(b.payer, 6*batchPrice, 6*batchPrice)}})
+			refund := b.action(t, b.refundOf(b.payer, 3*batchPrice, 7*batchPrice, 0, b.claimOf(b.payer, 3*batchPrice, 3*batchPrice)))
+			var wg sync.WaitGroup
+			var rc, rr x402.BatchSettleResponse
+			wg.Add(2)
+			go func() { defer wg.Done(); rc, _ = b.fx.f.SettleBatch(context.Background(), claim) }()
+			go func() { defer wg.Done(); rr, _ = b.fx.f.SettleBatch(context.Background(), refund) }()
+			wg.Wait()
+			if !rr.Success {
+				t.Fatalf("the refund: %+v", rr)
+			}
+			_, claimed := b.channelOnChain(t)
+			want := int64(1)
+			switch {
+			case rc.Success: // the claim first: the refund returned what it left
+				want = 2
+				if claimed != 6*batchPrice || rr.Amount != fmt.Sprint(4*batchPrice) {
+					t.Fatalf("claim first: claimed %d, refunded %s", claimed, rr.Amount)
+				}
+			case rc.ErrorReason == x402.ReasonBatchClaimSimulationFailed: // the refund first: the claim is refused unsent
+				if claimed != 3*batchPrice || rr.Amount != fmt.Sprint(7*batchPrice) {
+					t.Fatalf("refund first: claimed %d, refunded %s", claimed, rr.Amount)
+				}
+			default:
+				t.Fatalf("the claim: %+v", rc)
+			}
+			if got := b.sentBy(t, b.c.Wallets) - sent; got != uint64(want) {
+				t.Fatalf("sent %d transactions, want %d (nothing that reverts)", got, want)
+			}
+			balance, _ := b.channelOnChain(t)
+			if payer, _ := b.balances(t); payer+balance != payer0 {
+				t.Fatalf("the payer holds %d and the channel %d: %d went missing of %d", payer, balance, payer0-payer-balance, payer0)
+			}
+		})
+	}
+}
+
+func TestBatchClaimWhileTheChannelsDepositIsInFlightIsRefusedUnsentThenGoesOnceMined(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), receiptTimeout: 100 * time.Millisecond,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+		}})
+	b.deposit(t, 2*batchPrice)
+	// A top-up through the engine, broadcast and not mined.
+	if resp := settleBatch(t, b.fx.f, b.depositRequest(t, 8*batchPrice)); resp.Success || resp.ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("the top-up, not mined: %+v", resp)
+	}
+	sent := b.sentBy(t, b.c.Wallets)
+	claim := b.action(t, x402.BatchPayload{Type: x402.BatchClaim, Claims: []x402.BatchVoucherClaim{b.claimOf(b.payer, 5*batchPrice, 5*batchPrice)}})
+	if resp := settleBatch(t, b.fx.f, claim); resp.Success || resp.ErrorReason != x402.ReasonBatchClaimSimulationFailed {
+		t.Fatalf("a claim above the deposit mined: %+v", resp)
+	}
+	if got := b.sentBy(t, b.c.Wallets) - sent; got != 0 {
+		t.Fatalf("sent %d transactions", got)
+	}
+	b.c.Commit()
+	stop := b.c.AutoCommit(5 * time.Millisecond)
+	defer stop()
+	var resp x402.BatchSettleResponse
+	for range 50 {
+		if resp = settleBatch(t, b.fx.f, claim); resp.ErrorReason != x402.ReasonSettlementPending {
+			break
+		}
+	}
+	if !resp.Success {
+		t.Fatalf("the claim once the top-up mined: %+v", resp)
+	}
+	if _, claimed := b.channelOnChain(t); claimed != 5*batchPrice {
+		t.Fatalf("claimed %d, want %d", claimed, 5*batchPrice)
+	}
+}
+
+func TestBatchActionBroadcastByAProcessGoneBeforeItWasMinedIsAnsweredOnceByTheNext(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	b := newBatchRoute(t, fixtureOpts{journal: openPostgres(t, dsn), wallets: 2})
+	b.deposit(t, 10*batchPrice)
+	wallets := b.c.Wallets[:2]
+	sent := b.sentBy(t, wallets)
+	claim := b.action(t, x402.BatchPayload{Type: x402.BatchClaim, Claims: []x402.BatchVoucherClaim{b.claimOf(b.payer, 4*batchPrice, 4*batchPrice)}})
+	// A process sends the claim and is gone before it is mined.
+	first := b.engine(t, openPostgres(t, dsn), wallets, true, 50*time.Millisecond)
+	resp := settleLeased(first, claim)
+	if resp.ErrorReason != x402.ReasonSettlementPending || resp.Transaction == "" {
+		t.Fatalf("the claim, not mined: %+v", resp)
+	}
+	first.Close()
+	// The next process is given the same claim: it finds the transaction, sends nothing, answers once mined.
+	next := b.engine(t, openPostgres(t, dsn), wallets, true, 5*time.Second)
+	stop := b.c.AutoCommit(5 * time.Millisecond)
+	defer stop()
+	again := settleBatch(t, next, claim)
+	if !again.Success || again.Transaction != resp.Transaction {
+		t.Fatalf("the claim presented to the next process: %+v, want success of %s", again, resp.Transaction)
+	}
+	if got := b.sentBy(t, wallets) - sent; got != 1 {
+		t.Fatalf("the processes sent %d transactions, want 1", got)
+	}
+	if _, claimed := b.channelOnChain(t); claimed != 4*batchPrice {
+		t.Fatalf("claimed %d, want %d", claimed, 4*batchPrice)
+	}
+}
+
+func TestBatchClaimAndRefundRacingOnOneChannelAtTwoGatewaysOfOnePostgresNeitherReverts(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	for round := range 5 {
+		t.Run(fmt.Sprint(round), func(t *testing.T) {
+			// A block every 300ms: both actions are simulated and sent within one block unless one waits for the
+			// other's receipt.
+			b := newBatchRoute(t, fixtureOpts{journal: openPostgres(t, dsn), wallets: 3, autoCommit: 300 * time.Millisecond, receiptTimeout: 30 * time.Second})
+			payer0, _ := b.balances(t)
+			b.deposit(t, 10*batchPrice)
+			// Every process is configured with the same wallets, and leases its share.
+			wallets := b.c.Wallets[:3]
+			gwA := b.engine(t, openPostgres(t, dsn), wallets, true, 30*time.Second)
+			gwB := b.engine(t, openPostgres(t, dsn), wallets, true, 30*time.Second)
+			sent := b.sentBy(t, wallets)
+			// Each gateway has its wallet before the race (a claim above the deposit is refused after it took one).
+			above := b.action(t, x402.BatchPayload{Type: x402.BatchClaim, Claims: []x402.BatchVoucherClaim{b.claimOf(b.payer, 11*batchPrice, 11*batchPrice)}})
+			for _, gw := range []*chain.Facilitator{gwA, gwB} {
+				if resp := settleLeased(gw, above); resp.ErrorReason != x402.ReasonBatchClaimSimulationFailed {
+					t.Fatalf("warming up: %+v", resp)
+				}
+			}
+			claim := b.action(t, x402.BatchPayload{Type: x402.BatchClaim, Claims: []x402.BatchVoucherClaim{b.claimOf(b.payer, 6*batchPrice, 6*batchPrice)}})
+			refund := b.action(t, b.refundOf(b.payer, 3*batchPrice, 7*batchPrice, 0, b.claimOf(b.payer, 3*batchPrice, 3*batchPrice)))
+			var wg sync.WaitGroup
+			var rc, rr x402.BatchSettleResponse
+			wg.Add(2)
+			go func() { defer wg.Done(); rc = settleLeased(gwA, claim) }()
+			go func() { defer wg.Done(); rr = settleLeased(gwB, refund) }()
+			wg.Wait()
+			if !rr.Success {
+				t.Fatalf("the refund: %+v", rr)
+			}
+			want := uint64(1)
+			if rc.Success {
+				want = 2
+			} else if rc.ErrorReason != x402.ReasonBatchClaimSimulationFailed {
+				t.Fatalf("the claim: %+v", rc)
+			}
+			if got := b.sentBy(t, wallets) - sent; got != want {
+				t.Fatalf("sent %d transactions, want %d (nothing that reverts); claim %+v", got, want, rc)
+			}
+			balance, claimed := b.channelOnChain(t)
+			payer, receiver := b.balances(t)
+			if payer+balance != payer0 || receiver != 0 || claimed != balance {
+				t.Fatalf("payer %d, channel balance %d claimed %d: the payer started with %d", payer, balance, claimed, payer0)
+			}
+		})
+	}
+}
+
+// settleLeased settles req at f, asking again while f has not leased its settlement wallet yet (the processes
+// sharing a journal share the wallets out as they start).
+func settleLeased(f *chain.Facilitator, req x402.BatchRequest) x402.BatchSettleResponse {
+	var resp x402.BatchSettleResponse
+	for range 40 {
+		var err error
+		if resp, err = f.SettleBatch(context.Background(), req); err != nil || resp.ErrorReason != x402.ReasonNoAvailableWallets {
+			break
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	return resp
+}
