@@ -2,6 +2,7 @@ package chain
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/big"
@@ -760,4 +761,53 @@ func (f *Facilitator) actionAnswer(ctx context.Context, n *network, a *batchActi
 		}
 	}
 	return out
+}
+
+// verifyRefund checks a payer's refund request as the SDK's resource server passes it to /verify before enriching
+// it into a /settle refund: the channel and the payer's voucher by CheckVoucher, against the channel read now at
+// the head (a refund is rare, and its nonce is the chain's alone), the voucher at exactly what the journal's row
+// accepted when this engine accepted the channel's vouchers (else the server keeps the charges, and the voucher
+// need only be within the deposit and not below what was claimed). It returns the channel state the server keeps.
+func (f *Facilitator) verifyRefund(ctx context.Context, n *network, terms *BatchTerms, chs journal.Channels, p *x402.BatchPayment) (json.RawMessage, error) {
+	pl := &p.Payload
+	if pl.ChannelConfig == nil || pl.Voucher == nil {
+		return nil, refuseBatch(x402.ReasonInvalidPayload, "payload has no channelConfig or voucher")
+	}
+	ch, err := ParseChannelConfig(*pl.ChannelConfig)
+	if err != nil {
+		return nil, refuseBatch(x402.ReasonInvalidPayload, "payload.%v", err)
+	}
+	id := ChannelID(terms.Domain, ch)
+	cumulative, err := x402.ParseAmount(pl.Voucher.MaxClaimableAmount)
+	if err != nil || !x402.IsBytes32(pl.Voucher.ChannelID) || common.HexToHash(pl.Voucher.ChannelID) != id {
+		// CheckVoucher names what is wrong, before any read.
+		_, err := terms.CheckVoucher(p, ChannelView{}, n.chainNow())
+		return nil, err
+	}
+	st, err := f.readChannelState(ctx, n, id)
+	if err != nil {
+		return nil, refuseBatch(x402.ReasonBatchRPCReadFailed, "%v", err)
+	}
+	view := ChannelView{Balance: st.balance, TotalClaimed: st.claimed, Charged: cumulative, ReadAt: n.chainNow()}
+	if st.withdrawRequestedAt != 0 {
+		view.WithdrawRequestedAt = time.Unix(st.withdrawRequestedAt, 0)
+	}
+	if row, ok, err := chs.Channel(ctx, n.channelKey(id)); err != nil {
+		return nil, fmt.Errorf("reading the journal's row of channel %s: %w", id.Hex(), err)
+	} else if ok && len(row.Signature) > 0 {
+		view.Charged = row.Charged
+	}
+	if ch.PayerAuthorizer == (common.Address{}) {
+		code, err := n.backend.CodeAt(ctx, ch.Payer, nil)
+		if err != nil {
+			return nil, refuseBatch(x402.ReasonBatchRPCReadFailed, "reading the code of payer %s: %v", ch.Payer.Hex(), err)
+		}
+		view.PayerHasCode = len(code) > 0
+	}
+	if _, err := terms.CheckVoucher(p, view, n.chainNow()); err != nil {
+		return nil, err
+	}
+	extra, err := json.Marshal(x402.BatchChannelState{ChannelID: id.Hex(), Balance: st.balance.String(), TotalClaimed: st.claimed.String(),
+		WithdrawRequestedAt: st.withdrawRequestedAt, RefundNonce: st.refundNonce.String()})
+	return extra, err
 }

@@ -386,3 +386,49 @@ func settleLeased(f *chain.Facilitator, req x402.BatchRequest) x402.BatchSettleR
 	}
 	return resp
 }
+
+func TestBatchRefundVerifiedAsTheSDKsServerAsksTellsTheChannelAndRefusesAnotherPayers(t *testing.T) {
+	b := actionRoute(t, boltJournal(t))
+	b.deposit(t, 10*batchPrice)
+	refund := func(signer *chaintest.Account, cumulative int64) x402.BatchRequest {
+		req := b.voucher(b.rq, cumulative)
+		req.PaymentPayload.Payload.Type = x402.BatchRefund
+		req.PaymentPayload.Payload.Voucher.Signature = hexutil.Encode(b.c.SignVoucher(signer, b.id, big.NewInt(cumulative)))
+		return req
+	}
+	// The server keeps the charges (nothing accepted here): the payer's voucher at what it was charged is valid,
+	// and the answer tells the channel as the chain has it, its refund nonce too.
+	v, err := b.fx.f.VerifyBatch(context.Background(), refund(b.payer, 3*batchPrice))
+	if err != nil || !v.IsValid {
+		t.Fatalf("the payer's refund: %+v, %v", v, err)
+	}
+	var st x402.BatchChannelState
+	if err := json.Unmarshal(v.Extra, &st); err != nil || st.Balance != fmt.Sprint(10*batchPrice) || st.TotalClaimed != "0" || st.RefundNonce != "0" || st.ChannelID != b.id.Hex() {
+		t.Fatalf("the refund's verification tells %s (%v)", v.Extra, err)
+	}
+	for _, tc := range []struct {
+		name       string
+		signer     *chaintest.Account
+		cumulative int64
+		reason     string
+	}{
+		{"signed by another payer", chaintest.DeriveAccount("stranger", 0), 3 * batchPrice, x402.ReasonBatchInvalidVoucherSignature},
+		{"above the deposit", b.payer, 11 * batchPrice, x402.ReasonBatchCumulativeExceedsBalance},
+	} {
+		if v, err := b.fx.f.VerifyBatch(context.Background(), refund(tc.signer, tc.cumulative)); err != nil || v.IsValid || v.InvalidReason != tc.reason {
+			t.Errorf("a refund %s: %+v, %v; want %s", tc.name, v, err, tc.reason)
+		}
+	}
+	// Once this engine accepted vouchers on the channel, the refund's voucher must be the last of them.
+	for i := int64(1); i <= 2; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	if v, _ := b.fx.f.VerifyBatch(context.Background(), refund(b.payer, batchPrice)); v.IsValid || v.InvalidReason != x402.ReasonBatchCumulativeAmountMismatch {
+		t.Errorf("a refund below the vouchers accepted here: %+v", v)
+	}
+	if v, _ := b.fx.f.VerifyBatch(context.Background(), refund(b.payer, 2*batchPrice)); !v.IsValid {
+		t.Errorf("a refund at the last voucher accepted here: %+v", v)
+	}
+}

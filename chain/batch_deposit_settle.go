@@ -194,6 +194,17 @@ func (f *Facilitator) verifyDeposit(ctx context.Context, req x402.BatchRequest, 
 	}
 	resp, err := f.verifyParsed(ctx, p, nil, payer, fundsVerify)
 	resp.InvalidReason = depositReason(resp.InvalidReason)
+	if err == nil && resp.IsValid {
+		// The channel as it stands before the deposit, which the SDK's resource server keeps until the deposit's
+		// settlement tells it the new balance.
+		if n := f.networks[req.PaymentRequirements.Network]; n != nil {
+			id := common.HexToHash(req.PaymentPayload.Payload.Voucher.ChannelID)
+			if st, rerr := f.readChannelState(ctx, n, id); rerr == nil {
+				resp.Extra, _ = json.Marshal(x402.BatchChannelState{ChannelID: id.Hex(), Balance: st.balance.String(), TotalClaimed: st.claimed.String(),
+					WithdrawRequestedAt: st.withdrawRequestedAt, RefundNonce: st.refundNonce.String()})
+			}
+		}
+	}
 	return resp, err
 }
 

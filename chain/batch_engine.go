@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/big"
@@ -376,7 +377,11 @@ func (f *Facilitator) VerifyBatch(ctx context.Context, req x402.BatchRequest) (x
 	case x402.BatchDeposit:
 		return f.verifyDeposit(ctx, req, payer)
 	case x402.BatchRefund:
-		return invalid(refuseBatch(x402.ReasonBatchRefundPayload, "refunds are not served by this facilitator yet"))
+		st, err := f.verifyRefund(ctx, n, terms, chs, p)
+		if err != nil {
+			return invalid(err)
+		}
+		return x402.VerifyResponse{IsValid: true, Payer: payer, Extra: st}, nil
 	}
 	vc, err := f.checkVoucherWith(ctx, n, chs, terms, p, nil)
 	if err != nil {
@@ -387,7 +392,16 @@ func (f *Facilitator) VerifyBatch(ctx context.Context, req x402.BatchRequest) (x
 			return invalid(err)
 		}
 	}
-	return x402.VerifyResponse{IsValid: true, Payer: payer}, nil
+	return x402.VerifyResponse{IsValid: true, Payer: payer, Extra: rowExtra(vc.row)}, nil
+}
+
+// rowExtra is a valid voucher's verification extra: the channel as the journal's row last read it (its refund
+// nonce is the chain's alone, and left out: a refund's verification reads it).
+func rowExtra(row journal.Channel) json.RawMessage {
+	extra := map[string]any{"channelId": row.Key.ID, "balance": orZero(row.Deposit).String(), "totalClaimed": orZero(row.Claimed).String(),
+		"withdrawRequestedAt": unixOrZero(row.WithdrawRequestedAt)}
+	b, _ := json.Marshal(extra)
+	return b
 }
 
 // batchSetup finds the network, the terms and the channel rows of a batch request whose payment names the
