@@ -13,6 +13,7 @@ import (
 
 	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/core/types"
 	"github.com/ethereum/go-ethereum/crypto"
 	"go.uber.org/zap"
@@ -192,6 +193,18 @@ func (f *Facilitator) settleAction(ctx context.Context, req x402.BatchRequest) (
 	if p.Accepted.Network != "" && p.Accepted.Network != network {
 		return fail(refuseBatch(x402.ReasonBatchNetworkMismatch, "paymentPayload.accepted.network is %q, paymentRequirements.network %q", truncate(p.Accepted.Network), truncate(network)))
 	}
+	enriched := false
+	if p.Payload.Type == x402.BatchRefund && p.Payload.RefundNonce == "" {
+		// A payer's own refund, to a route this engine serves: the engine enriches it as the SDK's server would.
+		pl, again, err := f.enrichRefund(ctx, n, req)
+		if err != nil {
+			return fail(err)
+		}
+		if again != nil {
+			return *again, nil
+		}
+		p.Payload, enriched = pl, true
+	}
 	var a *batchAction
 	switch p.Payload.Type {
 	case x402.BatchClaim:
@@ -199,7 +212,7 @@ func (f *Facilitator) settleAction(ctx context.Context, req x402.BatchRequest) (
 	case x402.BatchSettle:
 		a, err = f.settlePayeeAction(ctx, n, &p.Payload)
 	case x402.BatchRefund:
-		a, err = f.refundAction(n, &p.Payload)
+		a, err = f.refundAction(n, &p.Payload, enriched)
 	default:
 		err = refuseBatch(x402.ReasonBatchInvalidPayloadType, "payload.type is %q, expected claim, settle or refund", truncate(p.Payload.Type))
 	}
@@ -388,8 +401,10 @@ func (f *Facilitator) receiverState(ctx context.Context, n *network, receiver, t
 }
 
 // refundAction checks a refund off chain (its channel, the payer's voucher, its claims, its amount and nonce) and
-// builds its refundWithSignature, after a claimWithSignature of its claims when it carries any.
-func (f *Facilitator) refundAction(n *network, pl *x402.BatchPayload) (*batchAction, error) {
+// builds its refundWithSignature, after a claimWithSignature of its claims when it carries any. settle adds the
+// receiver's settle after them, so what the claims took reaches the receiver in the same transaction (the engine's
+// own refunds, as its claimer's claims do: nothing else would pay it out).
+func (f *Facilitator) refundAction(n *network, pl *x402.BatchPayload, settle bool) (*batchAction, error) {
 	if pl.ChannelConfig == nil || pl.Voucher == nil || pl.RefundNonce == "" || pl.Amount == "" {
 		return nil, refuseBatch(x402.ReasonBatchRefundPayload, "a refund to settle carries channelConfig, voucher, amount, refundNonce and claims")
 	}
@@ -460,7 +475,16 @@ func (f *Facilitator) refundAction(n *network, pl *x402.BatchPayload) (*batchAct
 		return nil, fmt.Errorf("packing the refund: %w", err)
 	}
 	data := refund
-	if len(calls) > 0 {
+	if len(calls) > 0 && settle {
+		pay, err := contracts.PackBatchSettle(cfg.Receiver, cfg.Token)
+		if err != nil {
+			return nil, fmt.Errorf("packing the refund's settle: %w", err)
+		}
+		calls = append(calls, refund, pay)
+		if data, err = contracts.PackBatchMulticall(calls); err != nil {
+			return nil, fmt.Errorf("packing the refund: %w", err)
+		}
+	} else if len(calls) > 0 {
 		if data, err = contracts.PackBatchMulticall(append(calls, refund)); err != nil {
 			return nil, fmt.Errorf("packing the refund: %w", err)
 		}
@@ -768,46 +792,104 @@ func (f *Facilitator) actionAnswer(ctx context.Context, n *network, a *batchActi
 // the head (a refund is rare, and its nonce is the chain's alone), the voucher at exactly what the journal's row
 // accepted when this engine accepted the channel's vouchers (else the server keeps the charges, and the voucher
 // need only be within the deposit and not below what was claimed). It returns the channel state the server keeps.
-func (f *Facilitator) verifyRefund(ctx context.Context, n *network, terms *BatchTerms, chs journal.Channels, p *x402.BatchPayment) (json.RawMessage, error) {
+func (f *Facilitator) verifyRefund(ctx context.Context, n *network, terms *BatchTerms, chs journal.Channels, p *x402.BatchPayment) (channelState, journal.Channel, error) {
 	pl := &p.Payload
 	if pl.ChannelConfig == nil || pl.Voucher == nil {
-		return nil, refuseBatch(x402.ReasonInvalidPayload, "payload has no channelConfig or voucher")
+		return channelState{}, journal.Channel{}, refuseBatch(x402.ReasonInvalidPayload, "payload has no channelConfig or voucher")
 	}
 	ch, err := ParseChannelConfig(*pl.ChannelConfig)
 	if err != nil {
-		return nil, refuseBatch(x402.ReasonInvalidPayload, "payload.%v", err)
+		return channelState{}, journal.Channel{}, refuseBatch(x402.ReasonInvalidPayload, "payload.%v", err)
 	}
 	id := ChannelID(terms.Domain, ch)
 	cumulative, err := x402.ParseAmount(pl.Voucher.MaxClaimableAmount)
 	if err != nil || !x402.IsBytes32(pl.Voucher.ChannelID) || common.HexToHash(pl.Voucher.ChannelID) != id {
 		// CheckVoucher names what is wrong, before any read.
 		_, err := terms.CheckVoucher(p, ChannelView{}, n.chainNow())
-		return nil, err
+		return channelState{}, journal.Channel{}, err
 	}
 	st, err := f.readChannelState(ctx, n, id)
 	if err != nil {
-		return nil, refuseBatch(x402.ReasonBatchRPCReadFailed, "%v", err)
+		return channelState{}, journal.Channel{}, refuseBatch(x402.ReasonBatchRPCReadFailed, "%v", err)
 	}
 	view := ChannelView{Balance: st.balance, TotalClaimed: st.claimed, Charged: cumulative, ReadAt: n.chainNow()}
 	if st.withdrawRequestedAt != 0 {
 		view.WithdrawRequestedAt = time.Unix(st.withdrawRequestedAt, 0)
 	}
-	if row, ok, err := chs.Channel(ctx, n.channelKey(id)); err != nil {
-		return nil, fmt.Errorf("reading the journal's row of channel %s: %w", id.Hex(), err)
-	} else if ok && len(row.Signature) > 0 {
+	row, ok, err := chs.Channel(ctx, n.channelKey(id))
+	if err != nil {
+		return st, row, fmt.Errorf("reading the journal's row of channel %s: %w", id.Hex(), err)
+	}
+	if ok && len(row.Signature) > 0 {
 		view.Charged = row.Charged
 	}
 	if ch.PayerAuthorizer == (common.Address{}) {
 		code, err := n.backend.CodeAt(ctx, ch.Payer, nil)
 		if err != nil {
-			return nil, refuseBatch(x402.ReasonBatchRPCReadFailed, "reading the code of payer %s: %v", ch.Payer.Hex(), err)
+			return channelState{}, journal.Channel{}, refuseBatch(x402.ReasonBatchRPCReadFailed, "reading the code of payer %s: %v", ch.Payer.Hex(), err)
 		}
 		view.PayerHasCode = len(code) > 0
 	}
 	if _, err := terms.CheckVoucher(p, view, n.chainNow()); err != nil {
-		return nil, err
+		return st, row, err
 	}
-	extra, err := json.Marshal(x402.BatchChannelState{ChannelID: id.Hex(), Balance: st.balance.String(), TotalClaimed: st.claimed.String(),
+	return st, row, nil
+}
+
+// extra is the channel's state as a verification's extra.
+func (st channelState) extra(id common.Hash) json.RawMessage {
+	b, _ := json.Marshal(x402.BatchChannelState{ChannelID: id.Hex(), Balance: st.balance.String(), TotalClaimed: st.claimed.String(),
 		WithdrawRequestedAt: st.withdrawRequestedAt, RefundNonce: st.refundNonce.String()})
-	return extra, err
+	return b
+}
+
+// enrichRefund makes a payer's refund, paid to a route this engine is the server of, into the refund this engine
+// sends: verified as a refund (verifyRefund), claiming first the last voucher this engine accepted on the channel
+// and not yet claimed, of the amount asked for or all that is left, at the channel's next refund nonce, signed by
+// this engine's receiverAuthorizer key (authorizerSignature refuses a route whose authorizer it does not hold).
+// Presented again once refunded, it is answered by the refund it was.
+func (f *Facilitator) enrichRefund(ctx context.Context, n *network, req x402.BatchRequest) (x402.BatchPayload, *x402.BatchSettleResponse, error) {
+	p := &req.PaymentPayload
+	pl := p.Payload
+	terms, err := n.batchTerms(req.PaymentRequirements)
+	if err != nil {
+		return pl, nil, refuseBatch(x402.ReasonInvalidPaymentRequirements, "%v", err)
+	}
+	chs, err := f.channelStore()
+	if err != nil {
+		return pl, nil, err
+	}
+	st, row, err := f.verifyRefund(ctx, n, terms, chs, p)
+	if err != nil {
+		return pl, nil, err
+	}
+	id := common.HexToHash(pl.Voucher.ChannelID)
+	after := new(big.Int).Set(st.claimed)
+	pl.Claims = []x402.BatchVoucherClaim{}
+	if len(row.Signature) > 0 && row.Charged.Cmp(st.claimed) > 0 {
+		pl.Claims = append(pl.Claims, x402.BatchVoucherClaim{Voucher: x402.BatchClaimedVoucher{Channel: row.Config, MaxClaimableAmount: row.Charged.String()},
+			Signature: hexutil.Encode(row.Signature), TotalClaimed: row.Charged.String()})
+		after.Set(row.Charged)
+	}
+	left := new(big.Int).Sub(st.balance, after)
+	if left.Sign() <= 0 && st.refundNonce.Sign() > 0 {
+		// Refunded already: the refund presented again gets the answer of the one that emptied the channel.
+		prev := journal.PaymentID(n.caip2, actionRefundMethod, contracts.BatchSettlementAddress.Hex(), id.Hex(), new(big.Int).Sub(st.refundNonce, big.NewInt(1)).String())
+		if rec, ok, err := f.journal.Get(ctx, prev); err == nil && ok && rec.State == journal.StateFinal && rec.Response != nil && rec.Response.Success {
+			resp := f.actionAnswer(ctx, n, &batchAction{kind: x402.BatchRefund, channel: id, payer: pl.ChannelConfig.Payer}, rec)
+			return pl, &resp, nil
+		}
+	}
+	amount := left
+	if pl.Amount != "" {
+		if amount, err = x402.ParseAmount(pl.Amount); err != nil || amount.Sign() == 0 {
+			return pl, nil, refuseBatch(x402.ReasonBatchRefundAmountInvalid, "payload.amount %q is not a positive amount", truncate(pl.Amount))
+		}
+	}
+	if left.Sign() <= 0 {
+		return pl, nil, refuseBatch(x402.ReasonBatchRefundNoBalance, "channel %s holds %s, all of it charged: nothing to refund", id.Hex(), st.balance)
+	}
+	pl.Amount, pl.RefundNonce = amount.String(), st.refundNonce.String()
+	pl.ClaimAuthorizerSignature, pl.RefundAuthorizerSignature = "", ""
+	return pl, nil, nil
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -430,5 +431,156 @@ func TestBatchRefundVerifiedAsTheSDKsServerAsksTellsTheChannelAndRefusesAnotherP
 	}
 	if v, _ := b.fx.f.VerifyBatch(context.Background(), refund(b.payer, 2*batchPrice)); !v.IsValid {
 		t.Errorf("a refund at the last voucher accepted here: %+v", v)
+	}
+}
+
+// payerRefund is the payer's own refund request at cumulative (the voucher it was last charged), signed by
+// signer, to the route: what a client sends the route's server.
+func (b *batchRoute) payerRefund(signer *chaintest.Account, cumulative int64) x402.BatchRequest {
+	req := b.voucher(b.rq, cumulative)
+	req.PaymentPayload.Payload.Type = x402.BatchRefund
+	req.PaymentPayload.Payload.Voucher.Signature = hexutil.Encode(b.c.SignVoucher(signer, b.id, big.NewInt(cumulative)))
+	return req
+}
+
+func TestBatchPayersRefundToTheEngineReturnsExactlyWhatWasNotChargedOnce(t *testing.T) {
+	b := actionRoute(t, boltJournal(t))
+	payer0, _ := b.balances(t)
+	b.deposit(t, 10*batchPrice)
+	for i := int64(1); i <= 3; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	sent := b.sentBy(t, b.c.Wallets)
+	for _, tc := range []struct {
+		name   string
+		req    x402.BatchRequest
+		reason string
+	}{
+		{"signed by another payer", b.payerRefund(chaintest.DeriveAccount("stranger", 0), 3*batchPrice), x402.ReasonBatchInvalidVoucherSignature},
+		{"at a voucher below the last one charged", b.payerRefund(b.payer, 2*batchPrice), x402.ReasonBatchCumulativeAmountMismatch},
+	} {
+		if resp := settleBatch(t, b.fx.f, tc.req); resp.Success || resp.ErrorReason != tc.reason {
+			t.Errorf("a refund %s: %+v, want %s", tc.name, resp, tc.reason)
+		}
+	}
+	if got := b.sentBy(t, b.c.Wallets) - sent; got != 0 {
+		t.Fatalf("refused refunds sent %d transactions", got)
+	}
+	// The refund claims the three vouchers, pays them to the receiver and returns the rest, in one transaction.
+	refund := b.payerRefund(b.payer, 3*batchPrice)
+	first := settleBatch(t, b.fx.f, refund)
+	if !first.Success || first.Transaction == "" || first.Amount != fmt.Sprint(7*batchPrice) {
+		t.Fatalf("the refund: %+v", first)
+	}
+	payer, receiver := b.balances(t)
+	if payer != payer0-3*batchPrice || receiver != 3*batchPrice {
+		t.Fatalf("the payer holds %d (want %d), the receiver %d (want %d)", payer, payer0-3*batchPrice, receiver, 3*batchPrice)
+	}
+	// Presented again (its answer lost): the answer of the refund it was, nothing sent.
+	if again := settleBatch(t, b.fx.f, refund); !again.Success || again.Transaction != first.Transaction {
+		t.Fatalf("the refund presented again: %+v, want %s", again, first.Transaction)
+	}
+	if got := b.sentBy(t, b.c.Wallets) - sent; got != 1 {
+		t.Fatalf("the refund sent %d transactions, want 1", got)
+	}
+	// Nothing is left for a voucher to take, and the claimer has nothing to claim.
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, 4*batchPrice)); resp.Success {
+		t.Fatalf("a voucher after the refund was accepted: %+v", resp)
+	}
+	if err := b.fx.f.ClaimBatches(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.sentBy(t, b.c.Wallets) - sent; got != 1 {
+		t.Fatalf("after the refund %d transactions were sent, want 1", got)
+	}
+}
+
+func TestBatchWithdrawalOfAPayerTheEngineClaimsBeforeItIsFinalizedAndTheRestIsExact(t *testing.T) {
+	b := actionRoute(t, boltJournal(t))
+	payer0, _ := b.balances(t)
+	b.deposit(t, 10*batchPrice)
+	for i := int64(1); i <= 4; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	initiate, err := contracts.PackInitiateWithdraw(b.cfg, big.NewInt(10*batchPrice))
+	if err != nil {
+		t.Fatal(err)
+	}
+	finalize, err := contracts.PackFinalizeWithdraw(b.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	// Only the payer (or its payerAuthorizer) may withdraw.
+	if _, err := b.c.Call(ctx, b.receiver.Address, contracts.BatchSettlementAddress, initiate); err == nil {
+		t.Fatal("the receiver could initiate the payer's withdrawal")
+	}
+	b.escrow(t, b.payer, initiate, "initiating the withdrawal")
+	// Not before the delay.
+	if _, err := b.c.Call(ctx, b.payer.Address, contracts.BatchSettlementAddress, finalize); err == nil {
+		t.Fatal("the withdrawal could be finalized before its delay")
+	}
+	// The engine claims what it accepted before the delay runs out.
+	if err := b.fx.f.ClaimBatches(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, claimed := b.channelOnChain(t); claimed != 4*batchPrice {
+		t.Fatalf("claimed %d before the withdrawal, want %d", claimed, 4*batchPrice)
+	}
+	b.c.AdjustTime(time.Duration(contracts.MinWithdrawDelay+1) * time.Second)
+	b.escrow(t, b.payer, finalize, "finalizing the withdrawal")
+	payer, receiver := b.balances(t)
+	if payer != payer0-4*batchPrice || receiver != 4*batchPrice {
+		t.Fatalf("the payer holds %d (want %d), the receiver %d (want %d)", payer, payer0-4*batchPrice, receiver, 4*batchPrice)
+	}
+	if balance, claimed := b.channelOnChain(t); balance != 4*batchPrice || claimed != 4*batchPrice {
+		t.Fatalf("the channel holds %d with %d claimed, want all of it claimed", balance, claimed)
+	}
+	// A second finalize has nothing pending.
+	if _, err := b.c.Call(ctx, b.payer.Address, contracts.BatchSettlementAddress, finalize); err == nil {
+		t.Fatal("a withdrawal could be finalized twice")
+	}
+}
+
+func TestBatchClaimerWithAPolicySlowerThanTheWithdrawDelayClaimsBeforeAnUnseenWithdrawalCanBeFinalized(t *testing.T) {
+	// The engine claims only every million vouchers or after an hour; the channel's withdrawDelay is 15 minutes.
+	b := actionRoute(t, boltJournal(t))
+	b.deposit(t, 10*batchPrice)
+	for i := int64(1); i <= 4; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	// The payer asks to withdraw everything; the engine reads nothing more of the channel.
+	initiate, err := contracts.PackInitiateWithdraw(b.cfg, big.NewInt(10*batchPrice))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.escrow(t, b.payer, initiate, "initiating the withdrawal")
+	// Ten minutes on, inside the claim margin of the channel's read: the claimer's own pass claims.
+	b.c.AdjustTime(10*time.Minute + 30*time.Second)
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		if _, claimed := b.channelOnChain(t); claimed == 4*batchPrice {
+			break
+		}
+		if time.Now().After(deadline) {
+			_, claimed := b.channelOnChain(t)
+			t.Fatalf("five minutes before the withdrawal can be finalized, %d of the %d accepted is claimed", claimed, 4*batchPrice)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	b.c.AdjustTime(5 * time.Minute)
+	finalize, err := contracts.PackFinalizeWithdraw(b.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.escrow(t, b.payer, finalize, "finalizing the withdrawal")
+	if _, receiver := b.balances(t); receiver != 4*batchPrice {
+		t.Fatalf("the receiver holds %d, want the %d its served vouchers charged", receiver, 4*batchPrice)
 	}
 }

@@ -377,11 +377,11 @@ func (f *Facilitator) VerifyBatch(ctx context.Context, req x402.BatchRequest) (x
 	case x402.BatchDeposit:
 		return f.verifyDeposit(ctx, req, payer)
 	case x402.BatchRefund:
-		st, err := f.verifyRefund(ctx, n, terms, chs, p)
+		st, _, err := f.verifyRefund(ctx, n, terms, chs, p)
 		if err != nil {
 			return invalid(err)
 		}
-		return x402.VerifyResponse{IsValid: true, Payer: payer, Extra: st}, nil
+		return x402.VerifyResponse{IsValid: true, Payer: payer, Extra: st.extra(common.HexToHash(p.Payload.Voucher.ChannelID))}, nil
 	}
 	vc, err := f.checkVoucherWith(ctx, n, chs, terms, p, nil)
 	if err != nil {
