@@ -120,17 +120,28 @@ func (l *actionLocks) lock(keys []string) func() {
 const actionLockMethod = "batch-action-lock"
 
 // lockActionJournal holds keys across every process of the journal, as the process's own locks hold them within
-// it: a claimed record per key, released when the action is done. A record left by a process that died holding
-// it is taken over once older than an action can run (its receipt wait and a minute). Held by a live action
-// longer than that, the answer is channel busy: nothing was checked or sent.
-func (f *Facilitator) lockActionJournal(ctx context.Context, n *network, keys []string) (func(), error) {
+// it: a claimed record per key, released when the action is done, or, when its transaction is sent and not yet
+// mined (release given its hash), kept naming that transaction until it is mined. A record left by a process
+// that died holding it before it sent anything is taken over once older than an action can run (its receipt wait
+// and a minute); one naming a transaction, once that transaction is mined (or after ten times that, dropped). A
+// record of this process's naming no transaction is free: the process's own lock of the key is held; one naming
+// the transaction of this very action is the action's to resolve. Held longer
+// than an action's receipt wait, the answer is channel busy: nothing was checked or sent.
+func (f *Facilitator) lockActionJournal(ctx context.Context, n *network, action journal.ID, keys []string) (func(pending string), error) {
 	keys = slices.Clone(keys)
 	slices.Sort(keys)
 	keys = slices.Compact(keys)
 	var held []journal.Record
-	release := func() {
+	release := func(pending string) {
+		wctx := context.WithoutCancel(ctx)
 		for i := len(held) - 1; i >= 0; i-- {
-			if err := f.journal.Release(context.WithoutCancel(ctx), held[i]); err != nil {
+			var err error
+			if pending != "" {
+				_, err = f.journal.Update(wctx, held[i].ID, func(r *journal.Record) error { r.TxHash = pending; return nil })
+			} else {
+				err = f.journal.Release(wctx, held[i])
+			}
+			if err != nil {
 				f.log.Warn("releasing a batch-settlement action's lock", zap.String("lock", held[i].ID.String()), zap.Error(err))
 			}
 		}
@@ -143,19 +154,24 @@ func (f *Facilitator) lockActionJournal(ctx context.Context, n *network, keys []
 		for {
 			got, claimed, err := f.journal.Claim(ctx, rec)
 			if err != nil {
-				release()
+				release("")
 				return nil, fmt.Errorf("locking %s for the action: %w", k, err)
 			}
-			if claimed {
+			if claimed || (got.State == journal.StateClaimed && got.Owner == f.owner && got.TxHash == "") || f.lockedBy(ctx, action, got) {
 				held = append(held, got)
 				break
 			}
-			if got.State == journal.StateClaimed && f.now().Sub(got.ClaimedAt) > stale {
-				_ = f.journal.Release(ctx, got) // its holder is gone: the next Claim takes it
+			free := got.State == journal.StateClaimed && got.TxHash == "" && f.now().Sub(got.ClaimedAt) > stale
+			if got.State == journal.StateClaimed && got.TxHash != "" {
+				r, err := n.backend.TransactionReceipt(ctx, common.HexToHash(got.TxHash))
+				free = (err == nil && r != nil) || f.now().Sub(got.UpdatedAt) > 10*stale
+			}
+			if free {
+				_ = f.journal.Release(ctx, got) // its holder is gone, or its transaction mined: the next Claim takes it
 				continue
 			}
 			if time.Now().After(deadline) || ctx.Err() != nil {
-				release()
+				release("")
 				return nil, refuseBatch(x402.ReasonBatchChannelBusy, "another action on %s has run for longer than %s: present this one again", k, n.timeout)
 			}
 			select {
@@ -165,6 +181,16 @@ func (f *Facilitator) lockActionJournal(ctx context.Context, n *network, keys []
 		}
 	}
 	return release, nil
+}
+
+// lockedBy says lock is kept for the transaction of action itself: presented again, the action resolves its own
+// transaction (looks up its receipt, or sends it again when the node forgot it).
+func (f *Facilitator) lockedBy(ctx context.Context, action journal.ID, lock journal.Record) bool {
+	if lock.TxHash == "" {
+		return false
+	}
+	rec, ok, err := f.journal.Get(ctx, action)
+	return err == nil && ok && strings.EqualFold(rec.TxHash, lock.TxHash)
 }
 
 // isBatchAction says whether a batch /settle payload is a receiver's action rather than a payment.
@@ -222,22 +248,54 @@ func (f *Facilitator) settleAction(ctx context.Context, req x402.BatchRequest) (
 	a.payer = payer
 	unlock := n.batch.actions.lock(a.locks)
 	defer unlock()
-	release, err := f.lockActionJournal(ctx, n, a.locks)
+	release, err := f.lockActionJournal(ctx, n, a.id, a.locks)
 	if err != nil {
 		return fail(err)
 	}
-	defer release()
-	if rec, ok, err := f.journal.Get(ctx, a.id); err != nil {
-		return fail(fmt.Errorf("reading the record of the %s: %w", a.kind, err))
-	} else if ok {
-		return f.actionAgain(ctx, n, a, rec)
+	resp, err := f.runAction(ctx, n, a, &p.Payload)
+	// An action sent and not yet mined keeps its channels locked until it is: another action checked meanwhile
+	// would be simulated on a chain without it.
+	pending := ""
+	if err == nil && resp.ErrorReason == x402.ReasonSettlementPending {
+		pending = resp.Transaction
+	}
+	release(pending)
+	if err != nil {
+		return fail(err)
+	}
+	return resp, nil
+}
+
+// runAction answers an action from its record, or checks and sends it, its channels locked.
+func (f *Facilitator) runAction(ctx context.Context, n *network, a *batchAction, pl *x402.BatchPayload) (x402.BatchSettleResponse, error) {
+	for {
+		rec, ok, err := f.journal.Get(ctx, a.id)
+		if err != nil {
+			return x402.BatchSettleResponse{}, fmt.Errorf("reading the record of the %s: %w", a.kind, err)
+		}
+		if !ok {
+			break
+		}
+		if !revertedAction(rec) {
+			return f.actionAgain(ctx, n, a, rec)
+		}
+		// Its transaction reverted and moved nothing: the action may go again, checked afresh, under a record
+		// of its own that names the reverted one (so the same attempt is still answered once).
+		a.id = journal.PaymentID(n.caip2, "batch-action-retry", contracts.BatchSettlementAddress.Hex(), a.id.String(), rec.TxHash)
 	}
 	if a.kind == x402.BatchRefund {
-		if err := f.checkRefundOnChain(ctx, n, a, &p.Payload); err != nil {
-			return fail(err)
+		if err := f.checkRefundOnChain(ctx, n, a, pl); err != nil {
+			return x402.BatchSettleResponse{}, err
 		}
 	}
 	return f.sendAction(ctx, n, a)
+}
+
+// revertedAction says an action's record is final with a transaction that was mined and reverted.
+func revertedAction(rec journal.Record) bool {
+	return rec.State == journal.StateFinal && rec.Response != nil && !rec.Response.Success && rec.Response.Transaction != "" &&
+		(rec.Response.ErrorReason == x402.ReasonBatchClaimTransactionFailed || rec.Response.ErrorReason == x402.ReasonBatchSettleTransactionFailed ||
+			rec.Response.ErrorReason == x402.ReasonBatchRefundTransactionFailed)
 }
 
 // actionKey is a lock key of channel id.

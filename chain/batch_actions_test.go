@@ -584,3 +584,79 @@ func TestBatchClaimerWithAPolicySlowerThanTheWithdrawDelayClaimsBeforeAnUnseenWi
 		t.Fatalf("the receiver holds %d, want the %d its served vouchers charged", receiver, 4*batchPrice)
 	}
 }
+
+func TestBatchActionOnAChannelWhoseRefundIsSentAndNotMinedWaitsForItAndSendsNothingThatReverts(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), wallets: 1, receiptTimeout: 100 * time.Millisecond,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+		}})
+	b.deposit(t, 10*batchPrice)
+	sent := b.sentBy(t, b.c.Wallets)
+	refund := b.action(t, b.refundOf(b.payer, 3*batchPrice, 7*batchPrice, 0, b.claimOf(b.payer, 3*batchPrice, 3*batchPrice)))
+	if resp := settleBatch(t, b.fx.f, refund); resp.ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("the refund, not mined: %+v", resp)
+	}
+	// A claim of the channel above what the refund leaves: simulated now, it would pass and then revert.
+	claim := b.action(t, x402.BatchPayload{Type: x402.BatchClaim, Claims: []x402.BatchVoucherClaim{b.claimOf(b.payer, 6*batchPrice, 6*batchPrice)}})
+	done := make(chan x402.BatchSettleResponse, 1)
+	go func() { done <- settleLeased(b.fx.f, claim) }()
+	time.Sleep(300 * time.Millisecond)
+	stop := b.c.AutoCommit(5 * time.Millisecond)
+	defer stop()
+	if resp := <-done; resp.Success || resp.ErrorReason != x402.ReasonBatchClaimSimulationFailed {
+		t.Fatalf("the claim after the refund: %+v, want refused unsent", resp)
+	}
+	if got := b.sentBy(t, b.c.Wallets) - sent; got != 1 {
+		t.Fatalf("sent %d transactions, want only the refund's", got)
+	}
+	if resp := settleBatch(t, b.fx.f, refund); !resp.Success || resp.Amount != fmt.Sprint(7*batchPrice) {
+		t.Fatalf("the refund presented again: %+v", resp)
+	}
+}
+
+func TestBatchClaimThatRevertedBecauseAnotherFacilitatorRefundedMayBeSentAgainOnceItWouldLand(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), wallets: 1, receiptTimeout: 100 * time.Millisecond,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+		}})
+	b.deposit(t, 10*batchPrice)
+	// Another facilitator, sharing nothing with this engine, sends a refund that is not mined yet.
+	other := b.engine(t, boltJournal(t), b.c.Wallets[1:2], true, 100*time.Millisecond)
+	refund := b.action(t, b.refundOf(b.payer, 3*batchPrice, 7*batchPrice, 0, b.claimOf(b.payer, 3*batchPrice, 3*batchPrice)))
+	if resp := settleLeased(other, refund); resp.ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("the other facilitator's refund: %+v", resp)
+	}
+	claim := b.action(t, x402.BatchPayload{Type: x402.BatchClaim, Claims: []x402.BatchVoucherClaim{b.claimOf(b.payer, 6*batchPrice, 6*batchPrice)}})
+	if resp := settleBatch(t, b.fx.f, claim); resp.ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("the claim, not mined: %+v", resp)
+	}
+	b.c.Commit()
+	if _, claimed := b.channelOnChain(t); claimed != 3*batchPrice {
+		t.Skipf("the block put the claim before the refund (claimed %d): nothing reverted to try again", claimed)
+	}
+	stop := b.c.AutoCommit(5 * time.Millisecond)
+	defer stop()
+	if resp := settleBatch(t, b.fx.f, claim); resp.ErrorReason != x402.ReasonBatchClaimTransactionFailed {
+		t.Fatalf("the claim that reverted: %+v", resp)
+	}
+	// Presented again, it is checked afresh rather than answered by the revert: refused unsent while it would
+	// revert again, sent once the channel holds enough.
+	sent := b.sentBy(t, b.c.Wallets[:1])
+	if resp := settleBatch(t, b.fx.f, claim); resp.ErrorReason != x402.ReasonBatchClaimSimulationFailed {
+		t.Fatalf("the claim presented again: %+v", resp)
+	}
+	b.deposit(t, 10*batchPrice)
+	resp := settleBatch(t, b.fx.f, claim)
+	for i := 0; i < 50 && resp.ErrorReason == x402.ReasonSettlementPending; i++ {
+		resp = settleBatch(t, b.fx.f, claim)
+	}
+	if !resp.Success {
+		t.Fatalf("the claim once the channel holds enough: %+v", resp)
+	}
+	if _, claimed := b.channelOnChain(t); claimed != 6*batchPrice {
+		t.Fatalf("claimed %d, want %d", claimed, 6*batchPrice)
+	}
+	if got := b.sentBy(t, b.c.Wallets[:1]) - sent; got != 1 {
+		t.Fatalf("sent %d transactions, want 1", got)
+	}
+}
