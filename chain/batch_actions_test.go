@@ -660,3 +660,89 @@ func TestBatchClaimThatRevertedBecauseAnotherFacilitatorRefundedMayBeSentAgainOn
 		t.Fatalf("sent %d transactions, want 1", got)
 	}
 }
+
+// permit2Deposit is the batch request of the payer's deposit of amount through the Permit2 deposit collector,
+// signed by signer, to route rq (which takes permit2 deposits), with its voucher for the first request.
+func (b *batchRoute) permit2Deposit(signer *chaintest.Account, rq x402.BatchRequirements, amount int64) x402.BatchRequest {
+	nonce := chaintest.RandomNonce()
+	deadline := new(big.Int).SetUint64(b.c.HeadTime() + 240)
+	sig := b.c.SignTypedData(signer, chaintest.DepositPermit2TypedData(b.c.ChainID, b.token, big.NewInt(amount), nonce, deadline, b.id))
+	req := b.voucher(rq, batchPrice)
+	pl := &req.PaymentPayload.Payload
+	pl.Type = x402.BatchDeposit
+	pl.Deposit = &x402.BatchDepositFields{Amount: fmt.Sprint(amount), Authorization: x402.BatchDepositAuthorization{
+		Permit2Authorization: &x402.BatchPermit2Authorization{From: b.payer.Address.Hex(),
+			Permitted: x402.TokenPermissions{Token: b.token.Hex(), Amount: fmt.Sprint(amount)},
+			Spender:   contracts.Permit2DepositCollectorAddress.Hex(), Nonce: nonce.String(), Deadline: deadline.String(),
+			Witness: x402.BatchPermit2Witness{ChannelID: b.id.Hex()}, Signature: hexutil.Encode(sig)}}}
+	return req
+}
+
+func TestBatchPermit2DepositIsSentOnceThroughThePermit2CollectorAndItsVoucherAccepted(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second})
+	rq := b.rq
+	rq.Extra.AssetTransferMethod = x402.TransferPermit2
+	payer0, _ := b.balances(t)
+	sent := b.sentBy(t, b.c.Wallets)
+	// Refused before anything is sent: signed by another key; no Permit2 allowance yet.
+	for _, tc := range []struct {
+		name   string
+		req    x402.BatchRequest
+		reason string
+	}{
+		{"signed by another key", b.permit2Deposit(chaintest.DeriveAccount("stranger", 0), rq, 10*batchPrice), x402.ReasonBatchPermit2InvalidSignature},
+		{"without a Permit2 allowance", b.permit2Deposit(b.payer, rq, 10*batchPrice), x402.ReasonBatchPermit2AllowanceRequired},
+	} {
+		if v, err := b.fx.f.VerifyBatch(context.Background(), tc.req); err != nil || v.IsValid || v.InvalidReason != tc.reason {
+			t.Errorf("verifying a deposit %s: %+v, %v; want %s", tc.name, v, err, tc.reason)
+		}
+		if resp := settleBatch(t, b.fx.f, tc.req); resp.Success || resp.ErrorReason != tc.reason {
+			t.Errorf("settling a deposit %s: %+v; want %s", tc.name, resp, tc.reason)
+		}
+	}
+	if got := b.sentBy(t, b.c.Wallets) - sent; got != 0 {
+		t.Fatalf("refused deposits sent %d transactions", got)
+	}
+	approve, err := contracts.StableCoinABI.Pack("approve", contracts.Permit2Address, big.NewInt(1_000_000_000))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.c.Transact(context.Background(), b.payer, b.token, approve); err != nil {
+		t.Fatalf("approving Permit2: %v", err)
+	}
+	payer0, _ = b.balances(t)
+	dep := b.permit2Deposit(b.payer, rq, 10*batchPrice)
+	if v, err := b.fx.f.VerifyBatch(context.Background(), dep); err != nil || !v.IsValid {
+		t.Fatalf("verifying the deposit: %+v, %v", v, err)
+	}
+	first := settleBatch(t, b.fx.f, dep)
+	if !first.Success || first.Transaction == "" || first.Extra == nil || first.Extra.ChannelState == nil || first.Extra.ChannelState.ChargedCumulativeAmount != fmt.Sprint(batchPrice) {
+		t.Fatalf("the deposit: %+v", first)
+	}
+	if balance, _ := b.channelOnChain(t); balance != 10*batchPrice {
+		t.Fatalf("the channel holds %d, want %d", balance, 10*batchPrice)
+	}
+	if payer, _ := b.balances(t); payer != payer0-10*batchPrice {
+		t.Fatalf("the payer holds %d, want %d", payer, payer0-10*batchPrice)
+	}
+	if again := settleBatch(t, b.fx.f, dep); !again.Success || again.Transaction != first.Transaction {
+		t.Fatalf("the deposit presented again: %+v, want %s", again, first.Transaction)
+	}
+	if got := b.sentBy(t, b.c.Wallets) - sent; got != 1 {
+		t.Fatalf("the deposit sent %d transactions, want 1", got)
+	}
+	if resp := settleBatch(t, b.fx.f, b.voucher(rq, 2*batchPrice)); !resp.Success {
+		t.Fatalf("the next voucher: %+v", resp)
+	}
+	// Its record is the payer's Permit2 nonce's, and reads back as this engine's settlement after its deadline
+	// (a restart, a takeover: reconciliation must still finish it).
+	id := journal.PaymentID(b.fx.net, x402.TransferPermit2, b.token.Hex(), b.payer.Address.Hex(), dep.PaymentPayload.Payload.Deposit.Authorization.Permit2Authorization.Nonce)
+	rec, ok, err := b.fx.journal.Get(context.Background(), id)
+	if err != nil || !ok || rec.TxHash != first.Transaction {
+		t.Fatalf("the deposit's record: %+v, %v, %v", rec, ok, err)
+	}
+	b.c.AdjustTime(10 * time.Minute)
+	if got, refused, err := b.fx.f.RecordedPaymentIDForTest(rec.Request); err != nil || refused != "" || got != id {
+		t.Fatalf("the deposit's record read back after its deadline: id %s, refused %q, %v; want %s", got, refused, err, id)
+	}
+}

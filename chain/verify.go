@@ -300,7 +300,8 @@ func offeredText(ws []common.Address) string {
 func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) bool {
 	// Only permit2: its nonce is one storage read of the canonical Permit2. An eip3009 nonce lives where each
 	// token keeps it, and asking authorizationState costs the call the simulation would.
-	if p.method != x402.TransferPermit2 || !p.tracksFunds() || p.net.funds.ttl <= 0 {
+	if p.method != x402.TransferPermit2 || !p.tracksFunds() || p.net.funds.ttl <= 0 || p.deposit != nil {
+		// A deposit's escrow call checks more than the payer's funds (the channel): only its simulation vouches.
 		return false
 	}
 	if p.contractSig {
