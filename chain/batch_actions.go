@@ -69,6 +69,8 @@ type claimedChannel struct {
 	id   common.Hash
 	wire x402.ChannelConfig
 	cfg  contracts.ChannelConfig
+	// total is what the claim takes the channel's total claimed to (nil: the refund's own channel, unclaimed).
+	total *big.Int
 }
 
 // actionLocks serialises a process's actions on one channel (or one receiver and token).
@@ -288,7 +290,37 @@ func (f *Facilitator) runAction(ctx context.Context, n *network, a *batchAction,
 			return x402.BatchSettleResponse{}, err
 		}
 	}
+	if a.kind == x402.BatchClaim {
+		if err := f.checkClaimOnChain(ctx, n, a); err != nil {
+			return x402.BatchSettleResponse{}, err
+		}
+	}
 	return f.sendAction(ctx, n, a)
+}
+
+// checkClaimOnChain refuses a claim that would claim nothing: every channel it names is claimed already to its
+// total or beyond. The escrow skips such rows without a revert, so the simulation passes it, and it would cost a
+// transaction's gas for nothing (as many times as a caller varies its totals).
+func (f *Facilitator) checkClaimOnChain(ctx context.Context, n *network, a *batchAction) error {
+	to := contracts.BatchSettlementAddress
+	for _, c := range a.claimed {
+		data, err := contracts.PackBatchSettlement("channels", c.id)
+		if err != nil {
+			return err
+		}
+		raw, err := n.backend.CallContract(ctx, ethereum.CallMsg{To: &to, Data: data}, nil)
+		if err != nil {
+			return refuseBatch(x402.ReasonBatchRPCReadFailed, "reading channel %s: %v", c.id.Hex(), err)
+		}
+		out, err := contracts.BatchSettlementABI.Unpack("channels", raw)
+		if err != nil || len(out) != 2 {
+			return refuseBatch(x402.ReasonBatchRPCReadFailed, "reading channel %s: the escrow answered %d bytes that are not its outputs", c.id.Hex(), len(raw))
+		}
+		if claimed, _ := out[1].(*big.Int); claimed == nil || c.total.Cmp(claimed) > 0 {
+			return nil
+		}
+	}
+	return refuseBatch(x402.ReasonBatchCumulativeBelowClaimed, "every channel of the claim is claimed already to its total or beyond: it would claim nothing")
 }
 
 // revertedAction says an action's record is final with a transaction that was mined and reverted.
@@ -349,7 +381,7 @@ func parseClaims(domain common.Hash, claims []x402.BatchVoucherClaim) ([]contrac
 		}
 		out = append(out, contracts.VoucherClaim{Voucher: contracts.Voucher{Channel: cfg, MaxClaimableAmount: ceiling}, Signature: sig[:], TotalClaimed: total})
 		entries = append(entries, ClaimEntry{ChannelID: id, MaxClaimableAmount: ceiling, TotalClaimed: total})
-		chans = append(chans, claimedChannel{id: id, wire: cl.Voucher.Channel, cfg: cfg})
+		chans = append(chans, claimedChannel{id: id, wire: cl.Voucher.Channel, cfg: cfg, total: total})
 	}
 	return out, entries, chans, nil
 }

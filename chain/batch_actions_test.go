@@ -131,6 +131,10 @@ func TestBatchActionRefusalsSendNothing(t *testing.T) {
 	b := actionRoute(t, boltJournal(t))
 	b.deposit(t, 10*batchPrice)
 	stranger := chaintest.DeriveAccount("stranger", 0)
+	// Claimed to 2 already: a claim at or below it would send a transaction that claims nothing.
+	if resp := settleBatch(t, b.fx.f, b.action(t, x402.BatchPayload{Type: x402.BatchClaim, Claims: []x402.BatchVoucherClaim{b.claimOf(b.payer, 2*batchPrice, 2*batchPrice)}})); !resp.Success {
+		t.Fatalf("the first claim: %+v", resp)
+	}
 	// A route whose engine holds no authorizer key.
 	keyless := b.engine(t, boltJournal(t), b.c.Wallets[len(b.c.Wallets)-1:], false, 5*time.Second)
 	claimOf := func(c ...x402.BatchVoucherClaim) x402.BatchPayload {
@@ -146,12 +150,13 @@ func TestBatchActionRefusalsSendNothing(t *testing.T) {
 		{"a claim of a voucher another key signed", nil, claimOf(b.claimOf(stranger, 3*batchPrice, 3*batchPrice)), x402.ReasonBatchInvalidVoucherSignature},
 		{"a claim above the deposit", nil, claimOf(b.claimOf(b.payer, 11*batchPrice, 11*batchPrice)), x402.ReasonBatchClaimSimulationFailed},
 		{"a claim nobody signed, to a facilitator without the authorizer's key", keyless, claimOf(b.claimOf(b.payer, 3*batchPrice, 3*batchPrice)), x402.ReasonBatchAuthorizerNotConfigured},
-		{"a settle with nothing claimed", nil, b.settleOf(), x402.ReasonBatchNothingToSettle},
+		{"a settle with nothing claimed", nil, x402.BatchPayload{Type: x402.BatchSettle, Receiver: stranger.Address.Hex(), Token: b.token.Hex()}, x402.ReasonBatchNothingToSettle},
 		{"a refund signed by another payer", nil, b.refundOf(stranger, 0, batchPrice, 0), x402.ReasonBatchInvalidVoucherSignature},
 		{"a refund at a nonce not the channel's next", nil, b.refundOf(b.payer, 0, batchPrice, 1), x402.ReasonBatchRefundPayload},
 		{"a refund whose claims take all the deposit", nil, b.refundOf(b.payer, 10*batchPrice, batchPrice, 0, b.claimOf(b.payer, 10*batchPrice, 10*batchPrice)), x402.ReasonBatchRefundNoBalance},
 		{"a refund whose claim is of another channel's voucher", nil, b.refundOf(b.payer, 0, batchPrice, 0, b.ofPayer(1).claimOf(b.c.Payers[1], batchPrice, batchPrice)), x402.ReasonBatchChannelIDMismatch},
 		{"a refund of no amount", nil, b.refundOf(b.payer, 0, 0, 0), x402.ReasonBatchRefundAmountInvalid},
+		{"a claim of nothing more than is claimed", nil, claimOf(b.claimOf(b.payer, 3*batchPrice, 2*batchPrice)), x402.ReasonBatchCumulativeBelowClaimed},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := tc.f
