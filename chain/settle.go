@@ -406,8 +406,8 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 		}
 		return common.Hash{}, nil, errClaimNotWon
 	}
-	// The claim and the hold are durable: the deadline is judged again, from the freshest head, at the last
-	// moment before anything is signed. Counted in sending from then until sent, as ahead of those that follow.
+	// The claim and the hold are durable, or go with the signed transaction's record: the deadline is judged
+	// again, from the freshest head, at the last moment before anything is signed. Counted in sending from then until sent, as ahead of those that follow.
 	if ref, err := p.checkDeadlineBeforeSending(ctx); err != nil || ref != nil {
 		return common.Hash{}, ref, err
 	}
