@@ -113,6 +113,10 @@ type Config struct {
 	// DefaultAmount is what an upto payment is charged when the upstream names no amount (no Settlement-Overrides
 	// header, or one that says nothing usable): DefaultAmountMax (the default) or DefaultAmountZero.
 	DefaultAmount string
+	// PaymentIdentifier declares the payment-identifier extension in the 402: "" (the default) declares
+	// nothing, PaymentIdentifierOptional lets a client name its payment with an id, PaymentIdentifierRequired
+	// refuses a payment that names none.
+	PaymentIdentifier string
 	// V1Body answers unpaid requests with the version 1 JSON body.
 	V1Body bool
 	// CORSOrigins are the origins whose browser scripts may pay; empty or "*" allows any origin.
@@ -308,6 +312,9 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 	case DefaultAmountMax, DefaultAmountZero:
 	default:
 		return nil, fmt.Errorf("default_amount %q is not one; want %q or %q", cfg.DefaultAmount, DefaultAmountMax, DefaultAmountZero)
+	}
+	if err := checkPaymentIdentifierMode(cfg.PaymentIdentifier); err != nil {
+		return nil, err
 	}
 	for _, o := range cfg.Offers {
 		switch {

@@ -102,6 +102,9 @@ func (x *exchange) run() error {
 		return x.noPayment()
 	}
 	p, err := x.read(value, fromV1Header)
+	if err == nil {
+		err = x.paymentIdentifierProblem(p)
+	}
 	if err != nil {
 		return x.invalidHeader(err)
 	}
@@ -159,6 +162,10 @@ type presented struct {
 	id       journal.ID
 	haveID   bool
 	decimals uint8 // of the offer's asset
+	// identifier is the id the payment names in its payment-identifier extension ("" none), identifierErr
+	// why it names none that reads.
+	identifier    string
+	identifierErr error
 }
 
 // read decodes a payment header and matches it against the offers. PAYMENT-SIGNATURE carries version 2;
@@ -190,6 +197,7 @@ func (x *exchange) read(value string, fromV1Header bool) (presented, error) {
 		v2 = &decoded
 	}
 	p.payload = v2.Payload
+	p.identifier, p.identifierErr = v2.PaymentIdentifier()
 	p.id, p.haveID = gateID(v2.Accepted.Network, x402.TransferMethod(v2.Accepted, p.payload), v2.Accepted.Asset, p.payload)
 	var o *offer
 	if p.req, o, p.mismatch = x.match(v2); o != nil {
