@@ -263,16 +263,18 @@ func (e *StatusError) Unwrap() error { return e.Err }
 // a client sends, runs the next handler, settles, and answers with the resource and the settlement. One
 // payment buys exactly one response, across every gate of one journal.
 type Gate struct {
-	cfg      Config
-	fac      x402.Facilitator
-	holder   fundsHolder // fac, when it can hold payments against payers' funds and the gate settles async
-	store    journal.Store
-	owner    string
-	registry *x402.Registry
-	ledger   *Ledger
-	metrics  Metrics
-	logger   *zap.Logger
-	now      func() time.Time
+	cfg    Config
+	fac    x402.Facilitator
+	holder fundsHolder // fac, when it can hold payments against payers' funds and the gate settles async
+	store  journal.Store
+	// identifiers is store's PaymentIdentifiers, where the gate declares payment-identifier.
+	identifiers journal.PaymentIdentifiers
+	owner       string
+	registry    *x402.Registry
+	ledger      *Ledger
+	metrics     Metrics
+	logger      *zap.Logger
+	now         func() time.Time
 
 	offers   atomic.Pointer[offerSet] // the current offers, rebuilt from /supported as it changes
 	priced   pricedOffers             // with Config.OffersFor: the offers of each distinct answer
@@ -373,6 +375,13 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 	}
 	if h, ok := fac.(fundsHolder); ok && cfg.Settle == SettleAsync {
 		g.holder = h
+	}
+	if cfg.PaymentIdentifier != "" {
+		ids, ok := store.(journal.PaymentIdentifiers)
+		if !ok {
+			return nil, fmt.Errorf("payment_identifier: the settlement journal (%T) keeps no payment identifiers", store)
+		}
+		g.identifiers = ids
 	}
 	if cfg.Settle == SettleAsync {
 		for _, o := range cfg.Offers {

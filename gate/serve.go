@@ -60,6 +60,10 @@ type exchange struct {
 	headers    http.Header // the response headers before the upstream ran, restored when the gate answers itself
 	retryAfter string      // the Retry-After of the gate's own 502, when it knows when to present the payment again
 	ended      bool
+	// presented is the payment as read; renames is a payment its id was bound to that bought nothing, which the
+	// id may name no longer (paymentIdentifierTaken).
+	presented presented
+	renames   journal.ID
 	// streamed is set once a response larger than max_buffer began to stream: it is marked served when the
 	// upstream has sent all of it.
 	streamed *streamedPayment
@@ -125,6 +129,10 @@ func (x *exchange) run() error {
 			InvalidMessage: "the payment names no payer and nonce"})
 	}
 	x.req, x.id, x.decimals = p.req, p.id, p.decimals
+	x.presented = p
+	if answered, err := x.paymentIdentifierTaken(p); answered {
+		return err
+	}
 	if x.marksWhileVerifying(p) {
 		return x.markWhileVerifying(p)
 	}
@@ -258,6 +266,9 @@ func (x *exchange) serveVerified(vres x402.VerifyResponse, err error) error {
 	if vres.Payer != "" && !strings.EqualFold(vres.Payer, x.payer) {
 		x.unhold()
 		return x.verifyUnreachable(fmt.Sprintf("the facilitator's answer names payer %s, but the payment is signed by %s; nothing was charged", vres.Payer, x.payer), nil)
+	}
+	if answered, err := x.namePaymentIdentifier(x.presented); answered {
+		return err
 	}
 	x.setPaymentPlaceholders()
 
