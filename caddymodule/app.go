@@ -158,6 +158,10 @@ func (a *App) planDevChain() error {
 		Assets: devChainAssets(),
 		// Blocks come as soon as transactions do: look for receipts often.
 		ReceiptPoll: caddy.Duration(2 * time.Millisecond),
+		// A chain this app runs at block_time 0 seals a block per transaction burst: the engine judges deadlines
+		// by a block for each of its settlements ahead (chain.NetworkConfig.SealsPerBurst). One it reaches by RPC
+		// is judged by its head's lead over the clock.
+		sealsPerBurst: dc.RPC == "" && dc.BlockTime == 0,
 	}
 	if dc.RPC != "" {
 		a.devNet.RPC = []string{dc.RPC}
@@ -281,6 +285,9 @@ type Network struct {
 	// payer's calldata, so only factories the operator trusts. Default: none (such payments are refused with
 	// eip6492_factory_not_allowed; deployed contract wallets pay by ERC-1271 either way).
 	SmartWalletFactories []string `json:"smart_wallet_factories,omitempty"`
+
+	// sealsPerBurst says the network is the dev chain this app runs at block_time 0 (see planDevChain).
+	sealsPerBurst bool
 }
 
 // Asset is one accepted ERC-20 token and its EIP-2612 permit domain.
@@ -687,7 +694,7 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 		// Payments verified within a quarter second share one read of chain time: far inside the 6 s margin
 		// deadlines must keep, and one round trip less per payment under load.
 		HeadCacheTTL: 250 * time.Millisecond,
-		MinAmount:    s.terms.MinAmount(), SmartWalletFactories: s.factories,
+		MinAmount:    s.terms.MinAmount(), SmartWalletFactories: s.factories, SealsPerBurst: n.sealsPerBurst,
 	}
 	for _, a := range s.terms.PayTo() {
 		nc.PayTo = append(nc.PayTo, common.HexToAddress(a))
