@@ -72,6 +72,9 @@ type Extra struct {
 	// FacilitatorAddress (upto) is the settlement wallet the payer names in its witness: the upto proxy lets
 	// only that address settle the payment.
 	FacilitatorAddress string `json:"facilitatorAddress,omitempty"`
+	// ReceiverAuthorizer (batch-settlement, in a supported kind) is the address whose key signs this
+	// facilitator's claims: a route that names it as its receiverAuthorizer has its vouchers claimed by it.
+	ReceiverAuthorizer string `json:"receiverAuthorizer,omitempty"`
 }
 
 // PaymentRequirements is one way to pay for a resource (PaymentRequirementsItem of the spec, version 2).
@@ -280,6 +283,9 @@ type VerifyResponse struct {
 	InvalidReason  string                     `json:"invalidReason,omitempty"`
 	InvalidMessage string                     `json:"invalidMessage,omitempty"`
 	Extensions     map[string]json.RawMessage `json:"extensions,omitempty"`
+	// Extra is the scheme's own part of the answer, kept as it came: for batch-settlement, the channel as the
+	// facilitator read it (a BatchChannelState), which the SDK's resource server keeps as its view of the channel.
+	Extra json.RawMessage `json:"extra,omitempty"`
 }
 
 // SettleResponse is the answer of POST /settle, and Base64-encoded the PAYMENT-RESPONSE header.
