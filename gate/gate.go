@@ -263,18 +263,19 @@ func (e *StatusError) Unwrap() error { return e.Err }
 // a client sends, runs the next handler, settles, and answers with the resource and the settlement. One
 // payment buys exactly one response, across every gate of one journal.
 type Gate struct {
-	cfg    Config
-	fac    x402.Facilitator
-	holder fundsHolder // fac, when it can hold payments against payers' funds and the gate settles async
-	store  journal.Store
+	cfg      Config
+	fac      x402.Facilitator
+	holder   fundsHolder // fac, when it can hold payments against payers' funds and the gate settles async
+	store    journal.Store
+	owner    string
+	registry *x402.Registry
+	ledger   *Ledger
+	metrics  Metrics
+	logger   *zap.Logger
+	now      func() time.Time
+
 	// identifiers is store's PaymentIdentifiers, where the gate declares payment-identifier.
 	identifiers journal.PaymentIdentifiers
-	owner       string
-	registry    *x402.Registry
-	ledger      *Ledger
-	metrics     Metrics
-	logger      *zap.Logger
-	now         func() time.Time
 
 	offers   atomic.Pointer[offerSet] // the current offers, rebuilt from /supported as it changes
 	priced   pricedOffers             // with Config.OffersFor: the offers of each distinct answer
