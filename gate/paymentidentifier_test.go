@@ -229,3 +229,23 @@ func TestTwoPaymentsOfOneIdentifierAtTwoGatewaysOfAClusterBuyOneResponse(t *test
 		})
 	}
 }
+
+func TestAnUptoPaymentsIdentifierNamesItAndAnotherUptoPaymentOfTheIdIs409(t *testing.T) {
+	e := newEnv(t, setup{scheme: x402.SchemeUpto, override: func(*http.Request) string { return `{"amount":"4321"}` },
+		config: func(c *gate.Config) { c.PaymentIdentifier = gate.PaymentIdentifierRequired }})
+	payer := e.c.Payers[0]
+	before := e.balances(payer)
+	const id = "pay_upto_0123456789abcdef"
+	if a := e.get(x402.HeaderPaymentSignature, e.permit2Named(payer, namedBy(id))); a.status != http.StatusOK {
+		t.Fatalf("an upto payment naming an id = %d %q, want 200", a.status, a.body)
+	}
+	if a := e.get(x402.HeaderPaymentSignature, e.permit2Named(payer, namedBy(id))); a.status != http.StatusConflict {
+		t.Fatalf("another upto payment of the id = %d %q, want 409", a.status, a.body)
+	}
+	if lost, gained := e.paid(payer, before); lost.Int64() != 4321 || gained.Int64() != 4321 {
+		t.Errorf("the payer lost %s and the seller gained %s, want the 4321 the upstream named once", lost, gained)
+	}
+	if n := e.c.CountTokenTransfers(payer.Address, e.payTo); n != 1 {
+		t.Errorf("%d token transfers, want 1", n)
+	}
+}
