@@ -86,7 +86,8 @@ func TestEnginesSettlingOnePaymentAtOnceClaimItWithItsHoldOnceAndTheLoserEndsNot
 // TestAClaimWithItsHoldThatCommitsWhileItsCallFailsIsReleasedAndThePaymentSettlesOnce: the connection carrying a
 // settlement's claim and hold breaks once the database has them, before its answer comes back. The settlement
 // answers unreachable (nothing sent: present the payment again); the claim it cannot know it holds is released by
-// reconciliation, its hold first, and the payment presented again settles, once. A live settlement's claim is
+// reconciliation, its hold first (or, made broadcast in the same batch, its transaction sent by reconciliation),
+// and the payment presented again settles, once. A live settlement's claim is
 // never taken for such a claim: its write-ahead record, held back past the reconciliation grace, still lands and
 // the payment settles.
 func TestAClaimWithItsHoldThatCommitsWhileItsCallFailsIsReleasedAndThePaymentSettlesOnce(t *testing.T) {
@@ -122,10 +123,14 @@ func TestAClaimWithItsHoldThatCommitsWhileItsCallFailsIsReleasedAndThePaymentSet
 	if mined, err := holdMined(dsn, id); err != nil || mined != "0" {
 		t.Fatalf("the hold whose call failed = %q, %v; want it committed", mined, err)
 	}
-	if r, ok, err := direct.Get(context.Background(), id); err != nil || !ok || r.State != journal.StateClaimed {
-		t.Fatalf("the claim whose call failed is %s (found %v, %v); want it committed, claimed", r.State, ok, err)
+	// The claim with its hold rides in one batch with the record of the signed transaction
+	// (journal.HoldClaimAndSign): the cut may find both committed, the record broadcast, which reconciliation
+	// sends as recorded (a crash after a broadcast record's write), or the claim alone, which it releases.
+	r, ok, err := direct.Get(context.Background(), id)
+	if err != nil || !ok || (r.State != journal.StateClaimed && r.State != journal.StateBroadcast) {
+		t.Fatalf("the claim whose call failed is %s (found %v, %v); want it committed, claimed or broadcast", r.State, ok, err)
 	}
-	if n := fx.c.CountTokenTransfers(payer.Address, fx.payTo); n != 0 {
+	if n := fx.c.CountTokenTransfers(payer.Address, fx.payTo); r.State == journal.StateClaimed && n != 0 {
 		t.Fatalf("%d transfers after a settlement that failed before it sent anything", n)
 	}
 	resp, err = f.Settle(context.Background(), req)
@@ -338,4 +343,97 @@ func holdAmount(dsn string, id journal.ID) (string, error) {
 		return err
 	})
 	return amount, err
+}
+
+// TestEnginesSharingHoldsSendNothingForWhatTheirSignedWriteFoundThePayersFundsShortOf: engines sharing one
+// PostgreSQL journal write a settlement's claim and hold with the record of its signed transaction
+// (journal.HoldClaimAndSign). A payer with funds for two payments settles four at once on two engines, before any
+// block: each engine checked the funds at the same read, so the holds decide in the database. Two are sent and
+// settle; two are refused insufficient_funds with no transaction, the signed transactions their writes refused
+// never sent (the wallets sent two in all, every one mined), and no record or hold of theirs left behind.
+func TestEnginesSharingHoldsSendNothingForWhatTheirSignedWriteFoundThePayersFundsShortOf(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	const amount = 1_000_000
+	fx, engines, _ := sharedEnginesOn(t, dsn, 2, 3*time.Second, fixtureOpts{wallets: 4, autoCommit: -1, receiptTimeout: 30 * time.Second,
+		chainOpts: []chaintest.Option{chaintest.WithTokenBalance(big.NewInt(2 * amount))}})
+	waitLeases(t, fx, engines, 2, 2)
+	payer := fx.c.Payers[0]
+	fx.approvePermit2(payer)
+	rq := fx.requirements(x402.TransferPermit2)
+	rq.Amount = big.NewInt(amount).String()
+	sellerBefore := fx.c.TokenBalance(fx.payTo)
+	sent := func() (n uint64) {
+		for _, s := range fx.sentByWallets() {
+			n += s
+		}
+		return n
+	}
+	sentBefore := sent()
+	answers := make(chan x402.SettleResponse, 4)
+	var reqs []x402.VerifyRequest
+	var wg sync.WaitGroup
+	for i := range 4 {
+		req := fx.permit2(payer, rq, chain.Permit2Options{})
+		reqs = append(reqs, req)
+		wg.Go(func() {
+			resp, err := engines[i%2].Settle(context.Background(), req)
+			if err != nil {
+				t.Errorf("settle %d: %v", i, err)
+			}
+			answers <- resp
+		})
+	}
+	// Nothing is mined until every settlement has been sent or refused.
+	var refused []x402.SettleResponse
+	for deadline := time.Now().Add(30 * time.Second); len(refused) < 2 || sent()-sentBefore < 2; {
+		if time.Now().After(deadline) {
+			t.Fatalf("after 30s: %d answered, %d sent; want 2 refused and 2 sent", len(refused), sent()-sentBefore)
+		}
+		select {
+		case resp := <-answers:
+			refused = append(refused, resp)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	for _, resp := range refused {
+		if resp.Success || resp.ErrorReason != x402.ReasonInsufficientFunds || resp.Transaction != "" {
+			t.Errorf("a settlement beyond the payer's funds answered %+v; want insufficient_funds and no transaction", resp)
+		}
+	}
+	fx.c.Commit()
+	wg.Wait()
+	close(answers)
+	txs := map[string]bool{}
+	for resp := range answers {
+		if !resp.Success {
+			t.Errorf("a settlement within the payer's funds answered %+v", resp)
+		}
+		txs[resp.Transaction] = true
+	}
+	if len(txs) != 2 {
+		t.Errorf("%d distinct transactions settled, want 2", len(txs))
+	}
+	if got := sent() - sentBefore; got != 2 {
+		t.Errorf("the wallets sent %d transactions, want 2 (none refused by its write, none that would revert)", got)
+	}
+	if got := new(big.Int).Sub(fx.c.TokenBalance(fx.payTo), sellerBefore); got.Int64() != 2*amount {
+		t.Errorf("the seller received %s, want %d", got, 2*amount)
+	}
+	// The refused left nothing: no record (presented again later, after a top-up, it would settle) and no hold.
+	left := 0
+	for _, req := range reqs {
+		mined, err := holdMined(dsn, permit2ID(fx, req))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if mined == "" || mined == "0" {
+			left++
+			if mined == "0" {
+				t.Errorf("a refused payment's hold is still there, unmined")
+			}
+		}
+	}
+	if left != 2 {
+		t.Errorf("%d payments have no mined hold; want the 2 refused", left)
+	}
 }

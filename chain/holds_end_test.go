@@ -70,8 +70,8 @@ func TestAHoldEndsWithItsSettlementWhenTheDatabaseStopsAsItIsRecorded(t *testing
 }
 
 // TestAHoldEndsWhenTheDatabaseStopsBeforeItsSettlementIsSent: the database stops as the settlement's transaction is
-// to be recorded (before it is sent): nothing is sent, and neither the hold nor the claim can be let go then. Once
-// the database is back, both must go (the claim is released by reconciliation, and the hold with it): the
+// to be recorded (before it is sent): nothing is sent, and neither the hold nor the claim, if written, can be let
+// go then. Once the database is back, both must go (the claim is released by reconciliation, and the hold with it): the
 // payment was not settled, and its payer's funds are not spent.
 func TestAHoldEndsWhenTheDatabaseStopsBeforeItsSettlementIsSent(t *testing.T) {
 	srv := pgtest.Start(t)
@@ -85,13 +85,15 @@ func TestAHoldEndsWhenTheDatabaseStopsBeforeItsSettlementIsSent(t *testing.T) {
 	sent := fx.walletTxs()
 
 	// The write that records the transaction checks the wallet's lease in the same statement (the engine knows the
-	// claim it writes over: journal.UpdateFencedKnown): it waits behind the lock.
+	// claim it writes over: journal.UpdateFencedKnown, or journal.HoldClaimAndSign with the claim and the hold in
+	// the same batch): it waits behind the lock. In the batch, on a connection that prepares its statements first,
+	// the whole batch waits before any of it runs: then neither the claim nor the hold is written.
 	unlock := lockTable(t, srv.DSN(), "x402_leases", "EXCLUSIVE")
 	defer unlock()
 	settled := settleInBackground(engines[0], req)
 	waitBlocked(t, srv.DSN(), "WITH lease AS (")
-	if mined, err := holdMined(srv.DSN(), id); err != nil || mined != "0" {
-		t.Fatalf("the settlement's hold = %q, %v; want one, taken before the transaction is recorded", mined, err)
+	if mined, err := holdMined(srv.DSN(), id); err != nil || (mined != "0" && mined != "") {
+		t.Fatalf("the settlement's hold = %q, %v; want one not mined, or none yet", mined, err)
 	}
 	srv.Stop(t)
 	if r := <-settled; r.err == nil && r.resp.Success {

@@ -339,14 +339,21 @@ func (f *Facilitator) recordSigned(ctx context.Context, n *network, w *wallet, i
 	} else {
 		rec, err = f.cluster.UpdateFenced(ctx, id, leaseName(n.caip2, w.Address), fence, fn)
 	}
-	if errors.Is(err, journal.ErrFenced) {
-		f.log.Warn("a settlement wallet's lease was lost before this process knew; nothing was sent with it",
-			zap.String("network", n.caip2), zap.String("wallet", w.Address.Hex()), zap.Uint64("fence", fence))
-		n.pool.mu.Lock()
-		w.leased, w.draining = false, false
-		n.pool.mu.Unlock()
-		n.pool.publish()
-		w.synced = false // the caller, sending, holds w.mu
-	}
+	f.leaseLost(n, w, fence, err)
 	return rec, err
+}
+
+// leaseLost lets go of w, whose record of a signed transaction err, when it is ErrFenced, refused: another
+// instance holds its lease now. The caller, sending, holds w.mu.
+func (f *Facilitator) leaseLost(n *network, w *wallet, fence uint64, err error) {
+	if !errors.Is(err, journal.ErrFenced) {
+		return
+	}
+	f.log.Warn("a settlement wallet's lease was lost before this process knew; nothing was sent with it",
+		zap.String("network", n.caip2), zap.String("wallet", w.Address.Hex()), zap.Uint64("fence", fence))
+	n.pool.mu.Lock()
+	w.leased, w.draining = false, false
+	n.pool.mu.Unlock()
+	n.pool.publish()
+	w.synced = false
 }

@@ -171,11 +171,14 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 	)
 	p.pending = nil
 	if f.claimWithHold(p) {
-		// Claimed with its funds hold (claimhold.go). A settlement that ended before it held claims now, alone,
-		// and ends as its claim's owner below; one whose claim is not its own touches nothing.
-		p.pending = &pendingClaim{rec: claim}
+		// Claimed with its funds hold and the record of its signed transaction, or with its hold (claimhold.go).
+		// A settlement that ended before it held claims now, alone, and ends as its claim's owner below; one whose
+		// claim is not its own touches nothing.
+		p.pending = &pendingClaim{rec: claim, withSigned: true}
 		resp, keep, err = f.broadcastAndWait(ctx, p)
 		if !keep {
+			// A hold the checks decided on and nothing wrote was not taken: the claim goes alone.
+			p.pending.hold = nil
 			f.claimAlone(context.WithoutCancel(ctx), p) // to end what the settlement began, as its owner
 		}
 		if c := p.pending; !c.won {
@@ -376,20 +379,35 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 		// A verification may have held the payment at its maximum: what this settlement moves is what stays held.
 		n.funds.shrink(p)
 	}
+	for {
+		hash, ref, err := f.checkAndSend(ctx, p, w, quote)
+		if errors.Is(err, errHoldRefusedSigned) {
+			// The checks held at a funds read the shared holds no longer leave room at: they run again, holding
+			// and claiming before anything is signed (claimhold.go), reading the funds again where that falls short.
+			continue
+		}
+		return hash, ref, err
+	}
+}
+
+// checkAndSend is broadcast's checks against the chain, the payment's claim and hold, and the send from w.
+func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, quote *feeQuote) (common.Hash, *refusal, error) {
+	n := p.net
 	if ref, err := p.checkChain(ctx, fundsSettle); err != nil || ref != nil {
 		return common.Hash{}, ref, err
 	}
-	// Nothing is signed before the payment's claim is written and this settlement's: written with the hold, or
-	// now, alone, when the checks held nothing (claimhold.go). A claim another won lets the wallet go unused.
+	// Nothing is sent before the payment's claim is written and this settlement's: with the record of the signed
+	// transaction and its hold, written with the hold, or now, alone, when the checks held nothing (claimhold.go).
+	// A claim another won lets the wallet go unused, its nonce with it.
 	f.claimAlone(ctx, p)
-	if c := p.pending; c != nil && !c.won {
+	if c := p.pending; c != nil && !c.won && !c.waitsForSigned() {
 		if c.err != nil {
 			return common.Hash{}, nil, fmt.Errorf("nothing was sent: settlement journal: %w", c.err)
 		}
 		return common.Hash{}, nil, errClaimNotWon
 	}
-	// The claim and the hold are durable: the deadline is judged again, from the freshest head, at the last
-	// moment before anything is signed. Counted in sending from then until sent, as ahead of those that follow.
+	// The claim and the hold are durable, or go with the signed transaction's record: the deadline is judged
+	// again, from the freshest head, at the last moment before anything is signed. Counted in sending from then until sent, as ahead of those that follow.
 	if ref, err := p.checkDeadlineBeforeSending(ctx); err != nil || ref != nil {
 		return common.Hash{}, ref, err
 	}
@@ -423,10 +441,7 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 		last := txs[len(txs)-1]
 		first := !seen
 		seen = true
-		rec, err := f.recordSigned(context.WithoutCancel(ctx), n, w, p.id, known, func(r *journal.Record) error {
-			if err := checkClaim(p, r); err != nil {
-				return err
-			}
+		sign := func(r *journal.Record) error {
 			if first && r.State == journal.StateBroadcast && r.TxHash != "" {
 				sentBefore = true
 				if !slices.Contains(r.ReplacedTxHashes, r.TxHash) {
@@ -442,7 +457,22 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 			}
 			r.Attempts++
 			return nil
-		})
+		}
+		var rec journal.Record
+		var err error
+		if first && p.pending.waitsForSigned() {
+			n.pool.mu.Lock()
+			fence := w.fence
+			n.pool.mu.Unlock()
+			rec, err = f.signedWithHold(context.WithoutCancel(ctx), p, w, fence, sign)
+		} else {
+			rec, err = f.recordSigned(context.WithoutCancel(ctx), n, w, p.id, known, func(r *journal.Record) error {
+				if err := checkClaim(p, r); err != nil {
+					return err
+				}
+				return sign(r)
+			})
+		}
 		if err == nil {
 			known = rec
 			f.rememberSigned(rec)
@@ -452,6 +482,17 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 		}
 		return err
 	})
+	if c := p.pending; len(txs) == 0 && c != nil && c.sent && !c.won {
+		// The claim written with the signed transaction's record was not won (another's record was there) or
+		// may have been (its write failed): nothing was sent here, and nothing of this settlement's is to end.
+		if c.err != nil {
+			return common.Hash{}, nil, fmt.Errorf("nothing was sent: settlement journal: %w", c.err)
+		}
+		return common.Hash{}, nil, errClaimNotWon
+	}
+	if errors.Is(err, errHoldRefusedSigned) && len(txs) == 0 {
+		return common.Hash{}, nil, errHoldRefusedSigned
+	}
 	if len(txs) == 0 {
 		// Refused by every node it reached before anything went out, or the journal write failed: nothing is
 		// on its way. The record written ahead of the refused send goes too, so that no later pass sends
