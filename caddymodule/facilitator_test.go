@@ -280,7 +280,7 @@ func TestFacilitatorServesSupportedVerifySettleAndHealthToEachCallerEmbeddedAndA
 				if err != nil {
 					t.Fatalf("supported: %v", err)
 				}
-				assertKinds(t, sup, []string{"permit2 v2", "upto permit2 v2", "eip3009 v1", "eip3009 v2", "erc2612 v1", "erc2612 v2"}, e.network)
+				assertKinds(t, sup, []string{"permit2 v2", "upto permit2 v2", "eip3009 v1", "eip3009 v2", "erc2612 v1", "erc2612 v2", "batch-settlement eip3009 v2"}, e.network)
 				if len(sup.Signers[e.network]) != 2 || !strings.EqualFold(sup.Signers[e.network][0], e.c.Wallets[0].Address.Hex()) {
 					t.Errorf("signers = %v, want the two settlement wallets", sup.Signers)
 				}
@@ -327,18 +327,18 @@ func TestFacilitatorServesSupportedVerifySettleAndHealthToEachCallerEmbeddedAndA
 	}
 }
 
-// assertKinds checks that sup lists exactly the kinds ("<method> v<version>", with "upto " before an upto kind's)
-// on network.
+// assertKinds checks that sup lists exactly the kinds ("<method> v<version>", with the scheme before it when it is
+// not exact: "upto ", "batch-settlement ") on network.
 func assertKinds(t *testing.T, sup x402.SupportedResponse, want []string, network string) {
 	t.Helper()
 	var got []string
 	for _, k := range sup.Kinds {
-		if k.Network != network || !x402.IsScheme(k.Scheme) {
-			t.Errorf("kind %+v is not exact or upto on %s", k, network)
+		if k.Network != network || !(x402.IsScheme(k.Scheme) || k.Scheme == x402.SchemeBatchSettlement) {
+			t.Errorf("kind %+v is not exact, upto or batch-settlement on %s", k, network)
 		}
 		kind := fmt.Sprintf("%s v%d", k.Extra.AssetTransferMethod, k.X402Version)
-		if k.Scheme == x402.SchemeUpto {
-			kind = "upto " + kind
+		if k.Scheme != x402.SchemeExact {
+			kind = k.Scheme + " " + kind
 		}
 		got = append(got, kind)
 	}
@@ -810,7 +810,7 @@ func TestFacilitatorServesTheDevChainWhenNothingElseIsConfigured(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	assertKinds(t, sup, []string{"permit2 v2", "upto permit2 v2", "eip3009 v1", "eip3009 v2", "erc2612 v1", "erc2612 v2"}, x402.NetworkTestnet)
+	assertKinds(t, sup, []string{"permit2 v2", "upto permit2 v2", "eip3009 v1", "eip3009 v2", "erc2612 v1", "erc2612 v2", "batch-settlement eip3009 v2"}, x402.NetworkTestnet)
 	if n := len(sup.Signers[x402.NetworkTestnet]); n != 4 {
 		t.Errorf("%d signers on the dev chain, want its 4 settlement wallets", n)
 	}

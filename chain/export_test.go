@@ -6,6 +6,7 @@ import (
 
 	"github.com/ethereum/go-ethereum/common"
 
+	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -73,4 +74,18 @@ func (f *Facilitator) StallLeasesForTest() {
 // LeaseNameForTest is the journal's name of a settlement wallet's lease.
 func LeaseNameForTest(network string, wallet common.Address) string {
 	return leaseName(network, wallet)
+}
+
+// RecordedPaymentIDForTest is the id of the payment a journal record's Request parses back to (parseRecorded), and
+// the reason it is refused, if it is.
+func (f *Facilitator) RecordedPaymentIDForTest(raw []byte) (journal.ID, string, error) {
+	p, ref, err := f.parseRecorded(raw)
+	if err != nil || ref != nil {
+		reason := ""
+		if ref != nil {
+			reason = ref.reason + ": " + ref.message
+		}
+		return journal.ID{}, reason, err
+	}
+	return p.id, "", nil
 }

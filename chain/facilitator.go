@@ -94,6 +94,20 @@ type NetworkConfig struct {
 	// with arbitrary calldata, so only factories the operator trusts). Empty: payments of undeployed wallets
 	// are refused with eip6492_factory_not_allowed; deployed contract wallets (ERC-1271) pay either way.
 	SmartWalletFactories []common.Address
+	// BatchClaimMargin is how long before a batch-settlement channel's pending withdrawal could be finalized its
+	// vouchers must be claimed (BatchTerms.ClaimMargin): a voucher counts only the deposit still there that long
+	// from now, and a channel read older than its withdrawDelay less this margin is read again. Zero means 5
+	// minutes (defaultBatchClaimMargin); it must stay under the shortest withdrawDelay (15 minutes).
+	BatchClaimMargin time.Duration
+	// BatchReceiverAuthorizer is the key of the receiverAuthorizer this engine's batch-settlement routes name: it
+	// signs the claims of their channels' vouchers, which a settlement wallet sends. Nil: no claims are sent.
+	BatchReceiverAuthorizer *ecdsa.PrivateKey
+	// BatchClaimEvery, BatchClaimAmount and BatchClaimAfter are when accepted vouchers are claimed: once this
+	// many were accepted here since the last claim (default 100), once this much is unclaimed (nil: never by
+	// amount), or once the oldest unclaimed voucher is this old (default 1 minute); and at Close.
+	BatchClaimEvery  int
+	BatchClaimAmount *big.Int
+	BatchClaimAfter  time.Duration
 }
 
 // Config configures a Facilitator.
@@ -184,12 +198,16 @@ type network struct {
 	permit2   common.Address
 	proxy     common.Address // the spender of exact permit2 payments
 	uptoProxy common.Address // the spender of upto payments
-	pool      *walletPool
-	sender    *sender
-	watcher   *receiptWatcher
-	timeout   time.Duration
-	low       *big.Int
-	p2dom     common.Hash
+	batch     *batchNetwork  // batch-settlement: terms parsed, channel reads' block times (batch_engine.go)
+	claimer   *batchClaimer  // batch-settlement claims (batch_claim.go); nil without a receiver authorizer key
+	// batchEscrow says the batch-settlement escrow is deployed at its canonical address on this chain.
+	batchEscrow bool
+	pool        *walletPool
+	sender      *sender
+	watcher     *receiptWatcher
+	timeout     time.Duration
+	low         *big.Int
+	p2dom       common.Hash
 
 	replaceAfter time.Duration
 
@@ -314,6 +332,13 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 		f.wg.Add(1)
 		go f.reconcileLoop(every)
 	}
+	for _, id := range f.order {
+		if f.networks[id].claimer != nil {
+			f.wg.Add(1)
+			go f.claimLoop(time.Second)
+			break
+		}
+	}
 	return f, nil
 }
 
@@ -399,6 +424,16 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		return nil, err
 	}
 	n.factories = slices.Clone(nc.SmartWalletFactories)
+	if n.batch, err = newBatchNetwork(nc.BatchClaimMargin); err != nil {
+		return nil, err
+	}
+	n.claimer = newBatchClaimer(nc)
+	// The batch-settlement kind is served where the escrow is deployed (read once: it never moves).
+	code, err := backend.CodeAt(ctx, contracts.BatchSettlementAddress, nil)
+	if err != nil {
+		return nil, fmt.Errorf("reading the code of the batch-settlement escrow %s: %w", contracts.BatchSettlementAddress.Hex(), err)
+	}
+	n.batchEscrow = len(code) > 0
 	if n.low == nil {
 		n.low = new(big.Int).Exp(big.NewInt(10), big.NewInt(16), nil)
 	}
@@ -470,6 +505,15 @@ func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error)
 		n := f.networks[id]
 		signers := n.pool.offers()
 		addNetwork(&resp, id, n.methods, n.first.AssetConfig, n.permit2, n.proxy, n.uptoProxy, signers)
+		if n.batchEscrow {
+			// Deposits come by ERC-3009 (the only way this engine takes them); vouchers need no chain call.
+			k := x402.SupportedKind{X402Version: x402.Version2, Scheme: x402.SchemeBatchSettlement, Network: id,
+				Extra: x402.Extra{AssetTransferMethod: x402.TransferEIP3009}}
+			if n.claimer != nil {
+				k.Extra.ReceiverAuthorizer = n.claimer.authorizer.Hex()
+			}
+			resp.Kinds = append(resp.Kinds, k)
+		}
 	}
 	return finishSupported(resp), nil
 }

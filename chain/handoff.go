@@ -2,7 +2,6 @@ package chain
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -325,12 +324,8 @@ func (f *Facilitator) takeHandoffs(ctx context.Context) (seen bool) {
 		if n == nil {
 			continue
 		}
-		var req x402.SettleRequest
-		if err := json.Unmarshal(rec.Request, &req); err != nil {
-			continue
-		}
-		p, ref := f.parse(req, true)
-		if ref != nil || p.id != rec.ID {
+		p, ref, err := f.parseRecorded(rec.Request)
+		if err != nil || ref != nil || p.id != rec.ID {
 			continue
 		}
 		named := p.namedSender()

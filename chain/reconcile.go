@@ -239,11 +239,10 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 	if done, err := f.finaliseFromReceipts(ctx, n, rec); done || err != nil {
 		return err
 	}
-	var req x402.SettleRequest
-	if err := json.Unmarshal(rec.Request, &req); err != nil {
+	p, ref, err := f.parseRecorded(rec.Request)
+	if err != nil {
 		return fmt.Errorf("payment %s: the journal holds no readable request to settle again: %w", rec.ID, err)
 	}
-	p, ref := f.parse(req, true)
 	if ref == nil && p.id != rec.ID {
 		return fmt.Errorf("payment %s: its recorded request belongs to payment %s", rec.ID, p.id)
 	}
@@ -251,7 +250,6 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 		p.claim = rec
 	}
 	var hash common.Hash
-	var err error
 	if ref == nil && p.method == x402.TransferERC2612 {
 		// A permit of this settlement that mined spent the payer's permit nonce: what is left to send is the
 		// transfer its allowance pays for.
@@ -307,12 +305,8 @@ func (f *Facilitator) isSettlementRecord(rec journal.Record) bool {
 	if rec.Async || len(rec.Request) == 0 {
 		return false
 	}
-	var req x402.SettleRequest
-	if err := json.Unmarshal(rec.Request, &req); err != nil {
-		return false
-	}
-	p, ref := f.parse(req, true)
-	return ref == nil && p.id == rec.ID
+	p, ref, err := f.parseRecorded(rec.Request)
+	return err == nil && ref == nil && p.id == rec.ID
 }
 
 // takeOver makes a settlement record of another process this process's, when that process is dead: its claim is
@@ -446,6 +440,14 @@ func (f *Facilitator) reconcileLoop(every time.Duration) {
 					f.log.Info("pruned final settlements from the journal", zap.Int("records", n), zap.Duration("older_than", f.retention))
 				}
 				f.pruneHolds(ctx)
+				// Channels refunded or withdrawn, all claimed, go with the records of the same age.
+				if chs, ok := f.journal.(journal.Channels); ok {
+					if n, err := chs.PruneChannels(ctx, f.now().Add(-f.retention)); err != nil {
+						f.log.Warn("pruning the journal's batch-settlement channels", zap.Error(err))
+					} else if n > 0 {
+						f.log.Info("pruned withdrawn batch-settlement channels from the journal", zap.Int("channels", n))
+					}
+				}
 			}
 			cancel()
 		}

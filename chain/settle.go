@@ -88,6 +88,12 @@ func (f *Facilitator) Settle(ctx context.Context, req x402.SettleRequest) (resp 
 	if ref != nil {
 		return failed(req.PaymentRequirements.Network, x402.ClaimedPayer(req), "", ref), nil
 	}
+	return f.settleParsed(ctx, p, req)
+}
+
+// settleParsed settles a parsed and admitted payment exactly once (see Settle): one settlement of it in this
+// process at a time, the later callers waiting for its answer.
+func (f *Facilitator) settleParsed(ctx context.Context, p *payment, req x402.SettleRequest) (x402.SettleResponse, error) {
 	f.flightMu.Lock()
 	if fl, ok := f.flights[p.id]; ok {
 		f.flightMu.Unlock()
@@ -125,7 +131,10 @@ func (f *Facilitator) markClaiming(id journal.ID, add int) {
 }
 
 func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.SettleRequest) (x402.SettleResponse, error) {
-	body, _ := json.Marshal(req)
+	body := p.request
+	if body == nil {
+		body, _ = json.Marshal(req)
+	}
 	// Counted from before the claim is written to after its settlement let it go (or handed it on, broadcast): a
 	// write that commits while its call fails leaves a claim that no settlement holds, which reconciliation
 	// releases, and it must never take this one for such a claim.
@@ -716,12 +725,8 @@ func (f *Facilitator) answerFromJournal(ctx context.Context, p *payment, req x40
 
 // recordedSame reports whether the journal record is of this very payment, not merely of its payer and nonce.
 func (f *Facilitator) recordedSame(p *payment, rec journal.Record) bool {
-	var req x402.SettleRequest
-	if err := json.Unmarshal(rec.Request, &req); err != nil {
-		return false
-	}
-	q, ref := f.parse(req, true)
-	return ref == nil && q.same(p)
+	q, ref, err := f.parseRecorded(rec.Request)
+	return err == nil && ref == nil && q.same(p)
 }
 
 // reused is the refusal of a payment whose nonce belongs to another, already claimed, payment.

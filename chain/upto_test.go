@@ -435,7 +435,8 @@ func TestAnUptoPaymentSettlesOnlyOnTheEngineHoldingTheNamedWalletsLease(t *testi
 }
 
 // What the configuration alone says the engine supports (for offers while its chain does not answer) is what the
-// engine says once up, less what names a settlement wallet: no upto kind, no signers.
+// engine says once up, less what names a settlement wallet (no upto kind, no signers) and what only the chain says
+// (the batch-settlement kind, listed where the escrow is deployed).
 func TestConfiguredSupportedIsTheEnginesLessWhatNamesAWallet(t *testing.T) {
 	var nc chain.NetworkConfig
 	fx := newFixture(t, fixtureOpts{tune: func(_ *fixture, c *chain.NetworkConfig) { nc = *c }})
@@ -450,7 +451,7 @@ func TestConfiguredSupportedIsTheEnginesLessWhatNamesAWallet(t *testing.T) {
 	}
 	var want []x402.SupportedKind
 	for _, k := range up.Kinds {
-		if k.Scheme != x402.SchemeUpto {
+		if k.Scheme != x402.SchemeUpto && k.Scheme != x402.SchemeBatchSettlement {
 			want = append(want, k)
 		}
 	}

@@ -86,6 +86,12 @@ type payment struct {
 	// permitApplied (erc2612) says a permit transaction of this very settlement mined: the permit nonce it spent
 	// is no reason to refuse, and the allowance it granted is what the settlement's transferFrom uses.
 	permitApplied bool
+	// deposit is a batch-settlement deposit's escrow call and channel (batch_deposit_settle.go); nil for a payment
+	// of exact or upto. Its transfer is the payer's ERC-3009 ReceiveWithAuthorization to the deposit collector.
+	deposit *batchDeposit
+	// request is what the journal keeps as the payment's Request, when not its x402.SettleRequest (a deposit's
+	// x402.BatchRequest): reconciliation reads it back with parseRecorded.
+	request []byte
 }
 
 // deadline is the last moment the payment can be settled (Permit2 deadline, erc2612 and eip3009 validBefore),
@@ -213,6 +219,12 @@ func (f *Facilitator) HoldServed(ctx context.Context, req x402.SettleRequest) er
 
 func (f *Facilitator) verify(ctx context.Context, req x402.VerifyRequest, use fundsUse) (x402.VerifyResponse, error) {
 	p, ref := f.parse(req, false)
+	return f.verifyParsed(ctx, p, ref, x402.ClaimedPayer(req), use)
+}
+
+// verifyParsed verifies a parsed payment p (or answers the refusal ref of its parse): the payer it claims to be
+// is answered when the payload was refused before its payer was read.
+func (f *Facilitator) verifyParsed(ctx context.Context, p *payment, ref *refusal, claimedPayer string, use fundsUse) (x402.VerifyResponse, error) {
 	if ref == nil {
 		ref = p.net.terms.check(p)
 	}
@@ -242,7 +254,7 @@ func (f *Facilitator) verify(ctx context.Context, req x402.VerifyRequest, use fu
 			return x402.VerifyResponse{}, &x402.FacilitatorError{Op: "verify", Kind: x402.FailureUnreachable, Err: err}
 		}
 	}
-	payer := x402.ClaimedPayer(req)
+	payer := claimedPayer
 	if p != nil && p.payer != (common.Address{}) {
 		// A payload refused before its payer was read leaves p.payer zero: that is no payer.
 		payer = p.payer.Hex()
@@ -976,6 +988,9 @@ func (p *payment) simulate(ctx context.Context) (*refusal, error) {
 	if p.method == x402.TransferPermit2 {
 		reason = x402.ReasonPermit2SimulationFailed
 	}
+	if p.deposit != nil {
+		reason = x402.ReasonBatchDepositSimulationFailed
+	}
 	if p.undeployed && p.upto() {
 		// DeployThenCall would be the upto proxy's caller, which takes the settlement from the witness's
 		// facilitator only: the call cannot be simulated where the wallet has been deployed.
@@ -1012,6 +1027,9 @@ func (p *payment) simulate(ctx context.Context) (*refusal, error) {
 // from the spender. permit2: the proxy's settle, or settleWithPermit with the sponsored permit.
 func (p *payment) settlementCalls() ([]contractCall, error) {
 	n := p.net
+	if p.deposit != nil {
+		return p.deposit.calls(p)
+	}
 	if p.method == x402.TransferPermit2 && p.upto() {
 		return p.uptoSettlementCalls()
 	}

@@ -330,6 +330,9 @@ func (s *Server) servePayment(r *http.Request, endpoint string) reply {
 	if int64(len(body)) > s.maxBody {
 		return errorReply(http.StatusRequestEntityTooLarge, "the body is more than %d bytes, the most this facilitator accepts", s.maxBody)
 	}
+	if isBatchBody(body) {
+		return s.serveBatch(r, body, endpoint)
+	}
 	req, v1, err := s.registry.DecodeFacilitatorRequest(body)
 	if err != nil {
 		var de *x402.DecodeError

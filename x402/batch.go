@@ -1,6 +1,7 @@
 package x402
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"strings"
@@ -15,6 +16,15 @@ import (
 
 // SchemeBatchSettlement is the scheme name of batch-settlement payments.
 const SchemeBatchSettlement = "batch-settlement"
+
+// BatchFacilitator is a facilitator that verifies and settles batch-settlement payments besides the schemes of
+// Facilitator: the embedded engine, and a facilitator server's backend when it serves the scheme.
+type BatchFacilitator interface {
+	// VerifyBatch checks a deposit, voucher or refund payment against its requirements, changing nothing.
+	VerifyBatch(ctx context.Context, req BatchRequest) (VerifyResponse, error)
+	// SettleBatch settles it: a deposit is sent on chain, a voucher recorded (its answer names the commitment).
+	SettleBatch(ctx context.Context, req BatchRequest) (BatchSettleResponse, error)
+}
 
 // Kinds of batch-settlement payload, in its "type" member. A client pays with a deposit (the first payment of a
 // channel, or a top-up), a voucher, or asks for a refund; a /settle request carries a deposit, a claim of

@@ -72,6 +72,9 @@ type Extra struct {
 	// FacilitatorAddress (upto) is the settlement wallet the payer names in its witness: the upto proxy lets
 	// only that address settle the payment.
 	FacilitatorAddress string `json:"facilitatorAddress,omitempty"`
+	// ReceiverAuthorizer (batch-settlement, in a supported kind) is the address whose key signs this
+	// facilitator's claims: a route that names it as its receiverAuthorizer has its vouchers claimed by it.
+	ReceiverAuthorizer string `json:"receiverAuthorizer,omitempty"`
 }
 
 // PaymentRequirements is one way to pay for a resource (PaymentRequirementsItem of the spec, version 2).

@@ -1,0 +1,467 @@
+package chain
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"errors"
+	"fmt"
+	"math/big"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ethereum/go-ethereum"
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/crypto"
+	"go.uber.org/zap"
+
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// The claimer: the accepted vouchers of the channels whose receiverAuthorizer is this engine's key are claimed
+// on chain in batches, one transaction a batch (the escrow's multicall of claimWithSignature, signed by the
+// authorizer, and settle of each receiver, which pays the receiver what was claimed for it), sent from a
+// settlement wallet. Crash-safe as a payment's settlement is: the channels are marked claimed by the transaction
+// (MarkClaimSent) and its broadcast record, raw transaction and all, written in the journal before it leaves; a
+// claim in flight is looked up on chain by the next pass (mined, reverted, or sent again as it was), so an
+// accepted voucher is claimed once, and never lost to a crash.
+
+// Defaults of the claim policy (NetworkConfig.BatchClaimEvery, BatchClaimAfter).
+const (
+	defaultBatchClaimEvery = 100
+	defaultBatchClaimAfter = time.Minute
+	// maxClaimsPerTx bounds the channels one claim transaction claims (about 609 bytes of calldata each).
+	maxClaimsPerTx = 100
+	// claimGasPerChannel and claimGasBase size a claim transaction's gas limit.
+	claimGasPerChannel = 60_000
+	claimGasBase       = 120_000
+	// unrecordedClaimAge is how long a claim marked sent with no broadcast record is left to its sender, which
+	// writes the record before the transaction leaves: older, the sender is gone and nothing left.
+	unrecordedClaimAge = time.Minute
+)
+
+// batchClaimer is a network's claim policy and its authorizer's key.
+type batchClaimer struct {
+	key        *ecdsa.PrivateKey
+	authorizer common.Address
+	every      int
+	amount     *big.Int
+	after      time.Duration
+	// accepted counts the vouchers this engine accepted since its last claim.
+	accepted int
+}
+
+func newBatchClaimer(nc NetworkConfig) *batchClaimer {
+	if nc.BatchReceiverAuthorizer == nil {
+		return nil
+	}
+	c := &batchClaimer{key: nc.BatchReceiverAuthorizer, authorizer: crypto.PubkeyToAddress(nc.BatchReceiverAuthorizer.PublicKey),
+		every: nc.BatchClaimEvery, amount: nc.BatchClaimAmount, after: nc.BatchClaimAfter}
+	if c.every <= 0 {
+		c.every = defaultBatchClaimEvery
+	}
+	if c.after <= 0 {
+		c.after = defaultBatchClaimAfter
+	}
+	return c
+}
+
+// claimRecordID is the journal id of the broadcast record of claim transaction tx.
+func claimRecordID(network string, tx common.Hash) journal.ID {
+	return journal.PaymentID(network, "batch-claim", contracts.BatchSettlementAddress.Hex(), "", tx.Hex())
+}
+
+// noteAccepted counts a voucher this engine accepted, for the claim policy.
+func (n *network) noteAccepted() {
+	if c := n.claimer; c != nil {
+		n.batch.mu.Lock()
+		c.accepted++
+		n.batch.mu.Unlock()
+	}
+}
+
+// ClaimBatches claims, on every network with a receiver authorizer key, every voucher accepted and not claimed
+// yet, whatever the claim policy says (what Close does last), after resolving the claims in flight. It returns
+// when the claims are mined or the receipt timeout passed (they stay in flight for the next pass).
+func (f *Facilitator) ClaimBatches(ctx context.Context) error {
+	var errs []error
+	for _, id := range f.order {
+		if n := f.networks[id]; n.claimer != nil {
+			errs = append(errs, f.claimPass(ctx, n, true, true))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// claimLoop runs the claim policy on every network with a receiver authorizer key, and a last forced pass when
+// the engine closes.
+func (f *Facilitator) claimLoop(every time.Duration) {
+	defer f.wg.Done()
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-f.stop:
+			// Sent, not waited for: the next start finds the claims in flight and looks them up.
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			for _, id := range f.order {
+				if n := f.networks[id]; n.claimer != nil {
+					if err := f.claimPass(ctx, n, true, false); err != nil {
+						f.log.Warn("claiming batch-settlement vouchers at shutdown", zap.String("network", id), zap.Error(err))
+					}
+				}
+			}
+			cancel()
+			return
+		case <-t.C:
+			for _, id := range f.order {
+				n := f.networks[id]
+				if n.claimer == nil {
+					continue
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), n.timeout+10*time.Second)
+				if err := f.claimPass(ctx, n, false, true); err != nil {
+					f.log.Warn("claiming batch-settlement vouchers", zap.String("network", id), zap.Error(err))
+				}
+				cancel()
+			}
+		}
+	}
+}
+
+// claimPass resolves the network's claims in flight, then claims what the policy says is due (all, when force),
+// waiting for each claim's receipt when wait says so.
+func (f *Facilitator) claimPass(ctx context.Context, n *network, force, wait bool) error {
+	chs, err := f.channelStore()
+	if err != nil {
+		return err
+	}
+	if err := f.resolveClaims(ctx, n, chs); err != nil {
+		return err
+	}
+	for {
+		rows, err := chs.Unclaimed(ctx, n.caip2)
+		if err != nil {
+			return fmt.Errorf("listing unclaimed channels: %w", err)
+		}
+		rows = n.claimer.ours(rows)
+		if len(rows) == 0 || !(force || n.claimer.due(rows, n.chainNow(), &n.batch.mu)) {
+			return nil
+		}
+		if len(rows) > maxClaimsPerTx {
+			rows = rows[:maxClaimsPerTx]
+		}
+		err = f.sendClaim(ctx, n, chs, rows, wait)
+		var reverts *claimReverts
+		if errors.As(err, &reverts) && len(rows) > 1 {
+			// One channel's claim sinks the batch (a channel withdrawn since, say): the others are claimed
+			// without it, and it is left for the next pass, which finds it the same unless the chain changed.
+			good := f.claimableAlone(ctx, n, rows)
+			if len(good) == 0 || len(good) == len(rows) {
+				return err
+			}
+			f.log.Warn("batch-settlement claim left out channels whose claim reverts", zap.String("network", n.caip2),
+				zap.Int("left_out", len(rows)-len(good)), zap.String("why", reverts.why))
+			err = f.sendClaim(ctx, n, chs, good, wait)
+			force = false // the channels left out would come back at once
+		}
+		if err != nil {
+			return err
+		}
+		if !force {
+			return nil
+		}
+	}
+}
+
+// ours keeps the rows this engine can claim: those naming its authorizer, with a voucher to claim.
+func (c *batchClaimer) ours(rows []journal.Channel) []journal.Channel {
+	out := rows[:0:0]
+	for _, r := range rows {
+		if strings.EqualFold(r.Config.ReceiverAuthorizer, c.authorizer.Hex()) && len(r.Signature) > 0 {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// due says whether the policy claims rows now: enough vouchers accepted here since the last claim, enough
+// unclaimed, the oldest unclaimed voucher old enough, or a withdrawal pending on one of the channels (its
+// vouchers must be claimed before it can be finalized).
+func (c *batchClaimer) due(rows []journal.Channel, now time.Time, mu *sync.Mutex) bool {
+	mu.Lock()
+	accepted := c.accepted
+	mu.Unlock()
+	if accepted >= c.every {
+		return true
+	}
+	sum := new(big.Int)
+	for _, r := range rows {
+		if !r.WithdrawRequestedAt.IsZero() {
+			return true
+		}
+		if !r.UnclaimedSince.IsZero() && now.Sub(r.UnclaimedSince) >= c.after {
+			return true
+		}
+		sum.Add(sum, r.Unclaimed())
+	}
+	return c.amount != nil && c.amount.Sign() > 0 && sum.Cmp(c.amount) >= 0
+}
+
+// claimCall is the calldata of a claim of rows: the escrow's multicall of claimWithSignature and a settle of
+// each receiver and token.
+func (c *batchClaimer) claimCall(domain common.Hash, rows []journal.Channel) ([]byte, []journal.ChannelClaim, error) {
+	claims := make([]contracts.VoucherClaim, 0, len(rows))
+	entries := make([]ClaimEntry, 0, len(rows))
+	marks := make([]journal.ChannelClaim, 0, len(rows))
+	type payee struct{ receiver, token common.Address }
+	var payees []payee
+	seen := map[payee]bool{}
+	for _, r := range rows {
+		cfg, err := ParseChannelConfig(r.Config)
+		if err != nil {
+			return nil, nil, fmt.Errorf("channel %s: %w", r.Key.ID, err)
+		}
+		amount := new(big.Int).Set(r.Charged)
+		claims = append(claims, contracts.VoucherClaim{Voucher: contracts.Voucher{Channel: cfg, MaxClaimableAmount: amount},
+			Signature: r.Signature, TotalClaimed: amount})
+		entries = append(entries, ClaimEntry{ChannelID: common.HexToHash(r.Key.ID), MaxClaimableAmount: amount, TotalClaimed: amount})
+		marks = append(marks, journal.ChannelClaim{Key: r.Key, Amount: amount})
+		if p := (payee{cfg.Receiver, cfg.Token}); !seen[p] {
+			seen[p] = true
+			payees = append(payees, p)
+		}
+	}
+	sig, err := signDigest(c.key, ClaimBatchDigest(domain, entries))
+	if err != nil {
+		return nil, nil, err
+	}
+	claim, err := contracts.PackClaimWithSignature(claims, sig[:])
+	if err != nil {
+		return nil, nil, err
+	}
+	calls := [][]byte{claim}
+	for _, p := range payees {
+		settle, err := contracts.PackBatchSettle(p.receiver, p.token)
+		if err != nil {
+			return nil, nil, err
+		}
+		calls = append(calls, settle)
+	}
+	data, err := contracts.PackBatchMulticall(calls)
+	return data, marks, err
+}
+
+// sendClaim claims rows in one transaction: simulated from the settlement wallet that sends it, the channels
+// marked claimed by it and its broadcast record written before it leaves, its receipt awaited when wait says so.
+func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Channels, rows []journal.Channel, wait bool) error {
+	data, marks, err := n.claimer.claimCall(BatchDomainSeparator(n.chainID), rows)
+	if err != nil {
+		return fmt.Errorf("building the claim: %w", err)
+	}
+	call := contractCall{To: contracts.BatchSettlementAddress, Data: data, Gas: claimGasBase + claimGasPerChannel*uint64(len(rows))}
+	w, err := n.pool.Acquire(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("a settlement wallet for the claim: %w", err)
+	}
+	defer n.pool.Release(w)
+	quote, err := n.sender.feeQuote(ctx)
+	if err != nil {
+		return fmt.Errorf("pricing the claim: %w", err)
+	}
+	// Nothing is sent that would revert: the claim runs first as it will be sent.
+	to := call.To
+	if _, err := n.backend.CallContract(ctx, ethereum.CallMsg{From: w.Address, To: &to, Gas: call.Gas, Data: call.Data}, nil); err != nil {
+		if failsOnChain(err) {
+			return &claimReverts{channels: len(rows), why: revertReason(err)}
+		}
+		return fmt.Errorf("simulating the claim of %d channels: %w", len(rows), err)
+	}
+	n.batch.mu.Lock()
+	n.claimer.accepted = 0
+	n.batch.mu.Unlock()
+	var marked common.Hash
+	txs, err := n.sender.send(ctx, w, []contractCall{call}, quote, func(txs []*types.Transaction) error {
+		tx := txs[0]
+		if marked != (common.Hash{}) {
+			// Signed again under another nonce: the earlier one was refused and never left.
+			if _, err := chs.MarkClaimFailed(context.WithoutCancel(ctx), marked.Hex()); err != nil {
+				return err
+			}
+			marked = common.Hash{}
+		}
+		if err := chs.MarkClaimSent(context.WithoutCancel(ctx), tx.Hash().Hex(), marks); err != nil {
+			return err
+		}
+		marked = tx.Hash()
+		raw, err := tx.MarshalBinary()
+		if err != nil {
+			return err
+		}
+		return f.recordClaim(context.WithoutCancel(ctx), n, w.Address, tx, raw)
+	})
+	if len(txs) == 0 {
+		if marked != (common.Hash{}) {
+			if _, ferr := chs.MarkClaimFailed(context.WithoutCancel(ctx), marked.Hex()); ferr != nil {
+				return errors.Join(err, ferr)
+			}
+		}
+		return fmt.Errorf("the claim was not sent: %w", err)
+	}
+	hash := txs[0].Hash()
+	f.log.Info("batch-settlement claim broadcast", zap.String("network", n.caip2), zap.Int("channels", len(rows)),
+		zap.String("wallet", w.Address.Hex()), zap.String("tx", hash.Hex()))
+	if !wait {
+		return nil
+	}
+	// Waited for as long as a settlement is; not mined by then, the next pass looks it up.
+	deadline := time.Now().Add(n.timeout)
+	for time.Now().Before(deadline) {
+		if done, err := f.claimOutcome(ctx, n, chs, hash); done || err != nil {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(n.watcher.poll):
+		}
+	}
+	return nil
+}
+
+// claimReverts is a claim whose simulation reverted: nothing was sent.
+type claimReverts struct {
+	channels int
+	why      string
+}
+
+func (e *claimReverts) Error() string {
+	return fmt.Sprintf("the claim of %d channels would revert (%s): nothing was sent", e.channels, e.why)
+}
+
+// claimableAlone keeps the rows whose claim, alone, does not revert.
+func (f *Facilitator) claimableAlone(ctx context.Context, n *network, rows []journal.Channel) []journal.Channel {
+	var good []journal.Channel
+	to := contracts.BatchSettlementAddress
+	for _, r := range rows {
+		data, _, err := n.claimer.claimCall(BatchDomainSeparator(n.chainID), []journal.Channel{r})
+		if err != nil {
+			continue
+		}
+		if _, err := n.backend.CallContract(ctx, ethereum.CallMsg{To: &to, Data: data}, nil); err == nil {
+			good = append(good, r)
+		}
+	}
+	return good
+}
+
+// recordClaim writes the broadcast record of claim transaction tx, before it leaves.
+func (f *Facilitator) recordClaim(ctx context.Context, n *network, wallet common.Address, tx *types.Transaction, raw []byte) error {
+	id := claimRecordID(n.caip2, tx.Hash())
+	if _, _, err := f.journal.Claim(ctx, journal.Record{ID: id, State: journal.StateClaimed, Network: n.caip2, Owner: f.owner,
+		Asset: contracts.BatchSettlementAddress.Hex()}); err != nil {
+		return err
+	}
+	_, err := f.journal.Update(ctx, id, func(r *journal.Record) error {
+		r.State, r.Wallet, r.TxNonce, r.TxHash, r.RawTx, r.Attempts = journal.StateBroadcast, wallet.Hex(), tx.Nonce(), tx.Hash().Hex(), raw, 1
+		return nil
+	})
+	return err
+}
+
+// claimOutcome looks claim transaction hash up on chain: mined (its channels count it claimed), reverted (they
+// are offered again); done false while it is neither.
+func (f *Facilitator) claimOutcome(ctx context.Context, n *network, chs journal.Channels, hash common.Hash) (bool, error) {
+	receipt, err := n.backend.TransactionReceipt(ctx, hash)
+	switch {
+	case errors.Is(err, ethereum.NotFound) || (err == nil && receipt == nil):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("reading the receipt of claim %s: %w", hash.Hex(), err)
+	}
+	ok := receipt.Status == types.ReceiptStatusSuccessful
+	if ok {
+		if _, err := chs.MarkClaimMined(ctx, hash.Hex()); err != nil {
+			return false, fmt.Errorf("marking claim %s mined: %w", hash.Hex(), err)
+		}
+	} else {
+		f.log.Warn("batch-settlement claim reverted; its channels are offered again", zap.String("tx", hash.Hex()))
+		if _, err := chs.MarkClaimFailed(ctx, hash.Hex()); err != nil {
+			return false, fmt.Errorf("marking claim %s failed: %w", hash.Hex(), err)
+		}
+	}
+	resp := x402.SettleResponse{Success: ok, Transaction: hash.Hex(), Network: n.caip2}
+	if !ok {
+		resp.ErrorReason = x402.ReasonBatchClaimTransactionFailed
+	}
+	_, err = f.journal.Update(ctx, claimRecordID(n.caip2, hash), func(r *journal.Record) error {
+		if r.State != journal.StateFinal {
+			r.State, r.Response = journal.StateFinal, &resp
+		}
+		return nil
+	})
+	if err != nil && !errors.Is(err, journal.ErrNotFound) {
+		return true, fmt.Errorf("finishing the record of claim %s: %w", hash.Hex(), err)
+	}
+	return true, nil
+}
+
+// resolveClaims looks up the network's claims in flight (a restart's, another engine's, or one not mined within
+// its wait): mined or reverted, they are marked so; neither, the recorded transaction is sent again as it was; a
+// claim with no record, marked longer ago than its sender could take to record it, never left and is freed.
+func (f *Facilitator) resolveClaims(ctx context.Context, n *network, chs journal.Channels) error {
+	rows, err := chs.ClaimsInFlight(ctx, n.caip2)
+	if err != nil {
+		return fmt.Errorf("listing claims in flight: %w", err)
+	}
+	done := map[string]bool{}
+	for _, r := range rows {
+		if done[r.ClaimTx] {
+			continue
+		}
+		done[r.ClaimTx] = true
+		hash := common.HexToHash(r.ClaimTx)
+		if ok, err := f.claimOutcome(ctx, n, chs, hash); ok || err != nil {
+			if err != nil {
+				return err
+			}
+			continue
+		}
+		rec, found, err := f.journal.Get(ctx, claimRecordID(n.caip2, hash))
+		if err != nil {
+			return err
+		}
+		if !found || len(rec.RawTx) == 0 {
+			if f.now().Sub(r.ClaimSentAt) >= unrecordedClaimAge {
+				if _, err := chs.MarkClaimFailed(ctx, r.ClaimTx); err != nil {
+					return err
+				}
+			}
+			continue
+		}
+		var tx types.Transaction
+		if err := tx.UnmarshalBinary(rec.RawTx); err != nil {
+			return fmt.Errorf("claim %s: its recorded transaction does not decode: %w", r.ClaimTx, err)
+		}
+		if err := n.backend.SendTransaction(ctx, &tx); err != nil && !isAlreadyKnown(err) {
+			if isNonceConflict(err) {
+				// Its nonce went to another transaction: unless it is that one (mined meanwhile), it never will.
+				if ok, err := f.claimOutcome(ctx, n, chs, hash); ok || err != nil {
+					if err != nil {
+						return err
+					}
+					continue
+				}
+				if _, err := chs.MarkClaimFailed(ctx, r.ClaimTx); err != nil {
+					return err
+				}
+				continue
+			}
+			f.log.Warn("sending a batch-settlement claim again", zap.String("tx", r.ClaimTx), zap.Error(err))
+		}
+	}
+	return nil
+}
