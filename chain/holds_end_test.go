@@ -366,3 +366,42 @@ func TestAHoldPastItsPaymentsDeadlineIsPrunedThoughItsPayerPaysNoMore(t *testing
 		t.Fatalf("the hold whose deadline is an hour away = %+v, %v; want it kept", hs, err)
 	}
 }
+
+// TestASettlementWhoseRecordCommitsAsItsConnectionBreaksKeepsItsHoldUntilItMines: the connection carrying the record
+// of a settlement's signed transaction breaks once the database has it, before its answer comes back, and the
+// database stays up. The engine cannot know whether the transaction was recorded, so it keeps what a recorded
+// transaction needs: the claim and the funds hold stay for reconciliation, which sends the recorded bytes (or,
+// had the write not landed, releases both). Letting the hold go there left the payer's funds counted free while
+// its transaction was still to be sent: other payments of the payer's could be admitted against funds this one
+// moves. The payment settles once and its hold ends as mined.
+func TestASettlementWhoseRecordCommitsAsItsConnectionBreaksKeepsItsHoldUntilItMines(t *testing.T) {
+	srv := pgtest.Start(t)
+	proxy := newPGFaultProxy(t, srv.DSN())
+	fx, join := clusterOn(t, proxy.dsn, 15*time.Second, fixtureOpts{wallets: 2, receiptTimeout: 5 * time.Second, autoCommit: -1})
+	f, st := join()
+	waitLeases(t, fx, []*chain.Facilitator{f}, 2)
+	payer := fx.c.Payers[0]
+	fx.approvePermit2(payer)
+	fx.c.Commit()
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	id := permit2ID(fx, req)
+	sent := fx.walletTxs()
+
+	proxy.arm(pgFault{match: [][]byte{[]byte(`"broadcast"`), []byte(payer.Address.Hex())}, cut: true})
+	resp, err := f.Settle(context.Background(), req)
+	if err == nil && resp.Success {
+		t.Fatalf("the settlement whose transaction's record was cut off = %+v; want no success: nothing was mined", resp)
+	}
+	if !proxy.fired() {
+		t.Fatal("the record of the settlement's transaction was never seen on its way to the database")
+	}
+	state, serr := recordState(srv.DSN(), id)
+	mined, herr := holdMined(srv.DSN(), id)
+	if serr != nil || herr != nil || state != string(journal.StateBroadcast) || mined != "0" {
+		t.Fatalf("after the settlement answered %+v, %v: its record is %q (%v) and its hold %q (%v); want the record broadcast "+
+			"and the hold still there: its transaction is still to be sent", resp, err, state, serr, mined, herr)
+	}
+	if !settlementEndsOnceTheDatabaseIsBack(t, fx, srv.DSN(), st, id, payer.Address, sent) {
+		t.Fatal("the payment whose transaction the journal recorded as broadcast ended unsettled; want its recorded transaction sent")
+	}
+}
