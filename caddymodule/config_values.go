@@ -127,6 +127,9 @@ func claimAmountValue(v string) (*big.Int, error) {
 	return amount, nil
 }
 
+// isBatchScheme reports whether a route's scheme names batch-settlement: "batch", or the scheme's own name.
+func isBatchScheme(s string) bool { return s == "batch" || s == x402.SchemeBatchSettlement }
+
 // placeholderPattern matches one placeholder, such as {env.X402_WALLET_KEYS}.
 var placeholderPattern = regexp.MustCompile(`\{[^{}]*\}`)
 
