@@ -3,11 +3,13 @@ package journal
 import (
 	"context"
 	"fmt"
+	"math/big"
 	"path/filepath"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -130,3 +132,44 @@ var benchRequest = []byte(`{"x402Version":2,"paymentPayload":{"x402Version":2,"a
 	`"deadline":"1767225600","witness":{"to":"0x209693Bc6afc0C5328bA36FaF03C514EF312287C","validAfter":"1767224900"}}}},` +
 	`"paymentRequirements":{"scheme":"exact","network":"eip155:84532","amount":"10000","asset":"0x036CbD53842c5426634e7929541eC2318f3dCF7e",` +
 	`"payTo":"0x209693Bc6afc0C5328bA36FaF03C514EF312287C","maxTimeoutSeconds":60,"extra":{"assetTransferMethod":"permit2","name":"USDC","version":"2"}}}`)
+
+// BenchmarkPostgresHoldAndClaimOnePayer measures settlements' claims with their funds holds (HoldAndClaim) of
+// distinct payments of one payer, from 1, 8 and 32 concurrent writers, on a fresh database of the test server
+// (fsync on). One payer's holds are serialized by its key's row lock: what that lock is held across is what bounds
+// a busy payer's settlements (a transaction committed synchronously holds it across the WAL flush).
+func BenchmarkPostgresHoldAndClaimOnePayer(b *testing.B) {
+	for _, writers := range []int{1, 8, 32} {
+		b.Run(fmt.Sprintf("writers-%d", writers), func(b *testing.B) {
+			s, err := OpenPostgres(context.Background(), pgtest.Shared(b)+fmt.Sprintf("&pool_max_conns=%d", writers), Options{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer s.Close()
+			key := fmt.Sprintf("bench-one-payer-%d-%d", writers, time.Now().UnixNano())
+			base := int(time.Now().UnixNano() % 1e9)
+			avail := new(big.Int).Lsh(big.NewInt(1), 200)
+			var next atomic.Int64
+			b.ResetTimer()
+			var wg sync.WaitGroup
+			for range writers {
+				wg.Go(func() {
+					for {
+						n := next.Add(1)
+						if n > int64(b.N) {
+							return
+						}
+						r := claimOf(base + int(n))
+						r.Request = benchRequest
+						h := holdOf(base+int(n), key, 1)
+						if out, err := HoldAndClaim(context.Background(), s, h, avail, 1, 1, r); err != nil || !out.Claimed || !out.Held {
+							b.Errorf("hold and claim %d: %+v %v", n, out, err)
+							return
+						}
+					}
+				})
+			}
+			wg.Wait()
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "settlements/s")
+		})
+	}
+}

@@ -102,9 +102,10 @@ AND ((mined <> 0 AND mined <= $2::numeric AND (mined_at IS NULL OR mined_at < no
 // payment before it is served, the settlement's claim or its write-ahead record before anything is signed), and
 // PostgreSQL flushes the WAL in order, so that commit makes the hold durable too. A crash before it loses at most
 // a hold that nothing was served or sent for. A hold another transaction reads meanwhile (it is visible once
-// committed) only makes that one err on refusing; one whose claim rides with it (HoldAndClaim) commits
-// synchronously, as a claim always does, and so does one carrying any deferred write but the gate's in-flight mark
-// and read (behindWrite.lossless).
+// committed) only makes that one err on refusing. A hold alone that carries any deferred write but the gate's
+// in-flight mark and read (behindWrite.lossless) commits synchronously, as the write would alone; a hold with its
+// claim (HoldAndClaim) commits so in a transaction of its own, its deferred writes with it, and the claim's,
+// second in the same batch, synchronously, which makes them durable before the batch answers.
 const pgHoldCommitsAsync = "SET LOCAL synchronous_commit = off"
 
 // holdInOne is Hold with take in one round trip (see above). With unrecordedOnly, a record of h.ID refuses the

@@ -277,7 +277,8 @@ func (c *batchSQL) asyncHolds() (async []bool) {
 
 // TestPostgresAHoldWithoutAClaimCommitsAsynchronouslyAndIsDurableOnceASynchronousCommitFollows: a hold with take
 // that carries no claim (Hold, UnrecordedAndHeld) commits without waiting for the WAL flush, so the key's lock is
-// not held across it; one that carries a claim (HoldAndClaim) waits, as every claim does. Holds committed so and
+// not held across it; so does the hold of HoldAndClaim, in a transaction of its own, and its claim's, second in the
+// batch, waits, as every claim does. Holds committed so and
 // followed by a synchronous commit (what a gate's record, a claim or a write-ahead record is) survive a crash of
 // the database: the WAL is flushed in order.
 func TestPostgresAHoldWithoutAClaimCommitsAsynchronouslyAndIsDurableOnceASynchronousCommitFollows(t *testing.T) {
@@ -300,15 +301,21 @@ func TestPostgresAHoldWithoutAClaimCommitsAsynchronouslyAndIsDurableOnceASynchro
 	if out, err := HoldAndClaim(bg, s, holdOf(34011, key, 1), big.NewInt(100), 1, 1, claimOf(34011)); err != nil || !out.Claimed {
 		t.Fatalf("HoldAndClaim = %+v, %v", out, err)
 	}
-	if got := tr.asyncHolds(); len(got) != 1 || got[0] {
-		t.Fatalf("a hold carrying a claim commits asynchronously: %v; want one, synchronous", got)
+	// The hold's transaction lets the key's lock go without waiting for the flush; the claim's, second in the same
+	// batch, waits for it, and with it for the hold's.
+	if got := tr.claimBatches(); len(got) != 1 || !slices.Equal(got[0], []bool{true, false}) {
+		t.Fatalf("a hold with its claim commits as %v (a batch, its transactions, whether each commits without the flush); want one batch, the hold's asynchronous, then the claim's", got)
 	}
-	// One more hold alone, then a synchronous commit (a claim of another payment), then a crash.
+	// One more hold alone, then a synchronous commit (a claim of another payment), and a claim with its hold; then
+	// a crash.
 	if ok, _, err := s.Hold(bg, holdOf(34012, key, 1), big.NewInt(100), 1, 1, true); err != nil || !ok {
 		t.Fatal(ok, err)
 	}
 	if _, claimed, err := s.Claim(bg, claimOf(34013)); err != nil || !claimed {
 		t.Fatal(claimed, err)
+	}
+	if out, err := HoldAndClaim(bg, s, holdOf(34014, key, 1), big.NewInt(100), 1, 1, claimOf(34014)); err != nil || !out.Claimed || !out.Held {
+		t.Fatalf("HoldAndClaim = %+v, %v", out, err)
 	}
 	srv.Crash(t)
 	srv.Restart(t)
@@ -321,10 +328,36 @@ func TestPostgresAHoldWithoutAClaimCommitsAsynchronouslyAndIsDurableOnceASynchro
 			break
 		}
 	}
-	if err != nil || len(holds) != 13 {
-		t.Fatalf("after the crash, %d holds of the key are there (%v); want all 13", len(holds), err)
+	if err != nil || len(holds) != 14 {
+		t.Fatalf("after the crash, %d holds of the key are there (%v); want all 14", len(holds), err)
 	}
-	if _, ok, err := s.Get(bg, claimOf(34011).ID); err != nil || !ok {
-		t.Fatalf("after the crash, the claim made with its hold is gone: %v, %v", ok, err)
+	for _, n := range []int{34011, 34014} {
+		if _, ok, err := s.Get(bg, claimOf(n).ID); err != nil || !ok {
+			t.Fatalf("after the crash, the claim %d made with its hold is gone: %v, %v", n, ok, err)
+		}
 	}
+}
+
+// claimBatches takes the batches sent since the last take that write a claim, and says of each transaction in
+// each whether it commits without waiting for the WAL flush.
+func (c *batchSQL) claimBatches() (out [][]bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, b := range c.batches {
+		if !slices.Contains(b, pgInsertRecord) {
+			continue
+		}
+		var txs []bool
+		for _, q := range b {
+			switch {
+			case strings.HasPrefix(q, "begin"):
+				txs = append(txs, false)
+			case q == pgHoldCommitsAsync:
+				txs[len(txs)-1] = true
+			}
+		}
+		out = append(out, txs)
+	}
+	c.batches = nil
+	return out
 }
