@@ -5,6 +5,7 @@ import (
 	"io"
 	"math/big"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -161,5 +162,104 @@ func TestABatchRouteThroughARemoteFacilitatorIsRefusedWhenValidated(t *testing.T
 	err := caddy.Validate(mustConfig(t, cfg))
 	if err == nil || !strings.Contains(err.Error(), "scheme batch is served with the embedded facilitator") {
 		t.Fatalf("caddy.Validate = %v; want scheme batch through facilitator_url refused", err)
+	}
+}
+
+// TestABatchVoucherWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnce: the upstream fails the first time:
+// the voucher (here the channel's deposit and first voucher) was accepted, but bought nothing yet. Presented
+// again it gets the response, its answer the same cumulative amount (charged once, no second deposit), and a
+// third time it is refused as used.
+func TestABatchVoucherWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnce(t *testing.T) {
+	const price = 1000
+	c := chaintest.New(t, chaintest.WithHTTP(), chaintest.WithPayers(2))
+	usdc := c.DeployUSDCoin(big.NewInt(1_000_000_000))
+	stop := c.AutoCommit(5 * time.Millisecond)
+	t.Cleanup(stop)
+	receiver, authorizer := chaintest.DeriveAccount("merchant", 0), chaintest.DeriveAccount("authorizer", 0)
+	t.Setenv("X402_TEST_RECEIVER_AUTHORIZER_KEY", hexKey(authorizer))
+	var calls sync.Map
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if _, again := calls.LoadOrStore("called", true); !again {
+			http.Error(w, "the report is not ready", http.StatusInternalServerError)
+			return
+		}
+		io.WriteString(w, "the paid report")
+	}))
+	t.Cleanup(upstream.Close)
+	network := x402.EIP155(c.ChainID.Uint64())
+	srv := startCaddy(t, `{
+	x402 {
+		network `+network+` {
+			rpc `+c.RPCURL+`
+			asset `+usdc.Hex()+` name "`+contracts.USDCoinName+`" version `+contracts.USDCoinVersion+` decimals 6 eip3009
+			wallet_keys `+hexKey(c.Wallets[0])+`
+			receipt_poll 5ms
+			batch {
+				receiver_authorizer_key {env.X402_TEST_RECEIVER_AUTHORIZER_KEY}
+			}
+		}
+		journal {{DATA}}/journal.db
+	}
+}
+
+{{ADDR}} {
+	handle /report {
+		x402 {
+			scheme batch
+			amount `+fmt.Sprint(price)+`
+			pay_to `+receiver.Address.Hex()+`
+		}
+		reverse_proxy `+strings.TrimPrefix(upstream.URL, "http://")+`
+	}
+}
+`)
+	p, err := payer.New(c.Payers[0].Key, payer.Options{RPC: c.RPCURL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	rec := &headerRecorder{}
+	tr := &payer.Transport{Payer: p, Base: rec, Limits: []payer.Limit{{Network: network, Asset: usdc.Hex(), PerRequest: big.NewInt(price), Total: big.NewInt(100 * price)}}}
+	resp, err := (&http.Client{Transport: tr, Timeout: time.Minute}).Get(srv.URL + "/report")
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusInternalServerError {
+		t.Fatalf("the first request: %s; want the upstream's 500 passed on", resp.Status)
+	}
+	sent := c.TxCount(c.Wallets[0].Address)
+	rec.mu.Lock()
+	first := rec.payments[len(rec.payments)-1]
+	rec.mu.Unlock()
+	present := func() (*http.Response, string) {
+		t.Helper()
+		req, err := http.NewRequest(http.MethodGet, srv.URL+"/report", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set(x402.HeaderPaymentSignature, first)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp, string(body)
+	}
+	resp, body := present()
+	if resp.StatusCode != http.StatusOK || body != "the paid report" {
+		t.Fatalf("the voucher presented again after the upstream failed: %s %q; want the response", resp.Status, body)
+	}
+	s, err := x402.DecodeBatchSettleResponse(resp.Header.Get(x402.HeaderPaymentResponse))
+	if err != nil || !s.Success || s.Extra == nil || s.Extra.ChannelState == nil || s.Extra.ChannelState.ChargedCumulativeAmount != fmt.Sprint(price) {
+		t.Fatalf("PAYMENT-RESPONSE %+v (%v); want the channel at %d: charged once", s, err, price)
+	}
+	if got := c.TxCount(c.Wallets[0].Address); got != sent {
+		t.Fatalf("presenting the deposit again sent %d transactions; want none", got-sent)
+	}
+	if resp, body := present(); resp.StatusCode != http.StatusPaymentRequired || !strings.Contains(body, x402.ReasonPaymentAlreadyUsed) {
+		t.Fatalf("the voucher presented a third time: %s %s; want 402 %s", resp.Status, body, x402.ReasonPaymentAlreadyUsed)
 	}
 }

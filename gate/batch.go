@@ -1,6 +1,7 @@
 package gate
 
 import (
+	"context"
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
@@ -137,7 +138,8 @@ func (x *exchange) serveBatch(value string) error {
 	defer func() { x.g.ledger.releaseIdled(x.id, x.idled) }()
 
 	t := x.g.now()
-	resp, err := bf.SettleBatch(x.r.Context(), x402.BatchRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: rq})
+	// As any settlement, it runs to its end when the client hangs up: a deposit may be on its way on chain.
+	resp, err := bf.SettleBatch(context.WithoutCancel(x.r.Context()), x402.BatchRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: rq})
 	x.settleMs = msSince(x.g.now, t)
 	if err != nil {
 		// A deposit may have been sent: its payer presents the same payment again to learn what became of it.
