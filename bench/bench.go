@@ -31,10 +31,10 @@ import (
 )
 
 const (
-	// MaxRequests bounds -n: every request has its payment signed and held before the clock starts.
+	// MaxRequests bounds -n.
 	MaxRequests = 1_000_000
-	// signChunk is how many payments are signed at a time, so that only their header values are kept.
-	signChunk = 1000
+	// minSignWindow and maxSignWindow bound how many signed payments wait for their requests (see signWindow).
+	minSignWindow, maxSignWindow = 16, 512
 	// settleStable is how long the seller's balance must stay the same, short of what was expected, before
 	// the wait for settlement gives up early.
 	settleStable = 5 * time.Second
@@ -201,12 +201,33 @@ func (t *tally) merge(o *tally) {
 	t.paidNon2xx += o.paidNon2xx
 }
 
-// paidRun is the paid side of a run: the requirement paid, and its payments.
+// paidRun is the paid side of a run: the requirement paid, and its payments as they are signed.
+//
+// A payment is valid for the offer's maxTimeoutSeconds (at most payer.DefaultMaxValidity) of chain time from its
+// signing, and a dev chain that seals a block per transaction burst moves its clock a second a block, hundreds of
+// seconds a wall second under load: payments all signed before a long run expired during it, the last ones
+// refused or, settled at their deadline, reverted. So only the first window is signed before the clock starts,
+// and the rest by a goroutine of their own as the requests take them, a chunk at a time, each chunk dated by the
+// chain's head when it is signed; at most a window of signed payments waits (see signWindow).
 type paidRun struct {
 	req    x402.PaymentRequirements
 	amount *big.Int
 	header string
-	values []string
+	values chan string // the payments' header values, each sent once; closed when all are signed or signing stopped
+	// err is why signing stopped short of the run's payments; read once values is closed.
+	err error
+	// signing is how long the signing during the run took, in all (its chunks, one after another).
+	signing time.Duration
+	stop    context.CancelFunc // stops the signing once the run ends
+	done    chan struct{}      // closed when the signing goroutine returned
+}
+
+// signWindow is how many signed payments may wait for their requests at concurrency c, of payments valid for
+// validity: enough that the callers seldom wait for a signature (a chunk is a quarter of it), few enough that on a
+// chain sealing a block per transaction, a second each, a payment waits a quarter of its validity at most behind
+// the others (the rest is for the requests in flight and the engine's margin).
+func signWindow(c int, validity time.Duration) int {
+	return max(min(4*c, maxSignWindow, int(validity/time.Second)/4), min(minSignWindow, int(validity/time.Second)/4), 1)
 }
 
 // runBench benchmarks o.URL and prints the report; see the `bench` command's help. The error is non-nil when
@@ -242,6 +263,7 @@ func Run(ctx context.Context, o Options, stdout, stderr io.Writer) error {
 		if paid, err = preparePayments(ctx, o, p, first, firstBody, stderr); err != nil {
 			return err
 		}
+		defer paid.finish()
 		rep.Paid, rep.Scheme, rep.Method = true, paid.req.Scheme, payer.TransferMethod(paid.req)
 		rep.Network, rep.Asset, rep.PayTo, rep.Amount = paid.req.Network, paid.req.Asset, paid.req.PayTo, paid.req.Amount
 	case first.StatusCode >= 200 && first.StatusCode < 300:
@@ -262,6 +284,12 @@ func Run(ctx context.Context, o Options, stdout, stderr io.Writer) error {
 	sendURL := first.Request.URL.String()
 	fmt.Fprintf(stderr, "sending %d requests at concurrency %d%s\n", o.Requests, o.Concurrency, durationNote(o.Duration))
 	tally, wall := send(ctx, o, client, sendURL, paid, stderr)
+	var signErr error
+	if paid != nil {
+		if signErr = paid.finish(); signErr == nil {
+			fmt.Fprintf(stderr, "signing the payments after the first window took %s during the run\n", paid.signing.Round(time.Millisecond))
+		}
+	}
 
 	rep.Requests = len(tally.allLatency)
 	rep.OK = tally.ok
@@ -317,7 +345,7 @@ func Run(ctx context.Context, o Options, stdout, stderr io.Writer) error {
 	} else if err := printReport(stdout, rep); err != nil {
 		return err
 	}
-	return errors.Join(mismatch, failed)
+	return errors.Join(signErr, mismatch, failed)
 }
 
 // preparePayments chooses the requirement to pay, checks the payer can pay o.Requests of it, and signs
@@ -344,10 +372,6 @@ func preparePayments(ctx context.Context, o Options, p *payer.Payer, first *http
 	if err != nil {
 		return nil, err
 	}
-	if o.Duration > 0 && o.Duration > validity {
-		return nil, fmt.Errorf("-d %s is longer than the %d s the offer's payments are good for (maxTimeoutSeconds, at most %s): payments signed before the run would expire during it",
-			o.Duration, int64(validity/time.Second), payer.DefaultMaxValidity)
-	}
 	total := new(big.Int).Mul(amount, big.NewInt(int64(o.Requests)))
 	upTo := ""
 	if req.Scheme == x402.SchemeUpto {
@@ -363,22 +387,54 @@ func preparePayments(ctx context.Context, o Options, p *payer.Payer, first *http
 		fmt.Fprintln(stderr, "no --rpc: the payer's balance and Permit2 allowance are not checked, and the seller's balance will not be")
 	}
 
+	window := min(signWindow(o.Concurrency, validity), o.Requests)
 	start := time.Now()
-	paid := &paidRun{req: req, amount: amount, values: make([]string, 0, o.Requests)}
-	for done := 0; done < o.Requests; {
-		n := min(signChunk, o.Requests-done)
-		pays, err := p.SignBatch(ctx, offer, i, n)
+	signed, err := p.SignBatch(ctx, offer, i, window)
+	if err != nil {
+		return nil, err
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	paid := &paidRun{req: req, amount: amount, values: make(chan string, window), stop: stop, done: make(chan struct{})}
+	for _, pay := range signed {
+		paid.header = pay.Header
+		paid.values <- pay.Value
+	}
+	fmt.Fprintf(stderr, "signed %d payments in %s; the rest are signed during the run, at most %d waiting\n", window, time.Since(start).Round(time.Millisecond), window)
+	go paid.signRest(runCtx, p, offer, i, o.Requests-window, max(window/4, 1))
+	return paid, nil
+}
+
+// signRest signs n more payments, chunk at a time, as the run takes them; it closes values when done or stopped.
+func (paid *paidRun) signRest(ctx context.Context, p *payer.Payer, offer payer.Offer, i, n, chunk int) {
+	defer close(paid.done)
+	defer close(paid.values)
+	for n > 0 {
+		k := min(chunk, n)
+		at := time.Now()
+		pays, err := p.SignBatch(ctx, offer, i, k)
+		paid.signing += time.Since(at)
 		if err != nil {
-			return nil, err
+			if ctx.Err() == nil {
+				paid.err = fmt.Errorf("signing payments during the run: %w", err)
+			}
+			return
 		}
 		for _, pay := range pays {
-			paid.header = pay.Header
-			paid.values = append(paid.values, pay.Value)
+			select {
+			case paid.values <- pay.Value:
+			case <-ctx.Done():
+				return
+			}
 		}
-		done += n
+		n -= k
 	}
-	fmt.Fprintf(stderr, "signed %d payments in %s\n", o.Requests, time.Since(start).Round(time.Millisecond))
-	return paid, nil
+}
+
+// finish stops the signing and waits for it; it returns why signing stopped short, if it did.
+func (paid *paidRun) finish() error {
+	paid.stop()
+	<-paid.done
+	return paid.err
 }
 
 // checkFunds refuses a run the payer cannot pay for: a balance short of total, or, for permit2, a Permit2
@@ -445,8 +501,11 @@ func send(ctx context.Context, o Options, client *http.Client, u string, paid *p
 				}
 				var name, value string
 				if paid != nil {
-					name, value = paid.header, paid.values[k]
-					paid.values[k] = "" // each payment is sent once; let it go
+					var ok bool
+					if value, ok = <-paid.values; !ok {
+						return // signing stopped short (its error is the run's)
+					}
+					name = paid.header
 				}
 				one(ctx, client, o.HTTPMethod, u, name, value, paid, t)
 				done.Add(1)

@@ -159,6 +159,10 @@ func (a *App) planDevChain() error {
 		Assets: devChainAssets(),
 		// Blocks come as soon as transactions do: look for receipts often.
 		ReceiptPoll: caddy.Duration(2 * time.Millisecond),
+		// A chain this app runs at block_time 0 seals a block per transaction burst: the engine judges deadlines
+		// by a block for each of its settlements ahead (chain.NetworkConfig.SealsPerBurst). One it reaches by RPC
+		// is judged by its head's lead over the clock.
+		sealsPerBurst: dc.RPC == "" && dc.BlockTime == 0,
 	}
 	if dc.RPC != "" {
 		a.devNet.RPC = []string{dc.RPC}
@@ -286,6 +290,9 @@ type Network struct {
 	// authorizer's key and when accepted vouchers are claimed. Default: none (vouchers are accepted, never
 	// claimed by this engine, and /supported names no receiver authorizer).
 	Batch *BatchSettlement `json:"batch,omitempty"`
+
+	// sealsPerBurst says the network is the dev chain this app runs at block_time 0 (see planDevChain).
+	sealsPerBurst bool
 }
 
 // BatchSettlement is how the embedded engine claims the batch-settlement vouchers it accepted on a network.
@@ -713,7 +720,7 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 		// Payments verified within a quarter second share one read of chain time: far inside the 6 s margin
 		// deadlines must keep, and one round trip less per payment under load.
 		HeadCacheTTL: 250 * time.Millisecond,
-		MinAmount:    s.terms.MinAmount(), SmartWalletFactories: s.factories,
+		MinAmount:    s.terms.MinAmount(), SmartWalletFactories: s.factories, SealsPerBurst: n.sealsPerBurst,
 	}
 	for _, a := range s.terms.PayTo() {
 		nc.PayTo = append(nc.PayTo, common.HexToAddress(a))

@@ -19,9 +19,11 @@ func newBenchCommand() *cobra.Command {
 		Long: `
 Requests the URL once. When it answers 402 Payment Required, chooses a
 requirement as 'caddy x402 pay' does (permit2 first; --method restricts), then
-signs N distinct payments before the clock starts (signing is the client's
-cost), and sends N requests at concurrency C over kept-alive HTTP/1.1
-connections, each with a payment of its own. A URL that answers 2xx is
+signs N distinct payments a window ahead of their requests (the first window
+before the clock starts, the rest during the run, each dated by the chain's
+head when signed, so that none expires on a chain whose clock runs ahead), and
+sends N requests at concurrency C over kept-alive HTTP/1.1 connections, each
+with a payment of its own. A URL that answers 2xx is
 benchmarked the same way with plain requests; any other answer stops the run.
 
 -n is the number of requests (default 100); -d, when given, stops sending new

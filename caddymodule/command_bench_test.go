@@ -405,7 +405,7 @@ func deref(s *string) string {
 	return *s
 }
 
-func TestBenchStopsSendingNewRequestsAfterDAndRefusesADLongerThanThePaymentsAreGoodFor(t *testing.T) {
+func TestBenchStopsSendingNewRequestsAfterD(t *testing.T) {
 	slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		time.Sleep(5 * time.Millisecond)
 		fmt.Fprint(w, "free")
@@ -418,19 +418,50 @@ func TestBenchStopsSendingNewRequestsAfterDAndRefusesADLongerThanThePaymentsAreG
 	if out.Requests == 0 || out.Requests > 200 || out.OK != out.Requests || out.DurationSeconds < 0.2 || out.DurationSeconds > 2 {
 		t.Errorf("requests %d, ok %d in %.3f s; want some, about 200 ms' worth of 2 callers at 5 ms each, all ok", out.Requests, out.OK, out.DurationSeconds)
 	}
+}
 
-	key, err := crypto.GenerateKey()
-	if err != nil {
-		t.Fatal(err)
+// A run that mines more blocks than its payments are good for, on a dev chain sealing a block per transaction
+// burst (a second of chain time a block), answers every request 2xx and pays the seller for each: bench signs its
+// payments a window ahead of their requests, not all before the run, and the engine refuses none of them nor
+// sends one that would be mined past its deadline. Before, every payment was signed before the clock started,
+// valid maxTimeoutSeconds (here 60) of chain time from then: the later ones were refused
+// permit2_deadline_expired, or settled as their deadline passed and reverted (invalid_exact_evm_transaction_failed).
+func TestBenchKeepsEveryPaymentValidThroughARunLongerThanThePaymentsAreGoodFor(t *testing.T) {
+	d := startDevchainCommand(t, "--listen", "127.0.0.1:0", "--payers", "1")
+	c := d.dial(t)
+	srv := startCaddy(t, `{
+	x402 {
+		dev_chain {
+			rpc `+d.facts.RPC+`
+		}
 	}
-	f := newFakeSeller(t, devchain.TokenAddress.Hex(), devchainSeller.Hex(), func(int, http.ResponseWriter) {})
-	_, _, err = caddymodule.RunX402("", "bench", "--key", common.Bytes2Hex(crypto.FromECDSA(key)), "-d", "10m", f.resource)
-	if err == nil || !strings.Contains(err.Error(), "-d 10m0s is longer than the 300 s the offer's payments are good for") {
-		t.Errorf("bench -d 10m of an offer good for 300 s: %v; want a refusal", err)
+}
+
+{{ADDR}} {
+	x402 $0.01 {
+		pay_to `+cmdBenchSyncSeller.Hex()+`
+		max_timeout 60s
 	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if len(f.paid) != 0 {
-		t.Errorf("%d payments were sent, want none", len(f.paid))
+	respond "paid"
+}
+`)
+	headTime := func() uint64 {
+		h, err := c.HeaderByNumber(context.Background(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return h.Time
+	}
+	const n = 400
+	timeBefore := headTime()
+	out, stderr, err := runBench(t, "--dev", "--rpc", d.facts.RPC, "-c", "8", "-n", fmt.Sprint(n), srv.URL+"/")
+	if moved := headTime() - timeBefore; moved <= 60 {
+		t.Fatalf("the run moved chain time %d s, not past the payments' 60 s: it shows nothing", moved)
+	}
+	if err != nil || out.OK != n || out.Requests != n {
+		t.Fatalf("bench: %d of %d requests answered 2xx, failures %+v, %v; want all\nstderr:\n%s", out.OK, out.Requests, out.Failures, err, stderr)
+	}
+	if out.BalanceOK == nil || !*out.BalanceOK || out.SellerDelta == nil || *out.SellerDelta != big.NewInt(n*devchainPrice).String() {
+		t.Errorf("seller_delta %v, balance_ok %v; want %d, true", deref(out.SellerDelta), out.BalanceOK, n*devchainPrice)
 	}
 }

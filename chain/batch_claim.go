@@ -148,7 +148,7 @@ func (f *Facilitator) claimPass(ctx context.Context, n *network, force, wait boo
 			return fmt.Errorf("listing unclaimed channels: %w", err)
 		}
 		rows = n.claimer.ours(rows)
-		if len(rows) == 0 || !(force || n.claimer.due(rows, n.chainNow(), &n.batch.mu)) {
+		if len(rows) == 0 || !(force || n.claimer.due(rows, n.chainNow(), n.batch.margin, &n.batch.mu)) {
 			return nil
 		}
 		if len(rows) > maxClaimsPerTx {
@@ -189,9 +189,12 @@ func (c *batchClaimer) ours(rows []journal.Channel) []journal.Channel {
 }
 
 // due says whether the policy claims rows now: enough vouchers accepted here since the last claim, enough
-// unclaimed, the oldest unclaimed voucher old enough, or a withdrawal pending on one of the channels (its
-// vouchers must be claimed before it can be finalized).
-func (c *batchClaimer) due(rows []journal.Channel, now time.Time, mu *sync.Mutex) bool {
+// unclaimed, the oldest unclaimed voucher old enough, a withdrawal pending on one of the channels (its vouchers
+// must be claimed before it can be finalized), or a channel's last read about to stop vouching for its deposit.
+// The last is what keeps a claim policy slower than a channel's withdrawDelay safe: a withdrawal asked for just
+// after the read, which the engine does not see, can be finalized withdrawDelay after it, and the vouchers
+// accepted against that read must be claimed before then, within the claim margin.
+func (c *batchClaimer) due(rows []journal.Channel, now time.Time, margin time.Duration, mu *sync.Mutex) bool {
 	mu.Lock()
 	accepted := c.accepted
 	mu.Unlock()
@@ -204,6 +207,9 @@ func (c *batchClaimer) due(rows []journal.Channel, now time.Time, mu *sync.Mutex
 			return true
 		}
 		if !r.UnclaimedSince.IsZero() && now.Sub(r.UnclaimedSince) >= c.after {
+			return true
+		}
+		if cover := r.DepositReadAt.Add(time.Duration(r.Config.WithdrawDelay)*time.Second - margin); !r.DepositReadAt.IsZero() && !now.Before(cover) {
 			return true
 		}
 		sum.Add(sum, r.Unclaimed())

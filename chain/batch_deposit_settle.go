@@ -29,15 +29,18 @@ const depositGas = 250_000
 // batchDeposit is what a deposit's settlement sends: the escrow's deposit of amount into channel cfg through
 // the ERC-3009 collector, with the payer's authorization as the collector's data.
 type batchDeposit struct {
-	terms         *BatchTerms
-	cfg           contracts.ChannelConfig
-	id            common.Hash
+	terms *BatchTerms
+	cfg   contracts.ChannelConfig
+	id    common.Hash
+	// collector is the deposit collector the escrow pulls the tokens through (ERC-3009 or Permit2), and
+	// collectorData the payer's authorization as that collector takes it.
+	collector     common.Address
 	collectorData []byte
 }
 
 // calls is the deposit's one transaction, from any settlement wallet.
 func (d *batchDeposit) calls(p *payment) ([]contractCall, error) {
-	data, err := contracts.PackBatchDeposit(d.cfg, p.amount, contracts.ERC3009DepositCollectorAddress, d.collectorData)
+	data, err := contracts.PackBatchDeposit(d.cfg, p.amount, d.collector, d.collectorData)
 	if err != nil {
 		return nil, err
 	}
@@ -90,14 +93,15 @@ func (f *Facilitator) parseDeposit(req x402.BatchRequest, recorded bool) (*payme
 		return nil, refuseBatch(x402.ReasonInvalidPaymentRequirements, "%v", err)
 	}
 	bp := &req.PaymentPayload
-	if terms.TransferMethod != x402.TransferEIP3009 {
-		return nil, refuseBatch(x402.ReasonInvalidPaymentRequirements, "the requirement takes deposits by %s; this facilitator takes eip3009 deposits only", terms.TransferMethod)
-	}
 	now := n.chainNow()
 	if a := depositERC3009(bp); recorded && a != nil {
 		if after, err := x402.ParseUint256(a.ValidAfter); err == nil && after.IsInt64() {
 			now = time.Unix(after.Int64(), 0)
 		}
+	}
+	if recorded && terms.TransferMethod == x402.TransferPermit2 {
+		// Read back from its record, a deposit is the one it was, whatever its deadline says now.
+		now = time.Unix(0, 0)
 	}
 	if r := terms.CheckDepositAuthorization(bp, now); r != nil {
 		return nil, r
@@ -111,11 +115,14 @@ func (f *Facilitator) parseDeposit(req x402.BatchRequest, recorded bool) (*payme
 	if common.HexToHash(pl.Voucher.ChannelID) != id {
 		return nil, refuseBatch(x402.ReasonBatchChannelIDMismatch, "payload.voucher.channelId is %s, but payload.channelConfig is channel %s on %s", pl.Voucher.ChannelID, id.Hex(), terms.Network)
 	}
-	a := pl.Deposit.Authorization.ERC3009Authorization
 	asset := n.assets[terms.Token]
 	if asset == nil {
 		return nil, refuseBatch(x402.ReasonInvalidPaymentRequirements, "asset %s is not accepted on %s", terms.Token.Hex(), n.caip2)
 	}
+	if terms.TransferMethod == x402.TransferPermit2 {
+		return f.parsePermit2Deposit(n, req, terms, asset, ch, id)
+	}
+	a := pl.Deposit.Authorization.ERC3009Authorization
 	// CheckDepositAuthorization parsed each of these.
 	amount, _ := x402.ParseAmount(pl.Deposit.Amount)
 	validAfter, _ := x402.ParseUint256(a.ValidAfter)
@@ -136,10 +143,41 @@ func (f *Facilitator) parseDeposit(req x402.BatchRequest, recorded bool) (*payme
 		auth: transferAuthorization{From: ch.Payer, To: contracts.ERC3009DepositCollectorAddress, Value: amount,
 			ValidAfter: validAfter, ValidBefore: validBefore, Nonce: nonce},
 		maxTimeout: req.PaymentRequirements.MaxTimeoutSeconds, request: request,
-		deposit: &batchDeposit{terms: terms, cfg: ch, id: id, collectorData: collectorData}}
+		deposit: &batchDeposit{terms: terms, cfg: ch, id: id, collector: contracts.ERC3009DepositCollectorAddress, collectorData: collectorData}}
 	p.digest = ReceiveAuthorizationDigest(PermitDomainSeparator(terms.TokenName, terms.TokenVersion, terms.ChainID, terms.Token),
 		ch.Payer, contracts.ERC3009DepositCollectorAddress, amount, validAfter, validBefore, nonce)
 	p.id = journal.PaymentID(n.caip2, p.method, asset.Address.Hex(), p.payer.Hex(), nonce.Hex())
+	return p, nil
+}
+
+// parsePermit2Deposit parses a Permit2 deposit (checked off chain by CheckDepositAuthorization) into the payment
+// its settlement sends: a Permit2 transfer of the payer's, spent by the Permit2 deposit collector, so that the
+// exact permit2 machinery checks it on chain (its nonce unused in Permit2's bitmap, the payer's balance and
+// Permit2 allowance, the deposit call simulated) and settles it (journal id: the payer's Permit2 nonce).
+func (f *Facilitator) parsePermit2Deposit(n *network, req x402.BatchRequest, terms *BatchTerms, asset *asset, ch contracts.ChannelConfig, id common.Hash) (*payment, *BatchRefusal) {
+	pl := &req.PaymentPayload.Payload
+	a := pl.Deposit.Authorization.Permit2Authorization
+	// CheckDepositAuthorization parsed each of these.
+	amount, _ := x402.ParseAmount(pl.Deposit.Amount)
+	nonce, _ := x402.ParseUint256(a.Nonce)
+	deadline, _ := x402.ParseUint256(a.Deadline)
+	sig, _ := ParseSignature(a.Signature)
+	collectorData, err := contracts.EncodePermit2CollectorData(nonce, deadline, sig[:], nil)
+	if err != nil {
+		return nil, refuseBatch(x402.ReasonInvalidPayload, "payload.deposit.authorization.permit2Authorization: %v", err)
+	}
+	request, err := json.Marshal(req)
+	if err != nil {
+		return nil, refuseBatch(x402.ReasonInvalidPayload, "the deposit request does not encode: %v", err)
+	}
+	p := &payment{net: n, asset: asset, scheme: x402.SchemeBatchSettlement, method: x402.TransferPermit2, payer: ch.Payer,
+		amount: amount, payTo: ch.Receiver, sig: sig, sigBytes: sig[:], nonce: nonce,
+		p2: permit2Transfer{Token: terms.Token, Amount: amount, Spender: contracts.Permit2DepositCollectorAddress, Nonce: nonce,
+			Deadline: deadline, ValidAfter: new(big.Int)},
+		maxTimeout: req.PaymentRequirements.MaxTimeoutSeconds, request: request,
+		deposit: &batchDeposit{terms: terms, cfg: ch, id: id, collector: contracts.Permit2DepositCollectorAddress, collectorData: collectorData}}
+	p.digest = DepositPermit2Digest(terms.ChainID, terms.Token, amount, nonce, deadline, id)
+	p.id = journal.PaymentID(n.caip2, p.method, asset.Address.Hex(), p.payer.Hex(), nonce.String())
 	return p, nil
 }
 
@@ -171,6 +209,12 @@ func depositReason(reason string) string {
 		return x402.ReasonBatchValidBefore
 	case x402.ReasonValidAfter:
 		return x402.ReasonBatchValidAfter
+	case x402.ReasonPermit2SimulationFailed:
+		return x402.ReasonBatchDepositSimulationFailed
+	case x402.ReasonPermit2DeadlineExpired:
+		return x402.ReasonBatchPermit2DeadlineExpired
+	case x402.ReasonPermit2AllowanceRequired:
+		return x402.ReasonBatchPermit2AllowanceRequired
 	}
 	return reason
 }
@@ -194,6 +238,17 @@ func (f *Facilitator) verifyDeposit(ctx context.Context, req x402.BatchRequest, 
 	}
 	resp, err := f.verifyParsed(ctx, p, nil, payer, fundsVerify)
 	resp.InvalidReason = depositReason(resp.InvalidReason)
+	if err == nil && resp.IsValid {
+		// The channel as it stands before the deposit, which the SDK's resource server keeps until the deposit's
+		// settlement tells it the new balance.
+		if n := f.networks[req.PaymentRequirements.Network]; n != nil {
+			id := common.HexToHash(req.PaymentPayload.Payload.Voucher.ChannelID)
+			if st, rerr := f.readChannelState(ctx, n, id); rerr == nil {
+				resp.Extra, _ = json.Marshal(x402.BatchChannelState{ChannelID: id.Hex(), Balance: st.balance.String(), TotalClaimed: st.claimed.String(),
+					WithdrawRequestedAt: st.withdrawRequestedAt, RefundNonce: st.refundNonce.String()})
+			}
+		}
+	}
 	return resp, err
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/big"
@@ -50,6 +51,8 @@ type batchNetwork struct {
 	payerCode map[common.Hash]bool
 	// chainTime is the latest head block time seen (unix seconds): the engine's chain clock between reads.
 	chainTime atomic.Int64
+	// actions serialises the receiver's /settle actions (claim, settle, refund) on one channel or payee.
+	actions actionLocks
 }
 
 func newBatchNetwork(margin time.Duration) (*batchNetwork, error) {
@@ -371,7 +374,11 @@ func (f *Facilitator) VerifyBatch(ctx context.Context, req x402.BatchRequest) (x
 	case x402.BatchDeposit:
 		return f.verifyDeposit(ctx, req, payer)
 	case x402.BatchRefund:
-		return invalid(refuseBatch(x402.ReasonBatchRefundPayload, "refunds are not served by this facilitator yet"))
+		st, _, err := f.verifyRefund(ctx, n, terms, chs, p)
+		if err != nil {
+			return invalid(err)
+		}
+		return x402.VerifyResponse{IsValid: true, Payer: payer, Extra: st.extra(common.HexToHash(p.Payload.Voucher.ChannelID))}, nil
 	}
 	vc, err := f.checkVoucherWith(ctx, n, chs, terms, p, nil)
 	if err != nil {
@@ -382,7 +389,16 @@ func (f *Facilitator) VerifyBatch(ctx context.Context, req x402.BatchRequest) (x
 			return invalid(err)
 		}
 	}
-	return x402.VerifyResponse{IsValid: true, Payer: payer}, nil
+	return x402.VerifyResponse{IsValid: true, Payer: payer, Extra: rowExtra(vc.row)}, nil
+}
+
+// rowExtra is a valid voucher's verification extra: the channel as the journal's row last read it (its refund
+// nonce is the chain's alone, and left out: a refund's verification reads it).
+func rowExtra(row journal.Channel) json.RawMessage {
+	extra := map[string]any{"channelId": row.Key.ID, "balance": orZero(row.Deposit).String(), "totalClaimed": orZero(row.Claimed).String(),
+		"withdrawRequestedAt": unixOrZero(row.WithdrawRequestedAt)}
+	b, _ := json.Marshal(extra)
+	return b
 }
 
 // batchSetup finds the network, the terms and the channel rows of a batch request whose payment names the
@@ -442,6 +458,10 @@ func (f *Facilitator) SettleBatch(ctx context.Context, req x402.BatchRequest) (x
 		}
 		return x402.BatchSettleResponse{Network: req.PaymentRequirements.Network, Payer: payer, ErrorReason: x402.ReasonUnexpectedSettleError,
 			ErrorMessage: err.Error()}, nil
+	}
+	if isBatchAction(p.Payload.Type) {
+		// A receiver's action pays for no resource: its requirements name no price or terms.
+		return f.settleAction(ctx, req)
 	}
 	n, terms, chs, err := f.batchSetup(req)
 	if err != nil {

@@ -94,6 +94,12 @@ type NetworkConfig struct {
 	// with arbitrary calldata, so only factories the operator trusts). Empty: payments of undeployed wallets
 	// are refused with eip6492_factory_not_allowed; deployed contract wallets (ERC-1271) pay either way.
 	SmartWalletFactories []common.Address
+	// SealsPerBurst says the chain seals a block as soon as transactions arrive, each a second past the one
+	// before (a dev chain with block_time 0): under load its clock runs ahead of the wall clock by a second a
+	// block, and a settlement sent now may wait for a block for each transaction sent before it. Deadlines are
+	// then judged by that later time (see network.mineTime). A chain whose head runs ahead of this machine's clock
+	// is taken to seal so even when this is false; a chain with periodic blocks is not, and must not be set so.
+	SealsPerBurst bool
 	// BatchClaimMargin is how long before a batch-settlement channel's pending withdrawal could be finalized its
 	// vouchers must be claimed (BatchTerms.ClaimMargin): a voucher counts only the deposit still there that long
 	// from now, and a channel read older than its withdrawDelay less this margin is read again. Zero means 5
@@ -224,6 +230,12 @@ type network struct {
 	// noBlockOverrides says the node refused block overrides in eth_call once: simulations run at the head.
 	noBlockOverrides atomic.Bool
 	log              *zap.Logger
+
+	// sealsPerBurst: see NetworkConfig.SealsPerBurst.
+	sealsPerBurst bool
+	// sending counts this engine's settlements past their last deadline check and not yet sent, and unmined its
+	// settlements sent whose receipt was not seen yet: what is ahead of a settlement sent now (see mineTime).
+	sending, unmined atomic.Int64
 }
 
 // chainHead is the head block, shared for headTTL between callers. Callers that come while it is being read
@@ -386,7 +398,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		sender: newSender(backend, chainID, nc.Fees, f.now), watcher: newReceiptWatcher(backend, nc.ReceiptPoll),
 		reads:   &callBatcher{backend: backend},
 		timeout: nc.ReceiptTimeout, low: nc.lowBalance, headTTL: nc.HeadCacheTTL, now: f.now, skew: nc.DeadlineSkew,
-		penalties: newPenalties(nc.RevertPenalty, f.now), log: f.log,
+		penalties: newPenalties(nc.RevertPenalty, f.now), log: f.log, sealsPerBurst: nc.SealsPerBurst,
 	}
 	if n.permit2 == (common.Address{}) {
 		n.permit2 = contracts.Permit2Address

@@ -283,6 +283,9 @@ func (f *Facilitator) broadcastAndWait(ctx context.Context, p *payment) (x402.Se
 	case ref != nil:
 		return failed(p.net.caip2, p.payer.Hex(), "", ref), false, nil
 	}
+	// Ahead of the settlements sent after it until its receipt is seen or waited for no longer (see mineTime).
+	p.net.unmined.Add(1)
+	defer p.net.unmined.Add(-1)
 	return f.awaitReceipt(ctx, p.net, p.id, p.payer.Hex(), p.amount.String(), p.upto(), true, hash), true, nil
 }
 
@@ -395,6 +398,13 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 		}
 		return common.Hash{}, nil, errClaimNotWon
 	}
+	// The claim and the hold are durable: the deadline is judged again, from the freshest head, at the last
+	// moment before anything is signed. Counted in sending from then until sent, as ahead of those that follow.
+	if ref, err := p.checkDeadlineBeforeSending(ctx); err != nil || ref != nil {
+		return common.Hash{}, ref, err
+	}
+	n.sending.Add(1)
+	defer n.sending.Add(-1)
 	calls, err := p.settlementCalls()
 	if err != nil {
 		return common.Hash{}, nil, err

@@ -300,7 +300,8 @@ func offeredText(ws []common.Address) string {
 func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) bool {
 	// Only permit2: its nonce is one storage read of the canonical Permit2. An eip3009 nonce lives where each
 	// token keeps it, and asking authorizationState costs the call the simulation would.
-	if p.method != x402.TransferPermit2 || !p.tracksFunds() || p.net.funds.ttl <= 0 {
+	if p.method != x402.TransferPermit2 || !p.tracksFunds() || p.net.funds.ttl <= 0 || p.deposit != nil {
+		// A deposit's escrow call checks more than the payer's funds (the channel): only its simulation vouches.
 		return false
 	}
 	if p.contractSig {
@@ -655,59 +656,146 @@ func (p *payment) checkFarDeadline(chainNow uint64) *refusal {
 // wall clock, no earlier than this machine's clock. A chain that seals only when transactions come (a dev
 // chain) may have sat idle for minutes: its head is that old, and its next block jumps to the wall clock, past
 // a deadline the head allows; on any chain a deadline closer than that plus deadlineMargin (a block or two)
-// would expire in flight, and the settlement revert at the settlement wallet's expense. The time is read from
-// the head block and the engine's clock (which the tests control), and kept for the simulation, which runs in
-// that next block's context (see execution).
+// would expire in flight, and the settlement revert at the settlement wallet's expense. The deadline is judged
+// by the latest time the settlement is expected to be mined at, validAfter by the earliest (see mineTime). The
+// time is read from the head block and the engine's clock (which the tests control), and kept for the
+// simulation, which runs in that next block's context (see execution). A settlement judges the deadline again
+// just before it signs (checkDeadlineBeforeSending).
 func (p *payment) checkTime(ctx context.Context) *refusal {
 	head, err := p.net.chainHead(ctx)
 	if err != nil {
 		// No chain time: the chain checks that follow will report the node as unreachable.
 		return nil
 	}
-	wall := p.setHead(head)
+	t := p.setHead(head)
 	if ref := p.checkFarDeadline(head.Time); ref != nil {
 		return ref
 	}
+	if ref := p.checkDeadline(t); ref != nil {
+		return ref
+	}
 	mineAt := new(big.Int).SetUint64(p.mineAt)
-	minDeadline := new(big.Int).SetUint64(p.mineAt + deadlineMargin)
-	// tooClose says why a deadline is refused: when the settlement would be mined, and from what.
-	tooClose := func() string {
-		return fmt.Sprintf("the settlement would land in the next block, stamped %d at the earliest (the head block %s is stamped %d, this facilitator's clock reads %d), and needs %ds more to be mined",
-			p.mineAt, head.Number, head.Time, wall, deadlineMargin)
-	}
-	if p.method == x402.TransferPermit2 {
-		if p.p2.Deadline.Cmp(minDeadline) < 0 {
-			return refuse(x402.ReasonPermit2DeadlineExpired, "%s: permit2Authorization.deadline %s is too close: %s; sign again with a later deadline", x402.MessagePermitExpired, p.p2.Deadline, tooClose())
-		}
-		if p.p2.ValidAfter.Cmp(mineAt) > 0 {
-			return refuse(x402.ReasonPermit2NotYetValid, "permit2Authorization.witness.validAfter %s is after %s, the earliest time of the next block", p.p2.ValidAfter, mineAt)
-		}
-		if sp := p.sponsor; sp != nil && sp.err == nil && sp.permit.Deadline.Cmp(minDeadline) < 0 {
-			sp.err = refuse(x402.ReasonEIP2612DeadlineExpired, "eip2612GasSponsoring.info.deadline %s is too close: %s", sp.permit.Deadline, tooClose())
-		}
-		return nil
-	}
-	if p.method == x402.TransferEIP3009 {
-		if p.auth.ValidBefore.Cmp(minDeadline) < 0 {
-			return refuse(x402.ReasonValidBefore, "authorization.validBefore %s is too close: %s; sign again with a later validBefore", p.auth.ValidBefore, tooClose())
-		}
-		if p.auth.ValidAfter.Cmp(mineAt) > 0 {
-			return refuse(x402.ReasonValidAfter, "authorization.validAfter %s is after %s, the earliest time of the next block", p.auth.ValidAfter, mineAt)
-		}
-		return nil
-	}
-	if p.permit.Deadline.Cmp(minDeadline) < 0 {
-		return refuse(x402.ReasonValidBefore, "%s: authorization.validBefore %s is too close: %s; sign again with a later deadline", x402.MessagePermitExpired, p.permit.Deadline, tooClose())
+	switch {
+	case p.method == x402.TransferPermit2 && p.p2.ValidAfter.Cmp(mineAt) > 0:
+		return refuse(x402.ReasonPermit2NotYetValid, "permit2Authorization.witness.validAfter %s is after %s, the earliest time of the next block", p.p2.ValidAfter, mineAt)
+	case p.method == x402.TransferEIP3009 && p.auth.ValidAfter.Cmp(mineAt) > 0:
+		return refuse(x402.ReasonValidAfter, "authorization.validAfter %s is after %s, the earliest time of the next block", p.auth.ValidAfter, mineAt)
 	}
 	return nil
 }
 
+// checkDeadline refuses a payment whose deadline does not stay deadlineMargin past t.latest, the time its
+// settlement is expected to be mined by. A sponsor permit's deadline too close is kept as the sponsor's refusal
+// (it matters only when the payer's own approval falls short: see checkChain).
+func (p *payment) checkDeadline(t mineTime) *refusal {
+	minDeadline := new(big.Int).SetUint64(t.latest + deadlineMargin)
+	// tooClose says why a deadline is refused: when the settlement would be mined, and from what.
+	tooClose := func() string {
+		ahead := ""
+		if t.ahead > 0 {
+			ahead = fmt.Sprintf("; %d of this facilitator's settlements are ahead of it on a chain that seals a block per transaction burst, a block each, so it would be mined by %d", t.ahead, t.latest)
+		}
+		return fmt.Sprintf("the settlement would land in the next block, stamped %d at the earliest (the head block %s is stamped %d, this facilitator's clock reads %d)%s, and needs %ds more to be mined",
+			t.earliest, t.head.Number, t.head.Time, t.wall, ahead, deadlineMargin)
+	}
+	switch p.method {
+	case x402.TransferPermit2:
+		if p.p2.Deadline.Cmp(minDeadline) < 0 {
+			return refuse(x402.ReasonPermit2DeadlineExpired, "%s: permit2Authorization.deadline %s is too close: %s; sign again with a later deadline", x402.MessagePermitExpired, p.p2.Deadline, tooClose())
+		}
+		if sp := p.sponsor; sp != nil && sp.err == nil && sp.permit.Deadline.Cmp(minDeadline) < 0 {
+			sp.err = refuse(x402.ReasonEIP2612DeadlineExpired, "eip2612GasSponsoring.info.deadline %s is too close: %s", sp.permit.Deadline, tooClose())
+		}
+	case x402.TransferEIP3009:
+		if p.auth.ValidBefore.Cmp(minDeadline) < 0 {
+			return refuse(x402.ReasonValidBefore, "authorization.validBefore %s is too close: %s; sign again with a later validBefore", p.auth.ValidBefore, tooClose())
+		}
+	default:
+		if p.permit.Deadline.Cmp(minDeadline) < 0 {
+			return refuse(x402.ReasonValidBefore, "%s: authorization.validBefore %s is too close: %s; sign again with a later deadline", x402.MessagePermitExpired, p.permit.Deadline, tooClose())
+		}
+	}
+	return nil
+}
+
+// checkDeadlineBeforeSending judges the payment's deadline again at the last moment before its settlement is
+// signed, its claim and hold written: checkTime judged it from a head read before the claim, the hold, the
+// wallet, the fee quote and the simulation, and a chain that seals a block per transaction burst may have
+// sealed dozens of blocks since, a second each (seen under load: settlements mined 3 s past their deadline,
+// reverted at the settlement wallet's expense). On such a chain the head is read afresh; on a chain with
+// periodic blocks the wall clock, read now, moves the next block's time, and the shared head read (one a
+// HeadCacheTTL between all callers) is fresh enough. That shared read, not the head checkTime read, says which
+// kind of chain it is: a chain sealing per burst, not configured so, shows itself only once its clock runs
+// ahead, which may be while this settlement was prepared. A
+// sponsor permit the settlement applies must hold as long. A refusal sends nothing, and the caller lets the
+// claim and the hold go as for any refusal; the error is a head that could not be read (nothing was sent).
+func (p *payment) checkDeadlineBeforeSending(ctx context.Context) (*refusal, error) {
+	n := p.net
+	head, err := n.chainHead(ctx)
+	if err == nil && n.sealsPerBurstNow(head, n.now().Unix()) {
+		head, err = n.head.get(ctx, n.now, 0, func(ctx context.Context) (*types.Header, error) {
+			return n.backend.HeaderByNumber(ctx, nil)
+		})
+	}
+	if err != nil {
+		return nil, fmt.Errorf("nothing was sent: %w: reading the head block: %w", errNodeNotAsked, err)
+	}
+	if ref := p.checkDeadline(n.mineTime(head)); ref != nil {
+		return ref, nil
+	}
+	if sp := p.sponsor; sp != nil && sp.err != nil {
+		return sp.err, nil
+	}
+	return nil, nil
+}
+
 // setHead keeps the head block chain time was read from, and the earliest time of the next block (see
-// network.mineAt); it returns the engine's clock it read.
-func (p *payment) setHead(head *types.Header) (wall int64) {
-	p.mineAt, wall = p.net.mineAt(head)
-	p.head = head
-	return wall
+// network.mineAt); it returns when a settlement sent now would be mined, judged from head.
+func (p *payment) setHead(head *types.Header) mineTime {
+	t := p.net.mineTime(head)
+	p.mineAt, p.head = t.earliest, head
+	return t
+}
+
+// mineTime is when a settlement sent now would be mined, judged from one head block.
+type mineTime struct {
+	head *types.Header
+	wall int64 // the engine's clock, read with it
+	// earliest is the earliest time of the next block (network.mineAt), which validAfter must not pass; latest
+	// is the time the settlement is expected to be mined by, which its deadline must outlast: on a chain that
+	// seals per burst, a second later for each of this engine's transactions ahead of it (ahead).
+	earliest, latest uint64
+	ahead            int64
+}
+
+// mineTime judges when a settlement sent now would be mined, from head. On a chain that seals a block per
+// transaction burst, each transaction sent before it and not mined yet may take a block of its own, a second
+// past the one before: the settlements of this engine past their last deadline check (sending) and those sent
+// whose receipt was not seen yet (unmined). A receipt is seen a poll after its block, so this errs late, never
+// early, for this engine's own transactions; those of others sharing the chain and its wallets are not known
+// here, and deadlineMargin is their room. On a chain with periodic blocks the transactions ahead share the
+// next block, and count nothing.
+func (n *network) mineTime(head *types.Header) mineTime {
+	t := mineTime{head: head}
+	t.earliest, t.wall = n.mineAt(head)
+	t.latest = t.earliest
+	if n.sealsPerBurstNow(head, t.wall) {
+		t.ahead = max(n.sending.Load()+n.unmined.Load(), 0)
+		t.latest += uint64(t.ahead)
+	}
+	return t
+}
+
+// aheadOfClock is how far a head block's time may lie past this machine's clock (wall) on a chain with periodic
+// blocks, stamped by the clocks of its validators: further ahead, the chain is one that seals a block per
+// transaction burst, whose clock runs a second ahead per block under load.
+const aheadOfClock = 2
+
+// sealsPerBurstNow reports whether the network's chain seals a block per transaction burst: configured so
+// (NetworkConfig.SealsPerBurst), or seen so, its head stamped further past the engine's clock (wall) than a
+// chain with periodic blocks stamps one.
+func (n *network) sealsPerBurstNow(head *types.Header, wall int64) bool {
+	return n.sealsPerBurst || head.Time > uint64(max(wall, 0))+aheadOfClock
 }
 
 // mineAt is the earliest time of the block after head, which a settlement sent now lands in at the soonest: one
@@ -718,9 +806,11 @@ func (n *network) mineAt(head *types.Header) (at uint64, wall int64) {
 	return max(head.Time+1, uint64(max(wall, 0))), wall
 }
 
-// NextBlockTime is the earliest time a settlement sent now can be mined at on networkID, the time the engine
-// judges deadlines by (see checkTime): one second past the head block's, and no earlier than its clock. A gate
-// that serves a payment before settling it asks it whether the payment's deadline leaves the settlement room.
+// NextBlockTime is the time a settlement sent now is expected to be mined by on networkID, the time the engine
+// judges deadlines by (see checkTime and mineTime): one second past the head block's, no earlier than its
+// clock, and on a chain that seals a block per transaction burst a second later for each of the engine's
+// settlements ahead of it. A gate that serves a payment before settling it asks it whether the payment's
+// deadline leaves the settlement room.
 func (f *Facilitator) NextBlockTime(ctx context.Context, networkID string) (time.Time, error) {
 	n := f.networks[networkID]
 	if n == nil {
@@ -730,8 +820,7 @@ func (f *Facilitator) NextBlockTime(ctx context.Context, networkID string) (time
 	if err != nil {
 		return time.Time{}, fmt.Errorf("reading the head block of %s: %w", networkID, err)
 	}
-	at, _ := n.mineAt(head)
-	return time.Unix(int64(at), 0), nil
+	return time.Unix(int64(n.mineTime(head).latest), 0), nil
 }
 
 // checkChain reads what only the chain knows: the nonce, the balance, the Permit2 allowance, and finally

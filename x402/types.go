@@ -286,6 +286,9 @@ type VerifyResponse struct {
 	InvalidReason  string                     `json:"invalidReason,omitempty"`
 	InvalidMessage string                     `json:"invalidMessage,omitempty"`
 	Extensions     map[string]json.RawMessage `json:"extensions,omitempty"`
+	// Extra is the scheme's own part of the answer, kept as it came: for batch-settlement, the channel as the
+	// facilitator read it (a BatchChannelState), which the SDK's resource server keeps as its view of the channel.
+	Extra json.RawMessage `json:"extra,omitempty"`
 }
 
 // SettleResponse is the answer of POST /settle, and Base64-encoded the PAYMENT-RESPONSE header.

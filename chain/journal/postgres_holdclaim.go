@@ -103,8 +103,9 @@ func HoldAndClaim(ctx context.Context, c Cluster, h Hold, avail *big.Int, readBl
 	}
 }
 
-// holdAndClaim runs HoldAndClaim's transaction once (tried again only where nothing of it reached the database,
-// or the database refused it before anything committed); Claimed false with no error: another's record was there.
+// holdAndClaim runs HoldAndClaim's transactions once (tried again only where nothing of them reached the database,
+// or the database refused them before anything committed; when it refused the claim's after the hold's committed,
+// the claim's alone); Claimed false with no error: another's record was there.
 func (s *PostgresStore) holdAndClaim(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, r Record) (HeldClaim, error) {
 	items, done, err := s.carry(ctx)
 	if err != nil {
@@ -124,14 +125,24 @@ func (s *PostgresStore) holdAndClaim(ctx context.Context, h Hold, avail *big.Int
 		return HeldClaim{}, err
 	}
 	var (
-		d       holdDecision
-		claimed bool
+		d                      holdDecision
+		claimed, holdCommitted bool
 	)
 	err = retryBeforeCommit(wctx, func() error {
 		var err error
-		claimed, err = s.holdAndClaimOnce(wctx, items, &d, h, avail, readBlock, chainTime, t.w.args)
+		if holdCommitted {
+			// The hold's transaction committed, the deferred writes with it: run again, they would find
+			// themselves there (a gate's record, a plain insert, would fail as another's and stop the claim).
+			// Only the claim's transaction, refused before it committed, runs again.
+			claimed, err = s.claimAfterHold(wctx, t.w.args)
+			return err
+		}
+		claimed, holdCommitted, err = s.holdAndClaimOnce(wctx, items, &d, h, avail, readBlock, chainTime, t.w.args)
 		return err
 	})
+	if err == nil {
+		markSent(items)
+	}
 	done(err)
 	if err != nil {
 		return HeldClaim{}, s.fail(ctx, "claim with hold", err)
@@ -146,12 +157,13 @@ func (s *PostgresStore) holdAndClaim(ctx context.Context, h Hold, avail *big.Int
 	return HeldClaim{Claimed: true, Rec: rec, Held: ok, Left: left}, nil
 }
 
-// holdAndClaimOnce sends the transaction and reads what each statement returned: items' outcomes (for done),
-// the hold's decision into d, and whether the claim's insert wrote the record.
-func (s *PostgresStore) holdAndClaimOnce(ctx context.Context, items []*behindWrite, d *holdDecision, h Hold, avail *big.Int, readBlock, chainTime uint64, claimArgs []any) (bool, error) {
+// holdAndClaimOnce sends the transactions and reads what each statement returned: items' outcomes (for done),
+// the hold's decision into d, whether the claim's insert wrote the record, and whether the hold's transaction
+// committed (the claim's may still have failed).
+func (s *PostgresStore) holdAndClaimOnce(ctx context.Context, items []*behindWrite, d *holdDecision, h Hold, avail *big.Int, readBlock, chainTime uint64, claimArgs []any) (claimed, holdCommitted bool, err error) {
 	c, err := s.pool.Acquire(ctx)
 	if err != nil {
-		return false, err
+		return false, false, err
 	}
 	// A connection left inside the transaction is closed by the pool rather than reused (see txInOne).
 	defer c.Release()
@@ -186,6 +198,7 @@ func (s *PostgresStore) holdAndClaimOnce(ctx context.Context, items []*behindWri
 		if _, err := br.Exec(); err != nil {
 			return commitError{err}
 		}
+		holdCommitted = true
 		if _, err := br.Exec(); err != nil {
 			return err
 		}
@@ -205,9 +218,19 @@ func (s *PostgresStore) holdAndClaimOnce(ctx context.Context, items []*behindWri
 			c.Exec(rctx, "rollback")
 			cancel()
 		}
+		return false, holdCommitted, err
+	}
+	return tag.RowsAffected() == 1, true, nil
+}
+
+// claimAfterHold runs the claim's transaction of HoldAndClaim alone (one statement, committed synchronously, which
+// makes the hold's transaction before it durable too), after it was refused before it committed and the hold's
+// had committed; whether it wrote the record.
+func (s *PostgresStore) claimAfterHold(ctx context.Context, claimArgs []any) (bool, error) {
+	tag, err := s.pool.Exec(ctx, pgInsertRecord, claimArgs...)
+	if err != nil {
 		return false, err
 	}
-	markSent(items)
 	return tag.RowsAffected() == 1, nil
 }
 

@@ -2,6 +2,7 @@ package journal
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"math/big"
 	"slices"
@@ -360,4 +361,64 @@ func (c *batchSQL) claimBatches() (out [][]bool) {
 	}
 	c.batches = nil
 	return out
+}
+
+// TestPostgresAClaimRefusedForRetryAfterItsHoldCommittedRunsAgainAloneAndTheGatesRecordLands: the claim's
+// transaction, second in HoldAndClaim's batch, refused with a serialization failure (40001, which a database
+// running READ COMMITTED as SERIALIZABLE answers a claim that raced another) after the hold's transaction, the
+// gate's record riding in it, committed: the claim alone is tried again, not the whole batch, whose gate's record
+// would find itself there and tell the gate another request recorded its payment, and whose claim would never be
+// written, its hold left to hold the payer's funds until its deadline.
+func TestPostgresAClaimRefusedForRetryAfterItsHoldCommittedRunsAgainAloneAndTheGatesRecordLands(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	bg := context.Background()
+	s := openPostgres(t, dsn, Options{})
+	other := openPostgres(t, dsn, Options{})
+	const base = 35000
+	key := "claim-refused-for-retry"
+	gateRec, claim := claimOf(base), claimOf(base+1)
+	// The claim's insert is refused once with 40001; a sequence counts, as it is not rolled back with the refusal.
+	fault := []string{
+		`CREATE SEQUENCE x402_test_claim_retry_seq`,
+		`CREATE FUNCTION x402_test_claim_retry() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	IF NEW.id = '\x` + hex.EncodeToString(claim.ID[:]) + `'::bytea AND nextval('x402_test_claim_retry_seq') = 1 THEN
+		RAISE EXCEPTION 'could not serialize access (test)' USING ERRCODE = '40001';
+	END IF;
+	RETURN NEW;
+END $$`,
+		`CREATE TRIGGER x402_test_claim_retry BEFORE INSERT ON x402_records FOR EACH ROW EXECUTE FUNCTION x402_test_claim_retry()`,
+	}
+	for _, q := range fault {
+		if _, err := other.pool.Exec(bg, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	t.Cleanup(func() {
+		for _, q := range []string{`DROP TRIGGER IF EXISTS x402_test_claim_retry ON x402_records`,
+			`DROP FUNCTION IF EXISTS x402_test_claim_retry()`, `DROP SEQUENCE IF EXISTS x402_test_claim_retry_seq`} {
+			other.pool.Exec(bg, q)
+		}
+	})
+
+	ctx := Defer(bg, s)
+	_, _, later, err := ClaimBehind(ctx, s, gateRec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := HoldAndClaim(ctx, s, holdOf(base+1, key, 60), big.NewInt(100), 1, 1, claim)
+	if err != nil || !out.Claimed || !out.Held {
+		t.Fatalf("HoldAndClaim whose claim was refused once for retry = %+v, %v; want it claimed and held", out, err)
+	}
+	if err := later.Land(); err != nil {
+		t.Fatalf("the gate's record that rode with the hold landed %v; want it written", err)
+	}
+	for _, r := range []Record{gateRec, claim} {
+		if _, ok, err := other.Get(bg, r.ID); err != nil || !ok {
+			t.Fatalf("the record of %s = %v, %v; want it written", r.ID, ok, err)
+		}
+	}
+	if got := holdRows(t, other, key, claim.ID); len(got) != 1 || got[0] != "60" {
+		t.Fatalf("the hold = %v; want one of 60", got)
+	}
 }
