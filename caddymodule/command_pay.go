@@ -55,6 +55,9 @@ type payOptions struct {
 	Scheme string
 	// Refund asks the URL's server for what is left in the payer's batch-settlement channel, and pays nothing.
 	Refund bool
+	// PaymentID names the payment in the payment-identifier extension of a server that declares it; "" names
+	// it with a fresh id there.
+	PaymentID string
 }
 
 // runPay requests o.URL, pays if it answers 402 and prints the outcome; see the `pay` command's help.
@@ -132,7 +135,7 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 	if br, ok := offer.Batch(i); ok {
 		return runPayBatch(ctx, p, o, br, first.Request.URL.String(), client, stdout, stderr)
 	}
-	pay, err := p.Sign(ctx, offer, i)
+	pay, err := p.Sign(payer.WithPaymentIdentifier(ctx, o.PaymentID), offer, i)
 	if err != nil {
 		return err
 	}
@@ -150,6 +153,9 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 	}
 	fmt.Fprintf(stderr, "paying %s%s of %s to %s on %s by %s as %s%s\n",
 		upTo, req.Amount, req.Asset, req.PayTo, req.Network, pay.Method, p.Address().Hex(), payNote(pay))
+	if pay.Identifier != "" {
+		fmt.Fprintf(stderr, "the payment is named %s (payment-identifier): the server answers another payment of this id 409\n", pay.Identifier)
+	}
 
 	// The 402 came from where the redirects ended: pay there, and follow no redirect with the payment
 	// attached, which would hand a signed payment to another host.

@@ -120,6 +120,12 @@ type Gate struct {
 	// names) for clients that read only the body; the PAYMENT-REQUIRED header still carries version 2.
 	V1Body bool `json:"v1_body,omitempty"`
 
+	// PaymentIdentifier declares the payment-identifier extension in the 402, under which a client names its
+	// payment with an id (16 to 128 letters, digits, '-' and '_') to retry it safely: "optional", or "required"
+	// to refuse (400) a payment that names none. A payment naming an id that does not read is refused (400).
+	// Default: not declared, and a payment's id is ignored.
+	PaymentIdentifier string `json:"payment_identifier,omitempty"`
+
 	// CORSOrigins are the origins whose browser scripts may pay for the resource: the gate answers their CORS
 	// preflight itself (never passing it on unpaid) and lets them read its answers. "*" allows any origin.
 	// Default: any origin.
@@ -293,7 +299,7 @@ func (g *Gate) start(app *App) error {
 // coreConfig is the configuration of the gate's core, shaped from its Caddy config.
 func (g *Gate) coreConfig(app *App) gate.Config {
 	return gate.Config{
-		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body,
+		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body, PaymentIdentifier: g.PaymentIdentifier,
 		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID,
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
@@ -406,6 +412,11 @@ func (g *Gate) Validate() error {
 	}
 	if g.MaxBuffer < 0 {
 		return fmt.Errorf("max_buffer %d is negative; want a size in bytes", g.MaxBuffer)
+	}
+	switch g.PaymentIdentifier {
+	case "", gate.PaymentIdentifierOptional, gate.PaymentIdentifierRequired:
+	default:
+		return fmt.Errorf("payment_identifier %q: want %q or %q", g.PaymentIdentifier, gate.PaymentIdentifierOptional, gate.PaymentIdentifierRequired)
 	}
 	if g.PriceGrace < 0 {
 		return fmt.Errorf("price_grace %s is negative; want a duration such as 1m, or 0 for none", time.Duration(g.PriceGrace))

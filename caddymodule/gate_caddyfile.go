@@ -57,6 +57,7 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		settle before|after|async [<backlog>]
 //		max_buffer <size>
 //		v1_body
+//		payment_identifier [optional|required] # declare the payment-identifier extension (default optional)
 //		cors_origins <origin>...             # default *
 //		price_grace <duration>               # keep earlier offers of a resource good this long after a reload
 //		                                     # (terms then set from the method and URL only)
@@ -190,6 +191,18 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			g.V1Body = true
+		case "payment_identifier":
+			args := d.RemainingArgs()
+			switch {
+			case len(args) == 0:
+				g.PaymentIdentifier = gate.PaymentIdentifierOptional
+			case len(args) > 1:
+				return d.ArgErr()
+			case args[0] == gate.PaymentIdentifierOptional || args[0] == gate.PaymentIdentifierRequired:
+				g.PaymentIdentifier = args[0]
+			default:
+				return d.Errf("payment_identifier '%s': want %s or %s", args[0], gate.PaymentIdentifierOptional, gate.PaymentIdentifierRequired)
+			}
 		case "price_grace":
 			at := *d
 			graceAt = &at

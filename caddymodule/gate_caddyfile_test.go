@@ -9,6 +9,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
+
+	"github.com/x402-gateway/caddy-x402/caddymodule"
 )
 
 // adaptGate adapts a Caddyfile and returns the handlers of its first site's route, in order, as JSON objects.
@@ -81,6 +83,7 @@ x402 /paid/* $0.002 {
 	settle async 5000
 	max_buffer 2MiB
 	v1_body
+	payment_identifier required
 	accept {
 		network eip155:723487
 		amount 5000
@@ -110,7 +113,7 @@ respond "paid"
 		"token_name": "Stable Coin", "token_version": "1", "max_timeout": float64(90 * time.Second),
 		"facilitator_url": "https://facilitator.example.com", "facilitator_api_key": "{env.FACILITATOR_KEY}",
 		"facilitator_timeout": float64(30 * time.Second), "payment_header": "X-Pay", "description": "Premium article", "mime_type": "text/html", "settle": "async",
-		"async_backlog": float64(5000), "max_buffer": float64(2 << 20), "v1_body": true,
+		"async_backlog": float64(5000), "max_buffer": float64(2 << 20), "v1_body": true, "payment_identifier": "required",
 		"accepts": []any{
 			map[string]any{"network": "eip155:723487", "amount": "5000", "asset_transfer_method": "erc2612"},
 			map[string]any{"pay_to": "0x000000000000000000000000000000000000bEEF"},
@@ -154,6 +157,8 @@ func TestBadX402DirectivesAreRefusedNamingTheProblem(t *testing.T) {
 		{"unknown accept option", "accept {\n\t\tcolour blue\n\t}", "unrecognized accept option 'colour'"},
 		{"accept with an argument", "accept now {\n\t}", "wrong argument count"},
 		{"v1_body with an argument", "v1_body yes", "wrong argument count"},
+		{"payment_identifier in another mode", "payment_identifier always", "payment_identifier 'always': want optional or required"},
+		{"payment_identifier with two modes", "payment_identifier optional required", "wrong argument count"},
 		{"max_buffer that is not a size", "max_buffer lots", "max_buffer 'lots'"},
 		{"max_buffer of nothing", "max_buffer 0", "max_buffer '0'"},
 		{"max_buffer without a size", "max_buffer", "wrong argument count"},
@@ -187,6 +192,7 @@ func TestGateConfigurationsThatCannotWorkAreRefusedWhenLoaded(t *testing.T) {
 		{"embedded without a network in the app", "pay_to " + payTo + "\n\tprice $0.01\n\tnetwork eip155:72344\n\tasset " + asset, "no facilitator"},
 		{"facilitator URL with a query", "pay_to " + payTo + "\n\tprice $0.01\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tfacilitator http://127.0.0.1:9/?key=1", "query"},
 		{"timeout under a second", "pay_to " + payTo + "\n\tprice $0.01\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tmax_timeout 10ms\n\tfacilitator http://127.0.0.1:9", "max_timeout"},
+		{"payment_identifier in another mode", "pay_to " + payTo + "\n\tprice $0.01\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tfacilitator http://127.0.0.1:9\n\tpayment_identifier always", "payment_identifier 'always'"},
 		{"the version 1 header as payment_header", "pay_to " + payTo + "\n\tprice $0.01\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tpayment_header X-Payment\n\tfacilitator http://127.0.0.1:9", "version 1 header"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -218,4 +224,11 @@ func loadGateConfig(t *testing.T, caddyfile string) error {
 		_ = caddy.Stop()
 	}
 	return err
+}
+
+func TestAGateInJSONWithAnUnknownPaymentIdentifierModeIsRefused(t *testing.T) {
+	g := &caddymodule.Gate{Settle: caddymodule.SettleAfter, PaymentIdentifier: "always"}
+	if err := g.Validate(); err == nil || !strings.Contains(err.Error(), `payment_identifier "always"`) {
+		t.Fatalf("Validate() = %v, want it to name payment_identifier \"always\"", err)
+	}
 }

@@ -254,3 +254,58 @@ func TestASettlementBehindTheEnginesUnminedTransactionsIsJudgedByTheBlocksTheyMa
 		})
 	}
 }
+
+// A chain with periodic blocks whose head is stamped a few seconds past the engine's clock (the facilitator's
+// clock behind, or a node's) is still one whose blocks come by the clock: the engine's settlements ahead share
+// the next block, and a payment whose deadline the next block allows by deadlineMargin is valid. The engine took
+// any head more than aheadOfClock past its clock for a chain sealing per burst, and refused it, a second for each
+// of its settlements sent and not mined (under load on a real chain, tens of seconds): it now asks too that the
+// heads it saw come a second a block apart or less (r-review41).
+func TestAPeriodicChainWhoseHeadIsAheadOfTheEnginesClockRefusesNoValidPaymentForTheSettlementsAhead(t *testing.T) {
+	const ahead = 3
+	start := time.Now()
+	var clockLag time.Duration // the engine's clock behind the chain's head, well past aheadOfClock
+	fx := newFixture(t, fixtureOpts{autoCommit: -1, receiptTimeout: time.Minute,
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			clockLag = time.Until(time.Unix(int64(fx.c.HeadTime()), 0)) - 10*time.Second
+		},
+		configure: func(cfg *chain.Config) { cfg.Now = func() time.Time { return time.Now().Add(clockLag) } },
+	})
+	next := func() int64 { return max(int64(fx.c.HeadTime())+1, time.Now().Add(clockLag).Unix()) }
+	payers := fx.c.Payers
+	fx.approvePermit2(payers...)
+	// The chain's blocks come two seconds apart, and the engine sees them come (a verification reads the head).
+	for range 3 {
+		fx.c.AdjustTime(2 * time.Second)
+		fx.verify(fx.permit2(payers[ahead], fx.requirements(x402.TransferPermit2), chain.Permit2Options{}))
+	}
+	var answers []<-chan settleResult
+	for i := range ahead {
+		answers = append(answers, settleInBackground(fx.f, fx.permit2(payers[i], fx.requirements(x402.TransferPermit2), chain.Permit2Options{})))
+	}
+	for pending := 0; pending < ahead; {
+		if time.Since(start) > 20*time.Second {
+			t.Fatalf("%d of the %d settlements ahead reached the pool", pending, ahead)
+		}
+		time.Sleep(5 * time.Millisecond)
+		pending = 0
+		for _, w := range fx.c.Wallets {
+			n, err := fx.c.Client.PendingNonceAt(context.Background(), w.Address)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pending += int(n - fx.c.TxCount(w.Address))
+		}
+	}
+	req := fx.permit2(payers[ahead], fx.requirements(x402.TransferPermit2), chain.Permit2Options{Deadline: big.NewInt(next() + deadlineMargin + 1)})
+	v := fx.verify(req)
+	fx.c.Commit()
+	for i, a := range answers {
+		if r := <-a; r.err != nil || !r.resp.Success {
+			t.Fatalf("settlement %d ahead: %+v, %v; want settled", i, r.resp, r.err)
+		}
+	}
+	if !v.IsValid {
+		t.Fatalf("verify = %+v; want valid: on a chain with periodic blocks the settlements ahead share the next block, wherever the engine's clock is", v)
+	}
+}

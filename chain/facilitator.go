@@ -236,17 +236,53 @@ type network struct {
 	// sending counts this engine's settlements past their last deadline check and not yet sent, and unmined its
 	// settlements sent whose receipt was not seen yet: what is ahead of a settlement sent now (see mineTime).
 	sending, unmined atomic.Int64
+	// heads are the last two distinct heads this network's reads saw (see sawHead), to tell a chain whose blocks
+	// come a second apart or faster from one with slower blocks (see sealsPerBurstNow).
+	headsMu sync.Mutex
+	heads   [2]headMark
+}
+
+// headMark is a head block seen: its number and time.
+type headMark struct{ number, time uint64 }
+
+// sawHead notes head as the newest head seen when it is newer than the last.
+func (n *network) sawHead(head *types.Header) {
+	if head == nil || head.Number == nil {
+		return
+	}
+	n.headsMu.Lock()
+	defer n.headsMu.Unlock()
+	if num := head.Number.Uint64(); num > n.heads[1].number {
+		n.heads = [2]headMark{n.heads[1], {num, head.Time}}
+	}
+}
+
+// secondBlocks reports whether the last two heads seen lie at most a second a block apart: a chain that seals
+// per transaction burst while it runs ahead of the clock stamps each block a second past the one before, a
+// chain with periodic blocks of two seconds or more never does.
+func (n *network) secondBlocks() bool {
+	n.headsMu.Lock()
+	defer n.headsMu.Unlock()
+	prev, last := n.heads[0], n.heads[1]
+	return prev.number != 0 && last.number > prev.number && last.time-prev.time <= last.number-prev.number
 }
 
 // chainHead is the head block, shared for headTTL between callers. Callers that come while it is being read
 // wait for that read (or give up on their own context) rather than queue behind a lock held across the call.
 func (n *network) chainHead(ctx context.Context) (*types.Header, error) {
 	if n.headTTL <= 0 {
-		return n.backend.HeaderByNumber(ctx, nil)
+		return n.readHead(ctx)
 	}
-	return n.head.get(ctx, n.now, n.headTTL, func(ctx context.Context) (*types.Header, error) {
-		return n.backend.HeaderByNumber(ctx, nil)
-	})
+	return n.head.get(ctx, n.now, n.headTTL, n.readHead)
+}
+
+// readHead reads the head block from the node, and notes it (sawHead).
+func (n *network) readHead(ctx context.Context) (*types.Header, error) {
+	head, err := n.backend.HeaderByNumber(ctx, nil)
+	if err == nil {
+		n.sawHead(head)
+	}
+	return head, err
 }
 
 // asset is a configured token with its cached permit domain separator.

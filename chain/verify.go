@@ -733,9 +733,7 @@ func (p *payment) checkDeadlineBeforeSending(ctx context.Context) (*refusal, err
 	n := p.net
 	head, err := n.chainHead(ctx)
 	if err == nil && n.sealsPerBurstNow(head, n.now().Unix()) {
-		head, err = n.head.get(ctx, n.now, 0, func(ctx context.Context) (*types.Header, error) {
-			return n.backend.HeaderByNumber(ctx, nil)
-		})
+		head, err = n.head.get(ctx, n.now, 0, n.readHead)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("nothing was sent: %w: reading the head block: %w", errNodeNotAsked, err)
@@ -792,10 +790,13 @@ func (n *network) mineTime(head *types.Header) mineTime {
 const aheadOfClock = 2
 
 // sealsPerBurstNow reports whether the network's chain seals a block per transaction burst: configured so
-// (NetworkConfig.SealsPerBurst), or seen so, its head stamped further past the engine's clock (wall) than a
-// chain with periodic blocks stamps one.
+// (NetworkConfig.SealsPerBurst), or seen so: its head stamped further past the engine's clock (wall) than a
+// chain with periodic blocks stamps one, and its last heads seen a second a block apart or less. The second
+// test keeps a chain with periodic blocks of two seconds or more from being taken for one when it is this
+// machine's clock that lags (or a node answers a head from the future): counting this engine's settlements
+// ahead of a payment, a second each, would then refuse payments the next block would take.
 func (n *network) sealsPerBurstNow(head *types.Header, wall int64) bool {
-	return n.sealsPerBurst || head.Time > uint64(max(wall, 0))+aheadOfClock
+	return n.sealsPerBurst || (head.Time > uint64(max(wall, 0))+aheadOfClock && n.secondBlocks())
 }
 
 // mineAt is the earliest time of the block after head, which a settlement sent now lands in at the soonest: one

@@ -39,6 +39,8 @@ type paidByTypeScript struct {
 		Facilitator string   `json:"facilitator"` // upto: the witness's facilitator address
 		Extensions  []string `json:"extensions"`
 		Sponsored   bool     `json:"sponsored"`
+		// PaymentIdentifier is the id the payment named in its payment-identifier extension, "" when none.
+		PaymentIdentifier string `json:"paymentIdentifier"`
 	} `json:"sent"`
 	PaymentResponse *x402.SettleResponse `json:"paymentResponse"`
 	// SettlementOverrides is the Settlement-Overrides header of the final answer, nil if none reached the client.

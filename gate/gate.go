@@ -118,6 +118,10 @@ type Config struct {
 	// DefaultAmount is what an upto payment is charged when the upstream names no amount (no Settlement-Overrides
 	// header, or one that says nothing usable): DefaultAmountMax (the default) or DefaultAmountZero.
 	DefaultAmount string
+	// PaymentIdentifier declares the payment-identifier extension in the 402: "" (the default) declares
+	// nothing, PaymentIdentifierOptional lets a client name its payment with an id, PaymentIdentifierRequired
+	// refuses a payment that names none.
+	PaymentIdentifier string
 	// V1Body answers unpaid requests with the version 1 JSON body.
 	V1Body bool
 	// CORSOrigins are the origins whose browser scripts may pay; empty or "*" allows any origin.
@@ -275,6 +279,9 @@ type Gate struct {
 	logger   *zap.Logger
 	now      func() time.Time
 
+	// identifiers is store's PaymentIdentifiers, where the gate declares payment-identifier.
+	identifiers journal.PaymentIdentifiers
+
 	offers   atomic.Pointer[offerSet] // the current offers, rebuilt from /supported as it changes
 	priced   pricedOffers             // with Config.OffersFor: the offers of each distinct answer
 	refresh  sync.Mutex               // one /supported fetch at a time
@@ -313,6 +320,9 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 	case DefaultAmountMax, DefaultAmountZero:
 	default:
 		return nil, fmt.Errorf("default_amount %q is not one; want %q or %q", cfg.DefaultAmount, DefaultAmountMax, DefaultAmountZero)
+	}
+	if err := checkPaymentIdentifierMode(cfg.PaymentIdentifier); err != nil {
+		return nil, err
 	}
 	for _, o := range cfg.Offers {
 		switch {
@@ -373,6 +383,13 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 	}
 	if h, ok := fac.(fundsHolder); ok && cfg.Settle == SettleAsync {
 		g.holder = h
+	}
+	if cfg.PaymentIdentifier != "" {
+		ids, ok := store.(journal.PaymentIdentifiers)
+		if !ok {
+			return nil, fmt.Errorf("payment_identifier: the settlement journal (%T) keeps no payment identifiers", store)
+		}
+		g.identifiers = ids
 	}
 	if cfg.Settle == SettleAsync {
 		for _, o := range cfg.Offers {

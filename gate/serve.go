@@ -60,6 +60,10 @@ type exchange struct {
 	headers    http.Header // the response headers before the upstream ran, restored when the gate answers itself
 	retryAfter string      // the Retry-After of the gate's own 502, when it knows when to present the payment again
 	ended      bool
+	// presented is the payment as read; renames is a payment its id was bound to that bought nothing, which the
+	// id may name no longer (paymentIdentifierTaken).
+	presented presented
+	renames   journal.ID
 	// streamed is set once a response larger than max_buffer began to stream: it is marked served when the
 	// upstream has sent all of it.
 	streamed *streamedPayment
@@ -105,6 +109,9 @@ func (x *exchange) run() error {
 		return x.serveBatch(value) // batch.go
 	}
 	p, err := x.read(value, fromV1Header)
+	if err == nil {
+		err = x.paymentIdentifierProblem(p)
+	}
 	if err != nil {
 		return x.invalidHeader(err)
 	}
@@ -125,6 +132,10 @@ func (x *exchange) run() error {
 			InvalidMessage: "the payment names no payer and nonce"})
 	}
 	x.req, x.id, x.decimals = p.req, p.id, p.decimals
+	x.presented = p
+	if answered, err := x.paymentIdentifierTaken(p); answered {
+		return err
+	}
 	if x.marksWhileVerifying(p) {
 		return x.markWhileVerifying(p)
 	}
@@ -162,6 +173,10 @@ type presented struct {
 	id       journal.ID
 	haveID   bool
 	decimals uint8 // of the offer's asset
+	// identifier is the id the payment names in its payment-identifier extension ("" none), identifierErr
+	// why it names none that reads.
+	identifier    string
+	identifierErr error
 }
 
 // read decodes a payment header and matches it against the offers. PAYMENT-SIGNATURE carries version 2;
@@ -193,6 +208,7 @@ func (x *exchange) read(value string, fromV1Header bool) (presented, error) {
 		v2 = &decoded
 	}
 	p.payload = v2.Payload
+	p.identifier, p.identifierErr = v2.PaymentIdentifier()
 	p.id, p.haveID = gateID(v2.Accepted.Network, x402.TransferMethod(v2.Accepted, p.payload), v2.Accepted.Asset, p.payload)
 	var o *offer
 	if p.req, o, p.mismatch = x.match(v2); o != nil {
@@ -253,6 +269,9 @@ func (x *exchange) serveVerified(vres x402.VerifyResponse, err error) error {
 	if vres.Payer != "" && !strings.EqualFold(vres.Payer, x.payer) {
 		x.unhold()
 		return x.verifyUnreachable(fmt.Sprintf("the facilitator's answer names payer %s, but the payment is signed by %s; nothing was charged", vres.Payer, x.payer), nil)
+	}
+	if answered, err := x.namePaymentIdentifier(x.presented); answered {
+		return err
 	}
 	x.setPaymentPlaceholders()
 

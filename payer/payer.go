@@ -182,6 +182,9 @@ type Payment struct {
 	// SponsoringDeclared says the server declared eip2612GasSponsoring in its offer; the payment echoes that
 	// declaration.
 	SponsoringDeclared bool
+	// Identifier is the id the payment is named with (WithPaymentIdentifier), "" when the server declared no
+	// payment-identifier extension.
+	Identifier string
 	// Batch is, for a batch-settlement payment, the channel it pays from and what it signed; nil otherwise.
 	// Payload is then empty: the payment is in Value.
 	Batch *BatchPayment
@@ -231,6 +234,9 @@ func (p *Payer) Sign(ctx context.Context, offer Offer, i int) (Payment, error) {
 	req := offer.Required.Accepts[i]
 	pay := Payment{Index: i, Requirements: req, Method: TransferMethod(req)}
 	if pay.Payload, err = p.sign(ctx, rpc, offer, req, &pay); err != nil {
+		return Payment{}, err
+	}
+	if pay.Identifier, err = namePayment(ctx, offer, &pay.Payload); err != nil {
 		return Payment{}, err
 	}
 	if pay.Header, pay.Value, err = encodePayment(offer, i, pay.Payload); err != nil {

@@ -36,6 +36,8 @@ type seller struct {
 	version int
 	amount  string
 	always  bool // answer 402 even to a payment
+	// extensions are the extensions its 402 declares.
+	extensions map[string]json.RawMessage
 
 	mu       sync.Mutex
 	requests []*http.Request
@@ -73,7 +75,7 @@ func (s *seller) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 	if r.Header.Get(header) == "" || s.always {
 		required := x402.PaymentRequired{X402Version: s.version, Resource: x402.ResourceInfo{URL: "http://" + r.Host + r.URL.Path},
-			Accepts: []x402.PaymentRequirements{s.requirement()}}
+			Accepts: []x402.PaymentRequirements{s.requirement()}, Extensions: s.extensions}
 		if s.version == x402.Version1 {
 			v1, err := x402.NewRegistry().PaymentRequiredToV1(required)
 			if err != nil {

@@ -20,6 +20,8 @@ type MemoryStore struct {
 	served  map[ID]time.Time // as the bolt store's served bucket: MarkServed writes here alone
 	// channels holds the channel rows, encoded as the bolt store keeps them, by ChannelKey.bytes.
 	channels map[string][]byte
+	// identifiers holds the PaymentIdentifiers bindings, as the bolt store keeps them.
+	identifiers map[string][]byte
 }
 
 // NewMemory returns an empty in-memory store; of opts only Clock applies.
@@ -200,6 +202,9 @@ func (s *MemoryStore) Prune(ctx context.Context, finalBefore time.Time) (int, er
 			delete(s.served, id)
 			n++
 		}
+	}
+	if err := s.prunePaymentIdentifiers(finalBefore); err != nil {
+		return n, fmt.Errorf("journal: prune: %w", err)
 	}
 	return n, nil
 }

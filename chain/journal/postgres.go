@@ -790,7 +790,7 @@ func (s *PostgresStore) Prune(ctx context.Context, finalBefore time.Time) (int, 
 		n := int(tag.RowsAffected())
 		total += n
 		if n < pruneChunk {
-			return total, nil
+			return total, s.prunePaymentIdentifiers(ctx, finalBefore)
 		}
 	}
 }

@@ -261,8 +261,13 @@ func TestPostgresChannelsMigrationBesideAnEarlierRelease(t *testing.T) {
 			versions = append(versions, v)
 			return err
 		})
-		if fmt.Sprint(versions) != "[1 2 3 4 5]" {
-			t.Fatalf("schema versions %v, want 1 to 5 once each", versions)
+		// Every migration of this release once, the payment identifiers' after the channels' too.
+		want := make([]int, len(pgMigrations))
+		for i := range want {
+			want[i] = i + 1
+		}
+		if fmt.Sprint(versions) != fmt.Sprint(want) {
+			t.Fatalf("schema versions %v, want 1 to %d once each", versions, len(pgMigrations))
 		}
 	})
 

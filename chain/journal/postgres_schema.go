@@ -137,6 +137,7 @@ CREATE TABLE IF NOT EXISTS x402_channels (
 CREATE INDEX IF NOT EXISTS x402_channels_claim_tx ON x402_channels (claim_tx) WHERE claim_tx IS NOT NULL;
 CREATE INDEX IF NOT EXISTS x402_channels_withdrawn ON x402_channels (withdrawn_ns) WHERE withdrawn_ns IS NOT NULL;
 `,
+	pgPaymentIdentifiersMigration,
 }
 
 // ErrSchemaTooNew: OpenPostgres found a database migrated by a newer release than this one, whose schema this

@@ -16,9 +16,11 @@
 //   X402_METHOD      pay the first offer of this transfer method (permit2 or eip3009; an offer naming none is
 //                    eip3009, as the client reads it) instead of the client's default, the first offer
 //   X402_SCHEME      pay the first offer of this scheme (exact or upto); with X402_METHOD, of both
+//   X402_PAYMENT_ID  name the payment with this id in the payment-identifier extension, where the server declares
+//                    it (@x402/extensions' appendPaymentIdentifierToExtensions, as the SDK's example client does)
 //
 // The JSON line: status and body of the final answer, payer, what the client signed (sent: scheme, method,
-// the amount signed, extensions, whether gas-sponsored), the decoded PAYMENT-RESPONSE (paymentResponse), and
+// the amount signed, extensions, whether gas-sponsored, the payment identifier named), the decoded PAYMENT-RESPONSE (paymentResponse), and
 // the Settlement-Overrides header of the final answer if one reached the client (settlementOverrides, else
 // null: a resource server must strip it).
 //
@@ -27,6 +29,7 @@
 import { decodePaymentResponseHeader, wrapFetchWithPayment, x402Client } from "@x402/fetch";
 import { ExactEvmScheme, toClientEvmSigner } from "@x402/evm";
 import { UptoEvmScheme } from "@x402/evm/upto/client";
+import { appendPaymentIdentifierToExtensions } from "@x402/extensions/payment-identifier";
 import { createPublicClient, http } from "viem";
 import { privateKeyToAccount } from "viem/accounts";
 
@@ -82,8 +85,15 @@ const client = new x402Client(selector)
       facilitator: authorization?.witness?.facilitator ?? null,
       extensions: Object.keys(paymentPayload.extensions ?? {}),
       sponsored: paymentPayload.extensions?.eip2612GasSponsoring?.info?.signature != null,
+      paymentIdentifier: paymentPayload.extensions?.["payment-identifier"]?.info?.id ?? null,
     };
   });
+const paymentId = process.env.X402_PAYMENT_ID;
+if (paymentId) {
+  client.onBeforePaymentCreation(async ({ paymentRequired }) => {
+    if (paymentRequired.extensions) appendPaymentIdentifierToExtensions(paymentRequired.extensions, paymentId);
+  });
+}
 
 const fetchWithPayment = wrapFetchWithPayment(fetch, client);
 
