@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/big"
 	"net/url"
 	"path/filepath"
 	"slices"
@@ -285,9 +286,27 @@ type Network struct {
 	// payer's calldata, so only factories the operator trusts. Default: none (such payments are refused with
 	// eip6492_factory_not_allowed; deployed contract wallets pay by ERC-1271 either way).
 	SmartWalletFactories []string `json:"smart_wallet_factories,omitempty"`
+	// Batch configures the batch-settlement claims of the embedded engine on this network: the receiver
+	// authorizer's key and when accepted vouchers are claimed. Default: none (vouchers are accepted, never
+	// claimed by this engine, and /supported names no receiver authorizer).
+	Batch *BatchSettlement `json:"batch,omitempty"`
 
 	// sealsPerBurst says the network is the dev chain this app runs at block_time 0 (see planDevChain).
 	sealsPerBurst bool
+}
+
+// BatchSettlement is how the embedded engine claims the batch-settlement vouchers it accepted on a network.
+type BatchSettlement struct {
+	// ReceiverAuthorizerKey is the hex private key, or a placeholder such as {env.X402_RECEIVER_AUTHORIZER_KEY},
+	// of the receiverAuthorizer that batch-settlement routes name: it signs the claims of their channels' vouchers,
+	// which a settlement wallet sends. It is never logged.
+	ReceiverAuthorizerKey string `json:"receiver_authorizer_key"`
+	// ClaimEvery claims once this many vouchers were accepted since the last claim. Default 100.
+	ClaimEvery int `json:"claim_every,omitempty"`
+	// ClaimAmount claims once this much (raw token units) is accepted and unclaimed. Default: never by amount.
+	ClaimAmount string `json:"claim_amount,omitempty"`
+	// ClaimAfter claims once the oldest unclaimed voucher is this old. Default 1m.
+	ClaimAfter caddy.Duration `json:"claim_after,omitempty"`
 }
 
 // Asset is one accepted ERC-20 token and its EIP-2612 permit domain.
@@ -511,6 +530,10 @@ type networkSpec struct {
 	terms   facilitatorserver.Terms // parsed from Network.MinAmount and PayTo, which are part of the pool key
 	// factories are Network.SmartWalletFactories, parsed.
 	factories []common.Address
+	// BatchKey is Network.Batch's receiver authorizer key, hex, for the pool key only; never logged.
+	BatchKey string
+	// claimAmount is Network.Batch's ClaimAmount, parsed.
+	claimAmount *big.Int
 }
 
 func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
@@ -559,6 +582,9 @@ func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
 			return spec, err
 		}
 		spec.factories = append(spec.factories, common.HexToAddress(f))
+	}
+	if err := n.Batch.resolve(repl, &spec); err != nil {
+		return spec, err
 	}
 	spec.Assets = n.Assets
 	if len(spec.Assets) == 0 {
@@ -733,7 +759,43 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 		nc.Keys = append(nc.Keys, keys...)
 	}
 	nc.Assets = assetConfigs(s.Assets)
+	if b := n.Batch; b != nil {
+		if nc.BatchReceiverAuthorizer, err = receiverAuthorizerKey(s.BatchKey); err != nil {
+			return nc, fmt.Errorf("batch: receiver_authorizer_key: %w", err)
+		}
+		nc.BatchClaimEvery, nc.BatchClaimAmount, nc.BatchClaimAfter = b.ClaimEvery, s.claimAmount, time.Duration(b.ClaimAfter)
+	}
 	return nc, nil
+}
+
+// resolve checks the batch-settlement claims of a network (nil: none) and puts its key and amount in spec. Its
+// errors name the option, never the key or any part of it.
+func (b *BatchSettlement) resolve(repl *caddy.Replacer, spec *networkSpec) error {
+	if b == nil {
+		return nil
+	}
+	if b.ReceiverAuthorizerKey == "" {
+		return errors.New("batch: receiver_authorizer_key is required: the key that signs the claims of the vouchers it accepts")
+	}
+	key := repl.ReplaceAll(b.ReceiverAuthorizerKey, "")
+	if err := receiverAuthorizerKeyProblem(b.ReceiverAuthorizerKey, key); err != nil {
+		return err
+	}
+	switch {
+	case b.ClaimEvery < 0:
+		return fmt.Errorf("batch: claim_every %d: want a positive number of vouchers", b.ClaimEvery)
+	case b.ClaimAfter < 0:
+		return fmt.Errorf("batch: claim_after %s: want a positive duration", time.Duration(b.ClaimAfter))
+	}
+	if b.ClaimAmount != "" {
+		amount, err := claimAmountValue(b.ClaimAmount)
+		if err != nil {
+			return err
+		}
+		spec.claimAmount = amount
+	}
+	spec.BatchKey = key
+	return nil
 }
 
 // Stop stops the app; what Start took up is let go of by Cleanup, once the next config (if any) has taken it over.

@@ -52,6 +52,12 @@ func durationArg(d *caddyfile.Dispenser, option string) (time.Duration, error) {
 //			min_amount <raw units>
 //			pay_to <address> [...]
 //			smart_wallet_factories <address> [...]
+//			batch {
+//				receiver_authorizer_key <hex>|<placeholder>
+//				claim_every <n>
+//				claim_amount <raw units>
+//				claim_after <duration>
+//			}
 //		}
 //		journal <path>
 //		dev_chain {
@@ -275,11 +281,68 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 			if _, err := unmarshalTermOption(d, &n.MinAmount, &n.PayTo); err != nil {
 				return nil, err
 			}
+		case "batch":
+			if n.Batch != nil {
+				return nil, d.Err("batch is configured twice on this network")
+			}
+			b, err := parseBatchSettlement(d)
+			if err != nil {
+				return nil, err
+			}
+			n.Batch = b
 		default:
 			return nil, d.Errf("unrecognized network option '%s'", d.Val())
 		}
 	}
 	return n, nil
+}
+
+// parseBatchSettlement reads a network's batch block: the receiver authorizer's key and the claim policy. Each
+// value is checked at its line; a placeholder is read when Caddy starts.
+func parseBatchSettlement(d *caddyfile.Dispenser) (*BatchSettlement, error) {
+	b := new(BatchSettlement)
+	if d.NextArg() {
+		return nil, d.ArgErr()
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		name := d.Val()
+		var v string
+		if !d.AllArgs(&v) {
+			return nil, d.ArgErr()
+		}
+		switch name {
+		case "receiver_authorizer_key":
+			if !hasPlaceholder(v) {
+				if err := receiverAuthorizerKeyProblem(v, v); err != nil {
+					return nil, d.Err(err.Error())
+				}
+			}
+			b.ReceiverAuthorizerKey = v
+		case "claim_every":
+			every, err := strconv.Atoi(v)
+			if err != nil || every < 1 {
+				return nil, d.Errf("batch: claim_every %q: want a positive number of vouchers", v)
+			}
+			b.ClaimEvery = every
+		case "claim_amount":
+			if _, err := claimAmountValue(v); err != nil {
+				return nil, d.Err(err.Error())
+			}
+			b.ClaimAmount = v
+		case "claim_after":
+			dur, err := caddy.ParseDuration(v)
+			if err != nil || dur <= 0 {
+				return nil, d.Errf("batch: claim_after %q: want a positive duration such as 30s", v)
+			}
+			b.ClaimAfter = caddy.Duration(dur)
+		default:
+			return nil, d.Errf("unrecognized batch option '%s'; want receiver_authorizer_key, claim_every, claim_amount or claim_after", name)
+		}
+	}
+	if b.ReceiverAuthorizerKey == "" {
+		return nil, d.Err("batch needs receiver_authorizer_key: the key that signs the claims of the vouchers it accepts")
+	}
+	return b, nil
 }
 
 func parseDevChain(d *caddyfile.Dispenser) (*DevChainConfig, error) {

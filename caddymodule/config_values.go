@@ -2,9 +2,11 @@ package caddymodule
 
 import (
 	"cmp"
+	"crypto/ecdsa"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/big"
 	"regexp"
 	"strings"
 
@@ -86,6 +88,47 @@ func walletKeysProblem(source, value string) error {
 	}
 	return nil
 }
+
+// receiverAuthorizerKeyProblem checks the form of a batch-settlement receiver authorizer key without a chain: value
+// is one hex key, entry the option as the operator wrote it, named in the error when it is a placeholder (which
+// holds no secret). The error never holds the key or any part of it.
+func receiverAuthorizerKeyProblem(entry, value string) error {
+	source := "the key written out"
+	if hasPlaceholder(entry) {
+		source = entry
+	}
+	if strings.TrimSpace(value) == "" {
+		return fmt.Errorf("batch: receiver_authorizer_key: %s is empty; is the environment variable set?", source)
+	}
+	if _, err := receiverAuthorizerKey(value); err != nil {
+		return fmt.Errorf("batch: receiver_authorizer_key: %s: %w", source, err)
+	}
+	return nil
+}
+
+// receiverAuthorizerKey parses value as exactly one hex private key.
+func receiverAuthorizerKey(value string) (*ecdsa.PrivateKey, error) {
+	keys, err := chain.ParsePrivateKeys(value)
+	if err != nil {
+		return nil, err
+	}
+	if len(keys) != 1 {
+		return nil, fmt.Errorf("want one key, got %d", len(keys))
+	}
+	return keys[0], nil
+}
+
+// claimAmountValue parses a batch-settlement claim_amount: a positive whole number of raw token units.
+func claimAmountValue(v string) (*big.Int, error) {
+	amount, ok := new(big.Int).SetString(v, 10)
+	if !ok || amount.Sign() <= 0 {
+		return nil, fmt.Errorf("batch: claim_amount %q: want a positive whole number of raw token units, such as 1000000", v)
+	}
+	return amount, nil
+}
+
+// isBatchScheme reports whether a route's scheme names batch-settlement: "batch", or the scheme's own name.
+func isBatchScheme(s string) bool { return s == "batch" || s == x402.SchemeBatchSettlement }
 
 // placeholderPattern matches one placeholder, such as {env.X402_WALLET_KEYS}.
 var placeholderPattern = regexp.MustCompile(`\{[^{}]*\}`)

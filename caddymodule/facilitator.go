@@ -276,6 +276,26 @@ func (e startedEngine) Settle(ctx context.Context, req x402.SettleRequest) (x402
 	return e.h.engine.Settle(ctx, req)
 }
 
+// VerifyBatch serves a batch-settlement /verify (x402.BatchFacilitator) as Verify serves the other schemes: without
+// it the route would answer every batch body unsupported_scheme, though the engine lists the kind.
+func (e startedEngine) VerifyBatch(ctx context.Context, req x402.BatchRequest) (x402.VerifyResponse, error) {
+	if _, err := e.h.app.engineDown(); err != nil {
+		return x402.VerifyResponse{}, err
+	}
+	return e.h.engine.VerifyBatch(ctx, req)
+}
+
+// startedEngine serves batch-settlement bodies.
+var _ x402.BatchFacilitator = startedEngine{}
+
+// SettleBatch serves a batch-settlement /settle as Settle serves the other schemes.
+func (e startedEngine) SettleBatch(ctx context.Context, req x402.BatchRequest) (x402.BatchSettleResponse, error) {
+	if _, err := e.h.app.engineDown(); err != nil {
+		return x402.BatchSettleResponse{}, err
+	}
+	return e.h.engine.SettleBatch(ctx, req)
+}
+
 func (e startedEngine) Health(ctx context.Context) (x402.HealthResponse, error) {
 	if waiting, err := e.h.app.engineDown(); waiting {
 		return e.h.app.downHealth(err.(*x402.FacilitatorError).Err.Error()), nil

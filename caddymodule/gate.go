@@ -60,6 +60,8 @@ const EmbeddedFacilitator = "embedded"
 //	{http.x402.network}      the CAIP-2 network paid on
 //	{http.x402.amount}       the amount in raw token units
 //	{http.x402.transaction}  the settlement transaction, once known
+//	{http.x402.channel}      batch: the channel a voucher pays from
+//	{http.x402.cumulative}   batch: the channel's cumulative amount with the voucher
 type Gate struct {
 	GateAccept
 
@@ -169,7 +171,10 @@ type GateAccept struct {
 	PayTo string `json:"pay_to,omitempty"`
 	// Scheme is exact (the default: the price is charged) or upto: the price is the most a payer authorizes,
 	// and the upstream names what is charged in a Settlement-Overrides response header (see DefaultAmount).
-	// upto is paid by permit2.
+	// upto is paid by permit2. batch (or batch-settlement): paid by the public SDK's batch-settlement channels, a
+	// deposit once and a cumulative voucher a request, each voucher accepted off chain before the response is
+	// served and claimed in batches (the embedded engine needs the network's batch block, which names the
+	// receiver authorizer); the price is charged per request as for exact, and the token must implement EIP-3009.
 	Scheme string `json:"scheme,omitempty"`
 	// Amount is the price in raw token units, a decimal string ("10000" is 0.01 of a 6-decimal token).
 	Amount string `json:"amount,omitempty"`
@@ -379,6 +384,12 @@ func (g *Gate) pickFacilitator(ctx caddy.Context, app *App, repl *caddy.Replacer
 		g.embedded, g.facName, g.redact = true, EmbeddedFacilitator, ip.app().rpcRedactor()
 		return nil
 	}
+	for _, s := range g.specs {
+		if s.Scheme == x402.SchemeBatchSettlement {
+			// The gate hands vouchers to the engine's SettleBatch; a remote facilitator keeps no vouchers for it.
+			return errors.New("scheme batch is served with the embedded facilitator (the x402 app's engine) only, not through facilitator_url")
+		}
+	}
 	if g.fac, err = src.Facilitator(); err != nil {
 		return err
 	}
@@ -470,7 +481,7 @@ func (g *Gate) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.
 func paymentLogFields(r *http.Request) zap.Field {
 	fields := map[string]string{}
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
-		for _, name := range []string{gate.VarStatus, gate.VarPayer, gate.VarNetwork, gate.VarAmount, gate.VarTransaction} {
+		for _, name := range []string{gate.VarStatus, gate.VarPayer, gate.VarNetwork, gate.VarAmount, gate.VarTransaction, gate.VarChannel, gate.VarCumulative} {
 			if v, ok := repl.GetString("http.x402." + name); ok && v != "" {
 				fields[name] = v
 			}

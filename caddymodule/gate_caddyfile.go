@@ -35,7 +35,7 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //
 //	x402 [<matcher>] [<price>] {
 //		pay_to <address>
-//		scheme exact|upto                    # upto: the price is a maximum, the upstream names the charge
+//		scheme exact|upto|batch              # upto: the price is a maximum, the upstream names the charge; batch: paid by batch-settlement vouchers
 //		default_amount max|zero              # upto without a usable Settlement-Overrides answer; default max
 //		price <dollars>                      # or: amount <raw token units>
 //		network <caip2>
@@ -270,8 +270,8 @@ func (a *GateAccept) unmarshalOption(d *caddyfile.Dispenser, opt string) (bool, 
 		a.priceAt = &at
 	}
 	switch {
-	case opt == "scheme" && !x402.IsScheme(*dst):
-		return true, d.Errf("scheme '%s': want %s or %s", *dst, x402.SchemeExact, x402.SchemeUpto)
+	case opt == "scheme" && !x402.IsScheme(*dst) && !isBatchScheme(*dst):
+		return true, d.Errf("scheme '%s': want %s, %s or batch", *dst, x402.SchemeExact, x402.SchemeUpto)
 	case opt == "asset_transfer_method" && !x402.IsTransferMethod(*dst):
 		return true, d.Errf("asset_transfer_method '%s': want %s, %s or %s", *dst, x402.TransferPermit2, x402.TransferEIP3009, x402.TransferERC2612)
 	case opt == "price" && a.Amount != "", opt == "amount" && a.Price != "":

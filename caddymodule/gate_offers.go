@@ -60,8 +60,13 @@ func (g *Gate) resolveOffer(app *App, repl *caddy.Replacer, a *GateAccept) (gate
 		if s.Method != "" && s.Method != x402.TransferPermit2 {
 			return s, fmt.Errorf("scheme upto is paid by permit2 only, not asset_transfer_method %s", s.Method)
 		}
+	case "batch", x402.SchemeBatchSettlement:
+		s.Scheme = x402.SchemeBatchSettlement
+		if s.Method != "" && s.Method != x402.TransferEIP3009 {
+			return s, fmt.Errorf("scheme batch is paid by deposits by eip3009 only, not asset_transfer_method %s", s.Method)
+		}
 	default:
-		return s, fmt.Errorf("scheme %q is not supported; want %s or %s", s.Scheme, x402.SchemeExact, x402.SchemeUpto)
+		return s, fmt.Errorf("scheme %q is not supported; want %s, %s or batch", s.Scheme, x402.SchemeExact, x402.SchemeUpto)
 	}
 	if s.Network == "" {
 		if len(app.Networks) == 0 {

@@ -34,9 +34,6 @@ import (
 // defaultBatchClaimMargin is NetworkConfig.BatchClaimMargin's default.
 const defaultBatchClaimMargin = 5 * time.Minute
 
-// batchVoucherMethod is the transfer-method slot of a voucher's journal id: no transfer method spells it.
-const batchVoucherMethod = "batch-voucher"
-
 // maxBatchCaches bounds the engine's caches of batch terms and block times; past it they start afresh.
 const maxBatchCaches = 4096
 
@@ -72,7 +69,7 @@ func newBatchNetwork(margin time.Duration) (*batchNetwork, error) {
 // BatchVoucherID is the journal id of the voucher of channel channelID on network for cumulative: the record
 // that holds its answer and, once a gate delivered the response it bought, its served mark.
 func BatchVoucherID(network string, channelID common.Hash, cumulative *big.Int) journal.ID {
-	return journal.PaymentID(network, batchVoucherMethod, contracts.BatchSettlementAddress.Hex(), channelID.Hex(), cumulative.String())
+	return journal.BatchVoucherID(network, channelID.Hex(), cumulative.String())
 }
 
 // batchTerms returns the parsed terms of rq on n.

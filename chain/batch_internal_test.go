@@ -17,6 +17,7 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -471,5 +472,20 @@ func TestAChannelParsedFromTheWireIsTheContractsChannel(t *testing.T) {
 		if _, err := contracts.PackClaim([]contracts.VoucherClaim{claim}); err != nil {
 			t.Errorf("%s: a claim of the parsed channel does not pack: %v", name, err)
 		}
+	}
+}
+
+// A voucher's journal id, which a gate computes through the journal package (it imports no engine), is the one
+// the engine first wrote: the escrow's canonical address and the "batch-voucher" slot, whatever the case of the
+// channel id.
+func TestBatchVoucherIDIsTheJournalsAndStaysAsFirstWritten(t *testing.T) {
+	ch := common.HexToHash("0xABCDEF0000000000000000000000000000000000000000000000000000001234")
+	cum := big.NewInt(12345)
+	want := journal.PaymentID("eip155:8453", "batch-voucher", contracts.BatchSettlementAddress.Hex(), ch.Hex(), cum.String())
+	if got := BatchVoucherID("eip155:8453", ch, cum); got != want {
+		t.Fatalf("BatchVoucherID = %s, want %s as first written", got, want)
+	}
+	if got := journal.BatchVoucherID("eip155:8453", "0xABCDEF0000000000000000000000000000000000000000000000000000001234", "12345"); got != want {
+		t.Fatalf("journal.BatchVoucherID of an upper-case channel id = %s, want %s", got, want)
 	}
 }

@@ -157,18 +157,23 @@ func TestAClaimWithItsHoldThatCommitsWhileItsCallFailsIsReleasedAndThePaymentSet
 
 // pgFaultProxy is a TCP proxy in front of a PostgreSQL server that does one fault, armed, to the first thing a
 // client sends that holds every one of match: cut closes the connection once it reached the server and had time
-// to commit, before the answer comes back; delay holds it back that long.
+// to commit, before the answer comes back; delay holds it back that long. A cut that takes the proxy down closes
+// every other connection too, and refuses new ones until up: to its clients the database is gone, while the
+// statement cut goes on and commits on the server.
 type pgFaultProxy struct {
-	dsn    string
-	target string
-	mu     sync.Mutex
-	fault  *pgFault
-	did    bool
+	dsn     string
+	target  string
+	mu      sync.Mutex
+	fault   *pgFault
+	did     bool
+	isDown  bool
+	clients map[net.Conn]bool
 }
 
 type pgFault struct {
 	match [][]byte
 	cut   bool
+	down  bool // with cut: the proxy goes down as the statement is sent
 	delay time.Duration
 }
 
@@ -182,7 +187,7 @@ func newPGFaultProxy(t *testing.T, dsn string) *pgFaultProxy {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &pgFaultProxy{target: u.Host}
+	p := &pgFaultProxy{target: u.Host, clients: map[net.Conn]bool{}}
 	u.Host = ln.Addr().String()
 	p.dsn = u.String()
 	var conns sync.WaitGroup
@@ -207,6 +212,42 @@ func (p *pgFaultProxy) arm(f pgFault) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.fault, p.did = &f, false
+}
+
+// goDown closes every client connection but keep and refuses new ones until up.
+func (p *pgFaultProxy) goDown(keep net.Conn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.isDown = true
+	for c := range p.clients {
+		if c != keep {
+			c.Close()
+		}
+	}
+}
+
+// up lets clients connect again.
+func (p *pgFaultProxy) up() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.isDown = false
+}
+
+// admit registers a new client connection, or says the proxy is down.
+func (p *pgFaultProxy) admit(c net.Conn) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.isDown {
+		return false
+	}
+	p.clients[c] = true
+	return true
+}
+
+func (p *pgFaultProxy) forget(c net.Conn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	delete(p.clients, c)
 }
 
 // fired reports whether the armed fault was done.
@@ -235,6 +276,10 @@ func (p *pgFaultProxy) take(b []byte) *pgFault {
 
 func (p *pgFaultProxy) serve(client net.Conn) {
 	defer client.Close()
+	if !p.admit(client) {
+		return
+	}
+	defer p.forget(client)
 	server, err := net.Dial("tcp", p.target)
 	if err != nil {
 		return
@@ -267,6 +312,9 @@ func (p *pgFaultProxy) serve(client net.Conn) {
 			if f != nil && f.cut {
 				// The answer must not come back: stop relaying before the statement is sent.
 				mute.Store(true)
+				if f.down {
+					p.goDown(client)
+				}
 				server.Write(buf[:n])
 				time.Sleep(300 * time.Millisecond)
 				client.Close()

@@ -24,6 +24,12 @@ import (
 // to present the same payment again (502), not to pay again (402), and a gate that served it settles it later.
 var errNotSent = errors.New("the settlement transaction could not be sent")
 
+// errRecordUnknown marks a settlement that sent nothing because the write recording its signed transaction was cut
+// off by the journal's database going out of reach: the write may have committed (a connection lost after the
+// commit, before its answer), and then the journal holds the transaction as broadcast, which reconciliation sends.
+// Its claim and funds hold stay for reconciliation, which sends that transaction or releases both.
+var errRecordUnknown = errors.New("whether the journal recorded the signed settlement transaction is unknown")
+
 // errClaimLost marks a settlement whose claim of the payment is no longer the journal's record of it: another
 // instance took the payment over while this one looked dead to it (its heartbeat lapsed, say while the
 // journal's database was down), and released or settled it. Nothing was sent by this settlement: the write that
@@ -268,6 +274,10 @@ func (f *Facilitator) broadcastAndWait(ctx context.Context, p *payment) (x402.Se
 	switch {
 	case errors.Is(err, errClaimLost):
 		return x402.SettleResponse{}, false, err
+	case errors.Is(err, errRecordUnknown):
+		// Kept: the journal may hold the transaction as broadcast. Presented again, the payment is answered from
+		// the journal once reconciliation has sent the transaction or released the claim.
+		return x402.SettleResponse{}, true, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
 	case err != nil:
 		// This settlement sent nothing (errNotSent, errNodeNotAsked, the journal out of reach), or an earlier
 		// transaction of the payment is still watched: whatever the cause, not the payment's. Presented again, it
@@ -429,6 +439,9 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 	// transaction's nonce went to another): that transaction stays among the record's hashes, and a refusal now
 	// does not release the record, for that transaction may be the one that mined.
 	var sentBefore, seen bool
+	// recordUnknown: the write recording the transaction was cut off by the database going out of reach, and may
+	// have committed all the same (see errRecordUnknown).
+	var recordUnknown bool
 	known := p.claim // the record as this settlement last wrote it
 	txs, err := n.sender.send(sendCtx, w, calls, quote, func(txs []*types.Transaction) error {
 		raws := make([][]byte, len(txs))
@@ -473,6 +486,7 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 				return sign(r)
 			})
 		}
+		recordUnknown = errors.Is(err, journal.ErrUnavailable)
 		if err == nil {
 			known = rec
 			f.rememberSigned(rec)
@@ -512,6 +526,8 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 			// Taken over by another instance, which released the claim or claimed the payment again: this
 			// settlement sent nothing, and must not release what is now another's.
 			return common.Hash{}, nil, lost
+		} else if recordUnknown {
+			return common.Hash{}, nil, fmt.Errorf("%w: %w: %w", errRecordUnknown, errNotSent, err)
 		}
 		// The node refused the transaction (and no endpoint may hold it: see Failover.SendTransaction), the
 		// journal's database could not be reached to record it, the wallet's lease was lost, or the node could not

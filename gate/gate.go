@@ -61,6 +61,10 @@ const (
 	VarAmount = "amount"
 	// VarTransaction is the settlement transaction, once known.
 	VarTransaction = "transaction"
+	// VarChannel is the batch-settlement channel a voucher pays from (bytes32 hex).
+	VarChannel = "channel"
+	// VarCumulative is the channel's cumulative amount with the voucher, in raw token units.
+	VarCumulative = "cumulative"
 )
 
 // Timing of a gate.
@@ -91,7 +95,8 @@ type Offer struct {
 	// Method restricts the offer to one transfer method; "" offers every method the facilitator supports.
 	Method string
 	// Scheme is x402.SchemeExact ("" too) or x402.SchemeUpto: the payer signs Amount as a maximum, and the
-	// gate settles what the upstream's Settlement-Overrides header names (see Config.DefaultAmount).
+	// gate settles what the upstream's Settlement-Overrides header names (see Config.DefaultAmount); or
+	// x402.SchemeBatchSettlement: Amount a request, paid by the vouchers of a channel (batch.go).
 	Scheme string
 	// MaxTimeoutSeconds is how long a signed payment stays valid.
 	MaxTimeoutSeconds int64
@@ -321,8 +326,10 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 	}
 	for _, o := range cfg.Offers {
 		switch {
-		case !x402.IsScheme(o.Scheme) && o.Scheme != "":
-			return nil, fmt.Errorf("scheme %q is not supported; want %q or %q", o.Scheme, x402.SchemeExact, x402.SchemeUpto)
+		case !x402.IsScheme(o.Scheme) && o.Scheme != "" && o.Scheme != x402.SchemeBatchSettlement:
+			return nil, fmt.Errorf("scheme %q is not supported; want %q, %q or %q", o.Scheme, x402.SchemeExact, x402.SchemeUpto, x402.SchemeBatchSettlement)
+		case o.Scheme == x402.SchemeBatchSettlement && o.Method != "" && o.Method != x402.TransferEIP3009:
+			return nil, fmt.Errorf("scheme batch-settlement is paid by deposits by eip3009 only, not %s", o.Method)
 		case o.Scheme == x402.SchemeUpto && o.Method != "" && o.Method != x402.TransferPermit2:
 			return nil, fmt.Errorf("scheme upto is paid by permit2 only, not %s", o.Method)
 		case o.Scheme == x402.SchemeUpto && cfg.Settle == SettleBefore:

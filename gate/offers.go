@@ -22,6 +22,8 @@ type offer struct {
 	facilitators []string
 	v1           bool  // version 1 clients may pay it (erc2612 on a network with a version 1 name)
 	decimals     uint8 // of the asset, to show the price to people
+	// batch: a batch-settlement offer, paid by deposit and voucher (batch.go), never matched as exact or upto.
+	batch bool
 }
 
 // requirement is the offer as a 402 states it: an erc2612 one names the turn's settlement wallet as spender.
@@ -61,6 +63,12 @@ func buildOffers(specs []Offer, sup *x402.SupportedResponse, reg *x402.Registry,
 	set := &offerSet{known: sup != nil, at: at}
 	sponsoring := false
 	for _, s := range specs {
+		if s.Scheme == x402.SchemeBatchSettlement {
+			if o, ok := batchOffer(s, sup); ok {
+				set.offers = append(set.offers, o)
+			}
+			continue
+		}
 		if s.Scheme == x402.SchemeUpto {
 			if o, ok := uptoOffer(s, sup); ok {
 				set.offers = append(set.offers, o)
@@ -193,7 +201,8 @@ func (s *offerSet) paymentRequiredV1(reg *x402.Registry, resource x402.ResourceI
 	return out
 }
 
-// requirements lists the offers' requirements, in order.
+// requirements lists the offers' requirements, in order. A batch-settlement offer is listed as a requirement no
+// exact or upto payment matches (its scheme), so that indices stay those of the offers.
 func (s *offerSet) requirements() []x402.PaymentRequirements {
 	out := make([]x402.PaymentRequirements, len(s.offers))
 	for i, o := range s.offers {

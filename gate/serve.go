@@ -105,6 +105,9 @@ func (x *exchange) run() error {
 	if value == "" {
 		return x.noPayment()
 	}
+	if !fromV1Header && x.offers.hasBatch() && isBatchPayment(value) {
+		return x.serveBatch(value) // batch.go
+	}
 	p, err := x.read(value, fromV1Header)
 	if err == nil {
 		err = x.paymentIdentifierProblem(p)

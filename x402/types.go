@@ -75,6 +75,9 @@ type Extra struct {
 	// ReceiverAuthorizer (batch-settlement, in a supported kind) is the address whose key signs this
 	// facilitator's claims: a route that names it as its receiverAuthorizer has its vouchers claimed by it.
 	ReceiverAuthorizer string `json:"receiverAuthorizer,omitempty"`
+	// WithdrawDelay (batch-settlement, in a 402's requirement) is the withdrawal delay in seconds every channel
+	// paying the route must name, as BatchExtra.WithdrawDelay.
+	WithdrawDelay int64 `json:"withdrawDelay,omitempty"`
 }
 
 // PaymentRequirements is one way to pay for a resource (PaymentRequirementsItem of the spec, version 2).

@@ -127,3 +127,15 @@ func (id *ID) UnmarshalText(b []byte) error {
 	*id = parsed
 	return nil
 }
+
+// batchEscrow is the batch-settlement escrow every voucher id names (chain/contracts' BatchSettlementAddress, the
+// public SDK's canonical address): part of the id as the engine first wrote it.
+const batchEscrow = "0x4020074e9dF2ce1deE5A9C1b5c3f541D02a10003"
+
+// BatchVoucherID is the journal id of a batch-settlement voucher: channel channelID (bytes32 hex, any case) on
+// network, at cumulative amount cumulative (decimal). The engine writes the voucher's answer under it as it
+// accepts it, and a gate marks it served there once the response it bought is delivered; the cumulative amount
+// only grows, so each voucher of a channel has an id of its own.
+func BatchVoucherID(network, channelID, cumulative string) ID {
+	return PaymentID(network, "batch-voucher", batchEscrow, strings.ToLower(strings.TrimSpace(channelID)), cumulative)
+}

@@ -1,0 +1,265 @@
+package caddymodule_test
+
+import (
+	"fmt"
+	"io"
+	"math/big"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/ethereum/go-ethereum/common"
+
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/payer"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// headerRecorder is a RoundTripper that keeps the payment header of every request it sends.
+type headerRecorder struct {
+	mu       sync.Mutex
+	payments []string
+}
+
+func (h *headerRecorder) RoundTrip(r *http.Request) (*http.Response, error) {
+	if v := r.Header.Get(x402.HeaderPaymentSignature); v != "" {
+		h.mu.Lock()
+		h.payments = append(h.payments, v)
+		h.mu.Unlock()
+	}
+	return http.DefaultTransport.RoundTrip(r)
+}
+
+// TestOurPayerPaysABatchRouteWithOneDepositAndVouchersAndTheSellerIsPaidExactlyWhatWasServed: a route of scheme
+// batch behind a real Caddy and the embedded engine on a simulated chain, paid by payer.Transport: the first
+// request opens the channel with one deposit (one transaction), the next 50 pay by voucher (no transaction each),
+// every response names the channel at its cumulative amount, and so do the {http.x402.channel} and
+// {http.x402.cumulative} placeholders. Once the
+// claimer has claimed (claim_every 51), the seller holds exactly the 51 prices served. The last voucher presented
+// again is refused as used: served once.
+func TestOurPayerPaysABatchRouteWithOneDepositAndVouchersAndTheSellerIsPaidExactlyWhatWasServed(t *testing.T) {
+	const price, requests = 1000, 51
+	c := chaintest.New(t, chaintest.WithHTTP(), chaintest.WithPayers(2))
+	usdc := c.DeployUSDCoin(big.NewInt(1_000_000_000))
+	stop := c.AutoCommit(5 * time.Millisecond)
+	t.Cleanup(stop)
+	receiver, authorizer := chaintest.DeriveAccount("merchant", 0), chaintest.DeriveAccount("authorizer", 0)
+	t.Setenv("X402_TEST_RECEIVER_AUTHORIZER_KEY", hexKey(authorizer))
+	network := x402.EIP155(c.ChainID.Uint64())
+	srv := startCaddy(t, `{
+	x402 {
+		network `+network+` {
+			rpc `+c.RPCURL+`
+			asset `+c.Token.Hex()+` name "Stable Coin" version 1 decimals 6
+			asset `+usdc.Hex()+` name "`+contracts.USDCoinName+`" version `+contracts.USDCoinVersion+` decimals 6 eip3009
+			wallet_keys `+hexKey(c.Wallets[0])+`
+			receipt_poll 5ms
+			batch {
+				receiver_authorizer_key {env.X402_TEST_RECEIVER_AUTHORIZER_KEY}
+				claim_every `+fmt.Sprint(requests)+`
+				claim_after 1h
+			}
+		}
+		journal {{DATA}}/journal.db
+	}
+}
+
+{{ADDR}} {
+	handle /report {
+		x402 {
+			scheme batch
+			asset `+usdc.Hex()+`
+			token_name "`+contracts.USDCoinName+`"
+			token_version `+contracts.USDCoinVersion+`
+			token_eip3009
+			amount `+fmt.Sprint(price)+`
+			pay_to `+receiver.Address.Hex()+`
+		}
+		respond "the paid report of channel {http.x402.channel} at {http.x402.cumulative}"
+	}
+}
+`)
+	p, err := payer.New(c.Payers[0].Key, payer.Options{RPC: c.RPCURL, DepositRequests: 2 * requests})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	rec := &headerRecorder{}
+	tr := &payer.Transport{Payer: p, Base: rec, Limits: []payer.Limit{{Network: network, Asset: usdc.Hex(), PerRequest: big.NewInt(price), Total: big.NewInt(100 * price)}}}
+	client := &http.Client{Transport: tr, Timeout: time.Minute}
+	sentBefore := c.TxCount(c.Wallets[0].Address)
+	var channel string
+	for k := 1; k <= requests; k++ {
+		resp, err := client.Get(srv.URL + "/report")
+		if err != nil {
+			t.Fatalf("request %d: %v", k, err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || !strings.HasPrefix(string(body), "the paid report") {
+			t.Fatalf("request %d: %s %q (PAYMENT-REQUIRED %s)", k, resp.Status, body, resp.Header.Get(x402.HeaderPaymentRequired))
+		}
+		s, err := x402.DecodeBatchSettleResponse(resp.Header.Get(x402.HeaderPaymentResponse))
+		if err != nil || !s.Success || s.Extra == nil || s.Extra.ChannelState == nil {
+			t.Fatalf("request %d: PAYMENT-RESPONSE %+v (%v) names no channel", k, s, err)
+		}
+		cs := s.Extra.ChannelState
+		if cs.ChargedCumulativeAmount != fmt.Sprint(k*price) || !strings.EqualFold(string(body), "the paid report of channel "+cs.ChannelID+" at "+cs.ChargedCumulativeAmount) {
+			t.Fatalf("request %d: the channel %s stands at %s, the response (its placeholders) says %q; want %d",
+				k, cs.ChannelID, cs.ChargedCumulativeAmount, body, k*price)
+		}
+		channel = cs.ChannelID
+	}
+	if sent := c.TxCount(c.Wallets[0].Address) - sentBefore; sent != 1 {
+		t.Fatalf("the settlement wallet sent %d transactions for %d requests; want 1, the deposit", sent, requests)
+	}
+
+	// The last voucher presented again bought its response already.
+	rec.mu.Lock()
+	last := rec.payments[len(rec.payments)-1]
+	rec.mu.Unlock()
+	again, err := http.NewRequest(http.MethodGet, srv.URL+"/report", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	again.Header.Set(x402.HeaderPaymentSignature, last)
+	resp, err := http.DefaultClient.Do(again)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusPaymentRequired || !strings.Contains(string(body), x402.ReasonPaymentAlreadyUsed) {
+		t.Fatalf("the last voucher presented again: %s %s; want 402 %s", resp.Status, body, x402.ReasonPaymentAlreadyUsed)
+	}
+
+	deadline := time.Now().Add(20 * time.Second)
+	for c.BalanceOf(usdc, receiver.Address).Int64() != requests*price {
+		if time.Now().After(deadline) {
+			t.Fatalf("the seller holds %s after the claim; want exactly the %d served", c.BalanceOf(usdc, receiver.Address), requests*price)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if sent := c.TxCount(c.Wallets[0].Address) - sentBefore; sent != 2 {
+		t.Fatalf("the settlement wallet sent %d transactions; want 2: the deposit and one claim", sent)
+	}
+	if st, ok := p.Channel(common.HexToHash(channel)); !ok || st.Charged.Int64() != requests*price {
+		t.Fatalf("the payer keeps %+v (known %v); want %d charged", st, ok, requests*price)
+	}
+}
+
+// A route of scheme batch hands its vouchers to the embedded engine: through a remote facilitator it is refused
+// when the config is validated, not offered and then unpayable.
+func TestABatchRouteThroughARemoteFacilitatorIsRefusedWhenValidated(t *testing.T) {
+	cfg := adaptCaddyfile(t, "http://127.0.0.1:"+freePortOf(t)+" {\n\tx402 {\n\t\tscheme batch\n\t\tnetwork eip155:72344\n"+
+		"\t\tasset 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11\n\t\ttoken_eip3009\n\t\tamount 1000\n"+
+		"\t\tpay_to 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11\n\t\tfacilitator_url http://127.0.0.1:"+freePortOf(t)+"\n\t}\n\trespond paid\n}\n", t.TempDir())
+	err := caddy.Validate(mustConfig(t, cfg))
+	if err == nil || !strings.Contains(err.Error(), "scheme batch is served with the embedded facilitator") {
+		t.Fatalf("caddy.Validate = %v; want scheme batch through facilitator_url refused", err)
+	}
+}
+
+// TestABatchVoucherWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnce: the upstream fails the first time:
+// the voucher (here the channel's deposit and first voucher) was accepted, but bought nothing yet. Presented
+// again it gets the response, its answer the same cumulative amount (charged once, no second deposit), and a
+// third time it is refused as used.
+func TestABatchVoucherWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnce(t *testing.T) {
+	const price = 1000
+	c := chaintest.New(t, chaintest.WithHTTP(), chaintest.WithPayers(2))
+	usdc := c.DeployUSDCoin(big.NewInt(1_000_000_000))
+	stop := c.AutoCommit(5 * time.Millisecond)
+	t.Cleanup(stop)
+	receiver, authorizer := chaintest.DeriveAccount("merchant", 0), chaintest.DeriveAccount("authorizer", 0)
+	t.Setenv("X402_TEST_RECEIVER_AUTHORIZER_KEY", hexKey(authorizer))
+	var calls sync.Map
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if _, again := calls.LoadOrStore("called", true); !again {
+			http.Error(w, "the report is not ready", http.StatusInternalServerError)
+			return
+		}
+		io.WriteString(w, "the paid report")
+	}))
+	t.Cleanup(upstream.Close)
+	network := x402.EIP155(c.ChainID.Uint64())
+	srv := startCaddy(t, `{
+	x402 {
+		network `+network+` {
+			rpc `+c.RPCURL+`
+			asset `+usdc.Hex()+` name "`+contracts.USDCoinName+`" version `+contracts.USDCoinVersion+` decimals 6 eip3009
+			wallet_keys `+hexKey(c.Wallets[0])+`
+			receipt_poll 5ms
+			batch {
+				receiver_authorizer_key {env.X402_TEST_RECEIVER_AUTHORIZER_KEY}
+			}
+		}
+		journal {{DATA}}/journal.db
+	}
+}
+
+{{ADDR}} {
+	handle /report {
+		x402 {
+			scheme batch
+			amount `+fmt.Sprint(price)+`
+			pay_to `+receiver.Address.Hex()+`
+		}
+		reverse_proxy `+strings.TrimPrefix(upstream.URL, "http://")+`
+	}
+}
+`)
+	p, err := payer.New(c.Payers[0].Key, payer.Options{RPC: c.RPCURL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	rec := &headerRecorder{}
+	tr := &payer.Transport{Payer: p, Base: rec, Limits: []payer.Limit{{Network: network, Asset: usdc.Hex(), PerRequest: big.NewInt(price), Total: big.NewInt(100 * price)}}}
+	resp, err := (&http.Client{Transport: tr, Timeout: time.Minute}).Get(srv.URL + "/report")
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusInternalServerError {
+		t.Fatalf("the first request: %s; want the upstream's 500 passed on", resp.Status)
+	}
+	sent := c.TxCount(c.Wallets[0].Address)
+	rec.mu.Lock()
+	first := rec.payments[len(rec.payments)-1]
+	rec.mu.Unlock()
+	present := func() (*http.Response, string) {
+		t.Helper()
+		req, err := http.NewRequest(http.MethodGet, srv.URL+"/report", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set(x402.HeaderPaymentSignature, first)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp, string(body)
+	}
+	resp, body := present()
+	if resp.StatusCode != http.StatusOK || body != "the paid report" {
+		t.Fatalf("the voucher presented again after the upstream failed: %s %q; want the response", resp.Status, body)
+	}
+	s, err := x402.DecodeBatchSettleResponse(resp.Header.Get(x402.HeaderPaymentResponse))
+	if err != nil || !s.Success || s.Extra == nil || s.Extra.ChannelState == nil || s.Extra.ChannelState.ChargedCumulativeAmount != fmt.Sprint(price) {
+		t.Fatalf("PAYMENT-RESPONSE %+v (%v); want the channel at %d: charged once", s, err, price)
+	}
+	if got := c.TxCount(c.Wallets[0].Address); got != sent {
+		t.Fatalf("presenting the deposit again sent %d transactions; want none", got-sent)
+	}
+	if resp, body := present(); resp.StatusCode != http.StatusPaymentRequired || !strings.Contains(body, x402.ReasonPaymentAlreadyUsed) {
+		t.Fatalf("the voucher presented a third time: %s %s; want 402 %s", resp.Status, body, x402.ReasonPaymentAlreadyUsed)
+	}
+}
