@@ -136,3 +136,38 @@ func TestARefusalAfterAnEndpointThatMayHoldTheTransactionIsNotNotSent(t *testing
 	}
 	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
 }
+
+// TestASendThatFailsWithAnErrorThatIsNoNodesAnswerIsNotTakenAsRefused: a backend without failover (the app's own
+// dev chain is reached so) whose SendTransaction hands the transaction to the node and then fails with an error
+// that is neither a node's answer nor a network error: go-ethereum's RPC client says "client reconnected" when its
+// connection was replaced under a call. Whether the node holds the transaction is unknown, so the settlement must
+// not be answered as refused with its record deleted (the transaction then mines behind an answer that said
+// nothing was sent): it is pending, and it settles, once.
+func TestASendThatFailsWithAnErrorThatIsNoNodesAnswerIsNotTakenAsRefused(t *testing.T) {
+	var fx *fixture
+	fx = newFixture(t, fixtureOpts{
+		receiptTimeout: 2 * time.Second,
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			nc.Backend = sendFault{Backend: nc.Backend, send: func(ctx context.Context, tx *types.Transaction) error {
+				if err := fx.c.Client.SendTransaction(ctx, tx); err != nil {
+					return err
+				}
+				return errors.New("client reconnected (injected)")
+			}}
+		},
+	})
+	payer := fx.c.Payers[1]
+	fx.approvePermit2(payer)
+	req := fx.payment(x402.TransferPermit2, payer)
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+
+	resp, err := fx.f.Settle(context.Background(), req)
+	if err == nil && !resp.Success && resp.Transaction == "" {
+		t.Fatalf("settle = %+v; a send that failed with no answer from the node must not say it was not sent", resp)
+	}
+	final, _ := settleUntilFinal(t, fx.f, req, time.Now().Add(20*time.Second))
+	if !final.Success {
+		t.Fatalf("final answer %+v; want settled", final)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
+}

@@ -145,7 +145,9 @@ func (s *sender) send(ctx context.Context, w *wallet, calls []contractCall, q *f
 			switch {
 			case err == nil || isAlreadyKnown(err):
 				continue
-			case isTransportError(err):
+			case isTransportError(err) || !isAnswer(err):
+				// No answer of the node's (a network failure, or an error of the client's own: go-ethereum's
+				// "client reconnected" when its connection was replaced under the call): the node may hold it.
 				w.nonce += uint64(len(txs))
 				return txs, fmt.Errorf("%w: %v", errBroadcastUnknown, err)
 			case i == 0 && isNonceConflict(err):
