@@ -309,3 +309,36 @@ func TestAPeriodicChainWhoseHeadIsAheadOfTheEnginesClockRefusesNoValidPaymentFor
 		t.Fatalf("verify = %+v; want valid: on a chain with periodic blocks the settlements ahead share the next block, wherever the engine's clock is", v)
 	}
 }
+
+// TestAPaymentSignedFromAFresherHeadThanTheSharedReadIsNotTakenAsSignedTooFarAhead: on a chain sealing per burst
+// the shared head read (HeadCacheTTL) may lag the payer's by many blocks, a second each, and before its clock runs
+// ahead of the engine's nothing says the chain is one. A payment whose deadline
+// is maxTimeoutSeconds past the payer's fresh head then lies more than maxTimeoutSeconds and the clock skew past
+// the shared read's: it was refused as signed too far ahead (invalid_exact_evm_payload_authorization_valid_before),
+// as the bench, signing its payments as the run goes, met under load in CI. It is judged again from a head read
+// now before any such refusal.
+func TestAPaymentSignedFromAFresherHeadThanTheSharedReadIsNotTakenAsSignedTooFarAhead(t *testing.T) {
+	fx := newFixture(t, fixtureOpts{autoCommit: -1, tune: func(fx *fixture, nc *chain.NetworkConfig) {
+		nc.HeadCacheTTL = time.Hour
+	}})
+	payer := fx.c.Payers[0]
+	fx.approvePermit2(payer)
+	rq := fx.requirements(x402.TransferPermit2)
+	// The shared read is taken now...
+	if v := fx.verify(fx.permit2(payer, rq, chain.Permit2Options{})); !v.IsValid {
+		t.Fatalf("verify = %+v", v)
+	}
+	// ...and the chain moves on by more than the clock skew allowed (60 s) before the next payment is signed.
+	fx.c.AdjustTime(90 * time.Second)
+	time.Sleep(30 * time.Millisecond) // past farDeadlineHeadAge
+	deadline := int64(fx.c.HeadTime()) + int64(rq.MaxTimeoutSeconds)
+	v := fx.verify(fx.permit2(payer, rq, chain.Permit2Options{Deadline: big.NewInt(deadline)}))
+	if !v.IsValid {
+		t.Fatalf("verify of a payment signed maxTimeoutSeconds past the chain's head = %+v; want valid", v)
+	}
+	// Signed past that from the fresh head too, it is refused.
+	v = fx.verify(fx.permit2(payer, rq, chain.Permit2Options{Deadline: big.NewInt(deadline + 120)}))
+	if v.IsValid || v.InvalidReason != x402.ReasonValidBefore {
+		t.Fatalf("verify of a payment signed further ahead than maxTimeoutSeconds and the skew = %+v; want %s", v, x402.ReasonValidBefore)
+	}
+}

@@ -669,7 +669,16 @@ func (p *payment) checkTime(ctx context.Context) *refusal {
 	}
 	t := p.setHead(head)
 	if ref := p.checkFarDeadline(head.Time); ref != nil {
-		return ref
+		// The shared head read (HeadCacheTTL) of a chain sealing per burst may lag the payer's by many blocks, a
+		// second each under load (and before its clock runs ahead of this machine's, nothing says the chain is
+		// one): a payment signed from a fresher head would look signed too far ahead. Judged again from a head
+		// at most farDeadlineHeadAge old before it is refused, which bounds what payments signed too far ahead
+		// can cost the node.
+		fresh, err := p.net.head.get(ctx, p.net.now, farDeadlineHeadAge, p.net.readHead)
+		if err != nil || p.checkFarDeadline(fresh.Time) != nil {
+			return ref
+		}
+		t = p.setHead(fresh)
 	}
 	if ref := p.checkDeadline(t); ref != nil {
 		return ref
@@ -746,6 +755,9 @@ func (p *payment) checkDeadlineBeforeSending(ctx context.Context) (*refusal, err
 	}
 	return nil, nil
 }
+
+// farDeadlineHeadAge is how old a head a deadline refused as too far ahead is judged again from (see checkTime).
+const farDeadlineHeadAge = 20 * time.Millisecond
 
 // setHead keeps the head block chain time was read from, and the earliest time of the next block (see
 // network.mineAt); it returns when a settlement sent now would be mined, judged from head.
