@@ -70,37 +70,47 @@ func ClaimsWithHold(s Store, c Cluster) bool {
 // the transaction may or may not have committed: the caller must then neither end the hold nor release the
 // claim (reconciliation releases a claim nobody settles, its hold first).
 func HoldAndClaim(ctx context.Context, c Cluster, h Hold, avail *big.Int, readBlock, chainTime uint64, r Record) (HeldClaim, error) {
+	return claimOrReadTheWinner(ctx, c, h, avail, r, func(ps *PostgresStore) (HeldClaim, bool, error) {
+		out, err := ps.holdAndClaim(ctx, h, avail, readBlock, chainTime, r)
+		return out, out.Claimed, err
+	}, func(rec Record) HeldClaim { return HeldClaim{Rec: rec} })
+}
+
+// claimOrReadTheWinner runs once, a claim of r written with its hold h in c (HoldAndClaim, HoldClaimAndSign), after
+// the checks both share, until it claims (once's bool) or fails; when another's record was there, it reads that
+// record and answers with lost of it, as Claim answers a claim it lost. A record released between the two leaves
+// the payment free again: once runs again, four times at most.
+func claimOrReadTheWinner[T any](ctx context.Context, c Cluster, h Hold, avail *big.Int, r Record, once func(*PostgresStore) (T, bool, error), lost func(Record) T) (T, error) {
+	var zero T
 	ps, ok := c.(*PostgresStore)
 	switch {
 	case !ok:
-		return HeldClaim{}, fmt.Errorf("journal: a claim with its hold needs a PostgreSQL store, not %T", c)
+		return zero, fmt.Errorf("journal: a claim with its hold needs a PostgreSQL store, not %T", c)
 	case h.ID != r.ID:
-		return HeldClaim{}, fmt.Errorf("journal: a claim of %s with the hold of %s", r.ID, h.ID)
+		return zero, fmt.Errorf("journal: a claim of %s with the hold of %s", r.ID, h.ID)
 	}
 	if err := checkHold(h, avail); err != nil {
-		return HeldClaim{}, err
+		return zero, err
 	}
 	for attempt := 0; ; attempt++ {
-		out, err := ps.holdAndClaim(ctx, h, avail, readBlock, chainTime, r)
-		if err != nil || out.Claimed {
+		out, claimed, err := once(ps)
+		if err != nil || claimed {
 			return out, err
 		}
-		// Another's record was there: read it, as Claim answers a claim it lost.
 		rctx, cancel, err := ps.begin(ctx, false)
 		if err != nil {
-			return HeldClaim{}, err
+			return zero, err
 		}
 		rec, found, err := getRow(rctx, ps.pool, r.ID, false)
 		cancel()
 		switch {
 		case err != nil:
-			return HeldClaim{}, ps.fail(ctx, "claim", err)
+			return zero, ps.fail(ctx, "claim", err)
 		case found:
-			return HeldClaim{Rec: rec}, nil
+			return lost(rec), nil
 		case attempt == 3:
-			return HeldClaim{}, fmt.Errorf("journal: claim of %s: the record came and went four times", r.ID)
+			return zero, fmt.Errorf("journal: claim of %s: the record came and went four times", r.ID)
 		}
-		// Released between the two: the payment is free again.
 	}
 }
 
@@ -311,38 +321,10 @@ type SignedClaim struct {
 // nobody settles, its hold first, and sends a broadcast record nobody sends), nor give the signed transaction's
 // nonce to another.
 func HoldClaimAndSign(ctx context.Context, c Cluster, h Hold, avail *big.Int, readBlock, chainTime uint64, r Record, lease string, fence uint64, sign func(*Record) error) (SignedClaim, error) {
-	ps, ok := c.(*PostgresStore)
-	switch {
-	case !ok:
-		return SignedClaim{}, fmt.Errorf("journal: a claim with its hold needs a PostgreSQL store, not %T", c)
-	case h.ID != r.ID:
-		return SignedClaim{}, fmt.Errorf("journal: a claim of %s with the hold of %s", r.ID, h.ID)
-	}
-	if err := checkHold(h, avail); err != nil {
-		return SignedClaim{}, err
-	}
-	for attempt := 0; ; attempt++ {
+	return claimOrReadTheWinner(ctx, c, h, avail, r, func(ps *PostgresStore) (SignedClaim, bool, error) {
 		out, err := ps.holdClaimAndSign(ctx, h, avail, readBlock, chainTime, r, lease, fence, sign)
-		if err != nil || out.Claimed {
-			return out, err
-		}
-		// Another's record was there: read it, as Claim answers a claim it lost.
-		rctx, cancel, err := ps.begin(ctx, false)
-		if err != nil {
-			return SignedClaim{}, err
-		}
-		rec, found, err := getRow(rctx, ps.pool, r.ID, false)
-		cancel()
-		switch {
-		case err != nil:
-			return SignedClaim{}, ps.fail(ctx, "claim", err)
-		case found:
-			return SignedClaim{HeldClaim: HeldClaim{Rec: rec}}, nil
-		case attempt == 3:
-			return SignedClaim{}, fmt.Errorf("journal: claim of %s: the record came and went four times", r.ID)
-		}
-		// Released between the two: the payment is free again.
-	}
+		return out, out.Claimed, err
+	}, func(rec Record) SignedClaim { return SignedClaim{HeldClaim: HeldClaim{Rec: rec}} })
 }
 
 // holdClaimAndSign runs HoldClaimAndSign's batch once (tried again only where nothing of it reached the database,
