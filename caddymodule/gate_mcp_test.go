@@ -1,0 +1,379 @@
+package caddymodule_test
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// mcpUpstream is a JSON-RPC server in the shape of an MCP server on the streamable HTTP transport: it answers
+// with JSON, or with an SSE stream (a progress notification, then the response) when the URL asks ?sse.
+type mcpUpstream struct {
+	Addr   string
+	mu     sync.Mutex
+	bodies []string
+}
+
+func newMCPUpstream(t *testing.T) *mcpUpstream {
+	u := &mcpUpstream{}
+	srv := httptest.NewServer(u)
+	t.Cleanup(srv.Close)
+	u.Addr = strings.TrimPrefix(srv.URL, "http://")
+	return u
+}
+
+// seen is the bodies the upstream received.
+func (u *mcpUpstream) seen() []string {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return append([]string(nil), u.bodies...)
+}
+
+func (u *mcpUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	u.mu.Lock()
+	u.bodies = append(u.bodies, string(body))
+	u.mu.Unlock()
+	var msgs []map[string]any
+	batch := strings.HasPrefix(strings.TrimSpace(string(body)), "[")
+	if batch {
+		_ = json.Unmarshal(body, &msgs)
+	} else {
+		var one map[string]any
+		_ = json.Unmarshal(body, &one)
+		msgs = []map[string]any{one}
+	}
+	var answers []any
+	for _, m := range msgs {
+		id, ok := m["id"]
+		if !ok {
+			continue
+		}
+		var result any
+		switch m["method"] {
+		case "initialize":
+			result = map[string]any{"protocolVersion": "2025-06-18", "capabilities": map[string]any{}, "serverInfo": map[string]any{"name": "t", "version": "1"}}
+		case "tools/list":
+			result = map[string]any{"tools": []any{map[string]any{"name": "search"}, map[string]any{"name": "summarize"}, map[string]any{"name": "echo"}}}
+		case "tools/call":
+			params, _ := m["params"].(map[string]any)
+			result = map[string]any{"content": []any{map[string]any{"type": "text", "text": fmt.Sprintf("ran %v", params["name"])}}}
+		}
+		answers = append(answers, map[string]any{"jsonrpc": "2.0", "id": id, "result": result})
+	}
+	w.Header().Set("Mcp-Session-Id", "s1")
+	if len(answers) == 0 {
+		w.WriteHeader(http.StatusAccepted)
+		return
+	}
+	if r.URL.Query().Has("sse") {
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(http.StatusOK)
+		fmt.Fprintf(w, "event: message\ndata: %s\n\n", `{"jsonrpc":"2.0","method":"notifications/progress","params":{"progress":1}}`)
+		for _, a := range answers {
+			b, _ := json.Marshal(a)
+			fmt.Fprintf(w, "event: message\nid: e1\ndata: %s\n\n", b)
+		}
+		return
+	}
+	var out any = answers[0]
+	if batch {
+		out = answers
+	}
+	b, _ := json.Marshal(out)
+	w.Header().Set("Content-Type", "application/json")
+	_, _ = w.Write(b)
+}
+
+// mcpEnv is a gateEnv whose gate prices the tools of an mcpUpstream.
+type mcpEnv struct {
+	*gateEnv
+	up *mcpUpstream
+}
+
+// newMCPEnv starts a Caddy whose gate prices search at $0.01 and summarize at $0.05 (others free), with more
+// lines inside its mcp block and inside the gate, before an mcpUpstream.
+func newMCPEnv(t *testing.T, inMCP, inGate string) *mcpEnv {
+	t.Helper()
+	c := chaintest.New(t, chaintest.WithHTTP())
+	t.Cleanup(commitPending(t, c))
+	up := newMCPUpstream(t)
+	env := &gateEnv{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"), net: x402.EIP155(c.ChainID.Uint64())}
+	block := "\t\tmcp {\n\t\t\ttool search $0.01\n\t\t\ttool summarize $0.05\n\t\t\tdefault free\n" + inMCP + "\t\t}\n"
+	cf := env.caddyfile(gateSetup{gate: block + inGate, site: "reverse_proxy " + up.Addr})
+	cf = strings.Replace(cf, fmt.Sprintf("\t\tamount %d\n", gatePrice), "", 1)
+	env.srv = startCaddy(t, cf)
+	return &mcpEnv{gateEnv: env, up: up}
+}
+
+// post posts a JSON-RPC body to path and reads the answer.
+func (env *mcpEnv) post(path, body string) gateAnswer {
+	env.t.Helper()
+	req, err := http.NewRequest(http.MethodPost, env.srv.URL+path, strings.NewReader(body))
+	if err != nil {
+		env.t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "application/json, text/event-stream")
+	return env.do(req)
+}
+
+// toolCall is a tools/call of tool with id, carrying payment in _meta when it is not nil.
+func toolCall(id int, tool string, payment any) string {
+	params := map[string]any{"name": tool, "arguments": map[string]any{"q": "x"}}
+	if payment != nil {
+		params["_meta"] = map[string]any{"x402/payment": payment, "progressToken": 7}
+	}
+	b, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": params})
+	return string(b)
+}
+
+// mcpResponse is a JSON-RPC response as the tests read it.
+type mcpResponse struct {
+	ID     json.RawMessage `json:"id"`
+	Result struct {
+		IsError           bool                       `json:"isError"`
+		StructuredContent *x402.PaymentRequired      `json:"structuredContent"`
+		Content           []map[string]any           `json:"content"`
+		Meta              map[string]json.RawMessage `json:"_meta"`
+		Tools             []map[string]any           `json:"tools"`
+	} `json:"result"`
+	Error *struct {
+		Code    int    `json:"code"`
+		Message string `json:"message"`
+	} `json:"error"`
+}
+
+func readMCP(t *testing.T, body string) mcpResponse {
+	t.Helper()
+	var r mcpResponse
+	if err := json.Unmarshal([]byte(body), &r); err != nil {
+		t.Fatalf("the answer is no JSON-RPC response: %v: %q", err, body)
+	}
+	return r
+}
+
+// sseResponse is the JSON-RPC response an SSE answer carries for id.
+func sseResponse(t *testing.T, body, id string) mcpResponse {
+	t.Helper()
+	sc := bufio.NewScanner(strings.NewReader(body))
+	for sc.Scan() {
+		if data, ok := strings.CutPrefix(sc.Text(), "data: "); ok && strings.Contains(data, `"id":`+id) {
+			return readMCP(t, data)
+		}
+	}
+	t.Fatalf("no SSE event answers id %s: %q", id, body)
+	return mcpResponse{}
+}
+
+// priceOf is the permit2 requirement of an unpaid call's PaymentRequired.
+func permit2Of(t *testing.T, r mcpResponse) x402.PaymentRequirements {
+	t.Helper()
+	if !r.Result.IsError || r.Result.StructuredContent == nil {
+		t.Fatalf("the unpaid call's result is not an isError PaymentRequired: %+v", r)
+	}
+	for _, rq := range r.Result.StructuredContent.Accepts {
+		if rq.Extra.AssetTransferMethod == x402.TransferPermit2 {
+			return rq
+		}
+	}
+	t.Fatalf("no permit2 offer in %+v", r.Result.StructuredContent)
+	return x402.PaymentRequirements{}
+}
+
+// An MCP server behind a gate with an mcp block: initialize, tools/list and a free tool pass to the server unpaid;
+// tools/list names each priced tool's price in its _meta; an unpaid call of a priced tool is answered, without
+// reaching the server, with HTTP 200 and a tool result with isError whose structuredContent is the
+// PaymentRequired at the tool's price and whose content[0].text is the same JSON; the call paid in
+// _meta["x402/payment"] runs (the server never sees the payment, and keeps the rest of _meta), settles once on
+// chain, and its result carries the settlement in _meta["x402/payment-response"]; the same payment again, and a
+// payment for the cheap tool used on the dear one, are refused as tool results, with nothing moved.
+func TestAnMCPGatePricesToolCallsAndTakesThePaymentInMeta(t *testing.T) {
+	env := newMCPEnv(t, "", "")
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+
+	if a := env.post("/mcp", `{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}`); a.status != http.StatusOK ||
+		!strings.Contains(a.body, "protocolVersion") {
+		t.Fatalf("initialize = %d %q, want the server's answer", a.status, a.body)
+	}
+	list := readMCP(t, env.post("/mcp", `{"jsonrpc":"2.0","id":2,"method":"tools/list"}`).body)
+	prices := map[string]any{}
+	for _, tool := range list.Result.Tools {
+		meta, _ := tool["_meta"].(map[string]any)
+		prices[tool["name"].(string)] = meta["x402/price"]
+	}
+	if prices["search"] != "$0.01" || prices["summarize"] != "$0.05" || prices["echo"] != nil {
+		t.Fatalf("tools/list prices = %v, want search $0.01, summarize $0.05, echo none", prices)
+	}
+	if a := env.post("/mcp", toolCall(3, "echo", nil)); a.status != http.StatusOK || !strings.Contains(a.body, "ran echo") {
+		t.Fatalf("a free tool = %d %q, want the server's answer", a.status, a.body)
+	}
+
+	calls := len(env.up.seen())
+	a := env.post("/mcp", toolCall(4, "search", nil))
+	unpaid := readMCP(t, a.body)
+	if a.status != http.StatusOK || string(unpaid.ID) != "4" {
+		t.Fatalf("an unpaid priced call = %d %q, want 200 with a result for id 4", a.status, a.body)
+	}
+	rq := permit2Of(t, unpaid)
+	if rq.Amount != "10000" {
+		t.Fatalf("search is offered at %s, want 10000 ($0.01)", rq.Amount)
+	}
+	text, _ := unpaid.Result.Content[0]["text"].(string)
+	var fromText x402.PaymentRequired
+	if err := json.Unmarshal([]byte(text), &fromText); err != nil || len(fromText.Accepts) != len(unpaid.Result.StructuredContent.Accepts) {
+		t.Fatalf("content[0].text is not the PaymentRequired: %q (%v)", text, err)
+	}
+	if got := len(env.up.seen()); got != calls {
+		t.Fatalf("the unpaid call reached the server (%d calls, want %d)", got, calls)
+	}
+
+	before := env.balances(payer)
+	payment := env.signPermit2(payer, rq)
+	a = env.post("/mcp", toolCall(5, "search", payment))
+	paid := readMCP(t, a.body)
+	if a.status != http.StatusOK || paid.Result.IsError || len(paid.Result.Content) == 0 || paid.Result.Content[0]["text"] != "ran search" {
+		t.Fatalf("the paid call = %d %q, want the tool's result", a.status, a.body)
+	}
+	var settled x402.SettleResponse
+	if err := json.Unmarshal(paid.Result.Meta["x402/payment-response"], &settled); err != nil || !settled.Success || settled.Transaction == "" {
+		t.Fatalf("the paid result's _meta[x402/payment-response] = %s (%v), want a settlement", paid.Result.Meta["x402/payment-response"], err)
+	}
+	env.assertPaid(payer, before, 1)
+	seen := env.up.seen()
+	last := seen[len(seen)-1]
+	if strings.Contains(last, "x402/payment") || strings.Contains(last, "signature") || !strings.Contains(last, "progressToken") {
+		t.Fatalf("the server saw %q: want the call without its payment, the rest of _meta kept", last)
+	}
+
+	calls = len(env.up.seen())
+	again := readMCP(t, env.post("/mcp", toolCall(6, "search", payment)).body)
+	if !again.Result.IsError || again.Result.StructuredContent == nil || !strings.Contains(again.Result.StructuredContent.Error, x402.ReasonPaymentAlreadyUsed) {
+		t.Fatalf("the same payment again = %+v, want an isError result naming %s", again, x402.ReasonPaymentAlreadyUsed)
+	}
+	cheap := env.signPermit2(payer, rq)
+	dear := readMCP(t, env.post("/mcp", toolCall(7, "summarize", cheap)).body)
+	if !dear.Result.IsError || dear.Result.StructuredContent == nil || permit2Of(t, dear).Amount != "50000" {
+		t.Fatalf("a payment for search on summarize = %+v, want an isError result offering 50000", dear)
+	}
+	if got := len(env.up.seen()); got != calls {
+		t.Fatalf("a refused payment reached the server (%d calls, want %d)", got, calls)
+	}
+	env.assertPaid(payer, before, 1)
+}
+
+// The response to a paid call streamed as SSE carries the settlement in the event answering the call; the other
+// events pass as they came.
+func TestAnMCPGateAddsTheSettlementToTheSSEEventAnsweringThePaidCall(t *testing.T) {
+	env := newMCPEnv(t, "", "")
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	rq := permit2Of(t, readMCP(t, env.post("/mcp?sse", toolCall(1, "search", nil)).body))
+	before := env.balances(payer)
+	a := env.post("/mcp?sse", toolCall(2, "search", env.signPermit2(payer, rq)))
+	if a.status != http.StatusOK || !strings.HasPrefix(a.header.Get("Content-Type"), "text/event-stream") ||
+		!strings.Contains(a.body, "notifications/progress") {
+		t.Fatalf("the paid SSE call = %d %q (%s), want the server's stream", a.status, a.body, a.header.Get("Content-Type"))
+	}
+	r := sseResponse(t, a.body, "2")
+	var settled x402.SettleResponse
+	if err := json.Unmarshal(r.Result.Meta["x402/payment-response"], &settled); err != nil || !settled.Success {
+		t.Fatalf("the SSE response event's _meta = %v (%v), want the settlement", r.Result.Meta, err)
+	}
+	env.assertPaid(payer, before, 1)
+}
+
+// A batch with an unpaid priced call is refused whole before any of it runs: the priced call gets its
+// PaymentRequired, the other requests a JSON-RPC error saying why they did not run. A batch with one paid priced
+// call runs whole, its result carrying the settlement; one with two priced calls is refused whole.
+func TestAnMCPGateRunsABatchWholeOrNotAtAll(t *testing.T) {
+	env := newMCPEnv(t, "", "")
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	calls := len(env.up.seen())
+	a := env.post("/mcp", "["+toolCall(1, "echo", nil)+","+toolCall(2, "search", nil)+`,{"jsonrpc":"2.0","method":"notifications/initialized"}]`)
+	var answers []mcpResponse
+	if err := json.Unmarshal([]byte(a.body), &answers); err != nil || a.status != http.StatusOK || len(answers) != 2 {
+		t.Fatalf("a batch with an unpaid priced call = %d %q, want two answers", a.status, a.body)
+	}
+	if answers[0].Error == nil || !strings.Contains(answers[0].Error.Message, "not run") {
+		t.Fatalf("the free call of the refused batch = %+v, want an error saying it did not run", answers[0])
+	}
+	rq := permit2Of(t, answers[1])
+	if got := len(env.up.seen()); got != calls {
+		t.Fatalf("a refused batch reached the server (%d calls, want %d)", got, calls)
+	}
+
+	before := env.balances(payer)
+	a = env.post("/mcp", "["+toolCall(3, "echo", nil)+","+toolCall(4, "search", env.signPermit2(payer, rq))+"]")
+	answers = nil
+	if err := json.Unmarshal([]byte(a.body), &answers); err != nil || len(answers) != 2 {
+		t.Fatalf("a batch with a paid call = %d %q", a.status, a.body)
+	}
+	if answers[1].Result.Meta["x402/payment-response"] == nil || answers[0].Result.Meta != nil {
+		t.Fatalf("the batch's answers = %s, want the settlement on the paid call's only", a.body)
+	}
+	env.assertPaid(payer, before, 1)
+
+	calls = len(env.up.seen())
+	a = env.post("/mcp", "["+toolCall(5, "search", env.signPermit2(payer, rq))+","+toolCall(6, "search", env.signPermit2(payer, rq))+"]")
+	if !strings.Contains(a.body, "2 priced tool calls") || len(env.up.seen()) != calls {
+		t.Fatalf("a batch with two priced calls = %d %q, want it refused whole", a.status, a.body)
+	}
+	env.assertPaid(payer, before, 1)
+}
+
+// What the gate cannot read is refused with a JSON-RPC error and never reaches the server: a tools/call naming
+// its tool twice (the gate and the server could read different names), a body cut short, a body over max_body.
+func TestAnMCPGateRefusesABodyItCannotReadWithAJSONRPCError(t *testing.T) {
+	env := newMCPEnv(t, "\t\t\tmax_body 4KiB\n", "")
+	calls := len(env.up.seen())
+	refused := func(what string, a gateAnswer, status int) {
+		t.Helper()
+		r := readMCP(t, a.body)
+		if a.status != status || r.Error == nil || r.Error.Code != -32700 {
+			t.Errorf("%s = %d %q, want %d with a JSON-RPC parse error", what, a.status, a.body, status)
+		}
+	}
+	refused("a tools/call naming its tool twice", env.post("/mcp",
+		`{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","name":"search"}}`), http.StatusBadRequest)
+	refused("a batch whose call names its tool twice", env.post("/mcp",
+		`[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"search","arguments":{},"name":"echo"}}]`), http.StatusBadRequest)
+	refused("a body over max_body", env.post("/mcp", toolCall(1, "search", map[string]any{"pad": strings.Repeat("x", 5000)})), http.StatusRequestEntityTooLarge)
+	refused("a body that is no JSON", env.post("/mcp", `{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"search"`), http.StatusBadRequest)
+
+	// A body cut short: the client sends less than its Content-Length and stops sending.
+	host := strings.TrimPrefix(env.srv.URL, "http://")
+	conn, err := net.Dial("tcp", host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	call := toolCall(1, "search", nil)
+	fmt.Fprintf(conn, "POST /mcp HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", host, len(call)+100, call)
+	_ = conn.(*net.TCPConn).CloseWrite()
+	_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("reading the answer to a body cut short: %v", err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	refused("a body cut short", gateAnswer{status: resp.StatusCode, body: string(body)}, http.StatusBadRequest)
+	if got := len(env.up.seen()); got != calls {
+		t.Fatalf("a body the gate could not read reached the server (%d calls, want %d)", got, calls)
+	}
+}

@@ -1,0 +1,403 @@
+package gate
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+
+	"github.com/go-json-experiment/json"
+	"github.com/go-json-experiment/json/jsontext"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// This file holds the gate's MCP mode: an MCP server behind the gate (the streamable HTTP transport: JSON-RPC
+// posted to one endpoint, answered with JSON or an SSE stream) is paid per tool call, as the x402 MCP transport
+// says (specs/transports-v2/mcp.md). The gate reads the JSON-RPC body; a tools/call of a priced tool is gated
+// like any paid request, its payment carried in params._meta["x402/payment"] instead of a header, the
+// PaymentRequired answered as a tool result with isError (HTTP 200, not 402), and the settlement added to the
+// tool result's _meta["x402/payment-response"]. Everything else (initialize, tools/list, notifications, GET and
+// DELETE of the session) passes free.
+
+// Names of the MCP transport's _meta keys.
+const (
+	// MCPMetaPayment is where a paid tools/call carries its PaymentPayload: params._meta["x402/payment"].
+	MCPMetaPayment = "x402/payment"
+	// MCPMetaPaymentResponse is where a paid tool result carries its SettleResponse.
+	MCPMetaPaymentResponse = "x402/payment-response"
+	// MCPMetaPrice is where the gate advertises a priced tool's price in a tools/list answer (the tool's _meta):
+	// the price as configured, such as "$0.01".
+	MCPMetaPrice = "x402/price"
+)
+
+// DefaultMCPMaxBody bounds the JSON-RPC body an MCP gate reads before it decides what a request costs.
+const DefaultMCPMaxBody = 1 << 20
+
+// JSON-RPC error codes the gate answers with.
+const (
+	jsonrpcParseError     = -32700
+	jsonrpcInvalidRequest = -32600
+	// jsonrpcNotRun is the server-defined error of a request of a batch the gate refused whole.
+	jsonrpcNotRun = -32001
+)
+
+// MCP prices the tool calls of an MCP server behind a gate.
+type MCP struct {
+	// Price is what a call of tool costs as configured (such as "$0.01"), "" for a free tool. The gate's
+	// Config.OffersFor reads the tool of a request with MCPTool and offers that price.
+	Price func(tool string) string
+	// MaxBody bounds the request body read, in bytes. Default DefaultMCPMaxBody.
+	MaxBody int64
+}
+
+// mcpToolKey is the context key of the priced tool a request calls.
+type mcpToolKey struct{}
+
+// MCPTool returns the priced tool an MCP request calls, when the gate's MCP mode is pricing one.
+func MCPTool(r *http.Request) (string, bool) {
+	name, ok := r.Context().Value(mcpToolKey{}).(string)
+	return name, ok
+}
+
+// mcpMessage is one JSON-RPC message of a request body, as read.
+type mcpMessage struct {
+	fields map[string]jsontext.Value
+	method string
+	id     jsontext.Value // nil for a notification
+	// tool is a tools/call's params.name; params its params, payment its _meta["x402/payment"] (nil: none).
+	tool    string
+	params  map[string]jsontext.Value
+	payment jsontext.Value
+}
+
+// ServeHTTP gates one request to the MCP server: serve is the gate itself (the payment exchange around next),
+// next the MCP server. A request with no priced tool call goes to next unpaid.
+func (m *MCP) ServeHTTP(w http.ResponseWriter, r *http.Request, serve func(http.ResponseWriter, *http.Request) error, next Handler) error {
+	// A payment in a header is no payment here (the transport carries it in _meta), and a bearer value the
+	// MCP server need not see.
+	for _, name := range []string{x402.HeaderPaymentSignature, x402.HeaderXPayment} {
+		r.Header.Del(name)
+	}
+	if r.Method != http.MethodPost {
+		return next.ServeHTTP(w, r) // the session's SSE stream (GET) and its end (DELETE) carry no call
+	}
+	body, status, err := m.readBody(r)
+	if err != nil {
+		// Never passed on unpaid: a body the gate cannot read whole may hold a priced call.
+		return writeJSONRPCError(w, status, nil, jsonrpcParseError, err.Error())
+	}
+	msgs, batch, err := parseMCPBody(body)
+	if err != nil {
+		return writeJSONRPCError(w, http.StatusBadRequest, nil, jsonrpcParseError, err.Error())
+	}
+	var priced []*mcpMessage
+	for _, msg := range msgs {
+		if msg.method == "tools/call" && m.Price(msg.tool) != "" {
+			priced = append(priced, msg)
+		}
+	}
+	if len(priced) == 0 {
+		setBody(r, body)
+		return next.ServeHTTP(m.advertising(w, msgs), r)
+	}
+	for _, msg := range priced {
+		if msg.id == nil {
+			return writeJSONRPCError(w, http.StatusBadRequest, nil, jsonrpcInvalidRequest,
+				fmt.Sprintf("tools/call of priced tool %q is a notification (no id): its price could not be asked for nor its result paid for", msg.tool))
+		}
+	}
+	if batch {
+		return m.serveBatch(w, r, msgs, priced, serve)
+	}
+	return m.servePriced(w, r, body, msgs, priced[0], serve, false)
+}
+
+// serveBatch serves a batch holding priced tool calls. One payment buys one response, and the response of a
+// batch is one: a batch buys at most one priced call, paid; the others run first or not at all. A batch with
+// a priced call unpaid, or with two, is refused whole before anything of it runs: a batch whose free calls ran
+// while its priced one waited for payment would run them again when paid. The priced call unpaid is answered
+// with its PaymentRequired, every other request of the batch with a JSON-RPC error that says why it did not run.
+func (m *MCP) serveBatch(w http.ResponseWriter, r *http.Request, msgs, priced []*mcpMessage, serve func(http.ResponseWriter, *http.Request) error) error {
+	var unpaid *mcpMessage
+	for _, msg := range priced {
+		if msg.payment == nil {
+			unpaid = msg
+			break
+		}
+	}
+	if unpaid == nil && len(priced) == 1 {
+		body, err := json.Marshal(encodeMessages(msgs, priced[0]))
+		if err != nil {
+			return fmt.Errorf("x402 mcp: encoding the batch: %w", err)
+		}
+		return m.servePriced(w, r, body, msgs, priced[0], serve, true)
+	}
+	why := fmt.Sprintf("not run: this batch carries %d priced tool calls; a batch may carry one, paid, and runs whole or not at all", len(priced))
+	var required jsontext.Value
+	if unpaid != nil {
+		why = fmt.Sprintf("not run: tool call %s of this batch (%q) is priced and carries no payment; a batch runs whole or not at all", unpaid.id, unpaid.tool)
+		var err error
+		if required, err = m.askPrice(r, unpaid, serve); err != nil {
+			return err
+		}
+	}
+	var answers []any
+	for _, msg := range msgs {
+		switch {
+		case msg.id == nil:
+		case msg == unpaid:
+			answers = append(answers, jsonrpcResult(msg.id, paymentRequiredResult(required)))
+		default:
+			answers = append(answers, jsonrpcError(msg.id, jsonrpcNotRun, why))
+		}
+	}
+	return writeJSONRPC(w, http.StatusOK, answers)
+}
+
+// askPrice is the PaymentRequired of a priced call without payment: the gate's 402 for the tool, taken whole.
+func (m *MCP) askPrice(r *http.Request, msg *mcpMessage, serve func(http.ResponseWriter, *http.Request) error) (jsontext.Value, error) {
+	rec := &capturedAnswer{header: http.Header{}}
+	r = r.WithContext(context.WithValue(r.Context(), mcpToolKey{}, msg.tool))
+	r.Header.Del("Accept") // the 402's JSON, never the paywall page
+	if err := serve(rec, r); err != nil {
+		return nil, err
+	}
+	if v := rec.header.Get(x402.HeaderPaymentRequired); v != "" {
+		if doc, err := x402.HeaderJSON(v); err == nil {
+			return jsontext.Value(doc), nil
+		}
+	}
+	return nil, fmt.Errorf("x402 mcp: the gate answered %d without a PAYMENT-REQUIRED for tool %q", rec.status, msg.tool)
+}
+
+// servePriced serves a body holding one priced call: without payment, its PaymentRequired as a tool result; with
+// one, the payment presented to the gate as its header and taken out of what the MCP server sees.
+func (m *MCP) servePriced(w http.ResponseWriter, r *http.Request, body []byte, msgs []*mcpMessage, msg *mcpMessage, serve func(http.ResponseWriter, *http.Request) error, batch bool) error {
+	if msg.payment == nil {
+		required, err := m.askPrice(r, msg, serve)
+		if err != nil {
+			return err
+		}
+		return writeJSONRPC(w, http.StatusOK, jsonrpcResult(msg.id, paymentRequiredResult(required)))
+	}
+	if !batch {
+		var err error
+		if body, err = json.Marshal(encodeMessage(msg, true)); err != nil {
+			return fmt.Errorf("x402 mcp: encoding the call: %w", err)
+		}
+	}
+	r = r.WithContext(context.WithValue(r.Context(), mcpToolKey{}, msg.tool))
+	r.Header.Set(x402.HeaderPaymentSignature, base64.StdEncoding.EncodeToString(msg.payment))
+	r.Header.Del("Accept-Encoding") // the answer is rewritten, so it must come uncompressed
+	setBody(r, body)
+	mw := &mcpWriter{w: w, id: msg.id}
+	err := serve(mw, r)
+	if ferr := mw.finish(); err == nil {
+		err = ferr
+	}
+	return err
+}
+
+// advertising wraps w to add each priced tool's price to a tools/list answer, when msgs ask for one.
+func (m *MCP) advertising(w http.ResponseWriter, msgs []*mcpMessage) http.ResponseWriter {
+	for _, msg := range msgs {
+		if msg.method == "tools/list" && msg.id != nil {
+			return &mcpWriter{w: w, id: msg.id, list: m.Price, passErrors: true}
+		}
+	}
+	return w
+}
+
+// readBody reads the request body whole, up to MaxBody.
+func (m *MCP) readBody(r *http.Request) ([]byte, int, error) {
+	limit := m.MaxBody
+	if limit <= 0 {
+		limit = DefaultMCPMaxBody
+	}
+	if r.Body == nil {
+		return nil, http.StatusBadRequest, errors.New("the request has no body; want a JSON-RPC message")
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+	switch {
+	case err != nil:
+		return nil, http.StatusBadRequest, fmt.Errorf("the request body could not be read whole (%v); nothing was run", err)
+	case int64(len(body)) > limit:
+		return nil, http.StatusRequestEntityTooLarge, fmt.Errorf("the request body is larger than the %d bytes the x402 gate reads", limit)
+	}
+	return body, 0, nil
+}
+
+// parseMCPBody reads a JSON-RPC message or batch. A name given twice anywhere in it is refused: the gate and the
+// MCP server must not read two different tool names (or payments) out of one call.
+func parseMCPBody(body []byte) (msgs []*mcpMessage, batch bool, err error) {
+	var raws []jsontext.Value
+	if trimmed := bytes.TrimLeft(body, " \t\r\n"); len(trimmed) > 0 && trimmed[0] == '[' {
+		batch = true
+		if err := json.Unmarshal(body, &raws); err != nil {
+			return nil, true, fmt.Errorf("the JSON-RPC batch does not read: %v", err)
+		}
+		if len(raws) == 0 {
+			return nil, true, errors.New("the JSON-RPC batch is empty")
+		}
+	} else {
+		raws = []jsontext.Value{body}
+	}
+	for i, raw := range raws {
+		msg, err := parseMCPMessage(raw)
+		if err != nil {
+			if batch {
+				return nil, true, fmt.Errorf("message %d of the batch: %w", i, err)
+			}
+			return nil, false, err
+		}
+		msgs = append(msgs, msg)
+	}
+	return msgs, batch, nil
+}
+
+// parseMCPMessage reads one JSON-RPC message, and a tools/call's name and payment.
+func parseMCPMessage(raw jsontext.Value) (*mcpMessage, error) {
+	msg := &mcpMessage{}
+	if err := json.Unmarshal(raw, &msg.fields); err != nil {
+		return nil, fmt.Errorf("the JSON-RPC message does not read: %v", err)
+	}
+	if v, ok := msg.fields["method"]; ok {
+		if err := json.Unmarshal(v, &msg.method); err != nil {
+			return nil, fmt.Errorf("the JSON-RPC method is not a string: %v", err)
+		}
+	}
+	if v, ok := msg.fields["id"]; ok && string(v) != "null" {
+		msg.id = v
+	}
+	if msg.method != "tools/call" {
+		return msg, nil
+	}
+	if err := json.Unmarshal(msg.fields["params"], &msg.params); err != nil || msg.params == nil {
+		return nil, errors.New("tools/call has no params object")
+	}
+	if err := json.Unmarshal(msg.params["name"], &msg.tool); err != nil || msg.tool == "" {
+		return nil, errors.New("tools/call names no tool: params.name is not a string")
+	}
+	if v, ok := msg.params["_meta"]; ok {
+		var meta map[string]jsontext.Value
+		if err := json.Unmarshal(v, &meta); err != nil {
+			return nil, fmt.Errorf("tools/call params._meta is not an object: %v", err)
+		}
+		if p, ok := meta[MCPMetaPayment]; ok && string(p) != "null" {
+			if p.Kind() != '{' {
+				return nil, fmt.Errorf("tools/call params._meta[%q] is not an object", MCPMetaPayment)
+			}
+			msg.payment = p
+		}
+	}
+	return msg, nil
+}
+
+// encodeMessage is msg for the MCP server: without its payment when strip is set.
+func encodeMessage(msg *mcpMessage, strip bool) any {
+	if !strip || msg.payment == nil {
+		return msg.fields
+	}
+	params := make(map[string]jsontext.Value, len(msg.params))
+	for k, v := range msg.params {
+		params[k] = v
+	}
+	var meta map[string]jsontext.Value
+	_ = json.Unmarshal(params["_meta"], &meta) // read by parseMCPMessage
+	delete(meta, MCPMetaPayment)
+	if len(meta) == 0 {
+		delete(params, "_meta")
+	} else {
+		b, _ := json.Marshal(meta)
+		params["_meta"] = b
+	}
+	fields := make(map[string]jsontext.Value, len(msg.fields))
+	for k, v := range msg.fields {
+		fields[k] = v
+	}
+	b, _ := json.Marshal(params)
+	fields["params"] = b
+	return fields
+}
+
+// encodeMessages is a batch for the MCP server, paid's payment taken out.
+func encodeMessages(msgs []*mcpMessage, paid *mcpMessage) []any {
+	out := make([]any, len(msgs))
+	for i, msg := range msgs {
+		out[i] = encodeMessage(msg, msg == paid)
+	}
+	return out
+}
+
+// setBody makes body the request's body.
+func setBody(r *http.Request, body []byte) {
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.ContentLength = int64(len(body))
+	r.Header.Set("Content-Length", strconv.Itoa(len(body)))
+	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+}
+
+// paymentRequiredResult is the tool result of a call that must be paid, as the transport says: isError, the
+// PaymentRequired as structuredContent and as the text of content[0].
+func paymentRequiredResult(required jsontext.Value) map[string]any {
+	return map[string]any{
+		"isError":           true,
+		"structuredContent": required,
+		"content":           []any{map[string]any{"type": "text", "text": string(required)}},
+	}
+}
+
+func jsonrpcResult(id jsontext.Value, result any) map[string]any {
+	return map[string]any{"jsonrpc": "2.0", "id": id, "result": result}
+}
+
+func jsonrpcError(id jsontext.Value, code int, message string) map[string]any {
+	if id == nil {
+		id = jsontext.Value("null")
+	}
+	return map[string]any{"jsonrpc": "2.0", "id": id, "error": map[string]any{"code": code, "message": message}}
+}
+
+// writeJSONRPCError answers a JSON-RPC error with status.
+func writeJSONRPCError(w http.ResponseWriter, status int, id jsontext.Value, code int, message string) error {
+	return writeJSONRPC(w, status, jsonrpcError(id, code, message))
+}
+
+func writeJSONRPC(w http.ResponseWriter, status int, v any) error {
+	body, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Errorf("x402 mcp: encoding the answer: %w", err)
+	}
+	h := w.Header()
+	h.Set("Content-Type", "application/json")
+	h.Set("Content-Length", strconv.Itoa(len(body)))
+	h.Set("Cache-Control", "no-store")
+	w.WriteHeader(status)
+	_, err = w.Write(body)
+	return err
+}
+
+// capturedAnswer keeps an answer of the gate that is not sent as it is.
+type capturedAnswer struct {
+	header http.Header
+	status int
+	body   bytes.Buffer
+}
+
+func (c *capturedAnswer) Header() http.Header { return c.header }
+func (c *capturedAnswer) WriteHeader(status int) {
+	if c.status == 0 {
+		c.status = status
+	}
+}
+func (c *capturedAnswer) Write(p []byte) (int, error) {
+	if c.status == 0 {
+		c.status = http.StatusOK
+	}
+	return c.body.Write(p)
+}
