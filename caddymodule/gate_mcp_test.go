@@ -2,9 +2,12 @@ package caddymodule_test
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"math/big"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -16,6 +19,7 @@ import (
 	"github.com/ethereum/go-ethereum/common"
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/payer"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -375,5 +379,46 @@ func TestAnMCPGateRefusesABodyItCannotReadWithAJSONRPCError(t *testing.T) {
 	refused("a body cut short", gateAnswer{status: resp.StatusCode, body: string(body)}, http.StatusBadRequest)
 	if got := len(env.up.seen()); got != calls {
 		t.Fatalf("a body the gate could not read reached the server (%d calls, want %d)", got, calls)
+	}
+}
+
+// payer.MCPClient pays the priced tool calls of an MCP server behind a gate within its Transport's limits: a
+// priced call is paid once and carries its settlement, a free one is not paid, a tool dearer than the limit per
+// request and a call past the total are refused with a *payer.LimitError before anything is signed; the chain
+// shows exactly the two payments made, and the Transport's budget counts them.
+func TestThePayersMCPClientPaysToolCallsWithinItsLimits(t *testing.T) {
+	env := newMCPEnv(t, "", "")
+	who := env.c.Payers[0]
+	env.approvePermit2(who)
+	p, err := payer.New(who.Key, payer.Options{RPC: env.c.RPCURL, Method: x402.TransferPermit2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &payer.Transport{Payer: p, Limits: []payer.Limit{{PerRequest: big.NewInt(20_000), Total: big.NewInt(25_000)}}}
+	client := &payer.MCPClient{URL: env.srv.URL + "/mcp?sse", Transport: tr}
+	ctx := context.Background()
+	if err := client.Initialize(ctx); err != nil {
+		t.Fatal(err)
+	}
+	before := env.balances(who)
+	for i := range 2 {
+		res, err := client.CallTool(ctx, "search", map[string]any{"q": "x"})
+		if err != nil || res.IsError || res.Paid == nil || res.Settlement == nil || !res.Settlement.Success {
+			t.Fatalf("paid call %d = %+v, %v; want a result with its settlement", i, res, err)
+		}
+	}
+	if res, err := client.CallTool(ctx, "echo", map[string]any{"q": "x"}); err != nil || res.Paid != nil || !strings.Contains(string(res.Result), "ran echo") {
+		t.Fatalf("a free call = %+v, %v; want it unpaid", res, err)
+	}
+	var le *payer.LimitError
+	if _, err := client.CallTool(ctx, "summarize", map[string]any{"q": "x"}); !errors.As(err, &le) || le.Limit.Int64() != 20_000 {
+		t.Fatalf("a tool over the limit per request = %v, want a LimitError naming 20000", err)
+	}
+	if _, err := client.CallTool(ctx, "search", map[string]any{"q": "x"}); !errors.As(err, &le) || le.Spent.Int64() != 20_000 {
+		t.Fatalf("a call past the total = %v, want a LimitError with 20000 spent", err)
+	}
+	env.assertPaid(who, before, 2)
+	if got := tr.Signed(env.net, env.c.Token.Hex()); got.Int64() != 20_000 {
+		t.Fatalf("the Transport counts %s signed, want 20000", got)
 	}
 }

@@ -24,17 +24,6 @@ import (
 // tool result's _meta["x402/payment-response"]. Everything else (initialize, tools/list, notifications, GET and
 // DELETE of the session) passes free.
 
-// Names of the MCP transport's _meta keys.
-const (
-	// MCPMetaPayment is where a paid tools/call carries its PaymentPayload: params._meta["x402/payment"].
-	MCPMetaPayment = "x402/payment"
-	// MCPMetaPaymentResponse is where a paid tool result carries its SettleResponse.
-	MCPMetaPaymentResponse = "x402/payment-response"
-	// MCPMetaPrice is where the gate advertises a priced tool's price in a tools/list answer (the tool's _meta):
-	// the price as configured, such as "$0.01".
-	MCPMetaPrice = "x402/price"
-)
-
 // DefaultMCPMaxBody bounds the JSON-RPC body an MCP gate reads before it decides what a request costs.
 const DefaultMCPMaxBody = 1 << 20
 
@@ -288,9 +277,9 @@ func parseMCPMessage(raw jsontext.Value) (*mcpMessage, error) {
 		if err := json.Unmarshal(v, &meta); err != nil {
 			return nil, fmt.Errorf("tools/call params._meta is not an object: %v", err)
 		}
-		if p, ok := meta[MCPMetaPayment]; ok && string(p) != "null" {
+		if p, ok := meta[x402.MCPMetaPayment]; ok && string(p) != "null" {
 			if p.Kind() != '{' {
-				return nil, fmt.Errorf("tools/call params._meta[%q] is not an object", MCPMetaPayment)
+				return nil, fmt.Errorf("tools/call params._meta[%q] is not an object", x402.MCPMetaPayment)
 			}
 			msg.payment = p
 		}
@@ -309,7 +298,7 @@ func encodeMessage(msg *mcpMessage, strip bool) any {
 	}
 	var meta map[string]jsontext.Value
 	_ = json.Unmarshal(params["_meta"], &meta) // read by parseMCPMessage
-	delete(meta, MCPMetaPayment)
+	delete(meta, x402.MCPMetaPayment)
 	if len(meta) == 0 {
 		delete(params, "_meta")
 	} else {

@@ -235,7 +235,7 @@ func (m *mcpWriter) edit(msg map[string]jsontext.Value) bool {
 		if m.settled == nil {
 			return false
 		}
-		setMeta(result, MCPMetaPaymentResponse, m.settled)
+		setMeta(result, x402.MCPMetaPaymentResponse, m.settled)
 	}
 	b, err := json.Marshal(result)
 	if err != nil {
@@ -259,7 +259,7 @@ func (m *mcpWriter) priceTools(result map[string]jsontext.Value) bool {
 		}
 		if price := m.list(name); price != "" {
 			b, _ := json.Marshal(price)
-			setMeta(tool, MCPMetaPrice, b)
+			setMeta(tool, x402.MCPMetaPrice, b)
 			changed = true
 		}
 	}
@@ -340,7 +340,7 @@ func (m *mcpWriter) writeRefusal() error {
 	}
 	result := paymentRequiredResult(content)
 	if m.settled != nil {
-		result["_meta"] = map[string]any{MCPMetaPaymentResponse: m.settled}
+		result["_meta"] = map[string]any{x402.MCPMetaPaymentResponse: m.settled}
 	}
 	if ra := h.Get("Retry-After"); ra != "" {
 		result["content"] = append(result["content"].([]any), map[string]any{"type": "text",
