@@ -471,7 +471,9 @@ func (g *Gate) Cleanup() error {
 // is answered here rather than by Caddy, whose error log would show the header.
 func (g *Gate) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	if g.MCP != nil && !gate.IsPreflight(r) {
-		return g.MCP.core.ServeHTTP(w, r, func(w http.ResponseWriter, r *http.Request) error { return g.servePaid(w, r, next) }, next)
+		return g.MCP.core.ServeHTTP(w, r, func(w http.ResponseWriter, r *http.Request, next gate.Handler) error {
+			return g.servePaid(w, r, caddyhttp.HandlerFunc(next.ServeHTTP))
+		}, next)
 	}
 	return g.servePaid(w, r, next)
 }

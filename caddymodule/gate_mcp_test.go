@@ -74,7 +74,16 @@ func (u *mcpUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			result = map[string]any{"tools": []any{map[string]any{"name": "search"}, map[string]any{"name": "summarize"}, map[string]any{"name": "echo"}}}
 		case "tools/call":
 			params, _ := m["params"].(map[string]any)
-			result = map[string]any{"content": []any{map[string]any{"type": "text", "text": fmt.Sprintf("ran %v", params["name"])}}}
+			args, _ := params["arguments"].(map[string]any)
+			switch args["q"] {
+			case "fail": // the tool failed: a tool result with isError
+				result = map[string]any{"isError": true, "content": []any{map[string]any{"type": "text", "text": "the tool failed"}}}
+			case "rpcerror": // the server refused the call: a JSON-RPC error
+				answers = append(answers, map[string]any{"jsonrpc": "2.0", "id": id, "error": map[string]any{"code": -32602, "message": "bad arguments"}})
+				continue
+			default:
+				result = map[string]any{"content": []any{map[string]any{"type": "text", "text": fmt.Sprintf("ran %v", params["name"])}}}
+			}
 		}
 		answers = append(answers, map[string]any{"jsonrpc": "2.0", "id": id, "result": result})
 	}
@@ -136,8 +145,11 @@ func (env *mcpEnv) post(path, body string) gateAnswer {
 }
 
 // toolCall is a tools/call of tool with id, carrying payment in _meta when it is not nil.
-func toolCall(id int, tool string, payment any) string {
-	params := map[string]any{"name": tool, "arguments": map[string]any{"q": "x"}}
+func toolCall(id int, tool string, payment any) string { return toolCallQ(id, tool, "x", payment) }
+
+// toolCallQ is toolCall with the argument q.
+func toolCallQ(id int, tool, q string, payment any) string {
+	params := map[string]any{"name": tool, "arguments": map[string]any{"q": q}}
 	if payment != nil {
 		params["_meta"] = map[string]any{"x402/payment": payment, "progressToken": 7}
 	}
@@ -420,5 +432,43 @@ func TestThePayersMCPClientPaysToolCallsWithinItsLimits(t *testing.T) {
 	env.assertPaid(who, before, 2)
 	if got := tr.Signed(env.net, env.c.Token.Hex()); got.Int64() != 20_000 {
 		t.Fatalf("the Transport counts %s signed, want 20000", got)
+	}
+}
+
+// A paid call the MCP server answers with a tool result with isError, or with a JSON-RPC error, is not charged
+// (settle after, the default; as the x402 MCP server SDK does not settle a failed tool): the client gets the
+// server's answer as it was, with HTTP 200 and no settlement, nothing moves on chain, and the same payment then
+// buys a call that succeeds. Over JSON and over SSE.
+func TestAnMCPGateDoesNotChargeACallTheToolFailed(t *testing.T) {
+	env := newMCPEnv(t, "", "")
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	for _, path := range []string{"/mcp", "/mcp?sse"} {
+		rq := permit2Of(t, readMCP(t, env.post(path, toolCall(1, "search", nil)).body))
+		payment := env.signPermit2(payer, rq)
+		before := env.balances(payer)
+		read := func(a gateAnswer, id string) mcpResponse {
+			t.Helper()
+			if strings.HasPrefix(a.header.Get("Content-Type"), "text/event-stream") {
+				return sseResponse(t, a.body, id)
+			}
+			return readMCP(t, a.body)
+		}
+		a := env.post(path, toolCallQ(2, "search", "fail", payment))
+		failed := read(a, "2")
+		if a.status != http.StatusOK || !failed.Result.IsError || failed.Result.StructuredContent != nil || failed.Result.Meta != nil ||
+			len(failed.Result.Content) == 0 || failed.Result.Content[0]["text"] != "the tool failed" {
+			t.Fatalf("%s: a paid call whose tool failed = %d %q, want the server's isError result, unpaid", path, a.status, a.body)
+		}
+		a = env.post(path, toolCallQ(3, "search", "rpcerror", payment))
+		if r := read(a, "3"); a.status != http.StatusOK || r.Error == nil || r.Error.Code != -32602 {
+			t.Fatalf("%s: a paid call the server refused = %d %q, want its JSON-RPC error, unpaid", path, a.status, a.body)
+		}
+		env.assertPaid(payer, before, 0)
+		a = env.post(path, toolCallQ(4, "search", "x", payment))
+		if r := read(a, "4"); r.Result.IsError || r.Result.Meta["x402/payment-response"] == nil {
+			t.Fatalf("%s: the same payment on a call that succeeds = %d %q, want it served and settled", path, a.status, a.body)
+		}
+		env.assertPaid(payer, before, 1)
 	}
 }

@@ -44,6 +44,9 @@ type MCP struct {
 	MaxBody int64
 }
 
+// MCPServe is the gate's exchange of one request around next, which MCP.ServeHTTP runs for a priced call.
+type MCPServe func(w http.ResponseWriter, r *http.Request, next Handler) error
+
 // mcpToolKey is the context key of the priced tool a request calls.
 type mcpToolKey struct{}
 
@@ -66,7 +69,7 @@ type mcpMessage struct {
 
 // ServeHTTP gates one request to the MCP server: serve is the gate itself (the payment exchange around next),
 // next the MCP server. A request with no priced tool call goes to next unpaid.
-func (m *MCP) ServeHTTP(w http.ResponseWriter, r *http.Request, serve func(http.ResponseWriter, *http.Request) error, next Handler) error {
+func (m *MCP) ServeHTTP(w http.ResponseWriter, r *http.Request, serve MCPServe, next Handler) error {
 	// A payment in a header is no payment here (the transport carries it in _meta), and a bearer value the
 	// MCP server need not see.
 	for _, name := range []string{x402.HeaderPaymentSignature, x402.HeaderXPayment} {
@@ -101,9 +104,9 @@ func (m *MCP) ServeHTTP(w http.ResponseWriter, r *http.Request, serve func(http.
 		}
 	}
 	if batch {
-		return m.serveBatch(w, r, msgs, priced, serve)
+		return m.serveBatch(w, r, msgs, priced, serve, next)
 	}
-	return m.servePriced(w, r, body, msgs, priced[0], serve, false)
+	return m.servePriced(w, r, body, priced[0], serve, next, false)
 }
 
 // serveBatch serves a batch holding priced tool calls. One payment buys one response, and the response of a
@@ -111,7 +114,7 @@ func (m *MCP) ServeHTTP(w http.ResponseWriter, r *http.Request, serve func(http.
 // a priced call unpaid, or with two, is refused whole before anything of it runs: a batch whose free calls ran
 // while its priced one waited for payment would run them again when paid. The priced call unpaid is answered
 // with its PaymentRequired, every other request of the batch with a JSON-RPC error that says why it did not run.
-func (m *MCP) serveBatch(w http.ResponseWriter, r *http.Request, msgs, priced []*mcpMessage, serve func(http.ResponseWriter, *http.Request) error) error {
+func (m *MCP) serveBatch(w http.ResponseWriter, r *http.Request, msgs, priced []*mcpMessage, serve MCPServe, next Handler) error {
 	var unpaid *mcpMessage
 	for _, msg := range priced {
 		if msg.payment == nil {
@@ -124,7 +127,7 @@ func (m *MCP) serveBatch(w http.ResponseWriter, r *http.Request, msgs, priced []
 		if err != nil {
 			return fmt.Errorf("x402 mcp: encoding the batch: %w", err)
 		}
-		return m.servePriced(w, r, body, msgs, priced[0], serve, true)
+		return m.servePriced(w, r, body, priced[0], serve, next, true)
 	}
 	why := fmt.Sprintf("not run: this batch carries %d priced tool calls; a batch may carry one, paid, and runs whole or not at all", len(priced))
 	var required jsontext.Value
@@ -149,11 +152,14 @@ func (m *MCP) serveBatch(w http.ResponseWriter, r *http.Request, msgs, priced []
 }
 
 // askPrice is the PaymentRequired of a priced call without payment: the gate's 402 for the tool, taken whole.
-func (m *MCP) askPrice(r *http.Request, msg *mcpMessage, serve func(http.ResponseWriter, *http.Request) error) (jsontext.Value, error) {
+func (m *MCP) askPrice(r *http.Request, msg *mcpMessage, serve MCPServe) (jsontext.Value, error) {
 	rec := &capturedAnswer{header: http.Header{}}
 	r = r.WithContext(context.WithValue(r.Context(), mcpToolKey{}, msg.tool))
 	r.Header.Del("Accept") // the 402's JSON, never the paywall page
-	if err := serve(rec, r); err != nil {
+	unreached := HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+		return errors.New("x402 mcp: a call without payment reached the MCP server")
+	})
+	if err := serve(rec, r, unreached); err != nil {
 		return nil, err
 	}
 	if v := rec.header.Get(x402.HeaderPaymentRequired); v != "" {
@@ -166,7 +172,7 @@ func (m *MCP) askPrice(r *http.Request, msg *mcpMessage, serve func(http.Respons
 
 // servePriced serves a body holding one priced call: without payment, its PaymentRequired as a tool result; with
 // one, the payment presented to the gate as its header and taken out of what the MCP server sees.
-func (m *MCP) servePriced(w http.ResponseWriter, r *http.Request, body []byte, msgs []*mcpMessage, msg *mcpMessage, serve func(http.ResponseWriter, *http.Request) error, batch bool) error {
+func (m *MCP) servePriced(w http.ResponseWriter, r *http.Request, body []byte, msg *mcpMessage, serve MCPServe, next Handler, batch bool) error {
 	if msg.payment == nil {
 		required, err := m.askPrice(r, msg, serve)
 		if err != nil {
@@ -185,7 +191,14 @@ func (m *MCP) servePriced(w http.ResponseWriter, r *http.Request, body []byte, m
 	r.Header.Del("Accept-Encoding") // the answer is rewritten, so it must come uncompressed
 	setBody(r, body)
 	mw := &mcpWriter{w: w, id: msg.id}
-	err := serve(mw, r)
+	err := serve(mw, r, HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		up := &mcpUpstream{w: w, id: msg.id, limit: DefaultMaxBuffer}
+		err := next.ServeHTTP(up, r)
+		if ferr := up.finish(); err == nil {
+			err = ferr
+		}
+		return err
+	}))
 	if ferr := mw.finish(); err == nil {
 		err = ferr
 	}

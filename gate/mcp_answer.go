@@ -60,8 +60,15 @@ func (m *mcpWriter) WriteHeader(status int) {
 		m.w.WriteHeader(status)
 		return
 	}
-	m.status = status
 	h := m.w.Header()
+	if v := h.Get(headerMCPToolFailed); v != "" {
+		// The paid call failed and went unpaid: the client gets the server's answer as it was.
+		h.Del(headerMCPToolFailed)
+		if n, err := strconv.Atoi(v); err == nil {
+			status = n
+		}
+	}
+	m.status = status
 	if v := h.Get(x402.HeaderPaymentResponse); v != "" {
 		if doc, err := x402.HeaderJSON(v); err == nil {
 			m.settled = jsontext.Value(doc)
@@ -347,4 +354,28 @@ func (m *mcpWriter) writeRefusal() error {
 			"text": fmt.Sprintf("the gate answered HTTP %d; Retry-After: %s", m.status, ra)})
 	}
 	return writeJSONRPC(m.w, http.StatusOK, jsonrpcResult(m.id, result))
+}
+
+// sseEvents returns the data of each event of an SSE stream, its data lines joined.
+func sseEvents(stream []byte) [][]byte {
+	var events [][]byte
+	var data []string
+	flush := func() {
+		if len(data) > 0 {
+			events = append(events, []byte(strings.Join(data, "\n")))
+		}
+		data = nil
+	}
+	for _, line := range strings.Split(string(stream), "\n") {
+		line = strings.TrimSuffix(line, "\r")
+		if line == "" {
+			flush()
+			continue
+		}
+		if v, ok := strings.CutPrefix(line, "data:"); ok {
+			data = append(data, strings.TrimPrefix(v, " "))
+		}
+	}
+	flush()
+	return events
 }
