@@ -11,11 +11,13 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/ethereum/go-ethereum/common"
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
@@ -470,5 +472,66 @@ func TestAnMCPGateDoesNotChargeACallTheToolFailed(t *testing.T) {
 			t.Fatalf("%s: the same payment on a call that succeeds = %d %q, want it served and settled", path, a.status, a.body)
 		}
 		env.assertPaid(payer, before, 1)
+	}
+}
+
+// The mcp block of the issue's shape adapts to the gate's "mcp" JSON: the tools' prices by name and the default.
+func TestTheMCPBlockAdaptsToTheGatesJSON(t *testing.T) {
+	handlers := adaptGate(t, ":8080\nroute /mcp {\n\tx402 {\n\t\tpay_to 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11\n\t\tmcp {\n\t\t\ttool search $0.01\n\t\t\ttool summarize $0.05\n\t\t\tdefault free\n\t\t\tmax_body 64KiB\n\t\t}\n\t}\n\treverse_proxy 127.0.0.1:3000\n}\n")
+	if len(handlers) < 2 || handlers[0]["handler"] != "x402" {
+		t.Fatalf("handlers = %v, want the gate first", handlers)
+	}
+	got, _ := json.Marshal(handlers[0]["mcp"])
+	if want := `{"default":"free","max_body":65536,"tools":{"search":"$0.01","summarize":"$0.05"}}`; string(got) != want {
+		t.Fatalf("mcp = %s, want %s", got, want)
+	}
+}
+
+// A bad mcp block is refused as the Caddyfile is read, naming its line and what is wrong.
+func TestBadMCPBlocksAreRefusedNamingTheLine(t *testing.T) {
+	for _, tc := range []struct{ name, block, want string }{
+		{"a tool without a price", "tool search", "mcp tool needs a name and a price"},
+		{"a bare number", "tool search 10000", `mcp tool search: price "10000"`},
+		{"a tool priced twice", "tool search $0.01\n\t\ttool search $0.02", "mcp tool search is priced twice, at Caddyfile:6"},
+		{"a default that is no price", "default lots", "mcp default: price \"lots\""},
+		{"a price with a placeholder", "tool search {http.request.header.price}", "holds a placeholder"},
+		{"an unknown option", "colour blue", "unrecognized mcp option 'colour'"},
+		{"max_body that is no size", "max_body lots", "mcp max_body 'lots'"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(":8080\nx402 {\n\tpay_to 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11\n\tmcp {\n\t\t"+tc.block+"\n\t}\n}\nrespond ok\n"),
+				map[string]any{"filename": "Caddyfile"})
+			if err == nil || !strings.Contains(err.Error(), tc.want) || !regexp.MustCompile(`Caddyfile:[56]\b`).MatchString(err.Error()) {
+				t.Fatalf("adapt error = %v, want one naming its line and containing %q", err, tc.want)
+			}
+		})
+	}
+	if _, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(":8080\nx402 {\n\tmcp now {\n\t}\n}\n"), map[string]any{"filename": "Caddyfile"}); err == nil ||
+		!strings.Contains(err.Error(), "Caddyfile:3") {
+		t.Fatalf("mcp with an argument: %v, want refused naming line 3", err)
+	}
+}
+
+// An mcp gate whose other options cannot work with it is refused when loaded: a price of the gate's own (the
+// price is the tool's), price_grace (it keys a price by the URL every tool shares), upto, and a tool's price
+// finer than the token.
+func TestMCPGatesThatCannotWorkAreRefusedWhenLoaded(t *testing.T) {
+	const payTo = "0x05e11e75e11e75e11e75e11e75e11e75e11e75e1"
+	const asset = "0xFCc9EBb7682E831668990F8333F2Ea453bFDD563"
+	const base = "pay_to " + payTo + "\n\tnetwork eip155:72344\n\tasset " + asset + "\n\tfacilitator http://127.0.0.1:9\n\t"
+	const tools = "mcp {\n\t\ttool search $0.01\n\t}"
+	for _, tc := range []struct{ name, block, want string }{
+		{"a price of the gate's own", base + "price $0.01\n\t" + tools, "mcp: the price of a call is the tool's"},
+		{"an accept's amount", base + "accept {\n\t\tamount 5\n\t}\n\t" + tools, "mcp: the price of a call is the tool's"},
+		{"price_grace", base + "price_grace 1m\n\t" + tools, "price_grace"},
+		{"upto", base + "scheme upto\n\t" + tools, "scheme upto is not offered for tool calls"},
+		{"a tool's price finer than the token", base + "mcp {\n\t\ttool search $0.0000001\n\t}", "mcp tool search"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := loadGateConfig(t, "{\n\tx402 {\n\t\tjournal {{DATA}}/j.db\n\t}\n}\nhttp://127.0.0.1:0 {\n\tx402 {\n\t"+tc.block+"\n\t}\n\trespond ok\n}\n")
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("load error = %v, want one containing %q", err, tc.want)
+			}
+		})
 	}
 }
