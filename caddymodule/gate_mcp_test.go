@@ -535,3 +535,60 @@ func TestMCPGatesThatCannotWorkAreRefusedWhenLoaded(t *testing.T) {
 		})
 	}
 }
+
+// A paid call is settled as the route's settle mode says, and its result carries what the gate knows of the
+// settlement: before and after, the transaction; async, the payment's pending answer, its transaction on chain
+// soon after (settlement_pending, as the HTTP gate's PAYMENT-RESPONSE says). Each settles once.
+func TestAnMCPGateSettlesAPaidCallInEachSettleMode(t *testing.T) {
+	for _, mode := range []string{"before", "after", "async"} {
+		t.Run(mode, func(t *testing.T) {
+			env := newMCPEnv(t, "", "\t\tsettle "+mode+"\n")
+			payer := env.c.Payers[0]
+			env.approvePermit2(payer)
+			rq := permit2Of(t, readMCP(t, env.post("/mcp", toolCall(1, "search", nil)).body))
+			before := env.balances(payer)
+			payment := env.signPermit2(payer, rq)
+			a := env.post("/mcp", toolCall(2, "search", payment))
+			r := readMCP(t, a.body)
+			var settled x402.SettleResponse
+			if err := json.Unmarshal(r.Result.Meta["x402/payment-response"], &settled); err != nil || r.Result.IsError {
+				t.Fatalf("settle %s: the paid call = %d %q, want its result with the settlement", mode, a.status, a.body)
+			}
+			// Async, the answer is the PAYMENT-RESPONSE of the HTTP gate: pending, settled in the background.
+			if pending := mode == "async"; pending && settled.ErrorReason != "settlement_pending" || !pending && (!settled.Success || settled.Transaction == "") {
+				t.Fatalf("settle %s: the result's settlement = %+v", mode, settled)
+			}
+			env.waitPaid(payer, before, 1)
+			again := readMCP(t, env.post("/mcp", toolCall(3, "search", payment)).body)
+			if !again.Result.IsError || again.Result.StructuredContent == nil || !strings.Contains(again.Result.StructuredContent.Error, x402.ReasonPaymentAlreadyUsed) {
+				t.Fatalf("settle %s: the same payment again = %+v, want refused as already used", mode, again)
+			}
+			env.assertPaid(payer, before, 1)
+		})
+	}
+}
+
+// With payment_identifier required, the PaymentRequired of an unpaid call declares the extension, and a payment
+// in _meta that names no id is refused as a tool result with isError (the gate's 400), before anything is
+// verified or run.
+func TestAnMCPGateWithPaymentIdentifierRefusesAPaymentNamingNone(t *testing.T) {
+	env := newMCPEnv(t, "", "\t\tpayment_identifier required\n")
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	unpaid := readMCP(t, env.post("/mcp", toolCall(1, "search", nil)).body)
+	rq := permit2Of(t, unpaid)
+	if _, ok := unpaid.Result.StructuredContent.Extensions[x402.ExtensionPaymentIdentifier]; !ok {
+		t.Fatalf("the PaymentRequired declares %v, want payment-identifier", unpaid.Result.StructuredContent.Extensions)
+	}
+	calls := len(env.up.seen())
+	before := env.balances(payer)
+	a := env.post("/mcp", toolCall(2, "search", env.signPermit2(payer, rq)))
+	r := readMCP(t, a.body)
+	if a.status != http.StatusOK || !r.Result.IsError || r.Result.StructuredContent == nil || !strings.Contains(r.Result.StructuredContent.Error, "payment-identifier") {
+		t.Fatalf("a payment naming no id = %d %q, want an isError result naming payment-identifier", a.status, a.body)
+	}
+	if len(env.up.seen()) != calls {
+		t.Fatal("a refused payment reached the server")
+	}
+	env.assertPaid(payer, before, 0)
+}
