@@ -123,6 +123,12 @@ type mcpEnv struct {
 // lines inside its mcp block and inside the gate, before an mcpUpstream.
 func newMCPEnv(t *testing.T, inMCP, inGate string) *mcpEnv {
 	t.Helper()
+	return newMCPEnvWith(t, inMCP, inGate, "")
+}
+
+// newMCPEnvWith is newMCPEnv with more global options.
+func newMCPEnvWith(t *testing.T, inMCP, inGate, global string) *mcpEnv {
+	t.Helper()
 	c := chaintest.New(t, chaintest.WithHTTP())
 	t.Cleanup(commitPending(t, c))
 	up := newMCPUpstream(t)
@@ -130,6 +136,7 @@ func newMCPEnv(t *testing.T, inMCP, inGate string) *mcpEnv {
 	block := "\t\tmcp {\n\t\t\ttool search $0.01\n\t\t\ttool summarize $0.05\n\t\t\tdefault free\n" + inMCP + "\t\t}\n"
 	cf := env.caddyfile(gateSetup{gate: block + inGate, site: "reverse_proxy " + up.Addr})
 	cf = strings.Replace(cf, fmt.Sprintf("\t\tamount %d\n", gatePrice), "", 1)
+	cf = strings.Replace(cf, "{\n", "{\n"+global, 1)
 	env.srv = startCaddy(t, cf)
 	return &mcpEnv{gateEnv: env, up: up}
 }
@@ -591,4 +598,39 @@ func TestAnMCPGateWithPaymentIdentifierRefusesAPaymentNamingNone(t *testing.T) {
 		t.Fatal("a refused payment reached the server")
 	}
 	env.assertPaid(payer, before, 0)
+}
+
+// Over HTTP/2 (h2c), a paid call streamed as SSE is served and settled as over HTTP/1.1, and an unpaid one
+// answered as the transport says.
+func TestAnMCPGateServesPaidCallsOverHTTP2(t *testing.T) {
+	env := newMCPEnvWith(t, "", "", "\tservers {\n\t\tprotocols h1 h2c\n\t}\n")
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	var protocols http.Protocols
+	protocols.SetUnencryptedHTTP2(true)
+	client := &http.Client{Transport: &http.Transport{Protocols: &protocols}, Timeout: 30 * time.Second}
+	post := func(body string) (*http.Response, string) {
+		t.Helper()
+		req, _ := http.NewRequest(http.MethodPost, env.srv.URL+"/mcp?sse", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Accept", "application/json, text/event-stream")
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp, string(b)
+	}
+	resp, body := post(toolCall(1, "search", nil))
+	if resp.ProtoMajor != 2 {
+		t.Fatalf("answered over %s, want HTTP/2", resp.Proto)
+	}
+	rq := permit2Of(t, readMCP(t, body))
+	before := env.balances(payer)
+	resp, body = post(toolCall(2, "search", env.signPermit2(payer, rq)))
+	if r := sseResponse(t, body, "2"); resp.StatusCode != http.StatusOK || r.Result.Meta["x402/payment-response"] == nil {
+		t.Fatalf("the paid call over HTTP/2 = %d %q, want its result with the settlement", resp.StatusCode, body)
+	}
+	env.assertPaid(payer, before, 1)
 }
