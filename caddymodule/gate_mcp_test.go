@@ -110,6 +110,10 @@ func (u *mcpUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	b, _ := json.Marshal(out)
 	w.Header().Set("Content-Type", "application/json")
+	if r.URL.Query().Has("chunked") { // no Content-Length: the body streams
+		w.WriteHeader(http.StatusOK)
+		_ = http.NewResponseController(w).Flush()
+	}
 	_, _ = w.Write(b)
 }
 
@@ -220,7 +224,7 @@ func permit2Of(t *testing.T, r mcpResponse) x402.PaymentRequirements {
 }
 
 // An MCP server behind a gate with an mcp block: initialize, tools/list and a free tool pass to the server unpaid;
-// tools/list names each priced tool's price in its _meta; an unpaid call of a priced tool is answered, without
+// tools/list names each priced tool's price in its _meta (a JSON answer, with or without its length, or SSE); an unpaid call of a priced tool is answered, without
 // reaching the server, with HTTP 200 and a tool result with isError whose structuredContent is the
 // PaymentRequired at the tool's price and whose content[0].text is the same JSON; the call paid in
 // _meta["x402/payment"] runs (the server never sees the payment, and keeps the rest of _meta), settles once on
@@ -243,6 +247,11 @@ func TestAnMCPGatePricesToolCallsAndTakesThePaymentInMeta(t *testing.T) {
 	}
 	if prices["search"] != "$0.01" || prices["summarize"] != "$0.05" || prices["echo"] != nil {
 		t.Fatalf("tools/list prices = %v, want search $0.01, summarize $0.05, echo none", prices)
+	}
+	for _, path := range []string{"/mcp?sse", "/mcp?chunked"} {
+		if a := env.post(path, `{"jsonrpc":"2.0","id":2,"method":"tools/list"}`); !strings.Contains(a.body, `"x402/price":"$0.01"`) {
+			t.Fatalf("tools/list at %s = %d %q, want the prices", path, a.status, a.body)
+		}
 	}
 	if a := env.post("/mcp", toolCall(3, "echo", nil)); a.status != http.StatusOK || !strings.Contains(a.body, "ran echo") {
 		t.Fatalf("a free tool = %d %q, want the server's answer", a.status, a.body)

@@ -95,7 +95,15 @@ func (m *MCP) ServeHTTP(w http.ResponseWriter, r *http.Request, serve MCPServe, 
 	}
 	if len(priced) == 0 {
 		setBody(r, body)
-		return next.ServeHTTP(m.advertising(w, msgs), r)
+		mw := m.advertising(w, msgs)
+		if mw == nil {
+			return next.ServeHTTP(w, r)
+		}
+		err := next.ServeHTTP(mw, r)
+		if ferr := mw.finish(); err == nil {
+			err = ferr
+		}
+		return err
 	}
 	for _, msg := range priced {
 		if msg.id == nil {
@@ -135,7 +143,7 @@ func (m *MCP) serveBatch(w http.ResponseWriter, r *http.Request, msgs, priced []
 		why = fmt.Sprintf("not run: tool call %s of this batch (%q) is priced and carries no payment; a batch runs whole or not at all", unpaid.id, unpaid.tool)
 		var err error
 		if required, err = m.askPrice(r, unpaid, serve); err != nil {
-			return err
+			return writeJSONRPCError(w, http.StatusServiceUnavailable, unpaid.id, jsonrpcNotRun, "not run: "+err.Error())
 		}
 	}
 	var answers []any
@@ -156,29 +164,36 @@ func (m *MCP) askPrice(r *http.Request, msg *mcpMessage, serve MCPServe) (jsonte
 	rec := &capturedAnswer{header: http.Header{}}
 	r = r.WithContext(context.WithValue(r.Context(), mcpToolKey{}, msg.tool))
 	r.Header.Del("Accept") // the 402's JSON, never the paywall page
-	unreached := HandlerFunc(func(http.ResponseWriter, *http.Request) error {
-		return errors.New("x402 mcp: a call without payment reached the MCP server")
-	})
-	if err := serve(rec, r, unreached); err != nil {
-		return nil, err
+	if err := serve(rec, r, unreachedWithoutPayment); err != nil {
+		return nil, fmt.Errorf("the gate could not say what tool %q costs: %w", msg.tool, err)
 	}
 	if v := rec.header.Get(x402.HeaderPaymentRequired); v != "" {
 		if doc, err := x402.HeaderJSON(v); err == nil {
 			return jsontext.Value(doc), nil
 		}
 	}
-	return nil, fmt.Errorf("x402 mcp: the gate answered %d without a PAYMENT-REQUIRED for tool %q", rec.status, msg.tool)
+	return nil, fmt.Errorf("the gate could not say what tool %q costs now (it answered %d); try again", msg.tool, rec.status)
 }
+
+// unreachedWithoutPayment is the MCP server to a gate asked for the price of a call: a request without payment
+// never reaches it.
+var unreachedWithoutPayment = HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+	return errors.New("x402 mcp: a call without payment reached the MCP server")
+})
 
 // servePriced serves a body holding one priced call: without payment, its PaymentRequired as a tool result; with
 // one, the payment presented to the gate as its header and taken out of what the MCP server sees.
 func (m *MCP) servePriced(w http.ResponseWriter, r *http.Request, body []byte, msg *mcpMessage, serve MCPServe, next Handler, batch bool) error {
 	if msg.payment == nil {
-		required, err := m.askPrice(r, msg, serve)
-		if err != nil {
-			return err
+		// The gate's answer without payment (its 402, or a 503 while it has nothing to offer), as a tool result.
+		r = r.WithContext(context.WithValue(r.Context(), mcpToolKey{}, msg.tool))
+		r.Header.Del("Accept") // the 402's JSON, never the paywall page
+		mw := &mcpWriter{w: w, id: msg.id}
+		err := serve(mw, r, unreachedWithoutPayment)
+		if ferr := mw.finish(); err == nil {
+			err = ferr
 		}
-		return writeJSONRPC(w, http.StatusOK, jsonrpcResult(msg.id, paymentRequiredResult(required)))
+		return err
 	}
 	if !batch {
 		var err error
@@ -205,14 +220,15 @@ func (m *MCP) servePriced(w http.ResponseWriter, r *http.Request, body []byte, m
 	return err
 }
 
-// advertising wraps w to add each priced tool's price to a tools/list answer, when msgs ask for one.
-func (m *MCP) advertising(w http.ResponseWriter, msgs []*mcpMessage) http.ResponseWriter {
+// advertising is a writer that adds each priced tool's price to the tools/list answer msgs ask for; nil when
+// they ask for none.
+func (m *MCP) advertising(w http.ResponseWriter, msgs []*mcpMessage) *mcpWriter {
 	for _, msg := range msgs {
 		if msg.method == "tools/list" && msg.id != nil {
 			return &mcpWriter{w: w, id: msg.id, list: m.Price, passErrors: true}
 		}
 	}
-	return w
+	return nil
 }
 
 // readBody reads the request body whole, up to MaxBody.
