@@ -63,6 +63,7 @@ type mcpRun struct {
 	Unpaid    mcpToolResult     `json:"unpaid"`
 	Paid      mcpToolResult     `json:"paid"`
 	Again     mcpToolResult     `json:"again"`
+	Failed    mcpToolResult     `json:"failed"`
 	// The batches' answers, in the order of their requests.
 	BatchUnpaid []struct {
 		Result mcpToolResult `json:"result"`
@@ -81,7 +82,8 @@ type mcpRun struct {
 // tool runs unpaid; the unpaid priced call is a tool result with isError and the PaymentRequired in
 // structuredContent and content[0].text (and never reaches the server); the call paid in _meta["x402/payment"]
 // by the public TypeScript x402 client runs once, without the payment reaching the server, and its result carries
-// the settlement; the same payment again is refused; a batch with the priced call unpaid is refused whole, and one
+// the settlement; the same payment again is refused; a paid call whose tool fails is answered with the SDK's
+// isError result and not charged; a batch with the priced call unpaid is refused whole, and one
 // with it paid runs whole. The chain shows exactly the two payments of each run. Then payer.MCPClient pays in Go,
 // within its limits.
 func TestTheMCPSDKsClientPaysToolCallsThroughTheGateOnTheDevChain(t *testing.T) {
@@ -186,6 +188,9 @@ func TestTheMCPSDKsClientPaysToolCallsThroughTheGateOnTheDevChain(t *testing.T) 
 			if !run.Again.IsError || run.Again.StructuredContent == nil || !strings.Contains(run.Again.StructuredContent.Error, x402.ReasonPaymentAlreadyUsed) {
 				t.Errorf("the same payment again = %+v, want isError naming %s", run.Again, x402.ReasonPaymentAlreadyUsed)
 			}
+			if !run.Failed.IsError || run.Failed.StructuredContent != nil || run.Failed.settlement(t) != nil || !strings.Contains(run.Failed.text(), "search failed") {
+				t.Errorf("a paid call whose tool failed = %+v, want the SDK's isError result, unpaid", run.Failed)
+			}
 			if len(run.BatchUnpaid) != 2 || run.BatchUnpaid[0].Error == nil || !strings.Contains(run.BatchUnpaid[0].Error.Message, "not run") ||
 				!run.BatchUnpaid[1].Result.IsError || run.BatchUnpaid[1].Result.StructuredContent == nil {
 				t.Errorf("the batch with an unpaid priced call = %+v, want it refused whole", run.BatchUnpaid)
@@ -203,8 +208,8 @@ func TestTheMCPSDKsClientPaysToolCallsThroughTheGateOnTheDevChain(t *testing.T) 
 					t.Errorf("the server saw the payment: %s", meta)
 				}
 			}
-			if got := strings.Join(names, ","); got != "echo,search,echo,search" {
-				t.Errorf("the server ran %s, want echo,search,echo,search (each paid call once, nothing unpaid)", got)
+			if got := strings.Join(names, ","); got != "echo,search,search,echo,search" {
+				t.Errorf("the server ran %s, want echo,search,search,echo,search (each paid call once, nothing unpaid)", got)
 			}
 			if d := delta(payerBefore, dev.balance(who)); d.Cmp(big.NewInt(-20_000)) != 0 {
 				t.Errorf("the payer's balance moved by %s, want -20000", d)

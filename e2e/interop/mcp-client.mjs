@@ -8,7 +8,7 @@
 //   X402_PAYER_KEY=0x... X402_RPC_URL=http://... X402_ASSET=0x... node mcp-client.mjs <mcp url>
 //
 // What it does, in order: list the tools (prices), call echo (free), call search unpaid, pay it and call again,
-// present the same payment again, then send two JSON-RPC batches on the session with the SDK's transport: echo
+// present the same payment again, pay a call whose tool fails, then send two JSON-RPC batches on the session with the SDK's transport: echo
 // with search unpaid, and echo with search paid.
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StreamableHTTPClientTransport } from "@modelcontextprotocol/sdk/client/streamableHttp.js";
@@ -45,6 +45,8 @@ try {
   const payment = await payments.createPaymentPayload(required);
   out.paid = await client.callTool({ name: "search", arguments: { q: "caddy" }, _meta: { "x402/payment": payment, trace: "t1" } });
   out.again = await client.callTool({ name: "search", arguments: { q: "caddy" }, _meta: { "x402/payment": payment } });
+  // A paid call whose tool fails (the SDK answers a tool result with isError): not charged.
+  out.failed = await client.callTool({ name: "search", arguments: { q: "fail" }, _meta: { "x402/payment": await payments.createPaymentPayload(required) } });
 
   // Batches on the same session, through the SDK's own transport.
   const raw = new StreamableHTTPClientTransport(new URL(url), { sessionId: client.transport.sessionId });

@@ -1,7 +1,7 @@
 // mcp-server.mjs is an MCP server built on the official @modelcontextprotocol/sdk, on its streamable HTTP
 // transport with sessions, for e2e/mcp_interop_test.go to put behind Caddy's x402 gate: /mcp answers each POST with
 // an SSE stream (the SDK's default), /mcp-json with JSON (enableJsonResponse). Its tools: echo, search and
-// summarize; what they cost is the gate's business, never the server's.
+// summarize (each throws for q "fail"); what they cost is the gate's business, never the server's.
 //
 //   node mcp-server.mjs <port>
 //
@@ -27,6 +27,8 @@ function newServer() {
   const tool = (name, run) =>
     server.registerTool(name, { description: `the ${name} tool`, inputSchema: { q: z.string() } }, async (args, extra) => {
       calls.push({ tool: name, arguments: args, meta: extra._meta ?? null });
+      // A tool that throws is answered by the SDK as a tool result with isError.
+      if (args.q === "fail") throw new Error(`${name} failed`);
       return { content: [{ type: "text", text: run(args.q) }] };
     });
   tool("echo", (q) => `echo: ${q}`);
