@@ -78,6 +78,13 @@ func (u *mcpUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			params, _ := m["params"].(map[string]any)
 			args, _ := params["arguments"].(map[string]any)
 			switch args["q"] {
+			case "slow": // a tool that takes its time, and stops when its caller went away
+				select {
+				case <-r.Context().Done():
+					return
+				case <-time.After(5 * time.Second):
+				}
+				result = map[string]any{"content": []any{map[string]any{"type": "text", "text": "slow done"}}}
 			case "fail": // the tool failed: a tool result with isError
 				result = map[string]any{"isError": true, "content": []any{map[string]any{"type": "text", "text": "the tool failed"}}}
 			case "rpcerror": // the server refused the call: a JSON-RPC error
@@ -640,6 +647,34 @@ func TestAnMCPGateServesPaidCallsOverHTTP2(t *testing.T) {
 	resp, body = post(toolCall(2, "search", env.signPermit2(payer, rq)))
 	if r := sseResponse(t, body, "2"); resp.StatusCode != http.StatusOK || r.Result.Meta["x402/payment-response"] == nil {
 		t.Fatalf("the paid call over HTTP/2 = %d %q, want its result with the settlement", resp.StatusCode, body)
+	}
+	env.assertPaid(payer, before, 1)
+}
+
+// A client that drops a paid call's SSE stream before the tool answered is charged nothing (settle after): the
+// server's call is cancelled with the request, the gate sees an upstream error and settles nothing; the same
+// payment then buys one call, settled once.
+func TestAnMCPClientThatDropsTheStreamBeforeTheResponseIsNotCharged(t *testing.T) {
+	env := newMCPEnv(t, "", "")
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	rq := permit2Of(t, readMCP(t, env.post("/mcp?sse", toolCall(1, "search", nil)).body))
+	payment := env.signPermit2(payer, rq)
+	before := env.balances(payer)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, env.srv.URL+"/mcp?sse", strings.NewReader(toolCallQ(2, "search", "slow", payment)))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "application/json, text/event-stream")
+	if resp, err := http.DefaultClient.Do(req); err == nil {
+		resp.Body.Close()
+		t.Fatalf("the dropped call was answered %d before the tool finished", resp.StatusCode)
+	}
+	time.Sleep(time.Second) // the gate's answer to the cancelled call, had it settled, would be on chain by now
+	env.assertPaid(payer, before, 0)
+	a := env.post("/mcp?sse", toolCall(3, "search", payment))
+	if r := sseResponse(t, a.body, "3"); r.Result.Meta["x402/payment-response"] == nil {
+		t.Fatalf("the same payment again = %d %q, want served and settled", a.status, a.body)
 	}
 	env.assertPaid(payer, before, 1)
 }
