@@ -31,6 +31,8 @@ type mcpUpstream struct {
 	Addr   string
 	mu     sync.Mutex
 	bodies []string
+	// lastEventIDs are the Last-Event-ID headers of the GETs the upstream received.
+	lastEventIDs []string
 }
 
 func newMCPUpstream(t *testing.T) *mcpUpstream {
@@ -49,6 +51,14 @@ func (u *mcpUpstream) seen() []string {
 }
 
 func (u *mcpUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.Method == http.MethodGet {
+		u.mu.Lock()
+		u.lastEventIDs = append(u.lastEventIDs, r.Header.Get("Last-Event-ID"))
+		u.mu.Unlock()
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(http.StatusOK)
+		return
+	}
 	body, _ := io.ReadAll(r.Body)
 	u.mu.Lock()
 	u.bodies = append(u.bodies, string(body))
@@ -677,4 +687,21 @@ func TestAnMCPClientThatDropsTheStreamBeforeTheResponseIsNotCharged(t *testing.T
 		t.Fatalf("the same payment again = %d %q, want served and settled", a.status, a.body)
 	}
 	env.assertPaid(payer, before, 1)
+}
+
+// A GET of the session's SSE stream reaches the server unpaid, but never with Last-Event-ID: a server that keeps
+// its events would replay after it the response to a paid call, one whose payment was refused at settlement
+// among them.
+func TestAnMCPGateDoesNotLetAStreamBeReplayedAfterAnEvent(t *testing.T) {
+	env := newMCPEnv(t, "", "")
+	req, _ := http.NewRequest(http.MethodGet, env.srv.URL+"/mcp", nil)
+	req.Header.Set("Accept", "text/event-stream")
+	req.Header.Set("Last-Event-ID", "e1")
+	a := env.do(req)
+	env.up.mu.Lock()
+	ids := append([]string(nil), env.up.lastEventIDs...)
+	env.up.mu.Unlock()
+	if a.status != http.StatusOK || len(ids) != 1 || ids[0] != "" {
+		t.Fatalf("a GET with Last-Event-ID = %d, the server saw Last-Event-ID %q; want it passed without one", a.status, ids)
+	}
 }

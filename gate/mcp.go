@@ -76,7 +76,12 @@ func (m *MCP) ServeHTTP(w http.ResponseWriter, r *http.Request, serve MCPServe, 
 		r.Header.Del(name)
 	}
 	if r.Method != http.MethodPost {
-		return next.ServeHTTP(w, r) // the session's SSE stream (GET) and its end (DELETE) carry no call
+		// The session's SSE stream (GET) and its end (DELETE) carry no call. A GET with Last-Event-ID asks a
+		// server that keeps its events to replay a stream after that event, the response to a paid call among
+		// them: one whose payment was refused at settlement, or that a payment already bought once. Without it
+		// the server opens a new stream, which carries no response to an earlier call.
+		r.Header.Del("Last-Event-ID")
+		return next.ServeHTTP(w, r)
 	}
 	body, status, err := m.readBody(r)
 	if err != nil {
