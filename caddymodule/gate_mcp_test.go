@@ -328,7 +328,8 @@ func TestAnMCPGatePricesToolCallsAndTakesThePaymentInMeta(t *testing.T) {
 }
 
 // The response to a paid call streamed as SSE carries the settlement in the event answering the call; the other
-// events pass as they came.
+// events pass as they came. Held back until settled, the stream goes out whole with its length, as any paid
+// answer the gate held back: a client never takes a cut stream for a whole one.
 func TestAnMCPGateAddsTheSettlementToTheSSEEventAnsweringThePaidCall(t *testing.T) {
 	env := newMCPEnv(t, "", "")
 	payer := env.c.Payers[0]
@@ -339,6 +340,9 @@ func TestAnMCPGateAddsTheSettlementToTheSSEEventAnsweringThePaidCall(t *testing.
 	if a.status != http.StatusOK || !strings.HasPrefix(a.header.Get("Content-Type"), "text/event-stream") ||
 		!strings.Contains(a.body, "notifications/progress") {
 		t.Fatalf("the paid SSE call = %d %q (%s), want the server's stream", a.status, a.body, a.header.Get("Content-Type"))
+	}
+	if cl := a.header.Get("Content-Length"); cl != fmt.Sprint(len(a.body)) {
+		t.Errorf("the paid SSE answer's Content-Length = %q for %d bytes: a held-back answer goes out whole, with its length", cl, len(a.body))
 	}
 	r := sseResponse(t, a.body, "2")
 	var settled x402.SettleResponse

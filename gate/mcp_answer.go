@@ -34,6 +34,7 @@ type mcpWriter struct {
 	settled jsontext.Value
 	buf     bytes.Buffer // a buffered answer, or the SSE event being read
 	done    bool         // the buffered answer was written out
+	sse     bool         // the buffered answer is an event stream
 	err     error
 }
 
@@ -86,6 +87,9 @@ func (m *mcpWriter) WriteHeader(status int) {
 		m.mode = mcpRefused
 	case h.Get("Content-Encoding") != "":
 		m.mode = mcpPass // an upstream that compresses anyway: not rewritten
+	case media == "text/event-stream" && m.length >= 0:
+		// Whole, as the gate sends a held-back answer: rewritten whole, and sent with its length.
+		m.mode, m.sse = mcpJSON, true
 	case media == "text/event-stream":
 		m.mode = mcpSSE
 	case media == "application/json":
@@ -142,20 +146,43 @@ func (m *mcpWriter) FlushError() error {
 func (m *mcpWriter) writeEvents(p []byte) (int, error) {
 	m.buf.Write(p)
 	for {
-		data := m.buf.Bytes()
-		end, sep := bytes.Index(data, []byte("\n\n")), 2
-		if i := bytes.Index(data, []byte("\r\n\r\n")); i >= 0 && (end < 0 || i < end) {
-			end, sep = i, 4
-		}
+		end, sep := eventEnd(m.buf.Bytes())
 		if end < 0 {
 			return len(p), nil
 		}
+		data := m.buf.Bytes()
 		event := m.rewriteEvent(data[:end])
 		m.buf.Next(end + sep)
 		if _, err := m.w.Write(append(event, '\n', '\n')); err != nil {
 			return len(p), err
 		}
 	}
+}
+
+// eventEnd is where the first event of an SSE stream ends, and the length of the blank line that ends it; -1
+// when the stream holds no whole event.
+func eventEnd(stream []byte) (end, sep int) {
+	end, sep = bytes.Index(stream, []byte("\n\n")), 2
+	if i := bytes.Index(stream, []byte("\r\n\r\n")); i >= 0 && (end < 0 || i < end) {
+		end, sep = i, 4
+	}
+	return end, sep
+}
+
+// rewriteStream rewrites a whole SSE stream event by event.
+func (m *mcpWriter) rewriteStream(stream []byte) []byte {
+	var out bytes.Buffer
+	for len(stream) > 0 {
+		end, sep := eventEnd(stream)
+		if end < 0 {
+			out.Write(stream)
+			break
+		}
+		out.Write(m.rewriteEvent(stream[:end]))
+		out.WriteString("\n\n")
+		stream = stream[end+sep:]
+	}
+	return out.Bytes()
 }
 
 // rewriteEvent rewrites the data of one SSE event when it is the response to the call.
@@ -181,13 +208,18 @@ func (m *mcpWriter) rewriteEvent(event []byte) []byte {
 	return []byte(strings.Join(append(lines, "data: "+string(doc)), "\n"))
 }
 
-// flushJSON writes a whole JSON answer out, rewritten.
+// flushJSON writes a whole answer held back (JSON, or an event stream of known length) out, rewritten.
 func (m *mcpWriter) flushJSON() error {
 	if m.done {
 		return nil
 	}
 	m.done = true
-	body, _ := m.rewrite(m.buf.Bytes())
+	var body []byte
+	if m.sse {
+		body = m.rewriteStream(m.buf.Bytes())
+	} else {
+		body, _ = m.rewrite(m.buf.Bytes())
+	}
 	m.w.Header().Set("Content-Length", strconv.Itoa(len(body)))
 	m.w.WriteHeader(m.status)
 	_, err := m.w.Write(body)
