@@ -113,7 +113,7 @@ func (g *Gate) provisionMCP(app *App) ([]gate.Offer, error) {
 			return nil, err
 		}
 	}
-	m.core = &gate.MCP{Price: m.price, MaxBody: m.MaxBody}
+	m.core = &gate.MCP{Price: m.price, MaxBody: m.MaxBody, PaymentHeader: g.PaymentHeader}
 	g.offersFor = m.offersFor
 	g.descriptionFor = func(r *http.Request) string {
 		tool, _ := gate.MCPTool(r)

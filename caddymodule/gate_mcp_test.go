@@ -281,6 +281,9 @@ func TestAnMCPGatePricesToolCallsAndTakesThePaymentInMeta(t *testing.T) {
 		t.Fatalf("an unpaid priced call = %d %q, want 200 with a result for id 4", a.status, a.body)
 	}
 	rq := permit2Of(t, unpaid)
+	if want := `payment required: send the payment in params._meta["x402/payment"]`; unpaid.Result.StructuredContent.Error != want {
+		t.Errorf("the PaymentRequired's error = %q, want %q", unpaid.Result.StructuredContent.Error, want)
+	}
 	if rq.Amount != "10000" {
 		t.Fatalf("search is offered at %s, want 10000 ($0.01)", rq.Amount)
 	}
@@ -603,6 +606,20 @@ func TestAnMCPGateSettlesAPaidCallInEachSettleMode(t *testing.T) {
 			env.assertPaid(payer, before, 1)
 		})
 	}
+}
+
+// A gate whose payment_header is its own takes a paid call's payment from _meta all the same.
+func TestAnMCPGateWithItsOwnPaymentHeaderTakesThePaymentFromMeta(t *testing.T) {
+	env := newMCPEnv(t, "", "\t\tpayment_header X-Pay\n")
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	rq := permit2Of(t, readMCP(t, env.post("/mcp", toolCall(1, "search", nil)).body))
+	before := env.balances(payer)
+	a := env.post("/mcp", toolCall(2, "search", env.signPermit2(payer, rq)))
+	if r := readMCP(t, a.body); r.Result.IsError || r.Result.Meta["x402/payment-response"] == nil {
+		t.Fatalf("the paid call = %d %q, want its result with the settlement", a.status, a.body)
+	}
+	env.assertPaid(payer, before, 1)
 }
 
 // With payment_identifier required, the PaymentRequired of an unpaid call declares the extension, and a payment

@@ -42,6 +42,9 @@ type MCP struct {
 	Price func(tool string) string
 	// MaxBody bounds the request body read, in bytes. Default DefaultMCPMaxBody.
 	MaxBody int64
+	// PaymentHeader is the gate's Config.PaymentHeader, in which a paid call's payment is presented to the gate.
+	// Default PAYMENT-SIGNATURE.
+	PaymentHeader string
 }
 
 // MCPServe is the gate's exchange of one request around next, which MCP.ServeHTTP runs for a priced call.
@@ -72,7 +75,7 @@ type mcpMessage struct {
 func (m *MCP) ServeHTTP(w http.ResponseWriter, r *http.Request, serve MCPServe, next Handler) error {
 	// A payment in a header is no payment here (the transport carries it in _meta), and a bearer value the
 	// MCP server need not see.
-	for _, name := range []string{x402.HeaderPaymentSignature, x402.HeaderXPayment} {
+	for _, name := range []string{m.paymentHeader(), x402.HeaderPaymentSignature, x402.HeaderXPayment} {
 		r.Header.Del(name)
 	}
 	if r.Method != http.MethodPost {
@@ -173,8 +176,12 @@ func (m *MCP) askPrice(r *http.Request, msg *mcpMessage, serve MCPServe) (jsonte
 		return nil, fmt.Errorf("the gate could not say what tool %q costs: %w", msg.tool, err)
 	}
 	if v := rec.header.Get(x402.HeaderPaymentRequired); v != "" {
-		if doc, err := x402.HeaderJSON(v); err == nil {
-			return jsontext.Value(doc), nil
+		var doc map[string]jsontext.Value
+		if raw, err := x402.HeaderJSON(v); err == nil && json.Unmarshal(raw, &doc) == nil {
+			doc["error"], _ = json.Marshal(mcpPaymentRequiredError)
+			if b, err := json.Marshal(doc); err == nil {
+				return b, nil
+			}
 		}
 	}
 	return nil, fmt.Errorf("the gate could not say what tool %q costs now (it answered %d); try again", msg.tool, rec.status)
@@ -193,7 +200,7 @@ func (m *MCP) servePriced(w http.ResponseWriter, r *http.Request, body []byte, m
 		// The gate's answer without payment (its 402, or a 503 while it has nothing to offer), as a tool result.
 		r = r.WithContext(context.WithValue(r.Context(), mcpToolKey{}, msg.tool))
 		r.Header.Del("Accept") // the 402's JSON, never the paywall page
-		mw := &mcpWriter{w: w, id: msg.id}
+		mw := &mcpWriter{w: w, id: msg.id, unpaid: true}
 		err := serve(mw, r, unreachedWithoutPayment)
 		if ferr := mw.finish(); err == nil {
 			err = ferr
@@ -207,7 +214,7 @@ func (m *MCP) servePriced(w http.ResponseWriter, r *http.Request, body []byte, m
 		}
 	}
 	r = r.WithContext(context.WithValue(r.Context(), mcpToolKey{}, msg.tool))
-	r.Header.Set(x402.HeaderPaymentSignature, base64.StdEncoding.EncodeToString(msg.payment))
+	r.Header.Set(m.paymentHeader(), base64.StdEncoding.EncodeToString(msg.payment))
 	r.Header.Del("Accept-Encoding") // the answer is rewritten, so it must come uncompressed
 	setBody(r, body)
 	mw := &mcpWriter{w: w, id: msg.id}
@@ -234,6 +241,13 @@ func (m *MCP) advertising(w http.ResponseWriter, msgs []*mcpMessage) *mcpWriter 
 		}
 	}
 	return nil
+}
+
+func (m *MCP) paymentHeader() string {
+	if m.PaymentHeader == "" {
+		return x402.HeaderPaymentSignature
+	}
+	return m.PaymentHeader
 }
 
 // readBody reads the request body whole, up to MaxBody.

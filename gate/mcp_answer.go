@@ -27,6 +27,8 @@ type mcpWriter struct {
 	// as it is (a free request's answers are the MCP server's own).
 	list       func(tool string) string
 	passErrors bool
+	// unpaid: the call carries no payment, and the PaymentRequired says where one goes.
+	unpaid bool
 
 	mode    mcpMode
 	status  int
@@ -37,6 +39,9 @@ type mcpWriter struct {
 	sse     bool         // the buffered answer is an event stream
 	err     error
 }
+
+// mcpPaymentRequiredError is the error of the PaymentRequired of a call without payment.
+var mcpPaymentRequiredError = fmt.Sprintf("payment required: send the payment in params._meta[%q]", x402.MCPMetaPayment)
 
 type mcpMode int
 
@@ -376,6 +381,16 @@ func (m *mcpWriter) writeRefusal() error {
 		m.w.WriteHeader(m.status)
 		_, err := m.w.Write(m.buf.Bytes())
 		return err
+	}
+	if m.unpaid && h.Get(x402.HeaderPaymentRequired) != "" {
+		// The gate's own words name its payment header; a call is paid in _meta.
+		var doc map[string]jsontext.Value
+		if json.Unmarshal(content, &doc) == nil {
+			doc["error"], _ = json.Marshal(mcpPaymentRequiredError)
+			if b, err := json.Marshal(doc); err == nil {
+				content = b
+			}
+		}
 	}
 	result := paymentRequiredResult(content)
 	if m.settled != nil {
