@@ -102,6 +102,9 @@ func (g *Gate) provisionMCP(app *App) ([]gate.Offer, error) {
 	}
 	sort.Strings(names)
 	for _, name := range names {
+		if m.Tools[name] == "" {
+			return nil, fmt.Errorf("mcp tool %q has no price; want dollars such as $0.01, or free", name)
+		}
 		if p := m.price(name); p != "" {
 			if m.offers[name], err = priced("tool "+name, p); err != nil {
 				return nil, err

@@ -319,6 +319,16 @@ func TestAnMCPGatePricesToolCallsAndTakesThePaymentInMeta(t *testing.T) {
 	if !again.Result.IsError || again.Result.StructuredContent == nil || !strings.Contains(again.Result.StructuredContent.Error, x402.ReasonPaymentAlreadyUsed) {
 		t.Fatalf("the same payment again = %+v, want an isError result naming %s", again, x402.ReasonPaymentAlreadyUsed)
 	}
+	// Replayed in another session (the gate prices calls, not sessions) and on another tool: refused all the same.
+	req, _ := http.NewRequest(http.MethodPost, env.srv.URL+"/mcp", strings.NewReader(toolCall(8, "search", payment)))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Mcp-Session-Id", "another-session")
+	if r := readMCP(t, env.do(req).body); !r.Result.IsError || r.Result.StructuredContent == nil || !strings.Contains(r.Result.StructuredContent.Error, x402.ReasonPaymentAlreadyUsed) {
+		t.Fatalf("the same payment in another session = %+v, want refused as already used", r)
+	}
+	if r := readMCP(t, env.post("/mcp", toolCall(9, "summarize", payment)).body); !r.Result.IsError || r.Result.StructuredContent == nil {
+		t.Fatalf("the same payment on another tool = %+v, want refused", r)
+	}
 	cheap := env.signPermit2(payer, rq)
 	dear := readMCP(t, env.post("/mcp", toolCall(7, "summarize", cheap)).body)
 	if !dear.Result.IsError || dear.Result.StructuredContent == nil || permit2Of(t, dear).Amount != "50000" {
