@@ -307,6 +307,12 @@ func Run(ctx context.Context, o Options, stdout, stderr io.Writer) error {
 	sendURL := first.Request.URL.String()
 	fmt.Fprintf(stderr, "sending %d requests at concurrency %d%s\n", o.Requests, o.Concurrency, durationNote(o.Duration))
 	tally, wall := send(ctx, o, client, sendURL, paid, batch, stderr)
+	// Interrupted (SIGINT), the run stops sending and reports what it sent: the seller's balance, the channels
+	// and the refund asked for are read and sent as after any run (a second interrupt ends the process).
+	interrupted := ctx.Err() != nil
+	if interrupted {
+		ctx = context.WithoutCancel(ctx)
+	}
 	var signErr error
 	if paid != nil {
 		if signErr = paid.finish(); signErr == nil {
@@ -321,6 +327,9 @@ func Run(ctx context.Context, o Options, stdout, stderr io.Writer) error {
 		rep.OKPerSecond = float64(tally.ok) / wall.Seconds()
 	}
 	rep.LatencyMS, rep.LatencyAllMS = latencySummary(tally.okLatency), latencySummary(tally.allLatency)
+	if interrupted {
+		rep.Notes = append(rep.Notes, fmt.Sprintf("interrupted: %d of the %d requests were sent, and the answers in flight waited for", rep.Requests, o.Requests))
+	}
 	rep.Failures = groupFailures(tally.failures)
 	rep.Failed, rep.MaxFailures = rep.Requests-rep.OK, o.MaxFailures
 	var failed error
@@ -587,7 +596,9 @@ func send(ctx context.Context, o Options, client *http.Client, u string, paid *p
 					}
 					name = paid.header
 				}
-				one(ctx, c, o.HTTPMethod, u, name, value, charge, t)
+				// A request sent runs to its answer when the run is interrupted: a payment whose answer was not
+				// read may have been charged, and the run's count must hold what the seller received.
+				one(context.WithoutCancel(ctx), c, o.HTTPMethod, u, name, value, charge, t)
 				done.Add(1)
 			}
 		}(tallies[w])

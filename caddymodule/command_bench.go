@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"os/signal"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -58,6 +60,10 @@ balance showed the vouchers: the server claims them as its batch block says
 (claim_every, claim_amount, claim_after, and at shutdown), so --settle-wait must
 cover its claim. --refund asks, after the run, for what the channels hold that no
 accepted voucher charges (a run that served every request leaves nothing).
+
+An interrupt (SIGINT, SIGTERM) stops sending new requests: the answers in
+flight are waited for, and the run is reported (the seller's balance, the
+channels, --refund) as any other; a second interrupt ends bench.
 
 A permit2 payer must have approved Permit2 for N payments: bench sends no
 transaction of its own accord, and says what to approve when the allowance is
@@ -124,5 +130,13 @@ func cmdX402Bench(cmd *cobra.Command, args []string) error {
 	if o.Dev && o.RPC == "" {
 		o.RPC = "http://" + devchain.DefaultListen
 	}
-	return bench.Run(cmd.Context(), o, cmd.OutOrStdout(), cmd.ErrOrStderr())
+	// The first interrupt stops sending new requests and the run reports what it sent (and refunds, with
+	// --refund); the second ends the process.
+	ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	go func() {
+		<-ctx.Done()
+		stop()
+	}()
+	return bench.Run(ctx, o, cmd.OutOrStdout(), cmd.ErrOrStderr())
 }

@@ -1,9 +1,13 @@
 package caddymodule
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
+	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/crypto"
@@ -98,5 +102,38 @@ func TestBenchGoesOnAfterAVoucherIsRefusedMidRun(t *testing.T) {
 	}
 	if got := strings.Join(b.payloads, ","); got != "deposit@1000,voucher@2000,voucher@3000,voucher@3000,voucher@4000,voucher@5000" {
 		t.Errorf("the server got %s; want the refused voucher's amount sent again on the next request", got)
+	}
+}
+
+// An interrupted run stops sending, waits for the answers in flight, and reports what it sent: every request
+// sent served (none cut off after its voucher may have been charged), the rest of the deposit said to be left,
+// and --refund asks for it. Before, an interrupt ended bench at once, with no report and the run's deposits
+// left in channels of salts nobody printed.
+func TestBenchInterruptedStopsSendingAndReportsAndRefundsWhatItSent(t *testing.T) {
+	key, _ := crypto.GenerateKey()
+	b, srv := newBatchRoute(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	b.refuse = func(turn int) string {
+		if turn == 4 {
+			cancel() // the interrupt, while the fifth payment is in flight
+		}
+		return ""
+	}
+	var stdout, stderr bytes.Buffer
+	err := bench.Run(ctx, bench.Options{URL: srv.URL + "/report", Key: key, Concurrency: 1, Requests: 20, HTTPMethod: http.MethodGet,
+		Timeout: time.Minute, Refund: true, JSON: true}, &stdout, &stderr)
+	if err != nil {
+		t.Fatalf("bench interrupted: %v\n%s\n%s", err, stdout.String(), stderr.String())
+	}
+	r := benchReport(t, stdout.String())
+	if r.Requests != 5 || r.OK != 5 || r.Failed != 0 {
+		t.Errorf("requests %d, ok %d, failed %d; want 5 sent, the one in flight at the interrupt served too", r.Requests, r.OK, r.Failed)
+	}
+	if r.Batch.Deposits != 1 || r.Batch.Refunds != 1 || r.Batch.Deposited != "5000" || r.Batch.Charged != "5000" || r.Batch.Refunded != "15000" || r.Batch.Left != "0" {
+		t.Errorf("batch %+v; want one deposit of 20000, 5000 charged, one refund of the 15000 left: the channel holds 5000", *r.Batch)
+	}
+	if !strings.Contains(strings.Join(r.Notes, "\n"), "interrupted: 5 of the 20 requests were sent") {
+		t.Errorf("the report does not say the run was interrupted: %q", r.Notes)
 	}
 }
