@@ -397,7 +397,7 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 		}
 		g.identifiers = ids
 	}
-	if err := checkAccess(cfg.Access, cfg.Settle); err != nil {
+	if err := CheckAccess(cfg.Access, cfg.Settle); err != nil {
 		return nil, err
 	}
 	if cfg.Access != nil {

@@ -36,8 +36,8 @@ type Access struct {
 	Paths []string
 }
 
-// checkAccess says what is wrong with a Config.Access.
-func checkAccess(a *Access, settle string) error {
+// CheckAccess says what is wrong with an Access for a gate of settlement mode settle (nil: nothing).
+func CheckAccess(a *Access, settle string) error {
 	switch {
 	case a == nil:
 		return nil
