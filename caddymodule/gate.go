@@ -580,6 +580,8 @@ var (
 	_ caddy.CleanerUpper          = (*Gate)(nil)
 	_ caddyhttp.MiddlewareHandler = (*Gate)(nil)
 	_ gate.Metrics                = gateMetrics{}
+	// The embedded engine checks a contract wallet's sign-in as it checks its payments.
+	_ gate.MessageSignatureChecker = (*chain.Facilitator)(nil)
 )
 
 // GateAccess is what a payment buys of its route beyond its response (sign-in-with-x).

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"math/big"
 	"net/http"
 	"strings"
 	"sync/atomic"
@@ -15,6 +16,7 @@ import (
 	"github.com/ethereum/go-ethereum/crypto"
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/gate"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -256,4 +258,26 @@ func TestAGateWithAccessRefusesSettleAsyncAndBadGrants(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A contract wallet signs in as its payments are checked: its owner's signature of the message is the wallet's by
+// ERC-1271, asked of the chain through the embedded facilitator; its owner signing in its own name is another
+// payer, who bought nothing.
+func TestAContractWalletThatPaidSignsInWithItsOwnersSignature(t *testing.T) {
+	e := newEnv(t, setup{config: func(c *gate.Config) { c.Access = &gate.Access{For: time.Hour} }})
+	owner := chaintest.DeriveAccount("siwx wallet owner", 0)
+	account := contracts.SmartWalletAccount{Owner: owner.Address, Token: e.c.Token, Spender: contracts.Permit2Address, Salt: big.NewInt(7)}
+	wallet := e.c.CreateSmartWallet(e.c.DeploySmartWalletFactory(), account)
+	// The wallet's grant, as its payment's settlement writes it (paying from a contract wallet is chain's to test).
+	if err := e.store.(journal.Access).GrantAccess(context.Background(), "the test route\n/report\n"+strings.ToLower(wallet.Hex()),
+		journal.ID{1}, time.Now().Add(time.Hour), 0); err != nil {
+		t.Fatal(err)
+	}
+	asWallet := func(s *x402.SignInWithX) { s.Address = wallet.Hex() }
+	if a := e.get(x402.HeaderSignInWithX, signInAs(t, e.challenge(), owner, asWallet)); a.status != http.StatusOK {
+		t.Fatalf("the wallet's sign-in by its owner = %d %q, want 200", a.status, a.body)
+	}
+	stranger := chaintest.DeriveAccount("siwx stranger", 0)
+	refusedSignIn(t, e.get(x402.HeaderSignInWithX, signInAs(t, e.challenge(), stranger, asWallet)), x402.SignInWithXSignature)
+	refusedSignIn(t, e.get(x402.HeaderSignInWithX, signInAs(t, e.challenge(), owner, nil)), x402.SignInWithXNoGrant)
 }
