@@ -102,10 +102,10 @@ func (x *exchange) run() error {
 	x.offers = offers
 	x.turn = x.g.rotation.Add(1)
 	value, fromV1Header := x.takePaymentHeader()
+	if answered, err := x.signIn(value == ""); answered {
+		return err
+	}
 	if value == "" {
-		if answered, err := x.signIn(); answered {
-			return err
-		}
 		return x.noPayment()
 	}
 	if !fromV1Header && x.offers.hasBatch() && isBatchPayment(value) {

@@ -146,19 +146,21 @@ func (x *exchange) declareSignIn(ext map[string]json.RawMessage) {
 // signInTime is the form of the challenge's times, as JavaScript's toISOString writes them.
 const signInTime = "2006-01-02T15:04:05.000Z"
 
-// signIn serves a request without a payment that answers the route's sign-in challenge (answered true), or
-// answers 402 naming why it does not sign in, with a fresh challenge and what to pay; false when the gate grants
-// no access or the request carries no SIGN-IN-WITH-X header. Nothing changes for a refused sign-in: its nonce
-// and the grant are spent in one write, and only once everything else is good.
-func (x *exchange) signIn() (answered bool, err error) {
+// signIn serves a request without a payment (unpaid) that answers the route's sign-in challenge (answered true),
+// or answers 402 naming why it does not sign in, with a fresh challenge and what to pay; false when the gate
+// grants no access, the request carries no SIGN-IN-WITH-X header, or it carries a payment, which is judged as a
+// payment. Nothing changes for a refused sign-in: its nonce and the grant are spent in one write, and only once
+// everything else is good. The header is taken off the request either way: a sign-in not spent is good for
+// minutes, and an upstream, or its logs, must not be handed one to replay.
+func (x *exchange) signIn(unpaid bool) (answered bool, err error) {
 	if x.g.cfg.Access == nil {
 		return false, nil
 	}
 	header := x.r.Header.Get(x402.HeaderSignInWithX)
-	if header == "" {
+	x.r.Header.Del(x402.HeaderSignInWithX)
+	if header == "" || !unpaid {
 		return false, nil
 	}
-	x.r.Header.Del(x402.HeaderSignInWithX) // the upstream has no use for it
 	s, err := x402.DecodeSignInWithX(header)
 	if err != nil {
 		return true, x.signInRefused(&x402.SignInWithXRefusal{Reason: x402.SignInWithXHeaderMalformed, Message: err.Error()}, "")

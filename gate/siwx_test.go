@@ -281,3 +281,75 @@ func TestAContractWalletThatPaidSignsInWithItsOwnersSignature(t *testing.T) {
 	refusedSignIn(t, e.get(x402.HeaderSignInWithX, signInAs(t, e.challenge(), stranger, asWallet)), x402.SignInWithXSignature)
 	refusedSignIn(t, e.get(x402.HeaderSignInWithX, signInAs(t, e.challenge(), owner, nil)), x402.SignInWithXNoGrant)
 }
+
+// A payment grants access once its settlement succeeded, whatever settles it (before the upstream, after it, an
+// upto payment for what the upstream named); one the upstream failed, charged nothing, grants nothing.
+func TestEverySettlementThatSucceededGrantsAccessAndNoneThatFailedDoes(t *testing.T) {
+	for _, c := range []struct{ name, settle, scheme string }{
+		{"settle before", gate.SettleBefore, ""},
+		{"settle after", gate.SettleAfter, ""},
+		{"upto", gate.SettleAfter, x402.SchemeUpto},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := newEnv(t, setup{settle: c.settle, scheme: c.scheme, override: func(*http.Request) string { return `{"amount":"4000"}` },
+				config: func(cfg *gate.Config) { cfg.Access = &gate.Access{For: time.Hour, Requests: 2} }})
+			payer := e.c.Payers[0]
+			before := e.balances(payer)
+			if c.settle == gate.SettleAfter {
+				e.failing.Store(true)
+				if a := e.get(x402.HeaderPaymentSignature, e.permit2(payer)); a.status != http.StatusServiceUnavailable {
+					t.Fatalf("a payment the upstream failed = %d %q, want its 503", a.status, a.body)
+				}
+				refusedSignIn(t, e.signIn(payer), x402.SignInWithXNoGrant)
+				e.failing.Store(false)
+			}
+			if a := e.get(x402.HeaderPaymentSignature, e.permit2(payer)); a.status != http.StatusOK {
+				t.Fatalf("the payment = %d %q, want 200", a.status, a.body)
+			}
+			for i := 0; i < 2; i++ {
+				if a := e.signIn(payer); a.status != http.StatusOK {
+					t.Fatalf("sign-in %d = %d %q, want 200", i, a.status, a.body)
+				}
+			}
+			refusedSignIn(t, e.signIn(payer), x402.SignInWithXGrantUsedUp)
+			want := int64(price)
+			if c.scheme == x402.SchemeUpto {
+				want = 4000
+			}
+			if lost, gained := e.paid(payer, before); lost.Int64() != want || gained.Int64() != want {
+				t.Errorf("the payer lost %s and the seller gained %s, want %d once", lost, gained, want)
+			}
+		})
+	}
+}
+
+// The upstream never sees a SIGN-IN-WITH-X header: not of a sign-in it serves, nor of a paid request that carried
+// one too (judged as a payment, its sign-in not spent, and good for minutes to whoever reads it).
+func TestTheUpstreamIsNeverHandedASignIn(t *testing.T) {
+	var seen atomic.Int64
+	e := newEnv(t, setup{
+		config: func(c *gate.Config) { c.Access = &gate.Access{For: time.Hour} },
+		upstream: gate.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			if r.Header.Get(x402.HeaderSignInWithX) != "" {
+				seen.Add(1)
+			}
+			_, err := w.Write([]byte("paid content"))
+			return err
+		}),
+	})
+	payer := e.c.Payers[0]
+	unspent := signInAs(t, e.challenge(), payer, nil)
+	if a := e.get(x402.HeaderPaymentSignature, e.permit2(payer), x402.HeaderSignInWithX, unspent); a.status != http.StatusOK {
+		t.Fatalf("a payment carrying a sign-in = %d %q, want 200", a.status, a.body)
+	}
+	if a := e.signIn(payer); a.status != http.StatusOK {
+		t.Fatalf("the sign-in = %d %q, want 200", a.status, a.body)
+	}
+	if n := seen.Load(); n != 0 {
+		t.Fatalf("the upstream was handed %d SIGN-IN-WITH-X headers, want none", n)
+	}
+	// The sign-in the paid request carried was never spent: its payer may still use it, the upstream could not.
+	if a := e.get(x402.HeaderSignInWithX, unspent); a.status != http.StatusOK {
+		t.Fatalf("the unspent sign-in = %d %q, want 200", a.status, a.body)
+	}
+}

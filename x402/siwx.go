@@ -23,6 +23,11 @@ const HeaderSignInWithX = "SIGN-IN-WITH-X"
 // it: the nonce it carries is remembered as used for that long (and a little more), no longer.
 const SignInWithXMaxAge = 5 * time.Minute
 
+// SignInWithXClockSkew is how far ahead of the clock a sign-in's issuedAt may be: the gateway that issued the
+// challenge and the one that takes its answer read two clocks. The nonce is remembered past issuedAt for
+// SignInWithXMaxAge and a minute more, which covers it.
+const SignInWithXClockSkew = 30 * time.Second
+
 // docSignInWithX names the header in decode errors.
 const docSignInWithX = "SIGN-IN-WITH-X header"
 
@@ -188,7 +193,8 @@ type SignInWithXExpect struct {
 
 // Check says why s does not sign a request in as expect describes (nil when it does, save its signature and
 // nonce, which the caller checks): the domain is the request's host, the URI the resource's at the request's
-// origin, the chain one the challenge offered, issuedAt at most SignInWithXMaxAge old and not ahead of now, and
+// origin, the chain one the challenge offered, issuedAt at most SignInWithXMaxAge old and not ahead of now (by more
+// than SignInWithXClockSkew), and
 // now between notBefore and expirationTime where they are given, as the public SDK's servers check them.
 func (s SignInWithX) Check(expect SignInWithXExpect) *SignInWithXRefusal {
 	if s.Domain != expect.Host {
@@ -223,7 +229,7 @@ func (s SignInWithX) Check(expect SignInWithXExpect) *SignInWithXRefusal {
 	switch age := expect.Now.Sub(issued); {
 	case age > SignInWithXMaxAge:
 		return refuseSignIn(SignInWithXTooOld, "the sign-in was issued %s ago; one is taken for %s", age.Round(time.Second), SignInWithXMaxAge)
-	case age < 0:
+	case age < -SignInWithXClockSkew:
 		return refuseSignIn(SignInWithXInFuture, "the sign-in's issuedAt is %s ahead of the gate's clock", (-age).Round(time.Millisecond))
 	}
 	if s.ExpirationTime != "" {

@@ -79,6 +79,11 @@ func TestASignInForAnotherDomainURIChainOrTimeIsRefusedWithTheSDKsReason(t *test
 	if r := good.Check(expect); r != nil {
 		t.Fatalf("the good sign-in is refused: %v", r)
 	}
+	skewed := good
+	skewed.IssuedAt = "2026-11-27T12:01:20Z" // another gateway's clock, 20s ahead
+	if r := skewed.Check(expect); r != nil {
+		t.Fatalf("a sign-in issued 20s ahead is refused: %v", r)
+	}
 	for _, c := range []struct {
 		name   string
 		edit   func(*SignInWithX)
