@@ -2,6 +2,8 @@ package caddymodule_test
 
 import (
 	"encoding/json"
+	"io"
+	"math/big"
 	"net/http"
 	"strings"
 	"testing"
@@ -11,7 +13,9 @@ import (
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/crypto"
 
+	"github.com/x402-gateway/caddy-x402/caddymodule"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	payerpkg "github.com/x402-gateway/caddy-x402/payer"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -81,6 +85,56 @@ func TestAGateWithAccessKeepsAPayersGrantAcrossReloadsAndRestarts(t *testing.T) 
 	}
 	if a := env.signIn("/", stranger); a.status != http.StatusPaymentRequired || !strings.Contains(a.body, x402.SignInWithXNoGrant) {
 		t.Fatalf("a payer that never paid = %d %q, want 402 naming %s", a.status, a.body, x402.SignInWithXNoGrant)
+	}
+	env.assertPaid(payer, before, 1)
+}
+
+// Our payer signs in too: `caddy x402 pay --sign-in` pays where it has no grant and signs in where it has one, and
+// a payer.Transport with SignIn does the same for every request it sends; one payment for all of it.
+func TestOurPayerPaysOnceAndThenSignsIn(t *testing.T) {
+	s := gateSetup{gate: "\t\taccess 1h\n"}
+	env := newGateEnv(t, s)
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	key := hexKey(payer)
+	pay := func() (string, string) {
+		t.Helper()
+		stdout, stderr, err := caddymodule.RunX402("", "pay", "--key", key, "--rpc", env.c.RPCURL, "--sign-in", env.srv.URL+"/")
+		if err != nil || !strings.Contains(stdout, "paid content") {
+			t.Fatalf("pay --sign-in = %v\nstdout: %s\nstderr: %s", err, stdout, stderr)
+		}
+		return stdout, stderr
+	}
+	if _, stderr := pay(); !strings.Contains(stderr, "was refused") || !strings.Contains(stderr, x402.SignInWithXNoGrant) || !strings.Contains(stderr, "paying") {
+		t.Fatalf("the first pay --sign-in says %q, want the sign-in refused (%s) and a payment", stderr, x402.SignInWithXNoGrant)
+	}
+	env.assertPaid(payer, before, 1)
+	if _, stderr := pay(); !strings.Contains(stderr, "signed in as "+payer.Address.Hex()) || strings.Contains(stderr, "was refused") {
+		t.Fatalf("the second pay --sign-in says %q, want it signed in, not paying", stderr)
+	}
+
+	p, err := payerpkg.New(payer.Key, payerpkg.Options{RPC: env.c.RPCURL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	tr := &payerpkg.Transport{Payer: p, SignIn: true,
+		Limits: []payerpkg.Limit{{Network: env.net, Asset: env.c.Token.Hex(), PerRequest: big.NewInt(gatePrice), Total: big.NewInt(gatePrice)}}}
+	client := &http.Client{Transport: tr}
+	for i := 0; i < 5; i++ {
+		resp, err := client.Get(env.srv.URL + "/")
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || string(body) != "paid content" {
+			t.Fatalf("the Transport's request %d = %d %q, want the resource", i, resp.StatusCode, body)
+		}
+	}
+	if n := tr.Signed(env.net, env.c.Token.Hex()); n.Sign() != 0 {
+		t.Errorf("the Transport signed payments of %s, want none: it signed in", n)
 	}
 	env.assertPaid(payer, before, 1)
 }
