@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"io"
 	"math/big"
 	"net/http"
 	"strings"
@@ -352,4 +353,80 @@ func TestTheUpstreamIsNeverHandedASignIn(t *testing.T) {
 	if a := e.get(x402.HeaderSignInWithX, unspent); a.status != http.StatusOK {
 		t.Fatalf("the unspent sign-in = %d %q, want 200", a.status, a.body)
 	}
+}
+
+// One sign-in presented at once to two gateways of a cluster behind one name (a load balancer's) is served once:
+// its nonce is spent in the shared journal by the first, and the other is refused as replayed.
+func TestOneSignInPresentedToTwoGatewaysAtOnceIsServedOnce(t *testing.T) {
+	gws := gateways(t, setup{config: func(c *gate.Config) { c.Access = &gate.Access{For: time.Hour} }}, 2)
+	payer := gws[0].c.Payers[0]
+	if a := gws[0].get(x402.HeaderPaymentSignature, gws[0].permit2(payer)); a.status != http.StatusOK {
+		t.Fatalf("the payment = %d %q, want 200", a.status, a.body)
+	}
+	const host = "shop.example"
+	ask := func(gw *env, headers ...string) (*http.Response, string) {
+		t.Helper()
+		req, err := http.NewRequest(http.MethodGet, gw.srv.URL+"/report", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Host = host
+		for i := 0; i+1 < len(headers); i += 2 {
+			req.Header.Set(headers[i], headers[i+1])
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp, string(b)
+	}
+	for round := 0; round < 5; round++ {
+		resp, _ := ask(gws[0])
+		pr, err := x402.DecodePaymentRequired(resp.Header.Get(x402.HeaderPaymentRequired))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var decl x402.SignInWithXDeclaration
+		if err := json.Unmarshal(pr.Extensions[x402.ExtensionSignInWithX], &decl); err != nil {
+			t.Fatal(err)
+		}
+		header := signInAs(t, decl, payer, nil)
+		served := make(chan bool, 2)
+		for _, gw := range gws {
+			go func() {
+				resp, _ := ask(gw, x402.HeaderSignInWithX, header)
+				served <- resp.StatusCode == http.StatusOK
+			}()
+		}
+		n := 0
+		for range gws {
+			if <-served {
+				n++
+			}
+		}
+		if n != 1 {
+			t.Fatalf("round %d: one sign-in served %d times by two gateways, want once", round, n)
+		}
+	}
+	if got := gws[0].served.Load() + gws[1].served.Load(); got != 6 {
+		t.Errorf("the upstreams ran %d times, want 6 (one paid, five signed in)", got)
+	}
+}
+
+// With paths, a grant covers the paths named, whatever path the payment was for, and no other.
+func TestAGrantOfPathsCoversThePathsNamedAndNoOther(t *testing.T) {
+	e := newEnv(t, setup{config: func(c *gate.Config) { c.Access = &gate.Access{For: time.Hour, Paths: []string{"/rep*"}} }})
+	payer := e.c.Payers[0]
+	if a := e.get(x402.HeaderPaymentSignature, e.permit2(payer)); a.status != http.StatusOK {
+		t.Fatalf("the payment = %d %q, want 200", a.status, a.body)
+	}
+	if a := e.signIn(payer); a.status != http.StatusOK {
+		t.Fatalf("a sign-in for a path granted = %d %q, want 200", a.status, a.body)
+	}
+	// A reload that grants other paths: the grant stands (it is the route's), but this path is no longer covered.
+	e.cfg.Access = &gate.Access{For: time.Hour, Paths: []string{"/elsewhere/*"}}
+	e.startGate()
+	refusedSignIn(t, e.signIn(payer), x402.SignInWithXPathNotGranted)
 }
