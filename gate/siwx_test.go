@@ -430,3 +430,33 @@ func TestAGrantOfPathsCoversThePathsNamedAndNoOther(t *testing.T) {
 	e.startGate()
 	refusedSignIn(t, e.signIn(payer), x402.SignInWithXPathNotGranted)
 }
+
+// access and payment_identifier declare their extensions side by side in one 402, and a HEAD request signs in as
+// a GET does (one use of the grant), its challenge the same resource's.
+func TestAccessBesidePaymentIdentifierAndAHeadSignIn(t *testing.T) {
+	e := newEnv(t, setup{config: func(c *gate.Config) {
+		c.Access, c.PaymentIdentifier = &gate.Access{For: time.Hour, Requests: 1}, gate.PaymentIdentifierOptional
+	}})
+	pr, err := x402.DecodePaymentRequired(e.get().header.Get(x402.HeaderPaymentRequired))
+	if err != nil || pr.Extensions[x402.ExtensionSignInWithX] == nil || pr.Extensions[x402.ExtensionPaymentIdentifier] == nil {
+		t.Fatalf("the 402 declares %v (%v), want sign-in-with-x and payment-identifier", pr.Extensions, err)
+	}
+	payer := e.c.Payers[0]
+	if a := e.get(x402.HeaderPaymentSignature, e.permit2Named(payer, namedBy("pay_0123456789abcdef0123"))); a.status != http.StatusOK {
+		t.Fatalf("a named payment = %d %q, want 200", a.status, a.body)
+	}
+	req, err := http.NewRequest(http.MethodHead, e.srv.URL+"/report", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set(x402.HeaderSignInWithX, signInAs(t, e.challenge(), payer, nil))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("a HEAD sign-in = %d, want 200", resp.StatusCode)
+	}
+	refusedSignIn(t, e.signIn(payer), x402.SignInWithXGrantUsedUp)
+}
