@@ -53,9 +53,9 @@ func (m *GateMCP) price(tool string) string {
 const mcpStandIn = "$1"
 
 // provisionMCP checks the mcp block against the rest of the gate and sets each priced tool's offers. The gate's
-// own price is the tools' business: price and amount are refused beside mcp, and so are terms set per request and
-// price_grace (both key a price by the URL, which every tool of the server shares), upto (what an MCP server
-// would charge is not named) and batch.
+// own price is the tools' business: price and amount are refused beside mcp, and so are price_grace and access
+// (both key by the URL, which every tool of the server shares), upto (what an MCP server would charge is not
+// named) and batch.
 func (g *Gate) provisionMCP(app *App) ([]gate.Offer, error) {
 	m := g.MCP
 	if m.Default == "" {
@@ -68,6 +68,9 @@ func (g *Gate) provisionMCP(app *App) ([]gate.Offer, error) {
 	}
 	if g.PriceGrace > 0 {
 		return nil, errors.New("mcp: price_grace remembers a price by the URL, which every tool shares; it cannot be used with mcp")
+	}
+	if g.Access != nil {
+		return nil, errors.New("mcp: access grants a payer the route's paths, which every tool shares (a grant bought by a cheap call would serve the dear ones); it cannot be used with mcp")
 	}
 	if m.MaxBody < 0 {
 		return nil, fmt.Errorf("mcp max_body %d is negative", m.MaxBody)

@@ -563,8 +563,8 @@ func TestBadMCPBlocksAreRefusedNamingTheLine(t *testing.T) {
 }
 
 // An mcp gate whose other options cannot work with it is refused when loaded: a price of the gate's own (the
-// price is the tool's), price_grace (it keys a price by the URL every tool shares), upto, and a tool's price
-// finer than the token.
+// price is the tool's), price_grace and access (they key by the URL every tool shares), upto, and a tool's
+// price finer than the token.
 func TestMCPGatesThatCannotWorkAreRefusedWhenLoaded(t *testing.T) {
 	const payTo = "0x05e11e75e11e75e11e75e11e75e11e75e11e75e1"
 	const asset = "0xFCc9EBb7682E831668990F8333F2Ea453bFDD563"
@@ -574,6 +574,7 @@ func TestMCPGatesThatCannotWorkAreRefusedWhenLoaded(t *testing.T) {
 		{"a price of the gate's own", base + "price $0.01\n\t" + tools, "mcp: the price of a call is the tool's"},
 		{"an accept's amount", base + "accept {\n\t\tamount 5\n\t}\n\t" + tools, "mcp: the price of a call is the tool's"},
 		{"price_grace", base + "price_grace 1m\n\t" + tools, "price_grace"},
+		{"access", base + "access 1h\n\t" + tools, "mcp: access grants"},
 		{"upto", base + "scheme upto\n\t" + tools, "scheme upto is not offered for tool calls"},
 		{"a tool's price finer than the token", base + "mcp {\n\t\ttool search $0.0000001\n\t}", "mcp tool search"},
 	} {

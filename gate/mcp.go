@@ -73,9 +73,9 @@ type mcpMessage struct {
 // ServeHTTP gates one request to the MCP server: serve is the gate itself (the payment exchange around next),
 // next the MCP server. A request with no priced tool call goes to next unpaid.
 func (m *MCP) ServeHTTP(w http.ResponseWriter, r *http.Request, serve MCPServe, next Handler) error {
-	// A payment in a header is no payment here (the transport carries it in _meta), and a bearer value the
-	// MCP server need not see.
-	for _, name := range []string{m.paymentHeader(), x402.HeaderPaymentSignature, x402.HeaderXPayment} {
+	// A payment (or a sign-in) in a header is no payment here (the transport carries it in _meta), and a bearer
+	// value the MCP server need not see.
+	for _, name := range []string{m.paymentHeader(), x402.HeaderPaymentSignature, x402.HeaderXPayment, x402.HeaderSignInWithX} {
 		r.Header.Del(name)
 	}
 	if r.Method != http.MethodPost {
