@@ -622,7 +622,7 @@ func (b *RemoteBatch) probeClaims(ctx context.Context, network string, rows []jo
 		}
 		delay := r.Config.WithdrawDelay
 		rq := actionRequirements(network, r.Config.Receiver, r.Config.Token)
-		rq.Amount = "1"
+		rq.Amount, rq.MaxTimeoutSeconds = "1", 60 // a /verify's requirement names a price and a timeout; this one changes nothing
 		rq.Extra = x402.BatchExtra{ReceiverAuthorizer: r.Config.ReceiverAuthorizer, WithdrawDelay: delay}
 		cfg := r.Config
 		req := x402.BatchRequest{X402Version: x402.Version2, PaymentRequirements: rq,
@@ -639,7 +639,7 @@ func (b *RemoteBatch) probeClaims(ctx context.Context, network string, rows []jo
 		claimed := false
 		switch {
 		case !vr.IsValid && vr.InvalidReason == x402.ReasonBatchCumulativeBelowClaimed:
-			claimed = true
+			claimed = true // the chain holds the voucher's amount claimed
 		case vr.IsValid:
 			var ex verifyExtra
 			if json.Unmarshal(vr.Extra, &ex) == nil {
@@ -647,8 +647,13 @@ func (b *RemoteBatch) probeClaims(ctx context.Context, network string, rows []jo
 					claimed = true
 				}
 			}
+		case vr.InvalidReason == x402.ReasonBatchCumulativeAmountMismatch:
+			// An engine such as ours judges the amount against its own row only once the chain's claimed amount
+			// is below it: not claimed.
 		default:
-			continue // the facilitator cannot say: asked again next pass
+			b.log.Warn("the facilitator cannot say whether a batch-settlement claim landed; asked again at the next pass",
+				zap.String("claim", r.ClaimTx), zap.String("reason", vr.InvalidReason), zap.String("message", vr.InvalidMessage))
+			continue
 		}
 		if claimed {
 			if _, err := b.chs.MarkClaimMined(ctx, r.ClaimTx); err != nil {
