@@ -73,7 +73,7 @@ func newRemoteWorld(t *testing.T, deposit int64) *remoteWorld {
 			w.claims.Add(1)
 			if w.loseClaimAnswers.Add(-1) >= 0 {
 				h.ServeHTTP(httptest.NewRecorder(), r) // the claim is made, on chain
-				panic(http.ErrAbortHandler)           // and its answer lost
+				panic(http.ErrAbortHandler)            // and its answer lost
 			}
 		}
 		h.ServeHTTP(rw, r)
