@@ -43,6 +43,9 @@ type remoteBatchWorld struct {
 	refuseClaims atomic.Int32
 	claims       atomic.Int32
 	verifies     atomic.Int32
+	// holdClaims holds each claim this long before the facilitator makes it.
+	holdClaims atomic.Int64
+	caddyfile  string
 }
 
 const remotePrice = 1000
@@ -81,6 +84,7 @@ func newRemoteBatchWorld(t *testing.T, batchBlock string) *remoteBatchWorld {
 			body, _ := io.ReadAll(r.Body)
 			if strings.Contains(string(body), `"type":"claim"`) {
 				w.claims.Add(1)
+				time.Sleep(time.Duration(w.holdClaims.Load()))
 				if w.refuseClaims.Add(-1) >= 0 {
 					rw.Header().Set("Content-Type", "application/json")
 					fmt.Fprintf(rw, `{"success":false,"transaction":"","network":%q,"errorReason":%q,"errorMessage":"refused by the test"}`,
@@ -94,7 +98,7 @@ func newRemoteBatchWorld(t *testing.T, batchBlock string) *remoteBatchWorld {
 	}))
 	t.Cleanup(fac.Close)
 	w.fac = fac
-	w.srv = startCaddy(t, `{
+	w.caddyfile = `{
 	x402 {
 		journal {{DATA}}/journal.db
 	}
@@ -117,7 +121,8 @@ func newRemoteBatchWorld(t *testing.T, batchBlock string) *remoteBatchWorld {
 		respond "the paid report of channel {http.x402.channel} at {http.x402.cumulative}"
 	}
 }
-`)
+`
+	w.srv = startCaddy(t, w.caddyfile)
 	return w
 }
 
@@ -289,4 +294,79 @@ func TestABatchRouteThroughARemoteFacilitatorValidatesAndItsBatchBlockIsChecked(
 		t.Fatalf("caddy.Validate of a batch block on an exact route = %v; want it refused", err)
 	}
 	adaptError(t, route("batch", "\t\tbatch {\n\t\t\treceiver_authorizer_key 0x01\n\t\t}\n"), "Caddyfile:11", "the facilitator's own")
+}
+
+// A batch route whose facilitator's /supported lists no batch-settlement kind cannot be paid: it answers 503
+// with an error naming the batch-settlement kind and the network, not a 402 nobody can pay (and the gate logs
+// the facilitator at its start).
+func TestABatchRouteThroughAFacilitatorWithoutBatchSettlementSaysSo(t *testing.T) {
+	fac := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		rw.Header().Set("Content-Type", "application/json")
+		fmt.Fprint(rw, `{"kinds":[{"x402Version":2,"scheme":"exact","network":"eip155:72344"}],"extensions":[],"signers":{}}`)
+	}))
+	t.Cleanup(fac.Close)
+	srv := startCaddy(t, `{{ADDR}} {
+	x402 {
+		scheme batch
+		network eip155:72344
+		asset 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11
+		token_eip3009
+		amount 1000
+		pay_to 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11
+		facilitator_url `+fac.URL+`
+	}
+	respond paid
+}
+`)
+	resp, err := http.Get(srv.URL + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	t.Logf("%s %s", resp.Status, body)
+	if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), "batch-settlement kind") || !strings.Contains(string(body), "eip155:72344") {
+		t.Fatalf("a batch route through a facilitator without batch-settlement: %s %q; want 503 naming the batch-settlement kind and the network", resp.Status, body)
+	}
+}
+
+// TestABatchClaimInFlightWhileTheGateReloadsIsClaimedOnce: the claim is on its way (the facilitator takes 3 s to
+// make it) when the config is reloaded: the old gate's last pass and the new gate's claimer find the channel
+// claimed by it, and send nothing more; the seller is paid exactly what was served, by one claim.
+func TestABatchClaimInFlightWhileTheGateReloadsIsClaimedOnce(t *testing.T) {
+	w := newRemoteBatchWorld(t, "batch {\n\t\t\t\tclaim_every 5\n\t\t\t\tclaim_after 1h\n\t\t\t}")
+	w.holdClaims.Store(int64(3 * time.Second))
+	sentBefore := w.c.TxCount(w.c.Wallets[0].Address)
+	client := w.payer(t, nil)
+	w.pay(t, client, 0, 5)
+	deadline := time.Now().Add(10 * time.Second)
+	for w.claims.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("no claim was sent after 5 vouchers with claim_every 5")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	w.srv.load(strings.Replace(w.caddyfile, "the paid report", "the paid report (reloaded)", 1))
+	w.holdClaims.Store(0)
+	w.waitForSeller(t, 5*remotePrice)
+	time.Sleep(3 * time.Second) // a second claim would have come by now
+	if got := w.c.BalanceOf(w.token, w.receiver.Address).Int64(); got != 5*remotePrice {
+		t.Fatalf("the seller holds %d; want exactly the %d served", got, 5*remotePrice)
+	}
+	if got := w.claims.Load(); got != 1 {
+		t.Errorf("%d claims were sent; want 1", got)
+	}
+	if sent := w.c.TxCount(w.c.Wallets[0].Address) - sentBefore; sent != 3 {
+		t.Errorf("the facilitator sent %d transactions; want 3: the deposit, one claim and the settle", sent)
+	}
+	// The reloaded gate takes the channel's next voucher.
+	resp, err := client.Get(w.srv.URL + "/report")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "(reloaded)") || !strings.HasSuffix(string(body), fmt.Sprint(6*remotePrice)) {
+		t.Fatalf("the next voucher after the reload: %s %q; want 200 at %d", resp.Status, body, 6*remotePrice)
+	}
 }

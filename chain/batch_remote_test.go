@@ -42,7 +42,9 @@ type remoteWorld struct {
 	client   *facilitatorclient.Client
 	// loseClaimAnswers is how many claims are made and their answer lost (the connection cut after).
 	loseClaimAnswers atomic.Int32
-	claims           atomic.Int32
+	// dropClaims is how many claims are cut before the facilitator saw them (the connection cut once sent).
+	dropClaims atomic.Int32
+	claims     atomic.Int32
 }
 
 const remotePrice = 1000
@@ -71,6 +73,9 @@ func newRemoteWorld(t *testing.T, deposit int64) *remoteWorld {
 		r.Body = io.NopCloser(strings.NewReader(string(body)))
 		if r.URL.Path == "/settle" && strings.Contains(string(body), `"type":"claim"`) {
 			w.claims.Add(1)
+			if w.dropClaims.Add(-1) >= 0 {
+				panic(http.ErrAbortHandler)
+			}
 			if w.loseClaimAnswers.Add(-1) >= 0 {
 				h.ServeHTTP(httptest.NewRecorder(), r) // the claim is made, on chain
 				panic(http.ErrAbortHandler)            // and its answer lost
@@ -258,4 +263,46 @@ func TestAClaimWhoseAnswerIsLostIsNeverClaimedTwiceAcrossARestartAndIsSettledOnc
 		t.Fatal(err)
 	}
 	w.waitForSeller(t, 5*remotePrice)
+}
+
+// TestAClaimCutBeforeTheFacilitatorMadeItIsClaimedAgainOnceLookedUp: the claim reaches the facilitator's door
+// and the connection is cut before it is made: no answer. The look-up (a /verify of the channel's last voucher)
+// shows it did not land; its channels are offered again and claimed, once on chain: the seller is paid exactly
+// what was accepted, by one claim transaction and one settle.
+func TestAClaimCutBeforeTheFacilitatorMadeItIsClaimedAgainOnceLookedUp(t *testing.T) {
+	w := newRemoteWorld(t, 10*remotePrice)
+	store, err := journal.OpenBolt(filepath.Join(t.TempDir(), "journal.db"), journal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	const probeAfter = time.Second
+	rb := w.server(t, store, probeAfter)
+	for n := int64(1); n <= 3; n++ {
+		if resp := w.settle(t, rb, n); !resp.Success {
+			t.Fatalf("the voucher at %d prices: %+v", n, resp)
+		}
+	}
+	sentBefore := w.c.TxCount(w.c.Wallets[0].Address)
+	w.dropClaims.Store(1)
+	if err := rb.ClaimNow(context.Background()); err == nil || !strings.Contains(err.Error(), "no answer") {
+		t.Fatalf("the claim cut before it was made: %v; want an error saying no answer came", err)
+	}
+	if err := rb.ClaimNow(context.Background()); err != nil || w.claims.Load() != 1 {
+		t.Fatalf("a pass before the look-up is due: %v, %d claims; want nothing sent again", err, w.claims.Load())
+	}
+	time.Sleep(probeAfter)
+	if err := rb.ClaimNow(context.Background()); err != nil { // looked up: not landed, freed
+		t.Fatal(err)
+	}
+	if err := rb.ClaimNow(context.Background()); err != nil { // claimed again
+		t.Fatal(err)
+	}
+	w.waitForSeller(t, 3*remotePrice)
+	if got := w.claims.Load(); got != 2 {
+		t.Errorf("%d claims reached the facilitator; want 2: the one cut and the one made", got)
+	}
+	if sent := w.c.TxCount(w.c.Wallets[0].Address) - sentBefore; sent != 2 {
+		t.Errorf("the facilitator sent %d transactions; want 2: one claim and the settle", sent)
+	}
 }
