@@ -108,15 +108,15 @@ func newRemoteBatchWorld(t *testing.T, batchBlock string) *remoteBatchWorld {
 	handle /report {
 		x402 {
 			scheme batch
-			network `+w.network+`
-			asset `+w.usdc+`
-			token_name "`+contracts.USDCoinName+`"
-			token_version `+contracts.USDCoinVersion+`
+			network ` + w.network + `
+			asset ` + w.usdc + `
+			token_name "` + contracts.USDCoinName + `"
+			token_version ` + contracts.USDCoinVersion + `
 			token_eip3009
-			amount `+fmt.Sprint(remotePrice)+`
-			pay_to `+w.receiver.Address.Hex()+`
-			facilitator_url `+fac.URL+`
-			`+batchBlock+`
+			amount ` + fmt.Sprint(remotePrice) + `
+			pay_to ` + w.receiver.Address.Hex() + `
+			facilitator_url ` + fac.URL + `
+			` + batchBlock + `
 		}
 		respond "the paid report of channel {http.x402.channel} at {http.x402.cumulative}"
 	}
