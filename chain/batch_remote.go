@@ -234,8 +234,8 @@ func (b *RemoteBatch) SettleBatch(ctx context.Context, req x402.BatchRequest) (x
 	refused := func(r *BatchRefusal) (x402.BatchSettleResponse, error) {
 		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: r.Reason, ErrorMessage: r.Message}, nil
 	}
-	if p.Payload.Type != x402.BatchDeposit && p.Payload.Type != x402.BatchVoucher {
-		return refused(refuseBatch(x402.ReasonBatchInvalidPayloadType, "payload.type is %q: this server takes deposits and vouchers", truncate(p.Payload.Type)))
+	if p.Payload.Type != x402.BatchDeposit && p.Payload.Type != x402.BatchVoucher && p.Payload.Type != x402.BatchRefund {
+		return refused(refuseBatch(x402.ReasonBatchInvalidPayloadType, "payload.type is %q: this server takes deposits, vouchers and refunds", truncate(p.Payload.Type)))
 	}
 	if p.Payload.ChannelConfig == nil || p.Payload.Voucher == nil {
 		return refused(refuseBatch(x402.ReasonInvalidPayload, "payload has no channelConfig or voucher"))
@@ -257,6 +257,12 @@ func (b *RemoteBatch) SettleBatch(ctx context.Context, req x402.BatchRequest) (x
 	row, ok, err := b.chs.Channel(ctx, key)
 	if err != nil {
 		return x402.BatchSettleResponse{}, fmt.Errorf("reading the journal's row of channel %s: %w", id.Hex(), err)
+	}
+	if p.Payload.Type == x402.BatchRefund {
+		if !ok {
+			return refused(refuseBatch(x402.ReasonBatchChannelNotFound, "channel %s has paid nothing here: there is no voucher to refund from", id.Hex()))
+		}
+		return b.refund(ctx, req, key, row, payer)
 	}
 	if ok && presentedAgain(terms, row, p, ch, id) {
 		// Accepted before (a deposit too: its voucher is the row's): answered as first, never sent again.
@@ -671,6 +677,119 @@ func (b *RemoteBatch) probeClaims(ctx context.Context, network string, rows []jo
 		b.log.Warn("a batch-settlement claim whose answer never came did not land; its vouchers are claimed again", zap.String("claim", r.ClaimTx))
 	}
 	return nil
+}
+
+// refund has the facilitator refund what is left of the channel of row to its payer, as the SDK's server does:
+// the payer's refund names the last voucher accepted (its amount and signature); the refund's /settle carries the
+// claim of that voucher when it is not claimed yet, marked in the journal before it leaves (so the claimer does
+// not claim it besides), the amount left (or the one asked for) and the channel's refund nonce, both as the
+// facilitator's /verify of the refund reads them on chain.
+func (b *RemoteBatch) refund(ctx context.Context, req x402.BatchRequest, key journal.ChannelKey, row journal.Channel, payer string) (x402.BatchSettleResponse, error) {
+	network := req.PaymentRequirements.Network
+	refused := func(r *BatchRefusal) (x402.BatchSettleResponse, error) {
+		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: r.Reason, ErrorMessage: r.Message}, nil
+	}
+	pl := req.PaymentPayload.Payload
+	cumulative, err := x402.ParseAmount(pl.Voucher.MaxClaimableAmount)
+	sig, serr := ParseSignature(pl.Voucher.Signature)
+	if err != nil || serr != nil || len(row.Signature) == 0 || cumulative.Cmp(row.Charged) != 0 || string(sig[:]) != string(row.Signature) {
+		return refused(refuseBatch(x402.ReasonBatchCumulativeAmountMismatch, "a refund names the channel's last voucher accepted, at %s with its signature; this one is at %s", row.Charged, truncate(pl.Voucher.MaxClaimableAmount)))
+	}
+	if row.ClaimTx != "" {
+		return refused(refuseBatch(x402.ReasonBatchChannelBusy, "a claim of channel %s is on its way: ask for the refund again in a moment", key.ID))
+	}
+	vr, err := b.cfg.Remote.VerifyBatch(ctx, req)
+	if err != nil {
+		return x402.BatchSettleResponse{}, fmt.Errorf("verifying the refund: %w", err)
+	}
+	if !vr.IsValid {
+		return refused(refuseBatch(vr.InvalidReason, "%s", vr.InvalidMessage))
+	}
+	var ex struct {
+		verifyExtra
+		RefundNonce json.RawMessage `json:"refundNonce"`
+	}
+	if json.Unmarshal(vr.Extra, &ex) != nil || ex.Balance == "" {
+		return x402.BatchSettleResponse{}, fmt.Errorf("the facilitator's /verify of the refund names no channel balance (%s)", truncate(string(vr.Extra)))
+	}
+	balance, err := x402.ParseAmount(ex.Balance)
+	if err != nil {
+		return x402.BatchSettleResponse{}, fmt.Errorf("the facilitator named the balance %q: %w", truncate(ex.Balance), err)
+	}
+	claimed, _ := x402.ParseAmount(ex.TotalClaimed)
+	nonce := strings.Trim(string(ex.RefundNonce), `"`)
+	if _, err := strconv.ParseUint(nonce, 10, 64); err != nil {
+		return x402.BatchSettleResponse{}, fmt.Errorf("the facilitator's /verify of the refund names no refund nonce (%s)", truncate(string(vr.Extra)))
+	}
+	left := new(big.Int).Sub(balance, row.Charged)
+	if left.Sign() <= 0 {
+		return refused(refuseBatch(x402.ReasonBatchRefundNoBalance, "channel %s holds %s, all of it charged: nothing to refund", key.ID, balance))
+	}
+	amount := left
+	if pl.Amount != "" {
+		if amount, err = x402.ParseAmount(pl.Amount); err != nil || amount.Sign() == 0 || amount.Cmp(left) > 0 {
+			return refused(refuseBatch(x402.ReasonBatchRefundAmountInvalid, "payload.amount %q is not a positive amount up to the %s left", truncate(pl.Amount), left))
+		}
+	}
+	token := ""
+	pl.Claims = []x402.BatchVoucherClaim{}
+	if claimed == nil || row.Charged.Cmp(claimed) > 0 {
+		token = remoteClaimToken()
+		if err := b.chs.MarkClaimSent(ctx, token, []journal.ChannelClaim{{Key: key, Amount: new(big.Int).Set(row.Charged)}}); errors.Is(err, journal.ErrClaimTaken) {
+			return refused(refuseBatch(x402.ReasonBatchChannelBusy, "a claim of channel %s is on its way: ask for the refund again in a moment", key.ID))
+		} else if err != nil {
+			return x402.BatchSettleResponse{}, fmt.Errorf("marking channel %s claimed by its refund: %w", key.ID, err)
+		}
+		pl.Claims = append(pl.Claims, x402.BatchVoucherClaim{Voucher: x402.BatchClaimedVoucher{Channel: row.Config, MaxClaimableAmount: row.Charged.String()},
+			Signature: "0x" + hex.EncodeToString(row.Signature), TotalClaimed: row.Charged.String()})
+	}
+	pl.Amount, pl.RefundNonce = amount.String(), nonce
+	pl.ClaimAuthorizerSignature, pl.RefundAuthorizerSignature = "", ""
+	sreq := req
+	sreq.PaymentPayload.Payload = pl
+	asked := b.now()
+	resp, err := b.cfg.Remote.SettleBatch(ctx, sreq)
+	if err != nil {
+		if token != "" && errors.Is(err, x402.ErrNotSent) {
+			_, _ = b.chs.MarkClaimFailed(ctx, token)
+		}
+		// Sent, maybe: the claim it carries is looked up as any claim whose answer never came.
+		return x402.BatchSettleResponse{}, fmt.Errorf("refunding channel %s: %w", key.ID, err)
+	}
+	if !resp.Success {
+		if token != "" {
+			if _, err := b.chs.MarkClaimFailed(ctx, token); err != nil {
+				return x402.BatchSettleResponse{}, fmt.Errorf("the refund was refused (%s), and freeing its claim failed: %w", resp.ErrorReason, err)
+			}
+		}
+		return x402.BatchSettleResponse{Network: network, Payer: payer, Transaction: resp.Transaction, ErrorReason: resp.ErrorReason, ErrorMessage: resp.ErrorMessage}, nil
+	}
+	if token != "" {
+		if _, err := b.chs.MarkClaimMined(ctx, token); err != nil {
+			b.log.Warn("the refund landed, and marking its claim failed", zap.String("channel", key.ID), zap.Error(err))
+		}
+	}
+	after := new(big.Int).Sub(balance, amount)
+	if resp.Extra != nil && resp.Extra.ChannelState != nil && resp.Extra.ChannelState.Balance != "" {
+		if v, err := x402.ParseAmount(resp.Extra.ChannelState.Balance); err == nil {
+			after = v
+		}
+	}
+	if _, err := b.observe(ctx, key, row.Config, after.String(), row.Charged.String(), 0, asked); err != nil {
+		b.log.Warn("the refund landed, and recording the channel's balance after it failed", zap.String("channel", key.ID), zap.Error(err))
+	}
+	if err := b.settleReceiver(ctx, network, row.Config.Receiver, row.Config.Token); err != nil {
+		b.log.Warn("settling the receiver after a refund", zap.Error(err))
+	}
+	if resp.Extra == nil {
+		resp.Extra = &x402.BatchResponseExtra{}
+	}
+	resp.Extra.ChannelState = &x402.BatchChannelState{ChannelID: key.ID, Balance: after.String(), TotalClaimed: row.Charged.String(),
+		RefundNonce: nonce, ChargedCumulativeAmount: row.Charged.String()}
+	if resp.Payer == "" {
+		resp.Payer = payer
+	}
+	return resp, nil
 }
 
 var _ x402.BatchFacilitator = (*RemoteBatch)(nil)

@@ -306,3 +306,54 @@ func TestAClaimCutBeforeTheFacilitatorMadeItIsClaimedAgainOnceLookedUp(t *testin
 		t.Errorf("the facilitator sent %d transactions; want 2: one claim and the settle", sent)
 	}
 }
+
+// refund is the payer's refund request of what is left, naming its last voucher at n prices.
+func (w *remoteWorld) refund(n int64) x402.BatchRequest {
+	req := w.voucher(n)
+	req.PaymentPayload.Payload.Type = x402.BatchRefund
+	return req
+}
+
+// TestARefundThroughARemoteFacilitatorClaimsTheLastVoucherAndReturnsTheRest: the channel holds 10 prices and 3
+// vouchers were accepted; the payer's refund naming its last voucher is sent through the facilitator's /settle
+// refund action with the claim of that voucher: the payer gets exactly the 7 prices left, the seller the 3
+// (settled after), the escrow keeps nothing of the channel, no claim is sent besides, and the refund presented
+// again is refused with nothing left to refund. A refund naming an earlier voucher is refused before any call.
+func TestARefundThroughARemoteFacilitatorClaimsTheLastVoucherAndReturnsTheRest(t *testing.T) {
+	w := newRemoteWorld(t, 10*remotePrice)
+	store, err := journal.OpenBolt(filepath.Join(t.TempDir(), "journal.db"), journal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	rb := w.server(t, store, time.Hour)
+	for n := int64(1); n <= 3; n++ {
+		if resp := w.settle(t, rb, n); !resp.Success {
+			t.Fatalf("the voucher at %d prices: %+v", n, resp)
+		}
+	}
+	payerBefore, escrowBefore := w.c.BalanceOf(w.token, w.payer.Address), w.c.BalanceOf(w.token, contracts.BatchSettlementAddress)
+	if resp, err := rb.SettleBatch(context.Background(), w.refund(2)); err != nil || resp.Success || resp.ErrorReason != x402.ReasonBatchCumulativeAmountMismatch {
+		t.Fatalf("a refund naming the voucher at 2 of 3 prices: %+v (%v); want %s", resp, err, x402.ReasonBatchCumulativeAmountMismatch)
+	}
+	resp, err := rb.SettleBatch(context.Background(), w.refund(3))
+	if err != nil || !resp.Success || resp.Transaction == "" {
+		t.Fatalf("the refund: %+v (%v); want it made", resp, err)
+	}
+	if got := new(big.Int).Sub(w.c.BalanceOf(w.token, w.payer.Address), payerBefore); got.Int64() != 7*remotePrice {
+		t.Errorf("the payer got %s back; want the 7 prices left, %d", got, 7*remotePrice)
+	}
+	if got := new(big.Int).Sub(escrowBefore, w.c.BalanceOf(w.token, contracts.BatchSettlementAddress)); got.Int64() != 10*remotePrice {
+		t.Errorf("the escrow gave out %s; want the whole deposit, %d", got, 10*remotePrice)
+	}
+	w.waitForSeller(t, 3*remotePrice)
+	if err := rb.ClaimNow(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := w.claims.Load(); got != 0 {
+		t.Errorf("%d claims were sent; want none, the refund claimed the vouchers", got)
+	}
+	if resp, err := rb.SettleBatch(context.Background(), w.refund(3)); err != nil || resp.Success {
+		t.Fatalf("the refund presented again: %+v (%v); want it refused", resp, err)
+	}
+}
