@@ -132,6 +132,8 @@ func (w *remoteBatchWorld) takeDown(t *testing.T) func() {
 	t.Helper()
 	addr := w.fac.Listener.Addr().String()
 	w.fac.Listener.Close()
+	w.fac.CloseClientConnections()     // the kept-alive ones too: a facilitator that is down answers on none
+	time.Sleep(100 * time.Millisecond) // and the gate's client sees them closed before it asks again
 	return func() {
 		ln, err := net.Listen("tcp", addr)
 		if err != nil {

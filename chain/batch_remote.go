@@ -512,14 +512,16 @@ func (b *RemoteBatch) claimPass(ctx context.Context, network string, force bool)
 	if err != nil {
 		return err
 	}
+	// A copy for this pass: passes may run at once (the loop's, ClaimNow's, Close's).
 	b.mu.Lock()
-	c.authorizer = auth
+	cl := *c
 	b.mu.Unlock()
-	if err := b.probeClaims(ctx, network, c.ours(inFlight)); err != nil {
+	cl.authorizer = auth
+	if err := b.probeClaims(ctx, network, cl.ours(inFlight)); err != nil {
 		return err
 	}
-	rows = c.ours(rows)
-	if len(rows) == 0 || !(force || c.due(rows, b.now(), b.margin, &b.mu)) {
+	rows = cl.ours(rows)
+	if len(rows) == 0 || !(force || cl.due(rows, b.now(), b.margin, &sync.Mutex{})) {
 		return nil
 	}
 	// One claim per receiver and token: the claim's requirements name them, as the SDK's server's do.
