@@ -372,3 +372,68 @@ func TestABatchClaimInFlightWhileTheGateReloadsIsClaimedOnce(t *testing.T) {
 		t.Fatalf("the next voucher after the reload: %s %q; want 200 at %d", resp.Status, body, 6*remotePrice)
 	}
 }
+
+// TestABatchVoucherThroughARemoteFacilitatorWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnce: the
+// upstream fails the voucher's first response: the voucher was accepted (recorded in the gate's journal), but
+// bought nothing yet. Presented again it gets the response at the same cumulative amount, with no call to the
+// facilitator (charged once: the channel still stands at it); a third time it is refused as used.
+func TestABatchVoucherThroughARemoteFacilitatorWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnce(t *testing.T) {
+	w := newRemoteBatchWorld(t, "batch {\n\t\t\t\tclaim_every 1000\n\t\t\t\tclaim_after 1h\n\t\t\t}")
+	var fail atomic.Bool
+	upstream := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		if fail.CompareAndSwap(true, false) {
+			http.Error(rw, "the report is not ready", http.StatusInternalServerError)
+			return
+		}
+		io.WriteString(rw, "the paid report")
+	}))
+	t.Cleanup(upstream.Close)
+	w.srv.load(strings.Replace(w.caddyfile, `respond "the paid report of channel {http.x402.channel} at {http.x402.cumulative}"`, "reverse_proxy "+upstream.URL, 1))
+	rec := &headerRecorder{}
+	client := w.payer(t, rec)
+	get := func(header string) (*http.Response, string) {
+		t.Helper()
+		var resp *http.Response
+		var err error
+		if header == "" {
+			resp, err = client.Get(w.srv.URL + "/report")
+		} else {
+			req, _ := http.NewRequest(http.MethodGet, w.srv.URL+"/report", nil)
+			req.Header.Set(x402.HeaderPaymentSignature, header)
+			resp, err = http.DefaultClient.Do(req)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		return resp, string(body)
+	}
+	cumulative := func(resp *http.Response) string {
+		s, err := x402.DecodeBatchSettleResponse(resp.Header.Get(x402.HeaderPaymentResponse))
+		if err != nil || s.Extra == nil || s.Extra.ChannelState == nil {
+			return ""
+		}
+		return s.Extra.ChannelState.ChargedCumulativeAmount
+	}
+	if resp, body := get(""); resp.StatusCode != http.StatusOK || cumulative(resp) != fmt.Sprint(remotePrice) {
+		t.Fatalf("the deposit: %s %q at %q", resp.Status, body, cumulative(resp))
+	}
+	fail.Store(true)
+	if resp, body := get(""); resp.StatusCode != http.StatusInternalServerError {
+		t.Fatalf("the voucher whose upstream failed: %s %q; want the upstream's 500", resp.Status, body)
+	}
+	rec.mu.Lock()
+	voucher := rec.payments[len(rec.payments)-1]
+	rec.mu.Unlock()
+	verifies := w.verifies.Load()
+	if resp, body := get(voucher); resp.StatusCode != http.StatusOK || body != "the paid report" || cumulative(resp) != fmt.Sprint(2*remotePrice) {
+		t.Fatalf("the voucher presented again: %s %q at %q; want 200 at %d", resp.Status, body, cumulative(resp), 2*remotePrice)
+	}
+	if got := w.verifies.Load() - verifies; got != 0 {
+		t.Errorf("the voucher presented again asked the facilitator %d times; want none", got)
+	}
+	if resp, body := get(voucher); resp.StatusCode != http.StatusPaymentRequired || !strings.Contains(body, x402.ReasonPaymentAlreadyUsed) {
+		t.Fatalf("the voucher presented a third time: %s %q; want 402 %s", resp.Status, body, x402.ReasonPaymentAlreadyUsed)
+	}
+}
