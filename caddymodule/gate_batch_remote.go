@@ -12,6 +12,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/facilitatorclient"
+	"github.com/x402-gateway/caddy-x402/gate"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -75,6 +76,10 @@ func (g *Gate) startRemoteBatch(app *App, store journal.Store) error {
 	}
 	cfg := chain.RemoteBatchConfig{Remote: client, Supported: client.Supported, Journal: store, Networks: networks,
 		Logger: g.logger.With(zap.String("facilitator", client.BaseURL()))}
+	if len(app.Networks) == 0 {
+		// The gates prune the journal (no engine does): a voucher's answer is kept that long only.
+		cfg.Retention = gate.RecordsKept
+	}
 	if b := g.Batch; b != nil {
 		cfg.ClaimEvery, cfg.ClaimAfter = b.ClaimEvery, time.Duration(b.ClaimAfter)
 		if b.ClaimAmount != "" {

@@ -74,9 +74,12 @@ type RemoteBatchConfig struct {
 	// ProbeAfter is how long a claim whose answer never came waits before the facilitator is asked whether it
 	// landed (default 2 minutes: past any facilitator's wait for a receipt).
 	ProbeAfter time.Duration
-	// Retention is the journal's (default 24 hours): a voucher accepted longer ago whose record is gone is taken as used.
+	// Retention is how long the journal keeps a final record at least (default 24 hours, an engine's): a voucher
+	// accepted longer ago whose record is gone is taken as used, not as one whose record a crash lost.
 	Retention time.Duration
 	Logger    *zap.Logger
+	// Now is the clock (default time.Now).
+	Now func() time.Time
 }
 
 // RemoteBatch serves batch-settlement payments through a remote facilitator (see the top of this file). It
@@ -127,7 +130,11 @@ func NewRemoteBatch(cfg RemoteBatchConfig) (*RemoteBatch, error) {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	b := &RemoteBatch{cfg: cfg, chs: chs, log: log, margin: margin, now: time.Now, terms: map[x402.BatchRequirements]*BatchTerms{},
+	now := cfg.Now
+	if now == nil {
+		now = time.Now
+	}
+	b := &RemoteBatch{cfg: cfg, chs: chs, log: log, margin: margin, now: now, terms: map[x402.BatchRequirements]*BatchTerms{},
 		claimers: map[string]*batchClaimer{}, stop: make(chan struct{}), done: make(chan struct{})}
 	for _, n := range cfg.Networks {
 		c := &batchClaimer{every: cfg.ClaimEvery, amount: cfg.ClaimAmount, after: cfg.ClaimAfter}

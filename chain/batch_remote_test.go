@@ -25,6 +25,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 	"github.com/x402-gateway/caddy-x402/facilitatorclient"
 	"github.com/x402-gateway/caddy-x402/facilitatorserver"
+	"github.com/x402-gateway/caddy-x402/gate"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -355,5 +356,43 @@ func TestARefundThroughARemoteFacilitatorClaimsTheLastVoucherAndReturnsTheRest(t
 	}
 	if resp, err := rb.SettleBatch(context.Background(), w.refund(3)); err != nil || resp.Success {
 		t.Fatalf("the refund presented again: %+v (%v); want it refused", resp, err)
+	}
+}
+
+// TestTheLastVoucherPresentedAgainOnceItsRecordWasPrunedIsRefusedAsUsed: a journal no engine prunes keeps a
+// voucher's answer as long as the gates keep final records (gate.RecordsKept). The channel's row still stands at
+// its last voucher when that record is gone; presented again then, the voucher is refused as used, not taken for
+// one whose record a crash lost and answered (and served) again.
+func TestTheLastVoucherPresentedAgainOnceItsRecordWasPrunedIsRefusedAsUsed(t *testing.T) {
+	w := newRemoteWorld(t, 10*remotePrice)
+	store, err := journal.OpenBolt(filepath.Join(t.TempDir(), "journal.db"), journal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	var skew atomic.Int64
+	rb, err := chain.NewRemoteBatch(chain.RemoteBatchConfig{Remote: w.client, Supported: w.client.Supported, Journal: store,
+		Networks: []string{w.rq.Network}, ClaimEvery: 1_000_000, ClaimAfter: time.Hour, Retention: gate.RecordsKept,
+		Now: func() time.Time { return time.Now().Add(time.Duration(skew.Load())) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for n := int64(1); n <= 2; n++ {
+		if resp := w.settle(t, rb, n); !resp.Success {
+			t.Fatalf("the voucher at %d prices: %+v", n, resp)
+		}
+	}
+	last := chain.BatchVoucherID(w.rq.Network, w.id, big.NewInt(2*remotePrice))
+	if err := store.MarkServed(context.Background(), last, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	// The gates' pruning, past RecordsKept.
+	skew.Store(int64(gate.RecordsKept + time.Minute))
+	if n, err := store.Prune(context.Background(), time.Now().Add(time.Minute)); err != nil || n == 0 {
+		t.Fatalf("pruning: %d records (%v)", n, err)
+	}
+	resp := w.settle(t, rb, 2)
+	if resp.Success || resp.ErrorReason != x402.ReasonPaymentAlreadyUsed {
+		t.Fatalf("the last voucher presented again once its record was pruned: %+v; want %s", resp, x402.ReasonPaymentAlreadyUsed)
 	}
 }

@@ -7,6 +7,11 @@ import (
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
+// RecordsKept is how long, at least, a journal no embedded engine prunes keeps a final record (a voucher's answer
+// among them): a batch server in front of a remote facilitator takes a voucher accepted longer ago whose record is
+// gone as used, not as one whose record a crash lost.
+const RecordsKept = gatePruneAfter
+
 // batchFacilitator is what accepts a batch-settlement payment: the batch server in front of a remote facilitator
 // (Config.Batch), or the embedded engine. A remote facilitator is never handed a voucher itself: it keeps no
 // vouchers for this gate, and would neither record nor claim them.
