@@ -68,6 +68,7 @@ func durationArg(d *caddyfile.Dispenser, option string) (time.Duration, error) {
 //			alloc <file>
 //			rpc <url>
 //			wallets <n>|<n>-<m> [...]
+//			batch { ... }
 //		}
 //	}
 func parseGlobalX402(d *caddyfile.Dispenser, existing any) (any, error) {
@@ -361,6 +362,17 @@ func parseDevChain(d *caddyfile.Dispenser) (*DevChainConfig, error) {
 	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		name := d.Val()
+		if name == "batch" {
+			if dc.Batch != nil {
+				return nil, d.Err("batch is configured twice in dev_chain")
+			}
+			b, err := parseBatchSettlement(d)
+			if err != nil {
+				return nil, err
+			}
+			dc.Batch = b
+			continue
+		}
 		if name == "wallets" {
 			wallets, err := parseWalletNumbers(d)
 			if err != nil {
@@ -395,7 +407,7 @@ func parseDevChain(d *caddyfile.Dispenser) (*DevChainConfig, error) {
 		case "rpc":
 			dc.RPC = v
 		default:
-			return nil, d.Errf("unrecognized dev_chain option '%s'; want chain_id, listen, block_time, data_dir, alloc, rpc or wallets", name)
+			return nil, d.Errf("unrecognized dev_chain option '%s'; want chain_id, listen, block_time, data_dir, alloc, rpc, wallets or batch", name)
 		}
 	}
 	return dc, nil
