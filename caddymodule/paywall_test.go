@@ -1,0 +1,40 @@
+package caddymodule_test
+
+import (
+	"net/http"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// TestThePaywallPageCarriesAWalletScriptAndAPayButtonPerOfferWithNothingFromElsewhere: the page a browser gets
+// is self-contained (its script inline, no src or href to any other host), shows each offer's amount in token
+// units and dollars with a pay button the script can sign, while a JSON client and HEAD get today's answers.
+func TestThePaywallPageCarriesAWalletScriptAndAPayButtonPerOfferWithNothingFromElsewhere(t *testing.T) {
+	env := newGateEnv(t, gateSetup{})
+	a := env.get("/report", "Accept", "text/html")
+	if a.status != http.StatusPaymentRequired || !strings.HasPrefix(a.header.Get("Content-Type"), "text/html") {
+		t.Fatalf("browser answer = %d %s, want a 402 page", a.status, a.header.Get("Content-Type"))
+	}
+	for _, want := range []string{"$0.01", `class="x402-pay"`, `data-offer="0"`, "eth_signTypedData_v4", "eip6963:requestProvider",
+		"wallet_switchEthereumChain", `id="x402-status"`} {
+		if !strings.Contains(a.body, want) {
+			t.Errorf("the paywall page lacks %q", want)
+		}
+	}
+	if m := regexp.MustCompile(`(?i)(src|href)\s*=\s*["']?(https?:)?//`).FindString(a.body); m != "" {
+		t.Errorf("the paywall page loads something from elsewhere: %q", m)
+	}
+	j := env.get("/report", "Accept", "application/json")
+	if j.status != http.StatusPaymentRequired || !strings.HasPrefix(j.header.Get("Content-Type"), "application/json") {
+		t.Errorf("a JSON client got %d %s, want the 402 JSON", j.status, j.header.Get("Content-Type"))
+	}
+	req, err := http.NewRequest(http.MethodHead, env.srv.URL+"/report", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Accept", "text/html")
+	if h := env.do(req); h.status != http.StatusPaymentRequired || h.body != "" || h.header.Get("PAYMENT-REQUIRED") == "" {
+		t.Errorf("HEAD from a browser = %d with %d bytes of body, want a bodiless 402 with PAYMENT-REQUIRED", h.status, len(h.body))
+	}
+}
