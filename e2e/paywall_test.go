@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"crypto/ecdsa"
 	"encoding/json"
 	"fmt"
 	"math/big"
@@ -49,6 +50,7 @@ type testWallet struct {
 	t      *testing.T
 	chain  *devChain
 	onSign func(primaryType string)
+	key    *ecdsa.PrivateKey // whose wallet this is
 
 	mu      sync.Mutex
 	chainID uint64
@@ -77,7 +79,9 @@ func (w *testWallet) handle(ctx context.Context, arg string) (string, error) {
 	w.mu.Lock()
 	w.methods = append(w.methods, req.Method)
 	w.mu.Unlock()
-	payer := devchain.PayerKey()
+	w.mu.Lock()
+	payer := w.key
+	w.mu.Unlock()
 	from := crypto.PubkeyToAddress(payer.PublicKey)
 	answer := func(v any) (string, error) { b, err := json.Marshal(walletAnswer{Result: v}); return string(b), err }
 	switch req.Method {
@@ -204,7 +208,7 @@ func TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransact
 		t.Logf("screenshot: %s", path)
 	}
 
-	wallet := &testWallet{t: t, chain: dev, chainID: 1}
+	wallet := &testWallet{t: t, chain: dev, chainID: 1, key: devchain.PayerKey()}
 	var once sync.Once
 	wallet.onSign = func(string) { once.Do(func() { shoot("paywall-2-signing.png") }) }
 	before := dev.balance(seller)
@@ -261,11 +265,43 @@ func TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransact
 		t.Errorf("the seller's balance moved by %s, want exactly the price %d", d, asyncPrice)
 	}
 	wallet.mu.Lock()
-	defer wallet.mu.Unlock()
 	if want := []string{"PermitWitnessTransferFrom", "Permit"}; strings.Join(wallet.signed, ",") != strings.Join(want, ",") {
 		t.Errorf("the wallet signed %v, want %v (the permit2 payment, then the gas-sponsoring permit)", wallet.signed, want)
 	}
 	if !slices.Contains(wallet.methods, "wallet_switchEthereumChain") || fmt.Sprintf("eip155:%d", wallet.chainID) != facts.Network {
 		t.Errorf("the page did not switch the wallet to the dev chain: chain %d, methods %v", wallet.chainID, wallet.methods)
+	}
+
+	wallet.mu.Unlock()
+
+	// A wallet holding none of the token: the page says so before anything is signed, and nothing moves.
+	poor, err := crypto.GenerateKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	wallet.mu.Lock()
+	wallet.key, wallet.signed = poor, nil
+	wallet.mu.Unlock()
+	before = dev.balance(seller)
+	if err := chromedp.Do(bctx, chromedp.Navigate(gateURL+"/report")); err != nil {
+		t.Fatalf("Chromium loading the paywall again: %v", err)
+	}
+	if _, err := chromedp.Run(bctx, chromedp.Evaluate[bool](fmt.Sprintf(`document.querySelector('button.x402-pay[data-offer="%d"]').click() || true`, idx))); err != nil {
+		t.Fatalf("clicking pay with the poor wallet: %v", err)
+	}
+	state, err = chromedp.Run(bctx, chromedp.Poll[string](`(() => { const s = document.getElementById("x402-status").getAttribute("data-state"); return s === "paid" || s === "error" ? s : null; })()`,
+		chromedp.WithPollingTimeout(30*time.Second)))
+	status, _ = chromedp.Run(bctx, chromedp.Evaluate[string](`document.getElementById("x402-status").textContent`))
+	shoot("paywall-4-too-little-balance.png")
+	if err != nil || state != "error" || !strings.Contains(status, "Too little balance") || !strings.Contains(status, "Nothing was charged") {
+		t.Errorf("a wallet without the token: the status is %q (%v): %q, want the too-little-balance error", state, err, status)
+	}
+	wallet.mu.Lock()
+	defer wallet.mu.Unlock()
+	if len(wallet.signed) != 0 {
+		t.Errorf("the page had the poor wallet sign %v before finding it cannot pay", wallet.signed)
+	}
+	if d := delta(before, dev.balance(seller)); d.Sign() != 0 {
+		t.Errorf("the seller's balance moved by %s on a payment refused in the page", d)
 	}
 }
