@@ -173,10 +173,15 @@ func TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransact
 	x402 $0.01 {
 		pay_to %s
 		description "The premium report"
+		accept {
+			price $0.02
+			asset %s
+			asset_transfer_method eip3009
+		}
 	}
 	respond "the premium report: paid content"
 }
-`, facts.RPC, gateURL, seller.Hex()))
+`, facts.RPC, gateURL, seller.Hex(), devchain.EIP3009TokenAddress.Hex()))
 	gate := startProcess(t, "the Caddy with the paywall", dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", file)
 	defer gate.stop()
 	gate.waitUntil("a 402 from the gate", 60*time.Second, answersWith(gateURL+"/report", 402))
@@ -297,11 +302,47 @@ func TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransact
 		t.Errorf("a wallet without the token: the status is %q (%v): %q, want the too-little-balance error", state, err, status)
 	}
 	wallet.mu.Lock()
-	defer wallet.mu.Unlock()
 	if len(wallet.signed) != 0 {
 		t.Errorf("the page had the poor wallet sign %v before finding it cannot pay", wallet.signed)
 	}
 	if d := delta(before, dev.balance(seller)); d.Sign() != 0 {
 		t.Errorf("the seller's balance moved by %s on a payment refused in the page", d)
+	}
+
+	wallet.mu.Unlock()
+
+	// Several offers, and the person picks the eip3009 one in USD Coin at $0.02: the page signs an EIP-3009
+	// TransferWithAuthorization under the token's own domain, and only that token moves.
+	wallet.mu.Lock()
+	wallet.key, wallet.signed = devchain.PayerKey(), nil
+	wallet.mu.Unlock()
+	usdcBefore, stableBefore := dev.balanceOf(devchain.EIP3009TokenAddress, seller), dev.balance(seller)
+	if err := chromedp.Do(bctx, chromedp.Navigate(gateURL+"/report")); err != nil {
+		t.Fatalf("Chromium loading the paywall a third time: %v", err)
+	}
+	idx3009, err := chromedp.Run(bctx, chromedp.Evaluate[int](`JSON.parse(document.getElementById("x402-payment-required").textContent).accepts.findIndex(a => a.extra && a.extra.assetTransferMethod === "eip3009")`))
+	if err != nil || idx3009 < 0 {
+		t.Fatalf("the page offers no eip3009 payment (%d, %v)", idx3009, err)
+	}
+	if _, err := chromedp.Run(bctx, chromedp.Evaluate[bool](fmt.Sprintf(`document.querySelector('button.x402-pay[data-offer="%d"]').click() || true`, idx3009))); err != nil {
+		t.Fatalf("clicking the eip3009 offer: %v", err)
+	}
+	state, err = chromedp.Run(bctx, chromedp.Poll[string](`(() => { const s = document.getElementById("x402-status").getAttribute("data-state"); return s === "paid" || s === "error" ? s : null; })()`,
+		chromedp.WithPollingTimeout(30*time.Second)))
+	status, _ = chromedp.Run(bctx, chromedp.Evaluate[string](`document.getElementById("x402-status").textContent`))
+	shoot("paywall-5-paid-eip3009.png")
+	if err != nil || state != "paid" {
+		t.Fatalf("paying the eip3009 offer: the status is %q (%v): %s", state, err, status)
+	}
+	if d := delta(usdcBefore, dev.balanceOf(devchain.EIP3009TokenAddress, seller)); d.Cmp(big.NewInt(2*asyncPrice)) != 0 {
+		t.Errorf("the seller's USD Coin moved by %s, want exactly the picked offer's %d", d, 2*asyncPrice)
+	}
+	if d := delta(stableBefore, dev.balance(seller)); d.Sign() != 0 {
+		t.Errorf("the seller's Stable Coin moved by %s when the person picked USD Coin", d)
+	}
+	wallet.mu.Lock()
+	defer wallet.mu.Unlock()
+	if strings.Join(wallet.signed, ",") != "TransferWithAuthorization" {
+		t.Errorf("the wallet signed %v for the eip3009 offer, want one TransferWithAuthorization", wallet.signed)
 	}
 }
