@@ -16,6 +16,7 @@ import (
 
 	"github.com/ethereum/go-ethereum/common"
 
+	"github.com/x402-gateway/caddy-x402/caddymodule"
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
@@ -232,5 +233,82 @@ func TestOurPayerRefundsTheRestOfItsChannelThroughTheGateOnceAndBalancesAreExact
 	}
 	if got := upstreamCalls.Load(); got != served {
 		t.Errorf("the upstream ran %d times after the vouchers", got-served)
+	}
+}
+
+// TestCaddyX402PayPaysABatchRouteRunAfterRunAndItsRefundReturnsTheRestBalancesExact: `caddy x402 pay` against a
+// batch route behind a real Caddy, the embedded engine on a simulated chain claiming each voucher as it comes
+// (claim_every 1). Each run is a new payer that knows its channel only from the escrow (--rpc): the first opens it
+// with a deposit, the next two pay by voucher from what the escrow shows claimed, and `pay --refund` gets the
+// rest back. On chain: the payer down exactly 3 prices, the seller up exactly 3 prices, the escrow back where it
+// was; the settlement wallet sent the deposit, three claims and the refund.
+func TestCaddyX402PayPaysABatchRouteRunAfterRunAndItsRefundReturnsTheRestBalancesExact(t *testing.T) {
+	const price, runs = 1000, 3
+	c := chaintest.New(t, chaintest.WithHTTP(), chaintest.WithPayers(1))
+	usdc := c.DeployUSDCoin(big.NewInt(1_000_000_000))
+	stop := c.AutoCommit(5 * time.Millisecond)
+	t.Cleanup(stop)
+	receiver, authorizer := chaintest.DeriveAccount("merchant", 0), chaintest.DeriveAccount("authorizer", 0)
+	t.Setenv("X402_TEST_RECEIVER_AUTHORIZER_KEY", hexKey(authorizer))
+	network := x402.EIP155(c.ChainID.Uint64())
+	srv := startCaddy(t, `{
+	x402 {
+		network `+network+` {
+			rpc `+c.RPCURL+`
+			asset `+usdc.Hex()+` name "`+contracts.USDCoinName+`" version `+contracts.USDCoinVersion+` decimals 6 eip3009
+			wallet_keys `+hexKey(c.Wallets[0])+`
+			receipt_poll 5ms
+			batch {
+				receiver_authorizer_key {env.X402_TEST_RECEIVER_AUTHORIZER_KEY}
+				claim_every 1
+			}
+		}
+		journal {{DATA}}/journal.db
+	}
+}
+
+{{ADDR}} {
+	handle /report {
+		x402 {
+			scheme batch
+			amount `+fmt.Sprint(price)+`
+			pay_to `+receiver.Address.Hex()+`
+		}
+		respond "the paid report at {http.x402.cumulative}"
+	}
+}
+`)
+	payerBefore, sellerBefore, escrowBefore := c.BalanceOf(usdc, c.Payers[0].Address), c.BalanceOf(usdc, receiver.Address), c.BalanceOf(usdc, contracts.BatchSettlementAddress)
+	sentBefore := c.TxCount(c.Wallets[0].Address)
+	key := hexKey(c.Payers[0])
+	for k := 1; k <= runs; k++ {
+		stdout, stderr, err := caddymodule.RunX402("", "pay", "--key", key, "--rpc", c.RPCURL, "--max", "10000", srv.URL+"/report")
+		if err != nil || !strings.Contains(stdout, fmt.Sprintf("the paid report at %d", k*price)) {
+			t.Fatalf("pay run %d: %v\n%s\n%s", k, err, stdout, stderr)
+		}
+		// The claimer claims the voucher (and pays the seller) before the next run reads the escrow.
+		deadline := time.Now().Add(20 * time.Second)
+		for new(big.Int).Sub(c.BalanceOf(usdc, receiver.Address), sellerBefore).Int64() != int64(k*price) {
+			if time.Now().After(deadline) {
+				t.Fatalf("after run %d the seller got %s; want %d claimed", k, new(big.Int).Sub(c.BalanceOf(usdc, receiver.Address), sellerBefore), k*price)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	stdout, stderr, err := caddymodule.RunX402("", "pay", "--key", key, "--rpc", c.RPCURL, "--refund", srv.URL+"/report")
+	if err != nil || !strings.Contains(stderr, fmt.Sprintf("cumulative %d charged, balance %d, left 0", runs*price, runs*price)) {
+		t.Fatalf("pay --refund: %v\n%s\n%s", err, stdout, stderr)
+	}
+	if d := new(big.Int).Sub(payerBefore, c.BalanceOf(usdc, c.Payers[0].Address)); d.Int64() != runs*price {
+		t.Errorf("the payer paid %s in all; want %d", d, runs*price)
+	}
+	if d := new(big.Int).Sub(c.BalanceOf(usdc, receiver.Address), sellerBefore); d.Int64() != runs*price {
+		t.Errorf("the seller got %s; want %d", d, runs*price)
+	}
+	if d := new(big.Int).Sub(c.BalanceOf(usdc, contracts.BatchSettlementAddress), escrowBefore); d.Sign() != 0 {
+		t.Errorf("the escrow holds %s more than before; want 0", d)
+	}
+	if sent := c.TxCount(c.Wallets[0].Address) - sentBefore; sent != 1+runs+1 {
+		t.Errorf("the settlement wallet sent %d transactions; want %d: the deposit, %d claims, the refund", sent, 2+runs, runs)
 	}
 }
