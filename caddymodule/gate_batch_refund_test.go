@@ -312,3 +312,91 @@ func TestCaddyX402PayPaysABatchRouteRunAfterRunAndItsRefundReturnsTheRestBalance
 		t.Errorf("the settlement wallet sent %d transactions; want %d: the deposit, %d claims, the refund", sent, 2+runs, runs)
 	}
 }
+
+// TestANewPayerRunCarriesOnFromTheGatesCorrective402AndRefundsVouchersNotYetClaimed: payer.Transport pays a batch
+// route 5 times, nothing claimed yet (claim_every 1000). A new run of caddy x402 pay knows the channel only from
+// the escrow (nothing claimed): its voucher at 1000 is answered by the gate's corrective 402 (error
+// invalid_batch_settlement_evm_cumulative_amount_mismatch, the requirement naming the channel at 5000 and the
+// payer's own voucher of 5000), it carries on from there and pays at 6000; another run's pay --refund likewise
+// signs its refund at 6000 after the corrective 402. The refund claims the 6 vouchers and returns the rest: payer
+// down exactly 6 prices, seller up exactly 6, escrow back where it was, the deposit and the refund the only
+// transactions.
+func TestANewPayerRunCarriesOnFromTheGatesCorrective402AndRefundsVouchersNotYetClaimed(t *testing.T) {
+	const price, requests = 1000, 5
+	c := chaintest.New(t, chaintest.WithHTTP(), chaintest.WithPayers(1))
+	usdc := c.DeployUSDCoin(big.NewInt(1_000_000_000))
+	stop := c.AutoCommit(5 * time.Millisecond)
+	t.Cleanup(stop)
+	receiver, authorizer := chaintest.DeriveAccount("merchant", 0), chaintest.DeriveAccount("authorizer", 0)
+	t.Setenv("X402_TEST_RECEIVER_AUTHORIZER_KEY", hexKey(authorizer))
+	network := x402.EIP155(c.ChainID.Uint64())
+	srv := startCaddy(t, `{
+	x402 {
+		network `+network+` {
+			rpc `+c.RPCURL+`
+			asset `+usdc.Hex()+` name "`+contracts.USDCoinName+`" version `+contracts.USDCoinVersion+` decimals 6 eip3009
+			wallet_keys `+hexKey(c.Wallets[0])+`
+			receipt_poll 5ms
+			batch {
+				receiver_authorizer_key {env.X402_TEST_RECEIVER_AUTHORIZER_KEY}
+				claim_every 1000
+				claim_after 1h
+			}
+		}
+		journal {{DATA}}/journal.db
+	}
+}
+
+{{ADDR}} {
+	handle /report {
+		x402 {
+			scheme batch
+			amount `+fmt.Sprint(price)+`
+			pay_to `+receiver.Address.Hex()+`
+		}
+		respond "the paid report at {http.x402.cumulative}"
+	}
+}
+`)
+	payerBefore, sellerBefore, escrowBefore := c.BalanceOf(usdc, c.Payers[0].Address), c.BalanceOf(usdc, receiver.Address), c.BalanceOf(usdc, contracts.BatchSettlementAddress)
+	sentBefore := c.TxCount(c.Wallets[0].Address)
+	p, err := payer.New(c.Payers[0].Key, payer.Options{RPC: c.RPCURL, DepositRequests: 4 * requests})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	client := &http.Client{Transport: &payer.Transport{Payer: p, Limits: []payer.Limit{{Network: network, Asset: usdc.Hex(), PerRequest: big.NewInt(price), Total: big.NewInt(100 * price)}}}}
+	for k := 1; k <= requests; k++ {
+		resp, err := client.Get(srv.URL + "/report")
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("request %d: %s", k, resp.Status)
+		}
+	}
+	key := hexKey(c.Payers[0])
+	stdout, stderr, err := caddymodule.RunX402("", "pay", "--key", key, "--rpc", c.RPCURL, "--max", "100000", srv.URL+"/report")
+	if err != nil || !strings.Contains(stdout, fmt.Sprintf("the paid report at %d", (requests+1)*price)) {
+		t.Fatalf("a new run of pay: %v\n%s\n%s", err, stdout, stderr)
+	}
+	stdout, stderr, err = caddymodule.RunX402("", "pay", "--key", key, "--rpc", c.RPCURL, "--refund", srv.URL+"/report")
+	if err != nil || !strings.Contains(stderr, fmt.Sprintf("cumulative %d charged", (requests+1)*price)) {
+		t.Fatalf("a new run of pay --refund: %v\n%s\n%s", err, stdout, stderr)
+	}
+	const paid = (requests + 1) * price
+	if d := new(big.Int).Sub(payerBefore, c.BalanceOf(usdc, c.Payers[0].Address)); d.Int64() != paid {
+		t.Errorf("the payer paid %s in all; want %d", d, paid)
+	}
+	if d := new(big.Int).Sub(c.BalanceOf(usdc, receiver.Address), sellerBefore); d.Int64() != paid {
+		t.Errorf("the seller got %s; want %d", d, paid)
+	}
+	if d := new(big.Int).Sub(c.BalanceOf(usdc, contracts.BatchSettlementAddress), escrowBefore); d.Sign() != 0 {
+		t.Errorf("the escrow holds %s more than before; want 0", d)
+	}
+	if sent := c.TxCount(c.Wallets[0].Address) - sentBefore; sent != 2 {
+		t.Errorf("the settlement wallet sent %d transactions; want 2: the deposit and the refund", sent)
+	}
+}

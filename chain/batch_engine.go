@@ -463,7 +463,11 @@ func (f *Facilitator) SettleBatch(ctx context.Context, req x402.BatchRequest) (x
 	}
 	if isBatchAction(p.Payload.Type) {
 		// A receiver's action pays for no resource: its requirements name no price or terms.
-		return f.settleAction(ctx, req)
+		resp, err := f.settleAction(ctx, req)
+		if p.Payload.Type == x402.BatchRefund && p.Payload.RefundNonce == "" {
+			resp = f.withCorrective(ctx, req, resp) // a payer's own refund
+		}
+		return resp, err
 	}
 	n, terms, chs, err := f.batchSetup(req)
 	if err != nil {
@@ -473,7 +477,8 @@ func (f *Facilitator) SettleBatch(ctx context.Context, req x402.BatchRequest) (x
 	case x402.BatchDeposit:
 		return f.settleDeposit(ctx, req, payer)
 	case x402.BatchVoucher:
-		return f.settleVoucher(ctx, n, terms, chs, p, payer)
+		resp, err := f.settleVoucher(ctx, n, terms, chs, p, payer)
+		return f.withCorrective(ctx, req, resp), err
 	}
 	return fail(refuseBatch(x402.ReasonBatchInvalidPayloadType, "payload.type is %q: this facilitator settles deposits and vouchers", truncate(p.Payload.Type)))
 }

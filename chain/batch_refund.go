@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/common/hexutil"
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
@@ -286,4 +287,31 @@ func refundLeft(id common.Hash, amount, left *big.Int) error {
 		return refuseBatch(x402.ReasonBatchRefundAmountInvalid, "payload.amount %s is more than the %s left in channel %s once what was charged is claimed", amount, left, id.Hex())
 	}
 	return nil
+}
+
+// withCorrective adds to a payment refused because its cumulative amount is not the one the journal's row stands
+// at (a voucher, or a payer's refund, signed by the channel's payer: CheckVoucher judges the signature first) the
+// channel as the row holds it and the last voucher it accepted, as the SDK's batch-settlement server answers such
+// a payment with a corrective 402: the payer (a new run of it, say, that knows only what the escrow shows
+// claimed) checks that voucher is its own and carries on from it.
+func (f *Facilitator) withCorrective(ctx context.Context, req x402.BatchRequest, resp x402.BatchSettleResponse) x402.BatchSettleResponse {
+	pl := &req.PaymentPayload.Payload
+	if resp.Success || resp.ErrorReason != x402.ReasonBatchCumulativeAmountMismatch || pl.Voucher == nil || !x402.IsBytes32(pl.Voucher.ChannelID) {
+		return resp
+	}
+	n := f.networks[req.PaymentRequirements.Network]
+	chs, err := f.channelStore()
+	if n == nil || err != nil {
+		return resp
+	}
+	row, ok, err := chs.Channel(ctx, n.channelKey(common.HexToHash(pl.Voucher.ChannelID)))
+	if err != nil || !ok || len(row.Signature) == 0 {
+		return resp
+	}
+	resp.Extra = &x402.BatchResponseExtra{
+		ChannelState: &x402.BatchChannelState{ChannelID: row.Key.ID, Balance: orZero(row.Deposit).String(), TotalClaimed: orZero(row.Claimed).String(),
+			WithdrawRequestedAt: unixOrZero(row.WithdrawRequestedAt), RefundNonce: "0", ChargedCumulativeAmount: row.Charged.String()},
+		VoucherState: &x402.BatchVoucherState{SignedMaxClaimable: row.Charged.String(), Signature: hexutil.Encode(row.Signature)},
+	}
+	return resp
 }

@@ -145,6 +145,9 @@ func (x *exchange) serveBatch(value string) error {
 		return x.settleUnreachable("the facilitator did not answer the batch-settlement payment; present the same payment again", err, nil)
 	}
 	if !resp.Success {
+		if corrected, err := x.corrective(resp); corrected { // batch_refund.go
+			return err
+		}
 		// Refused before this request was charged anything (a voucher already served is refused as used).
 		return x.verifyFailed(x402.VerifyResponse{IsValid: false, Payer: resp.Payer, InvalidReason: resp.ErrorReason, InvalidMessage: resp.ErrorMessage})
 	}

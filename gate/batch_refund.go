@@ -3,6 +3,7 @@ package gate
 import (
 	"context"
 	"net/http"
+	"slices"
 
 	"go.uber.org/zap"
 
@@ -47,6 +48,9 @@ func (x *exchange) serveBatchRefund(bf x402.BatchFacilitator, req x402.BatchRequ
 		pending := batchSettle(resp)
 		return x.settleUnreachable("the refund was sent and is not yet mined; present the same refund again for its outcome", nil, &pending)
 	case !resp.Success:
+		if corrected, err := x.corrective(resp); corrected {
+			return err
+		}
 		return x.settleFailed(batchSettle(resp))
 	}
 	x.resetHeaders()
@@ -66,4 +70,32 @@ func (x *exchange) serveBatchRefund(bf x402.BatchFacilitator, req x402.BatchRequ
 func batchSettle(r x402.BatchSettleResponse) x402.SettleResponse {
 	return x402.SettleResponse{Success: r.Success, Transaction: r.Transaction, Network: r.Network, Payer: r.Payer, Amount: r.Amount,
 		ErrorReason: r.ErrorReason, ErrorMessage: r.ErrorMessage}
+}
+
+// corrective answers a batch payment refused because its cumulative amount is not the one the engine holds for
+// its channel, when the engine named the channel and its last voucher: 402 whose offer's error is the SDK's reason
+// code alone and whose batch-settlement requirement carries the channel's state and that voucher, as the SDK's
+// batch-settlement server's corrective 402 does. The payer's client (the SDK's, or ours) checks the voucher is its
+// own and pays again from it. corrected false: the answer is not corrective, and nothing was written.
+func (x *exchange) corrective(resp x402.BatchSettleResponse) (corrected bool, err error) {
+	if resp.ErrorReason != x402.ReasonBatchCumulativeAmountMismatch || resp.Extra == nil || resp.Extra.ChannelState == nil || resp.Extra.VoucherState == nil {
+		return false, nil
+	}
+	x.resetHeaders()
+	if resp.Payer != "" {
+		x.payer = resp.Payer
+	}
+	pr := x.paymentRequired(resp.ErrorReason)
+	// The offers' own slice is shared by every request: the corrective state goes into a copy.
+	pr.Accepts = slices.Clone(pr.Accepts)
+	for i := range pr.Accepts {
+		if rq := &pr.Accepts[i]; rq.Scheme == x402.SchemeBatchSettlement && rq.Network == x.req.PaymentRequirements.Network {
+			cs, vs := *resp.Extra.ChannelState, *resp.Extra.VoucherState
+			rq.Extra.ChannelState, rq.Extra.VoucherState = &cs, &vs
+		}
+	}
+	x.end(x402.PaymentOutcome{Status: x402.OutcomeVerifyFailed, Payer: x.payer, Network: x.req.PaymentRequirements.Network, SettleMs: x.settleMs, TotalMs: x.totalMs(),
+		Detail: x402.VerifyResponse{IsValid: false, Payer: x.payer, InvalidReason: resp.ErrorReason, InvalidMessage: resp.ErrorMessage}})
+	x.setRequiredHeader(pr)
+	return true, x.writeRequired(http.StatusPaymentRequired, pr)
 }
