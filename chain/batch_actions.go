@@ -502,29 +502,9 @@ func (f *Facilitator) refundAction(n *network, pl *x402.BatchPayload, settle boo
 		return nil, refuseBatch(x402.ReasonBatchRefundPayload, "a refund to settle carries channelConfig, voucher, amount, refundNonce and claims")
 	}
 	domain := BatchDomainSeparator(n.chainID)
-	cfg, err := ParseChannelConfig(*pl.ChannelConfig)
+	cfg, id, err := refundSignedByPayer(n, pl)
 	if err != nil {
-		return nil, refuseBatch(x402.ReasonInvalidPayload, "payload.channelConfig: %v", err)
-	}
-	id := ChannelID(domain, cfg)
-	if !x402.IsBytes32(pl.Voucher.ChannelID) || common.HexToHash(pl.Voucher.ChannelID) != id {
-		return nil, refuseBatch(x402.ReasonBatchChannelIDMismatch, "payload.voucher.channelId is %q, but payload.channelConfig is channel %s", truncate(pl.Voucher.ChannelID), id.Hex())
-	}
-	// The payer's own voucher comes with its refund: a refund of a channel is asked for with its payer's key.
-	cumulative, err := x402.ParseAmount(pl.Voucher.MaxClaimableAmount)
-	if err != nil || cumulative.Cmp(maxUint128) > 0 {
-		return nil, refuseBatch(x402.ReasonInvalidPayload, "payload.voucher.maxClaimableAmount %q is not a uint128 amount", truncate(pl.Voucher.MaxClaimableAmount))
-	}
-	signer := cfg.PayerAuthorizer
-	if signer == (common.Address{}) {
-		signer = cfg.Payer
-	}
-	sig, err := ParseSignature(pl.Voucher.Signature)
-	if err != nil {
-		return nil, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature: %v", err)
-	}
-	if got, err := RecoverSigner(VoucherDigest(domain, id, cumulative), sig); err != nil || got != signer {
-		return nil, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "the refund's voucher is signed by %s, not channel %s's payer %s", got.Hex(), id.Hex(), signer.Hex())
+		return nil, err
 	}
 	amount, err := x402.ParseAmount(pl.Amount)
 	if err != nil || amount.Sign() == 0 || amount.Cmp(maxUint128) > 0 {
@@ -589,6 +569,41 @@ func (f *Facilitator) refundAction(n *network, pl *x402.BatchPayload, settle boo
 	// A refund nonce is good for one refund of its channel: the channel and the nonce name the refund.
 	a.id = journal.PaymentID(n.caip2, actionRefundMethod, contracts.BatchSettlementAddress.Hex(), id.Hex(), nonce.String())
 	return a, nil
+}
+
+// refundSignedByPayer checks, off chain, that a refund's voucher is its channel's and signed by the channel's
+// payer (its payerAuthorizer, or the payer's own key): a refund of a channel is asked for with its payer's key. It
+// returns the channel's configuration and id.
+func refundSignedByPayer(n *network, pl *x402.BatchPayload) (contracts.ChannelConfig, common.Hash, error) {
+	if pl.ChannelConfig == nil || pl.Voucher == nil {
+		return contracts.ChannelConfig{}, common.Hash{}, refuseBatch(x402.ReasonBatchRefundPayload, "a refund carries channelConfig and a voucher")
+	}
+	domain := BatchDomainSeparator(n.chainID)
+	cfg, err := ParseChannelConfig(*pl.ChannelConfig)
+	if err != nil {
+		return cfg, common.Hash{}, refuseBatch(x402.ReasonInvalidPayload, "payload.channelConfig: %v", err)
+	}
+	id := ChannelID(domain, cfg)
+	if !x402.IsBytes32(pl.Voucher.ChannelID) || common.HexToHash(pl.Voucher.ChannelID) != id {
+		return cfg, id, refuseBatch(x402.ReasonBatchChannelIDMismatch, "payload.voucher.channelId is %q, but payload.channelConfig is channel %s", truncate(pl.Voucher.ChannelID), id.Hex())
+	}
+	// The payer's own voucher comes with its refund: a refund of a channel is asked for with its payer's key.
+	cumulative, err := x402.ParseAmount(pl.Voucher.MaxClaimableAmount)
+	if err != nil || cumulative.Cmp(maxUint128) > 0 {
+		return cfg, id, refuseBatch(x402.ReasonInvalidPayload, "payload.voucher.maxClaimableAmount %q is not a uint128 amount", truncate(pl.Voucher.MaxClaimableAmount))
+	}
+	signer := cfg.PayerAuthorizer
+	if signer == (common.Address{}) {
+		signer = cfg.Payer
+	}
+	sig, err := ParseSignature(pl.Voucher.Signature)
+	if err != nil {
+		return cfg, id, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature: %v", err)
+	}
+	if got, err := RecoverSigner(VoucherDigest(domain, id, cumulative), sig); err != nil || got != signer {
+		return cfg, id, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "the refund's voucher is signed by %s, not channel %s's payer %s", got.Hex(), id.Hex(), signer.Hex())
+	}
+	return cfg, id, nil
 }
 
 // channelState is the escrow's state of channel id: its balance, what was claimed, the pending withdrawal's start

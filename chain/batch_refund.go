@@ -127,6 +127,11 @@ func (f *Facilitator) settlePayerRefund(ctx context.Context, n *network, req x40
 	if resp, ok, err := f.payerRefundAgain(ctx, n, reqID, id, payer); err != nil || ok {
 		return withCharged(resp, charged), err
 	}
+	// Judged by its signature before the channel is closed to vouchers: anyone may name a channel, and a refund
+	// not its payer's must not hold up the payer's vouchers even for a moment.
+	if _, _, err := refundSignedByPayer(n, &p.Payload); err != nil {
+		return x402.BatchSettleResponse{}, err
+	}
 	open, ok := n.batch.fence.refund(id, refundFenceWait)
 	if !ok {
 		return x402.BatchSettleResponse{}, refuseBatch(x402.ReasonBatchChannelBusy, "vouchers of channel %s are being accepted: present the refund again", id.Hex())

@@ -139,3 +139,35 @@ func TestBatchPayersPartialRefundPresentedAgainIsAnsweredFromItsRecord(t *testin
 		t.Fatalf("a voucher after the partial refund: %+v", resp)
 	}
 }
+
+// A payer's refund and the claimer's claim of the same channel, sent at once (the claimer takes no action lock:
+// it marks its claim in the channel's row): both claim the same last voucher, which the escrow takes once and
+// skips the second time, so in either order the receiver is paid exactly what was charged and the payer gets
+// exactly the rest.
+func TestBatchPayersRefundWhileTheClaimerClaimsTheChannelPaysEachSideExactly(t *testing.T) {
+	b := slowActionRoute(t, boltJournal(t))
+	payer0, _ := b.balances(t)
+	b.deposit(t, 10*batchPrice)
+	for i := int64(1); i <= 3; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	sent := b.sentBy(t, b.c.Wallets)
+	claimed := make(chan error, 1)
+	go func() { claimed <- b.fx.f.ClaimBatches(context.Background()) }()
+	refund := settleBatch(t, b.fx.f, b.payerRefund(b.payer, 3*batchPrice))
+	if err := <-claimed; err != nil {
+		t.Fatalf("the claimer: %v", err)
+	}
+	if !refund.Success || refund.Amount != fmt.Sprint(7*batchPrice) {
+		t.Fatalf("the refund: %+v", refund)
+	}
+	if payer, receiver := b.balances(t); payer != payer0-3*batchPrice || receiver != 3*batchPrice {
+		t.Fatalf("the payer holds %d (want %d), the receiver %d (want %d)", payer, payer0-3*batchPrice, receiver, 3*batchPrice)
+	}
+	if balance, claimedOnChain := b.channelOnChain(t); balance != 3*batchPrice || claimedOnChain != 3*batchPrice {
+		t.Fatalf("the channel holds %d, %d claimed; want 3000 and 3000", balance, claimedOnChain)
+	}
+	t.Logf("%d transactions: the refund, and the claim unless the refund's was mined before the claimer read the channel", b.sentBy(t, b.c.Wallets)-sent)
+}
