@@ -49,12 +49,25 @@ type paidInBatches struct {
 // up exactly 30 prices, the escrow back where it was, the settlement wallet three transactions (deposit, claim,
 // refund), the payer no ether. The last voucher presented again is refused as used; the refund presented again is
 // answered with its transaction and sends nothing.
-func TestThePublicTypeScriptClientPaysOurBatchRouteClaimedThenRefundedBalancesExact(t *testing.T) {
+// batchGate is a real Caddy selling a route by scheme batch through the embedded engine, on an in-process dev
+// chain, and a payer holding USD Coin and no ether, for the public TypeScript client to pay.
+type batchGate struct {
+	sdk, node, url, network string
+	d                       *devChain
+	chainURL                string
+	usdc, payer, receiver   common.Address
+	payerKey                string
+	wallet                  common.Address
+}
+
+// startBatchGate starts the dev chain and Caddy, whose claimer claims every claimEvery vouchers.
+func startBatchGate(t *testing.T, price, claimEvery int) *batchGate {
+	t.Helper()
 	needBinary(t)
 	npm := needs.Command(t, "npm", "apt-get install nodejs npm")
 	node := needs.Command(t, "node", "apt-get install nodejs")
 	sdk := installTypeScriptClient(t, npm)
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	dev, err := devchain.Start(ctx, devchain.Config{Listen: "127.0.0.1:0"})
 	if err != nil {
@@ -68,13 +81,11 @@ func TestThePublicTypeScriptClientPaysOurBatchRouteClaimedThenRefundedBalancesEx
 	chainURL := dev.RPCURL()
 	d := dialChain(t, chainURL)
 	usdc := devchain.EIP3009TokenAddress
-	const price, requests = 1000, 30
 
 	funder := devchain.PayerKey()
 	payerKey, authorizerKey, receiverKey := devchain.PayerKeyN(31), devchain.PayerKeyN(32), devchain.PayerKeyN(33)
 	payerAddr, receiver := crypto.PubkeyToAddress(payerKey.PublicKey), crypto.PubkeyToAddress(receiverKey.PublicKey)
 	wallet := devchain.WalletKeys(1)[0]
-	walletAddr := crypto.PubkeyToAddress(wallet.PublicKey)
 	d.send(funder, usdc, nil, callToken(t, "transfer", payerAddr, big.NewInt(1_000_000)))
 
 	gateURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
@@ -106,23 +117,36 @@ func TestThePublicTypeScriptClientPaysOurBatchRouteClaimedThenRefundedBalancesEx
 	}
 	respond "batch content at {http.x402.cumulative}"
 }
-`, dev.Network(), chainURL, usdc.Hex(), contracts.USDCoinName, contracts.USDCoinVersion, requests, dir, gateURL, price, receiver.Hex()))
+`, dev.Network(), chainURL, usdc.Hex(), contracts.USDCoinName, contracts.USDCoinVersion, claimEvery, dir, gateURL, price, receiver.Hex()))
 	caddy := startProcess(t, "Caddy with a batch route", dir, childEnv(t,
 		"X402_E2E_WALLET_KEY="+strings.TrimPrefix(hexutil.Encode(crypto.FromECDSA(wallet)), "0x"),
 		"X402_E2E_AUTHORIZER_KEY="+strings.TrimPrefix(hexutil.Encode(crypto.FromECDSA(authorizerKey)), "0x")),
 		"run", "--adapter", "caddyfile", "--config", config)
 	caddy.waitUntil("a 402 from the batch route", 60*time.Second, answersWith(gateURL+"/", 402))
+	return &batchGate{sdk: sdk, node: node, url: gateURL + "/", network: dev.Network(), d: d, chainURL: chainURL, usdc: usdc,
+		payer: payerAddr, receiver: receiver, payerKey: hexutil.Encode(crypto.FromECDSA(payerKey)), wallet: crypto.PubkeyToAddress(wallet.PublicKey)}
+}
 
-	payerBefore, receiverBefore, escrowBefore := d.balanceOf(usdc, payerAddr), d.balanceOf(usdc, receiver), d.balanceOf(usdc, contracts.BatchSettlementAddress)
-	sentBefore := sentFrom(t, d, walletAddr)
-	env := append(os.Environ(), "X402_PAYER_KEY="+hexutil.Encode(crypto.FromECDSA(payerKey)), "X402_RPC_URL="+chainURL,
-		"X402_ASSET="+usdc.Hex(), "X402_NETWORK="+dev.Network(), fmt.Sprintf("X402_MAX_AMOUNT=%d", price),
-		fmt.Sprintf("X402_DEPOSIT_MULTIPLIER=%d", 2*requests))
-	r := runCommand(t, 4*time.Minute, sdk, env, node, "pay-batch.mjs", gateURL+"/", fmt.Sprint(requests))
+// pay runs pay-batch.mjs for requests requests with the given extra environment, and returns what it printed.
+func (g *batchGate) pay(t *testing.T, requests, price int, env ...string) (paidInBatches, result) {
+	t.Helper()
+	env = append(append(os.Environ(), "X402_PAYER_KEY="+g.payerKey, "X402_RPC_URL="+g.chainURL,
+		"X402_ASSET="+g.usdc.Hex(), "X402_NETWORK="+g.network, fmt.Sprintf("X402_MAX_AMOUNT=%d", price)), env...)
+	r := runCommand(t, 4*time.Minute, g.sdk, env, g.node, "pay-batch.mjs", g.url, fmt.Sprint(requests))
 	var got paidInBatches
 	if err := json.Unmarshal([]byte(lastLines(r.stdout, 1)), &got); err != nil {
 		t.Fatalf("pay-batch.mjs exited %d without its JSON line (%v)\nstdout:\n%s\nstderr:\n%s", r.code, err, r.stdout, r.stderr)
 	}
+	return got, r
+}
+
+func TestThePublicTypeScriptClientPaysOurBatchRouteClaimedThenRefundedBalancesExact(t *testing.T) {
+	const price, requests = 1000, 30
+	g := startBatchGate(t, price, requests)
+	d, usdc, payerAddr, receiver, walletAddr, gateURL := g.d, g.usdc, g.payer, g.receiver, g.wallet, strings.TrimSuffix(g.url, "/")
+	payerBefore, receiverBefore, escrowBefore := d.balanceOf(usdc, payerAddr), d.balanceOf(usdc, receiver), d.balanceOf(usdc, contracts.BatchSettlementAddress)
+	sentBefore := sentFrom(t, d, walletAddr)
+	got, r := g.pay(t, requests, price, fmt.Sprintf("X402_DEPOSIT_MULTIPLIER=%d", 2*requests))
 	if len(got.Requests) != requests {
 		t.Fatalf("the client made %d requests, want %d; the last: %+v\nstderr:\n%s", len(got.Requests), requests, got.Requests[len(got.Requests)-1], r.stderr)
 	}
@@ -189,5 +213,48 @@ func TestThePublicTypeScriptClientPaysOurBatchRouteClaimedThenRefundedBalancesEx
 	}
 	if !strings.EqualFold(got.ChannelID, common.HexToHash(got.ChannelID).Hex()) {
 		t.Errorf("the channel id %q is no bytes32", got.ChannelID)
+	}
+}
+
+// A new run of the public TypeScript client (its channels in memory, so it knows the channel only from the
+// escrow, where nothing is claimed yet) pays our batch route after an earlier run's 5 vouchers: its voucher at
+// 1000 is answered by the gate's corrective 402, the SDK's client checks the voucher there is its own, carries on
+// and pays at 6000, then its refund returns the rest, claiming the 6 vouchers on the way. On chain: the payer down
+// exactly 6 prices, the seller up exactly 6, the escrow back where it was; the deposit and the refund the only
+// transactions.
+func TestANewRunOfThePublicTypeScriptClientIsCorrectedByOurBatchRouteAndRefunds(t *testing.T) {
+	const price, requests = 1000, 5
+	g := startBatchGate(t, price, 1000)
+	d := g.d
+	payerBefore, receiverBefore, escrowBefore := d.balanceOf(g.usdc, g.payer), d.balanceOf(g.usdc, g.receiver), d.balanceOf(g.usdc, contracts.BatchSettlementAddress)
+	sentBefore := sentFrom(t, d, g.wallet)
+	first, r := g.pay(t, requests, price, "X402_DEPOSIT_MULTIPLIER=20", "X402_REFUND=0")
+	if r.code != 0 || len(first.Requests) != requests {
+		t.Fatalf("the first run (exit %d): %+v\nstderr:\n%s", r.code, first, r.stderr)
+	}
+	deposit, _ := new(big.Int).SetString(*first.Requests[0].Sent.Deposit, 10)
+	second, r := g.pay(t, 1, price, "X402_CLAIM_WAIT_SECONDS=0")
+	const paid = (requests + 1) * price
+	if len(second.Requests) != 1 || second.Requests[0].Status != http.StatusOK || second.Requests[0].Body != fmt.Sprintf("batch content at %d", paid) {
+		t.Fatalf("the new run's request: %+v\nstdout:\n%s\nstderr:\n%s", second.Requests, r.stdout, r.stderr)
+	}
+	if s := second.Requests[0].Sent; s == nil || s.Type != x402.BatchVoucher || s.MaxClaimableAmount != fmt.Sprint(paid) {
+		t.Fatalf("the new run sent %+v; want a voucher at %d after the corrective 402", s, paid)
+	}
+	left := new(big.Int).Sub(deposit, big.NewInt(paid))
+	if r.code != 0 || second.Refund == nil || !second.Refund.Success || second.Refund.Amount != left.String() {
+		t.Fatalf("the new run's refund (exit %d): %+v; want the %s left\nstdout:\n%s\nstderr:\n%s", r.code, second.Refund, left, r.stdout, r.stderr)
+	}
+	if got := delta(d.balanceOf(g.usdc, g.payer), payerBefore); got.Int64() != paid {
+		t.Errorf("the payer paid %s in all; want %d", got, paid)
+	}
+	if got := delta(receiverBefore, d.balanceOf(g.usdc, g.receiver)); got.Int64() != paid {
+		t.Errorf("the seller got %s; want %d", got, paid)
+	}
+	if got := delta(escrowBefore, d.balanceOf(g.usdc, contracts.BatchSettlementAddress)); got.Sign() != 0 {
+		t.Errorf("the escrow holds %s more than before; want 0", got)
+	}
+	if n := sentFrom(t, d, g.wallet) - sentBefore; n != 2 {
+		t.Errorf("the settlement wallet sent %d transactions; want 2: the deposit and the refund", n)
 	}
 }

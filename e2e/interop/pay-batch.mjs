@@ -15,6 +15,7 @@
 //   X402_MAX_AMOUNT         the largest payment, in raw token units, the spend controls allow (default 1000)
 //   X402_DEPOSIT_MULTIPLIER the client's deposit policy: a deposit of this many requests' price (default 5)
 //   X402_CLAIM_WAIT_SECONDS how long to wait for the receiver's claim before the refund (default 60; 0: do not wait)
+//   X402_REFUND             0: ask no refund (default 1)
 //
 // The JSON line: payer, channelId, requests (each: status, body, what the client sent (type, maxClaimableAmount,
 // deposit) and the decoded PAYMENT-RESPONSE), lastPayment (the PAYMENT-SIGNATURE of the last request, for the
@@ -47,6 +48,7 @@ const network = process.env.X402_NETWORK || "eip155:72344";
 const maxAmount = process.env.X402_MAX_AMOUNT || "1000";
 const multiplier = Number(process.env.X402_DEPOSIT_MULTIPLIER || "5");
 const claimWait = Number(process.env.X402_CLAIM_WAIT_SECONDS ?? "60");
+const refund = process.env.X402_REFUND !== "0";
 
 const account = privateKeyToAccount(rawKey.startsWith("0x") ? rawKey : `0x${rawKey}`);
 const publicClient = createPublicClient({ transport: http(rpcUrl) });
@@ -91,7 +93,7 @@ for (let k = 1; k <= count; k++) {
 }
 result.lastPayment = sentHeaders[sentHeaders.length - 1] ?? null;
 
-if (ok && result.channelId) {
+if (ok && refund && result.channelId) {
   // The receiver claims in batches; the refund is asked once it has claimed what the vouchers charged.
   const abi = parseAbi(["function channels(bytes32 channelId) view returns (uint128 balance, uint128 totalClaimed)"]);
   const charged = BigInt(result.requests[result.requests.length - 1].paymentResponse.extra.channelState.chargedCumulativeAmount);
