@@ -247,21 +247,28 @@ func (f *Facilitator) recordRefundRequest(ctx context.Context, n *network, reqID
 }
 
 // openWhenMined waits for a payer refund's transaction sent and not yet mined, then reads its channel again and
-// opens it to vouchers. Not mined within ten receipt waits, the channel is opened anyway, its row read again:
-// a refund that mines later is found by the next read (a voucher judged against it is refused above the
-// deposit), and presenting the refund again resolves it.
+// opens it to vouchers. It waits as long as the refund is unresolved: until its receipt is found, or its record is
+// made final by whoever resolved it (the refund presented again, which also sends a transaction the node forgot),
+// or the engine closes. A channel opened before its refund mined would take vouchers against a deposit the refund
+// is about to return.
 func (f *Facilitator) openWhenMined(n *network, a *batchAction, hash common.Hash, open func()) {
 	defer open()
 	ctx := context.Background()
-	deadline := time.Now().Add(10 * n.timeout)
-	for time.Now().Before(deadline) {
+	for {
 		if r, err := n.backend.TransactionReceipt(ctx, hash); err == nil && r != nil {
 			if _, err := f.finishAction(ctx, n, a, r); err != nil {
 				f.log.Warn("finishing a payer's refund mined after its answer", zap.String("tx", hash.Hex()), zap.Error(err))
 			}
 			break
 		}
-		time.Sleep(n.watcher.poll)
+		if rec, ok, err := f.journal.Get(ctx, a.id); err == nil && ok && rec.State == journal.StateFinal {
+			break
+		}
+		select {
+		case <-f.stop:
+			return
+		case <-time.After(n.watcher.poll):
+		}
 	}
 	f.rereadRefunded(ctx, n, a.channel)
 }

@@ -171,3 +171,53 @@ func TestBatchPayersRefundWhileTheClaimerClaimsTheChannelPaysEachSideExactly(t *
 	}
 	t.Logf("%d transactions: the refund, and the claim unless the refund's was mined before the claimer read the channel", b.sentBy(t, b.c.Wallets)-sent)
 }
+
+// A payer's refund answered pending (sent, not mined within the receipt wait) keeps its channel closed to
+// vouchers until it is mined, then the channel's row is read again: a voucher meanwhile is refused as channel
+// busy, and after, above what the channel holds.
+func TestBatchPayersRefundAnsweredPendingKeepsItsChannelClosedToVouchersUntilMined(t *testing.T) {
+	j := boltJournal(t)
+	b := newBatchRoute(t, fixtureOpts{journal: j, autoCommit: 800 * time.Millisecond, receiptTimeout: 50 * time.Millisecond,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+		}})
+	b.deposit(t, 10*batchPrice)
+	for i := int64(1); i <= 3; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	refund := settleBatch(t, b.fx.f, b.payerRefund(b.payer, 3*batchPrice))
+	if refund.ErrorReason != x402.ReasonSettlementPending || refund.Transaction == "" {
+		t.Fatalf("the refund: %+v; want it sent and pending", refund)
+	}
+	if during := settleBatch(t, b.fx.f, b.voucher(b.rq, 4*batchPrice)); during.Success || during.ErrorReason != x402.ReasonBatchChannelBusy {
+		t.Fatalf("a voucher while the refund is pending: %+v; want %s", during, x402.ReasonBatchChannelBusy)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		if balance, _ := b.channelOnChain(t); balance == 3*batchPrice {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the refund was never mined")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	for {
+		after := settleBatch(t, b.fx.f, b.voucher(b.rq, 4*batchPrice))
+		if after.Success {
+			t.Fatalf("a voucher after the refund was mined was accepted: %+v", after)
+		}
+		if after.ErrorReason != x402.ReasonBatchChannelBusy {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the channel stayed closed after its refund was mined: %+v", after)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if row := b.row(t, j); row.Charged.Int64() != 3*batchPrice || row.Deposit.Int64() != 3*batchPrice {
+		t.Fatalf("the row stands at %s of a deposit of %s; want 3000 of 3000", row.Charged, row.Deposit)
+	}
+}
