@@ -126,6 +126,12 @@ type Gate struct {
 	// Default: not declared, and a payment's id is ignored.
 	PaymentIdentifier string `json:"payment_identifier,omitempty"`
 
+	// Access, when set, grants a payer whose payment was settled access to the route for a while
+	// (sign-in-with-x): the 402 carries a CAIP-122 challenge, and a request answering it with a SIGN-IN-WITH-X
+	// header signed by the payer's wallet is served without paying, within the grant. Grants are kept in the
+	// settlement journal, shared by every gateway of it. Not with settle async. Default: every request pays.
+	Access *GateAccess `json:"access,omitempty"`
+
 	// CORSOrigins are the origins whose browser scripts may pay for the resource: the gate answers their CORS
 	// preflight itself (never passing it on unpaid) and lets them read its answers. "*" allows any origin.
 	// Default: any origin.
@@ -299,7 +305,7 @@ func (g *Gate) start(app *App) error {
 // coreConfig is the configuration of the gate's core, shaped from its Caddy config.
 func (g *Gate) coreConfig(app *App) gate.Config {
 	return gate.Config{
-		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body, PaymentIdentifier: g.PaymentIdentifier,
+		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body, PaymentIdentifier: g.PaymentIdentifier, Access: g.Access.core(),
 		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID,
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
@@ -420,6 +426,9 @@ func (g *Gate) Validate() error {
 	}
 	if g.PriceGrace < 0 {
 		return fmt.Errorf("price_grace %s is negative; want a duration such as 1m, or 0 for none", time.Duration(g.PriceGrace))
+	}
+	if err := gate.CheckAccess(g.Access.core(), g.Settle); err != nil {
+		return err
 	}
 	if len(g.specs) == 0 {
 		return errors.New("no way to pay is configured")
@@ -571,4 +580,25 @@ var (
 	_ caddy.CleanerUpper          = (*Gate)(nil)
 	_ caddyhttp.MiddlewareHandler = (*Gate)(nil)
 	_ gate.Metrics                = gateMetrics{}
+	// The embedded engine checks a contract wallet's sign-in as it checks its payments.
+	_ gate.MessageSignatureChecker = (*chain.Facilitator)(nil)
 )
+
+// GateAccess is what a payment buys of its route beyond its response (sign-in-with-x).
+type GateAccess struct {
+	// For is how long a grant lasts from the payment's settlement, such as 1h. Required.
+	For caddy.Duration `json:"for,omitempty"`
+	// Requests bounds how many requests a grant lets in; 0 (the default): any number within For.
+	Requests int64 `json:"requests,omitempty"`
+	// Paths are the request paths a grant covers ("/reports/*": every path under /reports/); default: the path
+	// the payment was made for, as the public SDK's servers grant.
+	Paths []string `json:"paths,omitempty"`
+}
+
+// core is a the gate core's Access of a; nil for nil.
+func (a *GateAccess) core() *gate.Access {
+	if a == nil {
+		return nil
+	}
+	return &gate.Access{For: time.Duration(a.For), Requests: a.Requests, Paths: a.Paths}
+}

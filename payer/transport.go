@@ -116,6 +116,10 @@ type Transport struct {
 	// again with the payment; 0 is DefaultMaxBufferedBody, and a negative value buffers none. A request whose
 	// body cannot be sent again is sent once, and a 402 to it is an error.
 	MaxBufferedBody int64
+	// SignIn answers a 402's sign-in-with-x challenge with the payer's wallet before paying (Payer.SignIn), as
+	// the SDK's clients do with the extension registered: a server where the payer paid before serves it without
+	// a payment; where it answers 402 again, the first 402's offer is paid.
+	SignIn bool
 
 	mu      sync.Mutex
 	covered map[common.Hash]*big.Int  // by batch-settlement channel: the cumulative amount its counted deposits cover
@@ -173,6 +177,12 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	if again == nil {
 		return nil, fmt.Errorf("payer: %s asks for a payment, but the request's body has no GetBody and is over %d bytes, so it cannot be sent again with the payment", where, t.maxBuffered())
+	}
+
+	if t.SignIn {
+		if resp, err := t.signIn(req, where, offer, again); resp != nil || err != nil {
+			return resp, err
+		}
 	}
 
 	ctx := req.Context()
@@ -557,3 +567,28 @@ func (t *Transport) reserveBatch(where string, plan *batchPlan) (deposit *big.In
 
 // counted is what the plan's payment added to the budget.
 func (t *Transport) counted(plan *batchPlan) *big.Int { return orZero(plan.counted) }
+
+// signIn sends req again answering offer's sign-in-with-x challenge, and returns the answer unless it is 402
+// (nil, nil then: the offer is to be paid). A 402 without a challenge, or with one the payer does not sign, is
+// nil, nil too.
+func (t *Transport) signIn(req *http.Request, where string, offer Offer, again func() (io.ReadCloser, error)) (*http.Response, error) {
+	header, ok, err := t.Payer.SignIn(offer, where)
+	if err != nil || !ok {
+		return nil, nil // a challenge the payer does not sign is no reason not to pay
+	}
+	signed := req.Clone(req.Context())
+	if signed.Body, err = again(); err != nil {
+		return nil, fmt.Errorf("payer: %s: the request body for the sign-in: %w", where, err)
+	}
+	if req.GetBody == nil && signed.Body != nil && signed.Body != http.NoBody {
+		signed.GetBody = again
+	}
+	signed.Header.Set(x402.HeaderSignInWithX, header)
+	resp, err := t.base().RoundTrip(signed)
+	if err != nil || resp.StatusCode != http.StatusPaymentRequired {
+		return resp, err
+	}
+	io.Copy(io.Discard, io.LimitReader(resp.Body, maxOfferBody))
+	resp.Body.Close()
+	return nil, nil
+}

@@ -19,6 +19,9 @@
 // payment-identifier extension so, and answers with the id the payment named as the SDK's validators read it, in
 // its X-Payment-Identifier header and its body's last line ("payment identifier: <id>", "none" when it named none,
 // "invalid: <why>" when they refuse it).
+// With X402_SIWX=1, GET /paid also declares @x402/extensions' sign-in-with-x (declareSIWxExtension on the network,
+// createSIWxResourceServerExtension with the server's own origin and the SDK's InMemorySIWxStorage): a payer whose
+// payment the server settled is served again on its wallet's signature alone, as the SDK's server grants it.
 // It prints "listening <url>" once it serves, and stops by itself after X402_LIFETIME_SECONDS (default 600).
 import { Hono } from "hono";
 import { serve } from "@hono/node-server";
@@ -36,6 +39,7 @@ import {
   validatePaymentIdentifierRequirement,
 } from "@x402/extensions";
 import { decodePaymentSignatureHeader } from "@x402/core/http";
+import { createSIWxResourceServerExtension, declareSIWxExtension, InMemorySIWxStorage } from "@x402/extensions/sign-in-with-x";
 
 function usage(message) {
   process.stderr.write(`server.mjs: ${message}\n`);
@@ -69,6 +73,14 @@ const resourceServer = new x402ResourceServer(facilitatorClient)
   .register(network, new ExactEvmScheme());
 if (uptoAmount !== undefined) resourceServer.register(network, new UptoEvmScheme());
 if (paymentIdentifier !== undefined) resourceServer.registerExtension(paymentIdentifierResourceServerExtension);
+const siwx = process.env.X402_SIWX === "1";
+if (siwx) {
+  resourceServer.registerExtension(createSIWxResourceServerExtension({
+    origin: `http://127.0.0.1:${port}`,
+    storage: new InMemorySIWxStorage(),
+    onEvent: (e) => process.stderr.write(`siwx: ${JSON.stringify(e)}\n`),
+  }));
+}
 const batchScheme = batchAmount === undefined ? undefined : new BatchSettlementEvmScheme(payTo);
 if (batchScheme) resourceServer.register(network, batchScheme);
 const batchRoutes = batchAmount === undefined ? {} : {
@@ -121,6 +133,7 @@ app.use(
           ...declareEip2612GasSponsoringExtension(),
           // Unlike the gas-sponsoring helper, this one returns the declaration itself, not keyed by its name.
           ...(paymentIdentifier === undefined ? {} : { [PAYMENT_IDENTIFIER]: declarePaymentIdentifierExtension(paymentIdentifier === "required") }),
+          ...(siwx ? declareSIWxExtension({ network }) : {}),
         },
       },
     },
