@@ -64,6 +64,11 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		}
 //		cors_origins <origin>...             # default *
 //		price_grace <duration>               # keep earlier offers of a resource good this long after a reload
+//		batch {                              # scheme batch through facilitator_url: the claim policy
+//			claim_every <n>
+//			claim_amount <raw units>
+//			claim_after <duration>
+//		}
 //		                                     # (terms then set from the method and URL only)
 //		accept {
 //			pay_to, scheme, price, amount, network, asset, asset_transfer_method,
@@ -196,6 +201,12 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			g.V1Body = true
+		case "batch":
+			b, err := parseBatchBlock(d, true)
+			if err != nil {
+				return err
+			}
+			g.Batch = b
 		case "payment_identifier":
 			args := d.RemainingArgs()
 			switch {
