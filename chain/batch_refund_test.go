@@ -3,6 +3,7 @@ package chain_test
 import (
 	"context"
 	"fmt"
+	"math/big"
 	"testing"
 	"time"
 
@@ -219,5 +220,42 @@ func TestBatchPayersRefundAnsweredPendingKeepsItsChannelClosedToVouchersUntilMin
 	}
 	if row := b.row(t, j); row.Charged.Int64() != 3*batchPrice || row.Deposit.Int64() != 3*batchPrice {
 		t.Fatalf("the row stands at %s of a deposit of %s; want 3000 of 3000", row.Charged, row.Deposit)
+	}
+}
+
+// A payer's refund of a channel its payer withdrew (the engine claimed what it accepted first, the withdrawal
+// took the rest) is refused before any gas as nothing to refund (refund_no_balance). Coverage of a seam: it
+// passed before the gate served refunds, the engine's refund being what the gate calls.
+func TestBatchPayersRefundOfAWithdrawnChannelIsRefusedBeforeAnyGas(t *testing.T) {
+	b := actionRoute(t, boltJournal(t))
+	b.deposit(t, 10*batchPrice)
+	for i := int64(1); i <= 4; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	initiate, err := contracts.PackInitiateWithdraw(b.cfg, big.NewInt(6*batchPrice))
+	if err != nil {
+		t.Fatal(err)
+	}
+	finalize, err := contracts.PackFinalizeWithdraw(b.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.escrow(t, b.payer, initiate, "initiating the withdrawal")
+	if err := b.fx.f.ClaimBatches(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	b.c.AdjustTime(time.Duration(contracts.MinWithdrawDelay+1) * time.Second)
+	b.escrow(t, b.payer, finalize, "finalizing the withdrawal")
+	sent := b.sentBy(t, b.c.Wallets)
+	if resp := settleBatch(t, b.fx.f, b.payerRefund(b.payer, 4*batchPrice)); resp.Success || resp.ErrorReason != x402.ReasonBatchRefundNoBalance {
+		t.Fatalf("a refund of the withdrawn channel: %+v; want %s", resp, x402.ReasonBatchRefundNoBalance)
+	}
+	if got := b.sentBy(t, b.c.Wallets) - sent; got != 0 {
+		t.Fatalf("the refused refund sent %d transactions", got)
+	}
+	if balance, claimed := b.channelOnChain(t); balance != 4*batchPrice || claimed != 4*batchPrice {
+		t.Fatalf("the channel holds %d with %d claimed; want 4000 and 4000", balance, claimed)
 	}
 }
