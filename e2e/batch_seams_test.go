@@ -1,0 +1,560 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"crypto/ecdsa"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math/big"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum"
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/common/hexutil"
+	"github.com/ethereum/go-ethereum/crypto"
+	"github.com/ethereum/go-ethereum/signer/core/apitypes"
+
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// The batch-settlement route at its seams with the rest of the gate, judged on chain: real Caddy processes with a
+// route of scheme batch (and the embedded facilitator's own route, where the test plays the seller's server for
+// a refund), an in-process dev chain, a bbolt journal or one PostgreSQL for several gateways. The payers sign
+// their deposits and vouchers here, by hand, so that each test decides what is presented where and when.
+
+// batchSeamPrice is the batch route's price in raw units of the dev USDCoin ($0.001).
+const batchSeamPrice = 1000
+
+// batchSeamContent is the batch route's response body.
+const batchSeamContent = "a response bought by a voucher"
+
+// batchSetup is the shape of a batch world.
+type batchSetup struct {
+	gateways int
+	postgres bool
+	payers   int
+	// claim is the claim policy's lines in the network's batch block.
+	claim string
+	// upstream, when set, is the host:port the batch route proxies to, in place of responding itself.
+	upstream string
+	// admin: each gateway's admin API listens on a port of its own, for reloads.
+	admin bool
+}
+
+// batchWorld is the dev chain, the journal and the gateways of one test.
+type batchWorld struct {
+	t          *testing.T
+	dir        string
+	s          batchSetup
+	d          *devChain
+	chainURL   string
+	chainID    *big.Int
+	network    string
+	usdc       common.Address
+	receiver   common.Address
+	authorizer *ecdsa.PrivateKey
+	wallets    []*ecdsa.PrivateKey
+	payers     []*ecdsa.PrivateKey
+	journal    string // a file, or a DSN (never logged)
+	env        []string
+	gates      []*batchGate
+}
+
+// batchGate is one Caddy process of the world.
+type batchGate struct {
+	w     *batchWorld
+	n     int
+	name  string
+	url   string
+	admin string
+	file  string
+	claim string // the claim policy it runs now
+	proc  *process
+}
+
+// startBatchWorld starts the chain, the journal and the gateways, and waits until each offers batch-settlement.
+func startBatchWorld(t *testing.T, s batchSetup) *batchWorld {
+	t.Helper()
+	needBinary(t)
+	started := time.Now()
+	w := &batchWorld{t: t, dir: t.TempDir(), s: s, usdc: devchain.EIP3009TokenAddress}
+	if s.postgres {
+		pgtest.Need(t)
+		w.journal = pgtest.Start(t).DSN()
+	} else {
+		w.journal = filepath.Join(w.dir, "journal.db")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	dev, err := devchain.Start(ctx, devchain.Config{Listen: "127.0.0.1:0", Wallets: 2, Payers: s.payers})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := dev.Close(); err != nil {
+			t.Errorf("closing the dev chain: %v", err)
+		}
+	})
+	w.chainURL, w.network = dev.RPCURL(), dev.Network()
+	id, err := x402.ChainID(w.network)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.chainID = new(big.Int).SetUint64(id)
+	w.d = dialChain(t, w.chainURL)
+	w.wallets, w.payers = dev.WalletKeys(), dev.Payers()
+	receiverKey, err := crypto.GenerateKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.receiver = crypto.PubkeyToAddress(receiverKey.PublicKey)
+	if w.authorizer, err = crypto.GenerateKey(); err != nil {
+		t.Fatal(err)
+	}
+	w.env = childEnv(t, "X402_TEST_RECEIVER_AUTHORIZER_KEY="+hexutil.Encode(crypto.FromECDSA(w.authorizer))[2:])
+	for i := range s.gateways {
+		g := &batchGate{w: w, n: i, name: fmt.Sprintf("gateway %d", i), url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t)), claim: s.claim}
+		if s.admin {
+			g.admin = fmt.Sprintf("127.0.0.1:%d", freePort(t))
+		}
+		g.file = filepath.Join(w.dir, fmt.Sprintf("gateway%d.Caddyfile", i))
+		w.gates = append(w.gates, g)
+		g.start()
+	}
+	t.Logf("the batch world is up in %v: %d gateway(s) on %s", time.Since(started).Round(100*time.Millisecond), s.gateways,
+		map[bool]string{true: "one PostgreSQL", false: "a bbolt journal"}[s.postgres])
+	return w
+}
+
+// config is the gateway's Caddyfile with claim policy claim.
+func (g *batchGate) config(claim string) string {
+	w := g.w
+	var keys []string
+	for _, k := range w.wallets {
+		keys = append(keys, hexutil.Encode(crypto.FromECDSA(k))[2:])
+	}
+	serve := fmt.Sprintf("respond %q", batchSeamContent)
+	if w.s.upstream != "" {
+		serve = "reverse_proxy " + w.s.upstream
+	}
+	admin := "off"
+	if g.admin != "" {
+		admin = g.admin
+	}
+	return fmt.Sprintf(`{
+	admin %s
+	x402 {
+		network %s {
+			rpc %s
+			asset %s name %q version %s decimals 6 eip3009
+			wallet_keys %s
+			receipt_poll 20ms
+			batch {
+				receiver_authorizer_key {env.X402_TEST_RECEIVER_AUTHORIZER_KEY}
+				%s
+			}
+		}
+		journal %s
+	}
+}
+
+%s {
+	bind 127.0.0.1
+	handle_path /facilitator/* {
+		x402_facilitator {
+			open
+		}
+	}
+	handle /batch {
+		x402 {
+			scheme batch
+			amount %d
+			pay_to %s
+		}
+		%s
+	}
+}
+`, admin, w.network, w.chainURL, w.usdc.Hex(), contracts.USDCoinName, contracts.USDCoinVersion, strings.Join(keys, ","),
+		claim, w.journal, g.url, batchSeamPrice, w.receiver.Hex(), serve)
+}
+
+// start starts the gateway's Caddy on its Caddyfile and waits until its /batch offers batch-settlement.
+func (g *batchGate) start() {
+	g.w.t.Helper()
+	writeFile(g.w.t, g.w.dir, filepath.Base(g.file), g.config(g.claim))
+	g.proc = startProcess(g.w.t, g.name, g.w.dir, g.w.env, "run", "--adapter", "caddyfile", "--config", g.file)
+	g.proc.waitUntil("a 402 offering batch-settlement", 90*time.Second, func() error {
+		_, err := g.offer()
+		return err
+	})
+}
+
+// reload loads the gateway's Caddyfile with claim policy claim through its admin API, as `caddy reload` does.
+func (g *batchGate) reload(claim string) error {
+	g.claim = claim
+	config := g.config(claim)
+	writeFile(g.w.t, g.w.dir, filepath.Base(g.file), config)
+	req, err := http.NewRequest(http.MethodPost, "http://"+g.admin+"/load", strings.NewReader(config))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "text/caddyfile")
+	resp, err := httpClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("reloading %s: %w", g.name, err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("reloading %s: %d %s", g.name, resp.StatusCode, shorten(string(body)))
+	}
+	return nil
+}
+
+// offer is the batch-settlement requirement of the gateway's /batch 402.
+func (g *batchGate) offer() (x402.BatchRequirements, error) {
+	a, err := get(g.url + "/batch")
+	if err != nil {
+		return x402.BatchRequirements{}, err
+	}
+	pr, err := x402.DecodePaymentRequired(a.header.Get(x402.HeaderPaymentRequired))
+	if a.status != http.StatusPaymentRequired || err != nil {
+		return x402.BatchRequirements{}, fmt.Errorf("unpaid GET /batch: %d (%v)", a.status, err)
+	}
+	for _, rq := range pr.Accepts {
+		if rq.Scheme == x402.SchemeBatchSettlement {
+			return x402.BatchRequirements{Scheme: rq.Scheme, Network: rq.Network, Amount: rq.Amount, Asset: rq.Asset, PayTo: rq.PayTo,
+				MaxTimeoutSeconds: rq.MaxTimeoutSeconds, Extra: x402.BatchExtra{ReceiverAuthorizer: rq.Extra.ReceiverAuthorizer,
+					WithdrawDelay: rq.Extra.WithdrawDelay, Name: rq.Extra.Name, Version: rq.Extra.Version, AssetTransferMethod: rq.Extra.AssetTransferMethod}}, nil
+		}
+	}
+	return x402.BatchRequirements{}, fmt.Errorf("the 402 offers no batch-settlement yet: %+v", pr.Accepts)
+}
+
+// batchChannel is one payer's channel to the world's receiver, its deposits and vouchers signed by the test.
+type batchChannel struct {
+	w   *batchWorld
+	key *ecdsa.PrivateKey
+	rq  x402.BatchRequirements
+	cfg contracts.ChannelConfig
+	id  common.Hash
+}
+
+// channel opens (on paper: nothing is sent) a channel of payer key under the offer of gateway 0.
+func (w *batchWorld) channel(key *ecdsa.PrivateKey) *batchChannel {
+	w.t.Helper()
+	rq, err := w.gates[0].offer()
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	payer := crypto.PubkeyToAddress(key.PublicKey)
+	c := &batchChannel{w: w, key: key, rq: rq, cfg: contracts.ChannelConfig{Payer: payer, PayerAuthorizer: payer,
+		Receiver: common.HexToAddress(rq.PayTo), ReceiverAuthorizer: common.HexToAddress(rq.Extra.ReceiverAuthorizer),
+		Token: common.HexToAddress(rq.Asset), WithdrawDelay: uint64(rq.Extra.WithdrawDelay), Salt: common.BigToHash(chaintest.RandomNonce())}}
+	c.id = chaintest.ChannelID(w.chainID, c.cfg)
+	return c
+}
+
+// signTyped signs typed data with key as an EOA does (v 27 or 28).
+func signTyped(t *testing.T, key *ecdsa.PrivateKey, td apitypes.TypedData) []byte {
+	t.Helper()
+	hash, _, err := apitypes.TypedDataAndHash(td)
+	if err != nil {
+		t.Fatalf("hashing %s typed data: %v", td.PrimaryType, err)
+	}
+	sig, err := crypto.Sign(hash, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sig[64] += 27
+	return sig
+}
+
+// payment is the channel's voucher for cumulative, signed by signer (the payer when nil), as a payment.
+func (c *batchChannel) payment(cumulative int64, signer *ecdsa.PrivateKey) x402.BatchPayment {
+	if signer == nil {
+		signer = c.key
+	}
+	sig := signTyped(c.w.t, signer, chaintest.VoucherTypedData(c.w.chainID, c.id, big.NewInt(cumulative)))
+	wire := &x402.ChannelConfig{Payer: c.cfg.Payer.Hex(), PayerAuthorizer: c.cfg.PayerAuthorizer.Hex(), Receiver: c.cfg.Receiver.Hex(),
+		ReceiverAuthorizer: c.cfg.ReceiverAuthorizer.Hex(), Token: c.cfg.Token.Hex(), WithdrawDelay: int64(c.cfg.WithdrawDelay),
+		Salt: hexutil.Encode(c.cfg.Salt[:])}
+	return x402.BatchPayment{X402Version: x402.Version2, Accepted: c.rq, Payload: x402.BatchPayload{Type: x402.BatchVoucher, ChannelConfig: wire,
+		Voucher: &x402.BatchVoucherFields{ChannelID: c.id.Hex(), MaxClaimableAmount: fmt.Sprint(cumulative), Signature: hexutil.Encode(sig)}}}
+}
+
+// header is p as a PAYMENT-SIGNATURE value.
+func (c *batchChannel) header(p x402.BatchPayment) string {
+	c.w.t.Helper()
+	h, err := x402.EncodeHeader(p)
+	if err != nil {
+		c.w.t.Fatal(err)
+	}
+	return h
+}
+
+// voucher is the PAYMENT-SIGNATURE of the channel's voucher for cumulative.
+func (c *batchChannel) voucher(cumulative int64) string { return c.header(c.payment(cumulative, nil)) }
+
+// deposit is the PAYMENT-SIGNATURE of a deposit of amount (ERC-3009) with the voucher for cumulative.
+func (c *batchChannel) deposit(amount, cumulative int64) string {
+	t := c.w.t
+	t.Helper()
+	salt := common.BigToHash(chaintest.RandomNonce())
+	// Valid for half the offer's maxTimeoutSeconds from the chain's head, as a client signs.
+	validBefore := new(big.Int).SetUint64(uint64(c.w.chainTime().Unix()) + uint64(c.rq.MaxTimeoutSeconds/2))
+	nonce := contracts.ERC3009DepositNonce(c.id, salt)
+	sig := signTyped(t, c.key, chaintest.ReceiveAuthorizationTypedData(contracts.USDCoinName, contracts.USDCoinVersion, c.w.chainID,
+		c.cfg.Token, c.cfg.Payer, big.NewInt(amount), big.NewInt(0), validBefore, nonce))
+	p := c.payment(cumulative, nil)
+	p.Payload.Type = x402.BatchDeposit
+	p.Payload.Deposit = &x402.BatchDepositFields{Amount: fmt.Sprint(amount), Authorization: x402.BatchDepositAuthorization{
+		ERC3009Authorization: &x402.BatchERC3009Authorization{ValidAfter: "0", ValidBefore: validBefore.String(), Salt: salt.Hex(), Signature: hexutil.Encode(sig)}}}
+	return c.header(p)
+}
+
+// onChain is the channel's balance and total claimed in the escrow.
+func (c *batchChannel) onChain() (balance, claimed int64) {
+	t := c.w.t
+	t.Helper()
+	data, err := contracts.PackBatchSettlement("channels", c.id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := rpcContext()
+	defer cancel()
+	to := contracts.BatchSettlementAddress
+	raw, err := c.w.d.client.CallContract(ctx, ethereum.CallMsg{To: &to, Data: data}, nil)
+	if err != nil {
+		t.Fatalf("reading channel %s: %v", c.id.Hex(), err)
+	}
+	out, err := contracts.BatchSettlementABI.Unpack("channels", raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out[0].(*big.Int).Int64(), out[1].(*big.Int).Int64()
+}
+
+// refund posts to gateway gate's facilitator route what the SDK's seller server sends for the payer's refund of
+// all that is left once every voucher is claimed: the refund at the channel's first nonce, claiming nothing more,
+// signed by the engine's receiver authorizer key (the engine signs what comes unsigned).
+func (c *batchChannel) refund(gate int, cumulative, left int64) (x402.BatchSettleResponse, error) {
+	p := c.payment(cumulative, nil)
+	p.Payload.Type = x402.BatchRefund
+	p.Payload.Amount, p.Payload.RefundNonce, p.Payload.Claims = fmt.Sprint(left), "0", []x402.BatchVoucherClaim{}
+	body, err := json.Marshal(x402.BatchRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: c.rq})
+	if err != nil {
+		return x402.BatchSettleResponse{}, err
+	}
+	resp, err := httpClient.Post(c.w.gates[gate].url+"/facilitator/settle", "application/json", bytes.NewReader(body))
+	if err != nil {
+		return x402.BatchSettleResponse{}, err
+	}
+	defer resp.Body.Close()
+	raw, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		return x402.BatchSettleResponse{}, fmt.Errorf("POST /facilitator/settle: %d %s", resp.StatusCode, shorten(string(raw)))
+	}
+	return x402.UnmarshalBatchSettleResponse(raw)
+}
+
+// chainTime is the time of the chain's head block.
+func (w *batchWorld) chainTime() time.Time {
+	ctx, cancel := rpcContext()
+	defer cancel()
+	h, err := w.d.client.HeaderByNumber(ctx, nil)
+	if err != nil {
+		w.t.Fatalf("reading the head: %v", err)
+	}
+	return time.Unix(int64(h.Time), 0)
+}
+
+// batchAnswer is what a presentation of a batch payment got.
+type batchAnswer struct {
+	status     int
+	body       string
+	cumulative string // the channel's cumulative amount PAYMENT-RESPONSE names, "" without one
+	err        error
+}
+
+// delivered reports whether the answer is the response, whole, with its cumulative amount.
+func (a batchAnswer) delivered(cumulative int64) bool {
+	return a.err == nil && a.status == http.StatusOK && a.body == batchSeamContent && a.cumulative == fmt.Sprint(cumulative)
+}
+
+// refused reports whether the answer is a 402 naming reason.
+func (a batchAnswer) refused(reason string) bool {
+	return a.err == nil && a.status == http.StatusPaymentRequired && strings.Contains(a.body, reason)
+}
+
+func (a batchAnswer) String() string {
+	if a.err != nil {
+		return "no answer: " + shorten(a.err.Error())
+	}
+	return fmt.Sprintf("%d %s (cumulative %q)", a.status, shorten(a.body), a.cumulative)
+}
+
+// batchClient is the clients' HTTP client: no connection kept, so that a restarted gateway is reached afresh.
+var batchClient = &http.Client{Timeout: time.Minute, Transport: &http.Transport{DisableKeepAlives: true}}
+
+// present sends payment value to gateway gate's /batch.
+func (w *batchWorld) present(ctx context.Context, gate int, value string) batchAnswer {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, w.gates[gate].url+"/batch", nil)
+	if err != nil {
+		return batchAnswer{err: err}
+	}
+	req.Header.Set(x402.HeaderPaymentSignature, value)
+	resp, err := batchClient.Do(req)
+	if err != nil {
+		return batchAnswer{err: err}
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	a := batchAnswer{status: resp.StatusCode, body: string(body), err: err}
+	if h := resp.Header.Get(x402.HeaderPaymentResponse); h != "" {
+		if s, err := x402.DecodeBatchSettleResponse(h); err == nil && s.Extra != nil && s.Extra.ChannelState != nil {
+			a.cumulative = s.Extra.ChannelState.ChargedCumulativeAmount
+		}
+	}
+	return a
+}
+
+// waitClaimed waits until each channel's total claimed on chain is what want says, and fails the test past timeout.
+func (w *batchWorld) waitClaimed(timeout time.Duration, want map[*batchChannel]int64) {
+	w.t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		var off []string
+		for c, n := range want {
+			if _, claimed := c.onChain(); claimed != n {
+				off = append(off, fmt.Sprintf("channel %s claimed %d, want %d", c.id.Hex()[:10], claimed, n))
+			}
+		}
+		if len(off) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			w.t.Fatalf("after %v: %s", timeout, strings.Join(off, "; "))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// balances reads the token balances the tests judge: each payer's, the receiver's and the escrow's.
+func (w *batchWorld) balances() map[common.Address]int64 {
+	out := map[common.Address]int64{}
+	holders := []common.Address{w.receiver, contracts.BatchSettlementAddress}
+	for _, k := range w.payers {
+		holders = append(holders, crypto.PubkeyToAddress(k.PublicKey))
+	}
+	for _, h := range holders {
+		out[h] = w.d.balanceOf(w.usdc, h).Int64()
+	}
+	return out
+}
+
+// TestABatchVoucherAcceptedBeforeASIGKILLIsServedOnceAfterTheRestartAndClaimedOnce: a voucher accepted (durably,
+// before its upstream runs) and then its gateway SIGKILLed while the upstream holds its response: nothing was
+// delivered. Presented again after the restart, it gets the response at the same cumulative amount (charged
+// once), and a third time it is refused as used; the channel carries on from it. The claimer (claim_after 1s)
+// claims exactly what was served, and the payer's refund returns exactly the rest. About 6 s: two Caddy starts.
+func TestABatchVoucherAcceptedBeforeASIGKILLIsServedOnceAfterTheRestartAndClaimedOnce(t *testing.T) {
+	var holding atomic.Bool
+	arrived := make(chan struct{}, 4)
+	up := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		if holding.Load() {
+			arrived <- struct{}{}
+			<-r.Context().Done() // until the gateway is gone
+			return
+		}
+		io.WriteString(rw, batchSeamContent)
+	}))
+	t.Cleanup(up.Close)
+	w := startBatchWorld(t, batchSetup{gateways: 1, payers: 1, claim: "claim_every 1000\n\t\t\t\tclaim_after 1s",
+		upstream: strings.TrimPrefix(up.URL, "http://")})
+	before := w.balances()
+	c := w.channel(w.payers[0])
+	ctx := context.Background()
+	const deposit = 10 * batchSeamPrice
+	if a := w.present(ctx, 0, c.deposit(deposit, batchSeamPrice)); !a.delivered(batchSeamPrice) {
+		t.Fatalf("the deposit with the first voucher: %s; want the response at %d", a, batchSeamPrice)
+	}
+
+	holding.Store(true)
+	second := c.voucher(2 * batchSeamPrice)
+	cut := make(chan batchAnswer, 1)
+	go func() { cut <- w.present(ctx, 0, second) }()
+	select {
+	case <-arrived:
+	case a := <-cut:
+		t.Fatalf("the second voucher was answered %s before its upstream was reached", a)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the second voucher's request never reached the upstream")
+	}
+	w.gates[0].proc.kill()
+	if a := <-cut; a.status == http.StatusOK {
+		t.Fatalf("the voucher whose gateway was SIGKILLed got %s", a)
+	}
+	holding.Store(false)
+	w.gates[0].start()
+
+	if a := w.present(ctx, 0, second); !a.delivered(2 * batchSeamPrice) {
+		t.Fatalf("the accepted voucher presented again after the restart: %s; want its response at %d, charged once", a, 2*batchSeamPrice)
+	}
+	if a := w.present(ctx, 0, second); !a.refused(x402.ReasonPaymentAlreadyUsed) {
+		t.Fatalf("the voucher presented a third time: %s; want 402 %s", a, x402.ReasonPaymentAlreadyUsed)
+	}
+	if a := w.present(ctx, 0, c.voucher(3*batchSeamPrice)); !a.delivered(3 * batchSeamPrice) {
+		t.Fatalf("the next voucher: %s; want its response at %d", a, 3*batchSeamPrice)
+	}
+	w.waitClaimed(30*time.Second, map[*batchChannel]int64{c: 3 * batchSeamPrice})
+
+	r, err := c.refund(0, 3*batchSeamPrice, deposit-3*batchSeamPrice)
+	if err != nil || !r.Success {
+		t.Fatalf("the payer's refund of the rest: %+v (%v)", r, err)
+	}
+	w.checkPaid(before, map[*batchChannel]int64{c: 3 * batchSeamPrice})
+}
+
+// checkPaid waits for the refunds to land and checks the balances against what each channel served: each payer
+// paid exactly its channel's, the receiver got their sum, and the escrow holds what it held before.
+func (w *batchWorld) checkPaid(before map[common.Address]int64, served map[*batchChannel]int64) {
+	w.t.Helper()
+	want := map[common.Address]int64{}
+	for a, b := range before {
+		want[a] = b
+	}
+	for c, n := range served {
+		want[c.cfg.Payer] -= n
+		want[w.receiver] += n
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		got := w.balances()
+		var off []string
+		for a, b := range want {
+			if got[a] != b {
+				off = append(off, fmt.Sprintf("%s holds %d, want %d (%+d since the start)", a.Hex()[:10], got[a], b, got[a]-before[a]))
+			}
+		}
+		if len(off) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			w.t.Fatalf("the balances after the refunds: %s", strings.Join(off, "; "))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
