@@ -12,6 +12,7 @@ import (
 	"net/http/httptest"
 	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -557,4 +558,112 @@ func (w *batchWorld) checkPaid(before map[common.Address]int64, served map[*batc
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// TestTwoGatewaysOnOnePostgresJournalRefuseBatchVouchersBeyondTheDepositAndTheAdversarialTable: two gateways on
+// one PostgreSQL journal, one channel of deposit 5 prices. Every voucher a dishonest payer can sign is refused at
+// either gateway with the SDK's reason and nothing served: below the last cumulative amount, skipping ahead,
+// above the deposit, naming another channel than its config, a channel to another receiver or receiver
+// authorizer, a channel with no deposit, signed by another key. The same voucher presented at both gateways at
+// once is served once, and so is the deposit presented again at the other gateway; the channel is then paid to its deposit, alternating gateways, and the voucher past it is
+// refused at both at once with cumulative_exceeds_balance. Both gateways claim (claim_after 1s): the channel is
+// claimed exactly the deposit, the seller paid exactly the deposit, and the refund finds nothing left. About 5 s.
+func TestTwoGatewaysOnOnePostgresJournalRefuseBatchVouchersBeyondTheDepositAndTheAdversarialTable(t *testing.T) {
+	w := startBatchWorld(t, batchSetup{gateways: 2, postgres: true, payers: 2, claim: "claim_every 1000\n\t\t\t\tclaim_after 1s"})
+	before := w.balances()
+	c := w.channel(w.payers[0])
+	ctx := context.Background()
+	const deposit = 5 * batchSeamPrice
+	first := c.deposit(deposit, batchSeamPrice)
+	if a := w.present(ctx, 0, first); !a.delivered(batchSeamPrice) {
+		t.Fatalf("the deposit with the first voucher: %s; want the response at %d", a, batchSeamPrice)
+	}
+	if a := w.present(ctx, 1, first); !a.refused(x402.ReasonPaymentAlreadyUsed) {
+		t.Fatalf("the deposit presented again at the other gateway: %s; want 402 %s and no second deposit", a, x402.ReasonPaymentAlreadyUsed)
+	}
+
+	other := func(edit func(*contracts.ChannelConfig)) *batchChannel {
+		o := *c
+		edit(&o.cfg)
+		o.id = chaintest.ChannelID(w.chainID, o.cfg)
+		return &o
+	}
+	stranger, err := crypto.GenerateKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	undeposited := other(func(cfg *contracts.ChannelConfig) { cfg.Salt = common.BigToHash(chaintest.RandomNonce()) })
+	misnamed := c.payment(2*batchSeamPrice, nil)
+	misnamed.Payload.Voucher.ChannelID = undeposited.id.Hex()
+	for _, row := range []struct {
+		name, value, reason string
+	}{
+		{"below the last cumulative amount", c.voucher(batchSeamPrice / 2), x402.ReasonBatchCumulativeAmountMismatch},
+		{"skipping a price ahead", c.voucher(3 * batchSeamPrice), x402.ReasonBatchCumulativeAmountMismatch},
+		{"above the deposit", c.voucher(deposit + batchSeamPrice), x402.ReasonBatchCumulativeExceedsBalance},
+		{"naming another channel than its config", c.header(misnamed), x402.ReasonBatchChannelIDMismatch},
+		{"for a channel to another receiver", other(func(cfg *contracts.ChannelConfig) { cfg.Receiver = seller }).voucher(2 * batchSeamPrice), x402.ReasonBatchReceiverMismatch},
+		{"for a channel to another receiver authorizer", other(func(cfg *contracts.ChannelConfig) { cfg.ReceiverAuthorizer = seller }).voucher(2 * batchSeamPrice), x402.ReasonBatchReceiverAuthorizerMismatch},
+		{"for a channel with no deposit", undeposited.voucher(batchSeamPrice), x402.ReasonBatchChannelNotFound},
+		{"signed by another key", c.header(c.payment(2*batchSeamPrice, stranger)), x402.ReasonBatchInvalidVoucherSignature},
+	} {
+		for gate := range w.gates {
+			if a := w.present(ctx, gate, row.value); !a.refused(row.reason) || strings.Contains(a.body, batchSeamContent) {
+				t.Errorf("a voucher %s at gateway %d: %s; want 402 %s and nothing served", row.name, gate, a, row.reason)
+			}
+		}
+	}
+
+	// The same voucher at both gateways at once buys one response.
+	presentAtOnce := func(value string) []batchAnswer {
+		answers := make([]batchAnswer, 4)
+		var wg sync.WaitGroup
+		for i := range answers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				answers[i] = w.present(ctx, i%len(w.gates), value)
+			}()
+		}
+		wg.Wait()
+		return answers
+	}
+	served := 0
+	second := presentAtOnce(c.voucher(2 * batchSeamPrice))
+	for _, a := range second {
+		switch {
+		case a.delivered(2 * batchSeamPrice):
+			served++
+		case !a.refused(x402.ReasonPaymentAlreadyUsed):
+			t.Errorf("the second voucher presented four times at once at two gateways: one answered %s; want its response or 402 %s", a, x402.ReasonPaymentAlreadyUsed)
+		}
+	}
+	if served != 1 {
+		t.Fatalf("the second voucher presented four times at once at two gateways was served %d times, want once: %v", served, second)
+	}
+	for k := int64(3); k <= deposit/batchSeamPrice; k++ {
+		if a := w.present(ctx, int(k%2), c.voucher(k*batchSeamPrice)); !a.delivered(k * batchSeamPrice) {
+			t.Fatalf("voucher %d at gateway %d: %s; want its response", k, k%2, a)
+		}
+	}
+	// Past the deposit, at both gateways at once: each refused, by the engine for the deposit, or (while another
+	// request presents it) by the gate's in-flight mark, which tells the client to wait for that answer.
+	exceeds := 0
+	for _, a := range presentAtOnce(c.voucher(deposit + batchSeamPrice)) {
+		switch {
+		case a.refused(x402.ReasonBatchCumulativeExceedsBalance):
+			exceeds++
+		case !a.refused(x402.ReasonPaymentAlreadyUsed) || !strings.Contains(a.body, "presenting this voucher right now"):
+			t.Errorf("the voucher past the deposit, at both gateways at once: %s; want 402 %s (or another request is presenting it)", a, x402.ReasonBatchCumulativeExceedsBalance)
+		}
+	}
+	if exceeds == 0 {
+		t.Errorf("the voucher past the deposit, at both gateways at once, was never refused with %s", x402.ReasonBatchCumulativeExceedsBalance)
+	}
+
+	w.waitClaimed(30*time.Second, map[*batchChannel]int64{c: deposit})
+	if r, err := c.refund(1, deposit, 1); err != nil || r.Success || r.ErrorReason != x402.ReasonBatchRefundNoBalance {
+		t.Errorf("a refund of a channel paid to its deposit: %+v (%v); want %s", r, err, x402.ReasonBatchRefundNoBalance)
+	}
+	w.checkPaid(before, map[*batchChannel]int64{c: deposit})
 }
