@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"math/big"
+	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
@@ -666,4 +667,151 @@ func TestTwoGatewaysOnOnePostgresJournalRefuseBatchVouchersBeyondTheDepositAndTh
 		t.Errorf("a refund of a channel paid to its deposit: %+v (%v); want %s", r, err, x402.ReasonBatchRefundNoBalance)
 	}
 	w.checkPaid(before, map[*batchChannel]int64{c: deposit})
+}
+
+// batchDrillSeedEnv replays the batch drill's fault points; the seed is logged at the start.
+const batchDrillSeedEnv = "X402_BATCH_DRILL_SEED"
+
+// batchDrillPolicies are the claim policies the batch drill reloads between: each due within a few seconds, by a
+// count, an amount or an age, so that claims are sent while the load runs and the faults land among them.
+var batchDrillPolicies = []string{
+	"claim_every 5\n\t\t\t\tclaim_after 2s",
+	"claim_amount 3000\n\t\t\t\tclaim_after 1s",
+	"claim_every 2\n\t\t\t\tclaim_after 3s",
+}
+
+// batchDrillWorker is one paying client of the batch drill: its own channel, paid voucher after voucher.
+type batchDrillWorker struct {
+	c          *batchChannel
+	served     int64 // the vouchers whose response it got: its channel's cumulative amount in prices
+	presented  int
+	violations []string
+}
+
+// TestBatchVouchersThroughSIGKILLsAndClaimPolicyReloadsAreEachClaimedOnceAndTheRefundReturnsTheRest is the crash
+// drill of a batch route: four clients pay it by voucher, each on its own channel (a deposit of 100,000 prices with
+// the first voucher), while the gateway is SIGKILLed three times at random moments and restarted on the same
+// journal, and reloaded twice in between with another claim policy (the old and the new engine both claimers on
+// one journal for a moment), claims being sent throughout. A client presents each voucher until its answer is
+// final: the response (then the next voucher), or a refusal, which is a violation here: no voucher of these
+// honest clients may be refused, and none refused as used unless its response was delivered. In the end every
+// channel is claimed exactly the vouchers whose response was delivered, the last of them presented again is
+// refused as used, and the payer's refund returns exactly the rest: each payer paid what it was served, the
+// receiver got the sum, the escrow holds what it held. $X402_BATCH_DRILL_SEED replays the fault points. About 15 s.
+func TestBatchVouchersThroughSIGKILLsAndClaimPolicyReloadsAreEachClaimedOnceAndTheRefundReturnsTheRest(t *testing.T) {
+	seed := seedFromEnv(t, batchDrillSeedEnv, "kill and reload points")
+	rng := rand.New(rand.NewPCG(seed, seed))
+	const workers, deposit = 4, 100_000 * batchSeamPrice
+	w := startBatchWorld(t, batchSetup{gateways: 1, payers: workers, admin: true, claim: batchDrillPolicies[0]})
+	before := w.balances()
+	ws := make([]*batchDrillWorker, workers)
+	for i := range ws {
+		ws[i] = &batchDrillWorker{c: w.channel(w.payers[i])}
+	}
+
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for _, dw := range ws {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			w.drillWorker(dw, deposit, stop)
+		}()
+	}
+	kills, reloads := 0, 0
+	for i := range 5 {
+		time.Sleep(time.Duration(300+rng.IntN(1200)) * time.Millisecond)
+		g := w.gates[0]
+		if i%2 == 0 {
+			g.proc.kill()
+			time.Sleep(time.Duration(rng.IntN(500)) * time.Millisecond)
+			g.start()
+			kills++
+			continue
+		}
+		if err := g.reload(batchDrillPolicies[(i/2+1)%len(batchDrillPolicies)]); err != nil {
+			t.Fatal(err)
+		}
+		reloads++
+	}
+	time.Sleep(time.Duration(300+rng.IntN(700)) * time.Millisecond)
+	close(stop)
+	wg.Wait()
+
+	served := map[*batchChannel]int64{}
+	total, counts := 0, []int64{}
+	for _, dw := range ws {
+		counts = append(counts, dw.served)
+		for _, v := range dw.violations {
+			t.Errorf("channel %s: %s", dw.c.id.Hex()[:10], v)
+		}
+		served[dw.c] = dw.served * batchSeamPrice
+		total += dw.presented
+		if dw.served == 0 {
+			t.Errorf("channel %s was served nothing: the drill drove no load", dw.c.id.Hex()[:10])
+		}
+	}
+	if t.Failed() {
+		t.FailNow()
+	}
+	t.Logf("%d kills, %d reloads of the claim policy; %d presentations, of which %d again after no final answer; vouchers served per channel: %v",
+		kills, reloads, total, total-int(sum(counts)), counts)
+	w.waitClaimed(60*time.Second, served)
+	ctx := context.Background()
+	for _, dw := range ws {
+		if a := w.present(ctx, 0, dw.c.voucher(dw.served*batchSeamPrice)); !a.refused(x402.ReasonPaymentAlreadyUsed) {
+			t.Errorf("channel %s's last voucher presented again: %s; want 402 %s", dw.c.id.Hex()[:10], a, x402.ReasonPaymentAlreadyUsed)
+		}
+		if r, err := dw.c.refund(0, dw.served*batchSeamPrice, deposit-dw.served*batchSeamPrice); err != nil || !r.Success {
+			t.Errorf("channel %s's refund of the rest: %+v (%v)", dw.c.id.Hex()[:10], r, err)
+		}
+	}
+	w.checkPaid(before, served)
+}
+
+// drillWorker pays its channel voucher after voucher until stop closes, each presented until its answer is
+// final, and notes what it was served and what no honest client may be answered.
+func (w *batchWorld) drillWorker(dw *batchDrillWorker, deposit int64, stop <-chan struct{}) {
+	ctx := context.Background()
+	for k := int64(1); ; k++ {
+		select {
+		case <-stop:
+			return
+		default:
+		}
+		value := dw.c.voucher(k * batchSeamPrice)
+		if k == 1 {
+			value = dw.c.deposit(deposit, batchSeamPrice)
+		}
+		giveUp := time.Now().Add(2 * time.Minute)
+		for {
+			a := w.present(ctx, 0, value)
+			dw.presented++
+			if a.delivered(k * batchSeamPrice) {
+				dw.served = k
+				break
+			}
+			// No answer (the gateway is down, or went down while answering), a 5xx, or another request of
+			// ours still presenting it in a gateway that died: not final; presented again.
+			retry := a.err != nil || a.status >= 500 ||
+				(a.refused(x402.ReasonPaymentAlreadyUsed) && strings.Contains(a.body, "presenting this voucher right now"))
+			if !retry {
+				dw.violations = append(dw.violations, fmt.Sprintf("voucher %d (cumulative %d) answered %s; its response was never delivered", k, k*batchSeamPrice, a))
+				return
+			}
+			if time.Now().After(giveUp) {
+				dw.violations = append(dw.violations, fmt.Sprintf("voucher %d had no final answer in 2 minutes: last %s", k, a))
+				return
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+}
+
+func sum(xs []int64) int64 {
+	var n int64
+	for _, x := range xs {
+		n += x
+	}
+	return n
 }
