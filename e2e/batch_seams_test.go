@@ -755,7 +755,7 @@ func TestBatchVouchersThroughSIGKILLsAndClaimPolicyReloadsAreEachClaimedOnceAndT
 		t.FailNow()
 	}
 	t.Logf("%d kills, %d reloads of the claim policy; %d presentations, of which %d again after no final answer; vouchers served per channel: %v",
-		kills, reloads, total, total-int(sum(counts)), counts)
+		kills, reloads, total, total-int(batchSum(counts)), counts)
 	w.waitClaimed(60*time.Second, served)
 	ctx := context.Background()
 	for _, dw := range ws {
@@ -808,7 +808,8 @@ func (w *batchWorld) drillWorker(dw *batchDrillWorker, deposit int64, stop <-cha
 	}
 }
 
-func sum(xs []int64) int64 {
+// batchSum is the sum of xs.
+func batchSum(xs []int64) int64 {
 	var n int64
 	for _, x := range xs {
 		n += x
