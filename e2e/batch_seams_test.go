@@ -76,14 +76,15 @@ type batchWorld struct {
 
 // batchGate is one Caddy process of the world.
 type batchGate struct {
-	w     *batchWorld
-	n     int
-	name  string
-	url   string
-	admin string
-	file  string
-	claim string // the claim policy it runs now
-	proc  *process
+	w      *batchWorld
+	n      int
+	name   string
+	url    string
+	admin  string
+	file   string
+	claim  string // the claim policy it runs now
+	amount int64  // the batch route's price it runs now
+	proc   *process
 }
 
 // startBatchWorld starts the chain, the journal and the gateways, and waits until each offers batch-settlement.
@@ -127,7 +128,8 @@ func startBatchWorld(t *testing.T, s batchSetup) *batchWorld {
 	}
 	w.env = childEnv(t, "X402_TEST_RECEIVER_AUTHORIZER_KEY="+hexutil.Encode(crypto.FromECDSA(w.authorizer))[2:])
 	for i := range s.gateways {
-		g := &batchGate{w: w, n: i, name: fmt.Sprintf("gateway %d", i), url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t)), claim: s.claim}
+		g := &batchGate{w: w, n: i, name: fmt.Sprintf("gateway %d", i), url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t)), claim: s.claim,
+			amount: batchSeamPrice}
 		if s.admin {
 			g.admin = fmt.Sprintf("127.0.0.1:%d", freePort(t))
 		}
@@ -140,8 +142,8 @@ func startBatchWorld(t *testing.T, s batchSetup) *batchWorld {
 	return w
 }
 
-// config is the gateway's Caddyfile with claim policy claim.
-func (g *batchGate) config(claim string) string {
+// config is the gateway's Caddyfile with its claim policy and price.
+func (g *batchGate) config() string {
 	w := g.w
 	var keys []string
 	for _, k := range w.wallets {
@@ -189,13 +191,13 @@ func (g *batchGate) config(claim string) string {
 	}
 }
 `, admin, w.network, w.chainURL, w.usdc.Hex(), contracts.USDCoinName, contracts.USDCoinVersion, strings.Join(keys, ","),
-		claim, w.journal, g.url, batchSeamPrice, w.receiver.Hex(), serve)
+		g.claim, w.journal, g.url, g.amount, w.receiver.Hex(), serve)
 }
 
 // start starts the gateway's Caddy on its Caddyfile and waits until its /batch offers batch-settlement.
 func (g *batchGate) start() {
 	g.w.t.Helper()
-	writeFile(g.w.t, g.w.dir, filepath.Base(g.file), g.config(g.claim))
+	writeFile(g.w.t, g.w.dir, filepath.Base(g.file), g.config())
 	g.proc = startProcess(g.w.t, g.name, g.w.dir, g.w.env, "run", "--adapter", "caddyfile", "--config", g.file)
 	g.proc.waitUntil("a 402 offering batch-settlement", 90*time.Second, func() error {
 		_, err := g.offer()
@@ -203,10 +205,10 @@ func (g *batchGate) start() {
 	})
 }
 
-// reload loads the gateway's Caddyfile with claim policy claim through its admin API, as `caddy reload` does.
-func (g *batchGate) reload(claim string) error {
-	g.claim = claim
-	config := g.config(claim)
+// reload loads the gateway's Caddyfile with its claim policy and price now through its admin API, as `caddy
+// reload` does.
+func (g *batchGate) reload() error {
+	config := g.config()
 	writeFile(g.w.t, g.w.dir, filepath.Base(g.file), config)
 	req, err := http.NewRequest(http.MethodPost, "http://"+g.admin+"/load", strings.NewReader(config))
 	if err != nil {
@@ -431,6 +433,19 @@ func (w *batchWorld) present(ctx context.Context, gate int, value string) batchA
 		}
 	}
 	return a
+}
+
+// presentAnswered is present until there is an answer (a connection the reload's old server closed is none),
+// at most for 10 s.
+func (w *batchWorld) presentAnswered(ctx context.Context, gate int, value string) batchAnswer {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		a := w.present(ctx, gate, value)
+		if a.err == nil || time.Now().After(deadline) {
+			return a
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 // waitClaimed waits until each channel's total claimed on chain is what want says, and fails the test past timeout.
@@ -729,7 +744,8 @@ func TestBatchVouchersThroughSIGKILLsAndClaimPolicyReloadsAreEachClaimedOnceAndT
 			kills++
 			continue
 		}
-		if err := g.reload(batchDrillPolicies[(i/2+1)%len(batchDrillPolicies)]); err != nil {
+		g.claim = batchDrillPolicies[(i/2+1)%len(batchDrillPolicies)]
+		if err := g.reload(); err != nil {
 			t.Fatal(err)
 		}
 		reloads++
@@ -815,4 +831,62 @@ func batchSum(xs []int64) int64 {
 		n += x
 	}
 	return n
+}
+
+// TestABatchVoucherAcceptedBeforeAReloadThatChangesThePriceIsServedWhenPresentedAgain: a voucher accepted (charged)
+// whose upstream failed, so that nothing was delivered, then a reload that changes the route's price. Presented
+// again for its response, the voucher is judged by what it was accepted under, as any payment presented again
+// is: served at its cumulative amount, charged once, not refused for the new price while the claimer claims it.
+// The channel then carries on at the new price. About 3 s.
+func TestABatchVoucherAcceptedBeforeAReloadThatChangesThePriceIsServedWhenPresentedAgain(t *testing.T) {
+	var failing atomic.Bool
+	up := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		if failing.Load() {
+			http.Error(rw, "the report is not ready", http.StatusInternalServerError)
+			return
+		}
+		io.WriteString(rw, batchSeamContent)
+	}))
+	t.Cleanup(up.Close)
+	w := startBatchWorld(t, batchSetup{gateways: 1, payers: 1, admin: true, claim: "claim_every 1000\n\t\t\t\tclaim_after 1s",
+		upstream: strings.TrimPrefix(up.URL, "http://")})
+	before := w.balances()
+	c := w.channel(w.payers[0])
+	ctx := context.Background()
+	const deposit = 10 * batchSeamPrice
+	if a := w.present(ctx, 0, c.deposit(deposit, batchSeamPrice)); !a.delivered(batchSeamPrice) {
+		t.Fatalf("the deposit with the first voucher: %s; want the response at %d", a, batchSeamPrice)
+	}
+	failing.Store(true)
+	second := c.voucher(2 * batchSeamPrice)
+	if a := w.present(ctx, 0, second); a.status != http.StatusInternalServerError {
+		t.Fatalf("the second voucher while the upstream fails: %s; want the upstream's 500", a)
+	}
+	failing.Store(false)
+	g := w.gates[0]
+	g.amount = 2 * batchSeamPrice
+	if err := g.reload(); err != nil {
+		t.Fatal(err)
+	}
+	if a := w.presentAnswered(ctx, 0, second); !a.delivered(2 * batchSeamPrice) {
+		t.Fatalf("the accepted voucher presented again after a reload that changed the price: %s; want its response at %d, charged once", a, 2*batchSeamPrice)
+	}
+	if a := w.present(ctx, 0, second); !a.refused(x402.ReasonPaymentAlreadyUsed) {
+		t.Fatalf("the voucher presented a third time: %s; want 402 %s", a, x402.ReasonPaymentAlreadyUsed)
+	}
+	// The channel carries on at the new price, under the new offer.
+	rq, err := g.offer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.rq = rq
+	const last = 4 * batchSeamPrice
+	if a := w.present(ctx, 0, c.voucher(last)); !a.delivered(last) {
+		t.Fatalf("the next voucher at the new price: %s; want its response at %d", a, last)
+	}
+	w.waitClaimed(30*time.Second, map[*batchChannel]int64{c: last})
+	if r, err := c.refund(0, last, deposit-last); err != nil || !r.Success {
+		t.Fatalf("the payer's refund of the rest: %+v (%v)", r, err)
+	}
+	w.checkPaid(before, map[*batchChannel]int64{c: last})
 }

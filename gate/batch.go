@@ -114,10 +114,24 @@ func (x *exchange) serveBatch(value string) error {
 	}
 	rq, o, mismatch := x.offers.batchMatch(p.Accepted)
 	if mismatch != nil {
-		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: mismatch.Reason, InvalidMessage: mismatch.Message})
+		// A voucher accepted (charged) here whose response was not delivered is judged by the terms it was
+		// accepted under, as any payment presented again is: a reload since (another price, say) leaves its
+		// payer charged for nothing otherwise, while the claimer claims it.
+		if !x.batchOnRecord(p) {
+			return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: mismatch.Reason, InvalidMessage: mismatch.Message})
+		}
+		rq = p.Accepted
+		rq.Extra.ChannelState, rq.Extra.VoucherState = nil, nil
+		x.g.logger.Info("a batch-settlement voucher presented again for the resource it was accepted for is judged by its record: the terms it was accepted under are no longer offered here",
+			zap.String("channel", p.Payload.Voucher.ChannelID), zap.String("cumulative", p.Payload.Voucher.MaxClaimableAmount),
+			zap.String("amount", rq.Amount), zap.String("mismatch", mismatch.Reason))
 	}
 	x.req = x402.VerifyRequest{X402Version: x402.Version2, PaymentRequirements: rq.Generic()}
-	x.decimals = o.decimals
+	if o != nil {
+		x.decimals = o.decimals
+	} else {
+		x.decimals = x.assetDecimals(x.req.PaymentRequirements)
+	}
 	bf, ok := x.g.fac.(x402.BatchFacilitator)
 	if !ok {
 		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: x402.ReasonUnsupportedScheme,
@@ -166,10 +180,12 @@ func (x *exchange) serveBatchUpstream(resp x402.BatchSettleResponse, up *upstrea
 		Network: resp.Network, SettleMs: x.settleMs, TotalMs: x.totalMs()}
 	channel := []zap.Field{zap.String("channel", resp.Commitment()), zap.String("cumulative", x.cumulative(resp))}
 	if !up.ok() {
+		x.noteBatchUnserved()
 		x.end(outcome, append(channel, zap.String("note", "the upstream failed after the voucher was accepted; presenting the same voucher again retries it"))...)
 		return x.writeUpstream(up)
 	}
 	if x.lostMark() {
+		x.noteBatchUnserved()
 		return x.servedNothing("the voucher was accepted (" + resp.Commitment() + ")")
 	}
 	if h, err := x402.EncodeHeader(resp); err == nil {
@@ -178,7 +194,38 @@ func (x *exchange) serveBatchUpstream(resp x402.BatchSettleResponse, up *upstrea
 		x.g.logger.Error("encoding PAYMENT-RESPONSE", zap.String("commitment", resp.Commitment()), zap.Error(err))
 	}
 	x.end(outcome, channel...)
-	return x.deliver(up, nil)
+	if err := x.deliver(up, nil); err != nil {
+		x.noteBatchUnserved()
+		return err
+	}
+	return nil
+}
+
+// noteBatchUnserved notes on the record of a voucher accepted and not served the route and resource it was
+// accepted for: presented again once a reload changed the route's terms, it is then judged by its record
+// (batchOnRecord). Only on this rare path: a note on every voucher would be a journal write more a request.
+func (x *exchange) noteBatchUnserved() {
+	route, resource, described := x.g.cfg.Route, x.boughtResource(), x.describedKey()
+	x.note(func(r *journal.Record) {
+		if !r.Served {
+			r.Route, r.Resource, r.Described = route, resource, described
+		}
+	})
+}
+
+// batchOnRecord reports whether a batch-settlement payment that matches none of the route's offers is a voucher
+// the journal holds as accepted at this route for this very resource, under the terms the payment names.
+func (x *exchange) batchOnRecord(p x402.BatchPayment) bool {
+	v, a := p.Payload.Voucher, p.Accepted
+	if p.Payload.Type == x402.BatchRefund || v == nil || x.g.cfg.Route == "" {
+		return false
+	}
+	rec, found, err := x.g.ledger.store.Get(x.r.Context(), journal.BatchVoucherID(a.Network, v.ChannelID, v.MaxClaimableAmount))
+	if err != nil || !found {
+		return false
+	}
+	return rec.Route == x.g.cfg.Route && rec.Resource == x.boughtResource() && rec.Described == x.describedKey() &&
+		rec.Network == a.Network && x402.SameAddress(rec.PayTo, a.PayTo) && x402.SameAddress(rec.Asset, a.Asset) && rec.Amount == a.Amount
 }
 
 // cumulative is the channel's cumulative amount the answer names, "" when it names none.
