@@ -221,17 +221,14 @@ func (f *Facilitator) settleAction(ctx context.Context, req x402.BatchRequest) (
 	if p.Accepted.Network != "" && p.Accepted.Network != network {
 		return fail(refuseBatch(x402.ReasonBatchNetworkMismatch, "paymentPayload.accepted.network is %q, paymentRequirements.network %q", truncate(p.Accepted.Network), truncate(network)))
 	}
-	enriched := false
 	if p.Payload.Type == x402.BatchRefund && p.Payload.RefundNonce == "" {
-		// A payer's own refund, to a route this engine serves: the engine enriches it as the SDK's server would.
-		pl, again, err := f.enrichRefund(ctx, n, req)
+		// A payer's own refund, to a route this engine serves: the engine enriches it as the SDK's server would,
+		// and runs it apart from the channel's vouchers (batch_refund.go).
+		resp, err := f.settlePayerRefund(ctx, n, req, payer)
 		if err != nil {
 			return fail(err)
 		}
-		if again != nil {
-			return *again, nil
-		}
-		p.Payload, enriched = pl, true
+		return resp, nil
 	}
 	var a *batchAction
 	switch p.Payload.Type {
@@ -240,7 +237,7 @@ func (f *Facilitator) settleAction(ctx context.Context, req x402.BatchRequest) (
 	case x402.BatchSettle:
 		a, err = f.settlePayeeAction(ctx, n, &p.Payload)
 	case x402.BatchRefund:
-		a, err = f.refundAction(n, &p.Payload, enriched)
+		a, err = f.refundAction(n, &p.Payload, false)
 	default:
 		err = refuseBatch(x402.ReasonBatchInvalidPayloadType, "payload.type is %q, expected claim, settle or refund", truncate(p.Payload.Type))
 	}
@@ -248,13 +245,22 @@ func (f *Facilitator) settleAction(ctx context.Context, req x402.BatchRequest) (
 		return fail(err)
 	}
 	a.payer = payer
+	resp, err := f.performAction(ctx, n, a, &p.Payload)
+	if err != nil {
+		return fail(err)
+	}
+	return resp, nil
+}
+
+// performAction runs checked action a with its channels locked, in this process and across the journal.
+func (f *Facilitator) performAction(ctx context.Context, n *network, a *batchAction, pl *x402.BatchPayload) (x402.BatchSettleResponse, error) {
 	unlock := n.batch.actions.lock(a.locks)
 	defer unlock()
 	release, err := f.lockActionJournal(ctx, n, a.id, a.locks)
 	if err != nil {
-		return fail(err)
+		return x402.BatchSettleResponse{}, err
 	}
-	resp, err := f.runAction(ctx, n, a, &p.Payload)
+	resp, err := f.runAction(ctx, n, a, pl)
 	// An action sent and not yet mined keeps its channels locked until it is: another action checked meanwhile
 	// would be simulated on a chain without it.
 	pending := ""
@@ -262,10 +268,7 @@ func (f *Facilitator) settleAction(ctx context.Context, req x402.BatchRequest) (
 		pending = resp.Transaction
 	}
 	release(pending)
-	if err != nil {
-		return fail(err)
-	}
-	return resp, nil
+	return resp, err
 }
 
 // runAction answers an action from its record, or checks and sends it, its channels locked.
@@ -978,6 +981,9 @@ func (f *Facilitator) enrichRefund(ctx context.Context, n *network, req x402.Bat
 	}
 	if left.Sign() <= 0 {
 		return pl, nil, refuseBatch(x402.ReasonBatchRefundNoBalance, "channel %s holds %s, all of it charged: nothing to refund", id.Hex(), st.balance)
+	}
+	if err := refundLeft(id, amount, left); err != nil {
+		return pl, nil, err
 	}
 	pl.Amount, pl.RefundNonce = amount.String(), st.refundNonce.String()
 	pl.ClaimAuthorizerSignature, pl.RefundAuthorizerSignature = "", ""
