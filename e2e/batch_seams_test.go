@@ -1,10 +1,8 @@
 package e2e
 
 import (
-	"bytes"
 	"context"
 	"crypto/ecdsa"
-	"encoding/json"
 	"fmt"
 	"io"
 	"math/big"
@@ -351,27 +349,37 @@ func (c *batchChannel) onChain() (balance, claimed int64) {
 	return out[0].(*big.Int).Int64(), out[1].(*big.Int).Int64()
 }
 
-// refund posts to gateway gate's facilitator route what the SDK's seller server sends for the payer's refund of
-// all that is left once every voucher is claimed: the refund at the channel's first nonce, claiming nothing more,
-// signed by the engine's receiver authorizer key (the engine signs what comes unsigned).
-func (c *batchChannel) refund(gate int, cumulative, left int64) (x402.BatchSettleResponse, error) {
+// refund is the payer's refund of all that is left, presented at gateway gate's batch route: a payment whose
+// voucher stands at the channel's last accepted cumulative amount. It returns the answer and, when there is one,
+// the refund's settlement from PAYMENT-RESPONSE.
+func (c *batchChannel) refund(gate int, cumulative int64) (batchAnswer, x402.BatchSettleResponse) {
 	p := c.payment(cumulative, nil)
 	p.Payload.Type = x402.BatchRefund
-	p.Payload.Amount, p.Payload.RefundNonce, p.Payload.Claims = fmt.Sprint(left), "0", []x402.BatchVoucherClaim{}
-	body, err := json.Marshal(x402.BatchRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: c.rq})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.w.gates[gate].url+"/batch", nil)
 	if err != nil {
-		return x402.BatchSettleResponse{}, err
+		c.w.t.Fatal(err)
 	}
-	resp, err := httpClient.Post(c.w.gates[gate].url+"/facilitator/settle", "application/json", bytes.NewReader(body))
+	req.Header.Set(x402.HeaderPaymentSignature, c.header(p))
+	resp, err := batchClient.Do(req)
 	if err != nil {
-		return x402.BatchSettleResponse{}, err
+		return batchAnswer{err: err}, x402.BatchSettleResponse{}
 	}
 	defer resp.Body.Close()
-	raw, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode != http.StatusOK {
-		return x402.BatchSettleResponse{}, fmt.Errorf("POST /facilitator/settle: %d %s", resp.StatusCode, shorten(string(raw)))
+	body, err := io.ReadAll(resp.Body)
+	a := batchAnswer{status: resp.StatusCode, body: string(body), err: err}
+	s, _ := x402.DecodeBatchSettleResponse(resp.Header.Get(x402.HeaderPaymentResponse))
+	return a, s
+}
+
+// refundAll is refund, which must return exactly left to the payer.
+func (c *batchChannel) refundAll(gate int, cumulative, left int64) {
+	c.w.t.Helper()
+	a, s := c.refund(gate, cumulative)
+	if a.err != nil || a.status != http.StatusOK || !s.Success || s.Amount != fmt.Sprint(left) {
+		c.w.t.Fatalf("channel %s's refund of the rest through gateway %d: %s, settlement %+v; want 200 and %d refunded", c.id.Hex()[:10], gate, a, s, left)
 	}
-	return x402.UnmarshalBatchSettleResponse(raw)
 }
 
 // chainTime is the time of the chain's head block.
@@ -446,6 +454,15 @@ func (w *batchWorld) presentAnswered(ctx context.Context, gate int, value string
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// sent is how many transactions the gateways' settlement wallets have sent.
+func (w *batchWorld) sent() uint64 {
+	var n uint64
+	for _, k := range w.wallets {
+		n += sentFrom(w.t, w.d, crypto.PubkeyToAddress(k.PublicKey))
+	}
+	return n
 }
 
 // waitClaimed waits until each channel's total claimed on chain is what want says, and fails the test past timeout.
@@ -538,10 +555,7 @@ func TestABatchVoucherAcceptedBeforeASIGKILLIsServedOnceAfterTheRestartAndClaime
 	}
 	w.waitClaimed(30*time.Second, map[*batchChannel]int64{c: 3 * batchSeamPrice})
 
-	r, err := c.refund(0, 3*batchSeamPrice, deposit-3*batchSeamPrice)
-	if err != nil || !r.Success {
-		t.Fatalf("the payer's refund of the rest: %+v (%v)", r, err)
-	}
+	c.refundAll(0, 3*batchSeamPrice, deposit-3*batchSeamPrice)
 	w.checkPaid(before, map[*batchChannel]int64{c: 3 * batchSeamPrice})
 }
 
@@ -577,19 +591,21 @@ func (w *batchWorld) checkPaid(before map[common.Address]int64, served map[*batc
 }
 
 // TestTwoGatewaysOnOnePostgresJournalRefuseBatchVouchersBeyondTheDepositAndTheAdversarialTable: two gateways on
-// one PostgreSQL journal, one channel of deposit 5 prices. Every voucher a dishonest payer can sign is refused at
+// one PostgreSQL journal, one channel of deposit 6 prices. Every voucher a dishonest payer can sign is refused at
 // either gateway with the SDK's reason and nothing served: below the last cumulative amount, skipping ahead,
 // above the deposit, naming another channel than its config, a channel to another receiver or receiver
 // authorizer, a channel with no deposit, signed by another key. The same voucher presented at both gateways at
-// once is served once, and so is the deposit presented again at the other gateway; the channel is then paid to its deposit, alternating gateways, and the voucher past it is
-// refused at both at once with cumulative_exceeds_balance. Both gateways claim (claim_after 1s): the channel is
-// claimed exactly the deposit, the seller paid exactly the deposit, and the refund finds nothing left. About 5 s.
+// once is served once, and so is the deposit presented again at the other gateway; the channel is then paid to
+// 5 prices, alternating gateways, and a voucher past the deposit is refused at both at once. The payer's refund
+// at one gateway returns exactly the rest; replayed at either, it sends nothing more, and a voucher within the
+// old deposit is refused after it. The seller is paid exactly what was served, never more than the deposit, and
+// the escrow holds what it held. About 5 s.
 func TestTwoGatewaysOnOnePostgresJournalRefuseBatchVouchersBeyondTheDepositAndTheAdversarialTable(t *testing.T) {
 	w := startBatchWorld(t, batchSetup{gateways: 2, postgres: true, payers: 2, claim: "claim_every 1000\n\t\t\t\tclaim_after 1s"})
 	before := w.balances()
 	c := w.channel(w.payers[0])
 	ctx := context.Background()
-	const deposit = 5 * batchSeamPrice
+	const deposit, paid = 6 * batchSeamPrice, 5 * batchSeamPrice
 	first := c.deposit(deposit, batchSeamPrice)
 	if a := w.present(ctx, 0, first); !a.delivered(batchSeamPrice) {
 		t.Fatalf("the deposit with the first voucher: %s; want the response at %d", a, batchSeamPrice)
@@ -657,7 +673,7 @@ func TestTwoGatewaysOnOnePostgresJournalRefuseBatchVouchersBeyondTheDepositAndTh
 	if served != 1 {
 		t.Fatalf("the second voucher presented four times at once at two gateways was served %d times, want once: %v", served, second)
 	}
-	for k := int64(3); k <= deposit/batchSeamPrice; k++ {
+	for k := int64(3); k <= paid/batchSeamPrice; k++ {
 		if a := w.present(ctx, int(k%2), c.voucher(k*batchSeamPrice)); !a.delivered(k * batchSeamPrice) {
 			t.Fatalf("voucher %d at gateway %d: %s; want its response", k, k%2, a)
 		}
@@ -677,11 +693,24 @@ func TestTwoGatewaysOnOnePostgresJournalRefuseBatchVouchersBeyondTheDepositAndTh
 		t.Errorf("the voucher past the deposit, at both gateways at once, was never refused with %s", x402.ReasonBatchCumulativeExceedsBalance)
 	}
 
-	w.waitClaimed(30*time.Second, map[*batchChannel]int64{c: deposit})
-	if r, err := c.refund(1, deposit, 1); err != nil || r.Success || r.ErrorReason != x402.ReasonBatchRefundNoBalance {
-		t.Errorf("a refund of a channel paid to its deposit: %+v (%v); want %s", r, err, x402.ReasonBatchRefundNoBalance)
+	// The payer asks for the rest at one gateway: the claimer's claims and the refund settle the channel, and the
+	// refund presented again, at either gateway, is answered from its record and sends nothing more.
+	c.refundAll(1, paid, deposit-paid)
+	w.waitClaimed(30*time.Second, map[*batchChannel]int64{c: paid})
+	sent := w.sent()
+	for gate := range w.gates {
+		a, s := c.refund(gate, paid)
+		if a.err != nil || s.Amount == fmt.Sprint(2*(deposit-paid)) {
+			t.Errorf("the refund replayed at gateway %d: %s %+v", gate, a, s)
+		}
 	}
-	w.checkPaid(before, map[*batchChannel]int64{c: deposit})
+	if a := w.present(ctx, 0, c.voucher(paid+batchSeamPrice)); a.status != http.StatusPaymentRequired || strings.Contains(a.body, batchSeamContent) {
+		t.Errorf("a voucher within the deposit, after the refund of the rest: %s; want 402 and nothing served", a)
+	}
+	if got := w.sent(); got != sent {
+		t.Errorf("the replayed refunds and the voucher after them sent %d transactions; want none", got-sent)
+	}
+	w.checkPaid(before, map[*batchChannel]int64{c: paid})
 }
 
 // batchDrillSeedEnv replays the batch drill's fault points; the seed is logged at the start.
@@ -778,9 +807,7 @@ func TestBatchVouchersThroughSIGKILLsAndClaimPolicyReloadsAreEachClaimedOnceAndT
 		if a := w.present(ctx, 0, dw.c.voucher(dw.served*batchSeamPrice)); !a.refused(x402.ReasonPaymentAlreadyUsed) {
 			t.Errorf("channel %s's last voucher presented again: %s; want 402 %s", dw.c.id.Hex()[:10], a, x402.ReasonPaymentAlreadyUsed)
 		}
-		if r, err := dw.c.refund(0, dw.served*batchSeamPrice, deposit-dw.served*batchSeamPrice); err != nil || !r.Success {
-			t.Errorf("channel %s's refund of the rest: %+v (%v)", dw.c.id.Hex()[:10], r, err)
-		}
+		dw.c.refundAll(0, dw.served*batchSeamPrice, deposit-dw.served*batchSeamPrice)
 	}
 	w.checkPaid(before, served)
 }
@@ -885,8 +912,6 @@ func TestABatchVoucherAcceptedBeforeAReloadThatChangesThePriceIsServedWhenPresen
 		t.Fatalf("the next voucher at the new price: %s; want its response at %d", a, last)
 	}
 	w.waitClaimed(30*time.Second, map[*batchChannel]int64{c: last})
-	if r, err := c.refund(0, last, deposit-last); err != nil || !r.Success {
-		t.Fatalf("the payer's refund of the rest: %+v (%v)", r, err)
-	}
+	c.refundAll(0, last, deposit-last)
 	w.checkPaid(before, map[*batchChannel]int64{c: last})
 }
