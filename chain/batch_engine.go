@@ -544,6 +544,10 @@ func (f *Facilitator) answerVoucher(ctx context.Context, n *network, row journal
 	rec := journal.Record{ID: vid, State: journal.StateFinal, Network: n.caip2, Payer: payer, Asset: row.Config.Token,
 		Amount: amount, PayTo: row.Config.Receiver,
 		Response: &x402.SettleResponse{Success: true, Network: n.caip2, Payer: payer, Amount: amount}}
+	if note, ok := journal.RecordNoteOf(ctx); ok {
+		// What the gate serves it for, in the same write (see journal.RecordNote).
+		rec.Route, rec.Resource, rec.Described = note.Route, note.Resource, note.Described
+	}
 	got, _, err := f.journal.Claim(ctx, rec)
 	if err != nil {
 		// The step is taken and durable in the row; the voucher presented again gets its record then.

@@ -353,11 +353,16 @@ func (c *batchChannel) onChain() (balance, claimed int64) {
 // voucher stands at the channel's last accepted cumulative amount. It returns the answer and, when there is one,
 // the refund's settlement from PAYMENT-RESPONSE.
 func (c *batchChannel) refund(gate int, cumulative int64) (batchAnswer, x402.BatchSettleResponse) {
+	return c.refundAt(c.w.gates[gate].url+"/batch", cumulative)
+}
+
+// refundAt is refund presented at url.
+func (c *batchChannel) refundAt(url string, cumulative int64) (batchAnswer, x402.BatchSettleResponse) {
 	p := c.payment(cumulative, nil)
 	p.Payload.Type = x402.BatchRefund
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.w.gates[gate].url+"/batch", nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		c.w.t.Fatal(err)
 	}
@@ -501,10 +506,20 @@ func (w *batchWorld) balances() map[common.Address]int64 {
 
 // TestABatchVoucherAcceptedBeforeASIGKILLIsServedOnceAfterTheRestartAndClaimedOnce: a voucher accepted (durably,
 // before its upstream runs) and then its gateway SIGKILLed while the upstream holds its response: nothing was
-// delivered. Presented again after the restart, it gets the response at the same cumulative amount (charged
-// once), and a third time it is refused as used; the channel carries on from it. The claimer (claim_after 1s)
-// claims exactly what was served, and the payer's refund returns exactly the rest. About 6 s: two Caddy starts.
+// delivered. Presented again after the restart (with the same price, or another one the restarted config names),
+// it gets the response at the same cumulative amount (charged once), and a third time it is refused as used; the
+// channel carries on from it at the price now. The claimer (claim_after 1s) claims exactly what was served, and
+// the payer's refund returns exactly the rest. About 2 s each: two Caddy starts.
 func TestABatchVoucherAcceptedBeforeASIGKILLIsServedOnceAfterTheRestartAndClaimedOnce(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		after int64 // the price the restarted gateway runs
+	}{{"the same price", batchSeamPrice}, {"another price", 2 * batchSeamPrice}} {
+		t.Run(tc.name, func(t *testing.T) { acceptThenSIGKILL(t, tc.after) })
+	}
+}
+
+func acceptThenSIGKILL(t *testing.T, after int64) {
 	var holding atomic.Bool
 	arrived := make(chan struct{}, 4)
 	up := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
@@ -542,21 +557,27 @@ func TestABatchVoucherAcceptedBeforeASIGKILLIsServedOnceAfterTheRestartAndClaime
 		t.Fatalf("the voucher whose gateway was SIGKILLed got %s", a)
 	}
 	holding.Store(false)
+	w.gates[0].amount = after
 	w.gates[0].start()
 
 	if a := w.present(ctx, 0, second); !a.delivered(2 * batchSeamPrice) {
-		t.Fatalf("the accepted voucher presented again after the restart: %s; want its response at %d, charged once", a, 2*batchSeamPrice)
+		t.Fatalf("the accepted voucher presented again after the restart (price %d): %s; want its response at %d, charged once", after, a, 2*batchSeamPrice)
 	}
 	if a := w.present(ctx, 0, second); !a.refused(x402.ReasonPaymentAlreadyUsed) {
 		t.Fatalf("the voucher presented a third time: %s; want 402 %s", a, x402.ReasonPaymentAlreadyUsed)
 	}
-	if a := w.present(ctx, 0, c.voucher(3*batchSeamPrice)); !a.delivered(3 * batchSeamPrice) {
-		t.Fatalf("the next voucher: %s; want its response at %d", a, 3*batchSeamPrice)
+	rq, err := w.gates[0].offer()
+	if err != nil {
+		t.Fatal(err)
 	}
-	w.waitClaimed(30*time.Second, map[*batchChannel]int64{c: 3 * batchSeamPrice})
-
-	c.refundAll(0, 3*batchSeamPrice, deposit-3*batchSeamPrice)
-	w.checkPaid(before, map[*batchChannel]int64{c: 3 * batchSeamPrice})
+	c.rq = rq
+	last := 2*batchSeamPrice + after
+	if a := w.present(ctx, 0, c.voucher(last)); !a.delivered(last) {
+		t.Fatalf("the next voucher: %s; want its response at %d", a, last)
+	}
+	w.waitClaimed(30*time.Second, map[*batchChannel]int64{c: last})
+	c.refundAll(0, last, deposit-last)
+	w.checkPaid(before, map[*batchChannel]int64{c: last})
 }
 
 // checkPaid waits for the refunds to land and checks the balances against what each channel served: each payer

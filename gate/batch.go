@@ -152,7 +152,9 @@ func (x *exchange) serveBatch(value string) error {
 
 	t := x.g.now()
 	// As any settlement, it runs to its end when the client hangs up: a deposit may be on its way on chain.
-	resp, err := bf.SettleBatch(context.WithoutCancel(x.r.Context()), x402.BatchRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: rq})
+	// The engine notes on the voucher's record what it is served for, in the write that accepts it.
+	ctx := journal.WithRecordNote(context.WithoutCancel(x.r.Context()), journal.RecordNote{Route: x.g.cfg.Route, Resource: x.boughtResource(), Described: x.describedKey()})
+	resp, err := bf.SettleBatch(ctx, x402.BatchRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: rq})
 	x.settleMs = msSince(x.g.now, t)
 	if err != nil {
 		// A deposit may have been sent: its payer presents the same payment again to learn what became of it.
@@ -179,12 +181,10 @@ func (x *exchange) serveBatchUpstream(resp x402.BatchSettleResponse, up *upstrea
 		Network: resp.Network, SettleMs: x.settleMs, TotalMs: x.totalMs()}
 	channel := []zap.Field{zap.String("channel", resp.Commitment()), zap.String("cumulative", x.cumulative(resp))}
 	if !up.ok() {
-		x.noteBatchUnserved()
 		x.end(outcome, append(channel, zap.String("note", "the upstream failed after the voucher was accepted; presenting the same voucher again retries it"))...)
 		return x.writeUpstream(up)
 	}
 	if x.lostMark() {
-		x.noteBatchUnserved()
 		return x.servedNothing("the voucher was accepted (" + resp.Commitment() + ")")
 	}
 	if h, err := x402.EncodeHeader(resp); err == nil {
@@ -193,23 +193,7 @@ func (x *exchange) serveBatchUpstream(resp x402.BatchSettleResponse, up *upstrea
 		x.g.logger.Error("encoding PAYMENT-RESPONSE", zap.String("commitment", resp.Commitment()), zap.Error(err))
 	}
 	x.end(outcome, channel...)
-	if err := x.deliver(up, nil); err != nil {
-		x.noteBatchUnserved()
-		return err
-	}
-	return nil
-}
-
-// noteBatchUnserved notes on the record of a voucher accepted and not served the route and resource it was
-// accepted for: presented again once a reload changed the route's terms, it is then judged by its record
-// (batchOnRecord). Only on this rare path: a note on every voucher would be a journal write more a request.
-func (x *exchange) noteBatchUnserved() {
-	route, resource, described := x.g.cfg.Route, x.boughtResource(), x.describedKey()
-	x.note(func(r *journal.Record) {
-		if !r.Served {
-			r.Route, r.Resource, r.Described = route, resource, described
-		}
-	})
+	return x.deliver(up, nil)
 }
 
 // batchOnRecord reports whether a batch-settlement payment that matches none of the route's offers is a voucher
