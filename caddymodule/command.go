@@ -113,6 +113,7 @@ chain), and pays nothing.
 	pay.Flags().Bool("sign-only", false, "Print the payment header value and send nothing")
 	pay.Flags().Duration("timeout", 2*time.Minute, "Give up after this long, settlement included")
 	pay.Flags().String("max", "", "Most the payment may authorize: raw units (10000) or dollars ($0.01, needs --rpc); default "+defaultPayMax)
+	pay.Flags().Bool("sign-in", false, "Answer the 402's sign-in-with-x challenge with the payer's wallet first: where a payment bought access before, be served without paying")
 	pay.Flags().String("payment-id", "", "Name the payment with this id (16 to 128 letters, digits, '-', '_') where the server declares payment-identifier (default: a fresh id there)")
 	pay.Flags().Duration("max-validity", payer.DefaultMaxValidity, "Longest a signed payment stays valid, whatever the server asks")
 	pay.Flags().String("scheme", "", "Scheme to pay by: exact, upto or batch-settlement (default: exact and upto before a new batch-settlement channel)")
@@ -178,6 +179,7 @@ func cmdX402Pay(cmd *cobra.Command, args []string) error {
 	o.Scheme, _ = fs.GetString("scheme")
 	o.Refund, _ = fs.GetBool("refund")
 	o.PaymentID, _ = fs.GetString("payment-id")
+	o.SignIn, _ = fs.GetBool("sign-in")
 	if dev && o.RPC == "" {
 		o.RPC = "http://" + devchain.DefaultListen
 	}

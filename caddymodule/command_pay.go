@@ -58,6 +58,9 @@ type payOptions struct {
 	// PaymentID names the payment in the payment-identifier extension of a server that declares it; "" names
 	// it with a fresh id there.
 	PaymentID string
+	// SignIn answers the 402's sign-in-with-x challenge with the payer's wallet first, and pays only where the
+	// server refuses it.
+	SignIn bool
 }
 
 // runPay requests o.URL, pays if it answers 402 and prints the outcome; see the `pay` command's help.
@@ -125,6 +128,11 @@ func runPay(ctx context.Context, o payOptions, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer p.Close()
+	if o.SignIn && !o.SignOnly {
+		if signedIn, err := signInFirst(ctx, p, offer, first.Request.URL.String(), client, stdout, stderr); signedIn || err != nil {
+			return err
+		}
+	}
 	i, err := p.Choose(ctx, offer)
 	if err != nil {
 		return err
@@ -385,4 +393,34 @@ func printAnswer(stdout, stderr io.Writer, resp *http.Response, body []byte) err
 		}
 	}
 	return fmt.Errorf("the server answered %s%s", resp.Status, reason)
+}
+
+// signInFirst answers the 402's sign-in-with-x challenge and prints the answer unless the server refuses the
+// sign-in (402), which it says on stderr before the caller pays; signedIn is false where the 402 declares no
+// challenge the payer signs.
+func signInFirst(ctx context.Context, p *payer.Payer, offer payer.Offer, target string, client *http.Client, stdout, stderr io.Writer) (signedIn bool, err error) {
+	header, ok, err := p.SignIn(offer, target)
+	if err != nil {
+		fmt.Fprintf(stderr, "not signing in: %v\n", err)
+		return false, nil
+	}
+	if !ok {
+		return false, nil
+	}
+	noRedirect := *client
+	noRedirect.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	resp, body, err := payer.Fetch(ctx, &noRedirect, http.MethodGet, target, x402.HeaderSignInWithX, header, maxPrintedBody)
+	if err != nil {
+		return false, err
+	}
+	if resp.StatusCode == http.StatusPaymentRequired {
+		why := "no reason given"
+		if pr, err := x402.DecodePaymentRequired(resp.Header.Get(x402.HeaderPaymentRequired)); err == nil && pr.Error != "" {
+			why = pr.Error
+		}
+		fmt.Fprintf(stderr, "signing in as %s was refused (%s): paying\n", p.Address().Hex(), why)
+		return false, nil
+	}
+	fmt.Fprintf(stderr, "signed in as %s (sign-in-with-x): served without paying\n", p.Address().Hex())
+	return true, printAnswer(stdout, stderr, resp, body)
 }

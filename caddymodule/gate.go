@@ -125,6 +125,17 @@ type Gate struct {
 	// to refuse (400) a payment that names none. A payment naming an id that does not read is refused (400).
 	// Default: not declared, and a payment's id is ignored.
 	PaymentIdentifier string `json:"payment_identifier,omitempty"`
+	// Batch is the claim policy of scheme batch through facilitator_url: the gate accepts the vouchers and keeps
+	// them in the x402 app's journal, and claims them through the facilitator's /settle claim action. Its
+	// receiver_authorizer_key is refused: the receiver authorizer is the facilitator's, named in its /supported.
+	// Defaults: claim_every 100, claim_after 1m.
+	Batch *BatchSettlement `json:"batch,omitempty"`
+
+	// Access, when set, grants a payer whose payment was settled access to the route for a while
+	// (sign-in-with-x): the 402 carries a CAIP-122 challenge, and a request answering it with a SIGN-IN-WITH-X
+	// header signed by the payer's wallet is served without paying, within the grant. Grants are kept in the
+	// settlement journal, shared by every gateway of it. Not with settle async. Default: every request pays.
+	Access *GateAccess `json:"access,omitempty"`
 
 	// CORSOrigins are the origins whose browser scripts may pay for the resource: the gate answers their CORS
 	// preflight itself (never passing it on unpaid) and lets them read its answers. "*" allows any origin.
@@ -156,6 +167,8 @@ type Gate struct {
 	// offline makes the 402s of an embedded gate while its engine waits for its chain: offers from the
 	// configuration alone (gate.Gate.Offer), never a payment taken. Made at the first request that needs it.
 	offline *offlineGate
+	// remoteBatch accepts and claims the vouchers of scheme batch through facilitator_url (gate_batch_remote.go).
+	remoteBatch *chain.RemoteBatch
 	// untrackBacklog takes the gate's ledger out of the backlog gauge.
 	untrackBacklog func()
 	metrics        *metrics
@@ -284,8 +297,12 @@ func (g *Gate) start(app *App) error {
 	if err != nil {
 		return err
 	}
+	if err := g.startRemoteBatch(app, store); err != nil {
+		return err
+	}
 	core, err := gate.New(g.coreConfig(app), g.fac, store, owner)
 	if err != nil {
+		g.stopRemoteBatch()
 		return err
 	}
 	if err := core.Start(); err != nil {
@@ -298,8 +315,8 @@ func (g *Gate) start(app *App) error {
 
 // coreConfig is the configuration of the gate's core, shaped from its Caddy config.
 func (g *Gate) coreConfig(app *App) gate.Config {
-	return gate.Config{
-		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body, PaymentIdentifier: g.PaymentIdentifier,
+	cfg := gate.Config{
+		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body, PaymentIdentifier: g.PaymentIdentifier, Access: g.Access.core(),
 		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID,
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
@@ -308,6 +325,10 @@ func (g *Gate) coreConfig(app *App) gate.Config {
 		OffersFor: g.offersFor, DescriptionFor: g.descriptionFor, PriceGrace: time.Duration(g.PriceGrace), OfferMemory: g.offered,
 		Ledgers: gateLedgers, Permits: chain.PermitSigners{},
 	}
+	if g.remoteBatch != nil {
+		cfg.Batch = g.remoteBatch
+	}
+	return cfg
 }
 
 // offlineGate is the gate core of offerOffline, made once.
@@ -384,13 +405,10 @@ func (g *Gate) pickFacilitator(ctx caddy.Context, app *App, repl *caddy.Replacer
 		g.embedded, g.facName, g.redact = true, EmbeddedFacilitator, ip.app().rpcRedactor()
 		return nil
 	}
-	for _, s := range g.specs {
-		if s.Scheme == x402.SchemeBatchSettlement {
-			// The gate hands vouchers to the engine's SettleBatch; a remote facilitator keeps no vouchers for it.
-			return errors.New("scheme batch is served with the embedded facilitator (the x402 app's engine) only, not through facilitator_url")
-		}
-	}
 	if g.fac, err = src.Facilitator(); err != nil {
+		return err
+	}
+	if err := g.provisionRemoteBatch(); err != nil {
 		return err
 	}
 	g.facName, g.redact = sourceName(src), strings.NewReplacer()
@@ -421,6 +439,9 @@ func (g *Gate) Validate() error {
 	if g.PriceGrace < 0 {
 		return fmt.Errorf("price_grace %s is negative; want a duration such as 1m, or 0 for none", time.Duration(g.PriceGrace))
 	}
+	if err := gate.CheckAccess(g.Access.core(), g.Settle); err != nil {
+		return err
+	}
 	if len(g.specs) == 0 {
 		return errors.New("no way to pay is configured")
 	}
@@ -448,6 +469,7 @@ func (g *Gate) Validate() error {
 // Cleanup leaves the journal; the last gate of a journal stops its background settlements.
 func (g *Gate) Cleanup() error {
 	g.releaseOfferMemory()
+	defer g.stopRemoteBatch() // after the gate: no voucher is accepted once its last claim pass ran
 	if g.core == nil {
 		return nil
 	}
@@ -571,4 +593,25 @@ var (
 	_ caddy.CleanerUpper          = (*Gate)(nil)
 	_ caddyhttp.MiddlewareHandler = (*Gate)(nil)
 	_ gate.Metrics                = gateMetrics{}
+	// The embedded engine checks a contract wallet's sign-in as it checks its payments.
+	_ gate.MessageSignatureChecker = (*chain.Facilitator)(nil)
 )
+
+// GateAccess is what a payment buys of its route beyond its response (sign-in-with-x).
+type GateAccess struct {
+	// For is how long a grant lasts from the payment's settlement, such as 1h. Required.
+	For caddy.Duration `json:"for,omitempty"`
+	// Requests bounds how many requests a grant lets in; 0 (the default): any number within For.
+	Requests int64 `json:"requests,omitempty"`
+	// Paths are the request paths a grant covers ("/reports/*": every path under /reports/); default: the path
+	// the payment was made for, as the public SDK's servers grant.
+	Paths []string `json:"paths,omitempty"`
+}
+
+// core is a the gate core's Access of a; nil for nil.
+func (a *GateAccess) core() *gate.Access {
+	if a == nil {
+		return nil
+	}
+	return &gate.Access{For: time.Duration(a.For), Requests: a.Requests, Paths: a.Paths}
+}

@@ -58,8 +58,17 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		max_buffer <size>
 //		v1_body
 //		payment_identifier [optional|required] # declare the payment-identifier extension (default optional)
+//		access <duration> {                  # a settled payment grants its payer this long by sign-in-with-x
+//			requests <n>                     # at most n requests in that time (default: any number)
+//			paths <path>...                  # the paths granted, /reports/* for a prefix (default: the one paid for)
+//		}
 //		cors_origins <origin>...             # default *
 //		price_grace <duration>               # keep earlier offers of a resource good this long after a reload
+//		batch {                              # scheme batch through facilitator_url: the claim policy
+//			claim_every <n>
+//			claim_amount <raw units>
+//			claim_after <duration>
+//		}
 //		                                     # (terms then set from the method and URL only)
 //		accept {
 //			pay_to, scheme, price, amount, network, asset, asset_transfer_method,
@@ -83,7 +92,8 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return d.ArgErr()
 		}
 	}
-	var graceAt *caddyfile.Dispenser // at price_grace, to name its line
+	var graceAt *caddyfile.Dispenser  // at price_grace, to name its line
+	var accessAt *caddyfile.Dispenser // at access, to name its line
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		opt := d.Val()
 		if handled, err := g.GateAccept.unmarshalOption(d, opt); handled || err != nil {
@@ -191,6 +201,12 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			g.V1Body = true
+		case "batch":
+			b, err := parseBatchBlock(d, true)
+			if err != nil {
+				return err
+			}
+			g.Batch = b
 		case "payment_identifier":
 			args := d.RemainingArgs()
 			switch {
@@ -202,6 +218,12 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				g.PaymentIdentifier = args[0]
 			default:
 				return d.Errf("payment_identifier '%s': want %s or %s", args[0], gate.PaymentIdentifierOptional, gate.PaymentIdentifierRequired)
+			}
+		case "access":
+			at := *d
+			accessAt = &at
+			if err := g.unmarshalAccess(d); err != nil {
+				return err
 			}
 		case "price_grace":
 			at := *d
@@ -220,6 +242,9 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	if err := g.graceProblem(); err != nil {
 		return graceAt.WrapErr(err)
+	}
+	if g.Access != nil && g.Settle == SettleAsync {
+		return accessAt.WrapErr(gate.CheckAccess(g.Access.core(), g.Settle))
 	}
 	return nil
 }
@@ -285,3 +310,47 @@ func (a *GateAccept) unmarshalOption(d *caddyfile.Dispenser, opt string) (bool, 
 
 // Interface guard
 var _ caddyfile.Unmarshaler = (*Gate)(nil)
+
+// unmarshalAccess reads a gate's access option: access <duration> [{ requests <n>; paths <path>... }].
+func (g *Gate) unmarshalAccess(d *caddyfile.Dispenser) error {
+	var s string
+	if !d.NextArg() {
+		return d.Errf("access needs a duration, such as access 1h")
+	}
+	s = d.Val()
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	dur, err := caddy.ParseDuration(s)
+	if err != nil || dur <= 0 {
+		return d.Errf("access '%s': want a positive duration, such as 1h or 30m", s)
+	}
+	a := &GateAccess{For: caddy.Duration(dur)}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		switch opt := d.Val(); opt {
+		case "requests":
+			var n string
+			if !d.AllArgs(&n) {
+				return d.ArgErr()
+			}
+			v, err := strconv.ParseInt(n, 10, 64)
+			if err != nil || v <= 0 {
+				return d.Errf("access requests '%s': want a positive number of requests", n)
+			}
+			a.Requests = v
+		case "paths":
+			paths := d.RemainingArgs()
+			if len(paths) == 0 {
+				return d.ArgErr()
+			}
+			a.Paths = append(a.Paths, paths...)
+		default:
+			return d.Errf("unrecognized access option '%s'", opt)
+		}
+	}
+	if err := gate.CheckAccess(a.core(), SettleAfter); err != nil {
+		return d.Err(err.Error())
+	}
+	g.Access = a
+	return nil
+}

@@ -127,6 +127,22 @@ respond "paid"
 	}
 }
 
+func TestTheX402DirectivesAccessAdaptsToTheGatesAccess(t *testing.T) {
+	for _, tc := range []struct {
+		block string
+		want  map[string]any
+	}{
+		{"access 1h", map[string]any{"for": float64(time.Hour)}},
+		{"access 30m {\n\t\trequests 100\n\t\tpaths /paid/* /reports/q3\n\t}",
+			map[string]any{"for": float64(30 * time.Minute), "requests": float64(100), "paths": []any{"/paid/*", "/reports/q3"}}},
+	} {
+		handlers := adaptGate(t, ":8080\nx402 /paid/* $0.002 {\n\tpay_to 0x05e11e75e11e75e11e75e11e75e11e75e11e75e1\n\t"+tc.block+"\n}\nrespond paid\n")
+		if got := handlers[0]["access"]; !reflect.DeepEqual(got, tc.want) {
+			t.Errorf("%q adapts to access %v, want %v", tc.block, got, tc.want)
+		}
+	}
+}
+
 func TestTheX402DirectiveRunsBeforeTheHandlersThatAnswerWithoutARouteBlock(t *testing.T) {
 	for _, answerer := range []string{`respond "x"`, "file_server", "reverse_proxy 127.0.0.1:9", `encode gzip
 	respond "x"`} {
@@ -159,6 +175,17 @@ func TestBadX402DirectivesAreRefusedNamingTheProblem(t *testing.T) {
 		{"v1_body with an argument", "v1_body yes", "wrong argument count"},
 		{"payment_identifier in another mode", "payment_identifier always", "payment_identifier 'always': want optional or required"},
 		{"payment_identifier with two modes", "payment_identifier optional required", "wrong argument count"},
+		{"access without a duration", "access", "access needs a duration"},
+		{"access that is no duration", "access soon", "access 'soon': want a positive duration"},
+		{"access of no time", "access 0s", "access '0s'"},
+		{"access with two durations", "access 1h 2h", "wrong argument count"},
+		{"access requests that are no number", "access 1h {\n\t\trequests many\n\t}", "access requests 'many'"},
+		{"access requests of none", "access 1h {\n\t\trequests 0\n\t}", "access requests '0'"},
+		{"access paths of none", "access 1h {\n\t\tpaths\n\t}", "wrong argument count"},
+		{"access path not from the root", "access 1h {\n\t\tpaths reports/*\n\t}", "must start with '/'"},
+		{"access path with a star inside", "access 1h {\n\t\tpaths /a/*/b\n\t}", "only at its end"},
+		{"access unknown option", "access 1h {\n\t\tcolour blue\n\t}", "unrecognized access option 'colour'"},
+		{"access with settle async", "settle async\n\taccess 1h", "settle async serves before settling"},
 		{"max_buffer that is not a size", "max_buffer lots", "max_buffer 'lots'"},
 		{"max_buffer of nothing", "max_buffer 0", "max_buffer '0'"},
 		{"max_buffer without a size", "max_buffer", "wrong argument count"},
@@ -230,5 +257,26 @@ func TestAGateInJSONWithAnUnknownPaymentIdentifierModeIsRefused(t *testing.T) {
 	g := &caddymodule.Gate{Settle: caddymodule.SettleAfter, PaymentIdentifier: "always"}
 	if err := g.Validate(); err == nil || !strings.Contains(err.Error(), `payment_identifier "always"`) {
 		t.Fatalf("Validate() = %v, want it to name payment_identifier \"always\"", err)
+	}
+}
+
+func TestAGateInJSONWithAccessItCannotGrantIsRefused(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		settle string
+		access caddymodule.GateAccess
+		want   string
+	}{
+		{"no time", caddymodule.SettleAfter, caddymodule.GateAccess{}, "positive time"},
+		{"negative requests", caddymodule.SettleAfter, caddymodule.GateAccess{For: caddy.Duration(time.Hour), Requests: -1}, "requests"},
+		{"settle async", caddymodule.SettleAsync, caddymodule.GateAccess{For: caddy.Duration(time.Hour)}, "settle async"},
+		{"a relative path", caddymodule.SettleAfter, caddymodule.GateAccess{For: caddy.Duration(time.Hour), Paths: []string{"x"}}, "start with '/'"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := &caddymodule.Gate{Settle: tc.settle, Access: &tc.access}
+			if err := g.Validate(); err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "access") {
+				t.Fatalf("Validate() = %v, want it to name access and %q", err, tc.want)
+			}
+		})
 	}
 }

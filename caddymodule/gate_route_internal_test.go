@@ -3,6 +3,7 @@ package caddymodule
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -66,5 +67,16 @@ func TestAGatesRouteStaysThroughAReloadOfItsPriceAndHowItAnswers(t *testing.T) {
 		CORSOrigins: []string{"https://a.example"}, PaymentHeader: "X-Pay", V1Body: true}
 	if after := routesOf(t, tuned); after[0] != before[0] {
 		t.Errorf("the route after a reload of the price and how the gate answers: %q, before %q", after[0], before[0])
+	}
+}
+
+// A reload that turns access on, or changes it, keeps the route: the grants already written are keyed by it, and
+// a payer whose grant stands must not be asked to pay again by a reload that lengthened it.
+func TestAGatesRouteStaysThroughAReloadOfItsAccess(t *testing.T) {
+	before := routesOf(t, &Gate{GateAccept: GateAccept{Amount: "100", PayTo: "0x01"}})
+	for _, a := range []*GateAccess{{For: caddy.Duration(time.Hour)}, {For: caddy.Duration(2 * time.Hour), Requests: 5, Paths: []string{"/a/*"}}} {
+		if after := routesOf(t, &Gate{GateAccept: GateAccept{Amount: "100", PayTo: "0x01"}, Access: a}); after[0] != before[0] {
+			t.Errorf("the route after a reload to access %+v: %q, before %q", *a, after[0], before[0])
+		}
 	}
 }

@@ -10,7 +10,7 @@ import (
 
 // Claim with hold. A settlement claims its payment in the journal and holds it against the payer's funds before
 // it signs anything. With the journal and the shared holds one PostgreSQL store, the two go in one transaction,
-// one round trip (journal.HoldAndClaim), where they were two: the claim is not written when the settlement
+// one round trip (journal.HoldClaimAndSign), where they were two: the claim is not written when the settlement
 // starts, but carried (payment.pending) through the checks broadcast makes before it holds (penalties, time, a
 // wallet, the fee quote, the contract wallet's signature, the chain's checks), and written with the hold. So:
 //   - nothing is signed or sent before the claim is written and won: broadcast writes it alone when the checks
@@ -44,10 +44,9 @@ type pendingClaim struct {
 	won   bool
 	found journal.Record
 	err   error
-	// withSigned says the claim and its hold wait for the settlement's signed transaction, to be written with its
-	// record in one batch (HoldClaimAndSign): the checks then leave hold set to what they would have held.
-	withSigned bool
-	hold       *deferredHold
+	// hold is the funds hold the checks decided on, left to be written with the claim and the settlement's signed
+	// transaction in one batch (HoldClaimAndSign).
+	hold *deferredHold
 }
 
 // deferredHold is the funds hold with take the checks of a settlement decided on, to be written with its claim and
@@ -70,23 +69,6 @@ var errClaimNotWon = errors.New("another settlement claimed the payment first; n
 
 // unsent reports whether c is a claim not written yet.
 func (c *pendingClaim) unsent() bool { return c != nil && !c.sent }
-
-// withHold writes c with the shared hold h of p (journal.HoldAndClaim) and answers as the hold: whether it is
-// held, and what is left. A claim another won is errClaimNotWon; a write that failed, its error.
-func (c *pendingClaim) withHold(ctx context.Context, p *payment, holds journal.Cluster, h journal.Hold, avail *big.Int, readBlock, chainTime uint64) (bool, *big.Int, error) {
-	c.sent = true
-	out, err := journal.HoldAndClaim(ctx, holds, h, avail, readBlock, chainTime, c.rec)
-	switch {
-	case err != nil:
-		c.err = err
-		return false, nil, err
-	case !out.Claimed:
-		c.found = out.Rec
-		return false, nil, errClaimNotWon
-	}
-	c.won, p.claim = true, out.Rec
-	return out.Held, out.Left, nil
-}
 
 // waitsForSigned reports whether c is a claim whose hold the checks deferred to its signed transaction's record.
 func (c *pendingClaim) waitsForSigned() bool { return c.unsent() && c.hold != nil }

@@ -23,7 +23,7 @@ import (
 )
 
 // TestEnginesSettlingOnePaymentAtOnceClaimItWithItsHoldOnceAndTheLoserEndsNothing: engines sharing one PostgreSQL
-// journal claim a payment in the batch of its funds hold (journal.HoldAndClaim), after the checks that come
+// journal claim a payment in the batch of its funds hold (journal.HoldClaimAndSign), after the checks that come
 // before the hold. The same payment presented to two engines at once, twice each: one claim wins, one transaction
 // goes on chain, every answer is its success, and the payment's hold is there, ended as mined: no loser let it
 // go (a loser refused by the chain's checks, the winner's transaction mined already, or finding the winner's

@@ -137,7 +137,7 @@ func TestASettlementWhoseDeadlinePassesWhileItIsPreparedIsRefusedBeforeAnythingI
 }
 
 // The same on engines sharing a PostgreSQL journal, where the claim is written with the funds hold after the
-// simulation (journal.HoldAndClaim): the refusal at the last moment lets both go, nothing sent.
+// simulation (journal.HoldClaimAndSign): the refusal at the last moment lets both go, nothing sent.
 func TestASettlementWhoseDeadlinePassesAfterItsClaimAndHoldAreWrittenLetsBothGo(t *testing.T) {
 	dsn := pgtest.Shared(t)
 	var chainMoves *blocksDuringCall

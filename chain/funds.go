@@ -356,16 +356,11 @@ func (fs *funds) check(ctx context.Context, p *payment, chainTime uint64, r *fun
 	read := pf.read
 	fs.mu.Unlock()
 	h := journal.Hold{ID: p.id, Key: fs.holdKey(p), Amount: p.amount, Deadline: deadlineUint(p), PermitNonce: p.permitNonce(), Served: use == fundsHold}
-	if use == fundsSettle && p.pending.unsent() && p.pending.withSigned {
+	if use == fundsSettle && p.pending.unsent() {
 		// The hold goes with the claim and the signed transaction's record, which decide it (see signedWithHold):
 		// taken as held here, for the checks after this one.
 		p.pending.hold = &deferredHold{holds: fs.shared, h: h, avail: p.fundsLimit(read), readBlock: read.block, chainTime: chainTime}
 		return true, true, nil, nil
-	}
-	if use == fundsSettle && p.pending.unsent() {
-		// The settlement's claim goes in the hold's transaction (see claimWithHold).
-		ok, avail, err = p.pending.withHold(ctx, p, fs.shared, h, p.fundsLimit(read), read.block, chainTime)
-		return ok, true, avail, err
 	}
 	ok, avail, err = fs.shared.Hold(ctx, h, p.fundsLimit(read), read.block, chainTime, use != fundsVerify)
 	return ok, true, avail, err

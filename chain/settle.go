@@ -180,7 +180,7 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 		// Claimed with its funds hold and the record of its signed transaction, or with its hold (claimhold.go).
 		// A settlement that ended before it held claims now, alone, and ends as its claim's owner below; one whose
 		// claim is not its own touches nothing.
-		p.pending = &pendingClaim{rec: claim, withSigned: true}
+		p.pending = &pendingClaim{rec: claim}
 		resp, keep, err = f.broadcastAndWait(ctx, p)
 		if !keep {
 			// A hold the checks decided on and nothing wrote was not taken: the claim goes alone.

@@ -169,3 +169,24 @@ func (p *payment) checkWallet(ctx context.Context) (*refusal, error) {
 	}
 	return p.checkContractSignature(ctx, p.sigReason)
 }
+
+// CheckMessageSignature reports whether signer's contract wallet on network accepts sig as its signature of
+// digest: by ERC-1271 isValidSignature where it is deployed, or, undeployed, where its ERC-6492 signature names
+// a factory this facilitator deploys wallets through, by the same call after deploying it within an eth_call. It
+// is the check a payment's contract-wallet signature gets, for a gate's sign-in (gate.MessageSignatureChecker).
+// Nothing is sent. The error is for a chain that could not be asked.
+func (f *Facilitator) CheckMessageSignature(ctx context.Context, network string, signer common.Address, digest [32]byte, sig []byte) (bool, error) {
+	n := f.networks[network]
+	if n == nil {
+		return false, nil
+	}
+	p := &payment{net: n, payer: signer, digest: digest}
+	if r := p.contractSignature(hexutil.Encode(sig), x402.ReasonInvalidPayload, nil); r != nil {
+		return false, nil
+	}
+	r, err := p.checkContractSignature(ctx, x402.ReasonInvalidPayload)
+	if err != nil {
+		return false, fmt.Errorf("asking the contract wallet %s on %s: %w", signer.Hex(), network, err)
+	}
+	return r == nil, nil
+}

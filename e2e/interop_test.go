@@ -45,6 +45,12 @@ type paidByTypeScript struct {
 	PaymentResponse *x402.SettleResponse `json:"paymentResponse"`
 	// SettlementOverrides is the Settlement-Overrides header of the final answer, nil if none reached the client.
 	SettlementOverrides *string `json:"settlementOverrides"`
+	// Runs are the fetches of X402_REPEAT, in order: each one's status, body and whether it paid.
+	Runs []struct {
+		Status int    `json:"status"`
+		Body   string `json:"body"`
+		Paid   bool   `json:"paid"`
+	} `json:"runs"`
 }
 
 // interop is one dev chain with the servers of the interop matrix around it: our gate with the embedded

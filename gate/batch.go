@@ -132,8 +132,8 @@ func (x *exchange) serveBatch(value string) error {
 	} else {
 		x.decimals = x.assetDecimals(x.req.PaymentRequirements)
 	}
-	bf, ok := x.g.fac.(x402.BatchFacilitator)
-	if !ok {
+	bf := x.g.batchFacilitator()
+	if bf == nil {
 		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: x402.ReasonUnsupportedScheme,
 			InvalidMessage: "this gate's facilitator does not serve the batch-settlement scheme"})
 	}

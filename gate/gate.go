@@ -122,6 +122,10 @@ type Config struct {
 	// nothing, PaymentIdentifierOptional lets a client name its payment with an id, PaymentIdentifierRequired
 	// refuses a payment that names none.
 	PaymentIdentifier string
+	// Access, when set, grants a payer whose payment was served access to the route for a while
+	// (sign-in-with-x): the 402 carries the challenge, and a signed answer is served without paying, within the
+	// grant. Default nil: every request pays.
+	Access *Access
 	// V1Body answers unpaid requests with the version 1 JSON body.
 	V1Body bool
 	// CORSOrigins are the origins whose browser scripts may pay; empty or "*" allows any origin.
@@ -197,6 +201,9 @@ type Config struct {
 	// Permits recovers who signed a version 1 erc2612 payment's permit, which tells the offer it was signed for
 	// (the gate knows no EIP-712 itself). Required by New.
 	Permits x402.PermitSigners
+	// Batch serves scheme batch in front of a remote facilitator: it accepts the vouchers and claims them through
+	// the facilitator (chain.RemoteBatch). Without it, scheme batch is served by an embedded facilitator only.
+	Batch x402.BatchFacilitator
 }
 
 // Payment events, reported through Config.Event.
@@ -281,6 +288,8 @@ type Gate struct {
 
 	// identifiers is store's PaymentIdentifiers, where the gate declares payment-identifier.
 	identifiers journal.PaymentIdentifiers
+	// access is store's Access, where the gate grants access (Config.Access).
+	access journal.Access
 
 	offers   atomic.Pointer[offerSet] // the current offers, rebuilt from /supported as it changes
 	priced   pricedOffers             // with Config.OffersFor: the offers of each distinct answer
@@ -390,6 +399,16 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 			return nil, fmt.Errorf("payment_identifier: the settlement journal (%T) keeps no payment identifiers", store)
 		}
 		g.identifiers = ids
+	}
+	if err := CheckAccess(cfg.Access, cfg.Settle); err != nil {
+		return nil, err
+	}
+	if cfg.Access != nil {
+		a, ok := store.(journal.Access)
+		if !ok {
+			return nil, fmt.Errorf("access: the settlement journal (%T) keeps no access grants", store)
+		}
+		g.access = a
 	}
 	if cfg.Settle == SettleAsync {
 		for _, o := range cfg.Offers {

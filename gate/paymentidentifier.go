@@ -37,7 +37,7 @@ var (
 )
 
 // declareExtensions adds to a 402 the extensions the gate declares itself (the offer set declares the
-// facilitator's): payment-identifier when configured. The offer set's map is shared by every 402 built from it,
+// facilitator's): payment-identifier and sign-in-with-x when configured. The offer set's map is shared by every 402 built from it,
 // so it is copied, never written.
 func (x *exchange) declareExtensions(pr x402.PaymentRequired) x402.PaymentRequired {
 	var decl json.RawMessage
@@ -46,12 +46,18 @@ func (x *exchange) declareExtensions(pr x402.PaymentRequired) x402.PaymentRequir
 		decl = paymentIdentifierOptional
 	case PaymentIdentifierRequired:
 		decl = paymentIdentifierRequired
-	default:
+	}
+	if decl == nil && x.g.cfg.Access == nil {
 		return pr
 	}
-	ext := make(map[string]json.RawMessage, len(pr.Extensions)+1)
+	ext := make(map[string]json.RawMessage, len(pr.Extensions)+2)
 	maps.Copy(ext, pr.Extensions)
-	ext[x402.ExtensionPaymentIdentifier] = decl
+	if decl != nil {
+		ext[x402.ExtensionPaymentIdentifier] = decl
+	}
+	if x.g.cfg.Access != nil {
+		x.declareSignIn(ext) // siwx.go
+	}
 	pr.Extensions = ext
 	return pr
 }

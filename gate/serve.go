@@ -102,6 +102,9 @@ func (x *exchange) run() error {
 	x.offers = offers
 	x.turn = x.g.rotation.Add(1)
 	value, fromV1Header := x.takePaymentHeader()
+	if answered, err := x.signIn(value == ""); answered {
+		return err
+	}
 	if value == "" {
 		return x.noPayment()
 	}
@@ -763,6 +766,7 @@ func (x *exchange) serveAsync(up *upstream) error {
 // (with its settlement, when known). A response that could not be written out leaves the payment unserved
 // (with its settlement noted), so the payer gets it by presenting the same payment again, never by paying again.
 func (x *exchange) deliver(up *upstream, settled *x402.SettleResponse) error {
+	x.grantAccess(settled) // siwx.go: before the response, so that the payer's next request finds it
 	x.frame(up)
 	err := x.writeUpstream(up)
 	if err == nil && up.rec.decided {

@@ -116,6 +116,10 @@ type Transport struct {
 	// again with the payment; 0 is DefaultMaxBufferedBody, and a negative value buffers none. A request whose
 	// body cannot be sent again is sent once, and a 402 to it is an error.
 	MaxBufferedBody int64
+	// SignIn answers a 402's sign-in-with-x challenge with the payer's wallet before paying (Payer.SignIn), as
+	// the SDK's clients do with the extension registered: a server where the payer paid before serves it without
+	// a payment; where it answers 402 again, the first 402's offer is paid.
+	SignIn bool
 
 	mu      sync.Mutex
 	covered map[common.Hash]*big.Int  // by batch-settlement channel: the cumulative amount its counted deposits cover
@@ -174,6 +178,43 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if again == nil {
 		return nil, fmt.Errorf("payer: %s asks for a payment, but the request's body has no GetBody and is over %d bytes, so it cannot be sent again with the payment", where, t.maxBuffered())
 	}
+	return t.payOffer(req, where, offer, again)
+}
+
+// PayOffer sends req once, paid for offer (the offer an earlier 402 of req's URL made), without the unpaid request
+// RoundTrip sends first: for a client that makes many requests of one resource, such as a load test, whose every
+// request would otherwise cost two round trips. It signs in, or chooses, checks against the limits and pays, as
+// RoundTrip does (a batch-settlement channel's next voucher, resynced and sent once more after a corrective 402),
+// and returns the answer whatever it is.
+func (t *Transport) PayOffer(req *http.Request, offer Offer) (*http.Response, error) {
+	if t.Payer == nil {
+		closeBody(req)
+		return nil, errors.New("payer: Transport.Payer is nil")
+	}
+	where := requestURL(req)
+	body, again, err := t.replayable(req, where)
+	if err != nil {
+		return nil, err
+	}
+	if again == nil {
+		closeBody(req)
+		return nil, fmt.Errorf("payer: %s: the request's body has no GetBody and is over %d bytes, so it cannot be paid for by PayOffer", where, t.maxBuffered())
+	}
+	if body != nil && body != http.NoBody {
+		body.Close()
+	}
+	return t.payOffer(req, where, offer, again)
+}
+
+// payOffer answers offer for req as RoundTrip does once it has read it: by signing in, when SignIn says so and the
+// offer takes it, else by choosing a requirement, paying it and sending req with the payment; again gives req's
+// body.
+func (t *Transport) payOffer(req *http.Request, where string, offer Offer, again func() (io.ReadCloser, error)) (*http.Response, error) {
+	if t.SignIn {
+		if resp, err := t.signIn(req, where, offer, again); resp != nil || err != nil {
+			return resp, err
+		}
+	}
 
 	ctx := req.Context()
 	rpc, err := t.Payer.chain(ctx)
@@ -218,7 +259,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	paid.Header.Set(pay.Header, pay.Value)
 	t.sent(chosen)
 	a := t.watch(rpc, pay)
-	resp, err = t.base().RoundTrip(paid)
+	resp, err := t.base().RoundTrip(paid)
 	if a != nil && err == nil {
 		t.answered(ctx, rpc, a, resp)
 	}
@@ -557,3 +598,28 @@ func (t *Transport) reserveBatch(where string, plan *batchPlan) (deposit *big.In
 
 // counted is what the plan's payment added to the budget.
 func (t *Transport) counted(plan *batchPlan) *big.Int { return orZero(plan.counted) }
+
+// signIn sends req again answering offer's sign-in-with-x challenge, and returns the answer unless it is 402
+// (nil, nil then: the offer is to be paid). A 402 without a challenge, or with one the payer does not sign, is
+// nil, nil too.
+func (t *Transport) signIn(req *http.Request, where string, offer Offer, again func() (io.ReadCloser, error)) (*http.Response, error) {
+	header, ok, err := t.Payer.SignIn(offer, where)
+	if err != nil || !ok {
+		return nil, nil // a challenge the payer does not sign is no reason not to pay
+	}
+	signed := req.Clone(req.Context())
+	if signed.Body, err = again(); err != nil {
+		return nil, fmt.Errorf("payer: %s: the request body for the sign-in: %w", where, err)
+	}
+	if req.GetBody == nil && signed.Body != nil && signed.Body != http.NoBody {
+		signed.GetBody = again
+	}
+	signed.Header.Set(x402.HeaderSignInWithX, header)
+	resp, err := t.base().RoundTrip(signed)
+	if err != nil || resp.StatusCode != http.StatusPaymentRequired {
+		return resp, err
+	}
+	io.Copy(io.Discard, io.LimitReader(resp.Body, maxOfferBody))
+	resp.Body.Close()
+	return nil, nil
+}

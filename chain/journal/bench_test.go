@@ -133,7 +133,9 @@ var benchRequest = []byte(`{"x402Version":2,"paymentPayload":{"x402Version":2,"a
 	`"paymentRequirements":{"scheme":"exact","network":"eip155:84532","amount":"10000","asset":"0x036CbD53842c5426634e7929541eC2318f3dCF7e",` +
 	`"payTo":"0x209693Bc6afc0C5328bA36FaF03C514EF312287C","maxTimeoutSeconds":60,"extra":{"assetTransferMethod":"permit2","name":"USDC","version":"2"}}}`)
 
-// BenchmarkPostgresHoldAndClaimOnePayer measures settlements' claims with their funds holds (HoldAndClaim) of
+// BenchmarkPostgresHoldAndClaimOnePayer measures settlements' claims with their funds holds and the records of
+// their signed transactions (HoldClaimAndSign, through claimWithHold; until 2026-11-27 the claim and the hold
+// alone, HoldAndClaim, which settlements no longer used) of
 // distinct payments of one payer, from 1, 8 and 32 concurrent writers, on a fresh database of the test server
 // (fsync on). One payer's holds are serialized by its key's row lock: what that lock is held across is what bounds
 // a busy payer's settlements (a transaction committed synchronously holds it across the WAL flush).
@@ -161,7 +163,7 @@ func BenchmarkPostgresHoldAndClaimOnePayer(b *testing.B) {
 						r := claimOf(base + int(n))
 						r.Request = benchRequest
 						h := holdOf(base+int(n), key, 1)
-						if out, err := HoldAndClaim(context.Background(), s, h, avail, 1, 1, r); err != nil || !out.Claimed || !out.Held {
+						if out, err := claimWithHold(context.Background(), s, h, avail, r); err != nil || !out.Claimed || !out.Held {
 							b.Errorf("hold and claim %d: %+v %v", n, out, err)
 							return
 						}

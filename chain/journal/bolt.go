@@ -210,7 +210,7 @@ func initLayout(tx *bolt.Tx) error {
 	default:
 		return fmt.Errorf("file has journal layout %q, this build reads layouts %q and %q", got, layoutV1, layoutV2)
 	}
-	for _, name := range [][]byte{bucketRecords, bucketPending, bucketFinals, bucketServed, bucketChannels, bucketPaymentIdentifiers} {
+	for _, name := range [][]byte{bucketRecords, bucketPending, bucketFinals, bucketServed, bucketChannels, bucketPaymentIdentifiers, bucketAccessGrants, bucketSignInNonces} {
 		if _, err := tx.CreateBucketIfNotExists(name); err != nil {
 			return err
 		}
@@ -644,6 +644,9 @@ func (s *BoltStore) Prune(ctx context.Context, finalBefore time.Time) (int, erro
 		}
 		if n < pruneChunk {
 			if err := s.prunePaymentIdentifiers(ctx, finalBefore); err != nil {
+				return total, fmt.Errorf("journal: prune: %w", err)
+			}
+			if err := s.pruneAccess(ctx, s.opts.now()); err != nil {
 				return total, fmt.Errorf("journal: prune: %w", err)
 			}
 			return total, nil

@@ -22,6 +22,9 @@ type MemoryStore struct {
 	channels map[string][]byte
 	// identifiers holds the PaymentIdentifiers bindings, as the bolt store keeps them.
 	identifiers map[string][]byte
+	// grants and nonces hold Access's grants and used nonces (until when).
+	grants map[string]Grant
+	nonces map[string]time.Time
 }
 
 // NewMemory returns an empty in-memory store; of opts only Clock applies.
@@ -206,6 +209,7 @@ func (s *MemoryStore) Prune(ctx context.Context, finalBefore time.Time) (int, er
 	if err := s.prunePaymentIdentifiers(finalBefore); err != nil {
 		return n, fmt.Errorf("journal: prune: %w", err)
 	}
+	s.pruneAccess(s.opts.now())
 	return n, nil
 }
 

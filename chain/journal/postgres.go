@@ -790,7 +790,10 @@ func (s *PostgresStore) Prune(ctx context.Context, finalBefore time.Time) (int, 
 		n := int(tag.RowsAffected())
 		total += n
 		if n < pruneChunk {
-			return total, s.prunePaymentIdentifiers(ctx, finalBefore)
+			if err := s.prunePaymentIdentifiers(ctx, finalBefore); err != nil {
+				return total, err
+			}
+			return total, s.pruneAccess(ctx, s.opts.now())
 		}
 	}
 }

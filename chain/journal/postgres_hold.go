@@ -104,8 +104,8 @@ AND ((mined <> 0 AND mined <= $2::numeric AND (mined_at IS NULL OR mined_at < no
 // a hold that nothing was served or sent for. A hold another transaction reads meanwhile (it is visible once
 // committed) only makes that one err on refusing. A hold alone that carries any deferred write but the gate's
 // in-flight mark and read (behindWrite.lossless) commits synchronously, as the write would alone; a hold with its
-// claim (HoldAndClaim) commits so in a transaction of its own, its deferred writes with it, and the claim's,
-// second in the same batch, synchronously, which makes them durable before the batch answers.
+// claim (HoldClaimAndSign) commits so, its deferred writes with it, and the write-ahead record of the signed
+// transaction, second in the same batch, synchronously, which makes them durable before the batch answers.
 const pgHoldCommitsAsync = "SET LOCAL synchronous_commit = off"
 
 // holdInOne is Hold with take in one round trip (see above). With unrecordedOnly, a record of h.ID refuses the

@@ -12,30 +12,36 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// A settlement's claim of its payment and its funds hold with take, in one round trip. Both are needed before the
-// settlement signs anything, nothing is decided between them that the database could not decide itself, and both
-// lock or insert under the same key: so an engine that settles on the same PostgreSQL store as its shared holds
-// sends them as one transaction, in one pipelined batch (the deferred writes of the context, a gate's record of
-// the payment, riding in front):
+// A settlement's claim of its payment, its funds hold with take and the write-ahead record of the transaction it
+// signed, in one round trip. The claim and the hold are needed before anything leaves, and the record of the signed
+// transaction too (a crash after the send must find it); none of the three decides anything the database could not
+// decide itself. So an engine settling on the same PostgreSQL store as its shared holds signs first (locally:
+// nothing leaves, and a record that is not written leaves the wallet's nonce unused), and sends one pipelined batch
+// of two transactions:
 //
 //	begin isolation level read committed; synchronous_commit off for it
-//	the context's deferred writes (journal.Defer)
+//	the context's deferred writes (journal.Defer): a gate's record of the payment
 //	the hold with take (postgres_hold.go), refused by a record of the payment: whosever it is, it is not ours yet
+//	the claim: the record inserted, ON CONFLICT DO NOTHING
 //	commit
 //	begin isolation level read committed
-//	the claim: the record inserted, ON CONFLICT DO NOTHING
+//	the claim made broadcast as sign changes it, in one statement, as UpdateFencedKnown writes it: only under the
+//	  wallet's lease at the fence (its row read under a share lock), where the record is still the claim just
+//	  written, and where the payment's hold counts (taken, or there before)
 //	commit
 //
 // Two transactions, so that the key's row lock, which serializes every hold of one payer across the cluster, is
 // let go without waiting for the WAL to reach the disk (pgHoldCommitsAsync): in one transaction committed
 // synchronously, one payer's settlements queued behind one another's flushes, and one gateway on PostgreSQL
 // settled a single busy payer's payments at 0.54-0.59 of what it did on bbolt at concurrency 32 (1.07-1.12 with
-// synchronous_commit off everywhere, docs/BENCHMARKS.md). The claim's transaction commits synchronously, and
-// PostgreSQL flushes the WAL in order: when it returns, the hold and the deferred writes before it are durable
-// too, before anything is signed on their strength. A batch that fails between the two (the connection broke)
-// may leave the hold and the deferred writes without the claim; the caller is told the outcome is unknown, as it
-// is for any broken batch, and such a hold holds nothing past its deadline. A deferred write or a hold statement
-// that fails makes the server skip the rest of the batch: nothing is written.
+// synchronous_commit off everywhere, docs/BENCHMARKS.md). The second commits synchronously, and PostgreSQL flushes
+// the WAL in order: once it returns, the claim, the hold and the deferred writes are durable too, before the
+// transaction is sent. The claim and its hold commit together or not at all: a batch broken between the two
+// transactions leaves both, as a claim whose answer was lost (reconciliation releases such a claim, its hold
+// first), never a hold without its claim. What the second did not write is the settlement's to end as any claim
+// that sent nothing (Release, its hold let go): the hold refused for want of funds, the lease lost. No record of a
+// transaction is written that the settlement may not send. A deferred write or a hold statement that fails makes
+// the server skip the rest of the batch: nothing is written.
 //
 // The hold goes first, so that its check for a record of the payment sees only another's: a payment another
 // settlement claimed is then neither held nor claimed here, and the caller, which lost, touches nothing of it.
@@ -46,7 +52,7 @@ import (
 // must not end it. A claim written with a hold refused (the payer's funds fall short) is the caller's: it ends it
 // as a refused settlement ends its claim (Release).
 
-// HeldClaim is the outcome of HoldAndClaim.
+// HeldClaim is the claim's and the hold's part of HoldClaimAndSign's outcome.
 type HeldClaim struct {
 	// Claimed says the claim was written: the payment is the caller's to settle. Rec is then the record as
 	// written; otherwise the record that was there (another's claim, its broadcast or its final answer), and
@@ -59,190 +65,10 @@ type HeldClaim struct {
 }
 
 // ClaimsWithHold reports whether a settlement journalled in s and holding funds in c can claim its payment in the
-// batch of its hold (HoldAndClaim): both are one PostgreSQL store.
+// batch of its hold (HoldClaimAndSign): both are one PostgreSQL store.
 func ClaimsWithHold(s Store, c Cluster) bool {
 	ps, ok := s.(*PostgresStore)
 	return ok && c != nil && Store(ps) == Store(c)
-}
-
-// HoldAndClaim is c.Hold with take of h, then c.Claim of r, in one transaction sent as one batch, with the
-// deferred writes of ctx in front (see above); h.ID must be r.ID, and ClaimsWithHold(c, c) true. An error says
-// the transaction may or may not have committed: the caller must then neither end the hold nor release the
-// claim (reconciliation releases a claim nobody settles, its hold first).
-func HoldAndClaim(ctx context.Context, c Cluster, h Hold, avail *big.Int, readBlock, chainTime uint64, r Record) (HeldClaim, error) {
-	return claimOrReadTheWinner(ctx, c, h, avail, r, func(ps *PostgresStore) (HeldClaim, bool, error) {
-		out, err := ps.holdAndClaim(ctx, h, avail, readBlock, chainTime, r)
-		return out, out.Claimed, err
-	}, func(rec Record) HeldClaim { return HeldClaim{Rec: rec} })
-}
-
-// claimOrReadTheWinner runs once, a claim of r written with its hold h in c (HoldAndClaim, HoldClaimAndSign), after
-// the checks both share, until it claims (once's bool) or fails; when another's record was there, it reads that
-// record and answers with lost of it, as Claim answers a claim it lost. A record released between the two leaves
-// the payment free again: once runs again, four times at most.
-func claimOrReadTheWinner[T any](ctx context.Context, c Cluster, h Hold, avail *big.Int, r Record, once func(*PostgresStore) (T, bool, error), lost func(Record) T) (T, error) {
-	var zero T
-	ps, ok := c.(*PostgresStore)
-	switch {
-	case !ok:
-		return zero, fmt.Errorf("journal: a claim with its hold needs a PostgreSQL store, not %T", c)
-	case h.ID != r.ID:
-		return zero, fmt.Errorf("journal: a claim of %s with the hold of %s", r.ID, h.ID)
-	}
-	if err := checkHold(h, avail); err != nil {
-		return zero, err
-	}
-	for attempt := 0; ; attempt++ {
-		out, claimed, err := once(ps)
-		if err != nil || claimed {
-			return out, err
-		}
-		rctx, cancel, err := ps.begin(ctx, false)
-		if err != nil {
-			return zero, err
-		}
-		rec, found, err := getRow(rctx, ps.pool, r.ID, false)
-		cancel()
-		switch {
-		case err != nil:
-			return zero, ps.fail(ctx, "claim", err)
-		case found:
-			return lost(rec), nil
-		case attempt == 3:
-			return zero, fmt.Errorf("journal: claim of %s: the record came and went four times", r.ID)
-		}
-	}
-}
-
-// holdAndClaim runs HoldAndClaim's transactions once (tried again only where nothing of them reached the database,
-// or the database refused them before anything committed; when it refused the claim's after the hold's committed,
-// the claim's alone); Claimed false with no error: another's record was there.
-func (s *PostgresStore) holdAndClaim(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, r Record) (HeldClaim, error) {
-	items, done, err := s.carry(ctx)
-	if err != nil {
-		return HeldClaim{}, err
-	}
-	wctx, cancel, err := s.start(ctx, true)
-	if err != nil {
-		done(err)
-		return HeldClaim{}, err
-	}
-	defer cancel()
-	// The claim's row as Claim would write it (claimIn validates and stamps it), inserted as Claim inserts it.
-	t := &behindClaimTxn{}
-	rec, _, err := claimIn(t, r, s.opts.now())
-	if err != nil {
-		done(s.sendItems(wctx, items)) // refused before anything was sent: what it carried goes alone
-		return HeldClaim{}, err
-	}
-	var (
-		d                      holdDecision
-		claimed, holdCommitted bool
-	)
-	err = retryBeforeCommit(wctx, func() error {
-		var err error
-		if holdCommitted {
-			// The hold's transaction committed, the deferred writes with it: run again, they would find
-			// themselves there (a gate's record, a plain insert, would fail as another's and stop the claim).
-			// Only the claim's transaction, refused before it committed, runs again.
-			claimed, err = s.claimAfterHold(wctx, t.w.args)
-			return err
-		}
-		claimed, holdCommitted, err = s.holdAndClaimOnce(wctx, items, &d, h, avail, readBlock, chainTime, t.w.args)
-		return err
-	})
-	if err == nil {
-		markSent(items)
-	}
-	done(err)
-	if err != nil {
-		return HeldClaim{}, s.fail(ctx, "claim with hold", err)
-	}
-	if d.recorded || !claimed {
-		return HeldClaim{}, nil
-	}
-	ok, left, err := d.decide(h, avail)
-	if err != nil {
-		return HeldClaim{}, err
-	}
-	return HeldClaim{Claimed: true, Rec: rec, Held: ok, Left: left}, nil
-}
-
-// holdAndClaimOnce sends the transactions and reads what each statement returned: items' outcomes (for done),
-// the hold's decision into d, whether the claim's insert wrote the record, and whether the hold's transaction
-// committed (the claim's may still have failed).
-func (s *PostgresStore) holdAndClaimOnce(ctx context.Context, items []*behindWrite, d *holdDecision, h Hold, avail *big.Int, readBlock, chainTime uint64, claimArgs []any) (claimed, holdCommitted bool, err error) {
-	c, err := s.pool.Acquire(ctx)
-	if err != nil {
-		return false, false, err
-	}
-	// A connection left inside the transaction is closed by the pool rather than reused (see txInOne).
-	defer c.Release()
-	b := &pgx.Batch{}
-	b.Queue("begin isolation level read committed")
-	b.Queue(pgHoldCommitsAsync)
-	queueBehind(b, items)
-	d.queue(s, b, h, avail, readBlock, chainTime, true, nil) // a settlement is under no gate's guard (postgres_markbehind.go)
-	b.Queue("commit")
-	b.Queue("begin isolation level read committed")
-	b.Queue(pgInsertRecord, claimArgs...)
-	b.Queue("commit")
-	br := c.SendBatch(ctx, b)
-	var tag pgconn.CommandTag
-	err = func() error {
-		for range 2 { // begin, and the commit without waiting for the WAL's flush
-			if _, err := br.Exec(); err != nil {
-				return err
-			}
-		}
-		if err := readBehind(br, items); err != nil {
-			return err
-		}
-		for range 3 { // the key's row, its lock, the holds that no longer count
-			if _, err := br.Exec(); err != nil {
-				return err
-			}
-		}
-		if err := br.QueryRow().Scan(&d.recorded, &d.fits, &d.sum, &d.held); err != nil {
-			return err
-		}
-		if _, err := br.Exec(); err != nil {
-			return commitError{err}
-		}
-		holdCommitted = true
-		if _, err := br.Exec(); err != nil {
-			return err
-		}
-		var err error
-		if tag, err = br.Exec(); err != nil {
-			return err
-		}
-		if _, err := br.Exec(); err != nil {
-			return commitError{err}
-		}
-		return nil
-	}()
-	if err = errors.Join(err, closeErr(br.Close(), err)); err != nil {
-		if !unavailable(err) {
-			// A statement failed: the server skipped the rest of the batch, COMMIT too.
-			rctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-			c.Exec(rctx, "rollback")
-			cancel()
-		}
-		return false, holdCommitted, err
-	}
-	return tag.RowsAffected() == 1, true, nil
-}
-
-// claimAfterHold runs the claim's transaction of HoldAndClaim alone (one statement, committed synchronously, which
-// makes the hold's transaction before it durable too), after it was refused before it committed and the hold's
-// had committed; whether it wrote the record.
-func (s *PostgresStore) claimAfterHold(ctx context.Context, claimArgs []any) (bool, error) {
-	tag, err := s.pool.Exec(ctx, pgInsertRecord, claimArgs...)
-	if err != nil {
-		return false, err
-	}
-	return tag.RowsAffected() == 1, nil
 }
 
 // retryBeforeCommit runs once again after a serialization failure or a deadlock, which the database reports
@@ -264,32 +90,6 @@ func retryBeforeCommit(ctx context.Context, once func() error) error {
 	}
 }
 
-// A settlement's claim, its funds hold and its write-ahead record of the transaction it signed, in one round
-// trip. The claim and the hold are needed before anything leaves, and the record of the signed transaction too
-// (a crash after the send must find it); none of the three decides anything the database could not decide
-// itself. So an engine settling on the same PostgreSQL store as its shared holds signs first (locally: nothing
-// leaves, and a record that is not written leaves the wallet's nonce unused), and sends one batch of two
-// transactions:
-//
-//	begin isolation level read committed; synchronous_commit off for it
-//	the context's deferred writes (journal.Defer)
-//	the hold with take, refused by a record of the payment (as in HoldAndClaim)
-//	the claim: the record inserted, ON CONFLICT DO NOTHING
-//	commit
-//	begin isolation level read committed
-//	the claim made broadcast as sign changes it, in one statement, as UpdateFencedKnown writes it: only under the
-//	  wallet's lease at the fence (its row read under a share lock), where the record is still the claim just
-//	  written, and where the payment's hold counts (taken, or there before)
-//	commit
-//
-// The first is HoldAndClaim's, its claim with it, committed without waiting for the WAL flush, so that the payer's
-// key lock is let go before it (see HoldAndClaim); the second commits synchronously, and PostgreSQL flushes the
-// WAL in order, so that once it returns the claim, the hold and the deferred writes are durable too, before the
-// transaction is sent. What the second did not write is the settlement's to end as any claim that sent nothing
-// (Release, its hold let go): the hold refused for want of funds, the lease lost. A batch broken between the two
-// leaves the claim and the hold, as a HoldAndClaim whose answer was lost: reconciliation releases such a claim, its
-// hold first. No record of a transaction is written that the settlement may not send.
-
 // pgClaimSigned makes the claim just written broadcast, as updateFencedKnown's statement, where the payment's hold
 // counts: $12 its key, $13 the read block, $14 the chain time (numeric as text: the rule of pgHoldSQL's live holds).
 const pgClaimSigned = `WITH lease AS (
@@ -305,7 +105,7 @@ SELECT EXISTS (SELECT 1 FROM lease), EXISTS (SELECT 1 FROM written)`
 
 // SignedClaim is the outcome of HoldClaimAndSign.
 type SignedClaim struct {
-	// HeldClaim is HoldAndClaim's outcome: Claimed, Rec the claim as written (or the record that was there, and
+	// HeldClaim: Claimed, Rec the claim as written (or the record that was there, and
 	// nothing of the caller's written), Held and Left.
 	HeldClaim
 	// Signed says the claim was made broadcast with the signed transaction: Broadcast is the record as written.
@@ -313,18 +113,47 @@ type SignedClaim struct {
 	Broadcast Record
 }
 
-// HoldClaimAndSign is HoldAndClaim of r with h, and then UpdateFencedKnown of the claim with sign (the settlement's
-// signed transaction) under lease at fence, where the hold counts, in one batch (see above). Claimed and held but
-// the lease not held: the claim and the hold written, nothing signed, and an error wrapping ErrFenced. Claimed, not
-// held: the claim written, nothing signed. Any other error says the batch may have committed, all of it or its first
+// HoldClaimAndSign writes c.Hold with take of h and c.Claim of r, and then UpdateFencedKnown of the claim with sign
+// (the settlement's signed transaction) under lease at fence, where the hold counts, in one batch (see above), with
+// the deferred writes of ctx in front; h.ID must be r.ID, and ClaimsWithHold(c, c) true. Claimed and held but the
+// lease not held: the claim and the hold written, nothing signed, and an error wrapping ErrFenced. Claimed, not
+// held: the claim written, nothing signed. Another's record there: Claimed false and Rec that record, as Claim
+// answers a claim it lost (a record released between the batch and the read leaves the payment free again: the
+// batch runs again, four times at most). Any other error says the batch may have committed, all of it or its first
 // transaction only: the caller must neither end the hold nor release the claim (reconciliation releases a claim
 // nobody settles, its hold first, and sends a broadcast record nobody sends), nor give the signed transaction's
 // nonce to another.
 func HoldClaimAndSign(ctx context.Context, c Cluster, h Hold, avail *big.Int, readBlock, chainTime uint64, r Record, lease string, fence uint64, sign func(*Record) error) (SignedClaim, error) {
-	return claimOrReadTheWinner(ctx, c, h, avail, r, func(ps *PostgresStore) (SignedClaim, bool, error) {
+	ps, ok := c.(*PostgresStore)
+	switch {
+	case !ok:
+		return SignedClaim{}, fmt.Errorf("journal: a claim with its hold needs a PostgreSQL store, not %T", c)
+	case h.ID != r.ID:
+		return SignedClaim{}, fmt.Errorf("journal: a claim of %s with the hold of %s", r.ID, h.ID)
+	}
+	if err := checkHold(h, avail); err != nil {
+		return SignedClaim{}, err
+	}
+	for attempt := 0; ; attempt++ {
 		out, err := ps.holdClaimAndSign(ctx, h, avail, readBlock, chainTime, r, lease, fence, sign)
-		return out, out.Claimed, err
-	}, func(rec Record) SignedClaim { return SignedClaim{HeldClaim: HeldClaim{Rec: rec}} })
+		if err != nil || out.Claimed {
+			return out, err
+		}
+		rctx, cancel, err := ps.begin(ctx, false)
+		if err != nil {
+			return SignedClaim{}, err
+		}
+		rec, found, err := getRow(rctx, ps.pool, r.ID, false)
+		cancel()
+		switch {
+		case err != nil:
+			return SignedClaim{}, ps.fail(ctx, "claim", err)
+		case found:
+			return SignedClaim{HeldClaim: HeldClaim{Rec: rec}}, nil
+		case attempt == 3:
+			return SignedClaim{}, fmt.Errorf("journal: claim of %s: the record came and went four times", r.ID)
+		}
+	}
 }
 
 // holdClaimAndSign runs HoldClaimAndSign's batch once (tried again only where nothing of it reached the database,

@@ -4,12 +4,14 @@ import (
 	"context"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"math/big"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -37,7 +39,38 @@ func holdRows(t *testing.T, s *PostgresStore, key string, id ID) []string {
 	return out
 }
 
-// TestPostgresAClaimWithItsHoldIsOneRoundTripAndWritesNothingOfALoser: HoldAndClaim writes the claim and the hold
+// signedLeases keeps, per store, the fence of the wallet lease its claims with holds are signed under.
+var signedLeases sync.Map
+
+// signingLease takes s's wallet lease for claimWithHold, once.
+func signingLease(s *PostgresStore) (string, uint64, error) {
+	lease := "wallet-of-" + s.instance
+	if fence, ok := signedLeases.Load(s); ok {
+		return lease, fence.(uint64), nil
+	}
+	l, err := s.Lease(context.Background(), lease, time.Hour)
+	if err != nil || !l.Held {
+		return "", 0, fmt.Errorf("the lease for the claims with holds: %+v, %v", l, err)
+	}
+	signedLeases.Store(s, l.Fence)
+	return lease, l.Fence, nil
+}
+
+// claimWithHold is HoldClaimAndSign of r with h in s, its transaction signed under a lease of s's own, answered as
+// the claim and the hold went (HeldClaim).
+func claimWithHold(ctx context.Context, s *PostgresStore, h Hold, avail *big.Int, r Record) (HeldClaim, error) {
+	lease, fence, err := signingLease(s)
+	if err != nil {
+		return HeldClaim{}, err
+	}
+	out, err := HoldClaimAndSign(ctx, s, h, avail, 1, 1, r, lease, fence, func(r *Record) error {
+		r.State, r.Wallet, r.TxNonce, r.TxHash, r.RawTx = StateBroadcast, "0x0000000000000000000000000000000000000001", 7, "0xabc", []byte{1, 2, 3}
+		return nil
+	})
+	return out.HeldClaim, err
+}
+
+// TestPostgresAClaimWithItsHoldIsOneRoundTripAndWritesNothingOfALoser: HoldClaimAndSign writes the claim and the hold
 // in one batch, with the context's deferred writes (a gate's record) in front; a payment another claimed is
 // neither held nor claimed, and a hold the other took stays as it was; a hold refused for want of funds leaves the
 // claim written, the caller's to release; a deferred write that fails writes nothing at all.
@@ -65,18 +98,21 @@ func testPostgresAClaimWithItsHoldIsOneRoundTripAndWritesNothingOfALoser(t *test
 	}
 
 	// Claimed and held, the gate's record riding in front: one round trip.
+	if _, _, err := signingLease(s); err != nil {
+		t.Fatal(err)
+	}
 	ctx := Defer(bg, s)
 	_, _, later, err := ClaimBehind(ctx, s, claimOf(base))
 	if err != nil {
 		t.Fatal(err)
 	}
 	rt.take()
-	out, err := HoldAndClaim(ctx, s, holdOf(base+1, key, 60), big.NewInt(100), 1, 1, claimOf(base+1))
+	out, err := claimWithHold(ctx, s, holdOf(base+1, key, 60), big.NewInt(100), claimOf(base+1))
 	if err != nil || !out.Claimed || !out.Held || out.Left.Int64() != 100 || out.Rec.ID != claimOf(base+1).ID || out.Rec.ClaimedAt.IsZero() {
-		t.Fatalf("HoldAndClaim of a new payment = %+v, %v; want it claimed and held, 100 left beside it", out, err)
+		t.Fatalf("HoldClaimAndSign of a new payment = %+v, %v; want it claimed and held, 100 left beside it", out, err)
 	}
 	if sent := rt.take(); len(sent) != 1 {
-		t.Errorf("HoldAndClaim carrying a gate's record cost %d round trips, want 1: %q", len(sent), sent)
+		t.Errorf("HoldClaimAndSign carrying a gate's record cost %d round trips, want 1: %q", len(sent), sent)
 	}
 	if err := later.Land(); err != nil {
 		t.Fatalf("the gate's record riding with the claim landed %v", err)
@@ -85,7 +121,7 @@ func testPostgresAClaimWithItsHoldIsOneRoundTripAndWritesNothingOfALoser(t *test
 		t.Fatal("the gate's record that rode with the claim was not written")
 	}
 	if r, ok := found(base + 1); !ok || !r.SameClaim(&out.Rec) {
-		t.Fatalf("the claim = %+v (found %v); want the record HoldAndClaim answered", r, ok)
+		t.Fatalf("the claim = %+v (found %v); want the record HoldClaimAndSign answered", r, ok)
 	}
 	if got := holdRows(t, other, key, claimOf(base+1).ID); len(got) != 1 || got[0] != "60" {
 		t.Fatalf("the hold = %v; want one of 60", got)
@@ -100,12 +136,12 @@ func testPostgresAClaimWithItsHoldIsOneRoundTripAndWritesNothingOfALoser(t *test
 	if ok, _, err := other.Hold(bg, holdOf(base+2, key, 30), big.NewInt(100), 1, 1, true); err != nil || !ok {
 		t.Fatal(ok, err)
 	}
-	out, err = HoldAndClaim(bg, s, holdOf(base+2, key, 30), big.NewInt(100), 1, 1, claimOf(base+2))
+	out, err = claimWithHold(bg, s, holdOf(base+2, key, 30), big.NewInt(100), claimOf(base+2))
 	if err != nil || out.Claimed || out.Held || out.Rec.Owner != "process-b" {
-		t.Fatalf("HoldAndClaim of a payment another claimed = %+v, %v; want it lost, the other's record answered", out, err)
+		t.Fatalf("HoldClaimAndSign of a payment another claimed = %+v, %v; want it lost, the other's record answered", out, err)
 	}
 	if got := holdRows(t, other, key, claimOf(base+2).ID); len(got) != 1 || got[0] != "30" {
-		t.Fatalf("the other's hold after the loser's HoldAndClaim = %v; want it as it was, 30", got)
+		t.Fatalf("the other's hold after the loser's HoldClaimAndSign = %v; want it as it was, 30", got)
 	}
 	// Another's claim without a hold: the loser holds nothing.
 	theirs = claimOf(base + 3)
@@ -113,17 +149,17 @@ func testPostgresAClaimWithItsHoldIsOneRoundTripAndWritesNothingOfALoser(t *test
 	if _, _, err := other.Claim(bg, theirs); err != nil {
 		t.Fatal(err)
 	}
-	if out, err := HoldAndClaim(bg, s, holdOf(base+3, key, 5), big.NewInt(100), 1, 1, claimOf(base+3)); err != nil || out.Claimed || out.Rec.Owner != "process-b" {
-		t.Fatalf("HoldAndClaim of a payment another claimed = %+v, %v; want it lost", out, err)
+	if out, err := claimWithHold(bg, s, holdOf(base+3, key, 5), big.NewInt(100), claimOf(base+3)); err != nil || out.Claimed || out.Rec.Owner != "process-b" {
+		t.Fatalf("HoldClaimAndSign of a payment another claimed = %+v, %v; want it lost", out, err)
 	}
 	if got := holdRows(t, other, key, claimOf(base+3).ID); len(got) != 0 {
 		t.Fatalf("the loser of a claim held %v; want nothing", got)
 	}
 
 	// Past the funds (60 and 30 held of 100): claimed, not held.
-	out, err = HoldAndClaim(bg, s, holdOf(base+4, key, 11), big.NewInt(100), 1, 1, claimOf(base+4))
+	out, err = claimWithHold(bg, s, holdOf(base+4, key, 11), big.NewInt(100), claimOf(base+4))
 	if err != nil || !out.Claimed || out.Held || out.Left.Int64() != 10 {
-		t.Fatalf("HoldAndClaim past the funds = %+v, %v; want it claimed, not held, 10 left", out, err)
+		t.Fatalf("HoldClaimAndSign past the funds = %+v, %v; want it claimed, not held, 10 left", out, err)
 	}
 	if _, ok := found(base + 4); !ok {
 		t.Fatal("the claim of a hold refused for want of funds was not written")
@@ -137,8 +173,8 @@ func testPostgresAClaimWithItsHoldIsOneRoundTripAndWritesNothingOfALoser(t *test
 	if _, _, later, err = ClaimBehind(ctx, s, claimOf(base)); err != nil {
 		t.Fatal(err)
 	}
-	if out, err := HoldAndClaim(ctx, s, holdOf(base+5, key, 1), big.NewInt(100), 1, 1, claimOf(base+5)); err == nil || out.Claimed {
-		t.Fatalf("HoldAndClaim carrying a gate's record that conflicts = %+v, %v; want an error", out, err)
+	if out, err := claimWithHold(ctx, s, holdOf(base+5, key, 1), big.NewInt(100), claimOf(base+5)); err == nil || out.Claimed {
+		t.Fatalf("HoldClaimAndSign carrying a gate's record that conflicts = %+v, %v; want an error", out, err)
 	}
 	if err := later.Land(); !errors.Is(err, ErrExists) {
 		t.Fatalf("the conflicting gate's record landed %v; want ErrExists", err)
@@ -173,7 +209,7 @@ func TestPostgresClaimsWithHoldsOfOnePaymentAtOnceLeaveOneClaimAndOneHold(t *tes
 				defer wg.Done()
 				r := claimOf(k)
 				r.Owner = "settler-" + strconv.Itoa(i)
-				out, err := HoldAndClaim(bg, stores[i%2], holdOf(k, key, 1), big.NewInt(1000), 1, 1, r)
+				out, err := claimWithHold(bg, stores[i%2], holdOf(k, key, 1), big.NewInt(1000), r)
 				mu.Lock()
 				defer mu.Unlock()
 				switch {
@@ -201,19 +237,19 @@ func TestPostgresClaimsWithHoldsOfOnePaymentAtOnceLeaveOneClaimAndOneHold(t *tes
 	}
 }
 
-// TestPostgresAClaimWithItsHoldAcrossARestartIsWrittenOnceOrNotAtAll: with the database down, HoldAndClaim fails
+// TestPostgresAClaimWithItsHoldAcrossARestartIsWrittenOnceOrNotAtAll: with the database down, HoldClaimAndSign fails
 // and writes nothing; once it is back, the next one claims and holds, once.
 func TestPostgresAClaimWithItsHoldAcrossARestartIsWrittenOnceOrNotAtAll(t *testing.T) {
 	srv := pgtest.Start(t)
 	bg := context.Background()
 	s := openPostgres(t, srv.DSN(), Options{})
 	key := "claim-with-hold-restart"
-	if out, err := HoldAndClaim(bg, s, holdOf(33000, key, 1), big.NewInt(10), 1, 1, claimOf(33000)); err != nil || !out.Claimed {
-		t.Fatalf("HoldAndClaim = %+v, %v", out, err)
+	if out, err := claimWithHold(bg, s, holdOf(33000, key, 1), big.NewInt(10), claimOf(33000)); err != nil || !out.Claimed {
+		t.Fatalf("HoldClaimAndSign = %+v, %v", out, err)
 	}
 	srv.Stop(t)
-	if out, err := HoldAndClaim(bg, s, holdOf(33001, key, 1), big.NewInt(10), 1, 1, claimOf(33001)); err == nil || out.Claimed {
-		t.Fatalf("HoldAndClaim with the database down = %+v, %v; want an error", out, err)
+	if out, err := claimWithHold(bg, s, holdOf(33001, key, 1), big.NewInt(10), claimOf(33001)); err == nil || out.Claimed {
+		t.Fatalf("HoldClaimAndSign with the database down = %+v, %v; want an error", out, err)
 	}
 	srv.Restart(t)
 	if _, ok, err := s.Get(bg, claimOf(33001).ID); err != nil || ok {
@@ -227,12 +263,12 @@ func TestPostgresAClaimWithItsHoldAcrossARestartIsWrittenOnceOrNotAtAll(t *testi
 		err error
 	)
 	for range 3 { // a pooled connection the restart broke may fail one call
-		if out, err = HoldAndClaim(bg, s, holdOf(33001, key, 1), big.NewInt(10), 1, 1, claimOf(33001)); err == nil {
+		if out, err = claimWithHold(bg, s, holdOf(33001, key, 1), big.NewInt(10), claimOf(33001)); err == nil {
 			break
 		}
 	}
 	if err != nil || !out.Claimed || !out.Held {
-		t.Fatalf("HoldAndClaim after the restart = %+v, %v; want it claimed and held", out, err)
+		t.Fatalf("HoldClaimAndSign after the restart = %+v, %v; want it claimed and held", out, err)
 	}
 	if got := holdRows(t, s, key, claimOf(33001).ID); len(got) != 1 {
 		t.Fatalf("after the restart the payment is held %d times; want once", len(got))
@@ -278,9 +314,9 @@ func (c *batchSQL) asyncHolds() (async []bool) {
 
 // TestPostgresAHoldWithoutAClaimCommitsAsynchronouslyAndIsDurableOnceASynchronousCommitFollows: a hold with take
 // that carries no claim (Hold, UnrecordedAndHeld) commits without waiting for the WAL flush, so the key's lock is
-// not held across it; so does the hold of HoldAndClaim, in a transaction of its own, and its claim's, second in the
-// batch, waits, as every claim does. Holds committed so and
-// followed by a synchronous commit (what a gate's record, a claim or a write-ahead record is) survive a crash of
+// not held across it; so does the hold of HoldClaimAndSign, with its claim, in the first transaction of the batch,
+// and the second, the claim made broadcast, waits, as every write-ahead record does. Holds committed so and followed
+// by a synchronous commit (what a gate's record, a claim or a write-ahead record is) survive a crash of
 // the database: the WAL is flushed in order.
 func TestPostgresAHoldWithoutAClaimCommitsAsynchronouslyAndIsDurableOnceASynchronousCommitFollows(t *testing.T) {
 	srv := pgtest.Start(t)
@@ -299,13 +335,13 @@ func TestPostgresAHoldWithoutAClaimCommitsAsynchronouslyAndIsDurableOnceASynchro
 	if got := tr.asyncHolds(); len(got) != 11 || slices.Contains(got, false) {
 		t.Fatalf("holds without a claim commit asynchronously: %v; want 11, all", got)
 	}
-	if out, err := HoldAndClaim(bg, s, holdOf(34011, key, 1), big.NewInt(100), 1, 1, claimOf(34011)); err != nil || !out.Claimed {
-		t.Fatalf("HoldAndClaim = %+v, %v", out, err)
+	if out, err := claimWithHold(bg, s, holdOf(34011, key, 1), big.NewInt(100), claimOf(34011)); err != nil || !out.Claimed {
+		t.Fatalf("HoldClaimAndSign = %+v, %v", out, err)
 	}
-	// The hold's transaction lets the key's lock go without waiting for the flush; the claim's, second in the same
-	// batch, waits for it, and with it for the hold's.
+	// The hold's and the claim's transaction lets the key's lock go without waiting for the flush; the broadcast
+	// record's, second in the same batch, waits for it, and with it for theirs.
 	if got := tr.claimBatches(); len(got) != 1 || !slices.Equal(got[0], []bool{true, false}) {
-		t.Fatalf("a hold with its claim commits as %v (a batch, its transactions, whether each commits without the flush); want one batch, the hold's asynchronous, then the claim's", got)
+		t.Fatalf("a hold with its claim commits as %v (a batch, its transactions, whether each commits without the flush); want one batch, the hold's and claim's asynchronous, then the broadcast record's", got)
 	}
 	// One more hold alone, then a synchronous commit (a claim of another payment), and a claim with its hold; then
 	// a crash.
@@ -315,8 +351,8 @@ func TestPostgresAHoldWithoutAClaimCommitsAsynchronouslyAndIsDurableOnceASynchro
 	if _, claimed, err := s.Claim(bg, claimOf(34013)); err != nil || !claimed {
 		t.Fatal(claimed, err)
 	}
-	if out, err := HoldAndClaim(bg, s, holdOf(34014, key, 1), big.NewInt(100), 1, 1, claimOf(34014)); err != nil || !out.Claimed || !out.Held {
-		t.Fatalf("HoldAndClaim = %+v, %v", out, err)
+	if out, err := claimWithHold(bg, s, holdOf(34014, key, 1), big.NewInt(100), claimOf(34014)); err != nil || !out.Claimed || !out.Held {
+		t.Fatalf("HoldClaimAndSign = %+v, %v", out, err)
 	}
 	srv.Crash(t)
 	srv.Restart(t)
@@ -363,13 +399,12 @@ func (c *batchSQL) claimBatches() (out [][]bool) {
 	return out
 }
 
-// TestPostgresAClaimRefusedForRetryAfterItsHoldCommittedRunsAgainAloneAndTheGatesRecordLands: the claim's
-// transaction, second in HoldAndClaim's batch, refused with a serialization failure (40001, which a database
-// running READ COMMITTED as SERIALIZABLE answers a claim that raced another) after the hold's transaction, the
-// gate's record riding in it, committed: the claim alone is tried again, not the whole batch, whose gate's record
-// would find itself there and tell the gate another request recorded its payment, and whose claim would never be
-// written, its hold left to hold the payer's funds until its deadline.
-func TestPostgresAClaimRefusedForRetryAfterItsHoldCommittedRunsAgainAloneAndTheGatesRecordLands(t *testing.T) {
+// TestPostgresAClaimWithItsHoldRefusedForRetryRunsAgainWholeAndTheGatesRecordLandsOnce: the claim, in the first
+// transaction of HoldClaimAndSign's batch with its hold and the gate's record, refused with a serialization failure
+// (40001, which a database running READ COMMITTED as SERIALIZABLE answers a claim that raced another): nothing of
+// the transaction committed, so the batch runs again whole, and the gate's record, the hold and the claim are each
+// written once. (When the hold and the claim were two transactions, the hold's committed without its claim.)
+func TestPostgresAClaimWithItsHoldRefusedForRetryRunsAgainWholeAndTheGatesRecordLandsOnce(t *testing.T) {
 	dsn := pgtest.Shared(t)
 	bg := context.Background()
 	s := openPostgres(t, dsn, Options{})
@@ -406,9 +441,9 @@ END $$`,
 	if err != nil {
 		t.Fatal(err)
 	}
-	out, err := HoldAndClaim(ctx, s, holdOf(base+1, key, 60), big.NewInt(100), 1, 1, claim)
+	out, err := claimWithHold(ctx, s, holdOf(base+1, key, 60), big.NewInt(100), claim)
 	if err != nil || !out.Claimed || !out.Held {
-		t.Fatalf("HoldAndClaim whose claim was refused once for retry = %+v, %v; want it claimed and held", out, err)
+		t.Fatalf("HoldClaimAndSign whose claim was refused once for retry = %+v, %v; want it claimed and held", out, err)
 	}
 	if err := later.Land(); err != nil {
 		t.Fatalf("the gate's record that rode with the hold landed %v; want it written", err)

@@ -138,6 +138,7 @@ CREATE INDEX IF NOT EXISTS x402_channels_claim_tx ON x402_channels (claim_tx) WH
 CREATE INDEX IF NOT EXISTS x402_channels_withdrawn ON x402_channels (withdrawn_ns) WHERE withdrawn_ns IS NOT NULL;
 `,
 	pgPaymentIdentifiersMigration,
+	pgAccessMigration,
 }
 
 // ErrSchemaTooNew: OpenPostgres found a database migrated by a newer release than this one, whose schema this

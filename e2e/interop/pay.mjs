@@ -18,6 +18,10 @@
 //   X402_SCHEME      pay the first offer of this scheme (exact or upto); with X402_METHOD, of both
 //   X402_PAYMENT_ID  name the payment with this id in the payment-identifier extension, where the server declares
 //                    it (@x402/extensions' appendPaymentIdentifierToExtensions, as the SDK's example client does)
+//   X402_SIWX        1: answer a 402's sign-in-with-x challenge with the payer's wallet before paying
+//                    (@x402/extensions' createSIWxClientExtension registered on the client, as the SDK's docs do)
+//   X402_REPEAT      fetch the URL this many times in a row (default 1); the JSON line then carries runs, each
+//                    run's status, body and whether it paid, beside the fields of the last run
 //
 // The JSON line: status and body of the final answer, payer, what the client signed (sent: scheme, method,
 // the amount signed, extensions, whether gas-sponsored, the payment identifier named), the decoded PAYMENT-RESPONSE (paymentResponse), and
@@ -30,6 +34,7 @@ import { decodePaymentResponseHeader, wrapFetchWithPayment, x402Client } from "@
 import { ExactEvmScheme, toClientEvmSigner } from "@x402/evm";
 import { UptoEvmScheme } from "@x402/evm/upto/client";
 import { appendPaymentIdentifierToExtensions } from "@x402/extensions/payment-identifier";
+import { createSIWxClientExtension } from "@x402/extensions/sign-in-with-x";
 import { createPublicClient, http } from "viem";
 import { privateKeyToAccount } from "viem/accounts";
 
@@ -95,23 +100,35 @@ if (paymentId) {
   });
 }
 
+const siwx = process.env.X402_SIWX === "1";
+if (siwx) client.registerExtension(createSIWxClientExtension({ signers: [account] }));
+
 const fetchWithPayment = wrapFetchWithPayment(fetch, client);
 
+// A run succeeded when it answered 2xx with a successful PAYMENT-RESPONSE, or, signing in, 2xx without paying.
+const succeeded = (r) => r.status >= 200 && r.status < 300 && (r.paymentResponse?.success === true || (siwx && r.sent === null));
+const repeat = Number.parseInt(process.env.X402_REPEAT || "1", 10);
 let result;
-try {
-  const response = await fetchWithPayment(url, { method: "GET" });
-  const header = response.headers.get("PAYMENT-RESPONSE");
-  result = {
-    status: response.status,
-    body: await response.text(),
-    payer: account.address,
-    sent: sent ?? null,
-    paymentResponse: header ? decodePaymentResponseHeader(header) : null,
-    settlementOverrides: response.headers.get("Settlement-Overrides"),
-  };
-} catch (err) {
-  result = { error: err instanceof Error ? err.message : String(err), payer: account.address, sent: sent ?? null };
+const runs = [];
+for (let i = 0; i < repeat; i++) {
+  sent = undefined;
+  try {
+    const response = await fetchWithPayment(url, { method: "GET" });
+    const header = response.headers.get("PAYMENT-RESPONSE");
+    result = {
+      status: response.status,
+      body: await response.text(),
+      payer: account.address,
+      sent: sent ?? null,
+      paymentResponse: header ? decodePaymentResponseHeader(header) : null,
+      settlementOverrides: response.headers.get("Settlement-Overrides"),
+    };
+  } catch (err) {
+    result = { error: err instanceof Error ? err.message : String(err), payer: account.address, sent: sent ?? null };
+  }
+  runs.push({ status: result.status ?? 0, body: result.body ?? result.error, paid: result.sent !== null });
+  if (!succeeded(result)) break;
 }
+if (repeat > 1) result.runs = runs;
 process.stdout.write(JSON.stringify(result) + "\n");
-const ok = result.status >= 200 && result.status < 300 && result.paymentResponse?.success === true;
-process.exit(ok ? 0 : 1);
+process.exit(succeeded(result) ? 0 : 1);

@@ -15,6 +15,13 @@
 // domain X402_BATCH_TOKEN_NAME / X402_BATCH_TOKEN_VERSION, for ERC-3009 deposits), the receiver authorizer the
 // facilitator's (it must list a batch-settlement kind naming one); POST /batch-claim claims every voucher the
 // server holds and settles what was claimed to X402_PAY_TO through the facilitator, and prints the results.
+// With X402_PAYMENT_IDENTIFIER set to "optional" or "required", GET /paid also declares @x402/extensions'
+// payment-identifier extension so, and answers with the id the payment named as the SDK's validators read it, in
+// its X-Payment-Identifier header and its body's last line ("payment identifier: <id>", "none" when it named none,
+// "invalid: <why>" when they refuse it).
+// With X402_SIWX=1, GET /paid also declares @x402/extensions' sign-in-with-x (declareSIWxExtension on the network,
+// createSIWxResourceServerExtension with the server's own origin and the SDK's InMemorySIWxStorage): a payer whose
+// payment the server settled is served again on its wallet's signature alone, as the SDK's server grants it.
 // It prints "listening <url>" once it serves, and stops by itself after X402_LIFETIME_SECONDS (default 600).
 import { Hono } from "hono";
 import { serve } from "@hono/node-server";
@@ -23,7 +30,16 @@ import { HTTPFacilitatorClient } from "@x402/core/server";
 import { ExactEvmScheme } from "@x402/evm/exact/server";
 import { UptoEvmScheme } from "@x402/evm/upto/server";
 import { BatchSettlementEvmScheme } from "@x402/evm/batch-settlement/server";
-import { declareEip2612GasSponsoringExtension } from "@x402/extensions";
+import {
+  declareEip2612GasSponsoringExtension,
+  declarePaymentIdentifierExtension,
+  extractAndValidatePaymentIdentifier,
+  PAYMENT_IDENTIFIER,
+  paymentIdentifierResourceServerExtension,
+  validatePaymentIdentifierRequirement,
+} from "@x402/extensions";
+import { decodePaymentSignatureHeader } from "@x402/core/http";
+import { createSIWxResourceServerExtension, declareSIWxExtension, InMemorySIWxStorage } from "@x402/extensions/sign-in-with-x";
 
 function usage(message) {
   process.stderr.write(`server.mjs: ${message}\n`);
@@ -47,10 +63,24 @@ if (batchAmount !== undefined && !/^\d+$/.test(batchAmount)) usage("X402_BATCH_A
 const batchAsset = process.env.X402_BATCH_ASSET || asset;
 const batchToken = { name: process.env.X402_BATCH_TOKEN_NAME || token.name, version: process.env.X402_BATCH_TOKEN_VERSION || token.version };
 
+const paymentIdentifier = process.env.X402_PAYMENT_IDENTIFIER;
+if (paymentIdentifier !== undefined && paymentIdentifier !== "optional" && paymentIdentifier !== "required") {
+  usage('X402_PAYMENT_IDENTIFIER must be "optional" or "required"');
+}
+
 const facilitatorClient = new HTTPFacilitatorClient({ url: facilitatorUrl });
 const resourceServer = new x402ResourceServer(facilitatorClient)
   .register(network, new ExactEvmScheme());
 if (uptoAmount !== undefined) resourceServer.register(network, new UptoEvmScheme());
+if (paymentIdentifier !== undefined) resourceServer.registerExtension(paymentIdentifierResourceServerExtension);
+const siwx = process.env.X402_SIWX === "1";
+if (siwx) {
+  resourceServer.registerExtension(createSIWxResourceServerExtension({
+    origin: `http://127.0.0.1:${port}`,
+    storage: new InMemorySIWxStorage(),
+    onEvent: (e) => process.stderr.write(`siwx: ${JSON.stringify(e)}\n`),
+  }));
+}
 const batchScheme = batchAmount === undefined ? undefined : new BatchSettlementEvmScheme(payTo);
 if (batchScheme) resourceServer.register(network, batchScheme);
 const batchRoutes = batchAmount === undefined ? {} : {
@@ -99,13 +129,29 @@ app.use(
           maxTimeoutSeconds: 600,
         },
         description: "Content sold by an @x402/hono server",
-        extensions: { ...declareEip2612GasSponsoringExtension() },
+        extensions: {
+          ...declareEip2612GasSponsoringExtension(),
+          // Unlike the gas-sponsoring helper, this one returns the declaration itself, not keyed by its name.
+          ...(paymentIdentifier === undefined ? {} : { [PAYMENT_IDENTIFIER]: declarePaymentIdentifierExtension(paymentIdentifier === "required") }),
+          ...(siwx ? declareSIWxExtension({ network }) : {}),
+        },
       },
     },
     resourceServer,
   ),
 );
-app.get("/paid", (c) => c.text("paid content from the hono server"));
+app.get("/paid", (c) => {
+  if (paymentIdentifier !== undefined) {
+    const payload = decodePaymentSignatureHeader(c.req.header("PAYMENT-SIGNATURE"));
+    const { id, validation } = extractAndValidatePaymentIdentifier(payload);
+    const required = validatePaymentIdentifierRequirement(payload, paymentIdentifier === "required");
+    const invalid = [validation, required].flatMap((v) => (v.valid ? [] : v.errors ?? ["invalid"]));
+    const named = invalid.length ? `invalid: ${invalid.join("; ")}` : id ?? "none";
+    c.header("X-Payment-Identifier", named);
+    return c.text(`paid content from the hono server\npayment identifier: ${named}`);
+  }
+  return c.text("paid content from the hono server");
+});
 app.get("/upto", (c) => {
   const use = c.req.query("use");
   if (use !== undefined) setSettlementOverrides(c, { amount: use });

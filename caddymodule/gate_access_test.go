@@ -1,0 +1,140 @@
+package caddymodule_test
+
+import (
+	"encoding/json"
+	"io"
+	"math/big"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/ethereum/go-ethereum/accounts"
+	"github.com/ethereum/go-ethereum/common/hexutil"
+	"github.com/ethereum/go-ethereum/crypto"
+
+	"github.com/x402-gateway/caddy-x402/caddymodule"
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	payerpkg "github.com/x402-gateway/caddy-x402/payer"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// signIn answers the sign-in-with-x challenge of path's 402 as payer, as the SDK's client does, and asks again.
+func (env *gateEnv) signIn(path string, payer *chaintest.Account) gateAnswer {
+	env.t.Helper()
+	pr := env.offer(path)
+	var decl x402.SignInWithXDeclaration
+	if err := json.Unmarshal(pr.Extensions[x402.ExtensionSignInWithX], &decl); err != nil || len(decl.SupportedChains) == 0 {
+		env.t.Fatalf("the 402 declares sign-in-with-x as %s (%v), want a challenge", pr.Extensions[x402.ExtensionSignInWithX], err)
+	}
+	info := decl.Info
+	s := x402.SignInWithX{Domain: info.Domain, Address: payer.Address.Hex(), URI: info.URI, Version: info.Version,
+		ChainID: decl.SupportedChains[0].ChainID, Type: decl.SupportedChains[0].Type, Nonce: info.Nonce,
+		IssuedAt: info.IssuedAt, ExpirationTime: info.ExpirationTime, Resources: info.Resources}
+	msg, err := s.Message(s.Address)
+	if err != nil {
+		env.t.Fatal(err)
+	}
+	sig, err := crypto.Sign(accounts.TextHash([]byte(msg)), payer.Key)
+	if err != nil {
+		env.t.Fatal(err)
+	}
+	sig[64] += 27
+	s.Signature = hexutil.Encode(sig)
+	h, err := x402.EncodeSignInWithX(s)
+	if err != nil {
+		env.t.Fatal(err)
+	}
+	return env.get(path, x402.HeaderSignInWithX, h)
+}
+
+// A Caddyfile gate with access: one payment, then sign-ins served by signature alone with no transaction, through a
+// reload that lengthens the grant and a restart on the same bolt journal, until the grant's requests are used;
+// then 402 naming why, and a payer that never paid is refused from the start.
+func TestAGateWithAccessKeepsAPayersGrantAcrossReloadsAndRestarts(t *testing.T) {
+	s := gateSetup{gate: "\t\taccess 1h {\n\t\t\trequests 4\n\t\t}\n"}
+	env := newGateEnv(t, s)
+	payer, stranger := env.c.Payers[0], env.c.Payers[1]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+
+	if a := env.signIn("/", payer); a.status != http.StatusPaymentRequired || !strings.Contains(a.body, x402.SignInWithXNoGrant) {
+		t.Fatalf("a sign-in before paying = %d %q, want 402 naming %s", a.status, a.body, x402.SignInWithXNoGrant)
+	}
+	if a := env.get("/", x402.HeaderPaymentSignature, env.permit2Header("/", payer)); a.status != http.StatusOK {
+		t.Fatalf("the payment = %d %q, want 200", a.status, a.body)
+	}
+	signedIn := func(when string) {
+		t.Helper()
+		if a := env.signIn("/", payer); a.status != http.StatusOK || a.body != "paid content" {
+			t.Fatalf("%s: the sign-in = %d %q, want the resource", when, a.status, a.body)
+		}
+	}
+	signedIn("at once")
+	s.gate = "\t\taccess 2h {\n\t\t\trequests 9\n\t\t}\n"
+	env.reload(s)
+	signedIn("after a reload that changed access")
+	if err := caddy.Stop(); err != nil {
+		t.Fatalf("stopping the gateway: %v", err)
+	}
+	env.srv.load(env.caddyfile(s))
+	signedIn("after a restart")
+	signedIn("the grant's fourth request")
+	if a := env.signIn("/", payer); a.status != http.StatusPaymentRequired || !strings.Contains(a.body, x402.SignInWithXGrantUsedUp) {
+		t.Fatalf("a fifth sign-in = %d %q, want 402 naming %s: the grant was bought with 4 requests", a.status, a.body, x402.SignInWithXGrantUsedUp)
+	}
+	if a := env.signIn("/", stranger); a.status != http.StatusPaymentRequired || !strings.Contains(a.body, x402.SignInWithXNoGrant) {
+		t.Fatalf("a payer that never paid = %d %q, want 402 naming %s", a.status, a.body, x402.SignInWithXNoGrant)
+	}
+	env.assertPaid(payer, before, 1)
+}
+
+// Our payer signs in too: `caddy x402 pay --sign-in` pays where it has no grant and signs in where it has one, and
+// a payer.Transport with SignIn does the same for every request it sends; one payment for all of it.
+func TestOurPayerPaysOnceAndThenSignsIn(t *testing.T) {
+	s := gateSetup{gate: "\t\taccess 1h\n"}
+	env := newGateEnv(t, s)
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	key := hexKey(payer)
+	pay := func() (string, string) {
+		t.Helper()
+		stdout, stderr, err := caddymodule.RunX402("", "pay", "--key", key, "--rpc", env.c.RPCURL, "--sign-in", env.srv.URL+"/")
+		if err != nil || !strings.Contains(stdout, "paid content") {
+			t.Fatalf("pay --sign-in = %v\nstdout: %s\nstderr: %s", err, stdout, stderr)
+		}
+		return stdout, stderr
+	}
+	if _, stderr := pay(); !strings.Contains(stderr, "was refused") || !strings.Contains(stderr, x402.SignInWithXNoGrant) || !strings.Contains(stderr, "paying") {
+		t.Fatalf("the first pay --sign-in says %q, want the sign-in refused (%s) and a payment", stderr, x402.SignInWithXNoGrant)
+	}
+	env.assertPaid(payer, before, 1)
+	if _, stderr := pay(); !strings.Contains(stderr, "signed in as "+payer.Address.Hex()) || strings.Contains(stderr, "was refused") {
+		t.Fatalf("the second pay --sign-in says %q, want it signed in, not paying", stderr)
+	}
+
+	p, err := payerpkg.New(payer.Key, payerpkg.Options{RPC: env.c.RPCURL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	tr := &payerpkg.Transport{Payer: p, SignIn: true,
+		Limits: []payerpkg.Limit{{Network: env.net, Asset: env.c.Token.Hex(), PerRequest: big.NewInt(gatePrice), Total: big.NewInt(gatePrice)}}}
+	client := &http.Client{Transport: tr}
+	for i := 0; i < 5; i++ {
+		resp, err := client.Get(env.srv.URL + "/")
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || string(body) != "paid content" {
+			t.Fatalf("the Transport's request %d = %d %q, want the resource", i, resp.StatusCode, body)
+		}
+	}
+	if n := tr.Signed(env.net, env.c.Token.Hex()); n.Sign() != 0 {
+		t.Errorf("the Transport signed payments of %s, want none: it signed in", n)
+	}
+	env.assertPaid(payer, before, 1)
+}
