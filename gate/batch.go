@@ -7,8 +7,11 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/common/hexutil"
 	"go.uber.org/zap"
 
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -204,8 +207,11 @@ func (x *exchange) batchOnRecord(p x402.BatchPayment) bool {
 		return false
 	}
 	rec, found, err := x.g.ledger.store.Get(x.r.Context(), journal.BatchVoucherID(a.Network, v.ChannelID, v.MaxClaimableAmount))
-	if err != nil || !found {
+	if err != nil {
 		return false
+	}
+	if !found {
+		return x.batchAcceptedUnrecorded(p)
 	}
 	return rec.Route == x.g.cfg.Route && rec.Resource == x.boughtResource() && rec.Described == x.describedKey() &&
 		rec.Network == a.Network && x402.SameAddress(rec.PayTo, a.PayTo) && x402.SameAddress(rec.Asset, a.Asset) && rec.Amount == a.Amount
@@ -217,4 +223,31 @@ func (x *exchange) cumulative(resp x402.BatchSettleResponse) string {
 		return resp.Extra.ChannelState.ChargedCumulativeAmount
 	}
 	return ""
+}
+
+// batchAcceptedUnrecorded reports whether the payment's voucher is the last one its channel's row accepted, with no
+// record yet: an engine stopped (SIGKILLed) between the row's step and the voucher's record. The engine writes the
+// record when the voucher comes again; judged by the terms it names, it is served here only if this route sells
+// batch-settlement to the same receiver in the same asset. Which route accepted it is not known: only a crash in
+// that window, never its payer, makes such a voucher.
+func (x *exchange) batchAcceptedUnrecorded(p x402.BatchPayment) bool {
+	v, a := p.Payload.Voucher, p.Accepted
+	chs, ok := x.g.ledger.store.(journal.Channels)
+	if !ok || !x402.IsBytes32(v.ChannelID) {
+		return false
+	}
+	sold := false
+	for _, o := range x.offers.offers {
+		sold = sold || (o.batch && o.req.Network == a.Network && x402.SameAddress(o.req.PayTo, a.PayTo) && x402.SameAddress(o.req.Asset, a.Asset))
+	}
+	if !sold {
+		return false
+	}
+	key := journal.ChannelKey{Network: a.Network, Escrow: contracts.BatchSettlementAddress.Hex(), ID: common.HexToHash(v.ChannelID).Hex()}
+	row, found, err := chs.Channel(x.r.Context(), key)
+	if err != nil || !found || row.Charged == nil || len(row.Signature) == 0 {
+		return false
+	}
+	return row.Charged.String() == v.MaxClaimableAmount && strings.EqualFold(hexutil.Encode(row.Signature), v.Signature) &&
+		x402.SameAddress(row.Config.Receiver, a.PayTo) && x402.SameAddress(row.Config.Token, a.Asset)
 }
