@@ -150,6 +150,9 @@ type Gate struct {
 	// Default 0: a payment must match the offer of its request.
 	PriceGrace caddy.Duration `json:"price_grace,omitempty"`
 
+	// MCP prices the tool calls of an MCP server behind the gate, per tool (see GateMCP).
+	MCP *GateMCP `json:"mcp,omitempty"`
+
 	// offersFor resolves price, amount and pay_to per request when they hold request placeholders;
 	// descriptionFor does so for Description.
 	offersFor      func(*http.Request) ([]gate.Offer, error)
@@ -267,7 +270,12 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 		return err
 	}
 	repl := caddy.NewReplacer()
-	if g.specs, err = g.provisionOffers(app, repl); err != nil {
+	if g.MCP != nil {
+		g.specs, err = g.provisionMCP(app)
+	} else {
+		g.specs, err = g.provisionOffers(app, repl)
+	}
+	if err != nil {
 		return err
 	}
 	if err := g.takeOfferMemory(); err != nil {
@@ -320,7 +328,7 @@ func (g *Gate) coreConfig(app *App) gate.Config {
 		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID,
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
-		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: originalURI,
+		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: g.originalURI(),
 		ErrorStatus: handlerErrorStatus, Event: g.emit, HandsOff: handlesErrors,
 		OffersFor: g.offersFor, DescriptionFor: g.descriptionFor, PriceGrace: time.Duration(g.PriceGrace), OfferMemory: g.offered,
 		Ledgers: gateLedgers, Permits: chain.PermitSigners{},
@@ -484,6 +492,16 @@ func (g *Gate) Cleanup() error {
 // (bearerLog): its error, whichever handler it comes from (the gate, or one inside it such as reverse_proxy),
 // is answered here rather than by Caddy, whose error log would show the header.
 func (g *Gate) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	if g.MCP != nil && !gate.IsPreflight(r) {
+		return g.MCP.core.ServeHTTP(w, r, func(w http.ResponseWriter, r *http.Request, next gate.Handler) error {
+			return g.servePaid(w, r, caddyhttp.HandlerFunc(next.ServeHTTP))
+		}, next)
+	}
+	return g.servePaid(w, r, next)
+}
+
+// servePaid is ServeHTTP of a request the gate prices.
+func (g *Gate) servePaid(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	entry := g.logs.takeOver(r)
 	if entry == nil {
 		return g.serve(w, r, next)

@@ -70,6 +70,11 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //			claim_after <duration>
 //		}
 //		                                     # (terms then set from the method and URL only)
+//		mcp {                                # an MCP server behind: priced per tool call (see GateMCP)
+//			tool <name> <dollars>|free
+//			default <dollars>|free           # default free
+//			max_body <size>                  # default 1MiB
+//		}
 //		accept {
 //			pay_to, scheme, price, amount, network, asset, asset_transfer_method,
 //			token_name, token_version, token_eip3009, max_timeout
@@ -218,6 +223,11 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				g.PaymentIdentifier = args[0]
 			default:
 				return d.Errf("payment_identifier '%s': want %s or %s", args[0], gate.PaymentIdentifierOptional, gate.PaymentIdentifierRequired)
+			}
+		case "mcp":
+			g.MCP = new(GateMCP)
+			if err := g.MCP.unmarshalMCP(d); err != nil {
+				return err
 			}
 		case "access":
 			at := *d
