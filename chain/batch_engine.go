@@ -559,6 +559,10 @@ func answerVoucher(ctx context.Context, store journal.Store, network string, row
 	rec := journal.Record{ID: vid, State: journal.StateFinal, Network: network, Payer: payer, Asset: row.Config.Token,
 		Amount: amount, PayTo: row.Config.Receiver,
 		Response: &x402.SettleResponse{Success: true, Network: network, Payer: payer, Amount: amount}}
+	if note, ok := journal.RecordNoteOf(ctx); ok {
+		// What the gate serves it for, in the same write (see journal.RecordNote).
+		rec.Route, rec.Resource, rec.Described = note.Route, note.Resource, note.Described
+	}
 	got, _, err := store.Claim(ctx, rec)
 	if err != nil {
 		// The step is taken and durable in the row; the voucher presented again gets its record then.
