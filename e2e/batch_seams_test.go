@@ -69,11 +69,11 @@ type batchWorld struct {
 	payers     []*ecdsa.PrivateKey
 	journal    string // a file, or a DSN (never logged)
 	env        []string
-	gates      []*batchGate
+	gates      []*seamGate
 }
 
-// batchGate is one Caddy process of the world.
-type batchGate struct {
+// seamGate is one Caddy process of the world.
+type seamGate struct {
 	w      *batchWorld
 	n      int
 	name   string
@@ -126,7 +126,7 @@ func startBatchWorld(t *testing.T, s batchSetup) *batchWorld {
 	}
 	w.env = childEnv(t, "X402_TEST_RECEIVER_AUTHORIZER_KEY="+hexutil.Encode(crypto.FromECDSA(w.authorizer))[2:])
 	for i := range s.gateways {
-		g := &batchGate{w: w, n: i, name: fmt.Sprintf("gateway %d", i), url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t)), claim: s.claim,
+		g := &seamGate{w: w, n: i, name: fmt.Sprintf("gateway %d", i), url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t)), claim: s.claim,
 			amount: batchSeamPrice}
 		if s.admin {
 			g.admin = fmt.Sprintf("127.0.0.1:%d", freePort(t))
@@ -141,7 +141,7 @@ func startBatchWorld(t *testing.T, s batchSetup) *batchWorld {
 }
 
 // config is the gateway's Caddyfile with its claim policy and price.
-func (g *batchGate) config() string {
+func (g *seamGate) config() string {
 	w := g.w
 	var keys []string
 	for _, k := range w.wallets {
@@ -193,7 +193,7 @@ func (g *batchGate) config() string {
 }
 
 // start starts the gateway's Caddy on its Caddyfile and waits until its /batch offers batch-settlement.
-func (g *batchGate) start() {
+func (g *seamGate) start() {
 	g.w.t.Helper()
 	writeFile(g.w.t, g.w.dir, filepath.Base(g.file), g.config())
 	g.proc = startProcess(g.w.t, g.name, g.w.dir, g.w.env, "run", "--adapter", "caddyfile", "--config", g.file)
@@ -205,7 +205,7 @@ func (g *batchGate) start() {
 
 // reload loads the gateway's Caddyfile with its claim policy and price now through its admin API, as `caddy
 // reload` does.
-func (g *batchGate) reload() error {
+func (g *seamGate) reload() error {
 	config := g.config()
 	writeFile(g.w.t, g.w.dir, filepath.Base(g.file), config)
 	req, err := http.NewRequest(http.MethodPost, "http://"+g.admin+"/load", strings.NewReader(config))
@@ -226,7 +226,7 @@ func (g *batchGate) reload() error {
 }
 
 // offer is the batch-settlement requirement of the gateway's /batch 402.
-func (g *batchGate) offer() (x402.BatchRequirements, error) {
+func (g *seamGate) offer() (x402.BatchRequirements, error) {
 	a, err := get(g.url + "/batch")
 	if err != nil {
 		return x402.BatchRequirements{}, err
