@@ -294,7 +294,7 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 		tx := txs[0]
 		if marked != (common.Hash{}) {
 			// Signed again under another nonce: the earlier one was refused and never left.
-			if _, err := chs.MarkClaimFailed(context.WithoutCancel(ctx), marked.Hex()); err != nil {
+			if err := f.claimNotSent(context.WithoutCancel(ctx), n, chs, marked, "refused by the node, signed again under another nonce"); err != nil {
 				return err
 			}
 			marked = common.Hash{}
@@ -311,7 +311,7 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 	})
 	if len(txs) == 0 {
 		if marked != (common.Hash{}) {
-			if _, ferr := chs.MarkClaimFailed(context.WithoutCancel(ctx), marked.Hex()); ferr != nil {
+			if ferr := f.claimNotSent(context.WithoutCancel(ctx), n, chs, marked, fmt.Sprintf("not sent: %v", err)); ferr != nil {
 				return errors.Join(err, ferr)
 			}
 		}
@@ -334,6 +334,28 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 			return nil
 		case <-time.After(n.watcher.poll):
 		}
+	}
+	return nil
+}
+
+// claimNotSent marks claim transaction hash, which never left (the node refused it, or its nonce went to another
+// transaction), failed: its channels are offered to the next claim, and its broadcast record, written before it
+// was sent, is final. Left pending, the record would count in the journal's backlog for good, and no pass would
+// ever finish it: it is no settlement of a payment that reconciliation resumes.
+func (f *Facilitator) claimNotSent(ctx context.Context, n *network, chs journal.Channels, hash common.Hash, why string) error {
+	if _, err := chs.MarkClaimFailed(ctx, hash.Hex()); err != nil {
+		return fmt.Errorf("marking claim %s failed: %w", hash.Hex(), err)
+	}
+	resp := x402.SettleResponse{Success: false, Network: n.caip2, ErrorReason: x402.ReasonBatchClaimTransactionFailed,
+		ErrorMessage: "claim transaction " + hash.Hex() + " was never sent: " + why}
+	_, err := f.journal.Update(ctx, claimRecordID(n.caip2, hash), func(r *journal.Record) error {
+		if r.State != journal.StateFinal {
+			r.State, r.Response = journal.StateFinal, &resp
+		}
+		return nil
+	})
+	if err != nil && !errors.Is(err, journal.ErrNotFound) {
+		return fmt.Errorf("finishing the record of claim %s: %w", hash.Hex(), err)
 	}
 	return nil
 }
@@ -442,7 +464,7 @@ func (f *Facilitator) resolveClaims(ctx context.Context, n *network, chs journal
 		}
 		if !found || len(rec.RawTx) == 0 {
 			if f.now().Sub(r.ClaimSentAt) >= unrecordedClaimAge {
-				if _, err := chs.MarkClaimFailed(ctx, r.ClaimTx); err != nil {
+				if err := f.claimNotSent(ctx, n, chs, hash, "its sender was gone before it recorded the transaction"); err != nil {
 					return err
 				}
 			}
@@ -461,7 +483,7 @@ func (f *Facilitator) resolveClaims(ctx context.Context, n *network, chs journal
 					}
 					continue
 				}
-				if _, err := chs.MarkClaimFailed(ctx, r.ClaimTx); err != nil {
+				if err := f.claimNotSent(ctx, n, chs, hash, "its nonce went to another transaction"); err != nil {
 					return err
 				}
 				continue

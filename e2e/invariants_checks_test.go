@@ -342,6 +342,7 @@ var invChecks = []invCheck{
 	{"honest-payment-never-refused", "an honest payment (funded, signed from the offer, presented in time for its own resource) gets its response, or a 5xx to present it again, or a refusal for a reason of its own (terms a reload changed, a request shape not sold, in a cluster a wallet lease the gateway does not hold, refused at verification); never a settlement refused after it was verified, nor another 402", (*invRun).checkHonestServed},
 	{"nothing-left-pending", "once quiet, nothing is pending: no async backlog, no journal record not final, no funds hold left", (*invRun).checkNothingLeft},
 	{"no-reverted-settlement", "no settlement wallet spent gas on a transaction that reverted", (*invRun).checkNoRevert},
+	{"batch-vouchers-claimed-once", "every batch voucher whose response was delivered is claimed once, none twice, nothing left unclaimed: each channel claimed exactly its delivered vouchers, the seller paid their sum, each payer's refund returned the rest, the escrow holds what it held", (*invRun).checkBatch},
 	{"transport-counts-what-it-signed", "every payer.Transport's spent total is at least what its payments moved on chain plus the whole of those that can still be settled (upto: the maximum), whatever the servers said", (*invRun).checkTransportSpent},
 }
 

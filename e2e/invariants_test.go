@@ -161,6 +161,7 @@ func runInvariants(t *testing.T, topo invTopology, seed uint64, duration time.Du
 		r.transports = append(r.transports, r.newTransport(n))
 	}
 	startBalances := r.readBalances()
+	w.batch.before = r.batchBalances()
 
 	sampling := make(chan struct{})
 	go r.heads.run(w.dev, sampling)
@@ -174,6 +175,13 @@ func runInvariants(t *testing.T, topo invTopology, seed uint64, duration time.Du
 			r.work(n, until)
 		}()
 	}
+	for _, l := range w.batch.lanes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r.batchLane(l, until)
+		}()
+	}
 	progress := make(chan struct{})
 	go r.reportProgress(progress)
 	r.injectFaults(until, rand.New(rand.NewPCG(seed, 0xfa017)))
@@ -184,6 +192,7 @@ func runInvariants(t *testing.T, topo invTopology, seed uint64, duration time.Du
 	quiet := time.Now()
 	resolved := r.quiesce()
 	drained := r.drain(invDrainWait)
+	r.settleBatch()
 	for _, g := range w.gateways {
 		g.stop()
 	}

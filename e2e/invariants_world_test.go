@@ -222,6 +222,7 @@ type invWorld struct {
 
 	gatewayWallets, facilitatorWallets []common.Address
 	startBlock                         uint64
+	batch                              *invBatch // the batch route's lanes (invariants_batch_test.go)
 
 	mu  sync.Mutex
 	gen int // the price generation the gateways run: 0, or 1 after a reload that changes prices
@@ -271,10 +272,14 @@ func startWorld(t *testing.T, topo invTopology) *invWorld {
 	} else {
 		close(pgReady)
 	}
+	var err error
+	if w.batch, err = newInvBatch(); err != nil {
+		t.Fatal(err)
+	}
 	wallets := w.gatewayWalletCount() + invFacilitators*invWalletsPerFac
-	w.chain, w.facts = startDevchain(t, w.dir, "--wallets", fmt.Sprint(wallets), "--payers", fmt.Sprint(invPayers))
-	if len(w.facts.Wallets) != wallets || len(w.facts.Payers) != invPayers {
-		t.Fatalf("the chain funded %d wallets and %d payers, want %d and %d", len(w.facts.Wallets), len(w.facts.Payers), wallets, invPayers)
+	w.chain, w.facts = startDevchain(t, w.dir, "--wallets", fmt.Sprint(wallets), "--payers", fmt.Sprint(invPayers+invBatchLanes))
+	if len(w.facts.Wallets) != wallets || len(w.facts.Payers) != invPayers+invBatchLanes {
+		t.Fatalf("the chain funded %d wallets and %d payers, want %d and %d", len(w.facts.Wallets), len(w.facts.Payers), wallets, invPayers+invBatchLanes)
 	}
 	w.dev = dialChain(t, w.facts.RPC)
 	for i, a := range w.facts.Wallets {
@@ -331,7 +336,7 @@ func startWorld(t *testing.T, topo invTopology) *invWorld {
 		w.dsn = w.pg.DSN()
 	}
 	for i := range topo.gateways {
-		g := &invProc{w: w, n: i, name: fmt.Sprintf("gateway %d", i), env: childEnv(t), status: http.StatusPaymentRequired,
+		g := &invProc{w: w, n: i, name: fmt.Sprintf("gateway %d", i), env: childEnv(t, w.batch.env()), status: http.StatusPaymentRequired,
 			url: fmt.Sprintf("http://127.0.0.1:%d", freePort(t)), admin: fmt.Sprintf("127.0.0.1:%d", freePort(t))}
 		g.file, g.ready = filepath.Join(w.dir, fmt.Sprintf("gateway%d.Caddyfile", i)), g.url+w.routes[0].paths[0]
 		journal := w.dsn
@@ -391,23 +396,22 @@ func (w *invWorld) checkOffers() {
 	}
 }
 
-// gatewayConfig is a gateway's Caddyfile: the dev chain through the fault proxy, the journal, every route, and
-// the facilitator handler at /x402/ (for its /health: the journal backlog).
+// gatewayConfig is a gateway's Caddyfile: the dev chain's network through the fault proxy (with its batch block),
+// the journal, every route, the batch route, and the facilitator handler at /x402/ (for its /health: the journal
+// backlog).
 func (w *invWorld) gatewayConfig(g *invProc, journal string, gen int) string {
 	var routes strings.Builder
 	for _, rk := range w.routes {
 		routes.WriteString(rk.caddy(w, gen))
 	}
+	routes.WriteString(w.batchRoute(gen))
 	return fmt.Sprintf(`{
 	admin %s
 	servers {
 		protocols h1 h2 h2c
 	}
 	x402 {
-		dev_chain {
-			rpc %s
-			wallets 0-%d
-		}
+		%s
 		journal %s
 	}
 }
@@ -415,13 +419,15 @@ func (w *invWorld) gatewayConfig(g *invProc, journal string, gen int) string {
 %s {
 	bind 127.0.0.1
 %s	handle_path /x402/* {
-		x402_facilitator
+		x402_facilitator {
+			open
+		}
 	}
 	handle {
 		respond "no route of the run" 404
 	}
 }
-`, g.admin, w.proxy.url, w.gatewayWalletCount()-1, journal, g.url, routes.String())
+`, g.admin, w.networkBlock(w.proxy.url, w.gatewayWalletCount()), journal, g.url, routes.String())
 }
 
 // gatewayWalletCount is how many settlement wallets the gateways share.

@@ -7,8 +7,11 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/common/hexutil"
 	"go.uber.org/zap"
 
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -114,18 +117,31 @@ func (x *exchange) serveBatch(value string) error {
 	}
 	rq, o, mismatch := x.offers.batchMatch(p.Accepted)
 	if mismatch != nil {
-		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: mismatch.Reason, InvalidMessage: mismatch.Message})
+		// A voucher accepted (charged) here whose response was not delivered is judged by the terms it was
+		// accepted under, as any payment presented again is: a reload since (another price, say) leaves its
+		// payer charged for nothing otherwise, while the claimer claims it.
+		if !x.batchOnRecord(p) {
+			return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: mismatch.Reason, InvalidMessage: mismatch.Message})
+		}
+		rq = p.Accepted
+		rq.Extra.ChannelState, rq.Extra.VoucherState = nil, nil
+		x.g.logger.Info("a batch-settlement voucher presented again for the resource it was accepted for is judged by its record: the terms it was accepted under are no longer offered here",
+			zap.String("channel", p.Payload.Voucher.ChannelID), zap.String("cumulative", p.Payload.Voucher.MaxClaimableAmount),
+			zap.String("amount", rq.Amount), zap.String("mismatch", mismatch.Reason))
 	}
 	x.req = x402.VerifyRequest{X402Version: x402.Version2, PaymentRequirements: rq.Generic()}
-	x.decimals = o.decimals
+	if o != nil {
+		x.decimals = o.decimals
+	} else {
+		x.decimals = x.assetDecimals(x.req.PaymentRequirements)
+	}
 	bf := x.g.batchFacilitator()
 	if bf == nil {
 		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: x402.ReasonUnsupportedScheme,
 			InvalidMessage: "this gate's facilitator does not serve the batch-settlement scheme"})
 	}
 	if p.Payload.Type == x402.BatchRefund {
-		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: x402.ReasonBatchRefundPayload,
-			InvalidMessage: "refunds are not served by this gate yet; the channel's deposit can be withdrawn after its delay"})
+		return x.serveBatchRefund(bf, x402.BatchRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: rq}) // batch_refund.go
 	}
 	v := p.Payload.Voucher
 	x.id = journal.BatchVoucherID(rq.Network, v.ChannelID, v.MaxClaimableAmount)
@@ -139,13 +155,18 @@ func (x *exchange) serveBatch(value string) error {
 
 	t := x.g.now()
 	// As any settlement, it runs to its end when the client hangs up: a deposit may be on its way on chain.
-	resp, err := bf.SettleBatch(context.WithoutCancel(x.r.Context()), x402.BatchRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: rq})
+	// The engine notes on the voucher's record what it is served for, in the write that accepts it.
+	ctx := journal.WithRecordNote(context.WithoutCancel(x.r.Context()), journal.RecordNote{Route: x.g.cfg.Route, Resource: x.boughtResource(), Described: x.describedKey()})
+	resp, err := bf.SettleBatch(ctx, x402.BatchRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: rq})
 	x.settleMs = msSince(x.g.now, t)
 	if err != nil {
 		// A deposit may have been sent: its payer presents the same payment again to learn what became of it.
 		return x.settleUnreachable("the facilitator did not answer the batch-settlement payment; present the same payment again", err, nil)
 	}
 	if !resp.Success {
+		if corrected, err := x.corrective(resp); corrected { // batch_refund.go
+			return err
+		}
 		// Refused before this request was charged anything (a voucher already served is refused as used).
 		return x.verifyFailed(x402.VerifyResponse{IsValid: false, Payer: resp.Payer, InvalidReason: resp.ErrorReason, InvalidMessage: resp.ErrorMessage})
 	}
@@ -181,10 +202,55 @@ func (x *exchange) serveBatchUpstream(resp x402.BatchSettleResponse, up *upstrea
 	return x.deliver(up, nil)
 }
 
+// batchOnRecord reports whether a batch-settlement payment that matches none of the route's offers is a voucher
+// the journal holds as accepted at this route for this very resource, under the terms the payment names.
+func (x *exchange) batchOnRecord(p x402.BatchPayment) bool {
+	v, a := p.Payload.Voucher, p.Accepted
+	if p.Payload.Type == x402.BatchRefund || v == nil || x.g.cfg.Route == "" {
+		return false
+	}
+	rec, found, err := x.g.ledger.store.Get(x.r.Context(), journal.BatchVoucherID(a.Network, v.ChannelID, v.MaxClaimableAmount))
+	if err != nil {
+		return false
+	}
+	if !found {
+		return x.batchAcceptedUnrecorded(p)
+	}
+	return rec.Route == x.g.cfg.Route && rec.Resource == x.boughtResource() && rec.Described == x.describedKey() &&
+		rec.Network == a.Network && x402.SameAddress(rec.PayTo, a.PayTo) && x402.SameAddress(rec.Asset, a.Asset) && rec.Amount == a.Amount
+}
+
 // cumulative is the channel's cumulative amount the answer names, "" when it names none.
 func (x *exchange) cumulative(resp x402.BatchSettleResponse) string {
 	if resp.Extra != nil && resp.Extra.ChannelState != nil {
 		return resp.Extra.ChannelState.ChargedCumulativeAmount
 	}
 	return ""
+}
+
+// batchAcceptedUnrecorded reports whether the payment's voucher is the last one its channel's row accepted, with no
+// record yet: an engine stopped (SIGKILLed) between the row's step and the voucher's record. The engine writes the
+// record when the voucher comes again; judged by the terms it names, it is served here only if this route sells
+// batch-settlement to the same receiver in the same asset. Which route accepted it is not known: only a crash in
+// that window, never its payer, makes such a voucher.
+func (x *exchange) batchAcceptedUnrecorded(p x402.BatchPayment) bool {
+	v, a := p.Payload.Voucher, p.Accepted
+	chs, ok := x.g.ledger.store.(journal.Channels)
+	if !ok || !x402.IsBytes32(v.ChannelID) {
+		return false
+	}
+	sold := false
+	for _, o := range x.offers.offers {
+		sold = sold || (o.batch && o.req.Network == a.Network && x402.SameAddress(o.req.PayTo, a.PayTo) && x402.SameAddress(o.req.Asset, a.Asset))
+	}
+	if !sold {
+		return false
+	}
+	key := journal.ChannelKey{Network: a.Network, Escrow: contracts.BatchSettlementAddress.Hex(), ID: common.HexToHash(v.ChannelID).Hex()}
+	row, found, err := chs.Channel(x.r.Context(), key)
+	if err != nil || !found || row.Charged == nil || len(row.Signature) == 0 {
+		return false
+	}
+	return row.Charged.String() == v.MaxClaimableAmount && strings.EqualFold(hexutil.Encode(row.Signature), v.Signature) &&
+		x402.SameAddress(row.Config.Receiver, a.PayTo) && x402.SameAddress(row.Config.Token, a.Asset)
 }

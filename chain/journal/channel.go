@@ -568,3 +568,23 @@ func pruneChannelsIn(t chanTxn, before time.Time) (int, error) {
 	}
 	return len(gone), nil
 }
+
+// RecordNote is what the request presenting a batch-settlement voucher serves it for: its route, resource and the
+// description of that resource. The engine writes it on the voucher's record as it accepts the voucher (Route,
+// Resource, Described), in the same write, so that a gate judges the voucher presented again by its record at
+// that route and resource only (a voucher accepted and not served, presented again once a reload changed the
+// route's price, say).
+type RecordNote struct{ Route, Resource, Described string }
+
+type recordNoteKey struct{}
+
+// WithRecordNote returns ctx carrying note.
+func WithRecordNote(ctx context.Context, note RecordNote) context.Context {
+	return context.WithValue(ctx, recordNoteKey{}, note)
+}
+
+// RecordNoteOf is the note ctx carries, and whether it carries one.
+func RecordNoteOf(ctx context.Context) (RecordNote, bool) {
+	n, ok := ctx.Value(recordNoteKey{}).(RecordNote)
+	return n, ok
+}
