@@ -25,6 +25,11 @@ func TestThePaywallPageCarriesAWalletScriptAndAPayButtonPerOfferWithNothingFromE
 	if m := regexp.MustCompile(`(?i)(src|href)\s*=\s*["']?(https?:)?//`).FindString(a.body); m != "" {
 		t.Errorf("the paywall page loads something from elsewhere: %q", m)
 	}
+	// The resource URL comes from the request and is written into the page's script: it cannot end the script.
+	x := env.get("/report%3C/script%3E%3Cscript%3Ealert(1)%3C/script%3E", "Accept", "text/html")
+	if x.status != http.StatusPaymentRequired || strings.Contains(x.body, "<script>alert(1)") {
+		t.Errorf("a URL with </script> in it: %d, the page runs a script of the URL's", x.status)
+	}
 	j := env.get("/report", "Accept", "application/json")
 	if j.status != http.StatusPaymentRequired || !strings.HasPrefix(j.header.Get("Content-Type"), "application/json") {
 		t.Errorf("a JSON client got %d %s, want the 402 JSON", j.status, j.header.Get("Content-Type"))
