@@ -5,6 +5,8 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig"
 )
 
 // TestThePaywallPageCarriesAWalletScriptAndAPayButtonPerOfferWithNothingFromElsewhere: the page a browser gets
@@ -41,5 +43,25 @@ func TestThePaywallPageCarriesAWalletScriptAndAPayButtonPerOfferWithNothingFromE
 	req.Header.Set("Accept", "text/html")
 	if h := env.do(req); h.status != http.StatusPaymentRequired || h.body != "" || h.header.Get("PAYMENT-REQUIRED") == "" {
 		t.Errorf("HEAD from a browser = %d with %d bytes of body, want a bodiless 402 with PAYMENT-REQUIRED", h.status, len(h.body))
+	}
+}
+
+// TestThePaywallBlockGivesThePageItsTitleLogoAndColourAndABadColourIsRefusedByName: the Caddyfile's paywall
+// block reaches the page; a colour that is not a CSS hex colour is refused when the Caddyfile is read, naming
+// the option and the value.
+func TestThePaywallBlockGivesThePageItsTitleLogoAndColourAndABadColourIsRefusedByName(t *testing.T) {
+	env := newGateEnv(t, gateSetup{gate: "\t\tpaywall {\n\t\t\ttitle \"Premium reports\"\n\t\t\tlogo /static/logo.png\n\t\t\tcolor 0b7a75\n\t\t}\n"})
+	a := env.get("/report", "Accept", "text/html")
+	if a.status != http.StatusPaymentRequired {
+		t.Fatalf("browser answer = %d, want 402", a.status)
+	}
+	for _, want := range []string{"<title>Premium reports</title>", "<h1>Premium reports</h1>", `src="/static/logo.png"`, "background:#0b7a75"} {
+		if !strings.Contains(a.body, want) {
+			t.Errorf("the styled paywall page lacks %q", want)
+		}
+	}
+	_, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte("http://127.0.0.1:1 {\n\tx402 $0.01 {\n\t\tpay_to 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11\n\t\tpaywall {\n\t\t\tcolor red;}\n\t\t}\n\t}\n\trespond ok\n}\n"), map[string]any{"filename": "Caddyfile"})
+	if err == nil || !strings.Contains(err.Error(), "paywall color") || !strings.Contains(err.Error(), "red;}") {
+		t.Errorf("a paywall color of red;} = %v, want an error naming paywall color and the value", err)
 	}
 }

@@ -43,10 +43,14 @@ func (x *exchange) writePaywall(pr x402.PaymentRequired) error {
 	}
 	data := struct {
 		Description, URL, Price, Header string
+		Style                           PaywallStyle
 		Rows                            []paywallRow
 		JSON, Script                    template.JS
 	}{Description: pr.Resource.Description, URL: pr.Resource.URL, Header: x.g.cfg.PaymentHeader,
-		JSON: template.JS(doc), Script: template.JS(paywallScript)}
+		JSON: template.JS(doc), Script: template.JS(paywallScript), Style: x.g.cfg.Paywall}
+	if data.Style.Title == "" {
+		data.Style.Title = "Payment required"
+	}
 	var prices []string
 	for i, req := range pr.Accepts {
 		decimals, known := x.offerDecimals(req)
