@@ -170,7 +170,7 @@ func (x *exchange) resource() x402.ResourceInfo {
 	if x.g.cfg.DescriptionFor != nil {
 		description = x.g.cfg.DescriptionFor(x.r)
 	}
-	return x402.ResourceInfo{URL: x.resourceURL(), Description: description, MimeType: x.g.cfg.MimeType}
+	return x.describeForDiscovery(x402.ResourceInfo{URL: x.resourceURL(), Description: description, MimeType: x.g.cfg.MimeType})
 }
 
 // resourceURL is the URL the client asked for (before any rewrite), which the 402 names as the resource.
