@@ -161,7 +161,7 @@ type gateError struct {
 // paymentRequired is the gate's current offer for this request's resource.
 func (x *exchange) paymentRequired(errText string) x402.PaymentRequired {
 	x.rememberOffered()
-	return x.declareExtensions(x.offers.paymentRequired(x.resource(), errText, x.turn))
+	return x.declareExtensions(x.offers.paymentRequired(x.describeForDiscovery(x.resource()), errText, x.turn))
 }
 
 // resource describes what the request buys, by the URL the client asked for (before any rewrite).
@@ -170,7 +170,7 @@ func (x *exchange) resource() x402.ResourceInfo {
 	if x.g.cfg.DescriptionFor != nil {
 		description = x.g.cfg.DescriptionFor(x.r)
 	}
-	return x.describeForDiscovery(x402.ResourceInfo{URL: x.resourceURL(), Description: description, MimeType: x.g.cfg.MimeType})
+	return x402.ResourceInfo{URL: x.resourceURL(), Description: description, MimeType: x.g.cfg.MimeType}
 }
 
 // resourceURL is the URL the client asked for (before any rewrite), which the 402 names as the resource.

@@ -85,7 +85,9 @@ func (x *exchange) declareDiscovery(ext map[string]json.RawMessage) {
 	}
 }
 
-// describeForDiscovery adds what the route declares for discovery to the 402's resource.
+// describeForDiscovery adds what the route declares for discovery to the 402's resource. It is not part of what
+// a payment's record says the resource was (describedKey): a reload that retunes discovery alone must not turn
+// away a payer presenting again a payment whose response was cut short.
 func (x *exchange) describeForDiscovery(info x402.ResourceInfo) x402.ResourceInfo {
 	d := x.g.cfg.Discovery
 	if d == nil {
