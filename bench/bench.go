@@ -76,6 +76,10 @@ type Options struct {
 	JSON bool
 	// MaxFailures is how many requests may fail (no 2xx answer) before the run fails.
 	MaxFailures int
+	// Max bounds what a batch-settlement run deposits in all; nil is the run's cost (-n times the price).
+	Max *big.Int
+	// Refund asks, after a batch-settlement run, for what its channels hold that no accepted voucher charges.
+	Refund bool
 }
 
 // check says what is wrong with the options, before anything is sent.
@@ -93,6 +97,8 @@ func (o Options) check() (*url.URL, error) {
 		return nil, fmt.Errorf("--settle-wait: expected a duration of 0 or more, got %s", o.SettleWait)
 	case o.MaxFailures < 0:
 		return nil, fmt.Errorf("--max-failures: expected 0 or more failed requests, got %d", o.MaxFailures)
+	case o.Max != nil && o.Max.Sign() <= 0:
+		return nil, fmt.Errorf("--max: expected a positive amount in raw token units, got %s", o.Max)
 	}
 	switch o.Method {
 	case "", x402.TransferPermit2, x402.TransferEIP3009:
@@ -167,7 +173,9 @@ type Report struct {
 	SellerDelta     *string   `json:"seller_delta"`
 	ExpectedDelta   *string   `json:"expected_delta"`
 	BalanceOK       *bool     `json:"balance_ok"`
-	Notes           []string  `json:"notes,omitempty"`
+	// Batch is what a batch-settlement run sent, and its channels; absent for other runs.
+	Batch *BatchReport `json:"batch,omitempty"`
+	Notes []string     `json:"notes,omitempty"`
 }
 
 // tally is what the callers gathered, each its own until they are merged.
@@ -248,8 +256,10 @@ func Run(ctx context.Context, o Options, stdout, stderr io.Writer) error {
 	}
 	rep := Report{URL: target.Redacted(), HTTPMethod: o.HTTPMethod, Concurrency: o.Concurrency, Failures: []Failure{}}
 	var (
-		paid *paidRun
-		p    *payer.Payer
+		paid  *paidRun
+		batch *batchRun
+		p     *payer.Payer
+		req   x402.PaymentRequirements
 	)
 	switch {
 	case first.StatusCode == http.StatusPaymentRequired:
@@ -260,12 +270,18 @@ func Run(ctx context.Context, o Options, stdout, stderr io.Writer) error {
 			return err
 		}
 		defer p.Close()
-		if paid, err = preparePayments(ctx, o, p, first, firstBody, stderr); err != nil {
+		if paid, batch, err = preparePayments(ctx, o, p, first, firstBody, client, stderr); err != nil {
 			return err
 		}
-		defer paid.finish()
-		rep.Paid, rep.Scheme, rep.Method = true, paid.req.Scheme, payer.TransferMethod(paid.req)
-		rep.Network, rep.Asset, rep.PayTo, rep.Amount = paid.req.Network, paid.req.Asset, paid.req.PayTo, paid.req.Amount
+		if paid != nil {
+			defer paid.finish()
+			req = paid.req
+		} else {
+			defer batch.close()
+			req = batch.req
+		}
+		rep.Paid, rep.Scheme, rep.Method = true, req.Scheme, payer.TransferMethod(req)
+		rep.Network, rep.Asset, rep.PayTo, rep.Amount = req.Network, req.Asset, req.PayTo, req.Amount
 	case first.StatusCode >= 200 && first.StatusCode < 300:
 		fmt.Fprintf(stderr, "%s answered %s without asking for payment: benchmarking it as a free URL\n", target.Redacted(), first.Status)
 	default:
@@ -274,16 +290,29 @@ func Run(ctx context.Context, o Options, stdout, stderr io.Writer) error {
 
 	var seller, asset common.Address
 	var before *big.Int
-	if paid != nil && o.RPC != "" {
-		seller, asset = common.HexToAddress(paid.req.PayTo), common.HexToAddress(paid.req.Asset)
+	var counter *chainCounter
+	if rep.Paid && o.RPC != "" {
+		seller, asset = common.HexToAddress(req.PayTo), common.HexToAddress(req.Asset)
 		if before, err = p.TokenBalance(ctx, asset, seller); err != nil {
 			return fmt.Errorf("reading the seller's balance before the run: %w", err)
+		}
+		if batch != nil {
+			if counter, err = startChainCounter(ctx, o.RPC); err != nil {
+				return err
+			}
+			defer counter.close()
 		}
 	}
 
 	sendURL := first.Request.URL.String()
 	fmt.Fprintf(stderr, "sending %d requests at concurrency %d%s\n", o.Requests, o.Concurrency, durationNote(o.Duration))
-	tally, wall := send(ctx, o, client, sendURL, paid, stderr)
+	tally, wall := send(ctx, o, client, sendURL, paid, batch, stderr)
+	// Interrupted (SIGINT), the run stops sending and reports what it sent: the seller's balance, the channels
+	// and the refund asked for are read and sent as after any run (a second interrupt ends the process).
+	interrupted := ctx.Err() != nil
+	if interrupted {
+		ctx = context.WithoutCancel(ctx)
+	}
 	var signErr error
 	if paid != nil {
 		if signErr = paid.finish(); signErr == nil {
@@ -298,6 +327,9 @@ func Run(ctx context.Context, o Options, stdout, stderr io.Writer) error {
 		rep.OKPerSecond = float64(tally.ok) / wall.Seconds()
 	}
 	rep.LatencyMS, rep.LatencyAllMS = latencySummary(tally.okLatency), latencySummary(tally.allLatency)
+	if interrupted {
+		rep.Notes = append(rep.Notes, fmt.Sprintf("interrupted: %d of the %d requests were sent, and the answers in flight waited for", rep.Requests, o.Requests))
+	}
 	rep.Failures = groupFailures(tally.failures)
 	rep.Failed, rep.MaxFailures = rep.Requests-rep.OK, o.MaxFailures
 	var failed error
@@ -305,11 +337,29 @@ func Run(ctx context.Context, o Options, stdout, stderr io.Writer) error {
 		failed = fmt.Errorf("%d of %d requests failed, more than --max-failures %d: FAILED", rep.Failed, rep.Requests, o.MaxFailures)
 	}
 
-	var mismatch error
-	if paid != nil {
+	var mismatch, refundErr error
+	if batch != nil {
+		b := &BatchReport{Channels: len(batch.channels), Deposits: int(batch.deposits.Load()), Vouchers: int(batch.vouchers.Load())}
+		if o.Refund {
+			fmt.Fprintln(stderr, "asking for what is left in the channels")
+			back, errs := batch.refund(ctx, sendURL)
+			b.Refunded, b.RefundErrors = back.String(), errs
+			if len(errs) > 0 {
+				refundErr = fmt.Errorf("%d of the channels' refunds failed: REFUND FAILED: %s", len(errs), strings.Join(errs, "; "))
+			}
+		}
+		b.Refunds = int(batch.refunds.Load())
+		deposited, charged, left := batch.channelsTotals()
+		b.Deposited, b.Charged, b.Left = deposited.String(), charged.String(), left.String()
+		if left.Sign() > 0 && !o.Refund {
+			rep.Notes = append(rep.Notes, fmt.Sprintf("the channels hold %s that no accepted voucher charges: --refund asks for it after a run; the payer can also withdraw it from the escrow after the withdrawal delay", left))
+		}
+		rep.Batch = b
+	}
+	if rep.Paid {
 		rep.ExpectedDelta = bigString(tally.expected)
 		if tally.atMax > 0 {
-			rep.Notes = append(rep.Notes, fmt.Sprintf("%d paid answers named no amount in PAYMENT-RESPONSE: counted at the maximum, %s each", tally.atMax, paid.amount))
+			rep.Notes = append(rep.Notes, fmt.Sprintf("%d paid answers named no amount in PAYMENT-RESPONSE: counted at the maximum, %s each", tally.atMax, req.Amount))
 		}
 		if tally.paidNon2xx > 0 {
 			rep.Notes = append(rep.Notes, fmt.Sprintf("%d answers that were not 2xx say in PAYMENT-RESPONSE that they were paid: counted as paid", tally.paidNon2xx))
@@ -318,7 +368,11 @@ func Run(ctx context.Context, o Options, stdout, stderr io.Writer) error {
 			rep.Notes = append(rep.Notes, fmt.Sprintf("%d answers said their payment may have settled (%s in all): the seller may have received up to that much more", tally.uncertainCount, tally.uncertain))
 		}
 		if before != nil {
-			fmt.Fprintf(stderr, "waiting up to %s for the seller's balance to show the payments\n", o.SettleWait)
+			if batch != nil {
+				fmt.Fprintf(stderr, "waiting up to %s for the seller's balance to show the vouchers: the server claims them on chain as its policy says (a number of vouchers, an amount, a time, and at its shutdown)\n", o.SettleWait)
+			} else {
+				fmt.Fprintf(stderr, "waiting up to %s for the seller's balance to show the payments\n", o.SettleWait)
+			}
 			after, err := waitSellerBalance(ctx, p, asset, seller, before, tally.expected, tally.uncertain, o.SettleWait)
 			if err != nil {
 				return fmt.Errorf("reading the seller's balance after the run: %w", err)
@@ -328,6 +382,20 @@ func Run(ctx context.Context, o Options, stdout, stderr io.Writer) error {
 			rep.SellerBefore, rep.SellerAfter, rep.SellerDelta, rep.BalanceOK = bigString(before), bigString(after), bigString(delta), &ok
 			if !ok {
 				mismatch = fmt.Errorf("the seller's balance rose by %s, and the %d paid answers paid %s: MISMATCH", delta, tally.ok+tally.paidNon2xx, tally.expected)
+				if batch != nil {
+					rep.Notes = append(rep.Notes, "a batch-settlement seller is paid when the server claims its vouchers: a claim policy slower than --settle-wait shows as a mismatch here; the claim at the server's shutdown pays the rest")
+				}
+			}
+			if counter != nil {
+				n, to, err := counter.count(ctx)
+				if err != nil {
+					return err
+				}
+				per100 := 0.0
+				if rep.Requests > 0 {
+					per100 = float64(n) * 100 / float64(rep.Requests)
+				}
+				rep.Batch.Transactions, rep.Batch.TransactionsPer100, rep.Batch.FromBlock, rep.Batch.ToBlock = &n, &per100, counter.from+1, to
 			}
 		} else {
 			rep.Notes = append(rep.Notes, "no --rpc: the seller's balance was not checked")
@@ -345,20 +413,30 @@ func Run(ctx context.Context, o Options, stdout, stderr io.Writer) error {
 	} else if err := printReport(stdout, rep); err != nil {
 		return err
 	}
-	return errors.Join(signErr, mismatch, failed)
+	return errors.Join(signErr, mismatch, refundErr, failed)
 }
 
 // preparePayments chooses the requirement to pay, checks the payer can pay o.Requests of it, and signs
-// that many payments.
-func preparePayments(ctx context.Context, o Options, p *payer.Payer, first *http.Response, body []byte, stderr io.Writer) (*paidRun, error) {
+// that many payments, or, for a batch-settlement requirement, prepares the channels that pay it (prepareBatch).
+func preparePayments(ctx context.Context, o Options, p *payer.Payer, first *http.Response, body []byte, client *http.Client, stderr io.Writer) (*paidRun, *batchRun, error) {
 	offer, err := payer.ReadOffer(first.Header, body)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	i, err := p.Choose(ctx, offer)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
+	if offer.Required.Accepts[i].Scheme == x402.SchemeBatchSettlement {
+		batch, err := prepareBatch(ctx, o, p, offer, i, client, stderr)
+		return nil, batch, err
+	}
+	paid, err := prepareSigned(ctx, o, p, offer, i, stderr)
+	return paid, nil, err
+}
+
+// prepareSigned checks the payer can pay o.Requests of offer's requirement i, and signs the first window of them.
+func prepareSigned(ctx context.Context, o Options, p *payer.Payer, offer payer.Offer, i int, stderr io.Writer) (*paidRun, error) {
 	req := offer.Required.Accepts[i]
 	method := payer.TransferMethod(req)
 	if method == x402.TransferERC2612 {
@@ -477,8 +555,8 @@ func checkFunds(ctx context.Context, o Options, p *payer.Payer, req x402.Payment
 }
 
 // send sends the requests at o.Concurrency and tallies them; wall is the time from the first request sent
-// to the last answer read.
-func send(ctx context.Context, o Options, client *http.Client, u string, paid *paidRun, stderr io.Writer) (*tally, time.Duration) {
+// to the last answer read. A batch-settlement run's callers each send their share, from their own channel.
+func send(ctx context.Context, o Options, client *http.Client, u string, paid *paidRun, batch *batchRun, stderr io.Writer) (*tally, time.Duration) {
 	var next, done atomic.Int64
 	tallies := make([]*tally, o.Concurrency)
 	start := time.Now()
@@ -492,9 +570,20 @@ func send(ctx context.Context, o Options, client *http.Client, u string, paid *p
 	for w := range o.Concurrency {
 		tallies[w] = newTally(o.Requests/o.Concurrency + 1)
 		wg.Add(1)
+		var charge func(*x402.SettleResponse, *tally) *big.Int
+		c := client
+		quota := o.Requests
+		switch {
+		case paid != nil:
+			charge = func(s *x402.SettleResponse, t *tally) *big.Int { return paidAmount(paid, s, t) }
+		case batch != nil:
+			// The gate charges a voucher-paid answer the price (the channel's checks of the answers are the payer's).
+			charge = func(*x402.SettleResponse, *tally) *big.Int { return batch.price }
+			c, quota = batch.channels[w].client, batch.channels[w].quota
+		}
 		go func(t *tally) {
 			defer wg.Done()
-			for ctx.Err() == nil {
+			for sent := 0; ctx.Err() == nil && sent < quota; sent++ {
 				k := int(next.Add(1)) - 1
 				if k >= o.Requests || (!stopAt.IsZero() && time.Now().After(stopAt)) {
 					return
@@ -507,7 +596,9 @@ func send(ctx context.Context, o Options, client *http.Client, u string, paid *p
 					}
 					name = paid.header
 				}
-				one(ctx, client, o.HTTPMethod, u, name, value, paid, t)
+				// A request sent runs to its answer when the run is interrupted: a payment whose answer was not
+				// read may have been charged, and the run's count must hold what the seller received.
+				one(context.WithoutCancel(ctx), c, o.HTTPMethod, u, name, value, charge, t)
 				done.Add(1)
 			}
 		}(tallies[w])
@@ -536,8 +627,9 @@ func progress(done *atomic.Int64, total int, start time.Time, stop <-chan struct
 	}
 }
 
-// one sends one request and tallies its answer.
-func one(ctx context.Context, client *http.Client, method, u, name, value string, paid *paidRun, t *tally) {
+// one sends one request and tallies its answer; charge says what a paid answer moved to the seller (nil: the
+// URL is free).
+func one(ctx context.Context, client *http.Client, method, u, name, value string, charge func(*x402.SettleResponse, *tally) *big.Int, t *tally) {
 	r, err := http.NewRequestWithContext(ctx, method, u, nil)
 	if err != nil {
 		t.failures[Failure{Reason: err.Error()}]++
@@ -577,22 +669,22 @@ func one(ctx context.Context, client *http.Client, method, u, name, value string
 	if ok {
 		t.ok++
 		t.okLatency = append(t.okLatency, latency)
-		if paid != nil {
-			t.expected.Add(t.expected, paidAmount(paid, settled, t))
+		if charge != nil {
+			t.expected.Add(t.expected, charge(settled, t))
 		}
 		return
 	}
 	t.failures[Failure{Status: resp.StatusCode, Reason: failureReason(resp, body, settled)}]++
-	if paid == nil || settled == nil {
+	if charge == nil || settled == nil {
 		return
 	}
 	switch {
 	case settled.Success:
 		t.paidNon2xx++
-		t.expected.Add(t.expected, paidAmount(paid, settled, t))
+		t.expected.Add(t.expected, charge(settled, t))
 	case settled.Pending():
 		t.uncertainCount++
-		t.uncertain.Add(t.uncertain, paidAmount(paid, settled, t))
+		t.uncertain.Add(t.uncertain, charge(settled, t))
 	}
 }
 
@@ -791,6 +883,20 @@ func printReport(w io.Writer, r Report) error {
 		fmt.Fprintf(&b, "seller:      %s, expected %s: OK\n", signed(*r.SellerDelta), signed(*r.ExpectedDelta))
 	case r.BalanceOK != nil:
 		fmt.Fprintf(&b, "seller:      %s, expected %s: MISMATCH\n", signed(*r.SellerDelta), signed(*r.ExpectedDelta))
+	}
+	if c := r.Batch; c != nil {
+		fmt.Fprintf(&b, "channels:    %d (one a caller): %d deposits, %d vouchers, %d refunds; deposited %s, charged %s, left %s\n",
+			c.Channels, c.Deposits, c.Vouchers, c.Refunds, c.Deposited, c.Charged, c.Left)
+		if c.Refunded != "" {
+			fmt.Fprintf(&b, "refunded:    %s\n", c.Refunded)
+		}
+		for _, e := range c.RefundErrors {
+			fmt.Fprintf(&b, "  refund failed: %s\n", e)
+		}
+		if c.Transactions != nil {
+			fmt.Fprintf(&b, "on chain:    %d transactions to the escrow and its collectors in blocks %d to %d, %.2f per 100 requests\n",
+				*c.Transactions, c.FromBlock, c.ToBlock, *c.TransactionsPer100)
+		}
 	}
 	for _, n := range r.Notes {
 		fmt.Fprintf(&b, "note:        %s\n", n)

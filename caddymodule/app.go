@@ -111,6 +111,9 @@ type DevChainConfig struct {
 	// order, from 0). Default: 0 to 3, every wallet the embedded chain funds. Processes sharing a dev chain must
 	// not share a wallet: each engine sends from its wallets with nonces of its own counting.
 	Wallets []int `json:"wallets,omitempty"`
+	// Batch configures the batch-settlement claims of the embedded engine on the dev chain's network, as a
+	// network's Batch does; default none. A config that names the dev chain's network itself gives it there.
+	Batch *BatchSettlement `json:"batch,omitempty"`
 }
 
 // devChains holds running dev chains across config reloads, keyed by their configuration.
@@ -146,6 +149,9 @@ func (a *App) planDevChain() error {
 	network := x402.EIP155(id)
 	for _, n := range a.Networks {
 		if n.Network == network {
+			if dc.Batch != nil {
+				return fmt.Errorf("dev_chain: batch: the config names the dev chain's network %s itself, whose batch block it takes: give batch there", network)
+			}
 			return nil
 		}
 	}
@@ -163,6 +169,7 @@ func (a *App) planDevChain() error {
 		// by a block for each of its settlements ahead (chain.NetworkConfig.SealsPerBurst). One it reaches by RPC
 		// is judged by its head's lead over the clock.
 		sealsPerBurst: dc.RPC == "" && dc.BlockTime == 0,
+		Batch:         dc.Batch,
 	}
 	if dc.RPC != "" {
 		a.devNet.RPC = []string{dc.RPC}

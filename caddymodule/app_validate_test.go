@@ -133,3 +133,33 @@ func freePortOf(t *testing.T) string {
 	_, port, _ := net.SplitHostPort(freeAddr(t))
 	return port
 }
+
+// dev_chain's batch block is the dev chain's network's: its receiver authorizer key is resolved as a network's
+// is (an unset variable refused, naming it), and beside a network block that names the dev chain's network
+// itself, which takes its own batch block, it is refused rather than ignored.
+func TestValidatingDevChainBatchGivesItToTheDevNetworkOrRefusesIt(t *testing.T) {
+	route := "http://127.0.0.1:" + freePortOf(t) + " {\n\tx402 $0.01 {\n\t\tpay_to 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11\n\t}\n\trespond paid\n}\n"
+	for _, tc := range []struct {
+		name, x402, want string
+	}{
+		{"a key from an unset variable", "dev_chain {\n\t\t\trpc http://127.0.0.1:8545\n\t\t\tbatch {\n\t\t\t\treceiver_authorizer_key {env.X402_TEST_UNSET_BATCH_KEY}\n\t\t\t}\n\t\t}",
+			"batch: receiver_authorizer_key: {env.X402_TEST_UNSET_BATCH_KEY} is empty"},
+		{"beside the dev chain's network named itself", "network eip155:72344 {\n\t\t\trpc http://127.0.0.1:8545\n\t\t}\n\t\tdev_chain {\n\t\t\trpc http://127.0.0.1:8545\n\t\t\tbatch {\n\t\t\t\treceiver_authorizer_key " +
+			strings.Repeat("11", 32) + "\n\t\t\t}\n\t\t}", "dev_chain: batch: the config names the dev chain's network eip155:72344 itself"},
+		{"nothing wrong", "dev_chain {\n\t\t\trpc http://127.0.0.1:8545\n\t\t\tbatch {\n\t\t\t\treceiver_authorizer_key " + strings.Repeat("11", 32) + "\n\t\t\t\tclaim_after 2s\n\t\t\t}\n\t\t}", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := adaptCaddyfile(t, "{\n\tx402 {\n\t\t"+tc.x402+"\n\t}\n}\n\n"+route, t.TempDir())
+			if !strings.Contains(string(cfg), `"batch":{`) {
+				t.Fatalf("the adapted config carries no batch block: %s", cfg)
+			}
+			err := caddy.Validate(mustConfig(t, cfg))
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("caddy.Validate: %v", err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+				t.Fatalf("caddy.Validate = %v, want an error saying %q", err, tc.want)
+			}
+		})
+	}
+}

@@ -68,6 +68,7 @@ func durationArg(d *caddyfile.Dispenser, option string) (time.Duration, error) {
 //			alloc <file>
 //			rpc <url>
 //			wallets <n>|<n>-<m> [...]
+//			batch { ... }
 //		}
 //	}
 func parseGlobalX402(d *caddyfile.Dispenser, existing any) (any, error) {
@@ -300,6 +301,12 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 // parseBatchSettlement reads a network's batch block: the receiver authorizer's key and the claim policy. Each
 // value is checked at its line; a placeholder is read when Caddy starts.
 func parseBatchSettlement(d *caddyfile.Dispenser) (*BatchSettlement, error) {
+	return parseBatchBlock(d, false)
+}
+
+// parseBatchBlock reads a batch block: a network's (with the receiver authorizer's key), or a gate's in front of
+// a remote facilitator (remote: the claim policy only, the receiver authorizer being the facilitator's).
+func parseBatchBlock(d *caddyfile.Dispenser, remote bool) (*BatchSettlement, error) {
 	b := new(BatchSettlement)
 	if d.NextArg() {
 		return nil, d.ArgErr()
@@ -312,6 +319,9 @@ func parseBatchSettlement(d *caddyfile.Dispenser) (*BatchSettlement, error) {
 		}
 		switch name {
 		case "receiver_authorizer_key":
+			if remote {
+				return nil, d.Err("batch: receiver_authorizer_key is the facilitator's own in front of facilitator_url (named in its /supported); a gate's batch block takes claim_every, claim_amount and claim_after")
+			}
 			if !hasPlaceholder(v) {
 				if err := receiverAuthorizerKeyProblem(v, v); err != nil {
 					return nil, d.Err(err.Error())
@@ -339,7 +349,7 @@ func parseBatchSettlement(d *caddyfile.Dispenser) (*BatchSettlement, error) {
 			return nil, d.Errf("unrecognized batch option '%s'; want receiver_authorizer_key, claim_every, claim_amount or claim_after", name)
 		}
 	}
-	if b.ReceiverAuthorizerKey == "" {
+	if b.ReceiverAuthorizerKey == "" && !remote {
 		return nil, d.Err("batch needs receiver_authorizer_key: the key that signs the claims of the vouchers it accepts")
 	}
 	return b, nil
@@ -352,6 +362,17 @@ func parseDevChain(d *caddyfile.Dispenser) (*DevChainConfig, error) {
 	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		name := d.Val()
+		if name == "batch" {
+			if dc.Batch != nil {
+				return nil, d.Err("batch is configured twice in dev_chain")
+			}
+			b, err := parseBatchSettlement(d)
+			if err != nil {
+				return nil, err
+			}
+			dc.Batch = b
+			continue
+		}
 		if name == "wallets" {
 			wallets, err := parseWalletNumbers(d)
 			if err != nil {
@@ -386,7 +407,7 @@ func parseDevChain(d *caddyfile.Dispenser) (*DevChainConfig, error) {
 		case "rpc":
 			dc.RPC = v
 		default:
-			return nil, d.Errf("unrecognized dev_chain option '%s'; want chain_id, listen, block_time, data_dir, alloc, rpc or wallets", name)
+			return nil, d.Errf("unrecognized dev_chain option '%s'; want chain_id, listen, block_time, data_dir, alloc, rpc, wallets or batch", name)
 		}
 	}
 	return dc, nil

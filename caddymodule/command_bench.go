@@ -1,20 +1,24 @@
 package caddymodule
 
 import (
+	"fmt"
 	"net/http"
 	"os"
+	"os/signal"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/x402-gateway/caddy-x402/bench"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
+	"github.com/x402-gateway/caddy-x402/x402"
 )
 
 // newBenchCommand is `caddy x402 bench`.
 func newBenchCommand() *cobra.Command {
 	cmd := &cobra.Command{
-		Use:   "bench [--dev | --key HEX | --key-file FILE] [--rpc URL] [-c N] [-n N] [-d DURATION] [--method permit2|eip3009] [--http-method GET] [--timeout 60s] [--settle-wait 60s] [--max-failures 0] [--json] <url>",
+		Use:   "bench [--dev | --key HEX | --key-file FILE] [--rpc URL] [-c N] [-n N] [-d DURATION] [--method permit2|eip3009] [--http-method GET] [--timeout 60s] [--settle-wait 60s] [--max-failures 0] [--max AMOUNT] [--refund] [--json] <url>",
 		Short: "Load-tests a paid (or free) URL with payments signed ahead, and checks the seller was paid for each",
 		Long: `
 Requests the URL once. When it answers 402 Payment Required, chooses a
@@ -42,6 +46,24 @@ resource served and not paid for fails the run.
 A request that got no 2xx answer is a failure; bench exits non-zero when more
 than --max-failures (default 0) requests failed, after printing the report, so
 that a script or CI never takes a run that served nothing for a result.
+
+A batch-settlement offer (a route of scheme batch) is paid by channel vouchers,
+which cannot be signed ahead: each is the cumulative amount the server last
+accepted plus the price. Each of the C callers pays from a channel of its own
+(the payer's key, a salt of the run's own), whose first request deposits the
+caller's share of the run (its requests times the price, the run's deposits in
+all bounded by --max) and every later one carries the next voucher; a voucher
+refused with a corrective 402 resyncs the channel and is sent once more. The
+report counts the deposits, vouchers and refunds sent, and with --rpc the
+transactions mined to the escrow and its deposit collectors until the seller's
+balance showed the vouchers: the server claims them as its batch block says
+(claim_every, claim_amount, claim_after, and at shutdown), so --settle-wait must
+cover its claim. --refund asks, after the run, for what the channels hold that no
+accepted voucher charges (a run that served every request leaves nothing).
+
+An interrupt (SIGINT, SIGTERM) stops sending new requests: the answers in
+flight are waited for, and the run is reported (the seller's balance, the
+channels, --refund) as any other; a second interrupt ends bench.
 
 A permit2 payer must have approved Permit2 for N payments: bench sends no
 transaction of its own accord, and says what to approve when the allowance is
@@ -71,6 +93,8 @@ stdout; the report is otherwise on stdout and progress on stderr.
 	f.Duration("settle-wait", 60*time.Second, "Wait at most this long after the run for the seller's balance to show the payments")
 	f.Int("max-failures", 0, "Exit non-zero when more requests than this got no 2xx answer")
 	f.Bool("json", false, "Print one JSON object on stdout")
+	f.String("max", "", "Batch-settlement: the most the run's channel deposits may hold in all, in raw token units (default: -n times the price)")
+	f.Bool("refund", false, "Batch-settlement: after the run, ask for what the channels hold that no accepted voucher charges")
 	return cmd
 }
 
@@ -95,8 +119,24 @@ func cmdX402Bench(cmd *cobra.Command, args []string) error {
 	o.SettleWait, _ = fs.GetDuration("settle-wait")
 	o.JSON, _ = fs.GetBool("json")
 	o.MaxFailures, _ = fs.GetInt("max-failures")
+	if m, _ := fs.GetString("max"); m != "" {
+		v, err := x402.ParseUint256(m)
+		if err != nil {
+			return fmt.Errorf("--max %q: expected an amount in raw token units: %w", m, err)
+		}
+		o.Max = v
+	}
+	o.Refund, _ = fs.GetBool("refund")
 	if o.Dev && o.RPC == "" {
 		o.RPC = "http://" + devchain.DefaultListen
 	}
-	return bench.Run(cmd.Context(), o, cmd.OutOrStdout(), cmd.ErrOrStderr())
+	// The first interrupt stops sending new requests and the run reports what it sent (and refunds, with
+	// --refund); the second ends the process.
+	ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	go func() {
+		<-ctx.Done()
+		stop()
+	}()
+	return bench.Run(ctx, o, cmd.OutOrStdout(), cmd.ErrOrStderr())
 }

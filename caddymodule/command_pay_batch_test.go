@@ -29,6 +29,8 @@ type batchRoute struct {
 	balance  *big.Int
 	charged  *big.Int
 	payloads []string
+	// refuse, when set, names the reason the paid request of a turn (0, 1, ...) is refused with, "" for none.
+	refuse func(turn int) string
 }
 
 func newBatchRoute(t *testing.T) (*batchRoute, *httptest.Server) {
@@ -68,6 +70,12 @@ func (b *batchRoute) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	b.payloads = append(b.payloads, p.Payload.Type+"@"+p.Payload.Voucher.MaxClaimableAmount)
+	if b.refuse != nil {
+		if reason := b.refuse(len(b.payloads) - 1); reason != "" {
+			offer(reason)
+			return
+		}
+	}
 	view := chain.ChannelView{Balance: new(big.Int).Set(b.balance), Charged: new(big.Int).Set(b.charged), TotalClaimed: new(big.Int), ReadAt: time.Now()}
 	if p.Payload.Type == x402.BatchDeposit {
 		if refusal := b.terms.CheckDepositAuthorization(&p, time.Now()); refusal != nil {

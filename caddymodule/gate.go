@@ -125,6 +125,11 @@ type Gate struct {
 	// to refuse (400) a payment that names none. A payment naming an id that does not read is refused (400).
 	// Default: not declared, and a payment's id is ignored.
 	PaymentIdentifier string `json:"payment_identifier,omitempty"`
+	// Batch is the claim policy of scheme batch through facilitator_url: the gate accepts the vouchers and keeps
+	// them in the x402 app's journal, and claims them through the facilitator's /settle claim action. Its
+	// receiver_authorizer_key is refused: the receiver authorizer is the facilitator's, named in its /supported.
+	// Defaults: claim_every 100, claim_after 1m.
+	Batch *BatchSettlement `json:"batch,omitempty"`
 
 	// Access, when set, grants a payer whose payment was settled access to the route for a while
 	// (sign-in-with-x): the 402 carries a CAIP-122 challenge, and a request answering it with a SIGN-IN-WITH-X
@@ -149,6 +154,9 @@ type Gate struct {
 	// Default 0: a payment must match the offer of its request.
 	PriceGrace caddy.Duration `json:"price_grace,omitempty"`
 
+	// MCP prices the tool calls of an MCP server behind the gate, per tool (see GateMCP).
+	MCP *GateMCP `json:"mcp,omitempty"`
+
 	// offersFor resolves price, amount and pay_to per request when they hold request placeholders;
 	// descriptionFor does so for Description.
 	offersFor      func(*http.Request) ([]gate.Offer, error)
@@ -166,6 +174,8 @@ type Gate struct {
 	// offline makes the 402s of an embedded gate while its engine waits for its chain: offers from the
 	// configuration alone (gate.Gate.Offer), never a payment taken. Made at the first request that needs it.
 	offline *offlineGate
+	// remoteBatch accepts and claims the vouchers of scheme batch through facilitator_url (gate_batch_remote.go).
+	remoteBatch *chain.RemoteBatch
 	// untrackBacklog takes the gate's ledger out of the backlog gauge.
 	untrackBacklog func()
 	metrics        *metrics
@@ -264,7 +274,12 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 		return err
 	}
 	repl := caddy.NewReplacer()
-	if g.specs, err = g.provisionOffers(app, repl); err != nil {
+	if g.MCP != nil {
+		g.specs, err = g.provisionMCP(app)
+	} else {
+		g.specs, err = g.provisionOffers(app, repl)
+	}
+	if err != nil {
 		return err
 	}
 	if err := g.takeOfferMemory(); err != nil {
@@ -294,8 +309,12 @@ func (g *Gate) start(app *App) error {
 	if err != nil {
 		return err
 	}
+	if err := g.startRemoteBatch(app, store); err != nil {
+		return err
+	}
 	core, err := gate.New(g.coreConfig(app), g.fac, store, owner)
 	if err != nil {
+		g.stopRemoteBatch()
 		return err
 	}
 	if err := core.Start(); err != nil {
@@ -308,17 +327,21 @@ func (g *Gate) start(app *App) error {
 
 // coreConfig is the configuration of the gate's core, shaped from its Caddy config.
 func (g *Gate) coreConfig(app *App) gate.Config {
-	return gate.Config{
+	cfg := gate.Config{
 		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body, PaymentIdentifier: g.PaymentIdentifier, Access: g.Access.core(),
 		Discovery:   g.Discovery.core(),
 		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID,
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
-		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: originalURI,
+		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: g.originalURI(),
 		ErrorStatus: handlerErrorStatus, Event: g.emit, HandsOff: handlesErrors,
 		OffersFor: g.offersFor, DescriptionFor: g.descriptionFor, PriceGrace: time.Duration(g.PriceGrace), OfferMemory: g.offered,
 		Ledgers: gateLedgers, Permits: chain.PermitSigners{},
 	}
+	if g.remoteBatch != nil {
+		cfg.Batch = g.remoteBatch
+	}
+	return cfg
 }
 
 // offlineGate is the gate core of offerOffline, made once.
@@ -395,13 +418,10 @@ func (g *Gate) pickFacilitator(ctx caddy.Context, app *App, repl *caddy.Replacer
 		g.embedded, g.facName, g.redact = true, EmbeddedFacilitator, ip.app().rpcRedactor()
 		return nil
 	}
-	for _, s := range g.specs {
-		if s.Scheme == x402.SchemeBatchSettlement {
-			// The gate hands vouchers to the engine's SettleBatch; a remote facilitator keeps no vouchers for it.
-			return errors.New("scheme batch is served with the embedded facilitator (the x402 app's engine) only, not through facilitator_url")
-		}
-	}
 	if g.fac, err = src.Facilitator(); err != nil {
+		return err
+	}
+	if err := g.provisionRemoteBatch(); err != nil {
 		return err
 	}
 	g.facName, g.redact = sourceName(src), strings.NewReplacer()
@@ -465,6 +485,7 @@ func (g *Gate) Validate() error {
 // Cleanup leaves the journal; the last gate of a journal stops its background settlements.
 func (g *Gate) Cleanup() error {
 	g.releaseOfferMemory()
+	defer g.stopRemoteBatch() // after the gate: no voucher is accepted once its last claim pass ran
 	if g.core == nil {
 		return nil
 	}
@@ -479,6 +500,16 @@ func (g *Gate) Cleanup() error {
 // (bearerLog): its error, whichever handler it comes from (the gate, or one inside it such as reverse_proxy),
 // is answered here rather than by Caddy, whose error log would show the header.
 func (g *Gate) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	if g.MCP != nil && !gate.IsPreflight(r) {
+		return g.MCP.core.ServeHTTP(w, r, func(w http.ResponseWriter, r *http.Request, next gate.Handler) error {
+			return g.servePaid(w, r, caddyhttp.HandlerFunc(next.ServeHTTP))
+		}, next)
+	}
+	return g.servePaid(w, r, next)
+}
+
+// servePaid is ServeHTTP of a request the gate prices.
+func (g *Gate) servePaid(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	entry := g.logs.takeOver(r)
 	if entry == nil {
 		return g.serve(w, r, next)

@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/ethereum/go-ethereum/common"
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
@@ -150,18 +149,6 @@ func TestOurPayerPaysABatchRouteWithOneDepositAndVouchersAndTheSellerIsPaidExact
 	}
 	if st, ok := p.Channel(common.HexToHash(channel)); !ok || st.Charged.Int64() != requests*price {
 		t.Fatalf("the payer keeps %+v (known %v); want %d charged", st, ok, requests*price)
-	}
-}
-
-// A route of scheme batch hands its vouchers to the embedded engine: through a remote facilitator it is refused
-// when the config is validated, not offered and then unpayable.
-func TestABatchRouteThroughARemoteFacilitatorIsRefusedWhenValidated(t *testing.T) {
-	cfg := adaptCaddyfile(t, "http://127.0.0.1:"+freePortOf(t)+" {\n\tx402 {\n\t\tscheme batch\n\t\tnetwork eip155:72344\n"+
-		"\t\tasset 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11\n\t\ttoken_eip3009\n\t\tamount 1000\n"+
-		"\t\tpay_to 0x5e11e75e11e75e11e75e11e75e11e75e11e75e11\n\t\tfacilitator_url http://127.0.0.1:"+freePortOf(t)+"\n\t}\n\trespond paid\n}\n", t.TempDir())
-	err := caddy.Validate(mustConfig(t, cfg))
-	if err == nil || !strings.Contains(err.Error(), "scheme batch is served with the embedded facilitator") {
-		t.Fatalf("caddy.Validate = %v; want scheme batch through facilitator_url refused", err)
 	}
 }
 

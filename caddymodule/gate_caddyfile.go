@@ -75,7 +75,17 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		}
 //		cors_origins <origin>...             # default *
 //		price_grace <duration>               # keep earlier offers of a resource good this long after a reload
+//		batch {                              # scheme batch through facilitator_url: the claim policy
+//			claim_every <n>
+//			claim_amount <raw units>
+//			claim_after <duration>
+//		}
 //		                                     # (terms then set from the method and URL only)
+//		mcp {                                # an MCP server behind: priced per tool call (see GateMCP)
+//			tool <name> <dollars>|free
+//			default <dollars>|free           # default free
+//			max_body <size>                  # default 1MiB
+//		}
 //		accept {
 //			pay_to, scheme, price, amount, network, asset, asset_transfer_method,
 //			token_name, token_version, token_eip3009, max_timeout
@@ -207,6 +217,12 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			g.V1Body = true
+		case "batch":
+			b, err := parseBatchBlock(d, true)
+			if err != nil {
+				return err
+			}
+			g.Batch = b
 		case "payment_identifier":
 			args := d.RemainingArgs()
 			switch {
@@ -221,6 +237,11 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 		case "discovery":
 			if err := g.unmarshalDiscovery(d); err != nil { // gate_discovery.go
+				return err
+			}
+		case "mcp":
+			g.MCP = new(GateMCP)
+			if err := g.MCP.unmarshalMCP(d); err != nil {
 				return err
 			}
 		case "access":

@@ -423,13 +423,18 @@ func (f *Facilitator) batchSetup(req x402.BatchRequest) (*network, *BatchTerms, 
 // record is marked served, or is gone with the retention (a record lost to a crash is written again only while
 // it could not have been pruned: past that, the voucher is taken as used). nil: it may be answered again.
 func (f *Facilitator) voucherSpent(ctx context.Context, n *network, row journal.Channel) error {
-	rec, ok, err := f.journal.Get(ctx, BatchVoucherID(n.caip2, common.HexToHash(row.Key.ID), row.Charged))
+	return voucherSpentIn(ctx, f.journal, n.caip2, row, f.now(), f.retention)
+}
+
+// voucherSpentIn is voucherSpent of a voucher of network whose answer store keeps, now, with its retention.
+func voucherSpentIn(ctx context.Context, store journal.Store, network string, row journal.Channel, now time.Time, retention time.Duration) error {
+	rec, ok, err := store.Get(ctx, BatchVoucherID(network, common.HexToHash(row.Key.ID), row.Charged))
 	switch {
 	case err != nil:
 		return fmt.Errorf("reading the record of the voucher: %w", err)
 	case ok && rec.Served:
 		return voucherServed(row.Charged, rec.ServedAt)
-	case !ok && f.now().Sub(row.AcceptedAt) > f.retention-time.Minute:
+	case !ok && now.Sub(row.AcceptedAt) > retention-time.Minute:
 		return refuseBatch(x402.ReasonPaymentAlreadyUsed, "the voucher for cumulative amount %s was accepted at %s, longer ago than the journal keeps its answer: sign the next voucher",
 			row.Charged, row.AcceptedAt.UTC().Format(time.RFC3339))
 	}
@@ -528,29 +533,34 @@ func (f *Facilitator) settleVoucher(ctx context.Context, n *network, terms *Batc
 // answerVoucher records, or reads, the answer of the voucher that took row to cumulative, which charged charge:
 // the first record written stands, so a voucher presented again is answered as it was first.
 func (f *Facilitator) answerVoucher(ctx context.Context, n *network, row journal.Channel, cumulative, charge *big.Int, payer string) (x402.BatchSettleResponse, error) {
+	return answerVoucher(ctx, f.journal, n.caip2, row, cumulative, charge, payer)
+}
+
+// answerVoucher is Facilitator.answerVoucher of a voucher of network whose answer store keeps.
+func answerVoucher(ctx context.Context, store journal.Store, network string, row journal.Channel, cumulative, charge *big.Int, payer string) (x402.BatchSettleResponse, error) {
 	id := common.HexToHash(row.Key.ID)
-	vid := BatchVoucherID(n.caip2, id, cumulative)
+	vid := BatchVoucherID(network, id, cumulative)
 	amount := ""
 	if charge != nil {
 		amount = charge.String()
 	}
-	rec := journal.Record{ID: vid, State: journal.StateFinal, Network: n.caip2, Payer: payer, Asset: row.Config.Token,
+	rec := journal.Record{ID: vid, State: journal.StateFinal, Network: network, Payer: payer, Asset: row.Config.Token,
 		Amount: amount, PayTo: row.Config.Receiver,
-		Response: &x402.SettleResponse{Success: true, Network: n.caip2, Payer: payer, Amount: amount}}
-	got, _, err := f.journal.Claim(ctx, rec)
+		Response: &x402.SettleResponse{Success: true, Network: network, Payer: payer, Amount: amount}}
+	got, _, err := store.Claim(ctx, rec)
 	if err != nil {
 		// The step is taken and durable in the row; the voucher presented again gets its record then.
-		return x402.BatchSettleResponse{Network: n.caip2, Payer: payer, ErrorReason: x402.ReasonUnexpectedSettleError,
+		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: x402.ReasonUnexpectedSettleError,
 			ErrorMessage: fmt.Sprintf("the voucher of channel %s at %s is accepted, but its record was not written (%v): present it again", row.Key.ID, cumulative, err)}, nil
 	}
 	if got.Served {
-		return x402.BatchSettleResponse{Network: n.caip2, Payer: payer, ErrorReason: x402.ReasonPaymentAlreadyUsed,
+		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: x402.ReasonPaymentAlreadyUsed,
 			ErrorMessage: voucherServed(cumulative, got.ServedAt).Message}, nil
 	}
 	if got.Response != nil {
 		amount = got.Response.Amount
 	}
-	return x402.BatchSettleResponse{Success: true, Network: n.caip2, Payer: payer, Amount: amount,
+	return x402.BatchSettleResponse{Success: true, Network: network, Payer: payer, Amount: amount,
 		Extra: &x402.BatchResponseExtra{ChargedAmount: amount, ChannelState: &x402.BatchChannelState{
 			ChannelID: row.Key.ID, Balance: row.Deposit.String(), TotalClaimed: row.Claimed.String(),
 			WithdrawRequestedAt: unixOrZero(row.WithdrawRequestedAt), RefundNonce: "0", ChargedCumulativeAmount: cumulative.String()}}}, nil

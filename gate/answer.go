@@ -36,7 +36,10 @@ func (x *exchange) noPayment() error {
 // not be asked what they support): 503 with Retry-After, not a 402 with an empty accepts list, which would invite
 // a payment no one can make.
 func (x *exchange) noOffer() error {
-	const detail = "no way to pay is available right now: the facilitator could not be asked what it supports"
+	detail := "no way to pay is available right now: the facilitator could not be asked what it supports"
+	if why := unoffered(x.g.cfg.Offers, x.offers); why != "" {
+		detail = "no way to pay is available: " + why
+	}
 	x.end(x402.PaymentOutcome{Status: x402.OutcomeNoPayment, Detail: detail, TotalMs: x.totalMs()})
 	x.w.Header().Set("Retry-After", noOfferRetryAfter)
 	x.w.Header().Set("Cache-Control", "no-store")

@@ -118,8 +118,8 @@ func (x *exchange) serveBatch(value string) error {
 	}
 	x.req = x402.VerifyRequest{X402Version: x402.Version2, PaymentRequirements: rq.Generic()}
 	x.decimals = o.decimals
-	bf, ok := x.g.fac.(x402.BatchFacilitator)
-	if !ok {
+	bf := x.g.batchFacilitator()
+	if bf == nil {
 		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: x402.ReasonUnsupportedScheme,
 			InvalidMessage: "this gate's facilitator does not serve the batch-settlement scheme"})
 	}

@@ -203,6 +203,9 @@ type Config struct {
 	// Permits recovers who signed a version 1 erc2612 payment's permit, which tells the offer it was signed for
 	// (the gate knows no EIP-712 itself). Required by New.
 	Permits x402.PermitSigners
+	// Batch serves scheme batch in front of a remote facilitator: it accepts the vouchers and claims them through
+	// the facilitator (chain.RemoteBatch). Without it, scheme batch is served by an embedded facilitator only.
+	Batch x402.BatchFacilitator
 }
 
 // Payment events, reported through Config.Event.

@@ -128,8 +128,8 @@ func (p *Payer) openChannel(br *x402.BatchRequirements) bool {
 
 // channelOf is the channel the payer pays br from: the payer and its own key as voucher signer (the SDK's
 // client names its signer as payerAuthorizer), br's receiver, receiver authorizer, token and withdraw delay
-// (the contract's least when br names none), and the zero salt, as the SDK's client has it by default, so that
-// the two find the same channel.
+// (the contract's least when br names none), and Options.ChannelSalt: the zero salt by default, as the SDK's client
+// has it, so that the two find the same channel.
 func (p *Payer) channelOf(br *x402.BatchRequirements) (common.Hash, x402.ChannelConfig, error) {
 	delay := br.Extra.WithdrawDelay
 	if delay == 0 {
@@ -137,7 +137,7 @@ func (p *Payer) channelOf(br *x402.BatchRequirements) (common.Hash, x402.Channel
 	}
 	cfg := x402.ChannelConfig{
 		Payer: p.address.Hex(), PayerAuthorizer: p.address.Hex(), Receiver: br.PayTo,
-		ReceiverAuthorizer: br.Extra.ReceiverAuthorizer, Token: br.Asset, WithdrawDelay: delay, Salt: common.Hash{}.Hex(),
+		ReceiverAuthorizer: br.Extra.ReceiverAuthorizer, Token: br.Asset, WithdrawDelay: delay, Salt: p.opts.ChannelSalt.Hex(),
 	}
 	parsed, err := chain.ParseChannelConfig(cfg)
 	if err != nil {

@@ -51,6 +51,10 @@ type Options struct {
 	// (the offer's minDeposit when that is more); 0 is DefaultDepositRequests. A Transport deposits less when
 	// its limits leave less, never less than the offer's minDeposit.
 	DepositRequests int
+	// ChannelSalt is the salt of the batch-settlement channels this payer pays from: the zero hash (the default),
+	// as the SDK's client has it, or another to open channels of their own beside those of the same key, such as
+	// one a concurrent caller, whose vouchers must each follow the one before on their channel.
+	ChannelSalt common.Hash
 	// Contracts pins, by network (CAIP-2, such as eip155:8453), the contracts a permit2 payment may name. A
 	// network not listed, and a zero field of one listed, pins the canonical deployment (CanonicalContracts). A
 	// requirement naming another Permit2 or proxy in its extra is not paid: see Contracts.

@@ -1,8 +1,11 @@
 #!/bin/bash
 # Measures a Caddy binary from outside, as docs/BENCHMARKS.md reports it: one fresh Caddy with an embedded dev
 # chain (scripts/bench/Caddyfile: a free route, a paid route settling after the upstream, the same settling
-# async, and the facilitator), loaded by `caddy x402 bench` (another process) at concurrency 1, 8 and 32, and
-# POST /facilitator/verify loaded by wrk at 8 connections with 200 distinct valid bodies of one payer.
+# async, the same paid by batch-settlement vouchers, and the facilitator), loaded by `caddy x402 bench` (another
+# process) at concurrency 1, 8 and 32, and POST /facilitator/verify loaded by wrk at 8 connections with 200
+# distinct valid bodies of one payer. The batch route's runs are longer (1000, 3000 and 8000 requests): each of
+# the C callers opens a channel of its own by a deposit, a transaction, and a route's channels serve many
+# requests, so that the transactions per 100 requests are the claims' and a few deposits'.
 #
 #   go build -o /tmp/caddy ./cmd/caddy && scripts/bench/run.sh /tmp/caddy /tmp/bench-out && scripts/bench/summary.py /tmp/bench-out
 #
@@ -12,6 +15,8 @@
 set -eu
 BIN=$1; D=$2; HERE=$(cd "$(dirname "$0")" && pwd); ROOT=$(cd "$HERE/../.." && pwd)
 rm -rf "$D"; mkdir -p "$D"
+# The receiver authorizer signs the claims of the batch route's vouchers: a key drawn for the run.
+X402_BENCH_RECEIVER_AUTHORIZER_KEY=$(python3 -c 'import secrets; print(secrets.token_hex(32))') \
 X402_BENCH_SITE=$ROOT/examples/site XDG_DATA_HOME=$D/data XDG_CONFIG_HOME=$D/cfg TMPDIR=$D \
 	"$BIN" run --config "$HERE/Caddyfile" > "$D/caddy.log" 2>&1 &
 PID=$!
@@ -37,6 +42,14 @@ for c in 1 8 32; do
 		b=$(wc -l < "$D/caddy.log")
 		sed -n "$((a + 1)),${b}p" "$D/caddy.log" > "$D/$name-c$c.log" # the gate's log lines of this run
 	done
+	# The free route again beside the batch route, then the batch route: one deposit a caller, vouchers after,
+	# the seller's balance waited for until the engine's claim (claim_after 2s) shows every 2xx paid.
+	nb=$((c == 1 ? 1000 : (c == 8 ? 3000 : 8000)))
+	bench "$D/free-batch-c$c.json" -c $c -n $nb http://127.0.0.1:18080/free/index.html
+	a=$(wc -l < "$D/caddy.log")
+	bench "$D/batch-c$c.json" -c $c -n $nb http://127.0.0.1:18080/batch/index.html
+	b=$(wc -l < "$D/caddy.log")
+	sed -n "$((a + 1)),${b}p" "$D/caddy.log" > "$D/batch-c$c.log"
 	curl -s http://127.0.0.1:18080/facilitator/health > "$D/health-after-c$c.json"
 done
 # 200 distinct payments of the demo payer, each as a /verify body
