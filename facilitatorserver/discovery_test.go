@@ -39,9 +39,15 @@ func discoveryServer(t *testing.T, entries int) (*chaintest.Chain, string, strin
 // bazaarPayment is a signed permit2 payment for resource, its payload echoing decl as the bazaar extension.
 func bazaarPayment(t *testing.T, c *chaintest.Chain, network, resource string, decl json.RawMessage) x402.VerifyRequest {
 	t.Helper()
+	return bazaarPaymentTo(t, c, network, resource, decl, seller.Hex())
+}
+
+// bazaarPaymentTo is bazaarPayment paid to payTo.
+func bazaarPaymentTo(t *testing.T, c *chaintest.Chain, network, resource string, decl json.RawMessage, payTo string) x402.VerifyRequest {
+	t.Helper()
 	rq := x402.PaymentRequirements{
 		Scheme: x402.SchemeExact, Network: network, Amount: big.NewInt(price).String(), Asset: c.Token.Hex(),
-		PayTo: seller.Hex(), MaxTimeoutSeconds: 3600,
+		PayTo: payTo, MaxTimeoutSeconds: 3600,
 		Extra: x402.Extra{AssetTransferMethod: x402.TransferPermit2, Name: "Stable Coin", Version: "1"},
 	}
 	payload, err := chain.SignPermit2Payment(c.Payers[0].Key, rq, c.ChainID, chain.Permit2Options{Now: time.Unix(int64(c.HeadTime()), 0)})
@@ -161,6 +167,19 @@ func TestASettledPaymentCatalogsItsDeclaredResourceAndARefusedOneDoesNot(t *test
 	_, got, raw = list(t, url, "")
 	if got.Pagination.Total != 1 || !strings.Contains(string(got.Items[0].Extensions["bazaar"]), "Lima") {
 		t.Errorf("after a second payment with another declaration the listing is %s; want one resource declaring Lima", raw)
+	}
+
+	// A payer paying someone else under the seller's resource URL adds its own entry and replaces nothing.
+	spoof := bazaarPaymentTo(t, c, network, resource, weatherDeclaration(t, "Spoofed"), otherPayTo)
+	if status, body, _ := postPayment(t, url, "settle", spoof); status != http.StatusOK || !strings.Contains(string(body), `"success":true`) {
+		t.Fatalf("settling the payment to another recipient = %d %s", status, body)
+	}
+	_, got, raw = list(t, url, "payTo="+seller.Hex())
+	if got.Pagination.Total != 1 || !strings.Contains(string(got.Items[0].Extensions["bazaar"]), "Lima") {
+		t.Errorf("the seller's entry after a payment to another recipient under its URL: %s; want it unchanged (Lima)", raw)
+	}
+	if _, got, _ = list(t, url, ""); got.Pagination.Total != 2 {
+		t.Errorf("the catalog lists %d entries, want 2 (one per recipient)", got.Pagination.Total)
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -245,17 +246,23 @@ func (s *PostgresStore) DiscoveredResources(ctx context.Context) ([]DiscoveryEnt
 }
 
 // ResourceCatalog is a Discovery store seen as a catalog of x402.DiscoveredResource, keyed by the resource's
-// canonical URL: what a facilitator server catalogs in and lists from.
+// canonical URL and the recipient it was paid to: what a facilitator server catalogs in and lists from.
 type ResourceCatalog struct{ Store Discovery }
 
-// Add catalogs r, keeping at most maxEntries resources; its LastUpdated is the store's now.
+// Add catalogs r, keeping at most maxEntries resources; its LastUpdated is the store's now. The entry is the
+// resource's as paid to its recipient: the resource URL and the declaration are the payer's to write, so a
+// payment to one recipient never replaces what payments to another had catalogued under the same URL.
 func (c ResourceCatalog) Add(ctx context.Context, r x402.DiscoveredResource, maxEntries int) error {
 	r.LastUpdated = ""
 	doc, err := json.Marshal(r)
 	if err != nil {
 		return fmt.Errorf("journal: encoding the resource %q: %w", r.Resource, err)
 	}
-	return c.Store.CatalogResource(ctx, r.Resource, doc, maxEntries)
+	key := r.Resource
+	if len(r.Accepts) > 0 {
+		key += " " + strings.ToLower(r.Accepts[0].PayTo)
+	}
+	return c.Store.CatalogResource(ctx, key, doc, maxEntries)
 }
 
 // List returns the catalog, the most recently updated first.
