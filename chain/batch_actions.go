@@ -221,17 +221,14 @@ func (f *Facilitator) settleAction(ctx context.Context, req x402.BatchRequest) (
 	if p.Accepted.Network != "" && p.Accepted.Network != network {
 		return fail(refuseBatch(x402.ReasonBatchNetworkMismatch, "paymentPayload.accepted.network is %q, paymentRequirements.network %q", truncate(p.Accepted.Network), truncate(network)))
 	}
-	enriched := false
 	if p.Payload.Type == x402.BatchRefund && p.Payload.RefundNonce == "" {
-		// A payer's own refund, to a route this engine serves: the engine enriches it as the SDK's server would.
-		pl, again, err := f.enrichRefund(ctx, n, req)
+		// A payer's own refund, to a route this engine serves: the engine enriches it as the SDK's server would,
+		// and runs it apart from the channel's vouchers (batch_refund.go).
+		resp, err := f.settlePayerRefund(ctx, n, req, payer)
 		if err != nil {
 			return fail(err)
 		}
-		if again != nil {
-			return *again, nil
-		}
-		p.Payload, enriched = pl, true
+		return resp, nil
 	}
 	var a *batchAction
 	switch p.Payload.Type {
@@ -240,7 +237,7 @@ func (f *Facilitator) settleAction(ctx context.Context, req x402.BatchRequest) (
 	case x402.BatchSettle:
 		a, err = f.settlePayeeAction(ctx, n, &p.Payload)
 	case x402.BatchRefund:
-		a, err = f.refundAction(n, &p.Payload, enriched)
+		a, err = f.refundAction(n, &p.Payload, false)
 	default:
 		err = refuseBatch(x402.ReasonBatchInvalidPayloadType, "payload.type is %q, expected claim, settle or refund", truncate(p.Payload.Type))
 	}
@@ -248,13 +245,22 @@ func (f *Facilitator) settleAction(ctx context.Context, req x402.BatchRequest) (
 		return fail(err)
 	}
 	a.payer = payer
+	resp, err := f.performAction(ctx, n, a, &p.Payload)
+	if err != nil {
+		return fail(err)
+	}
+	return resp, nil
+}
+
+// performAction runs checked action a with its channels locked, in this process and across the journal.
+func (f *Facilitator) performAction(ctx context.Context, n *network, a *batchAction, pl *x402.BatchPayload) (x402.BatchSettleResponse, error) {
 	unlock := n.batch.actions.lock(a.locks)
 	defer unlock()
 	release, err := f.lockActionJournal(ctx, n, a.id, a.locks)
 	if err != nil {
-		return fail(err)
+		return x402.BatchSettleResponse{}, err
 	}
-	resp, err := f.runAction(ctx, n, a, &p.Payload)
+	resp, err := f.runAction(ctx, n, a, pl)
 	// An action sent and not yet mined keeps its channels locked until it is: another action checked meanwhile
 	// would be simulated on a chain without it.
 	pending := ""
@@ -262,10 +268,7 @@ func (f *Facilitator) settleAction(ctx context.Context, req x402.BatchRequest) (
 		pending = resp.Transaction
 	}
 	release(pending)
-	if err != nil {
-		return fail(err)
-	}
-	return resp, nil
+	return resp, err
 }
 
 // runAction answers an action from its record, or checks and sends it, its channels locked.
@@ -499,29 +502,9 @@ func (f *Facilitator) refundAction(n *network, pl *x402.BatchPayload, settle boo
 		return nil, refuseBatch(x402.ReasonBatchRefundPayload, "a refund to settle carries channelConfig, voucher, amount, refundNonce and claims")
 	}
 	domain := BatchDomainSeparator(n.chainID)
-	cfg, err := ParseChannelConfig(*pl.ChannelConfig)
+	cfg, id, err := refundSignedByPayer(n, pl)
 	if err != nil {
-		return nil, refuseBatch(x402.ReasonInvalidPayload, "payload.channelConfig: %v", err)
-	}
-	id := ChannelID(domain, cfg)
-	if !x402.IsBytes32(pl.Voucher.ChannelID) || common.HexToHash(pl.Voucher.ChannelID) != id {
-		return nil, refuseBatch(x402.ReasonBatchChannelIDMismatch, "payload.voucher.channelId is %q, but payload.channelConfig is channel %s", truncate(pl.Voucher.ChannelID), id.Hex())
-	}
-	// The payer's own voucher comes with its refund: a refund of a channel is asked for with its payer's key.
-	cumulative, err := x402.ParseAmount(pl.Voucher.MaxClaimableAmount)
-	if err != nil || cumulative.Cmp(maxUint128) > 0 {
-		return nil, refuseBatch(x402.ReasonInvalidPayload, "payload.voucher.maxClaimableAmount %q is not a uint128 amount", truncate(pl.Voucher.MaxClaimableAmount))
-	}
-	signer := cfg.PayerAuthorizer
-	if signer == (common.Address{}) {
-		signer = cfg.Payer
-	}
-	sig, err := ParseSignature(pl.Voucher.Signature)
-	if err != nil {
-		return nil, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature: %v", err)
-	}
-	if got, err := RecoverSigner(VoucherDigest(domain, id, cumulative), sig); err != nil || got != signer {
-		return nil, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "the refund's voucher is signed by %s, not channel %s's payer %s", got.Hex(), id.Hex(), signer.Hex())
+		return nil, err
 	}
 	amount, err := x402.ParseAmount(pl.Amount)
 	if err != nil || amount.Sign() == 0 || amount.Cmp(maxUint128) > 0 {
@@ -586,6 +569,41 @@ func (f *Facilitator) refundAction(n *network, pl *x402.BatchPayload, settle boo
 	// A refund nonce is good for one refund of its channel: the channel and the nonce name the refund.
 	a.id = journal.PaymentID(n.caip2, actionRefundMethod, contracts.BatchSettlementAddress.Hex(), id.Hex(), nonce.String())
 	return a, nil
+}
+
+// refundSignedByPayer checks, off chain, that a refund's voucher is its channel's and signed by the channel's
+// payer (its payerAuthorizer, or the payer's own key): a refund of a channel is asked for with its payer's key. It
+// returns the channel's configuration and id.
+func refundSignedByPayer(n *network, pl *x402.BatchPayload) (contracts.ChannelConfig, common.Hash, error) {
+	if pl.ChannelConfig == nil || pl.Voucher == nil {
+		return contracts.ChannelConfig{}, common.Hash{}, refuseBatch(x402.ReasonBatchRefundPayload, "a refund carries channelConfig and a voucher")
+	}
+	domain := BatchDomainSeparator(n.chainID)
+	cfg, err := ParseChannelConfig(*pl.ChannelConfig)
+	if err != nil {
+		return cfg, common.Hash{}, refuseBatch(x402.ReasonInvalidPayload, "payload.channelConfig: %v", err)
+	}
+	id := ChannelID(domain, cfg)
+	if !x402.IsBytes32(pl.Voucher.ChannelID) || common.HexToHash(pl.Voucher.ChannelID) != id {
+		return cfg, id, refuseBatch(x402.ReasonBatchChannelIDMismatch, "payload.voucher.channelId is %q, but payload.channelConfig is channel %s", truncate(pl.Voucher.ChannelID), id.Hex())
+	}
+	// The payer's own voucher comes with its refund: a refund of a channel is asked for with its payer's key.
+	cumulative, err := x402.ParseAmount(pl.Voucher.MaxClaimableAmount)
+	if err != nil || cumulative.Cmp(maxUint128) > 0 {
+		return cfg, id, refuseBatch(x402.ReasonInvalidPayload, "payload.voucher.maxClaimableAmount %q is not a uint128 amount", truncate(pl.Voucher.MaxClaimableAmount))
+	}
+	signer := cfg.PayerAuthorizer
+	if signer == (common.Address{}) {
+		signer = cfg.Payer
+	}
+	sig, err := ParseSignature(pl.Voucher.Signature)
+	if err != nil {
+		return cfg, id, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "payload.voucher.signature: %v", err)
+	}
+	if got, err := RecoverSigner(VoucherDigest(domain, id, cumulative), sig); err != nil || got != signer {
+		return cfg, id, refuseBatch(x402.ReasonBatchInvalidVoucherSignature, "the refund's voucher is signed by %s, not channel %s's payer %s", got.Hex(), id.Hex(), signer.Hex())
+	}
+	return cfg, id, nil
 }
 
 // channelState is the escrow's state of channel id: its balance, what was claimed, the pending withdrawal's start
@@ -978,6 +996,9 @@ func (f *Facilitator) enrichRefund(ctx context.Context, n *network, req x402.Bat
 	}
 	if left.Sign() <= 0 {
 		return pl, nil, refuseBatch(x402.ReasonBatchRefundNoBalance, "channel %s holds %s, all of it charged: nothing to refund", id.Hex(), st.balance)
+	}
+	if err := refundLeft(id, amount, left); err != nil {
+		return pl, nil, err
 	}
 	pl.Amount, pl.RefundNonce = amount.String(), st.refundNonce.String()
 	pl.ClaimAuthorizerSignature, pl.RefundAuthorizerSignature = "", ""

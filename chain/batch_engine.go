@@ -53,6 +53,8 @@ type batchNetwork struct {
 	chainTime atomic.Int64
 	// actions serialises the receiver's /settle actions (claim, settle, refund) on one channel or payee.
 	actions actionLocks
+	// fence keeps payers' refunds and the acceptance of vouchers of one channel apart.
+	fence refundFence
 }
 
 func newBatchNetwork(margin time.Duration) (*batchNetwork, error) {
@@ -466,7 +468,11 @@ func (f *Facilitator) SettleBatch(ctx context.Context, req x402.BatchRequest) (x
 	}
 	if isBatchAction(p.Payload.Type) {
 		// A receiver's action pays for no resource: its requirements name no price or terms.
-		return f.settleAction(ctx, req)
+		resp, err := f.settleAction(ctx, req)
+		if p.Payload.Type == x402.BatchRefund && p.Payload.RefundNonce == "" {
+			resp = f.withCorrective(ctx, req, resp) // a payer's own refund
+		}
+		return resp, err
 	}
 	n, terms, chs, err := f.batchSetup(req)
 	if err != nil {
@@ -476,7 +482,8 @@ func (f *Facilitator) SettleBatch(ctx context.Context, req x402.BatchRequest) (x
 	case x402.BatchDeposit:
 		return f.settleDeposit(ctx, req, payer)
 	case x402.BatchVoucher:
-		return f.settleVoucher(ctx, n, terms, chs, p, payer)
+		resp, err := f.settleVoucher(ctx, n, terms, chs, p, payer)
+		return f.withCorrective(ctx, req, resp), err
 	}
 	return fail(refuseBatch(x402.ReasonBatchInvalidPayloadType, "payload.type is %q: this facilitator settles deposits and vouchers", truncate(p.Payload.Type)))
 }
@@ -504,7 +511,12 @@ func (f *Facilitator) settleVoucher(ctx context.Context, n *network, terms *Batc
 			return f.answerVoucher(ctx, n, vc.row, vc.row.Charged, terms.Price, payer)
 		}
 		av := vc.av
+		done, open := n.batch.fence.acceptVoucher(av.ChannelID)
+		if !open {
+			return fail(refuseBatch(x402.ReasonBatchChannelBusy, "channel %s is being refunded: nothing was charged", vc.key.ID))
+		}
 		row, err := chs.AcceptVoucher(ctx, vc.key, vc.row.Charged, av.Cumulative, journal.Voucher{Signature: av.Signature[:], Digest: av.Digest[:], By: token})
+		done()
 		switch {
 		case err == nil:
 			n.noteAccepted()

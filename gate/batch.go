@@ -124,8 +124,7 @@ func (x *exchange) serveBatch(value string) error {
 			InvalidMessage: "this gate's facilitator does not serve the batch-settlement scheme"})
 	}
 	if p.Payload.Type == x402.BatchRefund {
-		return x.verifyFailed(x402.VerifyResponse{IsValid: false, InvalidReason: x402.ReasonBatchRefundPayload,
-			InvalidMessage: "refunds are not served by this gate yet; the channel's deposit can be withdrawn after its delay"})
+		return x.serveBatchRefund(bf, x402.BatchRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: rq}) // batch_refund.go
 	}
 	v := p.Payload.Voucher
 	x.id = journal.BatchVoucherID(rq.Network, v.ChannelID, v.MaxClaimableAmount)
@@ -146,6 +145,9 @@ func (x *exchange) serveBatch(value string) error {
 		return x.settleUnreachable("the facilitator did not answer the batch-settlement payment; present the same payment again", err, nil)
 	}
 	if !resp.Success {
+		if corrected, err := x.corrective(resp); corrected { // batch_refund.go
+			return err
+		}
 		// Refused before this request was charged anything (a voucher already served is refused as used).
 		return x.verifyFailed(x402.VerifyResponse{IsValid: false, Payer: resp.Payer, InvalidReason: resp.ErrorReason, InvalidMessage: resp.ErrorMessage})
 	}

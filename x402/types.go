@@ -82,6 +82,11 @@ type Extra struct {
 	// WithdrawDelay (batch-settlement, in a 402's requirement) is the withdrawal delay in seconds every channel
 	// paying the route must name, as BatchExtra.WithdrawDelay.
 	WithdrawDelay int64 `json:"withdrawDelay,omitempty"`
+	// ChannelState and VoucherState (batch-settlement, in a corrective 402's requirement) are the payer's channel
+	// as the server holds it and the last voucher it accepted, so that a payer whose cumulative amount is not the
+	// server's carries on from the server's (as BatchExtra's).
+	ChannelState *BatchChannelState `json:"channelState,omitempty"`
+	VoucherState *BatchVoucherState `json:"voucherState,omitempty"`
 }
 
 // PaymentRequirements is one way to pay for a resource (PaymentRequirementsItem of the spec, version 2).
