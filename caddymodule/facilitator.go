@@ -92,6 +92,7 @@ type FacilitatorHandler struct {
 	logs           *bearerLog
 	logger         *zap.Logger
 	shared         atomic.Value // of sharedCounts: where the settle rate limits count, once the journal is open
+	discovery      atomic.Value // of resourceCatalog: the bazaar catalog, in the app's journal once it is open
 }
 
 // FacilitatorUpstream is a facilitator the handler forwards to in middleware mode.
@@ -194,10 +195,12 @@ func (h *FacilitatorHandler) Provision(ctx caddy.Context) error {
 	}
 	// The engine runs once the app has started: requests wait for that, then reach it through startedEngine.
 	opts.Await, opts.Redact = app.awaitStart, app.rpcRedactor().Replace
+	opts.Catalog = h.catalog // facilitator_discovery.go
 	if h.server, err = facilitatorserver.New(startedEngine{h}, opts); err != nil {
 		return err
 	}
 	app.onStart(true, func() error { return h.start(app) })
+	app.onStart(false, func() error { h.useCatalog(app); return nil })
 	if h.SettleRateLimit != nil {
 		app.onStart(false, func() error { h.shareCounts(app); return nil })
 	}

@@ -137,6 +137,10 @@ type Gate struct {
 	// settlement journal, shared by every gateway of it. Not with settle async. Default: every request pays.
 	Access *GateAccess `json:"access,omitempty"`
 
+	// Discovery, when set, declares the route for discovery (the bazaar extension) in its 402s: a facilitator
+	// that settles a payment for it catalogs it, and lists it at GET /discovery/resources. Default: not declared.
+	Discovery *GateDiscovery `json:"discovery,omitempty"`
+
 	// CORSOrigins are the origins whose browser scripts may pay for the resource: the gate answers their CORS
 	// preflight itself (never passing it on unpaid) and lets them read its answers. "*" allows any origin.
 	// Default: any origin.
@@ -327,6 +331,7 @@ func (g *Gate) start(app *App) error {
 func (g *Gate) coreConfig(app *App) gate.Config {
 	cfg := gate.Config{
 		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body, PaymentIdentifier: g.PaymentIdentifier, Access: g.Access.core(),
+		Discovery:   g.Discovery.core(),
 		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID, Paywall: g.Paywall.style(),
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
@@ -451,6 +456,9 @@ func (g *Gate) Validate() error {
 	}
 	if g.PriceGrace < 0 {
 		return fmt.Errorf("price_grace %s is negative; want a duration such as 1m, or 0 for none", time.Duration(g.PriceGrace))
+	}
+	if err := gate.CheckDiscovery(g.Discovery.core()); err != nil {
+		return err
 	}
 	if err := gate.CheckAccess(g.Access.core(), g.Settle); err != nil {
 		return err

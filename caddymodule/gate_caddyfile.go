@@ -67,6 +67,17 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //			requests <n>                     # at most n requests in that time (default: any number)
 //			paths <path>...                  # the paths granted, /reports/* for a prefix (default: the one paid for)
 //		}
+//		discovery {                          # declare the route for discovery (bazaar), catalogued by its facilitator
+//			description <text>               # default: the route's description
+//			input_schema <json or file>      # of the query parameters (GET...) or the body (POST...)
+//			input_example <json or file>
+//			body_type json|form-data|text    # of a body (default json)
+//			output_schema <json or file>
+//			output_example <json or file>
+//			service_name <name>
+//			tags <tag>...
+//			icon <url>
+//		}
 //		cors_origins <origin>...             # default *
 //		price_grace <duration>               # keep earlier offers of a resource good this long after a reload
 //		batch {                              # scheme batch through facilitator_url: the claim policy
@@ -232,6 +243,10 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "paywall":
 			g.Paywall = new(GatePaywall)
 			if err := g.Paywall.unmarshalPaywall(d); err != nil {
+				return err
+			}
+		case "discovery":
+			if err := g.unmarshalDiscovery(d); err != nil { // gate_discovery.go
 				return err
 			}
 		case "mcp":

@@ -333,7 +333,7 @@ func installTypeScriptClient(t *testing.T, npm string) string {
 			return
 		}
 		afterAll = append(afterAll, func() { os.RemoveAll(dir) })
-		for _, name := range []string{"package.json", "package-lock.json", "pay.mjs", "pay-batch.mjs", "server.mjs", "facilitator.mjs", "batch-vectors.mjs", "mcp-server.mjs", "mcp-client.mjs"} {
+		for _, name := range []string{"package.json", "package-lock.json", "pay.mjs", "pay-batch.mjs", "server.mjs", "facilitator.mjs", "batch-vectors.mjs", "mcp-server.mjs", "mcp-client.mjs", "discover.mjs"} {
 			b, err := os.ReadFile(filepath.Join(repoRoot, "e2e", "interop", name))
 			if err == nil {
 				err = os.WriteFile(filepath.Join(dir, name), b, 0o600)

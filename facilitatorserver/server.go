@@ -29,6 +29,9 @@ const (
 
 // Endpoint names the endpoint a request path is for by its last segment, or "" when it names none.
 func Endpoint(path string) string {
+	if strings.HasSuffix(path, "/"+EndpointDiscoveryResources) {
+		return EndpointDiscoveryResources
+	}
 	switch seg := path[strings.LastIndexByte(path, '/')+1:]; seg {
 	case EndpointSupported, EndpointVerify, EndpointSettle, EndpointHealth:
 		return seg
@@ -83,6 +86,11 @@ type Options struct {
 	Logger *zap.Logger
 	// Metrics, when set, is told of each verification, settlement and answer.
 	Metrics Metrics
+	// Catalog, when set, returns where the resources of settled payments that declare the bazaar extension are
+	// catalogued and GET /discovery/resources lists them from, or nil while there is no such place (yet).
+	Catalog func() Catalog
+	// DiscoveryEntries bounds the catalog; 0: DefaultDiscoveryEntries.
+	DiscoveryEntries int
 }
 
 // Metrics receives a Server's measurements. Its methods must be safe for concurrent use.
@@ -181,6 +189,8 @@ type reply struct {
 	body       any
 	allow      string // the Allow header of a 405
 	retryAfter int    // the Retry-After header of a 429, in seconds
+	// extensionResponses is the EXTENSION-RESPONSES header of a /settle answer, or "".
+	extensionResponses string
 }
 
 // errorBody is the JSON body of an answer that is not a protocol document.
@@ -224,6 +234,11 @@ func (s *Server) respond(w http.ResponseWriter, r *http.Request, endpoint string
 }
 
 func (s *Server) serve(r *http.Request, endpoint string) reply {
+	if endpoint == EndpointDiscoveryResources {
+		// Public, as the SDK's discovery clients expect: it lists what servers declared in their 402s, and
+		// reaches neither the facilitator behind nor anything of a payment.
+		return s.serveDiscoveryResources(r)
+	}
 	if !s.authorized(r) {
 		return errorReply(http.StatusUnauthorized, "missing or wrong x-api-key header: this facilitator needs an API key")
 	}
@@ -251,7 +266,7 @@ func (s *Server) serve(r *http.Request, endpoint string) reply {
 		}
 		return s.servePayment(r, endpoint)
 	}
-	return errorReply(http.StatusNotFound, "no facilitator endpoint at %q; this facilitator serves GET /supported, POST /verify, POST /settle and GET /health",
+	return errorReply(http.StatusNotFound, "no facilitator endpoint at %q; this facilitator serves GET /supported, POST /verify, POST /settle, GET /health and GET /discovery/resources",
 		r.URL.Path)
 }
 
@@ -457,7 +472,11 @@ func (s *Server) settle(ctx context.Context, req x402.SettleRequest, v1 bool) re
 		s.logger.Info("settlement refused", append(fields, zap.String("reason", resp.ErrorReason))...)
 	}
 	resp.Network = s.networkName(resp.Network, v1)
-	return reply{status: http.StatusOK, body: resp}
+	res := reply{status: http.StatusOK, body: resp}
+	if resp.Success {
+		res.extensionResponses = s.catalogSettled(ctx, req)
+	}
+	return res
 }
 
 // failure answers a call that got no answer from the facilitator behind: 502 with what went wrong, and for a
@@ -540,6 +559,9 @@ func writeReply(w http.ResponseWriter, res reply) int {
 	}
 	if res.retryAfter > 0 {
 		hdr.Set("Retry-After", strconv.Itoa(res.retryAfter))
+	}
+	if res.extensionResponses != "" {
+		hdr.Set(x402.HeaderExtensionResponses, res.extensionResponses)
 	}
 	w.WriteHeader(res.status)
 	n, _ := w.Write(append(body, '\n'))

@@ -164,7 +164,7 @@ type gateError struct {
 // paymentRequired is the gate's current offer for this request's resource.
 func (x *exchange) paymentRequired(errText string) x402.PaymentRequired {
 	x.rememberOffered()
-	return x.declareExtensions(x.offers.paymentRequired(x.resource(), errText, x.turn))
+	return x.declareExtensions(x.offers.paymentRequired(x.describeForDiscovery(x.resource()), errText, x.turn))
 }
 
 // resource describes what the request buys, by the URL the client asked for (before any rewrite).

@@ -126,6 +126,8 @@ type Config struct {
 	// (sign-in-with-x): the 402 carries the challenge, and a signed answer is served without paying, within the
 	// grant. Default nil: every request pays.
 	Access *Access
+	// Discovery, when set, declares the route for discovery (the bazaar extension) in its 402s (bazaar.go).
+	Discovery *Discovery
 	// V1Body answers unpaid requests with the version 1 JSON body.
 	V1Body bool
 	// CORSOrigins are the origins whose browser scripts may pay; empty or "*" allows any origin.
@@ -401,6 +403,9 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 			return nil, fmt.Errorf("payment_identifier: the settlement journal (%T) keeps no payment identifiers", store)
 		}
 		g.identifiers = ids
+	}
+	if err := CheckDiscovery(cfg.Discovery); err != nil {
+		return nil, err
 	}
 	if err := CheckAccess(cfg.Access, cfg.Settle); err != nil {
 		return nil, err

@@ -172,13 +172,13 @@ func (m *MCP) askPrice(r *http.Request, msg *mcpMessage, serve MCPServe) (jsonte
 	rec := &capturedAnswer{header: http.Header{}}
 	r = r.WithContext(context.WithValue(r.Context(), mcpToolKey{}, msg.tool))
 	r.Header.Del("Accept") // the 402's JSON, never the paywall page
-	if err := serve(rec, r, unreachedWithoutPayment); err != nil {
+	if err := serve(rec, r, HandlerFunc(unreachedWithoutPayment)); err != nil {
 		return nil, fmt.Errorf("the gate could not say what tool %q costs: %w", msg.tool, err)
 	}
 	if v := rec.header.Get(x402.HeaderPaymentRequired); v != "" {
 		var doc map[string]jsontext.Value
 		if raw, err := x402.HeaderJSON(v); err == nil && json.Unmarshal(raw, &doc) == nil {
-			doc["error"], _ = json.Marshal(mcpPaymentRequiredError)
+			doc["error"], _ = json.Marshal(mcpPaymentRequiredError())
 			if b, err := json.Marshal(doc); err == nil {
 				return b, nil
 			}
@@ -189,9 +189,9 @@ func (m *MCP) askPrice(r *http.Request, msg *mcpMessage, serve MCPServe) (jsonte
 
 // unreachedWithoutPayment is the MCP server to a gate asked for the price of a call: a request without payment
 // never reaches it.
-var unreachedWithoutPayment = HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+func unreachedWithoutPayment(http.ResponseWriter, *http.Request) error {
 	return errors.New("x402 mcp: a call without payment reached the MCP server")
-})
+}
 
 // servePriced serves a body holding one priced call: without payment, its PaymentRequired as a tool result; with
 // one, the payment presented to the gate as its header and taken out of what the MCP server sees.
@@ -201,7 +201,7 @@ func (m *MCP) servePriced(w http.ResponseWriter, r *http.Request, body []byte, m
 		r = r.WithContext(context.WithValue(r.Context(), mcpToolKey{}, msg.tool))
 		r.Header.Del("Accept") // the 402's JSON, never the paywall page
 		mw := &mcpWriter{w: w, id: msg.id, unpaid: true}
-		err := serve(mw, r, unreachedWithoutPayment)
+		err := serve(mw, r, HandlerFunc(unreachedWithoutPayment))
 		if ferr := mw.finish(); err == nil {
 			err = ferr
 		}

@@ -41,7 +41,9 @@ type mcpWriter struct {
 }
 
 // mcpPaymentRequiredError is the error of the PaymentRequired of a call without payment.
-var mcpPaymentRequiredError = fmt.Sprintf("payment required: send the payment in params._meta[%q]", x402.MCPMetaPayment)
+func mcpPaymentRequiredError() string {
+	return fmt.Sprintf("payment required: send the payment in params._meta[%q]", x402.MCPMetaPayment)
+}
 
 type mcpMode int
 
@@ -386,7 +388,7 @@ func (m *mcpWriter) writeRefusal() error {
 		// The gate's own words name its payment header; a call is paid in _meta.
 		var doc map[string]jsontext.Value
 		if json.Unmarshal(content, &doc) == nil {
-			doc["error"], _ = json.Marshal(mcpPaymentRequiredError)
+			doc["error"], _ = json.Marshal(mcpPaymentRequiredError())
 			if b, err := json.Marshal(doc); err == nil {
 				content = b
 			}

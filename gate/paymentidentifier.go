@@ -37,7 +37,7 @@ var (
 )
 
 // declareExtensions adds to a 402 the extensions the gate declares itself (the offer set declares the
-// facilitator's): payment-identifier and sign-in-with-x when configured. The offer set's map is shared by every 402 built from it,
+// facilitator's): payment-identifier, sign-in-with-x and bazaar when configured. The offer set's map is shared by every 402 built from it,
 // so it is copied, never written.
 func (x *exchange) declareExtensions(pr x402.PaymentRequired) x402.PaymentRequired {
 	var decl json.RawMessage
@@ -47,7 +47,7 @@ func (x *exchange) declareExtensions(pr x402.PaymentRequired) x402.PaymentRequir
 	case PaymentIdentifierRequired:
 		decl = paymentIdentifierRequired
 	}
-	if decl == nil && x.g.cfg.Access == nil {
+	if decl == nil && x.g.cfg.Access == nil && x.g.cfg.Discovery == nil {
 		return pr
 	}
 	ext := make(map[string]json.RawMessage, len(pr.Extensions)+2)
@@ -57,6 +57,9 @@ func (x *exchange) declareExtensions(pr x402.PaymentRequired) x402.PaymentRequir
 	}
 	if x.g.cfg.Access != nil {
 		x.declareSignIn(ext) // siwx.go
+	}
+	if x.g.cfg.Discovery != nil {
+		x.declareDiscovery(ext) // bazaar.go
 	}
 	pr.Extensions = ext
 	return pr

@@ -243,6 +243,7 @@ func (p *Payer) Sign(ctx context.Context, offer Offer, i int) (Payment, error) {
 	if pay.Identifier, err = namePayment(ctx, offer, &pay.Payload); err != nil {
 		return Payment{}, err
 	}
+	echoDiscovery(offer, &pay.Payload) // bazaar.go
 	if pay.Header, pay.Value, err = encodePayment(offer, i, pay.Payload); err != nil {
 		return Payment{}, fmt.Errorf("encoding the payment: %w", err)
 	}

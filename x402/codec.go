@@ -327,7 +327,7 @@ func DecodePaymentRequired(header string) (PaymentRequired, error) {
 	var p PaymentRequired
 	c.unmarshal(&p)
 	if c.version(nil, p.X402Version, "a payment-required header", onlyV2) && c.decoded {
-		hasResource := c.present(nil, "resource", p.Resource == ResourceInfo{})
+		hasResource := c.present(nil, "resource", p.Resource.isZero())
 		if hasResource {
 			at := (*fieldPath)(nil).key("resource")
 			c.requireString(&at, "url", p.Resource.URL)

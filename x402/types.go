@@ -56,6 +56,10 @@ type ResourceInfo struct {
 	URL         string `json:"url"`
 	Description string `json:"description,omitempty"`
 	MimeType    string `json:"mimeType,omitempty"`
+	// ServiceName, Tags and IconURL describe the service for discovery (the bazaar extension's catalog).
+	ServiceName string   `json:"serviceName,omitempty"`
+	Tags        []string `json:"tags,omitempty"`
+	IconURL     string   `json:"iconUrl,omitempty"`
 }
 
 // Extra is the scheme-specific metadata of a requirement or of a supported kind. For `exact` on EVM it names

@@ -210,7 +210,7 @@ func initLayout(tx *bolt.Tx) error {
 	default:
 		return fmt.Errorf("file has journal layout %q, this build reads layouts %q and %q", got, layoutV1, layoutV2)
 	}
-	for _, name := range [][]byte{bucketRecords, bucketPending, bucketFinals, bucketServed, bucketChannels, bucketPaymentIdentifiers, bucketAccessGrants, bucketSignInNonces} {
+	for _, name := range [][]byte{bucketRecords, bucketPending, bucketFinals, bucketServed, bucketChannels, bucketPaymentIdentifiers, bucketAccessGrants, bucketSignInNonces, bucketDiscovery} {
 		if _, err := tx.CreateBucketIfNotExists(name); err != nil {
 			return err
 		}

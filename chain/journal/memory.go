@@ -22,6 +22,8 @@ type MemoryStore struct {
 	channels map[string][]byte
 	// identifiers holds the PaymentIdentifiers bindings, as the bolt store keeps them.
 	identifiers map[string][]byte
+	// discovery holds the Discovery catalog, as the bolt store keeps it.
+	discovery map[string][]byte
 	// grants and nonces hold Access's grants and used nonces (until when).
 	grants map[string]Grant
 	nonces map[string]time.Time

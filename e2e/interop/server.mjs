@@ -22,6 +22,10 @@
 // With X402_SIWX=1, GET /paid also declares @x402/extensions' sign-in-with-x (declareSIWxExtension on the network,
 // createSIWxResourceServerExtension with the server's own origin and the SDK's InMemorySIWxStorage): a payer whose
 // payment the server settled is served again on its wallet's signature alone, as the SDK's server grants it.
+// With X402_BAZAAR=1, GET /paid also declares @x402/extensions' bazaar discovery (declareDiscoveryExtension with a
+// query input {city}, its schema, and an output example; bazaarResourceServerExtension registered), and the route
+// names its service (serviceName "Hono Weather", tags weather and interop, iconUrl), so that the facilitator that
+// settles its payments catalogs it.
 // It prints "listening <url>" once it serves, and stops by itself after X402_LIFETIME_SECONDS (default 600).
 import { Hono } from "hono";
 import { serve } from "@hono/node-server";
@@ -40,6 +44,7 @@ import {
 } from "@x402/extensions";
 import { decodePaymentSignatureHeader } from "@x402/core/http";
 import { createSIWxResourceServerExtension, declareSIWxExtension, InMemorySIWxStorage } from "@x402/extensions/sign-in-with-x";
+import { bazaarResourceServerExtension, declareDiscoveryExtension } from "@x402/extensions/bazaar";
 
 function usage(message) {
   process.stderr.write(`server.mjs: ${message}\n`);
@@ -81,6 +86,8 @@ if (siwx) {
     onEvent: (e) => process.stderr.write(`siwx: ${JSON.stringify(e)}\n`),
   }));
 }
+const bazaar = process.env.X402_BAZAAR === "1";
+if (bazaar) resourceServer.registerExtension(bazaarResourceServerExtension);
 const batchScheme = batchAmount === undefined ? undefined : new BatchSettlementEvmScheme(payTo);
 if (batchScheme) resourceServer.register(network, batchScheme);
 const batchRoutes = batchAmount === undefined ? {} : {
@@ -129,7 +136,13 @@ app.use(
           maxTimeoutSeconds: 600,
         },
         description: "Content sold by an @x402/hono server",
+        ...(bazaar ? { serviceName: "Hono Weather", tags: ["weather", "interop"], iconUrl: "https://hono.example/icon.png" } : {}),
         extensions: {
+          ...(bazaar ? declareDiscoveryExtension({
+            input: { city: "Oslo" },
+            inputSchema: { properties: { city: { type: "string" } }, required: ["city"] },
+            output: { example: { tempC: 4 }, schema: { properties: { tempC: { type: "number" } } } },
+          }) : {}),
           ...declareEip2612GasSponsoringExtension(),
           // Unlike the gas-sponsoring helper, this one returns the declaration itself, not keyed by its name.
           ...(paymentIdentifier === undefined ? {} : { [PAYMENT_IDENTIFIER]: declarePaymentIdentifierExtension(paymentIdentifier === "required") }),
