@@ -156,6 +156,8 @@ type Gate struct {
 
 	// MCP prices the tool calls of an MCP server behind the gate, per tool (see GateMCP).
 	MCP *GateMCP `json:"mcp,omitempty"`
+	// Paywall is how the page a browser gets with the 402 looks: title, logo and accent colour.
+	Paywall *GatePaywall `json:"paywall,omitempty"`
 
 	// offersFor resolves price, amount and pay_to per request when they hold request placeholders;
 	// descriptionFor does so for Description.
@@ -330,7 +332,7 @@ func (g *Gate) coreConfig(app *App) gate.Config {
 	cfg := gate.Config{
 		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body, PaymentIdentifier: g.PaymentIdentifier, Access: g.Access.core(),
 		Discovery:   g.Discovery.core(),
-		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID,
+		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID, Paywall: g.Paywall.style(),
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
 		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: g.originalURI(),
@@ -430,6 +432,9 @@ func (g *Gate) pickFacilitator(ctx caddy.Context, app *App, repl *caddy.Replacer
 
 // Validate checks what Provision could not have fixed.
 func (g *Gate) Validate() error {
+	if err := g.Paywall.style().Check(); err != nil {
+		return err
+	}
 	switch g.Settle {
 	case SettleAfter, SettleBefore, SettleAsync:
 	default:

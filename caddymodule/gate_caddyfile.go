@@ -53,6 +53,11 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		facilitator_timeout <duration>
 //		payment_header <header name>
 //		description <text>
+//		paywall {             # how the page a browser gets looks
+//			title <text>
+//			logo <path, https or data:image/ URL>
+//			color <rrggbb or "#rrggbb">
+//		}
 //		mime_type <type>
 //		settle before|after|async [<backlog>]
 //		max_buffer <size>
@@ -234,6 +239,11 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				g.PaymentIdentifier = args[0]
 			default:
 				return d.Errf("payment_identifier '%s': want %s or %s", args[0], gate.PaymentIdentifierOptional, gate.PaymentIdentifierRequired)
+			}
+		case "paywall":
+			g.Paywall = new(GatePaywall)
+			if err := g.Paywall.unmarshalPaywall(d); err != nil {
+				return err
 			}
 		case "discovery":
 			if err := g.unmarshalDiscovery(d); err != nil { // gate_discovery.go

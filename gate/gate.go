@@ -136,6 +136,8 @@ type Config struct {
 	PaymentHeader string
 	// Description and MimeType describe the resource in the 402 answer.
 	Description, MimeType string
+	// Paywall is how the page a browser gets with the 402 looks.
+	Paywall PaywallStyle
 	// Route identifies the route this gate guards among the routes of its configuration: the same on every gateway
 	// of that configuration and after a reload that changes only its terms (price, recipient, networks), and never
 	// the same as another route's. A payment presented again for its resource is judged by its journal record only

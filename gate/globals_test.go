@@ -24,6 +24,8 @@ var immutableVars = map[string]string{
 	"paymentIdentifierRequired": "a JSON document built once, read only",
 	"paywallHTML":               "the embedded page",
 	"paywallPage":               "a parsed template, executed only",
+	"paywallScript":             "the embedded script",
+	"paywallColor":              "a compiled pattern, only matched",
 	// A pool of empty buffers: what it holds means nothing (each is Reset before use), and no behaviour depends
 	// on what is in it; shared across gates and reloads it saves allocations for all of them.
 	"gateBuffers": "a sync.Pool of scratch buffers",

@@ -1,0 +1,348 @@
+package e2e
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"encoding/json"
+	"fmt"
+	"math/big"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/chromedp/cdproto/cdp"
+	"github.com/chromedp/cdproto/page"
+	"github.com/chromedp/chromedp"
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/common/hexutil"
+	"github.com/ethereum/go-ethereum/crypto"
+	"github.com/ethereum/go-ethereum/signer/core/apitypes"
+
+	"github.com/x402-gateway/caddy-x402/chain/devchain"
+	"github.com/x402-gateway/caddy-x402/internal/needs"
+)
+
+// testWalletJS is the browser wallet the test puts in the page before it loads: an EIP-1193 provider as
+// window.ethereum that also announces itself by EIP-6963, whose every request goes to the Go test
+// (window.x402TestWallet, exposed by chromedp), which signs with the demo payer's key and forwards reads to
+// the dev chain.
+const testWalletJS = `(() => {
+  const provider = { isX402TestWallet: true, request: async ({ method, params }) => {
+    const r = JSON.parse(await window.x402TestWallet(JSON.stringify({ method, params: params || [] })));
+    if (r.error) { const e = new Error(r.error.message); e.code = r.error.code; throw e; }
+    return r.result;
+  } };
+  window.ethereum = provider;
+  const info = { uuid: "6f1c1a52-2d8e-4a43-9a0e-402402402402", name: "x402 test wallet", rdns: "test.x402.wallet",
+    icon: "data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg'/%3E" };
+  const announce = () => window.dispatchEvent(new CustomEvent("eip6963:announceProvider", { detail: Object.freeze({ info, provider }) }));
+  window.addEventListener("eip6963:requestProvider", announce);
+  announce();
+})();`
+
+// testWallet answers the page's wallet requests for the demo payer: accounts, chain (starting on another chain,
+// so that the page must ask to switch), eth_signTypedData_v4 with the payer's key, other reads from the chain.
+type testWallet struct {
+	t      *testing.T
+	chain  *devChain
+	onSign func(primaryType string)
+	key    *ecdsa.PrivateKey // whose wallet this is
+
+	mu      sync.Mutex
+	chainID uint64
+	signed  []string // primary types, in order
+	methods []string
+}
+
+type walletAnswer struct {
+	Result any          `json:"result,omitempty"`
+	Error  *walletError `json:"error,omitempty"`
+}
+
+type walletError struct {
+	Code    int    `json:"code"`
+	Message string `json:"message"`
+}
+
+func (w *testWallet) handle(ctx context.Context, arg string) (string, error) {
+	var req struct {
+		Method string            `json:"method"`
+		Params []json.RawMessage `json:"params"`
+	}
+	if err := json.Unmarshal([]byte(arg), &req); err != nil {
+		return "", err
+	}
+	w.mu.Lock()
+	w.methods = append(w.methods, req.Method)
+	w.mu.Unlock()
+	w.mu.Lock()
+	payer := w.key
+	w.mu.Unlock()
+	from := crypto.PubkeyToAddress(payer.PublicKey)
+	answer := func(v any) (string, error) { b, err := json.Marshal(walletAnswer{Result: v}); return string(b), err }
+	switch req.Method {
+	case "eth_requestAccounts", "eth_accounts":
+		return answer([]string{from.Hex()})
+	case "eth_chainId":
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return answer(hexutil.EncodeUint64(w.chainID))
+	case "wallet_switchEthereumChain":
+		var p []struct {
+			ChainID hexutil.Uint64 `json:"chainId"`
+		}
+		if err := json.Unmarshal([]byte("["+string(req.Params[0])+"]"), &p); err != nil {
+			return "", err
+		}
+		w.mu.Lock()
+		w.chainID = uint64(p[0].ChainID)
+		w.mu.Unlock()
+		return answer(nil)
+	case "eth_signTypedData_v4":
+		var signer, doc string
+		if len(req.Params) != 2 || json.Unmarshal(req.Params[0], &signer) != nil || json.Unmarshal(req.Params[1], &doc) != nil {
+			return "", fmt.Errorf("eth_signTypedData_v4: want [address, typed data JSON], got %s", arg)
+		}
+		if !strings.EqualFold(signer, from.Hex()) {
+			return "", fmt.Errorf("eth_signTypedData_v4 for %s, the wallet holds %s", signer, from.Hex())
+		}
+		var td apitypes.TypedData
+		if err := json.Unmarshal([]byte(doc), &td); err != nil {
+			return "", fmt.Errorf("eth_signTypedData_v4: the typed data: %w", err)
+		}
+		hash, _, err := apitypes.TypedDataAndHash(td)
+		if err != nil {
+			return "", fmt.Errorf("eth_signTypedData_v4: hashing %s: %w", td.PrimaryType, err)
+		}
+		if w.onSign != nil {
+			w.onSign(td.PrimaryType)
+		}
+		sig, err := crypto.Sign(hash, payer)
+		if err != nil {
+			return "", err
+		}
+		sig[64] += 27
+		w.mu.Lock()
+		w.signed = append(w.signed, td.PrimaryType)
+		w.mu.Unlock()
+		return answer(hexutil.Encode(sig))
+	default:
+		params := make([]any, len(req.Params))
+		for i, p := range req.Params {
+			params[i] = p
+		}
+		var out json.RawMessage
+		if err := w.chain.client.Client().CallContext(ctx, &out, req.Method, params...); err != nil {
+			b, _ := json.Marshal(walletAnswer{Error: &walletError{Code: -32000, Message: err.Error()}})
+			return string(b), nil
+		}
+		return answer(out)
+	}
+}
+
+// TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransaction drives headless Chromium to a
+// paid URL on a real Caddy settling on the dev chain, with a test wallet injected as window.ethereum that signs
+// with the demo payer's key. The person's wallet starts on another chain and has no Permit2 allowance: the page
+// switches chain, signs the permit2 payment and the gas-sponsoring permit, retries with PAYMENT-SIGNATURE, and
+// shows the paid content with its transaction; the seller's balance rises by exactly the price. Screenshots of
+// the unpaid page, the signing state and the paid page are kept in the test's artifact directory (go test
+// -artifacts keeps them; X402_SCREENSHOT_DIR overrides).
+func TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransaction(t *testing.T) {
+	needBinary(t)
+	browser := needs.Command(t, "chromium", "apt-get install chromium")
+	dir := t.TempDir()
+	chainProc, facts := startDevchain(t, dir)
+	defer chainProc.stop()
+	dev := dialChain(t, facts.RPC)
+	gateURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	file := writeFile(t, dir, "paywall.Caddyfile", fmt.Sprintf(`{
+	admin off
+	x402 {
+		dev_chain {
+			rpc %s
+		}
+	}
+}
+
+%s {
+	bind 127.0.0.1
+	x402 $0.01 {
+		pay_to %s
+		description "The premium report"
+		accept {
+			price $0.02
+			asset %s
+			asset_transfer_method eip3009
+		}
+	}
+	respond "the premium report: paid content"
+}
+`, facts.RPC, gateURL, seller.Hex(), devchain.EIP3009TokenAddress.Hex()))
+	gate := startProcess(t, "the Caddy with the paywall", dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", file)
+	defer gate.stop()
+	gate.waitUntil("a 402 from the gate", 60*time.Second, answersWith(gateURL+"/report", 402))
+
+	shots := t.ArtifactDir()
+	if d := os.Getenv(screenshotDirEnv); d != "" {
+		shots = d
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	actx, cancelAlloc := chromedp.NewExecAllocator(ctx, chromedp.ExecPath(browser), chromedp.Headless, chromedp.NoSandbox,
+		chromedp.DisableGPU, chromedp.NoFirstRun, chromedp.Flag("disable-quic", true),
+		chromedp.Flag("disable-background-networking", true), chromedp.Flag("disable-component-update", true),
+		chromedp.Flag("disable-sync", true), chromedp.UserDataDir(t.TempDir()), chromedp.WindowSize(1100, 900))
+	defer cancelAlloc()
+	bctx, cancelBrowser := chromedp.NewContext(actx)
+	defer cancelBrowser()
+	shoot := func(name string) {
+		t.Helper()
+		png, err := chromedp.Run(bctx, chromedp.FullScreenshot(100))
+		if err != nil {
+			t.Errorf("screenshot %s: %v", name, err)
+			return
+		}
+		path := filepath.Join(shots, name)
+		if err := os.WriteFile(path, png, 0o644); err != nil {
+			t.Error(err)
+		}
+		t.Logf("screenshot: %s", path)
+	}
+
+	wallet := &testWallet{t: t, chain: dev, chainID: 1, key: devchain.PayerKey()}
+	var once sync.Once
+	wallet.onSign = func(string) { once.Do(func() { shoot("paywall-2-signing.png") }) }
+	before := dev.balance(seller)
+	if err := chromedp.Do(bctx, chromedp.ExposeFunc("x402TestWallet", wallet.handle)); err != nil {
+		t.Fatalf("exposing the test wallet: %v", err)
+	}
+	if err := chromedp.Do(bctx, chromedp.Func(func(ctx context.Context, tg *chromedp.Target) error {
+		_, err := cdp.Call(ctx, tg, page.AddScriptToEvaluateOnNewDocument, page.AddScriptToEvaluateOnNewDocumentParams{Source: testWalletJS})
+		return err
+	})); err != nil {
+		t.Fatalf("adding the test wallet to the page: %v", err)
+	}
+	if err := chromedp.Do(bctx, chromedp.Navigate(gateURL+"/report")); err != nil {
+		t.Fatalf("Chromium loading the paywall at %s: %v", gateURL, err)
+	}
+	wctx, cancelWait := context.WithTimeout(bctx, 15*time.Second)
+	defer cancelWait()
+	if _, err := chromedp.Run(wctx, chromedp.Poll[bool](`document.querySelector("button.x402-pay") !== null || null`)); err != nil {
+		html, _ := chromedp.Run(bctx, chromedp.Evaluate[string](`document.documentElement.outerHTML`))
+		t.Fatalf("the paywall at %s shows no pay button (%v):\n%s", gateURL, err, html)
+	}
+	text, err := chromedp.Run(bctx, chromedp.Evaluate[string](`document.body.innerText`))
+	if err != nil || !strings.Contains(text, "The premium report") || !strings.Contains(text, "$0.01") || !strings.Contains(text, seller.Hex()) {
+		t.Fatalf("the unpaid page reads (%v):\n%s\nwant the description, $0.01 and the payee", err, text)
+	}
+	shoot("paywall-1-unpaid.png")
+
+	// The permit2 offer: the wallet has no Permit2 allowance, so the page adds the gas-sponsoring permit.
+	idx, err := chromedp.Run(bctx, chromedp.Evaluate[int](`JSON.parse(document.getElementById("x402-payment-required").textContent).accepts.findIndex(a => a.extra && a.extra.assetTransferMethod === "permit2")`))
+	if err != nil || idx < 0 {
+		t.Fatalf("the page offers no permit2 payment (%d, %v)", idx, err)
+	}
+	if _, err := chromedp.Run(bctx, chromedp.Evaluate[bool](fmt.Sprintf(`document.querySelector('button.x402-pay[data-offer="%d"]').click() || true`, idx))); err != nil {
+		t.Fatalf("clicking pay: %v", err)
+	}
+	state, err := chromedp.Run(bctx, chromedp.Poll[string](`(() => { const s = document.getElementById("x402-status").getAttribute("data-state"); return s === "paid" || s === "error" ? s : null; })()`,
+		chromedp.WithPollingTimeout(60*time.Second)))
+	status, _ := chromedp.Run(bctx, chromedp.Evaluate[string](`document.getElementById("x402-status").textContent`))
+	shoot("paywall-3-paid.png")
+	if err != nil || state != "paid" {
+		t.Fatalf("after paying the status is %q (%v): %s; the wallet saw %v", state, err, status, wallet.methods)
+	}
+	content, err := chromedp.Run(bctx, chromedp.Evaluate[string](`document.getElementById("x402-paid").textContent`))
+	if err != nil || content != "the premium report: paid content" {
+		t.Errorf("the paid content on the page is %q (%v)", content, err)
+	}
+	tx, err := chromedp.Run(bctx, chromedp.Evaluate[string](`document.getElementById("x402-status").getAttribute("data-transaction")`))
+	if err != nil || !strings.Contains(status, tx) || len(common.FromHex(tx)) != 32 {
+		t.Errorf("the page shows %q with transaction %q (%v), want a transaction hash", status, tx, err)
+	} else if from := dev.sender(common.HexToHash(tx)); from == (common.Address{}) {
+		t.Errorf("transaction %s is not on the chain", tx)
+	}
+	if d := delta(before, dev.balance(seller)); d.Cmp(big.NewInt(asyncPrice)) != 0 {
+		t.Errorf("the seller's balance moved by %s, want exactly the price %d", d, asyncPrice)
+	}
+	wallet.mu.Lock()
+	if want := []string{"PermitWitnessTransferFrom", "Permit"}; strings.Join(wallet.signed, ",") != strings.Join(want, ",") {
+		t.Errorf("the wallet signed %v, want %v (the permit2 payment, then the gas-sponsoring permit)", wallet.signed, want)
+	}
+	if !slices.Contains(wallet.methods, "wallet_switchEthereumChain") || fmt.Sprintf("eip155:%d", wallet.chainID) != facts.Network {
+		t.Errorf("the page did not switch the wallet to the dev chain: chain %d, methods %v", wallet.chainID, wallet.methods)
+	}
+
+	wallet.mu.Unlock()
+
+	// A wallet holding none of the token: the page says so before anything is signed, and nothing moves.
+	poor, err := crypto.GenerateKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	wallet.mu.Lock()
+	wallet.key, wallet.signed = poor, nil
+	wallet.mu.Unlock()
+	before = dev.balance(seller)
+	if err := chromedp.Do(bctx, chromedp.Navigate(gateURL+"/report")); err != nil {
+		t.Fatalf("Chromium loading the paywall again: %v", err)
+	}
+	if _, err := chromedp.Run(bctx, chromedp.Evaluate[bool](fmt.Sprintf(`document.querySelector('button.x402-pay[data-offer="%d"]').click() || true`, idx))); err != nil {
+		t.Fatalf("clicking pay with the poor wallet: %v", err)
+	}
+	state, err = chromedp.Run(bctx, chromedp.Poll[string](`(() => { const s = document.getElementById("x402-status").getAttribute("data-state"); return s === "paid" || s === "error" ? s : null; })()`,
+		chromedp.WithPollingTimeout(30*time.Second)))
+	status, _ = chromedp.Run(bctx, chromedp.Evaluate[string](`document.getElementById("x402-status").textContent`))
+	shoot("paywall-4-too-little-balance.png")
+	if err != nil || state != "error" || !strings.Contains(status, "Too little balance") || !strings.Contains(status, "Nothing was charged") {
+		t.Errorf("a wallet without the token: the status is %q (%v): %q, want the too-little-balance error", state, err, status)
+	}
+	wallet.mu.Lock()
+	if len(wallet.signed) != 0 {
+		t.Errorf("the page had the poor wallet sign %v before finding it cannot pay", wallet.signed)
+	}
+	if d := delta(before, dev.balance(seller)); d.Sign() != 0 {
+		t.Errorf("the seller's balance moved by %s on a payment refused in the page", d)
+	}
+
+	wallet.mu.Unlock()
+
+	// Several offers, and the person picks the eip3009 one in USD Coin at $0.02: the page signs an EIP-3009
+	// TransferWithAuthorization under the token's own domain, and only that token moves.
+	wallet.mu.Lock()
+	wallet.key, wallet.signed = devchain.PayerKey(), nil
+	wallet.mu.Unlock()
+	usdcBefore, stableBefore := dev.balanceOf(devchain.EIP3009TokenAddress, seller), dev.balance(seller)
+	if err := chromedp.Do(bctx, chromedp.Navigate(gateURL+"/report")); err != nil {
+		t.Fatalf("Chromium loading the paywall a third time: %v", err)
+	}
+	idx3009, err := chromedp.Run(bctx, chromedp.Evaluate[int](`JSON.parse(document.getElementById("x402-payment-required").textContent).accepts.findIndex(a => a.extra && a.extra.assetTransferMethod === "eip3009")`))
+	if err != nil || idx3009 < 0 {
+		t.Fatalf("the page offers no eip3009 payment (%d, %v)", idx3009, err)
+	}
+	if _, err := chromedp.Run(bctx, chromedp.Evaluate[bool](fmt.Sprintf(`document.querySelector('button.x402-pay[data-offer="%d"]').click() || true`, idx3009))); err != nil {
+		t.Fatalf("clicking the eip3009 offer: %v", err)
+	}
+	state, err = chromedp.Run(bctx, chromedp.Poll[string](`(() => { const s = document.getElementById("x402-status").getAttribute("data-state"); return s === "paid" || s === "error" ? s : null; })()`,
+		chromedp.WithPollingTimeout(30*time.Second)))
+	status, _ = chromedp.Run(bctx, chromedp.Evaluate[string](`document.getElementById("x402-status").textContent`))
+	shoot("paywall-5-paid-eip3009.png")
+	if err != nil || state != "paid" {
+		t.Fatalf("paying the eip3009 offer: the status is %q (%v): %s", state, err, status)
+	}
+	if d := delta(usdcBefore, dev.balanceOf(devchain.EIP3009TokenAddress, seller)); d.Cmp(big.NewInt(2*asyncPrice)) != 0 {
+		t.Errorf("the seller's USD Coin moved by %s, want exactly the picked offer's %d", d, 2*asyncPrice)
+	}
+	if d := delta(stableBefore, dev.balance(seller)); d.Sign() != 0 {
+		t.Errorf("the seller's Stable Coin moved by %s when the person picked USD Coin", d)
+	}
+	wallet.mu.Lock()
+	defer wallet.mu.Unlock()
+	if strings.Join(wallet.signed, ",") != "TransferWithAuthorization" {
+		t.Errorf("the wallet signed %v for the eip3009 offer, want one TransferWithAuthorization", wallet.signed)
+	}
+}
