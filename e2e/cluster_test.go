@@ -1190,7 +1190,8 @@ func sumCounts(m map[common.Address]int) int {
 // three gateways at concurrency 12, and after the first 80 have finished stops the journal's PostgreSQL server
 // (fast shutdown: every connection cut) for three seconds, then starts it again on the same data and port.
 // Clients present the same payment again after an error (no answer, a 5xx, or another request presenting it),
-// for up to 90 s. Every answer to a request sent while the database was down is a 502 or 503; every 200 names a
+// for up to 90 s. Every answer to a request sent while the database was down is a 502 or 503 (or "another request
+// is presenting it", a retry's answer while its first request waits on the database); every 200 names a
 // transfer of the price to the seller on chain; no payment is refused for good; every payment ends with exactly
 // one 200, the seller's balance moved by exactly 200s x the price, each payer's by its own; the three gateways
 // share the wallets again afterwards; and, once drained, no journal record is left pending.
@@ -1234,12 +1235,15 @@ func postgresOutageMidLoad(t *testing.T, s clusterSetup, outage time.Duration) {
 	var wrong []string
 	for _, p := range payments {
 		for _, a := range p.answers {
-			if during(a) && a.status != http.StatusBadGateway && a.status != http.StatusServiceUnavailable {
+			// "Another request is presenting it" comes from the gateway's own in-flight mark, not the journal: a
+			// client's retry of a payment whose first request still waits on the database (the hang's crossing
+			// takes it too). It is no refusal: the client presents the payment again, as after a 5xx.
+			if during(a) && a.status != http.StatusBadGateway && a.status != http.StatusServiceUnavailable && !a.presenting {
 				wrong = append(wrong, fmt.Sprintf("payment #%d: %s", p.n, a))
 			}
 		}
 	}
-	listFirst(t, "answers while the database was down were neither 502 nor 503", wrong, countAnswersTotal(payments, during))
+	listFirst(t, "answers while the database was down were neither 502, 503 nor \"another request is presenting it\"", wrong, countAnswersTotal(payments, during))
 	var refused []string
 	for _, p := range payments {
 		if p.refused != "" {
