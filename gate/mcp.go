@@ -270,7 +270,8 @@ func (m *MCP) readBody(r *http.Request) ([]byte, int, error) {
 }
 
 // parseMCPBody reads a JSON-RPC message or batch. A name given twice anywhere in it is refused: the gate and the
-// MCP server must not read two different tool names (or payments) out of one call.
+// MCP server must not read two different tool names (or payments) out of one call. So is a batch whose messages
+// share an id.
 func parseMCPBody(body []byte) (msgs []*mcpMessage, batch bool, err error) {
 	var raws []jsontext.Value
 	if trimmed := bytes.TrimLeft(body, " \t\r\n"); len(trimmed) > 0 && trimmed[0] == '[' {
@@ -291,6 +292,13 @@ func parseMCPBody(body []byte) (msgs []*mcpMessage, batch bool, err error) {
 				return nil, true, fmt.Errorf("message %d of the batch: %w", i, err)
 			}
 			return nil, false, err
+		}
+		for j, prev := range msgs {
+			if msg.id != nil && prev.id != nil && sameID(msg.id, prev.id) {
+				// The answers are told apart by id: an error answering one would pass for the other's, and a paid
+				// call would look failed (not charged) while its result went out beside it.
+				return nil, true, fmt.Errorf("messages %d and %d of the batch share the id %s; ids in a batch must differ", j, i, msg.id)
+			}
 		}
 		msgs = append(msgs, msg)
 	}

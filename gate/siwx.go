@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"path"
 	"strings"
 	"time"
 
@@ -61,8 +62,16 @@ func CheckAccess(a *Access, settle string) error {
 	return nil
 }
 
-// covers reports whether the grant covers a request of path p.
+// covers reports whether the grant covers a request of path p. p is judged as Caddy's matchers and file server
+// read it, cleaned ("/reports/../admin" is "/admin"), and one still naming an escaped dot segment or separator
+// ("%2e%2e", "%2f") is covered by no pattern: the server behind may read it as a step up.
 func (a *Access) covers(p string) bool {
+	if lower := strings.ToLower(p); strings.Contains(lower, "%2e") || strings.Contains(lower, "%2f") || strings.Contains(lower, "%5c") || strings.Contains(p, "\\") {
+		return false
+	}
+	if cleaned := path.Clean(p); cleaned != p && !(strings.HasSuffix(p, "/") && cleaned+"/" == p) {
+		p = cleaned
+	}
 	for _, pattern := range a.Paths {
 		if prefix, ok := strings.CutSuffix(pattern, "*"); ok {
 			if strings.HasPrefix(p, prefix) {
@@ -110,6 +119,11 @@ func (x *exchange) accessKey(payer string) string {
 func (x *exchange) grantAccess(settled *x402.SettleResponse) {
 	a := x.g.cfg.Access
 	if a == nil || settled == nil || !settled.Success || x.payer == "" {
+		return
+	}
+	if amount, err := x402.ParseAmount(settled.Amount); settled.Amount != "" && (err != nil || amount.Sign() == 0) {
+		// An upto payment the upstream charged nothing for moved nothing on chain: it bought its response, not a
+		// grant of more.
 		return
 	}
 	until := x.g.now().Add(a.For)
