@@ -91,6 +91,11 @@ type RemoteBatch struct {
 	margin time.Duration
 	now    func() time.Time
 
+	// fence keeps this process's refunds and voucher acceptances of one channel apart, as the engine's does
+	// (batch_refund.go): a voucher accepted while a refund is on its way would buy a response with money the refund
+	// hands back.
+	fence refundFence
+
 	mu    sync.Mutex
 	terms map[x402.BatchRequirements]*BatchTerms
 	// claimers are the claim policies by network; accepted counts vouchers since the last claim.
@@ -269,6 +274,19 @@ func (b *RemoteBatch) SettleBatch(ctx context.Context, req x402.BatchRequest) (x
 		if !ok {
 			return refused(refuseBatch(x402.ReasonBatchChannelNotFound, "channel %s has paid nothing here: there is no voucher to refund from", id.Hex()))
 		}
+		// Closed to this process's vouchers until the refund's answer is in and the row records the balance after
+		// it; the row read again once the vouchers under way are written. (Another gateway of the journal is not
+		// fenced: see the README.)
+		open, fenced := b.fence.refund(id, refundFenceWait)
+		if !fenced {
+			return refused(refuseBatch(x402.ReasonBatchChannelBusy, "vouchers of channel %s are being accepted: present the refund again", id.Hex()))
+		}
+		defer open()
+		if row, ok, err = b.chs.Channel(ctx, key); err != nil {
+			return x402.BatchSettleResponse{}, fmt.Errorf("reading the journal's row of channel %s: %w", id.Hex(), err)
+		} else if !ok {
+			return refused(refuseBatch(x402.ReasonBatchChannelNotFound, "channel %s has paid nothing here: there is no voucher to refund from", id.Hex()))
+		}
 		return b.refund(ctx, req, key, row, payer)
 	}
 	if ok && presentedAgain(terms, row, p, ch, id) {
@@ -386,6 +404,11 @@ func (b *RemoteBatch) acceptVoucher(ctx context.Context, req x402.BatchRequest, 
 		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: r.Reason, ErrorMessage: r.Message}, nil
 	}
 	id := common.HexToHash(key.ID)
+	done, open := b.fence.acceptVoucher(id)
+	if !open {
+		return refused(refuseBatch(x402.ReasonBatchChannelBusy, "channel %s is being refunded: present the voucher again once the refund is answered", key.ID))
+	}
+	defer done()
 	mustAsk := !haveRow || ch.PayerAuthorizer == (common.Address{})
 	asked := false
 	token := "remote/" + randomHex()

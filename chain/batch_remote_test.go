@@ -46,6 +46,8 @@ type remoteWorld struct {
 	// dropClaims is how many claims are cut before the facilitator saw them (the connection cut once sent).
 	dropClaims atomic.Int32
 	claims     atomic.Int32
+	// holdRefund, when set, runs before a refund's /settle reaches the facilitator.
+	holdRefund func()
 }
 
 const remotePrice = 1000
@@ -72,6 +74,9 @@ func newRemoteWorld(t *testing.T, deposit int64) *remoteWorld {
 	fac := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
 		r.Body = io.NopCloser(strings.NewReader(string(body)))
+		if r.URL.Path == "/settle" && strings.Contains(string(body), `"type":"refund"`) && w.holdRefund != nil {
+			w.holdRefund()
+		}
 		if r.URL.Path == "/settle" && strings.Contains(string(body), `"type":"claim"`) {
 			w.claims.Add(1)
 			if w.dropClaims.Add(-1) >= 0 {
