@@ -410,6 +410,11 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 	if err := CheckAccess(cfg.Access, cfg.Settle); err != nil {
 		return nil, err
 	}
+	if cfg.Access != nil && cfg.OffersFor != nil {
+		// A grant is the route's (its paths), not one request's terms: bought at the price or by the recipient of
+		// one request, it would serve another's (a cheap query the dear one, tenant A's payment tenant B's page).
+		return nil, errors.New("access: the route's price or recipient depends on the request (placeholders in price, amount or pay_to): a grant bought on one request's terms would serve requests of other terms; give access a gate of fixed terms (split the route by path)")
+	}
 	if cfg.Access != nil {
 		a, ok := store.(journal.Access)
 		if !ok {

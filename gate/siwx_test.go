@@ -259,6 +259,15 @@ func TestAGateWithAccessRefusesSettleAsyncAndBadGrants(t *testing.T) {
 			}
 		})
 	}
+	// Terms that depend on the request (the stop's review: a cheap query's payment granted the dear one, tenant A's
+	// payment tenant B's page): refused.
+	e := newEnv(t, setup{noGate: true})
+	cfg := e.cfg
+	cfg.Access = &gate.Access{For: time.Hour}
+	cfg.OffersFor = func(*http.Request) ([]gate.Offer, error) { return cfg.Offers, nil }
+	if _, err := gate.New(cfg, e.fac, e.store, "test"); err == nil || !strings.Contains(err.Error(), "depends on the request") {
+		t.Fatalf("gate.New with access and per-request terms = %v, want an error saying the terms depend on the request", err)
+	}
 }
 
 // A contract wallet signs in as its payments are checked: its owner's signature of the message is the wallet's by
