@@ -342,10 +342,11 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 // transaction), failed: its channels are offered to the next claim, and its broadcast record, written before it
 // was sent, is final. Left pending, the record would count in the journal's backlog for good, and no pass would
 // ever finish it: it is no settlement of a payment that reconciliation resumes.
+//
+// The record is made final before the channels' marks go: the marks are what the next pass finds a claim by, so a
+// crash (or a failed write) between the two leaves marks whose record is final, which resolveClaims frees, never a
+// record no pass would see again.
 func (f *Facilitator) claimNotSent(ctx context.Context, n *network, chs journal.Channels, hash common.Hash, why string) error {
-	if _, err := chs.MarkClaimFailed(ctx, hash.Hex()); err != nil {
-		return fmt.Errorf("marking claim %s failed: %w", hash.Hex(), err)
-	}
 	resp := x402.SettleResponse{Success: false, Network: n.caip2, ErrorReason: x402.ReasonBatchClaimTransactionFailed,
 		ErrorMessage: "claim transaction " + hash.Hex() + " was never sent: " + why}
 	_, err := f.journal.Update(ctx, claimRecordID(n.caip2, hash), func(r *journal.Record) error {
@@ -356,6 +357,9 @@ func (f *Facilitator) claimNotSent(ctx context.Context, n *network, chs journal.
 	})
 	if err != nil && !errors.Is(err, journal.ErrNotFound) {
 		return fmt.Errorf("finishing the record of claim %s: %w", hash.Hex(), err)
+	}
+	if _, err := chs.MarkClaimFailed(ctx, hash.Hex()); err != nil {
+		return fmt.Errorf("marking claim %s failed: %w", hash.Hex(), err)
 	}
 	return nil
 }
@@ -411,16 +415,8 @@ func (f *Facilitator) claimOutcome(ctx context.Context, n *network, chs journal.
 		return false, fmt.Errorf("reading the receipt of claim %s: %w", hash.Hex(), err)
 	}
 	ok := receipt.Status == types.ReceiptStatusSuccessful
-	if ok {
-		if _, err := chs.MarkClaimMined(ctx, hash.Hex()); err != nil {
-			return false, fmt.Errorf("marking claim %s mined: %w", hash.Hex(), err)
-		}
-	} else {
-		f.log.Warn("batch-settlement claim reverted; its channels are offered again", zap.String("tx", hash.Hex()))
-		if _, err := chs.MarkClaimFailed(ctx, hash.Hex()); err != nil {
-			return false, fmt.Errorf("marking claim %s failed: %w", hash.Hex(), err)
-		}
-	}
+	// The record first, then the channels' marks, which are what the next pass finds the claim by (see
+	// claimNotSent): a crash or a failed write between the two leaves the marks, and the next pass finishes both.
 	resp := x402.SettleResponse{Success: ok, Transaction: hash.Hex(), Network: n.caip2}
 	if !ok {
 		resp.ErrorReason = x402.ReasonBatchClaimTransactionFailed
@@ -432,7 +428,17 @@ func (f *Facilitator) claimOutcome(ctx context.Context, n *network, chs journal.
 		return nil
 	})
 	if err != nil && !errors.Is(err, journal.ErrNotFound) {
-		return true, fmt.Errorf("finishing the record of claim %s: %w", hash.Hex(), err)
+		return false, fmt.Errorf("finishing the record of claim %s: %w", hash.Hex(), err)
+	}
+	if ok {
+		if _, err := chs.MarkClaimMined(ctx, hash.Hex()); err != nil {
+			return false, fmt.Errorf("marking claim %s mined: %w", hash.Hex(), err)
+		}
+	} else {
+		f.log.Warn("batch-settlement claim reverted; its channels are offered again", zap.String("tx", hash.Hex()))
+		if _, err := chs.MarkClaimFailed(ctx, hash.Hex()); err != nil {
+			return false, fmt.Errorf("marking claim %s failed: %w", hash.Hex(), err)
+		}
 	}
 	return true, nil
 }
@@ -461,6 +467,14 @@ func (f *Facilitator) resolveClaims(ctx context.Context, n *network, chs journal
 		rec, found, err := f.journal.Get(ctx, claimRecordID(n.caip2, hash))
 		if err != nil {
 			return err
+		}
+		if found && rec.State == journal.StateFinal {
+			// Finished as never sent, and its channels' marks not yet freed (claimNotSent was cut between the two):
+			// no receipt, so it did not land.
+			if _, err := chs.MarkClaimFailed(ctx, hash.Hex()); err != nil {
+				return fmt.Errorf("marking claim %s failed: %w", hash.Hex(), err)
+			}
+			continue
 		}
 		if !found || len(rec.RawTx) == 0 {
 			if f.now().Sub(r.ClaimSentAt) >= unrecordedClaimAge {

@@ -1,0 +1,72 @@
+package chain_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+)
+
+// finalWriteFails is a bbolt journal whose next write making a record final fails (a crash, or the journal lost,
+// between a claim's outcome and its record).
+type finalWriteFails struct {
+	*journal.BoltStore
+	fail atomic.Bool
+}
+
+func (s *finalWriteFails) Update(ctx context.Context, id journal.ID, fn func(*journal.Record) error) (journal.Record, error) {
+	if s.fail.Load() {
+		var probe journal.Record
+		if r, ok, err := s.BoltStore.Get(ctx, id); err == nil && ok {
+			probe = r
+		}
+		if fn(&probe) == nil && probe.State == journal.StateFinal && s.fail.CompareAndSwap(true, false) {
+			return journal.Record{}, errors.New("the journal is gone (injected)")
+		}
+	}
+	return s.BoltStore.Update(ctx, id, fn)
+}
+
+// TestABatchClaimWhoseRecordWasNotFinishedIsFinishedByTheNextPass: a claim mined, and the write that makes its
+// record final lost (a crash between the channels' marks and the record, or the journal failing that write). The
+// next pass finishes it. Before, the channels were marked claimed first, so no pass saw the claim again, and its
+// broadcast record stayed pending for good (the money-invariant run: 'gateway 0's bbolt journal holds payment ...
+// pending: state broadcast', 'not drained: journal backlog 1').
+func TestABatchClaimWhoseRecordWasNotFinishedIsFinishedByTheNextPass(t *testing.T) {
+	store := &finalWriteFails{BoltStore: boltJournal(t).(*journal.BoltStore)}
+	b := newBatchRoute(t, fixtureOpts{journal: store, autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second,
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+		}})
+	b.deposit(t, 30*batchPrice)
+	for i := int64(1); i <= 3; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	store.fail.Store(true)
+	if err := b.fx.f.ClaimBatches(context.Background()); err == nil {
+		t.Fatal("the claim whose record's final write failed: no error")
+	}
+	if store.fail.Load() {
+		t.Fatal("the claim's record was never written final: the fault did not fire")
+	}
+	if err := b.fx.f.ClaimBatches(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.c.BalanceOf(b.token, b.receiver.Address).Int64(); got != 3*batchPrice {
+		t.Fatalf("the receiver holds %d, want exactly the %d accepted", got, 3*batchPrice)
+	}
+	pending, err := store.Pending(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rec := range pending {
+		t.Errorf("the journal holds %s pending: state %s, tx %s", rec.ID, rec.State, rec.TxHash)
+	}
+}
