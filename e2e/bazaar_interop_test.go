@@ -12,7 +12,6 @@ import (
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/crypto"
 
-	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/internal/needs"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -122,10 +121,7 @@ func TestAnHonoServerDeclaringBazaarIsCataloguedByOurFacilitatorAndListedToTheSD
 
 	key := devchain.PayerKeyN(3)
 	payerAddr := crypto.PubkeyToAddress(key.PublicKey)
-	dev.send(devchain.PayerKey(), payerAddr, big.NewInt(1e18), nil)
-	dev.send(devchain.PayerKey(), devchain.TokenAddress, nil, callToken(t, "transfer", payerAddr, big.NewInt(1_000_000)))
-	maxUint256 := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
-	dev.send(key, devchain.TokenAddress, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
+	dev.fundPayer(key)
 	payerBefore, sellerBefore, from := dev.balance(payerAddr), dev.balance(seller), dev.head()+1
 
 	env := append(os.Environ(), "X402_PAYER_KEY="+hexutil.Encode(crypto.FromECDSA(key)), "X402_RPC_URL="+chainURL,

@@ -263,5 +263,15 @@ func (d *devChain) approvePermit2(key *ecdsa.PrivateKey, token common.Address) {
 	d.send(key, token, nil, callToken(d.t, "approve", contracts.Permit2Address, maxUint256))
 }
 
+// fundPayer gives key's address 1 ether and 1,000,000 raw units of the dev chain's StableCoin from the demo payer,
+// and has it approve Permit2 for the token.
+func (d *devChain) fundPayer(key *ecdsa.PrivateKey) {
+	d.t.Helper()
+	addr := crypto.PubkeyToAddress(key.PublicKey)
+	d.send(devchain.PayerKey(), addr, big.NewInt(1e18), nil)
+	d.send(devchain.PayerKey(), devchain.TokenAddress, nil, callToken(d.t, "transfer", addr, big.NewInt(1_000_000)))
+	d.approvePermit2(key, devchain.TokenAddress)
+}
+
 // delta is after - before.
 func delta(before, after *big.Int) *big.Int { return new(big.Int).Sub(after, before) }

@@ -16,7 +16,6 @@ import (
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/crypto"
 
-	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/internal/needs"
 	"github.com/x402-gateway/caddy-x402/payer"
@@ -62,10 +61,7 @@ func TestThePublicTypeScriptClientNamesItsPaymentAndAnotherPaymentOfTheIdIs409(t
 
 	key := devchain.PayerKeyN(2)
 	payer := crypto.PubkeyToAddress(key.PublicKey)
-	dev.send(devchain.PayerKey(), payer, big.NewInt(1e18), nil)
-	dev.send(devchain.PayerKey(), devchain.TokenAddress, nil, callToken(t, "transfer", payer, big.NewInt(1_000_000)))
-	maxUint256 := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
-	dev.send(key, devchain.TokenAddress, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
+	dev.fundPayer(key)
 
 	const id = "pay_from_the_typescript_sdk_0001"
 	pay := func() (paidByTypeScript, int) {
@@ -178,10 +174,7 @@ func TestOurPayerNamesItsPaymentsToAnHonoServerDeclaringPaymentIdentifier(t *tes
 
 	key := devchain.PayerKeyN(2)
 	payerAddr := crypto.PubkeyToAddress(key.PublicKey)
-	dev.send(devchain.PayerKey(), payerAddr, big.NewInt(1e18), nil)
-	dev.send(devchain.PayerKey(), devchain.TokenAddress, nil, callToken(t, "transfer", payerAddr, big.NewInt(1_000_000)))
-	maxUint256 := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
-	dev.send(key, devchain.TokenAddress, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
+	dev.fundPayer(key)
 	payerBefore, sellerBefore, from := dev.balance(payerAddr), dev.balance(seller), dev.head()+1
 
 	echoed := func(stdout string) string {

@@ -12,7 +12,6 @@ import (
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/crypto"
 
-	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/internal/needs"
 )
@@ -57,10 +56,7 @@ func TestThePublicTypeScriptClientPaysOnceAndThenSignsInWithX(t *testing.T) {
 
 	key := devchain.PayerKeyN(3)
 	payer := crypto.PubkeyToAddress(key.PublicKey)
-	dev.send(devchain.PayerKey(), payer, big.NewInt(1e18), nil)
-	dev.send(devchain.PayerKey(), devchain.TokenAddress, nil, callToken(t, "transfer", payer, big.NewInt(1_000_000)))
-	maxUint256 := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
-	dev.send(key, devchain.TokenAddress, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
+	dev.fundPayer(key)
 
 	const fetches = 6
 	payerBefore, sellerBefore, from := dev.balance(payer), dev.balance(seller), dev.head()+1
@@ -140,10 +136,7 @@ func TestOurPayerPaysOnceAndThenSignsInToAnHonoServerDeclaringSignInWithX(t *tes
 
 	key := devchain.PayerKeyN(4)
 	payer := crypto.PubkeyToAddress(key.PublicKey)
-	dev.send(devchain.PayerKey(), payer, big.NewInt(1e18), nil)
-	dev.send(devchain.PayerKey(), devchain.TokenAddress, nil, callToken(t, "transfer", payer, big.NewInt(1_000_000)))
-	maxUint256 := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
-	dev.send(key, devchain.TokenAddress, nil, callToken(t, "approve", contracts.Permit2Address, maxUint256))
+	dev.fundPayer(key)
 	payerBefore, sellerBefore, from := dev.balance(payer), dev.balance(seller), dev.head()+1
 
 	pay := func() string {
