@@ -275,6 +275,9 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 	if g.routeID, err = g.route(ctx, app); err != nil {
 		return err
 	}
+	if err := g.Paywall.provision(); err != nil {
+		return err
+	}
 	repl := caddy.NewReplacer()
 	if g.MCP != nil {
 		g.specs, err = g.provisionMCP(app)
@@ -332,7 +335,7 @@ func (g *Gate) coreConfig(app *App) gate.Config {
 	cfg := gate.Config{
 		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body, PaymentIdentifier: g.PaymentIdentifier, Access: g.Access.core(),
 		Discovery:   g.Discovery.core(),
-		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID, Paywall: g.Paywall.style(),
+		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID, Paywall: g.Paywall.style(app),
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
 		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: g.originalURI(),
@@ -432,7 +435,7 @@ func (g *Gate) pickFacilitator(ctx caddy.Context, app *App, repl *caddy.Replacer
 
 // Validate checks what Provision could not have fixed.
 func (g *Gate) Validate() error {
-	if err := g.Paywall.style().Check(); err != nil {
+	if err := g.Paywall.style(nil).Check(); err != nil {
 		return err
 	}
 	switch g.Settle {

@@ -55,8 +55,11 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		description <text>
 //		paywall {             # how the page a browser gets looks
 //			title <text>
-//			logo <path, https or data:image/ URL>
+//			logo <path, https or data:image/<type>;base64, URL>
 //			color <rrggbb or "#rrggbb">
+//			template <file>                  # a Go html/template of your own, given gate.PaywallData
+//			frame_ancestors <source>...      # CSP frame-ancestors; default 'none'
+//			rpc_url [<network>] <url>        # for a wallet that must add the chain; no credentials
 //		}
 //		mime_type <type>
 //		settle before|after|async [<backlog>]

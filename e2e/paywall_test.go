@@ -17,6 +17,7 @@ import (
 	"github.com/chromedp/cdproto/cdp"
 	"github.com/chromedp/cdproto/page"
 	"github.com/chromedp/chromedp"
+	"github.com/ethereum/go-ethereum/accounts"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/crypto"
@@ -45,7 +46,8 @@ const testWalletJS = `(() => {
 })();`
 
 // testWallet answers the page's wallet requests for the demo payer: accounts, chain (starting on another chain,
-// so that the page must ask to switch), eth_signTypedData_v4 with the payer's key, other reads from the chain.
+// so that the page must ask to switch; with known set, it knows only those chains until the page adds one),
+// eth_signTypedData_v4 and personal_sign with the payer's key, other reads from the chain.
 type testWallet struct {
 	t      *testing.T
 	chain  *devChain
@@ -54,8 +56,22 @@ type testWallet struct {
 
 	mu      sync.Mutex
 	chainID uint64
-	signed  []string // primary types, in order
+	known   map[uint64]bool // nil: every chain; else switching to another answers 4902
+	added   []addedChain    // what wallet_addEthereumChain was asked
+	signed  []string        // primary types (personal_sign for a message), in order
 	methods []string
+}
+
+// addedChain is a wallet_addEthereumChain parameter (EIP-3085).
+type addedChain struct {
+	ChainID        hexutil.Uint64 `json:"chainId"`
+	ChainName      string         `json:"chainName"`
+	RPCURLs        []string       `json:"rpcUrls"`
+	NativeCurrency struct {
+		Name     string `json:"name"`
+		Symbol   string `json:"symbol"`
+		Decimals int    `json:"decimals"`
+	} `json:"nativeCurrency"`
 }
 
 type walletAnswer struct {
@@ -99,9 +115,47 @@ func (w *testWallet) handle(ctx context.Context, arg string) (string, error) {
 			return "", err
 		}
 		w.mu.Lock()
+		defer w.mu.Unlock()
+		if w.known != nil && !w.known[uint64(p[0].ChainID)] {
+			b, err := json.Marshal(walletAnswer{Error: &walletError{Code: 4902, Message: "Unrecognized chain ID"}})
+			return string(b), err
+		}
 		w.chainID = uint64(p[0].ChainID)
-		w.mu.Unlock()
 		return answer(nil)
+	case "wallet_addEthereumChain":
+		var c addedChain
+		if len(req.Params) != 1 || json.Unmarshal(req.Params[0], &c) != nil {
+			return "", fmt.Errorf("wallet_addEthereumChain: want [chain], got %s", arg)
+		}
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		w.added = append(w.added, c)
+		if w.known != nil {
+			w.known[uint64(c.ChainID)] = true
+		}
+		w.chainID = uint64(c.ChainID) // as wallets do, switching to the chain added
+		return answer(nil)
+	case "personal_sign":
+		var msg, signer string
+		if len(req.Params) != 2 || json.Unmarshal(req.Params[0], &msg) != nil || json.Unmarshal(req.Params[1], &signer) != nil {
+			return "", fmt.Errorf("personal_sign: want [message, address], got %s", arg)
+		}
+		if !strings.EqualFold(signer, from.Hex()) {
+			return "", fmt.Errorf("personal_sign for %s, the wallet holds %s", signer, from.Hex())
+		}
+		text, err := hexutil.Decode(msg)
+		if err != nil {
+			return "", fmt.Errorf("personal_sign: the message is not hex: %w", err)
+		}
+		sig, err := crypto.Sign(accounts.TextHash(text), payer)
+		if err != nil {
+			return "", err
+		}
+		sig[64] += 27
+		w.mu.Lock()
+		w.signed = append(w.signed, "personal_sign")
+		w.mu.Unlock()
+		return answer(hexutil.Encode(sig))
 	case "eth_signTypedData_v4":
 		var signer, doc string
 		if len(req.Params) != 2 || json.Unmarshal(req.Params[0], &signer) != nil || json.Unmarshal(req.Params[1], &doc) != nil {
@@ -163,23 +217,45 @@ func TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransact
 	admin off
 	x402 {
 		dev_chain {
-			rpc %s
+			rpc %[1]s
 		}
 	}
 }
 
-%s {
+%[2]s {
 	bind 127.0.0.1
-	x402 $0.01 {
-		pay_to %s
-		description "The premium report"
-		accept {
-			price $0.02
-			asset %s
-			asset_transfer_method eip3009
+	handle /metered {
+		route {
+			x402 {
+				scheme upto
+				price $0.01
+				pay_to %[3]s
+				description "The metered report"
+			}
+			header Settlement-Overrides `+"`"+`{"amount":"2500"}`+"`"+`
+			respond "the metered report: paid content"
 		}
 	}
-	respond "the premium report: paid content"
+	handle /members {
+		x402 $0.01 {
+			pay_to %[3]s
+			description "The members' report"
+			access 1h
+		}
+		respond "the members' report: paid content"
+	}
+	handle {
+		x402 $0.01 {
+			pay_to %[3]s
+			description "The premium report"
+			accept {
+				price $0.02
+				asset %[4]s
+				asset_transfer_method eip3009
+			}
+		}
+		respond "the premium report: paid content"
+	}
 }
 `, facts.RPC, gateURL, seller.Hex(), devchain.EIP3009TokenAddress.Hex()))
 	gate := startProcess(t, "the Caddy with the paywall", dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", file)
@@ -341,8 +417,115 @@ func TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransact
 		t.Errorf("the seller's Stable Coin moved by %s when the person picked USD Coin", d)
 	}
 	wallet.mu.Lock()
-	defer wallet.mu.Unlock()
 	if strings.Join(wallet.signed, ",") != "TransferWithAuthorization" {
 		t.Errorf("the wallet signed %v for the eip3009 offer, want one TransferWithAuthorization", wallet.signed)
+	}
+	wallet.mu.Unlock()
+
+	// visit loads path, clicks the button selector names and waits for the page to say paid or error.
+	visit := func(path, selector, shot string) (state, status string) {
+		t.Helper()
+		if err := chromedp.Do(bctx, chromedp.Navigate(gateURL+path)); err != nil {
+			t.Fatalf("Chromium loading %s: %v", path, err)
+		}
+		if _, err := chromedp.Run(bctx, chromedp.Evaluate[bool](fmt.Sprintf(`document.querySelector(%q).click() || true`, selector))); err != nil {
+			t.Fatalf("clicking %s on %s: %v", selector, path, err)
+		}
+		state, err := chromedp.Run(bctx, chromedp.Poll[string](`(() => { const s = document.getElementById("x402-status").getAttribute("data-state"); return s === "paid" || s === "error" ? s : null; })()`,
+			chromedp.WithPollingTimeout(30*time.Second)))
+		status, _ = chromedp.Run(bctx, chromedp.Evaluate[string](`document.getElementById("x402-status").textContent`))
+		shoot(shot)
+		if err != nil {
+			t.Fatalf("%s: the page never said paid or error (%v): %q; the wallet saw %v", path, err, status, wallet.methods)
+		}
+		return state, status
+	}
+	pageText := func(expr string) string {
+		t.Helper()
+		v, err := chromedp.Run(bctx, chromedp.Evaluate[string](expr))
+		if err != nil {
+			t.Errorf("reading %s: %v", expr, err)
+		}
+		return v
+	}
+
+	// An upto route, paid from a wallet that knows no chain but mainnet: the page shows the maximum as "up to",
+	// adds the dev chain to the wallet (wallet_addEthereumChain with the dev chain's RPC URL), signs the upto
+	// authorization (the witness names the facilitator wallet) and shows what was charged. The seller gets
+	// what the upstream named, 2500, not the maximum.
+	wallet.mu.Lock()
+	wallet.signed, wallet.chainID, wallet.known = nil, 1, map[uint64]bool{1: true}
+	wallet.mu.Unlock()
+	before = dev.balance(seller)
+	if err := chromedp.Do(bctx, chromedp.Navigate(gateURL+"/metered")); err != nil {
+		t.Fatalf("Chromium loading the upto paywall: %v", err)
+	}
+	if text := pageText(`document.body.innerText`); !strings.Contains(text, "up to 0.01") || !strings.Contains(text, "up to $0.01") {
+		t.Errorf("the upto page does not show the maximum as up to:\n%s", text)
+	}
+	state, status = visit("/metered", `button.x402-pay`, "paywall-6-paid-upto.png")
+	if state != "paid" || !strings.Contains(status, "Paid 0.0025 Stable Coin of up to 0.01") {
+		t.Fatalf("paying the upto route: %s: %q, want paid with the charge of up to the maximum; the wallet saw %v", state, status, wallet.methods)
+	}
+	if got := pageText(`document.getElementById("x402-status").getAttribute("data-charged")`); got != "2500" {
+		t.Errorf("the page says %q was charged, want 2500", got)
+	}
+	if content := pageText(`document.getElementById("x402-paid").textContent`); content != "the metered report: paid content" {
+		t.Errorf("the metered content on the page is %q", content)
+	}
+	if d := delta(before, dev.balance(seller)); d.Cmp(big.NewInt(2500)) != 0 {
+		t.Errorf("the seller's balance moved by %s for the upto payment, want what was charged, 2500, not the maximum", d)
+	}
+	wallet.mu.Lock()
+	if len(wallet.signed) == 0 || wallet.signed[0] != "PermitWitnessTransferFrom" {
+		t.Errorf("the wallet signed %v for the upto offer, want the permit2 authorization first", wallet.signed)
+	}
+	if len(wallet.added) != 1 || fmt.Sprintf("eip155:%d", wallet.added[0].ChainID) != facts.Network ||
+		strings.Join(wallet.added[0].RPCURLs, ",") != facts.RPC || wallet.added[0].ChainName == "" ||
+		wallet.added[0].NativeCurrency.Decimals != 18 || fmt.Sprintf("eip155:%d", wallet.chainID) != facts.Network {
+		t.Errorf("the wallet was asked to add %+v and is on chain %d; want the dev chain %s with its RPC URL %s", wallet.added, wallet.chainID, facts.Network, facts.RPC)
+	}
+	wallet.known = nil
+	wallet.mu.Unlock()
+
+	// A route with access: the person pays once, and on a later visit signs in instead of paying again
+	// (personal_sign of the sign-in-with-x message, retried with SIGN-IN-WITH-X): the content is shown, and
+	// no transaction is sent, nothing moves.
+	membersIdx := -1
+	before = dev.balance(seller)
+	if err := chromedp.Do(bctx, chromedp.Navigate(gateURL+"/members")); err != nil {
+		t.Fatalf("Chromium loading the members' paywall: %v", err)
+	}
+	if membersIdx, err = chromedp.Run(bctx, chromedp.Evaluate[int](`JSON.parse(document.getElementById("x402-payment-required").textContent).accepts.findIndex(a => a.extra && a.extra.assetTransferMethod === "permit2")`)); err != nil || membersIdx < 0 {
+		t.Fatalf("the members' page offers no permit2 payment (%d, %v)", membersIdx, err)
+	}
+	state, status = visit("/members", fmt.Sprintf(`button.x402-pay[data-offer="%d"]`, membersIdx), "paywall-7-paid-members.png")
+	if state != "paid" {
+		t.Fatalf("paying the members' route: %s: %q", state, status)
+	}
+	if d := delta(before, dev.balance(seller)); d.Cmp(big.NewInt(asyncPrice)) != 0 {
+		t.Errorf("the seller's balance moved by %s for the members' payment, want %d", d, asyncPrice)
+	}
+	wallet.mu.Lock()
+	wallet.signed = nil
+	wallet.mu.Unlock()
+	before, head := dev.balance(seller), dev.head()
+	state, status = visit("/members", `button.x402-signin`, "paywall-8-signed-in.png")
+	if state != "paid" || !strings.Contains(status, "Signed in as") {
+		t.Fatalf("signing in on the members' route: %s: %q, want signed in", state, status)
+	}
+	if content := pageText(`document.getElementById("x402-paid").textContent`); content != "the members' report: paid content" {
+		t.Errorf("after signing in the page shows %q", content)
+	}
+	if d := delta(before, dev.balance(seller)); d.Sign() != 0 {
+		t.Errorf("signing in moved the seller's balance by %s", d)
+	}
+	if h := dev.head(); h != head {
+		t.Errorf("signing in sent transactions: the head moved from block %d to %d", head, h)
+	}
+	wallet.mu.Lock()
+	defer wallet.mu.Unlock()
+	if strings.Join(wallet.signed, ",") != "personal_sign" {
+		t.Errorf("signing in, the wallet signed %v, want one personal_sign and no payment", wallet.signed)
 	}
 }

@@ -26,6 +26,8 @@ var immutableVars = map[string]string{
 	"paywallPage":               "a parsed template, executed only",
 	"paywallScript":             "the embedded script",
 	"paywallColor":              "a compiled pattern, only matched",
+	"paywallDataImage":          "a compiled pattern, only matched",
+	"paywallFrameSource":        "a compiled pattern, only matched",
 	// A pool of empty buffers: what it holds means nothing (each is Reset before use), and no behaviour depends
 	// on what is in it; shared across gates and reloads it saves allocations for all of them.
 	"gateBuffers": "a sync.Pool of scratch buffers",

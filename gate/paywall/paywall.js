@@ -1,12 +1,20 @@
 // The paywall's wallet script: connects an EIP-1193 wallet (EIP-6963 discovery, else window.ethereum), switches
-// to the offer's chain, signs the offer's payment with eth_signTypedData_v4 as the Go payer builds it, retries
-// this URL with the payment header and shows what was bought with its settlement transaction.
+// to the offer's chain (adding it when the wallet does not know it), signs the offer's payment with
+// eth_signTypedData_v4 as the Go payer builds it (exact by eip3009 or permit2, upto by permit2), retries this URL
+// with the payment header and shows what was bought with its settlement transaction; or, where the route grants
+// access, signs the sign-in-with-x message (personal_sign) and retries with SIGN-IN-WITH-X.
+//
+// It signs nothing but what the offer on this page says: the offer's amount, to the offer's payee, on the offer's
+// chain (checked right before each signature), for the canonical Permit2 and x402 proxies only.
 (function () {
   "use strict";
   var PERMIT2 = "0x000000000022D473030F116dDEE9F6B43aC78BA3";
   var PROXY = "0x402085c248EeA27D92E8b30b2C58ed07f9E20001";
+  var UPTO_PROXY = "0x4020A4f3b7b90ccA423B9fabCc0CE57C6C240002";
   var VALID_AFTER_SKEW = 600; // seconds, as the Go payer: a payer clock a little ahead still pays
   var doc = JSON.parse(document.getElementById("x402-payment-required").textContent);
+  var chainsEl = document.getElementById("x402-chains");
+  var chains = chainsEl ? JSON.parse(chainsEl.textContent || "{}") : {};
   var header = document.body.getAttribute("data-header") || "PAYMENT-SIGNATURE";
   var status = document.getElementById("x402-status");
   var content = document.getElementById("x402-content");
@@ -51,7 +59,16 @@
     for (var i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
     return JSON.parse(new TextDecoder().decode(bytes));
   }
+  function isAddress(a) { return typeof a === "string" && /^0x[0-9a-fA-F]{40}$/.test(a); }
+  function same(a, b) { return String(a).toLowerCase() === String(b).toLowerCase(); }
+  // onChain refuses to go on when the wallet has moved off the chain the offer pays on.
+  async function onChain(eth, chainId, network) {
+    if (Number(await eth.request({ method: "eth_chainId" })) !== chainId) {
+      fail("Your wallet is on another network than " + network + " (chain " + chainId + "); nothing was signed.");
+    }
+  }
   async function sign(eth, from, typed) {
+    await onChain(eth, typed.domain.chainId, "the offer's");
     try {
       return await eth.request({ method: "eth_signTypedData_v4", params: [from, JSON.stringify(typed)] });
     } catch (e) {
@@ -75,6 +92,7 @@
     var out = { x402Version: 2, accepted: req, payload: {} };
     if (doc.resource && doc.resource.url) out.resource = doc.resource;
     if (method === "eip3009") {
+      if (req.scheme !== "exact") fail("This page cannot sign a " + req.scheme + "/eip3009 payment; use an x402 client.");
       var auth = { from: from, to: req.payTo, value: String(req.amount), validAfter: validAfter, validBefore: deadline,
         nonce: "0x" + randomBytes(32) };
       out.payload.signature = await sign(eth, from, { types: { EIP712Domain: tokenDomainTypes, TransferWithAuthorization: [
@@ -84,19 +102,31 @@
       out.payload.authorization = auth;
       return out;
     }
-    if (method !== "permit2" || req.scheme !== "exact") fail("This page cannot sign a " + req.scheme + "/" + method + " payment; use an x402 client.");
+    if (method !== "permit2" || (req.scheme !== "exact" && req.scheme !== "upto")) fail("This page cannot sign a " + req.scheme + "/" + method + " payment; use an x402 client.");
+    var upto = req.scheme === "upto";
+    // Only the canonical contracts: a signature for another spender could move the payment anywhere.
     var permit2 = (req.extra && req.extra.permit2Address) || PERMIT2;
-    var spender = (req.extra && req.extra.x402Permit2ProxyAddress) || PROXY;
+    var spender = (req.extra && req.extra.x402Permit2ProxyAddress) || (upto ? UPTO_PROXY : PROXY);
+    if (!same(permit2, PERMIT2)) fail("The offer names Permit2 at " + permit2 + ", not the canonical " + PERMIT2 + ": not signed.");
+    if (!same(spender, upto ? UPTO_PROXY : PROXY)) fail("The offer names the x402 proxy " + spender + ", not the canonical one: not signed.");
+    var witness = { to: req.payTo, validAfter: validAfter };
+    var witnessType = [{ name: "to", type: "address" }, { name: "validAfter", type: "uint256" }];
+    if (upto) {
+      var facilitator = req.extra && req.extra.facilitatorAddress;
+      if (!isAddress(facilitator)) fail("The upto offer names no facilitator address to settle it: not signed.");
+      witness = { to: req.payTo, facilitator: facilitator, validAfter: validAfter };
+      witnessType = [{ name: "to", type: "address" }, { name: "facilitator", type: "address" }, { name: "validAfter", type: "uint256" }];
+    }
     var p2 = { from: from, permitted: { token: req.asset, amount: String(req.amount) }, spender: spender,
-      nonce: BigInt("0x" + randomBytes(32)).toString(), deadline: deadline, witness: { to: req.payTo, validAfter: validAfter } };
+      nonce: BigInt("0x" + randomBytes(32)).toString(), deadline: deadline, witness: witness };
     out.payload.signature = await sign(eth, from, { types: {
       EIP712Domain: [{ name: "name", type: "string" }, { name: "chainId", type: "uint256" }, { name: "verifyingContract", type: "address" }],
       PermitWitnessTransferFrom: [{ name: "permitted", type: "TokenPermissions" }, { name: "spender", type: "address" },
         { name: "nonce", type: "uint256" }, { name: "deadline", type: "uint256" }, { name: "witness", type: "Witness" }],
       TokenPermissions: [{ name: "token", type: "address" }, { name: "amount", type: "uint256" }],
-      Witness: [{ name: "to", type: "address" }, { name: "validAfter", type: "uint256" }] },
+      Witness: witnessType },
       primaryType: "PermitWitnessTransferFrom", domain: { name: "Permit2", chainId: chainId, verifyingContract: permit2 },
-      message: { permitted: p2.permitted, spender: spender, nonce: p2.nonce, deadline: deadline, witness: p2.witness } });
+      message: { permitted: p2.permitted, spender: spender, nonce: p2.nonce, deadline: deadline, witness: witness } });
     out.payload.permit2Authorization = p2;
     // Without a Permit2 allowance the facilitator approves Permit2 for the payer with an EIP-2612 permit.
     var allowance = await call(eth, req.asset, "0xdd62ed3e" + word(from) + word(permit2));
@@ -146,8 +176,8 @@
     return "The payment was refused (HTTP " + resp.status + ")" + (why ? ": " + why : "") + ".";
   }
 
-  async function pay(i) {
-    var req = doc.accepts[i];
+  // connect asks the wallet for its account.
+  async function connect() {
     var eth = wallet();
     if (!eth) fail("No browser wallet was found. Install or enable an Ethereum wallet extension, then reload this page.");
     say("busy", "Connecting your wallet…");
@@ -158,50 +188,161 @@
       if (e && e.code === 4001) fail("You declined to connect your wallet. Nothing was charged.");
       throw e;
     }
-    if (!accounts || accounts.length === 0) fail("Your wallet shared no account.");
-    var from = accounts[0];
-    var chainId = Number(req.network.split(":")[1]);
-    if (!/^eip155:\d+$/.test(req.network)) fail("This page pays on EVM networks only, not " + req.network + ".");
-    if (Number(await eth.request({ method: "eth_chainId" })) !== chainId) {
-      say("busy", "Asking your wallet to switch to " + req.network + "…");
-      try {
-        await eth.request({ method: "wallet_switchEthereumChain", params: [{ chainId: hex(chainId) }] });
-      } catch (e) {
-        if (e && e.code === 4902) fail("Your wallet does not know the network " + req.network + " (chain " + chainId + "). Add it to your wallet, then pay again.");
-        fail("Your wallet is on another network and did not switch to " + req.network + " (chain " + chainId + ").");
+    if (!accounts || accounts.length === 0 || !isAddress(accounts[0])) fail("Your wallet shared no account.");
+    return { eth: eth, from: accounts[0] };
+  }
+
+  // toChain has the wallet on network: switched to it, or added (EIP-3085, with the RPC URL this site gives for
+  // it) when the wallet does not know it.
+  async function toChain(eth, network) {
+    if (!/^eip155:\d+$/.test(network)) fail("This page pays on EVM networks only, not " + network + ".");
+    var chainId = Number(network.split(":")[1]);
+    if (Number(await eth.request({ method: "eth_chainId" })) === chainId) return chainId;
+    say("busy", "Asking your wallet to switch to " + network + "…");
+    try {
+      await eth.request({ method: "wallet_switchEthereumChain", params: [{ chainId: hex(chainId) }] });
+    } catch (e) {
+      if (!(e && (e.code === 4902 || (e.data && e.data.originalError && e.data.originalError.code === 4902)))) {
+        fail("Your wallet is on another network and did not switch to " + network + " (chain " + chainId + ").");
       }
-      if (Number(await eth.request({ method: "eth_chainId" })) !== chainId) fail("Your wallet is still on another network than " + req.network + ".");
+      var add = chains[network];
+      if (!add) fail("Your wallet does not know the network " + network + " (chain " + chainId + ") and this site names no RPC URL for it. Add it to your wallet, then pay again.");
+      say("busy", "Asking your wallet to add " + add.chainName + " (" + network + ")…");
+      try {
+        await eth.request({ method: "wallet_addEthereumChain", params: [{ chainId: hex(chainId), chainName: add.chainName,
+          rpcUrls: add.rpcUrls, nativeCurrency: add.nativeCurrency }] });
+      } catch (e2) {
+        if (e2 && e2.code === 4001) fail("You declined to add " + add.chainName + " (" + network + ") to your wallet. Nothing was charged.");
+        fail("Your wallet did not add the network " + network + ": " + ((e2 && e2.message) || e2) + ".");
+      }
+      if (Number(await eth.request({ method: "eth_chainId" })) !== chainId) {
+        try {
+          await eth.request({ method: "wallet_switchEthereumChain", params: [{ chainId: hex(chainId) }] });
+        } catch (e3) {
+          fail("Your wallet added " + network + " but did not switch to it (chain " + chainId + ").");
+        }
+      }
     }
+    if (Number(await eth.request({ method: "eth_chainId" })) !== chainId) fail("Your wallet is still on another network than " + network + ".");
+    return chainId;
+  }
+
+  async function pay(i) {
+    var req = doc.accepts[i];
+    if (!req) fail("There is no offer " + i + " on this page.");
+    var w = await connect(), eth = w.eth, from = w.from;
+    var chainId = await toChain(eth, req.network);
     var balance = await call(eth, req.asset, "0x70a08231" + word(from));
-    var decimals = Number(document.querySelector("[data-offer='" + i + "']").getAttribute("data-decimals") || "6");
+    var button = document.querySelector("[data-offer='" + i + "']");
+    var decimals = Number((button && button.getAttribute("data-decimals")) || "6");
+    var token = (req.extra && req.extra.name) || "tokens";
+    var upto = req.scheme === "upto";
     if (balance < BigInt(req.amount)) {
-      fail("Too little balance: " + from + " holds " + units(balance, decimals) + " " + ((req.extra && req.extra.name) || "tokens") +
-        " and this costs " + units(req.amount, decimals) + ". Nothing was charged.");
+      fail("Too little balance: " + from + " holds " + units(balance, decimals) + " " + token +
+        " and this costs " + (upto ? "up to " : "") + units(req.amount, decimals) + ". Nothing was charged.");
     }
-    say("busy", "Sign the payment in your wallet…");
+    say("busy", upto ? "Sign in your wallet a payment of up to " + units(req.amount, decimals) + " " + token + "; you are charged what the request uses…"
+      : "Sign the payment in your wallet…");
     var signed = await payload(eth, from, req, chainId);
     say("busy", "Paying…");
     var headers = {};
     headers[header] = b64(signed);
     var resp = await fetch(location.href, { headers: headers, cache: "no-store", credentials: "same-origin" });
     if (!resp.ok) fail(await refusal(resp));
-    var tx = "";
+    var tx = "", charged = null;
     var pr = resp.headers.get("PAYMENT-RESPONSE") || resp.headers.get("X-PAYMENT-RESPONSE");
-    if (pr) { try { tx = unb64(pr).transaction || ""; } catch (e) { tx = ""; } }
+    if (pr) {
+      try {
+        var settled = unb64(pr);
+        tx = typeof settled.transaction === "string" && /^0x[0-9a-fA-F]{64}$/.test(settled.transaction) ? settled.transaction : "";
+        if (typeof settled.amount === "string" && /^\d+$/.test(settled.amount)) charged = settled.amount;
+      } catch (e) { tx = ""; }
+    }
     await show(resp);
-    say("paid", tx ? "Paid. Transaction " + tx : "Paid; the settlement is on its way.");
+    var what = "Paid";
+    if (upto && charged !== null) {
+      what = "Paid " + units(charged, decimals) + " " + token + " of up to " + units(req.amount, decimals);
+      status.setAttribute("data-charged", charged);
+    }
+    say("paid", tx ? what + ". Transaction " + tx : (upto && charged === "0" ? what + "; nothing to settle." : what + "; the settlement is on its way."));
     if (tx) status.setAttribute("data-transaction", tx);
   }
 
-  Array.prototype.forEach.call(document.querySelectorAll("button.x402-pay"), function (b) {
-    b.addEventListener("click", function () {
-      var buttons = document.querySelectorAll("button.x402-pay");
-      Array.prototype.forEach.call(buttons, function (x) { x.disabled = true; });
-      pay(Number(b.getAttribute("data-offer"))).catch(function (e) {
-        say("error", e && e.plain ? e.message : "Something went wrong: " + ((e && e.message) || e));
-      }).finally(function () {
-        if (status.getAttribute("data-state") !== "paid") Array.prototype.forEach.call(buttons, function (x) { x.disabled = false; });
+  // siwxMessage is the EIP-4361 message of a sign-in, as x402.SignInWithX.Message and the SDK's client write it.
+  function siwxMessage(s) {
+    var m = s.domain + " wants you to sign in with your Ethereum account:\n" + s.address + "\n\n";
+    if (s.statement !== undefined) m += s.statement + "\n";
+    m += "\nURI: " + s.uri + "\nVersion: " + s.version + "\nChain ID: " + s.chainId.split(":")[1] +
+      "\nNonce: " + s.nonce + "\nIssued At: " + s.issuedAt;
+    if (s.expirationTime) m += "\nExpiration Time: " + s.expirationTime;
+    if (s.notBefore) m += "\nNot Before: " + s.notBefore;
+    if (s.requestId !== undefined) m += "\nRequest ID: " + s.requestId;
+    if (s.resources) {
+      m += "\nResources:";
+      for (var i = 0; i < s.resources.length; i++) m += "\n- " + s.resources[i];
+    }
+    return m;
+  }
+  function utf8hex(text) {
+    var bytes = new TextEncoder().encode(text), out = "0x";
+    for (var i = 0; i < bytes.length; i++) out += bytes[i].toString(16).padStart(2, "0");
+    return out;
+  }
+
+  // signIn answers the route's sign-in-with-x challenge with the wallet's EIP-191 signature: no payment.
+  async function signIn() {
+    var decl = doc.extensions && doc.extensions["sign-in-with-x"];
+    if (!decl || !decl.info) fail("This page offers no sign-in.");
+    var info = decl.info;
+    // A challenge for another site would sign the person in there: refused, as the SDK's client refuses it.
+    if (info.domain !== location.host) fail("The sign-in is for " + info.domain + ", not this site: not signed.");
+    var uri;
+    try { uri = new URL(info.uri); } catch (e) { fail("The sign-in names no URL: not signed."); }
+    if (uri.origin !== location.origin) fail("The sign-in is for " + uri.origin + ", not this site: not signed.");
+    var w = await connect(), eth = w.eth, from = w.from;
+    var current = "eip155:" + Number(await eth.request({ method: "eth_chainId" }));
+    var offered = (decl.supportedChains || []).filter(function (c) { return c.type === "eip191" && /^eip155:\d+$/.test(c.chainId); });
+    if (offered.length === 0) fail("This site takes a sign-in on no chain this page can sign for.");
+    var chain = offered.find(function (c) { return c.chainId === current; }) || offered[0];
+    if (chain.chainId !== current) await toChain(eth, chain.chainId);
+    var s = { domain: info.domain, address: from, uri: info.uri, version: info.version, chainId: chain.chainId, type: "eip191",
+      nonce: info.nonce, issuedAt: info.issuedAt };
+    if (info.statement) s.statement = info.statement;
+    if (info.expirationTime) s.expirationTime = info.expirationTime;
+    if (info.notBefore) s.notBefore = info.notBefore;
+    if (info.requestId !== undefined && info.requestId !== null) s.requestId = info.requestId;
+    if (info.resources && info.resources.length) s.resources = info.resources;
+    say("busy", "Sign the sign-in message in your wallet (no payment)…");
+    try {
+      s.signature = await eth.request({ method: "personal_sign", params: [utf8hex(siwxMessage(s)), from] });
+    } catch (e) {
+      if (e && e.code === 4001) fail("You refused to sign in. Nothing was charged.");
+      throw e;
+    }
+    say("busy", "Signing in…");
+    var resp = await fetch(location.href, { headers: { "SIGN-IN-WITH-X": b64(s) }, cache: "no-store", credentials: "same-origin" });
+    if (!resp.ok) {
+      var why = await refusal(resp);
+      fail(why.replace("The payment was refused", "The sign-in was refused") + " Pay to get access.");
+    }
+    await show(resp);
+    say("paid", "Signed in as " + from + ": no payment, nothing charged.");
+    status.setAttribute("data-signed-in", from);
+  }
+
+  function wire(selector, action) {
+    Array.prototype.forEach.call(document.querySelectorAll(selector), function (b) {
+      b.addEventListener("click", function () {
+        var buttons = document.querySelectorAll("button.x402-pay, button.x402-signin");
+        Array.prototype.forEach.call(buttons, function (x) { x.disabled = true; });
+        action(b).catch(function (e) {
+          say("error", e && e.plain ? e.message : "Something went wrong: " + ((e && e.message) || e));
+        }).finally(function () {
+          if (status.getAttribute("data-state") !== "paid") Array.prototype.forEach.call(buttons, function (x) { x.disabled = false; });
+        });
       });
     });
-  });
+  }
+  wire("button.x402-pay", function (b) { return pay(Number(b.getAttribute("data-offer"))); });
+  wire("button.x402-signin", function () { return signIn(); });
 })();
