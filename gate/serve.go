@@ -51,6 +51,9 @@ type exchange struct {
 	recorded *journal.Record
 	// idled: the journal's in-flight mark of the payment was cleared with its served mark (markServed).
 	idled bool
+	// verified: the payment is new, verified by this request (serveVerified); until the request records it, a
+	// funds hold of it is this request's to let go (unhold).
+	verified bool
 	// jctx is the context of this request's journal writes when they may be deferred into the embedded engine's
 	// (journal.Defer; see Gate.behind), nil otherwise: see journalCtx.
 	jctx context.Context
@@ -261,11 +264,14 @@ func (x *exchange) verifyTimed(ctx context.Context) (x402.VerifyResponse, error)
 // serveVerified serves a new payment the facilitator answered vres, err for, in the gate's settlement mode.
 func (x *exchange) serveVerified(vres x402.VerifyResponse, err error) error {
 	if err != nil {
+		x.unhold()
 		return x.verifyUnreachable(fmt.Sprintf("the facilitator could not verify the payment: %s; nothing was charged, try again", x402.DescribeFailure(err)), err)
 	}
 	if !vres.IsValid {
+		x.unhold()
 		return x.verifyFailed(vres)
 	}
+	x.verified = true
 	// The payer is the one the payment is signed by (the facilitator checked the signature); an answer that
 	// names another is no answer about this payment.
 	x.payer = signedPayer(x.req)
@@ -378,6 +384,14 @@ func (x *exchange) verify(ctx context.Context) (x402.VerifyResponse, error) {
 // unhold lets go of the hold verify placed on a payment that will not be settled after all (the upstream
 // failed, or the journal could not record it), in settle async and in its fallback once the backlog is full.
 // A release the journal did not take (an outage) is tried again once it is back (see Ledger.leaveBehind).
+//
+// A payment refused at verification, or that could not be verified, is let go too, though this verification
+// held nothing (or failed after it held): the request holds the payment's in-flight mark and no journal records
+// it, so nobody else presents it and nothing will settle it, and a hold of it is one an earlier presentation took
+// and never let go, its gateway killed between its verification and its record. With a journal several gateways
+// share, that hold outlives the gateway; left, it would count against the payer until the payment's deadline
+// (a payment bound to the dead gateway's wallet, presented again to a gateway that does not send from it, is
+// refused there, and nothing else would ever let its hold go).
 func (x *exchange) unhold() {
 	if x.g.holder == nil {
 		return
@@ -910,6 +924,11 @@ func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 		}
 		if up.rec.streaming {
 			x.streamBroke(up, "the upstream aborted")
+		}
+		if x.verified && x.recorded == nil && !up.rec.decided {
+			// A new payment whose upstream aborted before the gate decided anything (reverse_proxy does so when
+			// the upstream's body breaks off): nothing recorded it or served it, and nothing will settle it.
+			x.unhold()
 		}
 	}()
 	up.err = x.next.ServeHTTP(up.rec, x.r)
