@@ -53,8 +53,6 @@ type batchNetwork struct {
 	chainTime atomic.Int64
 	// actions serialises the receiver's /settle actions (claim, settle, refund) on one channel or payee.
 	actions actionLocks
-	// fence keeps payers' refunds and the acceptance of vouchers of one channel apart.
-	fence refundFence
 }
 
 func newBatchNetwork(margin time.Duration) (*batchNetwork, error) {
@@ -511,12 +509,7 @@ func (f *Facilitator) settleVoucher(ctx context.Context, n *network, terms *Batc
 			return f.answerVoucher(ctx, n, vc.row, vc.row.Charged, terms.Price, payer)
 		}
 		av := vc.av
-		done, open := n.batch.fence.acceptVoucher(av.ChannelID)
-		if !open {
-			return fail(refuseBatch(x402.ReasonBatchChannelBusy, "channel %s is being refunded: nothing was charged", vc.key.ID))
-		}
 		row, err := chs.AcceptVoucher(ctx, vc.key, vc.row.Charged, av.Cumulative, journal.Voucher{Signature: av.Signature[:], Digest: av.Digest[:], By: token})
-		done()
 		switch {
 		case err == nil:
 			n.noteAccepted()
@@ -529,6 +522,8 @@ func (f *Facilitator) settleVoucher(ctx context.Context, n *network, terms *Batc
 			return fail(refuseBatch(x402.ReasonBatchCumulativeExceedsBalance, "the voucher's cumulative amount %s exceeds the deposit of channel %s", av.Cumulative, vc.key.ID))
 		case errors.Is(err, journal.ErrChannelWithdrawn):
 			return fail(refuseBatch(x402.ReasonBatchChannelNotFound, "channel %s was refunded or withdrawn", vc.key.ID))
+		case errors.Is(err, journal.ErrChannelRefunding):
+			return fail(refuseBatch(x402.ReasonBatchChannelBusy, "channel %s is being refunded: nothing was charged", vc.key.ID))
 		case errors.Is(err, journal.ErrChannelNotFound), errors.Is(err, journal.ErrInvalidChannel):
 			return fail(err)
 		}

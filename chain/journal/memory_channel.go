@@ -156,4 +156,37 @@ func (s *MemoryStore) PruneChannels(ctx context.Context, withdrawnBefore time.Ti
 	return pruneChannelsIn(memChanTxn{s}, withdrawnBefore)
 }
 
+// MarkRefund implements Channels.
+func (s *MemoryStore) MarkRefund(ctx context.Context, key ChannelKey, at *big.Int, mark string) (Channel, error) {
+	key, err := checkRefundMark(key, at, mark, true)
+	if err != nil {
+		return Channel{}, err
+	}
+	if err := s.lock(ctx); err != nil {
+		return Channel{}, err
+	}
+	defer s.mu.Unlock()
+	return markRefundIn(memChanTxn{s}, key, at, mark, s.opts.now())
+}
+
+// ClearRefund implements Channels.
+func (s *MemoryStore) ClearRefund(ctx context.Context, key ChannelKey, mark string) (bool, error) {
+	key, err := checkRefundMark(key, nil, mark, false)
+	if err != nil {
+		return false, err
+	}
+	if err := s.lock(ctx); err != nil {
+		return false, err
+	}
+	defer s.mu.Unlock()
+	return clearRefundIn(memChanTxn{s}, key, mark)
+}
+
+// RefundsInFlight implements Channels.
+func (s *MemoryStore) RefundsInFlight(ctx context.Context, network string) ([]Channel, error) {
+	out, err := s.listChannels(ctx, network, func(c *Channel) bool { return c.RefundMark != "" })
+	sortRefunds(out)
+	return out, err
+}
+
 var _ Channels = (*MemoryStore)(nil)
