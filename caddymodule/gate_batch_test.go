@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -165,7 +166,9 @@ func TestABatchVoucherWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnc
 	receiver, authorizer := chaintest.DeriveAccount("merchant", 0), chaintest.DeriveAccount("authorizer", 0)
 	t.Setenv("X402_TEST_RECEIVER_AUTHORIZER_KEY", hexKey(authorizer))
 	var calls sync.Map
+	var served atomic.Int32
 	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		served.Add(1)
 		if _, again := calls.LoadOrStore("called", true); !again {
 			http.Error(w, "the report is not ready", http.StatusInternalServerError)
 			return
@@ -198,6 +201,14 @@ func TestABatchVoucherWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnc
 		}
 		reverse_proxy `+strings.TrimPrefix(upstream.URL, "http://")+`
 	}
+	handle /other {
+		x402 {
+			scheme batch
+			amount `+fmt.Sprint(price)+`
+			pay_to `+receiver.Address.Hex()+`
+		}
+		reverse_proxy `+strings.TrimPrefix(upstream.URL, "http://")+`
+	}
 }
 `)
 	p, err := payer.New(c.Payers[0].Key, payer.Options{RPC: c.RPCURL})
@@ -220,9 +231,9 @@ func TestABatchVoucherWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnc
 	rec.mu.Lock()
 	first := rec.payments[len(rec.payments)-1]
 	rec.mu.Unlock()
-	present := func() (*http.Response, string) {
+	presentAt := func(path string) (*http.Response, string) {
 		t.Helper()
-		req, err := http.NewRequest(http.MethodGet, srv.URL+"/report", nil)
+		req, err := http.NewRequest(http.MethodGet, srv.URL+path, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -234,6 +245,16 @@ func TestABatchVoucherWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnc
 		defer resp.Body.Close()
 		body, _ := io.ReadAll(resp.Body)
 		return resp, string(body)
+	}
+	present := func() (*http.Response, string) { return presentAt("/report") }
+	// A payment buys the response it was made for: the unserved voucher of /report, presented at /other (the same
+	// terms), is refused there, and the upstream is not asked.
+	before := served.Load()
+	if resp, body := presentAt("/other"); resp.StatusCode != http.StatusPaymentRequired || !strings.Contains(body, x402.ReasonPaymentAlreadyUsed) {
+		t.Fatalf("the unserved voucher of /report presented at /other: %s %s; want 402 %s", resp.Status, body, x402.ReasonPaymentAlreadyUsed)
+	}
+	if got := served.Load() - before; got != 0 {
+		t.Fatalf("the voucher of /report presented at /other reached the upstream %d times; want none", got)
 	}
 	resp, body := present()
 	if resp.StatusCode != http.StatusOK || body != "the paid report" {

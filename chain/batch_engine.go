@@ -554,7 +554,8 @@ func answerVoucher(ctx context.Context, store journal.Store, network string, row
 	rec := journal.Record{ID: vid, State: journal.StateFinal, Network: network, Payer: payer, Asset: row.Config.Token,
 		Amount: amount, PayTo: row.Config.Receiver,
 		Response: &x402.SettleResponse{Success: true, Network: network, Payer: payer, Amount: amount}}
-	if note, ok := journal.RecordNoteOf(ctx); ok {
+	note, noted := journal.RecordNoteOf(ctx)
+	if noted {
 		// What the gate serves it for, in the same write (see journal.RecordNote).
 		rec.Route, rec.Resource, rec.Described = note.Route, note.Resource, note.Described
 	}
@@ -567,6 +568,12 @@ func answerVoucher(ctx context.Context, store journal.Store, network string, row
 	if got.Served {
 		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: x402.ReasonPaymentAlreadyUsed,
 			ErrorMessage: voucherServed(cumulative, got.ServedAt).Message}, nil
+	}
+	if noted && (got.Route != "" || got.Resource != "") && (got.Route != note.Route || got.Resource != note.Resource || got.Described != note.Described) {
+		// A payment buys the response it was made for: a voucher accepted for one route or resource and not yet
+		// served is served there only, never at another of the same terms.
+		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: x402.ReasonPaymentAlreadyUsed,
+			ErrorMessage: fmt.Sprintf("the voucher for cumulative amount %s was accepted for another resource, whose response it buys: present it there, or sign the next voucher", cumulative)}, nil
 	}
 	if got.Response != nil {
 		amount = got.Response.Amount
