@@ -209,6 +209,18 @@ type Channel struct {
 	RefundMarkedAt time.Time `json:"refundMarkedAt,omitzero"`
 }
 
+// clone is c with amounts and bytes of its own.
+func (c *Channel) clone() Channel {
+	out := *c
+	for _, x := range []**big.Int{&out.Deposit, &out.WithdrawAmount, &out.Charged, &out.Claimed, &out.ClaimAmount} {
+		if *x != nil {
+			*x = new(big.Int).Set(*x)
+		}
+	}
+	out.Signature, out.Digest = bytes.Clone(c.Signature), bytes.Clone(c.Digest)
+	return out
+}
+
 // Unclaimed is what was accepted and not claimed on chain.
 func (c *Channel) Unclaimed() *big.Int { return new(big.Int).Sub(c.Charged, c.Claimed) }
 

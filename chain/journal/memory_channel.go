@@ -7,25 +7,21 @@ import (
 	"time"
 )
 
-// memChanTxn is a chanTxn over the memory store's channel rows; the caller holds the store's lock.
+// memChanTxn is a chanTxn over the memory store's channel rows; the caller holds the store's lock. Rows go in and
+// out as copies, so that no caller shares a row's amounts or bytes with the store.
 type memChanTxn struct{ s *MemoryStore }
 
 func (t memChanTxn) getChannel(key ChannelKey) (Channel, bool, error) {
-	k := key.bytes()
-	b, ok := t.s.channels[string(k)]
+	c, ok := t.s.channels[string(key.bytes())]
 	if !ok {
 		return Channel{}, false, nil
 	}
-	c, err := decodeChannel(k, b)
-	return c, err == nil, err
+	return c.clone(), true, nil
 }
 
 func (t memChanTxn) putChannel(c *Channel) error {
-	enc, err := encodeChannel(c)
-	if err != nil {
-		return err
-	}
-	t.s.channels[string(c.Key.bytes())] = enc
+	cp := c.clone()
+	t.s.channels[string(c.Key.bytes())] = &cp
 	return nil
 }
 
@@ -36,10 +32,7 @@ func (t memChanTxn) eachChannel(fn func(*Channel) bool) error {
 	}
 	slices.Sort(keys)
 	for _, k := range keys {
-		c, err := decodeChannel([]byte(k), t.s.channels[k])
-		if err != nil {
-			return err
-		}
+		c := t.s.channels[k].clone()
 		if !fn(&c) {
 			return nil
 		}
