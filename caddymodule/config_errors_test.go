@@ -234,6 +234,44 @@ func TestAMalformedWalletKeyFileIsFoundAtValidate(t *testing.T) {
 	}
 }
 
+// A facilitator route serving the embedded engine on a real network whose batch block holds the receiver
+// authorizer's key is refused at its line without an api_key: open, pay_to or min_amount let any caller have the key
+// sign a refund of a channel's rest without the claim of its vouchers. One on the dev chain, or closed by an api_key,
+// is taken.
+func TestAFacilitatorHoldingTheReceiverAuthorizerKeyOnARealNetworkNeedsAnAPIKey(t *testing.T) {
+	key := hex.EncodeToString(crypto.FromECDSA(devchain.WalletKeys(1)[0]))
+	config := func(network, route string) string {
+		return "{\n\tx402 {\n\t\tdev_chain\n\t\tnetwork " + network + " {\n\t\t\trpc http://127.0.0.1:1\n\t\t\tasset " + lowerCase + "\n\t\t\twallet_keys " + key +
+			"\n\t\t\tbatch {\n\t\t\t\treceiver_authorizer_key " + key + "\n\t\t\t}\n\t\t}\n\t}\n}\n\nhttp://127.0.0.1:" + freePortOf(t) +
+			" {\n\thandle_path /facilitator/* {\n\t\tx402_facilitator {\n" + route + "\t\t}\n\t}\n}\n"
+	}
+	for _, tc := range []struct {
+		name, network, route string
+		refused              bool
+	}{
+		{"open", "eip155:723487", "\t\t\topen\n", true},
+		{"a pay_to list and a min_amount", "eip155:723487", "\t\t\tpay_to " + lowerCase + "\n\t\t\tmin_amount 1000\n", true},
+		{"an api_key", "eip155:723487", "\t\t\tapi_key {env.X402_TEST_FACILITATOR_KEY}\n", false},
+		{"the dev chain's network", "eip155:72344", "\t\t\topen\n", false},
+		{"another network only", "eip155:723487", "\t\t\topen\n\t\t\tnetworks eip155:72344\n", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Setenv("X402_TEST_FACILITATOR_KEY", "k")
+			caddyfile := config(tc.network, tc.route)
+			if !tc.refused {
+				if err := caddy.Validate(mustConfig(t, adaptCaddyfile(t, caddyfile, t.TempDir()))); err != nil {
+					t.Fatalf("caddy.Validate: %v", err)
+				}
+				return
+			}
+			err := adaptError(t, caddyfile, "Caddyfile:17", "would sign batch-settlement claims and refunds for anyone on eip155:723487", "api_key <key>")
+			if leaksKey(err.Error(), key) {
+				t.Fatalf("the error holds a part of the key: %v", err)
+			}
+		})
+	}
+}
+
 // A facilitator route serving the embedded engine on a real network, with nothing that keeps strangers from
 // making its wallets pay gas, is refused at its line unless it says open; one on the dev chain is taken.
 func TestAnOpenFacilitatorOnARealNetworkIsRefusedUnlessItSaysSo(t *testing.T) {

@@ -1,6 +1,7 @@
 package caddymodule_test
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"math/big"
@@ -8,11 +9,14 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/common/hexutil"
 
+	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/payer"
@@ -150,6 +154,91 @@ func TestOurPayerPaysABatchRouteWithOneDepositAndVouchersAndTheSellerIsPaidExact
 	if st, ok := p.Channel(common.HexToHash(channel)); !ok || st.Charged.Int64() != requests*price {
 		t.Fatalf("the payer keeps %+v (known %v); want %d charged", st, ok, requests*price)
 	}
+
+	// The payer withdraws what is left: asked for, then, past the channel's withdrawDelay, finalized. A voucher of
+	// the channel is refused at each step with the SDK's reason, the route's response not served, nothing charged
+	// (the same voucher presented again is refused the same, never as used) and nothing sent.
+	pay, err := x402.DecodeBatchPayment(last)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := chain.ParseChannelConfig(*pay.Payload.ChannelConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	escrow := func(data []byte, what string) {
+		t.Helper()
+		if _, err := c.Transact(context.Background(), c.Payers[0], contracts.BatchSettlementAddress, data); err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+	}
+	next := func() string {
+		v := pay
+		v.Payload.Voucher = &x402.BatchVoucherFields{ChannelID: channel, MaxClaimableAmount: fmt.Sprint((requests + 1) * price),
+			Signature: hexutil.Encode(c.SignVoucher(c.Payers[0], common.HexToHash(channel), big.NewInt((requests+1)*price)))}
+		h, err := x402.EncodeHeader(v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return h
+	}
+	refusedWithdrawn := func(when string) {
+		t.Helper()
+		sent := c.TxCount(c.Wallets[0].Address)
+		for range 2 {
+			req, err := http.NewRequest(http.MethodGet, srv.URL+"/report", nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Header.Set(x402.HeaderPaymentSignature, next())
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusPaymentRequired || strings.Contains(string(body), "the paid report") ||
+				!strings.Contains(string(body), "invalid_batch_settlement_evm_") || strings.Contains(string(body), x402.ReasonPaymentAlreadyUsed) {
+				t.Fatalf("a voucher of a channel %s: %s %s; want 402 with the SDK's reason, nothing served or charged", when, resp.Status, body)
+			}
+		}
+		if got := c.TxCount(c.Wallets[0].Address) - sent; got != 0 {
+			t.Fatalf("the vouchers of a channel %s sent %d transactions", when, got)
+		}
+		if got := c.BalanceOf(usdc, receiver.Address).Int64(); got != requests*price {
+			t.Fatalf("the seller holds %d after the vouchers of a channel %s; want %d", got, when, requests*price)
+		}
+	}
+	view, _ := contracts.PackBatchSettlement("channels", common.HexToHash(channel))
+	raw, err := c.Call(context.Background(), c.Payers[0].Address, contracts.BatchSettlementAddress, view)
+	if err != nil {
+		t.Fatal(err)
+	}
+	state, err := contracts.BatchSettlementABI.Unpack("channels", raw)
+	if err != nil || len(state) != 2 {
+		t.Fatalf("reading the channel: %v", err)
+	}
+	left := new(big.Int).Sub(state[0].(*big.Int), state[1].(*big.Int))
+	data, _ := contracts.PackInitiateWithdraw(cfg, left)
+	escrow(data, "initiateWithdraw")
+	c.AdjustTime(time.Duration(contracts.MinWithdrawDelay+60) * time.Second)
+	// Another payer's first request: its deposit shows the engine the chain's time now, as the blocks it reads in
+	// service do (here the chain's clock jumped, the engine's did not).
+	p2, err := payer.New(c.Payers[1].Key, payer.Options{RPC: c.RPCURL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p2.Close()
+	tr2 := &payer.Transport{Payer: p2, Limits: []payer.Limit{{Network: network, Asset: usdc.Hex(), PerRequest: big.NewInt(price), Total: big.NewInt(100 * price)}}}
+	if resp, err := (&http.Client{Transport: tr2, Timeout: time.Minute}).Get(srv.URL + "/report"); err != nil {
+		t.Fatal(err)
+	} else if resp.Body.Close(); resp.StatusCode != http.StatusOK {
+		t.Fatalf("another payer's request: %s", resp.Status)
+	}
+	refusedWithdrawn("whose withdrawal was asked for longer ago than its delay")
+	data, _ = contracts.PackFinalizeWithdraw(cfg)
+	escrow(data, "finalizeWithdraw")
+	refusedWithdrawn("withdrawn")
 }
 
 // TestABatchVoucherWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnce: the upstream fails the first time:
@@ -165,7 +254,9 @@ func TestABatchVoucherWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnc
 	receiver, authorizer := chaintest.DeriveAccount("merchant", 0), chaintest.DeriveAccount("authorizer", 0)
 	t.Setenv("X402_TEST_RECEIVER_AUTHORIZER_KEY", hexKey(authorizer))
 	var calls sync.Map
+	var served atomic.Int32
 	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		served.Add(1)
 		if _, again := calls.LoadOrStore("called", true); !again {
 			http.Error(w, "the report is not ready", http.StatusInternalServerError)
 			return
@@ -198,6 +289,14 @@ func TestABatchVoucherWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnc
 		}
 		reverse_proxy `+strings.TrimPrefix(upstream.URL, "http://")+`
 	}
+	handle /other {
+		x402 {
+			scheme batch
+			amount `+fmt.Sprint(price)+`
+			pay_to `+receiver.Address.Hex()+`
+		}
+		reverse_proxy `+strings.TrimPrefix(upstream.URL, "http://")+`
+	}
 }
 `)
 	p, err := payer.New(c.Payers[0].Key, payer.Options{RPC: c.RPCURL})
@@ -220,9 +319,9 @@ func TestABatchVoucherWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnc
 	rec.mu.Lock()
 	first := rec.payments[len(rec.payments)-1]
 	rec.mu.Unlock()
-	present := func() (*http.Response, string) {
+	presentAt := func(path string) (*http.Response, string) {
 		t.Helper()
-		req, err := http.NewRequest(http.MethodGet, srv.URL+"/report", nil)
+		req, err := http.NewRequest(http.MethodGet, srv.URL+path, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -234,6 +333,16 @@ func TestABatchVoucherWhoseResponseFailedIsServedWhenPresentedAgainAndChargedOnc
 		defer resp.Body.Close()
 		body, _ := io.ReadAll(resp.Body)
 		return resp, string(body)
+	}
+	present := func() (*http.Response, string) { return presentAt("/report") }
+	// A payment buys the response it was made for: the unserved voucher of /report, presented at /other (the same
+	// terms), is refused there, and the upstream is not asked.
+	before := served.Load()
+	if resp, body := presentAt("/other"); resp.StatusCode != http.StatusPaymentRequired || !strings.Contains(body, x402.ReasonPaymentAlreadyUsed) {
+		t.Fatalf("the unserved voucher of /report presented at /other: %s %s; want 402 %s", resp.Status, body, x402.ReasonPaymentAlreadyUsed)
+	}
+	if got := served.Load() - before; got != 0 {
+		t.Fatalf("the voucher of /report presented at /other reached the upstream %d times; want none", got)
 	}
 	resp, body := present()
 	if resp.StatusCode != http.StatusOK || body != "the paid report" {

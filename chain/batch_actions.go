@@ -955,23 +955,34 @@ func (st channelState) extra(id common.Hash) json.RawMessage {
 // sends: verified as a refund (verifyRefund), claiming first the last voucher this engine accepted on the channel
 // and not yet claimed, of the amount asked for or all that is left, at the channel's next refund nonce, signed by
 // this engine's receiverAuthorizer key (authorizerSignature refuses a route whose authorizer it does not hold).
-// Presented again once refunded, it is answered by the refund it was.
-func (f *Facilitator) enrichRefund(ctx context.Context, n *network, req x402.BatchRequest) (x402.BatchPayload, *x402.BatchSettleResponse, error) {
+// Presented again once refunded, it is answered by the refund it was. It returns the amount the journal's row
+// stood at, which the refund claims to: its mark is set at exactly that amount (settlePayerRefund).
+func (f *Facilitator) enrichRefund(ctx context.Context, n *network, req x402.BatchRequest) (x402.BatchPayload, *x402.BatchSettleResponse, *big.Int, error) {
 	p := &req.PaymentPayload
 	pl := p.Payload
 	terms, err := n.batchTerms(req.PaymentRequirements)
 	if err != nil {
-		return pl, nil, refuseBatch(x402.ReasonInvalidPaymentRequirements, "%v", err)
+		return pl, nil, nil, refuseBatch(x402.ReasonInvalidPaymentRequirements, "%v", err)
 	}
 	chs, err := f.channelStore()
 	if err != nil {
-		return pl, nil, err
+		return pl, nil, nil, err
 	}
 	st, row, err := f.verifyRefund(ctx, n, terms, chs, p)
 	if err != nil {
-		return pl, nil, err
+		return pl, nil, nil, err
 	}
 	id := common.HexToHash(pl.Voucher.ChannelID)
+	if row.Charged == nil {
+		// No voucher accepted yet: the row is made now, so that the refund's mark closes the channel to the first.
+		cfg, err := ParseChannelConfig(*pl.ChannelConfig)
+		if err != nil {
+			return pl, nil, nil, refuseBatch(x402.ReasonInvalidPayload, "payload.channelConfig: %v", err)
+		}
+		if row, err = f.readChannel(ctx, n, chs, id, *pl.ChannelConfig, cfg); err != nil {
+			return pl, nil, nil, refuseBatch(x402.ReasonBatchRPCReadFailed, "%v", err)
+		}
+	}
 	after := new(big.Int).Set(st.claimed)
 	pl.Claims = []x402.BatchVoucherClaim{}
 	if len(row.Signature) > 0 && row.Charged.Cmp(st.claimed) > 0 {
@@ -985,22 +996,22 @@ func (f *Facilitator) enrichRefund(ctx context.Context, n *network, req x402.Bat
 		prev := journal.PaymentID(n.caip2, actionRefundMethod, contracts.BatchSettlementAddress.Hex(), id.Hex(), new(big.Int).Sub(st.refundNonce, big.NewInt(1)).String())
 		if rec, ok, err := f.journal.Get(ctx, prev); err == nil && ok && rec.State == journal.StateFinal && rec.Response != nil && rec.Response.Success {
 			resp := f.actionAnswer(ctx, n, &batchAction{kind: x402.BatchRefund, channel: id, payer: pl.ChannelConfig.Payer}, rec)
-			return pl, &resp, nil
+			return pl, &resp, nil, nil
 		}
 	}
 	amount := left
 	if pl.Amount != "" {
 		if amount, err = x402.ParseAmount(pl.Amount); err != nil || amount.Sign() == 0 {
-			return pl, nil, refuseBatch(x402.ReasonBatchRefundAmountInvalid, "payload.amount %q is not a positive amount", truncate(pl.Amount))
+			return pl, nil, nil, refuseBatch(x402.ReasonBatchRefundAmountInvalid, "payload.amount %q is not a positive amount", truncate(pl.Amount))
 		}
 	}
 	if left.Sign() <= 0 {
-		return pl, nil, refuseBatch(x402.ReasonBatchRefundNoBalance, "channel %s holds %s, all of it charged: nothing to refund", id.Hex(), st.balance)
+		return pl, nil, nil, refuseBatch(x402.ReasonBatchRefundNoBalance, "channel %s holds %s, all of it charged: nothing to refund", id.Hex(), st.balance)
 	}
 	if err := refundLeft(id, amount, left); err != nil {
-		return pl, nil, err
+		return pl, nil, nil, err
 	}
 	pl.Amount, pl.RefundNonce = amount.String(), st.refundNonce.String()
 	pl.ClaimAuthorizerSignature, pl.RefundAuthorizerSignature = "", ""
-	return pl, nil, nil
+	return pl, nil, row.Charged, nil
 }

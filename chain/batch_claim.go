@@ -142,6 +142,9 @@ func (f *Facilitator) claimPass(ctx context.Context, n *network, force, wait boo
 	if err := f.resolveClaims(ctx, n, chs); err != nil {
 		return err
 	}
+	if err := f.resolveRefunds(ctx, n, chs); err != nil {
+		f.log.Warn("resolving batch-settlement refunds in flight; tried again at the next pass", zap.String("network", n.caip2), zap.Error(err))
+	}
 	for {
 		rows, err := chs.Unclaimed(ctx, n.caip2)
 		if err != nil {

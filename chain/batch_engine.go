@@ -53,8 +53,6 @@ type batchNetwork struct {
 	chainTime atomic.Int64
 	// actions serialises the receiver's /settle actions (claim, settle, refund) on one channel or payee.
 	actions actionLocks
-	// fence keeps payers' refunds and the acceptance of vouchers of one channel apart.
-	fence refundFence
 }
 
 func newBatchNetwork(margin time.Duration) (*batchNetwork, error) {
@@ -511,12 +509,7 @@ func (f *Facilitator) settleVoucher(ctx context.Context, n *network, terms *Batc
 			return f.answerVoucher(ctx, n, vc.row, vc.row.Charged, terms.Price, payer)
 		}
 		av := vc.av
-		done, open := n.batch.fence.acceptVoucher(av.ChannelID)
-		if !open {
-			return fail(refuseBatch(x402.ReasonBatchChannelBusy, "channel %s is being refunded: nothing was charged", vc.key.ID))
-		}
 		row, err := chs.AcceptVoucher(ctx, vc.key, vc.row.Charged, av.Cumulative, journal.Voucher{Signature: av.Signature[:], Digest: av.Digest[:], By: token})
-		done()
 		switch {
 		case err == nil:
 			n.noteAccepted()
@@ -529,6 +522,8 @@ func (f *Facilitator) settleVoucher(ctx context.Context, n *network, terms *Batc
 			return fail(refuseBatch(x402.ReasonBatchCumulativeExceedsBalance, "the voucher's cumulative amount %s exceeds the deposit of channel %s", av.Cumulative, vc.key.ID))
 		case errors.Is(err, journal.ErrChannelWithdrawn):
 			return fail(refuseBatch(x402.ReasonBatchChannelNotFound, "channel %s was refunded or withdrawn", vc.key.ID))
+		case errors.Is(err, journal.ErrChannelRefunding):
+			return fail(refuseBatch(x402.ReasonBatchChannelBusy, "channel %s is being refunded: nothing was charged", vc.key.ID))
 		case errors.Is(err, journal.ErrChannelNotFound), errors.Is(err, journal.ErrInvalidChannel):
 			return fail(err)
 		}
@@ -559,7 +554,8 @@ func answerVoucher(ctx context.Context, store journal.Store, network string, row
 	rec := journal.Record{ID: vid, State: journal.StateFinal, Network: network, Payer: payer, Asset: row.Config.Token,
 		Amount: amount, PayTo: row.Config.Receiver,
 		Response: &x402.SettleResponse{Success: true, Network: network, Payer: payer, Amount: amount}}
-	if note, ok := journal.RecordNoteOf(ctx); ok {
+	note, noted := journal.RecordNoteOf(ctx)
+	if noted {
 		// What the gate serves it for, in the same write (see journal.RecordNote).
 		rec.Route, rec.Resource, rec.Described = note.Route, note.Resource, note.Described
 	}
@@ -572,6 +568,12 @@ func answerVoucher(ctx context.Context, store journal.Store, network string, row
 	if got.Served {
 		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: x402.ReasonPaymentAlreadyUsed,
 			ErrorMessage: voucherServed(cumulative, got.ServedAt).Message}, nil
+	}
+	if noted && (got.Route != "" || got.Resource != "") && (got.Route != note.Route || got.Resource != note.Resource || got.Described != note.Described) {
+		// A payment buys the response it was made for: a voucher accepted for one route or resource and not yet
+		// served is served there only, never at another of the same terms.
+		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: x402.ReasonPaymentAlreadyUsed,
+			ErrorMessage: fmt.Sprintf("the voucher for cumulative amount %s was accepted for another resource, whose response it buys: present it there, or sign the next voucher", cumulative)}, nil
 	}
 	if got.Response != nil {
 		amount = got.Response.Amount

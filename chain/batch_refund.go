@@ -3,14 +3,15 @@ package chain
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math/big"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/common/hexutil"
+	"github.com/ethereum/go-ethereum/core/types"
 	"go.uber.org/zap"
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
@@ -23,10 +24,12 @@ import (
 //
 // Apart: the refund claims the last voucher the journal's row accepted, then returns the rest. A voucher accepted
 // after the refund read the row and before its transaction mined would have bought a response with money the
-// refund hands back: the channel would hold only what the refund claimed. So while a payer's refund runs, from
-// before it reads the row until its transaction is mined and the row read again, this process accepts no voucher
-// of the channel (channel busy, nothing charged); and it reads the row only once the vouchers being accepted have
-// been written.
+// refund hands back: the channel would hold only what the refund claimed. So the refund marks the channel's row
+// (journal.Channels.MarkRefund) before its transaction can leave, in the compare-and-set that fixes what it claims
+// (the row at exactly the amount it read: a voucher accepted since moves it, and the refund reads the row again),
+// and AcceptVoucher refuses every voucher of a marked row, on every gateway of the journal and after a restart.
+// The mark goes once the refund is mined and the row read again, or once it is known never sent; a mark a crash
+// left is resolved by the claimer's pass (resolveRefunds).
 //
 // Once: a refund presented again (the same voucher, signature and amount) is answered from the refund it was,
 // never sent a second time: the refund's request record (payerRefundID), final from the start, names the refund
@@ -35,73 +38,21 @@ import (
 // payerRefundMethod names the request records of payers' refunds.
 const payerRefundMethod = "batch-payer-refund"
 
-// refundFence keeps a process's payer refunds and voucher acceptances of one channel apart (see above).
-type refundFence struct {
-	mu        sync.Mutex
-	refunding map[common.Hash]int
-	accepting map[common.Hash]int
+// refundMarkPrefix starts the mark a refund puts on its channel's row: the refund nonce follows, which names the
+// refund on chain (one refund per nonce).
+const refundMarkPrefix = "refund nonce "
+
+// refundMark is the row's mark of the refund of channel at nonce.
+func refundMark(nonce *big.Int) string { return refundMarkPrefix + nonce.String() }
+
+// refundMarkNonce is the refund nonce of a row's mark; false for a mark that is not a refund's of this form.
+func refundMarkNonce(mark string) (*big.Int, bool) {
+	x, ok := new(big.Int).SetString(strings.TrimPrefix(mark, refundMarkPrefix), 10)
+	return x, ok && strings.HasPrefix(mark, refundMarkPrefix) && x.Sign() >= 0
 }
 
-// acceptVoucher reports whether a voucher of channel id may be accepted now (no refund of it is running), and
-// if so counts it as being accepted until done is called.
-func (f *refundFence) acceptVoucher(id common.Hash) (done func(), ok bool) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.refunding[id] > 0 {
-		return nil, false
-	}
-	if f.accepting == nil {
-		f.accepting = map[common.Hash]int{}
-	}
-	f.accepting[id]++
-	return func() {
-		f.mu.Lock()
-		if f.accepting[id]--; f.accepting[id] <= 0 {
-			delete(f.accepting, id)
-		}
-		f.mu.Unlock()
-	}, true
-}
-
-// refund closes channel id to vouchers and waits, at most wait, for the acceptances already under way to be
-// written, so that a read of the row after it sees them all. It returns the function that opens the channel
-// again; ok false: an acceptance did not finish in time, and the channel is open as before.
-func (f *refundFence) refund(id common.Hash, wait time.Duration) (open func(), ok bool) {
-	f.mu.Lock()
-	if f.refunding == nil {
-		f.refunding = map[common.Hash]int{}
-	}
-	f.refunding[id]++
-	f.mu.Unlock()
-	var once sync.Once
-	open = func() {
-		once.Do(func() {
-			f.mu.Lock()
-			if f.refunding[id]--; f.refunding[id] <= 0 {
-				delete(f.refunding, id)
-			}
-			f.mu.Unlock()
-		})
-	}
-	deadline := time.Now().Add(wait)
-	for {
-		f.mu.Lock()
-		busy := f.accepting[id] > 0
-		f.mu.Unlock()
-		if !busy {
-			return open, true
-		}
-		if time.Now().After(deadline) {
-			open()
-			return nil, false
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
-
-// refundFenceWait bounds how long a refund waits for the voucher acceptances of its channel under way: each is
-// one write of the row.
-const refundFenceWait = 2 * time.Second
+// refundMarkAttempts bounds how often a refund reads its channel again after vouchers moved it.
+const refundMarkAttempts = 3
 
 // payerRefundID is the journal id of a payer's refund request: its channel, the voucher it is signed at, that
 // voucher's signature and the amount asked for ("" for all that is left).
@@ -132,23 +83,55 @@ func (f *Facilitator) settlePayerRefund(ctx context.Context, n *network, req x40
 	if _, _, err := refundSignedByPayer(n, &p.Payload); err != nil {
 		return x402.BatchSettleResponse{}, err
 	}
-	open, ok := n.batch.fence.refund(id, refundFenceWait)
-	if !ok {
-		return x402.BatchSettleResponse{}, refuseBatch(x402.ReasonBatchChannelBusy, "vouchers of channel %s are being accepted: present the refund again", id.Hex())
-	}
-	keepClosed := false
-	defer func() {
-		if !keepClosed {
-			open()
-		}
-	}()
-	pl, again, err := f.enrichRefund(ctx, n, req)
+	var (
+		pl    x402.BatchPayload
+		again *x402.BatchSettleResponse
+		err   error
+		mark  string
+		key   = n.channelKey(id)
+	)
+	chs, err := f.channelStore()
 	if err != nil {
 		return x402.BatchSettleResponse{}, err
 	}
-	if again != nil {
-		return withCharged(*again, charged), nil
+	for attempt := 1; ; attempt++ {
+		var at *big.Int
+		pl, again, at, err = f.enrichRefund(ctx, n, req)
+		if err != nil {
+			return x402.BatchSettleResponse{}, err
+		}
+		if again != nil {
+			return withCharged(*again, charged), nil
+		}
+		nonce, _ := x402.ParseAmount(pl.RefundNonce)
+		mark = refundMark(nonce)
+		row, err := chs.MarkRefund(ctx, key, at, mark)
+		if err == nil {
+			break
+		}
+		switch {
+		case errors.Is(err, journal.ErrChannelMoved) && attempt < refundMarkAttempts:
+			continue // a voucher was accepted since the refund read the row: it claims that one too
+		case errors.Is(err, journal.ErrChannelMoved):
+			return x402.BatchSettleResponse{}, refuseBatch(x402.ReasonBatchChannelBusy, "vouchers of channel %s are being accepted: present the refund again", id.Hex())
+		case errors.Is(err, journal.ErrRefundTaken):
+			if old, ok := refundMarkNonce(row.RefundMark); ok && old.Cmp(nonce) < 0 && attempt < refundMarkAttempts {
+				// The refund of that mark is mined (the chain's nonce is past it) and its mark was left by a crash.
+				if f.endRefundMark(ctx, n, chs, id, row.RefundMark, true) {
+					continue
+				}
+			}
+			return x402.BatchSettleResponse{}, refuseBatch(x402.ReasonBatchChannelBusy, "another refund of channel %s is on its way (%s): present the refund again once it is answered", id.Hex(), row.RefundMark)
+		}
+		return x402.BatchSettleResponse{}, fmt.Errorf("marking channel %s refunded: %w", id.Hex(), err)
 	}
+	// From here the row is closed to vouchers until endRefundMark opens it.
+	keepMark := false
+	defer func() {
+		if !keepMark {
+			f.endRefundMark(context.WithoutCancel(ctx), n, chs, id, mark, true)
+		}
+	}()
 	a, err := f.refundAction(n, &pl, true)
 	if err != nil {
 		return x402.BatchSettleResponse{}, err
@@ -158,12 +141,100 @@ func (f *Facilitator) settlePayerRefund(ctx context.Context, n *network, req x40
 		return x402.BatchSettleResponse{}, err
 	}
 	resp, err := f.performAction(ctx, n, a, &pl)
-	if err == nil && resp.ErrorReason == x402.ReasonSettlementPending && resp.Transaction != "" {
+	switch {
+	case err != nil, resp.ErrorReason == x402.ReasonUnexpectedSettleError:
+		// Perhaps sent (a journal write failed after the broadcast): the claimer's pass resolves the mark.
+		keepMark = true
+	case resp.ErrorReason == x402.ReasonSettlementPending && resp.Transaction != "":
 		// Sent and not yet mined: the channel stays closed to vouchers until it is, and its row is read again.
-		keepClosed = true
-		go f.openWhenMined(n, a, common.HexToHash(resp.Transaction), open)
+		keepMark = true
+		go f.openWhenMined(n, a, common.HexToHash(resp.Transaction), mark)
+	case resp.ErrorReason == x402.ReasonSettlementPending:
+		keepMark = true // being sent by another request of the same refund, under the same mark: it ends it
 	}
 	return withCharged(resp, charged), err
+}
+
+// endRefundMark takes the refund mark mark off channel id's row: after reading the channel on chain again when
+// reread says so (the refund mined, or perhaps: the row must hold the deposit the refund left before vouchers are
+// judged by it again). It reports whether the mark is gone; a read that failed leaves it for the claimer's pass.
+func (f *Facilitator) endRefundMark(ctx context.Context, n *network, chs journal.Channels, id common.Hash, mark string, reread bool) bool {
+	key := n.channelKey(id)
+	if reread {
+		row, ok, err := chs.Channel(ctx, key)
+		if err != nil || !ok {
+			return false
+		}
+		cfg, err := ParseChannelConfig(row.Config)
+		if err != nil {
+			return false
+		}
+		if _, err := f.readChannel(ctx, n, chs, id, row.Config, cfg); err != nil {
+			f.log.Warn("reading a channel again after a refund; it stays closed to vouchers until the next pass", zap.String("channel", id.Hex()), zap.Error(err))
+			return false
+		}
+	}
+	if _, err := chs.ClearRefund(ctx, key, mark); err != nil {
+		f.log.Warn("opening a channel to vouchers after a refund; the next pass tries again", zap.String("channel", id.Hex()), zap.Error(err))
+		return false
+	}
+	return true
+}
+
+// resolveRefunds ends the refund marks of network's rows whose refund is over: mined (the chain's refund nonce is
+// past the mark's, or the refund's record is final), or never sent (no record, or one only claimed, older than a
+// sender takes to record its transaction). A refund broadcast and not yet mined keeps its mark; its transaction is
+// sent again when the node forgot it.
+func (f *Facilitator) resolveRefunds(ctx context.Context, n *network, chs journal.Channels) error {
+	rows, err := chs.RefundsInFlight(ctx, n.caip2)
+	if err != nil {
+		return fmt.Errorf("listing refunds in flight: %w", err)
+	}
+	for _, r := range rows {
+		id := common.HexToHash(r.Key.ID)
+		nonce, ok := refundMarkNonce(r.RefundMark)
+		if !ok {
+			continue // not an engine's mark (a remote server's of another form): its owner resolves it
+		}
+		st, err := f.readChannelState(ctx, n, id)
+		if err != nil {
+			return err
+		}
+		if st.refundNonce.Cmp(nonce) > 0 {
+			f.endRefundMark(ctx, n, chs, id, r.RefundMark, true)
+			continue
+		}
+		aid := journal.PaymentID(n.caip2, actionRefundMethod, contracts.BatchSettlementAddress.Hex(), id.Hex(), nonce.String())
+		rec, found, err := f.journal.Get(ctx, aid)
+		if err != nil {
+			return err
+		}
+		old := f.now().Sub(r.RefundMarkedAt) >= unrecordedClaimAge
+		switch {
+		case !found || rec.State == journal.StateClaimed:
+			if old {
+				f.endRefundMark(ctx, n, chs, id, r.RefundMark, false)
+			}
+		case rec.State == journal.StateFinal:
+			f.endRefundMark(ctx, n, chs, id, r.RefundMark, true)
+		case rec.State == journal.StateBroadcast:
+			hash := common.HexToHash(rec.TxHash)
+			if rcpt, err := n.backend.TransactionReceipt(ctx, hash); err == nil && rcpt != nil {
+				a := &batchAction{kind: x402.BatchRefund, channel: id, id: aid}
+				if _, err := f.finishAction(ctx, n, a, rcpt); err == nil {
+					f.endRefundMark(ctx, n, chs, id, r.RefundMark, true)
+				}
+				continue
+			}
+			var tx types.Transaction
+			if len(rec.RawTx) > 0 && tx.UnmarshalBinary(rec.RawTx) == nil {
+				if err := n.sender.rebroadcast(ctx, &tx); err != nil && !isNonceConflict(err) {
+					f.log.Warn("sending a refund again", zap.String("tx", rec.TxHash), zap.Error(err))
+				}
+			}
+		}
+	}
+	return nil
 }
 
 // withCharged adds to a refund's successful answer what the channel's accepted vouchers charge (the voucher the
@@ -247,12 +318,11 @@ func (f *Facilitator) recordRefundRequest(ctx context.Context, n *network, reqID
 }
 
 // openWhenMined waits for a payer refund's transaction sent and not yet mined, then reads its channel again and
-// opens it to vouchers. It waits as long as the refund is unresolved: until its receipt is found, or its record is
+// takes the refund's mark off it. It waits as long as the refund is unresolved: until its receipt is found, or its record is
 // made final by whoever resolved it (the refund presented again, which also sends a transaction the node forgot),
 // or the engine closes. A channel opened before its refund mined would take vouchers against a deposit the refund
 // is about to return.
-func (f *Facilitator) openWhenMined(n *network, a *batchAction, hash common.Hash, open func()) {
-	defer open()
+func (f *Facilitator) openWhenMined(n *network, a *batchAction, hash common.Hash, mark string) {
 	ctx := context.Background()
 	for {
 		if r, err := n.backend.TransactionReceipt(ctx, hash); err == nil && r != nil {
@@ -266,11 +336,13 @@ func (f *Facilitator) openWhenMined(n *network, a *batchAction, hash common.Hash
 		}
 		select {
 		case <-f.stop:
-			return
+			return // the mark stays: the next start's claimer resolves it
 		case <-time.After(n.watcher.poll):
 		}
 	}
-	f.rereadRefunded(ctx, n, a.channel)
+	if chs, err := f.channelStore(); err == nil {
+		f.endRefundMark(ctx, n, chs, a.channel, mark, true)
+	}
 }
 
 // rereadRefunded brings the journal's row of channel id up to the chain after a refund, when there is one.

@@ -91,11 +91,6 @@ type RemoteBatch struct {
 	margin time.Duration
 	now    func() time.Time
 
-	// fence keeps this process's refunds and voucher acceptances of one channel apart, as the engine's does
-	// (batch_refund.go): a voucher accepted while a refund is on its way would buy a response with money the refund
-	// hands back.
-	fence refundFence
-
 	mu    sync.Mutex
 	terms map[x402.BatchRequirements]*BatchTerms
 	// claimers are the claim policies by network; accepted counts vouchers since the last claim.
@@ -274,19 +269,8 @@ func (b *RemoteBatch) SettleBatch(ctx context.Context, req x402.BatchRequest) (x
 		if !ok {
 			return refused(refuseBatch(x402.ReasonBatchChannelNotFound, "channel %s has paid nothing here: there is no voucher to refund from", id.Hex()))
 		}
-		// Closed to this process's vouchers until the refund's answer is in and the row records the balance after
-		// it; the row read again once the vouchers under way are written. (Another gateway of the journal is not
-		// fenced: see the README.)
-		open, fenced := b.fence.refund(id, refundFenceWait)
-		if !fenced {
-			return refused(refuseBatch(x402.ReasonBatchChannelBusy, "vouchers of channel %s are being accepted: present the refund again", id.Hex()))
-		}
-		defer open()
-		if row, ok, err = b.chs.Channel(ctx, key); err != nil {
-			return x402.BatchSettleResponse{}, fmt.Errorf("reading the journal's row of channel %s: %w", id.Hex(), err)
-		} else if !ok {
-			return refused(refuseBatch(x402.ReasonBatchChannelNotFound, "channel %s has paid nothing here: there is no voucher to refund from", id.Hex()))
-		}
+		// Closed to vouchers, on every gateway of the journal, from before the refund leaves until its answer is in
+		// and the row records the balance after it: the refund's mark on the row (see refund).
 		return b.refund(ctx, req, key, row, payer)
 	}
 	if ok && presentedAgain(terms, row, p, ch, id) {
@@ -404,11 +388,6 @@ func (b *RemoteBatch) acceptVoucher(ctx context.Context, req x402.BatchRequest, 
 		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: r.Reason, ErrorMessage: r.Message}, nil
 	}
 	id := common.HexToHash(key.ID)
-	done, open := b.fence.acceptVoucher(id)
-	if !open {
-		return refused(refuseBatch(x402.ReasonBatchChannelBusy, "channel %s is being refunded: present the voucher again once the refund is answered", key.ID))
-	}
-	defer done()
 	mustAsk := !haveRow || ch.PayerAuthorizer == (common.Address{})
 	asked := false
 	token := "remote/" + randomHex()
@@ -471,6 +450,8 @@ func (b *RemoteBatch) acceptVoucher(ctx context.Context, req x402.BatchRequest, 
 			return refused(refuseBatch(x402.ReasonBatchCumulativeExceedsBalance, "the voucher's cumulative amount %s exceeds the deposit of channel %s", av.Cumulative, key.ID))
 		case errors.Is(err, journal.ErrChannelWithdrawn):
 			return refused(refuseBatch(x402.ReasonBatchChannelNotFound, "channel %s was refunded or withdrawn", key.ID))
+		case errors.Is(err, journal.ErrChannelRefunding):
+			return refused(refuseBatch(x402.ReasonBatchChannelBusy, "channel %s is being refunded: present the voucher again once the refund is answered", key.ID))
 		}
 		// The outcome is unknown (the store was lost as it committed): the step is ours only if the row stands at
 		// our amount with our token.
@@ -526,6 +507,9 @@ func (b *RemoteBatch) claimPass(ctx context.Context, network string, force bool)
 	c := b.claimers[network]
 	if c == nil {
 		return nil
+	}
+	if err := b.resolveRefunds(ctx, network); err != nil {
+		b.log.Warn("resolving batch-settlement refunds in flight; tried again at the next pass", zap.String("network", network), zap.Error(err))
 	}
 	rows, err := b.chs.Unclaimed(ctx, network)
 	if err != nil {
@@ -711,6 +695,57 @@ func (b *RemoteBatch) probeClaims(ctx context.Context, network string, rows []jo
 	return nil
 }
 
+// resolveRefunds takes off network's rows the refund marks whose refund's answer never came (or whose row was not
+// read after it), once older than ProbeAfter, when the facilitator says the channel's refund nonce is past the
+// mark's: the refund mined, and the row records the balance the facilitator names. A refund not known mined keeps
+// its mark until the payer presents it again (answered from the facilitator's record of it).
+func (b *RemoteBatch) resolveRefunds(ctx context.Context, network string) error {
+	rows, err := b.chs.RefundsInFlight(ctx, network)
+	if err != nil {
+		return fmt.Errorf("listing refunds in flight: %w", err)
+	}
+	for _, r := range rows {
+		nonce, ok := refundMarkNonce(r.RefundMark)
+		if !ok || b.now().Sub(r.RefundMarkedAt) < b.cfg.ProbeAfter || len(r.Signature) == 0 {
+			continue
+		}
+		rq := actionRequirements(network, r.Config.Receiver, r.Config.Token)
+		rq.Amount, rq.MaxTimeoutSeconds = "1", 60
+		rq.Extra = x402.BatchExtra{ReceiverAuthorizer: r.Config.ReceiverAuthorizer, WithdrawDelay: r.Config.WithdrawDelay}
+		cfg := r.Config
+		req := x402.BatchRequest{X402Version: x402.Version2, PaymentRequirements: rq,
+			PaymentPayload: x402.BatchPayment{X402Version: x402.Version2, Accepted: rq, Payload: x402.BatchPayload{Type: x402.BatchVoucher,
+				ChannelConfig: &cfg, Voucher: &x402.BatchVoucherFields{ChannelID: r.Key.ID, MaxClaimableAmount: r.Charged.String(),
+					Signature: "0x" + hex.EncodeToString(r.Signature)}}}}
+		asked := b.now()
+		vr, err := b.cfg.Remote.VerifyBatch(ctx, req)
+		if err != nil {
+			return fmt.Errorf("asking the facilitator about refunded channel %s: %w", r.Key.ID, err)
+		}
+		var ex struct {
+			verifyExtra
+			RefundNonce json.RawMessage `json:"refundNonce"`
+		}
+		if !vr.IsValid || json.Unmarshal(vr.Extra, &ex) != nil || ex.Balance == "" {
+			continue
+		}
+		now, ok := new(big.Int).SetString(strings.Trim(string(ex.RefundNonce), `"`), 10)
+		if !ok || now.Cmp(nonce) <= 0 {
+			b.log.Warn("a batch-settlement refund whose answer never came is not known mined; its channel stays closed to vouchers until it is presented again",
+				zap.String("channel", r.Key.ID), zap.String("refund", r.RefundMark))
+			continue
+		}
+		withdrawAt, _ := strconv.ParseInt(strings.Trim(string(ex.WithdrawRequestedAt), `"`), 10, 64)
+		if _, err := b.observe(ctx, r.Key, r.Config, ex.Balance, ex.TotalClaimed, withdrawAt, asked); err != nil {
+			return err
+		}
+		if _, err := b.chs.ClearRefund(ctx, r.Key, r.RefundMark); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // refund has the facilitator refund what is left of the channel of row to its payer, as the SDK's server does:
 // the payer's refund names the last voucher accepted (its amount and signature); the refund's /settle carries the
 // claim of that voucher when it is not claimed yet, marked in the journal before it leaves (so the claimer does
@@ -763,6 +798,25 @@ func (b *RemoteBatch) refund(ctx context.Context, req x402.BatchRequest, key jou
 			return refused(refuseBatch(x402.ReasonBatchRefundAmountInvalid, "payload.amount %q is not a positive amount up to the %s left", truncate(pl.Amount), left))
 		}
 	}
+	// The refund's mark, at exactly the voucher it names: a voucher accepted since (on any gateway of the journal)
+	// moves the row, and the refund is refused as not naming the last voucher; one accepted after is refused.
+	nonceN, _ := new(big.Int).SetString(nonce, 10)
+	mark := refundMark(nonceN)
+	if marked, err := b.chs.MarkRefund(ctx, key, row.Charged, mark); errors.Is(err, journal.ErrChannelMoved) {
+		return refused(refuseBatch(x402.ReasonBatchCumulativeAmountMismatch, "a refund names the channel's last voucher accepted, at %s: this one is at %s", marked.Charged, row.Charged))
+	} else if errors.Is(err, journal.ErrRefundTaken) {
+		return refused(refuseBatch(x402.ReasonBatchChannelBusy, "another refund of channel %s is on its way (%s): ask for the refund again once it is answered", key.ID, marked.RefundMark))
+	} else if err != nil {
+		return x402.BatchSettleResponse{}, fmt.Errorf("marking channel %s refunded: %w", key.ID, err)
+	}
+	keepMark := false
+	defer func() {
+		if !keepMark {
+			if _, err := b.chs.ClearRefund(context.WithoutCancel(ctx), key, mark); err != nil {
+				b.log.Warn("opening a channel to vouchers after its refund; the claimer's pass tries again", zap.String("channel", key.ID), zap.Error(err))
+			}
+		}
+	}()
 	token := ""
 	pl.Claims = []x402.BatchVoucherClaim{}
 	if claimed == nil || row.Charged.Cmp(claimed) > 0 {
@@ -785,10 +839,14 @@ func (b *RemoteBatch) refund(ctx context.Context, req x402.BatchRequest, key jou
 		if token != "" && errors.Is(err, x402.ErrNotSent) {
 			_, _ = b.chs.MarkClaimFailed(ctx, token)
 		}
+		// Sent, maybe: the mark stays until the refund presented again is answered, or the claimer's pass finds the
+		// channel's refund nonce past it.
+		keepMark = !errors.Is(err, x402.ErrNotSent)
 		// Sent, maybe: the claim it carries is looked up as any claim whose answer never came.
 		return x402.BatchSettleResponse{}, fmt.Errorf("refunding channel %s: %w", key.ID, err)
 	}
 	if !resp.Success {
+		keepMark = resp.ErrorReason == x402.ReasonSettlementPending // sent and not yet mined
 		if token != "" {
 			if _, err := b.chs.MarkClaimFailed(ctx, token); err != nil {
 				return x402.BatchSettleResponse{}, fmt.Errorf("the refund was refused (%s), and freeing its claim failed: %w", resp.ErrorReason, err)
@@ -808,6 +866,9 @@ func (b *RemoteBatch) refund(ctx context.Context, req x402.BatchRequest, key jou
 		}
 	}
 	if _, err := b.observe(ctx, key, row.Config, after.String(), row.Charged.String(), 0, asked); err != nil {
+		// The row still holds the balance from before the refund: it stays closed to vouchers until the claimer's
+		// pass reads the channel again.
+		keepMark = true
 		b.log.Warn("the refund landed, and recording the channel's balance after it failed", zap.String("channel", key.ID), zap.Error(err))
 	}
 	if err := b.settleReceiver(ctx, network, row.Config.Receiver, row.Config.Token); err != nil {

@@ -714,10 +714,42 @@ func TestTwoGatewaysOnOnePostgresJournalRefuseBatchVouchersBeyondTheDepositAndTh
 		t.Errorf("the voucher past the deposit, at both gateways at once, was never refused with %s", x402.ReasonBatchCumulativeExceedsBalance)
 	}
 
-	// The payer asks for the rest at one gateway: the claimer's claims and the refund settle the channel, and the
-	// refund presented again, at either gateway, is answered from its record and sends nothing more.
-	c.refundAll(1, paid, deposit-paid)
-	w.waitClaimed(30*time.Second, map[*batchChannel]int64{c: paid})
+	// The payer asks for the rest at gateway 1 while its next voucher is presented at gateway 0, again and again
+	// while the answer is "channel busy": the refund's mark on the channel's row closes the channel to vouchers at
+	// both gateways before the refund leaves. So the voucher is either accepted before the mark (then the refund,
+	// naming the voucher before it, is refused, and nothing is left to refund), or refused until the refund is done
+	// and then refused as above what the refund left: never served on money the refund hands back to the payer.
+	total := int64(paid)
+	refunded := make(chan [2]any, 1)
+	go func() {
+		a, s := c.refund(1, paid)
+		refunded <- [2]any{a, s}
+	}()
+	var next batchAnswer
+	for range 2000 {
+		if next = w.present(ctx, 0, c.voucher(paid+batchSeamPrice)); !next.refused(x402.ReasonBatchChannelBusy) {
+			break
+		}
+	}
+	got := <-refunded
+	ra, rs := got[0].(batchAnswer), got[1].(x402.BatchSettleResponse)
+	switch {
+	case next.delivered(paid + batchSeamPrice):
+		total = paid + batchSeamPrice
+		if ra.status != http.StatusPaymentRequired || rs.Success {
+			t.Fatalf("the refund at gateway 1 of a channel whose next voucher gateway 0 served first: %s %+v; want 402, nothing left to refund", ra, rs)
+		}
+		t.Logf("the voucher at gateway 0 was accepted before the refund at gateway 1 marked the channel")
+	case next.refused(x402.ReasonBatchCumulativeExceedsBalance) || next.refused(x402.ReasonBatchChannelNotFound):
+		if ra.status != http.StatusOK || !rs.Success || rs.Amount != fmt.Sprint(deposit-paid) {
+			t.Fatalf("the refund of the rest at gateway 1: %s, settlement %+v; want 200 and %d refunded", ra, rs, deposit-paid)
+		}
+	default:
+		t.Fatalf("the next voucher at gateway 0 while gateway 1 refunded the channel: %s; want its response, or 402 %s", next, x402.ReasonBatchCumulativeExceedsBalance)
+	}
+	// The claimer's claims and the refund settle the channel, and the refund presented again, at either gateway, is
+	// answered from its record and sends nothing more.
+	w.waitClaimed(30*time.Second, map[*batchChannel]int64{c: total})
 	sent := w.sent()
 	for gate := range w.gates {
 		a, s := c.refund(gate, paid)
@@ -731,7 +763,7 @@ func TestTwoGatewaysOnOnePostgresJournalRefuseBatchVouchersBeyondTheDepositAndTh
 	if got := w.sent(); got != sent {
 		t.Errorf("the replayed refunds and the voucher after them sent %d transactions; want none", got-sent)
 	}
-	w.checkPaid(before, map[*batchChannel]int64{c: paid})
+	w.checkPaid(before, map[*batchChannel]int64{c: total})
 }
 
 // batchDrillSeedEnv replays the batch drill's fault points; the seed is logged at the start.

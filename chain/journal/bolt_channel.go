@@ -181,4 +181,40 @@ func (s *BoltStore) PruneChannels(ctx context.Context, withdrawnBefore time.Time
 	return n, err
 }
 
+// MarkRefund implements Channels.
+func (s *BoltStore) MarkRefund(ctx context.Context, key ChannelKey, at *big.Int, mark string) (Channel, error) {
+	key, err := checkRefundMark(key, at, mark, true)
+	if err != nil {
+		return Channel{}, err
+	}
+	now := s.opts.now()
+	var c Channel
+	err = s.channelWrite(ctx, func(t boltChanTxn) (err error) {
+		c, err = markRefundIn(t, key, at, mark, now)
+		return err
+	})
+	return c, err
+}
+
+// ClearRefund implements Channels.
+func (s *BoltStore) ClearRefund(ctx context.Context, key ChannelKey, mark string) (bool, error) {
+	key, err := checkRefundMark(key, nil, mark, false)
+	if err != nil {
+		return false, err
+	}
+	var ok bool
+	err = s.channelWrite(ctx, func(t boltChanTxn) (err error) {
+		ok, err = clearRefundIn(t, key, mark)
+		return err
+	})
+	return ok, err
+}
+
+// RefundsInFlight implements Channels.
+func (s *BoltStore) RefundsInFlight(ctx context.Context, network string) ([]Channel, error) {
+	out, err := s.listChannels(ctx, network, func(c *Channel) bool { return c.RefundMark != "" })
+	sortRefunds(out)
+	return out, err
+}
+
 var _ Channels = (*BoltStore)(nil)

@@ -64,6 +64,20 @@ type Channels interface {
 	// is all claimed and that have no claim in flight, and returns how many it deleted: the journal's retention,
 	// as Prune's for records.
 	PruneChannels(ctx context.Context, withdrawnBefore time.Time) (int, error)
+	// MarkRefund records, before a refund of the channel can leave, that the refund named mark is on its way and
+	// claims the channel up to exactly at: a compare-and-set of the row's cumulative amount, as AcceptVoucher's,
+	// that fails with ErrChannelMoved when the row is not at at (a voucher was accepted since the refund read it:
+	// read it again) and with ErrRefundTaken when another refund's mark is on the row. The same mark again is
+	// taken (the same refund, presented again). While the mark is on the row, AcceptVoucher refuses with
+	// ErrChannelRefunding, on every gateway of the journal: the refund hands back what is above at. It returns the
+	// row as it stands afterwards.
+	MarkRefund(ctx context.Context, key ChannelKey, at *big.Int, mark string) (Channel, error)
+	// ClearRefund removes the refund mark mark from the row (the refund mined and its row read again, or known never
+	// sent), and reports whether it was there.
+	ClearRefund(ctx context.Context, key ChannelKey, mark string) (bool, error)
+	// RefundsInFlight lists the channels of network with a refund mark, oldest first: what a refunder looks up
+	// after a restart.
+	RefundsInFlight(ctx context.Context, network string) ([]Channel, error)
 }
 
 // Errors of the channel rows a caller decides on; returned errors wrap them with the channel and the detail.
@@ -76,6 +90,10 @@ var (
 	ErrAboveDeposit = errors.New("journal: the cumulative amount exceeds the channel's deposit")
 	// ErrChannelWithdrawn: AcceptVoucher on a channel refunded or withdrawn.
 	ErrChannelWithdrawn = errors.New("journal: the channel was refunded or withdrawn")
+	// ErrChannelRefunding: AcceptVoucher on a channel with a refund on its way (MarkRefund).
+	ErrChannelRefunding = errors.New("journal: the channel is being refunded")
+	// ErrRefundTaken: MarkRefund of a channel another refund's mark is on.
+	ErrRefundTaken = errors.New("journal: another refund of the channel is on its way")
 	// ErrClaimTaken: MarkClaimSent of a channel with a claim in flight, or without that amount accepted and
 	// unclaimed.
 	ErrClaimTaken = errors.New("journal: the channel is claimed already or has nothing to claim at that amount")
@@ -183,6 +201,24 @@ type Channel struct {
 	ClaimTx     string    `json:"claimTx,omitempty"`
 	ClaimAmount *big.Int  `json:"claimAmount,omitempty"`
 	ClaimSentAt time.Time `json:"claimSentAt,omitzero"`
+
+	// RefundMark names the refund on its way (MarkRefund: set before its transaction can leave, at exactly the
+	// amount Charged it claims to), RefundMarkedAt when it was set; "" and zero when none is. While it is set, no
+	// voucher is accepted.
+	RefundMark     string    `json:"refundMark,omitempty"`
+	RefundMarkedAt time.Time `json:"refundMarkedAt,omitzero"`
+}
+
+// clone is c with amounts and bytes of its own.
+func (c *Channel) clone() Channel {
+	out := *c
+	for _, x := range []**big.Int{&out.Deposit, &out.WithdrawAmount, &out.Charged, &out.Claimed, &out.ClaimAmount} {
+		if *x != nil {
+			*x = new(big.Int).Set(*x)
+		}
+	}
+	out.Signature, out.Digest = bytes.Clone(c.Signature), bytes.Clone(c.Digest)
+	return out
 }
 
 // Unclaimed is what was accepted and not claimed on chain.
@@ -193,7 +229,39 @@ func (c *Channel) claimable() bool { return c.ClaimTx == "" && c.Charged.Cmp(c.C
 
 // prunable reports whether c may go at a cutoff: withdrawn before it, all claimed, no claim in flight.
 func (c *Channel) prunable(before time.Time) bool {
-	return c.Withdrawn && c.WithdrawnAt.Before(before) && c.ClaimTx == "" && c.Claimed.Cmp(c.Charged) >= 0
+	return c.Withdrawn && c.WithdrawnAt.Before(before) && c.ClaimTx == "" && c.RefundMark == "" && c.Claimed.Cmp(c.Charged) >= 0
+}
+
+// checkRefundMark checks MarkRefund's and ClearRefund's arguments and returns the key canonical.
+func checkRefundMark(key ChannelKey, at *big.Int, mark string, marking bool) (ChannelKey, error) {
+	key, err := key.canonical()
+	if err != nil {
+		return key, err
+	}
+	if marking {
+		if err := checkAmount("the refund's amount", at); err != nil {
+			return key, err
+		}
+	}
+	if strings.TrimSpace(mark) == "" || len(mark) > 200 || strings.ContainsRune(mark, 0) {
+		return key, fmt.Errorf("%w: refund mark %q of %s, expected a name of the refund (1 to 200 characters)", ErrInvalidChannel, mark, key)
+	}
+	return key, nil
+}
+
+// refundMarkIn is MarkRefund on the row c.
+func refundMarkIn(c *Channel, at *big.Int, mark string, now time.Time) (Channel, error) {
+	switch {
+	case c.RefundMark != "" && c.RefundMark != mark:
+		return *c, fmt.Errorf("%w: %s is being refunded by %s, marked at %s", ErrRefundTaken, c.Key, c.RefundMark, c.RefundMarkedAt.Format(time.RFC3339Nano))
+	case c.Charged.Cmp(at) != 0:
+		return *c, fmt.Errorf("%w: %s is at %s, not %s", ErrChannelMoved, c.Key, c.Charged, at)
+	case c.RefundMark == mark:
+		return *c, nil
+	}
+	next := *c
+	next.RefundMark, next.RefundMarkedAt = mark, now
+	return next, nil
 }
 
 // checkAmount refuses a nil or negative amount named what.
@@ -347,6 +415,8 @@ func acceptIn(c *Channel, from, to *big.Int, v Voucher, now time.Time) (Channel,
 	switch {
 	case c.Withdrawn:
 		return *c, fmt.Errorf("%w: %s was refunded or withdrawn at %s", ErrChannelWithdrawn, c.Key, c.WithdrawnAt.Format(time.RFC3339Nano))
+	case c.RefundMark != "":
+		return *c, fmt.Errorf("%w: %s: refund %s is on its way since %s", ErrChannelRefunding, c.Key, c.RefundMark, c.RefundMarkedAt.Format(time.RFC3339Nano))
 	case c.Charged.Cmp(from) != 0:
 		return *c, fmt.Errorf("%w: %s is at %s, not %s", ErrChannelMoved, c.Key, c.Charged, from)
 	case to.Cmp(c.Deposit) > 0:
@@ -406,6 +476,16 @@ func claimFailedIn(c *Channel) Channel {
 func sortUnclaimed(cs []Channel) {
 	slices.SortFunc(cs, func(a, b Channel) int {
 		if c := a.UnclaimedSince.Compare(b.UnclaimedSince); c != 0 {
+			return c
+		}
+		return bytes.Compare(a.Key.bytes(), b.Key.bytes())
+	})
+}
+
+// sortRefunds orders channels oldest refund mark first, then by key.
+func sortRefunds(cs []Channel) {
+	slices.SortFunc(cs, func(a, b Channel) int {
+		if c := a.RefundMarkedAt.Compare(b.RefundMarkedAt); c != 0 {
 			return c
 		}
 		return bytes.Compare(a.Key.bytes(), b.Key.bytes())
@@ -548,6 +628,32 @@ func listChannelsIn(t chanTxn, network string, want func(*Channel) bool) ([]Chan
 		return true
 	})
 	return out, err
+}
+
+// markRefundIn is MarkRefund inside a transaction.
+func markRefundIn(t chanTxn, key ChannelKey, at *big.Int, mark string, now time.Time) (Channel, error) {
+	c, ok, err := t.getChannel(key)
+	if err != nil {
+		return Channel{}, err
+	}
+	if !ok {
+		return Channel{}, fmt.Errorf("%w: %s", ErrChannelNotFound, key)
+	}
+	next, err := refundMarkIn(&c, at, mark, now)
+	if err != nil || c.RefundMark == mark {
+		return next, err // refused, or marked already by this refund
+	}
+	return next, t.putChannel(&next)
+}
+
+// clearRefundIn is ClearRefund inside a transaction.
+func clearRefundIn(t chanTxn, key ChannelKey, mark string) (bool, error) {
+	c, ok, err := t.getChannel(key)
+	if err != nil || !ok || c.RefundMark != mark {
+		return false, err
+	}
+	c.RefundMark, c.RefundMarkedAt = "", time.Time{}
+	return true, t.putChannel(&c)
 }
 
 // pruneChannelsIn deletes the prunable rows, and returns how many.

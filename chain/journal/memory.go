@@ -18,8 +18,9 @@ type MemoryStore struct {
 	records map[ID][]byte
 	pending map[ID]bool      // id -> async, as the bolt store's pending index
 	served  map[ID]time.Time // as the bolt store's served bucket: MarkServed writes here alone
-	// channels holds the channel rows, encoded as the bolt store keeps them, by ChannelKey.bytes.
-	channels map[string][]byte
+	// channels holds the channel rows, decoded (each the store's own copy), by ChannelKey.bytes: a voucher's
+	// accept under the store's one lock copies its row, rather than decoding and encoding it.
+	channels map[string]*Channel
 	// identifiers holds the PaymentIdentifiers bindings, as the bolt store keeps them.
 	identifiers map[string][]byte
 	// discovery holds the Discovery catalog, as the bolt store keeps it.
@@ -37,7 +38,7 @@ func NewMemory(opts Options) *MemoryStore {
 		pending: make(map[ID]bool),
 		served:  make(map[ID]time.Time),
 
-		channels: make(map[string][]byte),
+		channels: make(map[string]*Channel),
 	}
 }
 

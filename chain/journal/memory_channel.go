@@ -7,25 +7,21 @@ import (
 	"time"
 )
 
-// memChanTxn is a chanTxn over the memory store's channel rows; the caller holds the store's lock.
+// memChanTxn is a chanTxn over the memory store's channel rows; the caller holds the store's lock. Rows go in and
+// out as copies, so that no caller shares a row's amounts or bytes with the store.
 type memChanTxn struct{ s *MemoryStore }
 
 func (t memChanTxn) getChannel(key ChannelKey) (Channel, bool, error) {
-	k := key.bytes()
-	b, ok := t.s.channels[string(k)]
+	c, ok := t.s.channels[string(key.bytes())]
 	if !ok {
 		return Channel{}, false, nil
 	}
-	c, err := decodeChannel(k, b)
-	return c, err == nil, err
+	return c.clone(), true, nil
 }
 
 func (t memChanTxn) putChannel(c *Channel) error {
-	enc, err := encodeChannel(c)
-	if err != nil {
-		return err
-	}
-	t.s.channels[string(c.Key.bytes())] = enc
+	cp := c.clone()
+	t.s.channels[string(c.Key.bytes())] = &cp
 	return nil
 }
 
@@ -36,10 +32,7 @@ func (t memChanTxn) eachChannel(fn func(*Channel) bool) error {
 	}
 	slices.Sort(keys)
 	for _, k := range keys {
-		c, err := decodeChannel([]byte(k), t.s.channels[k])
-		if err != nil {
-			return err
-		}
+		c := t.s.channels[k].clone()
 		if !fn(&c) {
 			return nil
 		}
@@ -154,6 +147,39 @@ func (s *MemoryStore) PruneChannels(ctx context.Context, withdrawnBefore time.Ti
 	}
 	defer s.mu.Unlock()
 	return pruneChannelsIn(memChanTxn{s}, withdrawnBefore)
+}
+
+// MarkRefund implements Channels.
+func (s *MemoryStore) MarkRefund(ctx context.Context, key ChannelKey, at *big.Int, mark string) (Channel, error) {
+	key, err := checkRefundMark(key, at, mark, true)
+	if err != nil {
+		return Channel{}, err
+	}
+	if err := s.lock(ctx); err != nil {
+		return Channel{}, err
+	}
+	defer s.mu.Unlock()
+	return markRefundIn(memChanTxn{s}, key, at, mark, s.opts.now())
+}
+
+// ClearRefund implements Channels.
+func (s *MemoryStore) ClearRefund(ctx context.Context, key ChannelKey, mark string) (bool, error) {
+	key, err := checkRefundMark(key, nil, mark, false)
+	if err != nil {
+		return false, err
+	}
+	if err := s.lock(ctx); err != nil {
+		return false, err
+	}
+	defer s.mu.Unlock()
+	return clearRefundIn(memChanTxn{s}, key, mark)
+}
+
+// RefundsInFlight implements Channels.
+func (s *MemoryStore) RefundsInFlight(ctx context.Context, network string) ([]Channel, error) {
+	out, err := s.listChannels(ctx, network, func(c *Channel) bool { return c.RefundMark != "" })
+	sortRefunds(out)
+	return out, err
 }
 
 var _ Channels = (*MemoryStore)(nil)

@@ -20,10 +20,20 @@ import (
 // row's lock; the second finds the amount moved and writes nothing. The rules are the ones the other stores run in
 // Go (channel.go), written again as SQL; the tests hold every store to one table of behaviour.
 
+// pgRefundMarkMigration gives a channel's row its refund mark (MarkRefund), which AcceptVoucher refuses. Columns
+// only, NULL in every row there is: an instance of the release before goes on beside this one, but accepts vouchers
+// of a channel being refunded (it does not read the mark): upgrade every gateway of a journal before relying on it.
+const pgRefundMarkMigration = `
+ALTER TABLE x402_channels ADD COLUMN IF NOT EXISTS refund_mark text;
+ALTER TABLE x402_channels ADD COLUMN IF NOT EXISTS refund_marked_ns bigint;
+CREATE INDEX IF NOT EXISTS x402_channels_refund_mark ON x402_channels (network) WHERE refund_mark IS NOT NULL;
+`
+
 // pgChannelCols are the columns scanChannel reads, numbers as text.
 const pgChannelCols = `network, escrow, channel_id, config, deposit::text, deposit_block::text, deposit_read_ns,
 withdraw_requested_ns, withdraw_amount::text, withdrawn_ns, charged::text, signature, digest, vouchers, accepted_ns,
-accepted_by, unclaimed_since_ns, claimed::text, claimed_tx, claim_tx, claim_amount::text, claim_sent_ns`
+accepted_by, unclaimed_since_ns, claimed::text, claimed_tx, claim_tx, claim_amount::text, claim_sent_ns, refund_mark,
+refund_marked_ns`
 
 // pgChannelKey selects the row of key $1, $2, $3.
 const pgChannelKey = `network = $1 AND escrow = $2 AND channel_id = $3`
@@ -61,6 +71,18 @@ const pgAcceptVoucher = `WITH u AS (
 	UPDATE x402_channels SET charged = $5::numeric, signature = $6, digest = $7, vouchers = vouchers + 1,
 		accepted_ns = $8, accepted_by = $9, unclaimed_since_ns = coalesce(unclaimed_since_ns, $8)
 	WHERE ` + pgChannelKey + ` AND charged = $4::numeric AND $5::numeric <= deposit AND withdrawn_ns IS NULL
+		AND refund_mark IS NULL
+	RETURNING *
+)
+SELECT true, ` + pgChannelCols + ` FROM u
+UNION ALL
+SELECT false, ` + pgChannelCols + ` FROM x402_channels WHERE ` + pgChannelKey + ` AND NOT EXISTS (SELECT 1 FROM u)`
+
+// pgMarkRefund is MarkRefund's statement (refundMarkIn's rules): $1-$3 the key, $4 the amount, $5 the mark, $6 the
+// time. Its first column says whether the row carries the mark now; the row as pgAcceptVoucher's.
+const pgMarkRefund = `WITH u AS (
+	UPDATE x402_channels SET refund_mark = $5, refund_marked_ns = CASE WHEN refund_mark = $5 THEN refund_marked_ns ELSE $6 END
+	WHERE ` + pgChannelKey + ` AND charged = $4::numeric AND (refund_mark IS NULL OR refund_mark = $5)
 	RETURNING *
 )
 SELECT true, ` + pgChannelCols + ` FROM u
@@ -85,14 +107,15 @@ func scanChannel(row pgx.Row, lead ...any) (Channel, error) {
 		config                                              []byte
 		deposit, block, charged, claimed                    string
 		withdrawAmount, claimAmount, claimedTx, claimTx, by *string
+		refundMark                                          *string
 		readNS                                              int64
 		withdrawReqNS, withdrawnNS, acceptedNS, sinceNS     *int64
-		sentNS                                              *int64
+		sentNS, markedNS                                    *int64
 		vouchers                                            int64
 	)
 	dest := append(lead, &c.Key.Network, &c.Key.Escrow, &c.Key.ID, &config, &deposit, &block, &readNS,
 		&withdrawReqNS, &withdrawAmount, &withdrawnNS, &charged, &c.Signature, &c.Digest, &vouchers, &acceptedNS,
-		&by, &sinceNS, &claimed, &claimedTx, &claimTx, &claimAmount, &sentNS)
+		&by, &sinceNS, &claimed, &claimedTx, &claimTx, &claimAmount, &sentNS, &refundMark, &markedNS)
 	if err := row.Scan(dest...); err != nil {
 		return Channel{}, err
 	}
@@ -131,6 +154,9 @@ func scanChannel(row pgx.Row, lead ...any) (Channel, error) {
 	}
 	if claimTx != nil {
 		c.ClaimTx = *claimTx
+	}
+	if refundMark != nil {
+		c.RefundMark, c.RefundMarkedAt = *refundMark, timeOfNS(markedNS)
 	}
 	return c, nil
 }
@@ -404,7 +430,60 @@ func (s *PostgresStore) claimEnd(ctx context.Context, op, sql, tx string) (int, 
 // PruneChannels implements Channels, in one statement.
 func (s *PostgresStore) PruneChannels(ctx context.Context, withdrawnBefore time.Time) (int, error) {
 	return s.execCount(ctx, "prune channels", `DELETE FROM x402_channels
-WHERE withdrawn_ns < $1 AND claim_tx IS NULL AND claimed >= charged`, nanos(withdrawnBefore))
+WHERE withdrawn_ns < $1 AND claim_tx IS NULL AND refund_mark IS NULL AND claimed >= charged`, nanos(withdrawnBefore))
+}
+
+// MarkRefund implements Channels, in one statement, as AcceptVoucher.
+func (s *PostgresStore) MarkRefund(ctx context.Context, key ChannelKey, at *big.Int, mark string) (Channel, error) {
+	key, err := checkRefundMark(key, at, mark, true)
+	if err != nil {
+		return Channel{}, err
+	}
+	wctx, cancel, err := s.begin(ctx, true)
+	if err != nil {
+		return Channel{}, err
+	}
+	defer cancel()
+	now := s.opts.now()
+	var (
+		c      Channel
+		marked bool
+	)
+	err = retrySafe(func() (err error) {
+		c, err = scanChannel(s.pool.QueryRow(wctx, pgMarkRefund, key.Network, key.Escrow, key.ID, at.String(), mark, nanos(now)), &marked)
+		return err
+	})
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return Channel{}, fmt.Errorf("%w: %s", ErrChannelNotFound, key)
+	case err != nil:
+		return Channel{}, s.fail(ctx, "mark refund", err)
+	case marked:
+		return c, nil
+	}
+	if _, err := refundMarkIn(&c, at, mark, now); err != nil {
+		return c, err
+	}
+	return c, fmt.Errorf("%w: %s moved from %s as the refund was marked", ErrChannelMoved, key, at)
+}
+
+// ClearRefund implements Channels, in one statement.
+func (s *PostgresStore) ClearRefund(ctx context.Context, key ChannelKey, mark string) (bool, error) {
+	key, err := checkRefundMark(key, nil, mark, false)
+	if err != nil {
+		return false, err
+	}
+	n, err := s.execCount(ctx, "clear refund", `UPDATE x402_channels SET refund_mark = NULL, refund_marked_ns = NULL
+WHERE `+pgChannelKey+` AND refund_mark = $4`, key.Network, key.Escrow, key.ID, mark)
+	return n > 0, err
+}
+
+// RefundsInFlight implements Channels.
+func (s *PostgresStore) RefundsInFlight(ctx context.Context, network string) ([]Channel, error) {
+	out, err := s.channels(ctx, "refunds in flight", `SELECT `+pgChannelCols+` FROM x402_channels
+WHERE network = $1 AND refund_mark IS NOT NULL`, network)
+	sortRefunds(out)
+	return out, err
 }
 
 // execCount runs one statement that writes several rows and is safe to run twice (a second run finds nothing left

@@ -140,6 +140,7 @@ CREATE INDEX IF NOT EXISTS x402_channels_withdrawn ON x402_channels (withdrawn_n
 	pgPaymentIdentifiersMigration,
 	pgAccessMigration,
 	pgDiscoveryMigration,
+	pgRefundMarkMigration,
 }
 
 // ErrSchemaTooNew: OpenPostgres found a database migrated by a newer release than this one, whose schema this
