@@ -63,6 +63,10 @@ type batchAction struct {
 	receiver, token common.Address
 	// claimed are the channels the action claims, whose journal rows are read again once it is mined.
 	claimed []claimedChannel
+	// refundMark and refundAt are a payer's refund's mark on its channel's row and the amount the row stood at
+	// when it was marked (what the refund claims): checked again once the action holds its locks.
+	refundMark string
+	refundAt   *big.Int
 }
 
 type claimedChannel struct {
@@ -287,6 +291,11 @@ func (f *Facilitator) runAction(ctx context.Context, n *network, a *batchAction,
 		// Its transaction reverted and moved nothing: the action may go again, checked afresh, under a record
 		// of its own that names the reverted one (so the same attempt is still answered once).
 		a.id = journal.PaymentID(n.caip2, "batch-action-retry", contracts.BatchSettlementAddress.Hex(), a.id.String(), rec.TxHash)
+	}
+	if a.kind == x402.BatchRefund && a.refundMark != "" {
+		if err := f.checkRefundMarkHeld(ctx, n, a); err != nil {
+			return x402.BatchSettleResponse{}, err
+		}
 	}
 	if a.kind == x402.BatchRefund {
 		if err := f.checkRefundOnChain(ctx, n, a, pl); err != nil {

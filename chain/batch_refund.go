@@ -94,8 +94,8 @@ func (f *Facilitator) settlePayerRefund(ctx context.Context, n *network, req x40
 	if err != nil {
 		return x402.BatchSettleResponse{}, err
 	}
+	var at *big.Int
 	for attempt := 1; ; attempt++ {
-		var at *big.Int
 		pl, again, at, err = f.enrichRefund(ctx, n, req)
 		if err != nil {
 			return x402.BatchSettleResponse{}, err
@@ -137,6 +137,7 @@ func (f *Facilitator) settlePayerRefund(ctx context.Context, n *network, req x40
 		return x402.BatchSettleResponse{}, err
 	}
 	a.payer = payer
+	a.refundMark, a.refundAt = mark, at
 	if err := f.recordRefundRequest(ctx, n, reqID, payer, pl.RefundNonce); err != nil {
 		return x402.BatchSettleResponse{}, err
 	}
@@ -153,6 +154,30 @@ func (f *Facilitator) settlePayerRefund(ctx context.Context, n *network, req x40
 		keepMark = true // being sent by another request of the same refund, under the same mark: it ends it
 	}
 	return withCharged(resp, charged), err
+}
+
+// checkRefundMarkHeld refuses payer refund a, now holding its channel's locks, unless its mark is still on the
+// row with the row where it was marked, and young enough to outlast the refund's record. The refund may have
+// waited for the locks (another action of the channel sent and not yet mined): a claimer's pass that meanwhile
+// took the mark for a refund never sent (no record after unrecordedClaimAge) opened the channel to vouchers, and
+// a refund sent now would claim only what the row stood at when marked, handing back the money of vouchers
+// served since (the seller unpaid for their responses).
+func (f *Facilitator) checkRefundMarkHeld(ctx context.Context, n *network, a *batchAction) error {
+	chs, err := f.channelStore()
+	if err != nil {
+		return err
+	}
+	row, err := chs.MarkRefund(ctx, n.channelKey(a.channel), a.refundAt, a.refundMark)
+	switch {
+	case errors.Is(err, journal.ErrChannelMoved), errors.Is(err, journal.ErrRefundTaken):
+		return refuseBatch(x402.ReasonBatchChannelBusy, "vouchers of channel %s were accepted while the refund waited for the channel: present the refund again", a.channel.Hex())
+	case err != nil:
+		return fmt.Errorf("checking the refund's mark on channel %s: %w", a.channel.Hex(), err)
+	case f.now().Sub(row.RefundMarkedAt) >= unrecordedClaimAge/2:
+		// Left as it is, a claimer's pass could take the mark before the refund's record is written.
+		return refuseBatch(x402.ReasonBatchChannelBusy, "the refund of channel %s waited too long for the channel: present the refund again", a.channel.Hex())
+	}
+	return nil
 }
 
 // endRefundMark takes the refund mark mark off channel id's row: after reading the channel on chain again when

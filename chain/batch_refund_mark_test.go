@@ -124,3 +124,57 @@ func TestBatchRefundMarkOutlivesARestartBeforeTheRefundIsMined(t *testing.T) {
 		t.Fatalf("after the refund the channel holds %d, %d claimed; want 3000 and 3000", balance, claimed)
 	}
 }
+
+// A payer's refund marks its channel's row, then waits for the channel's lock (another action of the channel sent
+// and not yet mined holds it). Meanwhile a claimer's pass takes the mark for a refund never sent (no record after
+// a minute) and the channel takes a voucher again. The refund, given the lock, must not go on: it would claim only
+// what the row stood at when it was marked and hand the payer back the money of the voucher served since. It is
+// refused as channel busy, nothing is sent, and the channel keeps its deposit and the voucher.
+func TestBatchRefundWhoseMarkWasTakenOffWhileItWaitedForTheChannelIsRefused(t *testing.T) {
+	ja := openPostgres(t, pgtest.Shared(t))
+	b := newBatchRoute(t, fixtureOpts{journal: ja, wallets: 2, autoCommit: 300 * time.Millisecond, receiptTimeout: 30 * time.Second,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+		}})
+	b.deposit(t, 10*batchPrice)
+	for i := int64(1); i <= 3; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	release := b.fx.f.HoldBatchChannelForTest(b.fx.net, b.id)
+	refunded := make(chan x402.BatchSettleResponse, 1)
+	go func() {
+		resp, err := b.fx.f.SettleBatch(context.Background(), b.payerRefund(b.payer, 3*batchPrice))
+		if err != nil {
+			resp.ErrorMessage = err.Error()
+		}
+		refunded <- resp
+	}()
+	var row journal.Channel
+	for deadline := time.Now().Add(20 * time.Second); row.RefundMark == ""; time.Sleep(time.Millisecond) {
+		if row = b.row(t, ja); time.Now().After(deadline) {
+			release()
+			t.Fatalf("the refund never marked its channel: %+v", <-refunded)
+		}
+	}
+	// What the claimer's pass does to a mark a minute old with no record of its refund.
+	if ok, err := ja.(journal.Channels).ClearRefund(context.Background(), row.Key, row.RefundMark); err != nil || !ok {
+		t.Fatalf("taking the mark off as a claimer's pass would: %v, %v", ok, err)
+	}
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, 4*batchPrice)); !resp.Success {
+		t.Fatalf("a voucher once the mark is off: %+v", resp)
+	}
+	release()
+	refund := <-refunded
+	if refund.Success || refund.ErrorReason != x402.ReasonBatchChannelBusy {
+		t.Fatalf("the refund that waited while a voucher was accepted: %+v; want %s and nothing sent", refund, x402.ReasonBatchChannelBusy)
+	}
+	b.c.Commit()
+	if balance, claimed := b.channelOnChain(t); balance != 10*batchPrice || claimed != 0 {
+		t.Fatalf("after the refused refund the channel holds %d, %d claimed; want its deposit 10000 and nothing claimed", balance, claimed)
+	}
+	if row := b.row(t, ja); row.Charged.Int64() != 4*batchPrice || row.RefundMark != "" {
+		t.Fatalf("the row after the refused refund: at %s, mark %q; want 4000 and none", row.Charged, row.RefundMark)
+	}
+}

@@ -89,3 +89,9 @@ func (f *Facilitator) RecordedPaymentIDForTest(raw []byte) (journal.ID, string, 
 	}
 	return p.id, "", nil
 }
+
+// HoldBatchChannelForTest takes this process's action lock of batch channel id on network, as an action on the
+// channel in flight holds it (a claim sent and not yet mined): a refund waits for it after marking the row.
+func (f *Facilitator) HoldBatchChannelForTest(network string, id common.Hash) (release func()) {
+	return f.networks[network].batch.actions.lock([]string{actionKey(id)})
+}
