@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/internal/racepass"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -146,6 +147,7 @@ func TestSettleAsyncSettlesAServedPaymentHoweverLongTheNodeRefusesItsBroadcast(t
 	if testing.Short() {
 		t.Skip("the node refuses for about a minute")
 	}
+	racepass.Once(t, "50 s of the gate's background attempts against a node that refuses them; the attempts' code runs under -race in gate_async_resend_test.go")
 	c := chaintest.New(t, chaintest.WithHTTP())
 	t.Cleanup(commitPending(t, c))
 	proxy := chaintest.NewFaultProxy(t, c.RPCURL)

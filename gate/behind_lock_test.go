@@ -14,6 +14,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 	"github.com/x402-gateway/caddy-x402/gate"
+	"github.com/x402-gateway/caddy-x402/internal/racepass"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -25,6 +26,7 @@ import (
 // before the write-behind: a payment served and not marked served is served again, for nothing, when presented
 // again.
 func TestAServedMarkIsWrittenWhenTheDeferredFinalAnswerItCarriesCannotBe(t *testing.T) {
+	racepass.Once(t, "32 s of a write waiting out its timeout on a row another session locks; the write-behind runs under -race in the package's other tests")
 	dsn := pgtest.Shared(t)
 	st, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{InstanceTTL: time.Minute})
 	if err != nil {

@@ -10,6 +10,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/x402-gateway/caddy-x402/internal/racepass"
 )
 
 // immutableVars are the package-level variables of gate that hold no state: set once when the package loads and
@@ -100,6 +102,7 @@ func isErrorsNew(e ast.Expr) bool {
 // (x402.Facilitator, x402.PermitSigners), which the server that makes a gate fills in, and knows no Caddy
 // (ARCHITECTURE.md: caddymodule -> gate -> x402).
 func TestGateImportsNeitherTheEngineNorCaddy(t *testing.T) {
+	racepass.Once(t, "a go list of the package's imports: no code of ours runs")
 	out, err := exec.Command("go", "list", "-deps", "-f", "{{.ImportPath}}", ".").CombinedOutput()
 	if err != nil {
 		t.Fatalf("go list -deps: %v\n%s", err, out)

@@ -23,6 +23,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/internal/racepass"
 )
 
 // devCrashChildEnv makes the test binary act as a dev chain process that the crash test kills; its value is
@@ -66,6 +67,7 @@ func TestDevChainOnADataDirKeepsEverySealedBlockThroughASIGKILL(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts and kills a child process")
 	}
+	racepass.Once(t, "a child process SIGKILLed and a data dir reopened: what it checks is the database on disk")
 	dir := t.TempDir()
 	last := devRunCrashChild(t, dir)
 	if last.head < devCrashBlocks {

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/x402-gateway/caddy-x402/internal/racepass"
 )
 
 func ping(t *testing.T, dsn string) {
@@ -30,6 +32,7 @@ func ping(t *testing.T, dsn string) {
 // TestStartStopRestart: a server of the test's own answers, stops answering when stopped, and answers again
 // on the same port after a restart, with its data.
 func TestStartStopRestart(t *testing.T) {
+	racepass.Once(t, "the harness's PostgreSQL server started, stopped and started again: its time is initdb and postgres")
 	s := Start(t)
 	ping(t, s.DSN())
 	ctx := context.Background()
@@ -72,6 +75,7 @@ func TestSharedGivesEachTestAFreshDatabase(t *testing.T) {
 // run's PostgreSQL fault met a connection of a test running beside it, which had been given that port as its
 // local one) delays the restart; it does not fail it. The port is chosen below the range such ports come from.
 func TestARestartedServerWaitsForItsPortToBeFreeAgain(t *testing.T) {
+	racepass.Once(t, "the harness's PostgreSQL server stopped and started again: its time is initdb, postgres and a second's wait for a port")
 	s := Start(t)
 	if low := ephemeralLow(); low > 20000 && s.Port() >= low {
 		t.Errorf("the server listens on %d, in the range (from %d) the system takes the local ports of connections from", s.Port(), low)
@@ -94,6 +98,7 @@ func TestAMachineWithoutPostgreSQLSkipsOutsideCIAndFailsUnderIt(t *testing.T) {
 		Shared(t)
 		t.Fatal("Shared returned a database on a machine without PostgreSQL")
 	}
+	racepass.Once(t, "two child processes check the harness's skip and failure lines")
 	const line = "needs PostgreSQL's initdb: apt-get install postgresql (or set " + EnvDSN + ")"
 	for _, tc := range []struct {
 		ci       string

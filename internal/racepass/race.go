@@ -1,0 +1,5 @@
+//go:build race
+
+package racepass
+
+const raceBuilt = true
