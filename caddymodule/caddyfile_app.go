@@ -52,6 +52,7 @@ func durationArg(d *caddyfile.Dispenser, option string) (time.Duration, error) {
 //			min_amount <raw units>
 //			pay_to <address> [...]
 //			smart_wallet_factories <address> [...]
+//			approval_sponsoring [max_gas <n>] [max_fee_per_gas <wei>]
 //			batch {
 //				receiver_authorizer_key <hex>|<placeholder>
 //				claim_every <n>
@@ -278,6 +279,33 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 				}
 			}
 			n.SmartWalletFactories = append(n.SmartWalletFactories, args...)
+		case "approval_sponsoring":
+			if n.ApprovalSponsoring != nil {
+				return nil, d.Err("approval_sponsoring is configured twice on this network")
+			}
+			a := &ApprovalSponsoring{}
+			args := d.RemainingArgs()
+			if len(args)%2 != 0 {
+				return nil, d.Err("approval_sponsoring takes pairs: [max_gas <n>] [max_fee_per_gas <wei>]")
+			}
+			for i := 0; i < len(args); i += 2 {
+				switch args[i] {
+				case "max_gas":
+					v, err := strconv.ParseUint(args[i+1], 10, 64)
+					if err != nil || v < 21000 {
+						return nil, d.Errf("approval_sponsoring max_gas %q is not a gas limit (a number of at least 21000)", args[i+1])
+					}
+					a.MaxGas = v
+				case "max_fee_per_gas":
+					a.MaxFeePerGas = args[i+1]
+					if _, err := a.config(); err != nil {
+						return nil, d.Err(err.Error())
+					}
+				default:
+					return nil, d.Errf("approval_sponsoring: unrecognized option '%s'; want max_gas or max_fee_per_gas", args[i])
+				}
+			}
+			n.ApprovalSponsoring = a
 		case "min_amount", "pay_to":
 			if _, err := unmarshalTermOption(d, &n.MinAmount, &n.PayTo); err != nil {
 				return nil, err
