@@ -114,6 +114,9 @@ type DevChainConfig struct {
 	// Batch configures the batch-settlement claims of the embedded engine on the dev chain's network, as a
 	// network's Batch does; default none. A config that names the dev chain's network itself gives it there.
 	Batch *BatchSettlement `json:"batch,omitempty"`
+	// ApprovalSponsoring takes the erc20ApprovalGasSponsoring extension on the dev chain's network, as a
+	// network's ApprovalSponsoring does; default not taken.
+	ApprovalSponsoring *ApprovalSponsoring `json:"approval_sponsoring,omitempty"`
 }
 
 // devChains holds running dev chains across config reloads, keyed by their configuration.
@@ -152,6 +155,9 @@ func (a *App) planDevChain() error {
 			if dc.Batch != nil {
 				return fmt.Errorf("dev_chain: batch: the config names the dev chain's network %s itself, whose batch block it takes: give batch there", network)
 			}
+			if dc.ApprovalSponsoring != nil {
+				return fmt.Errorf("dev_chain: approval_sponsoring: the config names the dev chain's network %s itself, whose options it takes: give approval_sponsoring there", network)
+			}
 			return nil
 		}
 	}
@@ -168,8 +174,9 @@ func (a *App) planDevChain() error {
 		// A chain this app runs at block_time 0 seals a block per transaction burst: the engine judges deadlines
 		// by a block for each of its settlements ahead (chain.NetworkConfig.SealsPerBurst). One it reaches by RPC
 		// is judged by its head's lead over the clock.
-		sealsPerBurst: dc.RPC == "" && dc.BlockTime == 0,
-		Batch:         dc.Batch,
+		sealsPerBurst:      dc.RPC == "" && dc.BlockTime == 0,
+		Batch:              dc.Batch,
+		ApprovalSponsoring: dc.ApprovalSponsoring,
 	}
 	if dc.RPC != "" {
 		a.devNet.RPC = []string{dc.RPC}
