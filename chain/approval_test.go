@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/common/hexutil"
@@ -15,6 +16,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -280,5 +282,59 @@ func TestAFacilitatorWithoutApprovalSponsoringIgnoresTheApproval(t *testing.T) {
 	}
 	if v := fx.verify(req); v.IsValid || v.InvalidReason != x402.ReasonPermit2AllowanceRequired {
 		t.Fatalf("verify = %+v, want %s", v, x402.ReasonPermit2AllowanceRequired)
+	}
+}
+
+// An engine that stops after sending the payer's gas money, before the approval went out (no block sealed it),
+// leaves the three transactions in its journal; the engine that restarts on the journal sends the approval once
+// the gas money mined, and the settlement once the approval mined: the payment settles once, by the recorded
+// settlement, and the payer is funded once.
+func TestASponsoredApprovalInterruptedAfterItsFundingSettlesOnceAfterARestart(t *testing.T) {
+	store := journal.NewMemory(journal.Options{})
+	fx := newFixture(t, fixtureOpts{journal: store, autoCommit: -1, receiptTimeout: 200 * time.Millisecond,
+		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune:      func(_ *fixture, nc *chain.NetworkConfig) { nc.ApprovalSponsoring = &chain.ApprovalSponsoring{} }})
+	payer := fx.c.PayerNoGas
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	sent := fx.c.TxCount(fx.c.Wallets[0].Address) + fx.c.TxCount(fx.c.Wallets[1].Address)
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	fees := fx.approvalFees()
+	if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
+		t.Fatal(err)
+	}
+	s := fx.settle(req)
+	if s.Success || s.ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("settle with no block sealed = %+v, want settlement_pending", s)
+	}
+	fx.f.Close()
+
+	again, err := chain.New(context.Background(), chain.Config{Journal: store, ReconcileEvery: 20 * time.Millisecond, ReconcileGrace: time.Millisecond,
+		Networks: []chain.NetworkConfig{{
+			Network: fx.net, Backend: fx.c.EthClient, ReceiptTimeout: 20 * time.Second, ReceiptPoll: 2 * time.Millisecond,
+			Assets:             []chain.AssetConfig{{Address: fx.c.Token, Name: "Stable Coin", Version: "1", Decimals: 6}},
+			Keys:               chaintestKeys(fx.c),
+			ApprovalSponsoring: &chain.ApprovalSponsoring{},
+		}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Close()
+	t.Cleanup(fx.c.AutoCommit(5 * time.Millisecond))
+	final, err := again.Settle(context.Background(), req)
+	if err != nil || !final.Success || final.Transaction != s.Transaction {
+		t.Fatalf("after the restart the payment answered %+v, %v; want settled by the recorded %s", final, err, s.Transaction)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
+	if got := fx.c.TxCount(fx.c.Wallets[0].Address) + fx.c.TxCount(fx.c.Wallets[1].Address) - sent; got != 2 {
+		t.Fatalf("the settlement wallets sent %d transactions, want 2 (the gas money once, the settlement once)", got)
+	}
+	receipt, err := fx.c.Client.TransactionReceipt(context.Background(), approvalOf(t, req).Hash())
+	if err != nil || receipt.Status != types.ReceiptStatusSuccessful {
+		t.Fatalf("the payer's approval: %+v, %v; want mined and successful", receipt, err)
+	}
+	funded := new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap)
+	spent := new(big.Int).Mul(new(big.Int).SetUint64(receipt.GasUsed), receipt.EffectiveGasPrice)
+	if got, want := fx.c.ETHBalance(payer.Address), new(big.Int).Sub(funded, spent); got.Cmp(want) != 0 {
+		t.Fatalf("payer ETH = %s, want one funding less the approval's gas, %s", got, want)
 	}
 }
