@@ -296,7 +296,7 @@ func (s *sender) awaitMined(ctx context.Context, tx *types.Transaction) error {
 	}
 }
 
-// replace signs a fee-bumped copy of a transaction stuck in the pool: same wallet, nonce, recipient, data and gas,
+// replace signs a fee-bumped copy of a transaction stuck in the pool: same wallet, nonce, recipient, data, gas and value,
 // every fee raised by at least an eighth and to no less than a fresh quote. Whichever of the two mines, the
 // other cannot: they share the nonce.
 func (s *sender) replace(ctx context.Context, w *wallet, stuck *types.Transaction) (*types.Transaction, error) {
@@ -307,7 +307,8 @@ func (s *sender) replace(ctx context.Context, w *wallet, stuck *types.Transactio
 	if err != nil {
 		return nil, err
 	}
-	c := contractCall{To: *stuck.To(), Data: stuck.Data(), Gas: stuck.Gas()}
+	// The value too: a sponsored approval's gas money replaced without it would leave the payer unfunded.
+	c := contractCall{To: *stuck.To(), Data: stuck.Data(), Gas: stuck.Gas(), Value: stuck.Value()}
 	bumped := &feeQuote{}
 	if stuck.Type() == types.LegacyTxType {
 		bumped.gasPrice = maxBig(bump(stuck.GasPrice()), q.gasPrice)
