@@ -247,6 +247,17 @@ var errSignedFailed = fmt.Errorf("%w mined and failed", errSignedRefused)
 // errBroadcastUnknown when it could not be seen mined in time (it may yet).
 func (s *sender) sendSigned(ctx context.Context, tx *types.Transaction) error {
 	err := s.backend.SendTransaction(ctx, tx)
+	// A node's pool checks balances against the state it last caught up with, which may lag the block that
+	// just mined the sender's gas money: asked again for a while, it takes the transaction once it has.
+	for try := 0; err != nil && strings.Contains(err.Error(), "insufficient funds") && try < 40; try++ {
+		select {
+		case <-ctx.Done():
+		case <-time.After(25 * time.Millisecond):
+			err = s.backend.SendTransaction(ctx, tx)
+			continue
+		}
+		break
+	}
 	switch {
 	case err == nil || isAlreadyKnown(err):
 	case isTransportError(err) || !isAnswer(err):
