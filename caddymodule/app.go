@@ -114,6 +114,9 @@ type DevChainConfig struct {
 	// Batch configures the batch-settlement claims of the embedded engine on the dev chain's network, as a
 	// network's Batch does; default none. A config that names the dev chain's network itself gives it there.
 	Batch *BatchSettlement `json:"batch,omitempty"`
+	// ApprovalSponsoring takes the erc20ApprovalGasSponsoring extension on the dev chain's network, as a
+	// network's ApprovalSponsoring does; default not taken.
+	ApprovalSponsoring *ApprovalSponsoring `json:"approval_sponsoring,omitempty"`
 }
 
 // devChains holds running dev chains across config reloads, keyed by their configuration.
@@ -152,6 +155,9 @@ func (a *App) planDevChain() error {
 			if dc.Batch != nil {
 				return fmt.Errorf("dev_chain: batch: the config names the dev chain's network %s itself, whose batch block it takes: give batch there", network)
 			}
+			if dc.ApprovalSponsoring != nil {
+				return fmt.Errorf("dev_chain: approval_sponsoring: the config names the dev chain's network %s itself, whose options it takes: give approval_sponsoring there", network)
+			}
 			return nil
 		}
 	}
@@ -168,8 +174,9 @@ func (a *App) planDevChain() error {
 		// A chain this app runs at block_time 0 seals a block per transaction burst: the engine judges deadlines
 		// by a block for each of its settlements ahead (chain.NetworkConfig.SealsPerBurst). One it reaches by RPC
 		// is judged by its head's lead over the clock.
-		sealsPerBurst: dc.RPC == "" && dc.BlockTime == 0,
-		Batch:         dc.Batch,
+		sealsPerBurst:      dc.RPC == "" && dc.BlockTime == 0,
+		Batch:              dc.Batch,
+		ApprovalSponsoring: dc.ApprovalSponsoring,
 	}
 	if dc.RPC != "" {
 		a.devNet.RPC = []string{dc.RPC}
@@ -293,6 +300,11 @@ type Network struct {
 	// payer's calldata, so only factories the operator trusts. Default: none (such payments are refused with
 	// eip6492_factory_not_allowed; deployed contract wallets pay by ERC-1271 either way).
 	SmartWalletFactories []string `json:"smart_wallet_factories,omitempty"`
+	// ApprovalSponsoring, when set, takes the erc20ApprovalGasSponsoring extension on this network: a permit2
+	// payer without a Permit2 allowance attaches its own signed approve(Permit2) transaction, which the embedded
+	// engine funds (the gas money the payer lacks, from a settlement wallet), broadcasts and waits for before the
+	// settlement. Default: not taken (not declared in /supported nor in 402s).
+	ApprovalSponsoring *ApprovalSponsoring `json:"approval_sponsoring,omitempty"`
 	// Batch configures the batch-settlement claims of the embedded engine on this network: the receiver
 	// authorizer's key and when accepted vouchers are claimed. Default: none (vouchers are accepted, never
 	// claimed by this engine, and /supported names no receiver authorizer).
@@ -528,6 +540,32 @@ func (*App) runStarters(starters []func() error) error {
 	return nil
 }
 
+// ApprovalSponsoring bounds what the embedded engine pays for one payer's approval of Permit2
+// (erc20ApprovalGasSponsoring): an approval whose gas limit or fee cap is above them is refused before anything
+// is sent, so the gas money sent for one payment is at most MaxGas times MaxFeePerGas.
+type ApprovalSponsoring struct {
+	// MaxGas is the largest gas limit an approval may carry. Default 100000.
+	MaxGas uint64 `json:"max_gas,omitempty"`
+	// MaxFeePerGas is the highest fee cap an approval may carry, in wei (decimal). Default 10 gwei.
+	MaxFeePerGas string `json:"max_fee_per_gas,omitempty"`
+}
+
+// config is the engine's ApprovalSponsoring; nil when a is.
+func (a *ApprovalSponsoring) config() (*chain.ApprovalSponsoring, error) {
+	if a == nil {
+		return nil, nil
+	}
+	c := &chain.ApprovalSponsoring{MaxGas: a.MaxGas}
+	if a.MaxFeePerGas != "" {
+		v, err := x402.ParseUint256(a.MaxFeePerGas)
+		if err != nil || v.Sign() == 0 {
+			return nil, fmt.Errorf("approval_sponsoring: max_fee_per_gas %q is not a positive number of wei", a.MaxFeePerGas)
+		}
+		c.MaxFeePerGas = v
+	}
+	return c, nil
+}
+
 // networkSpec is a Network with its placeholders replaced and its keys parsed.
 type networkSpec struct {
 	Network *Network
@@ -591,6 +629,9 @@ func (n *Network) resolve(repl *caddy.Replacer) (networkSpec, error) {
 		spec.factories = append(spec.factories, common.HexToAddress(f))
 	}
 	if err := n.Batch.resolve(repl, &spec); err != nil {
+		return spec, err
+	}
+	if _, err := n.ApprovalSponsoring.config(); err != nil {
 		return spec, err
 	}
 	spec.Assets = n.Assets
@@ -732,6 +773,11 @@ func (a *App) networkConfig(ctx context.Context, s networkSpec, entry *engineEnt
 	for _, a := range s.terms.PayTo() {
 		nc.PayTo = append(nc.PayTo, common.HexToAddress(a))
 	}
+	approvals, err := n.ApprovalSponsoring.config()
+	if err != nil {
+		return nc, err
+	}
+	nc.ApprovalSponsoring = approvals
 	var names []string
 	var backends []chain.Backend
 	for _, u := range s.RPC {

@@ -52,6 +52,7 @@ func durationArg(d *caddyfile.Dispenser, option string) (time.Duration, error) {
 //			min_amount <raw units>
 //			pay_to <address> [...]
 //			smart_wallet_factories <address> [...]
+//			approval_sponsoring [max_gas <n>] [max_fee_per_gas <wei>]
 //			batch {
 //				receiver_authorizer_key <hex>|<placeholder>
 //				claim_every <n>
@@ -68,6 +69,7 @@ func durationArg(d *caddyfile.Dispenser, option string) (time.Duration, error) {
 //			alloc <file>
 //			rpc <url>
 //			wallets <n>|<n>-<m> [...]
+//			approval_sponsoring [max_gas <n>] [max_fee_per_gas <wei>]
 //			batch { ... }
 //		}
 //	}
@@ -278,6 +280,15 @@ func parseNetwork(d *caddyfile.Dispenser) (*Network, error) {
 				}
 			}
 			n.SmartWalletFactories = append(n.SmartWalletFactories, args...)
+		case "approval_sponsoring":
+			if n.ApprovalSponsoring != nil {
+				return nil, d.Err("approval_sponsoring is configured twice on this network")
+			}
+			a, err := parseApprovalSponsoring(d)
+			if err != nil {
+				return nil, err
+			}
+			n.ApprovalSponsoring = a
 		case "min_amount", "pay_to":
 			if _, err := unmarshalTermOption(d, &n.MinAmount, &n.PayTo); err != nil {
 				return nil, err
@@ -355,6 +366,33 @@ func parseBatchBlock(d *caddyfile.Dispenser, remote bool) (*BatchSettlement, err
 	return b, nil
 }
 
+// parseApprovalSponsoring reads `approval_sponsoring [max_gas <n>] [max_fee_per_gas <wei>]`.
+func parseApprovalSponsoring(d *caddyfile.Dispenser) (*ApprovalSponsoring, error) {
+	a := &ApprovalSponsoring{}
+	args := d.RemainingArgs()
+	if len(args)%2 != 0 {
+		return nil, d.Err("approval_sponsoring takes pairs: [max_gas <n>] [max_fee_per_gas <wei>]")
+	}
+	for i := 0; i < len(args); i += 2 {
+		switch args[i] {
+		case "max_gas":
+			v, err := strconv.ParseUint(args[i+1], 10, 64)
+			if err != nil || v < 21000 {
+				return nil, d.Errf("approval_sponsoring max_gas %q is not a gas limit (a number of at least 21000)", args[i+1])
+			}
+			a.MaxGas = v
+		case "max_fee_per_gas":
+			a.MaxFeePerGas = args[i+1]
+			if _, err := a.config(); err != nil {
+				return nil, d.Err(err.Error())
+			}
+		default:
+			return nil, d.Errf("approval_sponsoring: unrecognized option '%s'; want max_gas or max_fee_per_gas", args[i])
+		}
+	}
+	return a, nil
+}
+
 func parseDevChain(d *caddyfile.Dispenser) (*DevChainConfig, error) {
 	dc := new(DevChainConfig)
 	if d.NextArg() {
@@ -371,6 +409,17 @@ func parseDevChain(d *caddyfile.Dispenser) (*DevChainConfig, error) {
 				return nil, err
 			}
 			dc.Batch = b
+			continue
+		}
+		if name == "approval_sponsoring" {
+			if dc.ApprovalSponsoring != nil {
+				return nil, d.Err("approval_sponsoring is configured twice in dev_chain")
+			}
+			a, err := parseApprovalSponsoring(d)
+			if err != nil {
+				return nil, err
+			}
+			dc.ApprovalSponsoring = a
 			continue
 		}
 		if name == "wallets" {

@@ -114,6 +114,10 @@ type NetworkConfig struct {
 	BatchClaimEvery  int
 	BatchClaimAmount *big.Int
 	BatchClaimAfter  time.Duration
+	// ApprovalSponsoring, when set, takes the erc20ApprovalGasSponsoring extension on this network: a permit2
+	// payer's own signed approval of Permit2 is funded, broadcast and mined before its settlement (approval.go).
+	// Nil: the extension is not declared, and a payment carrying it is settled as if it did not.
+	ApprovalSponsoring *ApprovalSponsoring
 }
 
 // Config configures a Facilitator.
@@ -218,8 +222,10 @@ type network struct {
 	replaceAfter time.Duration
 
 	funds *funds
-	reads *callBatcher // reads of many callers batched (the nonce read of every verification)
-	terms paymentTerms // see NetworkConfig.MinAmount and PayTo
+	// approval is the erc20ApprovalGasSponsoring terms; nil when the network does not take the extension.
+	approval *approvalTerms
+	reads    *callBatcher // reads of many callers batched (the nonce read of every verification)
+	terms    paymentTerms // see NetworkConfig.MinAmount and PayTo
 
 	headTTL time.Duration
 	head    sharedRead[*types.Header]
@@ -439,6 +445,8 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 	if n.permit2 == (common.Address{}) {
 		n.permit2 = contracts.Permit2Address
 	}
+	n.approval = newApprovalTerms(nc.ApprovalSponsoring)
+	n.sender.poll = nc.ReceiptPoll
 	if n.proxy == (common.Address{}) {
 		n.proxy = contracts.ProxyAddress
 	}
@@ -549,8 +557,10 @@ func (f *Facilitator) WalletsInUse(networkID string) int {
 // names one, is left out while it holds none. The answer changes as leases move; SupportedVersion says when.
 func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error) {
 	resp := x402.SupportedResponse{Kinds: []x402.SupportedKind{}, Extensions: []string{}, Signers: map[string][]string{}}
+	approvals := false
 	for _, id := range f.order {
 		n := f.networks[id]
+		approvals = approvals || (n.approval != nil && n.methods[x402.TransferPermit2])
 		signers := n.pool.offers()
 		addNetwork(&resp, id, n.methods, n.first.AssetConfig, n.permit2, n.proxy, n.uptoProxy, signers)
 		if n.batchEscrow {
@@ -563,7 +573,7 @@ func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error)
 			resp.Kinds = append(resp.Kinds, k)
 		}
 	}
-	return finishSupported(resp), nil
+	return finishSupported(resp, approvals), nil
 }
 
 // ConfiguredSupported is what an engine of these networks supports as far as its configuration alone tells,
@@ -572,11 +582,13 @@ func (f *Facilitator) Supported(context.Context) (x402.SupportedResponse, error)
 // does not answer yet; every payment still waits for the engine.
 func ConfiguredSupported(cfgs []NetworkConfig) (x402.SupportedResponse, error) {
 	resp := x402.SupportedResponse{Kinds: []x402.SupportedKind{}, Extensions: []string{}, Signers: map[string][]string{}}
+	approvals := false
 	for _, nc := range cfgs {
 		methods, err := transferMethods(nc.Methods)
 		if err != nil {
 			return resp, err
 		}
+		approvals = approvals || (nc.ApprovalSponsoring != nil && methods[x402.TransferPermit2])
 		if len(nc.Assets) == 0 {
 			return resp, fmt.Errorf("network %s: no asset", nc.Network)
 		}
@@ -592,7 +604,7 @@ func ConfiguredSupported(cfgs []NetworkConfig) (x402.SupportedResponse, error) {
 		}
 		addNetwork(&resp, nc.Network, methods, nc.Assets[0], permit2, proxy, uptoProxy, nil)
 	}
-	return finishSupported(resp), nil
+	return finishSupported(resp, approvals), nil
 }
 
 // Health reports per network whether the node answers, how old its head block is, the wallets' native
@@ -720,10 +732,14 @@ func addNetwork(resp *x402.SupportedResponse, id string, methods map[string]bool
 	}
 }
 
-// finishSupported declares the gas-sponsoring extension when some network settles by permit2.
-func finishSupported(resp x402.SupportedResponse) x402.SupportedResponse {
+// finishSupported declares the gas-sponsoring extension when some network settles by permit2, and the
+// approval-sponsoring one when some such network takes it (approvals).
+func finishSupported(resp x402.SupportedResponse, approvals bool) x402.SupportedResponse {
 	if slices.ContainsFunc(resp.Kinds, func(k x402.SupportedKind) bool { return k.Extra.AssetTransferMethod == x402.TransferPermit2 }) {
 		resp.Extensions = append(resp.Extensions, x402.ExtensionEIP2612GasSponsoring)
+		if approvals {
+			resp.Extensions = append(resp.Extensions, x402.ExtensionERC20ApprovalGasSponsoring)
+		}
 	}
 	return resp
 }

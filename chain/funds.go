@@ -125,6 +125,9 @@ func (p *payment) fundsLimit(r fundsRead) *big.Int {
 		if p.sponsor != nil {
 			allowance = p.sponsor.permit.Value
 		}
+		if p.approval != nil {
+			allowance = p.approval.amount // approve sets the allowance, as a permit does
+		}
 		if allowance.Cmp(limit) < 0 {
 			limit = allowance
 		}
@@ -141,6 +144,10 @@ func (p *payment) permitNonce() *big.Int {
 		return p.permit.Nonce
 	case p.sponsor != nil && p.sponsor.err == nil:
 		return p.sponsor.permit.Nonce
+	case p.approval != nil && p.approval.err == nil:
+		// The approval's account nonce, marked by bit 255 so that it never equals a token nonce of a permit: the
+		// payer's account takes each nonce once, as the token takes a permit's.
+		return new(big.Int).SetBit(new(big.Int).SetUint64(p.approval.tx.Nonce()), 255, 1)
 	}
 	return nil
 }

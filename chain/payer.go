@@ -12,8 +12,11 @@ import (
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/common/hexutil"
+	"github.com/ethereum/go-ethereum/core/types"
 	"github.com/ethereum/go-ethereum/crypto"
 
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -319,6 +322,77 @@ func AddGasSponsoring(p *x402.PaymentPayload, key *ecdsa.PrivateKey, chainID *bi
 		p.Extensions = map[string]json.RawMessage{}
 	}
 	p.Extensions[x402.ExtensionEIP2612GasSponsoring] = rawExt
+	return nil
+}
+
+// ApprovalTx is what a payer's sponsored approval transaction carries besides its call: the account nonce (the
+// node's pending one), the gas limit and the EIP-1559 fees.
+type ApprovalTx struct {
+	Nonce          uint64
+	Gas            uint64   // 0: 70,000, as the public SDK signs
+	TipCap, FeeCap *big.Int // nil: 0.1 gwei and 1 gwei, the public SDK's defaults
+}
+
+// AddApprovalSponsoring adds to a signed permit2 payment the erc20ApprovalGasSponsoring extension: the payer's own
+// signed EIP-1559 transaction approve(Permit2, max uint256) on the payment's token, as the public SDK signs it, for
+// a facilitator that declares the extension to fund, broadcast and mine before the settlement. Nothing is sent.
+// Permit2 is accepted.extra.permit2Address or the canonical one. A schema the server declared is kept.
+func AddApprovalSponsoring(p *x402.PaymentPayload, key *ecdsa.PrivateKey, chainID *big.Int, tx ApprovalTx) error {
+	if p == nil || p.Payload.Permit2Authorization == nil {
+		return errors.New("approval sponsoring needs a signed permit2 payment; the payload has no permit2Authorization")
+	}
+	t, owner, err := permit2TransferFromPayload(p.Payload.Permit2Authorization)
+	if err != nil {
+		return err
+	}
+	from := crypto.PubkeyToAddress(key.PublicKey)
+	if owner != from {
+		return fmt.Errorf("approval sponsoring key is %s but the permit2 payment is from %s", from.Hex(), owner.Hex())
+	}
+	permit2, err := contractAddress(common.Address{}, p.Accepted.Extra.Permit2Address, "accepted.extra.permit2Address", canonicalPermit2)
+	if err != nil {
+		return err
+	}
+	if tx.Gas == 0 {
+		tx.Gas = 70_000
+	}
+	if tx.TipCap == nil {
+		tx.TipCap = big.NewInt(100_000_000)
+	}
+	if tx.FeeCap == nil {
+		tx.FeeCap = big.NewInt(1_000_000_000)
+	}
+	amount := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
+	data, err := contracts.StableCoinABI.Pack("approve", permit2, amount)
+	if err != nil {
+		return err
+	}
+	signed, err := types.SignNewTx(key, types.LatestSignerForChainID(chainID), &types.DynamicFeeTx{
+		ChainID: chainID, Nonce: tx.Nonce, GasTipCap: tx.TipCap, GasFeeCap: tx.FeeCap, Gas: tx.Gas, To: &t.Token, Data: data,
+	})
+	if err != nil {
+		return fmt.Errorf("signing the approval: %w", err)
+	}
+	rawTx, err := signed.MarshalBinary()
+	if err != nil {
+		return err
+	}
+	info := x402.ERC20ApprovalGasSponsoringInfo{
+		From: from.Hex(), Asset: t.Token.Hex(), Spender: permit2.Hex(), Amount: amount.String(),
+		SignedTransaction: hexutil.Encode(rawTx), Version: "1",
+	}
+	raw, err := json.Marshal(map[string]x402.ERC20ApprovalGasSponsoringInfo{"info": info})
+	if err != nil {
+		return fmt.Errorf("encoding approval sponsoring info: %w", err)
+	}
+	rawExt, err := x402.MergeExtension(p.Extensions[x402.ExtensionERC20ApprovalGasSponsoring], raw)
+	if err != nil {
+		rawExt = raw
+	}
+	if p.Extensions == nil {
+		p.Extensions = map[string]json.RawMessage{}
+	}
+	p.Extensions[x402.ExtensionERC20ApprovalGasSponsoring] = rawExt
 	return nil
 }
 

@@ -104,7 +104,13 @@ func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec jo
 	} else if !errors.Is(err, ethereum.NotFound) {
 		return err
 	}
-	// The node does not know it: dropped, or never sent before a crash. Send the recorded bytes again.
+	// The node does not know it: dropped, or never sent before a crash. Send the recorded bytes again; the
+	// settlement of a sponsored approval only once the approval mined.
+	if rec.SponsoredRawTx != nil {
+		if sent, err := f.approvalFirst(ctx, n, rec); err != nil || !sent {
+			return err
+		}
+	}
 	for _, raw := range append(append([][]byte{}, rec.PriorRawTxs...), rec.RawTx) {
 		tx := new(types.Transaction)
 		if err := tx.UnmarshalBinary(raw); err != nil {
@@ -133,6 +139,43 @@ func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec jo
 	f.log.Info("re-broadcast a settlement the node did not know", zap.String("payment", rec.ID.String()), zap.String("tx", rec.TxHash))
 	_, err := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error { r.Attempts++; return nil })
 	return err
+}
+
+// approvalFirst handles the payer's approval a record with a sponsored approval sends before its settlement: mined
+// and succeeded, the settlement may go (sent true). Not mined, the gas money and the approval are sent again and
+// the settlement waits for a later pass. Mined and failed, or its nonce taken by another of the payer's
+// transactions, the settlement can never succeed: the payment is settled again (resettle), whose checks refuse it.
+func (f *Facilitator) approvalFirst(ctx context.Context, n *network, rec journal.Record) (sent bool, _ error) {
+	approval := new(types.Transaction)
+	if err := approval.UnmarshalBinary(rec.SponsoredRawTx); err != nil {
+		return false, err
+	}
+	r, err := n.backend.TransactionReceipt(ctx, approval.Hash())
+	switch {
+	case err == nil && r != nil && r.Status == types.ReceiptStatusSuccessful:
+		return true, nil
+	case err == nil && r != nil:
+		return false, f.resettle(ctx, n, rec)
+	case !errors.Is(err, ethereum.NotFound):
+		return false, err
+	}
+	for _, raw := range rec.PriorRawTxs {
+		tx := new(types.Transaction)
+		if err := tx.UnmarshalBinary(raw); err != nil {
+			return false, err
+		}
+		if err := n.sender.rebroadcast(ctx, tx); err != nil && !isNonceConflict(err) {
+			return false, err
+		}
+	}
+	if err := n.sender.rebroadcast(ctx, approval); err != nil {
+		if isNonceConflict(err) {
+			return false, f.resettle(ctx, n, rec)
+		}
+		return false, err
+	}
+	f.log.Info("re-broadcast a sponsored approval; its settlement follows once it mined", zap.String("payment", rec.ID.String()), zap.String("approval", approval.Hash().Hex()))
+	return false, nil
 }
 
 // finaliseFromReceipts looks up the receipts of the record's transactions and finalises the record with the one

@@ -427,6 +427,10 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 	if err != nil {
 		return common.Hash{}, nil, err
 	}
+	if p.approval != nil {
+		// The payer's gas money and its approval go first; the settlement only once the approval mined.
+		calls = append(p.approvalCalls(), calls...)
+	}
 
 	f.markSending(p.id, true)
 	defer f.markSending(p.id, false)
@@ -444,12 +448,19 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 	var recordUnknown bool
 	known := p.claim // the record as this settlement last wrote it
 	txs, err := n.sender.send(sendCtx, w, calls, quote, func(txs []*types.Transaction) error {
-		raws := make([][]byte, len(txs))
+		var raws [][]byte // the wallet's own, in nonce order
+		var sponsored []byte
+		var own []*types.Transaction
 		for i, tx := range txs {
-			var err error
-			if raws[i], err = tx.MarshalBinary(); err != nil {
+			raw, err := tx.MarshalBinary()
+			if err != nil {
 				return err
 			}
+			if calls[i].Signed != nil {
+				sponsored = raw
+				continue
+			}
+			raws, own = append(raws, raw), append(own, tx)
 		}
 		last := txs[len(txs)-1]
 		first := !seen
@@ -462,8 +473,8 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 				}
 			}
 			r.State, r.Wallet, r.TxNonce, r.TxHash = journal.StateBroadcast, w.Address.Hex(), last.Nonce(), last.Hash().Hex()
-			r.RawTx, r.PriorRawTxs = raws[len(raws)-1], raws[:len(raws)-1]
-			for _, tx := range txs[:len(txs)-1] {
+			r.RawTx, r.PriorRawTxs, r.SponsoredRawTx = raws[len(raws)-1], raws[:len(raws)-1], sponsored
+			for _, tx := range own[:len(own)-1] {
 				if h := tx.Hash().Hex(); !slices.Contains(r.PriorTxHashes, h) {
 					r.PriorTxHashes = append(slices.Clip(r.PriorTxHashes), h)
 				}
@@ -506,6 +517,24 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 	}
 	if errors.Is(err, errHoldRefusedSigned) && len(txs) == 0 {
 		return common.Hash{}, nil, errHoldRefusedSigned
+	}
+	if n.approval != nil {
+		n.approval.counted(calls, txs)
+	}
+	if errors.Is(err, errSignedRefused) {
+		// The payer's approval was refused by the node or failed on chain: the settlement after it was not sent,
+		// and its record goes (the gas money sent before it, if any, is the payer's: counted, and bounded).
+		f.log.Warn("sponsored approval not mined; settlement not sent", zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()), zap.Error(err))
+		if recorded != "" {
+			if rerr := f.journal.ReleaseUnsent(context.WithoutCancel(ctx), p.claim, recorded); rerr != nil {
+				return common.Hash{}, nil, fmt.Errorf("the payer's approval failed (%v) and the journal could not forget the settlement after it: %w", err, rerr)
+			}
+		}
+		reason := x402.ReasonERC20ApprovalBroadcastFailed
+		if errors.Is(err, errSignedFailed) {
+			reason = x402.ReasonERC20ApprovalTxFailed
+		}
+		return common.Hash{}, refuse(reason, "%v; nothing else was sent", err), nil
 	}
 	if len(txs) == 0 {
 		// Refused by every node it reached before anything went out, or the journal write failed: nothing is

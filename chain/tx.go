@@ -20,6 +20,13 @@ type contractCall struct {
 	To   common.Address
 	Data []byte
 	Gas  uint64
+	// Value is the wei the transaction sends (the gas money a sponsored approval's payer is funded with); nil:
+	// none.
+	Value *big.Int
+	// Signed is a transaction someone else signed (a payer's approval of Permit2, see approval.go), sent as it is
+	// between this wallet's: it takes none of the wallet's nonces, and the next transaction goes out only once
+	// it has mined and succeeded. To, Data, Gas and Value are then unused.
+	Signed *types.Transaction
 }
 
 // FeePolicy says how settlement transactions are priced.
@@ -44,6 +51,8 @@ type sender struct {
 	signer  types.Signer
 	fees    FeePolicy
 	now     func() time.Time
+	// poll is how often a Signed call's receipt is asked for while the send waits for it to mine.
+	poll time.Duration
 
 	quote sharedRead[*feeQuote]
 }
@@ -98,9 +107,9 @@ func bump(v *big.Int) *big.Int {
 func (s *sender) sign(w *wallet, nonce uint64, c contractCall, q *feeQuote) (*types.Transaction, error) {
 	var inner types.TxData
 	if q.gasPrice != nil {
-		inner = &types.LegacyTx{Nonce: nonce, GasPrice: q.gasPrice, Gas: c.Gas, To: &c.To, Data: c.Data}
+		inner = &types.LegacyTx{Nonce: nonce, GasPrice: q.gasPrice, Gas: c.Gas, To: &c.To, Data: c.Data, Value: c.Value}
 	} else {
-		inner = &types.DynamicFeeTx{ChainID: s.chainID, Nonce: nonce, GasTipCap: q.tipCap, GasFeeCap: q.feeCap, Gas: c.Gas, To: &c.To, Data: c.Data}
+		inner = &types.DynamicFeeTx{ChainID: s.chainID, Nonce: nonce, GasTipCap: q.tipCap, GasFeeCap: q.feeCap, Gas: c.Gas, To: &c.To, Data: c.Data, Value: c.Value}
 	}
 	return types.SignNewTx(w.key, s.signer, inner)
 }
@@ -131,16 +140,43 @@ func (s *sender) send(ctx context.Context, w *wallet, calls []contractCall, q *f
 			w.nonce, w.synced = max(n, w.floor), true
 		}
 		txs := make([]*types.Transaction, len(calls))
+		own := uint64(0) // the wallet's transactions among them: Signed ones take none of its nonces
 		for i, c := range calls {
-			if txs[i], err = s.sign(w, w.nonce+uint64(i), c, q); err != nil {
+			if c.Signed != nil {
+				txs[i] = c.Signed
+				continue
+			}
+			if txs[i], err = s.sign(w, w.nonce+own, c, q); err != nil {
 				return nil, fmt.Errorf("signing settlement transaction: %w", err)
 			}
+			own++
 		}
 		if err := record(txs); err != nil {
 			return nil, fmt.Errorf("recording the transaction before broadcast: %w", err)
 		}
 	broadcast:
 		for i, tx := range txs {
+			if calls[i].Signed != nil {
+				// The node takes it only once what comes before it (its sender's gas money) has mined.
+				for _, before := range txs[:i] {
+					if err := s.awaitMined(ctx, before); err != nil {
+						w.nonce += own
+						return txs, fmt.Errorf("%w: %v", errBroadcastUnknown, err)
+					}
+				}
+				if err := s.sendSigned(ctx, tx); err != nil {
+					if errors.Is(err, errBroadcastUnknown) {
+						// Still on its way: the rest stays recorded, and reconciliation sends it once it mined.
+						w.nonce += own
+						return txs, err
+					}
+					// Never to succeed: nothing after it went out, and the wallet's nonces it would have taken stay
+					// free (the caller releases the record that held them).
+					w.nonce += ownIn(calls[:i])
+					return txs[:i], err
+				}
+				continue
+			}
 			err := s.backend.SendTransaction(ctx, tx)
 			switch {
 			case err == nil || isAlreadyKnown(err):
@@ -148,7 +184,7 @@ func (s *sender) send(ctx context.Context, w *wallet, calls []contractCall, q *f
 			case isTransportError(err) || !isAnswer(err):
 				// No answer of the node's (a network failure, or an error of the client's own: go-ethereum's
 				// "client reconnected" when its connection was replaced under the call): the node may hold it.
-				w.nonce += uint64(len(txs))
+				w.nonce += own
 				return txs, fmt.Errorf("%w: %v", errBroadcastUnknown, err)
 			case i == 0 && isNonceConflict(err):
 				known, kerr := s.known(ctx, tx)
@@ -176,18 +212,102 @@ func (s *sender) send(ctx context.Context, w *wallet, calls []contractCall, q *f
 				// The first went out, a later one was refused. The later one stays recorded with its nonce
 				// and is re-broadcast by reconciliation; giving its nonce to another settlement would
 				// strand this one half done.
-				w.nonce += uint64(len(txs))
+				w.nonce += own
 				return txs, fmt.Errorf("%w: node refused settlement transaction %d of %d: %v", errBroadcastUnknown, i+1, len(txs), err)
 			}
 		}
 		if w.synced {
-			w.nonce += uint64(len(txs))
+			w.nonce += own
 			return txs, nil
 		}
 	}
 }
 
-// replace signs a fee-bumped copy of a transaction stuck in the pool: same wallet, nonce, recipient, data and gas,
+// ownIn counts the calls a wallet signs (not Signed ones).
+func ownIn(calls []contractCall) uint64 {
+	n := uint64(0)
+	for _, c := range calls {
+		if c.Signed == nil {
+			n++
+		}
+	}
+	return n
+}
+
+// errSignedRefused says a transaction someone else signed (a sponsored approval) was refused by the node, or
+// mined and failed: the transactions after it were not sent.
+var errSignedRefused = errors.New("the payer's signed approval transaction")
+
+// errSignedFailed says a transaction someone else signed mined and failed (see errSignedRefused).
+var errSignedFailed = fmt.Errorf("%w mined and failed", errSignedRefused)
+
+// sendSigned broadcasts tx, signed by someone else, and waits until it mined and succeeded: the transactions after
+// it depend on what it does. A node that already knows it, or a nonce of its sender's that it took already, is
+// fine when it is tx itself that mined. errSignedRefused when the node refuses it or it fails on chain;
+// errBroadcastUnknown when it could not be seen mined in time (it may yet).
+func (s *sender) sendSigned(ctx context.Context, tx *types.Transaction) error {
+	err := s.backend.SendTransaction(ctx, tx)
+	// A node's pool checks balances against the state it last caught up with, which may lag the block that
+	// just mined the sender's gas money: asked again for a while, it takes the transaction once it has.
+	for try := 0; err != nil && strings.Contains(err.Error(), "insufficient funds") && try < 40; try++ {
+		select {
+		case <-ctx.Done():
+		case <-time.After(25 * time.Millisecond):
+			err = s.backend.SendTransaction(ctx, tx)
+			continue
+		}
+		break
+	}
+	switch {
+	case err == nil || isAlreadyKnown(err):
+	case isTransportError(err) || !isAnswer(err):
+		return fmt.Errorf("%w: %v", errBroadcastUnknown, err)
+	case isNonceConflict(err):
+		// Mined already (a send of an earlier attempt), or its nonce went to another of the payer's transactions.
+		if r, rerr := s.backend.TransactionReceipt(ctx, tx.Hash()); rerr != nil || r == nil {
+			return fmt.Errorf("%w was refused by the node: %v", errSignedRefused, err)
+		}
+	default:
+		return fmt.Errorf("%w was refused by the node: %v", errSignedRefused, err)
+	}
+	if err := s.awaitMined(ctx, tx); err != nil {
+		if errors.Is(err, errMinedFailed) {
+			return fmt.Errorf("%w: %s", errSignedFailed, tx.Hash().Hex())
+		}
+		return fmt.Errorf("%w: %v", errBroadcastUnknown, err)
+	}
+	return nil
+}
+
+// errMinedFailed: a transaction awaited mined and failed.
+var errMinedFailed = errors.New("mined and failed")
+
+// awaitMined waits until tx mined and succeeded: errMinedFailed when it failed, the context's error when it was
+// not seen mined in time.
+func (s *sender) awaitMined(ctx context.Context, tx *types.Transaction) error {
+	poll := s.poll
+	if poll <= 0 {
+		poll = 50 * time.Millisecond
+	}
+	for {
+		r, err := s.backend.TransactionReceipt(ctx, tx.Hash())
+		switch {
+		case err == nil && r != nil && r.Status == types.ReceiptStatusSuccessful:
+			return nil
+		case err == nil && r != nil:
+			return fmt.Errorf("%w: %s", errMinedFailed, tx.Hash().Hex())
+		case err != nil && !errors.Is(err, ethereum.NotFound) && ctx.Err() == nil && !isTransportError(err):
+			return fmt.Errorf("the receipt of %s: %w", tx.Hash().Hex(), err)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%s not seen mined: %w", tx.Hash().Hex(), ctx.Err())
+		case <-time.After(poll):
+		}
+	}
+}
+
+// replace signs a fee-bumped copy of a transaction stuck in the pool: same wallet, nonce, recipient, data, gas and value,
 // every fee raised by at least an eighth and to no less than a fresh quote. Whichever of the two mines, the
 // other cannot: they share the nonce.
 func (s *sender) replace(ctx context.Context, w *wallet, stuck *types.Transaction) (*types.Transaction, error) {
@@ -198,7 +318,8 @@ func (s *sender) replace(ctx context.Context, w *wallet, stuck *types.Transactio
 	if err != nil {
 		return nil, err
 	}
-	c := contractCall{To: *stuck.To(), Data: stuck.Data(), Gas: stuck.Gas()}
+	// The value too: a sponsored approval's gas money replaced without it would leave the payer unfunded.
+	c := contractCall{To: *stuck.To(), Data: stuck.Data(), Gas: stuck.Gas(), Value: stuck.Value()}
 	bumped := &feeQuote{}
 	if stuck.Type() == types.LegacyTxType {
 		bumped.gasPrice = maxBig(bump(stuck.GasPrice()), q.gasPrice)

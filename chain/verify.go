@@ -68,7 +68,10 @@ type payment struct {
 	p2         permit2Transfer       // permit2
 	auth       transferAuthorization // eip3009
 	sponsor    *sponsorPermit        // permit2 with eip2612GasSponsoring; nil when absent or unneeded (the approval covers)
-	id         journal.ID
+	// approval is a permit2 payment's erc20ApprovalGasSponsoring approval, on a network that takes it; nil when
+	// absent, unneeded (the allowance covers), or a gas-sponsoring permit came too (the permit is applied).
+	approval *sponsorApproval
+	id       journal.ID
 	// claim is the payment's journal record as this settlement claimed it (or, settling it again, as
 	// reconciliation read it): its writes go to that claim only, never to a claim made since by another.
 	claim journal.Record
@@ -311,8 +314,8 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 	}
 	// A read answers for a sponsored payment only as for an unsponsored one: when the approval it shows covers
 	// the payment, the permit is not applied (see checkChain). Whether the permit would apply, the chain says.
-	sponsor := p.sponsor
-	p.sponsor = nil
+	sponsor, approval := p.sponsor, p.approval
+	p.sponsor, p.approval = nil, nil
 	ok, err := f.coveredUnrecorded(ctx, p, use)
 	if err != nil {
 		ok = false // the full checks ask again, and report the journal's failure
@@ -329,7 +332,7 @@ func (f *Facilitator) fromFunds(ctx context.Context, p *payment, use fundsUse) b
 		}
 	}
 	if !ok {
-		p.sponsor = sponsor
+		p.sponsor, p.approval = sponsor, approval
 	}
 	return ok
 }
@@ -577,6 +580,9 @@ func (p *payment) parsePermit2(pp x402.PaymentPayload, sigErr error, settling bo
 	}
 	if info, ok, err := pp.GasSponsoring(); ok {
 		p.sponsor = p.parseSponsor(info, err)
+	}
+	if info, ok, err := pp.ApprovalSponsoring(); ok && p.sponsor == nil && p.net.approval != nil {
+		p.approval = p.parseApproval(info, err)
 	}
 	// exact and upto payments share one id space: both spend the payer's Permit2 nonce, from the one bitmap of
 	// the canonical Permit2 whichever proxy sends them, so one nonce is one payment. An upto payment settled for
@@ -853,7 +859,21 @@ func (p *payment) checkChain(ctx context.Context, use fundsUse) (*refusal, error
 			p.sponsor = nil
 		}
 	}
-	if p.method == x402.TransferPermit2 && (p.sponsor == nil || p.sponsor.err == nil) {
+	if p.method == x402.TransferPermit2 && p.approval != nil {
+		// As the sponsor permit: the approval is sent only where the payer's own allowance falls short.
+		allowance, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "allowance", p.payer, n.permit2)
+		if err != nil {
+			return nil, err
+		}
+		if allowance.Cmp(p.amount) >= 0 {
+			p.approval = nil
+		} else if p.approval.err == nil {
+			if ref, err := p.checkApproval(ctx); err != nil || ref != nil {
+				return ref, err
+			}
+		}
+	}
+	if p.method == x402.TransferPermit2 && (p.sponsor == nil || p.sponsor.err == nil) && (p.approval == nil || p.approval.err == nil) {
 		// The proxy's settle checks the nonce, the signature, the allowance and the balance itself: when
 		// its simulation succeeds, one call has answered for all of them. Only a failure needs the reads
 		// below, to name the reason.
@@ -904,7 +924,11 @@ func (p *payment) checkChain(ctx context.Context, use fundsUse) (*refusal, error
 			return nil, err
 		}
 		if allowance.Cmp(p.amount) >= 0 {
-			p.sponsor = nil // approval exists: settle without the sponsored permit
+			p.sponsor, p.approval = nil, nil // approval exists: settle without the sponsored permit
+		} else if p.approval != nil {
+			if p.approval.err != nil {
+				return p.approval.err, nil
+			}
 		} else if p.sponsor == nil {
 			return refuse(x402.ReasonPermit2AllowanceRequired, "payer %s has approved Permit2 for %s of %s, less than %s; approve Permit2 or add the %s extension", p.payer.Hex(), allowance, p.asset.Address.Hex(), p.amount, x402.ExtensionEIP2612GasSponsoring), nil
 		} else if p.sponsor.err != nil {
@@ -1074,6 +1098,10 @@ func (p *payment) permitInFlight() *refusal {
 	if p.method == x402.TransferERC2612 {
 		return refuse(x402.ReasonNonceAlreadyUsed, "permit nonce %s of %s is %s", p.permit.Nonce, p.payer.Hex(), other)
 	}
+	if p.approval != nil {
+		return refuse(x402.ReasonERC20ApprovalTxWrongNonce, "the approval of %s (erc20ApprovalGasSponsoring) is carried by another payment to this facilitator that is not settled yet, which sends it; wait for that payment to settle (the allowance it sets then pays this one)",
+			p.payer.Hex())
+	}
 	return refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "eip2612GasSponsoring.info.nonce %s of %s is %s (or approve Permit2)",
 		p.sponsor.permit.Nonce, p.payer.Hex(), other)
 }
@@ -1113,6 +1141,9 @@ func (p *payment) simulate(ctx context.Context) (*refusal, error) {
 			return refuse(reason, "simulating the settlement call after deploying the payer's wallet failed: %s", why), nil
 		}
 		return nil, nil
+	}
+	if p.approval != nil {
+		return p.simulateApproval(ctx, calls[0])
 	}
 	if _, err := p.call(ctx, &calls[0].To, calls[0].Data, calls[0].Gas); err != nil {
 		if !failsOnChain(err) {

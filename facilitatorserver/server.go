@@ -304,7 +304,7 @@ func (s *Server) FilterSupported(resp x402.SupportedResponse) x402.SupportedResp
 		}
 	}
 	for _, e := range resp.Extensions {
-		if e != x402.ExtensionEIP2612GasSponsoring || permit2 {
+		if (e != x402.ExtensionEIP2612GasSponsoring && e != x402.ExtensionERC20ApprovalGasSponsoring) || permit2 {
 			out.Extensions = append(out.Extensions, e)
 		}
 	}

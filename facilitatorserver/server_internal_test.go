@@ -97,7 +97,7 @@ func TestSupportedKeepsOnlyServedKindsSignersAndExtensions(t *testing.T) {
 			{X402Version: 1, Scheme: "exact", Network: x402.NetworkTestnet, Extra: x402.Extra{AssetTransferMethod: "erc2612"}},
 			{X402Version: 2, Scheme: "exact", Network: x402.NetworkMainnet, Extra: x402.Extra{AssetTransferMethod: "erc2612"}},
 		},
-		Extensions: []string{x402.ExtensionEIP2612GasSponsoring, "bazaar"},
+		Extensions: []string{x402.ExtensionEIP2612GasSponsoring, x402.ExtensionERC20ApprovalGasSponsoring, "bazaar"},
 		Signers:    map[string][]string{x402.NetworkTestnet: {"0xa"}, x402.NetworkMainnet: {"0xb"}, "eip155:*": {"0xc"}},
 	}
 	s := newTestServer(t, Options{Kinds: []string{"erc2612"}, Networks: []string{x402.NetworkMainnet}})
@@ -106,7 +106,7 @@ func TestSupportedKeepsOnlyServedKindsSignersAndExtensions(t *testing.T) {
 		t.Errorf("kinds = %+v, want only erc2612 on mainnet", got.Kinds)
 	}
 	if len(got.Extensions) != 1 || got.Extensions[0] != "bazaar" {
-		t.Errorf("extensions = %v, want [bazaar]: gas sponsoring goes with permit2", got.Extensions)
+		t.Errorf("extensions = %v, want [bazaar]: gas and approval sponsoring go with permit2", got.Extensions)
 	}
 	if _, ok := got.Signers[x402.NetworkTestnet]; ok || len(got.Signers[x402.NetworkMainnet]) != 1 || len(got.Signers["eip155:*"]) != 1 {
 		t.Errorf("signers = %v, want mainnet's and the wildcard's", got.Signers)

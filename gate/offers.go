@@ -61,7 +61,7 @@ var methodOrder = [...]string{x402.TransferPermit2, x402.TransferEIP3009, x402.T
 // ways with an explicit transfer method are offered: anything else would be a guess.
 func buildOffers(specs []Offer, sup *x402.SupportedResponse, reg *x402.Registry, at time.Time) *offerSet {
 	set := &offerSet{known: sup != nil, at: at}
-	sponsoring := false
+	sponsoring, approvals := false, false
 	for _, s := range specs {
 		if s.Scheme == x402.SchemeBatchSettlement {
 			if o, ok := batchOffer(s, sup); ok {
@@ -73,6 +73,7 @@ func buildOffers(specs []Offer, sup *x402.SupportedResponse, reg *x402.Registry,
 			if o, ok := uptoOffer(s, sup); ok {
 				set.offers = append(set.offers, o)
 				sponsoring = sponsoring || slices.Contains(sup.Extensions, x402.ExtensionEIP2612GasSponsoring)
+				approvals = approvals || slices.Contains(sup.Extensions, x402.ExtensionERC20ApprovalGasSponsoring)
 			}
 			continue
 		}
@@ -97,6 +98,7 @@ func buildOffers(specs []Offer, sup *x402.SupportedResponse, reg *x402.Registry,
 				o.req.Extra.Permit2Address = kind.Extra.Permit2Address
 				o.req.Extra.X402Permit2ProxyAddress = kind.Extra.X402Permit2ProxyAddress
 				sponsoring = sponsoring || (sup != nil && slices.Contains(sup.Extensions, x402.ExtensionEIP2612GasSponsoring))
+				approvals = approvals || (sup != nil && slices.Contains(sup.Extensions, x402.ExtensionERC20ApprovalGasSponsoring))
 			case x402.TransferERC2612:
 				o.spenders = sup.SignersFor(s.Network)
 				if sup != nil && len(o.spenders) == 0 {
@@ -114,6 +116,12 @@ func buildOffers(specs []Offer, sup *x402.SupportedResponse, reg *x402.Registry,
 	}
 	if sponsoring {
 		set.extensions = map[string]json.RawMessage{x402.ExtensionEIP2612GasSponsoring: gasSponsoringDeclaration}
+	}
+	if approvals {
+		if set.extensions == nil {
+			set.extensions = map[string]json.RawMessage{}
+		}
+		set.extensions[x402.ExtensionERC20ApprovalGasSponsoring] = approvalSponsoringDeclaration
 	}
 	return set
 }
@@ -166,6 +174,33 @@ var gasSponsoringDeclaration = func() json.RawMessage {
 				"version":   map[string]string{"type": "string"},
 			},
 			"required": []string{"from", "asset", "spender", "amount", "nonce", "deadline", "signature", "version"},
+		},
+	})
+	if err != nil {
+		panic(err) // a constant document
+	}
+	return b
+}()
+
+// approvalSponsoringDeclaration declares the erc20ApprovalGasSponsoring extension in a 402, as the public SDK
+// does: the facilitator funds and broadcasts a payer's signed approve(Permit2) transaction before the settlement.
+var approvalSponsoringDeclaration = func() json.RawMessage {
+	addr := map[string]string{"type": "string", "pattern": "^0x[a-fA-F0-9]{40}$"}
+	b, err := json.Marshal(map[string]any{
+		"info": map[string]string{
+			"description": "The facilitator broadcasts a pre-signed ERC-20 approve() transaction to grant Permit2 allowance, paying its gas.",
+			"version":     "1",
+		},
+		"schema": map[string]any{
+			"$schema": "https://json-schema.org/draft/2020-12/schema",
+			"type":    "object",
+			"properties": map[string]any{
+				"from": addr, "asset": addr, "spender": addr,
+				"amount":            map[string]string{"type": "string", "pattern": "^[0-9]+$"},
+				"signedTransaction": map[string]string{"type": "string", "pattern": "^0x[a-fA-F0-9]+$"},
+				"version":           map[string]string{"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)*$"},
+			},
+			"required": []string{"from", "asset", "spender", "amount", "signedTransaction", "version"},
 		},
 	})
 	if err != nil {

@@ -178,3 +178,32 @@ func TestAnEIP3009TokenIsOfferedByEIP3009AfterPermit2(t *testing.T) {
 		})
 	}
 }
+
+// A facilitator that takes erc20ApprovalGasSponsoring has it declared beside permit2 offers, with the schema the
+// public SDK declares; one that does not, or an offer set with no permit2 offer, declares nothing of it.
+func TestTheApprovalSponsoringExtensionIsDeclaredOnlyWithPermit2OffersOfAFacilitatorThatTakesIt(t *testing.T) {
+	reg := x402.NewRegistry()
+	with := testSupported(kind(2, "permit2"), kind(2, "erc2612"))
+	with.Extensions = append(with.Extensions, x402.ExtensionERC20ApprovalGasSponsoring)
+	for _, tc := range []struct {
+		name string
+		spec string
+		sup  *x402.SupportedResponse
+		want bool
+	}{
+		{"taken, permit2 offered", "", with, true},
+		{"taken, only erc2612 offered", "erc2612", with, false},
+		{"not taken", "", testSupported(kind(2, "permit2")), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			set := buildOffers([]Offer{testSpec(tc.spec)}, tc.sup, reg, time.Time{})
+			decl, ok := set.extensions[x402.ExtensionERC20ApprovalGasSponsoring]
+			if ok != tc.want {
+				t.Fatalf("approval sponsoring declared = %v, want %v", ok, tc.want)
+			}
+			if ok && !strings.Contains(string(decl), `"signedTransaction"`) {
+				t.Fatalf("declaration %s has no signedTransaction in its schema", decl)
+			}
+		})
+	}
+}

@@ -186,6 +186,10 @@ type Payment struct {
 	// SponsoringDeclared says the server declared eip2612GasSponsoring in its offer; the payment echoes that
 	// declaration.
 	SponsoringDeclared bool
+	// ApprovalSponsored says the payment carries the payer's own signed approval of Permit2
+	// (erc20ApprovalGasSponsoring, which the server declared), because the payer has not approved Permit2 for the
+	// amount and the token has no EIP-2612 permit or the server declared no eip2612GasSponsoring.
+	ApprovalSponsored bool
 	// Identifier is the id the payment is named with (WithPaymentIdentifier), "" when the server declared no
 	// payment-identifier extension.
 	Identifier string
@@ -542,6 +546,31 @@ func (p *Payer) signingTime(ctx context.Context, rpc *chainReader, pay *Payment)
 	return now, nil
 }
 
+// addApproval adds to a permit2 payment the erc20ApprovalGasSponsoring extension: the payer's own approve(Permit2,
+// max) transaction, signed with its pending account nonce and fees that pay the next blocks (twice the head's base
+// fee and a 1 gwei tip, as much as the public SDK's fallback when that is more), echoing the server's declaration.
+func (p *Payer) addApproval(ctx context.Context, pl *x402.PaymentPayload, rpc *chainReader, declared json.RawMessage, chainID *big.Int, pay *Payment) error {
+	nonce, err := rpc.client.PendingNonceAt(ctx, p.address)
+	if err != nil {
+		return rpc.wrap("reading the payer's pending nonce from the RPC", err)
+	}
+	head, err := rpc.head(ctx)
+	if err != nil {
+		return err
+	}
+	tip := big.NewInt(1_000_000_000)
+	feeCap := new(big.Int).Set(tip)
+	if head.BaseFee != nil {
+		feeCap.Add(feeCap, new(big.Int).Mul(head.BaseFee, big.NewInt(2)))
+	}
+	pl.Extensions = map[string]json.RawMessage{x402.ExtensionERC20ApprovalGasSponsoring: declared}
+	if err := chain.AddApprovalSponsoring(pl, p.key, chainID, chain.ApprovalTx{Nonce: nonce, TipCap: tip, FeeCap: feeCap}); err != nil {
+		return fmt.Errorf("adding the sponsored approval: %w", err)
+	}
+	pay.ApprovalSponsored = true
+	return nil
+}
+
 // sponsorIfNeeded adds the eip2612GasSponsoring permit to a permit2 payment when the payer's Permit2
 // allowance is below the amount, echoing the server's declaration of the extension (its schema) if it made
 // one.
@@ -562,7 +591,14 @@ func (p *Payer) sponsorIfNeeded(ctx context.Context, pl *x402.PaymentPayload, rp
 	if allowance.Cmp(amount) >= 0 {
 		return nil
 	}
+	// As the public SDK decides: the EIP-2612 permit when the server declares it and the token has one, else the
+	// payer's own approval transaction when the server declares erc20ApprovalGasSponsoring.
+	_, permitDeclared := offer.Required.Extensions[x402.ExtensionEIP2612GasSponsoring]
+	approvalDeclared, approvalOK := offer.Required.Extensions[x402.ExtensionERC20ApprovalGasSponsoring]
 	nonce, err := rpc.callUint(ctx, asset, "nonces", p.address)
+	if approvalOK && (!permitDeclared || err != nil) {
+		return p.addApproval(ctx, pl, rpc, approvalDeclared, chainID, pay)
+	}
 	if err != nil {
 		return err
 	}

@@ -37,11 +37,29 @@ const (
 	ReasonEIP2612AssetMismatch          = "eip2612_asset_mismatch"
 	ReasonEIP2612SpenderNotPermit2      = "eip2612_spender_not_permit2"
 	ReasonEIP2612DeadlineExpired        = "eip2612_deadline_expired"
-	ReasonUnexpectedVerifyError         = "unexpected_verify_error"
-	ReasonUnexpectedSettleError         = "unexpected_settle_error"
-	ReasonSettlementPending             = "settlement_pending"
-	ReasonNoAvailableWallets            = "no_available_wallets"
-	ReasonPaymentAlreadyUsed            = "payment_already_used"
+	// The erc20ApprovalGasSponsoring extension's reasons, as the public SDK words them; the last three are this
+	// facilitator's: the approval's gas, fees or nonce are not what it pays for or what the chain takes next.
+	ReasonInvalidERC20ApprovalExtensionFormat = "invalid_erc20_approval_extension_format"
+	ReasonERC20ApprovalFromMismatch           = "erc20_approval_from_mismatch"
+	ReasonERC20ApprovalAssetMismatch          = "erc20_approval_asset_mismatch"
+	ReasonERC20ApprovalSpenderNotPermit2      = "erc20_approval_spender_not_permit2"
+	ReasonERC20ApprovalTxWrongTarget          = "erc20_approval_tx_wrong_target"
+	ReasonERC20ApprovalTxWrongSelector        = "erc20_approval_tx_wrong_selector"
+	ReasonERC20ApprovalTxWrongSpender         = "erc20_approval_tx_wrong_spender"
+	ReasonERC20ApprovalTxInvalidCalldata      = "erc20_approval_tx_invalid_calldata"
+	ReasonERC20ApprovalTxSignerMismatch       = "erc20_approval_tx_signer_mismatch"
+	ReasonERC20ApprovalTxInvalidSignature     = "erc20_approval_tx_invalid_signature"
+	ReasonERC20ApprovalTxParseFailed          = "erc20_approval_tx_parse_failed"
+	ReasonERC20ApprovalTxFailed               = "erc20_approval_tx_failed"
+	ReasonERC20ApprovalBroadcastFailed        = "erc20_approval_broadcast_failed"
+	ReasonERC20ApprovalTxWrongChain           = "erc20_approval_tx_wrong_chain"
+	ReasonERC20ApprovalTxFeesNotSponsored     = "erc20_approval_tx_fees_not_sponsored"
+	ReasonERC20ApprovalTxWrongNonce           = "erc20_approval_tx_wrong_nonce"
+	ReasonUnexpectedVerifyError               = "unexpected_verify_error"
+	ReasonUnexpectedSettleError               = "unexpected_settle_error"
+	ReasonSettlementPending                   = "settlement_pending"
+	ReasonNoAvailableWallets                  = "no_available_wallets"
+	ReasonPaymentAlreadyUsed                  = "payment_already_used"
 )
 
 // Reason codes of eip3009 payments, as the public SDKs' exact EVM scheme names them for EIP-3009
@@ -153,7 +171,12 @@ var reasons = []string{
 	ReasonPermit2InsufficientBalance, ReasonPermit2InvalidNonce, ReasonPermit2ProxyNotDeployed,
 	ReasonPermit2EIP2612AmountMismatch, ReasonPermit2SimulationFailed, ReasonInvalidEIP2612ExtensionFormat,
 	ReasonEIP2612FromMismatch, ReasonEIP2612AssetMismatch, ReasonEIP2612SpenderNotPermit2,
-	ReasonEIP2612DeadlineExpired, ReasonUnexpectedVerifyError, ReasonUnexpectedSettleError, ReasonSettlementPending,
+	ReasonEIP2612DeadlineExpired, ReasonInvalidERC20ApprovalExtensionFormat, ReasonERC20ApprovalFromMismatch,
+	ReasonERC20ApprovalAssetMismatch, ReasonERC20ApprovalSpenderNotPermit2, ReasonERC20ApprovalTxWrongTarget,
+	ReasonERC20ApprovalTxWrongSelector, ReasonERC20ApprovalTxWrongSpender, ReasonERC20ApprovalTxInvalidCalldata,
+	ReasonERC20ApprovalTxSignerMismatch, ReasonERC20ApprovalTxInvalidSignature, ReasonERC20ApprovalTxParseFailed,
+	ReasonERC20ApprovalTxFailed, ReasonERC20ApprovalBroadcastFailed, ReasonERC20ApprovalTxWrongChain,
+	ReasonERC20ApprovalTxFeesNotSponsored, ReasonERC20ApprovalTxWrongNonce, ReasonUnexpectedVerifyError, ReasonUnexpectedSettleError, ReasonSettlementPending,
 	ReasonNoAvailableWallets, ReasonPaymentAlreadyUsed, ReasonEIP3009InvalidSignature, ReasonEIP3009RecipientMismatch,
 	ReasonEIP3009AuthorizationValue, ReasonEIP3009InsufficientBalance, ReasonEIP3009NotSupported,
 	ReasonEIP3009TokenNameMismatch, ReasonEIP3009TokenVersionMismatch, ReasonUptoFacilitatorMismatch,

@@ -40,6 +40,11 @@ func IsTransferMethod(m string) bool {
 // Permit2 approval from an EIP-2612 permit, paying the gas itself.
 const ExtensionEIP2612GasSponsoring = "eip2612GasSponsoring"
 
+// ExtensionERC20ApprovalGasSponsoring is the extension under which a facilitator broadcasts the payer's own
+// signed approve(Permit2, amount) transaction before the settlement, funding the gas it costs the payer: the
+// way to Permit2 for a token without an EIP-2612 permit.
+const ExtensionERC20ApprovalGasSponsoring = "erc20ApprovalGasSponsoring"
+
 // Header names of the resource-server protocol. HTTP header names are case-insensitive; these are the
 // canonical spellings that are emitted.
 const (
@@ -258,6 +263,34 @@ func (p PaymentPayload) GasSponsoring() (info *EIP2612GasSponsoringInfo, ok bool
 	}
 	if err := json.Unmarshal(raw, &ext); err != nil || ext.Info == nil {
 		return nil, true, errors.New(`extensions.eip2612GasSponsoring must be {"info":{from, asset, spender, amount, nonce, deadline, signature, version}}`)
+	}
+	return ext.Info, true, nil
+}
+
+// ERC20ApprovalGasSponsoringInfo is the payer's signed approval of Permit2 carried in
+// paymentPayload.extensions.erc20ApprovalGasSponsoring.info: SignedTransaction is the transaction's hex
+// encoding as eth_sendRawTransaction takes it (an EIP-1559 one from the public SDK).
+type ERC20ApprovalGasSponsoringInfo struct {
+	From              string `json:"from"`
+	Asset             string `json:"asset"`
+	Spender           string `json:"spender"`
+	Amount            string `json:"amount"`
+	SignedTransaction string `json:"signedTransaction"`
+	Version           string `json:"version"`
+}
+
+// ApprovalSponsoring decodes the payment's erc20ApprovalGasSponsoring extension: its info, or an error when the
+// extension is not {"info": {...}}; nil and ok false when the payment carries none.
+func (p PaymentPayload) ApprovalSponsoring() (info *ERC20ApprovalGasSponsoringInfo, ok bool, err error) {
+	raw, ok := p.Extensions[ExtensionERC20ApprovalGasSponsoring]
+	if !ok {
+		return nil, false, nil
+	}
+	var ext struct {
+		Info *ERC20ApprovalGasSponsoringInfo `json:"info"`
+	}
+	if err := json.Unmarshal(raw, &ext); err != nil || ext.Info == nil {
+		return nil, true, errors.New(`extensions.erc20ApprovalGasSponsoring must be {"info":{from, asset, spender, amount, signedTransaction, version}}`)
 	}
 	return ext.Info, true, nil
 }

@@ -67,6 +67,9 @@ type Record struct {
 	// PriorTxHashes are the hashes of every prior transaction (an erc2612 permit) any attempt of this settlement
 	// signed: one of them mined means the settlement's own permit spent the payer's permit nonce.
 	PriorTxHashes []string `json:"priorTxHashes,omitempty"`
+	// SponsoredRawTx is the payer's own signed approval of Permit2 (erc20ApprovalGasSponsoring), sent after
+	// PriorRawTxs (the payer's gas money) and before RawTx, which goes out only once it mined.
+	SponsoredRawTx []byte `json:"sponsoredRawTx,omitempty"`
 	// ReplacedTxHashes are earlier versions of TxHash (same wallet, same nonce, lower fees) that a fee bump
 	// replaced; any one of them may still be the one that mines.
 	ReplacedTxHashes []string `json:"replacedTxHashes,omitempty"`

@@ -1,0 +1,340 @@
+package chain_test
+
+import (
+	"context"
+	"encoding/json"
+	"math/big"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/common/hexutil"
+	"github.com/ethereum/go-ethereum/core/types"
+
+	"github.com/x402-gateway/caddy-x402/chain"
+	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// approvalFixture is a facilitator that takes erc20ApprovalGasSponsoring with its default bounds.
+func approvalFixture(t *testing.T) *fixture {
+	return newFixture(t, fixtureOpts{chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(3)}, tune: func(_ *fixture, nc *chain.NetworkConfig) {
+		nc.ApprovalSponsoring = &chain.ApprovalSponsoring{}
+	}})
+}
+
+// approvalFees are fees an approval signed now pays in the next block: a tip of 1 gwei over twice the head's
+// base fee.
+func (fx *fixture) approvalFees() chain.ApprovalTx {
+	fx.t.Helper()
+	head, err := fx.c.Client.HeaderByNumber(context.Background(), nil)
+	if err != nil {
+		fx.t.Fatal(err)
+	}
+	tip := big.NewInt(1_000_000_000)
+	return chain.ApprovalTx{Gas: 70_000, TipCap: tip, FeeCap: new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), tip)}
+}
+
+// approvalOf is the signed approval a payment's erc20ApprovalGasSponsoring extension carries.
+func approvalOf(t *testing.T, req x402.VerifyRequest) *types.Transaction {
+	t.Helper()
+	info, ok, err := req.PaymentPayload.ApprovalSponsoring()
+	if !ok || err != nil {
+		t.Fatalf("the payment carries no approval (%v)", err)
+	}
+	tx := new(types.Transaction)
+	if err := tx.UnmarshalBinary(hexutil.MustDecode(info.SignedTransaction)); err != nil {
+		t.Fatal(err)
+	}
+	return tx
+}
+
+func TestAPayerWithoutPermit2AllowanceOrGasPaysThroughItsSponsoredApproval(t *testing.T) {
+	fx := approvalFixture(t)
+	payer, wallet := fx.c.PayerNoGas, fx.c.Wallets[0].Address
+	if fx.c.ETHBalance(payer.Address).Sign() != 0 || fx.c.Allowance(payer.Address, contracts.Permit2Address).Sign() != 0 {
+		t.Fatal("the gas-less payer must start with no ETH and no Permit2 allowance")
+	}
+	sup, err := fx.f.Supported(context.Background())
+	if err != nil || !slices.Contains(sup.Extensions, x402.ExtensionERC20ApprovalGasSponsoring) {
+		t.Fatalf("/supported extensions = %v (%v), want %s among them", sup.Extensions, err, x402.ExtensionERC20ApprovalGasSponsoring)
+	}
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	walletTxs := fx.c.TxCount(wallet) + fx.c.TxCount(fx.c.Wallets[1].Address)
+
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	fees := fx.approvalFees()
+	fees.Nonce = 0
+	if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
+		t.Fatal(err)
+	}
+	if v := fx.verify(req); !v.IsValid {
+		t.Fatalf("verify with the approval = %+v, want valid", v)
+	}
+	if fx.c.ETHBalance(payer.Address).Sign() != 0 || fx.f.ApprovalFunding(fx.net).Sign() != 0 {
+		t.Fatal("verification funded the payer")
+	}
+	s := fx.settle(req)
+	if !s.Success {
+		t.Fatalf("settle = %+v, want success", s)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
+
+	// The facilitator sent the payer exactly the approval's gas limit at its fee cap, the payer's approval mined
+	// (setting the allowance it signed), and the payer keeps what the gas did not use.
+	approval := approvalOf(t, req)
+	receipt, err := fx.c.Client.TransactionReceipt(context.Background(), approval.Hash())
+	if err != nil || receipt.Status != types.ReceiptStatusSuccessful {
+		t.Fatalf("the payer's approval: receipt %+v, %v; want mined and successful", receipt, err)
+	}
+	funded := new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap)
+	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 {
+		t.Fatalf("ApprovalFunding = %s wei, want %s (gas limit x fee cap)", got, funded)
+	}
+	spent := new(big.Int).Mul(new(big.Int).SetUint64(receipt.GasUsed), receipt.EffectiveGasPrice)
+	if got, want := fx.c.ETHBalance(payer.Address), new(big.Int).Sub(funded, spent); got.Cmp(want) != 0 {
+		t.Fatalf("payer ETH = %s, want the funding less the approval's gas, %s", got, want)
+	}
+	if got := fx.c.Allowance(payer.Address, contracts.Permit2Address); got.Cmp(new(big.Int).SetBytes(approval.Data()[36:68])) != 0 {
+		t.Fatalf("Permit2 allowance = %s, want the max the approval set (a max allowance is never spent down)", got)
+	}
+	if got := fx.c.TxCount(wallet) + fx.c.TxCount(fx.c.Wallets[1].Address) - walletTxs; got != 2 {
+		t.Fatalf("the settlement wallets sent %d transactions, want 2 (the payer's gas money, the settlement)", got)
+	}
+	if fx.c.TxCount(payer.Address) != 1 {
+		t.Fatalf("the payer sent %d transactions, want 1 (its approval)", fx.c.TxCount(payer.Address))
+	}
+
+	// Presented again: answered from the journal, nothing sent or funded again.
+	if again := fx.settle(req); again.Transaction != s.Transaction || !again.Success {
+		t.Fatalf("settle again = %+v, want the first answer %+v", again, s)
+	}
+	// A second payment carrying the same approval (replayed): the allowance covers it, so the approval is not
+	// sent again and nothing is funded.
+	second := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	second.PaymentPayload.Extensions = req.PaymentPayload.Extensions
+	if s2 := fx.settle(second); !s2.Success {
+		t.Fatalf("second settle = %+v, want success", s2)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 2)
+	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 {
+		t.Fatalf("ApprovalFunding after a payment whose allowance covered = %s, want still %s", got, funded)
+	}
+}
+
+// A payer whose approval's gas money arrived already (the funding mined before a crash, or another gateway sent
+// it) is sent nothing more; one whose approval mined already (the settlement never sent) is settled without it.
+func TestASponsoredApprovalIsNeverFundedOrSentTwice(t *testing.T) {
+	fx := approvalFixture(t)
+	ctx := context.Background()
+	t.Run("funded already", func(t *testing.T) {
+		payer := fx.c.PayersNoGas[0]
+		req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+		fees := fx.approvalFees()
+		if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
+			t.Fatal(err)
+		}
+		fx.c.SendETH(fx.c.Payers[2], payer.Address, new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap))
+		if s := fx.settle(req); !s.Success {
+			t.Fatalf("settle = %+v, want success", s)
+		}
+		if got := fx.f.ApprovalFunding(fx.net); got.Sign() != 0 {
+			t.Fatalf("ApprovalFunding = %s, want 0: the payer had the gas money", got)
+		}
+	})
+	t.Run("approval mined already", func(t *testing.T) {
+		payer := fx.c.PayersNoGas[1]
+		req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+		fees := fx.approvalFees()
+		if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
+			t.Fatal(err)
+		}
+		approval := approvalOf(t, req)
+		fx.c.SendETH(fx.c.Payers[2], payer.Address, new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap))
+		if err := fx.c.Client.SendTransaction(ctx, approval); err != nil {
+			t.Fatal(err)
+		}
+		fx.c.Commit()
+		payerTxs := fx.c.TxCount(payer.Address)
+		if s := fx.settle(req); !s.Success {
+			t.Fatalf("settle = %+v, want success", s)
+		}
+		if fx.c.TxCount(payer.Address) != payerTxs || fx.f.ApprovalFunding(fx.net).Sign() != 0 {
+			t.Fatal("the approval was sent or funded again")
+		}
+	})
+}
+
+// rawApproval is a signed approval transaction and the extension info that carries it, each field free to be
+// made wrong.
+type rawApproval struct {
+	key                    *chaintest.Account
+	chainID                *big.Int
+	nonce, gas             uint64
+	tip, feeCap            *big.Int
+	to, spender            common.Address
+	amount                 *big.Int
+	data                   []byte // replaces the approve calldata when set
+	from, asset, infoSpend common.Address
+	rawHex                 string // replaces the signed transaction when set
+}
+
+func (a rawApproval) attach(t *testing.T, req *x402.VerifyRequest) {
+	t.Helper()
+	data := a.data
+	if data == nil {
+		var err error
+		if data, err = contracts.StableCoinABI.Pack("approve", a.spender, a.amount); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tx, err := types.SignNewTx(a.key.Key, types.LatestSignerForChainID(a.chainID), &types.DynamicFeeTx{
+		ChainID: a.chainID, Nonce: a.nonce, GasTipCap: a.tip, GasFeeCap: a.feeCap, Gas: a.gas, To: &a.to, Data: data})
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, _ := tx.MarshalBinary()
+	hexTx := hexutil.Encode(raw)
+	if a.rawHex != "" {
+		hexTx = a.rawHex
+	}
+	ext, _ := json.Marshal(map[string]x402.ERC20ApprovalGasSponsoringInfo{"info": {
+		From: a.from.Hex(), Asset: a.asset.Hex(), Spender: a.infoSpend.Hex(), Amount: a.amount.String(), SignedTransaction: hexTx, Version: "1"}})
+	req.PaymentPayload.Extensions = map[string]json.RawMessage{x402.ExtensionERC20ApprovalGasSponsoring: ext}
+}
+
+// Every approval the facilitator would not pay for, or that would not give Permit2 the payment's allowance from
+// the payer, is refused at verification and at settlement before anything is sent: no gas money, no approval, no
+// settlement.
+func TestASponsoredApprovalThatIsNotThePayersApprovalOfPermit2IsRefusedBeforeAnyGasIsSpent(t *testing.T) {
+	fx := approvalFixture(t)
+	payer, other := fx.c.PayersNoGas[2], fx.c.Payers[0]
+	fees := fx.approvalFees()
+	maxU := new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 256), big.NewInt(1))
+	good := rawApproval{key: payer, chainID: fx.c.ChainID, gas: fees.Gas, tip: fees.TipCap, feeCap: fees.FeeCap,
+		to: fx.c.Token, spender: contracts.Permit2Address, amount: maxU, from: payer.Address, asset: fx.c.Token, infoSpend: contracts.Permit2Address}
+	transfer, _ := contracts.StableCoinABI.Pack("transfer", contracts.Permit2Address, maxU)
+	stranger := common.HexToAddress("0x5700000000000000000000000000000000000057")
+	cases := []struct {
+		name   string
+		change func(*rawApproval)
+		reason string
+	}{
+		{"signed by another key", func(a *rawApproval) { a.key = other }, x402.ReasonERC20ApprovalTxSignerMismatch},
+		{"info from another owner", func(a *rawApproval) { a.from = other.Address }, x402.ReasonERC20ApprovalFromMismatch},
+		{"approves another spender", func(a *rawApproval) { a.spender = stranger }, x402.ReasonERC20ApprovalTxWrongSpender},
+		{"info names another spender", func(a *rawApproval) { a.infoSpend = stranger }, x402.ReasonERC20ApprovalSpenderNotPermit2},
+		{"calls another token", func(a *rawApproval) { a.to = stranger }, x402.ReasonERC20ApprovalTxWrongTarget},
+		{"info names another token", func(a *rawApproval) { a.asset = stranger }, x402.ReasonERC20ApprovalAssetMismatch},
+		{"approves less than the payment", func(a *rawApproval) { a.amount = big.NewInt(price - 1) }, x402.ReasonERC20ApprovalTxInvalidCalldata},
+		{"calls transfer, not approve", func(a *rawApproval) { a.data = transfer }, x402.ReasonERC20ApprovalTxWrongSelector},
+		{"a stale nonce", func(a *rawApproval) { a.nonce = 7 }, x402.ReasonERC20ApprovalTxWrongNonce},
+		{"an oversized transaction", func(a *rawApproval) { a.rawHex = "0x" + strings.Repeat("ab", 600) }, x402.ReasonInvalidERC20ApprovalExtensionFormat},
+		{"not a transaction", func(a *rawApproval) { a.rawHex = "0x02c0ffee" }, x402.ReasonERC20ApprovalTxParseFailed},
+		{"a gas limit above the bound", func(a *rawApproval) { a.gas = 200_000 }, x402.ReasonERC20ApprovalTxFeesNotSponsored},
+		{"a fee cap above the bound", func(a *rawApproval) { a.feeCap = big.NewInt(11_000_000_000) }, x402.ReasonERC20ApprovalTxFeesNotSponsored},
+		{"a fee cap under the base fee", func(a *rawApproval) { a.feeCap, a.tip = big.NewInt(1), big.NewInt(1) }, x402.ReasonERC20ApprovalTxFeesNotSponsored},
+		{"another chain", func(a *rawApproval) { a.chainID = big.NewInt(1) }, x402.ReasonERC20ApprovalTxWrongChain},
+	}
+	wallets := func() uint64 { return fx.c.TxCount(fx.c.Wallets[0].Address) + fx.c.TxCount(fx.c.Wallets[1].Address) }
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			a := good
+			tc.change(&a)
+			req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+			a.attach(t, &req)
+			sent := wallets()
+			if v := fx.verify(req); v.IsValid || v.InvalidReason != tc.reason {
+				t.Fatalf("verify = %+v, want %s", v, tc.reason)
+			}
+			if s := fx.settle(req); s.Success || s.ErrorReason != tc.reason || s.Transaction != "" {
+				t.Fatalf("settle = %+v, want %s with no transaction", s, tc.reason)
+			}
+			if wallets() != sent || fx.c.ETHBalance(payer.Address).Sign() != 0 || fx.c.TxCount(payer.Address) != 0 || fx.f.ApprovalFunding(fx.net).Sign() != 0 {
+				t.Fatal("something was sent or funded")
+			}
+		})
+	}
+	// The good one settles: the table's refusals are the changes', not the fixture's.
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	good.attach(t, &req)
+	if s := fx.settle(req); !s.Success {
+		t.Fatalf("the unchanged approval: settle = %+v, want success", s)
+	}
+}
+
+// A facilitator that does not take the extension neither declares it nor acts on it: the payer is told to
+// approve Permit2.
+func TestAFacilitatorWithoutApprovalSponsoringIgnoresTheApproval(t *testing.T) {
+	fx := newFixture(t, fixtureOpts{})
+	sup, err := fx.f.Supported(context.Background())
+	if err != nil || slices.Contains(sup.Extensions, x402.ExtensionERC20ApprovalGasSponsoring) {
+		t.Fatalf("/supported extensions = %v (%v), want no %s", sup.Extensions, err, x402.ExtensionERC20ApprovalGasSponsoring)
+	}
+	payer := fx.c.PayerNoGas
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fx.approvalFees()); err != nil {
+		t.Fatal(err)
+	}
+	if v := fx.verify(req); v.IsValid || v.InvalidReason != x402.ReasonPermit2AllowanceRequired {
+		t.Fatalf("verify = %+v, want %s", v, x402.ReasonPermit2AllowanceRequired)
+	}
+}
+
+// An engine that stops after sending the payer's gas money, before the approval went out (no block sealed it),
+// leaves the three transactions in its journal; the engine that restarts on the journal sends the approval once
+// the gas money mined, and the settlement once the approval mined: the payment settles once, by the recorded
+// settlement, and the payer is funded once.
+func TestASponsoredApprovalInterruptedAfterItsFundingSettlesOnceAfterARestart(t *testing.T) {
+	store := journal.NewMemory(journal.Options{})
+	fx := newFixture(t, fixtureOpts{journal: store, autoCommit: -1, receiptTimeout: 200 * time.Millisecond,
+		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune:      func(_ *fixture, nc *chain.NetworkConfig) { nc.ApprovalSponsoring = &chain.ApprovalSponsoring{} }})
+	payer := fx.c.PayerNoGas
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	sent := fx.c.TxCount(fx.c.Wallets[0].Address) + fx.c.TxCount(fx.c.Wallets[1].Address)
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	fees := fx.approvalFees()
+	if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
+		t.Fatal(err)
+	}
+	s := fx.settle(req)
+	if s.Success || s.ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("settle with no block sealed = %+v, want settlement_pending", s)
+	}
+	fx.f.Close()
+
+	again, err := chain.New(context.Background(), chain.Config{Journal: store, ReconcileEvery: 20 * time.Millisecond, ReconcileGrace: time.Millisecond,
+		Networks: []chain.NetworkConfig{{
+			Network: fx.net, Backend: fx.c.EthClient, ReceiptTimeout: 20 * time.Second, ReceiptPoll: 2 * time.Millisecond,
+			Assets:             []chain.AssetConfig{{Address: fx.c.Token, Name: "Stable Coin", Version: "1", Decimals: 6}},
+			Keys:               chaintestKeys(fx.c),
+			ApprovalSponsoring: &chain.ApprovalSponsoring{},
+		}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Close()
+	t.Cleanup(fx.c.AutoCommit(5 * time.Millisecond))
+	final, err := again.Settle(context.Background(), req)
+	if err != nil || !final.Success || final.Transaction != s.Transaction {
+		t.Fatalf("after the restart the payment answered %+v, %v; want settled by the recorded %s", final, err, s.Transaction)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
+	if got := fx.c.TxCount(fx.c.Wallets[0].Address) + fx.c.TxCount(fx.c.Wallets[1].Address) - sent; got != 2 {
+		t.Fatalf("the settlement wallets sent %d transactions, want 2 (the gas money once, the settlement once)", got)
+	}
+	receipt, err := fx.c.Client.TransactionReceipt(context.Background(), approvalOf(t, req).Hash())
+	if err != nil || receipt.Status != types.ReceiptStatusSuccessful {
+		t.Fatalf("the payer's approval: %+v, %v; want mined and successful", receipt, err)
+	}
+	funded := new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap)
+	spent := new(big.Int).Mul(new(big.Int).SetUint64(receipt.GasUsed), receipt.EffectiveGasPrice)
+	if got, want := fx.c.ETHBalance(payer.Address), new(big.Int).Sub(funded, spent); got.Cmp(want) != 0 {
+		t.Fatalf("payer ETH = %s, want one funding less the approval's gas, %s", got, want)
+	}
+}
