@@ -3,6 +3,7 @@ package gate
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -12,6 +13,8 @@ import (
 	"path"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/ethereum/go-ethereum/accounts"
 	"github.com/ethereum/go-ethereum/common"
@@ -107,6 +110,11 @@ func (x *exchange) accessKey(payer string) string {
 	scope := "*"
 	if len(x.g.cfg.Access.Paths) == 0 {
 		scope = boundedKey(x.requestPath())
+		if !utf8.ValidString(scope) || strings.ContainsFunc(scope, unicode.IsControl) {
+			// A path of escaped bytes that are not text ("%ff", "%00"): a key PostgreSQL's text holds all the same.
+			sum := sha256.Sum256([]byte(scope))
+			scope = "sha256:" + hex.EncodeToString(sum[:])
+		}
 	}
 	return x.g.cfg.Route + "\n" + scope + "\n" + strings.ToLower(payer)
 }
