@@ -585,3 +585,50 @@ func TestAPaymentServedWhenPresentedAgainGrantsAccessOnce(t *testing.T) {
 	}
 	refusedSignIn(t, e.signIn(payer), x402.SignInWithXGrantUsedUp)
 }
+
+// A grant named on two routes is sold on either and honoured on both: a payment on one signs its payer in on the
+// other, with no transaction, on another gateway of the cluster. A route that does not name it (the same route
+// after a reload that drops the name) honours none of it.
+func TestANamedGrantBoughtOnOneRouteSignsInOnAnotherThatNamesIt(t *testing.T) {
+	named := func(route string) setup {
+		return setup{config: func(c *gate.Config) {
+			c.Route, c.Access = route, &gate.Access{For: time.Hour, Requests: 2, Grant: "members"}
+		}}
+	}
+	gws := gatewaysOf(t, []setup{named("the selling route"), named("the honouring route")})
+	payer := gws[0].c.Payers[0]
+	before := gws[0].balances(payer)
+	if a := gws[0].get(x402.HeaderPaymentSignature, gws[0].permit2(payer)); a.status != http.StatusOK {
+		t.Fatalf("the payment on the selling route = %d %q, want 200", a.status, a.body)
+	}
+	txs := settlementTxs(gws[0].c)
+	if a := gws[1].signIn(payer); a.status != http.StatusOK || a.body != "paid content" {
+		t.Fatalf("a sign-in on the route honouring the grant = %d %q, want the resource", a.status, a.body)
+	}
+	if got := settlementTxs(gws[0].c); got != txs {
+		t.Errorf("the sign-in sent %d transactions, want none", got-txs)
+	}
+	if lost, gained := gws[0].paid(payer, before); lost.Int64() != price || gained.Int64() != price {
+		t.Errorf("the payer lost %s and the seller gained %s, want %d once", lost, gained, price)
+	}
+	// The honouring route, reloaded without the grant's name, honours none of it.
+	gws[1].cfg.Access = &gate.Access{For: time.Hour, Requests: 2}
+	gws[1].startGate()
+	refusedSignIn(t, gws[1].signIn(payer), x402.SignInWithXNoGrant)
+	// The grant's one request left still signs in where it is named.
+	if a := gws[0].signIn(payer); a.status != http.StatusOK {
+		t.Fatalf("the second sign-in on the selling route = %d %q, want 200", a.status, a.body)
+	}
+	refusedSignIn(t, gws[0].signIn(payer), x402.SignInWithXGrantUsedUp)
+}
+
+func TestABadGrantNameIsRefused(t *testing.T) {
+	for _, name := range []string{"has space", "new\nline", strings.Repeat("g", 65), "ünï"} {
+		if err := gate.CheckAccess(&gate.Access{For: time.Hour, Grant: name}, gate.SettleAfter); err == nil || !strings.Contains(err.Error(), "grant") {
+			t.Errorf("CheckAccess of grant %q = %v, want it refused naming the grant", name, err)
+		}
+	}
+	if err := gate.CheckAccess(&gate.Access{For: time.Hour, Grant: "members.gold-1_x"}, gate.SettleAfter); err != nil {
+		t.Errorf("CheckAccess of a good grant name: %v", err)
+	}
+}
