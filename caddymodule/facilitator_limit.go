@@ -42,7 +42,8 @@ type SettleRateLimit struct {
 // VerifyRateLimit caps, per client IP, the /verify calls the facilitator behind refuses or fails: each costs it
 // work and often a chain read (a forged signature an eth_getCode, an ERC-6492 wrapper a simulation), and the
 // caller signs nothing to make it. A valid payment costs nothing against the limit, nor do the refusals the
-// handler makes itself (kind, network, terms, a malformed body). Over the limit, the client's /verify calls are
+// handler makes itself (kind, network, terms, a malformed body). Each GET /discovery/resources counts against it
+// too: a public read of the journal. Over the limit, the client's /verify calls are
 // answered 429 with Retry-After (and a VerifyResponse with unexpected_verify_error) before the facilitator behind
 // is asked, until its bucket refills: the limit per minute, up to the limit at once. It is on by default.
 type VerifyRateLimit struct {

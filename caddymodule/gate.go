@@ -640,6 +640,10 @@ type GateAccess struct {
 	// Paths are the request paths a grant covers ("/reports/*": every path under /reports/); default: the path
 	// the payment was made for, as the public SDK's servers grant.
 	Paths []string `json:"paths,omitempty"`
+	// Grant names the grant a payment here buys and a sign-in here spends, shared by every gate that names it:
+	// access sold on one route is honoured on the others (each of which sells it too, at its own price).
+	// Default: the grant is this route's alone.
+	Grant string `json:"grant,omitempty"`
 }
 
 // core is a the gate core's Access of a; nil for nil.
@@ -647,5 +651,5 @@ func (a *GateAccess) core() *gate.Access {
 	if a == nil {
 		return nil
 	}
-	return &gate.Access{For: time.Duration(a.For), Requests: a.Requests, Paths: a.Paths}
+	return &gate.Access{For: time.Duration(a.For), Requests: a.Requests, Paths: a.Paths, Grant: a.Grant}
 }

@@ -382,6 +382,10 @@ func (g *Gate) unmarshalAccess(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			a.Paths = append(a.Paths, paths...)
+		case "grant":
+			if !d.AllArgs(&a.Grant) {
+				return d.ArgErr()
+			}
 		default:
 			return d.Errf("unrecognized access option '%s'", opt)
 		}

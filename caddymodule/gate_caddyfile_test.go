@@ -135,6 +135,7 @@ func TestTheX402DirectivesAccessAdaptsToTheGatesAccess(t *testing.T) {
 		{"access 1h", map[string]any{"for": float64(time.Hour)}},
 		{"access 30m {\n\t\trequests 100\n\t\tpaths /paid/* /reports/q3\n\t}",
 			map[string]any{"for": float64(30 * time.Minute), "requests": float64(100), "paths": []any{"/paid/*", "/reports/q3"}}},
+		{"access 1h {\n\t\tgrant members\n\t}", map[string]any{"for": float64(time.Hour), "grant": "members"}},
 	} {
 		handlers := adaptGate(t, ":8080\nx402 /paid/* $0.002 {\n\tpay_to 0x05e11e75e11e75e11e75e11e75e11e75e11e75e1\n\t"+tc.block+"\n}\nrespond paid\n")
 		if got := handlers[0]["access"]; !reflect.DeepEqual(got, tc.want) {
@@ -185,6 +186,8 @@ func TestBadX402DirectivesAreRefusedNamingTheProblem(t *testing.T) {
 		{"access path not from the root", "access 1h {\n\t\tpaths reports/*\n\t}", "must start with '/'"},
 		{"access path with a star inside", "access 1h {\n\t\tpaths /a/*/b\n\t}", "only at its end"},
 		{"access unknown option", "access 1h {\n\t\tcolour blue\n\t}", "unrecognized access option 'colour'"},
+		{"access grant of a bad name", "access 1h {\n\t\tgrant gold/members\n\t}", `grant "gold/members" must be`},
+		{"access grant of two names", "access 1h {\n\t\tgrant gold members\n\t}", "wrong argument count"},
 		{"access with settle async", "settle async\n\taccess 1h", "settle async serves before settling"},
 		{"max_buffer that is not a size", "max_buffer lots", "max_buffer 'lots'"},
 		{"max_buffer of nothing", "max_buffer 0", "max_buffer '0'"},

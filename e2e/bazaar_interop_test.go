@@ -1,9 +1,11 @@
 package e2e
 
 import (
+	"crypto/ecdsa"
 	"encoding/json"
 	"fmt"
 	"math/big"
+	"net/http"
 	"os"
 	"strings"
 	"testing"
@@ -14,6 +16,7 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/internal/needs"
+	"github.com/x402-gateway/caddy-x402/payer"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -166,6 +169,64 @@ func TestAnHonoServerDeclaringBazaarIsCataloguedByOurFacilitatorAndListedToTheSD
 	}
 	if !strings.Contains(hono.out.String(), `"bazaar":{"status":"success"}`) {
 		t.Errorf("the hono server's facilitator client logged no bazaar success from EXTENSION-RESPONSES:\n%s", lastLines(hono.out.String(), 20))
+	}
+
+	// Our payer against the hono server: `caddy x402 pay` and payer.Transport each pay once, echoing its
+	// declaration as the SDK's client does, and the facilitator catalogs it again from their payments (one entry,
+	// updated, still the hono server's declaration).
+	ours := []struct {
+		name string
+		pay  func(key *ecdsa.PrivateKey)
+	}{
+		{"caddy x402 pay", func(key *ecdsa.PrivateKey) {
+			r := runCommand(t, 2*time.Minute, dir, childEnv(t, "X402_PAYER_KEY="+hexutil.Encode(crypto.FromECDSA(key))),
+				caddyBin, "x402", "pay", "--rpc", chainURL, honoURL+"/paid?city=Oslo")
+			if r.code != 0 || !strings.HasPrefix(r.stdout, "HTTP/1.1 200 OK\n") {
+				t.Fatalf("caddy x402 pay exited %d\nstdout:\n%s\nstderr:\n%s", r.code, r.stdout, r.stderr)
+			}
+		}},
+		{"payer.Transport", func(key *ecdsa.PrivateKey) {
+			p, err := payer.New(key, payer.Options{RPC: chainURL})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Close()
+			client := &http.Client{Transport: &payer.Transport{Payer: p, Limits: []payer.Limit{{Network: fmt.Sprintf("eip155:%d", devchain.DefaultChainID),
+				Asset: devchain.TokenAddress.Hex(), PerRequest: big.NewInt(10_000), Total: big.NewInt(10_000)}}}}
+			resp, err := client.Get(honoURL + "/paid?city=Oslo")
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				t.Fatalf("payer.Transport paying the hono server = %d", resp.StatusCode)
+			}
+		}},
+	}
+	for i, o := range ours {
+		key := devchain.PayerKeyN(5 + i)
+		addr := crypto.PubkeyToAddress(key.PublicKey)
+		dev.fundPayer(key)
+		payerBefore, sellerBefore, from := dev.balance(addr), dev.balance(seller), dev.head()+1
+		o.pay(key)
+		if d := delta(payerBefore, dev.balance(addr)); d.Cmp(big.NewInt(-10_000)) != 0 {
+			t.Errorf("%s: the payer's balance moved by %s, want -10000", o.name, d)
+		}
+		if d := delta(sellerBefore, dev.balance(seller)); d.Cmp(big.NewInt(10_000)) != 0 {
+			t.Errorf("%s: the seller's balance moved by %s, want +10000", o.name, d)
+		}
+		if n := len(dev.transfers(addr, seller, from)); n != 1 {
+			t.Errorf("%s: %d Transfers from the payer to the seller, want 1", o.name, n)
+		}
+		again := list("http", "10", "0")
+		if again.Pagination.Total != 1 || again.Items[0].Resource != honoURL+"/paid" || again.Items[0].ServiceName != "Hono Weather" ||
+			again.Items[0].LastUpdated <= got.Items[0].LastUpdated {
+			t.Errorf("%s: after its payment the catalog lists %+v; want the hono server's /paid alone, updated", o.name, again)
+		}
+		got = again
+		if n := strings.Count(hono.out.String(), `"bazaar":{"status":"success"}`); n != 2+i {
+			t.Errorf("%s: the hono server logged %d bazaar successes, want %d: our payer's payment echoed no declaration", o.name, n, 2+i)
+		}
 	}
 	hono.stop()
 	caddy.stop()

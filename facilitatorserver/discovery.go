@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -21,7 +22,8 @@ const EndpointDiscoveryResources = "discovery/resources"
 
 // Bounds of the catalog's listing and of what one resource may take in it.
 const (
-	// DefaultDiscoveryLimit is the page size of a listing that names no limit; MaxDiscoveryLimit the largest.
+	// DefaultDiscoveryLimit is the page size of a listing that names no limit; MaxDiscoveryLimit the largest (a
+	// larger limit is taken as it, and the answer's pagination.limit says so).
 	DefaultDiscoveryLimit = 20
 	MaxDiscoveryLimit     = 100
 	// MaxDiscoveryEntryBytes is the most one catalogued resource takes, as JSON: a larger declaration is rejected.
@@ -35,8 +37,9 @@ const (
 type Catalog interface {
 	// Add writes r as its resource's entry, now, keeping at most maxEntries entries.
 	Add(ctx context.Context, r x402.DiscoveredResource, maxEntries int) error
-	// List returns the catalog, the most recently updated first.
-	List(ctx context.Context) ([]x402.DiscoveredResource, error)
+	// List returns the page q asks for of the resources that pass its filters, the most recently updated
+	// first, and how many pass them.
+	List(ctx context.Context, q x402.DiscoveryQuery) ([]x402.DiscoveredResource, int, error)
 }
 
 // bazaarResponse is the bazaar key of an EXTENSION-RESPONSES header.
@@ -92,32 +95,26 @@ func (s *Server) discoveryEntries() int {
 	return DefaultDiscoveryEntries
 }
 
-// discoveryQuery is what a listing asks for.
-type discoveryQuery struct {
-	typ, payTo, scheme, network, extension string
-	limit, offset                          int
-}
-
 // discoveryParams are the query parameters a listing reads; any other is refused, so that a client misspelling
 // a filter learns so instead of getting everything.
 var discoveryParams = []string{"type", "payTo", "scheme", "network", "extensions", "limit", "offset"}
 
 // readDiscoveryQuery reads a listing's query parameters, or says which one is wrong.
-func readDiscoveryQuery(q url.Values) (discoveryQuery, error) {
+func readDiscoveryQuery(q url.Values) (x402.DiscoveryQuery, error) {
 	for k := range q {
 		known := false
 		for _, p := range discoveryParams {
 			known = known || k == p
 		}
 		if !known {
-			return discoveryQuery{}, fmt.Errorf("query parameter %q is not one this endpoint reads (%s)", k, strings.Join(discoveryParams, ", "))
+			return x402.DiscoveryQuery{}, fmt.Errorf("query parameter %q is not one this endpoint reads (%s)", k, strings.Join(discoveryParams, ", "))
 		}
 		if len(q[k]) > 1 {
-			return discoveryQuery{}, fmt.Errorf("query parameter %q is given %d times; give it once", k, len(q[k]))
+			return x402.DiscoveryQuery{}, fmt.Errorf("query parameter %q is given %d times; give it once", k, len(q[k]))
 		}
 	}
-	d := discoveryQuery{typ: q.Get("type"), payTo: q.Get("payTo"), scheme: q.Get("scheme"), network: q.Get("network"),
-		extension: q.Get("extensions"), limit: DefaultDiscoveryLimit}
+	d := x402.DiscoveryQuery{Type: q.Get("type"), PayTo: q.Get("payTo"), Scheme: q.Get("scheme"), Network: q.Get("network"),
+		Extension: q.Get("extensions"), Limit: DefaultDiscoveryLimit}
 	num := func(name string, lo, hi int, into *int) error {
 		v, ok := q[name]
 		if !ok {
@@ -130,38 +127,19 @@ func readDiscoveryQuery(q url.Values) (discoveryQuery, error) {
 		*into = n
 		return nil
 	}
-	if err := num("limit", 1, MaxDiscoveryLimit, &d.limit); err != nil {
+	// A limit above the largest page is taken as the largest, as the SDK's discovery client, which passes on
+	// whatever limit its caller names and fails on any answer but 200, needs; pagination.limit says so.
+	if err := num("limit", 1, math.MaxInt32, &d.Limit); err != nil {
 		return d, err
 	}
-	if err := num("offset", 0, 1<<30, &d.offset); err != nil {
+	d.Limit = min(d.Limit, MaxDiscoveryLimit)
+	if err := num("offset", 0, 1<<30, &d.Offset); err != nil {
 		return d, err
 	}
-	if d.typ != "" && d.typ != "http" && d.typ != "mcp" {
-		return d, fmt.Errorf("query parameter \"type\" is %q; want \"http\" or \"mcp\"", d.typ)
+	if d.Type != "" && d.Type != "http" && d.Type != "mcp" {
+		return d, fmt.Errorf("query parameter \"type\" is %q; want \"http\" or \"mcp\"", d.Type)
 	}
 	return d, nil
-}
-
-// matches reports whether r passes the listing's filters.
-func (d discoveryQuery) matches(r x402.DiscoveredResource) bool {
-	if d.typ != "" && r.Type != d.typ {
-		return false
-	}
-	if d.extension != "" {
-		if _, ok := r.Extensions[d.extension]; !ok {
-			return false
-		}
-	}
-	if d.payTo == "" && d.scheme == "" && d.network == "" {
-		return true
-	}
-	for _, a := range r.Accepts {
-		if (d.payTo == "" || strings.EqualFold(a.PayTo, d.payTo)) && (d.scheme == "" || a.Scheme == d.scheme) &&
-			(d.network == "" || a.Network == d.network) {
-			return true
-		}
-	}
-	return false
 }
 
 // serveDiscoveryResources answers GET /discovery/resources: the catalog, filtered and paged as the SDK's
@@ -177,24 +155,30 @@ func (s *Server) serveDiscoveryResources(r *http.Request) reply {
 		return errorReply(http.StatusBadRequest, "%v", err)
 	}
 	out := x402.DiscoveryResourcesResponse{X402Version: x402.Version2, Items: []x402.DiscoveredResource{},
-		Pagination: x402.DiscoveryPagination{Limit: q.limit, Offset: q.offset}}
+		Pagination: x402.DiscoveryPagination{Limit: q.Limit, Offset: q.Offset}}
 	c := s.catalog()
 	if c == nil {
 		return reply{status: http.StatusOK, body: out}
 	}
-	all, err := c.List(r.Context())
+	// Public, and each listing a read of the journal: counted against the client's verify rate limit, as a
+	// refused /verify is, so that nobody can have the database read as fast as they can ask.
+	if s.verifies != nil {
+		if ok, who, wait := s.verifies.take(s.clientIP(r)); !ok {
+			secs := retryAfter(wait)
+			res := errorReply(http.StatusTooManyRequests, "%s has made more than %d listings and refused /verify calls in the last minute (verify_rate_limit per_ip): retry after %d s",
+				who, s.verifies.buckets.perMinute, secs)
+			res.retryAfter = secs
+			return res
+		}
+	}
+	items, total, err := c.List(r.Context(), q)
 	if err != nil {
 		s.logger.Error("reading the catalog failed", zap.String("error", s.redact(err.Error())))
 		return errorReply(http.StatusServiceUnavailable, "the catalog could not be read; try again")
 	}
-	for _, d := range all {
-		if !q.matches(d) {
-			continue
-		}
-		if out.Pagination.Total >= q.offset && len(out.Items) < q.limit {
-			out.Items = append(out.Items, d)
-		}
-		out.Pagination.Total++
+	if items != nil {
+		out.Items = items
 	}
+	out.Pagination.Total = total
 	return reply{status: http.StatusOK, body: out}
 }

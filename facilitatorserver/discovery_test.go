@@ -224,13 +224,45 @@ func TestTheCatalogIsBoundedPagedAndRejectsWhatItCannotKeep(t *testing.T) {
 		t.Errorf("rejected declarations reached the catalog: %s", raw)
 	}
 
+	// A limit above the largest page is taken as it, as the SDK's discovery client needs (it fails on a 400).
+	if status, got, raw := list(t, url, "limit=1000"); status != http.StatusOK || got.Pagination.Limit != facilitatorserver.MaxDiscoveryLimit || got.Pagination.Total != 3 {
+		t.Errorf("?limit=1000 = %d %s; want 200, pagination.limit %d", status, raw, facilitatorserver.MaxDiscoveryLimit)
+	}
 	for _, q := range []struct{ query, param string }{
-		{"limit=0", "limit"}, {"limit=101", "limit"}, {"limit=x", "limit"}, {"offset=-1", "offset"},
+		{"limit=0", "limit"}, {"limit=99999999999", "limit"}, {"limit=x", "limit"}, {"offset=-1", "offset"},
 		{"type=ftp", "type"}, {"sort=asc", "sort"}, {"limit=1&limit=2", "limit"},
 	} {
 		status, _, raw := list(t, url, q.query)
 		if status != http.StatusBadRequest || !strings.Contains(raw, `\"`+q.param+`\"`) {
 			t.Errorf("?%s = %d %s; want 400 naming %q", q.query, status, raw, q.param)
 		}
+	}
+}
+
+// Listings are counted against the client's verify rate limit: past it, 429 with Retry-After, and the catalog is
+// not read.
+func TestListingsCountAgainstTheClientsVerifyRateLimit(t *testing.T) {
+	_, f, _ := engine(t)
+	cat := journal.ResourceCatalog{Store: journal.NewMemory(journal.Options{})}
+	srv, err := facilitatorserver.New(f, facilitatorserver.Options{
+		VerifyRateLimit: facilitatorserver.VerifyRateLimit{PerIP: 3},
+		Catalog:         func() facilitatorserver.Catalog { return cat },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, url := serve(t, srv, "")
+	for i := range 3 {
+		if status, _, raw := list(t, url, "limit=5"); status != http.StatusOK {
+			t.Fatalf("listing %d = %d %s, want 200", i, status, raw)
+		}
+	}
+	resp, err := http.Get(url + "/discovery/resources")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") == "" {
+		t.Fatalf("the fourth listing in a minute = %d (Retry-After %q), want 429 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
 	}
 }

@@ -3,6 +3,7 @@ package gate
 import (
 	"encoding/json"
 	"fmt"
+	"maps"
 
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -98,4 +99,33 @@ func (x *exchange) describeForDiscovery(info x402.ResourceInfo) x402.ResourceInf
 	}
 	info.ServiceName, info.Tags, info.IconURL = d.ServiceName, d.Tags, d.IconURL
 	return info
+}
+
+// declaredPayload is a version 2 payload as the gate sends it to its facilitator: its resource and its bazaar
+// declaration are the gate's own, for this request, in place of what the payer echoed. A facilitator catalogs a
+// route from the payload it settles, which the payer writes: echoed as they came, a payer could have our
+// facilitator list our route under any URL, description or schema, or list a route of ours that declares
+// nothing. The payer's signature covers neither (it signs the payload's payload), so nothing it signed changes.
+func (x *exchange) declaredPayload(p x402.PaymentPayload) x402.PaymentPayload {
+	if p.X402Version != x402.Version2 {
+		return p
+	}
+	info := x.describeForDiscovery(x.resource())
+	p.Resource = &info
+	own := map[string]json.RawMessage{}
+	if x.g.cfg.Discovery != nil {
+		x.declareDiscovery(own)
+	}
+	_, echoed := p.Extensions[x402.ExtensionBazaar]
+	if own[x402.ExtensionBazaar] == nil && !echoed {
+		return p
+	}
+	ext := make(map[string]json.RawMessage, len(p.Extensions)+1)
+	maps.Copy(ext, p.Extensions)
+	delete(ext, x402.ExtensionBazaar)
+	if decl := own[x402.ExtensionBazaar]; decl != nil {
+		ext[x402.ExtensionBazaar] = decl
+	}
+	p.Extensions = ext
+	return p
 }

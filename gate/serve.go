@@ -138,6 +138,7 @@ func (x *exchange) run() error {
 			InvalidMessage: "the payment names no payer and nonce"})
 	}
 	x.req, x.id, x.decimals = p.req, p.id, p.decimals
+	x.req.PaymentPayload = x.declaredPayload(x.req.PaymentPayload) // bazaar.go
 	x.presented = p
 	if answered, err := x.paymentIdentifierTaken(p); answered {
 		return err

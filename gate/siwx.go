@@ -3,6 +3,7 @@ package gate
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -12,6 +13,8 @@ import (
 	"path"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/ethereum/go-ethereum/accounts"
 	"github.com/ethereum/go-ethereum/common"
@@ -33,9 +36,18 @@ type Access struct {
 	// Requests bounds how many requests a grant signs in; 0: as many as come within For.
 	Requests int64
 	// Paths are the request paths a grant covers ("/reports/*" covers what starts with "/reports/", anything
-	// else one path); empty: the path the payment was made for, as the public SDK's servers grant.
+	// else one path); empty: the path the payment was made for, as the public SDK's servers grant (with Grant:
+	// every path of the route).
 	Paths []string
+	// Grant, when set, names the grant a payment here buys and a sign-in here spends, shared by every route of
+	// any gate that names it: access sold on one route is honoured on the others. Every route naming a grant
+	// sells it at its own price, so a grant opens only routes the operator named it on. Empty: the grant is this
+	// route's alone.
+	Grant string
 }
+
+// maxGrantName bounds a grant's name.
+const maxGrantName = 64
 
 // CheckAccess says what is wrong with an Access for a gate of settlement mode settle (nil: nothing).
 func CheckAccess(a *Access, settle string) error {
@@ -50,6 +62,11 @@ func CheckAccess(a *Access, settle string) error {
 		// An async payment is served before it settles: a grant written then could outlive a settlement refused
 		// for good, access bought by nothing.
 		return errors.New("access: a grant is bought by a settled payment; settle async serves before settling (use settle after or before)")
+	}
+	if len(a.Grant) > maxGrantName || strings.ContainsFunc(a.Grant, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_' || r == '.')
+	}) {
+		return fmt.Errorf("access: grant %q must be 1 to %d letters, digits, '-', '_' or '.'", a.Grant, maxGrantName)
 	}
 	for _, p := range a.Paths {
 		if !strings.HasPrefix(p, "/") {
@@ -101,12 +118,21 @@ func (x *exchange) requestPath() string {
 	return u.Path
 }
 
-// accessKey is where the journal keeps what a payer bought of this route: the route, the path where the grant is
-// per path, and the payer, a line each (PostgreSQL's text holds no NUL; a request path holds no raw newline).
+// accessKey is where the journal keeps what a payer bought of this route: the route (or the named grant), the
+// path where the grant is per path, and the payer, a line each (PostgreSQL's text holds no NUL; a request path
+// holds no raw newline). A named grant is never per path: it spans routes of other paths.
 func (x *exchange) accessKey(payer string) string {
+	if g := x.g.cfg.Access.Grant; g != "" {
+		return "grant:" + g + "\n*\n" + strings.ToLower(payer)
+	}
 	scope := "*"
 	if len(x.g.cfg.Access.Paths) == 0 {
 		scope = boundedKey(x.requestPath())
+		if !utf8.ValidString(scope) || strings.ContainsFunc(scope, unicode.IsControl) {
+			// A path of escaped bytes that are not text ("%ff", "%00"): a key PostgreSQL's text holds all the same.
+			sum := sha256.Sum256([]byte(scope))
+			scope = "sha256:" + hex.EncodeToString(sum[:])
+		}
 	}
 	return x.g.cfg.Route + "\n" + scope + "\n" + strings.ToLower(payer)
 }

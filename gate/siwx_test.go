@@ -469,3 +469,166 @@ func TestAccessBesidePaymentIdentifierAndAHeadSignIn(t *testing.T) {
 	}
 	refusedSignIn(t, e.signIn(payer), x402.SignInWithXGrantUsedUp)
 }
+
+// fetch requests path of the env's server with the given headers (name, value pairs).
+func (e *env) fetch(path string, headers ...string) answer {
+	e.t.Helper()
+	req, err := http.NewRequest(http.MethodGet, e.srv.URL+path, nil)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return answer{resp.StatusCode, resp.Header, string(body)}
+}
+
+// A sign-in whose fields hold a NUL, a control character or text that is not UTF-8, or a request path that is
+// not, is refused as malformed (or judged on its path as any other), never handed to the journal: PostgreSQL's
+// text holds neither, and the refusal of its write read as an unreachable journal (503) to a client that wrote
+// nothing wrong but its header.
+func TestASignInWithANulOrBadUTF8IsRefusedAsMalformedNotAsAnUnreachableJournal(t *testing.T) {
+	gws := gateways(t, setup{config: func(c *gate.Config) { c.Access = &gate.Access{For: time.Hour} }}, 1)
+	e := gws[0]
+	payer := e.c.Payers[0]
+	if a := e.get(x402.HeaderPaymentSignature, e.permit2(payer)); a.status != http.StatusOK {
+		t.Fatalf("the payment = %d %q, want 200", a.status, a.body)
+	}
+	inNonce := func(text string) func() string {
+		return func() string {
+			b, _ := base64.StdEncoding.DecodeString(signInAs(t, e.challenge(), payer, nil))
+			return base64.StdEncoding.EncodeToString([]byte(strings.Replace(string(b), `"nonce":"`, `"nonce":"`+text, 1)))
+		}
+	}
+	for _, c := range []struct {
+		name   string
+		header func() string
+	}{
+		{"a NUL in the nonce, signed", func() string {
+			return signInAs(t, e.challenge(), payer, func(s *x402.SignInWithX) { s.Nonce += "\x00" })
+		}},
+		{"a newline in the nonce, signed", func() string {
+			return signInAs(t, e.challenge(), payer, func(s *x402.SignInWithX) { s.Nonce += "\nIssued At: 2020-01-01T00:00:00Z" })
+		}},
+		{"a NUL in the statement, signed", func() string {
+			return signInAs(t, e.challenge(), payer, func(s *x402.SignInWithX) { st := "hi\x00"; s.Statement = &st })
+		}},
+		{"bad UTF-8 in the nonce", inNonce("\xff")},
+		{"a lone surrogate in the nonce", inNonce(`\ud800`)},
+		{"an escaped NUL in the nonce", inNonce(`\u0000`)},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			refusedSignIn(t, e.get(x402.HeaderSignInWithX, c.header()), x402.SignInWithXHeaderMalformed)
+		})
+	}
+	// A request path that is not UTF-8 (or holds a NUL) is judged as any other: no grant there.
+	for _, p := range []string{"/report%ff", "/report%00"} {
+		a := e.fetch(p)
+		pr, err := x402.DecodePaymentRequired(a.header.Get(x402.HeaderPaymentRequired))
+		if err != nil {
+			t.Fatalf("GET %s = %d %q: %v", p, a.status, a.body, err)
+		}
+		var decl x402.SignInWithXDeclaration
+		if err := json.Unmarshal(pr.Extensions[x402.ExtensionSignInWithX], &decl); err != nil {
+			t.Fatal(err)
+		}
+		refusedSignIn(t, e.fetch(p, x402.HeaderSignInWithX, signInAs(t, decl, payer, nil)), x402.SignInWithXNoGrant)
+	}
+	if a := e.signIn(payer); a.status != http.StatusOK {
+		t.Fatalf("a good sign-in after the refusals = %d %q, want 200", a.status, a.body)
+	}
+}
+
+// A payment whose first response was not delivered (its upstream failed after it settled, its client went) and
+// that is served when presented again grants access as its first presentation would have: the payer paid once,
+// and is served once, and its grant is written once, whichever presentation delivered.
+func TestAPaymentServedWhenPresentedAgainGrantsAccessOnce(t *testing.T) {
+	var runs atomic.Int64
+	flaky := gate.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		if runs.Add(1) == 1 {
+			w.WriteHeader(http.StatusBadGateway)
+			return nil
+		}
+		_, err := w.Write([]byte("paid content"))
+		return err
+	})
+	e := newEnv(t, setup{settle: gate.SettleBefore, upstream: flaky, config: func(c *gate.Config) {
+		c.Access = &gate.Access{For: time.Hour, Requests: 3}
+	}})
+	payer := e.c.Payers[0]
+	header, before := e.permit2(payer), e.balances(payer)
+	if a := e.get(x402.HeaderPaymentSignature, header); a.status != http.StatusBadGateway {
+		t.Fatalf("the first presentation = %d %q, want the upstream's 502", a.status, a.body)
+	}
+	if a := e.get(x402.HeaderPaymentSignature, header); a.status != http.StatusOK || a.body != "paid content" {
+		t.Fatalf("the payment presented again = %d %q, want the resource", a.status, a.body)
+	}
+	if a := e.get(x402.HeaderPaymentSignature, header); a.status != http.StatusPaymentRequired {
+		t.Fatalf("the payment presented a third time = %d %q, want 402: served", a.status, a.body)
+	}
+	if lost, gained := e.paid(payer, before); lost.Int64() != price || gained.Int64() != price {
+		t.Fatalf("the payer lost %s and the seller gained %s, want %d once", lost, gained, price)
+	}
+	for i := range 3 {
+		if a := e.signIn(payer); a.status != http.StatusOK {
+			t.Fatalf("sign-in %d after the payment was served on its second presentation = %d %q, want 200", i, a.status, a.body)
+		}
+	}
+	refusedSignIn(t, e.signIn(payer), x402.SignInWithXGrantUsedUp)
+}
+
+// A grant named on two routes is sold on either and honoured on both: a payment on one signs its payer in on the
+// other, with no transaction, on another gateway of the cluster. A route that does not name it (the same route
+// after a reload that drops the name) honours none of it.
+func TestANamedGrantBoughtOnOneRouteSignsInOnAnotherThatNamesIt(t *testing.T) {
+	named := func(route string) setup {
+		return setup{config: func(c *gate.Config) {
+			c.Route, c.Access = route, &gate.Access{For: time.Hour, Requests: 2, Grant: "members"}
+		}}
+	}
+	gws := gatewaysOf(t, []setup{named("the selling route"), named("the honouring route")})
+	payer := gws[0].c.Payers[0]
+	before := gws[0].balances(payer)
+	if a := gws[0].get(x402.HeaderPaymentSignature, gws[0].permit2(payer)); a.status != http.StatusOK {
+		t.Fatalf("the payment on the selling route = %d %q, want 200", a.status, a.body)
+	}
+	txs := settlementTxs(gws[0].c)
+	if a := gws[1].signIn(payer); a.status != http.StatusOK || a.body != "paid content" {
+		t.Fatalf("a sign-in on the route honouring the grant = %d %q, want the resource", a.status, a.body)
+	}
+	if got := settlementTxs(gws[0].c); got != txs {
+		t.Errorf("the sign-in sent %d transactions, want none", got-txs)
+	}
+	if lost, gained := gws[0].paid(payer, before); lost.Int64() != price || gained.Int64() != price {
+		t.Errorf("the payer lost %s and the seller gained %s, want %d once", lost, gained, price)
+	}
+	// The honouring route, reloaded without the grant's name, honours none of it.
+	gws[1].cfg.Access = &gate.Access{For: time.Hour, Requests: 2}
+	gws[1].startGate()
+	refusedSignIn(t, gws[1].signIn(payer), x402.SignInWithXNoGrant)
+	// The grant's one request left still signs in where it is named.
+	if a := gws[0].signIn(payer); a.status != http.StatusOK {
+		t.Fatalf("the second sign-in on the selling route = %d %q, want 200", a.status, a.body)
+	}
+	refusedSignIn(t, gws[0].signIn(payer), x402.SignInWithXGrantUsedUp)
+}
+
+func TestABadGrantNameIsRefused(t *testing.T) {
+	for _, name := range []string{"has space", "new\nline", strings.Repeat("g", 65), "ünï"} {
+		if err := gate.CheckAccess(&gate.Access{For: time.Hour, Grant: name}, gate.SettleAfter); err == nil || !strings.Contains(err.Error(), "grant") {
+			t.Errorf("CheckAccess of grant %q = %v, want it refused naming the grant", name, err)
+		}
+	}
+	if err := gate.CheckAccess(&gate.Access{For: time.Hour, Grant: "members.gold-1_x"}, gate.SettleAfter); err != nil {
+		t.Errorf("CheckAccess of a good grant name: %v", err)
+	}
+}

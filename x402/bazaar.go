@@ -181,6 +181,39 @@ type DiscoveryPagination struct {
 	Total  int `json:"total"`
 }
 
+// DiscoveryQuery is what a listing of a catalog asks for (GET /discovery/resources): its filters, each empty for
+// any, and its page, the most recently updated resources first.
+type DiscoveryQuery struct {
+	// Type is "http" or "mcp"; Extension a key the resource's extensions hold.
+	Type, Extension string
+	// PayTo (any case), Scheme and Network must all hold of one of the resource's accepts.
+	PayTo, Scheme, Network string
+	// Limit is how many resources the page holds at most, Offset how many matching ones come before it.
+	Limit, Offset int
+}
+
+// Matches reports whether r passes q's filters.
+func (q DiscoveryQuery) Matches(r DiscoveredResource) bool {
+	if q.Type != "" && r.Type != q.Type {
+		return false
+	}
+	if q.Extension != "" {
+		if _, ok := r.Extensions[q.Extension]; !ok {
+			return false
+		}
+	}
+	if q.PayTo == "" && q.Scheme == "" && q.Network == "" {
+		return true
+	}
+	for _, a := range r.Accepts {
+		if (q.PayTo == "" || strings.EqualFold(a.PayTo, q.PayTo)) && (q.Scheme == "" || a.Scheme == q.Scheme) &&
+			(q.Network == "" || a.Network == q.Network) {
+			return true
+		}
+	}
+	return false
+}
+
 // ErrNoBazaar is DiscoverResource's answer for a payment that declares nothing for discovery.
 var ErrNoBazaar = errors.New("the payment carries no bazaar extension")
 

@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	jsonv2 "github.com/go-json-experiment/json"
 )
@@ -131,6 +133,12 @@ func DecodeSignInWithX(header string) (SignInWithX, error) {
 				Detail: fmt.Sprintf("%s is required and must be a non-empty string", f.name)}
 		}
 	}
+	if field, ok := s.plainText(); !ok {
+		// A NUL, line break or other control character, or text that is not UTF-8: no SIWE message holds one (a
+		// line break would let one field pass for another in the message signed), and no journal key may.
+		return SignInWithX{}, &DecodeError{Doc: docSignInWithX, Kind: DecodeInvalidValue, Field: field,
+			Detail: field + " holds a control character or text that is not UTF-8"}
+	}
 	switch s.Type {
 	case SignatureTypeEIP191, "ed25519":
 	default:
@@ -138,6 +146,30 @@ func DecodeSignInWithX(header string) (SignInWithX, error) {
 			Detail: fmt.Sprintf("type %q is none of eip191, ed25519", s.Type)}
 	}
 	return s, nil
+}
+
+// plainText reports whether every field of s is UTF-8 text without control characters, else names the first
+// that is not.
+func (s SignInWithX) plainText() (field string, ok bool) {
+	fields := []struct{ name, v string }{{"domain", s.Domain}, {"address", s.Address}, {"uri", s.URI},
+		{"version", s.Version}, {"chainId", s.ChainID}, {"type", s.Type}, {"nonce", s.Nonce}, {"issuedAt", s.IssuedAt},
+		{"expirationTime", s.ExpirationTime}, {"notBefore", s.NotBefore}, {"signatureScheme", s.SignatureScheme},
+		{"signature", s.Signature}}
+	if s.Statement != nil {
+		fields = append(fields, struct{ name, v string }{"statement", *s.Statement})
+	}
+	if s.RequestID != nil {
+		fields = append(fields, struct{ name, v string }{"requestId", *s.RequestID})
+	}
+	for _, r := range s.Resources {
+		fields = append(fields, struct{ name, v string }{"resources", r})
+	}
+	for _, f := range fields {
+		if !utf8.ValidString(f.v) || strings.ContainsFunc(f.v, unicode.IsControl) {
+			return f.name, false
+		}
+	}
+	return "", true
 }
 
 // EncodeSignInWithX is the SIGN-IN-WITH-X header of s: Base64 of its JSON, as the public SDK's clients send it.

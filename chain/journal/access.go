@@ -18,8 +18,9 @@ import (
 // time. Every store of this package implements it.
 type Access interface {
 	// GrantAccess grants key access until until, for uses requests (0: as many as come), bought by payment. A
-	// grant key holds that is still good is extended: the later end, and the uses of both. A grant bought by the
-	// same payment already changes nothing, so a payment recorded as served twice grants once.
+	// grant key holds that is still good is extended: the later end, and the uses of both. A payment that granted
+	// before changes nothing, whatever other payments granted since (its mark is kept GrantMarkKept past its
+	// grant's end), so that a payment served on a later presentation grants once.
 	GrantAccess(ctx context.Context, key string, payment ID, until time.Time, uses int64) error
 	// SignIn spends nonce (remembered as used until nonceUntil) and one use of key's grant at now, in one write,
 	// and returns the grant as it is after. It changes nothing and returns ErrNonceUsed, ErrNoGrant,
@@ -39,6 +40,15 @@ type Grant struct {
 	// Payment is the last payment that bought or extended it.
 	Payment ID
 }
+
+// GrantMarkKept is how long past its grant's end the journal remembers that a payment granted access: a payment
+// presented again within it (its first response cut short) grants nothing more. Presenting a payment again
+// serves it for as long as its record is kept; the payment's own signature has expired long before this ends.
+const GrantMarkKept = 7 * 24 * time.Hour
+
+// grantMark is the key under which the used nonces keep that payment granted access: no sign-in's nonce, which
+// its payer's address starts, is the same.
+func grantMark(payment ID) string { return "granted\n" + payment.String() }
 
 // Refusals of SignIn.
 var (
@@ -130,9 +140,12 @@ func (s *MemoryStore) GrantAccess(ctx context.Context, key string, payment ID, u
 	if s.grants == nil {
 		s.grants, s.nonces = make(map[string]Grant), make(map[string]time.Time)
 	}
+	if _, granted := s.nonces[grantMark(payment)]; granted {
+		return nil
+	}
 	held, had := s.grants[key]
 	if g, write := grantAccess(held, had, payment, until, uses, s.opts.now()); write {
-		s.grants[key] = g
+		s.grants[key], s.nonces[grantMark(payment)] = g, until.Add(GrantMarkKept)
 	}
 	return nil
 }
@@ -184,7 +197,11 @@ func (s *BoltStore) GrantAccess(ctx context.Context, key string, payment ID, unt
 	var opErr error
 	now := s.opts.now()
 	err := s.write(ctx, func(t *boltTxn) {
-		b := t.tx.Bucket(bucketAccessGrants)
+		b, marks := t.tx.Bucket(bucketAccessGrants), t.tx.Bucket(bucketSignInNonces)
+		mark := []byte(grantMark(payment))
+		if marks.Get(mark) != nil {
+			return
+		}
 		var held Grant
 		v := b.Get([]byte(key))
 		if v != nil {
@@ -193,7 +210,10 @@ func (s *BoltStore) GrantAccess(ctx context.Context, key string, payment ID, unt
 			}
 		}
 		if g, write := grantAccess(held, v != nil, payment, until, uses, now); write {
-			if opErr = b.Put([]byte(key), grantBytes(g)); opErr != nil {
+			if opErr = b.Put([]byte(key), grantBytes(g)); opErr == nil {
+				opErr = marks.Put(mark, binary.BigEndian.AppendUint64(nil, uint64(until.Add(GrantMarkKept).UnixNano())))
+			}
+			if opErr != nil {
 				t.tainted = true
 			}
 		}
@@ -352,8 +372,14 @@ func (s *PostgresStore) GrantAccess(ctx context.Context, key string, payment ID,
 	defer cancel()
 	now := s.opts.now()
 	grant := func(tx pgx.Tx) error {
-		// The row is locked where it is; where it is not, two first grants race on the insert, and the one that
-		// finds the other's row reads it again.
+		// The payment's mark first: two grants of one payment at once queue on it, and the second finds it. The
+		// grant's row is locked where it is; where it is not, two first grants race on the insert, and the one
+		// that finds the other's row reads it again.
+		tag, err := tx.Exec(wctx, `INSERT INTO x402_signin_nonces (nonce, until_ns) VALUES ($1, $2) ON CONFLICT (nonce) DO NOTHING`,
+			grantMark(payment), nanos(until.Add(GrantMarkKept)))
+		if err != nil || tag.RowsAffected() == 0 {
+			return err
+		}
 		held, had, err := scanGrant(key, tx.QueryRow(wctx, pgGrantRow+` FOR UPDATE`, key))
 		if err != nil {
 			return err
@@ -367,7 +393,7 @@ func (s *PostgresStore) GrantAccess(ctx context.Context, key string, payment ID,
 				key, g.Until.UnixNano(), g.Uses, g.Payment[:])
 			return err
 		}
-		tag, err := tx.Exec(wctx, `INSERT INTO x402_access_grants (key, until_ns, uses, payment) VALUES ($1, $2, $3, $4)
+		tag, err = tx.Exec(wctx, `INSERT INTO x402_access_grants (key, until_ns, uses, payment) VALUES ($1, $2, $3, $4)
 	ON CONFLICT (key) DO NOTHING`, key, g.Until.UnixNano(), g.Uses, g.Payment[:])
 		if err == nil && tag.RowsAffected() == 0 {
 			err = errGrantRaced

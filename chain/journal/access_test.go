@@ -60,11 +60,43 @@ func TestStoreGrantsAccessOncePerPaymentSpendsNoncesOnceAndPrunesEndedGrants(t *
 		if _, ok, err := a().AccessGrant(ctx, "route/payer"); err != nil || ok {
 			t.Fatalf("an ended grant outlived Prune: %v, %v", ok, err)
 		}
-		if err := a().GrantAccess(ctx, "route/payer", first, clock.Now().Add(time.Hour), 1); err != nil {
+		if err := a().GrantAccess(ctx, "route/payer", claimOf(52).ID, clock.Now().Add(time.Hour), 1); err != nil {
 			t.Fatal(err)
 		}
 		if _, err := signIn("route/payer", "nonce-1"); err != nil {
 			t.Fatalf("a nonce pruned past its time: %v, want it taken (its sign-in is refused as too old before it gets here)", err)
+		}
+	})
+}
+
+// A payment presented again after other payments extended its payer's grant (its first response cut short after
+// its grant was written) grants nothing more: each payment's uses count once.
+func TestAPaymentGrantsOnceWhateverGrantedSince(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		clock := newTestClock()
+		s := h.open(t, clock.Now)
+		ctx := context.Background()
+		a, b := claimOf(60).ID, claimOf(61).ID
+		until := clock.Now().Add(time.Hour)
+		for _, p := range []ID{a, b, a, b, a} {
+			if err := s.(Access).GrantAccess(ctx, "route/payer", p, until, 2); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if g, ok, err := s.(Access).AccessGrant(ctx, "route/payer"); err != nil || !ok || g.Uses != 4 {
+			t.Fatalf("two payments of 2 uses each, granted again and again: %+v, %v, %v; want 4 uses", g, ok, err)
+		}
+		// Still so past the grant's end, once pruned, and after a reopen.
+		clock.Advance(2 * time.Hour)
+		if _, err := s.Prune(ctx, clock.Now().Add(-24*time.Hour)); err != nil {
+			t.Fatal(err)
+		}
+		s = h.reopen(t, s)
+		if err := s.(Access).GrantAccess(ctx, "route/payer", a, clock.Now().Add(time.Hour), 2); err != nil {
+			t.Fatal(err)
+		}
+		if _, ok, err := s.(Access).AccessGrant(ctx, "route/payer"); err != nil || ok {
+			t.Fatalf("a payment that granted before granted again once its grant ended: %v, %v", ok, err)
 		}
 	})
 }

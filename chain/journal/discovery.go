@@ -1,6 +1,7 @@
 package journal
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"encoding/json"
@@ -20,8 +21,11 @@ type Discovery interface {
 	// CatalogResource writes doc as key's entry, updated at the store's now, and then evicts the least recently
 	// updated entries beyond maxEntries (0: no bound).
 	CatalogResource(ctx context.Context, key string, doc []byte, maxEntries int) error
-	// DiscoveredResources returns every entry, the most recently updated first.
-	DiscoveredResources(ctx context.Context) ([]DiscoveryEntry, error)
+	// DiscoveredResources returns the page of the entries whose documents (x402.DiscoveredResource) pass q's
+	// filters, the most recently updated first, and how many pass them. The filters are applied where the entries
+	// are kept (in the database's query, within the read of the file), and only the page's documents are handed
+	// out.
+	DiscoveredResources(ctx context.Context, q x402.DiscoveryQuery) (page []DiscoveryEntry, total int, err error)
 }
 
 // DiscoveryEntry is one resource of a catalog.
@@ -49,7 +53,53 @@ func readDiscoveryValue(key string, v []byte) (DiscoveryEntry, error) {
 	if len(v) < 8 {
 		return DiscoveryEntry{}, fmt.Errorf("%w: catalog entry of %q has %d bytes", ErrCorrupt, key, len(v))
 	}
-	return DiscoveryEntry{Key: key, Doc: slices.Clone(v[8:]), Updated: time.Unix(0, int64(binary.BigEndian.Uint64(v))).UTC()}, nil
+	return DiscoveryEntry{Key: key, Doc: v[8:], Updated: time.Unix(0, int64(binary.BigEndian.Uint64(v))).UTC()}, nil
+}
+
+// catalogView is what the filters of a listing read of an entry's document.
+type catalogView struct {
+	Type    string `json:"type"`
+	Accepts []struct {
+		PayTo   string `json:"payTo"`
+		Scheme  string `json:"scheme"`
+		Network string `json:"network"`
+	} `json:"accepts"`
+	Extensions map[string]json.RawMessage `json:"extensions"`
+}
+
+// matchesDoc reports whether the document doc passes q's filters; one that does not read, or escapes a NUL (as
+// the PostgreSQL store reads it), passes none.
+func matchesDoc(q x402.DiscoveryQuery, doc []byte) bool {
+	if q.Type == "" && q.Extension == "" && q.PayTo == "" && q.Scheme == "" && q.Network == "" {
+		return true
+	}
+	var v catalogView
+	if bytes.Contains(doc, []byte(`\u0000`)) || json.Unmarshal(doc, &v) != nil {
+		return false
+	}
+	r := x402.DiscoveredResource{Type: v.Type, Extensions: v.Extensions}
+	for _, a := range v.Accepts {
+		r.Accepts = append(r.Accepts, x402.PaymentRequirements{PayTo: a.PayTo, Scheme: a.Scheme, Network: a.Network})
+	}
+	return q.Matches(r)
+}
+
+// page filters entries (newest first, their documents not yet copied) by q and returns its page, the documents
+// copied, and how many passed.
+func page(es []DiscoveryEntry, q x402.DiscoveryQuery) ([]DiscoveryEntry, int) {
+	var out []DiscoveryEntry
+	total := 0
+	for _, e := range es {
+		if !matchesDoc(q, e.Doc) {
+			continue
+		}
+		if total >= q.Offset && len(out) < q.Limit {
+			e.Doc = slices.Clone(e.Doc)
+			out = append(out, e)
+		}
+		total++
+	}
+	return out, total
 }
 
 // newestFirst orders entries by update, the newest first, then by key so that pages are stable.
@@ -68,8 +118,20 @@ func newestFirst(es []DiscoveryEntry) {
 	})
 }
 
+// checkCatalogDoc refuses a document a listing could not filter: one that is not JSON, or that escapes a NUL
+// (PostgreSQL's jsonb takes neither).
+func checkCatalogDoc(key string, doc []byte) error {
+	if !json.Valid(doc) || bytes.Contains(doc, []byte(`\u0000`)) {
+		return fmt.Errorf("journal: the catalog entry of %q is not JSON, or escapes a NUL", key)
+	}
+	return nil
+}
+
 // CatalogResource implements Discovery.
 func (s *MemoryStore) CatalogResource(ctx context.Context, key string, doc []byte, maxEntries int) error {
+	if err := checkCatalogDoc(key, doc); err != nil {
+		return err
+	}
 	if err := s.lock(ctx); err != nil {
 		return err
 	}
@@ -105,16 +167,24 @@ func memoryEntries(m map[string][]byte) ([]DiscoveryEntry, error) {
 }
 
 // DiscoveredResources implements Discovery.
-func (s *MemoryStore) DiscoveredResources(ctx context.Context) ([]DiscoveryEntry, error) {
+func (s *MemoryStore) DiscoveredResources(ctx context.Context, q x402.DiscoveryQuery) ([]DiscoveryEntry, int, error) {
 	if err := s.lock(ctx); err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	defer s.mu.Unlock()
-	return memoryEntries(s.discovery)
+	es, err := memoryEntries(s.discovery)
+	if err != nil {
+		return nil, 0, err
+	}
+	out, total := page(es, q)
+	return out, total, nil
 }
 
 // CatalogResource implements Discovery.
 func (s *BoltStore) CatalogResource(ctx context.Context, key string, doc []byte, maxEntries int) error {
+	if err := checkCatalogDoc(key, doc); err != nil {
+		return err
+	}
 	now := s.opts.now()
 	var opErr error
 	err := s.write(ctx, func(t *boltTxn) {
@@ -151,25 +221,34 @@ func (s *BoltStore) CatalogResource(ctx context.Context, key string, doc []byte,
 	return nil
 }
 
-// DiscoveredResources implements Discovery.
-func (s *BoltStore) DiscoveredResources(ctx context.Context) ([]DiscoveryEntry, error) {
-	var es []DiscoveryEntry
+// DiscoveredResources implements Discovery: the entries are filtered and paged within the read, the documents
+// of the page alone copied out of the file's memory.
+func (s *BoltStore) DiscoveredResources(ctx context.Context, q x402.DiscoveryQuery) ([]DiscoveryEntry, int, error) {
+	var (
+		out   []DiscoveryEntry
+		total int
+	)
 	err := s.read(ctx, func(t *boltTxn) error {
 		b := t.tx.Bucket(bucketDiscovery)
 		if b == nil {
 			return nil
 		}
-		return b.ForEach(func(k, v []byte) error {
+		var es []DiscoveryEntry
+		if err := b.ForEach(func(k, v []byte) error {
 			e, err := readDiscoveryValue(string(k), v)
 			es = append(es, e)
 			return err
-		})
+		}); err != nil {
+			return err
+		}
+		newestFirst(es)
+		out, total = page(es, q)
+		return nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("journal: reading the catalog: %w", err)
+		return nil, 0, fmt.Errorf("journal: reading the catalog: %w", err)
 	}
-	newestFirst(es)
-	return es, nil
+	return out, total, nil
 }
 
 // pgDiscoveryMigration (8) is the PostgreSQL store's catalog of resources. A new table only, which no earlier
@@ -187,6 +266,9 @@ CREATE INDEX IF NOT EXISTS x402_discovery_updated ON x402_discovery (updated_ns)
 
 // CatalogResource implements Discovery.
 func (s *PostgresStore) CatalogResource(ctx context.Context, key string, doc []byte, maxEntries int) error {
+	if err := checkCatalogDoc(key, doc); err != nil {
+		return err
+	}
 	wctx, cancel, err := s.begin(ctx, true)
 	if err != nil {
 		return err
@@ -211,17 +293,36 @@ func (s *PostgresStore) CatalogResource(ctx context.Context, key string, doc []b
 	return nil
 }
 
-// DiscoveredResources implements Discovery.
-func (s *PostgresStore) DiscoveredResources(ctx context.Context) ([]DiscoveryEntry, error) {
+// pgDiscoveryMatches is the FROM and WHERE of a listing: the filters $1 type, $2 extension, $3 payTo, $4
+// scheme, $5 network (empty for any) on the document read as JSON. Every document is JSON (checkCatalogDoc); one
+// an earlier release wrote escaping a NUL, which jsonb does not take, passes no filter but is listed where none is
+// asked.
+const pgDiscoveryMatches = `FROM (SELECT key, doc, updated_ns, CASE WHEN strpos(convert_from(doc, 'UTF8'), '\u0000') = 0
+		THEN convert_from(doc, 'UTF8')::jsonb END AS d FROM x402_discovery) c
+	WHERE ($1 = '' OR d->>'type' = $1) AND ($2 = '' OR jsonb_exists(d->'extensions', $2))
+		AND (($3 = '' AND $4 = '' AND $5 = '') OR EXISTS (SELECT 1 FROM jsonb_array_elements(
+			CASE WHEN jsonb_typeof(d->'accepts') = 'array' THEN d->'accepts' ELSE '[]'::jsonb END) a
+			WHERE ($3 = '' OR lower(a->>'payTo') = lower($3)) AND ($4 = '' OR a->>'scheme' = $4) AND ($5 = '' OR a->>'network' = $5)))`
+
+// DiscoveredResources implements Discovery: filtered, counted and paged by the database.
+func (s *PostgresStore) DiscoveredResources(ctx context.Context, q x402.DiscoveryQuery) ([]DiscoveryEntry, int, error) {
 	rctx, cancel, err := s.begin(ctx, false)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	defer cancel()
-	var es []DiscoveryEntry
+	var (
+		es    []DiscoveryEntry
+		total int
+	)
+	args := []any{q.Type, q.Extension, q.PayTo, q.Scheme, q.Network}
 	err = s.read(rctx, func() error {
 		es = es[:0]
-		rows, err := s.pool.Query(rctx, `SELECT key, doc, updated_ns FROM x402_discovery ORDER BY updated_ns DESC, key ASC`)
+		if err := s.pool.QueryRow(rctx, `SELECT count(*) `+pgDiscoveryMatches, args...).Scan(&total); err != nil {
+			return err
+		}
+		rows, err := s.pool.Query(rctx, `SELECT key, doc, updated_ns `+pgDiscoveryMatches+`
+			ORDER BY updated_ns DESC, key ASC LIMIT $6 OFFSET $7`, append(args, q.Limit, q.Offset)...)
 		if err != nil {
 			return err
 		}
@@ -240,9 +341,9 @@ func (s *PostgresStore) DiscoveredResources(ctx context.Context) ([]DiscoveryEnt
 		return rows.Err()
 	})
 	if err != nil {
-		return nil, s.fail(ctx, "discovered resources", err)
+		return nil, 0, s.fail(ctx, "discovered resources", err)
 	}
-	return es, nil
+	return es, total, nil
 }
 
 // ResourceCatalog is a Discovery store seen as a catalog of x402.DiscoveredResource, keyed by the resource's
@@ -265,20 +366,21 @@ func (c ResourceCatalog) Add(ctx context.Context, r x402.DiscoveredResource, max
 	return c.Store.CatalogResource(ctx, key, doc, maxEntries)
 }
 
-// List returns the catalog, the most recently updated first.
-func (c ResourceCatalog) List(ctx context.Context) ([]x402.DiscoveredResource, error) {
-	es, err := c.Store.DiscoveredResources(ctx)
+// List returns the page q asks for of the resources that pass its filters, the most recently updated first, and
+// how many pass them.
+func (c ResourceCatalog) List(ctx context.Context, q x402.DiscoveryQuery) ([]x402.DiscoveredResource, int, error) {
+	es, total, err := c.Store.DiscoveredResources(ctx, q)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	out := make([]x402.DiscoveredResource, 0, len(es))
 	for _, e := range es {
 		var r x402.DiscoveredResource
 		if err := json.Unmarshal(e.Doc, &r); err != nil {
-			return nil, fmt.Errorf("%w: catalog entry of %q: %v", ErrCorrupt, e.Key, err)
+			return nil, 0, fmt.Errorf("%w: catalog entry of %q: %v", ErrCorrupt, e.Key, err)
 		}
 		r.LastUpdated = e.Updated.Format(time.RFC3339Nano)
 		out = append(out, r)
 	}
-	return out, nil
+	return out, total, nil
 }
