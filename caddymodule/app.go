@@ -433,9 +433,24 @@ func (a *App) networkSpecs() ([]networkSpec, error) {
 		if err != nil {
 			return nil, fmt.Errorf("network #%d (%s): %w", i+1, n.Network, err)
 		}
+		if n.ApprovalSponsoring != nil && n != a.devNet && n.Network != a.devChainNetwork() {
+			return nil, fmt.Errorf("network #%d (%s): approval_sponsoring is taken on the dev chain only for now: the engine funds a payer's "+
+				"approval with up to max_gas times max_fee_per_gas whatever the approval will cost, and broadcasts the settlement it signed "+
+				"before the approval mined without checking it again, so a payer could keep gas money on a network of value (README: erc20ApprovalGasSponsoring)",
+				i+1, n.Network)
+		}
 		specs = append(specs, spec)
 	}
 	return specs, nil
+}
+
+// devChainNetwork is the CAIP-2 network of the dev chain this app runs, or of the dev chain's default id when it
+// runs none (no network of value uses it).
+func (a *App) devChainNetwork() string {
+	if a.DevChain != nil && a.DevChain.ChainID != 0 {
+		return x402.EIP155(a.DevChain.ChainID)
+	}
+	return x402.EIP155(devchain.DefaultChainID)
 }
 
 // networkIDs are the CAIP-2 identifiers of the networks the embedded engine settles on, in configuration order.

@@ -430,3 +430,25 @@ func TestAnAPIKeyFromAnUnsetVariableIsNamedByItsPlaceholder(t *testing.T) {
 		})
 	}
 }
+
+// approval_sponsoring is taken on the dev chain's network only: elsewhere a payer could keep the gas money the
+// engine sends (it sends max_gas times the approval's fee cap, whatever the approval costs) or have the settlement
+// revert at the facilitator's cost. The refusal names the network and the option; the dev chain's network, named
+// by a network block or by dev_chain, is taken.
+func TestApprovalSponsoringIsTakenOnTheDevChainOnly(t *testing.T) {
+	key := hex.EncodeToString(crypto.FromECDSA(devchain.WalletKeys(1)[0]))
+	config := func(network string) string {
+		return "{\n\tx402 {\n\t\tnetwork " + network + " {\n\t\t\trpc http://127.0.0.1:1\n\t\t\tasset " + lowerCase + "\n\t\t\twallet_keys " + key +
+			"\n\t\t\tapproval_sponsoring\n\t\t}\n\t}\n}\n\nhttp://127.0.0.1:" + freePortOf(t) + " {\n\trespond ok\n}\n"
+	}
+	if err := caddy.Validate(mustConfig(t, adaptCaddyfile(t, config("eip155:72344"), t.TempDir()))); err != nil {
+		t.Fatalf("approval_sponsoring on the dev chain's network: caddy.Validate: %v", err)
+	}
+	err := caddy.Validate(mustConfig(t, adaptCaddyfile(t, config("eip155:8453"), t.TempDir())))
+	if err == nil || !strings.Contains(err.Error(), "network #1 (eip155:8453): approval_sponsoring is taken on the dev chain only") {
+		t.Fatalf("approval_sponsoring on eip155:8453: caddy.Validate = %v; want the network and the option named", err)
+	}
+	if leaksKey(err.Error(), key) {
+		t.Fatalf("the error holds a part of the key: %v", err)
+	}
+}
