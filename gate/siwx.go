@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/url"
 	"path"
+	"slices"
 	"strings"
 	"time"
 	"unicode"
@@ -120,10 +121,17 @@ func (x *exchange) requestPath() string {
 
 // accessKey is where the journal keeps what a payer bought of this route: the route (or the named grant), the
 // path where the grant is per path, and the payer, a line each (PostgreSQL's text holds no NUL; a request path
-// holds no raw newline). A named grant is never per path: it spans routes of other paths.
+// holds no raw newline). A named grant is never per path: it spans routes of other paths. It is kept per payee
+// too (the recipients of the route's offers): the sites of one journal (of one Caddy, or a cluster's) may name
+// their grants alike, and one tenant's grant must not open another's routes.
 func (x *exchange) accessKey(payer string) string {
 	if g := x.g.cfg.Access.Grant; g != "" {
-		return "grant:" + g + "\n*\n" + strings.ToLower(payer)
+		payees := make([]string, 0, len(x.g.cfg.Offers))
+		for _, o := range x.g.cfg.Offers {
+			payees = append(payees, strings.ToLower(o.PayTo))
+		}
+		slices.Sort(payees)
+		return "grant:" + g + "@" + strings.Join(slices.Compact(payees), ",") + "\n*\n" + strings.ToLower(payer)
 	}
 	scope := "*"
 	if len(x.g.cfg.Access.Paths) == 0 {

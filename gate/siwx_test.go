@@ -595,7 +595,15 @@ func TestANamedGrantBoughtOnOneRouteSignsInOnAnotherThatNamesIt(t *testing.T) {
 			c.Route, c.Access = route, &gate.Access{For: time.Hour, Requests: 2, Grant: "members"}
 		}}
 	}
-	gws := gatewaysOf(t, []setup{named("the selling route"), named("the honouring route")})
+	otherPayee := named("another tenant's route")
+	tenant := otherPayee.config
+	otherPayee.config = func(c *gate.Config) {
+		tenant(c)
+		for i := range c.Offers {
+			c.Offers[i].PayTo = "0x000000000000000000000000000000000000dEaD"
+		}
+	}
+	gws := gatewaysOf(t, []setup{named("the selling route"), named("the honouring route"), otherPayee})
 	payer := gws[0].c.Payers[0]
 	before := gws[0].balances(payer)
 	if a := gws[0].get(x402.HeaderPaymentSignature, gws[0].permit2(payer)); a.status != http.StatusOK {
@@ -608,6 +616,8 @@ func TestANamedGrantBoughtOnOneRouteSignsInOnAnotherThatNamesIt(t *testing.T) {
 	if got := settlementTxs(gws[0].c); got != txs {
 		t.Errorf("the sign-in sent %d transactions, want none", got-txs)
 	}
+	// A route of another payee naming a grant alike (another site of the same journal) honours none of it.
+	refusedSignIn(t, gws[2].signIn(payer), x402.SignInWithXNoGrant)
 	if lost, gained := gws[0].paid(payer, before); lost.Int64() != price || gained.Int64() != price {
 		t.Errorf("the payer lost %s and the seller gained %s, want %d once", lost, gained, price)
 	}
