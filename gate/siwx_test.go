@@ -673,6 +673,9 @@ func TestASignInOnlyRouteSellsNothingAndHonoursTheGrantBoughtOnAnother(t *testin
 	// Without a grant: the challenge, nothing to pay, and why.
 	signInOnlyRefused(t, gws[1].get(), x402.HeaderSignInWithX)
 	signInOnlyRefused(t, gws[1].signIn(payer), x402.SignInWithXNoGrant)
+	if a := gws[1].get("Accept", "text/html"); a.status != http.StatusPaymentRequired {
+		t.Errorf("a browser's request of the sign-in-only route = %d %q, want 402", a.status, a.body)
+	}
 	// A payment presented to it is refused: nothing verified, settled or served.
 	signInOnlyRefused(t, gws[1].get(x402.HeaderPaymentSignature, gws[0].permit2(payer)), "sells nothing")
 	if got := settlementTxs(gws[0].c); got != txs {
