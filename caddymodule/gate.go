@@ -136,6 +136,11 @@ type Gate struct {
 	// header signed by the payer's wallet is served without paying, within the grant. Grants are kept in the
 	// settlement journal, shared by every gateway of it. Not with settle async. Default: every request pays.
 	Access *GateAccess `json:"access,omitempty"`
+	// SignInOnly makes the route one that sells nothing: its 402 offers no way to pay (accepts: []) with the
+	// sign-in challenge, a payment presented is refused, and a sign-in is served for a wallet holding Access's
+	// grant (required), bought on another route paid to PayTo (required: grants are kept per payee). No price or
+	// amount: the gate's network and asset only name the chains of the challenge.
+	SignInOnly bool `json:"sign_in_only,omitempty"`
 
 	// Discovery, when set, declares the route for discovery (the bazaar extension) in its 402s: a facilitator
 	// that settles a payment for it catalogs it, and lists it at GET /discovery/resources. Default: not declared.
@@ -279,6 +284,13 @@ func (g *Gate) Provision(ctx caddy.Context) error {
 		return err
 	}
 	repl := caddy.NewReplacer()
+	if g.SignInOnly {
+		if err := g.signInOnlyProblem(); err != nil {
+			return err
+		}
+		// The offers only name the payee and the chains of the challenge; none is ever offered.
+		g.Amount = "1"
+	}
 	if g.MCP != nil {
 		g.specs, err = g.provisionMCP(app)
 	} else {
@@ -333,7 +345,8 @@ func (g *Gate) start(app *App) error {
 // coreConfig is the configuration of the gate's core, shaped from its Caddy config.
 func (g *Gate) coreConfig(app *App) gate.Config {
 	cfg := gate.Config{
-		Offers: g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body, PaymentIdentifier: g.PaymentIdentifier, Access: g.Access.core(),
+		SignInOnly: g.SignInOnly,
+		Offers:     g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body, PaymentIdentifier: g.PaymentIdentifier, Access: g.Access.core(),
 		Discovery:   g.Discovery.core(),
 		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID, Paywall: g.Paywall.style(app),
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
@@ -468,6 +481,9 @@ func (g *Gate) Validate() error {
 	}
 	if len(g.specs) == 0 {
 		return errors.New("no way to pay is configured")
+	}
+	if err := gate.CheckSignInOnly(gate.Config{SignInOnly: g.SignInOnly, Access: g.Access.core(), Offers: g.specs}); err != nil {
+		return err
 	}
 	switch g.DefaultAmount {
 	case "", gate.DefaultAmountMax, gate.DefaultAmountZero:
@@ -652,4 +668,27 @@ func (a *GateAccess) core() *gate.Access {
 		return nil
 	}
 	return &gate.Access{For: time.Duration(a.For), Requests: a.Requests, Paths: a.Paths, Grant: a.Grant}
+}
+
+// signInOnlyProblem says what keeps a sign_in_only gate from working (nil: nothing): it sells nothing, so it has
+// no price of its own, no priced tools and no other way to pay at a price; it honours a named grant kept per payee.
+func (g *Gate) signInOnlyProblem() error {
+	if !g.SignInOnly {
+		return nil
+	}
+	priced := g.Price != "" || g.Amount != ""
+	for _, a := range g.Accepts {
+		priced = priced || a.Price != "" || a.Amount != ""
+	}
+	switch {
+	case priced:
+		return errors.New("sign_in_only: the route sells nothing; remove its price and amount (the grant is sold on the routes that name it)")
+	case g.MCP != nil:
+		return errors.New("sign_in_only: not with mcp, which prices tool calls")
+	case g.Access == nil || g.Access.Grant == "":
+		return errors.New("sign_in_only: name the grant it honours (access <duration> { grant <name> }), bought on another route")
+	case g.PayTo == "":
+		return errors.New("sign_in_only: pay_to is required: a grant is kept per payee, and pay_to names whose grant the route honours")
+	}
+	return nil
 }

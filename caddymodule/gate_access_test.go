@@ -138,3 +138,32 @@ func TestOurPayerPaysOnceAndThenSignsIn(t *testing.T) {
 	}
 	env.assertPaid(payer, before, 1)
 }
+
+// A Caddyfile sign_in_only route sells nothing: its 402 offers no way to pay and carries the challenge, a payer
+// without the grant is refused, and one that bought the named grant on the paid route of the same pay_to signs in
+// with no transaction.
+func TestASignInOnlyRouteOfACaddyfileSignsInTheGrantBoughtOnThePaidRoute(t *testing.T) {
+	env := newGateEnv(t, gateSetup{})
+	s := gateSetup{gate: "\t\taccess 1h {\n\t\t\tgrant members\n\t\t}\n",
+		site: "handle /members {\n\t\tx402 {\n\t\t\tsign_in_only\n\t\t\tpay_to " + env.payTo.Hex() + "\n\t\t\taccess 1h {\n\t\t\t\tgrant members\n\t\t\t}\n\t\t}\n\t\trespond \"members\"\n\t}\n\trespond \"paid content\""}
+	caddyfile := strings.Replace(env.caddyfile(s), "\tx402 {\n\t\tpay_to", "\tx402 /paid {\n\t\tpay_to", 1)
+	env.srv.load(caddyfile)
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+
+	pr := env.offer("/members")
+	if pr.Accepts == nil || len(pr.Accepts) != 0 || pr.Extensions[x402.ExtensionSignInWithX] == nil {
+		t.Fatalf("the sign-in-only route's 402 offers %v with extensions %s, want accepts [] and the challenge", pr.Accepts, pr.Extensions)
+	}
+	if a := env.signIn("/members", payer); a.status != http.StatusPaymentRequired || !strings.Contains(a.body, x402.SignInWithXNoGrant) || !strings.Contains(a.body, `"accepts":[]`) {
+		t.Fatalf("a sign-in before paying = %d %q, want 402 naming %s with accepts []", a.status, a.body, x402.SignInWithXNoGrant)
+	}
+	if a := env.get("/paid", x402.HeaderPaymentSignature, env.permit2Header("/paid", payer)); a.status != http.StatusOK {
+		t.Fatalf("the payment on the paid route = %d %q, want 200", a.status, a.body)
+	}
+	if a := env.signIn("/members", payer); a.status != http.StatusOK || a.body != "members" {
+		t.Fatalf("a sign-in on the sign-in-only route = %d %q, want the members' resource", a.status, a.body)
+	}
+	env.assertPaid(payer, before, 1)
+}

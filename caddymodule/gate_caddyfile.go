@@ -70,6 +70,7 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //			requests <n>                     # at most n requests in that time (default: any number)
 //			paths <path>...                  # the paths granted, /reports/* for a prefix (default: the one paid for)
 //		}
+//		sign_in_only                         # sells nothing (accepts: []): signs in wallets holding access's grant, bought on another route paid to pay_to
 //		discovery {                          # declare the route for discovery (bazaar), catalogued by its facilitator
 //			description <text>               # default: the route's description
 //			input_schema <json or file>      # of the query parameters (GET...) or the body (POST...)
@@ -118,6 +119,7 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	var graceAt *caddyfile.Dispenser  // at price_grace, to name its line
 	var accessAt *caddyfile.Dispenser // at access, to name its line
+	var signInAt *caddyfile.Dispenser // at sign_in_only, to name its line
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		opt := d.Val()
 		if handled, err := g.GateAccept.unmarshalOption(d, opt); handled || err != nil {
@@ -263,6 +265,13 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err := g.unmarshalAccess(d); err != nil {
 				return err
 			}
+		case "sign_in_only":
+			at := *d
+			signInAt = &at
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			g.SignInOnly = true
 		case "price_grace":
 			at := *d
 			graceAt = &at
@@ -283,6 +292,9 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	if g.Access != nil && g.Settle == SettleAsync {
 		return accessAt.WrapErr(gate.CheckAccess(g.Access.core(), g.Settle))
+	}
+	if err := g.signInOnlyProblem(); err != nil {
+		return signInAt.WrapErr(err)
 	}
 	return nil
 }

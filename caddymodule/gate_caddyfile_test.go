@@ -283,3 +283,30 @@ func TestAGateInJSONWithAccessItCannotGrantIsRefused(t *testing.T) {
 		})
 	}
 }
+
+func TestASignInOnlyX402DirectiveAdaptsAndIsRefusedWithoutAGrantOrAPayee(t *testing.T) {
+	const payTo = "0x05e11e75e11e75e11e75e11e75e11e75e11e75e1"
+	handlers := adaptGate(t, ":8080\nx402 /members/* {\n\tsign_in_only\n\tpay_to "+payTo+"\n\taccess 1h {\n\t\tgrant members\n\t}\n}\nrespond members\n")
+	if handlers[0]["sign_in_only"] != true || handlers[0]["pay_to"] != payTo ||
+		!reflect.DeepEqual(handlers[0]["access"], map[string]any{"for": float64(time.Hour), "grant": "members"}) {
+		t.Errorf("the sign-in-only gate adapts to %v", handlers[0])
+	}
+	if _, ok := handlers[0]["price"]; ok {
+		t.Errorf("the sign-in-only gate adapts with a price: %v", handlers[0])
+	}
+	for _, tc := range []struct{ name, block, want string }{
+		{"no access", "sign_in_only\n\tpay_to " + payTo, "name the grant it honours"},
+		{"access without a grant name", "sign_in_only\n\tpay_to " + payTo + "\n\taccess 1h", "name the grant it honours"},
+		{"no pay_to", "sign_in_only\n\taccess 1h {\n\t\tgrant members\n\t}", "pay_to is required"},
+		{"a price", "sign_in_only\n\tpay_to " + payTo + "\n\tprice $0.01\n\taccess 1h {\n\t\tgrant members\n\t}", "sells nothing"},
+		{"a priced way to pay", "sign_in_only\n\tpay_to " + payTo + "\n\taccess 1h {\n\t\tgrant members\n\t}\n\taccept {\n\t\tamount 10\n\t}", "sells nothing"},
+		{"an argument", "sign_in_only yes\n\tpay_to " + payTo + "\n\taccess 1h {\n\t\tgrant members\n\t}", "wrong argument count"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			// The gate's sign_in_only is on line 3 of the file.
+			adaptError(t, ":8080\nx402 {\n\t"+tc.block+"\n}\nrespond ok\n", "Caddyfile:3", tc.want)
+		})
+	}
+	// The price given as the directive's argument is refused too.
+	adaptError(t, ":8080\nx402 $0.01 {\n\tsign_in_only\n\tpay_to "+payTo+"\n\taccess 1h {\n\t\tgrant members\n\t}\n}\nrespond ok\n", "Caddyfile:3", "sells nothing")
+}

@@ -22,7 +22,11 @@ func (x *exchange) noPayment() error {
 	if len(x.offers.offers) == 0 {
 		return x.noOffer()
 	}
-	pr := x.paymentRequired(fmt.Sprintf("%s header is required", x.g.cfg.PaymentHeader))
+	msg := fmt.Sprintf("%s header is required", x.g.cfg.PaymentHeader)
+	if x.g.cfg.SignInOnly {
+		msg = x402.HeaderSignInWithX + " header is required: this route sells nothing, it signs in wallets holding its grant"
+	}
+	pr := x.paymentRequired(msg)
 	x.end(x402.PaymentOutcome{Status: x402.OutcomeNoPayment, Requirements: &pr, TotalMs: x.totalMs()})
 	x.setRequiredHeader(pr)
 	if x402.WantsHTML(x.r) {
@@ -164,7 +168,11 @@ type gateError struct {
 // paymentRequired is the gate's current offer for this request's resource.
 func (x *exchange) paymentRequired(errText string) x402.PaymentRequired {
 	x.rememberOffered()
-	return x.declareExtensions(x.offers.paymentRequired(x.describeForDiscovery(x.resource()), errText, x.turn))
+	pr := x.declareExtensions(x.offers.paymentRequired(x.describeForDiscovery(x.resource()), errText, x.turn))
+	if x.g.cfg.SignInOnly {
+		pr.Accepts = []x402.PaymentRequirements{} // sells nothing: its offers only name whose grant it honours
+	}
+	return pr
 }
 
 // resource describes what the request buys, by the URL the client asked for (before any rewrite).
@@ -217,7 +225,7 @@ func (x *exchange) setSettleHeader(resp x402.SettleResponse) {
 
 // writeRequired writes a 402 or 400 whose body is the offer: version 2, or version 1 for a version 1 client.
 func (x *exchange) writeRequired(status int, pr x402.PaymentRequired) error {
-	if x.v1 {
+	if x.v1 && !x.g.cfg.SignInOnly {
 		return x.writeJSON(status, x.offers.paymentRequiredV1(x.g.registry, pr.Resource, pr.Error, x.turn))
 	}
 	return x.writeJSON(status, pr)

@@ -126,6 +126,11 @@ type Config struct {
 	// (sign-in-with-x): the 402 carries the challenge, and a signed answer is served without paying, within the
 	// grant. Default nil: every request pays.
 	Access *Access
+	// SignInOnly makes the route one that sells nothing: its 402 offers no way to pay (accepts: []) and carries
+	// the sign-in challenge, a payment presented to it is refused, and a sign-in is served for a wallet holding
+	// Access.Grant (required), bought on another route paid to the same recipients. Offers name those recipients
+	// (PayTo, required) and the networks of the challenge; they are never offered.
+	SignInOnly bool
 	// Discovery, when set, declares the route for discovery (the bazaar extension) in its 402s (bazaar.go).
 	Discovery *Discovery
 	// V1Body answers unpaid requests with the version 1 JSON body.
@@ -335,6 +340,9 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 		return nil, fmt.Errorf("default_amount %q is not one; want %q or %q", cfg.DefaultAmount, DefaultAmountMax, DefaultAmountZero)
 	}
 	if err := checkPaymentIdentifierMode(cfg.PaymentIdentifier); err != nil {
+		return nil, err
+	}
+	if err := CheckSignInOnly(cfg); err != nil {
 		return nil, err
 	}
 	for _, o := range cfg.Offers {

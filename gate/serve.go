@@ -108,6 +108,9 @@ func (x *exchange) run() error {
 	if answered, err := x.signIn(value == ""); answered {
 		return err
 	}
+	if x.g.cfg.SignInOnly && value != "" {
+		return x.signInOnlyRefusesPayment() // siwx.go
+	}
 	if value == "" {
 		return x.noPayment()
 	}

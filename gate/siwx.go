@@ -322,3 +322,33 @@ func (x *exchange) signInRefused(r *x402.SignInWithXRefusal, payer string) error
 	x.v1 = false
 	return x.writeRequired(http.StatusPaymentRequired, pr)
 }
+
+// CheckSignInOnly says what is wrong with a sign-in-only gate's configuration (nil: nothing, or not one).
+func CheckSignInOnly(cfg Config) error {
+	if !cfg.SignInOnly {
+		return nil
+	}
+	if cfg.Access == nil || cfg.Access.Grant == "" {
+		return errors.New("sign_in_only: name the grant it honours (access <duration> { grant <name> }), bought on another route")
+	}
+	if cfg.OffersFor != nil {
+		return errors.New("sign_in_only: pay_to must be fixed, not filled by the request: it names whose grant the route honours")
+	}
+	for _, o := range cfg.Offers {
+		if o.PayTo == "" {
+			return errors.New("sign_in_only: pay_to is required: a grant is kept per payee, and pay_to names whose grant the route honours")
+		}
+	}
+	return nil
+}
+
+// signInOnlyRefusesPayment answers a payment presented to a route that sells nothing: 402 with the challenge and
+// no way to pay, as a request without payment. Nothing is verified, settled or sent upstream.
+func (x *exchange) signInOnlyRefusesPayment() error {
+	pr := x.paymentRequired("this route sells nothing: sign in with a wallet holding its grant, bought on another route")
+	x.end(x402.PaymentOutcome{Status: x402.OutcomeNoPayment, Requirements: &pr, TotalMs: x.totalMs()},
+		zap.String("sign_in_only", "payment refused"))
+	x.setRequiredHeader(pr)
+	x.v1 = false
+	return x.writeRequired(http.StatusPaymentRequired, pr)
+}

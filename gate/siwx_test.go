@@ -642,3 +642,81 @@ func TestABadGrantNameIsRefused(t *testing.T) {
 		t.Errorf("CheckAccess of a good grant name: %v", err)
 	}
 }
+
+// signInOnlyRefused checks a sign-in-only route's 402: the challenge, no way to pay, and reason in its error.
+func signInOnlyRefused(t *testing.T, a answer, reason string) {
+	t.Helper()
+	if a.status != http.StatusPaymentRequired {
+		t.Fatalf("sign-in-only answer = %d %q, want 402 naming %s", a.status, a.body, reason)
+	}
+	pr, err := x402.DecodePaymentRequired(a.header.Get(x402.HeaderPaymentRequired))
+	if err != nil || !strings.Contains(pr.Error, reason) || pr.Extensions[x402.ExtensionSignInWithX] == nil || pr.Accepts == nil || len(pr.Accepts) != 0 {
+		t.Fatalf("the 402 says %q with accepts %v and extensions %s (%v), want it to name %s, the challenge and accepts []", pr.Error, pr.Accepts, pr.Extensions, err, reason)
+	}
+	if !strings.Contains(a.body, `"accepts":[]`) {
+		t.Errorf("the 402's body %q lists no empty accepts", a.body)
+	}
+}
+
+func TestASignInOnlyRouteSellsNothingAndHonoursTheGrantBoughtOnAnother(t *testing.T) {
+	selling := setup{config: func(c *gate.Config) {
+		c.Route, c.Access = "the selling route", &gate.Access{For: time.Hour, Requests: 2, Grant: "members"}
+	}}
+	signInOnly := setup{config: func(c *gate.Config) {
+		c.Route, c.Access, c.SignInOnly = "the sign-in-only route", &gate.Access{For: time.Hour, Requests: 2, Grant: "members"}, true
+	}}
+	gws := gatewaysOf(t, []setup{selling, signInOnly})
+	payer := gws[0].c.Payers[0]
+	before := gws[0].balances(payer)
+	txs := settlementTxs(gws[0].c)
+
+	// Without a grant: the challenge, nothing to pay, and why.
+	signInOnlyRefused(t, gws[1].get(), x402.HeaderSignInWithX)
+	signInOnlyRefused(t, gws[1].signIn(payer), x402.SignInWithXNoGrant)
+	if a := gws[1].get("Accept", "text/html"); a.status != http.StatusPaymentRequired {
+		t.Errorf("a browser's request of the sign-in-only route = %d %q, want 402", a.status, a.body)
+	}
+	// A payment presented to it is refused: nothing verified, settled or served.
+	signInOnlyRefused(t, gws[1].get(x402.HeaderPaymentSignature, gws[0].permit2(payer)), "sells nothing")
+	if got := settlementTxs(gws[0].c); got != txs {
+		t.Fatalf("the payment presented to the sign-in-only route sent %d transactions, want none", got-txs)
+	}
+
+	if a := gws[0].get(x402.HeaderPaymentSignature, gws[0].permit2(payer)); a.status != http.StatusOK {
+		t.Fatalf("the payment on the selling route = %d %q, want 200", a.status, a.body)
+	}
+	txs = settlementTxs(gws[0].c)
+	if a := gws[1].signIn(payer); a.status != http.StatusOK || a.body != "paid content" {
+		t.Fatalf("a sign-in on the sign-in-only route = %d %q, want the resource", a.status, a.body)
+	}
+	if got := settlementTxs(gws[0].c); got != txs {
+		t.Errorf("the sign-in sent %d transactions, want none", got-txs)
+	}
+	// It spent one request of the grant: one is left, on either route, then none.
+	if a := gws[0].signIn(payer); a.status != http.StatusOK {
+		t.Fatalf("the second sign-in on the selling route = %d %q, want 200", a.status, a.body)
+	}
+	signInOnlyRefused(t, gws[1].signIn(payer), x402.SignInWithXGrantUsedUp)
+	if lost, gained := gws[0].paid(payer, before); lost.Int64() != price || gained.Int64() != price {
+		t.Errorf("the payer lost %s and the seller gained %s, want %d once", lost, gained, price)
+	}
+}
+
+func TestASignInOnlyGateNeedsAGrantNameAndAPayee(t *testing.T) {
+	cfg := gate.Config{SignInOnly: true, Offers: []gate.Offer{{PayTo: "0x000000000000000000000000000000000000dEaD"}}}
+	if err := gate.CheckSignInOnly(cfg); err == nil || !strings.Contains(err.Error(), "grant") {
+		t.Errorf("a sign-in-only gate without access = %v, want it refused naming the grant", err)
+	}
+	cfg.Access = &gate.Access{For: time.Hour}
+	if err := gate.CheckSignInOnly(cfg); err == nil || !strings.Contains(err.Error(), "grant") {
+		t.Errorf("a sign-in-only gate without a grant name = %v, want it refused naming the grant", err)
+	}
+	cfg.Access.Grant = "members"
+	if err := gate.CheckSignInOnly(cfg); err != nil {
+		t.Errorf("a good sign-in-only gate: %v", err)
+	}
+	cfg.Offers[0].PayTo = ""
+	if err := gate.CheckSignInOnly(cfg); err == nil || !strings.Contains(err.Error(), "pay_to") {
+		t.Errorf("a sign-in-only gate without pay_to = %v, want it refused naming pay_to", err)
+	}
+}
