@@ -19,17 +19,18 @@ import (
 // it, a pause of background settlement) belongs to an owner the server passes in (Config.Ledgers), so that two
 // servers in one process, or two tests, cannot see each other's payments.
 var immutableVars = map[string]string{
-	"outcomeEvents":             "a constant table, read only",
-	"methodOrder":               "a constant table, read only",
-	"gasSponsoringDeclaration":  "a JSON document built once, read only",
-	"paymentIdentifierOptional": "a JSON document built once, read only",
-	"paymentIdentifierRequired": "a JSON document built once, read only",
-	"paywallHTML":               "the embedded page",
-	"paywallPage":               "a parsed template, executed only",
-	"paywallScript":             "the embedded script",
-	"paywallColor":              "a compiled pattern, only matched",
-	"paywallDataImage":          "a compiled pattern, only matched",
-	"paywallFrameSource":        "a compiled pattern, only matched",
+	"outcomeEvents":                 "a constant table, read only",
+	"methodOrder":                   "a constant table, read only",
+	"gasSponsoringDeclaration":      "a JSON document built once, read only",
+	"approvalSponsoringDeclaration": "a JSON document built once, read only",
+	"paymentIdentifierOptional":     "a JSON document built once, read only",
+	"paymentIdentifierRequired":     "a JSON document built once, read only",
+	"paywallHTML":                   "the embedded page",
+	"paywallPage":                   "a parsed template, executed only",
+	"paywallScript":                 "the embedded script",
+	"paywallColor":                  "a compiled pattern, only matched",
+	"paywallDataImage":              "a compiled pattern, only matched",
+	"paywallFrameSource":            "a compiled pattern, only matched",
 	// A pool of empty buffers: what it holds means nothing (each is Reset before use), and no behaviour depends
 	// on what is in it; shared across gates and reloads it saves allocations for all of them.
 	"gateBuffers": "a sync.Pool of scratch buffers",

@@ -268,7 +268,7 @@ func (x *exchange) verifyTimed(ctx context.Context) (x402.VerifyResponse, error)
 // serveVerified serves a new payment the facilitator answered vres, err for, in the gate's settlement mode.
 func (x *exchange) serveVerified(vres x402.VerifyResponse, err error) error {
 	if err != nil {
-		x.unhold()
+		x.unholdLater()
 		return x.verifyUnreachable(fmt.Sprintf("the facilitator could not verify the payment: %s; nothing was charged, try again", x402.DescribeFailure(err)), err)
 	}
 	if !vres.IsValid {
@@ -405,6 +405,17 @@ func (x *exchange) unhold() {
 		h, req := x.g.holder, x.req
 		x.g.ledger.leaveBehind(x.id, func() error { return h.Release(req) }, x.req.PaymentPayload.Payload.Deadline())
 	}
+}
+
+// unholdLater hands unhold's release to the ledger's leftover loop, which lets the hold go once this request's
+// in-flight mark is over and the journal holds no record of the payment. For a verification that failed, likely
+// because the journal or the facilitator is out of reach: the answer must not wait on a journal that hangs.
+func (x *exchange) unholdLater() {
+	if x.g.holder == nil {
+		return
+	}
+	h, req := x.g.holder, x.req
+	x.g.ledger.leaveBehind(x.id, func() error { return h.Release(req) }, x.req.PaymentPayload.Payload.Deadline())
 }
 
 // presentedAgain answers a payment the journal already holds. Presented for the resource it was first presented
