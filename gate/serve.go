@@ -402,8 +402,7 @@ func (x *exchange) unhold() {
 	}
 	if err := x.g.holder.Release(x.req); err != nil {
 		x.g.logger.Warn("letting go of a payment's funds hold; trying again once the journal is back", zap.Error(err))
-		h, req := x.g.holder, x.req
-		x.g.ledger.leaveBehind(x.id, func() error { return h.Release(req) }, x.req.PaymentPayload.Payload.Deadline())
+		x.unholdLater()
 	}
 }
 
