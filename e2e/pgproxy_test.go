@@ -1,10 +1,12 @@
 package e2e
 
 import (
+	"errors"
 	"net"
 	"net/url"
 	"sync"
 	"testing"
+	"time"
 )
 
 // pgProxy is a TCP proxy of the test's own between a gateway and PostgreSQL that can hang: while hung it accepts
@@ -60,14 +62,15 @@ func (p *pgProxy) resumeForwarding() {
 	}
 }
 
-// wait returns once the proxy is not hung.
-func (p *pgProxy) wait() {
+// wait returns once the proxy is not hung, held whether it was.
+func (p *pgProxy) wait() (held bool) {
 	p.mu.Lock()
 	ch := p.resume
 	p.mu.Unlock()
 	if ch != nil {
 		<-ch
 	}
+	return ch != nil
 }
 
 func (p *pgProxy) track(c net.Conn) bool {
@@ -96,16 +99,50 @@ func (p *pgProxy) accept() {
 
 func (p *pgProxy) serve(client net.Conn) {
 	defer client.Close()
-	p.wait() // a connection made during a hang reaches nothing until it ends
+	held := p.wait() // a connection made during a hang reaches nothing until it ends
+	// A connection its client gave up on during the hang never reaches the server, as a connection attempt that
+	// timed out behind a network dropping packets does not: forwarded, the hang's abandoned attempts would all
+	// start a server backend at once when it ends, a herd a real outage does not send.
+	var early []byte
+	if held {
+		var gone bool
+		if early, gone = p.heldFrom(client); gone {
+			return
+		}
+	}
 	server, err := net.Dial("tcp", p.target)
 	if err != nil || !p.track(server) {
 		return
 	}
 	defer server.Close()
+	if len(early) > 0 {
+		if _, err := server.Write(early); err != nil {
+			return
+		}
+	}
 	done := make(chan struct{}, 2)
 	go func() { p.pump(server, client); done <- struct{}{} }()
 	go func() { p.pump(client, server); done <- struct{}{} }()
 	<-done // one side ended: so does the other
+}
+
+// heldFrom reads what client sent while its connection was held, until it sends nothing more for a moment (the
+// client waits for the server's answer: it is still there) or closes (gone: it gave up).
+func (p *pgProxy) heldFrom(client net.Conn) (held []byte, gone bool) {
+	defer client.SetReadDeadline(time.Time{})
+	buf := make([]byte, 32<<10)
+	for {
+		client.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
+		n, err := client.Read(buf)
+		held = append(held, buf[:n]...)
+		var ne net.Error
+		switch {
+		case errors.As(err, &ne) && ne.Timeout():
+			return held, false
+		case err != nil:
+			return nil, true
+		}
+	}
 }
 
 // pump copies from src to dst, holding each read's bytes, and the next read, while the proxy is hung.

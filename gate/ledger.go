@@ -269,7 +269,9 @@ func (l *Ledger) markHere(id journal.ID) bool {
 func (l *Ledger) markedThere(id journal.ID, c journal.Cluster, life uint64, mark func(journal.Cluster) (bool, journal.Record, bool, error)) (bool, journal.Record, bool, error) {
 	mine, rec, found, err := mark(c)
 	if err != nil && mine {
-		l.release(id) // marked, and what was read with the mark failed
+		// Marked, and what was read with the mark failed: the journal is likely out of reach, and clearing the mark
+		// now would hold the request's answer back by another of its timeouts. The leftover loop clears it.
+		l.releaseLater(id)
 		return false, journal.Record{}, false, err
 	}
 	if err != nil || !mine {
@@ -318,6 +320,14 @@ func (l *Ledger) release(id journal.ID) {
 			l.leaveBehind(id, nil, time.Time{})
 		}
 		cancel()
+	}
+	l.forget(id)
+}
+
+// releaseLater is release with the journal's mark cleared by the leftover loop, not before the caller goes on.
+func (l *Ledger) releaseLater(id journal.ID) {
+	if _, ok := l.store.(journal.Cluster); ok {
+		l.leaveBehind(id, nil, time.Time{})
 	}
 	l.forget(id)
 }
