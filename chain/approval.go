@@ -54,6 +54,14 @@ const defaultApprovalMaxGas = 100_000
 
 var defaultApprovalMaxFee = big.NewInt(10 * params.GWei)
 
+// approvalBlocksBefore is the blocks a sponsored approval's settlement waits behind: the payer's gas money, then
+// its approval, each mined before the next is sent (checkDeadline).
+const approvalBlocksBefore = 2
+
+// approvalMinTipBound is the least priority fee per gas the bound on an approval's fee cap allows for (1 gwei,
+// what payer.Transport signs and the public SDKs' fallback), whatever lower tip the node suggests.
+var approvalMinTipBound = big.NewInt(params.GWei)
+
 // maxApprovalTxBytes bounds a signed approval's encoding: an EIP-1559 approve is about 180 bytes.
 const maxApprovalTxBytes = 512
 
@@ -259,6 +267,20 @@ func (p *payment) checkApproval(ctx context.Context) (*refusal, error) {
 		if sa.tx.GasFeeCap().Cmp(most) < 0 {
 			return refuse(x402.ReasonERC20ApprovalTxFeesNotSponsored, "%s's fee cap %s wei per gas may not pay the next block's base fee (up to %s): it could wait in the pool while the settlement waits for it; sign it with current fees", ext, sa.tx.GasFeeCap(), most), nil
 		}
+		// The gas money is the approval's gas limit at its fee cap (what a node wants the payer's balance to hold
+		// before it takes the transaction), so the fee cap is bounded by what the approval will pay: a payer
+		// prices it as this engine prices its own transactions, twice the base fee and a tip, from a head that
+		// may be a few blocks older than this one, the base fee falling by up to an eighth a block since; hence
+		// three times the next block's base fee at most, and a priority fee no higher than the one this engine
+		// pays (approvalMinTipBound at least). Above it, the payer would keep the rest.
+		bound, err := p.approvalFeeBound(ctx, most)
+		if err != nil {
+			return nil, err
+		}
+		if sa.tx.GasFeeCap().Cmp(bound) > 0 {
+			return refuse(x402.ReasonERC20ApprovalTxFeesNotSponsored, "%s's fee cap %s wei per gas is above %s, %d times the next block's base fee (up to %s) and a priority fee of %s: the gas money is its gas limit at its fee cap, which must not be far more than the approval will pay; sign it with current fees (twice the base fee and the tip)",
+				ext, sa.tx.GasFeeCap(), bound, approvalBaseFeeTimes, most, new(big.Int).Sub(bound, new(big.Int).Mul(most, big.NewInt(approvalBaseFeeTimes)))), nil
+		}
 	}
 	code, err := n.backend.CodeAt(ctx, p.payer, nil)
 	if err != nil {
@@ -281,6 +303,25 @@ func (p *payment) checkApproval(ctx context.Context) (*refusal, error) {
 		sa.funding.SetInt64(0)
 	}
 	return nil, nil
+}
+
+// approvalBaseFeeTimes is how many times the next block's base fee an approval's fee cap may carry, beside the tip
+// (see checkApproval).
+const approvalBaseFeeTimes = 3
+
+// approvalFeeBound is the highest fee cap a sponsored approval may carry on an EIP-1559 chain whose next block's
+// base fee is at most nextBase: approvalBaseFeeTimes that, and the priority fee this engine pays its own
+// transactions (no less than approvalMinTipBound).
+func (p *payment) approvalFeeBound(ctx context.Context, nextBase *big.Int) (*big.Int, error) {
+	tip := approvalMinTipBound
+	q, err := p.net.sender.feeQuote(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if q.tipCap != nil && q.tipCap.Cmp(tip) > 0 {
+		tip = q.tipCap
+	}
+	return new(big.Int).Add(new(big.Int).Mul(nextBase, big.NewInt(approvalBaseFeeTimes)), tip), nil
 }
 
 // simulator is a backend that runs eth_simulateV1: go-ethereum's ethclient.Client, and Failover over them.

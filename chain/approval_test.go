@@ -219,33 +219,51 @@ func TestASponsoredApprovalThatIsNotThePayersApprovalOfPermit2IsRefusedBeforeAny
 		to: fx.c.Token, spender: contracts.Permit2Address, amount: maxU, from: payer.Address, asset: fx.c.Token, infoSpend: contracts.Permit2Address}
 	transfer, _ := contracts.StableCoinABI.Pack("transfer", contracts.Permit2Address, maxU)
 	stranger := common.HexToAddress("0x5700000000000000000000000000000000000057")
+	// nearDeadline is a deadline that leaves the settlement room for one block but not for the three a sponsored
+	// approval takes (the payer's gas money, its approval, then the settlement).
+	nearDeadline := func() chain.Permit2Options {
+		next, err := fx.f.NextBlockTime(context.Background(), fx.net)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return chain.Permit2Options{Deadline: big.NewInt(next.Unix() + deadlineMargin + 1)}
+	}
 	cases := []struct {
 		name   string
 		change func(*rawApproval)
 		reason string
+		opts   func() chain.Permit2Options // the payment's; nil: the fixture's defaults
 	}{
-		{"signed by another key", func(a *rawApproval) { a.key = other }, x402.ReasonERC20ApprovalTxSignerMismatch},
-		{"info from another owner", func(a *rawApproval) { a.from = other.Address }, x402.ReasonERC20ApprovalFromMismatch},
-		{"approves another spender", func(a *rawApproval) { a.spender = stranger }, x402.ReasonERC20ApprovalTxWrongSpender},
-		{"info names another spender", func(a *rawApproval) { a.infoSpend = stranger }, x402.ReasonERC20ApprovalSpenderNotPermit2},
-		{"calls another token", func(a *rawApproval) { a.to = stranger }, x402.ReasonERC20ApprovalTxWrongTarget},
-		{"info names another token", func(a *rawApproval) { a.asset = stranger }, x402.ReasonERC20ApprovalAssetMismatch},
-		{"approves less than the payment", func(a *rawApproval) { a.amount = big.NewInt(price - 1) }, x402.ReasonERC20ApprovalTxInvalidCalldata},
-		{"calls transfer, not approve", func(a *rawApproval) { a.data = transfer }, x402.ReasonERC20ApprovalTxWrongSelector},
-		{"a stale nonce", func(a *rawApproval) { a.nonce = 7 }, x402.ReasonERC20ApprovalTxWrongNonce},
-		{"an oversized transaction", func(a *rawApproval) { a.rawHex = "0x" + strings.Repeat("ab", 600) }, x402.ReasonInvalidERC20ApprovalExtensionFormat},
-		{"not a transaction", func(a *rawApproval) { a.rawHex = "0x02c0ffee" }, x402.ReasonERC20ApprovalTxParseFailed},
-		{"a gas limit above the bound", func(a *rawApproval) { a.gas = 200_000 }, x402.ReasonERC20ApprovalTxFeesNotSponsored},
-		{"a fee cap above the bound", func(a *rawApproval) { a.feeCap = big.NewInt(11_000_000_000) }, x402.ReasonERC20ApprovalTxFeesNotSponsored},
-		{"a fee cap under the base fee", func(a *rawApproval) { a.feeCap, a.tip = big.NewInt(1), big.NewInt(1) }, x402.ReasonERC20ApprovalTxFeesNotSponsored},
-		{"another chain", func(a *rawApproval) { a.chainID = big.NewInt(1) }, x402.ReasonERC20ApprovalTxWrongChain},
+		{"signed by another key", func(a *rawApproval) { a.key = other }, x402.ReasonERC20ApprovalTxSignerMismatch, nil},
+		{"info from another owner", func(a *rawApproval) { a.from = other.Address }, x402.ReasonERC20ApprovalFromMismatch, nil},
+		{"approves another spender", func(a *rawApproval) { a.spender = stranger }, x402.ReasonERC20ApprovalTxWrongSpender, nil},
+		{"info names another spender", func(a *rawApproval) { a.infoSpend = stranger }, x402.ReasonERC20ApprovalSpenderNotPermit2, nil},
+		{"calls another token", func(a *rawApproval) { a.to = stranger }, x402.ReasonERC20ApprovalTxWrongTarget, nil},
+		{"info names another token", func(a *rawApproval) { a.asset = stranger }, x402.ReasonERC20ApprovalAssetMismatch, nil},
+		{"approves less than the payment", func(a *rawApproval) { a.amount = big.NewInt(price - 1) }, x402.ReasonERC20ApprovalTxInvalidCalldata, nil},
+		{"calls transfer, not approve", func(a *rawApproval) { a.data = transfer }, x402.ReasonERC20ApprovalTxWrongSelector, nil},
+		{"a stale nonce", func(a *rawApproval) { a.nonce = 7 }, x402.ReasonERC20ApprovalTxWrongNonce, nil},
+		{"an oversized transaction", func(a *rawApproval) { a.rawHex = "0x" + strings.Repeat("ab", 600) }, x402.ReasonInvalidERC20ApprovalExtensionFormat, nil},
+		{"not a transaction", func(a *rawApproval) { a.rawHex = "0x02c0ffee" }, x402.ReasonERC20ApprovalTxParseFailed, nil},
+		{"a gas limit above the bound", func(a *rawApproval) { a.gas = 200_000 }, x402.ReasonERC20ApprovalTxFeesNotSponsored, nil},
+		{"a fee cap above the bound", func(a *rawApproval) { a.feeCap = big.NewInt(11_000_000_000) }, x402.ReasonERC20ApprovalTxFeesNotSponsored, nil},
+		{"a fee cap under the base fee", func(a *rawApproval) { a.feeCap, a.tip = big.NewInt(1), big.NewInt(1) }, x402.ReasonERC20ApprovalTxFeesNotSponsored, nil},
+		{"another chain", func(a *rawApproval) { a.chainID = big.NewInt(1) }, x402.ReasonERC20ApprovalTxWrongChain, nil},
+		// Within max_fee_per_gas (10 gwei) but several times what the approval pays on a chain of low base fee: the
+		// gas money (its gas limit at its fee cap) would be mostly the payer's to keep.
+		{"a fee cap far above twice the base fee and the tip", func(a *rawApproval) { a.feeCap = big.NewInt(10_000_000_000) }, x402.ReasonERC20ApprovalTxFeesNotSponsored, nil},
+		{"a deadline that covers one block, not three", func(*rawApproval) {}, x402.ReasonPermit2DeadlineExpired, nearDeadline},
 	}
 	wallets := func() uint64 { return fx.c.TxCount(fx.c.Wallets[0].Address) + fx.c.TxCount(fx.c.Wallets[1].Address) }
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			a := good
 			tc.change(&a)
-			req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+			var opts chain.Permit2Options
+			if tc.opts != nil {
+				opts = tc.opts()
+			}
+			req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), opts)
 			a.attach(t, &req)
 			sent := wallets()
 			if v := fx.verify(req); v.IsValid || v.InvalidReason != tc.reason {

@@ -273,6 +273,19 @@ func (n *network) secondBlocks() bool {
 	return prev.number != 0 && last.number > prev.number && last.time-prev.time <= last.number-prev.number
 }
 
+// blockInterval is the seconds between blocks, judged from the last two heads seen (rounded up), one when they do
+// not say: a chain stamps each block at least a second past the one before.
+func (n *network) blockInterval() uint64 {
+	n.headsMu.Lock()
+	defer n.headsMu.Unlock()
+	prev, last := n.heads[0], n.heads[1]
+	if prev.number == 0 || last.number <= prev.number || last.time <= prev.time {
+		return 1
+	}
+	blocks := last.number - prev.number
+	return max((last.time-prev.time+blocks-1)/blocks, 1)
+}
+
 // chainHead is the head block, shared for headTTL between callers. Callers that come while it is being read
 // wait for that read (or give up on their own context) rather than queue behind a lock held across the call.
 func (n *network) chainHead(ctx context.Context) (*types.Header, error) {

@@ -721,6 +721,17 @@ func (p *payment) checkDeadline(t mineTime) *refusal {
 		if sp := p.sponsor; sp != nil && sp.err == nil && sp.permit.Deadline.Cmp(minDeadline) < 0 {
 			sp.err = refuse(x402.ReasonEIP2612DeadlineExpired, "eip2612GasSponsoring.info.deadline %s is too close: %s", sp.permit.Deadline, tooClose())
 		}
+		if sa := p.approval; sa != nil && sa.err == nil {
+			// A sponsored approval's settlement is mined two blocks after the next at the soonest: the payer's gas
+			// money mines first, then its approval, and only then is the settlement sent. Kept as the approval's
+			// refusal, as the sponsor permit's: it matters only when the payer's allowance falls short.
+			interval := p.net.blockInterval()
+			need := new(big.Int).Add(minDeadline, new(big.Int).SetUint64(approvalBlocksBefore*interval))
+			if p.p2.Deadline.Cmp(need) < 0 {
+				sa.err = refuse(x402.ReasonPermit2DeadlineExpired, "%s: permit2Authorization.deadline %s is too close for a sponsored approval (erc20ApprovalGasSponsoring), whose settlement follows the payer's gas money and its approval, a block each (%ds a block on this chain), and needs %s at least: %s; sign again with a later deadline",
+					x402.MessagePermitExpired, p.p2.Deadline, interval, need, tooClose())
+			}
+		}
 	case x402.TransferEIP3009:
 		if p.auth.ValidBefore.Cmp(minDeadline) < 0 {
 			return refuse(x402.ReasonValidBefore, "authorization.validBefore %s is too close: %s; sign again with a later validBefore", p.auth.ValidBefore, tooClose())
@@ -758,6 +769,9 @@ func (p *payment) checkDeadlineBeforeSending(ctx context.Context) (*refusal, err
 	}
 	if sp := p.sponsor; sp != nil && sp.err != nil {
 		return sp.err, nil
+	}
+	if sa := p.approval; sa != nil && sa.err != nil {
+		return sa.err, nil
 	}
 	return nil, nil
 }
