@@ -414,6 +414,17 @@ func (t *approvalTerms) counted(calls []contractCall, txs []*types.Transaction) 
 	}
 }
 
+// fundingIn is the gas money among calls that went out (txs): what a payer was sent for its approval's gas.
+func fundingIn(calls []contractCall, txs []*types.Transaction) *big.Int {
+	sum := new(big.Int)
+	for i, c := range calls {
+		if i < len(txs) && c.Signed == nil && c.Value != nil {
+			sum.Add(sum, c.Value)
+		}
+	}
+	return sum
+}
+
 // SimulateV1 runs eth_simulateV1 on the first endpoint that answers.
 func (f *Failover) SimulateV1(ctx context.Context, opts ethclient.SimulateOptions, block *rpc.BlockNumberOrHash) ([]ethclient.SimulateBlockResult, error) {
 	return do(ctx, f, func(ctx context.Context, b Backend) ([]ethclient.SimulateBlockResult, error) {

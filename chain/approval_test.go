@@ -6,12 +6,15 @@ import (
 	"math/big"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/ethclient"
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
@@ -354,5 +357,79 @@ func TestASponsoredApprovalInterruptedAfterItsFundingSettlesOnceAfterARestart(t 
 	spent := new(big.Int).Mul(new(big.Int).SetUint64(receipt.GasUsed), receipt.EffectiveGasPrice)
 	if got, want := fx.c.ETHBalance(payer.Address), new(big.Int).Sub(funded, spent); got.Cmp(want) != 0 {
 		t.Fatalf("payer ETH = %s, want one funding less the approval's gas, %s", got, want)
+	}
+}
+
+// approvalWithheld is the chain's client, but the receipt of the approval it is told of is withheld until the
+// receipt of the payer's next transaction (after) exists: the engine sees the approval mined only once what the
+// payer did next has mined too, whichever block each went in.
+type approvalWithheld struct {
+	*ethclient.Client
+	mu              sync.Mutex
+	approval, after common.Hash
+}
+
+func (b *approvalWithheld) TransactionReceipt(ctx context.Context, h common.Hash) (*types.Receipt, error) {
+	b.mu.Lock()
+	approval, after := b.approval, b.after
+	b.mu.Unlock()
+	if h == approval {
+		if r, err := b.Client.TransactionReceipt(ctx, after); err != nil || r == nil {
+			return nil, ethereum.NotFound
+		}
+	}
+	return b.Client.TransactionReceipt(ctx, h)
+}
+
+// A payer that revokes its approval with its next transaction, which mines with or after the approval and before
+// the settlement would go, does not make the facilitator send a settlement that reverts: the settlement is
+// simulated again once the approval mined, and the payment is refused with nothing more sent.
+func TestASponsoredApprovalRevokedBeforeItsSettlementIsNotFollowedByASettlementThatReverts(t *testing.T) {
+	var withheld *approvalWithheld
+	fx := newFixture(t, fixtureOpts{chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)}, tune: func(fx *fixture, nc *chain.NetworkConfig) {
+		withheld = &approvalWithheld{Client: fx.c.EthClient}
+		nc.Backend, nc.ApprovalSponsoring = withheld, &chain.ApprovalSponsoring{}
+	}})
+	ctx := context.Background()
+	payer := fx.c.PayerNoGas
+	fees := fx.approvalFees()
+	fees.Nonce = 0
+	// The payer holds the gas for its approval and its revocation: nothing is funded, and the payer pays both.
+	fx.c.SendETH(fx.c.Payers[2], payer.Address, new(big.Int).Mul(big.NewInt(2*int64(fees.Gas)), fees.FeeCap))
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
+		t.Fatal(err)
+	}
+	if v := fx.verify(req); !v.IsValid {
+		t.Fatalf("verify = %+v, want valid", v)
+	}
+	// The revocation, approve(Permit2, 0) with the nonce after the approval's, waits in the pool for the approval.
+	data, _ := contracts.StableCoinABI.Pack("approve", contracts.Permit2Address, new(big.Int))
+	revoke, err := types.SignNewTx(payer.Key, types.LatestSignerForChainID(fx.c.ChainID), &types.DynamicFeeTx{
+		ChainID: fx.c.ChainID, Nonce: 1, GasTipCap: fees.TipCap, GasFeeCap: fees.FeeCap, Gas: fees.Gas, To: &fx.c.Token, Data: data})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := fx.c.Client.SendTransaction(ctx, revoke); err != nil {
+		t.Fatal(err)
+	}
+	withheld.mu.Lock()
+	withheld.approval, withheld.after = approvalOf(t, req).Hash(), revoke.Hash()
+	withheld.mu.Unlock()
+
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	wallets := fx.c.TxCount(fx.c.Wallets[0].Address) + fx.c.TxCount(fx.c.Wallets[1].Address)
+	s := fx.settle(req)
+	if s.Success || s.ErrorReason != x402.ReasonPermit2SimulationFailed || s.Transaction != "" || !strings.Contains(s.ErrorMessage, "spent") {
+		t.Fatalf("settle = %+v, want %s with no transaction, saying the approval's gas is spent", s, x402.ReasonPermit2SimulationFailed)
+	}
+	if got := fx.c.TxCount(fx.c.Wallets[0].Address) + fx.c.TxCount(fx.c.Wallets[1].Address) - wallets; got != 0 {
+		t.Fatalf("the settlement wallets sent %d transactions, want none (no funding was needed, no settlement sent)", got)
+	}
+	if fx.c.TxCount(payer.Address) != 2 || fx.c.Allowance(payer.Address, contracts.Permit2Address).Sign() != 0 {
+		t.Fatal("the payer's approval and revocation did not both mine")
+	}
+	if fx.c.TokenBalance(payer.Address).Cmp(before) != 0 || fx.c.TokenBalance(fx.payTo).Cmp(sellerBefore) != 0 {
+		t.Fatal("tokens moved")
 	}
 }

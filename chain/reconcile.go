@@ -142,7 +142,7 @@ func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec jo
 }
 
 // approvalFirst handles the payer's approval a record with a sponsored approval sends before its settlement: mined
-// and succeeded, the settlement may go (sent true). Not mined, the gas money and the approval are sent again and
+// and succeeded, the settlement may go (sent true) if it would not revert now. Not mined, the gas money and the approval are sent again and
 // the settlement waits for a later pass. Mined and failed, or its nonce taken by another of the payer's
 // transactions, the settlement can never succeed: the payment is settled again (resettle), whose checks refuse it.
 func (f *Facilitator) approvalFirst(ctx context.Context, n *network, rec journal.Record) (sent bool, _ error) {
@@ -153,6 +153,19 @@ func (f *Facilitator) approvalFirst(ctx context.Context, n *network, rec journal
 	r, err := n.backend.TransactionReceipt(ctx, approval.Hash())
 	switch {
 	case err == nil && r != nil && r.Status == types.ReceiptStatusSuccessful:
+		// Mined: the settlement is simulated again before it goes, as a settlement that waited for it is. One
+		// that would revert now (the payer revoked the approval or moved its tokens since) is settled again,
+		// whose checks refuse it, instead of being sent to revert at the wallet's cost.
+		settlement := new(types.Transaction)
+		if err := settlement.UnmarshalBinary(rec.RawTx); err != nil {
+			return false, err
+		}
+		if err := n.sender.recheck(ctx, settlement); errors.Is(err, errSettlementWouldRevert) {
+			f.log.Warn("a sponsored approval mined but its recorded settlement would now revert; settling the payment again", zap.String("payment", rec.ID.String()), zap.Error(err))
+			return false, f.resettle(ctx, n, rec)
+		} else if err != nil {
+			return false, err
+		}
 		return true, nil
 	case err == nil && r != nil:
 		return false, f.resettle(ctx, n, rec)

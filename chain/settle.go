@@ -536,6 +536,22 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 		}
 		return common.Hash{}, refuse(reason, "%v; nothing else was sent", err), nil
 	}
+	if errors.Is(err, errSettlementWouldRevert) {
+		// The payer's approval mined (with its gas money, if any, sent first) but the settlement, simulated again
+		// then, would revert: the payer revoked the approval or moved its tokens in between. Nothing more is sent;
+		// what the approval and its funding cost is spent (counted above), and the record goes as above.
+		funded := fundingIn(calls, txs)
+		f.log.Warn("sponsored approval mined but the settlement would now revert; settlement not sent, the approval's gas and its funding are spent",
+			zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()), zap.String("approval", p.approval.tx.Hash().Hex()),
+			zap.String("funded_wei", funded.String()), zap.Error(err))
+		if recorded != "" {
+			if rerr := f.journal.ReleaseUnsent(context.WithoutCancel(ctx), p.claim, recorded); rerr != nil {
+				return common.Hash{}, nil, fmt.Errorf("the settlement would revert after the payer's approval (%v) and the journal could not forget it: %w", err, rerr)
+			}
+		}
+		return common.Hash{}, refuse(x402.ReasonPermit2SimulationFailed, "%v; the payer's approval %s mined (its gas, and the %s wei of gas money sent to the payer for it, are spent) but the payer's allowance or balance no longer covers the payment: the settlement was not sent",
+			err, p.approval.tx.Hash().Hex(), funded), nil
+	}
 	if len(txs) == 0 {
 		// Refused by every node it reached before anything went out, or the journal write failed: nothing is
 		// on its way. The record written ahead of the refused send goes too, so that no later pass sends

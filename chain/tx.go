@@ -177,6 +177,20 @@ func (s *sender) send(ctx context.Context, w *wallet, calls []contractCall, q *f
 				}
 				continue
 			}
+			if i > 0 && calls[i-1].Signed != nil {
+				// The payer's approval mined just now, and the payer may have done more since it signed the
+				// payment (revoked the approval with its next nonce, moved its tokens): the settlement is
+				// simulated again before it leaves, and never sent to revert at the wallet's cost.
+				if err := s.recheck(ctx, tx); err != nil {
+					if errors.Is(err, errSettlementWouldRevert) {
+						w.nonce += ownIn(calls[:i])
+						return txs[:i], err
+					}
+					// Not asked: kept recorded, and reconciliation simulates it again before it sends it.
+					w.nonce += own
+					return txs, err
+				}
+			}
 			err := s.backend.SendTransaction(ctx, tx)
 			switch {
 			case err == nil || isAlreadyKnown(err):
@@ -277,6 +291,28 @@ func (s *sender) sendSigned(ctx context.Context, tx *types.Transaction) error {
 		return fmt.Errorf("%w: %v", errBroadcastUnknown, err)
 	}
 	return nil
+}
+
+// errSettlementWouldRevert says a settlement that waited for a payer's signed approval to mine would revert now,
+// simulated again once it did: it was not sent, and its wallet nonce stays free.
+var errSettlementWouldRevert = errors.New("the settlement, simulated again once the payer's approval mined, would revert")
+
+// recheck simulates tx, this engine's own signed settlement, on the latest block (eth_call from its wallet, with
+// its calldata, value and gas limit; fees left out, as they do not change what the call does):
+// errSettlementWouldRevert when it would revert, errBroadcastUnknown when the node could not be asked.
+func (s *sender) recheck(ctx context.Context, tx *types.Transaction) error {
+	from, err := types.Sender(s.signer, tx)
+	if err != nil {
+		return err
+	}
+	_, err = s.backend.CallContract(ctx, ethereum.CallMsg{From: from, To: tx.To(), Gas: tx.Gas(), Value: tx.Value(), Data: tx.Data()}, nil)
+	switch {
+	case err == nil:
+		return nil
+	case failsOnChain(err):
+		return fmt.Errorf("%w: %s", errSettlementWouldRevert, revertReason(err))
+	}
+	return fmt.Errorf("%w: simulating the settlement again after the payer's approval mined: %v", errBroadcastUnknown, err)
 }
 
 // errMinedFailed: a transaction awaited mined and failed.
