@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/big"
 	"regexp"
+	"strings"
 	"sync"
 
 	"github.com/ethereum/go-ethereum"
@@ -361,6 +362,14 @@ func (p *payment) simulateApproval(ctx context.Context, settle contractCall) (*r
 	}
 	latest := rpc.BlockNumberOrHashWithNumber(rpc.LatestBlockNumber)
 	res, err := sim.SimulateV1(ctx, ethclient.SimulateOptions{BlockStateCalls: []ethclient.SimulateBlock{block}}, &latest)
+	if err != nil && block.BlockOverrides != nil && strings.Contains(err.Error(), "must be in order") {
+		// The head the payment was judged from (shared between callers for a moment) is behind the latest block,
+		// which its next block's number or time does not follow: simulated again in the block after the latest.
+		o := *block.BlockOverrides
+		o.Number, o.Time = nil, 0
+		block.BlockOverrides = &o
+		res, err = sim.SimulateV1(ctx, ethclient.SimulateOptions{BlockStateCalls: []ethclient.SimulateBlock{block}}, &latest)
+	}
 	if err != nil {
 		if failsOnChain(err) {
 			return refuse(x402.ReasonPermit2SimulationFailed, "simulating the approval and the settlement failed: %s", revertReason(err)), nil
