@@ -180,7 +180,7 @@ func (p *invPayment) journalIDs() []journal.ID {
 	}
 }
 
-// describeID names the payment a journal id belongs to.
+// describeID names the payment a journal id belongs to: one of the workers', or a batch lane's deposit.
 func (r *invRun) describeID(id journal.ID, payments []*invPayment) string {
 	for _, p := range payments {
 		for _, pid := range p.journalIDs() {
@@ -188,6 +188,9 @@ func (r *invRun) describeID(id journal.ID, payments []*invPayment) string {
 				return fmt.Sprintf("payment #%d", p.n)
 			}
 		}
+	}
+	if d := r.w.batch.depositNamed(id); d != "" {
+		return "payment " + id.String() + " (" + d + ")"
 	}
 	return "payment " + id.String() + " (of no payment the run signed)"
 }
