@@ -118,6 +118,8 @@ type invRun struct {
 	outages  []invEvent // PostgreSQL down, or the way to it hung
 	reloads  []invEvent // the gateways ran other prices
 	counts   map[string]int
+
+	siwx invSiwx // the sign-in-with-x lane (invariants_siwx_test.go)
 }
 
 // invEvent is a fault's span, and the gateway it hit (-1 for none).
@@ -327,6 +329,7 @@ var invActionKinds = []invActionKind{
 	{"present again to another route", weight(3), (*invWorker).againOtherRoute},
 	{"present again to another gateway", clusterOnly(6), (*invWorker).againOtherGateway},
 	{"present again, several at once", weight(4), (*invWorker).againConcurrently},
+	{"sign in with x", weight(8), (*invWorker).signInWithX},
 }
 
 // work runs a worker's actions until the time is up.
