@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -51,6 +52,7 @@ type invSignIn struct {
 	route       *routeKind
 	path        string
 	header      [32]byte // the SIGN-IN-WITH-X value's hash
+	headerValue string
 	sent, got   time.Time
 	status      int
 	note        string
@@ -156,7 +158,9 @@ func (w *invWorker) signInWithX(a *invAction) {
 	// Each sign-in answers the challenge of a gateway drawn, and is sent there, or one time in three to another
 	// gateway under the first one's host, as a load balancer in front of a cluster sends it: the grant and the
 	// spent nonces are the cluster's. One in six sends the last header again, to its path, at a gateway drawn.
-	last, lastFrom, lastPath := "", 0, ""
+	// A sign-in refused as used up or ended has the payer pay again, half the time, once an action: a payment
+	// while a grant stands extends it (the later end, the requests of both).
+	last, lastFrom, lastPath, paidAgain := "", 0, "", false
 	for range 1 + w.rng.IntN(5) {
 		from, to := w.pickGate(), rk.paths[w.rng.IntN(len(rk.paths))]
 		at := from
@@ -167,8 +171,20 @@ func (w *invWorker) signInWithX(a *invAction) {
 			r.signInOnce(a, pp.p, siwxReplay, lastFrom, lastPath, at, lastPath, last)
 			continue
 		}
-		if h := r.signInOnce(a, pp.p, siwxOwn, from, to, at, to, ""); h != "" {
-			last, lastFrom, lastPath = h, from, to
+		s := r.signInOnce(a, pp.p, siwxOwn, from, to, at, to, "")
+		if s == nil {
+			continue
+		}
+		last, lastFrom, lastPath = s.headerValue, from, to
+		if ended := strings.Contains(s.note, x402.SignInWithXGrantUsedUp) || strings.Contains(s.note, x402.SignInWithXGrantExpired); ended && !paidAgain && w.rng.IntN(2) == 0 {
+			paidAgain = true
+			res := invResource{http.MethodGet, to}
+			p, err := w.signAs(pp, rk, res, at)
+			if err != nil {
+				a.say("gw%d %s: %v", at, res, shorten(err.Error()))
+				continue
+			}
+			r.present(a, p, at, res, shapeGET, 0)
 		}
 	}
 }
@@ -194,10 +210,11 @@ func (w *invWorker) signAs(pp *invPayer, rk *routeKind, res invResource, gate in
 }
 
 // signInOnce answers the challenge of fromPath at gateway from as p (or sends header again, when not ""), sends
-// it with a GET of toPath at gateway to, and records what came of it; it returns the header sent. A sign-in of
+// it with a GET of toPath at gateway to, and records what came of it; it returns the sign-in, nil when none was
+// sent. A sign-in of
 // its own (or sent again) goes under gateway from's host wherever it is sent, as a load balancer sends it; one
 // signed at another gateway goes under the host of the gateway it is sent to.
-func (r *invRun) signInOnce(a *invAction, p *payer.Payer, kind string, from int, fromPath string, to int, toPath, header string) string {
+func (r *invRun) signInOnce(a *invAction, p *payer.Payer, kind string, from int, fromPath string, to int, toPath, header string) *invSignIn {
 	ctx, cancel := context.WithTimeout(context.Background(), invRequestTimeout)
 	defer cancel()
 	rk := r.w.route(toPath)
@@ -207,17 +224,17 @@ func (r *invRun) signInOnce(a *invAction, p *payer.Payer, kind string, from int,
 		offer, err := r.readOffer(ctx, base, fromPath)
 		if err != nil {
 			a.say("sign-in by %s (%s): gw%d %s: %s", p.Address().Hex()[:10], kind, from, fromPath, shorten(err.Error()))
-			return ""
+			return nil
 		}
 		h, ok, err := p.SignIn(offer, base+fromPath)
 		if err != nil || !ok {
 			a.say("sign-in by %s (%s): gw%d %s offers no challenge to sign (%v)", p.Address().Hex()[:10], kind, from, fromPath, err)
 			r.t.Errorf("the 402 of %s at gateway %d declares no sign-in-with-x challenge the payer signs: %v", fromPath, from, err)
-			return ""
+			return nil
 		}
 		header = h
 	}
-	s.header = sha256.Sum256([]byte(header))
+	s.header, s.headerValue = sha256.Sum256([]byte(header)), header
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.w.gateways[to].url+toPath, nil)
 	if err != nil {
 		r.t.Fatal(err)
@@ -252,7 +269,7 @@ func (r *invRun) signInOnce(a *invAction, p *payer.Payer, kind string, from int,
 	r.siwx.signIns = append(r.siwx.signIns, s)
 	r.siwx.mu.Unlock()
 	a.say("sign-in → %s", s)
-	return header
+	return s
 }
 
 // siwxSnapshot is the sign-ins so far.
@@ -405,4 +422,59 @@ func (u *invUpstream) runsOfKey(key string) int {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	return u.runs[key]
+}
+
+// checkPaidSignedIn judges paid-wallet-signed-in: a sign-in of a wallet whose payment on the route delivered its
+// response before the sign-in was sent, sent while the grant that payment bought surely stood, is not refused as
+// not paid for, nor as ended, at any gateway: the grant is written before the paid response goes out, and is the
+// cluster's. Excused: a SIGKILL of the delivering gateway, or the database down or its way hung, during the
+// delivery (a grant whose write failed is logged, and the payment bought its response only).
+func (r *invRun) checkPaidSignedIn(end *invEnd) ([]invViolation, string) {
+	var out []invViolation
+	type key struct {
+		rk     *routeKind
+		wallet common.Address
+	}
+	deliveries := map[key][]*invAnswer{}
+	payments := map[*invAnswer]*invPayment{}
+	for _, p := range r.snapshot() {
+		if p.route.access == nil {
+			continue
+		}
+		p.mu.Lock()
+		for _, d := range p.deliveries {
+			deliveries[key{p.route, p.payer.addr}] = append(deliveries[key{p.route, p.payer.addr}], d)
+			payments[d] = p
+		}
+		p.mu.Unlock()
+	}
+	judged, excused := 0, 0
+	for _, s := range r.siwxSnapshot() {
+		if s.kind != siwxOwn || s.status != http.StatusPaymentRequired {
+			continue
+		}
+		reason := strings.TrimPrefix(s.note, "sign-in-with-x refused: ")
+		if !strings.HasPrefix(reason, x402.SignInWithXNoGrant) && !strings.HasPrefix(reason, x402.SignInWithXGrantExpired) {
+			continue
+		}
+		var stood []*invAnswer // the deliveries whose grant surely stood
+		for _, d := range deliveries[key{s.route, s.wallet}] {
+			if d.got.Before(s.sent) && s.got.Before(d.sent.Add(s.route.access.For)) {
+				stood = append(stood, d)
+			}
+		}
+		if len(stood) == 0 {
+			continue
+		}
+		judged++
+		if !slices.ContainsFunc(stood, func(d *invAnswer) bool { return !r.crashBetween(d.gate, d.sent, d.got) }) {
+			// Each grant's write may have failed.
+			excused++
+			continue
+		}
+		d := stood[len(stood)-1]
+		out = append(out, invViolation{what: fmt.Sprintf("a sign-in was refused (%s) after payment #%d of its wallet on %q delivered its response (%s), while the grant it bought stood",
+			s, payments[d].n, s.route.name, d), payments: []*invPayment{payments[d]}})
+	}
+	return out, fmt.Sprintf("%d refusals as not paid or ended after a delivered payment judged, %d excused by a SIGKILL or database outage during the delivery", judged, excused)
 }
