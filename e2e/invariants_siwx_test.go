@@ -448,13 +448,9 @@ func (r *invRun) checkPaidSignedIn(end *invEnd) ([]invViolation, string) {
 		}
 		p.mu.Unlock()
 	}
-	judged, excused := 0, 0
+	judged, served, excused := 0, 0, 0
 	for _, s := range r.siwxSnapshot() {
-		if s.kind != siwxOwn || s.status != http.StatusPaymentRequired {
-			continue
-		}
-		reason := strings.TrimPrefix(s.note, "sign-in-with-x refused: ")
-		if !strings.HasPrefix(reason, x402.SignInWithXNoGrant) && !strings.HasPrefix(reason, x402.SignInWithXGrantExpired) {
+		if s.kind != siwxOwn || s.status == 0 {
 			continue
 		}
 		var stood []*invAnswer // the deliveries whose grant surely stood
@@ -467,6 +463,16 @@ func (r *invRun) checkPaidSignedIn(end *invEnd) ([]invViolation, string) {
 			continue
 		}
 		judged++
+		reason := strings.TrimPrefix(s.note, "sign-in-with-x refused: ")
+		switch {
+		case s.served():
+			served++
+			continue
+		case s.status != http.StatusPaymentRequired:
+			continue
+		case !strings.HasPrefix(reason, x402.SignInWithXNoGrant) && !strings.HasPrefix(reason, x402.SignInWithXGrantExpired):
+			continue
+		}
 		if !slices.ContainsFunc(stood, func(d *invAnswer) bool { return !r.crashBetween(d.gate, d.sent, d.got) }) {
 			// Each grant's write may have failed.
 			excused++
@@ -476,5 +482,5 @@ func (r *invRun) checkPaidSignedIn(end *invEnd) ([]invViolation, string) {
 		out = append(out, invViolation{what: fmt.Sprintf("a sign-in was refused (%s) after payment #%d of its wallet on %q delivered its response (%s), while the grant it bought stood",
 			s, payments[d].n, s.route.name, d), payments: []*invPayment{payments[d]}})
 	}
-	return out, fmt.Sprintf("%d refusals as not paid or ended after a delivered payment judged, %d excused by a SIGKILL or database outage during the delivery", judged, excused)
+	return out, fmt.Sprintf("%d answered sign-ins of wallets whose payment had delivered, while its grant stood: %d served, none refused as not paid or ended (%d such refusals excused by a SIGKILL or database outage during the delivery)", judged, served, excused)
 }
