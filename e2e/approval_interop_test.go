@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"crypto/ecdsa"
+
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/core/types"
@@ -76,26 +78,43 @@ func TestThePublicTypeScriptClientPaysOurGateThroughASponsoredApproval(t *testin
 	key := devchain.PayerKeyN(2)
 	payer := crypto.PubkeyToAddress(key.PublicKey)
 	dev.send(devchain.PayerKey(), devchain.TokenAddress, nil, callToken(t, "transfer", payer, big.NewInt(1_000_000)))
+
+	payByTypeScriptApproval(t, dev, sdk, node, chainURL, key, gateURL+"/", "approved content")
+}
+
+// payByTypeScriptApproval has the public TypeScript client pay url with key, a fresh payer holding the token, no
+// allowance and no ether, by a sponsored approval, and checks what it left on chain (checkSponsoredApproval).
+func payByTypeScriptApproval(t *testing.T, dev *devChain, sdk, node, chainURL string, key *ecdsa.PrivateKey, url, content string) {
+	t.Helper()
+	payer := crypto.PubkeyToAddress(key.PublicKey)
 	if allowance, eth := permit2Allowance(t, dev, devchain.TokenAddress, payer), dev.ether(payer); allowance.Sign() != 0 || eth.Sign() != 0 {
 		t.Fatalf("the payer has a Permit2 allowance of %s and %s wei; want neither", allowance, eth)
 	}
-
 	payerBefore, sellerBefore, from := dev.balance(payer), dev.balance(seller), dev.head()+1
 	env := append(os.Environ(), "X402_PAYER_KEY="+hexutil.Encode(crypto.FromECDSA(key)), "X402_RPC_URL="+chainURL,
 		"X402_ASSET="+devchain.TokenAddress.Hex(), fmt.Sprintf("X402_NETWORK=eip155:%d", devchain.DefaultChainID), "X402_METHOD=permit2")
-	r := runCommand(t, 2*time.Minute, sdk, env, node, "pay.mjs", gateURL+"/")
+	r := runCommand(t, 2*time.Minute, sdk, env, node, "pay.mjs", url)
 	var got paidByTypeScript
 	if err := json.Unmarshal([]byte(lastLines(r.stdout, 1)), &got); err != nil {
 		t.Fatalf("pay.mjs exited %d without its JSON line (%v)\nstdout:\n%s\nstderr:\n%s", r.code, err, r.stdout, r.stderr)
 	}
-	if r.code != 0 || got.Status != 200 || got.Body != "approved content" || got.PaymentResponse == nil || !got.PaymentResponse.Success {
+	if r.code != 0 || got.Status != 200 || got.Body != content || got.PaymentResponse == nil || !got.PaymentResponse.Success {
 		t.Fatalf("the TypeScript client paying by a sponsored approval got exit %d, status %d, body %q, error %q, payment response %+v\nstderr:\n%s",
 			r.code, got.Status, got.Body, got.Error, got.PaymentResponse, r.stderr)
 	}
 	if got.Sent == nil || !slices.Equal(got.Sent.Extensions, []string{x402.ExtensionERC20ApprovalGasSponsoring}) {
 		t.Fatalf("the client sent %+v; want a permit2 payment carrying erc20ApprovalGasSponsoring alone", got.Sent)
 	}
-	settlement := common.HexToHash(got.PaymentResponse.Transaction)
+	dev.checkSponsoredApproval(payer, from, common.HexToHash(got.PaymentResponse.Transaction), payerBefore, sellerBefore)
+}
+
+// checkSponsoredApproval checks what a payment of 10000 by a sponsored approval left on chain since fromBlock:
+// the seller +10000 and the payer -10000 (from the balances before), Permit2 approved for the maximum, one funding
+// of the payer, one transaction of its own (approve(Permit2, max) on the token), one settlement (the one named),
+// and the payer's ether exactly what the funding sent less what its approval spent.
+func (dev *devChain) checkSponsoredApproval(payer common.Address, from uint64, settlement common.Hash, payerBefore, sellerBefore *big.Int) {
+	t := dev.t
+	t.Helper()
 	if !receiptTransfersOf(dev, devchain.TokenAddress, settlement, payer, seller, big.NewInt(10_000)) {
 		t.Errorf("the settlement %s holds no Transfer of 10000 from the payer to the seller", settlement)
 	}
@@ -111,7 +130,6 @@ func TestThePublicTypeScriptClientPaysOurGateThroughASponsoredApproval(t *testin
 	if allowance := permit2Allowance(t, dev, devchain.TokenAddress, payer); allowance.Cmp(maxUint256) != 0 {
 		t.Errorf("the payer's Permit2 allowance is %s, want the maximum its approval set", allowance)
 	}
-
 	// The payer's transactions since: the engine's gas money, the payer's approval, the settlement.
 	funding, approval, settled := dev.payerTransactions(payer, from)
 	if len(funding) != 1 || len(approval) != 1 || len(settled) != 1 || settled[0].Hash() != settlement {
@@ -170,4 +188,60 @@ func (d *devChain) transfersIn(tx common.Hash, from, to common.Address) []*types
 		}
 	}
 	return out
+}
+
+// An @x402/hono server declaring erc20ApprovalGasSponsoring (declareErc20ApprovalGasSponsoringExtension) settles
+// through our x402_facilitator, whose dev chain takes approval sponsoring, and the public TypeScript client pays
+// it by a sponsored approval: balances, the payer's ether and the transactions exact (checkSponsoredApproval).
+func TestAnHonoServerDeclaringApprovalSponsoringIsPaidThroughOurFacilitatorByASponsoredApproval(t *testing.T) {
+	needBinary(t)
+	npm := needs.Command(t, "npm", "apt-get install nodejs npm")
+	node := needs.Command(t, "node", "apt-get install nodejs")
+	sdk := installTypeScriptClient(t, npm)
+
+	chainURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	facURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	honoURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	dir := t.TempDir()
+	config := writeFile(t, dir, "Caddyfile", fmt.Sprintf(`{
+	admin off
+	x402 {
+		dev_chain {
+			listen %s
+			block_time 0
+			approval_sponsoring
+		}
+	}
+}
+
+%s {
+	bind 127.0.0.1
+	handle_path /facilitator/* {
+		x402_facilitator
+	}
+}
+`, strings.TrimPrefix(chainURL, "http://"), facURL))
+	caddy := startProcess(t, "Caddy with the dev chain taking approval sponsoring and our facilitator", dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", config)
+	caddy.waitUntil("our facilitator's /supported", 60*time.Second, answersWith(facURL+"/facilitator/supported", 200))
+	dev := dialChain(t, chainURL)
+	hono := startProgram(t, "the @x402/hono server declaring erc20ApprovalGasSponsoring", sdk, append(os.Environ(),
+		"X402_FACILITATOR_URL="+facURL+"/facilitator", fmt.Sprintf("X402_NETWORK=eip155:%d", devchain.DefaultChainID),
+		"X402_ASSET="+devchain.TokenAddress.Hex(), "X402_PAY_TO="+seller.Hex(), "X402_AMOUNT=10000",
+		"X402_GAS_SPONSORING=erc20_approval", "X402_LIFETIME_SECONDS=300"),
+		node, "server.mjs", portOf(t, honoURL))
+	hono.waitUntil("a 402 from the hono server", 60*time.Second, answersWith(honoURL+"/paid", 402))
+	a, err := get(honoURL + "/paid")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pr, err := x402.DecodePaymentRequired(a.header.Get(x402.HeaderPaymentRequired))
+	if err != nil || pr.Extensions[x402.ExtensionERC20ApprovalGasSponsoring] == nil || pr.Extensions[x402.ExtensionEIP2612GasSponsoring] != nil {
+		t.Fatalf("the hono server's 402 declares %s (%v); want erc20ApprovalGasSponsoring alone", pr.Extensions, err)
+	}
+
+	key := devchain.PayerKeyN(2)
+	dev.send(devchain.PayerKey(), devchain.TokenAddress, nil, callToken(t, "transfer", crypto.PubkeyToAddress(key.PublicKey), big.NewInt(1_000_000)))
+	payByTypeScriptApproval(t, dev, sdk, node, chainURL, key, honoURL+"/paid", "paid content from the hono server")
+	hono.stop()
+	caddy.stop()
 }
