@@ -5,7 +5,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"math/big"
+	"net/http"
 	"os"
 	"slices"
 	"strings"
@@ -18,10 +20,12 @@ import (
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/core/types"
 	"github.com/ethereum/go-ethereum/crypto"
+	"github.com/ethereum/go-ethereum/ethclient"
 
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
 	"github.com/x402-gateway/caddy-x402/internal/needs"
+	"github.com/x402-gateway/caddy-x402/payer"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -243,5 +247,107 @@ func TestAnHonoServerDeclaringApprovalSponsoringIsPaidThroughOurFacilitatorByASp
 	dev.send(devchain.PayerKey(), devchain.TokenAddress, nil, callToken(t, "transfer", crypto.PubkeyToAddress(key.PublicKey), big.NewInt(1_000_000)))
 	payByTypeScriptApproval(t, dev, sdk, node, chainURL, key, honoURL+"/paid", "paid content from the hono server")
 	hono.stop()
+	caddy.stop()
+}
+
+// Our payer pays an @x402/hono server declaring erc20ApprovalGasSponsoring, settled by the reference TypeScript
+// facilitator taking it (registerExtension of createErc20ApprovalGasSponsoringExtension): `caddy x402 pay` and
+// payer.Transport, each for a fresh payer with the token, no allowance and no ether, sign their own approval of
+// Permit2, which the reference facilitator funds, broadcasts and settles after; balances, the payer's ether and the
+// transactions exact (checkSponsoredApproval).
+func TestOurPayerPaysAnHonoServerDeclaringApprovalSponsoringSettledByTheReferenceFacilitator(t *testing.T) {
+	needBinary(t)
+	npm := needs.Command(t, "npm", "apt-get install nodejs npm")
+	node := needs.Command(t, "node", "apt-get install nodejs")
+	sdk := installTypeScriptClient(t, npm)
+
+	chainURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	tsFacURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	honoURL := fmt.Sprintf("http://127.0.0.1:%d", freePort(t))
+	network := fmt.Sprintf("eip155:%d", devchain.DefaultChainID)
+	dir := t.TempDir()
+	config := writeFile(t, dir, "Caddyfile", fmt.Sprintf(`{
+	admin off
+	x402 {
+		dev_chain {
+			listen %s
+			block_time 0
+		}
+	}
+}
+`, strings.TrimPrefix(chainURL, "http://")))
+	caddy := startProcess(t, "Caddy with the dev chain", dir, childEnv(t), "run", "--adapter", "caddyfile", "--config", config)
+	caddy.waitUntil("the dev chain", 60*time.Second, func() error {
+		c, err := ethclient.Dial(chainURL)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		ctx, cancel := rpcContext()
+		defer cancel()
+		_, err = c.BlockNumber(ctx)
+		return err
+	})
+	dev := dialChain(t, chainURL)
+	tsFacKey := devchain.PayerKeyN(9)
+	dev.send(devchain.PayerKey(), crypto.PubkeyToAddress(tsFacKey.PublicKey), big.NewInt(1e18), nil)
+	tsFac := startProgram(t, "the TypeScript reference facilitator taking erc20ApprovalGasSponsoring", sdk, append(os.Environ(),
+		"X402_FACILITATOR_KEY="+hexutil.Encode(crypto.FromECDSA(tsFacKey)), "X402_RPC_URL="+chainURL, "X402_NETWORK="+network,
+		"X402_APPROVAL_SPONSORING=1", "X402_LIFETIME_SECONDS=300"),
+		node, "facilitator.mjs", portOf(t, tsFacURL))
+	tsFac.waitUntil("its /supported", 60*time.Second, answersWith(tsFacURL+"/supported", 200))
+	hono := startProgram(t, "the @x402/hono server declaring erc20ApprovalGasSponsoring", sdk, append(os.Environ(),
+		"X402_FACILITATOR_URL="+tsFacURL, "X402_NETWORK="+network,
+		"X402_ASSET="+devchain.TokenAddress.Hex(), "X402_PAY_TO="+seller.Hex(), "X402_AMOUNT=10000",
+		"X402_GAS_SPONSORING=erc20_approval", "X402_LIFETIME_SECONDS=300"),
+		node, "server.mjs", portOf(t, honoURL))
+	hono.waitUntil("a 402 from the hono server", 60*time.Second, answersWith(honoURL+"/paid", 402))
+
+	fresh := func(key *ecdsa.PrivateKey) common.Address {
+		t.Helper()
+		addr := crypto.PubkeyToAddress(key.PublicKey)
+		dev.send(devchain.PayerKey(), devchain.TokenAddress, nil, callToken(t, "transfer", addr, big.NewInt(1_000_000)))
+		if allowance, eth := permit2Allowance(t, dev, devchain.TokenAddress, addr), dev.ether(addr); allowance.Sign() != 0 || eth.Sign() != 0 {
+			t.Fatalf("the payer has a Permit2 allowance of %s and %s wei; want neither", allowance, eth)
+		}
+		return addr
+	}
+
+	t.Run("caddy x402 pay", func(t *testing.T) {
+		key := devchain.PayerKeyN(2)
+		addr := fresh(key)
+		payerBefore, sellerBefore, from := dev.balance(addr), dev.balance(seller), dev.head()+1
+		r := runCommand(t, 2*time.Minute, dir, childEnv(t, "X402_PAYER_KEY="+hexutil.Encode(crypto.FromECDSA(key))), caddyBin, "x402", "pay", "--rpc", chainURL, honoURL+"/paid")
+		if r.code != 0 || !strings.HasPrefix(r.stdout, "HTTP/1.1 200 OK\n") {
+			t.Fatalf("caddy x402 pay exited %d\nstdout:\n%s\nstderr:\n%s", r.code, r.stdout, r.stderr)
+		}
+		s := printedSettlement(t, r.stdout)
+		dev.checkSponsoredApproval(addr, from, common.HexToHash(s.Transaction), payerBefore, sellerBefore)
+	})
+	t.Run("payer.Transport", func(t *testing.T) {
+		key := devchain.PayerKeyN(3)
+		addr := fresh(key)
+		payerBefore, sellerBefore, from := dev.balance(addr), dev.balance(seller), dev.head()+1
+		p, err := payer.New(key, payer.Options{RPC: chainURL})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close()
+		client := &http.Client{Transport: &payer.Transport{Payer: p, Limits: []payer.Limit{{Network: network,
+			Asset: devchain.TokenAddress.Hex(), PerRequest: big.NewInt(10_000), Total: big.NewInt(10_000)}}}}
+		resp, err := client.Get(honoURL + "/paid")
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		settled, err := x402.DecodeSettleResponse(resp.Header.Get(x402.HeaderPaymentResponse))
+		if resp.StatusCode != 200 || err != nil || !settled.Success {
+			t.Fatalf("payer.Transport: %d, PAYMENT-RESPONSE %+v (%v); want 200 and a settlement", resp.StatusCode, settled, err)
+		}
+		dev.checkSponsoredApproval(addr, from, common.HexToHash(settled.Transaction), payerBefore, sellerBefore)
+	})
+	hono.stop()
+	tsFac.stop()
 	caddy.stop()
 }
