@@ -149,7 +149,7 @@ func (dev *devChain) checkSponsoredApproval(payer common.Address, from uint64, s
 	if eth := dev.ether(payer); eth.Cmp(want) != 0 {
 		t.Errorf("the payer holds %s wei, want %s: the %s the engine sent less the approval's %s", eth, want, funding[0].Value(), cost)
 	}
-	t.Logf("the engine sent the payer %s wei, its approval spent %s (%d gas at %s wei)", funding[0].Value(), cost, spent.GasUsed, spent.EffectiveGasPrice)
+	t.Logf("the facilitator sent the payer %s wei, its approval spent %s (%d gas at %s wei)", funding[0].Value(), cost, spent.GasUsed, spent.EffectiveGasPrice)
 }
 
 // payerTransactions are the transactions of the blocks from fromBlock on that concern payer: those that send it
