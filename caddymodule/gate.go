@@ -125,6 +125,12 @@ type Gate struct {
 	// to refuse (400) a payment that names none. A payment naming an id that does not read is refused (400).
 	// Default: not declared, and a payment's id is ignored.
 	PaymentIdentifier string `json:"payment_identifier,omitempty"`
+	// GasSponsoring names the gas-sponsoring extensions the gate declares in its 402s, of those its facilitator
+	// takes: "eip2612GasSponsoring", "erc20ApprovalGasSponsoring". An empty list declares neither. Default
+	// (absent): every one the facilitator takes. A payer without a Permit2 allowance signs its own approval of
+	// Permit2 (erc20ApprovalGasSponsoring) only where eip2612GasSponsoring is not declared or its token has no
+	// permit, as the public SDK decides.
+	GasSponsoring *[]string `json:"gas_sponsoring,omitempty"`
 	// Batch is the claim policy of scheme batch through facilitator_url: the gate accepts the vouchers and keeps
 	// them in the x402 app's journal, and claims them through the facilitator's /settle claim action. Its
 	// receiver_authorizer_key is refused: the receiver authorizer is the facilitator's, named in its /supported.
@@ -347,8 +353,9 @@ func (g *Gate) coreConfig(app *App) gate.Config {
 	cfg := gate.Config{
 		SignInOnly: g.SignInOnly,
 		Offers:     g.specs, Settle: g.Settle, DefaultAmount: g.DefaultAmount, AsyncBacklog: g.AsyncBacklog, MaxBuffer: g.MaxBuffer, V1Body: g.V1Body, PaymentIdentifier: g.PaymentIdentifier, Access: g.Access.core(),
-		Discovery:   g.Discovery.core(),
-		CORSOrigins: g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID, Paywall: g.Paywall.style(app),
+		GasSponsoring: g.gasSponsoring(),
+		Discovery:     g.Discovery.core(),
+		CORSOrigins:   g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID, Paywall: g.Paywall.style(app),
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
 		Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
 		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: g.originalURI(),
@@ -469,6 +476,11 @@ func (g *Gate) Validate() error {
 	case "", gate.PaymentIdentifierOptional, gate.PaymentIdentifierRequired:
 	default:
 		return fmt.Errorf("payment_identifier %q: want %q or %q", g.PaymentIdentifier, gate.PaymentIdentifierOptional, gate.PaymentIdentifierRequired)
+	}
+	if g.GasSponsoring != nil {
+		if err := gate.CheckGasSponsoring(*g.GasSponsoring); err != nil {
+			return err
+		}
 	}
 	if g.PriceGrace < 0 {
 		return fmt.Errorf("price_grace %s is negative; want a duration such as 1m, or 0 for none", time.Duration(g.PriceGrace))
@@ -691,4 +703,13 @@ func (g *Gate) signInOnlyProblem() error {
 		return errors.New("sign_in_only: pay_to is required: a grant is kept per payee, and pay_to names whose grant the route honours")
 	}
 	return nil
+}
+
+// gasSponsoring is the core's GasSponsoring: nil (every extension the facilitator takes) when not configured, a
+// list (empty for none) when configured.
+func (g *Gate) gasSponsoring() []string {
+	if g.GasSponsoring == nil {
+		return nil
+	}
+	return append([]string{}, *g.GasSponsoring...)
 }

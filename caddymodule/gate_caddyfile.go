@@ -1,6 +1,7 @@
 package caddymodule
 
 import (
+	"slices"
 	"strconv"
 
 	"github.com/caddyserver/caddy/v2"
@@ -66,6 +67,7 @@ func parseGateCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		max_buffer <size>
 //		v1_body
 //		payment_identifier [optional|required] # declare the payment-identifier extension (default optional)
+//		gas_sponsoring eip2612|erc20_approval... | off # the gas-sponsoring extensions declared, of the facilitator's (default all)
 //		access <duration> {                  # a settled payment grants its payer this long by sign-in-with-x
 //			requests <n>                     # at most n requests in that time (default: any number)
 //			paths <path>...                  # the paths granted, /reports/* for a prefix (default: the one paid for)
@@ -245,6 +247,10 @@ func (g *Gate) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			default:
 				return d.Errf("payment_identifier '%s': want %s or %s", args[0], gate.PaymentIdentifierOptional, gate.PaymentIdentifierRequired)
 			}
+		case "gas_sponsoring":
+			if err := g.unmarshalGasSponsoring(d); err != nil {
+				return err
+			}
 		case "paywall":
 			g.Paywall = new(GatePaywall)
 			if err := g.Paywall.unmarshalPaywall(d); err != nil {
@@ -406,5 +412,41 @@ func (g *Gate) unmarshalAccess(d *caddyfile.Dispenser) error {
 		return d.Err(err.Error())
 	}
 	g.Access = a
+	return nil
+}
+
+// gasSponsoringNames are the Caddyfile's names of the gas-sponsoring extensions.
+var gasSponsoringNames = map[string]string{
+	"eip2612":        x402.ExtensionEIP2612GasSponsoring,
+	"erc20_approval": x402.ExtensionERC20ApprovalGasSponsoring,
+}
+
+// unmarshalGasSponsoring reads `gas_sponsoring eip2612|erc20_approval... | off`.
+func (g *Gate) unmarshalGasSponsoring(d *caddyfile.Dispenser) error {
+	if g.GasSponsoring != nil {
+		return d.Err("gas_sponsoring is configured twice in this gate")
+	}
+	args := d.RemainingArgs()
+	if len(args) == 0 {
+		return d.Err("gas_sponsoring takes the extensions to declare: eip2612, erc20_approval, or off for none")
+	}
+	names := []string{}
+	for _, a := range args {
+		if a == "off" {
+			if len(args) > 1 {
+				return d.Err("gas_sponsoring off declares none: it takes no other argument")
+			}
+			break
+		}
+		n, ok := gasSponsoringNames[a]
+		if !ok {
+			return d.Errf("gas_sponsoring '%s': want eip2612, erc20_approval, or off", a)
+		}
+		if slices.Contains(names, n) {
+			return d.Errf("gas_sponsoring names '%s' twice", a)
+		}
+		names = append(names, n)
+	}
+	g.GasSponsoring = &names
 	return nil
 }

@@ -84,6 +84,7 @@ x402 /paid/* $0.002 {
 	max_buffer 2MiB
 	v1_body
 	payment_identifier required
+	gas_sponsoring erc20_approval
 	accept {
 		network eip155:723487
 		amount 5000
@@ -114,6 +115,7 @@ respond "paid"
 		"facilitator_url": "https://facilitator.example.com", "facilitator_api_key": "{env.FACILITATOR_KEY}",
 		"facilitator_timeout": float64(30 * time.Second), "payment_header": "X-Pay", "description": "Premium article", "mime_type": "text/html", "settle": "async",
 		"async_backlog": float64(5000), "max_buffer": float64(2 << 20), "v1_body": true, "payment_identifier": "required",
+		"gas_sponsoring": []any{"erc20ApprovalGasSponsoring"},
 		"accepts": []any{
 			map[string]any{"network": "eip155:723487", "amount": "5000", "asset_transfer_method": "erc2612"},
 			map[string]any{"pay_to": "0x000000000000000000000000000000000000bEEF"},
@@ -176,6 +178,11 @@ func TestBadX402DirectivesAreRefusedNamingTheProblem(t *testing.T) {
 		{"v1_body with an argument", "v1_body yes", "wrong argument count"},
 		{"payment_identifier in another mode", "payment_identifier always", "payment_identifier 'always': want optional or required"},
 		{"payment_identifier with two modes", "payment_identifier optional required", "wrong argument count"},
+		{"gas_sponsoring of nothing", "gas_sponsoring", "gas_sponsoring takes the extensions to declare"},
+		{"gas_sponsoring of an unknown extension", "gas_sponsoring permit2", "gas_sponsoring 'permit2': want eip2612, erc20_approval, or off"},
+		{"gas_sponsoring naming one twice", "gas_sponsoring erc20_approval erc20_approval", "gas_sponsoring names 'erc20_approval' twice"},
+		{"gas_sponsoring off with another", "gas_sponsoring off eip2612", "gas_sponsoring off declares none"},
+		{"gas_sponsoring twice", "gas_sponsoring eip2612\n\tgas_sponsoring off", "gas_sponsoring is configured twice"},
 		{"access without a duration", "access", "access needs a duration"},
 		{"access that is no duration", "access soon", "access 'soon': want a positive duration"},
 		{"access of no time", "access 0s", "access '0s'"},
@@ -254,6 +261,22 @@ func loadGateConfig(t *testing.T, caddyfile string) error {
 		_ = caddy.Stop()
 	}
 	return err
+}
+
+// gas_sponsoring off adapts to an empty list (declare none), which JSON keeps apart from no list (declare all).
+func TestGasSponsoringOffAdaptsToAnEmptyList(t *testing.T) {
+	handlers := adaptGate(t, ":8080\nx402 {\n\tgas_sponsoring off\n}\nrespond ok\n")
+	if got, ok := handlers[0]["gas_sponsoring"].([]any); !ok || len(got) != 0 {
+		t.Fatalf("gas_sponsoring off adapted to %#v, want []", handlers[0]["gas_sponsoring"])
+	}
+}
+
+func TestAGateInJSONNamingAnUnknownGasSponsoringExtensionIsRefused(t *testing.T) {
+	names := []string{"eip2612"}
+	g := &caddymodule.Gate{Settle: caddymodule.SettleAfter, GasSponsoring: &names}
+	if err := g.Validate(); err == nil || !strings.Contains(err.Error(), `gas_sponsoring "eip2612" is not a gas-sponsoring extension`) {
+		t.Fatalf("Validate() = %v, want it to name gas_sponsoring \"eip2612\"", err)
+	}
 }
 
 func TestAGateInJSONWithAnUnknownPaymentIdentifierModeIsRefused(t *testing.T) {

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"math/big"
 	"regexp"
-	"strings"
 	"sync"
 
 	"github.com/ethereum/go-ethereum"
@@ -360,16 +359,14 @@ func (p *payment) simulateApproval(ctx context.Context, settle contractCall) (*r
 		}
 		block.StateOverrides = map[common.Address]ethereum.OverrideAccount{p.payer: {Balance: new(big.Int).Add(balance, sa.funding)}}
 	}
-	latest := rpc.BlockNumberOrHashWithNumber(rpc.LatestBlockNumber)
-	res, err := sim.SimulateV1(ctx, ethclient.SimulateOptions{BlockStateCalls: []ethclient.SimulateBlock{block}}, &latest)
-	if err != nil && block.BlockOverrides != nil && strings.Contains(err.Error(), "must be in order") {
-		// The head the payment was judged from (shared between callers for a moment) is behind the latest block,
-		// which its next block's number or time does not follow: simulated again in the block after the latest.
-		o := *block.BlockOverrides
-		o.Number, o.Time = nil, 0
-		block.BlockOverrides = &o
-		res, err = sim.SimulateV1(ctx, ethclient.SimulateOptions{BlockStateCalls: []ethclient.SimulateBlock{block}}, &latest)
+	// On the head the block overrides follow (their number is the head's plus one), not on "latest": a block
+	// sealed since the head was read would make the overrides name a block before the base, which the node
+	// refuses ("block numbers must be in order").
+	base := rpc.BlockNumberOrHashWithNumber(rpc.LatestBlockNumber)
+	if x.block != nil && x.block.Number != nil && x.block.Number.Sign() > 0 {
+		base = rpc.BlockNumberOrHashWithNumber(rpc.BlockNumber(new(big.Int).Sub(x.block.Number, big.NewInt(1)).Int64()))
 	}
+	res, err := sim.SimulateV1(ctx, ethclient.SimulateOptions{BlockStateCalls: []ethclient.SimulateBlock{block}}, &base)
 	if err != nil {
 		if failsOnChain(err) {
 			return refuse(x402.ReasonPermit2SimulationFailed, "simulating the approval and the settlement failed: %s", revertReason(err)), nil

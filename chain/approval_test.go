@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -15,6 +16,7 @@ import (
 	"github.com/ethereum/go-ethereum/common/hexutil"
 	"github.com/ethereum/go-ethereum/core/types"
 	"github.com/ethereum/go-ethereum/ethclient"
+	"github.com/ethereum/go-ethereum/rpc"
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
@@ -358,6 +360,53 @@ func TestASponsoredApprovalInterruptedAfterItsFundingSettlesOnceAfterARestart(t 
 	if got, want := fx.c.ETHBalance(payer.Address), new(big.Int).Sub(funded, spent); got.Cmp(want) != 0 {
 		t.Fatalf("payer ETH = %s, want one funding less the approval's gas, %s", got, want)
 	}
+}
+
+// sealsBeforeSimulating is a node on which a block is sealed between the facilitator reading the head and its
+// eth_simulateV1: as a busy chain's does, one block in every few.
+type sealsBeforeSimulating struct {
+	*ethclient.Client
+	seal func()
+	n    atomic.Int64
+}
+
+func (b *sealsBeforeSimulating) SimulateV1(ctx context.Context, opts ethclient.SimulateOptions, block *rpc.BlockNumberOrHash) ([]ethclient.SimulateBlockResult, error) {
+	b.n.Add(1)
+	b.seal()
+	return b.Client.SimulateV1(ctx, opts, block)
+}
+
+// TestASponsoredApprovalIsSimulatedOnTheHeadItsNextBlockFollows: the approval and the settlement are simulated in
+// the next block, whose number and time the facilitator sets from the head it read. When a block is sealed
+// between that read and the simulation, a simulation based on "latest" names a block before its base, which the
+// node refuses ("block numbers must be in order: 4 <= 4"): the payment was refused, nothing wrong with it
+// (TestASponsoredApprovalIsNeverFundedOrSentTwice failed so now and then under load). Based on the head read, it
+// verifies and settles.
+func TestASponsoredApprovalIsSimulatedOnTheHeadItsNextBlockFollows(t *testing.T) {
+	var node *sealsBeforeSimulating
+	fx := newFixture(t, fixtureOpts{chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(3)}, tune: func(fx *fixture, nc *chain.NetworkConfig) {
+		nc.ApprovalSponsoring = &chain.ApprovalSponsoring{}
+		node = &sealsBeforeSimulating{Client: fx.c.EthClient, seal: func() { fx.c.Commit() }}
+		nc.Backend = node
+	}})
+	payer := fx.c.PayerNoGas
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	fees := fx.approvalFees()
+	fees.Nonce = 0
+	if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
+		t.Fatal(err)
+	}
+	if v := fx.verify(req); !v.IsValid {
+		t.Fatalf("verify with the approval, a block sealed before its simulation = %+v; want valid", v)
+	}
+	if s := fx.settle(req); !s.Success {
+		t.Fatalf("settle with the approval, a block sealed before its simulation = %+v; want success", s)
+	}
+	if node.n.Load() == 0 {
+		t.Fatal("the approval was never simulated")
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
 }
 
 // approvalWithheld is the chain's client, but the receipt of the approval it is told of is withheld until the

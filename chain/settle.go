@@ -526,7 +526,7 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 		// and its record goes (the gas money sent before it, if any, is the payer's: counted, and bounded).
 		f.log.Warn("sponsored approval not mined; settlement not sent", zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()), zap.Error(err))
 		if recorded != "" {
-			if rerr := f.journal.ReleaseUnsent(context.WithoutCancel(ctx), p.claim, recorded); rerr != nil {
+			if rerr := f.releaseUnsent(ctx, p, recorded, false); rerr != nil {
 				return common.Hash{}, nil, fmt.Errorf("the payer's approval failed (%v) and the journal could not forget the settlement after it: %w", err, rerr)
 			}
 		}
@@ -545,7 +545,7 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 			zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()), zap.String("approval", p.approval.tx.Hash().Hex()),
 			zap.String("funded_wei", funded.String()), zap.Error(err))
 		if recorded != "" {
-			if rerr := f.journal.ReleaseUnsent(context.WithoutCancel(ctx), p.claim, recorded); rerr != nil {
+			if rerr := f.releaseUnsent(ctx, p, recorded, false); rerr != nil {
 				return common.Hash{}, nil, fmt.Errorf("the settlement would revert after the payer's approval (%v) and the journal could not forget it: %w", err, rerr)
 			}
 		}
@@ -563,7 +563,7 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 			return common.Hash{}, nil, fmt.Errorf("the node refused the settlement transaction sent again (%v); the payment's earlier transaction is still watched", err)
 		}
 		if recorded != "" {
-			if rerr := f.journal.ReleaseUnsent(context.WithoutCancel(ctx), p.claim, recorded); rerr != nil {
+			if rerr := f.releaseUnsent(ctx, p, recorded, true); rerr != nil {
 				// Kept, it would be sent by reconciliation: the payer must not be told it was not sent.
 				return common.Hash{}, nil, fmt.Errorf("the node refused the settlement transaction (%v) and the journal could not forget it: %w", err, rerr)
 			}
@@ -590,6 +590,14 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 		f.log.Warn("settlement broadcast may not have reached a node", zap.String("tx", hash.Hex()), zap.Error(err))
 	}
 	return hash, nil, nil
+}
+
+// releaseUnsent forgets the signed transaction recorded (hash) for p, which was not sent, and lets go of p's funds
+// hold with it (journal.ReleaseUnsentUnhold; unlessServed as funds.unhold's): the hold never outlives the record,
+// which is the only thing that leads reconciliation to it. The settlement's end lets go of the hold again (a
+// process's own holds, or a write of the shared holds that is a no-op by then).
+func (f *Facilitator) releaseUnsent(ctx context.Context, p *payment, hash string, unlessServed bool) error {
+	return journal.ReleaseUnsentUnhold(context.WithoutCancel(ctx), f.journal, p.net.funds.shared, p.claim, hash, unlessServed)
 }
 
 // awaitReceipt waits up to the network's receipt timeout and finalises the journal record when a receipt comes.

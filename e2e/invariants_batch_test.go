@@ -19,6 +19,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -56,6 +57,8 @@ type invBatch struct {
 	mu         sync.Mutex
 	violations []invViolation
 	summary    string
+	// deposits names each deposit a lane signed by the journal id its settlement is recorded and held under.
+	deposits map[journal.ID]string
 }
 
 // invBatchLane is one payer paying the batch route by voucher, its channel, and what it was served.
@@ -151,6 +154,35 @@ func (r *invRun) batchBalances() map[common.Address]*big.Int {
 		out[a] = r.w.dev.balanceOf(devchain.EIP3009TokenAddress, a)
 	}
 	return out
+}
+
+// noteDeposit remembers the journal id of the deposit value of lane l, signed for cumulative cum in action n, so
+// that a journal record or funds hold of it left behind is named (see invRun.describeID).
+func (b *invBatch) noteDeposit(l *invBatchLane, value string, cum int64, n int) {
+	p, err := x402.DecodeBatchPayment(value)
+	if err != nil || p.Payload.Deposit == nil || p.Payload.Deposit.Authorization.ERC3009Authorization == nil {
+		return
+	}
+	a := p.Payload.Deposit.Authorization.ERC3009Authorization
+	nonce := contracts.ERC3009DepositNonce(l.id, common.HexToHash(a.Salt))
+	id := journal.PaymentID(p.Accepted.Network, x402.TransferEIP3009, common.HexToAddress(p.Accepted.Asset).Hex(), l.addr.Hex(), nonce.Hex())
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.deposits == nil {
+		b.deposits = map[journal.ID]string{}
+	}
+	b.deposits[id] = fmt.Sprintf("%s's deposit of %d into channel %s with the voucher for cumulative %d (action #%d)",
+		l.name, invBatchDeposit, l.id.Hex()[:10], cum, n)
+}
+
+// depositNamed is the description of the lanes' deposit whose journal id is id, "" when no lane signed it.
+func (b *invBatch) depositNamed(id journal.ID) string {
+	if b == nil {
+		return ""
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.deposits[id]
 }
 
 // violate notes a violation of the batch check.
@@ -276,6 +308,7 @@ func (r *invRun) batchVoucher(l *invBatchLane, rng *rand.Rand, a *invAction, unt
 	value, deposit := "", cum > l.deposited
 	if deposit {
 		value = c.deposit(invBatchDeposit, cum)
+		b.noteDeposit(l, value, cum, a.n)
 	} else {
 		value = c.voucher(cum)
 	}

@@ -180,7 +180,7 @@ func (p *invPayment) journalIDs() []journal.ID {
 	}
 }
 
-// describeID names the payment a journal id belongs to.
+// describeID names the payment a journal id belongs to: one of the workers', or a batch lane's deposit.
 func (r *invRun) describeID(id journal.ID, payments []*invPayment) string {
 	for _, p := range payments {
 		for _, pid := range p.journalIDs() {
@@ -188,6 +188,9 @@ func (r *invRun) describeID(id journal.ID, payments []*invPayment) string {
 				return fmt.Sprintf("payment #%d", p.n)
 			}
 		}
+	}
+	if d := r.w.batch.depositNamed(id); d != "" {
+		return "payment " + id.String() + " (" + d + ")"
 	}
 	return "payment " + id.String() + " (of no payment the run signed)"
 }
@@ -343,6 +346,9 @@ var invChecks = []invCheck{
 	{"nothing-left-pending", "once quiet, nothing is pending: no async backlog, no journal record not final, no funds hold left", (*invRun).checkNothingLeft},
 	{"no-reverted-settlement", "no settlement wallet spent gas on a transaction that reverted", (*invRun).checkNoRevert},
 	{"batch-vouchers-claimed-once", "every batch voucher whose response was delivered is claimed once, none twice, nothing left unclaimed: each channel claimed exactly its delivered vouchers, the seller paid their sum, each payer's refund returned the rest, the escrow holds what it held", (*invRun).checkBatch},
+	{"access-grant-bounded", "a sign-in-with-x grant serves no more sign-in requests than the payments charged on chain bought (3 a payment on /siwx/), none after it ended (4 s after its payment's response on /siwx-brief/), and each served sign-in gets the resource asked", (*invRun).checkGrantBounded},
+	{"unpaid-never-signed-in", "a wallet that never paid is never served by signature, nor a sign-in signed for another path, route or gateway, nor one sign-in header twice", (*invRun).checkUnpaidNeverServed},
+	{"paid-wallet-signed-in", "a wallet whose payment on an access route delivered its response is not refused as not paid for, nor as ended, while the grant it bought stands, at any gateway (but for a SIGKILL or database outage during the delivery)", (*invRun).checkPaidSignedIn},
 	{"transport-counts-what-it-signed", "every payer.Transport's spent total is at least what its payments moved on chain plus the whole of those that can still be settled (upto: the maximum), whatever the servers said", (*invRun).checkTransportSpent},
 }
 

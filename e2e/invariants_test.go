@@ -59,8 +59,9 @@ var invTopologies = []invTopology{
 // then three on one PostgreSQL), on one `caddy x402 devchain`, behind a fault proxy on its RPC, with every kind
 // of paid route (exact permit2, eip3009 and erc2612; upto behind an upstream naming its charges; settle before,
 // after and async; a price set per request with price_grace; large and small files; a WebSocket upstream; two
-// remote facilitators as a failover set), by seeded random actions (pay; present a payment again to the same
-// resource, another of its route, another route, another gateway, several at once; in every request shape) and
+// remote facilitators as a failover set; access sold by sign-in-with-x), by seeded random actions (pay; present
+// a payment again to the same resource, another of its route, another route, another gateway, several at once; in
+// every request shape; sign in with x, past the grant, as a wallet that never paid, for another resource) and
 // faults (SIGKILL and restart of a gateway or a facilitator, a reload that changes prices, RPC 503s, hangs and
 // lost answers, PostgreSQL stopped). After quiescence it checks the money invariants on chain against the
 // clients' own records; a violation names the payments and the actions behind it, and the seed that draws them.
@@ -118,6 +119,8 @@ type invRun struct {
 	outages  []invEvent // PostgreSQL down, or the way to it hung
 	reloads  []invEvent // the gateways ran other prices
 	counts   map[string]int
+
+	siwx invSiwx // the sign-in-with-x lane (invariants_siwx_test.go)
 }
 
 // invEvent is a fault's span, and the gateway it hit (-1 for none).
@@ -327,6 +330,7 @@ var invActionKinds = []invActionKind{
 	{"present again to another route", weight(3), (*invWorker).againOtherRoute},
 	{"present again to another gateway", clusterOnly(6), (*invWorker).againOtherGateway},
 	{"present again, several at once", weight(4), (*invWorker).againConcurrently},
+	{"sign in with x", weight(8), (*invWorker).signInWithX},
 }
 
 // work runs a worker's actions until the time is up.

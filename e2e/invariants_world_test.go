@@ -72,6 +72,9 @@ type routeKind struct {
 	remote          bool   // settled through the remote facilitators' failover set
 	grace           string // price_grace
 	payTo           common.Address
+	// access: what a settled payment grants its payer by sign-in-with-x (the gate's access directive), over
+	// every path of the route; nil for none (invariants_siwx_test.go).
+	access *invAccess
 }
 
 // invSeller is the pay_to of route i: a seller of its own, so that the chain shows what each route was paid.
@@ -132,6 +135,12 @@ func invRoutes() []*routeKind {
 			settle: "after", price: "price $0.007", serve: serveWebSocket},
 		{name: "remote facilitators (failover), settle after", prefix: "/remote/", scheme: x402.SchemeExact,
 			method: x402.TransferPermit2, settle: "after", price: "price $0.008", serve: serveUpstream, remote: true},
+		// Sign-in-with-x: a grant of 3 requests that outlasts the run, and one of any number that ends 4 s after
+		// its payment's response (the run signs in past that).
+		{name: "access for 3 requests, settle after", prefix: "/siwx/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
+			settle: "after", price: "price $0.009", serve: serveUpstream, access: &invAccess{For: time.Hour, Requests: 3}},
+		{name: "access for 4 s, settle before", prefix: "/siwx-brief/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
+			settle: "before", price: "price $0.0011", serve: serveUpstream, access: &invAccess{For: 4 * time.Second}},
 	}
 	for i, rk := range routes {
 		rk.payTo = invSeller(i)
@@ -172,6 +181,13 @@ func (rk *routeKind) caddy(w *invWorld, gen int) string {
 	}
 	if rk.remote {
 		fmt.Fprintf(&b, "\t\t\tfacilitator http %s\n", strings.Join(w.facilitatorURLs(), " "))
+	}
+	if a := rk.access; a != nil {
+		fmt.Fprintf(&b, "\t\t\taccess %s {\n\t\t\t\tpaths %s*\n", a.For, rk.prefix)
+		if a.Requests > 0 {
+			fmt.Fprintf(&b, "\t\t\t\trequests %d\n", a.Requests)
+		}
+		b.WriteString("\t\t\t}\n")
 	}
 	b.WriteString("\t\t}\n")
 	switch rk.serve {

@@ -122,6 +122,12 @@ type Config struct {
 	// nothing, PaymentIdentifierOptional lets a client name its payment with an id, PaymentIdentifierRequired
 	// refuses a payment that names none.
 	PaymentIdentifier string
+	// GasSponsoring, when not nil, names the gas-sponsoring extensions the gate declares in its 402s
+	// (x402.ExtensionEIP2612GasSponsoring, x402.ExtensionERC20ApprovalGasSponsoring), of those its facilitator
+	// takes; an empty list declares neither. Default nil: every one the facilitator takes. A client without a
+	// Permit2 allowance signs the EIP-2612 permit where eip2612GasSponsoring is declared and the token has a
+	// permit, its own approval of Permit2 where only erc20ApprovalGasSponsoring is.
+	GasSponsoring []string
 	// Access, when set, grants a payer whose payment was served access to the route for a while
 	// (sign-in-with-x): the 402 carries the challenge, and a signed answer is served without paying, within the
 	// grant. Default nil: every request pays.
@@ -340,6 +346,9 @@ func New(cfg Config, fac x402.Facilitator, store journal.Store, owner string) (*
 		return nil, fmt.Errorf("default_amount %q is not one; want %q or %q", cfg.DefaultAmount, DefaultAmountMax, DefaultAmountZero)
 	}
 	if err := checkPaymentIdentifierMode(cfg.PaymentIdentifier); err != nil {
+		return nil, err
+	}
+	if err := CheckGasSponsoring(cfg.GasSponsoring); err != nil {
 		return nil, err
 	}
 	if err := CheckSignInOnly(cfg); err != nil {

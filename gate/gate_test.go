@@ -64,6 +64,8 @@ type setup struct {
 	serverLog *log.Logger
 	// config, when set, changes the gate's configuration before it is made.
 	config func(*gate.Config)
+	// network, when set, changes the engine's network configuration before it is made.
+	network func(*chain.NetworkConfig)
 	// wallets is how many of the chain's wallets the engine settles with (default 2).
 	wallets int
 	// noGate makes an env of the engine alone, as a process of a cluster that runs no gate: startGate makes
@@ -94,6 +96,9 @@ func newEnv(t *testing.T, s setup) *env {
 	}
 	for _, w := range c.Wallets[:cmp.Or(s.wallets, 2)] {
 		nc.Keys = append(nc.Keys, w.Key)
+	}
+	if s.network != nil {
+		s.network(&nc)
 	}
 	f, err := chain.New(context.Background(), chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: e.store, Owner: "test"})
 	if err != nil {

@@ -37,7 +37,8 @@ var (
 )
 
 // declareExtensions adds to a 402 the extensions the gate declares itself (the offer set declares the
-// facilitator's): payment-identifier, sign-in-with-x and bazaar when configured. The offer set's map is shared by every 402 built from it,
+// facilitator's): payment-identifier, sign-in-with-x and bazaar when configured; of the facilitator's gas-sponsoring
+// extensions, those gas_sponsoring names. The offer set's map is shared by every 402 built from it,
 // so it is copied, never written.
 func (x *exchange) declareExtensions(pr x402.PaymentRequired) x402.PaymentRequired {
 	var decl json.RawMessage
@@ -47,11 +48,14 @@ func (x *exchange) declareExtensions(pr x402.PaymentRequired) x402.PaymentRequir
 	case PaymentIdentifierRequired:
 		decl = paymentIdentifierRequired
 	}
-	if decl == nil && x.g.cfg.Access == nil && x.g.cfg.Discovery == nil {
+	if decl == nil && x.g.cfg.Access == nil && x.g.cfg.Discovery == nil && x.g.cfg.GasSponsoring == nil {
 		return pr
 	}
 	ext := make(map[string]json.RawMessage, len(pr.Extensions)+2)
 	maps.Copy(ext, pr.Extensions)
+	if x.g.cfg.GasSponsoring != nil {
+		withholdGasSponsoring(ext, x.g.cfg.GasSponsoring) // sponsoring.go
+	}
 	if decl != nil {
 		ext[x402.ExtensionPaymentIdentifier] = decl
 	}

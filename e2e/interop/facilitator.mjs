@@ -9,6 +9,12 @@
 // receiver authorizer the facilitator's own key (listed in /supported): deposits, claims, settles and refunds are
 // sent from that key. It reads channels through Multicall3, which the dev chain's genesis holds.
 //
+// With X402_APPROVAL_SPONSORING=1 it takes erc20ApprovalGasSponsoring (@x402/extensions'
+// createErc20ApprovalGasSponsoringExtension registered on the facilitator, as the SDK's docs do) with a signer
+// whose sendTransactions runs the transactions in order from the facilitator's key: for the payer's signed
+// approval it first sends the payer the gas money it lacks (its gas limit times its fee cap, less its balance),
+// broadcasts it and waits for it to mine; then it sends the settlement.
+//
 // Endpoints: GET /supported, POST /verify and POST /settle ({paymentPayload, paymentRequirements}), as the
 // public HTTPFacilitatorClient calls them. It prints "listening <url>" once it serves, and stops by itself
 // after X402_LIFETIME_SECONDS (default 600).
@@ -18,7 +24,8 @@ import { registerExactEvmScheme } from "@x402/evm/exact/facilitator";
 import { UptoEvmScheme } from "@x402/evm/upto/facilitator";
 import { BatchSettlementEvmScheme } from "@x402/evm/batch-settlement/facilitator";
 import { toFacilitatorEvmSigner } from "@x402/evm";
-import { createWalletClient, defineChain, http as viemHttp, publicActions } from "viem";
+import { createErc20ApprovalGasSponsoringExtension } from "@x402/extensions";
+import { createWalletClient, defineChain, http as viemHttp, parseTransaction, publicActions, recoverTransactionAddress } from "viem";
 import { privateKeyToAccount } from "viem/accounts";
 
 function usage(message) {
@@ -49,6 +56,33 @@ const facilitator = new x402Facilitator();
 registerExactEvmScheme(facilitator, { signer, networks: network });
 facilitator.register(network, new UptoEvmScheme(signer));
 if (process.env.X402_BATCH === "1") facilitator.register(network, new BatchSettlementEvmScheme(signer, account));
+if (process.env.X402_APPROVAL_SPONSORING === "1") {
+  facilitator.registerExtension(createErc20ApprovalGasSponsoringExtension({
+    ...signer,
+    async sendTransactions(transactions) {
+      const hashes = [];
+      for (const tx of transactions) {
+        if (typeof tx === "string") {
+          const parsed = parseTransaction(tx);
+          const from = await recoverTransactionAddress({ serializedTransaction: tx });
+          const need = parsed.gas * parsed.maxFeePerGas;
+          const have = await client.getBalance({ address: from });
+          if (have < need) {
+            const funding = await client.sendTransaction({ to: from, value: need - have });
+            await client.waitForTransactionReceipt({ hash: funding });
+          }
+          const hash = await client.sendRawTransaction({ serializedTransaction: tx });
+          const receipt = await client.waitForTransactionReceipt({ hash });
+          if (receipt.status !== "success") throw new Error(`the approval ${hash} reverted`);
+          hashes.push(hash);
+        } else {
+          hashes.push(await client.sendTransaction({ to: tx.to, data: tx.data, gas: tx.gas }));
+        }
+      }
+      return hashes;
+    },
+  }));
+}
 
 async function body(req) {
   const chunks = [];

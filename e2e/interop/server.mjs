@@ -6,6 +6,8 @@
 //
 // GET /paid costs X402_AMOUNT raw units of X402_ASSET (EIP-712 domain X402_TOKEN_NAME / X402_TOKEN_VERSION) by
 // permit2, and declares the eip2612GasSponsoring extension, so that a payer who never approved Permit2 can pay.
+// With X402_GAS_SPONSORING=erc20_approval it declares erc20ApprovalGasSponsoring instead
+// (declareErc20ApprovalGasSponsoringExtension), so that such a payer signs its own approval of Permit2.
 // With X402_UPTO_AMOUNT set, GET /upto is sold by the upto scheme (@x402/evm/upto/server) for at most that many
 // raw units, and its handler charges what the request names in ?use= (raw units or a percentage such as "50%", as
 // setSettlementOverrides takes them; no ?use= sets no override, so the maximum is charged). The facilitator must
@@ -36,6 +38,7 @@ import { UptoEvmScheme } from "@x402/evm/upto/server";
 import { BatchSettlementEvmScheme } from "@x402/evm/batch-settlement/server";
 import {
   declareEip2612GasSponsoringExtension,
+  declareErc20ApprovalGasSponsoringExtension,
   declarePaymentIdentifierExtension,
   extractAndValidatePaymentIdentifier,
   PAYMENT_IDENTIFIER,
@@ -68,6 +71,8 @@ if (batchAmount !== undefined && !/^\d+$/.test(batchAmount)) usage("X402_BATCH_A
 const batchAsset = process.env.X402_BATCH_ASSET || asset;
 const batchToken = { name: process.env.X402_BATCH_TOKEN_NAME || token.name, version: process.env.X402_BATCH_TOKEN_VERSION || token.version };
 
+const gasSponsoring = process.env.X402_GAS_SPONSORING || "eip2612";
+if (gasSponsoring !== "eip2612" && gasSponsoring !== "erc20_approval") usage('X402_GAS_SPONSORING must be "eip2612" or "erc20_approval"');
 const paymentIdentifier = process.env.X402_PAYMENT_IDENTIFIER;
 if (paymentIdentifier !== undefined && paymentIdentifier !== "optional" && paymentIdentifier !== "required") {
   usage('X402_PAYMENT_IDENTIFIER must be "optional" or "required"');
@@ -143,7 +148,7 @@ app.use(
             inputSchema: { properties: { city: { type: "string" } }, required: ["city"] },
             output: { example: { tempC: 4 }, schema: { properties: { tempC: { type: "number" } } } },
           }) : {}),
-          ...declareEip2612GasSponsoringExtension(),
+          ...(gasSponsoring === "erc20_approval" ? declareErc20ApprovalGasSponsoringExtension() : declareEip2612GasSponsoringExtension()),
           // Unlike the gas-sponsoring helper, this one returns the declaration itself, not keyed by its name.
           ...(paymentIdentifier === undefined ? {} : { [PAYMENT_IDENTIFIER]: declarePaymentIdentifierExtension(paymentIdentifier === "required") }),
           ...(siwx ? declareSIWxExtension({ network }) : {}),

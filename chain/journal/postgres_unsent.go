@@ -1,0 +1,48 @@
+package journal
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// A settlement whose signed transaction every node refused forgets it (ReleaseUnsent: the write-ahead record goes,
+// so that no later pass sends those bytes) and lets go of the payment's funds hold (Unhold). The record must not
+// go first: a hold without its record is nobody's to end (reconciliation looks only at records, a gate only at
+// the holds it took itself), so a failure or a crash between the two writes would leave the payer's funds looking
+// spent until the payment's deadline. A batch-settlement deposit, which no gate holds, kept such a hold to the end
+// of the money-invariant run. ReleaseUnsentUnhold writes the two in one transaction where it can.
+
+// ReleaseUnsentUnhold is c.Unhold of claim's payment and then s.ReleaseUnsent of claim with txHash: in one
+// transaction where s and c are one PostgreSQL store, else the hold first and the record only once it is let go.
+// An error may leave the hold let go and the record as it was, never the record gone with the hold left. With c
+// nil (no shared holds) it is s.ReleaseUnsent.
+func ReleaseUnsentUnhold(ctx context.Context, s Store, c Cluster, claim Record, txHash string, unlessServed bool) error {
+	if c == nil {
+		return s.ReleaseUnsent(ctx, claim, txHash)
+	}
+	if ps, ok := s.(*PostgresStore); ok && ClaimsWithHold(s, c) {
+		return ps.releaseUnsentUnhold(ctx, claim, txHash, unlessServed)
+	}
+	if err := c.Unhold(ctx, claim.ID, unlessServed); err != nil {
+		return err
+	}
+	return s.ReleaseUnsent(ctx, claim, txHash)
+}
+
+// releaseUnsentUnhold is ReleaseUnsent and Unhold in one transaction: the hold goes with the record, or neither.
+// A record that is not releasable (ErrNotReleasable) leaves the hold as it is: it is another claim's.
+func (s *PostgresStore) releaseUnsentUnhold(ctx context.Context, claim Record, txHash string, unlessServed bool) error {
+	wctx, cancel, err := s.begin(ctx, true)
+	if err != nil {
+		return err
+	}
+	defer cancel()
+	return s.fail(ctx, "release unsent", s.inTx(wctx, func(tx pgx.Tx) error {
+		if err := releaseUnsentIn(pgTxn{wctx, tx}, claim, txHash); err != nil {
+			return err
+		}
+		_, err := tx.Exec(wctx, `DELETE FROM x402_holds WHERE id = $1 AND NOT (served AND $2)`, claim.ID[:], unlessServed)
+		return err
+	}))
+}
