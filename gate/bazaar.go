@@ -106,6 +106,8 @@ func (x *exchange) describeForDiscovery(info x402.ResourceInfo) x402.ResourceInf
 // route from the payload it settles, which the payer writes: echoed as they came, a payer could have our
 // facilitator list our route under any URL, description or schema, or list a route of ours that declares
 // nothing. The payer's signature covers neither (it signs the payload's payload), so nothing it signed changes.
+// A gas-sponsoring extension the route does not declare (gas_sponsoring) is left out too: the facilitator would
+// spend gas on it (fund the payer's approval, send its permit) on a route whose operator sponsors none.
 func (x *exchange) declaredPayload(p x402.PaymentPayload) x402.PaymentPayload {
 	if p.X402Version != x402.Version2 {
 		return p
@@ -117,7 +119,8 @@ func (x *exchange) declaredPayload(p x402.PaymentPayload) x402.PaymentPayload {
 		x.declareDiscovery(own)
 	}
 	_, echoed := p.Extensions[x402.ExtensionBazaar]
-	if own[x402.ExtensionBazaar] == nil && !echoed {
+	undeclared := x.undeclaredGasSponsoring(p.Extensions) // sponsoring.go
+	if own[x402.ExtensionBazaar] == nil && !echoed && len(undeclared) == 0 {
 		return p
 	}
 	ext := make(map[string]json.RawMessage, len(p.Extensions)+1)
@@ -125,6 +128,9 @@ func (x *exchange) declaredPayload(p x402.PaymentPayload) x402.PaymentPayload {
 	delete(ext, x402.ExtensionBazaar)
 	if decl := own[x402.ExtensionBazaar]; decl != nil {
 		ext[x402.ExtensionBazaar] = decl
+	}
+	for _, n := range undeclared {
+		delete(ext, n)
 	}
 	p.Extensions = ext
 	return p

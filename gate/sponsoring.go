@@ -36,3 +36,20 @@ func withholdGasSponsoring(ext map[string]json.RawMessage, declared []string) {
 		}
 	}
 }
+
+// undeclaredGasSponsoring lists the gas-sponsoring extensions a payment carries that the gate does not declare
+// (Config.GasSponsoring; all are declared when it is nil). They never reach the facilitator (declaredPayload): a
+// payment relying on one is judged without it, and refused for the allowance it lacks before any gas is spent.
+func (x *exchange) undeclaredGasSponsoring(ext map[string]json.RawMessage) []string {
+	declared := x.g.cfg.GasSponsoring
+	if declared == nil {
+		return nil
+	}
+	var out []string
+	for _, n := range gasSponsoringExtensions {
+		if _, ok := ext[n]; ok && !slices.Contains(declared, n) {
+			out = append(out, n)
+		}
+	}
+	return out
+}
