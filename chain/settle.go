@@ -527,7 +527,7 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 		f.log.Warn("sponsored approval not mined; settlement not sent", zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()), zap.Error(err))
 		if recorded != "" {
 			if rerr := f.releaseUnsent(ctx, p, recorded, false); rerr != nil {
-				return common.Hash{}, nil, fmt.Errorf("the payer's approval failed (%v) and the journal could not forget the settlement after it: %w", err, rerr)
+				return common.Hash{}, nil, fmt.Errorf("%w: the payer's approval failed (%v) and the journal could not forget the settlement after it: %w", errRecordUnknown, err, rerr)
 			}
 		}
 		reason := x402.ReasonERC20ApprovalBroadcastFailed
@@ -546,7 +546,7 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 			zap.String("funded_wei", funded.String()), zap.Error(err))
 		if recorded != "" {
 			if rerr := f.releaseUnsent(ctx, p, recorded, false); rerr != nil {
-				return common.Hash{}, nil, fmt.Errorf("the settlement would revert after the payer's approval (%v) and the journal could not forget it: %w", err, rerr)
+				return common.Hash{}, nil, fmt.Errorf("%w: the settlement would revert after the payer's approval (%v) and the journal could not forget it: %w", errRecordUnknown, err, rerr)
 			}
 		}
 		return common.Hash{}, refuse(x402.ReasonPermit2SimulationFailed, "%v; the payer's approval %s mined (its gas, and the %s wei of gas money sent to the payer for it, are spent) but the payer's allowance or balance no longer covers the payment: the settlement was not sent",
@@ -564,8 +564,10 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 		}
 		if recorded != "" {
 			if rerr := f.releaseUnsent(ctx, p, recorded, true); rerr != nil {
-				// Kept, it would be sent by reconciliation: the payer must not be told it was not sent.
-				return common.Hash{}, nil, fmt.Errorf("the node refused the settlement transaction (%v) and the journal could not forget it: %w", err, rerr)
+				// Kept, it would be sent by reconciliation: the payer must not be told it was not sent, and its hold
+				// stays with it (errRecordUnknown keeps both: a hold let go while the record stays would have the
+				// recorded bytes sent later against funds counted free).
+				return common.Hash{}, nil, fmt.Errorf("%w: the node refused the settlement transaction (%v) and the journal could not forget it: %w", errRecordUnknown, err, rerr)
 			}
 		} else if lost := asClaimLost(err); lost != nil {
 			// Taken over by another instance, which released the claim or claimed the payment again: this
