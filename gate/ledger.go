@@ -324,13 +324,22 @@ func (l *Ledger) release(id journal.ID) {
 	l.forget(id)
 }
 
-// releaseLater is release with the journal's mark cleared by the leftover loop, not before the caller goes on.
+// releaseLater is release with a short wait on the journal: the mark is cleared now if the journal answers at
+// once (the read failed, the database did not: another gateway the payer turns to must not find the payment
+// marked), else by the leftover loop, not before the caller goes on.
 func (l *Ledger) releaseLater(id journal.ID) {
-	if _, ok := l.store.(journal.Cluster); ok {
-		l.leaveBehind(id, nil, time.Time{})
+	if c, ok := l.store.(journal.Cluster); ok {
+		ctx, cancel := context.WithTimeout(context.Background(), releaseLaterWait)
+		if err := c.Idle(ctx, id); err != nil {
+			l.leaveBehind(id, nil, time.Time{})
+		}
+		cancel()
 	}
 	l.forget(id)
 }
+
+// releaseLaterWait bounds releaseLater's own try at clearing a mark.
+const releaseLaterWait = 250 * time.Millisecond
 
 // releaseIdled is release of a payment whose journal mark was cleared already when idled (journal.MarkServedIdle,
 // journal.UpdateKnownIdle, written with its served mark): only this process's own mark is left to let go of.
