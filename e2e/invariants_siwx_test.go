@@ -328,7 +328,11 @@ func (r *invRun) checkGrantBounded(end *invEnd) ([]invViolation, string) {
 			wallets++
 		}
 		paid := bought[k]
-		if n := k.rk.access.Requests; n > 0 && int64(runs) > n*int64(len(paid)) {
+		if runs > 0 && len(paid) == 0 {
+			// Whatever the grant allows (a count, or any number for a while), none stands without a payment charged.
+			out = append(out, invViolation{what: fmt.Sprintf("%s was served %d sign-in request(s) on %q (the upstream counted them), and no payment of it there was charged on chain: %s",
+				k.wallet.Hex(), runs, k.rk.name, describeSignIns(ss))})
+		} else if n := k.rk.access.Requests; n > 0 && int64(runs) > n*int64(len(paid)) {
 			out = append(out, invViolation{what: fmt.Sprintf("%s was served %d sign-in request(s) on %q (the upstream counted them), and bought %d with %d payment(s) charged on chain: %s",
 				k.wallet.Hex(), runs, k.rk.name, n*int64(len(paid)), len(paid), describeSignIns(ss)), payments: paid})
 		}
