@@ -435,8 +435,8 @@ func (a *App) networkSpecs() ([]networkSpec, error) {
 		}
 		if n.ApprovalSponsoring != nil && n != a.devNet && n.Network != a.devChainNetwork() {
 			return nil, fmt.Errorf("network #%d (%s): approval_sponsoring is taken on the dev chain only for now: the engine funds a payer's "+
-				"approval with up to max_gas times max_fee_per_gas whatever the approval will cost, and broadcasts the settlement it signed "+
-				"before the approval mined without checking it again, so a payer could keep gas money on a network of value (README: erc20ApprovalGasSponsoring)",
+				"approval with its gas limit times its fee cap, not what the approval uses, and bounds that per payment only, not per payer "+
+				"or over time, so a payer could keep gas money on a network of value, payment after payment (README: erc20ApprovalGasSponsoring)",
 				i+1, n.Network)
 		}
 		specs = append(specs, spec)
