@@ -23,6 +23,7 @@ var immutableVars = map[string]string{
 	"methodOrder":                   "a constant table, read only",
 	"gasSponsoringDeclaration":      "a JSON document built once, read only",
 	"approvalSponsoringDeclaration": "a JSON document built once, read only",
+	"gasSponsoringExtensions":       "the names of the two gas-sponsoring extensions, read only",
 	"paymentIdentifierOptional":     "a JSON document built once, read only",
 	"paymentIdentifierRequired":     "a JSON document built once, read only",
 	"paywallHTML":                   "the embedded page",
