@@ -5,10 +5,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ethereum/go-ethereum/common"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -24,56 +26,22 @@ import (
 // lost does (settlementEndsOnceTheDatabaseIsBack): its recorded bytes sent once the node takes them, the hold
 // ended as mined.
 func TestASettlementTheNodeRefusesLetsGoOfItsHoldWithItsRecordThoughTheDatabaseStopsBetween(t *testing.T) {
-	srv := pgtest.Start(t)
-	var proxy *chaintest.FaultProxy
-	fx, engines, stores := sharedEnginesOn(t, srv.DSN(), 1, 15*time.Second, fixtureOpts{wallets: 2, receiptTimeout: time.Minute, autoCommit: -1,
-		chainOpts: []chaintest.Option{chaintest.WithHTTP()}, tune: behindFaultProxy(t, &proxy, false, 0)})
-	waitLeases(t, fx, engines, 2)
-	payer := fx.c.Payers[0]
-	fx.approvePermit2(payer)
-	fx.c.Commit()
-	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
-	id := permit2ID(fx, req)
-	sent := fx.walletTxs()
-
-	// The send reaches the node once the claim, the hold and the record of the signed transaction are written: the
-	// hold's table is locked then, before the node's refusal lets the engine go on.
-	arrived, locked := make(chan struct{}), make(chan struct{})
-	refused := false
-	proxy.SetDecide(func(method string) chaintest.Fault {
-		if method != "eth_sendRawTransaction" {
-			return chaintest.Pass
-		}
-		if !refused {
-			refused = true
-			close(arrived)
-			<-locked
-		}
-		return chaintest.Refuse
-	})
-	settled := settleInBackground(engines[0], req)
-	select {
-	case <-arrived:
-	case r := <-settled:
-		t.Fatalf("the settlement ended before its transaction reached the node: %+v, %v", r.resp, r.err)
-	case <-time.After(20 * time.Second):
-		t.Fatal("the settlement's transaction never reached the node")
-	}
-	if mined, err := holdMined(srv.DSN(), id); err != nil || mined != "0" {
-		close(locked)
+	h := refusedSettlementHeldAtItsSend(t)
+	if mined, err := holdMined(h.srv.DSN(), h.id); err != nil || mined != "0" {
+		close(h.locked)
 		t.Fatalf("the settlement's hold as its transaction is sent = %q, %v; want one, not seen mined", mined, err)
 	}
-	unlock := lockTable(t, srv.DSN(), "x402_holds", "ACCESS EXCLUSIVE")
+	unlock := lockTable(t, h.srv.DSN(), "x402_holds", "ACCESS EXCLUSIVE")
 	defer unlock()
-	close(locked)
-	waitBlocked(t, srv.DSN(), "DELETE FROM x402_holds")
-	srv.Stop(t)
-	if r := <-settled; r.err == nil && r.resp.Success {
+	close(h.locked)
+	waitBlocked(t, h.srv.DSN(), "DELETE FROM x402_holds")
+	h.srv.Stop(t)
+	if r := <-h.settled; r.err == nil && r.resp.Success {
 		t.Fatalf("the settlement the node refused = %+v; want no success", r.resp)
 	}
-	proxy.SetDecide(nil) // the node takes transactions again
-	srv.Restart(t)
-	settlementEndsOnceTheDatabaseIsBack(t, fx, srv.DSN(), stores[0], id, payer.Address, sent)
+	h.proxy.SetDecide(nil) // the node takes transactions again
+	h.srv.Restart(t)
+	settlementEndsOnceTheDatabaseIsBack(t, h.fx, h.srv.DSN(), h.stores[0], h.id, h.payer, h.sent)
 }
 
 // TestASettlementWhoseRecordCouldNotBeForgottenKeepsItsHold: as above, the node refuses the settlement's signed
@@ -84,43 +52,11 @@ func TestASettlementTheNodeRefusesLetsGoOfItsHoldWithItsRecordThoughTheDatabaseS
 // against funds counted free (the review of the change that wrote both in one transaction). Kept, reconciliation
 // sends the recorded transaction once the node takes it and ends the hold as mined.
 func TestASettlementWhoseRecordCouldNotBeForgottenKeepsItsHold(t *testing.T) {
-	srv := pgtest.Start(t)
-	var proxy *chaintest.FaultProxy
-	fx, engines, stores := sharedEnginesOn(t, srv.DSN(), 1, 15*time.Second, fixtureOpts{wallets: 2, receiptTimeout: time.Minute, autoCommit: -1,
-		chainOpts: []chaintest.Option{chaintest.WithHTTP()}, tune: behindFaultProxy(t, &proxy, false, 0)})
-	waitLeases(t, fx, engines, 2)
-	payer := fx.c.Payers[0]
-	fx.approvePermit2(payer)
-	fx.c.Commit()
-	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
-	id := permit2ID(fx, req)
-	sent := fx.walletTxs()
-
-	arrived, locked := make(chan struct{}), make(chan struct{})
-	refused := false
-	proxy.SetDecide(func(method string) chaintest.Fault {
-		if method != "eth_sendRawTransaction" {
-			return chaintest.Pass
-		}
-		if !refused {
-			refused = true
-			close(arrived)
-			<-locked
-		}
-		return chaintest.Refuse
-	})
-	settled := settleInBackground(engines[0], req)
-	select {
-	case <-arrived:
-	case r := <-settled:
-		t.Fatalf("the settlement ended before its transaction reached the node: %+v, %v", r.resp, r.err)
-	case <-time.After(20 * time.Second):
-		t.Fatal("the settlement's transaction never reached the node")
-	}
-	unlock := lockTable(t, srv.DSN(), "x402_holds", "ACCESS EXCLUSIVE")
-	close(locked)
-	waitBlocked(t, srv.DSN(), "DELETE FROM x402_holds")
-	if err := query(srv.DSN(), func(ctx context.Context, conn *pgx.Conn) error {
+	h := refusedSettlementHeldAtItsSend(t)
+	unlock := lockTable(t, h.srv.DSN(), "x402_holds", "ACCESS EXCLUSIVE")
+	close(h.locked)
+	waitBlocked(t, h.srv.DSN(), "DELETE FROM x402_holds")
+	if err := query(h.srv.DSN(), func(ctx context.Context, conn *pgx.Conn) error {
 		_, err := conn.Exec(ctx, `SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND starts_with(query, 'DELETE FROM x402_holds')`)
 		return err
 	}); err != nil {
@@ -128,17 +64,72 @@ func TestASettlementWhoseRecordCouldNotBeForgottenKeepsItsHold(t *testing.T) {
 		t.Fatal(err)
 	}
 	unlock()
-	if r := <-settled; r.err == nil && r.resp.Success {
+	if r := <-h.settled; r.err == nil && r.resp.Success {
 		t.Fatalf("the settlement the node refused = %+v; want no success", r.resp)
 	}
-	rec, ok, err := stores[0].Get(context.Background(), id)
-	mined, herr := holdMined(srv.DSN(), id)
+	rec, ok, err := h.stores[0].Get(context.Background(), h.id)
+	mined, herr := holdMined(h.srv.DSN(), h.id)
 	if err != nil || herr != nil {
 		t.Fatalf("reading the record (%v) and the hold (%v)", err, herr)
 	}
 	if ok && mined == "" {
 		t.Fatalf("after the settlement ended the record is kept (%s, transaction %s) and the hold is gone; want the hold kept with the record", rec.State, rec.TxHash)
 	}
-	proxy.SetDecide(nil) // the node takes transactions again
-	settlementEndsOnceTheDatabaseIsBack(t, fx, srv.DSN(), stores[0], id, payer.Address, sent)
+	h.proxy.SetDecide(nil) // the node takes transactions again
+	settlementEndsOnceTheDatabaseIsBack(t, h.fx, h.srv.DSN(), h.stores[0], h.id, h.payer, h.sent)
+}
+
+// heldRefusal is a settlement whose signed transaction reached the node, which holds it and refuses it once the
+// test closes locked: its claim, funds hold and write-ahead record are written by then.
+type heldRefusal struct {
+	srv     *pgtest.Server
+	fx      *fixture
+	stores  []*journal.PostgresStore
+	proxy   *chaintest.FaultProxy
+	id      journal.ID
+	payer   common.Address
+	sent    []uint64
+	settled <-chan settleResult
+	locked  chan struct{}
+}
+
+// refusedSettlementHeldAtItsSend starts one engine on a PostgreSQL of its own behind an RPC fault proxy and settles a
+// permit2 payment whose send the node holds until locked is closed, then refuses (and refuses every later send).
+func refusedSettlementHeldAtItsSend(t *testing.T) heldRefusal {
+	t.Helper()
+	r := heldRefusal{srv: pgtest.Start(t), locked: make(chan struct{})}
+	fx, engines, stores := sharedEnginesOn(t, r.srv.DSN(), 1, 15*time.Second, fixtureOpts{wallets: 2, receiptTimeout: time.Minute, autoCommit: -1,
+		chainOpts: []chaintest.Option{chaintest.WithHTTP()}, tune: behindFaultProxy(t, &r.proxy, false, 0)})
+	r.fx, r.stores = fx, stores
+	waitLeases(t, fx, engines, 2)
+	payer := fx.c.Payers[0]
+	r.payer = payer.Address
+	fx.approvePermit2(payer)
+	fx.c.Commit()
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	r.id = permit2ID(fx, req)
+	r.sent = fx.walletTxs()
+
+	arrived := make(chan struct{})
+	refused := false
+	r.proxy.SetDecide(func(method string) chaintest.Fault {
+		if method != "eth_sendRawTransaction" {
+			return chaintest.Pass
+		}
+		if !refused {
+			refused = true
+			close(arrived)
+			<-r.locked
+		}
+		return chaintest.Refuse
+	})
+	r.settled = settleInBackground(engines[0], req)
+	select {
+	case <-arrived:
+	case res := <-r.settled:
+		t.Fatalf("the settlement ended before its transaction reached the node: %+v, %v", res.resp, res.err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("the settlement's transaction never reached the node")
+	}
+	return r
 }
