@@ -44,6 +44,18 @@ func (fx *fixture) approvalFees() chain.ApprovalTx {
 	return chain.ApprovalTx{Gas: 70_000, TipCap: tip, FeeCap: new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(2)), tip)}
 }
 
+// sponsoredPermit2 is a permit2 payment of payer carrying its own approval of Permit2 (first nonce, approvalFees'
+// fees), and those fees.
+func (fx *fixture) sponsoredPermit2(payer *chaintest.Account) (x402.VerifyRequest, chain.ApprovalTx) {
+	fx.t.Helper()
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	fees := fx.approvalFees()
+	if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
+		fx.t.Fatal(err)
+	}
+	return req, fees
+}
+
 // approvalOf is the signed approval a payment's erc20ApprovalGasSponsoring extension carries.
 func approvalOf(t *testing.T, req x402.VerifyRequest) *types.Transaction {
 	t.Helper()
@@ -71,12 +83,7 @@ func TestAPayerWithoutPermit2AllowanceOrGasPaysThroughItsSponsoredApproval(t *te
 	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
 	walletTxs := fx.c.TxCount(wallet) + fx.c.TxCount(fx.c.Wallets[1].Address)
 
-	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
-	fees := fx.approvalFees()
-	fees.Nonce = 0
-	if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
-		t.Fatal(err)
-	}
+	req, fees := fx.sponsoredPermit2(payer)
 	if v := fx.verify(req); !v.IsValid {
 		t.Fatalf("verify with the approval = %+v, want valid", v)
 	}
@@ -138,11 +145,7 @@ func TestASponsoredApprovalIsNeverFundedOrSentTwice(t *testing.T) {
 	ctx := context.Background()
 	t.Run("funded already", func(t *testing.T) {
 		payer := fx.c.PayersNoGas[0]
-		req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
-		fees := fx.approvalFees()
-		if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
-			t.Fatal(err)
-		}
+		req, fees := fx.sponsoredPermit2(payer)
 		fx.c.SendETH(fx.c.Payers[2], payer.Address, new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap))
 		if s := fx.settle(req); !s.Success {
 			t.Fatalf("settle = %+v, want success", s)
@@ -153,11 +156,7 @@ func TestASponsoredApprovalIsNeverFundedOrSentTwice(t *testing.T) {
 	})
 	t.Run("approval mined already", func(t *testing.T) {
 		payer := fx.c.PayersNoGas[1]
-		req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
-		fees := fx.approvalFees()
-		if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
-			t.Fatal(err)
-		}
+		req, fees := fx.sponsoredPermit2(payer)
 		approval := approvalOf(t, req)
 		fx.c.SendETH(fx.c.Payers[2], payer.Address, new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap))
 		if err := fx.c.Client.SendTransaction(ctx, approval); err != nil {
@@ -320,11 +319,7 @@ func TestASponsoredApprovalInterruptedAfterItsFundingSettlesOnceAfterARestart(t 
 	payer := fx.c.PayerNoGas
 	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
 	sent := fx.c.TxCount(fx.c.Wallets[0].Address) + fx.c.TxCount(fx.c.Wallets[1].Address)
-	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
-	fees := fx.approvalFees()
-	if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
-		t.Fatal(err)
-	}
+	req, fees := fx.sponsoredPermit2(payer)
 	s := fx.settle(req)
 	if s.Success || s.ErrorReason != x402.ReasonSettlementPending {
 		t.Fatalf("settle with no block sealed = %+v, want settlement_pending", s)
@@ -391,12 +386,7 @@ func TestASponsoredApprovalIsSimulatedOnTheHeadItsNextBlockFollows(t *testing.T)
 	}})
 	payer := fx.c.PayerNoGas
 	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
-	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
-	fees := fx.approvalFees()
-	fees.Nonce = 0
-	if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
-		t.Fatal(err)
-	}
+	req, _ := fx.sponsoredPermit2(payer)
 	if v := fx.verify(req); !v.IsValid {
 		t.Fatalf("verify with the approval, a block sealed before its simulation = %+v; want valid", v)
 	}
