@@ -349,6 +349,7 @@ var invChecks = []invCheck{
 	{"access-grant-bounded", "a sign-in-with-x grant serves no more sign-in requests than the payments charged on chain bought (3 a payment on /siwx/), none after it ended (4 s after its payment's response on /siwx-brief/), and each served sign-in gets the resource asked", (*invRun).checkGrantBounded},
 	{"unpaid-never-signed-in", "a wallet that never paid is never served by signature, nor a sign-in signed for another path, route or gateway, nor one sign-in header twice", (*invRun).checkUnpaidNeverServed},
 	{"paid-wallet-signed-in", "a wallet whose payment on an access route delivered its response is not refused as not paid for, nor as ended, while the grant it bought stands, at any gateway (but for a SIGKILL or database outage during the delivery)", (*invRun).checkPaidSignedIn},
+	{"mcp-tool-calls-answered", "a tool call of an MCP route delivered whole carries its settlement in the result's _meta (pending only for settle async), and a refused one is a tool result with isError, as the x402 MCP transport says; the lane ran", (*invRun).checkMCPCalls},
 	{"transport-counts-what-it-signed", "every payer.Transport's spent total is at least what its payments moved on chain plus the whole of those that can still be settled (upto: the maximum), whatever the servers said", (*invRun).checkTransportSpent},
 }
 

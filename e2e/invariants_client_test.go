@@ -225,7 +225,10 @@ func upstreamRoute(rk *routeKind, _ string) bool { return rk.serve == serveUpstr
 
 func fileRoute(rk *routeKind, _ string) bool { return rk.serve == serveFiles }
 
-func notWebSocket(rk *routeKind, _ string) bool { return rk.serve != serveWebSocket }
+// notWebSocket fits the routes asked for with plain HTTP requests: neither WebSocket nor MCP routes.
+func notWebSocket(rk *routeKind, _ string) bool {
+	return rk.serve != serveWebSocket && rk.serve != serveMCP
+}
 
 // bigFile fits the files a client can surely cut short (see invBigFile).
 func bigFile(rk *routeKind, path string) bool {
@@ -269,12 +272,17 @@ var invShapes = []invShape{
 	{shapeH2Reset, http.MethodGet, 4, bigFile},
 	{shapeBodyCut, http.MethodPost, 2, upstreamRoute},
 	{shapeWebSocket, http.MethodGet, 6, func(rk *routeKind, _ string) bool { return rk.serve == serveWebSocket }},
+	{shapeMCP, http.MethodPost, 4, mcpRoute},
+	{shapeMCPSSE, http.MethodPost, 2, mcpRoute},
+	{shapeMCPH2, http.MethodPost, 2, mcpRoute},
 }
 
-// plainShape is the shape a payment is presented in again to get its response: the plain request of its method,
-// or the WebSocket handshake it was bought with.
-func plainShape(method, firstShape string) string {
+// plainShape is the shape a payment is presented in again to get its response from rk: the plain request of its
+// method, the WebSocket handshake it was bought with, or a tool call.
+func plainShape(rk *routeKind, method, firstShape string) string {
 	switch {
+	case rk != nil && rk.serve == serveMCP:
+		return shapeMCP
 	case firstShape == shapeWebSocket:
 		return shapeWebSocket
 	case method == http.MethodHead:
@@ -296,7 +304,7 @@ func pickShape(rng *rand.Rand, rk *routeKind, path, method string) string {
 		}
 	}
 	if total == 0 {
-		return plainShape(method, "")
+		return plainShape(rk, method, "")
 	}
 	n := rng.IntN(total)
 	for _, s := range fit {
@@ -383,6 +391,9 @@ func (r *invRun) send(ctx context.Context, p *invPayment, base string, res invRe
 		return a
 	case shapeBodyCut:
 		r.sendCutBody(ctx, a, p, base)
+		return a
+	case shapeMCP, shapeMCPSSE, shapeMCPH2:
+		r.sendMCP(ctx, a, p, base, res, shape)
 		return a
 	}
 	var body io.Reader
@@ -644,6 +655,9 @@ func (p *invPayment) record(a *invAnswer) {
 
 // readOffer asks gateway base for path without paying and reads the 402's offer.
 func (r *invRun) readOffer(ctx context.Context, base, path string) (payer.Offer, error) {
+	if rk := r.w.route(path); rk != nil && rk.serve == serveMCP {
+		return mcpOffer(ctx, r.client.h1, base, path)
+	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+path, nil)
 	if err != nil {
 		return payer.Offer{}, err

@@ -646,7 +646,7 @@ func (it *invTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 func (w *invWorker) payThroughTransport(a *invAction) {
 	r := w.r
 	rk := w.pickRoute(func(rk *routeKind) bool {
-		return rk.serve != serveWebSocket && rk.method != x402.TransferERC2612
+		return rk.serve != serveWebSocket && rk.serve != serveMCP && rk.method != x402.TransferERC2612
 	})
 	path := rk.paths[w.rng.IntN(len(rk.paths))]
 	gate := w.pickGate()
@@ -884,7 +884,7 @@ func (r *invRun) resolve(p *invPayment, deadline time.Time) {
 	a := r.begin("Q", "present again until the answer is final")
 	defer r.finish(a)
 	for _, res := range p.homes() {
-		shape := plainShape(res.method, p.firstShape)
+		shape := plainShape(r.w.route(res.path), res.method, p.firstShape)
 		gate := p.firstGate
 		pause := 250 * time.Millisecond
 		for {

@@ -53,6 +53,7 @@ const (
 	serveUpstream  = "upstream"  // reverse_proxy to the test's upstream, which names upto charges
 	serveFiles     = "files"     // file_server over invFiles
 	serveWebSocket = "websocket" // reverse_proxy to the upstream's WebSocket echo
+	serveMCP       = "mcp"       // the gate's mcp mode before the upstream's MCP tools (invariants_mcp_test.go)
 )
 
 // routeKind is one paid route of every gateway: its terms, how it serves, and the resources under it.
@@ -141,6 +142,12 @@ func invRoutes() []*routeKind {
 			settle: "after", price: "price $0.009", serve: serveUpstream, access: &invAccess{For: time.Hour, Requests: 3}},
 		{name: "access for 4 s, settle before", prefix: "/siwx-brief/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
 			settle: "before", price: "price $0.0011", serve: serveUpstream, access: &invAccess{For: 4 * time.Second}},
+		// MCP tool calls priced per tool (invariants_mcp_test.go): two tools of one price, so that a payment made
+		// for one is presented for the other; price is the mcp block's tool lines.
+		{name: "MCP tools, settle after", prefix: "/mcp/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
+			settle: "after", price: mcpToolPrices("$0.0013"), altPrice: mcpToolPrices("$0.0014"), serve: serveMCP},
+		{name: "MCP tools, settle async", prefix: "/amcp/", scheme: x402.SchemeExact, method: x402.TransferEIP3009,
+			settle: "async", asset: devchain.EIP3009TokenAddress, price: mcpToolPrices("$0.0015"), serve: serveMCP},
 	}
 	for i, rk := range routes {
 		rk.payTo = invSeller(i)
@@ -152,6 +159,8 @@ func invRoutes() []*routeKind {
 			rk.paths = filePaths(rk.prefix)
 		case serveWebSocket:
 			rk.paths = []string{rk.prefix + "echo", rk.prefix + "chat"}
+		case serveMCP:
+			rk.paths = mcpPaths(rk.prefix)
 		default:
 			rk.paths = upstreamPaths(rk.prefix)
 		}
@@ -170,6 +179,9 @@ func (rk *routeKind) caddy(w *invWorld, gen int) string {
 	price := rk.price
 	if gen == 1 && rk.altPrice != "" {
 		price = rk.altPrice
+	}
+	if rk.serve == serveMCP {
+		price = "mcp {\n\t\t\t\t" + strings.ReplaceAll(price, "\n", "\n\t\t\t\t") + "\n\t\t\t}"
 	}
 	fmt.Fprintf(&b, "\t\tx402 {\n\t\t\t%s\n\t\t\tpay_to %s\n\t\t\tscheme %s\n\t\t\tasset %s\n", price, rk.payTo.Hex(), rk.scheme, rk.asset.Hex())
 	fmt.Fprintf(&b, "\t\t\tasset_transfer_method %s\n\t\t\tsettle %s\n\t\t\tmax_timeout %s\n\t\t\tmax_buffer %d\n", rk.method, rk.settle, invValidity, invMaxBuffer)
@@ -393,6 +405,16 @@ func (w *invWorld) checkOffers() {
 		// erc2612): some gateway must.
 		for _, g := range w.gateways {
 			var a answer
+			if rk.serve == serveMCP {
+				var offer payer.Offer
+				if offer, err = mcpOffer(context.Background(), http.DefaultClient, g.url, rk.paths[0]); err == nil {
+					_, err = offerIndex(offer, rk)
+				}
+				if err == nil {
+					break
+				}
+				continue
+			}
 			if a, err = get(g.url + rk.paths[0]); err != nil {
 				w.t.Fatal(err)
 			}
@@ -631,6 +653,10 @@ func (u *invUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	u.mu.Lock()
 	u.runs[r.Header.Get(invPaymentHeader)]++
 	u.mu.Unlock()
+	if r.Header.Get(invMCPHeader) != "" {
+		mcpUpstream(w, r)
+		return
+	}
 	if strings.EqualFold(r.Header.Get("Upgrade"), "websocket") {
 		u.websocket(w, r)
 		return
