@@ -278,8 +278,8 @@ func (p *payment) checkApproval(ctx context.Context) (*refusal, error) {
 			return nil, err
 		}
 		if sa.tx.GasFeeCap().Cmp(bound) > 0 {
-			return refuse(x402.ReasonERC20ApprovalTxFeesNotSponsored, "%s's fee cap %s wei per gas is above %s, %d times the next block's base fee (up to %s) and a priority fee of %s: the gas money is its gas limit at its fee cap, which must not be far more than the approval will pay; sign it with current fees (twice the base fee and the tip)",
-				ext, sa.tx.GasFeeCap(), bound, approvalBaseFeeTimes, most, new(big.Int).Sub(bound, new(big.Int).Mul(most, big.NewInt(approvalBaseFeeTimes)))), nil
+			return refuse(x402.ReasonERC20ApprovalTxFeesNotSponsored, "%s's fee cap %s wei per gas is above %s, %d times the next block's base fee (up to %s; %s wei at least) and a priority fee: the gas money is its gas limit at its fee cap, which must not be far more than the approval will pay; sign it with current fees (twice the base fee and the tip)",
+				ext, sa.tx.GasFeeCap(), bound, approvalBaseFeeTimes, most, approvalBaseFeeSlack), nil
 		}
 	}
 	code, err := n.backend.CodeAt(ctx, p.payer, nil)
@@ -309,9 +309,15 @@ func (p *payment) checkApproval(ctx context.Context) (*refusal, error) {
 // (see checkApproval).
 const approvalBaseFeeTimes = 3
 
+// approvalBaseFeeSlack is the least the base-fee part of that bound allows (0.01 gwei a gas): on a chain whose base
+// fee is a few thousand wei (the dev chain after a quiet spell) the base fee halves while an honest payment waits to
+// be presented again, and a fee cap signed at twice the older one passed three times the newer; what a payer keeps
+// of the slack is at most the approval's gas limit times 0.01 gwei (1e12 wei at the default max_gas).
+var approvalBaseFeeSlack = big.NewInt(10 * params.Wei * 1_000_000)
+
 // approvalFeeBound is the highest fee cap a sponsored approval may carry on an EIP-1559 chain whose next block's
-// base fee is at most nextBase: approvalBaseFeeTimes that, and the priority fee this engine pays its own
-// transactions (no less than approvalMinTipBound).
+// base fee is at most nextBase: approvalBaseFeeTimes that (approvalBaseFeeSlack at least), and the priority fee this
+// engine pays its own transactions (no less than approvalMinTipBound).
 func (p *payment) approvalFeeBound(ctx context.Context, nextBase *big.Int) (*big.Int, error) {
 	tip := approvalMinTipBound
 	q, err := p.net.sender.feeQuote(ctx)
@@ -321,7 +327,17 @@ func (p *payment) approvalFeeBound(ctx context.Context, nextBase *big.Int) (*big
 	if q.tipCap != nil && q.tipCap.Cmp(tip) > 0 {
 		tip = q.tipCap
 	}
-	return new(big.Int).Add(new(big.Int).Mul(nextBase, big.NewInt(approvalBaseFeeTimes)), tip), nil
+	return approvalFeeCapBound(nextBase, tip), nil
+}
+
+// approvalFeeCapBound is approvalFeeBound's arithmetic: max(approvalBaseFeeTimes x nextBase, approvalBaseFeeSlack)
+// plus tip.
+func approvalFeeCapBound(nextBase, tip *big.Int) *big.Int {
+	base := new(big.Int).Mul(nextBase, big.NewInt(approvalBaseFeeTimes))
+	if base.Cmp(approvalBaseFeeSlack) < 0 {
+		base.Set(approvalBaseFeeSlack)
+	}
+	return base.Add(base, tip)
 }
 
 // simulator is a backend that runs eth_simulateV1: go-ethereum's ethclient.Client, and Failover over them.
