@@ -20,6 +20,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
+	"github.com/x402-gateway/caddy-x402/internal/racepass"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -166,6 +167,7 @@ func TestAnRPCURLWithCredentialsStaysOutOfHealthAndLogWhileTheChainIsDown(t *tes
 // Reloads while the engine waits for its chain are refused (the old config keeps serving) and leave nothing
 // running behind them: no second waiter, no goroutine per reload.
 func TestReloadsWhileTheChainIsDownLeaveNoGoroutinesBehind(t *testing.T) {
+	racepass.Once(t, "8 s of sleeps for the waiter's probes to end before goroutines are counted; reloads beside the waiter run under -race in TestAReloadWithTheChainDownKeepsTheOldConfigServing and TestAWaitingEngineRacingAReloadAsTheChainComesUpLeaksNoEngine")
 	env := newStoppedGateEnv(t)
 	down := gateSetup{rpc: "http://" + freeAddr(t)}
 	env.srv = startCaddy(t, env.caddyfile(down))
@@ -239,6 +241,7 @@ func TestAWaitingEngineRacingAReloadAsTheChainComesUpLeaksNoEngine(t *testing.T)
 // live instances: the others size their share of the settlement wallets by how many instances are live, and give
 // up wallets past it. Each try to start the engine opens the journal (a new instance) and closes it on failure.
 func TestAGatewayWaitingForItsChainDoesNotFlickerAmongTheClustersInstances(t *testing.T) {
+	racepass.Once(t, "12 s of sampling the cluster's live-instance count while one gateway waits for its chain; the waiter's tries run under -race in the package's other chain-down tests")
 	dsn := pgtest.Shared(t)
 	t.Setenv("X402_TEST_JOURNAL_DSN", dsn)
 	env := newStoppedGateEnv(t)

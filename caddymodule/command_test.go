@@ -27,6 +27,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/devchain"
+	"github.com/x402-gateway/caddy-x402/internal/racepass"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -59,6 +60,7 @@ type payFixture struct {
 // newPayFixture starts the chain, the facilitator and a resource server of x402 version 1 or 2.
 func newPayFixture(t *testing.T, version int) *payFixture {
 	t.Helper()
+	racepass.Once(t, "caddy x402 pay run in-process, one payment at a time against a test server settling on a simulated chain: its time is the chain's blocks; the engine settling under it runs under -race in the package's concurrent gate tests")
 	c := chaintest.New(t, chaintest.WithHTTP())
 	stop := c.AutoCommit(5 * time.Millisecond)
 	t.Cleanup(stop)

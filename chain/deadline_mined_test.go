@@ -13,6 +13,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
+	"github.com/x402-gateway/caddy-x402/internal/racepass"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -70,6 +71,7 @@ func nextBlockAt(fx *fixture) int64 {
 // judged only before the claim: the settlement was sent, mined past its deadline and reverted, at the settlement
 // wallet's expense, and the payer was told transaction_failed. A payment with room for the same blocks settles.
 func TestASettlementWhoseDeadlinePassesWhileItIsPreparedIsRefusedBeforeAnythingIsSent(t *testing.T) {
+	racepass.Once(t, "20 blocks sealed inside each of four settlements, one at a time: its time is the simulated chain's; the settling goroutine's deadline check runs under -race in every settle test")
 	const blocks = 20 // sealed while the settlement is prepared: 20 s of chain time
 	var chainMoves *blocksDuringCall
 	u := newUSDCFixture(t, price, fixtureOpts{

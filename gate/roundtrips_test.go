@@ -13,6 +13,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 	"github.com/x402-gateway/caddy-x402/gate"
+	"github.com/x402-gateway/caddy-x402/internal/racepass"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -151,6 +152,7 @@ const (
 )
 
 func TestAPaidRequestsRoundTripsToPostgreSQLStayWithinItsBudget(t *testing.T) {
+	racepass.Once(t, "25 payments one at a time, each followed by 0.3 to 1.5 s of quiet so that its PostgreSQL round trips are counted apart: its time is those waits; the gate's and the ledger's writes run under -race in the package's concurrent tests")
 	dsn := pgtest.Shared(t)
 	for _, tc := range []struct {
 		name, settle, scheme string
