@@ -436,7 +436,11 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 		return common.Hash{}, nil, err
 	}
 	if p.approval != nil {
-		// The payer's gas money and its approval go first; the settlement only once the approval mined.
+		// The payer's gas money and its approval go first; the settlement only once the approval mined. Both are
+		// simulated with the settlement on the freshest head first: what goes first is spent whatever follows.
+		if ref, err := p.checkApprovalBeforeSending(ctx, calls[0]); err != nil || ref != nil {
+			return common.Hash{}, ref, err
+		}
 		calls = append(p.approvalCalls(), calls...)
 	}
 
