@@ -349,11 +349,36 @@ type simulator interface {
 // gas and fees, the payer's balance raised by the funding) and then the settlement call as it will be sent. A
 // refusal when either would fail on chain, an error when the node could not be asked.
 func (p *payment) simulateApproval(ctx context.Context, settle contractCall) (*refusal, error) {
-	n, sa := p.net, p.approval
 	x, err := p.execution(ctx)
 	if err != nil {
 		return nil, err
 	}
+	return p.simulateApprovalAs(ctx, x, settle)
+}
+
+// checkApprovalBeforeSending simulates the payer's approval and the settlement after it again, on a head read now,
+// right before the payer's gas money and its approval are sent. checkChain simulated them in the block after the
+// head checkTime read, which the shared head read (HeadCacheTTL) and the wait for a wallet may leave several blocks
+// behind: the payer may have moved its tokens or spent its Permit2 nonce since, and what goes out first is spent
+// whatever the settlement then finds (it is simulated again on the latest state once the approval mined, which
+// spends nothing more, but the gas money and the approval's gas are gone by then). A refusal sends nothing, and the
+// caller lets the claim and the hold go as for any refusal; the error is a node that could not be asked.
+func (p *payment) checkApprovalBeforeSending(ctx context.Context, settle contractCall) (*refusal, error) {
+	n := p.net
+	head, err := n.head.get(ctx, n.now, 0, n.readHead)
+	if err != nil {
+		return nil, fmt.Errorf("nothing was sent: %w: reading the head block: %w", errNodeNotAsked, err)
+	}
+	ref, err := p.simulateApprovalAs(ctx, newExecution(p.exec.from, p.exec.quote, head, n.mineTime(head).earliest), settle)
+	if err != nil {
+		return nil, fmt.Errorf("nothing was sent: %w: simulating the payer's approval and the settlement: %w", errNodeNotAsked, err)
+	}
+	return ref, nil
+}
+
+// simulateApprovalAs is simulateApproval with the settlement run as x says.
+func (p *payment) simulateApprovalAs(ctx context.Context, x *execution, settle contractCall) (*refusal, error) {
+	n, sa := p.net, p.approval
 	sim, ok := n.backend.(simulator)
 	if !ok {
 		return refuse(x402.ReasonPermit2SimulationFailed, "the node of %s does not run eth_simulateV1, which checking a sponsored approval with its settlement needs", n.caip2), nil

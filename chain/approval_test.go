@@ -472,3 +472,55 @@ func TestASponsoredApprovalRevokedBeforeItsSettlementIsNotFollowedByASettlementT
 		t.Fatal("tokens moved")
 	}
 }
+
+// TestASponsoredApprovalIsSimulatedOnAFreshHeadBeforeItsGasMoneyIsSent: the approval and the settlement after it were
+// simulated in the block after the head the time check read, which the shared head read (HeadCacheTTL) may leave
+// blocks behind. A payer whose tokens left in between (taken by another account under a permit it signed, its own
+// account nonce, the approval's, untouched) passed that simulation: the gas money and the approval went out and
+// were spent, and only the settlement's simulation once the approval mined refused it. Both are simulated on a head
+// read right before the gas money is sent now: refused there, nothing is sent.
+func TestASponsoredApprovalIsSimulatedOnAFreshHeadBeforeItsGasMoneyIsSent(t *testing.T) {
+	fx := newFixture(t, fixtureOpts{chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)}, tune: func(_ *fixture, nc *chain.NetworkConfig) {
+		nc.ApprovalSponsoring = &chain.ApprovalSponsoring{}
+		nc.HeadCacheTTL = time.Hour
+	}})
+	ctx := context.Background()
+	payer := fx.c.PayersNoGas[0]
+	req, _ := fx.sponsoredPermit2(payer)
+	// The shared head read is taken now, verifying another payer's payment...
+	other := fx.c.Payers[0]
+	fx.approvePermit2(other)
+	if v := fx.verify(fx.permit2(other, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})); !v.IsValid {
+		t.Fatalf("verify = %+v; want valid", v)
+	}
+	// ...and the payer's tokens leave after it.
+	taker := fx.c.Payers[1]
+	balance := fx.c.TokenBalance(payer.Address)
+	permit := fx.c.SignERC2612Permit(payer, taker.Address, balance, fx.c.HeadTime()+3600)
+	sig := permit.ProxyPermit()
+	for _, call := range [][]any{{"permit", payer.Address, taker.Address, balance, permit.Deadline, sig.V, sig.R, sig.S}, {"transferFrom", payer.Address, taker.Address, balance}} {
+		data, err := contracts.StableCoinABI.Pack(call[0].(string), call[1:]...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r, err := fx.c.Transact(ctx, taker, fx.c.Token, data); err != nil || r.Status != types.ReceiptStatusSuccessful {
+			t.Fatalf("%s: %+v, %v", call[0], r, err)
+		}
+	}
+	if got := fx.c.TokenBalance(payer.Address); got.Sign() != 0 {
+		t.Fatalf("the payer's token balance = %s; want 0", got)
+	}
+	sent := fx.walletTxs()
+	if s := fx.settle(req); s.Success || s.ErrorReason != x402.ReasonPermit2SimulationFailed {
+		t.Fatalf("settle of a payer whose tokens left = %+v; want %s", s, x402.ReasonPermit2SimulationFailed)
+	}
+	if got := fx.f.ApprovalFunding(fx.net); got.Sign() != 0 {
+		t.Fatalf("ApprovalFunding = %s wei; want 0: nothing is sent for a settlement that would revert", got)
+	}
+	if n := fx.c.TxCount(payer.Address); n != 0 {
+		t.Fatalf("the payer's approval went out (%d transactions); want none", n)
+	}
+	if total, _ := fx.sentSince(sent); total != 0 {
+		t.Fatalf("the settlement wallets sent %d transactions; want none", total)
+	}
+}

@@ -79,6 +79,51 @@ func TestASettlementWhoseRecordCouldNotBeForgottenKeepsItsHold(t *testing.T) {
 	settlementEndsOnceTheDatabaseIsBack(t, h.fx, h.srv.DSN(), h.stores[0], h.id, h.payer, h.sent)
 }
 
+// TestARefusedSettlementLeavesAHoldOfItsPaymentTakenSinceItsReleaseAlone: the node refuses the settlement's
+// signed transaction, and its record and funds hold go together (journal.ReleaseUnsentUnhold). The payment is new
+// to the journal again: another settlement of it (a concurrent /settle at another gateway, an adopting gateway)
+// may claim and hold it at once, which the test stands for by a hold of the payment written the moment the
+// release commits (a deferred trigger, in the release's own commit). The engine then deleted the payment's hold by
+// its id once more as the settlement ended, the new one with it: funds counted free that a live settlement needs.
+// It must leave that hold alone.
+func TestARefusedSettlementLeavesAHoldOfItsPaymentTakenSinceItsReleaseAlone(t *testing.T) {
+	h := refusedSettlementHeldAtItsSend(t)
+	if err := query(h.srv.DSN(), func(ctx context.Context, conn *pgx.Conn) error {
+		_, err := conn.Exec(ctx, `
+CREATE TABLE held_again (done boolean NOT NULL);
+INSERT INTO held_again VALUES (false);
+CREATE FUNCTION hold_again() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	UPDATE held_again SET done = true WHERE NOT done;
+	IF FOUND THEN
+		INSERT INTO x402_holds SELECT (OLD).*;
+	END IF;
+	RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER hold_again AFTER DELETE ON x402_holds DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION hold_again();`)
+		return err
+	}); err != nil {
+		close(h.locked)
+		t.Fatal(err)
+	}
+	close(h.locked)
+	if r := <-h.settled; r.err == nil && r.resp.Success {
+		t.Fatalf("the settlement the node refused = %+v; want no success", r.resp)
+	}
+	if _, ok, err := h.stores[0].Get(context.Background(), h.id); err != nil || ok {
+		t.Fatalf("the refused settlement's record is kept (%v, %v); want it released", ok, err)
+	}
+	var again bool
+	if err := query(h.srv.DSN(), func(ctx context.Context, conn *pgx.Conn) error {
+		return conn.QueryRow(ctx, `SELECT done FROM held_again`).Scan(&again)
+	}); err != nil || !again {
+		t.Fatalf("the payment was not held again as the release committed (%v, %v)", again, err)
+	}
+	if mined, err := holdMined(h.srv.DSN(), h.id); err != nil || mined != "0" {
+		t.Fatalf("the hold of the payment taken after the refused settlement's release = %q, %v; want it kept, not seen mined", mined, err)
+	}
+}
+
 // heldRefusal is a settlement whose signed transaction reached the node, which holds it and refuses it once the
 // test closes locked: its claim, funds hold and write-ahead record are written by then.
 type heldRefusal struct {

@@ -206,7 +206,15 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 		// No free wallet here: another instance sharing the journal may have one (see handoff.go).
 		resp, keep, err = f.handOff(ctx, p, resp)
 	}
-	if !keep {
+	if !keep && p.unsentReleased {
+		// Its record went with its shared hold (releaseUnsent), or alone where the holds are this process's own:
+		// ending them again by the payment's id would end what another settlement of the payment (a concurrent
+		// one of another gateway's, an adopting gateway's, a gate's) took since, its claim or its funds counted
+		// free while it settles. The process's own hold, which nothing but this settlement ends, goes now.
+		if p.net.funds.shared == nil {
+			p.net.funds.drop(p.id, !refusedForGood(resp, err)) // as let and failedForNow
+		}
+	} else if !keep {
 		var holdErr error
 		if refusedForGood(resp, err) {
 			holdErr = p.net.funds.let(p.id)
@@ -428,7 +436,11 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 		return common.Hash{}, nil, err
 	}
 	if p.approval != nil {
-		// The payer's gas money and its approval go first; the settlement only once the approval mined.
+		// The payer's gas money and its approval go first; the settlement only once the approval mined. Both are
+		// simulated with the settlement on the freshest head first: what goes first is spent whatever follows.
+		if ref, err := p.checkApprovalBeforeSending(ctx, calls[0]); err != nil || ref != nil {
+			return common.Hash{}, ref, err
+		}
 		calls = append(p.approvalCalls(), calls...)
 	}
 
@@ -596,10 +608,13 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 
 // releaseUnsent forgets the signed transaction recorded (hash) for p, which was not sent, and lets go of p's funds
 // hold with it (journal.ReleaseUnsentUnhold; unlessServed as funds.unhold's): the hold never outlives the record,
-// which is the only thing that leads reconciliation to it. The settlement's end lets go of the hold again (a
-// process's own holds, or a write of the shared holds that is a no-op by then).
+// which is the only thing that leads reconciliation to it. Done, p says so (unsentReleased): the settlement's end
+// lets go of a process's own hold only, never again of the shared hold or the claim, which may be another's by
+// then.
 func (f *Facilitator) releaseUnsent(ctx context.Context, p *payment, hash string, unlessServed bool) error {
-	return journal.ReleaseUnsentUnhold(context.WithoutCancel(ctx), f.journal, p.net.funds.shared, p.claim, hash, unlessServed)
+	err := journal.ReleaseUnsentUnhold(context.WithoutCancel(ctx), f.journal, p.net.funds.shared, p.claim, hash, unlessServed)
+	p.unsentReleased = err == nil
+	return err
 }
 
 // awaitReceipt waits up to the network's receipt timeout and finalises the journal record when a receipt comes.

@@ -78,8 +78,12 @@ type payment struct {
 	// pending is this settlement's claim of the payment while it is not written yet: it goes in the batch of the
 	// payment's funds hold (see claimWithHold); nil when the claim was written first, or p is not settled here.
 	pending *pendingClaim
-	digest  common.Hash   // what the payer signed
-	head    *types.Header // the head block checkTime read chain time from; nil when it could not be read
+	// unsentReleased says the journal forgot this settlement's signed transaction, which was not sent, and, with
+	// shared holds, let go of its funds hold with it (releaseUnsent): nothing of it is left in the journal to end,
+	// and a claim or shared hold of the payment there now is another settlement's.
+	unsentReleased bool
+	digest         common.Hash   // what the payer signed
+	head           *types.Header // the head block checkTime read chain time from; nil when it could not be read
 	// mineAt is the earliest timestamp of the block the settlement can land in (see checkTime).
 	mineAt uint64
 	// exec is how the settlement transaction runs, which every eth_call standing for it runs as (see execution).

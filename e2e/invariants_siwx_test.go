@@ -117,7 +117,6 @@ func (w *invWorker) signInWithX(a *invAction) {
 		r.signInOnce(a, strangers[w.rng.IntN(len(strangers))], siwxStranger, gate, path, gate, path, "")
 		return
 	case n == 1:
-		pp := w.r.w.payers[w.rng.IntN(len(w.r.w.payers)-1)]
 		kind, toGate, toPath := siwxOtherRes, gate, path
 		switch m := w.rng.IntN(3); {
 		case m == 0 && len(r.w.gateways) > 1:
@@ -129,6 +128,28 @@ func (w *invWorker) signInWithX(a *invAction) {
 			for toPath == path {
 				toPath = rk.paths[w.rng.IntN(len(rk.paths))]
 			}
+		}
+		// From a wallet that holds a grant where it is sent (its payment on that route delivered), paying there
+		// first when none does: refused, it is refused for what it was signed for, not for want of a grant.
+		to := r.w.route(toPath)
+		var holders []*invPayer
+		for _, p := range r.snapshot() {
+			if p.route == to && p.delivered() > 0 && p.transport < 0 {
+				holders = append(holders, p.payer)
+			}
+		}
+		var pp *invPayer
+		if len(holders) > 0 {
+			pp = holders[w.rng.IntN(len(holders))]
+		} else {
+			pp = w.pickPayer(to)
+			res := invResource{http.MethodGet, toPath}
+			p, err := w.signAs(pp, to, res, toGate)
+			if err != nil {
+				a.say("gw%d %s: %v", toGate, res, shorten(err.Error()))
+				return
+			}
+			r.present(a, p, toGate, res, shapeGET, 0)
 		}
 		r.signInOnce(a, pp.p, kind, gate, path, toGate, toPath, "")
 		return
@@ -429,10 +450,13 @@ func (u *invUpstream) runsOfKey(key string) int {
 }
 
 // checkPaidSignedIn judges paid-wallet-signed-in: a sign-in of a wallet whose payment on the route delivered its
-// response before the sign-in was sent, sent while the grant that payment bought surely stood, is not refused as
-// not paid for, nor as ended, at any gateway: the grant is written before the paid response goes out, and is the
-// cluster's. Excused: a SIGKILL of the delivering gateway, or the database down or its way hung, during the
-// delivery (a grant whose write failed is logged, and the payment bought its response only).
+// response before the sign-in was sent, sent while the grant that payment bought surely stood, is served at any
+// gateway: the grant is written before the paid response goes out, and is the cluster's. Refused for any reason,
+// or answered with anything but the resource, it is a violation, except: refused as used up once the upstream
+// served the wallet there as many sign-ins as the payments that stood bought (those left unanswered counted, as
+// they may have used one); a SIGKILL of the gateway it was sent to, or the database down or its way hung, while
+// it was answered; or every delivery that stood with its gateway SIGKILLed, or the database out, as it delivered (a
+// grant whose write failed is logged, and the payment bought its response only).
 func (r *invRun) checkPaidSignedIn(end *invEnd) ([]invViolation, string) {
 	var out []invViolation
 	type key struct {
@@ -452,15 +476,32 @@ func (r *invRun) checkPaidSignedIn(end *invEnd) ([]invViolation, string) {
 		}
 		p.mu.Unlock()
 	}
+	signIns := r.siwxSnapshot()
+	// used is what the grants of a wallet on a route may have served: the upstream's count, and the sign-ins
+	// that got no answer or an error (a grant may have counted them without the upstream's answer reaching it).
+	used := map[key]int{}
+	for _, s := range signIns {
+		if k := (key{s.route, s.wallet}); s.kind == siwxOwn || s.kind == siwxReplay {
+			if _, ok := used[k]; !ok {
+				used[k] = r.w.upstream.runsOfKey(siwxKey(s.route, s.wallet))
+			}
+			if !s.served() && s.status != http.StatusPaymentRequired {
+				used[k]++
+			}
+		}
+	}
+	usedUp := 0
 	judged, served, excused := 0, 0, 0
-	for _, s := range r.siwxSnapshot() {
+	for _, s := range signIns {
 		if s.kind != siwxOwn || s.status == 0 {
 			continue
 		}
 		var stood []*invAnswer // the deliveries whose grant surely stood
+		bought := map[*invPayment]bool{}
 		for _, d := range deliveries[key{s.route, s.wallet}] {
 			if d.got.Before(s.sent) && s.got.Before(d.sent.Add(s.route.access.For)) {
 				stood = append(stood, d)
+				bought[payments[d]] = true
 			}
 		}
 		if len(stood) == 0 {
@@ -468,23 +509,23 @@ func (r *invRun) checkPaidSignedIn(end *invEnd) ([]invViolation, string) {
 		}
 		judged++
 		reason := strings.TrimPrefix(s.note, "sign-in-with-x refused: ")
-		switch {
-		case s.served():
+		switch n := s.route.access.Requests; {
+		case s.servedRight:
 			served++
 			continue
-		case s.status != http.StatusPaymentRequired:
+		case s.status == http.StatusPaymentRequired && strings.HasPrefix(reason, x402.SignInWithXGrantUsedUp) && n > 0 && int64(used[key{s.route, s.wallet}]) >= n*int64(len(bought)):
+			usedUp++
 			continue
-		case !strings.HasPrefix(reason, x402.SignInWithXNoGrant) && !strings.HasPrefix(reason, x402.SignInWithXGrantExpired):
+		case r.crashBetween(s.gate, s.sent, s.got):
+			excused++ // the gateway it was sent to killed, or the database out, as it was answered
 			continue
-		}
-		if !slices.ContainsFunc(stood, func(d *invAnswer) bool { return !r.crashBetween(d.gate, d.sent, d.got) }) {
-			// Each grant's write may have failed.
-			excused++
+		case !slices.ContainsFunc(stood, func(d *invAnswer) bool { return !r.crashBetween(d.gate, d.sent, d.got) }):
+			excused++ // each grant's write may have failed
 			continue
 		}
 		d := stood[len(stood)-1]
-		out = append(out, invViolation{what: fmt.Sprintf("a sign-in was refused (%s) after payment #%d of its wallet on %q delivered its response (%s), while the grant it bought stood",
-			s, payments[d].n, s.route.name, d), payments: []*invPayment{payments[d]}})
+		out = append(out, invViolation{what: fmt.Sprintf("a sign-in was not served (%s) after payment #%d of its wallet on %q delivered its response (%s), while the grant it bought stood (%d payment(s) standing, the upstream served %d sign-in(s) of it there)",
+			s, payments[d].n, s.route.name, d, len(bought), used[key{s.route, s.wallet}]), payments: []*invPayment{payments[d]}})
 	}
-	return out, fmt.Sprintf("%d answered sign-ins of wallets whose payment had delivered, while its grant stood: %d served, none refused as not paid or ended (%d such refusals excused by a SIGKILL or database outage during the delivery)", judged, served, excused)
+	return out, fmt.Sprintf("%d answered sign-ins of wallets whose payment had delivered, while its grant stood: %d served, %d refused as used up once the upstream served what was bought, none refused otherwise (%d excused by a SIGKILL or database outage as it was answered or as its grant was written)", judged, served, usedUp, excused)
 }

@@ -7,16 +7,18 @@ import (
 )
 
 // A settlement whose signed transaction every node refused forgets it (ReleaseUnsent: the write-ahead record goes,
-// so that no later pass sends those bytes) and lets go of the payment's funds hold (Unhold). The record must not
-// go first: a hold without its record is nobody's to end (reconciliation looks only at records, a gate only at
-// the holds it took itself), so a failure or a crash between the two writes would leave the payer's funds looking
-// spent until the payment's deadline. A batch-settlement deposit, which no gate holds, kept such a hold to the end
-// of the money-invariant run. ReleaseUnsentUnhold writes the two in one transaction where it can.
+// so that no later pass sends those bytes) and lets go of the payment's funds hold (Unhold). Of the two leftovers a
+// failure or a crash between the two writes can leave, only one is safe: a hold without its record is nobody's to
+// end before the payment's deadline (reconciliation looks only at records, a gate only at the holds it took itself),
+// so the payer's funds look spent until then, which errs on refusing; a record without its hold is sent again by
+// reconciliation against funds counted free meanwhile, which errs on serving unpaid. A batch-settlement deposit,
+// which no gate holds, kept such a hold to the end of the money-invariant run. ReleaseUnsentUnhold writes the two in
+// one transaction where it can, and else the record first.
 
-// ReleaseUnsentUnhold is c.Unhold of claim's payment and then s.ReleaseUnsent of claim with txHash: in one
-// transaction where s and c are one PostgreSQL store, else the hold first and the record only once it is let go.
-// An error may leave the hold let go and the record as it was, never the record gone with the hold left. With c
-// nil (no shared holds) it is s.ReleaseUnsent.
+// ReleaseUnsentUnhold is s.ReleaseUnsent of claim with txHash and c.Unhold of claim's payment: in one transaction
+// where s and c are one PostgreSQL store, else the record first and the hold only once the record is gone. An error
+// may leave the record gone and the hold as it was, never the hold gone with the record left. With c nil (no shared
+// holds) it is s.ReleaseUnsent.
 func ReleaseUnsentUnhold(ctx context.Context, s Store, c Cluster, claim Record, txHash string, unlessServed bool) error {
 	if c == nil {
 		return s.ReleaseUnsent(ctx, claim, txHash)
@@ -24,10 +26,10 @@ func ReleaseUnsentUnhold(ctx context.Context, s Store, c Cluster, claim Record, 
 	if ps, ok := s.(*PostgresStore); ok && ClaimsWithHold(s, c) {
 		return ps.releaseUnsentUnhold(ctx, claim, txHash, unlessServed)
 	}
-	if err := c.Unhold(ctx, claim.ID, unlessServed); err != nil {
+	if err := s.ReleaseUnsent(ctx, claim, txHash); err != nil {
 		return err
 	}
-	return s.ReleaseUnsent(ctx, claim, txHash)
+	return c.Unhold(ctx, claim.ID, unlessServed)
 }
 
 // releaseUnsentUnhold is ReleaseUnsent and Unhold in one transaction: the hold goes with the record, or neither.
