@@ -571,6 +571,7 @@ func send(ctx context.Context, o Options, client *http.Client, u string, paid *p
 		tallies[w] = newTally(o.Requests/o.Concurrency + 1)
 		wg.Add(1)
 		var charge func(*x402.SettleResponse, *tally) *big.Int
+		var fixed *big.Int
 		c := client
 		quota := o.Requests
 		switch {
@@ -579,6 +580,7 @@ func send(ctx context.Context, o Options, client *http.Client, u string, paid *p
 		case batch != nil:
 			// The gate charges a voucher-paid answer the price (the channel's checks of the answers are the payer's).
 			charge = func(*x402.SettleResponse, *tally) *big.Int { return batch.price }
+			fixed = batch.price
 			c, quota = batch.channels[w].client, batch.channels[w].quota
 		}
 		go func(t *tally) {
@@ -598,7 +600,7 @@ func send(ctx context.Context, o Options, client *http.Client, u string, paid *p
 				}
 				// A request sent runs to its answer when the run is interrupted: a payment whose answer was not
 				// read may have been charged, and the run's count must hold what the seller received.
-				one(context.WithoutCancel(ctx), c, o.HTTPMethod, u, name, value, charge, t)
+				one(context.WithoutCancel(ctx), c, o.HTTPMethod, u, name, value, charge, fixed, t)
 				done.Add(1)
 			}
 		}(tallies[w])
@@ -628,8 +630,10 @@ func progress(done *atomic.Int64, total int, start time.Time, stop <-chan struct
 }
 
 // one sends one request and tallies its answer; charge says what a paid answer moved to the seller (nil: the
-// URL is free).
-func one(ctx context.Context, client *http.Client, method, u, name, value string, charge func(*x402.SettleResponse, *tally) *big.Int, t *tally) {
+// URL is free), and fixed, when not nil, what every 2xx answer moved whatever its PAYMENT-RESPONSE says (a
+// voucher-paid one: the price), whose PAYMENT-RESPONSE is then not decoded a second time (the payer's transport
+// decoded it already), inside the latency measured.
+func one(ctx context.Context, client *http.Client, method, u, name, value string, charge func(*x402.SettleResponse, *tally) *big.Int, fixed *big.Int, t *tally) {
 	r, err := http.NewRequestWithContext(ctx, method, u, nil)
 	if err != nil {
 		t.failures[Failure{Reason: err.Error()}]++
@@ -663,6 +667,12 @@ func one(ctx context.Context, client *http.Client, method, u, name, value string
 	t.allLatency = append(t.allLatency, latency)
 	if err != nil {
 		t.failures[Failure{Status: resp.StatusCode, Reason: "body cut short: " + transportReason(err)}]++
+		return
+	}
+	if ok && fixed != nil {
+		t.ok++
+		t.okLatency = append(t.okLatency, latency)
+		t.expected.Add(t.expected, fixed)
 		return
 	}
 	settled, _ := payer.Settlement(resp)

@@ -1,6 +1,7 @@
 package gate
 
 import (
+	"bytes"
 	"context"
 	"encoding/base64"
 	"encoding/json"
@@ -90,27 +91,36 @@ func (s *offerSet) batchMatch(a x402.BatchRequirements) (x402.BatchRequirements,
 	return x402.BatchRequirements{}, nil, closest
 }
 
-// isBatchPayment reports whether a version 2 payment header names the batch-settlement scheme: such a payment has
-// a decoder of its own (x402.DecodeBatchPayment). Anything unreadable is left to the standard decoder, which says
-// what is wrong with it.
-func isBatchPayment(value string) bool {
-	raw, err := base64.StdEncoding.DecodeString(strings.TrimSpace(value))
-	if err != nil {
-		return false
+// decodeBatchPayment decodes a version 2 payment header that names the batch-settlement scheme, which has a
+// decoder of its own (x402.DecodeBatchPayment): ok says it names it, and then p is the payment or err what is
+// wrong with it. Anything unreadable is left to the standard decoder, which says what is wrong with it.
+//
+// It decodes the payment once: a header whose JSON holds the scheme's name is read by the batch decoder first,
+// and only one the batch decoder refuses is probed for its accepted.scheme, to tell whose refusal to answer.
+func decodeBatchPayment(value string) (p x402.BatchPayment, ok bool, err error) {
+	raw, rerr := base64.StdEncoding.DecodeString(strings.TrimSpace(value))
+	if rerr != nil || !bytes.Contains(raw, []byte(x402.SchemeBatchSettlement)) {
+		return p, false, nil
+	}
+	if p, err = x402.DecodeBatchPayment(value); err == nil && p.Accepted.Scheme == x402.SchemeBatchSettlement {
+		return p, true, nil
 	}
 	var probe struct {
 		Accepted struct {
 			Scheme string `json:"scheme"`
 		} `json:"accepted"`
 	}
-	return json.Unmarshal(raw, &probe) == nil && probe.Accepted.Scheme == x402.SchemeBatchSettlement
+	if json.Unmarshal(raw, &probe) != nil || probe.Accepted.Scheme != x402.SchemeBatchSettlement {
+		return x402.BatchPayment{}, false, nil
+	}
+	return p, true, err
 }
 
-// serveBatch serves a request paid by a batch-settlement deposit or voucher (see the top of this file).
-func (x *exchange) serveBatch(value string) error {
-	p, err := x402.DecodeBatchPayment(value)
-	if err != nil {
-		return x.invalidHeader(err)
+// serveBatch serves a request paid by a batch-settlement deposit or voucher (see the top of this file): p as
+// decodeBatchPayment read it, or decodeErr what is wrong with it.
+func (x *exchange) serveBatch(p x402.BatchPayment, decodeErr error) error {
+	if decodeErr != nil {
+		return x.invalidHeader(decodeErr)
 	}
 	if cfg := p.Payload.ChannelConfig; cfg != nil {
 		x.payer = cfg.Payer

@@ -114,8 +114,10 @@ func (x *exchange) run() error {
 	if value == "" {
 		return x.noPayment()
 	}
-	if !fromV1Header && x.offers.hasBatch() && isBatchPayment(value) {
-		return x.serveBatch(value) // batch.go
+	if !fromV1Header && x.offers.hasBatch() {
+		if p, ok, err := decodeBatchPayment(value); ok {
+			return x.serveBatch(p, err) // batch.go
+		}
 	}
 	p, err := x.read(value, fromV1Header)
 	if err == nil {

@@ -76,6 +76,9 @@ type channel struct {
 	stale bool
 	// last is the state as the last payment left it, for readers that must not wait for a payment's turn.
 	last atomic.Pointer[ChannelState]
+	// voucher is the channel's plain voucher payment, encoded but for its two values (voucher_template.go); used
+	// by the payment holding the turn.
+	voucher *voucherTemplate
 }
 
 // channels are the channels a Payer pays from, by id.
@@ -131,6 +134,43 @@ func (p *Payer) openChannel(br *x402.BatchRequirements) bool {
 // (the contract's least when br names none), and Options.ChannelSalt: the zero salt by default, as the SDK's client
 // has it, so that the two find the same channel.
 func (p *Payer) channelOf(br *x402.BatchRequirements) (common.Hash, x402.ChannelConfig, error) {
+	// Every payment of a channel asks, and the answer hashes a dozen times (checksummed addresses, the domain,
+	// the id): it is kept, by what it is made of.
+	terms := channelTerms{network: br.Network, payTo: br.PayTo, receiverAuthorizer: br.Extra.ReceiverAuthorizer, asset: br.Asset, delay: br.Extra.WithdrawDelay}
+	p.idsMu.Lock()
+	r, ok := p.ids[terms]
+	p.idsMu.Unlock()
+	if ok {
+		return r.id, r.cfg, r.err
+	}
+	id, cfg, err := p.computeChannelOf(br)
+	p.idsMu.Lock()
+	if p.ids == nil || len(p.ids) >= maxChannelIDs {
+		p.ids = map[channelTerms]channelOfResult{}
+	}
+	p.ids[terms] = channelOfResult{id: id, cfg: cfg, err: err}
+	p.idsMu.Unlock()
+	return id, cfg, err
+}
+
+// maxChannelIDs bounds the channel ids a Payer keeps computed; past it they start afresh.
+const maxChannelIDs = 1024
+
+// channelTerms are what of a batch-settlement requirement channelOf reads.
+type channelTerms struct {
+	network, payTo, receiverAuthorizer, asset string
+	delay                                     int64
+}
+
+// channelOfResult is channelOf's answer (its configuration has no references, so copies share nothing).
+type channelOfResult struct {
+	id  common.Hash
+	cfg x402.ChannelConfig
+	err error
+}
+
+// computeChannelOf is channelOf, computed.
+func (p *Payer) computeChannelOf(br *x402.BatchRequirements) (common.Hash, x402.ChannelConfig, error) {
 	delay := br.Extra.WithdrawDelay
 	if delay == 0 {
 		delay = contracts.MinWithdrawDelay
@@ -349,7 +389,7 @@ func (b *batchPlan) sign(ctx context.Context, rpc *chainReader, deposit *big.Int
 		wire.Resource = &res
 	}
 	pay.Header = x402.HeaderPaymentSignature
-	if pay.Value, err = x402.EncodeHeader(wire); err != nil {
+	if pay.Value, err = b.encode(wire); err != nil {
 		return Payment{}, fmt.Errorf("encoding the payment: %w", err)
 	}
 	pay.Batch = &BatchPayment{ChannelID: id, Cumulative: new(big.Int).Set(b.next), Price: new(big.Int).Set(b.price), Refund: refund}
@@ -361,6 +401,32 @@ func (b *batchPlan) sign(ctx context.Context, rpc *chainReader, deposit *big.Int
 	}
 	b.payment = pay
 	return pay, nil
+}
+
+// encode is the header value of payment wire: a plain voucher's from the channel's template when it has one for
+// the same requirement and resource, and otherwise encoded whole (and, for a plain voucher, the template made,
+// kept only when it gives this very value).
+func (b *batchPlan) encode(wire batchPaymentWire) (string, error) {
+	plain := wire.Payload.Type == x402.BatchVoucher && wire.Payload.Voucher != nil
+	var key string
+	if plain {
+		key = templateKey(wire.Accepted, wire.Resource)
+		if t := b.ch.voucher; t != nil && t.key == key {
+			if v, ok := t.encode(wire.Payload.Voucher.MaxClaimableAmount, wire.Payload.Voucher.Signature); ok {
+				return v, nil
+			}
+		}
+	}
+	value, err := x402.EncodeHeader(wire)
+	if err != nil || !plain {
+		return value, err
+	}
+	if t := newVoucherTemplate(key, wire); t != nil {
+		if v, ok := t.encode(wire.Payload.Voucher.MaxClaimableAmount, wire.Payload.Voucher.Signature); ok && v == value {
+			b.ch.voucher = t
+		}
+	}
+	return value, nil
 }
 
 // BatchPayment is what a batch-settlement payment signed.

@@ -92,6 +92,9 @@ type Payer struct {
 	rpc *chainReader // dialed on first use
 
 	channels channels // the batch-settlement channels it pays from
+	// ids are channelOf's answers, computed once (at most maxChannelIDs kept).
+	idsMu sync.Mutex
+	ids   map[channelTerms]channelOfResult
 }
 
 // New returns a Payer that signs with key.

@@ -522,3 +522,55 @@ func TestChannelsRefuseWorkAfterClose(t *testing.T) {
 		}
 	})
 }
+
+// TestChannelsRowsShareNothingWithTheirCallers: a row AcceptVoucher or Channel returns, and the voucher given to
+// AcceptVoucher, are the caller's own: changing their amounts and bytes afterwards changes no stored row, on every
+// store (the memory store copies its rows outside its lock, and must still hand out copies).
+func TestChannelsRowsShareNothingWithTheirCallers(t *testing.T) {
+	forEachStore(t, func(t *testing.T, h harness) {
+		s := channelsOf(t, h.open(t, nil))
+		ctx := context.Background()
+		key := chanKey(5)
+		mustObserve(t, s, depositRead(key, 100, 3))
+		v := voucherOf(10)
+		got, err := s.AcceptVoucher(ctx, key, big.NewInt(0), big.NewInt(10), v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		scribble := func(c *Channel) {
+			c.Charged.SetInt64(99)
+			c.Deposit.SetInt64(1)
+			c.Claimed.SetInt64(98)
+			for i := range c.Signature {
+				c.Signature[i] = 0xee
+			}
+			for i := range c.Digest {
+				c.Digest[i] = 0xee
+			}
+		}
+		scribble(&got)
+		for i := range v.Signature {
+			v.Signature[i], v.Digest[i%32] = 0xdd, 0xdd
+		}
+		read := wantRow(t, s, key, 10, 1, 0, "")
+		scribble(&read)
+		row := wantRow(t, s, key, 10, 1, 0, "")
+		if row.Deposit.Int64() != 100 {
+			t.Fatalf("the row's deposit is %s after a caller changed its copy, want 100", row.Deposit)
+		}
+		// A refused step hands out a copy too.
+		refused, err := s.AcceptVoucher(ctx, key, big.NewInt(0), big.NewInt(20), voucherOf(20))
+		if !errors.Is(err, ErrChannelMoved) {
+			t.Fatalf("a step from a passed amount: %v, want ErrChannelMoved", err)
+		}
+		if refused.Charged != nil {
+			scribble(&refused)
+		}
+		if _, err := s.AcceptVoucher(ctx, key, big.NewInt(10), big.NewInt(20), voucherOf(20)); err != nil {
+			t.Fatalf("the next step after callers changed their copies: %v", err)
+		}
+		if row := wantRow(t, s, key, 20, 2, 0, ""); row.Deposit.Int64() != 100 {
+			t.Fatalf("the row's deposit is %s, want 100", row.Deposit)
+		}
+	})
+}

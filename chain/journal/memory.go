@@ -19,7 +19,8 @@ type MemoryStore struct {
 	pending map[ID]bool      // id -> async, as the bolt store's pending index
 	served  map[ID]time.Time // as the bolt store's served bucket: MarkServed writes here alone
 	// channels holds the channel rows, decoded (each the store's own copy), by ChannelKey.bytes: a voucher's
-	// accept under the store's one lock copies its row, rather than decoding and encoding it.
+	// accept under the store's one lock copies its row, rather than decoding and encoding it. A stored row is
+	// never changed in place, only replaced by another, so a row read under the lock may be copied after it.
 	channels map[string]*Channel
 	// identifiers holds the PaymentIdentifiers bindings, as the bolt store keeps them.
 	identifiers map[string][]byte
@@ -65,6 +66,12 @@ func (t memTxn) put(_, next *Record) error {
 	if err != nil {
 		return err
 	}
+	t.putEncoded(next, enc)
+	return nil
+}
+
+// putEncoded is put of next, encoded as enc.
+func (t memTxn) putEncoded(next *Record, enc []byte) {
 	t.s.records[next.ID] = enc
 	if _, ok := t.s.served[next.ID]; next.Served && !ok {
 		t.s.served[next.ID] = next.ServedAt.UTC()
@@ -74,7 +81,6 @@ func (t memTxn) put(_, next *Record) error {
 	} else {
 		t.s.pending[next.ID] = next.Async
 	}
-	return nil
 }
 
 func (t memTxn) del(prev *Record) error {
@@ -99,11 +105,27 @@ func (s *MemoryStore) lock(ctx context.Context) error {
 
 // Claim implements Store.
 func (s *MemoryStore) Claim(ctx context.Context, r Record) (Record, bool, error) {
+	// The record is made and encoded before the lock, which every request of the gateway takes: under it, only
+	// the look-up and the maps' writes (claimIn's, with the encoding done).
+	r, err := claimed(r, s.opts.now())
+	if err != nil {
+		return Record{}, false, err
+	}
+	enc, err := encodeRecord(&r)
+	if err != nil {
+		return Record{}, false, err
+	}
 	if err := s.lock(ctx); err != nil {
 		return Record{}, false, err
 	}
 	defer s.mu.Unlock()
-	return claimIn(memTxn{s}, r, s.opts.now())
+	t := memTxn{s}
+	existing, ok, err := t.get(r.ID)
+	if err != nil || ok {
+		return existing, false, err
+	}
+	t.putEncoded(&r, enc)
+	return r, true, nil
 }
 
 // Get implements Store.

@@ -2,6 +2,7 @@ package journal
 
 import (
 	"context"
+	"fmt"
 	"math/big"
 	"slices"
 	"time"
@@ -54,8 +55,13 @@ func (s *MemoryStore) Channel(ctx context.Context, key ChannelKey) (Channel, boo
 	if err := s.lock(ctx); err != nil {
 		return Channel{}, false, err
 	}
-	defer s.mu.Unlock()
-	return memChanTxn{s}.getChannel(key)
+	c, ok := s.channels[string(key.bytes())]
+	s.mu.Unlock()
+	if !ok {
+		return Channel{}, false, nil
+	}
+	// Copied after the lock: a stored row is never changed, only replaced (see MemoryStore.channels).
+	return c.clone(), true, nil
 }
 
 // ObserveChannel implements Channels.
@@ -77,11 +83,25 @@ func (s *MemoryStore) AcceptVoucher(ctx context.Context, key ChannelKey, from, t
 	if err != nil {
 		return Channel{}, err
 	}
+	// acceptVoucherIn's rule on the stored row itself, with no copy under the lock, which every request of the
+	// gateway takes: the row written is acceptIn's new one, whose amount and bytes are its own and whose other
+	// amounts are the replaced row's, which no one changes (see MemoryStore.channels); the caller gets a copy.
+	now := s.opts.now()
 	if err := s.lock(ctx); err != nil {
 		return Channel{}, err
 	}
-	defer s.mu.Unlock()
-	return acceptVoucherIn(memChanTxn{s}, key, from, to, v, s.opts.now())
+	k := string(key.bytes())
+	c, ok := s.channels[k]
+	if !ok {
+		s.mu.Unlock()
+		return Channel{}, fmt.Errorf("%w: %s", ErrChannelNotFound, key)
+	}
+	next, err := acceptIn(c, from, to, v, now)
+	if err == nil {
+		s.channels[k] = &next
+	}
+	s.mu.Unlock()
+	return next.clone(), err
 }
 
 // Unclaimed implements Channels.

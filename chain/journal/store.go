@@ -152,19 +152,32 @@ func servedAt(id ID, b []byte) (time.Time, error) {
 // claimIn is Claim inside a transaction. Every refusal happens before the first write, so a store batching
 // several operations in one transaction can carry on after one of them is refused.
 func claimIn(t txn, r Record, now time.Time) (Record, bool, error) {
-	if r.State == "" {
-		r.State = StateClaimed
-	}
-	if r.State != StateClaimed && r.State != StateFinal {
-		return Record{}, false, fmt.Errorf("%w: claim of %s must be in state %q or %q, got %q",
-			ErrInvalidUpdate, r.ID, StateClaimed, StateFinal, r.State)
-	}
-	if err := r.validate(); err != nil {
-		return Record{}, false, fmt.Errorf("%w: %w", ErrInvalidUpdate, err)
+	r, err := claimed(r, now)
+	if err != nil {
+		return Record{}, false, err
 	}
 	existing, ok, err := t.get(r.ID)
 	if err != nil || ok {
 		return existing, false, err
+	}
+	if err := t.put(nil, &r); err != nil {
+		return Record{}, false, err
+	}
+	return r, true, nil
+}
+
+// claimed is the record a Claim of r at now writes when there is none yet, or why r cannot be claimed: it reads
+// no store, so that a store may prepare the write (encode it) before it takes its lock.
+func claimed(r Record, now time.Time) (Record, error) {
+	if r.State == "" {
+		r.State = StateClaimed
+	}
+	if r.State != StateClaimed && r.State != StateFinal {
+		return Record{}, fmt.Errorf("%w: claim of %s must be in state %q or %q, got %q",
+			ErrInvalidUpdate, r.ID, StateClaimed, StateFinal, r.State)
+	}
+	if err := r.validate(); err != nil {
+		return Record{}, fmt.Errorf("%w: %w", ErrInvalidUpdate, err)
 	}
 	if r.ClaimedAt.IsZero() {
 		r.ClaimedAt = now
@@ -173,10 +186,7 @@ func claimIn(t txn, r Record, now time.Time) (Record, bool, error) {
 	if r.State == StateFinal {
 		r.FinalAt = now
 	}
-	if err := t.put(nil, &r); err != nil {
-		return Record{}, false, err
-	}
-	return r, true, nil
+	return r, nil
 }
 
 // updateIn is Update inside a transaction; like claimIn it refuses before it writes.

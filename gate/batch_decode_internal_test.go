@@ -1,0 +1,60 @@
+package gate
+
+import (
+	"bytes"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/x402-gateway/caddy-x402/x402"
+)
+
+// decodeBatchPayment decodes a batch-settlement payment once and says whose it is: the SDK's voucher is read by
+// the batch decoder; one naming the scheme that the batch decoder refuses is the batch decoder's to refuse (its
+// error, naming the field); a payment of another scheme, one that only mentions the scheme's name elsewhere, and
+// a header that is not Base64 go to the standard decoder.
+func TestDecodeBatchPaymentDecodesOnceAndSaysWhoseRefusalItIs(t *testing.T) {
+	raw, err := os.ReadFile("../x402/testdata/batch-payment-voucher.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc bytes.Buffer
+	if err := json.Compact(&doc, raw); err != nil {
+		t.Fatal(err)
+	}
+	voucher := doc.String()
+	b64 := func(s string) string { return base64.StdEncoding.EncodeToString([]byte(s)) }
+
+	p, ok, err := decodeBatchPayment(b64(voucher))
+	if !ok || err != nil || p.Payload.Type != x402.BatchVoucher || p.Payload.Voucher == nil || p.Accepted.Scheme != x402.SchemeBatchSettlement {
+		t.Fatalf("the SDK's voucher: ok %v, err %v, payload %+v", ok, err, p.Payload)
+	}
+	want, err := x402.DecodeBatchPayment(b64(voucher))
+	if err != nil || want.Payload.Voucher.MaxClaimableAmount != p.Payload.Voucher.MaxClaimableAmount || want.Payload.Voucher.Signature != p.Payload.Voucher.Signature {
+		t.Fatalf("decodeBatchPayment read %+v, x402.DecodeBatchPayment %+v (%v)", p.Payload.Voucher, want.Payload.Voucher, err)
+	}
+
+	broken := strings.Replace(voucher, `"type":"voucher"`, `"type":7`, 1)
+	if broken == voucher {
+		t.Fatal("the voucher document has no payload type to break")
+	}
+	_, ok, err = decodeBatchPayment(b64(broken))
+	var de *x402.DecodeError
+	if !ok || err == nil || !errors.As(err, &de) || !strings.Contains(de.Error(), "payload.type") {
+		t.Fatalf("a batch payment whose payload.type is a number: ok %v, err %v; want the batch decoder's refusal naming payload.type", ok, err)
+	}
+
+	exact := strings.Replace(voucher, `"scheme":"batch-settlement"`, `"scheme":"exact"`, 1)
+	if _, ok, _ := decodeBatchPayment(b64(exact)); ok {
+		t.Error("a payment of scheme exact that mentions batch-settlement elsewhere was taken as a batch payment")
+	}
+	if _, ok, _ := decodeBatchPayment(b64(`{"x402Version":2,"accepted":{"scheme":"exact"}}`)); ok {
+		t.Error("an exact payment was taken as a batch payment")
+	}
+	if _, ok, _ := decodeBatchPayment("not base64 batch-settlement!"); ok {
+		t.Error("a header that is not Base64 was taken as a batch payment")
+	}
+}
