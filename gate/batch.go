@@ -99,7 +99,9 @@ func (s *offerSet) batchMatch(a x402.BatchRequirements) (x402.BatchRequirements,
 // and only one the batch decoder refuses is probed for its accepted.scheme, to tell whose refusal to answer.
 func decodeBatchPayment(value string) (p x402.BatchPayment, ok bool, err error) {
 	raw, rerr := base64.StdEncoding.DecodeString(strings.TrimSpace(value))
-	if rerr != nil || !bytes.Contains(raw, []byte(x402.SchemeBatchSettlement)) {
+	// A JSON string may write the scheme's name with escapes ("batch\u002dsettlement"), which the quick look for
+	// its bytes misses: a header holding an escape is probed as before the quick look.
+	if rerr != nil || (!bytes.Contains(raw, []byte(x402.SchemeBatchSettlement)) && !bytes.Contains(raw, []byte(`\u`))) {
 		return p, false, nil
 	}
 	if p, err = x402.DecodeBatchPayment(value); err == nil && p.Accepted.Scheme == x402.SchemeBatchSettlement {

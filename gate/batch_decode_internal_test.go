@@ -58,3 +58,28 @@ func TestDecodeBatchPaymentDecodesOnceAndSaysWhoseRefusalItIs(t *testing.T) {
 		t.Error("a header that is not Base64 was taken as a batch payment")
 	}
 }
+
+// A voucher whose JSON writes the scheme's name with an escape is a batch payment all the same (x402's decoder
+// reads it so), and goes to the batch decoder: the quick look for the name's bytes sent it to the standard
+// decoder, which refused it 400 for a missing payload.authorization (the review of this stop).
+func TestAVoucherNamingItsSchemeThroughAJSONEscapeIsStillABatchPayment(t *testing.T) {
+	raw, err := os.ReadFile("../x402/testdata/batch-payment-voucher.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc bytes.Buffer
+	if err := json.Compact(&doc, raw); err != nil {
+		t.Fatal(err)
+	}
+	escaped := strings.Replace(doc.String(), `"scheme":"batch-settlement"`, `"scheme":"batch\u002dsettlement"`, 1)
+	if escaped == doc.String() {
+		t.Fatal("the test voucher names no batch-settlement scheme to escape")
+	}
+	value := base64.StdEncoding.EncodeToString([]byte(escaped))
+	if p, err := x402.DecodeBatchPayment(value); err != nil || p.Accepted.Scheme != x402.SchemeBatchSettlement {
+		t.Fatalf("x402.DecodeBatchPayment: scheme %q, %v", p.Accepted.Scheme, err)
+	}
+	if p, ok, err := decodeBatchPayment(value); !ok || err != nil || p.Accepted.Scheme != x402.SchemeBatchSettlement {
+		t.Fatalf("decodeBatchPayment of the escaped voucher = scheme %q, ok %v, %v; want the batch payment", p.Accepted.Scheme, ok, err)
+	}
+}

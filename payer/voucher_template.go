@@ -3,6 +3,7 @@ package payer
 import (
 	"bytes"
 	"encoding/base64"
+	"fmt"
 	"strings"
 
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -27,18 +28,19 @@ type voucherTemplate struct {
 	before, between, end []byte
 }
 
-// templateKey names what a voucher payment of a channel is made of besides its two values.
+// templateKey names what a voucher payment of a channel is made of besides its two values. Each part is written
+// after its length, so that no two different sets of parts (a server's strings may hold any byte) share a key.
 func templateKey(accepted []byte, res *x402.ResourceInfo) string {
 	var b strings.Builder
-	b.Write(accepted)
+	part := func(s string) { fmt.Fprintf(&b, "%d:%s", len(s), s) }
+	part(string(accepted))
 	if res != nil {
 		for _, s := range []string{res.URL, res.Description, res.MimeType, res.ServiceName, res.IconURL} {
-			b.WriteByte(0)
-			b.WriteString(s)
+			part(s)
 		}
+		fmt.Fprintf(&b, "%d tags", len(res.Tags))
 		for _, s := range res.Tags {
-			b.WriteByte(1)
-			b.WriteString(s)
+			part(s)
 		}
 	}
 	return b.String()

@@ -50,3 +50,20 @@ func TestVoucherTemplateEncodesThePaymentAsEncodeHeaderDoes(t *testing.T) {
 		t.Error("a template was made of a deposit")
 	}
 }
+
+// Two resources that differ never share a template key, whatever bytes their strings hold: the template made for
+// the first would write the first's resource into the second's payment (the review of this stop; a key joining the
+// parts with NUL bytes gave these two one key).
+func TestTheVoucherTemplateKeyTellsResourcesWithAnyBytesApart(t *testing.T) {
+	accepted := json.RawMessage(`{"scheme":"batch-settlement"}`)
+	pairs := [][2]*x402.ResourceInfo{
+		{{URL: "http://h/x\x00y"}, {URL: "http://h/x", Description: "y\x00"}},
+		{{URL: "http://h/x", Tags: []string{"a\x01b"}}, {URL: "http://h/x", Tags: []string{"a", "b"}}},
+		{{URL: "http://h/x"}, nil},
+	}
+	for _, p := range pairs {
+		if templateKey(accepted, p[0]) == templateKey(accepted, p[1]) {
+			t.Errorf("resources %+v and %+v share a template key", p[0], p[1])
+		}
+	}
+}

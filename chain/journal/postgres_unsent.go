@@ -19,12 +19,21 @@ import (
 // where s and c are one PostgreSQL store, else the record first and the hold only once the record is gone. An error
 // may leave the record gone and the hold as it was, never the hold gone with the record left. With c nil (no shared
 // holds) it is s.ReleaseUnsent.
+//
+// A record no longer there (another's pass forgot it first) lets go of no hold: the payment's hold may by then be
+// another settlement's, or a verification's of the payment presented again, and letting go of it would count that
+// payer's funds free while it is served. A hold of this claim's own left so (the other pass forgot the record
+// alone) only makes the payer's funds look spent until the payment's deadline. Apart from one PostgreSQL store, the
+// record is looked for first, and one forgotten by another in the moment between is still not told apart.
 func ReleaseUnsentUnhold(ctx context.Context, s Store, c Cluster, claim Record, txHash string, unlessServed bool) error {
 	if c == nil {
 		return s.ReleaseUnsent(ctx, claim, txHash)
 	}
 	if ps, ok := s.(*PostgresStore); ok && ClaimsWithHold(s, c) {
 		return ps.releaseUnsentUnhold(ctx, claim, txHash, unlessServed)
+	}
+	if _, found, err := s.Get(ctx, claim.ID); err != nil || !found {
+		return err
 	}
 	if err := s.ReleaseUnsent(ctx, claim, txHash); err != nil {
 		return err
@@ -33,7 +42,8 @@ func ReleaseUnsentUnhold(ctx context.Context, s Store, c Cluster, claim Record, 
 }
 
 // releaseUnsentUnhold is ReleaseUnsent and Unhold in one transaction: the hold goes with the record, or neither.
-// A record that is not releasable (ErrNotReleasable) leaves the hold as it is: it is another claim's.
+// A record that is not releasable (ErrNotReleasable), or no longer there, leaves the hold as it is: it may be
+// another claim's.
 func (s *PostgresStore) releaseUnsentUnhold(ctx context.Context, claim Record, txHash string, unlessServed bool) error {
 	wctx, cancel, err := s.begin(ctx, true)
 	if err != nil {
@@ -41,7 +51,7 @@ func (s *PostgresStore) releaseUnsentUnhold(ctx context.Context, claim Record, t
 	}
 	defer cancel()
 	return s.fail(ctx, "release unsent", s.inTx(wctx, func(tx pgx.Tx) error {
-		if err := releaseUnsentIn(pgTxn{wctx, tx}, claim, txHash); err != nil {
+		if found, err := releaseUnsentFound(pgTxn{wctx, tx}, claim, txHash); err != nil || !found {
 			return err
 		}
 		_, err := tx.Exec(wctx, `DELETE FROM x402_holds WHERE id = $1 AND NOT (served AND $2)`, claim.ID[:], unlessServed)

@@ -235,17 +235,24 @@ func releaseIn(t txn, claim Record) error {
 
 // releaseUnsentIn is ReleaseUnsent inside a transaction.
 func releaseUnsentIn(t txn, claim Record, txHash string) error {
+	_, err := releaseUnsentFound(t, claim, txHash)
+	return err
+}
+
+// releaseUnsentFound is releaseUnsentIn, saying whether there was a record to forget: none (another's pass forgot
+// it first) is no error, and then nothing of the payment is this claim's to let go of any more.
+func releaseUnsentFound(t txn, claim Record, txHash string) (bool, error) {
 	prev, ok, err := t.get(claim.ID)
 	if err != nil || !ok {
-		return err
+		return false, err
 	}
 	if prev.State != StateBroadcast || prev.TxHash != txHash {
-		return fmt.Errorf("%w: %s is %q with transaction %s, not the refused %s", ErrNotReleasable, claim.ID, prev.State, prev.TxHash, txHash)
+		return false, fmt.Errorf("%w: %s is %q with transaction %s, not the refused %s", ErrNotReleasable, claim.ID, prev.State, prev.TxHash, txHash)
 	}
 	if err := sameClaim(&prev, &claim); err != nil {
-		return err
+		return false, err
 	}
-	return t.del(&prev)
+	return true, t.del(&prev)
 }
 
 // sameClaim refuses, with ErrNotReleasable, a record that is not the claim given: claimed by another process, or
