@@ -73,8 +73,10 @@ func TestAClaimantWhoseHandOffWasTakenAnswersWithinTheReceiptTimeoutWhenTheJourn
 // engine, which holds a free wallet but not that one, sees the offer and can never take it: it must go on looking
 // at its usual pace, not at the pace of a spell of hand-offs it could take.
 func TestAHandOffThisInstanceCannotTakeDoesNotSpeedUpItsLooks(t *testing.T) {
+	// A lease of 12 s: the stalled holder must keep its wallet through the test on a loaded machine (see
+	// TestASettlementHandedOffThatNoInstanceTakesIsRefusedAfterTheWaitAndSendsNothing).
 	var hooked []*hookedStore
-	fx, engines, _ := sharedEnginesOn(t, pgtest.Start(t).DSN(), 3, 3*time.Second, fixtureOpts{wallets: 3,
+	fx, engines, _ := sharedEnginesOn(t, pgtest.Start(t).DSN(), 3, 12*time.Second, fixtureOpts{wallets: 3,
 		tune: func(_ *fixture, nc *chain.NetworkConfig) { nc.WalletWait = 20 * time.Second },
 		wrap: func(st *journal.PostgresStore) journal.Store {
 			h := &hookedStore{PostgresStore: st}

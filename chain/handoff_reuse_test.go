@@ -23,7 +23,9 @@ import (
 // P2's settlement, which paid the payer itself: a gate would serve P1's resource unpaid. Each must refuse P1,
 // whose nonce is spent.
 func TestAPaymentWaitedForIsNeverAnsweredWithTheSettlementOfAnotherPaymentOfItsNonce(t *testing.T) {
-	fx, engines, stores := sharedEnginesOn(t, pgtest.Shared(t), 3, 3*time.Second, fixtureOpts{wallets: 1, receiptTimeout: time.Minute,
+	// A lease of 12 s: the stalled holder's lease must outlast the whole test on a loaded machine; with 3 s it
+	// lapsed under CI's load, a waiter took the wallet and settled P1, and P2 reverted on its spent nonce.
+	fx, engines, stores := sharedEnginesOn(t, pgtest.Shared(t), 3, 12*time.Second, fixtureOpts{wallets: 1, receiptTimeout: time.Minute,
 		tune: func(_ *fixture, nc *chain.NetworkConfig) { nc.WalletWait = 20 * time.Second }})
 	held := waitEven(t, fx, engines, 1)
 	holder := 0

@@ -21,7 +21,10 @@ import (
 // payment settles there, once.
 func TestASettlementHandedOffThatNoInstanceTakesIsRefusedAfterTheWaitAndSendsNothing(t *testing.T) {
 	const wait = 500 * time.Millisecond
-	fx, engines, stores := sharedEnginesOn(t, pgtest.Shared(t), 2, 3*time.Second, fixtureOpts{wallets: 1, receiptTimeout: time.Minute,
+	// A lease of 12 s: the stalled engine's lease must outlast the approval, the verification and the pool's wait
+	// on a loaded machine (with 3 s, CI's three test binaries at a time let it lapse, the other engine took the
+	// wallet and settled the payment there).
+	fx, engines, stores := sharedEnginesOn(t, pgtest.Shared(t), 2, 12*time.Second, fixtureOpts{wallets: 1, receiptTimeout: time.Minute,
 		tune: func(_ *fixture, nc *chain.NetworkConfig) { nc.WalletWait = wait }})
 	held := waitEven(t, fx, engines, 1)
 	holder, other := 0, 1
@@ -54,7 +57,7 @@ func TestASettlementHandedOffThatNoInstanceTakesIsRefusedAfterTheWaitAndSendsNot
 
 	engines[holder].Close()
 	stores[holder].Close()
-	deadline := time.Now().Add(15 * time.Second)
+	deadline := time.Now().Add(40 * time.Second)
 	for len(engines[other].LeasedWallets(fx.net)) == 0 {
 		if time.Now().After(deadline) {
 			t.Fatal("the wallet of the engine gone never passed to the other")
