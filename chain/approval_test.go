@@ -328,7 +328,9 @@ func TestASponsoredApprovalInterruptedAfterItsFundingSettlesOnceAfterARestart(t 
 
 	again, err := chain.New(context.Background(), chain.Config{Journal: store, ReconcileEvery: 20 * time.Millisecond, ReconcileGrace: time.Millisecond,
 		Networks: []chain.NetworkConfig{{
-			Network: fx.net, Backend: fx.c.EthClient, ReceiptTimeout: 20 * time.Second, ReceiptPoll: 2 * time.Millisecond,
+			// A minute to see the three transactions mined one after another through reconciliation: about 6 s
+			// here, and past 20 s in CI's plain pass beside the e2e package (the final check of this stop).
+			Network: fx.net, Backend: fx.c.EthClient, ReceiptTimeout: time.Minute, ReceiptPoll: 2 * time.Millisecond,
 			Assets:             []chain.AssetConfig{{Address: fx.c.Token, Name: "Stable Coin", Version: "1", Decimals: 6}},
 			Keys:               chaintestKeys(fx.c),
 			ApprovalSponsoring: &chain.ApprovalSponsoring{},
