@@ -17,15 +17,7 @@ import (
 // error, naming the field); a payment of another scheme, one that only mentions the scheme's name elsewhere, and
 // a header that is not Base64 go to the standard decoder.
 func TestDecodeBatchPaymentDecodesOnceAndSaysWhoseRefusalItIs(t *testing.T) {
-	raw, err := os.ReadFile("../x402/testdata/batch-payment-voucher.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var doc bytes.Buffer
-	if err := json.Compact(&doc, raw); err != nil {
-		t.Fatal(err)
-	}
-	voucher := doc.String()
+	voucher := sdkVoucherJSON(t)
 	b64 := func(s string) string { return base64.StdEncoding.EncodeToString([]byte(s)) }
 
 	p, ok, err := decodeBatchPayment(b64(voucher))
@@ -63,16 +55,9 @@ func TestDecodeBatchPaymentDecodesOnceAndSaysWhoseRefusalItIs(t *testing.T) {
 // reads it so), and goes to the batch decoder: the quick look for the name's bytes sent it to the standard
 // decoder, which refused it 400 for a missing payload.authorization (the review of this stop).
 func TestAVoucherNamingItsSchemeThroughAJSONEscapeIsStillABatchPayment(t *testing.T) {
-	raw, err := os.ReadFile("../x402/testdata/batch-payment-voucher.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var doc bytes.Buffer
-	if err := json.Compact(&doc, raw); err != nil {
-		t.Fatal(err)
-	}
-	escaped := strings.Replace(doc.String(), `"scheme":"batch-settlement"`, `"scheme":"batch\u002dsettlement"`, 1)
-	if escaped == doc.String() {
+	voucher := sdkVoucherJSON(t)
+	escaped := strings.Replace(voucher, `"scheme":"batch-settlement"`, `"scheme":"batch\u002dsettlement"`, 1)
+	if escaped == voucher {
 		t.Fatal("the test voucher names no batch-settlement scheme to escape")
 	}
 	value := base64.StdEncoding.EncodeToString([]byte(escaped))
@@ -82,4 +67,18 @@ func TestAVoucherNamingItsSchemeThroughAJSONEscapeIsStillABatchPayment(t *testin
 	if p, ok, err := decodeBatchPayment(value); !ok || err != nil || p.Accepted.Scheme != x402.SchemeBatchSettlement {
 		t.Fatalf("decodeBatchPayment of the escaped voucher = scheme %q, ok %v, %v; want the batch payment", p.Accepted.Scheme, ok, err)
 	}
+}
+
+// sdkVoucherJSON is the SDK's voucher payment (x402/testdata) as compact JSON.
+func sdkVoucherJSON(t *testing.T) string {
+	t.Helper()
+	raw, err := os.ReadFile("../x402/testdata/batch-payment-voucher.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc bytes.Buffer
+	if err := json.Compact(&doc, raw); err != nil {
+		t.Fatal(err)
+	}
+	return doc.String()
 }
