@@ -143,13 +143,9 @@ func (w *invWorker) signInWithX(a *invAction) {
 			pp = holders[w.rng.IntN(len(holders))]
 		} else {
 			pp = w.pickPayer(to)
-			res := invResource{http.MethodGet, toPath}
-			p, err := w.signAs(pp, to, res, toGate)
-			if err != nil {
-				a.say("gw%d %s: %v", toGate, res, shorten(err.Error()))
+			if !w.payFirst(a, pp, to, toPath, toGate) {
 				return
 			}
-			r.present(a, p, toGate, res, shapeGET, 0)
 		}
 		r.signInOnce(a, pp.p, kind, gate, path, toGate, toPath, "")
 		return
@@ -166,14 +162,8 @@ func (w *invWorker) signInWithX(a *invAction) {
 		pp = paid[w.rng.IntN(len(paid))]
 	} else {
 		pp = w.pickPayer(rk)
-		if w.rng.IntN(2) == 0 {
-			res := invResource{http.MethodGet, path}
-			p, err := w.signAs(pp, rk, res, gate)
-			if err != nil {
-				a.say("gw%d %s: %v", gate, res, shorten(err.Error()))
-				return
-			}
-			r.present(a, p, gate, res, shapeGET, 0)
+		if w.rng.IntN(2) == 0 && !w.payFirst(a, pp, rk, path, gate) {
+			return
 		}
 	}
 	// Each sign-in answers the challenge of a gateway drawn, and is sent there, or one time in three to another
@@ -211,6 +201,19 @@ func (w *invWorker) signInWithX(a *invAction) {
 }
 
 // signAs signs a payment of pp for res of rk at gateway gate and registers it.
+// payFirst has pp pay for path of rk at gateway gate (a GET), before it signs in there; false when no payment could
+// be signed, which the action says.
+func (w *invWorker) payFirst(a *invAction, pp *invPayer, rk *routeKind, path string, gate int) bool {
+	res := invResource{http.MethodGet, path}
+	p, err := w.signAs(pp, rk, res, gate)
+	if err != nil {
+		a.say("gw%d %s: %v", gate, res, shorten(err.Error()))
+		return false
+	}
+	w.r.present(a, p, gate, res, shapeGET, 0)
+	return true
+}
+
 func (w *invWorker) signAs(pp *invPayer, rk *routeKind, res invResource, gate int) (*invPayment, error) {
 	r := w.r
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
