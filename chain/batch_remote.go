@@ -95,6 +95,9 @@ type RemoteBatch struct {
 	terms map[x402.BatchRequirements]*BatchTerms
 	// claimers are the claim policies by network; accepted counts vouchers since the last claim.
 	claimers map[string]*batchClaimer
+	// owed are the receivers (network, receiver, token) whose claimed funds the escrow still holds because
+	// settling them failed after their claim landed: every pass tries again until one succeeds.
+	owed map[[3]string]bool
 
 	stop chan struct{}
 	done chan struct{}
@@ -135,7 +138,7 @@ func NewRemoteBatch(cfg RemoteBatchConfig) (*RemoteBatch, error) {
 		now = time.Now
 	}
 	b := &RemoteBatch{cfg: cfg, chs: chs, log: log, margin: margin, now: now, terms: map[x402.BatchRequirements]*BatchTerms{},
-		claimers: map[string]*batchClaimer{}, stop: make(chan struct{}), done: make(chan struct{})}
+		claimers: map[string]*batchClaimer{}, owed: map[[3]string]bool{}, stop: make(chan struct{}), done: make(chan struct{})}
 	for _, n := range cfg.Networks {
 		c := &batchClaimer{every: cfg.ClaimEvery, amount: cfg.ClaimAmount, after: cfg.ClaimAfter}
 		if c.every <= 0 {
@@ -511,16 +514,17 @@ func (b *RemoteBatch) claimPass(ctx context.Context, network string, force bool)
 	if err := b.resolveRefunds(ctx, network); err != nil {
 		b.log.Warn("resolving batch-settlement refunds in flight; tried again at the next pass", zap.String("network", network), zap.Error(err))
 	}
-	rows, err := b.chs.Unclaimed(ctx, network)
-	if err != nil {
-		return fmt.Errorf("listing unclaimed channels: %w", err)
-	}
+	settleErr := b.settleOwed(ctx, network)
 	inFlight, err := b.chs.ClaimsInFlight(ctx, network)
 	if err != nil {
 		return fmt.Errorf("listing claims in flight: %w", err)
 	}
+	rows, err := b.chs.Unclaimed(ctx, network)
+	if err != nil {
+		return fmt.Errorf("listing unclaimed channels: %w", err)
+	}
 	if len(rows) == 0 && len(inFlight) == 0 {
-		return nil // nothing to claim: the facilitator is not asked
+		return settleErr // nothing to claim: the facilitator is not asked
 	}
 	auth, err := b.authorizer(ctx, network)
 	if err != nil {
@@ -531,12 +535,19 @@ func (b *RemoteBatch) claimPass(ctx context.Context, network string, force bool)
 	cl := *c
 	b.mu.Unlock()
 	cl.authorizer = auth
-	if err := b.probeClaims(ctx, network, cl.ours(inFlight)); err != nil {
+	freed, err := b.probeClaims(ctx, network, cl.ours(inFlight))
+	if err != nil {
 		return err
+	}
+	if freed {
+		// A claim the facilitator shows did not land freed its channels: they are claimed in this pass.
+		if rows, err = b.chs.Unclaimed(ctx, network); err != nil {
+			return fmt.Errorf("listing unclaimed channels: %w", err)
+		}
 	}
 	rows = cl.ours(rows)
 	if len(rows) == 0 || !(force || cl.due(rows, b.now(), b.margin, &sync.Mutex{})) {
-		return nil
+		return settleErr
 	}
 	// One claim per receiver and token: the claim's requirements name them, as the SDK's server's do.
 	type payee struct{ receiver, token string }
@@ -549,7 +560,7 @@ func (b *RemoteBatch) claimPass(ctx context.Context, network string, force bool)
 		}
 		groups[p] = append(groups[p], r)
 	}
-	var errs []error
+	errs := []error{settleErr}
 	for _, p := range order {
 		g := groups[p]
 		for len(g) > 0 {
@@ -623,21 +634,47 @@ func (b *RemoteBatch) settleReceiver(ctx context.Context, network, receiver, tok
 	rq := actionRequirements(network, receiver, token)
 	req := x402.BatchRequest{X402Version: x402.Version2, PaymentRequirements: rq,
 		PaymentPayload: x402.BatchPayment{X402Version: x402.Version2, Accepted: rq, Payload: x402.BatchPayload{Type: x402.BatchSettle, Receiver: receiver, Token: token}}}
+	owed := [3]string{network, strings.ToLower(receiver), strings.ToLower(token)}
 	resp, err := b.cfg.Remote.SettleBatch(ctx, req)
-	if err != nil {
-		return fmt.Errorf("settling %s's claimed %s: %w (it stays claimed in the escrow, settled with the next claim)", receiver, token, err)
+	if err == nil && !resp.Success && resp.ErrorReason != x402.ReasonBatchNothingToSettle {
+		err = fmt.Errorf("%s: %s", resp.ErrorReason, resp.ErrorMessage)
 	}
-	if !resp.Success && resp.ErrorReason != x402.ReasonBatchNothingToSettle {
-		return fmt.Errorf("settling %s's claimed %s: %s: %s (it stays claimed in the escrow, settled with the next claim)", receiver, token, resp.ErrorReason, resp.ErrorMessage)
+	b.mu.Lock()
+	if err != nil {
+		b.owed[owed] = true
+	} else {
+		delete(b.owed, owed)
+	}
+	b.mu.Unlock()
+	if err != nil {
+		return fmt.Errorf("settling %s's claimed %s: %w (it stays claimed in the escrow, settled at the next pass)", receiver, token, err)
 	}
 	b.log.Info("settled batch-settlement claims to the receiver", zap.String("network", network), zap.String("receiver", receiver), zap.String("transaction", resp.Transaction))
 	return nil
 }
 
+// settleOwed settles again the receivers on network whose settling failed after their claim landed.
+func (b *RemoteBatch) settleOwed(ctx context.Context, network string) error {
+	b.mu.Lock()
+	var owed [][3]string
+	for k := range b.owed {
+		if k[0] == network {
+			owed = append(owed, k)
+		}
+	}
+	b.mu.Unlock()
+	var errs []error
+	for _, k := range owed {
+		errs = append(errs, b.settleReceiver(ctx, network, k[1], k[2]))
+	}
+	return errors.Join(errs...)
+}
+
 // probeClaims looks up this side's claims in flight older than ProbeAfter: a /verify of each channel's last
 // voucher says what the chain holds claimed. A claim it shows landed is marked mined; one it shows did not
-// land is freed, to be claimed again (were it to land after all, the escrow's cumulative claim pays nothing twice).
-func (b *RemoteBatch) probeClaims(ctx context.Context, network string, rows []journal.Channel) error {
+// land is freed, to be claimed again (were it to land after all, the escrow's cumulative claim pays nothing twice);
+// freed says one was.
+func (b *RemoteBatch) probeClaims(ctx context.Context, network string, rows []journal.Channel) (freed bool, err error) {
 	for _, r := range rows {
 		if !strings.HasPrefix(r.ClaimTx, remoteClaimPrefix) || b.now().Sub(r.ClaimSentAt) < b.cfg.ProbeAfter {
 			continue
@@ -656,7 +693,7 @@ func (b *RemoteBatch) probeClaims(ctx context.Context, network string, rows []jo
 		}
 		vr, err := b.cfg.Remote.VerifyBatch(ctx, req)
 		if err != nil {
-			return fmt.Errorf("asking the facilitator whether claim %s landed: %w", r.ClaimTx, err)
+			return freed, fmt.Errorf("asking the facilitator whether claim %s landed: %w", r.ClaimTx, err)
 		}
 		claimed := false
 		switch {
@@ -679,7 +716,7 @@ func (b *RemoteBatch) probeClaims(ctx context.Context, network string, rows []jo
 		}
 		if claimed {
 			if _, err := b.chs.MarkClaimMined(ctx, r.ClaimTx); err != nil {
-				return err
+				return freed, err
 			}
 			b.log.Info("a batch-settlement claim whose answer never came landed", zap.String("claim", r.ClaimTx))
 			if err := b.settleReceiver(ctx, network, r.Config.Receiver, r.Config.Token); err != nil {
@@ -688,11 +725,12 @@ func (b *RemoteBatch) probeClaims(ctx context.Context, network string, rows []jo
 			continue
 		}
 		if _, err := b.chs.MarkClaimFailed(ctx, r.ClaimTx); err != nil {
-			return err
+			return freed, err
 		}
+		freed = true
 		b.log.Warn("a batch-settlement claim whose answer never came did not land; its vouchers are claimed again", zap.String("claim", r.ClaimTx))
 	}
-	return nil
+	return freed, nil
 }
 
 // resolveRefunds takes off network's rows the refund marks whose refund's answer never came (or whose row was not
