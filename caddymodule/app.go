@@ -530,7 +530,7 @@ func (a *App) start() error {
 		val, _, err := engines.LoadOrNew(key, func() (caddy.Destructor, error) {
 			return a.newEngine(context.Background(), specs)
 		})
-		if err != nil && a.chainDown(specs) {
+		if err != nil && a.chainDown(specs, err) {
 			return a.startWithoutChain(key, specs, err)
 		}
 		if err != nil && a.devNet != nil && a.DevChain.RPC != "" {

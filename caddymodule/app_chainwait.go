@@ -83,10 +83,13 @@ func (a *App) started() bool {
 	}
 }
 
-// chainDown reports, after the engine failed to start, whether it failed because some network's chain gave no
-// answer at all (rather than for a configuration no chain makes right), and the app may start without it: at the
-// first start of this process only, not on a reload, and never for the dev chain this process runs.
-func (a *App) chainDown(specs []networkSpec) bool {
+// chainDown reports, after the engine failed to start with startErr, whether it failed because some network's
+// chain gave no answer at all (rather than for a configuration no chain makes right), and the app may start
+// without it: at the first start of this process only, not on a reload, and never for the dev chain this process
+// runs. The engine's own failure says so (no endpoint answered it), or a probe of every network now does: a chain
+// that was down through the engine's tries and answers the probe a moment later was down all the same, and the
+// engine's start in the background finds it up.
+func (a *App) chainDown(specs []networkSpec, startErr error) bool {
 	if liveApps.Load() > 0 {
 		return false
 	}
@@ -95,6 +98,9 @@ func (a *App) chainDown(specs []networkSpec) bool {
 		return false
 	}
 	_, _ = journals.Delete(a.Journal)
+	if chain.IsUnreachable(startErr) {
+		return true
+	}
 	_, down := a.probeChains(specs)
 	return down != ""
 }

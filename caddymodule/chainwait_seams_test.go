@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -266,4 +267,54 @@ func TestAGatewayWaitingForItsChainDoesNotFlickerAmongTheClustersInstances(t *te
 		t.Errorf("the live instances another gateway counts, sampled every 20 ms for 12 s while this one waits for its chain: %v "+
 			"(count: samples); want one steady count", seen)
 	}
+}
+
+// flakyChainAt serves the chain's RPC at addr after a spell of 503s: every request that arrives in the first
+// 2 s after the first one is held until 2.2 s, then answered 503; later ones reach the chain. A client giving up
+// within its 2 s of tries (the engine's Failover) is down throughout, and a client asking right after (the app's
+// probe) finds the chain up.
+func flakyChainAt(t testing.TB, c *chaintest.Chain, addr string) {
+	t.Helper()
+	target, _ := url.Parse(c.RPCURL)
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var first time.Time
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		if first.IsZero() {
+			first = time.Now()
+		}
+		since := time.Since(first)
+		mu.Unlock()
+		if since < 2*time.Second {
+			time.Sleep(2200*time.Millisecond - since)
+			http.Error(w, "the node is down for a moment", http.StatusServiceUnavailable)
+			return
+		}
+		proxy.ServeHTTP(w, r)
+	})}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close() })
+}
+
+// A chain down through every try of the engine's start and up again an instant later, when the app asks whether
+// it is down: the site starts all the same (it failed to start: the engine's failure said no endpoint answered,
+// but the probe after it found one), and the engine, started in the background, settles a payment.
+func TestASiteStartsWhenItsChainIsBackJustAfterTheEngineGaveUp(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	t.Cleanup(commitPending(t, c))
+	rpcAddr := freeAddr(t)
+	flakyChainAt(t, c, rpcAddr)
+	env := startGateOn(t, c, gateSetup{rpc: "http://" + rpcAddr})
+	payer := c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	if a := env.awaitNot502("/", env.permit2Header("/", payer)); a.status != http.StatusOK || a.body != "paid content" {
+		t.Fatalf("paid request once the engine is up = %d %q, want 200", a.status, a.body)
+	}
+	env.assertPaid(payer, before, 1)
 }
