@@ -52,6 +52,7 @@ type invEnd struct {
 	reverted      []string
 	left          []string // journal records not final, holds not released
 	journals      []string // what was read
+	lagging       []string // gate records of settled, served payments whose state still says claimed
 	drained       string   // how the drain went
 }
 
@@ -126,7 +127,10 @@ func (r *invRun) readEnd(before invBalances) *invEnd {
 		}
 		for _, rec := range pending {
 			if rec.State == journal.StateClaimed && !rec.Async && rec.Served && rec.Response != nil && rec.Response.Success {
-				continue // a gate record that lags its settled, served payment: done, only its state says otherwise
+				// A gate record that lags its settled, served payment: done, only its state says otherwise.
+				end.lagging = append(end.lagging, fmt.Sprintf("%s holds %s claimed, served and settled (tx %s), owner %s, updated %s",
+					names[i], r.describeID(rec.ID, payments), rec.Response.Transaction, rec.Owner, rec.UpdatedAt.Format(time.StampMilli)))
+				continue
 			}
 			end.left = append(end.left, fmt.Sprintf("%s holds %s pending: state %s, async %v, served %v, tx %q, response %+v",
 				names[i], r.describeID(rec.ID, payments), rec.State, rec.Async, rec.Served, rec.TxHash, rec.Response))
@@ -662,7 +666,11 @@ func (r *invRun) checkNothingLeft(end *invEnd) ([]invViolation, string) {
 	if end.drained != "" && !strings.HasPrefix(end.drained, "drained") {
 		out = append(out, invViolation{what: end.drained})
 	}
-	return out, fmt.Sprintf("%s; read %s", end.drained, strings.Join(end.journals, ", "))
+	lag := ""
+	if len(end.lagging) > 0 {
+		lag = "; records lagging their payment: " + strings.Join(end.lagging, "; ")
+	}
+	return out, fmt.Sprintf("%s; read %s%s", end.drained, strings.Join(end.journals, ", "), lag)
 }
 
 func (r *invRun) checkNoRevert(end *invEnd) ([]invViolation, string) {
@@ -751,6 +759,7 @@ func (r *invRun) runChecks(end *invEnd) {
 				b.WriteString(r.history(p))
 			}
 		}
+		fmt.Fprintf(&b, "  (%s)\n", summary)
 		r.t.Error(b.String())
 	}
 	if failed > 0 {

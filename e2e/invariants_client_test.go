@@ -459,10 +459,13 @@ func (r *invRun) readAnswer(a *invAnswer, p *invPayment, resp *http.Response, er
 	} else {
 		got, err = io.ReadAll(resp.Body)
 	}
-	if err != nil {
+	if err != nil && (resp.ContentLength < 0 || int64(len(got)) != resp.ContentLength) {
 		a.note = fmt.Sprintf("the body broke after %d bytes: %s", len(got), shorten(err.Error()))
 		return
 	}
+	// A body whose every byte of its Content-Length arrived was delivered whole, even when the connection then
+	// broke before its end was signalled (an HTTP/2 stream's END_STREAM, sent once the handler returns, lost to
+	// a SIGKILL): the payer holds the response, which judge compares with the resource.
 	r.judge(a, p, resp, got, bodyLen, rangeFrom, rangeTo)
 }
 
