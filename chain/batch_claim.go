@@ -293,6 +293,14 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 	n.claimer.accepted = 0
 	n.batch.mu.Unlock()
 	var marked common.Hash
+	var signed []common.Hash
+	defer func() {
+		n.batch.mu.Lock()
+		for _, h := range signed {
+			delete(n.batch.sending, h)
+		}
+		n.batch.mu.Unlock()
+	}()
 	txs, err := n.sender.send(ctx, w, []contractCall{call}, quote, func(txs []*types.Transaction) error {
 		tx := txs[0]
 		if marked != (common.Hash{}) {
@@ -302,6 +310,10 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 			}
 			marked = common.Hash{}
 		}
+		n.batch.mu.Lock()
+		n.batch.sending[tx.Hash()] = true
+		n.batch.mu.Unlock()
+		signed = append(signed, tx.Hash())
 		if err := chs.MarkClaimSent(context.WithoutCancel(ctx), tx.Hash().Hex(), marks); err != nil {
 			return err
 		}
@@ -341,30 +353,67 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 	return nil
 }
 
-// claimNotSent marks claim transaction hash, which never left (the node refused it, or its nonce went to another
-// transaction), failed: its channels are offered to the next claim, and its broadcast record, written before it
-// was sent, is final. Left pending, the record would count in the journal's backlog for good, and no pass would
-// ever finish it: it is no settlement of a payment that reconciliation resumes.
+// claimNotSent marks claim transaction hash, which never left (the node refused it, its nonce went to another
+// transaction, or its sender gave up before it recorded it), failed: its channels are offered to the next claim,
+// and its record, written before it was sent, is forgotten. Left pending, the record would count in the journal's
+// backlog for good, and no pass would ever finish it: it is no settlement of a payment that reconciliation
+// resumes. Made final instead, it would stop the next claim of the same channels, which is the very same
+// transaction when nothing changed since (the same wallet nonce, fees and vouchers), from recording itself.
 //
-// The record is made final before the channels' marks go: the marks are what the next pass finds a claim by, so a
-// crash (or a failed write) between the two leaves marks whose record is final, which resolveClaims frees, never a
-// record no pass would see again.
+// The record goes before the channels' marks: the marks are what the next pass finds a claim by, so a crash (or a
+// failed write) between the two leaves marks with no record, which resolveClaims frees once older than a sender
+// could take to record one, never a record no pass would see again. A record final already (an older release's)
+// is left as it is, and its marks are freed.
 func (f *Facilitator) claimNotSent(ctx context.Context, n *network, chs journal.Channels, hash common.Hash, why string) error {
-	resp := x402.SettleResponse{Success: false, Network: n.caip2, ErrorReason: x402.ReasonBatchClaimTransactionFailed,
-		ErrorMessage: "claim transaction " + hash.Hex() + " was never sent: " + why}
-	_, err := f.journal.Update(ctx, claimRecordID(n.caip2, hash), func(r *journal.Record) error {
-		if r.State != journal.StateFinal {
-			r.State, r.Response = journal.StateFinal, &resp
+	rec, found, err := f.journal.Get(ctx, claimRecordID(n.caip2, hash))
+	if err != nil {
+		return fmt.Errorf("reading the record of claim %s, which was never sent (%s): %w", hash.Hex(), why, err)
+	}
+	if found {
+		switch {
+		case rec.State == journal.StateClaimed:
+			err = f.journal.Release(ctx, rec)
+		case rec.State == journal.StateBroadcast && strings.EqualFold(rec.TxHash, hash.Hex()):
+			err = f.journal.ReleaseUnsent(ctx, rec, rec.TxHash)
 		}
-		return nil
-	})
-	if err != nil && !errors.Is(err, journal.ErrNotFound) {
-		return fmt.Errorf("finishing the record of claim %s: %w", hash.Hex(), err)
+		if err != nil && !errors.Is(err, journal.ErrNotFound) {
+			return fmt.Errorf("forgetting the record of claim %s, which was never sent (%s): %w", hash.Hex(), why, err)
+		}
 	}
 	if _, err := chs.MarkClaimFailed(ctx, hash.Hex()); err != nil {
 		return fmt.Errorf("marking claim %s failed: %w", hash.Hex(), err)
 	}
+	f.log.Info("a batch-settlement claim was never sent; its channels are offered to the next claim", zap.String("network", n.caip2),
+		zap.String("tx", hash.Hex()), zap.String("why", why))
 	return nil
+}
+
+// sendingClaim says whether this process is sending claim transaction hash right now (see batchNetwork.sending).
+func (f *Facilitator) sendingClaim(n *network, hash common.Hash) bool {
+	n.batch.mu.Lock()
+	defer n.batch.mu.Unlock()
+	return n.batch.sending[hash]
+}
+
+// ownerGone says whether owner, the owner of a record this process did not write, is a process that is gone: in a
+// cluster, one the journal does not show alive; on a journal one process holds at a time (bbolt), any other
+// process is an earlier one. An owner that cannot be told gone is not.
+func (f *Facilitator) ownerGone(ctx context.Context, owner string) bool {
+	if owner == "" || owner == f.owner {
+		return false
+	}
+	if f.cluster != nil {
+		alive, err := f.cluster.Alive(ctx, owner)
+		return err == nil && !alive
+	}
+	return f.exclusiveJournal()
+}
+
+// exclusiveJournal says whether the journal is one process's at a time (bbolt): whatever another process wrote in
+// it, that process is gone.
+func (f *Facilitator) exclusiveJournal() bool {
+	_, exclusive := f.journal.(*journal.BoltStore)
+	return exclusive
 }
 
 // claimReverts is a claim whose simulation reverted: nothing was sent.
@@ -480,8 +529,21 @@ func (f *Facilitator) resolveClaims(ctx context.Context, n *network, chs journal
 			continue
 		}
 		if !found || len(rec.RawTx) == 0 {
-			if f.now().Sub(r.ClaimSentAt) >= unrecordedClaimAge {
-				if err := f.claimNotSent(ctx, n, chs, hash, "its sender was gone before it recorded the transaction"); err != nil {
+			why := ""
+			switch {
+			case f.now().Sub(r.ClaimSentAt) >= unrecordedClaimAge:
+				why = "its sender was gone before it recorded the transaction"
+			case found && rec.Owner == f.owner && !f.sendingClaim(n, hash):
+				// This process's, and no send of it is under way: the write of its transaction failed (the
+				// journal's database down, say), and the send gave up before the transaction left.
+				why = "its sender gave up before it recorded the transaction"
+			case found && rec.Owner != f.owner && f.ownerGone(ctx, rec.Owner):
+				why = "its sender's process is gone, and it never recorded the transaction"
+			case !found && f.exclusiveJournal() && r.ClaimSentAt.Before(f.started):
+				why = "an earlier process marked it and was gone before it recorded the transaction"
+			}
+			if why != "" {
+				if err := f.claimNotSent(ctx, n, chs, hash, why); err != nil {
 					return err
 				}
 			}

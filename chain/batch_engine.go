@@ -53,6 +53,9 @@ type batchNetwork struct {
 	chainTime atomic.Int64
 	// actions serialises the receiver's /settle actions (claim, settle, refund) on one channel or payee.
 	actions actionLocks
+	// sending are the claim transactions this process is sending: marked on their channels, their record being
+	// written, not yet sent or given up (under mu).
+	sending map[common.Hash]bool
 }
 
 func newBatchNetwork(margin time.Duration) (*batchNetwork, error) {
@@ -63,7 +66,7 @@ func newBatchNetwork(margin time.Duration) (*batchNetwork, error) {
 		return nil, fmt.Errorf("batch claim margin %s must be positive and under the shortest withdrawDelay %ds", margin, contracts.MinWithdrawDelay)
 	}
 	return &batchNetwork{margin: margin, terms: map[x402.BatchRequirements]*BatchTerms{}, blockTimes: map[uint64]time.Time{},
-		payerCode: map[common.Hash]bool{}}, nil
+		payerCode: map[common.Hash]bool{}, sending: map[common.Hash]bool{}}, nil
 }
 
 // BatchVoucherID is the journal id of the voucher of channel channelID on network for cumulative: the record

@@ -160,6 +160,9 @@ type Facilitator struct {
 	owner     string
 	grace     time.Duration
 	retention time.Duration
+	// started is when this facilitator was made (the wall clock): on a journal one process holds at a time, a
+	// mark written before it was written by an earlier process.
+	started time.Time
 
 	// signedMu guards signed: the record of each settlement this process broadcast and has not finalised, as it
 	// last wrote it, so that finalise need not read it first (journal.UpdateKnown); at most maxSigned of them.
@@ -343,6 +346,7 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 		f.journal = journal.NewMemory(journal.Options{Clock: f.now})
 	}
 	f.owner = cfg.Owner
+	f.started = time.Now()
 	if c, ok := f.journal.(journal.Cluster); ok {
 		// Records carry the instance token the store keeps alive, so the other processes can tell a live
 		// claimant from a dead one.
