@@ -96,8 +96,9 @@ type RemoteBatch struct {
 	// claimers are the claim policies by network; accepted counts vouchers since the last claim.
 	claimers map[string]*batchClaimer
 	// owed are the receivers (network, receiver, token) whose claimed funds the escrow still holds because
-	// settling them failed after their claim landed: every pass tries again until one succeeds.
-	owed map[[3]string]bool
+	// settling them failed after their claim landed: a pass tries again once the pause after the last failure is
+	// over (doubling from the tick to a minute), until one succeeds.
+	owed map[[3]string]*owedSettle
 
 	stop chan struct{}
 	done chan struct{}
@@ -138,7 +139,7 @@ func NewRemoteBatch(cfg RemoteBatchConfig) (*RemoteBatch, error) {
 		now = time.Now
 	}
 	b := &RemoteBatch{cfg: cfg, chs: chs, log: log, margin: margin, now: now, terms: map[x402.BatchRequirements]*BatchTerms{},
-		claimers: map[string]*batchClaimer{}, owed: map[[3]string]bool{}, stop: make(chan struct{}), done: make(chan struct{})}
+		claimers: map[string]*batchClaimer{}, owed: map[[3]string]*owedSettle{}, stop: make(chan struct{}), done: make(chan struct{})}
 	for _, n := range cfg.Networks {
 		c := &batchClaimer{every: cfg.ClaimEvery, amount: cfg.ClaimAmount, after: cfg.ClaimAfter}
 		if c.every <= 0 {
@@ -514,7 +515,7 @@ func (b *RemoteBatch) claimPass(ctx context.Context, network string, force bool)
 	if err := b.resolveRefunds(ctx, network); err != nil {
 		b.log.Warn("resolving batch-settlement refunds in flight; tried again at the next pass", zap.String("network", network), zap.Error(err))
 	}
-	settleErr := b.settleOwed(ctx, network)
+	settleErr := b.settleOwed(ctx, network, force)
 	inFlight, err := b.chs.ClaimsInFlight(ctx, network)
 	if err != nil {
 		return fmt.Errorf("listing claims in flight: %w", err)
@@ -641,7 +642,13 @@ func (b *RemoteBatch) settleReceiver(ctx context.Context, network, receiver, tok
 	}
 	b.mu.Lock()
 	if err != nil {
-		b.owed[owed] = true
+		o := b.owed[owed]
+		if o == nil {
+			o = &owedSettle{pause: b.cfg.Tick / 2}
+			b.owed[owed] = o
+		}
+		o.pause = min(2*o.pause, time.Minute)
+		o.next = b.now().Add(o.pause)
 	} else {
 		delete(b.owed, owed)
 	}
@@ -653,12 +660,19 @@ func (b *RemoteBatch) settleReceiver(ctx context.Context, network, receiver, tok
 	return nil
 }
 
-// settleOwed settles again the receivers on network whose settling failed after their claim landed.
-func (b *RemoteBatch) settleOwed(ctx context.Context, network string) error {
+// owedSettle is a receiver's settle that failed after its claim landed: when to try again, and the pause before.
+type owedSettle struct {
+	next  time.Time
+	pause time.Duration
+}
+
+// settleOwed settles again the receivers on network whose settling failed after their claim landed: those whose
+// pause is over, or all when force.
+func (b *RemoteBatch) settleOwed(ctx context.Context, network string, force bool) error {
 	b.mu.Lock()
 	var owed [][3]string
-	for k := range b.owed {
-		if k[0] == network {
+	for k, o := range b.owed {
+		if k[0] == network && (force || !b.now().Before(o.next)) {
 			owed = append(owed, k)
 		}
 	}
