@@ -20,7 +20,9 @@ import (
 // pays once.
 func TestADeferredFinalAnswerLostInACrashEndsFinalFromTheChain(t *testing.T) {
 	srv := pgtest.Start(t)
-	fx, join := clusterOn(t, srv.DSN(), 15*time.Second, fixtureOpts{wallets: 2, receiptTimeout: time.Minute})
+	// The final answer waits behind the request as long as the test looks at it, however loaded the machine: a
+	// deferred write goes alone after MaxBehind.
+	fx, join := clusterOn(t, srv.DSN(), 15*time.Second, fixtureOpts{wallets: 2, receiptTimeout: time.Minute, maxBehind: 10 * time.Minute})
 	f, st := join()
 	waitLeases(t, fx, []*chain.Facilitator{f}, 2)
 	payer := fx.c.Payers[0]

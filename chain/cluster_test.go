@@ -51,7 +51,7 @@ func clusterOn(t *testing.T, dsn string, leaseTTL time.Duration, o fixtureOpts) 
 	fx := newFixture(t, o)
 	return fx, func() (*chain.Facilitator, *journal.PostgresStore) {
 		t.Helper()
-		st, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{InstanceTTL: o.instanceTTL})
+		st, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{InstanceTTL: o.instanceTTL, MaxBehind: o.maxBehind})
 		if err != nil {
 			t.Fatal(err)
 		}

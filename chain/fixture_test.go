@@ -41,6 +41,7 @@ type fixtureOpts struct {
 	tune           func(*fixture, *chain.NetworkConfig)
 	configure      func(*chain.Config)
 	instanceTTL    time.Duration // of each store sharedEnginesOn opens; 0: the store's default
+	maxBehind      time.Duration // of each store clusterOn opens; 0: the store's default
 	// wrap, when set, is the journal each engine sharedEnginesOn starts is given in place of its store: a test's
 	// hooks around it.
 	wrap func(*journal.PostgresStore) journal.Store

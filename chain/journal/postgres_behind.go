@@ -24,14 +24,14 @@ import (
 // gate's record that finds another request's there (a plain INSERT, whose unique violation aborts the batch)
 // leaves no engine claim either, and the engine sends nothing. Every other call of the store sends what is queued
 // first, alone (begin), so no later write of the context overtakes a deferred one, and a queued write waits at
-// most maxBehind: then it is sent on its own. Only a deferred claim's failure stops what comes after it: a
+// most MaxBehind (Options): then it is sent on its own. Only a deferred claim's failure stops what comes after it: a
 // deferred final answer that fails (reconciliation records it from the chain's receipt) is told so, and the write
 // it rode with or went ahead of, a gate's served mark, is still written (alone, when they shared a batch).
 
-// maxBehind is how long a deferred write may wait for a statement to ride with before it is sent alone. It bounds
+// defaultMaxBehind is how long a deferred write may wait for a statement to ride with before it is sent alone. It bounds
 // how long a settled payment's funds hold still counts (a payer's next payment is judged with it) and its record
 // reads broadcast (which reconciliation resolves from the chain's receipt, should the process die meanwhile).
-const maxBehind = time.Second
+const defaultMaxBehind = time.Second
 
 // ErrExists: a deferred claim found a record of the payment there (another request recorded it first).
 var ErrExists = errors.New("journal: a record of the payment is there already")
@@ -79,7 +79,7 @@ type behindWrite struct {
 
 // Defer returns ctx carrying a queue of deferred writes bound to s, when s is a PostgreSQL store; ctx as it is for
 // any other store (whose writes are sent as they come), or when ctx carries a queue already. What is queued is sent
-// by the next call of s under the returned context (or one derived from it), by Flush, or after maxBehind.
+// by the next call of s under the returned context (or one derived from it), by Flush, or after MaxBehind (Options).
 func Defer(ctx context.Context, s Store) context.Context {
 	ps, ok := s.(*PostgresStore)
 	if !ok || ctx.Value(behindKey{}) != nil {
@@ -109,7 +109,7 @@ func (s *PostgresStore) behindOf(ctx context.Context) *behind {
 	return q
 }
 
-// add queues w, and starts the clock of maxBehind.
+// add queues w, and starts the clock of MaxBehind (Options).
 func (q *behind) add(w *behindWrite) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -117,10 +117,14 @@ func (q *behind) add(w *behindWrite) {
 	q.arm()
 }
 
-// arm starts the clock of maxBehind for what q holds, unless it runs; q is locked.
+// arm starts the clock of MaxBehind (Options) for what q holds, unless it runs; q is locked.
 func (q *behind) arm() {
 	if q.timer == nil && len(q.items) > 0 {
-		q.timer = time.AfterFunc(maxBehind, func() { q.flush() })
+		wait := q.s.opts.MaxBehind
+		if wait <= 0 {
+			wait = defaultMaxBehind
+		}
+		q.timer = time.AfterFunc(wait, func() { q.flush() })
 	}
 }
 

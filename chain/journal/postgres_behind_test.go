@@ -97,10 +97,10 @@ func testPostgresADeferredWriteRidesWithTheNextStatementAndNothingOvertakesIt(t 
 	if _, _, _, err := ClaimBehind(ctx, s, claimOf(base+5)); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(maxBehind + 5*time.Second)
+	deadline := time.Now().Add(defaultMaxBehind + 5*time.Second)
 	for !found(other, bg, base+5) {
 		if time.Now().After(deadline) {
-			t.Fatalf("a deferred claim left alone was not written %s after", maxBehind+5*time.Second)
+			t.Fatalf("a deferred claim left alone was not written %s after", defaultMaxBehind+5*time.Second)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

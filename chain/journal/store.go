@@ -117,6 +117,9 @@ type Options struct {
 	// the chain and the hold's to the database. Zero means one minute (defaultMinedHoldsKept); less than ten
 	// seconds means ten seconds (minMinedHoldsKept).
 	MinedHoldsKept time.Duration
+	// MaxBehind is, for OpenPostgres, how long a deferred write (Defer) may wait for a statement to ride with
+	// before it is sent alone; zero or less means one second (defaultMaxBehind).
+	MaxBehind time.Duration
 }
 
 // now reads the configured clock; times are kept in UTC so a record reads the same whatever the zone.
