@@ -526,3 +526,61 @@ func TestASponsoredApprovalIsSimulatedOnAFreshHeadBeforeItsGasMoneyIsSent(t *tes
 		t.Fatalf("the settlement wallets sent %d transactions; want none", total)
 	}
 }
+
+// A payer prices its approval from the base fee it read when it signed (twice it, and the tip); by the time the
+// payment is settled the base fee may have fallen by half (six blocks of a chain sealing a block per
+// transaction: the money-invariant run's scarce topology refused such a payment at its first presentation,
+// erc20_approval_tx_fees_not_sponsored). The bound on the fee cap looks at the highest base fee of the recent
+// blocks, so the payment settles; a fee cap ten times any recent base fee is still refused, before anything is
+// spent.
+func TestASponsoredApprovalSignedBeforeTheBaseFeeFellByHalfSettlesAndAFeeCapTenTimesOverIsRefused(t *testing.T) {
+	fx := approvalFixture(t)
+	ctx := context.Background()
+	head := func() *types.Header {
+		h, err := fx.c.Client.HeaderByNumber(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return h
+	}
+	read := head().BaseFee
+	if read.Cmp(big.NewInt(100_000_000)) < 0 {
+		t.Fatalf("the simulated chain's base fee is %s wei: it must be well above the bound's 0.01 gwei floor for this test to judge the bound", read)
+	}
+	payer := fx.c.PayersNoGas[0]
+	req, _ := fx.sponsoredPermit2(payer)
+	for i := 0; head().BaseFee.Cmp(new(big.Int).Div(read, big.NewInt(2))) > 0; i++ {
+		if i == 20 {
+			t.Fatalf("the base fee did not halve in 20 empty blocks: %s from %s", head().BaseFee, read)
+		}
+		fx.c.Commit()
+	}
+	if s := fx.settle(req); !s.Success {
+		t.Fatalf("settle after the base fee fell from %s to %s = %+v, want success", read, head().BaseFee, s)
+	}
+	if r, err := fx.c.Client.TransactionReceipt(ctx, approvalOf(t, req).Hash()); err != nil || r.Status != types.ReceiptStatusSuccessful {
+		t.Fatalf("the payer's approval: %+v, %v; want mined", r, err)
+	}
+
+	// Ten times the highest recent base fee (the one the first payer read), under the facilitator's 10 gwei cap.
+	greedy := fx.c.PayersNoGas[1]
+	over := fx.permit2(greedy, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	tip := big.NewInt(1_000_000_000)
+	feeCap := new(big.Int).Add(new(big.Int).Mul(read, big.NewInt(10)), tip)
+	if feeCap.Cmp(big.NewInt(10_000_000_000)) > 0 {
+		t.Fatalf("ten times the base fee and the tip, %s wei, is above the facilitator's 10 gwei cap: the test would not judge the bound", feeCap)
+	}
+	if err := chain.AddApprovalSponsoring(&over.PaymentPayload, greedy.Key, fx.c.ChainID, chain.ApprovalTx{Gas: 70_000, TipCap: tip, FeeCap: feeCap}); err != nil {
+		t.Fatal(err)
+	}
+	funded := fx.f.ApprovalFunding(fx.net)
+	if s := fx.settle(over); s.Success || s.ErrorReason != x402.ReasonERC20ApprovalTxFeesNotSponsored || !strings.Contains(s.ErrorMessage, "highest base fee") {
+		t.Fatalf("settle of a fee cap ten times the highest recent base fee = %+v, want refused %s by the bound", s, x402.ReasonERC20ApprovalTxFeesNotSponsored)
+	}
+	if v := fx.verify(over); v.IsValid || v.InvalidReason != x402.ReasonERC20ApprovalTxFeesNotSponsored {
+		t.Fatalf("verify of a fee cap ten times the highest recent base fee = %+v, want invalid %s", v, x402.ReasonERC20ApprovalTxFeesNotSponsored)
+	}
+	if fx.c.ETHBalance(greedy.Address).Sign() != 0 || fx.c.TxCount(greedy.Address) != 0 || fx.f.ApprovalFunding(fx.net).Cmp(funded) != 0 {
+		t.Fatal("the refused approval was funded or sent")
+	}
+}
