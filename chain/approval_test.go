@@ -584,3 +584,81 @@ func TestASponsoredApprovalSignedBeforeTheBaseFeeFellByHalfSettlesAndAFeeCapTenT
 		t.Fatal("the refused approval was funded or sent")
 	}
 }
+
+// losesFundings is a node that takes the payer's gas money from the engine and loses it (answers as if it took
+// it, and never mines it) while lose is set: the engine's funding is in its journal, not on chain, as after a
+// crash between the journal's write and the broadcast, or a node that dropped it from its pool.
+type losesFundings struct {
+	*ethclient.Client
+	payer common.Address
+	lose  atomic.Bool
+	lost  atomic.Int64
+}
+
+func (b *losesFundings) SendTransaction(ctx context.Context, tx *types.Transaction) error {
+	if b.lose.Load() && tx.To() != nil && *tx.To() == b.payer && tx.Value().Sign() > 0 {
+		b.lost.Add(1)
+		return nil
+	}
+	return b.Client.SendTransaction(ctx, tx)
+}
+
+// A settlement whose gas money for the payer's approval is recorded but never reached the chain, while the
+// approval mined without it (another payment carrying the same approval was settled with gas money of its own,
+// at another gateway or after a restart): reconciliation sends the settlement once, and the recorded gas money
+// never, for the payer needs it no more; the wallet's nonce it held goes to a zero-value transfer to itself.
+// The money-invariant run (scarce, seed 1795824846132738674, a SIGKILL and a database restart) saw a payer sent
+// gas money twice for one approval.
+func TestARecordedFundingOfASponsoredApprovalThatMinedWithoutItIsNeverSent(t *testing.T) {
+	ctx := context.Background()
+	var node *losesFundings
+	fx := newFixture(t, fixtureOpts{receiptTimeout: 300 * time.Millisecond, wallets: 1,
+		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			node = &losesFundings{Client: fx.c.EthClient, payer: fx.c.PayerNoGas.Address}
+			node.lose.Store(true)
+			nc.Backend, nc.ApprovalSponsoring = node, &chain.ApprovalSponsoring{}
+		},
+		configure: func(c *chain.Config) { c.ReconcileEvery, c.ReconcileGrace = 20*time.Millisecond, time.Millisecond }})
+	payer, wallet := fx.c.PayerNoGas, fx.c.Wallets[0].Address
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	walletTxs := fx.c.TxCount(wallet)
+	req, fees := fx.sponsoredPermit2(payer)
+	if s := fx.settle(req); s.Success || s.ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("settle with its gas money lost = %+v, want settlement_pending", s)
+	}
+	if node.lost.Load() == 0 {
+		t.Fatal("the node never got the payer's gas money to lose")
+	}
+	// The approval mines without the recorded gas money: the payer got ether elsewhere and sent it.
+	cost := new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap)
+	fx.c.SendETH(fx.c.Payers[2], payer.Address, cost)
+	approval := approvalOf(t, req)
+	if err := fx.c.Client.SendTransaction(ctx, approval); err != nil {
+		t.Fatal(err)
+	}
+	receipt, err := fx.c.CommitUntilIncluded(ctx, approval.Hash())
+	if err != nil || receipt[0].Status != types.ReceiptStatusSuccessful {
+		t.Fatalf("the payer's approval: %+v, %v; want mined", receipt, err)
+	}
+	node.lose.Store(false)
+
+	final := fx.settle(req)
+	for deadline := time.Now().Add(30 * time.Second); !final.Success && time.Now().Before(deadline); final = fx.settle(req) {
+		if final.ErrorReason != x402.ReasonSettlementPending {
+			t.Fatalf("presented again = %+v, want settled (or pending until reconciliation sent it)", final)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !final.Success {
+		t.Fatalf("presented again = %+v, want settled by reconciliation", final)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
+	spent := new(big.Int).Mul(new(big.Int).SetUint64(receipt[0].GasUsed), receipt[0].EffectiveGasPrice)
+	if got, want := fx.c.ETHBalance(payer.Address), new(big.Int).Sub(cost, spent); got.Cmp(want) != 0 {
+		t.Fatalf("payer ETH = %s, want what it got elsewhere less its approval's gas, %s: the engine sent the recorded gas money after the approval mined", got, want)
+	}
+	if got := fx.c.TxCount(wallet) - walletTxs; got != 2 {
+		t.Fatalf("the settlement wallet sent %d transactions, want 2 (a zero-value transfer to itself in the funding's nonce, the settlement)", got)
+	}
+}

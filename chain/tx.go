@@ -391,6 +391,18 @@ func (s *sender) fillNonce(ctx context.Context, w *wallet, nonce uint64) (common
 	return tx.Hash(), nil
 }
 
+// signFiller signs, without sending it, a zero-value transfer from w to itself at nonce: what takes a recorded
+// transaction's nonce in its place when that transaction must no longer go out (see fundingToSend).
+func (s *sender) signFiller(ctx context.Context, w *wallet, nonce uint64) (*types.Transaction, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	q, err := s.feeQuote(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return s.sign(w, nonce, contractCall{To: w.Address, Gas: fillerGas}, q)
+}
+
 // fillerGas is the gas of a plain transfer.
 const fillerGas = 21_000
 
