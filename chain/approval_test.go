@@ -22,6 +22,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -660,5 +661,73 @@ func TestARecordedFundingOfASponsoredApprovalThatMinedWithoutItIsNeverSent(t *te
 	}
 	if got := fx.c.TxCount(wallet) - walletTxs; got != 2 {
 		t.Fatalf("the settlement wallet sent %d transactions, want 2 (a zero-value transfer to itself in the funding's nonce, the settlement)", got)
+	}
+}
+
+// readsFundsThen is a node that runs then, once, when the facilitator first reads a balance at a block (the funds
+// read of a payment's checks, between the look for another payment's hold of its approval and its own hold).
+type readsFundsThen struct {
+	*ethclient.Client
+	then atomic.Pointer[func()]
+}
+
+func (b *readsFundsThen) CallContract(ctx context.Context, msg ethereum.CallMsg, block *big.Int) ([]byte, error) {
+	if block != nil && len(msg.Data) >= 4 && hexutil.Encode(msg.Data[:4]) == "0x70a08231" { // balanceOf
+		if then := b.then.Swap(nil); then != nil {
+			(*then)()
+		}
+	}
+	return b.Client.CallContract(ctx, msg, block)
+}
+
+// Two payments of one payer carrying the same sponsored approval, verified for a gate at two engines sharing a
+// PostgreSQL journal at once (the second's checks run while the first's do): only one is held and served; the
+// other is refused until the first settled, and then pays with the allowance the approval set. Both held, both
+// settlements would fund the payer, each seeing no gas money on its way (the money-invariant run: a payer sent gas
+// money twice for one approval, payments presented at several gateways at once).
+func TestTwoPaymentsCarryingOneSponsoredApprovalVerifiedAtOnceAtTwoGatewaysAreNotBothHeld(t *testing.T) {
+	var node *readsFundsThen
+	fx, engines, _ := sharedEnginesOn(t, pgtest.Shared(t), 2, 3*time.Second, fixtureOpts{wallets: 4, receiptTimeout: time.Minute,
+		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			node = &readsFundsThen{Client: fx.c.EthClient}
+			nc.Backend, nc.ApprovalSponsoring = node, &chain.ApprovalSponsoring{}
+		}})
+	waitLeases(t, fx, engines, 2, 2)
+	ctx := context.Background()
+	payer := fx.c.PayerNoGas
+	first, _ := fx.sponsoredPermit2(payer)
+	second := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	second.PaymentPayload.Extensions = first.PaymentPayload.Extensions
+
+	var v1 x402.VerifyResponse
+	var err1 error
+	during := func() { v1, err1 = engines[0].VerifyAndHold(ctx, first) }
+	node.then.Store(&during)
+	v2, err2 := engines[1].VerifyAndHold(ctx, second)
+	if node.then.Load() != nil {
+		t.Fatal("the second payment's checks never read the payer's balance: the test did not run the first's in between")
+	}
+	if err1 != nil || err2 != nil {
+		t.Fatalf("verify: %v, %v", err1, err2)
+	}
+	if !v1.IsValid {
+		t.Fatalf("the first payment, held first = %+v, want valid", v1)
+	}
+	if v2.IsValid || v2.InvalidReason != x402.ReasonERC20ApprovalTxWrongNonce {
+		t.Fatalf("the second payment, carrying the approval the first holds = %+v, want refused %s", v2, x402.ReasonERC20ApprovalTxWrongNonce)
+	}
+	if s, err := engines[0].Settle(ctx, first); err != nil || !s.Success {
+		t.Fatalf("settle of the first = %+v, %v; want success", s, err)
+	}
+	funded := new(big.Int).Add(engines[0].ApprovalFunding(fx.net), engines[1].ApprovalFunding(fx.net))
+	if v, err := engines[1].VerifyAndHold(ctx, second); err != nil || !v.IsValid {
+		t.Fatalf("the second payment once the first settled = %+v, %v; want valid (the allowance its approval set pays it)", v, err)
+	}
+	if s, err := engines[1].Settle(ctx, second); err != nil || !s.Success {
+		t.Fatalf("settle of the second = %+v, %v; want success", s, err)
+	}
+	if got := new(big.Int).Add(engines[0].ApprovalFunding(fx.net), engines[1].ApprovalFunding(fx.net)); got.Cmp(funded) != 0 || fx.c.TxCount(payer.Address) != 1 {
+		t.Fatalf("the second payment funded the payer (%s wei, then %s) or sent the approval again (%d transactions of the payer's)", funded, got, fx.c.TxCount(payer.Address))
 	}
 }
