@@ -234,7 +234,7 @@ type pendingBalanceReader interface {
 // very transaction already: a settlement that sent it before a crash), its fee cap pays the next block's base fee,
 // and the payer is an account with no code. It sets the funding: what the payer's balance, pending transactions
 // included, lacks for the approval's gas.
-func (p *payment) checkApproval(ctx context.Context) (*refusal, error) {
+func (p *payment) checkApproval(ctx context.Context, use fundsUse) (*refusal, error) {
 	n, sa := p.net, p.approval
 	const ext = "extensions.erc20ApprovalGasSponsoring.info.signedTransaction"
 	if _, pending, err := n.backend.TransactionByHash(ctx, sa.tx.Hash()); err == nil {
@@ -260,6 +260,22 @@ func (p *payment) checkApproval(ctx context.Context) (*refusal, error) {
 	}
 	if sa.tx.Nonce() != next {
 		return refuse(x402.ReasonERC20ApprovalTxWrongNonce, "%s has nonce %d but the payer %s's next is %d; sign it again with the account's pending nonce", ext, sa.tx.Nonce(), p.payer.Hex(), next), nil
+	}
+	mined, err := n.backend.NonceAt(ctx, p.payer, nil)
+	if err != nil {
+		return nil, err
+	}
+	if mined < next {
+		// The payer has transactions on their way (most likely the approval of an earlier payment, funded by a
+		// settlement of it): they spend from the balance the funding is judged against, and a node takes this
+		// approval after them only if the balance holds all their gas at their fee caps. Funded now, the payer
+		// would be sent gas money for a second approval that the first makes needless, and that the node may
+		// refuse all the same (the money-invariant run: a payer funded twice, for one approval mined). Once they
+		// mined, the payment is settled with the allowance the first set, or its approval checked afresh.
+		if use == fundsVerify || use == fundsHold {
+			return refuse(x402.ReasonERC20ApprovalTxWrongNonce, "the payer %s has %d transaction(s) pending (its mined nonce is %d, %s's is %d): most likely an earlier approval of Permit2, whose allowance pays this payment once it mined; present the payment again then", p.payer.Hex(), next-mined, mined, ext, sa.tx.Nonce()), nil
+		}
+		return nil, fmt.Errorf("nothing was sent: %w: the payer %s has %d transaction(s) pending (its mined nonce is %d, its approval's %d), which spend from the balance its gas money is judged against; the payment is settled once they mined", errNodeNotAsked, p.payer.Hex(), next-mined, mined, sa.tx.Nonce())
 	}
 	if p.head != nil && p.head.BaseFee != nil {
 		// The next block's base fee is at most an eighth above the head's.

@@ -731,3 +731,66 @@ func TestTwoPaymentsCarryingOneSponsoredApprovalVerifiedAtOnceAtTwoGatewaysAreNo
 		t.Fatalf("the second payment funded the payer (%s wei, then %s) or sent the approval again (%d transactions of the payer's)", funded, got, fx.c.TxCount(payer.Address))
 	}
 }
+
+// A payer whose first approval is on its way (funded, in the node's pool) signs its next payment with an approval
+// of its next nonce. Funded too, the payer would be paid for a second approval the first makes needless, and that
+// the node refuses all the same (its pool wants the balance to hold both approvals' gas at their fee caps, and the
+// second's gas money was judged against the balance the first leaves): the money-invariant run saw a payer sent
+// gas money twice for one approval mined, the second funding odd wei. The second payment is refused at
+// verification and not settled while the first approval is pending, nothing sent; once it mined, the second pays
+// with the allowance it set, funded nothing.
+func TestAPaymentWhoseApprovalWaitsBehindThePayersPendingApprovalIsNotFunded(t *testing.T) {
+	fx := newFixture(t, fixtureOpts{autoCommit: -1, receiptTimeout: 300 * time.Millisecond,
+		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune:      func(_ *fixture, nc *chain.NetworkConfig) { nc.ApprovalSponsoring = &chain.ApprovalSponsoring{} }})
+	ctx := context.Background()
+	payer := fx.c.PayerNoGas
+	first, fees := fx.sponsoredPermit2(payer)
+	if s := fx.settle(first); s.Success || s.ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("settle with no block sealed = %+v, want settlement_pending", s)
+	}
+	fx.c.Commit() // the first's gas money mines
+	cost := new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap)
+	if got := fx.c.ETHBalance(payer.Address); got.Cmp(cost) != 0 {
+		t.Fatalf("payer ETH after the first's gas money = %s, want %s", got, cost)
+	}
+	approval := approvalOf(t, first)
+	if err := fx.c.Client.SendTransaction(ctx, approval); err != nil && !strings.Contains(err.Error(), "already known") {
+		t.Fatal(err)
+	}
+	// The second payment's approval, signed as payer.Transport signs it: at the account's pending nonce.
+	second := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	next := fx.approvalFees()
+	next.Nonce = approval.Nonce() + 1
+	if err := chain.AddApprovalSponsoring(&second.PaymentPayload, payer.Key, fx.c.ChainID, next); err != nil {
+		t.Fatal(err)
+	}
+	funded := fx.f.ApprovalFunding(fx.net)
+	if v := fx.verify(second); v.IsValid || v.InvalidReason != x402.ReasonERC20ApprovalTxWrongNonce {
+		t.Fatalf("verify while the first approval is pending = %+v, want refused %s", v, x402.ReasonERC20ApprovalTxWrongNonce)
+	}
+	if s, err := fx.f.Settle(ctx, second); err == nil && s.Success {
+		t.Fatalf("settle while the first approval is pending = %+v, want not settled", s)
+	}
+	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 {
+		t.Fatalf("ApprovalFunding = %s, want still %s: the payer was funded for a second approval", got, funded)
+	}
+	t.Cleanup(fx.c.AutoCommit(5 * time.Millisecond))
+	if _, err := fx.c.CommitUntilIncluded(ctx, approval.Hash()); err != nil {
+		t.Fatal(err)
+	}
+	var s x402.SettleResponse
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); {
+		var err error
+		if s, err = fx.f.Settle(ctx, second); err == nil && (s.Success || s.ErrorReason != x402.ReasonSettlementPending) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !s.Success {
+		t.Fatalf("settle of the second once the first approval mined = %+v, want success", s)
+	}
+	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 || fx.c.TxCount(payer.Address) != 1 {
+		t.Fatalf("the second payment funded the payer (%s wei, then %s) or sent its approval (%d transactions of the payer's)", funded, got, fx.c.TxCount(payer.Address))
+	}
+}

@@ -916,7 +916,7 @@ func (p *payment) checkChain(ctx context.Context, use fundsUse) (*refusal, error
 		if allowance.Cmp(p.amount) >= 0 {
 			p.approval = nil
 		} else if p.approval.err == nil {
-			if ref, err := p.checkApproval(ctx); err != nil || ref != nil {
+			if ref, err := p.checkApproval(ctx, use); err != nil || ref != nil {
 				return ref, err
 			}
 		}
