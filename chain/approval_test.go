@@ -794,3 +794,76 @@ func TestAPaymentWhoseApprovalWaitsBehindThePayersPendingApprovalIsNotFunded(t *
 		t.Fatalf("the second payment funded the payer (%s wei, then %s) or sent its approval (%d transactions of the payer's)", funded, got, fx.c.TxCount(payer.Address))
 	}
 }
+
+// headLagsReceipts is a node that serves the payer's approval's receipt before its head moves to the block that
+// mined it, as geth does for a moment (it indexes a block's transactions before it writes its head): for the
+// next few reads of the head, the head and the latest state are the block before.
+type headLagsReceipts struct {
+	*ethclient.Client
+	approval atomic.Pointer[common.Hash]
+	lag      atomic.Int64
+}
+
+func (b *headLagsReceipts) TransactionReceipt(ctx context.Context, h common.Hash) (*types.Receipt, error) {
+	r, err := b.Client.TransactionReceipt(ctx, h)
+	if a := b.approval.Load(); err == nil && a != nil && *a == h && b.approval.CompareAndSwap(a, nil) {
+		b.lag.Store(3)
+	}
+	return r, err
+}
+
+func (b *headLagsReceipts) behind(ctx context.Context) (*big.Int, error) {
+	head, err := b.Client.HeaderByNumber(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	return new(big.Int).Sub(head.Number, big.NewInt(1)), nil
+}
+
+func (b *headLagsReceipts) HeaderByNumber(ctx context.Context, n *big.Int) (*types.Header, error) {
+	if n == nil && b.lag.Add(-1) >= 0 {
+		prev, err := b.behind(ctx)
+		if err != nil {
+			return nil, err
+		}
+		return b.Client.HeaderByNumber(ctx, prev)
+	}
+	return b.Client.HeaderByNumber(ctx, n)
+}
+
+func (b *headLagsReceipts) CallContract(ctx context.Context, msg ethereum.CallMsg, n *big.Int) ([]byte, error) {
+	if n == nil && b.lag.Load() > 0 {
+		prev, err := b.behind(ctx)
+		if err != nil {
+			return nil, err
+		}
+		return b.Client.CallContract(ctx, msg, prev)
+	}
+	return b.Client.CallContract(ctx, msg, n)
+}
+
+// The settlement of a sponsored approval is simulated again once the approval mined, on a head that holds the
+// approval's block: a node that serves the approval's receipt before its head moves would otherwise answer from
+// the state before it, without the allowance, and the payment be refused permit2_simulation_failed
+// (ERC20InsufficientAllowance) after the payer's gas money and its approval were spent (the money-invariant run's
+// scarce topology: an honest payment refused so).
+func TestASponsoredApprovalsSettlementIsSimulatedAgainOnAHeadThatHoldsTheApproval(t *testing.T) {
+	var node *headLagsReceipts
+	fx := newFixture(t, fixtureOpts{chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			node = &headLagsReceipts{Client: fx.c.EthClient}
+			nc.Backend, nc.ApprovalSponsoring = node, &chain.ApprovalSponsoring{}
+		}})
+	payer := fx.c.PayerNoGas
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	req, _ := fx.sponsoredPermit2(payer)
+	h := approvalOf(t, req).Hash()
+	node.approval.Store(&h)
+	if s := fx.settle(req); !s.Success {
+		t.Fatalf("settle = %+v, want success", s)
+	}
+	if node.approval.Load() != nil {
+		t.Fatal("the approval's receipt was never read: the test did not lag the head")
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
+}

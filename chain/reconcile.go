@@ -169,7 +169,7 @@ func (f *Facilitator) approvalFirst(ctx context.Context, n *network, rec journal
 		if err := settlement.UnmarshalBinary(rec.RawTx); err != nil {
 			return false, err
 		}
-		if err := n.sender.recheck(ctx, settlement); errors.Is(err, errSettlementWouldRevert) {
+		if err := n.sender.recheck(ctx, settlement, approval.Hash()); errors.Is(err, errSettlementWouldRevert) {
 			f.log.Warn("a sponsored approval mined but its recorded settlement would now revert; settling the payment again", zap.String("payment", rec.ID.String()), zap.Error(err))
 			return false, f.resettle(ctx, n, rec)
 		} else if err != nil {
