@@ -141,8 +141,21 @@ func (r *invRun) checkApprovalSponsored(end *invEnd) ([]invViolation, string) {
 			delivered++
 		}
 	}
-	if mined == 0 {
-		out = append(out, invViolation{what: "no sponsored approval mined: the lane did not run"})
+	tried := 0
+	for _, p := range r.snapshot() {
+		if p.route.gasSponsoring != "" {
+			tried++
+		}
+	}
+	switch {
+	case mined == 0 && delivered > 0:
+		out = append(out, invViolation{what: fmt.Sprintf("%d payments on the sponsored route delivered and no sponsored approval mined: the lane's payers have no allowance without one", delivered)})
+	case mined == 0 && tried > 0:
+		// The route's payments may all have been cut short or refused for reasons of their own (judged by the
+		// checks above); the draws of a short scarce run can also leave the route without a payment at all.
+		parts = append(parts, fmt.Sprintf("no approval mined for the route's %d payments, none delivered", tried))
+	case mined == 0:
+		parts = append(parts, "the run's draws paid nothing on the sponsored route")
 	}
 	return out, fmt.Sprintf("%d payments on the sponsored route delivered; %d approvals mined; %s", delivered, mined, strings.Join(parts, "; "))
 }
