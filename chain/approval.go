@@ -234,7 +234,7 @@ type pendingBalanceReader interface {
 // very transaction already: a settlement that sent it before a crash), its fee cap pays the next block's base fee,
 // and the payer is an account with no code. It sets the funding: what the payer's balance, pending transactions
 // included, lacks for the approval's gas.
-func (p *payment) checkApproval(ctx context.Context) (*refusal, error) {
+func (p *payment) checkApproval(ctx context.Context, use fundsUse) (*refusal, error) {
 	n, sa := p.net, p.approval
 	const ext = "extensions.erc20ApprovalGasSponsoring.info.signedTransaction"
 	if _, pending, err := n.backend.TransactionByHash(ctx, sa.tx.Hash()); err == nil {
@@ -261,6 +261,22 @@ func (p *payment) checkApproval(ctx context.Context) (*refusal, error) {
 	if sa.tx.Nonce() != next {
 		return refuse(x402.ReasonERC20ApprovalTxWrongNonce, "%s has nonce %d but the payer %s's next is %d; sign it again with the account's pending nonce", ext, sa.tx.Nonce(), p.payer.Hex(), next), nil
 	}
+	mined, err := n.backend.NonceAt(ctx, p.payer, nil)
+	if err != nil {
+		return nil, err
+	}
+	if mined < next {
+		// The payer has transactions on their way (most likely the approval of an earlier payment, funded by a
+		// settlement of it): they spend from the balance the funding is judged against, and a node takes this
+		// approval after them only if the balance holds all their gas at their fee caps. Funded now, the payer
+		// would be sent gas money for a second approval that the first makes needless, and that the node may
+		// refuse all the same (the money-invariant run: a payer funded twice, for one approval mined). Once they
+		// mined, the payment is settled with the allowance the first set, or its approval checked afresh.
+		if use == fundsVerify || use == fundsHold {
+			return refuse(x402.ReasonERC20ApprovalTxWrongNonce, "the payer %s has %d transaction(s) pending (its mined nonce is %d, %s's is %d): most likely an earlier approval of Permit2, whose allowance pays this payment once it mined; present the payment again then", p.payer.Hex(), next-mined, mined, ext, sa.tx.Nonce()), nil
+		}
+		return nil, fmt.Errorf("nothing was sent: %w: the payer %s has %d transaction(s) pending (its mined nonce is %d, its approval's %d), which spend from the balance its gas money is judged against; the payment is settled once they mined", errNodeNotAsked, p.payer.Hex(), next-mined, mined, sa.tx.Nonce())
+	}
 	if p.head != nil && p.head.BaseFee != nil {
 		// The next block's base fee is at most an eighth above the head's.
 		most := new(big.Int).Add(p.head.BaseFee, new(big.Int).Div(new(big.Int).Add(p.head.BaseFee, big.NewInt(7)), big.NewInt(8)))
@@ -269,17 +285,20 @@ func (p *payment) checkApproval(ctx context.Context) (*refusal, error) {
 		}
 		// The gas money is the approval's gas limit at its fee cap (what a node wants the payer's balance to hold
 		// before it takes the transaction), so the fee cap is bounded by what the approval will pay: a payer
-		// prices it as this engine prices its own transactions, twice the base fee and a tip, from a head that
-		// may be a few blocks older than this one, the base fee falling by up to an eighth a block since; hence
-		// three times the next block's base fee at most, and a priority fee no higher than the one this engine
-		// pays (approvalMinTipBound at least). Above it, the payer would keep the rest.
-		bound, err := p.approvalFeeBound(ctx, most)
+		// prices it as this engine prices its own transactions, twice the base fee and a tip, from a head it read
+		// when it signed, which may be many blocks older than this one, the base fee falling by up to an eighth a
+		// block since (on a chain sealing a block per transaction, by half in six); hence three times the highest
+		// base fee of the last approvalBaseFeeLookback blocks and the next one at most, and a priority fee no
+		// higher than the one this engine pays (approvalMinTipBound at least). Above it, the payer would keep the
+		// rest.
+		seen := p.recentBaseFee(ctx, most)
+		bound, err := p.approvalFeeBound(ctx, seen)
 		if err != nil {
 			return nil, err
 		}
 		if sa.tx.GasFeeCap().Cmp(bound) > 0 {
-			return refuse(x402.ReasonERC20ApprovalTxFeesNotSponsored, "%s's fee cap %s wei per gas is above %s, %d times the next block's base fee (up to %s; %s wei at least) and a priority fee: the gas money is its gas limit at its fee cap, which must not be far more than the approval will pay; sign it with current fees (twice the base fee and the tip)",
-				ext, sa.tx.GasFeeCap(), bound, approvalBaseFeeTimes, most, approvalBaseFeeSlack), nil
+			return refuse(x402.ReasonERC20ApprovalTxFeesNotSponsored, "%s's fee cap %s wei per gas is above %s, %d times the highest base fee of the last %d blocks and the next one (%s; %s wei at least) and a priority fee: the gas money is its gas limit at its fee cap, which must not be far more than the approval will pay; sign it with current fees (twice the base fee and the tip)",
+				ext, sa.tx.GasFeeCap(), bound, approvalBaseFeeTimes, approvalBaseFeeLookback, seen, approvalBaseFeeSlack), nil
 		}
 	}
 	code, err := n.backend.CodeAt(ctx, p.payer, nil)
@@ -309,14 +328,46 @@ func (p *payment) checkApproval(ctx context.Context) (*refusal, error) {
 // (see checkApproval).
 const approvalBaseFeeTimes = 3
 
+// approvalBaseFeeLookback is how many blocks back the bound on an approval's fee cap looks for the highest base
+// fee a payer could have priced it from (eth_feeHistory, one call; a node serving fewer answers fewer). Behind
+// it, a payer that signed long ago against a base fee since fallen a lot is refused and signs again.
+const approvalBaseFeeLookback = 1024
+
+// feeHistoryReader is a backend that answers eth_feeHistory: go-ethereum's ethclient.Client, and Failover.
+type feeHistoryReader interface {
+	FeeHistory(ctx context.Context, blockCount uint64, lastBlock *big.Int, rewardPercentiles []float64) (*ethereum.FeeHistory, error)
+}
+
+// recentBaseFee is the highest base fee of the approvalBaseFeeLookback blocks up to p's head, and next (the most
+// the next block's can be), whichever is higher: the base fee a payer that read the chain in that window could
+// have priced its approval from. A node without eth_feeHistory, or that does not answer it, leaves next.
+func (p *payment) recentBaseFee(ctx context.Context, next *big.Int) *big.Int {
+	highest := new(big.Int).Set(next)
+	r, ok := p.net.backend.(feeHistoryReader)
+	if !ok || p.head == nil || p.head.Number == nil {
+		return highest
+	}
+	h, err := r.FeeHistory(ctx, approvalBaseFeeLookback, p.head.Number, []float64{}) // no rewards (nil is sent as null, which nodes refuse)
+	if err != nil {
+		// The bound stays the next block's: stricter, it refuses more and never lets a payer keep more.
+		return highest
+	}
+	for _, b := range h.BaseFee {
+		if b != nil && b.Cmp(highest) > 0 {
+			highest.Set(b)
+		}
+	}
+	return highest
+}
+
 // approvalBaseFeeSlack is the least the base-fee part of that bound allows (0.01 gwei a gas): on a chain whose base
 // fee is a few thousand wei (the dev chain after a quiet spell) the base fee halves while an honest payment waits to
 // be presented again, and a fee cap signed at twice the older one passed three times the newer; what a payer keeps
 // of the slack is at most the approval's gas limit times 0.01 gwei (1e12 wei at the default max_gas).
 var approvalBaseFeeSlack = big.NewInt(10 * params.Wei * 1_000_000)
 
-// approvalFeeBound is the highest fee cap a sponsored approval may carry on an EIP-1559 chain whose next block's
-// base fee is at most nextBase: approvalBaseFeeTimes that (approvalBaseFeeSlack at least), and the priority fee this
+// approvalFeeBound is the highest fee cap a sponsored approval may carry on an EIP-1559 chain whose base fee was
+// at most nextBase in the blocks a payer could have priced it from (recentBaseFee): approvalBaseFeeTimes that (approvalBaseFeeSlack at least), and the priority fee this
 // engine pays its own transactions (no less than approvalMinTipBound).
 func (p *payment) approvalFeeBound(ctx context.Context, nextBase *big.Int) (*big.Int, error) {
 	tip := approvalMinTipBound
@@ -480,6 +531,17 @@ func (f *Failover) SimulateV1(ctx context.Context, opts ethclient.SimulateOption
 			return nil, errors.New("the node does not run eth_simulateV1")
 		}
 		return s.SimulateV1(ctx, opts, block)
+	})
+}
+
+// FeeHistory runs eth_feeHistory on the first endpoint that answers.
+func (f *Failover) FeeHistory(ctx context.Context, blockCount uint64, lastBlock *big.Int, rewardPercentiles []float64) (*ethereum.FeeHistory, error) {
+	return do(ctx, f, func(ctx context.Context, b Backend) (*ethereum.FeeHistory, error) {
+		r, ok := b.(feeHistoryReader)
+		if !ok {
+			return nil, errors.New("the node does not answer eth_feeHistory")
+		}
+		return r.FeeHistory(ctx, blockCount, lastBlock, rewardPercentiles)
 	})
 }
 

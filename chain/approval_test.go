@@ -22,6 +22,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -525,4 +526,344 @@ func TestASponsoredApprovalIsSimulatedOnAFreshHeadBeforeItsGasMoneyIsSent(t *tes
 	if total, _ := fx.sentSince(sent); total != 0 {
 		t.Fatalf("the settlement wallets sent %d transactions; want none", total)
 	}
+}
+
+// A payer prices its approval from the base fee it read when it signed (twice it, and the tip); by the time the
+// payment is settled the base fee may have fallen by half (six blocks of a chain sealing a block per
+// transaction: the money-invariant run's scarce topology refused such a payment at its first presentation,
+// erc20_approval_tx_fees_not_sponsored). The bound on the fee cap looks at the highest base fee of the recent
+// blocks, so the payment settles; a fee cap ten times any recent base fee is still refused, before anything is
+// spent.
+func TestASponsoredApprovalSignedBeforeTheBaseFeeFellByHalfSettlesAndAFeeCapTenTimesOverIsRefused(t *testing.T) {
+	fx := approvalFixture(t)
+	ctx := context.Background()
+	head := func() *types.Header {
+		h, err := fx.c.Client.HeaderByNumber(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return h
+	}
+	read := head().BaseFee
+	if read.Cmp(big.NewInt(100_000_000)) < 0 {
+		t.Fatalf("the simulated chain's base fee is %s wei: it must be well above the bound's 0.01 gwei floor for this test to judge the bound", read)
+	}
+	payer := fx.c.PayersNoGas[0]
+	req, _ := fx.sponsoredPermit2(payer)
+	for i := 0; head().BaseFee.Cmp(new(big.Int).Div(read, big.NewInt(2))) > 0; i++ {
+		if i == 20 {
+			t.Fatalf("the base fee did not halve in 20 empty blocks: %s from %s", head().BaseFee, read)
+		}
+		fx.c.Commit()
+	}
+	if s := fx.settle(req); !s.Success {
+		t.Fatalf("settle after the base fee fell from %s to %s = %+v, want success", read, head().BaseFee, s)
+	}
+	if r, err := fx.c.Client.TransactionReceipt(ctx, approvalOf(t, req).Hash()); err != nil || r.Status != types.ReceiptStatusSuccessful {
+		t.Fatalf("the payer's approval: %+v, %v; want mined", r, err)
+	}
+
+	// Ten times the highest recent base fee (the one the first payer read), under the facilitator's 10 gwei cap.
+	greedy := fx.c.PayersNoGas[1]
+	over := fx.permit2(greedy, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	tip := big.NewInt(1_000_000_000)
+	feeCap := new(big.Int).Add(new(big.Int).Mul(read, big.NewInt(10)), tip)
+	if feeCap.Cmp(big.NewInt(10_000_000_000)) > 0 {
+		t.Fatalf("ten times the base fee and the tip, %s wei, is above the facilitator's 10 gwei cap: the test would not judge the bound", feeCap)
+	}
+	if err := chain.AddApprovalSponsoring(&over.PaymentPayload, greedy.Key, fx.c.ChainID, chain.ApprovalTx{Gas: 70_000, TipCap: tip, FeeCap: feeCap}); err != nil {
+		t.Fatal(err)
+	}
+	funded := fx.f.ApprovalFunding(fx.net)
+	if s := fx.settle(over); s.Success || s.ErrorReason != x402.ReasonERC20ApprovalTxFeesNotSponsored || !strings.Contains(s.ErrorMessage, "highest base fee") {
+		t.Fatalf("settle of a fee cap ten times the highest recent base fee = %+v, want refused %s by the bound", s, x402.ReasonERC20ApprovalTxFeesNotSponsored)
+	}
+	if v := fx.verify(over); v.IsValid || v.InvalidReason != x402.ReasonERC20ApprovalTxFeesNotSponsored {
+		t.Fatalf("verify of a fee cap ten times the highest recent base fee = %+v, want invalid %s", v, x402.ReasonERC20ApprovalTxFeesNotSponsored)
+	}
+	if fx.c.ETHBalance(greedy.Address).Sign() != 0 || fx.c.TxCount(greedy.Address) != 0 || fx.f.ApprovalFunding(fx.net).Cmp(funded) != 0 {
+		t.Fatal("the refused approval was funded or sent")
+	}
+}
+
+// losesFundings is a node that takes the payer's gas money from the engine and loses it (answers as if it took
+// it, and never mines it) while lose is set: the engine's funding is in its journal, not on chain, as after a
+// crash between the journal's write and the broadcast, or a node that dropped it from its pool.
+type losesFundings struct {
+	*ethclient.Client
+	payer common.Address
+	lose  atomic.Bool
+	lost  atomic.Int64
+}
+
+func (b *losesFundings) SendTransaction(ctx context.Context, tx *types.Transaction) error {
+	if b.lose.Load() && tx.To() != nil && *tx.To() == b.payer && tx.Value().Sign() > 0 {
+		b.lost.Add(1)
+		return nil
+	}
+	return b.Client.SendTransaction(ctx, tx)
+}
+
+// A settlement whose gas money for the payer's approval is recorded but never reached the chain, while the
+// approval mined without it (another payment carrying the same approval was settled with gas money of its own,
+// at another gateway or after a restart): reconciliation sends the settlement once, and the recorded gas money
+// never, for the payer needs it no more; the wallet's nonce it held goes to a zero-value transfer to itself.
+// The money-invariant run (scarce, seed 1795824846132738674, a SIGKILL and a database restart) saw a payer sent
+// gas money twice for one approval.
+func TestARecordedFundingOfASponsoredApprovalThatMinedWithoutItIsNeverSent(t *testing.T) {
+	ctx := context.Background()
+	var node *losesFundings
+	fx := newFixture(t, fixtureOpts{receiptTimeout: 300 * time.Millisecond, wallets: 1,
+		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			node = &losesFundings{Client: fx.c.EthClient, payer: fx.c.PayerNoGas.Address}
+			node.lose.Store(true)
+			nc.Backend, nc.ApprovalSponsoring = node, &chain.ApprovalSponsoring{}
+		},
+		configure: func(c *chain.Config) { c.ReconcileEvery, c.ReconcileGrace = 20*time.Millisecond, time.Millisecond }})
+	payer, wallet := fx.c.PayerNoGas, fx.c.Wallets[0].Address
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	walletTxs := fx.c.TxCount(wallet)
+	req, fees := fx.sponsoredPermit2(payer)
+	if s := fx.settle(req); s.Success || s.ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("settle with its gas money lost = %+v, want settlement_pending", s)
+	}
+	if node.lost.Load() == 0 {
+		t.Fatal("the node never got the payer's gas money to lose")
+	}
+	// The approval mines without the recorded gas money: the payer got ether elsewhere and sent it.
+	cost := new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap)
+	fx.c.SendETH(fx.c.Payers[2], payer.Address, cost)
+	approval := approvalOf(t, req)
+	if err := fx.c.Client.SendTransaction(ctx, approval); err != nil {
+		t.Fatal(err)
+	}
+	receipt, err := fx.c.CommitUntilIncluded(ctx, approval.Hash())
+	if err != nil || receipt[0].Status != types.ReceiptStatusSuccessful {
+		t.Fatalf("the payer's approval: %+v, %v; want mined", receipt, err)
+	}
+	node.lose.Store(false)
+
+	final := fx.settle(req)
+	for deadline := time.Now().Add(30 * time.Second); !final.Success && time.Now().Before(deadline); final = fx.settle(req) {
+		if final.ErrorReason != x402.ReasonSettlementPending {
+			t.Fatalf("presented again = %+v, want settled (or pending until reconciliation sent it)", final)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !final.Success {
+		t.Fatalf("presented again = %+v, want settled by reconciliation", final)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
+	spent := new(big.Int).Mul(new(big.Int).SetUint64(receipt[0].GasUsed), receipt[0].EffectiveGasPrice)
+	if got, want := fx.c.ETHBalance(payer.Address), new(big.Int).Sub(cost, spent); got.Cmp(want) != 0 {
+		t.Fatalf("payer ETH = %s, want what it got elsewhere less its approval's gas, %s: the engine sent the recorded gas money after the approval mined", got, want)
+	}
+	if got := fx.c.TxCount(wallet) - walletTxs; got != 2 {
+		t.Fatalf("the settlement wallet sent %d transactions, want 2 (a zero-value transfer to itself in the funding's nonce, the settlement)", got)
+	}
+}
+
+// readsFundsThen is a node that runs then, once, when the facilitator first reads a balance at a block (the funds
+// read of a payment's checks, between the look for another payment's hold of its approval and its own hold).
+type readsFundsThen struct {
+	*ethclient.Client
+	then atomic.Pointer[func()]
+}
+
+func (b *readsFundsThen) CallContract(ctx context.Context, msg ethereum.CallMsg, block *big.Int) ([]byte, error) {
+	if block != nil && len(msg.Data) >= 4 && hexutil.Encode(msg.Data[:4]) == "0x70a08231" { // balanceOf
+		if then := b.then.Swap(nil); then != nil {
+			(*then)()
+		}
+	}
+	return b.Client.CallContract(ctx, msg, block)
+}
+
+// Two payments of one payer carrying the same sponsored approval, verified for a gate at two engines sharing a
+// PostgreSQL journal at once (the second's checks run while the first's do): only one is held and served; the
+// other is refused until the first settled, and then pays with the allowance the approval set. Both held, both
+// settlements would fund the payer, each seeing no gas money on its way (the money-invariant run: a payer sent gas
+// money twice for one approval, payments presented at several gateways at once).
+func TestTwoPaymentsCarryingOneSponsoredApprovalVerifiedAtOnceAtTwoGatewaysAreNotBothHeld(t *testing.T) {
+	var node *readsFundsThen
+	fx, engines, _ := sharedEnginesOn(t, pgtest.Shared(t), 2, 3*time.Second, fixtureOpts{wallets: 4, receiptTimeout: time.Minute,
+		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			node = &readsFundsThen{Client: fx.c.EthClient}
+			nc.Backend, nc.ApprovalSponsoring = node, &chain.ApprovalSponsoring{}
+		}})
+	waitLeases(t, fx, engines, 2, 2)
+	ctx := context.Background()
+	payer := fx.c.PayerNoGas
+	first, _ := fx.sponsoredPermit2(payer)
+	second := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	second.PaymentPayload.Extensions = first.PaymentPayload.Extensions
+
+	var v1 x402.VerifyResponse
+	var err1 error
+	during := func() { v1, err1 = engines[0].VerifyAndHold(ctx, first) }
+	node.then.Store(&during)
+	v2, err2 := engines[1].VerifyAndHold(ctx, second)
+	if node.then.Load() != nil {
+		t.Fatal("the second payment's checks never read the payer's balance: the test did not run the first's in between")
+	}
+	if err1 != nil || err2 != nil {
+		t.Fatalf("verify: %v, %v", err1, err2)
+	}
+	if !v1.IsValid {
+		t.Fatalf("the first payment, held first = %+v, want valid", v1)
+	}
+	if v2.IsValid || v2.InvalidReason != x402.ReasonERC20ApprovalTxWrongNonce {
+		t.Fatalf("the second payment, carrying the approval the first holds = %+v, want refused %s", v2, x402.ReasonERC20ApprovalTxWrongNonce)
+	}
+	if s, err := engines[0].Settle(ctx, first); err != nil || !s.Success {
+		t.Fatalf("settle of the first = %+v, %v; want success", s, err)
+	}
+	funded := new(big.Int).Add(engines[0].ApprovalFunding(fx.net), engines[1].ApprovalFunding(fx.net))
+	if v, err := engines[1].VerifyAndHold(ctx, second); err != nil || !v.IsValid {
+		t.Fatalf("the second payment once the first settled = %+v, %v; want valid (the allowance its approval set pays it)", v, err)
+	}
+	if s, err := engines[1].Settle(ctx, second); err != nil || !s.Success {
+		t.Fatalf("settle of the second = %+v, %v; want success", s, err)
+	}
+	if got := new(big.Int).Add(engines[0].ApprovalFunding(fx.net), engines[1].ApprovalFunding(fx.net)); got.Cmp(funded) != 0 || fx.c.TxCount(payer.Address) != 1 {
+		t.Fatalf("the second payment funded the payer (%s wei, then %s) or sent the approval again (%d transactions of the payer's)", funded, got, fx.c.TxCount(payer.Address))
+	}
+}
+
+// A payer whose first approval is on its way (funded, in the node's pool) signs its next payment with an approval
+// of its next nonce. Funded too, the payer would be paid for a second approval the first makes needless, and that
+// the node refuses all the same (its pool wants the balance to hold both approvals' gas at their fee caps, and the
+// second's gas money was judged against the balance the first leaves): the money-invariant run saw a payer sent
+// gas money twice for one approval mined, the second funding odd wei. The second payment is refused at
+// verification and not settled while the first approval is pending, nothing sent; once it mined, the second pays
+// with the allowance it set, funded nothing.
+func TestAPaymentWhoseApprovalWaitsBehindThePayersPendingApprovalIsNotFunded(t *testing.T) {
+	fx := newFixture(t, fixtureOpts{autoCommit: -1, receiptTimeout: 300 * time.Millisecond,
+		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune:      func(_ *fixture, nc *chain.NetworkConfig) { nc.ApprovalSponsoring = &chain.ApprovalSponsoring{} }})
+	ctx := context.Background()
+	payer := fx.c.PayerNoGas
+	first, fees := fx.sponsoredPermit2(payer)
+	if s := fx.settle(first); s.Success || s.ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("settle with no block sealed = %+v, want settlement_pending", s)
+	}
+	fx.c.Commit() // the first's gas money mines
+	cost := new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap)
+	if got := fx.c.ETHBalance(payer.Address); got.Cmp(cost) != 0 {
+		t.Fatalf("payer ETH after the first's gas money = %s, want %s", got, cost)
+	}
+	approval := approvalOf(t, first)
+	if err := fx.c.Client.SendTransaction(ctx, approval); err != nil && !strings.Contains(err.Error(), "already known") {
+		t.Fatal(err)
+	}
+	// The second payment's approval, signed as payer.Transport signs it: at the account's pending nonce.
+	second := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	next := fx.approvalFees()
+	next.Nonce = approval.Nonce() + 1
+	if err := chain.AddApprovalSponsoring(&second.PaymentPayload, payer.Key, fx.c.ChainID, next); err != nil {
+		t.Fatal(err)
+	}
+	funded := fx.f.ApprovalFunding(fx.net)
+	if v := fx.verify(second); v.IsValid || v.InvalidReason != x402.ReasonERC20ApprovalTxWrongNonce {
+		t.Fatalf("verify while the first approval is pending = %+v, want refused %s", v, x402.ReasonERC20ApprovalTxWrongNonce)
+	}
+	if s, err := fx.f.Settle(ctx, second); err == nil && s.Success {
+		t.Fatalf("settle while the first approval is pending = %+v, want not settled", s)
+	}
+	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 {
+		t.Fatalf("ApprovalFunding = %s, want still %s: the payer was funded for a second approval", got, funded)
+	}
+	t.Cleanup(fx.c.AutoCommit(5 * time.Millisecond))
+	if _, err := fx.c.CommitUntilIncluded(ctx, approval.Hash()); err != nil {
+		t.Fatal(err)
+	}
+	var s x402.SettleResponse
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); {
+		var err error
+		if s, err = fx.f.Settle(ctx, second); err == nil && (s.Success || s.ErrorReason != x402.ReasonSettlementPending) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !s.Success {
+		t.Fatalf("settle of the second once the first approval mined = %+v, want success", s)
+	}
+	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 || fx.c.TxCount(payer.Address) != 1 {
+		t.Fatalf("the second payment funded the payer (%s wei, then %s) or sent its approval (%d transactions of the payer's)", funded, got, fx.c.TxCount(payer.Address))
+	}
+}
+
+// headLagsReceipts is a node that serves the payer's approval's receipt before its head moves to the block that
+// mined it, as geth does for a moment (it indexes a block's transactions before it writes its head): for the
+// next few reads of the head, the head and the latest state are the block before.
+type headLagsReceipts struct {
+	*ethclient.Client
+	approval atomic.Pointer[common.Hash]
+	lag      atomic.Int64
+}
+
+func (b *headLagsReceipts) TransactionReceipt(ctx context.Context, h common.Hash) (*types.Receipt, error) {
+	r, err := b.Client.TransactionReceipt(ctx, h)
+	if a := b.approval.Load(); err == nil && a != nil && *a == h && b.approval.CompareAndSwap(a, nil) {
+		b.lag.Store(3)
+	}
+	return r, err
+}
+
+func (b *headLagsReceipts) behind(ctx context.Context) (*big.Int, error) {
+	head, err := b.Client.HeaderByNumber(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	return new(big.Int).Sub(head.Number, big.NewInt(1)), nil
+}
+
+func (b *headLagsReceipts) HeaderByNumber(ctx context.Context, n *big.Int) (*types.Header, error) {
+	if n == nil && b.lag.Add(-1) >= 0 {
+		prev, err := b.behind(ctx)
+		if err != nil {
+			return nil, err
+		}
+		return b.Client.HeaderByNumber(ctx, prev)
+	}
+	return b.Client.HeaderByNumber(ctx, n)
+}
+
+func (b *headLagsReceipts) CallContract(ctx context.Context, msg ethereum.CallMsg, n *big.Int) ([]byte, error) {
+	if n == nil && b.lag.Load() > 0 {
+		prev, err := b.behind(ctx)
+		if err != nil {
+			return nil, err
+		}
+		return b.Client.CallContract(ctx, msg, prev)
+	}
+	return b.Client.CallContract(ctx, msg, n)
+}
+
+// The settlement of a sponsored approval is simulated again once the approval mined, on a head that holds the
+// approval's block: a node that serves the approval's receipt before its head moves would otherwise answer from
+// the state before it, without the allowance, and the payment be refused permit2_simulation_failed
+// (ERC20InsufficientAllowance) after the payer's gas money and its approval were spent (the money-invariant run's
+// scarce topology: an honest payment refused so).
+func TestASponsoredApprovalsSettlementIsSimulatedAgainOnAHeadThatHoldsTheApproval(t *testing.T) {
+	var node *headLagsReceipts
+	fx := newFixture(t, fixtureOpts{chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			node = &headLagsReceipts{Client: fx.c.EthClient}
+			nc.Backend, nc.ApprovalSponsoring = node, &chain.ApprovalSponsoring{}
+		}})
+	payer := fx.c.PayerNoGas
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	req, _ := fx.sponsoredPermit2(payer)
+	h := approvalOf(t, req).Hash()
+	node.approval.Store(&h)
+	if s := fx.settle(req); !s.Success {
+		t.Fatalf("settle = %+v, want success", s)
+	}
+	if node.approval.Load() != nil {
+		t.Fatal("the approval's receipt was never read: the test did not lag the head")
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
 }

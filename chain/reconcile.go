@@ -1,10 +1,12 @@
 package chain
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/big"
 	"time"
 
 	"github.com/ethereum/go-ethereum"
@@ -111,10 +113,17 @@ func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec jo
 			return err
 		}
 	}
-	for _, raw := range append(append([][]byte{}, rec.PriorRawTxs...), rec.RawTx) {
+	for i, raw := range append(append([][]byte{}, rec.PriorRawTxs...), rec.RawTx) {
 		tx := new(types.Transaction)
 		if err := tx.UnmarshalBinary(raw); err != nil {
 			return err
+		}
+		if rec.SponsoredRawTx != nil && i < len(rec.PriorRawTxs) {
+			// The payer's gas money: not sent again once the approval mined without it (see fundingToSend).
+			var err error
+			if tx, err = f.fundingToSend(ctx, n, rec, i, tx); err != nil {
+				return err
+			}
 		}
 		err := n.sender.rebroadcast(ctx, tx)
 		switch {
@@ -160,7 +169,7 @@ func (f *Facilitator) approvalFirst(ctx context.Context, n *network, rec journal
 		if err := settlement.UnmarshalBinary(rec.RawTx); err != nil {
 			return false, err
 		}
-		if err := n.sender.recheck(ctx, settlement); errors.Is(err, errSettlementWouldRevert) {
+		if err := n.sender.recheck(ctx, settlement, approval.Hash()); errors.Is(err, errSettlementWouldRevert) {
 			f.log.Warn("a sponsored approval mined but its recorded settlement would now revert; settling the payment again", zap.String("payment", rec.ID.String()), zap.Error(err))
 			return false, f.resettle(ctx, n, rec)
 		} else if err != nil {
@@ -172,9 +181,12 @@ func (f *Facilitator) approvalFirst(ctx context.Context, n *network, rec journal
 	case !errors.Is(err, ethereum.NotFound):
 		return false, err
 	}
-	for _, raw := range rec.PriorRawTxs {
+	for i, raw := range rec.PriorRawTxs {
 		tx := new(types.Transaction)
 		if err := tx.UnmarshalBinary(raw); err != nil {
+			return false, err
+		}
+		if tx, err = f.fundingToSend(ctx, n, rec, i, tx); err != nil {
 			return false, err
 		}
 		if err := n.sender.rebroadcast(ctx, tx); err != nil && !isNonceConflict(err) {
@@ -189,6 +201,75 @@ func (f *Facilitator) approvalFirst(ctx context.Context, n *network, rec journal
 	}
 	f.log.Info("re-broadcast a sponsored approval; its settlement follows once it mined", zap.String("payment", rec.ID.String()), zap.String("approval", approval.Hash().Hex()))
 	return false, nil
+}
+
+// fundingToSend is what reconciliation sends for funding, the gas money record rec's settlement sends the payer
+// before its sponsored approval (rec.PriorRawTxs[i]): funding itself while the node knows it (sending it again
+// changes nothing) or the payer still lacks the approval's gas; otherwise a zero-value transfer of the wallet to
+// itself at funding's nonce, which the journal records in funding's place before it is sent. A funding that never
+// reached the chain (a crash between the journal's write and the broadcast, a node that lost it) is sent by
+// reconciliation long after it was signed, when the payer may have been funded since: by a settlement of another
+// payment carrying the same approval, at another gateway or after a restart, which found no gas money on its way
+// to the payer. Sent then, the payer would be paid for one approval twice.
+func (f *Facilitator) fundingToSend(ctx context.Context, n *network, rec journal.Record, i int, funding *types.Transaction) (*types.Transaction, error) {
+	if known, err := n.sender.known(ctx, funding); err != nil || known {
+		return funding, err
+	}
+	approval := new(types.Transaction)
+	if err := approval.UnmarshalBinary(rec.SponsoredRawTx); err != nil {
+		return nil, err
+	}
+	if known, err := n.sender.known(ctx, approval); err != nil {
+		return nil, err
+	} else if !known {
+		// Not on its way: the payer needs the gas money unless its balance, pending transactions included, holds
+		// the approval's gas limit at its fee cap (what a node wants before it takes the approval).
+		var balance *big.Int
+		payer := common.HexToAddress(rec.Payer)
+		if r, ok := n.backend.(pendingBalanceReader); ok {
+			balance, err = r.PendingBalanceAt(ctx, payer)
+		} else {
+			balance, err = n.backend.BalanceAt(ctx, payer, nil)
+		}
+		if err != nil {
+			return nil, err
+		}
+		if balance.Cmp(new(big.Int).Mul(new(big.Int).SetUint64(approval.Gas()), approval.GasFeeCap())) < 0 {
+			return funding, nil
+		}
+	}
+	w := n.pool.byAddr[common.HexToAddress(rec.Wallet)]
+	if !n.pool.maySign(w) {
+		return nil, fmt.Errorf("payment %s: its payer needs the recorded gas money %s no more, and wallet %s, whose nonce %d must go to a transfer to itself instead, is not this instance's to sign (another holds its lease)",
+			rec.ID, funding.Hash().Hex(), rec.Wallet, funding.Nonce())
+	}
+	filler, err := n.sender.signFiller(ctx, w, funding.Nonce())
+	if err != nil {
+		return nil, err
+	}
+	raw, err := filler.MarshalBinary()
+	if err != nil {
+		return nil, err
+	}
+	recorded, err := funding.MarshalBinary()
+	if err != nil {
+		return nil, err
+	}
+	if _, err := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error {
+		if r.State != journal.StateBroadcast || len(r.PriorRawTxs) <= i || !bytes.Equal(r.PriorRawTxs[i], recorded) {
+			return fmt.Errorf("payment %s: its record changed while its gas money was being replaced", rec.ID)
+		}
+		prior := append([][]byte(nil), r.PriorRawTxs...)
+		prior[i] = raw
+		r.PriorRawTxs = prior
+		return nil
+	}); err != nil {
+		return nil, err
+	}
+	f.log.Warn("a sponsored approval's recorded gas money never reached the chain and its payer needs it no more: a transfer of the wallet to itself takes its nonce",
+		zap.String("network", n.caip2), zap.String("payment", rec.ID.String()), zap.String("payer", rec.Payer), zap.String("approval", approval.Hash().Hex()),
+		zap.String("funding", funding.Hash().Hex()), zap.String("wei", funding.Value().String()), zap.String("tx", filler.Hash().Hex()))
+	return filler, nil
 }
 
 // finaliseFromReceipts looks up the receipts of the record's transactions and finalises the record with the one

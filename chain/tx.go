@@ -181,7 +181,7 @@ func (s *sender) send(ctx context.Context, w *wallet, calls []contractCall, q *f
 				// The payer's approval mined just now, and the payer may have done more since it signed the
 				// payment (revoked the approval with its next nonce, moved its tokens): the settlement is
 				// simulated again before it leaves, and never sent to revert at the wallet's cost.
-				if err := s.recheck(ctx, tx); err != nil {
+				if err := s.recheck(ctx, tx, txs[i-1].Hash()); err != nil {
 					if errors.Is(err, errSettlementWouldRevert) {
 						w.nonce += ownIn(calls[:i])
 						return txs[:i], err
@@ -297,13 +297,19 @@ func (s *sender) sendSigned(ctx context.Context, tx *types.Transaction) error {
 // simulated again once it did: it was not sent, and its wallet nonce stays free.
 var errSettlementWouldRevert = errors.New("the settlement, simulated again once the payer's approval mined, would revert")
 
-// recheck simulates tx, this engine's own signed settlement, on the latest block (eth_call from its wallet, with
-// its calldata, value and gas limit; fees left out, as they do not change what the call does):
-// errSettlementWouldRevert when it would revert, errBroadcastUnknown when the node could not be asked.
-func (s *sender) recheck(ctx context.Context, tx *types.Transaction) error {
+// recheck simulates tx, this engine's own signed settlement, on the latest block once it holds after, the payer's
+// approval that just mined (eth_call from its wallet, with its calldata, value and gas limit; fees left out, as
+// they do not change what the call does): errSettlementWouldRevert when it would revert, errBroadcastUnknown when
+// the node could not be asked. A node serves a block's receipts a moment before its head moves to the block: the
+// latest state read then is the one before the approval, whose allowance is not there yet (the money-invariant
+// run: an honest payment refused permit2_simulation_failed, ERC20InsufficientAllowance, once its approval mined).
+func (s *sender) recheck(ctx context.Context, tx *types.Transaction, after common.Hash) error {
 	from, err := types.Sender(s.signer, tx)
 	if err != nil {
 		return err
+	}
+	if err := s.awaitHeadHolds(ctx, after); err != nil {
+		return fmt.Errorf("%w: simulating the settlement again after the payer's approval mined: %v", errBroadcastUnknown, err)
 	}
 	_, err = s.backend.CallContract(ctx, ethereum.CallMsg{From: from, To: tx.To(), Gas: tx.Gas(), Value: tx.Value(), Data: tx.Data()}, nil)
 	switch {
@@ -313,6 +319,32 @@ func (s *sender) recheck(ctx context.Context, tx *types.Transaction) error {
 		return fmt.Errorf("%w: %s", errSettlementWouldRevert, revertReason(err))
 	}
 	return fmt.Errorf("%w: simulating the settlement again after the payer's approval mined: %v", errBroadcastUnknown, err)
+}
+
+// awaitHeadHolds waits until the node's head is the block that mined the transaction mined (or a later one).
+func (s *sender) awaitHeadHolds(ctx context.Context, mined common.Hash) error {
+	r, err := s.backend.TransactionReceipt(ctx, mined)
+	if err != nil {
+		return fmt.Errorf("the receipt of %s: %w", mined.Hex(), err)
+	}
+	poll := s.poll
+	if poll <= 0 {
+		poll = 50 * time.Millisecond
+	}
+	for {
+		head, err := s.backend.HeaderByNumber(ctx, nil)
+		if err != nil {
+			return fmt.Errorf("the head block: %w", err)
+		}
+		if r.BlockNumber == nil || head.Number.Cmp(r.BlockNumber) >= 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("the head did not reach block %s, which mined %s: %w", r.BlockNumber, mined.Hex(), ctx.Err())
+		case <-time.After(poll):
+		}
+	}
 }
 
 // errMinedFailed: a transaction awaited mined and failed.
@@ -389,6 +421,18 @@ func (s *sender) fillNonce(ctx context.Context, w *wallet, nonce uint64) (common
 		w.nonce = nonce + 1
 	}
 	return tx.Hash(), nil
+}
+
+// signFiller signs, without sending it, a zero-value transfer from w to itself at nonce: what takes a recorded
+// transaction's nonce in its place when that transaction must no longer go out (see fundingToSend).
+func (s *sender) signFiller(ctx context.Context, w *wallet, nonce uint64) (*types.Transaction, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	q, err := s.feeQuote(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return s.sign(w, nonce, contractCall{To: w.Address, Gas: fillerGas}, q)
 }
 
 // fillerGas is the gas of a plain transfer.

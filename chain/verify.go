@@ -260,6 +260,11 @@ func (f *Facilitator) verifyParsed(ctx context.Context, p *payment, ref *refusal
 		if ref, err = p.checkChain(ctx, use); err != nil {
 			return x402.VerifyResponse{}, &x402.FacilitatorError{Op: "verify", Kind: x402.FailureUnreachable, Err: err}
 		}
+		if ref == nil && use == fundsHold && p.approval != nil && p.approval.err == nil {
+			if ref, err = p.approvalHeldAlone(ctx); err != nil {
+				return x402.VerifyResponse{}, &x402.FacilitatorError{Op: "verify", Kind: x402.FailureUnreachable, Err: err}
+			}
+		}
 	}
 	payer := claimedPayer
 	if p != nil && p.payer != (common.Address{}) {
@@ -270,6 +275,31 @@ func (f *Facilitator) verifyParsed(ctx context.Context, p *payment, ref *refusal
 		return x402.VerifyResponse{IsValid: false, Payer: payer, InvalidReason: ref.reason, InvalidMessage: ref.message}, nil
 	}
 	return x402.VerifyResponse{IsValid: true, Payer: payer}, nil
+}
+
+// approvalHeldAlone looks, once p is held for a gate to serve, for another payment held with the same sponsored
+// approval (the payer's account nonce: funds.permitNonce); there is one, p's hold goes and p is refused as
+// permitInFlight. The checks look for one before they hold p, but two payments checked at once (concurrent first
+// payments of a payer, each carrying its approval, at two gateways) both find none, both are held and served, and
+// both settlements, each seeing no gas money on its way to the payer, fund it: the payer is paid for one approval
+// twice. Looked for after p's hold is written, one of the two sees the other's: each hold is written before its
+// look, so the later look sees the earlier hold. Both may see each other and both be refused; nothing was
+// served, and the payer presents one again.
+func (p *payment) approvalHeldAlone(ctx context.Context) (*refusal, error) {
+	held, err := p.net.funds.permitInUse(ctx, p)
+	if err != nil {
+		if lerr := p.net.funds.let(p.id); lerr != nil {
+			return nil, fmt.Errorf("%w (and letting go of the payment's hold: %v)", err, lerr)
+		}
+		return nil, err
+	}
+	if !held {
+		return nil, nil
+	}
+	if err := p.net.funds.let(p.id); err != nil {
+		return nil, fmt.Errorf("letting go of the hold of a payment whose approval another payment carries: %w", err)
+	}
+	return p.permitInFlight(), nil
 }
 
 // checkSender refuses a payment whose settlement this process cannot send now: one bound to a settlement wallet
@@ -886,7 +916,7 @@ func (p *payment) checkChain(ctx context.Context, use fundsUse) (*refusal, error
 		if allowance.Cmp(p.amount) >= 0 {
 			p.approval = nil
 		} else if p.approval.err == nil {
-			if ref, err := p.checkApproval(ctx); err != nil || ref != nil {
+			if ref, err := p.checkApproval(ctx, use); err != nil || ref != nil {
 				return ref, err
 			}
 		}

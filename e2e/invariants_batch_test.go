@@ -109,6 +109,7 @@ func (w *invWorld) networkBlock(rpc string, n int) string {
 			asset %s name %q version %s decimals %d eip3009
 			wallet_keys %s
 			receipt_poll 2ms
+			approval_sponsoring
 			batch {
 				receiver_authorizer_key {env.%s}
 				claim_every 5

@@ -32,7 +32,7 @@ func (r *invRun) readBalances() invBalances {
 	for _, rk := range r.w.routes {
 		b[[2]common.Address{rk.payTo, rk.asset}] = r.w.dev.balanceOf(rk.asset, rk.payTo)
 	}
-	for _, pp := range r.w.payers {
+	for _, pp := range r.w.allPayers() {
 		for _, token := range []common.Address{devchain.TokenAddress, devchain.EIP3009TokenAddress} {
 			b[[2]common.Address{pp.addr, token}] = r.w.dev.balanceOf(token, pp.addr)
 		}
@@ -354,6 +354,7 @@ var invChecks = []invCheck{
 	{"unpaid-never-signed-in", "a wallet that never paid is never served by signature, nor a sign-in signed for another path, route or gateway, nor one sign-in header twice", (*invRun).checkUnpaidNeverServed},
 	{"paid-wallet-signed-in", "a wallet whose payment on an access route delivered its response is not refused as not paid for, nor as ended, while the grant it bought stands, at any gateway (but for a SIGKILL or database outage during the delivery)", (*invRun).checkPaidSignedIn},
 	{"mcp-tool-calls-answered", "a tool call of an MCP route delivered whole carries its settlement in the result's _meta (pending only for settle async), and a refused one is a tool result with isError, as the x402 MCP transport says; the lane ran", (*invRun).checkMCPCalls},
+	{"approval-sponsored-once", "the engines fund a payer's sponsored approval (erc20ApprovalGasSponsoring) at most once, only for an approval that mined, and an approval mines once; the lane ran where its route delivered", (*invRun).checkApprovalSponsored},
 	{"transport-counts-what-it-signed", "every payer.Transport's spent total is at least what its payments moved on chain plus the whole of those that can still be settled (upto: the maximum), whatever the servers said", (*invRun).checkTransportSpent},
 }
 
@@ -503,7 +504,7 @@ func (r *invRun) checkPayerCharged(end *invEnd) ([]invViolation, string) {
 		owed[key].Add(owed[key], p.charge())
 	}
 	paid := new(big.Int)
-	for _, pp := range r.w.payers {
+	for _, pp := range r.w.allPayers() {
 		for _, token := range []common.Address{devchain.TokenAddress, devchain.EIP3009TokenAddress} {
 			key := [2]common.Address{pp.addr, token}
 			got := new(big.Int).Neg(delta(end.before[key], end.after[key]))

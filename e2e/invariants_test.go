@@ -390,6 +390,9 @@ func (w *invWorker) pickRoute(keep func(*routeKind) bool) *routeKind {
 // payer.Transports'). An erc2612 permit takes the token's next nonce, so a payer with an erc2612 payment that
 // has not delivered yet signs no other: nil when every payer has one.
 func (w *invWorker) pickPayer(rk *routeKind) *invPayer {
+	if rk.gasSponsoring != "" {
+		return w.r.w.sponsored[w.rng.IntN(len(w.r.w.sponsored))]
+	}
 	payers := w.r.w.payers[:len(w.r.w.payers)-1]
 	start := w.rng.IntN(len(payers))
 	if rk.method != x402.TransferERC2612 {

@@ -76,6 +76,9 @@ type routeKind struct {
 	// access: what a settled payment grants its payer by sign-in-with-x (the gate's access directive), over
 	// every path of the route; nil for none (invariants_siwx_test.go).
 	access *invAccess
+	// gasSponsoring is the gate's gas_sponsoring option; a route with one is paid by the payers without a Permit2
+	// allowance (invariants_approval_test.go).
+	gasSponsoring string
 }
 
 // invSeller is the pay_to of route i: a seller of its own, so that the chain shows what each route was paid.
@@ -142,6 +145,10 @@ func invRoutes() []*routeKind {
 			settle: "after", price: "price $0.009", serve: serveUpstream, access: &invAccess{For: time.Hour, Requests: 3}},
 		{name: "access for 4 s, settle before", prefix: "/siwx-brief/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
 			settle: "before", price: "price $0.0011", serve: serveUpstream, access: &invAccess{For: 4 * time.Second}},
+		// Payers without a Permit2 allowance and without gas, paying by their own signed approval, whose gas the
+		// gateway's engine funds (erc20ApprovalGasSponsoring; invariants_approval_test.go).
+		{name: "exact permit2, a sponsored approval, settle after", prefix: "/approve/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
+			settle: "after", price: "price $0.0017", serve: serveUpstream, gasSponsoring: "erc20_approval"},
 		// MCP tool calls priced per tool (invariants_mcp_test.go): two tools of one price, so that a payment made
 		// for one is presented for the other; price is the mcp block's tool lines.
 		{name: "MCP tools, settle after", prefix: "/mcp/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
@@ -193,6 +200,9 @@ func (rk *routeKind) caddy(w *invWorld, gen int) string {
 	}
 	if rk.remote {
 		fmt.Fprintf(&b, "\t\t\tfacilitator http %s\n", strings.Join(w.facilitatorURLs(), " "))
+	}
+	if rk.gasSponsoring != "" {
+		fmt.Fprintf(&b, "\t\t\tgas_sponsoring %s\n", rk.gasSponsoring)
 	}
 	if a := rk.access; a != nil {
 		fmt.Fprintf(&b, "\t\t\taccess %s {\n\t\t\t\tpaths %s*\n", a.For, rk.prefix)
@@ -247,6 +257,7 @@ type invWorld struct {
 	gateways     []*invProc
 	routes       []*routeKind
 	payers       []*invPayer
+	sponsored    []*invPayer // payers without a Permit2 allowance, nor gas: those of the routes with gasSponsoring
 
 	gatewayWallets, facilitatorWallets []common.Address
 	startBlock                         uint64
@@ -333,6 +344,8 @@ func startWorld(t *testing.T, topo invTopology) *invWorld {
 		w.payers = append(w.payers, &invPayer{n: i, addr: p.Address(), p: p})
 		w.dev.approvePermit2(key, devchain.TokenAddress)
 	}
+
+	w.fundSponsoredPayers()
 
 	w.proxy = startFaultProxy(t, w.facts.RPC)
 	w.upstream = &invUpstream{runs: map[string]int{}}
