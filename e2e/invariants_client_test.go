@@ -41,11 +41,11 @@ type invPayment struct {
 	headerName string
 	header     string
 	nonce      string
-	amount     *big.Int // what it authorizes: the price, or upto's maximum
-	use        string   // upto: what the upstream names for it (see overrideFor)
-	transport  int      // the worker whose payer.Transport signed it, -1 for none
-	gen        int      // the price generation it was signed in
-	signed     time.Time
+	amount     *big.Int    // what it authorizes: the price, or upto's maximum
+	use        string      // upto: what the upstream names for it (see overrideFor)
+	transport  int         // the worker whose payer.Transport signed it, -1 for none
+	gen        int         // the price generation it was signed in
+	signed     time.Time   // when the offer it was signed from was asked for (a reload may have changed its terms since)
 	first      invResource // the resource it was first presented for
 	firstShape string
 	firstGate  int
@@ -688,7 +688,7 @@ func offerIndex(offer payer.Offer, rk *routeKind) (int, error) {
 }
 
 // newPayment registers a payment signed as pay.
-func (r *invRun) newPayment(pp *invPayer, rk *routeKind, name, value string, rq x402.PaymentRequirements, pl x402.PaymentPayload, use string, transport int, first invResource, firstShape string, gate int) (*invPayment, error) {
+func (r *invRun) newPayment(pp *invPayer, rk *routeKind, name, value string, rq x402.PaymentRequirements, pl x402.PaymentPayload, use string, transport int, first invResource, firstShape string, gate int, asked time.Time) (*invPayment, error) {
 	amount, err := x402.ParseUint256(rq.Amount)
 	if err != nil {
 		return nil, fmt.Errorf("the requirement's amount: %w", err)
@@ -697,7 +697,7 @@ func (r *invRun) newPayment(pp *invPayer, rk *routeKind, name, value string, rq 
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	p := &invPayment{n: len(r.payments) + 1, payer: pp, route: rk, req: rq, headerName: name, header: value, nonce: nonce,
-		amount: amount, use: use, transport: transport, gen: r.w.generation(), signed: time.Now(), first: first, firstShape: firstShape, firstGate: gate}
+		amount: amount, use: use, transport: transport, gen: r.w.generation(), signed: asked, first: first, firstShape: firstShape, firstGate: gate}
 	r.payments = append(r.payments, p)
 	return p, nil
 }

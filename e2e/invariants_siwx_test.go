@@ -218,6 +218,7 @@ func (w *invWorker) signAs(pp *invPayer, rk *routeKind, res invResource, gate in
 	r := w.r
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
+	asked := time.Now()
 	offer, err := r.readOffer(ctx, r.w.gateways[gate].url, res.path)
 	if err != nil {
 		return nil, err
@@ -230,7 +231,7 @@ func (w *invWorker) signAs(pp *invPayer, rk *routeKind, res invResource, gate in
 	if err != nil {
 		return nil, fmt.Errorf("signing: %w", err)
 	}
-	return r.newPayment(pp, rk, pay.Header, pay.Value, pay.Requirements, pay.Payload, "", -1, res, shapeGET, gate)
+	return r.newPayment(pp, rk, pay.Header, pay.Value, pay.Requirements, pay.Payload, "", -1, res, shapeGET, gate, asked)
 }
 
 // signInOnce answers the challenge of fromPath at gateway from as p (or sends header again, when not ""), sends

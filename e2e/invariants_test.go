@@ -472,6 +472,7 @@ func (w *invWorker) sign(rk *routeKind, res invResource, shape string, gate int,
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
+	asked := time.Now()
 	offer, err := r.readOffer(ctx, r.w.gateways[gate].url, res.path)
 	if err != nil {
 		return nil, err
@@ -489,7 +490,7 @@ func (w *invWorker) sign(rk *routeKind, res invResource, shape string, gate int,
 		max, _ := x402.ParseUint256(pay.Requirements.Amount)
 		use = pickUse(useDraw, max)
 	}
-	return r.newPayment(pp, rk, pay.Header, pay.Value, pay.Requirements, pay.Payload, use, -1, res, shape, gate)
+	return r.newPayment(pp, rk, pay.Header, pay.Value, pay.Requirements, pay.Payload, use, -1, res, shape, gate, asked)
 }
 
 // againSame presents a payment again to the resource it bought or was first presented for, at the gateway it
@@ -611,10 +612,11 @@ func (r *invRun) newTransport(worker int) *invTransport {
 
 // transportSlot carries, in a request's context, the payment the Transport signed for it.
 type transportSlot struct {
-	a    *invAction
-	gate int
-	p    *invPayment
-	ans  *invAnswer
+	a     *invAction
+	gate  int
+	p     *invPayment
+	ans   *invAnswer
+	asked time.Time // before the Transport's first request, whose 402 it signs from
 }
 
 type transportSlotKey struct{}
@@ -633,7 +635,7 @@ func (it *invTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	r := it.r
 	res := invResource{req.Method, req.URL.Path}
 	p, err := r.newPayment(r.w.payers[len(r.w.payers)-1], r.w.route(res.path), x402.HeaderPaymentSignature, value, pl.Accepted, pl,
-		req.Header.Get(invUseHeader), it.worker, res, shapeGET, slot.gate)
+		req.Header.Get(invUseHeader), it.worker, res, shapeGET, slot.gate, slot.asked)
 	if err != nil {
 		return nil, err
 	}
@@ -654,7 +656,7 @@ func (w *invWorker) payThroughTransport(a *invAction) {
 	path := rk.paths[w.rng.IntN(len(rk.paths))]
 	gate := w.pickGate()
 	useDraw := rand.New(rand.NewPCG(w.rng.Uint64(), 7))
-	slot := &transportSlot{a: a, gate: gate}
+	slot := &transportSlot{a: a, gate: gate, asked: time.Now()}
 	ctx, cancel := context.WithTimeout(context.WithValue(context.Background(), transportSlotKey{}, slot), invRequestTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.w.gateways[gate].url+path, nil)
