@@ -391,7 +391,6 @@ func (e *unreachableError) Error() string {
 
 func (e *unreachableError) Unwrap() error { return e.Err }
 
-// isTransportError reports whether err means the node was not reached (as opposed to a node's answer).
 // IsUnreachable reports whether err says no RPC endpoint of a network answered at all (as opposed to a node
 // that answered, wrongly or with a refusal).
 func IsUnreachable(err error) bool {
@@ -399,6 +398,7 @@ func IsUnreachable(err error) bool {
 	return errors.As(err, &ue)
 }
 
+// isTransportError reports whether err means the node was not reached (as opposed to a node's answer).
 func isTransportError(err error) bool {
 	var ue *unreachableError
 	if errors.As(err, &ue) {

@@ -305,7 +305,7 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 		tx := txs[0]
 		if marked != (common.Hash{}) {
 			// Signed again under another nonce: the earlier one was refused and never left.
-			if err := f.claimNotSent(context.WithoutCancel(ctx), n, chs, marked, "refused by the node, signed again under another nonce"); err != nil {
+			if err := f.claimNotSent(context.WithoutCancel(ctx), n, chs, marked, true, "refused by the node, signed again under another nonce"); err != nil {
 				return err
 			}
 			marked = common.Hash{}
@@ -326,7 +326,7 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 	})
 	if len(txs) == 0 {
 		if marked != (common.Hash{}) {
-			if ferr := f.claimNotSent(context.WithoutCancel(ctx), n, chs, marked, fmt.Sprintf("not sent: %v", err)); ferr != nil {
+			if ferr := f.claimNotSent(context.WithoutCancel(ctx), n, chs, marked, true, fmt.Sprintf("not sent: %v", err)); ferr != nil {
 				return errors.Join(err, ferr)
 			}
 		}
@@ -364,7 +364,12 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 // failed write) between the two leaves marks with no record, which resolveClaims frees once older than a sender
 // could take to record one, never a record no pass would see again. A record final already (an older release's)
 // is left as it is, and its marks are freed.
-func (f *Facilitator) claimNotSent(ctx context.Context, n *network, chs journal.Channels, hash common.Hash, why string) error {
+//
+// recorded says the caller knows the transaction, recorded, never left (the node refused it, its nonce went to
+// another): a record naming it is forgotten. Without it (the caller judged from a record naming no transaction),
+// only a record still naming none is: one that gained its transaction since (a sender the caller did not know of
+// finishing its write) is left, with its marks, to the passes that look it up.
+func (f *Facilitator) claimNotSent(ctx context.Context, n *network, chs journal.Channels, hash common.Hash, recorded bool, why string) error {
 	rec, found, err := f.journal.Get(ctx, claimRecordID(n.caip2, hash))
 	if err != nil {
 		return fmt.Errorf("reading the record of claim %s, which was never sent (%s): %w", hash.Hex(), why, err)
@@ -373,8 +378,10 @@ func (f *Facilitator) claimNotSent(ctx context.Context, n *network, chs journal.
 		switch {
 		case rec.State == journal.StateClaimed:
 			err = f.journal.Release(ctx, rec)
-		case rec.State == journal.StateBroadcast && strings.EqualFold(rec.TxHash, hash.Hex()):
+		case rec.State == journal.StateBroadcast && strings.EqualFold(rec.TxHash, hash.Hex()) && recorded:
 			err = f.journal.ReleaseUnsent(ctx, rec, rec.TxHash)
+		case rec.State != journal.StateFinal:
+			return fmt.Errorf("claim %s, judged never sent (%s), recorded its transaction since: it is looked up as sent", hash.Hex(), why)
 		}
 		if err != nil && !errors.Is(err, journal.ErrNotFound) {
 			return fmt.Errorf("forgetting the record of claim %s, which was never sent (%s): %w", hash.Hex(), why, err)
@@ -516,6 +523,7 @@ func (f *Facilitator) resolveClaims(ctx context.Context, n *network, chs journal
 			}
 			continue
 		}
+		sending := f.sendingClaim(n, hash) // read before the record: a send that ends in between leaves its record whole
 		rec, found, err := f.journal.Get(ctx, claimRecordID(n.caip2, hash))
 		if err != nil {
 			return err
@@ -533,7 +541,7 @@ func (f *Facilitator) resolveClaims(ctx context.Context, n *network, chs journal
 			switch {
 			case f.now().Sub(r.ClaimSentAt) >= unrecordedClaimAge:
 				why = "its sender was gone before it recorded the transaction"
-			case found && rec.Owner == f.owner && !f.sendingClaim(n, hash):
+			case found && rec.Owner == f.owner && !sending:
 				// This process's, and no send of it is under way: the write of its transaction failed (the
 				// journal's database down, say), and the send gave up before the transaction left.
 				why = "its sender gave up before it recorded the transaction"
@@ -543,7 +551,7 @@ func (f *Facilitator) resolveClaims(ctx context.Context, n *network, chs journal
 				why = "an earlier process marked it and was gone before it recorded the transaction"
 			}
 			if why != "" {
-				if err := f.claimNotSent(ctx, n, chs, hash, why); err != nil {
+				if err := f.claimNotSent(ctx, n, chs, hash, false, why); err != nil {
 					return err
 				}
 			}
@@ -562,7 +570,7 @@ func (f *Facilitator) resolveClaims(ctx context.Context, n *network, chs journal
 					}
 					continue
 				}
-				if err := f.claimNotSent(ctx, n, chs, hash, "its nonce went to another transaction"); err != nil {
+				if err := f.claimNotSent(ctx, n, chs, hash, true, "its nonce went to another transaction"); err != nil {
 					return err
 				}
 				continue
