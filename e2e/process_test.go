@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -216,6 +217,19 @@ func childEnv(t *testing.T, extra ...string) []string {
 // freePort returns a loopback TCP port that was free a moment ago.
 func freePort(t *testing.T) int {
 	t.Helper()
+	// Below the kernel's ephemeral range (32768 and up on Linux): a port from it (what listening on port 0 gives)
+	// can be taken, between this check and the process that binds it, by any outgoing connection on the machine,
+	// and the tests make thousands (a Node server exited with EADDRINUSE in CI). Drawn at random, so that two
+	// tests rarely draw the same.
+	for range 200 {
+		port := freePortLow + rand.IntN(freePortHigh-freePortLow)
+		l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port))
+		if err != nil {
+			continue
+		}
+		l.Close()
+		return port
+	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatalf("finding a free port: %v", err)
@@ -223,6 +237,9 @@ func freePort(t *testing.T) int {
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port
 }
+
+// freePortLow and freePortHigh bound the ports freePort draws from.
+const freePortLow, freePortHigh = 20000, 32000
 
 // portTaken says why port cannot be listened on (on every interface, as Caddy's ":port" does), or "".
 func portTaken(port int) string {
