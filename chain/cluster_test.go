@@ -108,7 +108,8 @@ func waitLeases(t *testing.T, fx *fixture, engines []*chain.Facilitator, want ..
 }
 
 func TestEnginesSharingAJournalSplitTheWalletsAndSettleEachPaymentOnce(t *testing.T) {
-	fx, engines, _ := sharedEngines(t, 2, 3*time.Second)
+	// A lease of 12 s: under CI's load a renewal of a 3 s lease came late, and a settlement lost its wallet's fence.
+	fx, engines, _ := sharedEngines(t, 2, 12*time.Second)
 	waitLeases(t, fx, engines, 2, 2)
 
 	payers := fx.c.Payers
