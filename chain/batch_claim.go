@@ -334,7 +334,8 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 	}
 	hash := txs[0].Hash()
 	f.log.Info("batch-settlement claim broadcast", zap.String("network", n.caip2), zap.Int("channels", len(rows)),
-		zap.String("wallet", w.Address.Hex()), zap.String("tx", hash.Hex()))
+		zap.String("wallet", w.Address.Hex()), zap.String("tx", hash.Hex()), zap.Uint64("nonce", txs[0].Nonce()),
+		zap.String("fee_cap", txs[0].GasFeeCap().String()))
 	if !wait {
 		return nil
 	}
@@ -350,7 +351,30 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 		case <-time.After(n.watcher.poll):
 		}
 	}
+	f.warnClaimNotMined(ctx, n, w.Address, txs[0])
 	return nil
+}
+
+// warnClaimNotMined says what the chain shows of a claim transaction not mined within the receipt wait: the
+// wallet's mined and pending nonces against the claim's, the claim's fee cap against the head's base fee.
+func (f *Facilitator) warnClaimNotMined(ctx context.Context, n *network, wallet common.Address, tx *types.Transaction) {
+	fields := []zap.Field{zap.String("network", n.caip2), zap.String("tx", tx.Hash().Hex()), zap.String("wallet", wallet.Hex()),
+		zap.Uint64("nonce", tx.Nonce()), zap.String("fee_cap", tx.GasFeeCap().String()), zap.Duration("waited", n.timeout)}
+	if mined, err := n.backend.NonceAt(ctx, wallet, nil); err == nil {
+		fields = append(fields, zap.Uint64("wallet_mined_nonce", mined))
+	}
+	if pending, err := n.backend.PendingNonceAt(ctx, wallet); err == nil {
+		fields = append(fields, zap.Uint64("wallet_pending_nonce", pending))
+	}
+	if h, err := n.backend.HeaderByNumber(ctx, nil); err == nil && h.BaseFee != nil {
+		fields = append(fields, zap.String("head_base_fee", h.BaseFee.String()), zap.Uint64("head", h.Number.Uint64()))
+	}
+	if _, pending, err := n.backend.TransactionByHash(ctx, tx.Hash()); err == nil {
+		fields = append(fields, zap.Bool("in_pool", pending))
+	} else {
+		fields = append(fields, zap.String("lookup", err.Error()))
+	}
+	f.log.Warn("a batch-settlement claim was not mined within the receipt wait; the next pass looks it up", fields...)
 }
 
 // claimNotSent marks claim transaction hash, which never left (the node refused it, its nonce went to another
