@@ -21,11 +21,7 @@ type finalWriteFails struct {
 
 func (s *finalWriteFails) Update(ctx context.Context, id journal.ID, fn func(*journal.Record) error) (journal.Record, error) {
 	if s.fail.Load() {
-		var probe journal.Record
-		if r, ok, err := s.BoltStore.Get(ctx, id); err == nil && ok {
-			probe = r
-		}
-		if fn(&probe) == nil && probe.State == journal.StateFinal && s.fail.CompareAndSwap(true, false) {
+		if updateMakes(ctx, s.BoltStore, id, fn, journal.StateFinal) && s.fail.CompareAndSwap(true, false) {
 			return journal.Record{}, errors.New("the journal is gone (injected)")
 		}
 	}
@@ -39,16 +35,7 @@ func (s *finalWriteFails) Update(ctx context.Context, id journal.ID, fn func(*jo
 // pending: state broadcast', 'not drained: journal backlog 1').
 func TestABatchClaimWhoseRecordWasNotFinishedIsFinishedByTheNextPass(t *testing.T) {
 	store := &finalWriteFails{BoltStore: boltJournal(t).(*journal.BoltStore)}
-	b := newBatchRoute(t, fixtureOpts{journal: store, autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second,
-		tune: func(fx *fixture, nc *chain.NetworkConfig) {
-			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
-		}})
-	b.deposit(t, 30*batchPrice)
-	for i := int64(1); i <= 3; i++ {
-		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
-			t.Fatalf("voucher %d: %+v", i, resp)
-		}
-	}
+	b := threeVouchersClaimedWhenAsked(t, store)
 	store.fail.Store(true)
 	if err := b.fx.f.ClaimBatches(context.Background()); err == nil {
 		t.Fatal("the claim whose record's final write failed: no error")
@@ -62,13 +49,7 @@ func TestABatchClaimWhoseRecordWasNotFinishedIsFinishedByTheNextPass(t *testing.
 	if got := b.c.BalanceOf(b.token, b.receiver.Address).Int64(); got != 3*batchPrice {
 		t.Fatalf("the receiver holds %d, want exactly the %d accepted", got, 3*batchPrice)
 	}
-	pending, err := store.Pending(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, rec := range pending {
-		t.Errorf("the journal holds %s pending: state %s, tx %s", rec.ID, rec.State, rec.TxHash)
-	}
+	assertNothingPending(t, store)
 }
 
 // broadcastWriteFails is a bbolt journal whose write that records a claim's transaction fails, and the write after
@@ -100,11 +81,7 @@ func (s *broadcastWriteFails) Update(ctx context.Context, id journal.ID, fn func
 		return journal.Record{}, errors.New("the journal is down (injected)")
 	}
 	if s.arm.Load() {
-		var probe journal.Record
-		if r, ok, err := s.BoltStore.Get(ctx, id); err == nil && ok {
-			probe = r
-		}
-		if fn(&probe) == nil && probe.State == journal.StateBroadcast && s.arm.CompareAndSwap(true, false) {
+		if updateMakes(ctx, s.BoltStore, id, fn, journal.StateBroadcast) && s.arm.CompareAndSwap(true, false) {
 			s.id.Store(&id)
 			s.failed.Add(1)
 			return journal.Record{}, errors.New("the journal is down (injected)")
@@ -121,16 +98,7 @@ func (s *broadcastWriteFails) Update(ctx context.Context, id journal.ID, fn func
 // money-invariant run's drain saw 'journal backlog 1' with nothing settling for 20 s.
 func TestABatchClaimWhoseTransactionWasNeverRecordedIsFreedByTheNextPassOfItsProcess(t *testing.T) {
 	store := &broadcastWriteFails{BoltStore: boltJournal(t).(*journal.BoltStore)}
-	b := newBatchRoute(t, fixtureOpts{journal: store, autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second,
-		tune: func(fx *fixture, nc *chain.NetworkConfig) {
-			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
-		}})
-	b.deposit(t, 30*batchPrice)
-	for i := int64(1); i <= 3; i++ {
-		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
-			t.Fatalf("voucher %d: %+v", i, resp)
-		}
-	}
+	b := threeVouchersClaimedWhenAsked(t, store)
 	store.arm.Store(true)
 	if err := b.fx.f.ClaimBatches(context.Background()); err == nil {
 		t.Fatal("the claim whose transaction could not be recorded: no error")
@@ -147,6 +115,38 @@ func TestABatchClaimWhoseTransactionWasNeverRecordedIsFreedByTheNextPassOfItsPro
 	if got := b.c.BalanceOf(b.token, b.receiver.Address).Int64(); got != 3*batchPrice {
 		t.Fatalf("the receiver holds %d after the next pass, want exactly the %d accepted", got, 3*batchPrice)
 	}
+	assertNothingPending(t, store)
+}
+
+// updateMakes says whether fn, applied to the record id holds now in store (an empty one if none), leaves it in state.
+func updateMakes(ctx context.Context, store journal.Store, id journal.ID, fn func(*journal.Record) error, state journal.State) bool {
+	var probe journal.Record
+	if r, ok, err := store.Get(ctx, id); err == nil && ok {
+		probe = r
+	}
+	return fn(&probe) == nil && probe.State == state
+}
+
+// threeVouchersClaimedWhenAsked is a batch route on store, claimed only when the test asks, whose channel holds 30
+// prices and has accepted vouchers at 1, 2 and 3 prices.
+func threeVouchersClaimedWhenAsked(t *testing.T, store journal.Store) *batchRoute {
+	t.Helper()
+	b := newBatchRoute(t, fixtureOpts{journal: store, autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second,
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+		}})
+	b.deposit(t, 30*batchPrice)
+	for i := int64(1); i <= 3; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	return b
+}
+
+// assertNothingPending fails the test for every record store holds pending.
+func assertNothingPending(t *testing.T, store journal.Store) {
+	t.Helper()
 	pending, err := store.Pending(context.Background())
 	if err != nil {
 		t.Fatal(err)
