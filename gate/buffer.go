@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 
 	"go.uber.org/zap"
 
@@ -98,13 +99,20 @@ func (h *heldResponse) Write(p []byte) (int, error) {
 	return h.buf.Write(p)
 }
 
+// readPieces are the pieces heldResponse.ReadFrom reads a body into while it is held.
+var readPieces = sync.Pool{New: func() any { return new([32 << 10]byte) }}
+
 // ReadFrom goes through Write while the body is held, so that max holds; once the rest streams, it is handed
 // to the real writer's ReadFrom (sendfile for a file).
 func (h *heldResponse) ReadFrom(r io.Reader) (int64, error) {
 	h.WriteHeader(http.StatusOK)
 	var n int64
 	if !h.streaming {
-		piece := make([]byte, 32<<10)
+		// The piece is only read into and copied out of (Write keeps none of it): one from the pool, not 32 KiB
+		// allocated and zeroed a response.
+		pp := readPieces.Get().(*[32 << 10]byte)
+		defer readPieces.Put(pp)
+		piece := pp[:]
 		for !h.streaming {
 			m, err := r.Read(piece)
 			if m > 0 {

@@ -35,6 +35,7 @@ var immutableVars = map[string]string{
 	// A pool of empty buffers: what it holds means nothing (each is Reset before use), and no behaviour depends
 	// on what is in it; shared across gates and reloads it saves allocations for all of them.
 	"gateBuffers": "a sync.Pool of scratch buffers",
+	"readPieces":  "a sync.Pool of scratch pieces a held body is read into, each overwritten before use",
 }
 
 // TestGateKeepsNoPackageLevelMutableState lists gate's package-level variables and allows only errors, interface

@@ -2,6 +2,7 @@ package payer
 
 import (
 	"context"
+	"crypto/ecdsa"
 	"crypto/rand"
 	"encoding/json"
 	"errors"
@@ -79,6 +80,49 @@ type channel struct {
 	// voucher is the channel's plain voucher payment, encoded but for its two values (voucher_template.go); used
 	// by the payment holding the turn.
 	voucher *voucherTemplate
+	// ahead is the voucher the next payment most likely carries (the last one signed plus its price), signed in
+	// the background while the last one's request is on its way; used by the payment holding the turn.
+	ahead *aheadVoucher
+}
+
+// aheadVoucher is a voucher signed ahead of its payment (channel.signAhead). It stays in memory: it is sent only
+// when a payment's cumulative amount is exactly its amount (the same signature the payment would make then), so
+// ChannelState.Signed counts it only once sent.
+type aheadVoucher struct {
+	amount *big.Int
+	done   chan struct{} // closed once sig and err are set
+	sig    string
+	err    error
+}
+
+// signAhead starts signing the voucher of amount on the channel id, for the next payment to take (voucherSignature).
+func (ch *channel) signAhead(key *ecdsa.PrivateKey, domain, id common.Hash, amount *big.Int) {
+	a := &aheadVoucher{amount: new(big.Int).Set(amount), done: make(chan struct{})}
+	ch.ahead = a
+	go func() {
+		defer close(a.done)
+		sig, err := chain.SignVoucher(key, domain, id, a.amount)
+		a.sig, a.err = sig.String(), err
+	}()
+}
+
+// voucherSignature is the signature of the voucher of amount on the channel id: the one signed ahead for that
+// amount, else signed now. A voucher signed ahead for another amount is dropped.
+func (ch *channel) voucherSignature(key *ecdsa.PrivateKey, domain, id common.Hash, amount *big.Int) (string, error) {
+	if a := ch.ahead; a != nil {
+		ch.ahead = nil
+		if a.amount.Cmp(amount) == 0 {
+			<-a.done
+			if a.err == nil {
+				return a.sig, nil
+			}
+		}
+	}
+	sig, err := chain.SignVoucher(key, domain, id, amount)
+	if err != nil {
+		return "", err
+	}
+	return sig.String(), nil
 }
 
 // channels are the channels a Payer pays from, by id.
@@ -357,13 +401,14 @@ func (b *batchPlan) sign(ctx context.Context, rpc *chainReader, deposit *big.Int
 	if b.need.Sign() > 0 && (deposit == nil || deposit.Sign() == 0) {
 		return Payment{}, fmt.Errorf("payer: channel %s holds %s and the next voucher is %s: a deposit of at least %s must come with it", id.Hex(), b.ch.state.Balance, b.next, b.need)
 	}
-	sig, err := chain.SignVoucher(p.key, chain.BatchDomainSeparator(cid), id, b.next)
+	domain := chain.BatchDomainSeparator(cid)
+	sig, err := b.ch.voucherSignature(p.key, domain, id, b.next)
 	if err != nil {
 		return Payment{}, fmt.Errorf("signing the voucher: %w", err)
 	}
 	cfg := b.ch.state.Config
 	pl := x402.BatchPayload{Type: x402.BatchVoucher, ChannelConfig: &cfg,
-		Voucher: &x402.BatchVoucherFields{ChannelID: id.Hex(), MaxClaimableAmount: b.next.String(), Signature: sig.String()}}
+		Voucher: &x402.BatchVoucherFields{ChannelID: id.Hex(), MaxClaimableAmount: b.next.String(), Signature: sig}}
 	pay := Payment{Index: b.index, Requirements: br.Generic(), Method: TransferMethod(br.Generic())}
 	switch {
 	case refund:
@@ -398,6 +443,11 @@ func (b *batchPlan) sign(ctx context.Context, rpc *chainReader, deposit *big.Int
 	}
 	if b.next.Cmp(b.ch.state.Signed) > 0 {
 		b.ch.state.Signed = new(big.Int).Set(b.next)
+	}
+	if !refund {
+		// While this payment's request is on its way, the voucher of the next at the same price is signed: the
+		// payer's largest piece of work a request, out of the next one's latency.
+		b.ch.signAhead(p.key, domain, id, new(big.Int).Add(b.next, b.price))
 	}
 	b.payment = pay
 	return pay, nil

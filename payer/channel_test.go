@@ -262,6 +262,10 @@ func TestTransportDepositsOnceThenPaysEachRequestByTheNextCumulativeVoucher(t *t
 	if st.Balance.Cmp(big.NewInt(10_000)) != 0 || st.Charged.Cmp(big.NewInt(5000)) != 0 || st.Left().Cmp(big.NewInt(5000)) != 0 {
 		t.Errorf("the payer keeps balance %s, charged %s, left %s; want 10000, 5000, 5000", st.Balance, st.Charged, st.Left())
 	}
+	// The voucher at 6000 is signed ahead for the next request, and is not sent: the payer has signed 5000.
+	if st.Signed.Cmp(big.NewInt(5000)) != 0 {
+		t.Errorf("the payer says it signed up to %s, want the last voucher sent, 5000", st.Signed)
+	}
 	// The budget counts the deposit once, when it was signed; the vouchers spend from it.
 	if got := tr.Spent(testNetwork, testToken); got.Cmp(big.NewInt(10_000)) != 0 {
 		t.Errorf("Spent is %s, want the deposit, 10000", got)
