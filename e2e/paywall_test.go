@@ -43,6 +43,17 @@ const testWalletJS = `(() => {
   const announce = () => window.dispatchEvent(new CustomEvent("eip6963:announceProvider", { detail: Object.freeze({ info, provider }) }));
   window.addEventListener("eip6963:requestProvider", announce);
   announce();
+  // A page loaded with ?x402-test-spender=V has its offers' extra.spender set to V ("" removes it) as the
+  // page's script reads them: an offer naming no valid spender, which the script must refuse to sign.
+  const spender = new URLSearchParams(location.search).get("x402-test-spender");
+  if (spender !== null) {
+    const parse = JSON.parse;
+    JSON.parse = function (text, reviver) {
+      const v = parse.call(this, text, reviver);
+      if (v && Array.isArray(v.accepts)) v.accepts.forEach((a) => { if (a.extra) { if (spender === "") delete a.extra.spender; else a.extra.spender = spender; } });
+      return v;
+    };
+  }
 })();`
 
 // testWallet answers the page's wallet requests for the demo payer: accounts, chain (starting on another chain,
@@ -580,6 +591,16 @@ func TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransact
 	if err := json.Unmarshal([]byte(pageText(offerOf2612)), &offer2612); err != nil || offer2612.Index < 0 || !common.IsHexAddress(offer2612.Spender) {
 		t.Fatalf("the erc2612 page offers %+v (%v), want an erc2612 offer naming its spender", offer2612, err)
 	}
+	// An erc2612 offer whose spender is missing or the zero address: the page signs nothing (a permit lets its
+	// spender move the amount anywhere).
+	for i, spender := range []string{"", "0x0000000000000000000000000000000000000000"} {
+		wallet.mu.Lock()
+		wallet.chainID = 1
+		wallet.mu.Unlock()
+		refused(fmt.Sprintf("an erc2612 offer with spender %q", spender), "/permit?x402-test-spender="+spender, fmt.Sprintf(`button.x402-pay[data-offer="%d"]`, offer2612.Index),
+			fmt.Sprintf("paywall-err-%d-erc2612-no-spender.png", 7+i), nil, "names no wallet to spend its permit", "not signed")
+	}
+
 	wallet.mu.Lock()
 	wallet.signed, wallet.typed = nil, nil
 	wallet.mu.Unlock()
