@@ -43,6 +43,17 @@ const testWalletJS = `(() => {
   const announce = () => window.dispatchEvent(new CustomEvent("eip6963:announceProvider", { detail: Object.freeze({ info, provider }) }));
   window.addEventListener("eip6963:requestProvider", announce);
   announce();
+  // A page loaded with ?x402-test-spender=V has its offers' extra.spender set to V ("" removes it) as the
+  // page's script reads them: an offer naming no valid spender, which the script must refuse to sign.
+  const spender = new URLSearchParams(location.search).get("x402-test-spender");
+  if (spender !== null) {
+    const parse = JSON.parse;
+    JSON.parse = function (text, reviver) {
+      const v = parse.call(this, text, reviver);
+      if (v && Array.isArray(v.accepts)) v.accepts.forEach((a) => { if (a.extra) { if (spender === "") delete a.extra.spender; else a.extra.spender = spender; } });
+      return v;
+    };
+  }
 })();`
 
 // testWallet answers the page's wallet requests for the demo payer: accounts, chain (starting on another chain,
@@ -54,11 +65,17 @@ type testWallet struct {
 	onSign func(primaryType string)
 	key    *ecdsa.PrivateKey // whose wallet this is
 
-	mu      sync.Mutex
+	mu sync.Mutex
+	// refuse answers a method with this error instead of doing it (4001: the person refused); signer, when set,
+	// signs typed data in place of key while the wallet still claims key's address (a wallet whose signature is
+	// not the payer's).
+	refuse  map[string]walletError
+	signer  *ecdsa.PrivateKey
 	chainID uint64
-	known   map[uint64]bool // nil: every chain; else switching to another answers 4902
-	added   []addedChain    // what wallet_addEthereumChain was asked
-	signed  []string        // primary types (personal_sign for a message), in order
+	known   map[uint64]bool      // nil: every chain; else switching to another answers 4902
+	added   []addedChain         // what wallet_addEthereumChain was asked
+	signed  []string             // primary types (personal_sign for a message), in order
+	typed   []apitypes.TypedData // what eth_signTypedData_v4 signed, in order
 	methods []string
 }
 
@@ -94,10 +111,16 @@ func (w *testWallet) handle(ctx context.Context, arg string) (string, error) {
 	}
 	w.mu.Lock()
 	w.methods = append(w.methods, req.Method)
+	refused, isRefused := w.refuse[req.Method]
+	payer, signKey := w.key, w.key
+	if w.signer != nil {
+		signKey = w.signer
+	}
 	w.mu.Unlock()
-	w.mu.Lock()
-	payer := w.key
-	w.mu.Unlock()
+	if isRefused {
+		b, err := json.Marshal(walletAnswer{Error: &refused})
+		return string(b), err
+	}
 	from := crypto.PubkeyToAddress(payer.PublicKey)
 	answer := func(v any) (string, error) { b, err := json.Marshal(walletAnswer{Result: v}); return string(b), err }
 	switch req.Method {
@@ -175,13 +198,14 @@ func (w *testWallet) handle(ctx context.Context, arg string) (string, error) {
 		if w.onSign != nil {
 			w.onSign(td.PrimaryType)
 		}
-		sig, err := crypto.Sign(hash, payer)
+		sig, err := crypto.Sign(hash, signKey)
 		if err != nil {
 			return "", err
 		}
 		sig[64] += 27
 		w.mu.Lock()
 		w.signed = append(w.signed, td.PrimaryType)
+		w.typed = append(w.typed, td)
 		w.mu.Unlock()
 		return answer(hexutil.Encode(sig))
 	default:
@@ -236,6 +260,16 @@ func TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransact
 			respond "the metered report: paid content"
 		}
 	}
+	handle /permit {
+		x402 $0.01 {
+			pay_to %[3]s
+			description "The permit report"
+			accept {
+				asset_transfer_method erc2612
+			}
+		}
+		respond "the permit report: paid content"
+	}
 	handle /members {
 		x402 $0.01 {
 			pay_to %[3]s
@@ -275,7 +309,7 @@ func TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransact
 	defer cancelAlloc()
 	bctx, cancelBrowser := chromedp.NewContext(actx)
 	defer cancelBrowser()
-	shoot := func(name string) {
+	shootIn := func(bctx context.Context, name string) {
 		t.Helper()
 		png, err := chromedp.Run(bctx, chromedp.FullScreenshot(100))
 		if err != nil {
@@ -288,6 +322,7 @@ func TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransact
 		}
 		t.Logf("screenshot: %s", path)
 	}
+	shoot := func(name string) { t.Helper(); shootIn(bctx, name) }
 
 	wallet := &testWallet{t: t, chain: dev, chainID: 1, key: devchain.PayerKey()}
 	var once sync.Once
@@ -449,6 +484,155 @@ func TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransact
 		return v
 	}
 
+	// The errors a person meets, each said plainly, with nothing signed that should not be, no transaction sent
+	// and no balance moved.
+	refused := func(what string, path, selector, shot string, wantSigned []string, wantStatus ...string) {
+		t.Helper()
+		wallet.mu.Lock()
+		wallet.signed = nil
+		wallet.mu.Unlock()
+		before, head := dev.balance(seller), dev.head()
+		state, status := visit(path, selector, shot)
+		if state != "error" {
+			t.Errorf("%s: the page says %s: %q, want an error", what, state, status)
+		}
+		for _, want := range wantStatus {
+			if !strings.Contains(status, want) {
+				t.Errorf("%s: the page says %q, want it to say %q", what, status, want)
+			}
+		}
+		wallet.mu.Lock()
+		if strings.Join(wallet.signed, ",") != strings.Join(wantSigned, ",") {
+			t.Errorf("%s: the wallet signed %v, want %v", what, wallet.signed, wantSigned)
+		}
+		wallet.refuse, wallet.signer = nil, nil
+		wallet.mu.Unlock()
+		if d := delta(before, dev.balance(seller)); d.Sign() != 0 {
+			t.Errorf("%s: the seller's balance moved by %s", what, d)
+		}
+		if h := dev.head(); h != head {
+			t.Errorf("%s: transactions were sent: the head moved from block %d to %d", what, head, h)
+		}
+	}
+	permit2Button := fmt.Sprintf(`button.x402-pay[data-offer="%d"]`, idx)
+	refuse := func(method string, code int, message string) {
+		wallet.mu.Lock()
+		wallet.refuse = map[string]walletError{method: {Code: code, Message: message}}
+		wallet.mu.Unlock()
+	}
+
+	// No wallet at all: a tab without the injected wallet.
+	wallet.mu.Lock()
+	wallet.signed = nil
+	wallet.mu.Unlock()
+	{
+		tab, cancelTab := chromedp.NewContext(bctx)
+		if err := chromedp.Do(tab, chromedp.Navigate(gateURL+"/report")); err != nil {
+			t.Fatalf("a tab without a wallet loading the paywall: %v", err)
+		}
+		before, head := dev.balance(seller), dev.head()
+		if _, err := chromedp.Run(tab, chromedp.Evaluate[bool](`(window.ethereum === undefined) && (document.querySelector("button.x402-pay").click() || true)`)); err != nil {
+			t.Fatalf("clicking pay without a wallet: %v", err)
+		}
+		state, err := chromedp.Run(tab, chromedp.Poll[string](`(() => { const s = document.getElementById("x402-status").getAttribute("data-state"); return s === "paid" || s === "error" ? s : null; })()`,
+			chromedp.WithPollingTimeout(15*time.Second)))
+		status, _ := chromedp.Run(tab, chromedp.Evaluate[string](`document.getElementById("x402-status").textContent`))
+		shootIn(tab, "paywall-err-1-no-wallet.png")
+		if err != nil || state != "error" || !strings.Contains(status, "No browser wallet was found") {
+			t.Errorf("no wallet: the page says %q (%v): %q, want that no browser wallet was found", state, err, status)
+		}
+		if d := delta(before, dev.balance(seller)); d.Sign() != 0 || dev.head() != head {
+			t.Errorf("no wallet: the seller's balance moved by %s or the head moved", d)
+		}
+		cancelTab()
+		wallet.mu.Lock()
+		if len(wallet.signed) != 0 {
+			t.Errorf("the page without a wallet reached the test wallet: %v", wallet.signed)
+		}
+		wallet.mu.Unlock()
+	}
+	refuse("eth_requestAccounts", 4001, "User rejected the request.")
+	refused("refusing to connect", "/report", permit2Button, "paywall-err-2-refused-connect.png", nil,
+		"You declined to connect your wallet", "Nothing was charged")
+	refuse("eth_signTypedData_v4", 4001, "User rejected the request.")
+	refused("refusing to sign", "/report", permit2Button, "paywall-err-3-refused-sign.png", nil,
+		"You refused to sign the payment", "Nothing was charged")
+	wallet.mu.Lock()
+	wallet.chainID = 1
+	wallet.mu.Unlock()
+	refuse("wallet_switchEthereumChain", 4001, "User rejected the request.")
+	refused("refusing to switch chain", "/report", permit2Button, "paywall-err-4-refused-switch.png", nil,
+		"You declined to switch your wallet to "+facts.Network, "Nothing was charged")
+	refuse("wallet_switchEthereumChain", -32603, "the wallet is busy")
+	refused("failing to switch chain", "/report", permit2Button, "paywall-err-5-failed-switch.png", nil,
+		"did not switch to "+facts.Network, "the wallet is busy", "Nothing was charged")
+	wallet.mu.Lock()
+	wallet.chainID = 1 // the page switches it on the next payment
+	if wallet.signer, err = crypto.GenerateKey(); err != nil {
+		t.Fatal(err)
+	}
+	wallet.mu.Unlock()
+	// A wallet whose signature is not the payer's: the facilitator refuses it, and the page shows the HTTP status
+	// and the facilitator's reason.
+	refused("a signature not the payer's", "/report", fmt.Sprintf(`button.x402-pay[data-offer="%d"]`, idx3009), "paywall-err-6-facilitator-refused.png",
+		[]string{"TransferWithAuthorization"}, "The payment was refused (HTTP 402)", "invalid_exact_evm_signature", "the signature is not "+crypto.PubkeyToAddress(devchain.PayerKey().PublicKey).Hex(), "Nothing was charged")
+
+	// An erc2612 offer: the page signs one EIP-2612 permit of exactly the price to the offer's spender (the
+	// facilitator's settlement wallet) with the token's nonce, and the seller gets exactly the price.
+	if err := chromedp.Do(bctx, chromedp.Navigate(gateURL+"/permit")); err != nil {
+		t.Fatalf("Chromium loading the erc2612 paywall: %v", err)
+	}
+	offerOf2612 := `JSON.stringify((() => { const a = JSON.parse(document.getElementById("x402-payment-required").textContent).accepts; const i = a.findIndex(r => r.extra && r.extra.assetTransferMethod === "erc2612"); return { index: i, spender: i < 0 ? "" : a[i].extra.spender || "", amount: i < 0 ? "" : a[i].amount }; })())`
+	var offer2612 struct {
+		Index   int    `json:"index"`
+		Spender string `json:"spender"`
+		Amount  string `json:"amount"`
+	}
+	if err := json.Unmarshal([]byte(pageText(offerOf2612)), &offer2612); err != nil || offer2612.Index < 0 || !common.IsHexAddress(offer2612.Spender) {
+		t.Fatalf("the erc2612 page offers %+v (%v), want an erc2612 offer naming its spender", offer2612, err)
+	}
+	// An erc2612 offer whose spender is missing or the zero address: the page signs nothing (a permit lets its
+	// spender move the amount anywhere).
+	for i, spender := range []string{"", "0x0000000000000000000000000000000000000000"} {
+		wallet.mu.Lock()
+		wallet.chainID = 1
+		wallet.mu.Unlock()
+		refused(fmt.Sprintf("an erc2612 offer with spender %q", spender), "/permit?x402-test-spender="+spender, fmt.Sprintf(`button.x402-pay[data-offer="%d"]`, offer2612.Index),
+			fmt.Sprintf("paywall-err-%d-erc2612-no-spender.png", 7+i), nil, "names no wallet to spend its permit", "not signed")
+	}
+
+	wallet.mu.Lock()
+	wallet.signed, wallet.typed = nil, nil
+	wallet.mu.Unlock()
+	payerAddr := crypto.PubkeyToAddress(devchain.PayerKey().PublicKey)
+	before, head := dev.balance(seller), dev.head()
+	state, status = visit("/permit", fmt.Sprintf(`button.x402-pay[data-offer="%d"]`, offer2612.Index), "paywall-9-paid-erc2612.png")
+	if state != "paid" || !strings.Contains(status, "Transaction 0x") {
+		t.Fatalf("paying the erc2612 offer: %s: %q, want paid with its transaction; the wallet saw %v", state, status, wallet.methods)
+	}
+	// Each 402 names the next settlement wallet: the spender is the one of the page the person paid on.
+	if err := json.Unmarshal([]byte(pageText(offerOf2612)), &offer2612); err != nil {
+		t.Fatalf("reading the paid page's erc2612 offer: %v", err)
+	}
+	if content := pageText(`document.getElementById("x402-paid").textContent`); content != "the permit report: paid content" {
+		t.Errorf("the erc2612 content on the page is %q", content)
+	}
+	if d := delta(before, dev.balance(seller)); d.Cmp(big.NewInt(asyncPrice)) != 0 {
+		t.Errorf("the seller's balance moved by %s for the erc2612 payment, want exactly the price %d", d, asyncPrice)
+	}
+	if dev.head() == head {
+		t.Errorf("the erc2612 payment sent no transaction")
+	}
+	wallet.mu.Lock()
+	if strings.Join(wallet.signed, ",") != "Permit" || len(wallet.typed) != 1 {
+		t.Errorf("the wallet signed %v for the erc2612 offer, want one Permit", wallet.signed)
+	} else if m, d := wallet.typed[0].Message, wallet.typed[0].Domain; !strings.EqualFold(fmt.Sprint(m["spender"]), offer2612.Spender) ||
+		fmt.Sprint(m["value"]) != offer2612.Amount || !strings.EqualFold(fmt.Sprint(m["owner"]), payerAddr.Hex()) ||
+		!strings.EqualFold(d.VerifyingContract, devchain.TokenAddress.Hex()) || fmt.Sprintf("eip155:%s", (*big.Int)(d.ChainId)) != facts.Network {
+		t.Errorf("the permit signed was %v under %+v; want exactly %s to %s of the dev chain's token on %s", m, d, offer2612.Amount, offer2612.Spender, facts.Network)
+	}
+	wallet.mu.Unlock()
+
 	// An upto route, paid from a wallet that knows no chain but mainnet: the page shows the maximum as "up to",
 	// adds the dev chain to the wallet (wallet_addEthereumChain with the dev chain's RPC URL), signs the upto
 	// authorization (the witness names the facilitator wallet) and shows what was charged. The seller gets
@@ -509,7 +693,7 @@ func TestAPersonPaysThePaywallFromABrowserWalletAndSeesTheContentWithTheTransact
 	wallet.mu.Lock()
 	wallet.signed = nil
 	wallet.mu.Unlock()
-	before, head := dev.balance(seller), dev.head()
+	before, head = dev.balance(seller), dev.head()
 	state, status = visit("/members", `button.x402-signin`, "paywall-8-signed-in.png")
 	if state != "paid" || !strings.Contains(status, "Signed in as") {
 		t.Fatalf("signing in on the members' route: %s: %q, want signed in", state, status)

@@ -37,7 +37,7 @@ type PaywallRow struct {
 	Network, Asset, Method, PayTo string
 	Index                         int   // in the offer's accepts, which the script signs (data-offer)
 	Decimals                      uint8 // of the asset, for the script's messages (data-decimals)
-	Payable                       bool  // the script can sign it (exact by eip3009 or permit2, upto by permit2)
+	Payable                       bool  // the script can sign it (exact by eip3009, permit2 or erc2612 naming a spender, upto by permit2)
 }
 
 // PaywallData is what the paywall page's template is given, the built-in one or a user's own.
@@ -110,6 +110,7 @@ func (x *exchange) writePaywall(pr x402.PaymentRequired) error {
 		}
 		method := req.Extra.AssetTransferMethod
 		row.Payable = req.Scheme == x402.SchemeExact && (method == x402.TransferPermit2 || method == x402.TransferEIP3009 || method == "") ||
+			req.Scheme == x402.SchemeExact && method == x402.TransferERC2612 && x402.IsHexAddress(req.Extra.Spender) ||
 			req.Scheme == x402.SchemeUpto && method == x402.TransferPermit2 && x402.IsHexAddress(req.Extra.FacilitatorAddress)
 		if !slices.Contains(prices, row.Amount) {
 			prices = append(prices, row.Amount)

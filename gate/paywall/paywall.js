@@ -1,6 +1,6 @@
 // The paywall's wallet script: connects an EIP-1193 wallet (EIP-6963 discovery, else window.ethereum), switches
 // to the offer's chain (adding it when the wallet does not know it), signs the offer's payment with
-// eth_signTypedData_v4 as the Go payer builds it (exact by eip3009 or permit2, upto by permit2), retries this URL
+// eth_signTypedData_v4 as the Go payer builds it (exact by eip3009, permit2 or erc2612, upto by permit2), retries this URL
 // with the payment header and shows what was bought with its settlement transaction; or, where the route grants
 // access, signs the sign-in-with-x message (personal_sign) and retries with SIGN-IN-WITH-X.
 //
@@ -83,7 +83,8 @@
       chainId: chainId, verifyingContract: req.asset };
   }
 
-  // payload signs req as the Go payer (chain.SignEIP3009Payment, chain.SignPermit2Payment, chain.AddGasSponsoring).
+  // payload signs req as the Go payer (chain.SignEIP3009Payment, chain.SignERC2612Payment, chain.SignPermit2Payment,
+  // chain.AddGasSponsoring).
   async function payload(eth, from, req, chainId) {
     var method = (req.extra && req.extra.assetTransferMethod) || "eip3009";
     var now = Math.floor(Date.now() / 1000);
@@ -100,6 +101,22 @@
         { name: "validAfter", type: "uint256" }, { name: "validBefore", type: "uint256" }, { name: "nonce", type: "bytes32" }] },
         primaryType: "TransferWithAuthorization", domain: tokenDomain(req, chainId), message: auth });
       out.payload.authorization = auth;
+      return out;
+    }
+    if (method === "erc2612") {
+      // An EIP-2612 permit lets its spender move the amount anywhere: only to a named wallet (the facilitator's
+      // settlement wallet, extra.spender), of exactly the offer's amount of the offer's token, on its chain.
+      if (req.scheme !== "exact") fail("This page cannot sign a " + req.scheme + "/erc2612 payment; use an x402 client.");
+      var permitSpender = req.extra && req.extra.spender;
+      if (!isAddress(permitSpender) || /^0x0{40}$/.test(permitSpender)) fail("The erc2612 offer names no wallet to spend its permit: not signed.");
+      if (!/^\d+$/.test(String(req.amount)) || BigInt(req.amount) === 0n) fail("The erc2612 offer names no amount: not signed.");
+      var tokenNonce = await call(eth, req.asset, "0x7ecebe00" + word(from));
+      var erc = { owner: from, spender: permitSpender, value: String(req.amount), nonce: tokenNonce.toString(), deadline: deadline };
+      out.payload.signature = await sign(eth, from, { types: { EIP712Domain: tokenDomainTypes, Permit: [{ name: "owner", type: "address" },
+        { name: "spender", type: "address" }, { name: "value", type: "uint256" }, { name: "nonce", type: "uint256" },
+        { name: "deadline", type: "uint256" }] }, primaryType: "Permit", domain: tokenDomain(req, chainId), message: erc });
+      out.payload.authorization = { from: from, to: permitSpender, value: erc.value, validAfter: validAfter, validBefore: deadline,
+        nonce: erc.nonce };
       return out;
     }
     if (method !== "permit2" || (req.scheme !== "exact" && req.scheme !== "upto")) fail("This page cannot sign a " + req.scheme + "/" + method + " payment; use an x402 client.");
@@ -166,14 +183,19 @@
     }
   }
 
+  // refusal says why the gate refused a payment: the HTTP status and the reason its body names (the 402's error,
+  // the facilitator's reason and message), and whether anything was charged.
   async function refusal(resp) {
-    var why = "";
+    var why = "", after = "";
     try {
       var body = await resp.json();
       why = body.error || body.invalidReason || body.errorReason || "";
       if (body.invalidMessage) why += ": " + body.invalidMessage;
+      if (typeof body.retry === "string" && body.retry) after = " " + body.retry.charAt(0).toUpperCase() + body.retry.slice(1) + ".";
     } catch (e) { why = ""; }
-    return "The payment was refused (HTTP " + resp.status + ")" + (why ? ": " + why : "") + ".";
+    // A 402 or 400 answers a payment that was not taken: nothing moved.
+    if (!after && (resp.status === 402 || resp.status === 400)) after = " Nothing was charged.";
+    return "The payment was refused (HTTP " + resp.status + ")" + (why ? ": " + String(why).replace(/[.\s]+$/, "") : "") + "." + after;
   }
 
   // connect asks the wallet for its account.
@@ -203,7 +225,9 @@
       await eth.request({ method: "wallet_switchEthereumChain", params: [{ chainId: hex(chainId) }] });
     } catch (e) {
       if (!(e && (e.code === 4902 || (e.data && e.data.originalError && e.data.originalError.code === 4902)))) {
-        fail("Your wallet is on another network and did not switch to " + network + " (chain " + chainId + ").");
+        if (e && e.code === 4001) fail("You declined to switch your wallet to " + network + " (chain " + chainId + "). Nothing was charged.");
+        fail("Your wallet is on another network and did not switch to " + network + " (chain " + chainId + ")" +
+          (e && e.message ? ": " + e.message : "") + ". Nothing was charged.");
       }
       var add = chains[network];
       if (!add) fail("Your wallet does not know the network " + network + " (chain " + chainId + ") and this site names no RPC URL for it. Add it to your wallet, then pay again.");
