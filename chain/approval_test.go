@@ -867,3 +867,44 @@ func TestASponsoredApprovalsSettlementIsSimulatedAgainOnAHeadThatHoldsTheApprova
 	}
 	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
 }
+
+// A payment verified while nothing held its sponsored approval, settled after another payment carrying the same
+// approval was held, with a balance that covers one of them only (a gate settling after its upstream; the
+// money-invariant run: two payments of one payer presented at once after an RPC fault): the settlement sends
+// nothing and is no refusal (the payer was told 402 after its upstream had run), since the payment may still be
+// good once the other settled. Nothing is funded or sent for it.
+func TestASettlementMeetingItsApprovalHeldByAnotherPaymentSendsNothingAndIsNoRefusal(t *testing.T) {
+	fx := newFixture(t, fixtureOpts{receiptTimeout: time.Minute,
+		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune:      func(_ *fixture, nc *chain.NetworkConfig) { nc.ApprovalSponsoring = &chain.ApprovalSponsoring{} }})
+	ctx := context.Background()
+	payer := fx.c.PayerNoGas
+	rq := fx.requirements(x402.TransferPermit2)
+	// Each payment takes more than half the payer's balance: the two cannot both be held.
+	rq.Amount = new(big.Int).Add(new(big.Int).Div(fx.c.TokenBalance(payer.Address), big.NewInt(2)), big.NewInt(1)).String()
+	sponsored := func() x402.VerifyRequest {
+		req := fx.permit2(payer, rq, chain.Permit2Options{})
+		if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fx.approvalFees()); err != nil {
+			t.Fatal(err)
+		}
+		return req
+	}
+	first, second := sponsored(), sponsored()
+	if v := fx.verify(second); !v.IsValid {
+		t.Fatalf("verify of the second while nothing holds its approval = %+v, want valid", v)
+	}
+	if v, err := fx.f.VerifyAndHold(ctx, first); err != nil || !v.IsValid {
+		t.Fatalf("verify and hold of the first = %+v, %v; want valid", v, err)
+	}
+	funded := fx.f.ApprovalFunding(fx.net)
+	s, err := fx.f.Settle(ctx, second)
+	if err == nil || s.Success || s.ErrorReason != "" || !strings.Contains(err.Error(), "nothing was sent") {
+		t.Fatalf("settle of the second while the first holds its approval = %+v, %v; want nothing sent and an error saying so, no refusal", s, err)
+	}
+	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 || fx.c.TxCount(payer.Address) != 0 {
+		t.Fatalf("the second's settlement funded the payer (%s wei, then %s) or sent its approval (%d transactions of the payer's)", funded, got, fx.c.TxCount(payer.Address))
+	}
+	if s, err := fx.f.Settle(ctx, first); err != nil || !s.Success {
+		t.Fatalf("settle of the first = %+v, %v; want success", s, err)
+	}
+}

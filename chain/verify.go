@@ -299,7 +299,7 @@ func (p *payment) approvalHeldAlone(ctx context.Context) (*refusal, error) {
 	if err := p.net.funds.let(p.id); err != nil {
 		return nil, fmt.Errorf("letting go of the hold of a payment whose approval another payment carries: %w", err)
 	}
-	return p.permitInFlight(), nil
+	return p.permitInFlight(fundsHold)
 }
 
 // checkSender refuses a payment whose settlement this process cannot send now: one bound to a settlement wallet
@@ -1063,7 +1063,7 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 	if held, err := n.funds.permitInUse(ctx, p); err != nil {
 		return nil, err
 	} else if held {
-		return p.permitInFlight(), nil
+		return p.permitInFlight(use)
 	}
 	// The head checkTime used may be a cached one older than the state the simulation just saw: read at the
 	// newest block, so that the read and the holds it is compared with agree on what the chain shows.
@@ -1089,7 +1089,7 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 		return nil, nil
 	case permitHeld:
 		// Held meanwhile by a concurrent payment with the same permit.
-		return p.permitInFlight(), nil
+		return p.permitInFlight(use)
 	case p.method == x402.TransferEIP3009:
 		return refuse(x402.ReasonEIP3009InsufficientBalance, "payer %s has %s at block %s, but payments to this facilitator that are not settled yet hold part of it, leaving %s: below the required amount %s; wait for them to settle or top up",
 			p.payer.Hex(), balance, block, left, p.amount), nil
@@ -1141,17 +1141,26 @@ func (p *payment) readFunds(ctx context.Context, block *big.Int) (balance, allow
 // a permit2 payment with a gas-sponsoring permit). The reason is the one the chain gives the same permit once
 // that settlement lands (its nonce is then no longer the token's next), so the answer does not depend on the
 // moment it is asked; insufficient_funds would mislead a payer whose balance covers both payments.
-func (p *payment) permitInFlight() *refusal {
+//
+// A sponsored approval is the exception at settlement: the payment itself stays good (the allowance the other
+// payment's approval sets pays it), so a settlement that meets it sends nothing and says to present the payment
+// again, as for an approval waiting behind the payer's pending one (checkApproval), and is no refusal. A payment
+// verified while nothing held the approval, settled after another payment carrying it was held (the money-invariant
+// run: two payments of one payer presented at once after an RPC fault), was told 402 after its upstream had run.
+func (p *payment) permitInFlight(use fundsUse) (*refusal, error) {
 	const other = "the token nonce of the EIP-2612 permit of another payment to this facilitator that is not settled yet (an erc2612 payment, or a gas-sponsoring permit), which spends it; wait for that payment to settle, then sign again with the token's next nonce"
 	if p.method == x402.TransferERC2612 {
-		return refuse(x402.ReasonNonceAlreadyUsed, "permit nonce %s of %s is %s", p.permit.Nonce, p.payer.Hex(), other)
+		return refuse(x402.ReasonNonceAlreadyUsed, "permit nonce %s of %s is %s", p.permit.Nonce, p.payer.Hex(), other), nil
 	}
 	if p.approval != nil {
-		return refuse(x402.ReasonERC20ApprovalTxWrongNonce, "the approval of %s (erc20ApprovalGasSponsoring) is carried by another payment to this facilitator that is not settled yet, which sends it; wait for that payment to settle (the allowance it sets then pays this one)",
-			p.payer.Hex())
+		const carried = "the approval of %s (erc20ApprovalGasSponsoring) is carried by another payment to this facilitator that is not settled yet, which sends it"
+		if use == fundsSettle {
+			return nil, fmt.Errorf("nothing was sent: %w: "+carried+"; the allowance it sets pays this payment once it mined: present it again then", errNodeNotAsked, p.payer.Hex())
+		}
+		return refuse(x402.ReasonERC20ApprovalTxWrongNonce, carried+"; wait for that payment to settle (the allowance it sets then pays this one)", p.payer.Hex()), nil
 	}
 	return refuse(x402.ReasonInvalidEIP2612ExtensionFormat, "eip2612GasSponsoring.info.nonce %s of %s is %s (or approve Permit2)",
-		p.sponsor.permit.Nonce, p.payer.Hex(), other)
+		p.sponsor.permit.Nonce, p.payer.Hex(), other), nil
 }
 
 // simulate runs the payment's first settlement call as an eth_call standing for its transaction (see
