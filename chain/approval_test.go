@@ -908,3 +908,40 @@ func TestASettlementMeetingItsApprovalHeldByAnotherPaymentSendsNothingAndIsNoRef
 		t.Fatalf("settle of the first = %+v, %v; want success", s, err)
 	}
 }
+
+// The same with a balance that covers both payments: the settlement of the second, while the first holds the
+// approval both carry, still sends nothing (before, the funds covered it and it funded the payer and sent the
+// approval the first sends: the money-invariant run, scarce, saw a payer sent gas money twice for one approval).
+func TestASettlementMeetingItsApprovalHeldByAnotherPaymentFundsNothingWhenTheBalanceCoversBoth(t *testing.T) {
+	fx := newFixture(t, fixtureOpts{receiptTimeout: time.Minute,
+		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune:      func(_ *fixture, nc *chain.NetworkConfig) { nc.ApprovalSponsoring = &chain.ApprovalSponsoring{} }})
+	ctx := context.Background()
+	payer := fx.c.PayerNoGas
+	first, _ := fx.sponsoredPermit2(payer)
+	second := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	second.PaymentPayload.Extensions = first.PaymentPayload.Extensions
+	if v := fx.verify(second); !v.IsValid {
+		t.Fatalf("verify of the second while nothing holds its approval = %+v, want valid", v)
+	}
+	if v, err := fx.f.VerifyAndHold(ctx, first); err != nil || !v.IsValid {
+		t.Fatalf("verify and hold of the first = %+v, %v; want valid", v, err)
+	}
+	funded := fx.f.ApprovalFunding(fx.net)
+	s, err := fx.f.Settle(ctx, second)
+	if err == nil || s.Success || s.ErrorReason != "" || !strings.Contains(err.Error(), "nothing was sent") {
+		t.Fatalf("settle of the second while the first holds its approval = %+v, %v; want nothing sent and an error saying so", s, err)
+	}
+	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 || fx.c.TxCount(payer.Address) != 0 {
+		t.Fatalf("the second's settlement funded the payer (%s wei, then %s) or sent its approval (%d transactions of the payer's)", funded, got, fx.c.TxCount(payer.Address))
+	}
+	if s, err := fx.f.Settle(ctx, first); err != nil || !s.Success {
+		t.Fatalf("settle of the first = %+v, %v; want success", s, err)
+	}
+	if s, err := fx.f.Settle(ctx, second); err != nil || !s.Success {
+		t.Fatalf("settle of the second once the first settled = %+v, %v; want success with the allowance the first's approval set", s, err)
+	}
+	if got := fx.f.ApprovalFunding(fx.net); fx.c.TxCount(payer.Address) != 1 || got.Cmp(funded) <= 0 {
+		t.Fatalf("after both: the payer sent %d transactions (want its one approval), funding %s then %s", fx.c.TxCount(payer.Address), funded, got)
+	}
+}

@@ -1053,17 +1053,20 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 	if n.funds.simulationSuffices(p, use) {
 		return nil, nil
 	}
+	// A permit (or sponsored approval) another held payment carries is looked for before the funds: a balance
+	// that covers both would otherwise let this settlement send what the other sends (the money-invariant run,
+	// scarce: two first payments of a payer at two gateways, the payer sent gas money for its approval twice).
+	if held, err := n.funds.permitInUse(ctx, p); err != nil {
+		return nil, err
+	} else if held {
+		return p.permitInFlight(use)
+	}
 	if use == fundsSettle && n.funds.ttl > 0 {
 		if ok, _, _, err := n.funds.check(ctx, p, p.head.Time, nil, use); err != nil {
 			return nil, err
 		} else if ok {
 			return nil, nil
 		}
-	}
-	if held, err := n.funds.permitInUse(ctx, p); err != nil {
-		return nil, err
-	} else if held {
-		return p.permitInFlight(use)
 	}
 	// The head checkTime used may be a cached one older than the state the simulation just saw: read at the
 	// newest block, so that the read and the holds it is compared with agree on what the chain shows.
