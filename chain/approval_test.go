@@ -868,20 +868,21 @@ func TestASponsoredApprovalsSettlementIsSimulatedAgainOnAHeadThatHoldsTheApprova
 	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
 }
 
-// A payment verified while nothing held its sponsored approval, settled after another payment carrying the same
-// approval was held, with a balance that covers one of them only (a gate settling after its upstream; the
-// money-invariant run: two payments of one payer presented at once after an RPC fault): the settlement sends
-// nothing and is no refusal (the payer was told 402 after its upstream had run), since the payment may still be
-// good once the other settled. Nothing is funded or sent for it.
-func TestASettlementMeetingItsApprovalHeldByAnotherPaymentSendsNothingAndIsNoRefusal(t *testing.T) {
+// settleWhileApprovalHeld makes two payments of one payer carrying the same sponsored approval, of amount each ("":
+// the fixture's price), verifies the second while nothing holds the approval, holds the first, and settles the
+// second: it must send nothing, fund nothing and be no refusal (an error saying nothing was sent). It returns the
+// fixture, both payments and the approval funding before the second's settlement.
+func settleWhileApprovalHeld(t *testing.T, amount func(*fixture) string) (*fixture, x402.VerifyRequest, x402.VerifyRequest, *big.Int) {
+	t.Helper()
 	fx := newFixture(t, fixtureOpts{receiptTimeout: time.Minute,
 		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
 		tune:      func(_ *fixture, nc *chain.NetworkConfig) { nc.ApprovalSponsoring = &chain.ApprovalSponsoring{} }})
 	ctx := context.Background()
 	payer := fx.c.PayerNoGas
 	rq := fx.requirements(x402.TransferPermit2)
-	// Each payment takes more than half the payer's balance: the two cannot both be held.
-	rq.Amount = new(big.Int).Add(new(big.Int).Div(fx.c.TokenBalance(payer.Address), big.NewInt(2)), big.NewInt(1)).String()
+	if amount != nil {
+		rq.Amount = amount(fx)
+	}
 	sponsored := func() x402.VerifyRequest {
 		req := fx.permit2(payer, rq, chain.Permit2Options{})
 		if err := chain.AddApprovalSponsoring(&req.PaymentPayload, payer.Key, fx.c.ChainID, fx.approvalFees()); err != nil {
@@ -907,41 +908,31 @@ func TestASettlementMeetingItsApprovalHeldByAnotherPaymentSendsNothingAndIsNoRef
 	if s, err := fx.f.Settle(ctx, first); err != nil || !s.Success {
 		t.Fatalf("settle of the first = %+v, %v; want success", s, err)
 	}
+	return fx, first, second, funded
+}
+
+// A payment verified while nothing held its sponsored approval, settled after another payment carrying the same
+// approval was held, with a balance that covers one of them only (a gate settling after its upstream; the
+// money-invariant run: two payments of one payer presented at once after an RPC fault): the settlement sends
+// nothing and is no refusal (the payer was told 402 after its upstream had run), since the payment may still be
+// good once the other settled. Nothing is funded or sent for it.
+func TestASettlementMeetingItsApprovalHeldByAnotherPaymentSendsNothingAndIsNoRefusal(t *testing.T) {
+	// Each payment takes more than half the payer's balance: the two cannot both be held.
+	settleWhileApprovalHeld(t, func(fx *fixture) string {
+		return new(big.Int).Add(new(big.Int).Div(fx.c.TokenBalance(fx.c.PayerNoGas.Address), big.NewInt(2)), big.NewInt(1)).String()
+	})
 }
 
 // The same with a balance that covers both payments: the settlement of the second, while the first holds the
 // approval both carry, still sends nothing (before, the funds covered it and it funded the payer and sent the
 // approval the first sends: the money-invariant run, scarce, saw a payer sent gas money twice for one approval).
+// Once the first settled, the second pays with the allowance its approval set.
 func TestASettlementMeetingItsApprovalHeldByAnotherPaymentFundsNothingWhenTheBalanceCoversBoth(t *testing.T) {
-	fx := newFixture(t, fixtureOpts{receiptTimeout: time.Minute,
-		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
-		tune:      func(_ *fixture, nc *chain.NetworkConfig) { nc.ApprovalSponsoring = &chain.ApprovalSponsoring{} }})
-	ctx := context.Background()
-	payer := fx.c.PayerNoGas
-	first, _ := fx.sponsoredPermit2(payer)
-	second := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
-	second.PaymentPayload.Extensions = first.PaymentPayload.Extensions
-	if v := fx.verify(second); !v.IsValid {
-		t.Fatalf("verify of the second while nothing holds its approval = %+v, want valid", v)
-	}
-	if v, err := fx.f.VerifyAndHold(ctx, first); err != nil || !v.IsValid {
-		t.Fatalf("verify and hold of the first = %+v, %v; want valid", v, err)
-	}
-	funded := fx.f.ApprovalFunding(fx.net)
-	s, err := fx.f.Settle(ctx, second)
-	if err == nil || s.Success || s.ErrorReason != "" || !strings.Contains(err.Error(), "nothing was sent") {
-		t.Fatalf("settle of the second while the first holds its approval = %+v, %v; want nothing sent and an error saying so", s, err)
-	}
-	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 || fx.c.TxCount(payer.Address) != 0 {
-		t.Fatalf("the second's settlement funded the payer (%s wei, then %s) or sent its approval (%d transactions of the payer's)", funded, got, fx.c.TxCount(payer.Address))
-	}
-	if s, err := fx.f.Settle(ctx, first); err != nil || !s.Success {
-		t.Fatalf("settle of the first = %+v, %v; want success", s, err)
-	}
-	if s, err := fx.f.Settle(ctx, second); err != nil || !s.Success {
+	fx, _, second, funded := settleWhileApprovalHeld(t, nil)
+	if s, err := fx.f.Settle(context.Background(), second); err != nil || !s.Success {
 		t.Fatalf("settle of the second once the first settled = %+v, %v; want success with the allowance the first's approval set", s, err)
 	}
-	if got := fx.f.ApprovalFunding(fx.net); fx.c.TxCount(payer.Address) != 1 || got.Cmp(funded) <= 0 {
-		t.Fatalf("after both: the payer sent %d transactions (want its one approval), funding %s then %s", fx.c.TxCount(payer.Address), funded, got)
+	if got := fx.f.ApprovalFunding(fx.net); fx.c.TxCount(fx.c.PayerNoGas.Address) != 1 || got.Cmp(funded) <= 0 {
+		t.Fatalf("after both: the payer sent %d transactions (want its one approval), funding %s then %s", fx.c.TxCount(fx.c.PayerNoGas.Address), funded, got)
 	}
 }
