@@ -634,8 +634,10 @@ func TestARecordedFundingOfASponsoredApprovalThatMinedWithoutItIsNeverSent(t *te
 	// The approval mines without the recorded gas money: the payer got ether elsewhere and sent it.
 	cost := new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap)
 	fx.c.SendETH(fx.c.Payers[2], payer.Address, cost)
+	// Reconciliation may send the payer's signed approval itself once the payer holds the gas for it: the node
+	// then knows it already (CI, 8246960), the same transaction either way.
 	approval := approvalOf(t, req)
-	if err := fx.c.Client.SendTransaction(ctx, approval); err != nil {
+	if err := fx.c.Client.SendTransaction(ctx, approval); err != nil && !strings.Contains(err.Error(), "already known") {
 		t.Fatal(err)
 	}
 	receipt, err := fx.c.CommitUntilIncluded(ctx, approval.Hash())
