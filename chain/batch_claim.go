@@ -339,11 +339,24 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 	if !wait {
 		return nil
 	}
-	// Waited for as long as a settlement is; not mined by then, the next pass looks it up.
+	// Waited for as long as a settlement is; not mined by then, the next pass looks it up. A node that lost the
+	// claim (answered the send and never held it) is given the same signed transaction again every
+	// claimLookupEvery: waiting out the whole wait for a transaction the node does not have only delays the
+	// claim and keeps its broadcast record in the journal's backlog (the money-invariant run: a drain that ran out
+	// with a claim the node never had).
 	deadline := time.Now().Add(n.timeout)
+	lookup := time.Now().Add(claimLookupEvery)
 	for time.Now().Before(deadline) {
 		if done, err := f.claimOutcome(ctx, n, chs, hash); done || err != nil {
 			return err
+		}
+		if time.Now().After(lookup) {
+			lookup = time.Now().Add(claimLookupEvery)
+			if known, err := n.sender.known(ctx, txs[0]); err == nil && !known {
+				err := n.sender.rebroadcast(ctx, txs[0])
+				f.log.Warn("the node did not hold a batch-settlement claim it was sent; sent it again", zap.String("network", n.caip2),
+					zap.String("tx", hash.Hex()), zap.Uint64("nonce", txs[0].Nonce()), zap.NamedError("resend_error", err))
+			}
 		}
 		select {
 		case <-ctx.Done():
@@ -354,6 +367,10 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 	f.warnClaimNotMined(ctx, n, w.Address, txs[0])
 	return nil
 }
+
+// claimLookupEvery is how often a claim awaited and not mined is looked up at the node, and sent again when the
+// node does not hold it.
+const claimLookupEvery = 2 * time.Second
 
 // warnClaimNotMined says what the chain shows of a claim transaction not mined within the receipt wait: the
 // wallet's mined and pending nonces against the claim's, the claim's fee cap against the head's base fee.

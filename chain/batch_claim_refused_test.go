@@ -60,3 +60,52 @@ func TestABatchClaimTheNodeRefusedLeavesNothingPending(t *testing.T) {
 		t.Errorf("the journal holds %s pending: state %s, tx %s", rec.ID, rec.State, rec.TxHash)
 	}
 }
+
+// TestABatchClaimTheNodeLostIsSentAgainWithinItsWait: the node answers the claim's send and never holds the
+// transaction (dropped from its pool, or lost behind a proxy): the engine's claim pass, waiting for the receipt,
+// looks the claim up and gives the node the same signed transaction again, so it mines long before the wait is
+// over, once. Before, the pass waited out the whole wait (30 s here) and only the next pass sent it again: the
+// money-invariant run's drain ran out with a claim in the journal's backlog that the node never had (topology
+// one, seed 1795852080991833810).
+func TestABatchClaimTheNodeLostIsSentAgainWithinItsWait(t *testing.T) {
+	var losing atomic.Bool
+	var sent atomic.Int64
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second,
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+			nc.BatchClaimEvery = 3 // the engine's own pass claims, and waits for the receipt
+			nc.Backend = sendFault{Backend: nc.Backend, send: func(ctx context.Context, tx *types.Transaction) error {
+				if losing.Load() && sent.Add(1) == 1 {
+					return nil // answered as taken, never held
+				}
+				return fx.c.Client.SendTransaction(ctx, tx)
+			}}
+		}})
+	b.deposit(t, 30*batchPrice)
+	before := b.sentBy(t, b.fx.c.Wallets)
+	losing.Store(true)
+	start := time.Now()
+	for i := int64(1); i <= 3; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	for b.c.BalanceOf(b.token, b.receiver.Address).Int64() != 3*batchPrice {
+		if time.Since(start) > 15*time.Second {
+			t.Fatalf("the receiver holds %d %s after the third voucher, want the %d accepted: the claim the node lost was not sent again within its 30 s wait",
+				b.c.BalanceOf(b.token, b.receiver.Address).Int64(), time.Since(start), 3*batchPrice)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if got := b.sentBy(t, b.fx.c.Wallets) - before; got != 1 {
+		t.Fatalf("the wallets sent %d transactions for the claim, want 1 (the same signed claim, given twice)", got)
+	}
+	if got := sent.Load(); got != 2 {
+		t.Fatalf("the node was given %d sends, want 2: the claim, lost, and the same claim again", got)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for pending, _ := b.fx.journal.Pending(context.Background()); len(pending) > 0 && time.Now().Before(deadline); pending, _ = b.fx.journal.Pending(context.Background()) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	assertNothingPending(t, b.fx.journal)
+}
