@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
+	"sync"
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
@@ -45,9 +46,32 @@ var (
 var maxUint128 = new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 128), big.NewInt(1))
 
 // BatchDomainSeparator returns the domain separator of batch-settlement signatures on the chain chainID.
+// It is remembered per chain (batchDomains): a payer signs, and an engine checks, each voucher under it.
 func BatchDomainSeparator(chainID *big.Int) common.Hash {
-	return PermitDomainSeparator(contracts.BatchSettlementDomainName, contracts.BatchSettlementDomainVersion, chainID, contracts.BatchSettlementAddress)
+	if !chainID.IsUint64() {
+		return PermitDomainSeparator(contracts.BatchSettlementDomainName, contracts.BatchSettlementDomainVersion, chainID, contracts.BatchSettlementAddress)
+	}
+	id := chainID.Uint64()
+	batchDomains.mu.Lock()
+	d, ok := batchDomains.m[id]
+	batchDomains.mu.Unlock()
+	if ok {
+		return d
+	}
+	d = PermitDomainSeparator(contracts.BatchSettlementDomainName, contracts.BatchSettlementDomainVersion, chainID, contracts.BatchSettlementAddress)
+	batchDomains.mu.Lock()
+	if len(batchDomains.m) < 64 { // the chains of a process are few; a server naming many is not remembered
+		batchDomains.m[id] = d
+	}
+	batchDomains.mu.Unlock()
+	return d
 }
+
+// batchDomains holds BatchDomainSeparator's answers by chain id: a pure function's, of at most 64 chains.
+var batchDomains = struct {
+	mu sync.Mutex
+	m  map[uint64]common.Hash
+}{m: map[uint64]common.Hash{}}
 
 // ParseChannelConfig parses a channel configuration as sent: addresses as 0x and 40 hex digits, the salt as a bytes32,
 // the withdraw delay a uint40. The error names the field.
@@ -77,6 +101,50 @@ func ParseChannelConfig(cfg x402.ChannelConfig) (contracts.ChannelConfig, error)
 	ch.WithdrawDelay = uint64(cfg.WithdrawDelay)
 	return ch, nil
 }
+
+// channelOf parses cfg and works out its channel's id under domain, as ParseChannelConfig and ChannelID do,
+// remembering the answer: every voucher of a channel carries the same configuration, whose parse and hash would
+// otherwise be a quarter of the voucher's check after the signature (and are done twice a voucher).
+func channelOf(domain common.Hash, cfg x402.ChannelConfig) (contracts.ChannelConfig, common.Hash, error) {
+	key := channelMemoKey{domain: domain, cfg: cfg}
+	channelMemo.mu.Lock()
+	e, ok := channelMemo.m[key]
+	channelMemo.mu.Unlock()
+	if ok {
+		return e.ch, e.id, nil
+	}
+	ch, err := ParseChannelConfig(cfg)
+	if err != nil {
+		return ch, common.Hash{}, err // not remembered: the map holds only what parses, at most channelMemoSize
+	}
+	id := ChannelID(domain, ch)
+	channelMemo.mu.Lock()
+	if len(channelMemo.m) >= channelMemoSize {
+		clear(channelMemo.m) // a wholesale forget is enough: a channel's next voucher remembers it again
+	}
+	channelMemo.m[key] = channelMemoEntry{ch: ch, id: id}
+	channelMemo.mu.Unlock()
+	return ch, id, nil
+}
+
+type channelMemoKey struct {
+	domain common.Hash
+	cfg    x402.ChannelConfig
+}
+
+type channelMemoEntry struct {
+	ch contracts.ChannelConfig
+	id common.Hash
+}
+
+// channelMemoSize bounds channelMemo: 4096 channels of about 600 bytes each.
+const channelMemoSize = 4096
+
+// channelMemo is what channelOf remembers; a pure function's answers, shared by every engine of the process.
+var channelMemo = struct {
+	mu sync.Mutex
+	m  map[channelMemoKey]channelMemoEntry
+}{m: map[channelMemoKey]channelMemoEntry{}}
 
 // ChannelID returns the id of channel c: the EIP-712 digest of its configuration under the batch-settlement
 // domain of the chain (domain: BatchDomainSeparator), as the contract's getChannelId and the SDK's
@@ -339,14 +407,13 @@ func (t *BatchTerms) CheckVoucher(p *x402.BatchPayment, view ChannelView, now ti
 	case pl.ChannelConfig == nil || pl.Voucher == nil:
 		return av, refuseBatch(x402.ReasonInvalidPayload, "payload has no channelConfig or voucher")
 	}
-	ch, err := ParseChannelConfig(*pl.ChannelConfig)
+	ch, id, err := channelOf(t.Domain, *pl.ChannelConfig)
 	if err != nil {
 		return av, refuseBatch(x402.ReasonInvalidPayload, "payload.%v", err)
 	}
 	if !x402.IsBytes32(pl.Voucher.ChannelID) {
 		return av, refuseBatch(x402.ReasonBatchChannelIDInvalid, "payload.voucher.channelId is not a bytes32 (0x and 64 hex digits)")
 	}
-	id := ChannelID(t.Domain, ch)
 	claimed := common.HexToHash(pl.Voucher.ChannelID)
 	switch {
 	case claimed != id:

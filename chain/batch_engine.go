@@ -267,11 +267,10 @@ func (f *Facilitator) checkVoucherWith(ctx context.Context, n *network, chs jour
 	if pl.ChannelConfig == nil || pl.Voucher == nil {
 		return vc, refuseBatch(x402.ReasonInvalidPayload, "payload has no channelConfig or voucher")
 	}
-	ch, err := ParseChannelConfig(*pl.ChannelConfig)
+	ch, id, err := channelOf(terms.Domain, *pl.ChannelConfig)
 	if err != nil {
 		return vc, refuseBatch(x402.ReasonInvalidPayload, "payload.%v", err)
 	}
-	id := ChannelID(terms.Domain, ch)
 	if !x402.IsBytes32(pl.Voucher.ChannelID) || common.HexToHash(pl.Voucher.ChannelID) != id {
 		// CheckVoucher says which, before any read.
 		_, err := terms.CheckVoucher(p, ChannelView{}, n.chainNow())

@@ -284,12 +284,33 @@ func (x *exchange) end(o x402.PaymentOutcome, extra ...zap.Field) {
 	if o.Detail != nil {
 		fields = append(fields, zap.Any("detail", o.Detail))
 	}
+	level := zap.DebugLevel
 	switch o.Status {
 	case x402.OutcomeSettled, x402.OutcomeSettlePending:
-		x.g.logger.Info("payment", fields...)
+		level = zap.InfoLevel
 	case x402.OutcomeVerifyUnreachable, x402.OutcomeSettleUnreachable:
-		x.g.logger.Warn("payment", fields...)
-	default:
-		x.g.logger.Debug("payment", fields...)
+		level = zap.WarnLevel
+	}
+	if ce := x.g.logger.Check(level, "payment"); ce != nil {
+		x.logLine, x.logFields = ce, fields
+		if !x.logAfterResponse {
+			x.writeLog()
+		}
+	}
+}
+
+// endHeld is end for a request about to deliver its held response: the log line is written once the response is
+// out (deliver), not before it, for a synchronous write to the log takes longer than the rest of the outcome's
+// bookkeeping, and the payer waits for none of it.
+func (x *exchange) endHeld(o x402.PaymentOutcome, extra ...zap.Field) {
+	x.logAfterResponse = true
+	x.end(o, extra...)
+}
+
+// writeLog writes the outcome's log line end held back, once.
+func (x *exchange) writeLog() {
+	if ce := x.logLine; ce != nil {
+		x.logLine = nil
+		ce.Write(x.logFields...)
 	}
 }

@@ -3,7 +3,6 @@ package gate
 import (
 	"bytes"
 	"context"
-	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"strings"
@@ -98,13 +97,13 @@ func (s *offerSet) batchMatch(a x402.BatchRequirements) (x402.BatchRequirements,
 // It decodes the payment once: a header whose JSON holds the scheme's name is read by the batch decoder first,
 // and only one the batch decoder refuses is probed for its accepted.scheme, to tell whose refusal to answer.
 func decodeBatchPayment(value string) (p x402.BatchPayment, ok bool, err error) {
-	raw, rerr := base64.StdEncoding.DecodeString(strings.TrimSpace(value))
+	raw, rerr := x402.HeaderJSON(value) // once: the payment is read from these bytes
 	// A JSON string may write the scheme's name with escapes ("batch\u002dsettlement"), which the quick look for
 	// its bytes misses: a header holding an escape is probed as before the quick look.
 	if rerr != nil || (!bytes.Contains(raw, []byte(x402.SchemeBatchSettlement)) && !bytes.Contains(raw, []byte(`\u`))) {
 		return p, false, nil
 	}
-	if p, err = x402.DecodeBatchPayment(value); err == nil && p.Accepted.Scheme == x402.SchemeBatchSettlement {
+	if p, err = x402.ReadBatchPaymentHeader(raw); err == nil && p.Accepted.Scheme == x402.SchemeBatchSettlement {
 		return p, true, nil
 	}
 	var probe struct {
@@ -210,7 +209,7 @@ func (x *exchange) serveBatchUpstream(resp x402.BatchSettleResponse, up *upstrea
 	} else {
 		x.g.logger.Error("encoding PAYMENT-RESPONSE", zap.String("commitment", resp.Commitment()), zap.Error(err))
 	}
-	x.end(outcome, channel...)
+	x.endHeld(outcome, channel...)
 	return x.deliver(up, nil)
 }
 

@@ -29,6 +29,12 @@ func TestDecodeBatchPaymentDecodesOnceAndSaysWhoseRefusalItIs(t *testing.T) {
 		t.Fatalf("decodeBatchPayment read %+v, x402.DecodeBatchPayment %+v (%v)", p.Payload.Voucher, want.Payload.Voucher, err)
 	}
 
+	// Base64 as every decoder of the gate reads it (URL-safe, unpadded too): the quick look read the standard
+	// alphabet only, and sent such a voucher to the standard decoder, which refused it.
+	if p, ok, err := decodeBatchPayment(base64.RawURLEncoding.EncodeToString([]byte(voucher))); !ok || err != nil || p.Payload.Voucher == nil {
+		t.Fatalf("the SDK's voucher in URL-safe Base64 without padding: ok %v, err %v", ok, err)
+	}
+
 	broken := strings.Replace(voucher, `"type":"voucher"`, `"type":7`, 1)
 	if broken == voucher {
 		t.Fatal("the voucher document has no payload type to break")

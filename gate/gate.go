@@ -513,6 +513,7 @@ func (g *Gate) ServeHTTP(w http.ResponseWriter, r *http.Request, next Handler) e
 	x := &exchange{g: g, w: w, r: r, next: next, start: g.now()}
 	allowOrigin(g.cfg.CORSOrigins, w.Header(), r)
 	exposePaymentHeaders(w.Header())
+	defer x.writeLog() // a line endHeld held back for a response that never reached deliver
 	return x.run()
 }
 

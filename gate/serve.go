@@ -13,6 +13,7 @@ import (
 
 	"github.com/ethereum/go-ethereum/common"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -63,6 +64,11 @@ type exchange struct {
 	headers    http.Header // the response headers before the upstream ran, restored when the gate answers itself
 	retryAfter string      // the Retry-After of the gate's own 502, when it knows when to present the payment again
 	ended      bool
+	// logLine and logFields are the outcome's log line, held back until the response is out when
+	// logAfterResponse says so (endHeld, writeLog).
+	logLine          *zapcore.CheckedEntry
+	logFields        []zap.Field
+	logAfterResponse bool
 	// presented is the payment as read; renames is a payment its id was bound to that bought nothing, which the
 	// id may name no longer (paymentIdentifierTaken).
 	presented presented
@@ -542,9 +548,9 @@ func (x *exchange) serveAsyncAgain(rec journal.Record) error {
 		}
 		x.setSettleHeader(resp)
 		if resp.Success {
-			x.end(x.settledOutcome(resp))
+			x.endHeld(x.settledOutcome(resp))
 		} else {
-			x.end(x402.PaymentOutcome{Status: x402.OutcomeSettlePending, Payer: x.payer, Network: rq.Network, TotalMs: x.totalMs()})
+			x.endHeld(x402.PaymentOutcome{Status: x402.OutcomeSettlePending, Payer: x.payer, Network: rq.Network, TotalMs: x.totalMs()})
 		}
 		return x.deliver(up, nil)
 	})
@@ -741,7 +747,7 @@ func (x *exchange) serveSettledUpstream(resp x402.SettleResponse, up *upstream) 
 		return x.servedNothing(fmt.Sprintf("the payment settled (transaction %s)", resp.Transaction))
 	}
 	x.setSettleHeader(resp)
-	x.end(x.settledOutcome(resp))
+	x.endHeld(x.settledOutcome(resp))
 	return x.deliver(up, &resp)
 }
 
@@ -786,7 +792,7 @@ func (x *exchange) serveAsync(up *upstream) error {
 	pending := x402.SettleResponse{Success: false, Network: rq.Network, Payer: x.payer, ErrorReason: x402.ReasonSettlementPending,
 		ErrorMessage: "the payment was accepted and is being settled in the background"}
 	x.setSettleHeader(pending)
-	x.end(x402.PaymentOutcome{Status: x402.OutcomeSettlePending, Payer: x.payer, Network: rq.Network,
+	x.endHeld(x402.PaymentOutcome{Status: x402.OutcomeSettlePending, Payer: x.payer, Network: rq.Network,
 		VerifyMs: x.verifyMs, TotalMs: x.totalMs()})
 	x.g.ledger.settleLater(x.id) // journalled: it is settled whether or not the response gets out
 	return x.deliver(up, nil)
@@ -796,6 +802,7 @@ func (x *exchange) serveAsync(up *upstream) error {
 // (with its settlement, when known). A response that could not be written out leaves the payment unserved
 // (with its settlement noted), so the payer gets it by presenting the same payment again, never by paying again.
 func (x *exchange) deliver(up *upstream, settled *x402.SettleResponse) error {
+	defer x.writeLog()     // endHeld's line, after the response (and before the rest of a long one streams)
 	x.grantAccess(settled) // siwx.go: before the response, so that the payer's next request finds it
 	x.frame(up)
 	err := x.writeUpstream(up)

@@ -298,6 +298,13 @@ func DecodeBatchPayment(header string) (BatchPayment, error) {
 	return readBatchPayment(docPaymentHeader, doc)
 }
 
+// ReadBatchPaymentHeader reads a batch-settlement payment from the JSON of a PAYMENT-SIGNATURE header that
+// HeaderJSON decoded, with the checks of DecodeBatchPayment: for a caller that looked into the JSON first,
+// so that the header's Base64 is decoded once.
+func ReadBatchPaymentHeader(doc []byte) (BatchPayment, error) {
+	return readBatchPayment(docPaymentHeader, doc)
+}
+
 // UnmarshalBatchPayment decodes a batch-settlement payment given as JSON, with the checks of DecodeBatchPayment.
 func UnmarshalBatchPayment(data []byte) (BatchPayment, error) {
 	if err := checkBody(docBatchPayment, data); err != nil {
