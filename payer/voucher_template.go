@@ -3,7 +3,7 @@ package payer
 import (
 	"bytes"
 	"encoding/base64"
-	"fmt"
+	"strconv"
 	"strings"
 
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -32,13 +32,19 @@ type voucherTemplate struct {
 // after its length, so that no two different sets of parts (a server's strings may hold any byte) share a key.
 func templateKey(accepted []byte, res *x402.ResourceInfo) string {
 	var b strings.Builder
-	part := func(s string) { fmt.Fprintf(&b, "%d:%s", len(s), s) }
+	b.Grow(len(accepted) + 256)
+	part := func(s string) { // as "%d:%s" wrote it, without fmt (the key is made every voucher)
+		b.WriteString(strconv.Itoa(len(s)))
+		b.WriteByte(':')
+		b.WriteString(s)
+	}
 	part(string(accepted))
 	if res != nil {
 		for _, s := range []string{res.URL, res.Description, res.MimeType, res.ServiceName, res.IconURL} {
 			part(s)
 		}
-		fmt.Fprintf(&b, "%d tags", len(res.Tags))
+		b.WriteString(strconv.Itoa(len(res.Tags)))
+		b.WriteString(" tags")
 		for _, s := range res.Tags {
 			part(s)
 		}
