@@ -354,6 +354,14 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 			lookup = time.Now().Add(claimLookupEvery)
 			if known, err := n.sender.known(ctx, txs[0]); err == nil && !known {
 				err := n.sender.rebroadcast(ctx, txs[0])
+				if isNonceConflict(err) {
+					// Its nonce went to another transaction: unless it is this one (mined meanwhile), it never
+					// mines, and its channels go to the next claim now rather than at the end of the wait.
+					if done, err := f.claimOutcome(ctx, n, chs, hash); done || err != nil {
+						return err
+					}
+					return f.claimNotSent(context.WithoutCancel(ctx), n, chs, hash, true, "its nonce went to another transaction")
+				}
 				f.log.Warn("the node did not hold a batch-settlement claim it was sent; sent it again", zap.String("network", n.caip2),
 					zap.String("tx", hash.Hex()), zap.Uint64("nonce", txs[0].Nonce()), zap.NamedError("resend_error", err))
 			}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 )
 
 // TestABatchClaimTheNodeRefusedLeavesNothingPending: the node refuses the claim's transaction (a wallet short of
@@ -102,6 +103,64 @@ func TestABatchClaimTheNodeLostIsSentAgainWithinItsWait(t *testing.T) {
 	}
 	if got := sent.Load(); got != 2 {
 		t.Fatalf("the node was given %d sends, want 2: the claim, lost, and the same claim again", got)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for pending, _ := b.fx.journal.Pending(context.Background()); len(pending) > 0 && time.Now().Before(deadline); pending, _ = b.fx.journal.Pending(context.Background()) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	assertNothingPending(t, b.fx.journal)
+}
+
+// TestABatchClaimWhoseNonceWentToAnotherTransactionIsClaimedAgainWithinItsWait: the node answers the claim's send
+// and never holds it, and the wallet's nonce goes to another transaction meanwhile (a hole filled, a resync after a
+// refusal): the claim can never mine. The pass that waits for it learns so at its first look-up (the same signed
+// claim given again is refused: nonce too low) and offers the channels to the next claim, which claims them, once,
+// within the same pass; it does not wait out the whole receipt wait for a transaction no node will ever mine.
+func TestABatchClaimWhoseNonceWentToAnotherTransactionIsClaimedAgainWithinItsWait(t *testing.T) {
+	var stealing atomic.Bool
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: 20 * time.Second,
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+			nc.Backend = sendFault{Backend: nc.Backend, send: func(ctx context.Context, tx *types.Transaction) error {
+				if tx.To() == nil || *tx.To() != contracts.BatchSettlementAddress || !stealing.CompareAndSwap(true, false) {
+					return fx.c.Client.SendTransaction(ctx, tx)
+				}
+				// Answered as taken, never held; another transaction of the wallet takes its nonce.
+				from, err := types.Sender(types.LatestSignerForChainID(tx.ChainId()), tx)
+				if err != nil {
+					return err
+				}
+				for _, w := range fx.c.Wallets {
+					if w.Address == from {
+						other, err := types.SignNewTx(w.Key, types.LatestSignerForChainID(tx.ChainId()), &types.DynamicFeeTx{ChainID: tx.ChainId(),
+							Nonce: tx.Nonce(), GasTipCap: tx.GasTipCap(), GasFeeCap: tx.GasFeeCap(), Gas: 21_000, To: &w.Address})
+						if err != nil {
+							return err
+						}
+						return fx.c.Client.SendTransaction(ctx, other)
+					}
+				}
+				return errors.New("the claim's sender is no wallet of the chain")
+			}}
+		}})
+	b.deposit(t, 30*batchPrice)
+	for i := int64(1); i <= 3; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	stealing.Store(true)
+	start := time.Now()
+	if err := b.fx.f.ClaimBatches(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	took := time.Since(start)
+	if stealing.Load() {
+		t.Fatal("the claim was never sent")
+	}
+	if got := b.c.BalanceOf(b.token, b.receiver.Address).Int64(); got != 3*batchPrice || took > 10*time.Second {
+		t.Fatalf("the receiver holds %d after a claim pass of %s, want the %d accepted within half the 20 s receipt wait: the pass waited for a claim whose nonce another transaction took",
+			got, took.Round(time.Millisecond), 3*batchPrice)
 	}
 	deadline := time.Now().Add(5 * time.Second)
 	for pending, _ := b.fx.journal.Pending(context.Background()); len(pending) > 0 && time.Now().Before(deadline); pending, _ = b.fx.journal.Pending(context.Background()) {
