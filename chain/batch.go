@@ -46,32 +46,9 @@ var (
 var maxUint128 = new(big.Int).Sub(new(big.Int).Lsh(big.NewInt(1), 128), big.NewInt(1))
 
 // BatchDomainSeparator returns the domain separator of batch-settlement signatures on the chain chainID.
-// It is remembered per chain (batchDomains): a payer signs, and an engine checks, each voucher under it.
 func BatchDomainSeparator(chainID *big.Int) common.Hash {
-	if !chainID.IsUint64() {
-		return PermitDomainSeparator(contracts.BatchSettlementDomainName, contracts.BatchSettlementDomainVersion, chainID, contracts.BatchSettlementAddress)
-	}
-	id := chainID.Uint64()
-	batchDomains.mu.Lock()
-	d, ok := batchDomains.m[id]
-	batchDomains.mu.Unlock()
-	if ok {
-		return d
-	}
-	d = PermitDomainSeparator(contracts.BatchSettlementDomainName, contracts.BatchSettlementDomainVersion, chainID, contracts.BatchSettlementAddress)
-	batchDomains.mu.Lock()
-	if len(batchDomains.m) < 64 { // the chains of a process are few; a server naming many is not remembered
-		batchDomains.m[id] = d
-	}
-	batchDomains.mu.Unlock()
-	return d
+	return PermitDomainSeparator(contracts.BatchSettlementDomainName, contracts.BatchSettlementDomainVersion, chainID, contracts.BatchSettlementAddress)
 }
-
-// batchDomains holds BatchDomainSeparator's answers by chain id: a pure function's, of at most 64 chains.
-var batchDomains = struct {
-	mu sync.Mutex
-	m  map[uint64]common.Hash
-}{m: map[uint64]common.Hash{}}
 
 // ParseChannelConfig parses a channel configuration as sent: addresses as 0x and 40 hex digits, the salt as a bytes32,
 // the withdraw delay a uint40. The error names the field.
@@ -102,29 +79,13 @@ func ParseChannelConfig(cfg x402.ChannelConfig) (contracts.ChannelConfig, error)
 	return ch, nil
 }
 
-// channelOf parses cfg and works out its channel's id under domain, as ParseChannelConfig and ChannelID do,
-// remembering the answer: every voucher of a channel carries the same configuration, whose parse and hash would
-// otherwise be a quarter of the voucher's check after the signature (and are done twice a voucher).
-func channelOf(domain common.Hash, cfg x402.ChannelConfig) (contracts.ChannelConfig, common.Hash, error) {
-	key := channelMemoKey{domain: domain, cfg: cfg}
-	channelMemo.mu.Lock()
-	e, ok := channelMemo.m[key]
-	channelMemo.mu.Unlock()
-	if ok {
-		return e.ch, e.id, nil
-	}
-	ch, err := ParseChannelConfig(cfg)
-	if err != nil {
-		return ch, common.Hash{}, err // not remembered: the map holds only what parses, at most channelMemoSize
-	}
-	id := ChannelID(domain, ch)
-	channelMemo.mu.Lock()
-	if len(channelMemo.m) >= channelMemoSize {
-		clear(channelMemo.m) // a wholesale forget is enough: a channel's next voucher remembers it again
-	}
-	channelMemo.m[key] = channelMemoEntry{ch: ch, id: id}
-	channelMemo.mu.Unlock()
-	return ch, id, nil
+// channelMemo remembers the parse and id of the channel configurations an engine's network saw lately: every
+// voucher of a channel carries the same configuration, whose parse and hash would otherwise be a quarter of the
+// voucher's check after the signature (and are done twice a voucher). At most channelMemoSize, forgotten
+// wholesale when full (a channel's next voucher remembers it again).
+type channelMemo struct {
+	mu sync.Mutex
+	m  map[channelMemoKey]channelMemoEntry
 }
 
 type channelMemoKey struct {
@@ -137,14 +98,44 @@ type channelMemoEntry struct {
 	id common.Hash
 }
 
-// channelMemoSize bounds channelMemo: 4096 channels of about 600 bytes each.
+// channelMemoSize bounds a channelMemo: 4096 channels of about 600 bytes each.
 const channelMemoSize = 4096
 
-// channelMemo is what channelOf remembers; a pure function's answers, shared by every engine of the process.
-var channelMemo = struct {
-	mu sync.Mutex
-	m  map[channelMemoKey]channelMemoEntry
-}{m: map[channelMemoKey]channelMemoEntry{}}
+func newChannelMemo() *channelMemo {
+	return &channelMemo{m: map[channelMemoKey]channelMemoEntry{}}
+}
+
+// of parses cfg and works out its channel's id under domain, as ParseChannelConfig and ChannelID do; a nil memo
+// remembers nothing. A configuration that does not parse is not remembered.
+func (c *channelMemo) of(domain common.Hash, cfg x402.ChannelConfig) (contracts.ChannelConfig, common.Hash, error) {
+	if c == nil {
+		ch, err := ParseChannelConfig(cfg)
+		if err != nil {
+			return ch, common.Hash{}, err
+		}
+		return ch, ChannelID(domain, ch), nil
+	}
+	key := channelMemoKey{domain: domain, cfg: cfg}
+	c.mu.Lock()
+	e, ok := c.m[key]
+	c.mu.Unlock()
+	if ok {
+		return e.ch, e.id, nil
+	}
+	ch, err := ParseChannelConfig(cfg)
+	if err != nil {
+		return ch, common.Hash{}, err
+	}
+	id := ChannelID(domain, ch)
+	c.mu.Lock()
+	if len(c.m) >= channelMemoSize {
+		clear(c.m)
+	}
+	c.m[key] = channelMemoEntry{ch: ch, id: id}
+	c.mu.Unlock()
+	return ch, id, nil
+}
+
 
 // ChannelID returns the id of channel c: the EIP-712 digest of its configuration under the batch-settlement
 // domain of the chain (domain: BatchDomainSeparator), as the contract's getChannelId and the SDK's
@@ -290,6 +281,8 @@ type BatchTerms struct {
 	// TransferMethod how the route takes deposits (x402.TransferEIP3009 or x402.TransferPermit2): the route's, never
 	// the payment's, which the payer writes.
 	TokenName, TokenVersion, TransferMethod string
+	// channels is the engine network's memo of channel configurations, nil for terms made outside an engine.
+	channels *channelMemo
 }
 
 // NewBatchTerms parses the terms of requirement rq on chain chainID.
@@ -407,7 +400,7 @@ func (t *BatchTerms) CheckVoucher(p *x402.BatchPayment, view ChannelView, now ti
 	case pl.ChannelConfig == nil || pl.Voucher == nil:
 		return av, refuseBatch(x402.ReasonInvalidPayload, "payload has no channelConfig or voucher")
 	}
-	ch, id, err := channelOf(t.Domain, *pl.ChannelConfig)
+	ch, id, err := t.channels.of(t.Domain, *pl.ChannelConfig)
 	if err != nil {
 		return av, refuseBatch(x402.ReasonInvalidPayload, "payload.%v", err)
 	}

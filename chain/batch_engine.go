@@ -56,6 +56,8 @@ type batchNetwork struct {
 	// sending are the claim transactions this process is sending: marked on their channels, their record being
 	// written, not yet sent or given up (under mu).
 	sending map[common.Hash]bool
+	// channels remembers the channel configurations of the network's vouchers, for every terms of it.
+	channels *channelMemo
 }
 
 func newBatchNetwork(margin time.Duration) (*batchNetwork, error) {
@@ -65,7 +67,7 @@ func newBatchNetwork(margin time.Duration) (*batchNetwork, error) {
 	if margin < 0 || margin >= contracts.MinWithdrawDelay*time.Second {
 		return nil, fmt.Errorf("batch claim margin %s must be positive and under the shortest withdrawDelay %ds", margin, contracts.MinWithdrawDelay)
 	}
-	return &batchNetwork{margin: margin, terms: map[x402.BatchRequirements]*BatchTerms{}, blockTimes: map[uint64]time.Time{},
+	return &batchNetwork{margin: margin, channels: newChannelMemo(), terms: map[x402.BatchRequirements]*BatchTerms{}, blockTimes: map[uint64]time.Time{},
 		payerCode: map[common.Hash]bool{}, sending: map[common.Hash]bool{}}, nil
 }
 
@@ -89,6 +91,7 @@ func (n *network) batchTerms(rq x402.BatchRequirements) (*BatchTerms, error) {
 	if err != nil {
 		return nil, err
 	}
+	t.channels = b.channels
 	b.mu.Lock()
 	if len(b.terms) >= maxBatchCaches {
 		clear(b.terms)
@@ -267,7 +270,7 @@ func (f *Facilitator) checkVoucherWith(ctx context.Context, n *network, chs jour
 	if pl.ChannelConfig == nil || pl.Voucher == nil {
 		return vc, refuseBatch(x402.ReasonInvalidPayload, "payload has no channelConfig or voucher")
 	}
-	ch, id, err := channelOf(terms.Domain, *pl.ChannelConfig)
+	ch, id, err := terms.channels.of(terms.Domain, *pl.ChannelConfig)
 	if err != nil {
 		return vc, refuseBatch(x402.ReasonInvalidPayload, "payload.%v", err)
 	}

@@ -490,73 +490,59 @@ func TestBatchVoucherIDIsTheJournalsAndStaysAsFirstWritten(t *testing.T) {
 	}
 }
 
-// channelOf answers as ParseChannelConfig and ChannelID do, under each domain apart, for a configuration it
-// remembers and one it does not; a configuration that does not parse is refused every time and never remembered;
-// what it remembers stays within channelMemoSize.
-func TestChannelOfAnswersAsTheParseAndTheIdAndRemembersWithinItsBound(t *testing.T) {
+// A channel memo answers as ParseChannelConfig and ChannelID do, under each domain apart, for a configuration it
+// remembers and one it does not, and a nil one (terms made outside an engine) the same; a configuration that does
+// not parse is refused every time and never remembered; what it remembers stays within channelMemoSize. An
+// engine's terms share their network's memo.
+func TestAChannelMemoAnswersAsTheParseAndTheIdAndRemembersWithinItsBound(t *testing.T) {
 	r := rand.New(rand.NewPCG(7, 11))
 	addr := func() string { return common.BytesToAddress(randHash(r).Bytes()).Hex() }
 	cfg := x402.ChannelConfig{Payer: addr(), Receiver: addr(), ReceiverAuthorizer: addr(), Token: addr(),
 		PayerAuthorizer: "0x0000000000000000000000000000000000000000", WithdrawDelay: 3600, Salt: randHash(r).Hex()}
+	memo := newChannelMemo()
 	for _, domain := range []common.Hash{randHash(r), randHash(r)} {
 		want, err := ParseChannelConfig(cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
-		for range 2 { // the first time works it out, the second remembers
-			ch, id, err := channelOf(domain, cfg)
+		for _, m := range []*channelMemo{memo, memo, nil} { // works it out, remembers, remembers nothing
+			ch, id, err := m.of(domain, cfg)
 			if err != nil || ch != want || id != ChannelID(domain, want) {
-				t.Fatalf("channelOf = %+v %s %v; want %+v %s", ch, id.Hex(), err, want, ChannelID(domain, want).Hex())
+				t.Fatalf("of = %+v %s %v; want %+v %s", ch, id.Hex(), err, want, ChannelID(domain, want).Hex())
 			}
 		}
 	}
+	if len(memo.m) != 2 {
+		t.Fatalf("the memo holds %d configurations, want the one configuration under each of two domains", len(memo.m))
+	}
 	bad := cfg
 	bad.Token = "0x12"
-	channelMemo.mu.Lock()
-	before := len(channelMemo.m)
-	channelMemo.mu.Unlock()
-	for range 2 {
-		if _, _, err := channelOf(common.Hash{1}, bad); err == nil || !strings.Contains(err.Error(), "channelConfig.token") {
+	for _, m := range []*channelMemo{memo, memo, nil} {
+		if _, _, err := m.of(common.Hash{1}, bad); err == nil || !strings.Contains(err.Error(), "channelConfig.token") {
 			t.Fatalf("a configuration whose token is no address: %v, want it refused naming channelConfig.token", err)
 		}
 	}
-	channelMemo.mu.Lock()
-	after := len(channelMemo.m)
-	channelMemo.mu.Unlock()
-	if after != before {
-		t.Fatalf("channelOf remembered a configuration that does not parse (%d entries, %d before)", after, before)
+	if len(memo.m) != 2 {
+		t.Fatalf("the memo remembered a configuration that does not parse (%d entries)", len(memo.m))
 	}
 	for i := range channelMemoSize + 10 {
 		c := cfg
 		c.WithdrawDelay = int64(3600 + i)
-		if _, _, err := channelOf(common.Hash{2}, c); err != nil {
+		if _, _, err := memo.of(common.Hash{2}, c); err != nil {
 			t.Fatal(err)
 		}
-	}
-	channelMemo.mu.Lock()
-	n := len(channelMemo.m)
-	channelMemo.mu.Unlock()
-	if n > channelMemoSize || before > channelMemoSize {
-		t.Fatalf("channelOf remembers %d configurations, want at most %d", n, channelMemoSize)
-	}
-}
-
-// BatchDomainSeparator answers as the EIP-712 domain of the batch-settlement contract on each chain, remembered
-// or not, and remembers at most 64 chains.
-func TestBatchDomainSeparatorIsTheContractsDomainOnEachChainAndRemembersFew(t *testing.T) {
-	for _, id := range []*big.Int{big.NewInt(1), big.NewInt(84532), big.NewInt(1), new(big.Int).Lsh(big.NewInt(1), 70)} {
-		want := PermitDomainSeparator(contracts.BatchSettlementDomainName, contracts.BatchSettlementDomainVersion, id, contracts.BatchSettlementAddress)
-		if got := BatchDomainSeparator(id); got != want {
-			t.Fatalf("chain %s: %s, want %s", id, got.Hex(), want.Hex())
+		if len(memo.m) > channelMemoSize {
+			t.Fatalf("the memo holds %d configurations, want at most %d", len(memo.m), channelMemoSize)
 		}
 	}
-	for i := range 200 {
-		BatchDomainSeparator(big.NewInt(int64(1_000_000 + i)))
+	n := &network{chainID: big.NewInt(84532), batch: &batchNetwork{margin: time.Minute, channels: memo, terms: map[x402.BatchRequirements]*BatchTerms{}}}
+	rq := x402.BatchRequirements{Network: "eip155:84532", Amount: "1000", PayTo: addr(), Asset: addr()}
+	rq.Extra.ReceiverAuthorizer = addr()
+	terms, err := n.batchTerms(rq)
+	if err != nil {
+		t.Fatal(err)
 	}
-	batchDomains.mu.Lock()
-	n := len(batchDomains.m)
-	batchDomains.mu.Unlock()
-	if n > 64 {
-		t.Fatalf("%d chains remembered, want at most 64", n)
+	if terms.channels != memo {
+		t.Fatal("an engine's terms do not share their network's channel memo")
 	}
 }

@@ -83,6 +83,9 @@ type channel struct {
 	// ahead is the voucher the next payment most likely carries (the last one signed plus its price), signed in
 	// the background while the last one's request is on its way; used by the payment holding the turn.
 	ahead *aheadVoucher
+	// domain is the batch domain of the channel's chain, which its id was made under (BatchDomainSeparator), once
+	// worked out; used by the payment holding the turn.
+	domain common.Hash
 }
 
 // aheadVoucher is a voucher signed ahead of its payment (channel.signAhead). It stays in memory: it is sent only
@@ -401,7 +404,10 @@ func (b *batchPlan) sign(ctx context.Context, rpc *chainReader, deposit *big.Int
 	if b.need.Sign() > 0 && (deposit == nil || deposit.Sign() == 0) {
 		return Payment{}, fmt.Errorf("payer: channel %s holds %s and the next voucher is %s: a deposit of at least %s must come with it", id.Hex(), b.ch.state.Balance, b.next, b.need)
 	}
-	domain := chain.BatchDomainSeparator(cid)
+	if b.ch.domain == (common.Hash{}) {
+		b.ch.domain = chain.BatchDomainSeparator(cid)
+	}
+	domain := b.ch.domain
 	sig, err := b.ch.voucherSignature(p.key, domain, id, b.next)
 	if err != nil {
 		return Payment{}, fmt.Errorf("signing the voucher: %w", err)
