@@ -136,7 +136,6 @@ func (c *channelMemo) of(domain common.Hash, cfg x402.ChannelConfig) (contracts.
 	return ch, id, nil
 }
 
-
 // ChannelID returns the id of channel c: the EIP-712 digest of its configuration under the batch-settlement
 // domain of the chain (domain: BatchDomainSeparator), as the contract's getChannelId and the SDK's
 // computeChannelId.
