@@ -37,7 +37,8 @@ import (
 // A read is recorded at the wall-clock time, in milliseconds, the question was sent: the row's "block".
 //
 // The claimer claims the accepted vouchers of the channels that name the facilitator's receiverAuthorizer, by the
-// claim policy, through the facilitator's /settle claim action, then its settle action for each receiver. The
+// claim policy, through the facilitator's /settle claim action, then its settle action for each receiver (owed,
+// in the journal, from the claim's landing until a settle succeeds: batch_remote_owed.go). The
 // channels are marked claimed by a claim token of this side's (journal.MarkClaimSent) before the claim leaves:
 // a claim the facilitator refused is offered again; one whose answer never came stays in flight until a /verify
 // of the channel's last voucher shows it claimed, or not.
@@ -97,8 +98,9 @@ type RemoteBatch struct {
 	// claimers are the claim policies by network; accepted counts vouchers since the last claim.
 	claimers map[string]*batchClaimer
 	// owed are the receivers (network, receiver, token) whose claimed funds the escrow still holds because
-	// settling them failed after their claim landed: a pass tries again once the pause after the last failure is
-	// over (doubling from the tick to a minute), until one succeeds.
+	// settling them failed after their claim landed (or because an earlier process left their settle owed in the
+	// journal, see marks): a pass tries again once the pause after the last failure is over (doubling from the
+	// tick to a minute), until one succeeds.
 	owed map[[3]string]*owedSettle
 	// marks are the journal's marks of the settles owed by claims that landed, by receiver (batch_remote_owed.go);
 	// owedLoaded says those an earlier process left were read.
