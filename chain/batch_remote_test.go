@@ -362,15 +362,36 @@ func TestAReceiverWhoseSettleFailedAfterItsClaimIsSettledAtTheNextPass(t *testin
 
 // TestAReceiverWhoseSettleFailedAfterItsClaimIsSettledByTheNextStartAfterACrash: the claim lands and the settle
 // of the receiver that follows is cut; the gateway then dies (no last pass) with the seller's money claimed in the
-// escrow. The next start, on the same journal, settles the receiver by itself: the seller is paid exactly what was
-// claimed, by one settle transaction; a start after that asks the facilitator nothing and sends nothing.
+// escrow. The next start, on the same journal (bbolt, PostgreSQL), settles the receiver by itself: the seller is
+// paid exactly what was claimed, by one settle transaction; a start after that asks the facilitator nothing and
+// sends nothing.
 func TestAReceiverWhoseSettleFailedAfterItsClaimIsSettledByTheNextStartAfterACrash(t *testing.T) {
+	t.Run("bbolt", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "journal.db")
+		testOwedSettleAcrossACrash(t, func() journal.Store {
+			store, err := journal.OpenBolt(path, journal.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return store
+		})
+	})
+	t.Run("PostgreSQL", func(t *testing.T) {
+		pgtest.Need(t)
+		dsn := pgtest.Shared(t)
+		testOwedSettleAcrossACrash(t, func() journal.Store {
+			store, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return store
+		})
+	})
+}
+
+func testOwedSettleAcrossACrash(t *testing.T, open func() journal.Store) {
 	w := newRemoteWorld(t, 10*remotePrice)
-	path := filepath.Join(t.TempDir(), "journal.db")
-	store, err := journal.OpenBolt(path, journal.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	store := open()
 	rb := w.server(t, store, time.Hour)
 	for n := int64(1); n <= 3; n++ {
 		if resp := w.settle(t, rb, n); !resp.Success {
@@ -387,10 +408,7 @@ func TestAReceiverWhoseSettleFailedAfterItsClaimIsSettledByTheNextStartAfterACra
 	store.Close() // the gateway dies: rb is never closed, its claimer makes no last pass
 
 	sentBefore := w.c.TxCount(w.c.Wallets[0].Address)
-	store, err = journal.OpenBolt(path, journal.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	store = open()
 	rb = w.server(t, store, time.Hour)
 	rb.Start()
 	w.waitForSeller(t, 3*remotePrice)
@@ -403,10 +421,7 @@ func TestAReceiverWhoseSettleFailedAfterItsClaimIsSettledByTheNextStartAfterACra
 	}
 
 	settles, sentBefore := w.settles.Load(), w.c.TxCount(w.c.Wallets[0].Address)
-	store, err = journal.OpenBolt(path, journal.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	store = open()
 	defer store.Close()
 	rb = w.server(t, store, time.Hour)
 	if err := rb.ClaimNow(context.Background()); err != nil {
@@ -423,6 +438,9 @@ func TestAReceiverWhoseSettleFailedAfterItsClaimIsSettledByTheNextStartAfterACra
 	}
 	if got := w.claims.Load(); got != 1 {
 		t.Errorf("%d claims reached the facilitator; want 1", got)
+	}
+	if n, err := store.Backlog(context.Background()); err != nil || n != 0 {
+		t.Errorf("the journal holds %d records not final (%v); want none: the settle owed was deleted once paid", n, err)
 	}
 }
 
