@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -36,7 +37,8 @@ import (
 // A read is recorded at the wall-clock time, in milliseconds, the question was sent: the row's "block".
 //
 // The claimer claims the accepted vouchers of the channels that name the facilitator's receiverAuthorizer, by the
-// claim policy, through the facilitator's /settle claim action, then its settle action for each receiver. The
+// claim policy, through the facilitator's /settle claim action, then its settle action for each receiver (owed,
+// in the journal, from the claim's landing until a settle succeeds: batch_remote_owed.go). The
 // channels are marked claimed by a claim token of this side's (journal.MarkClaimSent) before the claim leaves:
 // a claim the facilitator refused is offered again; one whose answer never came stays in flight until a /verify
 // of the channel's last voucher shows it claimed, or not.
@@ -96,9 +98,14 @@ type RemoteBatch struct {
 	// claimers are the claim policies by network; accepted counts vouchers since the last claim.
 	claimers map[string]*batchClaimer
 	// owed are the receivers (network, receiver, token) whose claimed funds the escrow still holds because
-	// settling them failed after their claim landed: a pass tries again once the pause after the last failure is
-	// over (doubling from the tick to a minute), until one succeeds.
+	// settling them failed after their claim landed (or because an earlier process left their settle owed in the
+	// journal, see marks): a pass tries again once the pause after the last failure is over (doubling from the
+	// tick to a minute), until one succeeds.
 	owed map[[3]string]*owedSettle
+	// marks are the journal's marks of the settles owed by claims that landed, by receiver (batch_remote_owed.go);
+	// owedLoaded says those an earlier process left were read.
+	marks      map[[3]string][]journal.Record
+	owedLoaded bool
 
 	stop chan struct{}
 	done chan struct{}
@@ -139,7 +146,7 @@ func NewRemoteBatch(cfg RemoteBatchConfig) (*RemoteBatch, error) {
 		now = time.Now
 	}
 	b := &RemoteBatch{cfg: cfg, chs: chs, log: log, margin: margin, now: now, terms: map[x402.BatchRequirements]*BatchTerms{},
-		claimers: map[string]*batchClaimer{}, owed: map[[3]string]*owedSettle{}, stop: make(chan struct{}), done: make(chan struct{})}
+		claimers: map[string]*batchClaimer{}, owed: map[[3]string]*owedSettle{}, marks: map[[3]string][]journal.Record{}, stop: make(chan struct{}), done: make(chan struct{})}
 	for _, n := range cfg.Networks {
 		c := &batchClaimer{every: cfg.ClaimEvery, amount: cfg.ClaimAmount, after: cfg.ClaimAfter}
 		if c.every <= 0 {
@@ -617,6 +624,10 @@ func (b *RemoteBatch) sendClaim(ctx context.Context, network string, rows []jour
 		}
 		return fmt.Errorf("the facilitator refused the claim of %d channels: %s: %s", len(rows), resp.ErrorReason, resp.ErrorMessage)
 	}
+	if err := b.owe(ctx, network, receiver, asset, token); err != nil {
+		// The claim stays in flight: looked up after ProbeAfter, its channels marked mined and its receiver settled.
+		return fmt.Errorf("claim %s landed (transaction %s), and %w", token, resp.Transaction, err)
+	}
 	if _, err := b.chs.MarkClaimMined(ctx, token); err != nil {
 		return fmt.Errorf("claim %s landed (transaction %s), and marking it failed: %w", token, resp.Transaction, err)
 	}
@@ -635,7 +646,10 @@ func (b *RemoteBatch) settleReceiver(ctx context.Context, network, receiver, tok
 	rq := actionRequirements(network, receiver, token)
 	req := x402.BatchRequest{X402Version: x402.Version2, PaymentRequirements: rq,
 		PaymentPayload: x402.BatchPayment{X402Version: x402.Version2, Accepted: rq, Payload: x402.BatchPayload{Type: x402.BatchSettle, Receiver: receiver, Token: token}}}
-	owed := [3]string{network, strings.ToLower(receiver), strings.ToLower(token)}
+	owed := owedKey(network, receiver, token)
+	b.mu.Lock()
+	marks := slices.Clone(b.marks[owed]) // written before the settle: it pays what their claims claimed
+	b.mu.Unlock()
 	resp, err := b.cfg.Remote.SettleBatch(ctx, req)
 	if err == nil && !resp.Success && resp.ErrorReason != x402.ReasonBatchNothingToSettle {
 		err = fmt.Errorf("%s: %s", resp.ErrorReason, resp.ErrorMessage)
@@ -656,6 +670,7 @@ func (b *RemoteBatch) settleReceiver(ctx context.Context, network, receiver, tok
 	if err != nil {
 		return fmt.Errorf("settling %s's claimed %s: %w (it stays claimed in the escrow, settled at the next pass)", receiver, token, err)
 	}
+	b.paid(ctx, network, receiver, token, marks)
 	b.log.Info("settled batch-settlement claims to the receiver", zap.String("network", network), zap.String("receiver", receiver), zap.String("transaction", resp.Transaction))
 	return nil
 }
@@ -669,6 +684,9 @@ type owedSettle struct {
 // settleOwed settles again the receivers on network whose settling failed after their claim landed: those whose
 // pause is over, or all when force.
 func (b *RemoteBatch) settleOwed(ctx context.Context, network string, force bool) error {
+	if err := b.loadOwed(ctx); err != nil {
+		return err
+	}
 	b.mu.Lock()
 	var owed [][3]string
 	for k, o := range b.owed {
@@ -729,6 +747,9 @@ func (b *RemoteBatch) probeClaims(ctx context.Context, network string, rows []jo
 			continue
 		}
 		if claimed {
+			if err := b.owe(ctx, network, r.Config.Receiver, r.Config.Token, r.ClaimTx); err != nil {
+				return freed, err
+			}
 			if _, err := b.chs.MarkClaimMined(ctx, r.ClaimTx); err != nil {
 				return freed, err
 			}
@@ -907,6 +928,9 @@ func (b *RemoteBatch) refund(ctx context.Context, req x402.BatchRequest, key jou
 		return x402.BatchSettleResponse{Network: network, Payer: payer, Transaction: resp.Transaction, ErrorReason: resp.ErrorReason, ErrorMessage: resp.ErrorMessage}, nil
 	}
 	if token != "" {
+		if err := b.owe(ctx, network, row.Config.Receiver, row.Config.Token, token); err != nil {
+			b.log.Warn("the refund landed, and recording the settle of the receiver it owes failed", zap.String("channel", key.ID), zap.Error(err))
+		}
 		if _, err := b.chs.MarkClaimMined(ctx, token); err != nil {
 			b.log.Warn("the refund landed, and marking its claim failed", zap.String("channel", key.ID), zap.Error(err))
 		}

@@ -48,6 +48,8 @@ type remoteWorld struct {
 	// dropSettles is how many settles of the receiver are cut before the facilitator saw them.
 	dropSettles atomic.Int32
 	claims      atomic.Int32
+	// settles counts the settles of the receiver that reached the facilitator's door.
+	settles atomic.Int32
 	// holdRefund, when set, runs before a refund's /settle reaches the facilitator.
 	holdRefund func()
 }
@@ -79,8 +81,11 @@ func newRemoteWorld(t *testing.T, deposit int64) *remoteWorld {
 		if r.URL.Path == "/settle" && strings.Contains(string(body), `"type":"refund"`) && w.holdRefund != nil {
 			w.holdRefund()
 		}
-		if r.URL.Path == "/settle" && strings.Contains(string(body), `"type":"settle"`) && w.dropSettles.Add(-1) >= 0 {
-			panic(http.ErrAbortHandler)
+		if r.URL.Path == "/settle" && strings.Contains(string(body), `"type":"settle"`) {
+			w.settles.Add(1)
+			if w.dropSettles.Add(-1) >= 0 {
+				panic(http.ErrAbortHandler)
+			}
 		}
 		if r.URL.Path == "/settle" && strings.Contains(string(body), `"type":"claim"`) {
 			w.claims.Add(1)
@@ -352,6 +357,90 @@ func TestAReceiverWhoseSettleFailedAfterItsClaimIsSettledAtTheNextPass(t *testin
 	}
 	if sent := w.c.TxCount(w.c.Wallets[0].Address) - sentBefore; sent != 2 {
 		t.Errorf("the facilitator sent %d transactions; want 2: one claim and one settle", sent)
+	}
+}
+
+// TestAReceiverWhoseSettleFailedAfterItsClaimIsSettledByTheNextStartAfterACrash: the claim lands and the settle
+// of the receiver that follows is cut; the gateway then dies (no last pass) with the seller's money claimed in the
+// escrow. The next start, on the same journal (bbolt, PostgreSQL), settles the receiver by itself: the seller is
+// paid exactly what was claimed, by one settle transaction; a start after that asks the facilitator nothing and
+// sends nothing.
+func TestAReceiverWhoseSettleFailedAfterItsClaimIsSettledByTheNextStartAfterACrash(t *testing.T) {
+	t.Run("bbolt", func(t *testing.T) {
+		path := filepath.Join(t.TempDir(), "journal.db")
+		testOwedSettleAcrossACrash(t, func() journal.Store {
+			store, err := journal.OpenBolt(path, journal.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return store
+		})
+	})
+	t.Run("PostgreSQL", func(t *testing.T) {
+		pgtest.Need(t)
+		dsn := pgtest.Shared(t)
+		testOwedSettleAcrossACrash(t, func() journal.Store {
+			store, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return store
+		})
+	})
+}
+
+func testOwedSettleAcrossACrash(t *testing.T, open func() journal.Store) {
+	w := newRemoteWorld(t, 10*remotePrice)
+	store := open()
+	rb := w.server(t, store, time.Hour)
+	for n := int64(1); n <= 3; n++ {
+		if resp := w.settle(t, rb, n); !resp.Success {
+			t.Fatalf("the voucher at %d prices: %+v", n, resp)
+		}
+	}
+	w.dropSettles.Store(1)
+	if err := rb.ClaimNow(context.Background()); err == nil || !strings.Contains(err.Error(), "settling") {
+		t.Fatalf("the pass whose settle was cut: %v; want an error saying settling the receiver failed", err)
+	}
+	if got := w.c.BalanceOf(w.token, w.receiver).Int64(); got != 0 {
+		t.Fatalf("the seller holds %d with its settle cut; want 0 (claimed in the escrow)", got)
+	}
+	store.Close() // the gateway dies: rb is never closed, its claimer makes no last pass
+
+	sentBefore := w.c.TxCount(w.c.Wallets[0].Address)
+	store = open()
+	rb = w.server(t, store, time.Hour)
+	rb.Start()
+	w.waitForSeller(t, 3*remotePrice)
+	if err := rb.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	store.Close()
+	if sent := w.c.TxCount(w.c.Wallets[0].Address) - sentBefore; sent != 1 {
+		t.Errorf("the start after the crash had the facilitator send %d transactions; want 1: the settle", sent)
+	}
+
+	settles, sentBefore := w.settles.Load(), w.c.TxCount(w.c.Wallets[0].Address)
+	store = open()
+	defer store.Close()
+	rb = w.server(t, store, time.Hour)
+	if err := rb.ClaimNow(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := w.settles.Load() - settles; got != 0 {
+		t.Errorf("the start after the settle asked the facilitator for %d settles; want none", got)
+	}
+	if sent := w.c.TxCount(w.c.Wallets[0].Address) - sentBefore; sent != 0 {
+		t.Errorf("the start after the settle had the facilitator send %d transactions; want none", sent)
+	}
+	if got := w.c.BalanceOf(w.token, w.receiver).Int64(); got != 3*remotePrice {
+		t.Errorf("the seller holds %d; want exactly %d", got, 3*remotePrice)
+	}
+	if got := w.claims.Load(); got != 1 {
+		t.Errorf("%d claims reached the facilitator; want 1", got)
+	}
+	if n, err := store.Backlog(context.Background()); err != nil || n != 0 {
+		t.Errorf("the journal holds %d records not final (%v); want none: the settle owed was deleted once paid", n, err)
 	}
 }
 
