@@ -91,8 +91,9 @@ func (s *offerSet) batchMatch(a x402.BatchRequirements) (x402.BatchRequirements,
 }
 
 // decodeBatchPayment decodes a version 2 payment header that names the batch-settlement scheme, which has a
-// decoder of its own (x402.DecodeBatchPayment): ok says it names it, and then p is the payment or err what is
-// wrong with it. Anything unreadable is left to the standard decoder, which says what is wrong with it.
+// decoder of its own (x402.ReadBatchPaymentHeader, on the JSON x402.HeaderJSON decodes): ok says it names it, and
+// then p is the payment or err what is wrong with it. Anything unreadable is left to the standard decoder, which
+// says what is wrong with it.
 //
 // It decodes the payment once: a header whose JSON holds the scheme's name is read by the batch decoder first,
 // and only one the batch decoder refuses is probed for its accepted.scheme, to tell whose refusal to answer.
