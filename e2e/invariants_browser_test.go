@@ -25,11 +25,17 @@ import (
 // would. The check browser-paywall judges the pages and what the paid browser requests got; the money checks
 // judge these payments as any other.
 
-// The browser shapes (invShapes): the paywall script's fetch, and a navigation.
+// The browser shapes (invShapes): the paywall script's fetch, a navigation, and a HEAD as a browser sends it
+// (its unpaid ask is a HEAD too, answered with the page's head and no body; the offer is then read from the page).
 const (
 	shapeBrowserFetch = "browser: the paywall script's fetch (Accept: */*)"
 	shapeBrowserNav   = "browser navigation (Accept: text/html)"
+	shapeBrowserHEAD  = "browser HEAD (Accept: text/html)"
 )
+
+// invReloadedTitle is the paywall's title while the gateways run the reloaded prices (invariants_world_test.go);
+// before, it is the default.
+const invReloadedTitle = "Payment required (reloaded)"
 
 // invNavigationAccept is the Accept of a browser's navigation.
 const invNavigationAccept = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
@@ -37,23 +43,63 @@ const invNavigationAccept = "text/html,application/xhtml+xml,application/xml;q=0
 // browserRoute fits the routes a browser goes to: plain HTTP routes (not WebSocket, not MCP).
 func browserRoute(rk *routeKind, path string) bool { return notWebSocket(rk, path) }
 
-func browserShape(shape string) bool { return shape == shapeBrowserFetch || shape == shapeBrowserNav }
+func browserShape(shape string) bool {
+	return shape == shapeBrowserFetch || shape == shapeBrowserNav || shape == shapeBrowserHEAD
+}
 
 // invBrowser is what the lane saw of the paywall pages.
 type invBrowser struct {
-	mu    sync.Mutex
-	pages int      // 402 pages read whose embedded JSON is the header's PaymentRequired
-	bad   []string // pages that were not: what was wrong
+	mu       sync.Mutex
+	pages    int      // 402 pages read whose embedded JSON is the header's PaymentRequired
+	reloaded int      // of which with the reloaded paywall's title
+	heads    int      // unpaid HEADs answered as the page's head
+	bad      []string // pages (or HEADs) that were not: what was wrong
 }
 
-func (r *invRun) pageSeen(problem string) {
+// pageSeen notes a page read (head: a HEAD's answer), and what was wrong with it ("": nothing).
+func (r *invRun) pageSeen(head, reloaded bool, problem string) {
 	r.browser.mu.Lock()
 	defer r.browser.mu.Unlock()
-	if problem == "" {
+	switch {
+	case problem != "":
+		r.browser.bad = append(r.browser.bad, problem)
+	case head:
+		r.browser.heads++
+	default:
 		r.browser.pages++
-		return
+		if reloaded {
+			r.browser.reloaded++
+		}
 	}
-	r.browser.bad = append(r.browser.bad, problem)
+}
+
+// readHeadThenPage asks gateway base for path with a HEAD as a browser sends it, which the gate answers as its
+// page without the body (402, text/html, PAYMENT-REQUIRED, no body), then reads the offer from the page.
+func (r *invRun) readHeadThenPage(ctx context.Context, base, path string) (payer.Offer, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodHead, base+path, nil)
+	if err != nil {
+		return payer.Offer{}, err
+	}
+	req.Header.Set("Accept", invNavigationAccept)
+	resp, err := r.client.h1.Do(req)
+	if err != nil {
+		return payer.Offer{}, fmt.Errorf("asking %s for its paywall's head: %w", path, err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusPaymentRequired {
+		return payer.Offer{}, fmt.Errorf("unpaid HEAD %s answered %d, want 402", path, resp.StatusCode)
+	}
+	media, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
+	_, err = x402.DecodePaymentRequired(resp.Header.Get(x402.HeaderPaymentRequired))
+	switch {
+	case media != "text/html" || err != nil || len(body) > 0:
+		r.pageSeen(true, false, fmt.Sprintf("the 402 of HEAD %s at %s as a browser asks: Content-Type %q, %s %v, %d bytes of body; want the page's head: text/html, the offer, no body",
+			path, base, resp.Header.Get("Content-Type"), x402.HeaderPaymentRequired, err, len(body)))
+	default:
+		r.pageSeen(true, false, "")
+	}
+	return r.readPageOffer(ctx, base, path)
 }
 
 // paywallJSONOpen is how the page's embedded offer begins (gate/paywall/page.html).
@@ -82,12 +128,16 @@ func (r *invRun) readPageOffer(ctx context.Context, base, path string) (payer.Of
 		return payer.Offer{}, fmt.Errorf("unpaid navigation to %s answered %d %s, want 402", path, resp.StatusCode, shorten(string(body)))
 	}
 	doc, problem := paywallOffer(resp, body)
+	reloaded := bytes.Contains(body, []byte("<title>"+invReloadedTitle+"</title>"))
+	if problem == "" && !reloaded && !bytes.Contains(body, []byte("<title>Payment required</title>")) {
+		problem = fmt.Sprintf("its title is neither the default nor the reloaded paywall's %q", invReloadedTitle)
+	}
 	if problem != "" {
 		problem = fmt.Sprintf("the 402 page of GET %s at %s: %s", path, base, problem)
-		r.pageSeen(problem)
+		r.pageSeen(false, false, problem)
 		return payer.Offer{}, fmt.Errorf("%s", problem)
 	}
-	r.pageSeen("")
+	r.pageSeen(false, reloaded, "")
 	h := http.Header{}
 	h.Set(x402.HeaderPaymentRequired, base64.StdEncoding.EncodeToString(doc))
 	return payer.ReadOffer(h, nil)
@@ -139,8 +189,17 @@ func isPaywallPage(resp *http.Response, body []byte) bool {
 func (r *invRun) checkBrowser(end *invEnd) ([]invViolation, string) {
 	var out []invViolation
 	r.browser.mu.Lock()
-	pages, bad := r.browser.pages, append([]string(nil), r.browser.bad...)
+	pages, reloaded, heads, bad := r.browser.pages, r.browser.reloaded, r.browser.heads, append([]string(nil), r.browser.bad...)
 	r.browser.mu.Unlock()
+	signIns, signInsServed := 0, 0
+	for _, s := range r.siwxSnapshot() {
+		if s.fromPage {
+			signIns++
+			if s.servedRight {
+				signInsServed++
+			}
+		}
+	}
 	for _, b := range bad {
 		out = append(out, invViolation{what: b})
 	}
@@ -173,9 +232,11 @@ func (r *invRun) checkBrowser(end *invEnd) ([]invViolation, string) {
 			}
 		}
 	}
-	summary := fmt.Sprintf("%d paywall pages read whose embedded JSON is the header's, %d malformed; %d payments signed from a page's JSON, %d delivered; "+
-		"paid browser requests: %d× %s, %d× %s, of which %d refused with 402 (%d as the gate's JSON)",
-		pages, len(bad), fromPage, fromPageDelivered, counts[shapeBrowserFetch], shapeBrowserFetch, counts[shapeBrowserNav], shapeBrowserNav, refused, refusedJSON)
+	summary := fmt.Sprintf("%d paywall pages read whose embedded JSON is the header's (%d with the reloaded paywall), %d unpaid HEADs answered as the page's head, %d malformed; "+
+		"%d payments signed from a page's JSON, %d delivered; %d sign-ins signed from a page's challenge, %d served; "+
+		"paid browser requests: %d× %s, %d× %s, %d× %s, of which %d refused with 402 (%d as the gate's JSON)",
+		pages, reloaded, heads, len(bad), fromPage, fromPageDelivered, signIns, signInsServed,
+		counts[shapeBrowserFetch], shapeBrowserFetch, counts[shapeBrowserNav], shapeBrowserNav, counts[shapeBrowserHEAD], shapeBrowserHEAD, refused, refusedJSON)
 	if pages == 0 || fromPageDelivered == 0 {
 		out = append(out, invViolation{what: "no payment signed from a paywall page delivered its response: the browser lane did not run"})
 	}
@@ -184,7 +245,7 @@ func (r *invRun) checkBrowser(end *invEnd) ([]invViolation, string) {
 
 // browserAccept is the Accept a browser shape sends.
 func browserAccept(shape string) string {
-	if shape == shapeBrowserNav {
+	if shape != shapeBrowserFetch {
 		return invNavigationAccept
 	}
 	return "*/*"

@@ -281,6 +281,7 @@ var invShapes = []invShape{
 	{shapeMCPH2, http.MethodPost, 2, mcpRoute},
 	{shapeBrowserFetch, http.MethodGet, 3, browserRoute},
 	{shapeBrowserNav, http.MethodGet, 2, browserRoute},
+	{shapeBrowserHEAD, http.MethodHead, 1, browserRoute},
 }
 
 // plainShape is the shape a payment is presented in again to get its response from rk: the plain request of its
@@ -433,7 +434,7 @@ func (r *invRun) send(ctx context.Context, p *invPayment, base string, res invRe
 		client = r.client.fresh
 	case shapeH2Reset:
 		client = r.client.h2small
-	case shapeBrowserFetch, shapeBrowserNav:
+	case shapeBrowserFetch, shapeBrowserNav, shapeBrowserHEAD:
 		req.Header.Set("Accept", browserAccept(shape))
 	}
 	cutAt := -1
@@ -492,7 +493,7 @@ func (r *invRun) judge(a *invAnswer, p *invPayment, resp *http.Response, body []
 	rk := r.w.route(a.res.path)
 	a.page = isPaywallPage(resp, body)
 	media, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
-	a.json = media == "application/json" && json.Valid(body)
+	a.json = media == "application/json" && (json.Valid(body) || a.res.method == http.MethodHead)
 	switch {
 	case resp.StatusCode == http.StatusPaymentRequired:
 		a.note = refusalReason(resp, body)

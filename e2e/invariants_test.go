@@ -477,6 +477,9 @@ func (w *invWorker) sign(rk *routeKind, res invResource, shape string, gate int,
 	read := r.readOffer
 	if browserShape(shape) {
 		read = r.readPageOffer // a browser reads the offer its paywall page embeds
+		if shape == shapeBrowserHEAD {
+			read = r.readHeadThenPage
+		}
 	}
 	offer, err := read(ctx, r.w.gateways[gate].url, res.path)
 	if err != nil {
