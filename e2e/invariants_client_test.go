@@ -10,6 +10,7 @@ import (
 	"io"
 	"math/big"
 	"math/rand/v2"
+	"mime"
 	"net"
 	"net/http"
 	"slices"
@@ -49,6 +50,7 @@ type invPayment struct {
 	first      invResource // the resource it was first presented for
 	firstShape string
 	firstGate  int
+	fromPage   bool // signed from the offer a paywall page embeds (invariants_browser_test.go)
 
 	mu         sync.Mutex
 	answers    []*invAnswer
@@ -71,6 +73,8 @@ type invAnswer struct {
 	settle    *x402.SettleResponse
 	final     bool // a whole response, or a refusal that presenting again would not change
 	wrong     bool // a 2xx whose body is not the resource asked for
+	page      bool // its body was the gate's paywall page (invariants_browser_test.go)
+	json      bool // its body was JSON
 }
 
 func (a *invAnswer) String() string {
@@ -275,6 +279,9 @@ var invShapes = []invShape{
 	{shapeMCP, http.MethodPost, 4, mcpRoute},
 	{shapeMCPSSE, http.MethodPost, 2, mcpRoute},
 	{shapeMCPH2, http.MethodPost, 2, mcpRoute},
+	{shapeBrowserFetch, http.MethodGet, 3, browserRoute},
+	{shapeBrowserNav, http.MethodGet, 2, browserRoute},
+	{shapeBrowserHEAD, http.MethodHead, 1, browserRoute},
 }
 
 // plainShape is the shape a payment is presented in again to get its response from rk: the plain request of its
@@ -427,6 +434,8 @@ func (r *invRun) send(ctx context.Context, p *invPayment, base string, res invRe
 		client = r.client.fresh
 	case shapeH2Reset:
 		client = r.client.h2small
+	case shapeBrowserFetch, shapeBrowserNav, shapeBrowserHEAD:
+		req.Header.Set("Accept", browserAccept(shape))
 	}
 	cutAt := -1
 	if shape == shapeCut || shape == shapeH2Reset {
@@ -482,6 +491,9 @@ func (r *invRun) setPaymentHeaders(h http.Header, p *invPayment) {
 // something wrong.
 func (r *invRun) judge(a *invAnswer, p *invPayment, resp *http.Response, body []byte, bodyLen, rangeFrom, rangeTo int) {
 	rk := r.w.route(a.res.path)
+	a.page = isPaywallPage(resp, body)
+	media, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
+	a.json = media == "application/json" && (json.Valid(body) || a.res.method == http.MethodHead)
 	switch {
 	case resp.StatusCode == http.StatusPaymentRequired:
 		a.note = refusalReason(resp, body)

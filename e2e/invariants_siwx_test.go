@@ -57,6 +57,7 @@ type invSignIn struct {
 	status      int
 	note        string
 	servedRight bool // a 2xx carrying the resource asked for
+	fromPage    bool // signed from the challenge a paywall page embeds, as the page's script signs in
 }
 
 func (s *invSignIn) served() bool { return s.status >= 200 && s.status < 300 }
@@ -246,7 +247,12 @@ func (r *invRun) signInOnce(a *invAction, p *payer.Payer, kind string, from int,
 	s := &invSignIn{action: a.n, gate: to, from: from, kind: kind, wallet: p.Address(), route: rk, path: toPath}
 	if header == "" {
 		base := r.w.gateways[from].url
-		offer, err := r.readOffer(ctx, base, fromPath)
+		read := r.readOffer
+		if a.n%2 == 0 {
+			// Half the time from the paywall page, as its script signs in (invariants_browser_test.go).
+			read, s.fromPage = r.readPageOffer, true
+		}
+		offer, err := read(ctx, base, fromPath)
 		if err != nil {
 			a.say("sign-in by %s (%s): gw%d %s: %s", p.Address().Hex()[:10], kind, from, fromPath, shorten(err.Error()))
 			return nil

@@ -120,7 +120,8 @@ type invRun struct {
 	reloads  []invEvent // the gateways ran other prices
 	counts   map[string]int
 
-	siwx invSiwx // the sign-in-with-x lane (invariants_siwx_test.go)
+	siwx    invSiwx    // the sign-in-with-x lane (invariants_siwx_test.go)
+	browser invBrowser // the paywall pages the browser lane read (invariants_browser_test.go)
 }
 
 // invEvent is a fault's span, and the gateway it hit (-1 for none).
@@ -473,7 +474,14 @@ func (w *invWorker) sign(rk *routeKind, res invResource, shape string, gate int,
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	asked := time.Now()
-	offer, err := r.readOffer(ctx, r.w.gateways[gate].url, res.path)
+	read := r.readOffer
+	if browserShape(shape) {
+		read = r.readPageOffer // a browser reads the offer its paywall page embeds
+		if shape == shapeBrowserHEAD {
+			read = r.readHeadThenPage
+		}
+	}
+	offer, err := read(ctx, r.w.gateways[gate].url, res.path)
 	if err != nil {
 		return nil, err
 	}
@@ -490,7 +498,11 @@ func (w *invWorker) sign(rk *routeKind, res invResource, shape string, gate int,
 		max, _ := x402.ParseUint256(pay.Requirements.Amount)
 		use = pickUse(useDraw, max)
 	}
-	return r.newPayment(pp, rk, pay.Header, pay.Value, pay.Requirements, pay.Payload, use, -1, res, shape, gate, asked)
+	p, err := r.newPayment(pp, rk, pay.Header, pay.Value, pay.Requirements, pay.Payload, use, -1, res, shape, gate, asked)
+	if err == nil {
+		p.fromPage = browserShape(shape)
+	}
+	return p, err
 }
 
 // againSame presents a payment again to the resource it bought or was first presented for, at the gateway it

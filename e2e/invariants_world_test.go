@@ -204,6 +204,10 @@ func (rk *routeKind) caddy(w *invWorld, gen int) string {
 	if rk.gasSponsoring != "" {
 		fmt.Fprintf(&b, "\t\t\tgas_sponsoring %s\n", rk.gasSponsoring)
 	}
+	if gen == 1 && browserRoute(rk, "") {
+		// The reload changes the paywall too: a page read before it is paid after it, and the other way round.
+		fmt.Fprintf(&b, "\t\t\tpaywall {\n\t\t\t\ttitle \"%s\"\n\t\t\t}\n", invReloadedTitle)
+	}
 	if a := rk.access; a != nil {
 		fmt.Fprintf(&b, "\t\t\taccess %s {\n\t\t\t\tpaths %s*\n", a.For, rk.prefix)
 		if a.Requests > 0 {

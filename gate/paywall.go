@@ -55,6 +55,9 @@ type PaywallData struct {
 	// SignIn is true when the route grants access (sign-in-with-x): a payer who paid before signs in instead of
 	// paying again.
 	SignIn bool
+	// SignInOnly is true when the route sells nothing (sign_in_only): the page offers the sign-in alone, no
+	// price and no way to pay.
+	SignInOnly bool
 	// JSON is the 402 (PaymentRequired) as JSON, for <script type="application/json" id="x402-payment-required">;
 	// Chains the networks a wallet may be asked to add, for <script type="application/json" id="x402-chains">;
 	// Script the built-in wallet script, for a <script> after them. See README, "The paywall".
@@ -82,6 +85,7 @@ func (x *exchange) writePaywall(pr x402.PaymentRequired) error {
 		data.Color = template.CSS(style.Color)
 	}
 	_, data.SignIn = pr.Extensions[x402.ExtensionSignInWithX]
+	data.SignInOnly = x.g.cfg.SignInOnly
 	type addChain struct {
 		ChainName      string   `json:"chainName"`
 		RPCURLs        []string `json:"rpcUrls"`
