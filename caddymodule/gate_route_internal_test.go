@@ -80,3 +80,14 @@ func TestAGatesRouteStaysThroughAReloadOfItsAccess(t *testing.T) {
 		}
 	}
 }
+
+// A reload that retitles the paywall (or changes its logo, colour, template) keeps the route: how the 402 looks in
+// a browser sells nothing, and the grants a payer bought are keyed by the route (the money-invariant run's browser
+// lane: a sign-in refused "no payment bought access here" after a reload that retitled the page and back).
+func TestAGatesRouteStaysThroughAReloadOfItsPaywall(t *testing.T) {
+	before := routesOf(t, &Gate{GateAccept: GateAccept{Amount: "100", PayTo: "0x01"}})
+	styled := &Gate{GateAccept: GateAccept{Amount: "100", PayTo: "0x01"}, Paywall: &GatePaywall{Title: "Members only", Color: "#123456"}}
+	if after := routesOf(t, styled); after[0] != before[0] {
+		t.Errorf("the route after a reload that styled the paywall: %q, before %q", after[0], before[0])
+	}
+}
