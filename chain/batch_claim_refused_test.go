@@ -22,16 +22,12 @@ import (
 // still on its way.
 func TestABatchClaimTheNodeRefusedLeavesNothingPending(t *testing.T) {
 	var refusing atomic.Bool
-	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second,
-		tune: func(fx *fixture, nc *chain.NetworkConfig) {
-			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
-			nc.Backend = sendFault{Backend: nc.Backend, send: func(ctx context.Context, tx *types.Transaction) error {
-				if refusing.Load() {
-					return errors.New("insufficient funds for gas * price + value (injected)")
-				}
-				return fx.c.Client.SendTransaction(ctx, tx)
-			}}
-		}})
+	b := claimRouteSending(t, 30*time.Second, 0, func(fx *fixture, ctx context.Context, tx *types.Transaction) error {
+		if refusing.Load() {
+			return errors.New("insufficient funds for gas * price + value (injected)")
+		}
+		return fx.c.Client.SendTransaction(ctx, tx)
+	})
 	b.deposit(t, 30*batchPrice)
 	for i := int64(1); i <= 3; i++ {
 		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
@@ -62,6 +58,21 @@ func TestABatchClaimTheNodeRefusedLeavesNothingPending(t *testing.T) {
 	}
 }
 
+// claimRouteSending is a batch route on a bbolt journal whose claims are made when asked (claimEvery > 0: the
+// engine's own pass claims after that many vouchers, and waits for the receipt), sealing every 5 ms, on a node
+// whose sends go through send.
+func claimRouteSending(t *testing.T, receiptTimeout time.Duration, claimEvery int, send func(fx *fixture, ctx context.Context, tx *types.Transaction) error) *batchRoute {
+	t.Helper()
+	return newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: receiptTimeout,
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
+			if claimEvery > 0 {
+				nc.BatchClaimEvery = claimEvery
+			}
+			nc.Backend = sendFault{Backend: nc.Backend, send: func(ctx context.Context, tx *types.Transaction) error { return send(fx, ctx, tx) }}
+		}})
+}
+
 // TestABatchClaimTheNodeLostIsSentAgainWithinItsWait: the node answers the claim's send and never holds the
 // transaction (dropped from its pool, or lost behind a proxy): the engine's claim pass, waiting for the receipt,
 // looks the claim up and gives the node the same signed transaction again, so it mines long before the wait is
@@ -71,17 +82,13 @@ func TestABatchClaimTheNodeRefusedLeavesNothingPending(t *testing.T) {
 func TestABatchClaimTheNodeLostIsSentAgainWithinItsWait(t *testing.T) {
 	var losing atomic.Bool
 	var sent atomic.Int64
-	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second,
-		tune: func(fx *fixture, nc *chain.NetworkConfig) {
-			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
-			nc.BatchClaimEvery = 3 // the engine's own pass claims, and waits for the receipt
-			nc.Backend = sendFault{Backend: nc.Backend, send: func(ctx context.Context, tx *types.Transaction) error {
-				if losing.Load() && sent.Add(1) == 1 {
-					return nil // answered as taken, never held
-				}
-				return fx.c.Client.SendTransaction(ctx, tx)
-			}}
-		}})
+	// claim_every 3: the engine's own pass claims, and waits for the receipt.
+	b := claimRouteSending(t, 30*time.Second, 3, func(fx *fixture, ctx context.Context, tx *types.Transaction) error {
+		if losing.Load() && sent.Add(1) == 1 {
+			return nil // answered as taken, never held
+		}
+		return fx.c.Client.SendTransaction(ctx, tx)
+	})
 	b.deposit(t, 30*batchPrice)
 	before := b.sentBy(t, b.fx.c.Wallets)
 	losing.Store(true)
@@ -118,31 +125,27 @@ func TestABatchClaimTheNodeLostIsSentAgainWithinItsWait(t *testing.T) {
 // within the same pass; it does not wait out the whole receipt wait for a transaction no node will ever mine.
 func TestABatchClaimWhoseNonceWentToAnotherTransactionIsClaimedAgainWithinItsWait(t *testing.T) {
 	var stealing atomic.Bool
-	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t), autoCommit: 5 * time.Millisecond, receiptTimeout: 20 * time.Second,
-		tune: func(fx *fixture, nc *chain.NetworkConfig) {
-			claimsWhenAsked(nc, chaintest.DeriveAccount("authorizer", 0))
-			nc.Backend = sendFault{Backend: nc.Backend, send: func(ctx context.Context, tx *types.Transaction) error {
-				if tx.To() == nil || *tx.To() != contracts.BatchSettlementAddress || !stealing.CompareAndSwap(true, false) {
-					return fx.c.Client.SendTransaction(ctx, tx)
-				}
-				// Answered as taken, never held; another transaction of the wallet takes its nonce.
-				from, err := types.Sender(types.LatestSignerForChainID(tx.ChainId()), tx)
+	b := claimRouteSending(t, 20*time.Second, 0, func(fx *fixture, ctx context.Context, tx *types.Transaction) error {
+		if tx.To() == nil || *tx.To() != contracts.BatchSettlementAddress || !stealing.CompareAndSwap(true, false) {
+			return fx.c.Client.SendTransaction(ctx, tx)
+		}
+		// Answered as taken, never held; another transaction of the wallet takes its nonce.
+		from, err := types.Sender(types.LatestSignerForChainID(tx.ChainId()), tx)
+		if err != nil {
+			return err
+		}
+		for _, w := range fx.c.Wallets {
+			if w.Address == from {
+				other, err := types.SignNewTx(w.Key, types.LatestSignerForChainID(tx.ChainId()), &types.DynamicFeeTx{ChainID: tx.ChainId(),
+					Nonce: tx.Nonce(), GasTipCap: tx.GasTipCap(), GasFeeCap: tx.GasFeeCap(), Gas: 21_000, To: &w.Address})
 				if err != nil {
 					return err
 				}
-				for _, w := range fx.c.Wallets {
-					if w.Address == from {
-						other, err := types.SignNewTx(w.Key, types.LatestSignerForChainID(tx.ChainId()), &types.DynamicFeeTx{ChainID: tx.ChainId(),
-							Nonce: tx.Nonce(), GasTipCap: tx.GasTipCap(), GasFeeCap: tx.GasFeeCap(), Gas: 21_000, To: &w.Address})
-						if err != nil {
-							return err
-						}
-						return fx.c.Client.SendTransaction(ctx, other)
-					}
-				}
-				return errors.New("the claim's sender is no wallet of the chain")
-			}}
-		}})
+				return fx.c.Client.SendTransaction(ctx, other)
+			}
+		}
+		return errors.New("the claim's sender is no wallet of the chain")
+	})
 	b.deposit(t, 30*batchPrice)
 	for i := int64(1); i <= 3; i++ {
 		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {

@@ -76,12 +76,7 @@ func (r *invRun) pageSeen(head, reloaded bool, problem string) {
 // readHeadThenPage asks gateway base for path with a HEAD as a browser sends it, which the gate answers as its
 // page without the body (402, text/html, PAYMENT-REQUIRED, no body), then reads the offer from the page.
 func (r *invRun) readHeadThenPage(ctx context.Context, base, path string) (payer.Offer, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodHead, base+path, nil)
-	if err != nil {
-		return payer.Offer{}, err
-	}
-	req.Header.Set("Accept", invNavigationAccept)
-	resp, err := r.client.h1.Do(req)
+	resp, err := r.navigate(ctx, http.MethodHead, base, path)
 	if err != nil {
 		return payer.Offer{}, fmt.Errorf("asking %s for its paywall's head: %w", path, err)
 	}
@@ -102,6 +97,16 @@ func (r *invRun) readHeadThenPage(ctx context.Context, base, path string) (payer
 	return r.readPageOffer(ctx, base, path)
 }
 
+// navigate asks gateway base for path with method as a browser's navigation does (its Accept), unpaid.
+func (r *invRun) navigate(ctx context.Context, method, base, path string) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, method, base+path, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Accept", invNavigationAccept)
+	return r.client.h1.Do(req)
+}
+
 // paywallJSONOpen is how the page's embedded offer begins (gate/paywall/page.html).
 const paywallJSONOpen = `<script type="application/json" id="x402-payment-required">`
 
@@ -109,12 +114,7 @@ const paywallJSONOpen = `<script type="application/json" id="x402-payment-requir
 // from the paywall page's embedded JSON; it checks that the page is HTML and that its JSON is the same
 // PaymentRequired as the answer's PAYMENT-REQUIRED header, and notes the page (pageSeen).
 func (r *invRun) readPageOffer(ctx context.Context, base, path string) (payer.Offer, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+path, nil)
-	if err != nil {
-		return payer.Offer{}, err
-	}
-	req.Header.Set("Accept", invNavigationAccept)
-	resp, err := r.client.h1.Do(req)
+	resp, err := r.navigate(ctx, http.MethodGet, base, path)
 	if err != nil {
 		return payer.Offer{}, fmt.Errorf("asking %s for its paywall: %w", path, err)
 	}
