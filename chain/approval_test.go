@@ -3,6 +3,7 @@ package chain_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"math/big"
 	"slices"
 	"strings"
@@ -588,12 +589,17 @@ func TestASponsoredApprovalSignedBeforeTheBaseFeeFellByHalfSettlesAndAFeeCapTenT
 
 // losesFundings is a node that takes the payer's gas money from the engine and loses it (answers as if it took
 // it, and never mines it) while lose is set: the engine's funding is in its journal, not on chain, as after a
-// crash between the journal's write and the broadcast, or a node that dropped it from its pool.
+// crash between the journal's write and the broadcast, or a node that dropped it from its pool. Given the
+// approval whose hash minesOnSend holds, it mines it and then answers as a node does to a transaction whose
+// nonce is spent: the approval mined between the engine's look for its receipt and its send.
 type losesFundings struct {
 	*ethclient.Client
-	payer common.Address
-	lose  atomic.Bool
-	lost  atomic.Int64
+	c           *chaintest.Chain
+	payer       common.Address
+	lose        atomic.Bool
+	lost        atomic.Int64
+	minesOnSend atomic.Pointer[common.Hash]
+	minedOnSend atomic.Bool
 }
 
 func (b *losesFundings) SendTransaction(ctx context.Context, tx *types.Transaction) error {
@@ -601,7 +607,87 @@ func (b *losesFundings) SendTransaction(ctx context.Context, tx *types.Transacti
 		b.lost.Add(1)
 		return nil
 	}
+	if h := b.minesOnSend.Load(); h != nil && *h == tx.Hash() {
+		if err := b.Client.SendTransaction(ctx, tx); err != nil {
+			return err // the node's pool has not seen the payer's funds yet: the next pass sends it again
+		}
+		b.minesOnSend.Store(nil)
+		if _, err := b.c.CommitUntilIncluded(context.Background(), tx.Hash()); err != nil {
+			return err
+		}
+		b.minedOnSend.Store(true)
+		return fmt.Errorf("nonce too low: address %s, tx: %d state: %d", b.payer, tx.Nonce(), tx.Nonce()+1)
+	}
 	return b.Client.SendTransaction(ctx, tx)
+}
+
+// lostFunding is a sponsored settlement answered settlement_pending whose payer's gas money the node lost.
+type lostFunding struct {
+	fx                   *fixture
+	node                 *losesFundings
+	payer                *chaintest.Account
+	wallet               common.Address
+	req                  x402.VerifyRequest
+	approval             *types.Transaction
+	cost                 *big.Int // the approval's gas limit at its fee cap: the gas money recorded
+	before, sellerBefore *big.Int
+	walletTxs            uint64
+}
+
+func settleWithItsFundingLost(t *testing.T) *lostFunding {
+	l := &lostFunding{}
+	fx := newFixture(t, fixtureOpts{receiptTimeout: 300 * time.Millisecond, wallets: 1,
+		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			l.node = &losesFundings{Client: fx.c.EthClient, c: fx.c, payer: fx.c.PayerNoGas.Address}
+			l.node.lose.Store(true)
+			nc.Backend, nc.ApprovalSponsoring = l.node, &chain.ApprovalSponsoring{}
+		},
+		configure: func(c *chain.Config) { c.ReconcileEvery, c.ReconcileGrace = 20*time.Millisecond, time.Millisecond }})
+	l.fx, l.payer, l.wallet = fx, fx.c.PayerNoGas, fx.c.Wallets[0].Address
+	l.before, l.sellerBefore = fx.c.TokenBalance(l.payer.Address), fx.c.TokenBalance(fx.payTo)
+	l.walletTxs = fx.c.TxCount(l.wallet)
+	var fees chain.ApprovalTx
+	l.req, fees = fx.sponsoredPermit2(l.payer)
+	l.approval = approvalOf(t, l.req)
+	l.cost = new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap)
+	if s := fx.settle(l.req); s.Success || s.ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("settle with its gas money lost = %+v, want settlement_pending", s)
+	}
+	if l.node.lost.Load() == 0 {
+		t.Fatal("the node never got the payer's gas money to lose")
+	}
+	return l
+}
+
+// settledOnceUnfunded asserts the payment settles once it is presented again, and that the recorded gas money
+// never went out: the payer holds what it got elsewhere less its approval's gas, and the settlement wallet sent
+// two transactions (a zero-value transfer to itself in the funding's nonce, the settlement).
+func (l *lostFunding) settledOnceUnfunded(t *testing.T) {
+	t.Helper()
+	fx := l.fx
+	receipt, err := fx.c.Client.TransactionReceipt(context.Background(), l.approval.Hash())
+	if err != nil || receipt.Status != types.ReceiptStatusSuccessful {
+		t.Fatalf("the payer's approval: %+v, %v; want mined", receipt, err)
+	}
+	final := fx.settle(l.req)
+	for deadline := time.Now().Add(30 * time.Second); !final.Success && time.Now().Before(deadline); final = fx.settle(l.req) {
+		if final.ErrorReason != x402.ReasonSettlementPending {
+			t.Fatalf("presented again = %+v, want settled (or pending until reconciliation sent it)", final)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !final.Success {
+		t.Fatalf("presented again = %+v, want settled by reconciliation", final)
+	}
+	assertMoved(t, fx, l.payer.Address, l.before, l.sellerBefore, 1)
+	spent := new(big.Int).Mul(new(big.Int).SetUint64(receipt.GasUsed), receipt.EffectiveGasPrice)
+	if got, want := fx.c.ETHBalance(l.payer.Address), new(big.Int).Sub(l.cost, spent); got.Cmp(want) != 0 {
+		t.Fatalf("payer ETH = %s, want what it got elsewhere less its approval's gas, %s: the engine sent the recorded gas money after the approval mined", got, want)
+	}
+	if got := fx.c.TxCount(l.wallet) - l.walletTxs; got != 2 {
+		t.Fatalf("the settlement wallet sent %d transactions, want 2 (a zero-value transfer to itself in the funding's nonce, the settlement)", got)
+	}
 }
 
 // A settlement whose gas money for the payer's approval is recorded but never reached the chain, while the
@@ -611,59 +697,47 @@ func (b *losesFundings) SendTransaction(ctx context.Context, tx *types.Transacti
 // The money-invariant run (scarce, seed 1795824846132738674, a SIGKILL and a database restart) saw a payer sent
 // gas money twice for one approval.
 func TestARecordedFundingOfASponsoredApprovalThatMinedWithoutItIsNeverSent(t *testing.T) {
-	ctx := context.Background()
-	var node *losesFundings
-	fx := newFixture(t, fixtureOpts{receiptTimeout: 300 * time.Millisecond, wallets: 1,
-		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
-		tune: func(fx *fixture, nc *chain.NetworkConfig) {
-			node = &losesFundings{Client: fx.c.EthClient, payer: fx.c.PayerNoGas.Address}
-			node.lose.Store(true)
-			nc.Backend, nc.ApprovalSponsoring = node, &chain.ApprovalSponsoring{}
-		},
-		configure: func(c *chain.Config) { c.ReconcileEvery, c.ReconcileGrace = 20*time.Millisecond, time.Millisecond }})
-	payer, wallet := fx.c.PayerNoGas, fx.c.Wallets[0].Address
-	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
-	walletTxs := fx.c.TxCount(wallet)
-	req, fees := fx.sponsoredPermit2(payer)
-	if s := fx.settle(req); s.Success || s.ErrorReason != x402.ReasonSettlementPending {
-		t.Fatalf("settle with its gas money lost = %+v, want settlement_pending", s)
-	}
-	if node.lost.Load() == 0 {
-		t.Fatal("the node never got the payer's gas money to lose")
-	}
+	l := settleWithItsFundingLost(t)
+	fx := l.fx
 	// The approval mines without the recorded gas money: the payer got ether elsewhere and sent it.
-	cost := new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap)
-	fx.c.SendETH(fx.c.Payers[2], payer.Address, cost)
+	fx.c.SendETH(fx.c.Payers[2], l.payer.Address, l.cost)
 	// Reconciliation may send the payer's signed approval itself once the payer holds the gas for it: the node
-	// then knows it already (CI, 8246960), the same transaction either way.
-	approval := approvalOf(t, req)
-	if err := fx.c.Client.SendTransaction(ctx, approval); err != nil && !strings.Contains(err.Error(), "already known") {
+	// then knows it already (CI, 8246960), the same transaction either way. The node's pool takes the new head's
+	// balances a moment after the block: until then it finds the payer without funds (CI, eafd324).
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		err := fx.c.Client.SendTransaction(context.Background(), l.approval)
+		if err == nil || strings.Contains(err.Error(), "already known") {
+			break
+		}
+		if !strings.Contains(err.Error(), "insufficient funds") || time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+	}
+	if _, err := fx.c.CommitUntilIncluded(context.Background(), l.approval.Hash()); err != nil {
 		t.Fatal(err)
 	}
-	receipt, err := fx.c.CommitUntilIncluded(ctx, approval.Hash())
-	if err != nil || receipt[0].Status != types.ReceiptStatusSuccessful {
-		t.Fatalf("the payer's approval: %+v, %v; want mined", receipt, err)
-	}
-	node.lose.Store(false)
+	l.node.lose.Store(false)
+	l.settledOnceUnfunded(t)
+}
 
-	final := fx.settle(req)
-	for deadline := time.Now().Add(30 * time.Second); !final.Success && time.Now().Before(deadline); final = fx.settle(req) {
-		if final.ErrorReason != x402.ReasonSettlementPending {
-			t.Fatalf("presented again = %+v, want settled (or pending until reconciliation sent it)", final)
-		}
-		time.Sleep(20 * time.Millisecond)
+// The same, the approval mining while reconciliation sends it (sent by the payer, or by a settlement at another
+// gateway, between reconciliation's look for its receipt and its own send): the node refuses it for a nonce
+// spent by the approval itself, and the settlement recorded is sent, not settled again at another nonce, which
+// left the recorded one's nonce a hole to fill with a third transaction (CI, eafd324: the wallet sent 3).
+func TestASponsoredApprovalMinedWhileReconciliationSendsItLetsTheRecordedSettlementGo(t *testing.T) {
+	l := settleWithItsFundingLost(t)
+	h := l.approval.Hash()
+	l.node.minesOnSend.Store(&h)
+	l.fx.c.SendETH(l.fx.c.Payers[2], l.payer.Address, l.cost)
+	deadline := time.Now().Add(10 * time.Second)
+	for !l.node.minedOnSend.Load() && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
 	}
-	if !final.Success {
-		t.Fatalf("presented again = %+v, want settled by reconciliation", final)
+	if !l.node.minedOnSend.Load() {
+		t.Fatal("reconciliation never sent the payer's approval once the payer held its gas")
 	}
-	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
-	spent := new(big.Int).Mul(new(big.Int).SetUint64(receipt[0].GasUsed), receipt[0].EffectiveGasPrice)
-	if got, want := fx.c.ETHBalance(payer.Address), new(big.Int).Sub(cost, spent); got.Cmp(want) != 0 {
-		t.Fatalf("payer ETH = %s, want what it got elsewhere less its approval's gas, %s: the engine sent the recorded gas money after the approval mined", got, want)
-	}
-	if got := fx.c.TxCount(wallet) - walletTxs; got != 2 {
-		t.Fatalf("the settlement wallet sent %d transactions, want 2 (a zero-value transfer to itself in the funding's nonce, the settlement)", got)
-	}
+	l.node.lose.Store(false)
+	l.settledOnceUnfunded(t)
 }
 
 // readsFundsThen is a node that runs then, once, when the facilitator first reads a balance at a block (the funds

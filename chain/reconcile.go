@@ -194,10 +194,16 @@ func (f *Facilitator) approvalFirst(ctx context.Context, n *network, rec journal
 		}
 	}
 	if err := n.sender.rebroadcast(ctx, approval); err != nil {
-		if isNonceConflict(err) {
-			return false, f.resettle(ctx, n, rec)
+		if !isNonceConflict(err) {
+			return false, err
 		}
-		return false, err
+		// Its nonce is spent: by the approval itself, mined since its receipt was looked up above (the payer,
+		// or a settlement at another gateway, sent it), and then the next pass sends the settlement; or by
+		// another of the payer's transactions, and then the settlement can never succeed.
+		if mined, err := n.sender.known(ctx, approval); err != nil || mined {
+			return false, err
+		}
+		return false, f.resettle(ctx, n, rec)
 	}
 	f.log.Info("re-broadcast a sponsored approval; its settlement follows once it mined", zap.String("payment", rec.ID.String()), zap.String("approval", approval.Hash().Hex()))
 	return false, nil
