@@ -133,9 +133,8 @@ type Chain struct {
 	stack   *node.Node
 	client  *ethclient.Client
 	eth     *eth.Ethereum
-	// nudge seals a block by hand. With block_time 0 the beacon API seals when its subscription to the
-	// transaction pool sees a transaction, but it subscribes in a goroutine of its own: a transaction that
-	// arrives first waits for the next one. Startup nudges when its own transactions wait too long.
+	// nudge asks the sealer for a block now, with block_time 0. Startup nudges when its own transactions wait
+	// too long.
 	nudge func()
 
 	scratch string // the database directory of a chain without DataDir, removed at Close
@@ -278,18 +277,20 @@ func Start(ctx context.Context, cfg Config) (*Chain, error) {
 		Namespace: "eth",
 		Service:   filters.NewFilterAPI(filters.NewFilterSystem(backend.APIBackend, filters.Config{})),
 	}})
-	beacon, err := catalyst.NewSimulatedBeacon(uint64(cfg.BlockTime/time.Second), common.Address{}, backend)
+	// The beacon is given a period of at least a second, and never started: with period 0 its API would start a
+	// sealing loop of its own, and started it would run one per period, neither waited for when the node closes
+	// (see sealer). The sealer seals, at the period asked for.
+	beacon, err := catalyst.NewSimulatedBeacon(max(uint64(cfg.BlockTime/time.Second), 1), common.Address{}, backend)
 	if err != nil {
 		stack.Close()
 		d.removeScratch()
 		return nil, fmt.Errorf("dev chain: setting up the simulated beacon: %w", err)
 	}
-	// With period 0 the beacon API, not the beacon, seals a block whenever transactions arrive.
 	catalyst.RegisterSimulatedBeaconAPIs(stack, beacon)
-	stack.RegisterLifecycle(beacon)
+	seal := newSealer(beacon, backend.TxPool(), cfg.BlockTime)
+	stack.RegisterLifecycle(seal)
 	if err := stack.Start(); err != nil {
-		// A node that fails to start never started (nor stops) the beacon, whose sealing loop waits on it.
-		beacon.Stop()
+		seal.Stop()
 		stack.Close()
 		d.removeScratch()
 		return nil, fmt.Errorf("dev chain: starting the node with JSON-RPC on %s: %w", cfg.Listen, err)
@@ -297,7 +298,7 @@ func Start(ctx context.Context, cfg Config) (*Chain, error) {
 	d.client, d.eth = ethclient.NewClient(stack.Attach()), backend
 	d.url = stack.HTTPEndpoint()
 	if cfg.BlockTime == 0 {
-		d.nudge = func() { beacon.Commit() }
+		d.nudge = seal.nudge
 	}
 
 	deployed, deployedUSDC, err := d.provisionTokens(ctx)
