@@ -137,7 +137,8 @@ func (u *mcpUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // mcpEnv is a gateEnv whose gate prices the tools of an mcpUpstream.
 type mcpEnv struct {
 	*gateEnv
-	up *mcpUpstream
+	up        *mcpUpstream
+	caddyfile string // the Caddyfile it started with
 }
 
 // newMCPEnv starts a Caddy whose gate prices search at $0.01 and summarize at $0.05 (others free), with more
@@ -159,7 +160,7 @@ func newMCPEnvWith(t *testing.T, inMCP, inGate, global string) *mcpEnv {
 	cf = strings.Replace(cf, fmt.Sprintf("\t\tamount %d\n", gatePrice), "", 1)
 	cf = strings.Replace(cf, "{\n", "{\n"+global, 1)
 	env.srv = startCaddy(t, cf)
-	return &mcpEnv{gateEnv: env, up: up}
+	return &mcpEnv{gateEnv: env, up: up, caddyfile: cf}
 }
 
 // post posts a JSON-RPC body to path and reads the answer.
@@ -736,4 +737,58 @@ func TestAnMCPGateDoesNotLetAStreamBeReplayedAfterAnEvent(t *testing.T) {
 	if a.status != http.StatusOK || len(ids) != 1 || ids[0] != "" {
 		t.Fatalf("a GET with Last-Event-ID = %d, the server saw Last-Event-ID %q; want it passed without one", a.status, ids)
 	}
+}
+
+// A tool call charged and cut short (settle before: paid, then the client went away before the tool answered) is
+// served by its record when presented again after a reload that changed the tool's price, as a cut-short payment
+// of an HTTP route is after a reload of its price: the mcp block's prices are the route's terms, not its identity.
+// Before, the reload renamed the route, and the payment was judged by the new price and refused value_mismatch.
+func TestAToolCallChargedAndCutShortIsServedByItsRecordAfterAReloadChangedTheToolsPrice(t *testing.T) {
+	env := newMCPEnv(t, "", "\t\tsettle before\n")
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	rq := permit2Of(t, readMCP(t, env.post("/mcp", toolCall(1, "search", nil)).body))
+	payment := env.signPermit2(payer, rq)
+	before := env.balances(payer)
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, env.srv.URL+"/mcp", strings.NewReader(toolCallQ(2, "search", "slow", payment)))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "application/json, text/event-stream")
+	if resp, err := http.DefaultClient.Do(req); err == nil {
+		resp.Body.Close()
+		t.Fatalf("the call cut short was answered %d before the tool finished", resp.StatusCode)
+	}
+	env.waitPaid(payer, before, 1) // settled before the tool ran
+
+	env.srv.load(strings.Replace(env.caddyfile, "tool search $0.01", "tool search $0.02", 1))
+	if got := permit2Of(t, readMCP(t, env.post("/mcp", toolCall(3, "search", nil)).body)).Amount; got != "20000" {
+		t.Fatalf("after the reload search is offered at %s, want 20000", got)
+	}
+	calls := len(env.up.seen())
+	a := env.post("/mcp", toolCall(4, "search", payment))
+	r := readMCP(t, a.body)
+	// The call cut short may still be ending at the gate (it settled before the tool ran): the gate says so, and
+	// the payer waits for it, as it is told.
+	for start := time.Now(); r.Result.IsError && r.Result.StructuredContent != nil && strings.Contains(r.Result.StructuredContent.Error, "right now") && time.Since(start) < 10*time.Second; {
+		time.Sleep(100 * time.Millisecond)
+		a = env.post("/mcp", toolCall(4, "search", payment))
+		r = readMCP(t, a.body)
+	}
+	if r.Result.IsError || len(r.Result.Content) == 0 || r.Result.Content[0]["text"] != "ran search" {
+		t.Fatalf("the charged call presented again after the reload = %d %q, want the tool's result", a.status, a.body)
+	}
+	if got := len(env.up.seen()); got != calls+1 {
+		t.Fatalf("the server ran %d calls for the payment presented again, want 1", got-calls)
+	}
+	// Once served whole, it buys nothing more; and it never bought another tool.
+	if again := readMCP(t, env.post("/mcp", toolCall(5, "search", payment)).body); !again.Result.IsError || again.Result.StructuredContent == nil ||
+		!strings.Contains(again.Result.StructuredContent.Error, x402.ReasonPaymentAlreadyUsed) {
+		t.Fatalf("presented a third time = %+v, want refused as already used", again)
+	}
+	if other := readMCP(t, env.post("/mcp", toolCall(6, "summarize", payment)).body); !other.Result.IsError {
+		t.Fatalf("presented for another tool = %+v, want refused", other)
+	}
+	time.Sleep(200 * time.Millisecond) // a settlement wrongly sent would have mined by now
+	env.assertPaid(payer, before, 1)
 }
