@@ -2,6 +2,7 @@ package caddymodule_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"math/big"
 	"net/http"
@@ -164,6 +165,56 @@ func TestASignInOnlyRouteOfACaddyfileSignsInTheGrantBoughtOnThePaidRoute(t *test
 	}
 	if a := env.signIn("/members", payer); a.status != http.StatusOK || a.body != "members" {
 		t.Fatalf("a sign-in on the sign-in-only route = %d %q, want the members' resource", a.status, a.body)
+	}
+	env.assertPaid(payer, before, 1)
+}
+
+// A grant bought on one route opens no other after a reload that removed an mcp gate before them: a payer who paid
+// /basic/* for access signs in there, not at /premium/*, before and after (review of s49: an mcp block made a term
+// by 0190009 put the mcp gate among the gates configured alike, and its removal gave the /premium/* gate the route
+// the /basic/* gate had, whose path grants, keyed by the route alone, it then honoured).
+func TestAGrantBoughtOnOneRouteOpensNoOtherAfterAReloadRemovedAnMCPGateBeforeThem(t *testing.T) {
+	grantAfterRemoval(t, func(gate func(path, pricing, access string) string) string {
+		return gate("/mcp", "mcp {\n\t\t\t\ttool search $0.01\n\t\t\t}", "")
+	})
+}
+
+// grantAfterRemoval pays /basic/* for access, with the gate removed before the two access gates, and signs in at
+// /premium/* and /basic/* after a reload without it.
+func grantAfterRemoval(t *testing.T, removed func(gate func(path, pricing, access string) string) string) {
+	t.Helper()
+	env := newGateEnv(t, gateSetup{})
+	global, _, _ := strings.Cut(env.caddyfile(gateSetup{}), "\n{{ADDR}} {")
+	gate := func(path, pricing, access string) string {
+		return "\t\tx402 " + path + " {\n\t\t\tpay_to " + env.payTo.Hex() + "\n\t\t\tasset " + env.c.Token.Hex() + "\n\t\t\tnetwork " + env.net +
+			"\n\t\t\t" + pricing + "\n" + access + "\t\t}\n"
+	}
+	sells := func(path string, amount int) string {
+		return gate(path, fmt.Sprintf("amount %d", amount), "\t\t\taccess 1h {\n\t\t\t\tpaths "+path+"\n\t\t\t}\n")
+	}
+	site := func(gates string) string {
+		return global + "\n{{ADDR}} {\n\troute {\n" + gates + "\t\trespond \"content\"\n\t}\n}\n"
+	}
+	env.srv.load(site(removed(gate) + sells("/basic/*", gatePrice) + sells("/premium/*", 100*gatePrice)))
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	if a := env.get("/basic/a", x402.HeaderPaymentSignature, env.permit2Header("/basic/a", payer)); a.status != http.StatusOK {
+		t.Fatalf("the payment at /basic/a = %d %q, want 200", a.status, a.body)
+	}
+	if a := env.signIn("/basic/b", payer); a.status != http.StatusOK {
+		t.Fatalf("a sign-in at /basic/b = %d %q, want the resource", a.status, a.body)
+	}
+	if a := env.signIn("/premium/a", payer); a.status != http.StatusPaymentRequired {
+		t.Fatalf("a sign-in at /premium/a = %d %q, want 402: nothing was paid there", a.status, a.body)
+	}
+
+	env.srv.load(site(sells("/basic/*", gatePrice) + sells("/premium/*", 100*gatePrice)))
+	if a := env.signIn("/premium/a", payer); a.status != http.StatusPaymentRequired {
+		t.Errorf("after a reload that removed the gate before, a sign-in at /premium/a = %d %q, want 402: the grant was bought at /basic/*", a.status, a.body)
+	}
+	if a := env.signIn("/basic/c", payer); a.status != http.StatusOK {
+		t.Errorf("after a reload that removed the gate before, a sign-in at /basic/c = %d %.160q, want the resource: the grant bought there stands", a.status, a.body)
 	}
 	env.assertPaid(payer, before, 1)
 }

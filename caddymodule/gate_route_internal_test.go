@@ -91,3 +91,24 @@ func TestAGatesRouteStaysThroughAReloadOfItsPaywall(t *testing.T) {
 		t.Errorf("the route after a reload that styled the paywall: %q, before %q", after[0], before[0])
 	}
 }
+
+// Adding or removing an mcp gate leaves the routes of the other gates of its server: an mcp gate and a gate that
+// sells paths are never configured alike, whatever their terms. The grants access wrote are keyed by the route,
+// and a grant of access's paths by the route alone (scope "*"): a gate renumbered into the place another gate had
+// honours that gate's grants, and forgets its own (review of s49: 0190009 made an mcp block a term, so a reload
+// that removed an mcp gate before two access gates gave the second the first's route).
+func TestAddingOrRemovingAnMCPGateLeavesTheRoutesOfTheOtherGatesOfItsServer(t *testing.T) {
+	sells := func(amount, paths string) *Gate {
+		return &Gate{GateAccept: GateAccept{Amount: amount, PayTo: "0x01"},
+			Access: &GateAccess{For: caddy.Duration(time.Hour), Paths: []string{paths}}}
+	}
+	tools := &Gate{GateAccept: GateAccept{PayTo: "0x01"}, MCP: &GateMCP{Tools: map[string]string{"search": "$0.01"}}}
+	with := routesOf(t, tools, sells("100", "/basic/*"), sells("10000", "/premium/*"))
+	without := routesOf(t, sells("100", "/basic/*"), sells("10000", "/premium/*"))
+	if without[0] != with[1] || without[1] != with[2] {
+		t.Errorf("the routes of two access gates after a reload removed the mcp gate before them: %q, before %q", without, with[1:])
+	}
+	if without[1] == with[1] {
+		t.Errorf("the /premium/* gate took the route %q the /basic/* gate had: it honours the grants bought there", with[1])
+	}
+}
