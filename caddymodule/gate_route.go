@@ -62,6 +62,12 @@ func (g *Gate) route(ctx caddy.Context, app *App) (string, error) {
 	for _, name := range routeTerms {
 		delete(config, name)
 	}
+	if g.MCP != nil {
+		// The tool prices are terms, but that it sells tool calls is not: an mcp gate is never configured alike
+		// with a gate that sells paths, so adding or removing one renumbers none of the other (their grants of
+		// access are keyed by the route).
+		config["mcp"] = json.RawMessage("true")
+	}
 	kept, err := json.Marshal(config) // in the order of its names
 	if err != nil {
 		return "", fmt.Errorf("naming the gate's route: %w", err)
