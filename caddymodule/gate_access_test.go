@@ -179,6 +179,15 @@ func TestAGrantBoughtOnOneRouteOpensNoOtherAfterAReloadRemovedAnMCPGateBeforeThe
 	})
 }
 
+// The same with a paid gate removed: a grant of access's paths is keyed by the route alone, and a route is a
+// place among the gates configured alike, so a reload that removes any gate before two access gates hands the
+// first's grants to the second (review of s49: this holds before 0190009 too).
+func TestAGrantBoughtOnOneRouteOpensNoOtherAfterAReloadRemovedAPaidGateBeforeThem(t *testing.T) {
+	grantAfterRemoval(t, func(gate func(path, pricing, access string) string) string {
+		return gate("/report", fmt.Sprintf("amount %d", gatePrice), "")
+	})
+}
+
 // grantAfterRemoval pays /basic/* for access, with the gate removed before the two access gates, and signs in at
 // /premium/* and /basic/* after a reload without it.
 func grantAfterRemoval(t *testing.T, removed func(gate func(path, pricing, access string) string) string) {
