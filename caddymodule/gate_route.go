@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
@@ -61,6 +62,16 @@ func (g *Gate) route(ctx caddy.Context, app *App) (string, error) {
 	}
 	for _, name := range routeTerms {
 		delete(config, name)
+	}
+	if g.Access != nil && len(g.Access.Paths) > 0 {
+		// What its grants cover is not a term: a grant of its paths is keyed by the route, and a gate of other
+		// paths configured alike would otherwise take this route's place (and honour its grants) when a reload
+		// adds or removes a gate before them. A reload that changes the paths names another route.
+		paths := slices.Clone(g.Access.Paths)
+		slices.Sort(paths)
+		if config["access_paths"], err = json.Marshal(slices.Compact(paths)); err != nil {
+			return "", fmt.Errorf("naming the gate's route: %w", err)
+		}
 	}
 	if g.MCP != nil {
 		// The tool prices are terms, but that it sells tool calls is not: an mcp gate is never configured alike

@@ -70,14 +70,25 @@ func TestAGatesRouteStaysThroughAReloadOfItsPriceAndHowItAnswers(t *testing.T) {
 	}
 }
 
-// A reload that turns access on, or changes it, keeps the route: the grants already written are keyed by it, and
-// a payer whose grant stands must not be asked to pay again by a reload that lengthened it.
+// A reload that turns access on, or changes how long and how often it lets in, keeps the route: the grants already
+// written are keyed by it, and a payer whose grant stands must not be asked to pay again by a reload that
+// lengthened it. The paths a grant covers are not a term: gates covering other paths are never configured alike,
+// so that adding or removing a gate before them cannot hand one's grants to the other (review of s49).
 func TestAGatesRouteStaysThroughAReloadOfItsAccess(t *testing.T) {
 	before := routesOf(t, &Gate{GateAccept: GateAccept{Amount: "100", PayTo: "0x01"}})
-	for _, a := range []*GateAccess{{For: caddy.Duration(time.Hour)}, {For: caddy.Duration(2 * time.Hour), Requests: 5, Paths: []string{"/a/*"}}} {
-		if after := routesOf(t, &Gate{GateAccept: GateAccept{Amount: "100", PayTo: "0x01"}, Access: a}); after[0] != before[0] {
-			t.Errorf("the route after a reload to access %+v: %q, before %q", *a, after[0], before[0])
-		}
+	if after := routesOf(t, &Gate{GateAccept: GateAccept{Amount: "100", PayTo: "0x01"}, Access: &GateAccess{For: caddy.Duration(time.Hour)}}); after[0] != before[0] {
+		t.Errorf("the route after a reload that turned access on: %q, before %q", after[0], before[0])
+	}
+	paths := routesOf(t, &Gate{GateAccept: GateAccept{Amount: "100", PayTo: "0x01"}, Access: &GateAccess{For: caddy.Duration(time.Hour), Paths: []string{"/b/*", "/a/*"}}})
+	longer := &GateAccess{For: caddy.Duration(2 * time.Hour), Requests: 5, Paths: []string{"/a/*", "/b/*", "/a/*"}}
+	if after := routesOf(t, &Gate{GateAccept: GateAccept{Amount: "200", PayTo: "0x01"}, Access: longer}); after[0] != paths[0] {
+		t.Errorf("the route after a reload of the price and access to %+v: %q, before %q", *longer, after[0], paths[0])
+	}
+	if paths[0] == before[0] {
+		t.Errorf("a gate whose grants cover /a/* and /b/* has the route of one without access, %q", paths[0])
+	}
+	if other := routesOf(t, &Gate{GateAccept: GateAccept{Amount: "100", PayTo: "0x01"}, Access: &GateAccess{For: caddy.Duration(time.Hour), Paths: []string{"/c/*"}}}); other[0] == paths[0] {
+		t.Errorf("gates whose grants cover other paths have one route, %q", other[0])
 	}
 }
 
