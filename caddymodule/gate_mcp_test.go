@@ -704,15 +704,7 @@ func TestAnMCPClientThatDropsTheStreamBeforeTheResponseIsNotCharged(t *testing.T
 	rq := permit2Of(t, readMCP(t, env.post("/mcp?sse", toolCall(1, "search", nil)).body))
 	payment := env.signPermit2(payer, rq)
 	before := env.balances(payer)
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
-	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, env.srv.URL+"/mcp?sse", strings.NewReader(toolCallQ(2, "search", "slow", payment)))
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Accept", "application/json, text/event-stream")
-	if resp, err := http.DefaultClient.Do(req); err == nil {
-		resp.Body.Close()
-		t.Fatalf("the dropped call was answered %d before the tool finished", resp.StatusCode)
-	}
+	env.dropSlowCall("/mcp?sse", 2, payment, 300*time.Millisecond)
 	time.Sleep(time.Second) // the gate's answer to the cancelled call, had it settled, would be on chain by now
 	env.assertPaid(payer, before, 0)
 	a := env.post("/mcp?sse", toolCall(3, "search", payment))
@@ -720,6 +712,21 @@ func TestAnMCPClientThatDropsTheStreamBeforeTheResponseIsNotCharged(t *testing.T
 		t.Fatalf("the same payment again = %d %q, want served and settled", a.status, a.body)
 	}
 	env.assertPaid(payer, before, 1)
+}
+
+// dropSlowCall posts to path a call of search, paid with payment, whose tool takes its time (q "slow"), and hangs
+// up after wait, before the tool answers.
+func (env *mcpEnv) dropSlowCall(path string, id int, payment any, wait time.Duration) {
+	env.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, env.srv.URL+path, strings.NewReader(toolCallQ(id, "search", "slow", payment)))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "application/json, text/event-stream")
+	if resp, err := http.DefaultClient.Do(req); err == nil {
+		resp.Body.Close()
+		env.t.Fatalf("the call dropped after %s was answered %d before the tool finished", wait, resp.StatusCode)
+	}
 }
 
 // A GET of the session's SSE stream reaches the server unpaid, but never with Last-Event-ID: a server that keeps
@@ -750,15 +757,7 @@ func TestAToolCallChargedAndCutShortIsServedByItsRecordAfterAReloadChangedTheToo
 	rq := permit2Of(t, readMCP(t, env.post("/mcp", toolCall(1, "search", nil)).body))
 	payment := env.signPermit2(payer, rq)
 	before := env.balances(payer)
-	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
-	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, env.srv.URL+"/mcp", strings.NewReader(toolCallQ(2, "search", "slow", payment)))
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Accept", "application/json, text/event-stream")
-	if resp, err := http.DefaultClient.Do(req); err == nil {
-		resp.Body.Close()
-		t.Fatalf("the call cut short was answered %d before the tool finished", resp.StatusCode)
-	}
+	env.dropSlowCall("/mcp", 2, payment, 500*time.Millisecond)
 	env.waitPaid(payer, before, 1) // settled before the tool ran
 
 	env.srv.load(strings.Replace(env.caddyfile, "tool search $0.01", "tool search $0.02", 1))

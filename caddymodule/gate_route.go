@@ -29,9 +29,10 @@ import (
 // upto's default_amount), its facilitator, which says who settles, not what is sold, and whose API key may
 // differ between gateways, and the settings of how it answers that change nothing of what is sold (max_buffer,
 // async_backlog, cors_origins, payment_header, v1_body, payment_identifier, gas_sponsoring, access: the grants already written
-// are keyed by the route; discovery, which describes the route to catalogs; paywall, how the 402 looks in a browser),
-// and an mcp block, which prices the tool calls (each call's resource names its tool, so a record of one tool's
-// payment never buys another): a reload that tunes one of them with the price must not strand a payer whose
+// are keyed by the route, though its paths are put back (see route); discovery, which describes the route to
+// catalogs; paywall, how the 402 looks in a browser), and an mcp block, which prices the tool calls (each call's
+// resource names its tool, so a record of one tool's payment never buys another; that the gate has one is put back):
+// a reload that tunes one of them with the price must not strand a payer whose
 // response was cut short before it, nor forget the access a payer bought, nor gateways of a cluster tuned apart.
 var routeTerms = append(jsonNames(reflect.TypeFor[GateAccept]()),
 	"accepts", "price_grace", "default_amount", "facilitator", "facilitator_url", "facilitator_api_key", "facilitator_timeout",
