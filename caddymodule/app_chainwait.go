@@ -193,6 +193,13 @@ func (a *App) awaitChain(w *chainWait, key string, specs []networkSpec) {
 		val, _, err := engines.LoadOrNew(key, func() (caddy.Destructor, error) {
 			return a.newEngine(w.ctx, specs)
 		})
+		if err != nil && chain.IsWrongChain(err) {
+			// An endpoint answered, for another chain: the configuration is wrong, and no try makes it right. The
+			// wait ends as a start that failed would: paid routes answer 503 (not "present the payment again"),
+			// /health says why, and the operator's reload with the right chain or endpoint starts it.
+			a.endWait(w, fmt.Errorf("the x402 app did not start: its chain answered, but not as configured: %s", a.rpcRedactor().Replace(err.Error())))
+			return
+		}
 		if err != nil {
 			reason := a.downReason(specs, w.since, err)
 			w.mu.Lock()
@@ -227,6 +234,19 @@ func (a *App) awaitChain(w *chainWait, key string, specs []networkSpec) {
 		w.mu.Unlock()
 		return
 	}
+}
+
+// endWait ends the wait for the chain with err, as if the engine had started and its start hooks failed so.
+func (a *App) endWait(w *chainWait, err error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.releaseJournal()
+	if w.stopped {
+		return
+	}
+	a.logger.Error("the paid routes did not start, and the x402 app stops waiting for its chain", zap.Error(err))
+	w.err = err
+	close(w.up)
 }
 
 // stop ends the wait: a try under way is cancelled, and the engine, if it starts after this, is let go of at once.

@@ -12,6 +12,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -39,16 +40,22 @@ func (env *gateEnv) restartWithTheChainDownAt() string {
 }
 
 // proxyChainAt makes the simulated chain answer at addr: the RPC address a Caddy was given while nothing listened.
-func proxyChainAt(t testing.TB, c *chaintest.Chain, addr string) {
+// It returns the count of the requests it passed on.
+func proxyChainAt(t testing.TB, c *chaintest.Chain, addr string) *atomic.Int64 {
 	t.Helper()
 	target, _ := url.Parse(c.RPCURL)
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := &http.Server{Handler: httputil.NewSingleHostReverseProxy(target)}
+	proxy, count := httputil.NewSingleHostReverseProxy(target), new(atomic.Int64)
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		count.Add(1)
+		proxy.ServeHTTP(w, r)
+	})}
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { _ = srv.Close() })
+	return count
 }
 
 // awaitNot502 presents the payment header at path until the answer is not the chain-down 502 (15 s at most).

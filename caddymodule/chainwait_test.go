@@ -2,6 +2,7 @@ package caddymodule_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"reflect"
 	"slices"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
+	"github.com/x402-gateway/caddy-x402/caddymodule"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -94,6 +96,51 @@ func TestASiteStartsWithoutItsChainAndSettlesOnceTheRPCAnswers(t *testing.T) {
 			t.Fatalf("/health 15 s after the RPC came up = %d %q, want the network reachable", h.status, h.body)
 		}
 		time.Sleep(100 * time.Millisecond) // /health is cached for a moment
+	}
+}
+
+// A site started while its RPC refused connections, whose RPC then answers for another chain than its network's,
+// stops waiting: that is a configuration no retry makes right. Its paid route answers 503 without Retry-After
+// (never "present the same payment again"), /health names both chains, and the RPC is asked nothing more.
+func TestASiteWhoseChainComesUpAsAnotherChainStopsWaitingAndSaysSo(t *testing.T) {
+	c := chaintest.New(t, chaintest.WithHTTP())
+	other := chaintest.New(t, chaintest.WithHTTP(), chaintest.WithChainID(chaintest.AltChainID))
+	rpcAddr, side := freeAddr(t), freeAddr(t)
+	env := startGateOn(t, c, gateSetup{rpc: "http://" + rpcAddr, sites: "http://" + side + " {\n" +
+		"\thandle_path /facilitator/* {\n\t\tx402_facilitator {\n\t\t\topen\n\t\t}\n\t}\n}\n"})
+	if a := env.get("/", x402.HeaderPaymentSignature, gateEncode(t, map[string]any{"x402Version": 2})); a.status != http.StatusBadGateway {
+		t.Fatalf("paid route with a payment, chain down = %d %q, want 502 verify-unreachable", a.status, a.body)
+	}
+
+	asked := proxyChainAt(t, other, rpcAddr)
+	wrong := fmt.Sprintf("the RPC node serves chain %d, but the network is configured as %s", chaintest.AltChainID, env.net)
+	var a gateAnswer
+	for up := time.Now(); ; time.Sleep(100 * time.Millisecond) {
+		a = env.get("/", x402.HeaderPaymentSignature, gateEncode(t, map[string]any{"x402Version": 2}))
+		if a.status != http.StatusBadGateway {
+			break
+		}
+		if time.Since(up) > 15*time.Second {
+			t.Fatalf("15 s after the RPC answered for chain %d, the paid route still answers 502 %q: still waiting for the chain", chaintest.AltChainID, a.body)
+		}
+	}
+	if a.status != http.StatusServiceUnavailable || a.header.Get("Retry-After") != "" || strings.Contains(a.body, "present the same payment again") {
+		t.Fatalf("paid route with a payment, the RPC serving another chain = %d Retry-After %q %q, want 503 without Retry-After",
+			a.status, a.header.Get("Retry-After"), a.body)
+	}
+	req, err := http.NewRequest(http.MethodGet, "http://"+side+"/facilitator/health", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := env.do(req)
+	if h.status == http.StatusOK || !strings.Contains(h.body, wrong) || strings.Contains(h.body, rpcAddr) {
+		t.Fatalf("/health, the RPC serving another chain = %d %q, want a failure saying %q, without the RPC's address", h.status, h.body, wrong)
+	}
+	// The wait is over: past the longest pause between two tries, nothing more is asked of the RPC.
+	before := asked.Load()
+	time.Sleep(caddymodule.ChainRetryMax + time.Second)
+	if n := asked.Load() - before; n != 0 {
+		t.Fatalf("the RPC was asked %d more times after the site said its chain is another: the wait goes on", n)
 	}
 }
 

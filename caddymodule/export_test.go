@@ -72,3 +72,6 @@ func EnginesHeld() (engineCount, refs int) {
 	})
 	return engineCount, refs
 }
+
+// ChainRetryMax is the longest pause between two tries of an engine waiting for its chain.
+const ChainRetryMax = chainRetryMax

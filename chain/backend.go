@@ -398,6 +398,23 @@ func IsUnreachable(err error) bool {
 	return errors.As(err, &ue)
 }
 
+// wrongChainError is the error of an engine whose RPC node answered for another chain than its network's: a
+// configuration that no retry makes right.
+type wrongChainError struct {
+	served  *big.Int
+	network string
+}
+
+func (e *wrongChainError) Error() string {
+	return fmt.Sprintf("the RPC node serves chain %s, but the network is configured as %s", e.served, e.network)
+}
+
+// IsWrongChain reports whether err says an RPC node answered for another chain than the network configured.
+func IsWrongChain(err error) bool {
+	var wc *wrongChainError
+	return errors.As(err, &wc)
+}
+
 // isTransportError reports whether err means the node was not reached (as opposed to a node's answer).
 func isTransportError(err error) bool {
 	var ue *unreachableError

@@ -436,7 +436,7 @@ func (f *Facilitator) newNetwork(ctx context.Context, nc NetworkConfig) (*networ
 		return nil, fmt.Errorf("asking the node for its chain id: %w", err)
 	}
 	if got.Cmp(chainID) != 0 {
-		return nil, fmt.Errorf("the RPC node serves chain %s, but the network is configured as %s", got, nc.Network)
+		return nil, &wrongChainError{served: got, network: nc.Network}
 	}
 	if len(nc.Assets) == 0 {
 		return nil, errors.New("no asset configured")
