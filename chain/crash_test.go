@@ -46,7 +46,8 @@ func TestSettlementSurvivesSIGKILLAtRandomPointsExactlyOnce(t *testing.T) {
 	}
 	racepass.Once(t, "its 40 facilitator processes, each killed or run to the end, are what it checks; the engine's code in them runs under -race in the package's other tests")
 	rounds, perRound := 20, 6
-	fx := newFixture(t, fixtureOpts{chainOpts: []chaintest.Option{chaintest.WithHTTP()}})
+	// Settlements wait in the pool as they did on a slower chain, so that the kills land mid-settlement.
+	fx := newFixture(t, fixtureOpts{chainOpts: []chaintest.Option{chaintest.WithHTTP()}, pendingBlockPace: true})
 	fx.approvePermit2(fx.c.Payers...)
 	dir := t.TempDir()
 	job := crashJob{RPC: fx.c.RPCURL, Network: fx.net, Token: fx.c.Token.Hex(), Journal: filepath.Join(dir, "journal.db")}

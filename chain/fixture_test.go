@@ -37,11 +37,14 @@ type fixtureOpts struct {
 	wallets        int
 	receiptTimeout time.Duration
 	journal        journal.Store
-	autoCommit     time.Duration // 0: commit every 5ms; negative: never (tests commit by hand)
-	tune           func(*fixture, *chain.NetworkConfig)
-	configure      func(*chain.Config)
-	instanceTTL    time.Duration // of each store sharedEnginesOn opens; 0: the store's default
-	maxBehind      time.Duration // of each store clusterOn opens; 0: the store's default
+	autoCommit     time.Duration // 0: commit every 5ms once a transaction waits (WithPromptCommit); negative: never (tests commit by hand)
+	// pendingBlockPace keeps the default autoCommit at the pace of the node's pending block, which lags the pool by
+	// up to two seconds: for tests that need settlements to wait in the pool a while (a kill mid-settlement).
+	pendingBlockPace bool
+	tune             func(*fixture, *chain.NetworkConfig)
+	configure        func(*chain.Config)
+	instanceTTL      time.Duration // of each store sharedEnginesOn opens; 0: the store's default
+	maxBehind        time.Duration // of each store clusterOn opens; 0: the store's default
 	// wrap, when set, is the journal each engine sharedEnginesOn starts is given in place of its store: a test's
 	// hooks around it.
 	wrap func(*journal.PostgresStore) journal.Store
@@ -49,7 +52,13 @@ type fixtureOpts struct {
 
 func newFixture(t testing.TB, o fixtureOpts) *fixture {
 	t.Helper()
-	c := chaintest.New(t, o.chainOpts...)
+	opts := o.chainOpts
+	if o.autoCommit == 0 && !o.pendingBlockPace {
+		// A block as soon as a transaction waits: the default pace, the pending block's (which the node caches for
+		// up to two seconds), made every settlement wait a second on average. Tests that give a pace keep it.
+		opts = append([]chaintest.Option{chaintest.WithPromptCommit()}, opts...)
+	}
+	c := chaintest.New(t, opts...)
 	fx := &fixture{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"), net: x402.EIP155(c.ChainID.Uint64())}
 	if o.autoCommit >= 0 {
 		every := o.autoCommit

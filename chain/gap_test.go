@@ -37,7 +37,8 @@ func (b *forgetfulNode) PendingNonceAt(ctx context.Context, a common.Address) (u
 func TestASettlementQueuedBehindANonceTheNodeLostSettles(t *testing.T) {
 	var node *forgetfulNode
 	fx := newFixture(t, fixtureOpts{
-		wallets: 1, receiptTimeout: 500 * time.Millisecond,
+		// The second settlement waits in the pool behind the first's lost nonce for longer than its receipt wait.
+		wallets: 1, receiptTimeout: 500 * time.Millisecond, pendingBlockPace: true,
 		tune: func(_ *fixture, nc *chain.NetworkConfig) {
 			node = &forgetfulNode{Backend: nc.Backend}
 			node.armed.Store(true)

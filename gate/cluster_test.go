@@ -47,7 +47,7 @@ func gateways(t *testing.T, s setup, n int, opts ...chaintest.Option) []*env {
 func gatewaysOf(t *testing.T, setups []setup, opts ...chaintest.Option) []*env {
 	t.Helper()
 	dsn := pgtest.Shared(t)
-	c := chaintest.New(t, opts...)
+	c := chaintest.New(t, append([]chaintest.Option{chaintest.WithPromptCommit()}, opts...)...)
 	t.Cleanup(c.AutoCommit(5 * time.Millisecond))
 	var out []*env
 	for _, s := range setups {
@@ -491,7 +491,7 @@ func TestAServedAsyncPaymentIsSettledByTheHolderOfTheWalletItIsBoundTo(t *testin
 		}
 		t.Run(name, func(t *testing.T) {
 			dsn := pgtest.Shared(t)
-			c := chaintest.New(t)
+			c := chaintest.New(t, chaintest.WithPromptCommit())
 			t.Cleanup(c.AutoCommit(5 * time.Millisecond))
 			open := func() *journal.PostgresStore {
 				st, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})

@@ -81,7 +81,7 @@ func newEnv(t *testing.T, s setup) *env {
 	t.Helper()
 	c := s.chain
 	if c == nil {
-		c = chaintest.New(t)
+		c = chaintest.New(t, chaintest.WithPromptCommit())
 		t.Cleanup(c.AutoCommit(5 * time.Millisecond))
 	}
 	e := &env{t: t, c: c, payTo: common.HexToAddress("0x5e11e75e11e75e11e75e11e75e11e75e11e75e1"),

@@ -83,7 +83,7 @@ func TestAGasSponsoringExtensionTheRouteDoesNotDeclareIsNotPassedToTheFacilitato
 		{"eip2612 only", []string{x402.ExtensionEIP2612GasSponsoring}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			c := chaintest.New(t, chaintest.WithPayersNoGas(1))
+			c := chaintest.New(t, chaintest.WithPayersNoGas(1), chaintest.WithPromptCommit())
 			t.Cleanup(c.AutoCommit(5 * time.Millisecond))
 			e := newEnv(t, setup{chain: c,
 				network: func(nc *chain.NetworkConfig) { nc.ApprovalSponsoring = &chain.ApprovalSponsoring{} },

@@ -76,7 +76,7 @@ func TestAHoldAKilledGatewayLeftIsLetGoWhenAnotherGatewayRefusesThePayment(t *te
 // served, and the hold must go with the request, or the payer, who can pay one price, is refused every new
 // payment until the first one's deadline.
 func TestAHoldIsLetGoWhenTheUpstreamAbortsBeforeTheGateDecided(t *testing.T) {
-	c := chaintest.New(t, chaintest.WithTokenBalance(big.NewInt(price)))
+	c := chaintest.New(t, chaintest.WithTokenBalance(big.NewInt(price)), chaintest.WithPromptCommit())
 	t.Cleanup(c.AutoCommit(5 * time.Millisecond))
 	var abort atomic.Bool
 	e := newEnv(t, setup{settle: gate.SettleAsync, chain: c, upstream: func(w http.ResponseWriter, r *http.Request) error {

@@ -3,11 +3,14 @@ package chaintest
 import (
 	"context"
 	"crypto/ecdsa"
+	"encoding/json"
 	"fmt"
 	"math/big"
 	"net"
 	"reflect"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -124,7 +127,7 @@ type config struct {
 	prompt       bool
 }
 
-// WithPromptCommit makes AutoCommit seal a block as soon as a settlement wallet has a transaction in the pool.
+// WithPromptCommit makes AutoCommit seal a block as soon as the pool holds a transaction ready to be mined.
 // Without it AutoCommit goes by the node's pending block, which the node caches for up to two seconds: a
 // settlement sent just after a block waits that long for the next. Tests that measure latency want this; tests
 // tuned to the slower pace (killing a process mid-settlement, say) do not.
@@ -348,27 +351,38 @@ func (c *Chain) sealed() {
 	c.mu.Unlock() //nolint:staticcheck // an empty critical section: waiting for the sealer is the point
 }
 
-// somethingPending reports whether transactions wait in the pool. The pending block's transaction count alone
-// can lag by seconds (the node caches its pending block); with WithPromptCommit the settlement wallets' pool
-// nonces, which the pool keeps current, are asked as well: they are where the code under test sends from.
-func (c *Chain) somethingPending() bool {
+// waiting says which transactions wait to be mined, as a key that changes when they do ("" for none). The pending
+// block's transaction count lags by up to two seconds (the node caches its pending block); with WithPromptCommit
+// the pool's own content is read, which it keeps current, less what the chain has mined already (the pool forgets
+// a mined transaction a moment after its block).
+func (c *Chain) waiting() string {
 	ctx := context.Background()
-	if n, err := c.Client.PendingTransactionCount(ctx); err == nil && n > 0 {
-		return true
-	}
 	if !c.prompt {
-		return false
+		if n, err := c.Client.PendingTransactionCount(ctx); err == nil && n > 0 {
+			return "pending block"
+		}
+		return ""
 	}
-	for _, w := range c.Wallets {
-		pending, err := c.Client.PendingNonceAt(ctx, w.Address)
+	var content struct {
+		Pending map[common.Address]map[string]json.RawMessage `json:"pending"`
+	}
+	if c.EthClient.Client().CallContext(ctx, &content, "txpool_content") != nil {
+		return ""
+	}
+	var keys []string
+	for from, txs := range content.Pending {
+		mined, err := c.Client.NonceAt(ctx, from, nil)
 		if err != nil {
 			continue
 		}
-		if mined, err := c.Client.NonceAt(ctx, w.Address, nil); err == nil && pending > mined {
-			return true
+		for nonce := range txs {
+			if n, err := strconv.ParseUint(nonce, 10, 64); err == nil && n >= mined {
+				keys = append(keys, from.Hex()+"/"+nonce)
+			}
 		}
 	}
-	return false
+	slices.Sort(keys)
+	return strings.Join(keys, ",")
 }
 
 // AdjustTime seals a block d later than the head (pending transactions first go into a
@@ -429,14 +443,23 @@ func (c *Chain) AutoCommit(interval time.Duration) (stop func()) {
 		defer close(finished)
 		ticker := time.NewTicker(interval)
 		defer ticker.Stop()
+		// stuck is what waited before a block that mined none of it (a fee cap under the base fee, say): no block
+		// is sealed for it again until what waits changes. (The pending block's count, without WithPromptCommit,
+		// says nothing of which transactions wait: a block it asks for after the one that mined them is empty.)
+		stuck := ""
 		for {
 			select {
 			case <-done:
 				return
 			case <-ticker.C:
 				// Empty blocks would push chain time a second ahead each: commit only what waits.
-				if c.somethingPending() {
-					c.Commit()
+				w := c.waiting()
+				if w == "" || w == stuck {
+					continue
+				}
+				stuck = ""
+				if mined, err := c.Client.TransactionCount(context.Background(), c.Commit()); err == nil && mined == 0 && c.prompt {
+					stuck = w
 				}
 			}
 		}
