@@ -12,12 +12,15 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/caddymodule"
 	"github.com/x402-gateway/caddy-x402/gate"
+	"github.com/x402-gateway/caddy-x402/internal/racepass"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
 // price_grace's memory of the offers 402s made: what it is keyed by, and how much of it there may be.
 
 func TestThePriceGraceMemoryOfManyLongDistinctURLsStaysWithinItsByteCap(t *testing.T) {
+	racepass.Once(t, "10,000 requests one after another, each with a 16 KiB URL: its time is their CPU, eight times as much under -race (81 s), "+
+		"and the price grace memory they fill runs under -race in the package's other price_grace tests")
 	env, _ := newPricesEnv(t, "$0.01", "1m")
 	const n, long = 10_000, 16 << 10
 	path := "/" + strings.Repeat("u", long)

@@ -15,6 +15,7 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/internal/racepass"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -94,6 +95,8 @@ func TestServedAsyncPaymentsSettleUnderTheirOwnTermsAfterAReloadChangesPriceAndR
 // cannot be settled; once its authorization has expired it is finished: final and failed in the journal, out of
 // the backlog, and no longer held against its payer, whose next payment is served at once.
 func TestAServedAsyncPaymentNoFacilitatorSettlesIsFinishedOnceItsAuthorizationExpires(t *testing.T) {
+	racepass.Once(t, "its time is the wait for a deadline over a minute away (83 s); the background settlement that finishes the "+
+		"payment, and the reloads around it, run under -race in the package's other settle async tests")
 	// A deadline as soon as settle async serves a payment before settling it (a minute past the time its
 	// settlement could be mined at, by the gate's clock with a remote facilitator), and a few seconds more.
 	const gate = "\t\tsettle async\n\t\tmax_timeout 2m\n"
