@@ -40,6 +40,9 @@ func sharedEnginesOn(t *testing.T, dsn string, n int, leaseTTL time.Duration, o 
 // one more process would: a store of its own on the database, the same wallets as every other.
 func clusterOn(t *testing.T, dsn string, leaseTTL time.Duration, o fixtureOpts) (*fixture, func() (*chain.Facilitator, *journal.PostgresStore)) {
 	t.Helper()
+	// Engines sharing a journal hand payments off within waits (a wallet's, 2 s) tuned at the pending block's pace;
+	// at the prompt pace a hand-off of twelve payments at once waited past it once, under CI's load.
+	o.pendingBlockPace = true
 	var nc chain.NetworkConfig
 	tune := o.tune
 	o.tune = func(fx *fixture, c *chain.NetworkConfig) {
