@@ -357,7 +357,7 @@ func (g *Gate) coreConfig(app *App) gate.Config {
 		Discovery:     g.Discovery.core(),
 		CORSOrigins:   g.CORSOrigins, PaymentHeader: g.PaymentHeader, Description: g.Description, MimeType: g.MimeType, Route: g.routeID, Paywall: g.Paywall.style(app),
 		// The engine's journal is the app's settlement journal: an app with an engine prunes it.
-		Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
+		Unloaded: g.unloaded, Embedded: g.embedded, EnginePrunes: len(app.Networks) > 0, FacilitatorName: g.facName, Redact: g.redact.Replace,
 		Logger: g.logger, Metrics: gateMetrics{g.metrics}, SetVar: setPaymentPlaceholder, OriginalURI: g.originalURI(),
 		ErrorStatus: handlerErrorStatus, Event: g.emit, HandsOff: handlesErrors,
 		OffersFor: g.offersFor, DescriptionFor: g.descriptionFor, PriceGrace: time.Duration(g.PriceGrace), OfferMemory: g.offered,
@@ -517,6 +517,10 @@ func (g *Gate) Validate() error {
 	}
 	return nil
 }
+
+// unloaded reports whether Caddy is unloading this gate's configuration (gate.Config.Unloaded): it cancels the
+// configuration's context before it cleans its modules up, reverse_proxy's closing of upgraded connections among them.
+func (g *Gate) unloaded() bool { return g.ctx.Context != nil && g.ctx.Err() != nil }
 
 // Cleanup leaves the journal; the last gate of a journal stops its background settlements.
 func (g *Gate) Cleanup() error {

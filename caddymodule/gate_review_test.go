@@ -369,3 +369,67 @@ func TestAResponseCutShortIsServedAgainWhenItsPaymentIsPresentedAgainWithoutPayi
 		})
 	}
 }
+
+// A tunnel that a reload closes (Caddy closes the old configuration's upgraded connections as it unloads it) was
+// cut by the server, not ended by its client or upstream: the payment bought nothing yet, and presented again it
+// opens a tunnel without being charged again.
+func TestATunnelCutByAReloadIsOpenedAgainWhenItsPaymentIsPresentedAgain(t *testing.T) {
+	for _, mode := range []string{"after", "async"} {
+		t.Run(mode, func(t *testing.T) { tunnelCutByAReload(t, mode) })
+	}
+}
+
+func tunnelCutByAReload(t *testing.T, mode string) {
+	env := newStoppedGateEnv(t)
+	t.Cleanup(commitPending(t, env.c))
+	up := newTunnelUpstream(t)
+	setup := gateSetup{site: "reverse_proxy " + up.Addr, gate: "\t\tsettle " + mode + "\n"}
+	env.srv = startCaddy(t, env.caddyfile(setup))
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	header := env.permit2Header("/", payer)
+	open := func() (net.Conn, *bufio.Reader) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			conn, err := net.Dial("tcp", env.srv.Addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { conn.Close() })
+			_ = conn.SetDeadline(time.Now().Add(30 * time.Second))
+			fmt.Fprintf(conn, "GET / HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: echo\r\n%s: %s\r\n\r\n",
+				env.srv.Addr, x402.HeaderPaymentSignature, header)
+			br := bufio.NewReader(conn)
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatalf("reading the upgrade answer: %v", err)
+			}
+			if resp.StatusCode == http.StatusSwitchingProtocols {
+				return conn, br
+			}
+			body, _ := io.ReadAll(resp.Body)
+			conn.Close()
+			// The request of the tunnel the reload closed may still be ending: its payment is in flight till then.
+			if !strings.Contains(string(body), "another request is presenting this payment") || time.Now().After(deadline) {
+				t.Fatalf("upgrade = %d %.300q, want 101", resp.StatusCode, body)
+			}
+		}
+	}
+	_, br := open()
+	env.reload(setup) // the same configuration: only the unloading of the old one closes the tunnel
+	if line, err := br.ReadString('\n'); err == nil {
+		t.Fatalf("the tunnel carried %q across the reload; the test needs the reload to close it", line)
+	}
+	conn, br := open()
+	fmt.Fprint(conn, "hello\n")
+	if line, err := br.ReadString('\n'); err != nil || line != "echo: hello\n" {
+		t.Fatalf("through the tunnel opened again: %q, %v; want the echo", line, err)
+	}
+	conn.Close()
+	env.waitPaid(payer, before, 1)
+	env.assertPaid(payer, before, 1)
+	if n := up.calls.Load(); n != 2 {
+		t.Errorf("the upstream was called %d times, want 2 (the tunnel, then again)", n)
+	}
+}

@@ -155,6 +155,11 @@ type Config struct {
 	// at the route the record names. Default "": none, and every payment is judged by the route's offers.
 	Route string
 
+	// Unloaded reports whether the configuration serving the gate is being unloaded (a reload, a shutdown), which
+	// closes the connections of open tunnels: a tunnel that ends then was cut by the server, not by its client or
+	// upstream, and its payment bought nothing yet. Default nil: never.
+	Unloaded func() bool
+
 	// Embedded says the facilitator is the in-process engine: what it supports is asked once at Start, its
 	// answers about a settlement are its journal's, and it settles on the networks it names.
 	Embedded bool
