@@ -121,10 +121,10 @@ func (w *invWorld) networkBlock(rpc string, n int) string {
 		strings.Join(keys, ","), invBatchAuthorizerEnv)
 }
 
-// batchRoute is the batch route's handle block in price generation gen.
+// batchRoute is the batch route's handle block in configuration gen (invWorld.gen).
 func (w *invWorld) batchRoute(gen int) string {
 	price := invBatchPrice
-	if gen == 1 {
+	if gen == invGenOtherPrices {
 		price = invBatchAltPrice
 	}
 	return fmt.Sprintf(`	handle /batch/* {

@@ -45,7 +45,7 @@ type invPayment struct {
 	amount     *big.Int    // what it authorizes: the price, or upto's maximum
 	use        string      // upto: what the upstream names for it (see overrideFor)
 	transport  int         // the worker whose payer.Transport signed it, -1 for none
-	gen        int         // the price generation it was signed in
+	gen        int         // the configuration the gateways ran when it was signed (invWorld.gen)
 	signed     time.Time   // when the offer it was signed from was asked for (a reload may have changed its terms since)
 	first      invResource // the resource it was first presented for
 	firstShape string
@@ -64,7 +64,7 @@ type invAnswer struct {
 	gate      int
 	res       invResource
 	shape     string
-	gen       int // the price generation the gateways ran when it was sent
+	gen       int // the configuration the gateways ran when it was sent (invWorld.gen)
 	sent, got time.Time
 	status    int    // 0: no answer
 	whole     bool   // a whole response of the resource asked for

@@ -118,7 +118,9 @@ type invRun struct {
 	kills    []invEvent // SIGKILLs of gateways
 	outages  []invEvent // PostgreSQL down, or the way to it hung
 	reloads  []invEvent // the gateways ran other prices
-	counts   map[string]int
+	// renumbered are the spans the gateways ran with gates added before every route (invGenGatesAdded).
+	renumbered []invEvent
+	counts     map[string]int
 
 	siwx    invSiwx    // the sign-in-with-x lane (invariants_siwx_test.go)
 	browser invBrowser // the paywall pages the browser lane read (invariants_browser_test.go)
@@ -732,6 +734,7 @@ type invFaultKind struct {
 var invFaultKinds = []invFaultKind{
 	{"SIGKILL a gateway, then start it again", weight(4), (*invRun).killGateway},
 	{"reload the gateways with other prices, then back", weight(2), (*invRun).reloadPrices},
+	{"reload the gateways with gates added before every route, then back", weight(2), (*invRun).reloadAddingGates},
 	{"RPC answers 503", weight(2), func(r *invRun, rng *rand.Rand, a *invAction) { r.rpcFault(rng, a, rpc503) }},
 	{"RPC hangs", weight(2), func(r *invRun, rng *rand.Rand, a *invAction) { r.rpcFault(rng, a, rpcHang) }},
 	{"RPC answers lost", weight(1), func(r *invRun, rng *rand.Rand, a *invAction) { r.rpcFault(rng, a, rpcLose) }},
@@ -758,16 +761,30 @@ func (r *invRun) killGateway(rng *rand.Rand, a *invAction) {
 func (r *invRun) reloadPrices(rng *rand.Rand, a *invAction) {
 	hold := time.Duration(1000+rng.IntN(4000)) * time.Millisecond
 	from := time.Now()
-	r.reloadAll(1, a)
+	r.reloadAll(invGenOtherPrices, a)
 	time.Sleep(hold)
-	r.reloadAll(0, a)
+	r.reloadAll(invGenFirst, a)
 	r.mu.Lock()
 	r.reloads = append(r.reloads, invEvent{gate: -1, from: from, to: time.Now()})
 	r.mu.Unlock()
 	a.say("ran the other prices for %v", hold)
 }
 
-// reloadAll reloads every gateway with the prices of generation gen.
+// reloadAddingGates reloads the gateways with gates added before every route (invGenGatesAdded), then removes
+// them. It is not among r.reloads: the prices stay, so no honest payment may be refused for its terms across it.
+func (r *invRun) reloadAddingGates(rng *rand.Rand, a *invAction) {
+	hold := time.Duration(1000+rng.IntN(4000)) * time.Millisecond
+	from := time.Now()
+	r.reloadAll(invGenGatesAdded, a)
+	time.Sleep(hold)
+	r.reloadAll(invGenFirst, a)
+	r.mu.Lock()
+	r.renumbered = append(r.renumbered, invEvent{gate: -1, from: from, to: time.Now()})
+	r.mu.Unlock()
+	a.say("ran with gates added before every route for %v", hold)
+}
+
+// reloadAll reloads every gateway with configuration gen (invWorld.gen).
 func (r *invRun) reloadAll(gen int, a *invAction) {
 	r.w.mu.Lock()
 	r.w.gen = gen

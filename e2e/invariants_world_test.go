@@ -178,13 +178,12 @@ func invRoutes() []*routeKind {
 	return routes
 }
 
-// caddy is the route's handle block in a gateway's Caddyfile, in price generation gen (1: after the reload that
-// changes prices).
+// caddy is the route's handle block in a gateway's Caddyfile, in configuration gen (invWorld.gen).
 func (rk *routeKind) caddy(w *invWorld, gen int) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "\thandle %s* {\n", rk.prefix)
 	price := rk.price
-	if gen == 1 && rk.altPrice != "" {
+	if gen == invGenOtherPrices && rk.altPrice != "" {
 		price = rk.altPrice
 	}
 	if rk.serve == serveMCP {
@@ -204,7 +203,7 @@ func (rk *routeKind) caddy(w *invWorld, gen int) string {
 	if rk.gasSponsoring != "" {
 		fmt.Fprintf(&b, "\t\t\tgas_sponsoring %s\n", rk.gasSponsoring)
 	}
-	if gen == 1 && browserRoute(rk, "") {
+	if gen == invGenOtherPrices && browserRoute(rk, "") {
 		// The reload changes the paywall too: a page read before it is paid after it, and the other way round.
 		fmt.Fprintf(&b, "\t\t\tpaywall {\n\t\t\t\ttitle \"%s\"\n\t\t\t}\n", invReloadedTitle)
 	}
@@ -268,8 +267,23 @@ type invWorld struct {
 	batch                              *invBatch // the batch route's lanes (invariants_batch_test.go)
 
 	mu  sync.Mutex
-	gen int // the price generation the gateways run: 0, or 1 after a reload that changes prices
+	gen int // the configuration the gateways run: invGenFirst, invGenOtherPrices or invGenGatesAdded
 }
+
+// The configurations a reload of the run moves the gateways between (invWorld.gen).
+const (
+	// invGenFirst is the run's configuration, as the gateways start.
+	invGenFirst = 0
+	// invGenOtherPrices changes the prices of the routes with an altPrice, the batch route's and the paywall's
+	// title: an honest payment signed before it may be refused for its terms, and nothing charged.
+	invGenOtherPrices = 1
+	// invGenGatesAdded is invGenFirst with a paid gate of each kind the routes are (settled before, after and async,
+	// MCP, batch) added before them all, so that every gate configured alike after one has another ordinal, and
+	// its route another name (caddymodule/gate_route.go); the reload back removes them. Nothing the run's routes
+	// sell changes: an honest payment is never refused for its terms across it, and a payment taken before it is
+	// never judged by another route's record, nor a grant of access honoured at another route.
+	invGenGatesAdded = 2
+)
 
 // invPayer is a funded demo payer of the dev chain, signing with the public payer package.
 type invPayer struct {
@@ -456,6 +470,9 @@ func (w *invWorld) checkOffers() {
 // backlog).
 func (w *invWorld) gatewayConfig(g *invProc, journal string, gen int) string {
 	var routes strings.Builder
+	if gen == invGenGatesAdded {
+		routes.WriteString(w.addedGates())
+	}
 	for _, rk := range w.routes {
 		routes.WriteString(rk.caddy(w, gen))
 	}
@@ -483,6 +500,25 @@ func (w *invWorld) gatewayConfig(g *invProc, journal string, gen int) string {
 	}
 }
 `, g.admin, w.networkBlock(w.proxy.url, w.gatewayWalletCount()), journal, g.url, routes.String())
+}
+
+// addedGates are the gates invGenGatesAdded puts before every route of the run: one configured alike with each
+// kind of the run's gates, each paying a seller of its own, at a path no action of the run requests.
+func (w *invWorld) addedGates() string {
+	var b strings.Builder
+	for i, settle := range []string{"before", "after", "async"} {
+		fmt.Fprintf(&b, "\thandle /added-%s/* {\n\t\tx402 {\n\t\t\tprice $0.0019\n\t\t\tpay_to %s\n\t\t\tscheme %s\n\t\t\tasset %s\n", settle,
+			invSeller(90+i).Hex(), x402.SchemeExact, devchain.TokenAddress.Hex())
+		fmt.Fprintf(&b, "\t\t\tasset_transfer_method %s\n\t\t\tsettle %s\n\t\t\tmax_timeout %s\n\t\t\tmax_buffer %d\n\t\t}\n\t\trespond \"added\"\n\t}\n",
+			x402.TransferPermit2, settle, invValidity, invMaxBuffer)
+	}
+	fmt.Fprintf(&b, "\thandle /added-mcp/* {\n\t\tx402 {\n\t\t\tmcp {\n\t\t\t\ttool search $0.0019\n\t\t\t}\n\t\t\tpay_to %s\n\t\t\tscheme %s\n\t\t\tasset %s\n",
+		invSeller(93).Hex(), x402.SchemeExact, devchain.TokenAddress.Hex())
+	fmt.Fprintf(&b, "\t\t\tasset_transfer_method %s\n\t\t\tsettle after\n\t\t\tmax_timeout %s\n\t\t\tmax_buffer %d\n\t\t}\n\t\trespond \"added\"\n\t}\n",
+		x402.TransferPermit2, invValidity, invMaxBuffer)
+	fmt.Fprintf(&b, "\thandle /added-batch/* {\n\t\tx402 {\n\t\t\tscheme batch\n\t\t\tamount %d\n\t\t\tasset %s\n\t\t\tpay_to %s\n\t\t\tmax_timeout %s\n\t\t}\n\t\trespond \"added\"\n\t}\n",
+		invBatchPrice, devchain.EIP3009TokenAddress.Hex(), invSeller(94).Hex(), invValidity)
+	return b.String()
 }
 
 // gatewayWalletCount is how many settlement wallets the gateways share.
@@ -535,7 +571,7 @@ func (w *invWorld) writeFiles() {
 	}
 }
 
-// generation returns the price generation the gateways run.
+// generation returns the configuration the gateways run (invWorld.gen).
 func (w *invWorld) generation() int {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -549,7 +585,7 @@ func (p *invProc) start() {
 	p.awaitReady()
 }
 
-// launch writes the process's Caddyfile for the current price generation and starts it.
+// launch writes the process's Caddyfile for the current configuration (invWorld.gen) and starts it.
 func (p *invProc) launch() {
 	t := p.w.t
 	t.Helper()
@@ -603,7 +639,7 @@ func (p *invProc) stop() {
 	}
 }
 
-// reload loads the Caddyfile of price generation gen through the admin API, as `caddy reload` does.
+// reload loads the Caddyfile of configuration gen (invWorld.gen) through the admin API, as `caddy reload` does.
 func (p *invProc) reload(gen int) error {
 	config := p.config(gen)
 	if err := os.WriteFile(p.file, []byte(config), 0o600); err != nil {
