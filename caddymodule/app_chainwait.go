@@ -193,7 +193,7 @@ func (a *App) awaitChain(w *chainWait, key string, specs []networkSpec) {
 		val, _, err := engines.LoadOrNew(key, func() (caddy.Destructor, error) {
 			return a.newEngine(w.ctx, specs)
 		})
-		if err != nil && chain.IsWrongChain(err) {
+		if chain.IsWrongChain(err) {
 			// An endpoint answered, for another chain: the configuration is wrong, and no try makes it right. The
 			// wait ends as a start that failed would: paid routes answer 503 (not "present the payment again"),
 			// /health says why, and the operator's reload with the right chain or endpoint starts it.

@@ -118,9 +118,7 @@ type invRun struct {
 	kills    []invEvent // SIGKILLs of gateways
 	outages  []invEvent // PostgreSQL down, or the way to it hung
 	reloads  []invEvent // the gateways ran other prices
-	// renumbered are the spans the gateways ran with gates added before every route (invGenGatesAdded).
-	renumbered []invEvent
-	counts     map[string]int
+	counts   map[string]int
 
 	siwx    invSiwx    // the sign-in-with-x lane (invariants_siwx_test.go)
 	browser invBrowser // the paywall pages the browser lane read (invariants_browser_test.go)
@@ -759,29 +757,28 @@ func (r *invRun) killGateway(rng *rand.Rand, a *invAction) {
 }
 
 func (r *invRun) reloadPrices(rng *rand.Rand, a *invAction) {
-	hold := time.Duration(1000+rng.IntN(4000)) * time.Millisecond
-	from := time.Now()
-	r.reloadAll(invGenOtherPrices, a)
-	time.Sleep(hold)
-	r.reloadAll(invGenFirst, a)
+	span := r.reloadAway(rng, a, invGenOtherPrices, "the other prices")
 	r.mu.Lock()
-	r.reloads = append(r.reloads, invEvent{gate: -1, from: from, to: time.Now()})
+	r.reloads = append(r.reloads, span)
 	r.mu.Unlock()
-	a.say("ran the other prices for %v", hold)
 }
 
 // reloadAddingGates reloads the gateways with gates added before every route (invGenGatesAdded), then removes
 // them. It is not among r.reloads: the prices stay, so no honest payment may be refused for its terms across it.
 func (r *invRun) reloadAddingGates(rng *rand.Rand, a *invAction) {
+	r.reloadAway(rng, a, invGenGatesAdded, "gates added before every route")
+}
+
+// reloadAway reloads every gateway with configuration gen (what says what it is) for 1 to 5 s, then back to the
+// first, and returns the span it ran.
+func (r *invRun) reloadAway(rng *rand.Rand, a *invAction, gen int, what string) invEvent {
 	hold := time.Duration(1000+rng.IntN(4000)) * time.Millisecond
 	from := time.Now()
-	r.reloadAll(invGenGatesAdded, a)
+	r.reloadAll(gen, a)
 	time.Sleep(hold)
 	r.reloadAll(invGenFirst, a)
-	r.mu.Lock()
-	r.renumbered = append(r.renumbered, invEvent{gate: -1, from: from, to: time.Now()})
-	r.mu.Unlock()
-	a.say("ran with gates added before every route for %v", hold)
+	a.say("ran with %s for %v", what, hold)
+	return invEvent{gate: -1, from: from, to: time.Now()}
 }
 
 // reloadAll reloads every gateway with configuration gen (invWorld.gen).

@@ -968,8 +968,8 @@ func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 	case up.rec.sendErr != nil:
 		x.streamBroke(up, up.rec.sendErr.Error())
 	case up.rec.hijacked && x.g.cfg.Unloaded != nil && x.g.cfg.Unloaded():
-		// The tunnel ended as the server unloaded its configuration, which closes upgraded connections (Caddy's
-		// reverse_proxy does): cut short by the server, it is opened again when its payment is presented again.
+		// The tunnel ended as the server unloaded its configuration, which closes upgraded connections (see
+		// Config.Unloaded): cut short by the server, it is opened again when its payment is presented again.
 		x.streamBroke(up, "the tunnel was closed as the server unloaded its configuration (a reload, a shutdown)")
 	case x.streamed != nil:
 		// (A connection the upstream hijacked is no longer the server's to flush: that panics inside net/http.)
