@@ -514,10 +514,14 @@ func (f *Facilitator) settleVoucher(ctx context.Context, n *network, terms *Batc
 			return f.answerVoucher(ctx, n, vc.row, vc.row.Charged, terms.Price, payer)
 		}
 		av := vc.av
-		row, err := chs.AcceptVoucher(ctx, vc.key, vc.row.Charged, av.Cumulative, journal.Voucher{Signature: av.Signature[:], Digest: av.Digest[:], By: token})
+		row, resp, answered, err := stepVoucher(ctx, chs, n.caip2, vc.key, vc.row, av.Cumulative, av.Charge,
+			journal.Voucher{Signature: av.Signature[:], Digest: av.Digest[:], By: token}, payer)
 		switch {
 		case err == nil:
 			n.noteAccepted()
+			if answered {
+				return resp, nil
+			}
 			return f.answerVoucher(ctx, n, row, av.Cumulative, av.Charge, payer)
 		case errors.Is(err, journal.ErrChannelMoved) && attempt < 3:
 			continue // another voucher took the step: judge this one against the row as it is now
@@ -550,8 +554,19 @@ func (f *Facilitator) answerVoucher(ctx context.Context, n *network, row journal
 
 // answerVoucher is Facilitator.answerVoucher of a voucher of network whose answer store keeps.
 func answerVoucher(ctx context.Context, store journal.Store, network string, row journal.Channel, cumulative, charge *big.Int, payer string) (x402.BatchSettleResponse, error) {
-	id := common.HexToHash(row.Key.ID)
-	vid := BatchVoucherID(network, id, cumulative)
+	got, _, err := store.Claim(ctx, voucherRecord(ctx, network, row, cumulative, charge, payer))
+	if err != nil {
+		// The step is taken and durable in the row; the voucher presented again gets its record then.
+		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: x402.ReasonUnexpectedSettleError,
+			ErrorMessage: fmt.Sprintf("the voucher of channel %s at %s is accepted, but its record was not written (%v): present it again", row.Key.ID, cumulative, err)}, nil
+	}
+	return answerRecorded(ctx, network, row, cumulative, got, payer), nil
+}
+
+// voucherRecord is the record of the voucher that takes row (its channel) to cumulative, charging charge: final
+// and settled, noting what the gate serves it for (journal.RecordNote).
+func voucherRecord(ctx context.Context, network string, row journal.Channel, cumulative, charge *big.Int, payer string) journal.Record {
+	vid := BatchVoucherID(network, common.HexToHash(row.Key.ID), cumulative)
 	amount := ""
 	if charge != nil {
 		amount = charge.String()
@@ -559,34 +574,52 @@ func answerVoucher(ctx context.Context, store journal.Store, network string, row
 	rec := journal.Record{ID: vid, State: journal.StateFinal, Network: network, Payer: payer, Asset: row.Config.Token,
 		Amount: amount, PayTo: row.Config.Receiver,
 		Response: &x402.SettleResponse{Success: true, Network: network, Payer: payer, Amount: amount}}
-	note, noted := journal.RecordNoteOf(ctx)
-	if noted {
+	if note, noted := journal.RecordNoteOf(ctx); noted {
 		// What the gate serves it for, in the same write (see journal.RecordNote).
 		rec.Route, rec.Resource, rec.Described = note.Route, note.Resource, note.Described
 	}
-	got, _, err := store.Claim(ctx, rec)
-	if err != nil {
-		// The step is taken and durable in the row; the voucher presented again gets its record then.
-		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: x402.ReasonUnexpectedSettleError,
-			ErrorMessage: fmt.Sprintf("the voucher of channel %s at %s is accepted, but its record was not written (%v): present it again", row.Key.ID, cumulative, err)}, nil
-	}
+	return rec
+}
+
+// answerRecorded is the answer of the voucher that took row to cumulative, whose record the journal holds as got:
+// the first record written stands, so a voucher presented again is answered as it was first.
+func answerRecorded(ctx context.Context, network string, row journal.Channel, cumulative *big.Int, got journal.Record, payer string) x402.BatchSettleResponse {
 	if got.Served {
 		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: x402.ReasonPaymentAlreadyUsed,
-			ErrorMessage: voucherServed(cumulative, got.ServedAt).Message}, nil
+			ErrorMessage: voucherServed(cumulative, got.ServedAt).Message}
 	}
+	note, noted := journal.RecordNoteOf(ctx)
 	if noted && (got.Route != "" || got.Resource != "") && (got.Route != note.Route || got.Resource != note.Resource || got.Described != note.Described) {
 		// A payment buys the response it was made for: a voucher accepted for one route or resource and not yet
 		// served is served there only, never at another of the same terms.
 		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: x402.ReasonPaymentAlreadyUsed,
-			ErrorMessage: fmt.Sprintf("the voucher for cumulative amount %s was accepted for another resource, whose response it buys: present it there, or sign the next voucher", cumulative)}, nil
+			ErrorMessage: fmt.Sprintf("the voucher for cumulative amount %s was accepted for another resource, whose response it buys: present it there, or sign the next voucher", cumulative)}
 	}
+	amount := ""
 	if got.Response != nil {
 		amount = got.Response.Amount
 	}
 	return x402.BatchSettleResponse{Success: true, Network: network, Payer: payer, Amount: amount,
 		Extra: &x402.BatchResponseExtra{ChargedAmount: amount, ChannelState: &x402.BatchChannelState{
 			ChannelID: row.Key.ID, Balance: row.Deposit.String(), TotalClaimed: row.Claimed.String(),
-			WithdrawRequestedAt: unixOrZero(row.WithdrawRequestedAt), RefundNonce: "0", ChargedCumulativeAmount: cumulative.String()}}}, nil
+			WithdrawRequestedAt: unixOrZero(row.WithdrawRequestedAt), RefundNonce: "0", ChargedCumulativeAmount: cumulative.String()}}}
+}
+
+// stepVoucher takes the step of voucher v, which charges charge, on the channel row key from row's amount to
+// cumulative (Channels.AcceptVoucher). Where the journal writes a voucher's record in the same commit
+// (journal.VoucherRecords), it does, and answered is true with the voucher's answer in resp; else the caller
+// answers it (answerVoucher) once the step is taken. err is AcceptVoucher's.
+func stepVoucher(ctx context.Context, chs journal.Channels, network string, key journal.ChannelKey, row journal.Channel, cumulative, charge *big.Int, v journal.Voucher, payer string) (next journal.Channel, resp x402.BatchSettleResponse, answered bool, err error) {
+	vr, ok := chs.(journal.VoucherRecords)
+	if !ok {
+		next, err = chs.AcceptVoucher(ctx, key, row.Charged, cumulative, v)
+		return next, resp, false, err
+	}
+	next, got, err := vr.AcceptVoucherRecord(ctx, key, row.Charged, cumulative, v, voucherRecord(ctx, network, row, cumulative, charge, payer))
+	if err != nil {
+		return next, resp, false, err
+	}
+	return next, answerRecorded(ctx, network, next, cumulative, got, payer), true, nil
 }
 
 func unixOrZero(t time.Time) int64 {

@@ -447,10 +447,14 @@ func (b *RemoteBatch) acceptVoucher(ctx context.Context, req x402.BatchRequest, 
 			}
 			return x402.BatchSettleResponse{}, err
 		}
-		got, err := b.chs.AcceptVoucher(ctx, key, row.Charged, av.Cumulative, journal.Voucher{Signature: av.Signature[:], Digest: av.Digest[:], By: token})
+		got, resp, answered, err := stepVoucher(ctx, b.chs, network, key, row, av.Cumulative, av.Charge,
+			journal.Voucher{Signature: av.Signature[:], Digest: av.Digest[:], By: token}, payer)
 		switch {
 		case err == nil:
 			b.noteAccepted(network)
+			if answered {
+				return resp, nil
+			}
 			return answerVoucher(ctx, b.cfg.Journal, network, got, av.Cumulative, av.Charge, payer)
 		case errors.Is(err, journal.ErrChannelMoved) && attempt < 3:
 			mustAsk = false

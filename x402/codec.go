@@ -93,6 +93,9 @@ const (
 // EncodeHeader encodes v as a protocol header value: compact JSON (HTML characters not escaped) in standard
 // Base64 with padding, the one form every peer accepts.
 func EncodeHeader(v any) (string, error) {
+	if h, ok, err := encodeAnswerHeader(v); ok { // header_answer.go: the answers a gate sends on every paid response
+		return h, err
+	}
 	var buf bytes.Buffer
 	enc := json.NewEncoder(&buf)
 	enc.SetEscapeHTML(false)
@@ -101,9 +104,13 @@ func EncodeHeader(v any) (string, error) {
 	}
 	doc := bytes.TrimSuffix(buf.Bytes(), []byte("\n"))
 	if len(doc) > MaxHeaderBytes {
-		return "", fmt.Errorf("encode header: %d bytes of JSON, more than the %d a peer accepts", len(doc), MaxHeaderBytes)
+		return "", headerTooLarge(len(doc))
 	}
 	return base64.StdEncoding.EncodeToString(doc), nil
+}
+
+func headerTooLarge(n int) error {
+	return fmt.Errorf("encode header: %d bytes of JSON, more than the %d a peer accepts", n, MaxHeaderBytes)
 }
 
 // HeaderJSON returns the JSON document a header value carries, for callers that pass it on unchanged (a gate

@@ -81,3 +81,60 @@ func BenchmarkParseAmount(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkDecodeBatchVoucherPayment decodes a batch-settlement voucher's PAYMENT-SIGNATURE header as the gate
+// does on every voucher-paid request: Base64 once, then the strict reader.
+func BenchmarkDecodeBatchVoucherPayment(b *testing.B) {
+	h := b64(readExample(b, "batch-payment-voucher.json"))
+	b.SetBytes(int64(len(h)))
+	b.ReportAllocs()
+	for b.Loop() {
+		doc, err := HeaderJSON(h)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := ReadBatchPaymentHeader(doc); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkDecodeBatchSettleResponse decodes a voucher's PAYMENT-RESPONSE as the paying client does on every
+// voucher-paid answer.
+func BenchmarkDecodeBatchSettleResponse(b *testing.B) {
+	h := b64(readExample(b, "batch-settle-response-voucher.json"))
+	b.SetBytes(int64(len(h)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := DecodeBatchSettleResponse(h); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkEncodeBatchSettleResponse encodes a voucher's answer as the gate sends it in PAYMENT-RESPONSE, through
+// EncodeHeader (appendAnswer) and, for comparison, through encoding/json as before.
+func BenchmarkEncodeBatchSettleResponse(b *testing.B) {
+	r := BatchSettleResponse{Success: true, Network: "eip155:72344", Payer: "0x850ec0D9fF24AeFeE83Dec34973B271e755B93B9", Amount: "10000",
+		Extra: &BatchResponseExtra{ChargedAmount: "10000", ChannelState: &BatchChannelState{
+			ChannelID: "0x142087470a42cb562b2e60aa47c338a197a9dab20a22b3b1bf298fa885bea444", Balance: "50000", TotalClaimed: "0",
+			RefundNonce: "0", ChargedCumulativeAmount: "50000"}}}
+	b.Run("EncodeHeader", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, err := EncodeHeader(r); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("encoding-json", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			doc, err := json.Marshal(r)
+			if err != nil {
+				b.Fatal(err)
+			}
+			_ = base64.StdEncoding.EncodeToString(doc)
+		}
+	})
+}

@@ -58,6 +58,7 @@ type BoltStore struct {
 	stopped   chan struct{}
 	closeOnce sync.Once
 	closed    atomic.Bool
+	commits   atomic.Int64 // transactions committed (each one fsync), for the tests
 }
 
 // boltOp is one write waiting for its commit. run computes the write's own answer inside the transaction and
@@ -452,6 +453,8 @@ func (s *BoltStore) commit(batch []*boltOp) {
 		}
 		if err != nil {
 			err = fmt.Errorf("journal: commit to %s: %w", s.path, err)
+		} else {
+			s.commits.Add(1)
 		}
 		for _, op := range batch {
 			op.done <- err

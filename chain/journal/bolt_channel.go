@@ -103,17 +103,52 @@ func (s *BoltStore) ObserveChannel(ctx context.Context, read ChannelRead) (Chann
 // AcceptVoucher implements Channels: the compare-and-set runs in the commit loop, one writer at a time, and
 // returns once its commit is fsynced.
 func (s *BoltStore) AcceptVoucher(ctx context.Context, key ChannelKey, from, to *big.Int, v Voucher) (Channel, error) {
+	c, _, err := s.acceptVoucher(ctx, key, from, to, v, nil)
+	return c, err
+}
+
+// AcceptVoucherRecord implements VoucherRecords: the step and the record in one commit of the commit loop.
+func (s *BoltStore) AcceptVoucherRecord(ctx context.Context, key ChannelKey, from, to *big.Int, v Voucher, rec Record) (Channel, Record, error) {
+	return s.acceptVoucher(ctx, key, from, to, v, &rec)
+}
+
+// acceptVoucher is AcceptVoucher, and with rec AcceptVoucherRecord. Every refusal comes before the first write:
+// the commit loop commits the other operations of its transaction whatever this one answers.
+func (s *BoltStore) acceptVoucher(ctx context.Context, key ChannelKey, from, to *big.Int, v Voucher, rec *Record) (Channel, Record, error) {
 	key, err := checkAccept(key, from, to, v)
 	if err != nil {
-		return Channel{}, err
+		return Channel{}, Record{}, err
 	}
 	now := s.opts.now()
-	var c Channel
+	if rec != nil {
+		r, err := claimed(*rec, now)
+		if err != nil {
+			return Channel{}, Record{}, err
+		}
+		*rec = r
+	}
+	var (
+		c   Channel
+		got Record
+	)
 	err = s.channelWrite(ctx, func(t boltChanTxn) (err error) {
-		c, err = acceptVoucherIn(t, key, from, to, v, now)
-		return err
+		found := false
+		if rec != nil {
+			if got, found, err = t.t.get(rec.ID); err != nil {
+				return err
+			}
+		}
+		if c, err = acceptVoucherIn(t, key, from, to, v, now); err != nil {
+			got = Record{}
+			return err
+		}
+		if rec != nil && !found {
+			got = *rec
+			return t.t.put(nil, rec)
+		}
+		return nil
 	})
-	return c, err
+	return c, got, err
 }
 
 // Unclaimed implements Channels.

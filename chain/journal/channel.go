@@ -80,6 +80,17 @@ type Channels interface {
 	RefundsInFlight(ctx context.Context, network string) ([]Channel, error)
 }
 
+// VoucherRecords is a journal that takes a voucher's step and writes its record in one commit: one fsync on
+// bbolt where AcceptVoucher and then Claim take two, and no crash between them leaving an accepted voucher
+// without its record.
+type VoucherRecords interface {
+	// AcceptVoucherRecord is AcceptVoucher and, when it takes the step, Claim of rec, the voucher's record, in the
+	// same commit. It returns what AcceptVoucher returns and, when the step was taken, the record as Claim returns
+	// it (the record already there, when there is one). A record Claim would refuse fails it before anything is
+	// written.
+	AcceptVoucherRecord(ctx context.Context, key ChannelKey, from, to *big.Int, v Voucher, rec Record) (Channel, Record, error)
+}
+
 // Errors of the channel rows a caller decides on; returned errors wrap them with the channel and the detail.
 var (
 	// ErrChannelNotFound: a voucher or a claim of a channel the journal holds no row of (no deposit read yet).

@@ -79,29 +79,69 @@ func (s *MemoryStore) ObserveChannel(ctx context.Context, read ChannelRead) (Cha
 
 // AcceptVoucher implements Channels.
 func (s *MemoryStore) AcceptVoucher(ctx context.Context, key ChannelKey, from, to *big.Int, v Voucher) (Channel, error) {
+	c, _, err := s.acceptVoucher(ctx, key, from, to, v, nil)
+	return c, err
+}
+
+// AcceptVoucherRecord implements VoucherRecords.
+func (s *MemoryStore) AcceptVoucherRecord(ctx context.Context, key ChannelKey, from, to *big.Int, v Voucher, rec Record) (Channel, Record, error) {
+	return s.acceptVoucher(ctx, key, from, to, v, &rec)
+}
+
+// acceptVoucher is AcceptVoucher, and with rec AcceptVoucherRecord.
+func (s *MemoryStore) acceptVoucher(ctx context.Context, key ChannelKey, from, to *big.Int, v Voucher, rec *Record) (Channel, Record, error) {
 	key, err := checkAccept(key, from, to, v)
 	if err != nil {
-		return Channel{}, err
+		return Channel{}, Record{}, err
 	}
 	// acceptVoucherIn's rule on the stored row itself, with no copy under the lock, which every request of the
 	// gateway takes: the row written is acceptIn's new one, whose amount and bytes are its own and whose other
 	// amounts are the replaced row's, which no one changes (see MemoryStore.channels); the caller gets a copy.
+	// The record, as Claim's, is made and encoded before the lock.
 	now := s.opts.now()
+	var enc []byte
+	if rec != nil {
+		r, err := claimed(*rec, now)
+		if err == nil {
+			enc, err = encodeRecord(&r)
+		}
+		if err != nil {
+			return Channel{}, Record{}, err
+		}
+		*rec = r
+	}
 	if err := s.lock(ctx); err != nil {
-		return Channel{}, err
+		return Channel{}, Record{}, err
 	}
 	k := string(key.bytes())
 	c, ok := s.channels[k]
 	if !ok {
 		s.mu.Unlock()
-		return Channel{}, fmt.Errorf("%w: %s", ErrChannelNotFound, key)
+		return Channel{}, Record{}, fmt.Errorf("%w: %s", ErrChannelNotFound, key)
+	}
+	var (
+		got   Record
+		found bool
+	)
+	if rec != nil {
+		// Read before the step, so that a record that cannot be read leaves everything as it was.
+		if got, found, err = (memTxn{s}).get(rec.ID); err != nil {
+			s.mu.Unlock()
+			return Channel{}, Record{}, err
+		}
 	}
 	next, err := acceptIn(c, from, to, v, now)
 	if err == nil {
 		s.channels[k] = &next
+		if rec != nil && !found {
+			memTxn{s}.putEncoded(rec, enc)
+			got = *rec
+		}
+	} else {
+		got = Record{}
 	}
 	s.mu.Unlock()
-	return next.clone(), err
+	return next.clone(), got, err
 }
 
 // Unclaimed implements Channels.
