@@ -3,17 +3,20 @@ package caddymodule_test
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"math/big"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/ethereum/go-ethereum/common"
 
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -375,11 +378,22 @@ func TestAResponseCutShortIsServedAgainWhenItsPaymentIsPresentedAgainWithoutPayi
 // opens a tunnel without being charged again.
 func TestATunnelCutByAReloadIsOpenedAgainWhenItsPaymentIsPresentedAgain(t *testing.T) {
 	for _, mode := range []string{"after", "async"} {
-		t.Run(mode, func(t *testing.T) { tunnelCutByAReload(t, mode) })
+		t.Run(mode, func(t *testing.T) { tunnelCutByAReload(t, mode, false) })
 	}
 }
 
-func tunnelCutByAReload(t *testing.T, mode string) {
+// TestATunnelCutByAShutdownIsOpenedAgainAfterTheRestart is the same with a graceful shutdown (caddy.Stop, as
+// `caddy stop` does) in place of the reload, and the same Caddyfile and journal started again: the tunnel the
+// shutdown closed is opened again, uncharged, by its payment presented to the restarted gateway.
+func TestATunnelCutByAShutdownIsOpenedAgainAfterTheRestart(t *testing.T) {
+	for _, mode := range []string{"after", "async"} {
+		t.Run(mode, func(t *testing.T) { tunnelCutByAReload(t, mode, true) })
+	}
+}
+
+// tunnelCutByAReload opens a paid tunnel at a gate settling in mode, has a reload (or, restart, a graceful
+// shutdown and a start again) close it, and presents its payment again.
+func tunnelCutByAReload(t *testing.T, mode string, restart bool) {
 	env := newStoppedGateEnv(t)
 	t.Cleanup(commitPending(t, env.c))
 	up := newTunnelUpstream(t)
@@ -417,9 +431,25 @@ func tunnelCutByAReload(t *testing.T, mode string) {
 		}
 	}
 	_, br := open()
-	env.reload(setup) // the same configuration: only the unloading of the old one closes the tunnel
-	if line, err := br.ReadString('\n'); err == nil {
-		t.Fatalf("the tunnel carried %q across the reload; the test needs the reload to close it", line)
+	if restart {
+		// The journal does not wait for an open tunnel before it closes (before, the shutdown waited its 30 s
+		// for requests at work, and then the tunnel was closed all the same).
+		began := time.Now()
+		if err := caddy.Stop(); err != nil {
+			t.Fatalf("stopping the gateway: %v", err)
+		}
+		if took := time.Since(began); took > 10*time.Second {
+			t.Errorf("the shutdown took %v with a paid tunnel open, want it done in seconds", took.Round(time.Millisecond))
+		}
+		if line, err := br.ReadString('\n'); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Fatalf("after the shutdown the tunnel read %q, %v; the test needs the shutdown to close it", line, err)
+		}
+		env.srv.load(env.caddyfile(setup))
+	} else {
+		env.reload(setup) // the same configuration: only the unloading of the old one closes the tunnel
+		if line, err := br.ReadString('\n'); err == nil {
+			t.Fatalf("the tunnel carried %q across the reload; the test needs the reload to close it", line)
+		}
 	}
 	conn, br := open()
 	fmt.Fprint(conn, "hello\n")

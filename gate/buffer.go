@@ -52,6 +52,8 @@ type heldResponse struct {
 	sendErr error // the first failure sending to the client, or reading what to send
 	// lost, when set, says why no more of a streaming response may be written (see exchange.holdLost).
 	lost func() error
+	// opened, when set, is called once the upstream took the connection for its tunnel (see storeUsers.tunnels).
+	opened func()
 }
 
 // errGateAnswered stops an upstream whose response the gate will not send: it answered the request itself.
@@ -206,6 +208,9 @@ func (h *heldResponse) Hijack() (net.Conn, *bufio.ReadWriter, error) {
 	if err != nil {
 		h.sendFailed(err)
 		return nil, nil, err
+	}
+	if !h.hijacked && h.opened != nil {
+		h.opened()
 	}
 	h.hijacked = true
 	return conn, brw, nil

@@ -351,6 +351,22 @@ func (l *Ledger) releaseIdled(id journal.ID, idled bool) {
 	l.release(id)
 }
 
+// tunnelOpened notes that the request holding payment id's mark here opened its tunnel, which its journal need
+// not wait for (see storeUsers.tunnels), and reports whether it did: false when id is not marked here. Each true
+// is followed by one tunnelEnded once the tunnel ends, before the request writes anything more.
+func (l *Ledger) tunnelOpened(id journal.ID) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, ok := l.inflight[id]; !ok {
+		return false
+	}
+	l.users.tunnel(1)
+	return true
+}
+
+// tunnelEnded ends tunnelOpened: the request is at work on the journal again.
+func (l *Ledger) tunnelEnded() { l.users.tunnel(-1) }
+
 func (l *Ledger) forget(id journal.ID) {
 	l.mu.Lock()
 	defer l.mu.Unlock()

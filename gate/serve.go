@@ -932,8 +932,17 @@ func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 	if _, shared := x.g.ledger.store.(journal.Cluster); shared {
 		up.rec.lost = x.holdLost
 	}
+	tunnelOpen := false
+	up.rec.opened = func() { tunnelOpen = x.g.ledger.tunnelOpened(x.id) }
+	tunnelEnded := func() {
+		if tunnelOpen {
+			tunnelOpen = false
+			x.g.ledger.tunnelEnded()
+		}
+	}
 	returned := false
 	defer func() {
+		tunnelEnded() // (a panic: before the writes below)
 		if returned {
 			return
 		}
@@ -956,6 +965,7 @@ func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 	}()
 	up.err = x.next.ServeHTTP(up.rec, x.r)
 	returned = true
+	tunnelEnded()
 	if up.rec.streaming && stripSettlementOverrides(x.w.Header()) {
 		// Set after the answer began to stream: a trailer, which net/http sends once this handler returns.
 		x.g.logger.Warn("the upstream named a charge in a trailer (Settlement-Overrides after its status); it is not used, and not sent",

@@ -9,9 +9,15 @@ import (
 
 // storeUsers is the number of requests at work on one journal.
 type storeUsers struct {
-	mu   sync.Mutex
-	n    int
-	idle chan struct{} // closed when n drops to zero while someone waits
+	mu sync.Mutex
+	n  int
+	// tunnels counts those of the n whose tunnel is open (the upstream hijacked the connection): the journal does
+	// not wait for them before it closes. A shutdown closes their connections only after it closed the journal
+	// (reverse_proxy's cleanup comes after the x402 app's), so waiting would only hold the shutdown up for
+	// journalDrainWait; a tunnel that ends with the journal closed leaves its payment unserved, presented again
+	// after the restart it opens another tunnel, as a tunnel the unload cut does (Config.Unloaded).
+	tunnels int
+	idle    chan struct{} // closed when n-tunnels drops to zero while someone waits
 }
 
 // usersOfLocked is the count of requests at work on st, made at its first use; ls.mu is held.
@@ -24,11 +30,17 @@ func (ls *Ledgers) usersOfLocked(st journal.Store) *storeUsers {
 	return u
 }
 
-func (u *storeUsers) add(d int) {
+func (u *storeUsers) add(d int) { u.change(d, 0) }
+
+// tunnel counts a request at work whose tunnel opened (d 1) or ended (d -1).
+func (u *storeUsers) tunnel(d int) { u.change(0, d) }
+
+func (u *storeUsers) change(users, tunnels int) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
-	u.n += d
-	if u.n == 0 && u.idle != nil {
+	u.n += users
+	u.tunnels += tunnels
+	if u.n-u.tunnels == 0 && u.idle != nil {
 		close(u.idle)
 		u.idle = nil
 	}
@@ -37,7 +49,7 @@ func (u *storeUsers) add(d int) {
 // waitIdle waits until no request is at work, or max has passed.
 func (u *storeUsers) waitIdle(max time.Duration) {
 	u.mu.Lock()
-	if u.n == 0 {
+	if u.n-u.tunnels == 0 {
 		u.mu.Unlock()
 		return
 	}
