@@ -54,6 +54,8 @@ type heldResponse struct {
 	lost func() error
 	// opened, when set, is called once the upstream took the connection for its tunnel (see storeUsers.tunnels).
 	opened func()
+	// client is the connection the upstream took, as handed to it (the last one, should it hijack twice).
+	client *tunnelConn
 }
 
 // errGateAnswered stops an upstream whose response the gate will not send: it answered the request itself.
@@ -213,8 +215,13 @@ func (h *heldResponse) Hijack() (net.Conn, *bufio.ReadWriter, error) {
 		h.opened()
 	}
 	h.hijacked = true
-	return conn, brw, nil
+	var handed net.Conn
+	h.client, handed = wrapTunnel(conn)
+	return handed, brw, nil
 }
+
+// clientEnded reports whether the client of a hijacked connection ended its tunnel (tunnelConn).
+func (h *heldResponse) clientEnded() bool { return h.client != nil && h.client.clientEnded.Load() }
 
 // decideNow has the gate decide before the upstream is done.
 func (h *heldResponse) decideNow() {

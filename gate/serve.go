@@ -977,9 +977,12 @@ func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 		x.streamBroke(up, up.err.Error())
 	case up.rec.sendErr != nil:
 		x.streamBroke(up, up.rec.sendErr.Error())
-	case up.rec.hijacked && x.g.cfg.Unloaded != nil && x.g.cfg.Unloaded():
+	case up.rec.hijacked && x.g.cfg.Unloaded != nil && x.g.cfg.Unloaded() && !up.rec.clientEnded():
 		// The tunnel ended as the server unloaded its configuration, which closes upgraded connections (see
-		// Config.Unloaded): cut short by the server, it is opened again when its payment is presented again.
+		// Config.Unloaded), and its client had not ended it: cut short by the server, it is opened again when its
+		// payment is presented again. One whose client ended it (hung up, then the upstream lingered past the
+		// unload) was had whole: it is served, below. (A client that only half-closed and still reads, cut then,
+		// is taken as served too: the gate cannot tell it from one that hung up.)
 		x.streamBroke(up, "the tunnel was closed as the server unloaded its configuration (a reload, a shutdown)")
 	case x.streamed != nil:
 		// (A connection the upstream hijacked is no longer the server's to flush: that panics inside net/http.)
