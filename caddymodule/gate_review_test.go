@@ -398,74 +398,96 @@ func TestATunnelCutByAReloadIsOpenedAgainWhenItsPaymentIsPresentedAgain(t *testi
 // run, topology scarce, seed 4798048067604851938: one-response-one-resource).
 func TestATunnelItsClientEndedIsServedThoughAReloadComesBeforeItsUpstreamCloses(t *testing.T) {
 	for _, mode := range []string{"after", "async"} {
-		t.Run(mode, func(t *testing.T) {
-			env := newStoppedGateEnv(t)
-			t.Cleanup(commitPending(t, env.c))
-			up := newTunnelUpstream(t)
-			up.linger, up.clientGone = make(chan struct{}), make(chan struct{}, 1)
-			setup := gateSetup{site: "reverse_proxy " + up.Addr, gate: "\t\tsettle " + mode + "\n"}
-			env.srv = startCaddy(t, env.caddyfile(setup))
-			payer := env.c.Payers[0]
-			env.approvePermit2(payer)
-			before := env.balances(payer)
-			header := env.permit2Header("/", payer)
-			upgrade := func() (net.Conn, *bufio.Reader, *http.Response, string) {
-				t.Helper()
-				conn, err := net.Dial("tcp", env.srv.Addr)
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { conn.Close() })
-				_ = conn.SetDeadline(time.Now().Add(30 * time.Second))
-				fmt.Fprintf(conn, "GET / HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: echo\r\n%s: %s\r\n\r\n",
-					env.srv.Addr, x402.HeaderPaymentSignature, header)
-				br := bufio.NewReader(conn)
-				resp, err := http.ReadResponse(br, nil)
-				if err != nil {
-					t.Fatalf("reading the upgrade answer: %v", err)
-				}
-				body := ""
-				if resp.StatusCode != http.StatusSwitchingProtocols {
-					b, _ := io.ReadAll(resp.Body)
-					body = string(b)
-				}
-				return conn, br, resp, body
-			}
-			conn, br, resp, body := upgrade()
-			if resp.StatusCode != http.StatusSwitchingProtocols {
-				t.Fatalf("upgrade = %d %.300q, want 101", resp.StatusCode, body)
-			}
-			fmt.Fprint(conn, "hello\n")
-			if line, err := br.ReadString('\n'); err != nil || line != "echo: hello\n" {
-				t.Fatalf("through the tunnel: %q, %v; want the echo", line, err)
-			}
-			conn.Close() // the client has what it paid for, and hangs up
-			select {
-			case <-up.clientGone:
-			case <-time.After(10 * time.Second):
-				t.Fatal("the upstream never saw the client hang up")
-			}
-			env.reload(setup) // while the upstream lingers: the tunnel's request ends unloaded
-			close(up.linger)
-			env.waitPaid(payer, before, 1)
-			for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-				_, _, resp, body = upgrade()
-				if resp.StatusCode == http.StatusSwitchingProtocols {
-					t.Fatalf("the payment whose tunnel its client ended opened another (upstream called %d times): one payment, two tunnels", up.calls.Load())
-				}
-				// The first tunnel's request may still be ending: its payment is in flight till then.
-				if !strings.Contains(body, "another request is presenting this payment") || time.Now().After(deadline) {
-					break
-				}
-			}
-			if resp.StatusCode != http.StatusPaymentRequired || !strings.Contains(body, x402.ReasonPaymentAlreadyUsed) {
-				t.Fatalf("the payment presented again = %d %.300q, want 402 %s", resp.StatusCode, body, x402.ReasonPaymentAlreadyUsed)
-			}
-			env.assertPaid(payer, before, 1)
-			if n := up.calls.Load(); n != 1 {
-				t.Errorf("the upstream was called %d times, want 1", n)
-			}
-		})
+		t.Run(mode, func(t *testing.T) { clientEndedTunnelThenUnload(t, mode, false) })
+	}
+}
+
+// TestATunnelItsClientEndedIsServedThoughAShutdownComesBeforeItsUpstreamCloses is the same with a graceful
+// shutdown (the upstream closes its side 300 ms into it) and a restart on the same journal: the journal's close
+// waits for a tunnel whose client ended it, which is bound to mark its payment served. Before, the journal closed
+// under it (it waited for no open tunnel), the served mark was lost, and after the restart the payment opened a
+// second tunnel.
+func TestATunnelItsClientEndedIsServedThoughAShutdownComesBeforeItsUpstreamCloses(t *testing.T) {
+	for _, mode := range []string{"after", "async"} {
+		t.Run(mode, func(t *testing.T) { clientEndedTunnelThenUnload(t, mode, true) })
+	}
+}
+
+// clientEndedTunnelThenUnload: see the two tests above; restart picks the shutdown.
+func clientEndedTunnelThenUnload(t *testing.T, mode string, restart bool) {
+	env := newStoppedGateEnv(t)
+	t.Cleanup(commitPending(t, env.c))
+	up := newTunnelUpstream(t)
+	up.linger, up.clientGone = make(chan struct{}), make(chan struct{}, 1)
+	setup := gateSetup{site: "reverse_proxy " + up.Addr, gate: "\t\tsettle " + mode + "\n"}
+	env.srv = startCaddy(t, env.caddyfile(setup))
+	payer := env.c.Payers[0]
+	env.approvePermit2(payer)
+	before := env.balances(payer)
+	header := env.permit2Header("/", payer)
+	upgrade := func() (net.Conn, *bufio.Reader, *http.Response, string) {
+		t.Helper()
+		conn, err := net.Dial("tcp", env.srv.Addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { conn.Close() })
+		_ = conn.SetDeadline(time.Now().Add(30 * time.Second))
+		fmt.Fprintf(conn, "GET / HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: echo\r\n%s: %s\r\n\r\n",
+			env.srv.Addr, x402.HeaderPaymentSignature, header)
+		br := bufio.NewReader(conn)
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("reading the upgrade answer: %v", err)
+		}
+		body := ""
+		if resp.StatusCode != http.StatusSwitchingProtocols {
+			b, _ := io.ReadAll(resp.Body)
+			body = string(b)
+		}
+		return conn, br, resp, body
+	}
+	conn, br, resp, body := upgrade()
+	if resp.StatusCode != http.StatusSwitchingProtocols {
+		t.Fatalf("upgrade = %d %.300q, want 101", resp.StatusCode, body)
+	}
+	fmt.Fprint(conn, "hello\n")
+	if line, err := br.ReadString('\n'); err != nil || line != "echo: hello\n" {
+		t.Fatalf("through the tunnel: %q, %v; want the echo", line, err)
+	}
+	conn.Close() // the client has what it paid for, and hangs up
+	select {
+	case <-up.clientGone:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the upstream never saw the client hang up")
+	}
+	if restart {
+		time.AfterFunc(300*time.Millisecond, func() { close(up.linger) })
+		if err := caddy.Stop(); err != nil {
+			t.Fatalf("stopping the gateway: %v", err)
+		}
+		env.srv.load(env.caddyfile(setup))
+	} else {
+		env.reload(setup) // while the upstream lingers: the tunnel's request ends unloaded
+		close(up.linger)
+	}
+	env.waitPaid(payer, before, 1)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		_, _, resp, body = upgrade()
+		if resp.StatusCode == http.StatusSwitchingProtocols {
+			t.Fatalf("the payment whose tunnel its client ended opened another (upstream called %d times): one payment, two tunnels", up.calls.Load())
+		}
+		// The first tunnel's request may still be ending: its payment is in flight till then.
+		if !strings.Contains(body, "another request is presenting this payment") || time.Now().After(deadline) {
+			break
+		}
+	}
+	if resp.StatusCode != http.StatusPaymentRequired || !strings.Contains(body, x402.ReasonPaymentAlreadyUsed) {
+		t.Fatalf("the payment presented again = %d %.300q, want 402 %s", resp.StatusCode, body, x402.ReasonPaymentAlreadyUsed)
+	}
+	env.assertPaid(payer, before, 1)
+	if n := up.calls.Load(); n != 1 {
+		t.Errorf("the upstream was called %d times, want 1", n)
 	}
 }
 

@@ -54,8 +54,10 @@ type heldResponse struct {
 	lost func() error
 	// opened, when set, is called once the upstream took the connection for its tunnel (see storeUsers.tunnels).
 	opened func()
-	// client is the connection the upstream took, as handed to it (the last one, should it hijack twice).
-	client *tunnelConn
+	// client is the connection the upstream took, as handed to it (the last one, should it hijack twice);
+	// clientEnd, when set, is called once as its client ends the tunnel (from the upstream's goroutines).
+	client    *tunnelConn
+	clientEnd func()
 }
 
 // errGateAnswered stops an upstream whose response the gate will not send: it answered the request itself.
@@ -216,7 +218,7 @@ func (h *heldResponse) Hijack() (net.Conn, *bufio.ReadWriter, error) {
 	}
 	h.hijacked = true
 	var handed net.Conn
-	h.client, handed = wrapTunnel(conn)
+	h.client, handed = wrapTunnel(conn, h.clientEnd)
 	return handed, brw, nil
 }
 

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
@@ -932,14 +933,17 @@ func (x *exchange) callUpstream(serve func(*upstream) error) (up *upstream) {
 	if _, shared := x.g.ledger.store.(journal.Cluster); shared {
 		up.rec.lost = x.holdLost
 	}
-	tunnelOpen := false
-	up.rec.opened = func() { tunnelOpen = x.g.ledger.tunnelOpened(x.id) }
+	// While its tunnel is open and its client has not ended it, the request is not waited for by its journal's
+	// close (storeUsers.tunnels). Once the client ended it, the request is bound to mark its payment served, which
+	// the journal must still be open for: it is waited for again from then on.
+	var tunnelOpen atomic.Bool
+	up.rec.opened = func() { tunnelOpen.Store(x.g.ledger.tunnelOpened(x.id)) }
 	tunnelEnded := func() {
-		if tunnelOpen {
-			tunnelOpen = false
+		if tunnelOpen.CompareAndSwap(true, false) {
 			x.g.ledger.tunnelEnded()
 		}
 	}
+	up.rec.clientEnd = tunnelEnded
 	returned := false
 	defer func() {
 		tunnelEnded() // (a panic: before the writes below)

@@ -14,12 +14,15 @@ import (
 type tunnelConn struct {
 	net.Conn
 	clientEnded atomic.Bool
+	// onClientEnd, when set, is called once, as the client ends the tunnel.
+	onClientEnd func()
 }
 
 func (c *tunnelConn) Read(p []byte) (int, error) {
 	n, err := c.Conn.Read(p)
-	if err != nil && !errors.Is(err, net.ErrClosed) && !errors.Is(err, os.ErrDeadlineExceeded) {
-		c.clientEnded.Store(true)
+	if err != nil && !errors.Is(err, net.ErrClosed) && !errors.Is(err, os.ErrDeadlineExceeded) &&
+		c.clientEnded.CompareAndSwap(false, true) && c.onClientEnd != nil {
+		c.onClientEnd()
 	}
 	return n, err
 }
@@ -32,9 +35,10 @@ func (c tunnelConnHalfClose) CloseWrite() error {
 	return c.Conn.(interface{ CloseWrite() error }).CloseWrite()
 }
 
-// wrapTunnel is conn as a tunnelConn, and the net.Conn to hand over: one that closes its write half when conn does.
-func wrapTunnel(conn net.Conn) (*tunnelConn, net.Conn) {
-	tc := &tunnelConn{Conn: conn}
+// wrapTunnel is conn as a tunnelConn calling onClientEnd, and the net.Conn to hand over: one that closes its write
+// half when conn does.
+func wrapTunnel(conn net.Conn, onClientEnd func()) (*tunnelConn, net.Conn) {
+	tc := &tunnelConn{Conn: conn, onClientEnd: onClientEnd}
 	if _, ok := conn.(interface{ CloseWrite() error }); ok {
 		return tc, tunnelConnHalfClose{tc}
 	}
