@@ -120,8 +120,12 @@ func (s *BoltStore) acceptVoucher(ctx context.Context, key ChannelKey, from, to 
 		return Channel{}, Record{}, err
 	}
 	now := s.opts.now()
+	var enc []byte // the record, made and encoded before the transaction: a failure there writes nothing
 	if rec != nil {
 		r, err := claimed(*rec, now)
+		if err == nil {
+			enc, err = encodeRecord(&r)
+		}
 		if err != nil {
 			return Channel{}, Record{}, err
 		}
@@ -143,8 +147,11 @@ func (s *BoltStore) acceptVoucher(ctx context.Context, key ChannelKey, from, to 
 			return err
 		}
 		if rec != nil && !found {
+			if err := t.t.write(rec.ID, enc, nil, rec); err != nil {
+				t.t.tainted = true // the step is written: the commit rolls both back
+				return fmt.Errorf("journal: write %s: %w", rec.ID, err)
+			}
 			got = *rec
-			return t.t.put(nil, rec)
 		}
 		return nil
 	})

@@ -91,6 +91,15 @@ func TestAVoucherStepAndItsRecordAreOneCommit(t *testing.T) {
 		}
 		wantRow(t, channelsOf(t, s), key, 10, 1, 0, "")
 		wantRecord("a refused record", bad.ID, false, "")
+		// A record that cannot be encoded (a time past year 9999) fails it too, with nothing written: bbolt's group
+		// commit keeps whatever an operation wrote unless it failed writing, so the encoding comes first.
+		unencodable := recOf(20, "mine")
+		unencodable.Deadline = time.Date(10001, 1, 1, 0, 0, 0, 0, time.UTC)
+		if _, _, err := vr.AcceptVoucherRecord(ctx, key, big.NewInt(10), big.NewInt(20), voucherOf(20), unencodable); err == nil {
+			t.Fatal("a step with a record that cannot be encoded was taken")
+		}
+		wantRow(t, channelsOf(t, s), key, 10, 1, 0, "")
+		wantRecord("an unencodable record", unencodable.ID, false, "")
 
 		// A record already there (written by a voucher that crashed before, say) is answered, and kept.
 		clock.Advance(time.Second)
