@@ -120,16 +120,9 @@ func (s *BoltStore) acceptVoucher(ctx context.Context, key ChannelKey, from, to 
 		return Channel{}, Record{}, err
 	}
 	now := s.opts.now()
-	var enc []byte // the record, made and encoded before the transaction: a failure there writes nothing
-	if rec != nil {
-		r, err := claimed(*rec, now)
-		if err == nil {
-			enc, err = encodeRecord(&r)
-		}
-		if err != nil {
-			return Channel{}, Record{}, err
-		}
-		*rec = r
+	enc, err := claimedEncoded(rec, now) // before the transaction: a failure there writes nothing
+	if err != nil {
+		return Channel{}, Record{}, err
 	}
 	var (
 		c   Channel

@@ -99,16 +99,9 @@ func (s *MemoryStore) acceptVoucher(ctx context.Context, key ChannelKey, from, t
 	// amounts are the replaced row's, which no one changes (see MemoryStore.channels); the caller gets a copy.
 	// The record, as Claim's, is made and encoded before the lock.
 	now := s.opts.now()
-	var enc []byte
-	if rec != nil {
-		r, err := claimed(*rec, now)
-		if err == nil {
-			enc, err = encodeRecord(&r)
-		}
-		if err != nil {
-			return Channel{}, Record{}, err
-		}
-		*rec = r
+	enc, err := claimedEncoded(rec, now) // before the transaction: a failure there writes nothing
+	if err != nil {
+		return Channel{}, Record{}, err
 	}
 	if err := s.lock(ctx); err != nil {
 		return Channel{}, Record{}, err

@@ -169,6 +169,24 @@ func claimIn(t txn, r Record, now time.Time) (Record, bool, error) {
 	return r, true, nil
 }
 
+// claimedEncoded makes *rec, when rec is not nil, the record a Claim of it at now writes (claimed), and returns its
+// encoding; nil, nil for no record.
+func claimedEncoded(rec *Record, now time.Time) ([]byte, error) {
+	if rec == nil {
+		return nil, nil
+	}
+	r, err := claimed(*rec, now)
+	if err != nil {
+		return nil, err
+	}
+	enc, err := encodeRecord(&r)
+	if err != nil {
+		return nil, err
+	}
+	*rec = r
+	return enc, nil
+}
+
 // claimed is the record a Claim of r at now writes when there is none yet, or why r cannot be claimed: it reads
 // no store, so that a store may prepare the write (encode it) before it takes its lock.
 func claimed(r Record, now time.Time) (Record, error) {
