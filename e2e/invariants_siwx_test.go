@@ -534,8 +534,8 @@ func (r *invRun) checkPaidSignedIn(end *invEnd) ([]invViolation, string) {
 			continue
 		}
 		d := stood[len(stood)-1]
-		out = append(out, invViolation{what: fmt.Sprintf("a sign-in was not served (%s) after payment #%d of its wallet on %q delivered its response (%s), while the grant it bought stood (%d payment(s) standing, the upstream served %d sign-in(s) of it there)",
-			s, payments[d].n, s.route.name, d, len(bought), used[key{s.route, s.wallet}]), payments: []*invPayment{payments[d]}})
+		out = append(out, invViolation{what: fmt.Sprintf("a sign-in was not served (%s) after payment #%d of its wallet on %q delivered its response (%s), while the grant it bought stood (%d payment(s) standing, the upstream served %d sign-in(s) of it there)%s",
+			s, payments[d].n, s.route.name, d, len(bought), used[key{s.route, s.wallet}], r.stopsBetween(-1, d.sent, s.got)), payments: []*invPayment{payments[d]}})
 	}
 	return out, fmt.Sprintf("%d answered sign-ins of wallets whose payment had delivered, while its grant stood: %d served, %d refused as used up once the upstream served what was bought, none refused otherwise (%d excused by a SIGKILL or database outage as it was answered or as its grant was written)", judged, served, usedUp, excused)
 }

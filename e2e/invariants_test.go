@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -62,7 +63,7 @@ var invTopologies = []invTopology{
 // remote facilitators as a failover set; access sold by sign-in-with-x), by seeded random actions (pay; present
 // a payment again to the same resource, another of its route, another route, another gateway, several at once; in
 // every request shape; sign in with x, past the grant, as a wallet that never paid, for another resource) and
-// faults (SIGKILL and restart of a gateway or a facilitator, a reload that changes prices, RPC 503s, hangs and
+// faults (SIGKILL and restart of a gateway or a facilitator, a graceful stop and restart of a gateway, a reload that changes prices, RPC 503s, hangs and
 // lost answers, PostgreSQL stopped). After quiescence it checks the money invariants on chain against the
 // clients' own records; a violation names the payments and the actions behind it, and the seed that draws them.
 func TestMoneyInvariantsHoldUnderARandomizedRunOfEveryFeature(t *testing.T) {
@@ -116,6 +117,7 @@ type invRun struct {
 	payments []*invPayment
 	actions  []*invAction
 	kills    []invEvent // SIGKILLs of gateways
+	stops    []invStop  // graceful stops of gateways: no crash (see tunnelCutByStop)
 	outages  []invEvent // PostgreSQL down, or the way to it hung
 	reloads  []invEvent // the gateways ran other prices
 	counts   map[string]int
@@ -128,6 +130,17 @@ type invRun struct {
 type invEvent struct {
 	gate     int
 	from, to time.Time
+}
+
+// invStop is a graceful stop of a gateway (SIGINT or SIGTERM, as an operator's `systemctl stop` sends): its span
+// from the signal to the gateway serving again, the fault action that drew it, and how its process went.
+type invStop struct {
+	invEvent
+	action int
+	signal string
+	exited time.Time // when the process was gone: by itself, or SIGKILLed past invStopBound
+	killed bool      // it had not exited within invStopBound and was SIGKILLed (that kill is among r.kills)
+	err    error     // its exit error, when it exited by itself (nil: exit status 0)
 }
 
 // invAction is one action of a worker (or a fault, or a presentation during quiescence) and what came of it.
@@ -731,6 +744,7 @@ type invFaultKind struct {
 
 var invFaultKinds = []invFaultKind{
 	{"SIGKILL a gateway, then start it again", weight(4), (*invRun).killGateway},
+	{"stop a gateway gracefully (SIGINT or SIGTERM), then start it again", weight(4), (*invRun).stopGateway},
 	{"reload the gateways with other prices, then back", weight(2), (*invRun).reloadPrices},
 	{"reload the gateways with gates added before every route, then back", weight(2), (*invRun).reloadAddingGates},
 	{"RPC answers 503", weight(2), func(r *invRun, rng *rand.Rand, a *invAction) { r.rpcFault(rng, a, rpc503) }},
@@ -754,6 +768,48 @@ func (r *invRun) killGateway(rng *rand.Rand, a *invAction) {
 	r.kills = append(r.kills, invEvent{gate: n, from: at, to: time.Now()})
 	r.mu.Unlock()
 	a.say("gateway %d SIGKILLed, down %v, serving again after %v", n, down, time.Since(at).Round(10*time.Millisecond))
+}
+
+// invStopBound is how long a gateway stopped gracefully gets to exit. Caddy's grace period is unbounded by default:
+// it waits for the requests at work (none of the run's waits long with every fault undone), then closes the tunnels,
+// and the x402 app closes the journal after the requests still at work on it wrote their marks (at most 30 s). Past
+// the bound the gateway is SIGKILLed, and the stop is a violation of graceful-stop-bounded, not a hang of the run.
+const invStopBound = 20 * time.Second
+
+// stopGateway stops a gateway gracefully, as an operator's `systemctl stop` does (SIGINT or SIGTERM, drawn), waits
+// at most invStopBound for it to exit, and starts it again 0 to 2 s later on the same Caddyfile and journal, as
+// killGateway does. A graceful stop is no crash: the checks excuse by it only a paid tunnel it cut (tunnelCutByStop).
+func (r *invRun) stopGateway(rng *rand.Rand, a *invAction) {
+	n := rng.IntN(len(r.w.gateways))
+	sig, name := os.Signal(syscall.SIGTERM), "SIGTERM"
+	if rng.IntN(2) == 0 {
+		sig, name = os.Interrupt, "SIGINT"
+	}
+	down := time.Duration(rng.IntN(2000)) * time.Millisecond
+	g := r.w.gateways[n]
+	at := time.Now()
+	exited, err := g.stopGracefully(sig, invStopBound)
+	s := invStop{invEvent: invEvent{gate: n, from: at}, action: a.n, signal: name, exited: time.Now(), killed: !exited, err: err}
+	took := s.exited.Sub(at).Round(10 * time.Millisecond)
+	switch {
+	case !exited:
+		a.say("gateway %d did not exit within %v of %s and was SIGKILLed", n, invStopBound, name)
+	case err != nil:
+		a.say("gateway %d exited %v after %s, not cleanly: %v", n, took, name, err)
+	default:
+		a.say("gateway %d exited cleanly %v after %s", n, took, name)
+	}
+	time.Sleep(down)
+	g.start()
+	s.to = time.Now()
+	r.mu.Lock()
+	r.stops = append(r.stops, s)
+	if s.killed {
+		// From the kill on it was a crash, whatever graceful-stop-bounded says of the stop.
+		r.kills = append(r.kills, invEvent{gate: n, from: s.exited, to: s.to})
+	}
+	r.mu.Unlock()
+	a.say("down %v, serving again after %v", down, time.Since(at).Round(10*time.Millisecond))
 }
 
 func (r *invRun) reloadPrices(rng *rand.Rand, a *invAction) {

@@ -629,6 +629,19 @@ func (p *invProc) kill() {
 	}
 }
 
+// stopGracefully sends sig (SIGINT or SIGTERM) and waits at most bound for the process to exit; past that it is
+// SIGKILLed. It reports whether the process exited by itself, and its exit error then: one that had exited before
+// the signal is an error too.
+func (p *invProc) stopGracefully(sig os.Signal, bound time.Duration) (exited bool, err error) {
+	p.mu.Lock()
+	proc := p.proc
+	p.mu.Unlock()
+	if !proc.running() {
+		return true, fmt.Errorf("it had exited before the signal: %v", proc.err)
+	}
+	return proc.stopWithin(sig, bound)
+}
+
 // stop stops the process cleanly (SIGINT), if it runs.
 func (p *invProc) stop() {
 	p.mu.Lock()
