@@ -519,8 +519,28 @@ func (r *invRun) checkGracefulStops(end *invEnd) ([]invViolation, string) {
 				s.gate, took.Round(10*time.Millisecond), s.signal, s.action, s.err)})
 		}
 	}
-	return out, fmt.Sprintf("%d graceful stops (%d by SIGINT, %d by SIGTERM), each exited cleanly by itself, the longest in %v",
-		len(stops), signals["SIGINT"], signals["SIGTERM"], longest.Round(10*time.Millisecond))
+	// How much each stop had to drain: the presentations at work at its gateway as it began, and what came of them.
+	atWork, whole, tunnels := 0, 0, 0
+	for _, p := range r.snapshot() {
+		p.mu.Lock()
+		for _, a := range p.answers {
+			for _, s := range stops {
+				if a.gate == s.gate && a.sent.Before(s.from) && a.got.After(s.from) {
+					atWork++
+					if a.whole {
+						whole++
+					}
+					if a.status == http.StatusSwitchingProtocols {
+						tunnels++
+					}
+				}
+			}
+		}
+		p.mu.Unlock()
+	}
+	return out, fmt.Sprintf("%d graceful stops (%d by SIGINT, %d by SIGTERM), each exited cleanly by itself, the longest in %v; "+
+		"%d presentations were at work at the gateway as its stop began: %d delivered whole, %d opened a tunnel",
+		len(stops), signals["SIGINT"], signals["SIGTERM"], longest.Round(10*time.Millisecond), atWork, whole, tunnels)
 }
 
 // atWork lists at most n payments presented to gateway gate whose answer was still to come at t.
