@@ -8,6 +8,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"testing"
 	"time"
 
 	"github.com/ethereum/go-ethereum"
@@ -955,4 +956,42 @@ func shortenLine(s string, n int) string {
 		return s[:n] + "..."
 	}
 	return s
+}
+
+// TestAGracefulStopExcusesOnlyAPaidTunnelOpenAtIt holds the checks to what a graceful stop may excuse: a second
+// delivery of a payment whose first was a tunnel still open as its gateway stopped, and nothing else; it is no
+// crash. It runs no process.
+func TestAGracefulStopExcusesOnlyAPaidTunnelOpenAtIt(t *testing.T) {
+	at := time.Now()
+	sec := func(s float64) time.Time { return at.Add(time.Duration(s * float64(time.Second))) }
+	r := &invRun{stops: []invStop{{invEvent: invEvent{gate: 0, from: sec(0), to: sec(3)}, action: 7, signal: "SIGTERM", exited: sec(1)}}}
+	tunnel := func(gate int, sent, got float64) *invAnswer {
+		return &invAnswer{gate: gate, status: http.StatusSwitchingProtocols, whole: true, sent: sec(sent), got: sec(got)}
+	}
+	later := &invAnswer{gate: 0, status: http.StatusSwitchingProtocols, whole: true, sent: sec(4), got: sec(4.1)}
+	for _, c := range []struct {
+		name    string
+		prev    *invAnswer
+		next    *invAnswer
+		excused bool
+	}{
+		{"a tunnel open as the stop began", tunnel(0, -0.5, 0.2), later, true},
+		{"a tunnel whose client ended just before the signal", tunnel(0, -0.8, -0.5), later, true},
+		{"a tunnel opened as the gateway drained", tunnel(0, 0.3, 0.4), later, true},
+		{"a response that is no tunnel", &invAnswer{gate: 0, status: http.StatusOK, whole: true, sent: sec(-0.5), got: sec(0.2)}, later, false},
+		{"a tunnel its client ended long before the stop", tunnel(0, -3, -2), later, false},
+		{"a tunnel of another gateway", tunnel(1, -0.5, 0.2), later, false},
+		{"a tunnel opened once the process was gone", tunnel(0, 1.5, 1.6), later, false},
+		{"a second delivery before the stop", tunnel(0, -0.5, -0.4), &invAnswer{gate: 0, sent: sec(-0.3)}, false},
+	} {
+		if got := r.tunnelCutByStop(c.prev, c.next) != nil; got != c.excused {
+			t.Errorf("%s: excused %v, want %v", c.name, got, c.excused)
+		}
+	}
+	if r.crashBetween(0, sec(-1), sec(4)) {
+		t.Error("a graceful stop was taken for a crash")
+	}
+	if note := r.stopsBetween(0, sec(-1), sec(4)); !strings.Contains(note, "graceful stop") || !strings.Contains(note, "action #7") {
+		t.Errorf("a violation across the stop says %q: want it to name the graceful stop and its action", note)
+	}
 }
