@@ -67,6 +67,8 @@ type PostgresStore struct {
 	pruneRates sync.Once // starts pruneRateBuckets at the first TakeToken
 
 	readsAnswerFor atomic.Int64 // the longest a funds read answers for, in nanoseconds (see ReadsAnswerFor)
+
+	group pgGroup // writes of concurrent requests sent together (postgres_group.go)
 }
 
 // OpenPostgres connects to the PostgreSQL database dsn names (a URL, postgres://user:password@host:port/db, or
@@ -109,6 +111,7 @@ func OpenPostgres(ctx context.Context, dsn string, opts Options) (*PostgresStore
 		instance: hex.EncodeToString(token),
 		secret:   secret,
 		stopBeat: make(chan struct{}),
+		group:    pgGroup{slots: make(chan struct{}, pgGroupSenders)},
 		beatDone: make(chan struct{}),
 	}
 	if !strings.Contains(dsn, "pool_max_conns") {

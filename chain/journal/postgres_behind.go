@@ -294,19 +294,18 @@ func (s *PostgresStore) sendItems(ctx context.Context, items []*behindWrite) err
 
 // rowCarrying sends items and then sql in one batch, and scans sql's row into dest; with no items, sql alone.
 func (s *PostgresStore) rowCarrying(ctx context.Context, items []*behindWrite, sql string, args []any, dest ...any) error {
-	if len(items) == 0 {
-		return s.pool.QueryRow(ctx, sql, args...).Scan(dest...)
-	}
-	b := &pgx.Batch{}
-	queueBehind(b, items)
-	b.Queue(sql, args...)
-	br := s.pool.SendBatch(ctx, b)
-	if err := readBehind(br, items); err != nil {
-		br.Close()
-		return err
-	}
-	err := br.QueryRow().Scan(dest...)
-	if err = errors.Join(err, closeErr(br.Close(), err)); err == nil {
+	// In a group with other requests' (postgres_group.go): its batch is one implicit transaction alone, and a
+	// group's writes are atomic together.
+	err := s.grouped(ctx, func(b *pgx.Batch) {
+		queueBehind(b, items)
+		b.Queue(sql, args...)
+	}, func(br pgx.BatchResults) error {
+		if err := readBehind(br, items); err != nil {
+			return err
+		}
+		return br.QueryRow().Scan(dest...)
+	})
+	if err == nil {
 		markSent(items)
 	}
 	return err

@@ -252,16 +252,18 @@ func (s *PostgresStore) readCarrying(ctx context.Context, queue func(*pgx.Batch)
 		return err
 	}
 	defer cancel()
-	send := func() error {
-		b := &pgx.Batch{}
+	if len(items) == 0 {
+		return s.read(rctx, func() error {
+			b := &pgx.Batch{}
+			queue(b)
+			return s.pool.SendBatch(rctx, b).Close()
+		})
+	}
+	// A write: in a group with other requests' (postgres_group.go).
+	err = s.groupedBatch(rctx, func(b *pgx.Batch) {
 		queueCarried(b, items)
 		queue(b)
-		return s.pool.SendBatch(rctx, b).Close()
-	}
-	if len(items) == 0 {
-		return s.read(rctx, send)
-	}
-	err = retrySafe(send)
+	})
 	if err == nil {
 		markSent(items)
 	}

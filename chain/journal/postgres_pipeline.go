@@ -303,9 +303,8 @@ func (s *PostgresStore) markAndGet(ctx context.Context, id ID) (marked bool, rec
 		return false, Record{}, false, err
 	}
 	defer cancel()
-	err = retrySafe(func() error {
+	err = s.groupedBatch(wctx, func(b *pgx.Batch) {
 		marked, found = false, false
-		b := &pgx.Batch{}
 		b.Queue(pgBusy, id[:], s.instance).QueryRow(func(row pgx.Row) error {
 			err := row.Scan(&marked)
 			if errors.Is(err, pgx.ErrNoRows) {
@@ -317,7 +316,6 @@ func (s *PostgresStore) markAndGet(ctx context.Context, id ID) (marked bool, rec
 			rec, found, err = scanRecord(row, id)
 			return err
 		})
-		return s.pool.SendBatch(wctx, b).Close()
 	})
 	switch {
 	case err != nil:
