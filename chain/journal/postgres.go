@@ -584,8 +584,8 @@ func (t pgTxn) del(prev *Record) error {
 // pgClaimTxn is the txn of Claim: it reads nothing (the insert finds out whether the id is taken) and inserts
 // with ON CONFLICT DO NOTHING, which the primary key makes exactly one claimant's, however many processes try.
 type pgClaimTxn struct {
-	ctx  context.Context
-	pool *pgxpool.Pool
+	ctx context.Context
+	s   *PostgresStore
 }
 
 // errClaimTaken: the insert of a claim found a record there.
@@ -598,10 +598,12 @@ func (t pgClaimTxn) put(_, next *Record) error {
 	if err != nil {
 		return err
 	}
+	// In a group with other requests' writes (postgres_group.go), as the one statement it is alone.
 	var tag pgconn.CommandTag
-	err = retrySafe(func() (err error) {
-		tag, err = t.pool.Exec(t.ctx, pgInsertRecord, next.ID[:], string(next.State), next.Async, row.pending, row.claimedNS,
-			row.keptNS, row.servedNS, row.data)
+	err = t.s.grouped(t.ctx, func(b *pgx.Batch) {
+		b.Queue(pgInsertRecord, next.ID[:], string(next.State), next.Async, row.pending, row.claimedNS, row.keptNS, row.servedNS, row.data)
+	}, func(br pgx.BatchResults) (err error) {
+		tag, err = br.Exec()
 		return err
 	})
 	if err == nil && tag.RowsAffected() == 0 {
@@ -626,7 +628,7 @@ func (s *PostgresStore) Claim(ctx context.Context, r Record) (Record, bool, erro
 	defer cancel()
 	now := s.opts.now()
 	for attempt := 0; ; attempt++ {
-		rec, claimed, err := claimIn(pgClaimTxn{wctx, s.pool}, r, now)
+		rec, claimed, err := claimIn(pgClaimTxn{wctx, s}, r, now)
 		if !errors.Is(err, errClaimTaken) {
 			if err != nil {
 				return Record{}, false, s.fail(ctx, "claim", err)

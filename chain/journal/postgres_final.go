@@ -3,6 +3,8 @@ package journal
 import (
 	"context"
 	"strconv"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // An engine ends a settled payment's funds hold (HoldMined) before it writes the payment's final answer: a final
@@ -56,8 +58,8 @@ func (s *PostgresStore) updateKnownHoldMined(ctx context.Context, prev Record, b
 	}
 	defer cancel()
 	var written bool
-	err = retrySafe(func() error {
-		return s.pool.QueryRow(wctx, `WITH mined AS (
+	err = s.grouped(wctx, func(b *pgx.Batch) {
+		b.Queue(`WITH mined AS (
 	UPDATE x402_holds SET mined = $9::numeric, mined_at = now() WHERE id = $1 AND mined = 0
 ), written AS (
 	UPDATE x402_records SET state = $2, async = $3, pending = $4, kept_until_ns = $5, served_ns = $6, data = $7
@@ -65,8 +67,8 @@ func (s *PostgresStore) updateKnownHoldMined(ctx context.Context, prev Record, b
 )
 SELECT EXISTS (SELECT 1 FROM written)`,
 			next.ID[:], string(next.State), next.Async, row.pending, row.keptNS, row.servedNS, row.data, was,
-			strconv.FormatUint(block, 10)).Scan(&written)
-	})
+			strconv.FormatUint(block, 10))
+	}, func(br pgx.BatchResults) error { return br.QueryRow().Scan(&written) })
 	if err != nil {
 		return Record{}, false, s.fail(ctx, "hold mined", err)
 	}

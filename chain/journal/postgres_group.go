@@ -1,9 +1,12 @@
 package journal
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"sort"
 	"sync"
+	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -38,6 +41,7 @@ type pgGroup struct {
 	pending []*pgGroupItem
 	slots   chan struct{} // one a group in flight
 	off     bool          // each write alone (tests measuring what the group saves)
+	aborted atomic.Int64  // groups rolled back (their writes went again alone)
 }
 
 // pgGroupItem is one write of a group: queue adds its statements to the batch; read reads their results, in order,
@@ -119,6 +123,9 @@ func (s *PostgresStore) sendGroup(ctx context.Context, items []*pgGroupItem) {
 		return
 	}
 	err := retrySafe(func() error { return s.sendTogether(ctx, items) })
+	if errors.Is(err, errGroupAborted) {
+		s.group.aborted.Add(1)
+	}
 	if err != nil {
 		for _, it := range items {
 			it.err = err
@@ -130,12 +137,24 @@ func (s *PostgresStore) sendGroup(ctx context.Context, items []*pgGroupItem) {
 // errGroupAborted when the transaction was rolled back, the error that left the outcome unknown, or nil: the
 // group committed, and each item's err is its read's.
 func (s *PostgresStore) sendTogether(ctx context.Context, items []*pgGroupItem) error {
+	// In the order of the row each write names first (its first statement's first argument, an id), so that two
+	// groups (of two gateways given the same payments at once: their in-flight marks) lock the rows they share in
+	// one order, and one waits for the other's commit rather than both for each other until the deadlock timeout.
+	queued := make([][]*pgx.QueuedQuery, len(items))
+	for i, it := range items {
+		one := &pgx.Batch{}
+		it.queue(one)
+		queued[i], it.n = one.QueuedQueries, one.Len()
+	}
+	order := make([]int, len(items))
+	for i := range order {
+		order[i] = i
+	}
+	sort.SliceStable(order, func(a, b int) bool { return bytes.Compare(firstID(queued[order[a]]), firstID(queued[order[b]])) < 0 })
 	b := &pgx.Batch{}
 	b.Queue("BEGIN")
-	for _, it := range items {
-		before := b.Len()
-		it.queue(b)
-		it.n = b.Len() - before
+	for _, i := range order {
+		b.QueuedQueries = append(b.QueuedQueries, queued[i]...)
 	}
 	b.Queue("COMMIT")
 	br := s.pool.SendBatch(ctx, b)
@@ -147,7 +166,8 @@ func (s *PostgresStore) sendTogether(ctx context.Context, items []*pgGroupItem) 
 		return err
 	}
 	aborted := false
-	for _, it := range items {
+	for _, i := range order {
+		it := items[i]
 		cr := &countedResults{BatchResults: br}
 		it.err = it.read(cr)
 		aborted = aborted || isPgError(it.err)
@@ -179,6 +199,15 @@ func (s *PostgresStore) sendTogether(ctx context.Context, items []*pgGroupItem) 
 func commitRefused(err error) bool {
 	var pe *pgconn.PgError
 	return errors.As(err, &pe) && (pe.Code[:2] == "23" || pe.Code[:2] == "40")
+}
+
+// firstID is the first argument of the first of qs when it is bytes (a row's id); nil else.
+func firstID(qs []*pgx.QueuedQuery) []byte {
+	if len(qs) == 0 || len(qs[0].Arguments) == 0 {
+		return nil
+	}
+	id, _ := qs[0].Arguments[0].([]byte)
+	return id
 }
 
 // isPgError reports whether err is the database's answer to a statement (which leaves the connection sound).

@@ -36,11 +36,16 @@ func (c *commitCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatch
 // reading the first returns instead of its error (a write whose caller refuses what it read).
 type groupWrite struct {
 	sqls []string
+	args []any // the first statement's
 	fail error
 }
 
 func (w groupWrite) queue(b *pgx.Batch) {
-	for _, q := range w.sqls {
+	for i, q := range w.sqls {
+		if i == 0 {
+			b.Queue(q, w.args...)
+			continue
+		}
 		b.Queue(q)
 	}
 }
@@ -225,4 +230,45 @@ func TestPostgresGroupedWritesCommitTogetherAndGoAloneWhenOneFails(t *testing.T)
 			t.Errorf("rows %v: want none (the group never committed, and none went again alone)", got)
 		}
 	})
+}
+
+// TestPostgresGroupsOfTwoStoresLockTheRowsTheyShareInOneOrder: two gateways given the same payments at once queue
+// their in-flight marks in different orders; each store sends its group in the order of the rows' ids, so the two
+// groups lock the rows they share in one order: one waits for the other's commit, and neither is rolled back as a
+// deadlock (which would cost the deadlock timeout, a second, and every write of the group sent again).
+func TestPostgresGroupsOfTwoStoresLockTheRowsTheyShareInOneOrder(t *testing.T) {
+	ctx := context.Background()
+	dsn := pgtest.Shared(t)
+	var stores []*PostgresStore
+	for range 2 {
+		s, err := OpenPostgres(ctx, dsn, Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		stores = append(stores, s)
+	}
+	if _, err := stores[0].pool.Exec(ctx, `CREATE TABLE group_k (id bytea PRIMARY KEY)`); err != nil {
+		t.Fatal(err)
+	}
+	// Each write takes its row and then holds its group a moment, so that the two groups run side by side.
+	mark := func(id string) groupWrite {
+		return groupWrite{sqls: []string{`INSERT INTO group_k VALUES ($1) ON CONFLICT (id) DO NOTHING`, `SELECT pg_sleep(0.3)`}, args: []any{[]byte(id)}}
+	}
+	var wg sync.WaitGroup
+	errs := make([][]error, 2)
+	for i, writes := range [][]groupWrite{{mark("a"), mark("b")}, {mark("b"), mark("a")}} {
+		wg.Go(func() { errs[i] = inOneGroup(t, stores[i], 20*time.Second, writes) })
+	}
+	wg.Wait()
+	for i, es := range errs {
+		for j, err := range es {
+			if err != nil {
+				t.Errorf("store %d, write %d: %v", i, j, err)
+			}
+		}
+		if n := stores[i].group.aborted.Load(); n != 0 {
+			t.Errorf("store %d: %d groups rolled back; want none (a deadlock between the two groups)", i, n)
+		}
+	}
 }

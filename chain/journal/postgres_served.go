@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // A gate's last two writes of a payment it served are its served mark and the clearing of its in-flight mark
@@ -35,14 +37,14 @@ func (s *PostgresStore) markServedIdle(ctx context.Context, id ID, at time.Time)
 	}
 	defer cancel()
 	var written bool
-	err = retrySafe(func() error {
-		return s.pool.QueryRow(wctx, `WITH served AS (
+	err = s.grouped(wctx, func(b *pgx.Batch) {
+		b.Queue(`WITH served AS (
 	UPDATE x402_records SET served_ns = $2 WHERE id = $1 AND served_ns IS NULL RETURNING 1
 ), idle AS (
 	DELETE FROM x402_busy WHERE id = $1 AND owner = $3
 )
-SELECT EXISTS (SELECT 1 FROM served)`, id[:], at.UnixNano(), s.instance).Scan(&written)
-	})
+SELECT EXISTS (SELECT 1 FROM served)`, id[:], at.UnixNano(), s.instance)
+	}, func(br pgx.BatchResults) error { return br.QueryRow().Scan(&written) })
 	if err != nil {
 		return false, s.fail(ctx, "mark served", err)
 	}
