@@ -718,7 +718,7 @@ var termsReasons = []string{x402.ReasonValueMismatch, x402.ReasonPermit2AmountMi
 
 func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 	var out []invViolation
-	refusedForTerms, refusedShape, refusedForLeases := 0, 0, 0
+	refusedForTerms, refusedShape, refusedForLeases, refusedSharedApproval := 0, 0, 0, 0
 	for _, p := range r.snapshot() {
 		home := p.home()
 		delivered := p.delivered() > 0
@@ -736,6 +736,8 @@ func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 				refusedForTerms++
 			case a.settle == nil && len(r.w.gateways) > 1 && hasAnyPrefix(a.note, leaseReasons):
 				refusedForLeases++ // at verification (no settlement was asked): nothing ran, nothing was charged
+			case a.settle == nil && sharesApproval(a.note):
+				refusedSharedApproval++ // its approval's nonce is another payment's, held: nothing ran, nothing charged
 			default:
 				wrong = append(wrong, fmt.Sprintf("402 %q (action #%d)", a.note, a.action))
 			}
@@ -753,7 +755,19 @@ func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 		}
 	}
 	return out, fmt.Sprintf("no honest payment was refused for a reason of the server's (%d refusals for terms a reload changed, %d of a request's shape, "+
-		"%d at verification for a wallet lease the gateway does not hold)", refusedForTerms, refusedShape, refusedForLeases)
+		"%d at verification for a wallet lease the gateway does not hold, %d at verification for an approval another payment of the payer carries)",
+		refusedForTerms, refusedShape, refusedForLeases, refusedSharedApproval)
+}
+
+// sharesApproval reports whether note is the refusal, at verification, of a payment whose sponsored approval (its
+// payer's approve(Permit2) transaction) has the account nonce of the approval another payment of the payer carries,
+// held and not settled yet: the sponsored-approval lane's concurrent first payments of one payer sign one approval
+// nonce each, and only one payment can carry it (chain/verify.go permitInFlight,
+// TestTwoPaymentsCarryingOneSponsoredApprovalVerifiedAtOnceAtTwoGatewaysAreNotBothHeld). The refusal comes before
+// the upstream runs and charges nothing; the payment is good again once the other's approval mined, and is judged
+// by its later presentations (it must still end with a final answer).
+func sharesApproval(note string) bool {
+	return strings.HasPrefix(note, x402.ReasonERC20ApprovalTxWrongNonce) && strings.Contains(note, "is carried by another payment")
 }
 
 func hasAnyPrefix(s string, prefixes []string) bool {
