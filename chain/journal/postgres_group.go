@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"sort"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -41,6 +43,7 @@ type pgGroup struct {
 	pending []*pgGroupItem
 	slots   chan struct{} // one a group in flight
 	off     bool          // each write alone (tests measuring what the group saves)
+	timeout time.Duration // a group's write context; pgWriteTimeout when 0 (tests cut a group off sooner)
 	aborted atomic.Int64  // groups rolled back (their writes went again alone)
 }
 
@@ -82,9 +85,10 @@ func (s *PostgresStore) grouped(ctx context.Context, queue func(*pgx.Batch), rea
 			}
 			g.mu.Unlock()
 			if len(items) > 0 {
-				s.sendGroup(ctx, items)
+				s.sendGroupReleasing(items)
+			} else {
+				<-g.slots
 			}
-			<-g.slots
 			g.mu.Lock()
 			taken := it.taken
 			g.mu.Unlock()
@@ -109,10 +113,28 @@ func (s *PostgresStore) alone(ctx context.Context, queue func(*pgx.Batch), read 
 	return errors.Join(err, closeErr(br.Close(), err))
 }
 
-// sendGroup sends items, each waiting in grouped, and ends each with its outcome. One item goes alone. The group
-// runs under ctx, the write context of the caller that sends it (pgWriteTimeout, not cancelled by its caller).
+// sendGroupReleasing sends items under a write context of the group's own (pgWriteTimeout: not the sending caller's,
+// which may be near its end), then gives the sender's slot back, whatever happens.
+func (s *PostgresStore) sendGroupReleasing(items []*pgGroupItem) {
+	defer func() { <-s.group.slots }()
+	timeout := s.group.timeout
+	if timeout <= 0 {
+		timeout = pgWriteTimeout
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	s.sendGroup(ctx, items)
+}
+
+// sendGroup sends items, each waiting in grouped, and ends each with its outcome. One item goes alone. A panic
+// (another request's callback) ends each item with an error, not with nothing.
 func (s *PostgresStore) sendGroup(ctx context.Context, items []*pgGroupItem) {
 	defer func() {
+		if p := recover(); p != nil {
+			for _, it := range items {
+				it.err = fmt.Errorf("journal: grouped write: %v", p)
+			}
+		}
 		for _, it := range items {
 			close(it.done)
 		}
@@ -193,12 +215,13 @@ func (s *PostgresStore) sendTogether(ctx context.Context, items []*pgGroupItem) 
 	return errors.Join(err, cerr)
 }
 
-// commitRefused reports whether err, COMMIT's, is the database refusing the transaction (a deferred constraint, a
-// serialization failure), which rolls it back. Any other answer (the server shutting down, out of resources, the
+// commitRefused reports whether err, COMMIT's, is the database refusing the transaction (a serialization failure,
+// a deadlock), which rolls it back. Any other answer (the server shutting down, out of resources, the
 // connection ended) leaves the outcome unknown.
 func commitRefused(err error) bool {
-	var pe *pgconn.PgError
-	return errors.As(err, &pe) && (pe.Code[:2] == "23" || pe.Code[:2] == "40")
+	// As retryTx's: a serialization failure or a deadlock. Any other class 40 answer may not be a rollback
+	// (CockroachDB's 40003, statement_completion_unknown: the commit may have been applied).
+	return hasCode(err, "40001", "40P01")
 }
 
 // firstID is the first argument of the first of qs when it is bytes (a row's id); nil else.

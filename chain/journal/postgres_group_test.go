@@ -242,7 +242,9 @@ func TestPostgresGroupedWritesCommitTogetherAndGoAloneWhenOneFails(t *testing.T)
 		reset()
 		// The group's context ends while it runs: pgx closes the connection, and what the database did is unknown to
 		// each write (here: nothing, the transaction never committed). None may be sent again on its own.
-		errs := inOneGroup(t, s, 500*time.Millisecond, []groupWrite{insert("1"), {sqls: []string{`SELECT pg_sleep(3)`}}, insert("3")})
+		s.group.timeout = 500 * time.Millisecond
+		defer func() { s.group.timeout = 0 }()
+		errs := inOneGroup(t, s, 20*time.Second, []groupWrite{insert("1"), {sqls: []string{`SELECT pg_sleep(3)`}}, insert("3")})
 		for i, err := range errs {
 			if err == nil || isPgError(err) || errors.Is(err, errGroupAborted) {
 				t.Errorf("write %d: %v; want the cut-off connection's error", i, err)
