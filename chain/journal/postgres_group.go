@@ -52,7 +52,6 @@ type pgGroup struct {
 type pgGroupItem struct {
 	queue func(*pgx.Batch)
 	read  func(pgx.BatchResults) error
-	n     int   // statements it queued
 	err   error // its outcome, once done is closed
 	taken bool  // in a group under way (under pgGroup.mu)
 	done  chan struct{}
@@ -166,7 +165,7 @@ func (s *PostgresStore) sendTogether(ctx context.Context, items []*pgGroupItem) 
 	for i, it := range items {
 		one := &pgx.Batch{}
 		it.queue(one)
-		queued[i], it.n = one.QueuedQueries, one.Len()
+		queued[i] = one.QueuedQueries
 	}
 	order := make([]int, len(items))
 	for i := range order {
@@ -193,7 +192,7 @@ func (s *PostgresStore) sendTogether(ctx context.Context, items []*pgGroupItem) 
 		cr := &countedResults{BatchResults: br}
 		it.err = it.read(cr)
 		aborted = aborted || isPgError(it.err)
-		for ; cr.read < it.n; cr.read++ {
+		for ; cr.read < len(queued[i]); cr.read++ {
 			if _, err := br.Exec(); isPgError(err) {
 				aborted = true
 			}

@@ -13,7 +13,9 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 )
 
-// Review of f2d1d89: failing tests for what a group does that its writes alone did not.
+// What a group must not do that its writes alone did not (found by review of the grouping; each failed before its
+// fix): send again writes whose commit may have been applied, fail a write under another caller's ended context,
+// deadlock two groups of one store on the rows they share.
 
 func openReviewStore(t *testing.T) *PostgresStore {
 	t.Helper()
@@ -26,24 +28,10 @@ func openReviewStore(t *testing.T) *PostgresStore {
 	return s
 }
 
-func reviewRows(t *testing.T, s *PostgresStore, table string) []int64 {
-	t.Helper()
-	r, err := s.pool.Query(context.Background(), `SELECT v FROM `+table+` ORDER BY v`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, err := pgx.CollectRows(r, pgx.RowTo[int64])
-	if err != nil {
-		t.Fatal(err)
-	}
-	return got
-}
-
 // TestPostgresGroupReviewACommitWhoseCompletionIsUnknownIsNotSentAgain: SQLSTATE 40003 (statement_completion_unknown) is what
 // CockroachDB answers a COMMIT whose outcome it does not know ("result is ambiguous": it may have committed). The
 // store says it runs on CockroachDB, and txOnce treats every COMMIT error but 40001/40P01 as unknown
-// (commitError). commitRefused takes the whole class 40 for a rollback, so grouped sends every write again alone:
-// a second write of what may have been written.
+// (commitError): a group's writes after such an answer get an error each, and none is sent again alone.
 func TestPostgresGroupReviewACommitWhoseCompletionIsUnknownIsNotSentAgain(t *testing.T) {
 	if commitRefused(&pgconn.PgError{Code: "40003"}) {
 		t.Errorf("commitRefused(40003 statement_completion_unknown) = true: a COMMIT that may have committed is taken for a rollback")
@@ -78,27 +66,14 @@ CREATE CONSTRAINT TRIGGER review_amb_t AFTER INSERT ON review_amb DEFERRABLE INI
 	}
 }
 
-// TestPostgresGroupReviewAGroupRunsUnderItsSendersContextNotEachWritesOwn: a write whose context has ended still waits in
-// grouped (the select has no ctx.Done) and, when it wins a slot, sends the others' writes under its ended
-// context: a write with 20 s left fails with "context deadline exceeded" without ever reaching the database.
+// TestPostgresGroupReviewAGroupRunsUnderItsSendersContextNotEachWritesOwn: a write whose context has ended may win a
+// slot and send the others' writes; the group runs under a context of its own, so a write with 20 s left is not
+// failed by the sender's ended one.
 func TestPostgresGroupReviewAGroupRunsUnderItsSendersContextNotEachWritesOwn(t *testing.T) {
 	ctx := context.Background()
 	s := openReviewStore(t)
 	if _, err := s.pool.Exec(ctx, `CREATE TABLE review_ctx (v bigint)`); err != nil {
 		t.Fatal(err)
-	}
-	waitPending := func(n int) {
-		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-			s.group.mu.Lock()
-			got := len(s.group.pending)
-			s.group.mu.Unlock()
-			if got == n {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%d of %d writes queued", got, n)
-			}
-		}
 	}
 	w := groupWrite{sqls: []string{`INSERT INTO review_ctx VALUES (1)`}}
 	for try := 0; try < 30; try++ {
@@ -112,10 +87,10 @@ func TestPostgresGroupReviewAGroupRunsUnderItsSendersContextNotEachWritesOwn(t *
 			defer cancel()
 			stale = s.grouped(ended, w.queue, w.read)
 		})
-		waitPending(1)
+		waitPending(t, s, 1)
 		lctx, lcancel := context.WithTimeout(context.Background(), 20*time.Second)
 		wg.Go(func() { live = s.grouped(lctx, w.queue, w.read) })
-		waitPending(2)
+		waitPending(t, s, 2)
 		<-s.group.slots
 		wg.Wait()
 		for range pgGroupSenders - 1 {
@@ -131,11 +106,9 @@ func TestPostgresGroupReviewAGroupRunsUnderItsSendersContextNotEachWritesOwn(t *
 
 // TestPostgresGroupReviewTwoGroupsMarkingTheSamePaymentsDoNotDeadlock: two groups in flight (two requests each of payments X
 // and Y, as a client's retries spread over gateways or one gateway's two senders give them) take their in-flight
-// marks (pgBusy) in opposite orders and hold them to their commits: each waits for the other until the deadlock
-// timeout, and one group, every write in it, is rolled back and sent again alone. Alone, each mark was its own
-// transaction and they only waited in turn.
+// marks (pgBusy) in opposite orders: sent in the order of their ids, one group waits for the other's commit, and
+// none is rolled back as a deadlock (which would send every write of it again alone after the deadlock timeout).
 func TestPostgresGroupReviewTwoGroupsMarkingTheSamePaymentsDoNotDeadlock(t *testing.T) {
-	ctx := context.Background()
 	s := openReviewStore(t)
 	x, y := []byte("review-payment-x"), []byte("review-payment-y")
 	mark := func(id []byte, owner string, sleep bool) (func(*pgx.Batch), func(pgx.BatchResults) error) {
@@ -156,23 +129,6 @@ func TestPostgresGroupReviewTwoGroupsMarkingTheSamePaymentsDoNotDeadlock(t *test
 				return nil
 			}
 	}
-	var deadlocks0 int64
-	if err := s.pool.QueryRow(ctx, `SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()`).Scan(&deadlocks0); err != nil {
-		t.Fatal(err)
-	}
-	waitPending := func(n int) {
-		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-			s.group.mu.Lock()
-			got := len(s.group.pending)
-			s.group.mu.Unlock()
-			if got == n {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%d writes pending, want %d", got, n)
-			}
-		}
-	}
 	for range pgGroupSenders {
 		s.group.slots <- struct{}{}
 	}
@@ -184,15 +140,14 @@ func TestPostgresGroupReviewTwoGroupsMarkingTheSamePaymentsDoNotDeadlock(t *test
 			defer cancel()
 			errs[i] = s.grouped(wctx, q, r)
 		})
-		waitPending(pending)
+		waitPending(t, s, pending)
 	}
-	start := time.Now()
 	q, r := mark(x, "a", true)
 	queue(0, q, r, 1)
 	q, r = mark(y, "a", false)
 	queue(1, q, r, 2)
 	<-s.group.slots // the first group: X, then (after 0.4 s) Y
-	waitPending(0)
+	waitPending(t, s, 0)
 	time.Sleep(100 * time.Millisecond)
 	q, r = mark(y, "b", false)
 	queue(2, q, r, 1)
@@ -200,17 +155,12 @@ func TestPostgresGroupReviewTwoGroupsMarkingTheSamePaymentsDoNotDeadlock(t *test
 	queue(3, q, r, 2)
 	<-s.group.slots // the second group: Y, then X
 	wg.Wait()
-	took := time.Since(start)
-	time.Sleep(700 * time.Millisecond) // the statistics collector
-	var deadlocks1 int64
-	if _, err := s.pool.Exec(ctx, `SELECT pg_stat_clear_snapshot()`); err != nil {
-		t.Fatal(err)
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("write %d: %v", i, err)
+		}
 	}
-	if err := s.pool.QueryRow(ctx, `SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()`).Scan(&deadlocks1); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("errors %v; took %v; deadlocks %d -> %d", errs, took, deadlocks0, deadlocks1)
-	if deadlocks1 > deadlocks0 || took > 900*time.Millisecond {
-		t.Errorf("two groups marking X and Y in opposite orders deadlocked (%d deadlocks, %v): one group was rolled back after the deadlock timeout and each of its writes sent again", deadlocks1-deadlocks0, took)
+	if n := s.group.aborted.Load(); n != 0 {
+		t.Errorf("two groups marking X and Y in opposite orders: %d rolled back (a deadlock), want none", n)
 	}
 }

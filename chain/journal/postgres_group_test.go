@@ -78,17 +78,7 @@ func inOneGroup(t *testing.T, s *PostgresStore, timeout time.Duration, writes []
 			errs[i] = s.grouped(wctx, w.queue, w.read)
 		})
 	}
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		s.group.mu.Lock()
-		n := len(s.group.pending)
-		s.group.mu.Unlock()
-		if n == len(writes) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d writes queued", n, len(writes))
-		}
-	}
+	waitPending(t, s, len(writes))
 	<-s.group.slots
 	wg.Wait()
 	for range pgGroupSenders - 1 {
@@ -116,10 +106,30 @@ func bothOnce(got []int64) bool {
 	return first == 1 && third == 1
 }
 
-// rows reads the table t's values, in order.
-func rows(t *testing.T, s *PostgresStore) []int64 {
+// waitPending waits until n writes are queued in s's group.
+func waitPending(t *testing.T, s *PostgresStore, n int) {
 	t.Helper()
-	r, err := s.pool.Query(context.Background(), `SELECT v FROM group_t ORDER BY v`)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		s.group.mu.Lock()
+		got := len(s.group.pending)
+		s.group.mu.Unlock()
+		if got == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d writes queued, want %d", got, n)
+		}
+	}
+}
+
+// rows reads the values of table, in order (group_t when table is empty).
+func rows(t *testing.T, s *PostgresStore, table ...string) []int64 {
+	t.Helper()
+	name := "group_t"
+	if len(table) > 0 {
+		name = table[0]
+	}
+	r, err := s.pool.Query(context.Background(), `SELECT v FROM `+name+` ORDER BY v`)
 	if err != nil {
 		t.Fatal(err)
 	}
