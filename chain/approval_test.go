@@ -161,7 +161,7 @@ func TestASponsoredApprovalIsNeverFundedOrSentTwice(t *testing.T) {
 		req, fees := fx.sponsoredPermit2(payer)
 		approval := approvalOf(t, req)
 		fx.c.SendETH(fx.c.Payers[2], payer.Address, new(big.Int).Mul(big.NewInt(int64(fees.Gas)), fees.FeeCap))
-		if err := fx.c.Client.SendTransaction(ctx, approval); err != nil {
+		if err := fx.c.SendSigned(ctx, approval); err != nil {
 			t.Fatal(err)
 		}
 		fx.c.Commit()
@@ -453,7 +453,7 @@ func TestASponsoredApprovalRevokedBeforeItsSettlementIsNotFollowedByASettlementT
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := fx.c.Client.SendTransaction(ctx, revoke); err != nil {
+	if err := fx.c.SendSigned(ctx, revoke); err != nil {
 		t.Fatal(err)
 	}
 	withheld.mu.Lock()
@@ -702,16 +702,9 @@ func TestARecordedFundingOfASponsoredApprovalThatMinedWithoutItIsNeverSent(t *te
 	// The approval mines without the recorded gas money: the payer got ether elsewhere and sent it.
 	fx.c.SendETH(fx.c.Payers[2], l.payer.Address, l.cost)
 	// Reconciliation may send the payer's signed approval itself once the payer holds the gas for it: the node
-	// then knows it already (CI, 8246960), the same transaction either way. The node's pool takes the new head's
-	// balances a moment after the block: until then it finds the payer without funds (CI, eafd324).
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		err := fx.c.Client.SendTransaction(context.Background(), l.approval)
-		if err == nil || strings.Contains(err.Error(), "already known") {
-			break
-		}
-		if !strings.Contains(err.Error(), "insufficient funds") || time.Now().After(deadline) {
-			t.Fatal(err)
-		}
+	// then knows it already (CI, 8246960), the same transaction either way.
+	if err := fx.c.SendSigned(context.Background(), l.approval); err != nil {
+		t.Fatal(err)
 	}
 	if _, err := fx.c.CommitUntilIncluded(context.Background(), l.approval.Hash()); err != nil {
 		t.Fatal(err)
@@ -831,7 +824,7 @@ func TestAPaymentWhoseApprovalWaitsBehindThePayersPendingApprovalIsNotFunded(t *
 		t.Fatalf("payer ETH after the first's gas money = %s, want %s", got, cost)
 	}
 	approval := approvalOf(t, first)
-	if err := fx.c.Client.SendTransaction(ctx, approval); err != nil && !strings.Contains(err.Error(), "already known") {
+	if err := fx.c.SendSigned(ctx, approval); err != nil {
 		t.Fatal(err)
 	}
 	// The second payment's approval, signed as payer.Transport signs it: at the account's pending nonce.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
+	"strings"
 	"time"
 
 	"github.com/ethereum/go-ethereum"
@@ -69,6 +70,29 @@ func (c *Chain) sendTx(ctx context.Context, from *Account, to *common.Address, v
 	}
 	c.nextNonce[from.Address] = nonce + 1
 	return tx, nil
+}
+
+// SendSigned submits a transaction signed elsewhere (a payer's approval a payment carries), without sealing it.
+// The node's pool takes a new head's balances a moment after the block is sealed: until then it refuses a
+// transaction from an account just funded as "insufficient funds" (CI, eafd324 and f552323 under -race), so that
+// refusal is tried again for up to ten seconds. A transaction the pool knows already counts as sent: code under
+// test may have sent the same one.
+func (c *Chain) SendSigned(ctx context.Context, tx *types.Transaction) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := c.Client.SendTransaction(ctx, tx)
+		if err == nil || strings.Contains(err.Error(), "already known") {
+			return nil
+		}
+		if !strings.Contains(err.Error(), "insufficient funds") || time.Now().After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
 }
 
 // Transact sends a transaction, seals it into a block and returns its receipt; a
