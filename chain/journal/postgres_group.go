@@ -178,7 +178,25 @@ func (s *PostgresStore) sendTogether(ctx context.Context, items []*pgGroupItem) 
 		b.QueuedQueries = append(b.QueuedQueries, queued[i]...)
 	}
 	b.Queue("COMMIT")
-	br := s.pool.SendBatch(ctx, b)
+	c, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.Release()
+	err = readTogether(c.SendBatch(ctx, b), items, order, queued)
+	if errors.Is(err, errGroupAborted) && c.Conn().PgConn().TxStatus() != 'I' {
+		// A statement failed: the database skipped the rest of the batch, COMMIT too, and the connection waits
+		// inside the failed transaction. Ended here, the connection goes back to the pool, not closed by it.
+		rctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_, _ = c.Exec(rctx, "ROLLBACK")
+		cancel()
+	}
+	return err
+}
+
+// readTogether reads a group's batch (see sendTogether): BEGIN's answer, each item's results in order, then
+// COMMIT's.
+func readTogether(br pgx.BatchResults, items []*pgGroupItem, order []int, queued [][]*pgx.QueuedQuery) error {
 	if _, err := br.Exec(); err != nil {
 		br.Close()
 		if isPgError(err) {

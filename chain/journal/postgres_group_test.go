@@ -14,15 +14,22 @@ import (
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 )
 
-// commitCounter is a pgx tracer that counts the COMMITs the store sends, alone or in a batch.
-type commitCounter struct{ commits, batches atomic.Int64 }
+// commitCounter is a pgx tracer that counts the COMMITs the store sends, alone or in a batch, and keeps the
+// connection the last group (a batch that begins with BEGIN) went on.
+type commitCounter struct {
+	commits, batches atomic.Int64
+	group            atomic.Pointer[pgx.Conn]
+}
 
 func (c *commitCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
 	return ctx
 }
 func (c *commitCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-func (c *commitCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+func (c *commitCounter) TraceBatchStart(ctx context.Context, conn *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
 	c.batches.Add(1)
+	if d.Batch != nil && len(d.Batch.QueuedQueries) > 0 && d.Batch.QueuedQueries[0].SQL == "BEGIN" {
+		c.group.Store(conn)
+	}
 	return ctx
 }
 func (c *commitCounter) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
@@ -202,6 +209,12 @@ func TestPostgresGroupedWritesCommitTogetherAndGoAloneWhenOneFails(t *testing.T)
 		got := rows(t, s)
 		if !bothOnce(got) {
 			t.Errorf("rows %v: want the two writes once each, each written alone after the group's rollback", got)
+		}
+		// The group's connection was given back out of the failed transaction, open: not closed by the pool.
+		if c := tr.group.Load(); c == nil || c.IsClosed() {
+			t.Error("the rolled-back group's connection was closed; want it given back to the pool")
+		} else if st := c.PgConn().TxStatus(); st != 'I' {
+			t.Errorf("the rolled-back group's connection is in transaction status %q; want idle", st)
 		}
 	})
 
