@@ -90,7 +90,7 @@ func (f *Facilitator) ClaimBatches(ctx context.Context) error {
 	var errs []error
 	for _, id := range f.order {
 		if n := f.networks[id]; n.claimer != nil {
-			errs = append(errs, f.claimPass(ctx, n, true, true))
+			errs = append(errs, f.claimPass(ctx, n, true, true, false))
 		}
 	}
 	return errors.Join(errs...)
@@ -100,6 +100,7 @@ func (f *Facilitator) ClaimBatches(ctx context.Context) error {
 // the engine closes.
 func (f *Facilitator) claimLoop(every time.Duration) {
 	defer f.wg.Done()
+	defer f.batchClaims.Done() // the lease loop gives the wallets up after the last pass (see leaseLoop)
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
@@ -109,7 +110,7 @@ func (f *Facilitator) claimLoop(every time.Duration) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			for _, id := range f.order {
 				if n := f.networks[id]; n.claimer != nil {
-					if err := f.claimPass(ctx, n, true, false); err != nil {
+					if err := f.claimPass(ctx, n, true, false, true); err != nil {
 						f.log.Warn("claiming batch-settlement vouchers at shutdown", zap.String("network", id), zap.Error(err))
 					}
 				}
@@ -123,7 +124,7 @@ func (f *Facilitator) claimLoop(every time.Duration) {
 					continue
 				}
 				ctx, cancel := context.WithTimeout(context.Background(), n.timeout+10*time.Second)
-				if err := f.claimPass(ctx, n, false, true); err != nil {
+				if err := f.claimPass(ctx, n, false, true, true); err != nil {
 					f.log.Warn("claiming batch-settlement vouchers", zap.String("network", id), zap.Error(err))
 				}
 				cancel()
@@ -133,8 +134,11 @@ func (f *Facilitator) claimLoop(every time.Duration) {
 }
 
 // claimPass resolves the network's claims in flight, then claims what the policy says is due (all, when force),
-// waiting for each claim's receipt when wait says so.
-func (f *Facilitator) claimPass(ctx context.Context, n *network, force, wait bool) error {
+// waiting for each claim's receipt when wait says so. With leave, an instance of a cluster that holds no wallet it
+// may send from leaves the claims to the instances that hold one (they claim the same channels: the rows are the
+// journal's, the authorizer's key theirs too), rather than waiting for a wallet (the wallet wait, at each pass and
+// at its stop) to be told there is none.
+func (f *Facilitator) claimPass(ctx context.Context, n *network, force, wait, leave bool) error {
 	chs, err := f.channelStore()
 	if err != nil {
 		return err
@@ -152,6 +156,11 @@ func (f *Facilitator) claimPass(ctx context.Context, n *network, force, wait boo
 		}
 		rows = n.claimer.ours(rows)
 		if len(rows) == 0 || !(force || n.claimer.due(rows, n.chainNow(), n.batch.margin, &n.batch.mu)) {
+			return nil
+		}
+		if leave && !n.pool.holdsUsable() {
+			f.log.Debug("batch-settlement claims left to the instances that hold a settlement wallet: this one holds none",
+				zap.String("network", n.caip2), zap.Int("channels", len(rows)))
 			return nil
 		}
 		if len(rows) > maxClaimsPerTx {

@@ -192,6 +192,9 @@ type Facilitator struct {
 	stop   chan struct{}
 	wg     sync.WaitGroup
 	closed sync.Once
+	// batchClaims is the batch-settlement claim loop, running: the lease loop waits for its last pass at the
+	// stop before it gives the wallets up.
+	batchClaims sync.WaitGroup
 }
 
 // network is the per-network state of a Facilitator.
@@ -406,6 +409,7 @@ func New(ctx context.Context, cfg Config) (*Facilitator, error) {
 	for _, id := range f.order {
 		if f.networks[id].claimer != nil {
 			f.wg.Add(1)
+			f.batchClaims.Add(1)
 			go f.claimLoop(time.Second)
 			break
 		}

@@ -261,6 +261,20 @@ func (p *walletPool) holdsFree() bool {
 	return false
 }
 
+// holdsUsable reports whether this process has a wallet a new settlement may take, busy or not: always without
+// leases; with them, one whose lease it holds and is not giving up.
+func (p *walletPool) holdsUsable() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := p.now()
+	for _, w := range p.wallets {
+		if p.usable(w, now) {
+			return true
+		}
+	}
+	return false
+}
+
 // holdsNoFreeWallet reports whether a settlement would find no wallet of this process to take now: with leases,
 // a settlement that would only wait for one hands off at once instead.
 func (p *walletPool) holdsNoFreeWallet(want *common.Address) bool {

@@ -256,6 +256,8 @@ func (f *Facilitator) leaseLoop() {
 	for {
 		select {
 		case <-f.stop:
+			// The claim loop's last pass sends from these wallets: they are given up after it, not under it.
+			f.batchClaims.Wait()
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 			for _, id := range f.order {
 				n := f.networks[id]
