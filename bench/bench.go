@@ -583,6 +583,7 @@ func send(ctx context.Context, o Options, client *http.Client, u string, paid *p
 			fixed = batch.price
 			c, quota = batch.channels[w].client, batch.channels[w].quota
 		}
+		c, timeout := deadlineByContext(c)
 		go func(t *tally) {
 			defer wg.Done()
 			for sent := 0; ctx.Err() == nil && sent < quota; sent++ {
@@ -600,7 +601,7 @@ func send(ctx context.Context, o Options, client *http.Client, u string, paid *p
 				}
 				// A request sent runs to its answer when the run is interrupted: a payment whose answer was not
 				// read may have been charged, and the run's count must hold what the seller received.
-				one(context.WithoutCancel(ctx), c, o.HTTPMethod, u, name, value, charge, fixed, t)
+				one(context.WithoutCancel(ctx), c, timeout, o.HTTPMethod, u, name, value, charge, fixed, t)
 				done.Add(1)
 			}
 		}(tallies[w])
@@ -629,11 +630,29 @@ func progress(done *atomic.Int64, total int, start time.Time, stop <-chan struct
 	}
 }
 
-// one sends one request and tallies its answer; charge says what a paid answer moved to the seller (nil: the
-// URL is free), and fixed, when not nil, what every 2xx answer moved whatever its PAYMENT-RESPONSE says (a
-// voucher-paid one: the price), whose PAYMENT-RESPONSE is then not decoded a second time (the payer's transport
-// decoded it already), inside the latency measured.
-func one(ctx context.Context, client *http.Client, method, u, name, value string, charge func(*x402.SettleResponse, *tally) *big.Int, fixed *big.Int, t *tally) {
+// deadlineByContext is c, and the timeout each of its requests' contexts is to carry: c's own Timeout, moved to the
+// contexts, when its RoundTripper is one net/http does not know (the payer's), for which Timeout costs two
+// goroutines a request (its legacy cancellation), each woken once: a cost the free route's client does not pay,
+// inside the latency measured. Else c as it is, and 0.
+func deadlineByContext(c *http.Client) (*http.Client, time.Duration) {
+	if _, known := c.Transport.(*http.Transport); known || c.Timeout <= 0 {
+		return c, 0
+	}
+	plain := *c
+	plain.Timeout = 0
+	return &plain, c.Timeout
+}
+
+// one sends one request (within timeout, when not 0) and tallies its answer; charge says what a paid answer moved
+// to the seller (nil: the URL is free), and fixed, when not nil, what every 2xx answer moved whatever its
+// PAYMENT-RESPONSE says (a voucher-paid one: the price), whose PAYMENT-RESPONSE is then not decoded a second time
+// (the payer's transport decoded it already), inside the latency measured.
+func one(ctx context.Context, client *http.Client, timeout time.Duration, method, u, name, value string, charge func(*x402.SettleResponse, *tally) *big.Int, fixed *big.Int, t *tally) {
+	if timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, timeout)
+		defer cancel()
+	}
 	r, err := http.NewRequestWithContext(ctx, method, u, nil)
 	if err != nil {
 		t.failures[Failure{Reason: err.Error()}]++

@@ -68,3 +68,47 @@ func TestRunIsUsableFromGoWithoutCaddy(t *testing.T) {
 		t.Error("Run with Concurrency 0 sent a request")
 	}
 }
+
+// wrapped is a RoundTripper net/http does not know, as the payer's transport is.
+type wrapped struct{ base http.RoundTripper }
+
+func (w wrapped) RoundTrip(r *http.Request) (*http.Response, error) { return w.base.RoundTrip(r) }
+
+// A client whose RoundTripper net/http does not know has its Timeout moved to each request's context, and a
+// request through it is still cut off at that timeout, its body included; a plain client is left as it is.
+func TestARequestThroughThePayersTransportIsBoundByTheTimeoutOnItsContext(t *testing.T) {
+	stall := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		select { // the body never comes
+		case <-stall:
+		case <-time.After(30 * time.Second):
+		}
+	}))
+	defer srv.Close()
+	defer close(stall) // before the server's close, which waits for its handler
+	plain := client(1, 300*time.Millisecond)
+	if c, timeout := deadlineByContext(plain); c != plain || timeout != 0 {
+		t.Fatalf("a plain client: %p, %s; want it as it is, and no timeout of its own", c, timeout)
+	}
+	payers := &http.Client{Transport: wrapped{plain.Transport}, Timeout: 300 * time.Millisecond}
+	c, timeout := deadlineByContext(payers)
+	if c.Timeout != 0 || timeout != 300*time.Millisecond || payers.Timeout != 300*time.Millisecond {
+		t.Fatalf("the payer's client: Timeout %s, timeout %s (its own %s); want 0, 300ms, and its own left alone", c.Timeout, timeout, payers.Timeout)
+	}
+	tl := newTally(1)
+	start := time.Now()
+	one(context.Background(), c, timeout, http.MethodGet, srv.URL, "", "", nil, nil, tl)
+	if took := time.Since(start); took > 10*time.Second {
+		t.Fatalf("the request took %s: not cut off at its timeout", took)
+	}
+	if tl.ok != 0 || len(tl.failures) != 1 {
+		t.Fatalf("ok %d, failures %v; want the stalled body counted as a failure", tl.ok, tl.failures)
+	}
+	for f := range tl.failures {
+		if f.Status != http.StatusOK || !strings.Contains(f.Reason, "body cut short") {
+			t.Fatalf("failure %+v; want the 200 whose body was cut short", f)
+		}
+	}
+}

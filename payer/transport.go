@@ -100,7 +100,9 @@ func (e *LimitError) Error() string {
 // eip3009 and erc2612 payments stay counted at their amount. A mined receipt is taken as final: on a chain
 // that reorganizes, a settlement that gave budget back could be undone.
 //
-// A Transport is safe for concurrent use; its fields must not change once it is in use.
+// A Transport is safe for concurrent use; its fields must not change once it is in use. To bound a request, give
+// its context a deadline rather than the http.Client a Timeout: for a RoundTripper it does not know, net/http
+// enforces Timeout with two goroutines a request, which cost more than a voucher-paid request's own work.
 type Transport struct {
 	// Payer signs the payments; required.
 	Payer *Payer
