@@ -20,20 +20,23 @@ func TestAClusterEngineHoldingNoWalletStopsAtOnceAndTheOneHoldingItClaimsAtItsSt
 	dsn := pgtest.Shared(t)
 	authorizer := chaintest.DeriveAccount("authorizer", 0)
 	b := newBatchRoute(t, fixtureOpts{journal: openPostgres(t, dsn), wallets: 1, autoCommit: 5 * time.Millisecond, receiptTimeout: 30 * time.Second,
-		tune: func(_ *fixture, nc *chain.NetworkConfig) { claimsWhenAsked(nc, authorizer) }})
-	holder := b.fx.f
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			claimsWhenAsked(nc, authorizer)
+			nc.WalletWait = time.Minute
+		}})
 	nc := chain.NetworkConfig{Network: b.fx.net, Backend: b.c.EthClient, ReceiptTimeout: 30 * time.Second, WalletWait: time.Minute,
 		Assets: []chain.AssetConfig{{Address: b.c.Token, Name: "Stable Coin", Version: "1", Decimals: 6},
 			{Address: b.token, Name: contracts.USDCoinName, Version: contracts.USDCoinVersion, Decimals: 6}},
 		Keys: []*ecdsa.PrivateKey{b.c.Wallets[0].Key}}
 	claimsWhenAsked(&nc, authorizer)
-	walletless, err := chain.New(context.Background(), chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: openPostgres(t, dsn),
+	second, err := chain.New(context.Background(), chain.Config{Networks: []chain.NetworkConfig{nc}, Journal: openPostgres(t, dsn),
 		Now: func() time.Time { return time.Unix(int64(b.c.HeadTime()), 0) }, ReconcileEvery: -1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { walletless.Close() })
-	waitLeases(t, b.fx, []*chain.Facilitator{holder, walletless}, 1, 0)
+	t.Cleanup(func() { second.Close() })
+	// Which of the two the wallet's lease settles on is the instances' rank, drawn at their start.
+	holder, walletless := settledHolder(t, b.fx, b.fx.f, second)
 
 	b.deposit(t, 100*batchPrice)
 	for i := int64(1); i <= 5; i++ {
@@ -69,4 +72,35 @@ func TestAClusterEngineHoldingNoWalletStopsAtOnceAndTheOneHoldingItClaimsAtItsSt
 	if _, claimed := b.channelOnChain(t); claimed != 5*batchPrice {
 		t.Fatalf("the channel's total claimed is %d on chain, want %d", claimed, 5*batchPrice)
 	}
+}
+
+// settledHolder waits until the one wallet of a and b is leased to one of them, the same one for two seconds (the
+// lease loop looks every second, and gives a wallet up to the instance that ranks first), and returns that one and
+// the other.
+func settledHolder(t *testing.T, fx *fixture, a, b *chain.Facilitator) (holder, other *chain.Facilitator) {
+	t.Helper()
+	var last *chain.Facilitator
+	var since time.Time
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		na, nb := len(a.LeasedWallets(fx.net)), len(b.LeasedWallets(fx.net))
+		var now *chain.Facilitator
+		switch {
+		case na == 1 && nb == 0:
+			now = a
+		case na == 0 && nb == 1:
+			now = b
+		}
+		if now == nil || now != last {
+			last, since = now, time.Now()
+			continue
+		}
+		if time.Since(since) >= 2*time.Second {
+			if now == a {
+				return a, b
+			}
+			return b, a
+		}
+	}
+	t.Fatal("the wallet's lease did not settle on one of the two engines")
+	return nil, nil
 }
