@@ -266,6 +266,12 @@ func (f *Facilitator) verifyParsed(ctx context.Context, p *payment, ref *refusal
 			}
 		}
 	}
+	if ref == nil {
+		var err error
+		if ref, err = p.bound(use); err != nil {
+			return x402.VerifyResponse{}, &x402.FacilitatorError{Op: "verify", Kind: x402.FailureUnreachable, Err: err}
+		}
+	}
 	payer := claimedPayer
 	if p != nil && p.payer != (common.Address{}) {
 		// A payload refused before its payer was read leaves p.payer zero: that is no payer.
@@ -302,17 +308,34 @@ func (p *payment) approvalHeldAlone(ctx context.Context) (*refusal, error) {
 	return p.permitInFlight(fundsHold)
 }
 
+// bound notes that valid payment p was verified against the settlement wallet it names, if it names one, so that
+// the wallet's lease is kept for its settlement (see walletPool.bind). A lease that went while p was checked (given
+// up, or lost) refuses p as checkSender would have, letting go of the hold p got (use fundsHold).
+func (p *payment) bound(use fundsUse) (*refusal, error) {
+	named := p.namedSender()
+	if named == nil || p.net.pool.bind(*named) {
+		return nil, nil
+	}
+	if use == fundsHold {
+		if err := p.net.funds.let(p.id); err != nil {
+			return nil, fmt.Errorf("letting go of the hold of a payment whose settlement wallet's lease went: %w", err)
+		}
+	}
+	return p.checkSender(), nil
+}
+
 // checkSender refuses a payment whose settlement this process cannot send now: one bound to a settlement wallet
 // whose lease another process sharing the journal holds (the lease moved since the 402 named it, or the 402 came
 // from another gateway). A payment any wallet may settle is not refused for want of one here, even while this
 // process holds none: its settlement is handed to an instance that has one (see handoff.go). A gate verifies before it
 // runs the upstream and before it serves: refused here, the payer is charged nothing, nothing is served unpaid,
 // and the 402 that says why offers the wallets this process sends from. A payment it accepts keeps its wallet's
-// lease from being given up for a while (bindingGrace), so that it can still be settled from it.
+// lease from being given up for a while (bindingGrace), so that it can still be settled from it: that is noted once
+// it is found valid (bound, at the end of verifyParsed), not here, before the checks that may refuse it.
 func (p *payment) checkSender() *refusal {
 	pool := p.net.pool
 	named := p.namedSender()
-	if named != nil && !pool.bind(*named) {
+	if named != nil && !pool.leasedHere(*named) {
 		what, reason := "permit2Authorization.witness.facilitator", x402.ReasonUptoFacilitatorMismatch
 		if !p.upto() {
 			what, reason = "authorization.to (the permit's spender)", x402.ReasonRecipientMismatch

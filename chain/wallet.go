@@ -234,9 +234,22 @@ func (p *walletPool) offerable(w *wallet) bool {
 // errWalletNotHeld: the settlement wallet a payment is bound to is one whose lease this process does not hold.
 var errWalletNotHeld = errors.New("the settlement wallet the payment names is not one this instance sends from")
 
-// bind reports whether this process holds the lease of addr (giving it up or not, its renewal late or not) and,
-// when it does, notes that a payment bound to it was just verified, so that the lease is not given up under
-// that payment (see bindingGrace).
+// leasedHere reports whether this process holds the lease of addr, giving it up or not, its renewal late or not.
+func (p *walletPool) leasedHere(addr common.Address) bool {
+	w := p.byAddr[addr]
+	if w == nil {
+		return false
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return !p.leasing || w.leased
+}
+
+// bind reports whether this process holds the lease of addr (see leasedHere) and, when it does, notes that a
+// payment bound to it was just verified, so that the lease is not given up under that payment (see
+// bindingGrace). Only a payment found valid is bound: one refused binds nothing, or payments anyone can sign and
+// have refused (a throwaway key's, naming the wallet) would keep a wallet being given up from ever going, and
+// from being used meanwhile (a wallet being given up takes no new settlement, and no batch-settlement claim).
 func (p *walletPool) bind(addr common.Address) bool {
 	w := p.byAddr[addr]
 	if w == nil {
