@@ -235,22 +235,17 @@ func (p *walletPool) offerable(w *wallet) bool {
 var errWalletNotHeld = errors.New("the settlement wallet the payment names is not one this instance sends from")
 
 // leasedHere reports whether this process holds the lease of addr, giving it up or not, its renewal late or not.
-func (p *walletPool) leasedHere(addr common.Address) bool {
-	w := p.byAddr[addr]
-	if w == nil {
-		return false
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return !p.leasing || w.leased
-}
+func (p *walletPool) leasedHere(addr common.Address) bool { return p.leased(addr, false) }
 
 // bind reports whether this process holds the lease of addr (see leasedHere) and, when it does, notes that a
 // payment bound to it was just verified, so that the lease is not given up under that payment (see
 // bindingGrace). Only a payment found valid is bound: one refused binds nothing, or payments anyone can sign and
 // have refused (a throwaway key's, naming the wallet) would keep a wallet being given up from ever going, and
 // from being used meanwhile (a wallet being given up takes no new settlement, and no batch-settlement claim).
-func (p *walletPool) bind(addr common.Address) bool {
+func (p *walletPool) bind(addr common.Address) bool { return p.leased(addr, true) }
+
+// leased is leasedHere, noting the binding (bind) when bound says so and the lease is held.
+func (p *walletPool) leased(addr common.Address, bound bool) bool {
 	w := p.byAddr[addr]
 	if w == nil {
 		return false
@@ -260,7 +255,9 @@ func (p *walletPool) bind(addr common.Address) bool {
 	if p.leasing && !w.leased {
 		return false
 	}
-	w.boundAt = p.now()
+	if bound {
+		w.boundAt = p.now()
+	}
 	return true
 }
 
