@@ -736,7 +736,9 @@ func (f *Facilitator) sendAction(ctx context.Context, n *network, a *batchAction
 		if err != nil {
 			return err
 		}
-		_, err = f.journal.Update(wctx, a.id, func(r *journal.Record) error {
+		// Fenced by the wallet's lease, as a settlement's record is (recordSigned): a lease lost unknowingly sends
+		// nothing.
+		_, err = f.recordSigned(wctx, n, w, a.id, journal.Record{}, func(r *journal.Record) error {
 			r.State, r.Wallet, r.TxNonce, r.TxHash, r.RawTx = journal.StateBroadcast, w.Address.Hex(), tx.Nonce(), tx.Hash().Hex(), raw
 			r.Attempts++
 			return nil

@@ -331,7 +331,7 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 		if err != nil {
 			return err
 		}
-		return f.recordClaim(context.WithoutCancel(ctx), n, w.Address, tx, raw)
+		return f.recordClaim(context.WithoutCancel(ctx), n, w, tx, raw)
 	})
 	if len(txs) == 0 {
 		if marked != (common.Hash{}) {
@@ -377,6 +377,11 @@ func (f *Facilitator) sendClaim(ctx context.Context, n *network, chs journal.Cha
 		}
 		select {
 		case <-ctx.Done():
+			return nil
+		case <-f.stop:
+			// The engine closes: its last pass (which the lease loop waits for before it gives the wallets up)
+			// should not wait behind this receipt. The claim is in flight; the next pass, here or at another
+			// instance, looks it up.
 			return nil
 		case <-time.After(n.watcher.poll):
 		}
@@ -507,15 +512,18 @@ func (f *Facilitator) claimableAlone(ctx context.Context, n *network, rows []jou
 	return good
 }
 
-// recordClaim writes the broadcast record of claim transaction tx, before it leaves.
-func (f *Facilitator) recordClaim(ctx context.Context, n *network, wallet common.Address, tx *types.Transaction, raw []byte) error {
+// recordClaim writes the broadcast record of claim transaction tx, signed with w, before it leaves. With a shared
+// journal it is fenced by w's lease, as a settlement's is (recordSigned): an instance that lost the lease without
+// knowing it (paused past its expiry) writes nothing and sends nothing, where it would sign the nonce the lease's
+// new holder signs. The caller, sending, holds w.mu.
+func (f *Facilitator) recordClaim(ctx context.Context, n *network, w *wallet, tx *types.Transaction, raw []byte) error {
 	id := claimRecordID(n.caip2, tx.Hash())
 	if _, _, err := f.journal.Claim(ctx, journal.Record{ID: id, State: journal.StateClaimed, Network: n.caip2, Owner: f.owner,
 		Asset: contracts.BatchSettlementAddress.Hex()}); err != nil {
 		return err
 	}
-	_, err := f.journal.Update(ctx, id, func(r *journal.Record) error {
-		r.State, r.Wallet, r.TxNonce, r.TxHash, r.RawTx, r.Attempts = journal.StateBroadcast, wallet.Hex(), tx.Nonce(), tx.Hash().Hex(), raw, 1
+	_, err := f.recordSigned(ctx, n, w, id, journal.Record{}, func(r *journal.Record) error {
+		r.State, r.Wallet, r.TxNonce, r.TxHash, r.RawTx, r.Attempts = journal.StateBroadcast, w.Address.Hex(), tx.Nonce(), tx.Hash().Hex(), raw, 1
 		return nil
 	})
 	return err

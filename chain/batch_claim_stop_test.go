@@ -104,3 +104,53 @@ func settledHolder(t *testing.T, fx *fixture, a, b *chain.Facilitator) (holder, 
 	t.Fatal("the wallet's lease did not settle on one of the two engines")
 	return nil, nil
 }
+
+// A timed claim pass waiting for its claim's receipt (no block sealed) does not hold the engine's stop, and the
+// wallet's lease is kept until the last pass has run: that pass claims the vouchers accepted since, from the wallet.
+// Before, the stop waited out the timed pass's whole receipt wait, renewing no lease meanwhile, and the last pass
+// found the lease lapsed and claimed nothing.
+func TestAStoppingClusterEngineKeepsItsWalletLeaseForItsLastClaimAndDoesNotWaitForAnEarlierClaimsReceipt(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	authorizer := chaintest.DeriveAccount("authorizer", 0)
+	b := newBatchRoute(t, fixtureOpts{journal: openPostgres(t, dsn), wallets: 1, receiptTimeout: 20 * time.Second,
+		configure: func(cfg *chain.Config) { cfg.WalletLeaseTTL = time.Second },
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			nc.BatchReceiverAuthorizer, nc.BatchClaimEvery, nc.BatchClaimAfter = authorizer.Key, 3, time.Hour
+		}})
+	waitLeases(t, b.fx, []*chain.Facilitator{b.fx.f}, 1)
+	later := b.ofPayer(1)
+	b.deposit(t, 10*batchPrice)
+	later.deposit(t, 10*batchPrice)
+	wallets := b.c.Wallets[:1]
+	sent := b.sentBy(t, wallets)
+	for i := int64(1); i <= 3; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	// Three vouchers are due: the claim loop's timed pass sends their claim, and waits for a receipt no block brings.
+	for deadline := time.Now().Add(10 * time.Second); b.sentBy(t, wallets)-sent != 1; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the timed pass sent %d claims, want 1", b.sentBy(t, wallets)-sent)
+		}
+	}
+	for i := int64(1); i <= 2; i++ {
+		if resp := settleBatch(t, b.fx.f, later.voucher(later.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("the second channel's voucher %d: %+v", i, resp)
+		}
+	}
+	start := time.Now()
+	b.fx.f.Close()
+	if took := time.Since(start); took > 10*time.Second {
+		t.Errorf("the stop took %s: it waited for the timed pass's receipt", took)
+	}
+	if got := b.sentBy(t, wallets) - sent; got != 2 {
+		t.Fatalf("%d claims sent in all; want 2: the last pass claims the second channel's vouchers", got)
+	}
+	for deadline := time.Now().Add(20 * time.Second); b.c.BalanceOf(b.token, b.receiver.Address).Int64() != 5*batchPrice; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the receiver holds %d, want exactly the %d accepted", b.c.BalanceOf(b.token, b.receiver.Address).Int64(), 5*batchPrice)
+		}
+		b.c.Commit()
+	}
+}

@@ -256,8 +256,9 @@ func (f *Facilitator) leaseLoop() {
 	for {
 		select {
 		case <-f.stop:
-			// The claim loop's last pass sends from these wallets: they are given up after it, not under it.
-			f.batchClaims.Wait()
+			// The claim loop's last pass sends from these wallets: they are given up after it, not under it, and
+			// kept meanwhile (a pass that starts late, behind a timed one, would find them lapsed and claim nothing).
+			f.keepLeasesUntil(t.C, f.claimsDone())
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 			for _, id := range f.order {
 				n := f.networks[id]
@@ -282,6 +283,49 @@ func (f *Facilitator) leaseLoop() {
 					f.log.Warn("keeping the settlement wallet leases", zap.String("network", id), zap.Error(err))
 				}
 				cancel()
+			}
+		}
+	}
+}
+
+// claimsDone is closed once the batch-settlement claim loop has returned (after its last pass at the stop).
+func (f *Facilitator) claimsDone() <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		f.batchClaims.Wait()
+		close(done)
+	}()
+	return done
+}
+
+// keepLeasesUntil renews, at each tick, the wallet leases this process holds that are due, until done is closed:
+// it takes no new wallet and gives none up (a stopping process keeps what it sends from, nothing more).
+func (f *Facilitator) keepLeasesUntil(tick <-chan time.Time, done <-chan struct{}) {
+	for {
+		select {
+		case <-done:
+			return
+		case <-tick:
+			if f.leases.stalled.Load() {
+				continue
+			}
+			for _, id := range f.order {
+				n := f.networks[id]
+				ctx, cancel := context.WithTimeout(context.Background(), min(f.leases.ttl/3, leaseLook))
+				for _, w := range n.pool.Wallets() {
+					n.pool.mu.Lock()
+					due := w.leased && f.leases.now().After(w.validUntil.Add(-f.leases.ttl/3))
+					n.pool.mu.Unlock()
+					if !due {
+						continue
+					}
+					if err := f.renew(ctx, n, w); err != nil {
+						f.log.Warn("keeping a settlement wallet's lease for the last batch-settlement claims", zap.String("network", id),
+							zap.String("wallet", w.Address.Hex()), zap.Error(err))
+					}
+				}
+				cancel()
+				n.pool.publish()
 			}
 		}
 	}
