@@ -754,6 +754,11 @@ func (f *Facilitator) sendAction(ctx context.Context, n *network, a *batchAction
 				_ = f.journal.ReleaseUnsent(wctx, rec, rec.TxHash)
 			}
 		}
+		if errors.Is(err, journal.ErrFenced) {
+			// Refused by the wallet's lease before anything left: certainly not sent (a payer's refund ends its
+			// channel's mark at once), and the wallet is out of use here.
+			return answer(x402.ReasonNoAvailableWallets, "the %s was not sent: the settlement wallet's lease passed to another instance", a.kind)
+		}
 		return answer(x402.ReasonUnexpectedSettleError, "the %s was not sent: %v", a.kind, err)
 	}
 	f.log.Info("batch-settlement action broadcast", zap.String("network", n.caip2), zap.String("action", a.kind),

@@ -154,3 +154,50 @@ func TestAStoppingClusterEngineKeepsItsWalletLeaseForItsLastClaimAndDoesNotWaitF
 		b.c.Commit()
 	}
 }
+
+// The same, with the last pass slow (the node's receipts come 1.5 s late, longer than the lease's validity at a
+// renewal): the lease loop keeps the wallet's lease while the last pass runs, which claims the vouchers accepted
+// since. Before, it renewed nothing once the stop began, and the pass found the wallet's lease lapsed.
+func TestAStoppingClusterEngineKeepsItsWalletLeaseThroughASlowLastClaimPass(t *testing.T) {
+	dsn := pgtest.Shared(t)
+	authorizer := chaintest.DeriveAccount("authorizer", 0)
+	var proxy *chaintest.FaultProxy
+	b := newBatchRoute(t, fixtureOpts{chainOpts: []chaintest.Option{chaintest.WithHTTP()}, journal: openPostgres(t, dsn), wallets: 1, receiptTimeout: 20 * time.Second,
+		configure: func(cfg *chain.Config) { cfg.WalletLeaseTTL = time.Second },
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			behindFaultProxy(t, &proxy, false, 10*time.Second)(fx, nc)
+			nc.BatchReceiverAuthorizer, nc.BatchClaimEvery, nc.BatchClaimAfter = authorizer.Key, 3, time.Hour
+		}})
+	waitLeases(t, b.fx, []*chain.Facilitator{b.fx.f}, 1)
+	later := b.ofPayer(1)
+	b.deposit(t, 10*batchPrice)
+	later.deposit(t, 10*batchPrice)
+	wallets := b.c.Wallets[:1]
+	sent := b.sentBy(t, wallets)
+	for i := int64(1); i <= 3; i++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d: %+v", i, resp)
+		}
+	}
+	for deadline := time.Now().Add(10 * time.Second); b.sentBy(t, wallets)-sent != 1; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the timed pass sent %d claims, want 1", b.sentBy(t, wallets)-sent)
+		}
+	}
+	for i := int64(1); i <= 2; i++ {
+		if resp := settleBatch(t, b.fx.f, later.voucher(later.rq, i*batchPrice)); !resp.Success {
+			t.Fatalf("the second channel's voucher %d: %+v", i, resp)
+		}
+	}
+	proxy.DelayBy = 1500 * time.Millisecond
+	proxy.SetDecide(func(m string) chaintest.Fault {
+		if m == "eth_getTransactionReceipt" {
+			return chaintest.Delay
+		}
+		return chaintest.Pass
+	})
+	b.fx.f.Close()
+	if got := b.sentBy(t, wallets) - sent; got != 2 {
+		t.Fatalf("%d claims sent in all; want 2: the last pass claims the second channel's vouchers", got)
+	}
+}

@@ -61,6 +61,9 @@ type leaser struct {
 	stalled atomic.Bool
 }
 
+// look is how often the lease loop looks at the leases: every third of a short lease, at least every leaseLook.
+func (l *leaser) look() time.Duration { return min(l.ttl/3, leaseLook) }
+
 // leasePass renews the leases n's pool holds, gives up those past its share, and takes free ones up to its share.
 // It reports the first error; a failure on one wallet does not stop the others.
 // Whatever happens, it publishes the wallets offers may name afterwards.
@@ -113,7 +116,7 @@ func (f *Facilitator) leasePass(ctx context.Context, n *network) error {
 				zap.String("network", n.caip2), zap.String("wallet", w.Address.Hex()))
 		}
 		n.pool.mu.Lock()
-		due := l.now().After(w.validUntil.Add(-l.ttl / 3))
+		due := l.due(w)
 		n.pool.mu.Unlock()
 		if due {
 			if err := f.renew(ctx, n, w); err != nil {
@@ -169,6 +172,9 @@ func preference(instance string, addr common.Address) []byte {
 // renew takes or renews w's lease. Taking it (over) resyncs the wallet's nonce before it is handed out.
 func (f *Facilitator) renew(ctx context.Context, n *network, w *wallet) error {
 	l := f.leases
+	if l.stalled.Load() {
+		return nil // (a test's stalled process: a pass under way when it stalled renews nothing either)
+	}
 	start := l.now()
 	lease, err := l.cluster.Lease(ctx, leaseName(n.caip2, w.Address), l.ttl)
 	if err != nil {
@@ -250,7 +256,7 @@ func (f *Facilitator) giveUp(ctx context.Context, n *network, w *wallet) {
 // lease itself is renewed once a third of it has passed.
 func (f *Facilitator) leaseLoop() {
 	defer f.wg.Done()
-	every := min(f.leases.ttl/3, leaseLook)
+	every := f.leases.look()
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
@@ -288,6 +294,14 @@ func (f *Facilitator) leaseLoop() {
 	}
 }
 
+// due says whether w's lease is to be renewed at this look: once a third of the lease has gone by, and a look
+// early (the looks come every third of a short lease, and the one just short of the third would leave the renewal
+// to the next, as the lease runs out here: the wallet unusable for the renewal's round trip). The caller holds the
+// pool's lock.
+func (l *leaser) due(w *wallet) bool {
+	return l.now().After(w.validUntil.Add(-l.ttl/3 - l.look()))
+}
+
 // claimsDone is closed once the batch-settlement claim loop has returned (after its last pass at the stop).
 func (f *Facilitator) claimsDone() <-chan struct{} {
 	done := make(chan struct{})
@@ -311,10 +325,10 @@ func (f *Facilitator) keepLeasesUntil(tick <-chan time.Time, done <-chan struct{
 			}
 			for _, id := range f.order {
 				n := f.networks[id]
-				ctx, cancel := context.WithTimeout(context.Background(), min(f.leases.ttl/3, leaseLook))
+				ctx, cancel := context.WithTimeout(context.Background(), f.leases.look())
 				for _, w := range n.pool.Wallets() {
 					n.pool.mu.Lock()
-					due := w.leased && f.leases.now().After(w.validUntil.Add(-f.leases.ttl/3))
+					due := w.leased && f.leases.due(w)
 					n.pool.mu.Unlock()
 					if !due {
 						continue
