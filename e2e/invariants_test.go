@@ -25,13 +25,15 @@ import (
 // The money-invariant run: real Caddy processes on a dev chain, every feature at once, driven by seeded random
 // actions and faults, then judged on chain against what the clients saw. See docs/RELIABILITY.md.
 //
-// Its knobs are environment variables: the seed, how long each topology is driven, which topologies run, and
-// where the action log goes. Without them it runs both topologies for a short time with a fresh seed, as CI does.
+// Its knobs are environment variables: the seed, how long each topology is driven, which topologies run, which
+// faults are drawn (X402_INVARIANT_FAULTS: words, comma-separated; only the faults whose names hold one), and where
+// the action log goes. Without them it runs both topologies for a short time with a fresh seed, as CI does.
 const (
 	invSeedEnv     = "X402_INVARIANT_SEED"
 	invDurationEnv = "X402_INVARIANT_DURATION"
 	invTopologyEnv = "X402_INVARIANT_TOPOLOGY"
 	invLogsEnv     = "X402_INVARIANT_LOGS"
+	invFaultsEnv   = "X402_INVARIANT_FAULTS"
 )
 
 // invDefaultDuration is how long each topology is driven without X402_INVARIANT_DURATION: the run stays within
@@ -118,7 +120,7 @@ type invRun struct {
 	actions  []*invAction
 	kills    []invEvent // SIGKILLs of gateways
 	stops    []invStop  // graceful stops of gateways: no crash (see tunnelCutByStop)
-	outages  []invEvent // PostgreSQL down, or the way to it hung
+	outages  []invEvent // PostgreSQL down, or the way to it hung, or a gateway paused
 	reloads  []invEvent // the gateways ran other prices
 	counts   map[string]int
 
@@ -711,9 +713,15 @@ func (w *invWorker) payThroughTransport(a *invAction) {
 // injectFaults draws faults one after another, each undone before the next, until the time is up; it runs on the
 // test's goroutine, so that a fault that cannot be done or undone stops the test.
 func (r *invRun) injectFaults(until time.Time, rng *rand.Rand) {
+	kinds := drawnFaults(os.Getenv(invFaultsEnv))
 	total := 0
-	for _, f := range invFaultKinds {
+	for _, f := range kinds {
 		total += f.weight(r.topo)
+	}
+	if total == 0 {
+		r.t.Logf("no fault is drawn (%s=%q)", invFaultsEnv, os.Getenv(invFaultsEnv))
+		time.Sleep(time.Until(until))
+		return
 	}
 	for {
 		pause := time.Duration(500+rng.IntN(2500)) * time.Millisecond
@@ -723,7 +731,7 @@ func (r *invRun) injectFaults(until time.Time, rng *rand.Rand) {
 		}
 		time.Sleep(pause)
 		pick := rng.IntN(total)
-		for _, f := range invFaultKinds {
+		for _, f := range kinds {
 			if pick -= f.weight(r.topo); pick < 0 {
 				a := r.begin("F", f.name)
 				f.do(r, rng, a)
@@ -732,6 +740,24 @@ func (r *invRun) injectFaults(until time.Time, rng *rand.Rand) {
 			}
 		}
 	}
+}
+
+// drawnFaults is the fault kinds whose names hold one of the comma-separated words of only; all of them when only
+// is empty.
+func drawnFaults(only string) []invFaultKind {
+	if strings.TrimSpace(only) == "" {
+		return invFaultKinds
+	}
+	var out []invFaultKind
+	for _, f := range invFaultKinds {
+		for w := range strings.SplitSeq(only, ",") {
+			if w = strings.TrimSpace(w); w != "" && strings.Contains(f.name, w) {
+				out = append(out, f)
+				break
+			}
+		}
+	}
+	return out
 }
 
 // invFaultKind is a fault the run draws: do injects it, waits its drawn length and undoes it. Adding one is
@@ -751,6 +777,7 @@ var invFaultKinds = []invFaultKind{
 	{"RPC hangs", weight(2), func(r *invRun, rng *rand.Rand, a *invAction) { r.rpcFault(rng, a, rpcHang) }},
 	{"RPC answers lost", weight(1), func(r *invRun, rng *rand.Rand, a *invAction) { r.rpcFault(rng, a, rpcLose) }},
 	{"RPC refuses transactions", weight(2), func(r *invRun, rng *rand.Rand, a *invAction) { r.rpcFault(rng, a, rpcRefuse) }},
+	{"pause a gateway (SIGSTOP), then continue it (SIGCONT)", clusterOnly(2), (*invRun).pauseGateway},
 	{"PostgreSQL stopped, then started", clusterOnly(3), (*invRun).stopPostgres},
 	{"PostgreSQL hangs", clusterOnly(2), (*invRun).hangPostgres},
 	{"SIGKILL a remote facilitator, then start it again", weight(2), (*invRun).killFacilitator},
@@ -810,6 +837,29 @@ func (r *invRun) stopGateway(rng *rand.Rand, a *invAction) {
 	}
 	r.mu.Unlock()
 	a.say("down %v, serving again after %v", down, time.Since(at).Round(10*time.Millisecond))
+}
+
+// pauseGateway stops a gateway's process (SIGSTOP) and continues it (SIGCONT), as a VM's pause, a long garbage
+// collection or a debugger would: mostly briefly, sometimes past the instances' heartbeat TTL (10 s) and the wallet
+// leases' (15 s), so that the others take its wallets and its work over while it still believes it holds them, and
+// it wakes up with whatever it was doing half done. Its fenced writes must keep it from sending anything with a
+// wallet it lost. Counted as an outage: a response it wrote out and had not yet recorded as delivered when the
+// others took its payment over may be bought once more, as after a crash.
+func (r *invRun) pauseGateway(rng *rand.Rand, a *invAction) {
+	n := rng.IntN(len(r.w.gateways))
+	hold := time.Duration(500+rng.IntN(2500)) * time.Millisecond
+	if rng.IntN(3) == 0 {
+		hold = time.Duration(16000+rng.IntN(4000)) * time.Millisecond
+	}
+	g := r.w.gateways[n]
+	from := time.Now()
+	g.signal(syscall.SIGSTOP)
+	time.Sleep(hold)
+	g.signal(syscall.SIGCONT)
+	r.mu.Lock()
+	r.outages = append(r.outages, invEvent{gate: n, from: from, to: time.Now()})
+	r.mu.Unlock()
+	a.say("gateway %d paused for %v", n, hold)
 }
 
 func (r *invRun) reloadPrices(rng *rand.Rand, a *invAction) {

@@ -629,6 +629,16 @@ func (p *invProc) kill() {
 	}
 }
 
+// signal sends sig to the process, if it runs.
+func (p *invProc) signal(sig os.Signal) {
+	p.mu.Lock()
+	proc := p.proc
+	p.mu.Unlock()
+	if proc != nil && proc.running() {
+		_ = proc.cmd.Process.Signal(sig)
+	}
+}
+
 // stopGracefully sends sig (SIGINT or SIGTERM) and waits at most bound for the process to exit; past that it is
 // SIGKILLed. It reports whether the process exited by itself, and its exit error then: one that had exited before
 // the signal is an error too.
