@@ -85,7 +85,8 @@ func (n *network) noteAccepted() {
 
 // ClaimBatches claims, on every network with a receiver authorizer key, every voucher accepted and not claimed
 // yet, whatever the claim policy says (what Close does last), after resolving the claims in flight. It returns
-// when the claims are mined or the receipt timeout passed (they stay in flight for the next pass).
+// when the claims are mined, the receipt timeout passed or the engine closes (they stay in flight for the next
+// pass).
 func (f *Facilitator) ClaimBatches(ctx context.Context) error {
 	var errs []error
 	for _, id := range f.order {
@@ -133,6 +134,39 @@ func (f *Facilitator) claimLoop(every time.Duration) {
 	}
 }
 
+// leftClaimsWarnEvery is how often, at most, a cluster instance holding no wallet warns that it leaves claims
+// under a pending withdrawal to the others.
+const leftClaimsWarnEvery = time.Minute
+
+// leftClaims says that the claims of rows, due, are left to the instances that hold a settlement wallet: at debug,
+// unless a withdrawal is pending on one of the channels, whose vouchers must be claimed before it can be finalized
+// (the payer takes them back otherwise): then a warning, at most every leftClaimsWarnEvery, so that an operator
+// whose cluster has no instance holding a wallet (every one of them busy draining, or the database's leases lost)
+// hears of it before the withdrawal delay runs out.
+func (f *Facilitator) leftClaims(n *network, rows []journal.Channel) {
+	pending := 0
+	for _, r := range rows {
+		if !r.WithdrawRequestedAt.IsZero() {
+			pending++
+		}
+	}
+	fields := []zap.Field{zap.String("network", n.caip2), zap.Int("channels", len(rows))}
+	if pending == 0 {
+		f.log.Debug("batch-settlement claims left to the instances that hold a settlement wallet: this one holds none", fields...)
+		return
+	}
+	n.batch.mu.Lock()
+	warn := time.Since(n.batch.leftWarned) >= leftClaimsWarnEvery
+	if warn {
+		n.batch.leftWarned = time.Now()
+	}
+	n.batch.mu.Unlock()
+	if warn {
+		f.log.Warn("batch-settlement claims under a pending withdrawal are left to the instances that hold a settlement wallet: this one holds none; if none does, the vouchers must be claimed before the withdrawal delay runs out",
+			append(fields, zap.Int("withdrawals_pending", pending))...)
+	}
+}
+
 // claimPass resolves the network's claims in flight, then claims what the policy says is due (all, when force),
 // waiting for each claim's receipt when wait says so. With leave, an instance of a cluster that holds no wallet it
 // may send from leaves the claims to the instances that hold one (they claim the same channels: the rows are the
@@ -159,8 +193,7 @@ func (f *Facilitator) claimPass(ctx context.Context, n *network, force, wait, le
 			return nil
 		}
 		if leave && !n.pool.holdsUsable() {
-			f.log.Debug("batch-settlement claims left to the instances that hold a settlement wallet: this one holds none",
-				zap.String("network", n.caip2), zap.Int("channels", len(rows)))
+			f.leftClaims(n, rows)
 			return nil
 		}
 		if len(rows) > maxClaimsPerTx {

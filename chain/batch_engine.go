@@ -56,6 +56,9 @@ type batchNetwork struct {
 	// sending are the claim transactions this process is sending: marked on their channels, their record being
 	// written, not yet sent or given up (under mu).
 	sending map[common.Hash]bool
+	// leftWarned is when this process last warned that it left claims under a pending withdrawal to the cluster's
+	// other instances (leftClaims; under mu).
+	leftWarned time.Time
 	// channels remembers the channel configurations of the network's vouchers, for every terms of it.
 	channels *channelMemo
 }
