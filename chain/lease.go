@@ -253,7 +253,8 @@ func (f *Facilitator) giveUp(ctx context.Context, n *network, w *wallet) {
 // leaseLoop keeps the wallet leases of every network until the facilitator closes, then gives them up. It looks
 // every second (or every third of the lease, when shorter) whether the wallets need sharing out anew, so that an
 // instance that starts beside others gets its share within a second or two of the others giving theirs up; a
-// lease itself is renewed once a third of it has passed.
+// lease itself is renewed once a third of it has passed, a look early (leaser.due). At the close it keeps renewing
+// the leases it holds until the batch-settlement claim loop's last pass is done.
 func (f *Facilitator) leaseLoop() {
 	defer f.wg.Done()
 	every := f.leases.look()
