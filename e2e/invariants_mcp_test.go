@@ -218,10 +218,14 @@ func (r *invRun) sendMCP(ctx context.Context, a *invAnswer, p *invPayment, base 
 	defer resp.Body.Close()
 	a.status = resp.StatusCode
 	got, err := io.ReadAll(resp.Body)
-	if err != nil {
+	if err != nil && (resp.ContentLength < 0 || int64(len(got)) != resp.ContentLength) {
 		a.note = fmt.Sprintf("the body broke after %d bytes: %s", len(got), shorten(err.Error()))
 		return
 	}
+	// As for an HTTP answer (readAnswer): a body whose every byte of its Content-Length arrived was delivered whole,
+	// even when the connection then broke before its end was signalled (an HTTP/2 stream's END_STREAM, sent once the
+	// handler returns, lost to a SIGKILL just after the gate recorded the payment served): the payer holds the tool's
+	// answer, which judgeMCP reads.
 	if resp.StatusCode != http.StatusOK {
 		// Not a tool result: the server around the gate, or the gate's own answer it passes as it is.
 		if resp.StatusCode < 300 {
