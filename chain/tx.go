@@ -278,7 +278,14 @@ func (s *sender) sendSigned(ctx context.Context, tx *types.Transaction) error {
 		return fmt.Errorf("%w: %v", errBroadcastUnknown, err)
 	case isNonceConflict(err):
 		// Mined already (a send of an earlier attempt), or its nonce went to another of the payer's transactions.
-		if r, rerr := s.backend.TransactionReceipt(ctx, tx.Hash()); rerr != nil || r == nil {
+		r, rerr := s.backend.TransactionReceipt(ctx, tx.Hash())
+		switch {
+		case rerr != nil && !errors.Is(rerr, ethereum.NotFound):
+			// Which of the two is not known (the node did not answer): most likely the first, and never a
+			// refusal, which would tell the payer nothing was sent and let its payment be settled again, its
+			// approval funded again (the money-invariant run, under RPC 503s).
+			return fmt.Errorf("%w: the node answered %v, and the receipt of the payer's approval could not be read: %v", errBroadcastUnknown, err, rerr)
+		case rerr != nil || r == nil:
 			return fmt.Errorf("%w was refused by the node: %v", errSignedRefused, err)
 		}
 	default:

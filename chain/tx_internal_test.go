@@ -2,10 +2,13 @@ package chain
 
 import (
 	"context"
+	"errors"
 	"math/big"
 	"testing"
 	"time"
 
+	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
 	"github.com/ethereum/go-ethereum/params"
 
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
@@ -32,5 +35,67 @@ func TestAFeeBumpKeepsTheValueTheStuckTransactionSends(t *testing.T) {
 	}
 	if replacement.Value().Cmp(value) != 0 || replacement.Nonce() != stuck.Nonce() || replacement.GasFeeCap().Cmp(stuck.GasFeeCap()) <= 0 {
 		t.Fatalf("replacement sends %s at nonce %d with fee cap %s; want %s at %d above %s", replacement.Value(), replacement.Nonce(), replacement.GasFeeCap(), value, stuck.Nonce(), stuck.GasFeeCap())
+	}
+}
+
+// receiptsUnreadable is a node whose receipts cannot be read (its RPC answering 503, say).
+type receiptsUnreadable struct{ Backend }
+
+func (receiptsUnreadable) TransactionReceipt(context.Context, common.Hash) (*types.Receipt, error) {
+	return nil, errors.New("503 Service Unavailable")
+}
+
+// A payer's signed approval that the node refuses as "nonce too low" is mined already (an earlier attempt sent it)
+// or replaced by another of the payer's transactions: only its receipt tells which. A receipt that cannot be read
+// leaves it unknown, never refused: refused, the settlement after it would be forgotten and the payer told nothing
+// was sent, though its approval (and the gas money for it) is spent, and the payment, settled again, funds it again.
+func TestASignedApprovalRefusedAsMinedWhoseReceiptCannotBeReadIsNotTakenForRefused(t *testing.T) {
+	c := chaintest.New(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	payer := c.Payers[2]
+	nonce, err := c.EthClient.PendingNonceAt(ctx, payer.Address)
+	if err != nil {
+		t.Fatal(err)
+	}
+	head, err := c.EthClient.HeaderByNumber(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	signed := func(n uint64) *types.Transaction {
+		to := c.Payers[3].Address
+		tx, err := types.SignNewTx(payer.Key, types.LatestSignerForChainID(c.ChainID), &types.DynamicFeeTx{ChainID: c.ChainID, Nonce: n,
+			GasTipCap: big.NewInt(params.GWei), GasFeeCap: new(big.Int).Add(new(big.Int).Mul(head.BaseFee, big.NewInt(3)), big.NewInt(params.GWei)), Gas: params.TxGas, To: &to, Value: big.NewInt(int64(n) + 1)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tx
+	}
+	mined := signed(nonce)
+	if err := c.SendSigned(ctx, mined); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.CommitUntilIncluded(ctx, mined.Hash()); err != nil {
+		t.Fatal(err)
+	}
+	blind := newSender(receiptsUnreadable{c.EthClient}, c.ChainID, FeePolicy{CacheFor: time.Second}, time.Now)
+	if err := blind.sendSigned(ctx, mined); !errors.Is(err, errBroadcastUnknown) || errors.Is(err, errSignedRefused) {
+		t.Fatalf("sent again, mined, its receipt unreadable: %v; want it unknown (errBroadcastUnknown), not refused", err)
+	}
+	// Told apart when the receipt can be read: mined, it is the one (its receipt awaited: success); another
+	// transaction took its nonce, it is refused.
+	seeing := newSender(c.EthClient, c.ChainID, FeePolicy{CacheFor: time.Second}, time.Now)
+	seeing.poll = 10 * time.Millisecond
+	if err := seeing.sendSigned(ctx, mined); err != nil {
+		t.Fatalf("sent again, mined, its receipt readable: %v; want nil", err)
+	}
+	other := signed(nonce)
+	other, err = types.SignNewTx(payer.Key, types.LatestSignerForChainID(c.ChainID), &types.DynamicFeeTx{ChainID: c.ChainID, Nonce: nonce,
+		GasTipCap: big.NewInt(2 * params.GWei), GasFeeCap: new(big.Int).Add(other.GasFeeCap(), big.NewInt(params.GWei)), Gas: params.TxGas, To: other.To(), Value: big.NewInt(99)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := seeing.sendSigned(ctx, other); !errors.Is(err, errSignedRefused) {
+		t.Fatalf("a transaction whose nonce another took: %v; want refused", err)
 	}
 }
