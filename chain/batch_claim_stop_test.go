@@ -117,28 +117,7 @@ func TestAStoppingClusterEngineKeepsItsWalletLeaseForItsLastClaimAndDoesNotWaitF
 		tune: func(_ *fixture, nc *chain.NetworkConfig) {
 			nc.BatchReceiverAuthorizer, nc.BatchClaimEvery, nc.BatchClaimAfter = authorizer.Key, 3, time.Hour
 		}})
-	waitLeases(t, b.fx, []*chain.Facilitator{b.fx.f}, 1)
-	later := b.ofPayer(1)
-	b.deposit(t, 10*batchPrice)
-	later.deposit(t, 10*batchPrice)
-	wallets := b.c.Wallets[:1]
-	sent := b.sentBy(t, wallets)
-	for i := int64(1); i <= 3; i++ {
-		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, i*batchPrice)); !resp.Success {
-			t.Fatalf("voucher %d: %+v", i, resp)
-		}
-	}
-	// Three vouchers are due: the claim loop's timed pass sends their claim, and waits for a receipt no block brings.
-	for deadline := time.Now().Add(10 * time.Second); b.sentBy(t, wallets)-sent != 1; time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("the timed pass sent %d claims, want 1", b.sentBy(t, wallets)-sent)
-		}
-	}
-	for i := int64(1); i <= 2; i++ {
-		if resp := settleBatch(t, b.fx.f, later.voucher(later.rq, i*batchPrice)); !resp.Success {
-			t.Fatalf("the second channel's voucher %d: %+v", i, resp)
-		}
-	}
+	wallets, sent := claimDueThenAcceptMore(t, b)
 	start := time.Now()
 	b.fx.f.Close()
 	if took := time.Since(start); took > 10*time.Second {
@@ -168,6 +147,25 @@ func TestAStoppingClusterEngineKeepsItsWalletLeaseThroughASlowLastClaimPass(t *t
 			behindFaultProxy(t, &proxy, false, 10*time.Second)(fx, nc)
 			nc.BatchReceiverAuthorizer, nc.BatchClaimEvery, nc.BatchClaimAfter = authorizer.Key, 3, time.Hour
 		}})
+	wallets, sent := claimDueThenAcceptMore(t, b)
+	proxy.DelayBy = 1500 * time.Millisecond
+	proxy.SetDecide(func(m string) chaintest.Fault {
+		if m == "eth_getTransactionReceipt" {
+			return chaintest.Delay
+		}
+		return chaintest.Pass
+	})
+	b.fx.f.Close()
+	if got := b.sentBy(t, wallets) - sent; got != 2 {
+		t.Fatalf("%d claims sent in all; want 2: the last pass claims the second channel's vouchers", got)
+	}
+}
+
+// claimDueThenAcceptMore has the route's engine (one wallet, claims due at three vouchers) accept three vouchers on
+// one channel, waits until its claim loop's timed pass sent their claim (which waits for a receipt no block brings),
+// then has it accept two on a second channel. It returns the wallet and how many transactions it had sent before.
+func claimDueThenAcceptMore(t *testing.T, b *batchRoute) ([]*chaintest.Account, uint64) {
+	t.Helper()
 	waitLeases(t, b.fx, []*chain.Facilitator{b.fx.f}, 1)
 	later := b.ofPayer(1)
 	b.deposit(t, 10*batchPrice)
@@ -189,15 +187,5 @@ func TestAStoppingClusterEngineKeepsItsWalletLeaseThroughASlowLastClaimPass(t *t
 			t.Fatalf("the second channel's voucher %d: %+v", i, resp)
 		}
 	}
-	proxy.DelayBy = 1500 * time.Millisecond
-	proxy.SetDecide(func(m string) chaintest.Fault {
-		if m == "eth_getTransactionReceipt" {
-			return chaintest.Delay
-		}
-		return chaintest.Pass
-	})
-	b.fx.f.Close()
-	if got := b.sentBy(t, wallets) - sent; got != 2 {
-		t.Fatalf("%d claims sent in all; want 2: the last pass claims the second channel's vouchers", got)
-	}
+	return wallets, sent
 }

@@ -7,7 +7,6 @@ import (
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
-	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/chain/journal/pgtest"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -34,24 +33,7 @@ func TestABatchClaimOrRefundFromAWalletWhoseLeaseWasLostUnknowinglySendsNothing(
 			}
 			wallet := b.c.Wallets[0].Address
 			b.fx.f.StallLeasesForTest()
-			other, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer other.Close()
-			name := chain.LeaseNameForTest(b.fx.net, wallet)
-			for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-				l, err := other.Lease(context.Background(), name, time.Minute)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if l.Held {
-					break // another instance holds the wallet now, at a higher fence
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("the stalled engine's lease never expired: %+v", l)
-				}
-			}
+			leaseElsewhere(t, dsn, b.fx.net, wallet)
 			sent := b.sentBy(t, b.c.Wallets[:1])
 			switch what {
 			case "claim":

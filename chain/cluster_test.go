@@ -252,26 +252,7 @@ func TestAnEngineThatLostAWalletLeaseWithoutKnowingSendsNothingWithIt(t *testing
 	wallet := fx.c.Wallets[0].Address
 	// The process stalls (a long pause, a stopped clock): it renews nothing and still takes its lease for valid.
 	f.StallLeasesForTest()
-	other, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer other.Close()
-	name := chain.LeaseNameForTest(fx.net, wallet)
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		l, err := other.Lease(context.Background(), name, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if l.Held {
-			break // another instance holds the wallet now, at a higher fence
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the stalled engine's lease never expired: %+v", l)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	leaseElsewhere(t, dsn, fx.net, wallet)
 
 	fx.approvePermit2(fx.c.Payers[0])
 	sent := fx.c.TxCount(wallet)
@@ -284,6 +265,30 @@ func TestAnEngineThatLostAWalletLeaseWithoutKnowingSendsNothingWithIt(t *testing
 	}
 	if ws := f.LeasedWallets(fx.net); len(ws) != 0 {
 		t.Fatalf("the engine still hands out %v after its fenced write failed", ws)
+	}
+}
+
+// leaseElsewhere takes wallet's lease for another instance on the journal at dsn (a store of its own), once the
+// lease of the engine holding it (stalled, renewing nothing) expired: that instance holds it then, at a higher fence.
+func leaseElsewhere(t *testing.T, dsn, network string, wallet common.Address) {
+	t.Helper()
+	other, err := journal.OpenPostgres(context.Background(), dsn, journal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { other.Close() })
+	name := chain.LeaseNameForTest(network, wallet)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		l, err := other.Lease(context.Background(), name, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l.Held {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the stalled engine's lease never expired: %+v", l)
+		}
 	}
 }
 

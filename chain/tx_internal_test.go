@@ -89,9 +89,8 @@ func TestASignedApprovalRefusedAsMinedWhoseReceiptCannotBeReadIsNotTakenForRefus
 	if err := seeing.sendSigned(ctx, mined); err != nil {
 		t.Fatalf("sent again, mined, its receipt readable: %v; want nil", err)
 	}
-	other := signed(nonce)
-	other, err = types.SignNewTx(payer.Key, types.LatestSignerForChainID(c.ChainID), &types.DynamicFeeTx{ChainID: c.ChainID, Nonce: nonce,
-		GasTipCap: big.NewInt(2 * params.GWei), GasFeeCap: new(big.Int).Add(other.GasFeeCap(), big.NewInt(params.GWei)), Gas: params.TxGas, To: other.To(), Value: big.NewInt(99)})
+	other, err := types.SignNewTx(payer.Key, types.LatestSignerForChainID(c.ChainID), &types.DynamicFeeTx{ChainID: c.ChainID, Nonce: nonce,
+		GasTipCap: big.NewInt(2 * params.GWei), GasFeeCap: new(big.Int).Add(mined.GasFeeCap(), big.NewInt(params.GWei)), Gas: params.TxGas, To: mined.To(), Value: big.NewInt(99)})
 	if err != nil {
 		t.Fatal(err)
 	}
