@@ -17,6 +17,7 @@ import (
 	"github.com/ethereum/go-ethereum/params"
 	"github.com/ethereum/go-ethereum/rpc"
 
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
 
@@ -258,12 +259,17 @@ func (p *payment) checkApproval(ctx context.Context, use fundsUse) (*refusal, er
 	if err != nil {
 		return nil, err
 	}
-	if sa.tx.Nonce() != next {
-		return refuse(x402.ReasonERC20ApprovalTxWrongNonce, "%s has nonce %d but the payer %s's next is %d; sign it again with the account's pending nonce", ext, sa.tx.Nonce(), p.payer.Hex(), next), nil
-	}
 	mined, err := n.backend.NonceAt(ctx, p.payer, nil)
 	if err != nil {
 		return nil, err
+	}
+	if sa.tx.Nonce() != next {
+		if use == fundsSettle && sa.tx.Nonce() < next && sa.tx.Nonce() >= mined {
+			// Its nonce is taken by a transaction of the payer on its way, most likely another payment's
+			// approval: once it mined, the allowance it sets may pay this payment, or this one is refused then.
+			return nil, fmt.Errorf("nothing was sent: %w: the payer %s's approval has nonce %d, which another of its transactions on its way takes (its mined nonce is %d, its pending one %d); the payment is settled once that mined", errNodeNotAsked, p.payer.Hex(), sa.tx.Nonce(), mined, next)
+		}
+		return refuse(x402.ReasonERC20ApprovalTxWrongNonce, "%s has nonce %d but the payer %s's next is %d; sign it again with the account's pending nonce", ext, sa.tx.Nonce(), p.payer.Hex(), next), nil
 	}
 	if mined < next {
 		// The payer has transactions on their way (most likely the approval of an earlier payment, funded by a
@@ -414,8 +420,30 @@ func (p *payment) simulateApproval(ctx context.Context, settle contractCall) (*r
 // whatever the settlement then finds (it is simulated again on the latest state once the approval mined, which
 // spends nothing more, but the gas money and the approval's gas are gone by then). A refusal sends nothing, and the
 // caller lets the claim and the hold go as for any refusal; the error is a node that could not be asked.
+//
+// The payer is read again first, for what went out since the checks read it (another payment of the payer, carrying
+// an approval of the same nonce, settled meanwhile at another gateway or beside this one: the money-invariant run
+// saw the payer sent gas money a second time, and then this approval refused "nonce too low"): an allowance that
+// pays the payment now drops the approval and its gas money (p.approval nil: the settlement goes alone); otherwise
+// checkApproval runs again, and says what gas money the payer still lacks, or that nothing may go yet.
 func (p *payment) checkApprovalBeforeSending(ctx context.Context, settle contractCall) (*refusal, error) {
 	n := p.net
+	allowance, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "allowance", p.payer, n.permit2)
+	if err != nil {
+		return nil, fmt.Errorf("nothing was sent: %w: reading the payer's Permit2 allowance: %w", errNodeNotAsked, err)
+	}
+	if allowance.Cmp(p.amount) >= 0 {
+		p.approval = nil
+		return nil, nil
+	}
+	if ref, err := p.checkApproval(ctx, fundsSettle); err != nil {
+		if errors.Is(err, errNodeNotAsked) {
+			return nil, err
+		}
+		return nil, fmt.Errorf("nothing was sent: %w: reading the payer's account: %w", errNodeNotAsked, err)
+	} else if ref != nil {
+		return ref, nil
+	}
 	head, err := n.head.get(ctx, n.now, 0, n.readHead)
 	if err != nil {
 		return nil, fmt.Errorf("nothing was sent: %w: reading the head block: %w", errNodeNotAsked, err)

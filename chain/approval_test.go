@@ -713,6 +713,53 @@ func TestARecordedFundingOfASponsoredApprovalThatMinedWithoutItIsNeverSent(t *te
 	l.settledOnceUnfunded(t)
 }
 
+// The same, but what mined at the approval's nonce is another approval of the payer's (signed for another payment,
+// sent by the payer or a settlement elsewhere): the recorded approval can never mine, and its gas money is never
+// sent either; the payment settles with the allowance the other set.
+func TestARecordedFundingOfASponsoredApprovalWhoseNonceAnotherApprovalTookIsNeverSent(t *testing.T) {
+	l := settleWithItsFundingLost(t)
+	fx := l.fx
+	fx.c.SendETH(fx.c.Payers[2], l.payer.Address, l.cost)
+	fees := fx.approvalFees()
+	other := fx.permit2(l.payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	if err := chain.AddApprovalSponsoring(&other.PaymentPayload, l.payer.Key, fx.c.ChainID, fees); err != nil {
+		t.Fatal(err)
+	}
+	approval := approvalOf(t, other)
+	if approval.Hash() == l.approval.Hash() || approval.Nonce() != l.approval.Nonce() {
+		t.Fatal("the other approval must be another transaction of the same nonce")
+	}
+	if err := fx.c.SendSigned(context.Background(), approval); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := fx.c.CommitUntilIncluded(context.Background(), approval.Hash()); err != nil {
+		t.Fatal(err)
+	}
+	receipt, err := fx.c.Client.TransactionReceipt(context.Background(), approval.Hash())
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.node.lose.Store(false)
+	final := fx.settle(l.req)
+	for deadline := time.Now().Add(30 * time.Second); !final.Success && time.Now().Before(deadline); final = fx.settle(l.req) {
+		if final.ErrorReason != x402.ReasonSettlementPending {
+			t.Fatalf("presented again = %+v, want settled (or pending until reconciliation sent it)", final)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !final.Success {
+		t.Fatalf("presented again = %+v, want settled by reconciliation", final)
+	}
+	assertMoved(t, fx, l.payer.Address, l.before, l.sellerBefore, 1)
+	spent := new(big.Int).Mul(new(big.Int).SetUint64(receipt.GasUsed), receipt.EffectiveGasPrice)
+	if got, want := fx.c.ETHBalance(l.payer.Address), new(big.Int).Sub(l.cost, spent); got.Cmp(want) != 0 {
+		t.Fatalf("payer ETH = %s, want what it got elsewhere less its other approval's gas, %s: the engine sent the recorded gas money for an approval that can never mine", got, want)
+	}
+	if n := fx.c.TxCount(l.payer.Address); n != 1 {
+		t.Fatalf("the payer's transactions = %d, want its other approval only", n)
+	}
+}
+
 // The same, the approval mining while reconciliation sends it (sent by the payer, or by a settlement at another
 // gateway, between reconciliation's look for its receipt and its own send): the node refuses it for a nonce
 // spent by the approval itself, and the settlement recorded is sent, not settled again at another nonce, which
@@ -738,10 +785,24 @@ func TestASponsoredApprovalMinedWhileReconciliationSendsItLetsTheRecordedSettlem
 type readsFundsThen struct {
 	*ethclient.Client
 	then atomic.Pointer[func()]
+	// onSimulate runs then at the onSimulate-th eth_simulateV1 instead (a sponsored approval's checks simulate
+	// it with the settlement, and its settlement once more right before it sends; one engine with nothing else
+	// held reads no balance). 0: at a balance read.
+	onSimulate int32
+	simulated  atomic.Int32
+}
+
+func (b *readsFundsThen) SimulateV1(ctx context.Context, opts ethclient.SimulateOptions, block *rpc.BlockNumberOrHash) ([]ethclient.SimulateBlockResult, error) {
+	if b.onSimulate > 0 && b.then.Load() != nil && b.simulated.Add(1) == b.onSimulate {
+		if then := b.then.Swap(nil); then != nil {
+			(*then)()
+		}
+	}
+	return b.Client.SimulateV1(ctx, opts, block)
 }
 
 func (b *readsFundsThen) CallContract(ctx context.Context, msg ethereum.CallMsg, block *big.Int) ([]byte, error) {
-	if block != nil && len(msg.Data) >= 4 && hexutil.Encode(msg.Data[:4]) == "0x70a08231" { // balanceOf
+	if block != nil && b.onSimulate == 0 && len(msg.Data) >= 4 && hexutil.Encode(msg.Data[:4]) == "0x70a08231" { // balanceOf
 		if then := b.then.Swap(nil); then != nil {
 			(*then)()
 		}
@@ -1004,4 +1065,88 @@ func TestASettlementMeetingItsApprovalHeldByAnotherPaymentFundsNothingWhenTheBal
 	if got := fx.f.ApprovalFunding(fx.net); fx.c.TxCount(fx.c.PayerNoGas.Address) != 1 || got.Cmp(funded) <= 0 {
 		t.Fatalf("after both: the payer sent %d transactions (want its one approval), funding %s then %s", fx.c.TxCount(fx.c.PayerNoGas.Address), funded, got)
 	}
+}
+
+// Two payments of one payer, each carrying its own signed approval of Permit2 at the payer's first nonce (a payer
+// that signed two first payments at once), settled without a hold from a verification (a gate that settles after
+// its upstream verifies without holding): the first settles whole (gas money, approval, settlement) while the
+// second's checks run, after they read the chain. The second must fund nothing and send no approval: the payer
+// has its allowance by then, and its approval's nonce is spent. Before, the second sent the payer gas money again
+// and then had its approval refused "nonce too low" (erc20_approval_broadcast_failed): the money-invariant run,
+// three gateways, saw exactly that.
+func TestTwoFirstPaymentsOfAPayerEachWithItsOwnApprovalFundThePayerOnce(t *testing.T) {
+	run := func(t *testing.T, fx *fixture, node *readsFundsThen, one, two *chain.Facilitator) {
+		t.Helper()
+		ctx := context.Background()
+		payer := fx.c.PayerNoGas
+		sellerBefore, payerBefore := fx.c.TokenBalance(fx.payTo), fx.c.TokenBalance(payer.Address)
+		first, fees := fx.sponsoredPermit2(payer)
+		second := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+		fees.FeeCap = new(big.Int).Add(fees.FeeCap, big.NewInt(1)) // another approval of the same nonce
+		if err := chain.AddApprovalSponsoring(&second.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
+			t.Fatal(err)
+		}
+		if approvalOf(t, first).Hash() == approvalOf(t, second).Hash() || approvalOf(t, first).Nonce() != approvalOf(t, second).Nonce() {
+			t.Fatal("the two payments must carry two approvals of one nonce")
+		}
+		var s1 x402.SettleResponse
+		var err1 error
+		during := func() { s1, err1 = one.Settle(ctx, first) }
+		node.then.Store(&during)
+		s2, err2 := two.Settle(ctx, second)
+		if node.then.Load() != nil {
+			t.Fatal("the second settlement's checks never read the payer's balance nor simulated its approval: the first did not run in between")
+		}
+		if err1 != nil || !s1.Success {
+			t.Fatalf("settle of the first = %+v, %v; want success", s1, err1)
+		}
+		if s2.ErrorReason != "" || (err2 == nil && !s2.Success) {
+			t.Fatalf("settle of the second, checked before the first settled = %+v, %v; want success, or nothing sent and an error saying so, never a refusal", s2, err2)
+		}
+		if !s2.Success {
+			if !strings.Contains(err2.Error(), "nothing was sent") {
+				t.Fatalf("settle of the second = %v; want an error saying nothing was sent", err2)
+			}
+			if s2, err2 = two.Settle(ctx, second); err2 != nil || !s2.Success {
+				t.Fatalf("settle of the second presented again = %+v, %v; want success with the allowance the first's approval set", s2, err2)
+			}
+		}
+		funded := one.ApprovalFunding(fx.net)
+		if two != one {
+			funded.Add(funded, two.ApprovalFunding(fx.net))
+		}
+		if cost := new(big.Int).Mul(big.NewInt(int64(fees.Gas)), new(big.Int).Sub(fees.FeeCap, big.NewInt(1))); funded.Cmp(cost) != 0 {
+			t.Fatalf("the payer was sent %s wei of gas money; want %s, the first approval's gas once", funded, cost)
+		}
+		if n := fx.c.TxCount(payer.Address); n != 1 {
+			t.Fatalf("the payer's transactions on chain = %d; want its one approval", n)
+		}
+		assertMoved(t, fx, payer.Address, payerBefore, sellerBefore, 2)
+	}
+	t.Run("one engine", func(t *testing.T) {
+		var node *readsFundsThen
+		fx := newFixture(t, fixtureOpts{wallets: 2, receiptTimeout: time.Minute,
+			chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+			tune: func(fx *fixture, nc *chain.NetworkConfig) {
+				node = &readsFundsThen{Client: fx.c.EthClient, onSimulate: 1}
+				nc.Backend, nc.ApprovalSponsoring = node, &chain.ApprovalSponsoring{}
+			}})
+		run(t, fx, node, fx.f, fx.f)
+	})
+	cluster := func(t *testing.T, onSimulate int32) {
+		var node *readsFundsThen
+		fx, engines, _ := sharedEnginesOn(t, pgtest.Shared(t), 2, 3*time.Second, fixtureOpts{wallets: 4, receiptTimeout: time.Minute,
+			chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+			tune: func(fx *fixture, nc *chain.NetworkConfig) {
+				node = &readsFundsThen{Client: fx.c.EthClient, onSimulate: onSimulate}
+				nc.Backend, nc.ApprovalSponsoring = node, &chain.ApprovalSponsoring{}
+			}})
+		waitLeases(t, fx, engines, 2, 2)
+		run(t, fx, node, engines[0], engines[1])
+	}
+	t.Run("two engines on one PostgreSQL journal", func(t *testing.T) { cluster(t, 0) })
+	// The first settles whole after the second read the payer again right before it sends (its last simulation):
+	// the second's hold, written with its signed transactions, meets the first's, which carries the same approval
+	// nonce, and is refused; its checks run again, and find the allowance.
+	t.Run("two engines, the first settling as the second sends", func(t *testing.T) { cluster(t, 2) })
 }

@@ -104,7 +104,9 @@ func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, use fundsUse)
 		return true, true, nil
 	}
 	avail = new(big.Int).Sub(p.fundsLimit(pf.read), pf.held)
-	if avail.Cmp(p.amount) < 0 {
+	if avail.Cmp(p.amount) < 0 || pf.permitClash(p) {
+		// A permit nonce (or a sponsored approval's) another held payment carries is taken once by the chain:
+		// whatever the funds, p is not held beside it (see pgHoldSQL).
 		return false, true, avail
 	}
 	if use != fundsVerify {
@@ -173,14 +175,16 @@ func (fs *funds) readLocked(key fundsKey, r *fundsRead) *payerFunds {
 // nonce of the one p's settlement applies: that nonce can be spent once, and the first settlement to land spends
 // it.
 func (fs *funds) permitHeld(p *payment) bool {
-	nonce := p.permitNonce()
-	if nonce == nil {
-		return false
-	}
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	pf := fs.payers[fundsKey{p.asset.Address, p.payer}]
-	if pf == nil {
+	return pf != nil && pf.permitClash(p)
+}
+
+// permitClash reports whether another payment held in pf carries p's permit nonce. Called with mu held.
+func (pf *payerFunds) permitClash(p *payment) bool {
+	nonce := p.permitNonce()
+	if nonce == nil {
 		return false
 	}
 	for id, h := range pf.holds {

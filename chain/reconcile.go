@@ -225,24 +225,8 @@ func (f *Facilitator) fundingToSend(ctx context.Context, n *network, rec journal
 	if err := approval.UnmarshalBinary(rec.SponsoredRawTx); err != nil {
 		return nil, err
 	}
-	if known, err := n.sender.known(ctx, approval); err != nil {
-		return nil, err
-	} else if !known {
-		// Not on its way: the payer needs the gas money unless its balance, pending transactions included, holds
-		// the approval's gas limit at its fee cap (what a node wants before it takes the approval).
-		var balance *big.Int
-		payer := common.HexToAddress(rec.Payer)
-		if r, ok := n.backend.(pendingBalanceReader); ok {
-			balance, err = r.PendingBalanceAt(ctx, payer)
-		} else {
-			balance, err = n.backend.BalanceAt(ctx, payer, nil)
-		}
-		if err != nil {
-			return nil, err
-		}
-		if balance.Cmp(new(big.Int).Mul(new(big.Int).SetUint64(approval.Gas()), approval.GasFeeCap())) < 0 {
-			return funding, nil
-		}
+	if needed, err := payerLacksGas(ctx, n, common.HexToAddress(rec.Payer), approval); err != nil || needed {
+		return funding, err
 	}
 	w := n.pool.byAddr[common.HexToAddress(rec.Wallet)]
 	if !n.pool.maySign(w) {
@@ -276,6 +260,33 @@ func (f *Facilitator) fundingToSend(ctx context.Context, n *network, rec journal
 		zap.String("network", n.caip2), zap.String("payment", rec.ID.String()), zap.String("payer", rec.Payer), zap.String("approval", approval.Hash().Hex()),
 		zap.String("funding", funding.Hash().Hex()), zap.String("wei", funding.Value().String()), zap.String("tx", filler.Hash().Hex()))
 	return filler, nil
+}
+
+// payerLacksGas reports whether payer still needs gas money for its signed approval, which the node does not know:
+// not when the approval's nonce is spent by another of its transactions, mined (another payment's approval: this
+// one can never mine), nor when its balance, pending transactions included, holds the approval's gas limit at its
+// fee cap (what a node wants before it takes the approval).
+func payerLacksGas(ctx context.Context, n *network, payer common.Address, approval *types.Transaction) (bool, error) {
+	if known, err := n.sender.known(ctx, approval); err != nil || known {
+		return false, err
+	}
+	mined, err := n.backend.NonceAt(ctx, payer, nil)
+	if err != nil {
+		return false, err
+	}
+	if mined > approval.Nonce() {
+		return false, nil
+	}
+	var balance *big.Int
+	if r, ok := n.backend.(pendingBalanceReader); ok {
+		balance, err = r.PendingBalanceAt(ctx, payer)
+	} else {
+		balance, err = n.backend.BalanceAt(ctx, payer, nil)
+	}
+	if err != nil {
+		return false, err
+	}
+	return balance.Cmp(new(big.Int).Mul(new(big.Int).SetUint64(approval.Gas()), approval.GasFeeCap())) < 0, nil
 }
 
 // finaliseFromReceipts looks up the receipts of the record's transactions and finalises the record with the one

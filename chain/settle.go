@@ -441,6 +441,8 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 		if ref, err := p.checkApprovalBeforeSending(ctx, calls[0]); err != nil || ref != nil {
 			return common.Hash{}, ref, err
 		}
+	}
+	if p.approval != nil {
 		calls = append(p.approvalCalls(), calls...)
 	}
 

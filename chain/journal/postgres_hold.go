@@ -54,10 +54,17 @@ import (
 // whose record, or in-flight mark not $13's, refuses the hold; NULLs for none). Every part of a statement sees one snapshot, so the holds it
 // returns are the ones it judged; its insert and its update cannot touch one row (the insert needs h not live,
 // the update needs it live). One row: whether $1 has a record (when asked), whether h fits, what the other holds
-// that count sum to, and whether h's is among them; never the holds themselves, of which a busy payer's key counts
-// hundreds while a funds read answers (every hold mined since the read), read under the key's lock. The holds
-// read leave out those mined at or before $9, which count for nobody reading at $9 and which a busy payer's key
-// keeps for a while (postgres_mined.go).
+// that count sum to, whether h's is among them, and whether another of them carries h's permit nonce; never the
+// holds themselves, of which a busy payer's key counts hundreds while a funds read answers (every hold mined since
+// the read), read under the key's lock. The holds read leave out those mined at or before $9, which count for
+// nobody reading at $9 and which a busy payer's key keeps for a while (postgres_mined.go).
+//
+// A permit nonce (an EIP-2612 permit's, or a sponsored approval's account nonce) is taken once by the chain: a hold
+// that carries one another hold that counts carries is refused, whatever the funds, under the key's lock. Two
+// settlements of one payer each carrying an approval of its first nonce, checked at once at two gateways, each
+// saw no hold of the other before its own was written with its signed transactions (claimhold.go), and both sent
+// the payer gas money (the money-invariant run, three gateways); now the later hold is refused, and its
+// settlement's checks run again and find the other.
 const pgHoldSQL = `WITH recorded AS (
 	SELECT ($11::boolean AND EXISTS (SELECT 1 FROM x402_records WHERE id = $1::bytea))
 		OR ($12::bytea IS NOT NULL AND (EXISTS (SELECT 1 FROM x402_records WHERE id = $12::bytea)
@@ -66,10 +73,12 @@ const pgHoldSQL = `WITH recorded AS (
 	SELECT id, amount, deadline, mined, permit_nonce, served, held_at FROM x402_holds
 	WHERE hold_key = $2::text AND (mined = 0 OR mined > $9::numeric)
 ), live AS (
-	SELECT id, amount FROM holds
+	SELECT id, amount, permit_nonce FROM holds
 	WHERE NOT ((mined <> 0 AND mined <= $9::numeric) OR (mined = 0 AND deadline < $10::numeric))
+), clash AS (
+	SELECT EXISTS (SELECT 1 FROM live WHERE id <> $1::bytea AND permit_nonce = $6::numeric) AS yes
 ), fits AS (
-	SELECT NOT EXISTS (SELECT 1 FROM live WHERE id = $1::bytea)
+	SELECT NOT EXISTS (SELECT 1 FROM live WHERE id = $1::bytea) AND NOT (SELECT yes FROM clash)
 		AND (SELECT coalesce(sum(amount), 0) FROM live WHERE id <> $1::bytea) + $3::numeric <= $8::numeric AS yes
 ), inserted AS (
 	INSERT INTO x402_holds (id, hold_key, amount, deadline, mined, permit_nonce, served)
@@ -82,7 +91,7 @@ const pgHoldSQL = `WITH recorded AS (
 		AND id IN (SELECT id FROM live) AND NOT (SELECT yes FROM recorded)
 )
 SELECT r.yes, f.yes, (SELECT coalesce(sum(amount), 0) FROM live WHERE id <> $1::bytea)::text,
-	EXISTS (SELECT 1 FROM live WHERE id = $1::bytea)
+	EXISTS (SELECT 1 FROM live WHERE id = $1::bytea), (SELECT yes FROM clash)
 FROM recorded r CROSS JOIN fits f`
 
 // pgDeleteHoldsPast deletes the holds of key $1 that no longer count at readBlock $2 and chainTime $3 (see
@@ -139,7 +148,9 @@ func (s *PostgresStore) holdInOne(ctx context.Context, h Hold, avail *big.Int, r
 // whether it was held already.
 type holdDecision struct {
 	recorded, fits, held bool
-	sum                  string
+	// clash: another hold that counts carries h's permit nonce (clashes), which refuses h.
+	clash bool
+	sum   string
 }
 
 // queue queues the statements of a hold with take of h into b, inside its transaction (see above); the last one
@@ -151,7 +162,7 @@ func (d *holdDecision) queue(s *PostgresStore, b *pgx.Batch, h Hold, avail *big.
 	b.Queue(`SELECT hold_key FROM x402_hold_keys WHERE hold_key = $1 FOR UPDATE`, h.Key)
 	b.Queue(pgDeleteHoldsPast, h.Key, block, at, s.minedHoldsSlack().Microseconds(), s.readsAnswerFor.Load()/1000)
 	b.Queue(pgHoldSQL, append(append(holdArgs(h), avail.String(), block, at, unrecordedOnly), s.guardArgs(guard)...)...).QueryRow(func(row pgx.Row) error {
-		return row.Scan(&d.recorded, &d.fits, &d.sum, &d.held)
+		return row.Scan(&d.recorded, &d.fits, &d.sum, &d.held, &d.clash)
 	})
 }
 
@@ -163,6 +174,9 @@ func (d *holdDecision) decide(h Hold, avail *big.Int) (ok bool, left *big.Int, e
 		return false, nil, fmt.Errorf("%w (the transaction committed)", err)
 	}
 	ok, left = covers(h, avail, others, d.held)
+	if d.clash && !d.held {
+		ok = false
+	}
 	if d.fits != (!d.held && ok) {
 		return false, nil, fmt.Errorf("journal: hold of %s: the database found room for it %v, the sum of the other holds %v (held already %v): the hold's two rules differ; the transaction committed",
 			h.ID, d.fits, ok, d.held)

@@ -117,7 +117,8 @@ func testPostgresAHoldWithTakeIsOneRoundTrip(t *testing.T, dsn string, n int) {
 // written twice. On the same holds, what the database writes and what decideHold answers agree at every edge:
 // room for exactly the amount, one wei short, holds mined at or after the read's block, past or at their deadline,
 // h held already (served or not, with too little left beside it), h's own hold past its deadline, numbers past
-// 64 bits, and a recorded payment (UnrecordedAndHeld), which writes nothing.
+// 64 bits, a recorded payment (UnrecordedAndHeld), which writes nothing, and another hold that counts carrying h's
+// permit nonce, which refuses h whatever the funds.
 func TestPostgresTheHoldStatementAndDecideHoldAgree(t *testing.T) {
 	throughEitherWay(t, testPostgresTheHoldStatementAndDecideHoldAgree)
 }
@@ -131,6 +132,7 @@ func testPostgresTheHoldStatementAndDecideHoldAgree(t *testing.T, dsn string, n 
 		amount          *big.Int
 		deadline, mined uint64
 		served, self    bool // self: h's own hold
+		nonce           *big.Int
 	}
 	live := func(amount int64) other { return other{amount: big.NewInt(amount), deadline: 5000} }
 	for i, tc := range []struct {
@@ -140,6 +142,7 @@ func testPostgresTheHoldStatementAndDecideHoldAgree(t *testing.T, dsn string, n 
 		avail    *big.Int
 		served   bool
 		recorded bool
+		nonce    *big.Int // h's permit nonce
 		wantOK   bool
 		wantLeft int64 // unless recorded
 	}{
@@ -163,17 +166,26 @@ func testPostgresTheHoldStatementAndDecideHoldAgree(t *testing.T, dsn string, n 
 		{name: "past 64 bits, one wei short", others: []other{{amount: big200, deadline: 5000}}, amount: big.NewInt(1), avail: big200, wantLeft: 0},
 		{name: "recorded: nothing written", others: []other{live(10)}, amount: big.NewInt(10), avail: big.NewInt(100), served: true, recorded: true},
 		{name: "recorded and held already: not marked served", others: []other{{amount: big.NewInt(10), deadline: 5000, self: true}}, amount: big.NewInt(10), avail: big.NewInt(100), served: true, recorded: true},
+		{name: "another hold carries its permit nonce: refused, room or not", others: []other{{amount: big.NewInt(10), deadline: 5000, nonce: big.NewInt(7)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), wantLeft: 90},
+		{name: "a served hold carries its permit nonce: refused", others: []other{{amount: big.NewInt(10), deadline: 5000, nonce: big.NewInt(7), served: true}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), served: true, wantLeft: 90},
+		{name: "a hold of its permit nonce past 64 bits: refused", others: []other{{amount: big.NewInt(10), deadline: 5000, nonce: new(big.Int).SetBit(big.NewInt(0), 255, 1)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: new(big.Int).SetBit(big.NewInt(0), 255, 1), wantLeft: 90},
+		{name: "a hold of its permit nonce mined after the read's block: refused", others: []other{{amount: big.NewInt(10), deadline: 5000, mined: readBlock + 1, nonce: big.NewInt(7)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), wantLeft: 90},
+		{name: "a hold of its permit nonce mined at the read's block: gone", others: []other{{amount: big.NewInt(10), deadline: 5000, mined: readBlock, nonce: big.NewInt(7)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), wantOK: true, wantLeft: 100},
+		{name: "a hold of its permit nonce past its deadline: gone", others: []other{{amount: big.NewInt(10), deadline: chainTime - 1, nonce: big.NewInt(7)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), wantOK: true, wantLeft: 100},
+		{name: "a hold of another permit nonce", others: []other{{amount: big.NewInt(10), deadline: 5000, nonce: big.NewInt(8)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), wantOK: true, wantLeft: 90},
+		{name: "no permit nonce, beside a hold that carries one", others: []other{{amount: big.NewInt(10), deadline: 5000, nonce: big.NewInt(7)}}, amount: big.NewInt(10), avail: big.NewInt(100), wantOK: true, wantLeft: 90},
+		{name: "held already with its permit nonce, beside another hold of it", others: []other{{amount: big.NewInt(10), deadline: 5000, nonce: big.NewInt(7)}, {amount: big.NewInt(10), deadline: 5000, nonce: big.NewInt(7), self: true}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), wantOK: true, wantLeft: 90},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			key := "agree:" + strconv.Itoa(n) + ":" + strconv.Itoa(i)
 			base := 21000 + n*100 + i*4
-			h := Hold{ID: claimOf(base).ID, Key: key, Amount: tc.amount, Deadline: 4000, Served: tc.served}
+			h := Hold{ID: claimOf(base).ID, Key: key, Amount: tc.amount, Deadline: 4000, Served: tc.served, PermitNonce: tc.nonce}
 			for j, o := range tc.others {
 				id := claimOf(base + 1 + j).ID
 				if o.self {
 					id = h.ID
 				}
-				stored := Hold{ID: id, Key: key, Amount: o.amount, Deadline: o.deadline, Mined: o.mined, Served: o.served}
+				stored := Hold{ID: id, Key: key, Amount: o.amount, Deadline: o.deadline, Mined: o.mined, Served: o.served, PermitNonce: o.nonce}
 				if _, err := a.pool.Exec(ctx, pgInsertHold, holdArgs(stored)...); err != nil {
 					t.Fatal(err)
 				}
@@ -404,6 +416,7 @@ func testPostgresConcurrentHoldsOfOneKeyFromTwoStoresNeverOverCommit(t *testing.
 // state it in the database, over sums; the tests hold them to it.
 func decideHold(holds []Hold, h Hold, avail *big.Int, readBlock, chainTime uint64) (ok bool, left *big.Int, held bool) {
 	others := new(big.Int)
+	clash := false // another hold that counts carries h's permit nonce
 	for _, o := range holds {
 		if (o.Mined != 0 && o.Mined <= readBlock) || (o.Mined == 0 && o.Deadline < chainTime) {
 			continue // take deleted it already; without take it only does not count
@@ -413,7 +426,8 @@ func decideHold(holds []Hold, h Hold, avail *big.Int, readBlock, chainTime uint6
 			continue
 		}
 		others.Add(others, o.Amount)
+		clash = clash || (h.PermitNonce != nil && o.PermitNonce != nil && o.PermitNonce.Cmp(h.PermitNonce) == 0)
 	}
 	left = new(big.Int).Sub(avail, others)
-	return held || left.Cmp(h.Amount) >= 0, left, held
+	return held || (!clash && left.Cmp(h.Amount) >= 0), left, held
 }

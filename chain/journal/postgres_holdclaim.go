@@ -272,7 +272,7 @@ func (s *PostgresStore) holdClaimAndSignOnce(ctx context.Context, items []*behin
 				return err
 			}
 		}
-		if err := br.QueryRow().Scan(&d.recorded, &d.fits, &d.sum, &d.held); err != nil {
+		if err := br.QueryRow().Scan(&d.recorded, &d.fits, &d.sum, &d.held, &d.clash); err != nil {
 			return err
 		}
 		tag, err := br.Exec()
