@@ -264,10 +264,14 @@ func (p *payment) checkApproval(ctx context.Context, use fundsUse) (*refusal, er
 		return nil, err
 	}
 	if sa.tx.Nonce() != next {
-		if use == fundsSettle && sa.tx.Nonce() < next && sa.tx.Nonce() >= mined {
-			// Its nonce is taken by a transaction of the payer on its way, most likely another payment's
-			// approval: once it mined, the allowance it sets may pay this payment, or this one is refused then.
-			return nil, fmt.Errorf("nothing was sent: %w: the payer %s's approval has nonce %d, which another of its transactions on its way takes (its mined nonce is %d, its pending one %d); the payment is settled once that mined", errNodeNotAsked, p.payer.Hex(), sa.tx.Nonce(), mined, next)
+		if sa.tx.Nonce() < next && sa.tx.Nonce() >= mined {
+			// Its nonce is taken by a transaction of the payer's on its way, most likely another payment's
+			// approval (two first payments of a payer, signed at once): once that mined, the allowance it sets
+			// pays this payment, or the payment is refused then. Nothing is wrong with this one yet.
+			if use == fundsSettle {
+				return nil, fmt.Errorf("nothing was sent: %w: the payer %s's approval has nonce %d, which another of its transactions on its way takes (its mined nonce is %d, its pending one %d); the payment is settled once that mined", errNodeNotAsked, p.payer.Hex(), sa.tx.Nonce(), mined, next)
+			}
+			return refuse(x402.ReasonERC20ApprovalTxWrongNonce, "%s has nonce %d, which another transaction of the payer %s on its way takes (its mined nonce is %d, its pending one %d): most likely another payment's approval of Permit2, whose allowance pays this payment once it mined; present the payment again then", ext, sa.tx.Nonce(), p.payer.Hex(), mined, next), nil
 		}
 		return refuse(x402.ReasonERC20ApprovalTxWrongNonce, "%s has nonce %d but the payer %s's next is %d; sign it again with the account's pending nonce", ext, sa.tx.Nonce(), p.payer.Hex(), next), nil
 	}
@@ -425,16 +429,27 @@ func (p *payment) simulateApproval(ctx context.Context, settle contractCall) (*r
 // an approval of the same nonce, settled meanwhile at another gateway or beside this one: the money-invariant run
 // saw the payer sent gas money a second time, and then this approval refused "nonce too low"): an allowance that
 // pays the payment now drops the approval and its gas money (p.approval nil: the settlement goes alone); otherwise
-// checkApproval runs again, and says what gas money the payer still lacks, or that nothing may go yet.
+// checkApproval runs again, and says what gas money the payer still lacks, or that nothing may go yet. The head is
+// read first, and the allowance at it.
 func (p *payment) checkApprovalBeforeSending(ctx context.Context, settle contractCall) (*refusal, error) {
 	n := p.net
-	allowance, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "allowance", p.payer, n.permit2)
+	head, err := n.head.get(ctx, n.now, 0, n.readHead)
+	if err != nil {
+		return nil, fmt.Errorf("nothing was sent: %w: reading the head block: %w", errNodeNotAsked, err)
+	}
+	if c := p.pending; c != nil && c.hold != nil && head.Number.Uint64() < c.hold.readBlock {
+		// The hold about to be written judges the other holds from a read at a newer block (another endpoint's):
+		// what this node says of the payer now may miss what the hold takes as mined.
+		return nil, fmt.Errorf("nothing was sent: %w: the node's head %s is behind block %d, where the payer's funds were read", errNodeNotAsked, head.Number, c.hold.readBlock)
+	}
+	allowance, err := n.callUintAt(ctx, head.Number, p.asset.Address, contracts.StableCoinABI, "allowance", p.payer, n.permit2)
 	if err != nil {
 		return nil, fmt.Errorf("nothing was sent: %w: reading the payer's Permit2 allowance: %w", errNodeNotAsked, err)
 	}
 	if allowance.Cmp(p.amount) >= 0 {
-		p.approval = nil
-		return nil, nil
+		// The settlement goes alone: its checks run again, which drop the approval when they read the allowance
+		// too, and hold what it moves as any plain permit2 payment's.
+		return nil, errChecksAgain
 	}
 	if ref, err := p.checkApproval(ctx, fundsSettle); err != nil {
 		if errors.Is(err, errNodeNotAsked) {
@@ -444,16 +459,16 @@ func (p *payment) checkApprovalBeforeSending(ctx context.Context, settle contrac
 	} else if ref != nil {
 		return ref, nil
 	}
-	head, err := n.head.get(ctx, n.now, 0, n.readHead)
-	if err != nil {
-		return nil, fmt.Errorf("nothing was sent: %w: reading the head block: %w", errNodeNotAsked, err)
-	}
 	ref, err := p.simulateApprovalAs(ctx, newExecution(p.exec.from, p.exec.quote, head, n.mineTime(head).earliest), settle)
 	if err != nil {
 		return nil, fmt.Errorf("nothing was sent: %w: simulating the payer's approval and the settlement: %w", errNodeNotAsked, err)
 	}
 	return ref, nil
 }
+
+// errChecksAgain: what a settlement's checks found has changed before anything was signed (the payer's allowance
+// pays it now, without the approval it carries), and they run again; nothing was sent.
+var errChecksAgain = errors.New("nothing was sent: the payment's checks run again")
 
 // simulateApprovalAs is simulateApproval with the settlement run as x says.
 func (p *payment) simulateApprovalAs(ctx context.Context, x *execution, settle contractCall) (*refusal, error) {

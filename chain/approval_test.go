@@ -925,6 +925,66 @@ func TestAPaymentWhoseApprovalWaitsBehindThePayersPendingApprovalIsNotFunded(t *
 	}
 }
 
+// The same, but the second payment's approval has the nonce of the first, which is on its way (two first payments
+// of a payer signed at once, each with its own approval of the account's first nonce): the second is refused at
+// verification as waiting behind it (erc20_approval_tx_wrong_nonce, saying to present it again once that mined:
+// the money-invariant run judged "sign it again with the account's pending nonce" a refusal of an honest payment,
+// and its advice was wrong), its settlement sends nothing and says so, and once the first approval mined it pays
+// with the allowance that set, funded nothing.
+func TestAPaymentWhoseApprovalsNonceAnotherApprovalOnItsWayTakesWaitsForIt(t *testing.T) {
+	fx := newFixture(t, fixtureOpts{autoCommit: -1, receiptTimeout: 300 * time.Millisecond,
+		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
+		tune:      func(_ *fixture, nc *chain.NetworkConfig) { nc.ApprovalSponsoring = &chain.ApprovalSponsoring{} }})
+	ctx := context.Background()
+	payer := fx.c.PayerNoGas
+	first, fees := fx.sponsoredPermit2(payer)
+	if s := fx.settle(first); s.Success || s.ErrorReason != x402.ReasonSettlementPending {
+		t.Fatalf("settle with no block sealed = %+v, want settlement_pending", s)
+	}
+	fx.c.Commit() // the first's gas money mines
+	approval := approvalOf(t, first)
+	if err := fx.c.SendSigned(ctx, approval); err != nil {
+		t.Fatal(err)
+	}
+	second := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	fees.FeeCap = new(big.Int).Add(fees.FeeCap, big.NewInt(1))
+	if err := chain.AddApprovalSponsoring(&second.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
+		t.Fatal(err)
+	}
+	if other := approvalOf(t, second); other.Nonce() != approval.Nonce() || other.Hash() == approval.Hash() {
+		t.Fatal("the second payment must carry another approval of the first's nonce")
+	}
+	funded := fx.f.ApprovalFunding(fx.net)
+	v := fx.verify(second)
+	if v.IsValid || v.InvalidReason != x402.ReasonERC20ApprovalTxWrongNonce || !strings.Contains(v.InvalidMessage, "on its way") || !strings.Contains(v.InvalidMessage, "present the payment again") {
+		t.Fatalf("verify while the first approval is on its way = %+v, want refused %s, waiting behind it", v, x402.ReasonERC20ApprovalTxWrongNonce)
+	}
+	if s, err := fx.f.Settle(ctx, second); err == nil || s.Success || s.ErrorReason != "" || !strings.Contains(err.Error(), "nothing was sent") {
+		t.Fatalf("settle while the first approval is on its way = %+v, %v; want nothing sent and an error saying so, no refusal", s, err)
+	}
+	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 {
+		t.Fatalf("ApprovalFunding = %s, want still %s: the payer was funded for a second approval of one nonce", got, funded)
+	}
+	t.Cleanup(fx.c.AutoCommit(5 * time.Millisecond))
+	if _, err := fx.c.CommitUntilIncluded(ctx, approval.Hash()); err != nil {
+		t.Fatal(err)
+	}
+	var s x402.SettleResponse
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); {
+		var err error
+		if s, err = fx.f.Settle(ctx, second); err == nil && (s.Success || s.ErrorReason != x402.ReasonSettlementPending) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !s.Success {
+		t.Fatalf("settle of the second once the first approval mined = %+v, want success", s)
+	}
+	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 || fx.c.TxCount(payer.Address) != 1 {
+		t.Fatalf("the second payment funded the payer (%s wei, then %s) or sent its approval (%d transactions of the payer's)", funded, got, fx.c.TxCount(payer.Address))
+	}
+}
+
 // headLagsReceipts is a node that serves the payer's approval's receipt before its head moves to the block that
 // mined it, as geth does for a moment (it indexes a block's transactions before it writes its head): for the
 // next few reads of the head, the head and the latest state are the block before.

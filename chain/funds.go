@@ -2,6 +2,7 @@ package chain
 
 import (
 	"context"
+	"errors"
 	"math/big"
 	"sync"
 	"time"
@@ -89,30 +90,38 @@ func newFunds(ttl time.Duration, now func() time.Time) *funds {
 // (drop), or its deadline passes; with fundsHold, as a served payment's. A payment already held is covered by its
 // own hold. avail is what the payer can still pay beside the holds (see payment.fundsLimit).
 func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, use fundsUse) (ok, known bool, avail *big.Int) {
+	ok, known, _, avail = fs.coverOrClash(p, chainTime, r, use)
+	return ok, known, avail
+}
+
+// coverOrClash is cover, saying too whether p was refused for its permit nonce (clash), which another held payment
+// carries: the chain takes it once, so whatever the funds, p is not held beside it (see pgHoldSQL).
+func (fs *funds) coverOrClash(p *payment, chainTime uint64, r *fundsRead, use fundsUse) (ok, known, clash bool, avail *big.Int) {
 	key := fundsKey{p.asset.Address, p.payer}
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	pf := fs.readLocked(key, r)
 	if pf == nil {
-		return false, false, nil
+		return false, false, false, nil
 	}
 	if r != nil && r.block == pf.read.block {
 		pf.settle(chainTime, fs.byID)
 	}
 	if h, held := pf.holds[p.id]; held {
 		h.served = h.served || use == fundsHold
-		return true, true, nil
+		return true, true, false, nil
 	}
 	avail = new(big.Int).Sub(p.fundsLimit(pf.read), pf.held)
-	if avail.Cmp(p.amount) < 0 || pf.permitClash(p) {
-		// A permit nonce (or a sponsored approval's) another held payment carries is taken once by the chain:
-		// whatever the funds, p is not held beside it (see pgHoldSQL).
-		return false, true, avail
+	if pf.permitClash(p) {
+		return false, true, true, avail
+	}
+	if avail.Cmp(p.amount) < 0 {
+		return false, true, false, avail
 	}
 	if use != fundsVerify {
 		fs.hold(pf, key, p, use == fundsHold)
 	}
-	return true, true, avail
+	return true, true, false, avail
 }
 
 // fundsLimit is what p's settlement can move at most as r shows the payer's funds, before any hold: the balance
@@ -351,12 +360,13 @@ func (fs *funds) holdKey(p *payment) string {
 // keyPrefix starts the key of every shared hold of this engine's network.
 func (fs *funds) keyPrefix() string { return fs.network + ":" }
 
-// check is cover for every kind of journal: with shared holds, the journal answers what the other payments of
-// the payer hold (and holds p, unless use is fundsVerify); an error says the journal could not be asked.
-func (fs *funds) check(ctx context.Context, p *payment, chainTime uint64, r *fundsRead, use fundsUse) (ok, known bool, avail *big.Int, err error) {
+// check is coverOrClash for every kind of journal: with shared holds, the journal answers what the other payments
+// of the payer hold (and holds p, unless use is fundsVerify); an error says the journal could not be asked. clash:
+// p was refused for its permit nonce, which another held payment carries (for shared holds, only with take).
+func (fs *funds) check(ctx context.Context, p *payment, chainTime uint64, r *fundsRead, use fundsUse) (ok, clash bool, avail *big.Int, err error) {
 	if fs.shared == nil {
-		ok, known, avail = fs.cover(p, chainTime, r, use)
-		return ok, known, avail, nil
+		ok, _, clash, avail = fs.coverOrClash(p, chainTime, r, use)
+		return ok, clash, avail, nil
 	}
 	fs.mu.Lock()
 	pf := fs.readLocked(fundsKey{p.asset.Address, p.payer}, r)
@@ -371,10 +381,13 @@ func (fs *funds) check(ctx context.Context, p *payment, chainTime uint64, r *fun
 		// The hold goes with the claim and the signed transaction's record, which decide it (see signedWithHold):
 		// taken as held here, for the checks after this one.
 		p.pending.hold = &deferredHold{holds: fs.shared, h: h, avail: p.fundsLimit(read), readBlock: read.block, chainTime: chainTime}
-		return true, true, nil, nil
+		return true, false, nil, nil
 	}
 	ok, avail, err = fs.shared.Hold(ctx, h, p.fundsLimit(read), read.block, chainTime, use != fundsVerify)
-	return ok, true, avail, err
+	if errors.Is(err, journal.ErrPermitNonceHeld) {
+		return false, true, avail, nil
+	}
+	return ok, false, avail, err
 }
 
 // checkUnrecorded is check, for shared holds, of a payment the journal holds no record of: the journal's read of

@@ -1,7 +1,7 @@
 package chain
 
 import (
-	"github.com/x402-gateway/caddy-x402/x402"
+	"context"
 	"math/big"
 	"testing"
 	"time"
@@ -9,6 +9,7 @@ import (
 	"github.com/ethereum/go-ethereum/common"
 
 	"github.com/x402-gateway/caddy-x402/chain/journal"
+	"github.com/x402-gateway/caddy-x402/x402"
 )
 
 func fundsID(i int) journal.ID { return journal.ID{byte(i >> 8), byte(i)} }
@@ -177,4 +178,30 @@ func TestAnUptoHoldShrunkToItsSettledAmountFreesTheRestAtOnce(t *testing.T) {
 		t.Fatalf("shrinking to more than the hold changed it: %v left, want 26", avail)
 	}
 	fs.shrink(fundsPayment(3, 1, 900)) // not held: nothing happens
+}
+
+// A payment whose permit nonce another held payment carries is not held beside it, whatever the funds, and check
+// says it was refused for that (clash), not for the funds: coverHeld answers from it, not from a second look at
+// the holds, which may have changed by then (found by review: a clash the other hold's end then hid was answered
+// insufficient_funds, a refusal for good).
+func TestFundsRefuseAPermitNonceHeldTwiceAndSaySo(t *testing.T) {
+	fs := newFunds(time.Minute, time.Now)
+	erc2612 := func(i int) *payment {
+		p := fundsPayment(i, 10, 900)
+		p.method, p.permit = x402.TransferERC2612, Permit{Nonce: big.NewInt(3), Deadline: big.NewInt(900)}
+		return p
+	}
+	r := &fundsRead{block: 1, balance: big.NewInt(100), allowance: big.NewInt(100)}
+	if ok, clash, _, err := fs.check(context.Background(), erc2612(1), 500, r, fundsSettle); !ok || clash || err != nil {
+		t.Fatalf("check of the first = %v, clash %v, %v; want held", ok, clash, err)
+	}
+	ok, clash, avail, err := fs.check(context.Background(), erc2612(2), 500, nil, fundsSettle)
+	if ok || !clash || err != nil || avail.Cmp(big.NewInt(90)) != 0 {
+		t.Fatalf("check of a second payment of the same permit nonce = %v, clash %v, avail %v, %v; want refused for the clash, 90 left", ok, clash, avail, err)
+	}
+	other := erc2612(3)
+	other.permit = Permit{Nonce: big.NewInt(4), Deadline: big.NewInt(900)}
+	if ok, clash, _, err := fs.check(context.Background(), other, 500, nil, fundsSettle); !ok || clash || err != nil {
+		t.Fatalf("check of a payment of another permit nonce = %v, clash %v, %v; want held", ok, clash, err)
+	}
 }

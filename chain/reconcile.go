@@ -265,7 +265,8 @@ func (f *Facilitator) fundingToSend(ctx context.Context, n *network, rec journal
 // payerLacksGas reports whether payer still needs gas money for its signed approval, which the node does not know:
 // not when the approval's nonce is spent by another of its transactions, mined (another payment's approval: this
 // one can never mine), nor when its balance, pending transactions included, holds the approval's gas limit at its
-// fee cap (what a node wants before it takes the approval).
+// fee cap (what a node wants before it takes the approval). An error while another transaction of the payer's on
+// its way takes the nonce: nothing is to be sent until it mined or was dropped.
 func payerLacksGas(ctx context.Context, n *network, payer common.Address, approval *types.Transaction) (bool, error) {
 	if known, err := n.sender.known(ctx, approval); err != nil || known {
 		return false, err
@@ -276,6 +277,17 @@ func payerLacksGas(ctx context.Context, n *network, payer common.Address, approv
 	}
 	if mined > approval.Nonce() {
 		return false, nil
+	}
+	next, err := n.backend.PendingNonceAt(ctx, payer)
+	if err != nil {
+		return false, err
+	}
+	if next > approval.Nonce() {
+		// Taken by a transaction of the payer's on its way (another payment's approval, most likely): funded now,
+		// the payer would be paid twice for one nonce. Once that mined, the approval needs no gas money; dropped,
+		// a later pass funds it.
+		return false, fmt.Errorf("the payer %s's approval %s has nonce %d, which another of its transactions on its way takes (mined nonce %d, pending %d): its gas money waits for a later pass",
+			payer.Hex(), approval.Hash().Hex(), approval.Nonce(), mined, next)
 	}
 	var balance *big.Int
 	if r, ok := n.backend.(pendingBalanceReader); ok {

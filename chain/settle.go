@@ -397,8 +397,17 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 		// A verification may have held the payment at its maximum: what this settlement moves is what stays held.
 		n.funds.shrink(p)
 	}
-	for {
+	for again := 0; ; {
 		hash, ref, err := f.checkAndSend(ctx, p, w, quote)
+		if errors.Is(err, errChecksAgain) {
+			// The payer's allowance pays the payment now without the approval it carries: the checks run again,
+			// which read it and drop the approval (checkApprovalBeforeSending).
+			if again++; again > 2 {
+				// The node's answers disagree from one read to the next (endpoints at different heads).
+				return common.Hash{}, nil, fmt.Errorf("nothing was sent: %w: the payer's Permit2 allowance read as paying the payment, then not, %d times", errNodeNotAsked, again)
+			}
+			continue
+		}
 		if errors.Is(err, errHoldRefusedSigned) {
 			// The checks held at a funds read the shared holds no longer leave room at: they run again, holding
 			// and claiming before anything is signed (claimhold.go), reading the funds again where that falls short.
@@ -441,8 +450,6 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 		if ref, err := p.checkApprovalBeforeSending(ctx, calls[0]); err != nil || ref != nil {
 			return common.Hash{}, ref, err
 		}
-	}
-	if p.approval != nil {
 		calls = append(p.approvalCalls(), calls...)
 	}
 

@@ -1102,13 +1102,16 @@ func (p *payment) coverHeld(ctx context.Context, use fundsUse) (*refusal, error)
 	if err != nil {
 		return nil, err
 	}
-	ok, _, left, err := n.funds.check(ctx, p, head.Time, &fundsRead{block: block.Uint64(), balance: balance, allowance: allowance}, use)
+	ok, clash, left, err := n.funds.check(ctx, p, head.Time, &fundsRead{block: block.Uint64(), balance: balance, allowance: allowance}, use)
 	if err != nil {
 		return nil, err
 	}
-	permitHeld, err := n.funds.permitInUse(ctx, p)
-	if err != nil {
-		return nil, err
+	permitHeld := clash
+	if !ok && !clash {
+		// A hold of the permit taken meanwhile by a concurrent payment, when the check was one without take.
+		if permitHeld, err = n.funds.permitInUse(ctx, p); err != nil {
+			return nil, err
+		}
 	}
 	switch {
 	case ok:

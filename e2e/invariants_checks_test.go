@@ -761,13 +761,15 @@ func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 
 // sharesApproval reports whether note is the refusal, at verification, of a payment whose sponsored approval (its
 // payer's approve(Permit2) transaction) has the account nonce of the approval another payment of the payer carries,
-// held and not settled yet: the sponsored-approval lane's concurrent first payments of one payer sign one approval
-// nonce each, and only one payment can carry it (chain/verify.go permitInFlight,
-// TestTwoPaymentsCarryingOneSponsoredApprovalVerifiedAtOnceAtTwoGatewaysAreNotBothHeld). The refusal comes before
+// held and not settled yet, or on its way to the chain: the sponsored-approval lane's concurrent first payments of
+// one payer sign one approval nonce each, and only one payment can carry it (chain/verify.go permitInFlight,
+// TestTwoPaymentsCarryingOneSponsoredApprovalVerifiedAtOnceAtTwoGatewaysAreNotBothHeld; chain/approval.go
+// checkApproval, TestAPaymentWhoseApprovalWaitsBehindThePayersPendingApprovalIsNotFunded). The refusal comes before
 // the upstream runs and charges nothing; the payment is good again once the other's approval mined, and is judged
 // by its later presentations (it must still end with a final answer).
 func sharesApproval(note string) bool {
-	return strings.HasPrefix(note, x402.ReasonERC20ApprovalTxWrongNonce) && strings.Contains(note, "is carried by another payment")
+	return strings.HasPrefix(note, x402.ReasonERC20ApprovalTxWrongNonce) &&
+		(strings.Contains(note, "is carried by another payment") || strings.Contains(note, "whose allowance pays this payment once it mined"))
 }
 
 func hasAnyPrefix(s string, prefixes []string) bool {

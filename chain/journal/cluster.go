@@ -65,8 +65,9 @@ type Cluster interface {
 	// (the lesser of balance and allowance); holds whose settlement was mined at or before readBlock, and
 	// holds never seen mined whose Deadline is before chainTime, no longer count. With take they are deleted,
 	// a mined one only once no instance's read older than its block can still answer (see
-	// PostgresStore.ReadsAnswerFor). With take false nothing is written: Hold only answers whether h would be
-	// covered.
+	// PostgresStore.ReadsAnswerFor), and h is refused, whatever the funds, when another hold that counts carries
+	// its PermitNonce (ErrPermitNonceHeld, with ok false and left). With take false nothing is written: Hold only
+	// answers whether h would be covered.
 	Hold(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, take bool) (ok bool, left *big.Int, err error)
 	// A hold that is Served is marked so by Hold with take (even when h.ID was held already), and stays so.
 	//
@@ -134,6 +135,11 @@ type Hold struct {
 	// it settles, is refused for good or its deadline passes, whoever's settlement attempts fail meanwhile.
 	Served bool
 }
+
+// ErrPermitNonceHeld: Hold with take refused h because another hold of its key that counts carries h's PermitNonce
+// (the chain takes a permit's nonce once, and a payer's account nonce once), whatever the funds; ok is false and left
+// is what the funds cover beside the other holds, as for any refusal.
+var ErrPermitNonceHeld = errors.New("journal: another hold carries the hold's permit nonce")
 
 // ErrFenced: UpdateFenced by an instance that no longer holds the lease at that fence.
 var ErrFenced = errors.New("journal: the lease is no longer held at this fence")

@@ -999,6 +999,9 @@ func (s *PostgresStore) Hold(ctx context.Context, h Hold, avail *big.Int, readBl
 			}
 		}
 	}
+	if errors.Is(err, ErrPermitNonceHeld) {
+		return false, left, err
+	}
 	if err != nil {
 		return false, nil, s.fail(ctx, "hold", err)
 	}

@@ -140,8 +140,15 @@ func (s *PostgresStore) holdInOne(ctx context.Context, h Hold, avail *big.Int, r
 		return d.recorded, false, nil, err
 	}
 	ok, left, err = d.decide(h, avail)
+	if err == nil && d.refusedForPermit() {
+		err = ErrPermitNonceHeld
+	}
 	return false, ok, left, err
 }
+
+// refusedForPermit reports whether the hold decided as d was refused for its permit nonce, which another hold that
+// counts carries.
+func (d *holdDecision) refusedForPermit() bool { return d.clash && !d.held }
 
 // holdDecision is what the statements of a hold with take (queue) returned: whether a record of the hold's
 // payment refused it, whether the database found room for it, what the other holds that count sum to, and
@@ -174,7 +181,7 @@ func (d *holdDecision) decide(h Hold, avail *big.Int) (ok bool, left *big.Int, e
 		return false, nil, fmt.Errorf("%w (the transaction committed)", err)
 	}
 	ok, left = covers(h, avail, others, d.held)
-	if d.clash && !d.held {
+	if d.refusedForPermit() {
 		ok = false
 	}
 	if d.fits != (!d.held && ok) {

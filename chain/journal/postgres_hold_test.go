@@ -2,6 +2,7 @@ package journal
 
 import (
 	"context"
+	"errors"
 	"math/big"
 	"slices"
 	"strconv"
@@ -143,6 +144,7 @@ func testPostgresTheHoldStatementAndDecideHoldAgree(t *testing.T, dsn string, n 
 		served   bool
 		recorded bool
 		nonce    *big.Int // h's permit nonce
+		clash    bool     // refused for it: Hold says ErrPermitNonceHeld
 		wantOK   bool
 		wantLeft int64 // unless recorded
 	}{
@@ -166,10 +168,10 @@ func testPostgresTheHoldStatementAndDecideHoldAgree(t *testing.T, dsn string, n 
 		{name: "past 64 bits, one wei short", others: []other{{amount: big200, deadline: 5000}}, amount: big.NewInt(1), avail: big200, wantLeft: 0},
 		{name: "recorded: nothing written", others: []other{live(10)}, amount: big.NewInt(10), avail: big.NewInt(100), served: true, recorded: true},
 		{name: "recorded and held already: not marked served", others: []other{{amount: big.NewInt(10), deadline: 5000, self: true}}, amount: big.NewInt(10), avail: big.NewInt(100), served: true, recorded: true},
-		{name: "another hold carries its permit nonce: refused, room or not", others: []other{{amount: big.NewInt(10), deadline: 5000, nonce: big.NewInt(7)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), wantLeft: 90},
-		{name: "a served hold carries its permit nonce: refused", others: []other{{amount: big.NewInt(10), deadline: 5000, nonce: big.NewInt(7), served: true}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), served: true, wantLeft: 90},
-		{name: "a hold of its permit nonce past 64 bits: refused", others: []other{{amount: big.NewInt(10), deadline: 5000, nonce: new(big.Int).SetBit(big.NewInt(0), 255, 1)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: new(big.Int).SetBit(big.NewInt(0), 255, 1), wantLeft: 90},
-		{name: "a hold of its permit nonce mined after the read's block: refused", others: []other{{amount: big.NewInt(10), deadline: 5000, mined: readBlock + 1, nonce: big.NewInt(7)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), wantLeft: 90},
+		{name: "another hold carries its permit nonce: refused, room or not", others: []other{{amount: big.NewInt(10), deadline: 5000, nonce: big.NewInt(7)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), clash: true, wantLeft: 90},
+		{name: "a served hold carries its permit nonce: refused", others: []other{{amount: big.NewInt(10), deadline: 5000, nonce: big.NewInt(7), served: true}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), served: true, clash: true, wantLeft: 90},
+		{name: "a hold of its permit nonce past 64 bits: refused", others: []other{{amount: big.NewInt(10), deadline: 5000, nonce: new(big.Int).SetBit(big.NewInt(0), 255, 1)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: new(big.Int).SetBit(big.NewInt(0), 255, 1), clash: true, wantLeft: 90},
+		{name: "a hold of its permit nonce mined after the read's block: refused", others: []other{{amount: big.NewInt(10), deadline: 5000, mined: readBlock + 1, nonce: big.NewInt(7)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), clash: true, wantLeft: 90},
 		{name: "a hold of its permit nonce mined at the read's block: gone", others: []other{{amount: big.NewInt(10), deadline: 5000, mined: readBlock, nonce: big.NewInt(7)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), wantOK: true, wantLeft: 100},
 		{name: "a hold of its permit nonce past its deadline: gone", others: []other{{amount: big.NewInt(10), deadline: chainTime - 1, nonce: big.NewInt(7)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), wantOK: true, wantLeft: 100},
 		{name: "a hold of another permit nonce", others: []other{{amount: big.NewInt(10), deadline: 5000, nonce: big.NewInt(8)}}, amount: big.NewInt(10), avail: big.NewInt(100), nonce: big.NewInt(7), wantOK: true, wantLeft: 90},
@@ -210,8 +212,8 @@ func testPostgresTheHoldStatementAndDecideHoldAgree(t *testing.T, dsn string, n 
 				}
 			} else {
 				ok, left, err = b.Hold(ctx, h, tc.avail, readBlock, chainTime, true)
-				if err != nil {
-					t.Fatal(err)
+				if tc.clash != errors.Is(err, ErrPermitNonceHeld) || (err != nil && !tc.clash) {
+					t.Fatalf("Hold = %v; want ErrPermitNonceHeld %v", err, tc.clash)
 				}
 				if ok != wantOK || left.Cmp(wantLeft) != 0 {
 					t.Fatalf("Hold = %v, %s; decideHold on the same holds says %v, %s", ok, left, wantOK, wantLeft)
