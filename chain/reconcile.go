@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
+	"slices"
 	"time"
 
 	"github.com/ethereum/go-ethereum"
@@ -14,6 +15,7 @@ import (
 	"github.com/ethereum/go-ethereum/core/types"
 	"go.uber.org/zap"
 
+	"github.com/x402-gateway/caddy-x402/chain/contracts"
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
 )
@@ -376,6 +378,11 @@ func (f *Facilitator) bumpFees(ctx context.Context, n *network, rec journal.Reco
 				prior := append([][]byte(nil), r.PriorRawTxs...)
 				prior[i] = newRaw
 				r.PriorRawTxs = prior
+				// Named beside the version it replaces, which may still be the one that mines: a settled-again
+				// erc2612 payment looks among them for its mined permit (resettle).
+				if h := replacement.Hash().Hex(); !slices.Contains(r.PriorTxHashes, h) {
+					r.PriorTxHashes = append(slices.Clip(r.PriorTxHashes), h)
+				}
 			}
 			r.Attempts++
 			return nil
@@ -429,7 +436,8 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 			}
 		}
 	}
-	if ref == nil {
+	checked := ref == nil // the refusal, if any, is the checks' (the request parsed)
+	if checked {
 		hash, ref, err = f.broadcast(ctx, p)
 		if err != nil {
 			return err
@@ -437,6 +445,18 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 	}
 	if ref != nil && ref.reason == x402.ReasonNoAvailableWallets {
 		return errors.New(ref.message) // busy, not refused: the next pass tries again
+	}
+	if ref != nil && checked && p.method == x402.TransferERC2612 && !p.permitApplied && f.now().Sub(rec.ClaimedAt) < spentNonceWait {
+		// Refused with the permit's nonce spent since it was read: most likely by this settlement's own permit, on
+		// its way when the receipts were looked up and mined during the checks (whose simulation then fails,
+		// ERC2612InvalidSigner). The next pass finds its receipt and sends the transfer its allowance pays for.
+		cur, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "nonces", p.payer)
+		if err != nil {
+			return err
+		}
+		if cur.Cmp(p.permit.Nonce) > 0 {
+			return fmt.Errorf("payment %s: its permit's nonce %s was spent while it was settled again (the token's next is %s), most likely by its own permit transaction; the next pass looks for its receipt: %s", rec.ID, p.permit.Nonce, cur, ref.message)
+		}
 	}
 	if ref != nil && (ref.reason == x402.ReasonPermit2InvalidNonce || ref.reason == x402.ReasonNonceAlreadyUsed) &&
 		f.now().Sub(rec.ClaimedAt) < spentNonceWait {

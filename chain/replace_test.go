@@ -1,8 +1,10 @@
 package chain_test
 
 import (
+	"bytes"
 	"context"
 	"math/big"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -127,4 +129,70 @@ func waitForRecord(t *testing.T, j journal.Store, ok func(journal.Record) bool) 
 	}
 	t.Fatal("no journal record reached the awaited state")
 	return journal.Record{}
+}
+
+// An erc2612 settlement stuck at fees no block takes, its permit and its transfer both: each is replaced with
+// higher fees, and the record names the permit's replacement among its prior transactions (PriorTxHashes), as it
+// names the transfer's: reconciliation settling the payment again looks for a mined permit there (resettle), and
+// one it does not name is taken for unspent: the payment answered nonce_already_used for ten minutes and was then
+// refused, its allowance granted and nothing moved (a fault run's erc2612 payment refused "was dropped and cannot
+// be sent again").
+func TestAStuckERC2612SettlementsPermitReplacementIsNamedInItsRecord(t *testing.T) {
+	var sb *stingyBackend
+	fx := newFixture(t, fixtureOpts{
+		autoCommit: -1, wallets: 1, receiptTimeout: 20 * time.Second,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			sb = &stingyBackend{Backend: nc.Backend}
+			nc.Backend, nc.ReplaceAfter = sb, 300*time.Millisecond
+			nc.Fees.CacheFor = time.Millisecond
+		},
+		configure: func(cfg *chain.Config) {
+			cfg.ReconcileEvery, cfg.ReconcileGrace = 100*time.Millisecond, 100*time.Millisecond
+		},
+	})
+	payer := fx.c.Payers[0]
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	req := fx.erc2612(payer, fx.requirements(x402.TransferERC2612), chain.ERC2612Options{})
+	sb.stingy.Store(true)
+	done := make(chan x402.SettleResponse, 1)
+	go func() {
+		resp, err := fx.f.Settle(context.Background(), req)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- resp
+	}()
+	old := waitForRecord(t, fx.journal, func(r journal.Record) bool { return r.State == journal.StateBroadcast })
+	if len(old.PriorRawTxs) != 1 {
+		t.Fatalf("the erc2612 settlement recorded %d prior transactions, want its permit", len(old.PriorRawTxs))
+	}
+	fx.c.Commit()
+	sb.stingy.Store(false)
+	replaced := waitForRecord(t, fx.journal, func(r journal.Record) bool {
+		return len(r.ReplacedTxHashes) > 0 && len(r.PriorRawTxs) == 1 && !bytes.Equal(r.PriorRawTxs[0], old.PriorRawTxs[0])
+	})
+	permit := new(types.Transaction)
+	if err := permit.UnmarshalBinary(replaced.PriorRawTxs[0]); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(replaced.PriorTxHashes, permit.Hash().Hex()) {
+		t.Fatalf("the record's prior transactions %v do not name the permit's replacement %s", replaced.PriorTxHashes, permit.Hash().Hex())
+	}
+	var resp x402.SettleResponse
+	for deadline := time.Now().Add(15 * time.Second); ; {
+		fx.c.Commit()
+		select {
+		case resp = <-done:
+		case <-time.After(50 * time.Millisecond):
+			if time.Now().Before(deadline) {
+				continue
+			}
+			t.Fatal("the settlement never answered after its replacements were mined")
+		}
+		break
+	}
+	if !resp.Success {
+		t.Fatalf("settle = %+v, want success", resp)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
 }

@@ -1,16 +1,20 @@
 package chain_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"math/big"
 	"net"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
+	"github.com/ethereum/go-ethereum/crypto"
 
 	"github.com/x402-gateway/caddy-x402/chain"
 	"github.com/x402-gateway/caddy-x402/chain/chaintest"
@@ -161,5 +165,108 @@ func TestAnERC2612SettlementWhoseTransactionLostItsNonceSettlesOnce(t *testing.T
 				t.Errorf("the settlement wallet sent %d transactions, want 3 (a permit, a transfer and a permit2 settlement)", sent)
 			}
 		})
+	}
+}
+
+// minesOnNonceRead is a node that, once armed, seals a block right after it answered a read of a token's permit
+// nonces: what was on its way mines between a settlement's read of the payer's permit nonce and its simulation.
+type minesOnNonceRead struct {
+	chain.Backend
+	commit func()
+	armed  atomic.Bool
+	fired  atomic.Bool
+}
+
+func (b *minesOnNonceRead) CallContract(ctx context.Context, msg ethereum.CallMsg, block *big.Int) ([]byte, error) {
+	out, err := b.Backend.CallContract(ctx, msg, block)
+	if len(msg.Data) >= 4 && bytes.Equal(msg.Data[:4], crypto.Keccak256([]byte("nonces(address)"))[:4]) && b.armed.CompareAndSwap(true, false) {
+		b.commit()
+		b.fired.Store(true)
+	}
+	return out, err
+}
+
+// An erc2612 settlement whose permit is on its way (in the node's pool) when reconciliation settles the payment
+// again (its transfer lost, and its nonce taken by another settlement): the permit mines between the new checks'
+// read of the payer's permit nonce and their simulation, which then fails (ERC2612InvalidSigner: the permit's
+// nonce is spent). That is the payment's own permit, granting the allowance its transfer needs: the payment is
+// looked at again by the next pass and settles, once, with the transfer alone. Before, it was refused for good ("was
+// dropped and cannot be sent again"; the fault test's erc2612 payment, once in a few dozen runs), its allowance
+// granted and nothing moved.
+func TestAnERC2612SettlementWhosePermitMinesWhileItIsSettledAgainSettlesOnce(t *testing.T) {
+	script := &nonceScript{first: map[uint64]common.Hash{}}
+	var node *minesOnNonceRead
+	fx := newFixture(t, fixtureOpts{
+		autoCommit: -1, wallets: 1, receiptTimeout: time.Second,
+		configure: func(cfg *chain.Config) {
+			cfg.ReconcileEvery, cfg.ReconcileGrace = 20*time.Millisecond, 50*time.Millisecond
+		},
+		tune: func(fx *fixture, nc *chain.NetworkConfig) {
+			script.base = fx.c.TxCount(fx.c.Wallets[0].Address)
+			client := fx.c.Client
+			node = &minesOnNonceRead{commit: func() { fx.c.Commit() }, Backend: sendFault{Backend: nc.Backend, send: func(ctx context.Context, tx *types.Transaction) error {
+				return script.send(ctx, client.SendTransaction, tx, func(rel uint64, first, taken bool) (fate, bool) {
+					switch {
+					case rel == 1 && first && !taken:
+						return loseIt, false // the payment's transfer: lost until another settlement took its nonce
+					case rel == 2 && first && !taken:
+						return refuseIt, false // the second payment's first try: the engine reads the nonce again
+					case rel == 1 && !first:
+						return forward, true // the second payment, at the transfer's nonce
+					}
+					return forward, false
+				})
+			}}}
+			nc.Backend = node
+		},
+	})
+	wallet := fx.c.Wallets[0].Address
+	first, second := fx.c.Payers[0], fx.c.Payers[1]
+	fx.approvePermit2(second)
+	e := fx.erc2612(first, fx.requirements(x402.TransferERC2612), chain.ERC2612Options{})
+	x := fx.permit2(second, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	firstBefore, sellerBefore := fx.c.TokenBalance(first.Address), fx.c.TokenBalance(fx.payTo)
+
+	if a := fx.settle(e); a.Success || !a.Pending() {
+		t.Fatalf("the erc2612 payment, its transfer lost = %+v; want settlement_pending", a)
+	}
+	if a, err := fx.f.Settle(context.Background(), x); !x402.IsUnreachable(err) {
+		t.Fatalf("the second payment, its first transaction refused = %+v, %v; want not sent (an unreachable error)", a, err)
+	}
+	go fx.f.Settle(context.Background(), x) // at the transfer's nonce, into the pool beside the permit
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		script.mu.Lock()
+		taken := script.taken
+		script.mu.Unlock()
+		if taken {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the second payment never took the transfer's nonce")
+		}
+	}
+	node.armed.Store(true) // reconciliation settles the erc2612 payment again: its permit mines as it is checked
+	for deadline := time.Now().Add(10 * time.Second); !node.fired.Load(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the erc2612 payment was never settled again: the test did not mine its permit during its checks")
+		}
+	}
+	t.Cleanup(fx.c.AutoCommit(5 * time.Millisecond))
+	final, seen := settleUntilFinal(t, fx.f, e, time.Now().Add(20*time.Second))
+	if !final.Success {
+		t.Fatalf("the erc2612 payment never settled; answers: %v, last %+v", seen, final)
+	}
+	if a, _ := settleUntilFinal(t, fx.f, x, time.Now().Add(10*time.Second)); !a.Success {
+		t.Fatalf("the second payment = %+v, want settled", a)
+	}
+	time.Sleep(200 * time.Millisecond) // blocks are sealed every 5 ms: anything else sent would be mined
+	if paid := new(big.Int).Sub(firstBefore, fx.c.TokenBalance(first.Address)); paid.Cmp(big.NewInt(price)) != 0 {
+		t.Errorf("the erc2612 payer paid %s, want %d", paid, price)
+	}
+	if got := new(big.Int).Sub(fx.c.TokenBalance(fx.payTo), sellerBefore); got.Cmp(big.NewInt(2*price)) != 0 {
+		t.Errorf("the seller received %s, want %d", got, 2*price)
+	}
+	if sent := fx.c.TxCount(wallet) - script.base; sent != 3 {
+		t.Errorf("the settlement wallet sent %d transactions, want 3 (the permit, the second payment's settlement, the transfer)", sent)
 	}
 }
