@@ -448,7 +448,9 @@ func (p *payment) checkApprovalBeforeSending(ctx context.Context, settle contrac
 	}
 	if allowance.Cmp(p.amount) >= 0 {
 		// The settlement goes alone: its checks run again, which drop the approval when they read the allowance
-		// too, and hold what it moves as any plain permit2 payment's.
+		// too, and hold what it moves as any plain permit2 payment's, from a funds read made afresh (the one kept
+		// shows the allowance before the approval).
+		n.funds.forgetRead(p)
 		return nil, errChecksAgain
 	}
 	if ref, err := p.checkApproval(ctx, fundsSettle); err != nil {

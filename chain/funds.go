@@ -180,6 +180,16 @@ func (fs *funds) readLocked(key fundsKey, r *fundsRead) *payerFunds {
 	return pf
 }
 
+// forgetRead makes the payer's funds read, if any, answer no more: what it shows is known to have changed (the
+// payer's allowance, set by an approval since), and the next check reads afresh.
+func (fs *funds) forgetRead(p *payment) {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	if pf := fs.payers[fundsKey{p.asset.Address, p.payer}]; pf != nil {
+		pf.readAt = time.Time{}
+	}
+}
+
 // permitHeld reports whether another payment held against p's payer applies an EIP-2612 permit with the token
 // nonce of the one p's settlement applies: that nonce can be spent once, and the first settlement to land spends
 // it.

@@ -267,8 +267,8 @@ func (f *Facilitator) fundingToSend(ctx context.Context, n *network, rec journal
 // payerLacksGas reports whether payer still needs gas money for its signed approval, which the node does not know:
 // not when the approval's nonce is spent by another of its transactions, mined (another payment's approval: this
 // one can never mine), nor when its balance, pending transactions included, holds the approval's gas limit at its
-// fee cap (what a node wants before it takes the approval). An error while another transaction of the payer's on
-// its way takes the nonce: nothing is to be sent until it mined or was dropped.
+// fee cap (what a node wants before it takes the approval), nor while another transaction of the payer's on its way
+// takes the nonce.
 func payerLacksGas(ctx context.Context, n *network, payer common.Address, approval *types.Transaction) (bool, error) {
 	if known, err := n.sender.known(ctx, approval); err != nil || known {
 		return false, err
@@ -285,11 +285,12 @@ func payerLacksGas(ctx context.Context, n *network, payer common.Address, approv
 		return false, err
 	}
 	if next > approval.Nonce() {
-		// Taken by a transaction of the payer's on its way (another payment's approval, most likely): funded now,
-		// the payer would be paid twice for one nonce. Once that mined, the approval needs no gas money; dropped,
-		// a later pass funds it.
-		return false, fmt.Errorf("the payer %s's approval %s has nonce %d, which another of its transactions on its way takes (mined nonce %d, pending %d): its gas money waits for a later pass",
-			payer.Hex(), approval.Hash().Hex(), approval.Nonce(), mined, next)
+		// Taken by a transaction of the payer's on its way (another payment's approval, most likely, funded by
+		// its own settlement): funded now, the payer would be paid twice for one nonce. The gas money's wallet
+		// nonce goes to a transfer to itself instead; waiting for the other to mine would hold every later
+		// settlement of the wallet behind that nonce, for as long as the payer keeps a transaction pending (found
+		// by review). Should the other be dropped, this approval goes unfunded, and its payment is not settled.
+		return false, nil
 	}
 	var balance *big.Int
 	if r, ok := n.backend.(pendingBalanceReader); ok {
@@ -426,14 +427,8 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 	if ref == nil && p.method == x402.TransferERC2612 {
 		// A permit of this settlement that mined spent the payer's permit nonce: what is left to send is the
 		// transfer its allowance pays for.
-		for _, h := range rec.PriorTxHashes {
-			r, err := n.backend.TransactionReceipt(ctx, common.HexToHash(h))
-			if err != nil && !errors.Is(err, ethereum.NotFound) {
-				return err
-			}
-			if err == nil && r != nil && r.Status == types.ReceiptStatusSuccessful {
-				p.permitApplied = true
-			}
+		if p.permitApplied, err = priorMined(ctx, n, rec); err != nil {
+			return err
 		}
 	}
 	checked := ref == nil // the refusal, if any, is the checks' (the request parsed)
@@ -446,16 +441,26 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 	if ref != nil && ref.reason == x402.ReasonNoAvailableWallets {
 		return errors.New(ref.message) // busy, not refused: the next pass tries again
 	}
-	if ref != nil && checked && p.method == x402.TransferERC2612 && !p.permitApplied && f.now().Sub(rec.ClaimedAt) < spentNonceWait {
-		// Refused with the permit's nonce spent since it was read: most likely by this settlement's own permit, on
-		// its way when the receipts were looked up and mined during the checks (whose simulation then fails,
-		// ERC2612InvalidSigner). The next pass finds its receipt and sends the transfer its allowance pays for.
-		cur, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "nonces", p.payer)
+	if ref != nil && checked && p.method == x402.TransferERC2612 && !p.permitApplied {
+		// Refused, perhaps because this settlement's own permit, on its way when the receipts were looked up,
+		// mined during the checks (whose simulation then fails, ERC2612InvalidSigner): its receipt, looked up
+		// again, says so, and the next pass sends the transfer its allowance pays for. Not served yet, with the
+		// permit's nonce spent since it was read, the next pass looks again (within spentNonceWait of the claim).
+		mined, err := priorMined(ctx, n, rec)
 		if err != nil {
 			return err
 		}
-		if cur.Cmp(p.permit.Nonce) > 0 {
-			return fmt.Errorf("payment %s: its permit's nonce %s was spent while it was settled again (the token's next is %s), most likely by its own permit transaction; the next pass looks for its receipt: %s", rec.ID, p.permit.Nonce, cur, ref.message)
+		if mined {
+			return fmt.Errorf("payment %s: its own permit mined while it was settled again; the next pass sends the transfer: %s", rec.ID, ref.message)
+		}
+		if f.now().Sub(rec.ClaimedAt) < spentNonceWait {
+			cur, err := n.callUint(ctx, p.asset.Address, contracts.StableCoinABI, "nonces", p.payer)
+			if err != nil {
+				return err
+			}
+			if cur.Cmp(p.permit.Nonce) > 0 {
+				return fmt.Errorf("payment %s: its permit's nonce %s was spent while it was settled again (the token's next is %s), most likely by its own permit transaction; the next pass looks for its receipt: %s", rec.ID, p.permit.Nonce, cur, ref.message)
+			}
 		}
 	}
 	if ref != nil && (ref.reason == x402.ReasonPermit2InvalidNonce || ref.reason == x402.ReasonNonceAlreadyUsed) &&
@@ -482,6 +487,21 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 	}
 	f.log.Info("settled again a payment whose transaction was dropped", zap.String("payment", rec.ID.String()), zap.String("old_tx", rec.TxHash), zap.String("tx", hash.Hex()))
 	return nil
+}
+
+// priorMined reports whether one of the prior transactions rec names (an erc2612 settlement's permit, in any of its
+// versions) mined and succeeded.
+func priorMined(ctx context.Context, n *network, rec journal.Record) (bool, error) {
+	for _, h := range rec.PriorTxHashes {
+		r, err := n.backend.TransactionReceipt(ctx, common.HexToHash(h))
+		if err != nil && !errors.Is(err, ethereum.NotFound) {
+			return false, err
+		}
+		if err == nil && r != nil && r.Status == types.ReceiptStatusSuccessful {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // isSettlementRecord reports whether rec is one of this engine's settlement records: its request parses to a

@@ -38,6 +38,9 @@ const (
 	forward fate = iota
 	refuseIt
 	loseIt
+	// conflictIt: refused as a node refuses a transaction whose nonce another one in its pool holds, at a fee it
+	// does not replace.
+	conflictIt
 )
 
 func (s *nonceScript) send(ctx context.Context, chainSend func(context.Context, *types.Transaction) error, tx *types.Transaction,
@@ -55,6 +58,8 @@ func (s *nonceScript) send(ctx context.Context, chainSend func(context.Context, 
 		return errors.New("insufficient funds for gas * price + value (injected)")
 	case loseIt:
 		return &net.OpError{Op: "read", Net: "tcp", Err: errors.New("connection reset by peer (injected)")}
+	case conflictIt:
+		return errors.New("replacement transaction underpriced (injected)")
 	}
 	if err := chainSend(ctx, tx); err != nil {
 		return err
@@ -193,13 +198,23 @@ func (b *minesOnNonceRead) CallContract(ctx context.Context, msg ethereum.CallMs
 // looked at again by the next pass and settles, once, with the transfer alone. Before, it was refused for good ("was
 // dropped and cannot be sent again"; the fault test's erc2612 payment, once in a few dozen runs), its allowance
 // granted and nothing moved.
+//
+// The same long after the payment was claimed (its transfer sat in the pool, or the engine was down): the receipt of
+// the permit, looked up again after the refusal, decides it, not the time since the claim (found by review).
 func TestAnERC2612SettlementWhosePermitMinesWhileItIsSettledAgainSettlesOnce(t *testing.T) {
+	t.Run("just claimed", func(t *testing.T) { permitMinesWhileSettledAgain(t, 0) })
+	t.Run("claimed eleven minutes ago", func(t *testing.T) { permitMinesWhileSettledAgain(t, 11*time.Minute) })
+}
+
+func permitMinesWhileSettledAgain(t *testing.T, since time.Duration) {
 	script := &nonceScript{first: map[uint64]common.Hash{}}
 	var node *minesOnNonceRead
+	var skew atomic.Int64
 	fx := newFixture(t, fixtureOpts{
 		autoCommit: -1, wallets: 1, receiptTimeout: time.Second,
 		configure: func(cfg *chain.Config) {
 			cfg.ReconcileEvery, cfg.ReconcileGrace = 20*time.Millisecond, 50*time.Millisecond
+			cfg.Now = func() time.Time { return time.Now().Add(time.Duration(skew.Load())) }
 		},
 		tune: func(fx *fixture, nc *chain.NetworkConfig) {
 			script.base = fx.c.TxCount(fx.c.Wallets[0].Address)
@@ -209,6 +224,10 @@ func TestAnERC2612SettlementWhosePermitMinesWhileItIsSettledAgainSettlesOnce(t *
 					switch {
 					case rel == 1 && first && !taken:
 						return loseIt, false // the payment's transfer: lost until another settlement took its nonce
+					case rel == 1 && first:
+						// Then refused for the nonce the second payment's transaction holds in the pool (whatever
+						// the two fees: a node may take a transfer priced higher in its place).
+						return conflictIt, false
 					case rel == 2 && first && !taken:
 						return refuseIt, false // the second payment's first try: the engine reads the nonce again
 					case rel == 1 && !first:
@@ -230,6 +249,10 @@ func TestAnERC2612SettlementWhosePermitMinesWhileItIsSettledAgainSettlesOnce(t *
 	if a := fx.settle(e); a.Success || !a.Pending() {
 		t.Fatalf("the erc2612 payment, its transfer lost = %+v; want settlement_pending", a)
 	}
+	// From here on the only read of a permit nonce is the checks' of the erc2612 payment settled again, once the
+	// second payment took its transfer's nonce: its permit mines as they run.
+	skew.Store(int64(since))
+	node.armed.Store(true)
 	if a, err := fx.f.Settle(context.Background(), x); !x402.IsUnreachable(err) {
 		t.Fatalf("the second payment, its first transaction refused = %+v, %v; want not sent (an unreachable error)", a, err)
 	}
@@ -245,7 +268,6 @@ func TestAnERC2612SettlementWhosePermitMinesWhileItIsSettledAgainSettlesOnce(t *
 			t.Fatal("the second payment never took the transfer's nonce")
 		}
 	}
-	node.armed.Store(true) // reconciliation settles the erc2612 payment again: its permit mines as it is checked
 	for deadline := time.Now().Add(10 * time.Second); !node.fired.Load(); time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatal("the erc2612 payment was never settled again: the test did not mine its permit during its checks")
