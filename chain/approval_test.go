@@ -870,6 +870,47 @@ func TestTwoPaymentsCarryingOneSponsoredApprovalVerifiedAtOnceAtTwoGatewaysAreNo
 // verification and not settled while the first approval is pending, nothing sent; once it mined, the second pays
 // with the allowance it set, funded nothing.
 func TestAPaymentWhoseApprovalWaitsBehindThePayersPendingApprovalIsNotFunded(t *testing.T) {
+	behindPendingApproval(t, func(first *types.Transaction, fees chain.ApprovalTx) chain.ApprovalTx {
+		fees.Nonce = first.Nonce() + 1 // signed as payer.Transport signs it: at the account's pending nonce
+		return fees
+	}, func(t *testing.T, v x402.VerifyResponse, s x402.SettleResponse, err error) {
+		if v.IsValid || v.InvalidReason != x402.ReasonERC20ApprovalTxWrongNonce {
+			t.Fatalf("verify while the first approval is pending = %+v, want refused %s", v, x402.ReasonERC20ApprovalTxWrongNonce)
+		}
+		if err == nil && s.Success {
+			t.Fatalf("settle while the first approval is pending = %+v, want not settled", s)
+		}
+	})
+}
+
+// The same, but the second payment's approval has the nonce of the first, which is on its way (two first payments
+// of a payer signed at once, each with its own approval of the account's first nonce): the second is refused at
+// verification as waiting behind it (erc20_approval_tx_wrong_nonce, saying to present it again once that mined:
+// the money-invariant run judged "sign it again with the account's pending nonce" a refusal of an honest payment,
+// and its advice was wrong), its settlement sends nothing and says so, and once the first approval mined it pays
+// with the allowance that set, funded nothing.
+func TestAPaymentWhoseApprovalsNonceAnotherApprovalOnItsWayTakesWaitsForIt(t *testing.T) {
+	behindPendingApproval(t, func(_ *types.Transaction, fees chain.ApprovalTx) chain.ApprovalTx {
+		fees.FeeCap = new(big.Int).Add(fees.FeeCap, big.NewInt(1)) // another approval of the first's nonce
+		return fees
+	}, func(t *testing.T, v x402.VerifyResponse, s x402.SettleResponse, err error) {
+		if v.IsValid || v.InvalidReason != x402.ReasonERC20ApprovalTxWrongNonce || !strings.Contains(v.InvalidMessage, "on its way") || !strings.Contains(v.InvalidMessage, "present the payment again") {
+			t.Fatalf("verify while the first approval is on its way = %+v, want refused %s, waiting behind it", v, x402.ReasonERC20ApprovalTxWrongNonce)
+		}
+		if err == nil || s.Success || s.ErrorReason != "" || !strings.Contains(err.Error(), "nothing was sent") {
+			t.Fatalf("settle while the first approval is on its way = %+v, %v; want nothing sent and an error saying so, no refusal", s, err)
+		}
+	})
+}
+
+// behindPendingApproval runs the two tests above: a payer's first payment settled with no block sealed (pending),
+// its gas money mined and its approval sent to the node's pool; a second payment carrying an approval signed with
+// the fees second makes of the first's, verified and settled while the first approval is pending (judged by
+// whilePending), funding nothing; and, once the first approval mined, settled with the allowance it set, funding
+// nothing and sending no approval.
+func behindPendingApproval(t *testing.T, second func(first *types.Transaction, fees chain.ApprovalTx) chain.ApprovalTx,
+	whilePending func(t *testing.T, v x402.VerifyResponse, s x402.SettleResponse, err error)) {
+	t.Helper()
 	fx := newFixture(t, fixtureOpts{autoCommit: -1, receiptTimeout: 300 * time.Millisecond,
 		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
 		tune:      func(_ *fixture, nc *chain.NetworkConfig) { nc.ApprovalSponsoring = &chain.ApprovalSponsoring{} }})
@@ -888,20 +929,17 @@ func TestAPaymentWhoseApprovalWaitsBehindThePayersPendingApprovalIsNotFunded(t *
 	if err := fx.c.SendSigned(ctx, approval); err != nil {
 		t.Fatal(err)
 	}
-	// The second payment's approval, signed as payer.Transport signs it: at the account's pending nonce.
-	second := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
-	next := fx.approvalFees()
-	next.Nonce = approval.Nonce() + 1
-	if err := chain.AddApprovalSponsoring(&second.PaymentPayload, payer.Key, fx.c.ChainID, next); err != nil {
+	next := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+	if err := chain.AddApprovalSponsoring(&next.PaymentPayload, payer.Key, fx.c.ChainID, second(approval, fees)); err != nil {
 		t.Fatal(err)
 	}
+	if approvalOf(t, next).Hash() == approval.Hash() {
+		t.Fatal("the second payment must carry another approval than the first's")
+	}
 	funded := fx.f.ApprovalFunding(fx.net)
-	if v := fx.verify(second); v.IsValid || v.InvalidReason != x402.ReasonERC20ApprovalTxWrongNonce {
-		t.Fatalf("verify while the first approval is pending = %+v, want refused %s", v, x402.ReasonERC20ApprovalTxWrongNonce)
-	}
-	if s, err := fx.f.Settle(ctx, second); err == nil && s.Success {
-		t.Fatalf("settle while the first approval is pending = %+v, want not settled", s)
-	}
+	v := fx.verify(next)
+	s, err := fx.f.Settle(ctx, next)
+	whilePending(t, v, s, err)
 	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 {
 		t.Fatalf("ApprovalFunding = %s, want still %s: the payer was funded for a second approval", got, funded)
 	}
@@ -909,70 +947,8 @@ func TestAPaymentWhoseApprovalWaitsBehindThePayersPendingApprovalIsNotFunded(t *
 	if _, err := fx.c.CommitUntilIncluded(ctx, approval.Hash()); err != nil {
 		t.Fatal(err)
 	}
-	var s x402.SettleResponse
 	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); {
-		var err error
-		if s, err = fx.f.Settle(ctx, second); err == nil && (s.Success || s.ErrorReason != x402.ReasonSettlementPending) {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if !s.Success {
-		t.Fatalf("settle of the second once the first approval mined = %+v, want success", s)
-	}
-	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 || fx.c.TxCount(payer.Address) != 1 {
-		t.Fatalf("the second payment funded the payer (%s wei, then %s) or sent its approval (%d transactions of the payer's)", funded, got, fx.c.TxCount(payer.Address))
-	}
-}
-
-// The same, but the second payment's approval has the nonce of the first, which is on its way (two first payments
-// of a payer signed at once, each with its own approval of the account's first nonce): the second is refused at
-// verification as waiting behind it (erc20_approval_tx_wrong_nonce, saying to present it again once that mined:
-// the money-invariant run judged "sign it again with the account's pending nonce" a refusal of an honest payment,
-// and its advice was wrong), its settlement sends nothing and says so, and once the first approval mined it pays
-// with the allowance that set, funded nothing.
-func TestAPaymentWhoseApprovalsNonceAnotherApprovalOnItsWayTakesWaitsForIt(t *testing.T) {
-	fx := newFixture(t, fixtureOpts{autoCommit: -1, receiptTimeout: 300 * time.Millisecond,
-		chainOpts: []chaintest.Option{chaintest.WithPayersNoGas(1)},
-		tune:      func(_ *fixture, nc *chain.NetworkConfig) { nc.ApprovalSponsoring = &chain.ApprovalSponsoring{} }})
-	ctx := context.Background()
-	payer := fx.c.PayerNoGas
-	first, fees := fx.sponsoredPermit2(payer)
-	if s := fx.settle(first); s.Success || s.ErrorReason != x402.ReasonSettlementPending {
-		t.Fatalf("settle with no block sealed = %+v, want settlement_pending", s)
-	}
-	fx.c.Commit() // the first's gas money mines
-	approval := approvalOf(t, first)
-	if err := fx.c.SendSigned(ctx, approval); err != nil {
-		t.Fatal(err)
-	}
-	second := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
-	fees.FeeCap = new(big.Int).Add(fees.FeeCap, big.NewInt(1))
-	if err := chain.AddApprovalSponsoring(&second.PaymentPayload, payer.Key, fx.c.ChainID, fees); err != nil {
-		t.Fatal(err)
-	}
-	if other := approvalOf(t, second); other.Nonce() != approval.Nonce() || other.Hash() == approval.Hash() {
-		t.Fatal("the second payment must carry another approval of the first's nonce")
-	}
-	funded := fx.f.ApprovalFunding(fx.net)
-	v := fx.verify(second)
-	if v.IsValid || v.InvalidReason != x402.ReasonERC20ApprovalTxWrongNonce || !strings.Contains(v.InvalidMessage, "on its way") || !strings.Contains(v.InvalidMessage, "present the payment again") {
-		t.Fatalf("verify while the first approval is on its way = %+v, want refused %s, waiting behind it", v, x402.ReasonERC20ApprovalTxWrongNonce)
-	}
-	if s, err := fx.f.Settle(ctx, second); err == nil || s.Success || s.ErrorReason != "" || !strings.Contains(err.Error(), "nothing was sent") {
-		t.Fatalf("settle while the first approval is on its way = %+v, %v; want nothing sent and an error saying so, no refusal", s, err)
-	}
-	if got := fx.f.ApprovalFunding(fx.net); got.Cmp(funded) != 0 {
-		t.Fatalf("ApprovalFunding = %s, want still %s: the payer was funded for a second approval of one nonce", got, funded)
-	}
-	t.Cleanup(fx.c.AutoCommit(5 * time.Millisecond))
-	if _, err := fx.c.CommitUntilIncluded(ctx, approval.Hash()); err != nil {
-		t.Fatal(err)
-	}
-	var s x402.SettleResponse
-	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); {
-		var err error
-		if s, err = fx.f.Settle(ctx, second); err == nil && (s.Success || s.ErrorReason != x402.ReasonSettlementPending) {
+		if s, err = fx.f.Settle(ctx, next); err == nil && (s.Success || s.ErrorReason != x402.ReasonSettlementPending) {
 			break
 		}
 		time.Sleep(20 * time.Millisecond)

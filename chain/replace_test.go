@@ -88,19 +88,7 @@ func TestAStuckSettlementIsReplacedWithHigherFeesAndSettlesOnce(t *testing.T) {
 	if replaced.ReplacedTxHashes[0] != old.TxHash || replaced.TxHash == old.TxHash || replaced.TxNonce != old.TxNonce {
 		t.Fatalf("replacement %s (nonce %d) of %s (nonce %d), recorded replaced %v", replaced.TxHash, replaced.TxNonce, old.TxHash, old.TxNonce, replaced.ReplacedTxHashes)
 	}
-	var resp x402.SettleResponse
-	for deadline := time.Now().Add(15 * time.Second); ; {
-		fx.c.Commit()
-		select {
-		case resp = <-done:
-		case <-time.After(50 * time.Millisecond):
-			if time.Now().Before(deadline) {
-				continue
-			}
-			t.Fatal("the settlement never answered after its replacement was mined")
-		}
-		break
-	}
+	resp := commitUntilAnswered(t, fx, done)
 	if !resp.Success || resp.Transaction != replaced.TxHash {
 		t.Fatalf("settle = %+v, want success with the replacement %s", resp, replaced.TxHash)
 	}
@@ -110,6 +98,22 @@ func TestAStuckSettlementIsReplacedWithHigherFeesAndSettlesOnce(t *testing.T) {
 	}
 	if r, err := fx.c.Client.TransactionReceipt(context.Background(), common.HexToHash(old.TxHash)); err == nil && r != nil {
 		t.Fatal("the replaced transaction mined too")
+	}
+}
+
+// commitUntilAnswered seals a block every 50 ms until the settlement under way answers on done (15 s at most).
+func commitUntilAnswered(t *testing.T, fx *fixture, done <-chan x402.SettleResponse) x402.SettleResponse {
+	t.Helper()
+	for deadline := time.Now().Add(15 * time.Second); ; {
+		fx.c.Commit()
+		select {
+		case resp := <-done:
+			return resp
+		case <-time.After(50 * time.Millisecond):
+			if time.Now().After(deadline) {
+				t.Fatal("the settlement never answered after its replacements were mined")
+			}
+		}
 	}
 }
 
@@ -178,19 +182,7 @@ func TestAStuckERC2612SettlementsPermitReplacementIsNamedInItsRecord(t *testing.
 	if !slices.Contains(replaced.PriorTxHashes, permit.Hash().Hex()) {
 		t.Fatalf("the record's prior transactions %v do not name the permit's replacement %s", replaced.PriorTxHashes, permit.Hash().Hex())
 	}
-	var resp x402.SettleResponse
-	for deadline := time.Now().Add(15 * time.Second); ; {
-		fx.c.Commit()
-		select {
-		case resp = <-done:
-		case <-time.After(50 * time.Millisecond):
-			if time.Now().Before(deadline) {
-				continue
-			}
-			t.Fatal("the settlement never answered after its replacements were mined")
-		}
-		break
-	}
+	resp := commitUntilAnswered(t, fx, done)
 	if !resp.Success {
 		t.Fatalf("settle = %+v, want success", resp)
 	}
