@@ -663,10 +663,15 @@ func settleWithItsFundingLost(t *testing.T) *lostFunding {
 // settledOnceUnfunded asserts the payment settles once it is presented again, and that the recorded gas money
 // never went out: the payer holds what it got elsewhere less its approval's gas, and the settlement wallet sent
 // two transactions (a zero-value transfer to itself in the funding's nonce, the settlement).
-func (l *lostFunding) settledOnceUnfunded(t *testing.T) {
+func (l *lostFunding) settledOnceUnfunded(t *testing.T) { l.settledOnceUnfundedAfter(t, l.approval, 2) }
+
+// settledOnceUnfundedAfter is settledOnceUnfunded with approval the payer's transaction that mined at the recorded
+// approval's nonce (the recorded one, or another approval of the payer's), and walletTxs what the settlement wallet
+// sent.
+func (l *lostFunding) settledOnceUnfundedAfter(t *testing.T, approval *types.Transaction, walletTxs uint64) {
 	t.Helper()
 	fx := l.fx
-	receipt, err := fx.c.Client.TransactionReceipt(context.Background(), l.approval.Hash())
+	receipt, err := fx.c.Client.TransactionReceipt(context.Background(), approval.Hash())
 	if err != nil || receipt.Status != types.ReceiptStatusSuccessful {
 		t.Fatalf("the payer's approval: %+v, %v; want mined", receipt, err)
 	}
@@ -683,10 +688,13 @@ func (l *lostFunding) settledOnceUnfunded(t *testing.T) {
 	assertMoved(t, fx, l.payer.Address, l.before, l.sellerBefore, 1)
 	spent := new(big.Int).Mul(new(big.Int).SetUint64(receipt.GasUsed), receipt.EffectiveGasPrice)
 	if got, want := fx.c.ETHBalance(l.payer.Address), new(big.Int).Sub(l.cost, spent); got.Cmp(want) != 0 {
-		t.Fatalf("payer ETH = %s, want what it got elsewhere less its approval's gas, %s: the engine sent the recorded gas money after the approval mined", got, want)
+		t.Fatalf("payer ETH = %s, want what it got elsewhere less its approval's gas, %s: the engine sent the recorded gas money after an approval of its nonce mined", got, want)
 	}
-	if got := fx.c.TxCount(l.wallet) - l.walletTxs; got != 2 {
-		t.Fatalf("the settlement wallet sent %d transactions, want 2 (a zero-value transfer to itself in the funding's nonce, the settlement)", got)
+	if n := fx.c.TxCount(l.payer.Address); n != 1 {
+		t.Fatalf("the payer's transactions = %d, want one approval", n)
+	}
+	if got := fx.c.TxCount(l.wallet) - l.walletTxs; got != walletTxs {
+		t.Fatalf("the settlement wallet sent %d transactions, want %d (zero-value transfers to itself in the nonces of what never went, the settlement)", got, walletTxs)
 	}
 }
 
@@ -735,29 +743,10 @@ func TestARecordedFundingOfASponsoredApprovalWhoseNonceAnotherApprovalTookIsNeve
 	if _, err := fx.c.CommitUntilIncluded(context.Background(), approval.Hash()); err != nil {
 		t.Fatal(err)
 	}
-	receipt, err := fx.c.Client.TransactionReceipt(context.Background(), approval.Hash())
-	if err != nil {
-		t.Fatal(err)
-	}
 	l.node.lose.Store(false)
-	final := fx.settle(l.req)
-	for deadline := time.Now().Add(30 * time.Second); !final.Success && time.Now().Before(deadline); final = fx.settle(l.req) {
-		if final.ErrorReason != x402.ReasonSettlementPending {
-			t.Fatalf("presented again = %+v, want settled (or pending until reconciliation sent it)", final)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if !final.Success {
-		t.Fatalf("presented again = %+v, want settled by reconciliation", final)
-	}
-	assertMoved(t, fx, l.payer.Address, l.before, l.sellerBefore, 1)
-	spent := new(big.Int).Mul(new(big.Int).SetUint64(receipt.GasUsed), receipt.EffectiveGasPrice)
-	if got, want := fx.c.ETHBalance(l.payer.Address), new(big.Int).Sub(l.cost, spent); got.Cmp(want) != 0 {
-		t.Fatalf("payer ETH = %s, want what it got elsewhere less its other approval's gas, %s: the engine sent the recorded gas money for an approval that can never mine", got, want)
-	}
-	if n := fx.c.TxCount(l.payer.Address); n != 1 {
-		t.Fatalf("the payer's transactions = %d, want its other approval only", n)
-	}
+	// Three: the recorded approval can never mine, so the payment is settled again at another nonce, and the
+	// nonces of its recorded gas money and settlement are filled.
+	l.settledOnceUnfundedAfter(t, approval, 3)
 }
 
 // The same, the approval mining while reconciliation sends it (sent by the payer, or by a settlement at another

@@ -65,11 +65,27 @@ func (c *Chain) sendTx(ctx context.Context, from *Account, to *common.Address, v
 	if err != nil {
 		return nil, fmt.Errorf("signing a transaction from %s: %w", from.Address, err)
 	}
-	if err := c.Client.SendTransaction(ctx, tx); err != nil {
+	if err := c.send(ctx, tx); err != nil {
 		return nil, fmt.Errorf("sending a transaction from %s: %w", from.Address, err)
 	}
 	c.nextNonce[from.Address] = nonce + 1
 	return tx, nil
+}
+
+// send submits a signed transaction, sending it again when go-ethereum's RPC client answered "client reconnected"
+// (its connection replaced under the call: the node may or may not hold it; seen once in a test's SendETH with CI
+// running beside it). The same bytes again are harmless: a node that holds them says "already known", which counts
+// as sent.
+func (c *Chain) send(ctx context.Context, tx *types.Transaction) error {
+	for attempt := 1; ; attempt++ {
+		err := c.Client.SendTransaction(ctx, tx)
+		switch {
+		case err == nil || (attempt > 1 && strings.Contains(err.Error(), "already known")):
+			return nil
+		case !strings.Contains(err.Error(), "client reconnected") || attempt == 3:
+			return err
+		}
+	}
 }
 
 // SendSigned submits a transaction signed elsewhere (a payer's approval a payment carries), without sealing it.
@@ -80,7 +96,7 @@ func (c *Chain) sendTx(ctx context.Context, from *Account, to *common.Address, v
 func (c *Chain) SendSigned(ctx context.Context, tx *types.Transaction) error {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		err := c.Client.SendTransaction(ctx, tx)
+		err := c.send(ctx, tx)
 		if err == nil || strings.Contains(err.Error(), "already known") {
 			return nil
 		}
