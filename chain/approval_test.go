@@ -600,11 +600,15 @@ type losesFundings struct {
 	lost        atomic.Int64
 	minesOnSend atomic.Pointer[common.Hash]
 	minedOnSend atomic.Bool
+	holdBack    atomic.Pointer[common.Hash] // a transaction lost too while set (the recorded approval)
 }
 
 func (b *losesFundings) SendTransaction(ctx context.Context, tx *types.Transaction) error {
 	if b.lose.Load() && tx.To() != nil && *tx.To() == b.payer && tx.Value().Sign() > 0 {
 		b.lost.Add(1)
+		return nil
+	}
+	if h := b.holdBack.Load(); h != nil && *h == tx.Hash() {
 		return nil
 	}
 	if h := b.minesOnSend.Load(); h != nil && *h == tx.Hash() {
@@ -727,6 +731,9 @@ func TestARecordedFundingOfASponsoredApprovalThatMinedWithoutItIsNeverSent(t *te
 func TestARecordedFundingOfASponsoredApprovalWhoseNonceAnotherApprovalTookIsNeverSent(t *testing.T) {
 	l := settleWithItsFundingLost(t)
 	fx := l.fx
+	// Reconciliation would send the recorded approval itself once the payer holds its gas: the other mines first.
+	recorded := l.approval.Hash()
+	l.node.holdBack.Store(&recorded)
 	fx.c.SendETH(fx.c.Payers[2], l.payer.Address, l.cost)
 	fees := fx.approvalFees()
 	other := fx.permit2(l.payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
@@ -744,6 +751,7 @@ func TestARecordedFundingOfASponsoredApprovalWhoseNonceAnotherApprovalTookIsNeve
 		t.Fatal(err)
 	}
 	l.node.lose.Store(false)
+	l.node.holdBack.Store(nil)
 	// Three: the recorded approval can never mine, so the payment is settled again at another nonce, and the
 	// nonces of its recorded gas money and settlement are filled.
 	l.settledOnceUnfundedAfter(t, approval, 3)
