@@ -428,9 +428,10 @@ func (p *payment) simulateApproval(ctx context.Context, settle contractCall) (*r
 // The payer is read again first, for what went out since the checks read it (another payment of the payer, carrying
 // an approval of the same nonce, settled meanwhile at another gateway or beside this one: the money-invariant run
 // saw the payer sent gas money a second time, and then this approval refused "nonce too low"): an allowance that
-// pays the payment now drops the approval and its gas money (p.approval nil: the settlement goes alone); otherwise
-// checkApproval runs again, and says what gas money the payer still lacks, or that nothing may go yet. The head is
-// read first, and the allowance at it.
+// pays the payment now makes the checks run again (errChecksAgain), which drop the approval and its gas money, and
+// the settlement goes alone; otherwise checkApproval runs again, and says what gas money the payer still lacks, or
+// that nothing may go yet. The head is read first, and the allowance at it; a head behind the block the deferred
+// hold's funds were read at sends nothing.
 func (p *payment) checkApprovalBeforeSending(ctx context.Context, settle contractCall) (*refusal, error) {
 	n := p.net
 	head, err := n.head.get(ctx, n.now, 0, n.readHead)
