@@ -232,9 +232,11 @@ type pendingBalanceReader interface {
 }
 
 // checkApproval checks what the chain says of p's approval: its nonce is the payer's next (or the node knows the
-// very transaction already: a settlement that sent it before a crash), its fee cap pays the next block's base fee,
-// and the payer is an account with no code. It sets the funding: what the payer's balance, pending transactions
-// included, lacks for the approval's gas.
+// very transaction already: a settlement that sent it before a crash), with no transaction of the payer's on its
+// way before it or at it (refused at verification as waiting behind it, to be presented again; at settlement,
+// nothing sent and an error saying so), its fee cap pays the next block's base fee, and the payer is an account with
+// no code. It sets the funding: what the payer's balance, pending transactions included, lacks for the approval's
+// gas.
 func (p *payment) checkApproval(ctx context.Context, use fundsUse) (*refusal, error) {
 	n, sa := p.net, p.approval
 	const ext = "extensions.erc20ApprovalGasSponsoring.info.signedTransaction"

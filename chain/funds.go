@@ -88,7 +88,8 @@ func newFunds(ttl time.Duration, now func() time.Time) *funds {
 // just made, or from the last read when r is nil and that read is fresh (known is false when there is none).
 // Unless use is fundsVerify, a covered payment is held until its settlement is seen mined (mined), is let go
 // (drop), or its deadline passes; with fundsHold, as a served payment's. A payment already held is covered by its
-// own hold. avail is what the payer can still pay beside the holds (see payment.fundsLimit).
+// own hold; one whose permit nonce another held payment carries is not, whatever the funds (coverOrClash). avail is
+// what the payer can still pay beside the holds (see payment.fundsLimit).
 func (fs *funds) cover(p *payment, chainTime uint64, r *fundsRead, use fundsUse) (ok, known bool, avail *big.Int) {
 	ok, known, _, avail = fs.coverOrClash(p, chainTime, r, use)
 	return ok, known, avail

@@ -444,7 +444,7 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 	if ref != nil && checked && p.method == x402.TransferERC2612 && !p.permitApplied {
 		// Refused, perhaps because this settlement's own permit, on its way when the receipts were looked up,
 		// mined during the checks (whose simulation then fails, ERC2612InvalidSigner): its receipt, looked up
-		// again, says so, and the next pass sends the transfer its allowance pays for. Not served yet, with the
+		// again, says so, and the next pass sends the transfer its allowance pays for. No receipt yet, with the
 		// permit's nonce spent since it was read, the next pass looks again (within spentNonceWait of the claim).
 		mined, err := priorMined(ctx, n, rec)
 		if err != nil {

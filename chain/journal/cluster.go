@@ -66,8 +66,8 @@ type Cluster interface {
 	// holds never seen mined whose Deadline is before chainTime, no longer count. With take they are deleted,
 	// a mined one only once no instance's read older than its block can still answer (see
 	// PostgresStore.ReadsAnswerFor), and h is refused, whatever the funds, when another hold that counts carries
-	// its PermitNonce (ErrPermitNonceHeld, with ok false and left). With take false nothing is written: Hold only
-	// answers whether h would be covered.
+	// its PermitNonce (ErrPermitNonceHeld, with ok false and left; HoldClaimAndSign says it as not held). With take
+	// false nothing is written: Hold only answers whether h would be covered.
 	Hold(ctx context.Context, h Hold, avail *big.Int, readBlock, chainTime uint64, take bool) (ok bool, left *big.Int, err error)
 	// A hold that is Served is marked so by Hold with take (even when h.ID was held already), and stays so.
 	//
