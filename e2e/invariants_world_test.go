@@ -649,6 +649,30 @@ func (p *invProc) stopGracefully(sig os.Signal, bound time.Duration) (exited boo
 	if !proc.running() {
 		return true, fmt.Errorf("it had exited before the signal: %v", proc.err)
 	}
+	if p.admin != "" {
+		// A stop that hangs leaves every goroutine's stack in the gateway's output (kept whole under
+		// X402_E2E_LOGS), read from Caddy's admin endpoint, which stays up until the apps stopped.
+		proc.beforeKill = func() {
+			c := http.Client{Timeout: 3 * time.Second}
+			resp, err := c.Get("http://" + p.admin + "/debug/pprof/goroutine?debug=2")
+			if err != nil {
+				fmt.Fprintf(proc.out, "\n--- goroutines of the hung stop: %v\n", err)
+				return
+			}
+			defer resp.Body.Close()
+			body, _ := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
+			fmt.Fprintf(proc.out, "\n--- goroutines of the hung stop (%s):\n%s\n", resp.Status, body)
+			// The test's log keeps the goroutines in this project's code (CI shows only the last lines of an
+			// output).
+			var ours []string
+			for _, g := range strings.Split(string(body), "\n\n") {
+				if strings.Contains(g, "caddy-x402") {
+					ours = append(ours, g)
+				}
+			}
+			proc.t.Logf("%s: the graceful stop hung; its goroutines in caddy-x402's code (%d):\n%s", p.name, len(ours), lastLines(strings.Join(ours, "\n\n"), 400))
+		}
+	}
 	return proc.stopWithin(sig, bound)
 }
 

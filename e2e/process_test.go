@@ -31,6 +31,9 @@ type process struct {
 	out  *lockedBuffer
 	done chan struct{} // closed once the process has exited and err is set
 	err  error
+	// beforeKill, when set, runs when a graceful stop outlasted its bound, before the kill: to keep what says
+	// where it hung (Caddy exits at SIGQUIT without the Go runtime's stack dump).
+	beforeKill func()
 }
 
 // startProcess starts the built binary with args in dir and env. The process is killed when the test ends
@@ -127,7 +130,7 @@ func (p *process) stop() {
 }
 
 // stopWithin sends sig (SIGINT or SIGTERM: a graceful stop) and waits at most bound for the process to exit; past
-// that it is killed (SIGQUIT, then SIGKILL). It reports whether the process exited by itself in time, and its exit error then. The caller
+// that it is killed (after beforeKill, when set). It reports whether the process exited by itself in time, and its exit error then. The caller
 // judges: a stop that hangs is something to report, not a test that hangs.
 func (p *process) stopWithin(sig os.Signal, bound time.Duration) (exited bool, err error) {
 	_ = p.cmd.Process.Signal(sig)
@@ -135,14 +138,10 @@ func (p *process) stopWithin(sig os.Signal, bound time.Duration) (exited bool, e
 	case <-p.done:
 		return true, p.err
 	case <-time.After(bound):
-		// SIGQUIT first: a Go program writes every goroutine's stack as it dies, which says where the stop hung
-		// (kept whole under X402_E2E_LOGS); then SIGKILL, if even that did not end it.
-		_ = p.cmd.Process.Signal(syscall.SIGQUIT)
-		select {
-		case <-p.done:
-		case <-time.After(5 * time.Second):
-			p.kill()
+		if p.beforeKill != nil {
+			p.beforeKill()
 		}
+		p.kill()
 		return false, nil
 	}
 }
