@@ -222,13 +222,25 @@ func (p *payment) parseApproval(info *x402.ERC20ApprovalGasSponsoringInfo, decod
 }
 
 // approvalCost is the most the approval's gas can cost its sender: what a node wants the sender's balance to hold.
-func (sa *sponsorApproval) approvalCost() *big.Int {
-	return new(big.Int).Mul(new(big.Int).SetUint64(sa.tx.Gas()), sa.tx.GasFeeCap())
+func (sa *sponsorApproval) approvalCost() *big.Int { return maxGasCost(sa.tx) }
+
+// maxGasCost is the most tx's gas can cost its sender: its gas limit at its fee cap.
+func maxGasCost(tx *types.Transaction) *big.Int {
+	return new(big.Int).Mul(new(big.Int).SetUint64(tx.Gas()), tx.GasFeeCap())
 }
 
 // pendingBalanceReader is a backend that reads a balance with the node's pending transactions applied.
 type pendingBalanceReader interface {
 	PendingBalanceAt(ctx context.Context, account common.Address) (*big.Int, error)
+}
+
+// pendingBalance is account's balance with the node's pending transactions applied, or the latest one where the
+// backend cannot read that.
+func (n *network) pendingBalance(ctx context.Context, account common.Address) (*big.Int, error) {
+	if r, ok := n.backend.(pendingBalanceReader); ok {
+		return r.PendingBalanceAt(ctx, account)
+	}
+	return n.backend.BalanceAt(ctx, account, nil)
 }
 
 // checkApproval checks what the chain says of p's approval: its nonce is the payer's next (or the node knows the
@@ -320,12 +332,7 @@ func (p *payment) checkApproval(ctx context.Context, use fundsUse) (*refusal, er
 	if len(code) > 0 {
 		return refuse(x402.ReasonERC20ApprovalTxSignerMismatch, "the payer %s has code: a sponsored approval is an account's own transaction (approve Permit2 from the wallet, or pay by another method)", p.payer.Hex()), nil
 	}
-	var balance *big.Int
-	if r, ok := n.backend.(pendingBalanceReader); ok {
-		balance, err = r.PendingBalanceAt(ctx, p.payer)
-	} else {
-		balance, err = n.backend.BalanceAt(ctx, p.payer, nil)
-	}
+	balance, err := n.pendingBalance(ctx, p.payer)
 	if err != nil {
 		return nil, err
 	}

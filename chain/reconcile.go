@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math/big"
 	"slices"
 	"time"
 
@@ -292,16 +291,11 @@ func payerLacksGas(ctx context.Context, n *network, payer common.Address, approv
 		// by review). Should the other be dropped, this approval goes unfunded, and its payment is not settled.
 		return false, nil
 	}
-	var balance *big.Int
-	if r, ok := n.backend.(pendingBalanceReader); ok {
-		balance, err = r.PendingBalanceAt(ctx, payer)
-	} else {
-		balance, err = n.backend.BalanceAt(ctx, payer, nil)
-	}
+	balance, err := n.pendingBalance(ctx, payer)
 	if err != nil {
 		return false, err
 	}
-	return balance.Cmp(new(big.Int).Mul(new(big.Int).SetUint64(approval.Gas()), approval.GasFeeCap())) < 0, nil
+	return balance.Cmp(maxGasCost(approval)) < 0, nil
 }
 
 // finaliseFromReceipts looks up the receipts of the record's transactions and finalises the record with the one

@@ -47,7 +47,10 @@ func (s *stingyBackend) SuggestGasTipCap(ctx context.Context) (*big.Int, error) 
 	return s.Backend.SuggestGasTipCap(ctx)
 }
 
-func TestAStuckSettlementIsReplacedWithHigherFeesAndSettlesOnce(t *testing.T) {
+// stuckFixture is a one-wallet facilitator whose node (sb) quotes fees no block takes while sb.stingy is set, no
+// block sealed unless the test seals it, stuck transactions replaced after 300 ms.
+func stuckFixture(t *testing.T) (*fixture, *stingyBackend) {
+	t.Helper()
 	var sb *stingyBackend
 	fx := newFixture(t, fixtureOpts{
 		autoCommit: -1, wallets: 1, receiptTimeout: 20 * time.Second,
@@ -60,6 +63,11 @@ func TestAStuckSettlementIsReplacedWithHigherFeesAndSettlesOnce(t *testing.T) {
 			cfg.ReconcileEvery, cfg.ReconcileGrace = 100*time.Millisecond, 100*time.Millisecond
 		},
 	})
+	return fx, sb
+}
+
+func TestAStuckSettlementIsReplacedWithHigherFeesAndSettlesOnce(t *testing.T) {
+	fx, sb := stuckFixture(t)
 	payer, wallet := fx.c.Payers[0], fx.c.Wallets[0].Address
 	fx.approvePermit2(payer)
 	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
@@ -142,18 +150,7 @@ func waitForRecord(t *testing.T, j journal.Store, ok func(journal.Record) bool) 
 // refused, its allowance granted and nothing moved (a fault run's erc2612 payment refused "was dropped and cannot
 // be sent again").
 func TestAStuckERC2612SettlementsPermitReplacementIsNamedInItsRecord(t *testing.T) {
-	var sb *stingyBackend
-	fx := newFixture(t, fixtureOpts{
-		autoCommit: -1, wallets: 1, receiptTimeout: 20 * time.Second,
-		tune: func(_ *fixture, nc *chain.NetworkConfig) {
-			sb = &stingyBackend{Backend: nc.Backend}
-			nc.Backend, nc.ReplaceAfter = sb, 300*time.Millisecond
-			nc.Fees.CacheFor = time.Millisecond
-		},
-		configure: func(cfg *chain.Config) {
-			cfg.ReconcileEvery, cfg.ReconcileGrace = 100*time.Millisecond, 100*time.Millisecond
-		},
-	})
+	fx, sb := stuckFixture(t)
 	payer := fx.c.Payers[0]
 	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
 	req := fx.erc2612(payer, fx.requirements(x402.TransferERC2612), chain.ERC2612Options{})
