@@ -66,14 +66,10 @@ func stuckFixture(t *testing.T) (*fixture, *stingyBackend) {
 	return fx, sb
 }
 
-func TestAStuckSettlementIsReplacedWithHigherFeesAndSettlesOnce(t *testing.T) {
-	fx, sb := stuckFixture(t)
-	payer, wallet := fx.c.Payers[0], fx.c.Wallets[0].Address
-	fx.approvePermit2(payer)
-	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
-	mined := fx.c.TxCount(wallet)
-	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
-
+// settleStuck settles req in the background at fees no block takes (sb stingy from now on), and returns where its
+// answer comes and its record once broadcast.
+func settleStuck(t *testing.T, fx *fixture, sb *stingyBackend, req x402.VerifyRequest) (<-chan x402.SettleResponse, journal.Record) {
+	t.Helper()
 	sb.stingy.Store(true)
 	done := make(chan x402.SettleResponse, 1)
 	go func() {
@@ -84,6 +80,18 @@ func TestAStuckSettlementIsReplacedWithHigherFeesAndSettlesOnce(t *testing.T) {
 		done <- resp
 	}()
 	old := waitForRecord(t, fx.journal, func(r journal.Record) bool { return r.State == journal.StateBroadcast })
+	return done, old
+}
+
+func TestAStuckSettlementIsReplacedWithHigherFeesAndSettlesOnce(t *testing.T) {
+	fx, sb := stuckFixture(t)
+	payer, wallet := fx.c.Payers[0], fx.c.Wallets[0].Address
+	fx.approvePermit2(payer)
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	mined := fx.c.TxCount(wallet)
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{})
+
+	done, old := settleStuck(t, fx, sb, req)
 	for range 3 {
 		fx.c.Commit()
 	}
@@ -154,16 +162,7 @@ func TestAStuckERC2612SettlementsPermitReplacementIsNamedInItsRecord(t *testing.
 	payer := fx.c.Payers[0]
 	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
 	req := fx.erc2612(payer, fx.requirements(x402.TransferERC2612), chain.ERC2612Options{})
-	sb.stingy.Store(true)
-	done := make(chan x402.SettleResponse, 1)
-	go func() {
-		resp, err := fx.f.Settle(context.Background(), req)
-		if err != nil {
-			t.Error(err)
-		}
-		done <- resp
-	}()
-	old := waitForRecord(t, fx.journal, func(r journal.Record) bool { return r.State == journal.StateBroadcast })
+	done, old := settleStuck(t, fx, sb, req)
 	if len(old.PriorRawTxs) != 1 {
 		t.Fatalf("the erc2612 settlement recorded %d prior transactions, want its permit", len(old.PriorRawTxs))
 	}
