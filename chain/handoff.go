@@ -153,8 +153,18 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 			case journal.StateFinal:
 				return *cur.Response, true, nil
 			case journal.StateBroadcast:
-				// Its transaction is out: wait for the receipt as a settlement of this payment would.
-				return f.awaitReceipt(ctx, n, p.id, p.payer.Hex(), p.amount.String(), p.upto(), false, recordHashes(cur)...), true, nil
+				// Its transaction is out, or on its way: wait for the receipt as a settlement of this payment would,
+				// reading the record again meanwhile (the taker forgets it if the node refuses the transaction).
+				resp, moved, turn := f.awaitRecorded(ctx, p, cur, answerUntil)
+				switch turn {
+				case recordAnswered:
+					return resp, true, nil
+				case recordGone:
+					return x402.SettleResponse{}, false, fmt.Errorf("%w: the instance that took the settlement handed off sent nothing (the node refused its transaction) and released the claim", errClaimLost)
+				}
+				last, rest = moved, handoffPoll // changed: read again at once
+				t.Reset(0)
+				continue
 			}
 			if time.Now().After(answerUntil) {
 				return x402.SettleResponse{Success: false, Network: n.caip2, Payer: p.payer.Hex(), ErrorReason: x402.ReasonSettlementPending,

@@ -70,12 +70,15 @@ func (s *hookedStore) Get(ctx context.Context, id journal.ID) (journal.Record, b
 }
 
 // sendGate holds every transaction sent through a heldSends node while on, and every fee quote while fees is,
-// until release is closed.
+// until release is closed; a transaction held while refuse is set is then refused as a node refuses one whose
+// sender cannot pay, instead of sent.
 type sendGate struct {
-	on, fees atomic.Bool
-	entered  chan struct{}
-	release  chan struct{}
+	on, fees, refuse atomic.Bool
+	entered          chan struct{}
+	release          chan struct{}
 }
+
+var errSendRefused = errors.New("insufficient funds for gas * price + value (injected)")
 
 func newSendGate() *sendGate {
 	return &sendGate{entered: make(chan struct{}, 64), release: make(chan struct{})}
@@ -96,6 +99,9 @@ func (b heldSends) SendTransaction(ctx context.Context, tx *types.Transaction) e
 		case <-b.g.release:
 		case <-ctx.Done():
 			return ctx.Err()
+		}
+		if b.g.refuse.Load() {
+			return errSendRefused
 		}
 	}
 	return b.Backend.SendTransaction(ctx, tx)

@@ -606,7 +606,7 @@ func (f *Facilitator) checkAndSend(ctx context.Context, p *payment, w *wallet, q
 		return common.Hash{}, nil, fmt.Errorf("%w: %w", errNotSent, err)
 	}
 	hash := txs[len(txs)-1].Hash()
-	f.log.Info("settlement broadcast", zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()),
+	f.log.Info("settlement broadcast", zap.String("payment", p.id.String()), zap.String("network", n.caip2), zap.String("payer", p.payer.Hex()),
 		zap.String("amount", p.amount.String()), zap.String("wallet", w.Address.Hex()), zap.String("tx", hash.Hex()))
 	if err != nil {
 		// Recorded but perhaps not delivered: reconciliation re-broadcasts the same bytes.
@@ -630,23 +630,90 @@ func (f *Facilitator) releaseUnsent(ctx context.Context, p *payment, hash string
 // upto says the payment is an upto one (see finalise); justSent that the transaction was broadcast just now (see
 // receiptWatcher.wait).
 func (f *Facilitator) awaitReceipt(ctx context.Context, n *network, id journal.ID, payer, amount string, upto, justSent bool, hashes ...common.Hash) x402.SettleResponse {
-	wctx, cancel := context.WithTimeout(ctx, n.timeout)
+	if resp, ok := f.awaitReceiptFor(ctx, n, n.timeout, id, payer, amount, upto, justSent, hashes...); ok {
+		return resp
+	}
+	return receiptNotSeen(n, payer, amount, hashes[0])
+}
+
+// awaitReceiptFor is awaitReceipt waiting at most d: ok says a receipt came, and resp is the payment's outcome.
+func (f *Facilitator) awaitReceiptFor(ctx context.Context, n *network, d time.Duration, id journal.ID, payer, amount string, upto, justSent bool, hashes ...common.Hash) (_ x402.SettleResponse, ok bool) {
+	wctx, cancel := context.WithTimeout(ctx, d)
 	defer cancel()
-	first := hashes[0]
 	for len(hashes) > 0 {
 		receipt, err := n.watcher.wait(wctx, justSent, hashes...)
 		if err != nil {
 			break
 		}
 		if final, ok := f.outcome(wctx, n, id, receipt); ok {
-			return f.finalise(ctx, n, id, final, payer, amount, upto)
+			return f.finalise(ctx, n, id, final, payer, amount, upto), true
 		}
 		// An earlier transaction of the payment reverted: the latest may still settle it.
 		hashes = slices.DeleteFunc(slices.Clone(hashes), func(h common.Hash) bool { return h == receipt.TxHash })
 	}
+	return x402.SettleResponse{}, false
+}
+
+// receiptNotSeen is the answer of a settlement whose transaction (first) was broadcast and whose receipt did not come
+// within the wait.
+func receiptNotSeen(n *network, payer, amount string, first common.Hash) x402.SettleResponse {
 	return x402.SettleResponse{Success: false, Transaction: first.Hex(), Network: n.caip2, Payer: payer, Amount: amount,
 		ErrorReason:  x402.ReasonSettlementPending,
 		ErrorMessage: "the settlement transaction was broadcast but its receipt was not seen yet; it may still settle: do not pay again, present the same payment again to learn the outcome"}
+}
+
+// recordedTurn is what became of a broadcast record awaitRecorded waited on.
+type recordedTurn int
+
+const (
+	recordAnswered recordedTurn = iota // a receipt came, or none within the wait: the answer is the payment's
+	recordGone                         // the record went: its transaction was never sent (see awaitRecorded)
+	recordMoved                        // the record is no longer that broadcast: final, or claimed again
+)
+
+// Between two reads of a broadcast record awaitRecorded waits for its receipt at first recordedRecheck, doubling up
+// to recordedRecheckMax: a record its sender forgets does so within the send's round trip, a few milliseconds.
+const (
+	recordedRecheck    = 100 * time.Millisecond
+	recordedRecheckMax = 2 * time.Second
+)
+
+// awaitRecorded waits, until the time given, for the outcome of payment p's settlement that rec, read from the
+// journal in state broadcast, records: another process's (an instance that took it over or took its hand-off, a
+// concurrent presentation's), or an earlier one of this process's. Its receipt finalises the record as
+// awaitReceipt's does. Its sender records the transaction before it sends it and forgets the record when the
+// node refuses it: a wait on the receipt alone would last the whole receipt timeout for a transaction that never
+// left (and hold a gateway's graceful stop as long). So the record is read again between spells of waiting:
+// gone, nothing was sent (recordGone); final or claimed again, the caller carries on from cur (recordMoved); a fee
+// replacement recorded since is waited for too. A read that fails changes nothing: the wait goes on.
+func (f *Facilitator) awaitRecorded(ctx context.Context, p *payment, rec journal.Record, until time.Time) (x402.SettleResponse, journal.Record, recordedTurn) {
+	n := p.net
+	hashes := recordHashes(rec)
+	payer, amount := p.payer.Hex(), p.amount.String()
+	for step := recordedRecheck; ; step = min(2*step, recordedRecheckMax) {
+		left := time.Until(until)
+		if left <= 0 || ctx.Err() != nil {
+			return receiptNotSeen(n, payer, amount, hashes[0]), rec, recordAnswered
+		}
+		if resp, ok := f.awaitReceiptFor(ctx, n, min(step, left), p.id, payer, amount, p.upto(), false, hashes...); ok {
+			return resp, rec, recordAnswered
+		}
+		if ctx.Err() != nil || !time.Now().Before(until) {
+			continue
+		}
+		rctx, cancel := context.WithDeadline(ctx, until)
+		cur, found, err := f.journal.Get(rctx, p.id)
+		cancel()
+		switch {
+		case err != nil:
+		case !found:
+			return x402.SettleResponse{}, journal.Record{}, recordGone
+		case cur.State != journal.StateBroadcast || !cur.SameClaim(&rec):
+			return x402.SettleResponse{}, cur, recordMoved
+		default:
+			rec, hashes = cur, recordHashes(cur) // a fee replacement since is waited for too
+		}
+	}
 }
 
 // outcome decides whether receipt, of one of the transactions journalled for payment id, is the payment's final
@@ -833,7 +900,18 @@ func (f *Facilitator) answerFromJournal(ctx context.Context, p *payment, req x40
 	case journal.StateFinal:
 		return *rec.Response, nil
 	case journal.StateBroadcast:
-		return f.awaitReceipt(ctx, p.net, p.id, p.payer.Hex(), p.amount.String(), p.upto(), false, recordHashes(rec)...), nil
+		resp, cur, turn := f.awaitRecorded(ctx, p, rec, time.Now().Add(p.net.timeout))
+		switch turn {
+		case recordGone:
+			// Its sender forgot it, the node having refused its transaction: nothing was sent, settle afresh.
+			return f.settleOnce(ctx, p, req)
+		case recordMoved:
+			if !cur.SameClaim(&rec) && !f.recordedSame(p, cur) {
+				return failed(p.net.caip2, p.payer.Hex(), "", reused(p)), nil // as a claim made again below
+			}
+			return f.answerFromJournal(ctx, p, req, cur)
+		}
+		return resp, nil
 	default:
 		// Claimed by another process that has not broadcast yet: wait for it to move.
 		deadline := time.Now().Add(p.net.timeout)
