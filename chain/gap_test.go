@@ -68,14 +68,18 @@ func TestASettlementQueuedBehindANonceTheNodeLostSettles(t *testing.T) {
 	}
 }
 
-// swallowingNode takes the first transaction it is sent and drops it, answering as if it had taken it: a pool
-// that evicted it, a node restarted before it relayed it.
+// swallowingNode takes the first transaction it is sent (after the first pass ones) and drops it, answering as if
+// it had taken it: a pool that evicted it, a node restarted before it relayed it.
 type swallowingNode struct {
 	chain.Backend
 	armed atomic.Bool
+	pass  atomic.Int32
 }
 
 func (b *swallowingNode) SendTransaction(ctx context.Context, tx *types.Transaction) error {
+	if b.pass.Add(-1) >= 0 {
+		return b.Backend.SendTransaction(ctx, tx)
+	}
 	if b.armed.CompareAndSwap(true, false) {
 		return nil
 	}
@@ -118,4 +122,89 @@ func TestASettlementWhoseNonceAnotherTransactionTookIsSignedAgainAndSettlesOnce(
 	if r, err := fx.c.Client.TransactionReceipt(context.Background(), common.HexToHash(first.Transaction)); err == nil && r != nil {
 		t.Fatal("the dropped transaction mined")
 	}
+}
+
+// TestASettlementTheNodeDroppedIsNotSentAgainOnceItsPaymentsDeadlinePassed: the node dropped the settlement, and by
+// the time reconciliation finds it unknown the chain's time is past the payment's deadline. Its recorded bytes
+// would revert in any block to come, at the wallet's cost: reconciliation sends nothing, and the payment is answered
+// refused for good (no tokens moved), not pending for ever nor reverted.
+func TestASettlementTheNodeDroppedIsNotSentAgainOnceItsPaymentsDeadlinePassed(t *testing.T) {
+	var node *swallowingNode
+	fx := newFixture(t, fixtureOpts{
+		wallets: 1, receiptTimeout: 300 * time.Millisecond,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			node = &swallowingNode{Backend: nc.Backend}
+			node.armed.Store(true)
+			nc.Backend = node
+		},
+		configure: func(cfg *chain.Config) {
+			// The grace keeps reconciliation from sending the dropped bytes again before the chain's time moves on.
+			cfg.ReconcileEvery, cfg.ReconcileGrace = 50*time.Millisecond, 2*time.Second
+		},
+	})
+	payer, wallet := fx.c.Payers[3], fx.c.Wallets[0].Address
+	fx.approvePermit2(payer)
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	sent := fx.c.TxCount(wallet)
+	deadline := fx.chainNow().Add(2 * time.Minute)
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{Deadline: big.NewInt(deadline.Unix())})
+
+	first := fx.settle(req)
+	if !first.Pending() || first.Transaction == "" {
+		t.Fatalf("first answer %+v; want settlement_pending with the dropped transaction", first)
+	}
+	fx.c.AdjustTime(5 * time.Minute) // the head is stamped past the deadline
+	var final x402.SettleResponse
+	for end := time.Now().Add(15 * time.Second); ; {
+		if final = fx.settle(req); !final.Pending() || time.Now().After(end) {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if final.Success || final.Pending() || final.ErrorReason != x402.ReasonPermit2DeadlineExpired || final.Transaction != "" {
+		t.Fatalf("final answer %+v; want refused for good for its deadline, naming no transaction: nothing was sent, nor will be", final)
+	}
+	if r, err := fx.c.Client.TransactionReceipt(context.Background(), common.HexToHash(first.Transaction)); err == nil && r != nil {
+		t.Fatalf("the dropped transaction was sent again past its payment's deadline and mined (status %d), at the wallet's cost", r.Status)
+	}
+	time.Sleep(300 * time.Millisecond) // more reconciliation passes
+	if got := fx.c.TxCount(wallet) - sent; got != 0 {
+		t.Errorf("the wallet sent %d transactions; want none (the only one was dropped, and past its deadline it can only revert)", got)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 0)
+}
+
+// TestAnERC2612SettlementWhosePermitMinedSendsItsDroppedTransferPastTheDeadline: the permit mined and the node
+// dropped the transfer after it; by the time reconciliation finds it unknown the chain's time is past the payment's
+// deadline. The transfer spends the allowance the permit granted, which no deadline binds: it is sent again and the
+// payment settles, once (a refusal would leave the payer's allowance granted and the seller unpaid).
+func TestAnERC2612SettlementWhosePermitMinedSendsItsDroppedTransferPastTheDeadline(t *testing.T) {
+	var node *swallowingNode
+	fx := newFixture(t, fixtureOpts{
+		wallets: 1, receiptTimeout: 300 * time.Millisecond,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			node = &swallowingNode{Backend: nc.Backend}
+			node.pass.Store(1) // the permit
+			node.armed.Store(true)
+			nc.Backend = node
+		},
+		configure: func(cfg *chain.Config) {
+			cfg.ReconcileEvery, cfg.ReconcileGrace = 50*time.Millisecond, 2*time.Second
+		},
+	})
+	payer := fx.c.Payers[3]
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	rq := fx.requirements(x402.TransferERC2612)
+	req := fx.erc2612(payer, rq, chain.ERC2612Options{Deadline: big.NewInt(fx.chainNow().Add(2 * time.Minute).Unix())})
+
+	first := fx.settle(req)
+	if !first.Pending() || first.Transaction == "" {
+		t.Fatalf("first answer %+v; want settlement_pending with the dropped transfer", first)
+	}
+	fx.c.AdjustTime(5 * time.Minute) // the head is stamped past the deadline
+	final, seen := settleUntilFinal(t, fx.f, req, time.Now().Add(15*time.Second))
+	if !final.Success {
+		t.Fatalf("final answer %+v after %v; want settled by the transfer its mined permit pays for", final, seen)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
 }

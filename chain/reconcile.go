@@ -107,8 +107,19 @@ func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec jo
 	} else if !errors.Is(err, ethereum.NotFound) {
 		return err
 	}
-	// The node does not know it: dropped, or never sent before a crash. Send the recorded bytes again; the
-	// settlement of a sponsored approval only once the approval mined.
+	// The node does not know it: dropped, or never sent before a crash. Past its payment's deadline in chain time,
+	// the recorded transaction (or a copy another pool still holds) can only revert, at the wallet's cost, and the
+	// gas money and approval of a sponsored one would be spent for nothing: the payment is settled again instead,
+	// whose checks refuse it for its deadline, sending nothing.
+	if expired, err := f.pastDeadline(ctx, n, rec); err != nil {
+		return err
+	} else if expired {
+		f.log.Warn("a recorded settlement the node does not know is past its payment's deadline; it is not sent again",
+			zap.String("payment", rec.ID.String()), zap.String("tx", rec.TxHash))
+		return f.resettle(ctx, n, rec)
+	}
+	// Otherwise the recorded bytes are sent again; the settlement of a sponsored approval only once the approval
+	// mined.
 	if rec.SponsoredRawTx != nil {
 		if sent, err := f.approvalFirst(ctx, n, rec); err != nil || !sent {
 			return err
@@ -149,6 +160,29 @@ func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec jo
 	f.log.Info("re-broadcast a settlement the node did not know", zap.String("payment", rec.ID.String()), zap.String("tx", rec.TxHash))
 	_, err := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error { r.Attempts++; return nil })
 	return err
+}
+
+// pastDeadline reports whether the chain's head is stamped at or past the deadline of the payment rec records: every
+// block to come is stamped later, where its settlement reverts (a permit2 deadline, an authorization's validBefore,
+// a permit's deadline). An erc2612 settlement whose permit mined is not: its transfer spends the allowance the
+// permit granted, which no deadline binds. A payment without a deadline, or a request that does not read, never is.
+func (f *Facilitator) pastDeadline(ctx context.Context, n *network, rec journal.Record) (bool, error) {
+	d := recordedDeadline(rec)
+	if d.IsZero() {
+		return false, nil
+	}
+	head, err := n.readHead(ctx)
+	if err != nil {
+		return false, err
+	}
+	if head.Time < uint64(max(d.Unix(), 0)) {
+		return false, nil
+	}
+	if p, ref, err := f.parseRecorded(rec.Request); err == nil && ref == nil && p.method == x402.TransferERC2612 {
+		mined, err := priorMined(ctx, n, rec)
+		return !mined, err
+	}
+	return true, nil
 }
 
 // approvalFirst handles the payer's approval a record with a sponsored approval sends before its settlement: mined

@@ -876,11 +876,7 @@ func (f *Facilitator) expiredInFlight(ctx context.Context, n *network, id journa
 	if err != nil || !found {
 		return 0, 0, false
 	}
-	var req x402.SettleRequest
-	if err := json.Unmarshal(rec.Request, &req); err != nil {
-		return 0, 0, false
-	}
-	d := req.PaymentPayload.Payload.Deadline()
+	d := recordedDeadline(rec)
 	if d.IsZero() {
 		return 0, 0, false
 	}
@@ -891,6 +887,15 @@ func (f *Facilitator) expiredInFlight(ctx context.Context, n *network, id journa
 		return 0, 0, false
 	}
 	return d.Unix(), head.Time, head.Time > uint64(max(d.Unix(), 0))
+}
+
+// recordedDeadline is the deadline of the payment rec records, zero when it has none or its request does not read.
+func recordedDeadline(rec journal.Record) time.Time {
+	var req x402.SettleRequest
+	if err := json.Unmarshal(rec.Request, &req); err != nil {
+		return time.Time{}
+	}
+	return req.PaymentPayload.Payload.Deadline()
 }
 
 // answerFromJournal answers a payment someone already claimed: the recorded final answer, or the outcome of the
