@@ -3,10 +3,12 @@ package chain_test
 import (
 	"context"
 	"math/big"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ethereum/go-ethereum"
 	"github.com/ethereum/go-ethereum/common"
 	"github.com/ethereum/go-ethereum/core/types"
 
@@ -205,6 +207,94 @@ func TestAnERC2612SettlementWhosePermitMinedSendsItsDroppedTransferPastTheDeadli
 	final, seen := settleUntilFinal(t, fx.f, req, time.Now().Add(15*time.Second))
 	if !final.Success {
 		t.Fatalf("final answer %+v after %v; want settled by the transfer its mined permit pays for", final, seen)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
+}
+
+// hidingNode serves no receipt and no transaction for the hashes it hides: a node behind the one that mined them.
+// It hides the next transaction sent while hideNext is set.
+type hidingNode struct {
+	chain.Backend
+	hideNext atomic.Bool
+	mu       sync.Mutex
+	hidden   map[common.Hash]bool
+}
+
+func (b *hidingNode) isHidden(h common.Hash) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.hidden[h]
+}
+
+func (b *hidingNode) unhide() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.hidden = nil
+}
+
+func (b *hidingNode) SendTransaction(ctx context.Context, tx *types.Transaction) error {
+	if b.hideNext.CompareAndSwap(true, false) {
+		b.mu.Lock()
+		b.hidden = map[common.Hash]bool{tx.Hash(): true}
+		b.mu.Unlock()
+	}
+	return b.Backend.SendTransaction(ctx, tx)
+}
+
+func (b *hidingNode) TransactionReceipt(ctx context.Context, h common.Hash) (*types.Receipt, error) {
+	if b.isHidden(h) {
+		return nil, ethereum.NotFound
+	}
+	return b.Backend.TransactionReceipt(ctx, h)
+}
+
+func (b *hidingNode) TransactionByHash(ctx context.Context, h common.Hash) (*types.Transaction, bool, error) {
+	if b.isHidden(h) {
+		return nil, false, ethereum.NotFound
+	}
+	return b.Backend.TransactionByHash(ctx, h)
+}
+
+// TestASettlementMinedBeforeItsDeadlineWhoseReceiptTheNodeHidesIsNeverRefusedPastTheDeadline: the settlement mined in
+// time, but the node answering reconciliation knows neither its receipt nor its transaction (it lags the one that
+// mined it), and by then the chain's time is past the payment's deadline. The payer was charged: reconciliation must
+// not record a refusal for the deadline (a gate would answer 402 and the payer pay again), and once the node serves
+// the receipt the payment is answered settled, by its one transaction.
+func TestASettlementMinedBeforeItsDeadlineWhoseReceiptTheNodeHidesIsNeverRefusedPastTheDeadline(t *testing.T) {
+	var node *hidingNode
+	fx := newFixture(t, fixtureOpts{
+		wallets: 1, receiptTimeout: 300 * time.Millisecond,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) {
+			node = &hidingNode{Backend: nc.Backend}
+			node.hideNext.Store(true)
+			nc.Backend = node
+		},
+		configure: func(cfg *chain.Config) {
+			cfg.ReconcileEvery, cfg.ReconcileGrace = 50*time.Millisecond, 500*time.Millisecond
+		},
+	})
+	payer := fx.c.Payers[3]
+	fx.approvePermit2(payer)
+	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
+	deadline := fx.chainNow().Add(2 * time.Minute)
+	req := fx.permit2(payer, fx.requirements(x402.TransferPermit2), chain.Permit2Options{Deadline: big.NewInt(deadline.Unix())})
+
+	first := fx.settle(req)
+	if !first.Pending() || first.Transaction == "" {
+		t.Fatalf("first answer %+v; want settlement_pending (its receipt hidden)", first)
+	}
+	assertMoved(t, fx, payer.Address, before, sellerBefore, 1) // mined, in time
+	fx.c.AdjustTime(5 * time.Minute)                           // the head is stamped past the deadline
+	for end := time.Now().Add(3 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+		// Reconciliation passes meanwhile (every 50 ms, past its grace).
+		if again, err := fx.f.Settle(context.Background(), req); err == nil && !again.Success && !again.Pending() {
+			t.Fatalf("the payment, charged on chain before its deadline, was answered %+v once the chain passed it; want pending until its receipt shows", again)
+		}
+	}
+	node.unhide()
+	final, seen := settleUntilFinal(t, fx.f, req, time.Now().Add(15*time.Second))
+	if !final.Success || final.Transaction != first.Transaction {
+		t.Fatalf("final answer %+v after %v; want settled by its one transaction %s", final, seen, first.Transaction)
 	}
 	assertMoved(t, fx, payer.Address, before, sellerBefore, 1)
 }

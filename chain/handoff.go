@@ -129,9 +129,9 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 			}
 			continue // the database a moment out of reach: the hand-off stands
 		case !ok:
-			// Released by reconciliation (this process looked dead to another a while), or by a taker's process
-			// gone and reconciled: nothing was sent.
-			return x402.SettleResponse{}, false, fmt.Errorf("%w: the payment's claim went while its settlement was handed off", errClaimLost)
+			// Released by reconciliation (this process looked dead to another a while), by a taker's process gone
+			// and reconciled, or by a taker whose transaction the node refused: nothing was sent.
+			return claimWent(p, "the payment's claim went while its settlement was handed off")
 		case !cur.SameClaim(&p.claim) || cur.Handoff != nil && cur.Handoff.Taker != "" && !givenBack(&cur):
 			// Taken: by a taker, or by reconciliation of a process that looked dead, this one's too (a taker that
 			// died, taken over here, makes the record this process's claim again, not given back: it may have
@@ -160,7 +160,7 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 				case recordAnswered:
 					return resp, true, nil
 				case recordGone:
-					return x402.SettleResponse{}, false, fmt.Errorf("%w: the instance that took the settlement handed off sent nothing (the node refused its transaction) and released the claim", errClaimLost)
+					return claimWent(p, "the instance that took the settlement handed off released its claim without settling it (the node refused its transaction)")
 				}
 				last, rest = moved, handoffPoll // changed: read again at once
 				t.Reset(0)
@@ -204,6 +204,16 @@ func (f *Facilitator) handOff(ctx context.Context, p *payment, refused x402.Sett
 			}
 		}
 	}
+}
+
+// claimWent ends a hand-off whose claim is gone from the journal: released with its funds hold (a taker's
+// releaseUnsent, reconciliation's releaseClaim), nothing sent. Neither is this settlement's to end any more (see
+// unsentReleased): ended again by the payment's id, they could be another settlement's of the payment, claimed since.
+// The payer is told to present the payment again.
+func claimWent(p *payment, why string) (x402.SettleResponse, bool, error) {
+	p.unsentReleased = true
+	return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable,
+		Err: fmt.Errorf("%w: %s; nothing was sent, present the payment again", errNotSent, why)}
 }
 
 // givenBack reports whether r, a claim handed off and taken, was given back to its claimant by the taker, having

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/big"
 	"slices"
 	"time"
 
@@ -162,10 +163,12 @@ func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec jo
 	return err
 }
 
-// pastDeadline reports whether the chain's head is stamped at or past the deadline of the payment rec records: every
-// block to come is stamped later, where its settlement reverts (a permit2 deadline, an authorization's validBefore,
-// a permit's deadline). An erc2612 settlement whose permit mined is not: its transfer spends the allowance the
-// permit granted, which no deadline binds. A payment without a deadline, or a request that does not read, never is.
+// pastDeadline reports whether the payment rec records can no longer be settled by any transaction: the chain's head
+// H is stamped past its deadline (every block to come is stamped later still, where a permit2 transfer, an
+// authorization's transfer or a permit reverts), and its authorization is unspent at H, read at that very block so
+// that endpoints at different heights cannot tell two stories (a transaction mined before the deadline shows as
+// spent). An erc2612 payment whose permit nonce is spent is not: the allowance a permit granted has no deadline. A
+// payment without a deadline, of another kind, or whose request does not read, never is.
 func (f *Facilitator) pastDeadline(ctx context.Context, n *network, rec journal.Record) (bool, error) {
 	d := recordedDeadline(rec)
 	if d.IsZero() {
@@ -175,14 +178,43 @@ func (f *Facilitator) pastDeadline(ctx context.Context, n *network, rec journal.
 	if err != nil {
 		return false, err
 	}
-	if head.Time < uint64(max(d.Unix(), 0)) {
+	if head.Time <= uint64(max(d.Unix(), 0)) {
 		return false, nil
 	}
-	if p, ref, err := f.parseRecorded(rec.Request); err == nil && ref == nil && p.method == x402.TransferERC2612 {
-		mined, err := priorMined(ctx, n, rec)
-		return !mined, err
+	p, ref, err := f.parseRecorded(rec.Request)
+	if err != nil || ref != nil {
+		return false, nil
 	}
-	return true, nil
+	spent, known, err := p.authorizationSpentAt(ctx, head.Number)
+	return known && !spent, err
+}
+
+// authorizationSpentAt reads whether p's authorization is spent at block: its Permit2 nonce's bit, its EIP-3009
+// authorizationState, its erc2612 permit's token nonce moved on. known is false for a payment of another kind.
+func (p *payment) authorizationSpentAt(ctx context.Context, block *big.Int) (spent, known bool, _ error) {
+	n := p.net
+	switch {
+	case p.method == x402.TransferPermit2 && p.nonce != nil:
+		word := new(big.Int).Rsh(p.nonce, 8)
+		bitmap, err := n.callUintAt(ctx, block, n.permit2, contracts.Permit2ABI, "nonceBitmap", p.payer, word)
+		if err != nil {
+			return false, true, err
+		}
+		return permit2NonceBit(bitmap, p.nonce), true, nil
+	case p.method == x402.TransferEIP3009:
+		state, err := n.callUintAt(ctx, block, p.asset.Address, contracts.USDCoinABI, "authorizationState", p.payer, p.auth.Nonce)
+		if err != nil {
+			return false, true, err
+		}
+		return state.Sign() != 0, true, nil
+	case p.method == x402.TransferERC2612 && p.permit.Nonce != nil:
+		cur, err := n.callUintAt(ctx, block, p.asset.Address, contracts.StableCoinABI, "nonces", p.payer)
+		if err != nil {
+			return false, true, err
+		}
+		return cur.Cmp(p.permit.Nonce) > 0, true, nil
+	}
+	return false, false, nil
 }
 
 // approvalFirst handles the payer's approval a record with a sponsored approval sends before its settlement: mined
@@ -491,12 +523,22 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 			}
 		}
 	}
-	if ref != nil && (ref.reason == x402.ReasonPermit2InvalidNonce || ref.reason == x402.ReasonNonceAlreadyUsed) &&
-		f.now().Sub(rec.ClaimedAt) < spentNonceWait {
+	if ref != nil && f.now().Sub(rec.ClaimedAt) < spentNonceWait {
 		// The payment's own nonce is spent: most likely by its recorded transaction, mined just now, whose
-		// receipt the node does not serve yet. The next pass looks for it again; past spentNonceWait the
-		// payment is taken as spent elsewhere.
-		return fmt.Errorf("payment %s: its nonce is spent on chain and no receipt of its transactions was found yet: %s", rec.ID, ref.message)
+		// receipt the node does not serve yet (a node behind the one that mined it), and the checks refuse it for
+		// its nonce, or for its deadline once the chain's time passed it. The next pass looks for the receipt
+		// again; past spentNonceWait the payment is taken as spent elsewhere.
+		spent := ref.reason == x402.ReasonPermit2InvalidNonce || ref.reason == x402.ReasonNonceAlreadyUsed
+		if !spent && checked {
+			s, known, err := p.authorizationSpentAt(ctx, nil)
+			if err != nil {
+				return err
+			}
+			spent = known && s
+		}
+		if spent {
+			return fmt.Errorf("payment %s: its nonce is spent on chain and no receipt of its transactions was found yet: %s", rec.ID, ref.message)
+		}
 	}
 	if ref != nil {
 		// Refused for good: it will not move tokens. Its hold goes before its record is final (see finalise).
@@ -508,6 +550,10 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 		// x402.SettleResponse.OutcomeUnknown). The message names it.
 		resp := failed(n.caip2, rec.Payer, "", refuse(ref.reason, "the settlement transaction %s was dropped and cannot be sent again: %s", rec.TxHash, ref.message))
 		_, err := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error {
+			// Only over the record judged: one finalised meanwhile (a receipt another waiter saw) keeps its answer.
+			if r.State != journal.StateBroadcast || !r.SameClaim(&rec) || r.TxHash != rec.TxHash {
+				return fmt.Errorf("payment %s: its record changed while it was settled again (now %s, transaction %s); the next pass looks again", rec.ID, r.State, r.TxHash)
+			}
 			r.State, r.Response = journal.StateFinal, &resp
 			return nil
 		})

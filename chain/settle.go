@@ -695,8 +695,17 @@ func (f *Facilitator) awaitRecorded(ctx context.Context, p *payment, rec journal
 		if left <= 0 || ctx.Err() != nil {
 			return receiptNotSeen(n, payer, amount, hashes[0]), rec, recordAnswered
 		}
+		spell := time.Now()
 		if resp, ok := f.awaitReceiptFor(ctx, n, min(step, left), p.id, payer, amount, p.upto(), false, hashes...); ok {
 			return resp, rec, recordAnswered
+		}
+		// A spell cut short (every receipt seen judged not final while a later transaction may still mine) is
+		// waited out, not spun through.
+		if rest := min(step, left) - time.Since(spell); rest > 0 {
+			select {
+			case <-ctx.Done():
+			case <-time.After(rest):
+			}
 		}
 		if ctx.Err() != nil || !time.Now().Before(until) {
 			continue

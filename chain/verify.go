@@ -426,7 +426,12 @@ func (p *payment) permit2NonceUsed(ctx context.Context) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	return bitmap.Bit(int(new(big.Int).And(p.nonce, big.NewInt(0xff)).Int64())) == 1, nil
+	return permit2NonceBit(bitmap, p.nonce), nil
+}
+
+// permit2NonceBit is nonce's bit in its word of a Permit2 nonce bitmap: set, the nonce is spent.
+func permit2NonceBit(bitmap, nonce *big.Int) bool {
+	return bitmap.Bit(int(new(big.Int).And(nonce, big.NewInt(0xff)).Int64())) == 1
 }
 
 // parse runs every check that needs neither the chain nor the clock: version, scheme, network, requirements,
