@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
 
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -208,7 +209,7 @@ func (pf *payerFunds) permitClash(p *payment) bool {
 		return false
 	}
 	for id, h := range pf.holds {
-		if id != p.id && h.permitNonce != nil && h.permitNonce.Cmp(nonce) == 0 {
+		if id != p.id && h.permitNonce != nil && h.permitNonce.Cmp(nonce) == 0 && holdCountsAt(h.mined, h.deadline, p.head) {
 			return true
 		}
 	}
@@ -444,11 +445,23 @@ func (fs *funds) permitInUse(ctx context.Context, p *payment) (bool, error) {
 		return false, err
 	}
 	for _, h := range holds {
-		if h.ID != p.id && h.PermitNonce != nil && h.PermitNonce.Cmp(nonce) == 0 {
+		if h.ID != p.id && h.PermitNonce != nil && h.PermitNonce.Cmp(nonce) == 0 && holdCountsAt(h.Mined, h.Deadline, p.head) {
 			return true, nil
 		}
 	}
 	return false, nil
+}
+
+// holdCountsAt reports whether a hold seen mined in block mined (0: not seen mined), whose payment's deadline is
+// deadline, still counts at head, as the hold statement's live holds do (pgHoldSQL) and payerFunds.settle: not mined
+// at or before it, nor past its deadline unmined. Stored holds that no longer count stay until pruned: one of
+// another payment of the same permit nonce, past its deadline, must not refuse the payer's new payment of that
+// nonce (its permit never applied, the payer signed it again). Every hold counts when there is no head.
+func holdCountsAt(mined, deadline uint64, head *types.Header) bool {
+	if head == nil || head.Number == nil {
+		return true
+	}
+	return !(mined != 0 && mined <= head.Number.Uint64() || mined == 0 && deadline < head.Time)
 }
 
 // sawMined is mined for every kind of journal. An error says the shared holds' database did not take it: the hold

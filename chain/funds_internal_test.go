@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ethereum/go-ethereum/common"
+	"github.com/ethereum/go-ethereum/core/types"
 
 	"github.com/x402-gateway/caddy-x402/chain/journal"
 	"github.com/x402-gateway/caddy-x402/x402"
@@ -203,5 +204,64 @@ func TestFundsRefuseAPermitNonceHeldTwiceAndSaySo(t *testing.T) {
 	other.permit = Permit{Nonce: big.NewInt(4), Deadline: big.NewInt(900)}
 	if ok, clash, _, err := fs.check(context.Background(), other, 500, nil, fundsSettle); !ok || clash || err != nil {
 		t.Fatalf("check of a payment of another permit nonce = %v, clash %v, %v; want held", ok, clash, err)
+	}
+}
+
+// holdsOnly is a cluster whose only use here is to list the holds stored (HoldsOf).
+type holdsOnly struct {
+	journal.Cluster
+	holds []journal.Hold
+}
+
+func (c holdsOnly) HoldsOf(context.Context, string) ([]journal.Hold, error) { return c.holds, nil }
+
+// TestAPermitNonceHeldByAPaymentThatCountsNoMoreDoesNotRefuseTheNextPaymentOfIt: an erc2612 payment held for permit
+// nonce 3 was never settled, and the chain's time passed its deadline (or it mined); its hold stays stored until it is
+// pruned. The payer's next payment of that permit nonce (the first one's permit never applied, so the payer signs
+// the nonce again) is not refused for it: the hold statement no longer counts that hold either. While the first hold
+// counts, it is refused. In memory and with shared holds.
+func TestAPermitNonceHeldByAPaymentThatCountsNoMoreDoesNotRefuseTheNextPaymentOfIt(t *testing.T) {
+	erc2612 := func(i int, head *types.Header) *payment {
+		p := fundsPayment(i, 10, 900)
+		p.method, p.permit = x402.TransferERC2612, Permit{Nonce: big.NewInt(3), Deadline: big.NewInt(900)}
+		p.head = head
+		return p
+	}
+	at := func(block, time uint64) *types.Header {
+		return &types.Header{Number: new(big.Int).SetUint64(block), Time: time}
+	}
+	cases := []struct {
+		name   string
+		mined  uint64
+		head   *types.Header
+		inUse  bool
+		reason string
+	}{
+		{"the first one's deadline ahead", 0, at(5, 800), true, "its permit may still apply"},
+		{"at the first one's deadline", 0, at(5, 900), true, "its permit may still apply in this block"},
+		{"past the first one's deadline", 0, at(5, 901), false, "its permit can never apply"},
+		{"the first one mined after the head", 7, at(5, 800), true, "the head does not show it yet"},
+		{"the first one mined at or before the head", 5, at(5, 800), false, "the chain shows its nonce spent, which refuses the next payment by itself"},
+		{"no head read", 0, nil, true, "nothing to judge by"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			mem := newFunds(time.Minute, time.Now)
+			r := &fundsRead{block: 1, balance: big.NewInt(100), allowance: big.NewInt(100)}
+			if ok, _, _, err := mem.check(context.Background(), erc2612(1, nil), 500, r, fundsSettle); !ok || err != nil {
+				t.Fatalf("holding the first = %v, %v", ok, err)
+			}
+			if c.mined != 0 {
+				mem.mined(fundsID(1), c.mined)
+			}
+			shared := newFunds(time.Minute, time.Now)
+			shared.shared = holdsOnly{holds: []journal.Hold{{ID: fundsID(1), Key: "k", Amount: big.NewInt(10), Deadline: 900, Mined: c.mined, PermitNonce: big.NewInt(3)}}}
+			for name, fs := range map[string]*funds{"in memory": mem, "shared": shared} {
+				got, err := fs.permitInUse(context.Background(), erc2612(2, c.head))
+				if err != nil || got != c.inUse {
+					t.Errorf("%s: the next payment of the permit nonce is held back = %v, %v; want %v (%s)", name, got, err, c.inUse, c.reason)
+				}
+			}
+		})
 	}
 }
