@@ -209,7 +209,7 @@ func (pf *payerFunds) permitClash(p *payment) bool {
 		return false
 	}
 	for id, h := range pf.holds {
-		if id != p.id && h.permitNonce != nil && h.permitNonce.Cmp(nonce) == 0 && holdCountsAt(h.mined, h.deadline, p.head) {
+		if id != p.id && h.permitNonce != nil && h.permitNonce.Cmp(nonce) == 0 && holdCountsAt(h.mined, h.deadline, h.permitNonce, p.head) {
 			return true
 		}
 	}
@@ -445,23 +445,29 @@ func (fs *funds) permitInUse(ctx context.Context, p *payment) (bool, error) {
 		return false, err
 	}
 	for _, h := range holds {
-		if h.ID != p.id && h.PermitNonce != nil && h.PermitNonce.Cmp(nonce) == 0 && holdCountsAt(h.Mined, h.Deadline, p.head) {
+		if h.ID != p.id && h.PermitNonce != nil && h.PermitNonce.Cmp(nonce) == 0 && holdCountsAt(h.Mined, h.Deadline, h.PermitNonce, p.head) {
 			return true, nil
 		}
 	}
 	return false, nil
 }
 
-// holdCountsAt reports whether a hold seen mined in block mined (0: not seen mined), whose payment's deadline is
-// deadline, still counts at head, as the hold statement's live holds do (pgHoldSQL) and payerFunds.settle: not mined
-// at or before it, nor past its deadline unmined. Stored holds that no longer count stay until pruned: one of
-// another payment of the same permit nonce, past its deadline, must not refuse the payer's new payment of that
-// nonce (its permit never applied, the payer signed it again). Every hold counts when there is no head.
-func holdCountsAt(mined, deadline uint64, head *types.Header) bool {
+// holdCountsAt reports whether a hold of permit nonce permitNonce (see permitNonce) seen mined in block mined (0: not
+// seen mined), whose payment's deadline is deadline, still holds its permit nonce at head: not mined at or before
+// it, nor, for a token permit, past its deadline unmined, as the hold statement's live holds (pgHoldSQL) and
+// payerFunds.settle judge. Stored holds that no longer count stay until pruned: one of another payment of the same
+// permit nonce, past its deadline, must not refuse the payer's new payment of that nonce (its permit never applied,
+// the payer signed it again). A sponsored approval's hold (an account nonce) counts past its deadline: the gas
+// money and the approval it sends have none, and may still be on their way (a second payment funding the payer
+// again). Every hold counts when there is no head.
+func holdCountsAt(mined, deadline uint64, permitNonce *big.Int, head *types.Header) bool {
 	if head == nil || head.Number == nil {
 		return true
 	}
-	return !(mined != 0 && mined <= head.Number.Uint64() || mined == 0 && deadline < head.Time)
+	if mined != 0 && mined <= head.Number.Uint64() {
+		return false
+	}
+	return mined != 0 || deadline >= head.Time || permitNonce != nil && permitNonce.Bit(255) == 1
 }
 
 // sawMined is mined for every kind of journal. An error says the shared holds' database did not take it: the hold

@@ -264,4 +264,37 @@ func TestAPermitNonceHeldByAPaymentThatCountsNoMoreDoesNotRefuseTheNextPaymentOf
 			}
 		})
 	}
+
+	// A sponsored approval's hold (the payer's account nonce) holds it past its payment's deadline until it is seen
+	// mined: the gas money and the approval it sends have no deadline, and may still be on their way.
+	approval := func(i int, head *types.Header) *payment {
+		p := fundsPayment(i, 10, 900)
+		p.approval, p.head = &sponsorApproval{tx: types.NewTx(&types.DynamicFeeTx{Nonce: 3}), amount: big.NewInt(100)}, head
+		return p
+	}
+	for _, c := range []struct {
+		name  string
+		mined uint64
+		head  *types.Header
+		inUse bool
+	}{
+		{"past its deadline, not seen mined", 0, at(5, 5000), true},
+		{"mined at or before the head", 5, at(5, 5000), false},
+	} {
+		mem := newFunds(time.Minute, time.Now)
+		r := &fundsRead{block: 1, balance: big.NewInt(100), allowance: big.NewInt(100)}
+		if ok, _, _, err := mem.check(context.Background(), approval(1, nil), 500, r, fundsSettle); !ok || err != nil {
+			t.Fatalf("holding the first approval's payment = %v, %v", ok, err)
+		}
+		if c.mined != 0 {
+			mem.mined(fundsID(1), c.mined)
+		}
+		shared := newFunds(time.Minute, time.Now)
+		shared.shared = holdsOnly{holds: []journal.Hold{{ID: fundsID(1), Key: "k", Amount: big.NewInt(10), Deadline: 900, Mined: c.mined, PermitNonce: approval(1, nil).permitNonce()}}}
+		for name, fs := range map[string]*funds{"in memory": mem, "shared": shared} {
+			if got, err := fs.permitInUse(context.Background(), approval(2, c.head)); err != nil || got != c.inUse {
+				t.Errorf("approval %s, %s: the next payment carrying an approval of that account nonce is held back = %v, %v; want %v", c.name, name, got, err, c.inUse)
+			}
+		}
+	}
 }

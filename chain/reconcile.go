@@ -163,12 +163,12 @@ func (f *Facilitator) reconcileBroadcast(ctx context.Context, n *network, rec jo
 	return err
 }
 
-// pastDeadline reports whether the payment rec records can no longer be settled by any transaction: the chain's head
-// H is stamped past its deadline (every block to come is stamped later still, where a permit2 transfer, an
-// authorization's transfer or a permit reverts), and its authorization is unspent at H, read at that very block so
-// that endpoints at different heights cannot tell two stories (a transaction mined before the deadline shows as
-// spent). An erc2612 payment whose permit nonce is spent is not: the allowance a permit granted has no deadline. A
-// payment without a deadline, of another kind, or whose request does not read, never is.
+// pastDeadline reports whether the chain's head is stamped past the deadline of the payment rec records: every block
+// to come is stamped later still, where a permit2 transfer, an authorization's transfer or a permit reverts, so the
+// recorded transaction is not sent again (the payment is settled again instead, whose checks say what became of
+// it: refused for its deadline, or, its authorization spent, waiting for the receipt of what spent it). An erc2612
+// settlement whose own permit mined is not: its transfer spends the allowance the permit granted, which no deadline
+// binds. A payment without a deadline, or whose request does not read, never is.
 func (f *Facilitator) pastDeadline(ctx context.Context, n *network, rec journal.Record) (bool, error) {
 	d := recordedDeadline(rec)
 	if d.IsZero() {
@@ -185,8 +185,11 @@ func (f *Facilitator) pastDeadline(ctx context.Context, n *network, rec journal.
 	if err != nil || ref != nil {
 		return false, nil
 	}
-	spent, known, err := p.authorizationSpentAt(ctx, head.Number)
-	return known && !spent, err
+	if p.method == x402.TransferERC2612 {
+		mined, err := priorMined(ctx, n, rec)
+		return !mined, err
+	}
+	return true, nil
 }
 
 // authorizationSpentAt reads whether p's authorization is spent at block: its Permit2 nonce's bit, its EIP-3009
@@ -529,8 +532,15 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 		// its nonce, or for its deadline once the chain's time passed it. The next pass looks for the receipt
 		// again; past spentNonceWait the payment is taken as spent elsewhere.
 		spent := ref.reason == x402.ReasonPermit2InvalidNonce || ref.reason == x402.ReasonNonceAlreadyUsed
-		if !spent && checked {
-			s, known, err := p.authorizationSpentAt(ctx, nil)
+		if !spent && checked && !(p.method == x402.TransferERC2612 && p.permitApplied) {
+			// Read at the head the checks judged by, not at whatever an endpoint calls its latest: one behind the
+			// node that mined the payment would show its authorization unspent (one without that block errs, and
+			// the next pass looks again).
+			var at *big.Int
+			if p.head != nil {
+				at = p.head.Number
+			}
+			s, known, err := p.authorizationSpentAt(ctx, at)
 			if err != nil {
 				return err
 			}
@@ -541,7 +551,13 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 		}
 	}
 	if ref != nil {
-		// Refused for good: it will not move tokens. Its hold goes before its record is final (see finalise).
+		// Refused for good: it will not move tokens. Its hold goes before its record is final (see finalise), and
+		// only while the record is still the one judged: one claimed again meanwhile holds its own (by the same id).
+		if cur, ok, err := f.journal.Get(ctx, rec.ID); err != nil {
+			return err
+		} else if !ok || !sameBroadcast(cur, rec) {
+			return fmt.Errorf("payment %s: its record changed while it was settled again; the next pass looks again", rec.ID)
+		}
 		if err := n.funds.let(rec.ID); err != nil {
 			return fmt.Errorf("payment %s: letting go of its funds hold: %w", rec.ID, err)
 		}
@@ -551,7 +567,7 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 		resp := failed(n.caip2, rec.Payer, "", refuse(ref.reason, "the settlement transaction %s was dropped and cannot be sent again: %s", rec.TxHash, ref.message))
 		_, err := f.journal.Update(ctx, rec.ID, func(r *journal.Record) error {
 			// Only over the record judged: one finalised meanwhile (a receipt another waiter saw) keeps its answer.
-			if r.State != journal.StateBroadcast || !r.SameClaim(&rec) || r.TxHash != rec.TxHash {
+			if !sameBroadcast(*r, rec) {
 				return fmt.Errorf("payment %s: its record changed while it was settled again (now %s, transaction %s); the next pass looks again", rec.ID, r.State, r.TxHash)
 			}
 			r.State, r.Response = journal.StateFinal, &resp
@@ -561,6 +577,11 @@ func (f *Facilitator) resettle(ctx context.Context, n *network, rec journal.Reco
 	}
 	f.log.Info("settled again a payment whose transaction was dropped", zap.String("payment", rec.ID.String()), zap.String("old_tx", rec.TxHash), zap.String("tx", hash.Hex()))
 	return nil
+}
+
+// sameBroadcast reports whether cur is still rec: broadcast, of the same claim, with the same transaction.
+func sameBroadcast(cur, rec journal.Record) bool {
+	return cur.State == journal.StateBroadcast && cur.SameClaim(&rec) && cur.TxHash == rec.TxHash
 }
 
 // priorMined reports whether one of the prior transactions rec names (an erc2612 settlement's permit, in any of its
