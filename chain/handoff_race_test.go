@@ -132,8 +132,15 @@ type handoffPair struct {
 
 func newHandoffPair(t *testing.T, receiptTimeout, walletWait time.Duration) *handoffPair {
 	t.Helper()
+	return newHandoffPairLeasing(t, receiptTimeout, walletWait, 3*time.Second)
+}
+
+// newHandoffPairLeasing is newHandoffPair with the wallet's lease lasting leaseTTL: a test whose claimant must not
+// come to hold the wallet during its wait gives a lease that a loaded machine's late renewal does not let lapse.
+func newHandoffPairLeasing(t *testing.T, receiptTimeout, walletWait, leaseTTL time.Duration) *handoffPair {
+	t.Helper()
 	hp := &handoffPair{g: newSendGate()}
-	fx, engines, _ := sharedEnginesOn(t, pgtest.Start(t).DSN(), 2, 3*time.Second, fixtureOpts{wallets: 1, receiptTimeout: receiptTimeout,
+	fx, engines, _ := sharedEnginesOn(t, pgtest.Start(t).DSN(), 2, leaseTTL, fixtureOpts{wallets: 1, receiptTimeout: receiptTimeout,
 		chainOpts: []chaintest.Option{chaintest.WithTokenBalance(big.NewInt(price))},
 		tune: func(_ *fixture, nc *chain.NetworkConfig) {
 			nc.Backend = heldSends{Backend: nc.Backend, g: hp.g}
