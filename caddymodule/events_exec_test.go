@@ -43,7 +43,8 @@ func TestX402ExecRunsItsCommandForEachSettledPayment(t *testing.T) {
 	deadline := time.Now().Add(10 * time.Second)
 	var got []byte
 	for time.Now().Before(deadline) {
-		if got, _ = os.ReadFile(sales); len(got) > 0 {
+		// The script writes its line in two writes (the arguments, then the newline): read until the line ends.
+		if got, _ = os.ReadFile(sales); len(got) > 0 && got[len(got)-1] == '\n' {
 			break
 		}
 		time.Sleep(20 * time.Millisecond)
