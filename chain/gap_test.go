@@ -88,24 +88,34 @@ func (b *swallowingNode) SendTransaction(ctx context.Context, tx *types.Transact
 	return b.Backend.SendTransaction(ctx, tx)
 }
 
+// nodeFixture is a one-wallet fixture whose node is wrap's, reconciliation passing every 50 ms over records grace
+// old (the grace keeps it from sending a dropped transaction's bytes again before the test's next step).
+func nodeFixture(t *testing.T, grace time.Duration, wrap func(chain.Backend) chain.Backend) *fixture {
+	return newFixture(t, fixtureOpts{
+		wallets: 1, receiptTimeout: 300 * time.Millisecond,
+		tune: func(_ *fixture, nc *chain.NetworkConfig) { nc.Backend = wrap(nc.Backend) },
+		configure: func(cfg *chain.Config) {
+			cfg.ReconcileEvery, cfg.ReconcileGrace = 50*time.Millisecond, grace
+		},
+	})
+}
+
+// swallowing is nodeFixture's wrap of a swallowingNode that lets pass transactions through, then drops one.
+func swallowing(pass int32) func(chain.Backend) chain.Backend {
+	return func(b chain.Backend) chain.Backend {
+		node := &swallowingNode{Backend: b}
+		node.pass.Store(pass)
+		node.armed.Store(true)
+		return node
+	}
+}
+
 // TestASettlementWhoseNonceAnotherTransactionTookIsSignedAgainAndSettlesOnce: the node dropped the settlement,
 // and another transaction of the wallet then took its nonce, so the recorded transaction can never mine.
 // Reconciliation signs the payment again with the wallet's next nonce (it is still valid), and it settles, once,
 // under the new transaction.
 func TestASettlementWhoseNonceAnotherTransactionTookIsSignedAgainAndSettlesOnce(t *testing.T) {
-	var node *swallowingNode
-	fx := newFixture(t, fixtureOpts{
-		wallets: 1, receiptTimeout: 300 * time.Millisecond,
-		tune: func(_ *fixture, nc *chain.NetworkConfig) {
-			node = &swallowingNode{Backend: nc.Backend}
-			node.armed.Store(true)
-			nc.Backend = node
-		},
-		configure: func(cfg *chain.Config) {
-			// The grace keeps reconciliation from sending the dropped bytes again before the nonce is taken.
-			cfg.ReconcileEvery, cfg.ReconcileGrace = 50*time.Millisecond, 2*time.Second
-		},
-	})
+	fx := nodeFixture(t, 2*time.Second, swallowing(0)) // sent again only after the nonce is taken
 	payer, wallet := fx.c.Payers[3], fx.c.Wallets[0]
 	fx.approvePermit2(payer)
 	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
@@ -131,19 +141,7 @@ func TestASettlementWhoseNonceAnotherTransactionTookIsSignedAgainAndSettlesOnce(
 // would revert in any block to come, at the wallet's cost: reconciliation sends nothing, and the payment is answered
 // refused for good (no tokens moved), not pending for ever nor reverted.
 func TestASettlementTheNodeDroppedIsNotSentAgainOnceItsPaymentsDeadlinePassed(t *testing.T) {
-	var node *swallowingNode
-	fx := newFixture(t, fixtureOpts{
-		wallets: 1, receiptTimeout: 300 * time.Millisecond,
-		tune: func(_ *fixture, nc *chain.NetworkConfig) {
-			node = &swallowingNode{Backend: nc.Backend}
-			node.armed.Store(true)
-			nc.Backend = node
-		},
-		configure: func(cfg *chain.Config) {
-			// The grace keeps reconciliation from sending the dropped bytes again before the chain's time moves on.
-			cfg.ReconcileEvery, cfg.ReconcileGrace = 50*time.Millisecond, 2*time.Second
-		},
-	})
+	fx := nodeFixture(t, 2*time.Second, swallowing(0)) // looked at only after the chain's time moved on
 	payer, wallet := fx.c.Payers[3], fx.c.Wallets[0].Address
 	fx.approvePermit2(payer)
 	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
@@ -181,19 +179,7 @@ func TestASettlementTheNodeDroppedIsNotSentAgainOnceItsPaymentsDeadlinePassed(t 
 // deadline. The transfer spends the allowance the permit granted, which no deadline binds: it is sent again and the
 // payment settles, once (a refusal would leave the payer's allowance granted and the seller unpaid).
 func TestAnERC2612SettlementWhosePermitMinedSendsItsDroppedTransferPastTheDeadline(t *testing.T) {
-	var node *swallowingNode
-	fx := newFixture(t, fixtureOpts{
-		wallets: 1, receiptTimeout: 300 * time.Millisecond,
-		tune: func(_ *fixture, nc *chain.NetworkConfig) {
-			node = &swallowingNode{Backend: nc.Backend}
-			node.pass.Store(1) // the permit
-			node.armed.Store(true)
-			nc.Backend = node
-		},
-		configure: func(cfg *chain.Config) {
-			cfg.ReconcileEvery, cfg.ReconcileGrace = 50*time.Millisecond, 2*time.Second
-		},
-	})
+	fx := nodeFixture(t, 2*time.Second, swallowing(1)) // the permit passes, the transfer is dropped
 	payer := fx.c.Payers[3]
 	before, sellerBefore := fx.c.TokenBalance(payer.Address), fx.c.TokenBalance(fx.payTo)
 	rq := fx.requirements(x402.TransferERC2612)
@@ -262,16 +248,10 @@ func (b *hidingNode) TransactionByHash(ctx context.Context, h common.Hash) (*typ
 // the receipt the payment is answered settled, by its one transaction.
 func TestASettlementMinedBeforeItsDeadlineWhoseReceiptTheNodeHidesIsNeverRefusedPastTheDeadline(t *testing.T) {
 	var node *hidingNode
-	fx := newFixture(t, fixtureOpts{
-		wallets: 1, receiptTimeout: 300 * time.Millisecond,
-		tune: func(_ *fixture, nc *chain.NetworkConfig) {
-			node = &hidingNode{Backend: nc.Backend}
-			node.hideNext.Store(true)
-			nc.Backend = node
-		},
-		configure: func(cfg *chain.Config) {
-			cfg.ReconcileEvery, cfg.ReconcileGrace = 50*time.Millisecond, 500*time.Millisecond
-		},
+	fx := nodeFixture(t, 500*time.Millisecond, func(b chain.Backend) chain.Backend {
+		node = &hidingNode{Backend: b}
+		node.hideNext.Store(true)
+		return node
 	})
 	payer := fx.c.Payers[3]
 	fx.approvePermit2(payer)

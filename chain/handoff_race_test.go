@@ -225,6 +225,26 @@ type settleAnswer struct {
 	err error
 }
 
+// settleAt settles the first payment at engine i in the background; its answer comes on the channel.
+func (hp *handoffPair) settleAt(i int) <-chan settleAnswer {
+	answers := make(chan settleAnswer, 1)
+	go func() {
+		s, err := hp.engines[i].Settle(context.Background(), hp.first)
+		answers <- settleAnswer{s, err}
+	}()
+	return answers
+}
+
+// waitHeldSend waits until a transaction is held at the send gate (on): who names the engine that sends it.
+func (hp *handoffPair) waitHeldSend(t *testing.T, who string) {
+	t.Helper()
+	select {
+	case <-hp.g.entered:
+	case <-time.After(20 * time.Second):
+		t.Fatalf("%s never sent the settlement", who)
+	}
+}
+
 // TestReconciliationLeavesAClaimOnOfferThatATakerTakesAsItReadsItToTheTaker: the claimant of a payment handed off
 // gives up waiting without taking it back (its journal took no writes as it gave up), which leaves the claim on
 // offer with nobody waiting for it. Its reconciliation reads the claim to release it and, right then, the engine

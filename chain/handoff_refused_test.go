@@ -43,16 +43,8 @@ func TestAWaitOnABroadcastRecordWhoseTransactionTheNodeRefusedEndsWhenItsSenderF
 		hp.g.refuse.Store(true)
 		hp.g.on.Store(true)
 		before := hp.fx.c.CountTokenTransfers(hp.payer.Address, hp.fx.payTo)
-		answers := make(chan settleAnswer, 1)
-		go func() {
-			s, err := hp.engines[hp.claimant].Settle(context.Background(), hp.first)
-			answers <- settleAnswer{s, err}
-		}()
-		select {
-		case <-hp.g.entered:
-		case <-time.After(20 * time.Second):
-			t.Fatal("the taker never sent the settlement handed off")
-		}
+		answers := hp.settleAt(hp.claimant)
+		hp.waitHeldSend(t, "the taker of the hand-off")
 		from := refuseHeldSend(t, hp)
 		a := answerWithin(t, "the claimant", answers, from)
 		if a.err == nil || a.s.Success || !strings.Contains(a.err.Error(), "nothing was sent") {
@@ -75,21 +67,9 @@ func TestAWaitOnABroadcastRecordWhoseTransactionTheNodeRefusedEndsWhenItsSenderF
 		hp.g.refuse.Store(true)
 		hp.g.on.Store(true)
 		before := hp.fx.c.CountTokenTransfers(hp.payer.Address, hp.fx.payTo)
-		first := make(chan settleAnswer, 1)
-		go func() {
-			s, err := hp.engines[hp.taker].Settle(context.Background(), hp.first)
-			first <- settleAnswer{s, err}
-		}()
-		select {
-		case <-hp.g.entered:
-		case <-time.After(20 * time.Second):
-			t.Fatal("the engine holding the wallet never sent the settlement")
-		}
-		again := make(chan settleAnswer, 1)
-		go func() {
-			s, err := hp.engines[hp.claimant].Settle(context.Background(), hp.first)
-			again <- settleAnswer{s, err}
-		}()
+		first := hp.settleAt(hp.taker)
+		hp.waitHeldSend(t, "the engine holding the wallet")
+		again := hp.settleAt(hp.claimant)
 		from := refuseHeldSend(t, hp)
 		if a := answerWithin(t, "the engine that sent it", first, from); a.s.Success {
 			t.Errorf("the settlement the node refused answered %+v; want no success", a.s)
