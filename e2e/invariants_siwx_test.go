@@ -460,8 +460,9 @@ func (u *invUpstream) runsOfKey(key string) int {
 }
 
 // checkPaidSignedIn judges paid-wallet-signed-in: a sign-in of a wallet whose payment on the route delivered its
-// response before the sign-in was sent, sent while the grant that payment bought surely stood, is served at any
-// gateway: the grant is written before the paid response goes out, and is the cluster's. Refused for any reason,
+// response before the sign-in was sent, sent while the grant that payment bought surely stood (from the start of
+// the payment's first presentation that may have written it), is served at any gateway: the grant is written before
+// the paid response goes out, once a payment, and is the cluster's. Refused for any reason,
 // or answered with anything but the resource, it is a violation, except: refused as used up once the upstream
 // served the wallet there as many sign-ins as the payments that stood bought (those left unanswered counted, as
 // they may have used one); a SIGKILL of the gateway it was sent to, or the database down or its way hung, while
@@ -475,6 +476,11 @@ func (r *invRun) checkPaidSignedIn(end *invEnd) ([]invViolation, string) {
 	}
 	deliveries := map[key][]*invAnswer{}
 	payments := map[*invAnswer]*invPayment{}
+	// grantFrom is, for each payment, the start of its earliest presentation that may have written its grant: the
+	// gate writes it once, just before the paid response goes out, and the same payment served again on a later
+	// presentation (its first response cut short, its gateway killed as it wrote it) grants nothing more
+	// (journal.Access.GrantAccess). A presentation answered with a refusal wrote none.
+	grantFrom := map[*invPayment]time.Time{}
 	for _, p := range r.snapshot() {
 		if p.route.access == nil {
 			continue
@@ -483,6 +489,13 @@ func (r *invRun) checkPaidSignedIn(end *invEnd) ([]invViolation, string) {
 		for _, d := range p.deliveries {
 			deliveries[key{p.route, p.payer.addr}] = append(deliveries[key{p.route, p.payer.addr}], d)
 			payments[d] = p
+		}
+		for _, a := range p.answers {
+			if mayHaveGranted := a.status == 0 || a.status < 400 || a.status >= 500; mayHaveGranted {
+				if from, ok := grantFrom[p]; !ok || a.sent.Before(from) {
+					grantFrom[p] = a.sent
+				}
+			}
 		}
 		p.mu.Unlock()
 	}
@@ -509,7 +522,7 @@ func (r *invRun) checkPaidSignedIn(end *invEnd) ([]invViolation, string) {
 		var stood []*invAnswer // the deliveries whose grant surely stood
 		bought := map[*invPayment]bool{}
 		for _, d := range deliveries[key{s.route, s.wallet}] {
-			if d.got.Before(s.sent) && s.got.Before(d.sent.Add(s.route.access.For)) {
+			if d.got.Before(s.sent) && s.got.Before(grantFrom[payments[d]].Add(s.route.access.For)) {
 				stood = append(stood, d)
 				bought[payments[d]] = true
 			}
