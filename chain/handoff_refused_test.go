@@ -38,11 +38,18 @@ func TestAWaitOnABroadcastRecordWhoseTransactionTheNodeRefusedEndsWhenItsSenderF
 		return time.Now()
 	}
 
-	t.Run("the claimant of a hand-off whose taker the node refused", func(t *testing.T) {
+	// refusingPair is a hand-off pair whose every send is held, then refused, and the count of the payer's transfers
+	// to the seller since.
+	refusingPair := func(t *testing.T) (*handoffPair, func() int) {
 		hp := newHandoffPair(t, receiptTimeout, 20*time.Second)
 		hp.g.refuse.Store(true)
 		hp.g.on.Store(true)
 		before := hp.fx.c.CountTokenTransfers(hp.payer.Address, hp.fx.payTo)
+		return hp, func() int { return hp.fx.c.CountTokenTransfers(hp.payer.Address, hp.fx.payTo) - before }
+	}
+
+	t.Run("the claimant of a hand-off whose taker the node refused", func(t *testing.T) {
+		hp, transfers := refusingPair(t)
 		answers := hp.settleAt(hp.claimant)
 		hp.waitHeldSend(t, "the taker of the hand-off")
 		from := refuseHeldSend(t, hp)
@@ -50,23 +57,20 @@ func TestAWaitOnABroadcastRecordWhoseTransactionTheNodeRefusedEndsWhenItsSenderF
 		if a.err == nil || a.s.Success || !strings.Contains(a.err.Error(), "nothing was sent") {
 			t.Errorf("the claimant answered %+v, %v; want an error saying nothing was sent", a.s, a.err)
 		}
-		if got := hp.fx.c.CountTokenTransfers(hp.payer.Address, hp.fx.payTo) - before; got != 0 {
+		if got := transfers(); got != 0 {
 			t.Fatalf("%d transfers from the payer after a refused transaction; want none", got)
 		}
 		hp.g.refuse.Store(false)
 		if again, err := hp.engines[hp.claimant].Settle(context.Background(), hp.first); err != nil || !again.Success {
 			t.Fatalf("the payment presented again = %+v, %v; want settled", again, err)
 		}
-		if got := hp.fx.c.CountTokenTransfers(hp.payer.Address, hp.fx.payTo) - before; got != 1 {
+		if got := transfers(); got != 1 {
 			t.Errorf("%d transfers from the payer; want 1", got)
 		}
 	})
 
 	t.Run("a presentation answered from the record of another engine that the node refused", func(t *testing.T) {
-		hp := newHandoffPair(t, receiptTimeout, 20*time.Second)
-		hp.g.refuse.Store(true)
-		hp.g.on.Store(true)
-		before := hp.fx.c.CountTokenTransfers(hp.payer.Address, hp.fx.payTo)
+		hp, transfers := refusingPair(t)
 		first := hp.settleAt(hp.taker)
 		hp.waitHeldSend(t, "the engine holding the wallet")
 		again := hp.settleAt(hp.claimant)
@@ -78,7 +82,7 @@ func TestAWaitOnABroadcastRecordWhoseTransactionTheNodeRefusedEndsWhenItsSenderF
 		if a.err != nil || !a.s.Success {
 			t.Errorf("the payment presented at the other engine as the first settlement was refused = %+v, %v; want settled afresh", a.s, a.err)
 		}
-		if got := hp.fx.c.CountTokenTransfers(hp.payer.Address, hp.fx.payTo) - before; got != 1 {
+		if got := transfers(); got != 1 {
 			t.Errorf("%d transfers from the payer; want 1", got)
 		}
 		if a.s.ErrorReason == x402.ReasonSettlementPending {
