@@ -307,7 +307,9 @@ func (f *Facilitator) broadcastAndWait(ctx context.Context, p *payment) (x402.Se
 // hold, if a verification placed one, is let go. keep is as broadcastAndWait's.
 func (f *Facilitator) settleNothing(ctx context.Context, p *payment) (x402.SettleResponse, bool, error) {
 	n := p.net
-	if ref := p.checkTime(ctx); ref != nil {
+	if ref, err := p.checkTime(ctx); err != nil {
+		return x402.SettleResponse{}, false, &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: err}
+	} else if ref != nil {
 		return failed(n.caip2, p.payer.Hex(), "", ref), false, nil
 	}
 	if ref, err := p.checkWallet(ctx); err != nil {
@@ -356,7 +358,9 @@ func (f *Facilitator) broadcast(ctx context.Context, p *payment) (common.Hash, *
 	if ref := n.penalties.refuse(p); ref != nil {
 		return common.Hash{}, ref, nil
 	}
-	if ref := p.checkTime(ctx); ref != nil {
+	if ref, err := p.checkTime(ctx); err != nil {
+		return common.Hash{}, nil, fmt.Errorf("nothing was sent: %w: %w", errNodeNotAsked, err)
+	} else if ref != nil {
 		return common.Hash{}, ref, nil
 	}
 	// The erc2612 permit's spender and the upto witness's facilitator are the only wallets that can send theirs.

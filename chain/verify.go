@@ -242,7 +242,10 @@ func (f *Facilitator) verifyParsed(ctx context.Context, p *payment, ref *refusal
 		ref = p.checkSender()
 	}
 	if ref == nil {
-		ref = p.checkTime(ctx)
+		var err error
+		if ref, err = p.checkTime(ctx); err != nil {
+			return x402.VerifyResponse{}, &x402.FacilitatorError{Op: "verify", Kind: x402.FailureUnreachable, Err: err}
+		}
 	}
 	if ref == nil {
 		var err error
@@ -728,13 +731,20 @@ func (p *payment) checkFarDeadline(chainNow uint64) *refusal {
 // by the latest time the settlement is expected to be mined at, validAfter by the earliest (see mineTime). The
 // time is read from the head block and the engine's clock (which the tests control), and kept for the
 // simulation, which runs in that next block's context (see execution). A settlement judges the deadline again
-// just before it signs (checkDeadlineBeforeSending).
-func (p *payment) checkTime(ctx context.Context) *refusal {
+// just before it signs (checkDeadlineBeforeSending). The error is a head that could not be read: with no chain
+// time the window cannot be judged, and the payment is neither verified nor refused, whatever the calls after it
+// would answer (a node back by then simulates a payment past its deadline as a failed call, and one too close
+// to it as a good one).
+func (p *payment) checkTime(ctx context.Context) (*refusal, error) {
 	head, err := p.net.chainHead(ctx)
 	if err != nil {
-		// No chain time: the chain checks that follow will report the node as unreachable.
-		return nil
+		return nil, fmt.Errorf("reading the head block (chain time, which the payment's validity window is judged by): %w", err)
 	}
+	return p.checkTimeAt(ctx, head), nil
+}
+
+// checkTimeAt is checkTime's judgement from head.
+func (p *payment) checkTimeAt(ctx context.Context, head *types.Header) *refusal {
 	t := p.setHead(head)
 	if ref := p.checkFarDeadline(head.Time); ref != nil {
 		// The shared head read (HeadCacheTTL) of a chain sealing per burst may lag the payer's by many blocks, a
