@@ -25,8 +25,9 @@ type nextBlockTimer interface {
 
 // roomToSettleAfterServing reports whether the payment's authorization stays valid asyncSettleMargin past the
 // earliest time its settlement can be mined at: judged by the embedded engine's chain time (the next block's),
-// and by the gate's clock for a remote facilitator, which the gate cannot ask. When it does not, the payment is
-// logged and the caller settles it before serving it.
+// and by the gate's clock for a remote facilitator, which the gate cannot ask. When it does not, or the engine
+// cannot tell its chain time (its node out of reach: the gate's clock may lie minutes behind a chain that runs
+// ahead), the payment is logged and the caller settles it before serving it.
 func (x *exchange) roomToSettleAfterServing() bool {
 	deadline := x.req.PaymentPayload.SettlementDeadline()
 	if deadline.IsZero() {
@@ -35,7 +36,13 @@ func (x *exchange) roomToSettleAfterServing() bool {
 	at := x.g.now()
 	if c, ok := x.g.fac.(nextBlockTimer); ok && x.g.cfg.Embedded {
 		// A chain that seals on demand (a dev chain) runs ahead of the wall clock under load.
-		if next, err := c.NextBlockTime(x.r.Context(), x.req.PaymentRequirements.Network); err == nil && next.After(at) {
+		next, err := c.NextBlockTime(x.r.Context(), x.req.PaymentRequirements.Network)
+		if err != nil {
+			x.g.logger.Info("settle async: the engine could not tell its chain time, which the payment's room to settle after serving is judged by; settling it before serving it",
+				zap.String("payment", x.id.String()), zap.String("payer", x.payer), zap.Time("deadline", deadline), zap.Error(err))
+			return false
+		}
+		if next.After(at) {
 			at = next
 		}
 	}

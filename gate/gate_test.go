@@ -588,3 +588,41 @@ func TestAGateNotStartedYetAnswers503AndCallsNothing(t *testing.T) {
 		t.Fatalf("ServeHTTP before Start = %v (upstream called %v), want a 503 StatusError and no upstream", err, called)
 	}
 }
+
+// noChainTime is the embedded engine whose chain time cannot be read (its node out of reach for the head block).
+type noChainTime struct{ *chain.Facilitator }
+
+func (noChainTime) NextBlockTime(context.Context, string) (time.Time, error) {
+	return time.Time{}, errors.New("reading the head block: the node answers 503")
+}
+
+// TestASettleAsyncPaymentWhoseRoomTheEngineCannotJudgeIsSettledBeforeItIsServed: a settle async gate serves first
+// only a payment whose deadline leaves its settlement room, judged by the engine's chain time; when the engine
+// cannot tell it, the gate's clock is no substitute (a chain sealing per burst runs minutes ahead of it), and the
+// payment is settled before it is served. Before, the gate judged by its clock and served it unsettled.
+func TestASettleAsyncPaymentWhoseRoomTheEngineCannotJudgeIsSettledBeforeItIsServed(t *testing.T) {
+	e := newEnv(t, setup{settle: gate.SettleAsync, noGate: true})
+	g, err := gate.New(e.cfg, noChainTime{e.fac}, e.store, "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = g.Close() })
+	e.gate = g
+	payer := e.c.Payers[2]
+	header := e.permit2(payer)
+	before := e.balances(payer)
+	a := e.get(x402.HeaderPaymentSignature, header)
+	if a.status != http.StatusOK || a.body != "paid content" {
+		t.Fatalf("paid request = %d %q, want 200 with the upstream's content", a.status, a.body)
+	}
+	resp, err := x402.DecodeSettleResponse(a.header.Get(x402.HeaderPaymentResponse))
+	if err != nil || !resp.Success || resp.Transaction == "" {
+		t.Fatalf("PAYMENT-RESPONSE = %+v (%v), want the settlement, made before serving", resp, err)
+	}
+	if lost, gained := e.paid(payer, before); lost.Int64() != price || gained.Int64() != price {
+		t.Errorf("served with the payer charged %s and the seller paid %s, want exactly %d", lost, gained, price)
+	}
+}
