@@ -88,3 +88,42 @@ func TestAPaymentWhoseChainTimeCouldNotBeReadIsNeitherVerifiedNorRefusedForAnoth
 		})
 	}
 }
+
+// TestAPaymentSignedFromAFresherHeadIsNotRefusedWhenTheHeadCannotBeReadAgain: a deadline that looks signed too far
+// ahead of the shared head read (HeadCacheTTL) is judged again from a fresh head before it is refused; when that
+// head cannot be read, the payment is neither verified nor refused (before, it was refused as signed too far
+// ahead, at verification and for good at settlement, though it was good: with the node back it verifies).
+func TestAPaymentSignedFromAFresherHeadIsNotRefusedWhenTheHeadCannotBeReadAgain(t *testing.T) {
+	var node *headOutage
+	fx := newFixture(t, fixtureOpts{autoCommit: -1, tune: func(_ *fixture, nc *chain.NetworkConfig) {
+		node = &headOutage{Backend: nc.Backend}
+		nc.Backend, nc.HeadCacheTTL = node, time.Hour
+	}})
+	payer := fx.c.Payers[0]
+	fx.approvePermit2(payer)
+	rq := fx.requirements(x402.TransferPermit2)
+	if v := fx.verify(fx.permit2(payer, rq, chain.Permit2Options{})); !v.IsValid { // the shared read is taken now
+		t.Fatalf("verify = %+v", v)
+	}
+	fx.c.AdjustTime(90 * time.Second) // more than the clock skew allowed (60 s)
+	time.Sleep(30 * time.Millisecond) // past farDeadlineHeadAge
+	req := fx.permit2(payer, rq, chain.Permit2Options{Deadline: big.NewInt(int64(fx.c.HeadTime()) + int64(rq.MaxTimeoutSeconds))})
+	before := fx.walletTxs()
+	node.failing.Store(1)
+	resp, err := fx.f.Verify(context.Background(), req)
+	var fe *x402.FacilitatorError
+	if !errors.As(err, &fe) || fe.Kind != x402.FailureUnreachable || !errors.Is(err, errHeadOutage) {
+		t.Fatalf("verified with the head unread: want the node unreachable, got %+v, %v", resp, err)
+	}
+	node.failing.Store(1)
+	if sr, err := fx.f.Settle(context.Background(), req); !errors.As(err, &fe) || fe.Kind != x402.FailureUnreachable {
+		t.Fatalf("settled with the head unread: want the node unreachable, got %+v, %v", sr, err)
+	}
+	node.failing.Store(0)
+	if v := fx.verify(req); !v.IsValid {
+		t.Fatalf("verify with the node back = %+v; want valid", v)
+	}
+	if got, _ := fx.sentSince(before); got != 0 {
+		t.Fatalf("%d transactions sent", got)
+	}
+}

@@ -738,37 +738,40 @@ func (p *payment) checkFarDeadline(chainNow uint64) *refusal {
 func (p *payment) checkTime(ctx context.Context) (*refusal, error) {
 	head, err := p.net.chainHead(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("reading the head block (chain time, which the payment's validity window is judged by): %w", err)
+		return nil, headUnread(err)
 	}
-	return p.checkTimeAt(ctx, head), nil
-}
-
-// checkTimeAt is checkTime's judgement from head.
-func (p *payment) checkTimeAt(ctx context.Context, head *types.Header) *refusal {
 	t := p.setHead(head)
 	if ref := p.checkFarDeadline(head.Time); ref != nil {
 		// The shared head read (HeadCacheTTL) of a chain sealing per burst may lag the payer's by many blocks, a
 		// second each under load (and before its clock runs ahead of this machine's, nothing says the chain is
 		// one): a payment signed from a fresher head would look signed too far ahead. Judged again from a head
 		// at most farDeadlineHeadAge old before it is refused, which bounds what payments signed too far ahead
-		// can cost the node.
+		// can cost the node; a head that cannot be read then refuses nothing either.
 		fresh, err := p.net.head.get(ctx, p.net.now, farDeadlineHeadAge, p.net.readHead)
-		if err != nil || p.checkFarDeadline(fresh.Time) != nil {
-			return ref
+		if err != nil {
+			return nil, headUnread(err)
+		}
+		if p.checkFarDeadline(fresh.Time) != nil {
+			return ref, nil
 		}
 		t = p.setHead(fresh)
 	}
 	if ref := p.checkDeadline(t); ref != nil {
-		return ref
+		return ref, nil
 	}
 	mineAt := new(big.Int).SetUint64(p.mineAt)
 	switch {
 	case p.method == x402.TransferPermit2 && p.p2.ValidAfter.Cmp(mineAt) > 0:
-		return refuse(x402.ReasonPermit2NotYetValid, "permit2Authorization.witness.validAfter %s is after %s, the earliest time of the next block", p.p2.ValidAfter, mineAt)
+		return refuse(x402.ReasonPermit2NotYetValid, "permit2Authorization.witness.validAfter %s is after %s, the earliest time of the next block", p.p2.ValidAfter, mineAt), nil
 	case p.method == x402.TransferEIP3009 && p.auth.ValidAfter.Cmp(mineAt) > 0:
-		return refuse(x402.ReasonValidAfter, "authorization.validAfter %s is after %s, the earliest time of the next block", p.auth.ValidAfter, mineAt)
+		return refuse(x402.ReasonValidAfter, "authorization.validAfter %s is after %s, the earliest time of the next block", p.auth.ValidAfter, mineAt), nil
 	}
-	return nil
+	return nil, nil
+}
+
+// headUnread is checkTime's error for a head block that could not be read.
+func headUnread(err error) error {
+	return fmt.Errorf("reading the head block (chain time, which the payment's validity window is judged by): %w", err)
 }
 
 // checkDeadline refuses a payment whose deadline does not stay deadlineMargin past t.latest, the time its

@@ -38,8 +38,10 @@ func (x *exchange) roomToSettleAfterServing() bool {
 		// A chain that seals on demand (a dev chain) runs ahead of the wall clock under load.
 		next, err := c.NextBlockTime(x.r.Context(), x.req.PaymentRequirements.Network)
 		if err != nil {
-			x.g.logger.Info("settle async: the engine could not tell its chain time, which the payment's room to settle after serving is judged by; settling it before serving it",
-				zap.String("payment", x.id.String()), zap.String("payer", x.payer), zap.Time("deadline", deadline), zap.Error(err))
+			if x.r.Context().Err() == nil {
+				x.g.logger.Info("settle async: the engine could not tell its chain time, which the payment's room to settle after serving is judged by; settling it before serving it",
+					zap.String("payment", x.id.String()), zap.String("payer", x.payer), zap.Time("deadline", deadline), zap.String("error", x.g.describe(err)))
+			}
 			return false
 		}
 		if next.After(at) {
