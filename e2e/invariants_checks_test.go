@@ -348,7 +348,7 @@ var invChecks = []invCheck{
 	{"charged-means-delivered", "no payer was charged for nothing: a charged payment without its response got it when presented again", (*invRun).checkChargedDelivered},
 	{"payer-charged-once", "no payer was charged twice: each payer paid exactly the charges of its delivered responses", (*invRun).checkPayerCharged},
 	{"no-pay-again-after-settling", "no payer waiting for the response it paid for was answered 402 (but as already used) while the chain took its payment: only a later presentation of it may have settled it", (*invRun).checkNoPayAgain},
-	{"honest-payment-never-refused", "an honest payment (funded, signed from the offer, presented in time for its own resource) gets its response, or a 5xx to present it again, or a refusal for a reason of its own (terms a reload changed, a request shape not sold, in a cluster a wallet lease the gateway does not hold, refused at verification); never a settlement refused after it was verified, nor another 402", (*invRun).checkHonestServed},
+	{"honest-payment-never-refused", "an honest payment (funded, signed from the offer, presented in time for its own resource) gets its response, or a 5xx to present it again, or a refusal for a reason of its own (terms a reload changed, a request shape not sold, in a cluster a wallet lease the gateway does not hold, refused at verification; valid briefly, its deadline); never a settlement refused after it was verified, nor another 402", (*invRun).checkHonestServed},
 	{"nothing-left-pending", "once quiet, nothing is pending: no async backlog, no journal record not final, no funds hold left", (*invRun).checkNothingLeft},
 	{"no-reverted-settlement", "no settlement wallet spent gas on a transaction that reverted", (*invRun).checkNoRevert},
 	{"graceful-stop-bounded", "a gateway stopped gracefully (SIGINT or SIGTERM) exits by itself, cleanly, within 20 s: it drains the requests at work, closes the tunnels and its journal", (*invRun).checkGracefulStops},
@@ -359,6 +359,7 @@ var invChecks = []invCheck{
 	{"mcp-tool-calls-answered", "a tool call of an MCP route delivered whole carries its settlement in the result's _meta (pending only for settle async), and a refused one is a tool result with isError, as the x402 MCP transport says; the lane ran", (*invRun).checkMCPCalls},
 	{"browser-paywall", "every 402 page a browser got is HTML embedding the PaymentRequired of its PAYMENT-REQUIRED header, whose offer, signed, is honoured as any (the honest-payment check judges those payments); a request carrying a payment never gets the paywall page, and a refused one gets the gate's JSON whatever its Accept; the lane ran: a payment signed from a page delivered", (*invRun).checkBrowser},
 	{"approval-sponsored-once", "the engines fund a payer's sponsored approval (erc20ApprovalGasSponsoring) at most once, only for an approval that mined, and an approval mines once; the lane ran where its route delivered", (*invRun).checkApprovalSponsored},
+	{"brief-payments-ran", "payments valid briefly (invBriefValidity of chain time) ran across the faults, their deadlines passing while faults held them and before they were presented again: at least one delivered", (*invRun).checkBrief},
 	{"transport-counts-what-it-signed", "every payer.Transport's spent total is at least what its payments moved on chain plus the whole of those that can still be settled (upto: the maximum), whatever the servers said", (*invRun).checkTransportSpent},
 }
 
@@ -711,6 +712,10 @@ func (r *invRun) minedBy(n uint64) (time.Time, bool) {
 // "Offers name only wallets the instance sends from").
 var leaseReasons = []string{x402.ReasonUptoFacilitatorMismatch, x402.ReasonRecipientMismatch, x402.ReasonNoAvailableWallets}
 
+// deadlineReasons are the refusals of a payment whose deadline passed, or would before its settlement could be
+// mined.
+var deadlineReasons = []string{x402.ReasonPermit2DeadlineExpired, x402.ReasonValidBefore}
+
 // termsReasons are the refusals of a payment whose terms the resource no longer offers: after a reload that
 // changed the price, an honest payment signed before may be refused so (and nothing is charged).
 var termsReasons = []string{x402.ReasonValueMismatch, x402.ReasonPermit2AmountMismatch, x402.ReasonEIP3009AuthorizationValue,
@@ -718,7 +723,7 @@ var termsReasons = []string{x402.ReasonValueMismatch, x402.ReasonPermit2AmountMi
 
 func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 	var out []invViolation
-	refusedForTerms, refusedShape, refusedForLeases, refusedSharedApproval := 0, 0, 0, 0
+	refusedForTerms, refusedShape, refusedForLeases, refusedSharedApproval, refusedForDeadline := 0, 0, 0, 0, 0
 	for _, p := range r.snapshot() {
 		home := p.home()
 		delivered := p.delivered() > 0
@@ -738,6 +743,12 @@ func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 				refusedForLeases++ // at verification (no settlement was asked): nothing ran, nothing was charged
 			case a.settle == nil && sharesApproval(a.note):
 				refusedSharedApproval++ // its approval's nonce is another payment's, held: nothing ran, nothing charged
+			case p.route.validity != 0 && hasAnyPrefix(strings.TrimPrefix(a.note, "settlement failed: "), deadlineReasons):
+				// Valid briefly: its deadline passed, or would before a settlement could be mined, while it waited
+				// (a fault, the chain's clock running ahead under load), at verification or at settlement. Refused
+				// before anything was sent; a payment the chain took meanwhile is the no-pay-again and charge checks'
+				// to judge.
+				refusedForDeadline++
 			default:
 				wrong = append(wrong, fmt.Sprintf("402 %q (action #%d)", a.note, a.action))
 			}
@@ -755,8 +766,9 @@ func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 		}
 	}
 	return out, fmt.Sprintf("no honest payment was refused for a reason of the server's (%d refusals for terms a reload changed, %d of a request's shape, "+
-		"%d at verification for a wallet lease the gateway does not hold, %d at verification for an approval another payment of the payer carries)",
-		refusedForTerms, refusedShape, refusedForLeases, refusedSharedApproval)
+		"%d at verification for a wallet lease the gateway does not hold, %d at verification for an approval another payment of the payer carries, "+
+		"%d of a payment valid briefly for its deadline)",
+		refusedForTerms, refusedShape, refusedForLeases, refusedSharedApproval, refusedForDeadline)
 }
 
 // sharesApproval reports whether note is the refusal, at verification, of a payment whose sponsored approval (its

@@ -44,6 +44,9 @@ const (
 // invValidity is how long the gates' offers (max_timeout) and the payers' payments are valid.
 const invValidity = 24 * time.Hour
 
+// invBriefValidity is the max_timeout of the routes whose payments are valid briefly (routeKind.validity).
+const invBriefValidity = 40 * time.Second
+
 // invMaxBuffer is the gates' max_buffer: a larger response streams, and only a streamed response can be cut
 // short by its client before the gate has written all of it.
 const invMaxBuffer = 64 << 10
@@ -79,6 +82,17 @@ type routeKind struct {
 	// gasSponsoring is the gate's gas_sponsoring option; a route with one is paid by the payers without a Permit2
 	// allowance (invariants_approval_test.go).
 	gasSponsoring string
+	// validity is the route's max_timeout when it is brief (0: invValidity): its payments' deadlines pass during
+	// the run, in chain time, while faults hold their settlements, and they are presented again past them.
+	validity time.Duration
+}
+
+// validFor is how long the route's offers, and the payments signed from them, are valid.
+func (rk *routeKind) validFor() time.Duration {
+	if rk.validity != 0 {
+		return rk.validity
+	}
+	return invValidity
 }
 
 // invSeller is the pay_to of route i: a seller of its own, so that the chain shows what each route was paid.
@@ -155,6 +169,21 @@ func invRoutes() []*routeKind {
 			settle: "after", price: mcpToolPrices("$0.0013"), altPrice: mcpToolPrices("$0.0014"), serve: serveMCP},
 		{name: "MCP tools, settle async", prefix: "/amcp/", scheme: x402.SchemeExact, method: x402.TransferEIP3009,
 			settle: "async", asset: devchain.EIP3009TokenAddress, price: mcpToolPrices("$0.0015"), serve: serveMCP},
+		// Payments valid briefly (invBriefValidity of chain time, a few seconds of the wall clock under the run's
+		// load): their deadlines pass while a fault holds their settlement (a node that drops or refuses
+		// transactions, a killed gateway whose records are reconciled, a paused one), and they are presented again
+		// past them. A settle async route with a max_timeout this short settles every payment before serving it
+		// (README, "expires too soon to be settled after serving").
+		{name: "exact permit2, valid briefly, settle after", prefix: "/brief/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
+			settle: "after", price: "price $0.0019", serve: serveUpstream, validity: invBriefValidity},
+		{name: "exact eip3009, valid briefly, settle before", prefix: "/brief3009/", scheme: x402.SchemeExact, method: x402.TransferEIP3009,
+			settle: "before", asset: devchain.EIP3009TokenAddress, price: "price $0.0021", serve: serveUpstream, validity: invBriefValidity},
+		{name: "exact permit2, valid briefly, settle async", prefix: "/brief-async/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
+			settle: "async", price: "price $0.0023", serve: serveUpstream, validity: invBriefValidity},
+		{name: "upto, valid briefly, settle after", prefix: "/brief-upto/", scheme: x402.SchemeUpto, method: x402.TransferPermit2,
+			settle: "after", price: "price $0.0025", defaultAmount: "max", serve: serveUpstream, validity: invBriefValidity},
+		{name: "remote facilitators (failover), valid briefly, settle after", prefix: "/brief-remote/", scheme: x402.SchemeExact,
+			method: x402.TransferPermit2, settle: "after", price: "price $0.0027", serve: serveUpstream, remote: true, validity: invBriefValidity},
 	}
 	for i, rk := range routes {
 		rk.payTo = invSeller(i)
@@ -190,7 +219,7 @@ func (rk *routeKind) caddy(w *invWorld, gen int) string {
 		price = "mcp {\n\t\t\t\t" + strings.ReplaceAll(price, "\n", "\n\t\t\t\t") + "\n\t\t\t}"
 	}
 	fmt.Fprintf(&b, "\t\tx402 {\n\t\t\t%s\n\t\t\tpay_to %s\n\t\t\tscheme %s\n\t\t\tasset %s\n", price, rk.payTo.Hex(), rk.scheme, rk.asset.Hex())
-	fmt.Fprintf(&b, "\t\t\tasset_transfer_method %s\n\t\t\tsettle %s\n\t\t\tmax_timeout %s\n\t\t\tmax_buffer %d\n", rk.method, rk.settle, invValidity, invMaxBuffer)
+	fmt.Fprintf(&b, "\t\t\tasset_transfer_method %s\n\t\t\tsettle %s\n\t\t\tmax_timeout %s\n\t\t\tmax_buffer %d\n", rk.method, rk.settle, rk.validFor(), invMaxBuffer)
 	if rk.defaultAmount != "" {
 		fmt.Fprintf(&b, "\t\t\tdefault_amount %s\n", rk.defaultAmount)
 	}
