@@ -712,6 +712,19 @@ func (r *invRun) minedBy(n uint64) (time.Time, bool) {
 // "Offers name only wallets the instance sends from").
 var leaseReasons = []string{x402.ReasonUptoFacilitatorMismatch, x402.ReasonRecipientMismatch, x402.ReasonNoAvailableWallets}
 
+// remoteUnknownPastDeadline reports whether p, a payment valid briefly settled through the remote facilitators, was
+// last answered that its outcome is unknown: a settlement request that may have reached a facilitator (no answer
+// came), and then a refusal for its deadline, which says nothing sure of a payment whose earlier settlement may
+// have reached a facilitator (one without a journal refuses the repeat of a settlement it made). A gate with a
+// remote facilitator cannot read the chain, so it never turns that into a final 402 (gate/serve.go, the resend
+// case); the payer checks the chain (README). The chain shows it was not charged, else it is a violation of
+// charged-means-delivered too.
+func remoteUnknownPastDeadline(p *invPayment, last *invAnswer, end *invEnd) bool {
+	return p.route.remote && p.route.validity != 0 && last != nil && last.status == http.StatusBadGateway && !end.consumed[p] &&
+		strings.Contains(last.gateError, "may have reached the facilitator and settled it") &&
+		hasAnyPrefix(strings.TrimPrefix(last.gateError, "the facilitator refused the payment ("), deadlineReasons)
+}
+
 // deadlineReasons are the refusals of a payment whose deadline passed, or would before its settlement could be
 // mined.
 var deadlineReasons = []string{x402.ReasonPermit2DeadlineExpired, x402.ReasonValidBefore}
@@ -723,7 +736,7 @@ var termsReasons = []string{x402.ReasonValueMismatch, x402.ReasonPermit2AmountMi
 
 func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 	var out []invViolation
-	refusedForTerms, refusedShape, refusedForLeases, refusedSharedApproval, refusedForDeadline := 0, 0, 0, 0, 0
+	refusedForTerms, refusedShape, refusedForLeases, refusedSharedApproval, refusedForDeadline, unknownPastDeadline := 0, 0, 0, 0, 0, 0
 	for _, p := range r.snapshot() {
 		home := p.home()
 		delivered := p.delivered() > 0
@@ -761,14 +774,18 @@ func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 			}
 			out = append(out, invViolation{what: fmt.Sprintf("payment #%d, honest, was refused for %s: %s%s", p.n, home, wrong[0], more), payments: []*invPayment{p}})
 		}
-		if last := p.lastAt(home); !delivered && (last == nil || !last.final) {
+		switch last := p.lastAt(home); {
+		case delivered || last != nil && last.final:
+		case remoteUnknownPastDeadline(p, last, end):
+			unknownPastDeadline++
+		default:
 			out = append(out, invViolation{what: fmt.Sprintf("payment #%d has no final answer for %s after quiescence", p.n, home), payments: []*invPayment{p}})
 		}
 	}
 	return out, fmt.Sprintf("no honest payment was refused for a reason of the server's (%d refusals for terms a reload changed, %d of a request's shape, "+
 		"%d at verification for a wallet lease the gateway does not hold, %d at verification for an approval another payment of the payer carries, "+
-		"%d of a payment valid briefly for its deadline)",
-		refusedForTerms, refusedShape, refusedForLeases, refusedSharedApproval, refusedForDeadline)
+		"%d of a payment valid briefly for its deadline; %d remote payments valid briefly left unknown past their deadline, not charged)",
+		refusedForTerms, refusedShape, refusedForLeases, refusedSharedApproval, refusedForDeadline, unknownPastDeadline)
 }
 
 // sharesApproval reports whether note is the refusal, at verification, of a payment whose sponsored approval (its

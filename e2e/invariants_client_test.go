@@ -70,6 +70,7 @@ type invAnswer struct {
 	whole     bool   // a whole response of the resource asked for
 	note      string // the refusal's reason, the error, or what was wrong with the response
 	outcome   string // the gate's outcome, as its JSON error body names it
+	gateError string // the gate's error, as its JSON error body says it (whole: note is shortened)
 	settle    *x402.SettleResponse
 	final     bool // a whole response, or a refusal that presenting again would not change
 	wrong     bool // a 2xx whose body is not the resource asked for
@@ -506,9 +507,10 @@ func (r *invRun) judge(a *invAnswer, p *invPayment, resp *http.Response, body []
 		a.note = shorten(string(body))
 		var gateBody struct {
 			Outcome string `json:"outcome"`
+			Error   string `json:"error"`
 		}
 		if json.Unmarshal(body, &gateBody) == nil {
-			a.outcome = gateBody.Outcome
+			a.outcome, a.gateError = gateBody.Outcome, gateBody.Error
 		}
 		return
 	case resp.StatusCode >= 400:

@@ -184,6 +184,8 @@ func invRoutes() []*routeKind {
 			settle: "after", price: "price $0.0025", defaultAmount: "max", serve: serveUpstream, validity: invBriefValidity},
 		{name: "remote facilitators (failover), valid briefly, settle after", prefix: "/brief-remote/", scheme: x402.SchemeExact,
 			method: x402.TransferPermit2, settle: "after", price: "price $0.0027", serve: serveUpstream, remote: true, validity: invBriefValidity},
+		{name: "exact permit2, a sponsored approval, valid briefly, settle after", prefix: "/brief-approve/", scheme: x402.SchemeExact, method: x402.TransferPermit2,
+			settle: "after", price: "price $0.0029", serve: serveUpstream, gasSponsoring: "erc20_approval", validity: invBriefValidity},
 	}
 	for i, rk := range routes {
 		rk.payTo = invSeller(i)
