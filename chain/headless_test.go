@@ -30,6 +30,29 @@ func (b *headOutage) HeaderByNumber(ctx context.Context, n *big.Int) (*types.Hea
 	return b.Backend.HeaderByNumber(ctx, n)
 }
 
+// verifyHeadless verifies req while the next head read fails: the answer must be the node unreachable, with the
+// head read's error, neither a verification nor a refusal.
+func (b *headOutage) verifyHeadless(t *testing.T, fx *fixture, req x402.VerifyRequest) {
+	t.Helper()
+	b.failing.Store(1)
+	resp, err := fx.f.Verify(context.Background(), req)
+	var fe *x402.FacilitatorError
+	if !errors.As(err, &fe) || fe.Kind != x402.FailureUnreachable || !errors.Is(err, errHeadOutage) {
+		t.Fatalf("verified with the head unread: want the node unreachable (the head read's error), got %+v, %v", resp, err)
+	}
+}
+
+// settleHeadless settles req while the next head read fails: the answer must be the node unreachable.
+func (b *headOutage) settleHeadless(t *testing.T, fx *fixture, req x402.VerifyRequest) {
+	t.Helper()
+	b.failing.Store(1)
+	resp, err := fx.f.Settle(context.Background(), req)
+	var fe *x402.FacilitatorError
+	if !errors.As(err, &fe) || fe.Kind != x402.FailureUnreachable {
+		t.Fatalf("settled with the head unread: want the node unreachable, got %+v, %v", resp, err)
+	}
+}
+
 // TestAPaymentWhoseChainTimeCouldNotBeReadIsNeitherVerifiedNorRefusedForAnotherReason: when the head block (chain
 // time) cannot be read, a payment's deadline cannot be judged, so its verification answers that the node could
 // not be reached, whatever the calls after it would answer: before, the time check let it through, and a
@@ -64,20 +87,12 @@ func TestAPaymentWhoseChainTimeCouldNotBeReadIsNeitherVerifiedNorRefusedForAnoth
 			now := fx.chainNow()
 			req := fx.permit2(fx.c.Payers[tc.payer], fx.requirements(x402.TransferPermit2), chain.Permit2Options{
 				Now: now.Add(-2 * time.Minute), Deadline: big.NewInt(now.Add(tc.deadline).Unix())})
-			node.failing.Store(1)
-			resp, err := fx.f.Verify(context.Background(), req)
-			var fe *x402.FacilitatorError
-			if !errors.As(err, &fe) || fe.Kind != x402.FailureUnreachable || !errors.Is(err, errHeadOutage) {
-				t.Fatalf("verified with no chain time: want the node unreachable (the head read's error), got %+v, %v", resp, err)
-			}
+			node.verifyHeadless(t, fx, req)
 			node.failing.Store(0)
 			if resp := fx.verify(req); resp.IsValid || resp.InvalidReason != x402.ReasonPermit2DeadlineExpired {
 				t.Fatalf("presented again with the node back: want %s, got %+v", x402.ReasonPermit2DeadlineExpired, resp)
 			}
-			node.failing.Store(1)
-			if _, err := fx.f.Settle(context.Background(), req); !errors.As(err, &fe) || fe.Kind != x402.FailureUnreachable {
-				t.Fatalf("settled with no chain time: want the node unreachable, got %v", err)
-			}
+			node.settleHeadless(t, fx, req)
 			node.failing.Store(0)
 			if resp := fx.settle(req); resp.Success || resp.ErrorReason != x402.ReasonPermit2DeadlineExpired {
 				t.Fatalf("settled with the node back: want %s, got %+v", x402.ReasonPermit2DeadlineExpired, resp)
@@ -109,16 +124,8 @@ func TestAPaymentSignedFromAFresherHeadIsNotRefusedWhenTheHeadCannotBeReadAgain(
 	time.Sleep(30 * time.Millisecond) // past farDeadlineHeadAge
 	req := fx.permit2(payer, rq, chain.Permit2Options{Deadline: big.NewInt(int64(fx.c.HeadTime()) + int64(rq.MaxTimeoutSeconds))})
 	before := fx.walletTxs()
-	node.failing.Store(1)
-	resp, err := fx.f.Verify(context.Background(), req)
-	var fe *x402.FacilitatorError
-	if !errors.As(err, &fe) || fe.Kind != x402.FailureUnreachable || !errors.Is(err, errHeadOutage) {
-		t.Fatalf("verified with the head unread: want the node unreachable, got %+v, %v", resp, err)
-	}
-	node.failing.Store(1)
-	if sr, err := fx.f.Settle(context.Background(), req); !errors.As(err, &fe) || fe.Kind != x402.FailureUnreachable {
-		t.Fatalf("settled with the head unread: want the node unreachable, got %+v, %v", sr, err)
-	}
+	node.verifyHeadless(t, fx, req)
+	node.settleHeadless(t, fx, req)
 	node.failing.Store(0)
 	if v := fx.verify(req); !v.IsValid {
 		t.Fatalf("verify with the node back = %+v; want valid", v)

@@ -155,7 +155,13 @@ func newEnv(t *testing.T, s setup) *env {
 // startGate makes and starts the env's gate (see setup.noGate).
 func (e *env) startGate() {
 	e.t.Helper()
-	g, err := gate.New(e.cfg, e.fac, e.store, "test")
+	e.startGateWith(e.fac)
+}
+
+// startGateWith makes and starts the env's gate with fac for its facilitator (the env's engine wrapped, say).
+func (e *env) startGateWith(fac x402.Facilitator) {
+	e.t.Helper()
+	g, err := gate.New(e.cfg, fac, e.store, "test")
 	if err != nil {
 		e.t.Fatalf("gate.New: %v", err)
 	}
@@ -251,6 +257,23 @@ func (e *env) waitPaidOnce(t *testing.T, payer *chaintest.Account, before [2]*bi
 	}
 }
 
+// wantSettled checks that a is the upstream's content with a PAYMENT-RESPONSE naming the payment's settlement, and
+// that it moved exactly the price from payer to the seller since the balances before; it returns the settlement.
+func (e *env) wantSettled(a answer, payer *chaintest.Account, before [2]*big.Int) x402.SettleResponse {
+	e.t.Helper()
+	if a.status != http.StatusOK || a.body != "paid content" {
+		e.t.Fatalf("paid request = %d %q, want 200 with the upstream's content", a.status, a.body)
+	}
+	resp, err := x402.DecodeSettleResponse(a.header.Get(x402.HeaderPaymentResponse))
+	if err != nil || !resp.Success || resp.Transaction == "" {
+		e.t.Fatalf("PAYMENT-RESPONSE = %+v (%v), want a successful settlement naming its transaction", resp, err)
+	}
+	if lost, gained := e.paid(payer, before); lost.Int64() != price || gained.Int64() != price {
+		e.t.Errorf("the payer lost %s and the seller gained %s, want exactly %d each", lost, gained, price)
+	}
+	return resp
+}
+
 func (e *env) balances(payer *chaintest.Account) [2]*big.Int {
 	return [2]*big.Int{e.c.TokenBalance(payer.Address), e.c.TokenBalance(e.payTo)}
 }
@@ -336,18 +359,7 @@ func TestAValidPermit2PaymentIsServedWithPaymentResponseAndMovesExactlyThePriceO
 	header := e.permit2(payer)
 	before := e.balances(payer)
 
-	a := e.get(x402.HeaderPaymentSignature, header)
-	if a.status != http.StatusOK || a.body != "paid content" {
-		t.Fatalf("paid request = %d %q, want 200 with the upstream's content", a.status, a.body)
-	}
-	resp, err := x402.DecodeSettleResponse(a.header.Get(x402.HeaderPaymentResponse))
-	if err != nil || !resp.Success || resp.Transaction == "" {
-		t.Fatalf("PAYMENT-RESPONSE = %+v (%v), want a successful settlement naming its transaction", resp, err)
-	}
-	lost, gained := e.paid(payer, before)
-	if lost.Int64() != price || gained.Int64() != price {
-		t.Errorf("the payer lost %s and the seller gained %s, want exactly %d each", lost, gained, price)
-	}
+	resp := e.wantSettled(e.get(x402.HeaderPaymentSignature, header), payer, before)
 	if n := e.c.CountTokenTransfers(payer.Address, e.payTo); n != 1 {
 		t.Errorf("%d token transfers from payer to seller, want 1", n)
 	}
@@ -602,27 +614,9 @@ func (noChainTime) NextBlockTime(context.Context, string) (time.Time, error) {
 // payment is settled before it is served. Before, the gate judged by its clock and served it unsettled.
 func TestASettleAsyncPaymentWhoseRoomTheEngineCannotJudgeIsSettledBeforeItIsServed(t *testing.T) {
 	e := newEnv(t, setup{settle: gate.SettleAsync, noGate: true})
-	g, err := gate.New(e.cfg, noChainTime{e.fac}, e.store, "test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := g.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = g.Close() })
-	e.gate = g
+	e.startGateWith(noChainTime{e.fac})
 	payer := e.c.Payers[2]
 	header := e.permit2(payer)
 	before := e.balances(payer)
-	a := e.get(x402.HeaderPaymentSignature, header)
-	if a.status != http.StatusOK || a.body != "paid content" {
-		t.Fatalf("paid request = %d %q, want 200 with the upstream's content", a.status, a.body)
-	}
-	resp, err := x402.DecodeSettleResponse(a.header.Get(x402.HeaderPaymentResponse))
-	if err != nil || !resp.Success || resp.Transaction == "" {
-		t.Fatalf("PAYMENT-RESPONSE = %+v (%v), want the settlement, made before serving", resp, err)
-	}
-	if lost, gained := e.paid(payer, before); lost.Int64() != price || gained.Int64() != price {
-		t.Errorf("served with the payer charged %s and the seller paid %s, want exactly %d", lost, gained, price)
-	}
+	e.wantSettled(e.get(x402.HeaderPaymentSignature, header), payer, before) // settled before it was served
 }

@@ -227,15 +227,7 @@ func TestOnlyAGateOnItsEnginesJournalMarksAPaymentWhileItVerifies(t *testing.T) 
 			e := newEnv(t, setup{settle: gate.SettleAfter, journal: st, noGate: true})
 			e.cfg.Embedded = tc.embedded
 			w := &markWatcher{Facilitator: e.fac, sharesJournal: tc.sharesJournal, conn: conn, owner: st.Instance()}
-			g, err := gate.New(e.cfg, w, e.store, "test")
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := g.Start(); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = g.Close() })
-			e.gate = g
+			e.startGateWith(w)
 			waitShares(t, e)
 			payer := e.c.Payers[0]
 			before := e.balances(payer)
