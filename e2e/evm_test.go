@@ -111,6 +111,18 @@ func (d *devChain) head() uint64 {
 	return n
 }
 
+// headTime is the latest block's time: the chain's clock.
+func (d *devChain) headTime() uint64 {
+	d.t.Helper()
+	ctx, cancel := rpcContext()
+	defer cancel()
+	h, err := d.client.HeaderByNumber(ctx, nil)
+	if err != nil {
+		d.t.Fatalf("reading the head block: %v", err)
+	}
+	return h.Time
+}
+
 // transfers lists the dev token's Transfer logs from -> to in blocks from fromBlock on.
 func (d *devChain) transfers(from, to common.Address, fromBlock uint64) []types.Log {
 	d.t.Helper()

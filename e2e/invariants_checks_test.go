@@ -52,10 +52,11 @@ type invEnd struct {
 	stray         []string                             // transfers to a seller that belong to no known payment
 	settlements   int                                  // transactions the settlement wallets sent
 	reverted      []string
-	left          []string // journal records not final, holds not released
-	journals      []string // what was read
-	lagging       []string // gate records of settled, served payments whose state still says claimed
-	drained       string   // how the drain went
+	chainNow      time.Time // the head block's time once the run was over
+	left          []string  // journal records not final, holds not released
+	journals      []string  // what was read
+	lagging       []string  // gate records of settled, served payments whose state still says claimed
+	drained       string    // how the drain went
 }
 
 // readEnd reads the end state: the balances, each payment's nonce, the settlement transactions and their
@@ -65,6 +66,7 @@ func (r *invRun) readEnd(before invBalances) *invEnd {
 	end := &invEnd{before: before, after: r.readBalances(), consumed: map[*invPayment]bool{}, charged: map[*invPayment]*big.Int{},
 		txs: map[*invPayment]map[common.Hash]bool{}, blockOf: map[common.Hash]uint64{}}
 	payments := r.snapshot()
+	end.chainNow = time.Unix(int64(r.w.dev.headTime()), 0)
 
 	// Which payment each settlement transaction belongs to: what the answers said, then what the journals say.
 	owner := map[common.Hash]*invPayment{}
@@ -713,16 +715,18 @@ func (r *invRun) minedBy(n uint64) (time.Time, bool) {
 var leaseReasons = []string{x402.ReasonUptoFacilitatorMismatch, x402.ReasonRecipientMismatch, x402.ReasonNoAvailableWallets}
 
 // remoteUnknownPastDeadline reports whether p, a payment valid briefly settled through the remote facilitators, was
-// last answered that its outcome is unknown: a settlement request that may have reached a facilitator (no answer
-// came), and then a refusal for its deadline, which says nothing sure of a payment whose earlier settlement may
-// have reached a facilitator (one without a journal refuses the repeat of a settlement it made). A gate with a
-// remote facilitator cannot read the chain, so it never turns that into a final 402 (gate/serve.go, the resend
-// case); the payer checks the chain (README). The chain shows it was not charged, else it is a violation of
-// charged-means-delivered too.
+// left with its outcome unknown past its deadline, not charged: last answered 502 (a settlement request that may
+// have reached a facilitator, no answer came, and then a refusal for the deadline, which says nothing sure of such a
+// payment: a facilitator without a journal refuses the repeat of a settlement it made), its deadline passed by the
+// chain's clock and its nonce unspent. A gate with a remote facilitator cannot read the chain, so it never turns
+// that into a final 402 (gate/serve.go, the resend case); its payer checks the chain (README). A HEAD's 502 has no
+// body to say so: the chain's word is what is judged.
 func remoteUnknownPastDeadline(p *invPayment, last *invAnswer, end *invEnd) bool {
-	return p.route.remote && p.route.validity != 0 && last != nil && last.status == http.StatusBadGateway && !end.consumed[p] &&
-		strings.Contains(last.gateError, "may have reached the facilitator and settled it") &&
-		hasAnyPrefix(strings.TrimPrefix(last.gateError, "the facilitator refused the payment ("), deadlineReasons)
+	if !p.route.remote || p.route.validity == 0 || last == nil || last.status != http.StatusBadGateway || end.consumed[p] {
+		return false
+	}
+	pl, err := x402.DecodePaymentPayload(p.header)
+	return err == nil && pl.Payload.Deadline().Before(end.chainNow)
 }
 
 // deadlineReasons are the refusals of a payment whose deadline passed, or would before its settlement could be
@@ -853,13 +857,7 @@ func (r *invRun) checkTransportSpent(end *invEnd) ([]invViolation, string) {
 		asset string
 	}
 	bound, signed := map[key]*big.Int{}, map[key]*big.Int{}
-	ctx, cancel := rpcContext()
-	head, err := r.w.dev.client.HeaderByNumber(ctx, nil)
-	cancel()
-	if err != nil {
-		r.t.Fatalf("reading the head block: %v", err)
-	}
-	chainNow := time.Unix(int64(head.Time), 0)
+	chainNow := end.chainNow
 	for _, p := range r.snapshot() {
 		if p.transport < 0 {
 			continue

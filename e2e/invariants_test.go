@@ -1026,7 +1026,7 @@ func (r *invRun) resolve(p *invPayment, deadline time.Time) {
 		pause := 250 * time.Millisecond
 		for {
 			ans := r.present(a, p, gate, res, shape, 0)
-			if ans.whole || time.Now().After(deadline) {
+			if ans.whole || time.Now().After(deadline) || r.unknownForGood(p, ans) {
 				return
 			}
 			if ans.final {
@@ -1037,6 +1037,23 @@ func (r *invRun) resolve(p *invPayment, deadline time.Time) {
 			gate = (gate + 1) % len(r.w.gateways)
 		}
 	}
+}
+
+// unknownForGood reports whether ans leaves p's outcome unknown for good: a 502 to a payment through the remote
+// facilitators whose deadline the chain's clock passed (remoteUnknownPastDeadline says why). Presenting it again
+// would only get 502 again, until the wait is over, while the payments behind it in the queue wait.
+func (r *invRun) unknownForGood(p *invPayment, ans *invAnswer) bool {
+	if !p.route.remote || ans.status != http.StatusBadGateway {
+		return false
+	}
+	pl, err := x402.DecodePaymentPayload(p.header)
+	if err != nil {
+		return false
+	}
+	ctx, cancel := rpcContext()
+	defer cancel()
+	head, err := r.w.dev.client.HeaderByNumber(ctx, nil)
+	return err == nil && pl.Payload.Deadline().Before(time.Unix(int64(head.Time), 0))
 }
 
 // drain waits until nothing is left to settle: no settlement wallet has a transaction waiting, no gateway an
