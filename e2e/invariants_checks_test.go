@@ -722,16 +722,37 @@ var leaseReasons = []string{x402.ReasonUptoFacilitatorMismatch, x402.ReasonRecip
 // that into a final 402 (gate/serve.go, the resend case); its payer checks the chain (README). A HEAD's 502 has no
 // body to say so: the chain's word is what is judged.
 func remoteUnknownPastDeadline(p *invPayment, last *invAnswer, end *invEnd) bool {
-	if !p.route.remote || p.route.validity == 0 || last == nil || last.status != http.StatusBadGateway || end.consumed[p] {
+	return p.route.remote && p.route.validity != 0 && last != nil && outcomeUnknown(last) && !end.consumed[p] && pastDeadline(p, end.chainNow)
+}
+
+// outcomeUnknown reports whether a is the gate's 502 saying a settlement request may have reached the facilitator,
+// its outcome not known; a HEAD's 502 has no body to say so, and is taken for it (the chain is judged then).
+func outcomeUnknown(a *invAnswer) bool {
+	if a.status != http.StatusBadGateway {
 		return false
 	}
+	if a.res.method == http.MethodHead && a.gateError == "" {
+		return true
+	}
+	return a.outcome == string(x402.OutcomeSettleUnreachable) && strings.Contains(a.gateError, "may have")
+}
+
+// pastDeadline reports whether p's authorization expired by the chain's clock at now.
+func pastDeadline(p *invPayment, now time.Time) bool {
 	pl, err := x402.DecodePaymentPayload(p.header)
-	return err == nil && pl.Payload.Deadline().Before(end.chainNow)
+	return err == nil && pl.Payload.Deadline().Before(now)
 }
 
 // deadlineReasons are the refusals of a payment whose deadline passed, or would before its settlement could be
-// mined.
+// mined (see deadlineRefusal).
 var deadlineReasons = []string{x402.ReasonPermit2DeadlineExpired, x402.ReasonValidBefore}
+
+// deadlineRefusal reports whether note, a 402's reason at verification or at settlement, refuses a payment for its
+// deadline passed or too close: not for a deadline signed too far ahead, which shares invalid_exact_evm_payload_
+// authorization_valid_before and is the server's reason for a good payment (chain/verify.go checkFarDeadline).
+func deadlineRefusal(note string) bool {
+	return hasAnyPrefix(strings.TrimPrefix(note, "settlement failed: "), deadlineReasons) && !strings.Contains(note, "lies more than maxTimeoutSeconds")
+}
 
 // termsReasons are the refusals of a payment whose terms the resource no longer offers: after a reload that
 // changed the price, an honest payment signed before may be refused so (and nothing is charged).
@@ -760,11 +781,11 @@ func (r *invRun) checkHonestServed(end *invEnd) ([]invViolation, string) {
 				refusedForLeases++ // at verification (no settlement was asked): nothing ran, nothing was charged
 			case a.settle == nil && sharesApproval(a.note):
 				refusedSharedApproval++ // its approval's nonce is another payment's, held: nothing ran, nothing charged
-			case p.route.validity != 0 && hasAnyPrefix(strings.TrimPrefix(a.note, "settlement failed: "), deadlineReasons):
+			case p.route.validity != 0 && deadlineRefusal(a.note):
 				// Valid briefly: its deadline passed, or would before a settlement could be mined, while it waited
 				// (a fault, the chain's clock running ahead under load), at verification or at settlement. Refused
-				// before anything was sent; a payment the chain took meanwhile is the no-pay-again and charge checks'
-				// to judge.
+				// before any transaction was sent (a settle after route's upstream ran); a payment the chain took
+				// meanwhile is the no-pay-again and charge checks' to judge.
 				refusedForDeadline++
 			default:
 				wrong = append(wrong, fmt.Sprintf("402 %q (action #%d)", a.note, a.action))

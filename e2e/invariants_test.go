@@ -1026,11 +1026,11 @@ func (r *invRun) resolve(p *invPayment, deadline time.Time) {
 		pause := 250 * time.Millisecond
 		for {
 			ans := r.present(a, p, gate, res, shape, 0)
-			if ans.whole || time.Now().After(deadline) || r.unknownForGood(p, ans) {
+			if ans.whole || time.Now().After(deadline) {
 				return
 			}
-			if ans.final {
-				break // refused here: it may have bought the next
+			if ans.final || r.unknownForGood(p, ans) {
+				break // refused here, or unknown here for good: it may have bought the next
 			}
 			time.Sleep(pause)
 			pause = min(2*pause, 2*time.Second)
@@ -1039,21 +1039,22 @@ func (r *invRun) resolve(p *invPayment, deadline time.Time) {
 	}
 }
 
-// unknownForGood reports whether ans leaves p's outcome unknown for good: a 502 to a payment through the remote
-// facilitators whose deadline the chain's clock passed (remoteUnknownPastDeadline says why). Presenting it again
-// would only get 502 again, until the wait is over, while the payments behind it in the queue wait.
+// unknownForGood reports whether ans leaves p's outcome unknown for good: the gate's 502 "may have settled" to a
+// payment through the remote facilitators whose deadline the chain's clock passed, its authorization unspent, so
+// that it can never be charged (remoteUnknownPastDeadline says why the gate answers so). Presenting it again would
+// get 502 again until the wait is over, while the payments queued behind it wait.
 func (r *invRun) unknownForGood(p *invPayment, ans *invAnswer) bool {
-	if !p.route.remote || ans.status != http.StatusBadGateway {
-		return false
-	}
-	pl, err := x402.DecodePaymentPayload(p.header)
-	if err != nil {
+	if !p.route.remote || !outcomeUnknown(ans) {
 		return false
 	}
 	ctx, cancel := rpcContext()
-	defer cancel()
 	head, err := r.w.dev.client.HeaderByNumber(ctx, nil)
-	return err == nil && pl.Payload.Deadline().Before(time.Unix(int64(head.Time), 0))
+	cancel()
+	if err != nil || !pastDeadline(p, time.Unix(int64(head.Time), 0)) {
+		return false
+	}
+	used, err := r.nonceUsed(p) // read after the head: spent by then, it shows
+	return err == nil && !used
 }
 
 // drain waits until nothing is left to settle: no settlement wallet has a transaction waiting, no gateway an
