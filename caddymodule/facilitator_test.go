@@ -680,7 +680,8 @@ func TestFacilitatorAnswers502And503WhenTheChainCannotBeReached(t *testing.T) {
 		text             string
 	}{
 		{"POST", "verify", http.StatusBadGateway, "unreachable"},
-		{"POST", "settle", http.StatusBadGateway, "may have settled"},
+		// The node could not be asked what the settlement needs: surely nothing was sent, and the answer says so.
+		{"POST", "settle", http.StatusServiceUnavailable, "nothing was sent"},
 		{"GET", "health", http.StatusServiceUnavailable, ""},
 	} {
 		a := e.do(tc.method, "/facilitator/"+tc.endpoint, e.key, mustJSON(t, req))
@@ -696,6 +697,9 @@ func TestFacilitatorAnswers502And503WhenTheChainCannotBeReached(t *testing.T) {
 				t.Errorf("health = %s, want status down", a.body)
 			}
 			continue
+		}
+		if sent, ok := m["sent"].(bool); tc.endpoint == "settle" && (!ok || sent || a.header.Get("Retry-After") == "") {
+			t.Errorf("settle with the node down = %s (Retry-After %q); want \"sent\": false and a Retry-After", a.body, a.header.Get("Retry-After"))
 		}
 		if msg, _ := m["error"].(string); !strings.Contains(msg, tc.text) {
 			t.Errorf("%s error = %q, want it to say %q", tc.endpoint, msg, tc.text)

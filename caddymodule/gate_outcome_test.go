@@ -194,13 +194,21 @@ func TestASettlementTheChainRefusesGets402WithTheSettleResponseAndMovesNothing(t
 }
 
 func TestAnUnreachableFacilitatorAtSettleGives502ThenTheSamePaymentIsServedOnceWithoutPayingTwice(t *testing.T) {
-	check502 := func(t *testing.T, a gateAnswer) {
+	// check502 checks a 502 settle-unreachable that offers nothing to pay: one whose settlement may have reached the
+	// facilitator says the payment may have settled; one the facilitator surely sent nothing of (sentNothing) says so.
+	check502 := func(t *testing.T, a gateAnswer, sentNothing bool) {
 		t.Helper()
 		if a.status != http.StatusBadGateway {
 			t.Fatalf("status = %d %q, want 502", a.status, a.body)
 		}
 		var body struct{ Error, Outcome, Retry string }
-		if err := json.Unmarshal([]byte(a.body), &body); err != nil || body.Outcome != "settle-unreachable" ||
+		err := json.Unmarshal([]byte(a.body), &body)
+		if sentNothing {
+			if err != nil || body.Outcome != "settle-unreachable" || !strings.Contains(body.Retry, "nothing of the payment was sent") ||
+				!strings.Contains(body.Error, "nothing was sent") || strings.Contains(a.body, "may have") {
+				t.Fatalf("body = %q (%v), want settle-unreachable saying nothing was sent", a.body, err)
+			}
+		} else if err != nil || body.Outcome != "settle-unreachable" ||
 			!strings.Contains(body.Retry, "may have settled") || !strings.Contains(body.Retry, "check before paying again") {
 			t.Fatalf("body = %q (%v), want settle-unreachable saying the payment may have settled", a.body, err)
 		}
@@ -216,7 +224,7 @@ func TestAnUnreachableFacilitatorAtSettleGives502ThenTheSamePaymentIsServedOnceW
 			before := env.balances(payer)
 			header := env.permit2Header("/", payer)
 			env.remote.setSettleFault(fault)
-			check502(t, env.get("/", x402.HeaderPaymentSignature, header))
+			check502(t, env.get("/", x402.HeaderPaymentSignature, header), false)
 			env.remote.setSettleFault("")
 			a := env.get("/", x402.HeaderPaymentSignature, header)
 			if a.status != http.StatusOK || a.body != "paid content" {
@@ -248,7 +256,8 @@ func TestAnUnreachableFacilitatorAtSettleGives502ThenTheSamePaymentIsServedOnceW
 		gateWait(t, entered, "the upstream call")
 		proxy.SetDecide(func(string) chaintest.Fault { return chaintest.ErrorStatus })
 		release()
-		check502(t, gateWait(t, pending, "the gated gateAnswer"))
+		// Every call to the node fails: the settlement stops at its first read (the head), before anything is signed.
+		check502(t, gateWait(t, pending, "the gated gateAnswer"), true)
 		proxy.SetDecide(nil)
 		up.unhold()
 		a := env.get("/", x402.HeaderPaymentSignature, header)

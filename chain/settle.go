@@ -244,8 +244,33 @@ func (f *Facilitator) settleOnce(ctx context.Context, p *payment, req x402.Settl
 			return f.answerAfterLostClaim(ctx, p, req, err)
 		}
 	}
+	if !keep {
+		markSentNothing(p, err)
+	}
 	return resp, err
 }
+
+// markSentNothing marks the error of a settlement that kept nothing in the journal (no transaction recorded to be
+// sent) as x402.ErrSentNothing when it surely sent nothing: the node refused the transaction before anything went
+// out (errNotSent), or could not be asked what it needs (errNodeNotAsked). A facilitator server answers it so (a
+// remote gate then takes a refusal of the payment presented again as final, and a failover set may ask another
+// member), where any other error leaves the payment's outcome unknown to whoever asked over HTTP. Not marked: a
+// record that may have been written (errRecordUnknown), a claim another instance took (errClaimLost), and a payment
+// with a sponsored approval, whose earlier approval may be on its way.
+func markSentNothing(p *payment, err error) {
+	var fe *x402.FacilitatorError
+	if err == nil || !errors.As(err, &fe) || fe.Err == nil || p.approval != nil ||
+		errors.Is(err, errRecordUnknown) || errors.Is(err, errClaimLost) ||
+		!(errors.Is(err, errNotSent) || errors.Is(err, errNodeNotAsked)) {
+		return
+	}
+	fe.Err = sentNothing{fe.Err}
+}
+
+// sentNothing wraps a settlement's error as x402.ErrSentNothing too, its text unchanged.
+type sentNothing struct{ error }
+
+func (e sentNothing) Unwrap() []error { return []error{e.error, x402.ErrSentNothing} }
 
 // refusedForGood reports whether a settlement that sent nothing was refused in a way a later attempt would be
 // too: the payment will not move tokens. A busy wallet pool (no_available_wallets), a transaction the node would

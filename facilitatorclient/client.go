@@ -162,7 +162,8 @@ func (c *Client) Settle(ctx context.Context, req x402.SettleRequest) (x402.Settl
 // the facilitator (connection refused, name not resolved): one that may have reached it (a timeout, a
 // connection cut after the body went out) ends the call with an unknown outcome, for a facilitator without a
 // journal would answer the repeat of a settlement it made with "nonce already used". An error wraps ErrNotSent
-// only when no attempt can have reached the facilitator.
+// only when no attempt can have reached the facilitator, or the facilitator answered that it sent nothing (an error
+// body with "sent": false, which wraps x402.ErrSentNothing too).
 func (c *Client) SettleDetailed(ctx context.Context, req x402.SettleRequest) (SettleResult, error) {
 	res := SettleResult{Facilitator: c.base}
 	body, err := json.Marshal(req)

@@ -758,3 +758,54 @@ func TestASettlementAnswerAboutAnotherPaymentIsAnUnknownOutcome(t *testing.T) {
 		t.Errorf("the second member was asked to settle %d times after the first's answer; want never", n)
 	}
 }
+
+// An error body with "sent": false, which an x402_facilitator gives a /settle it surely sent nothing of (503 when its
+// chain refused the transaction, 429 over its rate limit), makes the error x402.ErrSentNothing and ErrNotSent:
+// presented again, the payment settles once, and a refusal of it then is final. Nothing else does: not "sent": true
+// or a body without it, not a status that refuses the request, not a /verify.
+func TestASettleAnswerSayingNothingWasSentIsNotSent(t *testing.T) {
+	rows := []struct {
+		name   string
+		status int
+		body   string
+		verify bool
+		want   bool
+	}{
+		{"503 saying nothing was sent", 503, `{"error":"node refused the transaction; nothing was sent","sent":false}`, false, true},
+		{"502 saying nothing was sent", 502, `{"error":"x","sent":false}`, false, true},
+		{"429 saying nothing was sent", 429, `{"error":"over the limit; nothing was sent: retry after 3 s","sent":false}`, false, true},
+		{"503 saying it was sent", 503, `{"error":"x","sent":true}`, false, false},
+		{"503 without a word of it", 503, `{"error":"x"}`, false, false},
+		{"503 of a proxy", 503, `<html>Service Unavailable</html>`, false, false},
+		{"503 whose sent is no boolean", 503, `{"error":"x","sent":"false"}`, false, false},
+		{"400 saying nothing was sent is a refusal of the request", 400, `{"error":"x","sent":false}`, false, false},
+		{"a /verify's 503 saying nothing was sent", 503, `{"error":"x","sent":false}`, true, false},
+	}
+	for _, row := range rows {
+		t.Run(row.name, func(t *testing.T) {
+			f := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) {
+				f.settle = func(w http.ResponseWriter, _ *http.Request, _ []byte) { writeRaw(w, row.status, row.body) }
+				f.verify = f.settle
+			})
+			c := mustClient(t, f.URL())
+			var err error
+			if row.verify {
+				_, err = c.Verify(context.Background(), permit2Request(mainnet))
+			} else {
+				_, err = c.Settle(context.Background(), permit2Request(mainnet))
+			}
+			if err == nil {
+				t.Fatal("no error for a failed call")
+			}
+			if got := errors.Is(err, ErrNotSent) && errors.Is(err, x402.ErrSentNothing); got != row.want {
+				t.Fatalf("error %v: not sent = %v, want %v", err, got, row.want)
+			}
+			if !row.want && (errors.Is(err, ErrNotSent) || errors.Is(err, x402.ErrSentNothing)) {
+				t.Fatalf("error %v says half of nothing sent", err)
+			}
+			if row.want && !x402.IsUnreachable(err) {
+				t.Fatalf("error %v is not unreachable: a payer would be told the payment failed", err)
+			}
+		})
+	}
+}

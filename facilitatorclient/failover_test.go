@@ -790,3 +790,40 @@ func TestFailoverAsksTheOtherMembersWhenOneFindsThePaymentsNonceSpent(t *testing
 		})
 	}
 }
+
+// A member that answers it sent nothing (an x402_facilitator whose chain refused the transaction: 503, "sent":
+// false) did not settle the payment: the next member is asked, and the payment is kept with the one that settles
+// it. Every member saying so is an error that says nothing was sent.
+func TestFailoverMovesOnFromAMemberThatSaysItSentNothing(t *testing.T) {
+	sentNothing := func(w http.ResponseWriter, _ *http.Request, _ []byte) {
+		writeRaw(w, http.StatusServiceUnavailable, `{"error":"node refused the settlement transaction; nothing was sent","sent":false}`)
+	}
+	ctx := context.Background()
+	req := permit2Request(mainnet)
+	req.PaymentPayload.Payload.Permit2Authorization.Deadline = strconv.FormatInt(time.Now().Add(time.Minute).Unix(), 10)
+	t.Run("another member settles it", func(t *testing.T) {
+		a := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) { f.settle = sentNothing })
+		b := newFakeFacilitator(t, permit2Supported(mainnet))
+		fo := NewFailover(mustClient(t, a.URL()), mustClient(t, b.URL()))
+		for range 2 {
+			if res, err := fo.SettleDetailed(ctx, req); err != nil || !res.Response.Success || res.Facilitator != b.URL() {
+				t.Fatalf("settled = %+v, %v; want B's settlement", res, err)
+			}
+		}
+		if a.settleCalls.Load() != 1 || b.settleCalls.Load() != 2 {
+			t.Errorf("settlements a=%d b=%d; want A asked once, then the payment kept with B", a.settleCalls.Load(), b.settleCalls.Load())
+		}
+	})
+	t.Run("every member sent nothing", func(t *testing.T) {
+		a := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) { f.settle = sentNothing })
+		b := newFakeFacilitator(t, permit2Supported(mainnet), func(f *fakeFacilitator) { f.settle = sentNothing })
+		fo := NewFailover(mustClient(t, a.URL()), mustClient(t, b.URL()))
+		_, err := fo.SettleDetailed(ctx, req)
+		if !errors.Is(err, ErrNotSent) || !x402.IsUnreachable(err) {
+			t.Fatalf("settled: %v; want unreachable, nothing sent", err)
+		}
+		if got := fo.stickyMember(stickyKey(req)); got != nil {
+			t.Errorf("the payment is kept with %v; want nobody, nothing of it was sent", got)
+		}
+	})
+}

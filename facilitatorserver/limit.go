@@ -257,8 +257,8 @@ func (s *settleLimiter) sharedKey(limit string, local *rateBuckets, key string) 
 // an earlier call to pay again.
 func tooManySettlements(wait time.Duration, format string, args ...any) (reply, bool) {
 	secs := retryAfter(wait)
-	res := errorReply(http.StatusTooManyRequests, "%s; nothing was sent: retry after %d s", fmt.Sprintf(format, args...), secs)
-	res.retryAfter = secs
+	res := reply{status: http.StatusTooManyRequests, retryAfter: secs, body: errorBody{
+		Error: fmt.Sprintf("%s; nothing was sent: retry after %d s", fmt.Sprintf(format, args...), secs), Sent: notSent()}}
 	return res, false
 }
 

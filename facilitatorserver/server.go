@@ -109,7 +109,9 @@ type Metrics interface {
 // A refused payment is a full VerifyResponse or SettleResponse with HTTP 200; a malformed body is 400 and names
 // the field; a body too large is 413; a wrong method is 405 with Allow; a missing or wrong API key is 401; a
 // /settle or /verify over its rate limit is 429 with Retry-After; a facilitator behind that gives no answer is 502 (500
-// for an error that is no x402.FacilitatorError) with a JSON error. A Server is safe for concurrent use.
+// for an error that is no x402.FacilitatorError) with a JSON error, and a settlement it could not make now and of
+// which it sent nothing (x402.ErrSentNothing) is 503 with Retry-After. The error body of a /settle that surely sent
+// nothing (the 503, a 429) says so: `"sent": false`. A Server is safe for concurrent use.
 type Server struct {
 	f        x402.Facilitator
 	opts     Options
@@ -198,7 +200,14 @@ type errorBody struct {
 	Error string `json:"error"`
 	// Field is the JSON path of the offending field of a malformed body.
 	Field string `json:"field,omitempty"`
+	// Sent is false in the answer of a /settle that surely sent nothing (see x402.ErrSentNothing): the payment may
+	// be presented again, here or elsewhere, and a refusal of it then is final. Absent, a failed /settle may have
+	// settled the payment.
+	Sent *bool `json:"sent,omitempty"`
 }
+
+// notSent is the Sent of an errorBody that says nothing was sent.
+func notSent() *bool { f := false; return &f }
 
 func errorReply(status int, format string, args ...any) reply {
 	return reply{status: status, body: errorBody{Error: fmt.Sprintf(format, args...)}}
@@ -490,6 +499,11 @@ func (s *Server) failure(endpoint string, err error, payment string) reply {
 		status = http.StatusInternalServerError
 	}
 	msg := s.answerText(err, logged, payment)
+	if endpoint == EndpointSettle && errors.Is(err, x402.ErrSentNothing) && status == http.StatusBadGateway {
+		// Surely nothing on its way: the payer's payment is as good as before, to be presented again.
+		return reply{status: http.StatusServiceUnavailable, retryAfter: 1,
+			body: errorBody{Error: msg + "; nothing was sent: send the same payload to /settle again", Sent: notSent()}}
+	}
 	if endpoint == EndpointSettle {
 		msg += "; the payment may have settled: send the same payload to /settle again to learn its outcome, never a new payment"
 	}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"math/big"
 	"net/http"
@@ -458,4 +459,79 @@ func TestThePayerLimitCountsAPayerOnceWhateverItsCaseAndStopsTheCallHere(t *test
 	if _, settled := behind.payments(); settled != 1 {
 		t.Fatalf("the facilitator behind settled %d times, want once", settled)
 	}
+}
+
+// failingSettle is a facilitator whose settlements fail with err.
+type failingSettle struct {
+	countingFacilitator
+	err error
+}
+
+func (f *failingSettle) Settle(context.Context, x402.SettleRequest) (x402.SettleResponse, error) {
+	return x402.SettleResponse{}, f.err
+}
+
+// A settlement the facilitator behind could not make is answered 502 "the payment may have settled"; one it surely
+// sent nothing of (x402.ErrSentNothing) 503 with Retry-After and "sent": false, which the client reads back as
+// nothing sent; so is the 429 of the settle rate limit, which asks nothing of the facilitator behind.
+func TestASettlementThatSentNothingIsAnsweredSoAndAnyOtherFailureMayHaveSettled(t *testing.T) {
+	unreachable := &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: errors.New("node timed out")}
+	sentNothing := &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("%w: node refused the transaction", x402.ErrSentNothing)}
+	rows := []struct {
+		name   string
+		err    error
+		status int
+		sent   string // the error body's "sent", "" when absent
+	}{
+		{"unreachable", unreachable, http.StatusBadGateway, ""},
+		{"sent nothing", sentNothing, http.StatusServiceUnavailable, "false"},
+		{"no facilitator error", errors.New("panic-free surprise"), http.StatusInternalServerError, ""},
+	}
+	for _, row := range rows {
+		t.Run(row.name, func(t *testing.T) {
+			srv, err := facilitatorserver.New(&failingSettle{err: row.err}, facilitatorserver.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			client, base := serve(t, srv, "")
+			body, _ := json.Marshal(payment(x402.NetworkTestnet, x402.TransferPermit2, "10000", allowedPayTo))
+			resp, err := http.Post(base+"/settle", "application/json", bytes.NewReader(body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var answer map[string]any
+			_ = json.NewDecoder(resp.Body).Decode(&answer)
+			resp.Body.Close()
+			sent := ""
+			if v, ok := answer["sent"]; ok {
+				sent = fmt.Sprint(v)
+			}
+			msg, _ := answer["error"].(string)
+			if resp.StatusCode != row.status || sent != row.sent || strings.Contains(msg, "may have settled") == (row.sent == "false") {
+				t.Fatalf("/settle = %d %v; want %d, sent %q, \"may have settled\" unless nothing was sent", resp.StatusCode, answer, row.status, row.sent)
+			}
+			if (resp.Header.Get("Retry-After") != "") != (row.sent == "false") {
+				t.Errorf("Retry-After %q; want one exactly when nothing was sent", resp.Header.Get("Retry-After"))
+			}
+			_, err = client.Settle(context.Background(), payment(x402.NetworkTestnet, x402.TransferPermit2, "10000", allowedPayTo))
+			if got := errors.Is(err, x402.ErrSentNothing) && errors.Is(err, facilitatorclient.ErrNotSent); got != (row.sent == "false") {
+				t.Errorf("the client's error %v: nothing sent = %v", err, got)
+			}
+		})
+	}
+	t.Run("over the settle rate limit", func(t *testing.T) {
+		srv, err := facilitatorserver.New(&countingFacilitator{}, facilitatorserver.Options{SettleRateLimit: facilitatorserver.RateLimit{PerPayer: 1}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		client, _ := serve(t, srv, "")
+		if _, err := client.Settle(context.Background(), payment(x402.NetworkTestnet, x402.TransferPermit2, "10000", allowedPayTo)); err != nil {
+			t.Fatal(err)
+		}
+		_, err = client.Settle(context.Background(), payment(x402.NetworkTestnet, x402.TransferPermit2, "10000", allowedPayTo))
+		var fe *x402.FacilitatorError
+		if !errors.As(err, &fe) || fe.Status != http.StatusTooManyRequests || !errors.Is(err, x402.ErrSentNothing) || !errors.Is(err, facilitatorclient.ErrNotSent) {
+			t.Fatalf("settlement over the limit: %v; want a 429 that says nothing was sent", err)
+		}
+	})
 }

@@ -102,6 +102,9 @@ func (x *exchange) settleUnreachable(detail string, cause error, pending *x402.S
 		Network: x.req.PaymentRequirements.Network, VerifyMs: x.verifyMs, SettleMs: x.settleMs, TotalMs: x.totalMs()}
 	body := gateError{Error: detail, Outcome: x402.OutcomeSettleUnreachable,
 		Retry: "the payment may have settled: check before paying again, and present the same payment again to receive the resource once it is settled"}
+	if x.sentNothing {
+		body.Retry = "nothing of the payment was sent: present the same payment again to receive the resource once it is settled"
+	}
 	x.resetHeaders()
 	if x.retryAfter != "" {
 		x.w.Header().Set("Retry-After", x.retryAfter)

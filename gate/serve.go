@@ -62,9 +62,10 @@ type exchange struct {
 	// claimLater is the outcome of the gate's record, deferred to ride with the engine's claim (record).
 	claimLater *journal.Later
 
-	headers    http.Header // the response headers before the upstream ran, restored when the gate answers itself
-	retryAfter string      // the Retry-After of the gate's own 502, when it knows when to present the payment again
-	ended      bool
+	headers     http.Header // the response headers before the upstream ran, restored when the gate answers itself
+	retryAfter  string      // the Retry-After of the gate's own 502, when it knows when to present the payment again
+	sentNothing bool        // the gate's own 502 is of a settlement the facilitator says it sent nothing of
+	ended       bool
 	// logLine and logFields are the outcome's log line, held back until the response is out when
 	// logAfterResponse says so (endHeld, writeLog).
 	logLine          *zapcore.CheckedEntry
@@ -649,6 +650,10 @@ func (x *exchange) settleThenServe(up *upstream) error {
 				r.Response = &x402.SettleResponse{Success: false, Network: x.req.PaymentRequirements.Network, Payer: x.payer,
 					ErrorReason: x402.ReasonUnexpectedSettleError, ErrorMessage: "the settlement request never reached the facilitator"}
 			})
+		}
+		if errors.Is(err, x402.ErrSentNothing) && !x.resend {
+			x.sentNothing, x.retryAfter = true, "1"
+			return x.settleUnreachable("the facilitator could not settle the payment now: the chain could not take its settlement, and nothing was sent; present the same payment again", err, nil)
 		}
 		return x.settleUnreachable(fmt.Sprintf("the facilitator could not be reached to settle: %s", x402.DescribeFailure(err)), err, nil)
 	}

@@ -66,6 +66,14 @@ func IsUnreachable(err error) bool {
 // or again, is safe.
 var ErrNotSent = errors.New("request never reached the facilitator")
 
+// ErrSentNothing is wrapped into the error of a settlement the facilitator could not make now and of which it
+// surely sent nothing on chain, nor left anything a later pass of its own would send: the node refused the
+// transaction, or could not be asked what it needs (its fee, its nonce, the chain's time). The payment is as good as
+// before, and presented again it is settled once, by this facilitator or another; a refusal of it then is final.
+// Over HTTP an x402_facilitator answers it 503 with `"sent": false` in its error body, which a client reads back as
+// this error and ErrNotSent both.
+var ErrSentNothing = errors.New("the facilitator sent nothing for the settlement")
+
 // ErrAnswerNotThisPayment is wrapped into the error of a facilitator call whose answer does not show that it is
 // about the payment asked of: a settlement's success that names another network, payer or amount, or no
 // transaction (see SettlementProblem), or a verification's that names another payer (see VerifyProblem). It is
@@ -82,6 +90,8 @@ func DescribeFailure(err error) string {
 	}
 	var what string
 	switch {
+	case errors.Is(err, ErrSentNothing):
+		what = "it sent nothing: the chain could not take the settlement now"
 	case errors.Is(err, ErrNotSent):
 		what = "no connection could be made"
 	case errors.Is(err, context.DeadlineExceeded):
