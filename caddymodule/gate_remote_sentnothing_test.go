@@ -98,7 +98,8 @@ func TestARemoteSettlementThatSentNothingIsAnsweredSoAndTheNextRefusalIsFinal(t 
 		t.Error("a good payment's 502 carries an offer to pay again (PAYMENT-REQUIRED)")
 	}
 	proxy.SetDecide(nil)
-	time.Sleep(500 * time.Millisecond)
+	// Longer than the engine's reconciliation pass (2 s) and its grace for a claim's owner: nothing sends them later.
+	time.Sleep(3500 * time.Millisecond)
 	if sent := env.sent() - sentBefore; sent != 0 {
 		t.Fatalf("the settlement wallets sent %d transactions for payments answered not sent", sent)
 	}

@@ -759,10 +759,11 @@ func TestASettlementAnswerAboutAnotherPaymentIsAnUnknownOutcome(t *testing.T) {
 	}
 }
 
-// An error body with "sent": false, which an x402_facilitator gives a /settle it surely sent nothing of (503 when its
-// chain refused the transaction, 429 over its rate limit), makes the error x402.ErrSentNothing and ErrNotSent:
-// presented again, the payment settles once, and a refusal of it then is final. Nothing else does: not "sent": true
-// or a body without it, not a status that refuses the request, not a /verify.
+// A 503 whose error body holds "sent": false, which an x402_facilitator gives a /settle it surely sent nothing of
+// (its chain refused the transaction), makes the error x402.ErrSentNothing and ErrNotSent: presented again, the
+// payment settles once, and a refusal of it then is final. Nothing else does: not "sent": true or a body without
+// it, not another status (a 429 asked nothing of the facilitator behind, which an earlier call may have reached), not
+// a /verify.
 func TestASettleAnswerSayingNothingWasSentIsNotSent(t *testing.T) {
 	rows := []struct {
 		name   string
@@ -772,8 +773,8 @@ func TestASettleAnswerSayingNothingWasSentIsNotSent(t *testing.T) {
 		want   bool
 	}{
 		{"503 saying nothing was sent", 503, `{"error":"node refused the transaction; nothing was sent","sent":false}`, false, true},
-		{"502 saying nothing was sent", 502, `{"error":"x","sent":false}`, false, true},
-		{"429 saying nothing was sent", 429, `{"error":"over the limit; nothing was sent: retry after 3 s","sent":false}`, false, true},
+		{"502 saying nothing was sent", 502, `{"error":"x","sent":false}`, false, false},
+		{"429 saying nothing was sent", 429, `{"error":"over the limit; nothing was sent: retry after 3 s","sent":false}`, false, false},
 		{"503 saying it was sent", 503, `{"error":"x","sent":true}`, false, false},
 		{"503 without a word of it", 503, `{"error":"x"}`, false, false},
 		{"503 of a proxy", 503, `<html>Service Unavailable</html>`, false, false},

@@ -208,10 +208,10 @@ func (c *Client) statusFailure(op string, ex exchange, want string) error {
 	case s >= 200 && s < 300:
 		fe.Kind = x402.FailureBadAnswer
 		fe.Err = fmt.Errorf("expected %s, got %s", want, got)
-	case (s == http.StatusTooManyRequests || s >= 500) && op == opSettle && saysNothingSent(ex.body):
+	case s == http.StatusServiceUnavailable && op == opSettle && saysNothingSent(ex.body):
 		// A settlement the facilitator could not make now, and of which it says it sent nothing (an x402_facilitator
-		// over its rate limit, or whose chain refused the transaction): presented again, here or elsewhere, the
-		// payment settles once, and a refusal of it then is final.
+		// whose chain refused the transaction, or could not be asked what it needs): presented again, here or
+		// elsewhere, the payment settles once, and a refusal of it then is final.
 		fe.Kind = x402.FailureUnreachable
 		fe.Err = fmt.Errorf("%w: %w: no answer, got %s", ErrNotSent, x402.ErrSentNothing, got)
 	case s == http.StatusRequestTimeout || s == http.StatusTooManyRequests || s >= 500:
@@ -363,7 +363,7 @@ func decodeHealth(status int, body []byte) (x402.HealthResponse, bool) {
 }
 
 // saysNothingSent reports whether a /settle answer's error body says the facilitator sent nothing: a JSON object
-// whose "sent" is false (facilitatorserver's answer of x402.ErrSentNothing). Any other body says nothing of it.
+// whose "sent" is false (facilitatorserver's 503 of x402.ErrSentNothing). Any other body says nothing of it.
 func saysNothingSent(body []byte) bool {
 	var b struct {
 		Sent *bool `json:"sent"`

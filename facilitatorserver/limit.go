@@ -257,8 +257,10 @@ func (s *settleLimiter) sharedKey(limit string, local *rateBuckets, key string) 
 // an earlier call to pay again.
 func tooManySettlements(wait time.Duration, format string, args ...any) (reply, bool) {
 	secs := retryAfter(wait)
-	res := reply{status: http.StatusTooManyRequests, retryAfter: secs, body: errorBody{
-		Error: fmt.Sprintf("%s; nothing was sent: retry after %d s", fmt.Sprintf(format, args...), secs), Sent: notSent()}}
+	// No "sent": false (see errorBody.Sent): this call reached nothing, but an earlier one for the same payment may
+	// have, and may be settling it now; a caller told nothing was sent would take the payment elsewhere.
+	res := errorReply(http.StatusTooManyRequests, "%s; nothing was sent: retry after %d s", fmt.Sprintf(format, args...), secs)
+	res.retryAfter = secs
 	return res, false
 }
 

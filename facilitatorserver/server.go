@@ -110,8 +110,8 @@ type Metrics interface {
 // the field; a body too large is 413; a wrong method is 405 with Allow; a missing or wrong API key is 401; a
 // /settle or /verify over its rate limit is 429 with Retry-After; a facilitator behind that gives no answer is 502 (500
 // for an error that is no x402.FacilitatorError) with a JSON error, and a settlement it could not make now and of
-// which it sent nothing (x402.ErrSentNothing) is 503 with Retry-After. The error body of a /settle that surely sent
-// nothing (the 503, a 429) says so: `"sent": false`. A Server is safe for concurrent use.
+// which it sent nothing (x402.ErrSentNothing) is 503 with Retry-After and `"sent": false` in its error body. A Server
+// is safe for concurrent use.
 type Server struct {
 	f        x402.Facilitator
 	opts     Options
@@ -200,9 +200,11 @@ type errorBody struct {
 	Error string `json:"error"`
 	// Field is the JSON path of the offending field of a malformed body.
 	Field string `json:"field,omitempty"`
-	// Sent is false in the answer of a /settle that surely sent nothing (see x402.ErrSentNothing): the payment may
-	// be presented again, here or elsewhere, and a refusal of it then is final. Absent, a failed /settle may have
-	// settled the payment.
+	// Sent is false in the 503 of a /settle the facilitator behind surely sent nothing of, nor anything before it
+	// (x402.ErrSentNothing: its engine's journal shows the payment's claim released): the payment may be presented
+	// again, here or elsewhere, and a refusal of it then is final. Absent, a failed /settle may have settled the
+	// payment. Never in an answer that asked nothing of the facilitator behind (the rate limits' 429): an earlier
+	// call of the same payment may have reached it and be settling it.
 	Sent *bool `json:"sent,omitempty"`
 }
 

@@ -473,7 +473,8 @@ func (f *failingSettle) Settle(context.Context, x402.SettleRequest) (x402.Settle
 
 // A settlement the facilitator behind could not make is answered 502 "the payment may have settled"; one it surely
 // sent nothing of (x402.ErrSentNothing) 503 with Retry-After and "sent": false, which the client reads back as
-// nothing sent; so is the 429 of the settle rate limit, which asks nothing of the facilitator behind.
+// nothing sent. The settle rate limit's 429 asks nothing of the facilitator behind, and says nothing of what an
+// earlier call of the payment did there: no "sent".
 func TestASettlementThatSentNothingIsAnsweredSoAndAnyOtherFailureMayHaveSettled(t *testing.T) {
 	unreachable := &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: errors.New("node timed out")}
 	sentNothing := &x402.FacilitatorError{Op: "settle", Kind: x402.FailureUnreachable, Err: fmt.Errorf("%w: node refused the transaction", x402.ErrSentNothing)}
@@ -530,8 +531,61 @@ func TestASettlementThatSentNothingIsAnsweredSoAndAnyOtherFailureMayHaveSettled(
 		}
 		_, err = client.Settle(context.Background(), payment(x402.NetworkTestnet, x402.TransferPermit2, "10000", allowedPayTo))
 		var fe *x402.FacilitatorError
-		if !errors.As(err, &fe) || fe.Status != http.StatusTooManyRequests || !errors.Is(err, x402.ErrSentNothing) || !errors.Is(err, facilitatorclient.ErrNotSent) {
-			t.Fatalf("settlement over the limit: %v; want a 429 that says nothing was sent", err)
+		if !errors.As(err, &fe) || fe.Status != http.StatusTooManyRequests || errors.Is(err, x402.ErrSentNothing) || errors.Is(err, facilitatorclient.ErrNotSent) {
+			t.Fatalf("settlement over the limit: %v; want a 429 that says nothing of whether the payment was sent", err)
 		}
 	})
+}
+
+// slowSettle settles as countingFacilitator, once release is closed (a settlement waiting for its receipt).
+type slowSettle struct {
+	countingFacilitator
+	release chan struct{}
+}
+
+func (f *slowSettle) Settle(ctx context.Context, req x402.SettleRequest) (x402.SettleResponse, error) {
+	<-f.release
+	return f.countingFacilitator.Settle(ctx, req)
+}
+
+// A payment whose /settle reached member A from one gateway, its answer lost there (a timeout), is presented again
+// through another gateway's failover set, which does not know where it went. A's settle rate limit answers 429: it
+// asked nothing of the engine behind, so it must not send the payment to B while A's settlement of it is under way
+// (found by review: a 429 that said "sent": false did).
+func TestARateLimited429NeverSendsAPaymentToAnotherMemberWhileTheFirstMaySettleIt(t *testing.T) {
+	behindA := &slowSettle{release: make(chan struct{})}
+	defer close(behindA.release)
+	srvA, err := facilitatorserver.New(behindA, facilitatorserver.Options{SettleRateLimit: facilitatorserver.RateLimit{PerPayer: 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	behindB := &countingFacilitator{}
+	srvB, err := facilitatorserver.New(behindB, facilitatorserver.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, urlA := serve(t, srvA, "")
+	_, urlB := serve(t, srvB, "")
+	failover := func() *facilitatorclient.Failover {
+		var members []*facilitatorclient.Client
+		for _, u := range []string{urlA, urlB} {
+			c, err := facilitatorclient.New(u, facilitatorclient.WithTimeouts(facilitatorclient.Timeouts{Settle: 300 * time.Millisecond}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			members = append(members, c)
+		}
+		return facilitatorclient.NewFailover(members...)
+	}
+	req := payment(x402.NetworkTestnet, x402.TransferPermit2, "10000", allowedPayTo)
+	if _, err := failover().Settle(context.Background(), req); err == nil || errors.Is(err, facilitatorclient.ErrNotSent) {
+		t.Fatalf("the first gateway's settlement: %v; want an unknown outcome (A still settling)", err)
+	}
+	_, err = failover().Settle(context.Background(), req) // another gateway, or the first after a restart
+	if _, settled := behindB.payments(); settled != 0 {
+		t.Fatalf("B settled the payment %d times while A's settlement of it is under way (%v)", settled, err)
+	}
+	if err == nil || !x402.IsUnreachable(err) {
+		t.Fatalf("the payment presented again, A over its limit: %v; want an unknown outcome", err)
+	}
 }

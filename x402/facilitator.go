@@ -70,8 +70,8 @@ var ErrNotSent = errors.New("request never reached the facilitator")
 // surely sent nothing on chain, nor left anything a later pass of its own would send: the node refused the
 // transaction, or could not be asked what it needs (its fee, its nonce, the chain's time). The payment is as good as
 // before, and presented again it is settled once, by this facilitator or another; a refusal of it then is final.
-// Over HTTP an x402_facilitator answers it 503 with `"sent": false` in its error body, which a client reads back as
-// this error and ErrNotSent both.
+// Over HTTP an x402_facilitator answers it 503 with `"sent": false` in its error body, which facilitatorclient reads
+// back as this error and ErrNotSent both.
 var ErrSentNothing = errors.New("the facilitator sent nothing for the settlement")
 
 // ErrAnswerNotThisPayment is wrapped into the error of a facilitator call whose answer does not show that it is
