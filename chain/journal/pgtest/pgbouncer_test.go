@@ -55,6 +55,9 @@ func TestPgBouncerPoolsTransactionsInFrontOfTheServerAndGoesWithTheTest(t *testi
 			time.Sleep(100 * time.Millisecond)
 		}
 	})
+	if pid == 0 {
+		return // the subtest ended before PgBouncer started (internal/needs: not installed), and said why
+	}
 	if err := syscall.Kill(pid, 0); err == nil {
 		t.Errorf("PgBouncer (pid %d) still runs after its test ended", pid)
 	}
