@@ -645,10 +645,15 @@ func (x *exchange) settleThenServe(up *upstream) error {
 	}
 	if err != nil {
 		if errors.Is(err, x402.ErrNotSent) && !x.resend {
-			// Surely never reached the facilitator: a refusal of the payment presented again is then final.
+			// Surely never reached the facilitator, or it answered that it sent nothing: a refusal of the payment
+			// presented again is then final.
+			what := "the settlement request never reached the facilitator"
+			if errors.Is(err, x402.ErrSentNothing) {
+				what = "the facilitator sent nothing for the settlement"
+			}
 			x.note(func(r *journal.Record) {
 				r.Response = &x402.SettleResponse{Success: false, Network: x.req.PaymentRequirements.Network, Payer: x.payer,
-					ErrorReason: x402.ReasonUnexpectedSettleError, ErrorMessage: "the settlement request never reached the facilitator"}
+					ErrorReason: x402.ReasonUnexpectedSettleError, ErrorMessage: what}
 			})
 		}
 		if errors.Is(err, x402.ErrSentNothing) && !x.resend {

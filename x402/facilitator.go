@@ -62,8 +62,8 @@ func IsUnreachable(err error) bool {
 }
 
 // ErrNotSent is wrapped into the error of a facilitator call none of whose requests can have reached the
-// facilitator (connection refused, name not resolved, TLS handshake failed): sending the same payment elsewhere,
-// or again, is safe.
+// facilitator (connection refused, name not resolved, TLS handshake failed), or whose settlement the facilitator
+// answered it sent nothing of (ErrSentNothing): sending the same payment elsewhere, or again, is safe.
 var ErrNotSent = errors.New("request never reached the facilitator")
 
 // ErrSentNothing is wrapped into the error of a settlement the facilitator could not make now and of which it
