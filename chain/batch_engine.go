@@ -249,14 +249,16 @@ func (f *Facilitator) channelView(ctx context.Context, n *network, row journal.C
 }
 
 // voucherCheck is a voucher judged against its channel's row: accepted (to be recorded), or presented again
-// (the row stands at it already, Again set), or refused.
+// (accepted before: the row stands at it, or it is an earlier voucher of the row's with its record; again set),
+// or refused.
 type voucherCheck struct {
 	terms *BatchTerms
 	key   journal.ChannelKey
 	row   journal.Channel
 	av    AcceptedVoucher
-	// again says the row stands at this very voucher already: it was accepted before.
-	again bool
+	// again says this very voucher was accepted before; cumulative is its amount: the row's, or an earlier one's.
+	again      bool
+	cumulative *big.Int
 }
 
 // checkVoucher judges voucher payment p against the row of its channel, reading the channel from the chain only
@@ -297,7 +299,13 @@ func (f *Facilitator) checkVoucherWith(ctx context.Context, n *network, chs jour
 	for {
 		vc.row = row
 		if presentedAgain(terms, row, p, ch, id) {
-			vc.again = true
+			vc.again, vc.cumulative = true, row.Charged
+			return vc, nil
+		}
+		if cumulative, ok, err := earlierVoucher(ctx, f.journal, terms, row, p, ch, id); err != nil {
+			return vc, err
+		} else if ok {
+			vc.again, vc.cumulative = true, cumulative
 			return vc, nil
 		}
 		view, err := f.channelView(ctx, n, row, ch, id)
@@ -339,6 +347,62 @@ func presentedAgain(terms *BatchTerms, row journal.Channel, p *x402.BatchPayment
 	}
 	digest := VoucherDigest(terms.Domain, id, cumulative)
 	return string(sig[:]) == string(row.Signature) && string(digest[:]) == string(row.Digest)
+}
+
+// earlierVoucher reports whether voucher payment p is a voucher its channel accepted before the one the row
+// stands at (a smaller cumulative amount, signed by the channel's voucher signer) whose response was not delivered
+// yet, presented again for the resource it was accepted for: its record says so. cumulative is its amount. The row
+// keeps only the channel's last voucher, and a payer whose response failed (an upstream error, a connection cut)
+// may have paid its next voucher, for another resource, before presenting this one again: it is answered from its
+// record as first, charging nothing more. Any other voucher of a smaller amount (never accepted here, served, or
+// accepted for another resource) is judged as any: CheckVoucher refuses it below the row's amount, with the
+// corrective answer that resyncs a payer that lost count.
+func earlierVoucher(ctx context.Context, store journal.Store, terms *BatchTerms, row journal.Channel, p *x402.BatchPayment, ch contracts.ChannelConfig, id common.Hash) (*big.Int, bool, error) {
+	if ch.Receiver != terms.Receiver || ch.ReceiverAuthorizer != terms.ReceiverAuthorizer || ch.Token != terms.Token ||
+		p.Accepted.Network != terms.Network || p.Accepted.Scheme != x402.SchemeBatchSettlement || p.Payload.Type != x402.BatchVoucher {
+		return nil, false, nil
+	}
+	cumulative, err := x402.ParseAmount(p.Payload.Voucher.MaxClaimableAmount)
+	if err != nil || cumulative.Sign() <= 0 || row.Charged == nil || cumulative.Cmp(row.Charged) >= 0 {
+		return nil, false, nil
+	}
+	sig, err := ParseSignature(p.Payload.Voucher.Signature)
+	if err != nil {
+		return nil, false, nil
+	}
+	signer := ch.PayerAuthorizer
+	if signer == (common.Address{}) {
+		signer = ch.Payer
+	}
+	if got, err := RecoverSigner(VoucherDigest(terms.Domain, id, cumulative), sig); err != nil || got != signer {
+		return nil, false, nil
+	}
+	rec, found, err := store.Get(ctx, BatchVoucherID(terms.Network, id, cumulative))
+	if err != nil {
+		return nil, false, fmt.Errorf("reading the record of the voucher for cumulative amount %s: %w", cumulative, err)
+	}
+	if !found || rec.Served {
+		return nil, false, nil
+	}
+	if note, noted := journal.RecordNoteOf(ctx); noted && (rec.Route != "" || rec.Resource != "") &&
+		(rec.Route != note.Route || rec.Resource != note.Resource || rec.Described != note.Described) {
+		return nil, false, nil
+	}
+	return cumulative, true, nil
+}
+
+// earlierSpent is voucherSpent of an earlier voucher (earlierVoucher): its record is there; served, it is used.
+func earlierSpent(ctx context.Context, store journal.Store, network string, row journal.Channel, cumulative *big.Int) error {
+	rec, ok, err := store.Get(ctx, BatchVoucherID(network, common.HexToHash(row.Key.ID), cumulative))
+	switch {
+	case err != nil:
+		return fmt.Errorf("reading the record of the voucher: %w", err)
+	case ok && rec.Served:
+		return voucherServed(cumulative, rec.ServedAt)
+	case !ok:
+		return refuseBatch(x402.ReasonPaymentAlreadyUsed, "the voucher for cumulative amount %s is no longer on record: sign the next voucher", cumulative)
+	}
+	return nil
 }
 
 // acceptToken names one acceptance: this process and a random part, unique to the request.
@@ -393,7 +457,7 @@ func (f *Facilitator) VerifyBatch(ctx context.Context, req x402.BatchRequest) (x
 		return invalid(err)
 	}
 	if vc.again {
-		if err := f.voucherSpent(ctx, n, vc.row); err != nil {
+		if err := f.spentAgain(ctx, n, vc); err != nil {
 			return invalid(err)
 		}
 	}
@@ -425,6 +489,14 @@ func (f *Facilitator) batchSetup(req x402.BatchRequest) (*network, *BatchTerms, 
 		return nil, nil, nil, err
 	}
 	return n, terms, chs, nil
+}
+
+// spentAgain is voucherSpent of a voucher presented again (vc.again): the row's, or an earlier one.
+func (f *Facilitator) spentAgain(ctx context.Context, n *network, vc voucherCheck) error {
+	if vc.cumulative != nil && vc.row.Charged != nil && vc.cumulative.Cmp(vc.row.Charged) != 0 {
+		return earlierSpent(ctx, f.journal, n.caip2, vc.row, vc.cumulative)
+	}
+	return f.voucherSpent(ctx, n, vc.row)
 }
 
 // voucherSpent says whether the voucher row stands at, presented again, has bought its response already: its
@@ -509,12 +581,12 @@ func (f *Facilitator) settleVoucher(ctx context.Context, n *network, terms *Batc
 			return fail(err)
 		}
 		if vc.again {
-			if err := f.voucherSpent(ctx, n, vc.row); err != nil {
+			if err := f.spentAgain(ctx, n, vc); err != nil {
 				return fail(err)
 			}
 			// Its record holds what it charged; a record lost in a crash is written now, with the price every
 			// voucher of the route charges (CheckVoucher took it at exactly that).
-			return f.answerVoucher(ctx, n, vc.row, vc.row.Charged, terms.Price, payer)
+			return f.answerVoucher(ctx, n, vc.row, vc.cumulative, terms.Price, payer)
 		}
 		av := vc.av
 		row, resp, answered, err := stepVoucher(ctx, chs, n.caip2, vc.key, vc.row, av.Cumulative, av.Charge,

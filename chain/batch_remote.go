@@ -291,6 +291,11 @@ func (b *RemoteBatch) SettleBatch(ctx context.Context, req x402.BatchRequest) (x
 		}
 		return answerVoucher(ctx, b.cfg.Journal, network, row, row.Charged, terms.Price, payer)
 	}
+	if ok {
+		if resp, done, err := b.earlierAgain(ctx, terms, row, p, ch, id, payer); done || err != nil {
+			return resp, err
+		}
+	}
 	if p.Payload.Type == x402.BatchDeposit {
 		return b.settleDeposit(ctx, req, terms, key, ch, payer)
 	}
@@ -429,6 +434,9 @@ func (b *RemoteBatch) acceptVoucher(ctx context.Context, req x402.BatchRequest, 
 			}
 			return answerVoucher(ctx, b.cfg.Journal, network, row, row.Charged, terms.Price, payer)
 		}
+		if resp, done, err := b.earlierAgain(ctx, terms, row, p, ch, id, payer); done || err != nil {
+			return resp, err
+		}
 		view := ChannelView{Balance: row.Deposit, TotalClaimed: row.Claimed, Charged: row.Charged, WithdrawRequestedAt: row.WithdrawRequestedAt,
 			WithdrawAmount: row.WithdrawAmount, ReadAt: time.UnixMilli(int64(row.DepositBlock))}
 		if row.Withdrawn {
@@ -476,6 +484,24 @@ func (b *RemoteBatch) acceptVoucher(ctx context.Context, req x402.BatchRequest, 
 		}
 		return x402.BatchSettleResponse{}, fmt.Errorf("accepting the voucher of channel %s at %s: %w", key.ID, av.Cumulative, err)
 	}
+}
+
+// earlierAgain answers voucher payment p when it is an earlier voucher of the row's channel, accepted here before
+// (earlierVoucher): from its record, charging nothing more. done is false when it is not one.
+func (b *RemoteBatch) earlierAgain(ctx context.Context, terms *BatchTerms, row journal.Channel, p *x402.BatchPayment, ch contracts.ChannelConfig, id common.Hash, payer string) (x402.BatchSettleResponse, bool, error) {
+	cumulative, ok, err := earlierVoucher(ctx, b.cfg.Journal, terms, row, p, ch, id)
+	if err != nil || !ok {
+		return x402.BatchSettleResponse{}, false, err
+	}
+	if err := earlierSpent(ctx, b.cfg.Journal, terms.Network, row, cumulative); err != nil {
+		r := asBatchRefusal(err)
+		if r == nil {
+			return x402.BatchSettleResponse{}, true, err
+		}
+		return x402.BatchSettleResponse{Network: terms.Network, Payer: payer, ErrorReason: r.Reason, ErrorMessage: r.Message}, true, nil
+	}
+	resp, err := answerVoucher(ctx, b.cfg.Journal, terms.Network, row, cumulative, terms.Price, payer)
+	return resp, true, err
 }
 
 // voucherSpent is the engine's voucherSpent on this journal.

@@ -532,3 +532,37 @@ func TestTheLastVoucherPresentedAgainOnceItsRecordWasPrunedIsRefusedAsUsed(t *te
 		t.Fatalf("the last voucher presented again once its record was pruned: %+v; want %s", resp, x402.ReasonPaymentAlreadyUsed)
 	}
 }
+
+// TestAnEarlierVoucherAcceptedThroughARemoteFacilitatorIsAnsweredFromItsRecordAfterTheNext: the gate's row keeps
+// only its channel's last voucher; an earlier one it accepted, whose response was not delivered, presented again
+// after the next was accepted, is answered from its record (charged once, at its own amount) until it is served,
+// then refused. An amount below the row's that was never accepted is refused.
+func TestAnEarlierVoucherAcceptedThroughARemoteFacilitatorIsAnsweredFromItsRecordAfterTheNext(t *testing.T) {
+	w := newRemoteWorld(t, 10*remotePrice)
+	store := journal.NewMemory(journal.Options{})
+	rb := w.server(t, store, 0)
+	for n := int64(1); n <= 2; n++ {
+		if resp := w.settle(t, rb, n); !resp.Success {
+			t.Fatalf("the voucher at %d prices: %+v", n, resp)
+		}
+	}
+	resp := w.settle(t, rb, 1)
+	if !resp.Success || resp.Extra == nil || resp.Extra.ChannelState == nil || resp.Extra.ChannelState.ChargedCumulativeAmount != fmt.Sprint(remotePrice) {
+		t.Fatalf("the first voucher presented again after the second: %+v; want its answer at %d", resp, remotePrice)
+	}
+	if err := store.MarkServed(context.Background(), chain.BatchVoucherID(w.rq.Network, w.id, big.NewInt(remotePrice)), time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	if resp := w.settle(t, rb, 1); resp.Success {
+		t.Fatalf("the first voucher once served: %+v; want a refusal", resp)
+	}
+	if resp := w.settle(t, rb, 3); !resp.Success || resp.Extra.ChannelState.ChargedCumulativeAmount != fmt.Sprint(3*remotePrice) {
+		t.Fatalf("the third voucher: %+v; want it accepted at %d: nothing more was charged", resp, 3*remotePrice)
+	}
+	other := w.voucher(1)
+	sig := w.c.SignVoucher(w.payer, w.id, big.NewInt(remotePrice+1))
+	other.PaymentPayload.Payload.Voucher.MaxClaimableAmount, other.PaymentPayload.Payload.Voucher.Signature = fmt.Sprint(remotePrice+1), hexutil.Encode(sig)
+	if resp, err := rb.SettleBatch(context.Background(), other); err != nil || resp.Success {
+		t.Fatalf("a voucher below the channel's amount that was never accepted: %+v, %v; want a refusal", resp, err)
+	}
+}

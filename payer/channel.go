@@ -588,6 +588,9 @@ func (b *batchPlan) answered(ctx context.Context, rpc *chainReader, resp *http.R
 	}
 	if resp.StatusCode == http.StatusPaymentRequired {
 		if offer, err := ReadOffer(resp.Header, nil); err == nil {
+			if b.taken(offer) {
+				return true, nil
+			}
 			ok, err := b.resync(ctx, rpc, offer)
 			if ok || err != nil {
 				return ok, err
@@ -596,6 +599,25 @@ func (b *batchPlan) answered(ctx context.Context, rpc *chainReader, resp *http.R
 	}
 	b.ch.stale = b.ch.stale || b.deposit != nil
 	return false, nil
+}
+
+// taken counts the plan's voucher as charged when the server refused it as used (payment_already_used): it
+// bought a response already, whose answer the payer never read (a connection cut), or the server accepted it for
+// another resource whose response never came (an upstream that failed; presented there again, it is served,
+// charged nothing more). Either way the server holds the voucher, signed by the payer, and can claim it: the next
+// one is signed for this request (the caller sends it once more), where signing this one again would be refused
+// for good and leave the channel paying for nothing else. A plain voucher only, never a deposit or a refund.
+func (b *batchPlan) taken(offer Offer) bool {
+	st := &b.ch.state
+	if !strings.HasPrefix(offer.Required.Error, x402.ReasonPaymentAlreadyUsed) || b.deposit != nil ||
+		(b.payment.Batch != nil && b.payment.Batch.Refund) || b.next == nil || b.next.Cmp(st.Charged) <= 0 {
+		return false
+	}
+	st.Charged = new(big.Int).Set(b.next)
+	if st.Signed.Cmp(b.next) < 0 {
+		st.Signed = new(big.Int).Set(b.next)
+	}
+	return true
 }
 
 // settled applies a successful settlement answer to the channel.
