@@ -384,8 +384,9 @@ func earlierVoucher(ctx context.Context, store journal.Store, terms *BatchTerms,
 	if !found || rec.Served {
 		return nil, false, nil
 	}
-	if note, noted := journal.RecordNoteOf(ctx); noted && (rec.Route != "" || rec.Resource != "") &&
-		(rec.Route != note.Route || rec.Resource != note.Resource || rec.Described != note.Described) {
+	// A gate's request must find the record noted for this very route and resource: a record without a note (the
+	// voucher settled through the facilitator's /settle, at whatever price its caller named) buys nothing here.
+	if note, noted := journal.RecordNoteOf(ctx); noted && (rec.Route != note.Route || rec.Resource != note.Resource || rec.Described != note.Described) {
 		return nil, false, nil
 	}
 	return cumulative, true, nil

@@ -725,3 +725,36 @@ func TestBatchClaimLeavesOutAChannelWhoseClaimWouldRevertAndClaimsTheOthers(t *t
 		t.Fatalf("the withdrawn channel's row: claimed %s, claim in flight %q", row.Claimed, row.ClaimTx)
 	}
 }
+
+// An earlier voucher of a channel (below the row's amount) is answered again only for the route and resource its
+// record was noted for: one settled without a note (through the facilitator's /settle, at whatever price its caller
+// named) buys nothing at a gate's route, and gets the corrective refusal of any voucher below the row (found by
+// review: it was answered, at its record's price).
+func TestAnEarlierVoucherSettledWithoutANoteBuysNothingAtAGatesRoute(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{journal: boltJournal(t)})
+	b.deposit(t, 10*batchPrice)
+	for n := int64(1); n <= 2; n++ {
+		if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, n*batchPrice)); !resp.Success {
+			t.Fatalf("voucher %d without a note: %+v", n, resp)
+		}
+	}
+	ctx := journal.WithRecordNote(context.Background(), journal.RecordNote{Route: "a route", Resource: "GET /r/a"})
+	resp, err := b.fx.f.SettleBatch(ctx, b.voucher(b.rq, batchPrice))
+	if err != nil || resp.Success || resp.ErrorReason != x402.ReasonBatchCumulativeAmountMismatch {
+		t.Fatalf("the first voucher, settled without a note, presented at a gate's route: %+v, %v; want %s", resp, err, x402.ReasonBatchCumulativeAmountMismatch)
+	}
+	// Noted at acceptance, it is answered again there, and nowhere else.
+	noted := journal.WithRecordNote(context.Background(), journal.RecordNote{Route: "a route", Resource: "GET /r/c"})
+	if resp, err := b.fx.f.SettleBatch(noted, b.voucher(b.rq, 3*batchPrice)); err != nil || !resp.Success {
+		t.Fatalf("the third voucher, noted: %+v, %v", resp, err)
+	}
+	if resp := settleBatch(t, b.fx.f, b.voucher(b.rq, 4*batchPrice)); !resp.Success {
+		t.Fatalf("the fourth voucher: %+v", resp)
+	}
+	if resp, err := b.fx.f.SettleBatch(noted, b.voucher(b.rq, 3*batchPrice)); err != nil || !resp.Success || resp.Amount != fmt.Sprint(batchPrice) {
+		t.Fatalf("the third voucher presented again for its resource after the fourth: %+v, %v; want its answer", resp, err)
+	}
+	if resp, err := b.fx.f.SettleBatch(ctx, b.voucher(b.rq, 3*batchPrice)); err != nil || resp.Success {
+		t.Fatalf("the third voucher at another resource: %+v, %v; want a refusal", resp, err)
+	}
+}

@@ -606,10 +606,11 @@ func (b *batchPlan) answered(ctx context.Context, rpc *chainReader, resp *http.R
 // another resource whose response never came (an upstream that failed; presented there again, it is served,
 // charged nothing more). Either way the server holds the voucher, signed by the payer, and can claim it: the next
 // one is signed for this request (the caller sends it once more), where signing this one again would be refused
-// for good and leave the channel paying for nothing else. A plain voucher only, never a deposit or a refund.
+// for good and leave the channel paying for nothing else. A plain voucher only, never a deposit or a refund, and not
+// when the gate says another request is presenting it right now (its answer is still to come).
 func (b *batchPlan) taken(offer Offer) bool {
 	st := &b.ch.state
-	if !strings.HasPrefix(offer.Required.Error, x402.ReasonPaymentAlreadyUsed) || b.deposit != nil ||
+	if !strings.HasPrefix(offer.Required.Error, x402.ReasonPaymentAlreadyUsed) || strings.Contains(offer.Required.Error, "presenting this voucher right now") || b.deposit != nil ||
 		(b.payment.Batch != nil && b.payment.Batch.Refund) || b.next == nil || b.next.Cmp(st.Charged) <= 0 {
 		return false
 	}
