@@ -35,6 +35,9 @@ type batchSeller struct {
 	authorizer common.Address
 	// lie, when set, is the chargedCumulativeAmount the answers name instead of the true one.
 	lie string
+	// used, when set, is the payment_already_used refusal the next batch payment gets: a voucher is accepted all the
+	// same (charged: as a gate that accepted it for another resource), unless the refusal says it is being presented.
+	used string
 
 	mu       sync.Mutex
 	balances map[string]*big.Int // by channel id
@@ -149,6 +152,14 @@ func (s *batchSeller) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 			return
 		}
 		s.t.Errorf("checking the voucher: %v", err)
+		return
+	}
+	if used := s.used; used != "" {
+		s.used = ""
+		if !strings.Contains(used, "right now") {
+			s.balances[id], s.charges[id], s.vouchers[id] = view.Balance, av.Cumulative, p.Payload.Voucher.Signature
+		}
+		s.offer(w, req, x402.ReasonPaymentAlreadyUsed+": "+used)
 		return
 	}
 	s.balances[id] = view.Balance
@@ -624,5 +635,50 @@ func TestWithNoTotalAHostileMinDepositIsBoundedByDepositRequestsTimesPerRequest(
 	}
 	if payloads, _, _ := s.seen(); len(payloads) != 0 {
 		t.Errorf("the server received %d payments, want none", len(payloads))
+	}
+}
+
+// A voucher the server refuses as payment_already_used (it accepted it for another resource whose response never
+// came, or delivered it with the answer lost) is counted as charged, and the request is paid once more by the next
+// voucher; not when the server says another request is presenting it right now, and never for a deposit.
+func TestAVoucherRefusedAsUsedIsCountedAndTheRequestPaidByTheNext(t *testing.T) {
+	for _, tc := range []struct {
+		name, used string
+		deposit    bool  // the refusal meets the channel's deposit
+		status     int   // the request's answer
+		charged    int64 // what the payer counts after
+		sent       int   // batch payments the server saw
+	}{
+		{"accepted for another resource", "the voucher for cumulative amount 2000 was accepted for another resource", false, http.StatusOK, 3000, 3},
+		{"delivered, its answer lost", "the voucher for cumulative amount 2000 bought a response that was delivered", false, http.StatusOK, 3000, 3},
+		{"presented by another request right now", "another request is presenting this voucher right now; wait for its answer", false, http.StatusPaymentRequired, 1000, 2},
+		{"a deposit", "the deposit was used", true, http.StatusPaymentRequired, 0, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, srv := newBatchSeller(t, 1000, "")
+			p, _ := payer.New(mustKey(t), payer.Options{Now: func() time.Time { return time.Unix(1_700_000_000, 0) }})
+			c, _ := batchClient(p, 1000, big.NewInt(1_000_000))
+			if !tc.deposit {
+				if resp := getBody(t, c, srv.URL+"/a"); resp.StatusCode != http.StatusOK {
+					t.Fatalf("the deposit: %s", resp.Status)
+				}
+			}
+			s.mu.Lock()
+			s.used = tc.used
+			s.mu.Unlock()
+			if resp := getBody(t, c, srv.URL+"/b"); resp.StatusCode != tc.status {
+				t.Fatalf("the request whose voucher is refused as used: %s, want %d", resp.Status, tc.status)
+			}
+			payloads, _, _ := s.seen()
+			if len(payloads) != tc.sent {
+				t.Fatalf("the server saw %d batch payments, want %d", len(payloads), tc.sent)
+			}
+			st, known := p.Channel(common.HexToHash(payloads[0].Voucher.ChannelID))
+			if tc.deposit && known && st.Charged.Sign() != 0 {
+				t.Errorf("the payer counts %s charged after its deposit was refused, want nothing", st.Charged)
+			} else if !tc.deposit && (!known || st.Charged.Cmp(big.NewInt(tc.charged)) != 0) {
+				t.Errorf("the payer counts %v charged (known %v), want %d", st.Charged, known, tc.charged)
+			}
+		})
 	}
 }
