@@ -677,5 +677,52 @@ func (f *Facilitator) resolveClaims(ctx context.Context, n *network, chs journal
 			f.log.Warn("sending a batch-settlement claim again", zap.String("tx", r.ClaimTx), zap.Error(err))
 		}
 	}
+	return f.resolveUnmarkedClaims(ctx, n, chs, done)
+}
+
+// orphanClaimAge is how long a claim's broadcast record stays before resolveUnmarkedClaims looks it up when no
+// channel's mark names it: its sender's own wait looks it up meanwhile.
+const orphanClaimAge = 10 * time.Second
+
+// resolveUnmarkedClaims finishes the broadcast records of claims that no channel's mark names any more (looked, the
+// claims in flight resolveClaims went through): a claim broadcast as its process stopped, whose channels another
+// claim took since, is found by nothing else, and its record would stay in the journal's backlog for good (the
+// money-invariant run: a graceful stop). Mined or reverted, it is finished as any claim (claimOutcome); its nonce
+// mined by another transaction (read before its receipt is looked for, so that a claim mined in between is not
+// taken for one that never will be), it never mines, and its record goes (claimNotSent). Otherwise it is left.
+func (f *Facilitator) resolveUnmarkedClaims(ctx context.Context, n *network, chs journal.Channels, looked map[string]bool) error {
+	recs, err := f.journal.PendingOf(ctx, false)
+	if err != nil {
+		return fmt.Errorf("listing the journal's records not final: %w", err)
+	}
+	seen := map[common.Hash]bool{}
+	for tx := range looked {
+		seen[common.HexToHash(tx)] = true
+	}
+	for _, rec := range recs {
+		if rec.Network != n.caip2 || rec.State != journal.StateBroadcast || rec.TxHash == "" || rec.Wallet == "" ||
+			seen[common.HexToHash(rec.TxHash)] || f.now().Sub(rec.UpdatedAt) < orphanClaimAge {
+			continue
+		}
+		hash := common.HexToHash(rec.TxHash)
+		if rec.ID != claimRecordID(n.caip2, hash) || f.sendingClaim(n, hash) {
+			continue
+		}
+		mined, err := n.backend.NonceAt(ctx, common.HexToAddress(rec.Wallet), nil)
+		if err != nil {
+			return fmt.Errorf("reading the mined nonce of %s, claim %s's wallet: %w", rec.Wallet, hash.Hex(), err)
+		}
+		if done, err := f.claimOutcome(ctx, n, chs, hash); done || err != nil {
+			if err != nil {
+				return err
+			}
+			continue
+		}
+		if mined > rec.TxNonce {
+			if err := f.claimNotSent(ctx, n, chs, hash, true, "its nonce went to another transaction, and no channel's mark names it any more"); err != nil {
+				return err
+			}
+		}
+	}
 	return nil
 }

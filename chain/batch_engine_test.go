@@ -758,3 +758,57 @@ func TestAnEarlierVoucherSettledWithoutANoteBuysNothingAtAGatesRoute(t *testing.
 		t.Fatalf("the third voucher at another resource: %+v, %v; want a refusal", resp, err)
 	}
 }
+
+// A claim's broadcast record that no channel's mark names any more (its process stopped between the broadcast and
+// the receipt, and the channels were claimed again since) is finished by the next claim pass all the same: mined,
+// it is final; its nonce mined by another transaction, it goes. Before, claim passes found claims only through the
+// channels' marks, and such a record stayed in the journal's backlog for good (the money-invariant run, after a
+// graceful stop).
+func TestAClaimRecordNoChannelNamesIsFinishedByTheNextClaimPass(t *testing.T) {
+	b := newBatchRoute(t, fixtureOpts{})
+	j := journal.NewMemory(journal.Options{})
+	w := b.c.Wallets[0]
+	eng := b.engine(t, j, []*chaintest.Account{w}, true, time.Second)
+	ctx := context.Background()
+	record := func(tx *types.Transaction) journal.ID {
+		t.Helper()
+		raw, err := tx.MarshalBinary()
+		if err != nil {
+			t.Fatal(err)
+		}
+		id := chain.ClaimRecordID(b.fx.net, tx.Hash())
+		if _, _, err := j.Claim(ctx, journal.Record{ID: id, State: journal.StateClaimed, Network: b.fx.net, Owner: "a process that stopped",
+			Asset: contracts.BatchSettlementAddress.Hex()}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := j.Update(ctx, id, func(r *journal.Record) error {
+			r.State, r.Wallet, r.TxNonce, r.TxHash, r.RawTx = journal.StateBroadcast, w.Address.Hex(), tx.Nonce(), tx.Hash().Hex(), raw
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	// A transaction of the wallet's that mined (standing for the claim), and one signed at a nonce another took.
+	receipt := b.c.SendETH(w, b.receiver.Address, big.NewInt(1))
+	minedTx, _, err := b.c.EthClient.TransactionByHash(ctx, receipt.TxHash)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mined := record(minedTx)
+	stale, err := types.SignNewTx(w.Key, types.LatestSignerForChainID(b.c.ChainID), &types.LegacyTx{Nonce: minedTx.Nonce(), GasPrice: big.NewInt(2e9), Gas: 21000, To: &b.receiver.Address, Value: big.NewInt(2)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	never := record(stale)
+	// Past the records' age, a claim pass: neither is named by a channel's mark.
+	b.c.AdjustTime(30 * time.Second)
+	b.c.Commit()
+	claimBatches(t, eng)
+	if rec, ok, err := j.Get(ctx, mined); err != nil || !ok || rec.State != journal.StateFinal || rec.Response == nil || !rec.Response.Success {
+		t.Fatalf("the mined claim's record: %+v (found %v, %v); want final and successful", rec, ok, err)
+	}
+	if rec, ok, err := j.Get(ctx, never); err != nil || (ok && rec.State != journal.StateFinal) {
+		t.Fatalf("the record of a claim whose nonce another transaction took: %+v (found %v, %v); want it gone", rec, ok, err)
+	}
+}

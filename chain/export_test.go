@@ -95,3 +95,6 @@ func (f *Facilitator) RecordedPaymentIDForTest(raw []byte) (journal.ID, string, 
 func (f *Facilitator) HoldBatchChannelForTest(network string, id common.Hash) (release func()) {
 	return f.networks[network].batch.actions.lock([]string{actionKey(id)})
 }
+
+// ClaimRecordID is claimRecordID, for tests.
+func ClaimRecordID(network string, tx common.Hash) journal.ID { return claimRecordID(network, tx) }
