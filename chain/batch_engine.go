@@ -333,8 +333,7 @@ func (f *Facilitator) checkVoucherWith(ctx context.Context, n *network, chs jour
 // one, with this signature (the cumulative amount alone could be another signature's).
 // A channel of another route (receiver, authorizer, token) is never this route's voucher: CheckVoucher refuses it.
 func presentedAgain(terms *BatchTerms, row journal.Channel, p *x402.BatchPayment, ch contracts.ChannelConfig, id common.Hash) bool {
-	if ch.Receiver != terms.Receiver || ch.ReceiverAuthorizer != terms.ReceiverAuthorizer || ch.Token != terms.Token ||
-		p.Accepted.Network != terms.Network || p.Accepted.Scheme != x402.SchemeBatchSettlement {
+	if !ofTerms(terms, p, ch) {
 		return false
 	}
 	cumulative, err := x402.ParseAmount(p.Payload.Voucher.MaxClaimableAmount)
@@ -349,6 +348,13 @@ func presentedAgain(terms *BatchTerms, row journal.Channel, p *x402.BatchPayment
 	return string(sig[:]) == string(row.Signature) && string(digest[:]) == string(row.Digest)
 }
 
+// ofTerms reports whether payment p, of channel ch, is paid under terms: the route's receiver, authorizer, token,
+// network and scheme. A voucher of another route's channel is never answered as presented again here.
+func ofTerms(terms *BatchTerms, p *x402.BatchPayment, ch contracts.ChannelConfig) bool {
+	return ch.Receiver == terms.Receiver && ch.ReceiverAuthorizer == terms.ReceiverAuthorizer && ch.Token == terms.Token &&
+		p.Accepted.Network == terms.Network && p.Accepted.Scheme == x402.SchemeBatchSettlement
+}
+
 // earlierVoucher reports whether voucher payment p is a voucher its channel accepted before the one the row
 // stands at (a smaller cumulative amount, signed by the channel's voucher signer) whose response was not delivered
 // yet, presented again for the resource it was accepted for: its record says so. cumulative is its amount. The row
@@ -358,8 +364,7 @@ func presentedAgain(terms *BatchTerms, row journal.Channel, p *x402.BatchPayment
 // accepted for another resource) is judged as any: CheckVoucher refuses it below the row's amount, with the
 // corrective answer that resyncs a payer that lost count.
 func earlierVoucher(ctx context.Context, store journal.Store, terms *BatchTerms, row journal.Channel, p *x402.BatchPayment, ch contracts.ChannelConfig, id common.Hash) (*big.Int, bool, error) {
-	if ch.Receiver != terms.Receiver || ch.ReceiverAuthorizer != terms.ReceiverAuthorizer || ch.Token != terms.Token ||
-		p.Accepted.Network != terms.Network || p.Accepted.Scheme != x402.SchemeBatchSettlement || p.Payload.Type != x402.BatchVoucher {
+	if !ofTerms(terms, p, ch) || p.Payload.Type != x402.BatchVoucher {
 		return nil, false, nil
 	}
 	cumulative, err := x402.ParseAmount(p.Payload.Voucher.MaxClaimableAmount)
