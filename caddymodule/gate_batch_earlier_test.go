@@ -34,6 +34,9 @@ type batchRouteWorld struct {
 	b     *batchChannel
 	url   string
 	token common.Address
+	srv   *caddyServer
+	// config is the Caddyfile with before in front of the route /r/*.
+	config func(before string) string
 }
 
 func newBatchRouteWorld(t *testing.T, upstream http.Handler) *batchRouteWorld {
@@ -46,12 +49,13 @@ func newBatchRouteWorld(t *testing.T, upstream http.Handler) *batchRouteWorld {
 	t.Setenv("X402_TEST_RECEIVER_AUTHORIZER_KEY", hexKey(b.authorizer))
 	up := httptest.NewServer(upstream)
 	t.Cleanup(up.Close)
-	srv := startCaddy(t, `{
+	config := func(before string) string {
+		return `{
 	x402 {
-		network `+x402.EIP155(c.ChainID.Uint64())+` {
-			rpc `+c.RPCURL+`
-			asset `+token.Hex()+` name "`+contracts.USDCoinName+`" version `+contracts.USDCoinVersion+` decimals 6 eip3009
-			wallet_keys `+hexKey(c.Wallets[0])+`
+		network ` + x402.EIP155(c.ChainID.Uint64()) + ` {
+			rpc ` + c.RPCURL + `
+			asset ` + token.Hex() + ` name "` + contracts.USDCoinName + `" version ` + contracts.USDCoinVersion + ` decimals 6 eip3009
+			wallet_keys ` + hexKey(c.Wallets[0]) + `
 			receipt_poll 5ms
 			batch {
 				receiver_authorizer_key {env.X402_TEST_RECEIVER_AUTHORIZER_KEY}
@@ -62,18 +66,20 @@ func newBatchRouteWorld(t *testing.T, upstream http.Handler) *batchRouteWorld {
 	}
 }
 
-{{ADDR}} {
+{{ADDR}} {` + before + `
 	handle /r/* {
 		x402 {
 			scheme batch
-			amount `+fmt.Sprint(batchClaimPrice)+`
-			pay_to `+b.receiver.Address.Hex()+`
+			amount ` + fmt.Sprint(batchClaimPrice) + `
+			pay_to ` + b.receiver.Address.Hex() + `
 		}
-		reverse_proxy `+strings.TrimPrefix(up.URL, "http://")+`
+		reverse_proxy ` + strings.TrimPrefix(up.URL, "http://") + `
 	}
 }
-`)
-	return &batchRouteWorld{c: c, b: b, url: srv.URL, token: token}
+`
+	}
+	srv := startCaddy(t, config(""))
+	return &batchRouteWorld{c: c, b: b, url: srv.URL, token: token, srv: srv, config: config}
 }
 
 // present sends the payment of req for path and reads the answer.
@@ -202,5 +208,78 @@ func TestOurPayerGoesOnPayingAfterAVoucherWhoseResponseNeverCame(t *testing.T) {
 	s, err := x402.DecodeBatchSettleResponse(last.Get(x402.HeaderPaymentResponse))
 	if err != nil || s.Extra == nil || s.Extra.ChannelState == nil || s.Extra.ChannelState.ChargedCumulativeAmount != fmt.Sprint(4*batchClaimPrice) {
 		t.Fatalf("the last answer's PAYMENT-RESPONSE %+v (%v); want the channel at %d", s, err, 4*batchClaimPrice)
+	}
+}
+
+// A voucher accepted whose response was not delivered is served when presented again for its resource after a
+// reload that renumbered its route (a gate configured alike added before it; a gateway of a cluster configured
+// with one more), as a payment of the exact scheme is: the route sells the resource at the terms the voucher was
+// accepted under, so it is judged by them. Both ways a voucher comes again: at the channel's amount, and below it
+// once the channel's next voucher was accepted. Before, it was refused as "accepted for another resource", its
+// payer charged for a response it never got. Found by the money-invariant run once its batch lanes met an upstream
+// that fails a path's first request (seed 1795993010961594377, three).
+func TestAVoucherWhoseResponseFailedIsServedAfterAReloadRenumberedItsRoute(t *testing.T) {
+	var failing atomic.Bool
+	w := newBatchRouteWorld(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if failing.Load() && r.URL.Path == "/r/a" {
+			http.Error(w, "not ready", http.StatusInternalServerError)
+			return
+		}
+		io.WriteString(w, "paid "+r.URL.Path)
+	}))
+	b := w.b
+	added := `
+	handle /added/* {
+		x402 {
+			scheme batch
+			amount ` + fmt.Sprint(3*batchClaimPrice) + `
+			pay_to 0x5e11e75e11e75e11e75e11e75e11e75e11e75e19
+		}
+		respond "added"
+	}`
+	charged := func(h http.Header) string {
+		t.Helper()
+		s, err := x402.DecodeBatchSettleResponse(h.Get(x402.HeaderPaymentResponse))
+		if err != nil || !s.Success || s.Extra == nil || s.Extra.ChannelState == nil {
+			t.Fatalf("PAYMENT-RESPONSE %+v (%v); want a success naming the channel's state", s, err)
+		}
+		return s.Extra.ChannelState.ChargedCumulativeAmount
+	}
+
+	// At the channel's amount: accepted, its upstream failing; the reload; presented again.
+	failing.Store(true)
+	first := b.deposit(t, 10*batchClaimPrice, batchClaimPrice)
+	if st, body, _ := w.present(t, "/r/a", first); st != http.StatusInternalServerError {
+		t.Fatalf("the deposit and its voucher for /r/a, the upstream failing: %d %q; want its 500", st, body)
+	}
+	w.srv.load(w.config(added))
+	failing.Store(false)
+	if st, body, h := w.present(t, "/r/a", b.voucher(batchClaimPrice)); st != http.StatusOK || body != "paid /r/a" || charged(h) != fmt.Sprint(batchClaimPrice) {
+		t.Fatalf("the voucher presented again for /r/a after the reload: %d %q; want its response at %d", st, body, batchClaimPrice)
+	}
+
+	// Below it: accepted, failing; the reload back; the channel's next voucher; presented again.
+	failing.Store(true)
+	if st, body, _ := w.present(t, "/r/a", b.voucher(2*batchClaimPrice)); st != http.StatusInternalServerError {
+		t.Fatalf("the second voucher for /r/a, the upstream failing: %d %q; want its 500", st, body)
+	}
+	w.srv.load(w.config(""))
+	failing.Store(false)
+	if st, body, h := w.present(t, "/r/b", b.voucher(3*batchClaimPrice)); st != http.StatusOK || charged(h) != fmt.Sprint(3*batchClaimPrice) {
+		t.Fatalf("the third voucher for /r/b: %d %q; want 200 at %d", st, body, 3*batchClaimPrice)
+	}
+	if st, body, h := w.present(t, "/r/a", b.voucher(2*batchClaimPrice)); st != http.StatusOK || body != "paid /r/a" || charged(h) != fmt.Sprint(2*batchClaimPrice) {
+		t.Fatalf("the second voucher presented again for /r/a after the reload and the third: %d %q; want its response at %d", st, body, 2*batchClaimPrice)
+	}
+	// Judged by the route's terms, not by the record's: where the route sells at another price now, it is refused
+	// for its terms, with nothing charged (the next voucher follows the third).
+	failing.Store(true)
+	if st, body, _ := w.present(t, "/r/a", b.voucher(4*batchClaimPrice)); st != http.StatusInternalServerError {
+		t.Fatalf("the fourth voucher for /r/a, the upstream failing: %d %q; want its 500", st, body)
+	}
+	failing.Store(false)
+	w.srv.load(strings.Replace(w.config(added), "amount "+fmt.Sprint(batchClaimPrice), "amount "+fmt.Sprint(2*batchClaimPrice), 1))
+	if st, body, _ := w.present(t, "/r/a", b.voucher(4*batchClaimPrice)); st != http.StatusPaymentRequired || strings.Contains(body, "paid /r/a") {
+		t.Fatalf("the fourth voucher presented again at a renumbered route of another price: %d %q; want 402", st, body)
 	}
 }

@@ -389,9 +389,10 @@ func earlierVoucher(ctx context.Context, store journal.Store, terms *BatchTerms,
 	if !found || rec.Served {
 		return nil, false, nil
 	}
-	// A gate's request must find the record noted for this very route and resource: a record without a note (the
-	// voucher settled through the facilitator's /settle, at whatever price its caller named) buys nothing here.
-	if note, noted := journal.RecordNoteOf(ctx); noted && (rec.Route != note.Route || rec.Resource != note.Resource || rec.Described != note.Described) {
+	// A gate's request must find the record noted for this very resource, at this route or one that sells it at
+	// the price it was charged (RecordNote.Buys): a record without a note (the voucher settled through the
+	// facilitator's /settle, at whatever price its caller named) buys nothing here.
+	if note, noted := journal.RecordNoteOf(ctx); noted && !note.Buys(rec) {
 		return nil, false, nil
 	}
 	return cumulative, true, nil
@@ -670,9 +671,9 @@ func answerRecorded(ctx context.Context, network string, row journal.Channel, cu
 			ErrorMessage: voucherServed(cumulative, got.ServedAt).Message}
 	}
 	note, noted := journal.RecordNoteOf(ctx)
-	if noted && (got.Route != "" || got.Resource != "") && (got.Route != note.Route || got.Resource != note.Resource || got.Described != note.Described) {
-		// A payment buys the response it was made for: a voucher accepted for one route or resource and not yet
-		// served is served there only, never at another of the same terms.
+	if noted && (got.Route != "" || got.Resource != "") && !note.Buys(got) {
+		// A payment buys the response it was made for: a voucher accepted for one resource and not yet served is
+		// served there only, never at another of the same terms, nor at a route that sells it at another price.
 		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: x402.ReasonPaymentAlreadyUsed,
 			ErrorMessage: fmt.Sprintf("the voucher for cumulative amount %s was accepted for another resource, whose response it buys: present it there, or sign the next voucher", cumulative)}
 	}

@@ -168,7 +168,11 @@ func (x *exchange) serveBatch(p x402.BatchPayment, decodeErr error) error {
 	t := x.g.now()
 	// As any settlement, it runs to its end when the client hangs up: a deposit may be on its way on chain.
 	// The engine notes on the voucher's record what it is served for, in the write that accepts it.
-	ctx := journal.WithRecordNote(context.WithoutCancel(x.r.Context()), journal.RecordNote{Route: x.g.cfg.Route, Resource: x.boughtResource(), Described: x.describedKey()})
+	note := journal.RecordNote{Route: x.g.cfg.Route, Resource: x.boughtResource(), Described: x.describedKey()}
+	if mismatch == nil {
+		note.Amount = rq.Amount // the route's price: a voucher accepted at another route of the same price buys here
+	}
+	ctx := journal.WithRecordNote(context.WithoutCancel(x.r.Context()), note)
 	resp, err := bf.SettleBatch(ctx, x402.BatchRequest{X402Version: x402.Version2, PaymentPayload: p, PaymentRequirements: rq})
 	x.settleMs = msSince(x.g.now, t)
 	if err != nil {

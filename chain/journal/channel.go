@@ -690,8 +690,21 @@ func pruneChannelsIn(t chanTxn, before time.Time) (int, error) {
 // description of that resource. The engine writes it on the voucher's record as it accepts the voucher (Route,
 // Resource, Described), in the same write, so that a gate judges the voucher presented again by its record at
 // that route and resource only (a voucher accepted and not served, presented again once a reload changed the
-// route's price, say).
-type RecordNote struct{ Route, Resource, Described string }
+// route's price, say). Amount is the price of the route's offer the request matched, "" when it matched none
+// (the voucher is then judged by its record); it is not written.
+type RecordNote struct{ Route, Resource, Described, Amount string }
+
+// Buys reports whether the record of a voucher accepted and not served, noted when it was accepted, buys the
+// response of the request n notes: the same resource described alike, at the route it was accepted at, or at a
+// route that sells it now at the price it was charged (a reload renumbered the gates configured alike, a gateway
+// of a cluster has one gate more before it): judged there by the route's terms, which it meets, as a payment of
+// the exact scheme is. A route of the same URL at another price (chosen by a header, say) buys nothing with it.
+func (n RecordNote) Buys(rec Record) bool {
+	if rec.Resource != n.Resource || rec.Described != n.Described {
+		return false
+	}
+	return rec.Route == n.Route || (n.Amount != "" && rec.Amount == n.Amount)
+}
 
 type recordNoteKey struct{}
 

@@ -117,3 +117,26 @@ func TestAVoucherStepAndItsRecordAreOneCommit(t *testing.T) {
 		}
 	})
 }
+
+func TestARecordNoteBuysTheResourceAtItsRouteOrAtTheSamePrice(t *testing.T) {
+	rec := Record{Route: "r#0", Resource: "GET example.com/a", Described: "d", Amount: "1000"}
+	for _, c := range []struct {
+		name string
+		note RecordNote
+		buys bool
+	}{
+		{"its route, matching the offer", RecordNote{Route: "r#0", Resource: "GET example.com/a", Described: "d", Amount: "1000"}, true},
+		{"its route, judged by its record (the offer changed)", RecordNote{Route: "r#0", Resource: "GET example.com/a", Described: "d"}, true},
+		{"a renumbered route at its price", RecordNote{Route: "r#1", Resource: "GET example.com/a", Described: "d", Amount: "1000"}, true},
+		{"another route at another price", RecordNote{Route: "r#1", Resource: "GET example.com/a", Described: "d", Amount: "1500"}, false},
+		{"another route matching no offer", RecordNote{Route: "r#1", Resource: "GET example.com/a", Described: "d"}, false},
+		{"another resource at its route", RecordNote{Route: "r#0", Resource: "GET example.com/b", Described: "d", Amount: "1000"}, false},
+		{"another method", RecordNote{Route: "r#0", Resource: "HEAD example.com/a", Described: "d", Amount: "1000"}, false},
+		{"described otherwise", RecordNote{Route: "r#0", Resource: "GET example.com/a", Described: "e", Amount: "1000"}, false},
+		{"described otherwise at a renumbered route", RecordNote{Route: "r#1", Resource: "GET example.com/a", Described: "e", Amount: "1000"}, false},
+	} {
+		if got := c.note.Buys(rec); got != c.buys {
+			t.Errorf("%s: Buys = %v; want %v", c.name, got, c.buys)
+		}
+	}
+}
