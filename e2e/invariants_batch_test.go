@@ -74,7 +74,9 @@ type invBatchLane struct {
 	deposited int64
 	delivered int
 	replays   int
-	stopped   bool // a violation left the channel in a state the lane cannot pay on from
+	// aheads counts the next vouchers paid while an earlier one had no final answer, before it was presented again.
+	aheads  int
+	stopped bool // a violation left the channel in a state the lane cannot pay on from
 }
 
 // newInvBatch makes the authorizer key and the lanes, payers PayerKeyN(invPayers...).
@@ -135,9 +137,38 @@ func (w *invWorld) batchRoute(gen int) string {
 			pay_to %s
 			max_timeout %s
 		}
-		respond %q
+		@flaky path %[5]s*
+		@plain not path %[5]s*
+		reverse_proxy @flaky %[6]s
+		respond @plain %[7]q
 	}
-`, price, devchain.EIP3009TokenAddress.Hex(), invBatchSeller.Hex(), invValidity, invBatchContent)
+`, price, devchain.EIP3009TokenAddress.Hex(), invBatchSeller.Hex(), invValidity, invBatchFlaky, w.upstreamURL, invBatchContent)
+}
+
+// invBatchFlaky is where the batch route's paths are served by the upstream, which fails the first request of each
+// (503) and answers the rest with the route's response (invUpstream.flaky): a voucher presented there is accepted
+// and its response not delivered, and the lane presents it again (after paying the next voucher, at times).
+const invBatchFlaky = "/batch/flaky/"
+
+// flaky answers a request to a path under invBatchFlaky: 503 the first time the path is asked for, the batch
+// route's response after.
+func (u *invUpstream) flaky(w http.ResponseWriter, r *http.Request) {
+	u.mu.Lock()
+	if u.flakyAsked == nil {
+		u.flakyAsked = map[string]bool{}
+	}
+	first := !u.flakyAsked[r.URL.Path]
+	u.flakyAsked[r.URL.Path] = true
+	u.mu.Unlock()
+	if first {
+		http.Error(w, "the upstream fails the first request of this path", http.StatusServiceUnavailable)
+		return
+	}
+	w.Header().Set("Content-Type", "text/plain")
+	w.Header().Set("Content-Length", fmt.Sprint(len(invBatchContent)))
+	if r.Method != http.MethodHead {
+		io.WriteString(w, invBatchContent)
+	}
 }
 
 // batchHolders are the addresses whose USDCoin the batch check follows.
@@ -317,7 +348,12 @@ func (r *invRun) batchVoucher(l *invBatchLane, rng *rand.Rand, a *invAction, unt
 	if rng.IntN(10) == 0 {
 		method = http.MethodHead
 	}
+	if rng.IntN(5) == 0 {
+		// Accepted, and its upstream fails it the first time: presented again, it gets the response.
+		path = fmt.Sprintf("%s%s-%d", invBatchFlaky, l.name, cum)
+	}
 	giveUp := until.Add(2 * time.Minute)
+	paidAhead := false
 	for attempt := 0; ; attempt++ {
 		var answers []batchAnswer
 		if attempt == 0 && rng.IntN(6) == 0 {
@@ -355,7 +391,8 @@ func (r *invRun) batchVoucher(l *invBatchLane, rng *rand.Rand, a *invAction, unt
 			l.stopped = true
 			return
 		case served == 1:
-			l.charged, l.delivered = cum, l.delivered+1
+			// (A next voucher paid ahead of this one, delivered, stands above it.)
+			l.charged, l.delivered = max(l.charged, cum), l.delivered+1
 			if deposit {
 				l.deposited += invBatchDeposit
 			}
@@ -385,8 +422,47 @@ func (r *invRun) batchVoucher(l *invBatchLane, rng *rand.Rand, a *invAction, unt
 			l.stopped = true
 			return
 		}
+		if next := cum + price.Int64(); !paidAhead && !deposit && next <= l.deposited && rng.IntN(2) == 0 {
+			// The voucher may have been accepted and its response lost: the payer pays its next request with the
+			// next voucher first, and presents this one again after it, below the channel's amount by then. It is
+			// answered from its record, charged nothing more; refused, its payer was charged for nothing.
+			paidAhead = true
+			r.batchAhead(l, rng, a, c, next, until)
+			if l.stopped {
+				return
+			}
+		}
 		time.Sleep(100 * time.Millisecond)
 		gate = (gate + 1) % gates // a cluster's other gateway may answer it
+	}
+}
+
+// batchAhead pays the next voucher, for cumulative next, while the lane's current one has no final answer, and
+// presents it until its answer is final. Delivered, it is the lane's latest; refused, the current voucher was not
+// accepted (the channel stands below it, so the next one skips an amount) or the terms changed since the offer.
+func (r *invRun) batchAhead(l *invBatchLane, rng *rand.Rand, a *invAction, c *batchChannel, next int64, until time.Time) {
+	gates := len(r.w.gateways)
+	gate := rng.IntN(gates)
+	value := c.voucher(next)
+	method, path := http.MethodGet, []string{"/batch/a", "/batch/b"}[rng.IntN(2)]
+	for giveUp := until.Add(2 * time.Minute); ; {
+		ans := r.presentBatch(gate, method, path, value)
+		a.say("ahead of it: gw%d %s %s cumulative %d → %s", gate, method, path, next, ans)
+		switch {
+		case deliveredAs(ans, method, next):
+			l.charged, l.delivered, l.aheads = next, l.delivered+1, l.aheads+1
+			return
+		case !batchRetry(ans):
+			a.say("the next voucher was not accepted; the earlier one is presented again")
+			return
+		case time.Now().After(giveUp):
+			r.w.batch.violate("%s: the voucher for cumulative %d of channel %s, paid ahead of an earlier one (action #%d), had no final answer by the end of quiescence",
+				l.name, next, l.id.Hex()[:10], a.n)
+			l.stopped = true
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+		gate = (gate + 1) % gates
 	}
 }
 
@@ -410,7 +486,7 @@ func (r *invRun) settleBatch() {
 	var parts []string
 	for _, l := range b.lanes {
 		served += l.charged
-		parts = append(parts, fmt.Sprintf("%s %d vouchers delivered (%d raw units), %d presented again", l.name, l.delivered, l.charged, l.replays))
+		parts = append(parts, fmt.Sprintf("%s %d vouchers delivered (%d raw units), %d presented again, %d paid ahead of an earlier one", l.name, l.delivered, l.charged, l.replays, l.aheads))
 		if l.id == (common.Hash{}) {
 			continue
 		}

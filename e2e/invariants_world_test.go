@@ -761,10 +761,12 @@ func overrideFor(use string) string {
 // invUpstream is the resource server behind the upstream routes: it answers every request 200 with a body that
 // names the method, the path and the size of the request body, names the charge the client asked for in
 // Settlement-Overrides whatever the request's shape (upgrade headers included: it ignores them), and on /ws/
-// speaks WebSocket (the handshake, then echoes what it gets). It counts the requests of each payment.
+// speaks WebSocket (the handshake, then echoes what it gets). It counts the requests of each payment. The batch
+// route's paths under invBatchFlaky are its too (see flaky).
 type invUpstream struct {
-	mu   sync.Mutex
-	runs map[string]int // by payment number: requests the upstream answered
+	mu         sync.Mutex
+	runs       map[string]int  // by payment number: requests the upstream answered
+	flakyAsked map[string]bool // the paths under invBatchFlaky asked for (see flaky)
 }
 
 // upstreamBody is what the upstream answers to method on path with a request body of n bytes.
@@ -781,6 +783,10 @@ func wsAccept(key string) string {
 }
 
 func (u *invUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if strings.HasPrefix(r.URL.Path, invBatchFlaky) {
+		u.flaky(w, r)
+		return
+	}
 	u.mu.Lock()
 	u.runs[r.Header.Get(invPaymentHeader)]++
 	u.mu.Unlock()
