@@ -24,7 +24,8 @@ import (
 // at a route whose upstream then failed is on record as accepted and not served. After a reload that changes
 // that route's price it is served there when presented again (judged by its record, charged once); but presented
 // at another route of the same seller at another price, or for another resource of its route, it buys nothing:
-// its record binds it to the route and resource it was accepted for. About 2 s.
+// its record binds it to the resource it was accepted for, at its route or at a route that sells that resource at
+// the price it was charged (TestAVoucherWhoseResponseFailedIsServedAfterAReloadRenumberedItsRoute). About 2 s.
 func TestABatchVoucherAcceptedUnservedIsJudgedByItsRecordOnlyAtItsOwnRouteAndResource(t *testing.T) {
 	c := chaintest.New(t, chaintest.WithHTTP(), chaintest.WithPayers(2))
 	token := c.DeployUSDCoin(big.NewInt(1_000_000_000))

@@ -271,15 +271,44 @@ func TestAVoucherWhoseResponseFailedIsServedAfterAReloadRenumberedItsRoute(t *te
 	if st, body, h := w.present(t, "/r/a", b.voucher(2*batchClaimPrice)); st != http.StatusOK || body != "paid /r/a" || charged(h) != fmt.Sprint(2*batchClaimPrice) {
 		t.Fatalf("the second voucher presented again for /r/a after the reload and the third: %d %q; want its response at %d", st, body, 2*batchClaimPrice)
 	}
-	// Judged by the route's terms, not by the record's: where the route sells at another price now, it is refused
-	// for its terms, with nothing charged (the next voucher follows the third).
+	// Judged by the route's terms, not by the record's: where the route sells the resource at another price now, a
+	// voucher is refused, with nothing served, whatever price its payment names; back at its route, it is served.
 	failing.Store(true)
 	if st, body, _ := w.present(t, "/r/a", b.voucher(4*batchClaimPrice)); st != http.StatusInternalServerError {
 		t.Fatalf("the fourth voucher for /r/a, the upstream failing: %d %q; want its 500", st, body)
 	}
 	failing.Store(false)
-	w.srv.load(strings.Replace(w.config(added), "amount "+fmt.Sprint(batchClaimPrice), "amount "+fmt.Sprint(2*batchClaimPrice), 1))
-	if st, body, _ := w.present(t, "/r/a", b.voucher(4*batchClaimPrice)); st != http.StatusPaymentRequired || strings.Contains(body, "paid /r/a") {
-		t.Fatalf("the fourth voucher presented again at a renumbered route of another price: %d %q; want 402", st, body)
+	if st, body, _ := w.present(t, "/r/b", b.voucher(5*batchClaimPrice)); st != http.StatusOK {
+		t.Fatalf("the fifth voucher for /r/b: %d %q; want 200", st, body)
+	}
+	failing.Store(true)
+	if st, body, _ := w.present(t, "/r/a", b.voucher(6*batchClaimPrice)); st != http.StatusInternalServerError {
+		t.Fatalf("the sixth voucher for /r/a, the upstream failing: %d %q; want its 500", st, body)
+	}
+	failing.Store(false)
+	dearer := strings.Replace(w.config(added), "amount "+fmt.Sprint(batchClaimPrice), "amount "+fmt.Sprint(2*batchClaimPrice), 1)
+	w.srv.load(dearer)
+	at := func(req x402.BatchRequest, price int64) x402.BatchRequest {
+		req.PaymentPayload.Accepted.Amount, req.PaymentRequirements.Amount = fmt.Sprint(price), fmt.Sprint(price)
+		return req
+	}
+	for _, c := range []struct {
+		name   string
+		req    x402.BatchRequest
+		reason string
+	}{
+		{"the sixth, at the channel's amount, naming the price it was charged", b.voucher(6 * batchClaimPrice), x402.ReasonValueMismatch},
+		{"the sixth, naming the route's price now", at(b.voucher(6*batchClaimPrice), 2*batchClaimPrice), x402.ReasonPaymentAlreadyUsed},
+		{"the fourth, below the channel's amount, naming the route's price now", at(b.voucher(4*batchClaimPrice), 2*batchClaimPrice), x402.ReasonBatchCumulativeAmountMismatch},
+	} {
+		if st, body, _ := w.present(t, "/r/a", c.req); st != http.StatusPaymentRequired || !strings.Contains(body, c.reason) || strings.Contains(body, "paid /r/a") {
+			t.Errorf("%s at a renumbered route of another price: %d %.300q; want 402 %s", c.name, st, body, c.reason)
+		}
+	}
+	w.srv.load(w.config(""))
+	for _, cum := range []int64{4, 6} {
+		if st, body, h := w.present(t, "/r/a", b.voucher(cum*batchClaimPrice)); st != http.StatusOK || body != "paid /r/a" || charged(h) != fmt.Sprint(cum*batchClaimPrice) {
+			t.Errorf("voucher %d presented again at its route: %d %q; want its response", cum, st, body)
+		}
 	}
 }

@@ -675,7 +675,7 @@ func answerRecorded(ctx context.Context, network string, row journal.Channel, cu
 		// A payment buys the response it was made for: a voucher accepted for one resource and not yet served is
 		// served there only, never at another of the same terms, nor at a route that sells it at another price.
 		return x402.BatchSettleResponse{Network: network, Payer: payer, ErrorReason: x402.ReasonPaymentAlreadyUsed,
-			ErrorMessage: fmt.Sprintf("the voucher for cumulative amount %s was accepted for another resource, whose response it buys: present it there, or sign the next voucher", cumulative)}
+			ErrorMessage: fmt.Sprintf("the voucher for cumulative amount %s was accepted for another resource, or at another price than this route's, and buys only that response: present it there, or sign the next voucher", cumulative)}
 	}
 	amount := ""
 	if got.Response != nil {

@@ -695,15 +695,17 @@ func pruneChannelsIn(t chanTxn, before time.Time) (int, error) {
 type RecordNote struct{ Route, Resource, Described, Amount string }
 
 // Buys reports whether the record of a voucher accepted and not served, noted when it was accepted, buys the
-// response of the request n notes: the same resource described alike, at the route it was accepted at, or at a
-// route that sells it now at the price it was charged (a reload renumbered the gates configured alike, a gateway
-// of a cluster has one gate more before it): judged there by the route's terms, which it meets, as a payment of
-// the exact scheme is. A route of the same URL at another price (chosen by a header, say) buys nothing with it.
+// response of the request n notes, which must be for the same resource: at the route it was accepted at, which
+// describes the resource as it did then, whatever its price now (judged by its record); or at a route that sells it
+// now at the price it was charged (a reload renumbered the gates configured alike or changed the route's
+// description, a gateway of a cluster has one gate more before it): judged there by the route's terms, which it
+// meets, as a payment of the exact scheme is. A route of the same URL at another price (chosen by a header, say)
+// buys nothing with it.
 func (n RecordNote) Buys(rec Record) bool {
-	if rec.Resource != n.Resource || rec.Described != n.Described {
+	if rec.Resource != n.Resource {
 		return false
 	}
-	return rec.Route == n.Route || (n.Amount != "" && rec.Amount == n.Amount)
+	return (rec.Route == n.Route && rec.Described == n.Described) || (n.Amount != "" && rec.Amount == n.Amount)
 }
 
 type recordNoteKey struct{}

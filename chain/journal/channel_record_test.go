@@ -132,8 +132,11 @@ func TestARecordNoteBuysTheResourceAtItsRouteOrAtTheSamePrice(t *testing.T) {
 		{"another route matching no offer", RecordNote{Route: "r#1", Resource: "GET example.com/a", Described: "d"}, false},
 		{"another resource at its route", RecordNote{Route: "r#0", Resource: "GET example.com/b", Described: "d", Amount: "1000"}, false},
 		{"another method", RecordNote{Route: "r#0", Resource: "HEAD example.com/a", Described: "d", Amount: "1000"}, false},
-		{"described otherwise", RecordNote{Route: "r#0", Resource: "GET example.com/a", Described: "e", Amount: "1000"}, false},
-		{"described otherwise at a renumbered route", RecordNote{Route: "r#1", Resource: "GET example.com/a", Described: "e", Amount: "1000"}, false},
+		{"described otherwise at its route, judged by its record", RecordNote{Route: "r#0", Resource: "GET example.com/a", Described: "e"}, false},
+		{"described otherwise at its route at its price", RecordNote{Route: "r#0", Resource: "GET example.com/a", Described: "e", Amount: "1000"}, true},
+		{"described otherwise at another route at its price", RecordNote{Route: "r#1", Resource: "GET example.com/a", Described: "e", Amount: "1000"}, true},
+		{"described otherwise at another route at another price", RecordNote{Route: "r#1", Resource: "GET example.com/a", Described: "e", Amount: "1500"}, false},
+		{"no resource noted", RecordNote{Route: "r#0", Described: "d", Amount: "1000"}, false},
 	} {
 		if got := c.note.Buys(rec); got != c.buys {
 			t.Errorf("%s: Buys = %v; want %v", c.name, got, c.buys)
