@@ -81,8 +81,8 @@ type Channels interface {
 }
 
 // VoucherRecords is a journal that takes a voucher's step and writes its record in one commit: one fsync on
-// bbolt where AcceptVoucher and then Claim take two, and no crash between them leaving an accepted voucher
-// without its record.
+// bbolt where AcceptVoucher and then Claim take two, one statement on PostgreSQL where they take two round trips,
+// and no crash or database stopped between them leaving an accepted voucher without its record.
 type VoucherRecords interface {
 	// AcceptVoucherRecord is AcceptVoucher and, when it takes the step, Claim of rec, the voucher's record, in the
 	// same commit. It returns what AcceptVoucher returns and, when the step was taken, the record as Claim returns

@@ -78,6 +78,26 @@ SELECT true, ` + pgChannelCols + ` FROM u
 UNION ALL
 SELECT false, ` + pgChannelCols + ` FROM x402_channels WHERE ` + pgChannelKey + ` AND NOT EXISTS (SELECT 1 FROM u)`
 
+// pgAcceptVoucherRecord is AcceptVoucherRecord's statement: pgAcceptVoucher's, and with its step the insert of the
+// voucher's record ($10-$17, pgInsertRecord's), in one statement and so one transaction. Its second column says
+// whether the record was inserted (false when the step was not taken, or the record was there already).
+const pgAcceptVoucherRecord = `WITH u AS (
+	UPDATE x402_channels SET charged = $5::numeric, signature = $6, digest = $7, vouchers = vouchers + 1,
+		accepted_ns = $8, accepted_by = $9, unclaimed_since_ns = coalesce(unclaimed_since_ns, $8)
+	WHERE ` + pgChannelKey + ` AND charged = $4::numeric AND $5::numeric <= deposit AND withdrawn_ns IS NULL
+		AND refund_mark IS NULL
+	RETURNING *
+), ins AS (
+	INSERT INTO x402_records (id, state, async, pending, claimed_ns, kept_until_ns, served_ns, data)
+	SELECT $10::bytea, $11::text, $12::boolean, $13::boolean, $14::bigint, $15::bigint, $16::bigint, $17::bytea
+	WHERE EXISTS (SELECT 1 FROM u)
+	ON CONFLICT (id) DO NOTHING
+	RETURNING 1
+)
+SELECT true, EXISTS (SELECT 1 FROM ins), ` + pgChannelCols + ` FROM u
+UNION ALL
+SELECT false, false, ` + pgChannelCols + ` FROM x402_channels WHERE ` + pgChannelKey + ` AND NOT EXISTS (SELECT 1 FROM u)`
+
 // pgMarkRefund is MarkRefund's statement (refundMarkIn's rules): $1-$3 the key, $4 the amount, $5 the mark, $6 the
 // time. Its first column says whether the row carries the mark now; the row as pgAcceptVoucher's.
 const pgMarkRefund = `WITH u AS (
@@ -301,6 +321,64 @@ func (s *PostgresStore) AcceptVoucher(ctx context.Context, key ChannelKey, from,
 	// The snapshot shows the row as it was before another voucher's step, which the update waited for.
 	return c, fmt.Errorf("%w: %s moved from %s as this voucher was written", ErrChannelMoved, key, from)
 }
+
+// AcceptVoucherRecord implements VoucherRecords: the step and the record in one statement, so that no crash, lost
+// connection or database stopped between them leaves an accepted voucher without its record (which, once the
+// channel's next voucher is accepted, could never be served: its payer charged for a response it did not get).
+func (s *PostgresStore) AcceptVoucherRecord(ctx context.Context, key ChannelKey, from, to *big.Int, v Voucher, rec Record) (Channel, Record, error) {
+	key, err := checkAccept(key, from, to, v)
+	if err != nil {
+		return Channel{}, Record{}, err
+	}
+	now := s.opts.now()
+	// The record as Claim writes it, made before anything is sent: a record Claim would refuse writes nothing.
+	if rec, err = claimed(rec, now); err != nil {
+		return Channel{}, Record{}, err
+	}
+	row, err := rowOf(&rec)
+	if err != nil {
+		return Channel{}, Record{}, err
+	}
+	wctx, cancel, err := s.begin(ctx, true)
+	if err != nil {
+		return Channel{}, Record{}, err
+	}
+	defer cancel()
+	var (
+		c                  Channel
+		accepted, inserted bool
+	)
+	err = retrySafe(func() (err error) {
+		c, err = scanChannel(s.pool.QueryRow(wctx, pgAcceptVoucherRecord, key.Network, key.Escrow, key.ID, from.String(), to.String(),
+			v.Signature, v.Digest, nanos(now), v.By,
+			rec.ID[:], string(rec.State), rec.Async, row.pending, row.claimedNS, row.keptNS, row.servedNS, row.data), &accepted, &inserted)
+		return err
+	})
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return Channel{}, Record{}, fmt.Errorf("%w: %s", ErrChannelNotFound, key)
+	case err != nil:
+		return Channel{}, Record{}, s.fail(ctx, "accept voucher", err)
+	case accepted && inserted:
+		return c, rec, nil
+	case accepted:
+		// The record was there already: the first written stands, as Claim's.
+		got, ok, err := getRow(wctx, s.pool, rec.ID, false)
+		if err != nil {
+			return c, Record{}, s.fail(ctx, "accept voucher", err)
+		}
+		if !ok {
+			return c, Record{}, fmt.Errorf("journal: the record of the voucher %s was there as its step was taken, and is gone", rec.ID)
+		}
+		return c, got, nil
+	}
+	if _, err := acceptIn(&c, from, to, v, now); err != nil {
+		return c, Record{}, err
+	}
+	return c, Record{}, fmt.Errorf("%w: %s moved from %s as this voucher was written", ErrChannelMoved, key, from)
+}
+
+var _ VoucherRecords = (*PostgresStore)(nil)
 
 // Unclaimed implements Channels.
 func (s *PostgresStore) Unclaimed(ctx context.Context, network string) ([]Channel, error) {
