@@ -356,12 +356,13 @@ func (r *invRun) batchVoucher(l *invBatchLane, rng *rand.Rand, a *invAction, unt
 	paidAhead := false
 	for attempt := 0; ; attempt++ {
 		var answers []batchAnswer
+		asked := []int{gate}
 		if attempt == 0 && rng.IntN(6) == 0 {
 			// Presented twice at once, at two gateways of a cluster: one response at most.
-			other := (gate + 1 + rng.IntN(max(gates-1, 1))) % gates
+			asked = append(asked, (gate+1+rng.IntN(max(gates-1, 1)))%gates)
 			var wg sync.WaitGroup
 			answers = make([]batchAnswer, 2)
-			for i, g := range []int{gate, other} {
+			for i, g := range asked {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
@@ -374,8 +375,8 @@ func (r *invRun) batchVoucher(l *invBatchLane, rng *rand.Rand, a *invAction, unt
 		}
 		served, final := 0, batchAnswer{}
 		retry := false
-		for _, ans := range answers {
-			a.say("gw%d %s %s cumulative %d%s → %s", gate, method, path, cum, map[bool]string{true: " with a deposit"}[deposit], ans)
+		for i, ans := range answers {
+			a.say("gw%d %s %s cumulative %d%s → %s", asked[i], method, path, cum, map[bool]string{true: " with a deposit"}[deposit], ans)
 			switch {
 			case deliveredAs(ans, method, cum):
 				served++
@@ -400,6 +401,10 @@ func (r *invRun) batchVoucher(l *invBatchLane, rng *rand.Rand, a *invAction, unt
 				r.replayBatch(l, rng, a, value, method, path)
 			}
 			return
+		case retry:
+			// One of two presentations at once has no final answer: the voucher may have been accepted there (at a
+			// gateway a reload had not reached yet, while the other refused its terms), so it is presented again
+			// until its answer is final.
 		case final.status != 0 && (strings.Contains(final.body, x402.ReasonValueMismatch) || strings.Contains(final.body, x402.ReasonInvalidPaymentRequirements)):
 			// A reload changed the price since the offer was read: nothing was charged for this voucher, which
 			// the next offer's price replaces.
