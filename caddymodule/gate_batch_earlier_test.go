@@ -82,6 +82,16 @@ func newBatchRouteWorld(t *testing.T, upstream http.Handler) *batchRouteWorld {
 	return &batchRouteWorld{c: c, b: b, url: srv.URL, token: token, srv: srv, config: config}
 }
 
+// chargedCumulative is the channel's cumulative amount a successful PAYMENT-RESPONSE in h names.
+func chargedCumulative(t *testing.T, h http.Header) string {
+	t.Helper()
+	s, err := x402.DecodeBatchSettleResponse(h.Get(x402.HeaderPaymentResponse))
+	if err != nil || !s.Success || s.Extra == nil || s.Extra.ChannelState == nil {
+		t.Fatalf("PAYMENT-RESPONSE %+v (%v); want a success naming the channel's state", s, err)
+	}
+	return s.Extra.ChannelState.ChargedCumulativeAmount
+}
+
 // present sends the payment of req for path and reads the answer.
 func (w *batchRouteWorld) present(t *testing.T, path string, req x402.BatchRequest) (int, string, http.Header) {
 	t.Helper()
@@ -116,14 +126,7 @@ func TestAnAcceptedVoucherWhoseResponseFailedIsServedAfterTheChannelsNextVoucher
 		t.Helper()
 		return w.present(t, path, req)
 	}
-	charged := func(h http.Header) string {
-		t.Helper()
-		s, err := x402.DecodeBatchSettleResponse(h.Get(x402.HeaderPaymentResponse))
-		if err != nil || !s.Success || s.Extra == nil || s.Extra.ChannelState == nil {
-			t.Fatalf("PAYMENT-RESPONSE %+v (%v); want a success naming the channel's state", s, err)
-		}
-		return s.Extra.ChannelState.ChargedCumulativeAmount
-	}
+	charged := func(h http.Header) string { t.Helper(); return chargedCumulative(t, h) }
 
 	failing.Store(true)
 	first := b.deposit(t, 10*batchClaimPrice, batchClaimPrice)
@@ -237,14 +240,7 @@ func TestAVoucherWhoseResponseFailedIsServedAfterAReloadRenumberedItsRoute(t *te
 		}
 		respond "added"
 	}`
-	charged := func(h http.Header) string {
-		t.Helper()
-		s, err := x402.DecodeBatchSettleResponse(h.Get(x402.HeaderPaymentResponse))
-		if err != nil || !s.Success || s.Extra == nil || s.Extra.ChannelState == nil {
-			t.Fatalf("PAYMENT-RESPONSE %+v (%v); want a success naming the channel's state", s, err)
-		}
-		return s.Extra.ChannelState.ChargedCumulativeAmount
-	}
+	charged := func(h http.Header) string { t.Helper(); return chargedCumulative(t, h) }
 
 	// At the channel's amount: accepted, its upstream failing; the reload; presented again.
 	failing.Store(true)

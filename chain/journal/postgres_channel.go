@@ -63,17 +63,21 @@ ON CONFLICT (network, escrow, channel_id) DO UPDATE SET
 WHERE EXCLUDED.deposit_block >= c.deposit_block
 RETURNING ` + pgChannelCols
 
-// pgAcceptVoucher is AcceptVoucher's statement (acceptIn's rules): $1-$3 the key, $4 from, $5 to, $6 the
-// signature, $7 the digest, $8 the time, $9 the voucher's By. Its first column says whether the voucher was accepted; the row is the
-// one written, or, when nothing was, the row as the statement's snapshot saw it (which a concurrent step may have
-// moved since: the update waited for it, and found the amount moved).
-const pgAcceptVoucher = `WITH u AS (
+// pgVoucherStep is a voucher's step (acceptIn's rules) as an update returning the row taken: $1-$3 the key, $4 the
+// amount the channel must be at, $5 the voucher's, $6 and $7 its signature and digest, $8 the time, $9 by whom.
+const pgVoucherStep = `
 	UPDATE x402_channels SET charged = $5::numeric, signature = $6, digest = $7, vouchers = vouchers + 1,
 		accepted_ns = $8, accepted_by = $9, unclaimed_since_ns = coalesce(unclaimed_since_ns, $8)
 	WHERE ` + pgChannelKey + ` AND charged = $4::numeric AND $5::numeric <= deposit AND withdrawn_ns IS NULL
 		AND refund_mark IS NULL
 	RETURNING *
-)
+`
+
+// pgAcceptVoucher is AcceptVoucher's statement (acceptIn's rules): $1-$3 the key, $4 from, $5 to, $6 the
+// signature, $7 the digest, $8 the time, $9 the voucher's By. Its first column says whether the voucher was accepted; the row is the
+// one written, or, when nothing was, the row as the statement's snapshot saw it (which a concurrent step may have
+// moved since: the update waited for it, and found the amount moved).
+const pgAcceptVoucher = `WITH u AS (` + pgVoucherStep + `)
 SELECT true, ` + pgChannelCols + ` FROM u
 UNION ALL
 SELECT false, ` + pgChannelCols + ` FROM x402_channels WHERE ` + pgChannelKey + ` AND NOT EXISTS (SELECT 1 FROM u)`
@@ -81,13 +85,7 @@ SELECT false, ` + pgChannelCols + ` FROM x402_channels WHERE ` + pgChannelKey + 
 // pgAcceptVoucherRecord is AcceptVoucherRecord's statement: pgAcceptVoucher's, and with its step the insert of the
 // voucher's record ($10-$17, pgInsertRecord's), in one statement and so one transaction. Its second column says
 // whether the record was inserted (false when the step was not taken, or the record was there already).
-const pgAcceptVoucherRecord = `WITH u AS (
-	UPDATE x402_channels SET charged = $5::numeric, signature = $6, digest = $7, vouchers = vouchers + 1,
-		accepted_ns = $8, accepted_by = $9, unclaimed_since_ns = coalesce(unclaimed_since_ns, $8)
-	WHERE ` + pgChannelKey + ` AND charged = $4::numeric AND $5::numeric <= deposit AND withdrawn_ns IS NULL
-		AND refund_mark IS NULL
-	RETURNING *
-), ins AS (
+const pgAcceptVoucherRecord = `WITH u AS (` + pgVoucherStep + `), ins AS (
 	INSERT INTO x402_records (id, state, async, pending, claimed_ns, kept_until_ns, served_ns, data)
 	SELECT $10::bytea, $11::text, $12::boolean, $13::boolean, $14::bigint, $15::bigint, $16::bigint, $17::bytea
 	WHERE EXISTS (SELECT 1 FROM u)
