@@ -247,10 +247,9 @@ func (x *exchange) cumulative(resp x402.BatchSettleResponse) string {
 // batchAcceptedUnrecorded reports whether the payment's voucher is the last one its channel's row accepted, with no
 // record yet: an engine stopped (SIGKILLed) between the row's step and the voucher's record, on a journal written by
 // a release that wrote them apart on PostgreSQL (every store writes both in one commit now, journal.VoucherRecords),
-// or a journal without VoucherRecords. The engine writes the
-// record when the voucher comes again; judged by the terms it names, it is served here only if this route sells
-// batch-settlement to the same receiver in the same asset. Which route accepted it is not known: only a crash in
-// that window, never its payer, makes such a voucher.
+// or on a journal without VoucherRecords. The engine writes the record when the voucher comes again; judged by the
+// terms it names, it is served here only if this route sells batch-settlement to the same receiver in the same
+// asset. Which route accepted it is not known: only a crash in that window, never its payer, makes such a voucher.
 func (x *exchange) batchAcceptedUnrecorded(p x402.BatchPayment) bool {
 	v, a := p.Payload.Voucher, p.Accepted
 	chs, ok := x.g.ledger.store.(journal.Channels)

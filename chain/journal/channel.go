@@ -690,8 +690,8 @@ func pruneChannelsIn(t chanTxn, before time.Time) (int, error) {
 // description of that resource. The engine writes it on the voucher's record as it accepts the voucher (Route,
 // Resource, Described), in the same write, so that a gate judges the voucher presented again by its record at
 // that route and resource only (a voucher accepted and not served, presented again once a reload changed the
-// route's price, say). Amount is the price of the route's offer the request matched, "" when it matched none
-// (the voucher is then judged by its record); it is not written.
+// route's price, say), and elsewhere by the route's terms (Buys). Amount is the price of the route's offer the
+// request matched, "" when it matched none (the voucher is then judged by its record); it is not written.
 type RecordNote struct{ Route, Resource, Described, Amount string }
 
 // Buys reports whether the record of a voucher accepted and not served, noted when it was accepted, buys the
