@@ -7,18 +7,15 @@
 #   scripts/bench/c1pair.sh /tmp/caddy-before /tmp/caddy-after /tmp/c1pair 6
 set -u
 A=$1; B=$2; D=$3; R=${4:-6}
-HERE=$(cd "$(dirname "$0")" && pwd); ROOT=$(cd "$HERE/../.." && pwd)
+HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/bench_lib.sh"
 rm -rf "$D"; mkdir -p "$D"
 p50() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['latency_ms']['p50'] if d['ok']==d['requests'] else 'FAIL')" "$1"; }
 one() { # BIN TAG ROUND
 	local bin=$1 tag=$2 r=$3 dd=$D/$2-$3
 	mkdir -p "$dd"
-	X402_BENCH_RECEIVER_AUTHORIZER_KEY=$(python3 -c 'import secrets; print(secrets.token_hex(32))') \
-	X402_BENCH_SITE=$ROOT/examples/site XDG_DATA_HOME=$dd/data XDG_CONFIG_HOME=$dd/cfg TMPDIR=$dd \
-		"$bin" run --config "$HERE/Caddyfile" > "$dd/caddy.log" 2>&1 &
-	local pid=$!
-	for _ in $(seq 1 150); do curl -s -o /dev/null http://127.0.0.1:18080/ && break; sleep 0.2; done
-	sleep 1 # the dev chain and the engine start after the site listens
+	start_caddy "$bin" "$dd" || return
+	local pid=$CADDY_PID
 	local bench="$bin x402 bench --dev --rpc http://127.0.0.1:18545 --json"
 	for k in 1 2; do
 		$bench -c 1 -n 1000 http://127.0.0.1:18080/free/index.html > "$dd/free-$k.json" 2>/dev/null

@@ -13,15 +13,11 @@
 # comes from the binary given, or from X402_BENCH_CLIENT (a binary with `caddy x402 bench`, to load an older
 # Caddy with the same client).
 set -eu
-BIN=$1; D=$2; HERE=$(cd "$(dirname "$0")" && pwd); ROOT=$(cd "$HERE/../.." && pwd)
+BIN=$1; D=$2; HERE=$(cd "$(dirname "$0")" && pwd)
 rm -rf "$D"; mkdir -p "$D"
-# The receiver authorizer signs the claims of the batch route's vouchers: a key drawn for the run.
-X402_BENCH_RECEIVER_AUTHORIZER_KEY=$(python3 -c 'import secrets; print(secrets.token_hex(32))') \
-X402_BENCH_SITE=$ROOT/examples/site XDG_DATA_HOME=$D/data XDG_CONFIG_HOME=$D/cfg TMPDIR=$D \
-	"$BIN" run --config "$HERE/Caddyfile" > "$D/caddy.log" 2>&1 &
-PID=$!
-trap 'kill -INT $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
-for i in $(seq 1 150); do curl -s -o /dev/null http://127.0.0.1:18080/ && break; sleep 0.2; done
+. "$HERE/bench_lib.sh"
+trap 'kill -INT $CADDY_PID 2>/dev/null; wait $CADDY_PID 2>/dev/null || true' EXIT
+start_caddy "$BIN" "$D"
 CLIENT=${X402_BENCH_CLIENT:-$BIN}
 B="$CLIENT x402 bench --dev --rpc http://127.0.0.1:18545 --json"
 # bench exits non-zero when a request failed (a figure this script reports), when the seller's balance does not

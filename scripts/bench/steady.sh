@@ -8,20 +8,12 @@
 #   go build -o /tmp/caddy ./cmd/caddy && scripts/bench/steady.sh /tmp/caddy /tmp/steady 3
 set -eu
 BIN=$1; D=$2; R=${3:-3}; N8=${4:-20000}; N32=${5:-40000}
-HERE=$(cd "$(dirname "$0")" && pwd); ROOT=$(cd "$HERE/../.." && pwd)
+HERE=$(cd "$(dirname "$0")" && pwd)
 rm -rf "$D"; mkdir -p "$D"
-X402_BENCH_RECEIVER_AUTHORIZER_KEY=$(python3 -c 'import secrets; print(secrets.token_hex(32))') \
-X402_BENCH_SITE=$ROOT/examples/site XDG_DATA_HOME=$D/data XDG_CONFIG_HOME=$D/cfg TMPDIR=$D \
-	"$BIN" run --config "$HERE/Caddyfile" > "$D/caddy.log" 2>&1 &
-PID=$!
-trap 'kill -INT $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
-for _ in $(seq 1 150); do curl -s -o /dev/null http://127.0.0.1:18080/ && break; sleep 0.2; done
+. "$HERE/bench_lib.sh"
+trap 'kill -INT $CADDY_PID 2>/dev/null; wait $CADDY_PID 2>/dev/null || true' EXIT
+start_caddy "$BIN" "$D"
 B="$BIN x402 bench --dev --rpc http://127.0.0.1:18545 --json"
-# The batch route's 402 is there once the dev chain and the engine started (after the site listens).
-for _ in $(seq 1 150); do
-	[ "$(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:18080/batch/index.html)" = 402 ] && break
-	sleep 0.2
-done
 $B -c 8 -n 2000 http://127.0.0.1:18080/batch/index.html > "$D/warm-up.json" 2>/dev/null
 for r in $(seq 1 "$R"); do
 	for c in 8 32; do
